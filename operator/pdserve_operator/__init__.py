@@ -1,0 +1,1 @@
+"""pdserve operator: reconciles PDInferenceService resources and hosts the broker."""

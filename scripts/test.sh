@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command of the README: set up (idempotent), then run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# pytest exits 5 when no test ran: that stays a failure here on purpose.
+exec .venv/bin/python -m pytest -q "$@"
