@@ -72,3 +72,12 @@ def test_shard_layers_balanced_and_contiguous():
     assert shard_layers(5, 1) == [range(0, 5)]
     with pytest.raises(ValueError):
         shard_layers(3, 4)
+
+
+def test_shape_matches_byte_offsets():
+    import math
+
+    lay = make()
+    assert math.prod(lay.shape) * lay.dtype_size == lay.total_bytes
+    # stride of the slot axis in elements times dtype size is bytes_per_slot
+    assert math.prod(lay.shape[1:]) * lay.dtype_size == lay.bytes_per_slot

@@ -55,6 +55,11 @@ class KVLayout:
         return range(self.first_layer, self.first_layer + self.num_layers)
 
     @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """The pool as a contiguous tensor: (slot, layer, K|V, token, kv_head, head_dim)."""
+        return (self.num_slots, self.num_layers, 2, self.max_len, self.kv_heads, self.head_dim)
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes of one token's K (or V) in one layer."""
         return self.kv_heads * self.head_dim * self.dtype_size
