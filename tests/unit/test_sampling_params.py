@@ -1,0 +1,21 @@
+import pytest
+from pydantic import ValidationError
+
+from pdserve_worker.model.sampling_params import SamplingParams
+
+
+def test_defaults_and_greedy():
+    assert not SamplingParams().greedy
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(top_k=1).greedy
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -2)])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(ValidationError, match="bogus"):
+        SamplingParams(bogus=1)
