@@ -13,7 +13,7 @@ import asyncio
 import logging
 import secrets
 import threading
-from typing import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from pdserve_worker.logs import kv
 from pdserve_worker.rpc.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role, change_type

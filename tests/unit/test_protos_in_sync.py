@@ -10,7 +10,7 @@ from pdserve_worker.rpc import codegen
 
 def test_committed_stubs_match_a_fresh_generation() -> None:
     stale = codegen.check()
-    assert stale == [], f"regenerate with `pdserve gen-protos`: {stale}"
+    assert stale == [], f"regenerate with `pdserve protos`: {stale}"
 
 
 def test_check_notices_a_proto_edited_without_regenerating(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import grpc
 
@@ -54,6 +54,7 @@ _PERMANENT = frozenset(
 )
 
 Listener = Callable[[MemberEvent], None]
+DEFAULT_BACKOFF = Backoff(base_s=0.1, cap_s=5.0)
 
 
 class BrokerError(Exception):
@@ -101,7 +102,7 @@ class MembershipView:
     def remove_listener(self, listener: Listener) -> None:
         self._listeners.remove(listener)
 
-    async def wait_for(self, predicate: Callable[["MembershipView"], bool], timeout: float | None = None) -> None:
+    async def wait_for(self, predicate: Callable[[MembershipView], bool], timeout: float | None = None) -> None:
         """Return once `predicate(view)` holds; TimeoutError after `timeout` seconds."""
         async with asyncio.timeout(timeout):
             while not predicate(self):
@@ -158,7 +159,7 @@ class BrokerClient:
         token: str,
         tls: TLSConfig | None = None,
         *,
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = DEFAULT_BACKOFF,
         call_timeout_s: float = 5.0,
     ) -> None:
         if not service_key or "/" not in service_key:
@@ -174,6 +175,7 @@ class BrokerClient:
         self._info: MemberInfo | None = None
         self._load_fn: Callable[[], Load] | None = None
         self._draining = False
+        self._draining_acked = True  # the broker has self._draining (or will get it on register)
         self._lease_id: str | None = None
         self._ttl_s = 10.0
         self.broker_id = ""
@@ -231,13 +233,15 @@ class BrokerClient:
 
     async def _register_once(self) -> None:
         assert self._info is not None
+        draining = self._draining
         reply = await self._stub().Register(
             broker_pb2.RegisterRequest(
-                service_key=self.service_key, member=member_info_to_proto(self._info), draining=self._draining
+                service_key=self.service_key, member=member_info_to_proto(self._info), draining=draining
             ),
             timeout=self._timeout,
         )
         self._lease_id, self._ttl_s, self.broker_id = reply.lease_id, reply.ttl_ms / 1000, reply.broker_id
+        self._draining_acked = draining == self._draining
         self.registrations += 1
         log.info(kv(event="broker_client.registered", service=self.service_key, worker=self._info.worker_id,
                     role=self._info.role, broker_id=reply.broker_id, ttl_s=self._ttl_s,
@@ -286,6 +290,8 @@ class BrokerClient:
                 log.info(kv(event="broker_client.keepalive_recovered", broker=self.address, after_failures=failures))
             failures = 0
             self._ttl_s, self.broker_id = reply.ttl_ms / 1000, reply.broker_id
+            if not self._draining_acked:  # a SetDraining that failed earlier: tell the broker now
+                await self._send_draining()
 
     def _log_failure(self, what: str, exc: grpc.aio.AioRpcError, failures: int) -> None:
         # First failure of a streak (and every tenth) at WARNING: a down broker must not flood the log.
@@ -295,20 +301,27 @@ class BrokerClient:
                               detail=exc.details(), failures=failures))
 
     async def set_draining(self, draining: bool = True) -> bool:
-        """Take no new requests (or take them again). Remembered for re-registration, so it holds
-        even when the broker is away now; returns whether the broker has it already."""
+        """Take no new requests (or take them again). Remembered: if the broker cannot be told
+        now, the keepalive task tells it later (or re-registers with it). Returns whether the
+        broker has it already."""
         self._draining = draining
-        if self._lease_id is None:
+        self._draining_acked = False
+        return await self._send_draining()
+
+    async def _send_draining(self) -> bool:
+        draining, lease = self._draining, self._lease_id
+        if lease is None:
             return False
         try:
             await self._stub().SetDraining(
-                broker_pb2.SetDrainingRequest(service_key=self.service_key, lease_id=self._lease_id, draining=draining),
+                broker_pb2.SetDrainingRequest(service_key=self.service_key, lease_id=lease, draining=draining),
                 timeout=self._timeout,
             )
-            return True
         except grpc.aio.AioRpcError as exc:
             log.warning(kv(event="broker_client.set_draining_failed", code=exc.code().name, detail=exc.details()))
             return False
+        self._draining_acked = draining == self._draining
+        return True
 
     async def deregister(self) -> bool:
         """Stop the keepalive and leave the service; False if the broker could not be told
@@ -413,7 +426,7 @@ class BrokerClient:
             await self._channel.close()
             self._channel, self._stub_ = None, None
 
-    async def __aenter__(self) -> "BrokerClient":
+    async def __aenter__(self) -> BrokerClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

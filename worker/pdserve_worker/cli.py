@@ -15,7 +15,7 @@ import sys
 COMMANDS: tuple[str, ...] = (
     "info",
     "broker",
-    "gen_protos",
+    "protos",
 )
 
 

@@ -23,9 +23,10 @@ import hmac
 import inspect
 import os
 import threading
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import grpc
 
@@ -228,7 +229,7 @@ class TLSConfig:
     server_name: str | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, prefix: str = "PDSERVE_TLS_") -> "TLSConfig | None":
+    def from_env(cls, env: Mapping[str, str] | None = None, prefix: str = "PDSERVE_TLS_") -> TLSConfig | None:
         """TLS from PDSERVE_TLS_CERT/_KEY/_CA/_SERVER_NAME; None when none is set (plaintext)."""
         env = os.environ if env is None else env
         values = {name: env.get(prefix + name.upper()) or None for name in ("cert", "key", "ca", "server_name")}

@@ -1,7 +1,7 @@
 """Generate the Python stubs of pdserve's protos with grpcio-tools.
 
 The stubs are checked in beside the sources (`proto/pdserve/v1/*_pb2*.py(i)`) so that the
-package imports without grpcio-tools; `check()` (run by a test and by `pdserve gen-protos
+package imports without grpcio-tools; `check()` (run by a test and by `pdserve protos
 --check`) regenerates into a temporary folder and reports every file that differs, so a
 `.proto` edit without regeneration fails CI. grpcio-tools is pinned exactly in the dev extra:
 the generated files embed its version.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
 
 from pdserve.v1 import broker_pb2, common_pb2
 from pdserve_worker.kv.layout import KVLayout

@@ -1,4 +1,4 @@
-"""`pdserve gen-protos`: regenerate the checked-in gRPC stubs, or check that they are current."""
+"""`pdserve protos`: regenerate the checked-in gRPC stubs, or check that they are current."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gen-protos", help="regenerate the Python stubs of proto/pdserve/v1 (needs grpcio-tools)")
+    p = sub.add_parser("protos", help="regenerate the Python stubs of proto/pdserve/v1 (needs grpcio-tools)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a stub is stale")
     p.add_argument("--proto-root", type=Path, default=None,
                    help="folder holding pdserve/v1/*.proto (default: the installed pdserve package's)")
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
         stale = codegen.check(root)
         if stale:
             print(f"stale generated stubs under {root / 'pdserve' / 'v1'}: {', '.join(stale)}; "
-                  "run `pdserve gen-protos`", file=sys.stderr)
+                  "run `pdserve protos`", file=sys.stderr)
             return 1
         print("protos: stubs are current", file=sys.stderr)
         return 0
