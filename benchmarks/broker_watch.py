@@ -50,7 +50,7 @@ async def change_latency(worker: BrokerClient, views: list[MembershipView], chan
         draining = i % 2 == 0
         start = time.perf_counter()
         await worker.set_draining(draining)
-        await asyncio.gather(*(v.wait_for(lambda v: v.get("decode-0").draining == draining, 10) for v in views))
+        await asyncio.gather(*(v.wait_for(lambda v, d=draining: v.get("decode-0").draining == d, 10) for v in views))
         out.append(time.perf_counter() - start)
     return out
 
@@ -87,7 +87,7 @@ async def main(args: argparse.Namespace) -> None:
             broker.start("127.0.0.1", port)
             new_id = broker.broker_id
             await asyncio.gather(*(v.wait_for(
-                lambda v: v.connected and v.broker_id == new_id and "decode-0" in v.members
+                lambda v, new_id=new_id: v.connected and v.broker_id == new_id and "decode-0" in v.members
                 and v.get("decode-0").registered_unix_ms >= int((time.time() - 60) * 1000), 30) for v in views))
             while not broker.members(SVC):
                 await asyncio.sleep(0.01)

@@ -23,8 +23,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 from pdserve_worker.logs import kv
 from pdserve_worker.rpc.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role, change_type
@@ -43,7 +43,9 @@ class WatchEnded(Exception):
 class Subscription:
     """One watcher's queue: filled under the registry lock from any thread, drained by one asyncio task."""
 
-    def __init__(self, service_key: str, roles: frozenset[Role], queue_size: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, service_key: str, roles: frozenset[Role], queue_size: int, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.service_key = service_key
         self.roles = roles
         self._limit = queue_size

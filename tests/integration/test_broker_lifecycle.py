@@ -7,8 +7,9 @@ import asyncio
 import datetime
 import ipaddress
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -50,7 +51,9 @@ def broker() -> Iterator[BrokerServer]:
     server.stop(0)
 
 
-def client(broker: BrokerServer, service: str = SVC, token: str = "tok-a", tls: TLSConfig | None = None) -> BrokerClient:
+def client(
+    broker: BrokerServer, service: str = SVC, token: str = "tok-a", tls: TLSConfig | None = None
+) -> BrokerClient:
     return BrokerClient(f"127.0.0.1:{broker.port}", service, token, tls, backoff=FAST)
 
 
@@ -92,6 +95,21 @@ async def test_register_keepalive_drain_deregister(broker: BrokerServer) -> None
         (EventType.DRAINING, "d0"),
         (EventType.REMOVED, "d0"),
     ]
+
+
+@pytest.mark.asyncio
+async def test_update_replaces_the_info_and_the_lease(broker: BrokerServer) -> None:
+    async with client(broker) as watcher, client(broker) as worker:
+        view = await connected_view(watcher)
+        await worker.register(decode("d0"))
+        first_lease = worker.lease_id
+        await worker.update(replace(decode("d0"), slots_free=1, labels={"zone": "z1"}))
+        await view.wait_for(lambda v: v.get("d0") is not None and v.get("d0").info.slots_free == 1, 5)
+        assert view.get("d0").info.labels == {"zone": "z1"}
+        assert worker.lease_id != first_lease
+        assert [m.info.slots_free for m in broker.members(SVC)] == [1]
+        with pytest.raises(ValueError, match="keeps the worker_id"):
+            await worker.update(decode("d1"))
 
 
 @pytest.mark.asyncio

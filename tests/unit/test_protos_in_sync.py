@@ -16,7 +16,8 @@ def test_committed_stubs_match_a_fresh_generation() -> None:
 def test_check_notices_a_proto_edited_without_regenerating(tmp_path: Path) -> None:
     shutil.copytree(codegen.proto_root() / "pdserve", tmp_path / "pdserve")
     proto = tmp_path / "pdserve" / "v1" / "worker.proto"
-    proto.write_text(proto.read_text().replace("message StatusRequest {}", "message StatusRequest { bool verbose = 1; }"))
+    edited = proto.read_text().replace("message StatusRequest {}", "message StatusRequest { bool verbose = 1; }")
+    proto.write_text(edited)
     assert codegen.check(tmp_path) == ["worker_pb2.py", "worker_pb2.pyi"]
 
 

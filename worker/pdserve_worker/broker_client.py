@@ -231,6 +231,26 @@ class BrokerClient:
             self._keepalive_loop(), name=f"broker-keepalive-{info.worker_id}"
         )
 
+    async def update(self, info: MemberInfo) -> None:
+        """Replace what the broker knows about this worker (same worker_id; e.g. new capacity).
+
+        Registers again at once (the broker swaps the lease and watchers see UPDATED); if the
+        broker is away, the keepalive task will register the new info when it is back.
+        """
+        info.validate()
+        if self._info is None or info.worker_id != self._info.worker_id:
+            registered = self._info.worker_id if self._info else None
+            raise ValueError(f"update() keeps the worker_id: registered {registered!r}, got {info.worker_id!r}")
+        self._info = info
+        try:
+            await self._register_once()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _PERMANENT:
+                raise BrokerError(f"broker {self.address} refused the update of {info.worker_id}: "
+                                  f"{exc.details()}", exc.code()) from None
+            self._lease_id = None  # the keepalive task registers the new info when the broker is back
+            log.warning(kv(event="broker_client.update_deferred", code=exc.code().name, detail=exc.details()))
+
     async def _register_once(self) -> None:
         assert self._info is not None
         draining = self._draining
@@ -349,7 +369,9 @@ class BrokerClient:
                 timeout=self._timeout,
             )
         except grpc.aio.AioRpcError as exc:
-            raise BrokerError(f"ListMembers at {self.address}: {exc.code().name}: {exc.details()}", exc.code()) from None
+            raise BrokerError(
+                f"ListMembers at {self.address}: {exc.code().name}: {exc.details()}", exc.code()
+            ) from None
         return [member_from_proto(m) for m in reply.members]
 
     async def watch(self, roles: Iterable[Role] = (), listener: Listener | None = None) -> MembershipView:

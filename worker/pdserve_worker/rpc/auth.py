@@ -143,22 +143,32 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
         return _guarded(handler, lambda request: authorize(self._tokens, metadata, request))
 
 
+# (request_streaming, response_streaming) -> the handler's behaviour attribute and factory.
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
 def _guarded(handler: grpc.RpcMethodHandler, check: Callable[[Any], Denial | None]) -> grpc.RpcMethodHandler:
-    """The same handler, with `check(request)` run first (on the first message of a request stream)."""
-    deser, ser = handler.request_deserializer, handler.response_serializer
-    if not handler.request_streaming:
-        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
-        wrapped = _guard_behavior(behavior, check, lambda request: request)
-        factory = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
-        return factory(wrapped, request_deserializer=deser, response_serializer=ser)
-    # Request streams carry no service_key field: the token alone decides.
-    behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
-    wrapped = _guard_behavior(behavior, check, lambda _iterator: None)
-    factory = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
-    return factory(wrapped, request_deserializer=deser, response_serializer=ser)
+    """The same handler with `check` run before its behaviour: on the request of a unary-request
+    call; on None for request streams (they carry no service_key field: the token alone decides)."""
+    attribute, factory = _KINDS[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    subject = (lambda _iterator: None) if handler.request_streaming else (lambda request: request)
+    wrapped = _guard_behavior(getattr(handler, attribute), check, subject)
+    return factory(
+        wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
-def _guard_behavior(behavior: Callable, check: Callable[[Any], Denial | None], subject: Callable[[Any], Any]) -> Callable:
+def _guard_behavior(
+    behavior: Callable, check: Callable[[Any], Denial | None], subject: Callable[[Any], Any]
+) -> Callable:
+    """Wrap a grpc.aio behaviour in the same shape: an async generator stays one (a streaming
+    reply), anything else becomes a coroutine (a unary reply, or a stream written with
+    `context.write`)."""
     if inspect.isasyncgenfunction(behavior):
 
         async def guarded_stream(request: Any, context: grpc.aio.ServicerContext):
@@ -252,7 +262,9 @@ class TLSConfig:
 
     def server_credentials(self) -> grpc.ServerCredentials:
         if self.cert_file is None or self.key_file is None:
-            raise ValueError(f"a TLS server needs cert_file and key_file, got cert={self.cert_file} key={self.key_file}")
+            raise ValueError(
+                f"a TLS server needs cert_file and key_file, got cert={self.cert_file} key={self.key_file}"
+            )
         ca = self._read(self.ca_file, "ca")
         return grpc.ssl_server_credentials(
             [(self._read(self.key_file, "key"), self._read(self.cert_file, "cert"))],

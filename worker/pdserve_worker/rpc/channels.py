@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve_worker.rpc.auth import ServiceAuthInterceptor, bearer_interceptors, TLSConfig, TokenTable
+from pdserve_worker.rpc.auth import ServiceAuthInterceptor, TLSConfig, TokenTable, bearer_interceptors
 
 KEEPALIVE_MS = 10_000
 

@@ -8,13 +8,12 @@ the rest of the code can trust them.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from pdserve.v1 import broker_pb2, common_pb2
 from pdserve_worker.kv.layout import KVLayout
 from pdserve_worker.rpc.convert import layout_from_proto, layout_to_proto
-
 
 # Initial metadata of a Watch stream: the broker's incarnation id, sent before any event so
 # that a watcher knows the stream is up even while the snapshot is still empty.
