@@ -184,7 +184,10 @@ class BrokerServer:
             self.registry.expire()
 
     def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving: watchers are ended (UNAVAILABLE), unary calls get `grace` seconds."""
+        """Stop serving: watchers are ended (UNAVAILABLE), unary calls get `grace` seconds.
+
+        Blocks the calling thread until done; from async code use
+        `await asyncio.to_thread(server.stop, grace)`. Safe to call twice."""
         if self._loop is None:
             return
         try:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
 
 from pdserve.v1 import broker_pb2, worker_pb2, worker_pb2_grpc
-from pdserve_worker.rpc.auth import Denial, TokenTable, authorize, token_from_metadata
+from pdserve_worker.rpc.auth import Denial, TLSConfig, TokenTable, authorize, token_from_metadata
 from pdserve_worker.rpc.channels import aio_channel, aio_server, bind
 
 UNAUTH, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
@@ -110,3 +111,13 @@ async def test_worker_service_checks_every_kind_of_call() -> None:
         assert servicer.calls == 3, "a refused call must never reach the handler"
     finally:
         await server.stop(None)
+
+
+def test_tls_config_from_env_and_its_errors(tmp_path: Path) -> None:
+    assert TLSConfig.from_env({}) is None
+    tls = TLSConfig.from_env({"PDSERVE_TLS_CA": "/ca.pem", "PDSERVE_TLS_SERVER_NAME": "broker.ns.svc"})
+    assert tls == TLSConfig(ca_file=Path("/ca.pem"), server_name="broker.ns.svc")
+    with pytest.raises(ValueError, match="needs cert_file and key_file"):
+        TLSConfig(ca_file=tmp_path / "ca.pem").server_credentials()
+    with pytest.raises(ValueError, match="cannot read TLS key file .*missing.pem"):
+        TLSConfig(cert_file=tmp_path / "c.pem", key_file=tmp_path / "missing.pem").server_credentials()

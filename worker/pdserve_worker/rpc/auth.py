@@ -38,6 +38,12 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"{SCHEME} {token}"),)
 
 
+def bearer_call_credentials(token: str) -> grpc.CallCredentials:
+    """Call credentials sending `authorization: Bearer <token>` (TLS channels only: gRPC drops
+    call credentials on plaintext channels, where `bearer_interceptors` does the job)."""
+    return grpc.access_token_call_credentials(token)
+
+
 def _digest(token: str) -> bytes:
     # Keyed by digest so that the table never compares raw secrets with `==`.
     return hashlib.sha256(token.encode()).digest()
@@ -280,4 +286,4 @@ class TLSConfig:
             private_key=self._read(self.key_file, "key"),
             certificate_chain=self._read(self.cert_file, "cert"),
         )
-        return grpc.composite_channel_credentials(ssl, grpc.access_token_call_credentials(token))
+        return grpc.composite_channel_credentials(ssl, bearer_call_credentials(token))
