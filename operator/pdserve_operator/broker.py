@@ -1,0 +1,239 @@
+"""The broker's gRPC face (`BrokerServicer`) and `BrokerServer`, which hosts it in-process.
+
+`BrokerServer` runs a grpc.aio server on its own event loop in a daemon thread, so that the
+operator (whose kopf loop it must not share: a slow handler there must not delay lease
+renewals) and the `pdserve broker` command host it the same way, with plain `start()` and
+`stop()` calls. State lives in a `Registry`; this module only translates between protos and
+registry calls, maps failures to status codes, and runs the lease reaper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+
+from pdserve.v1 import broker_pb2, broker_pb2_grpc
+from pdserve_operator.broker_registry import Registry, WatchEnded
+from pdserve_worker.logs import kv
+from pdserve_worker.rpc.auth import TLSConfig, TokenTable
+from pdserve_worker.rpc.channels import aio_server, bind
+from pdserve_worker.rpc.membership import (
+    BROKER_ID_HEADER,
+    Member,
+    Role,
+    event_to_proto,
+    load_from_proto,
+    member_info_from_proto,
+    member_to_proto,
+    role_from_proto,
+)
+
+log = logging.getLogger("pdserve.broker")
+
+_ENDED_CODES: dict[str, grpc.StatusCode] = {
+    "overflow": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "service_removed": grpc.StatusCode.NOT_FOUND,
+    "shutdown": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def _roles(request_roles, context: grpc.aio.ServicerContext) -> list[Role]:
+    try:
+        return [role_from_proto(r) for r in request_roles]
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise  # unreachable: abort raises
+
+
+async def _require_service_key(service_key: str, context: grpc.aio.ServicerContext) -> None:
+    if not service_key:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "service_key must be 'namespace/name', got ''")
+
+
+class BrokerServicer(broker_pb2_grpc.BrokerServicer):
+    """Authentication happens before these run (ServiceAuthInterceptor): each request's
+    service_key is one the caller's token grants."""
+
+    def __init__(self, registry: Registry, broker_id: str) -> None:
+        self._registry = registry
+        self._broker_id = broker_id
+
+    async def Register(self, request: broker_pb2.RegisterRequest, context) -> broker_pb2.RegisterReply:
+        await _require_service_key(request.service_key, context)
+        try:
+            info = member_info_from_proto(request.member)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"member: {exc}")
+        lease = self._registry.register(request.service_key, info, draining=request.draining)
+        return broker_pb2.RegisterReply(
+            lease_id=lease.lease_id, ttl_ms=int(lease.ttl_s * 1000), broker_id=self._broker_id
+        )
+
+    async def KeepAlive(self, request: broker_pb2.KeepAliveRequest, context) -> broker_pb2.KeepAliveReply:
+        load = load_from_proto(request.load) if request.HasField("load") else None
+        if not self._registry.keepalive(request.service_key, request.lease_id, load):
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"lease {request.lease_id!r} unknown in service {request.service_key!r} "
+                "(expired, or the broker restarted): register again",
+            )
+        return broker_pb2.KeepAliveReply(ttl_ms=int(self._registry.ttl_s * 1000), broker_id=self._broker_id)
+
+    async def Watch(self, request: broker_pb2.WatchRequest, context) -> AsyncIterator[broker_pb2.WatchEvent]:
+        await _require_service_key(request.service_key, context)
+        roles = await _roles(request.roles, context)
+        sub = self._registry.subscribe(request.service_key, roles, asyncio.get_running_loop())
+        await context.send_initial_metadata(((BROKER_ID_HEADER, self._broker_id),))
+        log.debug(kv(event="broker.watch", service=request.service_key, roles=",".join(roles) or "all",
+                     peer=context.peer()))
+        try:
+            while True:
+                try:
+                    event = await sub.next()
+                except WatchEnded as ended:
+                    await context.abort(_ENDED_CODES[ended.reason], str(ended))
+                yield event_to_proto(event)
+        finally:
+            self._registry.unsubscribe(sub)
+
+    async def SetDraining(self, request: broker_pb2.SetDrainingRequest, context) -> broker_pb2.SetDrainingReply:
+        target = request.WhichOneof("target")
+        if target is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set lease_id or worker_id")
+        value = getattr(request, target)
+        found = self._registry.set_draining(request.service_key, draining=request.draining, **{target: value})
+        if not found:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no member with {target} {value!r} in service {request.service_key!r}")
+        return broker_pb2.SetDrainingReply()
+
+    async def Deregister(self, request: broker_pb2.DeregisterRequest, context) -> broker_pb2.DeregisterReply:
+        return broker_pb2.DeregisterReply(removed=self._registry.deregister(request.service_key, request.lease_id))
+
+    async def ListMembers(self, request: broker_pb2.ListMembersRequest, context) -> broker_pb2.ListMembersReply:
+        roles = await _roles(request.roles, context)
+        return broker_pb2.ListMembersReply(
+            members=[member_to_proto(m) for m in self._registry.members(request.service_key, roles)],
+            revision=self._registry.revision(request.service_key),
+        )
+
+
+class BrokerServer:
+    """The broker, hosted in-process: `start(host, port) -> port`, `stop(grace)`.
+
+    Tokens and state can be read and changed from any thread, before or after start.
+    """
+
+    def __init__(
+        self,
+        tokens: Mapping[str, str] | None = None,
+        *,
+        ttl_s: float = 10.0,
+        tls: TLSConfig | None = None,
+        resync_grace_s: float | None = None,
+        queue_size: int = 1024,
+    ) -> None:
+        self.tokens = TokenTable(tokens)
+        self.registry = Registry(ttl_s, resync_grace_s=resync_grace_s, queue_size=queue_size)
+        self.broker_id = secrets.token_hex(8)
+        self._tls = tls
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._reaper: asyncio.Task | None = None
+        self.port: int | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def start(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 10.0) -> int:
+        """Listen on host:port (0 picks a free port) and serve; return the bound port."""
+        if self._thread is not None:
+            raise RuntimeError(f"broker {self.broker_id} already started on port {self.port}")
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name=f"pdserve-broker-{self.broker_id}", daemon=True)
+        thread.start()
+        self._loop, self._thread = loop, thread
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._start(host, port), loop).result(timeout_s)
+        except BaseException:
+            self._halt_loop()
+            raise
+        log.info(kv(event="broker.listening", host=host, port=self.port, broker_id=self.broker_id,
+                    tls=self._tls is not None, ttl_s=self.registry.ttl_s, services=len(self.tokens.services())))
+        return self.port
+
+    async def _start(self, host: str, port: int) -> int:
+        server = aio_server(self.tokens)
+        broker_pb2_grpc.add_BrokerServicer_to_server(BrokerServicer(self.registry, self.broker_id), server)
+        bound = bind(server, host, port, self._tls)
+        await server.start()
+        self.registry.start()
+        self._server = server
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+        return bound
+
+    async def _reap(self) -> None:
+        period = min(1.0, self.registry.ttl_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.registry.expire()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving: watchers are ended (UNAVAILABLE), unary calls get `grace` seconds.
+
+        Blocks the calling thread until done; from async code use
+        `await asyncio.to_thread(server.stop, grace)`. Safe to call twice."""
+        if self._loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result((grace or 0) + 10)
+        finally:
+            self._halt_loop()
+            log.info(kv(event="broker.stopped", port=self.port, broker_id=self.broker_id))
+
+    async def _stop(self, grace: float | None) -> None:
+        self.registry.close_all()
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._server is not None:
+            await self._server.stop(grace)
+
+    def _halt_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        self._loop = self._thread = None
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        if not thread.is_alive():
+            loop.close()
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("broker not started")
+        return f"127.0.0.1:{self.port}"
+
+    # --- what the operator uses ---------------------------------------------------------
+
+    def set_service_token(self, service_key: str, token: str) -> None:
+        self.tokens.set(service_key, token)
+
+    def remove_service(self, service_key: str) -> None:
+        """Revoke the service's token and forget its members; its watchers end."""
+        self.tokens.remove(service_key)
+        self.registry.remove_service(service_key)
+
+    def members(self, service_key: str) -> list[Member]:
+        return self.registry.members(service_key)
+
+    def registered_counts(self, service_key: str) -> dict[Role, int]:
+        return self.registry.registered_counts(service_key)
+
+    def set_draining(self, service_key: str, worker_id: str, draining: bool = True) -> bool:
+        return self.registry.set_draining(service_key, worker_id=worker_id, draining=draining)

@@ -1,0 +1,65 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEM_TYPE_UNSPECIFIED: _ClassVar[MemType]
+    MEM_TYPE_DEVICE: _ClassVar[MemType]
+    MEM_TYPE_HOST: _ClassVar[MemType]
+MEM_TYPE_UNSPECIFIED: MemType
+MEM_TYPE_DEVICE: MemType
+MEM_TYPE_HOST: MemType
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim", "dtype", "first_layer")
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    num_slots: int
+    num_layers: int
+    max_len: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    first_layer: int
+    def __init__(self, num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_len: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_layer: _Optional[int] = ...) -> None: ...
+
+class MemoryRegion(_message.Message):
+    __slots__ = ("addr", "len", "mem_type")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    LEN_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    len: int
+    mem_type: MemType
+    def __init__(self, addr: _Optional[int] = ..., len: _Optional[int] = ..., mem_type: _Optional[_Union[MemType, str]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,156 @@
+from pdserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class Grant(_message.Message):
+    __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    generation: int
+    engine_id: str
+    base_addr: int
+    kv_layout: _common_pb2.KVLayout
+    lease_deadline_unix_ms: int
+    worker_id: str
+    request_id: str
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    READINESS_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    slot: int
+    generation: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    readiness_timeout_ms: int
+    num_generated: int
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., readiness_timeout_ms: _Optional[int] = ..., num_generated: _Optional[int] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("index", "token_id", "text", "finish_reason", "stop", "kv_bytes_received", "kv_pushed", "ready_wait_s", "num_prompt_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    READY_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_id: int
+    text: str
+    finish_reason: FinishReason
+    stop: str
+    kv_bytes_received: int
+    kv_pushed: bool
+    ready_wait_s: float
+    num_prompt_tokens: int
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., kv_bytes_received: _Optional[int] = ..., kv_pushed: _Optional[bool] = ..., ready_wait_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "slot", "generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    slot: int
+    generation: int
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeStatus(_message.Message):
+    __slots__ = ("worker_id", "slots_total", "slots_used", "slots_free", "active_requests", "draining")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    slots_total: int
+    slots_used: int
+    slots_free: int
+    active_requests: int
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "targets", "num_generated")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    targets: _containers.RepeatedCompositeFieldContainer[Grant]
+    num_generated: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., targets: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("first_token", "num_tokens", "kv_bytes", "push_seconds", "prefill_seconds")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_tokens: int
+    kv_bytes: int
+    push_seconds: float
+    prefill_seconds: float
+    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,123 @@
+"""Per-service bearer tokens: the pure rules, then the interceptor on a real worker service."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.v1 import broker_pb2, worker_pb2, worker_pb2_grpc
+from pdserve_worker.rpc.auth import Denial, TLSConfig, TokenTable, authorize, token_from_metadata
+from pdserve_worker.rpc.channels import aio_channel, aio_server, bind
+
+UNAUTH, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_token_table_resolves_rotates_and_removes() -> None:
+    table = TokenTable({"ns/a": "tok-a"})
+    assert table.service_for("tok-a") == "ns/a"
+    table.set("ns/a", "tok-a2")
+    assert table.service_for("tok-a") is None, "a rotated-out token must stop working"
+    assert table.service_for("tok-a2") == "ns/a" and table.verify("ns/a", "tok-a2")
+    assert table.remove("ns/a") and table.service_for("tok-a2") is None
+    assert not table.remove("ns/a")
+
+
+@pytest.mark.parametrize(("service", "token", "message"), [
+    ("ns/b", "tok-a", "cannot share a token"),
+    ("ns/b", "has space", "without whitespace"),
+    ("ns/b", "", "non-empty"),
+    ("", "x", "service_key"),
+])
+def test_token_table_refuses(service: str, token: str, message: str) -> None:
+    table = TokenTable({"ns/a": "tok-a"})
+    with pytest.raises(ValueError, match=message):
+        table.set(service, token)
+
+
+@pytest.mark.parametrize(("metadata", "expected"), [
+    ((), "missing"),
+    ((("authorization", "Basic dXNlcg=="),), "malformed"),
+    ((("authorization", "Bearer "),), "malformed"),
+    ((("authorization", "Bearer a"), ("authorization", "Bearer b")), "2 'authorization' headers"),
+])
+def test_missing_or_malformed_header_is_unauthenticated(metadata, expected: str) -> None:
+    denial = token_from_metadata(metadata)
+    assert isinstance(denial, Denial) and denial.code == UNAUTH and expected in denial.details
+
+
+def test_authorize_by_the_service_key_of_the_request() -> None:
+    table = TokenTable({"ns/a": "tok-a", "ns/b": "tok-b"})
+    md = (("authorization", "Bearer tok-b"),)
+    assert authorize(table, md, broker_pb2.WatchRequest(service_key="ns/b")) is None
+    denial = authorize(table, md, broker_pb2.WatchRequest(service_key="ns/a"))
+    assert denial is not None and denial.code == DENIED and "'ns/a'" in denial.details
+    unknown = authorize(table, (("authorization", "Bearer nope"),), broker_pb2.WatchRequest(service_key="ns/a"))
+    assert unknown is not None and unknown.code == UNAUTH
+    # Worker requests carry no service_key: the token alone decides.
+    assert authorize(table, md, worker_pb2.StatusRequest()) is None
+
+
+class EchoDecode(worker_pb2_grpc.DecodeServicer):
+    """Just enough of a decode service to see which calls reach the handler."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Status(self, request, context):
+        self.calls += 1
+        return worker_pb2.DecodeStatus(worker_id="d0", slots_total=4, slots_free=4)
+
+    async def Generate(self, request, context):
+        self.calls += 1
+        for i in range(3):
+            yield worker_pb2.TokenEvent(index=i, token_id=100 + i)
+
+    async def Release(self, request, context):  # context.write-free coroutine returning a reply
+        self.calls += 1
+        await asyncio.sleep(0)
+        return worker_pb2.ReleaseReply(released=True)
+
+
+@pytest.mark.asyncio
+async def test_worker_service_checks_every_kind_of_call() -> None:
+    servicer = EchoDecode()
+    server = aio_server(TokenTable({"ns/a": "tok-a"}))
+    worker_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    port = bind(server, "127.0.0.1", 0)
+    await server.start()
+    try:
+        async with aio_channel(f"127.0.0.1:{port}", "tok-a") as good:
+            stub = worker_pb2_grpc.DecodeStub(good)
+            assert (await stub.Status(worker_pb2.StatusRequest())).slots_total == 4
+            events = [e.token_id async for e in stub.Generate(worker_pb2.GenerateRequest(request_id="r"))]
+            assert events == [100, 101, 102]
+            assert (await stub.Release(worker_pb2.ReleaseRequest())).released
+        assert servicer.calls == 3
+        async with aio_channel(f"127.0.0.1:{port}", "tok-of-another-service") as bad:
+            stub = worker_pb2_grpc.DecodeStub(bad)
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await stub.Status(worker_pb2.StatusRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as stream:
+                async for _ in stub.Generate(worker_pb2.GenerateRequest(request_id="r")):
+                    pass
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as anonymous:
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await worker_pb2_grpc.DecodeStub(anonymous).Status(worker_pb2.StatusRequest())
+        assert (unary.value.code(), stream.value.code(), missing.value.code()) == (UNAUTH, UNAUTH, UNAUTH)
+        assert "missing 'authorization" in missing.value.details()
+        assert servicer.calls == 3, "a refused call must never reach the handler"
+    finally:
+        await server.stop(None)
+
+
+def test_tls_config_from_env_and_its_errors(tmp_path: Path) -> None:
+    assert TLSConfig.from_env({}) is None
+    tls = TLSConfig.from_env({"PDSERVE_TLS_CA": "/ca.pem", "PDSERVE_TLS_SERVER_NAME": "broker.ns.svc"})
+    assert tls == TLSConfig(ca_file=Path("/ca.pem"), server_name="broker.ns.svc")
+    with pytest.raises(ValueError, match="needs cert_file and key_file"):
+        TLSConfig(ca_file=tmp_path / "ca.pem").server_credentials()
+    with pytest.raises(ValueError, match="cannot read TLS key file .*missing.pem"):
+        TLSConfig(cert_file=tmp_path / "c.pem", key_file=tmp_path / "missing.pem").server_credentials()

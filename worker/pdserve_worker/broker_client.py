@@ -1,0 +1,463 @@
+"""What a worker or router uses to join its service at the broker and to watch its peers.
+
+asyncio, because the worker roles are grpc.aio servers: the keepalive and the watches are
+tasks on the caller's event loop (create and use a client inside one running loop).
+
+- `register(info)` joins the service and starts a keepalive task that renews the lease every
+  ttl/3 and reports load. When the broker answers that it does not know the lease (it
+  restarted, or the lease lapsed while the worker was cut off) the task registers again by
+  itself, keeping the draining state; while the broker is unreachable it retries with
+  jittered exponential backoff.
+- `watch(roles)` keeps a `MembershipView`, the last-known membership, up to date from the
+  broker's watch stream and calls listeners with each change. When the broker is down the
+  view keeps what it knew (`connected` is False); when the stream comes back the broker's
+  snapshot is applied as a diff, and members missing from it are dropped once the broker
+  says the snapshot is complete (SYNCED).
+- `set_draining`, `deregister`, `list_members`, `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+import grpc
+
+from pdserve.v1 import broker_pb2, broker_pb2_grpc
+from pdserve_worker.logs import kv
+from pdserve_worker.rpc.auth import TLSConfig
+from pdserve_worker.rpc.backoff import Backoff
+from pdserve_worker.rpc.channels import aio_channel
+from pdserve_worker.rpc.membership import (
+    BROKER_ID_HEADER,
+    EventType,
+    Load,
+    Member,
+    MemberEvent,
+    MemberInfo,
+    Role,
+    change_type,
+    event_from_proto,
+    load_to_proto,
+    member_from_proto,
+    member_info_to_proto,
+    role_to_proto,
+)
+
+log = logging.getLogger("pdserve.broker_client")
+
+# Codes that another attempt with the same request cannot fix.
+_PERMANENT = frozenset(
+    {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT}
+)
+
+Listener = Callable[[MemberEvent], None]
+DEFAULT_BACKOFF = Backoff(base_s=0.1, cap_s=5.0)
+
+
+class BrokerError(Exception):
+    """A broker call failed; `code` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MembershipView:
+    """The last-known members of a service (optionally of some roles), kept by a watch task.
+
+    Readers get copies; listeners are called on the event loop, in order, with every change.
+    """
+
+    def __init__(self, roles: Iterable[Role] = ()) -> None:
+        self.roles = frozenset(roles)
+        self._members: dict[str, Member] = {}
+        self._listeners: list[Listener] = []
+        self._changed = asyncio.Event()
+        self.connected = False
+        self.synced = False
+        self.broker_id = ""
+        self.revision = 0
+
+    # --- reading ------------------------------------------------------------------------
+
+    @property
+    def members(self) -> dict[str, Member]:
+        return dict(self._members)
+
+    def get(self, worker_id: str) -> Member | None:
+        return self._members.get(worker_id)
+
+    def by_role(self, role: Role, *, include_draining: bool = False) -> list[Member]:
+        return sorted(
+            (m for m in self._members.values() if m.role == role and (include_draining or not m.draining)),
+            key=lambda m: m.worker_id,
+        )
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self._listeners.remove(listener)
+
+    async def wait_for(self, predicate: Callable[[MembershipView], bool], timeout: float | None = None) -> None:
+        """Return once `predicate(view)` holds; TimeoutError after `timeout` seconds."""
+        async with asyncio.timeout(timeout):
+            while not predicate(self):
+                changed = self._changed
+                await changed.wait()
+
+    # --- updates from the watch task ----------------------------------------------------
+
+    def _apply(self, member: Member, revision: int) -> None:
+        kind = change_type(self._members.get(member.worker_id), member)
+        self._members[member.worker_id] = member
+        if kind is not None:
+            self._emit(MemberEvent(kind, member, revision))
+
+    def _remove(self, worker_id: str, revision: int) -> None:
+        member = self._members.pop(worker_id, None)
+        if member is not None:
+            self._emit(MemberEvent(EventType.REMOVED, member, revision))
+
+    def _resync(self, seen: set[str], revision: int) -> None:
+        """The broker's snapshot is complete: drop what it did not contain."""
+        for worker_id in sorted(set(self._members) - seen):
+            self._remove(worker_id, revision)
+        self.synced = True
+        self._emit(None)
+
+    def _set_connected(self, connected: bool, broker_id: str = "") -> None:
+        if connected != self.connected:
+            self.connected = connected
+            if broker_id:
+                self.broker_id = broker_id
+            self._emit(None)
+
+    def _emit(self, event: MemberEvent | None) -> None:
+        if event is not None:
+            self.revision = max(self.revision, event.revision)
+            for listener in list(self._listeners):
+                try:
+                    listener(event)
+                except Exception:  # a listener's bug must not stop the watch
+                    log.exception(kv(event="broker_client.listener_failed", type=event.type,
+                                     worker=event.member.worker_id if event.member else ""))
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+
+class BrokerClient:
+    """One service's view of the broker at `address`, authenticated by the service's token."""
+
+    def __init__(
+        self,
+        address: str,
+        service_key: str,
+        token: str,
+        tls: TLSConfig | None = None,
+        *,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        call_timeout_s: float = 5.0,
+    ) -> None:
+        if not service_key or "/" not in service_key:
+            raise ValueError(f"service_key must be 'namespace/name', got {service_key!r}")
+        self.address = address
+        self.service_key = service_key
+        self._token = token
+        self._tls = tls
+        self._backoff = backoff
+        self._timeout = call_timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_: broker_pb2_grpc.BrokerStub | None = None
+        self._info: MemberInfo | None = None
+        self._load_fn: Callable[[], Load] | None = None
+        self._draining = False
+        self._draining_acked = True  # the broker has self._draining (or will get it on register)
+        self._lease_id: str | None = None
+        self._ttl_s = 10.0
+        self.broker_id = ""
+        self.registrations = 0  # successful Register calls: 1 + re-registrations
+        self._keepalive_task: asyncio.Task | None = None
+        self._watch_tasks: list[asyncio.Task] = []
+
+    # --- registration -------------------------------------------------------------------
+
+    @property
+    def lease_id(self) -> str | None:
+        return self._lease_id
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def register(
+        self,
+        info: MemberInfo,
+        *,
+        load: Callable[[], Load] | None = None,
+        wait: bool = True,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Join the service and keep the lease alive in the background.
+
+        `load` is called before each keepalive for the load to report. With `wait`, return
+        once registered (retrying while the broker is unreachable, up to `timeout_s`);
+        a refusal that retrying cannot fix (bad token, invalid member) raises BrokerError.
+        Without `wait`, the keepalive task registers as soon as the broker answers.
+        """
+        info.validate()
+        if self._keepalive_task is not None:
+            raise RuntimeError(f"worker {self._info.worker_id if self._info else '?'} is already registered")
+        self._info, self._load_fn = info, load
+        if wait:
+            async with asyncio.timeout(timeout_s):
+                attempt = 0
+                while True:
+                    try:
+                        await self._register_once()
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() in _PERMANENT:
+                            raise BrokerError(f"broker {self.address} refused registration of "
+                                              f"{info.worker_id}: {exc.details()}", exc.code()) from None
+                        log.warning(kv(event="broker_client.register_retry", broker=self.address,
+                                       code=exc.code().name, attempt=attempt))
+                        await asyncio.sleep(self._backoff.delay(attempt))
+                        attempt += 1
+        self._keepalive_task = asyncio.get_running_loop().create_task(
+            self._keepalive_loop(), name=f"broker-keepalive-{info.worker_id}"
+        )
+
+    async def update(self, info: MemberInfo) -> None:
+        """Replace what the broker knows about this worker (same worker_id; e.g. new capacity).
+
+        Registers again at once (the broker swaps the lease and watchers see UPDATED); if the
+        broker is away, the keepalive task will register the new info when it is back.
+        """
+        info.validate()
+        if self._info is None or info.worker_id != self._info.worker_id:
+            registered = self._info.worker_id if self._info else None
+            raise ValueError(f"update() keeps the worker_id: registered {registered!r}, got {info.worker_id!r}")
+        self._info = info
+        try:
+            await self._register_once()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _PERMANENT:
+                raise BrokerError(f"broker {self.address} refused the update of {info.worker_id}: "
+                                  f"{exc.details()}", exc.code()) from None
+            self._lease_id = None  # the keepalive task registers the new info when the broker is back
+            log.warning(kv(event="broker_client.update_deferred", code=exc.code().name, detail=exc.details()))
+
+    async def _register_once(self) -> None:
+        assert self._info is not None
+        draining = self._draining
+        reply = await self._stub().Register(
+            broker_pb2.RegisterRequest(
+                service_key=self.service_key, member=member_info_to_proto(self._info), draining=draining
+            ),
+            timeout=self._timeout,
+        )
+        self._lease_id, self._ttl_s, self.broker_id = reply.lease_id, reply.ttl_ms / 1000, reply.broker_id
+        self._draining_acked = draining == self._draining
+        self.registrations += 1
+        log.info(kv(event="broker_client.registered", service=self.service_key, worker=self._info.worker_id,
+                    role=self._info.role, broker_id=reply.broker_id, ttl_s=self._ttl_s,
+                    registrations=self.registrations))
+
+    def _current_load(self) -> Load | None:
+        if self._load_fn is None:
+            return None
+        try:
+            return self._load_fn()
+        except Exception:
+            log.exception(kv(event="broker_client.load_failed", worker=self._info.worker_id if self._info else ""))
+            return None
+
+    async def _keepalive_loop(self) -> None:
+        """Renew every ttl/3; re-register when the broker forgot the lease; back off when it is away."""
+        failures = 0
+        while True:
+            interval = self._ttl_s / 3
+            if self._lease_id is None:
+                try:
+                    await self._register_once()
+                    failures = 0
+                except grpc.aio.AioRpcError as exc:
+                    failures += 1
+                    self._log_failure("register", exc, failures)
+                    await asyncio.sleep(self._backoff.delay(failures - 1))
+                continue
+            await asyncio.sleep(interval if failures == 0 else min(interval, self._backoff.delay(failures - 1)))
+            request = broker_pb2.KeepAliveRequest(service_key=self.service_key, lease_id=self._lease_id)
+            load = self._current_load()
+            if load is not None:
+                request.load.CopyFrom(load_to_proto(load))
+            try:
+                reply = await self._stub().KeepAlive(request, timeout=self._timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning(kv(event="broker_client.lease_unknown", service=self.service_key,
+                                   worker=self._info.worker_id if self._info else "", detail=exc.details()))
+                    self._lease_id = None
+                    continue
+                failures += 1
+                self._log_failure("keepalive", exc, failures)
+                continue
+            if failures:
+                log.info(kv(event="broker_client.keepalive_recovered", broker=self.address, after_failures=failures))
+            failures = 0
+            self._ttl_s, self.broker_id = reply.ttl_ms / 1000, reply.broker_id
+            if not self._draining_acked:  # a SetDraining that failed earlier: tell the broker now
+                await self._send_draining()
+
+    def _log_failure(self, what: str, exc: grpc.aio.AioRpcError, failures: int) -> None:
+        # First failure of a streak (and every tenth) at WARNING: a down broker must not flood the log.
+        level = logging.ERROR if exc.code() in _PERMANENT else logging.WARNING
+        if failures == 1 or failures % 10 == 0 or exc.code() in _PERMANENT:
+            log.log(level, kv(event=f"broker_client.{what}_failed", broker=self.address, code=exc.code().name,
+                              detail=exc.details(), failures=failures))
+
+    async def set_draining(self, draining: bool = True) -> bool:
+        """Take no new requests (or take them again). Remembered: if the broker cannot be told
+        now, the keepalive task tells it later (or re-registers with it). Returns whether the
+        broker has it already."""
+        self._draining = draining
+        self._draining_acked = False
+        return await self._send_draining()
+
+    async def _send_draining(self) -> bool:
+        draining, lease = self._draining, self._lease_id
+        if lease is None:
+            return False
+        try:
+            await self._stub().SetDraining(
+                broker_pb2.SetDrainingRequest(service_key=self.service_key, lease_id=lease, draining=draining),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning(kv(event="broker_client.set_draining_failed", code=exc.code().name, detail=exc.details()))
+            return False
+        self._draining_acked = draining == self._draining
+        return True
+
+    async def deregister(self) -> bool:
+        """Stop the keepalive and leave the service; False if the broker could not be told
+        (the lease then expires on its own)."""
+        await _cancel(self._keepalive_task)
+        self._keepalive_task = None
+        lease, self._lease_id, self._info = self._lease_id, None, None
+        if lease is None:
+            return False
+        try:
+            reply = await self._stub().Deregister(
+                broker_pb2.DeregisterRequest(service_key=self.service_key, lease_id=lease), timeout=self._timeout
+            )
+            return reply.removed
+        except grpc.aio.AioRpcError as exc:
+            log.warning(kv(event="broker_client.deregister_failed", code=exc.code().name, detail=exc.details()))
+            return False
+
+    # --- reading the membership ---------------------------------------------------------
+
+    async def list_members(self, roles: Iterable[Role] = ()) -> list[Member]:
+        try:
+            reply = await self._stub().ListMembers(
+                broker_pb2.ListMembersRequest(service_key=self.service_key, roles=[role_to_proto(r) for r in roles]),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise BrokerError(
+                f"ListMembers at {self.address}: {exc.code().name}: {exc.details()}", exc.code()
+            ) from None
+        return [member_from_proto(m) for m in reply.members]
+
+    async def watch(self, roles: Iterable[Role] = (), listener: Listener | None = None) -> MembershipView:
+        """Start watching (in the background) and return the view it keeps."""
+        view = MembershipView(roles)
+        if listener is not None:
+            view.add_listener(listener)
+        self._watch_tasks.append(
+            asyncio.get_running_loop().create_task(self._watch_loop(view), name=f"broker-watch-{self.service_key}")
+        )
+        return view
+
+    async def _watch_loop(self, view: MembershipView) -> None:
+        request = broker_pb2.WatchRequest(service_key=self.service_key, roles=[role_to_proto(r) for r in view.roles])
+        attempt = 0
+        while True:
+            call = self._stub().Watch(request)
+            seen: set[str] = set()
+            try:
+                metadata = await call.initial_metadata()
+                broker_id = dict(metadata or ()).get(BROKER_ID_HEADER, "")
+                if broker_id:
+                    view._set_connected(True, broker_id)
+                    log.info(kv(event="broker_client.watching", service=self.service_key, broker_id=broker_id))
+                async for msg in call:
+                    attempt = 0
+                    self._on_watch_event(view, msg, seen)
+                detail, code = "stream ended", None
+            except grpc.aio.AioRpcError as exc:
+                detail, code = exc.details(), exc.code()
+            finally:
+                call.cancel()
+            view._set_connected(False)
+            level = logging.ERROR if code in _PERMANENT else logging.WARNING
+            if attempt == 0 or attempt % 10 == 0 or code in _PERMANENT:
+                log.log(level, kv(event="broker_client.watch_lost", service=self.service_key,
+                                  code=code.name if code else "OK", detail=detail, kept=len(view.members)))
+            await asyncio.sleep(self._backoff.delay(attempt))
+            attempt += 1
+
+    @staticmethod
+    def _on_watch_event(view: MembershipView, msg: broker_pb2.WatchEvent, seen: set[str]) -> None:
+        try:
+            event = event_from_proto(msg)
+        except ValueError as exc:
+            log.warning(kv(event="broker_client.bad_watch_event", detail=str(exc)))
+            return
+        if event.type is EventType.SYNCED:
+            view._resync(seen, event.revision)
+            return
+        assert event.member is not None
+        if event.type is EventType.REMOVED:
+            seen.discard(event.member.worker_id)
+            view._remove(event.member.worker_id, event.revision)
+        else:
+            seen.add(event.member.worker_id)
+            view._apply(event.member, event.revision)
+
+    # --- plumbing -----------------------------------------------------------------------
+
+    def _stub(self) -> broker_pb2_grpc.BrokerStub:
+        if self._stub_ is None:  # created on first use, inside the loop that will run it
+            self._channel = aio_channel(self.address, self._token, self._tls)
+            self._stub_ = broker_pb2_grpc.BrokerStub(self._channel)
+        return self._stub_
+
+    async def close(self) -> None:
+        """Stop the keepalive and the watches and close the channel (does not deregister:
+        call deregister() first to leave at once rather than when the lease lapses)."""
+        for task in [self._keepalive_task, *self._watch_tasks]:
+            await _cancel(task)
+        self._keepalive_task, self._watch_tasks = None, []
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel, self._stub_ = None, None
+
+    async def __aenter__(self) -> BrokerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+async def _cancel(task: asyncio.Task | None) -> None:
+    if task is None or task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by every process: auth, channels, codegen, proto <-> Python types."""
