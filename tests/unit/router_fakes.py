@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -26,8 +26,9 @@ class Call:
     params: SamplingParams
     request_id: str
     tokens_sent: int = 0
+    finished: bool = False  # the event with a finish_reason was handed out
     closed: bool = False  # the generator's finally ran (aclose, cancellation or normal end)
-    cancelled: bool = False  # it ended by GeneratorExit or CancelledError, not by finishing
+    cancelled: bool = False  # closed (GeneratorExit, CancelledError) before its final event
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -37,7 +38,7 @@ class ScriptedBackend:
     def __init__(self, pieces: Sequence[str] = ("Hello", ",", " world", "!"), *, finish: str = "stop",
                  delay_s: float = 0.0, first_delay_s: float = 0.0, max_model_len: int = 64,
                  error: BackendError | None = None, error_after: int = 0, info: RequestInfo | None = None,
-                 honour_max_tokens: bool = True) -> None:
+                 honour_max_tokens: bool = True, on_close: Callable[[Call], None] | None = None) -> None:
         self.pieces = list(pieces)
         self.finish = finish
         self.delay_s = delay_s
@@ -47,7 +48,9 @@ class ScriptedBackend:
         self.error_after = error_after
         self.info = info
         self.honour_max_tokens = honour_max_tokens  # False: overrun max_tokens, as a buggy backend would
+        self.on_close = on_close
         self.calls: list[Call] = []
+        self.generators: list[AsyncIterator[TokenEvent]] = []
         self.chats: list[list[dict]] = []
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
@@ -60,9 +63,17 @@ class ScriptedBackend:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
         return [ord(c) for c in text]
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
         call = Call(list(prompt_ids), params, request_id)
         self.calls.append(call)
+        generator = self._generate(call)
+        # Held for the test's lifetime so garbage collection can never close a generator the
+        # router forgot: only an explicit aclose or a cancellation can set `closed`.
+        self.generators.append(generator)
+        return generator
+
+    async def _generate(self, call: Call) -> AsyncIterator[TokenEvent]:
+        params = call.params
         try:
             if self.first_delay_s:
                 await asyncio.sleep(self.first_delay_s)
@@ -75,15 +86,18 @@ class ScriptedBackend:
                 at_limit = self.honour_max_tokens and i + 1 >= params.max_tokens
                 finish = self.finish if last else ("length" if at_limit else None)
                 call.tokens_sent += 1
+                call.finished = finish is not None
                 yield TokenEvent(1000 + i, piece, finish, self.info if i == 0 else None)
                 if finish is not None:
                     return
         except (GeneratorExit, asyncio.CancelledError):
-            call.cancelled = True
+            call.cancelled = not call.finished
             raise
         finally:
             call.closed = True
             call.done.set()
+            if self.on_close is not None:
+                self.on_close(call)
 
     def wait_closed(self, index: int = -1, timeout: float = 5.0) -> Call:
         deadline = time.monotonic() + timeout

@@ -51,8 +51,9 @@ def test_completion_non_streaming_gives_text_usage_and_finish(serve):
     assert out.choices[0].finish_reason == "stop"
     assert out.object == "text_completion" and out.id.startswith("cmpl-")
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 4, 10)
-    call = backend.calls[0]
+    call = backend.wait_closed()
     assert call.prompt_ids == [ord(c) for c in "Say hi"] and call.params.max_tokens == 10
+    assert call.finished and not call.cancelled
 
 
 def test_completion_streaming_chunks_concatenate_to_the_text(serve):
@@ -263,11 +264,15 @@ def test_client_disconnect_mid_stream_closes_the_backend_generator(serve):
         time.sleep(0.02)
 
 
-def test_client_disconnect_while_waiting_for_a_non_streamed_answer_closes_the_backend(serve):
-    backend = ScriptedBackend(pieces=["a"] * 50, delay_s=0.05)
+@pytest.mark.parametrize("stream,first_delay_s", [(False, 0.0), (True, 30.0)])
+def test_client_disconnect_before_the_answer_starts_closes_the_backend(serve, stream, first_delay_s):
+    """Non-streamed: the client leaves while tokens are being collected. Streamed: it leaves
+    before the first token, when no byte has been sent yet (a prefill that takes long)."""
+    backend = ScriptedBackend(pieces=["a"] * 50, delay_s=0.05, first_delay_s=first_delay_s)
     _, url = serve(backend)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": stream}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 50}, timeout=0.3)
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
     call = backend.wait_closed()
     assert call.cancelled and call.tokens_sent < 50
 

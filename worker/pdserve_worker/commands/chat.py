@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name (default: the one the router serves)")
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per reply at most (default: the rest of the model's context)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply")
     p.set_defaults(func=run)
@@ -71,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
                 print("(conversation reset)", file=sys.stderr)
                 continue
             turn = [*history, {"role": "user", "content": line}]
-            body = {"model": model, "messages": turn, "max_tokens": args.max_tokens,
-                    "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+            body: dict[str, object] = {"model": model, "messages": turn, "temperature": args.temperature,
+                                       "stream": True, "stream_options": {"include_usage": True}}
+            if args.max_tokens is not None:
+                body["max_tokens"] = args.max_tokens
             try:
                 answer = client.complete(body, chat=True, on_text=show)
             except (ApiCallError, httpx.TransportError) as exc:

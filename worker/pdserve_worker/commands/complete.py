@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="the prompt (a user message with --chat)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (the model's chat template)")
     p.add_argument("--model", default=None, help="model name (default: the one the router serves)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: the server's, 16 for a completion, "
+                        "the rest of the context for --chat)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--stream", action="store_true", help="stream the answer as it is generated")
@@ -37,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with RouterClient(args.url, timeout_s=args.timeout) as client:
             model = args.model or client.served_model()
-            body: dict[str, object] = {"model": model, "max_tokens": args.max_tokens,
-                                       "temperature": args.temperature, "stream": args.stream}
+            body: dict[str, object] = {"model": model, "temperature": args.temperature, "stream": args.stream}
+            if args.max_tokens is not None:
+                body["max_tokens"] = args.max_tokens
             if args.stream:
                 body["stream_options"] = {"include_usage": True}
             if args.stop:

@@ -251,6 +251,9 @@ class _Router:
         except ClientDisconnected:
             ledger.failed("cancelled")
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        except asyncio.CancelledError:  # the server gave up on us (shutdown past its grace period)
+            ledger.failed("cancelled")
+            raise
         except Exception as exc:
             raise self._fail(exc, ledger) from None
         assert gen.finish_reason is not None
@@ -266,6 +269,9 @@ class _Router:
             await deltas.aclose()
             ledger.failed("cancelled")
             return Response(status_code=499)
+        except asyncio.CancelledError:
+            ledger.failed("cancelled")
+            raise
         except Exception as exc:
             await deltas.aclose()
             raise self._fail(exc, ledger) from None
