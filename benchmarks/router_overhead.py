@@ -43,7 +43,8 @@ class InstantBackend:
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         return self.tokenize_prompt("".join(m["content"] for m in messages))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[TokenEvent]:
         for i in range(params.max_tokens):
             yield TokenEvent(i, " tok", "length" if i + 1 == params.max_tokens else None)
             await asyncio.sleep(0)  # yield to the loop as a real backend awaiting a decode step does

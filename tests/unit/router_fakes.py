@@ -104,7 +104,8 @@ class ScriptedBackend:
         while not self.calls and time.monotonic() < deadline:
             time.sleep(0.01)
         call = self.calls[index]
-        assert call.done.wait(max(0.0, deadline - time.monotonic())), f"backend generator of {call.request_id} never closed"
+        closed = call.done.wait(max(0.0, deadline - time.monotonic()))
+        assert closed, f"backend generator of {call.request_id} never closed"
         return call
 
 

@@ -71,7 +71,8 @@ def test_completion_streaming_chunks_concatenate_to_the_text(serve):
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
     assert out.choices[0].message.content == "Hello, world!" and out.choices[0].message.role == "assistant"
     prompt = "<system>be brief<user>hi<assistant>"
@@ -154,7 +155,8 @@ CASES = [
     ({"prompt": "hi"}, 400, ["missing", "model"], "model"),
     ({"model": MODEL}, 400, ["missing", "prompt"], "prompt"),
     ({"model": "gpt-9", "prompt": "hi"}, 404, ["gpt-9", "does not exist"], "model"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, ["max_tokens", "greater than or equal to 1", "0"], "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, ["max_tokens", "greater than or equal to 1", "0"],
+     "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, ["max_tokens", "-3"], "max_tokens"),
     ({"model": MODEL, "prompt": "x" * 80}, 400, ["80 tokens", "maximum context length is 64"], "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 63}, 400, ["2 tokens", "63", "64", "at most 62"], "max_tokens"),

@@ -74,7 +74,8 @@ def test_complete_names_an_unreachable_router(port):
 def test_chat_keeps_the_conversation_across_turns(port):
     backend = ScriptedBackend(max_model_len=256)
     with running_router(create_app(backend), port) as url:
-        out = pdserve("chat", "--url", url, "--system", "be nice", stdin="hi\n\nand again?\n/reset\nfresh\n/exit\nnot sent\n")
+        out = pdserve("chat", "--url", url, "--system", "be nice",
+                      stdin="hi\n\nand again?\n/reset\nfresh\n/exit\nnot sent\n")
     assert out.returncode == 0, out.stderr
     assert out.stdout == "Hello, world!\n" * 3
     assert len([ln for ln in out.stderr.splitlines() if "ttft_ms=" in ln]) == 3

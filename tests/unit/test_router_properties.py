@@ -76,17 +76,18 @@ def check(response, chat: bool) -> None:
     assert body["usage"]["completion_tokens"] >= 1
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(payload=payloads)
 def test_no_completion_body_causes_a_server_error(client, payload):
     response = client.post("/v1/completions", content=payload, headers={"content-type": "application/json"})
     check(response, chat=False)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=chat_bodies)
 def test_no_chat_body_causes_a_server_error(client, body):
-    response = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+    response = client.post("/v1/chat/completions", content=json.dumps(body),
+                           headers={"content-type": "application/json"})
     check(response, chat=True)
 
 

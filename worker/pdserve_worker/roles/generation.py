@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
 from dataclasses import dataclass
 
 from pdserve_worker.logs import kv
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.backend import Backend, RequestInfo
+from pdserve_worker.roles.backend import Backend, RequestInfo, TokenEvent
 from pdserve_worker.roles.router_metrics import RequestTiming
 from pdserve_worker.roles.stop_strings import StopStringCutter
 
 log = logging.getLogger("pdserve.router")
+
+
+def _closing(events: AsyncIterator[TokenEvent]) -> AbstractAsyncContextManager[AsyncIterator[TokenEvent]]:
+    """Close the backend's stream on exit: an async generator has `aclose` (the usual case)."""
+    if isinstance(events, AsyncGenerator):
+        return aclosing(events)
+    return nullcontext(events)
 
 
 @dataclass(frozen=True)
@@ -65,12 +72,12 @@ class Generation:
             completion_tokens=self.completion_tokens,
         )
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         cutter = StopStringCutter(self._params.stop)
         final: Delta | None = None
         # aclosing: leaving this block early (finish, stop string, cancellation) closes the
         # backend's generator, which is how the backend learns to release the request's slot.
-        async with aclosing(self._backend.generate(self._prompt_ids, self._params, self.request_id)) as events:
+        async with _closing(self._backend.generate(self._prompt_ids, self._params, self.request_id)) as events:
             async for event in events:
                 self._on_token(event.info)
                 text = cutter.feed(event.text)

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -174,9 +174,11 @@ class _Router:
         prompt_field = "messages" if chat else "prompt"
         if not prompt_ids:
             raise self.reject(400, f"{prompt_field} is empty (0 tokens)", param=prompt_field)
+        max_field = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
+                     and body.max_completion_tokens is not None else "max_tokens")
         max_tokens = self._settle_max_tokens(
             body.requested_max_tokens(), None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt_ids),
-            prompt_field, "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens",
+            prompt_field, max_field,
         )
         try:
             params = body.sampling_params(max_tokens)
@@ -301,7 +303,7 @@ class _Router:
         )
 
     async def _events(self, gen: Generation, fmt: ResponseFormat, first: Delta,
-                      deltas: AsyncIterator[Delta], ledger: _Ledger) -> AsyncIterator[str]:
+                      deltas: AsyncIterator[Delta], ledger: _Ledger) -> AsyncGenerator[str, None]:
         """The SSE body: opening chunks, one chunk per visible delta, finish, usage, [DONE]."""
         try:
             for chunk in fmt.opening_chunks():
