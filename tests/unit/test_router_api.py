@@ -218,7 +218,7 @@ def test_unknown_route_and_method_use_the_error_envelope(serve):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_no_capacity_is_429_with_retry_after(serve, stream):
-    client, url = serve(ScriptedBackend(error=NoCapacity("all 8 decode slots are busy", retry_after_s=2.5)))
+    client, url = serve(ScriptedBackend(error=NoCapacity(2.5, "all 8 decode slots are busy")))
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": stream})
     assert r.status_code == 429
     assert r.headers["retry-after"] == "3" and r.headers["retry-after-ms"] == "2500"

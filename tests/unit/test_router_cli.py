@@ -60,7 +60,7 @@ def test_complete_chat_uses_the_chat_endpoint(port):
 
 
 def test_complete_reports_the_router_error_and_fails(port):
-    with running_router(create_app(ScriptedBackend(error=NoCapacity("all slots busy", retry_after_s=2))), port) as url:
+    with running_router(create_app(ScriptedBackend(error=NoCapacity(2, "all slots busy"))), port) as url:
         out = pdserve("complete", "--url", url, "--prompt", "x")
     assert out.returncode == 1
     assert "HTTP 429: all slots busy (retry after 2 s)" in out.stderr

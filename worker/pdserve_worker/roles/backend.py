@@ -101,7 +101,7 @@ class InvalidPrompt(BackendError):
 class NoCapacity(BackendError):
     """Every decode slot is taken: the client should retry after `retry_after_s` seconds."""
 
-    def __init__(self, message: str = "no free decode slot", retry_after_s: float = 1.0) -> None:
+    def __init__(self, retry_after_s: float = 1.0, message: str = "no free decode slot") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
