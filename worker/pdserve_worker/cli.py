@@ -16,6 +16,8 @@ COMMANDS: tuple[str, ...] = (
     "info",
     "broker",
     "protos",
+    "complete",
+    "chat",
 )
 
 

@@ -1,0 +1,314 @@
+"""The router's HTTP API as a real client sees it: the official `openai` package against a
+uvicorn server on 127.0.0.1, over a scripted backend."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from router_fakes import ScriptedBackend, running_router
+
+from pdserve_worker.roles.backend import BackendUnavailable, NoCapacity, RequestInfo, RequestTimeout
+from pdserve_worker.roles.router_app import create_app
+from pdserve_worker.roles.router_metrics import RouterMetrics
+
+MODEL = ScriptedBackend.model_name
+
+
+@pytest.fixture
+def serve(port):
+    """serve(backend) -> (openai client, base url); the server stops with the test."""
+    stack = []
+
+    def start(backend, metrics=None):
+        cm = running_router(create_app(backend, metrics), port)
+        url = cm.__enter__()
+        stack.append(cm)
+        return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10), url
+
+    yield start
+    for cm in stack:
+        cm.__exit__(None, None, None)
+
+
+def samples(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+
+def test_completion_non_streaming_gives_text_usage_and_finish(serve):
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    out = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=10)
+    assert out.choices[0].text == "Hello, world!"
+    assert out.choices[0].finish_reason == "stop"
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 4, 10)
+    call = backend.wait_closed()
+    assert call.prompt_ids == [ord(c) for c in "Say hi"] and call.params.max_tokens == 10
+    assert call.finished and not call.cancelled
+
+
+def test_completion_streaming_chunks_concatenate_to_the_text(serve):
+    client, _ = serve(ScriptedBackend())
+    stream = client.completions.create(model=MODEL, prompt=["Say hi"], max_tokens=10, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts == ["Hello", ",", " world", "!", ""]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_non_streaming_and_streaming(serve):
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
+    assert out.choices[0].message.content == "Hello, world!" and out.choices[0].message.role == "assistant"
+    prompt = "<system>be brief<user>hi<assistant>"
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == 4
+    assert backend.chats[0] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert backend.calls[0].params.max_tokens == 8 and backend.calls[0].params.greedy
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello, world!"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].object == "chat.completion.chunk"
+    # Chat without max_tokens may fill the context: 64 - prompt length.
+    assert backend.calls[1].params.max_tokens == 64 - len(prompt)
+
+
+def test_stream_is_exact_openai_sse_ending_with_done(serve):
+    _, url = serve(ScriptedBackend(pieces=["a", "b"]))
+    with httpx.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_max_tokens_cuts_with_length_even_if_backend_overruns(serve):
+    backend = ScriptedBackend(pieces=["a", "b", "c", "d"], honour_max_tokens=False)
+    client, _ = serve(backend)
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert out.choices[0].text == "ab" and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 2
+
+
+def test_request_info_reaches_the_response_and_the_metrics(serve):
+    info = RequestInfo(disaggregated=True, kv_bytes=3 * 1024 * 1024, kv_transfer_s=0.004, prefill="p0", decode="d1")
+    client, url = serve(ScriptedBackend(info=info))
+    out = client.completions.create(model=MODEL, prompt="x")
+    assert out.model_extra["pdserve"] == {"disaggregated": True, "kv_bytes": 3 * 1024 * 1024,
+                                          "kv_transfer_ms": 4.0, "prefill": "p0", "decode": "d1"}
+    chunks = list(client.completions.create(model=MODEL, prompt="x", stream=True))
+    assert chunks[-1].model_extra["pdserve"]["decode"] == "d1"
+    m = samples(url)
+    assert m[("pdserve_router_requests_completed_total", (("mode", "disaggregated"),))] == 2
+    assert m[("pdserve_router_kv_transfer_bytes_sum", ())] == 2 * 3 * 1024 * 1024
+    assert m[("pdserve_router_kv_transfer_seconds_count", ())] == 2
+
+
+# --- stop strings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_split_across_tokens_is_cut(serve, stream):
+    backend = ScriptedBackend(pieces=["The answer", " is 4", "2.\n", "Us", "er", ": next", " question"])
+    client, _ = serve(backend)
+    kwargs = dict(model=MODEL, prompt="q", max_tokens=20, stop=["User:", "never"])
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+        assert all("U" not in c.choices[0].text for c in chunks), "text past the stop leaked into a chunk"
+    else:
+        out = client.completions.create(**kwargs)
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert text == "The answer is 42.\n" and finish == "stop"
+    call = backend.wait_closed()
+    assert call.tokens_sent == 6 and call.cancelled, "the backend must be closed once the stop string matched"
+
+
+def test_single_stop_string_in_chat(serve):
+    client, _ = serve(ScriptedBackend(pieces=["Hello", ",", " world", "!"]))
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stop="o, w")
+    assert out.choices[0].message.content == "Hell" and out.choices[0].finish_reason == "stop"
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+CASES = [
+    # (body or raw bytes, status, words the message must contain, param)
+    (b'{"model": "fake-model", "prompt": ', 400, ["not valid JSON"], None),
+    ({"prompt": "hi"}, 400, ["missing", "model"], "model"),
+    ({"model": MODEL}, 400, ["missing", "prompt"], "prompt"),
+    ({"model": "gpt-9", "prompt": "hi"}, 404, ["gpt-9", "does not exist"], "model"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, ["max_tokens", "greater than or equal to 1", "0"],
+     "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, ["max_tokens", "-3"], "max_tokens"),
+    ({"model": MODEL, "prompt": "x" * 80}, 400, ["80 tokens", "maximum context length is 64"], "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 63}, 400, ["2 tokens", "63", "64", "at most 62"], "max_tokens"),
+    ({"model": MODEL, "prompt": 42}, 400, ["prompt", "valid string", "42"], "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, ["exactly one string"], "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens", "valid integer"], "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": True}, 400, ["temperature", "number"], "temperature"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 7}, 400, ["temperature", "2"], "temperature"),
+    ({"model": MODEL, "prompt": "hi", "n": 3}, 400, ["n=1", "n=3"], "n"),
+    ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, ["stop"], "stop"),
+    (b'{"model": "fake-model", "prompt": "\\ud800"}', 400, ["lone surrogate"], "prompt"),
+    ({"model": MODEL, "prompt": ""}, 400, ["empty"], "prompt"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, ["logprobs"], None),
+]
+
+
+@pytest.mark.parametrize("body,status,words,param", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_bad_completion_requests_get_openai_errors_and_service_goes_on(serve, body, status, words, param):
+    client, url = serve(ScriptedBackend())
+    if isinstance(body, bytes):
+        r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"], (word, error)
+    assert error["param"] == param
+    assert client.completions.create(model=MODEL, prompt="ok").choices[0].text == "Hello, world!"
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"model": MODEL, "messages": []}, ["messages", "at least 1"]),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, ["messages.0.role"]),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, ["only text content"]),
+    ({"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]}, ["must end with a user message"]),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     ["max_completion_tokens"]),
+])
+def test_bad_chat_requests_are_400(serve, body, words):
+    client, url = serve(ScriptedBackend())
+    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    for word in words:
+        assert word in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+
+
+def test_unknown_route_and_method_use_the_error_envelope(serve):
+    _, url = serve(ScriptedBackend())
+    assert httpx.get(f"{url}/v2/nothing").json()["error"]["message"] == "Not Found: GET /v2/nothing"
+    assert httpx.get(f"{url}/v1/completions").status_code == 405
+
+
+# --- backend failures ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_capacity_is_429_with_retry_after(serve, stream):
+    client, url = serve(ScriptedBackend(error=NoCapacity(2.5, "all 8 decode slots are busy")))
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": stream})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "3" and r.headers["retry-after-ms"] == "2500"
+    assert r.json()["error"]["message"] == "all 8 decode slots are busy"
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="x")
+
+
+@pytest.mark.parametrize("error,status", [(BackendUnavailable("no decode registered"), 503),
+                                          (RequestTimeout("kv transfer timed out after 5 s"), 504)])
+def test_unavailable_and_timeout_map_to_503_and_504(serve, error, status):
+    _, url = serve(ScriptedBackend(error=error))
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == status and r.json()["error"]["message"] == str(error)
+    assert samples(url)[("pdserve_router_requests_failed_total",
+                         (("reason", "unavailable" if status == 503 else "timeout"),))] == 1
+
+
+def test_error_after_the_stream_started_is_reported_in_band(serve):
+    client, _ = serve(ScriptedBackend(error=BackendUnavailable("decode d0 went away"), error_after=2))
+    stream = client.completions.create(model=MODEL, prompt="x", stream=True)
+    got = []
+    with pytest.raises(openai.APIError, match="decode d0 went away"):
+        for chunk in stream:
+            got.append(chunk.choices[0].text)
+    assert got == ["Hello", ","]
+
+
+# --- cancellation ----------------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_closes_the_backend_generator(serve):
+    backend = ScriptedBackend(pieces=[f"t{i} " for i in range(200)], delay_s=0.02)
+    client, url = serve(backend)
+    stream = client.completions.create(model=MODEL, prompt="x", max_tokens=60, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    call = backend.wait_closed()
+    assert call.cancelled and call.tokens_sent < 60
+    deadline = time.monotonic() + 5
+    while samples(url).get(("pdserve_router_requests_failed_total", (("reason", "cancelled"),))) != 1:
+        assert time.monotonic() < deadline, "the disconnect was not counted as a cancelled request"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream,first_delay_s", [(False, 0.0), (True, 30.0)])
+def test_client_disconnect_before_the_answer_starts_closes_the_backend(serve, stream, first_delay_s):
+    """Non-streamed: the client leaves while tokens are being collected. Streamed: it leaves
+    before the first token, when no byte has been sent yet (a prefill that takes long)."""
+    backend = ScriptedBackend(pieces=["a"] * 50, delay_s=0.05, first_delay_s=first_delay_s)
+    _, url = serve(backend)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    call = backend.wait_closed()
+    assert call.cancelled and call.tokens_sent < 50
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def test_metrics_histograms_move_and_slot_gauges_follow_the_backend(serve):
+    metrics = RouterMetrics()
+    client, url = serve(ScriptedBackend(delay_s=0.01), metrics)
+    before = samples(url)
+    assert before[("pdserve_router_time_to_first_token_seconds_count", ())] == 0
+    client.completions.create(model=MODEL, prompt="abc")
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True))
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0})
+    metrics.set_decode_slots("decode-0", used=3, free=5)
+    metrics.set_decode_slots("decode-1", used=0, free=8)
+    metrics.forget_decode("decode-1")
+    after = samples(url)
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert after[(f"pdserve_router_{name}_count", ())] == 2, name
+        assert after[(f"pdserve_router_{name}_sum", ())] > 0, name
+    # Four tokens 10 ms apart: the mean inter-token time is at least 10 ms per request.
+    assert after[("pdserve_router_time_per_output_token_seconds_sum", ())] >= 2 * 0.01
+    assert after[("pdserve_router_generation_tokens_total", ())] == 8
+    assert after[("pdserve_router_prompt_tokens_total", ())] == 3 + len("<user>x<assistant>")
+    assert after[("pdserve_router_requests_completed_total", (("mode", "colocated"),))] == 2
+    assert after[("pdserve_router_requests_rejected_total", (("status", "400"),))] == 1
+    assert after[("pdserve_router_decode_slots_used", (("decode", "decode-0"),))] == 3
+    assert after[("pdserve_router_decode_slots_free", (("decode", "decode-0"),))] == 5
+    assert ("pdserve_router_decode_slots_free", (("decode", "decode-1"),)) not in after
+
+
+def test_models_and_health(serve):
+    client, url = serve(ScriptedBackend())
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL}

@@ -1,0 +1,107 @@
+"""One request's run through the backend: token events in, releasable text deltas out.
+
+This is where the router's per-request rules live, independent of HTTP: stop strings are cut
+across token boundaries, `max_tokens` is enforced even if a backend overruns it, the backend's
+generator is closed as soon as the answer is complete (so its decode slot is freed at once),
+and the timestamps the metrics need are taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
+from dataclasses import dataclass
+
+from pdserve_worker.logs import kv
+from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.roles.backend import Backend, RequestInfo, TokenEvent
+from pdserve_worker.roles.router_metrics import RequestTiming
+from pdserve_worker.roles.stop_strings import StopStringCutter
+
+log = logging.getLogger("pdserve.router")
+
+
+def _closing(events: AsyncIterator[TokenEvent]) -> AbstractAsyncContextManager[AsyncIterator[TokenEvent]]:
+    """Close the backend's stream on exit: an async generator has `aclose` (the usual case)."""
+    if isinstance(events, AsyncGenerator):
+        return aclosing(events)
+    return nullcontext(events)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text that may be shown now; `finish_reason` is set on the last delta only."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+class Generation:
+    """Drives `backend.generate` for one request and records what the metrics need.
+
+    Exactly one consumer iterates `deltas()` once. It yields one delta per token event (the
+    text may be empty while a possible stop-string prefix is held back), so a consumer that
+    waits for the first delta waits for the first token, not for the first visible text.
+    """
+
+    def __init__(self, backend: Backend, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 arrived: float) -> None:
+        self._backend = backend
+        self._prompt_ids = prompt_ids
+        self._params = params
+        self.request_id = request_id
+        self.arrived = arrived
+        self.completion_tokens = 0
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.finish_reason: str | None = None
+        self.info: RequestInfo | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._prompt_ids)
+
+    def timing(self, finished: float | None = None) -> RequestTiming:
+        return RequestTiming(
+            arrived=self.arrived,
+            first_token=self.first_token,
+            last_token=self.last_token,
+            finished=time.monotonic() if finished is None else finished,
+            completion_tokens=self.completion_tokens,
+        )
+
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
+        cutter = StopStringCutter(self._params.stop)
+        final: Delta | None = None
+        # aclosing: leaving this block early (finish, stop string, cancellation) closes the
+        # backend's generator, which is how the backend learns to release the request's slot.
+        async with _closing(self._backend.generate(self._prompt_ids, self._params, self.request_id)) as events:
+            async for event in events:
+                self._on_token(event.info)
+                text = cutter.feed(event.text)
+                if cutter.stopped:
+                    final = Delta(text, "stop")
+                elif event.finish_reason is not None:
+                    final = Delta(text + cutter.flush(), event.finish_reason)
+                elif self.completion_tokens >= self._params.max_tokens:
+                    final = Delta(text + cutter.flush(), "length")
+                if final is not None:
+                    break
+                yield Delta(text)
+        if final is None:
+            log.warning(kv(event="backend_ended_without_finish_reason", request_id=self.request_id,
+                           tokens=self.completion_tokens))
+            final = Delta(cutter.flush(), "stop")
+        self.finish_reason = final.finish_reason
+        yield final
+
+    def _on_token(self, info: RequestInfo | None) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+        self.completion_tokens += 1
+        if info is not None:
+            self.info = info

@@ -1,0 +1,295 @@
+"""The OpenAI wire format: request models that validate, and the bodies and chunks we answer.
+
+Requests are strict pydantic models: a wrong JSON type is a 400 naming the field, never a
+silent coercion ("5" is not 5, true is not 1.0), and a parameter we do not implement (n > 1,
+logprobs, penalties) is refused with a message instead of being ignored. Unknown keys are
+ignored, as newer clients send fields this server does not know about.
+
+Responses are built as plain dicts by pure functions, one `ResponseFormat` per endpoint, so
+the HTTP layer streams completions and chat alike.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdserve_worker.model.sampling_params import SamplingParams
+
+
+def _utf8_text(value: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"); no tokenizer can encode them, so refuse them here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode (lone surrogate at position {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8_text)]
+StopString = Annotated[str, Field(min_length=1), AfterValidator(_utf8_text)]
+
+# torch seeds a generator with a 64-bit integer; anything wider cannot be honoured.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by `/v1/completions` and `/v1/chat/completions`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    model: Text
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="Extension: keep the k most likely tokens; -1 or 0 disables.")
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: StopString | list[StopString] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"only n=1 is supported (one choice per request), got n={value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError(f"penalties are not supported, got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(dict.fromkeys(self.stop))
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream) and self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's view of this request, once the router has settled `max_tokens`."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=self.stop_strings,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Text | list[Text]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError(f"prompt must be a string or a list of exactly one string, got a list of {len(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported")
+        if self.best_of is not None and self.best_of != 1:
+            raise ValueError(f"only best_of=1 is supported, got best_of={self.best_of}")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type={self.type!r}")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as chat templates expect it: role and plain-text content."""
+        if self.content is None:
+            text = ""
+        elif isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(part.text or "" for part in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs are not supported")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope; clients (the openai package) read `error.message` from it."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How one endpoint spells its full response and its stream chunks (completions flavour)."""
+
+    request_id: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full(self, text: str, finish_reason: str, usage: Usage, extension: dict[str, Any] | None) -> dict[str, Any]:
+        body = self._envelope(self.object_full, [self._full_choice(text, finish_reason)])
+        body["usage"] = usage.as_dict()
+        if extension is not None:
+            body["pdserve"] = extension
+        return body
+
+    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [self._chunk_choice(delta, finish_reason)])
+        if self.include_usage:
+            body["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
+        return body
+
+    def _chunk_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent before the first text (chat announces the role)."""
+        return []
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        return self._chunk({"content": text}, None)
+
+    def finish_chunk(self, finish_reason: str, extension: dict[str, Any] | None) -> dict[str, Any]:
+        """The chunk that carries the finish reason (and no text, as OpenAI sends it)."""
+        body = self._chunk({}, finish_reason)
+        if extension is not None:
+            body["pdserve"] = extension
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = usage.as_dict()
+        return body
+
+
+@dataclass(frozen=True)
+class ChatResponseFormat(ResponseFormat):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def _chunk_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]

@@ -1,0 +1,393 @@
+"""The router's OpenAI-compatible HTTP API over an abstract `Backend`.
+
+`create_app(backend, metrics)` serves `/v1/completions` and `/v1/chat/completions` (streaming
+as server-sent events in OpenAI's chunk format, or one JSON body with `usage`), `/v1/models`,
+`/health` and `/metrics`. Everything topology-specific (which decode, which slot, the KV
+push) is behind the backend; this module owns the HTTP contract:
+
+- bad input is a 4xx with OpenAI's error envelope, decided before the backend is called;
+- a stream's headers are sent only once the first token exists, so a backend that has no
+  capacity still gets a real 429 with Retry-After rather than an error inside a 200 stream;
+- a client that goes away cancels the backend's generator, streaming or not, so its decode
+  slot is released at once instead of after the answer would have been complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from pdserve_worker import __version__
+from pdserve_worker.logs import kv
+from pdserve_worker.roles.backend import Backend, BackendError
+from pdserve_worker.roles.generation import Delta, Generation
+from pdserve_worker.roles.openai_api import (
+    ChatCompletionRequest,
+    ChatResponseFormat,
+    CompletionRequest,
+    ResponseFormat,
+    Usage,
+    error_body,
+)
+from pdserve_worker.roles.router_errors import ApiError, from_backend_error, from_validation_errors
+from pdserve_worker.roles.router_metrics import RouterMetrics
+
+log = logging.getLogger("pdserve.router")
+T = TypeVar("T")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills the context
+INLINE_TOKENIZE_MAX_CHARS = 2048  # longer prompts are tokenized in a worker thread
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def run_unless_disconnected(request: Request, fn: Callable[[], Awaitable[T]]) -> T:
+    """Await `fn()`, cancelling it if the client disconnects meanwhile.
+
+    The body has been read by then, so the next ASGI message can only be `http.disconnect`;
+    a watcher task waits for it and cancels the work, which unwinds through the backend's
+    generator (its `finally` frees the slot).
+    """
+    disconnected = False
+    failure: Exception | None = None
+    result: T | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result = await fn()
+        except Exception as exc:  # kept out of the task group, which would wrap it in a group
+            failure = exc
+        tg.cancel_scope.cancel()
+    if disconnected:
+        raise ClientDisconnected()
+    if failure is not None:
+        raise failure
+    return result  # type: ignore[return-value]  # set whenever fn() returned
+
+
+class _Ledger:
+    """Accounts one admitted request exactly once in metrics and in the log, however it ends."""
+
+    def __init__(self, metrics: RouterMetrics, gen: Generation, endpoint: str) -> None:
+        self._metrics = metrics
+        self._gen = gen
+        self._endpoint = endpoint
+        self.closed = False
+
+    def completed(self) -> None:
+        if self._close("ok"):
+            self._metrics.observe_completed(self._gen.timing(), self._gen.prompt_tokens, self._gen.info)
+
+    def failed(self, reason: str) -> None:
+        if self._close(reason):
+            self._metrics.observe_failed(reason, self._gen.timing(), self._gen.prompt_tokens)
+
+    def _close(self, outcome: str) -> bool:
+        if self.closed:
+            return False
+        self.closed = True
+        if not log.isEnabledFor(logging.INFO):
+            return True
+        gen, timing = self._gen, self._gen.timing()
+        info = gen.info
+        log.info(kv(
+            event="request_done", request_id=gen.request_id, endpoint=self._endpoint, outcome=outcome,
+            prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+            finish_reason=gen.finish_reason,
+            ttft_ms=None if timing.ttft_s is None else round(timing.ttft_s * 1000, 2),
+            e2e_ms=round(timing.e2e_s * 1000, 2),
+            disaggregated=info is not None and info.disaggregated,
+            kv_bytes=0 if info is None else info.kv_bytes,
+        ))
+        return True
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generators when the response ends.
+
+    Starlette stops iterating the body when the client disconnects but leaves the generator
+    suspended; it would hold the backend's slot until garbage collection. Closing here runs
+    the generators' cleanup (and so the backend's) as soon as the response is over.
+    """
+
+    def __init__(self, content: AsyncIterator[str], closers: list[Callable[[], Awaitable[None]]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._closers = closers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for close in self._closers:
+                await close()
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class _Router:
+    """The request path shared by both generation endpoints."""
+
+    def __init__(self, backend: Backend, metrics: RouterMetrics, report_request_info: bool) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.report_request_info = report_request_info
+
+    def reject(self, status: int, message: str, param: str | None = None, code: str | None = None) -> ApiError:
+        self.metrics.observe_rejected(status)
+        return ApiError(status, message, param=param, code=code)
+
+    async def serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        arrived = time.monotonic()
+        chat = isinstance(body, ChatCompletionRequest)
+        if body.model != self.backend.model_name:
+            raise self.reject(404, f"The model '{body.model}' does not exist; this server serves "
+                                   f"'{self.backend.model_name}'", param="model", code="model_not_found")
+        prompt_ids = await self._tokenize(body)
+        prompt_field = "messages" if chat else "prompt"
+        if not prompt_ids:
+            raise self.reject(400, f"{prompt_field} is empty (0 tokens)", param=prompt_field)
+        max_field = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
+                     and body.max_completion_tokens is not None else "max_tokens")
+        max_tokens = self._settle_max_tokens(
+            body.requested_max_tokens(), None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt_ids),
+            prompt_field, max_field,
+        )
+        try:
+            params = body.sampling_params(max_tokens)
+        except ValidationError as exc:
+            self.metrics.observe_rejected(400)
+            raise from_validation_errors(exc.errors()) from None
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        gen = Generation(self.backend, prompt_ids, params, request_id, arrived)
+        fmt_type = ChatResponseFormat if chat else ResponseFormat
+        fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
+        ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions")
+        if body.stream:
+            return await self._stream(request, gen, fmt, ledger)
+        return await self._complete(request, gen, fmt, ledger)
+
+    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """Token ids of the prompt; long prompts are tokenized off the event loop.
+
+        A thread hop costs about 0.2-2 ms here (benchmarks/router_overhead.py), more than
+        tokenizing a short prompt, so short ones run inline; a long prompt must not stall
+        the streams that share the loop.
+        """
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.template_dict() for m in body.messages]
+            size = sum(len(m["content"]) for m in messages)
+            call: Callable[[], list[int]] = lambda: self.backend.tokenize_chat(messages)  # noqa: E731
+        else:
+            text = body.prompt_text
+            size = len(text)
+            call = lambda: self.backend.tokenize_prompt(text)  # noqa: E731
+        try:
+            if size <= INLINE_TOKENIZE_MAX_CHARS:
+                return call()
+            return await anyio.to_thread.run_sync(call)
+        except BackendError as exc:
+            error, _ = from_backend_error(exc)
+            self.metrics.observe_rejected(error.status)
+            raise error from None
+
+    def _settle_max_tokens(self, requested: int | None, default: int | None, prompt_len: int,
+                           prompt_field: str, max_field: str) -> int:
+        """The number of tokens to generate, within the model's context; 400 if it cannot fit."""
+        limit = self.backend.max_model_len
+        room = limit - prompt_len
+        if room < 1:
+            raise self.reject(
+                400, f"{prompt_field} is {prompt_len} tokens, but the model's maximum context length is {limit} "
+                     f"tokens, which must also hold at least one generated token",
+                param=prompt_field, code="context_length_exceeded")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise self.reject(
+                400, f"{prompt_field} ({prompt_len} tokens) plus {max_field} ({requested}) is "
+                     f"{prompt_len + requested} tokens, more than the model's maximum context length of {limit} "
+                     f"tokens; ask for at most {room}",
+                param=max_field, code="context_length_exceeded")
+        return requested
+
+    def _extension(self, gen: Generation) -> dict[str, Any] | None:
+        if not self.report_request_info or gen.info is None:
+            return None
+        return gen.info.as_response_field()
+
+    def _usage(self, gen: Generation) -> Usage:
+        return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens)
+
+    def _fail(self, exc: BaseException, ledger: _Ledger) -> ApiError:
+        """Account a failed request and return the error to answer with."""
+        if isinstance(exc, BackendError):
+            error, reason = from_backend_error(exc)
+        else:
+            log.error(kv(event="request_error", error=repr(exc)), exc_info=exc)
+            error, reason = ApiError(500, f"internal error: {type(exc).__name__}", "internal_error"), "internal"
+        ledger.failed(reason)
+        return error
+
+    async def _complete(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:
+        async def collect() -> str:
+            parts: list[str] = []
+            async for delta in gen.deltas():
+                parts.append(delta.text)
+            return "".join(parts)
+
+        try:
+            text = await run_unless_disconnected(request, collect)
+        except ClientDisconnected:
+            ledger.failed("cancelled")
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        except asyncio.CancelledError:  # the server gave up on us (shutdown past its grace period)
+            ledger.failed("cancelled")
+            raise
+        except Exception as exc:
+            raise self._fail(exc, ledger) from None
+        assert gen.finish_reason is not None
+        ledger.completed()
+        body = fmt.full(text, gen.finish_reason, self._usage(gen), self._extension(gen))
+        return JSONResponse(body, headers={"x-request-id": gen.request_id})
+
+    async def _stream(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:
+        deltas = gen.deltas()
+        try:
+            first = await run_unless_disconnected(request, deltas.__anext__)
+        except ClientDisconnected:
+            await deltas.aclose()
+            ledger.failed("cancelled")
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            ledger.failed("cancelled")
+            raise
+        except Exception as exc:
+            await deltas.aclose()
+            raise self._fail(exc, ledger) from None
+        events = self._events(gen, fmt, first, deltas, ledger)
+
+        async def abandon() -> None:
+            ledger.failed("cancelled")  # no-op when the stream was already accounted
+
+        return _ClosingStreamingResponse(
+            events, closers=[events.aclose, deltas.aclose, abandon],
+            headers={"x-request-id": gen.request_id, "Cache-Control": "no-cache"},
+        )
+
+    async def _events(self, gen: Generation, fmt: ResponseFormat, first: Delta,
+                      deltas: AsyncIterator[Delta], ledger: _Ledger) -> AsyncGenerator[str, None]:
+        """The SSE body: opening chunks, one chunk per visible delta, finish, usage, [DONE]."""
+        try:
+            for chunk in fmt.opening_chunks():
+                yield _sse(chunk)
+            delta = first
+            while True:
+                if delta.text:
+                    yield _sse(fmt.text_chunk(delta.text))
+                if delta.finish_reason is not None:
+                    yield _sse(fmt.finish_chunk(delta.finish_reason, self._extension(gen)))
+                    break
+                delta = await anext(deltas)
+            if fmt.include_usage:
+                yield _sse(fmt.usage_chunk(self._usage(gen)))
+        except (asyncio.CancelledError, GeneratorExit):
+            ledger.failed("cancelled")
+            raise
+        except Exception as exc:
+            # Headers are gone: report in-band as OpenAI does, then end the stream cleanly.
+            error = self._fail(exc, ledger)
+            yield _sse(error.body())
+            yield _sse("[DONE]")
+            return
+        yield _sse("[DONE]")
+        ledger.completed()
+
+
+def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
+               report_request_info: bool = True) -> FastAPI:
+    """The router's ASGI app over `backend`; `metrics` is shared with the backend for its gauges.
+
+    `report_request_info` adds the backend's per-request `RequestInfo` (disaggregated, KV bytes
+    and transfer time) to responses as a `pdserve` field; OpenAI clients ignore unknown fields.
+    """
+    metrics = metrics if metrics is not None else RouterMetrics()
+    router = _Router(backend, metrics, report_request_info)
+    started = int(time.time())
+    app = FastAPI(title="pdserve router", version=__version__, docs_url=None, redoc_url=None)
+    app.state.backend = backend
+    app.state.metrics = metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers 400, not FastAPI's 422, for a body it cannot accept.
+        metrics.observe_rejected(400)
+        error = from_validation_errors(list(exc.errors()))
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        metrics.observe_rejected(exc.status_code)
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.error(kv(event="unhandled_error", error=repr(exc)), exc_info=exc)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await router.serve(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await router.serve(request, body)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": backend.model_name, "object": "model", "created": started, "owned_by": "pdserve",
+            "max_model_len": backend.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok", "model": backend.model_name}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

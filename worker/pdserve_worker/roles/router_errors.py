@@ -1,0 +1,106 @@
+"""How the router turns what went wrong into an OpenAI-style HTTP error.
+
+Three sources: the request itself (validation, unknown model, too long a prompt: 4xx), the
+backend (`NoCapacity` 429 with Retry-After, `BackendUnavailable` 503, `RequestTimeout` 504)
+and bugs (500). The mapping is data, kept apart from the endpoints so each status code has
+one place where it is decided.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_core import ErrorDetails
+
+from pdserve_worker.roles.backend import (
+    BackendError,
+    BackendUnavailable,
+    InvalidPrompt,
+    NoCapacity,
+    RequestTimeout,
+)
+from pdserve_worker.roles.openai_api import error_body
+
+
+@dataclass
+class ApiError(Exception):
+    """An error the router answers with: status, OpenAI error fields, extra headers."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def from_backend_error(exc: BackendError) -> tuple[ApiError, str]:
+    """The HTTP error for a backend failure, and the metrics reason label."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, NoCapacity):
+        retry = max(exc.retry_after_s, 0.0)
+        headers = {
+            # Retry-After is whole seconds by RFC 9110; the -ms variant keeps the precision
+            # (the openai client honours both).
+            "Retry-After": str(max(1, math.ceil(retry))),
+            "retry-after-ms": str(int(retry * 1000)),
+        }
+        return ApiError(429, message, "rate_limit_error", None, "no_capacity", headers), "no_capacity"
+    if isinstance(exc, BackendUnavailable):
+        return ApiError(503, message, "service_unavailable", None, "backend_unavailable"), "unavailable"
+    if isinstance(exc, RequestTimeout):
+        return ApiError(504, message, "timeout", None, "timeout"), "timeout"
+    if isinstance(exc, InvalidPrompt):
+        return ApiError(400, message, "invalid_request_error", None, "invalid_prompt"), "invalid_prompt"
+    return ApiError(500, f"backend error: {message}", "internal_error", None, "backend_error"), "backend_error"
+
+
+# Location parts that pydantic adds for union branches ("str", "list[str]",
+# "function-after[...]", a model's class name): noise to a client, so left out of `param`.
+_TYPE_TAG = re.compile(r"(str|int|float|bool|none|list|dict)$|.*[\[\]()\-,\s].*|[A-Z].*")
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.fullmatch(p))]
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def from_validation_errors(errors: list[ErrorDetails] | list[dict[str, Any]]) -> ApiError:
+    """A 400 naming the first offending field, what was wrong and the value seen."""
+    if not errors:
+        return ApiError(400, "invalid request")
+    # A union field fails once per branch ("not a string", "not a list"); a reason given by
+    # one of our validators is the specific one, so it wins over the generic type errors.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return ApiError(400, f"request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+    where = _location(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid value"))
+    message = message.removeprefix("Value error, ")
+    if kind == "missing":
+        text = f"missing required field '{where}'" if where else "missing request body"
+    elif kind == "value_error":  # our own validators: the message already names the value
+        text = f"{where}: {message}" if where else message
+    elif not where:
+        text = f"request body: {message} (got {_short_repr(first.get('input'))})"
+    else:
+        text = f"{where}: {message} (got {_short_repr(first.get('input'))})"
+    return ApiError(400, text, param=where or None, code="missing_field" if kind == "missing" else "invalid_value")

@@ -1,0 +1,156 @@
+"""The router's Prometheus metrics, in a registry of their own.
+
+One `CollectorRegistry` per `RouterMetrics` (not the process-global default) so that several
+apps in one process (tests, `pdserve local`) never collide on metric names and each
+`/metrics` shows only its own router. The backend receives the same object to update the
+per-decode slot gauges, since only it knows the decode membership.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+from pdserve_worker.roles.backend import RequestInfo
+
+_PREFIX = "pdserve_router"
+
+# Buckets sized for LLM serving: a CPU decode step is ~10-40 ms, a long prompt's TTFT seconds.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_KV_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(10, 34, 2))  # 1 KiB .. 8 GiB
+_KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Timestamps (monotonic seconds) of one served request, as the router saw them."""
+
+    arrived: float
+    first_token: float | None
+    last_token: float | None
+    finished: float
+    completion_tokens: int
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrived
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time between output tokens; needs two tokens to be defined."""
+        if self.first_token is None or self.last_token is None or self.completion_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.completion_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished - self.arrived
+
+
+class RouterMetrics:
+    """Histograms and counters the router observes per request, gauges the backend sets."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            f"{_PREFIX}_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token.",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            f"{_PREFIX}_time_per_output_token_seconds",
+            "Mean time between output tokens of one request (requests with 2+ tokens).",
+            buckets=_TPOT_BUCKETS, registry=r,
+        )
+        self.e2e_latency = Histogram(
+            f"{_PREFIX}_e2e_request_latency_seconds",
+            "From the request's arrival to its last byte, for requests that completed.",
+            buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.kv_transfer_bytes = Histogram(
+            f"{_PREFIX}_kv_transfer_bytes",
+            "KV bytes pushed from prefill to decode per disaggregated request.",
+            buckets=_KV_BYTES_BUCKETS, registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            f"{_PREFIX}_kv_transfer_seconds",
+            "Wall time of one request's KV push, first put to completion.",
+            buckets=_KV_SECONDS_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "Tokens generated.", registry=r)
+        self.requests_completed = Counter(
+            f"{_PREFIX}_requests_completed",
+            "Requests answered in full, by how they were served (disaggregated or colocated).",
+            ["mode"], registry=r,
+        )
+        self.requests_failed = Counter(
+            f"{_PREFIX}_requests_failed",
+            "Admitted requests that did not complete, by reason.",
+            ["reason"], registry=r,
+        )
+        self.requests_rejected = Counter(
+            f"{_PREFIX}_requests_rejected",
+            "Requests refused before reaching the backend (bad input), by HTTP status.",
+            ["status"], registry=r,
+        )
+        self.decode_slots_used = Gauge(
+            f"{_PREFIX}_decode_slots_used", "KV slots in use per decode instance.", ["decode"], registry=r
+        )
+        self.decode_slots_free = Gauge(
+            f"{_PREFIX}_decode_slots_free", "KV slots free per decode instance.", ["decode"], registry=r
+        )
+
+    # --- what the router calls -------------------------------------------------------------
+
+    def observe_completed(self, timing: RequestTiming, prompt_tokens: int, info: RequestInfo | None) -> None:
+        """Record one request that was answered in full."""
+        self._observe_tokens(timing, prompt_tokens)
+        self.e2e_latency.observe(timing.e2e_s)
+        disaggregated = info is not None and info.disaggregated
+        self.requests_completed.labels(mode="disaggregated" if disaggregated else "colocated").inc()
+        if info is not None and info.disaggregated:
+            self.kv_transfer_bytes.observe(info.kv_bytes)
+            if info.kv_transfer_s is not None:
+                self.kv_transfer_seconds.observe(info.kv_transfer_s)
+
+    def observe_failed(self, reason: str, timing: RequestTiming | None = None, prompt_tokens: int = 0) -> None:
+        """Record an admitted request that ended without an answer (error, timeout, disconnect)."""
+        if timing is not None:
+            self._observe_tokens(timing, prompt_tokens)
+        self.requests_failed.labels(reason=reason).inc()
+
+    def observe_rejected(self, status: int) -> None:
+        self.requests_rejected.labels(status=str(status)).inc()
+
+    def _observe_tokens(self, timing: RequestTiming, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(timing.completion_tokens)
+        if timing.ttft_s is not None:
+            self.time_to_first_token.observe(timing.ttft_s)
+        if timing.tpot_s is not None:
+            self.time_per_output_token.observe(timing.tpot_s)
+
+    # --- what the backend calls ------------------------------------------------------------
+
+    def set_decode_slots(self, decode: str, used: int, free: int) -> None:
+        """Publish one decode instance's slot usage (called when the backend learns it)."""
+        self.decode_slots_used.labels(decode=decode).set(used)
+        self.decode_slots_free.labels(decode=decode).set(free)
+
+    def forget_decode(self, decode: str) -> None:
+        """Drop a decode instance that left the membership, so its gauges do not linger."""
+        for gauge in (self.decode_slots_used, self.decode_slots_free):
+            try:
+                gauge.remove(decode)
+            except KeyError:
+                pass
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format, for `/metrics`."""
+        return generate_latest(self.registry)
