@@ -38,6 +38,13 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
     return {k: _inline(v, defs) for k, v in node.items()}
 
 
+def _has_defaults(node: dict[str, Any]) -> bool:
+    """An object some of whose (nested) fields declare defaults: worth defaulting to {}."""
+    if node.get("type") != "object" or "properties" not in node:
+        return False
+    return any("default" in p or _has_defaults(p) for p in node["properties"].values())
+
+
 def _structural(node: dict[str, Any], name: str = "") -> dict[str, Any]:
     """Rewrite one inlined pydantic schema node (and its children) into a structural one."""
     node = dict(node)
@@ -65,6 +72,11 @@ def _structural(node: dict[str, Any], name: str = "") -> dict[str, Any]:
             continue
         if key == "properties":
             out["properties"] = {k: _structural(v, k) for k, v in value.items()}
+            for k, sub in out["properties"].items():
+                # default_factory leaves no default in pydantic's schema; an absent nested object
+                # must still default to {} so the API server fills its fields' defaults.
+                if _has_defaults(sub) and k not in node.get("required", []):
+                    sub.setdefault("default", {})
         elif key == "items":
             out["items"] = _structural(value)
         elif key == "additionalProperties" and isinstance(value, dict):
