@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "pdserve.dev"
@@ -90,7 +90,7 @@ class Model(BaseModel):
     def _check_rules(self) -> "Model":
         for rule in type(self).rules:
             if not rule.holds(self):
-                raise ValueError(f"{rule.field or 'spec'}: {rule.message}")
+                raise ValueError(rule.message)
         return self
 
     def wire(self) -> dict[str, Any]:
@@ -432,3 +432,13 @@ class PDInferenceServiceStatus(Model):
 def parse_spec(spec: dict[str, Any] | None) -> PDInferenceServiceSpec:
     """Validate a resource's `.spec` (raises pydantic.ValidationError naming the fields)."""
     return PDInferenceServiceSpec.model_validate(spec or {})
+
+
+def describe(exc: ValidationError) -> str:
+    """One line per problem, each naming the field as it is spelled in the resource."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"spec.{loc}: {msg}" if loc else f"spec: {msg}")
+    return "; ".join(lines)

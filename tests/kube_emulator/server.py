@@ -131,6 +131,25 @@ class KubeEmulator(kmock.KubernetesScaffold):
 
     # ------------------------------------------------------------------ entry point
 
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        body = await raw_request.read()
+        try:
+            request = await kmock.Request._parse(raw_request, id=len(self._requests))
+        except ValueError:
+            # kmock's path parser cannot split `/api/v1/namespaces` (nothing after "namespaces");
+            # this handler routes by path itself, so the HTTP part of the request is enough.
+            request = kmock.Request(
+                id=len(self._requests), raw_request=raw_request, url=raw_request.url, method=raw_request.method,
+                params=dict(raw_request.query), headers=dict(raw_request.headers), body=body,
+                text=body.decode("utf-8", "replace"),
+            )
+        self._requests.append(request)
+        try:
+            return await self._handle(request)
+        except Exception as exc:  # a bug here must reach the client as a 500 Status, not a hang
+            err = ApiError(500, "InternalError", f"emulator error: {exc!r}")
+            return aiohttp.web.json_response(err.status(), status=500)
+
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if self._payloads:  # reactions a test injected take precedence (fault injection)
             try:

@@ -14,7 +14,13 @@ import sys
 # Module names under pdserve_worker.commands, in the order `pdserve --help` lists them.
 COMMANDS: tuple[str, ...] = (
     "info",
+    "crd",
+    "operator",
 )
+
+
+# Subcommands whose module name differs (no module may be called `operator`: stdlib shadowing).
+_MODULES: dict[str, str] = {"operator": "operator_cmd"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"pdserve_worker.commands.{name}").register(sub)
+        importlib.import_module(f"pdserve_worker.commands.{_MODULES.get(name, name)}").register(sub)
     return parser
 
 
