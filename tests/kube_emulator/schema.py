@@ -90,9 +90,14 @@ def _short(value: Any) -> str:
     return text if len(text) < 80 else text[:77] + "..."
 
 
+@functools.lru_cache(maxsize=1)
+def _environment() -> Any:
+    return celpy.Environment()  # builds a parser: about 0.7 s, so once per process
+
+
 @functools.lru_cache(maxsize=512)
 def _program(rule: str) -> Any:
-    env = celpy.Environment()
+    env = _environment()
     return env.program(env.compile(rule))
 
 
