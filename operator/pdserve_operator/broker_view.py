@@ -66,7 +66,9 @@ class BrokerServerView:
         self.server.remove_service(service_key)
 
     def registered_counts(self, service_key: str) -> Mapping[str, int] | None:
-        return dict(self.server.registered_counts(service_key))
+        # Roles may come as an enum; status speaks their string values.
+        counts = self.server.registered_counts(service_key)
+        return {str(getattr(role, "value", role)): int(n) for role, n in counts.items()}
 
     def slots_in_use(self, service_key: str) -> int | None:
         # Optional in the broker's interface: a broker that does not track slots says so by lacking it.

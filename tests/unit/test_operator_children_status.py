@@ -217,3 +217,36 @@ def test_transition_times_survive_unchanged_conditions_and_invalid_keeps_counts(
     assert st.transition_event(again, bad) == ("Warning", "InvalidSpec", "spec.decode.replicas: bad")
     assert st.previous({"phase": "Nonsense"}) is None
     assert json.loads(json.dumps(bad.wire()))["conditions"][0]["lastTransitionTime"] == "t3"
+
+
+def test_broker_view_adapts_a_server_with_enum_roles_and_without_slot_tracking() -> None:
+    import enum
+
+    from pdserve_operator.broker_view import BrokerServerView, NullBrokerView
+
+    class Role(str, enum.Enum):
+        PREFILL = "prefill"
+        DECODE = "decode"
+
+    class Server:
+        def __init__(self) -> None:
+            self.tokens: dict[str, str] = {}
+
+        def set_service_token(self, key: str, token: str) -> None:
+            self.tokens[key] = token
+
+        def remove_service(self, key: str) -> None:
+            self.tokens.pop(key)
+
+        def registered_counts(self, key: str) -> dict:
+            return {Role.PREFILL: 2, Role.DECODE: 1}
+
+    server = Server()
+    view = BrokerServerView(server)
+    view.set_service_token("ns/a", "t")
+    assert server.tokens == {"ns/a": "t"}
+    assert view.registered_counts("ns/a") == {"prefill": 2, "decode": 1}
+    assert view.slots_in_use("ns/a") is None
+    view.remove_service("ns/a")
+    assert server.tokens == {}
+    assert NullBrokerView().registered_counts("ns/a") is None
