@@ -88,9 +88,9 @@ class Model(BaseModel):
 
     @model_validator(mode="after")
     def _check_rules(self) -> "Model":
-        for rule in type(self).rules:
-            if not rule.holds(self):
-                raise ValueError(rule.message)
+        broken = [rule.message for rule in type(self).rules if not rule.holds(self)]
+        if broken:  # every broken rule at once, as the API server reports every CEL failure
+            raise ValueError("; ".join(broken))
         return self
 
     def wire(self) -> dict[str, Any]:
