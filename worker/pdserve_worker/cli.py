@@ -18,7 +18,13 @@ COMMANDS: tuple[str, ...] = (
     "protos",
     "complete",
     "chat",
+    "crd",
+    "operator",
 )
+
+
+# Subcommands whose module name differs (no module may be called `operator`: stdlib shadowing).
+_MODULES: dict[str, str] = {"operator": "operator_cmd"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"pdserve_worker.commands.{name}").register(sub)
+        importlib.import_module(f"pdserve_worker.commands.{_MODULES.get(name, name)}").register(sub)
     return parser
 
 

@@ -1,0 +1,453 @@
+"""Spec → the Kubernetes objects a PDInferenceService owns. Pure: no I/O, no clock, no randomness.
+
+`render(owner, spec, token, defaults)` returns every child as a plain dict, in the order they
+should be applied (Secret and ConfigMap before the pods that mount them). The reconciler applies
+them idempotently and compares them with what is live (`drift.py`), so everything rendered here
+must be stable for equal inputs and must not contain fields the API server drops (empty strings,
+false booleans, empty lists): those would read as drift forever.
+
+Decode layer sharding: a decode *group* is `layerShards` pods. The StatefulSet runs
+`replicas × layerShards` pods; each pod derives (group, member) from its ordinal
+(`pdserve_worker.pod_env.group_member`), so the operator only has to pass the shard count.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve_worker import pod_env as E
+
+from pdserve_operator import spec as s
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "pdserve-operator"
+APP = "pdserve"
+ANNOTATION_SPEC_HASH = "pdserve.dev/config-hash"
+TOKEN_KEY = "token"
+CONFIG_KEY = "service.json"
+CONFIG_DIR = "/etc/pdserve"
+MODELS_DIR = "/models"
+WORKER_UID = 1000
+
+ROLES = ("prefill", "decode", "router")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The PDInferenceService children belong to (what ownerReferences need)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @property
+    def key(self) -> str:
+        """The broker's service key."""
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Operator-wide settings that the spec may leave unset."""
+
+    image: str
+    broker_address: str
+    image_pull_policy: str = "IfNotPresent"
+
+
+# ---------------------------------------------------------------------------------------------
+# Names and labels
+
+
+def secret_name(name: str) -> str:
+    return f"{name}-broker-token"
+
+
+def config_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def workload_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def headless_name(name: str) -> str:
+    return f"{name}-decode-headless"
+
+
+def router_service_name(name: str) -> str:
+    """The router Service carries the resource's own name: it is the service users call."""
+    return name
+
+
+def selector_labels(name: str, role: str | None = None) -> dict[str, str]:
+    labels = {LABEL_NAME: APP, LABEL_INSTANCE: name}
+    if role is not None:
+        labels[LABEL_COMPONENT] = role
+    return labels
+
+
+def labels(name: str, role: str | None = None) -> dict[str, str]:
+    return {**selector_labels(name, role), LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def selector_string(name: str, role: str) -> str:
+    """A label selector in the string form the scale subresource reports."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name, role).items())
+
+
+def endpoint(owner: Owner, spec: s.PDInferenceServiceSpec) -> str:
+    return f"http://{router_service_name(owner.name)}.{owner.namespace}.svc:{spec.router.service.port}/v1"
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": s.API_VERSION,
+        "kind": s.KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(owner: Owner, name: str, role: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name, role),
+        "ownerReferences": [owner_reference(owner)],
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Config shared by the pods
+
+
+def service_config(spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
+    """What pods read from the ConfigMap: the spec without replica counts.
+
+    Replica counts are left out so that scaling does not change the config hash and roll
+    every pod of every role.
+    """
+    wire = spec.wire()
+    for role in ROLES:
+        wire.get(role, {}).pop("replicas", None)
+    return wire
+
+
+def config_hash(spec: s.PDInferenceServiceSpec) -> str:
+    blob = json.dumps(service_config(spec), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _quantity(value: int | str) -> str:
+    """Quantities as the API server returns them (strings), so comparisons are like with like."""
+    return str(value)
+
+
+def _resources(role: str, spec: s.PDInferenceServiceSpec, overrides: s.PodOverrides) -> dict[str, Any]:
+    requests = {k: _quantity(v) for k, v in overrides.resources.requests.items()}
+    limits = {k: _quantity(v) for k, v in overrides.resources.limits.items()}
+    device = spec.device
+    if role in ("prefill", "decode") and device.type != "cpu" and device.resource_name and device.count:
+        # Extended resources must be requested with requests == limits; spec.device wins.
+        requests[device.resource_name] = limits[device.resource_name] = _quantity(device.count)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> list[dict[str, Any]]:
+    def val(name: str, value: object) -> dict[str, Any]:
+        text = value if isinstance(value, str) else json.dumps(value)
+        return {"name": name, "value": text}
+
+    def field(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+    env = [
+        val(E.ROLE, role),
+        val(E.SERVICE, owner.key),
+        field(E.NAMESPACE, "metadata.namespace"),
+        field(E.POD_NAME, "metadata.name"),
+        field(E.POD_IP, "status.podIP"),
+        val(E.BROKER_ADDRESS, defaults.broker_address),
+        {
+            "name": E.BROKER_TOKEN,
+            "valueFrom": {"secretKeyRef": {"name": secret_name(owner.name), "key": TOKEN_KEY}},
+        },
+        val(E.HTTP_PORT_ENV, E.HTTP_PORT),
+        val(E.GRPC_PORT_ENV, E.GRPC_PORT),
+        val(E.CONFIG_FILE, f"{CONFIG_DIR}/{CONFIG_KEY}"),
+        val(E.MODEL_NAME, spec.model.name),
+        val(E.MODEL_SOURCE, _model_source_in_pod(spec.model.source)),
+        val(E.MODEL_DTYPE, spec.model.dtype),
+        val(E.MAX_LENGTH, spec.model.max_length),
+        val(E.DEVICE, spec.device.type),
+        val(E.DEVICE_COUNT, spec.device.count if spec.device.type != "cpu" else 0),
+        val(E.TRANSFER_BACKEND, spec.transfer.backend),
+        val(E.QUEUE_DEPTH, spec.transfer.queue_depth),
+        val(E.CONNECT_TIMEOUT_MS, spec.transfer.connect_timeout_ms),
+        val(E.TRANSFER_TIMEOUT_MS, spec.transfer.transfer_timeout_ms),
+        val(E.ENGINE_OPTIONS, json.dumps(spec.transfer.engine_options, sort_keys=True)),
+        val("HOME", "/tmp"),  # the root filesystem is read-only; caches go to the emptyDir
+    ]
+    if role == "prefill":
+        env.append(val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk))
+    if role == "decode":
+        d = spec.decode
+        env += [
+            val(E.SLOTS, d.slots),
+            val(E.READINESS_MODE, d.readiness),
+            val(E.WARMUP, d.warmup),
+            val(E.LAYER_SHARDS, d.layer_shards),
+            val(E.DECODE_SERVICE, headless_name(owner.name)),
+            val(E.DRAIN_TIMEOUT_SECONDS, d.drain_timeout_seconds),
+        ]
+        if d.readiness == "poll":
+            env.append(val(E.POLL_INTERVAL_MICROS, d.poll_interval_micros or 100))
+    overrides: s.PodOverrides = getattr(spec, role)
+    ours = {e["name"] for e in env}
+    # The operator's variables are the contract with the worker: user env cannot replace them.
+    env += [
+        {"name": e.name, "value": e.value} if e.value else {"name": e.name}
+        for e in overrides.env
+        if e.name not in ours and not e.name.startswith("PDSERVE_")
+    ]
+    return env
+
+
+def _model_source_in_pod(source: str) -> str:
+    """pvc://claim/sub → the path where the claim is mounted; other sources pass through."""
+    if source.startswith("pvc://"):
+        _, _, sub = source.removeprefix("pvc://").partition("/")
+        return f"{MODELS_DIR}/{sub}".rstrip("/")
+    return source
+
+
+def _pvc_claim(source: str) -> str | None:
+    if not source.startswith("pvc://"):
+        return None
+    return source.removeprefix("pvc://").partition("/")[0]
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 2,
+    }
+
+
+def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
+    overrides: s.PodOverrides = getattr(spec, role)
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_name(owner.name)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if role in ("prefill", "decode"):
+        # The host transfer engine keeps KV pools in shared memory; the container default is 64 MiB.
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        claim = _pvc_claim(spec.model.source)
+        if claim is not None:
+            mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+            volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.image or defaults.image,
+        "imagePullPolicy": defaults.image_pull_policy,
+        "command": ["pdserve"],
+        "args": ["worker", "--role", role],
+        "env": _env(owner, role, spec, defaults),
+        "ports": [
+            {"name": "http", "containerPort": E.HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": E.GRPC_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": _probe("/readyz", 5, 3),
+        "livenessProbe": _probe("/healthz", 10, 6),
+        # Loading a model can take minutes; liveness starts counting only after this succeeds.
+        "startupProbe": _probe("/healthz", 5, 120),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+    resources = _resources(role, spec, overrides)
+    if resources:
+        container["resources"] = resources
+    grace = 30
+    if role == "decode":
+        # Contract (pod_env.py): GET /drain returns once the pod's slots are drained or timed out.
+        container["lifecycle"] = {"preStop": {"httpGet": {"path": "/drain", "port": "http"}}}
+        grace = spec.decode.drain_timeout_seconds + 15
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": grace,
+        "automountServiceAccountToken": False,  # workers talk to the broker, never to the API
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": WORKER_UID,
+            "runAsGroup": WORKER_UID,
+            "fsGroup": WORKER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if overrides.node_selector:
+        pod_spec["nodeSelector"] = dict(overrides.node_selector)
+    if overrides.tolerations:
+        pod_spec["tolerations"] = [t.wire() for t in overrides.tolerations]
+    return {
+        "metadata": {
+            "labels": labels(owner.name, role),
+            "annotations": {ANNOTATION_SPEC_HASH: config_hash(spec)},
+        },
+        "spec": pod_spec,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The children
+
+
+def secret(owner: Owner, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(owner, secret_name(owner.name)),
+        "type": "Opaque",
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def token_of(secret_obj: dict[str, Any] | None) -> str | None:
+    """The broker token kept in a live Secret, if it holds a usable one."""
+    raw = ((secret_obj or {}).get("data") or {}).get(TOKEN_KEY)
+    if not raw:
+        return None
+    try:
+        token = base64.b64decode(raw, validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return token or None
+
+
+def config_map(owner: Owner, spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, config_name(owner.name)),
+        "data": {CONFIG_KEY: json.dumps(service_config(spec), sort_keys=True, indent=2)},
+    }
+
+
+def deployment(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, workload_name(owner.name, role), role),
+        "spec": {
+            "replicas": getattr(spec, role).replicas,
+            "selector": {"matchLabels": selector_labels(owner.name, role)},
+            "template": pod_template(owner, role, spec, defaults),
+        },
+    }
+
+
+def decode_statefulset(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(owner, workload_name(owner.name, "decode"), "decode"),
+        "spec": {
+            "replicas": decode_pods(spec),
+            "serviceName": headless_name(owner.name),
+            # Members of a group start together; ordered start would serialise model loads.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(owner.name, "decode")},
+            "template": pod_template(owner, "decode", spec, defaults),
+            "updateStrategy": {"type": "RollingUpdate"},
+        },
+    }
+
+
+def decode_pods(spec: s.PDInferenceServiceSpec) -> int:
+    return spec.decode.replicas * spec.decode.layer_shards
+
+
+def headless_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, headless_name(owner.name), "decode"),
+        "spec": {
+            "clusterIP": "None",
+            # Members of a group must find each other before any of them is ready.
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(owner.name, "decode"),
+            "ports": [
+                {"name": "grpc", "port": E.GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+                {"name": "http", "port": E.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def router_service(owner: Owner, spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
+    svc = spec.router.service
+    port: dict[str, Any] = {"name": "http", "port": svc.port, "targetPort": "http", "protocol": "TCP"}
+    if svc.node_port is not None:
+        port["nodePort"] = svc.node_port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, router_service_name(owner.name), "router"),
+        "spec": {"type": svc.type, "selector": selector_labels(owner.name, "router"), "ports": [port]},
+    }
+
+
+def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, workload_name(owner.name, role), role),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name, role)}},
+    }
+
+
+def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: Defaults) -> list[dict[str, Any]]:
+    """Every child, in apply order (what pods mount exists before the pods)."""
+    if not token:
+        raise ValueError(f"empty broker token for {owner.key}")
+    return [
+        secret(owner, token),
+        config_map(owner, spec),
+        headless_service(owner),
+        router_service(owner, spec),
+        deployment(owner, "prefill", spec, defaults),
+        decode_statefulset(owner, spec, defaults),
+        deployment(owner, "router", spec, defaults),
+        *(disruption_budget(owner, role) for role in ROLES),
+    ]

@@ -1,0 +1,190 @@
+"""Spec models → the PDInferenceService CustomResourceDefinition.
+
+Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema. The
+translation here is mechanical and total: `$ref`s are inlined, `Optional[X]` becomes "X, not
+required", `additionalProperties: false` (from `extra="forbid"`) is dropped because the API
+server prunes unknown fields instead, numeric exclusive bounds become OpenAPI 3.0 booleans, and
+object defaults collapse to `{}` so that the API server fills nested defaults one level at a
+time (a dumped default object would freeze today's nested defaults into the schema).
+`manifests/crd.yaml` is the output of `pdserve crd`; a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from pdserve_operator import spec as s
+
+# Keys pydantic emits that OpenAPI v3.0 in a CRD either lacks or that only add noise.
+_DROP_KEYS = {"title", "$defs", "const", "examples"}
+
+# Fields whose list items are keyed: lets server-side apply and strategic merges address them.
+_LIST_MAP_KEYS: dict[str, str] = {"conditions": "type", "env": "name"}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """Resolve `$ref`s against `defs`, merging sibling keys (the field's own description wins)."""
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**copy.deepcopy(target), **{k: v for k, v in node.items() if k != "$ref"}}
+        return _inline(merged, defs)
+    return {k: _inline(v, defs) for k, v in node.items()}
+
+
+def _has_defaults(node: dict[str, Any]) -> bool:
+    """An object some of whose (nested) fields declare defaults: worth defaulting to {}."""
+    if node.get("type") != "object" or "properties" not in node:
+        return False
+    return any("default" in p or _has_defaults(p) for p in node["properties"].values())
+
+
+def _structural(node: dict[str, Any], name: str = "") -> dict[str, Any]:
+    """Rewrite one inlined pydantic schema node (and its children) into a structural one."""
+    node = dict(node)
+    # Optional[X]: pydantic writes anyOf [X, null]; Kubernetes prunes nulls of non-nullable fields,
+    # so the field becomes X and simply not required.
+    any_of = node.get("anyOf")
+    if any_of and not node.get("x-kubernetes-int-or-string"):
+        non_null = [b for b in any_of if b.get("type") != "null"]
+        if len(non_null) == 1 and len(non_null) < len(any_of):
+            del node["anyOf"]
+            node = {**non_null[0], **node}
+            if node.get("default", 0) is None:
+                del node["default"]
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP_KEYS:
+            continue
+        if key == "additionalProperties" and value is False:
+            continue
+        if key == "exclusiveMinimum" and not isinstance(value, bool):
+            out["minimum"], out["exclusiveMinimum"] = value, True
+            continue
+        if key == "exclusiveMaximum" and not isinstance(value, bool):
+            out["maximum"], out["exclusiveMaximum"] = value, True
+            continue
+        if key == "properties":
+            out["properties"] = {k: _structural(v, k) for k, v in value.items()}
+            for k, sub in out["properties"].items():
+                # default_factory leaves no default in pydantic's schema; an absent nested object
+                # must still default to {} so the API server fills its fields' defaults.
+                if _has_defaults(sub) and k not in node.get("required", []):
+                    sub.setdefault("default", {})
+        elif key == "items":
+            out["items"] = _structural(value)
+        elif key == "additionalProperties" and isinstance(value, dict):
+            out["additionalProperties"] = _structural(value)
+        else:
+            out[key] = copy.deepcopy(value)
+    if "default" in out:
+        if out.get("type") == "object" and "properties" in out:
+            out["default"] = {}  # let the API server apply the nested defaults itself
+        elif out.get("type") in ("object", "array"):
+            del out["default"]  # empty maps/lists: absent means empty; no noise in stored objects
+    if out.get("type") == "array" and name in _LIST_MAP_KEYS:
+        out["x-kubernetes-list-type"] = "map"
+        out["x-kubernetes-list-map-keys"] = [_LIST_MAP_KEYS[name]]
+    if "type" in out or "description" in out:  # readable YAML: what a node is comes first
+        head = {k: out[k] for k in ("type", "description") if k in out}
+        out = {**head, **{k: v for k, v in out.items() if k not in head}}
+    if out.get("type") == "object" and "properties" in out and out.get("required") is not None:
+        out["required"] = [r for r in out["required"] if r in out["properties"]]
+        if not out["required"]:
+            del out["required"]
+    return out
+
+
+def model_schema(model: type[s.Model]) -> dict[str, Any]:
+    """The structural OpenAPI schema of one model (with its CEL rules)."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.get("$defs", {})
+    return _structural(_inline(raw, defs))
+
+
+def openapi_schema() -> dict[str, Any]:
+    spec = model_schema(s.PDInferenceServiceSpec)
+    spec["default"] = {}
+    status = model_schema(s.PDInferenceServiceStatus)
+    return {
+        "type": "object",
+        "description": (
+            "PDInferenceService runs a prefill/decode disaggregated LLM service: prefill pods push "
+            "KV into decode pods' slots; routers serve the OpenAI API."
+        ),
+        "properties": {
+            "apiVersion": {"type": "string", "description": "API version of this object (pdserve.dev/v1alpha1)."},
+            "kind": {"type": "string", "description": "Kind of this object (PDInferenceService)."},
+            "metadata": {"type": "object", "description": "Standard object metadata."},
+            "spec": spec,
+            "status": status,
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": f"size(self.metadata.name) <= {s.MAX_NAME_LENGTH}",
+                "message": f"metadata.name must be at most {s.MAX_NAME_LENGTH} characters (children append suffixes)",
+            }
+        ],
+    }
+
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary", "description": "Ready/desired prefill pods."},
+    {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary", "description": "Ready/desired decode groups."},
+    {"name": "Slots", "type": "string", "jsonPath": ".status.slots.summary", "description": "Used/total KV slots."},
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
+    {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1, "description": "OpenAI API URL."},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+SCALE = {
+    "specReplicasPath": ".spec.decode.replicas",
+    "statusReplicasPath": ".status.decode.replicas",
+    "labelSelectorPath": ".status.decode.selector",
+}
+
+
+def build_crd() -> dict[str, Any]:
+    """The CustomResourceDefinition object (a plain dict, ready for YAML or the API)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{s.PLURAL}.{s.GROUP}",
+            "labels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/part-of": "pdserve"},
+        },
+        "spec": {
+            "group": s.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": s.KIND,
+                "listKind": f"{s.KIND}List",
+                "plural": s.PLURAL,
+                "singular": s.SINGULAR,
+                "shortNames": list(s.SHORT_NAMES),
+                "categories": ["pdserve"],
+            },
+            "versions": [
+                {
+                    "name": s.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                    "subresources": {"status": {}, "scale": dict(SCALE)},
+                    "additionalPrinterColumns": [dict(c) for c in PRINTER_COLUMNS],
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """`pdserve crd` output and the content of manifests/crd.yaml."""
+    header = "# Generated by `pdserve crd` from pdserve_operator/spec.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100, allow_unicode=True)

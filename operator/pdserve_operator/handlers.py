@@ -1,0 +1,136 @@
+"""kopf handlers: thin triggers into `Reconciler`; no Kubernetes logic lives here.
+
+- create/update/resume of a PDInferenceService → reconcile it now (errors retry with backoff);
+- any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`):
+  edited or deleted by hand, or its readiness changed → reconcile its owner (coalesced);
+- a per-resource timer → reconcile every `resync_seconds` (refreshes broker counts; a safety
+  net for missed events);
+- delete → tell the broker to forget the service (a finalizer makes this reliable; children go
+  by ownerReference garbage collection).
+
+The shared objects arrive in kopf's `memo` (see `runner.py`); `kopf run -m
+pdserve_operator.handlers` also works and builds them from PDSERVE_OPERATOR_* variables.
+All handlers run in peering-aware kopf tasks, so a paused (non-leader) replica does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from pdserve_operator import children as ch
+from pdserve_operator import spec as s
+from pdserve_operator.kube import KubeError
+from pdserve_operator.runtime import OperatorConfig, Runtime, build_runtime
+
+FINALIZER = "pdserve.dev/finalizer"
+PREFIX = "pdserve.dev"
+TIMER_TICK_SECONDS = 1.0  # the timer only checks whether a resync is due; Runtime decides how often
+MANAGED = {ch.LABEL_MANAGED_BY: ch.MANAGED_BY}
+CHILD_RESOURCES = (
+    ("apps", "v1", "deployments"),
+    ("apps", "v1", "statefulsets"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("", "v1", "secrets"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
+
+
+def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """Kubernetes Events through kopf's poster (kopf 1.45 posts only kopf.event/info/warn)."""
+    kopf.event(obj, type=type_, reason=reason, message=message[:1024])
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Our own finalizer and annotation prefix; no kopf state in the resource's status."""
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.execution.max_workers = 16  # blocking API calls run in this pool
+    settings.watching.server_timeout = 300
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    configure(settings)
+    if "runtime" not in memo:
+        memo["runtime"] = build_runtime(OperatorConfig(), events=post_event)
+    runtime: Runtime = memo["runtime"]
+    logger.info("pdserve operator ready: image=%s broker=%s", runtime.config.image, runtime.config.broker_address)
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """kopf connects with the very credentials of our own client (one source, read at startup).
+
+    kopf's default login goes through `kubernetes.config`, which fixes $KUBECONFIG when it is
+    first imported; ours reads it when the operator starts.
+    """
+    runtime: Runtime = memo["runtime"]
+    return runtime.kube.connection_info()
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime is not None and memo.get("owns_runtime", True):
+        runtime.close()
+
+
+async def _reconcile(memo: kopf.Memo, namespace: str, name: str, why: str) -> None:
+    runtime: Runtime = memo["runtime"]
+    try:
+        await runtime.reconciler.request(namespace, name, why)
+    except KubeError as exc:
+        if exc.status in (400, 403, 422):  # our request is wrong: retrying will not help quickly
+            raise kopf.TemporaryError(f"reconcile {namespace}/{name}: {exc}", delay=30) from exc
+        raise kopf.TemporaryError(f"reconcile {namespace}/{name}: {exc}", delay=2) from exc
+
+
+@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL)
+@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL)
+@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL)
+async def reconcile_service(name: str, namespace: str, memo: kopf.Memo, reason: str, **_: Any) -> None:
+    await _reconcile(memo, namespace, name, str(reason))
+
+
+@kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=TIMER_TICK_SECONDS, initial_delay=TIMER_TICK_SECONDS)
+async def resync(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime = memo["runtime"]
+    if runtime.resync_due(namespace, name):
+        await _reconcile(memo, namespace, name, "resync")
+
+
+@kopf.on.delete(s.GROUP, s.VERSION, s.PLURAL)
+async def forget_service(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    runtime: Runtime = memo["runtime"]
+    runtime.broker.remove_service(f"{namespace}/{name}")
+    runtime.reconciler.forget(namespace, name)
+    runtime.last_sync.pop((namespace, name), None)
+    logger.info("service removed from the broker; children go by garbage collection")
+
+
+def _owner_of(body: kopf.Body) -> str | None:
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == s.KIND and ref.get("apiVersion", "").startswith(s.GROUP + "/"):
+            return str(ref["name"])
+    # The ownerReference was removed by hand: the instance label still names the owner.
+    return body.get("metadata", {}).get("labels", {}).get(ch.LABEL_INSTANCE)
+
+
+def _register_child_watch(group: str, version: str, plural: str) -> None:
+    @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
+    async def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, type: str | None, **_: Any) -> None:
+        owner = _owner_of(body)
+        if owner:
+            await _reconcile(memo, namespace, owner, f"child {plural} {type or 'listed'}")
+
+
+for _group, _version, _plural in CHILD_RESOURCES:
+    _register_child_watch(_group, _version, _plural)

@@ -1,0 +1,156 @@
+"""A small Kubernetes REST client for plain-dict objects, on the official client's transport.
+
+The official client brings authentication (kubeconfig, in-cluster service account with token
+refresh, exec plugins) and a connection pool; its typed models do not help here (children are
+dicts rendered by `children.py`) and deserializing them is slow, so requests go through its
+`ApiClient` by path and bodies stay JSON. Calls are blocking: async code runs them with
+`asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+
+from pdserve_operator import spec as s
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+    namespaced: bool = True
+
+    def path(self, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
+        base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
+        if self.namespaced:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        if name is not None:
+            base += f"/{name}"
+        if sub is not None:
+            base += f"/{sub}"
+        return base
+
+
+KINDS: dict[str, Kind] = {
+    k.kind: k
+    for k in (
+        Kind("v1", "Secret", "secrets"),
+        Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Service", "services"),
+        Kind("v1", "Pod", "pods"),
+        Kind("apps/v1", "Deployment", "deployments"),
+        Kind("apps/v1", "StatefulSet", "statefulsets"),
+        Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind(s.API_VERSION, s.KIND, s.PLURAL),
+    )
+}
+PDIS = KINDS[s.KIND]
+
+
+class KubeError(Exception):
+    """A non-2xx answer of the API server."""
+
+    def __init__(self, status: int, reason: str, message: str, method: str, path: str) -> None:
+        super().__init__(f"{method} {path}: {status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+class KubeClient:
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self.api = api_client
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None) -> "KubeClient":
+        """In-cluster credentials when running in a pod, else the kubeconfig (read now, not at import)."""
+        config = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=config)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=config)
+        config.connection_pool_maxsize = 32  # handlers run in a thread pool; do not discard connections
+        return cls(kubernetes.client.ApiClient(configuration=config))
+
+    def connection_info(self) -> "kopf.ConnectionInfo":
+        """The same endpoint and credentials, in the form kopf's login handlers return."""
+        import kopf
+
+        c = self.api.configuration
+        if c.refresh_api_key_hook is not None:
+            c.refresh_api_key_hook(c)  # in-cluster tokens rotate
+        token = None
+        for value in (c.api_key or {}).values():
+            token = str(value).removeprefix("Bearer ").strip() or None
+        return kopf.ConnectionInfo(
+            server=c.host,
+            scheme="Bearer" if token else None,
+            token=token,
+            ca_path=c.ssl_ca_cert,
+            insecure=not c.verify_ssl,
+            certificate_path=c.cert_file,
+            private_key_path=c.key_file,
+            username=c.username or None,
+            password=c.password or None,
+        )
+
+    def close(self) -> None:
+        self.api.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        req = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=list((query or {}).items()) or None,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        resp = self.api.call_api(*req)
+        raw = resp.read()
+        data: dict[str, Any] = json.loads(raw) if raw else {}
+        if not 200 <= resp.status < 300:
+            raise KubeError(resp.status, str(data.get("reason", "")), str(data.get("message", raw[:300])), method, path)
+        return data
+
+    def get(self, kind: Kind, namespace: str | None, name: str, sub: str | None = None) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", kind.path(namespace, name, sub))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, kind: Kind, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
+        query = {"labelSelector": label_selector} if label_selector else None
+        return list(self.request("GET", kind.path(namespace), query=query).get("items", []))
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        kind = KINDS[obj["kind"]]
+        return self.request("POST", kind.path(obj["metadata"].get("namespace")), body=obj)
+
+    def merge_patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], sub: str | None = None
+    ) -> dict[str, Any]:
+        return self.request(
+            "PATCH", kind.path(namespace, name, sub), body=patch, content_type="application/merge-patch+json"
+        )
+
+    def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
+        try:
+            self.request("DELETE", kind.path(namespace, name))
+        except KubeError as exc:
+            if exc.status != 404:
+                raise

@@ -1,0 +1,98 @@
+"""Operator settings and the objects the kopf handlers share (passed to kopf as its `memo`)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdserve_operator import children as ch
+from pdserve_operator.broker_view import BrokerView, NullBrokerView
+from pdserve_operator.kube import KubeClient
+from pdserve_operator.reconcile import EventSink, Reconciler
+
+log = logging.getLogger("pdserve.operator")
+
+
+class OperatorConfig(BaseSettings):
+    """From flags of `pdserve operator` or PDSERVE_OPERATOR_* variables (the Deployment's env)."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_OPERATOR_", extra="ignore")
+
+    namespaces: list[str] = Field(default_factory=list, description="Namespaces to watch; empty means all.")
+    image: str = Field("pdserve:0.1.0", description="Worker image when a resource sets none.")
+    image_pull_policy: str = "IfNotPresent"
+    broker_host: str = "0.0.0.0"
+    broker_port: int = 50070
+    broker_address: str = Field(
+        "pdserve-operator.pdserve-system.svc:50070", description="How pods reach the broker (host:port)."
+    )
+    standalone: bool = Field(False, description="No peering: only for a single operator replica.")
+    peering: str = Field("pdserve", description="kopf peering name shared by the operator replicas.")
+    priority: int | None = Field(None, description="Peering priority; derived from the pod name when unset.")
+    resync_seconds: float = Field(30.0, gt=0, description="Reconcile each resource at least this often.")
+    liveness: str | None = Field(None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    kubeconfig: str | None = None
+
+
+def derived_priority(identity: str | None = None) -> int:
+    """A stable, practically unique peering priority per replica.
+
+    kopf pauses every operator that sees a live peer of higher priority, so distinct priorities
+    make exactly one replica active: that is the leader election (a dead leader's peering record
+    expires and the next highest resumes). Equal priorities would both run, hence the hash.
+    """
+    name = identity or socket.gethostname()
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % 1_000_000 + 1
+
+
+@dataclass
+class Runtime:
+    """What every handler needs; built once per operator process."""
+
+    config: OperatorConfig
+    kube: KubeClient
+    broker: BrokerView
+    reconciler: Reconciler
+    broker_server: Any = None
+    last_sync: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def resync_due(self, namespace: str, name: str) -> bool:
+        now = time.monotonic()
+        last = self.last_sync.get((namespace, name))
+        if last is not None and now - last < self.config.resync_seconds:
+            return False
+        self.last_sync[(namespace, name)] = now
+        return True
+
+    def close(self) -> None:
+        if self.broker_server is not None:
+            self.broker_server.stop(5)
+        self.kube.close()
+
+
+def build_runtime(
+    config: OperatorConfig,
+    events: EventSink,
+    broker: BrokerView | None = None,
+    broker_server: Any = None,
+    kube: KubeClient | None = None,
+) -> Runtime:
+    kube = kube or KubeClient.from_environment(config.kubeconfig)
+    broker = broker or NullBrokerView()
+    defaults = ch.Defaults(
+        image=config.image, broker_address=config.broker_address, image_pull_policy=config.image_pull_policy
+    )
+    return Runtime(
+        config=config,
+        kube=kube,
+        broker=broker,
+        broker_server=broker_server,
+        reconciler=Reconciler(kube, broker, defaults, events),
+    )

@@ -1,0 +1,238 @@
+"""Children + broker view → the resource's status and conditions. Pure: the clock is an argument.
+
+Phases, in the order they are decided:
+- Invalid: the spec failed validation (SpecValid=False); children are left as they were.
+- Ready: every role has its desired pods ready (and, when the broker runs, registered).
+- Degraded: a workload reports a failure (ReplicaFailure, ProgressDeadlineExceeded), or a
+  service that was Ready lost pods without its spec changing.
+- Progressing: some pods are ready, or a rollout/scale is under way.
+- Pending: nothing is ready yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve_operator import children as ch
+from pdserve_operator import spec as s
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the reconciler saw of the children (None: the child does not exist)."""
+
+    prefill: dict[str, Any] | None = None
+    decode: dict[str, Any] | None = None
+    router: dict[str, Any] | None = None
+    # (ordinal, ready) of decode pods; only needed to count complete groups when layerShards > 1.
+    decode_pods: tuple[tuple[int, bool], ...] | None = None
+    registered: Mapping[str, int] | None = None  # from the broker; None when no broker runs
+    slots_used: int | None = None
+    conflicts: tuple[str, ...] = field(default=())  # children another controller owns
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Counts of one Deployment or StatefulSet, from its status."""
+
+    exists: bool
+    ready: int = 0
+    replicas: int = 0
+    updated: int = 0
+    current_generation: bool = True
+    failure: str | None = None
+
+    @classmethod
+    def of(cls, obj: dict[str, Any] | None) -> "Workload":
+        if obj is None:
+            return cls(exists=False)
+        st = obj.get("status") or {}
+        gen = (obj.get("metadata") or {}).get("generation")
+        failure = None
+        for cond in st.get("conditions") or []:
+            if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+                failure = f"ReplicaFailure: {cond.get('message') or cond.get('reason')}"
+            if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+                failure = f"ProgressDeadlineExceeded: {cond.get('message') or ''}".rstrip(": ")
+        return cls(
+            exists=True,
+            ready=int(st.get("readyReplicas") or 0),
+            replicas=int(st.get("replicas") or 0),
+            updated=int(st.get("updatedReplicas") or 0),
+            current_generation=gen is None or int(st.get("observedGeneration") or 0) >= int(gen),
+            failure=failure,
+        )
+
+
+def ready_groups(pods: Iterable[tuple[int, bool]], shards: int) -> int:
+    """Decode groups whose every member pod is ready (a partial group serves nothing)."""
+    ready_by_group: dict[int, int] = {}
+    for ordinal, ready in pods:
+        if ready:
+            group = ordinal // shards
+            ready_by_group[group] = ready_by_group.get(group, 0) + 1
+    return sum(1 for n in ready_by_group.values() if n >= shards)
+
+
+def _summary(a: int | None, b: int) -> str:
+    return f"{'-' if a is None else a}/{b}"
+
+
+def _condition(
+    prev: s.PDInferenceServiceStatus | None,
+    type_: str,
+    status: bool | None,
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
+) -> s.Condition:
+    text = "Unknown" if status is None else ("True" if status else "False")
+    old = prev.condition(type_) if prev is not None else None
+    since = old.last_transition_time if old is not None and old.status == text else now
+    return s.Condition(
+        type=type_,
+        status=text,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+
+
+def previous(raw: Mapping[str, Any] | None) -> s.PDInferenceServiceStatus | None:
+    """The stored status, if it parses (a hand-edited or foreign status is simply ignored)."""
+    if not raw:
+        return None
+    try:
+        return s.PDInferenceServiceStatus.model_validate(dict(raw))
+    except ValueError:
+        return None
+
+
+def invalid(
+    owner: ch.Owner, generation: int, reason: str, prev: s.PDInferenceServiceStatus | None, now: str
+) -> s.PDInferenceServiceStatus:
+    """Status of a resource whose spec failed validation: say why, keep the last counts."""
+    base = prev or s.PDInferenceServiceStatus()
+    conds = [
+        _condition(prev, "SpecValid", False, "InvalidSpec", reason, generation, now),
+        _condition(prev, "Ready", False, "InvalidSpec", "the spec is invalid; children were left unchanged", generation, now),
+        _condition(prev, "Progressing", False, "InvalidSpec", "waiting for a valid spec", generation, now),
+        _condition(prev, "Degraded", False, "InvalidSpec", "", generation, now),
+    ]
+    return base.model_copy(update={"phase": "Invalid", "observed_generation": generation, "conditions": conds})
+
+
+def compute(
+    owner: ch.Owner,
+    spec: s.PDInferenceServiceSpec,
+    generation: int,
+    observed: Observed,
+    prev: s.PDInferenceServiceStatus | None,
+    now: str,
+) -> s.PDInferenceServiceStatus:
+    shards = spec.decode.layer_shards
+    prefill, decode, router = (Workload.of(observed.prefill), Workload.of(observed.decode), Workload.of(observed.router))
+    reg = observed.registered
+
+    decode_ready = (
+        ready_groups(observed.decode_pods, shards)
+        if observed.decode_pods is not None and shards > 1
+        else decode.ready // shards
+    )
+    roles = {
+        "prefill": (spec.prefill.replicas, prefill.ready, spec.prefill.replicas),
+        "decode": (spec.decode.replicas, decode_ready, ch.decode_pods(spec)),
+        "router": (spec.router.replicas, router.ready, spec.router.replicas),
+    }
+    role_status: dict[str, dict[str, Any]] = {}
+    short: list[str] = []
+    for role, (desired, ready, pods_wanted) in roles.items():
+        registered = None if reg is None else int(reg.get(role, 0))
+        role_status[role] = {
+            "desired": desired,
+            "ready": ready,
+            "registered": registered,
+            "summary": _summary(ready, desired),
+        }
+        if ready < desired:
+            short.append(f"{role} {ready}/{desired} ready")
+        elif registered is not None and registered < pods_wanted:
+            short.append(f"{role} {registered}/{pods_wanted} registered with the broker")
+
+    workloads = {"prefill": prefill, "decode": decode, "router": router}
+    missing = [role for role, w in workloads.items() if not w.exists]
+    failures = [f"{role}: {w.failure}" for role, w in workloads.items() if w.failure]
+    rolling = [
+        role
+        for role, w in workloads.items()
+        if w.exists and (not w.current_generation or w.updated < w.replicas)
+    ]
+    spec_changed = prev is None or prev.observed_generation != generation
+    any_ready = any(st["ready"] > 0 for st in role_status.values())
+
+    if not short and not missing and not observed.conflicts:
+        phase: s.Phase = "Ready"
+    elif failures or observed.conflicts:
+        phase = "Degraded"
+    elif prev is not None and prev.phase in ("Ready", "Degraded") and not spec_changed:
+        phase = "Degraded"
+    elif any_ready:
+        phase = "Progressing"
+    else:
+        phase = "Pending"
+
+    problems = failures + [f"{c} is owned by another controller" for c in observed.conflicts]
+    problems += [f"{role} workload missing" for role in missing] + short
+    detail = "; ".join(problems)
+    progressing = phase in ("Pending", "Progressing") or bool(rolling) or bool(missing)
+    moving = ", ".join(f"{role} rolling out" for role in rolling) or detail
+    conds = [
+        _condition(prev, "SpecValid", True, "Valid", "", generation, now),
+        _condition(prev, "Ready", phase == "Ready", "AllReplicasReady" if phase == "Ready" else "NotReady", detail, generation, now),
+        _condition(
+            prev,
+            "Progressing",
+            progressing,
+            "RollingOut" if progressing else "Stable",
+            moving if progressing else "",
+            generation,
+            now,
+        ),
+        _condition(prev, "Degraded", phase == "Degraded", "Degraded" if phase == "Degraded" else "Healthy",
+                   detail if phase == "Degraded" else "", generation, now),
+    ]
+    total = spec.decode.slots * decode_ready
+    used = observed.slots_used
+    return s.PDInferenceServiceStatus(
+        phase=phase,
+        observed_generation=generation,
+        conditions=conds,
+        prefill=s.RoleStatus(**role_status["prefill"]),
+        decode=s.DecodeStatus(
+            **role_status["decode"],
+            replicas=decode.replicas // shards,
+            selector=ch.selector_string(owner.name, "decode"),
+        ),
+        router=s.RoleStatus(**role_status["router"]),
+        slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),
+        endpoint=ch.endpoint(owner, spec),
+    )
+
+
+def transition_event(prev: s.PDInferenceServiceStatus | None, new: s.PDInferenceServiceStatus) -> tuple[str, str, str] | None:
+    """(type Normal|Warning, reason, message) when the phase changed, for a Kubernetes Event."""
+    old_phase = prev.phase if prev is not None else None
+    if old_phase == new.phase:
+        return None
+    ready = new.condition("Ready")
+    detail = f": {ready.message}" if ready is not None and ready.message else ""
+    if new.phase == "Invalid":
+        valid = new.condition("SpecValid")
+        return ("Warning", "InvalidSpec", valid.message if valid else "invalid spec")
+    if new.phase == "Degraded":
+        return ("Warning", "Degraded", f"phase {old_phase} -> Degraded{detail}")
+    return ("Normal", f"Phase{new.phase}", f"phase {old_phase or 'none'} -> {new.phase}{detail}")

@@ -1,0 +1,236 @@
+"""The real operator (kopf + our handlers) against the API emulator, driven by kubectl and the client."""
+
+from __future__ import annotations
+
+import base64
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import ROOT, Cluster, OperatorHandle, wait_for
+
+from pdserve_operator import children as ch
+from pdserve_operator.kube import KINDS
+
+SAMPLE = ROOT / "manifests" / "samples" / "smollm2-cpu.yaml"
+CHILDREN = [
+    ("Secret", "{n}-broker-token"),
+    ("ConfigMap", "{n}-config"),
+    ("Service", "{n}-decode-headless"),
+    ("Service", "{n}"),
+    ("Deployment", "{n}-prefill"),
+    ("StatefulSet", "{n}-decode"),
+    ("Deployment", "{n}-router"),
+    ("PodDisruptionBudget", "{n}-prefill"),
+    ("PodDisruptionBudget", "{n}-decode"),
+    ("PodDisruptionBudget", "{n}-router"),
+]
+
+
+def children_of(cluster: Cluster, ns: str, name: str) -> dict[tuple[str, str], dict[str, Any] | None]:
+    return {(k, pat.format(n=name)): cluster.get(k, ns, pat.format(n=name)) for k, pat in CHILDREN}
+
+
+def all_children(cluster: Cluster, ns: str, name: str) -> dict[tuple[str, str], dict[str, Any]] | None:
+    found = children_of(cluster, ns, name)
+    return None if any(v is None for v in found.values()) else found  # type: ignore[return-value]
+
+
+def status(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    obj = cluster.get("PDInferenceService", ns, name)
+    assert obj is not None
+    return obj.get("status") or {}
+
+
+def env_of(workload: dict[str, Any]) -> dict[str, Any]:
+    container = workload["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def make_ready(cluster: Cluster, ns: str, name: str, prefill: int, decode_pods: int, router: int) -> None:
+    for kind, role, n in (("Deployment", "prefill", prefill), ("StatefulSet", "decode", decode_pods), ("Deployment", "router", router)):
+        obj = cluster.get(kind, ns, f"{name}-{role}")
+        assert obj is not None
+        cluster.patch_status(kind, ns, f"{name}-{role}", {
+            "observedGeneration": obj["metadata"]["generation"],
+            "replicas": n, "readyReplicas": n, "updatedReplicas": n, "availableReplicas": n,
+        })
+
+
+def apply(cluster: Cluster, ns: str, doc: dict[str, Any], tmp: Path) -> None:
+    path = tmp / f"{doc['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cluster.kubectl("apply", "--validate=false", "-n", ns, "-f", str(path))
+
+
+def test_sample_gets_every_child_with_owner_env_and_resources(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["metadata"]["name"] = "svc"
+    doc["spec"]["device"] = {"type": "npu", "resourceName": "huawei.com/Ascend910", "count": 2}
+    doc["spec"]["decode"].update(readiness="poll", pollIntervalMicros=50)
+    doc["spec"]["prefill"]["env"] = [{"name": "EXTRA", "value": "1"}, {"name": "PDSERVE_ROLE", "value": "evil"}]
+    apply(cluster, namespace, doc, tmp_path)
+    kids = wait_for(lambda: all_children(cluster, namespace, "svc"), what="all children")
+    owner = cluster.get("PDInferenceService", namespace, "svc")
+    assert owner is not None
+    for (kind, name), obj in kids.items():
+        refs = obj["metadata"]["ownerReferences"]
+        assert refs == [ch.owner_reference(ch.Owner("svc", namespace, owner["metadata"]["uid"]))], (kind, name)
+        assert obj["metadata"]["labels"][ch.LABEL_INSTANCE] == "svc"
+
+    decode = kids[("StatefulSet", "svc-decode")]
+    env = env_of(decode)
+    assert env["PDSERVE_ROLE"] == "decode"
+    assert env["PDSERVE_SERVICE"] == f"{namespace}/svc"
+    assert env["PDSERVE_BROKER_TOKEN"] == {"secretKeyRef": {"name": "svc-broker-token", "key": "token"}}
+    assert env["PDSERVE_READINESS_MODE"] == "poll" and env["PDSERVE_POLL_INTERVAL_MICROS"] == "50"
+    assert env["PDSERVE_TRANSFER_BACKEND"] == "cpu" and env["PDSERVE_SLOTS"] == "8"
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["huawei.com/Ascend910"] == "2"
+    assert container["image"] == "registry.example/pdserve:test"
+    assert container["lifecycle"]["preStop"]["httpGet"]["path"] == "/drain"
+    prefill_env = env_of(kids[("Deployment", "svc-prefill")])
+    assert prefill_env["PDSERVE_ROLE"] == "prefill" and prefill_env["EXTRA"] == "1"
+    assert "huawei.com/Ascend910" not in (kids[("Deployment", "svc-router")]["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {}))
+
+    # The token in the Secret is the one the broker was told, and it is kept across reconciles.
+    token = base64.b64decode(kids[("Secret", "svc-broker-token")]["data"]["token"]).decode()
+    assert operator.broker.tokens[f"{namespace}/svc"] == token and len(token) >= 32
+
+    st = wait_for(lambda: status(cluster, namespace, "svc").get("phase"), what="a status")
+    assert st == "Pending"
+    operator.broker.counts[f"{namespace}/svc"] = {"prefill": 1, "decode": 1, "router": 1}
+    operator.broker.slots[f"{namespace}/svc"] = 3
+    make_ready(cluster, namespace, "svc", 1, 1, 1)
+    final = wait_for(lambda: (s := status(cluster, namespace, "svc")).get("phase") == "Ready" and s, what="Ready")
+    assert final["prefill"] == {"desired": 1, "ready": 1, "registered": 1, "summary": "1/1"}
+    assert final["decode"]["summary"] == "1/1" and final["decode"]["replicas"] == 1
+    assert final["slots"] == {"used": 3, "total": 8, "summary": "3/8"}
+    assert final["endpoint"] == f"http://svc.{namespace}.svc:8000/v1"
+    conds = {c["type"]: c["status"] for c in final["conditions"]}
+    assert conds == {"Ready": "True", "SpecValid": "True", "Progressing": "False", "Degraded": "False"}
+    assert base64.b64decode(cluster.get("Secret", namespace, "svc-broker-token")["data"]["token"]).decode() == token
+
+    table = cluster.kubectl("get", "pdis", "svc", "-n", namespace).stdout
+    assert "PREFILL" in table and "Ready" in table and "3/8" in table, table
+    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+    assert any(e.get("reason") == "PhaseReady" for e in events), [e.get("reason") for e in events]
+
+    # Losing pods without a spec change is a degradation, not progress.
+    cluster.patch_status("Deployment", namespace, "svc-router", {"readyReplicas": 0})
+    wait_for(lambda: status(cluster, namespace, "svc").get("phase") == "Degraded", what="Degraded")
+
+
+def test_kubectl_scale_drives_the_statefulset_and_status(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["spec"]["decode"]["layerShards"] = 2
+    apply(cluster, namespace, doc, tmp_path)
+    sts = wait_for(lambda: cluster.get("StatefulSet", namespace, "smollm2-decode"), what="decode StatefulSet")
+    assert sts["spec"]["replicas"] == 2  # one group of two shards
+    assert env_of(sts)["PDSERVE_LAYER_SHARDS"] == "2"
+
+    cluster.kubectl("scale", "pdis/smollm2", "--replicas=3", "-n", namespace)
+    wait_for(lambda: cluster.get("StatefulSet", namespace, "smollm2-decode")["spec"]["replicas"] == 6, what="6 decode pods")
+    wait_for(lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("desired") == 3, what="status desired 3")
+    # Play the StatefulSet controller: six pods, one of group 2 not ready yet.
+    for ordinal in range(6):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"smollm2-decode-{ordinal}", "namespace": namespace,
+            "labels": ch.selector_labels("smollm2", "decode")}, "spec": {"containers": [{"name": "worker", "image": "x"}]}}
+        cluster.kube.create(pod)
+        ready = "False" if ordinal == 5 else "True"
+        cluster.patch_status("Pod", namespace, pod["metadata"]["name"], {"conditions": [{"type": "Ready", "status": ready}]})
+    make_ready(cluster, namespace, "smollm2", 1, 5, 1)
+    wait_for(lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("summary") == "2/3", what="decode 2/3 (a partial group serves nothing)")
+    cluster.patch_status("Pod", namespace, "smollm2-decode-5", {"conditions": [{"type": "Ready", "status": "True"}]})
+    make_ready(cluster, namespace, "smollm2", 1, 6, 1)
+    wait_for(lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("summary") == "3/3", what="decode 3/3")
+    out = cluster.kubectl("get", "pdis/smollm2", "-n", namespace, "-o", "jsonpath={.status.decode.replicas} {.status.decode.selector}").stdout
+    assert out.split() == ["3", ch.selector_string("smollm2", "decode")]
+    scale = cluster.kubectl("get", "--raw", f"/apis/pdserve.dev/v1alpha1/namespaces/{namespace}/pdinferenceservices/smollm2/scale").stdout
+    assert '"replicas":3' in scale.replace(" ", "")
+
+
+def test_hand_edits_and_deletions_of_children_are_reverted(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+    apply(cluster, namespace, yaml.safe_load(SAMPLE.read_text()), tmp_path)
+    wait_for(lambda: all_children(cluster, namespace, "smollm2"), what="all children")
+    wait_for(lambda: status(cluster, namespace, "smollm2").get("phase"), what="first status")
+
+    cluster.kubectl("scale", "statefulset/smollm2-decode", "--replicas=5", "-n", namespace)
+    cluster.kubectl("set", "env", "deployment/smollm2-prefill", "PDSERVE_QUEUE_DEPTH=99", "-n", namespace)
+    wait_for(lambda: cluster.get("StatefulSet", namespace, "smollm2-decode")["spec"]["replicas"] == 1, what="replicas reverted")
+    wait_for(lambda: env_of(cluster.get("Deployment", namespace, "smollm2-prefill"))["PDSERVE_QUEUE_DEPTH"] == "8", what="env reverted")
+
+    cluster.kubectl("delete", "service/smollm2", "configmap/smollm2-config", "-n", namespace)
+    wait_for(lambda: cluster.get("Service", namespace, "smollm2") and cluster.get("ConfigMap", namespace, "smollm2-config"), what="recreated")
+    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+    assert any(e.get("reason") == "DriftReverted" and "StatefulSet/smollm2-decode" in e.get("message", "") for e in events)
+
+
+def test_invalid_resources_are_rejected_or_marked(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+    bad = yaml.safe_load(SAMPLE.read_text())
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["decode"]["replicas"] = -1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    out = cluster.kubectl("apply", "--validate=false", "-n", namespace, "-f", str(path), check=False)
+    assert out.returncode != 0 and "spec.decode.replicas" in out.stderr, out.stderr
+
+    cel = yaml.safe_load(SAMPLE.read_text())
+    cel["metadata"]["name"] = "cel"
+    cel["spec"]["device"] = {"type": "npu"}
+    path.write_text(yaml.safe_dump(cel))
+    out = cluster.kubectl("apply", "--validate=false", "-n", namespace, "-f", str(path), check=False)
+    assert out.returncode != 0 and "spec.device.resourceName" in out.stderr and "required" in out.stderr, out.stderr
+
+    # Passes the schema, fails what only the operator knows: 31 shards of a 30-layer model.
+    deep = yaml.safe_load(SAMPLE.read_text())
+    deep["metadata"]["name"] = "deep"
+    deep["spec"]["decode"]["layerShards"] = 31
+    apply(cluster, namespace, deep, tmp_path)
+    st = wait_for(lambda: (s := status(cluster, namespace, "deep")).get("phase") == "Invalid" and s, what="Invalid")
+    valid = next(c for c in st["conditions"] if c["type"] == "SpecValid")
+    assert valid["status"] == "False" and "decode.layerShards" in valid["message"]
+    assert cluster.get("StatefulSet", namespace, "deep-decode") is None
+    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+    assert any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning" for e in events)
+
+    cluster.kube.merge_patch(KINDS["PDInferenceService"], namespace, "deep", {"spec": {"decode": {"layerShards": 2}}})
+    wait_for(lambda: cluster.get("StatefulSet", namespace, "deep-decode"), what="children after the fix")
+    wait_for(lambda: status(cluster, namespace, "deep").get("phase") == "Pending", what="valid again")
+
+
+def test_deleting_the_resource_removes_children_and_broker_entry(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+    apply(cluster, namespace, yaml.safe_load(SAMPLE.read_text()), tmp_path)
+    wait_for(lambda: all_children(cluster, namespace, "smollm2"), what="all children")
+    assert f"{namespace}/smollm2" in operator.broker.tokens
+    cluster.kubectl("delete", "pdis/smollm2", "-n", namespace, "--wait=true", "--timeout=20s")
+    wait_for(lambda: all(v is None for v in children_of(cluster, namespace, "smollm2").values()), what="children gone")
+    assert cluster.get("PDInferenceService", namespace, "smollm2") is None
+    assert operator.broker.removed == [f"{namespace}/smollm2"] and f"{namespace}/smollm2" not in operator.broker.tokens
+
+
+def test_restarting_the_operator_changes_nothing_that_was_right(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+    apply(cluster, namespace, yaml.safe_load(SAMPLE.read_text()), tmp_path)
+    wait_for(lambda: all_children(cluster, namespace, "smollm2"), what="all children")
+    operator.broker.counts[f"{namespace}/smollm2"] = {"prefill": 1, "decode": 1, "router": 1}
+    make_ready(cluster, namespace, "smollm2", 1, 1, 1)
+    wait_for(lambda: status(cluster, namespace, "smollm2").get("phase") == "Ready", what="Ready")
+    time.sleep(1.5)  # let the child events of make_ready settle
+
+    def versions() -> dict[str, str]:
+        out = {f"{k}/{n}": v["metadata"]["resourceVersion"] for (k, n), v in all_children(cluster, namespace, "smollm2").items()}
+        cr = cluster.get("PDInferenceService", namespace, "smollm2")
+        out["status"] = yaml.safe_dump(cr["status"])
+        out["spec"] = yaml.safe_dump(cr["spec"])
+        return out
+
+    before = versions()
+    operator.stop()
+    calls = operator.broker.token_calls
+    operator.start()
+    wait_for(lambda: operator.broker.token_calls > calls, what="the restarted operator's first reconcile")
+    time.sleep(2.5)  # several resync periods
+    assert versions() == before
