@@ -8,7 +8,7 @@
 | manifests/operator.yaml | `helm template` of charts/pdserve with default values (+ the Namespace) |
 | docs/configuration.md | spec.py and OperatorConfig via `pdserve crd --docs` |
 
-Tests (`tests/unit/test_chart.py`) call `expected()` and fail on any difference, so a change to
+Tests (`tests/unit/test_chart.py`, `test_generated_files_are_up_to_date`) call `expected()` and fail on any difference, so a change to
 the spec or the chart that is not regenerated cannot land. Run: `python scripts/generate.py`.
 """
 

@@ -39,7 +39,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) -}}
 {{- end -}}
 
-{{/* Namespace-scoped permissions: exactly the calls the operator makes (tests/e2e/test_chart.py
+{{/* Namespace-scoped permissions: exactly the calls the operator makes (tests/e2e/test_chart_install.py
 records them against the API emulator and checks both directions). */}}
 {{- define "pdserve.namespacedRules" -}}
 - apiGroups: [pdserve.dev]
