@@ -135,7 +135,7 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
     for kind, cname in kids:
         cluster.kube.merge_patch(KINDS[kind], namespace, cname, {"metadata": {"labels": {ch.LABEL_NAME: "edited"}}})
     for kind, cname in kids:
-        wait_for(lambda: cluster.get(kind, namespace, cname)["metadata"]["labels"][ch.LABEL_NAME] == ch.APP,
+        wait_for(lambda k=kind, n=cname: cluster.get(k, namespace, n)["metadata"]["labels"][ch.LABEL_NAME] == ch.APP,
                  what=f"{kind}/{cname} repaired")
 
     cluster.kubectl("delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=20s")
