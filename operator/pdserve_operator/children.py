@@ -35,6 +35,8 @@ CONFIG_KEY = "service.json"
 CONFIG_DIR = "/etc/pdserve"
 MODELS_DIR = "/models"
 WORKER_UID = 1000
+# Labels of the operator's own pods (the Helm chart sets them): a NetworkPolicy peer.
+OPERATOR_POD_LABELS = {LABEL_NAME: "pdserve-operator"}
 
 ROLES = ("prefill", "decode", "router")
 
@@ -60,6 +62,10 @@ class Defaults:
     image: str
     broker_address: str
     image_pull_policy: str = "IfNotPresent"
+    # A NetworkPolicy per service (see `network_policy`); off by default because a cluster
+    # without a policy-enforcing CNI ignores it, and one with a default-deny needs it.
+    network_policy: bool = False
+    operator_namespace: str = "pdserve-system"  # where the operator pods run (a policy peer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +304,7 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
         container["resources"] = resources
     grace = 30
     if role == "decode":
+        container["ports"].append({"name": "transfer", "containerPort": E.TRANSFER_PORT, "protocol": "TCP"})
         # Contract (pod_env.py): GET /drain returns once the pod's slots are drained or timed out.
         container["lifecycle"] = {"preStop": {"httpGet": {"path": "/drain", "port": "http"}}}
         grace = spec.decode.drain_timeout_seconds + 15
@@ -437,11 +444,54 @@ def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
     }
 
 
+def network_policy_name(name: str) -> str:
+    return f"{name}-workers"
+
+
+def network_policy(owner: Owner, defaults: Defaults) -> dict[str, Any]:
+    """Only this service's pods (and the operator) reach its pods' gRPC and transfer ports.
+
+    Prefill pushes KV into decode memory and routers drive both over gRPC; a pod of another
+    service, or anything else in the cluster, has no business on those ports. The HTTP port
+    stays open: routers serve the API on it, and probes and Prometheus scrapes arrive there.
+    """
+    peers = selector_labels(owner.name)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, network_policy_name(owner.name)),
+        "spec": {
+            "podSelector": {"matchLabels": peers},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": peers}},
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": defaults.operator_namespace}
+                            },
+                            "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+                        },
+                    ],
+                    "ports": [
+                        {"port": E.GRPC_PORT, "protocol": "TCP"},
+                        {"port": E.TRANSFER_PORT, "protocol": "TCP"},
+                    ],
+                },
+                {"ports": [{"port": E.HTTP_PORT, "protocol": "TCP"}]},
+            ],
+        },
+    }
+
+
 def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: Defaults) -> list[dict[str, Any]]:
     """Every child, in apply order (what pods mount exists before the pods)."""
     if not token:
         raise ValueError(f"empty broker token for {owner.key}")
+    policy = [network_policy(owner, defaults)] if defaults.network_policy else []
     return [
+        *policy,  # before the pods, so no pod of the service ever runs unprotected
         secret(owner, token),
         config_map(owner, spec),
         headless_service(owner),

@@ -29,6 +29,8 @@ FINALIZER = "pdserve.dev/finalizer"
 PREFIX = "pdserve.dev"
 TIMER_TICK_SECONDS = 1.0  # the timer only checks whether a resync is due; Runtime decides how often
 MANAGED = {ch.LABEL_MANAGED_BY: ch.MANAGED_BY}
+# The NetworkPolicy child (optional) is not watched: that would need list/watch on every
+# NetworkPolicy of the cluster even when the feature is off; the resync timer repairs it.
 CHILD_RESOURCES = (
     ("apps", "v1", "deployments"),
     ("apps", "v1", "statefulsets"),

@@ -47,6 +47,7 @@ KINDS: dict[str, Kind] = {
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("apps/v1", "StatefulSet", "statefulsets"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind(s.API_VERSION, s.KIND, s.PLURAL),
     )
 }

@@ -27,9 +27,9 @@ class OperatorConfig(BaseSettings):
 
     namespaces: list[str] = Field(default_factory=list, description="Namespaces to watch; empty means all.")
     image: str = Field("pdserve:0.1.0", description="Worker image when a resource sets none.")
-    image_pull_policy: str = "IfNotPresent"
-    broker_host: str = "0.0.0.0"
-    broker_port: int = 50070
+    image_pull_policy: str = Field("IfNotPresent", description="imagePullPolicy of the worker containers.")
+    broker_host: str = Field("0.0.0.0", description="Address the gRPC broker binds.")
+    broker_port: int = Field(50070, description="Port the gRPC broker listens on.")
     broker_address: str = Field(
         "pdserve-operator.pdserve-system.svc:50070", description="How pods reach the broker (host:port)."
     )
@@ -38,7 +38,13 @@ class OperatorConfig(BaseSettings):
     priority: int | None = Field(None, description="Peering priority; derived from the pod name when unset.")
     resync_seconds: float = Field(30.0, gt=0, description="Reconcile each resource at least this often.")
     liveness: str | None = Field(None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    kubeconfig: str | None = None
+    kubeconfig: str | None = Field(None, description="kubeconfig outside a cluster (in a pod: the service account).")
+    network_policy: bool = Field(
+        False, description="Give each service a NetworkPolicy: gRPC/transfer ports open only within the service."
+    )
+    pod_namespace: str = Field(
+        "pdserve-system", description="The operator's own namespace (downward API): the NetworkPolicy's operator peer."
+    )
 
 
 def derived_priority(identity: str | None = None) -> int:
@@ -87,7 +93,11 @@ def build_runtime(
     kube = kube or KubeClient.from_environment(config.kubeconfig)
     broker = broker or NullBrokerView()
     defaults = ch.Defaults(
-        image=config.image, broker_address=config.broker_address, image_pull_policy=config.image_pull_policy
+        image=config.image,
+        broker_address=config.broker_address,
+        image_pull_policy=config.image_pull_policy,
+        network_policy=config.network_policy,
+        operator_namespace=config.pod_namespace,
     )
     return Runtime(
         config=config,

@@ -137,10 +137,9 @@ class OperatorHandle:
     _stop: threading.Event | None = None
     errors: list[BaseException] = field(default_factory=list)
 
-    def start(self) -> None:
-        from pdserve_operator import runner
-
-        config = OperatorConfig(
+    def config(self) -> OperatorConfig:
+        """The operator's settings (a subclass may run it as a deployment would)."""
+        return OperatorConfig(
             namespaces=[self.namespace],
             standalone=True,
             image="registry.example/pdserve:test",
@@ -148,6 +147,11 @@ class OperatorHandle:
             resync_seconds=self.resync_seconds,
             kubeconfig=str(self.cluster.kubeconfig),
         )
+
+    def start(self) -> None:
+        from pdserve_operator import runner
+
+        config = self.config()
         self._stop, ready = threading.Event(), threading.Event()
 
         def main() -> None:

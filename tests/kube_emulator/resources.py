@@ -65,6 +65,13 @@ BUILTINS: tuple[ResourceType, ...] = (
     ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",), status=True),
     ResourceType("events.k8s.io", "v1", "events", "Event", short_names=("ev",), generation_paths=()),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease", generation_paths=()),
+    ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
+    ResourceType("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", namespaced=False,
+                 generation_paths=()),
+    ResourceType("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", namespaced=False,
+                 generation_paths=()),
+    ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role", generation_paths=()),
+    ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", generation_paths=()),
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
                  namespaced=False, short_names=("crd", "crds"), status=True),
 )

@@ -72,12 +72,13 @@ class EmulatorThread:
         future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(run(), self._loop)
         return future.result(10)
 
-    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+    def write_kubeconfig(self, path: Path, namespace: str = "default", token: str = "emulator-token") -> Path:
+        """A kubeconfig for this emulator; the token names the caller in `emulator.audit_log`."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "emulator", "user": {"token": "emulator-token"}}],
+            "users": [{"name": "emulator", "user": {"token": token}}],
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}],
             "current-context": "emulator",
         }

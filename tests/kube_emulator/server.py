@@ -70,6 +70,21 @@ class ApiError(Exception):
         }
 
 
+@attrs.define
+class AuditEntry:
+    """One request, by whom (the bearer token stands for the user): see `rbac.py`.
+
+    Logged when it arrives (a watch may stream for minutes); `status` is 0 until answered.
+    """
+
+    user: str
+    method: str
+    path: str
+    query: dict[str, str]
+    user_agent: str = ""
+    status: int = 0
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -119,6 +134,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
     history: collections.deque[tuple[int, tuple[str, str], str, Obj]] = attrs.field(factory=collections.deque)
     watchers: set[Any] = attrs.field(factory=set)
     server_url: str = ""
+    audit_log: list["AuditEntry"] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         # Deliberately not calling KubernetesScaffold's: its fallback reactions (a catch-all 404
@@ -144,11 +160,20 @@ class KubeEmulator(kmock.KubernetesScaffold):
                 text=body.decode("utf-8", "replace"),
             )
         self._requests.append(request)
+        auth = raw_request.headers.get("Authorization", "")
+        entry = AuditEntry(
+            user=auth.removeprefix("Bearer ").strip(), method=raw_request.method.upper(),
+            path=raw_request.url.path, query=dict(raw_request.query),
+            user_agent=raw_request.headers.get("User-Agent", ""),
+        )
+        self.audit_log.append(entry)
         try:
-            return await self._handle(request)
+            response = await self._handle(request)
         except Exception as exc:  # a bug here must reach the client as a 500 Status, not a hang
             err = ApiError(500, "InternalError", f"emulator error: {exc!r}")
-            return aiohttp.web.json_response(err.status(), status=500)
+            response = aiohttp.web.json_response(err.status(), status=500)
+        entry.status = response.status
+        return response
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if self._payloads:  # reactions a test injected take precedence (fault injection)

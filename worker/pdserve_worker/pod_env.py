@@ -10,6 +10,9 @@ Pod-facing endpoints a worker must serve (the operator points probes and hooks a
   `GET /readyz` (readiness: model loaded, registered with the broker, not draining).
   The router also serves the OpenAI API on this port.
 - gRPC on `GRPC_PORT` (named `grpc`): the worker service of `proto/pdserve/v1/worker.proto`.
+- Decode only, the transfer engine's listener on `TRANSFER_PORT` (named `transfer`): the
+  engine id a decode pod registers with the broker is `POD_IP:TRANSFER_PORT` (HIXL's control
+  channel; the host engine's TCP path). Prefill engines are clients and listen on nothing.
 - Decode only, `GET /drain` on the HTTP port (the pod's preStop hook): stop accepting new slot
   reservations at once (so `/readyz` fails), wait until every reserved slot has finished or
   `PDSERVE_DRAIN_TIMEOUT_SECONDS` passed, then answer 200. Idempotent; a second call waits too.
@@ -31,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 HTTP_PORT = 8080
 GRPC_PORT = 50051
+TRANSFER_PORT = 50052
 
 ROLE = "PDSERVE_ROLE"
 SERVICE = "PDSERVE_SERVICE"  # "namespace/name" of the PDInferenceService: the broker's service key

@@ -1,0 +1,100 @@
+{{/* Names, labels and the RBAC rules shared by the templates. */}}
+
+{{- define "pdserve.fullname" -}}
+{{- if contains "pdserve" .Release.Name -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-pdserve-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator pods' name label is fixed: per-service NetworkPolicies (rendered by the
+operator, children.OPERATOR_POD_LABELS) name the operator by it. */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: pdserve-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/part-of: pdserve
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pdserve.operatorImage" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "pdserve.workerImage" -}}
+{{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) -}}
+{{- end -}}
+
+{{/* Namespace-scoped permissions: exactly the calls the operator makes (tests/e2e/test_chart_install.py
+records them against the API emulator and checks both directions). */}}
+{{- define "pdserve.namespacedRules" -}}
+- apiGroups: [pdserve.dev]
+  resources: [pdinferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [pdserve.dev]
+  resources: [pdinferenceservices/status]
+  verbs: [patch]
+# Children carry ownerReferences with blockOwnerDeletion; clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift) allow that only to whoever
+# may update the owner's finalizers.
+- apiGroups: [pdserve.dev]
+  resources: [pdinferenceservices/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [configmaps, secrets, services]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [apps]
+  resources: [deployments, statefulsets]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch]
+{{- end }}
+{{- if and .Values.peering.enabled .Values.watchNamespaces }}
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [list, watch, patch]
+{{- end }}
+{{- end -}}
+
+{{/* Cluster-scoped permissions. */}}
+{{- define "pdserve.clusterRules" -}}
+# kopf follows CRDs to notice its resources appear and disappear.
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- if .Values.watchNamespaces }}
+# kopf follows the namespaces it serves (they may come and go).
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- else if .Values.peering.enabled }}
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings]
+  verbs: [list, watch, patch]
+{{- end }}
+{{- end -}}

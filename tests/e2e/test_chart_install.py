@@ -1,0 +1,207 @@
+"""The Helm chart against the API emulator: install its objects, run the operator as its
+Deployment configures it, and check that its RBAC grants exactly what the operator uses.
+
+The operator runs with the chart Deployment's own PDSERVE_OPERATOR_* variables and under the
+chart's service account (a bearer token that the emulator logs with every request). The
+emulator authorizes nothing, so after a scenario that walks every path that talks to the API
+(peering, create, status, events, drift repair of every child kind, the pod listing of sharded
+decode, deletion through the finalizer), each logged request is checked against the rendered
+RBAC, and each granted permission must have been used by some request (least privilege).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import yaml
+from conftest import ROOT, Cluster, OperatorHandle, wait_for
+from test_operator import SAMPLE, all_children, status
+
+import chart_tools
+from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, request_attributes
+
+from pdserve_operator import children as ch
+from pdserve_operator.kube import KINDS, KubeError
+from pdserve_operator.runtime import OperatorConfig
+
+CHART_NAMESPACE = "pdserve-system"
+ACCOUNT = ServiceAccount(CHART_NAMESPACE, "pdserve-operator")
+OPERATOR_TOKEN = "token-of-serviceaccount-pdserve-system-pdserve-operator"
+
+# Granted although the scenario never makes the call, each with its reason.
+UNUSED_GRANTS_ALLOWED = {
+    ("pdserve.dev", "pdinferenceservices/finalizers", "update"):
+        "children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
+        "admission plugin (OpenShift) allows only with this permission on the owner; the emulator runs no admission",
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ChartOperator(OperatorHandle):
+    """The e2e operator fixture, configured by the chart's Deployment instead of by hand."""
+
+    deployment: dict[str, Any] = field(default_factory=dict)
+    health_port: int = field(default_factory=free_port)
+
+    def config(self) -> OperatorConfig:
+        container = self.deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"] == ["pdserve", "operator"], container["command"]
+        env = {e["name"]: str(e["value"]) for e in container["env"] if "value" in e}
+        with mock.patch.dict(os.environ, env):  # parsed exactly as in the pod (pydantic-settings)
+            config = OperatorConfig()
+        assert config.liveness is not None and config.liveness.endswith(f":{self.deployment_health_port()}/healthz")
+        # What differs outside a pod: where the API is, and a loopback port for the liveness probe.
+        return config.model_copy(update={
+            "kubeconfig": str(self.cluster.kubeconfig),
+            "liveness": f"http://127.0.0.1:{self.health_port}/healthz",
+            "resync_seconds": 1.0,
+        })
+
+    def deployment_health_port(self) -> int:
+        container = self.deployment["spec"]["template"]["spec"]["containers"][0]
+        return next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
+
+
+def probe(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return int(resp.status)
+    except OSError:
+        return None
+
+
+def apply_chart(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
+    """`helm template | kubectl apply -f -`, the chart's crds/ first (as `helm install` does)."""
+    cluster.kubectl("apply", "--validate=false", "-f", str(chart_tools.CHART / "crds"))
+    out = cluster.kubectl("apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump_all(objects))
+    assert out.stdout.count("\n") == len(objects), out.stdout
+    live = cluster.kubectl("get", "-f", "-", "-o", "name", stdin=yaml.safe_dump_all(objects)).stdout.split()
+    assert len(live) == len(objects), live
+
+
+@pytest.fixture(scope="module")
+def chart_namespace(cluster: Cluster) -> Iterator[str]:
+    try:
+        cluster.kube.request("POST", "/api/v1/namespaces",
+                             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CHART_NAMESPACE}})
+    except KubeError as exc:
+        if exc.status != 409:
+            raise
+    yield CHART_NAMESPACE
+
+
+def audit_mark(cluster: Cluster) -> int:
+    return int(cluster.emulator.call(lambda emu: len(emu.audit_log)))
+
+
+def operator_requests(cluster: Cluster, since: int) -> list[RequestAttributes]:
+    entries = cluster.emulator.call(lambda emu: list(emu.audit_log[since:]))
+    return [request_attributes(e.method, e.path, e.query) for e in entries if e.user == OPERATOR_TOKEN]
+
+
+def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_policy: bool) -> None:
+    """Everything the operator does to the API, once: see the module docstring."""
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["spec"]["decode"]["layerShards"] = 2  # makes the reconciler list decode pods
+    path = tmp_path / "sample.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cluster.kubectl("apply", "--validate=false", "-n", namespace, "-f", str(path))
+    name = doc["metadata"]["name"]
+    children = wait_for(lambda: all_children(cluster, namespace, name), what="all children")
+    wait_for(lambda: status(cluster, namespace, name).get("phase") == "Pending", what="status Pending")
+    kids = [(kind, cname) for kind, cname in children]
+    if network_policy:
+        policy = wait_for(lambda: cluster.get("NetworkPolicy", namespace, ch.network_policy_name(name)), what="NetworkPolicy")
+        assert policy["spec"]["podSelector"]["matchLabels"] == ch.selector_labels(name)
+        kids.append(("NetworkPolicy", ch.network_policy_name(name)))
+
+    # Hand edits of every child kind: each one is patched back.
+    for kind, cname in kids:
+        cluster.kube.merge_patch(KINDS[kind], namespace, cname, {"metadata": {"labels": {ch.LABEL_NAME: "edited"}}})
+    for kind, cname in kids:
+        wait_for(lambda k=kind, n=cname: cluster.get(k, namespace, n)["metadata"]["labels"][ch.LABEL_NAME] == ch.APP,
+                 what=f"{kind}/{cname} repaired")
+
+    cluster.kubectl("delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=20s")
+    assert cluster.get("PDInferenceService", namespace, name) is None
+
+
+MODES = {
+    # All namespaces (ClusterRole), with the optional NetworkPolicy the operator then manages.
+    "cluster-wide": lambda ns: ["--set", "networkPolicy.enabled=true"],
+    # One namespace (Role there, a thin ClusterRole), defaults otherwise.
+    "one-namespace": lambda ns: ["--set", f"watchNamespaces={{{ns}}}"],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
+    cluster: Cluster, chart_namespace: str, namespace: str, tmp_path: Path, mode: str
+) -> None:
+    objects = chart_tools.render(*MODES[mode](namespace))
+    apply_chart(cluster, objects)
+    deployment = chart_tools.by_kind(objects, "Deployment")[0]
+    account = chart_tools.by_kind(objects, "ServiceAccount")[0]["metadata"]
+    assert (account["namespace"], account["name"]) == (ACCOUNT.namespace, ACCOUNT.name)
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == ACCOUNT.name
+
+    as_operator = replace(cluster, kubeconfig=cluster.emulator.write_kubeconfig(
+        tmp_path / "operator-kubeconfig", token=OPERATOR_TOKEN))
+    handle = ChartOperator(as_operator, namespace, deployment=deployment)
+    network_policy = handle.config().network_policy
+    assert network_policy == (mode == "cluster-wide")
+    mark = audit_mark(cluster)
+    handle.start()
+    try:
+        # The chart's liveness probe path is what the operator serves (kopf starts it just after ready).
+        wait_for(lambda: probe(f"http://127.0.0.1:{handle.health_port}/healthz") == 200, what="liveness endpoint")
+        run_scenario(cluster, namespace, tmp_path, network_policy)
+    finally:
+        handle.stop()
+    requests = operator_requests(cluster, mark)
+    assert len(requests) > 20, requests
+
+    authorizer = Authorizer(objects)
+    denied = sorted({str(r) for r in requests if not authorizer.allowed(ACCOUNT, r)})
+    assert not denied, "the chart's RBAC refuses calls the operator makes:\n" + "\n".join(denied)
+
+    def used(ns: str, group: str, resource: str, verb: str) -> bool:
+        return any(r.is_resource and (r.verb, r.group, r.resource_key) == (verb, group, resource)
+                   and (not ns or r.namespace == ns) for r in requests)
+
+    grants = {g for rule in authorizer.rules_for(ACCOUNT) for g in rule.grants()}
+    unused = sorted(g for g in grants if not used(*g) and g[1:] not in UNUSED_GRANTS_ALLOWED)
+    assert not unused, f"granted but never used (least privilege): {unused}"
+    assert any(g[1:] in UNUSED_GRANTS_ALLOWED for g in grants), "an allowed exception is no longer granted: drop it"
+
+
+def test_helm_install_dry_run_prints_the_next_steps(cluster: Cluster, tmp_path: Path) -> None:
+    """NOTES.txt renders only at install time; a client-side dry run against the emulator shows it."""
+    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), HELM_CACHE_HOME=str(tmp_path / "cache"),
+               HELM_CONFIG_HOME=str(tmp_path / "config"), HELM_DATA_HOME=str(tmp_path / "data"))
+    # A release of its own (helm refuses to adopt the objects the other tests applied with kubectl).
+    out = subprocess.run([chart_tools.helm(), "install", "notes", str(chart_tools.CHART), "-n", "notes-ns",
+                          "--set", "peering.name=notes", "--dry-run=client", "--disable-openapi-validation"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    for step in ("kubectl -n notes-ns rollout status deployment/notes-pdserve-operator", "kubectl apply", "kubectl get pdis",
+                 "kubectl scale pdis/smollm2", "/v1/completions"):
+        assert step in notes, notes
+    assert str(ROOT) not in notes

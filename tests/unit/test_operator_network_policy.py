@@ -1,0 +1,72 @@
+"""The optional per-service NetworkPolicy child and the decode pods' transfer port."""
+
+from __future__ import annotations
+
+from pdserve_operator import children as ch
+from pdserve_operator import drift
+from pdserve_operator import spec as s
+from pdserve_operator.runtime import OperatorConfig, build_runtime
+from pdserve_worker import pod_env
+
+OWNER = ch.Owner(name="svc", namespace="team", uid="uid-1")
+
+
+def render(network_policy: bool) -> dict[tuple[str, str], dict]:
+    defaults = ch.Defaults(image="img:1", broker_address="b:1", network_policy=network_policy, operator_namespace="ops")
+    return {(o["kind"], o["metadata"]["name"]): o for o in ch.render(OWNER, s.parse_spec({}), "tok", defaults)}
+
+
+def test_policy_is_rendered_only_when_enabled_and_before_any_pod() -> None:
+    assert not any(kind == "NetworkPolicy" for kind, _ in render(False))
+    order = [kind for kind, _ in render(True)]
+    assert order[0] == "NetworkPolicy"
+    assert order.index("NetworkPolicy") < min(order.index("Deployment"), order.index("StatefulSet"))
+
+
+def test_grpc_and_transfer_ports_only_from_the_service_and_the_operator() -> None:
+    policy = render(True)[("NetworkPolicy", "svc-workers")]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == ch.selector_labels("svc")
+    assert spec["policyTypes"] == ["Ingress"]
+    private, public = spec["ingress"]
+    assert {p["port"] for p in private["ports"]} == {pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
+    same_service, operator = private["from"]
+    assert same_service == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "svc"}}}
+    assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
+    assert operator["podSelector"]["matchLabels"] == ch.OPERATOR_POD_LABELS
+    # The HTTP port (OpenAI API on routers, probes, metrics) stays reachable; nothing else is listed.
+    assert public == {"ports": [{"port": pod_env.HTTP_PORT, "protocol": "TCP"}]}
+
+
+def test_policy_of_another_service_does_not_admit_this_one() -> None:
+    other = ch.network_policy(ch.Owner("other", "team", "uid-2"), ch.Defaults(image="i", broker_address="b:1"))
+    peers = other["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert peers[ch.LABEL_INSTANCE] == "other" and peers != ch.selector_labels("svc")
+
+
+def test_live_policy_with_defaulted_fields_is_not_drift() -> None:
+    desired = render(True)[("NetworkPolicy", "svc-workers")]
+    live = {**desired, "metadata": {**desired["metadata"], "uid": "x", "resourceVersion": "7"}}
+    assert drift.content_drift(desired, live) == []
+    edited = {**live, "spec": {**desired["spec"], "ingress": desired["spec"]["ingress"][1:]}}
+    assert drift.content_drift(desired, edited) != []
+
+
+def test_decode_pods_declare_the_transfer_port_and_others_do_not() -> None:
+    kids = render(False)
+    ports = {name: {p["name"]: p["containerPort"] for p in obj["spec"]["template"]["spec"]["containers"][0]["ports"]}
+             for (kind, name), obj in kids.items() if kind in ("Deployment", "StatefulSet")}
+    assert ports["svc-decode"] == {"http": pod_env.HTTP_PORT, "grpc": pod_env.GRPC_PORT, "transfer": pod_env.TRANSFER_PORT}
+    assert "transfer" not in ports["svc-prefill"] and "transfer" not in ports["svc-router"]
+
+
+def test_operator_settings_reach_the_children_defaults() -> None:
+    config = OperatorConfig(network_policy=True, pod_namespace="ops", kubeconfig="unused")
+
+    class NoKube:
+        def close(self) -> None: ...
+
+    runtime = build_runtime(config, events=lambda *a: None, kube=NoKube())  # type: ignore[arg-type]
+    assert runtime.reconciler.defaults.network_policy is True
+    assert runtime.reconciler.defaults.operator_namespace == "ops"
