@@ -139,8 +139,8 @@ class SlotTable:
     def renew(self, slot: int, generation: int, ttl_s: float) -> bool:
         """Extend a reservation's lease (e.g. a long prompt still pushing). False if stale."""
         with self._lock:
-            s = self._slots[slot]
-            if s.state is not SlotState.RESERVED or s.generation != generation:
+            s = self._live(slot, generation)
+            if s is None or s.state is not SlotState.RESERVED:
                 return False
             s.deadline = max(s.deadline, self._clock() + ttl_s)
             return True
@@ -148,9 +148,10 @@ class SlotTable:
     def commit(self, slot: int, generation: int) -> bool:
         """The slot's KV arrived and decode takes it: the lease stops expiring. False if stale."""
         with self._lock:
-            s = self._slots[slot]
-            if s.state is not SlotState.RESERVED or s.generation != generation:
-                log.info(kv(event="slot_commit_stale", slot=slot, generation=generation, **self._describe(s)))
+            s = self._live(slot, generation)
+            if s is None or s.state is not SlotState.RESERVED:
+                current = self._slots[slot] if 0 <= slot < len(self._slots) else None
+                log.info(kv(event="slot_commit_stale", slot=slot, generation=generation, **self._describe(current)))
                 return False
             s.state = SlotState.COMMITTED
             s.deadline = 0.0
@@ -192,20 +193,17 @@ class SlotTable:
 
     # ---- queries -----------------------------------------------------------------------------------
     def is_current(self, slot: int, generation: int) -> bool:
-        """Whether (slot, generation) is a live reservation or commitment (not stale)."""
+        """Whether (slot, generation) is a live reservation or commitment (not stale).
+        A reservation whose lease has run out is stale even before `expire` swept it."""
         with self._lock:
-            if not 0 <= slot < len(self._slots):
-                return False
-            s = self._slots[slot]
-            return s.generation == generation and s.state in (SlotState.RESERVED, SlotState.COMMITTED)
+            s = self._live(slot, generation)
+            return s is not None
 
     def is_reserved(self, slot: int, generation: int) -> bool:
         """Whether (slot, generation) still waits for its KV: the only time a ready message counts."""
         with self._lock:
-            if not 0 <= slot < len(self._slots):
-                return False
-            s = self._slots[slot]
-            return s.generation == generation and s.state is SlotState.RESERVED
+            s = self._live(slot, generation)
+            return s is not None and s.state is SlotState.RESERVED
 
     def state(self, slot: int) -> SlotState:
         with self._lock:
@@ -219,6 +217,16 @@ class SlotTable:
             return self._usage()
 
     # ---- internals (lock held) ----------------------------------------------------------------------
+    def _live(self, slot: int, generation: int) -> _Slot | None:
+        if not 0 <= slot < len(self._slots):
+            return None
+        s = self._slots[slot]
+        if s.generation != generation:
+            return None
+        if s.state is SlotState.COMMITTED or (s.state is SlotState.RESERVED and s.deadline > self._clock()):
+            return s
+        return None
+
     def _usage(self) -> SlotUsage:
         now = self._clock()
         counts = {state: 0 for state in SlotState}

@@ -41,6 +41,7 @@ Deliberate differences from real HIXL (all additive or host-only):
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import json
@@ -54,7 +55,7 @@ from typing import Any, TypeVar
 
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.host_link import Link, Request
+from pdserve_worker.transfer.host_link import CopyStep, Link, Request
 from pdserve_worker.transfer.host_server import HostServer, NotifyQueue
 from pdserve_worker.transfer.netio import parse_engine_id
 from pdserve_worker.transfer.regions import Region, RegionTable
@@ -132,6 +133,12 @@ def _never_raises(failed: Any) -> Callable[[Callable[..., T]], Callable[..., T]]
     return wrap
 
 
+class _BadRange(ValueError):
+    def __init__(self, side: str, addr: int, length: int) -> None:
+        super().__init__(f"{side} range {addr:#x}+{length} is not inside a registered region")
+        self.side, self.addr, self.length = side, addr, length
+
+
 def get_capability(feature_type: int) -> tuple[int, int]:
     """Like `hixl.get_capability`: an unknown feature is SUCCESS with value 0."""
     if feature_type == api.FeatureType.AUTO_CONNECT:
@@ -154,7 +161,8 @@ class Hixl:
         self._req_ids = itertools.count(1)
         self._notifies = NotifyQueue(4096)
         self._server: HostServer | None = None
-        self._copy_queue: queue.SimpleQueue[tuple[Link, Request, list[int]] | None] = queue.SimpleQueue()
+        self._copy_queue: queue.SimpleQueue[tuple[Link, Request, list[CopyStep]] | None] = queue.SimpleQueue()
+        self._views: dict[Region, memoryview] = {}
         self._copy_threads: list[threading.Thread] = []
         self._connector: ThreadPoolExecutor | None = None
         self._connect_status: dict[str, api.AsyncConnectStatus] = {}
@@ -225,6 +233,7 @@ class Hixl:
             for req in self._requests.values():
                 req.finish(api.FAILED)
             self._requests.clear()
+            self._views.clear()
             for seg in self._segments.values():
                 seg.close()
             self._segments.clear()
@@ -268,6 +277,7 @@ class Hixl:
                     handle = self._regions.handle_of(region)
                     if handle is not None:
                         self._regions.remove(handle)
+                    self._views.pop(region, None)
         seg.close()
         return api.SUCCESS
 
@@ -302,7 +312,9 @@ class Hixl:
             return api.FAILED
         if not handle:
             return api.PARAM_INVALID
-        self._regions.remove(int(handle))  # unknown or repeated: SUCCESS, like HIXL
+        region = self._regions.remove(int(handle))  # unknown or repeated: SUCCESS, like HIXL
+        if region is not None:
+            self._views.pop(region, None)
         return api.SUCCESS
 
     # ---- links ---------------------------------------------------------------------------------------
@@ -484,47 +496,78 @@ class Hixl:
         link = self._link(remote_engine)
         if link is None:
             return api.NOT_CONNECTED, None
-        descs: list[tuple[int, int, int]] = []
-        pointers: list[int] = []
-        shared = True
-        for d in op_descs:
-            local, remote, length = int(d.local_addr), int(d.remote_addr), int(d.len)
-            if length <= 0 or self._regions.find(local, length) is None:
-                log.warning(kv(event="local_range_not_registered", addr=hex(local), len=length))
-                return api.PARAM_INVALID, None
-            region = link.remote.find(remote, length)
-            if region is None:
-                log.warning(
-                    kv(event="remote_range_not_registered", remote=remote_engine, addr=hex(remote), len=length)
-                )
-                return api.PARAM_INVALID, None
-            descs.append((local, remote, length))
-            if shared and link.shares(region):
-                pointers.append(link.peer_pointer(region, remote))
-            else:
-                shared = False
+        try:
+            descs, plan = self._resolve(link, op_descs)
+        except _BadRange as bad:
+            log.warning(kv(event="range_not_registered", side=bad.side, remote=remote_engine, addr=hex(bad.addr), len=bad.length))
+            return api.PARAM_INVALID, None
         request = Request(next(self._req_ids), operation, descs, int(getattr(args, "user_data", 0) or 0))
         if track:
             with self._lock:
                 if len(self._requests) >= self.options.max_outstanding:
                     return api.RESOURCE_EXHAUSTED, None
                 self._requests[request.req_id] = request
-        if not shared:
+        if plan is None:
             link.submit(request)
         elif request.nbytes <= self.options.inline_max_bytes:
-            link.copy(request, pointers)
+            link.copy(request, plan, inline=True)
         else:
-            self._copy_queue.put((link, request, pointers))
+            self._copy_queue.put((link, request, plan))
         return api.SUCCESS, request
+
+    def _resolve(self, link: Link, op_descs: Sequence[Any]) -> tuple[list[tuple[int, int, int]], list[CopyStep] | None]:
+        """Range-check every descriptor (raises _BadRange). Returns the descriptors as tuples
+        and, when every remote range lies in memory this process maps, the copy plan of the
+        zero-copy path (else None: the TCP path).
+
+        Written for speed: a push's runs all fall in one local and one remote region, so the
+        regions of the previous descriptor are tried first."""
+        descs: list[tuple[int, int, int]] = []
+        plan: list[CopyStep] | None = []
+        local_region: Region | None = None
+        remote_region: Region | None = None
+        local_view = memoryview(b"")
+        segment: ShmSegment | None = None
+        seg_base = 0
+        for d in op_descs:
+            local, remote, length = int(d.local_addr), int(d.remote_addr), int(d.len)
+            if length <= 0:
+                raise _BadRange("length", local, length)
+            if local_region is None or not (local_region.addr <= local and local + length <= local_region.end):
+                local_region = self._regions.find(local, length)
+                if local_region is None:
+                    raise _BadRange("local", local, length)
+                local_view = self._view_of(local_region)
+            if remote_region is None or not (remote_region.addr <= remote and remote + length <= remote_region.end):
+                remote_region = link.remote.find(remote, length)
+                if remote_region is None:
+                    raise _BadRange("remote", remote, length)
+                if plan is not None and link.shares(remote_region):
+                    segment = link.peer_segment(remote_region)
+                    seg_base = remote_region.shm_offset - remote_region.addr
+                else:
+                    plan = None
+            descs.append((local, remote, length))
+            if plan is not None:
+                plan.append((local, local_view, local - local_region.addr, segment, seg_base + remote, length))  # type: ignore[arg-type]
+        return descs, plan
+
+    def _view_of(self, region: Region) -> memoryview:
+        """A cached byte view of a local registered region (dropped when it is deregistered)."""
+        view = self._views.get(region)
+        if view is None:
+            view = memoryview((ctypes.c_char * region.length).from_address(region.addr)).cast("B")
+            self._views[region] = view
+        return view
 
     def _copy_loop(self) -> None:
         while True:
             item = self._copy_queue.get()
             if item is None:
                 return
-            link, request, pointers = item
+            link, request, plan = item
             try:
-                link.copy(request, pointers)
+                link.copy(request, plan, inline=False)
             except Exception as exc:  # never let one bad copy kill the worker
                 log.exception(kv(event="copy_failed", remote=link.remote_engine, error=repr(exc)))
                 request.finish(api.FAILED)

@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer import wire
-from pdserve_worker.transfer.netio import recvmsg_into_all, sendmsg_all
+from pdserve_worker.transfer.netio import sendmsg_all
 from pdserve_worker.transfer.regions import Region, RegionTable
 from pdserve_worker.transfer.shm import ShmSegment, host_identity
 
 log = logging.getLogger("pdserve.transfer.host_link")
+
+# One descriptor of a shared-memory copy: (local address, view of the local region, offset in
+# it, the peer's segment as mapped here, offset in it, length).
+CopyStep = tuple[int, memoryview, int, ShmSegment, int, int]
 
 
 @dataclass(eq=False)
@@ -43,10 +47,10 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
     body: bytes = b""  # a notify's encoded frame body
     seq: int = 0  # the frame's sequence number on its link, once sent
+    nbytes: int = field(default=0, init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(d[2] for d in self.descs)
+    def __post_init__(self) -> None:
+        self.nbytes = sum(d[2] for d in self.descs)
 
     def finish(self, code: int) -> None:
         if self.done.is_set():
@@ -64,6 +68,7 @@ class Link:
         local_engine: str,
         remote_engine: str,
         sock: socket.socket,
+        reader: wire.FrameReader,
         remote_regions: list[Region],
         mappings: dict[str, ShmSegment],
         inline_max_bytes: int,
@@ -72,6 +77,7 @@ class Link:
         self.remote_engine = remote_engine
         self.remote = RegionTable(remote_regions)
         self._sock = sock
+        self._frames = reader
         self._mappings = mappings
         self._inline_max = inline_max_bytes
         self._send_lock = threading.Lock()
@@ -109,10 +115,11 @@ class Link:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.sendall(wire.json_frame(wire.Kind.HELLO, {"client": local_engine, "host": host_identity()}))
-            kind, _, _, size = wire.recv_header(sock)
+            reader = wire.FrameReader(sock)
+            kind, _, _, size = reader.header()
             if kind is not wire.Kind.HELLO_ACK:
                 raise wire.ProtocolError(f"expected HELLO_ACK from {remote_engine}, got {kind.name}")
-            hello = wire.recv_json(sock, size)
+            hello = reader.json(size)
             sock.settimeout(None)
         except socket.timeout:
             sock.close()
@@ -134,7 +141,7 @@ class Link:
                 path="shm" if mappings else "tcp",
             )
         )
-        return cls(local_engine, remote_engine, sock, regions, mappings, inline_max_bytes)
+        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_max_bytes)
 
     @property
     def closed(self) -> bool:
@@ -144,26 +151,36 @@ class Link:
         return region.shm_name in self._mappings
 
     # ---- the zero-copy path -----------------------------------------------------------------------
-    def peer_pointer(self, region: Region, remote_addr: int) -> int:
-        seg = self._mappings[region.shm_name]
-        return seg.addr + region.shm_offset + (remote_addr - region.addr)
+    def peer_segment(self, region: Region) -> ShmSegment:
+        """Our mapping of the segment behind a shared remote region (see `shares`)."""
+        return self._mappings[region.shm_name]
 
-    def copy(self, request: Request, pointers: list[int]) -> None:
-        """memmove every descriptor through our mapping of the peer's memory.
+    def copy(self, request: Request, plan: list[CopyStep], inline: bool) -> None:
+        """Copy every descriptor through our mapping of the peer's memory.
 
-        ctypes.memmove releases the GIL, so copies on worker threads run beside Python code.
+        inline (caller's thread, small requests): memoryview slice assignment, a third of a
+        ctypes call's overhead, holding the GIL for at most `inline_max` bytes. On a copy
+        thread: ctypes.memmove, which releases the GIL, so big copies run beside Python code.
         """
         with self._copies_cond:
             if self._closed:
                 request.finish(api.NOT_CONNECTED)
                 return
             self._copies += 1
+        write = request.op is api.TransferOp.WRITE
         try:
-            for (local, _, length), peer in zip(request.descs, pointers):
-                if request.op is api.TransferOp.WRITE:
-                    ctypes.memmove(peer, local, length)
-                else:
-                    ctypes.memmove(local, peer, length)
+            if inline:
+                for _, lview, loff, seg, poff, n in plan:
+                    if write:
+                        seg.bytes[poff : poff + n] = lview[loff : loff + n]
+                    else:
+                        lview[loff : loff + n] = seg.bytes[poff : poff + n]
+            else:
+                for laddr, _, _, seg, poff, n in plan:
+                    if write:
+                        ctypes.memmove(seg.addr + poff, laddr, n)
+                    else:
+                        ctypes.memmove(laddr, seg.addr + poff, n)
             request.finish(api.SUCCESS)
         finally:
             with self._copies_cond:
@@ -227,7 +244,7 @@ class Link:
     def _read_loop(self) -> None:
         try:
             while True:
-                kind, status, seq, size = wire.recv_header(self._sock)
+                kind, status, seq, size = self._frames.header()
                 if kind is not wire.Kind.ACK:
                     raise wire.ProtocolError(f"expected ACK, got {kind.name}")
                 try:
@@ -239,7 +256,7 @@ class Link:
                 if request.op is api.TransferOp.READ and status == api.SUCCESS:
                     if size != request.nbytes:
                         raise wire.ProtocolError(f"READ returned {size} bytes, asked {request.nbytes}")
-                    recvmsg_into_all(self._sock, [wire.memory(local, n) for local, _, n in request.descs])
+                    self._frames.readinto([wire.memory(local, n) for local, _, n in request.descs])
                 request.finish(status)
         except (OSError, ConnectionError) as exc:
             self._break(f"connection lost: {exc}")
@@ -270,8 +287,10 @@ class Link:
                 item = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
-                item.finish(code)
+            if item is None:  # the sender's stop sentinel is not ours to drop
+                self._outbox.put(None)
+                return
+            item.finish(code)
 
     def close(self, timeout_s: float) -> None:
         """Disconnect: fail what is still queued, wait for running copies, unmap, join threads."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer import wire
-from pdserve_worker.transfer.netio import recvmsg_into_all, sendmsg_all
+from pdserve_worker.transfer.netio import sendmsg_all
 from pdserve_worker.transfer.regions import Region, RegionTable
 
 log = logging.getLogger("pdserve.transfer.host_server")
@@ -133,18 +133,19 @@ class HostServer:
     def _serve(self, conn: socket.socket, peer: object) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         client = "?"
+        reader = wire.FrameReader(conn)
         try:
-            kind, _, seq, size = wire.recv_header(conn)
+            kind, _, seq, size = reader.header()
             if kind is not wire.Kind.HELLO:
                 raise wire.ProtocolError(f"first frame must be HELLO, got {kind.name}")
-            hello = wire.recv_json(conn, size)
+            hello = reader.json(size)
             client = str(hello.get("client", "?"))
             snapshot = self._regions.snapshot()
             allowed = RegionTable(snapshot)
             reply = {"server": self.engine_id, "regions": [r.to_wire() for r in snapshot], **self._hello_extra()}
             conn.sendall(wire.json_frame(wire.Kind.HELLO_ACK, reply, seq=seq))
             log.info(kv(event="link_accepted", server=self.engine_id, client=client, regions=len(snapshot)))
-            while self._handle_frame(conn, allowed):
+            while self._handle_frame(conn, reader, allowed):
                 pass
         except (ConnectionError, OSError) as exc:
             if not self._stopping:
@@ -156,31 +157,30 @@ class HostServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handle_frame(self, conn: socket.socket, allowed: RegionTable) -> bool:
+    def _handle_frame(self, conn: socket.socket, reader: wire.FrameReader, allowed: RegionTable) -> bool:
         """Serve one frame; False when the client said BYE."""
-        kind, arg, seq, size = wire.recv_header(conn)
+        kind, arg, seq, size = reader.header()
         if kind is wire.Kind.BYE:
             return False
         if kind is wire.Kind.NOTIFY:
-            body = wire.recv_json(conn, size)
-            status = self._accept_notify(body)
+            status = self._accept_notify(reader.json(size))
             conn.sendall(wire.header(wire.Kind.ACK, status, seq))
             return True
         if kind not in (wire.Kind.WRITE, wire.Kind.READ):
             raise wire.ProtocolError(f"unexpected frame {kind.name} from a client")
         if arg > wire.MAX_DESCS_PER_FRAME:
             raise wire.ProtocolError(f"{arg} descriptors in one frame exceed {wire.MAX_DESCS_PER_FRAME}")
-        descs = wire.unpack_descs(wire.recv_exact(conn, arg * wire.DESC.size))
+        descs = wire.unpack_descs(reader.read(arg * wire.DESC.size))
         bad = self._first_invalid(descs, allowed)
         if kind is wire.Kind.WRITE:
             if bad is not None:
-                wire.discard(conn, size)
+                reader.discard(size)
                 log.warning(kv(event="write_refused", server=self.engine_id, addr=hex(bad[0]), len=bad[1]))
                 conn.sendall(wire.header(wire.Kind.ACK, api.PARAM_INVALID, seq))
                 return True
             if sum(length for _, length in descs) != size:
                 raise wire.ProtocolError(f"WRITE payload {size} does not match its descriptors")
-            recvmsg_into_all(conn, [wire.memory(addr, length) for addr, length in descs])
+            reader.readinto([wire.memory(addr, length) for addr, length in descs])
             conn.sendall(wire.header(wire.Kind.ACK, api.SUCCESS, seq))
             return True
         # READ

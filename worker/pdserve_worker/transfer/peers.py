@@ -42,6 +42,16 @@ def crc(addr: int, length: int) -> int:
     return zlib.crc32(memoryview((ctypes.c_char * length).from_address(addr)))
 
 
+def untouched_beyond(base_addr: int, layout: KVLayout, slot: int, num_tokens: int) -> bool:
+    """Whether every byte of a slot past its first num_tokens tokens still holds SENTINEL."""
+    for layer in layout.layer_range:
+        for kv_index in (K, V):
+            offset, length = layout.token_run(slot, layer, kv_index, layout.max_len - num_tokens, num_tokens)
+            if length and (ctypes.c_char * length).from_address(base_addr + offset).raw.strip(bytes([SENTINEL])):
+                return False
+    return True
+
+
 def run_checksums(base_addr: int, layout: KVLayout, slot: int, num_tokens: int) -> dict[str, int]:
     """CRC of every (layer, K|V) run of a slot's first num_tokens tokens, keyed "layer/kv"."""
     out = {}
@@ -171,6 +181,7 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
         "state": lambda slot: slots.state(slot).value,
         "checksums": lambda slot, num_tokens: run_checksums(pool.base_addr, layout, slot, num_tokens),
         "slot_crc": lambda slot: crc(pool.base_addr + layout.slot_span(slot)[0], layout.bytes_per_slot),
+        "untouched_beyond": lambda slot, num_tokens: untouched_beyond(pool.base_addr, layout, slot, num_tokens),
     }
     try:
         _serve(conn, handlers, {"engine_id": config["engine_id"], "base_addr": pool.base_addr, "pid": os.getpid()})
@@ -227,7 +238,9 @@ def prefill_main(conn: Connection, config: dict[str, Any]) -> None:
     handlers: dict[str, Callable[..., Any]] = {
         "push": push,
         "checksums": lambda num_tokens, slot=0: run_checksums(pool.base_addr, layout, slot, num_tokens),
+        "connect": lambda engine_id: backend.ensure_connected(engine_id, 5000),
         "disconnect": lambda engine_id: backend.engine.disconnect(engine_id, 1000),
+        "link_path": lambda engine_id: backend.engine.link_path(engine_id),
     }
     try:
         _serve(conn, handlers, {"engine_id": config["engine_id"], "base_addr": pool.base_addr, "pid": os.getpid()})

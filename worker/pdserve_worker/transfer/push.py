@@ -110,9 +110,27 @@ class _Put:
 class _TargetState:
     target: PushTarget
     owned: range
+    dst_addrs: dict[tuple[int, int], int]  # (layer, K|V) -> where its run starts on the target
     pushed: set[int] = field(default_factory=set)
     outstanding: deque[_Put] = field(default_factory=deque)
     in_flight_runs: int = 0
+
+
+def _run_addrs(base_addr: int, layout: KVLayout, slot: int) -> dict[tuple[int, int], int]:
+    """Start address of every (layer, K|V) run of a slot. The layout is slot, layer, K|V-major
+    with a fixed stride, so one validated `offset` plus arithmetic gives them all (a validated
+    call per run would cost more than the put itself for small prompts)."""
+    first = layout.offset(slot, layout.first_layer, K)
+    stride = layout.bytes_per_kv_layer
+    addrs = {
+        (layer, kv_index): base_addr + first + ((layer - layout.first_layer) * 2 + kv_index) * stride
+        for layer in layout.layer_range
+        for kv_index in (K, V)
+    }
+    last = (layout.layer_range.stop - 1, V)
+    if addrs[last] != base_addr + layout.offset(slot, *last):
+        raise RuntimeError("KVLayout is no longer fixed-stride: update push._run_addrs")
+    return addrs
 
 
 def layer_chunks(layers: range, per_chunk: int) -> list[range]:
@@ -148,7 +166,11 @@ class KVPusher:
         self.queue_depth = queue_depth
         self.timeout_s = timeout_s
         self._notify_timeout_ms = notify_timeout_ms
+        if not 0 <= source.slot < source.layout.num_slots:
+            raise ValueError(f"source slot {source.slot} outside its pool of {source.layout.num_slots}")
+        self._run_len = num_tokens * source.layout.bytes_per_token
         self._states = [self._check_target(t) for t in targets]
+        self._src_addrs = _run_addrs(source.base_addr, source.layout, source.slot)
         if not self._states:
             raise ValueError("a push needs at least one target")
         self.stats = PushStats()
@@ -176,7 +198,8 @@ class KVPusher:
                 raise ValueError(f"num_tokens={self.num_tokens} does not fit {who} max_len={layout.max_len}")
         if not 0 <= target.slot < dst.num_slots:
             raise ValueError(f"target {target.describe()}: slot outside its pool of {dst.num_slots}")
-        return _TargetState(target, dst.layer_range)
+        dst_addrs = _run_addrs(target.base_addr, dst, target.slot)
+        return _TargetState(target, dst.layer_range, dst_addrs)
 
     # ---- pushing -------------------------------------------------------------------------------------
     def push_chunk(self, layers: range) -> None:
@@ -207,13 +230,8 @@ class KVPusher:
         state.pushed.update(layers)
 
     def _descs(self, state: _TargetState, runs: list[tuple[int, int]]) -> list[Any]:
-        src, dst, t = self.source, state.target.layout, state.target
-        descs = []
-        for layer, kv_index in runs:
-            s_off, length = src.layout.token_run(src.slot, layer, kv_index, self.num_tokens)
-            d_off, _ = dst.token_run(t.slot, layer, kv_index, self.num_tokens)
-            descs.append(self._api.TransferOpDesc(src.base_addr + s_off, t.base_addr + d_off, length))
-        return descs
+        make, src, dst, n = self._api.TransferOpDesc, self._src_addrs, state.dst_addrs, self._run_len
+        return [make(src[run], dst[run], n) for run in runs]
 
     def _submit(self, state: _TargetState, runs: list[tuple[int, int]]) -> None:
         descs = self._descs(state, runs)
@@ -250,7 +268,7 @@ class KVPusher:
         state.in_flight_runs += len(runs)
         self.stats.puts += len(runs)
         self.stats.requests += 1
-        self.stats.bytes += sum(d.len for d in descs)
+        self.stats.bytes += len(runs) * self._run_len
 
     def _wait_for_room(self, state: _TargetState, runs: int) -> None:
         if state.in_flight_runs + runs <= self.queue_depth:
@@ -311,6 +329,16 @@ class KVPusher:
             if done():
                 return
             backoff.sleep()
+
+    def flush(self) -> None:
+        """Wait until every put issued so far has completed (raises PushError like push_chunk)."""
+        if self._failed or self._finished:
+            raise RuntimeError("flush after the push failed or finished")
+        try:
+            self._wait(lambda: all(not s.outstanding for s in self._states))
+        except BaseException:
+            self._fail()
+            raise
 
     # ---- the end -------------------------------------------------------------------------------------
     def finish(self, extra: dict[str, object] | None = None) -> PushStats:
@@ -396,19 +424,21 @@ class KVPusher:
 
 
 class _Backoff:
-    """Wait between polls: yield the GIL for the first ~200 µs (copies finish that fast), then
-    sleep in growing steps up to 1 ms, so a long wait costs little CPU."""
+    """Between polls: yield the GIL for the first 100 µs (small copies finish that fast), then
+    sleep about 50 µs per poll up to 5 ms, then 1 ms: short waits stay short, long ones cost
+    little CPU. (HIXL offers no blocking wait for a transfer, so the pusher polls.)"""
 
     def __init__(self) -> None:
         self._start = time.perf_counter()
-        self._sleep = 0.00005
 
     def sleep(self) -> None:
-        if time.perf_counter() - self._start < 0.0002:
+        waited = time.perf_counter() - self._start
+        if waited < 0.0001:
             time.sleep(0)
-            return
-        time.sleep(self._sleep)
-        self._sleep = min(self._sleep * 2, 0.001)
+        elif waited < 0.005:
+            time.sleep(0.00005)
+        else:
+            time.sleep(0.001)
 
 
 def prefill_and_push(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -24,20 +24,22 @@ class Region:
     shm_offset: int = 0  # offset of `addr` inside that segment
     shm_size: int = 0  # the whole segment's size: a peer maps all of it once
     local_only: bool = False
+    end: int = field(init=False, compare=False, repr=False)  # addr + length, precomputed: hot path
 
-    @property
-    def end(self) -> int:
-        return self.addr + self.length
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "end", self.addr + self.length)
 
     def contains(self, addr: int, length: int) -> bool:
         return length >= 0 and self.addr <= addr and addr + length <= self.end
 
     def to_wire(self) -> dict[str, object]:
-        return asdict(self)
+        data = asdict(self)
+        del data["end"]
+        return data
 
     @classmethod
     def from_wire(cls, data: dict[str, object]) -> "Region":
-        return cls(**data)  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k != "end"})  # type: ignore[arg-type]
 
 
 class RegionTable:
@@ -51,6 +53,7 @@ class RegionTable:
         self._by_handle: dict[int, Region] = {}
         self._sorted: list[tuple[int, int, Region]] = []  # (addr, handle, region)
         self._live: set[Region] = set()
+        self._last: Region | None = None  # most recent hit; cleared on any removal
         self._next_handle = 1
         for region in regions or []:
             self.add(region)
@@ -72,18 +75,23 @@ class RegionTable:
         with self._lock:
             region = self._by_handle.pop(handle, None)
             if region is not None:
+                self._last = None
                 self._sorted.remove((region.addr, handle, region))
                 self._live.discard(region)
             return region
 
     def find(self, addr: int, length: int) -> Region | None:
         """The region holding [addr, addr+length) whole, or None."""
+        last = self._last  # the hot path: a push's runs all fall in one pool
+        if last is not None and last.addr <= addr and addr + length <= last.end and length >= 0:
+            return last
         with self._lock:
             i = bisect.bisect_right(self._sorted, (addr, float("inf")))
             # Candidates start at or before addr; with few overlaps the nearest one holds it.
             for j in range(i - 1, -1, -1):
                 region = self._sorted[j][2]
                 if region.contains(addr, length):
+                    self._last = region
                     return region
             return None
 

@@ -46,6 +46,7 @@ class ShmSegment:
         # stays valid exactly as long as this object is open.
         self._view: ctypes.Array[ctypes.c_char] | None = (ctypes.c_char * size).from_buffer(mapping)
         self.addr = ctypes.addressof(self._view)
+        self.bytes = memoryview(self._view).cast("B")  # for copies cheaper than a ctypes call
 
     @classmethod
     def create(cls, size: int, populate: bool = True) -> "ShmSegment":
@@ -89,6 +90,7 @@ class ShmSegment:
         """Unmap (the owner also unlinks). Callers make sure no copy into it is running."""
         if self._view is None:
             return
+        self.bytes.release()
         self._view = None
         self._mmap.close()
         if self.owner:

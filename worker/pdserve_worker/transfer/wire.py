@@ -23,6 +23,8 @@ import socket
 import struct
 from enum import IntEnum
 
+from pdserve_worker.transfer.netio import recvmsg_into_all
+
 HEADER = struct.Struct("!B3xIQQ")  # kind, arg, seq, size
 DESC = struct.Struct("!QQ")  # remote_addr, len
 MAX_CONTROL_BODY = 4 << 20  # HIXL's control message limit (HIXL.md 1.5)
@@ -65,43 +67,78 @@ def memory(addr: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into_exact(sock, memoryview(buf))
-    return bytes(buf)
+class FrameReader:
+    """Buffered reads from a stream socket: a small frame (header plus body, or several ACKs)
+    costs one recv instead of two or more. Payload bytes already buffered are copied into
+    their destination; the rest is received straight into it (no intermediate buffer)."""
 
+    def __init__(self, sock: socket.socket, capacity: int = 1 << 16) -> None:
+        self._sock = sock
+        self._buf = bytearray(capacity)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
-        got += k
+    def _fill(self, need: int) -> None:
+        """Make at least `need` bytes available in the buffer."""
+        if need > len(self._buf):
+            grown = bytearray(need)
+            grown[: self._end - self._start] = self._view[self._start : self._end]
+            self._buf, self._view = grown, memoryview(grown)
+            self._end -= self._start
+            self._start = 0
+        elif self._start + need > len(self._buf):
+            n = self._end - self._start
+            self._view[:n] = self._view[self._start : self._end]
+            self._start, self._end = 0, n
+        while self._end - self._start < need:
+            k = self._sock.recv_into(self._view[self._end :])
+            if k == 0:
+                raise ConnectionError(
+                    f"peer closed the connection after {self._end - self._start} of {need} bytes"
+                )
+            self._end += k
 
+    def read(self, n: int) -> bytes:
+        self._fill(n)
+        data = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        return data
 
-def discard(sock: socket.socket, n: int) -> None:
-    """Read and drop n bytes: the payload of a frame that was refused."""
-    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
-    while n > 0:
-        k = sock.recv_into(scratch, min(n, len(scratch)))
-        if k == 0:
-            raise ConnectionError("peer closed the connection while a refused payload was drained")
-        n -= k
+    def readinto(self, views: list[memoryview]) -> None:
+        """Fill every view in order: buffered bytes first, then straight from the socket."""
+        rest = []
+        for view in views:
+            take = min(len(view), self._end - self._start)
+            if take:
+                view[:take] = self._view[self._start : self._start + take]
+                self._start += take
+            if take < len(view):
+                rest.append(view[take:])
+        if rest:
+            recvmsg_into_all(self._sock, rest)
 
+    def discard(self, n: int) -> None:
+        """Drop n bytes: the payload of a frame that was refused."""
+        while n > 0:
+            if self._end == self._start:
+                self._start = self._end = 0
+                self._fill(1)
+            take = min(n, self._end - self._start)
+            self._start += take
+            n -= take
 
-def recv_header(sock: socket.socket) -> tuple[Kind, int, int, int]:
-    kind, arg, seq, size = HEADER.unpack(recv_exact(sock, HEADER.size))
-    try:
-        return Kind(kind), arg, seq, size
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {kind}") from None
+    def header(self) -> tuple[Kind, int, int, int]:
+        kind, arg, seq, size = HEADER.unpack(self.read(HEADER.size))
+        try:
+            return Kind(kind), arg, seq, size
+        except ValueError:
+            raise ProtocolError(f"unknown frame kind {kind}") from None
 
-
-def recv_json(sock: socket.socket, size: int) -> dict[str, object]:
-    if size > MAX_CONTROL_BODY:
-        raise ProtocolError(f"control body of {size} bytes exceeds {MAX_CONTROL_BODY}")
-    body = json.loads(recv_exact(sock, size))
-    if not isinstance(body, dict):
-        raise ProtocolError(f"control body must be a JSON object, got {type(body).__name__}")
-    return body
+    def json(self, size: int) -> dict[str, object]:
+        if size > MAX_CONTROL_BODY:
+            raise ProtocolError(f"control body of {size} bytes exceeds {MAX_CONTROL_BODY}")
+        body = json.loads(self.read(size))
+        if not isinstance(body, dict):
+            raise ProtocolError(f"control body must be a JSON object, got {type(body).__name__}")
+        return body
