@@ -72,42 +72,44 @@ class PeerProcess:
     info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, main: Callable[[Connection, dict[str, Any]], None], config: dict[str, Any], timeout_s: float = 60) -> "PeerProcess":
+    def start(cls, main: Callable[[Connection, dict[str, Any]], None], config: dict[str, Any], wait_s: float = 60) -> "PeerProcess":
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(target=main, args=(child, config), daemon=True)
         process.start()
         child.close()
         peer = cls(process, parent)
-        peer.info = peer.result(timeout_s)
+        peer.info = peer.result(wait_s)
         return peer
 
     def send(self, command: str, **kwargs: Any) -> None:
         self.conn.send((command, kwargs))
 
-    def result(self, timeout_s: float = 60) -> Any:
-        if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"peer pid={self.process.pid} gave no answer in {timeout_s}s")
+    def result(self, wait_s: float = 60) -> Any:
+        """The answer to the last command sent (raises PeerError if it failed there)."""
+        if not self.conn.poll(wait_s):
+            raise TimeoutError(f"peer pid={self.process.pid} gave no answer in {wait_s}s")
         ok, value = self.conn.recv()
         if not ok:
             raise PeerError(*value)
         return value
 
-    def call(self, command: str, timeout_s: float = 60, **kwargs: Any) -> Any:
+    def call(self, command: str, *, wait_s: float = 60, **kwargs: Any) -> Any:
+        """Run a command in the peer and return its answer; kwargs are the command's own."""
         self.send(command, **kwargs)
-        return self.result(timeout_s)
+        return self.result(wait_s)
 
-    def stop(self, timeout_s: float = 10) -> None:
+    def stop(self, wait_s: float = 10) -> None:
         """Ask it to finalize and exit; kill it (this process's own child) if it does not."""
         if self.process.is_alive():
             try:
                 self.send("stop")
-                self.process.join(timeout_s)
+                self.process.join(wait_s)
             except (BrokenPipeError, OSError):
                 pass
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(timeout_s)
+            self.process.join(wait_s)
         self.conn.close()
 
 
