@@ -35,10 +35,10 @@ def test_an_attached_mapping_sees_the_owners_writes() -> None:
 
 def test_orphans_are_reaped_and_live_segments_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm, "ORPHAN_MIN_AGE_S", 0.0)
+    live = ShmSegment.create(4096)
     orphan = f"{NAME_PREFIX}0-{secrets.token_hex(8)}"  # as a SIGKILLed owner leaves it: no lock
     fd = os.open(os.path.join(SHM_DIR, orphan), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
-    live = ShmSegment.create(4096)
     try:
         reaped = reap_orphans()
         assert orphan in reaped and live.name not in reaped
