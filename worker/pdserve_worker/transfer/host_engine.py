@@ -44,7 +44,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
-import json
 import logging
 import queue
 import threading
@@ -324,6 +323,10 @@ class Hixl:
             return api.FAILED
         if timeout_in_millis <= 0:
             return api.PARAM_INVALID
+        with self._lock:  # the common case first: every push checks its targets are linked
+            link = self._links.get(remote_engine)
+            if link is not None and not link.closed:
+                return api.ALREADY_CONNECTED
         try:
             host, port = parse_engine_id(remote_engine)
         except ValueError as exc:
@@ -331,10 +334,6 @@ class Hixl:
             return api.PARAM_INVALID
         if port <= 0:
             return api.PARAM_INVALID
-        with self._lock:
-            link = self._links.get(remote_engine)
-            if link is not None and not link.closed:
-                return api.ALREADY_CONNECTED
         try:
             new = Link.open(
                 self.engine_id,
@@ -463,7 +462,7 @@ class Hixl:
         status, request = self._start(remote_engine, op, op_descs, api.TransferArgs())
         if request is None:
             return status
-        if not request.done.wait(timeout_in_millis / 1000.0):
+        if not request.wait(timeout_in_millis / 1000.0):
             # Like HIXL: the bytes may still land later; the caller should disconnect.
             log.warning(kv(event="transfer_timeout", remote=remote_engine, bytes=request.nbytes))
             return api.TIMEOUT
@@ -618,10 +617,10 @@ class Hixl:
         link = self._link(remote_engine)
         if link is None:
             return api.NOT_CONNECTED
-        body = json.dumps({"name": name, "msg": msg}, separators=(",", ":")).encode()
-        request = Request(0, None, [], body=body)
+        name_bytes = name.encode()
+        request = Request(0, None, [], body=name_bytes + msg.encode(), name_len=len(name_bytes))
         link.notify(request)
-        if not request.done.wait(timeout_in_millis / 1000.0):
+        if not request.wait(timeout_in_millis / 1000.0):
             return api.TIMEOUT
         return request.code
 

@@ -163,7 +163,10 @@ class HostServer:
         if kind is wire.Kind.BYE:
             return False
         if kind is wire.Kind.NOTIFY:
-            status = self._accept_notify(reader.json(size))
+            if size > wire.MAX_CONTROL_BODY or arg > size:
+                raise wire.ProtocolError(f"NOTIFY of {size} bytes with a {arg}-byte name")
+            body = reader.read(size)
+            status = self._accept_notify(body[:arg].decode(), body[arg:].decode())
             conn.sendall(wire.header(wire.Kind.ACK, status, seq))
             return True
         if kind not in (wire.Kind.WRITE, wire.Kind.READ):
@@ -199,10 +202,7 @@ class HostServer:
                 return addr, length
         return None
 
-    def _accept_notify(self, body: dict[str, object]) -> int:
-        name, msg = body.get("name"), body.get("msg")
-        if not isinstance(name, str) or not isinstance(msg, str):
-            return api.PARAM_INVALID
+    def _accept_notify(self, name: str, msg: str) -> int:
         if len(name) > api.MAX_NOTIFY_FIELD or len(msg) > api.MAX_NOTIFY_FIELD:
             return api.PARAM_INVALID
         if not self._notifies.put(api.NotifyDesc(name, msg)):

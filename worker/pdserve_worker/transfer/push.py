@@ -120,14 +120,14 @@ def _run_addrs(base_addr: int, layout: KVLayout, slot: int) -> dict[tuple[int, i
     """Start address of every (layer, K|V) run of a slot. The layout is slot, layer, K|V-major
     with a fixed stride, so one validated `offset` plus arithmetic gives them all (a validated
     call per run would cost more than the put itself for small prompts)."""
-    first = layout.offset(slot, layout.first_layer, K)
+    first_layer, num_layers = layout.first_layer, layout.num_layers
+    start = base_addr + layout.offset(slot, first_layer, K)
     stride = layout.bytes_per_kv_layer
-    addrs = {
-        (layer, kv_index): base_addr + first + ((layer - layout.first_layer) * 2 + kv_index) * stride
-        for layer in layout.layer_range
-        for kv_index in (K, V)
-    }
-    last = (layout.layer_range.stop - 1, V)
+    addrs = {}
+    for i in range(num_layers):
+        addrs[(first_layer + i, K)] = start + 2 * i * stride
+        addrs[(first_layer + i, V)] = start + (2 * i + 1) * stride
+    last = (first_layer + num_layers - 1, V)
     if addrs[last] != base_addr + layout.offset(slot, *last):
         raise RuntimeError("KVLayout is no longer fixed-stride: update push._run_addrs")
     return addrs
@@ -189,7 +189,7 @@ class KVPusher:
                 raise ValueError(
                     f"target {target.describe()} has {attr}={getattr(dst, attr)!r}, source has {getattr(src, attr)!r}"
                 )
-        if not set(dst.layer_range) <= set(src.layer_range):
+        if dst.first_layer < src.first_layer or dst.layer_range.stop > src.layer_range.stop:
             raise ValueError(
                 f"target {target.describe()} holds layers {dst.layer_range}, source only {src.layer_range}"
             )

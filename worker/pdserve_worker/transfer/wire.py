@@ -7,7 +7,7 @@ the raw address) and sent straight from it, so the TCP path makes no extra copy 
   HELLO      client→server  body: JSON {client}            reply HELLO_ACK, body: JSON
   WRITE      client→server  arg=n, size=payload bytes; n × (remote_addr, len), then payload
   READ       client→server  arg=n; n × (remote_addr, len)   reply ACK size=bytes, then payload
-  NOTIFY     client→server  body: JSON {name, msg}          reply ACK
+  NOTIFY     client→server  arg=name bytes; name then message (UTF-8)   reply ACK
   ACK        server→client  arg=status code, seq echoes the request
   BYE        client→server  the client disconnects
 
