@@ -18,8 +18,9 @@ with real HIXL on Ascend and with this engine on plain CPUs:
 How bytes move. Memory that this engine allocated (`malloc_mem`, like ADXL's `MallocMem`) is a
 POSIX shared-memory segment. At connect the client learns the server's regions with their
 segment names and, when it can open them (same host, same /dev/shm), maps them: a transfer
-into such a region is then a memmove into the mapping on a copy thread, the server is not
-involved (the zero-copy path). Any other registered memory, a server on another host, or the
+into such a region is then one memmove per descriptor into the mapping and the server is not
+involved at all (the zero-copy path). The notify that follows goes over the link's socket
+after the copies returned, so the peer never sees "ready" before the bytes. Any other registered memory, a server on another host, or the
 option `{"pdserve.Transport": "tcp"}` takes the TCP path: the frame goes to the server, which
 checks the range and receives the bytes straight into the registered memory.
 
@@ -33,10 +34,16 @@ Deliberate differences from real HIXL (all additive or host-only):
 - Calls may come from any thread (real HIXL wants the thread with the ACL context).
 - `connect_async` runs on one worker thread (FIFO for all remotes, not per remote).
 - `get_all_transfer_status` works on every transport (real HIXL: only with LocalCommRes 1.3).
-- A small request (<= `pdserve.InlineMaxBytes`, default 1 MiB) is copied or sent on the
-  caller's thread when nothing is queued ahead of it: a thread hand-off costs more than the copy.
-  Its status is still read through `get_transfer_status`, exactly as for any async request.
+- A small request (<= `pdserve.InlineMaxBytes`, default 1 MiB) is copied on the caller's
+  thread (or, on the TCP path, sent there when the socket is free): a thread hand-off costs
+  more than that copy. Its status is still read through `get_transfer_status`, exactly as for
+  any async request. Bigger ones go to `pdserve.CopyThreads` copy threads (default 1: on a
+  2-core host more would only compete with the model's compute), which release the GIL.
 - HIXL-specific options (BufferPool, RDMA, LocalCommRes, ...) are accepted and ignored.
+
+Threads: one acceptor when listening and one per accepted link (server side); per outgoing
+link one ACK reader and one sender; the copy threads. All block in system calls or on
+locks when idle, so an idle engine burns no CPU.
 """
 
 from __future__ import annotations
@@ -115,8 +122,9 @@ class HostEngineOptions:
 T = TypeVar("T")
 
 
-def _never_raises(failed: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """The binding's contract: status codes, never exceptions. A bug becomes FAILED plus a log line."""
+def _never_raises(failed: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """The binding's contract: status codes, never exceptions. A bug becomes `failed()` (a
+    FAILED status, fresh each time) plus a log line with the traceback."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
@@ -125,11 +133,15 @@ def _never_raises(failed: Any) -> Callable[[Callable[..., T]], Callable[..., T]]
                 return fn(*args, **kwargs)
             except Exception as exc:
                 log.exception(kv(event="engine_call_failed", call=fn.__name__, error=repr(exc)))
-                return failed  # type: ignore[no-any-return]
+                return failed()
 
         return inner
 
     return wrap
+
+
+def _status(status: int) -> Callable[[], int]:
+    return lambda: status
 
 
 class _BadRange(ValueError):
@@ -168,7 +180,7 @@ class Hixl:
         self._connect_queued = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------------
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def initialize(self, local_engine: str, options: dict[str, str] | None = None) -> int:
         with self._lock:
             if self._initialized:
@@ -207,7 +219,7 @@ class Hixl:
             )
             return api.SUCCESS
 
-    @_never_raises(None)
+    @_never_raises(lambda: None)
     def finalize(self) -> None:
         with self._lock:
             if not self._initialized:
@@ -246,7 +258,7 @@ class Hixl:
             pass
 
     # ---- memory ------------------------------------------------------------------------------------
-    @_never_raises((api.FAILED, 0))
+    @_never_raises(lambda: (api.FAILED, 0))
     def malloc_mem(self, size: int, mem_type: int = api.MemType.MEM_HOST) -> tuple[int, int]:
         """Shared memory a peer on this host can map (the zero-copy path). Zero-filled."""
         if not self._initialized:
@@ -264,9 +276,10 @@ class Hixl:
             self._segments[seg.addr] = seg
         return api.SUCCESS, seg.addr
 
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def free_mem(self, addr: int) -> int:
-        """Free an allocation; its registrations go with it. Peers keep valid (orphaned) pages."""
+        """Free an allocation; its registrations go with it. Peers that mapped it keep valid
+        (orphaned) pages. Like any HIXL memory, free it only once no transfer of ours uses it."""
         with self._lock:
             seg = self._segments.pop(addr, None)
             if seg is None:
@@ -280,7 +293,7 @@ class Hixl:
         seg.close()
         return api.SUCCESS
 
-    @_never_raises((api.FAILED, 0))
+    @_never_raises(lambda: (api.FAILED, 0))
     def register_mem(self, mem_desc: Any, mem_type: int) -> tuple[int, int]:
         if not self._initialized:
             return api.FAILED, 0
@@ -305,7 +318,7 @@ class Hixl:
             handle = self._regions.add(region)
         return api.SUCCESS, handle
 
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def deregister_mem(self, handle: int) -> int:
         if not self._initialized:
             return api.FAILED
@@ -317,7 +330,7 @@ class Hixl:
         return api.SUCCESS
 
     # ---- links ---------------------------------------------------------------------------------------
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def connect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         if not self._initialized:
             return api.FAILED
@@ -362,7 +375,7 @@ class Hixl:
                 return api.ALREADY_CONNECTED
         return api.SUCCESS
 
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def disconnect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         if not self._initialized:
             return api.FAILED
@@ -374,11 +387,11 @@ class Hixl:
         log.info(kv(event="disconnected", local=self.engine_id, remote=remote_engine))
         return api.SUCCESS
 
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def connect_async(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         return self._queue_connect(remote_engine, timeout_in_millis, connect=True)
 
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def disconnect_async(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         return self._queue_connect(remote_engine, timeout_in_millis, connect=False)
 
@@ -416,14 +429,14 @@ class Hixl:
         connector.submit(task)
         return api.SUCCESS
 
-    @_never_raises((api.FAILED, api.AsyncConnectStatus.NOT_CONNECT))
+    @_never_raises(lambda: (api.FAILED, api.AsyncConnectStatus.NOT_CONNECT))
     def get_async_connect_status(self, remote_engine: str) -> tuple[int, api.AsyncConnectStatus]:
         if not self._initialized:
             return api.FAILED, api.AsyncConnectStatus.NOT_CONNECT
         with self._lock:
             return api.SUCCESS, self._async_status(remote_engine)
 
-    @_never_raises((api.FAILED, {}))
+    @_never_raises(lambda: (api.FAILED, {}))
     def get_all_async_connect_status(self) -> tuple[int, dict[str, api.AsyncConnectStatus]]:
         if not self._initialized:
             return api.FAILED, {}
@@ -451,7 +464,7 @@ class Hixl:
         return link
 
     # ---- transfers -----------------------------------------------------------------------------------
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def transfer_sync(
         self, remote_engine: str, op: int, op_descs: Sequence[Any], timeout_in_millis: int = 1000
     ) -> int:
@@ -468,7 +481,7 @@ class Hixl:
             return api.TIMEOUT
         return request.code
 
-    @_never_raises((api.FAILED, 0))
+    @_never_raises(lambda: (api.FAILED, 0))
     def transfer_async(
         self, remote_engine: str, op: int, op_descs: Sequence[Any], args: Any = None
     ) -> tuple[int, int]:
@@ -571,7 +584,7 @@ class Hixl:
                 log.exception(kv(event="copy_failed", remote=link.remote_engine, error=repr(exc)))
                 request.finish(api.FAILED)
 
-    @_never_raises((api.FAILED, api.TransferStatus.FAILED))
+    @_never_raises(lambda: (api.FAILED, api.TransferStatus.FAILED))
     def get_transfer_status(self, req_id: int) -> tuple[int, api.TransferStatus]:
         """A terminal state is reported once; after that (or for an id never issued) FAILED."""
         if not self._initialized:
@@ -587,7 +600,7 @@ class Hixl:
             log.warning(kv(event="transfer_failed", req=req_id, reason=api.status_name(request.code)))
         return api.SUCCESS, request.status
 
-    @_never_raises((api.FAILED, []))
+    @_never_raises(lambda: (api.FAILED, []))
     def get_all_transfer_status(self, args: Any = None) -> tuple[int, list[api.TransferResult]]:
         if not self._initialized:
             return api.FAILED, []
@@ -607,7 +620,7 @@ class Hixl:
         return api.SUCCESS, results
 
     # ---- notifies ------------------------------------------------------------------------------------
-    @_never_raises(api.FAILED)
+    @_never_raises(_status(api.FAILED))
     def send_notify(self, remote_engine: str, notify: Any, timeout_in_millis: int = 1000) -> int:
         if not self._initialized:
             return api.FAILED
@@ -624,13 +637,13 @@ class Hixl:
             return api.TIMEOUT
         return request.code
 
-    @_never_raises((api.FAILED, []))
+    @_never_raises(lambda: (api.FAILED, []))
     def get_notifies(self) -> tuple[int, list[api.NotifyDesc]]:
         if not self._initialized:
             return api.FAILED, []
         return api.SUCCESS, self._notifies.drain()
 
-    @_never_raises((api.FAILED, []))
+    @_never_raises(lambda: (api.FAILED, []))
     def wait_notifies(self, timeout_s: float) -> tuple[int, list[api.NotifyDesc]]:
         """Host-engine extension: block until at least one notify is queued, then drain.
 
