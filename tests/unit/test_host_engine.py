@@ -282,3 +282,25 @@ def test_auto_connect_links_on_first_transfer() -> None:
         assert p.client.link_path(p.remote) == "shm"
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_requests_handed_to_the_engines_threads_complete(transport: str) -> None:
+    # InlineMaxBytes=0: every async copy goes to a copy thread, every TCP frame to the sender.
+    p = Pair(transport, {"pdserve.InlineMaxBytes": "0"})
+    try:
+        p.connect()
+        ctypes.memmove(p.local_addr, bytes(range(256)) * 64, 16384)
+        writes = [api.TransferOpDesc(p.local_addr + i * 4096, p.remote_addr + 8192 * i, 4096) for i in range(4)]
+        status, req = p.client.transfer_async(p.remote, api.WRITE, writes)
+        assert status == api.SUCCESS
+        assert wait_terminal(p.client, req) == (api.SUCCESS, api.TransferStatus.COMPLETED)
+        for i in range(4):
+            assert p.remote_bytes(8192 * i, 4096) == ctypes.string_at(p.local_addr + i * 4096, 4096)
+        reads = [api.TransferOpDesc(p.local_addr + 32768 + 4096 * i, p.remote_addr + 8192 * i, 4096) for i in range(4)]
+        status, req = p.client.transfer_async(p.remote, api.READ, reads)
+        assert wait_terminal(p.client, req)[1] is api.TransferStatus.COMPLETED
+        assert ctypes.string_at(p.local_addr + 32768, 16384) == ctypes.string_at(p.local_addr, 16384)
+        assert p.client.transfer_sync(p.remote, api.WRITE, writes[:1], 2000) == api.SUCCESS
+    finally:
+        p.close()

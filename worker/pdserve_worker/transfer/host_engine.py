@@ -472,7 +472,7 @@ class Hixl:
             return api.FAILED
         if timeout_in_millis <= 0:
             return api.PARAM_INVALID
-        status, request = self._start(remote_engine, op, op_descs, api.TransferArgs())
+        status, request = self._start(remote_engine, op, op_descs, api.TransferArgs(), sync=True)
         if request is None:
             return status
         if not request.wait(timeout_in_millis / 1000.0):
@@ -496,9 +496,11 @@ class Hixl:
         return api.SUCCESS, request.req_id
 
     def _start(
-        self, remote_engine: str, op: int, op_descs: Sequence[Any], args: Any, track: bool = False
+        self, remote_engine: str, op: int, op_descs: Sequence[Any], args: Any, track: bool = False, sync: bool = False
     ) -> tuple[int, Request | None]:
-        """Validate, then hand the request to its path. (status, None) when refused up front."""
+        """Validate, then hand the request to its path. (status, None) when refused up front.
+
+        `sync`: the caller is going to wait anyway, so shared-memory copies run on its thread."""
         try:
             operation = api.TransferOp(int(op))
         except ValueError:
@@ -523,6 +525,8 @@ class Hixl:
             link.submit(request)
         elif request.nbytes <= self.options.inline_max_bytes:
             link.copy(request, plan, inline=True)
+        elif sync:
+            link.copy(request, plan, inline=False)  # memmove releases the GIL meanwhile
         else:
             self._copy_queue.put((link, request, plan))
         return api.SUCCESS, request
