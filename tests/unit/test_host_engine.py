@@ -304,3 +304,25 @@ def test_requests_handed_to_the_engines_threads_complete(transport: str) -> None
         assert p.client.transfer_sync(p.remote, api.WRITE, writes[:1], 2000) == api.SUCCESS
     finally:
         p.close()
+
+
+def test_a_lost_server_fails_the_link_and_a_new_one_can_be_reached() -> None:
+    p = Pair("tcp")
+    try:
+        p.connect()
+        p.server.finalize()  # the decode process went away
+        op = [api.TransferOpDesc(p.local_addr, p.remote_addr, 64)]
+        deadline = time.monotonic() + 5
+        while p.client.link_path(p.remote) is not None and time.monotonic() < deadline:
+            p.client.transfer_sync(p.remote, api.WRITE, op, 500)  # fails; the reader notices
+            time.sleep(0.01)
+        assert p.client.transfer_sync(p.remote, api.WRITE, op, 500) == api.NOT_CONNECTED
+        p.server = Hixl()
+        assert p.server.initialize(p.remote) == api.SUCCESS  # restarted on the same address
+        status, p.remote_addr = p.server.malloc_mem(SIZE)
+        assert p.server.register_mem(api.MemDesc(p.remote_addr, SIZE), api.MEM_HOST)[0] == api.SUCCESS
+        assert p.client.connect(p.remote, 2000) == api.SUCCESS  # the broken link is replaced
+        op = [api.TransferOpDesc(p.local_addr, p.remote_addr, 64)]
+        assert p.client.transfer_sync(p.remote, api.WRITE, op, 2000) == api.SUCCESS
+    finally:
+        p.close()
