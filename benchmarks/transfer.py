@@ -304,10 +304,10 @@ def run_overlap(
     return time.perf_counter() - t0
 
 
-def bench_overlap(repeats: int, layers_per_chunk: int) -> list[dict[str, Any]]:
+def bench_overlap(repeats: int, layers_per_chunk: int, compute_threads: int = 1) -> list[dict[str, Any]]:
     import torch
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(compute_threads)
     tokens = 2048
     decode_layout = KVLayout(num_slots=2, num_layers=30, max_len=tokens, kv_heads=3, head_dim=64, dtype="bfloat16")
     source_layout = KVLayout(num_slots=1, num_layers=30, max_len=tokens, kv_heads=3, head_dim=64, dtype="bfloat16")
@@ -380,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=200, help="readiness wake-ups per mode")
     parser.add_argument("--cpu-wait", type=float, default=2.0, help="seconds of idle wait for the CPU figure")
     parser.add_argument("--layers-per-chunk", type=int, default=2)
+    parser.add_argument(
+        "--compute-threads",
+        type=int,
+        default=1,
+        help="torch threads of the stand-in compute; 1 leaves a core for the copy (and keeps "
+        "OpenMP's barrier stalls under other load out of the figure on a shared 2-core box)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repeats and samples (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -412,10 +419,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * r['cpu_s'] / spin_cpu:.1f}% |"
         )
 
-    print(f"\n## overlap (2048-token prompt, 30 layers, {args.layers_per_chunk} layers per chunk, stand-in compute)")
+    print(
+        f"\n## overlap (2048-token prompt, 30 layers, {args.layers_per_chunk} layers per chunk, "
+        f"stand-in compute on {args.compute_threads} thread(s); median of {max(3, args.repeats // 2)} interleaved rounds)"
+    )
     print("| path | push alone | compute only | compute + pipelined push | ratio | compute then push | ratio |")
     print("|---|---|---|---|---|---|---|")
-    for r in bench_overlap(max(3, args.repeats // 2), args.layers_per_chunk):
+    for r in bench_overlap(max(3, args.repeats // 2), args.layers_per_chunk, args.compute_threads):
         print(
             f"| {r['path']} | {r['push_s'] * 1e3:.1f} ms | {r['compute_s'] * 1e3:.1f} ms | {r['pipelined_s'] * 1e3:.1f} ms | "
             f"{r['pipelined_s'] / r['compute_s']:.3f} | {r['serial_s'] * 1e3:.1f} ms | {r['serial_s'] / r['compute_s']:.3f} |"
