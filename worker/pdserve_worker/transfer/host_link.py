@@ -23,6 +23,7 @@ from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer import wire
 from pdserve_worker.transfer.netio import sendmsg_all
+from pdserve_worker.transfer.notify_inbox import abstract
 from pdserve_worker.transfer.regions import Region, RegionTable
 from pdserve_worker.transfer.shm import ShmSegment, host_identity
 
@@ -94,6 +95,7 @@ class Link:
         remote_regions: list[Region],
         mappings: dict[str, ShmSegment],
         inline_max_bytes: int,
+        notify_socket: socket.socket | None = None,
     ) -> None:
         self.local_engine = local_engine
         self.remote_engine = remote_engine
@@ -102,6 +104,7 @@ class Link:
         self._frames = reader
         self._mappings = mappings
         self._inline_max = inline_max_bytes
+        self._fast_notify = notify_socket  # the server's notify inbox, when on this host
         self._send_lock = threading.Lock()
         self._pending: collections.deque[Request] = collections.deque()  # sent, awaiting ACK
         self._outbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -151,8 +154,10 @@ class Link:
             raise
         regions = [Region.from_wire(r) for r in hello.get("regions", [])]  # type: ignore[union-attr]
         mappings: dict[str, ShmSegment] = {}
+        inbox: socket.socket | None = None
         if allow_shm and hello.get("host") == host_identity():
             mappings = _map_shared(regions, remote_engine)
+            inbox = _open_inbox(str(hello.get("notify_socket", "")), remote_engine)
         log.info(
             kv(
                 event="link_open",
@@ -161,9 +166,10 @@ class Link:
                 regions=len(regions),
                 shared=len(mappings),
                 path="shm" if mappings else "tcp",
+                notify="inbox" if inbox else "tcp",
             )
         )
-        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_max_bytes)
+        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_max_bytes, inbox)
 
     @property
     def closed(self) -> bool:
@@ -224,8 +230,28 @@ class Link:
             return
         self._outbox.put(request)
 
+    def notify_inbox(self, frame: bytes) -> bool:
+        """On this host: send a NOTIFY frame as one datagram straight to the server's inbox,
+        where the kernel wakes the waiting thread (one hop, no server thread involved).
+        True when accepted (queued there: as good as HIXL's ACK); False when there is no inbox
+        or it is full, and the caller takes the TCP path, which applies the real bound."""
+        inbox = self._fast_notify
+        if inbox is None or self._closed:
+            return False
+        try:
+            inbox.send(frame, socket.MSG_DONTWAIT)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            log.info(kv(event="notify_inbox_lost", remote=self.remote_engine, error=exc))
+            self._fast_notify = None
+            inbox.close()
+            return False
+
     def notify(self, request: Request) -> None:
-        """Notifies never wait behind queued data frames' hand-off: they are sent right here."""
+        """Send a notify frame over the link's socket from the caller's thread (it never waits
+        behind queued data frames' hand-off); the server's ACK completes the request."""
         if self._closed:
             request.finish(api.NOT_CONNECTED)
             return
@@ -241,8 +267,7 @@ class Link:
         seq = self._seq
         try:
             if request.op is None:
-                hdr = wire.header(wire.Kind.NOTIFY, request.name_len, seq, len(request.body))
-                frame = [memoryview(hdr + request.body)]
+                frame = [memoryview(wire.notify_frame(request.body, request.name_len, seq))]
             else:
                 table = wire.pack_descs([(remote, length) for _, remote, length in request.descs])
                 if request.op is api.TransferOp.WRITE:
@@ -344,6 +369,9 @@ class Link:
         for seg in self._mappings.values():
             seg.close()
         self._mappings.clear()
+        if self._fast_notify is not None:
+            self._fast_notify.close()
+            self._fast_notify = None
 
 
 def _connect_until(host: str, port: int, deadline: float) -> socket.socket:
@@ -358,6 +386,21 @@ def _connect_until(host: str, port: int, deadline: float) -> socket.socket:
         except (ConnectionRefusedError, socket.timeout) as exc:
             last = exc
             time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+
+
+def _open_inbox(name: str, remote_engine: str) -> socket.socket | None:
+    """A datagram socket connected to the server's notify inbox, or None when it is not
+    reachable from here (another network namespace, or an older server without one)."""
+    if not name.startswith("pdserve-hixl-notify-"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.connect(abstract(name))
+    except OSError as exc:
+        sock.close()
+        log.info(kv(event="notify_inbox_unreachable", remote=remote_engine, reason=exc))
+        return None
+    return sock
 
 
 def _map_shared(regions: list[Region], remote_engine: str) -> dict[str, ShmSegment]:

@@ -1,4 +1,4 @@
-"""The server half of the host engine: accepts links, writes/reads registered memory, queues notifies.
+"""The server half of the host engine: accepts links, writes/reads registered memory, takes notifies.
 
 One thread accepts; one thread serves each connected client, answering its frames in order
 (wire.py). At HELLO the client gets the regions registered *at that moment* and that snapshot
@@ -9,7 +9,6 @@ check ran against what it was told, and the region may since have been deregiste
 
 from __future__ import annotations
 
-import collections
 import logging
 import socket
 import threading
@@ -20,55 +19,10 @@ from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer import wire
 from pdserve_worker.transfer.netio import sendmsg_all
+from pdserve_worker.transfer.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.regions import Region, RegionTable
 
 log = logging.getLogger("pdserve.transfer.host_server")
-
-
-class NotifyQueue:
-    """Bounded FIFO of received notifies; `wait_drain` blocks on a condition (no polling)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: collections.deque[api.NotifyDesc] = collections.deque()
-        self._cond = threading.Condition()
-        self._closed = False
-
-    def put(self, item: api.NotifyDesc) -> bool:
-        """False when full: the sender gets RESOURCE_EXHAUSTED and may retry."""
-        with self._cond:
-            if len(self._items) >= self.capacity:
-                return False
-            self._items.append(item)
-            self._cond.notify_all()
-            return True
-
-    def drain(self) -> list[api.NotifyDesc]:
-        with self._cond:
-            items = list(self._items)
-            self._items.clear()
-            return items
-
-    def wait_drain(self, timeout_s: float) -> list[api.NotifyDesc]:
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        with self._cond:
-            while not self._items and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            items = list(self._items)
-            self._items.clear()
-            return items
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
 
 
 class HostServer:
@@ -80,7 +34,7 @@ class HostServer:
         port: int,
         engine_id: str,
         regions: RegionTable,
-        notifies: NotifyQueue,
+        notifies: NotifyInbox,
         hello_extra: Callable[[], dict[str, object]],
     ) -> None:
         self.engine_id = engine_id

@@ -49,6 +49,11 @@ def header(kind: Kind, arg: int = 0, seq: int = 0, size: int = 0) -> bytes:
     return HEADER.pack(int(kind), arg, seq, size)
 
 
+def notify_frame(body: bytes, name_len: int, seq: int = 0) -> bytes:
+    """A NOTIFY frame: `body` is the name's bytes followed by the message's."""
+    return HEADER.pack(Kind.NOTIFY.value, name_len, seq, len(body)) + body
+
+
 def pack_descs(descs: list[tuple[int, int]]) -> bytes:
     return b"".join(DESC.pack(addr, length) for addr, length in descs)
 
