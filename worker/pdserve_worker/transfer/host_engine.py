@@ -11,8 +11,8 @@ with real HIXL on Ascend and with this engine on plain CPUs:
   then forgets the id (an unknown id is FAILED). At most `pdserve.MaxOutstandingTransfers`
   (default 4096, HIXL's CS flag queue) un-queried async requests: past that, RESOURCE_EXHAUSTED
   until the caller drains statuses.
-- `send_notify` goes client→server over the link's socket and waits for the server's ACK;
-  the server queues at most `pdserve.NotifyQueueSize` (default 4096) notifies, past which the
+- `send_notify` goes client→server only and returns once the server has queued it; the
+  server queues at most `pdserve.NotifyQueueSize` (default 4096) notifies, past which the
   sender gets RESOURCE_EXHAUSTED; `get_notifies` drains the queue.
 
 How bytes move. Memory that this engine allocated (`malloc_mem`, like ADXL's `MallocMem`) is a
@@ -25,8 +25,12 @@ option `{"pdserve.Transport": "tcp"}` takes the TCP path: the frame goes to the 
 checks the range and receives the bytes straight into the registered memory.
 
 Deliberate differences from real HIXL (all additive or host-only):
-- `wait_notifies(timeout_s)` blocks until a notify arrives (a condition variable, no CPU
-  while waiting). Real HIXL has only the draining `get_notifies`, so readiness polls it there.
+- `wait_notifies(timeout_s)` blocks until a notify arrives (in `poll` on the inbox socket, no
+  CPU while waiting). Real HIXL has only the draining `get_notifies`, so readiness polls it there.
+- On one host a notify skips the server thread: it is one datagram to the server's inbox
+  socket, accepted = queued (notify_inbox.py), so the waiter wakes one thread hop after the
+  send. Over TCP it is a frame answered by an ACK, as in HIXL. The bound is then
+  NotifyQueueSize plus the kernel's small datagram queue.
 - `malloc_mem(size)` / `free_mem(addr)` are instance methods (ADXL's are static): the engine
   owns the segments so it can tell peers their names.
 - No device memory: MEM_DEVICE registrations are accepted (the range check is the same) but
