@@ -25,6 +25,8 @@ option `{"pdserve.Transport": "tcp"}` takes the TCP path: the frame goes to the 
 checks the range and receives the bytes straight into the registered memory.
 
 Deliberate differences from real HIXL (all additive or host-only):
+- `wait_transfer(req_id, timeout_s)` blocks until an async request is terminal, without
+  consuming its status, so a pusher need not poll (it does with real HIXL).
 - `wait_notifies(timeout_s)` blocks until a notify arrives (in `poll` on the inbox socket, no
   CPU while waiting). Real HIXL has only the draining `get_notifies`, so readiness polls it there.
 - On one host a notify skips the server thread: it is one datagram to the server's inbox
@@ -617,6 +619,19 @@ class Hixl:
         if request.status is api.TransferStatus.FAILED:
             log.warning(kv(event="transfer_failed", req=req_id, reason=api.status_name(request.code)))
         return api.SUCCESS, request.status
+
+    @_never_raises(_status(api.FAILED))
+    def wait_transfer(self, req_id: int, timeout_s: float) -> int:
+        """Host-engine extension: block until an async request is terminal (SUCCESS) or
+        timeout_s passed (TIMEOUT), without consuming its status; unknown id: FAILED. Lets a
+        pusher sleep instead of polling; with real HIXL it polls `get_transfer_status`."""
+        if not self._initialized:
+            return api.FAILED
+        with self._lock:
+            request = self._requests.get(req_id)
+        if request is None:
+            return api.FAILED
+        return api.SUCCESS if request.wait(timeout_s) else api.TIMEOUT
 
     @_never_raises(lambda: (api.FAILED, []))
     def get_all_transfer_status(self, args: Any = None) -> tuple[int, list[api.TransferResult]]:

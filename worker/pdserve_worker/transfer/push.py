@@ -322,13 +322,25 @@ class KVPusher:
         )
 
     def _wait(self, done: Callable[[], bool]) -> None:
-        """Reap until `done()`. Timeouts are per put (in _reap), so this cannot spin forever."""
+        """Reap until `done()`. Timeouts are per put (in _reap), so this cannot wait forever.
+
+        Between reaps: sleep until the oldest outstanding put completes where the engine can
+        block on a transfer (the host engine's `wait_transfer`), else poll with backoff (HIXL
+        has no blocking wait for a transfer)."""
         backoff = _Backoff()
+        waiter = getattr(self._backend.engine, "wait_transfer", None)
         while True:
             self._reap_all()
             if done():
                 return
-            backoff.sleep()
+            oldest = min(
+                (s.outstanding[0] for s in self._states if s.outstanding), key=lambda p: p.submitted, default=None
+            )
+            if waiter is not None and oldest is not None:
+                left = self.timeout_s - (time.monotonic() - oldest.submitted)
+                waiter(oldest.req_id, min(max(left, 0.0) + 0.001, 0.05))
+            else:
+                backoff.sleep()
 
     def flush(self) -> None:
         """Wait until every put issued so far has completed (raises PushError like push_chunk)."""
