@@ -5,6 +5,14 @@ Code above this module never imports `hixl` or `host_engine` itself. It gets a
 enums and status codes that this engine accepts (the real `hixl` module, or our mirror
 `hixl_api`), and writes `backend.api.TransferOpDesc(...)`, `backend.api.SUCCESS`, ... so that
 one and the same code drives both.
+
+Two things to keep in mind on real HIXL (they do not arise with the host engine):
+- HIXL wants each calling thread to carry the NPU's ACL context (HIXL.md 1.2): a thread that
+  calls the engine (the pusher's, the readiness waiter's) must `torch.npu.set_device(dev)`
+  first.
+- `wait_notifies` / `wait_transfer` / `malloc_mem` do not exist there; readiness and the
+  pusher then poll, and the KV pool is a registered device tensor (`TransferBackend`'s
+  `can_block_on_notifies` / `has_allocator` say which case applies).
 """
 
 from __future__ import annotations
