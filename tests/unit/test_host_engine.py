@@ -295,8 +295,8 @@ def test_auto_connect_links_on_first_transfer() -> None:
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_requests_handed_to_the_engines_threads_complete(transport: str) -> None:
-    # InlineMaxBytes=0: every async copy goes to a copy thread, every TCP frame to the sender.
-    p = Pair(transport, {"pdserve.InlineMaxBytes": "0"})
+    # Inline limits 0: every async copy goes to a copy thread, every TCP frame to the sender.
+    p = Pair(transport, {"pdserve.InlineCopyMaxBytes": "0", "pdserve.InlineSendMaxBytes": "0"})
     try:
         p.connect()
         ctypes.memmove(p.local_addr, bytes(range(256)) * 64, 16384)

@@ -40,11 +40,16 @@ Deliberate differences from real HIXL (all additive or host-only):
 - Calls may come from any thread (real HIXL wants the thread with the ACL context).
 - `connect_async` runs on one worker thread (FIFO for all remotes, not per remote).
 - `get_all_transfer_status` works on every transport (real HIXL: only with LocalCommRes 1.3).
-- A small request (<= `pdserve.InlineMaxBytes`, default 1 MiB) is copied on the caller's
-  thread (or, on the TCP path, sent there when the socket is free): a thread hand-off costs
-  more than that copy. Its status is still read through `get_transfer_status`, exactly as for
-  any async request. Bigger ones go to `pdserve.CopyThreads` copy threads (default 1: on a
-  2-core host more would only compete with the model's compute), which release the GIL.
+- "Async" shared-memory copies up to `pdserve.InlineCopyMaxBytes` (default 16 MiB) run on
+  the caller's thread before `transfer_async` returns; bigger ones go to
+  `pdserve.CopyThreads` copy threads (default 1). A memcpy is CPU work either way: on a
+  host whose cores the model's compute keeps busy (the case this engine serves), a copy
+  thread only competes with that compute and adds a hand-off, while a copy in the caller's
+  thread costs exactly the copy (benchmarks/README.md has the figures). TCP frames up to
+  `pdserve.InlineSendMaxBytes` (default 256 KiB) are written on the caller's thread when the
+  socket is free; bigger ones by the link's sender thread, because a network send waits on
+  the peer and that wait should overlap compute. Either way the status is read through
+  `get_transfer_status`, exactly as for any async request.
 - HIXL-specific options (BufferPool, RDMA, LocalCommRes, ...) are accepted and ignored.
 
 Threads: one acceptor when listening and one per accepted link (server side); per outgoing
@@ -81,7 +86,8 @@ OPTION_TRANSPORT = "pdserve.Transport"  # "auto" (shared memory where possible) 
 OPTION_MAX_OUTSTANDING = "pdserve.MaxOutstandingTransfers"
 OPTION_NOTIFY_QUEUE = "pdserve.NotifyQueueSize"
 OPTION_COPY_THREADS = "pdserve.CopyThreads"
-OPTION_INLINE_MAX_BYTES = "pdserve.InlineMaxBytes"
+OPTION_INLINE_COPY_MAX_BYTES = "pdserve.InlineCopyMaxBytes"
+OPTION_INLINE_SEND_MAX_BYTES = "pdserve.InlineSendMaxBytes"
 
 CONNECT_QUEUE_CAPACITY = 128  # HIXL's connect_pool.task_queue_capacity default
 
@@ -94,7 +100,8 @@ class HostEngineOptions:
     max_outstanding: int = 4096
     notify_queue: int = 4096
     copy_threads: int = 1
-    inline_max_bytes: int = 1 << 20
+    inline_copy_max_bytes: int = 16 << 20
+    inline_send_max_bytes: int = 256 << 10
     auto_connect: bool = False
 
     @classmethod
@@ -122,7 +129,8 @@ class HostEngineOptions:
             max_outstanding=positive(OPTION_MAX_OUTSTANDING, cls.max_outstanding),
             notify_queue=positive(OPTION_NOTIFY_QUEUE, cls.notify_queue),
             copy_threads=positive(OPTION_COPY_THREADS, cls.copy_threads),
-            inline_max_bytes=positive(OPTION_INLINE_MAX_BYTES, cls.inline_max_bytes, minimum=0),
+            inline_copy_max_bytes=positive(OPTION_INLINE_COPY_MAX_BYTES, cls.inline_copy_max_bytes, minimum=0),
+            inline_send_max_bytes=positive(OPTION_INLINE_SEND_MAX_BYTES, cls.inline_send_max_bytes, minimum=0),
             auto_connect=auto_connect == "1",
         )
 
@@ -371,7 +379,7 @@ class Hixl:
                 port,
                 timeout_in_millis / 1000.0,
                 allow_shm=self.options.transport == "auto",
-                inline_max_bytes=self.options.inline_max_bytes,
+                inline_send_max_bytes=self.options.inline_send_max_bytes,
             )
         except TimeoutError as exc:
             log.warning(kv(event="connect_timeout", remote=remote_engine, timeout_ms=timeout_in_millis, error=exc))
@@ -539,10 +547,8 @@ class Hixl:
                 self._requests[request.req_id] = request
         if plan is None:
             link.submit(request)
-        elif request.nbytes <= self.options.inline_max_bytes:
-            link.copy(request, plan, inline=True)
-        elif sync:
-            link.copy(request, plan, inline=False)  # memmove releases the GIL meanwhile
+        elif sync or request.nbytes <= self.options.inline_copy_max_bytes:
+            link.copy(request, plan)
         else:
             self._copy_queue.put((link, request, plan))
         return api.SUCCESS, request
@@ -599,7 +605,7 @@ class Hixl:
                 return
             link, request, plan = item
             try:
-                link.copy(request, plan, inline=False)
+                link.copy(request, plan)
             except Exception as exc:  # never let one bad copy kill the worker
                 log.exception(kv(event="copy_failed", remote=link.remote_engine, error=repr(exc)))
                 request.finish(api.FAILED)

@@ -32,6 +32,7 @@ log = logging.getLogger("pdserve.transfer.host_link")
 # One descriptor of a shared-memory copy: (local address, view of the local region, offset in
 # it, the peer's segment as mapped here, offset in it, length).
 CopyStep = tuple[int, memoryview, int, ShmSegment, int, int]
+MEMMOVE_MIN_BYTES = 256 << 10  # from here on a copy releases the GIL (ctypes.memmove)
 
 
 _FINISH = threading.Lock()  # makes "first finisher wins" atomic across reader/closer threads
@@ -94,7 +95,7 @@ class Link:
         reader: wire.FrameReader,
         remote_regions: list[Region],
         mappings: dict[str, ShmSegment],
-        inline_max_bytes: int,
+        inline_send_max_bytes: int,
         notify_socket: socket.socket | None = None,
     ) -> None:
         self.local_engine = local_engine
@@ -103,7 +104,7 @@ class Link:
         self._sock = sock
         self._frames = reader
         self._mappings = mappings
-        self._inline_max = inline_max_bytes
+        self._inline_send_max = inline_send_max_bytes
         self._fast_notify = notify_socket  # the server's notify inbox, when on this host
         self._send_lock = threading.Lock()
         self._pending: collections.deque[Request] = collections.deque()  # sent, awaiting ACK
@@ -128,7 +129,7 @@ class Link:
         port: int,
         timeout_s: float,
         allow_shm: bool,
-        inline_max_bytes: int,
+        inline_send_max_bytes: int,
     ) -> "Link":
         """Connect (retrying while the server is not up yet), HELLO, map shared regions.
 
@@ -169,7 +170,7 @@ class Link:
                 notify="inbox" if inbox else "tcp",
             )
         )
-        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_max_bytes, inbox)
+        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_send_max_bytes, inbox)
 
     @property
     def closed(self) -> bool:
@@ -183,13 +184,12 @@ class Link:
         """Our mapping of the segment behind a shared remote region (see `shares`)."""
         return self._mappings[region.shm_name]
 
-    def copy(self, request: Request, plan: list[CopyStep], inline: bool) -> None:
-        """Copy every descriptor through our mapping of the peer's memory.
+    def copy(self, request: Request, plan: list[CopyStep]) -> None:
+        """Copy every descriptor through our mapping of the peer's memory, on this thread.
 
-        inline (caller's thread, small requests): memoryview slice assignment, a third of a
-        ctypes call's overhead, holding the GIL for at most `inline_max` bytes. On a copy
-        thread: ctypes.memmove, which releases the GIL, so big copies run beside Python code.
-        """
+        Small runs by memoryview slice assignment (a third of a ctypes call's overhead, which
+        dominates below a few hundred KB); big ones by ctypes.memmove, which releases the GIL,
+        so other Python threads run while the bytes move."""
         with self._copies_cond:
             if self._closed:
                 request.finish(api.NOT_CONNECTED)
@@ -197,18 +197,16 @@ class Link:
             self._copies += 1
         write = request.op is api.TransferOp.WRITE
         try:
-            if inline:
-                for _, lview, loff, seg, poff, n in plan:
+            for laddr, lview, loff, seg, poff, n in plan:
+                if n < MEMMOVE_MIN_BYTES:
                     if write:
                         seg.bytes[poff : poff + n] = lview[loff : loff + n]
                     else:
                         lview[loff : loff + n] = seg.bytes[poff : poff + n]
-            else:
-                for laddr, _, _, seg, poff, n in plan:
-                    if write:
-                        ctypes.memmove(seg.addr + poff, laddr, n)
-                    else:
-                        ctypes.memmove(laddr, seg.addr + poff, n)
+                elif write:
+                    ctypes.memmove(seg.addr + poff, laddr, n)
+                else:
+                    ctypes.memmove(laddr, seg.addr + poff, n)
             request.finish(api.SUCCESS)
         finally:
             with self._copies_cond:
@@ -222,7 +220,7 @@ class Link:
         if self._closed:
             request.finish(api.NOT_CONNECTED)
             return
-        if request.nbytes <= self._inline_max and self._send_lock.acquire(blocking=False):
+        if request.nbytes <= self._inline_send_max and self._send_lock.acquire(blocking=False):
             try:
                 self._send(request)
             finally:
