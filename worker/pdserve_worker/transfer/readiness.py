@@ -1,10 +1,10 @@
 """Decode side: wait until a slot's KV has arrived (its `kv_ready` notify), in one of three modes.
 
 - `interrupt` (default): the waiting thread sleeps until the notify arrives and burns no CPU.
-  With the host engine it sleeps inside `wait_notifies` (a condition variable the engine's
-  server thread signals). Real HIXL only has the draining `get_notifies`, so there the
-  draining thread polls it every `poll_interval_us`; still only one thread does, however many
-  requests wait.
+  With the host engine it sleeps inside `wait_notifies` (in `poll` on the engine's notify
+  inbox socket, which a same-host prefill's notify wakes directly). Real HIXL only has the
+  draining `get_notifies`, so there the draining thread polls it every `poll_interval_us`;
+  still only one thread does, however many requests wait.
 - `poll`: drain `get_notifies` every `poll_interval_us` microseconds.
 - `spin`: drain continuously (yielding the GIL between tries): lowest latency, one busy core.
 
