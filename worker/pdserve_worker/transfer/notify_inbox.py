@@ -11,6 +11,9 @@ prefill's `send_notify` to the waiting thread is kept to one thread wake-up wher
 - Over TCP: the link's server thread receives the NOTIFY frame, appends it to a bounded
   deque and rings the same socket with an empty datagram, so the waiter wakes the same way.
 
+Like the engine's TCP port, the inbox takes notifies from any process that can reach it (here:
+the same network namespace, i.e. the pod); HIXL has no authentication on this path either.
+
 The bound: `capacity` notifies in the deque, past which a TCP notify is RESOURCE_EXHAUSTED,
 plus at most the kernel's datagram queue in flight. `drain` moves datagrams into the deque
 first, so what a waiter gets is in arrival order per path.
