@@ -1,0 +1,163 @@
+"""Readiness: every mode delivers, stale generations are ignored, many waiters share one queue."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from conftest import free_port
+from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.kv.slots import SlotTable
+from pdserve_worker.transfer.engine import TransferBackend, create_engine
+from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
+
+LAYOUT = KVLayout(num_slots=4, num_layers=1, max_len=8, kv_heads=1, head_dim=4, dtype="float32")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Side:
+    """A decode engine with a slot table, and a client engine that sends ready notifies."""
+
+    def __init__(self) -> None:
+        self.decode = create_engine("cpu")
+        self.engine_id = f"127.0.0.1:{free_port()}"
+        self.decode.check(self.decode.engine.initialize(self.engine_id), "initialize")
+        self.client = create_engine("cpu")
+        self.client.check(self.client.engine.initialize("127.0.0.1"), "initialize")
+        self.client.ensure_connected(self.engine_id, 2000)
+        self.clock = Clock()
+        self.slots = SlotTable(LAYOUT, quarantine_s=0.0, clock=self.clock)
+        self._timers: list[threading.Timer] = []
+
+    def later(self, delay_s: float, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run fn on another thread after delay_s; close() waits for it."""
+        timer = threading.Timer(delay_s, fn, args=args, kwargs=kwargs)
+        self._timers.append(timer)
+        timer.start()
+
+    def ready(self, slot: int, generation: int, name: str = "kv_ready", **extra: Any) -> None:
+        msg = json.dumps({"request_id": "r", "slot": slot, "generation": generation, "num_tokens": 3, **extra})
+        api = self.client.api
+        self.client.check(self.client.engine.send_notify(self.engine_id, api.NotifyDesc(name, msg), 2000), "notify")
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.join(5)
+        self.client.engine.finalize()
+        self.decode.engine.finalize()
+
+
+@pytest.fixture
+def side() -> Iterator[Side]:
+    s = Side()
+    yield s
+    s.close()
+
+
+class PollOnly:
+    """Real HIXL's notify surface: `get_notifies` only, no blocking wait."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def get_notifies(self) -> Any:
+        return self._engine.get_notifies()
+
+
+@pytest.mark.parametrize("mode", ["interrupt", "poll", "spin"])
+def test_every_mode_delivers_the_ready_message(side: Side, mode: str) -> None:
+    warmed: list[tuple[int, int]] = []
+    readiness = Readiness(side.decode, mode, accepts=side.slots.is_reserved, poll_interval_us=200, warmup=lambda s, n: warmed.append((s, n)))
+    g = side.slots.reserve("r", 60)
+    side.later(0.05, side.ready, g.slot, g.generation, first_token=5)
+    message = readiness.wait(g.slot, g.generation, timeout_s=5)
+    assert message == {"request_id": "r", "slot": g.slot, "generation": g.generation, "num_tokens": 3, "first_token": 5}
+    assert warmed == [(g.slot, 3)]
+
+
+def test_interrupt_mode_polls_when_the_engine_cannot_block(side: Side) -> None:
+    backend = TransferBackend("hixl", PollOnly(side.decode.engine), side.decode.api)
+    assert not backend.can_block_on_notifies
+    readiness = Readiness(backend, "interrupt", accepts=side.slots.is_reserved)
+    g = side.slots.reserve("r", 60)
+    side.later(0.05, side.ready, g.slot, g.generation)
+    assert readiness.wait(g.slot, g.generation, timeout_s=5)["generation"] == g.generation
+
+
+def test_a_message_that_arrives_before_the_wait_is_kept(side: Side) -> None:
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    g = side.slots.reserve("r", 60)
+    side.ready(g.slot, g.generation)
+    assert readiness.try_take(g.slot, g.generation)["slot"] == g.slot
+    assert readiness.try_take(g.slot, g.generation) is None  # taken once
+
+
+def test_stale_generation_is_never_taken_for_the_new_request(side: Side) -> None:
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    old = side.slots.reserve("old", 1.0)
+    side.clock.now += 2  # the old lease runs out: its transfer was abandoned
+    side.slots.expire()
+    new = side.slots.reserve("new", 60)
+    assert new.slot == old.slot
+    side.ready(old.slot, old.generation)  # the abandoned prefill finishes late
+    with pytest.raises(ReadinessTimeout, match=f"slot {new.slot} generation {new.generation}"):
+        readiness.wait(new.slot, new.generation, timeout_s=0.3)
+    side.ready(new.slot, new.generation)
+    assert readiness.wait(new.slot, new.generation, timeout_s=5)["generation"] == new.generation
+
+
+def test_many_waiters_each_get_their_own_message(side: Side) -> None:
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    grants = [side.slots.reserve(f"r{i}", 60) for i in range(4)]
+    results: dict[int, dict[str, Any]] = {}
+
+    def wait(slot: int, generation: int) -> None:
+        results[slot] = readiness.wait(slot, generation, timeout_s=5)
+
+    threads = [threading.Thread(target=wait, args=(g.slot, g.generation)) for g in grants]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    for g in reversed(grants):  # the first waiter (probably the drainer) is told last
+        side.ready(g.slot, g.generation)
+        time.sleep(0.01)
+    for t in threads:
+        t.join(5)
+    assert {slot: m["generation"] for slot, m in results.items()} == {g.slot: g.generation for g in grants}
+
+
+def test_waiting_on_a_slot_whose_lease_ended_raises(side: Side) -> None:
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    g = side.slots.reserve("r", 1.0)
+    side.later(0.05, setattr, side.clock, "now", 5.0)
+    with pytest.raises(SlotNotReserved, match=f"slot {g.slot} generation {g.generation}"):
+        readiness.wait(g.slot, g.generation, timeout_s=5)
+
+
+def test_other_notifies_go_to_their_handler(side: Side) -> None:
+    others: list[str] = []
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, on_other=lambda n: others.append(n.name))
+    g = side.slots.reserve("r", 60)
+    side.ready(g.slot, g.generation, name="drain_request")
+    side.ready(g.slot, g.generation)
+    assert readiness.wait(g.slot, g.generation, timeout_s=5)["slot"] == g.slot
+    assert others == ["drain_request"]
+
+
+def test_bad_configuration(side: Side) -> None:
+    with pytest.raises(ValueError):
+        Readiness(side.decode, "sometimes")
+    with pytest.raises(ValueError, match="poll_interval_us"):
+        Readiness(side.decode, "poll", poll_interval_us=0)

@@ -1,0 +1,59 @@
+"""Backend choice and the mirrored HIXL vocabulary."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from pdserve_worker.transfer import hixl_api
+from pdserve_worker.transfer.engine import TransferError, create_engine
+from pdserve_worker.transfer.host_engine import Hixl as HostHixl
+
+
+def test_cpu_backend_is_the_host_engine_with_the_mirrored_api() -> None:
+    backend = create_engine("cpu")
+    assert backend.name == "cpu" and isinstance(backend.engine, HostHixl) and backend.api is hixl_api
+    assert backend.has_allocator and backend.can_block_on_notifies
+
+
+def test_auto_falls_back_to_the_host_engine_without_hixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "hixl", None)  # import hixl -> ImportError
+    assert create_engine("auto").name == "cpu"
+    with pytest.raises(RuntimeError, match="'hixl' requested"):
+        create_engine("hixl")
+
+
+def test_auto_prefers_real_hixl_when_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("hixl")
+
+    class Hixl:  # stands in for the pybind class: only its identity matters here
+        pass
+
+    fake.Hixl = Hixl  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hixl", fake)
+    backend = create_engine("auto")
+    assert backend.name == "hixl" and isinstance(backend.engine, Hixl) and backend.api is fake
+    assert not backend.has_allocator and not backend.can_block_on_notifies
+
+
+def test_unknown_backend_name() -> None:
+    with pytest.raises(ValueError, match="auto, hixl or cpu"):
+        create_engine("gpu")  # type: ignore[arg-type]
+
+
+def test_check_names_the_status() -> None:
+    backend = create_engine("cpu")
+    backend.check(hixl_api.ALREADY_CONNECTED, "connect", hixl_api.ALREADY_CONNECTED)
+    with pytest.raises(TransferError, match=r"connect: TIMEOUT\(103901\)") as err:
+        backend.check(hixl_api.TIMEOUT, "connect")
+    assert err.value.status == hixl_api.TIMEOUT
+
+
+def test_status_codes_match_hixl() -> None:
+    assert (hixl_api.SUCCESS, hixl_api.PARAM_INVALID, hixl_api.TIMEOUT, hixl_api.NOT_CONNECTED) == (0, 103900, 103901, 103902)
+    assert (hixl_api.ALREADY_CONNECTED, hixl_api.UNSUPPORTED, hixl_api.RESOURCE_EXHAUSTED, hixl_api.FAILED) == (103903, 103905, 203900, 503900)
+    assert [m.name for m in hixl_api.TransferStatus] == ["WAITING", "COMPLETED", "TIMEOUT", "FAILED"]
+    assert (hixl_api.MEM_DEVICE, hixl_api.MEM_HOST, hixl_api.READ, hixl_api.WRITE) == (0, 1, 0, 1)
+    assert hixl_api.status_name(203900) == "RESOURCE_EXHAUSTED(203900)"
