@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import free_port
+from netutil import free_port
 from pdserve_worker.kv.layout import KVLayout, shard_layers
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.engine import TransferBackend, create_engine

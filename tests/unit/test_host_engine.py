@@ -17,7 +17,7 @@ import pytest
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.host_engine import Hixl, get_capability
 
-from conftest import free_port
+from netutil import free_port
 
 SIZE = 1 << 16
 

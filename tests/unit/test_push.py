@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conftest import free_port
+from netutil import free_port
 from pdserve_worker.kv.layout import K, V, KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
