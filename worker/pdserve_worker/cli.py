@@ -14,6 +14,7 @@ import sys
 # Module names under pdserve_worker.commands, in the order `pdserve --help` lists them.
 COMMANDS: tuple[str, ...] = (
     "info",
+    "generate",
 )
 
 

@@ -115,6 +115,10 @@ def _publish(final: Path, build: Callable[[Path], object]) -> Path:
     try:
         log.info(kv(event="model_cache_build", target=final))
         build(tmp)
+        # mkdtemp makes the folder private; a shared cache must be readable by other users.
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -62,7 +62,8 @@ class StopStringMatcher:
     """Finds stop strings in streamed text without ever emitting a part of one.
 
     The longest tail of the text that could still begin a stop string is held back until the
-    next delta settles it; a match cuts the text right before the stop string.
+    next delta settles it; a match cuts the text right before the stop string. The output does
+    not depend on how the text was split into deltas.
     """
 
     stop: tuple[str, ...]
@@ -77,9 +78,11 @@ class StopStringMatcher:
         if not self.stop:
             self._pending = ""
             return text
-        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        # The stop string that completes first wins (earliest end; the longest if several end
+        # there): what a token-by-token stream would see, however the text was chunked.
+        hits = [(i + len(s), i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
-            index, self.matched = min(hits)
+            _, index, self.matched = min(hits)
             self._pending = ""
             return text[:index]
         hold = self._held_tail(text)

@@ -145,3 +145,77 @@ def write_tiny_model(directory: str | Path, seed: int = 0, **overrides: Any) -> 
         )
     )
     return out
+
+
+def write_tiny_gguf(path: str | Path, seed: int = 0, quantized: tuple[str, ...] = (), **overrides: Any) -> Path:
+    """The same tiny model as a llama.cpp-style GGUF file (Q/K rows permuted as llama.cpp does).
+
+    Tensors are F32 (exactly the HF folder's weights) except the GGUF tensor names listed in
+    `quantized`, which are stored as Q8_0. The tokenizer goes into the metadata the way
+    llama.cpp writes it (tokens, merges, token types, `pre` = "smollm").
+    """
+    import gguf
+    import numpy as np
+
+    from pdserve_worker.model.weights import gguf_to_hf_name, permute_qk
+
+    tokenizer = build_tiny_tokenizer()
+    vocab = overrides.pop("vocab_size", tokenizer.get_vocab_size(with_added_tokens=True))
+    config = tiny_config(vocab, **overrides)
+    if config.rope_scaling is not None:
+        raise ValueError("write_tiny_gguf writes no rope scaling metadata")
+    weights = tiny_weights(config, seed)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("tiny")
+    w.add_block_count(config.num_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_key_length(config.head_dim)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+
+    state = json.loads(tokenizer.to_str())
+    by_id = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+    tokens = [by_id[i] for i in range(len(by_id))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]])
+    w.add_bos_token_id(tokenizer.token_to_id(BOS))
+    w.add_eos_token_id(tokenizer.token_to_id(EOS))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    hf_to_gguf = {}
+    names = ["token_embd.weight", "output_norm.weight"] + ([] if config.tie_word_embeddings else ["output.weight"])
+    for layer in range(config.num_layers):
+        for part in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            names.append(f"blk.{layer}.{part}.weight")
+    for name in names:
+        hf_to_gguf[gguf_to_hf_name(name)] = name
+    for hf_name, name in hf_to_gguf.items():
+        tensor = weights[hf_name]
+        if name.endswith("attn_q.weight"):
+            tensor = permute_qk(tensor, config.num_heads)
+        elif name.endswith("attn_k.weight"):
+            tensor = permute_qk(tensor, config.num_kv_heads)
+        array = tensor.numpy().astype(np.float32)
+        if name in quantized:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
