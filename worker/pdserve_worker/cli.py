@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "chat",
     "crd",
     "operator",
+    "generate",
 )
 
 
