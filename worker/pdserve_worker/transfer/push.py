@@ -1,0 +1,439 @@
+"""Prefill's KV push: layer chunk by layer chunk, into every decode member that owns the layer.
+
+The prefill calls `push_chunk(layers)` right after computing those layers; the puts go out
+asynchronously, so the transfer of chunk k overlaps the compute of chunk k+1. Each put is one
+contiguous run per (layer, K|V) holding only the prompt's tokens (`KVLayout.token_run`); the
+runs of one chunk for one target travel as one `transfer_async` request (HIXL splits batches
+itself). Per target at most `queue_depth` runs are outstanding: past that the pusher reaps
+completions first. RESOURCE_EXHAUSTED from the engine means its queue is full, which is
+waited out, never treated as a failure. A put that fails, or is still pending after
+`timeout_s`, raises `PushError` naming the target and the layers; on a timeout the target is
+disconnected, as HIXL advises, so nothing of it lingers on the link.
+
+`finish(extra)` waits for every put, then sends each target one `kv_ready` notify carrying
+(request_id, slot, generation, num_tokens, **extra). Only after that may decode read the slot:
+the notify travels after the data on the same link and is sent only once every put completed.
+
+Targets are described by `PushTarget`, normally built from the decode's slot grant. A target's
+layout may hold a layer range only (a layer-sharded decode group): it gets only its layers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_worker.logs import kv
+from pdserve_worker.transfer.engine import TransferBackend, TransferError
+from pdserve_worker.transfer.hixl_api import MAX_NOTIFY_FIELD, status_name
+
+log = logging.getLogger("pdserve.transfer.push")
+
+READY_NOTIFY = "kv_ready"
+_RESERVED_KEYS = ("request_id", "slot", "generation", "num_tokens")
+
+
+class PushError(RuntimeError):
+    """A put or notify to one target failed or timed out; the message names target and layers."""
+
+    def __init__(self, message: str, target: "PushTarget", layers: range | None = None, status: int | None = None):
+        super().__init__(message)
+        self.target = target
+        self.layers = layers
+        self.status = status
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """One decode member to push into: its engine, its pool, and the slot lease to write."""
+
+    engine_id: str
+    base_addr: int
+    layout: KVLayout
+    slot: int
+    generation: int
+    request_id: str
+
+    @classmethod
+    def from_grant(cls, grant: Any) -> "PushTarget":
+        """From a `kv.slots.Grant` or its `to_dict()` form (as it crosses the network)."""
+        data = grant.to_dict() if hasattr(grant, "to_dict") else dict(grant)
+        layout = data["layout"]
+        return cls(
+            engine_id=str(data["engine_id"]),
+            base_addr=int(data["base_addr"]),
+            layout=layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout),
+            slot=int(data["slot"]),
+            generation=int(data["generation"]),
+            request_id=str(data["request_id"]),
+        )
+
+    def describe(self) -> str:
+        return f"{self.engine_id} slot={self.slot} generation={self.generation} request={self.request_id}"
+
+
+@dataclass(frozen=True)
+class PushSource:
+    """Where the prompt's KV lies in this process: a registered pool and the slot used."""
+
+    base_addr: int
+    layout: KVLayout
+    slot: int = 0
+
+
+@dataclass
+class PushStats:
+    puts: int = 0
+    requests: int = 0
+    bytes: int = 0
+    resource_exhausted: int = 0  # times the engine's queue was full
+    depth_waits: int = 0  # times a target's queue depth made us reap first
+    started: float = 0.0
+    seconds: float = 0.0  # first put to last notify ACK
+
+
+@dataclass
+class _Put:
+    req_id: int
+    runs: int
+    layers: range
+    submitted: float
+
+
+@dataclass
+class _TargetState:
+    target: PushTarget
+    owned: range
+    pushed: set[int] = field(default_factory=set)
+    outstanding: deque[_Put] = field(default_factory=deque)
+    in_flight_runs: int = 0
+
+
+def layer_chunks(layers: range, per_chunk: int) -> list[range]:
+    """Split `layers` into consecutive ranges of `per_chunk` (the last may be shorter)."""
+    if per_chunk <= 0:
+        raise ValueError(f"layers per chunk must be > 0, got {per_chunk}")
+    return [range(s, min(s + per_chunk, layers.stop)) for s in range(layers.start, layers.stop, per_chunk)]
+
+
+class KVPusher:
+    """Pushes one prompt's KV into one or more decode targets. Use once per request."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        source: PushSource,
+        targets: Iterable[PushTarget],
+        num_tokens: int,
+        *,
+        queue_depth: int = 64,
+        timeout_s: float = 10.0,
+        connect_timeout_ms: int = 2000,
+        notify_timeout_ms: int = 2000,
+    ) -> None:
+        if queue_depth <= 0:
+            raise ValueError(f"queue_depth must be > 0, got {queue_depth}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._backend = backend
+        self._api = backend.api
+        self.source = source
+        self.num_tokens = num_tokens
+        self.queue_depth = queue_depth
+        self.timeout_s = timeout_s
+        self._notify_timeout_ms = notify_timeout_ms
+        self._states = [self._check_target(t) for t in targets]
+        if not self._states:
+            raise ValueError("a push needs at least one target")
+        self.stats = PushStats()
+        self._failed = False
+        self._finished = False
+        for state in self._states:
+            try:
+                backend.ensure_connected(state.target.engine_id, connect_timeout_ms)
+            except TransferError as exc:
+                raise PushError(f"cannot reach target {state.target.describe()}: {exc}", state.target, status=exc.status) from None
+
+    def _check_target(self, target: PushTarget) -> _TargetState:
+        src, dst = self.source.layout, target.layout
+        for attr in ("kv_heads", "head_dim", "dtype"):
+            if getattr(src, attr) != getattr(dst, attr):
+                raise ValueError(
+                    f"target {target.describe()} has {attr}={getattr(dst, attr)!r}, source has {getattr(src, attr)!r}"
+                )
+        if not set(dst.layer_range) <= set(src.layer_range):
+            raise ValueError(
+                f"target {target.describe()} holds layers {dst.layer_range}, source only {src.layer_range}"
+            )
+        for layout, who in ((src, "source"), (dst, f"target {target.describe()}")):
+            if not 0 < self.num_tokens <= layout.max_len:
+                raise ValueError(f"num_tokens={self.num_tokens} does not fit {who} max_len={layout.max_len}")
+        if not 0 <= target.slot < dst.num_slots:
+            raise ValueError(f"target {target.describe()}: slot outside its pool of {dst.num_slots}")
+        return _TargetState(target, dst.layer_range)
+
+    # ---- pushing -------------------------------------------------------------------------------------
+    def push_chunk(self, layers: range) -> None:
+        """Issue the puts of `layers` (just computed) to every target owning some of them."""
+        if self._failed or self._finished:
+            raise RuntimeError("push_chunk after the push failed or finished")
+        if not self.stats.started:
+            self.stats.started = time.perf_counter()
+        bad = [layer for layer in layers if layer not in self.source.layout.layer_range]
+        if bad:
+            raise ValueError(f"layers {bad} are not in the source pool ({self.source.layout.layer_range})")
+        try:
+            for state in self._states:
+                mine = [layer for layer in layers if layer in state.owned]
+                if mine:
+                    self._push_layers(state, mine)
+                self._reap_all()  # keep completions flowing while other targets are fed
+        except BaseException:
+            self._fail()
+            raise
+
+    def _push_layers(self, state: _TargetState, layers: list[int]) -> None:
+        runs = [(layer, kv_index) for layer in layers for kv_index in (K, V)]
+        for start in range(0, len(runs), self.queue_depth):
+            batch = runs[start : start + self.queue_depth]
+            self._wait_for_room(state, len(batch))
+            self._submit(state, batch)
+        state.pushed.update(layers)
+
+    def _descs(self, state: _TargetState, runs: list[tuple[int, int]]) -> list[Any]:
+        src, dst, t = self.source, state.target.layout, state.target
+        descs = []
+        for layer, kv_index in runs:
+            s_off, length = src.layout.token_run(src.slot, layer, kv_index, self.num_tokens)
+            d_off, _ = dst.token_run(t.slot, layer, kv_index, self.num_tokens)
+            descs.append(self._api.TransferOpDesc(src.base_addr + s_off, t.base_addr + d_off, length))
+        return descs
+
+    def _submit(self, state: _TargetState, runs: list[tuple[int, int]]) -> None:
+        descs = self._descs(state, runs)
+        layers = range(runs[0][0], runs[-1][0] + 1)
+        deadline = time.monotonic() + self.timeout_s
+        backoff = _Backoff()
+        while True:
+            status, req_id = self._backend.engine.transfer_async(
+                state.target.engine_id, self._api.TransferOp.WRITE, descs
+            )
+            if status == self._api.SUCCESS:
+                break
+            if status != self._api.RESOURCE_EXHAUSTED:
+                raise PushError(
+                    f"put of layers {layers.start}..{layers.stop - 1} to {state.target.describe()} refused: "
+                    f"{status_name(status)}",
+                    state.target,
+                    layers,
+                    status,
+                )
+            # The engine's queue is full (ours or other pushers'): reap, back off, retry.
+            self.stats.resource_exhausted += 1
+            if time.monotonic() > deadline:
+                raise PushError(
+                    f"engine queue stayed full for {self.timeout_s}s while putting layers "
+                    f"{layers.start}..{layers.stop - 1} to {state.target.describe()}",
+                    state.target,
+                    layers,
+                    status,
+                )
+            self._reap_all()
+            backoff.sleep()
+        state.outstanding.append(_Put(req_id, len(runs), layers, time.monotonic()))
+        state.in_flight_runs += len(runs)
+        self.stats.puts += len(runs)
+        self.stats.requests += 1
+        self.stats.bytes += sum(d.len for d in descs)
+
+    def _wait_for_room(self, state: _TargetState, runs: int) -> None:
+        if state.in_flight_runs + runs <= self.queue_depth:
+            return
+        self.stats.depth_waits += 1
+        self._wait(lambda: state.in_flight_runs + runs <= self.queue_depth)
+
+    # ---- completions ---------------------------------------------------------------------------------
+    def _reap_all(self) -> None:
+        for state in self._states:
+            self._reap(state)
+
+    def _reap(self, state: _TargetState) -> None:
+        """Collect finished puts of one target, oldest first, stopping at the first still
+        waiting (that one is checked against the timeout). Raises on failure or timeout."""
+        api = self._api
+        waiting: deque[_Put] = deque()
+        try:
+            while state.outstanding:
+                put = state.outstanding.popleft()
+                status, transfer_status = self._backend.engine.get_transfer_status(put.req_id)
+                if status == api.SUCCESS and transfer_status == api.TransferStatus.COMPLETED:
+                    state.in_flight_runs -= put.runs
+                    continue
+                if status == api.SUCCESS and transfer_status == api.TransferStatus.WAITING:
+                    waiting.append(put)
+                    if time.monotonic() - put.submitted > self.timeout_s:
+                        self._timeout(state, put)
+                    break
+                state.in_flight_runs -= put.runs
+                raise PushError(
+                    f"put of layers {put.layers.start}..{put.layers.stop - 1} to {state.target.describe()} failed: "
+                    f"status={status_name(status)} transfer={getattr(transfer_status, 'name', transfer_status)}",
+                    state.target,
+                    put.layers,
+                    status,
+                )
+        finally:
+            waiting.extend(state.outstanding)
+            state.outstanding = waiting
+
+    def _timeout(self, state: _TargetState, put: _Put) -> None:
+        # HIXL has no async timeout of its own; the docs say disconnect to clean up.
+        self._backend.engine.disconnect(state.target.engine_id, 1000)
+        raise PushError(
+            f"put of layers {put.layers.start}..{put.layers.stop - 1} to {state.target.describe()} "
+            f"timed out after {self.timeout_s}s (target disconnected)",
+            state.target,
+            put.layers,
+            self._api.TIMEOUT,
+        )
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Reap until `done()`. Timeouts are per put (in _reap), so this cannot spin forever."""
+        backoff = _Backoff()
+        while True:
+            self._reap_all()
+            if done():
+                return
+            backoff.sleep()
+
+    # ---- the end -------------------------------------------------------------------------------------
+    def finish(self, extra: dict[str, object] | None = None) -> PushStats:
+        """Wait for every put, then notify each target that its slot is ready."""
+        if self._failed or self._finished:
+            raise RuntimeError("finish after the push failed or finished")
+        extra = dict(extra or {})
+        clash = [k for k in _RESERVED_KEYS if k in extra]
+        if clash:
+            raise ValueError(f"extra must not set {clash}: the pusher fills them")
+        for state in self._states:
+            missing = sorted(set(state.owned) - state.pushed)
+            if missing:
+                self._fail()
+                raise PushError(
+                    f"finish before layers {missing[0]}..{missing[-1]} were pushed to {state.target.describe()}",
+                    state.target,
+                    range(missing[0], missing[-1] + 1),
+                )
+        try:
+            self._wait(lambda: all(not s.outstanding for s in self._states))
+            for state in self._states:
+                self._notify(state, extra)
+        except BaseException:
+            self._fail()
+            raise
+        self._finished = True
+        self.stats.seconds = time.perf_counter() - (self.stats.started or time.perf_counter())
+        log.debug(
+            kv(
+                event="kv_pushed",
+                targets=len(self._states),
+                puts=self.stats.puts,
+                bytes=self.stats.bytes,
+                seconds=f"{self.stats.seconds:.6f}",
+            )
+        )
+        return self.stats
+
+    def _notify(self, state: _TargetState, extra: dict[str, object]) -> None:
+        t = state.target
+        message = json.dumps(
+            {"request_id": t.request_id, "slot": t.slot, "generation": t.generation, "num_tokens": self.num_tokens, **extra},
+            separators=(",", ":"),
+        )
+        if len(message) > MAX_NOTIFY_FIELD:
+            raise ValueError(f"ready message for {t.describe()} is {len(message)} chars, over HIXL's 1024")
+        desc = self._api.NotifyDesc(READY_NOTIFY, message)
+        deadline = time.monotonic() + self.timeout_s
+        backoff = _Backoff()
+        while True:
+            status = self._backend.engine.send_notify(t.engine_id, desc, self._notify_timeout_ms)
+            if status == self._api.SUCCESS:
+                return
+            if status != self._api.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                raise PushError(f"ready notify to {t.describe()} failed: {status_name(status)}", t, status=status)
+            backoff.sleep()  # the decode's notify queue is full: it drains, we retry
+
+    def abort(self) -> None:
+        """Give up (e.g. the compute failed): reap what is in flight, notify nobody.
+
+        The decode side's lease then expires and quarantines the slot."""
+        self._fail()
+
+    def _fail(self) -> None:
+        """Forget outstanding puts, querying each until terminal (bounded) so the engine's
+        un-queried count does not leak."""
+        if self._failed:
+            return
+        self._failed = True
+        deadline = time.monotonic() + min(self.timeout_s, 5.0)
+        backoff = _Backoff()
+        for state in self._states:
+            while state.outstanding and time.monotonic() < deadline:
+                put = state.outstanding[0]
+                status, ts = self._backend.engine.get_transfer_status(put.req_id)
+                if status == self._api.SUCCESS and ts == self._api.TransferStatus.WAITING:
+                    backoff.sleep()
+                    continue
+                state.outstanding.popleft()
+            state.outstanding.clear()
+            state.in_flight_runs = 0
+
+
+class _Backoff:
+    """Wait between polls: yield the GIL for the first ~200 µs (copies finish that fast), then
+    sleep in growing steps up to 1 ms, so a long wait costs little CPU."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._sleep = 0.00005
+
+    def sleep(self) -> None:
+        if time.perf_counter() - self._start < 0.0002:
+            time.sleep(0)
+            return
+        time.sleep(self._sleep)
+        self._sleep = min(self._sleep * 2, 0.001)
+
+
+def prefill_and_push(
+    compute: Callable[[range], None],
+    pusher: KVPusher,
+    chunks: Iterable[range],
+    extra: dict[str, object] | None = None,
+    pipelined: bool = True,
+) -> PushStats:
+    """Run `compute(chunk)` for each layer chunk and push its KV.
+
+    pipelined: push each chunk right after computing it (transfer overlaps the next chunk's
+    compute). Not pipelined: compute everything, then push (the baseline the overlap is
+    measured against).
+    """
+    chunks = list(chunks)
+    try:
+        for chunk in chunks:
+            compute(chunk)
+            if pipelined:
+                pusher.push_chunk(chunk)
+        if not pipelined:
+            for chunk in chunks:
+                pusher.push_chunk(chunk)
+        return pusher.finish(extra)
+    except BaseException:
+        pusher.abort()
+        raise

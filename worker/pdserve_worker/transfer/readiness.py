@@ -1,0 +1,186 @@
+"""Decode side: wait until a slot's KV has arrived (its `kv_ready` notify), in one of three modes.
+
+- `interrupt` (default): the waiting thread sleeps until the notify arrives and burns no CPU.
+  With the host engine it sleeps inside `wait_notifies` (a condition variable the engine's
+  server thread signals). Real HIXL only has the draining `get_notifies`, so there the
+  draining thread polls it every `poll_interval_us`; still only one thread does, however many
+  requests wait.
+- `poll`: drain `get_notifies` every `poll_interval_us` microseconds.
+- `spin`: drain continuously (yielding the GIL between tries): lowest latency, one busy core.
+
+Many requests wait at once, but the engine has one notify queue: the first waiter to find no
+drainer becomes it (leader/follower), drains for everybody and files each ready message under
+its slot; the others sleep on a condition and are woken when something was filed. When the
+drainer's own message arrives it leaves and a follower takes over. A message is filed only if
+`accepts(slot, generation)` says the slot still waits for exactly that generation (the slot
+table's `is_reserved`): a late notify from an abandoned transfer is dropped with a log line and
+never taken for the new request's KV.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from pdserve_worker.logs import kv
+from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.push import READY_NOTIFY
+
+log = logging.getLogger("pdserve.transfer.readiness")
+
+# How long one sleep lasts before a waiter re-checks its lease and deadline.
+RECHECK_S = 0.25
+
+
+class ReadinessMode(str, Enum):
+    INTERRUPT = "interrupt"
+    POLL = "poll"
+    SPIN = "spin"
+
+
+class ReadinessTimeout(TimeoutError):
+    """No ready notify for (slot, generation) within the timeout."""
+
+
+class SlotNotReserved(RuntimeError):
+    """The slot stopped waiting for this generation (lease expired or released) while we waited."""
+
+
+class Readiness:
+    def __init__(
+        self,
+        backend: TransferBackend,
+        mode: ReadinessMode | str = ReadinessMode.INTERRUPT,
+        *,
+        accepts: Callable[[int, int], bool] = lambda slot, generation: True,
+        poll_interval_us: int = 100,
+        warmup: Callable[[int, int], None] | None = None,
+        on_other: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.mode = ReadinessMode(mode)
+        if poll_interval_us <= 0:
+            raise ValueError(f"poll_interval_us must be > 0, got {poll_interval_us}")
+        self._engine = backend.engine
+        self._api = backend.api
+        self._blocking = self.mode is ReadinessMode.INTERRUPT and backend.can_block_on_notifies
+        self._interval_s = poll_interval_us / 1e6
+        self._accepts = accepts
+        self._warmup = warmup
+        self._on_other = on_other
+        self._cond = threading.Condition()
+        self._draining = False
+        self._mailbox: dict[int, dict[str, Any]] = {}  # slot -> its ready message
+
+    # ---- waiting -------------------------------------------------------------------------------------
+    def wait(self, slot: int, generation: int, timeout_s: float) -> dict[str, Any]:
+        """Block until (slot, generation)'s ready message arrives; returns it (then warms the slot).
+
+        Raises ReadinessTimeout, or SlotNotReserved when the lease ended meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                message = self._take(slot, generation)
+                if message is not None:
+                    break
+                if not self._accepts(slot, generation):
+                    raise SlotNotReserved(f"slot {slot} generation {generation} is no longer reserved")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ReadinessTimeout(
+                        f"no {READY_NOTIFY} for slot {slot} generation {generation} within {timeout_s}s "
+                        f"(mode={self.mode.value})"
+                    )
+                if self._draining:
+                    self._cond.wait(min(remaining, RECHECK_S))
+                    continue
+                self._drain_for_everyone(min(remaining, RECHECK_S))
+        if self._warmup is not None:
+            self._warmup(slot, int(message.get("num_tokens", 0)))
+        return message
+
+    def try_take(self, slot: int, generation: int) -> dict[str, Any] | None:
+        """Non-blocking: the ready message if it has arrived, else None (for a scheduler that
+        checks its pending slots between decode steps)."""
+        with self._cond:
+            if not self._draining:
+                status, items = self._engine.get_notifies()
+                if status == self._api.SUCCESS and items:
+                    self._file(items)
+            return self._take(slot, generation)
+
+    def forget(self, slot: int) -> None:
+        """Drop what is filed for a slot (it was released)."""
+        with self._cond:
+            self._mailbox.pop(slot, None)
+
+    # ---- draining (lock held on entry and exit) ------------------------------------------------------
+    def _drain_for_everyone(self, timeout_s: float) -> None:
+        self._draining = True
+        self._cond.release()
+        try:
+            items = self._fetch(timeout_s)
+        finally:
+            self._cond.acquire()
+            self._draining = False
+            self._cond.notify_all()  # filed messages, or a new drainer is needed
+        self._file(items)
+
+    def _fetch(self, timeout_s: float) -> list[Any]:
+        """Wait up to timeout_s for notifies, the way the mode says. Returns what was drained."""
+        if self._blocking:
+            status, items = self._engine.wait_notifies(timeout_s)
+            return list(items) if status in (self._api.SUCCESS, self._api.TIMEOUT) else []
+        deadline = time.monotonic() + timeout_s
+        spin = self.mode is ReadinessMode.SPIN
+        while True:
+            status, items = self._engine.get_notifies()
+            if status == self._api.SUCCESS and items:
+                return list(items)
+            if time.monotonic() >= deadline:
+                return []
+            time.sleep(0 if spin else self._interval_s)  # sleep(0) still yields the GIL
+
+    def _file(self, items: list[Any]) -> None:
+        for item in items:
+            if item.name != READY_NOTIFY:
+                if self._on_other is not None:
+                    self._on_other(item)
+                else:
+                    log.info(kv(event="notify_ignored", name=item.name))
+                continue
+            try:
+                message = json.loads(item.notify_msg)
+                slot, generation = int(message["slot"]), int(message["generation"])
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning(kv(event="ready_malformed", msg=item.notify_msg[:200], error=exc))
+                continue
+            if not self._accepts(slot, generation):
+                log.info(
+                    kv(
+                        event="ready_stale_ignored",
+                        slot=slot,
+                        generation=generation,
+                        request=message.get("request_id"),
+                    )
+                )
+                continue
+            self._mailbox[slot] = message
+
+    def _take(self, slot: int, generation: int) -> dict[str, Any] | None:
+        message = self._mailbox.get(slot)
+        if message is None:
+            return None
+        filed = int(message["generation"])
+        if filed != generation:
+            if not self._accepts(slot, filed):
+                # Filed while its generation was current; the slot was released since.
+                del self._mailbox[slot]
+                log.info(kv(event="ready_stale_ignored", slot=slot, generation=filed))
+            return None  # (a newer generation's message stays for its own waiter)
+        del self._mailbox[slot]
+        return message
