@@ -21,6 +21,8 @@ COMMANDS: tuple[str, ...] = (
     "crd",
     "operator",
     "generate",
+    "worker",
+    "local",
 )
 
 
