@@ -174,7 +174,8 @@ class LocalDeployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self.broker_address = ""
-        self.url = f"http://{HOST}:{plan.port}"
+        self.port = plan.port or free_port()  # 0: any free port
+        self.url = f"http://{HOST}:{self.port}"
         self.model_folder: Path | None = None
 
     # ---- starting ----------------------------------------------------------------------------
@@ -186,16 +187,19 @@ class LocalDeployment:
     def start(self, timeout_s: float = 300.0, stop_requested: Callable[[], bool] = lambda: False) -> str:
         """Start every child and wait until the router serves; returns the router's URL."""
         started = time.monotonic()
+        if _accepts(HOST, self.port):  # else /health below might be answered by someone else's router
+            raise LocalStartError(f"port {self.port} on {HOST} is already in use: choose another with --port")
         self.model_folder = self._prepare_model()
         if self.plan.colocated:
-            self._spawn("colocated", "colocated", self._worker_env("colocated", "colocated-0", self.plan.port))
+            self._spawn("colocated", "colocated", self._worker_env("colocated", "colocated-0", self.port))
         else:
             self._start_broker()
             for i in range(self.plan.decode):
                 self._spawn(f"decode-{i}", "decode", self._worker_env("decode", f"decode-{i}", free_port()))
             for i in range(self.plan.prefill):
                 self._spawn(f"prefill-{i}", "prefill", self._worker_env("prefill", f"prefill-{i}", free_port()))
-            self._spawn("router-0", "router", self._worker_env("router", "router-0", self.plan.port))
+            self._spawn("router-0", "router", self._worker_env("router", "router-0", self.port))
+        self._write_manifest()
         self.say(f"started {len(self.children)} processes (logs in {self.log_dir}); waiting until they serve")
         self._wait_ready(started + timeout_s, stop_requested)
         self.say(f"ready in {time.monotonic() - started:.1f}s")
@@ -280,6 +284,26 @@ class LocalDeployment:
                 if time.monotonic() > deadline:
                     raise LocalStartError(f"not ready in time (ready: {members}); logs in {self.log_dir}")
                 time.sleep(0.2)
+
+    def _write_manifest(self) -> None:
+        """`deployment.json` (who runs where) and `service-token` (0600) in the log folder, so
+        that tools and tests can reach the broker and workers, or attach a worker of their own."""
+        token_file = self.log_dir / "service-token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.token)
+        manifest = {
+            "url": self.url,
+            "service": SERVICE,
+            "broker": self.broker_address,
+            "token_file": str(token_file),
+            "children": [
+                {"name": c.name, "role": c.role, "pid": c.pid, "log": str(c.log_path),
+                 "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
+                 "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None}
+                for c in self.children
+            ],
+        }
+        (self.log_dir / "deployment.json").write_text(json.dumps(manifest, indent=2))
 
     def _check_alive(self) -> None:
         for child in self.children:
