@@ -177,6 +177,7 @@ class LocalDeployment:
         self.port = plan.port or free_port()  # 0: any free port
         self.url = f"http://{HOST}:{self.port}"
         self.model_folder: Path | None = None
+        self.model_name = ""  # the served name; empty: the workers take the folder's
 
     # ---- starting ----------------------------------------------------------------------------
 
@@ -213,6 +214,7 @@ class LocalDeployment:
         from pdserve_worker.model.loader import model_folder
 
         folder, name = model_folder(path, self.plan.dtype)
+        self.model_name = name
         self.say(f"model {name} at {folder}")
         return folder
 
@@ -254,6 +256,8 @@ class LocalDeployment:
             S.THREADS: str(plan.threads_per_process()),
             S.GRACE_S: "5",
         })
+        if self.model_name:
+            env[E.MODEL_NAME] = self.model_name
         if role != "colocated":
             env[E.BROKER_ADDRESS] = self.broker_address
             env[E.BROKER_TOKEN] = self.token
