@@ -21,9 +21,9 @@ def decode(worker_id: str, total: int = 8, used: int = 0, *, revision: str = REV
     return Member(info, draining=draining, load=Load(slots_used=used, slots_free=total - used))
 
 
-def prefill(worker_id: str, *, revision: str = REV, draining: bool = False) -> Member:
+def prefill(worker_id: str, *, revision: str = REV, draining: bool = False, queued: int = 0) -> Member:
     return Member(MemberInfo(worker_id=worker_id, role=Role.PREFILL, grpc_endpoint="h:3", revision=revision),
-                  draining=draining)
+                  draining=draining, load=Load(active_requests=queued))
 
 
 def test_most_free_slots_first():
@@ -48,6 +48,9 @@ def test_only_active_members_of_our_revision_of_a_usable_shape():
 def test_prefill_with_the_shortest_queue_of_ours():
     members = [prefill("p0"), prefill("p1"), prefill("p2", draining=True), prefill("p3", revision="r0"), decode("d")]
     assert [m.worker_id for m in rank_prefills(members, {"p0": 2, "p1": 1}, REV)] == ["p1", "p0"]
+    # p1 reports a queue of 4 (other routers' requests): p0 with 2 of ours is shorter.
+    members = [prefill("p0"), prefill("p1", queued=4)]
+    assert [m.worker_id for m in rank_prefills(members, {"p0": 2}, REV)] == ["p0", "p1"]
 
 
 @given(st.lists(st.tuples(st.integers(1, 16), st.integers(0, 16), st.integers(0, 16)), min_size=1, max_size=6))

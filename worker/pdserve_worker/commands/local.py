@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="compute and KV dtype (default auto: bfloat16 where the CPU has native bf16, else float32)")
     p.add_argument("--slots", type=int, default=8, help="KV slots per decode worker (default 8)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per request, prompt plus output (default 2048)")
     p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")

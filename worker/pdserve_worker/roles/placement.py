@@ -5,8 +5,9 @@ keepalive (a third of the lease TTL), so the router also counts the requests it 
 there itself and takes the larger of the two as the slots in use: a burst of requests spreads
 over the decodes at once instead of piling onto the one that looked idle a second ago.
 
-Prefill: fewest requests in flight from this router (prefill queues its work, so the shortest
-queue gives the earliest first token).
+Prefill: the shortest queue (prefill computes one prompt at a time and queues the rest, so the
+shortest queue gives the earliest first token): the larger of the queue the prefill last
+reported and this router's own requests in flight there.
 
 Only active members of the router's model revision are candidates: a draining member takes
 no new requests, and KV from another model or dtype would be garbage.
@@ -46,6 +47,11 @@ def rank_decodes(members: Iterable[Member], inflight: Mapping[str, int], revisio
 
 
 def rank_prefills(members: Iterable[Member], inflight: Mapping[str, int], revision: str) -> list[Member]:
-    """Candidate prefills, best first: fewest of our requests in flight, then by id."""
+    """Candidate prefills, best first: shortest estimated queue, then fewest of ours, then by id."""
     candidates = [m for m in members if compatible(m, Role.PREFILL, revision)]
-    return sorted(candidates, key=lambda m: (inflight.get(m.worker_id, 0), m.worker_id))
+
+    def key(m: Member) -> tuple[int, int, str]:
+        mine = inflight.get(m.worker_id, 0)
+        return (max(m.load.active_requests, mine), mine, m.worker_id)
+
+    return sorted(candidates, key=key)

@@ -36,10 +36,11 @@ class WorkerState:
     worker_id: str
     phase: str = "starting"  # starting | loading | registering | ready | draining | stopping
     detail: dict[str, Any] = field(default_factory=dict)
+    serving: Callable[[], bool] | None = None  # more than started: e.g. a router that knows its peers
 
     @property
     def ready(self) -> bool:
-        return self.phase == "ready"
+        return self.phase == "ready" and (self.serving is None or self.serving())
 
 
 def health_routes(state: WorkerState, drain: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> list[Route]:
@@ -84,7 +85,6 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port} (HTTP): {exc.strerror}") from exc
-    sock.set_inheritable(True)
     return sock
 
 

@@ -34,7 +34,7 @@ from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.rpc.convert import layout_from_proto, sampling_from_proto
-from pdserve_worker.rpc.membership import EventType, MemberEvent, MemberInfo, Role
+from pdserve_worker.rpc.membership import EventType, Load, MemberEvent, MemberInfo, Role
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, PushTarget
@@ -74,6 +74,10 @@ class PrefillWorker:
             revision=self.revision,
             labels={"model": self.loaded.name},
         )
+
+    def load(self) -> Load:
+        """Reported with each keepalive: requests queued or computing here (routers rank by it)."""
+        return Load(active_requests=self.queued)
 
     def close(self) -> None:
         self._compute.shutdown(wait=True, cancel_futures=True)

@@ -141,7 +141,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         else:
             worker = PrefillWorker(settings, loaded, backend, revision)
             worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
-            load_fn = None
+            load_fn = worker.load
         try:
             bind(server, settings.bind_host, settings.grpc_port)
         except OSError as exc:
@@ -259,6 +259,8 @@ async def _run_router(settings: WorkerSettings) -> None:
         timeouts=Timeouts(lease_ms=settings.lease_ms, readiness_ms=settings.readiness_timeout_ms,
                           prefill_s=settings.request_timeout_seconds),
     )
+    # A router without a prefill or a decode to send requests to is not ready for traffic.
+    state.serving = lambda: bool(backend.health()["ready"])
     try:
         await backend.start()
         await broker.register(MemberInfo(worker_id=settings.member_id, role=Role.ROUTER,
