@@ -174,10 +174,10 @@ def run_config(name: str, args: argparse.Namespace, trace: list[Request]) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--rate", type=float, default=0.3, help="mean arrivals per second (Poisson)")
-    parser.add_argument("--long-fraction", type=float, default=0.25, help="share of prompts of 1-2k tokens")
-    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--rate", type=float, default=0.4, help="mean arrivals per second (Poisson)")
+    parser.add_argument("--long-fraction", type=float, default=0.35, help="share of prompts of 1-2k tokens")
+    parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--configs", default="pd1,pd2,colocated")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="auto: bfloat16 where the CPU has native bf16 matmul, else float32")
@@ -199,7 +199,7 @@ def main() -> int:
     trace = make_trace(args.requests, args.rate, args.long_fraction, (32, 256), (1024, 2048), tokenizer, args.seed)
     lengths = [r.prompt_tokens for r in trace]
     cpus = len(os.sched_getaffinity(0))
-    print(f"{model} {args.dtype}; {platform.processor() or platform.machine()}, {cpus} CPUs; "
+    print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; "
           f"{len(trace)} requests at {args.rate}/s over {trace[-1].at:.0f}s, prompts {min(lengths)}-{max(lengths)} "
           f"tokens ({sum(n >= 1024 for n in lengths)} of 1k+), {args.output_tokens} output tokens each")
     rows = [run_config(name, args, trace) for name in args.configs.split(",")]

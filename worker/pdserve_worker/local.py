@@ -64,8 +64,6 @@ class LocalPlan:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.dtype == "auto":
-            object.__setattr__(self, "dtype", auto_dtype())
         if self.colocated:
             return
         if self.prefill < 1 or self.decode < 1:
@@ -193,6 +191,7 @@ class LocalDeployment:
         self.broker_address = ""
         self.port = plan.port or free_port()  # 0: any free port
         self.url = f"http://{HOST}:{self.port}"
+        self.dtype = auto_dtype() if plan.dtype == "auto" else plan.dtype
         self.model_folder: Path | None = None
         self.model_name = ""  # the served name; empty: the workers take the folder's
 
@@ -230,7 +229,7 @@ class LocalDeployment:
         self.say("preparing the model (a GGUF is converted once and cached)")
         from pdserve_worker.model.loader import model_folder
 
-        folder, name = model_folder(path, self.plan.dtype)
+        folder, name = model_folder(path, self.dtype)
         self.model_name = name
         self.say(f"model {name} at {folder}")
         return folder
@@ -263,7 +262,7 @@ class LocalDeployment:
             E.GRPC_PORT_ENV: str(free_port()),
             S.TRANSFER_PORT_ENV: str(free_port()),
             E.MODEL_SOURCE: str(self.model_folder),
-            E.MODEL_DTYPE: plan.dtype,
+            E.MODEL_DTYPE: self.dtype,
             E.MAX_LENGTH: str(plan.max_len),
             E.SLOTS: str(plan.slots),
             E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),

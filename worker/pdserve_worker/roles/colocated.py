@@ -63,10 +63,10 @@ class ColocatedBackend:
                 reason = _REASONS.get(out.finish_reason or "") if out.finished else None
                 if out.finished and reason is None:
                     raise BackendError(f"request {request_id} ended with {out.finish_reason!r}")
+                finished = out.finished  # before the yield: the router closes us once it has the last event
                 yield TokenEvent(out.token_id, out.text, reason, _COLOCATED if first else None)  # type: ignore[arg-type]
                 first = False
-                if out.finished:
-                    finished = True
+                if finished:
                     return
         except RequestFailed as exc:
             raise BackendError(str(exc)) from None

@@ -198,9 +198,11 @@ class PDBackend:
                 elif info is None and event.index == 0:
                     attach = RequestInfo(event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id,
                                          decode.worker_id)
+                # Set before the yield: the router closes this generator as soon as it has the
+                # last event, and a finished request must not be cancelled or released.
+                finished = reason is not None
                 yield TokenEvent(event.token_id, event.text, reason, attach)  # type: ignore[arg-type]
-                if reason is not None:
-                    finished = True
+                if finished:
                     return
         except grpc.aio.AioRpcError as exc:
             raise _decode_error(exc, decode.worker_id, request_id) from None
