@@ -10,3 +10,27 @@ from netutil import free_port
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+# ---- model fixtures (engine) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight LLaMA HF folder (about 1 MB), written once per session."""
+    from pdserve_worker.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The real default model (SmolLM2-135M-Instruct) converted to an fp32 HF folder.
+
+    Converted once into the pdserve cache ($PDSERVE_CACHE_DIR or ~/.cache/pdserve) and reused
+    by every test and later session that needs it.
+    """
+    from pdserve_worker.model.convert import converted_gguf
+    from pdserve_worker.model.default_model import default_model_path
+
+    return converted_gguf(default_model_path(), "float32")

@@ -286,6 +286,7 @@ class BrokerClient:
                     await self._register_once()
                     failures = 0
                 except grpc.aio.AioRpcError as exc:
+                    _raise_if_cancelling()
                     failures += 1
                     self._log_failure("register", exc, failures)
                     await asyncio.sleep(self._backoff.delay(failures - 1))
@@ -298,6 +299,7 @@ class BrokerClient:
             try:
                 reply = await self._stub().KeepAlive(request, timeout=self._timeout)
             except grpc.aio.AioRpcError as exc:
+                _raise_if_cancelling()
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning(kv(event="broker_client.lease_unknown", service=self.service_key,
                                    worker=self._info.worker_id if self._info else "", detail=exc.details()))
@@ -404,6 +406,7 @@ class BrokerClient:
                 detail, code = exc.details(), exc.code()
             finally:
                 call.cancel()
+            _raise_if_cancelling()
             view._set_connected(False)
             level = logging.ERROR if code in _PERMANENT else logging.WARNING
             if attempt == 0 or attempt % 10 == 0 or code in _PERMANENT:
@@ -453,6 +456,14 @@ class BrokerClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _raise_if_cancelling() -> None:
+    """grpc.aio turns a cancellation that lands inside a call into AioRpcError(CANCELLED);
+    a loop that catches that and retries would never end. Re-raise it as the cancellation."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
 
 
 async def _cancel(task: asyncio.Task | None) -> None:

@@ -20,6 +20,9 @@ COMMANDS: tuple[str, ...] = (
     "chat",
     "crd",
     "operator",
+    "generate",
+    "worker",
+    "local",
 )
 
 

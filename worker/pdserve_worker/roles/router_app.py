@@ -383,8 +383,12 @@ def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
         }]}
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok", "model": backend.model_name}
+    async def health() -> dict[str, object]:
+        body: dict[str, object] = {"status": "ok", "model": backend.model_name}
+        describe = getattr(backend, "health", None)  # optional: a backend may report its members
+        if callable(describe):
+            body.update(describe())
+        return body
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,223 @@
+"""Serving under load: PD disaggregation against one colocated process, same requests, one run.
+
+Each configuration is started with `pdserve local` machinery (real processes on 127.0.0.1,
+the real default model) and gets the same request trace: Poisson arrivals, a mix of short
+prompts and long ones (1-2k tokens), a fixed number of output tokens (ignore_eos, so every
+request decodes the same amount). Measured at the client, as a user sees it:
+
+    TTFT         arrival to first token (p50, p99)
+    TPOT         a request's mean time per output token after the first (p50, p99 over requests)
+    ITL          gaps between consecutive tokens of a request (p50, p99 over all gaps): where a
+                 decode step waited for someone else's prefill, the gap shows it whole
+    throughput   output tokens per second from the first arrival to the last answer
+
+Interference ratio = decode p99 colocated ÷ disaggregated (1 prefill + 1 decode), for TPOT
+and ITL: how much the arriving long prompts slow the tokens of requests already decoding
+when prefill and decode share one process, compared with separate processes.
+
+CPU budget: every configuration gets the same CPUs. Colocated: one process with every
+thread; PD: each model process gets its share (`pdserve local` divides them).
+
+Usage: python benchmarks/serve.py [--requests 32] [--rate 0.5] [--configs pd1,pd2,colocated]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "proto")]
+
+import httpx  # noqa: E402
+
+from pdserve_worker.local import LocalDeployment, LocalPlan  # noqa: E402
+
+CONFIGS = {
+    "pd1": dict(prefill=1, decode=1),
+    "pd2": dict(prefill=1, decode=2),
+    "colocated": dict(colocated=True),
+}
+WORDS = ("the model reads a prompt and writes an answer one token at a time while the cache of keys and values "
+         "grows with every step of the decoder on the machine in the cluster of servers").split()
+
+
+@dataclass(frozen=True)
+class Request:
+    at: float  # seconds after the start of the trace
+    prompt: str
+    prompt_tokens: int
+
+
+@dataclass
+class Result:
+    request: Request
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2 or self.completion_tokens < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (self.completion_tokens - 1)
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def make_trace(n: int, rate: float, long_fraction: float, short: tuple[int, int], long: tuple[int, int],
+               tokenizer, seed: int) -> list[Request]:
+    """Poisson arrivals; prompt lengths uniform in `short` or (with `long_fraction`) in `long`."""
+    rng = random.Random(seed)
+    at, trace = 0.0, []
+    for i in range(n):
+        at += rng.expovariate(rate)
+        lo, hi = long if rng.random() < long_fraction else short
+        target = rng.randint(lo, hi)
+        words = [rng.choice(WORDS) for _ in range(target)]
+        ids = tokenizer.encode(" ".join(words))[:target]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        trace.append(Request(at, text, len(tokenizer.encode(text))))
+    return trace
+
+
+async def one(http: httpx.AsyncClient, url: str, model: str, request: Request, output_tokens: int,
+              start: float) -> Result:
+    await asyncio.sleep(max(0.0, start + request.at - time.monotonic()))
+    result = Result(request, sent=time.monotonic())
+    body = {"model": model, "prompt": request.prompt, "max_tokens": output_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    while True:
+        try:
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code == 429:  # no free slot anywhere: the client retries
+                    await asyncio.sleep(float(response.headers.get("retry-after-ms", 500)) / 1000)
+                    continue
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return result
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:") or line.endswith("[DONE]"):
+                        continue
+                    chunk = json.loads(line[5:])
+                    if chunk.get("usage"):
+                        result.completion_tokens = chunk["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in chunk.get("choices") or []):
+                        result.token_times.append(time.monotonic())
+            return result
+        except httpx.HTTPError as exc:
+            result.error = repr(exc)
+            return result
+
+
+async def drive(url: str, trace: list[Request], output_tokens: int) -> tuple[list[Result], float]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
+        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        # One warm-up request: first-call costs (allocator, lazy imports) are not the load's.
+        warm = Request(0.0, "hello there", 2)
+        await one(http, url, model, warm, 4, time.monotonic())
+        start = time.monotonic()
+        results = await asyncio.gather(*(one(http, url, model, r, output_tokens, start) for r in trace))
+        return list(results), time.monotonic() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summarize(name: str, results: list[Result], wall_s: float) -> dict[str, float]:
+    ok = [r for r in results if r.error is None and r.token_times]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    gaps = [g for r in ok for g in r.gaps]
+    tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "config": name, "ok": len(ok), "failed": len(results) - len(ok),
+        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+        "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
+        "tok_per_s": tokens / wall_s if wall_s else 0.0, "wall_s": wall_s,
+    }
+
+
+def run_config(name: str, args: argparse.Namespace, trace: list[Request]) -> dict[str, float]:
+    plan = LocalPlan(port=0, dtype=args.dtype, slots=args.slots, max_len=args.max_len, threads=args.threads,
+                     **CONFIGS[name])
+    print(f"[{name}] starting ...", file=sys.stderr, flush=True)
+    with LocalDeployment(plan, progress=None) as deployment:
+        url = deployment.start(timeout_s=300)
+        results, wall = asyncio.run(drive(url, trace, args.output_tokens))
+    for r in results:
+        if r.error:
+            print(f"[{name}] request failed: {r.error}", file=sys.stderr)
+    return summarize(name, results, wall)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--rate", type=float, default=0.4, help="mean arrivals per second (Poisson)")
+    parser.add_argument("--long-fraction", type=float, default=0.35, help="share of prompts of 1-2k tokens")
+    parser.add_argument("--output-tokens", type=int, default=24)
+    parser.add_argument("--configs", default="pd1,pd2,colocated")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: bfloat16 where the CPU has native bf16 matmul, else float32")
+    parser.add_argument("--slots", type=int, default=16, help="KV slots per decode (and for colocated)")
+    parser.add_argument("--max-len", type=int, default=2304)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: CPUs shared)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from pdserve_worker.model.loader import model_folder
+    from pdserve_worker.model.tokenizer import Tokenizer
+
+    if args.dtype == "auto":
+        from pdserve_worker.local import auto_dtype
+
+        args.dtype = auto_dtype()
+    folder, model = model_folder(None, args.dtype)
+    tokenizer = Tokenizer.from_dir(folder)
+    trace = make_trace(args.requests, args.rate, args.long_fraction, (32, 256), (1024, 2048), tokenizer, args.seed)
+    lengths = [r.prompt_tokens for r in trace]
+    cpus = len(os.sched_getaffinity(0))
+    print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; "
+          f"{len(trace)} requests at {args.rate}/s over {trace[-1].at:.0f}s, prompts {min(lengths)}-{max(lengths)} "
+          f"tokens ({sum(n >= 1024 for n in lengths)} of 1k+), {args.output_tokens} output tokens each")
+    rows = [run_config(name, args, trace) for name in args.configs.split(",")]
+
+    print(f"\n{'config':<10} {'ok':>3} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'tok/s':>7}")
+    for r in rows:
+        print(f"{r['config']:<10} {r['ok']:>3} {r['ttft_p50']:>8.2f}s {r['ttft_p99']:>8.2f}s "
+              f"{r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p99'] * 1e3:>7.1f}ms {r['itl_p50'] * 1e3:>6.1f}ms "
+              f"{r['itl_p99'] * 1e3:>6.1f}ms {r['tok_per_s']:>7.1f}")
+    by = {r["config"]: r for r in rows}
+    if "colocated" in by and "pd1" in by:
+        c, d = by["colocated"], by["pd1"]
+        print(f"\ninterference ratio (colocated ÷ 1 prefill + 1 decode): TPOT p99 {c['tpot_p99'] / d['tpot_p99']:.1f}x, "
+              f"ITL p99 {c['itl_p99'] / d['itl_p99']:.1f}x (target >= 3)")
+    failed = sum(r["failed"] for r in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Run `pdserve local` as a user does (a subprocess), for the serving tests.
+
+`LocalRun.start(...)` returns once the command printed the router's URL (it does so only
+when every worker is registered and ready); `stop()` sends SIGTERM, as Ctrl-C in a service
+manager would, and returns the exit code. The deployment's `deployment.json` (children,
+ports, PIDs) and `service-token` in the log folder give tests the broker and the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(ROOT / d) for d in ("worker", "operator", "proto")]
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve_worker.cli", *args]
+
+
+@dataclass
+class LocalRun:
+    proc: subprocess.Popen[str]
+    log_dir: Path
+    url: str
+    stderr_path: Path
+
+    @classmethod
+    def start(cls, log_dir: Path, *args: str, timeout_s: float = 240.0) -> LocalRun:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stderr_path = log_dir / "local.stderr"
+        with open(stderr_path, "w") as err:
+            proc = subprocess.Popen(cli("local", "--log-dir", str(log_dir), *args), stdout=subprocess.PIPE,
+                                    stderr=err, text=True, env=cli_env())
+        deadline = time.monotonic() + timeout_s
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            if ready:
+                line = proc.stdout.readline().strip()
+                if line.startswith("http://"):
+                    return cls(proc, log_dir, line, stderr_path)
+            if proc.poll() is not None:
+                break
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"pdserve local did not come up (exit {proc.returncode}):\n{stderr_path.read_text()}")
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.log_dir / "deployment.json").read_text())
+
+    @property
+    def token(self) -> str:
+        return Path(self.manifest["token_file"]).read_text()
+
+    def child(self, name: str) -> dict[str, Any]:
+        return next(c for c in self.manifest["children"] if c["name"] == name)
+
+    def stop(self, timeout_s: float = 90.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"pdserve local did not stop within {timeout_s}s")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

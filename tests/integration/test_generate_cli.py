@@ -1,0 +1,65 @@
+"""`pdserve generate` end to end, in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    paths = [str(ROOT / d) for d in ("worker", "operator", "proto")]
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve_worker.cli", "generate", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def stats_line(stderr: str) -> dict[str, str]:
+    last = stderr.strip().splitlines()[-1]
+    return dict(pair.split("=", 1) for pair in last.split())
+
+
+@pytest.mark.slow
+def test_chat_answers_the_capital_of_france(default_model_dir):
+    # default_model_dir makes sure the conversion cache is filled, so this run loads in a blink.
+    out = run_cli("--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "32")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    stats = stats_line(out.stderr)
+    assert float(stats["prefill_tokens_per_s"]) > 0 and float(stats["decode_ms_per_token"]) > 0
+    assert stats["model"] == "SmolLM2-135M-Instruct" and stats["finish_reason"] == "stop"
+
+
+def test_streams_the_same_text_as_the_generator(tiny_model_dir):
+    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.sampling_params import SamplingParams
+
+    out = run_cli("--model", str(tiny_model_dir), "--prompt", "Paris is", "--max-tokens", "6", "--temperature", "0.7",
+                  "--seed", "3", "--dtype", "float32", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=3)
+    [expected] = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=64).generate(
+        [loaded.tokenizer.encode("Paris is")], params
+    )
+    assert out.stdout == expected.text + "\n"
+    assert int(stats_line(out.stderr)["prompt_tokens"]) == len(loaded.tokenizer.encode("Paris is"))
+
+
+def test_invalid_options_fail_with_the_field_named(tiny_model_dir):
+    out = run_cli("--model", str(tiny_model_dir), "--prompt", "x", "--top-p", "2")
+    assert out.returncode == 2 and "top_p" in out.stderr
+    out = run_cli("--model", str(tiny_model_dir / "missing"), "--prompt", "x")
+    assert out.returncode == 2 and "missing" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,245 @@
+"""The request road in one process, over real gRPC and the host transfer engine: a broker, a
+decode worker, a prefill worker (or a broken one) and the router's `PDBackend`.
+
+Where `test_pd_serving.py` shows the happy road through real processes, this shows what each
+failure becomes (no slot → NoCapacity, a prefill that never pushes → RequestTimeout, a prefill
+that is down → BackendUnavailable, a draining decode is skipped) and that the decode slot is
+given back on every one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from netutil import free_port
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_operator.broker import BrokerServer
+from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.roles.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
+from pdserve_worker.roles.decode import DecodeServicer, DecodeWorker
+from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
+from pdserve_worker.roles.router_pd import PDBackend, Timeouts
+from pdserve_worker.rpc.auth import TokenTable
+from pdserve_worker.rpc.backoff import Backoff
+from pdserve_worker.rpc.channels import aio_channel, aio_server, bind
+from pdserve_worker.rpc.membership import MemberInfo, Role
+from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.transfer.engine import create_engine
+
+SVC, TOKEN, REVISION = "test/pd", "secret-token", "rev-1"
+SLOTS, MAX_LEN = 2, 64
+FAST = Backoff(base_s=0.05, cap_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    from pdserve_worker.model.loader import load_model
+
+    return load_model(str(tiny_model_dir), dtype="float32")
+
+
+class StuckPrefill(worker_pb2_grpc.PrefillServicer):
+    """Accepts a prefill and never pushes (a prefill that hangs)."""
+
+    async def Prefill(self, request, context):
+        await asyncio.Event().wait()
+
+
+@dataclass
+class Cluster:
+    backend: PDBackend
+    decode: DecodeWorker
+    decode_stub: worker_pb2_grpc.DecodeStub
+
+
+def worker_settings(role: str, broker_port: int, **extra) -> WorkerSettings:
+    return WorkerSettings(role=role, service=SVC, broker_address=f"127.0.0.1:{broker_port}", broker_token=TOKEN,
+                          worker_id=f"{role}-0", advertise_host="127.0.0.1", grpc_port=free_port(),
+                          transfer_port=free_port(), model_dtype="float32", max_length=MAX_LEN, slots=SLOTS,
+                          layers_per_chunk=1, transfer_timeout_ms=1000, **extra)
+
+
+@asynccontextmanager
+async def cluster(loaded, prefill: str = "real", readiness_ms: int = 10_000) -> AsyncIterator[Cluster]:
+    """prefill: "real", "stuck" (never pushes) or "down" (registered, nobody listening)."""
+    broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
+    broker.start("127.0.0.1", 0)
+    engines, servers, clients, workers = [], [], [], []
+
+    async def serve(settings: WorkerSettings, add) -> None:
+        server = aio_server(TokenTable({SVC: TOKEN}))
+        add(server)
+        bind(server, "127.0.0.1", settings.grpc_port)
+        await server.start()
+        servers.append(server)
+
+    async def join(info: MemberInfo, load=None) -> None:
+        c = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
+        clients.append(c)
+        await c.register(info, load=load)
+
+    try:
+        d_settings = worker_settings("decode", broker.port)
+        d_backend = create_engine("cpu")
+        assert d_backend.engine.initialize(d_settings.engine_id) == d_backend.api.SUCCESS
+        engines.append(d_backend)
+        decode = DecodeWorker(d_settings, loaded, d_backend, REVISION)
+        workers.append(decode)
+        decode.start()
+        await serve(d_settings, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s))
+        await join(decode.member_info(), decode.load)
+
+        p_settings = worker_settings("prefill", broker.port)
+        if prefill == "real":
+            p_backend = create_engine("cpu")
+            assert p_backend.engine.initialize(p_settings.engine_id) == p_backend.api.SUCCESS
+            engines.append(p_backend)
+            worker = PrefillWorker(p_settings, loaded, p_backend, REVISION)
+            workers.append(worker)
+            await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), s))
+        elif prefill == "stuck":
+            await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
+        await join(MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint=p_settings.grpc_endpoint,
+                              revision=REVISION))
+
+        router_broker = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
+        clients.append(router_broker)
+        backend = PDBackend(model_name="tiny", tokenizer=loaded.tokenizer, max_model_len=MAX_LEN, revision=REVISION,
+                            broker=router_broker, token=TOKEN,
+                            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30))
+        await backend.start()
+        await backend.view.wait_for(lambda v: len(v.members) == 2, 5)
+        channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
+        try:
+            yield Cluster(backend, decode, worker_pb2_grpc.DecodeStub(channel))
+        finally:
+            await channel.close()
+            await backend.close()
+    finally:
+        for c in clients:
+            await c.close()
+        for server in servers:
+            await server.stop(0)
+        for w in workers:
+            w.close()
+        for e in engines:
+            e.engine.finalize()
+        broker.stop(0)
+
+
+async def collect(backend: PDBackend, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
+    events = [e async for e in backend.generate(prompt, params, "req-1")]
+    return [e.token_id for e in events], events
+
+
+async def eventually(condition, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_the_road_streams_colocated_tokens_and_frees_the_slot(loaded):
+    from pdserve_worker.model.generate import Generator
+
+    prompt = loaded.tokenizer.encode("Paris is the capital of")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [expected] = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN).generate([prompt], params)
+    async with cluster(loaded) as c:
+        tokens, events = await collect(c.backend, prompt, params)
+        assert tokens == expected.output_ids
+        assert "".join(e.text for e in events) == expected.text
+        assert events[-1].finish_reason == "length" and all(e.finish_reason is None for e in events[:-1])
+        info = [e.info for e in events if e.info is not None][-1]
+        assert info.disaggregated and info.kv_bytes == c.decode.kv_bytes(len(prompt))
+        assert info.prefill == "prefill-0" and info.decode == "decode-0" and info.kv_transfer_s is not None
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS)
+
+
+@pytest.mark.asyncio
+async def test_no_free_slot_is_no_capacity(loaded):
+    async with cluster(loaded) as c:
+        grants = [await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4,
+                                                                        max_tokens=4)) for i in range(SLOTS)]
+        with pytest.raises(NoCapacity) as raised:
+            await collect(c.backend, [1, 2, 3], SamplingParams(max_tokens=2))
+        assert raised.value.retry_after_s > 0
+        for g in grants:
+            reply = await c.decode_stub.Release(worker_pb2.ReleaseRequest(slot=g.slot, generation=g.generation))
+            assert reply.released
+        again = await c.decode_stub.Release(worker_pb2.ReleaseRequest(slot=grants[0].slot,
+                                                                      generation=grants[0].generation))
+        assert not again.released  # idempotent: a stale grant is a no-op
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_beyond_the_slots_is_invalid(loaded):
+    async with cluster(loaded) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="x", num_prompt_tokens=MAX_LEN,
+                                                                  max_tokens=1))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(InvalidPrompt, match="max_len"):
+            await collect(c.backend, [1] * (MAX_LEN - 2), SamplingParams(max_tokens=5))
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_never_pushes_times_out_and_the_slot_is_quarantined(loaded):
+    async with cluster(loaded, prefill="stuck", readiness_ms=300) as c:
+        with pytest.raises(RequestTimeout):
+            await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
+        usage = c.decode.slots.usage()
+        # Not free at once: a late write of the abandoned push must land where nobody reads.
+        assert usage.reserved == usage.committed == 0 and usage.quarantined == 1
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_is_down_fails_the_request_and_releases_the_grant(loaded):
+    async with cluster(loaded, prefill="down") as c:
+        with pytest.raises(BackendUnavailable, match="prefill-0"):
+            await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
+        await eventually(lambda: c.decode.busy_slots() == 0)
+
+
+@pytest.mark.asyncio
+async def test_a_draining_decode_takes_no_new_request(loaded):
+    async with cluster(loaded) as c:
+        assert await c.decode.drain(0.0)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="x", num_prompt_tokens=2, max_tokens=2))
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(BackendUnavailable, match="draining"):
+            await collect(c.backend, [1, 2], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.asyncio
+async def test_generate_needs_the_live_generation(loaded):
+    async with cluster(loaded) as c:
+        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="g", num_prompt_tokens=2,
+                                                                      max_tokens=2))
+        stale = worker_pb2.GenerateRequest(request_id="g", slot=grant.slot, generation=grant.generation + 1,
+                                           prompt_token_ids=[1, 2], readiness_timeout_ms=200)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in c.decode_stub.Generate(stale):
+                pass
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert c.decode.slots.is_reserved(grant.slot, grant.generation)  # the live grant is untouched
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_leaves_mid_stream_frees_the_slot(loaded):
+    async with cluster(loaded) as c:
+        stream = c.backend.generate([5, 6, 7], SamplingParams(max_tokens=MAX_LEN - 4, ignore_eos=True), "leaver")
+        first = await anext(stream)
+        assert first.finish_reason is None
+        assert c.decode.busy_slots() == 1
+        await stream.aclose()
+        await eventually(lambda: c.decode.busy_slots() == 0 and c.decode.loop.active == 0)
+        assert c.decode.slots.usage().free == SLOTS  # committed slots come back free, not quarantined

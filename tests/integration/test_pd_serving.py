@@ -1,0 +1,257 @@
+"""The serving path end to end: `pdserve local` (broker, 2 decode, 1 prefill, router as real
+processes on 127.0.0.1) driven by the official `openai` client, against colocated generation.
+
+One deployment for the module (tiny model, fp32): greedy and seeded answers must be exactly the
+colocated Generator's, streamed or not, one at a time or eight at once over both decodes; every
+answer's KV must have arrived by push; bad input gets a 4xx and nothing breaks; gRPC calls need
+the service's token. The drain test runs last (it takes a decode away).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from local_run import LocalRun, pid_alive
+
+from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+MAX_LEN = 256
+SLOTS = 4
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    "A language model predicts",
+    "Numbers like 12345 and",
+    "Prefill computes the cache of a prompt; decode reads it",
+    "Unicode text: café, naïve,",
+    "Berlin is",
+    "The lazy dog",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Colocated generation in this process: what every answer must equal."""
+    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.loader import load_model
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+
+    class Reference:
+        tokenizer = loaded.tokenizer
+        layout_bytes_per_token = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
+
+        def complete(self, prompt_ids: list[int], **params) -> str:
+            from pdserve_worker.model.sampling_params import SamplingParams
+
+            gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
+            [done] = gen.generate([prompt_ids], SamplingParams(**params))
+            return done.text
+
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir, tmp_path_factory):
+    run = LocalRun.start(
+        tmp_path_factory.mktemp("pd-local"),
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
+        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
+    )
+    yield run
+    pids = [c["pid"] for c in run.manifest["children"]]
+    code = run.stop()
+    assert code == 0, run.stderr_path.read_text()
+    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+
+
+@pytest.fixture(scope="module")
+def client(local):
+    return openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_completions_match_colocated_streamed_or_not(client, model, reference):
+    prompt = PROMPTS[0]
+    expected = reference.complete(reference.tokenizer.encode(prompt), max_tokens=24, temperature=0)
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == expected
+    report = whole.model_extra["pdserve"]
+    assert report["disaggregated"] is True
+    assert report["kv_bytes"] == whole.usage.prompt_tokens * reference.layout_bytes_per_token
+    assert report["prefill"] == "prefill-0" and report["decode"] in ("decode-0", "decode-1")
+    assert report["kv_transfer_ms"] >= 0
+
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].model_extra["pdserve"]["disaggregated"] is True
+
+
+def test_chat_matches_colocated_greedy_and_seeded(client, model, reference):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt_ids = reference.tokenizer.encode_chat(messages)
+    greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+    assert greedy.choices[0].message.content == reference.complete(prompt_ids, max_tokens=20, temperature=0)
+    # Prefill samples token 0, decode the rest: keyed by (seed, index), the same draws as colocated.
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0.8, seed=11,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reference.complete(prompt_ids, max_tokens=20, temperature=0.8, seed=11)
+
+
+def test_stop_string_cut_once_by_decode(client, model, reference):
+    prompt = PROMPTS[1]
+    full = reference.complete(reference.tokenizer.encode(prompt), max_tokens=30, temperature=0)
+    stop = next((full[i:i + 3] for i in range(4, len(full) - 3) if full[i:i + 3].strip()), None)
+    assert stop, f"the reference answer {full!r} has no usable stop string"
+    answer = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert answer.choices[0].text == full[: full.index(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_eight_concurrent_requests_over_two_decodes(client, model, reference):
+    expected = [reference.complete(reference.tokenizer.encode(p), max_tokens=16, temperature=0) for p in PROMPTS]
+
+    def ask(prompt: str):
+        return client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    assert [a.choices[0].text for a in answers] == expected
+    assert all(a.model_extra["pdserve"]["disaggregated"] for a in answers)
+    assert {a.model_extra["pdserve"]["decode"] for a in answers} == {"decode-0", "decode-1"}
+
+
+def test_metrics_show_every_answer_pushed(local, client, model):
+    client.completions.create(model=model, prompt="Berlin is", max_tokens=4, temperature=0)
+    text = httpx.get(f"{local.url}/metrics").text
+
+    def value(pattern: str) -> float:
+        match = re.search(pattern + r" ([0-9.e+]+)", text)
+        return float(match.group(1)) if match else 0.0
+
+    completed = value(r'pdserve_router_requests_completed_total\{mode="disaggregated"\}')
+    assert completed >= 1
+    assert value(r'pdserve_router_requests_completed_total\{mode="colocated"\}') == 0
+    assert value(r"pdserve_router_kv_transfer_bytes_count") == completed
+
+
+def test_bad_input_is_4xx_and_the_service_keeps_serving(client, model):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=model, prompt="fox " * (MAX_LEN + 10), max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="hi", max_tokens=-3)
+    ok = client.completions.create(model=model, prompt="hi", max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason in ("stop", "length") and ok.usage.completion_tokens >= 1
+
+
+def test_grpc_calls_need_the_service_token(local):
+    wrong = (("authorization", "Bearer not-the-token"),)
+    right = (("authorization", f"Bearer {local.token}"),)
+    with grpc.insecure_channel(local.manifest["broker"]) as channel:
+        broker = broker_pb2_grpc.BrokerStub(channel)
+        with pytest.raises(grpc.RpcError) as denied:
+            broker.ListMembers(broker_pb2.ListMembersRequest(service_key="local/pdserve"), metadata=wrong, timeout=5)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as other:
+            broker.ListMembers(broker_pb2.ListMembersRequest(service_key="other/service"), metadata=right, timeout=5)
+        assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        members = broker.ListMembers(broker_pb2.ListMembersRequest(service_key="local/pdserve"), metadata=right,
+                                     timeout=5).members
+        assert {m.info.worker_id for m in members} == {"decode-0", "decode-1", "prefill-0", "router-0"}
+    with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:
+        decode = worker_pb2_grpc.DecodeStub(channel)
+        with pytest.raises(grpc.RpcError) as denied:
+            decode.Status(worker_pb2.StatusRequest(), metadata=wrong, timeout=5)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as missing:
+            decode.Reserve(worker_pb2.ReserveRequest(request_id="x", num_prompt_tokens=3, max_tokens=3), timeout=5)
+        assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert decode.Status(worker_pb2.StatusRequest(), metadata=right, timeout=5).slots_total == SLOTS
+    with grpc.insecure_channel(local.child("prefill-0")["grpc"]) as channel:
+        prefill = worker_pb2_grpc.PrefillStub(channel)
+        with pytest.raises(grpc.RpcError) as denied:
+            prefill.Prefill(worker_pb2.PrefillRequest(request_id="x", prompt_token_ids=[1, 2]), metadata=wrong,
+                            timeout=5)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _decode_status(local, name: str) -> worker_pb2.DecodeStatus:
+    with grpc.insecure_channel(local.child(name)["grpc"]) as channel:
+        return worker_pb2_grpc.DecodeStub(channel).Status(
+            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5)
+
+
+def test_a_client_that_goes_away_frees_its_slot(local, client, model):
+    stream = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=MAX_LEN - 20, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    busy = sum(_decode_status(local, n).slots_used for n in ("decode-0", "decode-1"))
+    assert busy >= 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while sum(_decode_status(local, n).slots_used for n in ("decode-0", "decode-1")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(_decode_status(local, n).slots_used for n in ("decode-0", "decode-1")) == 0
+
+
+def test_start_failure_names_the_child_and_exits_nonzero(tiny_model_dir, tmp_path):
+    """Workers that refuse their settings die at start: `pdserve local` shows why and exits 1."""
+    import subprocess
+
+    from local_run import cli, cli_env
+
+    out = subprocess.run(
+        cli("local", "--model", str(tiny_model_dir), "--dtype", "float32", "--decode", "1", "--slots", "1",
+            "--max-len", "8", "--port", "0", "--log-dir", str(tmp_path)),
+        capture_output=True, text=True, env=cli_env(), timeout=180,
+    )
+    assert out.returncode == 1, out.stderr
+    assert re.search(r"(decode|prefill|router)-0 \(pid \d+\) exited with code 2", out.stderr), out.stderr
+    assert "PDSERVE_MAX_LENGTH" in out.stderr  # the child's own message, naming the bad variable
+    assert out.stdout == ""  # the URL is printed only once serving
+
+
+def test_a_taken_port_is_refused_before_anything_starts(local, tiny_model_dir, tmp_path):
+    import subprocess
+
+    from local_run import cli, cli_env
+
+    port = local.url.rsplit(":", 1)[1]
+    out = subprocess.run(cli("local", "--model", str(tiny_model_dir), "--port", port, "--log-dir", str(tmp_path)),
+                         capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert out.returncode == 1 and f"port {port}" in out.stderr and "already in use" in out.stderr
+    assert not (tmp_path / "deployment.json").exists()
+
+
+def test_drain_takes_a_decode_out_and_requests_go_on(local, client, model, reference):
+    """Last: decode-1's preStop drain; the router stops using it and answers stay right."""
+    decode1 = local.child("decode-1")
+    reply = httpx.get(f"http://{decode1['http']}/drain", timeout=60)
+    assert reply.status_code == 200 and reply.json()["drained"] is True
+    assert httpx.get(f"http://{decode1['http']}/readyz").status_code == 503
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{local.url}/health").json()["members"]["decode"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{local.url}/health").json()["members"] == {"prefill": 1, "decode": 1}
+    expected = reference.complete(reference.tokenizer.encode(PROMPTS[3]), max_tokens=8, temperature=0)
+    for _ in range(3):
+        answer = client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=8, temperature=0)
+        assert answer.choices[0].text == expected
+        assert answer.model_extra["pdserve"]["decode"] == "decode-0"

@@ -1,0 +1,95 @@
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve_worker.model.sampling import Sampler, StopStringMatcher, stop_token_ids
+from pdserve_worker.model.sampling_params import SamplingParams
+
+LOGITS = torch.log(torch.tensor([0.05, 0.5, 0.3, 0.15]))  # token 1 most likely, then 2, 3, 0
+
+
+def draws(params: SamplingParams, n: int = 400) -> Counter:
+    sampler = Sampler(params)
+    return Counter(sampler.sample(LOGITS, i) for i in range(n))
+
+
+def test_greedy_takes_the_argmax_whatever_the_seed():
+    assert set(draws(SamplingParams(temperature=0.0, seed=1), 20)) == {1}
+    assert set(draws(SamplingParams(temperature=5.0, top_k=1, seed=2), 20)) == {1}
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    assert set(draws(SamplingParams(top_k=2, seed=3))) == {1, 2}
+    # Mass before token 2 is 0.5 < 0.7, before token 3 it is 0.8: keep {1, 2}.
+    assert set(draws(SamplingParams(top_p=0.7, seed=4))) == {1, 2}
+    assert set(draws(SamplingParams(top_p=0.5, seed=5))) == {1}
+
+
+def test_draws_follow_the_distribution():
+    counts = draws(SamplingParams(temperature=1.0, seed=6), 4000)
+    for token, p in enumerate([0.05, 0.5, 0.3, 0.15]):
+        assert abs(counts[token] / 4000 - p) < 0.03, counts
+
+
+def test_temperature_sharpens():
+    cold = draws(SamplingParams(temperature=0.3, seed=7), 2000)
+    hot = draws(SamplingParams(temperature=1.0, seed=7), 2000)
+    assert cold[1] > hot[1]
+
+
+def test_a_seed_fixes_each_index_independently_of_history():
+    a, b = Sampler(SamplingParams(seed=42)), Sampler(SamplingParams(seed=42))
+    first = [a.sample(LOGITS, i) for i in range(50)]
+    # b draws index 30 first, then the rest: same tokens per index (prefill/decode split safe).
+    assert b.sample(LOGITS, 30) == first[30]
+    assert [b.sample(LOGITS, i) for i in range(50)] == first
+    other = Sampler(SamplingParams(seed=43))
+    assert [other.sample(LOGITS, i) for i in range(50)] != first
+
+
+def test_unseeded_requests_get_their_own_seed():
+    assert Sampler(SamplingParams()).seed != Sampler(SamplingParams()).seed
+
+
+def test_stop_token_ids_include_eos_unless_ignored():
+    assert stop_token_ids(SamplingParams(stop_token_ids=(7,)), [2]) == {2, 7}
+    assert stop_token_ids(SamplingParams(ignore_eos=True), [2]) == set()
+
+
+def test_stop_string_is_cut_and_a_possible_start_is_held_back():
+    m = StopStringMatcher(("world",))
+    assert m.feed("hello wor") == "hello "
+    assert m.feed("k and wo") == "work and "
+    assert m.feed("rld!") == ""
+    assert m.matched == "world"
+    assert m.feed("more") == "" and m.finish() == ""
+
+
+def test_held_text_is_released_at_the_end():
+    m = StopStringMatcher(("###",))
+    assert m.feed("a ##") == "a "
+    assert m.finish() == "##"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="ab c\n", max_size=40),
+    stops=st.lists(st.text(alphabet="ab c\n", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_streamed_output_is_the_text_before_the_first_completed_stop(text, stops, cuts):
+    m = StopStringMatcher(tuple(stops))
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    out = "".join(m.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])) + m.finish()
+    # Generation stops when the first stop string completes: earliest end, then earliest start.
+    hits = sorted((text.find(s) + len(s), text.find(s)) for s in stops if s in text)
+    expected = text[: hits[0][1]] if hits else text
+    assert out == expected
+
+
+def test_invalid_params_are_rejected_with_the_field_name():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=2.0)

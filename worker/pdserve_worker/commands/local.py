@@ -1,0 +1,105 @@
+"""`pdserve local`: run a PD deployment (broker, decode, prefill, router) on this machine.
+
+    pdserve local --prefill 1 --decode 2 [--port 8000] [--model PATH] [--dtype ...]
+    pdserve local --demo        start, ask one question, show the answer and its timing, stop
+    pdserve local --colocated   one process that prefills and decodes (the baseline)
+
+Progress goes to stderr; the router's URL goes to stdout once it serves. Ctrl-C or SIGTERM
+stops every child. Exits non-zero, with the failing child's last log lines, if the
+deployment does not come up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("local", help="run a prefill/decode deployment as local processes")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="compute and KV dtype (default auto: bfloat16 where the CPU has native bf16, else float32)")
+    p.add_argument("--slots", type=int, default=8, help="KV slots per decode worker (default 8)")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens per request, prompt plus output (default 2048)")
+    p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
+    p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
+    p.add_argument("--demo", action="store_true", help=f"ask {DEMO_QUESTION!r}, show the answer and timing, stop")
+    p.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the deployment to serve")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve_worker.local import LocalDeployment, LocalPlan, LocalStartError, StopFlag
+
+    try:
+        plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
+                         slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
+                         layers_per_chunk=args.layers_per_chunk,
+                         log_dir=args.log_dir)
+    except ValueError as exc:
+        print(f"pdserve local: {exc}", file=sys.stderr)
+        return 2
+    flag = StopFlag()
+    flag.install()
+    deployment = LocalDeployment(plan)
+    try:
+        try:
+            url = deployment.start(args.timeout, stop_requested=flag.is_set)
+        except LocalStartError as exc:
+            print(f"pdserve local: failed to start: {exc}", file=sys.stderr)
+            return 1
+        except FileNotFoundError as exc:
+            print(f"pdserve local: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        shape = "colocated" if plan.colocated else f"{plan.prefill} prefill, {plan.decode} decode"
+        if args.demo:
+            return _demo(url, shape)
+        print(url, flush=True)
+        print(f"pdserve local: serving at {url}/v1 ({shape}); try:\n"
+              f"  pdserve complete --url {url} --chat --stream --prompt {DEMO_QUESTION!r}\n"
+              f"Ctrl-C stops it.", file=sys.stderr, flush=True)
+        while not flag.wait(0.5):
+            dead = deployment.dead_child()
+            if dead is not None:
+                print(f"pdserve local: {dead.name} (pid {dead.pid}) exited with code {dead.exited()}; "
+                      f"its last log lines:\n{dead.tail()}", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        deployment.stop()
+
+
+def _demo(url: str, shape: str) -> int:
+    """One streamed chat request: the answer as it arrives, then what it cost."""
+    from pdserve_worker.client import ApiCallError, RouterClient
+
+    print(f"pdserve local: {shape} at {url}/v1", file=sys.stderr)
+    print(f"> {DEMO_QUESTION}", flush=True)
+    try:
+        with RouterClient(url, timeout_s=300) as client:
+            body = {
+                "model": client.served_model(),
+                "messages": [{"role": "user", "content": DEMO_QUESTION}],
+                "temperature": 0,
+                "max_tokens": 64,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            answer = client.complete(body, chat=True, on_text=lambda t: print(t, end="", flush=True))
+    except ApiCallError as exc:
+        print(f"\npdserve local: the demo request failed: {exc}", file=sys.stderr)
+        return 1
+    print(flush=True)
+    print(answer.stats.summary(), flush=True)
+    return 0

@@ -1,0 +1,401 @@
+"""`pdserve local`: a whole PD deployment as child processes on 127.0.0.1.
+
+A broker, `decode` decode workers, `prefill` prefill workers and a router, the same processes
+a Kubernetes deployment runs (`pdserve broker`, `pdserve worker --role ...`), configured by the
+same environment variables the operator renders into pods (pod_env.py), with a service token
+generated for this run. Or, with `colocated`, one process that prefills and decodes itself
+(the baseline the benchmarks compare against).
+
+The model is converted once (the loader's cache) before any child starts, so the children
+only map the converted folder. Start-up is over when the router's /health reports every
+worker registered and ready; a child that dies meanwhile fails the start with its last log
+lines. Children run in sessions of their own, so a Ctrl-C in the terminal reaches only this
+process, which stops them in order (router, prefill, decode, broker) by PID; and each child
+is told by the kernel to stop if this process dies without doing so (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from pdserve_worker import pod_env as E
+from pdserve_worker import settings as S
+
+SERVICE = "local/pdserve"
+HOST = "127.0.0.1"
+LOG_TAIL_LINES = 30
+STOP_ORDER = ("router", "colocated", "prefill", "decode", "broker")
+
+
+class LocalStartError(RuntimeError):
+    """The deployment did not come up; the message names the child and carries its log tail."""
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    prefill: int = 1
+    decode: int = 2
+    port: int = 8000
+    model: str | None = None  # GGUF or HF folder; None: the bundled default
+    dtype: str = "auto"  # auto: see auto_dtype()
+    slots: int = 8
+    max_len: int = 2048
+    threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
+    colocated: bool = False
+    layers_per_chunk: int = 4
+    readiness: str = "interrupt"
+    log_dir: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.colocated:
+            return
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"a PD deployment needs at least 1 prefill and 1 decode, got {self.prefill}/{self.decode}")
+
+    @property
+    def model_processes(self) -> int:
+        return 1 if self.colocated else self.prefill + self.decode
+
+    def threads_per_process(self) -> int:
+        if self.threads:
+            return self.threads
+        return max(1, len(os.sched_getaffinity(0)) // self.model_processes)
+
+
+def auto_dtype() -> str:
+    """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32.
+
+    Without native support torch emulates bf16 matmuls: measured 70x slower than fp32 on an
+    AVX2-only EPYC, so there fp32 is both exact and fast. (torch's private probes: pinned torch.)
+    """
+    try:
+        import torch
+
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    except (ImportError, AttributeError):
+        native = False
+    return "bfloat16" if native else "float32"
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux), so no child outlives us."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def source_env() -> dict[str, str]:
+    """The environment children inherit, with this checkout's sources importable."""
+    env = dict(os.environ)
+    import pdserve_worker
+
+    roots = [str(Path(pdserve_worker.__file__).resolve().parents[1])]
+    try:
+        import pdserve_operator
+
+        roots.append(str(Path(pdserve_operator.__file__).resolve().parents[1]))
+    except ImportError:
+        pass
+    try:
+        import pdserve.v1 as protos
+
+        roots.append(str(Path(protos.__file__).resolve().parents[2]))
+    except ImportError:
+        pass
+    existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(roots + existing))
+    return env
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        finally:
+            log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`: by PID, this child only."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class LocalDeployment:
+    """Start with `start()`, stop with `stop()` (or use it as a context manager)."""
+
+    def __init__(self, plan: LocalPlan, *, progress: TextIO | None = sys.stderr, python: str = sys.executable) -> None:
+        self.plan = plan
+        self.python = python
+        self.progress = progress
+        self.token = secrets.token_urlsafe(32)
+        self.log_dir = Path(plan.log_dir or tempfile.mkdtemp(prefix="pdserve-local-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.broker_address = ""
+        self.port = plan.port or free_port()  # 0: any free port
+        self.url = f"http://{HOST}:{self.port}"
+        self.dtype = auto_dtype() if plan.dtype == "auto" else plan.dtype
+        self.model_folder: Path | None = None
+        self.model_name = ""  # the served name; empty: the workers take the folder's
+
+    # ---- starting ----------------------------------------------------------------------------
+
+    def say(self, message: str) -> None:
+        if self.progress is not None:
+            print(f"pdserve local: {message}", file=self.progress, flush=True)
+
+    def start(self, timeout_s: float = 300.0, stop_requested: Callable[[], bool] = lambda: False) -> str:
+        """Start every child and wait until the router serves; returns the router's URL."""
+        started = time.monotonic()
+        if _accepts(HOST, self.port):  # else /health below might be answered by someone else's router
+            raise LocalStartError(f"port {self.port} on {HOST} is already in use: choose another with --port")
+        self.model_folder = self._prepare_model()
+        if self.plan.colocated:
+            self._spawn("colocated", "colocated", self._worker_env("colocated", "colocated-0", self.port))
+        else:
+            self._start_broker()
+            for i in range(self.plan.decode):
+                self._spawn(f"decode-{i}", "decode", self._worker_env("decode", f"decode-{i}", free_port()))
+            for i in range(self.plan.prefill):
+                self._spawn(f"prefill-{i}", "prefill", self._worker_env("prefill", f"prefill-{i}", free_port()))
+            self._spawn("router-0", "router", self._worker_env("router", "router-0", self.port))
+        self._write_manifest()
+        self.say(f"started {len(self.children)} processes (logs in {self.log_dir}); waiting until they serve")
+        self._wait_ready(started + timeout_s, stop_requested)
+        self.say(f"ready in {time.monotonic() - started:.1f}s")
+        return self.url
+
+    def _prepare_model(self) -> Path:
+        path = self.plan.model
+        if path is not None and (Path(path) / "config.json").is_file():
+            return Path(path).resolve()
+        self.say("preparing the model (a GGUF is converted once and cached)")
+        from pdserve_worker.model.loader import model_folder
+
+        folder, name = model_folder(path, self.dtype)
+        self.model_name = name
+        self.say(f"model {name} at {folder}")
+        return folder
+
+    def _start_broker(self) -> None:
+        port = free_port()
+        self.broker_address = f"{HOST}:{port}"
+        env = source_env()
+        env["PDSERVE_BROKER_TOKENS"] = json.dumps({SERVICE: self.token})
+        env.update(self.plan.extra_env)
+        child = self._spawn("broker", "broker", env, ["broker", "--host", HOST, "--port", str(port)])
+        deadline = time.monotonic() + 60
+        while not _accepts(HOST, port):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise LocalStartError(f"broker did not listen on {self.broker_address} within 60s\n{child.tail()}")
+            time.sleep(0.05)
+        self.say(f"broker listening on {self.broker_address}")
+
+    def _worker_env(self, role: str, worker_id: str, http_port: int) -> dict[str, str]:
+        plan = self.plan
+        env = source_env()
+        env.update({
+            E.ROLE: role,
+            E.SERVICE: SERVICE,
+            E.POD_NAME: worker_id,
+            E.POD_IP: HOST,
+            S.BIND_HOST: HOST,
+            E.HTTP_PORT_ENV: str(http_port),
+            E.GRPC_PORT_ENV: str(free_port()),
+            S.TRANSFER_PORT_ENV: str(free_port()),
+            E.MODEL_SOURCE: str(self.model_folder),
+            E.MODEL_DTYPE: self.dtype,
+            E.MAX_LENGTH: str(plan.max_len),
+            E.SLOTS: str(plan.slots),
+            E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
+            E.READINESS_MODE: plan.readiness,
+            E.TRANSFER_BACKEND: "cpu",
+            E.DRAIN_TIMEOUT_SECONDS: "10",
+            S.THREADS: str(plan.threads_per_process()),
+            S.GRACE_S: "5",
+        })
+        if self.model_name:
+            env[E.MODEL_NAME] = self.model_name
+        if role != "colocated":
+            env[E.BROKER_ADDRESS] = self.broker_address
+            env[E.BROKER_TOKEN] = self.token
+        env.update(plan.extra_env)
+        return env
+
+    def _spawn(self, name: str, role: str, env: dict[str, str], args: list[str] | None = None) -> Child:
+        argv = [self.python, "-m", "pdserve_worker.cli", *(args or ["worker"])]
+        child = Child(name, role, argv, env, self.log_dir / f"{name}.log")
+        child.start()
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, deadline: float, stop_requested: Callable[[], bool]) -> None:
+        want = {"colocated": 1} if self.plan.colocated else {"prefill": self.plan.prefill, "decode": self.plan.decode}
+        last = None
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                self._check_alive()
+                if stop_requested():
+                    raise KeyboardInterrupt
+                members = _members(http, self.url)
+                if members is not None and members != last:
+                    self.say("ready members: " + ", ".join(f"{r} {members.get(r, 0)}/{n}" for r, n in want.items()))
+                    last = members
+                if members is not None and all(members.get(r, 0) >= n for r, n in want.items()):
+                    return
+                if time.monotonic() > deadline:
+                    raise LocalStartError(f"not ready in time (ready: {members}); logs in {self.log_dir}")
+                time.sleep(0.2)
+
+    def _write_manifest(self) -> None:
+        """`deployment.json` (who runs where) and `service-token` (0600) in the log folder, so
+        that tools and tests can reach the broker and workers, or attach a worker of their own."""
+        token_file = self.log_dir / "service-token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.token)
+        manifest = {
+            "url": self.url,
+            "service": SERVICE,
+            "broker": self.broker_address,
+            "token_file": str(token_file),
+            "children": [
+                {"name": c.name, "role": c.role, "pid": c.pid, "log": str(c.log_path),
+                 "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
+                 "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None}
+                for c in self.children
+            ],
+        }
+        (self.log_dir / "deployment.json").write_text(json.dumps(manifest, indent=2))
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            code = child.exited()
+            if code is not None:
+                raise LocalStartError(
+                    f"{child.name} (pid {child.pid}) exited with code {code}; its last log lines "
+                    f"({child.log_path}):\n{child.tail()}"
+                )
+
+    # ---- running and stopping ------------------------------------------------------------------
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.exited() is not None), None)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop every child, front to back (router first, broker last), each by its PID."""
+        for role in STOP_ORDER:
+            group = [c for c in self.children if c.role == role]
+            for child in group:  # signal the whole tier at once, then wait for it
+                if child.proc is not None and child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in group:
+                child.stop(timeout_s)
+        if self.children:
+            self.say("stopped")
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _members(http: httpx.Client, url: str) -> dict[str, int] | None:
+    """Ready members by role from the router's /health; None while it does not answer."""
+    try:
+        response = http.get(f"{url}/health")
+    except httpx.TransportError:
+        return None
+    if response.status_code != 200:
+        return None
+    body = response.json()
+    members = body.get("members")
+    return {str(k): int(v) for k, v in members.items()} if isinstance(members, dict) else None
+
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag instead of raising, so stopping follows one path."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._event.wait(timeout_s)

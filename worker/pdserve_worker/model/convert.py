@@ -1,0 +1,130 @@
+"""GGUF → HF folder conversion, cached: dequantize once, then start in a fraction of a second.
+
+Dequantizing the GGUF and rebuilding its tokenizer takes seconds; loading safetensors and a
+tokenizer.json takes a fraction of one. The converted folder is a plain HF folder
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that transformers can
+load as well. There is one folder per dtype: fp32 holds the dequantized values exactly (for
+exactness checks, and as the source of the others), and a bf16 folder loads without a cast
+(casting 135M weights at every start would take longer than the whole load). The safetensors
+file is memory-mapped at load, so processes on one host share its pages.
+
+The cache entry is keyed by the GGUF's identity (name, size, mtime), the dtype and the
+converter's version, and is published atomically: written into a private temporary folder, then renamed
+into place. If two processes race, one rename wins and the other discards its copy; a reader
+never sees a half-written folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from pdserve_worker.kv.cache import torch_dtype
+from pdserve_worker.logs import kv
+from pdserve_worker.model.tokenizer import Tokenizer
+from pdserve_worker.model.weights import read_gguf
+
+log = logging.getLogger("pdserve.model.convert")
+
+# Bump when the converted folder's content changes, so old entries are not reused.
+CONVERTER_VERSION = 1
+MARKER = "pdserve_source.json"
+
+
+def cache_root() -> Path:
+    """`$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
+    env = os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
+
+
+def gguf_identity(path: Path) -> str:
+    """A short key that changes when the file is replaced or modified."""
+    st = path.stat()
+    raw = f"{path.name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write the fp32 HF folder of a GGUF file into the existing, empty folder `out_dir`."""
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    checkpoint = read_gguf(gguf_path)
+    tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata)
+    tensors = dict(checkpoint.tensors)
+    if checkpoint.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # safetensors refuses shared storage; the model ties it again
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(checkpoint.config.to_hf("float32"), indent=2))
+    tokenizer.save(out)
+    _mark(out, gguf_path, "float32")
+    return out
+
+
+def recast_folder(fp32_dir: Path, out_dir: Path, dtype: str) -> Path:
+    """Copy a converted fp32 folder into `out_dir` with its weights cast to `dtype`."""
+    source = json.loads((fp32_dir / MARKER).read_text())
+    target = torch_dtype(dtype)
+    tensors = {name: t.to(target) for name, t in load_file(str(fp32_dir / "model.safetensors")).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp32_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(fp32_dir / name, out_dir / name)
+    _mark(out_dir, Path(source["gguf"]), dtype)
+    return out_dir
+
+
+def _mark(folder: Path, gguf_path: Path, dtype: str) -> None:
+    """Written last: its presence says the folder is complete."""
+    (folder / MARKER).write_text(
+        json.dumps({"gguf": str(gguf_path), "name": gguf_path.stem, "dtype": dtype, "converter": CONVERTER_VERSION})
+    )
+
+
+def converted_gguf(gguf_path: str | Path, dtype: str = "float32", root: str | Path | None = None) -> Path:
+    """The cached HF folder of `gguf_path` in `dtype`, converting it first if needed (atomic, race-safe).
+
+    Other dtypes are derived from the fp32 folder (which is made first): the slow part, reading
+    and dequantizing the GGUF, then happens once per file whatever dtypes are asked for.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    torch_dtype(dtype)  # reject an unknown dtype before any work
+    root = Path(root) if root is not None else cache_root()
+    base = f"{gguf_path.stem}-{gguf_identity(gguf_path)}"
+    fp32 = _publish(root / f"{base}-float32", lambda tmp: convert_gguf(gguf_path, tmp))
+    if dtype == "float32":
+        return fp32
+    return _publish(root / f"{base}-{dtype}", lambda tmp: recast_folder(fp32, tmp, dtype))
+
+
+def _publish(final: Path, build: Callable[[Path], object]) -> Path:
+    """`final`, built by `build(tmp)` in a private folder and renamed into place unless present."""
+    if (final / MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        log.info(kv(event="model_cache_build", target=final))
+        build(tmp)
+        # mkdtemp makes the folder private; a shared cache must be readable by other users.
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        tmp.chmod(0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process published the same entry first: theirs is as good as ours.
+            if not (final / MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,112 @@
+"""Turning logits into tokens, and deciding when a request is done.
+
+Sampling runs on the host in fp32 with a torch.Generator per request that is re-seeded for
+every output index from (request seed, index). So the k-th token of a request is drawn the
+same way wherever it is drawn: the prefill worker can draw the first token and a decode
+worker the rest, and a seeded request still gives exactly the text it gives in one process.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pdserve_worker.model.sampling_params import SamplingParams
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
+
+
+def _index_seed(seed: int, index: int) -> int:
+    return (seed * _MIX + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+class Sampler:
+    """Draws one request's tokens according to its SamplingParams."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        # A request without a seed still gets one, so its draws are reproducible once known.
+        self.seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
+        self._generator = torch.Generator(device="cpu")
+
+    def sample(self, logits: torch.Tensor, index: int) -> int:
+        """The token for output position `index` (0 = first generated token) from logits `[vocab]`."""
+        p = self.params
+        logits = logits.detach().to("cpu", torch.float32).reshape(-1)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        scaled = logits / p.temperature
+        if p.top_k and p.top_k < scaled.numel():
+            values, candidates = torch.topk(scaled, p.top_k)
+        else:
+            values, candidates = torch.sort(scaled, descending=True)
+        probs = torch.softmax(values, dim=-1)
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+            before = torch.cumsum(probs, dim=-1) - probs
+            probs = torch.where(before < p.top_p, probs, torch.zeros_like(probs))
+        self._generator.manual_seed(_index_seed(self.seed, index))
+        choice = torch.multinomial(probs, 1, generator=self._generator)
+        return int(candidates[choice])
+
+
+@dataclass
+class StopStringMatcher:
+    """Finds stop strings in streamed text without ever emitting a part of one.
+
+    The longest tail of the text that could still begin a stop string is held back until the
+    next delta settles it; a match cuts the text right before the stop string. The output does
+    not depend on how the text was split into deltas.
+    """
+
+    stop: tuple[str, ...]
+    _pending: str = ""
+    matched: str | None = None
+
+    def feed(self, delta: str) -> str:
+        """Text safe to emit now; after a match, `matched` is set and nothing more comes out."""
+        if self.matched is not None:
+            return ""
+        text = self._pending + delta
+        if not self.stop:
+            self._pending = ""
+            return text
+        # The stop string that completes first wins (earliest end; the longest if several end
+        # there): what a token-by-token stream would see, however the text was chunked.
+        hits = [(i + len(s), i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        if hits:
+            _, index, self.matched = min(hits)
+            self._pending = ""
+            return text[:index]
+        hold = self._held_tail(text)
+        self._pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
+
+    def finish(self) -> str:
+        """At the end of generation the held tail is plain text."""
+        rest, self._pending = ("" if self.matched is not None else self._pending), ""
+        return rest
+
+    def _held_tail(self, text: str) -> int:
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if s.startswith(text[len(text) - n :]):
+                    longest = n
+                    break
+        return longest
+
+
+def stop_token_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """Token ids that end this request (EOS unless ignore_eos, plus the request's own)."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return frozenset(ids)

@@ -1,0 +1,221 @@
+"""A tiny random-weight LLaMA in HF format, for tests that need a model but not a good one.
+
+Everything about it is real except the weights' values: an HF folder (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json with a chat template) that this
+engine and transformers both load, with a byte-level BPE tokenizer trained by `tokenizers`
+on a fixed corpus. Deterministic for a seed, about 1 MB, written in well under a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from pdserve_worker.model.config import ModelConfig
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS, EOS = "<|endoftext|>", "<|im_end|>"
+
+# ChatML with a default system prompt when the conversation has none (as SmolLM2's GGUF has).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. ",
+    "Paris is the capital of France, and Berlin is the capital of Germany. ",
+    "A language model predicts the next token from the tokens before it. ",
+    "Prefill computes the cache of a prompt; decode reads it and writes one token at a time. ",
+    "Numbers like 12345 and 2048 are split into digits. ",
+    "Unicode text: café, naïve, Ünïcödé, 東京, 🙂 and ∑ survive a round trip. ",
+)
+
+TINY_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+
+def build_tiny_tokenizer(vocab_size: int = 384) -> BackendTokenizer:
+    """A byte-level BPE trained on a fixed corpus (deterministic: same corpus, same merges)."""
+    tok = BackendTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([line * 8 for line in _CORPUS], trainer=trainer)
+    return tok
+
+
+def tiny_config(vocab_size: int, **overrides: Any) -> ModelConfig:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise TypeError(f"unknown tiny model overrides {sorted(unknown)}; ModelConfig fields are {sorted(fields)}")
+    values = {**TINY_DEFAULTS, "vocab_size": vocab_size, "bos_token_id": 0, "eos_token_ids": (2,), **overrides}
+    return ModelConfig(**values)
+
+
+def tiny_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights scaled so activations and logits stay O(1) through every layer."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, scale: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    h, i = config.hidden_size, config.intermediate_size
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    weights = {
+        "model.embed_tokens.weight": normal(config.vocab_size, h, scale=1.0),
+        "model.norm.weight": 1.0 + normal(h, scale=0.1),
+    }
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(config.vocab_size, h, scale=h**-0.5)
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        weights.update(
+            {
+                p + "input_layernorm.weight": 1.0 + normal(h, scale=0.1),
+                p + "post_attention_layernorm.weight": 1.0 + normal(h, scale=0.1),
+                p + "self_attn.q_proj.weight": normal(q_out, h, scale=h**-0.5),
+                p + "self_attn.k_proj.weight": normal(kv_out, h, scale=h**-0.5),
+                p + "self_attn.v_proj.weight": normal(kv_out, h, scale=h**-0.5),
+                p + "self_attn.o_proj.weight": normal(h, q_out, scale=q_out**-0.5),
+                p + "mlp.gate_proj.weight": normal(i, h, scale=h**-0.5),
+                p + "mlp.up_proj.weight": normal(i, h, scale=h**-0.5),
+                p + "mlp.down_proj.weight": normal(h, i, scale=i**-0.5),
+            }
+        )
+    return weights
+
+
+def write_tiny_model(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny model's HF folder into `directory` (created if needed) and return it.
+
+    `overrides` are ModelConfig fields (e.g. num_layers=6, rope_scaling={...}, vocab_size=...).
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    vocab = overrides.pop("vocab_size", tokenizer.get_vocab_size(with_added_tokens=True))
+    if vocab < tokenizer.get_vocab_size(with_added_tokens=True):
+        raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {tokenizer.get_vocab_size()}")
+    config = tiny_config(vocab, **overrides)
+    save_file(tiny_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config.to_hf("float32"), indent=2))
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "chat_template": CHAT_TEMPLATE,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
+    return out
+
+
+def write_tiny_gguf(path: str | Path, seed: int = 0, quantized: tuple[str, ...] = (), **overrides: Any) -> Path:
+    """The same tiny model as a llama.cpp-style GGUF file (Q/K rows permuted as llama.cpp does).
+
+    Tensors are F32 (exactly the HF folder's weights) except the GGUF tensor names listed in
+    `quantized`, which are stored as Q8_0. The tokenizer goes into the metadata the way
+    llama.cpp writes it (tokens, merges, token types, `pre` = "smollm").
+    """
+    import gguf
+    import numpy as np
+
+    from pdserve_worker.model.weights import gguf_to_hf_name, permute_qk
+
+    tokenizer = build_tiny_tokenizer()
+    vocab = overrides.pop("vocab_size", tokenizer.get_vocab_size(with_added_tokens=True))
+    config = tiny_config(vocab, **overrides)
+    if config.rope_scaling is not None:
+        raise ValueError("write_tiny_gguf writes no rope scaling metadata")
+    weights = tiny_weights(config, seed)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("tiny")
+    w.add_block_count(config.num_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_heads)
+    w.add_head_count_kv(config.num_kv_heads)
+    w.add_key_length(config.head_dim)
+    w.add_rope_dimension_count(config.head_dim)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_vocab_size(config.vocab_size)
+
+    state = json.loads(tokenizer.to_str())
+    by_id = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+    tokens = [by_id[i] for i in range(len(by_id))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]])
+    w.add_bos_token_id(tokenizer.token_to_id(BOS))
+    w.add_eos_token_id(tokenizer.token_to_id(EOS))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    hf_to_gguf = {}
+    names = ["token_embd.weight", "output_norm.weight"] + ([] if config.tie_word_embeddings else ["output.weight"])
+    for layer in range(config.num_layers):
+        for part in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            names.append(f"blk.{layer}.{part}.weight")
+    for name in names:
+        hf_to_gguf[gguf_to_hf_name(name)] = name
+    for hf_name, name in hf_to_gguf.items():
+        tensor = weights[hf_name]
+        if name.endswith("attn_q.weight"):
+            tensor = permute_qk(tensor, config.num_heads)
+        elif name.endswith("attn_k.weight"):
+            tensor = permute_qk(tensor, config.num_kv_heads)
+        array = tensor.numpy().astype(np.float32)
+        if name in quantized:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

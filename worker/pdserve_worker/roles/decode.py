@@ -1,0 +1,298 @@
+"""The decode role: a KV pool registered with the transfer engine, slots with leases, token streams.
+
+The request road (worker.proto): the router `Reserve`s a slot here and gets a grant (where
+the slot's bytes are); it opens `Generate` with that grant, which waits for the slot's ready
+notification, which a prefill worker sends after pushing the prompt's KV into the slot and
+which carries the first token; then the request joins the continuous batch of the
+`GenerationLoop` and its tokens stream back as `TokenEvent`s.
+
+Who frees a slot, however the stream ends:
+- before the KV was committed (timeout, cancel, error): `SlotTable.release` quarantines it,
+  because a prefill may still be writing into it;
+- after commit: the generation loop calls back once the request left the batch (finished,
+  cancelled or failed), and only then is the slot free for the next grant.
+
+Stop strings and stop tokens are handled here, once (the engine's Generator does it): a
+stream's text never contains a stop string and ends with FINISH_REASON_STOP, so the
+generation ends, and the slot is freed, the moment it matched.
+
+Draining (`drain()`, the pod's preStop `GET /drain`): no new grants (Reserve answers
+UNAVAILABLE), the broker marks the member draining so routers look elsewhere, requests in
+flight run to the end (or the drain timeout), then the caller deregisters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from pydantic import ValidationError
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.kv.pool import KVPool
+from pdserve_worker.kv.slots import NoFreeSlot, SlotTable
+from pdserve_worker.logs import kv
+from pdserve_worker.model.generate import Generator
+from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.model.sampling import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, stop_token_ids
+from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed, RequestStream
+from pdserve_worker.rpc.convert import layout_to_proto, sampling_from_proto
+from pdserve_worker.rpc.membership import Load, MemberInfo, MemoryRegion, MemType, Role
+from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
+
+log = logging.getLogger("pdserve.decode")
+
+_FINISH = {
+    FINISH_STOP: worker_pb2.FINISH_REASON_STOP,
+    FINISH_LENGTH: worker_pb2.FINISH_REASON_LENGTH,
+    FINISH_ABORT: worker_pb2.FINISH_REASON_ABORT,
+}
+SWEEP_S = 1.0  # how often lapsed leases are looked for
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What the ready notification told us about a slot's KV."""
+
+    num_tokens: int
+    first_token: int
+    wait_s: float
+
+
+class DecodeWorker:
+    """The state of one decode worker; the gRPC servicer and the HTTP endpoints call into it."""
+
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.backend = backend
+        self.revision = revision
+        layout = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
+        self.layout = layout
+        self.pool = KVPool(backend, layout, device=settings.device)
+        # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
+        # writing lands in a slot nobody has been granted since.
+        quarantine_s = settings.transfer_timeout_ms / 1000 + 5.0
+        self.slots = SlotTable(
+            layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s
+        )
+        self.readiness = Readiness(
+            backend,
+            settings.readiness_mode,
+            accepts=self.slots.is_reserved,
+            poll_interval_us=settings.poll_interval_micros,
+            warmup=self.pool.warm if settings.warmup else None,
+        )
+        cache = KVCache(layout, self.pool.tensor)
+        self.loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache=cache), external_slots=True,
+                                   name="decode-loop")
+        # One blocking readiness wait per request that waits: at most one per slot.
+        self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
+        self.draining = False
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop.start()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="decode-lease-sweeper")
+
+    async def _sweep(self) -> None:
+        """Leases also lapse when nobody reserves: settle them so usage and quarantine are true."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.slots.expire()
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.loop.stop()
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new slots; wait until every slot is free or `timeout_s` passed. True if drained."""
+        if not self.draining:
+            log.info(kv(event="decode_draining", busy=self.busy_slots(), timeout_s=timeout_s))
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.busy_slots() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = self.busy_slots() == 0
+        log.info(kv(event="decode_drained" if drained else "decode_drain_timeout", busy=self.busy_slots()))
+        return drained
+
+    # ---- reporting ---------------------------------------------------------------------------
+
+    def busy_slots(self) -> int:
+        """Slots reserved or decoding (quarantined ones hold nobody's request)."""
+        usage = self.slots.usage()
+        return usage.reserved + usage.committed
+
+    def load(self) -> Load:
+        usage = self.slots.usage()
+        return Load(
+            slots_used=self.layout.num_slots - usage.free, slots_free=usage.free, active_requests=self.loop.active
+        )
+
+    def member_info(self) -> MemberInfo:
+        mem_type = MemType.DEVICE if self.pool.mem_type == self.backend.api.MemType.MEM_DEVICE else MemType.HOST
+        return MemberInfo(
+            worker_id=self.settings.member_id,
+            role=Role.DECODE,
+            grpc_endpoint=self.settings.grpc_endpoint,
+            engine_id=self.settings.engine_id,
+            regions=(MemoryRegion(self.pool.base_addr, self.pool.nbytes, mem_type),),
+            kv_layout=self.layout,
+            revision=self.revision,
+            slots_total=self.layout.num_slots,
+            slots_free=self.slots.usage().free,
+            labels={"model": self.loaded.name},
+        )
+
+    def status(self) -> worker_pb2.DecodeStatus:
+        load = self.load()
+        return worker_pb2.DecodeStatus(
+            worker_id=self.settings.member_id,
+            slots_total=self.layout.num_slots,
+            slots_used=load.slots_used,
+            slots_free=load.slots_free,
+            active_requests=load.active_requests,
+            draining=self.draining,
+        )
+
+    # ---- the request road --------------------------------------------------------------------
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """Bytes of KV that `num_tokens` prompt tokens occupy in this pool (all its layers, K and V)."""
+        return num_tokens * self.layout.bytes_per_token * 2 * self.layout.num_layers
+
+    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> Ready:
+        started = time.monotonic()
+        message = await asyncio.get_running_loop().run_in_executor(
+            self._waiters, self.readiness.wait, slot, generation, timeout_s
+        )
+        try:
+            num_tokens, first_token = int(message["num_tokens"]), int(message["first_token"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"ready message for slot {slot} lacks num_tokens/first_token: {message}") from exc
+        return Ready(num_tokens, first_token, time.monotonic() - started)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServicer):
+    """worker.proto's Decode service over a `DecodeWorker` (auth ran before these methods)."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.w = worker
+
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> worker_pb2.Grant:
+        w = self.w
+        if w.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode {w.settings.member_id} is draining")
+        need = request.num_prompt_tokens + request.max_tokens
+        if request.num_prompt_tokens == 0 or need > w.layout.max_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_prompt_tokens ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) = {need} "
+                f"must be in 1..{w.layout.max_len} (the slots' max_len)",
+            )
+        ttl_s = (request.lease_ms or w.settings.lease_ms) / 1000
+        try:
+            grant = w.slots.reserve(request.request_id, ttl_s)
+        except NoFreeSlot as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        log.debug(kv(event="slot_granted", request=request.request_id, slot=grant.slot, generation=grant.generation))
+        return worker_pb2.Grant(
+            slot=grant.slot,
+            generation=grant.generation,
+            engine_id=grant.engine_id,
+            base_addr=grant.base_addr,
+            kv_layout=layout_to_proto(grant.layout),
+            lease_deadline_unix_ms=int((time.time() + ttl_s) * 1000),
+            worker_id=w.settings.member_id,
+            request_id=request.request_id,
+        )
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        w = self.w
+        slot, generation, prompt = request.slot, request.generation, list(request.prompt_token_ids)
+        where = f"slot {slot} generation {generation} (request {request.request_id})"
+        if request.num_generated:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{where}: resuming a stream (num_generated={request.num_generated}) is not supported")
+        if not prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: prompt_token_ids is empty")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: sampling: {exc}")
+        stop_ids = stop_token_ids(params, w.loaded.tokenizer.eos_token_ids)
+        timeout_s = (request.readiness_timeout_ms or w.settings.readiness_timeout_ms) / 1000
+        # Generate claims the grant: its lease now lasts as long as we are willing to wait.
+        if not w.slots.renew(slot, generation, timeout_s + 5.0):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where} is not a live grant")
+        stream: RequestStream | None = None
+        finished = False
+        try:
+            try:
+                ready = await w.wait_ready(slot, generation, timeout_s)
+            except ReadinessTimeout as exc:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
+            except SlotNotReserved as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}")
+            if ready.num_tokens != len(prompt):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{where}: prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}",
+                )
+            if not w.slots.commit(slot, generation):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
+            # From here the loop owns the slot and frees it when the request leaves the batch.
+            stream = w.loop.submit_prefilled(
+                request.request_id, prompt, slot, ready.first_token, params,
+                on_done=lambda: w.slots.release(slot, generation),
+            )
+            index = 0
+            async for out in stream:
+                event = worker_pb2.TokenEvent(index=index, text=out.text)
+                if out.token_id is not None:
+                    event.token_id = out.token_id
+                if index == 0:
+                    event.kv_bytes_received = w.kv_bytes(ready.num_tokens)
+                    event.kv_pushed = True
+                    event.ready_wait_s = ready.wait_s
+                    event.num_prompt_tokens = ready.num_tokens
+                if out.finished:
+                    finished = True
+                    event.finish_reason = _FINISH.get(out.finish_reason or FINISH_STOP, worker_pb2.FINISH_REASON_STOP)
+                    if out.finish_reason == FINISH_STOP and out.token_id in stop_ids:
+                        event.stop = str(out.token_id)  # a stop token; a stop string is not reported back
+                yield event
+                index += 1
+                if finished:
+                    return
+        except RequestFailed as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{where}: {exc}")
+        finally:
+            if stream is None:
+                w.slots.release(slot, generation)  # never committed: quarantined (a push may be in flight)
+            elif not finished:
+                w.loop.cancel(stream)  # the loop frees the slot once the request is out of the batch
+
+    async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseReply:
+        # Only a grant still waiting for its Generate is released here; a committed slot is the
+        # generation loop's until its request leaves the batch (the Generate stream frees it).
+        released = self.w.slots.is_reserved(request.slot, request.generation) and self.w.slots.release(
+            request.slot, request.generation
+        )
+        return worker_pb2.ReleaseReply(released=released)
+
+    async def Status(self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DecodeStatus:
+        return self.w.status()

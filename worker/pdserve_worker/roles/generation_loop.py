@@ -1,0 +1,302 @@
+"""One scheduler thread running the engine's continuous-batching `Generator` for an asyncio server.
+
+The gRPC (decode) and HTTP (colocated) servers are asyncio; the model is torch, which blocks.
+So the `Generator` lives on one thread of its own, the only thread that ever touches it: each
+turn it applies the commands that arrived (add a request, cancel one), then runs one
+`step()`, which advances every running request by one token in a single batched
+`decode_step`. Each request's outputs go back to the event loop that submitted it as a
+`RequestStream`. With nothing to do the thread sleeps on its command queue.
+
+Two ways in:
+- `submit_prefilled`: the prompt's KV is already in a slot (a prefill worker pushed it) and
+  the first token is known. The slot belongs to the caller (decode's `SlotTable`), and
+  `on_done` is called, on this thread, once the request has left the batch for good: only
+  then may the slot be granted again, or the next request's KV could be overwritten by this
+  one's last decode step.
+- `submit`: a plain prompt; the Generator prefills it itself between decode steps (the
+  colocated baseline, where a long prompt stalls every running request meanwhile).
+
+External slots: the Generator keeps its own free-slot heap (for `submit`). Where the caller
+allocates slots, this loop takes every slot out of that heap at start and takes back each
+slot the Generator returns to it, so the Generator never hands one out by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve_worker.logs import kv
+from pdserve_worker.model.generate import Generator, StepOutput
+from pdserve_worker.model.sampling_params import SamplingParams
+
+log = logging.getLogger("pdserve.generation_loop")
+
+_END = object()
+
+
+class RequestFailed(RuntimeError):
+    """The loop could not serve a request (bad input for the engine, or a failed step)."""
+
+
+class RequestStream:
+    """The outputs of one request, delivered on the event loop that submitted it.
+
+    Iterate it with `async for`; it ends after the output with `finished` set, and raises
+    `RequestFailed` if the loop failed the request.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._ended = False
+
+    def _put(self, item: Any) -> None:
+        """Called from the scheduler thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self._ended = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.finished:
+            self._ended = True
+        return item
+
+
+@dataclass
+class _Entry:
+    stream: RequestStream
+    slot: int | None = None  # an external slot, while the Generator holds it
+    on_done: Callable[[], None] | None = None
+
+
+@dataclass
+class _Add:
+    entry: _Entry
+    internal_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    slot: int | None = None
+    first_token: int | None = None
+
+
+@dataclass
+class _Cancel:
+    internal_id: str
+
+
+@dataclass
+class LoopStats:
+    steps: int = 0
+    tokens: int = 0
+    requests: int = 0
+    failures: int = 0
+    busy_s: float = field(default=0.0)
+
+
+class GenerationLoop:
+    def __init__(self, generator: Generator, *, external_slots: bool, name: str = "generation-loop") -> None:
+        self._gen = generator
+        self._external = external_slots
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._entries: dict[str, _Entry] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopping = threading.Event()
+        self.stats = LoopStats()
+        if external_slots:
+            # Every slot is the caller's: empty the Generator's own free list (see module doc).
+            for _ in range(generator.cache.layout.num_slots):
+                generator.reserve_slot()
+
+    @property
+    def generator(self) -> Generator:
+        return self._gen
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not yet finished (approximate: read from another thread)."""
+        return len(self._entries)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Fail whatever is still running and end the thread."""
+        self._stopping.set()
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    # ---- submitting (any thread; streams are bound to the running event loop) ----------------
+
+    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """A prompt the Generator prefills itself (needs `external_slots=False`)."""
+        if self._external:
+            raise RuntimeError("this loop's slots are allocated by its owner: use submit_prefilled")
+        return self._enqueue(request_id, prompt_ids, params, None, None, None)
+
+    def submit_prefilled(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        slot: int,
+        first_token: int,
+        params: SamplingParams,
+        on_done: Callable[[], None],
+    ) -> RequestStream:
+        """A request whose prompt KV is in `slot`; `on_done` runs once the slot is no longer used."""
+        if not self._external:
+            raise RuntimeError("this loop allocates its own slots: use submit")
+        return self._enqueue(request_id, prompt_ids, params, slot, first_token, on_done)
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Stop a request early (the client went away); its slot is freed by the loop."""
+        self._commands.put(_Cancel(stream.request_id))
+
+    def _enqueue(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        slot: int | None,
+        first_token: int | None,
+        on_done: Callable[[], None] | None,
+    ) -> RequestStream:
+        if self._stopping.is_set():
+            raise RequestFailed("the generation loop is stopping")
+        # The Generator keys requests by id; ids from outside need not be unique here.
+        internal = f"{request_id}#{next(self._ids)}"
+        stream = RequestStream(asyncio.get_running_loop(), internal)
+        entry = _Entry(stream, on_done=on_done)
+        self._commands.put(_Add(entry, internal, [int(t) for t in prompt_ids], params, slot, first_token))
+        return stream
+
+    # ---- the scheduler thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._apply_commands(block=not self._gen.has_work())
+            if self._stopping.is_set():
+                self._fail_all(RequestFailed("the generation loop stopped"))
+                return
+            if not self._gen.has_work():
+                continue
+            started = time.perf_counter()
+            try:
+                outputs = self._gen.step()
+            except Exception as exc:  # a bug or a bad request inside the batch: fail the batch, keep serving
+                log.exception(kv(event="generation_step_failed", running=len(self._entries), error=repr(exc)))
+                self.stats.failures += 1
+                self._fail_all(RequestFailed(f"generation step failed: {exc}"))
+                continue
+            self.stats.busy_s += time.perf_counter() - started
+            self.stats.steps += 1
+            self.stats.tokens += sum(1 for o in outputs if o.token_id is not None)
+            self._dispatch(outputs)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Cancel):
+                self._cancel(command.internal_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, command: _Add) -> None:
+        entry = command.entry
+        self._entries[command.internal_id] = entry
+        self.stats.requests += 1
+        try:
+            if command.slot is None:
+                self._gen.add(command.prompt_ids, command.params, command.internal_id)
+                return
+            assert command.first_token is not None
+            entry.slot = command.slot
+            _, first = self._gen.add_prefilled(
+                command.prompt_ids, command.slot, command.first_token, command.params, command.internal_id
+            )
+        except (ValueError, RuntimeError) as exc:
+            # add_prefilled validates before it takes the slot: the slot was never the Generator's.
+            entry.slot = None
+            self._end(command.internal_id, RequestFailed(str(exc)))
+            return
+        self._dispatch([first])
+
+    def _cancel(self, internal_id: str) -> None:
+        if internal_id not in self._entries:
+            return  # finished meanwhile
+        self._gen.abort(internal_id)
+        self._reclaim([internal_id])
+        self._end(internal_id, _END)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        finished = [o.request_id for o in outputs if o.finished]
+        self._reclaim(finished)
+        for out in outputs:
+            entry = self._entries.get(out.request_id)
+            if entry is None:
+                continue
+            entry.stream._put(out)
+            if out.finished:
+                self._end(out.request_id, None)
+
+    def _reclaim(self, internal_ids: list[str]) -> None:
+        """Take back from the Generator's free list the external slots it just released."""
+        if not self._external:
+            return
+        expected = sorted(e.slot for i in internal_ids if (e := self._entries.get(i)) is not None and e.slot is not None)
+        taken = sorted(self._gen.reserve_slot() for _ in expected)
+        if taken != expected:  # the Generator freed other slots than its finished requests held
+            raise AssertionError(f"generator released slots {taken}, expected {expected}")
+        for i in internal_ids:
+            entry = self._entries.get(i)
+            if entry is not None:
+                entry.slot = None
+
+    def _end(self, internal_id: str, final: Any) -> None:
+        entry = self._entries.pop(internal_id, None)
+        if entry is None:
+            return
+        if final is not None:
+            entry.stream._put(final)
+        if entry.on_done is not None:
+            try:
+                entry.on_done()
+            except Exception:
+                log.exception(kv(event="on_done_failed", request=internal_id))
+
+    def _fail_all(self, error: RequestFailed) -> None:
+        ids = list(self._entries)
+        for internal_id in ids:
+            self._gen.abort(internal_id)
+        self._reclaim(ids)
+        for internal_id in ids:
+            self._end(internal_id, error)

@@ -1,0 +1,303 @@
+"""The router's PD backend: one request's road through a decode and a prefill worker.
+
+For each request (worker.proto's header has the contract):
+1. rank the decodes of the broker's membership (`placement`), `Reserve` a slot on the best one
+   that has a free slot (the next one on RESOURCE_EXHAUSTED or if it is away);
+2. open `Generate` on that decode with the grant: it waits for the slot's KV;
+3. meanwhile call `Prefill` on the least busy prefill with the grant as its target: it
+   computes the prompt's KV, pushes it into the slot and notifies the decode, whose stream
+   then starts with the first token (sampled by prefill);
+4. stream the decode's tokens to the router, with a `RequestInfo` saying the KV arrived by
+   push: the bytes and the push time (from the prefill's reply), prefill and decode ids.
+
+Failures end the request cleanly: a failed prefill cancels the stream at once (the decode
+would otherwise wait for a notification that never comes), and a request that ends early
+for any reason (error, client gone, stop string) cancels its Generate, which frees the slot,
+and sends a Release for the grant in case Generate never claimed it (idempotent).
+
+Stop strings are the decode's job (it ends generation and frees the slot the moment one
+matches, and its text never contains one); the router's own stop-string cutter therefore
+only ever sees text without a stop string and passes it through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import jinja2
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker.broker_client import BrokerClient, MembershipView
+from pdserve_worker.logs import kv
+from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
+from pdserve_worker.roles.backend import (
+    BackendError,
+    BackendUnavailable,
+    InvalidPrompt,
+    NoCapacity,
+    RequestInfo,
+    RequestTimeout,
+    TokenEvent,
+)
+from pdserve_worker.roles.placement import compatible, rank_decodes, rank_prefills
+from pdserve_worker.roles.router_metrics import RouterMetrics
+from pdserve_worker.rpc.channels import aio_channel
+from pdserve_worker.rpc.convert import sampling_to_proto
+from pdserve_worker.rpc.membership import EventType, Member, MemberEvent, Role
+
+log = logging.getLogger("pdserve.router.pd")
+
+_FINISH: dict[int, str] = {
+    worker_pb2.FINISH_REASON_STOP: "stop",
+    worker_pb2.FINISH_REASON_LENGTH: "length",
+}
+NO_CAPACITY_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    rpc_s: float = 5.0  # Reserve, Release
+    lease_ms: int = 30_000  # a grant lapses if Generate has not claimed it by then
+    readiness_ms: int = 300_000  # how long the decode waits for the KV (prefill queueing included)
+    prefill_s: float = 600.0  # deadline of one Prefill call
+
+
+class PDBackend:
+    """`roles.backend.Backend` over the broker's membership of prefill and decode workers."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        revision: str,
+        broker: BrokerClient,
+        token: str,
+        metrics: RouterMetrics | None = None,
+        timeouts: Timeouts = Timeouts(),
+    ) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.revision = revision
+        self._tokenizer = tokenizer
+        self._broker = broker
+        self._token = token
+        self._metrics = metrics
+        self._t = timeouts
+        self._view: MembershipView | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._inflight_decode: Counter[str] = Counter()
+        self._inflight_prefill: Counter[str] = Counter()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Watch the decode and prefill membership (inside the event loop that serves requests)."""
+        self._view = await self._broker.watch([Role.DECODE, Role.PREFILL], listener=self._on_member)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    @property
+    def view(self) -> MembershipView:
+        if self._view is None:
+            raise RuntimeError("PDBackend.start() was not awaited")
+        return self._view
+
+    def ready_members(self) -> dict[str, int]:
+        """Members that could serve a request now, by role."""
+        members = self.view.members.values() if self._view is not None else ()
+        return {
+            role.value: sum(1 for m in members if compatible(m, role, self.revision))
+            for role in (Role.PREFILL, Role.DECODE)
+        }
+
+    def health(self) -> dict[str, object]:
+        """For the router's /health: whether requests can be served, and by how many members."""
+        members = self.ready_members()
+        return {
+            "ready": members["prefill"] > 0 and members["decode"] > 0,
+            "members": members,
+            "broker_connected": self._view is not None and self._view.connected,
+        }
+
+    def _on_member(self, event: MemberEvent) -> None:
+        member = event.member
+        if member is None:
+            return
+        if event.type is EventType.REMOVED:
+            if member.role is Role.DECODE and self._metrics is not None:
+                self._metrics.forget_decode(member.worker_id)
+            channel = self._channels.pop(member.info.grpc_endpoint, None)
+            if channel is not None:
+                self._spawn(channel.close())
+            return
+        if member.role is Role.DECODE and self._metrics is not None:
+            used = member.load.slots_used
+            self._metrics.set_decode_slots(member.worker_id, used, max(member.info.slots_total - used, 0))
+        if member.info.revision != self.revision:
+            log.warning(kv(event="member_revision_mismatch", worker=member.worker_id, role=member.role,
+                           revision=member.info.revision, ours=self.revision))
+
+    # ---- tokenizing ------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        return self._tokenizer.encode(prompt)
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            return self._tokenizer.encode_chat(messages)
+        except (jinja2.TemplateError, TokenizerError) as exc:
+            raise InvalidPrompt(f"the model's chat template rejected the messages: {exc}") from None
+
+    # ---- one request ------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+        prefill = self._pick_prefill()
+        decode, grant = await self._reserve(request_id, len(prompt_ids), params.max_tokens)
+        self._inflight_decode[decode.worker_id] += 1
+        self._inflight_prefill[prefill.worker_id] += 1
+        decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
+        prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
+        sampling = sampling_to_proto(params)
+        call = decode_stub.Generate(worker_pb2.GenerateRequest(
+            request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=prompt_ids,
+            sampling=sampling, readiness_timeout_ms=self._t.readiness_ms,
+        ))
+        prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
+            worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
+                                      targets=[grant]),
+            timeout=self._t.prefill_s,
+        ))
+        info: RequestInfo | None = None
+        finished = False
+        try:
+            while True:
+                event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id)
+                reason = _FINISH.get(event.finish_reason)
+                if event.finish_reason and reason is None:
+                    raise BackendError(f"decode {decode.worker_id} aborted request {request_id}")
+                attach = None
+                if info is None and (prefill_call.done() or reason is not None):
+                    # The prefill's reply has the push's figures; at the latest the last token waits for it.
+                    reply = await self._prefill_reply(prefill_call, prefill.worker_id)
+                    info = attach = RequestInfo(True, reply.kv_bytes, reply.push_seconds, prefill.worker_id,
+                                                decode.worker_id)
+                elif info is None and event.index == 0:
+                    attach = RequestInfo(event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id,
+                                         decode.worker_id)
+                # Set before the yield: the router closes this generator as soon as it has the
+                # last event, and a finished request must not be cancelled or released.
+                finished = reason is not None
+                yield TokenEvent(event.token_id, event.text, reason, attach)  # type: ignore[arg-type]
+                if finished:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise _decode_error(exc, decode.worker_id, request_id) from None
+        finally:
+            self._inflight_decode[decode.worker_id] -= 1
+            self._inflight_prefill[prefill.worker_id] -= 1
+            if not finished:
+                call.cancel()
+                prefill_call.cancel()
+                self._spawn(self._release(decode_stub, decode.worker_id, grant))
+
+    async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str):
+        """The decode's next event; if the prefill fails first, its error (the decode would wait in vain)."""
+        read = asyncio.ensure_future(call.read())
+        if not prefill_call.done():
+            await asyncio.wait({read, prefill_call}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_call.done() and not read.done() and prefill_call.exception() is not None:
+                read.cancel()
+                await self._prefill_reply(prefill_call, prefill_id)  # raises the mapped error
+        event = await read
+        if event is grpc.aio.EOF:
+            raise BackendError(f"decode {decode_id} ended the stream without a finish reason")
+        return event
+
+    async def _prefill_reply(self, prefill_call: asyncio.Future, prefill_id: str) -> worker_pb2.PrefillReply:
+        try:
+            return await prefill_call
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RequestTimeout(f"prefill {prefill_id} did not finish in {self._t.prefill_s:g}s") from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise BackendUnavailable(f"prefill {prefill_id} failed: {exc.details()}") from None
+            raise BackendError(f"prefill {prefill_id} failed: {code.name}: {exc.details()}") from None
+
+    # ---- choosing members ----------------------------------------------------------------------------
+
+    def _pick_prefill(self) -> Member:
+        ranked = rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision)
+        if not ranked:
+            raise BackendUnavailable(f"no prefill worker of model revision {self.revision} is registered")
+        return ranked[0]
+
+    async def _reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> tuple[Member, worker_pb2.Grant]:
+        ranked = rank_decodes(self.view.members.values(), self._inflight_decode, self.revision)
+        if not ranked:
+            raise BackendUnavailable(f"no decode worker of model revision {self.revision} is registered")
+        request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                            max_tokens=max_tokens, lease_ms=self._t.lease_ms)
+        full, failed = 0, []
+        for member in ranked:
+            stub = worker_pb2_grpc.DecodeStub(self._channel(member))
+            try:
+                return member, await stub.Reserve(request, timeout=self._t.rpc_s)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidPrompt(f"decode {member.worker_id}: {exc.details()}") from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full += 1
+                else:
+                    failed.append(f"{member.worker_id}: {code.name} {exc.details()}")
+                    log.warning(kv(event="reserve_failed", decode=member.worker_id, code=code.name,
+                                   detail=exc.details()))
+        if full:
+            raise NoCapacity(NO_CAPACITY_RETRY_S, f"no free KV slot on {full} decode worker(s)")
+        raise BackendUnavailable(f"no decode worker could reserve a slot: {'; '.join(failed)}")
+
+    async def _release(self, stub: worker_pb2_grpc.DecodeStub, decode_id: str, grant: worker_pb2.Grant) -> None:
+        try:
+            await stub.Release(worker_pb2.ReleaseRequest(request_id=grant.request_id, slot=grant.slot,
+                                                         generation=grant.generation), timeout=self._t.rpc_s)
+        except grpc.aio.AioRpcError as exc:  # the lease lapses on its own: logged, not fatal
+            log.warning(kv(event="release_failed", decode=decode_id, slot=grant.slot, code=exc.code().name))
+
+    def _channel(self, member: Member) -> grpc.aio.Channel:
+        endpoint = member.info.grpc_endpoint
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = aio_channel(endpoint, self._token)
+        return channel
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _decode_error(exc: grpc.aio.AioRpcError, decode_id: str, request_id: str) -> BackendError:
+    code, details = exc.code(), exc.details()
+    where = f"decode {decode_id} (request {request_id})"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimeout(f"{where}: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return BackendUnavailable(f"{where} is unavailable: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPrompt(f"{where}: {details}")
+    return BackendError(f"{where}: {code.name}: {details}")

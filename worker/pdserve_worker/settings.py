@@ -1,0 +1,136 @@
+"""A worker's settings: environment first (what the operator renders into a pod), flags on top.
+
+The environment names are `pod_env.py`'s, so the operator and the worker cannot drift apart;
+`pdserve worker` passes the flags a user gave as keyword arguments, which pydantic-settings
+ranks above the environment. A few knobs that pods never need to change (bind address, the
+transfer engine's port, torch threads, timeouts of the request road) have names of their own,
+declared here, with defaults that suit a pod.
+
+pydantic-settings rather than `PodEnv.from_environ`: the same validation, plus flag/env
+precedence and JSON parsing of `PDSERVE_ENGINE_OPTIONS` without hand-written code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdserve_worker import pod_env as E
+
+# Worker-only knobs (the operator leaves them at their defaults).
+BIND_HOST = "PDSERVE_BIND_HOST"  # address the HTTP and gRPC servers listen on
+TRANSFER_PORT_ENV = "PDSERVE_TRANSFER_PORT"  # the transfer engine's port (engine id = POD_IP:port)
+TRANSFER_PORT = 50052
+THREADS = "PDSERVE_THREADS"  # torch CPU threads; 0 = the CPUs this process may use
+READINESS_TIMEOUT_MS = "PDSERVE_READINESS_TIMEOUT_MS"  # decode: how long Generate waits for the KV
+LEASE_MS = "PDSERVE_LEASE_MS"  # router: lease of a reserved slot until Generate claims it
+REQUEST_TIMEOUT_S = "PDSERVE_REQUEST_TIMEOUT_SECONDS"  # router: deadline of one Prefill call
+GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight may finish on SIGTERM
+
+Role = Literal["prefill", "decode", "router", "colocated"]
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DEFAULT = "builtin:smollm2"
+
+
+class WorkerSettings(BaseSettings):
+    """Everything `pdserve worker` needs; see pod_env.py for what each variable means."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", populate_by_name=True, case_sensitive=True)
+
+    role: Role = Field(validation_alias=E.ROLE)
+    service: str = Field("default/pdserve", validation_alias=E.SERVICE, pattern=r"^[a-z0-9-]+/[a-z0-9-]+$")
+    broker_address: str = Field("", validation_alias=E.BROKER_ADDRESS)
+    broker_token: SecretStr = Field(SecretStr(""), validation_alias=E.BROKER_TOKEN)
+    worker_id: str = Field("", validation_alias=E.POD_NAME)
+    advertise_host: str = Field("127.0.0.1", validation_alias=E.POD_IP)
+    bind_host: str = Field("0.0.0.0", validation_alias=BIND_HOST)
+    http_port: int = Field(E.HTTP_PORT, ge=0, le=65535, validation_alias=E.HTTP_PORT_ENV)
+    grpc_port: int = Field(E.GRPC_PORT, ge=0, le=65535, validation_alias=E.GRPC_PORT_ENV)
+    transfer_port: int = Field(TRANSFER_PORT, ge=1, le=65535, validation_alias=TRANSFER_PORT_ENV)
+
+    model_name: str = Field("", validation_alias=E.MODEL_NAME)
+    model_source: str = Field(BUILTIN_DEFAULT, validation_alias=E.MODEL_SOURCE)
+    model_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", validation_alias=E.MODEL_DTYPE)
+    max_length: int = Field(2048, ge=16, validation_alias=E.MAX_LENGTH)
+    device: Literal["npu", "cuda", "cpu"] = Field("cpu", validation_alias=E.DEVICE)
+    threads: int = Field(0, ge=0, validation_alias=THREADS)
+
+    transfer_backend: Literal["hixl", "cpu", "auto"] = Field("auto", validation_alias=E.TRANSFER_BACKEND)
+    queue_depth: int = Field(8, ge=1, validation_alias=E.QUEUE_DEPTH)
+    connect_timeout_ms: int = Field(5000, ge=1, validation_alias=E.CONNECT_TIMEOUT_MS)
+    transfer_timeout_ms: int = Field(30000, ge=1, validation_alias=E.TRANSFER_TIMEOUT_MS)
+    engine_options: dict[str, str] = Field(default_factory=dict, validation_alias=E.ENGINE_OPTIONS)
+
+    layers_per_chunk: int = Field(4, ge=1, validation_alias=E.LAYERS_PER_CHUNK)
+    slots: int = Field(8, ge=1, validation_alias=E.SLOTS)
+    readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
+    poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)
+    warmup: bool = Field(True, validation_alias=E.WARMUP)
+    layer_shards: int = Field(1, ge=1, validation_alias=E.LAYER_SHARDS)
+    drain_timeout_seconds: float = Field(60.0, ge=0, validation_alias=E.DRAIN_TIMEOUT_SECONDS)
+
+    readiness_timeout_ms: int = Field(300_000, ge=1, validation_alias=READINESS_TIMEOUT_MS)
+    lease_ms: int = Field(30_000, ge=1, validation_alias=LEASE_MS)
+    request_timeout_seconds: float = Field(600.0, gt=0, validation_alias=REQUEST_TIMEOUT_S)
+    grace_seconds: float = Field(30.0, ge=0, validation_alias=GRACE_S)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "WorkerSettings":
+        if self.role != "colocated":
+            if not self.broker_address:
+                raise ValueError(f"a {self.role} worker needs the broker's address ({E.BROKER_ADDRESS} or --broker)")
+            if not self.broker_token.get_secret_value():
+                raise ValueError(f"a {self.role} worker needs the service's broker token ({E.BROKER_TOKEN})")
+        if self.layer_shards != 1:
+            raise ValueError(
+                f"{E.LAYER_SHARDS}={self.layer_shards}: layer-sharded decode groups are not served by this worker yet"
+            )
+        if self.model_source.startswith(BUILTIN_PREFIX) and self.model_source != BUILTIN_DEFAULT:
+            raise ValueError(f"{E.MODEL_SOURCE}: unknown built-in model {self.model_source!r}; known: {BUILTIN_DEFAULT}")
+        return self
+
+    # ---- derived -----------------------------------------------------------------------------
+
+    @property
+    def token(self) -> str:
+        return self.broker_token.get_secret_value()
+
+    @property
+    def member_id(self) -> str:
+        """The worker's id in the service: the pod name, else role-host-pid (unique on a host)."""
+        return self.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def model_path(self) -> str | None:
+        """What `loader.load_model` takes: None for the bundled default, else the path."""
+        return None if self.model_source.startswith(BUILTIN_PREFIX) else self.model_source
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"{self.advertise_host}:{self.grpc_port}"
+
+    @property
+    def engine_id(self) -> str:
+        return f"{self.advertise_host}:{self.transfer_port}"
+
+    @property
+    def torch_threads(self) -> int:
+        return self.threads or len(os.sched_getaffinity(0))
+
+
+def model_revision(folder: Path, dtype: str) -> str:
+    """What peers must agree on to exchange KV: the model's architecture and the KV dtype.
+
+    Hashed from config.json (parsed, so formatting does not matter) and the dtype, which every
+    role can compute from the model folder alone: a router holds no weights.
+    """
+    config = json.loads((Path(folder) / "config.json").read_text())
+    blob = json.dumps({"config": config, "dtype": dtype}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
