@@ -10,7 +10,8 @@ Numerics mirror HF transformers' LlamaForCausalLM (RMSNorm in fp32, cos/sin comp
 fp32 then cast, rotate-half RoPE), so fp32 logits match it closely and greedy text matches.
 
 Performance notes (CPU, measured): Q/K/V and gate/up are fused into one matmul each (fewer,
-larger GEMMs); SDPA always gets 4-D inputs (3-D inputs fall back to a path 2-8x slower);
+larger GEMMs); multi-row matmuls of bf16 weights go through `matmul.Linear` on CPUs without
+native bf16 GEMM; SDPA always gets 4-D inputs (3-D inputs fall back to a path 2-8x slower);
 single-token decode reshapes the query to `[kv_heads, heads/kv_heads, head_dim]` instead of
 asking SDPA for GQA (slow in bf16); and batched decode reads the KV of consecutive slots as
 one strided view of the pool with a length mask instead of gathering it (a gather costs more
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.matmul import Linear
 from pdserve_worker.model.rope import apply_rotary, cos_sin, inverse_frequencies
 
 
@@ -64,10 +66,8 @@ class _StepPlan:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back before the weight, exactly as HF LLaMA does."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """RMSNorm computed in fp32 and cast back before the weight, as HF LLaMA does (fused kernel)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _hf(name: str, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -130,6 +130,7 @@ class LlamaModel:
                 gate_up=fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=take(p + "mlp.down_proj.weight"),
             )
+        self.linear = Linear(self.device, dtype)
         freq_factors = weights.get("rope_freqs.weight")
         self.inv_freq = inverse_frequencies(config, freq_factors).to(self.device)
 
@@ -168,7 +169,7 @@ class LlamaModel:
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of hidden states `[..., hidden]` after the final norm."""
-        return F.linear(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.linear(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head, torch.float32)
 
     # ---- conveniences --------------------------------------------------------------------
 
@@ -291,11 +292,12 @@ class LlamaModel:
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, w.qkv)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = apply_rotary(q.view(batch, tokens, heads, head_dim), plan.cos, plan.sin)
-        k = apply_rotary(k.view(batch, tokens, kv_heads, head_dim), plan.cos, plan.sin)
-        v = v.view(batch, tokens, kv_heads, head_dim)
+        qkv = self.linear(h, w.qkv)
+        # Q and K rotate together (one set of ops); SDPA's fast kernels need the contiguous result.
+        qk = apply_rotary(qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim),
+                          plan.cos, plan.sin)
+        q, k = qk[:, :, :heads], qk[:, :, heads:]
+        v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
 
         keys, values = cache.keys(layer), cache.values(layer)  # [slot, token, kv_head, head_dim]
         if batch == 1:
@@ -324,8 +326,8 @@ class LlamaModel:
                     qr, kr, vr, attn_mask=run.mask, is_causal=causal, enable_gqa=heads != kv_heads
                 )
                 attn[rows] = out.transpose(1, 2)
-        x = x + F.linear(attn.view(batch, tokens, heads * head_dim), w.o)
+        x = x + self.linear(attn.view(batch, tokens, heads * head_dim), w.o)
 
         h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+        gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, w.down)
