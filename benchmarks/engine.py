@@ -40,6 +40,31 @@ def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def cpu_idle_fraction(seconds: float = 2.0) -> float | None:
+    """Share of CPU time idle over `seconds` (Linux /proc/stat): other work skews every figure."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)
+
+    try:
+        idle1, total1 = sample()
+        time.sleep(seconds)
+        idle2, total2 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (idle2 - idle1) / max(1, total2 - total1)
+
+
+def wait_for_idle(max_seconds: float, threshold: float = 0.9) -> float | None:
+    """Wait (up to `max_seconds`) until the machine is idle enough to measure; returns the idle share seen."""
+    deadline = time.monotonic() + max_seconds
+    while True:
+        idle = cpu_idle_fraction()
+        if idle is None or idle >= threshold or time.monotonic() >= deadline:
+            return idle
+        print(f"machine busy (idle {idle:.0%}), waiting...", file=sys.stderr, flush=True)
+
+
 def memcpy_gb_per_s(repeats: int) -> float:
     """Bytes copied per second by one large tensor copy (well beyond the caches)."""
     src = torch.ones(256 << 20, dtype=torch.uint8)
@@ -58,12 +83,12 @@ def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
 def ours_prefill(model, dtype: str, length: int, repeats: int) -> float:
     cache = KVCache.allocate(model.config.kv_layout(1, length, dtype))
     ids = prompt_ids(length, model.config.vocab_size, length)
-    return length / median_seconds(lambda: model.prefill(ids, cache, 0), repeats)
+    return length / median_seconds(lambda: model.prefill(ids, cache, 0), repeats, warmup=2)
 
 
 def ours_decode(model, dtype: str, batch: int, context: int, steps: int) -> float:
     """Median seconds per decode step of `batch` requests whose prompts hold `context` tokens."""
-    cache = KVCache.allocate(model.config.kv_layout(batch, context + steps + 1, dtype))
+    cache = KVCache.allocate(model.config.kv_layout(batch, context + steps + 3, dtype))
     slots, positions, tokens = list(range(batch)), [], []
     for slot in slots:
         ids = prompt_ids(context, model.config.vocab_size, slot)
@@ -101,21 +126,27 @@ def hf_prefill(model, vocab: int, length: int, repeats: int) -> float:
     return length / median_seconds(run, repeats)
 
 
-def hf_decode(model, vocab: int, batch: int, context: int, steps: int, repeats: int) -> float:
-    """Seconds per generated token step: (generate steps+1 tokens - generate 1 token) / steps."""
+def hf_decode(model, vocab: int, batch: int, context: int, steps: int) -> float:
+    """Median seconds per decode step inside HF `generate` (greedy, fixed length).
+
+    A logits processor stamps the time at every step; the gaps between stamps are the decode
+    steps (the first stamp comes after the prefill).
+    """
+    import transformers
+
+    stamps: list[float] = []
+
+    class Stamp(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
     ids = torch.tensor([prompt_ids(context, vocab, slot) for slot in range(batch)])
-    mask = torch.ones_like(ids)
-
-    def gen(count: int):
-        def run() -> None:
-            with torch.no_grad():
-                model.generate(ids, attention_mask=mask, max_new_tokens=count, min_new_tokens=count,
-                               do_sample=False, pad_token_id=0)
-        return run
-
-    full = median_seconds(gen(steps + 1), repeats)
-    first = median_seconds(gen(1), repeats)
-    return (full - first) / steps
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 3, min_new_tokens=steps + 3,
+                       do_sample=False, pad_token_id=0, logits_processor=transformers.LogitsProcessorList([Stamp()]))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # the first steps warm caches and allocators
+    return statistics.median(gaps)
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -140,6 +171,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed")
     parser.add_argument("--quick", action="store_true", help="3 repeats, no 2048-token prefill, fewer steps")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                        help="before each phase, wait up to this long for a quiet machine (shared hosts)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steps = 3, 12
@@ -150,12 +183,16 @@ def main() -> int:
 
     print(f"# engine benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
           f"threads={args.threads}  torch={torch.__version__}  dtype={dtype}", flush=True)
+    idle = wait_for_idle(args.wait_idle)
+    print(f"cpu idle before start: {'unknown' if idle is None else f'{idle:.0%}'}", flush=True)
     bandwidth = memcpy_gb_per_s(args.repeats)
     print(f"memcpy bandwidth: {bandwidth:.2f} GB/s", flush=True)
 
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.model
+    wait_for_idle(args.wait_idle)
     ours_pf = {n: ours_prefill(model, dtype, n, args.repeats) for n in prefill_lengths}
+    wait_for_idle(args.wait_idle)
     ours_dec = {b: ours_decode(model, dtype, b, args.context, args.steps) for b in batches}
     for n, v in ours_pf.items():
         print(f"ours prefill {n:>5} tokens: {v:8.1f} tokens/s", flush=True)
@@ -169,8 +206,10 @@ def main() -> int:
         hf = hf_load(folder, getattr(torch, dtype))
         vocab = loaded.config.vocab_size
         hf_repeats = max(1, args.repeats // 2)
+        wait_for_idle(args.wait_idle)
         hf_pf = {n: hf_prefill(hf, vocab, n, hf_repeats if n < 2048 else 1) for n in prefill_lengths}
-        hf_dec = {b: hf_decode(hf, vocab, b, args.context, args.steps, hf_repeats) for b in batches}
+        wait_for_idle(args.wait_idle)
+        hf_dec = {b: hf_decode(hf, vocab, b, args.context, args.steps) for b in batches}
         for n, v in hf_pf.items():
             print(f"hf   prefill {n:>5} tokens: {v:8.1f} tokens/s", flush=True)
         for b, s in hf_dec.items():

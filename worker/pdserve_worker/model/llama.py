@@ -59,6 +59,7 @@ class _StepPlan:
 
     slots: torch.Tensor  # [B] long
     positions: torch.Tensor  # [B, T] long
+    first: tuple[int, int]  # (slot, start position) of row 0, as Python ints (no device sync per layer)
     cos: torch.Tensor  # [B, T, 1, head_dim]
     sin: torch.Tensor
     runs: tuple[_Run, ...]
@@ -66,7 +67,11 @@ class _StepPlan:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back before the weight, as HF LLaMA does (fused kernel)."""
+    """RMSNorm as HF LLaMA computes it: normalize in fp32, round to the model dtype, then weight.
+
+    Keeping HF's two roundings in bf16 matters: near-tied logits (SmolLM2's first answer token
+    to "What is the capital of France?" leads by 0.08) flip with a one-rounding fused norm.
+    """
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
@@ -253,6 +258,7 @@ class LlamaModel:
         return _StepPlan(
             slots=torch.tensor(list(slots), dtype=torch.long, device=self.device),
             positions=pos.to(self.device),
+            first=(int(slots[0]), int(positions[0])),
             cos=cos[:, :, None],
             sin=sin[:, :, None],
             runs=self._runs(list(slots), list(positions), tokens),
@@ -301,33 +307,39 @@ class LlamaModel:
 
         keys, values = cache.keys(layer), cache.values(layer)  # [slot, token, kv_head, head_dim]
         if batch == 1:
-            s, p = int(plan.slots[0]), int(plan.positions[0, 0])
+            s, p = plan.first
             keys[s, p : p + tokens] = k[0]
             values[s, p : p + tokens] = v[0]
         else:
             keys[plan.slots[:, None], plan.positions] = k
             values[plan.slots[:, None], plan.positions] = v
 
-        attn = torch.empty(batch, tokens, heads, head_dim, dtype=x.dtype, device=x.device)
-        for run in plan.runs:
-            rows = slice(run.row_start, run.row_stop)
-            n = run.row_stop - run.row_start
-            kr = keys[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
-            vr = values[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
-            if tokens == 1:
-                # [rows, kv_heads, group, head_dim]: the group plays the query-length role.
-                qr = q[rows, 0].reshape(n, kv_heads, heads // kv_heads, head_dim)
-                out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask)
-                attn[rows, 0] = out.reshape(n, heads, head_dim)
-            else:
-                qr = q[rows].transpose(1, 2)
-                causal = run.mask is None
-                out = F.scaled_dot_product_attention(
-                    qr, kr, vr, attn_mask=run.mask, is_causal=causal, enable_gqa=heads != kv_heads
-                )
-                attn[rows] = out.transpose(1, 2)
-        x = x + self.linear(attn.view(batch, tokens, heads * head_dim), w.o)
+        attn = self._attend(q, keys, values, plan)
+        x = x + self.linear(attn, w.o)
 
         h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)
         return x + self.linear(F.silu(gate) * up, w.down)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        """Attention of q `[B, T, heads, head_dim]` over each row's slot; returns `[B, T, heads * head_dim]`."""
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        batch, tokens = q.shape[0], q.shape[1]
+        outs = []
+        for run in plan.runs:
+            n = run.row_stop - run.row_start
+            q_run = q[run.row_start : run.row_stop]
+            kr = keys[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
+            vr = values[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
+            if tokens == 1:
+                # [rows, kv_heads, group, head_dim]: the group plays the query-length role.
+                qr = q_run.reshape(n, kv_heads, heads // kv_heads, head_dim)
+                outs.append(F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask).reshape(n, 1, heads * head_dim))
+            else:
+                out = F.scaled_dot_product_attention(
+                    q_run.transpose(1, 2), kr, vr, attn_mask=run.mask, is_causal=run.mask is None,
+                    enable_gqa=heads != kv_heads,
+                )
+                outs.append(out.transpose(1, 2).reshape(n, tokens, heads * head_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
