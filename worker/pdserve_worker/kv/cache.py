@@ -50,6 +50,9 @@ class KVCache:
             raise ValueError(f"KV pool tensor must be contiguous, got strides {tensor.stride()}")
         self.layout = layout
         self.tensor = tensor
+        # Per-layer views made once: a decode step asks for them 60 times.
+        self._keys = [tensor[:, i, K] for i in range(layout.num_layers)]
+        self._values = [tensor[:, i, V] for i in range(layout.num_layers)]
 
     @classmethod
     def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> "KVCache":
@@ -73,11 +76,11 @@ class KVCache:
 
     def keys(self, layer: int) -> torch.Tensor:
         """View `[slot, token, kv_head, head_dim]` of layer `layer`'s keys (writes go to the pool)."""
-        return self.tensor[:, self.local_layer(layer), K]
+        return self._keys[self.local_layer(layer)]
 
     def values(self, layer: int) -> torch.Tensor:
         """View `[slot, token, kv_head, head_dim]` of layer `layer`'s values (writes go to the pool)."""
-        return self.tensor[:, self.local_layer(layer), V]
+        return self._values[self.local_layer(layer)]
 
     def slot(self, slot: int) -> torch.Tensor:
         """View `[layer, K|V, token, kv_head, head_dim]` of one slot."""

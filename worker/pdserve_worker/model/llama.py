@@ -10,7 +10,8 @@ Numerics mirror HF transformers' LlamaForCausalLM (RMSNorm in fp32, cos/sin comp
 fp32 then cast, rotate-half RoPE), so fp32 logits match it closely and greedy text matches.
 
 Performance notes (CPU, measured): Q/K/V and gate/up are fused into one matmul each (fewer,
-larger GEMMs); SDPA always gets 4-D inputs (3-D inputs fall back to a path 2-8x slower);
+larger GEMMs); multi-row matmuls of bf16 weights go through `matmul.Linear` on CPUs without
+native bf16 GEMM; SDPA always gets 4-D inputs (3-D inputs fall back to a path 2-8x slower);
 single-token decode reshapes the query to `[kv_heads, heads/kv_heads, head_dim]` instead of
 asking SDPA for GQA (slow in bf16); and batched decode reads the KV of consecutive slots as
 one strided view of the pool with a length mask instead of gathering it (a gather costs more
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.matmul import Linear
 from pdserve_worker.model.rope import apply_rotary, cos_sin, inverse_frequencies
 
 
@@ -57,6 +59,7 @@ class _StepPlan:
 
     slots: torch.Tensor  # [B] long
     positions: torch.Tensor  # [B, T] long
+    first: tuple[int, int]  # (slot, start position) of row 0, as Python ints (no device sync per layer)
     cos: torch.Tensor  # [B, T, 1, head_dim]
     sin: torch.Tensor
     runs: tuple[_Run, ...]
@@ -64,10 +67,12 @@ class _StepPlan:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 and cast back before the weight, exactly as HF LLaMA does."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """RMSNorm as HF LLaMA computes it: normalize in fp32, round to the model dtype, then weight.
+
+    Keeping HF's two roundings in bf16 matters: near-tied logits (SmolLM2's first answer token
+    to "What is the capital of France?" leads by 0.08) flip with a one-rounding fused norm.
+    """
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _hf(name: str, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -130,6 +135,7 @@ class LlamaModel:
                 gate_up=fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=take(p + "mlp.down_proj.weight"),
             )
+        self.linear = Linear(self.device, dtype)
         freq_factors = weights.get("rope_freqs.weight")
         self.inv_freq = inverse_frequencies(config, freq_factors).to(self.device)
 
@@ -168,7 +174,7 @@ class LlamaModel:
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of hidden states `[..., hidden]` after the final norm."""
-        return F.linear(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.linear(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head, torch.float32)
 
     # ---- conveniences --------------------------------------------------------------------
 
@@ -252,6 +258,7 @@ class LlamaModel:
         return _StepPlan(
             slots=torch.tensor(list(slots), dtype=torch.long, device=self.device),
             positions=pos.to(self.device),
+            first=(int(slots[0]), int(positions[0])),
             cos=cos[:, :, None],
             sin=sin[:, :, None],
             runs=self._runs(list(slots), list(positions), tokens),
@@ -291,41 +298,48 @@ class LlamaModel:
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, w.qkv)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = apply_rotary(q.view(batch, tokens, heads, head_dim), plan.cos, plan.sin)
-        k = apply_rotary(k.view(batch, tokens, kv_heads, head_dim), plan.cos, plan.sin)
-        v = v.view(batch, tokens, kv_heads, head_dim)
+        qkv = self.linear(h, w.qkv)
+        # Q and K rotate together (one set of ops); SDPA's fast kernels need the contiguous result.
+        qk = apply_rotary(qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim),
+                          plan.cos, plan.sin)
+        q, k = qk[:, :, :heads], qk[:, :, heads:]
+        v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
 
         keys, values = cache.keys(layer), cache.values(layer)  # [slot, token, kv_head, head_dim]
         if batch == 1:
-            s, p = int(plan.slots[0]), int(plan.positions[0, 0])
+            s, p = plan.first
             keys[s, p : p + tokens] = k[0]
             values[s, p : p + tokens] = v[0]
         else:
             keys[plan.slots[:, None], plan.positions] = k
             values[plan.slots[:, None], plan.positions] = v
 
-        attn = torch.empty(batch, tokens, heads, head_dim, dtype=x.dtype, device=x.device)
+        attn = self._attend(q, keys, values, plan)
+        x = x + self.linear(attn, w.o)
+
+        h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, w.down)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        """Attention of q `[B, T, heads, head_dim]` over each row's slot; returns `[B, T, heads * head_dim]`."""
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        batch, tokens = q.shape[0], q.shape[1]
+        outs = []
         for run in plan.runs:
-            rows = slice(run.row_start, run.row_stop)
             n = run.row_stop - run.row_start
+            q_run = q[run.row_start : run.row_stop]
             kr = keys[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
             vr = values[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
             if tokens == 1:
                 # [rows, kv_heads, group, head_dim]: the group plays the query-length role.
-                qr = q[rows, 0].reshape(n, kv_heads, heads // kv_heads, head_dim)
-                out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask)
-                attn[rows, 0] = out.reshape(n, heads, head_dim)
+                qr = q_run.reshape(n, kv_heads, heads // kv_heads, head_dim)
+                outs.append(F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask).reshape(n, 1, heads * head_dim))
             else:
-                qr = q[rows].transpose(1, 2)
-                causal = run.mask is None
                 out = F.scaled_dot_product_attention(
-                    qr, kr, vr, attn_mask=run.mask, is_causal=causal, enable_gqa=heads != kv_heads
+                    q_run.transpose(1, 2), kr, vr, attn_mask=run.mask, is_causal=run.mask is None,
+                    enable_gqa=heads != kv_heads,
                 )
-                attn[rows] = out.transpose(1, 2)
-        x = x + F.linear(attn.view(batch, tokens, heads * head_dim), w.o)
-
-        h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+                outs.append(out.transpose(1, 2).reshape(n, tokens, heads * head_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -51,14 +51,21 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> torch.
 
 
 def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape `[*positions.shape, head_dim]`, computed in fp32 then cast."""
+    """cos and signed sin of shape `[*positions.shape, head_dim]`, computed in fp32 then cast.
+
+    The sin's first half is negated so that rotating needs only a roll (see `apply_rotary`).
+    """
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [..., head_dim]` by the angles in cos/sin (broadcast over heads)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [..., head_dim]` by the angles in cos/sin (broadcast over heads); contiguous result.
+
+    Equals HF's `x * cos + rotate_half(x) * sin` exactly: rotate_half(x) = [-x2, x1] is
+    roll(x) = [x2, x1] times the sign folded into `signed_sin` (negation and roll are exact).
+    """
+    rotated = torch.roll(x, shifts=x.shape[-1] // 2, dims=-1)
+    return (x * cos + rotated * signed_sin).contiguous()

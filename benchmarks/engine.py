@@ -1,0 +1,242 @@
+"""Engine speed against HF transformers and against the memory roofline, in one run.
+
+Prints prefill tokens/s (128, 512, 2048 tokens), decode ms/token at batch 1, 8, 16 (and the
+aggregate tokens/s), the same for HF transformers on the same weights, the ratios, and the
+batch-1 roofline fraction: bytes of weights and KV read per token / ms per token, divided by
+a memcpy bandwidth measured in this run. All figures are medians over repeats.
+
+    python benchmarks/engine.py            # bf16, default model
+    python benchmarks/engine.py --quick    # fewer repeats, no 2048-token prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for folder in ("worker", "operator", "proto"):
+    sys.path.insert(0, str(ROOT / folder))
+
+import torch  # noqa: E402
+
+from pdserve_worker.kv.cache import KVCache  # noqa: E402
+from pdserve_worker.model.loader import load_model, model_folder  # noqa: E402
+
+
+def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def cpu_idle_fraction(seconds: float = 2.0) -> float | None:
+    """Share of CPU time idle over `seconds` (Linux /proc/stat): other work skews every figure."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)
+
+    try:
+        idle1, total1 = sample()
+        time.sleep(seconds)
+        idle2, total2 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (idle2 - idle1) / max(1, total2 - total1)
+
+
+def wait_for_idle(max_seconds: float, threshold: float = 0.9) -> float | None:
+    """Wait (up to `max_seconds`) until the machine is idle enough to measure; returns the idle share seen."""
+    deadline = time.monotonic() + max_seconds
+    while True:
+        idle = cpu_idle_fraction()
+        if idle is None or idle >= threshold or time.monotonic() >= deadline:
+            return idle
+        print(f"machine busy (idle {idle:.0%}), waiting...", file=sys.stderr, flush=True)
+
+
+def memcpy_gb_per_s(repeats: int) -> float:
+    """Bytes copied per second by one large tensor copy (well beyond the caches)."""
+    src = torch.ones(256 << 20, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    return src.numel() / median_seconds(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (length,), generator=gen).tolist()
+
+
+# ---- ours -------------------------------------------------------------------------------------
+
+
+def ours_prefill(model, dtype: str, length: int, repeats: int) -> float:
+    cache = KVCache.allocate(model.config.kv_layout(1, length, dtype))
+    ids = prompt_ids(length, model.config.vocab_size, length)
+    return length / median_seconds(lambda: model.prefill(ids, cache, 0), repeats, warmup=2)
+
+
+def ours_decode(model, dtype: str, batch: int, context: int, steps: int) -> float:
+    """Median seconds per decode step of `batch` requests whose prompts hold `context` tokens."""
+    cache = KVCache.allocate(model.config.kv_layout(batch, context + steps + 3, dtype))
+    slots, positions, tokens = list(range(batch)), [], []
+    for slot in slots:
+        ids = prompt_ids(context, model.config.vocab_size, slot)
+        tokens.append(int(model.prefill(ids, cache, slot).argmax()))
+        positions.append(context)
+    times = []
+    for step in range(steps + 2):
+        started = time.perf_counter()
+        logits = model.decode_step(cache, slots, positions, tokens)
+        tokens = logits.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+        if step >= 2:  # the first steps warm caches and allocators
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+# ---- HF transformers --------------------------------------------------------------------------
+
+
+def hf_load(folder: Path, dtype: torch.dtype):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    model.eval()
+    return model
+
+
+def hf_prefill(model, vocab: int, length: int, repeats: int) -> float:
+    ids = torch.tensor([prompt_ids(length, vocab, length)])
+
+    def run() -> None:
+        with torch.no_grad():
+            model(ids, use_cache=True)
+
+    return length / median_seconds(run, repeats)
+
+
+def hf_decode(model, vocab: int, batch: int, context: int, steps: int) -> float:
+    """Median seconds per decode step inside HF `generate` (greedy, fixed length).
+
+    A logits processor stamps the time at every step; the gaps between stamps are the decode
+    steps (the first stamp comes after the prefill).
+    """
+    import transformers
+
+    stamps: list[float] = []
+
+    class Stamp(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor([prompt_ids(context, vocab, slot) for slot in range(batch)])
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 3, min_new_tokens=steps + 3,
+                       do_sample=False, pad_token_id=0, logits_processor=transformers.LogitsProcessorList([Stamp()]))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # the first steps warm caches and allocators
+    return statistics.median(gaps)
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads: every layer's matrices and norms, the final norm, the LM head."""
+    total = model.norm.numel() * model.norm.element_size() + model.lm_head.numel() * model.lm_head.element_size()
+    for layer in model.layers.values():
+        for t in (layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens before decode")
+    parser.add_argument("--steps", type=int, default=24, help="decode steps timed")
+    parser.add_argument("--quick", action="store_true", help="3 repeats, no 2048-token prefill, fewer steps")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                        help="before each phase, wait up to this long for a quiet machine (shared hosts)")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 3, 12
+    torch.set_num_threads(args.threads)
+    dtype = args.dtype
+    prefill_lengths = [128, 512] if args.quick else [128, 512, 2048]
+    batches = [1, 8, 16]
+
+    print(f"# engine benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
+          f"threads={args.threads}  torch={torch.__version__}  dtype={dtype}", flush=True)
+    idle = wait_for_idle(args.wait_idle)
+    print(f"cpu idle before start: {'unknown' if idle is None else f'{idle:.0%}'}", flush=True)
+    bandwidth = memcpy_gb_per_s(args.repeats)
+    print(f"memcpy bandwidth: {bandwidth:.2f} GB/s", flush=True)
+
+    loaded = load_model(args.model, dtype=dtype)
+    model = loaded.model
+    wait_for_idle(args.wait_idle)
+    ours_pf = {n: ours_prefill(model, dtype, n, args.repeats) for n in prefill_lengths}
+    wait_for_idle(args.wait_idle)
+    ours_dec = {b: ours_decode(model, dtype, b, args.context, args.steps) for b in batches}
+    for n, v in ours_pf.items():
+        print(f"ours prefill {n:>5} tokens: {v:8.1f} tokens/s", flush=True)
+    for b, s in ours_dec.items():
+        print(f"ours decode batch {b:>2}: {s * 1e3:7.2f} ms/step  {b / s:7.1f} tokens/s", flush=True)
+
+    hf_pf: dict[int, float] = {}
+    hf_dec: dict[int, float] = {}
+    if not args.no_hf:
+        folder, _ = model_folder(args.model, dtype)
+        hf = hf_load(folder, getattr(torch, dtype))
+        vocab = loaded.config.vocab_size
+        hf_repeats = max(1, args.repeats // 2)
+        wait_for_idle(args.wait_idle)
+        hf_pf = {n: hf_prefill(hf, vocab, n, hf_repeats if n < 2048 else 1) for n in prefill_lengths}
+        wait_for_idle(args.wait_idle)
+        hf_dec = {b: hf_decode(hf, vocab, b, args.context, args.steps) for b in batches}
+        for n, v in hf_pf.items():
+            print(f"hf   prefill {n:>5} tokens: {v:8.1f} tokens/s", flush=True)
+        for b, s in hf_dec.items():
+            print(f"hf   decode batch {b:>2}: {s * 1e3:7.2f} ms/step  {b / s:7.1f} tokens/s", flush=True)
+
+    kv_bytes = 2 * loaded.config.num_layers * (args.context + args.steps // 2) * loaded.config.num_kv_heads \
+        * loaded.config.head_dim * model.embed_tokens.element_size()
+    per_token = weight_bytes(model) + kv_bytes
+    achieved = per_token / ours_dec[1] / 1e9
+    print("\n## summary")
+    print(f"| metric | ours | HF | ours/HF |\n|---|---|---|---|")
+    for n in prefill_lengths:
+        hf_v = hf_pf.get(n)
+        print(f"| prefill {n} (tokens/s) | {ours_pf[n]:.0f} | {hf_v or float('nan'):.0f} | "
+              f"{ours_pf[n] / hf_v if hf_v else float('nan'):.2f} |")
+    for b in batches:
+        hf_s = hf_dec.get(b)
+        print(f"| decode batch {b} (ms/step) | {ours_dec[b] * 1e3:.1f} | {hf_s * 1e3 if hf_s else float('nan'):.1f} | "
+              f"{ours_dec[b] / hf_s if hf_s else float('nan'):.2f} |")
+    print(f"\nbatch-1 decode: {per_token / 1e6:.0f} MB read per token -> {achieved:.2f} GB/s = "
+          f"{achieved / bandwidth:.2f} of memcpy ({bandwidth:.2f} GB/s)")
+    print(f"aggregate tokens/s batch 16 / batch 1: {(16 / ours_dec[16]) / (1 / ours_dec[1]):.2f}x; "
+          f"batch 8 / batch 1: {(8 / ours_dec[8]) / (1 / ours_dec[1]):.2f}x")
+    if hf_dec:
+        print(f"batch-1 decode speed ours vs HF: {hf_dec[1] / ours_dec[1]:.2f}x faster")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
