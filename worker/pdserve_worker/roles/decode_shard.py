@@ -48,6 +48,7 @@ from pdserve_worker.roles.decode import DecodeWorker, Ready
 from pdserve_worker.rpc.auth import bearer_metadata
 from pdserve_worker.rpc.channels import CHANNEL_OPTIONS
 from pdserve_worker.rpc.convert import layout_from_proto, layout_to_proto
+from pdserve_worker.rpc.membership import MemberInfo
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
@@ -278,6 +279,13 @@ class GroupLeader(DecodeWorker):
         decoder = ShardedDecoder(self.loaded.model, layouts, hop)
         return Generator(decoder, self.loaded.tokenizer,  # type: ignore[arg-type]
                          cache=GroupKV(layouts, self.loaded.config.num_layers))  # type: ignore[arg-type]
+
+    def member_info(self) -> MemberInfo:
+        """Registered as one plain decode (no GroupInfo: routers use a leader alone, since it
+        stands for its whole group); labels say what it is made of."""
+        info = super().member_info()
+        members = [self.settings.member_id, *(f.worker_id for f in self.followers)]
+        return replace(info, labels={**info.labels, "layer_shards": str(len(members)), "group_members": ",".join(members)})
 
     def group_grants(self, grant: Grant) -> list[Grant]:
         return [grant, *(replace(grant, engine_id=f.engine_id, base_addr=f.base_addr, layout=f.layout)
