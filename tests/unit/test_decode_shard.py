@@ -69,3 +69,14 @@ def test_a_truncated_hidden_state_is_refused():
     message.data = message.data[:-4]
     with pytest.raises(ValueError, match="needs 64 bytes, got 60"):
         hidden_from_proto(message)
+
+
+def test_a_followers_notify_of_an_abandoned_generation_never_hides_the_current_one():
+    from pdserve_worker.roles.decode_shard import GenerationFloor
+
+    floor = GenerationFloor()
+    assert floor.accepts(0, 5)  # filed
+    assert not floor.accepts(0, 4)  # a late push of an older request on the same slot
+    floor.raise_to(1, 9)  # the leader waits for generation 9 on slot 1
+    assert not floor.accepts(1, 8) and floor.accepts(1, 9) and floor.accepts(1, 12)
+    assert floor.accepts(2, 1)  # slots are independent

@@ -109,6 +109,28 @@ def hidden_from_proto(message: shard_pb2.HiddenState, device: torch.device | str
 # ---- the follower ------------------------------------------------------------------------------------
 
 
+class GenerationFloor:
+    """A follower's rule for ready notifications, without a slot table of its own: generations
+    only grow (the leader's table hands them out), so a slot's notification older than one
+    already filed or awaited there belongs to an abandoned request and is dropped; otherwise a
+    late push of an old request could overwrite the current request's notification."""
+
+    def __init__(self) -> None:
+        self._floor: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def raise_to(self, slot: int, generation: int) -> None:
+        with self._lock:
+            self._floor[slot] = max(self._floor.get(slot, 0), generation)
+
+    def accepts(self, slot: int, generation: int) -> bool:
+        with self._lock:
+            if generation < self._floor.get(slot, 0):
+                return False
+            self._floor[slot] = generation
+            return True
+
+
 class ShardFollower:
     """Member i > 0: a pool of its layers, their weights, its readiness; driven by the leader."""
 
@@ -120,8 +142,10 @@ class ShardFollower:
         layout = _pool_layout(settings, loaded)
         self.pool = KVPool(backend, layout, device=settings.device)
         self.member = ShardMember(loaded.model, KVCache(layout, self.pool.tensor))
-        # The leader's slot table decides which grants are live; the follower files any notify.
-        self.readiness = Readiness(backend, settings.readiness_mode, poll_interval_us=settings.poll_interval_micros,
+        # The leader's slot table decides which grants are live; here only newer beats older.
+        self.floor = GenerationFloor()
+        self.readiness = Readiness(backend, settings.readiness_mode, accepts=self.floor.accepts,
+                                   poll_interval_us=settings.poll_interval_micros,
                                    warmup=self.pool.warm if settings.warmup else None)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="shard-ready")
@@ -162,6 +186,7 @@ class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
 
     async def WaitReady(self, request: shard_pb2.WaitReadyRequest, context: grpc.aio.ServicerContext) -> shard_pb2.WaitReadyReply:
         timeout_s = (request.timeout_ms or self.f.settings.readiness_timeout_ms) / 1000
+        self.f.floor.raise_to(request.slot, request.generation)
         try:
             message = await asyncio.get_running_loop().run_in_executor(
                 self.f._waiters, self.f.readiness.wait, request.slot, request.generation, timeout_s)
