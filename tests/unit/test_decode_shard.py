@@ -80,3 +80,15 @@ def test_a_followers_notify_of_an_abandoned_generation_never_hides_the_current_o
     floor.raise_to(1, 9)  # the leader waits for generation 9 on slot 1
     assert not floor.accepts(1, 8) and floor.accepts(1, 9) and floor.accepts(1, 12)
     assert floor.accepts(2, 1)  # slots are independent
+
+
+def test_worker_flags_set_the_group(monkeypatch):
+    from pdserve_worker.cli import build_parser
+    from pdserve_worker.commands.worker import settings_from_args
+
+    for name, value in POD.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["worker", "--layer-shards", "3", "--shard-index", "2",
+                                      "--group-peers", "h:1,h:2,h:3"])
+    s = settings_from_args(args)
+    assert (s.layer_shards, s.group_member, s.peers) == (3, (0, 2), ["h:1", "h:2", "h:3"])
