@@ -65,3 +65,17 @@ def test_group_of_two_processes_answers_as_colocated(local, reference):
         answers = list(pool.map(
             lambda p: client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0), PROMPTS))
     assert [a.choices[0].text for a in answers] == [reference(p, max_tokens=12, temperature=0) for p in PROMPTS]
+
+
+def test_a_follower_asked_to_drain_keeps_serving_its_leader(local, reference):
+    """A follower's preStop waits for its leader to let go (up to the drain timeout, 10 s in
+    `pdserve local`) and never cuts the leader's steps short."""
+    import httpx
+
+    follower = next(c for c in local.manifest["children"] if c["role"] == "decode-member")
+    reply = httpx.get(f"http://{follower['http']}/drain", timeout=30).json()
+    assert reply == {"drained": False, "busy": 1}  # the leader's step stream is still open
+    client = openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    answer = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert answer.choices[0].text == reference(PROMPTS[1], max_tokens=8, temperature=0)

@@ -25,6 +25,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -150,6 +151,18 @@ class ShardFollower:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="shard-ready")
         self.steps = 0
+        self.open_streams = 0  # the leader's Forward streams now open here
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop only once the leader let go: it closes its Forward stream after draining its own
+        requests, so a follower stopping with its group does not fail the leader's last steps.
+        True if that happened within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log.info(kv(event="shard_drained" if not self.open_streams else "shard_drain_timeout",
+                    member=self.member_index, open_streams=self.open_streams))
+        return self.open_streams == 0
 
     def info(self) -> shard_pb2.ShardInfo:
         return shard_pb2.ShardInfo(worker_id=self.settings.member_id, engine_id=self.settings.engine_id,
@@ -177,12 +190,17 @@ class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
 
     async def Forward(self, request_iterator, context: grpc.aio.ServicerContext):
         loop = asyncio.get_running_loop()
-        async for message in request_iterator:
-            try:
-                yield await loop.run_in_executor(self.f._compute, self.f.forward, message)
-            except (ValueError, IndexError, RuntimeError) as exc:
-                log.warning(kv(event="shard_forward_failed", member=self.f.member_index, error=str(exc)))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"member {self.f.member_index}: {exc}")
+        self.f.open_streams += 1
+        try:
+            async for message in request_iterator:
+                try:
+                    reply = await loop.run_in_executor(self.f._compute, self.f.forward, message)
+                except (ValueError, IndexError, RuntimeError) as exc:
+                    log.warning(kv(event="shard_forward_failed", member=self.f.member_index, error=str(exc)))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"member {self.f.member_index}: {exc}")
+                yield reply
+        finally:
+            self.f.open_streams -= 1
 
     async def WaitReady(self, request: shard_pb2.WaitReadyRequest, context: grpc.aio.ServicerContext) -> shard_pb2.WaitReadyReply:
         timeout_s = (request.timeout_ms or self.f.settings.readiness_timeout_ms) / 1000

@@ -113,6 +113,9 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
 
     async def drain() -> dict[str, Any]:
         """GET /drain: the pod's preStop hook (pod_env.py)."""
+        if isinstance(worker, ShardFollower) and state.phase in ("ready", "draining"):
+            state.phase = "draining"  # serve the leader's steps until it has drained and let go
+            return {"drained": await worker.drain(settings.drain_timeout_seconds), "busy": worker.open_streams}
         if decode is None or state.phase not in ("ready", "draining"):
             state.phase = "draining"
             return {"drained": True, "busy": 0}
@@ -193,6 +196,9 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             state.phase = "draining"
             await broker.set_draining(True)
             await decode.drain(settings.drain_timeout_seconds)
+        if isinstance(worker, ShardFollower) and state.phase != "draining":
+            state.phase = "draining"
+            await worker.drain(settings.drain_timeout_seconds)
         state.phase = "stopping"
         if load_fn is not None:
             await broker.deregister()
