@@ -15,10 +15,16 @@ Interference ratio = decode p99 colocated ÷ disaggregated (1 prefill + 1 decode
 and ITL: how much the arriving long prompts slow the tokens of requests already decoding
 when prefill and decode share one process, compared with separate processes.
 
+Layer sharding (`pd1s2`: 1 prefill + one decode group of 2 processes, each with half the
+layers) against `pd2` (1 prefill + 2 unsharded decodes), the same 3 model processes: the ratio
+line shows what passing the hidden state between processes costs per token and what half the
+decode instances cost in throughput; the gain a group buys (KV pools per layer range, so longer
+contexts or bigger models per device) does not show on one CPU host.
+
 CPU budget: every configuration gets the same CPUs. Colocated: one process with every
 thread; PD: each model process gets its share (`pdserve local` divides them).
 
-Usage: python benchmarks/serve.py [--requests 32] [--rate 0.5] [--configs pd1,pd2,colocated]
+Usage: python benchmarks/serve.py [--requests 32] [--rate 0.5] [--configs pd1,pd2,pd1s2,colocated]
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from pdserve_worker.local import LocalDeployment, LocalPlan  # noqa: E402
 CONFIGS = {
     "pd1": dict(prefill=1, decode=1),
     "pd2": dict(prefill=1, decode=2),
+    # 1 prefill + one decode group of 2 layer-sharded processes: as many model processes as pd2.
+    "pd1s2": dict(prefill=1, decode=1, layer_shards=2),
     "colocated": dict(colocated=True),
 }
 WORDS = ("the model reads a prompt and writes an answer one token at a time while the cache of keys and values "
@@ -215,6 +223,10 @@ def main() -> int:
         c, d = by["colocated"], by["pd1"]
         print(f"\ninterference ratio (colocated ÷ 1 prefill + 1 decode): TPOT p99 {c['tpot_p99'] / d['tpot_p99']:.1f}x, "
               f"ITL p99 {c['itl_p99'] / d['itl_p99']:.1f}x (target >= 3)")
+    if "pd1s2" in by and "pd2" in by:
+        g, d = by["pd1s2"], by["pd2"]
+        print(f"layer-sharded group ÷ 2 unsharded decodes (1 prefill each): TPOT p50 {g['tpot_p50'] / d['tpot_p50']:.2f}x, "
+              f"TTFT p50 {g['ttft_p50'] / d['ttft_p50']:.2f}x, throughput {g['tok_per_s'] / d['tok_per_s']:.2f}x")
     failed = sum(r["failed"] for r in rows)
     return 1 if failed else 0
 

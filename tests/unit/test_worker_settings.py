@@ -61,7 +61,8 @@ def test_plain_names_in_the_environment_are_not_read(monkeypatch):
     ("env", "needle"),
     [
         ({E.BROKER_TOKEN: ""}, E.BROKER_TOKEN),
-        ({E.LAYER_SHARDS: "2"}, "layer-sharded"),
+        ({E.LAYER_SHARDS: "2"}, "PDSERVE_GROUP_PEERS"),  # a member that cannot find its group
+        ({E.ROLE: "prefill", E.LAYER_SHARDS: "2"}, "only decode workers are layer-sharded"),
         ({E.MODEL_SOURCE: "builtin:llama-70b"}, "builtin:llama-70b"),
         ({E.SLOTS: "0"}, E.SLOTS),
         ({E.READINESS_MODE: "sometimes"}, E.READINESS_MODE),

@@ -40,7 +40,8 @@ from pdserve_worker import settings as S
 SERVICE = "local/pdserve"
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 30
-STOP_ORDER = ("router", "colocated", "prefill", "decode", "broker")
+# A sharded decode group's leader drains before its followers stop (they serve its steps).
+STOP_ORDER = ("router", "colocated", "prefill", "decode", "decode-member", "broker")
 
 
 class LocalStartError(RuntimeError):
@@ -59,6 +60,7 @@ class LocalPlan:
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
+    layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     readiness: str = "interrupt"
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -68,10 +70,12 @@ class LocalPlan:
             return
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"a PD deployment needs at least 1 prefill and 1 decode, got {self.prefill}/{self.decode}")
+        if self.layer_shards < 1:
+            raise ValueError(f"layer_shards must be >= 1, got {self.layer_shards}")
 
     @property
     def model_processes(self) -> int:
-        return 1 if self.colocated else self.prefill + self.decode
+        return 1 if self.colocated else self.prefill + self.decode * self.layer_shards
 
     def threads_per_process(self) -> int:
         if self.threads:
@@ -212,7 +216,7 @@ class LocalDeployment:
         else:
             self._start_broker()
             for i in range(self.plan.decode):
-                self._spawn(f"decode-{i}", "decode", self._worker_env("decode", f"decode-{i}", free_port()))
+                self._spawn_decode_group(i)
             for i in range(self.plan.prefill):
                 self._spawn(f"prefill-{i}", "prefill", self._worker_env("prefill", f"prefill-{i}", free_port()))
             self._spawn("router-0", "router", self._worker_env("router", "router-0", self.port))
@@ -279,6 +283,20 @@ class LocalDeployment:
             env[E.BROKER_TOKEN] = self.token
         env.update(plan.extra_env)
         return env
+
+    def _spawn_decode_group(self, index: int) -> None:
+        """One decode instance: a process, or a leader and its followers that know each other's
+        gRPC endpoints (what a pod derives from the StatefulSet's DNS names)."""
+        shards = self.plan.layer_shards
+        if shards == 1:
+            self._spawn(f"decode-{index}", "decode", self._worker_env("decode", f"decode-{index}", free_port()))
+            return
+        envs = [self._worker_env("decode", f"decode-{index}-{m}", free_port()) for m in range(shards)]
+        peers = ",".join(f"{HOST}:{env[E.GRPC_PORT_ENV]}" for env in envs)
+        for member, env in enumerate(envs):
+            env.update({E.LAYER_SHARDS: str(shards), S.SHARD_INDEX: str(member), S.GROUP_PEERS: peers})
+            role = "decode" if member == 0 else "decode-member"
+            self._spawn(f"decode-{index}-{member}", role, env)
 
     def _spawn(self, name: str, role: str, env: dict[str, str], args: list[str] | None = None) -> Child:
         argv = [self.python, "-m", "pdserve_worker.cli", *(args or ["worker"])]

@@ -33,6 +33,8 @@ READINESS_TIMEOUT_MS = "PDSERVE_READINESS_TIMEOUT_MS"  # decode: how long Genera
 LEASE_MS = "PDSERVE_LEASE_MS"  # router: lease of a reserved slot until Generate claims it
 REQUEST_TIMEOUT_S = "PDSERVE_REQUEST_TIMEOUT_SECONDS"  # router: deadline of one Prefill call
 GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight may finish on SIGTERM
+SHARD_INDEX = "PDSERVE_SHARD_INDEX"  # decode group member index; pods derive it from their ordinal
+GROUP_PEERS = "PDSERVE_GROUP_PEERS"  # decode group: gRPC endpoints of members 0..N-1, comma-separated
 
 Role = Literal["prefill", "decode", "router", "colocated"]
 BUILTIN_PREFIX = "builtin:"
@@ -75,6 +77,9 @@ class WorkerSettings(BaseSettings):
     warmup: bool = Field(True, validation_alias=E.WARMUP)
     layer_shards: int = Field(1, ge=1, validation_alias=E.LAYER_SHARDS)
     drain_timeout_seconds: float = Field(60.0, ge=0, validation_alias=E.DRAIN_TIMEOUT_SECONDS)
+    decode_service: str = Field("", validation_alias=E.DECODE_SERVICE)
+    shard_index: int | None = Field(None, ge=0, validation_alias=SHARD_INDEX)
+    group_peers: str = Field("", validation_alias=GROUP_PEERS)
 
     readiness_timeout_ms: int = Field(300_000, ge=1, validation_alias=READINESS_TIMEOUT_MS)
     lease_ms: int = Field(30_000, ge=1, validation_alias=LEASE_MS)
@@ -89,9 +94,14 @@ class WorkerSettings(BaseSettings):
             if not self.broker_token.get_secret_value():
                 raise ValueError(f"a {self.role} worker needs the service's broker token ({E.BROKER_TOKEN})")
         if self.layer_shards != 1:
-            raise ValueError(
-                f"{E.LAYER_SHARDS}={self.layer_shards}: layer-sharded decode groups are not served by this worker yet"
-            )
+            if self.role != "decode":
+                raise ValueError(f"{E.LAYER_SHARDS}={self.layer_shards}: only decode workers are layer-sharded")
+            group, member = self.group_member
+            if len(self.peers) != self.layer_shards:
+                raise ValueError(
+                    f"{GROUP_PEERS}: a group of {self.layer_shards} needs {self.layer_shards} member endpoints, "
+                    f"got {len(self.peers)} ({self.group_peers!r}); pods derive them from {E.DECODE_SERVICE}"
+                )
         if self.model_source.startswith(BUILTIN_PREFIX) and self.model_source != BUILTIN_DEFAULT:
             raise ValueError(f"{E.MODEL_SOURCE}: unknown built-in model {self.model_source!r}; known: {BUILTIN_DEFAULT}")
         return self
@@ -111,6 +121,30 @@ class WorkerSettings(BaseSettings):
     def model_path(self) -> str | None:
         """What `loader.load_model` takes: None for the bundled default, else the path."""
         return None if self.model_source.startswith(BUILTIN_PREFIX) else self.model_source
+
+    @property
+    def group_member(self) -> tuple[int, int]:
+        """(group, member) of a layer-sharded decode: from PDSERVE_SHARD_INDEX, else the pod ordinal."""
+        if self.shard_index is not None:
+            if self.shard_index >= self.layer_shards:
+                raise ValueError(f"{SHARD_INDEX}={self.shard_index} outside a group of {self.layer_shards}")
+            return 0, self.shard_index
+        return E.group_member(E.ordinal_of(self.worker_id), self.layer_shards)
+
+    @property
+    def peers(self) -> list[str]:
+        """gRPC endpoints of this group's members, in member order.
+
+        Given explicitly (`pdserve local`), or for pods: the StatefulSet's stable DNS names of
+        the group's ordinals under the headless decode Service."""
+        if self.group_peers:
+            return [p.strip() for p in self.group_peers.split(",") if p.strip()]
+        if self.layer_shards == 1 or not self.decode_service or not self.worker_id:
+            return []
+        group, _ = self.group_member
+        stem = self.worker_id.rsplit("-", 1)[0]
+        first = group * self.layer_shards
+        return [f"{stem}-{first + i}.{self.decode_service}:{self.grpc_port}" for i in range(self.layer_shards)]
 
     @property
     def grpc_endpoint(self) -> str:

@@ -32,7 +32,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id")
+    __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id", "group_grants")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Grant(_message.Message):
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_GRANTS_FIELD_NUMBER: _ClassVar[int]
     slot: int
     generation: int
     engine_id: str
@@ -49,7 +50,8 @@ class Grant(_message.Message):
     lease_deadline_unix_ms: int
     worker_id: str
     request_id: str
-    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    group_grants: _containers.RepeatedCompositeFieldContainer[Grant]
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., group_grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated")

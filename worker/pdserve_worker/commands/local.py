@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slots", type=int, default=8, help="KV slots per decode worker (default 8)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per request, prompt plus output (default 2048)")
     p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
+    p.add_argument("--layer-shards", type=int, default=1,
+                   help="processes per decode instance, each holding a share of the layers (default 1)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
     p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
     p.add_argument("--demo", action="store_true", help=f"ask {DEMO_QUESTION!r}, show the answer and timing, stop")
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
                          slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
-                         layers_per_chunk=args.layers_per_chunk,
+                         layers_per_chunk=args.layers_per_chunk, layer_shards=args.layer_shards,
                          log_dir=args.log_dir)
     except ValueError as exc:
         print(f"pdserve local: {exc}", file=sys.stderr)

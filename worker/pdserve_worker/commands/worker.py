@@ -35,6 +35,9 @@ _FLAG_FIELDS = {
     "layers_per_chunk": "layers_per_chunk",
     "readiness": "readiness_mode",
     "drain_timeout": "drain_timeout_seconds",
+    "layer_shards": "layer_shards",
+    "shard_index": "shard_index",
+    "group_peers": "group_peers",
 }
 
 
@@ -63,6 +66,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers-per-chunk", type=int, default=None, help="prefill: layers between two KV pushes")
     p.add_argument("--readiness", choices=["interrupt", "poll", "spin"], default=None, help="decode: readiness mode")
     p.add_argument("--drain-timeout", type=float, default=None, help="decode: seconds /drain may wait")
+    p.add_argument("--layer-shards", type=int, default=None, help="decode: processes in this worker's group")
+    p.add_argument("--shard-index", type=int, default=None,
+                   help="decode: this worker's member index in its group (else from the pod ordinal)")
+    p.add_argument("--group-peers", default=None,
+                   help="decode: gRPC host:port of members 0..N-1, comma-separated (else from the headless Service)")
     p.set_defaults(func=run)
 
 

@@ -35,7 +35,8 @@ from pydantic import ValidationError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.kv.slots import NoFreeSlot, SlotTable
+from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable
 from pdserve_worker.logs import kv
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
@@ -74,7 +75,7 @@ class DecodeWorker:
         self.loaded = loaded
         self.backend = backend
         self.revision = revision
-        layout = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
+        layout = self.pool_layout()
         self.layout = layout
         self.pool = KVPool(backend, layout, device=settings.device)
         # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
@@ -91,12 +92,24 @@ class DecodeWorker:
             warmup=self.pool.warm if settings.warmup else None,
         )
         cache = KVCache(layout, self.pool.tensor)
-        self.loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache=cache), external_slots=True,
-                                   name="decode-loop")
+        self.loop = GenerationLoop(self.make_generator(cache), external_slots=True, name="decode-loop")
         # One blocking readiness wait per request that waits: at most one per slot.
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
         self.draining = False
         self._sweeper: asyncio.Task[None] | None = None
+
+    # ---- what a layer-sharded group's leader replaces (roles/decode_shard.py) ----------------
+
+    def pool_layout(self) -> KVLayout:
+        """The pool this worker registers: every layer here."""
+        return self.loaded.config.kv_layout(self.settings.slots, self.settings.max_length, self.settings.model_dtype)
+
+    def make_generator(self, cache: KVCache) -> Generator:
+        return Generator(self.loaded.model, self.loaded.tokenizer, cache=cache)
+
+    def group_grants(self, grant: Grant) -> list[Grant]:
+        """Every member's grant of a layer-sharded group's slot; none for an unsharded decode."""
+        return []
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -186,6 +199,19 @@ class DecodeWorker:
         return Ready(num_tokens, first_token, time.monotonic() - started)
 
 
+def _grant_to_proto(grant: Grant, ttl_s: float, worker_id: str, request_id: str) -> worker_pb2.Grant:
+    return worker_pb2.Grant(
+        slot=grant.slot,
+        generation=grant.generation,
+        engine_id=grant.engine_id,
+        base_addr=grant.base_addr,
+        kv_layout=layout_to_proto(grant.layout),
+        lease_deadline_unix_ms=int((time.time() + ttl_s) * 1000),
+        worker_id=worker_id,
+        request_id=request_id,
+    )
+
+
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     """worker.proto's Decode service over a `DecodeWorker` (auth ran before these methods)."""
 
@@ -209,16 +235,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except NoFreeSlot as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         log.debug(kv(event="slot_granted", request=request.request_id, slot=grant.slot, generation=grant.generation))
-        return worker_pb2.Grant(
-            slot=grant.slot,
-            generation=grant.generation,
-            engine_id=grant.engine_id,
-            base_addr=grant.base_addr,
-            kv_layout=layout_to_proto(grant.layout),
-            lease_deadline_unix_ms=int((time.time() + ttl_s) * 1000),
-            worker_id=w.settings.member_id,
-            request_id=request.request_id,
-        )
+        reply = _grant_to_proto(grant, ttl_s, w.settings.member_id, request.request_id)
+        reply.group_grants.extend(_grant_to_proto(g, ttl_s, w.settings.member_id, request.request_id)
+                                  for g in w.group_grants(grant))
+        return reply
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         w = self.w

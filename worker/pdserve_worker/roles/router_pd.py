@@ -68,6 +68,12 @@ class Timeouts:
     prefill_s: float = 600.0  # deadline of one Prefill call
 
 
+def push_targets(grant: worker_pb2.Grant) -> list[worker_pb2.Grant]:
+    """Where the prefill pushes: every member of a layer-sharded group (its leader lists them
+    in `group_grants`), else the one decode that granted the slot."""
+    return list(grant.group_grants) or [grant]
+
+
 class PDBackend:
     """`roles.backend.Backend` over the broker's membership of prefill and decode workers."""
 
@@ -178,7 +184,7 @@ class PDBackend:
         ))
         prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
             worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                                      targets=[grant]),
+                                      targets=push_targets(grant)),
             timeout=self._t.prefill_s,
         ))
         info: RequestInfo | None = None

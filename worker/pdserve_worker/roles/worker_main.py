@@ -93,7 +93,17 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     from pdserve_worker.rpc.auth import TokenTable
     from pdserve_worker.rpc.channels import aio_server, bind
     from pdserve_worker.rpc.membership import Role
-    from pdserve.v1 import worker_pb2_grpc
+    from pdserve.v1 import shard_pb2_grpc, worker_pb2_grpc
+    from pdserve_worker.roles.decode_shard import (
+        DecodeShardServicer,
+        GroupLeader,
+        RemoteShard,
+        ShardError,
+        ShardFollower,
+        describe_followers,
+        is_follower,
+        member_layers,
+    )
     from pdserve_worker.transfer.engine import create_engine
 
     stop = _stop_event()
@@ -103,6 +113,9 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
 
     async def drain() -> dict[str, Any]:
         """GET /drain: the pod's preStop hook (pod_env.py)."""
+        if isinstance(worker, ShardFollower) and state.phase in ("ready", "draining"):
+            state.phase = "draining"  # serve the leader's steps until it has drained and let go
+            return {"drained": await worker.drain(settings.drain_timeout_seconds), "busy": worker.open_streams}
         if decode is None or state.phase not in ("ready", "draining"):
             state.phase = "draining"
             return {"drained": True, "busy": 0}
@@ -124,7 +137,8 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         state.phase = "loading"
         try:
             folder = await asyncio.to_thread(resolve_model_folder, settings)
-            loaded = await asyncio.to_thread(load_model, str(folder), settings.model_dtype, settings.device)
+            layers = member_layers(settings, folder)  # a layer-sharded decode member loads only its share
+            loaded = await asyncio.to_thread(load_model, str(folder), settings.model_dtype, settings.device, layers)
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
         revision = model_revision(folder, settings.model_dtype)
@@ -133,7 +147,21 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         if status != backend.api.SUCCESS:
             raise StartupError(f"transfer engine {settings.engine_id} failed to initialize: status {status}")
         server = aio_server(TokenTable({settings.service: settings.token}))
-        if settings.role == "decode":
+        if is_follower(settings):
+            worker = ShardFollower(settings, loaded, backend)
+            shard_pb2_grpc.add_DecodeShardServicer_to_server(DecodeShardServicer(worker), server)
+            load_fn = None
+        elif settings.role == "decode" and settings.layer_shards > 1:
+            remotes = [RemoteShard(peer, settings.token) for peer in settings.peers[1:]]
+            try:
+                followers = await asyncio.to_thread(describe_followers, remotes)
+            except ShardError as exc:
+                raise StartupError(str(exc)) from exc
+            worker = decode = GroupLeader(settings, loaded, backend, revision, remotes, followers)
+            worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), server)
+            decode.start()
+            load_fn = decode.load
+        elif settings.role == "decode":
             worker = decode = DecodeWorker(settings, loaded, backend, revision)
             worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), server)
             decode.start()
@@ -151,7 +179,8 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             return
         state.phase = "registering"
         try:
-            await broker.register(worker.member_info(), load=load_fn, timeout_s=REGISTER_TIMEOUT_S)
+            if load_fn is not None:  # a group's followers are part of their leader's instance
+                await broker.register(worker.member_info(), load=load_fn, timeout_s=REGISTER_TIMEOUT_S)
         except (BrokerError, TimeoutError) as exc:
             raise StartupError(f"broker {settings.broker_address} did not register us: {exc}") from exc
         if isinstance(worker, PrefillWorker):
@@ -167,8 +196,12 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             state.phase = "draining"
             await broker.set_draining(True)
             await decode.drain(settings.drain_timeout_seconds)
+        if isinstance(worker, ShardFollower) and state.phase != "draining":
+            state.phase = "draining"
+            await worker.drain(settings.drain_timeout_seconds)
         state.phase = "stopping"
-        await broker.deregister()
+        if load_fn is not None:
+            await broker.deregister()
     finally:
         state.phase = "stopping"
         await broker.close()
