@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class Timeouts:
     readiness_ms: int = 300_000  # how long the decode waits for the KV (prefill queueing included)
     prefill_s: float = 600.0  # deadline of one Prefill call
     max_retries: int = 2  # a request survives this many failed decode or prefill workers
+    resume_wait_s: float = 10.0  # how long a retry waits for a free slot before giving up
 
 
 class PDBackend:
@@ -182,6 +184,7 @@ class PDBackend:
         avoid: set[str] = set()
         retries = 0
         failure: _Retryable | None = None
+        resume_deadline = 0.0
         while True:
             try:
                 async for event in self._attempt(prompt_ids, emitted, params, request_id, avoid, retries):
@@ -192,11 +195,16 @@ class PDBackend:
             except (NoCapacity, BackendUnavailable) as exc:
                 if failure is None:
                     raise
+                if isinstance(exc, NoCapacity) and time.monotonic() < resume_deadline:
+                    # A stream cannot be answered 429 midway: wait for a slot to come free.
+                    await asyncio.sleep(exc.retry_after_s)
+                    continue
                 # A retry found no worker left: the failure that made it is what the client should hear of.
                 raise type(failure.error)(f"{failure.error}; no other worker could take request {request_id} "
                                           f"over after {len(emitted)} tokens: {exc}") from None
             except _Retryable as caught:
                 failure = caught
+                resume_deadline = time.monotonic() + self._t.resume_wait_s
                 retries += 1
                 if retries > self._t.max_retries:
                     raise failure.error from None
