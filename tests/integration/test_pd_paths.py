@@ -10,6 +10,7 @@ given back on every one of them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -53,12 +54,44 @@ class StuckPrefill(worker_pb2_grpc.PrefillServicer):
         await asyncio.Event().wait()
 
 
+class FreezingDecode(worker_pb2_grpc.DecodeServicer):
+    """A decode that stops answering after `after` tokens, without closing its connections (a
+    frozen process): it relays a real decode's calls, then goes silent, Status included."""
+
+    def __init__(self, real: worker_pb2_grpc.DecodeStub, after: int) -> None:
+        self.real, self.after = real, after
+        self.frozen = asyncio.Event()
+
+    async def Reserve(self, request, context):
+        return await self.real.Reserve(request)
+
+    async def Release(self, request, context):
+        return await self.real.Release(request)
+
+    async def Generate(self, request, context):
+        upstream = self.real.Generate(request)
+        relayed = 0
+        async for event in upstream:
+            yield event
+            relayed += 1
+            if relayed == self.after:
+                break
+        upstream.cancel()  # the real decode frees the slot; the router is left waiting
+        self.frozen.set()
+        await asyncio.Event().wait()
+
+    async def Status(self, request, context):
+        await asyncio.Event().wait()
+
+
 @dataclass
 class Cluster:
     backend: PDBackend
     decode: DecodeWorker
     decode_stub: worker_pb2_grpc.DecodeStub
     prefill_stubs: list[worker_pb2_grpc.PrefillStub]
+    freezing: FreezingDecode | None = None
+    freezing_member: BrokerClient | None = None
 
 
 def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> WorkerSettings:
@@ -69,7 +102,8 @@ def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> Wor
 
 
 @asynccontextmanager
-async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms: int = 10_000) -> AsyncIterator[Cluster]:
+async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms: int = 10_000,
+                  freeze_after: int | None = None) -> AsyncIterator[Cluster]:
     """prefill: "real", "stuck" (never pushes) or "down" (registered, nobody listening); a tuple
     starts one prefill of each kind, prefill-0 first (the one the router tries first)."""
     kinds = (prefill,) if isinstance(prefill, str) else prefill
@@ -117,18 +151,35 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
             await join(MemberInfo(worker_id=f"prefill-{index}", role=Role.PREFILL,
                                   grpc_endpoint=p_settings.grpc_endpoint, revision=REVISION))
 
+        freezing = freezing_member = None
+        if freeze_after is not None:  # decode-9, in front of decode-0 (it claims more free slots)
+            f_port = free_port()
+            real = worker_pb2_grpc.DecodeStub(aio_channel(d_settings.grpc_endpoint, TOKEN))
+            freezing = FreezingDecode(real, freeze_after)
+            server = aio_server(TokenTable({SVC: TOKEN}))
+            worker_pb2_grpc.add_DecodeServicer_to_server(freezing, server)
+            bind(server, "127.0.0.1", f_port)
+            await server.start()
+            servers.append(server)
+            # The real decode's engine and pool, but more slots claimed: the router tries it first.
+            real_info = decode.member_info()
+            await join(dataclasses.replace(real_info, worker_id="decode-9", grpc_endpoint=f"127.0.0.1:{f_port}",
+                                           kv_layout=dataclasses.replace(real_info.kv_layout, num_slots=64),
+                                           slots_total=64, slots_free=64))
+            freezing_member = clients[-1]
+
         router_broker = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
         clients.append(router_broker)
         backend = PDBackend(model_name="tiny", tokenizer=loaded.tokenizer, max_model_len=MAX_LEN, revision=REVISION,
                             broker=router_broker, token=TOKEN,
                             timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30))
         await backend.start()
-        await backend.view.wait_for(lambda v: len(v.members) == 1 + len(kinds), 5)
+        await backend.view.wait_for(lambda v: len(v.members) == 1 + len(kinds) + (freezing is not None), 5)
         channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
         p_channels = [aio_channel(e, TOKEN) for e in p_endpoints]
         try:
             yield Cluster(backend, decode, worker_pb2_grpc.DecodeStub(channel),
-                          [worker_pb2_grpc.PrefillStub(c) for c in p_channels])
+                          [worker_pb2_grpc.PrefillStub(c) for c in p_channels], freezing, freezing_member)
         finally:
             for c in [channel, *p_channels]:
                 await c.close()
@@ -321,3 +372,22 @@ async def test_when_every_prefill_fails_the_error_says_no_worker_was_left(loaded
             await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
         assert "prefill-1" in str(raised.value)
         await eventually(lambda: c.decode.busy_slots() == 0)
+
+
+@pytest.mark.asyncio
+async def test_a_decode_that_freezes_mid_stream_is_given_up_when_it_leaves_the_membership(loaded):
+    """No connection breaks: once the broker drops the member, the router probes it, gets no
+    answer, and resumes the request on another decode after the tokens already streamed."""
+    prompt = loaded.tokenizer.encode("A language model predicts")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    async with cluster(loaded, freeze_after=4) as c:
+        assert c.freezing is not None and c.freezing_member is not None
+        task = asyncio.ensure_future(collect(c.backend, prompt, params))
+        await asyncio.wait_for(c.freezing.frozen.wait(), 10)
+        assert not task.done()  # the stream hangs on the frozen decode
+        await c.freezing_member.deregister()  # what its lapsed lease does
+        tokens, events = await asyncio.wait_for(task, 15)
+        assert [(e.token_id, e.text) for e in events] == _reference(loaded, prompt, params)
+        info = [e.info for e in events if e.info is not None][-1]
+        assert info.decode == "decode-0" and info.retries == 1
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS)

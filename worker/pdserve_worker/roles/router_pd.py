@@ -105,6 +105,8 @@ class PDBackend:
         self._inflight_decode: Counter[str] = Counter()
         self._inflight_prefill: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
+        # Set when a decode is found lost (left the membership and does not answer): its streams end.
+        self._lost: dict[str, asyncio.Event] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -149,9 +151,11 @@ class PDBackend:
         if event.type is EventType.REMOVED:
             if member.role is Role.DECODE and self._metrics is not None:
                 self._metrics.forget_decode(member.worker_id)
-            channel = self._channels.pop(member.info.grpc_endpoint, None)
-            if channel is not None:
-                self._spawn(channel.close())
+            if member.role is Role.DECODE and self._inflight_decode[member.worker_id] > 0:
+                # Closing its channel now would cancel our streams there: the probe decides.
+                self._spawn(self._probe_decode(member))
+                return
+            self._close_channel(member.info.grpc_endpoint)
             return
         if member.role is Role.DECODE and self._metrics is not None:
             used = member.load.slots_used
@@ -159,6 +163,27 @@ class PDBackend:
         if member.info.revision != self.revision:
             log.warning(kv(event="member_revision_mismatch", worker=member.worker_id, role=member.role,
                            revision=member.info.revision, ours=self.revision))
+
+    async def _probe_decode(self, member: Member) -> None:
+        """A decode with our streams left the membership: if it does not answer either (frozen,
+        or gone without closing its connections), its streams are given up and resumed
+        elsewhere. One that answers keeps them: the broker may merely have restarted."""
+        channel = aio_channel(member.info.grpc_endpoint, self._token)
+        try:
+            await worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest(), timeout=self._t.rpc_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(kv(event="decode_lost", decode=member.worker_id, code=exc.code().name,
+                           streams=self._inflight_decode[member.worker_id]))
+            self._lost.pop(member.worker_id, asyncio.Event()).set()
+            await asyncio.sleep(0)  # the streams give up (and cancel their calls) before the channel closes
+            self._close_channel(member.info.grpc_endpoint)
+        finally:
+            await channel.close()
+
+    def _close_channel(self, endpoint: str) -> None:
+        channel = self._channels.pop(endpoint, None)
+        if channel is not None:
+            self._spawn(channel.close())
 
     # ---- tokenizing ------------------------------------------------------------------------------
 
@@ -234,11 +259,12 @@ class PDBackend:
                                       targets=[grant], num_generated=len(emitted)),
             timeout=self._t.prefill_s,
         ))
+        lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
         info: RequestInfo | None = None
         finished = False
         try:
             while True:
-                event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id)
+                event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
                 reason = _FINISH.get(event.finish_reason)
                 if event.finish_reason and reason is None:
                     raise _Retryable(decode.worker_id,
@@ -273,14 +299,24 @@ class PDBackend:
                 prefill_call.cancel()
                 self._spawn(self._release(decode_stub, decode.worker_id, grant))
 
-    async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str):
-        """The decode's next event; if the prefill fails first, its error (the decode would wait in vain)."""
+    async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str,
+                          lost: asyncio.Event):
+        """The decode's next event; if the prefill fails first, its error (the decode would wait in
+        vain); if the decode is found lost first, a retryable failure (its stream may never end)."""
         read = asyncio.ensure_future(call.read())
-        if not prefill_call.done():
-            await asyncio.wait({read, prefill_call}, return_when=asyncio.FIRST_COMPLETED)
+        lost_wait = asyncio.ensure_future(lost.wait())
+        try:
+            waiting = {read, lost_wait} | (set() if prefill_call.done() else {prefill_call})
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done() and lost.is_set():
+                read.cancel()
+                raise _Retryable(decode_id, BackendUnavailable(
+                    f"decode {decode_id} left the membership and does not answer"))
             if prefill_call.done() and not read.done() and prefill_call.exception() is not None:
                 read.cancel()
                 await self._prefill_reply(prefill_call, prefill_id)  # raises the mapped error
+        finally:
+            lost_wait.cancel()
         event = await read
         if event is grpc.aio.EOF:
             raise _Retryable(decode_id, BackendError(f"decode {decode_id} ended the stream without a finish reason"))
