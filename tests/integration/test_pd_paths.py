@@ -152,9 +152,12 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
                                   grpc_endpoint=p_settings.grpc_endpoint, revision=REVISION))
 
         freezing = freezing_member = None
+        relay_channels: list[grpc.aio.Channel] = []
         if freeze_after is not None:  # decode-9, in front of decode-0 (it claims more free slots)
             f_port = free_port()
-            real = worker_pb2_grpc.DecodeStub(aio_channel(d_settings.grpc_endpoint, TOKEN))
+            relay_channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
+            relay_channels.append(relay_channel)
+            real = worker_pb2_grpc.DecodeStub(relay_channel)
             freezing = FreezingDecode(real, freeze_after)
             server = aio_server(TokenTable({SVC: TOKEN}))
             worker_pb2_grpc.add_DecodeServicer_to_server(freezing, server)
@@ -181,7 +184,7 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
             yield Cluster(backend, decode, worker_pb2_grpc.DecodeStub(channel),
                           [worker_pb2_grpc.PrefillStub(c) for c in p_channels], freezing, freezing_member)
         finally:
-            for c in [channel, *p_channels]:
+            for c in [channel, *p_channels, *relay_channels]:
                 await c.close()
             await backend.close()
     finally:
