@@ -54,6 +54,37 @@ class StuckPrefill(worker_pb2_grpc.PrefillServicer):
         await asyncio.Event().wait()
 
 
+class _Died(RuntimeError):
+    pass
+
+
+class _DiesAfterOneChunk:
+    """The model of a prefill process that is killed right after its first layer chunk was pushed."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill(self, prompt, cache, slot, layers_per_chunk=None, on_chunk=None):
+        def first_chunk_then_die(layers: range) -> None:
+            on_chunk(layers)
+            raise _Died(f"killed after pushing layers {layers.start}..{layers.stop - 1}")
+
+        return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=first_chunk_then_die)
+
+
+class DyingPrefill(PrefillServicer):
+    """A real prefill whose process dies mid-push: the router sees what a dead peer looks like."""
+
+    async def Prefill(self, request, context):
+        try:
+            return await super().Prefill(request, context)
+        except _Died as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"connection reset: {exc}")
+
+
 class FreezingDecode(worker_pb2_grpc.DecodeServicer):
     """A decode that stops answering after `after` tokens, without closing its connections (a
     frozen process): it relays a real decode's calls, then goes silent, Status included."""
@@ -104,7 +135,8 @@ def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> Wor
 @asynccontextmanager
 async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms: int = 10_000,
                   freeze_after: int | None = None) -> AsyncIterator[Cluster]:
-    """prefill: "real", "stuck" (never pushes) or "down" (registered, nobody listening); a tuple
+    """prefill: "real", "stuck" (never pushes), "dies" (killed after its first pushed layer chunk)
+    or "down" (registered, nobody listening); a tuple
     starts one prefill of each kind, prefill-0 first (the one the router tries first)."""
     kinds = (prefill,) if isinstance(prefill, str) else prefill
     broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
@@ -138,13 +170,14 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
         for index, kind in enumerate(kinds):
             p_settings = worker_settings("prefill", broker.port, index)
             p_endpoints.append(p_settings.grpc_endpoint)
-            if kind == "real":
+            if kind in ("real", "dies"):
                 p_backend = create_engine("cpu")
                 assert p_backend.engine.initialize(p_settings.engine_id) == p_backend.api.SUCCESS
                 engines.append(p_backend)
-                worker = PrefillWorker(p_settings, loaded, p_backend, REVISION)
+                model = loaded if kind == "real" else dataclasses.replace(loaded, model=_DiesAfterOneChunk(loaded.model))
+                worker = PrefillWorker(p_settings, model, p_backend, REVISION)
                 workers.append(worker)
-                servicer = PrefillServicer(worker)
+                servicer = (PrefillServicer if kind == "real" else DyingPrefill)(worker)
                 await serve(p_settings, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s))
             elif kind == "stuck":
                 await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
@@ -394,3 +427,16 @@ async def test_a_decode_that_freezes_mid_stream_is_given_up_when_it_leaves_the_m
         info = [e.info for e in events if e.info is not None][-1]
         assert info.decode == "decode-0" and info.retries == 1
         await eventually(lambda: c.decode.slots.usage().free == SLOTS)
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_dies_mid_push_is_replaced_and_its_partial_kv_never_read(loaded):
+    prompt = loaded.tokenizer.encode("Numbers like 12345 and")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    async with cluster(loaded, prefill=("dies", "real")) as c:
+        tokens, events = await collect(c.backend, prompt, params)
+        assert [(e.token_id, e.text) for e in events] == _reference(loaded, prompt, params)
+        info = [e.info for e in events if e.info is not None][-1]
+        assert info.prefill == "prefill-1" and info.retries == 1
+        usage = c.decode.slots.usage()
+        assert usage.quarantined == 1 and usage.reserved == usage.committed == 0  # the half-written slot
