@@ -431,7 +431,8 @@ class PDInferenceServiceStatus(Model):
 
 def parse_spec(spec: dict[str, Any] | None) -> PDInferenceServiceSpec:
     """Validate a resource's `.spec` (raises pydantic.ValidationError naming the fields)."""
-    return PDInferenceServiceSpec.model_validate(spec or {})
+    # Only a missing spec means "all defaults": an empty list or 0 is a malformed one.
+    return PDInferenceServiceSpec.model_validate({} if spec is None else spec)
 
 
 def describe(exc: ValidationError) -> str:

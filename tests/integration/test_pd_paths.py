@@ -10,6 +10,7 @@ given back on every one of them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from pdserve_worker.roles.router_pd import PDBackend, Timeouts
 from pdserve_worker.rpc.auth import TokenTable
 from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.channels import aio_channel, aio_server, bind
+from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.membership import MemberInfo, Role
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import create_engine
@@ -52,23 +54,91 @@ class StuckPrefill(worker_pb2_grpc.PrefillServicer):
         await asyncio.Event().wait()
 
 
+class _Died(RuntimeError):
+    pass
+
+
+class _DiesAfterOneChunk:
+    """The model of a prefill process that is killed right after its first layer chunk was pushed."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill(self, prompt, cache, slot, layers_per_chunk=None, on_chunk=None):
+        def first_chunk_then_die(layers: range) -> None:
+            on_chunk(layers)
+            raise _Died(f"killed after pushing layers {layers.start}..{layers.stop - 1}")
+
+        return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=first_chunk_then_die)
+
+
+class DyingPrefill(PrefillServicer):
+    """A real prefill whose process dies mid-push: the router sees what a dead peer looks like."""
+
+    async def Prefill(self, request, context):
+        try:
+            return await super().Prefill(request, context)
+        except _Died as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"connection reset: {exc}")
+
+
+class FreezingDecode(worker_pb2_grpc.DecodeServicer):
+    """A decode that stops answering after `after` tokens, without closing its connections (a
+    frozen process): it relays a real decode's calls, then goes silent, Status included."""
+
+    def __init__(self, real: worker_pb2_grpc.DecodeStub, after: int) -> None:
+        self.real, self.after = real, after
+        self.frozen = asyncio.Event()
+
+    async def Reserve(self, request, context):
+        return await self.real.Reserve(request)
+
+    async def Release(self, request, context):
+        return await self.real.Release(request)
+
+    async def Generate(self, request, context):
+        upstream = self.real.Generate(request)
+        relayed = 0
+        async for event in upstream:
+            yield event
+            relayed += 1
+            if relayed == self.after:
+                break
+        upstream.cancel()  # the real decode frees the slot; the router is left waiting
+        self.frozen.set()
+        await asyncio.Event().wait()
+
+    async def Status(self, request, context):
+        await asyncio.Event().wait()
+
+
 @dataclass
 class Cluster:
     backend: PDBackend
     decode: DecodeWorker
     decode_stub: worker_pb2_grpc.DecodeStub
+    prefill_stubs: list[worker_pb2_grpc.PrefillStub]
+    freezing: FreezingDecode | None = None
+    freezing_member: BrokerClient | None = None
 
 
-def worker_settings(role: str, broker_port: int, **extra) -> WorkerSettings:
+def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> WorkerSettings:
     return WorkerSettings(role=role, service=SVC, broker_address=f"127.0.0.1:{broker_port}", broker_token=TOKEN,
-                          worker_id=f"{role}-0", advertise_host="127.0.0.1", grpc_port=free_port(),
+                          worker_id=f"{role}-{index}", advertise_host="127.0.0.1", grpc_port=free_port(),
                           transfer_port=free_port(), model_dtype="float32", max_length=MAX_LEN, slots=SLOTS,
                           layers_per_chunk=1, transfer_timeout_ms=1000, **extra)
 
 
 @asynccontextmanager
-async def cluster(loaded, prefill: str = "real", readiness_ms: int = 10_000) -> AsyncIterator[Cluster]:
-    """prefill: "real", "stuck" (never pushes) or "down" (registered, nobody listening)."""
+async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms: int = 10_000,
+                  freeze_after: int | None = None) -> AsyncIterator[Cluster]:
+    """prefill: "real", "stuck" (never pushes), "dies" (killed after its first pushed layer chunk)
+    or "down" (registered, nobody listening); a tuple
+    starts one prefill of each kind, prefill-0 first (the one the router tries first)."""
+    kinds = (prefill,) if isinstance(prefill, str) else prefill
     broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
     broker.start("127.0.0.1", 0)
     engines, servers, clients, workers = [], [], [], []
@@ -96,18 +166,43 @@ async def cluster(loaded, prefill: str = "real", readiness_ms: int = 10_000) -> 
         await serve(d_settings, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s))
         await join(decode.member_info(), decode.load)
 
-        p_settings = worker_settings("prefill", broker.port)
-        if prefill == "real":
-            p_backend = create_engine("cpu")
-            assert p_backend.engine.initialize(p_settings.engine_id) == p_backend.api.SUCCESS
-            engines.append(p_backend)
-            worker = PrefillWorker(p_settings, loaded, p_backend, REVISION)
-            workers.append(worker)
-            await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), s))
-        elif prefill == "stuck":
-            await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
-        await join(MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint=p_settings.grpc_endpoint,
-                              revision=REVISION))
+        p_endpoints = []
+        for index, kind in enumerate(kinds):
+            p_settings = worker_settings("prefill", broker.port, index)
+            p_endpoints.append(p_settings.grpc_endpoint)
+            if kind in ("real", "dies"):
+                p_backend = create_engine("cpu")
+                assert p_backend.engine.initialize(p_settings.engine_id) == p_backend.api.SUCCESS
+                engines.append(p_backend)
+                model = loaded if kind == "real" else dataclasses.replace(loaded, model=_DiesAfterOneChunk(loaded.model))
+                worker = PrefillWorker(p_settings, model, p_backend, REVISION)
+                workers.append(worker)
+                servicer = (PrefillServicer if kind == "real" else DyingPrefill)(worker)
+                await serve(p_settings, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s))
+            elif kind == "stuck":
+                await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
+            await join(MemberInfo(worker_id=f"prefill-{index}", role=Role.PREFILL,
+                                  grpc_endpoint=p_settings.grpc_endpoint, revision=REVISION))
+
+        freezing = freezing_member = None
+        relay_channels: list[grpc.aio.Channel] = []
+        if freeze_after is not None:  # decode-9, in front of decode-0 (it claims more free slots)
+            f_port = free_port()
+            relay_channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
+            relay_channels.append(relay_channel)
+            real = worker_pb2_grpc.DecodeStub(relay_channel)
+            freezing = FreezingDecode(real, freeze_after)
+            server = aio_server(TokenTable({SVC: TOKEN}))
+            worker_pb2_grpc.add_DecodeServicer_to_server(freezing, server)
+            bind(server, "127.0.0.1", f_port)
+            await server.start()
+            servers.append(server)
+            # The real decode's engine and pool, but more slots claimed: the router tries it first.
+            real_info = decode.member_info()
+            await join(dataclasses.replace(real_info, worker_id="decode-9", grpc_endpoint=f"127.0.0.1:{f_port}",
+                                           kv_layout=dataclasses.replace(real_info.kv_layout, num_slots=64),
+                                           slots_total=64, slots_free=64))
+            freezing_member = clients[-1]
 
         router_broker = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
         clients.append(router_broker)
@@ -115,12 +210,15 @@ async def cluster(loaded, prefill: str = "real", readiness_ms: int = 10_000) -> 
                             broker=router_broker, token=TOKEN,
                             timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30))
         await backend.start()
-        await backend.view.wait_for(lambda v: len(v.members) == 2, 5)
+        await backend.view.wait_for(lambda v: len(v.members) == 1 + len(kinds) + (freezing is not None), 5)
         channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
+        p_channels = [aio_channel(e, TOKEN) for e in p_endpoints]
         try:
-            yield Cluster(backend, decode, worker_pb2_grpc.DecodeStub(channel))
+            yield Cluster(backend, decode, worker_pb2_grpc.DecodeStub(channel),
+                          [worker_pb2_grpc.PrefillStub(c) for c in p_channels], freezing, freezing_member)
         finally:
-            await channel.close()
+            for c in [channel, *p_channels, *relay_channels]:
+                await c.close()
             await backend.close()
     finally:
         for c in clients:
@@ -243,3 +341,102 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot(loaded):
         await stream.aclose()
         await eventually(lambda: c.decode.busy_slots() == 0 and c.decode.loop.active == 0)
         assert c.decode.slots.usage().free == SLOTS  # committed slots come back free, not quarantined
+
+
+def _reference(loaded, prompt: list[int], params: SamplingParams):
+    from pdserve_worker.model.generate import Generator
+
+    gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
+    gen.add(prompt, params)
+    return [(o.token_id, o.text) for o in gen.stream()]
+
+
+@pytest.mark.asyncio
+async def test_generate_resumes_a_stream_at_num_generated(loaded):
+    """What the router does after a decode died: prompt + emitted tokens re-prefilled, stream goes on."""
+    prompt = loaded.tokenizer.encode("The quick brown fox")
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=3, ignore_eos=True)
+    expected = _reference(loaded, prompt, params)
+    k = 5
+    emitted = [t for t, _ in expected[:k]]
+    async with cluster(loaded) as c:
+        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
+            request_id="r", num_prompt_tokens=len(prompt) + k, max_tokens=params.max_tokens - k))
+        sampling = sampling_to_proto(params)
+        call = c.decode_stub.Generate(worker_pb2.GenerateRequest(
+            request_id="r", slot=grant.slot, generation=grant.generation, prompt_token_ids=prompt + emitted,
+            sampling=sampling, readiness_timeout_ms=5000, num_generated=k))
+        await c.prefill_stubs[0].Prefill(worker_pb2.PrefillRequest(
+            request_id="r", prompt_token_ids=prompt + emitted, sampling=sampling, targets=[grant], num_generated=k))
+        events = [e async for e in call]
+        assert [e.index for e in events] == list(range(k, params.max_tokens))
+        assert [(e.token_id, e.text) for e in events] == expected[k:]
+        assert events[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS)
+
+
+@pytest.mark.asyncio
+async def test_generate_refuses_a_resume_with_nothing_before_it(loaded):
+    async with cluster(loaded) as c:
+        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="r", num_prompt_tokens=2,
+                                                                      max_tokens=2))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in c.decode_stub.Generate(worker_pb2.GenerateRequest(
+                    request_id="r", slot=grant.slot, generation=grant.generation, prompt_token_ids=[1, 2],
+                    num_generated=2, readiness_timeout_ms=200)):
+                pass
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_generated" in raised.value.details()
+
+
+@pytest.mark.asyncio
+async def test_a_stuck_prefill_is_replaced_by_another(loaded):
+    prompt = loaded.tokenizer.encode("Paris is the capital of")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    async with cluster(loaded, prefill=("stuck", "real"), readiness_ms=300) as c:
+        tokens, events = await collect(c.backend, prompt, params)
+        assert [(e.token_id, e.text) for e in events] == _reference(loaded, prompt, params)
+        info = [e.info for e in events if e.info is not None][-1]
+        assert info.prefill == "prefill-1" and info.retries == 1
+        usage = c.decode.slots.usage()
+        assert usage.quarantined == 1 and usage.reserved == usage.committed == 0  # the abandoned slot
+
+
+@pytest.mark.asyncio
+async def test_when_every_prefill_fails_the_error_says_no_worker_was_left(loaded):
+    async with cluster(loaded, prefill=("stuck", "down"), readiness_ms=300) as c:
+        with pytest.raises(BackendUnavailable, match="no other worker could take request req-1 over") as raised:
+            await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
+        assert "prefill-1" in str(raised.value)
+        await eventually(lambda: c.decode.busy_slots() == 0)
+
+
+@pytest.mark.asyncio
+async def test_a_decode_that_freezes_mid_stream_is_given_up_when_it_leaves_the_membership(loaded):
+    """No connection breaks: once the broker drops the member, the router probes it, gets no
+    answer, and resumes the request on another decode after the tokens already streamed."""
+    prompt = loaded.tokenizer.encode("A language model predicts")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    async with cluster(loaded, freeze_after=4) as c:
+        assert c.freezing is not None and c.freezing_member is not None
+        task = asyncio.ensure_future(collect(c.backend, prompt, params))
+        await asyncio.wait_for(c.freezing.frozen.wait(), 10)
+        assert not task.done()  # the stream hangs on the frozen decode
+        await c.freezing_member.deregister()  # what its lapsed lease does
+        tokens, events = await asyncio.wait_for(task, 15)
+        assert [(e.token_id, e.text) for e in events] == _reference(loaded, prompt, params)
+        info = [e.info for e in events if e.info is not None][-1]
+        assert info.decode == "decode-0" and info.retries == 1
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS)
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_dies_mid_push_is_replaced_and_its_partial_kv_never_read(loaded):
+    prompt = loaded.tokenizer.encode("Numbers like 12345 and")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    async with cluster(loaded, prefill=("dies", "real")) as c:
+        tokens, events = await collect(c.backend, prompt, params)
+        assert [(e.token_id, e.text) for e in events] == _reference(loaded, prompt, params)
+        info = [e.info for e in events if e.info is not None][-1]
+        assert info.prefill == "prefill-1" and info.retries == 1
+        usage = c.decode.slots.usage()
+        assert usage.quarantined == 1 and usage.reserved == usage.committed == 0  # the half-written slot

@@ -134,3 +134,38 @@ def test_eos_stops_generation(tiny, prompts):
     )
     assert stopped.finish_reason == FINISH_STOP
     assert stopped.output_ids == free.output_ids[: free.output_ids.index(eos) + 1]
+
+
+def _stream_one(gen: Generator, prompt: list[int], params: SamplingParams) -> list[tuple[int | None, str, str | None]]:
+    gen.add(prompt, params)
+    return [(o.token_id, o.text, o.finish_reason) for o in gen.stream()]
+
+
+@pytest.mark.parametrize("stop", [(), ("the",)])
+def test_a_resumed_request_streams_exactly_what_the_broken_one_would_have(tiny, prompts, stop):
+    """Another worker emitted the first k tokens and died: the rest, text deltas included, is unchanged."""
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=5, ignore_eos=True, stop=list(stop))
+    reference = _stream_one(Generator(tiny.model, tiny.tokenizer, num_slots=1, max_len=64), prompts[2], params)
+    emitted = [t for t, _, _ in reference if t is not None]
+    for k in range(1, len(emitted)):
+        gen = Generator(tiny.model, tiny.tokenizer, num_slots=1, max_len=64)
+        slot = gen.reserve_slot()
+        tokens = prompts[2] + emitted[:k]
+        logits = tiny.model.prefill(tokens, gen.cache, slot)
+        first = Sampler(params).sample(logits, k)  # the prefill worker samples index k
+        _, out = gen.add_prefilled(tokens, slot, first, params, num_generated=k)
+        resumed = [(out.token_id, out.text, out.finish_reason)] + [
+            (o.token_id, o.text, o.finish_reason) for o in gen.stream()
+        ]
+        assert resumed == reference[k:], f"resumed after {k} tokens"
+        assert gen.reserve_slot() == slot
+
+
+def test_resuming_rejects_counts_that_leave_nothing_to_do(tiny, prompts):
+    gen = Generator(tiny.model, tiny.tokenizer, num_slots=1, max_len=64)
+    slot = gen.reserve_slot()
+    with pytest.raises(ValueError, match="max_tokens"):
+        gen.add_prefilled(prompts[0] + [1, 2], slot, 3, SamplingParams(max_tokens=2), num_generated=2)
+    with pytest.raises(ValueError, match="must leave a prompt"):
+        gen.add_prefilled([1, 2], slot, 3, GREEDY, num_generated=2)
+    assert not gen.has_work()

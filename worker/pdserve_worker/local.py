@@ -357,6 +357,17 @@ class LocalDeployment:
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.exited() is not None), None)
 
+    def restart_dead(self) -> list[Child]:
+        """Start again every child that exited, with its own ports and environment, as a pod's
+        restart policy would; `deployment.json` then has the new PIDs. Returns the restarted."""
+        dead = [c for c in self.children if c.exited() is not None]
+        for child in dead:
+            self.say(f"{child.name} (pid {child.pid}) exited with code {child.exited()}; restarting it")
+            child.start()
+        if dead:
+            self._write_manifest()
+        return dead
+
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop every child, front to back (router first, broker last), each by its PID."""
         for role in STOP_ORDER:

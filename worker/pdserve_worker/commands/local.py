@@ -34,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
     p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
     p.add_argument("--demo", action="store_true", help=f"ask {DEMO_QUESTION!r}, show the answer and timing, stop")
+    p.add_argument("--on-exit", choices=["stop", "restart", "ignore"], default="stop",
+                   help="when a child exits while serving: stop everything (default), restart it (as a pod's "
+                        "restart policy would), or carry on without it (fault-injection tests)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an extra environment variable for every child (repeatable), e.g. "
+                        "PDSERVE_READINESS_TIMEOUT_MS=3000")
     p.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the deployment to serve")
     p.set_defaults(func=run)
@@ -43,10 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from pdserve_worker.local import LocalDeployment, LocalPlan, LocalStartError, StopFlag
 
     try:
+        extra_env = _parse_env(args.env)
         plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
                          slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
                          layers_per_chunk=args.layers_per_chunk, layer_shards=args.layer_shards,
-                         log_dir=args.log_dir)
+                         log_dir=args.log_dir, extra_env=extra_env)
     except ValueError as exc:
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2
@@ -72,14 +79,27 @@ def run(args: argparse.Namespace) -> int:
               f"  pdserve complete --url {url} --chat --stream --prompt {DEMO_QUESTION!r}\n"
               f"Ctrl-C stops it.", file=sys.stderr, flush=True)
         while not flag.wait(0.5):
+            if args.on_exit == "restart":
+                deployment.restart_dead()
+                continue
             dead = deployment.dead_child()
-            if dead is not None:
+            if dead is not None and args.on_exit == "stop":
                 print(f"pdserve local: {dead.name} (pid {dead.pid}) exited with code {dead.exited()}; "
                       f"its last log lines:\n{dead.tail()}", file=sys.stderr)
                 return 1
         return 0
     finally:
         deployment.stop()
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env wants NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
 
 
 def _demo(url: str, shape: str) -> int:

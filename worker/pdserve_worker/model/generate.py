@@ -148,11 +148,26 @@ class Generator:
         first_token: int,
         params: SamplingParams,
         request_id: str | None = None,
+        num_generated: int = 0,
     ) -> tuple[str, StepOutput]:
-        """Adopt a request whose prompt KV is already in `slot` (reserved) and whose first token is known."""
-        request = self._new_request(prompt_ids, params, request_id)
+        """Adopt a request whose prompt KV is already in `slot` (reserved) and whose first token is known.
+
+        Resuming (`num_generated > 0`): the last `num_generated` of `prompt_ids` are tokens
+        another worker already emitted (its stream broke). They count as this request's
+        output: the sampler index, `max_tokens` and the detokenizer go on where that worker
+        was, so the text deltas of the rest are exactly those it would have streamed.
+        `first_token` is then the token at index `num_generated`.
+        """
+        ids = [int(t) for t in prompt_ids]
+        if not 0 <= num_generated < len(ids):
+            raise ValueError(f"num_generated ({num_generated}) must leave a prompt: {len(ids)} tokens in the slot")
+        if num_generated >= params.max_tokens:
+            raise ValueError(f"num_generated ({num_generated}) already reaches max_tokens ({params.max_tokens})")
+        split = len(ids) - num_generated
+        request = self._new_request(ids[:split], params, request_id)
+        self._replay(request, ids[split:])
         request.slot = slot
-        request.position = len(request.prompt_ids)
+        request.position = len(ids)
         self._running[request.request_id] = request
         return request.request_id, self._accept(request, first_token)
 
@@ -229,6 +244,20 @@ class Generator:
             detok=self.tokenizer.detokenizer(skip_special_tokens=True),
             matcher=StopStringMatcher(tuple(params.stop)),
         )
+
+    @staticmethod
+    def _replay(request: _Request, emitted: list[int]) -> None:
+        """Bring a fresh request to the state it had after emitting `emitted` (text discarded).
+
+        The detokenizer and stop-string matcher are fed as they were the first time, so what
+        they held back then (an incomplete character, a possible stop-string start) is still
+        held and comes out with the next tokens, as it would have.
+        """
+        for token in emitted:
+            request.output_ids.append(token)
+            request.matcher.feed(request.detok.push(token))
+        if emitted:
+            request.last_token = emitted[-1]
 
     def _admit(self) -> list[StepOutput]:
         outputs = []

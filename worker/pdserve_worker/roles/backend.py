@@ -35,6 +35,7 @@ class RequestInfo:
     kv_transfer_s: float | None = None  # wall time of that push, first put to completion
     prefill: str | None = None  # id of the prefill instance that served the prompt
     decode: str | None = None  # id of the decode instance that generated the tokens
+    retries: int = 0  # failed workers replaced while serving it (the request resumed elsewhere)
 
     def as_response_field(self) -> dict[str, object]:
         """The `pdserve` extension object of a response: JSON-ready, absent values left out."""
@@ -45,6 +46,8 @@ class RequestInfo:
             field["prefill"] = self.prefill
         if self.decode is not None:
             field["decode"] = self.decode
+        if self.retries:
+            field["retries"] = self.retries
         return field
 
 

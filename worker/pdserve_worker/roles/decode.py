@@ -244,11 +244,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         w = self.w
         slot, generation, prompt = request.slot, request.generation, list(request.prompt_token_ids)
         where = f"slot {slot} generation {generation} (request {request.request_id})"
-        if request.num_generated:
+        resumed = request.num_generated
+        if resumed >= len(prompt):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{where}: resuming a stream (num_generated={request.num_generated}) is not supported")
-        if not prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: prompt_token_ids is empty")
+                                f"{where}: num_generated ({resumed}) must be below the {len(prompt)} tokens of "
+                                "prompt_token_ids (the prompt, then the tokens already streamed)")
         try:
             params = sampling_from_proto(request.sampling)
         except ValidationError as exc:
@@ -277,14 +277,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             # From here the loop owns the slot and frees it when the request leaves the batch.
             stream = w.loop.submit_prefilled(
                 request.request_id, prompt, slot, ready.first_token, params,
-                on_done=lambda: w.slots.release(slot, generation),
+                on_done=lambda: w.slots.release(slot, generation), num_generated=resumed,
             )
-            index = 0
+            index = resumed  # a resumed stream goes on at the index where the broken one stopped
             async for out in stream:
                 event = worker_pb2.TokenEvent(index=index, text=out.text)
                 if out.token_id is not None:
                     event.token_id = out.token_id
-                if index == 0:
+                if index == resumed:
                     event.kv_bytes_received = w.kv_bytes(ready.num_tokens)
                     event.kv_pushed = True
                     event.ready_wait_s = ready.wait_s

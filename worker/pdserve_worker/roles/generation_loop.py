@@ -99,6 +99,7 @@ class _Add:
     params: SamplingParams
     slot: int | None = None
     first_token: int | None = None
+    num_generated: int = 0
 
 
 @dataclass
@@ -164,11 +165,16 @@ class GenerationLoop:
         first_token: int,
         params: SamplingParams,
         on_done: Callable[[], None],
+        num_generated: int = 0,
     ) -> RequestStream:
-        """A request whose prompt KV is in `slot`; `on_done` runs once the slot is no longer used."""
+        """A request whose prompt KV is in `slot`; `on_done` runs once the slot is no longer used.
+
+        `num_generated`: the last that many of `prompt_ids` were already emitted elsewhere
+        (a resumed stream, see `Generator.add_prefilled`).
+        """
         if not self._external:
             raise RuntimeError("this loop allocates its own slots: use submit")
-        return self._enqueue(request_id, prompt_ids, params, slot, first_token, on_done)
+        return self._enqueue(request_id, prompt_ids, params, slot, first_token, on_done, num_generated)
 
     def cancel(self, stream: RequestStream) -> None:
         """Stop a request early (the client went away); its slot is freed by the loop."""
@@ -182,6 +188,7 @@ class GenerationLoop:
         slot: int | None,
         first_token: int | None,
         on_done: Callable[[], None] | None,
+        num_generated: int = 0,
     ) -> RequestStream:
         if self._stopping.is_set():
             raise RequestFailed("the generation loop is stopping")
@@ -189,7 +196,8 @@ class GenerationLoop:
         internal = f"{request_id}#{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop(), internal)
         entry = _Entry(stream, on_done=on_done)
-        self._commands.put(_Add(entry, internal, [int(t) for t in prompt_ids], params, slot, first_token))
+        self._commands.put(_Add(entry, internal, [int(t) for t in prompt_ids], params, slot, first_token,
+                                num_generated))
         return stream
 
     # ---- the scheduler thread -----------------------------------------------------------------
@@ -241,7 +249,8 @@ class GenerationLoop:
             assert command.first_token is not None
             entry.slot = command.slot
             _, first = self._gen.add_prefilled(
-                command.prompt_ids, command.slot, command.first_token, command.params, command.internal_id
+                command.prompt_ids, command.slot, command.first_token, command.params, command.internal_id,
+                command.num_generated,
             )
         except (ValueError, RuntimeError) as exc:
             # add_prefilled validates before it takes the slot: the slot was never the Generator's.

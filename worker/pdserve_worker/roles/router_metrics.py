@@ -99,6 +99,11 @@ class RouterMetrics:
             "Requests refused before reaching the backend (bad input), by HTTP status.",
             ["status"], registry=r,
         )
+        self.request_retries = Counter(
+            f"{_PREFIX}_request_retries",
+            "Times a request was resumed on another worker after its decode or prefill failed.",
+            registry=r,
+        )
         self.decode_slots_used = Gauge(
             f"{_PREFIX}_decode_slots_used", "KV slots in use per decode instance.", ["decode"], registry=r
         )
@@ -124,6 +129,10 @@ class RouterMetrics:
         if timing is not None:
             self._observe_tokens(timing, prompt_tokens)
         self.requests_failed.labels(reason=reason).inc()
+
+    def observe_retry(self) -> None:
+        """A request lost its decode or prefill and goes on elsewhere."""
+        self.request_retries.inc()
 
     def observe_rejected(self, status: int) -> None:
         self.requests_rejected.labels(status=str(status)).inc()

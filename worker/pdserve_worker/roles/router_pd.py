@@ -10,7 +10,13 @@ For each request (worker.proto's header has the contract):
 4. stream the decode's tokens to the router, with a `RequestInfo` saying the KV arrived by
    push: the bytes and the push time (from the prefill's reply), prefill and decode ids.
 
-Failures end the request cleanly: a failed prefill cancels the stream at once (the decode
+Failures of a worker are retried (`Timeouts.max_retries`): a decode whose stream breaks
+(killed, aborted) or a prefill that fails or never delivers (the decode's readiness wait
+times out) is avoided, and the request takes the road again with the tokens already streamed
+appended to the prompt (`num_generated`), so the client's stream continues without a gap.
+Failures that another worker would repeat (a bad prompt, no free slot) end the request.
+
+Each failed attempt is cleaned up: a failed prefill cancels the stream at once (the decode
 would otherwise wait for a notification that never comes), and a request that ends early
 for any reason (error, client gone, stop string) cancels its Generate, which frees the slot,
 and sends a Release for the grant in case Generate never claimed it (idempotent).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -66,6 +73,8 @@ class Timeouts:
     lease_ms: int = 30_000  # a grant lapses if Generate has not claimed it by then
     readiness_ms: int = 300_000  # how long the decode waits for the KV (prefill queueing included)
     prefill_s: float = 600.0  # deadline of one Prefill call
+    max_retries: int = 2  # a request survives this many failed decode or prefill workers
+    resume_wait_s: float = 10.0  # how long a retry waits for a free slot before giving up
 
 
 def push_targets(grant: worker_pb2.Grant) -> list[worker_pb2.Grant]:
@@ -102,6 +111,8 @@ class PDBackend:
         self._inflight_decode: Counter[str] = Counter()
         self._inflight_prefill: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
+        # Set when a decode is found lost (left the membership and does not answer): its streams end.
+        self._lost: dict[str, asyncio.Event] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -146,9 +157,11 @@ class PDBackend:
         if event.type is EventType.REMOVED:
             if member.role is Role.DECODE and self._metrics is not None:
                 self._metrics.forget_decode(member.worker_id)
-            channel = self._channels.pop(member.info.grpc_endpoint, None)
-            if channel is not None:
-                self._spawn(channel.close())
+            if member.role is Role.DECODE and self._inflight_decode[member.worker_id] > 0:
+                # Closing its channel now would cancel our streams there: the probe decides.
+                self._spawn(self._probe_decode(member))
+                return
+            self._close_channel(member.info.grpc_endpoint)
             return
         if member.role is Role.DECODE and self._metrics is not None:
             used = member.load.slots_used
@@ -156,6 +169,27 @@ class PDBackend:
         if member.info.revision != self.revision:
             log.warning(kv(event="member_revision_mismatch", worker=member.worker_id, role=member.role,
                            revision=member.info.revision, ours=self.revision))
+
+    async def _probe_decode(self, member: Member) -> None:
+        """A decode with our streams left the membership: if it does not answer either (frozen,
+        or gone without closing its connections), its streams are given up and resumed
+        elsewhere. One that answers keeps them: the broker may merely have restarted."""
+        channel = aio_channel(member.info.grpc_endpoint, self._token)
+        try:
+            await worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest(), timeout=self._t.rpc_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(kv(event="decode_lost", decode=member.worker_id, code=exc.code().name,
+                           streams=self._inflight_decode[member.worker_id]))
+            self._lost.pop(member.worker_id, asyncio.Event()).set()
+            await asyncio.sleep(0)  # the streams give up (and cancel their calls) before the channel closes
+            self._close_channel(member.info.grpc_endpoint)
+        finally:
+            await channel.close()
+
+    def _close_channel(self, endpoint: str) -> None:
+        channel = self._channels.pop(endpoint, None)
+        if channel is not None:
+            self._spawn(channel.close())
 
     # ---- tokenizing ------------------------------------------------------------------------------
 
@@ -171,39 +205,85 @@ class PDBackend:
     # ---- one request ------------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
-        prefill = self._pick_prefill()
-        decode, grant = await self._reserve(request_id, len(prompt_ids), params.max_tokens)
+        """Serve one request; a decode or prefill that fails midway is replaced (at most `max_retries` times).
+
+        The tokens already streamed are kept: a retry re-prefills the prompt followed by them
+        on another decode (`num_generated`), whose stream goes on at the next token, so the
+        client sees one answer with no token repeated or lost.
+        """
+        emitted: list[int] = []
+        avoid: set[str] = set()
+        retries = 0
+        failure: _Retryable | None = None
+        resume_deadline = 0.0
+        while True:
+            try:
+                async for event in self._attempt(prompt_ids, emitted, params, request_id, avoid, retries):
+                    if event.token_id is not None:
+                        emitted.append(event.token_id)
+                    yield event
+                return
+            except (NoCapacity, BackendUnavailable) as exc:
+                if failure is None:
+                    raise
+                if isinstance(exc, NoCapacity) and time.monotonic() < resume_deadline:
+                    # A stream cannot be answered 429 midway: wait for a slot to come free.
+                    await asyncio.sleep(exc.retry_after_s)
+                    continue
+                # A retry found no worker left: the failure that made it is what the client should hear of.
+                raise type(failure.error)(f"{failure.error}; no other worker could take request {request_id} "
+                                          f"over after {len(emitted)} tokens: {exc}") from None
+            except _Retryable as caught:
+                failure = caught
+                resume_deadline = time.monotonic() + self._t.resume_wait_s
+                retries += 1
+                if retries > self._t.max_retries:
+                    raise failure.error from None
+                avoid.add(failure.worker_id)
+                log.warning(kv(event="request_retry", request=request_id, retry=retries, failed=failure.worker_id,
+                               emitted=len(emitted), error=str(failure.error)))
+                if self._metrics is not None:
+                    self._metrics.observe_retry()
+
+    async def _attempt(self, prompt_ids: list[int], emitted: list[int], params: SamplingParams, request_id: str,
+                       avoid: set[str], retries: int) -> AsyncIterator[TokenEvent]:
+        """One road through a decode and a prefill; failures a retry may cure raise `_Retryable`."""
+        tokens = prompt_ids + emitted
+        prefill = self._pick_prefill(avoid)
+        decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
         self._inflight_decode[decode.worker_id] += 1
         self._inflight_prefill[prefill.worker_id] += 1
         decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
         prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
-        sampling = sampling_to_proto(params)
+        sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
         call = decode_stub.Generate(worker_pb2.GenerateRequest(
-            request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=prompt_ids,
-            sampling=sampling, readiness_timeout_ms=self._t.readiness_ms,
+            request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
+            sampling=sampling, readiness_timeout_ms=self._t.readiness_ms, num_generated=len(emitted),
         ))
         prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
-            worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                                      targets=push_targets(grant)),
+            worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=tokens, sampling=sampling,
+                                      targets=push_targets(grant), num_generated=len(emitted)),
             timeout=self._t.prefill_s,
         ))
+        lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
         info: RequestInfo | None = None
         finished = False
         try:
             while True:
-                event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id)
+                event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
                 reason = _FINISH.get(event.finish_reason)
                 if event.finish_reason and reason is None:
-                    raise BackendError(f"decode {decode.worker_id} aborted request {request_id}")
+                    raise _Retryable(decode.worker_id,
+                                     BackendError(f"decode {decode.worker_id} aborted request {request_id}"))
                 attach = None
                 if info is None and (prefill_call.done() or reason is not None):
                     # The prefill's reply has the push's figures; at the latest the last token waits for it.
                     reply = await self._prefill_reply(prefill_call, prefill.worker_id)
                     info = attach = RequestInfo(True, reply.kv_bytes, reply.push_seconds, prefill.worker_id,
-                                                decode.worker_id)
-                elif info is None and event.index == 0:
+                                                decode.worker_id, retries)
+                elif info is None and event.index == len(emitted):
                     attach = RequestInfo(event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id,
-                                         decode.worker_id)
+                                         decode.worker_id, retries)
                 # Set before the yield: the router closes this generator as soon as it has the
                 # last event, and a finished request must not be cancelled or released.
                 finished = reason is not None
@@ -211,7 +291,12 @@ class PDBackend:
                 if finished:
                     return
         except grpc.aio.AioRpcError as exc:
-            raise _decode_error(exc, decode.worker_id, request_id) from None
+            error = _decode_error(exc, decode.worker_id, request_id)
+            if exc.code() in _RETRYABLE_DECODE:
+                # The decode's readiness wait timing out means the prefill never delivered.
+                culprit = prefill.worker_id if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else decode.worker_id
+                raise _Retryable(culprit, error) from None
+            raise error from None
         finally:
             self._inflight_decode[decode.worker_id] -= 1
             self._inflight_prefill[prefill.worker_id] -= 1
@@ -220,17 +305,27 @@ class PDBackend:
                 prefill_call.cancel()
                 self._spawn(self._release(decode_stub, decode.worker_id, grant))
 
-    async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str):
-        """The decode's next event; if the prefill fails first, its error (the decode would wait in vain)."""
+    async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str,
+                          lost: asyncio.Event):
+        """The decode's next event; if the prefill fails first, its error (the decode would wait in
+        vain); if the decode is found lost first, a retryable failure (its stream may never end)."""
         read = asyncio.ensure_future(call.read())
-        if not prefill_call.done():
-            await asyncio.wait({read, prefill_call}, return_when=asyncio.FIRST_COMPLETED)
+        lost_wait = asyncio.ensure_future(lost.wait())
+        try:
+            waiting = {read, lost_wait} | (set() if prefill_call.done() else {prefill_call})
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done() and lost.is_set():
+                read.cancel()
+                raise _Retryable(decode_id, BackendUnavailable(
+                    f"decode {decode_id} left the membership and does not answer"))
             if prefill_call.done() and not read.done() and prefill_call.exception() is not None:
                 read.cancel()
                 await self._prefill_reply(prefill_call, prefill_id)  # raises the mapped error
+        finally:
+            lost_wait.cancel()
         event = await read
         if event is grpc.aio.EOF:
-            raise BackendError(f"decode {decode_id} ended the stream without a finish reason")
+            raise _Retryable(decode_id, BackendError(f"decode {decode_id} ended the stream without a finish reason"))
         return event
 
     async def _prefill_reply(self, prefill_call: asyncio.Future, prefill_id: str) -> worker_pb2.PrefillReply:
@@ -239,21 +334,23 @@ class PDBackend:
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise RequestTimeout(f"prefill {prefill_id} did not finish in {self._t.prefill_s:g}s") from None
+                raise _Retryable(prefill_id, RequestTimeout(
+                    f"prefill {prefill_id} did not finish in {self._t.prefill_s:g}s")) from None
             if code == grpc.StatusCode.UNAVAILABLE:
-                raise BackendUnavailable(f"prefill {prefill_id} failed: {exc.details()}") from None
+                raise _Retryable(prefill_id, BackendUnavailable(f"prefill {prefill_id} failed: {exc.details()}")) from None
             raise BackendError(f"prefill {prefill_id} failed: {code.name}: {exc.details()}") from None
 
     # ---- choosing members ----------------------------------------------------------------------------
 
-    def _pick_prefill(self) -> Member:
-        ranked = rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision)
+    def _pick_prefill(self, avoid: set[str]) -> Member:
+        ranked = _excluding(rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision), avoid)
         if not ranked:
             raise BackendUnavailable(f"no prefill worker of model revision {self.revision} is registered")
         return ranked[0]
 
-    async def _reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> tuple[Member, worker_pb2.Grant]:
-        ranked = rank_decodes(self.view.members.values(), self._inflight_decode, self.revision)
+    async def _reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                       avoid: set[str]) -> tuple[Member, worker_pb2.Grant]:
+        ranked = _excluding(rank_decodes(self.view.members.values(), self._inflight_decode, self.revision), avoid)
         if not ranked:
             raise BackendUnavailable(f"no decode worker of model revision {self.revision} is registered")
         request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
@@ -295,6 +392,28 @@ class PDBackend:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class _Retryable(Exception):
+    """A failure of one worker that another may not have: `error` is raised if no retry is left."""
+
+    def __init__(self, worker_id: str, error: BackendError) -> None:
+        super().__init__(str(error))
+        self.worker_id = worker_id
+        self.error = error
+
+
+# UNAVAILABLE: the decode went away (killed, network); INTERNAL: its generation loop failed;
+# DEADLINE_EXCEEDED: its readiness wait ended without the prefill's notification.
+_RETRYABLE_DECODE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                               grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def _excluding(ranked: list[Member], avoid: set[str]) -> list[Member]:
+    """Members that have not failed this request. A failed one is not tried again: a stalled
+    worker would stall the retry too and cost another quarantined slot, and a dead one stays
+    in the membership until its lease lapses."""
+    return [m for m in ranked if m.worker_id not in avoid]
 
 
 def _decode_error(exc: grpc.aio.AioRpcError, decode_id: str, request_id: str) -> BackendError:
