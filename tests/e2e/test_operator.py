@@ -194,8 +194,12 @@ def test_invalid_resources_are_rejected_or_marked(cluster: Cluster, operator: Op
     valid = next(c for c in st["conditions"] if c["type"] == "SpecValid")
     assert valid["status"] == "False" and "decode.layerShards" in valid["message"]
     assert cluster.get("StatefulSet", namespace, "deep-decode") is None
-    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
-    assert any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning" for e in events)
+    # kopf posts the Event after the status patch: wait for it rather than race it.
+    def invalid_event() -> bool:
+        events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+        return any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning" for e in events)
+
+    wait_for(invalid_event, what="InvalidSpec warning event")
 
     cluster.kube.merge_patch(KINDS["PDInferenceService"], namespace, "deep", {"spec": {"decode": {"layerShards": 2}}})
     wait_for(lambda: cluster.get("StatefulSet", namespace, "deep-decode"), what="children after the fix")
