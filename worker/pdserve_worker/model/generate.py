@@ -103,6 +103,8 @@ class Generator:
             cache = KVCache.allocate(layout, model.device)
         if cache.layout.layer_range != range(model.config.num_layers):
             raise ValueError(f"a colocated Generator needs every layer in its pool, got {cache.layout.layer_range}")
+        if cache.dtype != model.dtype:
+            raise ValueError(f"KV pool dtype {cache.dtype} differs from the model's {model.dtype}")
         self.cache = cache
         self.layers_per_chunk = layers_per_chunk
         self.stats = GenerationStats()
