@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.kv.cache import KVCache, torch_dtype
 from pdserve_worker.kv.layout import KVLayout, shard_layers
 from pdserve_worker.model.llama import LlamaModel
 
@@ -92,6 +92,12 @@ class GroupKV:
         check_group_layouts(layouts, num_layers)
         self.layouts = tuple(layouts)
         self.layout = replace(layouts[0], first_layer=0, num_layers=num_layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The members' KV dtype (check_group_layouts makes them agree): the Generator checks
+        it against the model's, as it does for one pool."""
+        return torch_dtype(self.layout.dtype)
 
 
 class ShardedDecoder:
