@@ -10,21 +10,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import jinja2
-
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import FINISH_LENGTH, FINISH_STOP
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.model.tokenizer import TokenizerError
-from pdserve_worker.roles.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
+from pdserve_worker.roles.backend import BackendError, RequestInfo, TokenEvent
 from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed
+from pdserve_worker.roles.tokenizing import ModelTokenizing
 
 _REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
 
 
-class ColocatedBackend:
+class ColocatedBackend(ModelTokenizing):
     """`roles.backend.Backend` over a Generator on its own scheduler thread."""
 
     def __init__(self, loaded: LoadedModel, *, slots: int, max_len: int, model_name: str | None = None) -> None:
@@ -42,15 +40,6 @@ class ColocatedBackend:
 
     def health(self) -> dict[str, object]:
         return {"ready": True, "members": {"colocated": 1}}
-
-    def tokenize_prompt(self, prompt: str) -> list[int]:
-        return self._tokenizer.encode(prompt)
-
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        try:
-            return self._tokenizer.encode_chat(messages)
-        except (jinja2.TemplateError, TokenizerError) as exc:
-            raise InvalidPrompt(f"the model's chat template rejected the messages: {exc}") from None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
         stream = self.loop.submit(request_id, prompt_ids, params)

@@ -36,13 +36,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-import jinja2
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.broker_client import BrokerClient, MembershipView
 from pdserve_worker.logs import kv
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
+from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.roles.backend import (
     BackendError,
     BackendUnavailable,
@@ -54,6 +53,7 @@ from pdserve_worker.roles.backend import (
 )
 from pdserve_worker.roles.placement import compatible, rank_decodes, rank_prefills
 from pdserve_worker.roles.router_metrics import RouterMetrics
+from pdserve_worker.roles.tokenizing import ModelTokenizing
 from pdserve_worker.rpc.channels import aio_channel
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.membership import EventType, Member, MemberEvent, Role
@@ -83,7 +83,7 @@ def push_targets(grant: worker_pb2.Grant) -> list[worker_pb2.Grant]:
     return list(grant.group_grants) or [grant]
 
 
-class PDBackend:
+class PDBackend(ModelTokenizing):
     """`roles.backend.Backend` over the broker's membership of prefill and decode workers."""
 
     def __init__(
@@ -190,17 +190,6 @@ class PDBackend:
         channel = self._channels.pop(endpoint, None)
         if channel is not None:
             self._spawn(channel.close())
-
-    # ---- tokenizing ------------------------------------------------------------------------------
-
-    def tokenize_prompt(self, prompt: str) -> list[int]:
-        return self._tokenizer.encode(prompt)
-
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
-        try:
-            return self._tokenizer.encode_chat(messages)
-        except (jinja2.TemplateError, TokenizerError) as exc:
-            raise InvalidPrompt(f"the model's chat template rejected the messages: {exc}") from None
 
     # ---- one request ------------------------------------------------------------------------------
 
