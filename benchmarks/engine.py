@@ -5,8 +5,12 @@ aggregate tokens/s), the same for HF transformers on the same weights, the ratio
 batch-1 roofline fraction: bytes of weights and KV read per token / ms per token, divided by
 a memcpy bandwidth measured in this run. All figures are medians over repeats.
 
-    python benchmarks/engine.py            # bf16, default model
+    python benchmarks/engine.py            # default model, dtype as `pdserve local` picks it
     python benchmarks/engine.py --quick    # fewer repeats, no 2048-token prefill
+
+`--dtype auto` (the default) is what `pdserve local --dtype auto` serves with: bf16 where the
+CPU multiplies it natively, else fp32 (torch emulates bf16 GEMM on AVX2-only CPUs, which would
+benchmark the emulation rather than the engine).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ for folder in ("worker", "operator", "proto"):
 import torch  # noqa: E402
 
 from pdserve_worker.kv.cache import KVCache  # noqa: E402
+from pdserve_worker.local import auto_dtype  # noqa: E402
 from pdserve_worker.model.loader import load_model, model_folder  # noqa: E402
 
 
@@ -164,7 +169,7 @@ def weight_bytes(model) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before decode")
@@ -177,7 +182,7 @@ def main() -> int:
     if args.quick:
         args.repeats, args.steps = 3, 12
     torch.set_num_threads(args.threads)
-    dtype = args.dtype
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     prefill_lengths = [128, 512] if args.quick else [128, 512, 2048]
     batches = [1, 8, 16]
 

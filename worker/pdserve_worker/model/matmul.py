@@ -9,8 +9,15 @@ GEMV, batch-1 decode) is fine and memory bound, and bf16 weights halve the bytes
 So for multi-row inputs on such CPUs the weight is upcast block by block into a reused fp32
 scratch buffer small enough to stay in cache, and each block goes through fp32 GEMM (MKL).
 DRAM still reads only the bf16 bytes; the fp32 copy never leaves the cache. The result equals
-an fp32 GEMM of the same bf16 values. Everywhere else (GPU, NPU, CPUs with bf16 support, fp32
-models, single rows) this is plain `F.linear`.
+an fp32 GEMM of the same bf16 values.
+
+On CPUs where oneDNN handles the dtype natively (fp32 anywhere; bf16 with AVX512-BF16/AMX),
+`prepare` reorders each weight once into oneDNN's blocked layout (the prepacking torch's own
+inductor does for CPU inference) and `__call__` runs oneDNN's linear on it. Measured on a
+2-vCPU AVX512-BF16 EPYC, 30 distinct 3072x576 weights from DRAM: one row 1.56x faster in bf16
+(bit-identical results) and 2.4x in fp32 (MKL's fp32 GEMV runs on one thread there), 1.5-1.9x
+at 8-16 rows, about even at 512 rows. Decode is a string of such GEMVs, so this is most of the
+batch-1 step. Everywhere else (GPU, NPU, fp16 on CPU) it is plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -33,14 +40,49 @@ def native_gemm(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-class Linear:
-    """Callable `linear(x, w, out_dtype=None)`; holds the scratch buffer, so one per model and thread."""
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked linear runs `dtype` natively on `device` (CPU only)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False  # fp16: oneDNN's CPU fp16 needs AVX512-FP16/AMX-FP16; not measured, so not used
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, upcast: bool | None = None) -> None:
+
+def _prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+class Linear:
+    """Callable `linear(x, w, out_dtype=None)`; holds the scratch buffer, so one per model and thread.
+
+    Weights pass through `prepare` once at load; `__call__` takes what `prepare` returned.
+    """
+
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, upcast: bool | None = None, prepack: bool | None = None
+    ) -> None:
         self.upcast = (not native_gemm(device, dtype)) if upcast is None else upcast
+        self.prepack = (not self.upcast and can_prepack(device, dtype)) if prepack is None else prepack
         self._scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32, device=device) if self.upcast else None
 
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        """`w` as `__call__` runs it fastest: oneDNN's blocked copy where `prepack`, else `w` itself.
+
+        A packed weight is an opaque oneDNN tensor (shape and dtype kept, no slicing): it is
+        for this class only. The reorder is tuned for one row (decode's GEMV); more rows run
+        on it correctly and, measured, no slower than on the plain weight.
+        """
+        if not self.prepack:
+            return w
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if w.is_mkldnn:
+            y = _prepacked_linear(x, w)
+            return y if out_dtype is None else y.to(out_dtype)
         features = x.shape[-1]
         rows = x.numel() // features
         if self._scratch is None or rows <= 1 or w.dtype == torch.float32:
