@@ -1,4 +1,6 @@
-"""`pdserve info`: versions, the default model's location and the transfer backend available."""
+"""`pdserve info`: versions, the default model's location, the transfer backend available, and
+how this CPU runs the model (the dtype `--dtype auto` picks and each dtype's matmul route: the
+first thing to look at when decode is slower than expected)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from pdserve_worker import __version__
+    from pdserve_worker.local import auto_dtype
+    from pdserve_worker.model.matmul import route
     from pdserve_worker.model.default_model import ModelNotFound, default_model_path
 
     try:
@@ -29,6 +35,13 @@ def run(args: argparse.Namespace) -> int:
                 "default_model": model,
                 "hixl_available": importlib.util.find_spec("hixl") is not None,
                 "torch_npu_available": importlib.util.find_spec("torch_npu") is not None,
+                "torch": torch.__version__,
+                "cpu": {
+                    "threads": torch.get_num_threads(),
+                    "dtype_auto": auto_dtype(),
+                    "matmul": {name: route(torch.device("cpu"), getattr(torch, name))
+                               for name in ("float32", "bfloat16", "float16")},
+                },
             },
             indent=2,
         )

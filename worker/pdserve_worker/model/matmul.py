@@ -51,6 +51,13 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return False  # fp16: oneDNN's CPU fp16 needs AVX512-FP16/AMX-FP16; not measured, so not used
 
 
+def route(device: torch.device, dtype: torch.dtype) -> str:
+    """The route `Linear` takes for weights of `dtype` on `device` (`pdserve info` shows it)."""
+    if not native_gemm(device, dtype):
+        return "fp32-upcast"
+    return "onednn-prepacked" if can_prepack(device, dtype) else "plain"
+
+
 def _prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
