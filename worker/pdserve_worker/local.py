@@ -357,6 +357,16 @@ class LocalDeployment:
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.exited() is not None), None)
 
+    def report_dead(self, reported: set[int]) -> list[Child]:
+        """Say once per exited child (PIDs in `reported` were said already) that it stays down:
+        `--on-exit ignore` carries on without it, but not silently."""
+        dead = [c for c in self.children if c.exited() is not None and c.pid not in reported]
+        for child in dead:
+            reported.add(child.pid)
+            self.say(f"{child.name} (pid {child.pid}) exited with code {child.exited()}; carrying on without it "
+                     f"(--on-exit ignore)")
+        return dead
+
     def restart_dead(self) -> list[Child]:
         """Start again every child that exited, with its own ports and environment, as a pod's
         restart policy would; `deployment.json` then has the new PIDs. Returns the restarted."""

@@ -78,9 +78,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve local: serving at {url}/v1 ({shape}); try:\n"
               f"  pdserve complete --url {url} --chat --stream --prompt {DEMO_QUESTION!r}\n"
               f"Ctrl-C stops it.", file=sys.stderr, flush=True)
+        reported: set[int] = set()
         while not flag.wait(0.5):
             if args.on_exit == "restart":
                 deployment.restart_dead()
+                continue
+            if args.on_exit == "ignore":
+                deployment.report_dead(reported)
                 continue
             dead = deployment.dead_child()
             if dead is not None and args.on_exit == "stop":
