@@ -52,8 +52,8 @@ def derived_priority(identity: str | None = None) -> int:
 
     kopf pauses every operator that sees a live peer of higher priority, so distinct priorities
     make exactly one replica active: that is the leader election (a dead leader's peering record
-    expires and the next highest resumes). Equal priorities pause both (measured in the e2e peering
-    test: nothing is reconciled), hence the hash.
+    expires and the next highest resumes). Equal priorities pause both (seen with the e2e peering
+    test's two replicas set equal: nothing was reconciled), hence the hash.
     """
     name = identity or socket.gethostname()
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") % 1_000_000 + 1
