@@ -66,3 +66,21 @@ def test_upcast_route_equals_fp32_gemm_of_the_bf16_values() -> None:
 def test_prepack_is_cpu_only() -> None:
     assert not can_prepack(torch.device("meta"), torch.float32)
     assert not can_prepack(CPU, torch.float16)
+
+
+def test_a_reorder_that_fails_falls_back_to_plain_weights(monkeypatch, caplog) -> None:
+    """A CPU/build where oneDNN declines the reorder must serve (slower), not fail to load."""
+    from pdserve_worker.model import matmul
+
+    def declined(w: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("could not create a primitive descriptor for a reorder primitive")
+
+    monkeypatch.setattr(matmul, "_reorder", declined)
+    linear = Linear(CPU, torch.float32, upcast=False, prepack=True)
+    w = torch.randn(8, 4)
+    with caplog.at_level("WARNING", logger="pdserve.model.matmul"):
+        assert linear.prepare(w) is w
+    assert not linear.prepack, "later weights would try (and log) again"
+    assert "event=prepack_unavailable" in caplog.text and "shape=8x4" in caplog.text
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=0, rtol=0)

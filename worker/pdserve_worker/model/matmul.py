@@ -22,8 +22,14 @@ batch-1 step. Everywhere else (GPU, NPU, fp16 on CPU) it is plain `F.linear`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+from pdserve_worker.logs import kv
+
+log = logging.getLogger("pdserve.model.matmul")
 
 # fp32 elements per upcast block: 4 MiB, inside L3 with room for the activations.
 BLOCK_ELEMENTS = 1 << 20
@@ -58,6 +64,11 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
     return "onednn-prepacked" if can_prepack(device, dtype) else "plain"
 
 
+def _reorder(w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of `w`, tuned for one input row (decode's GEMV)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+
+
 def _prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
@@ -84,7 +95,14 @@ class Linear:
         """
         if not self.prepack:
             return w
-        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        try:
+            return _reorder(w)
+        except RuntimeError as exc:
+            # A CPU or build where oneDNN declines: serve on the plain weights, slower but right.
+            self.prepack = False
+            log.warning(kv(event="prepack_unavailable", dtype=str(w.dtype).removeprefix("torch."),
+                           shape="x".join(map(str, w.shape)), error=str(exc).splitlines()[0][:200]))
+            return w
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if w.is_mkldnn:
