@@ -7,7 +7,7 @@
 
 Baseline measured in the same run: the round trip of one GET to the emulator (the floor of any
 reaction). Prints p50/p99 and ratios to that floor. Run:
-    PYTHONPATH=worker:operator:proto:tests python benchmarks/operator.py [--services 50]
+    PYTHONPATH=worker:operator:proto:tests python benchmarks/operator_reconcile.py [--services 50]
 """
 
 from __future__ import annotations
