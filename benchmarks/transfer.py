@@ -18,8 +18,7 @@ Everything is measured in this one run against baselines measured on the same ma
    time-to-done of compute+pipelined push, and of compute-then-push, each ÷ compute alone, for
    the shared-memory path as configured by default (copies up to 16 MiB on the compute
    thread), the same with every copy on the engine's copy thread, and the TCP path. The compute is a stand-in
-   (`StandInCompute`, a matmul per layer that writes the layer's KV); `run_overlap` takes any
-   per-chunk callable, so the real model slots in unchanged.
+   (`StandInCompute`, a matmul per layer that writes the layer's KV); section 4 runs the real model.
 4. The acceptance figure itself: the bundled SmolLM2-135M prefilling a 2048-token prompt into
    a pool registered with the engine, as the prefill role does it (`model.prefill(...,
    on_chunk=pusher.push_chunk)`): time to the ready notify's ACK with the pipelined push, and
@@ -279,6 +278,18 @@ class StandInCompute:
             self.kv[0, local, 1, : self.num_tokens].copy_(flat)
 
 
+def granted_round(decode: PeerProcess, timeout_s: float, push: Callable[[dict[str, Any]], float]) -> float:
+    """One timed push into a fresh slot of the decode peer: reserve, let the peer wait for the
+    ready notify, `push(grant)` (returns its seconds), collect the wake-up, commit and release."""
+    grant = decode.call("reserve", request_id="overlap", ttl_s=600)
+    decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=timeout_s)
+    elapsed = push(grant)
+    decode.result()
+    decode.call("commit", slot=grant["slot"], generation=grant["generation"])
+    decode.call("release", slot=grant["slot"], generation=grant["generation"])
+    return elapsed
+
+
 def run_overlap(
     backend: TransferBackend,
     compute: Callable[[range], None],
@@ -324,16 +335,8 @@ def bench_overlap(repeats: int, layers_per_chunk: int, compute_threads: int = 1)
                 return time.perf_counter() - t0
 
             def with_push(pipelined: bool, compute: Callable[[range], None] = compute) -> Callable[[], float]:
-                def once() -> float:
-                    grant = decode.call("reserve", request_id="overlap", ttl_s=600)
-                    decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=60)
-                    elapsed = run_overlap(backend, compute, source, grant, tokens, layers_per_chunk, pipelined)
-                    decode.result()
-                    decode.call("commit", slot=grant["slot"], generation=grant["generation"])
-                    decode.call("release", slot=grant["slot"], generation=grant["generation"])
-                    return elapsed
-
-                return once
+                return lambda: granted_round(decode, 60, lambda grant: run_overlap(
+                    backend, compute, source, grant, tokens, layers_per_chunk, pipelined))
 
             def push_only() -> float:
                 return with_push(True, compute=lambda chunk: None)()
@@ -380,30 +383,24 @@ def bench_model_overlap(repeats: int, layers_per_chunk: int, tokens: int, dtype:
                 model.prefill(ids, cache, 0, layers_per_chunk)
                 return time.perf_counter() - t0
 
-            def with_push(pipelined: bool) -> Callable[[], float]:
-                def once() -> float:
-                    grant = decode.call("reserve", request_id="overlap", ttl_s=600)
-                    decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=120)
-                    t0 = time.perf_counter()
-                    pusher = KVPusher(backend, PushSource(source.base_addr, layout), [PushTarget.from_grant(grant)], tokens)
-                    try:
-                        if pipelined:
-                            model.prefill(ids, cache, 0, layers_per_chunk, on_chunk=pusher.push_chunk)
-                        else:
-                            model.prefill(ids, cache, 0, layers_per_chunk)
-                            for chunk in layer_chunks(layout.layer_range, layers_per_chunk):
-                                pusher.push_chunk(chunk)
-                        pusher.finish()
-                    except BaseException:
-                        pusher.abort()
-                        raise
-                    elapsed = time.perf_counter() - t0
-                    decode.result()
-                    decode.call("commit", slot=grant["slot"], generation=grant["generation"])
-                    decode.call("release", slot=grant["slot"], generation=grant["generation"])
-                    return elapsed
+            def prefill_pushed(grant: dict[str, Any], pipelined: bool) -> float:
+                t0 = time.perf_counter()
+                pusher = KVPusher(backend, PushSource(source.base_addr, layout), [PushTarget.from_grant(grant)], tokens)
+                try:
+                    if pipelined:
+                        model.prefill(ids, cache, 0, layers_per_chunk, on_chunk=pusher.push_chunk)
+                    else:
+                        model.prefill(ids, cache, 0, layers_per_chunk)
+                        for chunk in layer_chunks(layout.layer_range, layers_per_chunk):
+                            pusher.push_chunk(chunk)
+                    pusher.finish()
+                except BaseException:
+                    pusher.abort()
+                    raise
+                return time.perf_counter() - t0
 
-                return once
+            def with_push(pipelined: bool) -> Callable[[], float]:
+                return lambda: granted_round(decode, 120, lambda grant: prefill_pushed(grant, pipelined))
 
             m = interleaved_medians(
                 {"compute_s": prefill_only, "pipelined_s": with_push(True), "serial_s": with_push(False)},

@@ -17,7 +17,8 @@ inductor does for CPU inference) and `__call__` runs oneDNN's linear on it. Meas
 2-vCPU AVX512-BF16 EPYC, 30 distinct 3072x576 weights from DRAM: one row 1.56x faster in bf16
 (bit-identical results) and 2.4x in fp32 (MKL's fp32 GEMV runs on one thread there), 1.5-1.9x
 at 8-16 rows, about even at 512 rows. Decode is a string of such GEMVs, so this is most of the
-batch-1 step. Everywhere else (GPU, NPU, fp16 on CPU) it is plain `F.linear`.
+batch-1 step. GPU and NPU run plain `F.linear`, as does fp16 on a CPU with native fp16 GEMM
+(without it, fp16 takes the upcast route above). `route` names the choice; `Linear` follows it.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ class Linear:
     def __init__(
         self, device: torch.device, dtype: torch.dtype, upcast: bool | None = None, prepack: bool | None = None
     ) -> None:
-        self.upcast = (not native_gemm(device, dtype)) if upcast is None else upcast
-        self.prepack = (not self.upcast and can_prepack(device, dtype)) if prepack is None else prepack
+        chosen = route(device, dtype)
+        self.upcast = chosen == "fp32-upcast" if upcast is None else upcast
+        self.prepack = (not self.upcast and chosen == "onednn-prepacked") if prepack is None else prepack
         self._scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32, device=device) if self.upcast else None
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
