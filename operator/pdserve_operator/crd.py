@@ -121,7 +121,10 @@ def openapi_schema() -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "API version of this object (pdserve.dev/v1alpha1)."},
             "kind": {"type": "string", "description": "Kind of this object (PDInferenceService)."},
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            # Exactly {type: object}: at the root the API server allows nothing else here but
+            # restrictions on name/generateName (not even a description), see
+            # validateStructuralMetadataInvariants in apiextensions-apiserver.
+            "metadata": {"type": "object"},
             "spec": spec,
             "status": status,
         },
