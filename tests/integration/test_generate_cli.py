@@ -63,3 +63,34 @@ def test_invalid_options_fail_with_the_field_named(tiny_model_dir):
     assert out.returncode == 2 and "top_p" in out.stderr
     out = run_cli("--model", str(tiny_model_dir / "missing"), "--prompt", "x")
     assert out.returncode == 2 and "missing" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, tmp_path):
+    """One dtype default (`auto`) for every command: `pdserve generate` and the API that
+    `pdserve local` serves resolve it alike and give the same greedy text (issue: generate used
+    bfloat16 while the served workers used float32 on CPUs without native bf16, and the two
+    texts parted after 15 tokens)."""
+    import httpx
+
+    from pdserve_worker.local import auto_dtype
+
+    from local_run import LocalRun
+
+    prompt, tokens = "The capital of France is", 24
+    out = run_cli("--model", str(tiny_model_dir), "--prompt", prompt, "--max-tokens", str(tokens),
+                  "--temperature", "0", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    stats = stats_line(out.stderr)
+    assert stats["dtype"] == auto_dtype()
+    run = LocalRun.start(tmp_path / "local", "--model", str(tiny_model_dir), "--prefill", "1", "--decode", "1",
+                         "--max-len", "128", "--slots", "2", "--port", "0")
+    try:
+        assert run.manifest["dtype"] == stats["dtype"]
+        model = httpx.get(f"{run.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        rsp = httpx.post(f"{run.url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0})
+        assert rsp.status_code == 200, rsp.text
+        served = rsp.json()["choices"][0]["text"]
+    finally:
+        assert run.stop() == 0, run.stderr_path.read_text()
+    assert served and out.stdout == served + "\n"

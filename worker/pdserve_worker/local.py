@@ -333,6 +333,7 @@ class LocalDeployment:
             "url": self.url,
             "service": SERVICE,
             "broker": self.broker_address,
+            "dtype": self.dtype,
             "token_file": str(token_file),
             "children": [
                 {"name": c.name, "role": c.role, "pid": c.pid, "log": str(c.log_path),

@@ -25,10 +25,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="compute dtype (default auto, as `pdserve local` and the API: bfloat16 where the CPU has "
+                        "native bf16, else float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the CPUs this process may use)")
     p.set_defaults(func=run)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto` means what `pdserve local` and the workers it starts pick, so that the same greedy
+    prompt gives the same text here and from the served API: bfloat16 where the CPU multiplies
+    it natively, float32 elsewhere; bfloat16 on accelerators."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cpu"):
+        return "bfloat16"
+    from pdserve_worker.local import auto_dtype
+
+    return auto_dtype()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve generate: invalid sampling options: {exc}", file=sys.stderr)
         return 2
+    dtype = resolve_dtype(args.dtype, args.device)
     try:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(args.model, dtype=dtype, device=args.device)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"pdserve generate: cannot load the model: {exc}", file=sys.stderr)
         return 2
@@ -80,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         logs.kv(
             model=loaded.name,
+            dtype=dtype,
             prompt_tokens=len(prompt_ids),
             prefill_tokens_per_s=round(s.prefill_tokens_per_s, 1),
             decode_tokens=s.decode_tokens,
