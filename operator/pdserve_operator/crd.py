@@ -101,6 +101,36 @@ def _structural(node: dict[str, Any], name: str = "") -> dict[str, Any]:
     return out
 
 
+def _defaulted(value: Any, node: dict[str, Any]) -> Any:
+    """`value` with the defaults of `node`'s fields filled in, top-down: what the API server
+    stores where the field was absent (apiextensions-apiserver defaulting/algorithm.go)."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for name, prop in (node.get("properties") or {}).items():
+        if name not in out and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+        if name in out:
+            out[name] = _defaulted(out[name], prop)
+    return out
+
+
+def _spell_out_ruled_defaults(node: dict[str, Any]) -> None:
+    """An object default of `{}` on a node with CEL rules is written out in full.
+
+    The API server checks each default against its node's rules as written, without applying the
+    nested defaults first (ValidateDefaults in defaulting/validation.go), so `{}` fails any rule
+    that reads a field (`no such key: type`) and the whole CRD is refused. The spelled-out default
+    is exactly what the API server would have stored for an absent field anyway.
+    """
+    for sub in (node.get("properties") or {}).values():
+        _spell_out_ruled_defaults(sub)
+    if isinstance(node.get("items"), dict):
+        _spell_out_ruled_defaults(node["items"])
+    if node.get("x-kubernetes-validations") and node.get("default") == {}:
+        node["default"] = _defaulted({}, node)
+
+
 def model_schema(model: type[s.Model]) -> dict[str, Any]:
     """The structural OpenAPI schema of one model (with its CEL rules)."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
@@ -111,6 +141,7 @@ def model_schema(model: type[s.Model]) -> dict[str, Any]:
 def openapi_schema() -> dict[str, Any]:
     spec = model_schema(s.PDInferenceServiceSpec)
     spec["default"] = {}
+    _spell_out_ruled_defaults(spec)
     status = model_schema(s.PDInferenceServiceStatus)
     return {
         "type": "object",

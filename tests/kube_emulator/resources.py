@@ -28,6 +28,7 @@ class ResourceType:
     status: bool = False
     scale: Scale | None = None
     schema: dict[str, Any] | None = None  # openAPIV3Schema of a custom resource
+    scale_spec: dict[str, Any] | None = None  # a CRD's subresources.scale as written
     printer_columns: tuple[dict[str, Any], ...] = ()
     custom: bool = False
     generation_paths: tuple[str, ...] = ("spec",)  # top-level keys whose change bumps generation
@@ -104,6 +105,7 @@ def from_crd(crd: dict[str, Any]) -> list[ResourceType]:
                 status="status" in sub,
                 scale=scale,
                 schema=schema,
+                scale_spec=sub.get("scale"),
                 printer_columns=tuple(version.get("additionalPrinterColumns") or ()),
                 custom=True,
                 generation_paths=("*",),

@@ -43,7 +43,7 @@ import attrs
 import kmock
 import yaml
 
-from . import patching, resources, schema, selectors, structural
+from . import crd_validation, field, patching, resources, schema, selectors
 from .resources import ResourceType
 
 Obj = dict[str, Any]
@@ -95,11 +95,15 @@ def _not_found(rtype: ResourceType, name: str) -> ApiError:
                     {"name": name, "group": rtype.group, "kind": rtype.plural})
 
 
-def _invalid(rtype: ResourceType, name: str, errors: list[tuple[str, str]]) -> ApiError:
+def _invalid(rtype: ResourceType, name: str, errors: list[field.FieldError]) -> ApiError:
+    """`errors.NewInvalid`: 422 with one cause per field error (duplicates dropped, as ToAggregate does)."""
     what = f"{rtype.kind}.{rtype.group}" if rtype.group else rtype.kind
-    text = "; ".join(f"{path}: {msg}" for path, msg in errors)
-    causes = [{"reason": "FieldValueInvalid", "message": msg, "field": path} for path, msg in errors]
-    return ApiError(422, "Invalid", f'{what} "{name}" is invalid: {text}',
+    unique: list[field.FieldError] = []
+    for err in errors:
+        if str(err) not in {str(u) for u in unique}:
+            unique.append(err)
+    causes = [{"reason": e.type, "message": e.body(), "field": e.field} for e in unique]
+    return ApiError(422, "Invalid", field.invalid_message(what, name, unique),
                     {"name": name, "group": rtype.group, "kind": rtype.kind, "causes": causes})
 
 
@@ -380,22 +384,24 @@ class KubeEmulator(kmock.KubernetesScaffold):
 
     # ------------------------------------------------------------------ admission
 
-    def _admit(self, rtype: ResourceType, obj: Obj) -> Obj:
+    def _admit(self, rtype: ResourceType, obj: Obj, old: Obj | None = None, sub: str | None = None) -> Obj:
+        """Decode (prune, default) and validate a custom resource or a CRD as the API server does;
+        `old` is the stored object on update, `sub` the subresource written ("status")."""
         name = obj.get("metadata", {}).get("name", "")
-        if rtype.custom and rtype.schema is not None:
-            stored, errors = schema.admit(obj, rtype.schema)
+        if rtype.custom:
+            version = schema.Version(rtype.group, rtype.version, rtype.kind, rtype.schema, rtype.status,
+                                     rtype.scale_spec)
+            stored = schema.decode(obj, version)
+            if old is None:
+                errors = schema.validate_create(stored, version)
+            else:
+                errors = schema.validate_update(stored, old, version, status_only=sub == "status")
             if errors:
                 raise _invalid(rtype, name, errors)
             return stored
-        if rtype.plural == "customresourcedefinitions":
-            errors = []
-            for version in obj.get("spec", {}).get("versions", []):
-                sch = (version.get("schema") or {}).get("openAPIV3Schema")
-                if sch is None:
-                    errors.append((f"spec.versions[{version.get('name')}].schema.openAPIV3Schema", "Required value"))
-                    continue
-                errors += [(f"spec.versions[{version.get('name')}].schema.openAPIV3Schema", e)
-                           for e in structural.structural_errors(sch)]
+        if rtype.plural == "customresourcedefinitions" and sub is None:
+            obj = crd_validation.set_defaults(obj)
+            errors = crd_validation.validate_crd(obj)
             if errors:
                 raise _invalid(rtype, name, errors)
         return obj
@@ -462,7 +468,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
         if not meta.get("name"):
             prefix = meta.get("generateName")
             if not prefix:
-                raise _invalid(rtype, "", [("metadata.name", "Required value: name or generateName is required")])
+                raise _invalid(rtype, "", [field.required(field.Path("metadata", "name"), "name or generateName is required")])
             meta["name"] = prefix + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
         if self._key(rtype, meta.get("namespace"), meta["name"]) in self.objects:
             what = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
@@ -474,7 +480,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
             obj.pop("status", None)
         if rtype.plural == "services" and obj.get("spec", {}).get("clusterIP") != "None":
             obj.setdefault("spec", {})["clusterIP"] = f"10.96.{random.randint(0, 255)}.{random.randint(1, 254)}"
-        obj = self._with_identity(rtype, self._admit(rtype, obj))
+        obj = self._with_identity(rtype, self._admit(rtype, self._with_identity(rtype, obj)))
         if params.get("dryRun") == "All":
             obj["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
             return obj
@@ -545,7 +551,8 @@ class KubeEmulator(kmock.KubernetesScaffold):
             added = set(cmeta.get("finalizers") or []) - set(meta_old.get("finalizers") or [])
             if added:
                 raise ApiError(422, "Invalid", "no new finalizers can be added if the object is being deleted")
-        candidate = self._with_identity(rtype, self._admit(rtype, candidate))
+        candidate = self._with_identity(rtype, self._admit(rtype, self._with_identity(rtype, candidate),
+                                                          old if meta_old.get("uid") else None, sub))
         cmeta = candidate["metadata"]  # admission returns new dicts
         if candidate == old:
             return copy.deepcopy(old)  # a no-op write: same resourceVersion, no event
