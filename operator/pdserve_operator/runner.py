@@ -15,6 +15,7 @@ import kopf
 
 from pdserve_worker.logs import kv
 
+from pdserve_operator import peering
 from pdserve_operator.broker_view import BrokerView, load_broker
 from pdserve_operator.kube import KubeClient
 from pdserve_operator.runtime import OperatorConfig, build_runtime, derived_priority
@@ -50,21 +51,69 @@ def run(
     if broker is None:
         broker, server = load_broker(config.broker_host, config.broker_port)
     runtime = build_runtime(config, events=handlers.post_event, broker=broker, broker_server=server, kube=kube)
-    settings = kopf_settings(config)
-    log.info(kv(event="operator_start", namespaces=",".join(config.namespaces) or "*",
-                standalone=config.standalone, peering=config.peering, priority=settings.peering.priority))
     try:
-        asyncio.run(
-            kopf.operator(
-                settings=settings,
-                clusterwide=not config.namespaces,
-                namespaces=config.namespaces,
-                liveness_endpoint=config.liveness,
-                memo=kopf.Memo(runtime=runtime),
-                stop_flag=stop_flag,
-                ready_flag=ready_flag,
-            )
-        )
+        config = check_peering(config, runtime.kube)
+        settings = kopf_settings(config)
+        log.info(kv(event="operator_start", namespaces=",".join(config.namespaces) or "*",
+                    standalone=config.standalone, peering=config.peering, priority=settings.peering.priority))
+        asyncio.run(_operate(config, settings, runtime, stop_flag, ready_flag))
     finally:
         runtime.close()
         log.info(kv(event="operator_stop"))
+
+
+def check_peering(config: OperatorConfig, kube: KubeClient) -> OperatorConfig:
+    """Before kopf starts: is the peering object there? If not, and this is known to be the only
+    replica (`replicas == 1`), run standalone with a warning; otherwise kopf will wait paused, and
+    `_report_peering` says what for until it appears."""
+    if config.standalone:
+        return config
+    missing = peering.find_missing(kube, peering.peering_objects(config.peering, config.namespaces))
+    if missing and config.replicas == 1:
+        for m in missing:
+            log.warning(kv(event="peering_missing_standalone", missing=m.what, fix=m.fix,
+                           detail="the only replica runs without peering: a second operator started by hand "
+                                  "would not be paused"))
+        return config.model_copy(update={"standalone": True})
+    return config
+
+
+async def _report_peering(config: OperatorConfig, kube: KubeClient) -> None:
+    """While peering objects are missing, say so every `peering_report_seconds` (kopf is silent)."""
+    objects = peering.peering_objects(config.peering, config.namespaces)
+    reported = False
+    while True:
+        missing = await asyncio.to_thread(peering.find_missing, kube, objects)
+        if not missing:
+            if reported:
+                log.info(kv(event="peering_found", peering=config.peering, detail="kopf resumes the handlers"))
+            return
+        for m in missing:
+            log.warning(kv(event="peering_missing", waiting_for=str(m.obj), missing=m.what, fix=m.fix,
+                           detail="kopf keeps every handler paused until it exists; with one replica, "
+                                  "--standalone runs without peering"))
+        reported = True
+        await asyncio.sleep(config.peering_report_seconds)
+
+
+async def _operate(config: OperatorConfig, settings: kopf.OperatorSettings, runtime: Any,
+                   stop_flag: threading.Event | asyncio.Event | None,
+                   ready_flag: threading.Event | asyncio.Event | None) -> None:
+    reporter = None if config.standalone else asyncio.create_task(_report_peering(config, runtime.kube))
+    try:
+        await kopf.operator(
+            settings=settings,
+            clusterwide=not config.namespaces,
+            namespaces=config.namespaces,
+            liveness_endpoint=config.liveness,
+            memo=kopf.Memo(runtime=runtime),
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
+    finally:
+        if reporter is not None:
+            reporter.cancel()
+            try:
+                await reporter
+            except (asyncio.CancelledError, Exception):  # a failed lookup must not mask kopf's exit
+                pass

@@ -459,20 +459,17 @@ def ratchet(errors: list[FieldError], new: Any, old: Any, s: Schema) -> list[Fie
 
 # ---------------------------------------------------------------- scale (validator.go)
 
-def _nested_int(obj: Any, dotted: str) -> tuple[int, str | None]:
-    """`unstructured.NestedInt64`: (value, error); absent is (0, None)."""
-    cur = obj
-    parts = dotted.lstrip(".").split(".")
-    for i, part in enumerate(parts):
-        if not isinstance(cur, dict):
-            return 0, f"{'.'.join(parts[:i])} accessor error: {json.dumps(cur)} is of the type {_go_type(cur)}, " \
-                      f"expected map[string]interface{{}}"
-        if part not in cur:
-            return 0, None
-        cur = cur[part]
-    if isinstance(cur, bool) or not isinstance(cur, int):
-        return 0, f"{dotted.lstrip('.')} accessor error: {json.dumps(cur)} is of the type {_go_type(cur)}, expected int64"
-    return cur, None
+def _go_v(value: Any) -> str:
+    """Go's %v of a JSON value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return F.go_float(value)
+    if isinstance(value, dict):
+        return "map[" + " ".join(f"{k}:{_go_v(v)}" for k, v in sorted(value.items())) + "]"
+    if isinstance(value, list):
+        return "[" + " ".join(_go_v(v) for v in value) + "]"
+    return "<nil>" if value is None else str(value)
 
 
 def _go_type(v: Any) -> str:
@@ -480,32 +477,45 @@ def _go_type(v: Any) -> str:
             dict: "map[string]interface {}"}.get(type(v), "<nil>")
 
 
+def _nested(obj: Any, dotted: str, want: type, want_name: str) -> tuple[Any, str | None]:
+    """`unstructured.NestedInt64` / `NestedString`: (value, error); absent is (None, None)."""
+    cur = obj
+    parts = dotted.lstrip(".").split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(cur, dict):
+            return None, (f".{'.'.join(parts[:i])} accessor error: {_go_v(cur)} is of the type {_go_type(cur)}, "
+                          "expected map[string]interface{}")
+        if part not in cur:
+            return None, None
+        cur = cur[part]
+    if isinstance(cur, bool) or not isinstance(cur, want):
+        return None, f".{'.'.join(parts)} accessor error: {_go_v(cur)} is of the type {_go_type(cur)}, expected {want_name}"
+    return cur, None
+
+
 def scale_errors(obj: Any, scale: dict[str, Any] | None, spec: bool) -> list[FieldError]:
     """`ValidateScaleSpec` (spec=True) and `ValidateScaleStatus`."""
     if not scale:
         return []
     errs = []
-    checks = [("specReplicasPath", scale.get("specReplicasPath"))] if spec else []
-    checks.append(("statusReplicasPath", scale.get("statusReplicasPath")))
-    for _, dotted in checks:
+    checks = [scale.get("specReplicasPath")] if spec else []
+    checks.append(scale.get("statusReplicasPath"))
+    for dotted in checks:
         if not dotted:
             continue
-        value, err = _nested_int(obj, dotted)
+        value, err = _nested(obj, dotted, int, "int64")
         path = Path(dotted)
         if err:
-            errs.append(F.invalid(path, value, err))
-        elif value < 0:
+            errs.append(F.invalid(path, 0, err))
+        elif value is not None and value < 0:
             errs.append(F.invalid(path, value, "should be a non-negative integer"))
-        elif value > 2**31 - 1:
+        elif value is not None and value > 2**31 - 1:
             errs.append(F.invalid(path, value, f"should be less than or equal to {2**31 - 1}"))
-    if scale.get("labelSelectorPath"):
-        cur = obj
-        for part in scale["labelSelectorPath"].lstrip(".").split("."):
-            cur = cur.get(part) if isinstance(cur, dict) else None
-        if cur is not None and not isinstance(cur, str):
-            errs.append(F.invalid(Path(scale["labelSelectorPath"]), "",
-                                  f"{scale['labelSelectorPath'].lstrip('.')} accessor error: {json.dumps(cur)} is of "
-                                  f"the type {_go_type(cur)}, expected string"))
+    selector = scale.get("labelSelectorPath")
+    if selector:
+        _, err = _nested(obj, selector, str, "string")
+        if err:
+            errs.append(F.invalid(Path(selector), "", err))
     return errs
 
 

@@ -20,6 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="no peering (a single replica); otherwise replicas elect one active via kopf peering")
     p.add_argument("--peering", help="kopf peering name shared by the replicas (default pdserve)")
     p.add_argument("--priority", type=int, help="peering priority (default: derived from the pod name)")
+    p.add_argument("--replicas", type=int, help="how many operator replicas run; with 1, a missing peering object "
+                   "means standalone with a warning (default: unknown, so the operator waits for it)")
     p.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--kubeconfig", help="kubeconfig file outside a cluster (default: $KUBECONFIG)")
     p.set_defaults(func=run)
@@ -40,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         "standalone": args.standalone,
         "peering": args.peering,
         "priority": args.priority,
+        "replicas": args.replicas,
         "liveness": args.liveness,
         "kubeconfig": args.kubeconfig,
     }
