@@ -15,9 +15,10 @@ everything else from its own store with the API server's semantics:
 - list/watch with label and field selectors, watch from a resourceVersion (410 when too old),
   `timeoutSeconds`, bookmarks, `sendInitialEvents` with the initial-events-end bookmark;
 - deletion with finalizers (deletionTimestamp first), ownerReference garbage collection;
-- namespaces (objects need an existing namespace), CRDs that register their resource at once
-  after a structural-schema check, and custom resources pruned, defaulted and validated against
-  the schema including CEL rules (422 naming the field);
+- namespaces (objects need an existing namespace); CRDs admitted by the API server's own CRD
+  validation (crd_validation.py, ported from apiextensions-apiserver) that register their resource
+  at once; custom resources pruned, defaulted and validated in the API server's order, CEL rules
+  with oldSelf and ratcheting included (schema.py), 422s worded as the API server words them;
 - discovery in the legacy form (kubectl falls back from aggregated discovery), and server-side
   Tables with a CRD's printer columns for `kubectl get`.
 

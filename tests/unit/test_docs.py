@@ -52,7 +52,8 @@ QUOTED = [
     "token does not grant access to service",
     "register again",
     "Pausing operations in favour of",
-    "peering CRD is missing",
+    "peering_missing",
+    "peering_missing_standalone",
 ]
 
 
