@@ -151,3 +151,25 @@ def test_invalid_specs_name_the_field(doc: dict, fragment: str) -> None:
 def test_a_path_source_and_a_pvc_source_are_valid_without_model_knowledge() -> None:
     assert s.parse_spec({"model": {"source": "pvc://models/llama"}, "decode": {"layerShards": 64}}).model.builtin is None
     assert s.parse_spec({"model": {"source": "/opt/models/x"}}).model.source == "/opt/models/x"
+
+
+def test_scale_paths_and_printer_columns_point_at_fields_of_the_right_type() -> None:
+    """Our own check, stricter than CRD admission (upstream only wants simple JSON paths under
+    .spec/.status, ValidateCustomResourceDefinitionSubresources / ValidateCustomResourceColumnDefinition):
+    a scale path to a missing or non-integer field fails only at `kubectl scale` time, a printer
+    column to a missing field prints an empty column forever."""
+    from kube_emulator.celcheck import valid_field_path
+
+    version = crd.build_crd()["spec"]["versions"][0]
+    sch = version["schema"]["openAPIV3Schema"]
+    scale = version["subresources"]["scale"]
+    for key, want in (("specReplicasPath", "integer"), ("statusReplicasPath", "integer"), ("labelSelectorPath", "string")):
+        _, node = valid_field_path(scale[key], sch, allow_array_notation=False)
+        assert node.get("type") == want, (key, node)
+    for col in version["additionalPrinterColumns"]:
+        if col["jsonPath"].startswith(".metadata."):
+            assert col["jsonPath"] == ".metadata.creationTimestamp" and col["type"] == "date"
+            continue
+        _, node = valid_field_path(col["jsonPath"], sch, allow_array_notation=False)
+        assert node.get("type") == {"string": "string", "integer": "integer", "number": "number",
+                                    "boolean": "boolean"}[col["type"]], col
