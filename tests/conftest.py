@@ -34,3 +34,19 @@ def default_model_dir():
     from pdserve_worker.model.default_model import default_model_path
 
     return converted_gguf(default_model_path(), "float32")
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    """`family_dirs(name)`: the HF folder of a tiny model of family `name` (tests/model_families.py),
+    built by transformers once per session."""
+    from model_families import build_family
+
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_family(name, tmp_path_factory.mktemp(f"family-{name}"))
+        return built[name]
+
+    return get

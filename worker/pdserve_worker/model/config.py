@@ -1,8 +1,28 @@
-"""The geometry of a LLaMA-family decoder, read from an HF `config.json` or GGUF metadata.
+"""The geometry of a decoder this engine runs, read from an HF `config.json` (or GGUF metadata).
 
 One dataclass is the single description every role shares: the model builds itself from it,
-a KV pool is sized from it (`kv_layout`), and the GGUF conversion writes it back out as an HF
-`config.json` so a converted folder loads like any other HF folder.
+a KV pool is sized from it (`kv_layout`), `pdserve info` does its arithmetic with it, and the
+GGUF conversion writes it back out as an HF `config.json` so a converted folder loads like any
+other HF folder (here and in transformers).
+
+The families are the LLaMA block and its relatives, which differ only in a few switches:
+
+| model_type | q/k/v bias            | o bias          | q/k RMSNorm | sliding window                       |
+|------------|-----------------------|-----------------|-------------|--------------------------------------|
+| llama      | `attention_bias`      | `attention_bias`| no          | none                                 |
+| mistral    | no                    | no              | no          | `sliding_window`, every layer        |
+| qwen2      | always                | no              | no          | `use_sliding_window`, layers from `max_window_layers` |
+| qwen3      | `attention_bias`      | `attention_bias`| per head    | as qwen2                             |
+
+Each row is what transformers' own modeling code does (`models/{llama,mistral,qwen2,qwen3}/
+modeling_*.py`, transformers 5.x), including the defaults its config classes give to keys a
+`config.json` leaves out (`_HF_DEFAULTS`; tests/unit/test_model_config.py compares them with the
+installed transformers). What the engine cannot reproduce exactly is refused with the field's
+name, never approximated: another activation, MLP bias, partial rotary, rope types other than
+default/linear/llama3/yarn/dynamic, quantized checkpoints, and sliding-window attention beyond
+the window (see `kv_layout`).
+
+This module imports no torch: `pdserve info` runs without it.
 """
 
 from __future__ import annotations
@@ -10,11 +30,30 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.kv.layout import DTYPE_SIZES, KVLayout
 
-# HF model types whose checkpoints are the plain LLaMA block this engine implements.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Kept under its old name too: other modules import it.
+SUPPORTED_MODEL_TYPES = ARCHITECTURES
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# What transformers' config classes (5.x) use for keys a config.json may omit.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": 4096,
+              "max_window_layers": 28},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128, "sliding_window": 4096,
+              "max_window_layers": 28},
+}
+DEFAULT_ROPE_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta
 
 
 @dataclass(frozen=True)
@@ -27,13 +66,22 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    # None, or {"rope_type": "linear"|"llama3", "factor": ..., ...} in HF's key names.
+    # None, or {"rope_type": "linear"|"llama3"|"yarn"|"dynamic", "factor": ..., ...} in HF's key names.
     rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-6
+    # The longest context this engine serves for the model: config.json's value, or for YaRN the
+    # original length times the factor (as vLLM derives it); the rope itself reads
+    # rope_scaling["original_max_position_embeddings"].
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    architecture: str = "llama"  # HF model_type: one of ARCHITECTURES
+    qkv_bias: bool = False  # q_proj/k_proj/v_proj carry a bias
+    o_bias: bool = False  # o_proj carries a bias
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (qwen3)
+    # The window of the layers that use sliding-window attention (None: every layer is full).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -46,12 +94,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not one of {ARCHITECTURES}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(
-                    f"ModelConfig.rope_scaling type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
+                    f"rope_scaling.rope_type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
                 )
+            if rope_type != "default" and not isinstance(self.rope_scaling.get("factor"), (int, float)):
+                raise ValueError(f"rope_scaling.factor must be a number for rope_type {rope_type!r}, "
+                                 f"got {self.rope_scaling.get('factor')!r}")
 
     @property
     def rope_type(self) -> str:
@@ -62,6 +117,29 @@ class ModelConfig:
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
+        """KV bytes one token takes over all layers: layers x (K, V) x kv_heads x head_dim x dtype."""
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"KV dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_SIZES[dtype]
+
+    def check_max_len(self, max_len: int) -> None:
+        """Refuse a per-request token budget the engine would not compute as transformers does."""
+        if max_len > self.max_position_embeddings:
+            why = ""
+            if self.rope_type == "dynamic":
+                why = (" (rope_scaling.rope_type 'dynamic' recomputes the rotary frequencies beyond it, per forward "
+                       "length: cached keys would no longer match; not supported)")
+            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
+                             f"{self.max_position_embeddings}{why}")
+        if self.sliding_window is not None and max_len > self.sliding_window:
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's sliding_window {self.sliding_window} (config.json "
+                f"{'sliding_window' if self.architecture == 'mistral' else 'use_sliding_window=true'}): this engine "
+                f"attends over the whole context, which equals sliding-window attention only up to "
+                f"{self.sliding_window} tokens; serve with max_len <= {self.sliding_window}"
+            )
 
     def kv_layout(
         self,
@@ -77,8 +155,7 @@ class ModelConfig:
             raise ValueError(
                 f"layers {first_layer}..{first_layer + count - 1} outside the model's 0..{self.num_layers - 1}"
             )
-        if max_len > self.max_position_embeddings:
-            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings {self.max_position_embeddings}")
+        self.check_max_len(max_len)
         return KVLayout(
             num_slots=num_slots,
             num_layers=count,
@@ -95,40 +172,78 @@ class ModelConfig:
     def from_hf(cls, data: dict[str, Any]) -> "ModelConfig":
         """From an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
         model_type = data.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-        for flag in ("attention_bias", "mlp_bias"):
-            if data.get(flag):
-                raise ValueError(f"config.json {flag}=true is not supported by this engine")
-        heads = int(data["num_attention_heads"])
-        rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", data.get("rope_theta", 10000.0)))
-        rope.pop("partial_rotary_factor", None)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"config.json model_type {model_type!r} is not supported; expected one of {ARCHITECTURES}")
+        quant = data.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ValueError(f"config.json quantization_config (quant_method {method!r}) is not supported: "
+                             "serve the unquantized (bf16/fp16) checkpoint or a GGUF file")
+        act = data.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act {act!r} is not supported; expected 'silu'")
+        if model_type == "llama" and data.get("mlp_bias"):
+            raise ValueError("config.json mlp_bias=true is not supported by this engine")
+        defaults = _HF_DEFAULTS[model_type]
+        hidden = _int(data, "hidden_size")
+        heads = _int(data, "num_attention_heads")
+        layers = _int(data, "num_hidden_layers")
+        head_dim = data.get("head_dim")
+        if head_dim is None:
+            head_dim = defaults["head_dim"] or hidden // heads
+        max_pos = int(data.get("max_position_embeddings") or defaults["max_position_embeddings"])
+        theta, rope = _rope(data, max_pos)
+        if rope and rope["rope_type"] == "yarn":
+            max_pos = max(max_pos, int(rope["original_max_position_embeddings"] * rope["factor"]))
+
+        attention_bias = bool(data.get("attention_bias", False))
+        qkv_bias, o_bias = {
+            "llama": (attention_bias, attention_bias),
+            "mistral": (False, False),
+            "qwen2": (True, False),
+            "qwen3": (attention_bias, attention_bias),
+        }[model_type]
         eos = data.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
-            vocab_size=int(data["vocab_size"]),
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
-            num_layers=int(data["num_hidden_layers"]),
+            vocab_size=_int(data, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(data, "intermediate_size"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or data["hidden_size"] // heads),
+            head_dim=int(head_dim),
             rope_theta=theta,
-            rope_scaling=None if rope_type == "default" else rope,
-            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
+            rope_scaling=rope,
+            rms_norm_eps=float(data.get("rms_norm_eps") or defaults["rms_norm_eps"]),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             bos_token_id=data.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            architecture=model_type,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(model_type, data, layers, defaults),
         )
 
     def to_hf(self, torch_dtype: str = "float32") -> dict[str, Any]:
-        """An HF `config.json` dict that transformers' LlamaForCausalLM also loads."""
+        """An HF `config.json` dict that transformers' `{HF_CLASSES[architecture]}` loads as this model."""
+        arch = self.architecture
+        flags = (self.qkv_bias, self.o_bias, self.qk_norm)
+        expressible = {
+            "llama": self.qkv_bias == self.o_bias and not self.qk_norm,
+            "mistral": flags == (False, False, False),
+            "qwen2": flags == (True, False, False),
+            "qwen3": self.qkv_bias == self.o_bias and self.qk_norm,
+        }[arch]
+        if not expressible:
+            raise ValueError(f"{arch} has no config.json for qkv_bias={self.qkv_bias} o_bias={self.o_bias} "
+                             f"qk_norm={self.qk_norm}")
+        rope = dict(self.rope_scaling) if self.rope_scaling else None
         data: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [HF_CLASSES[arch]],
+            "model_type": arch,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -138,60 +253,86 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_scaling": rope,
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_id,
             "torch_dtype": torch_dtype,
         }
+        if arch in ("llama", "qwen3"):
+            data["attention_bias"] = self.qkv_bias
+        if arch == "llama":
+            data["mlp_bias"] = False
+        if arch == "mistral":
+            data["sliding_window"] = self.sliding_window
+        if arch in ("qwen2", "qwen3"):
+            # Every layer sliding when there is a window: within max_len <= window it is full attention anyway.
+            data.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
+                        max_window_layers=0 if self.sliding_window is not None else self.num_layers)
         return data
-
-    # ---- GGUF metadata ----------------------------------------------------------------------
-
-    @classmethod
-    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> "ModelConfig":
-        """From GGUF key/values (already decoded to Python values) and the file's tensor names."""
-        arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ValueError(f"GGUF general.architecture {arch!r} is not supported; expected 'llama'")
-
-        def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-            return value
-
-        heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
-        scaling_type = meta.get(f"{arch}.rope.scaling.type")
-        rope_scaling = None
-        if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-        elif scaling_type not in (None, "none"):
-            raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-            head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=int(get("context_length")),
-            # llama.cpp writes no output.weight when the LM head is the embedding matrix.
-            tie_word_embeddings="output.weight" not in tensor_names,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _int(data: dict[str, Any], key: str) -> int:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config.json {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(data: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, canonical rope_scaling or None) as transformers standardizes them.
+
+    transformers 5 reads `rope_scaling` first, then `rope_parameters`; `type` is the old name of
+    `rope_type`; llama3 and yarn default `original_max_position_embeddings` to
+    max_position_embeddings (`RotaryEmbeddingConfigMixin.standardize_rope_params`).
+    """
+    raw = data.get("rope_scaling") or data.get("rope_parameters") or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config.json rope_scaling must be an object, got {raw!r}")
+    rope = dict(raw)
+    theta = float(rope.pop("rope_theta", None) or data.get("rope_theta") or DEFAULT_ROPE_THETA)
+    partial = rope.pop("partial_rotary_factor", data.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config.json partial_rotary_factor {partial!r} is not supported (only full rotary)")
+    rope_type = rope.pop("rope_type", None) or rope.get("type") or "default"
+    rope.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"config.json rope_scaling.rope_type {rope_type!r} is not supported; "
+                         f"expected one of {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type in ("llama3", "yarn"):
+        rope.setdefault("original_max_position_embeddings", max_pos)
+    if rope_type == "yarn" and rope.get("factor") is None:
+        # transformers: the factor is then the ratio of the post- and pre-YaRN context lengths.
+        rope["factor"] = max_pos / rope["original_max_position_embeddings"]
+    if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] <= 0:
+        raise ValueError(f"config.json rope_scaling.factor must be a positive number, got {rope.get('factor')!r}")
+    return theta, {"rope_type": rope_type, **rope}
+
+
+def _sliding_window(model_type: str, data: dict[str, Any], layers: int, defaults: dict[str, Any]) -> int | None:
+    """The window of the layers that slide, as transformers decides which do; None when none does."""
+    window = data.get("sliding_window", defaults["sliding_window"])
+    if model_type == "llama":
+        return None
+    if model_type == "mistral":  # MistralModel: one mask for every layer when sliding_window is set
+        return None if window is None else int(window)
+    if not data.get("use_sliding_window", False):  # Qwen2Config/Qwen3Config.__post_init__
+        window = None
+    layer_types = data.get("layer_types")
+    if layer_types is None:
+        first = int(data.get("max_window_layers", defaults["max_window_layers"]))
+        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                       for i in range(layers)]
+    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if odd:
+        raise ValueError(f"config.json layer_types {odd} are not supported (full_attention, sliding_attention)")
+    if window is None or "sliding_attention" not in layer_types:
+        return None  # Qwen2Attention: a sliding layer without a window attends over everything
+    return int(window)

@@ -1,5 +1,9 @@
 """A LLaMA-family decoder in plain torch whose KV lives in an explicit, externally owned pool.
 
+One forward serves every family `ModelConfig` describes (llama, mistral, qwen2, qwen3): they
+differ in q/k/v (and o) biases, qwen3's per-head RMSNorm of q and k before RoPE, head_dim,
+GQA and the rope scaling; each switch is applied where transformers' modeling code applies it.
+
 The forward is split the way PD serving needs it: `embed` → `run_layers(range)` → `head`.
 Prefill runs layer chunks and tells the transfer after each chunk that its KV is final
 (`prefill(..., on_chunk=...)`); a layer-sharded decode member runs only its range and passes
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.matmul import Linear
-from pdserve_worker.model.rope import apply_rotary, cos_sin, inverse_frequencies
+from pdserve_worker.model.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
+from pdserve_worker.model.shapes import weight_shapes
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,10 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
+    o_bias: torch.Tensor | None = None  # [hidden]
+    # qwen3's q_norm and k_norm weights, one row per head: [heads + kv_heads, head_dim].
+    qk_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], layers: range) -> None:
+    """Every tensor the config implies for `layers` is present with its shape (names the first that is not)."""
+    for name, shape in weight_shapes(config, layers).items():
+        tensor = weights.get(name)
+        if tensor is None:
+            why = " (config.json tie_word_embeddings is false)" if name == "lm_head.weight" else ""
+            raise ValueError(f"weight {name!r} missing from checkpoint{why}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+
+
 def _hf(name: str, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
     try:
         return weights[name]
@@ -89,7 +109,9 @@ class LlamaModel:
     """The decoder's weights plus a forward that reads and writes a `KVCache`.
 
     `weights` uses HF names (`model.layers.0.self_attn.q_proj.weight`, ...). Only the layers
-    in `layers` are kept (a layer-sharded member need not hold the others).
+    in `layers` are kept (a layer-sharded member need not hold the others). Every tensor the
+    config implies (`shapes.weight_shapes`) must be there with its shape: a checkpoint that
+    does not match its config.json is refused with the tensor's name, never reshaped.
     """
 
     def __init__(
@@ -106,6 +128,8 @@ class LlamaModel:
         self.layer_range = range(config.num_layers) if layers is None else layers
         if self.layer_range.start < 0 or self.layer_range.stop > config.num_layers or self.layer_range.step != 1:
             raise ValueError(f"layers {self.layer_range} outside the model's range(0, {config.num_layers})")
+
+        check_weights(config, weights, self.layer_range)
 
         def take(name: str) -> torch.Tensor:
             # Same dtype and device: the checkpoint's (memory-mapped) tensor itself, no copy.
@@ -125,7 +149,7 @@ class LlamaModel:
         pack = self.linear.prepare  # matrices only ever multiplied: in the layout the matmul runs fastest
         self.embed_tokens = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+        if config.tie_word_embeddings:
             # Tied: a packed head is a second copy (the embedding lookup needs the plain rows).
             self.lm_head = pack(self.embed_tokens)
         else:
@@ -133,6 +157,10 @@ class LlamaModel:
         self.layers: dict[int, LayerWeights] = {}
         for i in self.layer_range:
             p = f"model.layers.{i}."
+            qk_norm = None
+            if config.qk_norm:  # one weight row per head, q's heads first: a single norm call over q and k
+                qk_norm = torch.cat([take(p + "self_attn.q_norm.weight")[None].expand(config.num_heads, -1),
+                                     take(p + "self_attn.k_norm.weight")[None].expand(config.num_kv_heads, -1)])
             self.layers[i] = LayerWeights(
                 attn_norm=take(p + "input_layernorm.weight"),
                 qkv=pack(fused(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))),
@@ -140,9 +168,13 @@ class LlamaModel:
                 mlp_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=pack(fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
                 down=pack(take(p + "mlp.down_proj.weight")),
+                qkv_bias=fused(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
+                o_bias=take(p + "self_attn.o_proj.bias") if config.o_bias else None,
+                qk_norm=qk_norm,
             )
         freq_factors = weights.get("rope_freqs.weight")
         self.inv_freq = inverse_frequencies(config, freq_factors).to(self.device)
+        self.rope_scale = attention_scaling(config)
 
     # ---- the three stages ------------------------------------------------------------------
 
@@ -259,7 +291,7 @@ class LlamaModel:
             raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
         starts = torch.tensor(list(positions), dtype=torch.long)
         pos = starts[:, None] + torch.arange(tokens)[None]
-        cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype)
+        cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
         return _StepPlan(
             slots=torch.tensor(list(slots), dtype=torch.long, device=self.device),
             positions=pos.to(self.device),
@@ -303,10 +335,12 @@ class LlamaModel:
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = self.linear(h, w.qkv)
+        qkv = self.linear(h, w.qkv, bias=w.qkv_bias)
+        qk = qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim)
+        if w.qk_norm is not None:  # qwen3: RMSNorm over each head's head_dim, before RoPE
+            qk = _rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
         # Q and K rotate together (one set of ops); SDPA's fast kernels need the contiguous result.
-        qk = apply_rotary(qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim),
-                          plan.cos, plan.sin)
+        qk = apply_rotary(qk, plan.cos, plan.sin)
         q, k = qk[:, :, :heads], qk[:, :, heads:]
         v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
 
@@ -320,7 +354,7 @@ class LlamaModel:
             values[plan.slots[:, None], plan.positions] = v
 
         attn = self._attend(q, keys, values, plan)
-        x = x + self.linear(attn, w.o)
+        x = x + self.linear(attn, w.o, bias=w.o_bias)
 
         h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,7 +15,10 @@ from pdserve_worker.logs import kv
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.convert import MARKER, converted_gguf
 from pdserve_worker.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from pdserve_worker.model.generation_config import GenerationDefaults
 from pdserve_worker.model.llama import LlamaModel
+from pdserve_worker.model.memory import check_fits, device_available
+from pdserve_worker.model.shapes import weight_bytes, weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.model.weights import read_safetensors_dir
 
@@ -30,6 +33,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     name: str
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -65,6 +69,15 @@ def model_folder(path: str | Path | None, dtype: str = "float32") -> tuple[Path,
     raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a folder with config.json")
 
 
+def loaded_bytes(config: ModelConfig, dtype: str, layers: range, device: torch.device) -> int:
+    """Memory the weights of `layers` take once loaded on `device`: their bytes in `dtype`, plus on
+    the CPU a second copy of a tied embedding (the LM head is packed for the matmul separately)."""
+    needed = weight_bytes(config, dtype, layers)
+    if device.type == "cpu" and config.tie_word_embeddings:
+        needed += config.vocab_size * config.hidden_size * torch_dtype(dtype).itemsize
+    return needed
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: str = "bfloat16",
@@ -73,20 +86,25 @@ def load_model(
 ) -> LoadedModel:
     """Load weights (GGUF via the conversion cache, or an HF folder) and the tokenizer.
 
-    `layers` keeps only that range of decoder layers (a layer-sharded worker).
+    `layers` keeps only that range of decoder layers (a layer-sharded worker), and only those
+    are read. Before any weight is read, the memory they need is checked against what the
+    device has (`ModelDoesNotFit`, a RuntimeError, names both).
     """
     started = time.perf_counter()
     torch_device = resolve_device(device)
     folder, name = model_folder(path, dtype)
     hf_config = json.loads((folder / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
-    extra_eos = list(config.eos_token_ids)
-    gen_cfg = folder / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        extra_eos += eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    tokenizer = Tokenizer.from_dir(folder, extra_eos_token_ids=list(dict.fromkeys(extra_eos)))
-    model = LlamaModel(config, read_safetensors_dir(folder), dtype=torch_dtype(dtype), device=torch_device, layers=layers)
-    log.info(kv(event="model_loaded", name=name, folder=folder, dtype=dtype, device=torch_device,
-                seconds=round(time.perf_counter() - started, 3)))
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name)
+    held = range(config.num_layers) if layers is None else layers
+    available, source = device_available(torch_device)
+    check_fits(loaded_bytes(config, dtype, held, torch_device), available, source,
+               what=f"the weights of {name} (layers {held.start}..{held.stop - 1}, {dtype})", device=str(torch_device))
+    generation = GenerationDefaults.from_folder(folder)
+    eos = list(dict.fromkeys([*config.eos_token_ids, *generation.eos_token_ids]))
+    tokenizer = Tokenizer.from_dir(folder, extra_eos_token_ids=eos)
+    names = [*weight_shapes(config, held), "rope_freqs.weight"]
+    model = LlamaModel(config, read_safetensors_dir(folder, names), dtype=torch_dtype(dtype), device=torch_device,
+                       layers=layers)
+    log.info(kv(event="model_loaded", name=name, architecture=config.architecture, folder=folder, dtype=dtype,
+                device=torch_device, seconds=round(time.perf_counter() - started, 3)))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, generation=generation)

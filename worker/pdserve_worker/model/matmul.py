@@ -70,12 +70,12 @@ def _reorder(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
 
 
-def _prepacked_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _prepacked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear:
-    """Callable `linear(x, w, out_dtype=None)`; holds the scratch buffer, so one per model and thread.
+    """Callable `linear(x, w, out_dtype=None, bias=None)`; holds the scratch buffer, so one per model and thread.
 
     Weights pass through `prepare` once at load; `__call__` takes what `prepare` returned.
     """
@@ -106,14 +106,18 @@ class Linear:
                            shape="x".join(map(str, w.shape)), error=str(exc).splitlines()[0][:200]))
             return w
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x @ w.T (+ bias)`; the bias (in the weight's dtype) is added inside the product, before
+        the one rounding to the output dtype, as `F.linear` with a bias does (qwen2's q/k/v)."""
         if w.is_mkldnn:
-            y = _prepacked_linear(x, w)
+            y = _prepacked_linear(x, w, bias)
             return y if out_dtype is None else y.to(out_dtype)
         features = x.shape[-1]
         rows = x.numel() // features
         if self._scratch is None or rows <= 1 or w.dtype == torch.float32:
-            y = F.linear(x, w)
+            y = F.linear(x, w, bias)
             return y if out_dtype is None else y.to(out_dtype)
         # out^T = W x^T computed per block of W's rows: each block's output rows are contiguous.
         xt = x.reshape(rows, features).float().t()
@@ -124,5 +128,7 @@ class Linear:
             block = self._scratch[: n * features].view(n, features)
             block.copy_(w[start : start + n])
             torch.mm(block, xt, out=out_t[start : start + n])
+        if bias is not None:
+            out_t += bias.float()[:, None]
         y = out_t.t().to(out_dtype or x.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])

@@ -30,10 +30,18 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 (llama-vocab.cpp): Qwen2's tokenizer.json regex, which splits
+# every digit on its own (`\p{N}`, where llama3 takes up to three).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2_PRES = {None, "default", "gpt2", "gpt-2"}
 # These split every digit off before the GPT-2 regex (llama.cpp: "\p{N}" then the GPT-2 split).
 _DIGIT_PRES = {"smollm", "starcoder", "refact", "codeshell", "exaone", "minerva"}
 _LLAMA3_PRES = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx"}
+# llama.cpp maps these names to LLAMA_VOCAB_PRE_TYPE_QWEN2 (DeepSeek-R1-Distill-Qwen keeps Qwen's tokenizer).
+_QWEN2_PRES = {"qwen2", "deepseek-r1-qwen"}
 
 
 class TokenizerError(ValueError):
@@ -239,11 +247,12 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
         return byte_level
     if pre in _DIGIT_PRES:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _LLAMA3_PRES:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+    for names, split in ((_LLAMA3_PRES, _LLAMA3_SPLIT), (_QWEN2_PRES, _QWEN2_SPLIT)):
+        if pre in names:
+            return pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
     raise TokenizerError(f"GGUF tokenizer.ggml.pre {pre!r} is not supported")

@@ -1,15 +1,20 @@
 """Checkpoint readers: a GGUF file (dequantized) or an HF safetensors folder, both to HF names.
 
-GGUF tensors are dequantized to fp32 by the `gguf` package. llama.cpp's converter permutes the
-rows of LLaMA's Q and K projections so that RoPE rotates adjacent pairs (GGML's "normal"
-RoPE); this engine, like HF checkpoints, rotates the two halves of each head, so the
-permutation is undone here (`unpermute_qk`).
+GGUF tensors are dequantized to fp32 by the `gguf` package and renamed by llama.cpp's
+conventions (`gguf_format`). llama.cpp's converter permutes the rows of LLaMA's Q and K
+projections so that RoPE rotates adjacent pairs (GGML's "normal" RoPE); this engine, like HF
+checkpoints, rotates the two halves of each head, so for llama files the permutation is undone
+here (`unpermute_qk`). qwen2/qwen3 files are stored unpermuted (NEOX rope).
+
+An HF folder is read through its `model.safetensors.index.json` when it is sharded, and only
+the tensors asked for are read (a layer-sharded member reads its layers, not the whole model);
+safetensors maps the files, so processes on one host share their pages.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,35 +23,10 @@ import numpy as np
 import torch
 
 from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk
 
-_GGUF_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs.weight",
-}
-_GGUF_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-def gguf_to_hf_name(name: str) -> str:
-    """HF parameter name of a llama.cpp tensor name (`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`)."""
-    if name in _GGUF_GLOBAL:
-        return _GGUF_GLOBAL[name]
-    match = _BLOCK_RE.match(name)
-    if match and match.group(2) in _GGUF_BLOCK:
-        return f"model.layers.{match.group(1)}.{_GGUF_BLOCK[match.group(2)]}.{match.group(3)}"
-    raise ValueError(f"GGUF tensor {name!r} has no LLaMA counterpart")
+__all__ = ["GGUFCheckpoint", "gguf_to_hf_name", "permute_qk", "unpermute_qk", "read_gguf", "read_gguf_metadata",
+           "read_safetensors_dir", "safetensors_files"]
 
 
 def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -82,11 +62,12 @@ def read_gguf_metadata(path: str | Path) -> tuple[dict[str, Any], Any]:
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Dequantize every tensor of a LLaMA GGUF file to fp32, under HF names, Q/K unpermuted."""
+    """Dequantize every tensor of a llama/qwen2/qwen3 GGUF file to fp32, under HF names (LLaMA Q/K unpermuted)."""
     from gguf.quants import dequantize
 
     meta, reader = read_gguf_metadata(path)
-    config = ModelConfig.from_gguf(meta, {t.name for t in reader.tensors})
+    config = config_from_gguf(meta, {t.name for t in reader.tensors})
+    unpermute = permutes_qk(config.architecture)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -94,30 +75,67 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         # F32 tensors come back as read-only views of the memory-mapped file: copy those.
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         name = gguf_to_hf_name(t.name)
-        if name.endswith("self_attn.q_proj.weight"):
+        if unpermute and name.endswith("self_attn.q_proj.weight"):
             tensor = unpermute_qk(tensor, config.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif unpermute and name.endswith("self_attn.k_proj.weight"):
             tensor = unpermute_qk(tensor, config.num_kv_heads)
         tensors[name] = tensor.contiguous()
     return GGUFCheckpoint(config=config, tensors=tensors, metadata=meta)
 
 
-def read_safetensors_dir(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF folder (`model.safetensors` or shards listed in its index), HF names."""
-    from safetensors.torch import load_file
+def safetensors_files(folder: str | Path) -> dict[str, str]:
+    """{tensor name: file name} of an HF folder: the index's weight_map, or every tensor of model.safetensors.
 
+    Shard names must be plain file names inside the folder: an index pointing elsewhere
+    (`../`, absolute paths) is refused rather than followed.
+    """
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map ({exc})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map must be an object, got {type(weight_map).__name__}")
+        for file in set(weight_map.values()):
+            if not isinstance(file, str) or Path(file).name != file or file in (".", ".."):
+                raise ValueError(f"{index}: shard {file!r} is not a file name inside the folder")
+            if not (folder / file).is_file():
+                raise FileNotFoundError(f"{index} lists shard {file!r}, which is not in {folder}")
+        return dict(weight_map)
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {name: "model.safetensors" for name in f.keys()}
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+
+
+def read_safetensors_dir(folder: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of an HF folder under HF names: all of them, or those of `names` that it holds.
+
+    Checkpoints saved from the bare decoder (`embed_tokens.weight`, no `model.` prefix) are
+    renamed to the causal-LM names.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = safetensors_files(folder)
+    bare = "model.embed_tokens.weight" not in files and "embed_tokens.weight" in files
+    stored = {(_with_prefix(k) if bare else k): k for k in files}  # HF name -> name in the file
+    wanted = list(stored) if names is None else [n for n in names if n in stored]
+    by_file: dict[str, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[stored[name]], []).append(name)
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(folder / name)))
-    # Checkpoints saved from the bare decoder lack the "model." prefix.
-    if "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:
-        tensors = {(k if k.startswith("lm_head.") else f"model.{k}"): v for k, v in tensors.items()}
+    for file, group in sorted(by_file.items()):
+        with safe_open(str(folder / file), framework="pt") as f:
+            for name in group:
+                tensors[name] = f.get_tensor(stored[name])
     return tensors
+
+
+def _with_prefix(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
