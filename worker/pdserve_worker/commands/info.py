@@ -1,6 +1,12 @@
 """`pdserve info`: versions, the default model's location, the transfer backend available, and
 how this CPU runs the model (the dtype `--dtype auto` picks and each dtype's matmul route: the
-first thing to look at when decode is slower than expected)."""
+first thing to look at when decode is slower than expected).
+
+`pdserve info --model PATH [--dtype D] [--max-len N] [--memory 64GiB] [--layer-shards K]`
+instead describes a model (HF folder or GGUF file) without loading it: architecture,
+parameters, dtype, KV bytes per token, and how many KV slots of `--max-len` tokens fit in
+`--memory` per device next to the weights (`model/sizing.py`). The defaults are the
+PDInferenceService spec's (bfloat16, 2048)."""
 
 from __future__ import annotations
 
@@ -8,10 +14,18 @@ import argparse
 import importlib.util
 import json
 import platform
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="print versions, default model path and available backends")
+    p = sub.add_parser("info", help="print versions, default model path and available backends; "
+                                    "with --model, the model's size, KV bytes per token and slots that fit")
+    p.add_argument("--model", default=None, help="HF folder or GGUF file to describe (nothing is loaded)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="weights and KV dtype (default bfloat16)")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens per KV slot, as spec.model.maxLength (default 2048)")
+    p.add_argument("--memory", default=None, help="device memory per worker, e.g. 64GiB, 32Gi, 80GB: how many slots fit")
+    p.add_argument("--layer-shards", type=int, default=1, help="decode workers one model is split over (default 1)")
     p.set_defaults(func=run)
 
 
@@ -32,7 +46,23 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
     }
 
 
+def _model(args: argparse.Namespace) -> int:
+    from pdserve_worker.model.sizing import parse_bytes, report
+
+    try:
+        memory = parse_bytes(args.memory) if args.memory is not None else None
+        if args.max_len <= 0 or args.layer_shards <= 0:
+            raise ValueError(f"--max-len and --layer-shards must be positive, got {args.max_len} and {args.layer_shards}")
+        print(json.dumps(report(args.model, args.dtype, args.max_len, memory, args.layer_shards), indent=2))
+    except (OSError, ValueError) as exc:
+        print(f"pdserve info: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "model", None):
+        return _model(args)
     from pdserve_worker import __version__
     from pdserve_worker.model.default_model import ModelNotFound, default_model_path
 

@@ -45,13 +45,16 @@ HF_CLASSES = {
 }
 
 # What transformers' config classes (5.x) use for keys a config.json may omit.
+# (num_key_value_heads None: as many as the query heads.)
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": None},
-    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": 4096},
+    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": None,
+              "num_key_value_heads": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": 4096,
+                "num_key_value_heads": 8},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": 4096,
-              "max_window_layers": 28},
+              "max_window_layers": 28, "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128, "sliding_window": 4096,
-              "max_window_layers": 28},
+              "max_window_layers": 28, "num_key_value_heads": 32},
 }
 DEFAULT_ROPE_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta
 
@@ -211,7 +214,7 @@ class ModelConfig:
             intermediate_size=_int(data, "intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(data.get("num_key_value_heads") or heads),
+            num_kv_heads=int(data.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads),
             head_dim=int(head_dim),
             rope_theta=theta,
             rope_scaling=rope,

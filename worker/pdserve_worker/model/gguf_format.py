@@ -18,6 +18,7 @@ the HF config had one), `.rope.freq_base`, `.attention.layer_norm_rms_epsilon`, 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from pdserve_worker.model.config import ModelConfig
@@ -70,6 +71,19 @@ def hf_to_gguf_name(name: str) -> str:
     if match and match.group(2) in _HF_TO_BLOCK:
         return f"blk.{match.group(1)}.{_HF_TO_BLOCK[match.group(2)]}.{match.group(3)}"
     raise ValueError(f"HF tensor {name!r} has no GGUF counterpart in this engine")
+
+
+def read_gguf_metadata(path: str | Path) -> tuple[dict[str, Any], Any]:
+    """(key → value, reader) of a GGUF file; arrays become lists, strings str (no torch needed)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta, reader
 
 
 def permutes_qk(arch: str) -> bool:

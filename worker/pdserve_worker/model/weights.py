@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk
+from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk, read_gguf_metadata
 
 __all__ = ["GGUFCheckpoint", "gguf_to_hf_name", "permute_qk", "unpermute_qk", "read_gguf", "read_gguf_metadata",
            "read_safetensors_dir", "safetensors_files"]
@@ -46,19 +46,6 @@ class GGUFCheckpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # HF names, fp32
     metadata: dict[str, Any]  # every key/value of the file, as Python values
-
-
-def read_gguf_metadata(path: str | Path) -> tuple[dict[str, Any], Any]:
-    """(key → value, reader) of a GGUF file; arrays become lists, strings str."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        meta[key] = field.contents()
-    return meta, reader
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -132,7 +119,10 @@ def read_safetensors_dir(folder: str | Path, names: Iterable[str] | None = None)
     tensors: dict[str, torch.Tensor] = {}
     for file, group in sorted(by_file.items()):
         with safe_open(str(folder / file), framework="pt") as f:
+            held = set(f.keys())
             for name in group:
+                if stored[name] not in held:
+                    raise ValueError(f"{folder / file} lacks tensor {stored[name]!r}, which the index places there")
                 tensors[name] = f.get_tensor(stored[name])
     return tensors
 

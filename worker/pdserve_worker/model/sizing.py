@@ -1,0 +1,154 @@
+"""What a model costs in memory and how many KV slots fit next to it: `pdserve info --model`.
+
+A decode worker holds the weights of its layers (plus the embedding and the LM head, which
+every member of a layer-sharded group loads) and a KV pool of `slots` slots of `max_len`
+tokens each (DESIGN.md's layout: layers x (K, V) x max_len x kv_heads x head_dim x dtype).
+So for a memory budget M per device, the slots that fit are
+`floor((M - member weights) / member slot bytes)`, the smallest over the group's members.
+Activations and the runtime's own memory come on top: leave headroom in M.
+
+Torch-free: reads config.json (or a GGUF file's metadata, without converting it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve_worker.kv.layout import DTYPE_SIZES, shard_layers
+from pdserve_worker.model.config import HF_CLASSES, ModelConfig
+from pdserve_worker.model.generation_config import GenerationDefaults
+from pdserve_worker.model.shapes import parameter_count
+
+GIB = 1024**3
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+          "ti": 2**40, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes of "64GiB", "64Gi" (Kubernetes), "64G"/"64GB" (decimal), "1.5TiB" or a plain number."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory {text!r} is not a size like 64GiB, 64Gi, 64GB or 68719476736")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Weights and KV of each member of a decode group of `layer_shards` (1: one worker)."""
+
+    config: ModelConfig
+    dtype: str
+    max_len: int
+    layer_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        self.config.check_max_len(self.max_len)
+
+    @property
+    def members(self) -> list[range]:
+        return shard_layers(self.config.num_layers, self.layer_shards)
+
+    def weight_bytes(self, member: range) -> int:
+        return parameter_count(self.config, member) * DTYPE_SIZES[self.dtype]
+
+    def slot_bytes(self, member: range) -> int:
+        """One slot of `max_len` tokens of the member's layers (KVLayout.bytes_per_slot)."""
+        per_layer_token = 2 * self.config.num_kv_heads * self.config.head_dim * DTYPE_SIZES[self.dtype]
+        return len(member) * self.max_len * per_layer_token
+
+    def slots_fitting(self, memory: int) -> int:
+        """Slots of max_len every member can hold within `memory` bytes next to its weights (0: none)."""
+        return min(max(0, (memory - self.weight_bytes(m)) // self.slot_bytes(m)) for m in self.members)
+
+
+def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, facts about the checkpoint) of an HF folder or a GGUF file."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        from pdserve_worker.model.gguf_format import config_from_gguf, read_gguf_metadata
+
+        meta, reader = read_gguf_metadata(p)
+        config = config_from_gguf(meta, {t.name for t in reader.tensors})
+        file_type = meta.get("general.file_type")
+        try:
+            import gguf
+
+            file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
+        except (ImportError, ValueError):
+            pass
+        return config, {"format": "gguf", "name": p.stem, "checkpoint_dtype": file_type,
+                        "generation": GenerationDefaults(eos_token_ids=config.eos_token_ids)}
+    if p.is_dir() and (p / "config.json").is_file():
+        data = json.loads((p / "config.json").read_text())
+        return ModelConfig.from_hf(data), {
+            "format": "hf", "name": p.name, "checkpoint_dtype": data.get("torch_dtype") or data.get("dtype"),
+            "generation": GenerationDefaults.from_folder(p),
+        }
+    raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a folder with config.json")
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def report(path: str | Path, dtype: str = "bfloat16", max_len: int = 2048, memory: int | None = None,
+           layer_shards: int = 1) -> dict[str, Any]:
+    """Everything `pdserve info --model` prints, as one JSON-able dict."""
+    config, facts = read_config(path)
+    sizing = Sizing(config, dtype, max_len, layer_shards)
+    params = parameter_count(config)
+    out: dict[str, Any] = {
+        "path": str(path),
+        "name": facts["name"],
+        "format": facts["format"],
+        "architecture": config.architecture,
+        "hf_class": HF_CLASSES[config.architecture],
+        "parameters": params,
+        "parameters_human": human_count(params),
+        "checkpoint_dtype": facts["checkpoint_dtype"],
+        "dtype": dtype,
+        "weights_bytes": params * DTYPE_SIZES[dtype],
+        "weights_gib": round(params * DTYPE_SIZES[dtype] / GIB, 2),
+        "layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "qkv_bias": config.qkv_bias,
+        "qk_norm": config.qk_norm,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "sliding_window": config.sliding_window,
+        "max_position_embeddings": config.max_position_embeddings,
+        "kv_bytes_per_token": config.kv_bytes_per_token(dtype),
+        "max_len": max_len,
+        "slot_bytes": sum(sizing.slot_bytes(m) for m in sizing.members),
+        "generation": facts["generation"].to_dict(),
+    }
+    if layer_shards > 1:
+        out["members"] = [
+            {"layers": [m.start, m.stop - 1], "weights_bytes": sizing.weight_bytes(m), "slot_bytes": sizing.slot_bytes(m)}
+            for m in sizing.members
+        ]
+    if memory is not None:
+        worst = max(sizing.members, key=sizing.weight_bytes)
+        out["memory"] = {
+            "budget_bytes": memory,
+            "budget_gib": round(memory / GIB, 2),
+            "layer_shards": layer_shards,
+            "slots": sizing.slots_fitting(memory),
+            "weights_fit": all(sizing.weight_bytes(m) <= memory for m in sizing.members),
+            "free_after_weights_gib": round((memory - sizing.weight_bytes(worst)) / GIB, 2),
+        }
+    return out
