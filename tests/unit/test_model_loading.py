@@ -163,3 +163,35 @@ def test_cgroup_availability_is_limit_minus_working_set(tmp_path):
 def test_host_availability_is_known_on_this_machine():
     available, source = host_available()
     assert available is not None and available > 0 and source in ("MemAvailable", "cgroup limit - working set")
+
+
+@pytest.mark.asyncio
+async def test_a_worker_whose_weights_do_not_fit_exits_before_it_registers(family_dirs, monkeypatch, caplog):
+    """`pdserve worker --role decode` with too little memory: exit 1, the log names both figures,
+    and the broker never hears of it (nothing even connects to the broker's port)."""
+    import asyncio
+    import logging
+    import socket
+
+    from netutil import free_port
+
+    from pdserve_worker.roles.worker_main import run_worker
+    from pdserve_worker.settings import WorkerSettings
+
+    broker = socket.socket()
+    broker.bind(("127.0.0.1", 0))
+    broker.listen()
+    broker.setblocking(False)
+    monkeypatch.setattr(loader, "device_available", lambda device: (4096, "cgroup limit - working set"))
+    settings = WorkerSettings(role="decode", broker_address=f"127.0.0.1:{broker.getsockname()[1]}",
+                              broker_token="t0ken", model_source=str(family_dirs("qwen2")), model_dtype="float32",
+                              bind_host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
+                              transfer_port=free_port(), slots=2, max_length=64, grace_seconds=0)
+    with caplog.at_level(logging.ERROR, logger="pdserve.worker"):
+        code = await asyncio.wait_for(run_worker(settings), 60)
+    assert code == 1
+    failure = next(r.getMessage() for r in caplog.records if "worker_start_failed" in r.getMessage())
+    assert "need" in failure and "(4096 bytes) available (cgroup limit - working set)" in failure
+    with pytest.raises(BlockingIOError):
+        broker.accept()
+    broker.close()
