@@ -67,6 +67,7 @@ def test_gguf_loads_and_equals_the_hf_model(gguf_model, tmp_path, monkeypatch):
     ids = ours.tokenizer.encode(TEXTS[0])
     cache = KVCache.allocate(ours.config.kv_layout(1, 64, "float32"))
     assert greedy_tokens(ours.model, cache, 0, ids, 32) == hf_greedy(hf, ids, 32)
+    assert set(ours.tokenizer.eos_token_ids) == set(ours.tokenizer.backend.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
     # The converted folder is a plain HF folder transformers loads as the same model.
     converted = hf_model(tmp_path / "cache" / next(p.name for p in (tmp_path / "cache").iterdir()))
     assert (hf_logits(converted, ids) - hf_logits(hf, ids)).abs().max().item() < 1e-5
@@ -93,7 +94,8 @@ def test_gguf_config_and_tokenizer_are_the_folders(gguf_model):
         assert ours.decode(ours.encode(text)) == text
     chat = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(chat) == hf_loaded.tokenizer.apply_chat_template(chat)
-    assert ours.eos_token_ids[0] == hf_tok.convert_tokens_to_ids("<|im_end|>")
+    # llama.cpp's end of generation: the eos id, and <|endoftext|> by its text (llama_vocab EOG detection).
+    assert ours.eos_token_ids == tuple(hf_tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
 
 
 def test_transformers_reads_the_qwen2_file_as_the_same_model(family_dirs, tmp_path):

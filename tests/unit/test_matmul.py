@@ -84,3 +84,26 @@ def test_a_reorder_that_fails_falls_back_to_plain_weights(monkeypatch, caplog) -
     assert "event=prepack_unavailable" in caplog.text and "shape=8x4" in caplog.text
     x = torch.randn(3, 4)
     torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "upcast", "prepack"),
+    [(torch.float32, False, False), (torch.float32, False, True), (torch.bfloat16, False, False),
+     (torch.bfloat16, False, True), (torch.bfloat16, True, False)],
+    ids=["fp32-plain", "fp32-prepacked", "bf16-plain", "bf16-prepacked", "bf16-upcast"],
+)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 64)])
+def test_every_route_adds_the_bias_as_f_linear_does(dtype, upcast, prepack, shape) -> None:
+    """qwen2's q/k/v bias goes into the product on every route (one rounding, like F.linear with a bias)."""
+    if prepack and not can_prepack(CPU, dtype):
+        pytest.skip(f"oneDNN cannot prepack {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    linear = Linear(CPU, dtype, upcast=upcast, prepack=prepack)
+    y = linear(x, linear.prepare(w), bias=b)
+    expected = F.linear(x.double(), w.double(), b.double())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.double(), expected, atol=tol * 8, rtol=tol)
+    assert not torch.allclose(linear(x, linear.prepare(w)).double(), expected, atol=0.1)  # the bias is there

@@ -2,8 +2,8 @@
 
 Dequantizing the GGUF and rebuilding its tokenizer takes seconds; loading safetensors and a
 tokenizer.json takes a fraction of one. The converted folder is a plain HF folder
-(config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that transformers can
-load as well. There is one folder per dtype: fp32 holds the dequantized values exactly (for
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json)
+that transformers can load as well. There is one folder per dtype: fp32 holds the dequantized values exactly (for
 exactness checks, and as the source of the others), and a bf16 folder loads without a cast
 (casting 135M weights at every start would take longer than the whole load). The safetensors
 file is memory-mapped at load, so processes on one host share its pages.
@@ -35,7 +35,8 @@ from pdserve_worker.model.weights import read_gguf
 log = logging.getLogger("pdserve.model.convert")
 
 # Bump when the converted folder's content changes, so old entries are not reused.
-CONVERTER_VERSION = 1
+# 2: generation_config.json carries llama.cpp's end-of-generation ids; qwen2/qwen3 config.json.
+CONVERTER_VERSION = 2
 MARKER = "pdserve_source.json"
 
 
@@ -63,6 +64,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(checkpoint.config.to_hf("float32"), indent=2))
     tokenizer.save(out)
+    # Every id llama.cpp ends generation on, where an HF folder lists them.
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": checkpoint.config.bos_token_id, "eos_token_id": list(tokenizer.eos_token_ids)}, indent=2))
     _mark(out, gguf_path, "float32")
     return out
 
@@ -75,7 +79,7 @@ def recast_folder(fp32_dir: Path, out_dir: Path, dtype: str) -> Path:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp32_dir / "config.json").read_text())
     (out_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(fp32_dir / name, out_dir / name)
     _mark(out_dir, Path(source["gguf"]), dtype)
     return out_dir

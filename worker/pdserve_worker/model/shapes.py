@@ -62,8 +62,13 @@ def weight_shapes(config: ModelConfig, layers: Iterable[int] | None = None) -> d
 
 
 def parameter_count(config: ModelConfig, layers: Iterable[int] | None = None) -> int:
-    """Parameters of the model (a tied head counted once), or of a member holding `layers`."""
-    return sum(prod(shape) for shape in weight_shapes(config, layers).values())
+    """Parameters of the model (a tied head counted once), or of a member holding `layers`.
+
+    Arithmetic on one layer (every layer has the same tensors), so a config.json claiming a
+    billion layers is counted, and refused by the memory check, without listing them."""
+    count = config.num_layers if layers is None else len(layers if isinstance(layers, range) else list(layers))
+    per_layer = sum(prod(shape) for shape in layer_shapes(config, 0).values())
+    return sum(prod(shape) for shape in global_shapes(config).values()) + count * per_layer
 
 
 def weight_bytes(config: ModelConfig, dtype: str, layers: Iterable[int] | None = None) -> int:
