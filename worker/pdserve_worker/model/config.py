@@ -33,8 +33,6 @@ from typing import Any
 from pdserve_worker.kv.layout import DTYPE_SIZES, KVLayout
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# Kept under its old name too: other modules import it.
-SUPPORTED_MODEL_TYPES = ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 HF_CLASSES = {
