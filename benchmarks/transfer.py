@@ -223,7 +223,8 @@ def bench_readiness(samples: int, cpu_wait_s: float) -> list[dict[str, Any]]:
                 grant = decode.call("reserve", request_id=f"{mode}-{i}", ttl_s=60)
                 decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)
                 time.sleep(0.003)  # let the decode side block before the notify goes out
-                body = f'{{"request_id":"{mode}-{i}","slot":{grant["slot"]},"generation":{grant["generation"]},"num_tokens":1}}'
+                body = (f'{{"request_id":"{mode}-{i}","slot":{grant["slot"]},"generation":{grant["generation"]},'
+                        f'"nonce":"{grant["nonce"]}","num_tokens":1}}')
                 t0 = time.perf_counter_ns()
                 backend.check(backend.engine.send_notify(engine_id, api.NotifyDesc("kv_ready", body), 2000), "notify")
                 woke = decode.result()["woke_ns"]

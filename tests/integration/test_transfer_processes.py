@@ -192,7 +192,8 @@ def test_every_readiness_mode_delivers(peers: Callable[..., PeerProcess], client
         grant = decode.call("reserve", request_id=f"m{i}", ttl_s=30)
         decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)
         time.sleep(0.02)
-        body = json.dumps({"request_id": f"m{i}", "slot": grant["slot"], "generation": grant["generation"], "num_tokens": 7})
+        body = json.dumps({"request_id": f"m{i}", "slot": grant["slot"], "generation": grant["generation"],
+                           "nonce": grant["nonce"], "num_tokens": 7})
         client.check(client.engine.send_notify(decode.info["engine_id"], api.NotifyDesc("kv_ready", body), 5000), "notify")
         assert decode.result()["message"]["request_id"] == f"m{i}"
         assert decode.call("commit", slot=grant["slot"], generation=grant["generation"])
@@ -242,7 +243,8 @@ def test_resource_exhausted_past_the_bounds_and_recovery(peers: Callable[..., Pe
         assert backend.engine.transfer_async(remote, api.WRITE, op)[0] == api.SUCCESS
         # The decode's notify queue holds 2 until someone drains it.
         grant = decode.call("reserve", request_id="q", ttl_s=30)
-        body = json.dumps({"request_id": "q", "slot": grant["slot"], "generation": grant["generation"], "num_tokens": 1})
+        body = json.dumps({"request_id": "q", "slot": grant["slot"], "generation": grant["generation"],
+                           "nonce": grant["nonce"], "num_tokens": 1})
         sent = [backend.engine.send_notify(remote, api.NotifyDesc("kv_ready", body), 2000) for _ in range(3)]
         assert sent == [api.SUCCESS, api.SUCCESS, api.RESOURCE_EXHAUSTED]
         assert decode.call("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=5)["message"]["request_id"] == "q"

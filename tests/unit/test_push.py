@@ -35,7 +35,8 @@ class Decode:
         ctypes.memset(self.pool.base_addr, 0xEE, self.pool.nbytes)
 
     def target(self, slot: int, generation: int = 1, request_id: str = "req") -> PushTarget:
-        return PushTarget(self.engine_id, self.pool.base_addr, self.pool.layout, slot, generation, request_id)
+        return PushTarget(self.engine_id, self.pool.base_addr, self.pool.layout, slot, generation, request_id,
+                          nonce=f"nonce-{slot}-{generation}")
 
     def run(self, slot: int, layer: int, kv_index: int, n: int, start: int = 0) -> bytes:
         addr, length = self.pool.run(slot, layer, kv_index, n, start)
@@ -104,6 +105,7 @@ def test_each_target_gets_exactly_its_layers_and_only_the_prompt(prefill: Prefil
             "request_id": "req",
             "slot": slot,
             "generation": 1,
+            "nonce": f"nonce-{slot}-1",  # the grant's capability travels with the notify
             "num_tokens": TOKENS,
             "first_token": 42,
         }
@@ -255,7 +257,9 @@ def test_grant_dict_round_trips_into_a_target() -> None:
     lay = layout(2, 16)
     grant = SlotTable(lay, engine_id="10.1.1.1:9", base_addr=1 << 20).reserve("r", 5)
     assert PushTarget.from_grant(grant.to_dict()) == PushTarget.from_grant(grant)
-    assert PushTarget.from_grant(grant) == PushTarget("10.1.1.1:9", 1 << 20, lay, 0, grant.generation, "r")
+    assert PushTarget.from_grant(grant) == PushTarget("10.1.1.1:9", 1 << 20, lay, 0, grant.generation, "r",
+                                                      nonce=grant.nonce)
+    assert len(bytes.fromhex(grant.nonce)) == 16 and grant.nonce not in repr(PushTarget.from_grant(grant))
 
 
 def test_layer_chunks() -> None:

@@ -12,10 +12,11 @@ import pytest
 
 from netutil import free_port
 from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.kv.slots import SlotTable
+from pdserve_worker.kv.slots import SlotTable, reservation_nonce
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
 
+KEY = b"k" * 32
 LAYOUT = KVLayout(num_slots=4, num_layers=1, max_len=8, kv_heads=1, head_dim=4, dtype="float32")
 
 
@@ -38,7 +39,7 @@ class Side:
         self.client.check(self.client.engine.initialize("127.0.0.1"), "initialize")
         self.client.ensure_connected(self.engine_id, 2000)
         self.clock = Clock()
-        self.slots = SlotTable(LAYOUT, quarantine_s=0.0, clock=self.clock)
+        self.slots = SlotTable(LAYOUT, quarantine_s=0.0, clock=self.clock, capability_key=KEY)
         self._timers: list[threading.Timer] = []
 
     def later(self, delay_s: float, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -47,8 +48,11 @@ class Side:
         self._timers.append(timer)
         timer.start()
 
-    def ready(self, slot: int, generation: int, name: str = "kv_ready", **extra: Any) -> None:
-        msg = json.dumps({"request_id": "r", "slot": slot, "generation": generation, "num_tokens": 3, **extra})
+    def ready(self, slot: int, generation: int, name: str = "kv_ready", nonce: str | None = None, **extra: Any) -> None:
+        """A ready notify as a prefill sends it: with the grant's nonce unless told otherwise."""
+        nonce = reservation_nonce(KEY, slot, generation) if nonce is None else nonce
+        msg = json.dumps({"request_id": "r", "slot": slot, "generation": generation, "nonce": nonce, "num_tokens": 3,
+                          **extra})
         api = self.client.api
         self.client.check(self.client.engine.send_notify(self.engine_id, api.NotifyDesc(name, msg), 2000), "notify")
 
@@ -79,25 +83,26 @@ class PollOnly:
 @pytest.mark.parametrize("mode", ["interrupt", "poll", "spin"])
 def test_every_mode_delivers_the_ready_message(side: Side, mode: str) -> None:
     warmed: list[tuple[int, int]] = []
-    readiness = Readiness(side.decode, mode, accepts=side.slots.is_reserved, poll_interval_us=200, warmup=lambda s, n: warmed.append((s, n)))
+    readiness = Readiness(side.decode, mode, accepts=side.slots.is_reserved, authorize=side.slots.verify, poll_interval_us=200, warmup=lambda s, n: warmed.append((s, n)))
     g = side.slots.reserve("r", 60)
     side.later(0.05, side.ready, g.slot, g.generation, first_token=5)
     message = readiness.wait(g.slot, g.generation, timeout_s=5)
-    assert message == {"request_id": "r", "slot": g.slot, "generation": g.generation, "num_tokens": 3, "first_token": 5}
+    assert message == {"request_id": "r", "slot": g.slot, "generation": g.generation, "nonce": g.nonce, "num_tokens": 3,
+                       "first_token": 5}
     assert warmed == [(g.slot, 3)]
 
 
 def test_interrupt_mode_polls_when_the_engine_cannot_block(side: Side) -> None:
     backend = TransferBackend("hixl", PollOnly(side.decode.engine), side.decode.api)
     assert not backend.can_block_on_notifies
-    readiness = Readiness(backend, "interrupt", accepts=side.slots.is_reserved)
+    readiness = Readiness(backend, "interrupt", accepts=side.slots.is_reserved, authorize=side.slots.verify)
     g = side.slots.reserve("r", 60)
     side.later(0.05, side.ready, g.slot, g.generation)
     assert readiness.wait(g.slot, g.generation, timeout_s=5)["generation"] == g.generation
 
 
 def test_a_message_that_arrives_before_the_wait_is_kept(side: Side) -> None:
-    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify)
     g = side.slots.reserve("r", 60)
     side.ready(g.slot, g.generation)
     assert readiness.try_take(g.slot, g.generation)["slot"] == g.slot
@@ -105,7 +110,7 @@ def test_a_message_that_arrives_before_the_wait_is_kept(side: Side) -> None:
 
 
 def test_stale_generation_is_never_taken_for_the_new_request(side: Side) -> None:
-    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify)
     old = side.slots.reserve("old", 1.0)
     side.clock.now += 2  # the old lease runs out: its transfer was abandoned
     side.slots.expire()
@@ -119,7 +124,7 @@ def test_stale_generation_is_never_taken_for_the_new_request(side: Side) -> None
 
 
 def test_many_waiters_each_get_their_own_message(side: Side) -> None:
-    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify)
     grants = [side.slots.reserve(f"r{i}", 60) for i in range(4)]
     results: dict[int, dict[str, Any]] = {}
 
@@ -139,7 +144,7 @@ def test_many_waiters_each_get_their_own_message(side: Side) -> None:
 
 
 def test_waiting_on_a_slot_whose_lease_ended_raises(side: Side) -> None:
-    readiness = Readiness(side.decode, accepts=side.slots.is_reserved)
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify)
     g = side.slots.reserve("r", 1.0)
     side.later(0.05, setattr, side.clock, "now", 5.0)
     with pytest.raises(SlotNotReserved, match=f"slot {g.slot} generation {g.generation}"):
@@ -148,7 +153,7 @@ def test_waiting_on_a_slot_whose_lease_ended_raises(side: Side) -> None:
 
 def test_other_notifies_go_to_their_handler(side: Side) -> None:
     others: list[str] = []
-    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, on_other=lambda n: others.append(n.name))
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify, on_other=lambda n: others.append(n.name))
     g = side.slots.reserve("r", 60)
     side.ready(g.slot, g.generation, name="drain_request")
     side.ready(g.slot, g.generation)
@@ -161,3 +166,36 @@ def test_bad_configuration(side: Side) -> None:
         Readiness(side.decode, "sometimes")
     with pytest.raises(ValueError, match="poll_interval_us"):
         Readiness(side.decode, "poll", poll_interval_us=0)
+
+
+def test_a_notify_without_the_grants_nonce_is_dropped_counted_and_not_kept(side: Side) -> None:
+    """A forged notify (right slot and generation, wrong or missing nonce) is never filed, so
+    it can neither wake the waiter nor displace the genuine notify that follows."""
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify)
+    g = side.slots.reserve("r", 60)
+    side.ready(g.slot, g.generation, nonce="00" * 16, first_token=666)
+    side.ready(g.slot, g.generation, nonce=reservation_nonce(b"x" * 32, g.slot, g.generation), first_token=666)
+    msg = json.dumps({"slot": g.slot, "generation": g.generation, "num_tokens": 3})  # no nonce at all
+    side.client.engine.send_notify(side.engine_id, side.client.api.NotifyDesc("kv_ready", msg), 2000)
+    side.ready(g.slot, g.generation, nonce="[]")
+    assert readiness.try_take(g.slot, g.generation) is None
+    assert readiness.drops.totals() == {"bad_capability": 4}
+    side.ready(g.slot, g.generation, first_token=7)
+    assert readiness.wait(g.slot, g.generation, timeout_s=5)["first_token"] == 7
+
+
+def test_drops_are_summarised_not_logged_one_by_one(side: Side, caplog: pytest.LogCaptureFixture) -> None:
+    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify)
+    g = side.slots.reserve("r", 60)
+    for i in range(50):
+        side.ready(g.slot, g.generation + 1 + i)  # right nonce for a generation that is not live
+        side.ready(g.slot, g.generation, nonce=f"{i:032x}")
+    msg = "not json"
+    side.client.engine.send_notify(side.engine_id, side.client.api.NotifyDesc("kv_ready", msg), 2000)
+    with caplog.at_level("INFO"):
+        assert readiness.try_take(g.slot, g.generation) is None
+        time.sleep(0.05)
+        assert readiness.try_take(g.slot, g.generation) is None
+    assert readiness.drops.totals() == {"stale": 50, "bad_capability": 50, "malformed": 1}
+    assert readiness.drops.summaries == 1
+    assert len([r for r in caplog.records if "ready_notifies_dropped" in r.getMessage()]) == 1

@@ -32,7 +32,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id", "group_grants")
+    __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id", "group_grants", "nonce")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class Grant(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_GRANTS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     slot: int
     generation: int
     engine_id: str
@@ -51,7 +52,8 @@ class Grant(_message.Message):
     worker_id: str
     request_id: str
     group_grants: _containers.RepeatedCompositeFieldContainer[Grant]
-    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., group_grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., group_grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated")
@@ -114,20 +116,24 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeStatus(_message.Message):
-    __slots__ = ("worker_id", "slots_total", "slots_used", "slots_free", "active_requests", "draining")
+    __slots__ = ("worker_id", "slots_total", "slots_used", "slots_free", "active_requests", "draining", "notifies_dropped", "transfer_refusals")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NOTIFIES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     slots_total: int
     slots_used: int
     slots_free: int
     active_requests: int
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    notifies_dropped: int
+    transfer_refusals: int
+    def __init__(self, worker_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., notifies_dropped: _Optional[int] = ..., transfer_refusals: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "targets", "num_generated")

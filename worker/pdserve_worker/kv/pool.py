@@ -105,10 +105,22 @@ class KVPool:
                 int(view[::PAGE].sum())
 
     def close(self) -> None:
-        """Deregister and free. Only at shutdown: the tensor view must not be used after this."""
+        """Deregister and free. Only at shutdown: the tensor view must not be used after this.
+
+        A process whose engine listens should rather `deregister()`, finalize the engine (its
+        server stops, so no peer's write can still be landing), then `free()`."""
+        self.deregister()
+        self.free()
+
+    def deregister(self) -> None:
+        """No new link or transfer may reach the pool (HIXL: deregister before finalize)."""
         if self.handle:
             self._backend.engine.deregister_mem(self.handle)
             self.handle = 0
+
+    def free(self) -> None:
+        """Release the memory. After the engine is finalized the host engine has already
+        unmapped what it allocated; freeing is then a no-op."""
         self._tensor = None
         self._free()
 

@@ -5,6 +5,18 @@ generation number, unique over the table's life, and everything that refers to a
 (a ready notification, a commit, a release) names (slot, generation): a message about an older
 generation is about a request that is gone and is ignored.
 
+Generations are not a secret and must not need to be: they start at a clock-based value with
+random low bits (unique across restarts, so a layer-sharded group's followers, which only let
+generations grow, keep working after the leader restarts) and count up. What a ready notify
+must also carry is the grant's `nonce`, a capability: HMAC(key, slot, generation), 128 bits,
+unguessable without the key. The decode hands it out only in its Reserve answer; the router
+passes it to the prefill; `verify` checks it. A MAC rather than a stored random value so that
+every member of a sharded group (which share the service-derived key, link_auth.py) can check
+a notify for a reservation it was never told about; without a key the table makes a random one.
+
+`leases` (optional) is told of every grant and of every end of one, under the table's lock:
+the decode's engine uses it to make exactly the reserved slots writable (transfer/leases.py).
+
 A lease that runs out, or a release before the KV was committed, means a prefill may still be
 writing into the slot: its transfer was abandoned, not stopped. The slot is then
 *quarantined*: free again, but not granted to anyone until `quarantine_s` has passed, so a
@@ -17,13 +29,17 @@ All methods are thread-safe; time comes from an injected clock, so tests drive i
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from pdserve_worker.kv.layout import KVLayout
 from pdserve_worker.logs import kv
@@ -42,6 +58,35 @@ class NoFreeSlot(RuntimeError):
     """Every slot is reserved, committed or quarantined."""
 
 
+class LeaseHooks(Protocol):
+    """What a slot table tells about its reservations (transfer.leases.SlotWriteLeases)."""
+
+    def granted(self, slot: int, generation: int) -> None: ...
+
+    def ended(self, slot: int, generation: int) -> None: ...
+
+
+NONCE_BYTES = 16
+
+
+def reservation_nonce(key: bytes, slot: int, generation: int) -> str:
+    """The capability of reservation (slot, generation) under `key`, as hex."""
+    mac = hmac.new(key, f"pdserve-reservation|{slot}|{generation}".encode(), hashlib.sha256).digest()
+    return mac[:NONCE_BYTES].hex()
+
+
+def nonce_matches(key: bytes, slot: int, generation: int, nonce: str) -> bool:
+    """Constant-time check of a notify's nonce against (slot, generation)."""
+    expected = reservation_nonce(key, slot, generation)
+    return hmac.compare_digest(expected.encode(), nonce.encode("utf-8", "replace"))
+
+
+def first_generation() -> int:
+    """Milliseconds since the epoch in the high bits (grows across restarts), 20 random bits
+    below: a restarted decode does not hand out the generations of its previous life."""
+    return (int(time.time() * 1000) << 20) | secrets.randbits(20)
+
+
 @dataclass(frozen=True)
 class Grant:
     """What a prefill needs to push into a slot: where (engine, base, layout) and which lease."""
@@ -53,6 +98,7 @@ class Grant:
     engine_id: str
     base_addr: int
     layout: KVLayout
+    nonce: str = field(default="", repr=False)  # the capability a ready notify must carry
 
     @property
     def slot_addr(self) -> int:
@@ -67,6 +113,7 @@ class Grant:
             "engine_id": self.engine_id,
             "base_addr": self.base_addr,
             "layout": self.layout.to_dict(),
+            "nonce": self.nonce,
         }
 
 
@@ -96,6 +143,8 @@ class SlotTable:
         quarantine_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_expire: Callable[[Grant], None] | None = None,
+        capability_key: bytes | None = None,
+        leases: LeaseHooks | None = None,
     ) -> None:
         if quarantine_s < 0:
             raise ValueError(f"quarantine_s must be >= 0, got {quarantine_s}")
@@ -106,7 +155,9 @@ class SlotTable:
         self._clock = clock
         self._on_expire = on_expire
         self._slots = [_Slot() for _ in range(layout.num_slots)]
-        self._generations = itertools.count(1)
+        self._generations = itertools.count(first_generation())
+        self._key = capability_key or secrets.token_bytes(32)
+        self._leases = leases
         self._lock = threading.Lock()
 
     # ---- leases ------------------------------------------------------------------------------------
@@ -121,8 +172,11 @@ class SlotTable:
                 if s.state is SlotState.QUARANTINED and s.deadline <= now:
                     s.state = SlotState.FREE
                 if s.state is SlotState.FREE:
+                    generation = next(self._generations)
+                    if self._leases is not None:
+                        self._leases.granted(index, generation)  # may raise: then nothing changed
                     s.state = SlotState.RESERVED
-                    s.generation = next(self._generations)
+                    s.generation = generation
                     s.request_id = request_id
                     s.deadline = now + ttl_s
                     grant = self._grant(index, s)
@@ -155,6 +209,7 @@ class SlotTable:
                 return False
             s.state = SlotState.COMMITTED
             s.deadline = 0.0
+            self._end_lease(slot, generation)  # the KV is in: nothing more to write
             return True
 
     def release(self, slot: int, generation: int) -> bool:
@@ -168,7 +223,7 @@ class SlotTable:
                 )
                 return False
             if s.state is SlotState.RESERVED:
-                self._quarantine(s)
+                self._quarantine(slot, s)
             else:
                 s.state = SlotState.FREE
                 s.request_id = ""
@@ -182,7 +237,7 @@ class SlotTable:
             for index, s in enumerate(self._slots):
                 if s.state is SlotState.RESERVED and s.deadline <= now:
                     expired.append(self._grant(index, s))
-                    self._quarantine(s)
+                    self._quarantine(index, s)
         for grant in expired:
             log.warning(
                 kv(event="slot_lease_expired", request=grant.request_id, slot=grant.slot, generation=grant.generation)
@@ -198,6 +253,11 @@ class SlotTable:
         with self._lock:
             s = self._live(slot, generation)
             return s is not None
+
+    def verify(self, slot: int, generation: int, nonce: str) -> bool:
+        """Whether `nonce` is the capability of reservation (slot, generation) (live or not:
+        `is_reserved` says whether it still waits)."""
+        return nonce_matches(self._key, slot, generation, nonce)
 
     def is_reserved(self, slot: int, generation: int) -> bool:
         """Whether (slot, generation) still waits for its KV: the only time a ready message counts."""
@@ -237,13 +297,22 @@ class SlotTable:
             counts[SlotState.FREE], counts[SlotState.RESERVED], counts[SlotState.COMMITTED], counts[SlotState.QUARANTINED]
         )
 
-    def _quarantine(self, s: _Slot) -> None:
+    def _quarantine(self, index: int, s: _Slot) -> None:
+        self._end_lease(index, s.generation)
         s.state = SlotState.QUARANTINED
         s.deadline = self._clock() + self.quarantine_s
         s.request_id = ""
 
+    def _end_lease(self, index: int, generation: int) -> None:
+        if self._leases is not None:
+            try:
+                self._leases.ended(index, generation)
+            except Exception as exc:  # a revoke that failed must not wedge the table
+                log.error(kv(event="lease_end_failed", slot=index, generation=generation, error=repr(exc)))
+
     def _grant(self, index: int, s: _Slot) -> Grant:
-        return Grant(s.request_id, index, s.generation, s.deadline, self.engine_id, self.base_addr, self.layout)
+        return Grant(s.request_id, index, s.generation, s.deadline, self.engine_id, self.base_addr, self.layout,
+                     reservation_nonce(self._key, index, s.generation))
 
     @staticmethod
     def _describe(s: _Slot | None) -> dict[str, object]:

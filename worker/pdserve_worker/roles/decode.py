@@ -46,7 +46,9 @@ from pdserve_worker.rpc.convert import layout_to_proto, sampling_from_proto
 from pdserve_worker.rpc.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.leases import SlotWriteLeases
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
+from pdserve_worker.transfer.service_link import capability_key
 
 log = logging.getLogger("pdserve.decode")
 
@@ -81,13 +83,19 @@ class DecodeWorker:
         # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
         # writing lands in a slot nobody has been granted since.
         quarantine_s = settings.transfer_timeout_ms / 1000 + 5.0
+        # Only reserved slots are writable by peers (host engine), and a ready notify counts
+        # only with its grant's nonce: neither a stray peer nor a forged notify can touch a
+        # request that is not theirs.
+        self.leases = SlotWriteLeases(backend, self.pool.base_addr, layout)
         self.slots = SlotTable(
-            layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s
+            layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
+            capability_key=capability_key(settings.token), leases=self.leases,
         )
         self.readiness = Readiness(
             backend,
             settings.readiness_mode,
             accepts=self.slots.is_reserved,
+            authorize=self.slots.verify,
             poll_interval_us=settings.poll_interval_micros,
             warmup=self.pool.warm if settings.warmup else None,
         )
@@ -124,11 +132,16 @@ class DecodeWorker:
             self.slots.expire()
 
     def close(self) -> None:
+        """Stop using the pool and deregister it. The caller then finalizes the engine (its
+        server stops, so no peer can be writing) and only then calls `free`."""
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.loop.stop()
         self._waiters.shutdown(wait=False, cancel_futures=True)
-        self.pool.close()
+        self.pool.deregister()
+
+    def free(self) -> None:
+        self.pool.free()
 
     async def drain(self, timeout_s: float) -> bool:
         """Take no new slots; wait until every slot is free or `timeout_s` passed. True if drained."""
@@ -179,6 +192,8 @@ class DecodeWorker:
             slots_free=load.slots_free,
             active_requests=load.active_requests,
             draining=self.draining,
+            notifies_dropped=self.readiness.drops.total(),
+            transfer_refusals=transfer_refusals(self.backend),
         )
 
     # ---- the request road --------------------------------------------------------------------
@@ -199,6 +214,14 @@ class DecodeWorker:
         return Ready(num_tokens, first_token, time.monotonic() - started)
 
 
+def transfer_refusals(backend: TransferBackend) -> int:
+    """What the engine's server refused so far (host engine; real HIXL counts nothing)."""
+    stats = getattr(backend.engine, "security_stats", None)
+    if stats is None:
+        return 0
+    return sum(v for k, v in stats().items() if k not in ("links_open", "handshakes_pending", "write_leases"))
+
+
 def _grant_to_proto(grant: Grant, ttl_s: float, worker_id: str, request_id: str) -> worker_pb2.Grant:
     return worker_pb2.Grant(
         slot=grant.slot,
@@ -209,6 +232,7 @@ def _grant_to_proto(grant: Grant, ttl_s: float, worker_id: str, request_id: str)
         lease_deadline_unix_ms=int((time.time() + ttl_s) * 1000),
         worker_id=worker_id,
         request_id=request_id,
+        nonce=bytes.fromhex(grant.nonce),
     )
 
 

@@ -39,7 +39,7 @@ from pdserve.v1 import shard_pb2, shard_pb2_grpc
 from pdserve_worker.kv.cache import KVCache, dtype_name, torch_dtype
 from pdserve_worker.kv.layout import KVLayout, shard_layers
 from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.kv.slots import Grant
+from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.logs import kv
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.generate import Generator
@@ -53,6 +53,7 @@ from pdserve_worker.rpc.membership import MemberInfo
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
+from pdserve_worker.transfer.service_link import capability_key
 
 log = logging.getLogger("pdserve.decode_shard")
 
@@ -145,7 +146,12 @@ class ShardFollower:
         self.member = ShardMember(loaded.model, KVCache(layout, self.pool.tensor))
         # The leader's slot table decides which grants are live; here only newer beats older.
         self.floor = GenerationFloor()
+        # A notify counts only with the reservation's capability, which the leader's table made
+        # under the key that every member derives from the service's token (kv/slots.py); a
+        # forged one can then neither be filed nor raise the floor.
+        key = capability_key(settings.token)
         self.readiness = Readiness(backend, settings.readiness_mode, accepts=self.floor.accepts,
+                                   authorize=lambda slot, generation, nonce: nonce_matches(key, slot, generation, nonce),
                                    poll_interval_us=settings.poll_interval_micros,
                                    warmup=self.pool.warm if settings.warmup else None)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
@@ -176,9 +182,13 @@ class ShardFollower:
         return hidden_to_proto(out, message.slots, message.positions)
 
     def close(self) -> None:
+        """Stop and deregister; `free` after the engine is finalized (DecodeWorker.close)."""
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._waiters.shutdown(wait=False, cancel_futures=True)
-        self.pool.close()
+        self.pool.deregister()
+
+    def free(self) -> None:
+        self.pool.free()
 
 
 class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
+from pdserve_worker.kv.slots import NONCE_BYTES
 from pdserve_worker.logs import kv
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import Sampler
@@ -70,7 +71,6 @@ class PrefillWorker:
             worker_id=self.settings.member_id,
             role=Role.PREFILL,
             grpc_endpoint=self.settings.grpc_endpoint,
-            engine_id=self.settings.engine_id,
             revision=self.revision,
             labels={"model": self.loaded.name},
         )
@@ -80,8 +80,12 @@ class PrefillWorker:
         return Load(active_requests=self.queued)
 
     def close(self) -> None:
+        """Stop computing; `free` after the engine is finalized (no put of ours still reads)."""
         self._compute.shutdown(wait=True, cancel_futures=True)
-        self.pool.close()
+        self.pool.deregister()
+
+    def free(self) -> None:
+        self.pool.free()
 
     def on_member(self, event: MemberEvent) -> None:
         """A decode that left will not be pushed to again: drop the link to its engine."""
@@ -133,6 +137,9 @@ def targets_from_proto(request: worker_pb2.PrefillRequest) -> list[PushTarget]:
     for i, grant in enumerate(request.targets):
         if not grant.engine_id or not grant.base_addr:
             raise ValueError(f"targets[{i}] lacks engine_id or base_addr: {grant.engine_id!r} {grant.base_addr:#x}")
+        if len(grant.nonce) != NONCE_BYTES:
+            raise ValueError(f"targets[{i}] lacks its reservation's nonce ({len(grant.nonce)} bytes, need "
+                             f"{NONCE_BYTES}): pass the decode's Reserve answer unchanged")
         targets.append(PushTarget(
             engine_id=grant.engine_id,
             base_addr=grant.base_addr,
@@ -140,6 +147,7 @@ def targets_from_proto(request: worker_pb2.PrefillRequest) -> list[PushTarget]:
             slot=grant.slot,
             generation=grant.generation,
             request_id=grant.request_id or request.request_id,
+            nonce=grant.nonce.hex(),
         ))
     if not targets:
         raise ValueError("targets is empty: a prefill needs at least one granted decode slot")

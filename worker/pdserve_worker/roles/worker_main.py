@@ -7,8 +7,9 @@ can serve.
 
 Stop (SIGTERM or SIGINT, once): /readyz fails at once; a decode drains (no new slots, active
 requests finish, up to the drain timeout); the worker leaves the broker, then the gRPC and
-HTTP servers stop (in-flight calls get the grace period), then the KV pool and the transfer
-engine are released. A second signal during the stop is ignored; the pod's grace period is
+HTTP servers stop (in-flight calls get the grace period), then the KV pool is deregistered,
+the transfer engine finalized (its server stopped and joined, so no peer's write can still
+land), and only then the pool's memory freed. A second signal during the stop is ignored; the pod's grace period is
 the hard limit.
 
 The router role serves the OpenAI API (`router_app.create_app`) over `PDBackend`; the
@@ -105,6 +106,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         member_layers,
     )
     from pdserve_worker.transfer.engine import create_engine
+    from pdserve_worker.transfer.service_link import engine_options, local_engine_id
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)
@@ -143,9 +145,15 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
         revision = model_revision(folder, settings.model_dtype)
         backend = create_engine(settings.transfer_backend)
-        status = backend.engine.initialize(settings.engine_id, dict(settings.engine_options))
+        # A prefill connects out only: it listens on no transfer port. A decode admits only
+        # peers holding the service's link key, and (unless it is a group follower, which has
+        # no slot table) lets them write only into reserved slots (service_link.py).
+        engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
+        options = engine_options(backend.name, settings.token, settings.engine_options,
+                                 leased_writes=settings.role == "decode" and not is_follower(settings))
+        status = backend.engine.initialize(engine_id, options)
         if status != backend.api.SUCCESS:
-            raise StartupError(f"transfer engine {settings.engine_id} failed to initialize: status {status}")
+            raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
         server = aio_server(TokenTable({settings.service: settings.token}))
         if is_follower(settings):
             worker = ShardFollower(settings, loaded, backend)
@@ -188,7 +196,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         if state.phase == "registering":
             state.phase = "ready"
         log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id,
-                    grpc=settings.grpc_endpoint, engine=settings.engine_id, http=settings.http_port,
+                    grpc=settings.grpc_endpoint, engine=engine_id, http=settings.http_port,
                     model=loaded.name, revision=revision))
         await _until(stop, http_task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
@@ -210,10 +218,14 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         http.should_exit = True
         with contextlib.suppress(Exception):
             await http_task
+        # Stop using the pool and deregister it, then stop the engine (its server first: no
+        # peer can be writing any more), and only then free the pool's memory.
         if worker is not None:
             worker.close()
         if backend is not None:
             backend.engine.finalize()
+        if worker is not None:
+            worker.free()
         log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
 
 

@@ -67,18 +67,19 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer import wire
+from pdserve_worker.transfer import link_auth, wire
 from pdserve_worker.transfer.host_link import CopyStep, Link, Request
-from pdserve_worker.transfer.host_server import HostServer
+from pdserve_worker.transfer.host_server import HostServer, ServerPolicy
+from pdserve_worker.transfer.leases import LeaseTable
 from pdserve_worker.transfer.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.netio import parse_engine_id
 from pdserve_worker.transfer.regions import Region, RegionTable
-from pdserve_worker.transfer.shm import ShmSegment, host_identity
+from pdserve_worker.transfer.shm import ShmSegment
 
 log = logging.getLogger("pdserve.transfer.host_engine")
 
@@ -88,6 +89,12 @@ OPTION_NOTIFY_QUEUE = "pdserve.NotifyQueueSize"
 OPTION_COPY_THREADS = "pdserve.CopyThreads"
 OPTION_INLINE_COPY_MAX_BYTES = "pdserve.InlineCopyMaxBytes"
 OPTION_INLINE_SEND_MAX_BYTES = "pdserve.InlineSendMaxBytes"
+# Who may use the link, and for what (host_server.py, link_auth.py, leases.py):
+OPTION_AUTH_KEY = "pdserve.AuthKey"  # hex; both ends of a link must hold the same key
+OPTION_REMOTE_WRITE = "pdserve.RemoteWrite"  # "registered" (HIXL) | "leased"
+OPTION_REMOTE_READ = "pdserve.RemoteRead"  # "1" (HIXL) | "0"
+OPTION_MAX_LINKS = "pdserve.MaxLinks"
+OPTION_HANDSHAKE_TIMEOUT_MS = "pdserve.HandshakeTimeoutMs"
 
 CONNECT_QUEUE_CAPACITY = 128  # HIXL's connect_pool.task_queue_capacity default
 
@@ -103,6 +110,11 @@ class HostEngineOptions:
     inline_copy_max_bytes: int = 16 << 20
     inline_send_max_bytes: int = 256 << 10
     auto_connect: bool = False
+    auth_key: bytes | None = field(default=None, repr=False)
+    remote_write: str = "registered"
+    remote_read: bool = True
+    max_links: int = 256
+    handshake_timeout_ms: int = 5000
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> "HostEngineOptions":
@@ -124,6 +136,14 @@ class HostEngineOptions:
         auto_connect = str(options.get(api.OPTION_AUTO_CONNECT, "0"))
         if auto_connect not in ("0", "1"):
             raise ValueError(f"option {api.OPTION_AUTO_CONNECT} must be '0' or '1', got {auto_connect!r}")
+        remote_write = str(options.get(OPTION_REMOTE_WRITE, "registered")).lower()
+        if remote_write not in ("registered", "leased"):
+            raise ValueError(f"option {OPTION_REMOTE_WRITE} must be 'registered' or 'leased', got {remote_write!r}")
+        remote_read = str(options.get(OPTION_REMOTE_READ, "1"))
+        if remote_read not in ("0", "1"):
+            raise ValueError(f"option {OPTION_REMOTE_READ} must be '0' or '1', got {remote_read!r}")
+        raw_key = options.get(OPTION_AUTH_KEY)
+        auth_key = link_auth.parse_key(str(raw_key)) if raw_key else None
         return cls(
             transport=transport,
             max_outstanding=positive(OPTION_MAX_OUTSTANDING, cls.max_outstanding),
@@ -132,6 +152,21 @@ class HostEngineOptions:
             inline_copy_max_bytes=positive(OPTION_INLINE_COPY_MAX_BYTES, cls.inline_copy_max_bytes, minimum=0),
             inline_send_max_bytes=positive(OPTION_INLINE_SEND_MAX_BYTES, cls.inline_send_max_bytes, minimum=0),
             auto_connect=auto_connect == "1",
+            auth_key=auth_key,
+            remote_write=remote_write,
+            remote_read=remote_read == "1",
+            max_links=positive(OPTION_MAX_LINKS, cls.max_links),
+            handshake_timeout_ms=positive(OPTION_HANDSHAKE_TIMEOUT_MS, cls.handshake_timeout_ms),
+        )
+
+    def server_policy(self) -> ServerPolicy:
+        return ServerPolicy(
+            key=self.auth_key,
+            remote_write=self.remote_write,
+            remote_read=self.remote_read,
+            max_links=self.max_links,
+            max_pending=min(32, self.max_links),
+            handshake_timeout_s=self.handshake_timeout_ms / 1000.0,
         )
 
 
@@ -194,6 +229,7 @@ class Hixl:
         self._connector: ThreadPoolExecutor | None = None
         self._connect_status: dict[str, api.AsyncConnectStatus] = {}
         self._connect_queued = 0
+        self._leases = LeaseTable()
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @_never_raises(_status(api.FAILED))
@@ -207,6 +243,7 @@ class Hixl:
             except ValueError as exc:
                 log.error(kv(event="initialize_rejected", engine=local_engine, error=exc))
                 return api.PARAM_INVALID
+            self._leases = LeaseTable()
             self._notifies = NotifyInbox(self.options.notify_queue)
             inbox = self._notifies.name
             if port > 0:
@@ -217,7 +254,9 @@ class Hixl:
                         local_engine,
                         self._regions,
                         self._notifies,
-                        lambda: {"host": host_identity(), "notify_socket": inbox},
+                        lambda: {"notify_socket": inbox},
+                        self.options.server_policy(),
+                        self._leases,
                     )
                 except OSError as exc:
                     log.error(kv(event="listen_failed", engine=local_engine, error=exc))
@@ -238,6 +277,9 @@ class Hixl:
                     listening=port > 0,
                     transport=self.options.transport,
                     copy_threads=self.options.copy_threads,
+                    auth=self.options.auth_key is not None,
+                    remote_write=self.options.remote_write,
+                    remote_read=self.options.remote_read,
                 )
             )
             return api.SUCCESS
@@ -251,12 +293,14 @@ class Hixl:
             links, self._links = list(self._links.values()), {}
             server, self._server = self._server, None
             connector, self._connector = self._connector, None
+        # The server first: once it has stopped, no peer's frame can be writing into memory
+        # that is about to be freed (its threads are joined); then our own links.
+        if server is not None and not server.stop():
+            log.error(kv(event="server_threads_linger", engine=self.engine_id))
         if connector is not None:
             connector.shutdown(wait=True, cancel_futures=True)
         for link in links:
             link.close(timeout_s=2.0)
-        if server is not None:
-            server.stop()
         if self._notifies is not None:
             self._notifies.close()
         for _ in self._copy_threads:
@@ -380,7 +424,11 @@ class Hixl:
                 timeout_in_millis / 1000.0,
                 allow_shm=self.options.transport == "auto",
                 inline_send_max_bytes=self.options.inline_send_max_bytes,
+                key=self.options.auth_key,
             )
+        except link_auth.AuthError as exc:
+            log.warning(kv(event="connect_unauthenticated", remote=remote_engine, error=exc))
+            return api.FAILED
         except TimeoutError as exc:
             log.warning(kv(event="connect_timeout", remote=remote_engine, timeout_ms=timeout_in_millis, error=exc))
             return api.TIMEOUT
@@ -540,6 +588,9 @@ class Hixl:
             log.warning(kv(event="range_not_registered", side=bad.side, remote=remote_engine, addr=hex(bad.addr), len=bad.length))
             return api.PARAM_INVALID, None
         request = Request(next(self._req_ids), operation, descs, int(getattr(args, "user_data", 0) or 0))
+        if plan is None and operation is api.TransferOp.READ and request.nbytes > wire.MAX_READ_BYTES:
+            log.warning(kv(event="read_too_big", remote=remote_engine, bytes=request.nbytes, limit=wire.MAX_READ_BYTES))
+            return api.PARAM_INVALID, None
         if track:
             with self._lock:
                 if len(self._requests) >= self.options.max_outstanding:
@@ -697,6 +748,33 @@ class Hixl:
         if not self._initialized:
             return api.FAILED, items
         return (api.SUCCESS, items) if items else (api.TIMEOUT, [])
+
+    # ---- write leases (host engine only) -------------------------------------------------------------
+    @_never_raises(lambda: (api.FAILED, 0))
+    def lease_write(self, addr: int, length: int) -> tuple[int, int]:
+        """Host-engine extension: let peers WRITE into [addr, addr+length) (with the option
+        `pdserve.RemoteWrite=leased`, nothing else is writable). The range must lie in one
+        registered region. Returns (status, lease id)."""
+        if not self._initialized:
+            return api.FAILED, 0
+        addr, length = int(addr), int(length)
+        if length <= 0 or self._regions.find(addr, length) is None:
+            return api.PARAM_INVALID, 0
+        return api.SUCCESS, self._leases.grant(addr, length)
+
+    @_never_raises(_status(api.FAILED))
+    def revoke_write(self, lease_id: int) -> int:
+        """End a lease; unknown or repeated ids are SUCCESS (like deregister_mem)."""
+        if not self._initialized:
+            return api.FAILED
+        self._leases.revoke(int(lease_id))
+        return api.SUCCESS
+
+    def security_stats(self) -> dict[str, int]:
+        """Host engine only: what its server refused, by reason, and the links open now."""
+        server = self._server
+        stats = server.stats() if server is not None else {}
+        return {**stats, "write_leases": len(self._leases)}
 
     # ---- introspection (host engine only) ------------------------------------------------------------
     def link_path(self, remote_engine: str) -> str | None:

@@ -21,11 +21,11 @@ import time
 
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer import wire
+from pdserve_worker.transfer import link_auth, wire
 from pdserve_worker.transfer.netio import sendmsg_all
 from pdserve_worker.transfer.notify_inbox import abstract
 from pdserve_worker.transfer.regions import Region, RegionTable
-from pdserve_worker.transfer.shm import ShmSegment, host_identity
+from pdserve_worker.transfer.shm import ShmSegment
 
 log = logging.getLogger("pdserve.transfer.host_link")
 
@@ -130,35 +130,36 @@ class Link:
         timeout_s: float,
         allow_shm: bool,
         inline_send_max_bytes: int,
+        key: bytes | None = None,
     ) -> "Link":
-        """Connect (retrying while the server is not up yet), HELLO, map shared regions.
+        """Connect (retrying while the server is not up yet), authenticate, map shared regions.
 
-        Raises TimeoutError when no server answered in time; OSError/ProtocolError otherwise.
+        With `key` the server must prove it holds the same key before we use anything it
+        said (we push KV into it, and KV gives a prompt away); without one we accept only a
+        server that does not ask for a proof either. Raises TimeoutError when no server
+        answered in time, link_auth.AuthError when the proofs fail, OSError/ProtocolError
+        otherwise.
         """
         deadline = time.monotonic() + timeout_s
         sock = _connect_until(host, port, deadline)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(wire.json_frame(wire.Kind.HELLO, {"client": local_engine, "host": host_identity()}))
-            reader = wire.FrameReader(sock)
-            kind, _, _, size = reader.header()
-            if kind is not wire.Kind.HELLO_ACK:
-                raise wire.ProtocolError(f"expected HELLO_ACK from {remote_engine}, got {kind.name}")
-            hello = reader.json(size)
+            hello = _handshake(sock, local_engine, remote_engine, key)
             sock.settimeout(None)
         except socket.timeout:
             sock.close()
-            raise TimeoutError(f"{remote_engine} accepted but did not answer HELLO in time") from None
+            raise TimeoutError(f"{remote_engine} accepted but did not finish the handshake in time") from None
         except BaseException:
             sock.close()
             raise
-        regions = [Region.from_wire(r) for r in hello.get("regions", [])]  # type: ignore[union-attr]
+        reader, body = hello
+        regions = [Region.from_wire(r) for r in body.get("regions", [])]  # type: ignore[union-attr]
         mappings: dict[str, ShmSegment] = {}
         inbox: socket.socket | None = None
-        if allow_shm and hello.get("host") == host_identity():
+        if allow_shm and body.get("host") == link_auth.host_tag():
             mappings = _map_shared(regions, remote_engine)
-            inbox = _open_inbox(str(hello.get("notify_socket", "")), remote_engine)
+            inbox = _open_inbox(str(body.get("notify_socket", "")), remote_engine)
         log.info(
             kv(
                 event="link_open",
@@ -168,6 +169,7 @@ class Link:
                 shared=len(mappings),
                 path="shm" if mappings else "tcp",
                 notify="inbox" if inbox else "tcp",
+                auth=key is not None,
             )
         )
         return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_send_max_bytes, inbox)
@@ -370,6 +372,43 @@ class Link:
         if self._fast_notify is not None:
             self._fast_notify.close()
             self._fast_notify = None
+
+
+def _handshake(
+    sock: socket.socket, local_engine: str, remote_engine: str, key: bytes | None
+) -> tuple[wire.FrameReader, dict[str, object]]:
+    """The client side of HELLO → CHALLENGE → AUTH → HELLO_ACK (host_server.py)."""
+    client_nonce = link_auth.new_nonce()
+    sock.sendall(wire.json_frame(wire.Kind.HELLO, {"v": 1, "nonce": client_nonce.hex()}))
+    reader = wire.FrameReader(sock)
+    kind, _, _, size = reader.header()
+    if kind is not wire.Kind.CHALLENGE:
+        raise wire.ProtocolError(f"expected CHALLENGE from {remote_engine}, got {kind.name}")
+    challenge = reader.json(size, wire.MAX_HANDSHAKE_BODY)
+    server_nonce = link_auth.parse_nonce(challenge.get("nonce"))
+    server_auth = challenge.get("auth") is True
+    if key is not None and not server_auth:
+        raise link_auth.AuthError(f"{remote_engine} does not authenticate: refusing to push KV into it")
+    if key is None and server_auth:
+        raise link_auth.AuthError(f"{remote_engine} requires the service's link key, and this engine has none")
+    host = link_auth.host_tag()
+    auth: dict[str, object] = {"client": local_engine, "host": host}
+    if key is not None:
+        auth["proof"] = link_auth.client_proof(key, client_nonce, server_nonce, local_engine, host)
+    sock.sendall(wire.json_frame(wire.Kind.AUTH, auth))
+    try:
+        kind, _, _, size = reader.header()
+    except ConnectionError:
+        # A server closes without a word when our proof is wrong (it tells an attacker nothing).
+        raise link_auth.AuthError(f"{remote_engine} closed the link at AUTH: is this the same service's key?") from None
+    if kind is not wire.Kind.HELLO_ACK:
+        raise wire.ProtocolError(f"expected HELLO_ACK from {remote_engine}, got {kind.name}")
+    body = reader.json(size)
+    if key is not None:
+        expected = link_auth.server_proof(key, client_nonce, server_nonce)
+        if not link_auth.proofs_equal(expected, body.get("proof")):
+            raise link_auth.AuthError(f"{remote_engine} sent a wrong proof: not this service's engine")
+    return reader, body
 
 
 def _connect_until(host: str, port: int, deadline: float) -> socket.socket:

@@ -5,6 +5,21 @@ One thread accepts; one thread serves each connected client, answering its frame
 is all the link may ever touch: HIXL's "memory registered after a link exists is not reachable
 over it". Every range is checked again here before a byte is written, because the client's
 check ran against what it was told, and the region may since have been deregistered.
+
+Who gets in, and what they may do (`ServerPolicy`; the threat is anyone who can reach the
+port):
+- With a key, a connection must pass the challenge-response of link_auth.py before anything
+  else; until then the server reads only small handshake bodies under `handshake_timeout_s`,
+  sizes no buffer from what the peer sent, and discloses nothing but a fresh nonce. Regions,
+  and (only to a client on this host) shared-memory names and the notify inbox, come after.
+- At most `max_links` connections at once and `max_pending` of them still in the handshake;
+  more are closed at accept.
+- `remote_write="leased"`: a WRITE lands only inside ranges the owner leased (leases.py), else
+  PARAM_INVALID; `remote_read=False`: every READ is PARAM_INVALID (no pull mode needs it).
+- Refusals are counted by reason (`stats()`), with a rate-limited summary log line rather
+  than one line each (drops.py).
+Real HIXL has none of this (HIXL.md 1.7): there the NetworkPolicy and the reservation
+capability (readiness.py) are what bound a peer.
 """
 
 from __future__ import annotations
@@ -14,15 +29,38 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer import wire
+from pdserve_worker.transfer import link_auth, wire
+from pdserve_worker.transfer.drops import DropCounter
+from pdserve_worker.transfer.leases import LeaseTable
 from pdserve_worker.transfer.netio import sendmsg_all
 from pdserve_worker.transfer.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.regions import Region, RegionTable
 
 log = logging.getLogger("pdserve.transfer.host_server")
+
+MAX_CLIENT_NAME = 256
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    """What the server admits. The defaults are HIXL's behaviour (no authentication, any
+    registered range readable and writable); a pdserve worker sets all of it."""
+
+    key: bytes | None = None
+    remote_write: str = "registered"  # "registered" | "leased"
+    remote_read: bool = True
+    max_links: int = 256
+    max_pending: int = 32
+    handshake_timeout_s: float = 5.0
+
+    def __repr__(self) -> str:  # never print the key
+        return (f"ServerPolicy(auth={self.key is not None}, remote_write={self.remote_write}, "
+                f"remote_read={self.remote_read}, max_links={self.max_links}, max_pending={self.max_pending}, "
+                f"handshake_timeout_s={self.handshake_timeout_s})")
 
 
 class HostServer:
@@ -35,18 +73,24 @@ class HostServer:
         engine_id: str,
         regions: RegionTable,
         notifies: NotifyInbox,
-        hello_extra: Callable[[], dict[str, object]],
+        local_info: Callable[[], dict[str, object]],
+        policy: ServerPolicy | None = None,
+        leases: LeaseTable | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.policy = policy or ServerPolicy()
         self._regions = regions
         self._notifies = notifies
-        self._hello_extra = hello_extra
+        self._local_info = local_info  # what only a client on this host is told (notify inbox)
+        self._leases = leases or LeaseTable()
+        self.drops = DropCounter(log, "kv_link_refusals", server=engine_id)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
         self._listener.listen(128)
         self._conns: set[socket.socket] = set()
+        self._pending = 0  # connections still in the handshake
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stopping = False
@@ -55,7 +99,9 @@ class HostServer:
     def start(self) -> None:
         self._acceptor.start()
 
-    def stop(self, timeout_s: float = 2.0) -> None:
+    def stop(self, timeout_s: float = 2.0) -> bool:
+        """Close the listener and every link, join the threads. True when all of them ended
+        (so no server thread can touch registered memory any more)."""
         with self._lock:
             self._stopping = True
             conns = list(self._conns)
@@ -68,6 +114,13 @@ class HostServer:
         deadline = time.monotonic() + timeout_s
         for t in [self._acceptor, *self._threads]:
             t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in [self._acceptor, *self._threads])
+
+    def stats(self) -> dict[str, int]:
+        """Refusals by reason, plus the links open now."""
+        with self._lock:
+            links, pending = len(self._conns), self._pending
+        return {**self.drops.totals(), "links_open": links - pending, "handshakes_pending": pending}
 
     def _accept_loop(self) -> None:
         while True:
@@ -79,26 +132,46 @@ class HostServer:
                 if self._stopping:
                     conn.close()
                     return
-                self._conns.add(conn)
-                t = threading.Thread(target=self._serve, args=(conn, peer), name=f"hixl-serve-{peer}", daemon=True)
-                self._threads = [x for x in self._threads if x.is_alive()] + [t]
+                full = len(self._conns) >= self.policy.max_links or self._pending >= self.policy.max_pending
+                if not full:
+                    self._conns.add(conn)
+                    self._pending += 1
+                    t = threading.Thread(target=self._serve, args=(conn, peer), name=f"hixl-serve-{peer}", daemon=True)
+                    self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            if full:
+                conn.close()
+                self.drops.count("link_cap", peer=peer)
+                continue
             t.start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client = "?"
         reader = wire.FrameReader(conn)
+        pending = True
+        client = "?"
         try:
-            kind, _, seq, size = reader.header()
-            if kind is not wire.Kind.HELLO:
-                raise wire.ProtocolError(f"first frame must be HELLO, got {kind.name}")
-            hello = reader.json(size)
-            client = str(hello.get("client", "?"))
-            snapshot = self._regions.snapshot()
-            allowed = RegionTable(snapshot)
-            reply = {"server": self.engine_id, "regions": [r.to_wire() for r in snapshot], **self._hello_extra()}
-            conn.sendall(wire.json_frame(wire.Kind.HELLO_ACK, reply, seq=seq))
-            log.info(kv(event="link_accepted", server=self.engine_id, client=client, regions=len(snapshot)))
+            reader.deadline = time.monotonic() + self.policy.handshake_timeout_s
+            try:
+                client = self._handshake(conn, reader)
+            except socket.timeout:
+                self.drops.count("handshake_timeout", peer=peer)
+                return
+            except link_auth.AuthError:
+                self.drops.count("auth_failed", peer=peer)
+                return
+            except (ConnectionError, OSError):  # ProtocolError included
+                if not self._stopping:
+                    self.drops.count("handshake_invalid", peer=peer)
+                return
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                pending = False
+            reader.deadline = None
+            conn.settimeout(None)
+            allowed = RegionTable(self._regions.snapshot())
+            log.info(kv(event="link_accepted", server=self.engine_id, client=client, regions=len(allowed),
+                        auth=self.policy.key is not None))
             while self._handle_frame(conn, reader, allowed):
                 pass
         except (ConnectionError, OSError) as exc:
@@ -109,30 +182,70 @@ class HostServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if pending:
+                    self._pending -= 1
             conn.close()
 
+    # ---- the handshake -----------------------------------------------------------------------------
+    def _handshake(self, conn: socket.socket, reader: wire.FrameReader) -> str:
+        """HELLO → CHALLENGE → AUTH → HELLO_ACK. Returns the client's name; raises AuthError,
+        ProtocolError or socket.timeout. Nothing but a nonce is sent before the proof checks."""
+        key = self.policy.key
+        kind, _, seq, size = reader.header()
+        if kind is not wire.Kind.HELLO:
+            raise wire.ProtocolError(f"first frame must be HELLO, got {kind.name}")
+        client_nonce = link_auth.parse_nonce(reader.json(size, wire.MAX_HANDSHAKE_BODY).get("nonce"))
+        server_nonce = link_auth.new_nonce()
+        conn.sendall(wire.json_frame(wire.Kind.CHALLENGE, {"auth": key is not None, "nonce": server_nonce.hex()}, seq=seq))
+        kind, _, seq, size = reader.header()
+        if kind is not wire.Kind.AUTH:
+            raise wire.ProtocolError(f"expected AUTH, got {kind.name}")
+        auth = reader.json(size, wire.MAX_HANDSHAKE_BODY)
+        client, host = str(auth.get("client", ""))[:MAX_CLIENT_NAME], str(auth.get("host", ""))
+        reply: dict[str, object] = {}
+        if key is not None:
+            expected = link_auth.client_proof(key, client_nonce, server_nonce, client, host)
+            if not link_auth.proofs_equal(expected, auth.get("proof")):
+                raise link_auth.AuthError(f"client {client!r} sent a wrong proof")
+            reply["proof"] = link_auth.server_proof(key, client_nonce, server_nonce)
+        same_host = host == link_auth.host_tag()
+        reply["regions"] = [_region_for_peer(r, same_host) for r in self._regions.snapshot()]
+        if same_host:
+            reply["host"] = host
+            reply.update(self._local_info())
+        conn.sendall(wire.json_frame(wire.Kind.HELLO_ACK, reply, seq=seq))
+        return client or "?"
+
+    # ---- frames of an admitted link ----------------------------------------------------------------
     def _handle_frame(self, conn: socket.socket, reader: wire.FrameReader, allowed: RegionTable) -> bool:
         """Serve one frame; False when the client said BYE."""
         kind, arg, seq, size = reader.header()
         if kind is wire.Kind.BYE:
             return False
         if kind is wire.Kind.NOTIFY:
-            if size > wire.MAX_CONTROL_BODY or arg > size:
+            if size > wire.MAX_NOTIFY_BODY or arg > size:
                 raise wire.ProtocolError(f"NOTIFY of {size} bytes with a {arg}-byte name")
             body = reader.read(size)
-            status = self._accept_notify(body[:arg].decode(), body[arg:].decode())
+            try:
+                name, msg = body[:arg].decode(), body[arg:].decode()
+            except UnicodeDecodeError:
+                status = api.PARAM_INVALID
+            else:
+                status = self._accept_notify(name, msg)
             conn.sendall(wire.header(wire.Kind.ACK, status, seq))
             return True
         if kind not in (wire.Kind.WRITE, wire.Kind.READ):
             raise wire.ProtocolError(f"unexpected frame {kind.name} from a client")
         if arg > wire.MAX_DESCS_PER_FRAME:
             raise wire.ProtocolError(f"{arg} descriptors in one frame exceed {wire.MAX_DESCS_PER_FRAME}")
+        if kind is wire.Kind.WRITE and size > wire.MAX_WRITE_BYTES:
+            raise wire.ProtocolError(f"WRITE frame declares {size} payload bytes, over {wire.MAX_WRITE_BYTES}")
         descs = wire.unpack_descs(reader.read(arg * wire.DESC.size))
-        bad = self._first_invalid(descs, allowed)
+        refusal = self._refusal(kind, descs, allowed)
         if kind is wire.Kind.WRITE:
-            if bad is not None:
+            if refusal is not None:
                 reader.discard(size)
-                log.warning(kv(event="write_refused", server=self.engine_id, addr=hex(bad[0]), len=bad[1]))
+                self.drops.count(refusal, server_frame="WRITE")
                 conn.sendall(wire.header(wire.Kind.ACK, api.PARAM_INVALID, seq))
                 return True
             if sum(length for _, length in descs) != size:
@@ -141,7 +254,8 @@ class HostServer:
             conn.sendall(wire.header(wire.Kind.ACK, api.SUCCESS, seq))
             return True
         # READ
-        if bad is not None:
+        if refusal is not None:
+            self.drops.count(refusal, server_frame="READ")
             conn.sendall(wire.header(wire.Kind.ACK, api.PARAM_INVALID, seq))
             return True
         total = sum(length for _, length in descs)
@@ -149,17 +263,37 @@ class HostServer:
         sendmsg_all(conn, [wire.memory(addr, length) for addr, length in descs])
         return True
 
-    def _first_invalid(self, descs: list[tuple[int, int]], allowed: RegionTable) -> tuple[int, int] | None:
+    def _refusal(self, kind: wire.Kind, descs: list[tuple[int, int]], allowed: RegionTable) -> str | None:
+        """Why this frame may not touch memory (a counter's reason), or None when it may."""
+        if kind is wire.Kind.READ:
+            if not self.policy.remote_read:
+                return "read_disabled"
+            if sum(length for _, length in descs) > wire.MAX_READ_BYTES:
+                return "read_too_big"
         for addr, length in descs:
             region: Region | None = allowed.find(addr, length)
             if region is None or length <= 0 or region not in self._regions:
-                return addr, length
+                return "range_not_registered"
+        if kind is wire.Kind.WRITE and self.policy.remote_write == "leased":
+            for addr, length in descs:
+                if not self._leases.covers(addr, length):
+                    return "write_not_leased"
         return None
 
     def _accept_notify(self, name: str, msg: str) -> int:
         if len(name) > api.MAX_NOTIFY_FIELD or len(msg) > api.MAX_NOTIFY_FIELD:
             return api.PARAM_INVALID
         if not self._notifies.put(api.NotifyDesc(name, msg)):
-            log.warning(kv(event="notify_queue_full", server=self.engine_id, capacity=self._notifies.capacity))
+            self.drops.count("notify_queue_full", capacity=self._notifies.capacity)
             return api.RESOURCE_EXHAUSTED
         return api.SUCCESS
+
+
+def _region_for_peer(region: Region, same_host: bool) -> dict[str, object]:
+    """A region as a peer sees it: where and how big; the shared-memory segment behind it only
+    for a peer on this host (one that could map it), never for a remote one."""
+    data = region.to_wire()
+    del data["local_only"]
+    if not same_host:
+        data.update(shm_name="", shm_offset=0, shm_size=0)
+    return data

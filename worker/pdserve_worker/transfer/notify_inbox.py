@@ -11,12 +11,17 @@ prefill's `send_notify` to the waiting thread is kept to one thread wake-up wher
 - Over TCP: the link's server thread receives the NOTIFY frame, appends it to a bounded
   deque and rings the same socket with an empty datagram, so the waiter wakes the same way.
 
-Like the engine's TCP port, the inbox takes notifies from any process that can reach it (here:
-the same network namespace, i.e. the pod); HIXL has no authentication on this path either.
+Who can send here: any process of the same network namespace can reach an abstract socket
+(in a pod: the pod; under `pdserve local`: the host). The kernel attaches the sender's
+credentials to each datagram (SO_PASSCRED), and a datagram from another user is dropped and
+counted: only a process that could open our shared memory anyway (same user, 0600 segments)
+gets in. What it says is still checked above the engine: a ready notify counts only with its
+reservation's capability (readiness.py), so a forged one is dropped there.
 
 The bound: `capacity` notifies in the deque, past which a TCP notify is RESOURCE_EXHAUSTED,
-plus at most the kernel's datagram queue in flight. `drain` moves datagrams into the deque
-first, so what a waiter gets is in arrival order per path.
+plus at most the kernel's datagram queue in flight. `drain` moves at most `capacity` plus
+the kernel's queue length of datagrams into the deque first (a sender that never stops cannot keep a drain from
+returning), so what a waiter gets is in arrival order per path.
 """
 
 from __future__ import annotations
@@ -27,16 +32,20 @@ import os
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer import wire
+from pdserve_worker.transfer.drops import DropCounter
 
 log = logging.getLogger("pdserve.transfer.notify_inbox")
 
 MAX_DATAGRAM = wire.HEADER.size + 8 * api.MAX_NOTIFY_FIELD + 64  # two UTF-8 fields, generously
+UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+CRED_SPACE = socket.CMSG_SPACE(UCRED.size)
 
 
 def abstract(name: str) -> str:
@@ -49,7 +58,11 @@ class NotifyInbox:
         self.capacity = capacity
         self.name = f"pdserve-hixl-notify-{os.getpid()}-{secrets.token_hex(6)}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._sock.bind(abstract(self.name))
+        self._uid = os.getuid()
+        self._pull_max = capacity + _kernel_queue_length()  # per drain: all that can be queued now
+        self.drops = DropCounter(log, "notify_datagrams_dropped", inbox=self.name)
         self._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._bell.connect(abstract(self.name))
         self._items: collections.deque[api.NotifyDesc] = collections.deque()
@@ -94,18 +107,21 @@ class NotifyInbox:
                 return []  # closed under us
 
     def _pull_datagrams(self) -> None:
-        while True:
+        for _ in range(self._pull_max):
             try:
-                data = self._sock.recv(MAX_DATAGRAM, socket.MSG_DONTWAIT)
+                data, ancdata, _, _ = self._sock.recvmsg(MAX_DATAGRAM, CRED_SPACE, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # closed
+            if _sender_uid(ancdata) != self._uid:
+                self.drops.count("other_user")
+                continue
             if not data:
                 continue  # a doorbell: the deque has something
             item = _parse(data)
             if item is None:
-                log.warning(kv(event="notify_datagram_malformed", bytes=len(data)))
+                self.drops.count("malformed", bytes=len(data))
                 continue
             with self._lock:
                 self._items.append(item)
@@ -122,6 +138,23 @@ class NotifyInbox:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+
+def _kernel_queue_length() -> int:
+    """How many datagrams the kernel queues on a Unix socket (net.unix.max_dgram_qlen)."""
+    try:
+        with open("/proc/sys/net/unix/max_dgram_qlen", encoding="ascii") as f:
+            return max(1, int(f.read()))
+    except (OSError, ValueError):
+        return 512
+
+
+def _sender_uid(ancdata: list[tuple[int, int, bytes]]) -> int | None:
+    """The uid the kernel attached to a datagram (SCM_CREDENTIALS), None if there is none."""
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= UCRED.size:
+            return UCRED.unpack_from(payload)[1]
+    return None
 
 
 def _parse(data: bytes) -> api.NotifyDesc | None:

@@ -136,6 +136,7 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     from pdserve_worker.kv.pool import KVPool
     from pdserve_worker.kv.slots import SlotTable
     from pdserve_worker.transfer.engine import create_engine
+    from pdserve_worker.transfer.leases import SlotWriteLeases
     from pdserve_worker.transfer.readiness import Readiness
 
     backend = create_engine("cpu")
@@ -143,13 +144,17 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     layout = KVLayout.from_dict(config["layout"])
     pool = KVPool(backend, layout)
     ctypes.memset(pool.base_addr, SENTINEL, pool.nbytes)
+    # As a decode worker does it: reserved slots leased (what counts with `pdserve.RemoteWrite=
+    # leased`), and a ready notify filed only with its grant's nonce.
     slots = SlotTable(
-        layout, engine_id=config["engine_id"], base_addr=pool.base_addr, quarantine_s=config.get("quarantine_s", 30.0)
+        layout, engine_id=config["engine_id"], base_addr=pool.base_addr, quarantine_s=config.get("quarantine_s", 30.0),
+        leases=SlotWriteLeases(backend, pool.base_addr, layout),
     )
     readiness = Readiness(
         backend,
         config.get("mode", "interrupt"),
         accepts=slots.is_reserved,
+        authorize=slots.verify,
         poll_interval_us=config.get("poll_interval_us", 100),
         warmup=pool.warm if config.get("warmup") else None,
     )
@@ -184,12 +189,15 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
         "checksums": lambda slot, num_tokens: run_checksums(pool.base_addr, layout, slot, num_tokens),
         "slot_crc": lambda slot: crc(pool.base_addr + layout.slot_span(slot)[0], layout.bytes_per_slot),
         "untouched_beyond": lambda slot, num_tokens: untouched_beyond(pool.base_addr, layout, slot, num_tokens),
+        "security": lambda: {**backend.engine.security_stats(), **{f"notify_{k}": v for k, v in readiness.drops.totals().items()}},
+        "fill": lambda slot, byte: ctypes.memset(pool.base_addr + layout.slot_span(slot)[0], byte, layout.bytes_per_slot) and None,
     }
     try:
         _serve(conn, handlers, {"engine_id": config["engine_id"], "base_addr": pool.base_addr, "pid": os.getpid()})
     finally:
-        pool.close()
-        backend.engine.finalize()
+        pool.deregister()
+        backend.engine.finalize()  # its server stops before the pool's memory goes
+        pool.free()
 
 
 def prefill_main(conn: Connection, config: dict[str, Any]) -> None:

@@ -11,7 +11,8 @@ waited out, never treated as a failure. A put that fails, or is still pending af
 disconnected, as HIXL advises, so nothing of it lingers on the link.
 
 `finish(extra)` waits for every put, then sends each target one `kv_ready` notify carrying
-(request_id, slot, generation, num_tokens, **extra). Only after that may decode read the slot:
+(request_id, slot, generation, nonce, num_tokens, **extra): `nonce` is the reservation's
+capability from the decode's grant, without which the decode drops the notify. Only after that may decode read the slot:
 the notify travels after the data on the same link and is sent only once every put completed.
 
 Targets are described by `PushTarget`, normally built from the decode's slot grant. A target's
@@ -36,7 +37,7 @@ from pdserve_worker.transfer.hixl_api import MAX_NOTIFY_FIELD, status_name
 log = logging.getLogger("pdserve.transfer.push")
 
 READY_NOTIFY = "kv_ready"
-_RESERVED_KEYS = ("request_id", "slot", "generation", "num_tokens")
+_RESERVED_KEYS = ("request_id", "slot", "generation", "nonce", "num_tokens")
 
 
 class PushError(RuntimeError):
@@ -59,6 +60,7 @@ class PushTarget:
     slot: int
     generation: int
     request_id: str
+    nonce: str = field(default="", repr=False)  # the grant's capability (hex): a secret of this request
 
     @classmethod
     def from_grant(cls, grant: Any) -> "PushTarget":
@@ -72,6 +74,7 @@ class PushTarget:
             slot=int(data["slot"]),
             generation=int(data["generation"]),
             request_id=str(data["request_id"]),
+            nonce=str(data.get("nonce", "")),
         )
 
     def describe(self) -> str:
@@ -393,7 +396,8 @@ class KVPusher:
     def _notify(self, state: _TargetState, extra: dict[str, object]) -> None:
         t = state.target
         message = json.dumps(
-            {"request_id": t.request_id, "slot": t.slot, "generation": t.generation, "num_tokens": self.num_tokens, **extra},
+            {"request_id": t.request_id, "slot": t.slot, "generation": t.generation, "nonce": t.nonce,
+             "num_tokens": self.num_tokens, **extra},
             separators=(",", ":"),
         )
         if len(message) > MAX_NOTIFY_FIELD:

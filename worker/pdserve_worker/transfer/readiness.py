@@ -12,9 +12,16 @@ Many requests wait at once, but the engine has one notify queue: the first waite
 drainer becomes it (leader/follower), drains for everybody and files each ready message under
 its slot; the others sleep on a condition and are woken when something was filed. When the
 drainer's own message arrives it leaves and a follower takes over. A message is filed only if
-`accepts(slot, generation)` says the slot still waits for exactly that generation (the slot
-table's `is_reserved`): a late notify from an abandoned transfer is dropped with a log line and
-never taken for the new request's KV.
+- `authorize(slot, generation, nonce)` says it carries the reservation's capability (the slot
+  table's `verify`: an unguessable value that only the decode, the router and the prefill
+  of that request know), so a forged notify is dropped however it reached the engine (on real
+  HIXL anyone who can reach the port can send one), and
+- `accepts(slot, generation)` says the slot still waits for exactly that generation (the slot
+  table's `is_reserved`): a late notify from an abandoned transfer is never taken for the new
+  request's KV.
+Nothing else is kept: a dropped notify is counted by reason (`drops`), with a rate-limited
+summary log line instead of one line each, so a flood of forged notifies can neither fill
+memory nor the log.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from pdserve_worker.logs import kv
+from pdserve_worker.transfer.drops import DropCounter
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.push import READY_NOTIFY
 
@@ -58,6 +65,7 @@ class Readiness:
         mode: ReadinessMode | str = ReadinessMode.INTERRUPT,
         *,
         accepts: Callable[[int, int], bool] = lambda slot, generation: True,
+        authorize: Callable[[int, int, str], bool] | None = None,
         poll_interval_us: int = 100,
         warmup: Callable[[int, int], None] | None = None,
         on_other: Callable[[Any], None] | None = None,
@@ -70,6 +78,8 @@ class Readiness:
         self._blocking = self.mode is ReadinessMode.INTERRUPT and backend.can_block_on_notifies
         self._interval_s = poll_interval_us / 1e6
         self._accepts = accepts
+        self._authorize = authorize  # None: no capability check (tests of the engine alone)
+        self.drops = DropCounter(log, "ready_notifies_dropped")
         self._warmup = warmup
         self._on_other = on_other
         self._cond = threading.Condition()
@@ -151,23 +161,20 @@ class Readiness:
                 if self._on_other is not None:
                     self._on_other(item)
                 else:
-                    log.info(kv(event="notify_ignored", name=item.name))
+                    self.drops.count("other_name")
                 continue
             try:
                 message = json.loads(item.notify_msg)
                 slot, generation = int(message["slot"]), int(message["generation"])
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning(kv(event="ready_malformed", msg=item.notify_msg[:200], error=exc))
+                nonce = message.get("nonce")
+            except (ValueError, KeyError, TypeError, RecursionError):
+                self.drops.count("malformed")
+                continue
+            if self._authorize is not None and not (isinstance(nonce, str) and self._authorize(slot, generation, nonce)):
+                self.drops.count("bad_capability", slot=slot, generation=generation)
                 continue
             if not self._accepts(slot, generation):
-                log.info(
-                    kv(
-                        event="ready_stale_ignored",
-                        slot=slot,
-                        generation=generation,
-                        request=message.get("request_id"),
-                    )
-                )
+                self.drops.count("stale", slot=slot, generation=generation)
                 continue
             self._mailbox[slot] = message
 
@@ -180,7 +187,7 @@ class Readiness:
             if not self._accepts(slot, filed):
                 # Filed while its generation was current; the slot was released since.
                 del self._mailbox[slot]
-                log.info(kv(event="ready_stale_ignored", slot=slot, generation=filed))
+                self.drops.count("stale", slot=slot, generation=filed)
             return None  # (a newer generation's message stays for its own waiter)
         del self._mailbox[slot]
         return message

@@ -4,7 +4,8 @@ Every frame starts with a fixed header `(kind, arg, seq, size)`; what follows de
 kind. Payload bytes are received straight into registered memory (`recv_into` on a view of
 the raw address) and sent straight from it, so the TCP path makes no extra copy in Python.
 
-  HELLO      client→server  body: JSON {client}            reply HELLO_ACK, body: JSON
+  HELLO      client→server  body: JSON {v, nonce}           reply CHALLENGE, body: JSON {auth, nonce}
+  AUTH       client→server  body: JSON {client, host, proof}  reply HELLO_ACK, body: JSON {proof, regions, ...}
   WRITE      client→server  arg=n, size=payload bytes; n × (remote_addr, len), then payload
   READ       client→server  arg=n; n × (remote_addr, len)   reply ACK size=bytes, then payload
   NOTIFY     client→server  arg=name bytes; name then message (UTF-8)   reply ACK
@@ -13,6 +14,12 @@ the raw address) and sent straight from it, so the TCP path makes no extra copy 
 
 The server answers frames in order, one connection at a time, so the client matches ACKs to
 its FIFO of pending frames and checks the seq.
+
+Until the handshake (HELLO, CHALLENGE, AUTH, HELLO_ACK: link_auth.py) has succeeded, the
+server reads only small control bodies (`MAX_HANDSHAKE_BODY`) under a deadline, allocates
+nothing sized by the peer, and tells it nothing but a nonce. The caps on what an
+authenticated peer may ask are here too: `MAX_NOTIFY_BODY`, `MAX_READ_BYTES` per READ frame,
+`MAX_DESCS_PER_FRAME`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import ctypes
 import json
 import socket
 import struct
+import time
 from enum import IntEnum
 
 from pdserve_worker.transfer.netio import recvmsg_into_all
@@ -28,7 +36,15 @@ from pdserve_worker.transfer.netio import recvmsg_into_all
 HEADER = struct.Struct("!B3xIQQ")  # kind, arg, seq, size
 DESC = struct.Struct("!QQ")  # remote_addr, len
 MAX_CONTROL_BODY = 4 << 20  # HIXL's control message limit (HIXL.md 1.5)
+MAX_HANDSHAKE_BODY = 1024  # HELLO/CHALLENGE/AUTH bodies: nonces and names, nothing more
+MAX_NOTIFY_BODY = 2 * 4 * 1024  # name + message, 1024 characters each, UTF-8 (<= 4 bytes each)
 MAX_DESCS_PER_FRAME = 1 << 16
+# One READ frame may ask for at most this many bytes back: a 40-byte request must not make
+# the server send gigabytes. A client refuses bigger READ requests up front (PARAM_INVALID).
+MAX_READ_BYTES = 256 << 20
+# A WRITE frame's declared payload: the descriptors bound the real size (each range must lie
+# in registered memory), this only stops a nonsense header from being "discarded" forever.
+MAX_WRITE_BYTES = 1 << 40
 
 
 class Kind(IntEnum):
@@ -39,6 +55,8 @@ class Kind(IntEnum):
     NOTIFY = 5
     ACK = 6
     BYE = 7
+    CHALLENGE = 8
+    AUTH = 9
 
 
 class ProtocolError(ConnectionError):
@@ -79,6 +97,9 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket, capacity: int = 1 << 16) -> None:
         self._sock = sock
+        # While set (the handshake), every recv gets only the time left until it: a peer
+        # that trickles one byte at a time cannot stretch the handshake past it.
+        self.deadline: float | None = None
         self._buf = bytearray(capacity)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -97,6 +118,11 @@ class FrameReader:
             self._view[:n] = self._view[self._start : self._end]
             self._start, self._end = 0, n
         while self._end - self._start < need:
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("handshake deadline passed")
+                self._sock.settimeout(left)
             k = self._sock.recv_into(self._view[self._end :])
             if k == 0:
                 raise ConnectionError(
@@ -140,10 +166,14 @@ class FrameReader:
         except ValueError:
             raise ProtocolError(f"unknown frame kind {kind}") from None
 
-    def json(self, size: int) -> dict[str, object]:
-        if size > MAX_CONTROL_BODY:
-            raise ProtocolError(f"control body of {size} bytes exceeds {MAX_CONTROL_BODY}")
-        body = json.loads(self.read(size))
+    def json(self, size: int, limit: int = MAX_CONTROL_BODY) -> dict[str, object]:
+        """A JSON object body of `size` bytes; ProtocolError past `limit` (checked before any read)."""
+        if size > limit:
+            raise ProtocolError(f"control body of {size} bytes exceeds {limit}")
+        try:
+            body = json.loads(self.read(size))
+        except (ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+            raise ProtocolError(f"control body is not JSON: {type(exc).__name__}") from None
         if not isinstance(body, dict):
             raise ProtocolError(f"control body must be a JSON object, got {type(body).__name__}")
         return body

@@ -1,0 +1,106 @@
+"""Which registered bytes a remote peer may write right now: the leases of live reservations.
+
+A decode's pool is registered whole (HIXL's rule: register before connect), but at any
+moment only the slots reserved for a request are due to receive KV. With the host engine
+option `pdserve.RemoteWrite=leased` its server writes a remote WRITE only where every range
+lies inside a lease (else PARAM_INVALID, counted as `writes_refused`), so even a peer that
+holds the service's key cannot scribble over a slot that another request is decoding from.
+
+- `LeaseTable`: the engine's side (pure, thread-safe): ranges by id, and the check.
+- `SlotWriteLeases`: the decode's side: a slot table's hooks (`granted`/`ended`) that lease a
+  reservation's slot in the engine when it is granted and revoke it when the KV arrived
+  (commit), the grant was released, or its lease expired. With an engine that has no lease
+  call (real HIXL) it does nothing: there the NetworkPolicy and the capability check bound
+  what a peer can do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.logs import kv
+
+log = logging.getLogger("pdserve.transfer.leases")
+
+
+class LeaseTable:
+    """Leased byte ranges by id. Few leases (one per reserved slot), so a scan is fine; the
+    last hit is tried first because a push's runs all fall in one slot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: dict[int, tuple[int, int]] = {}  # id -> (start, end)
+        self._next = 1
+        self._last: tuple[int, int] | None = None
+
+    def grant(self, addr: int, length: int) -> int:
+        if addr < 0 or length <= 0:
+            raise ValueError(f"lease of {length} bytes at {addr:#x}: need a positive length")
+        with self._lock:
+            lease_id = self._next
+            self._next += 1
+            self._ranges[lease_id] = (addr, addr + length)
+            return lease_id
+
+    def revoke(self, lease_id: int) -> bool:
+        with self._lock:
+            gone = self._ranges.pop(lease_id, None)
+            if gone is not None and gone == self._last:
+                self._last = None
+            return gone is not None
+
+    def covers(self, addr: int, length: int) -> bool:
+        """Whether [addr, addr+length) lies wholly inside one live lease."""
+        end = addr + length
+        with self._lock:
+            last = self._last
+            if last is not None and last[0] <= addr and end <= last[1]:
+                return True
+            for span in self._ranges.values():
+                if span[0] <= addr and end <= span[1]:
+                    self._last = span
+                    return True
+            return False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ranges)
+
+
+class SlotWriteLeases:
+    """A `SlotTable`'s lease hooks over an engine's `lease_write`/`revoke_write`.
+
+    The table calls these under its own lock, so a grant's lease exists before the grant is
+    returned (and so before any prefill can learn of it), and an ended reservation cannot be
+    leased again by a late call. Raises RuntimeError when the engine refuses a lease: the
+    reservation is then not granted."""
+
+    def __init__(self, backend: Any, base_addr: int, layout: KVLayout) -> None:
+        self._engine = backend.engine
+        self._api = backend.api
+        self._base = base_addr
+        self._layout = layout
+        self.enabled = hasattr(self._engine, "lease_write")
+        self._leases: dict[tuple[int, int], int] = {}  # (slot, generation) -> engine lease id
+
+    def granted(self, slot: int, generation: int) -> None:
+        if not self.enabled:
+            return
+        offset, length = self._layout.slot_span(slot)
+        status, lease_id = self._engine.lease_write(self._base + offset, length)
+        if status != self._api.SUCCESS:
+            raise RuntimeError(f"engine refused a write lease for slot {slot} ({length} bytes): status {status}")
+        self._leases[(slot, generation)] = lease_id
+
+    def ended(self, slot: int, generation: int) -> None:
+        lease_id = self._leases.pop((slot, generation), None)
+        if lease_id is not None:
+            status = self._engine.revoke_write(lease_id)
+            if status != self._api.SUCCESS:
+                log.warning(kv(event="lease_revoke_failed", slot=slot, generation=generation, status=status))
+
+    def __len__(self) -> int:
+        return len(self._leases)
