@@ -82,7 +82,7 @@ class HostServer:
         self._regions = regions
         self._notifies = notifies
         self._local_info = local_info  # what only a client on this host is told (notify inbox)
-        self._leases = leases or LeaseTable()
+        self._leases = leases if leases is not None else LeaseTable()  # (an empty table is falsy)
         self.drops = DropCounter(log, "kv_link_refusals", server=engine_id)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)

@@ -1,0 +1,110 @@
+"""Fixtures of the security tests: a `pdserve local` deployment (tiny model) to attack, the
+reference answers its victims must still get, and stand-in decode processes with the knobs
+the resource tests turn down."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # local_run
+
+from local_run import LocalRun, pid_alive  # noqa: E402
+
+from netutil import free_port  # noqa: E402
+from pdserve_worker.kv.layout import KVLayout  # noqa: E402
+from pdserve_worker.transfer import link_auth  # noqa: E402
+from pdserve_worker.transfer.peers import PeerProcess, decode_main  # noqa: E402
+
+MAX_LEN = 128
+SLOTS = 4
+TOKEN = "security-test-service-token"
+KEY = link_auth.derive_key(TOKEN, link_auth.PURPOSE_LINK)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    """Colocated greedy generation in this process: what every victim's answer must equal."""
+    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.sampling_params import SamplingParams
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+
+    class Reference:
+        tokenizer = loaded.tokenizer
+
+        def complete(self, prompt_ids: list[int], max_tokens: int) -> str:
+            gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
+            [done] = gen.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0))
+            return done.text
+
+    return Reference()
+
+
+@pytest.fixture(scope="session")
+def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
+    """One prefill, one decode, a router: the deployment the attacks run against.
+
+    Its KV travels over TCP (as between pods), not shared memory, so every genuine push goes
+    through the decode engine's server and its lease check while the attacks run."""
+    saved = os.environ.get("PDSERVE_ENGINE_OPTIONS")
+    os.environ["PDSERVE_ENGINE_OPTIONS"] = json.dumps({"pdserve.Transport": "tcp"})
+    try:
+        run = LocalRun.start(
+            tmp_path_factory.mktemp("sec-local"),
+            "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
+            "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
+        )
+    finally:
+        if saved is None:
+            del os.environ["PDSERVE_ENGINE_OPTIONS"]
+        else:
+            os.environ["PDSERVE_ENGINE_OPTIONS"] = saved
+    yield run
+    pids = [c["pid"] for c in run.manifest["children"]]
+    code = run.stop()
+    assert code == 0, run.stderr_path.read_text()
+    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+
+
+@pytest.fixture
+def decode_peer() -> Iterator[Callable[..., PeerProcess]]:
+    """Start a stand-in decode process (the host engine's server in a subprocess) with the
+    service key and a worker's access options, plus any `options` a test turns down."""
+    started: list[PeerProcess] = []
+
+    def start(slots: int = 2, **options: str) -> PeerProcess:
+        layout = KVLayout(num_slots=slots, num_layers=2, max_len=64, kv_heads=2, head_dim=16, dtype="bfloat16")
+        config: dict[str, Any] = {
+            "engine_id": f"127.0.0.1:{free_port()}",
+            "layout": layout.to_dict(),
+            "options": {"pdserve.AuthKey": KEY.hex(), "pdserve.RemoteWrite": "leased", "pdserve.RemoteRead": "0",
+                        **options},
+        }
+        peer = PeerProcess.start(decode_main, config)
+        peer.info["layout"] = layout
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        peer.stop()
+
+
+def complete(run: LocalRun, prompt: str, max_tokens: int) -> str:
+    """A greedy completion through the deployment's router (what a user sees)."""
+    import httpx
+
+    with httpx.Client(base_url=run.url, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        body = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                  "temperature": 0}).json()
+    assert "choices" in body, body
+    return body["choices"][0]["text"]
