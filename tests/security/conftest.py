@@ -23,7 +23,7 @@ from pdserve_worker.transfer import link_auth  # noqa: E402
 from pdserve_worker.transfer.peers import PeerProcess, decode_main  # noqa: E402
 
 MAX_LEN = 128
-SLOTS = 4
+SLOTS = 8  # tests that abandon a grant leave its slot quarantined for the rest of the session
 TOKEN = "security-test-service-token"
 KEY = link_auth.derive_key(TOKEN, link_auth.PURPOSE_LINK)
 
@@ -96,6 +96,20 @@ def decode_peer() -> Iterator[Callable[..., PeerProcess]]:
     yield start
     for peer in started:
         peer.stop()
+
+
+def decode_engine_id(run: LocalRun) -> str:
+    """The decode's transfer engine, as the broker lists it to the service's members."""
+    import grpc
+
+    from pdserve.v1 import broker_pb2, broker_pb2_grpc
+
+    with grpc.insecure_channel(run.manifest["broker"]) as channel:
+        members = broker_pb2_grpc.BrokerStub(channel).ListMembers(
+            broker_pb2.ListMembersRequest(service_key="local/pdserve", roles=[broker_pb2.ROLE_DECODE]),
+            metadata=(("authorization", f"Bearer {run.token}"),), timeout=5).members
+    [member] = members
+    return member.info.engine_id
 
 
 def complete(run: LocalRun, prompt: str, max_tokens: int) -> str:

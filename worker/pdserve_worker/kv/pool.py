@@ -125,10 +125,13 @@ class KVPool:
         self._free()
 
     def _free(self) -> None:
+        freed = self._malloced or self._owned_tensor is not None
         if self._malloced:
             self._backend.engine.free_mem(self.base_addr)
             self._malloced = False
         self._owned_tensor = None
+        if freed:
+            log.info(kv(event="kv_pool_freed", bytes=self.nbytes))
 
 
 def _torch() -> Any:
