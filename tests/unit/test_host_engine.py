@@ -335,3 +335,73 @@ def test_a_lost_server_fails_the_link_and_a_new_one_can_be_reached() -> None:
         assert p.client.transfer_sync(p.remote, api.WRITE, op, 2000) == api.SUCCESS
     finally:
         p.close()
+
+
+# ---- who may use a link, and for what (host_server.py's policy) ------------------------------------
+KEY_A, KEY_B = "a1" * 32, "b2" * 32
+
+
+@pytest.mark.parametrize("server_key,client_key,ok", [
+    (KEY_A, KEY_A, True), (KEY_A, KEY_B, False), (KEY_A, None, False), (None, KEY_A, False), (None, None, True),
+], ids=["same-key", "other-key", "keyless-client", "keyless-server", "no-auth-like-hixl"])
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_link_needs_the_same_key_on_both_ends(transport: str, server_key: str | None, client_key: str | None,
+                                                ok: bool) -> None:
+    server = Hixl()
+    remote = f"127.0.0.1:{free_port()}"
+    assert server.initialize(remote, {"pdserve.AuthKey": server_key} if server_key else {}) == api.SUCCESS
+    client = Hixl()
+    options = {"pdserve.Transport": transport} | ({"pdserve.AuthKey": client_key} if client_key else {})
+    assert client.initialize("127.0.0.1", options) == api.SUCCESS
+    try:
+        assert client.connect(remote, 2000) == (api.SUCCESS if ok else api.FAILED)
+        assert (client.link_path(remote) is not None) is ok
+        if server_key:
+            assert server.security_stats().get("auth_failed", 0) == (0 if ok or client_key is None else 1)
+    finally:
+        client.finalize()
+        server.finalize()
+
+
+def test_leased_mode_writes_only_leased_ranges_and_read_can_be_off() -> None:
+    p = Pair("tcp")
+    p.server.finalize()
+    p.server = Hixl()
+    assert p.server.initialize(p.remote, {"pdserve.RemoteWrite": "leased", "pdserve.RemoteRead": "0"}) == api.SUCCESS
+    status, p.remote_addr = p.server.malloc_mem(SIZE)
+    assert p.server.register_mem(api.MemDesc(p.remote_addr, SIZE), api.MEM_HOST)[0] == api.SUCCESS
+    try:
+        p.connect()
+        op = [api.TransferOpDesc(p.local_addr, p.remote_addr + 128, 64)]
+        assert p.client.transfer_sync(p.remote, api.WRITE, op, 2000) == api.PARAM_INVALID
+        status, lease = p.server.lease_write(p.remote_addr + 128, 64)
+        assert status == api.SUCCESS
+        assert p.client.transfer_sync(p.remote, api.WRITE, op, 2000) == api.SUCCESS
+        assert p.client.transfer_sync(p.remote, api.READ, op, 2000) == api.PARAM_INVALID
+        wide = [api.TransferOpDesc(p.local_addr, p.remote_addr + 128, 65)]
+        assert p.client.transfer_sync(p.remote, api.WRITE, wide, 2000) == api.PARAM_INVALID
+        assert p.server.revoke_write(lease) == api.SUCCESS
+        assert p.server.revoke_write(lease) == api.SUCCESS  # repeated: SUCCESS, like deregister_mem
+        assert p.client.transfer_sync(p.remote, api.WRITE, op, 2000) == api.PARAM_INVALID
+        stats = p.server.security_stats()
+        assert (stats["write_not_leased"], stats["read_disabled"], stats["write_leases"]) == (3, 1, 0)
+        assert p.server.lease_write(p.remote_addr + SIZE - 8, 16) == (api.PARAM_INVALID, 0)  # not registered
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("options", [
+    {"pdserve.RemoteWrite": "everything"}, {"pdserve.RemoteRead": "yes"}, {"pdserve.AuthKey": "abc"},
+    {"pdserve.AuthKey": "ab" * 4}, {"pdserve.MaxLinks": "0"}, {"pdserve.HandshakeTimeoutMs": "-1"},
+])
+def test_bad_access_options_are_refused_at_initialize(options: dict[str, str]) -> None:
+    engine = Hixl()
+    assert engine.initialize(f"127.0.0.1:{free_port()}", options) == api.PARAM_INVALID
+
+
+def test_the_key_never_shows_in_the_options_repr() -> None:
+    from pdserve_worker.transfer.host_engine import HostEngineOptions
+
+    parsed = HostEngineOptions.parse({"pdserve.AuthKey": KEY_A})
+    assert parsed.auth_key == bytes.fromhex(KEY_A)
+    assert KEY_A not in repr(parsed) and KEY_A not in repr(parsed.server_policy())

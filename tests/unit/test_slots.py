@@ -190,3 +190,62 @@ class SlotMachine(RuleBasedStateMachine):
 
 TestSlotMachine = SlotMachine.TestCase
 TestSlotMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# ---- capabilities and write leases ------------------------------------------------------------------
+class Hooks:
+    """Records what the table tells its lease hooks; `fail` makes the next grant refuse."""
+
+    def __init__(self) -> None:
+        self.live: set[tuple[int, int]] = set()
+        self.fail = False
+
+    def granted(self, slot: int, generation: int) -> None:
+        if self.fail:
+            raise RuntimeError("engine refused")
+        self.live.add((slot, generation))
+
+    def ended(self, slot: int, generation: int) -> None:
+        self.live.discard((slot, generation))
+
+
+def test_a_grants_nonce_verifies_only_its_own_reservation() -> None:
+    from pdserve_worker.kv.slots import nonce_matches, reservation_nonce
+
+    key = b"k" * 32
+    slots, _ = table(capability_key=key)
+    a, b = slots.reserve("a", 5), slots.reserve("b", 5)
+    assert len(bytes.fromhex(a.nonce)) == 16 and a.nonce != b.nonce
+    assert a.nonce == reservation_nonce(key, a.slot, a.generation)  # a group member can check it with the key
+    assert slots.verify(a.slot, a.generation, a.nonce) and nonce_matches(key, a.slot, a.generation, a.nonce)
+    assert not slots.verify(b.slot, b.generation, a.nonce)
+    assert not slots.verify(a.slot, a.generation + 1, a.nonce)
+    assert not slots.verify(a.slot, a.generation, "00" * 16) and not slots.verify(a.slot, a.generation, "")
+    other, _ = table()  # its own random key: the same (slot, generation) has another nonce
+    assert not other.verify(a.slot, a.generation, a.nonce)
+    assert a.nonce not in repr(a) and a.to_dict()["nonce"] == a.nonce
+
+
+def test_generations_are_not_small_counters_and_grow_across_restarts() -> None:
+    first, _ = table()
+    g1 = first.reserve("a", 5).generation
+    second, _ = table()  # a restarted decode
+    g2 = second.reserve("a", 5).generation
+    assert g1 > 1 << 40 and g2 > 1 << 40 and g1 != g2
+    assert second.reserve("b", 5).generation == g2 + 1
+
+
+def test_lease_hooks_follow_every_reservation_from_grant_to_end() -> None:
+    hooks = Hooks()
+    slots, clock = table(leases=hooks)
+    a, b, c = (slots.reserve(r, 5) for r in "abc")
+    assert hooks.live == {(g.slot, g.generation) for g in (a, b, c)}
+    assert slots.commit(a.slot, a.generation)  # KV arrived: nothing more to write
+    assert slots.release(b.slot, b.generation)  # abandoned: quarantined, and not writable
+    clock.now += 10
+    slots.expire()  # c's lease lapsed
+    assert hooks.live == set()
+    hooks.fail = True
+    with pytest.raises(RuntimeError, match="engine refused"):
+        slots.reserve("d", 5)
+    assert slots.usage().reserved == 0  # a refused lease grants nothing
