@@ -62,9 +62,10 @@ class Defaults:
     image: str
     broker_address: str
     image_pull_policy: str = "IfNotPresent"
-    # A NetworkPolicy per service (see `network_policy`); off by default because a cluster
-    # without a policy-enforcing CNI ignores it, and one with a default-deny needs it.
-    network_policy: bool = False
+    # A NetworkPolicy per service (see `network_policy`). On by default: real HIXL admits any
+    # peer that reaches its port, so the policy is what keeps other pods off the KV plane
+    # (a cluster without a policy-enforcing CNI ignores it; one with a default-deny needs it).
+    network_policy: bool = True
     operator_namespace: str = "pdserve-system"  # where the operator pods run (a policy peer)
 
 

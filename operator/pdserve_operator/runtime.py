@@ -45,7 +45,9 @@ class OperatorConfig(BaseSettings):
     liveness: str | None = Field(None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     kubeconfig: str | None = Field(None, description="kubeconfig outside a cluster (in a pod: the service account).")
     network_policy: bool = Field(
-        False, description="Give each service a NetworkPolicy: gRPC/transfer ports open only within the service."
+        True,
+        description="Give each service a NetworkPolicy: gRPC/transfer ports open only within the service "
+        "(on by default: real HIXL does not authenticate KV-transfer peers).",
     )
     pod_namespace: str = Field(
         "pdserve-system", description="The operator's own namespace (downward API): the NetworkPolicy's operator peer."

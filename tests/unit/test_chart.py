@@ -137,13 +137,16 @@ def test_ascend_sample_is_a_7b_model_from_a_claim_on_hixl() -> None:
 
 
 def test_operator_network_policy_opens_the_broker_port_only_to_pdserve_pods() -> None:
-    [policy] = by_kind(render("--set", "networkPolicy.enabled=true"), "NetworkPolicy")
+    [policy] = by_kind(render(), "NetworkPolicy")  # on by default (real HIXL does not authenticate)
     broker_rule, health_rule = policy["spec"]["ingress"]
     assert broker_rule["ports"] == [{"port": 50070, "protocol": "TCP"}]
     assert broker_rule["from"][0]["podSelector"]["matchLabels"] == {
         "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/managed-by": "pdserve-operator"}
     assert "from" not in health_rule and health_rule["ports"][0]["port"] == 8080
-    assert by_kind(render(), "NetworkPolicy") == []
+    assert by_kind(render("--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
+    env = {e["name"]: e.get("value") for e in by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["PDSERVE_OPERATOR_NETWORK_POLICY"] == "true"  # and the operator renders one per service
 
 
 def test_service_monitor_scrapes_the_routers_metrics_port() -> None:

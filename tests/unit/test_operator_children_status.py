@@ -35,6 +35,7 @@ def test_render_is_deterministic_and_complete() -> None:
     a, b = render(), render()
     assert a == b
     assert set(a) == {
+        ("NetworkPolicy", "svc-workers"),  # on by default: real HIXL admits any peer that reaches it
         ("Secret", "svc-broker-token"), ("ConfigMap", "svc-config"), ("Service", "svc-decode-headless"),
         ("Service", "svc"), ("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router"),
         ("PodDisruptionBudget", "svc-prefill"), ("PodDisruptionBudget", "svc-decode"), ("PodDisruptionBudget", "svc-router"),

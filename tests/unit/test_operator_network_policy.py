@@ -1,4 +1,4 @@
-"""The optional per-service NetworkPolicy child and the decode pods' transfer port."""
+"""The per-service NetworkPolicy child (on by default) and the decode pods' transfer port."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ OWNER = ch.Owner(name="svc", namespace="team", uid="uid-1")
 def render(network_policy: bool) -> dict[tuple[str, str], dict]:
     defaults = ch.Defaults(image="img:1", broker_address="b:1", network_policy=network_policy, operator_namespace="ops")
     return {(o["kind"], o["metadata"]["name"]): o for o in ch.render(OWNER, s.parse_spec({}), "tok", defaults)}
+
+
+def test_policy_is_on_unless_the_operator_is_told_otherwise() -> None:
+    """Real HIXL does not authenticate transfer peers: the policy is the KV plane's fence."""
+    assert ch.Defaults(image="i", broker_address="b:1").network_policy is True
+    assert OperatorConfig(kubeconfig="unused").network_policy is True
 
 
 def test_policy_is_rendered_only_when_enabled_and_before_any_pod() -> None:
