@@ -24,6 +24,12 @@ Everything is measured in this one run against baselines measured on the same ma
    on_chunk=pusher.push_chunk)`): time to the ready notify's ACK with the pipelined push, and
    with compute-then-push, each ÷ the same prefill without any push. Target <= 1.10.
    `--no-model` skips it (it loads the model and takes about a minute).
+5. What the KV plane's security costs, auth on vs off side by side in one run: a decode peer
+   with the service key, leased writes, READ off and the nonce check on the ready notify, and
+   one with none of it (HIXL's own behaviour), each pushed into by a client with (or without)
+   the key. Push throughput at 8 and 64 MB over both paths (interleaved medians) and interrupt
+   wake-up p50 (samples alternating between the two). Targets: throughput on ÷ off >= 0.95,
+   wake-up p50 on - off <= 50 µs. `--auth-only` runs just this section.
 """
 
 from __future__ import annotations
@@ -77,6 +83,10 @@ def interleaved_medians(
                 fn()
             samples[name].append(fn())
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+AUTH_KEY = "5e" * 32  # the benchmark's service key (a worker derives its own: link_auth.py)
+AUTH_ON = {"pdserve.AuthKey": AUTH_KEY, "pdserve.RemoteWrite": "leased", "pdserve.RemoteRead": "0"}
 
 
 def client(transport: str, **options: str) -> TransferBackend:
@@ -248,6 +258,168 @@ def bench_readiness(samples: int, cpu_wait_s: float) -> list[dict[str, Any]]:
             backend.engine.finalize()
             decode.stop()
     return rows
+
+
+# ---- 5. what authentication costs ----------------------------------------------------------------------
+def _auth_decode(layout: KVLayout, on: bool, mode: str = "interrupt") -> PeerProcess:
+    return PeerProcess.start(decode_main, {
+        "engine_id": f"127.0.0.1:{free_port()}", "layout": layout.to_dict(), "mode": mode,
+        "options": AUTH_ON if on else {}, "check_nonce": on,
+    })
+
+
+def bench_auth_throughput(repeats: int, sizes_mb: list[int]) -> list[dict[str, Any]]:
+    """Push seconds with and without authentication, shm and TCP.
+
+    Paired per round: each round times `off`, `on` and a control `off2` (a second client of
+    the same unauthenticated decode: what two identical set-ups differ by on this machine)
+    back to back, in an order that rotates from round to round, and keeps each round's ratios;
+    the medians of those ratios are the figures (a slow second on a shared box hits a whole
+    round, not one side)."""
+    largest = max(sizes_mb) * MB
+    decodes = {False: _auth_decode(throughput_layout(largest, 4), False),
+               True: _auth_decode(throughput_layout(largest, 2), True)}
+    key = {"pdserve.AuthKey": AUTH_KEY} if AUTH_ON else {}
+    variants = {"off": False, "off2": False, "on": True}
+    clients = {(path, v): client("auto" if path == "shm" else "tcp", **(key if on else {}))
+               for path in ("shm", "tcp") for v, on in variants.items()}
+    rows = []
+    try:
+        for size_mb in sizes_mb:
+            layout = throughput_layout(size_mb * MB)
+            sources, grants, fns = {}, {}, {}
+            for (path, v), backend in clients.items():
+                name = f"{path}_{v}"
+                decode = decodes[variants[v]]
+                sources[name] = KVPool(backend, layout)
+                ctypes.memset(sources[name].base_addr, 7, sources[name].nbytes)
+                grants[name] = (decode, decode.call("reserve", request_id=name, ttl_s=3600))
+                fns[name] = push_s(backend, sources[name], grants[name][1])
+            samples: dict[str, list[float]] = {name: [] for name in fns}
+            ratios: dict[str, list[float]] = {f"{p}_{r}": [] for p in ("shm", "tcp") for r in ("on", "off2")}
+            for fn in fns.values():
+                fn()
+            for i in range(repeats):
+                for path in ("shm", "tcp"):
+                    order = ["off", "on", "off2"]
+                    order = order[i % 3:] + order[: i % 3]
+                    got = {}
+                    for v in order:
+                        fns[f"{path}_{v}"]()  # settle: an untimed run right before the timed one
+                        got[v] = fns[f"{path}_{v}"]()
+                        samples[f"{path}_{v}"].append(got[v])
+                    ratios[f"{path}_on"].append(got["off"] / got["on"])  # throughput on ÷ off
+                    ratios[f"{path}_off2"].append(got["off"] / got["off2"])
+            row: dict[str, Any] = {"size_mb": size_mb}
+            row.update({name: statistics.median(v) for name, v in samples.items()})
+            row.update({f"ratio_{name}": statistics.median(v) for name, v in ratios.items()})
+            for name, (decode, grant) in grants.items():
+                decode.call("commit", slot=grant["slot"], generation=grant["generation"])
+                decode.call("release", slot=grant["slot"], generation=grant["generation"])
+                sources[name].close()
+            rows.append(row)
+    finally:
+        for backend in clients.values():
+            backend.engine.finalize()
+        for decode in decodes.values():
+            decode.stop()
+    return rows
+
+
+def _wake_once(decode: PeerProcess, backend: TransferBackend, engine_id: str, tag: str) -> float:
+    grant = decode.call("reserve", request_id=tag, ttl_s=60)
+    decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)
+    time.sleep(0.003)  # let the decode side block before the notify goes out
+    body = (f'{{"request_id":"{tag}","slot":{grant["slot"]},"generation":{grant["generation"]},'
+            f'"nonce":"{grant["nonce"]}","num_tokens":1}}')
+    t0 = time.perf_counter_ns()
+    backend.check(backend.engine.send_notify(engine_id, backend.api.NotifyDesc("kv_ready", body), 2000), "notify")
+    woke = decode.result()["woke_ns"]
+    decode.call("commit", slot=grant["slot"], generation=grant["generation"])
+    decode.call("release", slot=grant["slot"], generation=grant["generation"])
+    return (woke - t0) / 1000
+
+
+def bench_auth_wakeup(samples: int) -> dict[str, dict[str, float]]:
+    """Interrupt wake-up with and without authentication, samples alternating between them."""
+    layout = KVLayout(num_slots=2, num_layers=1, max_len=16, kv_heads=1, head_dim=8, dtype="bfloat16")
+    decodes = {on: _auth_decode(layout, on) for on in (False, True)}
+    backends = {on: client("auto", **({"pdserve.AuthKey": AUTH_KEY} if on else {})) for on in (False, True)}
+    latencies: dict[bool, list[float]] = {False: [], True: []}
+    diffs: list[float] = []
+    try:
+        for on in (False, True):
+            backends[on].ensure_connected(decodes[on].info["engine_id"], 2000)
+        for i in range(samples + 5):
+            pair = {}
+            for on in ((False, True) if i % 2 else (True, False)):
+                pair[on] = _wake_once(decodes[on], backends[on], decodes[on].info["engine_id"], f"w{i}")
+            if i >= 5:
+                for on, us in pair.items():
+                    latencies[on].append(us)
+                diffs.append(pair[True] - pair[False])
+    finally:
+        for on in (False, True):
+            backends[on].engine.finalize()
+            decodes[on].stop()
+    out = {}
+    for on, values in latencies.items():
+        values.sort()
+        out["on" if on else "off"] = {"p50_us": statistics.median(values),
+                                      "p99_us": values[min(len(values) - 1, int(0.99 * len(values)))]}
+    out["paired"] = {"p50_us": statistics.median(diffs)}
+    return out
+
+
+def bench_auth_parts(n: int = 20000) -> dict[str, float]:
+    """The per-notify work authentication adds, timed alone (µs): the nonce check, and
+    receiving a datagram with the sender's credentials instead of without."""
+    import socket as _socket
+
+    from pdserve_worker.kv.slots import SlotTable
+    from pdserve_worker.transfer import wire
+    from pdserve_worker.transfer.notify_inbox import NotifyInbox, abstract
+
+    slots = SlotTable(throughput_layout(MB, 2))
+    grant = slots.reserve("parts", 60)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        slots.verify(grant.slot, grant.generation, grant.nonce)
+    out = {"nonce_check_us": (time.perf_counter() - t0) / n * 1e6}
+    frame = wire.notify_frame(b"kv_ready" + b"{" + b"x" * 120 + b"}", 8)
+    for check in (False, True):
+        inbox = NotifyInbox(64, check_sender=check)
+        with _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM) as sock:
+            sock.connect(abstract(inbox.name))
+            times = []
+            for _ in range(n // 10):
+                t0 = time.perf_counter_ns()
+                sock.send(frame)
+                inbox.drain()
+                times.append(time.perf_counter_ns() - t0)
+        inbox.close()
+        out[f"datagram_{'checked' if check else 'plain'}_us"] = statistics.median(times) / 1000
+    return out
+
+
+def report_auth(repeats: int, samples: int) -> None:
+    print(f"\n## authentication cost (auth on vs off side by side; {repeats} paired rounds, medians)")
+    print("| size | shm off | shm on | on ÷ off | control off ÷ off | TCP off | TCP on | on ÷ off | control off ÷ off |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in bench_auth_throughput(repeats, [8, 64]):
+        n = r["size_mb"] * MB
+        g = {k: n / v / 1e9 for k, v in r.items() if not k.startswith(("size", "ratio"))}
+        print(f"| {r['size_mb']} MB | {g['shm_off']:.2f} GB/s | {g['shm_on']:.2f} GB/s | {r['ratio_shm_on']:.3f} | "
+              f"{r['ratio_shm_off2']:.3f} | {g['tcp_off']:.2f} GB/s | {g['tcp_on']:.2f} GB/s | {r['ratio_tcp_on']:.3f} | "
+              f"{r['ratio_tcp_off2']:.3f} |")
+    w = bench_auth_wakeup(samples)
+    print(f"\ninterrupt wake-up ({samples} alternating samples each): off p50 {w['off']['p50_us']:.0f} µs "
+          f"(p99 {w['off']['p99_us']:.0f}), on p50 {w['on']['p50_us']:.0f} µs (p99 {w['on']['p99_us']:.0f}): "
+          f"on - off = {w['on']['p50_us'] - w['off']['p50_us']:+.0f} µs; median of paired differences "
+          f"{w['paired']['p50_us']:+.0f} µs")
+    parts = bench_auth_parts()
+    print(f"per-notify work auth adds, alone: nonce check {parts['nonce_check_us']:.1f} µs; datagram send+drain "
+          f"{parts['datagram_plain_us']:.1f} µs plain vs {parts['datagram_checked_us']:.1f} µs with the sender's credentials")
 
 
 # ---- 3. overlap -----------------------------------------------------------------------------------------
@@ -442,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats and samples (a smoke run)")
     parser.add_argument("--no-model", action="store_true", help="skip section 4 (the real model's prefill)")
+    parser.add_argument("--auth-only", action="store_true", help="run only section 5 (what authentication costs)")
     parser.add_argument("--model-repeats", type=int, default=5, help="rounds of section 4 (each ~3 prefills)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="section 4's model dtype; auto = what `pdserve local` picks on this CPU")
@@ -451,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# transfer benchmark {datetime.date.today().isoformat()} on {machine()}")
     print("load average at start: %.2f %.2f %.2f" % os.getloadavg())
+    if args.auth_only:
+        report_auth(args.repeats, args.samples)
+        print("\nload average at end: %.2f %.2f %.2f" % os.getloadavg())
+        return 0
     print("\n## push throughput (median of %d interleaved rounds, each sample right after an untimed run; GB/s = 1e9 bytes/s)" % args.repeats)
     print("| size | memcpy, 1 thread | shm push | ratio | raw TCP | TCP push | ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -486,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['path']} | {r['push_s'] * 1e3:.1f} ms | {r['compute_s'] * 1e3:.1f} ms | {r['pipelined_s'] * 1e3:.1f} ms | "
             f"{r['pipelined_s'] / r['compute_s']:.3f} | {r['serial_s'] * 1e3:.1f} ms | {r['serial_s'] / r['compute_s']:.3f} |"
         )
+    report_auth(args.repeats, args.samples)
     if not args.no_model:
         from pdserve_worker.local import auto_dtype
 

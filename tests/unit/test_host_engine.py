@@ -405,3 +405,25 @@ def test_the_key_never_shows_in_the_options_repr() -> None:
     parsed = HostEngineOptions.parse({"pdserve.AuthKey": KEY_A})
     assert parsed.auth_key == bytes.fromhex(KEY_A)
     assert KEY_A not in repr(parsed) and KEY_A not in repr(parsed.server_policy())
+
+
+def test_an_authenticated_engines_inbox_takes_datagrams_only_from_its_own_user() -> None:
+    """The kernel's credentials on each datagram decide (SO_PASSCRED): the inbox is told it
+    runs as another uid, so this process's datagrams are a stranger's and are dropped."""
+    import socket
+
+    from pdserve_worker.transfer import wire
+    from pdserve_worker.transfer.notify_inbox import NotifyInbox, abstract
+
+    frame = wire.notify_frame(b"kv_ready{}", 8)
+    for check, kept in ((True, 1), (False, 1)):
+        inbox = NotifyInbox(8, check_sender=check)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(abstract(inbox.name))
+            sock.send(frame)
+            assert len(inbox.drain()) == kept  # our own uid: kept
+            inbox._uid += 1
+            sock.send(frame)
+            assert len(inbox.drain()) == (0 if check else 1)
+        assert inbox.drops.totals() == ({"other_user": 1} if check else {})
+        inbox.close()

@@ -131,6 +131,7 @@ class _Slot:
     generation: int = 0
     request_id: str = ""
     deadline: float = 0.0  # lease end while RESERVED, quarantine end while QUARANTINED
+    nonce: str = ""  # the capability of the current generation
 
 
 class SlotTable:
@@ -177,6 +178,7 @@ class SlotTable:
                         self._leases.granted(index, generation)  # may raise: then nothing changed
                     s.state = SlotState.RESERVED
                     s.generation = generation
+                    s.nonce = reservation_nonce(self._key, index, generation)
                     s.request_id = request_id
                     s.deadline = now + ttl_s
                     grant = self._grant(index, s)
@@ -256,8 +258,14 @@ class SlotTable:
 
     def verify(self, slot: int, generation: int, nonce: str) -> bool:
         """Whether `nonce` is the capability of reservation (slot, generation) (live or not:
-        `is_reserved` says whether it still waits)."""
-        return nonce_matches(self._key, slot, generation, nonce)
+        `is_reserved` says whether it still waits). The current reservation's nonce is kept,
+        so the common case is one constant-time compare rather than an HMAC."""
+        with self._lock:
+            s = self._slots[slot] if 0 <= slot < len(self._slots) else None
+            expected = s.nonce if s is not None and s.generation == generation and s.nonce else None
+        if expected is None:
+            return nonce_matches(self._key, slot, generation, nonce)
+        return hmac.compare_digest(expected.encode(), nonce.encode("utf-8", "replace"))
 
     def is_reserved(self, slot: int, generation: int) -> bool:
         """Whether (slot, generation) still waits for its KV: the only time a ready message counts."""
@@ -312,7 +320,7 @@ class SlotTable:
 
     def _grant(self, index: int, s: _Slot) -> Grant:
         return Grant(s.request_id, index, s.generation, s.deadline, self.engine_id, self.base_addr, self.layout,
-                     reservation_nonce(self._key, index, s.generation))
+                     s.nonce or reservation_nonce(self._key, index, s.generation))
 
     @staticmethod
     def _describe(s: _Slot | None) -> dict[str, object]:

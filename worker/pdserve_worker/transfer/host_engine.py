@@ -244,7 +244,7 @@ class Hixl:
                 log.error(kv(event="initialize_rejected", engine=local_engine, error=exc))
                 return api.PARAM_INVALID
             self._leases = LeaseTable()
-            self._notifies = NotifyInbox(self.options.notify_queue)
+            self._notifies = NotifyInbox(self.options.notify_queue, check_sender=self.options.auth_key is not None)
             inbox = self._notifies.name
             if port > 0:
                 try:

@@ -12,10 +12,10 @@ prefill's `send_notify` to the waiting thread is kept to one thread wake-up wher
   deque and rings the same socket with an empty datagram, so the waiter wakes the same way.
 
 Who can send here: any process of the same network namespace can reach an abstract socket
-(in a pod: the pod; under `pdserve local`: the host). The kernel attaches the sender's
-credentials to each datagram (SO_PASSCRED), and a datagram from another user is dropped and
-counted: only a process that could open our shared memory anyway (same user, 0600 segments)
-gets in. What it says is still checked above the engine: a ready notify counts only with its
+(in a pod: the pod; under `pdserve local`: the host). With `check_sender` (the engine has a
+link key) the kernel attaches the sender's credentials to each datagram (SO_PASSCRED), and a
+datagram from another user is dropped and counted: only a process that could open our shared
+memory anyway (same user, 0600 segments) gets in. What it says is still checked above the engine: a ready notify counts only with its
 reservation's capability (readiness.py), so a forged one is dropped there.
 
 The bound: `capacity` notifies in the deque, past which a TCP notify is RESOURCE_EXHAUSTED,
@@ -54,11 +54,13 @@ def abstract(name: str) -> str:
 
 
 class NotifyInbox:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, check_sender: bool = False) -> None:
         self.capacity = capacity
         self.name = f"pdserve-hixl-notify-{os.getpid()}-{secrets.token_hex(6)}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._check_sender = check_sender
+        if check_sender:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._sock.bind(abstract(self.name))
         self._uid = os.getuid()
         self._pull_max = capacity + _kernel_queue_length()  # per drain: all that can be queued now
@@ -109,12 +111,15 @@ class NotifyInbox:
     def _pull_datagrams(self) -> None:
         for _ in range(self._pull_max):
             try:
-                data, ancdata, _, _ = self._sock.recvmsg(MAX_DATAGRAM, CRED_SPACE, socket.MSG_DONTWAIT)
+                if self._check_sender:
+                    data, ancdata, _, _ = self._sock.recvmsg(MAX_DATAGRAM, CRED_SPACE, socket.MSG_DONTWAIT)
+                else:
+                    data, ancdata = self._sock.recv(MAX_DATAGRAM, socket.MSG_DONTWAIT), []
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # closed
-            if _sender_uid(ancdata) != self._uid:
+            if self._check_sender and _sender_uid(ancdata) != self._uid:
                 self.drops.count("other_user")
                 continue
             if not data:

@@ -131,7 +131,8 @@ def _serve(conn: Connection, handlers: dict[str, Callable[..., Any]], info: dict
 
 
 def decode_main(conn: Connection, config: dict[str, Any]) -> None:
-    """config: engine_id, layout (dict), options, mode, poll_interval_us, quarantine_s, warmup."""
+    """config: engine_id, layout (dict), options, mode, poll_interval_us, quarantine_s, warmup,
+    check_nonce (default True: a ready notify counts only with its grant's nonce)."""
     setup(f"decode-peer-{os.getpid()}", config.get("log_level"))
     from pdserve_worker.kv.pool import KVPool
     from pdserve_worker.kv.slots import SlotTable
@@ -154,7 +155,7 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
         backend,
         config.get("mode", "interrupt"),
         accepts=slots.is_reserved,
-        authorize=slots.verify,
+        authorize=slots.verify if config.get("check_nonce", True) else None,
         poll_interval_us=config.get("poll_interval_us", 100),
         warmup=pool.warm if config.get("warmup") else None,
     )
