@@ -13,12 +13,17 @@ How the pieces fit (every module says more):
 - `push.KVPusher(backend, PushSource, [PushTarget.from_grant(g)...], num_tokens)`:
   `push_chunk(layers)` after each chunk's compute, then `finish(extra)` sends `kv_ready`.
   `prefill_and_push(compute, pusher, chunks)` is that loop.
-- `readiness.Readiness(backend, mode, accepts=slots.is_reserved)`: decode's
-  `wait(slot, generation, timeout)` → the ready message.
+- `readiness.Readiness(backend, mode, accepts=slots.is_reserved, authorize=slots.verify)`:
+  decode's `wait(slot, generation, timeout)` → the ready message (only one that carries the
+  grant's nonce counts).
+- Who may use the KV plane: `link_auth` (the per-service link key and the handshake),
+  `leases` (only reserved slots writable), `drops` (counted refusals, summary logs),
+  `service_link` (how a worker sets all of this up).
 - `peers`: stand-in decode/prefill processes for tests and benchmarks.
 
-Decode side, in order: initialize the engine (listening), allocate+register the pool, then
-accept links; per request reserve a slot, hand the grant to prefill, `wait`, `commit`, decode,
-`release`; run `slots.expire()` periodically. Prefill side: initialize (client), register its
+Decode side, in order: initialize the engine (listening, with the link key), allocate+register
+the pool, then accept links; per request reserve a slot (which leases it), hand the grant to
+prefill, `wait`, `commit`, decode, `release`; run `slots.expire()` periodically; at shutdown
+deregister, finalize, then free. Prefill side: initialize (client only: no port), register its
 source pool, and per request build a KVPusher from the grant(s).
 """

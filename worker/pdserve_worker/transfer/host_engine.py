@@ -24,6 +24,19 @@ after the copies returned, so the peer never sees "ready" before the bytes. Any 
 option `{"pdserve.Transport": "tcp"}` takes the TCP path: the frame goes to the server, which
 checks the range and receives the bytes straight into the registered memory.
 
+Who may use the engine (host_server.py, link_auth.py, leases.py; all off by default, which is
+HIXL's own behaviour, and all set by a pdserve worker, service_link.py):
+- `pdserve.AuthKey` (hex): a link is admitted only after both ends prove, by HMAC
+  challenge-response, that they hold this key; until then the server tells a peer nothing but
+  a nonce and bounds what it reads (`pdserve.HandshakeTimeoutMs`, default 5000; at most
+  `pdserve.MaxLinks`, default 256, links and 32 handshakes at once). With a key, the notify
+  inbox also takes datagrams only from this process's user.
+- `pdserve.RemoteWrite=leased`: peers WRITE only into ranges leased with `lease_write(addr,
+  len)` (host-engine extension; `revoke_write(id)` ends one), else PARAM_INVALID.
+- `pdserve.RemoteRead=0`: every remote READ is PARAM_INVALID.
+- Always: at most 256 MiB per READ frame (a client refuses a bigger READ up front), 8 KiB
+  per notify frame, 65,536 descriptors per frame. `security_stats()` counts the refusals.
+
 Deliberate differences from real HIXL (all additive or host-only):
 - `wait_transfer(req_id, timeout_s)` blocks until an async request is terminal, without
   consuming its status, so a pusher need not poll (it does with real HIXL).
@@ -51,6 +64,8 @@ Deliberate differences from real HIXL (all additive or host-only):
   the peer and that wait should overlap compute. Either way the status is read through
   `get_transfer_status`, exactly as for any async request.
 - HIXL-specific options (BufferPool, RDMA, LocalCommRes, ...) are accepted and ignored.
+- `finalize` stops the server (and joins its threads) before anything else, so no peer's
+  frame is still writing into memory the owner frees next.
 
 Threads: one acceptor when listening and one per accepted link (server side); per outgoing
 link one ACK reader and one sender; the copy threads. All block in system calls or on
