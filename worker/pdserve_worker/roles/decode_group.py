@@ -77,7 +77,8 @@ class DecodeGroup:
         self.slots = SlotTable(self.kv.layout, engine_id=members[0].engine_id, base_addr=members[0].pool.base_addr,
                                quarantine_s=quarantine_s)
         self.readiness = [
-            Readiness(m.backend, readiness_mode, accepts=self.slots.is_reserved, warmup=m.pool.warm) for m in members
+            Readiness(m.backend, readiness_mode, accepts=self.slots.is_reserved, authorize=self.slots.verify,
+                      warmup=m.pool.warm) for m in members
         ]
         self.shards = [ShardMember(model, KVCache(m.pool.layout, m.pool.tensor)) for m, model in zip(members, models)]
         self.decoder = ShardedDecoder.local(self.shards)

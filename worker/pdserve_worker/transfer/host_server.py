@@ -152,7 +152,7 @@ class HostServer:
         try:
             reader.deadline = time.monotonic() + self.policy.handshake_timeout_s
             try:
-                client = self._handshake(conn, reader)
+                client, snapshot = self._handshake(conn, reader)
             except socket.timeout:
                 self.drops.count("handshake_timeout", peer=peer)
                 return
@@ -169,7 +169,7 @@ class HostServer:
                 pending = False
             reader.deadline = None
             conn.settimeout(None)
-            allowed = RegionTable(self._regions.snapshot())
+            allowed = RegionTable(snapshot)  # exactly what the client was told, nothing registered later
             log.info(kv(event="link_accepted", server=self.engine_id, client=client, regions=len(allowed),
                         auth=self.policy.key is not None))
             while self._handle_frame(conn, reader, allowed):
@@ -187,9 +187,10 @@ class HostServer:
             conn.close()
 
     # ---- the handshake -----------------------------------------------------------------------------
-    def _handshake(self, conn: socket.socket, reader: wire.FrameReader) -> str:
-        """HELLO → CHALLENGE → AUTH → HELLO_ACK. Returns the client's name; raises AuthError,
-        ProtocolError or socket.timeout. Nothing but a nonce is sent before the proof checks."""
+    def _handshake(self, conn: socket.socket, reader: wire.FrameReader) -> tuple[str, list[Region]]:
+        """HELLO → CHALLENGE → AUTH → HELLO_ACK. Returns the client's name and the regions it
+        was told of; raises AuthError, ProtocolError or socket.timeout. Nothing but a nonce is
+        sent before the proof checks."""
         key = self.policy.key
         kind, _, seq, size = reader.header()
         if kind is not wire.Kind.HELLO:
@@ -209,12 +210,13 @@ class HostServer:
                 raise link_auth.AuthError(f"client {client!r} sent a wrong proof")
             reply["proof"] = link_auth.server_proof(key, client_nonce, server_nonce)
         same_host = host == link_auth.host_tag()
-        reply["regions"] = [_region_for_peer(r, same_host) for r in self._regions.snapshot()]
+        snapshot = self._regions.snapshot()
+        reply["regions"] = [_region_for_peer(r, same_host) for r in snapshot]
         if same_host:
             reply["host"] = host
             reply.update(self._local_info())
         conn.sendall(wire.json_frame(wire.Kind.HELLO_ACK, reply, seq=seq))
-        return client or "?"
+        return client or "?", snapshot
 
     # ---- frames of an admitted link ----------------------------------------------------------------
     def _handle_frame(self, conn: socket.socket, reader: wire.FrameReader, allowed: RegionTable) -> bool:
