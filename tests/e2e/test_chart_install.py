@@ -143,10 +143,10 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
 
 
 MODES = {
-    # All namespaces (ClusterRole), with the optional NetworkPolicy the operator then manages.
-    "cluster-wide": lambda ns: ["--set", "networkPolicy.enabled=true"],
-    # One namespace (Role there, a thin ClusterRole), defaults otherwise.
-    "one-namespace": lambda ns: ["--set", f"watchNamespaces={{{ns}}}"],
+    # All namespaces (ClusterRole), defaults otherwise: the NetworkPolicy is on, and managed.
+    "cluster-wide": lambda ns: [],
+    # One namespace (Role there, a thin ClusterRole), with the NetworkPolicy turned off.
+    "one-namespace": lambda ns: ["--set", f"watchNamespaces={{{ns}}}", "--set", "networkPolicy.enabled=false"],
 }
 
 
