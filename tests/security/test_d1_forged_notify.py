@@ -22,7 +22,7 @@ import time
 import grpc
 import pytest
 
-from conftest import complete
+from security.conftest import complete
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto

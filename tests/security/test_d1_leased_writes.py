@@ -13,8 +13,8 @@ import ctypes
 import grpc
 import pytest
 
-import attacker
-from conftest import KEY
+from security import attacker
+from security.conftest import KEY
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.kv.layout import KVLayout
 from pdserve_worker.transfer import hixl_api as api

@@ -15,8 +15,8 @@ import socket
 import grpc
 import pytest
 
-import attacker
-from conftest import KEY, complete
+from security import attacker
+from security.conftest import KEY, complete
 from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer import link_auth, wire

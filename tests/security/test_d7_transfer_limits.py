@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-import attacker
-from conftest import KEY
+from security import attacker
+from security.conftest import KEY
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer import wire
 from pdserve_worker.transfer.engine import create_engine
