@@ -1,0 +1,129 @@
+"""Service times of one replica: model shape × hardware profile → seconds.
+
+Prefill of an n-token prompt (one prompt at a time per prefill worker, as `roles/prefill.py`):
+
+    compute  = (n · matmul FLOPs/token + LM head) / matmul FLOP/s + causal attention / attention FLOP/s
+    memory   = weights / memory bandwidth                (read once per pass)
+    prefill  = step overhead + layers · layer overhead + combine(compute, memory)
+    service  = prefill + exposed KV push                 (the worker sends the ready notify after
+                                                          the last put completed, so it is busy until then)
+
+The KV push of n tokens moves n · kv bytes/token over the link; with `overlap_transfer` only
+the last layer chunk's share is exposed (the others went while later chunks computed).
+
+A decode step over a batch of B sequences holding C context tokens in all:
+
+    memory   = (weights + C · kv bytes/token) / memory bandwidth
+    compute  = B · (matmul FLOPs/token + LM head) / matmul FLOP/s + attention(C) / attention FLOP/s
+    step     = step overhead + layers · (layer overhead + B · sequence overhead) + combine(compute, memory)
+
+`combine` is the roofline max on devices that overlap compute with memory traffic, their sum
+on a CPU (measured: at batch 16 the CPU step grew by the compute term, not by the max).
+Memory-bound at small B (the weight read dominates), which is why TPOT depends on the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdserve_operator.planner.model_shape import ModelShape
+from pdserve_operator.planner.profile import HardwareProfile
+
+
+@dataclass(frozen=True)
+class ServingModel:
+    shape: ModelShape
+    profile: HardwareProfile
+    max_len: int = 2048  # tokens a decode slot holds (prompt + output)
+    slots: int | None = None  # KV slots per decode as configured; None: what memory allows
+    layers_per_chunk: int = 4  # prefill's push granularity
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        if self.slots is not None and self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.layers_per_chunk < 1:
+            raise ValueError(f"layers_per_chunk must be >= 1, got {self.layers_per_chunk}")
+        capacity = self.profile.memory_capacity_bytes
+        if capacity is not None and self.weight_bytes >= capacity * self.profile.memory_utilization:
+            raise ValueError(
+                f"{self.shape.name} weights ({self.weight_bytes / 1e9:.1f} GB) do not fit in {self.profile.name}'s "
+                f"{capacity * self.profile.memory_utilization / 1e9:.1f} GB usable memory"
+            )
+
+    # ---- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.shape.weight_bytes(self.profile.dtype_bytes)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.shape.kv_bytes_per_token(self.profile.dtype_bytes)
+
+    @property
+    def decode_capacity(self) -> int | None:
+        """Requests one decode holds at once: its slots, bounded by the memory left for KV.
+
+        A slot reserves `max_len` positions (DESIGN.md's slot layout), so capacity counts
+        requests, not tokens. None: no limit known.
+        """
+        by_memory = None
+        capacity = self.profile.memory_capacity_bytes
+        if capacity is not None:
+            free = capacity * self.profile.memory_utilization - self.weight_bytes
+            by_memory = max(0, int(free // (self.max_len * self.kv_bytes_per_token)))
+        if self.slots is None:
+            return by_memory
+        return self.slots if by_memory is None else min(self.slots, by_memory)
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def _combine(self, compute: float, memory: float) -> float:
+        return max(compute, memory) if self.profile.overlap_compute_memory else compute + memory
+
+    def prefill_seconds(self, tokens: int) -> float:
+        if tokens < 1:
+            raise ValueError(f"a prompt has at least 1 token, got {tokens}")
+        p, s = self.profile, self.shape
+        compute = (tokens * s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops
+        compute += s.prefill_attention_flops(tokens) / p.effective_attention_flops
+        memory = (self.weight_bytes + tokens * self.kv_bytes_per_token) / p.effective_memory_bandwidth
+        return p.step_overhead_s + s.num_layers * p.layer_overhead_s + self._combine(compute, memory)
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """The whole KV push of a prompt over the link."""
+        return tokens * self.kv_bytes_per_token / self.profile.link_bandwidth + self.profile.link_latency_s
+
+    def exposed_transfer_seconds(self, tokens: int) -> float:
+        """The part of the push the prompt waits for after its prefill compute."""
+        if not self.profile.overlap_transfer:
+            return self.transfer_seconds(tokens)
+        share = min(1.0, self.layers_per_chunk / self.shape.num_layers)
+        return tokens * self.kv_bytes_per_token * share / self.profile.link_bandwidth + self.profile.link_latency_s
+
+    def prefill_service_seconds(self, tokens: int) -> float:
+        """How long a prefill worker is busy with one prompt (compute + exposed push)."""
+        return self.prefill_seconds(tokens) + self.exposed_transfer_seconds(tokens)
+
+    # ---- decode --------------------------------------------------------------------------------
+
+    def decode_step_seconds(self, batch: float, context_tokens: float) -> float:
+        """One decode step of `batch` sequences holding `context_tokens` positions in all.
+
+        Takes floats so the queueing model can ask for a mean batch; 0 sequences cost nothing.
+        """
+        if batch <= 0:
+            return 0.0
+        p, s = self.profile, self.shape
+        memory = (self.weight_bytes + context_tokens * self.kv_bytes_per_token) / p.effective_memory_bandwidth
+        compute = batch * (s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops
+        compute += s.attention_flops(context_tokens) / p.effective_attention_flops
+        overhead = p.step_overhead_s + s.num_layers * (p.layer_overhead_s + batch * p.sequence_overhead_s)
+        return overhead + self._combine(compute, memory)
+
+    def decode_tokens_per_second(self, batch: int, context_per_sequence: float) -> float:
+        step = self.decode_step_seconds(batch, batch * context_per_sequence)
+        return batch / step if step > 0 else math.inf
