@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "generate",
     "worker",
     "local",
+    "plan",
 )
 
 

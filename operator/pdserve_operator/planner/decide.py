@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pdserve_operator.planner.perf import ServingModel
-from pdserve_operator.planner.predict import Prediction, compose, decode_side, prefill_side
+from pdserve_operator.planner.predict import Prediction, compose, decode_side, meets, prefill_side
 from pdserve_operator.planner.workload import SLO, Workload
 
 
@@ -124,8 +124,8 @@ def plan_replicas(model: ServingModel, workload: Workload, bounds: Bounds, slo: 
         return compose(model, workload, pf(p), dc(d), p, d, q)
 
     def feasible(p: int, d: int) -> bool:
-        pred = prediction(p, d)
-        return pred.meets_ttft(slo) and pred.meets_tpot(slo)
+        ttft_ok, tpot_ok = meets(model, pf(p), dc(d), slo)
+        return ttft_ok and tpot_ok
 
     found = smallest_pair(feasible, bounds)
     if found is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from pdserve_operator.planner.model_shape import ModelShape
 from pdserve_operator.planner.profile import HardwareProfile
@@ -55,13 +56,28 @@ class ServingModel:
 
     # ---- sizes ---------------------------------------------------------------------------------
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         return self.shape.weight_bytes(self.profile.dtype_bytes)
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         return self.shape.kv_bytes_per_token(self.profile.dtype_bytes)
+
+    @cached_property
+    def _decode_terms(self) -> tuple[float, float, float, float, float, float]:
+        """Per-step constants: (fixed seconds, seconds per sequence, memory s, memory s per
+        context token, compute s per sequence, compute s per context token) — a decode step is
+        linear in the batch and in the context on each side of the roofline."""
+        p, s = self.profile, self.shape
+        return (
+            p.step_overhead_s + s.num_layers * p.layer_overhead_s,
+            s.num_layers * p.sequence_overhead_s,
+            self.weight_bytes / p.effective_memory_bandwidth,
+            self.kv_bytes_per_token / p.effective_memory_bandwidth,
+            (s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops,
+            s.attention_flops(1.0) / p.effective_attention_flops,
+        )
 
     @property
     def decode_capacity(self) -> int | None:
@@ -117,12 +133,10 @@ class ServingModel:
         """
         if batch <= 0:
             return 0.0
-        p, s = self.profile, self.shape
-        memory = (self.weight_bytes + context_tokens * self.kv_bytes_per_token) / p.effective_memory_bandwidth
-        compute = batch * (s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops
-        compute += s.attention_flops(context_tokens) / p.effective_attention_flops
-        overhead = p.step_overhead_s + s.num_layers * (p.layer_overhead_s + batch * p.sequence_overhead_s)
-        return overhead + self._combine(compute, memory)
+        fixed, per_seq, mem, mem_ctx, comp_seq, comp_ctx = self._decode_terms
+        memory = mem + context_tokens * mem_ctx
+        compute = batch * comp_seq + context_tokens * comp_ctx
+        return fixed + batch * per_seq + self._combine(compute, memory)
 
     def decode_tokens_per_second(self, batch: int, context_per_sequence: float) -> float:
         step = self.decode_step_seconds(batch, batch * context_per_sequence)

@@ -184,22 +184,45 @@ def predict(model: ServingModel, workload: Workload, prefill: int, decode: int, 
                    prefill, decode, q)
 
 
+def _dispatch(dc: DecodeSide, quantile: float) -> tuple[float, float]:
+    """(mean, q-quantile) of the wait for the decode's current step before the first token."""
+    return dc.busy * dc.step_mean_s / 2, (dc.step_q_s if dc.busy > 1 - quantile else 0.0)
+
+
+def _slots(pf: PrefillSide, dc: DecodeSide, quantile: float) -> tuple[float, int]:
+    """(mean, q-quantile) of the slots held at one decode.
+
+    A slot is held from the reservation (before the prefill queue) to the last token: the
+    requests still before their first token at one decode (M/G/∞: Poisson) plus its batch (π).
+    """
+    before_decode = dc.rate * (pf.wait_mean_s + pf.service_mean_s + _dispatch(dc, quantile)[0])
+    if dc.batch_pmf is None or not math.isfinite(before_decode):
+        return math.inf, 10**9
+    slots = convolve(poisson_pmf(before_decode), list(dc.batch_pmf))
+    return before_decode + dc.batch_mean, distribution_quantile(slots, quantile)
+
+
+def meets(model: ServingModel, pf: PrefillSide, dc: DecodeSide, slo: SLO) -> tuple[bool, bool]:
+    """(TTFT target met, TPOT target and KV capacity met) — what `Prediction.meets_*` say, with
+    one CDF evaluation instead of a quantile search (the planner asks this for many pairs)."""
+    q = slo.quantile
+    ttft_ok = True
+    if slo.ttft_ms is not None:
+        budget = slo.ttft_ms / 1e3 - model.profile.request_overhead_s - _dispatch(dc, q)[1]
+        ttft_ok = pf.utilization < 1 and budget > 0 and pf.response_cdf(budget) >= q - 1e-12
+    if dc.batch_pmf is None or (slo.tpot_ms is not None and dc.step_q_s * 1e3 > slo.tpot_ms):
+        return ttft_ok, False
+    capacity = model.decode_capacity
+    return ttft_ok, capacity is None or _slots(pf, dc, q)[1] <= capacity
+
+
 def compose(model: ServingModel, workload: Workload, pf: PrefillSide, dc: DecodeSide, prefill: int, decode: int,
             quantile: float) -> Prediction:
     """A prediction from the two sides, computed once per count (the planner's grid reuses them)."""
     overhead = model.profile.request_overhead_s
-    dispatch_mean = dc.busy * dc.step_mean_s / 2
-    dispatch_q = dc.step_q_s if dc.busy > 1 - quantile else 0.0
+    dispatch_mean, dispatch_q = _dispatch(dc, quantile)
     capacity = model.decode_capacity
-    # A slot is held from the reservation (before the prefill queue) to the last token: the
-    # requests still in prefill at one decode (M/G/∞: Poisson) plus its batch (π).
-    before_decode = dc.rate * (pf.wait_mean_s + pf.service_mean_s + dispatch_mean)
-    if dc.batch_pmf is None or not math.isfinite(before_decode):
-        slots_mean, slots_q = math.inf, 10**9
-    else:
-        slots = convolve(poisson_pmf(before_decode), list(dc.batch_pmf))
-        slots_mean = before_decode + dc.batch_mean
-        slots_q = distribution_quantile(slots, quantile)
+    slots_mean, slots_q = _slots(pf, dc, quantile)
     return Prediction(
         prefill=prefill,
         decode=decode,

@@ -87,6 +87,11 @@ def batch_distribution(rate: float, steps_per_request: float, step_seconds: Call
     if rate <= 0 or steps_per_request <= 0:
         return [1.0]
     demand = rate * steps_per_request
+    # The ratio tends to demand · (slope of t) for a large batch (t is linear there): at or
+    # above 1 the batch grows without bound.
+    big = 1 << 20
+    if demand * (step_seconds(big) - step_seconds(big // 2)) / (big // 2) >= 1:
+        return None
     logs = [0.0]
     log_term, peak = 0.0, 0.0
     n = 0
