@@ -72,7 +72,7 @@ def test_profile_measures_this_machine_and_planning_reads_it(tmp_path, capsys):
     profile = load_profile(out)
     assert profile.device == "cpu" and profile.measured["threads"] == 1
     assert profile.matmul_flops > 1e8 and profile.memory_bandwidth > 1e7 and profile.link_bandwidth > 1e6
-    assert profile.layer_overhead_s > 0 and not profile.overlap_compute_memory
+    assert profile.layer_overhead_s > 0 and not profile.overlap_compute_memory and not profile.overlap_transfer
     capsys.readouterr()
     assert main(["plan", "--hardware", str(out), "--rate", "0.1", "--prompt-tokens", "128",
                  "--output-tokens", "16", "--json"]) == 0

@@ -120,3 +120,16 @@ def test_profiles_round_trip_and_refuse_bad_values(tmp_path):
         HardwareProfile.model_validate({**npu.model_dump(), "unknown_field": 1})
     with pytest.raises(ValueError, match="neither a bundled profile"):
         load_profile(tmp_path / "missing.yaml")
+
+
+def test_decode_can_run_on_other_hardware_than_prefill():
+    """A bandwidth-rich decode device: decode steps and KV capacity follow its profile."""
+    npu = bundled_profile("ascend-910b")
+    fast_decode = npu.with_overrides(name="decode", memory_bandwidth=2 * npu.memory_bandwidth, memory_capacity_bytes=1.28e11)
+    same = ServingModel(LLAMA_7B, npu, max_len=4096)
+    split = ServingModel(LLAMA_7B, npu, max_len=4096, decode_profile=fast_decode)
+    assert split.prefill_seconds(1000) == same.prefill_seconds(1000)
+    assert split.decode_step_seconds(4, 4000) < same.decode_step_seconds(4, 4000)
+    assert split.decode_capacity > same.decode_capacity
+    with pytest.raises(ValueError, match="KV pushed must be read as written"):
+        ServingModel(LLAMA_7B, npu, decode_profile=npu.with_overrides(dtype="bfloat16"))

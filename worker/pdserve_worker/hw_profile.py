@@ -4,9 +4,14 @@ Each figure is what torch achieves here with the thread count a worker would get
 serving dtype, at the shapes of the model being planned for — so a measured profile carries
 no efficiency factor (1.0):
 
-- matmul FLOP/s: one layer's projections (q/k/v, o, gate/up, down) for a 512-token chunk;
-- attention FLOP/s: causal SDPA over a 1,024-token prompt with the model's heads (GQA);
-- memory bandwidth: a GEMV streaming a 256 MiB weight, the read a decode step does (a copy
+- matmul FLOP/s: one layer's projections (q/k/v, o, gate/up, down) for a 512-token chunk,
+  through the engine's own matmul route (`model.matmul.Linear`: oneDNN-prepacked weights
+  where the CPU supports the dtype), since that is what a prefill runs;
+- attention: causal SDPA with the model's heads (GQA) at 256 and 2,048 tokens; FLOP/s from
+  the difference, and the rest of the short one's time as a per-layer fixed cost (SDPA's
+  efficiency grows with the length: measured 12 GFLOP/s at 256 tokens, 26 at 2,048);
+- memory bandwidth: one decode step's GEMVs through the same route — every layer's four
+  weight matrices and the LM head, at the model's shapes — bytes read ÷ time (a plain copy
   is reported beside it, as `memcpy`, but a copy moves every byte twice);
 - overheads: the real engine (`LlamaModel`) on a tiny-width model (hidden 64), where compute
   is nothing and all that is left is dispatch: decode steps at 2 and 10 layers (per layer and
@@ -15,7 +20,11 @@ no efficiency factor (1.0):
   message's round trip; request overhead = 4 such hops (reserve, prefill call, ready notify,
   first token back), each priced as one asyncio TCP round trip.
 
-The whole run takes well under a minute; progress goes to `progress`.
+Compute probes are timed in process CPU time ÷ threads, not wall time: on a shared host the
+wall time of the same GEMM swung 2x within seconds (38-83 GFLOP/s) while its CPU time stayed
+within 7% (78-84): the profile is the machine's speed when its cores are the worker's, which
+is what a replica with dedicated CPUs (a pod's request) gets. The link probes are wall time
+(they wait on a peer). The whole run takes well under a minute; progress goes to `progress`.
 """
 
 from __future__ import annotations
@@ -40,17 +49,24 @@ REQUEST_HOPS = 4
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2, min_total_s: float = 0.0) -> float:
+    """Median CPU seconds of `fn` per thread (process CPU time ÷ torch threads)."""
     for _ in range(warmup):
         fn()
+    threads = max(1, torch.get_num_threads())
     times: list[float] = []
     started = time.perf_counter()
     while len(times) < repeats or time.perf_counter() - started < min_total_s:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append((time.process_time() - t0) / threads)
         if len(times) > 50 * repeats:
             break
     return statistics.median(times)
+
+
+# Each probe repeats for at least this long and takes the median: on a shared host the load
+# from other jobs comes and goes within seconds, and one short burst would catch one moment.
+SPREAD_S = 1.5
 
 
 def matmul_flops(shape: ModelShape, dtype: torch.dtype, tokens: int = 512, repeats: int = 5) -> float:
@@ -58,34 +74,56 @@ def matmul_flops(shape: ModelShape, dtype: torch.dtype, tokens: int = 512, repea
     dims = [(h, (shape.num_heads + 2 * shape.num_kv_heads) * hd), (shape.num_heads * hd, h),
             (h, 2 * shape.intermediate_size), (shape.intermediate_size, h)]
     gen = torch.Generator().manual_seed(0)
-    pairs = [(torch.randn(tokens, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)) for k, n in dims]
+    linear = _engine_linear(dtype)
+    pairs = [(torch.randn(tokens, k, generator=gen).to(dtype), linear.prepare(torch.randn(n, k, generator=gen).to(dtype)))
+             for k, n in dims]
     flops = sum(2 * tokens * k * n for k, n in dims)
     with torch.inference_mode():
-        seconds = _median_seconds(lambda: [F.linear(x, w) for x, w in pairs], repeats)
+        seconds = _median_seconds(lambda: [linear(x, w) for x, w in pairs], repeats, min_total_s=SPREAD_S)
     return flops / seconds
 
 
-def attention_flops(shape: ModelShape, dtype: torch.dtype, tokens: int = 1024, repeats: int = 5) -> float:
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, shape.num_heads, tokens, shape.head_dim, generator=gen).to(dtype)
-    k = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
-    v = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
+def _engine_linear(dtype: torch.dtype):
+    from pdserve_worker.model.matmul import Linear
+
+    return Linear(torch.device("cpu"), dtype)
+
+
+def attention(shape: ModelShape, dtype: torch.dtype, lengths: tuple[int, int] = (256, 2048),
+              repeats: int = 5) -> tuple[float, float]:
+    """(FLOP/s, fixed seconds per layer) of causal prefill attention, from two prompt lengths."""
     gqa = shape.num_heads != shape.num_kv_heads
-    with torch.inference_mode():
-        seconds = _median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), repeats)
-    # Count as the planner does: one layer of `shape.attention_flops` over the causal triangle.
-    return shape.prefill_attention_flops(tokens) / shape.num_layers / seconds
+    gen = torch.Generator().manual_seed(1)
+    times, flops = [], []
+    for tokens in lengths:
+        q = torch.randn(1, shape.num_heads, tokens, shape.head_dim, generator=gen).to(dtype)
+        k = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
+        v = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
+        with torch.inference_mode():
+            times.append(_median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
+                                         repeats, min_total_s=SPREAD_S / 2))
+        # Count as the planner does: one layer's share of `shape.prefill_attention_flops`.
+        flops.append(shape.prefill_attention_flops(tokens) / shape.num_layers)
+    rate = (flops[1] - flops[0]) / max(1e-9, times[1] - times[0])
+    if rate <= 0:  # noise swamped the difference: no fixed part
+        return flops[1] / times[1], 0.0
+    return rate, max(0.0, times[0] - flops[0] / rate)
 
 
-def read_bandwidth(dtype: torch.dtype, nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float]:
-    """(GEMV read bytes/s, memcpy bytes/s) over buffers far beyond the caches."""
+def read_bandwidth(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """(bytes/s of one decode step's weight GEMVs, memcpy bytes/s of as many bytes)."""
+    h, hd = shape.hidden_size, shape.head_dim
+    dims = [(h, (shape.num_heads + 2 * shape.num_kv_heads) * hd), (shape.num_heads * hd, h),
+            (h, 2 * shape.intermediate_size), (shape.intermediate_size, h)]
+    linear = _engine_linear(dtype)
+    weights = [linear.prepare(torch.ones(n, k, dtype=dtype)) for _ in range(shape.num_layers) for k, n in dims]
+    weights.append(linear.prepare(torch.ones(shape.vocab_size, h, dtype=dtype)))
+    inputs = {k: torch.ones(1, k, dtype=dtype) for k, _ in dims}
+    pairs = [(inputs[w.shape[1]] if w.shape[1] in inputs else torch.ones(1, w.shape[1], dtype=dtype), w) for w in weights]
     element = torch.tensor([], dtype=dtype).element_size()
-    cols = 4096
-    rows = nbytes // (cols * element)
-    weight = torch.ones(rows, cols, dtype=dtype)
-    x = torch.ones(1, cols, dtype=dtype)
+    nbytes = sum(w.shape[0] * w.shape[1] for _, w in pairs) * element
     with torch.inference_mode():
-        gemv = weight.numel() * element / _median_seconds(lambda: F.linear(x, weight), repeats)
+        gemv = nbytes / _median_seconds(lambda: [linear(x, w) for x, w in pairs], repeats, min_total_s=SPREAD_S)
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy = nbytes / _median_seconds(lambda: dst.copy_(src), repeats)
@@ -111,7 +149,7 @@ def engine_overheads(dtype: str, repeats: int = 20) -> dict[str, float]:
             model.decode_step(cache, slots, [state["pos"]] * batch, [5] * batch)
             state["pos"] = 16 + (state["pos"] - 15) % 40
 
-        return _median_seconds(one, repeats, warmup=3)
+        return _median_seconds(one, repeats, warmup=3, min_total_s=SPREAD_S / 2)
 
     t2, t10, t10b8 = step_time(2, 1), step_time(10, 1), step_time(10, 8)
     layer = max(0.0, (t10 - t2) / 8)
@@ -189,9 +227,10 @@ def measure(shape: ModelShape, dtype: str, threads: int, progress: Callable[[str
     progress(f"matmul FLOP/s ({dtype}, {threads} threads, {shape.name} layer shapes) ...")
     figures["matmul_flops"] = matmul_flops(shape, tdtype)
     progress(f"  {figures['matmul_flops'] / 1e9:.1f} GFLOP/s; attention FLOP/s ...")
-    figures["attention_flops"] = attention_flops(shape, tdtype)
-    progress(f"  {figures['attention_flops'] / 1e9:.1f} GFLOP/s; memory bandwidth ...")
-    gemv, copy = read_bandwidth(tdtype)
+    figures["attention_flops"], figures["attention_overhead_s"] = attention(shape, tdtype)
+    progress(f"  {figures['attention_flops'] / 1e9:.1f} GFLOP/s + {figures['attention_overhead_s'] * 1e3:.2f} ms per layer; "
+             "memory bandwidth ...")
+    gemv, copy = read_bandwidth(shape, tdtype)
     progress(f"  GEMV read {gemv / 1e9:.1f} GB/s, memcpy {copy / 1e9:.1f} GB/s; engine overheads ...")
     overheads = engine_overheads(dtype)
     progress("  " + ", ".join(f"{k} {v * 1e6:.0f}us" for k, v in overheads.items()) + "; loopback TCP ...")
@@ -203,11 +242,14 @@ def measure(shape: ModelShape, dtype: str, threads: int, progress: Callable[[str
         dtype=dtype,  # type: ignore[arg-type]
         matmul_flops=figures["matmul_flops"],
         attention_flops=figures["attention_flops"],
+        attention_overhead_s=figures["attention_overhead_s"],
         memory_bandwidth=gemv,
         link_bandwidth=stream,
         link_latency_s=rtt,
         request_overhead_s=REQUEST_HOPS * rtt,
-        overlap_compute_memory=False,  # a CPU core does the arithmetic and waits for memory
+        # Measured here in CPU time (torch profiler): a decode step's GEMMs at batch 8 took
+        # weights/bandwidth + FLOPs/FLOP/s (54 ms vs 25 + 28), not their max.
+        overlap_compute_memory=False,
         overlap_transfer=False,  # the host engine copies on the compute thread (inline copies)
         **overheads,
         sources=[f"measured by `pdserve plan --profile` on {time.strftime('%Y-%m-%d %H:%M')}"],

@@ -1,25 +1,26 @@
 """Service times of one replica: model shape × hardware profile → seconds.
 
-Prefill of an n-token prompt (one prompt at a time per prefill worker, as `roles/prefill.py`):
+A forward pass runs two kinds of kernels one after the other: the weight GEMMs (every
+layer's projections and MLP, the LM head) and attention over the KV. Each is bounded by its
+own roofline — `combine(compute, memory)` — and the pass is their sum plus fixed overheads:
 
-    compute  = (n · matmul FLOPs/token + LM head) / matmul FLOP/s + causal attention / attention FLOP/s
-    memory   = weights / memory bandwidth                (read once per pass)
-    prefill  = step overhead + layers · layer overhead + combine(compute, memory)
-    service  = prefill + exposed KV push                 (the worker sends the ready notify after
-                                                          the last put completed, so it is busy until then)
+    gemm(rows)   = combine(rows · matmul FLOPs/token / matmul FLOP/s,  weights / memory bandwidth)
+    prefill(n)   = overhead + gemm(n) + layers · attention overhead + causal attention(n) / attention FLOP/s
+    service(n)   = prefill(n) + exposed KV push      (the prefill worker sends the ready notify
+                                                      after the last put completed: busy until then)
+    step(B, C)   = overhead + B · layers · sequence overhead + gemm(B)
+                   + combine(attention(C) / attention FLOP/s, C · kv bytes/token / memory bandwidth)
 
-The KV push of n tokens moves n · kv bytes/token over the link; with `overlap_transfer` only
-the last layer chunk's share is exposed (the others went while later chunks computed).
+with overhead = step overhead + layers · layer overhead, C the context tokens of the whole
+batch, and the LM head computed for the last prompt position only in prefill. The KV push of
+n tokens moves n · kv bytes/token over the link; with `overlap_transfer` only the last layer
+chunk's share is exposed (the others went while later chunks computed).
 
-A decode step over a batch of B sequences holding C context tokens in all:
-
-    memory   = (weights + C · kv bytes/token) / memory bandwidth
-    compute  = B · (matmul FLOPs/token + LM head) / matmul FLOP/s + attention(C) / attention FLOP/s
-    step     = step overhead + layers · (layer overhead + B · sequence overhead) + combine(compute, memory)
-
-`combine` is the roofline max on devices that overlap compute with memory traffic, their sum
-on a CPU (measured: at batch 16 the CPU step grew by the compute term, not by the max).
-Memory-bound at small B (the weight read dominates), which is why TPOT depends on the batch.
+`combine` is the roofline max where a kernel overlaps its arithmetic with its memory traffic
+(accelerators), or the sum (`overlap_compute_memory` false: the CPU measured here, where a
+decode step's GEMMs at batch 8 took weights/bandwidth + FLOPs/FLOP/s, 54 ms against 25 + 28
+predicted — benchmarks/README.md). Memory-bound at a small batch (the weight read
+dominates), which is why TPOT depends on the batch.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class ServingModel:
     max_len: int = 2048  # tokens a decode slot holds (prompt + output)
     slots: int | None = None  # KV slots per decode as configured; None: what memory allows
     layers_per_chunk: int = 4  # prefill's push granularity
+    # Decode replicas on other hardware than prefill (a bandwidth-rich device for decode, a
+    # compute-rich one for prefill); None: the same profile. Weights and KV use `profile`'s dtype.
+    decode_profile: HardwareProfile | None = None
 
     def __post_init__(self) -> None:
         if self.max_len < 2:
@@ -47,12 +51,21 @@ class ServingModel:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if self.layers_per_chunk < 1:
             raise ValueError(f"layers_per_chunk must be >= 1, got {self.layers_per_chunk}")
-        capacity = self.profile.memory_capacity_bytes
-        if capacity is not None and self.weight_bytes >= capacity * self.profile.memory_utilization:
-            raise ValueError(
-                f"{self.shape.name} weights ({self.weight_bytes / 1e9:.1f} GB) do not fit in {self.profile.name}'s "
-                f"{capacity * self.profile.memory_utilization / 1e9:.1f} GB usable memory"
-            )
+        if self.decode_profile is not None and self.decode_profile.dtype != self.profile.dtype:
+            raise ValueError(f"decode profile dtype {self.decode_profile.dtype} differs from prefill's {self.profile.dtype}: "
+                             "the KV pushed must be read as written")
+        for profile in {self.profile.name: self.profile, self.decoder.name: self.decoder}.values():
+            capacity = profile.memory_capacity_bytes
+            if capacity is not None and self.weight_bytes >= capacity * profile.memory_utilization:
+                raise ValueError(
+                    f"{self.shape.name} weights ({self.weight_bytes / 1e9:.1f} GB) do not fit in {profile.name}'s "
+                    f"{capacity * profile.memory_utilization / 1e9:.1f} GB usable memory"
+                )
+
+    @property
+    def decoder(self) -> HardwareProfile:
+        """The profile decode replicas run on."""
+        return self.decode_profile or self.profile
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -66,10 +79,10 @@ class ServingModel:
 
     @cached_property
     def _decode_terms(self) -> tuple[float, float, float, float, float, float]:
-        """Per-step constants: (fixed seconds, seconds per sequence, memory s, memory s per
-        context token, compute s per sequence, compute s per context token) — a decode step is
-        linear in the batch and in the context on each side of the roofline."""
-        p, s = self.profile, self.shape
+        """Per-step constants: (fixed s, s per sequence, weight read s, KV read s per context
+        token, GEMM s per sequence, attention s per context token): a decode step is linear in
+        the batch and in the context on each side of each roofline."""
+        p, s = self.decoder, self.shape
         return (
             p.step_overhead_s + s.num_layers * p.layer_overhead_s,
             s.num_layers * p.sequence_overhead_s,
@@ -87,9 +100,9 @@ class ServingModel:
         requests, not tokens. None: no limit known.
         """
         by_memory = None
-        capacity = self.profile.memory_capacity_bytes
+        capacity = self.decoder.memory_capacity_bytes
         if capacity is not None:
-            free = capacity * self.profile.memory_utilization - self.weight_bytes
+            free = capacity * self.decoder.memory_utilization - self.weight_bytes
             by_memory = max(0, int(free // (self.max_len * self.kv_bytes_per_token)))
         if self.slots is None:
             return by_memory
@@ -97,17 +110,18 @@ class ServingModel:
 
     # ---- prefill -------------------------------------------------------------------------------
 
-    def _combine(self, compute: float, memory: float) -> float:
-        return max(compute, memory) if self.profile.overlap_compute_memory else compute + memory
+    @staticmethod
+    def _combine(profile: HardwareProfile, compute: float, memory: float) -> float:
+        return max(compute, memory) if profile.overlap_compute_memory else compute + memory
 
     def prefill_seconds(self, tokens: int) -> float:
         if tokens < 1:
             raise ValueError(f"a prompt has at least 1 token, got {tokens}")
         p, s = self.profile, self.shape
-        compute = (tokens * s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops
-        compute += s.prefill_attention_flops(tokens) / p.effective_attention_flops
-        memory = (self.weight_bytes + tokens * self.kv_bytes_per_token) / p.effective_memory_bandwidth
-        return p.step_overhead_s + s.num_layers * p.layer_overhead_s + self._combine(compute, memory)
+        gemm = self._combine(p, (tokens * s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops,
+                             self.weight_bytes / p.effective_memory_bandwidth)
+        attention = s.num_layers * p.attention_overhead_s + s.prefill_attention_flops(tokens) / p.effective_attention_flops
+        return p.step_overhead_s + s.num_layers * p.layer_overhead_s + gemm + attention
 
     def transfer_seconds(self, tokens: int) -> float:
         """The whole KV push of a prompt over the link."""
@@ -134,9 +148,9 @@ class ServingModel:
         if batch <= 0:
             return 0.0
         fixed, per_seq, mem, mem_ctx, comp_seq, comp_ctx = self._decode_terms
-        memory = mem + context_tokens * mem_ctx
-        compute = batch * comp_seq + context_tokens * comp_ctx
-        return fixed + batch * per_seq + self._combine(compute, memory)
+        gemm = self._combine(self.decoder, batch * comp_seq, mem)
+        attention = self._combine(self.decoder, context_tokens * comp_ctx, context_tokens * mem_ctx)
+        return fixed + batch * per_seq + gemm + attention
 
     def decode_tokens_per_second(self, batch: int, context_per_sequence: float) -> float:
         step = self.decode_step_seconds(batch, batch * context_per_sequence)

@@ -33,6 +33,7 @@ class HardwareProfile(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(description="serving dtype of weights and KV")
     matmul_flops: float = Field(gt=0, description="dense GEMM FLOP/s in `dtype` (prefill shapes)")
     attention_flops: float | None = Field(default=None, gt=0, description="causal attention FLOP/s; None: matmul_flops")
+    attention_overhead_s: float = Field(default=0.0, ge=0, description="fixed cost of one layer's prefill attention")
     memory_bandwidth: float = Field(gt=0, description="bytes/s a decode step streams (weights + KV)")
     compute_efficiency: float = Field(default=1.0, gt=0, le=1, description="share of matmul/attention FLOP/s achieved")
     memory_efficiency: float = Field(default=1.0, gt=0, le=1, description="share of memory_bandwidth achieved")

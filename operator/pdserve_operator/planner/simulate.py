@@ -116,6 +116,7 @@ class Simulation:
         self.decodes: list[_Decode] = []
         self.waiting: deque[SimRequest] = deque()  # no free decode slot yet
         self.requests: list[SimRequest] = []
+        self.completed: list[SimRequest] = []  # in the order they finished (what a router observes)
         for _ in range(prefill):
             self._add("prefill", ready_at=0.0)
         for _ in range(decode):
@@ -252,6 +253,7 @@ class Simulation:
         steps = request.output - 1
         if steps <= 0:
             request.done = self.now
+            self.completed.append(request)
             decode.reserved -= 1
             self._after_free(decode)
             return
@@ -283,6 +285,7 @@ class Simulation:
             seq.context += n
             if seq.remaining <= 0:
                 seq.request.done = self.now
+                self.completed.append(seq.request)
                 decode.reserved -= 1
                 decode.context -= seq.context - n
             else:
