@@ -116,12 +116,11 @@ def read_bandwidth(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> t
     dims = [(h, (shape.num_heads + 2 * shape.num_kv_heads) * hd), (shape.num_heads * hd, h),
             (h, 2 * shape.intermediate_size), (shape.intermediate_size, h)]
     linear = _engine_linear(dtype)
-    weights = [linear.prepare(torch.ones(n, k, dtype=dtype)) for _ in range(shape.num_layers) for k, n in dims]
-    weights.append(linear.prepare(torch.ones(shape.vocab_size, h, dtype=dtype)))
-    inputs = {k: torch.ones(1, k, dtype=dtype) for k, _ in dims}
-    pairs = [(inputs[w.shape[1]] if w.shape[1] in inputs else torch.ones(1, w.shape[1], dtype=dtype), w) for w in weights]
+    pairs = [(torch.ones(1, k, dtype=dtype), linear.prepare(torch.ones(n, k, dtype=dtype)))
+             for _ in range(shape.num_layers) for k, n in dims]
+    pairs.append((torch.ones(1, h, dtype=dtype), linear.prepare(torch.ones(shape.vocab_size, h, dtype=dtype))))
     element = torch.tensor([], dtype=dtype).element_size()
-    nbytes = sum(w.shape[0] * w.shape[1] for _, w in pairs) * element
+    nbytes = (shape.num_layers * sum(k * n for k, n in dims) + shape.vocab_size * h) * element
     with torch.inference_mode():
         gemv = nbytes / _median_seconds(lambda: [linear(x, w) for x, w in pairs], repeats, min_total_s=SPREAD_S)
     src = torch.ones(nbytes, dtype=torch.uint8)
@@ -130,13 +129,18 @@ def read_bandwidth(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> t
     return gemv, copy
 
 
-def engine_overheads(dtype: str, repeats: int = 20) -> dict[str, float]:
-    """Per step, per layer, per sequence-layer costs of the real engine on a tiny-width model."""
+def engine_overheads(dtype: str, rounds: int = 60) -> dict[str, float]:
+    """Per step, per layer, per sequence-layer costs of the real engine on a tiny-width model.
+
+    The three decode steps (2 layers, 10 layers, 10 layers at batch 8) are timed in turns,
+    round after round, so that a change of load hits all three alike: the per-layer figure is
+    a difference of two of them and swung 2x when they were timed one after the other.
+    """
     from pdserve_worker.kv.cache import KVCache
     from pdserve_worker.model.llama import LlamaModel
     from pdserve_worker.model.tiny import tiny_config, tiny_weights
 
-    def step_time(layers: int, batch: int) -> float:
+    def stepper(layers: int, batch: int) -> Callable[[], None]:
         config = tiny_config(256, num_layers=layers, max_position_embeddings=64)
         model = LlamaModel(config, tiny_weights(config), dtype=getattr(torch, dtype))
         cache = KVCache.allocate(config.kv_layout(batch, 64, dtype))
@@ -149,9 +153,19 @@ def engine_overheads(dtype: str, repeats: int = 20) -> dict[str, float]:
             model.decode_step(cache, slots, [state["pos"]] * batch, [5] * batch)
             state["pos"] = 16 + (state["pos"] - 15) % 40
 
-        return _median_seconds(one, repeats, warmup=3, min_total_s=SPREAD_S / 2)
+        for _ in range(3):
+            one()
+        return one
 
-    t2, t10, t10b8 = step_time(2, 1), step_time(10, 1), step_time(10, 8)
+    steps = {"2": stepper(2, 1), "10": stepper(10, 1), "10x8": stepper(10, 8)}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    threads = max(1, torch.get_num_threads())
+    for _ in range(rounds):
+        for key, one in steps.items():
+            t0 = time.process_time()
+            one()
+            times[key].append((time.process_time() - t0) / threads)
+    t2, t10, t10b8 = (statistics.median(times[k]) for k in ("2", "10", "10x8"))
     layer = max(0.0, (t10 - t2) / 8)
     return {
         "layer_overhead_s": layer,

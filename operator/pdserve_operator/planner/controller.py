@@ -153,8 +153,8 @@ def _corrected(previous: float, observed: float | None, predicted: float, config
     return min(hi, max(lo, (1 - w) * previous + w * ratio))
 
 
-def _stabilise(role: Role, current: int, recommended: int, history: list[tuple[float, int]], now: float,
-               started: float, config: ControllerConfig) -> tuple[int, str]:
+def _stabilise(current: int, recommended: int, history: list[tuple[float, int]], now: float, started: float,
+               config: ControllerConfig) -> tuple[int, str]:
     up = [r for t, r in history if t >= now - config.up_window_s]
     down = [r for t, r in history if t >= now - config.down_window_s]
     up_target, down_target = min(up), max(down)
@@ -189,6 +189,8 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
         # No signal (no routers' counts, no decodes): hold everything, within bounds.
         p, d = config.bounds.clamp(*current)
         reason = "hold: no load signal (no router request rate and no decode load)"
+        if (p, d) != current:
+            reason += f"; moved to {p}:{d} by the bounds / P:D band"
         new_state = replace(state, started_s=started)
         return StepResult(
             new_state,
@@ -222,8 +224,8 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
     # 4. stabilisation, per role.
     history = [(t, p, d) for t, p, d in state.history
                if t >= now - max(config.up_window_s, config.down_window_s)] + [(now, plan.prefill, plan.decode)]
-    p_des, p_why = _stabilise("prefill", current[0], plan.prefill, [(t, p) for t, p, _ in history], now, started, config)
-    d_des, d_why = _stabilise("decode", current[1], plan.decode, [(t, d) for t, _, d in history], now, started, config)
+    p_des, p_why = _stabilise(current[0], plan.prefill, [(t, p) for t, p, _ in history], now, started, config)
+    d_des, d_why = _stabilise(current[1], plan.decode, [(t, d) for t, _, d in history], now, started, config)
 
     # 5. bounds and band.
     p_fin, d_fin = config.bounds.clamp(p_des, d_des)

@@ -185,10 +185,8 @@ class Simulation:
             self.now = max(self.now, until)
 
     def _on_ready(self, server: _Server) -> None:
-        if isinstance(server, _Decode):
-            self._admit_waiting()
-        else:
-            self._admit_waiting()
+        self._admit_waiting()
+        if isinstance(server, _Prefill):
             self._start_prefill(server)
 
     def _on_arrive(self, request: SimRequest) -> None:
