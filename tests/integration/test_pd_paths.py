@@ -54,8 +54,8 @@ class StuckPrefill(worker_pb2_grpc.PrefillServicer):
         await asyncio.Event().wait()
 
 
-class _Died(RuntimeError):
-    pass
+class _Died(BaseException):
+    """A process death: not an error the prefill servicer could answer (it catches Exception)."""
 
 
 class _DiesAfterOneChunk:

@@ -249,3 +249,38 @@ def test_lease_hooks_follow_every_reservation_from_grant_to_end() -> None:
     with pytest.raises(RuntimeError, match="engine refused"):
         slots.reserve("d", 5)
     assert slots.usage().reserved == 0  # a refused lease grants nothing
+
+
+def test_a_grant_given_back_settled_is_free_at_once_else_quarantined() -> None:
+    slots, _ = table(quarantine_s=30.0)
+    a = slots.reserve("a", 10.0)
+    assert slots.release_grant(a.slot, a.generation, push_settled=True)
+    assert slots.usage().free == LAYOUT.num_slots  # no push can write into it: no quarantine
+    b = slots.reserve("b", 10.0)
+    assert slots.release_grant(b.slot, b.generation, push_settled=False)
+    assert slots.usage().quarantined == 1  # a push may still land: nobody gets it meanwhile
+    assert not slots.release_grant(b.slot, b.generation + 1, push_settled=True)  # another generation: stale
+    assert slots.usage().quarantined == 1
+
+
+def test_a_grant_given_back_ends_its_write_lease_either_way() -> None:
+    hooks = Hooks()
+    slots, _ = table(leases=hooks)
+    a, b = slots.reserve("a", 5), slots.reserve("b", 5)
+    assert slots.release_grant(a.slot, a.generation, push_settled=True)
+    assert slots.release_grant(b.slot, b.generation, push_settled=False)
+    assert hooks.live == set()  # neither slot is writable by a peer any more
+
+
+def test_a_settled_give_back_lifts_the_quarantine_of_its_own_generation_only() -> None:
+    slots, _ = table(quarantine_s=30.0)
+    a = slots.reserve("a", 10.0)
+    assert slots.release(a.slot, a.generation)  # the cancelled Generate quarantines it first
+    assert slots.state(a.slot) is SlotState.QUARANTINED
+    assert slots.release_grant(a.slot, a.generation, push_settled=True)  # then the prefill said it is over
+    assert slots.state(a.slot) is SlotState.FREE
+    c = slots.reserve("c", 10.0)
+    assert slots.commit(c.slot, c.generation)
+    assert not slots.release_grant(c.slot, c.generation, push_settled=True)  # a committed slot is its stream's
+    assert slots.state(c.slot) is SlotState.COMMITTED
+

@@ -7,13 +7,33 @@ import os
 import sys
 
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(char: str) -> str:
+    if char in _ESCAPES:
+        return _ESCAPES[char]
+    if char.isprintable():
+        return char
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def kv(**fields: object) -> str:
-    """Render fields as `key=value` pairs; values with spaces or quotes are quoted."""
+    """Render fields as `key=value` pairs.
+
+    A value with a space, quote, backslash, `=` or any character that is not printable is
+    quoted, and inside the quotes backslash, quote and every character that is not printable
+    are escaped (\\n, \\r, \\t, \\xNN, \\uNNNN). Not printable is Python's `str.isprintable`:
+    control characters such as \\r (which would let a value forge a line on a terminal or a
+    line-based collector), Unicode line separators, bidi overrides, lone surrogates. So a value
+    can never end its line or start a field of its own, whatever a client put in it.
+    """
     parts = []
     for key, value in fields.items():
         text = str(value)
-        if not text or any(c in text for c in ' "=\t\n'):
-            text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        if not text or not text.isprintable() or any(c in text for c in ' "=\\'):
+            text = '"' + "".join(map(_escape, text)) + '"'
         parts.append(f"{key}={text}")
     return " ".join(parts)
 

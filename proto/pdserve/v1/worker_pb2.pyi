@@ -96,14 +96,16 @@ class TokenEvent(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., kv_bytes_received: _Optional[int] = ..., kv_pushed: _Optional[bool] = ..., ready_wait_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "slot", "generation")
+    __slots__ = ("request_id", "slot", "generation", "push_settled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SETTLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
     generation: int
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    push_settled: bool
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., push_settled: _Optional[bool] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)
@@ -162,3 +164,19 @@ class PrefillReply(_message.Message):
     push_seconds: float
     prefill_seconds: float
     def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+
+class CancelPrefillRequest(_message.Message):
+    __slots__ = ("request_id", "slot", "generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    slot: int
+    generation: int
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class CancelPrefillReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

@@ -82,6 +82,8 @@ class DecodeServicer:
 
     def Release(self, request, context):
         """Give back a grant that will not be used. Idempotent: a stale generation is a no-op.
+        A reserved slot is quarantined unless `push_settled`; a slot quarantined for this very
+        generation is freed by a `push_settled` release; a committed slot is left to its stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -252,6 +254,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillReply.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/pdserve.v1.Prefill/Cancel',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -262,6 +269,19 @@ class PrefillServicer:
         """Compute the KV of `prompt_token_ids`, push it into every target, notify each target,
         and sample the first token. A failure sends no ready notification, so no decode ever
         mistakes a partial push for a prompt's KV.
+        Errors carry the trailing metadata `pdserve-push-settled`: "1" when nothing of this
+        request's push can still be written into a target (it never started, or every put it
+        issued reached a terminal state), "0" when that is unknown. ABORTED: cancelled (Cancel).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Stop the Prefill of (request_id, slot, generation of targets[0]): a queued one never
+        starts, a running one stops after its current layer chunk and waits for its puts. The
+        Prefill call then ends with ABORTED. Answered at once; a Cancel that arrives before its
+        Prefill is remembered for a while, and that Prefill is refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -274,6 +294,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillReply.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +329,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/Cancel',
+            pdserve_dot_v1_dot_worker__pb2.CancelPrefillRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.CancelPrefillReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,11 @@ late write lands in a slot nobody reads, and a late ready notification names a d
 generation. Choose `quarantine_s` above the prefill's transfer timeout. A committed slot (its
 KV arrived and decode took it) is released straight to free.
 
+A router that gives a grant back (`release_grant`) says whether a write can still arrive: if
+no push was ever started for it, or the prefill confirmed its push is over (`push_settled`),
+the slot is free at once, even out of the quarantine its cancelled Generate put it in; else it
+is quarantined. Only a push that may still be running costs a quarantine.
+
 All methods are thread-safe; time comes from an injected clock, so tests drive it directly.
 """
 
@@ -231,6 +236,29 @@ class SlotTable:
                 s.request_id = ""
             return True
 
+    def release_grant(self, slot: int, generation: int, *, push_settled: bool) -> bool:
+        """A router gives back a grant it will not use (worker.proto's Release).
+
+        Reserved: free at once if `push_settled` (no write into it can still arrive), else
+        quarantined. Quarantined for this very generation (its Generate was cancelled, or its
+        lease ran out) and `push_settled`: free at once. Committed: left alone, the request's
+        stream frees it. Anything else is stale: False."""
+        with self._lock:
+            s = self._slots[slot] if 0 <= slot < len(self._slots) else None
+            if s is None or s.generation != generation:
+                return False
+            if s.state is SlotState.RESERVED:
+                if push_settled:
+                    self._end_lease(slot, s.generation)  # not writable any more, like a quarantine
+                    self._free(s)
+                else:
+                    self._quarantine(slot, s)
+                return True
+            if s.state is SlotState.QUARANTINED and push_settled:  # its write lease ended with the quarantine
+                self._free(s)
+                return True
+            return False
+
     def expire(self) -> list[Grant]:
         """Quarantine every reservation whose lease has run out; returns their grants."""
         expired: list[Grant] = []
@@ -304,6 +332,12 @@ class SlotTable:
         return SlotUsage(
             counts[SlotState.FREE], counts[SlotState.RESERVED], counts[SlotState.COMMITTED], counts[SlotState.QUARANTINED]
         )
+
+    @staticmethod
+    def _free(s: _Slot) -> None:
+        s.state = SlotState.FREE
+        s.request_id = ""
+        s.deadline = 0.0
 
     def _quarantine(self, index: int, s: _Slot) -> None:
         self._end_lease(index, s.generation)

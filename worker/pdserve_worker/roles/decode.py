@@ -331,11 +331,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 w.loop.cancel(stream)  # the loop frees the slot once the request is out of the batch
 
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseReply:
-        # Only a grant still waiting for its Generate is released here; a committed slot is the
-        # generation loop's until its request leaves the batch (the Generate stream frees it).
-        released = self.w.slots.is_reserved(request.slot, request.generation) and self.w.slots.release(
-            request.slot, request.generation
-        )
+        # Only a grant still waiting for its Generate (or quarantined for it) is released here; a
+        # committed slot is the generation loop's until its request leaves the batch.
+        released = self.w.slots.release_grant(request.slot, request.generation, push_settled=request.push_settled)
+        log.debug(kv(event="grant_released", request=request.request_id, slot=request.slot,
+                     generation=request.generation, push_settled=request.push_settled, released=released))
         return worker_pb2.ReleaseReply(released=released)
 
     async def Status(self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DecodeStatus:

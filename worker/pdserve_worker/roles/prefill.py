@@ -10,7 +10,13 @@ lease then lapses and quarantines the slot.
 
 One model, one scratch slot: prefills run one after another on one compute thread (they are
 compute bound, running two at once would only split the cores), while the gRPC event loop
-stays free to accept and queue requests. Connections to decode engines are made by the
+stays free to accept and queue requests.
+
+A router that abandons a request (its client left) sends `Cancel`: a queued prefill never
+starts, a running one stops before its next layer chunk and waits for the puts it issued.
+The failed Prefill then says in its trailing metadata (`rpc/trailers.py`) whether its push is
+over, so that the decode slot can be given back free instead of quarantined. The same holds
+for every other failure: validation before any put is settled, a failed put is not. Connections to decode engines are made by the
 first push to each and then kept by the engine (a later connect answers ALREADY_CONNECTED);
 a decode that leaves the membership is disconnected.
 """
@@ -19,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from pydantic import ValidationError
@@ -36,11 +44,37 @@ from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.rpc.convert import layout_from_proto, sampling_from_proto
 from pdserve_worker.rpc.membership import EventType, Load, MemberEvent, MemberInfo, Role
+from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, PushTarget
 
 log = logging.getLogger("pdserve.prefill")
+
+# A Cancel that arrives before its Prefill is remembered this long, for at most this many ids.
+CANCEL_MEMORY_S = 60.0
+CANCEL_MEMORY_MAX = 4096
+
+JobKey = tuple[str, int, int]  # (request_id, slot, generation) of the request's first target
+
+
+class PrefillCancelled(Exception):
+    """The router cancelled this prefill (worker.proto's Prefill.Cancel)."""
+
+
+@dataclass
+class _Job:
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def _mark(exc: BaseException, settled: bool) -> BaseException:
+    """Note on a prefill's failure whether its push is over (read by the servicer)."""
+    exc.push_settled = settled  # type: ignore[attr-defined]
+    return exc
+
+
+def push_settled_of(exc: BaseException) -> bool:
+    return bool(getattr(exc, "push_settled", False))
 
 
 @dataclass(frozen=True)
@@ -65,6 +99,8 @@ class PrefillWorker:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
         self.queued = 0  # requests accepted and not yet answered
         self.served = 0
+        self._jobs: dict[JobKey, _Job] = {}
+        self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
 
     def member_info(self) -> MemberInfo:
         return MemberInfo(
@@ -95,40 +131,93 @@ class PrefillWorker:
             log.info(kv(event="decode_disconnected", decode=member.worker_id, engine=member.info.engine_id,
                         status=status))
 
+    def cancel(self, key: JobKey) -> bool:
+        """Stop the prefill of `key`; True if it was here (queued or running). A key not seen yet
+        is remembered (bounded), and its Prefill is refused when it arrives."""
+        job = self._jobs.get(key)
+        if job is not None:
+            job.cancelled.set()
+            return True
+        now = time.monotonic()
+        self._early_cancels[key] = now + CANCEL_MEMORY_S
+        self._early_cancels.move_to_end(key)
+        while self._early_cancels and (len(self._early_cancels) > CANCEL_MEMORY_MAX
+                                       or next(iter(self._early_cancels.values())) < now):
+            self._early_cancels.popitem(last=False)
+        return False
+
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
                       targets: list[PushTarget], num_generated: int) -> PrefillResult:
-        """Queue one prefill on the compute thread and wait for it (the event loop stays free)."""
+        """Queue one prefill on the compute thread and wait for it (the event loop stays free).
+
+        Raises `PrefillCancelled` when cancelled; every failure carries `push_settled`."""
+        first = targets[0]
+        key = (request_id, first.slot, first.generation)
+        if self._early_cancels.pop(key, 0.0) > time.monotonic():
+            raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled before it arrived"), True)
+        job = self._jobs[key] = _Job()
         self.queued += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._compute, self._run, request_id, prompt, params, targets, num_generated, time.perf_counter()
+                self._compute, self._run, job, request_id, prompt, params, targets, num_generated, time.perf_counter()
             )
+        except asyncio.CancelledError:
+            job.cancelled.set()  # the caller went away: a running prefill stops at its next chunk
+            raise
         finally:
             self.queued -= 1
+            self._jobs.pop(key, None)
 
-    def _run(self, request_id: str, prompt: list[int], params: SamplingParams, targets: list[PushTarget],
-             num_generated: int, accepted: float) -> PrefillResult:
+    def _run(self, job: _Job, request_id: str, prompt: list[int], params: SamplingParams,
+             targets: list[PushTarget], num_generated: int, accepted: float) -> PrefillResult:
         s = self.settings
+        if job.cancelled.is_set():
+            raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled while queued"), True)
         started = time.perf_counter()
-        pusher = KVPusher(
-            self.backend, self.source, targets, len(prompt),
-            queue_depth=s.queue_depth,
-            timeout_s=s.transfer_timeout_ms / 1000,
-            connect_timeout_ms=s.connect_timeout_ms,
-        )
         try:
-            logits = self.loaded.model.prefill(prompt, self.cache, 0, s.layers_per_chunk, on_chunk=pusher.push_chunk)
+            pusher = KVPusher(
+                self.backend, self.source, targets, len(prompt),
+                queue_depth=s.queue_depth,
+                timeout_s=s.transfer_timeout_ms / 1000,
+                connect_timeout_ms=s.connect_timeout_ms,
+            )
+        except BaseException as exc:
+            raise _mark(exc, True)  # nothing was put
+
+        def on_chunk(layers: range) -> None:
+            if job.cancelled.is_set():
+                raise PrefillCancelled(f"prefill of request {request_id} was cancelled at layer {layers.start}")
+            pusher.push_chunk(layers)
+
+        try:
+            logits = self.loaded.model.prefill(prompt, self.cache, 0, s.layers_per_chunk, on_chunk=on_chunk)
+            if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
+                raise PrefillCancelled(f"prefill of request {request_id} was cancelled before its notify")
             first = Sampler(params).sample(logits, num_generated)
             stats = pusher.finish({"first_token": first})
-        except BaseException:
+        except PushError as exc:
             pusher.abort()
-            raise
+            raise _mark(exc, False)  # a put failed or timed out: whether others still land is unknown
+        except BaseException as exc:
+            raise _mark(exc, self._quiesce(pusher))
         done = time.perf_counter()
         self.served += 1
         log.info(kv(event="prefill_done", request=request_id, tokens=len(prompt), targets=len(targets),
                     kv_bytes=stats.bytes, queued_ms=round((started - accepted) * 1000, 1),
                     compute_ms=round((done - started) * 1000, 1), push_ms=round(stats.seconds * 1000, 1)))
         return PrefillResult(first, len(prompt), stats.bytes, stats.seconds, done - accepted)
+
+    @staticmethod
+    def _quiesce(pusher: KVPusher) -> bool:
+        """After a failure that was not the transfer's: wait for the puts already issued (bounded
+        by the transfer timeout), then drop the push. True if none of them can still land."""
+        try:
+            pusher.flush()
+            settled = True
+        except (PushError, RuntimeError):
+            settled = False
+        pusher.abort()
+        return settled
 
 
 def targets_from_proto(request: worker_pb2.PrefillRequest) -> list[PushTarget]:
@@ -161,26 +250,34 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillReply:
         prompt = list(request.prompt_token_ids)
         vocab = self.w.loaded.config.vocab_size
+        settled = settled_trailer(True)  # nothing is put before the prefill runs
         if not prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty", settled)
         if min(prompt) < 0 or max(prompt) >= vocab:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt_token_ids must be in 0..{vocab - 1}, got {min(prompt)}..{max(prompt)}")
+                                f"prompt_token_ids must be in 0..{vocab - 1}, got {min(prompt)}..{max(prompt)}", settled)
         if len(prompt) > self.w.cache.layout.max_len:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {self.w.cache.layout.max_len}")
+                                f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {self.w.cache.layout.max_len}",
+                                settled)
         try:
             params = sampling_from_proto(request.sampling)
             targets = targets_from_proto(request)
         except (ValueError, ValidationError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), settled)
         try:
             result = await self.w.prefill(request.request_id, prompt, params, targets, request.num_generated)
+        except PrefillCancelled as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc), settled_trailer(push_settled_of(exc)))
         except PushError as exc:
             log.warning(kv(event="push_failed", request=request.request_id, error=str(exc)))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}", settled_trailer(False))
         except ValueError as exc:  # a target whose layout does not fit this model's KV
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), settled_trailer(push_settled_of(exc)))
+        except Exception as exc:  # noqa: BLE001 - a bug: logged in full, answered without internals
+            log.error(kv(event="prefill_failed", request=request.request_id, error=repr(exc)), exc_info=exc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill of request {request.request_id} failed",
+                                settled_trailer(push_settled_of(exc)))
         return worker_pb2.PrefillReply(
             first_token=result.first_token,
             num_tokens=result.num_tokens,
@@ -188,3 +285,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             push_seconds=result.push_seconds,
             prefill_seconds=result.prefill_seconds,
         )
+
+    async def Cancel(self, request: worker_pb2.CancelPrefillRequest,
+                     context: grpc.aio.ServicerContext) -> worker_pb2.CancelPrefillReply:
+        found = self.w.cancel((request.request_id, request.slot, request.generation))
+        log.debug(kv(event="prefill_cancel", request=request.request_id, slot=request.slot,
+                     generation=request.generation, found=found))
+        return worker_pb2.CancelPrefillReply(found=found)

@@ -104,6 +104,13 @@ class RouterMetrics:
             "Times a request was resumed on another worker after its decode or prefill failed.",
             registry=r,
         )
+        self.grants_returned = Counter(
+            f"{_PREFIX}_grants_returned",
+            "Decode slot grants given back without a finished request, by outcome: released (free at "
+            "once: no push could still write), quarantined (a push may still be running), stream (the "
+            "decode's stream already held the slot), lease (the Release failed: the decode's lease reclaims it).",
+            ["outcome"], registry=r,
+        )
         self.decode_slots_used = Gauge(
             f"{_PREFIX}_decode_slots_used", "KV slots in use per decode instance.", ["decode"], registry=r
         )
@@ -133,6 +140,10 @@ class RouterMetrics:
     def observe_retry(self) -> None:
         """A request lost its decode or prefill and goes on elsewhere."""
         self.request_retries.inc()
+
+    def observe_grant_returned(self, outcome: str) -> None:
+        """A grant went back to its decode without a finished request (see `grants_returned`)."""
+        self.grants_returned.labels(outcome=outcome).inc()
 
     def observe_rejected(self, status: int) -> None:
         self.requests_rejected.labels(status=str(status)).inc()

@@ -56,6 +56,7 @@ from pdserve_worker.roles.router_metrics import RouterMetrics
 from pdserve_worker.roles.tokenizing import ModelTokenizing
 from pdserve_worker.rpc.channels import aio_channel
 from pdserve_worker.rpc.convert import sampling_to_proto
+from pdserve_worker.rpc.trailers import push_settled
 from pdserve_worker.rpc.membership import EventType, Member, MemberEvent, Role
 
 log = logging.getLogger("pdserve.router.pd")
@@ -65,6 +66,7 @@ _FINISH: dict[int, str] = {
     worker_pb2.FINISH_REASON_LENGTH: "length",
 }
 NO_CAPACITY_RETRY_S = 1.0
+CLOSE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Timeouts:
     prefill_s: float = 600.0  # deadline of one Prefill call
     max_retries: int = 2  # a request survives this many failed decode or prefill workers
     resume_wait_s: float = 10.0  # how long a retry waits for a free slot before giving up
+    settle_s: float = 30.0  # how long an abandoned grant waits for the prefill to confirm its push ended
 
 
 def push_targets(grant: worker_pb2.Grant) -> list[worker_pb2.Grant]:
@@ -121,6 +124,9 @@ class PDBackend(ModelTokenizing):
         self._view = await self._broker.watch([Role.DECODE, Role.PREFILL], listener=self._on_member)
 
     async def close(self) -> None:
+        # Grants being given back get a moment to reach their decodes; past it, leases reclaim them.
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
         for task in list(self._background):
             task.cancel()
         for channel in self._channels.values():
@@ -236,28 +242,37 @@ class PDBackend(ModelTokenizing):
 
     async def _attempt(self, prompt_ids: list[int], emitted: list[int], params: SamplingParams, request_id: str,
                        avoid: set[str], retries: int) -> AsyncIterator[TokenEvent]:
-        """One road through a decode and a prefill; failures a retry may cure raise `_Retryable`."""
+        """One road through a decode and a prefill; failures a retry may cure raise `_Retryable`.
+
+        Everything that can fail without a worker (converting the parameters, choosing a
+        prefill) happens before the Reserve; from the grant on, every way out (an error, a
+        cancellation at any await, the client closing the stream) passes the `finally`, which
+        either leaves the slot to a stream that finished or gives the grant back (`_give_back`).
+        """
         tokens = prompt_ids + emitted
+        sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
         prefill = self._pick_prefill(avoid)
         decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
-        self._inflight_decode[decode.worker_id] += 1
-        self._inflight_prefill[prefill.worker_id] += 1
-        decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
-        prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
-        sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
-        call = decode_stub.Generate(worker_pb2.GenerateRequest(
-            request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
-            sampling=sampling, readiness_timeout_ms=self._t.readiness_ms, num_generated=len(emitted),
-        ))
-        prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
-            worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=tokens, sampling=sampling,
-                                      targets=push_targets(grant), num_generated=len(emitted)),
-            timeout=self._t.prefill_s,
-        ))
-        lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
+        call = None
+        prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
         info: RequestInfo | None = None
         finished = False
+        # No await between these increments and the `try`: nothing can leave in between.
+        self._inflight_decode[decode.worker_id] += 1
+        self._inflight_prefill[prefill.worker_id] += 1
         try:
+            decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
+            prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
+            call = decode_stub.Generate(worker_pb2.GenerateRequest(
+                request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
+                sampling=sampling, readiness_timeout_ms=self._t.readiness_ms, num_generated=len(emitted),
+            ))
+            prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
+                worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=tokens, sampling=sampling,
+                                          targets=push_targets(grant), num_generated=len(emitted)),
+                timeout=self._t.prefill_s,
+            ))
+            lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
             while True:
                 event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
                 reason = _FINISH.get(event.finish_reason)
@@ -290,9 +305,9 @@ class PDBackend(ModelTokenizing):
             self._inflight_decode[decode.worker_id] -= 1
             self._inflight_prefill[prefill.worker_id] -= 1
             if not finished:
-                call.cancel()
-                prefill_call.cancel()
-                self._spawn(self._release(decode_stub, decode.worker_id, grant))
+                if call is not None:
+                    call.cancel()  # a committed slot is freed by the decode once its request leaves the batch
+                self._spawn(self._give_back(decode, grant, request_id, prefill, prefill_call))
 
     async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str,
                           lost: asyncio.Event):
@@ -347,8 +362,14 @@ class PDBackend(ModelTokenizing):
         full, failed = 0, []
         for member in ranked:
             stub = worker_pb2_grpc.DecodeStub(self._channel(member))
+            reserve = asyncio.ensure_future(stub.Reserve(request, timeout=self._t.rpc_s))
             try:
-                return member, await stub.Reserve(request, timeout=self._t.rpc_s)
+                # Shielded: cancelled while the Reserve is in flight (the client left), the call
+                # goes on, and a grant that arrives anyway is given back instead of lost.
+                return member, await asyncio.shield(reserve)
+            except asyncio.CancelledError:
+                self._spawn(self._give_back_late(member, reserve, request_id))
+                raise
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -363,12 +384,71 @@ class PDBackend(ModelTokenizing):
             raise NoCapacity(NO_CAPACITY_RETRY_S, f"no free KV slot on {full} decode worker(s)")
         raise BackendUnavailable(f"no decode worker could reserve a slot: {'; '.join(failed)}")
 
-    async def _release(self, stub: worker_pb2_grpc.DecodeStub, decode_id: str, grant: worker_pb2.Grant) -> None:
+    # ---- giving grants back -------------------------------------------------------------------------
+
+    async def _give_back_late(self, decode: Member, reserve: asyncio.Future[worker_pb2.Grant],
+                              request_id: str) -> None:
+        """A Reserve whose request was cancelled while it was in flight: give back what it granted."""
+        await asyncio.wait({reserve})  # (`wait`: the call's own failure or cancellation does not raise here)
+        if reserve.cancelled() or reserve.exception() is not None:
+            return  # nothing was granted
+        await self._give_back(decode, reserve.result(), request_id, None, None)
+
+    async def _give_back(self, decode: Member, grant: worker_pb2.Grant, request_id: str,
+                         prefill: Member | None, prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None) -> None:
+        """Return a grant the request will not finish with, counted by how it went back.
+
+        Free at once (`push_settled`) where no write into the slot can still arrive: no Prefill
+        was sent, or the prefill answered that its push is over (after a Cancel, if it was still
+        running). Otherwise the decode quarantines the slot; if even the Release fails, the
+        decode's lease takes the slot back on its own.
+        """
+        settled = prefill_call is None or await self._settle_push(prefill, prefill_call, grant, request_id)
+        released = await self._release(decode, grant, settled)
+        if released is None:
+            outcome = "lease"
+        elif not released:
+            outcome = "stream"  # nothing left to give back: the decode's stream had the slot
+        else:
+            outcome = "released" if settled else "quarantined"
+        log.debug(kv(event="grant_returned", request=request_id, decode=decode.worker_id, slot=grant.slot,
+                     generation=grant.generation, outcome=outcome))
+        if self._metrics is not None:
+            self._metrics.observe_grant_returned(outcome)
+
+    async def _settle_push(self, prefill: Member | None, prefill_call: asyncio.Future[worker_pb2.PrefillReply],
+                           grant: worker_pb2.Grant, request_id: str) -> bool:
+        """Whether the prefill's push into `grant` is over: asks a prefill still at work to stop
+        and waits (at most `settle_s`) for its answer. False when that cannot be known."""
+        if not prefill_call.done() and prefill is not None:
+            try:
+                await worker_pb2_grpc.PrefillStub(self._channel(prefill)).Cancel(
+                    worker_pb2.CancelPrefillRequest(request_id=request_id, slot=grant.slot,
+                                                    generation=grant.generation),
+                    timeout=self._t.rpc_s)
+            except grpc.aio.AioRpcError as exc:
+                log.warning(kv(event="prefill_cancel_failed", prefill=prefill.worker_id, request=request_id,
+                               code=exc.code().name))
+            done, _ = await asyncio.wait({prefill_call}, timeout=self._t.settle_s)
+            if not done:
+                prefill_call.cancel()
+                return False
+        if prefill_call.cancelled():
+            return False
+        exc = prefill_call.exception()
+        return exc is None or (isinstance(exc, grpc.aio.AioRpcError) and push_settled(exc))
+
+    async def _release(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None:
+        """worker.proto's Release; None when it could not be delivered (the lease then lapses)."""
+        stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
         try:
-            await stub.Release(worker_pb2.ReleaseRequest(request_id=grant.request_id, slot=grant.slot,
-                                                         generation=grant.generation), timeout=self._t.rpc_s)
+            reply = await stub.Release(worker_pb2.ReleaseRequest(
+                request_id=grant.request_id, slot=grant.slot, generation=grant.generation,
+                push_settled=push_settled), timeout=self._t.rpc_s)
         except grpc.aio.AioRpcError as exc:  # the lease lapses on its own: logged, not fatal
-            log.warning(kv(event="release_failed", decode=decode_id, slot=grant.slot, code=exc.code().name))
+            log.warning(kv(event="release_failed", decode=decode.worker_id, slot=grant.slot, code=exc.code().name))
+            return None
+        return reply.released
 
     def _channel(self, member: Member) -> grpc.aio.Channel:
         endpoint = member.info.grpc_endpoint

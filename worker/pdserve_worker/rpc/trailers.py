@@ -1,0 +1,26 @@
+"""Trailing metadata that carries facts of the request road beside a gRPC status.
+
+`pdserve-push-settled` on a failed Prefill (worker.proto): "1" when nothing of that request's
+push can still be written into its targets, so the router may give the decode slot back as
+free at once instead of quarantined. Absent or anything else means unknown, and unknown is
+treated as "a write may still arrive".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PUSH_SETTLED = "pdserve-push-settled"
+
+
+def settled_trailer(settled: bool) -> tuple[tuple[str, str], ...]:
+    return ((PUSH_SETTLED, "1" if settled else "0"),)
+
+
+def push_settled(error: Any) -> bool:
+    """Whether a failed call's trailing metadata says the push is over (an `AioRpcError`)."""
+    try:
+        metadata = error.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - an error without trailers says nothing
+        return False
+    return any(key == PUSH_SETTLED and value in ("1", b"1") for key, value in metadata)
