@@ -222,7 +222,8 @@ def test_no_capacity_is_429_with_retry_after(serve, stream):
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": stream})
     assert r.status_code == 429
     assert r.headers["retry-after"] == "3" and r.headers["retry-after-ms"] == "2500"
-    assert r.json()["error"]["message"] == "all 8 decode slots are busy"
+    message = r.json()["error"]["message"]
+    assert message.startswith("the service has no free capacity now") and "decode" not in message
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model=MODEL, prompt="x")
 
@@ -232,7 +233,11 @@ def test_no_capacity_is_429_with_retry_after(serve, stream):
 def test_unavailable_and_timeout_map_to_503_and_504(serve, error, status):
     _, url = serve(ScriptedBackend(error=error))
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == status and r.json()["error"]["message"] == str(error)
+    message = r.json()["error"]["message"]
+    # The backend's own words (worker names, gRPC details) stay in the log; the client gets the
+    # kind of failure and the request id that finds them there.
+    assert r.status_code == status and str(error) not in message
+    assert message.endswith(f"(request {r.headers['x-request-id']})")
     assert samples(url)[("pdserve_router_requests_failed_total",
                          (("reason", "unavailable" if status == 503 else "timeout"),))] == 1
 
@@ -241,7 +246,7 @@ def test_error_after_the_stream_started_is_reported_in_band(serve):
     client, _ = serve(ScriptedBackend(error=BackendUnavailable("decode d0 went away"), error_after=2))
     stream = client.completions.create(model=MODEL, prompt="x", stream=True)
     got = []
-    with pytest.raises(openai.APIError, match="decode d0 went away"):
+    with pytest.raises(openai.APIError, match=r"temporarily unavailable \(request cmpl-[0-9a-f]{32}\)"):
         for chunk in stream:
             got.append(chunk.choices[0].text)
     assert got == ["Hello", ","]

@@ -63,7 +63,8 @@ def test_complete_reports_the_router_error_and_fails(port):
     with running_router(create_app(ScriptedBackend(error=NoCapacity(2, "all slots busy"))), port) as url:
         out = pdserve("complete", "--url", url, "--prompt", "x")
     assert out.returncode == 1
-    assert "HTTP 429: all slots busy (retry after 2 s)" in out.stderr
+    assert re.search(r"HTTP 429: the service has no free capacity now; retry later \(request cmpl-\w+\) "
+                     r"\(retry after 2 s\)", out.stderr), out.stderr
 
 
 def test_complete_names_an_unreachable_router(port):

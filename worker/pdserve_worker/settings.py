@@ -35,6 +35,7 @@ REQUEST_TIMEOUT_S = "PDSERVE_REQUEST_TIMEOUT_SECONDS"  # router: deadline of one
 GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight may finish on SIGTERM
 SHARD_INDEX = "PDSERVE_SHARD_INDEX"  # decode group member index; pods derive it from their ordinal
 GROUP_PEERS = "PDSERVE_GROUP_PEERS"  # decode group: gRPC endpoints of members 0..N-1, comma-separated
+MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are answered 413
 
 Role = Literal["prefill", "decode", "router", "colocated"]
 BUILTIN_PREFIX = "builtin:"
@@ -85,6 +86,7 @@ class WorkerSettings(BaseSettings):
     lease_ms: int = Field(30_000, ge=1, validation_alias=LEASE_MS)
     request_timeout_seconds: float = Field(600.0, gt=0, validation_alias=REQUEST_TIMEOUT_S)
     grace_seconds: float = Field(30.0, ge=0, validation_alias=GRACE_S)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, validation_alias=MAX_BODY_BYTES)
 
     @model_validator(mode="after")
     def _consistent(self) -> "WorkerSettings":

@@ -6,19 +6,37 @@ reject nonsense (negative temperature, top_p of 2) with the field name in the er
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
+
+# Bounds of the wire format (common.proto: uint32 max_tokens/top_k, int64 seed, int32 token ids).
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+# Stop strings are matched against every token's text: their number and length bound that work
+# and the size of the request on the wire.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_tokens: int = Field(16, ge=1, description="Tokens to generate at most.")
+    max_tokens: int = Field(16, ge=1, le=UINT32_MAX, description="Tokens to generate at most.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    top_k: int = Field(0, ge=0, le=UINT32_MAX, description="Keep the k most likely tokens; 0 disables.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to keep; 1 disables.")
-    seed: int | None = Field(None, description="Seed of the request's own generator; None draws one.")
-    stop: tuple[str, ...] = Field((), description="Strings that end generation (not included in the output).")
-    stop_token_ids: tuple[int, ...] = Field((), description="Token ids that end generation besides EOS.")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                             description="Seed of the request's own generator; None draws one.")
+    stop: tuple[StopString, ...] = Field((), max_length=MAX_STOP_STRINGS,
+                                         description="Strings that end generation (not included in the output).")
+    stop_token_ids: tuple[TokenId, ...] = Field((), max_length=MAX_STOP_TOKEN_IDS,
+                                                description="Token ids that end generation besides EOS.")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
 
     @property

@@ -94,7 +94,19 @@ class Backend(Protocol):
 
 
 class BackendError(Exception):
-    """Base of the errors a backend may raise for one request; the router maps each to HTTP."""
+    """Base of the errors a backend may raise for one request; the router maps each to HTTP.
+
+    The message is for the logs: it may name workers, addresses and gRPC details. A client
+    reads a generic message for the kind of error (`router_errors.from_backend_error`), unless
+    the error is `public` (written about the client's own input, like a chat template's refusal).
+    """
+
+    public = False
+
+    def __init__(self, message: str = "", *, public: bool | None = None) -> None:
+        super().__init__(message)
+        if public is not None:
+            self.public = public
 
 
 class InvalidPrompt(BackendError):

@@ -5,6 +5,10 @@ silent coercion ("5" is not 5, true is not 1.0), and a parameter we do not imple
 logprobs, penalties) is refused with a message instead of being ignored. Unknown keys are
 ignored, as newer clients send fields this server does not know about.
 
+Every field is bounded here, at the API, so that nothing past it can fail on a value a client
+chose: integers to what the worker protocol carries (uint32 max_tokens/top_k, int64 seed), stop
+strings in number and length, messages in number, the model name in length.
+
 Responses are built as plain dicts by pure functions, one `ResponseFormat` per endpoint, so
 the HTTP layer streams completions and chat alike.
 """
@@ -17,7 +21,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    UINT32_MAX,
+    SamplingParams,
+)
 
 
 def _utf8_text(value: str) -> str:
@@ -30,11 +41,11 @@ def _utf8_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8_text)]
-StopString = Annotated[str, Field(min_length=1), AfterValidator(_utf8_text)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_utf8_text)]
 
-# torch seeds a generator with a 64-bit integer; anything wider cannot be honoured.
-_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
-MAX_STOP_STRINGS = 16
+# A conversation longer than this is refused before its template is rendered.
+MAX_MESSAGES = 2048
+MAX_MODEL_NAME_CHARS = 256
 
 
 class StreamOptions(BaseModel):
@@ -48,12 +59,14 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
-    model: Text
-    max_tokens: int | None = Field(None, ge=1)
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME_CHARS)]
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="Extension: keep the k most likely tokens; -1 or 0 disables.")
-    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    top_k: int | None = Field(None, ge=-1, le=UINT32_MAX,
+                              description="Extension: keep the k most likely tokens; -1 or 0 disables.")
+    # torch seeds a generator with a 64-bit integer; anything wider cannot be honoured.
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: StopString | list[StopString] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -64,9 +77,10 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
     user: str | None = None
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+    def _few_stops(cls, value: Any) -> Any:
+        # Before the items are validated: a list of a million strings is refused by its length.
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}")
         return value
@@ -181,11 +195,19 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        # Before the items are validated: 200k messages are refused by their number alone.
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages are supported, got {len(value)}")
+        return value
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:

@@ -9,7 +9,13 @@ push) is behind the backend; this module owns the HTTP contract:
 - a stream's headers are sent only once the first token exists, so a backend that has no
   capacity still gets a real 429 with Retry-After rather than an error inside a 200 stream;
 - a client that goes away cancels the backend's generator, streaming or not, so its decode
-  slot is released at once instead of after the answer would have been complete.
+  slot is released at once instead of after the answer would have been complete;
+- every input is bounded before it costs anything (`RouterLimits`): the body's size (413
+  before it is read, from Content-Length, or as soon as a chunked body passes the limit), the
+  fields (openai_api.py), the prompt's characters (before tokenizing), and tokenizing itself
+  runs in a small thread pool with a bounded queue (roles/tokenizing.py);
+- error bodies name no worker and no gRPC detail: the client reads a generic message with
+  the request id, the router's log has the details under that id.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from dataclasses import dataclass
+
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve_worker import __version__
 from pdserve_worker.logs import kv
-from pdserve_worker.roles.backend import Backend, BackendError
+from pdserve_worker.roles.backend import Backend, BackendError, InvalidPrompt
 from pdserve_worker.roles.generation import Delta, Generation
 from pdserve_worker.roles.openai_api import (
     ChatCompletionRequest,
@@ -45,12 +53,30 @@ from pdserve_worker.roles.openai_api import (
 )
 from pdserve_worker.roles.router_errors import ApiError, from_backend_error, from_validation_errors
 from pdserve_worker.roles.router_metrics import RouterMetrics
+from pdserve_worker.roles.tokenizing import (
+    DEFAULT_MAX_TOKEN_CHARS,
+    TOKENIZE_QUEUE,
+    TOKENIZE_THREADS,
+    TokenizerPool,
+    max_prompt_chars,
+)
 
 log = logging.getLogger("pdserve.router")
 T = TypeVar("T")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills the context
 INLINE_TOKENIZE_MAX_CHARS = 2048  # longer prompts are tokenized in a worker thread
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """Bounds of what one request may cost the router (README "Limits")."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies are answered 413 unread
+    max_prompt_chars: int | None = None  # None: what can fit the context (tokenizing.max_prompt_chars)
+    tokenize_threads: int = TOKENIZE_THREADS
+    tokenize_queue: int = TOKENIZE_QUEUE  # long prompts tokenizing or waiting; past it, 429
 
 
 class ClientDisconnected(Exception):
@@ -97,6 +123,10 @@ class _Ledger:
         self._gen = gen
         self._endpoint = endpoint
         self.closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._gen.request_id
 
     def completed(self) -> None:
         if self._close("ok"):
@@ -152,13 +182,67 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+def too_large(limit: int) -> JSONResponse:
+    body = error_body(f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    # The rest of the body is not read: the connection cannot be reused.
+    return JSONResponse(body, status_code=413, headers={"Connection": "close"})
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self) -> None:
+        super().__init__(413, "request body too large")
+
+
+class BodyLimit:
+    """ASGI middleware: a body larger than `max_bytes` is answered 413 in OpenAI's error shape.
+
+    With a Content-Length over the limit the answer goes out before a byte of the body is read;
+    a chunked body is counted as it arrives and refused the moment it passes the limit (the
+    endpoint's body read raises, FastAPI's handlers answer). Written here rather than FastAPI's
+    `max_body_size` because that one answers a Content-Length over the limit in text/plain,
+    which OpenAI clients cannot read as an error.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            self.metrics.observe_rejected(413)
+            await too_large(self.max_bytes)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class _Router:
     """The request path shared by both generation endpoints."""
 
-    def __init__(self, backend: Backend, metrics: RouterMetrics, report_request_info: bool) -> None:
+    def __init__(self, backend: Backend, metrics: RouterMetrics, report_request_info: bool,
+                 limits: RouterLimits) -> None:
         self.backend = backend
         self.metrics = metrics
         self.report_request_info = report_request_info
+        self.limits = limits
+        self.tokenizers = TokenizerPool(limits.tokenize_threads, limits.tokenize_queue)
+        self.max_prompt_chars = limits.max_prompt_chars or max_prompt_chars(
+            backend.max_model_len, getattr(backend, "max_token_chars", DEFAULT_MAX_TOKEN_CHARS))
 
     def reject(self, status: int, message: str, param: str | None = None, code: str | None = None) -> ApiError:
         self.metrics.observe_rejected(status)
@@ -167,10 +251,11 @@ class _Router:
     async def serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
         arrived = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.model != self.backend.model_name:
             raise self.reject(404, f"The model '{body.model}' does not exist; this server serves "
                                    f"'{self.backend.model_name}'", param="model", code="model_not_found")
-        prompt_ids = await self._tokenize(body)
+        prompt_ids = await self._tokenize(body, request_id)
         prompt_field = "messages" if chat else "prompt"
         if not prompt_ids:
             raise self.reject(400, f"{prompt_field} is empty (0 tokens)", param=prompt_field)
@@ -185,7 +270,6 @@ class _Router:
         except ValidationError as exc:
             self.metrics.observe_rejected(400)
             raise from_validation_errors(exc.errors()) from None
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         gen = Generation(self.backend, prompt_ids, params, request_id, arrived)
         fmt_type = ChatResponseFormat if chat else ResponseFormat
         fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
@@ -194,8 +278,9 @@ class _Router:
             return await self._stream(request, gen, fmt, ledger)
         return await self._complete(request, gen, fmt, ledger)
 
-    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        """Token ids of the prompt; long prompts are tokenized off the event loop.
+    async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[int]:
+        """Token ids of the prompt; a prompt too long to fit is refused by its length in
+        characters, before it is tokenized; long prompts are tokenized off the event loop.
 
         A thread hop costs about 0.2-2 ms here (benchmarks/router_overhead.py), more than
         tokenizing a short prompt, so short ones run inline; a long prompt must not stall
@@ -205,16 +290,25 @@ class _Router:
             messages = [m.template_dict() for m in body.messages]
             size = sum(len(m["content"]) for m in messages)
             call: Callable[[], list[int]] = lambda: self.backend.tokenize_chat(messages)  # noqa: E731
+            field = "messages"
         else:
             text = body.prompt_text
             size = len(text)
             call = lambda: self.backend.tokenize_prompt(text)  # noqa: E731
+            field = "prompt"
+        if size > self.max_prompt_chars:
+            raise self.reject(
+                400, f"{field} is {size} characters; at most {self.max_prompt_chars} can fit the model's maximum "
+                     f"context length of {self.backend.max_model_len} tokens", param=field,
+                code="context_length_exceeded")
         try:
             if size <= INLINE_TOKENIZE_MAX_CHARS:
                 return call()
-            return await anyio.to_thread.run_sync(call)
+            return await self.tokenizers.run(call)
         except BackendError as exc:
-            error, _ = from_backend_error(exc)
+            if isinstance(exc, InvalidPrompt):
+                exc.public = True  # a tokenizer's refusal is about the client's own input
+            error, _ = from_backend_error(exc, request_id)
             self.metrics.observe_rejected(error.status)
             raise error from None
 
@@ -247,13 +341,17 @@ class _Router:
         return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens)
 
     def _fail(self, exc: BaseException, ledger: _Ledger) -> ApiError:
-        """Account a failed request and return the error to answer with."""
+        """Account a failed request and return the error to answer with; the details (worker
+        names, gRPC status) go to the log under the request id, not to the client."""
+        request_id = ledger.request_id
         if isinstance(exc, BackendError):
-            error, reason = from_backend_error(exc)
+            error, reason = from_backend_error(exc, request_id)
+            log.warning(kv(event="request_failed", request_id=request_id, reason=reason, error=str(exc)))
         else:
-            log.error(kv(event="request_error", error=repr(exc)), exc_info=exc)
-            error, reason = ApiError(500, f"internal error: {type(exc).__name__}", "internal_error"), "internal"
+            log.error(kv(event="request_error", request_id=request_id, error=repr(exc)), exc_info=exc)
+            error, reason = ApiError(500, f"internal error (request {request_id})", "internal_error"), "internal"
         ledger.failed(reason)
+        error.headers.setdefault("x-request-id", request_id)
         return error
 
     async def _complete(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:
@@ -332,18 +430,20 @@ class _Router:
 
 
 def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
-               report_request_info: bool = True) -> FastAPI:
+               report_request_info: bool = True, limits: RouterLimits = RouterLimits()) -> FastAPI:
     """The router's ASGI app over `backend`; `metrics` is shared with the backend for its gauges.
 
     `report_request_info` adds the backend's per-request `RequestInfo` (disaggregated, KV bytes
     and transfer time) to responses as a `pdserve` field; OpenAI clients ignore unknown fields.
     """
     metrics = metrics if metrics is not None else RouterMetrics()
-    router = _Router(backend, metrics, report_request_info)
+    router = _Router(backend, metrics, report_request_info, limits)
     started = int(time.time())
     app = FastAPI(title="pdserve router", version=__version__, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, metrics=metrics)
     app.state.backend = backend
     app.state.metrics = metrics
+    app.state.router = router
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -359,13 +459,15 @@ def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.observe_rejected(exc.status_code)
+        if exc.status_code == 413:
+            return too_large(limits.max_body_bytes)
         message = f"{exc.detail}: {request.method} {request.url.path}"
         return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.error(kv(event="unhandled_error", error=repr(exc)), exc_info=exc)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500)
+        return JSONResponse(error_body("internal error", "internal_error"), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

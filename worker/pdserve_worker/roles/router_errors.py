@@ -43,9 +43,28 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def from_backend_error(exc: BackendError) -> tuple[ApiError, str]:
+# What a client reads for a backend failure that is not `public`: nothing of the workers'
+# names, addresses or gRPC details, which stay in the router's log under the request id.
+_GENERIC = {
+    NoCapacity: "the service has no free capacity now; retry later",
+    BackendUnavailable: "the service is temporarily unavailable",
+    RequestTimeout: "the request timed out",
+    InvalidPrompt: "the request was refused by the service's workers",
+}
+
+
+def public_message(exc: BackendError, request_id: str | None) -> str:
+    """The message a client reads for `exc`, with the request id that finds it in the logs."""
+    if exc.public:
+        text = str(exc) or type(exc).__name__
+    else:
+        text = next((m for kind, m in _GENERIC.items() if isinstance(exc, kind)), "internal error")
+    return f"{text} (request {request_id})" if request_id else text
+
+
+def from_backend_error(exc: BackendError, request_id: str | None = None) -> tuple[ApiError, str]:
     """The HTTP error for a backend failure, and the metrics reason label."""
-    message = str(exc) or type(exc).__name__
+    message = public_message(exc, request_id)
     if isinstance(exc, NoCapacity):
         retry = max(exc.retry_after_s, 0.0)
         headers = {
@@ -61,7 +80,7 @@ def from_backend_error(exc: BackendError) -> tuple[ApiError, str]:
         return ApiError(504, message, "timeout", None, "timeout"), "timeout"
     if isinstance(exc, InvalidPrompt):
         return ApiError(400, message, "invalid_request_error", None, "invalid_prompt"), "invalid_prompt"
-    return ApiError(500, f"backend error: {message}", "internal_error", None, "backend_error"), "backend_error"
+    return ApiError(500, message, "internal_error", None, "backend_error"), "backend_error"
 
 
 # Location parts that pydantic adds for union branches ("str", "list[str]",

@@ -256,9 +256,9 @@ def _add_pod_routes(app, state: WorkerState) -> None:
 async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state: WorkerState,
                      stop: asyncio.Event) -> None:
     """Serve the OpenAI API over `backend` until stopped; in-flight requests get the grace period."""
-    from pdserve_worker.roles.router_app import create_app
+    from pdserve_worker.roles.router_app import RouterLimits, create_app
 
-    app = create_app(backend, metrics)
+    app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes))
     _add_pod_routes(app, state)
     sock = _listen_or_fail(settings.bind_host, settings.http_port)
     server = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds)
