@@ -29,7 +29,7 @@ from pdserve.v1 import broker_pb2, broker_pb2_grpc
 from pdserve_worker.logs import kv
 from pdserve_worker.rpc.auth import TLSConfig
 from pdserve_worker.rpc.backoff import Backoff
-from pdserve_worker.rpc.channels import aio_channel
+from pdserve_worker.rpc.channels import BROKER_MAX_MESSAGE, aio_channel
 from pdserve_worker.rpc.membership import (
     BROKER_ID_HEADER,
     EventType,
@@ -437,7 +437,7 @@ class BrokerClient:
 
     def _stub(self) -> broker_pb2_grpc.BrokerStub:
         if self._stub_ is None:  # created on first use, inside the loop that will run it
-            self._channel = aio_channel(self.address, self._token, self._tls)
+            self._channel = aio_channel(self.address, self._token, self._tls, max_message=BROKER_MAX_MESSAGE)
             self._stub_ = broker_pb2_grpc.BrokerStub(self._channel)
         return self._stub_
 

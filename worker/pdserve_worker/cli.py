@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "operator",
     "generate",
     "worker",
+    "drain",
     "local",
     "plan",
 )

@@ -106,12 +106,14 @@ class RouterClient:
 
     url: str
     timeout_s: float = 600.0
+    verify: str | bool = True  # a CA file for an https router (`pdserve local --tls`), or the system's
     _http: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         base = self.url.rstrip("/")
         base = base.removesuffix("/v1")
-        self._http = httpx.Client(base_url=base, timeout=httpx.Timeout(self.timeout_s, connect=10.0))
+        self._http = httpx.Client(base_url=base, timeout=httpx.Timeout(self.timeout_s, connect=10.0),
+                                  verify=self.verify)
 
     def close(self) -> None:
         self._http.close()

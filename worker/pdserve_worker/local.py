@@ -12,6 +12,11 @@ worker registered and ready; a child that dies meanwhile fails the start with it
 lines. Children run in sessions of their own, so a Ctrl-C in the terminal reaches only this
 process, which stops them in order (router, prefill, decode, broker) by PID; and each child
 is told by the kernel to stop if this process dies without doing so (PR_SET_PDEATHSIG).
+
+With `tls`, a CA is made for the run (`tls_certs.py`) with one certificate for 127.0.0.1 that
+every child uses, as pods use their service's Secret: the broker and every worker's gRPC
+server speak mutual TLS only (no plaintext gRPC port is open), and the router serves HTTPS
+(clients verify it with `ca.crt` in the log folder, written to `deployment.json`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import httpx
 
 from pdserve_worker import pod_env as E
 from pdserve_worker import settings as S
+from pdserve_worker.tls_certs import CertFiles, tls_env, write_run_certificates
 
 SERVICE = "local/pdserve"
 HOST = "127.0.0.1"
@@ -62,6 +68,7 @@ class LocalPlan:
     layers_per_chunk: int = 4
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     readiness: str = "interrupt"
+    tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -194,7 +201,8 @@ class LocalDeployment:
         self.children: list[Child] = []
         self.broker_address = ""
         self.port = plan.port or free_port()  # 0: any free port
-        self.url = f"http://{HOST}:{self.port}"
+        self.url = f"{'https' if plan.tls else 'http'}://{HOST}:{self.port}"
+        self.certs: CertFiles | None = None
         self.dtype = auto_dtype() if plan.dtype == "auto" else plan.dtype
         self.model_folder: Path | None = None
         self.model_name = ""  # the served name; empty: the workers take the folder's
@@ -211,6 +219,9 @@ class LocalDeployment:
         if _accepts(HOST, self.port):  # else /health below might be answered by someone else's router
             raise LocalStartError(f"port {self.port} on {HOST} is already in use: choose another with --port")
         self.model_folder = self._prepare_model()
+        if self.plan.tls:
+            self.certs = write_run_certificates(self.log_dir / "tls")
+            self.say(f"TLS on: clients verify the router with {self.certs.ca}")
         if self.plan.colocated:
             self._spawn("colocated", "colocated", self._worker_env("colocated", "colocated-0", self.port))
         else:
@@ -243,6 +254,8 @@ class LocalDeployment:
         self.broker_address = f"{HOST}:{port}"
         env = source_env()
         env["PDSERVE_BROKER_TOKENS"] = json.dumps({SERVICE: self.token})
+        if self.certs is not None:  # `pdserve broker` reads PDSERVE_TLS_CERT/_KEY/_CA: mutual TLS
+            env.update(tls_env(self.certs, broker_tls=False))
         env.update(self.plan.extra_env)
         child = self._spawn("broker", "broker", env, ["broker", "--host", HOST, "--port", str(port)])
         deadline = time.monotonic() + 60
@@ -264,6 +277,7 @@ class LocalDeployment:
             S.BIND_HOST: HOST,
             E.HTTP_PORT_ENV: str(http_port),
             E.GRPC_PORT_ENV: str(free_port()),
+            E.ADMIN_PORT_ENV: str(free_port()),
             S.TRANSFER_PORT_ENV: str(free_port()),
             E.MODEL_SOURCE: str(self.model_folder),
             E.MODEL_DTYPE: self.dtype,
@@ -281,6 +295,8 @@ class LocalDeployment:
         if role != "colocated":
             env[E.BROKER_ADDRESS] = self.broker_address
             env[E.BROKER_TOKEN] = self.token
+        if self.certs is not None:
+            env.update(tls_env(self.certs, broker_tls=role != "colocated"))
         env.update(plan.extra_env)
         return env
 
@@ -308,7 +324,7 @@ class LocalDeployment:
     def _wait_ready(self, deadline: float, stop_requested: Callable[[], bool]) -> None:
         want = {"colocated": 1} if self.plan.colocated else {"prefill": self.plan.prefill, "decode": self.plan.decode}
         last = None
-        with httpx.Client(timeout=2.0) as http:
+        with httpx.Client(timeout=2.0, verify=self.verify) as http:
             while True:
                 self._check_alive()
                 if stop_requested():
@@ -335,10 +351,12 @@ class LocalDeployment:
             "broker": self.broker_address,
             "dtype": self.dtype,
             "token_file": str(token_file),
+            "ca_file": None if self.certs is None else str(self.certs.ca),
             "children": [
                 {"name": c.name, "role": c.role, "pid": c.pid, "log": str(c.log_path),
                  "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
-                 "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None}
+                 "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None,
+                 "admin": f"{HOST}:{c.env[E.ADMIN_PORT_ENV]}" if E.ADMIN_PORT_ENV in c.env else None}
                 for c in self.children
             ],
         }
@@ -352,6 +370,11 @@ class LocalDeployment:
                     f"{child.name} (pid {child.pid}) exited with code {code}; its last log lines "
                     f"({child.log_path}):\n{child.tail()}"
                 )
+
+    @property
+    def verify(self) -> str | bool:
+        """What an HTTP client verifies the router with: the run's CA, or the system's."""
+        return str(self.certs.ca) if self.certs is not None else True
 
     # ---- running and stopping ------------------------------------------------------------------
 

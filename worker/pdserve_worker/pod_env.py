@@ -13,9 +13,13 @@ Pod-facing endpoints a worker must serve (the operator points probes and hooks a
 - Decode only, the transfer engine's listener on `TRANSFER_PORT` (named `transfer`): the
   engine id a decode pod registers with the broker is `POD_IP:TRANSFER_PORT` (HIXL's control
   channel; the host engine's TCP path). Prefill engines are clients and listen on nothing.
-- Decode only, `GET /drain` on the HTTP port (the pod's preStop hook): stop accepting new slot
-  reservations at once (so `/readyz` fails), wait until every reserved slot has finished or
-  `PDSERVE_DRAIN_TIMEOUT_SECONDS` passed, then answer 200. Idempotent; a second call waits too.
+- Decode only, `GET /drain` on the admin port `ADMIN_PORT`, which listens on 127.0.0.1 only
+  and needs the service's token (`Authorization: Bearer`): the pod's preStop hook runs
+  `pdserve drain`, which calls it from inside the pod. It stops new slot reservations at once
+  (so `/readyz` fails), waits until every reserved slot has finished or
+  `PDSERVE_DRAIN_TIMEOUT_SECONDS` passed, deregisters from the broker and answers 200; from
+  then on `/healthz` answers 503, so a worker drained by anything but its own stop is
+  restarted by its liveness probe. Idempotent; a second call waits too.
 
 Decode layer sharding: a StatefulSet with `layerShards > 1` runs `groups × shards` pods. A pod
 finds its place from its ordinal (the suffix of its name): `group = ordinal // shards`,
@@ -35,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 HTTP_PORT = 8080
 GRPC_PORT = 50051
 TRANSFER_PORT = 50052
+ADMIN_PORT = 8081  # loopback only: /drain, for the pod's own preStop hook
 
 ROLE = "PDSERVE_ROLE"
 SERVICE = "PDSERVE_SERVICE"  # "namespace/name" of the PDInferenceService: the broker's service key
@@ -44,6 +49,7 @@ POD_IP = "PDSERVE_POD_IP"
 BROKER_ADDRESS = "PDSERVE_BROKER_ADDRESS"  # host:port of the operator's gRPC broker
 BROKER_TOKEN = "PDSERVE_BROKER_TOKEN"  # from the service's Secret; every broker call carries it
 HTTP_PORT_ENV = "PDSERVE_HTTP_PORT"
+ADMIN_PORT_ENV = "PDSERVE_ADMIN_PORT"
 GRPC_PORT_ENV = "PDSERVE_GRPC_PORT"
 CONFIG_FILE = "PDSERVE_CONFIG_FILE"  # the rendered spec as JSON (ConfigMap), for humans and tools
 
@@ -68,6 +74,16 @@ WARMUP = "PDSERVE_WARMUP"  # decode: "true" | "false"
 LAYER_SHARDS = "PDSERVE_LAYER_SHARDS"  # decode: pods per group
 DECODE_SERVICE = "PDSERVE_DECODE_SERVICE"  # decode: the headless Service giving pods stable DNS
 DRAIN_TIMEOUT_SECONDS = "PDSERVE_DRAIN_TIMEOUT_SECONDS"  # decode: how long /drain may wait
+
+# TLS (spec.tls): the Secret's files, mounted at TLS_DIR. With them every gRPC server of the pod
+# speaks TLS only and requires a client certificate of the same CA; the router serves HTTPS.
+TLS_CERT = "PDSERVE_TLS_CERT"  # PEM certificate chain (tls.crt), server and client
+TLS_KEY = "PDSERVE_TLS_KEY"  # PEM private key (tls.key)
+TLS_CA = "PDSERVE_TLS_CA"  # PEM CA (ca.crt) that peers' certificates must chain to
+TLS_SERVER_NAME = "PDSERVE_TLS_SERVER_NAME"  # the name worker certificates carry (peers are dialled by IP)
+BROKER_TLS = "PDSERVE_BROKER_TLS"  # "true": the broker speaks TLS (verified with TLS_CA)
+TLS_DIR = "/etc/pdserve/tls"
+TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"  # cert-manager's Secret keys
 
 _ORDINAL = re.compile(r"-(\d+)$")
 

@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_worker import pod_env as E
+from pdserve_worker.rpc.auth import TLSConfig
 
 # Worker-only knobs (the operator leaves them at their defaults).
 BIND_HOST = "PDSERVE_BIND_HOST"  # address the HTTP and gRPC servers listen on
@@ -87,6 +88,13 @@ class WorkerSettings(BaseSettings):
     request_timeout_seconds: float = Field(600.0, gt=0, validation_alias=REQUEST_TIMEOUT_S)
     grace_seconds: float = Field(30.0, ge=0, validation_alias=GRACE_S)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, validation_alias=MAX_BODY_BYTES)
+    admin_port: int = Field(E.ADMIN_PORT, ge=0, le=65535, validation_alias=E.ADMIN_PORT_ENV)
+
+    tls_cert: Path | None = Field(None, validation_alias=E.TLS_CERT)
+    tls_key: Path | None = Field(None, validation_alias=E.TLS_KEY)
+    tls_ca: Path | None = Field(None, validation_alias=E.TLS_CA)
+    tls_server_name: str = Field("", validation_alias=E.TLS_SERVER_NAME)
+    broker_tls: bool | None = Field(None, validation_alias=E.BROKER_TLS)  # None: as the worker's own TLS
 
     @model_validator(mode="after")
     def _consistent(self) -> "WorkerSettings":
@@ -104,6 +112,13 @@ class WorkerSettings(BaseSettings):
                     f"{GROUP_PEERS}: a group of {self.layer_shards} needs {self.layer_shards} member endpoints, "
                     f"got {len(self.peers)} ({self.group_peers!r}); pods derive them from {E.DECODE_SERVICE}"
                 )
+        tls_files = {E.TLS_CERT: self.tls_cert, E.TLS_KEY: self.tls_key, E.TLS_CA: self.tls_ca}
+        if any(tls_files.values()) and not all(tls_files.values()):
+            missing = ", ".join(name for name, value in tls_files.items() if not value)
+            raise ValueError(f"TLS needs a certificate, its key and the CA; missing {missing}")
+        if self.broker_tls and self.tls is None:
+            raise ValueError(f"{E.BROKER_TLS}=true: the broker speaks TLS, but no certificate is configured "
+                             f"({E.TLS_CERT}/{E.TLS_KEY}/{E.TLS_CA}, spec.tls)")
         if self.model_source.startswith(BUILTIN_PREFIX) and self.model_source != BUILTIN_DEFAULT:
             raise ValueError(f"{E.MODEL_SOURCE}: unknown built-in model {self.model_source!r}; known: {BUILTIN_DEFAULT}")
         return self
@@ -113,6 +128,28 @@ class WorkerSettings(BaseSettings):
     @property
     def token(self) -> str:
         return self.broker_token.get_secret_value()
+
+    @property
+    def tls(self) -> TLSConfig | None:
+        """This worker's certificate: its servers speak TLS only and require client certificates
+        of the CA (mutual TLS); None when TLS is off."""
+        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
+            return None
+        return TLSConfig(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def peer_tls(self) -> TLSConfig | None:
+        """How to dial other workers: they are reached by IP, so their certificate is checked
+        under `tls_server_name` (when set; else under the address itself)."""
+        tls = self.tls
+        return None if tls is None else tls.for_peer(self.tls_server_name or None)
+
+    @property
+    def broker_channel_tls(self) -> TLSConfig | None:
+        """How to dial the broker: with TLS (checked under its address's host) if it speaks it."""
+        tls = self.tls
+        speaks = self.broker_tls if self.broker_tls is not None else tls is not None
+        return tls.for_peer(None) if speaks and tls is not None else None
 
     @property
     def member_id(self) -> str:

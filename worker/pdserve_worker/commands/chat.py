@@ -15,6 +15,8 @@ from collections.abc import Iterator
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a router interactively (multi-turn, streamed)")
     p.add_argument("--url", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--ca", default=None, help="CA file to verify an https router with (pdserve local --tls: "
+                                           "ca.crt in its log folder)")
     p.add_argument("--model", default=None, help="model name (default: the one the router serves)")
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    with RouterClient(args.url, timeout_s=args.timeout) as client:
+    with RouterClient(args.url, timeout_s=args.timeout, verify=str(args.ca) if args.ca else True) as client:
         try:
             model = args.model or client.served_model()
         except (ApiCallError, httpx.TransportError) as exc:

@@ -14,6 +14,8 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("complete", help="send one prompt to a router; print the answer and its timing")
     p.add_argument("--url", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--ca", default=None, help="CA file to verify an https router with (pdserve local --tls: "
+                                           "ca.crt in its log folder)")
     p.add_argument("--prompt", required=True, help="the prompt (a user message with --chat)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (the model's chat template)")
     p.add_argument("--model", default=None, help="model name (default: the one the router serves)")
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        with RouterClient(args.url, timeout_s=args.timeout) as client:
+        with RouterClient(args.url, timeout_s=args.timeout, verify=str(args.ca) if args.ca else True) as client:
             model = args.model or client.served_model()
             body: dict[str, object] = {"model": model, "temperature": args.temperature, "stream": args.stream}
             if args.max_tokens is not None:

@@ -3,6 +3,7 @@
     pdserve local --prefill 1 --decode 2 [--port 8000] [--model PATH] [--dtype ...]
     pdserve local --demo        start, ask one question, show the answer and its timing, stop
     pdserve local --colocated   one process that prefills and decodes (the baseline)
+    pdserve local --tls         mutual TLS on every gRPC hop, HTTPS at the router (a CA made for the run)
 
 Progress goes to stderr; the router's URL goes to stdout once it serves. Ctrl-C or SIGTERM
 stops every child. Exits non-zero, with the failing child's last log lines, if the
@@ -33,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="processes per decode instance, each holding a share of the layers (default 1)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
     p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
+    p.add_argument("--tls", action="store_true",
+                   help="make a CA for the run: mutual TLS on every gRPC hop (no plaintext gRPC port), HTTPS "
+                        "at the router; clients verify it with ca.crt in the log folder")
     p.add_argument("--demo", action="store_true", help=f"ask {DEMO_QUESTION!r}, show the answer and timing, stop")
     p.add_argument("--on-exit", choices=["stop", "restart", "ignore"], default="stop",
                    help="when a child exits while serving: stop everything (default), restart it (as a pod's "
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
                          slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
                          layers_per_chunk=args.layers_per_chunk, layer_shards=args.layer_shards,
-                         log_dir=args.log_dir, extra_env=extra_env)
+                         tls=args.tls, log_dir=args.log_dir, extra_env=extra_env)
     except ValueError as exc:
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2
@@ -73,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
             return 130
         shape = "colocated" if plan.colocated else f"{plan.prefill} prefill, {plan.decode} decode"
         if args.demo:
-            return _demo(url, shape)
+            return _demo(url, shape, deployment.verify)
         print(url, flush=True)
+        ca = f" --ca {deployment.certs.ca}" if deployment.certs is not None else ""
         print(f"pdserve local: serving at {url}/v1 ({shape}); try:\n"
-              f"  pdserve complete --url {url} --chat --stream --prompt {DEMO_QUESTION!r}\n"
+              f"  pdserve complete --url {url}{ca} --chat --stream --prompt {DEMO_QUESTION!r}\n"
               f"Ctrl-C stops it.", file=sys.stderr, flush=True)
         reported: set[int] = set()
         while not flag.wait(0.5):
@@ -106,14 +111,14 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def _demo(url: str, shape: str) -> int:
+def _demo(url: str, shape: str, verify: str | bool = True) -> int:
     """One streamed chat request: the answer as it arrives, then what it cost."""
     from pdserve_worker.client import ApiCallError, RouterClient
 
     print(f"pdserve local: {shape} at {url}/v1", file=sys.stderr)
     print(f"> {DEMO_QUESTION}", flush=True)
     try:
-        with RouterClient(url, timeout_s=300) as client:
+        with RouterClient(url, timeout_s=300, verify=verify) as client:
             body = {
                 "model": client.served_model(),
                 "messages": [{"role": "user", "content": DEMO_QUESTION}],

@@ -46,8 +46,8 @@ from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
 from pdserve_worker.roles.decode import DecodeWorker, Ready
-from pdserve_worker.rpc.auth import bearer_metadata
-from pdserve_worker.rpc.channels import CHANNEL_OPTIONS
+from pdserve_worker.rpc.auth import TLSConfig, bearer_metadata
+from pdserve_worker.rpc.channels import WORKER_MAX_MESSAGE, channel_options
 from pdserve_worker.rpc.convert import layout_from_proto, layout_to_proto
 from pdserve_worker.rpc.membership import MemberInfo
 from pdserve_worker.settings import WorkerSettings
@@ -58,7 +58,12 @@ from pdserve_worker.transfer.service_link import capability_key
 log = logging.getLogger("pdserve.decode_shard")
 
 DESCRIBE_TIMEOUT_S = 120.0  # followers load their model while the leader waits for them
-MAX_MESSAGE = 256 * 1024 * 1024  # a batch's hidden state: batch x hidden x dtype, far below this
+
+
+def group_max_message(slots: int, hidden_size: int) -> int:
+    """The largest gRPC message between a group's members: one decode step's hidden state,
+    batch (at most `slots`) x hidden x 4 bytes, plus its slots and positions."""
+    return max(WORKER_MAX_MESSAGE, slots * hidden_size * 4 + (1 << 20))
 
 
 class ShardError(RuntimeError):
@@ -239,11 +244,14 @@ class RemoteShard:
     """A follower seen from the leader: a blocking client (the generation loop's thread calls
     `forward`; readiness waits run on worker threads)."""
 
-    def __init__(self, endpoint: str, token: str) -> None:
+    def __init__(self, endpoint: str, token: str, tls: TLSConfig | None = None, *,
+                 max_message: int = WORKER_MAX_MESSAGE) -> None:
         self.endpoint = endpoint
-        options = list(CHANNEL_OPTIONS) + [("grpc.max_send_message_length", MAX_MESSAGE),
-                                           ("grpc.max_receive_message_length", MAX_MESSAGE)]
-        self._channel = grpc.insecure_channel(endpoint, options=options)
+        options = channel_options(tls, max_message)
+        # The token travels as explicit metadata on each call (a blocking channel has no
+        # interceptors here), so TLS adds the transport only, not call credentials.
+        self._channel = (grpc.insecure_channel(endpoint, options=options) if tls is None
+                         else grpc.secure_channel(endpoint, tls.ssl_credentials(), options=options))
         self._stub = shard_pb2_grpc.DecodeShardStub(self._channel)
         self._metadata = bearer_metadata(token)
         self._lock = threading.Lock()

@@ -1,10 +1,16 @@
 """The pod-facing HTTP endpoints of a worker (pod_env.py's contract) and an embeddable uvicorn.
 
-- `GET /healthz`: the process is alive (answers while the model is still loading).
+- `GET /healthz`: the process is alive (answers while the model is still loading); 503 once
+  the worker was drained and left the broker (`phase` "drained"), so that a worker drained by
+  someone other than its own shutdown is restarted by its liveness probe instead of idling.
 - `GET /readyz`: 200 once the model is loaded and the worker registered with the broker,
   503 (with the reason) before that and while draining.
-- `GET /drain` (decode): stop taking slots, wait for the active ones, answer 200 when done or
-  when the drain timeout passed. Idempotent: a second call waits as well.
+
+The admin endpoints are on a port of their own that listens on 127.0.0.1 only (`admin_app`),
+so nothing outside the pod reaches them, and they want the service's token as well:
+- `GET /drain` (decode): stop taking slots, wait for the active ones, leave the broker, answer
+  200 when done or when the drain timeout passed. Idempotent: a second call waits as well.
+  The pod's preStop hook calls it with `pdserve drain`.
 
 `EmbeddedServer` is uvicorn without its signal handling: the worker's own shutdown sequence
 (drain, deregister, stop gRPC) owns SIGTERM, and tells the server to stop when it is time.
@@ -26,6 +32,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from pdserve_worker.roles.router_server import build_router_server
+from pdserve_worker.rpc.auth import TLSConfig, TokenTable, authorize
+
+ADMIN_HOST = "127.0.0.1"
 
 
 @dataclass
@@ -34,7 +43,7 @@ class WorkerState:
 
     role: str
     worker_id: str
-    phase: str = "starting"  # starting | loading | registering | ready | draining | stopping
+    phase: str = "starting"  # starting | loading | registering | ready | draining | drained | stopping
     detail: dict[str, Any] = field(default_factory=dict)
     serving: Callable[[], bool] | None = None  # more than started: e.g. a router that knows its peers
 
@@ -43,28 +52,37 @@ class WorkerState:
         return self.phase == "ready" and (self.serving is None or self.serving())
 
 
-def health_routes(state: WorkerState, drain: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> list[Route]:
+def health_routes(state: WorkerState) -> list[Route]:
     async def healthz(_: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "role": state.role, "worker": state.worker_id, "phase": state.phase})
+        body = {"status": "ok", "role": state.role, "worker": state.worker_id, "phase": state.phase}
+        if state.phase == "drained":
+            return JSONResponse({**body, "status": "drained"}, status_code=503)
+        return JSONResponse(body)
 
     async def readyz(_: Request) -> JSONResponse:
         body = {"ready": state.ready, "role": state.role, "worker": state.worker_id, "phase": state.phase,
                 **state.detail}
         return JSONResponse(body, status_code=200 if state.ready else 503)
 
-    routes = [Route("/healthz", healthz), Route("/readyz", readyz)]
-    if drain is not None:
-
-        async def drain_endpoint(_: Request) -> JSONResponse:
-            return JSONResponse(await drain())
-
-        routes.append(Route("/drain", drain_endpoint))
-    return routes
+    return [Route("/healthz", healthz), Route("/readyz", readyz)]
 
 
-def worker_app(state: WorkerState, drain: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> Starlette:
-    """The HTTP app of a prefill or decode worker."""
-    return Starlette(routes=health_routes(state, drain))
+def worker_app(state: WorkerState) -> Starlette:
+    """The HTTP app of a prefill or decode worker (the pod's `http` port)."""
+    return Starlette(routes=health_routes(state))
+
+
+def admin_app(tokens: TokenTable, drain: Callable[[], Awaitable[dict[str, Any]]]) -> Starlette:
+    """The admin endpoints (`/drain`), for the admin port on 127.0.0.1: every call needs the
+    service's token, as gRPC calls do (`Authorization: Bearer <token>`)."""
+
+    async def drain_endpoint(request: Request) -> JSONResponse:
+        denial = authorize(tokens, [(k.lower(), v) for k, v in request.headers.items()], None)
+        if denial is not None:
+            return JSONResponse({"error": denial.details}, status_code=401)
+        return JSONResponse(await drain())
+
+    return Starlette(routes=[Route("/drain", drain_endpoint)])
 
 
 class EmbeddedServer(uvicorn.Server):
@@ -88,6 +106,8 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def embedded_server(app: ASGIApp, host: str, port: int, grace_s: float) -> EmbeddedServer:
-    """The router's uvicorn configuration (quiet, graceful drain of `grace_s`), signal-free."""
-    return EmbeddedServer(build_router_server(app, host, port, grace_s=grace_s).config)
+def embedded_server(app: ASGIApp, host: str, port: int, grace_s: float,
+                    tls: TLSConfig | None = None) -> EmbeddedServer:
+    """The router's uvicorn configuration (quiet, graceful drain of `grace_s`, HTTPS with
+    `tls`), signal-free."""
+    return EmbeddedServer(build_router_server(app, host, port, grace_s=grace_s, tls=tls).config)

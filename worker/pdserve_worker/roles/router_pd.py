@@ -54,6 +54,7 @@ from pdserve_worker.roles.backend import (
 from pdserve_worker.roles.placement import compatible, rank_decodes, rank_prefills
 from pdserve_worker.roles.router_metrics import RouterMetrics
 from pdserve_worker.roles.tokenizing import ModelTokenizing
+from pdserve_worker.rpc.auth import TLSConfig
 from pdserve_worker.rpc.channels import aio_channel
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
@@ -100,6 +101,7 @@ class PDBackend(ModelTokenizing):
         token: str,
         metrics: RouterMetrics | None = None,
         timeouts: Timeouts = Timeouts(),
+        tls: TLSConfig | None = None,
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -109,6 +111,7 @@ class PDBackend(ModelTokenizing):
         self._token = token
         self._metrics = metrics
         self._t = timeouts
+        self._tls = tls  # how workers are dialled (settings.peer_tls)
         self._view: MembershipView | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._inflight_decode: Counter[str] = Counter()
@@ -180,7 +183,7 @@ class PDBackend(ModelTokenizing):
         """A decode with our streams left the membership: if it does not answer either (frozen,
         or gone without closing its connections), its streams are given up and resumed
         elsewhere. One that answers keeps them: the broker may merely have restarted."""
-        channel = aio_channel(member.info.grpc_endpoint, self._token)
+        channel = aio_channel(member.info.grpc_endpoint, self._token, self._tls)
         try:
             await worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest(), timeout=self._t.rpc_s)
         except grpc.aio.AioRpcError as exc:
@@ -454,7 +457,7 @@ class PDBackend(ModelTokenizing):
         endpoint = member.info.grpc_endpoint
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = self._channels[endpoint] = aio_channel(endpoint, self._token)
+            channel = self._channels[endpoint] = aio_channel(endpoint, self._token, self._tls)
         return channel
 
     def _spawn(self, coro) -> None:

@@ -17,6 +17,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from pdserve_worker.logs import kv
+from pdserve_worker.rpc.auth import TLSConfig
 
 log = logging.getLogger("pdserve.router")
 
@@ -24,8 +25,13 @@ DEFAULT_GRACE_S = 30.0
 
 
 def build_router_server(app: ASGIApp, host: str, port: int, *, grace_s: float = DEFAULT_GRACE_S,
-                        log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server for `app`, not yet started (tests run it in a thread and stop it)."""
+                        log_level: str = "warning", tls: TLSConfig | None = None) -> uvicorn.Server:
+    """A uvicorn server for `app`, not yet started (tests run it in a thread and stop it).
+    With `tls` it serves HTTPS only (clients are not asked for certificates: API clients use
+    the API's own authentication)."""
+    ssl: dict[str, str] = {}
+    if tls is not None and tls.cert_file is not None and tls.key_file is not None:
+        ssl = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
     config = uvicorn.Config(
         app,
         host=host,
@@ -35,6 +41,7 @@ def build_router_server(app: ASGIApp, host: str, port: int, *, grace_s: float = 
         log_level=log_level,
         access_log=False,  # the router logs one structured line per request instead
         lifespan="off",
+        **ssl,  # type: ignore[arg-type]
     )
     return uvicorn.Server(config)
 

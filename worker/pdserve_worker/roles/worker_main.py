@@ -10,7 +10,13 @@ requests finish, up to the drain timeout); the worker leaves the broker, then th
 HTTP servers stop (in-flight calls get the grace period), then the KV pool is deregistered,
 the transfer engine finalized (its server stopped and joined, so no peer's write can still
 land), and only then the pool's memory freed. A second signal during the stop is ignored; the pod's grace period is
-the hard limit.
+the hard limit. A decode drained through its admin port (the preStop hook's `pdserve drain`)
+has already left the broker when the signal comes; drained by anything else, it fails its
+liveness probe and is restarted.
+
+With TLS configured (settings.tls) every gRPC server listens with TLS only and requires a
+client certificate of the CA, every gRPC client (to the broker, to other workers, a group's
+leader to its followers) dials with TLS and its certificate, and the router serves HTTPS.
 
 The router role serves the OpenAI API (`router_app.create_app`) over `PDBackend`; the
 colocated role serves it over one in-process Generator (no broker): the baseline of the
@@ -28,7 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from pdserve_worker.logs import kv
-from pdserve_worker.roles.pod_http import WorkerState, embedded_server, health_routes, listen, worker_app
+from pdserve_worker.roles.pod_http import (
+    ADMIN_HOST,
+    WorkerState,
+    admin_app,
+    embedded_server,
+    health_routes,
+    listen,
+    worker_app,
+)
 from pdserve_worker.settings import WorkerSettings, model_revision
 
 log = logging.getLogger("pdserve.worker")
@@ -102,35 +116,54 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         ShardError,
         ShardFollower,
         describe_followers,
+        group_max_message,
         is_follower,
         member_layers,
     )
+    from pdserve_worker.rpc.channels import WORKER_MAX_MESSAGE
     from pdserve_worker.transfer.engine import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)
     decode: DecodeWorker | None = None
-    broker = BrokerClient(settings.broker_address, settings.service, settings.token)
+    broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
+    tokens = TokenTable({settings.service: settings.token})
+    registered = False
+
+    async def leave_broker() -> None:
+        nonlocal registered
+        if registered:
+            registered = False
+            await broker.deregister()
 
     async def drain() -> dict[str, Any]:
-        """GET /drain: the pod's preStop hook (pod_env.py)."""
+        """GET /drain on the admin port: the pod's preStop hook (pod_env.py)."""
         if isinstance(worker, ShardFollower) and state.phase in ("ready", "draining"):
             state.phase = "draining"  # serve the leader's steps until it has drained and let go
             return {"drained": await worker.drain(settings.drain_timeout_seconds), "busy": worker.open_streams}
-        if decode is None or state.phase not in ("ready", "draining"):
+        if decode is None or state.phase not in ("ready", "draining", "drained"):
             state.phase = "draining"
             return {"drained": True, "busy": 0}
-        state.phase = "draining"
-        await broker.set_draining(True)
+        if state.phase == "ready":
+            state.phase = "draining"
+            await broker.set_draining(True)
         drained = await decode.drain(settings.drain_timeout_seconds)
-        await broker.deregister()
+        await leave_broker()
+        if state.phase == "draining":
+            state.phase = "drained"  # /healthz fails from here: a drained decode is replaced, not kept idle
         return {"drained": drained, "busy": decode.busy_slots()}
 
     http_socket = _listen_or_fail(settings.bind_host, settings.http_port)
-    app = worker_app(state, drain if settings.role == "decode" else None)
+    app = worker_app(state)
     http = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds)
     http_task = asyncio.create_task(http.serve(sockets=[http_socket]), name="worker-http")
+    admin: Any = None
+    admin_task: asyncio.Task | None = None
+    if settings.role == "decode":
+        admin_socket = _listen_or_fail(ADMIN_HOST, settings.admin_port)
+        admin = embedded_server(admin_app(tokens, drain), ADMIN_HOST, settings.admin_port, settings.grace_seconds)
+        admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]), name="worker-admin")
     backend = None
     worker: Any = None
     server = None
@@ -154,13 +187,16 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         status = backend.engine.initialize(engine_id, options)
         if status != backend.api.SUCCESS:
             raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
-        server = aio_server(TokenTable({settings.service: settings.token}))
+        max_message = (WORKER_MAX_MESSAGE if settings.layer_shards == 1
+                       else group_max_message(settings.slots, loaded.config.hidden_size))
+        server = aio_server(tokens, max_message=max_message)
         if is_follower(settings):
             worker = ShardFollower(settings, loaded, backend)
             shard_pb2_grpc.add_DecodeShardServicer_to_server(DecodeShardServicer(worker), server)
             load_fn = None
         elif settings.role == "decode" and settings.layer_shards > 1:
-            remotes = [RemoteShard(peer, settings.token) for peer in settings.peers[1:]]
+            remotes = [RemoteShard(peer, settings.token, settings.peer_tls, max_message=max_message)
+                       for peer in settings.peers[1:]]
             try:
                 followers = await asyncio.to_thread(describe_followers, remotes)
             except ShardError as exc:
@@ -179,8 +215,8 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
             load_fn = worker.load
         try:
-            bind(server, settings.bind_host, settings.grpc_port)
-        except OSError as exc:
+            bind(server, settings.bind_host, settings.grpc_port, settings.tls)
+        except (OSError, ValueError) as exc:
             raise StartupError(str(exc)) from exc
         await server.start()
         if stop.is_set():
@@ -189,6 +225,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         try:
             if load_fn is not None:  # a group's followers are part of their leader's instance
                 await broker.register(worker.member_info(), load=load_fn, timeout_s=REGISTER_TIMEOUT_S)
+                registered = True
         except (BrokerError, TimeoutError) as exc:
             raise StartupError(f"broker {settings.broker_address} did not register us: {exc}") from exc
         if isinstance(worker, PrefillWorker):
@@ -200,16 +237,15 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
                     model=loaded.name, revision=revision))
         await _until(stop, http_task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
-        if decode is not None and state.phase != "draining":
+        if decode is not None and state.phase not in ("draining", "drained"):
             state.phase = "draining"
             await broker.set_draining(True)
             await decode.drain(settings.drain_timeout_seconds)
-        if isinstance(worker, ShardFollower) and state.phase != "draining":
+        if isinstance(worker, ShardFollower) and state.phase not in ("draining", "drained"):
             state.phase = "draining"
             await worker.drain(settings.drain_timeout_seconds)
         state.phase = "stopping"
-        if load_fn is not None:
-            await broker.deregister()
+        await leave_broker()
     finally:
         state.phase = "stopping"
         await broker.close()
@@ -218,6 +254,10 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         http.should_exit = True
         with contextlib.suppress(Exception):
             await http_task
+        if admin is not None and admin_task is not None:
+            admin.should_exit = True
+            with contextlib.suppress(Exception):
+                await admin_task
         # Stop using the pool and deregister it, then stop the engine (its server first: no
         # peer can be writing any more), and only then free the pool's memory.
         if worker is not None:
@@ -261,12 +301,12 @@ async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state
     app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes))
     _add_pod_routes(app, state)
     sock = _listen_or_fail(settings.bind_host, settings.http_port)
-    server = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds)
+    server = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds, settings.tls)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
     try:
         state.phase = "ready"
         log.info(kv(event="router_listening", role=settings.role, host=settings.bind_host, port=settings.http_port,
-                    model=backend.model_name))
+                    model=backend.model_name, https=settings.tls is not None))
         await _until(stop, task)
         state.phase = "stopping"
     finally:
@@ -291,7 +331,7 @@ async def _run_router(settings: WorkerSettings) -> None:
         config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     except (FileNotFoundError, ValueError, TokenizerError) as exc:
         raise StartupError(f"cannot read model {settings.model_source!r}: {exc}") from exc
-    broker = BrokerClient(settings.broker_address, settings.service, settings.token)
+    broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
     metrics = RouterMetrics()
     backend = PDBackend(
         model_name=served_name(settings, folder),
@@ -303,6 +343,7 @@ async def _run_router(settings: WorkerSettings) -> None:
         metrics=metrics,
         timeouts=Timeouts(lease_ms=settings.lease_ms, readiness_ms=settings.readiness_timeout_ms,
                           prefill_s=settings.request_timeout_seconds),
+        tls=settings.peer_tls,
     )
     # A router without a prefill or a decode to send requests to is not ready for traffic.
     state.serving = lambda: bool(backend.health()["ready"])

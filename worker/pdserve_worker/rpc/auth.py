@@ -278,12 +278,19 @@ class TLSConfig:
             require_client_auth=ca is not None,
         )
 
-    def channel_credentials(self, token: str) -> grpc.ChannelCredentials:
+    def ssl_credentials(self) -> grpc.ChannelCredentials:
+        """The TLS part of a client's credentials (the token travels as call metadata)."""
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError(f"client TLS needs both cert_file and key_file or neither, got {self}")
-        ssl = grpc.ssl_channel_credentials(
+        return grpc.ssl_channel_credentials(
             root_certificates=self._read(self.ca_file, "ca"),
             private_key=self._read(self.key_file, "key"),
             certificate_chain=self._read(self.cert_file, "cert"),
         )
-        return grpc.composite_channel_credentials(ssl, bearer_call_credentials(token))
+
+    def channel_credentials(self, token: str) -> grpc.ChannelCredentials:
+        return grpc.composite_channel_credentials(self.ssl_credentials(), bearer_call_credentials(token))
+
+    def for_peer(self, server_name: str | None) -> TLSConfig:
+        """The same files, verifying peers under `server_name` (None: the address's own host)."""
+        return TLSConfig(self.cert_file, self.key_file, self.ca_file, server_name)
