@@ -76,7 +76,7 @@ class BrokerServerView:
         return None if fn is None else fn(service_key)
 
 
-def load_broker(host: str, port: int) -> tuple[BrokerView, Any | None]:
+def load_broker(host: str, port: int, tls: Any = None) -> tuple[BrokerView, Any | None]:
     """Start the gRPC broker if this build has one; returns (view, server or None).
 
     The broker module is optional at this layer: an operator built before it existed, or a
@@ -89,7 +89,7 @@ def load_broker(host: str, port: int) -> tuple[BrokerView, Any | None]:
             raise  # the broker exists but something it needs is missing: that is a real error
         log.warning(kv(event="broker_unavailable", reason="pdserve_operator.broker not installed"))
         return NullBrokerView(), None
-    server = module.BrokerServer()
+    server = module.BrokerServer(tls=tls)
     bound = server.start(host, port)
-    log.info(kv(event="broker_started", host=host, port=bound))
+    log.info(kv(event="broker_started", host=host, port=bound, tls=tls is not None))
     return BrokerServerView(server), server

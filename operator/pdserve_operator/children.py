@@ -67,6 +67,9 @@ class Defaults:
     # (a cluster without a policy-enforcing CNI ignores it; one with a default-deny needs it).
     network_policy: bool = True
     operator_namespace: str = "pdserve-system"  # where the operator pods run (a policy peer)
+    # The operator's broker speaks (mutual) TLS: workers must dial it with TLS and present their
+    # service's certificate (spec.tls), issued by the same CA as the broker's.
+    broker_tls: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +114,15 @@ def selector_string(name: str, role: str) -> str:
 
 
 def endpoint(owner: Owner, spec: s.PDInferenceServiceSpec) -> str:
-    return f"http://{router_service_name(owner.name)}.{owner.namespace}.svc:{spec.router.service.port}/v1"
+    scheme = "https" if spec.tls is not None else "http"
+    return f"{scheme}://{router_service_name(owner.name)}.{owner.namespace}.svc:{spec.router.service.port}/v1"
+
+
+def tls_server_name(owner: Owner, spec: s.PDInferenceServiceSpec) -> str:
+    """The name peers check the service's certificate under: spec.tls.serverName, else the
+    router Service's DNS name (which the certificate needs for HTTPS clients anyway)."""
+    assert spec.tls is not None
+    return spec.tls.server_name or f"{router_service_name(owner.name)}.{owner.namespace}.svc"
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:
@@ -211,6 +222,16 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
         val(E.ENGINE_OPTIONS, json.dumps(spec.transfer.engine_options, sort_keys=True)),
         val("HOME", "/tmp"),  # the root filesystem is read-only; caches go to the emptyDir
     ]
+    if spec.tls is not None:
+        env += [
+            val(E.TLS_CERT, f"{E.TLS_DIR}/{E.TLS_CERT_KEY}"),
+            val(E.TLS_KEY, f"{E.TLS_DIR}/{E.TLS_KEY_KEY}"),
+            val(E.TLS_CA, f"{E.TLS_DIR}/{E.TLS_CA_KEY}"),
+            val(E.TLS_SERVER_NAME, tls_server_name(owner, spec)),
+        ]
+    if spec.tls is not None or defaults.broker_tls:
+        # Explicit either way: a broker with TLS and a service without spec.tls is a clear start error.
+        env.append(val(E.BROKER_TLS, defaults.broker_tls))
     if role == "prefill":
         env.append(val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk))
     if role == "decode":
@@ -250,9 +271,12 @@ def _pvc_claim(source: str) -> str | None:
     return source.removeprefix("pvc://").partition("/")[0]
 
 
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+def _probe(path: str, period: int, failures: int, https: bool = False) -> dict[str, Any]:
+    get: dict[str, Any] = {"path": path, "port": "http"}
+    if https:
+        get["scheme"] = "HTTPS"  # the kubelet does not verify the certificate
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": get,
         "periodSeconds": period,
         "failureThreshold": failures,
         "timeoutSeconds": 2,
@@ -269,6 +293,9 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
         {"name": "config", "configMap": {"name": config_name(owner.name)}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    if spec.tls is not None:
+        mounts.append({"name": "tls", "mountPath": E.TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440}})
     if role in ("prefill", "decode"):
         # The host transfer engine keeps KV pools in shared memory; the container default is 64 MiB.
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -277,6 +304,7 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
         if claim is not None:
             mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
             volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    https = role == "router" and spec.tls is not None  # the router serves its API (and probes) over TLS
     container: dict[str, Any] = {
         "name": "worker",
         "image": spec.image or defaults.image,
@@ -288,10 +316,10 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
             {"name": "http", "containerPort": E.HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": E.GRPC_PORT, "protocol": "TCP"},
         ],
-        "readinessProbe": _probe("/readyz", 5, 3),
-        "livenessProbe": _probe("/healthz", 10, 6),
+        "readinessProbe": _probe("/readyz", 5, 3, https),
+        "livenessProbe": _probe("/healthz", 10, 6, https),
         # Loading a model can take minutes; liveness starts counting only after this succeeds.
-        "startupProbe": _probe("/healthz", 5, 120),
+        "startupProbe": _probe("/healthz", 5, 120, https),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -306,8 +334,9 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
     grace = 30
     if role == "decode":
         container["ports"].append({"name": "transfer", "containerPort": E.TRANSFER_PORT, "protocol": "TCP"})
-        # Contract (pod_env.py): GET /drain returns once the pod's slots are drained or timed out.
-        container["lifecycle"] = {"preStop": {"httpGet": {"path": "/drain", "port": "http"}}}
+        # Contract (pod_env.py): `pdserve drain` calls GET /drain on the admin port, which listens
+        # on 127.0.0.1 only, and returns once the pod's slots are drained or timed out.
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["pdserve", "drain"]}}}
         grace = spec.decode.drain_timeout_seconds + 15
     pod_spec: dict[str, Any] = {
         "containers": [container],

@@ -49,7 +49,7 @@ def run(
 
     server: Any = None
     if broker is None:
-        broker, server = load_broker(config.broker_host, config.broker_port)
+        broker, server = load_broker(config.broker_host, config.broker_port, config.broker_tls())
     runtime = build_runtime(config, events=handlers.post_event, broker=broker, broker_server=server, kube=kube)
     try:
         config = check_peering(config, runtime.kube)

@@ -7,10 +7,13 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdserve_worker.rpc.auth import TLSConfig
 
 from pdserve_operator import children as ch
 from pdserve_operator.broker_view import BrokerView, NullBrokerView
@@ -52,6 +55,19 @@ class OperatorConfig(BaseSettings):
     pod_namespace: str = Field(
         "pdserve-system", description="The operator's own namespace (downward API): the NetworkPolicy's operator peer."
     )
+    tls_cert: str | None = Field(None, description="The broker's TLS certificate (PEM); with key and ca: mutual TLS.")
+    tls_key: str | None = Field(None, description="The broker's TLS private key (PEM).")
+    tls_ca: str | None = Field(None, description="CA that workers' client certificates must chain to (PEM).")
+
+    def broker_tls(self) -> TLSConfig | None:
+        """The broker's TLS, when configured: all three files or none."""
+        files = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+        if not any(files.values()):
+            return None
+        missing = [name for name, value in files.items() if not value]
+        if missing:
+            raise ValueError(f"broker TLS needs a certificate, its key and the CA; missing {', '.join(missing)}")
+        return TLSConfig(Path(self.tls_cert), Path(self.tls_key), Path(self.tls_ca))  # type: ignore[arg-type]
 
 
 def derived_priority(identity: str | None = None) -> int:
@@ -106,6 +122,7 @@ def build_runtime(
         image_pull_policy=config.image_pull_policy,
         network_policy=config.network_policy,
         operator_namespace=config.pod_namespace,
+        broker_tls=config.broker_tls() is not None,
     )
     return Runtime(
         config=config,

@@ -123,6 +123,7 @@ Quantity = Annotated[
 ]
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 class ResourceRequirements(Model):
@@ -328,6 +329,26 @@ class RouterSpec(PodOverrides):
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec, description="The router Service.")
 
 
+class TLSSpec(Model):
+    """TLS for the service's own hops, from a Secret in its namespace (cert-manager's shape)."""
+
+    secret_name: str = Field(
+        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        description=(
+            "Secret with tls.crt, tls.key and ca.crt (what a cert-manager Certificate writes). Every pod "
+            "mounts it: gRPC between the service's pods is mutual TLS only, the router serves HTTPS. The "
+            "certificate needs both server and client auth usages and the name in serverName."
+        ),
+    )
+    server_name: str | None = Field(
+        None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        description=(
+            "The DNS name the certificate carries that peers check (pods dial each other by IP); "
+            "default NAME.NAMESPACE.svc, the router Service's name."
+        ),
+    )
+
+
 class PDInferenceServiceSpec(Model):
     """Desired state of a prefill/decode disaggregated inference service."""
 
@@ -340,6 +361,7 @@ class PDInferenceServiceSpec(Model):
     decode: DecodeSpec = Field(default_factory=DecodeSpec, description="Decode role.")
     transfer: TransferSpec = Field(default_factory=TransferSpec, description="KV transfer settings.")
     router: RouterSpec = Field(default_factory=RouterSpec, description="Router role and its Service.")
+    tls: TLSSpec | None = Field(None, description="TLS on the service's gRPC hops and its API (off when unset).")
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(

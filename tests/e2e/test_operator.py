@@ -90,7 +90,7 @@ def test_sample_gets_every_child_with_owner_env_and_resources(cluster: Cluster, 
     container = decode["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["huawei.com/Ascend910"] == "2"
     assert container["image"] == "registry.example/pdserve:test"
-    assert container["lifecycle"]["preStop"]["httpGet"]["path"] == "/drain"
+    assert container["lifecycle"]["preStop"] == {"exec": {"command": ["pdserve", "drain"]}}
     prefill_env = env_of(kids[("Deployment", "svc-prefill")])
     assert prefill_env["PDSERVE_ROLE"] == "prefill" and prefill_env["EXTRA"] == "1"
     assert "huawei.com/Ascend910" not in (kids[("Deployment", "svc-router")]["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {}))

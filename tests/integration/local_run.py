@@ -72,6 +72,15 @@ class LocalRun:
     def child(self, name: str) -> dict[str, Any]:
         return next(c for c in self.manifest["children"] if c["name"] == name)
 
+    def drain(self, name: str, timeout_s: float = 60.0) -> Any:
+        """The child's preStop drain: its admin port (127.0.0.1 only) with the service's token."""
+        import httpx
+
+        reply = httpx.get(f"http://{self.child(name)['admin']}/drain",
+                          headers={"Authorization": f"Bearer {self.token}"}, timeout=timeout_s)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
     def stop(self, timeout_s: float = 90.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -208,10 +208,8 @@ def test_a_broker_restart_leaves_requests_in_flight_alone(local, reference):
 def test_draining_a_decode_under_load_loses_no_request(local, reference):
     """Last: decode-1 stays drained."""
     settle(local)
-    decode1 = local.child("decode-1")
     drained: list[dict] = []
-    answers = run_all(local, PROMPTS, lambda: drained.append(
-        httpx.get(f"http://{decode1['http']}/drain", timeout=60).json()))
+    answers = run_all(local, PROMPTS, lambda: drained.append(local.drain("decode-1")))
     assert drained == [{"drained": True}] or drained[0].get("drained") is True
     assert_complete(answers, PROMPTS, reference)
     wait_until(lambda: httpx.get(f"{local.url}/health").json()["members"]["decode"] == 1, 15, "decode-1 gone")

@@ -70,10 +70,8 @@ def test_group_of_two_processes_answers_as_colocated(local, reference):
 def test_a_follower_asked_to_drain_keeps_serving_its_leader(local, reference):
     """A follower's preStop waits for its leader to let go (up to the drain timeout, 10 s in
     `pdserve local`) and never cuts the leader's steps short."""
-    import httpx
-
     follower = next(c for c in local.manifest["children"] if c["role"] == "decode-member")
-    reply = httpx.get(f"http://{follower['http']}/drain", timeout=30).json()
+    reply = local.drain(follower["name"], timeout_s=30)
     assert reply == {"drained": False, "busy": 1}  # the leader's step stream is still open
     client = openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id

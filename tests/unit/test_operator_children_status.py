@@ -97,7 +97,7 @@ def test_pods_are_non_root_with_probes_and_decode_drains() -> None:
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert c["args"] == ["worker", "--role", name.removeprefix("svc-")]
     decode = objs[("StatefulSet", "svc-decode")]["spec"]["template"]["spec"]
-    assert decode["containers"][0]["lifecycle"]["preStop"]["httpGet"]["path"] == "/drain"
+    assert decode["containers"][0]["lifecycle"]["preStop"] == {"exec": {"command": ["pdserve", "drain"]}}
     assert decode["terminationGracePeriodSeconds"] > 90
 
 
@@ -251,3 +251,44 @@ def test_broker_view_adapts_a_server_with_enum_roles_and_without_slot_tracking()
     view.remove_service("ns/a")
     assert server.tokens == {}
     assert NullBrokerView().registered_counts("ns/a") is None
+
+
+def test_no_tls_renders_no_tls() -> None:
+    objs = render({})
+    for kind, name in (("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router")):
+        pod = objs[(kind, name)]["spec"]["template"]["spec"]
+        names = {e["name"] for e in pod["containers"][0]["env"]}
+        assert not {n for n in names if "TLS" in n} and "tls" not in {v["name"] for v in pod["volumes"]}
+
+
+def test_tls_mounts_the_secret_in_every_pod_and_the_router_serves_https(monkeypatch) -> None:
+    from pdserve_worker import pod_env as E
+    from pdserve_worker.settings import WorkerSettings
+
+    objs = render({"tls": {"secretName": "svc-cert"}})
+    for kind, name in (("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router")):
+        pod = objs[(kind, name)]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "svc-cert"
+        assert {"name": "tls", "mountPath": E.TLS_DIR, "readOnly": True} in container["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[E.TLS_CERT] == f"{E.TLS_DIR}/tls.crt" and env[E.TLS_KEY] == f"{E.TLS_DIR}/tls.key"
+        assert env[E.TLS_CA] == f"{E.TLS_DIR}/ca.crt"
+        assert env[E.TLS_SERVER_NAME] == "svc.ns.svc" and env[E.BROKER_TLS] == "false"
+        scheme = container["readinessProbe"]["httpGet"].get("scheme", "HTTP")
+        assert scheme == ("HTTPS" if name == "svc-router" else "HTTP")
+        # What the operator renders is what the worker accepts (the contract of pod_env.py).
+        for key, value in {**env, E.BROKER_TOKEN: "t", E.POD_NAME: "svc-decode-0"}.items():
+            if value is not None:
+                monkeypatch.setenv(key, value)
+        settings = WorkerSettings()
+        assert settings.tls is not None and settings.peer_tls.server_name == "svc.ns.svc"
+        assert settings.broker_channel_tls is None  # this operator's broker is plaintext
+
+
+def test_tls_server_name_can_be_given() -> None:
+    objs = render({"tls": {"secretName": "svc-cert", "serverName": "workers.example.internal"}})
+    env = {e["name"]: e.get("value") for e in
+           objs[("Deployment", "svc-prefill")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PDSERVE_TLS_SERVER_NAME"] == "workers.example.internal"

@@ -84,3 +84,28 @@ def test_revision_follows_architecture_and_dtype_not_formatting(tmp_path):
     assert model_revision(a, "float32") != model_revision(a, "bfloat16")
     (b / "config.json").write_text('{"hidden_size": 64, "num_hidden_layers": 5}')
     assert model_revision(a, "float32") != model_revision(b, "float32")
+
+
+def test_tls_needs_all_three_files(pod_env, monkeypatch):
+    monkeypatch.setenv(E.TLS_CERT, "/etc/pdserve/tls/tls.crt")
+    with pytest.raises(ValidationError, match="missing PDSERVE_TLS_KEY, PDSERVE_TLS_CA"):
+        WorkerSettings()
+
+
+def test_tls_settings_say_how_each_peer_is_dialled(pod_env, monkeypatch):
+    assert WorkerSettings().tls is None and WorkerSettings().broker_channel_tls is None
+    for name, value in {E.TLS_CERT: "/t/tls.crt", E.TLS_KEY: "/t/tls.key", E.TLS_CA: "/t/ca.crt",
+                        E.TLS_SERVER_NAME: "chat.prod.svc"}.items():
+        monkeypatch.setenv(name, value)
+    s = WorkerSettings()
+    assert s.tls is not None and s.tls.ca_file is not None  # servers require client certificates
+    assert s.peer_tls.server_name == "chat.prod.svc"  # workers are dialled by IP
+    assert s.broker_channel_tls is not None and s.broker_channel_tls.server_name is None  # by its own name
+    monkeypatch.setenv(E.BROKER_TLS, "false")
+    assert WorkerSettings().broker_channel_tls is None
+
+
+def test_a_tls_broker_without_a_certificate_is_a_clear_error(pod_env, monkeypatch):
+    monkeypatch.setenv(E.BROKER_TLS, "true")
+    with pytest.raises(ValidationError, match="the broker speaks TLS, but no certificate is configured"):
+        WorkerSettings()
