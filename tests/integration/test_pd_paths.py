@@ -75,6 +75,25 @@ class _DiesAfterOneChunk:
         return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=first_chunk_then_die)
 
 
+class _SlowChunks:
+    """A model whose prefill takes `delay_s` per layer chunk: a long prompt, to cancel midway."""
+
+    def __init__(self, model, delay_s: float = 0.15) -> None:
+        self._model, self._delay_s = model, delay_s
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill(self, prompt, cache, slot, layers_per_chunk=None, on_chunk=None):
+        import time
+
+        def slowly(layers: range) -> None:
+            time.sleep(self._delay_s)
+            on_chunk(layers)
+
+        return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=slowly)
+
+
 class DyingPrefill(PrefillServicer):
     """A real prefill whose process dies mid-push: the router sees what a dead peer looks like."""
 
@@ -134,9 +153,9 @@ def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> Wor
 
 @asynccontextmanager
 async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms: int = 10_000,
-                  freeze_after: int | None = None) -> AsyncIterator[Cluster]:
-    """prefill: "real", "stuck" (never pushes), "dies" (killed after its first pushed layer chunk)
-    or "down" (registered, nobody listening); a tuple
+                  freeze_after: int | None = None, settle_s: float = 5.0) -> AsyncIterator[Cluster]:
+    """prefill: "real", "stuck" (never pushes), "dies" (killed after its first pushed layer chunk),
+    "slow" (a real prefill taking 0.15 s per layer chunk) or "down" (registered, nobody listening); a tuple
     starts one prefill of each kind, prefill-0 first (the one the router tries first)."""
     kinds = (prefill,) if isinstance(prefill, str) else prefill
     broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
@@ -170,14 +189,15 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
         for index, kind in enumerate(kinds):
             p_settings = worker_settings("prefill", broker.port, index)
             p_endpoints.append(p_settings.grpc_endpoint)
-            if kind in ("real", "dies"):
+            if kind in ("real", "dies", "slow"):
                 p_backend = create_engine("cpu")
                 assert p_backend.engine.initialize(p_settings.engine_id) == p_backend.api.SUCCESS
                 engines.append(p_backend)
-                model = loaded if kind == "real" else dataclasses.replace(loaded, model=_DiesAfterOneChunk(loaded.model))
+                wrapped = {"real": None, "dies": _DiesAfterOneChunk, "slow": _SlowChunks}[kind]
+                model = loaded if wrapped is None else dataclasses.replace(loaded, model=wrapped(loaded.model))
                 worker = PrefillWorker(p_settings, model, p_backend, REVISION)
                 workers.append(worker)
-                servicer = (PrefillServicer if kind == "real" else DyingPrefill)(worker)
+                servicer = (DyingPrefill if kind == "dies" else PrefillServicer)(worker)
                 await serve(p_settings, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s))
             elif kind == "stuck":
                 await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
@@ -208,7 +228,8 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
         clients.append(router_broker)
         backend = PDBackend(model_name="tiny", tokenizer=loaded.tokenizer, max_model_len=MAX_LEN, revision=REVISION,
                             broker=router_broker, token=TOKEN,
-                            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30))
+                            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30,
+                                              settle_s=settle_s))
         await backend.start()
         await backend.view.wait_for(lambda v: len(v.members) == 1 + len(kinds) + (freezing is not None), 5)
         channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
@@ -440,3 +461,83 @@ async def test_a_prefill_that_dies_mid_push_is_replaced_and_its_partial_kv_never
         assert info.prefill == "prefill-1" and info.retries == 1
         usage = c.decode.slots.usage()
         assert usage.quarantined == 1 and usage.reserved == usage.committed == 0  # the half-written slot
+
+
+# ---- grants given back (issue 13, D2/D3): every way out releases or hands to the lease -------------
+
+
+async def _cancel_midway(backend: PDBackend, prompt: list[int], params: SamplingParams, after_s: float) -> None:
+    task = asyncio.create_task(collect(backend, prompt, params))
+    await asyncio.sleep(after_s)
+    assert not task.done(), "the request ended before it could be cancelled"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.asyncio
+async def test_a_grant_answered_after_its_request_was_cancelled_is_given_back_free(loaded, monkeypatch):
+    """The client left while the Reserve was in flight: the grant that arrives anyway is not
+    lost (it held its slot for the lease and then a quarantine); no push started, so it is free."""
+    reserve = DecodeServicer.Reserve
+    granted: list[int] = []
+
+    async def slow_reserve(self, request, context):
+        await asyncio.sleep(0.3)
+        grant = await reserve(self, request, context)
+        granted.append(grant.slot)
+        return grant
+
+    monkeypatch.setattr(DecodeServicer, "Reserve", slow_reserve)
+    async with cluster(loaded) as c:
+        await _cancel_midway(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3), after_s=0.1)
+        await eventually(lambda: granted, 2)  # the decode did grant it, after the cancel
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS, 2)
+        assert c.decode.slots.usage().quarantined == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_while_its_prefill_runs_stops_the_push_and_frees_the_slot(loaded):
+    """The router asks the prefill to stop; it stops before its next layer chunk, waits for the
+    puts it issued and says its push is over: the slot is free at once, not quarantined."""
+    prompt = loaded.tokenizer.encode("A prompt long enough to be cancelled in the middle of its prefill")
+    async with cluster(loaded, prefill="slow") as c:
+        await _cancel_midway(c.backend, prompt, SamplingParams(max_tokens=4), after_s=0.2)
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS, 2)
+        assert c.decode.slots.usage().quarantined == 0
+        # It was stopped, not run to the end: nothing was served, and a new request is.
+        tokens, _ = await collect(c.backend, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+        assert len(tokens) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_that_cannot_say_its_push_is_over_leaves_the_slot_quarantined(loaded):
+    """A prefill that answers neither the Cancel nor its Prefill: a write may still land, so the
+    slot is quarantined (after `settle_s`), never handed to the next request early."""
+    async with cluster(loaded, prefill="stuck", settle_s=0.3) as c:
+        await _cancel_midway(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3), after_s=0.2)
+        await eventually(lambda: c.decode.slots.usage().quarantined == 1, 3)
+        usage = c.decode.slots.usage()
+        assert usage.reserved == usage.committed == 0
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_cancelled_before_its_request_arrives_refuses_it(loaded):
+    """Cancel and Prefill race on the wire: a Cancel that comes first is remembered, and the
+    Prefill is refused as settled (nothing was pushed)."""
+    from pdserve_worker.rpc.trailers import push_settled
+
+    async with cluster(loaded) as c:
+        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="early", num_prompt_tokens=3,
+                                                                      max_tokens=2))
+        reply = await c.prefill_stubs[0].Cancel(worker_pb2.CancelPrefillRequest(
+            request_id="early", slot=grant.slot, generation=grant.generation))
+        assert not reply.found
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await c.prefill_stubs[0].Prefill(worker_pb2.PrefillRequest(
+                request_id="early", prompt_token_ids=[1, 2, 3], sampling=sampling_to_proto(SamplingParams()),
+                targets=[grant]))
+        assert refused.value.code() == grpc.StatusCode.ABORTED and push_settled(refused.value)
+        released = await c.decode_stub.Release(worker_pb2.ReleaseRequest(
+            slot=grant.slot, generation=grant.generation, push_settled=True))
+        assert released.released and c.decode.slots.usage().free == SLOTS
