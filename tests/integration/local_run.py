@@ -53,7 +53,7 @@ class LocalRun:
             ready, _, _ = select.select([proc.stdout], [], [], 0.5)
             if ready:
                 line = proc.stdout.readline().strip()
-                if line.startswith("http://"):
+                if line.startswith(("http://", "https://")):
                     return cls(proc, log_dir, line, stderr_path)
             if proc.poll() is not None:
                 break

@@ -12,6 +12,7 @@ restricted server-sent events (only `data:` lines, one JSON object each, ending 
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ class RouterClient:
 
     url: str
     timeout_s: float = 600.0
-    verify: str | bool = True  # a CA file for an https router (`pdserve local --tls`), or the system's
+    verify: ssl.SSLContext | bool = True  # a context trusting an https router's CA (`pdserve local --tls`)
     _http: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

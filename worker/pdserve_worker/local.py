@@ -27,6 +27,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -372,9 +373,9 @@ class LocalDeployment:
                 )
 
     @property
-    def verify(self) -> str | bool:
+    def verify(self) -> ssl.SSLContext | bool:
         """What an HTTP client verifies the router with: the run's CA, or the system's."""
-        return str(self.certs.ca) if self.certs is not None else True
+        return ssl.create_default_context(cafile=str(self.certs.ca)) if self.certs is not None else True
 
     # ---- running and stopping ------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ input leaves. A failed turn is reported and forgotten, so the conversation can g
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 from collections.abc import Iterator
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    with RouterClient(args.url, timeout_s=args.timeout, verify=str(args.ca) if args.ca else True) as client:
+    with RouterClient(args.url, timeout_s=args.timeout, verify=ssl.create_default_context(cafile=args.ca) if args.ca else True) as client:
         try:
             model = args.model or client.served_model()
         except (ApiCallError, httpx.TransportError) as exc:

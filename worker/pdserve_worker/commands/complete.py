@@ -8,6 +8,7 @@ prefill to decode goes to stderr, so `pdserve complete ... > answer.txt` keeps t
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 
 
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        with RouterClient(args.url, timeout_s=args.timeout, verify=str(args.ca) if args.ca else True) as client:
+        with RouterClient(args.url, timeout_s=args.timeout, verify=ssl.create_default_context(cafile=args.ca) if args.ca else True) as client:
             model = args.model or client.served_model()
             body: dict[str, object] = {"model": model, "temperature": args.temperature, "stream": args.stream}
             if args.max_tokens is not None:

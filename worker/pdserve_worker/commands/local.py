@@ -13,6 +13,7 @@ deployment does not come up.
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def _demo(url: str, shape: str, verify: str | bool = True) -> int:
+def _demo(url: str, shape: str, verify: ssl.SSLContext | bool = True) -> int:
     """One streamed chat request: the answer as it arrives, then what it cost."""
     from pdserve_worker.client import ApiCallError, RouterClient
 
