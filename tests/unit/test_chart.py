@@ -30,7 +30,8 @@ from pdserve_worker import pod_env  # noqa: E402
 # Every option that changes what is rendered, at once.
 FULL = ["--set", "watchNamespaces={team-a,team-b}", "--set", "networkPolicy.enabled=true",
         "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.labels.release=prom",
-        "--set", "imagePullSecrets[0].name=regcred", "--set", "podAnnotations.a=b"]
+        "--set", "imagePullSecrets[0].name=regcred", "--set", "podAnnotations.a=b",
+        "--set", "broker.tls.secretName=pdserve-broker-tls"]
 CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor"}
 KUBERNETES_VERSION = "1.30.0"  # oldest minor the chart targets that the validator knows well
 
@@ -177,3 +178,23 @@ def test_worker_ports_of_the_pod_contract_are_the_ones_the_policies_name() -> No
     policy = ch.network_policy(ch.Owner("svc", "ns", "uid"), ch.Defaults(image="i", broker_address="b:1", network_policy=True))
     ports = {p["port"] for p in policy["spec"]["ingress"][0]["ports"]}
     assert ports == {pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
+
+
+def test_broker_tls_mounts_the_secret_and_configures_the_operator() -> None:
+    from pdserve_operator.runtime import OperatorConfig
+
+    pod = by_kind(render("--set", "broker.tls.secretName=broker-cert"), "Deployment")[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["broker-tls"]["secret"]["secretName"] == "broker-cert"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "broker-tls")
+    assert mount["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in container["env"] if "value" in e}
+    config = OperatorConfig(**{k.removeprefix("PDSERVE_OPERATOR_").lower(): v for k, v in env.items()
+                               if k.startswith("PDSERVE_OPERATOR_TLS_")})
+    tls = config.broker_tls()
+    assert tls is not None and str(tls.ca_file).startswith(mount["mountPath"])
+    assert {str(tls.cert_file), str(tls.key_file)} == {f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key"}
+    # Off by default: no TLS variables, no volume.
+    plain = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
+    assert "broker-tls" not in {v["name"] for v in plain["volumes"]}
