@@ -494,6 +494,7 @@ async def test_a_grant_answered_after_its_request_was_cancelled_is_given_back_fr
         await eventually(lambda: granted, 2)  # the decode did grant it, after the cancel
         await eventually(lambda: c.decode.slots.usage().free == SLOTS, 2)
         assert c.decode.slots.usage().quarantined == 0
+        assert c.backend.in_flight() == {"decode": 0, "prefill": 0}
 
 
 @pytest.mark.asyncio
@@ -503,6 +504,7 @@ async def test_a_request_cancelled_while_its_prefill_runs_stops_the_push_and_fre
     prompt = loaded.tokenizer.encode("A prompt long enough to be cancelled in the middle of its prefill")
     async with cluster(loaded, prefill="slow") as c:
         await _cancel_midway(c.backend, prompt, SamplingParams(max_tokens=4), after_s=0.2)
+        assert c.backend.in_flight() == {"decode": 0, "prefill": 0}  # the counters go back with the cancel
         await eventually(lambda: c.decode.slots.usage().free == SLOTS, 2)
         assert c.decode.slots.usage().quarantined == 0
         # It was stopped, not run to the end: nothing was served, and a new request is.

@@ -103,6 +103,7 @@ def test_d2_top_k_past_uint32_is_400_and_holds_no_slot(attacked, model):
     assert {r.status_code for r in replies} == {400}
     assert all(r.json()["error"]["param"] == "top_k" for r in replies)
     all_free_within(attacked, 1.0)
+    assert httpx.get(f"{attacked.url}/health").json()["in_flight"] == {"decode": 0, "prefill": 0}
     ok = httpx.post(f"{attacked.url}/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 4},
                     timeout=30)
     assert ok.status_code == 200
@@ -130,6 +131,7 @@ def test_d3_instant_disconnects_leave_every_slot_free_within_a_second(attacked, 
         assert time.monotonic() < deadline, "the router did not account the 40 cancelled requests"
         time.sleep(0.01)
     took = all_free_within(attacked, 1.0)
+    assert httpx.get(f"{attacked.url}/health").json()["in_flight"] == {"decode": 0, "prefill": 0}
     # No slot was quarantined for a push that could not be running any more.
     outcomes = {o: metric(attacked, "pdserve_router_grants_returned_total", outcome=o)
                 for o in ("released", "quarantined", "stream", "lease")}

@@ -270,12 +270,12 @@ class GenerationLoop:
         finished = [o.request_id for o in outputs if o.finished]
         self._reclaim(finished)
         for out in outputs:
-            entry = self._entries.get(out.request_id)
-            if entry is None:
-                continue
-            entry.stream._put(out)
             if out.finished:
-                self._end(out.request_id, None)
+                self._end(out.request_id, out)
+                continue
+            entry = self._entries.get(out.request_id)
+            if entry is not None:
+                entry.stream._put(out)
 
     def _reclaim(self, internal_ids: list[str]) -> None:
         """Take back from the Generator's free list the external slots it just released."""
@@ -291,16 +291,18 @@ class GenerationLoop:
                 entry.slot = None
 
     def _end(self, internal_id: str, final: Any) -> None:
+        """The request leaves for good: `on_done` (which frees its slot) runs before the stream's
+        last item is delivered, so whoever sees a stream end sees its slot free too."""
         entry = self._entries.pop(internal_id, None)
         if entry is None:
             return
-        if final is not None:
-            entry.stream._put(final)
         if entry.on_done is not None:
             try:
                 entry.on_done()
             except Exception:
                 log.exception(kv(event="on_done_failed", request=internal_id))
+        if final is not None:
+            entry.stream._put(final)
 
     def _fail_all(self, error: RequestFailed) -> None:
         ids = list(self._entries)

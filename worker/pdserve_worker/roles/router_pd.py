@@ -150,12 +150,17 @@ class PDBackend(ModelTokenizing):
             for role in (Role.PREFILL, Role.DECODE)
         }
 
+    def in_flight(self) -> dict[str, int]:
+        """Requests this router has on decodes and on prefills now (0 once they are all over)."""
+        return {"decode": sum(self._inflight_decode.values()), "prefill": sum(self._inflight_prefill.values())}
+
     def health(self) -> dict[str, object]:
         """For the router's /health: whether requests can be served, and by how many members."""
         members = self.ready_members()
         return {
             "ready": members["prefill"] > 0 and members["decode"] > 0,
             "members": members,
+            "in_flight": self.in_flight(),
             "broker_connected": self._view is not None and self._view.connected,
         }
 
