@@ -59,7 +59,7 @@ sampling = st.builds(
     top_k=st.integers(0, 1000),
     top_p=st.floats(0.0, 1.0, exclude_min=True),
     seed=st.none() | st.integers(-(2**63), 2**63 - 1),
-    stop=st.lists(st.text(max_size=5), max_size=3).map(tuple),
+    stop=st.lists(st.text(min_size=1, max_size=5), max_size=3).map(tuple),  # empty stop strings are refused
     stop_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=3).map(tuple),
     ignore_eos=st.booleans(),
 )
