@@ -23,8 +23,6 @@ def test_unknown_fields_are_rejected():
 
 def test_the_workers_refuse_what_the_api_refuses() -> None:
     """A request that reaches a worker without the router's checks (gRPC) meets the same bounds."""
-    from pydantic import ValidationError
-
     from pdserve_worker.model.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
     for bad in ({"top_k": 2**32}, {"max_tokens": 2**32}, {"seed": 2**63}, {"stop": ("",)},
