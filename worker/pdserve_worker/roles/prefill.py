@@ -16,9 +16,11 @@ A router that abandons a request (its client left) sends `Cancel`: a queued pref
 starts, a running one stops before its next layer chunk and waits for the puts it issued.
 The failed Prefill then says in its trailing metadata (`rpc/trailers.py`) whether its push is
 over, so that the decode slot can be given back free instead of quarantined. The same holds
-for every other failure: validation before any put is settled, a failed put is not. Connections to decode engines are made by the
-first push to each and then kept by the engine (a later connect answers ALREADY_CONNECTED);
-a decode that leaves the membership is disconnected.
+for every other failure: validation before any put is settled, a failed put is not.
+
+Connections to decode engines are made by the first push to each and then kept by the engine
+(a later connect answers ALREADY_CONNECTED); a decode that leaves the membership is
+disconnected.
 """
 
 from __future__ import annotations
