@@ -74,6 +74,7 @@ def test_a_prefill_listens_on_no_transfer_port(local) -> None:
         if name == "prefill-0":
             assert ports == expected, ports  # HTTP (probes) and gRPC (Prefill): nothing else
         else:
+            expected.add(int(child["admin"].rsplit(":", 1)[1]))  # /drain, on 127.0.0.1 only (pod_env.py)
             assert len(ports - expected) == 1, ports  # the decode's transfer port, which prefills push into
     log = open(local.child("prefill-0")["log"]).read()
     assert re.search(r"event=engine_initialized .*listening=False", log)
