@@ -29,7 +29,7 @@ from kube_emulator import EmulatorThread  # noqa: E402
 from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator import runner  # noqa: E402
 from pdserve_operator.crd import build_crd  # noqa: E402
-from pdserve_operator.kube import KINDS, PDIS, KubeClient  # noqa: E402
+from pdserve_operator.kube import KINDS, PDIS, RestKubeClient  # noqa: E402
 from pdserve_operator.runtime import OperatorConfig  # noqa: E402
 
 CHILD_KINDS = [("Secret", ch.secret_name), ("ConfigMap", ch.config_name), ("Service", ch.headless_name),
@@ -52,7 +52,7 @@ def main() -> None:
     ns = "bench"
     with EmulatorThread() as emu, tempfile.TemporaryDirectory() as tmp:
         kubeconfig = emu.write_kubeconfig(Path(tmp) / "kubeconfig")
-        kube = KubeClient.from_environment(str(kubeconfig))
+        kube = RestKubeClient.from_environment(str(kubeconfig))
         kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", build_crd())
         kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
 

@@ -1,21 +1,26 @@
-"""A small Kubernetes REST client for plain-dict objects, on the official client's transport.
+"""What the reconciler asks of the Kubernetes API (`KubeClient`), and the client that does it.
 
-The official client brings authentication (kubeconfig, in-cluster service account with token
-refresh, exec plugins) and a connection pool; its typed models do not help here (children are
-dicts rendered by `children.py`) and deserializing them is slow, so requests go through its
-`ApiClient` by path and bodies stay JSON. Calls are blocking: async code runs them with
-`asyncio.to_thread`.
+`KubeClient` is the protocol: exactly the calls one reconcile makes. `RestKubeClient` is the
+production implementation, a small REST client for plain-dict objects on the official client's
+transport: the official client brings authentication (kubeconfig, in-cluster service account
+with token refresh, exec plugins) and a connection pool; its typed models do not help here
+(children are dicts rendered by `children.py`) and deserializing them is slow, so requests go
+through its `ApiClient` by path and bodies stay JSON. Calls are blocking: async code runs them
+with `asyncio.to_thread`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import kubernetes
 
 from pdserve_operator import spec as s
+
+if TYPE_CHECKING:
+    import kopf
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,32 @@ class KubeError(Exception):
         self.status, self.reason, self.message = status, reason, message
 
 
-class KubeClient:
+class KubeClient(Protocol):
+    """The Kubernetes calls of one reconcile. Errors are `KubeError`s (a 404 on get is None)."""
+
+    def get(self, kind: Kind, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+
+    def list(self, kind: Kind, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
+        """The objects of a kind in a namespace, those matching the equality selector when given."""
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """The object as stored; 409 when one of that name exists."""
+
+    def merge_patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], sub: str | None = None
+    ) -> dict[str, Any]:
+        """A JSON merge patch (RFC 7386) of the object, or of its subresource `sub` ("status")."""
+
+
+class RestKubeClient:
+    """`KubeClient` over the API server's REST interface (plus what the runner and peering use)."""
+
     def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
         self.api = api_client
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None) -> "KubeClient":
+    def from_environment(cls, kubeconfig: str | None = None) -> "RestKubeClient":
         """In-cluster credentials when running in a pod, else the kubeconfig (read now, not at import)."""
         config = kubernetes.client.Configuration()
         try:
@@ -77,7 +102,7 @@ class KubeClient:
         config.connection_pool_maxsize = 32  # handlers run in a thread pool; do not discard connections
         return cls(kubernetes.client.ApiClient(configuration=config))
 
-    def connection_info(self) -> "kopf.ConnectionInfo":
+    def connection_info(self) -> kopf.ConnectionInfo:
         """The same endpoint and credentials, in the form kopf's login handlers return."""
         import kopf
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pdserve_operator.kube import KubeClient, KubeError
+from pdserve_operator.kube import RestKubeClient, KubeError
 
 GROUP, VERSION = "kopf.dev", "v1"
 CRD_MANIFEST = "manifests/kopf-peering.yaml"
@@ -81,7 +81,7 @@ def peering_objects(name: str, namespaces: list[str]) -> list[PeeringObject]:
     return [PeeringObject(name, ns) for ns in namespaces]
 
 
-def served_plurals(kube: KubeClient) -> set[str]:
+def served_plurals(kube: RestKubeClient) -> set[str]:
     """The kopf.dev/v1 resources the API serves (empty when the group is unknown)."""
     try:
         doc = kube.request("GET", f"/apis/{GROUP}/{VERSION}")
@@ -92,7 +92,7 @@ def served_plurals(kube: KubeClient) -> set[str]:
     return {r.get("name", "") for r in doc.get("resources") or []}
 
 
-def find_missing(kube: KubeClient, objects: list[PeeringObject]) -> list[Missing]:
+def find_missing(kube: RestKubeClient, objects: list[PeeringObject]) -> list[Missing]:
     """Which peering objects (or their CRDs) are absent. API errors other than 404 propagate."""
     plurals = served_plurals(kube)
     missing = []

@@ -17,7 +17,7 @@ from pdserve_worker.logs import kv
 
 from pdserve_operator import peering
 from pdserve_operator.broker_view import BrokerView, load_broker
-from pdserve_operator.kube import KubeClient
+from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.runtime import OperatorConfig, build_runtime, derived_priority
 
 log = logging.getLogger("pdserve.operator")
@@ -42,7 +42,7 @@ def run(
     stop_flag: threading.Event | asyncio.Event | None = None,
     ready_flag: threading.Event | asyncio.Event | None = None,
     broker: BrokerView | None = None,
-    kube: KubeClient | None = None,
+    kube: RestKubeClient | None = None,
 ) -> None:
     """Block until the operator stops (stop_flag set, or a signal in the main thread)."""
     from pdserve_operator import handlers  # registers the handlers in kopf's default registry
@@ -62,7 +62,7 @@ def run(
         log.info(kv(event="operator_stop"))
 
 
-def check_peering(config: OperatorConfig, kube: KubeClient) -> OperatorConfig:
+def check_peering(config: OperatorConfig, kube: RestKubeClient) -> OperatorConfig:
     """Before kopf starts: is the peering object there? If not, and this is known to be the only
     replica (`replicas == 1`), run standalone with a warning; otherwise kopf will wait paused, and
     `_report_peering` says what for until it appears."""
@@ -78,7 +78,7 @@ def check_peering(config: OperatorConfig, kube: KubeClient) -> OperatorConfig:
     return config
 
 
-async def _report_peering(config: OperatorConfig, kube: KubeClient) -> None:
+async def _report_peering(config: OperatorConfig, kube: RestKubeClient) -> None:
     """While peering objects are missing, say so every `peering_report_seconds` (kopf is silent)."""
     objects = peering.peering_objects(config.peering, config.namespaces)
     reported = False

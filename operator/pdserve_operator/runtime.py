@@ -17,7 +17,7 @@ from pdserve_worker.rpc.auth import TLSConfig
 
 from pdserve_operator import children as ch
 from pdserve_operator.broker_view import BrokerView, NullBrokerView
-from pdserve_operator.kube import KubeClient
+from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.reconcile import EventSink, Reconciler
 
 log = logging.getLogger("pdserve.operator")
@@ -87,7 +87,7 @@ class Runtime:
     """What every handler needs; built once per operator process."""
 
     config: OperatorConfig
-    kube: KubeClient
+    kube: RestKubeClient
     broker: BrokerView
     reconciler: Reconciler
     broker_server: Any = None
@@ -112,9 +112,9 @@ def build_runtime(
     events: EventSink,
     broker: BrokerView | None = None,
     broker_server: Any = None,
-    kube: KubeClient | None = None,
+    kube: RestKubeClient | None = None,
 ) -> Runtime:
-    kube = kube or KubeClient.from_environment(config.kubeconfig)
+    kube = kube or RestKubeClient.from_environment(config.kubeconfig)
     broker = broker or NullBrokerView()
     defaults = ch.Defaults(
         image=config.image,

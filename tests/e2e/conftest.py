@@ -28,7 +28,7 @@ for sub in ("worker", "operator", "proto", "tests"):
 from kube_emulator import EmulatorThread  # noqa: E402
 
 from pdserve_operator import spec as s  # noqa: E402
-from pdserve_operator.kube import KINDS, PDIS, KubeClient  # noqa: E402
+from pdserve_operator.kube import KINDS, PDIS, RestKubeClient  # noqa: E402
 from pdserve_operator.runtime import OperatorConfig  # noqa: E402
 
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class Cluster:
     emulator: EmulatorThread
     kubeconfig: Path
     cache: Path
-    kube: KubeClient
+    kube: RestKubeClient
 
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), KUBECACHEDIR=str(self.cache))
@@ -86,7 +86,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("cluster")
     with EmulatorThread() as emu:
         kubeconfig = emu.write_kubeconfig(base / "kubeconfig")
-        kube = KubeClient.from_environment(str(kubeconfig))
+        kube = RestKubeClient.from_environment(str(kubeconfig))
         c = Cluster(emulator=emu, kubeconfig=kubeconfig, cache=base / "kubecache", kube=kube)
         out = c.kubectl("apply", "--validate=false", "-f", str(ROOT / "manifests" / "crd.yaml"))
         assert "created" in out.stdout, out.stdout

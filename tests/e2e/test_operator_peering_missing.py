@@ -27,7 +27,7 @@ from kube_emulator import EmulatorThread
 from test_operator import SAMPLE, all_children
 
 from pdserve_operator import spec as s
-from pdserve_operator.kube import KubeClient
+from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.runtime import OperatorConfig
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def bare_cluster(tmp_path: Path) -> Iterator[Cluster]:
     """An API server with our CRD and nothing of kopf's."""
     with EmulatorThread() as emu:
         kubeconfig = emu.write_kubeconfig(tmp_path / "kubeconfig")
-        kube = KubeClient.from_environment(str(kubeconfig))
+        kube = RestKubeClient.from_environment(str(kubeconfig))
         c = Cluster(emulator=emu, kubeconfig=kubeconfig, cache=tmp_path / "kubecache", kube=kube)
         c.kubectl("apply", "--validate=false", "-f", str(ROOT / "manifests" / "crd.yaml"))
         c.kubectl("wait", "--for=condition=established", f"crd/{s.PLURAL}.{s.GROUP}", "--timeout=20s")

@@ -16,16 +16,16 @@ sys.path.insert(0, str(ROOT / "tests"))
 from kube_emulator import EmulatorThread  # noqa: E402
 
 from pdserve_operator.crd import build_crd  # noqa: E402
-from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError  # noqa: E402
+from pdserve_operator.kube import KINDS, PDIS, RestKubeClient, KubeError  # noqa: E402
 
 CM = KINDS["ConfigMap"]
 DEP = KINDS["Deployment"]
 
 
 @pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClient]:
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestKubeClient]:
     with EmulatorThread() as emu:
-        client = KubeClient.from_environment(str(emu.write_kubeconfig(tmp_path_factory.mktemp("kc") / "config")))
+        client = RestKubeClient.from_environment(str(emu.write_kubeconfig(tmp_path_factory.mktemp("kc") / "config")))
         client.url = emu.url  # type: ignore[attr-defined]
         client.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", build_crd())
         yield client
@@ -36,7 +36,7 @@ def cm(name: str, **labels: str) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": "default", "labels": labels}, "data": {"k": "v"}}
 
 
-def test_identity_conflicts_and_no_op_writes(kube: KubeClient) -> None:
+def test_identity_conflicts_and_no_op_writes(kube: RestKubeClient) -> None:
     made = kube.create(cm("a"))
     meta = made["metadata"]
     assert meta["uid"] and meta["resourceVersion"] and meta["generation"] == 1
@@ -54,7 +54,7 @@ def test_identity_conflicts_and_no_op_writes(kube: KubeClient) -> None:
     assert err.value.status == 422
 
 
-def test_label_selectors_and_namespaces(kube: KubeClient) -> None:
+def test_label_selectors_and_namespaces(kube: RestKubeClient) -> None:
     kube.create(cm("sel-1", app="x", tier="a"))
     kube.create(cm("sel-2", app="x", tier="b"))
     kube.create(cm("sel-3", app="y"))
@@ -68,7 +68,7 @@ def test_label_selectors_and_namespaces(kube: KubeClient) -> None:
     assert err.value.status == 404 and "nowhere" in err.value.message
 
 
-def test_status_and_scale_subresources_and_generation(kube: KubeClient) -> None:
+def test_status_and_scale_subresources_and_generation(kube: RestKubeClient) -> None:
     dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "default"},
            "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}, "template": {}}, "status": {"readyReplicas": 9}}
     made = kube.create(dep)
@@ -85,7 +85,7 @@ def test_status_and_scale_subresources_and_generation(kube: KubeClient) -> None:
     assert got["spec"]["replicas"] == 3 and got["metadata"]["generation"] == 2
 
 
-def test_custom_resources_are_defaulted_and_validated_with_cel(kube: KubeClient) -> None:
+def test_custom_resources_are_defaulted_and_validated_with_cel(kube: RestKubeClient) -> None:
     body = {"apiVersion": "pdserve.dev/v1alpha1", "kind": "PDInferenceService", "metadata": {"name": "v", "namespace": "default"},
             "spec": {"decode": {"replicas": 2, "unknownField": 1}}}
     made = kube.create(body)
@@ -103,7 +103,7 @@ def test_custom_resources_are_defaulted_and_validated_with_cel(kube: KubeClient)
     assert dry["metadata"]["name"] == "dry" and kube.get(PDIS, "default", "dry") is None
 
 
-def test_finalizers_and_owner_garbage_collection(kube: KubeClient) -> None:
+def test_finalizers_and_owner_garbage_collection(kube: RestKubeClient) -> None:
     owner = kube.create({**cm("owner"), "metadata": {"name": "owner", "namespace": "default", "finalizers": ["x/y"]}})
     ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}
     kube.create({**cm("child"), "metadata": {"name": "child", "namespace": "default", "ownerReferences": [ref]}})
@@ -114,7 +114,7 @@ def test_finalizers_and_owner_garbage_collection(kube: KubeClient) -> None:
     assert kube.get(CM, "default", "owner") is None and kube.get(CM, "default", "child") is None
 
 
-def test_watch_resumes_from_a_version_and_sends_initial_events(kube: KubeClient) -> None:
+def test_watch_resumes_from_a_version_and_sends_initial_events(kube: RestKubeClient) -> None:
     first = kube.create(cm("w-1", watch="yes"))
     kube.create(cm("w-2", watch="yes"))
     url = kube.url + CM.path("default")  # type: ignore[attr-defined]
