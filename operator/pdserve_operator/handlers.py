@@ -41,11 +41,6 @@ CHILD_RESOURCES = (
 )
 
 
-def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    """Kubernetes Events through kopf's poster (kopf 1.45 posts only kopf.event/info/warn)."""
-    kopf.event(obj, type=type_, reason=reason, message=message[:1024])
-
-
 def configure(settings: kopf.OperatorSettings) -> None:
     """Our own finalizer and annotation prefix; no kopf state in the resource's status."""
     settings.persistence.finalizer = FINALIZER
@@ -62,7 +57,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     configure(settings)
     if "runtime" not in memo:
-        memo["runtime"] = build_runtime(OperatorConfig(), events=post_event)
+        memo["runtime"] = build_runtime(OperatorConfig())
     runtime: Runtime = memo["runtime"]
     logger.info("pdserve operator ready: image=%s broker=%s", runtime.config.image, runtime.config.broker_address)
 

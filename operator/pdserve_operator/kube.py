@@ -5,18 +5,21 @@ production implementation, a small REST client for plain-dict objects on the off
 transport: the official client brings authentication (kubeconfig, in-cluster service account
 with token refresh, exec plugins) and a connection pool; its typed models do not help here
 (children are dicts rendered by `children.py`) and deserializing them is slow, so requests go
-through its `ApiClient` by path and bodies stay JSON. Calls are blocking: async code runs them
-with `asyncio.to_thread`.
+through its `ApiClient` by path and bodies stay JSON. The reconciler's unit tests drive a
+recording fake of the protocol (tests/unit/kube_fake.py), checked against this client on the
+API emulator. Calls are blocking: async code runs them with `asyncio.to_thread`.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import kubernetes
 
+from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 
 if TYPE_CHECKING:
@@ -49,6 +52,7 @@ KINDS: dict[str, Kind] = {
         Kind("v1", "ConfigMap", "configmaps"),
         Kind("v1", "Service", "services"),
         Kind("v1", "Pod", "pods"),
+        Kind("v1", "Event", "events"),
         Kind("apps/v1", "Deployment", "deployments"),
         Kind("apps/v1", "StatefulSet", "statefulsets"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
@@ -83,6 +87,9 @@ class KubeClient(Protocol):
         self, kind: Kind, namespace: str | None, name: str, patch: dict[str, Any], sub: str | None = None
     ) -> dict[str, Any]:
         """A JSON merge patch (RFC 7386) of the object, or of its subresource `sub` ("status")."""
+
+    def post_event(self, involved: dict[str, Any], type_: ev.EventType, reason: str, message: str) -> None:
+        """A Kubernetes Event about `involved` (an object as the API returned it)."""
 
 
 class RestKubeClient:
@@ -173,6 +180,10 @@ class RestKubeClient:
         return self.request(
             "PATCH", kind.path(namespace, name, sub), body=patch, content_type="application/merge-patch+json"
         )
+
+    def post_event(self, involved: dict[str, Any], type_: ev.EventType, reason: str, message: str) -> None:
+        event = ev.body(involved, type_, reason, message, datetime.datetime.now(datetime.UTC))
+        self.create(event)
 
     def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
         try:

@@ -2,9 +2,19 @@
 
 Everything the kopf handlers trigger funnels into `Reconciler.reconcile(namespace, name)`:
 creation, spec updates, resumption after a restart, a child edited or deleted by hand, a child
-whose readiness changed, and the periodic resync that refreshes broker counts. The work is
-idempotent (get → create if missing → merge-patch only what drifted → status only if it
-changed), so running it too often costs reads, never writes.
+whose readiness changed, and the periodic resync that refreshes broker counts. It reads as one
+line: parse the spec → the broker token → apply the children → observe them → write the
+status. Each step is idempotent (get → create if missing → merge-patch only what drifted →
+status only if it changed), so running it too often costs reads, never writes.
+
+Children are applied in render order, one at a time:
+- missing → create it; a 409 means someone created it since our get: read it again and treat
+  it as found;
+- found, but controlled by another owner (an ownerReference with `controller: true` that is
+  not this resource) → never written; the status says Degraded and names it;
+- found, and a rendered field says something else live → merge-patch the rendered fields back
+  (a `DriftReverted` Warning when the spec did not change since the last reconcile: then it was
+  someone else's edit, not ours).
 
 Requests for the same service are coalesced: while one reconcile runs, any number of further
 requests collapse into a single follow-up run, which then sees everything that happened
@@ -20,12 +30,15 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from pydantic import ValidationError
 
 from pdserve_worker.logs import kv
 
 from pdserve_operator import children as ch
 from pdserve_operator import drift
+from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator import status as st
 from pdserve_operator.broker_view import BrokerView
@@ -33,9 +46,7 @@ from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 
 log = logging.getLogger("pdserve.operator.reconcile")
 
-
-class EventSink(Protocol):
-    def __call__(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None: ...
+Live = dict[str, Any]
 
 
 def utc_now() -> str:
@@ -48,12 +59,38 @@ def new_token() -> str:
 
 @dataclass
 class Outcome:
-    """What one reconcile did (for logs, events and tests)."""
+    """What one reconcile did (for logs and tests)."""
 
     created: list[str] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
     status_written: bool = False
     phase: str = ""
+
+
+@dataclass(frozen=True)
+class _Service:
+    """The resource as read at the start of a reconcile."""
+
+    body: Live
+    owner: ch.Owner
+    generation: int
+    prev: s.PDInferenceServiceStatus | None
+
+    @classmethod
+    def of(cls, body: Live) -> _Service:
+        meta = body["metadata"]
+        owner = ch.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        return cls(body, owner, int(meta.get("generation") or 1), st.previous(body.get("status")))
+
+    @property
+    def spec_unchanged(self) -> bool:
+        """The last status was written for this very spec generation."""
+        return self.prev is not None and self.prev.observed_generation == self.generation
+
+
+class InvalidSpec(ValueError):
+    """The resource passed the API server's schema but not the operator's checks."""
 
 
 @dataclass
@@ -68,14 +105,12 @@ class Reconciler:
         kube: KubeClient,
         broker: BrokerView,
         defaults: ch.Defaults,
-        events: EventSink,
         clock: Callable[[], str] = utc_now,
         token_factory: Callable[[], str] = new_token,
     ) -> None:
         self.kube = kube
         self.broker = broker
         self.defaults = defaults
-        self.events = events
         self.clock = clock
         self.token_factory = token_factory
         self._slots: dict[tuple[str, str], _Slot] = {}
@@ -94,102 +129,137 @@ class Reconciler:
         self._slots.pop((namespace, name), None)
 
     async def reconcile(self, namespace: str, name: str, why: str) -> Outcome | None:
-        call = asyncio.to_thread
-        body = await call(self.kube.get, PDIS, namespace, name)
+        body = await asyncio.to_thread(self.kube.get, PDIS, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None  # gone or going: ownerReferences let the garbage collector take the children
-        meta = body["metadata"]
-        owner = ch.Owner(name=name, namespace=namespace, uid=meta["uid"])
-        generation = int(meta.get("generation") or 1)
-        prev = st.previous(body.get("status"))
+        svc = _Service.of(body)
         outcome = Outcome()
         try:
-            spec = s.parse_spec(body.get("spec"))
-            if len(name) > s.MAX_NAME_LENGTH:
-                raise ValueError(f"metadata.name {name!r} is longer than {s.MAX_NAME_LENGTH} characters")
-        except (s.ValidationError, ValueError) as exc:
-            reason = s.describe(exc) if isinstance(exc, s.ValidationError) else str(exc)
-            new = st.invalid(owner, generation, reason, prev, self.clock())
-            await self._write_status(body, prev, new, outcome)
-            log.warning(kv(event="spec_invalid", service=owner.key, reason=reason))
+            spec = parse(svc)
+        except InvalidSpec as exc:
+            log.warning(kv(event="spec_invalid", service=svc.owner.key, reason=str(exc)))
+            invalid = st.invalid(svc.owner, svc.generation, str(exc), svc.prev, self.clock())
+            await self._write_status(svc, invalid, outcome)
             return outcome
+        token, secret = await self._token(svc)
+        children = ch.render(svc.owner, spec, token, self.defaults)
+        live = await self._apply_children(svc, children, secret, outcome)
+        observed = await self._observe(svc, spec, live, outcome.conflicts)
+        status = st.compute(svc.owner, spec, svc.generation, observed, svc.prev, self.clock())
+        await self._write_status(svc, status, outcome)
+        log.debug(kv(event="reconciled", service=svc.owner.key, why=why, phase=outcome.phase))
+        return outcome
 
-        secret_live = await call(self.kube.get, KINDS["Secret"], namespace, ch.secret_name(name))
-        token = ch.token_of(secret_live) or self.token_factory()
-        self.broker.set_service_token(owner.key, token)
+    async def _token(self, svc: _Service) -> tuple[str, Live | None]:
+        """The service's broker token (from its Secret, or a new one) and the Secret as read."""
+        name = ch.secret_name(svc.owner.name)
+        secret = await asyncio.to_thread(self.kube.get, KINDS["Secret"], svc.owner.namespace, name)
+        token = ch.token_of(secret) or self.token_factory()
+        self.broker.set_service_token(svc.owner.key, token)
+        return token, secret
 
-        spec_unchanged = prev is not None and prev.observed_generation == generation
-        live: dict[tuple[str, str], dict[str, Any] | None] = {}
-        conflicts: list[str] = []
-        for desired in ch.render(owner, spec, token, self.defaults):
-            kind = KINDS[desired["kind"]]
-            cname = desired["metadata"]["name"]
-            label = f"{desired['kind']}/{cname}"
-            current = secret_live if desired["kind"] == "Secret" else await call(self.kube.get, kind, namespace, cname)
-            if current is None:
-                try:
-                    current = await call(self.kube.create, desired)
-                    outcome.created.append(label)
-                except KubeError as exc:
-                    if exc.status != 409:
-                        raise
-                    current = await call(self.kube.get, kind, namespace, cname)
-            elif (foreign := drift.foreign_controller(desired, current)) is not None:
-                conflicts.append(label)
-                log.warning(kv(event="child_conflict", service=owner.key, child=label, controller=foreign))
-            elif paths := drift.content_drift(desired, current):
-                current = await call(self.kube.merge_patch, kind, namespace, cname, drift.merge_patch(desired))
-                outcome.patched.append(label)
-                if spec_unchanged:
-                    # The spec did not move since the last reconcile: someone else changed the child.
-                    self.events(body, "Warning", "DriftReverted", f"{label}: reverted {', '.join(paths[:5])}")
-                log.info(kv(event="child_patched", service=owner.key, child=label, fields=",".join(paths[:8])))
-            live[(desired["kind"], cname)] = current
+    async def _apply_children(
+        self, svc: _Service, desired: list[Live], secret: Live | None, outcome: Outcome
+    ) -> dict[tuple[str, str], Live]:
+        """Create, leave or patch each rendered child; the children as they are now."""
+        live: dict[tuple[str, str], Live] = {}
+        for want in desired:
+            read = (secret,) if want["kind"] == "Secret" else None  # the Secret was read for the token
+            live[(want["kind"], want["metadata"]["name"])] = await self._apply_child(svc, want, read, outcome)
         if outcome.created:
-            log.info(kv(event="children_created", service=owner.key, children=",".join(outcome.created)))
+            log.info(kv(event="children_created", service=svc.owner.key, children=",".join(outcome.created)))
+        return live
 
+    async def _apply_child(
+        self, svc: _Service, want: Live, read: tuple[Live | None] | None, outcome: Outcome
+    ) -> Live:
+        """One child; `read` holds it when it was read already (None inside: it did not exist)."""
+        kind, namespace, name = KINDS[want["kind"]], svc.owner.namespace, want["metadata"]["name"]
+        label = f"{kind.kind}/{name}"
+        current = read[0] if read is not None else await asyncio.to_thread(self.kube.get, kind, namespace, name)
+        if current is None:
+            try:
+                created = await asyncio.to_thread(self.kube.create, want)
+                outcome.created.append(label)
+                return created
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+                current = await asyncio.to_thread(self.kube.get, kind, namespace, name)
+                if current is None:  # created and deleted again since: the next reconcile sees how it ends
+                    raise
+                log.info(kv(event="child_create_raced", service=svc.owner.key, child=label))
+        if (foreign := drift.foreign_controller(want, current)) is not None:
+            outcome.conflicts.append(label)
+            log.warning(kv(event="child_conflict", service=svc.owner.key, child=label, controller=foreign))
+            return current
+        paths = drift.content_drift(want, current)
+        if not paths:
+            return current
+        patched = await asyncio.to_thread(self.kube.merge_patch, kind, namespace, name, drift.merge_patch(want))
+        outcome.patched.append(label)
+        log.info(kv(event="child_patched", service=svc.owner.key, child=label, fields=",".join(paths[:8])))
+        if svc.spec_unchanged:  # the spec did not move since the last reconcile: someone else changed the child
+            await self._event(svc, ev.WARNING, ev.DRIFT_REVERTED, f"{label}: reverted {', '.join(paths[:5])}")
+        return patched
+
+    async def _observe(
+        self, svc: _Service, spec: s.PDInferenceServiceSpec, live: dict[tuple[str, str], Live], conflicts: list[str]
+    ) -> st.Observed:
+        """What the status is computed from: the workloads, decode pods when grouped, the broker."""
+        name, key = svc.owner.name, svc.owner.key
         decode_pods = None
-        if spec.decode.layer_shards > 1:
-            pods = await call(self.kube.list, KINDS["Pod"], namespace, ch.selector_string(name, "decode"))
+        if spec.decode.layer_shards > 1:  # complete groups need every member pod ready
+            selector = ch.selector_string(name, "decode")
+            pods = await asyncio.to_thread(self.kube.list, KINDS["Pod"], svc.owner.namespace, selector)
             decode_pods = tuple(_pod_readiness(p) for p in pods)
-        observed = st.Observed(
+        return st.Observed(
             prefill=live.get(("Deployment", ch.workload_name(name, "prefill"))),
             decode=live.get(("StatefulSet", ch.workload_name(name, "decode"))),
             router=live.get(("Deployment", ch.workload_name(name, "router"))),
             decode_pods=decode_pods,
-            registered=self.broker.registered_counts(owner.key),
-            slots_used=self.broker.slots_in_use(owner.key),
+            registered=self.broker.registered_counts(key),
+            slots_used=self.broker.slots_in_use(key),
             conflicts=tuple(conflicts),
         )
-        new = st.compute(owner, spec, generation, observed, prev, self.clock())
-        await self._write_status(body, prev, new, outcome)
-        log.debug(kv(event="reconciled", service=owner.key, why=why, phase=new.phase))
-        return outcome
 
-    async def _write_status(
-        self,
-        body: dict[str, Any],
-        prev: s.PDInferenceServiceStatus | None,
-        new: s.PDInferenceServiceStatus,
-        outcome: Outcome,
-    ) -> None:
+    async def _write_status(self, svc: _Service, new: s.PDInferenceServiceStatus, outcome: Outcome) -> None:
+        """Patch the status when it changed, and post an Event when the phase did."""
         outcome.phase = new.phase
-        if prev is not None and prev.wire() == new.wire():
+        if svc.prev is not None and svc.prev.wire() == new.wire():
             return
-        meta = body["metadata"]
         # A merge patch: nulls remove what the new status no longer reports; lists are replaced.
         patch = {"status": new.model_dump(mode="json", by_alias=True)}
-        await asyncio.to_thread(self.kube.merge_patch, PDIS, meta["namespace"], meta["name"], patch, "status")
+        await asyncio.to_thread(self.kube.merge_patch, PDIS, svc.owner.namespace, svc.owner.name, patch, "status")
         outcome.status_written = True
-        event = st.transition_event(prev, new)
+        event = st.transition_event(svc.prev, new)
         if event is not None:
-            self.events(body, *event)
+            await self._event(svc, *event)
+
+    async def _event(self, svc: _Service, type_: ev.EventType, reason: str, message: str) -> None:
+        """Events are best effort, as with client-go's recorder: a failed post is logged, not retried."""
+        try:
+            await asyncio.to_thread(self.kube.post_event, svc.body, type_, reason, message)
+        except KubeError as exc:
+            log.warning(kv(event="event_post_failed", service=svc.owner.key, reason=reason, status=exc.status,
+                           error=exc.message))
 
 
-def _pod_readiness(pod: dict[str, Any]) -> tuple[int, bool]:
+def parse(svc: _Service) -> s.PDInferenceServiceSpec:
+    """The spec, checked beyond the CRD's schema; InvalidSpec says what is wrong."""
+    if len(svc.owner.name) > s.MAX_NAME_LENGTH:
+        raise InvalidSpec(f"metadata.name {svc.owner.name!r} is longer than {s.MAX_NAME_LENGTH} characters")
+    try:
+        return s.parse_spec(svc.body.get("spec"))
+    except ValidationError as exc:
+        raise InvalidSpec(s.describe(exc)) from exc
+    except ValueError as exc:
+        raise InvalidSpec(str(exc)) from exc
+
+
+def _pod_readiness(pod: Live) -> tuple[int, bool]:
     from pdserve_worker.pod_env import ordinal_of
 
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or []
-    )
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     return ordinal_of(pod["metadata"]["name"]), ready

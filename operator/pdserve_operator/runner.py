@@ -45,12 +45,12 @@ def run(
     kube: RestKubeClient | None = None,
 ) -> None:
     """Block until the operator stops (stop_flag set, or a signal in the main thread)."""
-    from pdserve_operator import handlers  # registers the handlers in kopf's default registry
+    from pdserve_operator import handlers  # noqa: F401  (registers the handlers in kopf's default registry)
 
     server: Any = None
     if broker is None:
         broker, server = load_broker(config.broker_host, config.broker_port, config.broker_tls())
-    runtime = build_runtime(config, events=handlers.post_event, broker=broker, broker_server=server, kube=kube)
+    runtime = build_runtime(config, broker=broker, broker_server=server, kube=kube)
     try:
         config = check_peering(config, runtime.kube)
         settings = kopf_settings(config)

@@ -18,7 +18,7 @@ from pdserve_worker.rpc.auth import TLSConfig
 from pdserve_operator import children as ch
 from pdserve_operator.broker_view import BrokerView, NullBrokerView
 from pdserve_operator.kube import RestKubeClient
-from pdserve_operator.reconcile import EventSink, Reconciler
+from pdserve_operator.reconcile import Reconciler
 
 log = logging.getLogger("pdserve.operator")
 
@@ -109,7 +109,6 @@ class Runtime:
 
 def build_runtime(
     config: OperatorConfig,
-    events: EventSink,
     broker: BrokerView | None = None,
     broker_server: Any = None,
     kube: RestKubeClient | None = None,
@@ -129,5 +128,5 @@ def build_runtime(
         kube=kube,
         broker=broker,
         broker_server=broker_server,
-        reconciler=Reconciler(kube, broker, defaults, events),
+        reconciler=Reconciler(kube, broker, defaults),
     )

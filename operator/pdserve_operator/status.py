@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_operator import children as ch
+from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 
 
@@ -223,16 +224,17 @@ def compute(
     )
 
 
-def transition_event(prev: s.PDInferenceServiceStatus | None, new: s.PDInferenceServiceStatus) -> tuple[str, str, str] | None:
-    """(type Normal|Warning, reason, message) when the phase changed, for a Kubernetes Event."""
+def transition_event(
+    prev: s.PDInferenceServiceStatus | None, new: s.PDInferenceServiceStatus
+) -> tuple[ev.EventType, str, str] | None:
+    """(type, reason, message) when the phase changed, for a Kubernetes Event."""
     old_phase = prev.phase if prev is not None else None
     if old_phase == new.phase:
         return None
-    ready = new.condition("Ready")
-    detail = f": {ready.message}" if ready is not None and ready.message else ""
+    type_, reason = ev.PHASE_REASONS[new.phase]
     if new.phase == "Invalid":
         valid = new.condition("SpecValid")
-        return ("Warning", "InvalidSpec", valid.message if valid else "invalid spec")
-    if new.phase == "Degraded":
-        return ("Warning", "Degraded", f"phase {old_phase} -> Degraded{detail}")
-    return ("Normal", f"Phase{new.phase}", f"phase {old_phase or 'none'} -> {new.phase}{detail}")
+        return (type_, reason, valid.message if valid else "invalid spec")
+    ready = new.condition("Ready")
+    detail = f": {ready.message}" if ready is not None and ready.message else ""
+    return (type_, reason, f"phase {old_phase or 'none'} -> {new.phase}{detail}")

@@ -73,6 +73,6 @@ def test_operator_settings_reach_the_children_defaults() -> None:
     class NoKube:
         def close(self) -> None: ...
 
-    runtime = build_runtime(config, events=lambda *a: None, kube=NoKube())  # type: ignore[arg-type]
+    runtime = build_runtime(config, kube=NoKube())  # type: ignore[arg-type]
     assert runtime.reconciler.defaults.network_policy is True
     assert runtime.reconciler.defaults.operator_namespace == "ops"
