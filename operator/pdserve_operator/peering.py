@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pdserve_operator.kube import RestKubeClient, KubeError
+from pdserve_operator.kube import KubeError, RestKubeClient
 
 GROUP, VERSION = "kopf.dev", "v1"
 CRD_MANIFEST = "manifests/kopf-peering.yaml"

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from kube_emulator import EmulatorThread  # noqa: E402
 
 from pdserve_operator.crd import build_crd  # noqa: E402
-from pdserve_operator.kube import KINDS, PDIS, RestKubeClient, KubeError  # noqa: E402
+from pdserve_operator.kube import KINDS, PDIS, KubeError, RestKubeClient  # noqa: E402
 
 CM = KINDS["ConfigMap"]
 DEP = KINDS["Deployment"]
