@@ -5,7 +5,9 @@
 controllers own) are not ours and are left alone, which is what server-side apply would do.
 Lists are compared item by item with the same rule, so a defaulted field inside a container
 does not read as drift, but an edited env value or an extra container does. The API server
-omits empty strings, false-less optionals and empty collections, so those equal "absent".
+omits optional fields that are empty strings or empty collections (Go's `omitempty`), so those
+equal "absent" here; a false boolean does not (a `*bool` keeps it), which is why children.py
+renders no false that a plain `bool` field would drop.
 """
 
 from __future__ import annotations

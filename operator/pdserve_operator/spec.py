@@ -4,7 +4,7 @@ The CRD's OpenAPI schema is generated from these models (`crd.py`), and the oper
 every resource with them before reconciling. Cross-field rules are written once as `Rule`s:
 each carries the CEL expression the API server enforces (`x-kubernetes-validations`) and the
 Python predicate the operator enforces, side by side, so the two cannot drift apart unseen
-(`tests/unit/test_spec.py` evaluates both on the same inputs).
+(`tests/unit/test_operator_spec_crd.py` evaluates both on the same inputs).
 
 Some checks cannot live in the schema because they need knowledge the API server lacks (the
 layer count of a built-in model); they are plain validators here, and a resource failing them
@@ -268,7 +268,11 @@ class DecodeSpec(PodOverrides):
     poll_interval_micros: int | None = Field(
         None, ge=1, le=1_000_000, description="Poll period with readiness poll (default 100)."
     )
-    warmup: bool = Field(True, description="Touch a slot's KV before its first decode step.")
+    warmup: bool = Field(
+        True,
+        description="Touch a slot's KV pages before its first decode step, so it takes no page faults "
+        "(device cpu; a no-op elsewhere).",
+    )
     layer_shards: int = Field(
         1,
         ge=1,
@@ -295,10 +299,21 @@ class TransferSpec(Model):
     backend: Literal["hixl", "cpu", "auto"] = Field(
         "auto", description="hixl (CANN one-sided transfer, NPU only), cpu (host-memory engine), auto (hixl where available)."
     )
-    queue_depth: int = Field(8, ge=1, le=1024, description="Outstanding puts per request before prefill flushes.")
+    queue_depth: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="KV puts (one per layer and K/V) a prefill keeps in flight to each decode pod; past it, it waits "
+        "for completions before putting more.",
+    )
     connect_timeout_ms: int = Field(5000, ge=1, le=600_000, description="Timeout to connect to a decode engine.")
     transfer_timeout_ms: int = Field(
-        30000, ge=1, le=3_600_000, description="Timeout for one request's KV transfer; the slot is released after it."
+        30000,
+        ge=1,
+        le=3_600_000,
+        description="Deadline of each KV put (and of retrying a full engine queue or the ready notification); a put "
+        "that misses it aborts the push and disconnects that decode pod. Decode keeps an abandoned slot "
+        "quarantined for this long plus 5 s, so no late write lands in a reused slot.",
     )
     engine_options: dict[str, str] = Field(
         default_factory=dict, description="Options passed verbatim to the transfer engine's initialize."
