@@ -1,6 +1,8 @@
 """kopf handlers: thin triggers into `Reconciler`; no Kubernetes logic lives here.
 
-- create/update/resume of a PDInferenceService → reconcile it now (errors retry with backoff);
+- create/update/resume of a PDInferenceService → reconcile it now (a failed API call retries
+  after 2 s, one the API server refused as wrong — 400/403/422 — after 30 s; other errors
+  after kopf's default backoff);
 - any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`):
   edited or deleted by hand, or its readiness changed → reconcile its owner (coalesced);
 - a per-resource timer → reconcile every `resync_seconds` (refreshes broker counts; a safety
