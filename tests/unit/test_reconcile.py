@@ -7,6 +7,9 @@ held to the real client on the API emulator by test_reconcile_fake_matches_emula
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 from kube_fake import DEFAULTS, NOW, Action, Recorder, fake_kube, reconcile, reconciler, service
 
@@ -239,3 +242,28 @@ def test_sharded_decode_lists_its_pods_to_count_complete_groups() -> None:
     reconcile(reconciler(kube), NS, "svc")
     assert Action("list", "Pod", NS, None, body=selector) in kube.actions
     assert status_of(kube)["decode"]["ready"] == 1
+
+
+def test_requests_during_a_reconcile_collapse_into_one_follow_up() -> None:
+    kube, _ = seeded()
+    rec = reconciler(kube)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(_: object) -> None:
+        entered.set()
+        assert release.wait(10)
+
+    kube.on("get", s.KIND, "svc", before=hold)  # the first run stops in its first call
+
+    async def main() -> list[object]:
+        first = asyncio.create_task(rec.request(NS, "svc", "a"))
+        await asyncio.to_thread(entered.wait, 10)
+        queued = [asyncio.create_task(rec.request(NS, "svc", why)) for why in ("b", "c", "d")]
+        await asyncio.sleep(0.05)
+        release.set()
+        return list(await asyncio.gather(first, *queued))
+
+    first, *queued = asyncio.run(main())
+    assert first is not None and first.created  # type: ignore[attr-defined]
+    assert [q is None for q in queued] == [False, True, True]  # b runs once more; c and d ride along
+    assert [a.short() for a in kube.actions].count(f"get {s.KIND}/svc") == 2
