@@ -92,7 +92,13 @@ def merge_patch(desired: dict[str, Any]) -> dict[str, Any]:
 def foreign_controller(desired: dict[str, Any], live: dict[str, Any]) -> str | None:
     """The uid of another controller owning `live`, if one does (then we must not take it over)."""
     ours = {ref.get("uid") for ref in desired.get("metadata", {}).get("ownerReferences", [])}
-    for ref in live.get("metadata", {}).get("ownerReferences", []) or []:
-        if ref.get("controller") and ref.get("uid") not in ours:
+    return controller_other_than(ours, live)
+
+
+def controller_other_than(uids: set[Any], live: dict[str, Any] | None) -> str | None:
+    """The uid of `live`'s controller (the ownerReference with `controller: true`) when it is
+    none of `uids`; None when `live` has no controller or one of those."""
+    for ref in (live or {}).get("metadata", {}).get("ownerReferences", []) or []:
+        if ref.get("controller") and ref.get("uid") not in uids:
             return str(ref.get("uid"))
     return None

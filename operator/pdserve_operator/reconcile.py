@@ -151,10 +151,17 @@ class Reconciler:
         return outcome
 
     async def _token(self, svc: _Service) -> tuple[str, Live | None]:
-        """The service's broker token (from its Secret, or a new one) and the Secret as read."""
+        """The service's broker token (from its Secret, or a new one) and the Secret as read.
+
+        A Secret of that name that another controller owns is not ours to trust: whoever made
+        it chose its token, and the broker would let them register workers of this service and
+        receive its requests. The broker then gets a token nobody knows; the Secret is left
+        alone like any foreign child, and the status says Degraded and names it.
+        """
         name = ch.secret_name(svc.owner.name)
         secret = await asyncio.to_thread(self.kube.get, KINDS["Secret"], svc.owner.namespace, name)
-        token = ch.token_of(secret) or self.token_factory()
+        trusted = drift.controller_other_than({svc.owner.uid}, secret) is None
+        token = (ch.token_of(secret) if trusted else None) or self.token_factory()
         self.broker.set_service_token(svc.owner.key, token)
         return token, secret
 

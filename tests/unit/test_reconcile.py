@@ -267,3 +267,31 @@ def test_requests_during_a_reconcile_collapse_into_one_follow_up() -> None:
     assert first is not None and first.created  # type: ignore[attr-defined]
     assert [q is None for q in queued] == [False, True, True]  # b runs once more; c and d ride along
     assert [a.short() for a in kube.actions].count(f"get {s.KIND}/svc") == 2
+
+
+def test_a_broker_token_secret_owned_by_someone_else_is_not_trusted() -> None:
+    kube, owner = seeded()
+    planted = next(o for o in rendered(owner, token="chosen-by-them") if o["kind"] == "Secret")
+    planted["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "theirs", "uid": "their-uid", "controller": True}]
+    kube.inner.create(planted)
+    rec = reconciler(kube)
+    out = reconcile(rec, NS, "svc")
+    assert rec.broker.tokens == {f"{NS}/svc": "tok-1"}  # type: ignore[attr-defined]
+    secret = ch.secret_name("svc")
+    assert out is not None and out.conflicts == [f"Secret/{secret}"] and out.phase == "Degraded"
+    assert [a.verb for a in kube.actions if a.kind == "Secret"] == ["get"]
+
+
+def test_an_orphaned_broker_token_secret_is_adopted_with_its_token() -> None:
+    """Like the ownerReference removed by hand: running pods hold that token, so it stays."""
+    kube, owner = seeded()
+    orphan = next(o for o in rendered(owner, token="kept") if o["kind"] == "Secret")
+    del orphan["metadata"]["ownerReferences"]
+    kube.inner.create(orphan)
+    rec = reconciler(kube)
+    reconcile(rec, NS, "svc")
+    assert rec.broker.tokens == {f"{NS}/svc": "kept"}  # type: ignore[attr-defined]
+    live = kube.inner.get(KINDS["Secret"], NS, ch.secret_name("svc"))
+    assert live is not None and ch.token_of(live) == "kept"
+    assert live["metadata"]["ownerReferences"] == [ch.owner_reference(owner)]
