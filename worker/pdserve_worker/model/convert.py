@@ -8,6 +8,14 @@ exactness checks, and as the source of the others), and a bf16 folder loads with
 (casting 135M weights at every start would take longer than the whole load). The safetensors
 file is memory-mapped at load, so processes on one host share its pages.
 
+Quantized matrices (GGUF Q4_0/Q4_1/Q8_0) have an entry of their own, `{stem}-{key}-quantized`:
+one model.safetensors holding each such matrix's blocks split exactly (`quant.QuantizedTensor`:
+`{hf name}.qweight`, `.scales`, `.mins`), read straight from the GGUF's blocks, never
+dequantized and requantized. It holds no tokenizer or config (the dtype folder has them: the
+router, which loads no weights, derives the model revision from that folder alone, and must
+agree with workers whatever their `--weights`). It is the plain split form, not torch's packed
+one, because torch packs int4 differently per CPU (AVX512, AVX2): packing happens at load.
+
 The cache entry is keyed by the GGUF's identity (name, size, mtime), the dtype and the
 converter's version, and is published atomically: written into a private temporary folder, then renamed
 into place. If two processes race, one rename wins and the other discards its copy; a reader
@@ -30,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.logs import kv
 from pdserve_worker.model.tokenizer import Tokenizer
-from pdserve_worker.model.weights import read_gguf
+from pdserve_worker.model.weights import read_gguf, read_gguf_quantized
 
 log = logging.getLogger("pdserve.model.convert")
 
@@ -38,6 +46,7 @@ log = logging.getLogger("pdserve.model.convert")
 # 2: generation_config.json carries llama.cpp's end-of-generation ids; qwen2/qwen3 config.json.
 CONVERTER_VERSION = 2
 MARKER = "pdserve_source.json"
+QUANTIZED = "quantized"  # the cache entry of a GGUF's quantized matrices
 
 
 def cache_root() -> Path:
@@ -83,6 +92,28 @@ def recast_folder(fp32_dir: Path, out_dir: Path, dtype: str) -> Path:
         shutil.copyfile(fp32_dir / name, out_dir / name)
     _mark(out_dir, Path(source["gguf"]), dtype)
     return out_dir
+
+
+def convert_gguf_quantized(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write the quantized matrices of a GGUF file (possibly none) into the existing, empty folder `out_dir`."""
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    _, matrices = read_gguf_quantized(gguf_path)
+    tensors: dict = {}
+    for name, matrix in matrices.items():
+        tensors.update(matrix.tensors(name))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "content": "pdserve-quantized"})
+    _mark(out, gguf_path, QUANTIZED)
+    return out
+
+
+def quantized_gguf(gguf_path: str | Path, root: str | Path | None = None) -> Path:
+    """The cached folder of `gguf_path`'s quantized matrices, converting it first if needed (atomic, race-safe)."""
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    root = Path(root) if root is not None else cache_root()
+    base = f"{gguf_path.stem}-{gguf_identity(gguf_path)}"
+    return _publish(root / f"{base}-{QUANTIZED}", lambda tmp: convert_gguf_quantized(gguf_path, tmp))
 
 
 def _mark(folder: Path, gguf_path: Path, dtype: str) -> None:

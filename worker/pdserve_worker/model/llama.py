@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.matmul import Linear
+from pdserve_worker.model.quant import QuantizedTensor, cat_rows, dequantize, quantize, to_kind
 from pdserve_worker.model.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
 from pdserve_worker.model.shapes import weight_shapes
+from pdserve_worker.model.weight_routes import groups as matrix_groups
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,31 @@ class _Run:
 
 
 @dataclass(frozen=True)
-class _StepPlan:
-    """What every layer of one call shares: positions, rotary angles, slot runs."""
+class _Segment:
+    """Tokens [start, stop) of a packed row: one prompt, written at `position`.. of `slot`."""
 
-    slots: torch.Tensor  # [B] long
-    positions: torch.Tensor  # [B, T] long
+    start: int
+    stop: int
+    slot: int
+    position: int
+    mask: torch.Tensor | None  # [1, 1, n, position + n] bool, None when plainly causal (position 0)
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """What every layer of one call shares: positions, rotary angles, slot runs.
+
+    A packed plan (`segments` set) holds several prompts in one row `[1, total, hidden]`:
+    `slots` and `positions` are then per token `[total]`, and attention runs per segment."""
+
+    slots: torch.Tensor  # [B] long (packed: [total])
+    positions: torch.Tensor  # [B, T] long (packed: [total])
     first: tuple[int, int]  # (slot, start position) of row 0, as Python ints (no device sync per layer)
     cos: torch.Tensor  # [B, T, 1, head_dim]
     sin: torch.Tensor
     runs: tuple[_Run, ...]
     tokens: int  # T
+    segments: tuple[_Segment, ...] = ()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,10 +104,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], layers: range) -> None:
-    """Every tensor the config implies for `layers` is present with its shape (names the first that is not)."""
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], layers: range,
+                  quantized: Mapping[str, QuantizedTensor] | None = None) -> None:
+    """Every tensor the config implies for `layers` is present with its shape (names the first that
+    is not), as a float tensor or, for a matrix, quantized."""
+    quantized = quantized or {}
     for name, shape in weight_shapes(config, layers).items():
-        tensor = weights.get(name)
+        tensor = weights.get(name, quantized.get(name))
         if tensor is None:
             why = " (config.json tie_word_embeddings is false)" if name == "lm_head.weight" else ""
             raise ValueError(f"weight {name!r} missing from checkpoint{why}")
@@ -112,6 +132,11 @@ class LlamaModel:
     in `layers` are kept (a layer-sharded member need not hold the others). Every tensor the
     config implies (`shapes.weight_shapes`) must be there with its shape: a checkpoint that
     does not match its config.json is refused with the tensor's name, never reshaped.
+
+    `routes` (`weight_routes.plan`) says how each matrix group is held: "dequantized" (float,
+    from `weights`), or "int4"/"int8" (torch's weight-only kernels), built from `quantized`
+    (the checkpoint's blocks, by HF name) where it holds the part, else quantized from
+    `weights`. The embedding rows are always float (a lookup, not a product).
     """
 
     def __init__(
@@ -121,6 +146,8 @@ class LlamaModel:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         layers: range | None = None,
+        quantized: Mapping[str, QuantizedTensor] | None = None,
+        routes: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -129,7 +156,10 @@ class LlamaModel:
         if self.layer_range.start < 0 or self.layer_range.stop > config.num_layers or self.layer_range.step != 1:
             raise ValueError(f"layers {self.layer_range} outside the model's range(0, {config.num_layers})")
 
-        check_weights(config, weights, self.layer_range)
+        quantized = quantized or {}
+        check_weights(config, weights, self.layer_range, quantized)
+        groups = matrix_groups(config, self.layer_range)
+        self.routes = {group: (routes or {}).get(group, "dequantized") for group in groups}
 
         def take(name: str) -> torch.Tensor:
             # Same dtype and device: the checkpoint's (memory-mapped) tensor itself, no copy.
@@ -146,14 +176,25 @@ class LlamaModel:
             return out
 
         self.linear = Linear(self.device, dtype)
-        pack = self.linear.prepare  # matrices only ever multiplied: in the layout the matmul runs fastest
+
+        def matrix(group: str, dense: Callable[[], torch.Tensor]) -> torch.Tensor | object:
+            """A group's matrix as its route runs it fastest (a prepacked, opaque oneDNN or
+            quantized matrix: for `self.linear` only)."""
+            route, names = self.routes[group], groups[group]
+            if route == "dequantized":
+                return self.linear.prepare(dense())
+            if route == "int4":  # 4-bit blocks: the checkpoint's own where it has them
+                parts = [to_kind(quantized[n], "q4") if n in quantized else quantize(_hf(n, weights), "q4")
+                         for n in names]
+                return self.linear.prepare_quantized(parts[0] if len(parts) == 1 else cat_rows(parts), route)
+            # int8: one scale per row, taken from each part's exact values
+            rows = [dequantize(quantized[n]) if n in quantized else _hf(n, weights).float() for n in names]
+            return self.linear.prepare_quantized(rows[0] if len(rows) == 1 else torch.cat(rows), route)
+
         self.embed_tokens = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        if config.tie_word_embeddings:
-            # Tied: a packed head is a second copy (the embedding lookup needs the plain rows).
-            self.lm_head = pack(self.embed_tokens)
-        else:
-            self.lm_head = pack(take("lm_head.weight"))
+        # Tied: a packed or quantized head is a second copy (the embedding lookup needs the plain rows).
+        self.lm_head = matrix("lm_head", lambda: self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight"))
         self.layers: dict[int, LayerWeights] = {}
         for i in self.layer_range:
             p = f"model.layers.{i}."
@@ -163,11 +204,11 @@ class LlamaModel:
                                      take(p + "self_attn.k_norm.weight")[None].expand(config.num_kv_heads, -1)])
             self.layers[i] = LayerWeights(
                 attn_norm=take(p + "input_layernorm.weight"),
-                qkv=pack(fused(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))),
-                o=pack(take(p + "self_attn.o_proj.weight")),
+                qkv=matrix(p + "attn_qkv", lambda: fused(*groups[p + "attn_qkv"])),
+                o=matrix(p + "attn_o", lambda: take(p + "self_attn.o_proj.weight")),
                 mlp_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=pack(fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                down=pack(take(p + "mlp.down_proj.weight")),
+                gate_up=matrix(p + "mlp_gate_up", lambda: fused(*groups[p + "mlp_gate_up"])),
+                down=matrix(p + "mlp_down", lambda: take(p + "mlp.down_proj.weight")),
                 qkv_bias=fused(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
                 o_bias=take(p + "self_attn.o_proj.bias") if config.o_bias else None,
                 qk_norm=qk_norm,
@@ -251,6 +292,48 @@ class LlamaModel:
         return self.head(hidden[0, -1])
 
     @torch.inference_mode()
+    def prefill_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        cache: KVCache,
+        slots: Sequence[int],
+        layers_per_chunk: int | None = None,
+        on_chunk: Callable[[range], None] | None = None,
+    ) -> torch.Tensor:
+        """`prefill` of several prompts in one forward pass: logits `[len(prompts), vocab]`.
+
+        The prompts are packed into one row of all their tokens (no padding): every matrix
+        product runs once over all of them, and attention runs per prompt over its own slot
+        (causal, nothing crosses prompts). Prompt `i`'s KV goes to positions 0.. of
+        `slots[i]`; `on_chunk(layer_range)` is called after each layer chunk, when that chunk's
+        KV of every prompt is final. Equal, up to summation order, to prefilling each alone.
+        """
+        if len(prompts) != len(slots) or not prompts:
+            raise ValueError(f"prefill_batch needs one slot per prompt and at least one prompt, got "
+                             f"{len(prompts)} prompts and {len(slots)} slots")
+        ids = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        for i, p in enumerate(ids):
+            if p.numel() == 0:
+                raise ValueError(f"prompt {i} of the batch has no tokens")
+            if p.numel() > cache.layout.max_len:
+                raise ValueError(f"prompt {i} of {p.numel()} tokens exceeds the KV slot's max_len {cache.layout.max_len}")
+        layers = cache.layout.layer_range
+        step = layers_per_chunk or len(layers)
+        if step <= 0:
+            raise ValueError(f"layers_per_chunk must be positive, got {layers_per_chunk}")
+        hidden = self.embed(torch.cat(ids))
+        lengths = [int(p.numel()) for p in ids]
+        plan = self._packed_plan(cache, list(slots), [0] * len(ids), lengths)
+        for start in range(layers.start, layers.stop, step):
+            chunk = range(start, min(start + step, layers.stop))
+            for layer in chunk:
+                hidden = self._layer(hidden, layer, cache, plan)
+            if on_chunk is not None:
+                on_chunk(chunk)
+        last = torch.tensor([seg.stop - 1 for seg in plan.segments], device=self.device)
+        return self.head(hidden[0, last])
+
+    @torch.inference_mode()
     def decode_step(
         self,
         cache: KVCache,
@@ -302,6 +385,41 @@ class LlamaModel:
             tokens=tokens,
         )
 
+    def _packed_plan(self, cache: KVCache, slots: list[int], starts: list[int], lengths: list[int]) -> _StepPlan:
+        """The plan of prompts packed into one row: prompt i's `lengths[i]` tokens go to
+        positions `starts[i]`.. of `slots[i]`."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one batch: {slots}")
+        layout = cache.layout
+        for slot, start, n in zip(slots, starts, lengths):
+            if not 0 <= slot < layout.num_slots:
+                raise IndexError(f"slot {slot} outside pool of {layout.num_slots} slots")
+            if start < 0 or start + n > layout.max_len:
+                raise IndexError(f"positions {start}..{start + n - 1} outside the slot's max_len {layout.max_len}")
+        if cache.dtype != self.dtype:
+            raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
+        segments, offset = [], 0
+        for slot, start, n in zip(slots, starts, lengths):
+            mask = None
+            if start:
+                key_pos = torch.arange(start + n)
+                mask = (key_pos[None, :] <= (start + torch.arange(n))[:, None])[None, None].to(self.device)
+            segments.append(_Segment(offset, offset + n, slot, start, mask))
+            offset += n
+        pos = torch.cat([start + torch.arange(n) for start, n in zip(starts, lengths)])
+        token_slots = torch.cat([torch.full((n,), slot, dtype=torch.long) for slot, n in zip(slots, lengths)])
+        cos, sin = cos_sin(self.inv_freq, pos[None].to(self.device), self.dtype, self.rope_scale)
+        return _StepPlan(
+            slots=token_slots.to(self.device),
+            positions=pos.to(self.device),
+            first=(slots[0], starts[0]),
+            cos=cos[:, :, None],
+            sin=sin[:, :, None],
+            runs=(),
+            tokens=offset,
+            segments=tuple(segments),
+        )
+
     def _runs(self, slots: list[int], positions: list[int], tokens: int) -> tuple[_Run, ...]:
         """Split the batch into maximal runs of rows whose slots are consecutive.
 
@@ -345,7 +463,10 @@ class LlamaModel:
         v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
 
         keys, values = cache.keys(layer), cache.values(layer)  # [slot, token, kv_head, head_dim]
-        if batch == 1:
+        if plan.segments:
+            keys[plan.slots, plan.positions] = k[0]
+            values[plan.slots, plan.positions] = v[0]
+        elif batch == 1:
             s, p = plan.first
             keys[s, p : p + tokens] = k[0]
             values[s, p : p + tokens] = v[0]
@@ -366,6 +487,17 @@ class LlamaModel:
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         batch, tokens = q.shape[0], q.shape[1]
         outs = []
+        if plan.segments:  # packed prompts: each attends over its own slot
+            for seg in plan.segments:
+                n, end = seg.stop - seg.start, seg.position + seg.stop - seg.start
+                kr = keys[seg.slot : seg.slot + 1, :end].transpose(1, 2)
+                vr = values[seg.slot : seg.slot + 1, :end].transpose(1, 2)
+                out = F.scaled_dot_product_attention(
+                    q[:, seg.start : seg.stop].transpose(1, 2), kr, vr, attn_mask=seg.mask, is_causal=seg.mask is None,
+                    enable_gqa=heads != kv_heads,
+                )
+                outs.append(out.transpose(1, 2).reshape(1, n, heads * head_dim))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         for run in plan.runs:
             n = run.row_stop - run.row_start
             q_run = q[run.row_start : run.row_stop]

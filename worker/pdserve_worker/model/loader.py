@@ -13,14 +13,16 @@ import torch
 from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.logs import kv
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.convert import MARKER, converted_gguf
+from pdserve_worker.model.convert import MARKER, converted_gguf, quantized_gguf
 from pdserve_worker.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pdserve_worker.model.generation_config import GenerationDefaults
 from pdserve_worker.model.llama import LlamaModel
 from pdserve_worker.model.memory import check_fits, device_available
-from pdserve_worker.model.shapes import weight_bytes, weight_shapes
+from pdserve_worker.model.quant import Kind
+from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
-from pdserve_worker.model.weights import read_safetensors_dir
+from pdserve_worker.model.weight_routes import check_weights_choice, groups, loaded_weight_bytes, plan, summary
+from pdserve_worker.model.weights import read_quantized_dir, read_safetensors_dir
 
 log = logging.getLogger("pdserve.model.loader")
 
@@ -34,6 +36,11 @@ class LoadedModel:
     config: ModelConfig
     name: str
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Route per layer type (`attn_qkv`, ..., `lm_head`): how its matrices are multiplied."""
+        return summary(self.model.routes)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -69,13 +76,33 @@ def model_folder(path: str | Path | None, dtype: str = "float32") -> tuple[Path,
     raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a folder with config.json")
 
 
-def loaded_bytes(config: ModelConfig, dtype: str, layers: range, device: torch.device) -> int:
-    """Memory the weights of `layers` take once loaded on `device`: their bytes in `dtype`, plus on
-    the CPU a second copy of a tied embedding (the LM head is packed for the matmul separately)."""
-    needed = weight_bytes(config, dtype, layers)
-    if device.type == "cpu" and config.tie_word_embeddings:
-        needed += config.vocab_size * config.hidden_size * torch_dtype(dtype).itemsize
-    return needed
+def gguf_source(path: str | Path | None) -> Path | None:
+    """The GGUF file behind `path` (None: the bundled default), or None for an HF folder."""
+    if path is None:
+        return default_model_path()
+    p = Path(path).expanduser()
+    return p if p.is_file() and p.suffix == ".gguf" else None
+
+
+def stored_kinds(folder: Path) -> dict[str, Kind]:
+    """The quantized form of each matrix a quantized cache folder holds (from dtypes; no data read)."""
+    from safetensors import safe_open
+
+    kinds: dict[str, Kind] = {}
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            if key.endswith(".qweight"):
+                kinds[key.removesuffix(".qweight")] = "q4" if f.get_slice(key).get_dtype() == "U8" else "q8"
+    return kinds
+
+
+def loaded_bytes(config: ModelConfig, dtype: str, layers: range, device: torch.device,
+                 routes: dict[str, str] | None = None) -> int:
+    """Memory the weights of `layers` take once loaded on `device` on the planned `routes`
+    (default: all dequantized): dequantized ones in `dtype`, quantized ones in their packed size,
+    plus a second copy of a tied embedding where the LM head is held apart from it (packed for
+    the CPU's matmul, or quantized)."""
+    return loaded_weight_bytes(config, dtype, routes or {}, layers, tied_copy=device.type == "cpu")
 
 
 def load_model(
@@ -83,28 +110,45 @@ def load_model(
     dtype: str = "bfloat16",
     device: str = "cpu",
     layers: range | None = None,
+    weights: str = "dequantized",
 ) -> LoadedModel:
     """Load weights (GGUF via the conversion cache, or an HF folder) and the tokenizer.
 
     `layers` keeps only that range of decoder layers (a layer-sharded worker), and only those
-    are read. Before any weight is read, the memory they need is checked against what the
-    device has (`ModelDoesNotFit`, a RuntimeError, names both).
+    are read. `weights` (`weight_routes`) says how the matrices are held: "auto" keeps a GGUF's
+    Q4_0/Q4_1/Q8_0 matrices quantized (read from the quantized cache entry, never
+    dequantized), "int4"/"int8" quantize every matrix, "dequantized" (the default here; the
+    CLIs default to auto) holds them in `dtype`. Before any weight is read, the memory they
+    need is checked against what the device has (`ModelDoesNotFit`, a RuntimeError, names both).
     """
     started = time.perf_counter()
     torch_device = resolve_device(device)
+    check_weights_choice(weights, torch_device.type)
     folder, name = model_folder(path, dtype)
     hf_config = json.loads((folder / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
     held = range(config.num_layers) if layers is None else layers
+    gguf_path = gguf_source(path) if weights != "dequantized" and torch_device.type == "cpu" else None
+    quantized_folder = quantized_gguf(gguf_path) if gguf_path is not None else None
+    stored = stored_kinds(quantized_folder) if quantized_folder is not None else {}
+    routes = plan(config, weights, stored, held, torch_device.type)
     available, source = device_available(torch_device)
-    check_fits(loaded_bytes(config, dtype, held, torch_device), available, source,
-               what=f"the weights of {name} (layers {held.start}..{held.stop - 1}, {dtype})", device=str(torch_device))
+    check_fits(loaded_bytes(config, dtype, held, torch_device, routes), available, source,
+               what=f"the weights of {name} (layers {held.start}..{held.stop - 1}, {dtype}, weights {weights})",
+               device=str(torch_device))
     generation = GenerationDefaults.from_folder(folder)
     eos = list(dict.fromkeys([*config.eos_token_ids, *generation.eos_token_ids]))
     tokenizer = Tokenizer.from_dir(folder, extra_eos_token_ids=eos)
-    names = [*weight_shapes(config, held), "rope_freqs.weight"]
+    # Quantized parts come from the quantized entry; float copies of them are not even read
+    # (but the embedding rows always are: the lookup needs them).
+    wanted = {n for group, parts in groups(config, held).items() if routes[group] != "dequantized" for n in parts}
+    quantized = read_quantized_dir(quantized_folder, [n for n in wanted if n in stored]) if quantized_folder else {}
+    names = [n for n in [*weight_shapes(config, held), "rope_freqs.weight"]
+             if n not in quantized or n == "model.embed_tokens.weight"]
     model = LlamaModel(config, read_safetensors_dir(folder, names), dtype=torch_dtype(dtype), device=torch_device,
-                       layers=layers)
+                       layers=layers, quantized=quantized, routes=routes)
     log.info(kv(event="model_loaded", name=name, architecture=config.architecture, folder=folder, dtype=dtype,
-                device=torch_device, seconds=round(time.perf_counter() - started, 3)))
+                device=torch_device, weights=weights,
+                routes=",".join(f"{k}:{v}" for k, v in summary(model.routes).items()),
+                seconds=round(time.perf_counter() - started, 3)))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, generation=generation)

@@ -1,4 +1,5 @@
-"""Checkpoint readers: a GGUF file (dequantized) or an HF safetensors folder, both to HF names.
+"""Checkpoint readers: a GGUF file (dequantized, or its Q4_0/Q4_1/Q8_0 matrices kept as they
+are) or an HF safetensors folder, all under HF names.
 
 GGUF tensors are dequantized to fp32 by the `gguf` package and renamed by llama.cpp's
 conventions (`gguf_format`). llama.cpp's converter permutes the rows of LLaMA's Q and K
@@ -24,9 +25,10 @@ import torch
 
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk, read_gguf_metadata
+from pdserve_worker.model.quant import GGUF_KINDS, QuantizedTensor, from_gguf_blocks
 
 __all__ = ["GGUFCheckpoint", "gguf_to_hf_name", "permute_qk", "unpermute_qk", "read_gguf", "read_gguf_metadata",
-           "read_safetensors_dir", "safetensors_files"]
+           "read_gguf_quantized", "read_quantized_dir", "read_safetensors_dir", "safetensors_files"]
 
 
 def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -48,13 +50,53 @@ class GGUFCheckpoint:
     metadata: dict[str, Any]  # every key/value of the file, as Python values
 
 
+def _qk_heads(config: ModelConfig, name: str) -> int | None:
+    """Heads whose rows llama.cpp permuted in tensor `name` (HF name), or None."""
+    if not permutes_qk(config.architecture):
+        return None
+    if name.endswith("self_attn.q_proj.weight"):
+        return config.num_heads
+    if name.endswith("self_attn.k_proj.weight"):
+        return config.num_kv_heads
+    return None
+
+
+def read_gguf_quantized(path: str | Path) -> tuple[ModelConfig, dict[str, QuantizedTensor]]:
+    """The config and every Q4_0/Q4_1/Q8_0 matrix of a GGUF file, blocks kept exactly (`quant`),
+    under HF names, LLaMA's Q/K rows unpermuted (a row permutation: no value changes)."""
+    meta, reader = read_gguf_metadata(path)
+    config = config_from_gguf(meta, {t.name for t in reader.tensors})
+    out: dict[str, QuantizedTensor] = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in GGUF_KINDS or len(t.shape) != 2:
+            continue
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists dimensions fastest first
+        name = gguf_to_hf_name(t.name)
+        tensor = from_gguf_blocks(t.data, t.tensor_type.name, shape)
+        heads = _qk_heads(config, name)
+        if heads is not None:
+            tensor = tensor.rows(unpermute_qk(torch.arange(shape[0])[:, None], heads)[:, 0])
+        out[name] = tensor
+    return config, out
+
+
+def read_quantized_dir(folder: str | Path, names: Iterable[str] | None = None) -> dict[str, QuantizedTensor]:
+    """The quantized matrices a conversion-cache folder holds (`convert.quantized_gguf`): all, or those of `names`."""
+    from safetensors import safe_open
+
+    path = Path(folder) / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        held = {k.rsplit(".", 1)[0] for k in f.keys()}
+        wanted = held if names is None else [n for n in names if n in held]
+        return {name: QuantizedTensor.from_tensors(f.get_tensor, name) for name in wanted}
+
+
 def read_gguf(path: str | Path) -> GGUFCheckpoint:
     """Dequantize every tensor of a llama/qwen2/qwen3 GGUF file to fp32, under HF names (LLaMA Q/K unpermuted)."""
     from gguf.quants import dequantize
 
     meta, reader = read_gguf_metadata(path)
     config = config_from_gguf(meta, {t.name for t in reader.tensors})
-    unpermute = permutes_qk(config.architecture)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -62,10 +104,9 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         # F32 tensors come back as read-only views of the memory-mapped file: copy those.
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         name = gguf_to_hf_name(t.name)
-        if unpermute and name.endswith("self_attn.q_proj.weight"):
-            tensor = unpermute_qk(tensor, config.num_heads)
-        elif unpermute and name.endswith("self_attn.k_proj.weight"):
-            tensor = unpermute_qk(tensor, config.num_kv_heads)
+        heads = _qk_heads(config, name)
+        if heads is not None:
+            tensor = unpermute_qk(tensor, heads)
         tensors[name] = tensor.contiguous()
     return GGUFCheckpoint(config=config, tensors=tensors, metadata=meta)
 

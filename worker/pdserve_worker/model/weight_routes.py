@@ -1,0 +1,130 @@
+"""Which route each weight matrix takes (`--weights`): dequantized, int8 or int4. Pure functions.
+
+The engine multiplies five kinds of matrices: per layer the fused Q/K/V, the attention output,
+the fused gate/up and the down projection, and once the LM head. Each kind is one product,
+so one route per matrix group; the parts of a fused group share it.
+
+- `dequantized`: today's route, float weights in the model dtype (`matmul.route`).
+- `int4` / `int8`: torch's CPU weight-only kernels (`matmul.Int4Matrix` / `Int8Matrix`), from
+  the checkpoint's quantized blocks where it has them, else quantized at load.
+- `auto`: what the checkpoint holds. A group whose parts are all GGUF 4-bit (Q4_0/Q4_1) runs
+  int4 exactly; all quantized with some Q8_0 runs int8 (the int8 kernel takes one scale per
+  row, so Q8_0's block scales are folded: see `matmul.int8_rows`); anything else (float,
+  K-quants and other GGUF types, which `gguf` dequantizes) runs dequantized, as before.
+
+Quantized routes run on the CPU only (torch's int4/int8 weight-only kernels here are CPU
+kernels): `auto` on an accelerator is dequantized, an explicit `int4`/`int8` there is refused.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from math import prod
+
+from pdserve_worker.kv.layout import DTYPE_SIZES
+from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.quant import GROUP, Kind
+from pdserve_worker.model.shapes import weight_shapes
+
+WEIGHTS = ("auto", "dequantized", "int8", "int4")
+ROUTES = ("dequantized", "int8", "int4")
+
+# group name -> HF parameter names (under `model.layers.{i}.`) of its parts, in fused row order.
+LAYER_GROUPS: dict[str, tuple[str, ...]] = {
+    "attn_qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "attn_o": ("self_attn.o_proj.weight",),
+    "mlp_gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp_down": ("mlp.down_proj.weight",),
+}
+
+
+def head_source(config: ModelConfig) -> str:
+    """The tensor the LM head multiplies by: the embedding when tied."""
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+
+def groups(config: ModelConfig, layers: Iterable[int]) -> dict[str, tuple[str, ...]]:
+    """Every matrix group a member holding `layers` multiplies: `model.layers.{i}.{group}` and `lm_head`."""
+    out = {"lm_head": (head_source(config),)}
+    for layer in layers:
+        p = f"model.layers.{layer}."
+        for group, parts in LAYER_GROUPS.items():
+            out[p + group] = tuple(p + part for part in parts)
+    return out
+
+
+def check_weights_choice(weights: str, device_type: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights in ("int4", "int8") and device_type != "cpu":
+        raise ValueError(f"--weights {weights} runs on the CPU only (torch's weight-only {weights} kernels are CPU "
+                         f"kernels); on {device_type} use --weights dequantized or auto")
+
+
+def group_route(weights: str, kinds: list[Kind | None], device_type: str = "cpu") -> str:
+    """The route of one group whose parts are stored as `kinds` (None: float)."""
+    check_weights_choice(weights, device_type)
+    if weights == "dequantized" or device_type != "cpu":
+        return "dequantized"
+    if weights != "auto":
+        return weights
+    if kinds and all(k == "q4" for k in kinds):
+        return "int4"
+    if kinds and all(k is not None for k in kinds):
+        return "int8"
+    return "dequantized"
+
+
+def plan(config: ModelConfig, weights: str, stored: Mapping[str, Kind], layers: Iterable[int],
+         device_type: str = "cpu") -> dict[str, str]:
+    """Route per matrix group of `layers` (and the LM head); `stored` gives the quantized kind of
+    each tensor the checkpoint holds quantized."""
+    return {group: group_route(weights, [stored.get(n) for n in parts], device_type)
+            for group, parts in groups(config, layers).items()}
+
+
+def summary(routes: Mapping[str, str]) -> dict[str, str]:
+    """Route per layer type (`attn_qkv`, ..., `lm_head`); a type whose layers differ lists the counts."""
+    by_type: dict[str, Counter[str]] = {}
+    for group, route in routes.items():
+        by_type.setdefault(group.rsplit(".", 1)[-1], Counter())[route] += 1
+    return {kind: next(iter(c)) if len(c) == 1 else ", ".join(f"{r} ({n} layers)" for r, n in sorted(c.items()))
+            for kind, c in by_type.items()}
+
+
+def matrix_bytes(shape: tuple[int, int], route: str, dtype: str) -> int:
+    """Bytes a `[rows, cols]` matrix takes on `route`: int4 is half a byte per value plus a bf16
+    scale and zero per 32 (a matrix whose rows torch cannot pack in 16s takes int8: counted so);
+    int8 one byte plus one scale per row."""
+    rows, cols = shape
+    if route == "int4" and rows % 16 == 0 and cols % GROUP == 0:
+        return rows * cols // 2 + (cols // GROUP) * rows * 2 * 2
+    if route in ("int4", "int8"):
+        return rows * cols + rows * DTYPE_SIZES[dtype]
+    return rows * cols * DTYPE_SIZES[dtype]
+
+
+def loaded_weight_bytes(config: ModelConfig, dtype: str, routes: Mapping[str, str], layers: Iterable[int],
+                        tied_copy: bool) -> int:
+    """Bytes of every weight a member holding `layers` keeps on the planned `routes`.
+
+    `tied_copy`: the LM head is held apart from the embedding rows (a tied model on the CPU,
+    or any quantized head), so a tied embedding counts twice, once per form."""
+    layers = list(layers)
+    shapes = weight_shapes(config, layers)
+    in_groups: set[str] = set()
+    total = 0
+    for group, parts in groups(config, layers).items():
+        route = routes.get(group, "dequantized")
+        for name in parts:
+            if group == "lm_head" and config.tie_word_embeddings:
+                if tied_copy or route != "dequantized":
+                    total += matrix_bytes(shapes[name], route, dtype)
+                continue  # the embedding itself is counted below
+            total += matrix_bytes(shapes[name], route, dtype)
+            in_groups.add(name)
+    for name, shape in shapes.items():
+        if name not in in_groups:
+            total += prod(shape) * DTYPE_SIZES[dtype]
+    return total
