@@ -34,17 +34,21 @@ import torch.nn.functional as F
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.matmul import Linear
-from pdserve_worker.model.quant import QuantizedTensor, cat_rows, dequantize, quantize, to_kind
+from pdserve_worker.model.quant import QuantizedTensor, dequantize, quantize, to_kind
 from pdserve_worker.model.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.weight_routes import groups as matrix_groups
 
 
+# Logits a quantized head recomputes in fp32 from the exact rows (see `LlamaModel.head`).
+REFINED_LOGITS = 16
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    # The four matrices are as `Linear.prepare` returned them (possibly opaque oneDNN tensors):
-    # pass them to `LlamaModel.linear`, nowhere else.
+    # The four matrices are as `Linear.prepare`/`prepare_quantized` returned them (possibly opaque
+    # oneDNN tensors or `matmul.Int4Matrix`): pass them to `LlamaModel.linear`, nowhere else.
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: torch.Tensor  # [hidden, heads * head_dim]
     mlp_norm: torch.Tensor  # [hidden]
@@ -183,18 +187,26 @@ class LlamaModel:
             route, names = self.routes[group], groups[group]
             if route == "dequantized":
                 return self.linear.prepare(dense())
-            if route == "int4":  # 4-bit blocks: the checkpoint's own where it has them
-                parts = [to_kind(quantized[n], "q4") if n in quantized else quantize(_hf(n, weights), "q4")
-                         for n in names]
-                return self.linear.prepare_quantized(parts[0] if len(parts) == 1 else cat_rows(parts), route)
-            # int8: one scale per row, taken from each part's exact values
-            rows = [dequantize(quantized[n]) if n in quantized else _hf(n, weights).float() for n in names]
-            return self.linear.prepare_quantized(rows[0] if len(rows) == 1 else torch.cat(rows), route)
+            # The checkpoint's own blocks where it has them (int8 holds 4- and 8-bit ones exactly),
+            # else the float weights quantized by llama.cpp's reference rounding.
+            kind = "q4" if route == "int4" else "q8"
+            parts = [(to_kind(quantized[n], kind) if route == "int4" else quantized[n]) if n in quantized
+                     else quantize(_hf(n, weights), kind) for n in names]
+            return self.linear.prepare_quantized(parts, route)
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         # Tied: a packed or quantized head is a second copy (the embedding lookup needs the plain rows).
         self.lm_head = matrix("lm_head", lambda: self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight"))
+        # A quantized head's exact rows (fp32, by token id), for `head`'s refinement: a tied head's
+        # are the embedding rows; an untied one keeps its checkpoint blocks and dequantizes rows.
+        self._head_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if self.routes["lm_head"] != "dequantized":
+            if config.tie_word_embeddings:
+                self._head_rows = lambda ids: self.embed_tokens[ids].float()
+            else:
+                stored = quantized.get("lm_head.weight") or quantize(_hf("lm_head.weight", weights), "q8")
+                self._head_rows = lambda ids: dequantize(stored.rows(ids.reshape(-1))).reshape(*ids.shape, -1)
         self.layers: dict[int, LayerWeights] = {}
         for i in self.layer_range:
             p = f"model.layers.{i}."
@@ -251,8 +263,20 @@ class LlamaModel:
 
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (fp32) of hidden states `[..., hidden]` after the final norm."""
-        return self.linear(_rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head, torch.float32)
+        """Logits (fp32) of hidden states `[..., hidden]` after the final norm.
+
+        A quantized head runs on torch's int4 kernel, whose output is bf16: logits of 16-32 are
+        then 0.125 apart, enough to swap near-tied tokens that the dequantized fp32 model keeps
+        apart. So the `REFINED_LOGITS` largest are recomputed in fp32 from the exact weight
+        rows (a gather and a dot: tens of microseconds): greedy, top-k and the head of top-p
+        see fp32 logits; the rest, whose probabilities are small, keep the kernel's."""
+        normed = _rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        logits = self.linear(normed, self.lm_head, torch.float32)
+        if self._head_rows is None:
+            return logits
+        top = logits.topk(min(REFINED_LOGITS, logits.shape[-1]), dim=-1).indices
+        exact = (self._head_rows(top) * normed.float()[..., None, :]).sum(-1)
+        return logits.scatter(-1, top, exact)
 
     # ---- conveniences --------------------------------------------------------------------
 

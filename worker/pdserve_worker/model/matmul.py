@@ -20,16 +20,24 @@ at 8-16 rows, about even at 512 rows. Decode is a string of such GEMVs, so this 
 batch-1 step. GPU and NPU run plain `F.linear`, as does fp16 on a CPU with native fp16 GEMM
 (without it, fp16 takes the upcast route above). `route` names the choice; `Linear` follows it.
 
-Quantized weights (`quant.QuantizedTensor`, CPU only) run on torch's weight-only kernels:
-4-bit groups of 32 on `_weight_int4pack_mm_for_cpu` (`Int4Matrix`), 8-bit rows on
-`_weight_int8pack_mm` (`Int8Matrix`). Decode is memory bound, so reading 4.5-5 bits per weight
-instead of 16 is most of a batch-1 step. The int4 kernel dequantizes as `(nibble - 8) * scale
-+ zero` with scale and zero in the activation dtype, and only its bf16 variant is vectorized
-on x86 (its fp32 and fp16 variants are a scalar loop), so it always runs on bf16 activations:
-an fp32 model casts the input to bf16 and the product back. GGUF's Q4_1 `d * q + m` is that
-with scale `d` and zero `m + 8 d`; Q4_0 with zero 0. The int8 kernel has one scale per output
-row: Q8_0's per-block scales are folded into one per row (`int8_rows`), the one lossy step of
-these routes. These are private torch ops (pinned torch: see pyproject).
+Quantized weights (`quant.QuantizedTensor`, CPU only) run on torch's weight-only int4 kernel,
+`_weight_int4pack_mm_for_cpu` (groups of 32). Decode is memory bound, so reading 4.5-5 bits per
+weight instead of 16 is most of a batch-1 step. The kernel dequantizes `(nibble - 8) * scale +
+zero` with scale and zero in the activation dtype, and only its bf16 variant is vectorized on
+x86 (fp32 and fp16 run a scalar loop), so it always runs on bf16 activations: an fp32 model
+casts the input to bf16 and the product back. GGUF's Q4_1 `d * q + m` is exactly that with
+scale `d` and zero `m + 8 d` (Q4_0: zero 0), up to the rounding of `d` and the zero to bf16.
+
+8-bit values (Q8_0's `d * q`, q in -128..127) run on the same kernel as two 4-bit planes:
+q = 16 hi + lo with hi in -8..7 and lo in 0..15, the hi plane with scale `16 d` and zero 0, the
+lo plane with scale `d` and zero `8 d`; the input is repeated once per plane, so one product
+sums both. Exact up to rounding `d` to bf16 (16 d and 8 d stay exact multiples of it), 1.25
+bytes per weight. Why not torch's `_weight_int8pack_mm`: it has one scale per output row, so
+Q8_0's per-block scales would have to be folded into one (measured on the default model: with
+the int4 layers, the greedy text then left the dequantized model's at a token whose lead was
+0.2, not a near-tie), and measured on the 2-vCPU build VM it read the 28 MB LM head in 2.1 ms
+on one thread, 5.5 ms on two, against 2.0 ms for the two-plane int4 product (its fp32
+variant: 24 ms). These are private torch ops: torch is pinned (pyproject).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve_worker.logs import kv
-from pdserve_worker.model.quant import GROUP, QuantizedTensor, dequantize, nibbles, to_kind
+from pdserve_worker.model.quant import GROUP, QuantizedTensor, nibbles
 
 log = logging.getLogger("pdserve.model.matmul")
 
@@ -78,67 +86,64 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
     return "onednn-prepacked" if can_prepack(device, dtype) else "plain"
 
 
-# `--weights` choices: how the linear layers' matrices are held and multiplied.
-WEIGHTS = ("auto", "dequantized", "int8", "int4")
 # What each quantized route is, for `pdserve info` and the load log.
 QUANT_ROUTES = {
-    "int4": "int4 groups of 32 (torch _weight_int4pack_mm_for_cpu, bf16 activations)",
-    "int8": "int8 per row (torch _weight_int8pack_mm)",
+    "int4": "4-bit groups of 32 on torch _weight_int4pack_mm_for_cpu (bf16 activations)",
+    "int8": "8-bit groups of 32 on torch _weight_int4pack_mm_for_cpu as two 4-bit planes (bf16 activations)",
 }
+_ROW_MULTIPLE = 16  # torch's CPU int4 packing takes rows in multiples of 16: fewer are padded with zero rows
 
 
 @dataclass(frozen=True)
 class Int4Matrix:
-    """A `[rows, cols]` weight packed for torch's CPU int4 kernel on this CPU."""
+    """A `[rows, cols]` weight packed for torch's CPU int4 kernel on this CPU, in `planes` 4-bit planes."""
 
     packed: torch.Tensor  # uint8, `_convert_weight_to_int4pack_for_cpu`'s layout (ISA dependent)
-    scales_zeros: torch.Tensor  # bf16 [cols // 32, rows, 2]: (scale, zero) per group and row
+    scales_zeros: torch.Tensor  # bf16 [planes * cols // 32, padded rows, 2]: (scale, zero) per group and row
     shape: tuple[int, int]
+    planes: int = 1
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
 
-@dataclass(frozen=True)
-class Int8Matrix:
-    """A `[rows, cols]` weight as int8 values with one scale per row (torch's `_weight_int8pack_mm`)."""
-
-    q: torch.Tensor  # int8 [rows, cols]
-    scales: torch.Tensor  # [rows], in the activation dtype (the kernel requires it)
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scales.numel() * self.scales.element_size()
-
-
-def int4_fits(shape: tuple[int, int]) -> bool:
-    """Whether torch's CPU int4 packing takes a matrix of `shape` (rows in 16s, groups of 32)."""
-    return shape[0] % 16 == 0 and shape[1] % GROUP == 0
-
-
-def pack_int4(t: QuantizedTensor) -> Int4Matrix:
-    """A q4 tensor packed for the int4 kernel: nibbles unchanged, zero = minimum + 8 * scale."""
-    if t.kind != "q4":
-        raise ValueError(f"the int4 route takes q4 tensors, got {t.kind}")
-    if not int4_fits(t.shape):
-        raise ValueError(f"torch's int4 packing needs rows in multiples of 16 and columns of {GROUP}, got {t.shape}")
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles(t).to(torch.int32), 1)
-    zero = t.minimum + 8 * t.scale
-    scales_zeros = torch.stack([t.scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-    return Int4Matrix(packed, scales_zeros, t.shape)
+def _planes(t: QuantizedTensor, planes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nibbles [rows, planes * cols], scales, zeros [rows, planes * groups]) of `t`, hi plane first."""
+    if t.kind == "q4":
+        lo, lo_scale, lo_zero = nibbles(t), t.scale, t.minimum + 8 * t.scale
+        if planes == 1:
+            return lo, lo_scale, lo_zero
+        hi = torch.full_like(lo, 8)  # (8 - 8) * 0 + 0: an all-zero hi plane
+        hi_scale = hi_zero = torch.zeros_like(lo_scale)
+    else:
+        if planes == 1:
+            raise ValueError("8-bit values need two 4-bit planes")
+        q = t.q.to(torch.int16)
+        hi, lo = ((q >> 4) + 8).to(torch.uint8), (q & 0x0F).to(torch.uint8)  # q = 16 * (hi - 8) + lo
+        hi_scale, hi_zero = 16 * t.scale, torch.zeros_like(t.scale)
+        lo_scale, lo_zero = t.scale, 8 * t.scale
+    return torch.cat([hi, lo], 1), torch.cat([hi_scale, lo_scale], 1), torch.cat([hi_zero, lo_zero], 1)
 
 
-def int8_rows(weight: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> Int8Matrix:
-    """Symmetric int8 with one scale per row (max |w| / 127), from float or quantized values.
-
-    Round to nearest; a row of zeros gets scale 1 (any scale reproduces it)."""
-    w = dequantize(weight) if isinstance(weight, QuantizedTensor) else weight.to(torch.float32)
-    scale = w.abs().amax(dim=1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Matrix(q.contiguous(), scale.to(dtype), (int(w.shape[0]), int(w.shape[1])))
+def pack_int4(parts: list[QuantizedTensor], planes: int = 1) -> Int4Matrix:
+    """Row-stacked `parts` packed for the int4 kernel in `planes` planes (1: q4 parts only; 2: any)."""
+    widths = {p.shape[1] for p in parts}
+    if len(widths) != 1:
+        raise ValueError(f"cannot stack matrices of widths {sorted(widths)}")
+    cols = widths.pop()
+    if cols % GROUP:
+        raise ValueError(f"the int4 kernel takes rows of whole groups of {GROUP}, got {cols} columns")
+    values, scales, zeros = (torch.cat(x) for x in zip(*(_planes(p, planes) for p in parts)))
+    rows = values.shape[0]
+    pad = -rows % _ROW_MULTIPLE
+    if pad:  # zero rows: nibble 8, scale 0, zero 0
+        values = torch.cat([values, torch.full((pad, values.shape[1]), 8, dtype=values.dtype)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+        zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+    scales_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+    return Int4Matrix(packed, scales_zeros, (rows, cols), planes)
 
 
 def _reorder(w: torch.Tensor) -> torch.Tensor:
@@ -161,6 +166,7 @@ class Linear:
     ) -> None:
         chosen = route(device, dtype)
         self.dtype = dtype
+        self.device = device
         self.upcast = chosen == "fp32-upcast" if upcast is None else upcast
         self.prepack = (not self.upcast and chosen == "onednn-prepacked") if prepack is None else prepack
         self._scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32, device=device) if self.upcast else None
@@ -183,23 +189,23 @@ class Linear:
                            shape="x".join(map(str, w.shape)), error=str(exc).splitlines()[0][:200]))
             return w
 
-    def prepare_quantized(self, t: QuantizedTensor | torch.Tensor, route: str) -> Int4Matrix | Int8Matrix:
-        """`t` (quantized, or float values for int8) held for the `route` kernel ("int4" or
-        "int8"); a matrix torch cannot pack as int4 (rows not in 16s) takes the int8 route."""
-        if route == "int4" and isinstance(t, QuantizedTensor) and int4_fits(t.shape):
-            return pack_int4(to_kind(t, "q4"))
+    def prepare_quantized(self, parts: list[QuantizedTensor], route: str) -> Int4Matrix:
+        """Row-stacked `parts` held for the `route` kernel: "int4" (q4 parts, one plane) or
+        "int8" (q4 or q8 parts, each exact in two planes)."""
         if route not in QUANT_ROUTES:
             raise ValueError(f"quantized route must be one of {sorted(QUANT_ROUTES)}, got {route!r}")
-        return int8_rows(t, self.dtype)
+        if self.device.type != "cpu":
+            raise ValueError(f"quantized weights run on the CPU only, this model is on {self.device}")
+        return pack_int4(parts, 1 if route == "int4" else 2)
 
     def __call__(
-        self, x: torch.Tensor, w: torch.Tensor | Int4Matrix | Int8Matrix, out_dtype: torch.dtype | None = None,
+        self, x: torch.Tensor, w: torch.Tensor | Int4Matrix, out_dtype: torch.dtype | None = None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`x @ w.T (+ bias)`; the bias (in the weight's dtype) is added inside the product, before
         the one rounding to the output dtype, as `F.linear` with a bias does (qwen2's q/k/v).
         On the quantized routes the bias is added to the product in fp32."""
-        if isinstance(w, (Int4Matrix, Int8Matrix)):
+        if isinstance(w, Int4Matrix):
             return self._quantized(x, w, out_dtype, bias)
         if w.is_mkldnn:
             y = _prepacked_linear(x, w, bias)
@@ -223,15 +229,15 @@ class Linear:
         y = out_t.t().to(out_dtype or x.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
-    def _quantized(self, x: torch.Tensor, w: Int4Matrix | Int8Matrix, out_dtype: torch.dtype | None,
+    def _quantized(self, x: torch.Tensor, w: Int4Matrix, out_dtype: torch.dtype | None,
                    bias: torch.Tensor | None) -> torch.Tensor:
         rows, cols = w.shape
-        flat = x.reshape(-1, cols)
-        if isinstance(w, Int4Matrix):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16).contiguous(), w.packed, GROUP,
-                                                          w.scales_zeros)
-        else:
-            y = torch._weight_int8pack_mm(flat.to(w.scales.dtype).contiguous(), w.q, w.scales)
+        flat = x.reshape(-1, cols).to(torch.bfloat16)
+        if w.planes > 1:
+            flat = flat.repeat(1, w.planes)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), w.packed, GROUP, w.scales_zeros)
+        if y.shape[1] != rows:
+            y = y[:, :rows]
         if bias is not None:
             y = y.float() + bias.float()
         return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], rows)

@@ -152,13 +152,3 @@ def dequantize(t: QuantizedTensor) -> torch.Tensor:
 def to_kind(t: QuantizedTensor, kind: Kind) -> QuantizedTensor:
     """`t` in the form `kind`: itself, or its values requantized (lossy: a Q8_0 row in 4 bits)."""
     return t if t.kind == kind else quantize(dequantize(t), kind)
-
-
-def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
-    """Matrices stacked along rows (one fused product); all parts must be of one kind and width."""
-    kinds = {p.kind for p in parts}
-    widths = {p.shape[1] for p in parts}
-    if len(kinds) != 1 or len(widths) != 1:
-        raise ValueError(f"cannot stack {[p.kind for p in parts]} matrices of widths {[p.shape[1] for p in parts]}")
-    minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])
-    return QuantizedTensor(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), minimum)

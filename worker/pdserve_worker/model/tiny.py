@@ -147,11 +147,13 @@ def write_tiny_model(directory: str | Path, seed: int = 0, **overrides: Any) -> 
     return out
 
 
-def write_tiny_gguf(path: str | Path, seed: int = 0, quantized: tuple[str, ...] = (), **overrides: Any) -> Path:
+def write_tiny_gguf(path: str | Path, seed: int = 0, quantized: tuple[str, ...] | dict[str, str] = (),
+                    **overrides: Any) -> Path:
     """The same tiny model as a llama.cpp-style GGUF file (Q/K rows permuted as llama.cpp does).
 
     Tensors are F32 (exactly the HF folder's weights) except the GGUF tensor names listed in
-    `quantized`, which are stored as Q8_0. The tokenizer goes into the metadata the way
+    `quantized`, which are stored as Q8_0 (or, for a dict, as the GGML type named for each,
+    quantized by the `gguf` package's reference quantizer). The tokenizer goes into the metadata the way
     llama.cpp writes it (tokens, merges, token types, `pre` = "smollm").
     """
     import gguf
@@ -210,7 +212,7 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, quantized: tuple[str, ...] 
             tensor = permute_qk(tensor, config.num_kv_heads)
         array = tensor.numpy().astype(np.float32)
         if name in quantized:
-            qtype = gguf.GGMLQuantizationType.Q8_0
+            qtype = gguf.GGMLQuantizationType[quantized[name] if isinstance(quantized, dict) else "Q8_0"]
             w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, array)

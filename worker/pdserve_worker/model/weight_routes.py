@@ -5,12 +5,13 @@ the fused gate/up and the down projection, and once the LM head. Each kind is on
 so one route per matrix group; the parts of a fused group share it.
 
 - `dequantized`: today's route, float weights in the model dtype (`matmul.route`).
-- `int4` / `int8`: torch's CPU weight-only kernels (`matmul.Int4Matrix` / `Int8Matrix`), from
-  the checkpoint's quantized blocks where it has them, else quantized at load.
+- `int4` / `int8`: 4-bit or 8-bit blocks of 32 on torch's CPU int4 kernel (`matmul.Int4Matrix`;
+  8-bit as two 4-bit planes), from the checkpoint's quantized blocks where it has them (int4
+  requantizes Q8_0 blocks to 4 bits; int8 holds 4-bit blocks exactly), else float weights
+  quantized at load by llama.cpp's reference rounding (Q4_1 / Q8_0).
 - `auto`: what the checkpoint holds. A group whose parts are all GGUF 4-bit (Q4_0/Q4_1) runs
-  int4 exactly; all quantized with some Q8_0 runs int8 (the int8 kernel takes one scale per
-  row, so Q8_0's block scales are folded: see `matmul.int8_rows`); anything else (float,
-  K-quants and other GGUF types, which `gguf` dequantizes) runs dequantized, as before.
+  int4; all quantized, some Q8_0, runs int8; both exactly. Anything else (float, K-quants and
+  other GGUF types, which `gguf` dequantizes) runs dequantized, as before.
 
 Quantized routes run on the CPU only (torch's int4/int8 weight-only kernels here are CPU
 kernels): `auto` on an accelerator is dequantized, an explicit `int4`/`int8` there is refused.
@@ -94,14 +95,12 @@ def summary(routes: Mapping[str, str]) -> dict[str, str]:
 
 
 def matrix_bytes(shape: tuple[int, int], route: str, dtype: str) -> int:
-    """Bytes a `[rows, cols]` matrix takes on `route`: int4 is half a byte per value plus a bf16
-    scale and zero per 32 (a matrix whose rows torch cannot pack in 16s takes int8: counted so);
-    int8 one byte plus one scale per row."""
+    """Bytes a `[rows, cols]` matrix takes on `route`: per 4-bit plane (int4 one, int8 two) half a
+    byte per value plus a bf16 scale and zero per 32, rows padded to 16 (`matmul.pack_int4`)."""
     rows, cols = shape
-    if route == "int4" and rows % 16 == 0 and cols % GROUP == 0:
-        return rows * cols // 2 + (cols // GROUP) * rows * 2 * 2
     if route in ("int4", "int8"):
-        return rows * cols + rows * DTYPE_SIZES[dtype]
+        planes, padded = (1 if route == "int4" else 2), rows + (-rows % 16)
+        return planes * (padded * cols // 2 + (cols // GROUP) * padded * 2 * 2)
     return rows * cols * DTYPE_SIZES[dtype]
 
 

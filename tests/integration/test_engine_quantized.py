@@ -1,0 +1,56 @@
+"""The quantized route against the dequantized route on the real default model (its Q4_1 GGUF).
+
+Both load the same file: `--weights auto` keeps its Q4_1 matrices as int4 and its Q8_0
+embedding (the tied LM head) as 8-bit, `dequantized` reads what `gguf.quants.dequantize`
+gives. In fp32, like the engine's other exactness tests: in bf16 the dequantized model's own
+logits lie on the bf16 grid (0.125 apart at 16-32), so a "near-tie" there says nothing.
+The dequantized fp32 route matches HF transformers (test_engine_reference.py): it is the truth.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.model.generate import greedy_tokens
+from pdserve_worker.model.loader import load_model
+
+from test_engine_reference import CHATS, GREEDY_TOKENS
+
+pytestmark = pytest.mark.slow
+
+NEAR_TIE = 0.05
+
+
+@pytest.fixture(scope="module")
+def routes():
+    return load_model(None, dtype="float32", weights="auto"), load_model(None, dtype="float32", weights="dequantized")
+
+
+def test_auto_keeps_the_default_models_blocks(routes):
+    quantized, dequantized = routes
+    assert quantized.routes == {"lm_head": "int8", "attn_qkv": "int4", "attn_o": "int4", "mlp_gate_up": "int4",
+                                "mlp_down": "int4"}
+    assert set(dequantized.routes.values()) == {"dequantized"}
+
+
+@pytest.mark.parametrize("text", CHATS)
+def test_quantized_logits_and_greedy_text_follow_the_dequantized_model(routes, text):
+    quantized, dequantized = routes
+    ids = quantized.tokenizer.encode_chat([{"role": "user", "content": text}])
+    layout = quantized.config.kv_layout(1, 256, "float32")
+    got = quantized.model.prefill(ids, KVCache.allocate(layout), 0)
+    want = dequantized.model.prefill(ids, KVCache.allocate(layout), 0)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) >= 0.999
+
+    mine = greedy_tokens(quantized.model, KVCache.allocate(layout), 0, ids, GREEDY_TOKENS)
+    reference = greedy_tokens(dequantized.model, KVCache.allocate(layout), 0, ids, GREEDY_TOKENS)
+    if mine != reference:
+        first = next(i for i, (a, b) in enumerate(zip(mine, reference)) if a != b)
+        logits = dequantized.model.prefill(ids + reference[:first], KVCache.allocate(layout), 0)
+        top2 = logits.topk(2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < NEAR_TIE, (f"token {first} differs ({quantized.tokenizer.decode([mine[first]])!r} vs "
+                                f"{dequantized.tokenizer.decode([reference[first]])!r}) where the dequantized "
+                                f"model leads by {gap:.3f}")
