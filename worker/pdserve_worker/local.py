@@ -62,6 +62,7 @@ class LocalPlan:
     port: int = 8000
     model: str | None = None  # GGUF or HF folder; None: the bundled default
     dtype: str = "auto"  # auto: see auto_dtype()
+    weights: str = "auto"  # model/weight_routes.py
     slots: int = 8
     max_len: int = 2048
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
@@ -74,6 +75,8 @@ class LocalPlan:
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.weights not in ("auto", "dequantized", "int8", "int4"):
+            raise ValueError(f"weights must be auto, dequantized, int8 or int4, got {self.weights!r}")
         if self.colocated:
             return
         if self.prefill < 1 or self.decode < 1:
@@ -206,6 +209,7 @@ class LocalDeployment:
         self.certs: CertFiles | None = None
         self.dtype = auto_dtype() if plan.dtype == "auto" else plan.dtype
         self.model_folder: Path | None = None
+        self.model_source = ""  # what the workers load: the GGUF itself (its quantized blocks), or the folder
         self.model_name = ""  # the served name; empty: the workers take the folder's
 
     # ---- starting ----------------------------------------------------------------------------
@@ -241,11 +245,18 @@ class LocalDeployment:
     def _prepare_model(self) -> Path:
         path = self.plan.model
         if path is not None and (Path(path) / "config.json").is_file():
+            self.model_source = str(Path(path).resolve())
             return Path(path).resolve()
         self.say("preparing the model (a GGUF is converted once and cached)")
-        from pdserve_worker.model.loader import model_folder
+        from pdserve_worker.model.convert import quantized_gguf
+        from pdserve_worker.model.loader import gguf_source, model_folder
 
         folder, name = model_folder(path, self.dtype)
+        self.model_source = str(folder)
+        if self.plan.weights != "dequantized":  # the workers read the quantized blocks: convert them once here
+            gguf_path = gguf_source(path)
+            quantized_gguf(gguf_path)
+            self.model_source = S.BUILTIN_DEFAULT if path is None else str(gguf_path.resolve())
         self.model_name = name
         self.say(f"model {name} at {folder}")
         return folder
@@ -280,8 +291,9 @@ class LocalDeployment:
             E.GRPC_PORT_ENV: str(free_port()),
             E.ADMIN_PORT_ENV: str(free_port()),
             S.TRANSFER_PORT_ENV: str(free_port()),
-            E.MODEL_SOURCE: str(self.model_folder),
+            E.MODEL_SOURCE: self.model_source,
             E.MODEL_DTYPE: self.dtype,
+            S.WEIGHTS: self.plan.weights,
             E.MAX_LENGTH: str(plan.max_len),
             E.SLOTS: str(plan.slots),
             E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
@@ -351,6 +363,7 @@ class LocalDeployment:
             "service": SERVICE,
             "broker": self.broker_address,
             "dtype": self.dtype,
+            "weights": self.plan.weights,
             "token_file": str(token_file),
             "ca_file": None if self.certs is None else str(self.certs.ca),
             "children": [

@@ -37,6 +37,7 @@ GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight
 SHARD_INDEX = "PDSERVE_SHARD_INDEX"  # decode group member index; pods derive it from their ordinal
 GROUP_PEERS = "PDSERVE_GROUP_PEERS"  # decode group: gRPC endpoints of members 0..N-1, comma-separated
 MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are answered 413
+WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
 
 Role = Literal["prefill", "decode", "router", "colocated"]
 BUILTIN_PREFIX = "builtin:"
@@ -65,6 +66,7 @@ class WorkerSettings(BaseSettings):
     max_length: int = Field(2048, ge=16, validation_alias=E.MAX_LENGTH)
     device: Literal["npu", "cuda", "cpu"] = Field("cpu", validation_alias=E.DEVICE)
     threads: int = Field(0, ge=0, validation_alias=THREADS)
+    weights: Literal["auto", "dequantized", "int8", "int4"] = Field("auto", validation_alias=WEIGHTS)
 
     transfer_backend: Literal["hixl", "cpu", "auto"] = Field("auto", validation_alias=E.TRANSFER_BACKEND)
     queue_depth: int = Field(8, ge=1, validation_alias=E.QUEUE_DEPTH)
@@ -119,6 +121,9 @@ class WorkerSettings(BaseSettings):
         if self.broker_tls and self.tls is None:
             raise ValueError(f"{E.BROKER_TLS}=true: the broker speaks TLS, but no certificate is configured "
                              f"({E.TLS_CERT}/{E.TLS_KEY}/{E.TLS_CA}, spec.tls)")
+        if self.weights in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(f"{WEIGHTS}={self.weights} runs on the CPU only (torch's weight-only kernels), "
+                             f"not on {self.device}; use auto or dequantized")
         if self.model_source.startswith(BUILTIN_PREFIX) and self.model_source != BUILTIN_DEFAULT:
             raise ValueError(f"{E.MODEL_SOURCE}: unknown built-in model {self.model_source!r}; known: {BUILTIN_DEFAULT}")
         return self

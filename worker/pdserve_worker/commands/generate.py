@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="compute dtype (default auto, as `pdserve local` and the API: bfloat16 where the CPU has "
                         "native bf16, else float32)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dequantized", "int8", "int4"],
+                   help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the CPUs this process may use)")
     p.set_defaults(func=run)
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtype = resolve_dtype(args.dtype, args.device)
     try:
-        loaded = load_model(args.model, dtype=dtype, device=args.device)
+        loaded = load_model(args.model, dtype=dtype, device=args.device, weights=args.weights)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"pdserve generate: cannot load the model: {exc}", file=sys.stderr)
         return 2
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         logs.kv(
             model=loaded.name,
             dtype=dtype,
+            weights=args.weights,
             prompt_tokens=len(prompt_ids),
             prefill_tokens_per_s=round(s.prefill_tokens_per_s, 1),
             decode_tokens=s.decode_tokens,

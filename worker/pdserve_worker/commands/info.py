@@ -1,10 +1,11 @@
 """`pdserve info`: versions, the default model's location, the transfer backend available, and
-how this CPU runs the model (the dtype `--dtype auto` picks and each dtype's matmul route: the
-first thing to look at when decode is slower than expected).
+how this CPU runs the model (the dtype `--dtype auto` picks, each dtype's matmul route and the
+quantized routes: the first thing to look at when decode is slower than expected).
 
-`pdserve info --model PATH [--dtype D] [--max-len N] [--memory 64GiB] [--layer-shards K]`
+`pdserve info --model PATH [--dtype D] [--weights W] [--max-len N] [--memory 64GiB] [--layer-shards K]`
 instead describes a model (HF folder or GGUF file) without loading it: architecture,
-parameters, dtype, KV bytes per token, and how many KV slots of `--max-len` tokens fit in
+parameters, dtype, the route of each layer type on a CPU worker with `--weights` and the bytes
+it holds there, KV bytes per token, and how many KV slots of `--max-len` tokens fit in
 `--memory` per device next to the weights (`model/sizing.py`). The defaults are the
 PDInferenceService spec's (bfloat16, 2048)."""
 
@@ -23,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="HF folder or GGUF file to describe (nothing is loaded)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="weights and KV dtype (default bfloat16)")
+    p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
+                   help="how a CPU worker holds the matrices (default auto): shown as cpu_routes per layer type")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per KV slot, as spec.model.maxLength (default 2048)")
     p.add_argument("--memory", default=None, help="device memory per worker, e.g. 64GiB, 32Gi, 80GB: how many slots fit")
     p.add_argument("--layer-shards", type=int, default=1, help="decode workers one model is split over (default 1)")
@@ -37,12 +40,13 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
     except ImportError:
         return None, "torch not installed"
     from pdserve_worker.local import auto_dtype
-    from pdserve_worker.model.matmul import route
+    from pdserve_worker.model.matmul import QUANT_ROUTES, route
 
     return torch.__version__, {
         "threads": torch.get_num_threads(),
         "dtype_auto": auto_dtype(),
         "matmul": {name: route(torch.device("cpu"), getattr(torch, name)) for name in ("float32", "bfloat16", "float16")},
+        "quantized_matmul": QUANT_ROUTES,
     }
 
 
@@ -53,7 +57,7 @@ def _model(args: argparse.Namespace) -> int:
         memory = parse_bytes(args.memory) if args.memory is not None else None
         if args.max_len <= 0 or args.layer_shards <= 0:
             raise ValueError(f"--max-len and --layer-shards must be positive, got {args.max_len} and {args.layer_shards}")
-        print(json.dumps(report(args.model, args.dtype, args.max_len, memory, args.layer_shards), indent=2))
+        print(json.dumps(report(args.model, args.dtype, args.max_len, memory, args.layer_shards, args.weights), indent=2))
     except (OSError, ValueError) as exc:
         print(f"pdserve info: {exc}", file=sys.stderr)
         return 2

@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                    help="compute and KV dtype (default auto: bfloat16 where the CPU has native bf16, else float32)")
+    p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
+                   help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)")
     p.add_argument("--slots", type=int, default=8, help="KV slots per decode worker (default 8)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per request, prompt plus output (default 2048)")
     p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         extra_env = _parse_env(args.env)
         plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
-                         slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
+                         weights=args.weights, slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
                          layers_per_chunk=args.layers_per_chunk, layer_shards=args.layer_shards,
                          tls=args.tls, log_dir=args.log_dir, extra_env=extra_env)
     except ValueError as exc:

@@ -27,6 +27,7 @@ _FLAG_FIELDS = {
     "model": "model_source",
     "model_name": "model_name",
     "dtype": "model_dtype",
+    "weights": "weights",
     "max_len": "max_length",
     "device": "device",
     "threads": "threads",
@@ -58,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2)")
     p.add_argument("--model-name", default=None, help="name the API serves the model under")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default=None,
+                   help="how weight matrices are held (else $PDSERVE_WEIGHTS; default auto: a GGUF's Q4_0/Q4_1/Q8_0 "
+                        "stay quantized on the CPU)")
     p.add_argument("--max-len", type=int, default=None, help="tokens per request, prompt plus output")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (0: all this process may use)")

@@ -83,13 +83,18 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
             file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
         except (ImportError, ValueError):
             pass
-        return config, {"format": "gguf", "name": p.stem, "checkpoint_dtype": file_type,
+        from pdserve_worker.model.gguf_format import gguf_to_hf_name
+        from pdserve_worker.model.quant import GGUF_KINDS
+
+        stored = {gguf_to_hf_name(t.name): GGUF_KINDS[t.tensor_type.name] for t in reader.tensors
+                  if t.tensor_type.name in GGUF_KINDS and len(t.shape) == 2}
+        return config, {"format": "gguf", "name": p.stem, "checkpoint_dtype": file_type, "quantized": stored,
                         "generation": GenerationDefaults(eos_token_ids=config.eos_token_ids)}
     if p.is_dir() and (p / "config.json").is_file():
         data = json.loads((p / "config.json").read_text())
         return ModelConfig.from_hf(data), {
             "format": "hf", "name": p.name, "checkpoint_dtype": data.get("torch_dtype") or data.get("dtype"),
-            "generation": GenerationDefaults.from_folder(p),
+            "quantized": {}, "generation": GenerationDefaults.from_folder(p),
         }
     raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a folder with config.json")
 
@@ -102,9 +107,16 @@ def human_count(n: int) -> str:
 
 
 def report(path: str | Path, dtype: str = "bfloat16", max_len: int = 2048, memory: int | None = None,
-           layer_shards: int = 1) -> dict[str, Any]:
-    """Everything `pdserve info --model` prints, as one JSON-able dict."""
+           layer_shards: int = 1, weights: str = "auto") -> dict[str, Any]:
+    """Everything `pdserve info --model` prints, as one JSON-able dict.
+
+    `weights_bytes` is the model in `dtype` (what an accelerator holds); `cpu_routes` and
+    `cpu_weights_bytes` what a CPU worker with `--weights` holds (`weight_routes`)."""
+    from pdserve_worker.model.weight_routes import check_weights_choice, loaded_weight_bytes, plan, summary
+
+    check_weights_choice(weights, "cpu")
     config, facts = read_config(path)
+    routes = plan(config, weights, facts["quantized"], range(config.num_layers))
     sizing = Sizing(config, dtype, max_len, layer_shards)
     params = parameter_count(config)
     out: dict[str, Any] = {
@@ -119,6 +131,9 @@ def report(path: str | Path, dtype: str = "bfloat16", max_len: int = 2048, memor
         "dtype": dtype,
         "weights_bytes": params * DTYPE_SIZES[dtype],
         "weights_gib": round(params * DTYPE_SIZES[dtype] / GIB, 2),
+        "weights": weights,
+        "cpu_routes": summary(routes),
+        "cpu_weights_bytes": loaded_weight_bytes(config, dtype, routes, range(config.num_layers), tied_copy=True),
         "layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "heads": config.num_heads,

@@ -173,7 +173,9 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         try:
             folder = await asyncio.to_thread(resolve_model_folder, settings)
             layers = member_layers(settings, folder)  # a layer-sharded decode member loads only its share
-            loaded = await asyncio.to_thread(load_model, str(folder), settings.model_dtype, settings.device, layers)
+            # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
+            loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
+                                             layers, settings.weights)
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
         revision = model_revision(folder, settings.model_dtype)
@@ -371,7 +373,8 @@ async def _run_colocated(settings: WorkerSettings) -> None:
     torch.set_num_threads(settings.torch_threads)
     try:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
-        loaded = await asyncio.to_thread(load_model, str(folder), settings.model_dtype, settings.device)
+        loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
+                                         None, settings.weights)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)
