@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ class Cluster:
     prefill_stubs: list[worker_pb2_grpc.PrefillStub]
     freezing: FreezingDecode | None = None
     freezing_member: BrokerClient | None = None
+    prefill_workers: list[PrefillWorker] = dataclasses.field(default_factory=list)
 
 
 def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> WorkerSettings:
@@ -236,7 +238,8 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
         p_channels = [aio_channel(e, TOKEN) for e in p_endpoints]
         try:
             yield Cluster(backend, decode, worker_pb2_grpc.DecodeStub(channel),
-                          [worker_pb2_grpc.PrefillStub(c) for c in p_channels], freezing, freezing_member)
+                          [worker_pb2_grpc.PrefillStub(c) for c in p_channels], freezing, freezing_member,
+                          [w for w in workers if isinstance(w, PrefillWorker)])
         finally:
             for c in [channel, *p_channels, *relay_channels]:
                 await c.close()
@@ -543,3 +546,82 @@ async def test_a_prefill_cancelled_before_its_request_arrives_refuses_it(loaded)
         released = await c.decode_stub.Release(worker_pb2.ReleaseRequest(
             slot=grant.slot, generation=grant.generation, push_settled=True))
         assert released.released and c.decode.slots.usage().free == SLOTS
+
+
+class _CountsPasses:
+    """The model, recording how many prompts each packed prefill pass held."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.passes: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill(self, prompt, *args, **kwargs):
+        self.passes.append(1)
+        return self._model.prefill(prompt, *args, **kwargs)
+
+    def prefill_batch(self, prompts, *args, **kwargs):
+        self.passes.append(len(prompts))
+        return self._model.prefill_batch(prompts, *args, **kwargs)
+
+
+async def _queued_prefills(c: Cluster, loaded, requests: list[worker_pb2.PrefillRequest]):
+    """Send `requests` to prefill-0 while its compute thread is held, so they all wait together;
+    returns the pass counter and the calls' outcomes (replies or errors)."""
+    worker = c.prefill_workers[0]
+    counter = _CountsPasses(loaded.model)
+    worker.loaded = dataclasses.replace(loaded, model=counter)
+    gate = threading.Event()
+    worker._compute.submit(gate.wait)
+    calls = [asyncio.ensure_future(c.prefill_stubs[0].Prefill(r)) for r in requests]
+    await eventually(lambda: worker.queued == len(requests))
+    gate.set()
+    return counter, await asyncio.gather(*calls, return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_prompts_waiting_together_share_one_pass_and_each_reaches_its_own_slot(loaded):
+    prompts = [loaded.tokenizer.encode("Paris is the capital of"), loaded.tokenizer.encode("The quick brown fox")]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [_reference(loaded, p, params) for p in prompts]
+    async with cluster(loaded) as c:
+        sampling = sampling_to_proto(params)
+        grants = [await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
+            request_id=f"b{i}", num_prompt_tokens=len(p), max_tokens=params.max_tokens)) for i, p in enumerate(prompts)]
+        streams = [c.decode_stub.Generate(worker_pb2.GenerateRequest(
+            request_id=f"b{i}", slot=g.slot, generation=g.generation, prompt_token_ids=p, sampling=sampling,
+            readiness_timeout_ms=10_000)) for i, (p, g) in enumerate(zip(prompts, grants))]
+        counter, replies = await _queued_prefills(c, loaded, [worker_pb2.PrefillRequest(
+            request_id=f"b{i}", prompt_token_ids=p, sampling=sampling, targets=[g])
+            for i, (p, g) in enumerate(zip(prompts, grants))])
+        assert counter.passes == [2]  # one forward pass for both
+        assert [r.num_tokens for r in replies] == [len(p) for p in prompts]
+        for stream, want in zip(streams, expected):
+            events = [e async for e in stream]
+            assert [(e.token_id, e.text) for e in events] == want  # each prompt's KV in its own decode slot
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS)
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_whose_push_fails_fails_alone(loaded):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = loaded.tokenizer.encode("Paris is the capital of")
+    async with cluster(loaded) as c:
+        sampling = sampling_to_proto(params)
+        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
+            request_id="ok", num_prompt_tokens=len(prompt), max_tokens=params.max_tokens))
+        stream = c.decode_stub.Generate(worker_pb2.GenerateRequest(
+            request_id="ok", slot=grant.slot, generation=grant.generation, prompt_token_ids=prompt, sampling=sampling,
+            readiness_timeout_ms=10_000))
+        nowhere = worker_pb2.Grant()
+        nowhere.CopyFrom(grant)
+        nowhere.engine_id = f"127.0.0.1:{free_port()}"  # no transfer engine listens there
+        counter, (bad, good) = await _queued_prefills(c, loaded, [
+            worker_pb2.PrefillRequest(request_id="bad", prompt_token_ids=prompt, sampling=sampling, targets=[nowhere]),
+            worker_pb2.PrefillRequest(request_id="ok", prompt_token_ids=prompt, sampling=sampling, targets=[grant])])
+        assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.UNAVAILABLE
+        assert good.num_tokens == len(prompt)
+        assert counter.passes == [1]  # the unreachable prompt never entered the pass
+        assert [(e.token_id, e.text) for e in [e async for e in stream]] == _reference(loaded, prompt, params)

@@ -37,6 +37,8 @@ GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight
 SHARD_INDEX = "PDSERVE_SHARD_INDEX"  # decode group member index; pods derive it from their ordinal
 GROUP_PEERS = "PDSERVE_GROUP_PEERS"  # decode group: gRPC endpoints of members 0..N-1, comma-separated
 MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are answered 413
+PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
+PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
 
 Role = Literal["prefill", "decode", "router", "colocated"]
@@ -75,6 +77,8 @@ class WorkerSettings(BaseSettings):
     engine_options: dict[str, str] = Field(default_factory=dict, validation_alias=E.ENGINE_OPTIONS)
 
     layers_per_chunk: int = Field(4, ge=1, validation_alias=E.LAYERS_PER_CHUNK)
+    prefill_batch: int = Field(8, ge=1, le=256, validation_alias=PREFILL_BATCH)
+    prefill_token_budget: int = Field(4096, ge=1, validation_alias=PREFILL_TOKEN_BUDGET)
     slots: int = Field(8, ge=1, validation_alias=E.SLOTS)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)

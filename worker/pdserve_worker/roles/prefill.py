@@ -8,9 +8,13 @@ and `finish()` sends it in the ready notification, after every put completed: a 
 reads a partial push. Any failure aborts the push and sends no notification; the decode's
 lease then lapses and quarantines the slot.
 
-One model, one scratch slot: prefills run one after another on one compute thread (they are
-compute bound, running two at once would only split the cores), while the gRPC event loop
-stays free to accept and queue requests.
+Prompts waiting together share one forward pass (`LlamaModel.prefill_batch`): the compute
+thread takes up to `prefill_batch` queued prompts whose tokens fit `prefill_token_budget` (the
+first always goes, however long), each in its own scratch slot with its own pusher, so each
+prompt's KV goes to its own decode reservation chunk by chunk as before. A prompt whose push
+fails, or that is cancelled, ends alone; the others go on. Passes run one after another on
+one compute thread (they are compute bound, running two at once would only split the cores),
+while the gRPC event loop stays free to accept and queue requests.
 
 A router that abandons a request (its client left) sends `Cancel`: a queued prefill never
 starts, a running one stops before its next layer chunk and waits for the puts it issued.
@@ -29,7 +33,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -64,9 +68,25 @@ class PrefillCancelled(Exception):
     """The router cancelled this prefill (worker.proto's Prefill.Cancel)."""
 
 
+class _AllEnded(Exception):
+    """Every prompt of a pass has ended (failed or cancelled): stop computing it."""
+
+
 @dataclass
 class _Job:
+    """One queued prefill; its outcome is handed to `done` on the event loop `loop`."""
+
+    request_id: str = ""
+    prompt: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    targets: list[PushTarget] = field(default_factory=list)
+    num_generated: int = 0
+    accepted: float = 0.0
+    loop: asyncio.AbstractEventLoop | None = None
+    done: asyncio.Future | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    pusher: KVPusher | None = None
+    settled: bool = False  # an outcome was handed to `done` (set on the compute thread)
 
 
 def _mark(exc: BaseException, settled: bool) -> BaseException:
@@ -94,11 +114,14 @@ class PrefillWorker:
         self.loaded = loaded
         self.backend = backend
         self.revision = revision
-        layout = loaded.config.kv_layout(1, settings.max_length, settings.model_dtype)
+        # One scratch slot per prompt of a pass.
+        layout = loaded.config.kv_layout(settings.prefill_batch, settings.max_length, settings.model_dtype)
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = KVCache(layout, self.pool.tensor)
         self.source = PushSource(self.pool.base_addr, layout, slot=0)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
+        self._pending: deque[_Job] = deque()
+        self._lock = threading.Lock()
         self.queued = 0  # requests accepted and not yet answered
         self.served = 0
         self._jobs: dict[JobKey, _Job] = {}
@@ -157,57 +180,138 @@ class PrefillWorker:
         key = (request_id, first.slot, first.generation)
         if self._early_cancels.pop(key, 0.0) > time.monotonic():
             raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled before it arrived"), True)
-        job = self._jobs[key] = _Job()
+        loop = asyncio.get_running_loop()
+        job = self._jobs[key] = _Job(request_id, prompt, params, targets, num_generated, time.perf_counter(), loop,
+                                     loop.create_future())
         self.queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._compute, self._run, job, request_id, prompt, params, targets, num_generated, time.perf_counter()
-            )
+            with self._lock:
+                self._pending.append(job)
+            # One drain per job: a drain takes every job waiting then (up to the batch), so later
+            # drains may find nothing left to do.
+            self._compute.submit(self._drain)
+            return await job.done
         except asyncio.CancelledError:
-            job.cancelled.set()  # the caller went away: a running prefill stops at its next chunk
+            job.cancelled.set()  # the caller went away: a queued prefill never starts, a running one stops
             raise
         finally:
             self.queued -= 1
             self._jobs.pop(key, None)
 
-    def _run(self, job: _Job, request_id: str, prompt: list[int], params: SamplingParams,
-             targets: list[PushTarget], num_generated: int, accepted: float) -> PrefillResult:
+    def _take_batch(self) -> list[_Job]:
+        """The waiting jobs of the next pass: up to `prefill_batch`, within `prefill_token_budget`."""
         s = self.settings
-        if job.cancelled.is_set():
-            raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled while queued"), True)
-        started = time.perf_counter()
+        batch: list[_Job] = []
+        tokens = 0
+        with self._lock:
+            while self._pending and len(batch) < s.prefill_batch:
+                if batch and tokens + len(self._pending[0].prompt) > s.prefill_token_budget:
+                    break
+                job = self._pending.popleft()
+                batch.append(job)
+                tokens += len(job.prompt)
+        return batch
+
+    def _drain(self) -> None:
+        batch = self._take_batch()
+        if not batch:
+            return
         try:
-            pusher = KVPusher(
-                self.backend, self.source, targets, len(prompt),
-                queue_depth=s.queue_depth,
-                timeout_s=s.transfer_timeout_ms / 1000,
-                connect_timeout_ms=s.connect_timeout_ms,
-            )
-        except BaseException as exc:
-            raise _mark(exc, True)  # nothing was put
+            self._run(batch)
+        except BaseException as exc:  # the compute itself failed: every job still open fails with it
+            for job in batch:
+                if not job.settled:
+                    self._fail(job, exc, True if job.pusher is None else self._quiesce(job.pusher))
+
+    def _run(self, batch: list[_Job]) -> None:
+        s = self.settings
+        started = time.perf_counter()
+        live: list[tuple[int, _Job]] = []
+        for slot, job in enumerate(batch):
+            if job.cancelled.is_set():
+                self._fail(job, PrefillCancelled(f"prefill of request {job.request_id} was cancelled while queued"),
+                           True)
+                continue
+            try:
+                job.pusher = KVPusher(
+                    self.backend, PushSource(self.pool.base_addr, self.cache.layout, slot=slot), job.targets,
+                    len(job.prompt), queue_depth=s.queue_depth, timeout_s=s.transfer_timeout_ms / 1000,
+                    connect_timeout_ms=s.connect_timeout_ms,
+                )
+            except Exception as exc:  # this prompt's targets are unusable or unreachable: it alone fails
+                self._fail(job, exc, True)  # nothing was put
+                continue
+            live.append((slot, job))
+        if not live:
+            return
 
         def on_chunk(layers: range) -> None:
-            if job.cancelled.is_set():
-                raise PrefillCancelled(f"prefill of request {request_id} was cancelled at layer {layers.start}")
-            pusher.push_chunk(layers)
+            for _, job in live:
+                if job.settled:
+                    continue
+                if job.cancelled.is_set():
+                    self._fail(job, PrefillCancelled(
+                        f"prefill of request {job.request_id} was cancelled at layer {layers.start}"),
+                        self._quiesce(job.pusher))
+                    continue
+                try:
+                    job.pusher.push_chunk(layers)
+                except PushError as exc:  # a put failed: whether others still land is unknown
+                    job.pusher.abort()
+                    self._fail(job, exc, False)
+            if all(job.settled for _, job in live):
+                raise _AllEnded
 
+        model = self.loaded.model
         try:
-            logits = self.loaded.model.prefill(prompt, self.cache, 0, s.layers_per_chunk, on_chunk=on_chunk)
-            if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
-                raise PrefillCancelled(f"prefill of request {request_id} was cancelled before its notify")
-            first = Sampler(params).sample(logits, num_generated)
-            stats = pusher.finish({"first_token": first})
-        except PushError as exc:
-            pusher.abort()
-            raise _mark(exc, False)  # a put failed or timed out: whether others still land is unknown
-        except BaseException as exc:
-            raise _mark(exc, self._quiesce(pusher))
-        done = time.perf_counter()
-        self.served += 1
-        log.info(kv(event="prefill_done", request=request_id, tokens=len(prompt), targets=len(targets),
-                    kv_bytes=stats.bytes, queued_ms=round((started - accepted) * 1000, 1),
-                    compute_ms=round((done - started) * 1000, 1), push_ms=round(stats.seconds * 1000, 1)))
-        return PrefillResult(first, len(prompt), stats.bytes, stats.seconds, done - accepted)
+            if len(live) == 1:
+                slot, job = live[0]
+                logits = model.prefill(job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk)[None]
+            else:
+                logits = model.prefill_batch([j.prompt for _, j in live], self.cache, [slot for slot, _ in live],
+                                             s.layers_per_chunk, on_chunk=on_chunk)
+        except _AllEnded:
+            return
+        computed = time.perf_counter()
+        for row, (_, job) in enumerate(live):
+            if job.settled:
+                continue
+            try:
+                if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
+                    raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
+                first = Sampler(job.params).sample(logits[row], job.num_generated)
+                stats = job.pusher.finish({"first_token": first})
+            except PushError as exc:
+                job.pusher.abort()
+                self._fail(job, exc, False)
+                continue
+            except Exception as exc:
+                self._fail(job, exc, self._quiesce(job.pusher))
+                continue
+            done = time.perf_counter()
+            self.served += 1
+            log.info(kv(event="prefill_done", request=job.request_id, tokens=len(job.prompt), targets=len(job.targets),
+                        batch=len(live), kv_bytes=stats.bytes, queued_ms=round((started - job.accepted) * 1000, 1),
+                        compute_ms=round((computed - started) * 1000, 1), push_ms=round(stats.seconds * 1000, 1)))
+            self._resolve(job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted))
+
+    def _fail(self, job: _Job, exc: BaseException, settled: bool) -> None:
+        self._resolve(job, _mark(exc, settled))
+
+    @staticmethod
+    def _resolve(job: _Job, outcome: PrefillResult | BaseException) -> None:
+        """Hand the outcome to the waiting coroutine (if it still waits: a cancelled one does not)."""
+        job.settled = True
+
+        def settle() -> None:
+            if job.done.done():
+                return
+            if isinstance(outcome, BaseException):
+                job.done.set_exception(outcome)
+            else:
+                job.done.set_result(outcome)
+
+        job.loop.call_soon_threadsafe(settle)
 
     @staticmethod
     def _quiesce(pusher: KVPusher) -> bool:
