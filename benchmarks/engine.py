@@ -1,12 +1,21 @@
-"""Engine speed against HF transformers and against the memory roofline, in one run.
+"""Engine speed against HF transformers, llama.cpp and the memory roofline, in one run.
 
 Prints prefill tokens/s (128, 512, 2048 tokens), decode ms/token at batch 1, 8, 16 (and the
 aggregate tokens/s), the same for HF transformers on the same weights, the ratios, and the
 batch-1 roofline fraction: bytes of weights and KV read per token / ms per token, divided by
 a memcpy bandwidth measured in this run. All figures are medians over repeats.
 
+With llama-cpp-python installed (`pip install 'pdserve[bench]'`, compiled from source, about
+7.5 minutes on 2 cores: a benchmark extra, never a test dependency), also llama.cpp on the same
+GGUF file and thread count: batch-1 decode, 16 parallel sequences (one `llama_decode` of 16
+tokens per step, one sequence id each) and a 128-token prefill, against ours with
+`--weights` (default auto: the GGUF's blocks kept quantized). And packed prefill: 8 prompts of
+128 tokens in one pass (`prefill_batch`, one row of all tokens; and one prompt per batch row,
+`run_layers` on [8, 128]) against one prompt at a time.
+
     python benchmarks/engine.py            # default model, dtype as `pdserve local` picks it
     python benchmarks/engine.py --quick    # fewer repeats, no 2048-token prefill
+    python benchmarks/engine.py --quick --no-hf --weights dequantized   # today's dense route
 
 `--dtype auto` (the default) is what `pdserve local --dtype auto` serves with: bf16 where the
 CPU multiplies it natively, else fp32 (torch emulates bf16 GEMM on AVX2-only CPUs, which would
@@ -31,7 +40,8 @@ import torch  # noqa: E402
 
 from pdserve_worker.kv.cache import KVCache  # noqa: E402
 from pdserve_worker.local import auto_dtype  # noqa: E402
-from pdserve_worker.model.loader import load_model, model_folder  # noqa: E402
+from pdserve_worker.model.loader import gguf_source, load_model, model_folder  # noqa: E402
+from pdserve_worker.model.matmul import Int4Matrix  # noqa: E402
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
@@ -110,6 +120,114 @@ def ours_decode(model, dtype: str, batch: int, context: int, steps: int) -> floa
     return statistics.median(times)
 
 
+def ours_packed_prefill(model, dtype: str, prompts: int, length: int, repeats: int) -> dict[str, float]:
+    """Tokens/s of `prompts` prompts of `length` tokens: one at a time, packed in one row
+    (`prefill_batch`), and one prompt per batch row (`run_layers` on [prompts, length])."""
+    cache = KVCache.allocate(model.config.kv_layout(prompts, length, dtype))
+    ids = [prompt_ids(length, model.config.vocab_size, 1000 + i) for i in range(prompts)]
+    slots = list(range(prompts))
+    total = prompts * length
+
+    def one_at_a_time() -> None:
+        for slot, p in zip(slots, ids):
+            model.prefill(p, cache, slot)
+
+    def rows() -> None:
+        hidden = model.run_layers(model.embed(ids), cache.layout.layer_range, cache, slots, [0] * prompts)
+        model.head(hidden[:, -1])
+
+    return {
+        "one_at_a_time": total / median_seconds(one_at_a_time, repeats),
+        "packed": total / median_seconds(lambda: model.prefill_batch(ids, cache, slots), repeats),
+        "rows": total / median_seconds(rows, repeats),
+    }
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's low-level API: one context holding `seqs` sequences."""
+
+    def __init__(self, path: Path, threads: int, seqs: int, n_ctx: int) -> None:
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        mparams = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = max(512, seqs)
+        cparams.n_ubatch = max(512, seqs)
+        cparams.n_seq_max = seqs
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.vocab = lc.llama_n_vocab(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(max(512, seqs), 0, seqs)
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+    def clear(self) -> None:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        b = self.batch
+        b.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(self, index: int) -> int:
+        import numpy as np
+
+        row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, index), shape=(self.vocab,))
+        return int(row.argmax())
+
+
+def llama_prefill(ll: LlamaCpp, length: int, repeats: int) -> float:
+    ids = prompt_ids(length, ll.vocab, length)
+
+    def run() -> None:
+        ll.clear()
+        ll.decode([(t, p, 0, p == length - 1) for p, t in enumerate(ids)])
+
+    return length / median_seconds(run, repeats)
+
+
+def llama_decode(ll: LlamaCpp, batch: int, context: int, steps: int) -> float:
+    """Median seconds per step of `batch` sequences (one token each per step, one llama_decode)."""
+    ll.clear()
+    tokens = []
+    for seq in range(batch):
+        ids = prompt_ids(context, ll.vocab, seq)
+        ll.decode([(t, p, seq, p == context - 1) for p, t in enumerate(ids)])
+        tokens.append(ll.argmax(context - 1))
+    times = []
+    for step in range(steps + 2):
+        started = time.perf_counter()
+        ll.decode([(tokens[seq], context + step, seq, True) for seq in range(batch)])
+        tokens = [ll.argmax(i) for i in range(batch)]
+        if step >= 2:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 # ---- HF transformers --------------------------------------------------------------------------
 
 
@@ -157,12 +275,16 @@ def hf_decode(model, vocab: int, batch: int, context: int, steps: int) -> float:
 # ---- report -----------------------------------------------------------------------------------
 
 
+def tensor_bytes(t) -> int:
+    return t.nbytes if isinstance(t, Int4Matrix) else t.numel() * t.element_size()
+
+
 def weight_bytes(model) -> int:
     """Bytes a decode step reads: every layer's matrices and norms, the final norm, the LM head."""
-    total = model.norm.numel() * model.norm.element_size() + model.lm_head.numel() * model.lm_head.element_size()
+    total = tensor_bytes(model.norm) + tensor_bytes(model.lm_head)
     for layer in model.layers.values():
         for t in (layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down):
-            total += t.numel() * t.element_size()
+            total += tensor_bytes(t)
     return total
 
 
@@ -176,6 +298,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed")
     parser.add_argument("--quick", action="store_true", help="3 repeats, no 2048-token prefill, fewer steps")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp (skipped anyway if not installed)")
+    parser.add_argument("--weights", default="auto", choices=["auto", "dequantized", "int8", "int4"],
+                        help="how our matrices are held (default auto: a GGUF's blocks stay quantized)")
+    parser.add_argument("--packed-prompts", type=int, default=8, help="prompts of the packed prefill")
+    parser.add_argument("--packed-length", type=int, default=128, help="tokens per prompt of the packed prefill")
     parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                         help="before each phase, wait up to this long for a quiet machine (shared hosts)")
     args = parser.parse_args()
@@ -187,14 +314,15 @@ def main() -> int:
     batches = [1, 8, 16]
 
     print(f"# engine benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
-          f"threads={args.threads}  torch={torch.__version__}  dtype={dtype}", flush=True)
+          f"threads={args.threads}  torch={torch.__version__}  dtype={dtype}  weights={args.weights}", flush=True)
     idle = wait_for_idle(args.wait_idle)
     print(f"cpu idle before start: {'unknown' if idle is None else f'{idle:.0%}'}", flush=True)
     bandwidth = memcpy_gb_per_s(args.repeats)
     print(f"memcpy bandwidth: {bandwidth:.2f} GB/s", flush=True)
 
-    loaded = load_model(args.model, dtype=dtype)
+    loaded = load_model(args.model, dtype=dtype, weights=args.weights)
     model = loaded.model
+    print(f"routes: {loaded.routes}", flush=True)
     wait_for_idle(args.wait_idle)
     ours_pf = {n: ours_prefill(model, dtype, n, args.repeats) for n in prefill_lengths}
     wait_for_idle(args.wait_idle)
@@ -203,6 +331,30 @@ def main() -> int:
         print(f"ours prefill {n:>5} tokens: {v:8.1f} tokens/s", flush=True)
     for b, s in ours_dec.items():
         print(f"ours decode batch {b:>2}: {s * 1e3:7.2f} ms/step  {b / s:7.1f} tokens/s", flush=True)
+    wait_for_idle(args.wait_idle)
+    packed = ours_packed_prefill(model, dtype, args.packed_prompts, args.packed_length, args.repeats)
+    for name, v in packed.items():
+        print(f"ours prefill {args.packed_prompts} x {args.packed_length} {name}: {v:8.1f} tokens/s", flush=True)
+
+    llama_pf: float | None = None
+    llama_dec: dict[int, float] = {}
+    gguf_path = gguf_source(args.model)
+    if args.no_llama or gguf_path is None:
+        print("llama.cpp: skipped" + ("" if args.no_llama else " (the model is not a GGUF file)"), flush=True)
+    elif not llama_cpp_available():
+        print("llama.cpp: skipped (pip install 'pdserve[bench]' builds llama-cpp-python)", flush=True)
+    else:
+        ll = LlamaCpp(gguf_path, args.threads, max(batches), max(batches) * (args.context + args.steps + 8))
+        try:
+            wait_for_idle(args.wait_idle)
+            llama_pf = llama_prefill(ll, 128, args.repeats)
+            wait_for_idle(args.wait_idle)
+            llama_dec = {b: llama_decode(ll, b, args.context, args.steps) for b in (1, max(batches))}
+        finally:
+            ll.close()
+        print(f"llama.cpp prefill   128 tokens: {llama_pf:8.1f} tokens/s", flush=True)
+        for b, s in llama_dec.items():
+            print(f"llama.cpp decode batch {b:>2}: {s * 1e3:7.2f} ms/step  {b / s:7.1f} tokens/s", flush=True)
 
     hf_pf: dict[int, float] = {}
     hf_dec: dict[int, float] = {}
@@ -241,6 +393,14 @@ def main() -> int:
           f"batch 8 / batch 1: {(8 / ours_dec[8]) / (1 / ours_dec[1]):.2f}x")
     if hf_dec:
         print(f"batch-1 decode speed ours vs HF: {hf_dec[1] / ours_dec[1]:.2f}x faster")
+    one = packed["one_at_a_time"]
+    print(f"packed prefill {args.packed_prompts} x {args.packed_length}: one row {packed['packed'] / one:.2f}x, "
+          f"one prompt per row {packed['rows'] / one:.2f}x the one-at-a-time tokens/s (target >= 2x)")
+    if llama_dec:
+        top = max(batches)
+        print(f"batch-1 decode ours / llama.cpp: {ours_dec[1] / llama_dec[1]:.2f} (target <= 1.5); "
+              f"batch-{top} aggregate tokens/s ours / llama.cpp: {llama_dec[top] / ours_dec[top]:.2f} (target >= 1); "
+              f"prefill 128 ours / llama.cpp: {ours_pf[128] / llama_pf:.2f}")
     return 0
 
 
