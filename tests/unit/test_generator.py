@@ -169,3 +169,33 @@ def test_resuming_rejects_counts_that_leave_nothing_to_do(tiny, prompts):
     with pytest.raises(ValueError, match="must leave a prompt"):
         gen.add_prefilled([1, 2], slot, 3, GREEDY, num_generated=2)
     assert not gen.has_work()
+
+
+def test_prompts_admitted_together_share_one_prefill_pass_within_the_token_budget(tiny, prompts, alone):
+    passes: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tiny.model, name)
+
+        def prefill(self, prompt, *args, **kwargs):
+            passes.append(1)
+            return tiny.model.prefill(prompt, *args, **kwargs)
+
+        def prefill_batch(self, batch, *args, **kwargs):
+            passes.append(len(batch))
+            return tiny.model.prefill_batch(batch, *args, **kwargs)
+
+    gen = Generator(Counting(), tiny.tokenizer, num_slots=5, max_len=64, cache=KVCache.allocate(
+        tiny.config.kv_layout(5, 64, "float32")))
+    assert [r.output_ids for r in gen.generate(prompts, GREEDY)] == alone
+    assert passes == [5] and gen.stats.prefill_tokens == sum(len(p) for p in prompts)
+    # A budget of one prompt's tokens: each pass takes as many as fit, the first always.
+    passes.clear()
+    budget = len(prompts[0]) + len(prompts[1])
+    gen = Generator(Counting(), tiny.tokenizer, num_slots=5, max_len=64, prefill_token_budget=budget,
+                    cache=KVCache.allocate(tiny.config.kv_layout(5, 64, "float32")))
+    assert [r.output_ids for r in gen.generate(prompts, GREEDY)] == alone
+    assert sum(passes) == 5 and passes[0] == 2 and len(passes) > 1
+    with pytest.raises(ValueError, match="prefill_token_budget must be positive"):
+        Generator(tiny.model, tiny.tokenizer, num_slots=1, max_len=64, prefill_token_budget=0)

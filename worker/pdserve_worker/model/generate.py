@@ -94,8 +94,12 @@ class Generator:
         max_len: int | None = None,
         cache: KVCache | None = None,
         layers_per_chunk: int | None = None,
+        prefill_token_budget: int = 4096,
     ) -> None:
+        if prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be positive, got {prefill_token_budget}")
         self.model = model
+        self.prefill_token_budget = prefill_token_budget
         self.tokenizer = tokenizer
         if cache is None:
             length = max_len or min(model.config.max_position_embeddings, 4096)
@@ -262,17 +266,31 @@ class Generator:
             request.last_token = emitted[-1]
 
     def _admit(self) -> list[StepOutput]:
+        """Prefill what waits and fits: prompts admitted together share one forward pass
+        (`LlamaModel.prefill_batch`), up to `prefill_token_budget` tokens (the first always goes)."""
         outputs = []
         while self._waiting and self._free:
-            request = self._waiting.popleft()
-            request.slot = heapq.heappop(self._free)
+            batch: list[_Request] = []
+            tokens = 0
+            while self._waiting and self._free:
+                if batch and tokens + len(self._waiting[0].prompt_ids) > self.prefill_token_budget:
+                    break
+                request = self._waiting.popleft()
+                request.slot = heapq.heappop(self._free)
+                batch.append(request)
+                tokens += len(request.prompt_ids)
             started = time.perf_counter()
-            logits = self.model.prefill(request.prompt_ids, self.cache, request.slot, self.layers_per_chunk)
+            if len(batch) == 1:
+                logits = self.model.prefill(batch[0].prompt_ids, self.cache, batch[0].slot, self.layers_per_chunk)[None]
+            else:
+                logits = self.model.prefill_batch([r.prompt_ids for r in batch], self.cache, [r.slot for r in batch],
+                                                  self.layers_per_chunk)
             self.stats.prefill_seconds += time.perf_counter() - started
-            self.stats.prefill_tokens += len(request.prompt_ids)
-            request.position = len(request.prompt_ids)
-            self._running[request.request_id] = request
-            outputs.append(self._accept(request, request.sampler.sample(logits, 0)))
+            self.stats.prefill_tokens += tokens
+            for row, request in enumerate(batch):
+                request.position = len(request.prompt_ids)
+                self._running[request.request_id] = request
+                outputs.append(self._accept(request, request.sampler.sample(logits[row], 0)))
         return outputs
 
     def _accept(self, request: _Request, token: int) -> StepOutput:
