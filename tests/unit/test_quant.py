@@ -290,3 +290,18 @@ def test_packed_prefill_equals_one_prompt_at_a_time(quantized_models, tiny_model
         plain.model.prefill_batch([[1], []], KVCache.allocate(plain.config.kv_layout(2, 8, "float32")), [0, 1])
     with pytest.raises(ValueError, match="prompt 0 of 9 tokens exceeds"):
         plain.model.prefill_batch([list(range(9))], KVCache.allocate(plain.config.kv_layout(1, 8, "float32")), [0])
+
+
+def test_info_shows_the_cpu_route_of_each_layer_type_without_loading(tmp_path):
+    from pdserve_worker.model.sizing import report
+
+    path = tiny_quantized_gguf(tmp_path / "q.gguf", types=("Q4_1",))
+    auto = report(path, "bfloat16", 64)
+    assert auto["weights"] == "auto"
+    assert auto["cpu_routes"] == {"lm_head": "int4", "attn_qkv": "int4", "attn_o": "int4", "mlp_gate_up": "int4",
+                                  "mlp_down": "int4"}
+    dense = report(path, "bfloat16", 64, weights="dequantized")
+    assert set(dense["cpu_routes"].values()) == {"dequantized"}
+    assert auto["cpu_weights_bytes"] < dense["cpu_weights_bytes"]
+    with pytest.raises(ValueError, match="weights must be one of"):
+        report(path, "bfloat16", 64, weights="int2")
