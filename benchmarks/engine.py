@@ -158,9 +158,14 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python's low-level API: one context holding `seqs` sequences."""
 
     def __init__(self, path: Path, threads: int, seqs: int, n_ctx: int) -> None:
+        import ctypes
+
         import llama_cpp as lc
 
         self.lc = lc
+        # llama.cpp logs every graph node at load: keep its callback quiet (and referenced).
+        self._quiet = lc.llama_log_callback(lambda level, text, user_data: None)
+        lc.llama_log_set(self._quiet, ctypes.c_void_p(0))
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(str(path).encode(), mparams)

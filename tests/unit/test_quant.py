@@ -88,10 +88,12 @@ def kernel_values(matrix: Int4Matrix, rows: int, cols: int) -> torch.Tensor:
 
 
 def int4_weights(t) -> torch.Tensor:
-    """What the kernel multiplies a q4 tensor's values as, in fp32: (nibble - 8) * bf16(d) + bf16(m + 8 d)."""
+    """What the kernel multiplies a q4 tensor's values as, in fp32: (nibble - 8) * bf16(d) + bf16(z), with
+    z = m + 8 d + (mean nibble - 8)(d - bf16(d)): the zero that leaves each group's error mean-free."""
     rows, cols = t.shape
     d = t.scale.to(torch.bfloat16).float()
-    zero = (t.minimum + 8 * t.scale).to(torch.bfloat16).float()
+    mean = nibbles(t).float().reshape(rows, -1, 32).mean(-1)
+    zero = (t.minimum + 8 * t.scale + (mean - 8) * (t.scale - d)).to(torch.bfloat16).float()
     return ((nibbles(t).float() - 8).reshape(rows, -1, 32) * d[..., None] + zero[..., None]).reshape(rows, cols)
 
 
@@ -106,10 +108,17 @@ def test_int4_packing_keeps_every_nibble_and_gives_scale_times_nibble_plus_minim
     assert torch.equal(kernel_values(Int4Matrix(packed.packed, ones, packed.shape), rows, cols), nibbles(t).float())
     # The values: d * q + m with d and the zero m + 8 d in bf16 (the kernel's own dtype), rounded once.
     assert torch.equal(kernel_values(packed, rows, cols), int4_weights(t).to(torch.bfloat16).float())
-    # ... which is the GGUF value up to bf16 rounding of the scale and the zero.
+    # ... which is the GGUF value up to bf16 rounding of the scale and the zero, and mean-free per group
+    # before the zero's rounding: the scale's rounding no longer shifts a whole group one way.
     exact = gguf_values(random_blocks(rows, cols, type_name, 7), type_name, (rows, cols))
-    bound = (8 * t.scale.abs() + (t.minimum + 8 * t.scale).abs()).repeat_interleave(32, 1) * 2.0**-8
+    bound = (16 * t.scale.abs() + (t.minimum + 8 * t.scale).abs()).repeat_interleave(32, 1) * 2.0**-8
     assert ((kernel_values(packed, rows, cols) - exact).abs() <= bound + exact.abs() * 2.0**-8).all()
+    unrounded_zero = t.minimum + 8 * t.scale + (nibbles(t).float().reshape(rows, -1, 32).mean(-1) - 8) * (
+        t.scale - t.scale.to(torch.bfloat16).float())
+    unrounded = ((nibbles(t).float() - 8).reshape(rows, -1, 32) * t.scale.to(torch.bfloat16).float()[..., None]
+                 + unrounded_zero[..., None])
+    group_error = (unrounded - exact.reshape(rows, -1, 32)).sum(-1)
+    assert group_error.abs().max() <= 1e-6 * exact.abs().max() * 32
 
 
 def test_eight_bit_blocks_run_exactly_as_two_planes():
