@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pdserve_worker.model.config import ModelConfig
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# GGUF block types kept quantized (`quant.py`), each as the form it becomes; all blocks hold 32 values.
+QUANT_GROUP = 32
+QUANTIZED_TYPES: dict[str, Literal["q4", "q8"]] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -29,11 +29,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-GROUP = 32  # values per block, for all three types
-Kind = Literal["q4", "q8"]
+from pdserve_worker.model.gguf_format import QUANT_GROUP as GROUP
+from pdserve_worker.model.gguf_format import QUANTIZED_TYPES as GGUF_KINDS
 
-# GGUF tensor types kept quantized, and the form each becomes.
-GGUF_KINDS: dict[str, Kind] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}
+Kind = Literal["q4", "q8"]
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 

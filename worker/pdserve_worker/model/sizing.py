@@ -83,11 +83,10 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
             file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
         except (ImportError, ValueError):
             pass
-        from pdserve_worker.model.gguf_format import gguf_to_hf_name
-        from pdserve_worker.model.quant import GGUF_KINDS
+        from pdserve_worker.model.gguf_format import QUANTIZED_TYPES, gguf_to_hf_name
 
-        stored = {gguf_to_hf_name(t.name): GGUF_KINDS[t.tensor_type.name] for t in reader.tensors
-                  if t.tensor_type.name in GGUF_KINDS and len(t.shape) == 2}
+        stored = {gguf_to_hf_name(t.name): QUANTIZED_TYPES[t.tensor_type.name] for t in reader.tensors
+                  if t.tensor_type.name in QUANTIZED_TYPES and len(t.shape) == 2}
         return config, {"format": "gguf", "name": p.stem, "checkpoint_dtype": file_type, "quantized": stored,
                         "generation": GenerationDefaults(eos_token_ids=config.eos_token_ids)}
     if p.is_dir() and (p / "config.json").is_file():

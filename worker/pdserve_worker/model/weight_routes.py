@@ -22,10 +22,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from math import prod
+from typing import Literal
 
 from pdserve_worker.kv.layout import DTYPE_SIZES
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.quant import GROUP, Kind
+from pdserve_worker.model.gguf_format import QUANT_GROUP as GROUP
+
+Kind = Literal["q4", "q8"]
 from pdserve_worker.model.shapes import weight_shapes
 
 WEIGHTS = ("auto", "dequantized", "int8", "int4")
