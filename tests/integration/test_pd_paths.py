@@ -567,9 +567,9 @@ class _CountsPasses:
         return self._model.prefill_batch(prompts, *args, **kwargs)
 
 
-async def _queued_prefills(c: Cluster, loaded, requests: list[worker_pb2.PrefillRequest]):
-    """Send `requests` to prefill-0 while its compute thread is held, so they all wait together;
-    returns the pass counter and the calls' outcomes (replies or errors)."""
+async def _queued_prefills(c: Cluster, loaded, requests: list[worker_pb2.PrefillRequest], while_queued=None):
+    """Send `requests` to prefill-0 while its compute thread is held, so they all wait together
+    (then `while_queued(worker)` runs); returns the pass counter and the calls' outcomes."""
     worker = c.prefill_workers[0]
     counter = _CountsPasses(loaded.model)
     worker.loaded = dataclasses.replace(loaded, model=counter)
@@ -577,6 +577,8 @@ async def _queued_prefills(c: Cluster, loaded, requests: list[worker_pb2.Prefill
     worker._compute.submit(gate.wait)
     calls = [asyncio.ensure_future(c.prefill_stubs[0].Prefill(r)) for r in requests]
     await eventually(lambda: worker.queued == len(requests))
+    if while_queued is not None:
+        while_queued(worker)
     gate.set()
     return counter, await asyncio.gather(*calls, return_exceptions=True)
 
@@ -625,3 +627,26 @@ async def test_a_prompt_whose_push_fails_fails_alone(loaded):
         assert good.num_tokens == len(prompt)
         assert counter.passes == [1]  # the unreachable prompt never entered the pass
         assert [(e.token_id, e.text) for e in [e async for e in stream]] == _reference(loaded, prompt, params)
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_cancelled_while_queued_leaves_the_pass_to_the_others(loaded):
+    from pdserve_worker.rpc.trailers import push_settled
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [loaded.tokenizer.encode("Paris is the capital of"), loaded.tokenizer.encode("The quick brown fox")]
+    async with cluster(loaded) as c:
+        sampling = sampling_to_proto(params)
+        grants = [await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
+            request_id=f"c{i}", num_prompt_tokens=len(p), max_tokens=params.max_tokens)) for i, p in enumerate(prompts)]
+        stream = c.decode_stub.Generate(worker_pb2.GenerateRequest(
+            request_id="c1", slot=grants[1].slot, generation=grants[1].generation, prompt_token_ids=prompts[1],
+            sampling=sampling, readiness_timeout_ms=10_000))
+        counter, (cancelled, kept) = await _queued_prefills(c, loaded, [worker_pb2.PrefillRequest(
+            request_id=f"c{i}", prompt_token_ids=p, sampling=sampling, targets=[g])
+            for i, (p, g) in enumerate(zip(prompts, grants))],
+            while_queued=lambda w: w.cancel(("c0", grants[0].slot, grants[0].generation)))
+        assert isinstance(cancelled, grpc.aio.AioRpcError) and cancelled.code() == grpc.StatusCode.ABORTED
+        assert push_settled(cancelled)  # nothing of it was put: its slot may be given back free
+        assert kept.num_tokens == len(prompts[1]) and counter.passes == [1]
+        assert [(e.token_id, e.text) for e in [e async for e in stream]] == _reference(loaded, prompts[1], params)
