@@ -35,6 +35,12 @@ def peering_crd(cluster: Cluster) -> None:
     cluster.kubectl("wait", "--for=condition=established", "crd/kopfpeerings.kopf.dev", "--timeout=20s")
 
 
+def peers(cluster: Cluster, namespace: str) -> dict:
+    """The peering object's status: one record per live replica (kopf's peering.py)."""
+    doc = yaml.safe_load(cluster.kubectl("get", "kopfpeering", "pdserve-e2e", "-n", namespace, "-o", "yaml").stdout)
+    return dict((doc or {}).get("status") or {})
+
+
 def create(cluster: Cluster, namespace: str, name: str, tmp: Path) -> None:
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["metadata"]["name"] = name
@@ -51,8 +57,15 @@ def test_only_the_leader_acts_and_the_standby_takes_over(
     leader = PeeredOperator(cluster, namespace, priority=200)
     standby = PeeredOperator(cluster, namespace, priority=100)
     leader.start()
-    standby.start()
     try:
+        # Start the standby only once the leader's record is in the peering object, and create
+        # work only once the standby has written its own (so it has read the leader's): two
+        # replicas started in the same instant may both act until each sees the other, which is
+        # kopf's documented behaviour and not what this test is about.
+        wait_for(lambda: len(peers(cluster, namespace)) == 1, timeout=30, what="the leader's peering record")
+        standby.start()
+        wait_for(lambda: len(peers(cluster, namespace)) == 2, timeout=30, what="the standby's peering record")
+        time.sleep(1.0)  # the standby handles the peering event it has just caused
         create(cluster, namespace, "first", tmp_path)
         wait_for(lambda: all_children(cluster, namespace, "first"), timeout=30, what="children of 'first'")
         assert f"{namespace}/first" in leader.broker.tokens
