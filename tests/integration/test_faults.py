@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -59,6 +60,7 @@ class Answer:
     pdserve: dict = field(default_factory=dict)
     chunks: int = 0
     error: str | None = None
+    on_chunk: Callable[[int], None] | None = None  # called in the reading thread after each chunk
 
 
 def served_model(url: str) -> str:
@@ -84,6 +86,8 @@ def stream(url: str, prompt: str, answer: Answer, max_tokens: int = MAX_TOKENS) 
                 answer.text += choice.get("text", "")
                 answer.chunks += 1
                 answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+                if answer.on_chunk is not None:
+                    answer.on_chunk(answer.chunks)
             if chunk.get("usage"):
                 answer.completion_tokens = chunk["usage"]["completion_tokens"]
             answer.pdserve = chunk.get("pdserve", answer.pdserve)
@@ -143,14 +147,35 @@ def kill(local: LocalRun, name: str, sig: int = signal.SIGKILL) -> int:
 
 
 def run_all(local: LocalRun, prompts: list[str], fault, when_chunks: int = 3) -> list[Answer]:
-    """Stream `prompts` at once; once the first has `when_chunks` chunks, call `fault()`."""
+    """Stream `prompts` at once; once the first has `when_chunks` chunks, call `fault()`.
+
+    The fault runs in the first stream's reading thread, before it reads on: a poll from
+    another thread could see the stream already finished on a loaded machine (the tiny model
+    generates 160 tokens in well under a second).
+    """
     answers = [Answer() for _ in prompts]
+    fired: list[BaseException | None] = []
+
+    def fire(chunks: int) -> None:
+        if chunks == when_chunks and not fired:
+            try:
+                fault()
+                fired.append(None)
+            except BaseException as exc:  # re-raised in the test's thread below
+                fired.append(exc)
+
+    if when_chunks > 0:
+        answers[0].on_chunk = fire
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(stream, local.url, p, a) for p, a in zip(prompts, answers)]
-        wait_until(lambda: answers[0].chunks >= when_chunks or futures[0].done(), 60, "the first tokens")
-        fault()
+        if when_chunks == 0:
+            fault()
+            fired.append(None)
         for f in futures:
             f.result(timeout=120)
+    assert fired, f"the first stream ended after {answers[0].chunks} chunks, before the fault was due"
+    if fired[0] is not None:
+        raise fired[0]
     return answers
 
 
