@@ -12,7 +12,7 @@ import torch
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.default_model import default_model_path
-from pdserve_worker.model.generate import Generator, greedy_tokens
+from pdserve_worker.model.generate import Generator, greedy_tokens, prefill_first_token
 from pdserve_worker.model.loader import load_model
 from pdserve_worker.model.sampling_params import SamplingParams
 
@@ -122,10 +122,15 @@ def test_batched_decode_matches_decoding_alone(ours):
     alone = []
     for p in prompts:
         alone.append(greedy_tokens(ours.model, KVCache.allocate(ours.config.kv_layout(1, 160, "float32")), 0, p, 16))
-    gen = Generator(ours.model, ours.tokenizer, cache=KVCache.allocate(layout))
+    gen = Generator(ours.model, ours.tokenizer, KVCache.allocate(layout))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    results = gen.generate(prompts, params)
-    assert [r.output_ids for r in results] == alone
+    tokens: dict[str, list[int]] = {}
+    for slot, p in enumerate(prompts):
+        request_id, out = gen.add_prefilled(p, slot, prefill_first_token(ours.model, gen.cache, slot, p, params), params)
+        tokens[request_id] = [out.token_id]
+    for out in gen.stream():
+        tokens[out.request_id].append(out.token_id)
+    assert list(tokens.values()) == alone
     assert gen.stats.decode_steps == 15 and gen.stats.decode_tokens == 4 * 15
 
 

@@ -42,7 +42,7 @@ def test_chat_answers_the_capital_of_france(default_model_dir):
 
 
 def test_streams_the_same_text_as_the_generator(tiny_model_dir):
-    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.generate import generate
     from pdserve_worker.model.loader import load_model
     from pdserve_worker.model.sampling_params import SamplingParams
 
@@ -51,9 +51,7 @@ def test_streams_the_same_text_as_the_generator(tiny_model_dir):
     assert out.returncode == 0, out.stderr
     loaded = load_model(str(tiny_model_dir), dtype="float32")
     params = SamplingParams(max_tokens=6, temperature=0.7, seed=3)
-    [expected] = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=64).generate(
-        [loaded.tokenizer.encode("Paris is")], params
-    )
+    [expected] = generate(loaded.model, loaded.tokenizer, [loaded.tokenizer.encode("Paris is")], params, max_len=64)
     assert out.stdout == expected.text + "\n"
     assert int(stats_line(out.stderr)["prompt_tokens"]) == len(loaded.tokenizer.encode("Paris is"))
 

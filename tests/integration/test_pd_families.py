@@ -23,7 +23,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
                 ids=["qwen2", "qwen2-shards2", "qwen3", "qwen3-shards2"])
 def deployment(request, family_dirs, tmp_path_factory):
     """(pdserve local run, colocated reference) for one family and layer-shard count."""
-    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.generate import generate
     from pdserve_worker.model.loader import load_model
     from pdserve_worker.model.sampling_params import SamplingParams
 
@@ -32,8 +32,7 @@ def deployment(request, family_dirs, tmp_path_factory):
     loaded = load_model(str(folder), dtype="float32")
 
     def reference(prompt_ids: list[int], max_tokens: int) -> str:
-        gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
-        [done] = gen.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0))
+        [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0), max_len=MAX_LEN)
         return done.text
 
     run = LocalRun.start(

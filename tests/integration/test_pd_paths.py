@@ -269,11 +269,11 @@ async def eventually(condition, timeout_s: float = 5.0) -> None:
 
 @pytest.mark.asyncio
 async def test_the_road_streams_colocated_tokens_and_frees_the_slot(loaded):
-    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.generate import generate
 
     prompt = loaded.tokenizer.encode("Paris is the capital of")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    [expected] = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN).generate([prompt], params)
+    [expected] = generate(loaded.model, loaded.tokenizer, [prompt], params, max_len=MAX_LEN)
     async with cluster(loaded) as c:
         tokens, events = await collect(c.backend, prompt, params)
         assert tokens == expected.output_ids
@@ -368,11 +368,13 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot(loaded):
 
 
 def _reference(loaded, prompt: list[int], params: SamplingParams):
-    from pdserve_worker.model.generate import Generator
+    """The colocated stream, event by event (token and text delta)."""
+    from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 
-    gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
-    gen.add(prompt, params)
-    return [(o.token_id, o.text) for o in gen.stream()]
+    gen = Generator(loaded.model, loaded.tokenizer, colocated_cache(loaded.model, 1, MAX_LEN))
+    first = prefill_first_token(loaded.model, gen.cache, 0, prompt, params)
+    _, out = gen.add_prefilled(prompt, 0, first, params)
+    return [(o.token_id, o.text) for o in [out, *gen.stream()]]
 
 
 @pytest.mark.asyncio

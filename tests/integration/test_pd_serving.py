@@ -40,7 +40,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """Colocated generation in this process: what every answer must equal."""
-    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.generate import generate
     from pdserve_worker.model.loader import load_model
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
@@ -52,8 +52,7 @@ def reference(tiny_model_dir):
         def complete(self, prompt_ids: list[int], **params) -> str:
             from pdserve_worker.model.sampling_params import SamplingParams
 
-            gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
-            [done] = gen.generate([prompt_ids], SamplingParams(**params))
+            [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], SamplingParams(**params), max_len=MAX_LEN)
             return done.text
 
     return Reference()

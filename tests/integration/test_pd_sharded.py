@@ -18,15 +18,14 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", "A language model p
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.generate import generate
     from pdserve_worker.model.loader import load_model
     from pdserve_worker.model.sampling_params import SamplingParams
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
 
     def complete(prompt: str, **params) -> str:
-        gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
-        [done] = gen.generate([loaded.tokenizer.encode(prompt)], SamplingParams(**params))
+        [done] = generate(loaded.model, loaded.tokenizer, [loaded.tokenizer.encode(prompt)], SamplingParams(**params), max_len=MAX_LEN)
         return done.text
 
     complete.kv_bytes_per_token = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4

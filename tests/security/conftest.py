@@ -31,7 +31,7 @@ KEY = link_auth.derive_key(TOKEN, link_auth.PURPOSE_LINK)
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir):
     """Colocated greedy generation in this process: what every victim's answer must equal."""
-    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.generate import generate
     from pdserve_worker.model.loader import load_model
     from pdserve_worker.model.sampling_params import SamplingParams
 
@@ -41,8 +41,7 @@ def reference(tiny_model_dir):
         tokenizer = loaded.tokenizer
 
         def complete(self, prompt_ids: list[int], max_tokens: int) -> str:
-            gen = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
-            [done] = gen.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0))
+            [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0), max_len=MAX_LEN)
             return done.text
 
     return Reference()

@@ -15,7 +15,7 @@ from netutil import free_port
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.layout import KVLayout, shard_layers
 from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.model.generate import Generator
+from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import load_model
 from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
@@ -82,9 +82,9 @@ def engines() -> Iterator[Engines]:
 
 def colocated(tiny, prompt: list[int]) -> tuple[list[int], KVCache]:
     """The baseline: one process, one pool of every layer; its tokens and the KV it wrote (slot 0)."""
-    gen = Generator(tiny.model, tiny.tokenizer, num_slots=1, max_len=MAX_LEN)
-    [done] = gen.generate([prompt], PARAMS)
-    return done.output_ids, gen.cache
+    gen = Generator(tiny.model, tiny.tokenizer, colocated_cache(tiny.model, 1, MAX_LEN))
+    _, first = gen.add_prefilled(prompt, 0, prefill_first_token(tiny.model, gen.cache, 0, prompt, PARAMS), PARAMS)
+    return [first.token_id, *(o.token_id for o in gen.stream())], gen.cache
 
 
 def build_group(tiny, tiny_model_dir, engines: Engines, shards: int) -> DecodeGroup:
@@ -116,14 +116,14 @@ def run_request(tiny, engines: Engines, group: DecodeGroup, prompt: list[int]) -
     ready = group.wait_ready(slot, generation, timeout_s=10.0)
     assert (ready.num_tokens, ready.first_token) == (len(prompt), first)
     assert group.slots.commit(slot, generation)
-    loop = GenerationLoop(group.generator, external_slots=True, name="group-test-loop")
+    loop = GenerationLoop(group.generator, name="group-test-loop")
     freed: list[int] = []
 
     async def decode() -> list[int]:
         loop.start()
         try:
-            stream = loop.submit_prefilled("r1", prompt, slot, first, PARAMS,
-                                           on_done=lambda: freed.append(group.release(slot, generation)))
+            stream = loop.submit("r1", prompt, slot, PARAMS, lambda: freed.append(group.release(slot, generation)),
+                                 first_token=first)
             return [out.token_id async for out in stream if out.token_id is not None]
         finally:
             loop.stop()

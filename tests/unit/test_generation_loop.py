@@ -1,6 +1,6 @@
-"""The scheduler thread around the engine's Generator: KV from elsewhere (decode) or prompts
-(colocated), outputs on the caller's event loop, slots handed back exactly once however a
-request ends."""
+"""The scheduler thread around the engine's Generator: KV from elsewhere (decode) or prompts it
+prefills itself (colocated), outputs on the caller's event loop, slots handed back to their
+owner exactly once however a request ends."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.generate import Generator
+from pdserve_worker.model.generate import Generator, colocated_cache, generate, prefill_first_token
 from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed
@@ -26,7 +26,7 @@ def loaded(tiny_model_dir):
 
 
 def colocated(loaded, prompt, params):
-    [done] = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN).generate([prompt], params)
+    [done] = generate(loaded.model, loaded.tokenizer, [prompt], params, max_len=MAX_LEN)
     return done
 
 
@@ -37,7 +37,7 @@ class Decode:
         self.loaded = loaded
         layout = loaded.config.kv_layout(SLOTS, MAX_LEN, "float32")
         self.cache = KVCache.allocate(layout)
-        self.loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache=self.cache), external_slots=True)
+        self.loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, self.cache))
         self.freed: list[int] = []
         self.freed_once = threading.Event()
 
@@ -53,7 +53,7 @@ class Decode:
             self.freed.append(slot)
             self.freed_once.set()
 
-        return self.loop.submit_prefilled("r", prompt, slot, first, params, on_done=done)
+        return self.loop.submit("r", prompt, slot, params, done, first_token=first)
 
 
 async def drain(stream) -> list:
@@ -103,7 +103,7 @@ async def test_a_request_the_engine_refuses_fails_alone(loaded):
     d.loop.start()
     try:
         too_long = list(range(1, MAX_LEN + 1))
-        bad = d.loop.submit_prefilled("bad", too_long, 0, 1, SamplingParams(max_tokens=2), on_done=lambda: d.freed.append(0))
+        bad = d.loop.submit("bad", too_long, 0, SamplingParams(max_tokens=2), lambda: d.freed.append(0), first_token=1)
         with pytest.raises(RequestFailed, match="max_len|leaves no room"):
             await drain(bad)
         assert d.freed == [0]
@@ -114,17 +114,37 @@ async def test_a_request_the_engine_refuses_fails_alone(loaded):
 
 
 @pytest.mark.asyncio
-async def test_colocated_prompts_queue_beyond_the_slots(loaded):
-    generator = Generator(loaded.model, loaded.tokenizer, num_slots=1, max_len=MAX_LEN)
-    loop = GenerationLoop(generator, external_slots=False)
+async def test_a_loop_with_prefill_computes_the_prompt_itself_in_the_callers_slot(loaded):
+    cache = colocated_cache(loaded.model, SLOTS, MAX_LEN)
+    prefilled: list[int] = []
+
+    def prefill(prompt: list[int], slot: int, params: SamplingParams) -> int:
+        prefilled.append(slot)
+        return prefill_first_token(loaded.model, cache, slot, prompt, params)
+
+    loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache), prefill=prefill)
     loop.start()
+    freed: list[int] = []
     try:
         params = SamplingParams(max_tokens=6, temperature=0)
-        prompts = [loaded.tokenizer.encode(t) for t in ("Berlin is", "The lazy dog", "Numbers like")]
-        results = await asyncio.gather(*(drain(loop.submit(f"c{i}", p, params)) for i, p in enumerate(prompts)))
+        prompts = [loaded.tokenizer.encode(t) for t in ("Berlin is", "The lazy dog")]
+        streams = [loop.submit(f"c{i}", p, 1 - i, params, lambda i=i: freed.append(1 - i)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(drain(s) for s in streams))
         for outs, prompt in zip(results, prompts):
             assert [o.token_id for o in outs] == colocated(loaded, prompt, params).output_ids
-        with pytest.raises(RuntimeError, match="allocates its own slots"):
-            loop.submit_prefilled("x", [1], 0, 1, params, on_done=lambda: None)
+        assert sorted(prefilled) == [0, 1] and sorted(freed) == [0, 1]
+        too_long = await drain(loop.submit("long", list(range(1, MAX_LEN + 1)), 0, params, lambda: freed.append(0)))
+    except RequestFailed as exc:
+        assert "leaves no room" in str(exc) and freed.count(0) == 2  # refused before any prefill, slot handed back
+        assert sorted(prefilled) == [0, 1]
+    else:
+        raise AssertionError(f"a prompt longer than the slot was served: {too_long}")
     finally:
         loop.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_loop_without_prefill_wants_the_first_token(loaded):
+    loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, colocated_cache(loaded.model, 1, MAX_LEN)))
+    with pytest.raises(RuntimeError, match="first_token"):
+        loop.submit("x", [1, 2], 0, SamplingParams(max_tokens=2), lambda: None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from pdserve_worker.model.sampling_params import SamplingParams
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pdserve_worker import logs
-    from pdserve_worker.model.generate import Generator
+    from pdserve_worker.model.generate import Generator, StepOutput, colocated_cache, prefill_first_token
     from pdserve_worker.model.loader import load_model
 
     logs.setup("generate")
@@ -84,14 +85,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt_ids = tok.encode(args.prompt)
     max_len = min(loaded.config.max_position_embeddings, len(prompt_ids) + args.max_tokens + 1)
-    generator = Generator(loaded.model, tok, num_slots=1, max_len=max_len)
-    generator.add(prompt_ids, params)
+    generator = Generator(loaded.model, tok, colocated_cache(loaded.model, 1, max_len))
     reason = None
-    for out in generator.stream():
+
+    def show(out: StepOutput) -> None:
+        nonlocal reason
         if out.text:
             sys.stdout.write(out.text)
             sys.stdout.flush()
         reason = out.finish_reason or reason
+
+    started = time.perf_counter()
+    try:
+        prompt_ids = generator.check_prompt(prompt_ids)
+    except ValueError as exc:
+        print(f"pdserve generate: {exc}", file=sys.stderr)
+        return 2
+    first = prefill_first_token(loaded.model, generator.cache, 0, prompt_ids, params)
+    prefill_s = time.perf_counter() - started
+    show(generator.add_prefilled(prompt_ids, 0, first, params)[1])
+    for out in generator.stream():
+        show(out)
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = generator.stats
@@ -101,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=dtype,
             weights=args.weights,
             prompt_tokens=len(prompt_ids),
-            prefill_tokens_per_s=round(s.prefill_tokens_per_s, 1),
+            prefill_tokens_per_s=round(len(prompt_ids) / prefill_s, 1) if prefill_s else 0.0,
             decode_tokens=s.decode_tokens,
             decode_ms_per_token=round(s.decode_ms_per_step, 2),
             finish_reason=reason,

@@ -1,34 +1,64 @@
-"""Colocated generation with continuous batching: requests join and leave between steps.
+"""Continuous batching: requests join and leave a batch between decode steps.
 
-`Generator.step()` first admits waiting requests into free KV slots (prefill, first token),
-then advances every running request by one token in a single batched `decode_step`. A
-finished request frees its slot at once, so the next step may admit another. The decode role
-reuses the same loop for requests whose KV a prefill worker pushed (`add_prefilled`).
+`Generator.step()` advances every running request by one token in a single batched
+`decode_step`. A request joins with its prompt's KV already in a slot and its first token
+known (`add_prefilled`): a prefill worker pushed the KV (decode), or this process computed it
+(`prefill_first_token`: the colocated baseline and `pdserve generate`). The slots are the
+caller's: the Generator is told which slot a request uses and reports when the request
+finished, and the caller (the decode's `SlotTable`) frees the slot then. It never picks a slot
+itself, so one table says who owns which slot.
+
+What it drives is a `Decoder` (`LlamaModel`, or a layer-sharded group's `ShardedDecoder`)
+over a `KVView` (a `KVCache`, or the group's `GroupKV`).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from pdserve_worker.kv.cache import KVCache, dtype_name
+from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.llama import LlamaModel
-from pdserve_worker.model.sampling import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    Sampler,
-    StopStringMatcher,
-    stop_token_ids,
-)
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling import Sampler, StopStringMatcher, stop_token_ids
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class KVView(Protocol):
+    """What the Generator reads of a KV pool: its geometry and dtype (never its bytes)."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+CacheT = TypeVar("CacheT", bound=KVView)
+CacheT_contra = TypeVar("CacheT_contra", bound=KVView, contravariant=True)
+
+
+class Decoder(Protocol[CacheT_contra]):
+    """What the Generator drives: one batched decode step over slots of a pool."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def decode_step(
+        self, cache: CacheT_contra, slots: Sequence[int], positions: Sequence[int], token_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """Logits `[B, vocab]` of one token per slot (the token is written at its position)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -39,7 +69,7 @@ class StepOutput:
     token_id: int | None
     text: str
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass
@@ -80,41 +110,23 @@ class Completion:
     prompt_ids: list[int]
     output_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
 
 
-class Generator:
-    """Runs many requests through one model and one KV pool (one slot per request)."""
+class Generator(Generic[CacheT]):
+    """Runs many requests through one decoder and one KV pool, one caller-owned slot per request."""
 
-    def __init__(
-        self,
-        model: LlamaModel,
-        tokenizer: Tokenizer,
-        num_slots: int = 8,
-        max_len: int | None = None,
-        cache: KVCache | None = None,
-        layers_per_chunk: int | None = None,
-        prefill_token_budget: int = 4096,
-    ) -> None:
-        if prefill_token_budget < 1:
-            raise ValueError(f"prefill_token_budget must be positive, got {prefill_token_budget}")
-        self.model = model
-        self.prefill_token_budget = prefill_token_budget
-        self.tokenizer = tokenizer
-        if cache is None:
-            length = max_len or min(model.config.max_position_embeddings, 4096)
-            layout = model.config.kv_layout(num_slots, length, dtype_name(model.dtype))
-            cache = KVCache.allocate(layout, model.device)
+    def __init__(self, model: Decoder[CacheT], tokenizer: Tokenizer, cache: CacheT) -> None:
         if cache.layout.layer_range != range(model.config.num_layers):
-            raise ValueError(f"a colocated Generator needs every layer in its pool, got {cache.layout.layer_range}")
+            raise ValueError(f"a Generator needs every layer in its pool, got {cache.layout.layer_range}")
         if cache.dtype != model.dtype:
             raise ValueError(f"KV pool dtype {cache.dtype} differs from the model's {model.dtype}")
+        self.model = model
+        self.tokenizer = tokenizer
         self.cache = cache
-        self.layers_per_chunk = layers_per_chunk
         self.stats = GenerationStats()
-        self._free: list[int] = list(range(cache.layout.num_slots))  # a heap: lowest slot first keeps batches compact
-        self._waiting: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
+        self._slots: dict[int, str] = {}  # slot -> the running request in it
         self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -123,29 +135,25 @@ class Generator:
     def max_len(self) -> int:
         return self.cache.layout.max_len
 
+    @property
+    def num_slots(self) -> int:
+        return self.cache.layout.num_slots
+
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._running)
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
-    def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a prompt; it is prefilled when a slot is free (at the next `step`)."""
-        request = self._new_request(prompt_ids, params, request_id)
-        self._waiting.append(request)
-        return request.request_id
-
-    def reserve_slot(self) -> int:
-        """Take a free slot for KV that arrives from elsewhere (a prefill worker)."""
-        if not self._free:
-            raise RuntimeError(f"no free KV slot (all {self.cache.layout.num_slots} in use)")
-        return heapq.heappop(self._free)
-
-    def release_slot(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.cache.layout.num_slots:
-            raise ValueError(f"slot {slot} is not reserved")
-        heapq.heappush(self._free, slot)
+    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt as ints; ValueError if it is empty or leaves no room in a slot."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt has no tokens")
+        if len(prompt) >= self.max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a KV slot of {self.max_len}")
+        return prompt
 
     def add_prefilled(
         self,
@@ -156,7 +164,11 @@ class Generator:
         request_id: str | None = None,
         num_generated: int = 0,
     ) -> tuple[str, StepOutput]:
-        """Adopt a request whose prompt KV is already in `slot` (reserved) and whose first token is known.
+        """Adopt a request whose prompt KV is already in `slot` and whose first token is known.
+
+        The slot stays the caller's: it must not hold another running request, and it is free
+        for the caller again once this request's last output (`finished`) came out, or after
+        `abort`.
 
         Resuming (`num_generated > 0`): the last `num_generated` of `prompt_ids` are tokens
         another worker already emitted (its stream broke). They count as this request's
@@ -164,7 +176,11 @@ class Generator:
         was, so the text deltas of the rest are exactly those it would have streamed.
         `first_token` is then the token at index `num_generated`.
         """
-        ids = [int(t) for t in prompt_ids]
+        ids = self.check_prompt(prompt_ids)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside the pool's {self.num_slots} slots")
+        if slot in self._slots:
+            raise ValueError(f"slot {slot} already holds running request {self._slots[slot]!r}")
         if not 0 <= num_generated < len(ids):
             raise ValueError(f"num_generated ({num_generated}) must leave a prompt: {len(ids)} tokens in the slot")
         if num_generated >= params.max_tokens:
@@ -175,42 +191,40 @@ class Generator:
         request.slot = slot
         request.position = len(ids)
         self._running[request.request_id] = request
+        self._slots[slot] = request.request_id
         return request.request_id, self._accept(request, first_token)
 
     def abort(self, request_id: str) -> StepOutput | None:
-        for request in list(self._waiting):
-            if request.request_id == request_id:
-                self._waiting.remove(request)
-                return StepOutput(request_id, None, "", True, FINISH_ABORT)
+        """Take a request out of the batch (its slot is the caller's again); None if unknown."""
         request = self._running.get(request_id)
         if request is None:
             return None
         self._finish(request)
-        return StepOutput(request_id, None, "", True, FINISH_ABORT)
+        return StepOutput(request_id, None, "", True, FinishReason.ABORT)
 
     # ---- the loop ----------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Admit what fits, then one token for every running request."""
-        outputs = self._admit()
-        admitted = {o.request_id for o in outputs}
+        """One token for every running request."""
         # Sorted by slot: consecutive slots are read as one view of the pool (see LlamaModel).
-        decoding = sorted((r for r in self._running.values() if r.request_id not in admitted), key=lambda r: r.slot)
-        if decoding:
-            started = time.perf_counter()
-            logits = self.model.decode_step(
-                self.cache,
-                [r.slot for r in decoding],
-                [r.position for r in decoding],
-                [r.last_token for r in decoding],
-            )
-            for row, request in enumerate(decoding):
-                request.position += 1
-                token = request.sampler.sample(logits[row], len(request.output_ids))
-                outputs.append(self._accept(request, token))
-            self.stats.decode_seconds += time.perf_counter() - started
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(decoding)
+        decoding = sorted(self._running.values(), key=lambda r: r.slot)
+        if not decoding:
+            return []
+        started = time.perf_counter()
+        logits = self.model.decode_step(
+            self.cache,
+            [r.slot for r in decoding],
+            [r.position for r in decoding],
+            [r.last_token for r in decoding],
+        )
+        outputs = []
+        for row, request in enumerate(decoding):
+            request.position += 1
+            token = request.sampler.sample(logits[row], len(request.output_ids))
+            outputs.append(self._accept(request, token))
+        self.stats.decode_seconds += time.perf_counter() - started
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(decoding)
         return outputs
 
     def stream(self) -> Iterator[StepOutput]:
@@ -218,29 +232,9 @@ class Generator:
         while self.has_work():
             yield from self.step()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
-        """Run a set of prompts to completion together; results in prompt order."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        ids = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        reasons: dict[str, str] = {}
-        for out in self.stream():
-            texts[out.request_id].append(out.text)
-            if out.token_id is not None:
-                tokens[out.request_id].append(out.token_id)
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason or FINISH_STOP
-        return [Completion(i, list(p), tokens[i], "".join(texts[i]), reasons[i]) for i, p in zip(ids, prompts)]
-
     # ---- internals ---------------------------------------------------------------------------------
 
-    def _new_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None) -> _Request:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("prompt has no tokens")
-        if len(prompt) >= self.max_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in a KV slot of {self.max_len}")
+    def _new_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
         return _Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=prompt,
@@ -265,58 +259,133 @@ class Generator:
         if emitted:
             request.last_token = emitted[-1]
 
-    def _admit(self) -> list[StepOutput]:
-        """Prefill what waits and fits: prompts admitted together share one forward pass
-        (`LlamaModel.prefill_batch`), up to `prefill_token_budget` tokens (the first always goes)."""
-        outputs = []
-        while self._waiting and self._free:
-            batch: list[_Request] = []
-            tokens = 0
-            while self._waiting and self._free:
-                if batch and tokens + len(self._waiting[0].prompt_ids) > self.prefill_token_budget:
-                    break
-                request = self._waiting.popleft()
-                request.slot = heapq.heappop(self._free)
-                batch.append(request)
-                tokens += len(request.prompt_ids)
-            started = time.perf_counter()
-            if len(batch) == 1:
-                logits = self.model.prefill(batch[0].prompt_ids, self.cache, batch[0].slot, self.layers_per_chunk)[None]
-            else:
-                logits = self.model.prefill_batch([r.prompt_ids for r in batch], self.cache, [r.slot for r in batch],
-                                                  self.layers_per_chunk)
-            self.stats.prefill_seconds += time.perf_counter() - started
-            self.stats.prefill_tokens += tokens
-            for row, request in enumerate(batch):
-                request.position = len(request.prompt_ids)
-                self._running[request.request_id] = request
-                outputs.append(self._accept(request, request.sampler.sample(logits[row], 0)))
-        return outputs
-
     def _accept(self, request: _Request, token: int) -> StepOutput:
         """Record a sampled token: emit its text, or finish the request."""
         request.output_ids.append(token)
         request.last_token = token
+        matcher = request.matcher
         if token in request.stops:
-            return self._done(request, token, request.matcher.feed(request.detok.flush()) + request.matcher.finish(), FINISH_STOP)
-        text = request.matcher.feed(request.detok.push(token))
-        if request.matcher.matched is not None:
-            return self._done(request, token, text, FINISH_STOP)
+            return self._done(request, token, matcher.feed(request.detok.flush()) + matcher.finish(), FinishReason.STOP)
+        text = matcher.feed(request.detok.push(token))
+        if matcher.matched is not None:
+            return self._done(request, token, text, FinishReason.STOP)
         if len(request.output_ids) >= request.params.max_tokens or request.position >= self.max_len:
-            tail = request.matcher.feed(request.detok.flush())
-            reason = FINISH_STOP if request.matcher.matched is not None else FINISH_LENGTH
-            return self._done(request, token, text + tail + request.matcher.finish(), reason)
+            tail = matcher.feed(request.detok.flush())
+            reason = FinishReason.STOP if matcher.matched is not None else FinishReason.LENGTH
+            return self._done(request, token, text + tail + matcher.finish(), reason)
         return StepOutput(request.request_id, token, text)
 
-    def _done(self, request: _Request, token: int, text: str, reason: str) -> StepOutput:
+    def _done(self, request: _Request, token: int, text: str, reason: FinishReason) -> StepOutput:
         self._finish(request)
         return StepOutput(request.request_id, token, text, True, reason)
 
     def _finish(self, request: _Request) -> None:
         self._running.pop(request.request_id, None)
-        if request.slot >= 0:
-            heapq.heappush(self._free, request.slot)
-            request.slot = -1
+        self._slots.pop(request.slot, None)
+
+
+def colocated_cache(model: LlamaModel, num_slots: int, max_len: int | None = None) -> KVCache:
+    """A pool of its own for `model` (every layer, the model's dtype and device)."""
+    length = max_len or min(model.config.max_position_embeddings, 4096)
+    return KVCache.allocate(model.config.kv_layout(num_slots, length, dtype_name(model.dtype)), model.device)
+
+
+@torch.inference_mode()
+def prefill_first_token(
+    model: LlamaModel,
+    cache: KVCache,
+    slot: int,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    index: int = 0,
+    layers_per_chunk: int | None = None,
+) -> int:
+    """Compute a prompt's KV into `slot` and draw its first token, as a prefill worker does
+    (`index`: the output index that token has, > 0 for a resumed request)."""
+    logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk)
+    return Sampler(params).sample(logits, index)
+
+
+@torch.inference_mode()
+def prefill_first_tokens(
+    model: LlamaModel,
+    cache: KVCache,
+    slots: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    layers_per_chunk: int | None = None,
+) -> list[int]:
+    """`prefill_first_token` of several prompts in one forward pass (`LlamaModel.prefill_batch`:
+    the prompts packed into one row, every matrix product once over all of them)."""
+    if len(prompts) == 1:
+        return [prefill_first_token(model, cache, slots[0], prompts[0], params[0], 0, layers_per_chunk)]
+    logits = model.prefill_batch(prompts, cache, slots, layers_per_chunk)
+    return [Sampler(p).sample(logits[row], 0) for row, p in enumerate(params)]
+
+
+def packed_batches(lengths: Sequence[int], token_budget: int) -> list[range]:
+    """Consecutive runs of prompts whose lengths add up to at most `token_budget` (a run's
+    first prompt always goes, however long): the prefill passes `generate` makes."""
+    if token_budget < 1:
+        raise ValueError(f"prefill_token_budget must be positive, got {token_budget}")
+    runs: list[range] = []
+    start, tokens = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > token_budget:
+            runs.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        runs.append(range(start, len(lengths)))
+    return runs
+
+
+def generate(
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    max_len: int | None = None,
+    prefill_token_budget: int = 4096,
+    stats: GenerationStats | None = None,
+) -> list[Completion]:
+    """Run a set of prompts to completion together, one slot each, in one process; results in
+    prompt order (the colocated reference of tests, benchmarks and `pdserve generate`).
+
+    Prompts are prefilled together, packed into passes of up to `prefill_token_budget` tokens
+    (`packed_batches`); `stats`, if given, receives the prefill and decode figures."""
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
+    gen = Generator(model, tokenizer, colocated_cache(model, len(prompts), max_len))
+    stats = stats if stats is not None else GenerationStats()
+    gen.stats = stats
+    checked = [gen.check_prompt(p) for p in prompts]
+    runs = packed_batches([len(p) for p in checked], prefill_token_budget)
+    texts: dict[str, list[str]] = {}
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason] = {}
+    ids = [f"req-{slot}" for slot in range(len(prompts))]
+
+    def record(out: StepOutput) -> None:
+        texts[out.request_id].append(out.text)
+        if out.token_id is not None:
+            tokens[out.request_id].append(out.token_id)
+        if out.finished:
+            reasons[out.request_id] = out.finish_reason or FinishReason.STOP
+
+    for run in runs:
+        started = time.perf_counter()
+        firsts = prefill_first_tokens(model, gen.cache, list(run), [checked[i] for i in run], [plist[i] for i in run])
+        stats.prefill_seconds += time.perf_counter() - started
+        stats.prefill_tokens += sum(len(checked[i]) for i in run)
+        for slot, first in zip(run, firsts, strict=True):
+            texts[ids[slot]], tokens[ids[slot]] = [], []
+            record(gen.add_prefilled(checked[slot], slot, first, plist[slot], ids[slot])[1])
+    for out in gen.stream():
+        record(out)
+    return [Completion(i, list(p), tokens[i], "".join(texts[i]), reasons[i]) for i, p in zip(ids, prompts)]
 
 
 @torch.inference_mode()

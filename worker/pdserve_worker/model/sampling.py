@@ -16,10 +16,6 @@ import torch
 
 from pdserve_worker.model.sampling_params import SamplingParams
 
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
-
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
 
 

@@ -6,6 +6,7 @@ reject nonsense (negative temperature, top_p of 2) with the field name in the er
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +23,17 @@ MAX_STOP_TOKEN_IDS = 64
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request's generation ended: the one vocabulary of engine, decode, router and API.
+
+    STOP: EOS, a stop token id or a stop string; LENGTH: `max_tokens` or the slot's length;
+    ABORT: taken out of the batch (cancelled, or the engine failed), never shown to a client."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
 
 
 class SamplingParams(BaseModel):

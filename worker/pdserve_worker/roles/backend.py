@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from pdserve_worker.model.sampling_params import SamplingParams
-
-FinishReason = Literal["stop", "length"]
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)

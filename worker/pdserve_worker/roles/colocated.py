@@ -1,25 +1,30 @@
 """A colocated backend: prefill and decode in one process, one continuous batch (the baseline).
 
-The engine's `Generator` admits a waiting prompt between decode steps and prefills it in the
-same thread, so while a long prompt is prefilled every running request waits: this is the
-interference that PD disaggregation removes, and what `benchmarks/serve.py` measures it
-against. Requests beyond the free slots wait in the Generator's queue (no 429).
+The generation loop prefills a new prompt between decode steps, in the same thread, so while
+a long prompt is prefilled every running request waits: this is the interference that PD
+disaggregation removes, and what `benchmarks/serve.py` measures it against.
+
+Slots are owned as on a decode: a `SlotTable` grants one per request and takes it back when
+the loop says the request left the batch. Requests beyond the free slots wait for one here,
+in arrival order (no 429).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
-from pdserve_worker.model.generate import Generator
+from pdserve_worker.kv.slots import SlotTable
+from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.model.sampling import FINISH_LENGTH, FINISH_STOP
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.roles.backend import BackendError, RequestInfo, TokenEvent
 from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.roles.tokenizing import ModelTokenizing
 
-_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
+_HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): its lease never runs
 
 
 class ColocatedBackend(ModelTokenizing):
@@ -29,10 +34,18 @@ class ColocatedBackend(ModelTokenizing):
         self.model_name = model_name or loaded.name
         self.max_model_len = max_len
         self._tokenizer = loaded.tokenizer
-        generator = Generator(loaded.model, loaded.tokenizer, num_slots=slots, max_len=max_len)
-        self.loop = GenerationLoop(generator, external_slots=False, name="colocated-loop")
+        model = loaded.model
+        cache = colocated_cache(model, slots, max_len)
+        self.slots = SlotTable(cache.layout, quarantine_s=0.0)
+        self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
+
+        def prefill(prompt: list[int], slot: int, params: SamplingParams) -> int:
+            return prefill_first_token(model, cache, slot, prompt, params)
+
+        self.loop = GenerationLoop(Generator(model, loaded.tokenizer, cache), prefill=prefill, name="colocated-loop")
 
     def start(self) -> None:
+        self._free = asyncio.Semaphore(self.slots.layout.num_slots)
         self.loop.start()
 
     def close(self) -> None:
@@ -42,18 +55,32 @@ class ColocatedBackend(ModelTokenizing):
         return {"ready": True, "members": {"colocated": 1}}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
-        stream = self.loop.submit(request_id, prompt_ids, params)
+        free = self._free
+        if free is None:
+            raise BackendError("ColocatedBackend.start() was not called")
+        await free.acquire()  # a slot is free, or waits for the request ahead of us to leave
+        grant = self.slots.reserve(request_id, _HOLD_S)
+        self.slots.commit(grant.slot, grant.generation)
+        event_loop = asyncio.get_running_loop()
+
+        def done() -> None:  # on the generation loop's thread, once the request left the batch
+            self.slots.release(grant.slot, grant.generation)
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits any more
+                event_loop.call_soon_threadsafe(free.release)
+
+        try:
+            stream = self.loop.submit(request_id, prompt_ids, grant.slot, params, done)
+        except BaseException:
+            done()
+            raise
         finished = False
         first = True
         try:
             async for out in stream:
-                if out.token_id is None:  # aborted inside the loop
+                if out.token_id is None or out.finish_reason is FinishReason.ABORT:  # aborted inside the loop
                     raise BackendError(f"request {request_id} was aborted: {out.finish_reason}")
-                reason = _REASONS.get(out.finish_reason or "") if out.finished else None
-                if out.finished and reason is None:
-                    raise BackendError(f"request {request_id} ended with {out.finish_reason!r}")
                 finished = out.finished  # before the yield: the router closes us once it has the last event
-                yield TokenEvent(out.token_id, out.text, reason, _COLOCATED if first else None)  # type: ignore[arg-type]
+                yield TokenEvent(out.token_id, out.text, out.finish_reason, _COLOCATED if first else None)
                 first = False
                 if finished:
                     return

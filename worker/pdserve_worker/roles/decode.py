@@ -28,6 +28,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from pydantic import ValidationError
@@ -40,7 +41,8 @@ from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable
 from pdserve_worker.logs import kv
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.model.sampling import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, stop_token_ids
+from pdserve_worker.model.sampling import stop_token_ids
+from pdserve_worker.model.sampling_params import FinishReason
 from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed, RequestStream
 from pdserve_worker.rpc.convert import layout_to_proto, sampling_from_proto
 from pdserve_worker.rpc.membership import Load, MemberInfo, MemoryRegion, MemType, Role
@@ -53,9 +55,9 @@ from pdserve_worker.transfer.service_link import capability_key
 log = logging.getLogger("pdserve.decode")
 
 _FINISH = {
-    FINISH_STOP: worker_pb2.FINISH_REASON_STOP,
-    FINISH_LENGTH: worker_pb2.FINISH_REASON_LENGTH,
-    FINISH_ABORT: worker_pb2.FINISH_REASON_ABORT,
+    FinishReason.STOP: worker_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT,
 }
 SWEEP_S = 1.0  # how often lapsed leases are looked for
 
@@ -100,7 +102,7 @@ class DecodeWorker:
             warmup=self.pool.warm if settings.warmup else None,
         )
         cache = KVCache(layout, self.pool.tensor)
-        self.loop = GenerationLoop(self.make_generator(cache), external_slots=True, name="decode-loop")
+        self.loop = GenerationLoop(self.make_generator(cache), name="decode-loop")
         # One blocking readiness wait per request that waits: at most one per slot.
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
         self.draining = False
@@ -112,8 +114,8 @@ class DecodeWorker:
         """The pool this worker registers: every layer here."""
         return self.loaded.config.kv_layout(self.settings.slots, self.settings.max_length, self.settings.model_dtype)
 
-    def make_generator(self, cache: KVCache) -> Generator:
-        return Generator(self.loaded.model, self.loaded.tokenizer, cache=cache)
+    def make_generator(self, cache: KVCache) -> Generator[Any]:
+        return Generator(self.loaded.model, self.loaded.tokenizer, cache)
 
     def group_grants(self, grant: Grant) -> list[Grant]:
         """Every member's grant of a layer-sharded group's slot; none for an unsharded decode."""
@@ -299,9 +301,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             if not w.slots.commit(slot, generation):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
             # From here the loop owns the slot and frees it when the request leaves the batch.
-            stream = w.loop.submit_prefilled(
-                request.request_id, prompt, slot, ready.first_token, params,
-                on_done=lambda: w.slots.release(slot, generation), num_generated=resumed,
+            stream = w.loop.submit(
+                request.request_id, prompt, slot, params, lambda: w.slots.release(slot, generation),
+                first_token=ready.first_token, num_generated=resumed,
             )
             index = resumed  # a resumed stream goes on at the index where the broken one stopped
             async for out in stream:
@@ -315,8 +317,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     event.num_prompt_tokens = ready.num_tokens
                 if out.finished:
                     finished = True
-                    event.finish_reason = _FINISH.get(out.finish_reason or FINISH_STOP, worker_pb2.FINISH_REASON_STOP)
-                    if out.finish_reason == FINISH_STOP and out.token_id in stop_ids:
+                    event.finish_reason = _FINISH[out.finish_reason or FinishReason.STOP]
+                    if out.finish_reason is FinishReason.STOP and out.token_id in stop_ids:
                         event.stop = str(out.token_id)  # a stop token; a stop string is not reported back
                 yield event
                 index += 1

@@ -82,7 +82,7 @@ class DecodeGroup:
         ]
         self.shards = [ShardMember(model, KVCache(m.pool.layout, m.pool.tensor)) for m, model in zip(members, models)]
         self.decoder = ShardedDecoder.local(self.shards)
-        self.generator = Generator(self.decoder, tokenizer, cache=self.kv)  # type: ignore[arg-type]
+        self.generator = Generator(self.decoder, tokenizer, self.kv)
 
     @property
     def size(self) -> int:

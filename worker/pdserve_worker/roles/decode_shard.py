@@ -329,7 +329,7 @@ class GroupLeader(DecodeWorker):
     def pool_layout(self) -> KVLayout:
         return _pool_layout(self.settings, self.loaded)
 
-    def make_generator(self, cache: KVCache) -> Generator:
+    def make_generator(self, cache: KVCache) -> Generator[Any]:
         own = ShardMember(self.loaded.model, cache)
         layouts = [cache.layout, *(f.layout for f in self.followers)]
         hops = [own.forward, *(r.forward for r in self.remotes)]
@@ -338,8 +338,7 @@ class GroupLeader(DecodeWorker):
             return hops[index](hidden, slots, positions)
 
         decoder = ShardedDecoder(self.loaded.model, layouts, hop)
-        return Generator(decoder, self.loaded.tokenizer,  # type: ignore[arg-type]
-                         cache=GroupKV(layouts, self.loaded.config.num_layers))  # type: ignore[arg-type]
+        return Generator(decoder, self.loaded.tokenizer, GroupKV(layouts, self.loaded.config.num_layers))
 
     def member_info(self) -> MemberInfo:
         """Registered as one plain decode (no GroupInfo: routers use a leader alone, since it

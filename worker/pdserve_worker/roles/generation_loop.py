@@ -7,18 +7,15 @@ turn it applies the commands that arrived (add a request, cancel one), then runs
 `decode_step`. Each request's outputs go back to the event loop that submitted it as a
 `RequestStream`. With nothing to do the thread sleeps on its command queue.
 
-Two ways in:
-- `submit_prefilled`: the prompt's KV is already in a slot (a prefill worker pushed it) and
-  the first token is known. The slot belongs to the caller (decode's `SlotTable`), and
-  `on_done` is called, on this thread, once the request has left the batch for good: only
-  then may the slot be granted again, or the next request's KV could be overwritten by this
-  one's last decode step.
-- `submit`: a plain prompt; the Generator prefills it itself between decode steps (the
-  colocated baseline, where a long prompt stalls every running request meanwhile).
-
-External slots: the Generator keeps its own free-slot heap (for `submit`). Where the caller
-allocates slots, this loop takes every slot out of that heap at start and takes back each
-slot the Generator returns to it, so the Generator never hands one out by itself.
+Every request comes with a slot that belongs to the caller (the decode's or the colocated
+backend's `SlotTable`) and an `on_done`, called on this thread once the request has left the
+batch for good: only then may the slot be granted again, or the next request's KV could be
+overwritten by this one's last decode step. Two ways in:
+- `submit(..., first_token=t)`: the prompt's KV is already in the slot (a prefill worker
+  pushed it) and its first token is known (decode).
+- `submit(...)` without a first token: this loop computes the prompt's KV into the slot
+  itself, with the `prefill` it was built with, between decode steps (the colocated
+  baseline, where a long prompt stalls every running request meanwhile).
 """
 
 from __future__ import annotations
@@ -40,6 +37,9 @@ from pdserve_worker.model.sampling_params import SamplingParams
 log = logging.getLogger("pdserve.generation_loop")
 
 _END = object()
+
+# (prompt ids, slot, params) -> the first token, after writing the prompt's KV into the slot.
+Prefill = Callable[[list[int], int, SamplingParams], int]
 
 
 class RequestFailed(RuntimeError):
@@ -87,8 +87,7 @@ class RequestStream:
 @dataclass
 class _Entry:
     stream: RequestStream
-    slot: int | None = None  # an external slot, while the Generator holds it
-    on_done: Callable[[], None] | None = None
+    on_done: Callable[[], None]
 
 
 @dataclass
@@ -96,9 +95,9 @@ class _Add:
     entry: _Entry
     internal_id: str
     prompt_ids: list[int]
+    slot: int
     params: SamplingParams
-    slot: int | None = None
-    first_token: int | None = None
+    first_token: int | None
     num_generated: int = 0
 
 
@@ -117,22 +116,19 @@ class LoopStats:
 
 
 class GenerationLoop:
-    def __init__(self, generator: Generator, *, external_slots: bool, name: str = "generation-loop") -> None:
+    def __init__(self, generator: Generator[Any], *, prefill: Prefill | None = None,
+                 name: str = "generation-loop") -> None:
         self._gen = generator
-        self._external = external_slots
+        self._prefill = prefill
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._entries: dict[str, _Entry] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = threading.Event()
         self.stats = LoopStats()
-        if external_slots:
-            # Every slot is the caller's: empty the Generator's own free list (see module doc).
-            for _ in range(generator.cache.layout.num_slots):
-                generator.reserve_slot()
 
     @property
-    def generator(self) -> Generator:
+    def generator(self) -> Generator[Any]:
         return self._gen
 
     @property
@@ -151,54 +147,39 @@ class GenerationLoop:
 
     # ---- submitting (any thread; streams are bound to the running event loop) ----------------
 
-    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
-        """A prompt the Generator prefills itself (needs `external_slots=False`)."""
-        if self._external:
-            raise RuntimeError("this loop's slots are allocated by its owner: use submit_prefilled")
-        return self._enqueue(request_id, prompt_ids, params, None, None, None)
-
-    def submit_prefilled(
+    def submit(
         self,
         request_id: str,
         prompt_ids: Sequence[int],
         slot: int,
-        first_token: int,
         params: SamplingParams,
         on_done: Callable[[], None],
+        *,
+        first_token: int | None = None,
         num_generated: int = 0,
     ) -> RequestStream:
-        """A request whose prompt KV is in `slot`; `on_done` runs once the slot is no longer used.
+        """Run a request in `slot`; `on_done` runs once the slot is no longer used, however the
+        request ends (also when it is refused).
 
-        `num_generated`: the last that many of `prompt_ids` were already emitted elsewhere
-        (a resumed stream, see `Generator.add_prefilled`).
+        With `first_token` the prompt's KV is already in the slot; without it this loop's
+        `prefill` computes it first. `num_generated`: the last that many of `prompt_ids` were
+        already emitted elsewhere (a resumed stream, see `Generator.add_prefilled`).
         """
-        if not self._external:
-            raise RuntimeError("this loop allocates its own slots: use submit")
-        return self._enqueue(request_id, prompt_ids, params, slot, first_token, on_done, num_generated)
-
-    def cancel(self, stream: RequestStream) -> None:
-        """Stop a request early (the client went away); its slot is freed by the loop."""
-        self._commands.put(_Cancel(stream.request_id))
-
-    def _enqueue(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        slot: int | None,
-        first_token: int | None,
-        on_done: Callable[[], None] | None,
-        num_generated: int = 0,
-    ) -> RequestStream:
+        if first_token is None and self._prefill is None:
+            raise RuntimeError("this loop decodes KV computed elsewhere: pass the request's first_token")
         if self._stopping.is_set():
             raise RequestFailed("the generation loop is stopping")
         # The Generator keys requests by id; ids from outside need not be unique here.
         internal = f"{request_id}#{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop(), internal)
-        entry = _Entry(stream, on_done=on_done)
-        self._commands.put(_Add(entry, internal, [int(t) for t in prompt_ids], params, slot, first_token,
+        entry = _Entry(stream, on_done)
+        self._commands.put(_Add(entry, internal, [int(t) for t in prompt_ids], slot, params, first_token,
                                 num_generated))
         return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Stop a request early (the client went away); its `on_done` runs on the loop."""
+        self._commands.put(_Cancel(stream.request_id))
 
     # ---- the scheduler thread -----------------------------------------------------------------
 
@@ -239,36 +220,30 @@ class GenerationLoop:
                 return
 
     def _add(self, command: _Add) -> None:
-        entry = command.entry
-        self._entries[command.internal_id] = entry
+        self._entries[command.internal_id] = command.entry
         self.stats.requests += 1
         try:
-            if command.slot is None:
-                self._gen.add(command.prompt_ids, command.params, command.internal_id)
-                return
-            assert command.first_token is not None
-            entry.slot = command.slot
-            _, first = self._gen.add_prefilled(
-                command.prompt_ids, command.slot, command.first_token, command.params, command.internal_id,
-                command.num_generated,
+            first = command.first_token
+            if first is None:
+                assert self._prefill is not None  # submit() checked
+                prompt = self._gen.check_prompt(command.prompt_ids)
+                first = self._prefill(prompt, command.slot, command.params)
+            _, output = self._gen.add_prefilled(
+                command.prompt_ids, command.slot, first, command.params, command.internal_id, command.num_generated,
             )
-        except (ValueError, RuntimeError) as exc:
-            # add_prefilled validates before it takes the slot: the slot was never the Generator's.
-            entry.slot = None
+        except (ValueError, RuntimeError, IndexError) as exc:
+            # Refused before it joined the batch: the slot was never the Generator's.
             self._end(command.internal_id, RequestFailed(str(exc)))
             return
-        self._dispatch([first])
+        self._dispatch([output])
 
     def _cancel(self, internal_id: str) -> None:
         if internal_id not in self._entries:
             return  # finished meanwhile
         self._gen.abort(internal_id)
-        self._reclaim([internal_id])
         self._end(internal_id, _END)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
-        finished = [o.request_id for o in outputs if o.finished]
-        self._reclaim(finished)
         for out in outputs:
             if out.finished:
                 self._end(out.request_id, out)
@@ -277,37 +252,20 @@ class GenerationLoop:
             if entry is not None:
                 entry.stream._put(out)
 
-    def _reclaim(self, internal_ids: list[str]) -> None:
-        """Take back from the Generator's free list the external slots it just released."""
-        if not self._external:
-            return
-        expected = sorted(e.slot for i in internal_ids if (e := self._entries.get(i)) is not None and e.slot is not None)
-        taken = sorted(self._gen.reserve_slot() for _ in expected)
-        if taken != expected:  # the Generator freed other slots than its finished requests held
-            raise AssertionError(f"generator released slots {taken}, expected {expected}")
-        for i in internal_ids:
-            entry = self._entries.get(i)
-            if entry is not None:
-                entry.slot = None
-
     def _end(self, internal_id: str, final: Any) -> None:
         """The request leaves for good: `on_done` (which frees its slot) runs before the stream's
         last item is delivered, so whoever sees a stream end sees its slot free too."""
         entry = self._entries.pop(internal_id, None)
         if entry is None:
             return
-        if entry.on_done is not None:
-            try:
-                entry.on_done()
-            except Exception:
-                log.exception(kv(event="on_done_failed", request=internal_id))
+        try:
+            entry.on_done()
+        except Exception:
+            log.exception(kv(event="on_done_failed", request=internal_id))
         if final is not None:
             entry.stream._put(final)
 
     def _fail_all(self, error: RequestFailed) -> None:
-        ids = list(self._entries)
-        for internal_id in ids:
+        for internal_id in list(self._entries):
             self._gen.abort(internal_id)
-        self._reclaim(ids)
-        for internal_id in ids:
             self._end(internal_id, error)
