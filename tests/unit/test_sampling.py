@@ -74,20 +74,47 @@ def test_held_text_is_released_at_the_end():
     assert m.finish() == "##"
 
 
-@settings(max_examples=200, deadline=None)
+def test_two_stops_completed_by_one_token_cut_before_the_earlier_start():
+    """The issue's case (stops "abcd" and "bc", "abcd" in one delta): one answer, whatever the
+    stops' order. llama.cpp's server (`find_stopping_strings`: the smallest position) answers
+    "" too; vLLM's `StopChecker._check_stop_strings` (the first of the list that is found)
+    answers "" for this order and "a" for the other."""
+    for stops in (("abcd", "bc"), ("bc", "abcd")):
+        m = StopStringMatcher(stops)
+        assert m.feed("abcd") == "" and m.matched == "abcd" and m.finish() == ""
+    # Token by token the request ends at the token that completes "bc": "abcd" never completes.
+    m = StopStringMatcher(("abcd", "bc"))
+    assert m.feed("a") + m.feed("bc") == "a" and m.matched == "bc"
+
+
+def reference_cut(deltas: list[str], stops: list[str]) -> str:
+    """The rule, stated plainly: the request ends at the first delta after which the text holds
+    a stop string, and its answer is the text before the earliest-starting one."""
+    text = ""
+    for delta in deltas:
+        text += delta
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[: min(hits)]
+    return text
+
+
+@settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="ab c\n", max_size=40),
     stops=st.lists(st.text(alphabet="ab c\n", min_size=1, max_size=4), max_size=3),
     cuts=st.lists(st.integers(0, 40), max_size=8),
 )
-def test_streamed_output_is_the_text_before_the_first_completed_stop(text, stops, cuts):
+def test_streamed_output_is_the_reference_cut_and_never_runs_ahead(text, stops, cuts):
     m = StopStringMatcher(tuple(stops))
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    out = "".join(m.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])) + m.finish()
-    # Generation stops when the first stop string completes: earliest end, then earliest start.
-    hits = sorted((text.find(s) + len(s), text.find(s)) for s in stops if s in text)
-    expected = text[: hits[0][1]] if hits else text
-    assert out == expected
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    expected = reference_cut(deltas, stops)
+    shown = ""
+    for delta in deltas:
+        shown += m.feed(delta)
+        assert expected.startswith(shown), "text was shown that a later delta revealed to be a stop string"
+    assert shown + m.finish() == expected
 
 
 def test_invalid_params_are_rejected_with_the_field_name():

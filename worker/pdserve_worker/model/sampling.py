@@ -57,9 +57,15 @@ class Sampler:
 class StopStringMatcher:
     """Finds stop strings in streamed text without ever emitting a part of one.
 
-    The longest tail of the text that could still begin a stop string is held back until the
-    next delta settles it; a match cuts the text right before the stop string. The output does
-    not depend on how the text was split into deltas.
+    The one place that decides a stop string ended a request (the router does not cut text):
+    the longest tail of the text that could still begin a stop string is held back until the
+    next delta settles it, and the first delta (a token's text) that completes any stop string
+    ends the request. The text is then cut before the earliest-starting stop string found, as
+    llama.cpp's server does (`find_stopping_strings` keeps the smallest position); vLLM's
+    `StopChecker` takes the first one of the request's list instead, which gives the same cut
+    for the common orderings but depends on the order. So with stops "abcd" and "bc" and a
+    token "abcd", the answer is "" (both complete; "abcd" starts first), while tokens "abc",
+    "d" give "a" (the request ended at "abc").
     """
 
     stop: tuple[str, ...]
@@ -74,11 +80,11 @@ class StopStringMatcher:
         if not self.stop:
             self._pending = ""
             return text
-        # The stop string that completes first wins (earliest end; the longest if several end
-        # there): what a token-by-token stream would see, however the text was chunked.
-        hits = [(i + len(s), i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        # Emitted text holds no stop string and no stop string's beginning, so every occurrence
+        # starts in the held tail or in this delta: the earliest one is where the text ends.
+        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
-            _, index, self.matched = min(hits)
+            index, self.matched = min(hits, key=lambda hit: hit[0])
             self._pending = ""
             return text[:index]
         hold = self._held_tail(text)

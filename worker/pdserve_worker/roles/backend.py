@@ -69,7 +69,7 @@ class Backend(Protocol):
     """What the router needs from a token producer.
 
     `generate` is an async generator: the router closes it (`aclose`) or cancels the task
-    iterating it when the client goes away or a stop string matched, and the backend must
+    iterating it when the client goes away or the answer is complete, and the backend must
     release what it holds for the request (a decode slot) in a `finally`.
     """
 
@@ -87,7 +87,8 @@ class Backend(Protocol):
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[TokenEvent]:
-        """Stream the tokens generated after `prompt_ids`; stop token ids are the backend's job."""
+        """Stream the tokens generated after `prompt_ids`; stop strings, stop token ids and EOS are
+        the backend's job (its text never holds a stop string, and it ends with "stop")."""
         ...
 
 

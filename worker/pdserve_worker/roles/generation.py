@@ -1,9 +1,11 @@
-"""One request's run through the backend: token events in, releasable text deltas out.
+"""One request's run through the backend: token events in, text deltas out.
 
-This is where the router's per-request rules live, independent of HTTP: stop strings are cut
-across token boundaries, `max_tokens` is enforced even if a backend overruns it, the backend's
-generator is closed as soon as the answer is complete (so its decode slot is freed at once),
-and the timestamps the metrics need are taken.
+This is where the router's per-request rules live, independent of HTTP: `max_tokens` is
+enforced even if a backend overruns it, the backend's generator is closed as soon as the
+answer is complete (so its decode slot is freed at once), and the timestamps the metrics need
+are taken. Stop strings are not cut here: the engine that generates the tokens decides when a
+request is finished (`model.sampling.StopStringMatcher`, on the decode or the colocated
+worker), ends it there and frees its slot; its text never holds a stop string.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
 from dataclasses import dataclass
 
 from pdserve_worker.logs import kv
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.roles.backend import Backend, RequestInfo, TokenEvent
 from pdserve_worker.roles.router_metrics import RequestTiming
-from pdserve_worker.roles.stop_strings import StopStringCutter
 
 log = logging.getLogger("pdserve.router")
 
@@ -35,15 +36,15 @@ class Delta:
     """Text that may be shown now; `finish_reason` is set on the last delta only."""
 
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 class Generation:
     """Drives `backend.generate` for one request and records what the metrics need.
 
     Exactly one consumer iterates `deltas()` once. It yields one delta per token event (the
-    text may be empty while a possible stop-string prefix is held back), so a consumer that
-    waits for the first delta waits for the first token, not for the first visible text.
+    text may be empty, e.g. while the engine holds back a possible stop-string prefix), so a
+    consumer that waits for the first delta waits for the first token, not for visible text.
     """
 
     def __init__(self, backend: Backend, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -56,7 +57,7 @@ class Generation:
         self.completion_tokens = 0
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.info: RequestInfo | None = None
 
     @property
@@ -73,27 +74,23 @@ class Generation:
         )
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
-        cutter = StopStringCutter(self._params.stop)
         final: Delta | None = None
-        # aclosing: leaving this block early (finish, stop string, cancellation) closes the
-        # backend's generator, which is how the backend learns to release the request's slot.
+        # aclosing: leaving this block early (finish, cancellation) closes the backend's
+        # generator, which is how the backend learns to release the request's slot.
         async with _closing(self._backend.generate(self._prompt_ids, self._params, self.request_id)) as events:
             async for event in events:
                 self._on_token(event.info)
-                text = cutter.feed(event.text)
-                if cutter.stopped:
-                    final = Delta(text, "stop")
-                elif event.finish_reason is not None:
-                    final = Delta(text + cutter.flush(), event.finish_reason)
+                if event.finish_reason is not None:
+                    final = Delta(event.text, FinishReason(event.finish_reason))
                 elif self.completion_tokens >= self._params.max_tokens:
-                    final = Delta(text + cutter.flush(), "length")
+                    final = Delta(event.text, FinishReason.LENGTH)
                 if final is not None:
                     break
-                yield Delta(text)
+                yield Delta(event.text)
         if final is None:
             log.warning(kv(event="backend_ended_without_finish_reason", request_id=self.request_id,
                            tokens=self.completion_tokens))
-            final = Delta(cutter.flush(), "stop")
+            final = Delta("", FinishReason.STOP)
         self.finish_reason = final.finish_reason
         yield final
 

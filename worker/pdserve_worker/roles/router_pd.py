@@ -21,9 +21,8 @@ would otherwise wait for a notification that never comes), and a request that en
 for any reason (error, client gone, stop string) cancels its Generate, which frees the slot,
 and sends a Release for the grant in case Generate never claimed it (idempotent).
 
-Stop strings are the decode's job (it ends generation and frees the slot the moment one
-matches, and its text never contains one); the router's own stop-string cutter therefore
-only ever sees text without a stop string and passes it through.
+Stop strings are the decode's job: it ends generation and frees the slot the moment one
+matches, and its text never contains one (the router passes the text through).
 """
 
 from __future__ import annotations
