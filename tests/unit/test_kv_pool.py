@@ -59,7 +59,7 @@ class NoAllocator:
 def test_without_an_engine_allocator_the_pool_is_a_registered_torch_tensor(backend: TransferBackend) -> None:
     wrapped = NoAllocator(backend.engine)
     plain = TransferBackend("hixl", wrapped, backend.api)
-    assert not plain.has_allocator
+    assert plain.host is None
     pool = KVPool(plain, LAYOUT)
     try:
         assert wrapped.registered == [(pool.tensor.data_ptr(), LAYOUT.total_bytes, int(backend.api.MemType.MEM_HOST))]

@@ -94,7 +94,7 @@ def test_every_mode_delivers_the_ready_message(side: Side, mode: str) -> None:
 
 def test_interrupt_mode_polls_when_the_engine_cannot_block(side: Side) -> None:
     backend = TransferBackend("hixl", PollOnly(side.decode.engine), side.decode.api)
-    assert not backend.can_block_on_notifies
+    assert backend.blocking is None
     readiness = Readiness(backend, "interrupt", accepts=side.slots.is_reserved, authorize=side.slots.verify)
     g = side.slots.reserve("r", 60)
     side.later(0.05, side.ready, g.slot, g.generation)

@@ -15,7 +15,7 @@ from pdserve_worker.transfer.host_engine import Hixl as HostHixl
 def test_cpu_backend_is_the_host_engine_with_the_mirrored_api() -> None:
     backend = create_engine("cpu")
     assert backend.name == "cpu" and isinstance(backend.engine, HostHixl) and backend.api is hixl_api
-    assert backend.has_allocator and backend.can_block_on_notifies
+    assert backend.host is backend.engine and backend.blocking is backend.engine  # declared, not probed
 
 
 def test_auto_falls_back_to_the_host_engine_without_hixl(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,7 +35,7 @@ def test_auto_prefers_real_hixl_when_it_imports(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(sys.modules, "hixl", fake)
     backend = create_engine("auto")
     assert backend.name == "hixl" and isinstance(backend.engine, Hixl) and backend.api is fake
-    assert not backend.has_allocator and not backend.can_block_on_notifies
+    assert backend.host is None and backend.blocking is None
 
 
 def test_unknown_backend_name() -> None:

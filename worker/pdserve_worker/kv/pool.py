@@ -44,8 +44,8 @@ class KVPool:
         self._malloced = False
         api = backend.api
         nbytes = layout.total_bytes
-        if device == "cpu" and backend.has_allocator:
-            status, addr = backend.engine.malloc_mem(nbytes, api.MemType.MEM_HOST)
+        if device == "cpu" and backend.host is not None:
+            status, addr = backend.host.malloc_mem(nbytes, api.MemType.MEM_HOST)
             backend.check(status, f"malloc_mem({nbytes}) for KV pool {layout}")
             self._malloced = True
             self.mem_type = api.MemType.MEM_HOST
@@ -126,8 +126,8 @@ class KVPool:
 
     def _free(self) -> None:
         freed = self._malloced or self._owned_tensor is not None
-        if self._malloced:
-            self._backend.engine.free_mem(self.base_addr)
+        if self._malloced and self._backend.host is not None:
+            self._backend.host.free_mem(self.base_addr)
             self._malloced = False
         self._owned_tensor = None
         if freed:

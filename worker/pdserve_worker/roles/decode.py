@@ -218,10 +218,10 @@ class DecodeWorker:
 
 def transfer_refusals(backend: TransferBackend) -> int:
     """What the engine's server refused so far (host engine; real HIXL counts nothing)."""
-    stats = getattr(backend.engine, "security_stats", None)
-    if stats is None:
+    if backend.host is None:
         return 0
-    return sum(v for k, v in stats().items() if k not in ("links_open", "handshakes_pending", "write_leases"))
+    stats = backend.host.security_stats()
+    return sum(v for k, v in stats.items() if k not in ("links_open", "handshakes_pending", "write_leases"))
 
 
 def _grant_to_proto(grant: Grant, ttl_s: float, worker_id: str, request_id: str) -> worker_pb2.Grant:

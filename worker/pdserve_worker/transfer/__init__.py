@@ -2,10 +2,12 @@
 
 How the pieces fit (every module says more):
 
-- `engine.create_engine(backend)` → `TransferBackend(name, engine, api)`: real HIXL (`hixl`,
-  from CANN) when it imports, else `host_engine.Hixl`, which has the same API and semantics
-  on host memory (shared memory between processes of a host, TCP between hosts). Code above
-  uses only `backend.engine.<hixl method>` and `backend.api.<hixl type or code>`.
+- `engine.create_engine(backend)` → `TransferBackend(name, engine, api, blocking, host)`: real
+  HIXL (`hixl`, from CANN) when it imports, else `host_engine.Hixl`, which has the same API and
+  semantics on host memory (shared memory between processes of a host, TCP between hosts).
+  Code above uses only `backend.engine.<hixl method>` (the `TransferEngine` protocol),
+  `backend.api.<hixl type or code>`, and the host engine's extras where the backend declares
+  them (`blocking`, `host`; None on real HIXL).
 - `kv.pool.KVPool(backend, layout)`: the decode pool (or prefill source), allocated once and
   registered before any peer connects; `.tensor` has `layout.shape`.
 - `kv.slots.SlotTable`: decode grants slots with leases and generations (`Grant`), quarantines

@@ -1,27 +1,34 @@
 """Pick the transfer engine: real HIXL where CANN is installed, the host engine elsewhere.
 
 Code above this module never imports `hixl` or `host_engine` itself. It gets a
-`TransferBackend`: the engine instance plus `api`, the module that holds the descriptor types,
-enums and status codes that this engine accepts (the real `hixl` module, or our mirror
-`hixl_api`), and writes `backend.api.TransferOpDesc(...)`, `backend.api.SUCCESS`, ... so that
-one and the same code drives both.
+`TransferBackend`: the engine, typed as `TransferEngine` (the HIXL binding's methods this
+project calls), plus `api`, the module that holds the descriptor types, enums and status codes
+that this engine accepts (the real `hixl` module, or our mirror `hixl_api`), and writes
+`backend.api.TransferOpDesc(...)`, `backend.api.SUCCESS`, ... so that one and the same code
+drives both.
 
-Two things to keep in mind on real HIXL (they do not arise with the host engine):
-- HIXL wants each calling thread to carry the NPU's ACL context (HIXL.md 1.2): a thread that
-  calls the engine (the pusher's, the readiness waiter's) must `torch.npu.set_device(dev)`
-  first.
-- `wait_notifies` / `wait_transfer` / `malloc_mem` do not exist there; readiness and the
-  pusher then poll, and the KV pool is a registered device tensor (`TransferBackend`'s
-  `can_block_on_notifies` / `has_allocator` say which case applies).
+What only the host engine can do is declared too, as optional parts of the backend that
+`create_engine` fills in for the engine it made (never found by probing the object):
+- `blocking` (`BlockingWaits`): sleep until a notify arrives or a put completes. Real HIXL
+  only has the draining `get_notifies` and the per-request `get_transfer_status`; readiness
+  and the pusher then poll.
+- `host` (`HostExtensions`): memory that peers of the same host map (`malloc_mem`; without it
+  the KV pool is a registered torch tensor), write leases (only reserved slots writable), and
+  counts of what the engine's server refused.
+
+On real HIXL, each calling thread must carry the NPU's ACL context (HIXL.md 1.2): a thread
+that calls the engine (the pusher's, the readiness waiter's) must `torch.npu.set_device(dev)`
+first.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer import hixl_api
@@ -29,6 +36,59 @@ from pdserve_worker.transfer import hixl_api
 log = logging.getLogger("pdserve.transfer.engine")
 
 BackendName = Literal["auto", "hixl", "cpu"]
+
+
+class TransferEngine(Protocol):
+    """The methods of the HIXL binding's `hixl.Hixl` (HIXL.md 2.1) that pdserve calls.
+
+    Every call returns an integer status (or a tuple starting with one) and never raises. The
+    descriptors are the `api` module's (`MemDesc`, `TransferOpDesc`, `NotifyDesc`)."""
+
+    def initialize(self, local_engine: str, options: dict[str, str] = ..., /) -> int: ...
+
+    def finalize(self) -> None: ...
+
+    def register_mem(self, mem_desc: Any, mem_type: int, /) -> tuple[int, int]: ...
+
+    def deregister_mem(self, handle: int, /) -> int: ...
+
+    def connect(self, remote_engine: str, timeout_in_millis: int = ..., /) -> int: ...
+
+    def disconnect(self, remote_engine: str, timeout_in_millis: int = ..., /) -> int: ...
+
+    def transfer_async(self, remote_engine: str, op: int, op_descs: Sequence[Any], /) -> tuple[int, int]: ...
+
+    def get_transfer_status(self, req_id: int, /) -> tuple[int, int]: ...
+
+    def send_notify(self, remote_engine: str, notify: Any, timeout_in_millis: int = ..., /) -> int: ...
+
+    def get_notifies(self) -> tuple[int, list[Any]]: ...
+
+
+class BlockingWaits(Protocol):
+    """Waits that sleep in the engine instead of polling it (the host engine's)."""
+
+    def wait_notifies(self, timeout_s: float, /) -> tuple[int, list[Any]]:
+        """Like `get_notifies`, but sleeps up to `timeout_s` until one arrives (TIMEOUT if none)."""
+        ...
+
+    def wait_transfer(self, req_id: int, timeout_s: float, /) -> int:
+        """Sleeps up to `timeout_s` until request `req_id` is no longer WAITING."""
+        ...
+
+
+class HostExtensions(Protocol):
+    """The host engine's own calls: shareable memory, write leases, refusal counts."""
+
+    def malloc_mem(self, size: int, mem_type: int = ..., /) -> tuple[int, int]: ...
+
+    def free_mem(self, addr: int, /) -> int: ...
+
+    def lease_write(self, addr: int, length: int, /) -> tuple[int, int]: ...
+
+    def revoke_write(self, lease_id: int, /) -> int: ...
+
+    def security_stats(self) -> dict[str, int]: ...
 
 
 class TransferError(RuntimeError):
@@ -41,21 +101,14 @@ class TransferError(RuntimeError):
 
 @dataclass
 class TransferBackend:
-    """A transfer engine and the vocabulary (types, enums, codes) that goes with it."""
+    """A transfer engine, the vocabulary (types, enums, codes) that goes with it, and what more
+    than HIXL it can do (None where it cannot)."""
 
     name: Literal["hixl", "cpu"]
-    engine: Any  # hixl.Hixl or host_engine.Hixl: the same methods
+    engine: TransferEngine
     api: ModuleType
-
-    @property
-    def has_allocator(self) -> bool:
-        """Whether the engine allocates memory peers can share (the host engine's malloc_mem)."""
-        return hasattr(self.engine, "malloc_mem")
-
-    @property
-    def can_block_on_notifies(self) -> bool:
-        """Whether readiness can sleep in the engine (host engine) or must poll (real HIXL)."""
-        return hasattr(self.engine, "wait_notifies")
+    blocking: BlockingWaits | None = None
+    host: HostExtensions | None = None
 
     def check(self, status: int, what: str, *accept: int) -> None:
         """Raise TransferError unless `status` is SUCCESS or one of `accept`."""
@@ -93,4 +146,5 @@ def create_engine(backend: BackendName = "auto") -> TransferBackend:
     from pdserve_worker.transfer.host_engine import Hixl as HostHixl
 
     log.info(kv(event="transfer_backend", backend="cpu", requested=backend))
-    return TransferBackend("cpu", HostHixl(), hixl_api)
+    engine = HostHixl()
+    return TransferBackend("cpu", engine, hixl_api, blocking=engine, host=engine)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 from pdserve_worker.kv.layout import KVLayout
 from pdserve_worker.logs import kv
+from pdserve_worker.transfer.engine import TransferBackend
 
 log = logging.getLogger("pdserve.transfer.leases")
 
@@ -78,16 +78,16 @@ class SlotWriteLeases:
     leased again by a late call. Raises RuntimeError when the engine refuses a lease: the
     reservation is then not granted."""
 
-    def __init__(self, backend: Any, base_addr: int, layout: KVLayout) -> None:
-        self._engine = backend.engine
+    def __init__(self, backend: TransferBackend, base_addr: int, layout: KVLayout) -> None:
+        self._engine = backend.host  # real HIXL has no write leases
         self._api = backend.api
         self._base = base_addr
         self._layout = layout
-        self.enabled = hasattr(self._engine, "lease_write")
+        self.enabled = self._engine is not None
         self._leases: dict[tuple[int, int], int] = {}  # (slot, generation) -> engine lease id
 
     def granted(self, slot: int, generation: int) -> None:
-        if not self.enabled:
+        if self._engine is None:
             return
         offset, length = self._layout.slot_span(slot)
         status, lease_id = self._engine.lease_write(self._base + offset, length)
@@ -97,7 +97,7 @@ class SlotWriteLeases:
 
     def ended(self, slot: int, generation: int) -> None:
         lease_id = self._leases.pop((slot, generation), None)
-        if lease_id is not None:
+        if lease_id is not None and self._engine is not None:
             status = self._engine.revoke_write(lease_id)
             if status != self._api.SUCCESS:
                 log.warning(kv(event="lease_revoke_failed", slot=slot, generation=generation, status=status))

@@ -331,7 +331,7 @@ class KVPusher:
         block on a transfer (the host engine's `wait_transfer`), else poll with backoff (HIXL
         has no blocking wait for a transfer)."""
         backoff = _Backoff()
-        waiter = getattr(self._backend.engine, "wait_transfer", None)
+        waiter = self._backend.blocking
         while True:
             self._reap_all()
             if done():
@@ -341,7 +341,7 @@ class KVPusher:
             )
             if waiter is not None and oldest is not None:
                 left = self.timeout_s - (time.monotonic() - oldest.submitted)
-                waiter(oldest.req_id, min(max(left, 0.0) + 0.001, 0.05))
+                waiter.wait_transfer(oldest.req_id, min(max(left, 0.0) + 0.001, 0.05))
             else:
                 backoff.sleep()
 

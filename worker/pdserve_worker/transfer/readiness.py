@@ -75,7 +75,8 @@ class Readiness:
             raise ValueError(f"poll_interval_us must be > 0, got {poll_interval_us}")
         self._engine = backend.engine
         self._api = backend.api
-        self._blocking = self.mode is ReadinessMode.INTERRUPT and backend.can_block_on_notifies
+        # Interrupt mode sleeps in the engine where it can (host engine), else polls (real HIXL).
+        self._blocking = backend.blocking if self.mode is ReadinessMode.INTERRUPT else None
         self._interval_s = poll_interval_us / 1e6
         self._accepts = accepts
         self._authorize = authorize  # None: no capability check (tests of the engine alone)
@@ -142,8 +143,8 @@ class Readiness:
 
     def _fetch(self, timeout_s: float) -> list[Any]:
         """Wait up to timeout_s for notifies, the way the mode says. Returns what was drained."""
-        if self._blocking:
-            status, items = self._engine.wait_notifies(timeout_s)
+        if self._blocking is not None:
+            status, items = self._blocking.wait_notifies(timeout_s)
             return list(items) if status in (self._api.SUCCESS, self._api.TIMEOUT) else []
         deadline = time.monotonic() + timeout_s
         spin = self.mode is ReadinessMode.SPIN
