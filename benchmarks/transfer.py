@@ -51,8 +51,8 @@ from typing import Any
 from pdserve_worker.kv.layout import KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
-from pdserve_worker.transfer.peers import PeerProcess, decode_main
-from pdserve_worker.transfer.push import KVPusher, PushSource, PushTarget, layer_chunks, prefill_and_push
+from pdserve_worker.transfer.peers import PeerProcess, decode_main, grant_from_dict
+from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks, prefill_and_push
 
 MB = 1 << 20
 
@@ -117,7 +117,7 @@ def memcpy_s(nbytes: int) -> Callable[[], float]:
 
 
 def push_s(backend: TransferBackend, source: KVPool, grant: dict[str, Any]) -> Callable[[], float]:
-    target = PushTarget.from_grant(grant)
+    target = grant_from_dict(grant)
     layout = source.layout
 
     def once() -> float:
@@ -484,7 +484,7 @@ def run_overlap(
 ) -> float:
     """Seconds from the first chunk's compute to the ready notify's ACK."""
     t0 = time.perf_counter()
-    pusher = KVPusher(backend, PushSource(source.base_addr, source.layout), [PushTarget.from_grant(grant)], num_tokens)
+    pusher = KVPusher(backend, PushSource(source.base_addr, source.layout), [grant_from_dict(grant)], num_tokens)
     prefill_and_push(compute, pusher, layer_chunks(source.layout.layer_range, layers_per_chunk), pipelined=pipelined)
     return time.perf_counter() - t0
 
@@ -568,7 +568,7 @@ def bench_model_overlap(repeats: int, layers_per_chunk: int, tokens: int, dtype:
 
             def prefill_pushed(grant: dict[str, Any], pipelined: bool) -> float:
                 t0 = time.perf_counter()
-                pusher = KVPusher(backend, PushSource(source.base_addr, layout), [PushTarget.from_grant(grant)], tokens)
+                pusher = KVPusher(backend, PushSource(source.base_addr, layout), [grant_from_dict(grant)], tokens)
                 try:
                     if pipelined:
                         model.prefill(ids, cache, 0, layers_per_chunk, on_chunk=pusher.push_chunk)

@@ -23,7 +23,8 @@ from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, m
 from pdserve_worker.roles.decode_group import DecodeGroup, GroupNotReady, MemberEndpoint
 from pdserve_worker.roles.generation_loop import GenerationLoop
 from pdserve_worker.transfer.engine import create_engine
-from pdserve_worker.transfer.push import KVPusher, PushSource, PushTarget
+from pdserve_worker.kv.slots import Grant
+from pdserve_worker.transfer.push import KVPusher, PushSource
 from pdserve_worker.transfer.readiness import ReadinessTimeout
 
 SLOTS, MAX_LEN = 3, 48
@@ -96,7 +97,7 @@ def build_group(tiny, tiny_model_dir, engines: Engines, shards: int) -> DecodeGr
     return DecodeGroup(members, models, tiny.tokenizer, quarantine_s=0.0)
 
 
-def prefill_into(tiny, engines: Engines, targets: list[PushTarget], prompt: list[int], layers_per_chunk: int = 1):
+def prefill_into(tiny, engines: Engines, targets: list[Grant], prompt: list[int], layers_per_chunk: int = 1):
     """What the prefill role does: compute chunk by chunk, push each chunk as it is done, notify."""
     backend, pool = engines.prefill_source(tiny.config.kv_layout(1, MAX_LEN, "float32"))
     cache = KVCache(pool.layout, pool.tensor)
@@ -111,7 +112,7 @@ def run_request(tiny, engines: Engines, group: DecodeGroup, prompt: list[int]) -
     """Reserve on the group, prefill into every member, wait for all notifies, decode to the end."""
     grants = group.reserve("r1", ttl_s=30.0)
     assert {(g.slot, g.generation) for g in grants} == {(grants[0].slot, grants[0].generation)}
-    first, stats = prefill_into(tiny, engines, [PushTarget.from_grant(g) for g in grants], prompt)
+    first, stats = prefill_into(tiny, engines, grants, prompt)
     slot, generation = grants[0].slot, grants[0].generation
     ready = group.wait_ready(slot, generation, timeout_s=10.0)
     assert (ready.num_tokens, ready.first_token) == (len(prompt), first)
@@ -163,7 +164,7 @@ def test_group_waits_for_every_member_notify(tiny, tiny_model_dir, prompt, engin
     """A push that reached only some members never starts decoding: the wait names the member."""
     group = build_group(tiny, tiny_model_dir, engines, 2)
     grants = group.reserve("r1", ttl_s=30.0)
-    prefill_into(tiny, engines, [PushTarget.from_grant(grants[0])], prompt)  # member 1 gets nothing
+    prefill_into(tiny, engines, [grants[0]], prompt)  # member 1 gets nothing
     with pytest.raises(ReadinessTimeout, match="group member 1"):
         group.wait_ready(grants[0].slot, grants[0].generation, timeout_s=0.3)
 
@@ -171,8 +172,8 @@ def test_group_waits_for_every_member_notify(tiny, tiny_model_dir, prompt, engin
 def test_members_disagreeing_on_the_prompt_fail_the_request(tiny, tiny_model_dir, prompt, engines: Engines) -> None:
     group = build_group(tiny, tiny_model_dir, engines, 2)
     grants = group.reserve("r1", ttl_s=30.0)
-    prefill_into(tiny, engines, [PushTarget.from_grant(grants[0])], prompt)
-    prefill_into(tiny, engines, [PushTarget.from_grant(grants[1])], prompt[:-2])
+    prefill_into(tiny, engines, [grants[0]], prompt)
+    prefill_into(tiny, engines, [grants[1]], prompt[:-2])
     with pytest.raises(GroupNotReady, match="num_tokens"):
         group.wait_ready(grants[0].slot, grants[0].generation, timeout_s=5.0)
 

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from pdserve_worker import pod_env as E
 from pdserve_worker import settings as S
-from pdserve_worker.roles.decode_shard import hidden_from_proto, hidden_to_proto, is_follower, member_layers
+from pdserve_worker.roles.decode_shard import is_follower, member_layers
+from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto
 from pdserve_worker.settings import WorkerSettings
 
 POD = {

@@ -14,7 +14,8 @@ from netutil import free_port
 from pdserve_worker.kv.layout import K, V, KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
-from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, PushTarget, layer_chunks, prefill_and_push
+from pdserve_worker.kv.slots import Grant
+from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, layer_chunks, prefill_and_push
 
 LAYERS = 6
 TOKENS = 5
@@ -34,9 +35,9 @@ class Decode:
         self.pool = KVPool(self.backend, lay)
         ctypes.memset(self.pool.base_addr, 0xEE, self.pool.nbytes)
 
-    def target(self, slot: int, generation: int = 1, request_id: str = "req") -> PushTarget:
-        return PushTarget(self.engine_id, self.pool.base_addr, self.pool.layout, slot, generation, request_id,
-                          nonce=f"nonce-{slot}-{generation}")
+    def target(self, slot: int, generation: int = 1, request_id: str = "req") -> Grant:
+        return Grant(request_id, slot, generation, self.engine_id, self.pool.base_addr, self.pool.layout,
+                     nonce=f"nonce-{slot}-{generation}")
 
     def run(self, slot: int, layer: int, kv_index: int, n: int, start: int = 0) -> bytes:
         addr, length = self.pool.run(slot, layer, kv_index, n, start)
@@ -227,7 +228,7 @@ def test_bad_requests_are_rejected_before_any_byte_moves(prefill: Prefill, decod
 
 
 def test_unreachable_target_is_a_push_error(prefill: Prefill) -> None:
-    target = PushTarget(f"127.0.0.1:{free_port()}", 4096, layout(1, 16), 0, 1, "r")
+    target = Grant("r", 0, 1, f"127.0.0.1:{free_port()}", 4096, layout(1, 16))
     with pytest.raises(PushError, match="cannot reach target"):
         KVPusher(prefill.backend, prefill.source, [target], TOKENS, connect_timeout_ms=200)
 
@@ -251,15 +252,14 @@ def test_prefill_and_push_pipelines_or_not(prefill: Prefill, decodes: list[Decod
         assert d.run(slot, 4, V, TOKENS) == prefill.run(4, V)
 
 
-def test_grant_dict_round_trips_into_a_target() -> None:
+def test_a_decodes_grant_is_the_push_target_and_keeps_its_nonce_out_of_logs() -> None:
     from pdserve_worker.kv.slots import SlotTable
 
     lay = layout(2, 16)
     grant = SlotTable(lay, engine_id="10.1.1.1:9", base_addr=1 << 20).reserve("r", 5)
-    assert PushTarget.from_grant(grant.to_dict()) == PushTarget.from_grant(grant)
-    assert PushTarget.from_grant(grant) == PushTarget("10.1.1.1:9", 1 << 20, lay, 0, grant.generation, "r",
-                                                      nonce=grant.nonce)
-    assert len(bytes.fromhex(grant.nonce)) == 16 and grant.nonce not in repr(PushTarget.from_grant(grant))
+    assert (grant.engine_id, grant.base_addr, grant.layout, grant.slot) == ("10.1.1.1:9", 1 << 20, lay, 0)
+    assert len(bytes.fromhex(grant.nonce)) == 16
+    assert grant.nonce not in repr(grant) and grant.nonce not in grant.describe()
 
 
 def test_layer_chunks() -> None:

@@ -140,3 +140,44 @@ def test_invalid_members_name_the_field(mutate, message: str) -> None:
 def test_a_router_needs_no_engine_or_layout() -> None:
     info = MemberInfo(worker_id="router-0", role=Role.ROUTER)
     assert member_info_from_proto(member_info_to_proto(info)) == info
+
+
+# ---- grants and finish reasons (worker.proto) -----------------------------------------------------
+
+
+def test_a_grant_crosses_the_wire_and_comes_back_the_same() -> None:
+    from pdserve.v1 import worker_pb2
+    from pdserve_worker.kv.slots import SlotTable
+    from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, push_targets_from_proto
+
+    layout = KVLayout(num_slots=4, num_layers=6, max_len=64, kv_heads=2, head_dim=8, first_layer=3)
+    grant = SlotTable(layout, engine_id="10.0.0.7:50052", base_addr=0x7F0000).reserve("r7", 30)
+    msg = grant_to_proto(grant, worker_id="decode-1", lease_deadline_unix_ms=123)
+    assert (msg.worker_id, msg.lease_deadline_unix_ms, len(msg.nonce)) == ("decode-1", 123, 16)
+    assert grant_from_proto(worker_pb2.Grant.FromString(msg.SerializeToString())) == grant
+    request = worker_pb2.PrefillRequest(request_id="r7", targets=[msg, msg])
+    assert push_targets_from_proto(request) == [grant, grant]
+    with pytest.raises(ValueError, match="targets is empty"):
+        push_targets_from_proto(worker_pb2.PrefillRequest(request_id="r7"))
+    forged = worker_pb2.Grant()
+    forged.CopyFrom(msg)
+    forged.nonce = b""
+    with pytest.raises(ValueError, match=r"targets\[1\] lacks its reservation's nonce"):
+        push_targets_from_proto(worker_pb2.PrefillRequest(request_id="r7", targets=[msg, forged]))
+    forged.CopyFrom(msg)
+    forged.base_addr = 0
+    with pytest.raises(ValueError, match="lacks engine_id or base_addr"):
+        grant_from_proto(forged)
+
+
+def test_every_finish_reason_has_one_proto_value_and_back() -> None:
+    from pdserve.v1 import worker_pb2
+    from pdserve_worker.model.sampling_params import FinishReason
+    from pdserve_worker.rpc.convert import finish_reason_from_proto, finish_reason_to_proto
+
+    values = {finish_reason_to_proto(r) for r in FinishReason}
+    assert len(values) == len(FinishReason) and worker_pb2.FINISH_REASON_UNSPECIFIED not in values
+    assert all(finish_reason_from_proto(finish_reason_to_proto(r)) is r for r in FinishReason)
+    assert finish_reason_from_proto(worker_pb2.FINISH_REASON_UNSPECIFIED) is None
+    with pytest.raises(ValueError, match="unknown finish_reason 99"):
+        finish_reason_from_proto(99)

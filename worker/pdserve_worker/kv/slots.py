@@ -94,32 +94,27 @@ def first_generation() -> int:
 
 @dataclass(frozen=True)
 class Grant:
-    """What a prefill needs to push into a slot: where (engine, base, layout) and which lease."""
+    """A slot reserved for one request: where its bytes are (engine, pool base, layout), which
+    reservation (slot, generation) and its capability. The one grant type: the decode's table
+    makes it, the wire carries it (worker.proto's Grant, `rpc.convert`), the prefill pushes
+    into it (`transfer.push.KVPusher` targets)."""
 
     request_id: str
     slot: int
     generation: int
-    expires_at: float
     engine_id: str
     base_addr: int
     layout: KVLayout
-    nonce: str = field(default="", repr=False)  # the capability a ready notify must carry
+    nonce: str = field(default="", repr=False)  # the capability a ready notify must carry (hex)
 
     @property
     def slot_addr(self) -> int:
         """The slot's first byte in the decode process's address space."""
         return self.base_addr + self.layout.slot_span(self.slot)[0]
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "request_id": self.request_id,
-            "slot": self.slot,
-            "generation": self.generation,
-            "engine_id": self.engine_id,
-            "base_addr": self.base_addr,
-            "layout": self.layout.to_dict(),
-            "nonce": self.nonce,
-        }
+    def describe(self) -> str:
+        """For logs and errors (the nonce is a secret of the request and is left out)."""
+        return f"{self.engine_id} slot={self.slot} generation={self.generation} request={self.request_id}"
 
 
 @dataclass(frozen=True)
@@ -353,7 +348,7 @@ class SlotTable:
                 log.error(kv(event="lease_end_failed", slot=index, generation=generation, error=repr(exc)))
 
     def _grant(self, index: int, s: _Slot) -> Grant:
-        return Grant(s.request_id, index, s.generation, s.deadline, self.engine_id, self.base_addr, self.layout,
+        return Grant(s.request_id, index, s.generation, self.engine_id, self.base_addr, self.layout,
                      s.nonce or reservation_nonce(self._key, index, s.generation))
 
     @staticmethod

@@ -44,7 +44,7 @@ from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason
 from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed, RequestStream
-from pdserve_worker.rpc.convert import layout_to_proto, sampling_from_proto
+from pdserve_worker.rpc.convert import finish_reason_to_proto, grant_to_proto, sampling_from_proto
 from pdserve_worker.rpc.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
@@ -54,11 +54,6 @@ from pdserve_worker.transfer.service_link import capability_key
 
 log = logging.getLogger("pdserve.decode")
 
-_FINISH = {
-    FinishReason.STOP: worker_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT,
-}
 SWEEP_S = 1.0  # how often lapsed leases are looked for
 
 
@@ -224,20 +219,6 @@ def transfer_refusals(backend: TransferBackend) -> int:
     return sum(v for k, v in stats.items() if k not in ("links_open", "handshakes_pending", "write_leases"))
 
 
-def _grant_to_proto(grant: Grant, ttl_s: float, worker_id: str, request_id: str) -> worker_pb2.Grant:
-    return worker_pb2.Grant(
-        slot=grant.slot,
-        generation=grant.generation,
-        engine_id=grant.engine_id,
-        base_addr=grant.base_addr,
-        kv_layout=layout_to_proto(grant.layout),
-        lease_deadline_unix_ms=int((time.time() + ttl_s) * 1000),
-        worker_id=worker_id,
-        request_id=request_id,
-        nonce=bytes.fromhex(grant.nonce),
-    )
-
-
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     """worker.proto's Decode service over a `DecodeWorker` (auth ran before these methods)."""
 
@@ -261,8 +242,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except NoFreeSlot as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         log.debug(kv(event="slot_granted", request=request.request_id, slot=grant.slot, generation=grant.generation))
-        reply = _grant_to_proto(grant, ttl_s, w.settings.member_id, request.request_id)
-        reply.group_grants.extend(_grant_to_proto(g, ttl_s, w.settings.member_id, request.request_id)
+        deadline_ms = int((time.time() + ttl_s) * 1000)
+        reply = grant_to_proto(grant, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
+        reply.group_grants.extend(grant_to_proto(g, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
                                   for g in w.group_grants(grant))
         return reply
 
@@ -317,7 +299,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     event.num_prompt_tokens = ready.num_tokens
                 if out.finished:
                     finished = True
-                    event.finish_reason = _FINISH[out.finish_reason or FinishReason.STOP]
+                    event.finish_reason = finish_reason_to_proto(out.finish_reason or FinishReason.STOP)
                     if out.finish_reason is FinishReason.STOP and out.token_id in stop_ids:
                         event.stop = str(out.token_id)  # a stop token; a stop string is not reported back
                 yield event

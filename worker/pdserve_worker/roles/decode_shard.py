@@ -36,7 +36,7 @@ import grpc
 import torch
 
 from pdserve.v1 import shard_pb2, shard_pb2_grpc
-from pdserve_worker.kv.cache import KVCache, dtype_name, torch_dtype
+from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.layout import KVLayout, shard_layers
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant, nonce_matches
@@ -48,7 +48,7 @@ from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, c
 from pdserve_worker.roles.decode import DecodeWorker, Ready
 from pdserve_worker.rpc.auth import TLSConfig, bearer_metadata
 from pdserve_worker.rpc.channels import WORKER_MAX_MESSAGE, channel_options
-from pdserve_worker.rpc.convert import layout_from_proto, layout_to_proto
+from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto, layout_from_proto, layout_to_proto
 from pdserve_worker.rpc.membership import MemberInfo
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
@@ -90,27 +90,6 @@ def _pool_layout(settings: WorkerSettings, loaded: LoadedModel) -> KVLayout:
     full = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
     layers = loaded.model.layer_range
     return replace(full, first_layer=layers.start, num_layers=len(layers))
-
-
-# ---- the hidden state on the wire ----------------------------------------------------------------
-
-
-def hidden_to_proto(hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> shard_pb2.HiddenState:
-    flat = hidden.detach().to("cpu").contiguous().view(-1)
-    return shard_pb2.HiddenState(
-        slots=list(slots), positions=list(positions), shape=list(hidden.shape),
-        dtype=dtype_name(hidden.dtype), data=flat.view(torch.uint8).numpy().tobytes(),
-    )
-
-
-def hidden_from_proto(message: shard_pb2.HiddenState, device: torch.device | str = "cpu") -> torch.Tensor:
-    dtype = torch_dtype(message.dtype)
-    shape = tuple(message.shape)
-    expected = dtype.itemsize * int(torch.Size(shape).numel())
-    if len(message.data) != expected:
-        raise ValueError(f"hidden state of shape {shape} {message.dtype} needs {expected} bytes, got {len(message.data)}")
-    # bytearray: frombuffer wants a writable buffer, and the tensor must own its memory.
-    return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape).to(device)
 
 
 # ---- the follower ------------------------------------------------------------------------------------

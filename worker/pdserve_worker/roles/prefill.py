@@ -43,17 +43,17 @@ from pydantic import ValidationError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.kv.slots import NONCE_BYTES
+from pdserve_worker.kv.slots import Grant
 from pdserve_worker.logs import kv
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.rpc.convert import layout_from_proto, sampling_from_proto
+from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.membership import EventType, Load, MemberEvent, MemberInfo, Role
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
-from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, PushTarget
+from pdserve_worker.transfer.push import KVPusher, PushError, PushSource
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -79,7 +79,7 @@ class _Job:
     request_id: str = ""
     prompt: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
-    targets: list[PushTarget] = field(default_factory=list)
+    targets: list[Grant] = field(default_factory=list)
     num_generated: int = 0
     accepted: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None
@@ -172,7 +172,7 @@ class PrefillWorker:
         return False
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      targets: list[PushTarget], num_generated: int) -> PrefillResult:
+                      targets: list[Grant], num_generated: int) -> PrefillResult:
         """Queue one prefill on the compute thread and wait for it (the event loop stays free).
 
         Raises `PrefillCancelled` when cancelled; every failure carries `push_settled`."""
@@ -326,29 +326,6 @@ class PrefillWorker:
         return settled
 
 
-def targets_from_proto(request: worker_pb2.PrefillRequest) -> list[PushTarget]:
-    """The request's grants as push targets; ValueError names a grant that is not usable."""
-    targets = []
-    for i, grant in enumerate(request.targets):
-        if not grant.engine_id or not grant.base_addr:
-            raise ValueError(f"targets[{i}] lacks engine_id or base_addr: {grant.engine_id!r} {grant.base_addr:#x}")
-        if len(grant.nonce) != NONCE_BYTES:
-            raise ValueError(f"targets[{i}] lacks its reservation's nonce ({len(grant.nonce)} bytes, need "
-                             f"{NONCE_BYTES}): pass the decode's Reserve answer unchanged")
-        targets.append(PushTarget(
-            engine_id=grant.engine_id,
-            base_addr=grant.base_addr,
-            layout=layout_from_proto(grant.kv_layout),
-            slot=grant.slot,
-            generation=grant.generation,
-            request_id=grant.request_id or request.request_id,
-            nonce=grant.nonce.hex(),
-        ))
-    if not targets:
-        raise ValueError("targets is empty: a prefill needs at least one granted decode slot")
-    return targets
-
-
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         self.w = worker
@@ -368,7 +345,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                                 settled)
         try:
             params = sampling_from_proto(request.sampling)
-            targets = targets_from_proto(request)
+            targets = push_targets_from_proto(request)
         except (ValueError, ValidationError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), settled)
         try:

@@ -39,7 +39,7 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.broker_client import BrokerClient, MembershipView
 from pdserve_worker.logs import kv
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.roles.backend import (
     BackendError,
@@ -55,16 +55,12 @@ from pdserve_worker.roles.router_metrics import RouterMetrics
 from pdserve_worker.roles.tokenizing import ModelTokenizing
 from pdserve_worker.rpc.auth import TLSConfig
 from pdserve_worker.rpc.channels import aio_channel
-from pdserve_worker.rpc.convert import sampling_to_proto
+from pdserve_worker.rpc.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
 from pdserve_worker.rpc.membership import EventType, Member, MemberEvent, Role
 
 log = logging.getLogger("pdserve.router.pd")
 
-_FINISH: dict[int, str] = {
-    worker_pb2.FINISH_REASON_STOP: "stop",
-    worker_pb2.FINISH_REASON_LENGTH: "length",
-}
 NO_CAPACITY_RETRY_S = 1.0
 CLOSE_WAIT_S = 2.0
 
@@ -282,8 +278,11 @@ class PDBackend(ModelTokenizing):
             lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
             while True:
                 event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
-                reason = _FINISH.get(event.finish_reason)
-                if event.finish_reason and reason is None:
+                try:
+                    reason = finish_reason_from_proto(event.finish_reason)
+                except ValueError:
+                    reason = FinishReason.ABORT  # a newer decode's reason: not an answer we can give
+                if reason is FinishReason.ABORT:
                     raise _Retryable(decode.worker_id,
                                      BackendError(f"decode {decode.worker_id} aborted request {request_id}"))
                 attach = None
@@ -298,7 +297,7 @@ class PDBackend(ModelTokenizing):
                 # Set before the yield: the router closes this generator as soon as it has the
                 # last event, and a finished request must not be cancelled or released.
                 finished = reason is not None
-                yield TokenEvent(event.token_id, event.text, reason, attach)  # type: ignore[arg-type]
+                yield TokenEvent(event.token_id, event.text, reason, attach)
                 if finished:
                     return
         except grpc.aio.AioRpcError as exc:

@@ -1,14 +1,24 @@
-"""Proto messages <-> the Python boundary types shared by every role (KVLayout, SamplingParams).
+"""Proto messages <-> the domain types of the worker roles: one module, so that the router,
+prefill and decode convert the same way and a field added to a proto is added here once.
 
-Kept next to the protos' users rather than in each role so that the router, prefill and
-decode convert the same way: a field added to the proto is added here once.
+KVLayout, SamplingParams, the grant of a slot (`kv.slots.Grant`), the finish reason, and a
+layer-sharded group's hidden state. The membership types the operator shares convert in
+`rpc.membership`. Torch is imported only by the hidden-state converters (the router, which
+uses the others, holds no torch).
 """
 
 from __future__ import annotations
 
-from pdserve.v1 import common_pb2
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pdserve.v1 import common_pb2, shard_pb2, worker_pb2
 from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.kv.slots import NONCE_BYTES, Grant
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _SAMPLING_SCALARS: tuple[str, ...] = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
 
@@ -59,3 +69,101 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     fields["stop"] = tuple(msg.stop)
     fields["stop_token_ids"] = tuple(msg.stop_token_ids)
     return SamplingParams(**fields)
+
+
+# ---- grants (worker.proto Grant) ----------------------------------------------------------------
+
+
+def grant_to_proto(grant: Grant, *, worker_id: str, lease_deadline_unix_ms: int) -> worker_pb2.Grant:
+    return worker_pb2.Grant(
+        slot=grant.slot,
+        generation=grant.generation,
+        engine_id=grant.engine_id,
+        base_addr=grant.base_addr,
+        kv_layout=layout_to_proto(grant.layout),
+        lease_deadline_unix_ms=lease_deadline_unix_ms,
+        worker_id=worker_id,
+        request_id=grant.request_id,
+        nonce=bytes.fromhex(grant.nonce),
+    )
+
+
+def grant_from_proto(msg: worker_pb2.Grant, request_id: str = "", what: str = "grant") -> Grant:
+    """A peer's grant as a push target; ValueError (naming `what`) when it cannot be pushed into."""
+    if not msg.engine_id or not msg.base_addr:
+        raise ValueError(f"{what} lacks engine_id or base_addr: {msg.engine_id!r} {msg.base_addr:#x}")
+    if len(msg.nonce) != NONCE_BYTES:
+        raise ValueError(f"{what} lacks its reservation's nonce ({len(msg.nonce)} bytes, need {NONCE_BYTES}): "
+                         "pass the decode's Reserve answer unchanged")
+    return Grant(
+        request_id=msg.request_id or request_id,
+        slot=msg.slot,
+        generation=msg.generation,
+        engine_id=msg.engine_id,
+        base_addr=msg.base_addr,
+        layout=layout_from_proto(msg.kv_layout),
+        nonce=msg.nonce.hex(),
+    )
+
+
+def push_targets_from_proto(request: worker_pb2.PrefillRequest) -> list[Grant]:
+    """A Prefill's targets; ValueError names one that is not usable, or says there is none."""
+    targets = [grant_from_proto(g, request.request_id, f"targets[{i}]") for i, g in enumerate(request.targets)]
+    if not targets:
+        raise ValueError("targets is empty: a prefill needs at least one granted decode slot")
+    return targets
+
+
+# ---- finish reasons (worker.proto FinishReason) ---------------------------------------------------
+
+_FINISH_TO_PROTO: dict[FinishReason, int] = {
+    FinishReason.STOP: worker_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: FinishReason) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """None for FINISH_REASON_UNSPECIFIED (more events follow); ValueError for a value this
+    version does not know."""
+    if value == worker_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    try:
+        return _FINISH_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"unknown finish_reason {value}") from None
+
+
+# ---- a layer-sharded group's hidden state (shard.proto HiddenState) ---------------------------------
+
+
+def hidden_to_proto(hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> shard_pb2.HiddenState:
+    """Raw bytes in the model's dtype: the group's members load the same model revision."""
+    import torch
+
+    from pdserve_worker.kv.cache import dtype_name
+
+    flat = hidden.detach().to("cpu").contiguous().view(-1)
+    return shard_pb2.HiddenState(
+        slots=list(slots), positions=list(positions), shape=list(hidden.shape),
+        dtype=dtype_name(hidden.dtype), data=flat.view(torch.uint8).numpy().tobytes(),
+    )
+
+
+def hidden_from_proto(message: shard_pb2.HiddenState, device: torch.device | str = "cpu") -> torch.Tensor:
+    import torch
+
+    from pdserve_worker.kv.cache import torch_dtype
+
+    dtype = torch_dtype(message.dtype)
+    shape = tuple(message.shape)
+    expected = dtype.itemsize * int(torch.Size(shape).numel())
+    if len(message.data) != expected:
+        raise ValueError(f"hidden state of shape {shape} {message.dtype} needs {expected} bytes, got {len(message.data)}")
+    # bytearray: frombuffer wants a writable buffer, and the tensor must own its memory.
+    return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape).to(device)

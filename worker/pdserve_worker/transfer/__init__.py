@@ -12,7 +12,7 @@ How the pieces fit (every module says more):
   registered before any peer connects; `.tensor` has `layout.shape`.
 - `kv.slots.SlotTable`: decode grants slots with leases and generations (`Grant`), quarantines
   abandoned ones.
-- `push.KVPusher(backend, PushSource, [PushTarget.from_grant(g)...], num_tokens)`:
+- `push.KVPusher(backend, PushSource, grants, num_tokens)` (the decode's `kv.slots.Grant`s):
   `push_chunk(layers)` after each chunk's compute, then `finish(extra)` sends `kv_ready`.
   `prefill_and_push(compute, pusher, chunks)` is that loop.
 - `readiness.Readiness(backend, mode, accepts=slots.is_reserved, authorize=slots.verify)`:

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_worker.kv.slots import Grant
 from pdserve_worker.logs import kv, setup
 
 log = logging.getLogger("pdserve.transfer.peers")
@@ -130,6 +131,21 @@ def _serve(conn: Connection, handlers: dict[str, Callable[..., Any]], info: dict
             conn.send((False, (type(exc).__name__, str(exc))))
 
 
+def grant_to_dict(grant: Grant) -> dict[str, Any]:
+    """A grant as the peers' pipe carries it (plain values: tests read and forge its fields)."""
+    return {"request_id": grant.request_id, "slot": grant.slot, "generation": grant.generation,
+            "engine_id": grant.engine_id, "base_addr": grant.base_addr, "layout": grant.layout.to_dict(),
+            "nonce": grant.nonce}
+
+
+def grant_from_dict(data: dict[str, Any]) -> Grant:
+    layout = data["layout"]
+    return Grant(request_id=str(data["request_id"]), slot=int(data["slot"]), generation=int(data["generation"]),
+                 engine_id=str(data["engine_id"]), base_addr=int(data["base_addr"]),
+                 layout=layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout),
+                 nonce=str(data.get("nonce", "")))
+
+
 def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     """config: engine_id, layout (dict), options, mode, poll_interval_us, quarantine_s, warmup,
     check_nonce (default True: a ready notify counts only with its grant's nonce)."""
@@ -180,12 +196,12 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
         return released
 
     handlers: dict[str, Callable[..., Any]] = {
-        "reserve": lambda request_id, ttl_s: slots.reserve(request_id, ttl_s).to_dict(),
+        "reserve": lambda request_id, ttl_s: grant_to_dict(slots.reserve(request_id, ttl_s)),
         "wait": wait,
         "wait_cpu": wait_cpu,
         "commit": slots.commit,
         "release": release,
-        "expire": lambda: [g.to_dict() for g in slots.expire()],
+        "expire": lambda: [grant_to_dict(g) for g in slots.expire()],
         "state": lambda slot: slots.state(slot).value,
         "checksums": lambda slot, num_tokens: run_checksums(pool.base_addr, layout, slot, num_tokens),
         "slot_crc": lambda slot: crc(pool.base_addr + layout.slot_span(slot)[0], layout.bytes_per_slot),
@@ -206,7 +222,7 @@ def prefill_main(conn: Connection, config: dict[str, Any]) -> None:
     setup(f"prefill-peer-{os.getpid()}", config.get("log_level"))
     from pdserve_worker.kv.pool import KVPool
     from pdserve_worker.transfer.engine import create_engine
-    from pdserve_worker.transfer.push import KVPusher, PushSource, PushTarget, layer_chunks
+    from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks
 
     backend = create_engine("cpu")
     backend.check(backend.engine.initialize(config["engine_id"], config.get("options", {})), "initialize")
@@ -229,7 +245,7 @@ def prefill_main(conn: Connection, config: dict[str, Any]) -> None:
         pusher = KVPusher(
             backend,
             PushSource(pool.base_addr, layout, slot),
-            [PushTarget.from_grant(t) for t in targets],
+            [grant_from_dict(t) for t in targets],
             num_tokens,
             queue_depth=queue_depth,
             timeout_s=timeout_s,

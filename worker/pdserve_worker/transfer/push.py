@@ -15,7 +15,7 @@ disconnected, as HIXL advises, so nothing of it lingers on the link.
 capability from the decode's grant, without which the decode drops the notify. Only after that may decode read the slot:
 the notify travels after the data on the same link and is sent only once every put completed.
 
-Targets are described by `PushTarget`, normally built from the decode's slot grant. A target's
+Targets are the decode's grants (`kv.slots.Grant`, from the Reserve answer). A target's
 layout may hold a layer range only (a layer-sharded decode group): it gets only its layers.
 """
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_worker.kv.slots import Grant
 from pdserve_worker.logs import kv
 from pdserve_worker.transfer.engine import TransferBackend, TransferError
 from pdserve_worker.transfer.hixl_api import MAX_NOTIFY_FIELD, status_name
@@ -43,42 +44,11 @@ _RESERVED_KEYS = ("request_id", "slot", "generation", "nonce", "num_tokens")
 class PushError(RuntimeError):
     """A put or notify to one target failed or timed out; the message names target and layers."""
 
-    def __init__(self, message: str, target: "PushTarget", layers: range | None = None, status: int | None = None):
+    def __init__(self, message: str, target: Grant, layers: range | None = None, status: int | None = None):
         super().__init__(message)
         self.target = target
         self.layers = layers
         self.status = status
-
-
-@dataclass(frozen=True)
-class PushTarget:
-    """One decode member to push into: its engine, its pool, and the slot lease to write."""
-
-    engine_id: str
-    base_addr: int
-    layout: KVLayout
-    slot: int
-    generation: int
-    request_id: str
-    nonce: str = field(default="", repr=False)  # the grant's capability (hex): a secret of this request
-
-    @classmethod
-    def from_grant(cls, grant: Any) -> "PushTarget":
-        """From a `kv.slots.Grant` or its `to_dict()` form (as it crosses the network)."""
-        data = grant.to_dict() if hasattr(grant, "to_dict") else dict(grant)
-        layout = data["layout"]
-        return cls(
-            engine_id=str(data["engine_id"]),
-            base_addr=int(data["base_addr"]),
-            layout=layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout),
-            slot=int(data["slot"]),
-            generation=int(data["generation"]),
-            request_id=str(data["request_id"]),
-            nonce=str(data.get("nonce", "")),
-        )
-
-    def describe(self) -> str:
-        return f"{self.engine_id} slot={self.slot} generation={self.generation} request={self.request_id}"
 
 
 @dataclass(frozen=True)
@@ -111,7 +81,7 @@ class _Put:
 
 @dataclass
 class _TargetState:
-    target: PushTarget
+    target: Grant
     owned: range
     dst_addrs: dict[tuple[int, int], int]  # (layer, K|V) -> where its run starts on the target
     pushed: set[int] = field(default_factory=set)
@@ -150,7 +120,7 @@ class KVPusher:
         self,
         backend: TransferBackend,
         source: PushSource,
-        targets: Iterable[PushTarget],
+        targets: Iterable[Grant],
         num_tokens: int,
         *,
         queue_depth: int = 64,
@@ -185,7 +155,7 @@ class KVPusher:
             except TransferError as exc:
                 raise PushError(f"cannot reach target {state.target.describe()}: {exc}", state.target, status=exc.status) from None
 
-    def _check_target(self, target: PushTarget) -> _TargetState:
+    def _check_target(self, target: Grant) -> _TargetState:
         src, dst = self.source.layout, target.layout
         for attr in ("kv_heads", "head_dim", "dtype"):
             if getattr(src, attr) != getattr(dst, attr):
