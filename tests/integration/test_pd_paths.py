@@ -23,6 +23,7 @@ from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_operator.broker import BrokerServer
 from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.model.generate import generate
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.roles.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
 from pdserve_worker.roles.decode import DecodeServicer, DecodeWorker
@@ -105,6 +106,17 @@ class DyingPrefill(PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"connection reset: {exc}")
 
 
+class ShortPrefill(PrefillServicer):
+    """A real prefill that leaves out the prompt's last token: its push and ready notification
+    are complete but for another prompt than the decode's Generate."""
+
+    async def Prefill(self, request, context):
+        short = worker_pb2.PrefillRequest()
+        short.CopyFrom(request)
+        del short.prompt_token_ids[-1]
+        return await super().Prefill(short, context)
+
+
 class FreezingDecode(worker_pb2_grpc.DecodeServicer):
     """A decode that stops answering after `after` tokens, without closing its connections (a
     frozen process): it relays a real decode's calls, then goes silent, Status included."""
@@ -157,7 +169,8 @@ def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> Wor
 async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms: int = 10_000,
                   freeze_after: int | None = None, settle_s: float = 5.0) -> AsyncIterator[Cluster]:
     """prefill: "real", "stuck" (never pushes), "dies" (killed after its first pushed layer chunk),
-    "slow" (a real prefill taking 0.15 s per layer chunk) or "down" (registered, nobody listening); a tuple
+    "slow" (a real prefill taking 0.15 s per layer chunk), "short" (pushes the prompt less its last
+    token) or "down" (registered, nobody listening); a tuple
     starts one prefill of each kind, prefill-0 first (the one the router tries first)."""
     kinds = (prefill,) if isinstance(prefill, str) else prefill
     broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
@@ -191,15 +204,15 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
         for index, kind in enumerate(kinds):
             p_settings = worker_settings("prefill", broker.port, index)
             p_endpoints.append(p_settings.grpc_endpoint)
-            if kind in ("real", "dies", "slow"):
+            if kind in ("real", "dies", "slow", "short"):
                 p_backend = create_engine("cpu")
                 assert p_backend.engine.initialize(p_settings.engine_id) == p_backend.api.SUCCESS
                 engines.append(p_backend)
-                wrapped = {"real": None, "dies": _DiesAfterOneChunk, "slow": _SlowChunks}[kind]
+                wrapped = {"dies": _DiesAfterOneChunk, "slow": _SlowChunks}.get(kind)
                 model = loaded if wrapped is None else dataclasses.replace(loaded, model=wrapped(loaded.model))
                 worker = PrefillWorker(p_settings, model, p_backend, REVISION)
                 workers.append(worker)
-                servicer = (DyingPrefill if kind == "dies" else PrefillServicer)(worker)
+                servicer = {"dies": DyingPrefill, "short": ShortPrefill}.get(kind, PrefillServicer)(worker)
                 await serve(p_settings, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s))
             elif kind == "stuck":
                 await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
@@ -269,8 +282,6 @@ async def eventually(condition, timeout_s: float = 5.0) -> None:
 
 @pytest.mark.asyncio
 async def test_the_road_streams_colocated_tokens_and_frees_the_slot(loaded):
-    from pdserve_worker.model.generate import generate
-
     prompt = loaded.tokenizer.encode("Paris is the capital of")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     [expected] = generate(loaded.model, loaded.tokenizer, [prompt], params, max_len=MAX_LEN)
@@ -652,3 +663,47 @@ async def test_a_prompt_cancelled_while_queued_leaves_the_pass_to_the_others(loa
         assert push_settled(cancelled)  # nothing of it was put: its slot may be given back free
         assert kept.num_tokens == len(prompts[1]) and counter.passes == [1]
         assert [(e.token_id, e.text) for e in [e async for e in stream]] == _reference(loaded, prompts[1], params)
+
+
+@pytest.mark.asyncio
+async def test_a_ready_message_that_cannot_be_used_is_aborted_not_unknown(loaded):
+    """A notify with the grant's nonce but no first token (a broken prefill): the decode cannot
+    decode from it and says ABORTED (was: a ValueError escaping as UNKNOWN, which the router
+    does not retry); the slot is quarantined, as for any Generate that never committed."""
+    import json
+
+    async with cluster(loaded) as c:
+        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="m", num_prompt_tokens=2,
+                                                                      max_tokens=2))
+        call = c.decode_stub.Generate(worker_pb2.GenerateRequest(
+            request_id="m", slot=grant.slot, generation=grant.generation, prompt_token_ids=[1, 2],
+            readiness_timeout_ms=5000))
+        client = create_engine("cpu")
+        assert client.engine.initialize("127.0.0.1") == client.api.SUCCESS
+        try:
+            client.ensure_connected(grant.engine_id, 2000)
+            body = json.dumps({"request_id": "m", "slot": grant.slot, "generation": grant.generation,
+                               "nonce": grant.nonce.hex(), "num_tokens": 2})
+            assert client.engine.send_notify(grant.engine_id, client.api.NotifyDesc("kv_ready", body)) == 0
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for _ in call:
+                    pass
+        finally:
+            client.engine.finalize()
+        assert raised.value.code() == grpc.StatusCode.ABORTED
+        assert "lacks an integer num_tokens or first_token" in raised.value.details()
+        assert grant.nonce.hex() not in raised.value.details()
+        assert c.decode.slots.usage().quarantined == 1
+
+
+@pytest.mark.asyncio
+async def test_a_push_for_another_prompt_is_retried_with_another_prefill(loaded):
+    prompt = loaded.tokenizer.encode("Paris is the capital of")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    [expected] = generate(loaded.model, loaded.tokenizer, [prompt], params, max_len=MAX_LEN)
+    async with cluster(loaded, prefill=("short", "real")) as c:
+        tokens, events = await collect(c.backend, prompt, params)
+        assert tokens == expected.output_ids
+        info = [e.info for e in events if e.info is not None][-1]
+        assert info.retries == 1 and info.prefill == "prefill-1"
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS)  # the aborted grant came back too

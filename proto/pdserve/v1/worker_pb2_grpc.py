@@ -74,7 +74,10 @@ class DecodeServicer:
         """Wait for the slot's KV, then stream the generated tokens. The slot is freed when the
         stream ends, however it ends. FAILED_PRECONDITION: the (slot, generation) is not this
         request's live grant (expired, released, or reused); DEADLINE_EXCEEDED: the ready
-        notification did not arrive within readiness_timeout_ms.
+        notification did not arrive within readiness_timeout_ms; ABORTED: the notification that
+        arrived cannot be decoded from (malformed, for another number of tokens, or a group's
+        members disagree: the push is at fault); UNAVAILABLE: draining, or a member of the
+        decode's layer-sharded group is unreachable; INTERNAL: the generation step failed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

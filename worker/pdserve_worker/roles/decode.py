@@ -57,6 +57,17 @@ log = logging.getLogger("pdserve.decode")
 SWEEP_S = 1.0  # how often lapsed leases are looked for
 
 
+class ReadyUnusable(RuntimeError):
+    """The ready notification(s) for a slot cannot be decoded from: malformed, for another
+    prompt length, or a layer-sharded group's members disagree. The push is at fault, not this
+    decode: Generate answers ABORTED, which the router retries with another prefill."""
+
+
+class MemberUnavailable(RuntimeError):
+    """A member of this decode's layer-sharded group did not answer: Generate answers
+    UNAVAILABLE, and the router resumes the request on another decode."""
+
+
 @dataclass(frozen=True)
 class Ready:
     """What the ready notification told us about a slot's KV."""
@@ -206,8 +217,10 @@ class DecodeWorker:
         )
         try:
             num_tokens, first_token = int(message["num_tokens"]), int(message["first_token"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"ready message for slot {slot} lacks num_tokens/first_token: {message}") from exc
+        except (KeyError, TypeError, ValueError):
+            # (The message itself is not quoted: it carries the reservation's nonce.)
+            raise ReadyUnusable(f"the ready message of slot {slot} generation {generation} lacks an integer "
+                                f"num_tokens or first_token") from None
         return Ready(num_tokens, first_token, time.monotonic() - started)
 
 
@@ -275,9 +288,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
             except SlotNotReserved as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}")
+            except ReadyUnusable as exc:
+                await context.abort(grpc.StatusCode.ABORTED, f"{where}: {exc}")
+            except MemberUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: {exc}")
             if ready.num_tokens != len(prompt):
                 await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.ABORTED,
                     f"{where}: prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}",
                 )
             if not w.slots.commit(slot, generation):

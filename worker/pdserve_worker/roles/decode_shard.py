@@ -45,7 +45,7 @@ from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
-from pdserve_worker.roles.decode import DecodeWorker, Ready
+from pdserve_worker.roles.decode import DecodeWorker, MemberUnavailable, Ready, ReadyUnusable
 from pdserve_worker.rpc.auth import TLSConfig, bearer_metadata
 from pdserve_worker.rpc.channels import WORKER_MAX_MESSAGE, channel_options
 from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto, layout_from_proto, layout_to_proto
@@ -66,7 +66,7 @@ def group_max_message(slots: int, hidden_size: int) -> int:
     return max(WORKER_MAX_MESSAGE, slots * hidden_size * 4 + (1 << 20))
 
 
-class ShardError(RuntimeError):
+class ShardError(MemberUnavailable):
     """A follower failed a step or could not be reached; the message names it."""
 
 
@@ -204,7 +204,11 @@ class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
                 self.f._waiters, self.f.readiness.wait, request.slot, request.generation, timeout_s)
         except ReadinessTimeout as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"member {self.f.member_index}: {exc}")
-        return shard_pb2.WaitReadyReply(num_tokens=int(message["num_tokens"]), first_token=int(message["first_token"]))
+        try:
+            return shard_pb2.WaitReadyReply(num_tokens=int(message["num_tokens"]), first_token=int(message["first_token"]))
+        except (KeyError, TypeError, ValueError):
+            await context.abort(grpc.StatusCode.ABORTED, f"member {self.f.member_index}: the ready message of slot "
+                                f"{request.slot} lacks an integer num_tokens or first_token")
 
 
 # ---- the leader's view of a follower -------------------------------------------------------------
@@ -272,6 +276,8 @@ class RemoteShard:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise ReadinessTimeout(f"group member at {self.endpoint}: {exc.details()}") from None
+            if exc.code() == grpc.StatusCode.ABORTED:
+                raise ReadyUnusable(f"group member at {self.endpoint}: {exc.details()}") from None
             raise ShardError(f"group member at {self.endpoint}: {exc.code().name} {exc.details()}") from None
         return reply.num_tokens, reply.first_token
 
@@ -338,8 +344,8 @@ class GroupLeader(DecodeWorker):
         answers = await asyncio.gather(*(asyncio.to_thread(r.wait_ready, slot, generation, timeout_s)
                                          for r in self.remotes))
         if any(a != (own.num_tokens, own.first_token) for a in answers):
-            raise ValueError(f"slot {slot} generation {generation}: members disagree on (num_tokens, first_token): "
-                             f"leader {(own.num_tokens, own.first_token)}, followers {answers}")
+            raise ReadyUnusable(f"slot {slot} generation {generation}: members disagree on (num_tokens, first_token): "
+                                f"leader {(own.num_tokens, own.first_token)}, followers {answers}")
         return own
 
     def close(self) -> None:

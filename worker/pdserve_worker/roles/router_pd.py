@@ -303,8 +303,9 @@ class PDBackend(ModelTokenizing):
         except grpc.aio.AioRpcError as exc:
             error = _decode_error(exc, decode.worker_id, request_id)
             if exc.code() in _RETRYABLE_DECODE:
-                # The decode's readiness wait timing out means the prefill never delivered.
-                culprit = prefill.worker_id if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else decode.worker_id
+                # The decode's readiness wait timing out means the prefill never delivered; an
+                # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).
+                culprit = prefill.worker_id if exc.code() in _PREFILL_AT_FAULT else decode.worker_id
                 raise _Retryable(culprit, error) from None
             raise error from None
         finally:
@@ -478,10 +479,13 @@ class _Retryable(Exception):
         self.error = error
 
 
-# UNAVAILABLE: the decode went away (killed, network); INTERNAL: its generation loop failed;
-# DEADLINE_EXCEEDED: its readiness wait ended without the prefill's notification.
+# UNAVAILABLE: the decode went away (killed, network) or a member of its group did; INTERNAL:
+# its generation loop failed; DEADLINE_EXCEEDED: its readiness wait ended without the prefill's
+# notification; ABORTED: the notification that came cannot be used (malformed, for another
+# prompt length, a group's members disagree).
 _RETRYABLE_DECODE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
-                               grpc.StatusCode.DEADLINE_EXCEEDED})
+                               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+_PREFILL_AT_FAULT = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 
 
 def _excluding(ranked: list[Member], avoid: set[str]) -> list[Member]:
