@@ -1,8 +1,9 @@
 """The contract between the operator and a worker pod: environment variable names and ports.
 
 The operator (`pdserve_operator.children`) renders these variables into every pod it creates;
-`pdserve worker` reads them back with `PodEnv.from_environ()`. Keeping both ends on one module
-means a renamed variable breaks a test instead of a deployment.
+`pdserve worker` reads them back through `settings.WorkerSettings`, whose fields name these
+constants as their aliases. Keeping both ends on one module means a renamed variable breaks a
+test instead of a deployment.
 
 Pod-facing endpoints a worker must serve (the operator points probes and hooks at them):
 

@@ -1,9 +1,9 @@
 """The seam between the router's HTTP front and whatever produces tokens.
 
 The router speaks OpenAI HTTP; a `Backend` turns token ids into a stream of `TokenEvent`s.
-Today a colocated engine or a test fake implements it; the PD orchestration (pick the least
-loaded decode, reserve a slot, run prefill, stream decode) implements the same protocol later,
-so the HTTP code never changes when the serving topology does.
+Two implement it: `router_pd.PDBackend`, the PD orchestration (pick the least loaded decode,
+reserve a slot, run prefill, stream decode), and `colocated.ColocatedBackend`, one process
+(the baseline); the router's tests use a scripted fake. The HTTP code is the same for all.
 
 Nothing here knows about HTTP: the backend raises domain errors (`NoCapacity`, ...) and the
 router alone decides which status code each becomes.
@@ -54,8 +54,9 @@ class TokenEvent:
     """One generated token: its id, the text it adds, and whether generation ends with it.
 
     `text` is the detokenized delta (possibly empty while a multi-byte character is
-    incomplete). `finish_reason` is set on the last event only: "stop" when EOS or a stop
-    token id ended generation, "length" when `max_tokens` was reached.
+    incomplete, or the engine holds back what may begin a stop string). `finish_reason` is set
+    on the last event only: STOP when EOS, a stop token id or a stop string ended generation
+    (the text never holds the stop string), LENGTH when `max_tokens` or the context was reached.
     """
 
     token_id: int

@@ -3,9 +3,9 @@
 The prefill calls `push_chunk(layers)` right after computing those layers; the puts go out
 asynchronously, so the transfer of chunk k overlaps the compute of chunk k+1. Each put is one
 contiguous run per (layer, K|V) holding only the prompt's tokens (`KVLayout.token_run`); the
-runs of one chunk for one target travel as one `transfer_async` request (HIXL splits batches
-itself). Per target at most `queue_depth` runs are outstanding: past that the pusher reaps
-completions first. RESOURCE_EXHAUSTED from the engine means its queue is full, which is
+runs of one chunk for one target travel in `transfer_async` requests of at most `queue_depth`
+runs each (HIXL splits a large batch further itself). Per target at most `queue_depth` runs
+are outstanding: past that the pusher reaps completions first. RESOURCE_EXHAUSTED from the engine means its queue is full, which is
 waited out, never treated as a failure. A put that fails, or is still pending after
 `timeout_s`, raises `PushError` naming the target and the layers; on a timeout the target is
 disconnected, as HIXL advises, so nothing of it lingers on the link.
