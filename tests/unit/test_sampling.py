@@ -74,29 +74,49 @@ def test_held_text_is_released_at_the_end():
     assert m.finish() == "##"
 
 
-def test_two_stops_completed_by_one_token_cut_before_the_earlier_start():
-    """The issue's case (stops "abcd" and "bc", "abcd" in one delta): one answer, whatever the
-    stops' order. llama.cpp's server (`find_stopping_strings`: the smallest position) answers
-    "" too; vLLM's `StopChecker._check_stop_strings` (the first of the list that is found)
-    answers "" for this order and "a" for the other."""
+def test_two_stops_completed_by_one_token_cut_before_the_one_that_completed_first():
+    """The issue's case (stops "abcd" and "bc", "abcd" in one delta): "bc" completes first, so
+    the answer is "a", whatever the stops' order and however the text was chunked. (llama.cpp's
+    `find_stopping_strings` would keep the earliest start, "", for the single token; vLLM's
+    `StopChecker` the first of the list: both depend on the tokenization, this does not.)"""
     for stops in (("abcd", "bc"), ("bc", "abcd")):
         m = StopStringMatcher(stops)
-        assert m.feed("abcd") == "" and m.matched == "abcd" and m.finish() == ""
-    # Token by token the request ends at the token that completes "bc": "abcd" never completes.
-    m = StopStringMatcher(("abcd", "bc"))
-    assert m.feed("a") + m.feed("bc") == "a" and m.matched == "bc"
+        assert m.feed("abcd") == "a" and m.matched == "bc" and m.finish() == ""
+        m = StopStringMatcher(stops)
+        assert m.feed("a") + m.feed("bc") + m.feed("d") == "a" and m.matched == "bc"
+    # Two ending at the same place: the longer one started earlier and is cut before.
+    m = StopStringMatcher(("bc", "abc"))
+    assert m.feed("xabcz") == "x" and m.matched == "abc"
 
 
-def reference_cut(deltas: list[str], stops: list[str]) -> str:
-    """The rule, stated plainly: the request ends at the first delta after which the text holds
-    a stop string, and its answer is the text before the earliest-starting one."""
-    text = ""
-    for delta in deltas:
-        text += delta
-        hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            return text[: min(hits)]
-    return text
+def test_stop_split_across_deltas_is_cut_and_never_shown():
+    m = StopStringMatcher(("User:",))
+    released = [m.feed(p) for p in ["Hello", " Us", "er", ": more"]]
+    assert released == ["Hello", " ", "", ""] and m.matched == "User:"  # "Us", "er" held: they may begin "User:"
+
+
+def test_held_back_prefix_is_released_when_it_turns_out_not_to_be_a_stop():
+    m = StopStringMatcher(("abcd",))
+    assert [m.feed("ab"), m.feed("c"), m.feed("x"), m.finish()] == ["", "", "abcx", ""]
+    assert m.matched is None
+
+
+def test_without_stops_text_passes_through_at_once():
+    m = StopStringMatcher(())
+    assert [m.feed("a"), m.feed("b"), m.finish()] == ["a", "b", ""]
+
+
+def test_an_empty_stop_string_is_refused():
+    """It would cut everything: the request is refused where its parameters are read."""
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=("ok", ""))
+
+
+def earliest_end_cut(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The rule on the whole text: cut before the stop string that ends first (the longest of
+    those ending there); (the text, False) if none occurs."""
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return (text[: min(hits)[1]], True) if hits else (text, False)
 
 
 @settings(max_examples=300, deadline=None)
@@ -105,16 +125,16 @@ def reference_cut(deltas: list[str], stops: list[str]) -> str:
     stops=st.lists(st.text(alphabet="ab c\n", min_size=1, max_size=4), max_size=3),
     cuts=st.lists(st.integers(0, 40), max_size=8),
 )
-def test_streamed_output_is_the_reference_cut_and_never_runs_ahead(text, stops, cuts):
+def test_streamed_output_is_the_cut_of_the_whole_text_however_chunked_and_never_runs_ahead(text, stops, cuts):
     m = StopStringMatcher(tuple(stops))
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    expected = reference_cut(deltas, stops)
+    expected, stopped = earliest_end_cut(text, stops)
     shown = ""
-    for delta in deltas:
-        shown += m.feed(delta)
+    for a, b in zip(bounds, bounds[1:]):
+        shown += m.feed(text[a:b])
+        # Every prefix of the stream is a prefix of the answer: nothing shown is retracted.
         assert expected.startswith(shown), "text was shown that a later delta revealed to be a stop string"
-    assert shown + m.finish() == expected
+    assert (shown + m.finish(), m.matched is not None) == (expected, stopped)
 
 
 def test_invalid_params_are_rejected_with_the_field_name():

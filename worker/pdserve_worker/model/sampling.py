@@ -57,15 +57,16 @@ class Sampler:
 class StopStringMatcher:
     """Finds stop strings in streamed text without ever emitting a part of one.
 
-    The one place that decides a stop string ended a request (the router does not cut text):
-    the longest tail of the text that could still begin a stop string is held back until the
-    next delta settles it, and the first delta (a token's text) that completes any stop string
-    ends the request. The text is then cut before the earliest-starting stop string found, as
-    llama.cpp's server does (`find_stopping_strings` keeps the smallest position); vLLM's
-    `StopChecker` takes the first one of the request's list instead, which gives the same cut
-    for the common orderings but depends on the order. So with stops "abcd" and "bc" and a
-    token "abcd", the answer is "" (both complete; "abcd" starts first), while tokens "abc",
-    "d" give "a" (the request ended at "abc").
+    The one place that decides a stop string ended a request (the router does not cut text).
+    The longest tail of the text that could still begin a stop string is held back until the
+    next delta settles it. The stop string that completes first wins: the earliest end, the
+    longest of those ending there; the text is cut right before it. That is what a
+    character-by-character stream would see, so the answer does not depend on how the text
+    was split into tokens or deltas. Upstream servers decide per token instead, and differ when
+    one token completes two stops (stops "abcd" and "bc", token "abcd"): llama.cpp's
+    `find_stopping_strings` keeps the earliest start (""), vLLM's `StopChecker` the first of
+    the request's list; here "bc" completed first, so the answer is "a", as for tokens
+    "a", "bc", "d".
     """
 
     stop: tuple[str, ...]
@@ -81,10 +82,10 @@ class StopStringMatcher:
             self._pending = ""
             return text
         # Emitted text holds no stop string and no stop string's beginning, so every occurrence
-        # starts in the held tail or in this delta: the earliest one is where the text ends.
-        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        # ends in this delta; `find` gives each stop's first, hence earliest-ending, occurrence.
+        hits = [(i + len(s), i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
-            index, self.matched = min(hits, key=lambda hit: hit[0])
+            _, index, self.matched = min(hits)
             self._pending = ""
             return text[:index]
         hold = self._held_tail(text)
