@@ -147,6 +147,39 @@ def test_metrics_show_every_answer_pushed(local, client, model):
     assert value(r"pdserve_router_kv_transfer_bytes_count") == completed
 
 
+def test_worker_metrics_agree_with_the_router(local, client, model):
+    """Each prefill and decode pod serves /metrics; their sums agree with what the router counted."""
+    answer = client.completions.create(model=model, prompt="The lazy dog", max_tokens=5, temperature=0)
+    assert answer.usage.completion_tokens >= 2
+
+    def scrape(address: str) -> dict[str, float]:
+        text = httpx.get(f"http://{address}/metrics").text
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
+
+    router = scrape(local.url.removeprefix("http://"))
+    prefill = scrape(local.child("prefill-0")["http"])
+    decodes = [scrape(local.child(n)["http"]) for n in ("decode-0", "decode-1")]
+    # Every disaggregated request was prefilled once and pushed once, by the one prefill.
+    requests = router['pdserve_router_requests_completed_total{mode="disaggregated"}']
+    assert prefill["pdserve_prefill_queue_wait_seconds_count"] >= requests >= 1
+    assert prefill["pdserve_prefill_prompt_tokens_total"] == router["pdserve_router_prompt_tokens_total"]
+    assert prefill["pdserve_kv_transfer_bytes_total"] == router["pdserve_router_kv_transfer_bytes_sum"]
+    assert prefill["pdserve_kv_transfer_failures_total"] == 0
+    assert prefill["pdserve_prefill_queue_length"] == 0  # nothing in flight now
+    # What the prefill pushed, the decodes received; the tokens they generated are the router's
+    # minus the first token of each request (prefill samples it).
+    assert sum(d["pdserve_kv_transfer_bytes_total"] for d in decodes) == prefill["pdserve_kv_transfer_bytes_total"]
+    generated = sum(d["pdserve_decode_generated_tokens_total"] for d in decodes)
+    assert generated == router["pdserve_router_generation_tokens_total"] - requests
+    for d in decodes:
+        assert d["pdserve_decode_kv_slots_total"] == SLOTS
+        assert 0 <= d["pdserve_decode_kv_slots_used"] <= SLOTS
+        assert d["pdserve_decode_running_requests"] == 0
+        assert d["pdserve_decode_step_seconds_count"] >= 0 and d["pdserve_decode_step_seconds_sum"] >= 0
+    assert sum(d["pdserve_decode_step_seconds_count"] for d in decodes) >= 1
+
+
 def test_bad_input_is_4xx_and_the_service_keeps_serving(client, model):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)

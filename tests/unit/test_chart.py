@@ -32,7 +32,7 @@ FULL = ["--set", "watchNamespaces={team-a,team-b}", "--set", "networkPolicy.enab
         "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.labels.release=prom",
         "--set", "imagePullSecrets[0].name=regcred", "--set", "podAnnotations.a=b",
         "--set", "broker.tls.secretName=pdserve-broker-tls"]
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor"}
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor"}
 KUBERNETES_VERSION = "1.30.0"  # oldest minor the chart targets that the validator knows well
 
 
@@ -156,6 +156,29 @@ def test_service_monitor_scrapes_the_routers_metrics_port() -> None:
     assert monitor["spec"]["endpoints"][0]["port"] == "http" and monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     assert monitor["metadata"]["labels"]["release"] == "prom"
+
+
+def test_pod_monitor_scrapes_every_prefill_and_decode_pod() -> None:
+    """Prefill pods have no Service: a PodMonitor selects the workers the operator labels."""
+    from pdserve_operator import children as ch
+    from pdserve_worker import pod_env as E
+
+    [monitor] = by_kind(render(*FULL), "PodMonitor")
+    assert by_kind(render(), "PodMonitor") == []  # off unless serviceMonitor.enabled
+    sel = monitor["spec"]["selector"]
+    assert sel["matchExpressions"] == [{"key": ch.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}]
+    owner = ch.Owner("svc", "team-a", "uid-1")
+    pod_labels = {role: ch.labels(owner.name, role) for role in ch.ROLES}
+    matches = {role: all(lbl.get(k) == v for k, v in sel["matchLabels"].items())
+               and lbl.get(ch.LABEL_COMPONENT) in sel["matchExpressions"][0]["values"]
+               for role, lbl in pod_labels.items()}
+    assert matches == {"prefill": True, "decode": True, "router": False}  # routers: the ServiceMonitor
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] == "http"
+    template = ch.pod_template(owner, "prefill", s.parse_spec({}), ch.Defaults(image="i", broker_address="b:1"))
+    ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+    assert ports["http"] == E.HTTP_PORT  # the port worker_app serves /metrics on
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 
 def test_deployment_runs_non_root_read_only_with_probes_and_resources() -> None:

@@ -32,6 +32,24 @@ def test_metrics_table_lists_exactly_what_routers_expose() -> None:
     assert documented == exposed_metric_names()
 
 
+def test_metrics_table_lists_exactly_what_workers_expose() -> None:
+    from pdserve_worker.roles.worker_metrics import WorkerMetrics
+
+    exposed = set()
+    for role in ("prefill", "decode"):
+        metrics = WorkerMetrics(role)
+        if role == "prefill":
+            metrics.watch_prefill(lambda: 0)
+        else:
+            from pdserve_worker.roles.generation_loop import LoopStats
+
+            metrics.watch_decode(lambda: 0, 4, lambda: 0, LoopStats)
+        for family in metrics.registry.collect():
+            exposed.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    documented = set(re.findall(r"`(pdserve_(?:prefill|decode|kv)_\w+)`", section("Metrics")))
+    assert documented == exposed
+
+
 # Messages the troubleshooting table quotes, and where they come from.
 SOURCES = [ROOT / "operator", ROOT / "worker", Path(kopf.__file__).parent]
 QUOTED = [

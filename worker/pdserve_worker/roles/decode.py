@@ -44,6 +44,7 @@ from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason
 from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed, RequestStream
+from pdserve_worker.roles.worker_metrics import WorkerMetrics
 from pdserve_worker.rpc.convert import finish_reason_to_proto, grant_to_proto, sampling_from_proto
 from pdserve_worker.rpc.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.settings import WorkerSettings
@@ -113,6 +114,9 @@ class DecodeWorker:
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
         self.draining = False
         self._sweeper: asyncio.Task[None] | None = None
+        self.metrics = WorkerMetrics("decode")  # served on /metrics (worker_main)
+        self.metrics.watch_decode(lambda: layout.num_slots - self.slots.usage().free, layout.num_slots,
+                                  lambda: self.loop.active, lambda: self.loop.stats)
 
     # ---- what a layer-sharded group's leader replaces (roles/decode_shard.py) ----------------
 
@@ -212,16 +216,22 @@ class DecodeWorker:
 
     async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> Ready:
         started = time.monotonic()
-        message = await asyncio.get_running_loop().run_in_executor(
-            self._waiters, self.readiness.wait, slot, generation, timeout_s
-        )
+        try:
+            message = await asyncio.get_running_loop().run_in_executor(
+                self._waiters, self.readiness.wait, slot, generation, timeout_s
+            )
+        except ReadinessTimeout:
+            self.metrics.observe_transfer_failure()
+            raise
         try:
             num_tokens, first_token = int(message["num_tokens"]), int(message["first_token"])
         except (KeyError, TypeError, ValueError):
             # (The message itself is not quoted: it carries the reservation's nonce.)
             raise ReadyUnusable(f"the ready message of slot {slot} generation {generation} lacks an integer "
                                 f"num_tokens or first_token") from None
-        return Ready(num_tokens, first_token, time.monotonic() - started)
+        waited = time.monotonic() - started
+        self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
+        return Ready(num_tokens, first_token, waited)
 
 
 def transfer_refusals(backend: TransferBackend) -> int:

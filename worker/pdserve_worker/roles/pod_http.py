@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
@@ -46,6 +47,7 @@ class WorkerState:
     phase: str = "starting"  # starting | loading | registering | ready | draining | drained | stopping
     detail: dict[str, Any] = field(default_factory=dict)
     serving: Callable[[], bool] | None = None  # more than started: e.g. a router that knows its peers
+    metrics: Callable[[], bytes] | None = None  # the Prometheus exposition, once the role exists
 
     @property
     def ready(self) -> bool:
@@ -68,8 +70,15 @@ def health_routes(state: WorkerState) -> list[Route]:
 
 
 def worker_app(state: WorkerState) -> Starlette:
-    """The HTTP app of a prefill or decode worker (the pod's `http` port)."""
-    return Starlette(routes=health_routes(state))
+    """The HTTP app of a prefill or decode worker (the pod's `http` port): probes and `/metrics`.
+
+    `/metrics` is empty (200) while the model loads: the role's metrics exist once it does."""
+
+    async def metrics(_: Request) -> Response:
+        body = state.metrics() if state.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(routes=[*health_routes(state), Route("/metrics", metrics)])
 
 
 def admin_app(tokens: TokenTable, drain: Callable[[], Awaitable[dict[str, Any]]]) -> Starlette:

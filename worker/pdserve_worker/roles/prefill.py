@@ -50,6 +50,7 @@ from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.membership import EventType, Load, MemberEvent, MemberInfo, Role
+from pdserve_worker.roles.worker_metrics import WorkerMetrics
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
@@ -126,6 +127,8 @@ class PrefillWorker:
         self.served = 0
         self._jobs: dict[JobKey, _Job] = {}
         self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
+        self.metrics = WorkerMetrics("prefill")  # served on /metrics (worker_main)
+        self.metrics.watch_prefill(lambda: self.queued)
 
     def member_info(self) -> MemberInfo:
         return MemberInfo(
@@ -227,6 +230,8 @@ class PrefillWorker:
         s = self.settings
         started = time.perf_counter()
         live: list[tuple[int, _Job]] = []
+        for job in batch:
+            self.metrics.observe_queue_wait(started - job.accepted)
         for slot, job in enumerate(batch):
             if job.cancelled.is_set():
                 self._fail(job, PrefillCancelled(f"prefill of request {job.request_id} was cancelled while queued"),
@@ -257,6 +262,7 @@ class PrefillWorker:
                 try:
                     job.pusher.push_chunk(layers)
                 except PushError as exc:  # a put failed: whether others still land is unknown
+                    self.metrics.observe_transfer_failure()
                     job.pusher.abort()
                     self._fail(job, exc, False)
             if all(job.settled for _, job in live):
@@ -282,6 +288,7 @@ class PrefillWorker:
                 first = Sampler(job.params).sample(logits[row], job.num_generated)
                 stats = job.pusher.finish({"first_token": first})
             except PushError as exc:
+                self.metrics.observe_transfer_failure()
                 job.pusher.abort()
                 self._fail(job, exc, False)
                 continue
@@ -290,6 +297,7 @@ class PrefillWorker:
                 continue
             done = time.perf_counter()
             self.served += 1
+            self.metrics.observe_prefilled(len(job.prompt), stats.bytes, stats.seconds, done - job.accepted)
             log.info(kv(event="prefill_done", request=job.request_id, tokens=len(job.prompt), targets=len(job.targets),
                         batch=len(live), kv_bytes=stats.bytes, queued_ms=round((started - job.accepted) * 1000, 1),
                         compute_ms=round((computed - started) * 1000, 1), push_ms=round(stats.seconds * 1000, 1)))

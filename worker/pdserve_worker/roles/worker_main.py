@@ -216,6 +216,8 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             worker = PrefillWorker(settings, loaded, backend, revision)
             worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
             load_fn = worker.load
+        if getattr(worker, "metrics", None) is not None:  # a group's follower reports through its leader
+            state.metrics = worker.metrics.exposition
         try:
             bind(server, settings.bind_host, settings.grpc_port, settings.tls)
         except (OSError, ValueError) as exc:
