@@ -12,9 +12,12 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pdserve_worker.logs import kv
+
+if TYPE_CHECKING:
+    from pdserve_worker.rpc.membership import Member
 
 log = logging.getLogger("pdserve.operator.broker_view")
 
@@ -32,6 +35,12 @@ class BrokerView(Protocol):
 
     def slots_in_use(self, service_key: str) -> int | None:
         """Decode slots currently reserved across the service; None when unknown."""
+
+    def members(self, service_key: str) -> list[Member] | None:
+        """Every registered worker with its last reported load (the autoscaler's input); None when unknown."""
+
+    def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
+        """Mark a worker draining (no new requests) or active again; False when it is not registered."""
 
 
 class NullBrokerView:
@@ -51,6 +60,12 @@ class NullBrokerView:
 
     def slots_in_use(self, service_key: str) -> int | None:
         return None
+
+    def members(self, service_key: str) -> list[Member] | None:
+        return None
+
+    def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
+        return False
 
 
 class BrokerServerView:
@@ -74,6 +89,12 @@ class BrokerServerView:
         # Optional in the broker's interface: a broker that does not track slots says so by lacking it.
         fn = getattr(self.server, "slots_in_use", None)
         return None if fn is None else fn(service_key)
+
+    def members(self, service_key: str) -> list[Member] | None:
+        return self.server.registry.members(service_key)
+
+    def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
+        return self.server.registry.set_draining(service_key, worker_id=worker_id, draining=draining)
 
 
 def load_broker(host: str, port: int, tls: Any = None) -> tuple[BrokerView, Any | None]:

@@ -151,14 +151,15 @@ def _meta(owner: Owner, name: str, role: str | None = None, **extra: Any) -> dic
 
 
 def service_config(spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
-    """What pods read from the ConfigMap: the spec without replica counts.
+    """What pods read from the ConfigMap: the spec without replica counts or autoscaling.
 
-    Replica counts are left out so that scaling does not change the config hash and roll
-    every pod of every role.
+    Both are left out so that scaling does not change the config hash and roll every pod of
+    every role.
     """
     wire = spec.wire()
     for role in ROLES:
         wire.get(role, {}).pop("replicas", None)
+    wire.pop("autoscaling", None)  # who scales a role is no pod's business: changing it rolls nothing
     return wire
 
 
@@ -400,13 +401,82 @@ def config_map(owner: Owner, spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
     }
 
 
+def initial_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
+    """The role's count as rendered: the spec's, or for an autoscaled role the count its
+    workload is created with (its floor; with driver external, the spec's as written). Once
+    the workload exists, an autoscaled role's count is never written by the operator's apply
+    (`autoscaled_workloads`)."""
+    replicas = getattr(spec, role).replicas
+    if not s.autoscaled(spec, role):
+        return replicas
+    assert spec.autoscaling is not None
+    return replicas if getattr(spec.autoscaling, role).driver == "external" else s.effective_min(spec, role)
+
+
+def autoscaled_workloads(name: str, spec: s.PDInferenceServiceSpec) -> set[tuple[str, str]]:
+    """(kind, name) of the workloads whose spec.replicas belongs to an autoscaler, not to us."""
+    kinds = {"prefill": "Deployment", "decode": "StatefulSet"}
+    return {(kinds[role], workload_name(name, role)) for role in kinds if s.autoscaled(spec, role)}
+
+
+def hpa_name(name: str, role: str) -> str:
+    return workload_name(name, role)
+
+
+def _metric_spec(metric: s.HPAMetric) -> dict[str, Any]:
+    t = metric.target
+    target: dict[str, Any] = {"type": t.type}
+    if t.average_utilization is not None:
+        target["averageUtilization"] = t.average_utilization
+    if t.average_value is not None:
+        target["averageValue"] = _quantity(t.average_value)
+    if t.value is not None:
+        target["value"] = _quantity(t.value)
+    if metric.type == "Resource":
+        return {"type": "Resource", "resource": {"name": metric.name, "target": target}}
+    ident: dict[str, Any] = {"name": metric.name}
+    if metric.selector:
+        ident["selector"] = {"matchLabels": dict(metric.selector)}
+    key = "pods" if metric.type == "Pods" else "external"
+    return {"type": metric.type, key: {"metric": ident, "target": target}}
+
+
+def horizontal_pod_autoscaler(owner: Owner, role: str, spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
+    """An autoscaling/v2 HPA on the role's workload, for driver hpa. Its windows are the spec's."""
+    a = spec.autoscaling
+    assert a is not None
+    r: s.RoleAutoscaling = getattr(a, role)
+    assert r.metric is not None
+    kind = "Deployment" if role == "prefill" else "StatefulSet"
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(owner, hpa_name(owner.name, role), role),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": kind, "name": workload_name(owner.name, role)},
+            "minReplicas": s.effective_min(spec, role),
+            "maxReplicas": r.max_replicas,
+            "metrics": [_metric_spec(r.metric)],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": a.scale_up_window_seconds},
+                "scaleDown": {"stabilizationWindowSeconds": a.scale_down_window_seconds},
+            },
+        },
+    }
+
+
+def hpa_roles(spec: s.PDInferenceServiceSpec) -> list[str]:
+    a = spec.autoscaling
+    return [r for r in ("prefill", "decode") if a is not None and getattr(a, r).enabled and getattr(a, r).driver == "hpa"]
+
+
 def deployment(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(owner, workload_name(owner.name, role), role),
         "spec": {
-            "replicas": getattr(spec, role).replicas,
+            "replicas": initial_replicas(spec, role),
             "selector": {"matchLabels": selector_labels(owner.name, role)},
             "template": pod_template(owner, role, spec, defaults),
         },
@@ -431,7 +501,7 @@ def decode_statefulset(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: D
 
 
 def decode_pods(spec: s.PDInferenceServiceSpec) -> int:
-    return spec.decode.replicas * spec.decode.layer_shards
+    return initial_replicas(spec, "decode") * spec.decode.layer_shards
 
 
 def headless_service(owner: Owner) -> dict[str, Any]:
@@ -530,4 +600,5 @@ def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: D
         decode_statefulset(owner, spec, defaults),
         deployment(owner, "router", spec, defaults),
         *(disruption_budget(owner, role) for role in ROLES),
+        *(horizontal_pod_autoscaler(owner, role, spec) for role in hpa_roles(spec)),
     ]

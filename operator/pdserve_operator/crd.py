@@ -75,7 +75,8 @@ def _structural(node: dict[str, Any], name: str = "") -> dict[str, Any]:
             for k, sub in out["properties"].items():
                 # default_factory leaves no default in pydantic's schema; an absent nested object
                 # must still default to {} so the API server fills its fields' defaults.
-                if _has_defaults(sub) and k not in node.get("required", []):
+                optional = value[k].get("default", 0) is None  # `X | None = None`: absent stays absent
+                if _has_defaults(sub) and k not in node.get("required", []) and not optional:
                     sub.setdefault("default", {})
         elif key == "items":
             out["items"] = _structural(value)
@@ -172,6 +173,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary", "description": "Ready/desired prefill pods."},
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary", "description": "Ready/desired decode groups."},
     {"name": "Slots", "type": "string", "jsonPath": ".status.slots.summary", "description": "Used/total KV slots."},
+    {"name": "Scale", "type": "string", "jsonPath": ".status.autoscaling.summary",
+     "description": "Autoscaled roles: current[->desired] replicas (P: prefill, D: decode groups)."},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1, "description": "OpenAI API URL."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

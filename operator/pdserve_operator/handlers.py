@@ -6,7 +6,7 @@
 - any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`):
   edited or deleted by hand, or its readiness changed → reconcile its owner (coalesced);
 - a per-resource timer → reconcile every `resync_seconds` (refreshes broker counts; a safety
-  net for missed events);
+  net for missed events), and whenever the autoscaler's next step is due (`autoscale.py`);
 - delete → tell the broker to forget the service (a finalizer makes this reliable; children go
   by ownerReference garbage collection).
 
@@ -104,6 +104,8 @@ async def resync(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime = memo["runtime"]
     if runtime.resync_due(namespace, name):
         await _reconcile(memo, namespace, name, "resync")
+    elif runtime.reconciler.autoscaler.due(f"{namespace}/{name}"):  # the planner's interval is its own
+        await _reconcile(memo, namespace, name, "autoscale")
 
 
 @kopf.on.delete(s.GROUP, s.VERSION, s.PLURAL)

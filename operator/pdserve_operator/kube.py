@@ -57,6 +57,7 @@ KINDS: dict[str, Kind] = {
         Kind("apps/v1", "StatefulSet", "statefulsets"),
         Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind(s.API_VERSION, s.KIND, s.PLURAL),
     )
 }
@@ -90,6 +91,9 @@ class KubeClient(Protocol):
 
     def post_event(self, involved: dict[str, Any], type_: ev.EventType, reason: str, message: str) -> None:
         """A Kubernetes Event about `involved` (an object as the API returned it)."""
+
+    def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
+        """Delete the object (gone already is fine)."""
 
 
 class RestKubeClient:

@@ -38,6 +38,7 @@ from pdserve_worker.logs import kv
 
 from pdserve_operator import children as ch
 from pdserve_operator import drift
+from pdserve_operator.autoscale import Autoscaler
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator import status as st
@@ -114,6 +115,7 @@ class Reconciler:
         self.clock = clock
         self.token_factory = token_factory
         self._slots: dict[tuple[str, str], _Slot] = {}
+        self.autoscaler = Autoscaler(kube, broker)
 
     async def request(self, namespace: str, name: str, why: str) -> Outcome | None:
         """Reconcile soon; returns None when an already queued run will cover this request."""
@@ -127,6 +129,7 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         self._slots.pop((namespace, name), None)
+        self.autoscaler.forget(f"{namespace}/{name}")
 
     async def reconcile(self, namespace: str, name: str, why: str) -> Outcome | None:
         body = await asyncio.to_thread(self.kube.get, PDIS, namespace, name)
@@ -143,8 +146,11 @@ class Reconciler:
             return outcome
         token, secret = await self._token(svc)
         children = ch.render(svc.owner, spec, token, self.defaults)
-        live = await self._apply_children(svc, children, secret, outcome)
-        observed = await self._observe(svc, spec, live, outcome.conflicts)
+        live = await self._apply_children(svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec))
+        await self._remove_stale_hpas(svc, spec)
+        scaling = await self.autoscaler.step(svc.owner, spec, svc.generation, live,
+                                             lambda type_, reason, msg: self._event(svc, type_, reason, msg))
+        observed = await self._observe(svc, spec, live, outcome.conflicts, scaling)
         status = st.compute(svc.owner, spec, svc.generation, observed, svc.prev, self.clock())
         await self._write_status(svc, status, outcome)
         log.debug(kv(event="reconciled", service=svc.owner.key, why=why, phase=outcome.phase))
@@ -166,19 +172,26 @@ class Reconciler:
         return token, secret
 
     async def _apply_children(
-        self, svc: _Service, desired: list[Live], secret: Live | None, outcome: Outcome
+        self, svc: _Service, desired: list[Live], secret: Live | None, outcome: Outcome,
+        autoscaled: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
     ) -> dict[tuple[str, str], Live]:
-        """Create, leave or patch each rendered child; the children as they are now."""
+        """Create, leave or patch each rendered child; the children as they are now.
+
+        The workloads in `autoscaled` get their rendered replicas only when created: after that
+        `spec.replicas` is the autoscaler's field, and we neither compare nor write it (as a
+        server-side apply that leaves the field out of its configuration would not)."""
         live: dict[tuple[str, str], Live] = {}
         for want in desired:
             read = (secret,) if want["kind"] == "Secret" else None  # the Secret was read for the token
-            live[(want["kind"], want["metadata"]["name"])] = await self._apply_child(svc, want, read, outcome)
+            key = (want["kind"], want["metadata"]["name"])
+            live[key] = await self._apply_child(svc, want, read, outcome, key in autoscaled)
         if outcome.created:
             log.info(kv(event="children_created", service=svc.owner.key, children=",".join(outcome.created)))
         return live
 
     async def _apply_child(
-        self, svc: _Service, want: Live, read: tuple[Live | None] | None, outcome: Outcome
+        self, svc: _Service, want: Live, read: tuple[Live | None] | None, outcome: Outcome,
+        replicas_released: bool = False,
     ) -> Live:
         """One child; `read` holds it when it was read already (None inside: it did not exist)."""
         kind, namespace, name = KINDS[want["kind"]], svc.owner.namespace, want["metadata"]["name"]
@@ -196,6 +209,8 @@ class Reconciler:
                 if current is None:  # created and deleted again since: the next reconcile sees how it ends
                     raise
                 log.info(kv(event="child_create_raced", service=svc.owner.key, child=label))
+        if replicas_released:
+            want = {**want, "spec": {k: v for k, v in want["spec"].items() if k != "replicas"}}
         if (foreign := drift.foreign_controller(want, current)) is not None:
             outcome.conflicts.append(label)
             log.warning(kv(event="child_conflict", service=svc.owner.key, child=label, controller=foreign))
@@ -210,8 +225,25 @@ class Reconciler:
             await self._event(svc, ev.WARNING, ev.DRIFT_REVERTED, f"{label}: reverted {', '.join(paths[:5])}")
         return patched
 
+    async def _remove_stale_hpas(self, svc: _Service, spec: s.PDInferenceServiceSpec) -> None:
+        """An HPA we rendered for a role that no longer has driver hpa would fight whoever
+        drives it now: delete it (only ours: one another controller owns is left alone)."""
+        if spec.autoscaling is None and (svc.prev is None or svc.prev.autoscaling is None):
+            return  # never autoscaled: nothing of ours to look for
+        kind = KINDS["HorizontalPodAutoscaler"]
+        for role in set(("prefill", "decode")) - set(ch.hpa_roles(spec)):
+            name = ch.hpa_name(svc.owner.name, role)
+            current = await asyncio.to_thread(self.kube.get, kind, svc.owner.namespace, name)
+            if current is None or drift.controller_other_than({svc.owner.uid}, current) is not None:
+                continue
+            if not any(ref.get("uid") == svc.owner.uid for ref in current["metadata"].get("ownerReferences") or []):
+                continue
+            await asyncio.to_thread(self.kube.delete, kind, svc.owner.namespace, name)
+            log.info(kv(event="hpa_removed", service=svc.owner.key, hpa=name, role=role))
+
     async def _observe(
-        self, svc: _Service, spec: s.PDInferenceServiceSpec, live: dict[tuple[str, str], Live], conflicts: list[str]
+        self, svc: _Service, spec: s.PDInferenceServiceSpec, live: dict[tuple[str, str], Live], conflicts: list[str],
+        scaling: s.AutoscalingStatus | None = None,
     ) -> st.Observed:
         """What the status is computed from: the workloads, decode pods when grouped, the broker."""
         name, key = svc.owner.name, svc.owner.key
@@ -228,6 +260,7 @@ class Reconciler:
             registered=self.broker.registered_counts(key),
             slots_used=self.broker.slots_in_use(key),
             conflicts=tuple(conflicts),
+            autoscaling=scaling,
         )
 
     async def _write_status(self, svc: _Service, new: s.PDInferenceServiceStatus, outcome: Outcome) -> None:

@@ -32,6 +32,7 @@ class Observed:
     registered: Mapping[str, int] | None = None  # from the broker; None when no broker runs
     slots_used: int | None = None
     conflicts: tuple[str, ...] = field(default=())  # children another controller owns
+    autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale.py)
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,14 @@ def compute(
         if observed.decode_pods is not None and shards > 1
         else decode.ready // shards
     )
+    # An autoscaled role wants what its workload is asked for now (an autoscaler wrote it).
+    p_want = _asked(observed.prefill, 1) if s.autoscaled(spec, "prefill") else None
+    d_want = _asked(observed.decode, shards) if s.autoscaled(spec, "decode") else None
+    p_want = spec.prefill.replicas if p_want is None else p_want
+    d_want = spec.decode.replicas if d_want is None else d_want
     roles = {
-        "prefill": (spec.prefill.replicas, prefill.ready, spec.prefill.replicas),
-        "decode": (spec.decode.replicas, decode_ready, ch.decode_pods(spec)),
+        "prefill": (p_want, prefill.ready, p_want),
+        "decode": (d_want, decode_ready, d_want * shards),
         "router": (spec.router.replicas, router.ready, spec.router.replicas),
     }
     role_status: dict[str, dict[str, Any]] = {}
@@ -221,7 +227,15 @@ def compute(
         router=s.RoleStatus(**role_status["router"]),
         slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),
         endpoint=ch.endpoint(owner, spec),
+        autoscaling=observed.autoscaling,
     )
+
+
+def _asked(workload: dict[str, Any] | None, per: int) -> int | None:
+    """The replicas a live workload's spec asks for (decode: in groups); None when it does not exist."""
+    if workload is None:
+        return None
+    return int((workload.get("spec") or {}).get("replicas") or 0) // per
 
 
 def transition_event(

@@ -67,6 +67,8 @@ BUILTINS: tuple[ResourceType, ...] = (
     ResourceType("events.k8s.io", "v1", "events", "Event", short_names=("ev",), generation_paths=()),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease", generation_paths=()),
     ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)),
+    ResourceType("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", short_names=("hpa",),
+                 categories=("all",), status=True),
     ResourceType("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", namespaced=False,
                  generation_paths=()),
     ResourceType("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", namespaced=False,

@@ -36,7 +36,7 @@ from pdserve_operator.kube import KINDS, PDIS, Kind, KubeClient, KubeError
 from pdserve_operator.reconcile import Outcome, Reconciler
 
 Obj = dict[str, Any]
-WRITES = ("create", "patch", "event")
+WRITES = ("create", "patch", "delete", "event")
 # Kinds whose status is a subresource (the main endpoint ignores it, and a create drops it).
 STATUS_SUBRESOURCE = {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "Pod", s.KIND}
 # Kinds without a generation; the others count changes of their spec (a custom resource with a
@@ -144,6 +144,9 @@ class Recorder:
             lambda: self.inner.merge_patch(kind, namespace, name, patch, sub),
         )
 
+    def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
+        self._invoke(Action("delete", kind.kind, namespace, name), lambda: self.inner.delete(kind, namespace, name))
+
     def post_event(self, involved: Obj, type_: ev.EventType, reason: str, message: str) -> None:
         meta = involved["metadata"]
         self._invoke(
@@ -238,6 +241,9 @@ class MemoryKube:
         new["metadata"]["resourceVersion"] = str(next(self._rv))
         self.objects[key] = new
         return copy.deepcopy(new)
+
+    def delete(self, kind: Kind, namespace: str | None, name: str) -> None:
+        self.objects.pop((kind.kind, namespace or "", name), None)
 
     def post_event(self, involved: Obj, type_: ev.EventType, reason: str, message: str) -> None:
         self.events.append((involved["kind"], involved["metadata"]["name"], type_, reason, message[: ev.MAX_MESSAGE]))

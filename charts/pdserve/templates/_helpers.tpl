@@ -60,6 +60,14 @@ records them against the API emulator and checks both directions). */}}
 - apiGroups: [apps]
   resources: [deployments, statefulsets]
   verbs: [get, list, watch, create, patch]
+# The built-in autoscaler writes an autoscaled role's replicas where an HPA does.
+- apiGroups: [apps]
+  resources: [deployments/scale, statefulsets/scale]
+  verbs: [patch]
+# spec.autoscaling.<role>.driver hpa: the operator renders (and removes) the role's HPA.
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]

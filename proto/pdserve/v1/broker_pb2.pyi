@@ -50,15 +50,41 @@ class Capacity(_message.Message):
     slots_free: int
     def __init__(self, slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ...) -> None: ...
 
+class LatencyHistogram(_message.Message):
+    __slots__ = ("bounds", "counts", "count")
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class RouterLoad(_message.Message):
+    __slots__ = ("requests_total", "prompt_tokens_total", "output_tokens_total", "ttft", "tpot")
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TPOT_FIELD_NUMBER: _ClassVar[int]
+    requests_total: int
+    prompt_tokens_total: int
+    output_tokens_total: int
+    ttft: LatencyHistogram
+    tpot: LatencyHistogram
+    def __init__(self, requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., ttft: _Optional[_Union[LatencyHistogram, _Mapping]] = ..., tpot: _Optional[_Union[LatencyHistogram, _Mapping]] = ...) -> None: ...
+
 class Load(_message.Message):
-    __slots__ = ("slots_used", "slots_free", "active_requests")
+    __slots__ = ("slots_used", "slots_free", "active_requests", "router")
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     slots_used: int
     slots_free: int
     active_requests: int
-    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    router: RouterLoad
+    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
     __slots__ = ("worker_id", "role", "grpc_endpoint", "engine_id", "regions", "kv_layout", "revision", "capacity", "group", "labels")

@@ -323,6 +323,7 @@ async def _run_router(settings: WorkerSettings) -> None:
     from pdserve_worker.broker_client import BrokerClient
     from pdserve_worker.model.config import ModelConfig
     from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
+    from pdserve_worker.roles.router_load import router_load
     from pdserve_worker.roles.router_metrics import RouterMetrics
     from pdserve_worker.roles.router_pd import PDBackend, Timeouts
     from pdserve_worker.rpc.membership import MemberInfo, Role
@@ -353,8 +354,10 @@ async def _run_router(settings: WorkerSettings) -> None:
     state.serving = lambda: bool(backend.health()["ready"])
     try:
         await backend.start()
+        # The keepalive carries the router's traffic: the operator's autoscaler plans from it.
         await broker.register(MemberInfo(worker_id=settings.member_id, role=Role.ROUTER,
-                                         revision=backend.revision), wait=False)
+                                         revision=backend.revision), wait=False,
+                              load=lambda: router_load(metrics))
         await _serve_api(settings, backend, metrics, state, stop)
         await broker.deregister()
     finally:

@@ -97,6 +97,29 @@ class GroupInfo:
             raise ValueError(f"group.num_layers must be >= 1, got {self.num_layers}")
 
 
+MAX_HISTOGRAM_BUCKETS = 64
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A cumulative latency histogram: `counts[i]` observations were <= `bounds[i]` seconds."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[int, ...] = ()
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class RouterLoad:
+    """A router's traffic since it started: what the operator's autoscaler plans from."""
+
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    output_tokens_total: int = 0
+    ttft: Histogram | None = None
+    tpot: Histogram | None = None
+
+
 @dataclass(frozen=True)
 class Load:
     """What a worker reports with each keepalive."""
@@ -104,6 +127,7 @@ class Load:
     slots_used: int = 0
     slots_free: int = 0
     active_requests: int = 0
+    router: RouterLoad | None = None  # routers only
 
 
 @dataclass(frozen=True)
@@ -225,11 +249,43 @@ def _is_host_port(text: str) -> bool:
 
 
 def load_to_proto(load: Load) -> broker_pb2.Load:
-    return broker_pb2.Load(slots_used=load.slots_used, slots_free=load.slots_free, active_requests=load.active_requests)
+    msg = broker_pb2.Load(slots_used=load.slots_used, slots_free=load.slots_free, active_requests=load.active_requests)
+    if load.router is not None:
+        r = load.router
+        msg.router.CopyFrom(broker_pb2.RouterLoad(
+            requests_total=r.requests_total, prompt_tokens_total=r.prompt_tokens_total,
+            output_tokens_total=r.output_tokens_total))
+        for name in ("ttft", "tpot"):
+            hist = getattr(r, name)
+            if hist is not None:
+                getattr(msg.router, name).CopyFrom(
+                    broker_pb2.LatencyHistogram(bounds=hist.bounds, counts=hist.counts, count=hist.count))
+    return msg
+
+
+def _histogram_from_proto(msg: broker_pb2.LatencyHistogram) -> Histogram | None:
+    """None for a histogram that is malformed or too long: the report is dropped, not trusted."""
+    bounds, counts = tuple(msg.bounds), tuple(msg.counts)
+    if not bounds or len(bounds) > MAX_HISTOGRAM_BUCKETS or len(bounds) != len(counts):
+        return None
+    if any(a >= b for a, b in zip(bounds, bounds[1:])) or any(a > b for a, b in zip((*counts, msg.count),
+                                                                                      (*counts[1:], msg.count))):
+        return None
+    return Histogram(bounds, counts, msg.count)
 
 
 def load_from_proto(msg: broker_pb2.Load) -> Load:
-    return Load(slots_used=msg.slots_used, slots_free=msg.slots_free, active_requests=msg.active_requests)
+    router = None
+    if msg.HasField("router"):
+        r = msg.router
+        router = RouterLoad(
+            requests_total=r.requests_total, prompt_tokens_total=r.prompt_tokens_total,
+            output_tokens_total=r.output_tokens_total,
+            ttft=_histogram_from_proto(r.ttft) if r.HasField("ttft") else None,
+            tpot=_histogram_from_proto(r.tpot) if r.HasField("tpot") else None,
+        )
+    return Load(slots_used=msg.slots_used, slots_free=msg.slots_free, active_requests=msg.active_requests,
+                router=router)
 
 
 def member_info_to_proto(info: MemberInfo) -> broker_pb2.MemberInfo:
