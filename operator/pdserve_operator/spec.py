@@ -425,7 +425,7 @@ class HPAMetric(Model):
             field="target",
         ),
         Rule(
-            cel="self.type != 'Resource' || size(self.selector) == 0",
+            cel="self.type != 'Resource' || !has(self.selector) || size(self.selector) == 0",
             message="a Resource metric takes no selector",
             holds=lambda m: m.type != "Resource" or not m.selector,
             field="selector",

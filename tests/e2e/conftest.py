@@ -110,6 +110,8 @@ class FakeBroker:
         self.removed: list[str] = []
         self.counts: dict[str, dict[str, int]] = {}
         self.slots: dict[str, int] = {}
+        self.loads: dict[str, list[Any]] = {}
+        self.draining: dict[tuple[str, str], bool] = {}
         self.token_calls = 0
 
     def set_service_token(self, service_key: str, token: str) -> None:
@@ -125,6 +127,14 @@ class FakeBroker:
 
     def slots_in_use(self, service_key: str) -> int | None:
         return self.slots.get(service_key)
+
+    def members(self, service_key: str) -> list[Any] | None:
+        """The autoscaler's input: members with loads the test set (`pdserve_worker.rpc.membership.Member`)."""
+        return list(self.loads.get(service_key, []))
+
+    def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
+        self.draining[(service_key, worker_id)] = draining
+        return any(m.worker_id == worker_id for m in self.loads.get(service_key, []))
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from conftest import Cluster, OperatorHandle, wait_for
+from kube_emulator.managed_fields import owners
 
 from pdserve_operator import spec as s
 from pdserve_operator.broker import BrokerServer
@@ -235,10 +236,14 @@ def test_load_up_oscillation_and_down_through_a_drain(cluster: Cluster, namespac
             assert all(b - a >= 4 - 0.5 for a, b in zip(changes, changes[1:])), f"two changes within a window: {timeline}"
         fakes.traffic.set_rate(3.0)  # back up, after the 2 s up window
         wait_for(lambda: replicas(cluster, namespace) == (3, 3), timeout=10, what="back at 3, 3")
+        # Steady high load for a whole down window: the window then holds only its recommendations.
+        assert track(cluster, namespace, 4.5) == [(3, 3)]
 
         # 3. Load falls and stays down; decode group 2 still runs a request: the planner waits
         # the down window, drains decode-1 and decode-2, and lowers the StatefulSet only after
         # decode-2's request finished.
+        assert not [m.worker_id for m in broker.registry.members(key) if m.draining], (
+            timeline, events(cluster, namespace))
         fakes.decode_busy[f"{NAME}-decode-2"] = 1
         fakes.traffic.set_rate(0.1)
         fell = time.monotonic()
@@ -299,6 +304,12 @@ def test_an_hpa_owned_role_is_never_overwritten(cluster: Cluster, namespace: str
              what="the spec change reconciled")
     seen = track(cluster, namespace, 3.0)
     assert seen == [(5, 4)], f"the operator overwrote an autoscaler's replicas: {seen}"
+    # Field ownership as the API server records it (the emulator's managed_fields.py): the
+    # replicas are the second manager's alone; the operator still owns the rest of the workload.
+    for kind, name in (("Deployment", f"{NAME}-prefill"), ("StatefulSet", f"{NAME}-decode")):
+        live = cluster.get(kind, namespace, name)
+        assert owners(live, ("spec", "replicas")) == ["horizontal-pod-autoscaler"], live["metadata"]["managedFields"]
+        assert owners(live, ("spec", "template", "spec", "containers")) == ["OpenAPI-Generator"]
     status = cluster.get(s.KIND, namespace, NAME)["status"]
     assert status["autoscaling"]["prefill"]["driver"] == "hpa" and status["autoscaling"]["prefill"]["current"] == 5
     assert status["autoscaling"]["decode"]["driver"] == "external" and status["decode"]["desired"] == 4

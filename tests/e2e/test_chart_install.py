@@ -5,7 +5,7 @@ The operator runs with the chart Deployment's own PDSERVE_OPERATOR_* variables a
 chart's service account (a bearer token that the emulator logs with every request). The
 emulator authorizes nothing, so after a scenario that walks every path that talks to the API
 (peering, create, status, events, drift repair of every child kind, the pod listing of sharded
-decode, deletion through the finalizer), each logged request is checked against the rendered
+decode, autoscaling's HPA and scale writes, deletion through the finalizer), each logged request is checked against the rendered
 RBAC, and each granted permission must have been used by some request (least privilege).
 """
 
@@ -115,7 +115,7 @@ def operator_requests(cluster: Cluster, since: int) -> list[RequestAttributes]:
     return [request_attributes(e.method, e.path, e.query) for e in entries if e.user == OPERATOR_TOKEN]
 
 
-def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_policy: bool) -> None:
+def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_policy: bool, broker: Any) -> None:
     """Everything the operator does to the API, once: see the module docstring."""
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["spec"]["decode"]["layerShards"] = 2  # makes the reconciler list decode pods
@@ -138,8 +138,41 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
         wait_for(lambda k=kind, n=cname: cluster.get(k, namespace, n)["metadata"]["labels"][ch.LABEL_NAME] == ch.APP,
                  what=f"{kind}/{cname} repaired")
 
+    autoscaling_scenario(cluster, broker, namespace, name)
     cluster.kubectl("delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=20s")
     assert cluster.get("PDInferenceService", namespace, name) is None
+
+
+def autoscaling_scenario(cluster: Cluster, broker: Any, namespace: str, name: str) -> None:
+    """Autoscaling's calls: an HPA rendered, repaired and removed; the planner writing both
+    workloads' replicas through their scale subresources (a busy decode in the broker)."""
+    from pdserve_worker.kv.layout import KVLayout
+    from pdserve_worker.rpc.membership import Load, Member, MemberInfo, MemoryRegion, Role
+
+    layout = KVLayout(num_slots=8, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
+    busy = Member(MemberInfo(worker_id=f"{name}-decode-0", role=Role.DECODE, grpc_endpoint="10.0.0.1:7000",
+                             engine_id="10.0.0.1:7100", regions=(MemoryRegion(0x10000, layout.total_bytes),),
+                             kv_layout=layout, revision="r", slots_total=8, slots_free=0),
+                  load=Load(slots_used=8, slots_free=0, active_requests=8))
+    broker.loads[f"{namespace}/{name}"] = [busy]
+    hpa_metric = {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
+    autoscaling = {"slo": {"ttftMs": 2000, "tpotMs": 100}, "intervalSeconds": 1, "scaleUpWindowSeconds": 0,
+                   "prefill": {"enabled": True, "driver": "hpa", "maxReplicas": 4, "metric": hpa_metric},
+                   "decode": {"enabled": True, "maxReplicas": 3}}
+    pdis = KINDS["PDInferenceService"]
+    cluster.kube.merge_patch(pdis, namespace, name, {"spec": {"autoscaling": autoscaling}})
+    hpa_kind = KINDS["HorizontalPodAutoscaler"]
+    hpa_name = ch.hpa_name(name, "prefill")
+    wait_for(lambda: cluster.kube.get(hpa_kind, namespace, hpa_name), what="the prefill HPA")
+    sts = ch.workload_name(name, "decode")
+    wait_for(lambda: cluster.get("StatefulSet", namespace, sts)["spec"]["replicas"] > 2, what="decode scaled up")
+    cluster.kube.merge_patch(hpa_kind, namespace, hpa_name, {"spec": {"maxReplicas": 40}})
+    wait_for(lambda: cluster.kube.get(hpa_kind, namespace, hpa_name)["spec"]["maxReplicas"] == 4, what="HPA repaired")
+    autoscaling["prefill"] = {"driver": "planner", "metric": None}
+    cluster.kube.merge_patch(pdis, namespace, name, {"spec": {"autoscaling": autoscaling}})
+    wait_for(lambda: cluster.kube.get(hpa_kind, namespace, hpa_name) is None, what="the HPA removed")
+    dep = ch.workload_name(name, "prefill")
+    wait_for(lambda: cluster.get("Deployment", namespace, dep)["spec"]["replicas"] > 1, what="prefill scaled up")
 
 
 MODES = {
@@ -171,7 +204,7 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
     try:
         # The chart's liveness probe path is what the operator serves (kopf starts it just after ready).
         wait_for(lambda: probe(f"http://127.0.0.1:{handle.health_port}/healthz") == 200, what="liveness endpoint")
-        run_scenario(cluster, namespace, tmp_path, network_policy)
+        run_scenario(cluster, namespace, tmp_path, network_policy, handle.broker)
     finally:
         handle.stop()
     requests = operator_requests(cluster, mark)

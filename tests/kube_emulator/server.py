@@ -20,7 +20,8 @@ everything else from its own store with the API server's semantics:
   at once; custom resources pruned, defaulted and validated in the API server's order, CEL rules
   with oldSelf and ratcheting included (schema.py), 422s worded as the API server words them;
 - discovery in the legacy form (kubectl falls back from aggregated discovery), and server-side
-  Tables with a CRD's printer columns for `kubectl get`.
+  Tables with a CRD's printer columns for `kubectl get`;
+- field ownership of Update operations (`metadata.managedFields`, managed_fields.py).
 
 Not emulated: controllers (no pods appear; tests patch workload status themselves), protobuf
 bodies, server-side apply field ownership, admission webhooks, RBAC.
@@ -44,7 +45,7 @@ import attrs
 import kmock
 import yaml
 
-from . import crd_validation, field, patching, resources, schema, selectors
+from . import crd_validation, field, managed_fields, patching, resources, schema, selectors
 from .resources import ResourceType
 
 Obj = dict[str, Any]
@@ -195,6 +196,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
         path = request.url.path.rstrip("/") or "/"
         method = str(request.method.value).upper()
         params = dict(request.params)
+        params["_manager"] = managed_fields.manager_of(params, request.headers.get("User-Agent", ""))
         if method == "GET":
             doc = self._discovery(path)
             if doc is not None:
@@ -487,6 +489,9 @@ class KubeEmulator(kmock.KubernetesScaffold):
             return obj
         if rtype.plural == "customresourcedefinitions":
             self._register_crd(obj)
+        obj["metadata"].pop("managedFields", None)
+        if "_manager" in params:
+            managed_fields.record_update(None, obj, params["_manager"], None, _now())
         return copy.deepcopy(self._insert(rtype, obj))
 
     def _replace(self, rtype: ResourceType, ns: str | None, name: str, sub: str | None, body: Any,
@@ -511,6 +516,8 @@ class KubeEmulator(kmock.KubernetesScaffold):
             raise ApiError(exc.status, reason, str(exc)) from exc
         if isinstance(body, dict) and _dig(body, "metadata.resourceVersion") is None:
             new.setdefault("metadata", {})["resourceVersion"] = old["metadata"]["resourceVersion"]  # unconditional
+        if ctype.startswith("application/apply-patch"):
+            params = {**params, "_apply": "1"}  # no ownership recorded for applies (managed_fields.py)
         if sub == "scale":
             return self._write_scale(rtype, old, new, params)
         return self._update(rtype, old, new, sub, params)
@@ -548,6 +555,10 @@ class KubeEmulator(kmock.KubernetesScaffold):
             else:
                 cmeta.pop(key, None)
         cmeta["resourceVersion"] = meta_old["resourceVersion"]
+        if "managedFields" in meta_old:  # the server's record: what a client sends is ignored here
+            cmeta["managedFields"] = copy.deepcopy(meta_old["managedFields"])
+        else:
+            cmeta.pop("managedFields", None)
         if meta_old.get("deletionTimestamp"):
             added = set(cmeta.get("finalizers") or []) - set(meta_old.get("finalizers") or [])
             if added:
@@ -559,6 +570,8 @@ class KubeEmulator(kmock.KubernetesScaffold):
             return copy.deepcopy(old)  # a no-op write: same resourceVersion, no event
         if self._content_changed(rtype, old, candidate):
             cmeta["generation"] = int(meta_old.get("generation", 1)) + 1
+        if "_manager" in params and not params.get("_apply"):
+            managed_fields.record_update(old, candidate, params["_manager"], params.get("_subresource", sub), _now())
         if params.get("dryRun") == "All":
             return candidate
         if rtype.plural == "customresourcedefinitions" and sub is None:
@@ -599,7 +612,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
         new = copy.deepcopy(old)
         _put(new, rtype.scale.spec_path, replicas)
         new["metadata"]["resourceVersion"] = _dig(scale, "metadata.resourceVersion") or old["metadata"]["resourceVersion"]
-        stored = self._update(rtype, old, new, None, params)
+        stored = self._update(rtype, old, new, None, {**params, "_subresource": "scale"})
         return self._scale_of(rtype, stored)
 
     def _delete(self, rtype: ResourceType, ns: str | None, name: str, params: dict[str, str], body: Obj) -> Obj:

@@ -147,6 +147,20 @@ def test_an_autoscaled_spec_is_stored_with_its_defaults_and_parses_back() -> Non
     assert "autoscaling" not in stored["spec"]  # off unless asked for: nothing defaulted in
 
 
+@pytest.mark.parametrize("metric", [
+    {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+    {"type": "Pods", "name": "pdserve_prefill_queue_length", "target": {"type": "AverageValue", "averageValue": "4"}},
+    {"type": "External", "name": "q", "selector": {"queue": "llm"}, "target": {"type": "Value", "value": "10"}},
+])
+def test_every_valid_metric_kind_is_admitted(metric: dict[str, Any]) -> None:
+    spec = base(prefill={"enabled": True, "driver": "hpa", "metric": metric})
+    assert admitted(spec)[1] == []
+    assert s.parse_spec(spec).autoscaling.prefill.metric is not None
+    with_selector = {**metric, "selector": {"a": "b"}}
+    refused = admitted(base(prefill={"enabled": True, "driver": "hpa", "metric": with_selector}))[1]
+    assert any("a Resource metric takes no selector" in e for e in refused) == (metric["type"] == "Resource")
+
+
 def test_a_model_the_planner_cannot_size_is_marked_invalid_by_the_operator() -> None:
     spec = {**base(decode={"enabled": True}), "model": {"source": "pvc://models/qwen"}}
     assert admitted(spec)[1] == []  # the API server cannot know

@@ -85,6 +85,38 @@ def test_status_and_scale_subresources_and_generation(kube: RestKubeClient) -> N
     assert got["spec"]["replicas"] == 3 and got["metadata"]["generation"] == 2
 
 
+def test_update_operations_record_field_ownership(kube: RestKubeClient) -> None:
+    """managedFields as the API server's field manager records Updates (managed_fields.py): the
+    manager is fieldManager or the User-Agent's prefix; changed fields move to the writer, a
+    /scale write is recorded on spec.replicas with subresource scale, a no-op moves nothing."""
+    from kube_emulator.managed_fields import owners
+
+    def write(patch: dict, manager: str, sub: str | None = None) -> None:
+        kube.request("PATCH", DEP.path("default", "own", sub), patch, "application/merge-patch+json",
+                     {"fieldManager": manager})
+
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "own", "namespace": "default"},
+           "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}, "template": {}}}
+    kube.create(dep)
+    got = kube.get(DEP, "default", "own")
+    creator = got["metadata"]["managedFields"][0]["manager"]
+    assert creator == "OpenAPI-Generator"  # the kubernetes client's User-Agent, up to its first "/"
+    assert owners(got, ("spec", "replicas")) == [creator]
+    write({"spec": {"replicas": 4}}, "horizontal-pod-autoscaler", "scale")
+    got = kube.get(DEP, "default", "own")
+    assert owners(got, ("spec", "replicas")) == ["horizontal-pod-autoscaler"]
+    assert owners(got, ("spec", "selector", "matchLabels", "a")) == [creator]  # untouched: still the creator's
+    [hpa] = [e for e in got["metadata"]["managedFields"] if e["manager"] == "horizontal-pod-autoscaler"]
+    assert hpa["subresource"] == "scale" and hpa["operation"] == "Update"
+    assert hpa["fieldsV1"] == {"f:spec": {"f:replicas": {}}}
+    write({"spec": {"replicas": 4}, "metadata": {"labels": {"x": "y"}}}, "someone")  # replicas unchanged
+    got = kube.get(DEP, "default", "own")
+    assert owners(got, ("spec", "replicas")) == ["horizontal-pod-autoscaler"]
+    assert owners(got, ("metadata", "labels", "x")) == ["someone"]
+    write({"spec": {"replicas": 2}}, "someone")
+    assert owners(kube.get(DEP, "default", "own"), ("spec", "replicas")) == ["someone"]
+
+
 def test_custom_resources_are_defaulted_and_validated_with_cel(kube: RestKubeClient) -> None:
     body = {"apiVersion": "pdserve.dev/v1alpha1", "kind": "PDInferenceService", "metadata": {"name": "v", "namespace": "default"},
             "spec": {"decode": {"replicas": 2, "unknownField": 1}}}
