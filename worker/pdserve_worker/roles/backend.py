@@ -11,7 +11,9 @@ router alone decides which status code each becomes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -127,3 +129,27 @@ class BackendUnavailable(BackendError):
 
 class RequestTimeout(BackendError):
     """The request did not complete in time (a KV transfer or a peer did not answer)."""
+
+
+# The router's admission queue learns that a request holds capacity (its KV reservation) the
+# moment the backend has it, long before the first token: `capacity_held()` tells it. A context
+# variable rather than a parameter of `generate`, so backends and test fakes that cannot tell
+# keep the protocol's signature; for them the first token is taken as the sign.
+_capacity_listener: ContextVar[Callable[[], None] | None] = ContextVar("pdserve_capacity_listener", default=None)
+
+
+def capacity_held() -> None:
+    """Called by a backend, inside `generate`, once it holds the capacity the request needs."""
+    listener = _capacity_listener.get()
+    if listener is not None:
+        listener()
+
+
+@contextmanager
+def capacity_listener(listener: Callable[[], None]) -> Iterator[None]:
+    """Run `listener` when the backend reports `capacity_held()` within this block (same task)."""
+    token = _capacity_listener.set(listener)
+    try:
+        yield
+    finally:
+        _capacity_listener.reset(token)

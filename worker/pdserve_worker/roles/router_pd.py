@@ -49,6 +49,7 @@ from pdserve_worker.roles.backend import (
     RequestInfo,
     RequestTimeout,
     TokenEvent,
+    capacity_held,
 )
 from pdserve_worker.roles.placement import compatible, rank_decodes, rank_prefills
 from pdserve_worker.roles.router_metrics import RouterMetrics
@@ -373,7 +374,9 @@ class PDBackend(ModelTokenizing):
             try:
                 # Shielded: cancelled while the Reserve is in flight (the client left), the call
                 # goes on, and a grant that arrives anyway is given back instead of lost.
-                return member, await asyncio.shield(reserve)
+                grant = await asyncio.shield(reserve)
+                capacity_held()  # the admission queue may let the next request try
+                return member, grant
             except asyncio.CancelledError:
                 self._spawn(self._give_back_late(member, reserve, request_id))
                 raise
