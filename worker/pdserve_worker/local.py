@@ -71,6 +71,7 @@ class LocalPlan:
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     readiness: str = "interrupt"
     tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
+    api_keys: Path | None = None  # keys file (router_keys.py) the router requires; None: no authentication
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -310,6 +311,8 @@ class LocalDeployment:
             env[E.BROKER_TOKEN] = self.token
         if self.certs is not None:
             env.update(tls_env(self.certs, broker_tls=role != "colocated"))
+        if plan.api_keys is not None and role in ("router", "colocated"):
+            env[E.API_KEYS_FILE] = str(Path(plan.api_keys).resolve())
         env.update(plan.extra_env)
         return env
 

@@ -86,6 +86,15 @@ BROKER_TLS = "PDSERVE_BROKER_TLS"  # "true": the broker speaks TLS (verified wit
 TLS_DIR = "/etc/pdserve/tls"
 TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"  # cert-manager's Secret keys
 
+# Router admission (spec.router.auth, spec.router.admission): docs/admission.md.
+API_KEYS_FILE = "PDSERVE_API_KEYS_FILE"  # keys file (the Secret's keys.yaml); unset: no authentication
+API_KEYS_DIR = "/etc/pdserve/api-keys"
+API_KEYS_KEY = "keys.yaml"  # the key of the auth Secret that holds the keys file
+ADMISSION_QUEUE = "PDSERVE_ADMISSION_QUEUE"  # requests that may wait for a KV reservation
+ADMISSION_PER_TENANT = "PDSERVE_ADMISSION_PER_TENANT"  # of which one tenant may hold
+ADMISSION_DEADLINE_SECONDS = "PDSERVE_ADMISSION_DEADLINE_SECONDS"  # longest wait for admission
+ROUTER_REPLICAS = "PDSERVE_ROUTER_REPLICAS"  # routers sharing each tenant's limits (each enforces 1/N)
+
 _ORDINAL = re.compile(r"-(\d+)$")
 
 

@@ -4,6 +4,7 @@
     pdserve local --demo        start, ask one question, show the answer and its timing, stop
     pdserve local --colocated   one process that prefills and decodes (the baseline)
     pdserve local --tls         mutual TLS on every gRPC hop, HTTPS at the router (a CA made for the run)
+    pdserve local --api-keys F  require API keys (a keys file, docs/admission.md) on the OpenAI endpoint
 
 Progress goes to stderr; the router's URL goes to stdout once it serves. Ctrl-C or SIGTERM
 stops every child. Exits non-zero, with the failing child's last log lines, if the
@@ -40,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls", action="store_true",
                    help="make a CA for the run: mutual TLS on every gRPC hop (no plaintext gRPC port), HTTPS "
                         "at the router; clients verify it with ca.crt in the log folder")
+    p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                   help="require API keys on the OpenAI endpoint: a keys file (docs/admission.md), re-read when "
+                        "it changes (default: no authentication)")
     p.add_argument("--demo", action="store_true", help=f"ask {DEMO_QUESTION!r}, show the answer and timing, stop")
     p.add_argument("--on-exit", choices=["stop", "restart", "ignore"], default="stop",
                    help="when a child exits while serving: stop everything (default), restart it (as a pod's "
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
                          weights=args.weights, slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
                          layers_per_chunk=args.layers_per_chunk, layer_shards=args.layer_shards,
-                         tls=args.tls, log_dir=args.log_dir, extra_env=extra_env)
+                         tls=args.tls, api_keys=args.api_keys, log_dir=args.log_dir, extra_env=extra_env)
     except ValueError as exc:
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2

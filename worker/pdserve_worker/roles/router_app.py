@@ -15,7 +15,11 @@ push) is behind the backend; this module owns the HTTP contract:
   fields (openai_api.py), the prompt's characters (before tokenizing), and tokenizing itself
   runs in a small thread pool with a bounded queue (roles/tokenizing.py);
 - error bodies name no worker and no gRPC detail: the client reads a generic message with
-  the request id, the router's log has the details under that id.
+  the request id, the router's log has the details under that id;
+- with API keys (`keys`), every /v1 route needs `Authorization: Bearer KEY` (401 otherwise);
+  with an admission queue (`admission`), a request waits there for its KV reservation instead
+  of being answered 429 when no slot is free (router_admission.py): the backend's `NoCapacity`
+  before the first token sends it back to its place in the queue.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any, TypeVar
 from dataclasses import dataclass
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -41,7 +45,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve_worker import __version__
 from pdserve_worker.logs import kv
-from pdserve_worker.roles.backend import Backend, BackendError, InvalidPrompt
+from pdserve_worker.roles.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
 from pdserve_worker.roles.generation import Delta, Generation
 from pdserve_worker.roles.openai_api import (
     ChatCompletionRequest,
@@ -51,7 +55,15 @@ from pdserve_worker.roles.openai_api import (
     Usage,
     error_body,
 )
-from pdserve_worker.roles.router_errors import ApiError, from_backend_error, from_validation_errors
+from pdserve_worker.roles.router_admission import AdmissionQueue, Rejected, State, Ticket
+from pdserve_worker.roles.router_errors import (
+    ApiError,
+    from_backend_error,
+    from_rejection,
+    from_validation_errors,
+    unauthorized,
+)
+from pdserve_worker.roles.router_keys import ANONYMOUS, PRIORITIES, KeyFile, KeyStore, Tenant, TenantLimits, bearer_key
 from pdserve_worker.roles.router_metrics import RouterMetrics
 from pdserve_worker.roles.tokenizing import (
     DEFAULT_MAX_TOKEN_CHARS,
@@ -67,6 +79,10 @@ T = TypeVar("T")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills the context
 INLINE_TOKENIZE_MAX_CHARS = 2048  # longer prompts are tokenized in a worker thread
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+PRIORITY_HEADER = "x-pdserve-priority"  # high | normal | low, capped by the key's maxPriority
+DEADLINE_HEADER = "x-pdserve-deadline-ms"  # how long the request may wait for admission (only shortens)
+DEFAULT_PRIORITY = "normal"
+ANONYMOUS_TENANT = Tenant(ANONYMOUS, TenantLimits())
 
 
 @dataclass(frozen=True)
@@ -118,10 +134,13 @@ async def run_unless_disconnected(request: Request, fn: Callable[[], Awaitable[T
 class _Ledger:
     """Accounts one admitted request exactly once in metrics and in the log, however it ends."""
 
-    def __init__(self, metrics: RouterMetrics, gen: Generation, endpoint: str) -> None:
+    def __init__(self, metrics: RouterMetrics, gen: Generation, endpoint: str,
+                 admission: AdmissionQueue | None = None, ticket: Ticket | None = None) -> None:
         self._metrics = metrics
         self._gen = gen
         self._endpoint = endpoint
+        self._admission = admission
+        self.ticket = ticket
         self.closed = False
 
     @property
@@ -136,10 +155,18 @@ class _Ledger:
         if self._close(reason):
             self._metrics.observe_failed(reason, self._gen.timing(), self._gen.prompt_tokens)
 
+    def rejected(self, reason: str) -> None:
+        """The admission queue refused the request while it waited (its deadline passed)."""
+        if self._close(reason):
+            self._metrics.observe_rejected(429)
+
     def _close(self, outcome: str) -> bool:
         if self.closed:
             return False
         self.closed = True
+        if self._admission is not None and self.ticket is not None:
+            # The one release of the request's admission, however it ended.
+            self._admission.release(self.ticket, self._gen.completion_tokens)
         if not log.isEnabledFor(logging.INFO):
             return True
         gen, timing = self._gen, self._gen.timing()
@@ -235,8 +262,11 @@ class _Router:
     """The request path shared by both generation endpoints."""
 
     def __init__(self, backend: Backend, metrics: RouterMetrics, report_request_info: bool,
-                 limits: RouterLimits) -> None:
+                 limits: RouterLimits, admission: AdmissionQueue | None = None,
+                 keys: KeyFile | KeyStore | None = None) -> None:
         self.backend = backend
+        self.admission = admission
+        self.keys = keys
         self.metrics = metrics
         self.report_request_info = report_request_info
         self.limits = limits
@@ -248,10 +278,38 @@ class _Router:
         self.metrics.observe_rejected(status)
         return ApiError(status, message, param=param, code=code)
 
-    async def serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+    def authenticate(self, request: Request) -> Tenant:
+        """The request's tenant by its bearer key; 401 without a known key (keys configured)."""
+        if self.keys is None:
+            return ANONYMOUS_TENANT
+        key = bearer_key(request.headers.get("authorization"))
+        tenant = None if key is None else self.keys.lookup(key)
+        if tenant is None:
+            self.metrics.observe_rejected(401)
+            raise unauthorized(presented=key is not None)
+        return tenant
+
+    def _admission_headers(self, request: Request) -> tuple[str, float | None]:
+        """The priority class and the deadline (seconds) a request asks for in its headers."""
+        priority = request.headers.get(PRIORITY_HEADER, DEFAULT_PRIORITY).strip().lower()
+        if priority not in PRIORITIES:
+            raise self.reject(400, f"header {PRIORITY_HEADER}: {priority[:32]!r} is not one of "
+                                   f"{', '.join(PRIORITIES)}", code="invalid_priority")
+        raw = request.headers.get(DEADLINE_HEADER)
+        if raw is None:
+            return priority, None
+        raw = raw.strip()
+        if not raw.isdigit() or not 0 < int(raw) <= 86_400_000:
+            raise self.reject(400, f"header {DEADLINE_HEADER}: {raw[:32]!r} is not a whole number of "
+                                   f"milliseconds from 1 to 86400000", code="invalid_deadline")
+        return priority, int(raw) / 1000.0
+
+    async def serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                    tenant: Tenant = ANONYMOUS_TENANT) -> Response:
         arrived = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        priority, deadline_s = self._admission_headers(request)
         if body.model != self.backend.model_name:
             raise self.reject(404, f"The model '{body.model}' does not exist; this server serves "
                                    f"'{self.backend.model_name}'", param="model", code="model_not_found")
@@ -273,7 +331,17 @@ class _Router:
         gen = Generation(self.backend, prompt_ids, params, request_id, arrived)
         fmt_type = ChatResponseFormat if chat else ResponseFormat
         fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
-        ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions")
+        ticket = None
+        if self.admission is not None:
+            try:
+                ticket = self.admission.enter(tenant, priority, len(prompt_ids), max_tokens, deadline_s)  # type: ignore[arg-type]
+            except Rejected as exc:
+                self.metrics.observe_rejected(429)
+                log.info(kv(event="request_rejected", request_id=request_id, tenant=tenant.name,
+                            reason=exc.reason.value, retry_after_s=round(exc.retry_after_s, 3)))
+                raise from_rejection(exc, request_id) from None
+        # No await between the ticket and the ledger that releases it.
+        ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
         if body.stream:
             return await self._stream(request, gen, fmt, ledger)
         return await self._complete(request, gen, fmt, ledger)
@@ -344,6 +412,12 @@ class _Router:
         """Account a failed request and return the error to answer with; the details (worker
         names, gRPC status) go to the log under the request id, not to the client."""
         request_id = ledger.request_id
+        if isinstance(exc, Rejected):  # its deadline passed while it waited for admission
+            log.info(kv(event="request_rejected", request_id=request_id, reason=exc.reason.value))
+            ledger.rejected(exc.reason.value)
+            error = from_rejection(exc, request_id)
+            error.headers.setdefault("x-request-id", request_id)
+            return error
         if isinstance(exc, BackendError):
             error, reason = from_backend_error(exc, request_id)
             log.warning(kv(event="request_failed", request_id=request_id, reason=reason, error=str(exc)))
@@ -354,11 +428,41 @@ class _Router:
         error.headers.setdefault("x-request-id", request_id)
         return error
 
+    async def _first(self, gen: Generation, ledger: _Ledger) -> tuple[AsyncGenerator[Delta, None], Delta]:
+        """The request's deltas and the first of them, once admitted.
+
+        Without an admission queue the backend's `NoCapacity` is the client's 429. With one,
+        the request waits for its turn, then tries; a `NoCapacity` before the reservation puts
+        it back at its place, to try again when the queue says (router_admission.py).
+        """
+        ticket, admission = ledger.ticket, self.admission
+        while True:
+            if ticket is not None and admission is not None:
+                await admission.wait_turn(ticket)
+            deltas = gen.deltas()
+            try:
+                if ticket is None or admission is None:
+                    return deltas, await deltas.__anext__()
+                with capacity_listener(lambda: admission.held(ticket)):
+                    first = await deltas.__anext__()
+                admission.held(ticket)  # a backend that never reports it: the first token proves it
+                return deltas, first
+            except NoCapacity:
+                await deltas.aclose()
+                if ticket is None or admission is None or ticket.state is not State.TRYING:
+                    raise
+                admission.no_capacity(ticket)
+            except BaseException:
+                await deltas.aclose()
+                raise
+
     async def _complete(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:
         async def collect() -> str:
-            parts: list[str] = []
-            async for delta in gen.deltas():
-                parts.append(delta.text)
+            deltas, first = await self._first(gen, ledger)
+            parts: list[str] = [first.text]
+            if first.finish_reason is None:
+                async for delta in deltas:
+                    parts.append(delta.text)
             return "".join(parts)
 
         try:
@@ -377,18 +481,15 @@ class _Router:
         return JSONResponse(body, headers={"x-request-id": gen.request_id})
 
     async def _stream(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:
-        deltas = gen.deltas()
-        try:
-            first = await run_unless_disconnected(request, deltas.__anext__)
+        try:  # (`_first` closes the deltas of any attempt that does not return)
+            deltas, first = await run_unless_disconnected(request, lambda: self._first(gen, ledger))
         except ClientDisconnected:
-            await deltas.aclose()
             ledger.failed("cancelled")
             return Response(status_code=499)
         except asyncio.CancelledError:
             ledger.failed("cancelled")
             raise
         except Exception as exc:
-            await deltas.aclose()
             raise self._fail(exc, ledger) from None
         events = self._events(gen, fmt, first, deltas, ledger)
 
@@ -430,14 +531,21 @@ class _Router:
 
 
 def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
-               report_request_info: bool = True, limits: RouterLimits = RouterLimits()) -> FastAPI:
+               report_request_info: bool = True, limits: RouterLimits = RouterLimits(),
+               admission: AdmissionQueue | None = None, keys: KeyFile | KeyStore | None = None) -> FastAPI:
     """The router's ASGI app over `backend`; `metrics` is shared with the backend for its gauges.
 
     `report_request_info` adds the backend's per-request `RequestInfo` (disaggregated, KV bytes
     and transfer time) to responses as a `pdserve` field; OpenAI clients ignore unknown fields.
+    `admission` queues requests for capacity (None: a backend without capacity is a 429 at
+    once); `keys` requires API keys on /v1 (None: no authentication, one anonymous tenant).
+    The queue must report to `metrics` (`AdmissionQueue(config, observer=metrics)`).
     """
     metrics = metrics if metrics is not None else RouterMetrics()
-    router = _Router(backend, metrics, report_request_info, limits)
+    router = _Router(backend, metrics, report_request_info, limits, admission, keys)
+    if admission is not None:
+        metrics.watch_admission(admission.waiting, PRIORITIES)
+    tenant_of = Depends(router.authenticate)
     started = int(time.time())
     app = FastAPI(title="pdserve router", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, metrics=metrics)
@@ -469,15 +577,18 @@ def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
         log.error(kv(event="unhandled_error", error=repr(exc)), exc_info=exc)
         return JSONResponse(error_body("internal error", "internal_error"), status_code=500)
 
+    # The key is checked (a dependency) before the body is validated: an unauthenticated client
+    # learns nothing from field errors.
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await router.serve(request, body)
+    async def completions(body: CompletionRequest, request: Request, tenant: Tenant = tenant_of) -> Response:
+        return await router.serve(request, body, tenant)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await router.serve(request, body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               tenant: Tenant = tenant_of) -> Response:
+        return await router.serve(request, body, tenant)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[tenant_of])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": backend.model_name, "object": "model", "created": started, "owned_by": "pdserve",
@@ -490,6 +601,8 @@ def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
         describe = getattr(backend, "health", None)  # optional: a backend may report its members
         if callable(describe):
             body.update(describe())
+        if admission is not None:
+            body["admission"] = admission.snapshot()
         return body
 
     @app.get("/metrics")

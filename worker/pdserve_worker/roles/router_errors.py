@@ -23,6 +23,7 @@ from pdserve_worker.roles.backend import (
     RequestTimeout,
 )
 from pdserve_worker.roles.openai_api import error_body
+from pdserve_worker.roles.router_admission import Rejected
 
 
 @dataclass
@@ -62,18 +63,42 @@ def public_message(exc: BackendError, request_id: str | None) -> str:
     return f"{text} (request {request_id})" if request_id else text
 
 
+def retry_headers(retry_after_s: float) -> dict[str, str]:
+    """Retry-After in whole seconds (RFC 9110), and retry-after-ms with the precision (the openai
+    client honours both)."""
+    retry = max(retry_after_s, 0.0)
+    return {"Retry-After": str(max(1, math.ceil(retry))), "retry-after-ms": str(int(retry * 1000))}
+
+
+def from_rejection(exc: Rejected, request_id: str | None = None) -> ApiError:
+    """The 429 of a request the admission queue will not serve; `code` says why."""
+    text = f"{exc} (request {request_id})" if request_id else str(exc)
+    return ApiError(429, f"{text}; retry later", "rate_limit_error", None, exc.reason.value,
+                    retry_headers(min(exc.retry_after_s, MAX_RETRY_AFTER_S)))
+
+
+MAX_RETRY_AFTER_S = 3600.0
+
+
+def unauthorized(presented: bool) -> ApiError:
+    """OpenAI's 401 for a missing or unknown key; the key itself is never echoed. The
+    WWW-Authenticate challenge is RFC 6750's (section 3)."""
+    if presented:
+        message = "Incorrect API key provided. Give the key as 'Authorization: Bearer KEY'."
+        challenge = 'Bearer realm="pdserve", error="invalid_token"'
+    else:
+        message = "You didn't provide an API key. Give it as 'Authorization: Bearer KEY'."
+        challenge = 'Bearer realm="pdserve"'
+    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key",
+                    {"WWW-Authenticate": challenge})
+
+
 def from_backend_error(exc: BackendError, request_id: str | None = None) -> tuple[ApiError, str]:
     """The HTTP error for a backend failure, and the metrics reason label."""
     message = public_message(exc, request_id)
     if isinstance(exc, NoCapacity):
-        retry = max(exc.retry_after_s, 0.0)
-        headers = {
-            # Retry-After is whole seconds by RFC 9110; the -ms variant keeps the precision
-            # (the openai client honours both).
-            "Retry-After": str(max(1, math.ceil(retry))),
-            "retry-after-ms": str(int(retry * 1000)),
-        }
-        return ApiError(429, message, "rate_limit_error", None, "no_capacity", headers), "no_capacity"
+        return ApiError(429, message, "rate_limit_error", None, "no_capacity",
+                        retry_headers(exc.retry_after_s)), "no_capacity"
     if isinstance(exc, BackendUnavailable):
         return ApiError(503, message, "service_unavailable", None, "backend_unavailable"), "unavailable"
     if isinstance(exc, RequestTimeout):

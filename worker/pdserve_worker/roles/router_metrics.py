@@ -8,6 +8,7 @@ per-decode slot gauges, since only it knows the decode membership.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,6 +23,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _KV_BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(10, 34, 2))  # 1 KiB .. 8 GiB
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -111,6 +113,26 @@ class RouterMetrics:
             "decode's stream already held the slot), lease (the Release failed: the decode's lease reclaims it).",
             ["outcome"], registry=r,
         )
+        self.admission_queue_length = Gauge(
+            f"{_PREFIX}_admission_queue_length",
+            "Requests waiting in the admission queue, by priority class.", ["priority"], registry=r,
+        )
+        self.admission_wait = Histogram(
+            f"{_PREFIX}_admission_wait_seconds",
+            "From a request's arrival in the admission queue to its KV reservation, by priority class.",
+            ["priority"], buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.admission_rejected = Counter(
+            f"{_PREFIX}_admission_rejected",
+            "Requests the admission queue answered 429, by reason (queue_full, tenant_queue_full, "
+            "requests_per_minute, tokens_per_minute, deadline).",
+            ["reason"], registry=r,
+        )
+        self.tenant_tokens = Counter(
+            f"{_PREFIX}_tenant_tokens",
+            "Tokens of admitted requests per tenant (the API key's tenant; 'anonymous' without keys), by kind.",
+            ["tenant", "kind"], registry=r,
+        )
         self.decode_slots_used = Gauge(
             f"{_PREFIX}_decode_slots_used", "KV slots in use per decode instance.", ["decode"], registry=r
         )
@@ -155,6 +177,24 @@ class RouterMetrics:
             self.time_to_first_token.observe(timing.ttft_s)
         if timing.tpot_s is not None:
             self.time_per_output_token.observe(timing.tpot_s)
+
+    # --- what the admission queue calls (router_admission.Observer) ------------------------
+
+    def watch_admission(self, waiting: Callable[[str], int], priorities: Iterable[str]) -> None:
+        """Read the queue's length per class at each scrape (nothing to keep in sync)."""
+        for priority in priorities:
+            self.admission_queue_length.labels(priority=priority).set_function(
+                lambda p=priority: waiting(p))
+
+    def observe_admission_rejected(self, reason: str) -> None:
+        self.admission_rejected.labels(reason=reason).inc()
+
+    def observe_admission_wait(self, priority: str, seconds: float) -> None:
+        self.admission_wait.labels(priority=priority).observe(seconds)
+
+    def observe_tenant_tokens(self, tenant: str, prompt: int, completion: int) -> None:
+        self.tenant_tokens.labels(tenant=tenant, kind="prompt").inc(prompt)
+        self.tenant_tokens.labels(tenant=tenant, kind="completion").inc(completion)
 
     # --- what the backend calls ------------------------------------------------------------
 

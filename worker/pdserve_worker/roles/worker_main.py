@@ -300,9 +300,21 @@ def _add_pod_routes(app, state: WorkerState) -> None:
 async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state: WorkerState,
                      stop: asyncio.Event) -> None:
     """Serve the OpenAI API over `backend` until stopped; in-flight requests get the grace period."""
+    from pdserve_worker.roles.router_admission import AdmissionConfig, AdmissionQueue
     from pdserve_worker.roles.router_app import RouterLimits, create_app
+    from pdserve_worker.roles.router_keys import KeyFile, KeyFileError
 
-    app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes))
+    keys = None
+    if settings.api_keys_file is not None:
+        try:
+            keys = KeyFile(settings.api_keys_file)
+        except (KeyFileError, OSError) as exc:
+            raise StartupError(f"API keys: {exc}") from exc
+    admission = AdmissionQueue(AdmissionConfig(
+        capacity=settings.admission_queue, max_queued_per_tenant=settings.admission_per_tenant,
+        deadline_s=settings.admission_deadline_seconds, replicas=settings.router_replicas), observer=metrics)
+    app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes),
+                     admission=admission, keys=keys)
     _add_pod_routes(app, state)
     sock = _listen_or_fail(settings.bind_host, settings.http_port)
     server = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds, settings.tls)
