@@ -233,6 +233,17 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
     if spec.tls is not None or defaults.broker_tls:
         # Explicit either way: a broker with TLS and a service without spec.tls is a clear start error.
         env.append(val(E.BROKER_TLS, defaults.broker_tls))
+    if role == "router":
+        a = spec.router.admission
+        env += [
+            val(E.ADMISSION_QUEUE, a.queue_size),
+            val(E.ADMISSION_PER_TENANT, a.per_tenant),
+            val(E.ADMISSION_DEADLINE_SECONDS, a.deadline_seconds),
+            # Each router enforces its share of every tenant's limits (docs/admission.md).
+            val(E.ROUTER_REPLICAS, max(spec.router.replicas, 1)),
+        ]
+        if spec.router.auth is not None:
+            env.append(val(E.API_KEYS_FILE, f"{E.API_KEYS_DIR}/{E.API_KEYS_KEY}"))
     if role == "prefill":
         env.append(val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk))
     if role == "decode":
@@ -297,6 +308,13 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
     if spec.tls is not None:
         mounts.append({"name": "tls", "mountPath": E.TLS_DIR, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440}})
+    if role == "router" and spec.router.auth is not None:
+        # A directory mount, not subPath: the kubelet swaps the files on a Secret update, and the
+        # router re-reads them (a subPath mount would never change).
+        mounts.append({"name": "api-keys", "mountPath": E.API_KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {
+            "secretName": spec.router.auth.secret_name, "defaultMode": 0o440,
+            "items": [{"key": E.API_KEYS_KEY, "path": E.API_KEYS_KEY}]}})
     if role in ("prefill", "decode"):
         # The host transfer engine keeps KV pools in shared memory; the container default is 64 MiB.
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})

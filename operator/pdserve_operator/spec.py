@@ -337,11 +337,47 @@ class RouterServiceSpec(Model):
     )
 
 
+class RouterAuthSpec(Model):
+    """API keys on the OpenAI endpoint (docs/admission.md)."""
+
+    secret_name: str = Field(
+        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        description=(
+            "Secret whose keys.yaml lists the tenants, their keys (or their SHA-256 digests) and optional "
+            "limits: requestsPerMinute, tokensPerMinute, maxConcurrent, maxPriority, weight. Requests need "
+            "'Authorization: Bearer KEY' (401 otherwise). Routers re-read it when it changes: rotating a "
+            "key needs no restart."
+        ),
+    )
+
+
+class RouterAdmissionSpec(Model):
+    """The routers' admission queue: requests wait here for a KV reservation (docs/admission.md)."""
+
+    queue_size: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Requests that may wait per router; past it, 429 with Retry-After from the measured drain rate.",
+    )
+    per_tenant: int = Field(256, ge=1, le=1_000_000, description="Of those, how many one tenant may hold.")
+    deadline_seconds: int = Field(
+        60, ge=1, le=86_400,
+        description=(
+            "Longest a request waits for admission; a request may shorten it with the x-pdserve-deadline-ms "
+            "header. One the measured drain rate cannot admit in time is answered 429 at once."
+        ),
+    )
+
+
 class RouterSpec(PodOverrides):
     """Routers: the OpenAI-compatible HTTP front."""
 
     replicas: int = Field(1, ge=0, le=1024, description="Number of router pods.")
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec, description="The router Service.")
+    auth: RouterAuthSpec | None = Field(None, description="API keys (no authentication when unset).")
+    admission: RouterAdmissionSpec = Field(
+        default_factory=RouterAdmissionSpec,
+        description="Admission queue; each tenant's limits are shared out among the router replicas.",
+    )
 
 
 class TLSSpec(Model):
