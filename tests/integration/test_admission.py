@@ -139,12 +139,12 @@ def test_high_priority_waits_a_quarter_of_low_or_less(local, model):
 
     async def run():
         async with _client(local.url) as http:
-            lows = [asyncio.create_task(_ttft(http, model, "batch", priority="low")) for _ in range(24)]
+            lows = [asyncio.create_task(_ttft(http, model, "batch", priority="low")) for _ in range(40)]
             await asyncio.sleep(0.3)
             highs = []
-            for _ in range(8):
+            for _ in range(8):  # spaced out: each high meets the low backlog, not the other highs
                 highs.append(asyncio.create_task(_ttft(http, model, "interactive", priority="high")))
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.25)
             return await asyncio.gather(*lows), await asyncio.gather(*highs)
 
     lows, highs = asyncio.run(run())
