@@ -24,7 +24,17 @@ contexts or bigger models per device) does not show on one CPU host.
 CPU budget: every configuration gets the same CPUs. Colocated: one process with every
 thread; PD: each model process gets its share (`pdserve local` divides them).
 
+Mixed trace (`--mixed`): the router's admission queue against immediate 429s with client
+retries, on one PD deployment shape (1 prefill + 1 decode, few slots) started twice with API
+keys: an *interactive* tenant (short prompts, Poisson arrivals, priority high) and a *batch*
+tenant (long prompts, bursts, priority low). `queue` is the default router; `retry429` runs
+the router without a queue (`PDSERVE_ADMISSION_QUEUE=0`): a request that finds no free slot is
+answered 429 with Retry-After, and the client sleeps that long and tries again, as the openai
+client does. Goodput = requests that met their class's SLO (TTFT, measured from the first
+send, retries included) per second of the trace.
+
 Usage: python benchmarks/serve.py [--requests 32] [--rate 0.5] [--configs pd1,pd2,pd1s2,colocated]
+       python benchmarks/serve.py --mixed [--duration 40]
 """
 
 from __future__ import annotations
@@ -72,6 +82,7 @@ class Result:
     token_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     error: str | None = None
+    retries: int = 0  # 429s the client slept on and retried
 
     @property
     def ttft(self) -> float | None:
@@ -105,15 +116,16 @@ def make_trace(n: int, rate: float, long_fraction: float, short: tuple[int, int]
 
 
 async def one(http: httpx.AsyncClient, url: str, model: str, request: Request, output_tokens: int,
-              start: float) -> Result:
+              start: float, headers: dict[str, str] | None = None) -> Result:
     await asyncio.sleep(max(0.0, start + request.at - time.monotonic()))
     result = Result(request, sent=time.monotonic())
     body = {"model": model, "prompt": request.prompt, "max_tokens": output_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     while True:
         try:
-            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers or {}) as response:
                 if response.status_code == 429:  # no free slot anywhere: the client retries
+                    result.retries += 1
                     await asyncio.sleep(float(response.headers.get("retry-after-ms", 500)) / 1000)
                     continue
                 if response.status_code != 200:
@@ -180,6 +192,114 @@ def run_config(name: str, args: argparse.Namespace, trace: list[Request]) -> dic
     return summarize(name, results, wall)
 
 
+# ---- mixed trace: admission queue against 429 + retries --------------------------------------------
+
+MIXED_KEYS = {"interactive": "sk-bench-interactive-0123456789", "batch": "sk-bench-batch-0123456789abc"}
+MIXED_CONFIGS = {"queue": {}, "retry429": {"PDSERVE_ADMISSION_QUEUE": "0"}}
+
+
+@dataclass(frozen=True)
+class MixedClass:
+    name: str  # the tenant, too
+    priority: str
+    output_tokens: int
+    slo_ttft_s: float
+
+
+def make_mixed_trace(args: argparse.Namespace, tokenizer) -> list[tuple[MixedClass, Request]]:
+    """Interactive: Poisson arrivals of short prompts. Batch: bursts of long prompts."""
+    rng = random.Random(args.seed)
+    interactive = MixedClass("interactive", "high", args.interactive_tokens, args.interactive_slo)
+    batch = MixedClass("batch", "low", args.batch_tokens, args.batch_slo)
+
+    def prompt(lo: int, hi: int, at: float) -> Request:
+        target = rng.randint(lo, hi)
+        ids = tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(target)))[:target]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return Request(at, text, len(tokenizer.encode(text)))
+
+    trace: list[tuple[MixedClass, Request]] = []
+    at = 0.0
+    while True:
+        at += rng.expovariate(args.interactive_rate)
+        if at >= args.duration:
+            break
+        trace.append((interactive, prompt(32, 128, at)))
+    burst_at = 1.0
+    while burst_at < args.duration:
+        trace += [(batch, prompt(256, 512, burst_at + 0.01 * i)) for i in range(args.batch_burst)]
+        burst_at += args.batch_every
+    return sorted(trace, key=lambda item: item[1].at)
+
+
+async def drive_mixed(url: str, trace: list[tuple[MixedClass, Request]]) -> tuple[list[tuple[MixedClass, Result]], float]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0),
+                                 limits=httpx.Limits(max_connections=1000)) as http:
+        auth = {name: {"Authorization": f"Bearer {key}"} for name, key in MIXED_KEYS.items()}
+        model = (await http.get(f"{url}/v1/models", headers=auth["interactive"])).json()["data"][0]["id"]
+        await one(http, url, model, Request(0.0, "hello there", 2), 4, time.monotonic(), auth["interactive"])
+        start = time.monotonic()
+        results = await asyncio.gather(*(
+            one(http, url, model, request, cls.output_tokens, start,
+                {**auth[cls.name], "x-pdserve-priority": cls.priority}) for cls, request in trace))
+        return list(zip((cls for cls, _ in trace), results)), time.monotonic() - start
+
+
+def run_mixed(name: str, args: argparse.Namespace, trace: list[tuple[MixedClass, Request]], keys: Path) -> dict:
+    plan = LocalPlan(port=0, dtype=args.dtype, slots=args.slots, max_len=args.max_len, threads=args.threads,
+                     prefill=1, decode=1, api_keys=keys, extra_env=MIXED_CONFIGS[name])
+    print(f"[{name}] starting ...", file=sys.stderr, flush=True)
+    with LocalDeployment(plan, progress=None) as deployment:
+        url = deployment.start(timeout_s=300)
+        results, wall = asyncio.run(drive_mixed(url, trace))
+    span = max(args.duration, 1e-9)
+    row: dict = {"config": name, "wall_s": wall}
+    for cls_name in MIXED_KEYS:
+        mine = [(c, r) for c, r in results if c.name == cls_name]
+        ok = [r for c, r in mine if r.error is None and r.ttft is not None]
+        good = [r for c, r in mine if r.error is None and r.ttft is not None and r.ttft <= c.slo_ttft_s]
+        ttft = [r.ttft for r in ok]
+        row[cls_name] = {"n": len(mine), "ok": len(ok), "good": len(good), "retries": sum(r.retries for _, r in mine),
+                         "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99)}
+    row["goodput"] = sum(row[c]["good"] for c in MIXED_KEYS) / span
+    for c, r in results:
+        if r.error:
+            print(f"[{name}] {c.name} request failed: {r.error}", file=sys.stderr)
+    return row
+
+
+def main_mixed(args: argparse.Namespace, tokenizer, model: str) -> int:
+    import tempfile
+
+    trace = make_mixed_trace(args, tokenizer)
+    counts = {c: sum(1 for k, _ in trace if k.name == c) for c in MIXED_KEYS}
+    cpus = len(os.sched_getaffinity(0))
+    print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; mixed trace over "
+          f"{args.duration:.0f}s: {counts['interactive']} interactive (priority high, {args.interactive_rate}/s, "
+          f"32-128 prompt tokens, {args.interactive_tokens} out, SLO TTFT <= {args.interactive_slo:g}s) + "
+          f"{counts['batch']} batch (priority low, bursts of {args.batch_burst} every {args.batch_every:g}s, 256-512 "
+          f"prompt tokens, {args.batch_tokens} out, SLO TTFT <= {args.batch_slo:g}s); 1 prefill + 1 decode, "
+          f"{args.slots} slots")
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = Path(tmp) / "keys.yaml"
+        keys.write_text("tenants:\n" + "".join(
+            f"  - name: {name}\n    keys: [\"{key}\"]\n" for name, key in MIXED_KEYS.items()))
+        rows = [run_mixed(name, args, trace, keys) for name in args.configs.split(",")]
+    print(f"\n{'config':<10} {'class':<12} {'n':>4} {'ok':>4} {'in SLO':>7} {'429s':>6} {'TTFT p50':>9} {'TTFT p99':>9}")
+    for row in rows:
+        for cls_name in MIXED_KEYS:
+            c = row[cls_name]
+            print(f"{row['config']:<10} {cls_name:<12} {c['n']:>4} {c['ok']:>4} {c['good']:>7} {c['retries']:>6} "
+                  f"{c['ttft_p50']:>8.2f}s {c['ttft_p99']:>8.2f}s")
+        print(f"{row['config']:<10} goodput {row['goodput']:.2f} requests in SLO per second")
+    by = {r["config"]: r for r in rows}
+    if "queue" in by and "retry429" in by and by["retry429"]["goodput"] > 0:
+        q, r = by["queue"], by["retry429"]
+        print(f"\ngoodput queue ÷ 429+retry: {q['goodput'] / r['goodput']:.2f}x; interactive in SLO "
+              f"{q['interactive']['good']}/{q['interactive']['n']} vs {r['interactive']['good']}/{r['interactive']['n']}")
+    return 1 if any(row[c]["ok"] < row[c]["n"] for row in rows for c in MIXED_KEYS) else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=12)
@@ -193,7 +313,24 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=2304)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: CPUs shared)")
     parser.add_argument("--seed", type=int, default=0)
+    mixed = parser.add_argument_group("mixed trace (--mixed): admission queue against 429 + client retries")
+    mixed.add_argument("--mixed", action="store_true")
+    mixed.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
+    mixed.add_argument("--interactive-rate", type=float, default=1.0)
+    mixed.add_argument("--interactive-tokens", type=int, default=16)
+    mixed.add_argument("--interactive-slo", type=float, default=2.0, help="TTFT SLO of interactive requests, s")
+    mixed.add_argument("--batch-burst", type=int, default=12)
+    mixed.add_argument("--batch-every", type=float, default=10.0)
+    mixed.add_argument("--batch-tokens", type=int, default=48)
+    mixed.add_argument("--batch-slo", type=float, default=30.0, help="TTFT SLO of batch requests, s")
     args = parser.parse_args()
+    if args.mixed:
+        if args.configs == parser.get_default("configs"):
+            args.configs = ",".join(MIXED_CONFIGS)
+        if args.slots == parser.get_default("slots"):
+            args.slots = 4
+        if args.max_len == parser.get_default("max_len"):
+            args.max_len = 1024
 
     from pdserve_worker.model.loader import model_folder
     from pdserve_worker.model.tokenizer import Tokenizer
@@ -204,6 +341,8 @@ def main() -> int:
         args.dtype = auto_dtype()
     folder, model = model_folder(None, args.dtype)
     tokenizer = Tokenizer.from_dir(folder)
+    if args.mixed:
+        return main_mixed(args, tokenizer, model)
     trace = make_trace(args.requests, args.rate, args.long_fraction, (32, 256), (1024, 2048), tokenizer, args.seed)
     lengths = [r.prompt_tokens for r in trace]
     cpus = len(os.sched_getaffinity(0))

@@ -97,3 +97,23 @@ def test_chat_goes_on_after_a_failed_turn(port):
     assert "HTTP 400" in out.stderr and "maximum context length is 40" in out.stderr
     assert out.stdout == "Hello, world!\n"
     assert backend.chats[-1] == [{"role": "user", "content": "short"}]  # the failed turn was forgotten
+
+
+def test_complete_sends_the_api_key_from_the_environment(port):
+    from pdserve_worker.roles.router_keys import KeyStore
+
+    key = "sk-cli-test-0123456789abcdef"
+    keys = KeyStore.parse(f'tenants:\n  - name: cli\n    keys: ["{key}"]\n')
+    saved = ENV.pop("OPENAI_API_KEY", None)
+    try:
+        with running_router(create_app(ScriptedBackend(), keys=keys), port) as url:
+            refused = pdserve("complete", "--url", url, "--prompt", "x")
+            ENV["OPENAI_API_KEY"] = key
+            served = pdserve("complete", "--url", url, "--prompt", "x")
+    finally:
+        ENV.pop("OPENAI_API_KEY", None)
+        if saved is not None:
+            ENV["OPENAI_API_KEY"] = saved
+    assert refused.returncode == 1 and "HTTP 401: You didn't provide an API key" in refused.stderr
+    assert served.returncode == 0 and served.stdout == "Hello, world!\n", served.stderr
+    assert key not in served.stderr + refused.stderr

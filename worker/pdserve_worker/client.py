@@ -108,13 +108,15 @@ class RouterClient:
     url: str
     timeout_s: float = 600.0
     verify: ssl.SSLContext | bool = True  # a context trusting an https router's CA (`pdserve local --tls`)
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer` (spec.router.auth)
     _http: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         base = self.url.rstrip("/")
         base = base.removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._http = httpx.Client(base_url=base, timeout=httpx.Timeout(self.timeout_s, connect=10.0),
-                                  verify=self.verify)
+                                  verify=self.verify, headers=headers)
 
     def close(self) -> None:
         self._http.close()

@@ -96,7 +96,7 @@ class WorkerSettings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, validation_alias=MAX_BODY_BYTES)
     admin_port: int = Field(E.ADMIN_PORT, ge=0, le=65535, validation_alias=E.ADMIN_PORT_ENV)
     api_keys_file: Path | None = Field(None, validation_alias=E.API_KEYS_FILE)
-    admission_queue: int = Field(1024, ge=1, le=1_000_000, validation_alias=E.ADMISSION_QUEUE)
+    admission_queue: int = Field(1024, ge=0, le=1_000_000, validation_alias=E.ADMISSION_QUEUE)  # 0: no queue
     admission_per_tenant: int = Field(256, ge=1, le=1_000_000, validation_alias=E.ADMISSION_PER_TENANT)
     admission_deadline_seconds: float = Field(60.0, gt=0, le=86_400, validation_alias=E.ADMISSION_DEADLINE_SECONDS)
     router_replicas: int = Field(1, ge=1, le=1024, validation_alias=E.ROUTER_REPLICAS)

@@ -8,6 +8,7 @@ input leaves. A failed turn is reported and forgotten, so the conversation can g
 from __future__ import annotations
 
 import argparse
+import os
 import ssl
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ca", default=None, help="CA file to verify an https router with (pdserve local --tls: "
                                            "ca.crt in its log folder)")
     p.add_argument("--model", default=None, help="model name (default: the one the router serves)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="API key for a router with keys on (default: $OPENAI_API_KEY)")
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens per reply at most (default: the rest of the model's context)")
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    with RouterClient(args.url, timeout_s=args.timeout, verify=ssl.create_default_context(cafile=args.ca) if args.ca else True) as client:
+    with RouterClient(args.url, timeout_s=args.timeout, verify=ssl.create_default_context(cafile=args.ca) if args.ca else True,
+                          api_key=args.api_key) as client:
         try:
             model = args.model or client.served_model()
         except (ApiCallError, httpx.TransportError) as exc:

@@ -8,6 +8,7 @@ prefill to decode goes to stderr, so `pdserve complete ... > answer.txt` keeps t
 from __future__ import annotations
 
 import argparse
+import os
 import ssl
 import sys
 
@@ -20,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="the prompt (a user message with --chat)")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (the model's chat template)")
     p.add_argument("--model", default=None, help="model name (default: the one the router serves)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="API key for a router with keys on (default: $OPENAI_API_KEY)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate at most (default: the server's, 16 for a completion, "
                         "the rest of the context for --chat)")
@@ -40,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        with RouterClient(args.url, timeout_s=args.timeout, verify=ssl.create_default_context(cafile=args.ca) if args.ca else True) as client:
+        with RouterClient(args.url, timeout_s=args.timeout, verify=ssl.create_default_context(cafile=args.ca) if args.ca else True,
+                          api_key=args.api_key) as client:
             model = args.model or client.served_model()
             body: dict[str, object] = {"model": model, "temperature": args.temperature, "stream": args.stream}
             if args.max_tokens is not None:

@@ -310,9 +310,11 @@ async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state
             keys = KeyFile(settings.api_keys_file)
         except (KeyFileError, OSError) as exc:
             raise StartupError(f"API keys: {exc}") from exc
-    admission = AdmissionQueue(AdmissionConfig(
-        capacity=settings.admission_queue, max_queued_per_tenant=settings.admission_per_tenant,
-        deadline_s=settings.admission_deadline_seconds, replicas=settings.router_replicas), observer=metrics)
+    admission = None
+    if settings.admission_queue > 0:  # 0: no queue, a request without a free slot is a 429 at once
+        admission = AdmissionQueue(AdmissionConfig(
+            capacity=settings.admission_queue, max_queued_per_tenant=settings.admission_per_tenant,
+            deadline_s=settings.admission_deadline_seconds, replicas=settings.router_replicas), observer=metrics)
     app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes),
                      admission=admission, keys=keys)
     _add_pod_routes(app, state)
