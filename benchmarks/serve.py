@@ -227,7 +227,7 @@ def make_mixed_trace(args: argparse.Namespace, tokenizer) -> list[tuple[MixedCla
         trace.append((interactive, prompt(32, 128, at)))
     burst_at = 1.0
     while burst_at < args.duration:
-        trace += [(batch, prompt(256, 512, burst_at + 0.01 * i)) for i in range(args.batch_burst)]
+        trace += [(batch, prompt(*args.batch_prompt, burst_at + 0.01 * i)) for i in range(args.batch_burst)]
         burst_at += args.batch_every
     return sorted(trace, key=lambda item: item[1].at)
 
@@ -277,8 +277,8 @@ def main_mixed(args: argparse.Namespace, tokenizer, model: str) -> int:
     print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; mixed trace over "
           f"{args.duration:.0f}s: {counts['interactive']} interactive (priority high, {args.interactive_rate}/s, "
           f"32-128 prompt tokens, {args.interactive_tokens} out, SLO TTFT <= {args.interactive_slo:g}s) + "
-          f"{counts['batch']} batch (priority low, bursts of {args.batch_burst} every {args.batch_every:g}s, 256-512 "
-          f"prompt tokens, {args.batch_tokens} out, SLO TTFT <= {args.batch_slo:g}s); 1 prefill + 1 decode, "
+          f"{counts['batch']} batch (priority low, bursts of {args.batch_burst} every {args.batch_every:g}s, "
+          f"{args.batch_prompt[0]}-{args.batch_prompt[1]} prompt tokens, {args.batch_tokens} out, SLO TTFT <= {args.batch_slo:g}s); 1 prefill + 1 decode, "
           f"{args.slots} slots")
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.yaml"
@@ -315,20 +315,22 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     mixed = parser.add_argument_group("mixed trace (--mixed): admission queue against 429 + client retries")
     mixed.add_argument("--mixed", action="store_true")
-    mixed.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
-    mixed.add_argument("--interactive-rate", type=float, default=1.0)
+    mixed.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    mixed.add_argument("--interactive-rate", type=float, default=0.25)
     mixed.add_argument("--interactive-tokens", type=int, default=16)
-    mixed.add_argument("--interactive-slo", type=float, default=2.0, help="TTFT SLO of interactive requests, s")
-    mixed.add_argument("--batch-burst", type=int, default=12)
-    mixed.add_argument("--batch-every", type=float, default=10.0)
-    mixed.add_argument("--batch-tokens", type=int, default=48)
-    mixed.add_argument("--batch-slo", type=float, default=30.0, help="TTFT SLO of batch requests, s")
+    mixed.add_argument("--interactive-slo", type=float, default=5.0, help="TTFT SLO of interactive requests, s")
+    mixed.add_argument("--batch-burst", type=int, default=4)
+    mixed.add_argument("--batch-every", type=float, default=20.0)
+    mixed.add_argument("--batch-tokens", type=int, default=64)
+    mixed.add_argument("--batch-prompt", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"),
+                       help="prompt tokens of batch requests")
+    mixed.add_argument("--batch-slo", type=float, default=60.0, help="TTFT SLO of batch requests, s")
     args = parser.parse_args()
     if args.mixed:
         if args.configs == parser.get_default("configs"):
             args.configs = ",".join(MIXED_CONFIGS)
         if args.slots == parser.get_default("slots"):
-            args.slots = 4
+            args.slots = 2  # few slots: the slots, not the prefill, are what requests wait for
         if args.max_len == parser.get_default("max_len"):
             args.max_len = 1024
 

@@ -181,7 +181,9 @@ def test_bad_admission_headers_are_400(serve):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     for headers, code in (({"x-pdserve-priority": "urgent"}, "invalid_priority"),
                           ({"x-pdserve-deadline-ms": "-5"}, "invalid_deadline"),
-                          ({"x-pdserve-deadline-ms": "1e3"}, "invalid_deadline")):
+                          ({"x-pdserve-deadline-ms": "1e3"}, "invalid_deadline"),
+                          ({"x-pdserve-deadline-ms": "9" * 5000}, "invalid_deadline"),  # int() would refuse it: a 500
+                          ):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model="slot-model", prompt="p", max_tokens=1, extra_headers=headers)
         assert caught.value.code == code

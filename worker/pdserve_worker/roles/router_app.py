@@ -299,7 +299,7 @@ class _Router:
         if raw is None:
             return priority, None
         raw = raw.strip()
-        if not raw.isdigit() or not 0 < int(raw) <= 86_400_000:
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 8) or not 0 < int(raw) <= 86_400_000:
             raise self.reject(400, f"header {DEADLINE_HEADER}: {raw[:32]!r} is not a whole number of "
                                    f"milliseconds from 1 to 86400000", code="invalid_deadline")
         return priority, int(raw) / 1000.0
