@@ -287,3 +287,14 @@ def test_a_rotated_key_works_without_restart(local, model, keys_path):
     assert httpx.get(f"{local.url}/v1/models", headers=_auth("interactive")).status_code == 401
     tmp.write_text(KEYS_FILE)
     tmp.replace(keys_path)
+
+
+def test_the_demo_sends_the_openai_api_key_and_names_it_when_refused(local, capsys):
+    """`pdserve local --demo --api-keys F` asks with $OPENAI_API_KEY (passed in by the command)."""
+    from pdserve_worker.commands.local import _demo
+
+    assert _demo(local.url, "1 prefill, 1 decode", True, KEYS["interactive"]) == 0
+    shown = capsys.readouterr()
+    assert shown.out.startswith("> ") and "TTFT" in shown.out.upper(), shown
+    assert _demo(local.url, "1 prefill, 1 decode", True, None) == 1
+    assert "OPENAI_API_KEY" in capsys.readouterr().err

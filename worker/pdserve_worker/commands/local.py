@@ -14,6 +14,7 @@ deployment does not come up.
 from __future__ import annotations
 
 import argparse
+import os
 import ssl
 import sys
 from pathlib import Path
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             return 130
         shape = "colocated" if plan.colocated else f"{plan.prefill} prefill, {plan.decode} decode"
         if args.demo:
-            return _demo(url, shape, deployment.verify)
+            return _demo(url, shape, deployment.verify, os.environ.get("OPENAI_API_KEY"))
         print(url, flush=True)
         ca = f" --ca {deployment.certs.ca}" if deployment.certs is not None else ""
         print(f"pdserve local: serving at {url}/v1 ({shape}); try:\n"
@@ -118,14 +119,18 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def _demo(url: str, shape: str, verify: ssl.SSLContext | bool = True) -> int:
-    """One streamed chat request: the answer as it arrives, then what it cost."""
+def _demo(url: str, shape: str, verify: ssl.SSLContext | bool = True, api_key: str | None = None) -> int:
+    """One streamed chat request: the answer as it arrives, then what it cost.
+
+    With --api-keys the router wants a key: the demo sends $OPENAI_API_KEY, as `pdserve
+    complete` does, and says so when the router refuses it.
+    """
     from pdserve_worker.client import ApiCallError, RouterClient
 
     print(f"pdserve local: {shape} at {url}/v1", file=sys.stderr)
     print(f"> {DEMO_QUESTION}", flush=True)
     try:
-        with RouterClient(url, timeout_s=300, verify=verify) as client:
+        with RouterClient(url, timeout_s=300, verify=verify, api_key=api_key) as client:
             body = {
                 "model": client.served_model(),
                 "messages": [{"role": "user", "content": DEMO_QUESTION}],
@@ -137,6 +142,8 @@ def _demo(url: str, shape: str, verify: ssl.SSLContext | bool = True) -> int:
             answer = client.complete(body, chat=True, on_text=lambda t: print(t, end="", flush=True))
     except ApiCallError as exc:
         print(f"\npdserve local: the demo request failed: {exc}", file=sys.stderr)
+        if exc.status == 401:
+            print("pdserve local: with --api-keys, set OPENAI_API_KEY to one of the file's keys", file=sys.stderr)
         return 1
     print(flush=True)
     print(answer.stats.summary(), flush=True)
