@@ -293,7 +293,7 @@ def test_the_demo_sends_the_openai_api_key_and_names_it_when_refused(local, caps
     """`pdserve local --demo --api-keys F` asks with $OPENAI_API_KEY (passed in by the command)."""
     from pdserve_worker.commands.local import _demo
 
-    assert _demo(local.url, "1 prefill, 1 decode", True, KEYS["interactive"]) == 0
+    assert _demo(local.url, "1 prefill, 1 decode", True, KEYS["batch"]) == 0  # never rotated by the test above
     shown = capsys.readouterr()
     assert shown.out.startswith("> ") and "TTFT" in shown.out.upper(), shown
     assert _demo(local.url, "1 prefill, 1 decode", True, None) == 1
