@@ -41,6 +41,8 @@ def gadget_crd(size_maximum: int | None = None) -> dict[str, Any]:
             "nullableThing": {"type": "string", "nullable": True},
             "notNullable": {"type": "string"},
             "withDefault": {"type": "string", "default": "d"},
+            "code": {"type": "string", "pattern": "^[a-z]+$"},
+            "digits": {"type": "string", "pattern": "^\\d+$"},
         }, "x-kubernetes-validations": [
             {"rule": "self.replicas >= oldSelf.replicas", "message": "replicas may not shrink"},
             {"rule": "self.mode == 'a' || self.replicas <= 3", "message": "mode b allows at most 3 replicas",
@@ -156,3 +158,14 @@ def test_ratcheting_keeps_unchanged_invalid_values_and_refuses_new_ones(api: htt
     crd["spec"]["versions"] = gadget_crd()["spec"]["versions"]
     restored = api.put(f"{CRDS}/gadgets.example.com", json=crd)
     assert restored.status_code == 200, restored.text
+
+
+def test_patterns_match_as_go_regexp_does(api: httpx.Client) -> None:
+    """kube-openapi `validate.Pattern` (pkg/validation/validate/values.go) matches with Go's regexp
+    (RE2): `$` is the end of the text (Python's `re` also matches before a final newline) and `\\d`
+    is ASCII only (Python's also takes other scripts' digits)."""
+    assert api.post(GADGETS, json=gadget("re1", {"code": "abc", "digits": "123"})).status_code == 201
+    assert causes(api.post(GADGETS, json=gadget("re2", {"code": "abc\n"}))) == [
+        'spec.code: Invalid value: "abc\\n": spec.code in body should match \'^[a-z]+$\'']
+    assert causes(api.post(GADGETS, json=gadget("re3", {"digits": "\u0661\u0662"}))) == [
+        'spec.digits: Invalid value: "\u0661\u0662": spec.digits in body should match \'^\\d+$\'']
