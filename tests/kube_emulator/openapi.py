@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
 from . import field as F
 from .field import FieldError, Path, go_float
+from .go_regexp import search
 
 Schema = dict[str, Any]
 
@@ -82,7 +82,7 @@ def _validate(value: Any, s: Schema, path: Path, name: str) -> list[FieldError]:
             errs.append(F.too_long(path, s["maxLength"]))
         if s.get("minLength") is not None and len(value) < s["minLength"]:
             errs.append(F.invalid(path, value, f"{name} in body should be at least {s['minLength']} chars long"))
-        if s.get("pattern") and not re.search(s["pattern"], value):
+        if s.get("pattern") and not search(s["pattern"], value):
             errs.append(F.invalid(path, value, f"{name} in body should match '{s['pattern']}'"))
     if isinstance(value, list):
         if s.get("maxItems") is not None and len(value) > s["maxItems"]:

@@ -18,16 +18,16 @@ under allOf/anyOf/oneOf/not are `NestedValueValidation`s) and compares them with
 (`""`, `false`, absent) counting as "not set". Messages and field paths are upstream's, so a test
 can hold the emulator's answer against the upstream text.
 
-Deliberate difference: `pattern` is compiled with Python's `re`, not Go's RE2, so the detail of an
-invalid-pattern error is Python's wording (the path and the first half of the message match).
+`pattern` is compiled with RE2 (go_regexp.py), the syntax Go's regexp accepts; the detail of an
+invalid-pattern error is RE2's wording, not Go's (the path and the first half of the message match).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from .field import FieldError, Path, forbidden, invalid, required
+from .go_regexp import PatternError, compile_pattern
 
 Schema = dict[str, Any]
 
@@ -189,8 +189,8 @@ def _value_validation(v: Schema, skip_any_of: bool, skip_first_all_of_any_of: bo
     pattern = v.get("pattern")
     if pattern:
         try:
-            re.compile(pattern)
-        except re.error as exc:
+            compile_pattern(pattern)
+        except PatternError as exc:
             errs.append(invalid(path.child("pattern"), pattern,
                                 f"must be a valid regular expression, but isn't: {exc}"))
     return errs

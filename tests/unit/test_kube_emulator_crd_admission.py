@@ -157,9 +157,10 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
      f"{V}.properties[spec].properties[x].anyOf[0].type: Forbidden: must be empty to be structural",
      "validateNestedValueValidation (isIntOrStringAnyOfPattern) in pkg/apiserver/schema/validation.go"),
     ("pattern-not-re2", crd({"type": "object", "properties": {"x": {"type": "string", "pattern": "^(?!kube-).*$"}}}),
-     # Go's regexp (RE2 syntax) has no lookahead; the detail after "isn't: " is RE2's wording, not Go's.
+     # Go's regexp (RE2 syntax) has no lookahead. The detail after "isn't: " is RE2's wording; Go
+     # prints "error parsing regexp: invalid or unsupported Perl syntax: `(?!`".
      f'{V}.properties[spec].properties[x].pattern: Invalid value: "^(?!kube-).*$": must be a valid regular '
-     "expression, but isn't: ",
+     "expression, but isn't: invalid perl operator: (?!",
      "validateValueValidation in pkg/apiserver/schema/validation.go (regexp.Compile)"),
     # ---- pkg/apiserver/schema/complete.go
     # (upstream checks completeness of the root's junctors only: validateStructuralCompleteness
