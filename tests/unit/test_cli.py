@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pdserve_worker.cli import COMMANDS, build_parser
 
 
@@ -42,3 +44,28 @@ def test_no_module_named_operator_is_importable_from_the_project():
 
     assert operator.__file__ is None or "pdserve" not in operator.__file__
     assert hasattr(operator, "itemgetter")
+
+
+def test_local_refuses_a_max_len_beyond_the_model_before_starting_anything(tiny_model_dir, tmp_path):
+    """`pdserve local --model DIR --max-len N` with N above the model's context: one line naming
+    the limit and the flag, no process started (before, every worker died with a traceback)."""
+    out = subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "local", "--model", str(tiny_model_dir),
+                          "--max-len", "4096", "--port", "0", "--log-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "max_len 4096 exceeds the model's max_position_embeddings 512" in out.stderr and "--max-len" in out.stderr
+    assert "Traceback" not in out.stderr and "started" not in out.stderr
+    assert not list(tmp_path.glob("*.log"))
+
+
+def test_local_max_len_defaults_to_2048_or_the_models_context():
+    from pdserve_worker.model.config import ModelConfig
+
+    short = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                        head_dim=4, max_position_embeddings=512)
+    assert short.serving_max_len(None) == 512 and short.serving_max_len(100) == 100
+    assert ModelConfig(**{**short.to_dict(), "max_position_embeddings": 8192}).serving_max_len(None) == 2048
+    windowed = ModelConfig(**{**short.to_dict(), "architecture": "mistral", "sliding_window": 256})
+    assert windowed.serving_max_len(None) == 256
+    with pytest.raises(ValueError, match="sliding_window 256"):
+        windowed.serving_max_len(300)

@@ -243,3 +243,27 @@ def test_parse_bytes():
     for bad in ("", "-1GiB", "64 gigs", "GiB"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
+
+
+def test_info_without_max_len_takes_the_models_context_when_it_is_shorter(tmp_path):
+    """`pdserve info --model DIR` describes any model it accepts: without --max-len a slot is
+    2048 tokens or the model's whole context (or sliding window) if that is shorter; an explicit
+    --max-len beyond it is still refused by name."""
+    def folder(name: str, **change) -> Path:
+        (tmp_path / name).mkdir()
+        return _qwen_folder(tmp_path / name, **change)
+
+    def info(model: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(model), *args],
+                              capture_output=True, text=True)
+
+    short = folder("short", max_position_embeddings=1024)
+    out = info(short)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["max_len"] == 1024
+    windowed = folder("windowed", use_sliding_window=True, sliding_window=512, max_window_layers=0)
+    assert json.loads(info(windowed).stdout)["max_len"] == 512
+    assert json.loads(info(folder("long")).stdout)["max_len"] == 2048
+    assert json.loads(info(short, "--max-len", "1000").stdout)["max_len"] == 1000
+    refused = info(short, "--max-len", "4096")
+    assert refused.returncode == 2 and "max_len 4096 exceeds the model's max_position_embeddings 1024" in refused.stderr

@@ -195,3 +195,36 @@ async def test_a_worker_whose_weights_do_not_fit_exits_before_it_registers(famil
     with pytest.raises(BlockingIOError):
         broker.accept()
     broker.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_max_length_beyond_the_model_is_a_start_failure_not_a_traceback(family_dirs, role, caplog):
+    """`spec.model.maxLength` (PDSERVE_MAX_LENGTH) above the model's context: the worker exits 1
+    with one `worker_start_failed` line that names both numbers, before it registers (it raised
+    out of the role's constructor as a traceback before)."""
+    import asyncio
+    import logging
+    import socket
+
+    from netutil import free_port
+
+    from pdserve_worker.roles.worker_main import run_worker
+    from pdserve_worker.settings import WorkerSettings
+
+    broker = socket.socket()
+    broker.bind(("127.0.0.1", 0))
+    broker.listen()
+    broker.setblocking(False)
+    settings = WorkerSettings(role=role, broker_address=f"127.0.0.1:{broker.getsockname()[1]}",
+                              broker_token="t0ken", model_source=str(family_dirs("qwen2")), model_dtype="float32",
+                              bind_host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
+                              transfer_port=free_port(), slots=2, max_length=4096, grace_seconds=0)
+    with caplog.at_level(logging.ERROR, logger="pdserve.worker"):
+        code = await asyncio.wait_for(run_worker(settings), 60)
+    assert code == 1
+    failure = next(r.getMessage() for r in caplog.records if "worker_start_failed" in r.getMessage())
+    assert "max_len 4096 exceeds the model's max_position_embeddings 256" in failure
+    with pytest.raises(BlockingIOError):
+        broker.accept()
+    broker.close()
