@@ -64,7 +64,7 @@ class LocalPlan:
     dtype: str = "auto"  # auto: see auto_dtype()
     weights: str = "auto"  # model/weight_routes.py
     slots: int = 8
-    max_len: int = 2048
+    max_len: int | None = None  # tokens per request; None: 2048, or the model's context if shorter
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
@@ -212,6 +212,7 @@ class LocalDeployment:
         self.model_folder: Path | None = None
         self.model_source = ""  # what the workers load: the GGUF itself (its quantized blocks), or the folder
         self.model_name = ""  # the served name; empty: the workers take the folder's
+        self.max_len = 0  # plan.max_len, resolved against the model in start()
 
     # ---- starting ----------------------------------------------------------------------------
 
@@ -225,6 +226,7 @@ class LocalDeployment:
         if _accepts(HOST, self.port):  # else /health below might be answered by someone else's router
             raise LocalStartError(f"port {self.port} on {HOST} is already in use: choose another with --port")
         self.model_folder = self._prepare_model()
+        self.max_len = self._resolve_max_len(self.model_folder)
         if self.plan.tls:
             self.certs = write_run_certificates(self.log_dir / "tls")
             self.say(f"TLS on: clients verify the router with {self.certs.ca}")
@@ -262,6 +264,19 @@ class LocalDeployment:
         self.say(f"model {name} at {folder}")
         return folder
 
+    def _resolve_max_len(self, folder: Path) -> int:
+        """Check --max-len against the model here, once, instead of every worker dying on it."""
+        from pdserve_worker.model.config import DEFAULT_MAX_LEN, ModelConfig
+
+        config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        try:
+            max_len = config.serving_max_len(self.plan.max_len)
+        except ValueError as exc:
+            raise LocalStartError(f"{exc}; choose a smaller --max-len") from None
+        if self.plan.max_len is None and max_len < DEFAULT_MAX_LEN:
+            self.say(f"max_len {max_len}: the model's context (--max-len sets it)")
+        return max_len
+
     def _start_broker(self) -> None:
         port = free_port()
         self.broker_address = f"{HOST}:{port}"
@@ -295,7 +310,7 @@ class LocalDeployment:
             E.MODEL_SOURCE: self.model_source,
             E.MODEL_DTYPE: self.dtype,
             S.WEIGHTS: self.plan.weights,
-            E.MAX_LENGTH: str(plan.max_len),
+            E.MAX_LENGTH: str(self.max_len),
             E.SLOTS: str(plan.slots),
             E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
             E.READINESS_MODE: plan.readiness,

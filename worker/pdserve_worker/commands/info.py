@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weights and KV dtype (default bfloat16)")
     p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
                    help="how a CPU worker holds the matrices (default auto): shown as cpu_routes per layer type")
-    p.add_argument("--max-len", type=int, default=2048, help="tokens per KV slot, as spec.model.maxLength (default 2048)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per KV slot, as spec.model.maxLength (default 2048, or the model's context if shorter)")
     p.add_argument("--memory", default=None, help="device memory per worker, e.g. 64GiB, 32Gi, 80GB: how many slots fit")
     p.add_argument("--layer-shards", type=int, default=1, help="decode workers one model is split over (default 1)")
     p.set_defaults(func=run)
@@ -55,7 +56,7 @@ def _model(args: argparse.Namespace) -> int:
 
     try:
         memory = parse_bytes(args.memory) if args.memory is not None else None
-        if args.max_len <= 0 or args.layer_shards <= 0:
+        if (args.max_len is not None and args.max_len <= 0) or args.layer_shards <= 0:
             raise ValueError(f"--max-len and --layer-shards must be positive, got {args.max_len} and {args.layer_shards}")
         print(json.dumps(report(args.model, args.dtype, args.max_len, memory, args.layer_shards, args.weights), indent=2))
     except (OSError, ValueError) as exc:

@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
                    help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)")
     p.add_argument("--slots", type=int, default=8, help="KV slots per decode worker (default 8)")
-    p.add_argument("--max-len", type=int, default=2048, help="tokens per request, prompt plus output (default 2048)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)")
     p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
     p.add_argument("--layer-shards", type=int, default=1,
                    help="processes per decode instance, each holding a share of the layers (default 1)")

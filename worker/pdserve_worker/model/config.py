@@ -33,6 +33,9 @@ from typing import Any
 from pdserve_worker.kv.layout import DTYPE_SIZES, KVLayout
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Tokens per request (prompt plus output) when none is asked for: the CRD's spec.model.maxLength
+# default; `serving_max_len` lowers it to a shorter model's context.
+DEFAULT_MAX_LEN = 2048
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 HF_CLASSES = {
@@ -124,6 +127,16 @@ class ModelConfig:
         if dtype not in DTYPE_SIZES:
             raise ValueError(f"KV dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_SIZES[dtype]
+
+    def serving_max_len(self, requested: int | None = None) -> int:
+        """The per-request token budget to serve: `requested` (refused if the engine cannot serve it,
+        see check_max_len), or when None DEFAULT_MAX_LEN capped at the longest it serves exactly
+        (the context, or the sliding window), as vLLM defaults max_model_len to the model's."""
+        if requested is None:
+            limit = min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+            return min(DEFAULT_MAX_LEN, limit)
+        self.check_max_len(requested)
+        return requested
 
     def check_max_len(self, max_len: int) -> None:
         """Refuse a per-request token budget the engine would not compute as transformers does."""

@@ -105,9 +105,10 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def report(path: str | Path, dtype: str = "bfloat16", max_len: int = 2048, memory: int | None = None,
+def report(path: str | Path, dtype: str = "bfloat16", max_len: int | None = None, memory: int | None = None,
            layer_shards: int = 1, weights: str = "auto") -> dict[str, Any]:
-    """Everything `pdserve info --model` prints, as one JSON-able dict.
+    """Everything `pdserve info --model` prints, as one JSON-able dict (max_len None: the default
+    a worker would serve, `ModelConfig.serving_max_len`).
 
     `weights_bytes` is the model in `dtype` (what an accelerator holds); `cpu_routes` and
     `cpu_weights_bytes` what a CPU worker with `--weights` holds (`weight_routes`)."""
@@ -115,6 +116,7 @@ def report(path: str | Path, dtype: str = "bfloat16", max_len: int = 2048, memor
 
     check_weights_choice(weights, "cpu")
     config, facts = read_config(path)
+    max_len = config.serving_max_len(max_len)
     routes = plan(config, weights, facts["quantized"], range(config.num_layers))
     sizing = Sizing(config, dtype, max_len, layer_shards)
     params = parameter_count(config)

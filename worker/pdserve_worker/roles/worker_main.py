@@ -176,6 +176,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
             loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
                                              layers, settings.weights)
+            loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
             raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
         revision = model_revision(folder, settings.model_dtype)
