@@ -262,6 +262,21 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
      '"MessageExpression":"","Reason":null,"FieldPath":"","OptionalOldSelf":null}: compilation failed: '
      "ERROR: <input>:1:5: undefined field 'b'\n | self.b > 0\n | ....^",
      "compileRule in pkg/apiserver/schema/cel/compilation.go, via ValidateCustomResourceDefinitionOpenAPISchema"),
+    ("rule-unknown-method", crd({"type": "object", "properties": {"a": S},
+                                 "x-kubernetes-validations": [{"rule": "self.a.startswth('x')"}]}),
+     # a misspelled library function: cel-go's checker reports it at the call's "(" (parser.VisitMemberCall)
+     f'{V}.properties[spec].x-kubernetes-validations[0].rule: Invalid value: {{"Rule":"self.a.startswth(\'x\')",'
+     '"Message":"","MessageExpression":"","Reason":null,"FieldPath":"","OptionalOldSelf":null}: compilation failed: '
+     "ERROR: <input>:1:17: undeclared reference to 'startswth' (in container '')\n | self.a.startswth('x')\n"
+     " | ................^",
+     "compileRule in pkg/apiserver/schema/cel/compilation.go (cel-go checker.checkCall: undeclaredReference)"),
+    ("rule-in-wrong-element-type", crd({"type": "object", "properties": {"n": I, "tags": {"type": "array", "items": S}},
+                                        "x-kubernetes-validations": [{"rule": "self.n in self.tags"}]}),
+     f'{V}.properties[spec].x-kubernetes-validations[0].rule: Invalid value: {{"Rule":"self.n in self.tags",'
+     '"Message":"","MessageExpression":"","Reason":null,"FieldPath":"","OptionalOldSelf":null}: compilation failed: '
+     "ERROR: <input>:1:8: found no matching overload for '@in' applied to '(int, list(string))'\n"
+     " | self.n in self.tags\n | .......^",
+     "compileRule in pkg/apiserver/schema/cel/compilation.go (cel-go's @in overloads: (A, list(A)), (A, map(A, B)))"),
     ("rule-not-bool", crd({"type": "object", "properties": {"a": I}, "x-kubernetes-validations": [{"rule": "self.a + 1"}]}),
      f'{V}.properties[spec].x-kubernetes-validations[0].rule: Invalid value: {{"Rule":"self.a + 1","Message":"",'
      '"MessageExpression":"","Reason":null,"FieldPath":"","OptionalOldSelf":null}: cel expression must evaluate to a bool',
