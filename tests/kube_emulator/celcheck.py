@@ -15,10 +15,12 @@ the operators' operand types, and the bool result. Errors print the way cel-go p
 (`ERROR: <input>:LINE:COL: message` plus the source line and a caret), prefixed with
 "compilation failed: " as compileRule does.
 
-Bounded on purpose, and lenient where unsure: the Kubernetes CEL library is large (strings, lists,
-regex, URLs, IPs, quantities, semver, optionals...), so methods this checker does not know yield
-`dyn` instead of an error; numeric operands of different kinds are not refused; syntax errors carry
-celpy's (lark's) wording instead of ANTLR's. Cost estimation is not ported.
+Bounded on purpose, and lenient where unsure: the return and argument types of most of the
+Kubernetes CEL library (strings, lists, regex, URLs, IPs, quantities, semver, optionals...) are
+not modelled and yield `dyn`, but a receiver function whose *name* is in no library of the
+environment (`MEMBER_FUNCTIONS`) is refused as cel-go refuses it; numeric operands of different
+kinds are not refused; syntax errors carry celpy's (lark's) wording instead of ANTLR's. Cost
+estimation is not ported.
 """
 
 from __future__ import annotations
@@ -129,6 +131,32 @@ def with_type_and_object_meta(s: Schema) -> Schema:
     return {**s, "type": "object", "properties": props}
 
 
+# Every receiver-style function (and macro) of the CEL environment the API server compiles rules in
+# (k8s.io/apiserver pkg/cel/environment/base.go): cel-go's standard library and optionals
+# (cel/library.go), ext.Strings v2, ext.Lists v3, two-variable comprehensions (ext/*.go at
+# cel-go 14f6746a), and the Kubernetes libraries (pkg/cel/library/library_compatibility_test.go's
+# knownFunctions, kubernetes/apiserver 24a394e5). A name outside this set is a typo to cel-go.
+MEMBER_FUNCTIONS = frozenset({
+    # cel-go standard and optionals
+    "contains", "endsWith", "startsWith", "matches", "size", "getDate", "getDayOfMonth", "getDayOfWeek",
+    "getDayOfYear", "getFullYear", "getHours", "getMilliseconds", "getMinutes", "getMonth", "getSeconds",
+    "hasValue", "value", "or", "orValue", "optMap", "optFlatMap", "first", "last",
+    # macros
+    "all", "exists", "exists_one", "existsOne", "map", "filter", "sortBy", "transformList", "transformMap",
+    "transformMapEntry",
+    # ext.Strings, ext.Lists
+    "charAt", "format", "indexOf", "join", "lastIndexOf", "lowerAscii", "replace", "reverse", "split", "substring",
+    "trim", "upperAscii", "distinct", "flatten", "slice", "sort",
+    # Kubernetes libraries
+    "isSorted", "sum", "max", "min", "find", "findAll", "getScheme", "getHost", "getHostname", "getPort",
+    "getEscapedPath", "getQuery", "path", "group", "serviceAccount", "resource", "subresource", "namespace", "name",
+    "check", "allowed", "reason", "errored", "error", "add", "asApproximateFloat", "asInteger", "compareTo",
+    "isGreaterThan", "isInteger", "isLessThan", "sign", "sub", "ip", "family", "isUnspecified", "isLoopback",
+    "isLinkLocalMulticast", "isLinkLocalUnicast", "isGlobalUnicast", "isCanonical", "containsIP", "containsCIDR",
+    "masked", "prefixLength", "string", "fieldSelector", "labelSelector", "validate", "major", "minor", "patch",
+    "includes",
+})
+
 # ---------------------------------------------------------------- compilation
 
 
@@ -170,6 +198,11 @@ class _Checker:
         end = getattr(getattr(right, "meta", None), "start_pos", len(self.source)) or len(self.source)
         found = self.source.find(op, start, end)
         return found if found >= 0 else start
+
+    def open_paren(self, name_tok: lark.Token) -> int:
+        """Where cel-go locates a call: its "(" (parser.go VisitMemberCall/VisitGlobalCall use the op token)."""
+        found = self.source.find("(", name_tok.end_pos or 0)
+        return found if found >= 0 else (name_tok.start_pos or 0)
 
     def start(self, node: Any) -> int:
         if isinstance(node, lark.Token):
@@ -216,7 +249,9 @@ class _Checker:
         a, b = self.check(left, env), self.check(right, env)
         where = self.op_between(left, right, op)
         if op == "in":
-            if b.kind not in ("list", "map", "dyn"):
+            # cel-go's overloads: (A, list(A)) and (A, map(A, B))
+            member = b.elem if b.kind == "list" else b.key if b.kind == "map" else None
+            if b.kind not in ("list", "map", "dyn") or member is not None and _incomparable(a, member):
                 self.error(where, f"found no matching overload for '@in' applied to '({a}, {b})'")
             return BOOL
         if _incomparable(a, b):
@@ -383,7 +418,9 @@ class _Checker:
             return operand.elem if operand.kind == "optional" and operand.elem else (types[0] if types else DYN)
         if name in ("sum", "min", "max") and operand.kind == "list":
             return operand.elem or DYN
-        return DYN  # the rest of the Kubernetes CEL library: not modelled, not refused
+        if name not in MEMBER_FUNCTIONS:
+            return self.error(self.open_paren(name_tok), f"undeclared reference to '{name}' (in container '')")
+        return DYN  # the rest of the Kubernetes CEL library: types not modelled
 
     def comprehension(self, name: str, operand: T, args: list[Any], env: dict[str, T], tok: lark.Token) -> T:
         var = _unwrap(args[0])
