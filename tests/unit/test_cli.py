@@ -69,3 +69,14 @@ def test_local_max_len_defaults_to_2048_or_the_models_context():
     assert windowed.serving_max_len(None) == 256
     with pytest.raises(ValueError, match="sliding_window 256"):
         windowed.serving_max_len(300)
+
+
+def test_info_describes_the_builtin_model_by_its_spec_name():
+    """`spec.model.source: builtin:smollm2` is what a PDInferenceService names; `pdserve info --model`
+    takes the same. SmolLM2-135M: 30 layers x 2 (K, V) x 3 KV heads x 64 x 2 bytes = 23040."""
+    out = subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "info", "--model", "builtin:smollm2"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert (info["architecture"], info["layers"], info["kv_heads"], info["head_dim"]) == ("llama", 30, 3, 64)
+    assert info["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2 == 23040
