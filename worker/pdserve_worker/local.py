@@ -42,6 +42,7 @@ import httpx
 
 from pdserve_worker import pod_env as E
 from pdserve_worker import settings as S
+from pdserve_worker.model.default_model import model_argument
 from pdserve_worker.tls_certs import CertFiles, tls_env, write_run_certificates
 
 SERVICE = "local/pdserve"
@@ -246,7 +247,7 @@ class LocalDeployment:
         return self.url
 
     def _prepare_model(self) -> Path:
-        path = self.plan.model
+        path = model_argument(self.plan.model)  # builtin:smollm2, the spec's name: the bundled model
         if path is not None and (Path(path) / "config.json").is_file():
             self.model_source = str(Path(path).resolve())
             return Path(path).resolve()

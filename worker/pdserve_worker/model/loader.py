@@ -14,7 +14,7 @@ from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.logs import kv
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.convert import MARKER, converted_gguf, quantized_gguf
-from pdserve_worker.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from pdserve_worker.model.default_model import DEFAULT_MODEL_NAME, default_model_path, model_argument
 from pdserve_worker.model.generation_config import GenerationDefaults
 from pdserve_worker.model.llama import LlamaModel
 from pdserve_worker.model.memory import check_fits, device_available
@@ -63,6 +63,7 @@ def model_folder(path: str | Path | None, dtype: str = "float32") -> tuple[Path,
 
     A GGUF is converted (once, cached) to an HF folder in `dtype`.
     """
+    path = model_argument(path)
     if path is None:
         return converted_gguf(default_model_path(), dtype), DEFAULT_MODEL_NAME
     p = Path(path).expanduser()
@@ -77,7 +78,8 @@ def model_folder(path: str | Path | None, dtype: str = "float32") -> tuple[Path,
 
 
 def gguf_source(path: str | Path | None) -> Path | None:
-    """The GGUF file behind `path` (None: the bundled default), or None for an HF folder."""
+    """The GGUF file behind `path` (None or builtin:smollm2: the bundled default), or None for an HF folder."""
+    path = model_argument(path)
     if path is None:
         return default_model_path()
     p = Path(path).expanduser()
