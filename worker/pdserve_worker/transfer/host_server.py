@@ -14,6 +14,9 @@ port):
   and (only to a client on this host) shared-memory names and the notify inbox, come after.
 - At most `max_links` connections at once and `max_pending` of them still in the handshake;
   more are closed at accept.
+- A failed `accept()` (out of file descriptors: every connection to any of the process's
+  ports costs one) is counted and retried after a pause; only closing the listener ends
+  the acceptor.
 - `remote_write="leased"`: a WRITE lands only inside ranges the owner leased (leases.py), else
   PARAM_INVALID; `remote_read=False`: every READ is PARAM_INVALID (no pull mode needs it).
 - Refusals are counted by reason (`stats()`), with a rate-limited summary log line rather
@@ -24,6 +27,7 @@ capability (readiness.py) are what bound a peer.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -43,6 +47,7 @@ from pdserve_worker.transfer.regions import Region, RegionTable
 log = logging.getLogger("pdserve.transfer.host_server")
 
 MAX_CLIENT_NAME = 256
+ACCEPT_RETRY_S = 0.1  # after a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM): the cause lasts a while
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,12 @@ class HostServer:
         while True:
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return  # listener shut down
+            except OSError as exc:
+                if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listener was shut down or closed
+                self.drops.count("accept_failed", error=errno.errorcode.get(exc.errno or 0, exc.errno))
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             with self._lock:
                 if self._stopping:
                     conn.close()
@@ -145,11 +154,11 @@ class HostServer:
             t.start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        reader = wire.FrameReader(conn)
         pending = True
         client = "?"
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (inside: the finally must run)
+            reader = wire.FrameReader(conn)
             reader.deadline = time.monotonic() + self.policy.handshake_timeout_s
             try:
                 client, snapshot = self._handshake(conn, reader)
