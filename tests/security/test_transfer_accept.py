@@ -4,6 +4,9 @@
   every connection there costs the process one), `accept()` fails with EMFILE. The acceptor
   thread took any OSError for "the listener was closed" and returned: the decode never
   accepted another KV link until it was restarted, though nothing else looked wrong.
+- At most 32 handshakes may be pending. Refusing the newest once they were all taken let a
+  peer without the key hold every pending place with 32 silent connections (renewed every
+  5 s deadline) and so keep every genuine prefill from linking.
 
 Each attack runs against a stand-in decode process (the host engine's server with the
 worker's options) and checks that a genuine peer still links afterwards, or meanwhile.
@@ -56,3 +59,17 @@ def test_running_out_of_descriptors_does_not_stop_the_transfer_server_for_good(d
         except (OSError, AssertionError):
             assert time.monotonic() < deadline, "the transfer server accepts no link after running out of fds"
     assert decode.call("security").get("accept_failed", 0) >= 1
+
+
+def test_silent_connections_cannot_keep_a_genuine_peer_from_linking(decode_peer) -> None:
+    decode = decode_peer(**{"pdserve.HandshakeTimeoutMs": "20000"})
+    engine = decode.info["engine_id"]
+    squatters = [attacker.connect(engine) for _ in range(40)]  # more than the 32 pending places
+    try:
+        time.sleep(0.3)
+        for _ in range(3):  # again and again while the squatters stay
+            assert "regions" in genuine_handshake(engine)
+        assert decode.call("security")["handshakes_pending"] <= 32
+    finally:
+        for sock in squatters:
+            sock.close()
