@@ -26,6 +26,8 @@ MAX_LEN = 128
 SLOTS = 8  # tests that abandon a grant leave its slot quarantined for the rest of the session
 TOKEN = "security-test-service-token"
 KEY = link_auth.derive_key(TOKEN, link_auth.PURPOSE_LINK)
+HTTP_DEADLINE_S = 2.0
+HTTP_MAX_CONNECTIONS = 64
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +62,9 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
             tmp_path_factory.mktemp("sec-local"),
             "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
             "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
+            # Every HTTP port's bounds on unfinished requests, turned down so the tests are quick.
+            "--env", f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
+            "--env", f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
         )
     finally:
         if saved is None:
