@@ -21,7 +21,7 @@ from pdserve.v1 import broker_pb2, broker_pb2_grpc
 from pdserve_operator.broker_registry import Registry, WatchEnded
 from pdserve_worker.logs import kv
 from pdserve_worker.rpc.auth import TLSConfig, TokenTable
-from pdserve_worker.rpc.channels import BROKER_MAX_MESSAGE, aio_server, bind
+from pdserve_worker.rpc.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, bind
 from pdserve_worker.rpc.membership import (
     BROKER_ID_HEADER,
     Member,
@@ -168,7 +168,8 @@ class BrokerServer:
         return self.port
 
     async def _start(self, host: str, port: int) -> int:
-        server = aio_server(self.tokens, max_message=BROKER_MAX_MESSAGE)
+        server = aio_server(self.tokens, max_message=BROKER_MAX_MESSAGE,
+                            limits=GrpcLimits.from_env(max_connections=BROKER_MAX_CONNECTIONS))
         broker_pb2_grpc.add_BrokerServicer_to_server(BrokerServicer(self.registry, self.broker_id), server)
         bound = bind(server, host, port, self._tls)
         await server.start()

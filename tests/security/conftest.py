@@ -28,6 +28,9 @@ TOKEN = "security-test-service-token"
 KEY = link_auth.derive_key(TOKEN, link_auth.PURPOSE_LINK)
 HTTP_DEADLINE_S = 2.0
 HTTP_MAX_CONNECTIONS = 64
+GRPC_HANDSHAKE_MS = 1500
+GRPC_IDLE_MS = 2500
+GRPC_MAX_CONNECTIONS = 48
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +68,10 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
             # Every HTTP port's bounds on unfinished requests, turned down so the tests are quick.
             "--env", f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
             "--env", f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
+            # And every gRPC port's (rpc/channels.py), for test_grpc_bounds.py.
+            "--env", f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",
+            "--env", f"PDSERVE_GRPC_IDLE_TIMEOUT_MS={GRPC_IDLE_MS}",
+            "--env", f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",
         )
     finally:
         if saved is None:
