@@ -31,6 +31,7 @@ HTTP_MAX_CONNECTIONS = 64
 GRPC_HANDSHAKE_MS = 1500
 GRPC_IDLE_MS = 2500
 GRPC_MAX_CONNECTIONS = 48
+BROKER_MAX_MEMBERS = 32
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +73,7 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
             "--env", f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",
             "--env", f"PDSERVE_GRPC_IDLE_TIMEOUT_MS={GRPC_IDLE_MS}",
             "--env", f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",
+            "--env", f"PDSERVE_BROKER_MAX_MEMBERS={BROKER_MAX_MEMBERS}",  # test_broker_bounds.py
         )
     finally:
         if saved is None:
