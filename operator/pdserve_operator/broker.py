@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -18,10 +19,10 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
-from pdserve_operator.broker_registry import Registry, WatchEnded
+from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, Registry, TooManyMembers, WatchEnded
 from pdserve_worker.logs import kv
 from pdserve_worker.rpc.auth import TLSConfig, TokenTable
-from pdserve_worker.rpc.channels import BROKER_MAX_MESSAGE, aio_server, bind
+from pdserve_worker.rpc.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, bind
 from pdserve_worker.rpc.membership import (
     BROKER_ID_HEADER,
     Member,
@@ -34,6 +35,11 @@ from pdserve_worker.rpc.membership import (
 )
 
 log = logging.getLogger("pdserve.broker")
+
+# A member's description as registered: a worker's is a few hundred bytes; the cap bounds what
+# one token holder can make the broker keep (with the per-service member cap, Registry).
+MAX_MEMBER_BYTES = 16 * 1024
+MAX_MEMBERS_ENV = "PDSERVE_BROKER_MAX_MEMBERS"
 
 _ENDED_CODES: dict[str, grpc.StatusCode] = {
     "overflow": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -65,11 +71,18 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     async def Register(self, request: broker_pb2.RegisterRequest, context) -> broker_pb2.RegisterReply:
         await _require_service_key(request.service_key, context)
+        size = request.member.ByteSize()
+        if size > MAX_MEMBER_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"member: {size} bytes, more than the {MAX_MEMBER_BYTES} a member may take")
         try:
             info = member_info_from_proto(request.member)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"member: {exc}")
-        lease = self._registry.register(request.service_key, info, draining=request.draining)
+        try:
+            lease = self._registry.register(request.service_key, info, draining=request.draining)
+        except TooManyMembers as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return broker_pb2.RegisterReply(
             lease_id=lease.lease_id, ttl_ms=int(lease.ttl_s * 1000), broker_id=self._broker_id
         )
@@ -137,9 +150,13 @@ class BrokerServer:
         tls: TLSConfig | None = None,
         resync_grace_s: float | None = None,
         queue_size: int = 1024,
+        max_members: int | None = None,
     ) -> None:
+        """`max_members` per service: default $PDSERVE_BROKER_MAX_MEMBERS, else 4,096."""
         self.tokens = TokenTable(tokens)
-        self.registry = Registry(ttl_s, resync_grace_s=resync_grace_s, queue_size=queue_size)
+        if max_members is None:
+            max_members = int(os.environ.get(MAX_MEMBERS_ENV) or DEFAULT_MAX_MEMBERS)
+        self.registry = Registry(ttl_s, resync_grace_s=resync_grace_s, queue_size=queue_size, max_members=max_members)
         self.broker_id = secrets.token_hex(8)
         self._tls = tls
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -168,7 +185,8 @@ class BrokerServer:
         return self.port
 
     async def _start(self, host: str, port: int) -> int:
-        server = aio_server(self.tokens, max_message=BROKER_MAX_MESSAGE)
+        server = aio_server(self.tokens, max_message=BROKER_MAX_MESSAGE,
+                            limits=GrpcLimits.from_env(max_connections=BROKER_MAX_CONNECTIONS))
         broker_pb2_grpc.add_BrokerServicer_to_server(BrokerServicer(self.registry, self.broker_id), server)
         bound = bind(server, host, port, self._tls)
         await server.start()

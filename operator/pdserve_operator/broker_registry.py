@@ -9,6 +9,10 @@ SYNCED, then changes. SYNCED is held back until `resync_grace_s` after `start()`
 broker restart the registry is empty until workers re-register, and a watcher that took the
 empty snapshot as the truth would drop every member it knew.
 
+What one service (anyone holding its token) can make the registry hold is bounded: at most
+`max_members` members (a new worker id past that is refused with `TooManyMembers`; members
+already there renew and re-register as before), each at most 16 KiB as the broker checks it.
+
 Each watcher has its own bounded queue that producers append to without waiting, so a slow
 watcher never blocks registrations or other watchers; one that falls `queue_size` events
 behind is closed (`WatchEnded('overflow')`) and re-watches for a fresh snapshot, the way a
@@ -30,6 +34,13 @@ from pdserve_worker.logs import kv
 from pdserve_worker.rpc.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role, change_type
 
 log = logging.getLogger("pdserve.broker")
+
+
+DEFAULT_MAX_MEMBERS = 4096  # per service: prefill + decode groups x shards + routers, with room to roll
+
+
+class TooManyMembers(Exception):
+    """A service already has `max_members` members: a new worker id is refused."""
 
 
 class WatchEnded(Exception):
@@ -123,6 +134,7 @@ class Registry:
         *,
         resync_grace_s: float | None = None,
         queue_size: int = 1024,
+        max_members: int = DEFAULT_MAX_MEMBERS,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -130,6 +142,9 @@ class Registry:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+        if max_members < 1:
+            raise ValueError(f"max_members must be >= 1, got {max_members}")
+        self.max_members = max_members
         self.ttl_s = ttl_s
         self.resync_grace_s = ttl_s if resync_grace_s is None else resync_grace_s
         self.queue_size = queue_size
@@ -147,12 +162,16 @@ class Registry:
     # --- membership changes -------------------------------------------------------------
 
     def register(self, service_key: str, info: MemberInfo, *, draining: bool = False) -> Lease:
-        """Add a member, or replace the registration of its worker_id (the old lease ends)."""
+        """Add a member, or replace the registration of its worker_id (the old lease ends).
+        Raises TooManyMembers for a new worker id of a service that has `max_members`."""
         info.validate()
         lease_id = secrets.token_hex(16)
         with self._lock:
             svc = self._services.setdefault(service_key, _Service())
             old = svc.entries.get(info.worker_id)
+            if old is None and len(svc.entries) >= self.max_members:
+                raise TooManyMembers(f"service {service_key!r} already has {len(svc.entries)} members, "
+                                     f"the most one service may register; {info.worker_id!r} is not added")
             if old is not None:
                 svc.leases.pop(old.lease_id, None)
             member = Member(

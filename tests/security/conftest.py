@@ -26,6 +26,12 @@ MAX_LEN = 128
 SLOTS = 8  # tests that abandon a grant leave its slot quarantined for the rest of the session
 TOKEN = "security-test-service-token"
 KEY = link_auth.derive_key(TOKEN, link_auth.PURPOSE_LINK)
+HTTP_DEADLINE_S = 2.0
+HTTP_MAX_CONNECTIONS = 64
+GRPC_HANDSHAKE_MS = 1500
+GRPC_IDLE_MS = 2500
+GRPC_MAX_CONNECTIONS = 48
+BROKER_MAX_MEMBERS = 32
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +66,14 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
             tmp_path_factory.mktemp("sec-local"),
             "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
             "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
+            # Every HTTP port's bounds on unfinished requests, turned down so the tests are quick.
+            "--env", f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
+            "--env", f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
+            # And every gRPC port's (rpc/channels.py), for test_grpc_bounds.py.
+            "--env", f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",
+            "--env", f"PDSERVE_GRPC_IDLE_TIMEOUT_MS={GRPC_IDLE_MS}",
+            "--env", f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",
+            "--env", f"PDSERVE_BROKER_MAX_MEMBERS={BROKER_MAX_MEMBERS}",  # test_broker_bounds.py
         )
     finally:
         if saved is None:

@@ -262,3 +262,40 @@ def test_d9_error_bodies_name_no_worker_and_carry_the_request_id(attacked, model
                     request_id="holder", slot=grant.slot, generation=grant.generation, push_settled=True),
                     metadata=metadata, timeout=5)
     all_free_within(attacked, 1.0)
+
+
+def test_a_vanishing_temperature_or_top_p_is_sampled_and_kills_no_batch(attacked, model):
+    """Review of issue 13: a temperature below float32's smallest normal (about 1.2e-38) made
+    logits/temperature infinite, and a top_p that rounds to 0 in float32 kept no token: the
+    sampler raised. At the prefill that was a 500; at a decode step (the first token drawn
+    fine, a later one did not) `generation_step_failed` failed *every* request in that
+    decode's batch, so one client's request aborted everybody's streams there (the router
+    retried them elsewhere, re-prefilling them). vLLM treats temperature < 1e-5 as greedy
+    (vllm/sampling_params.py, `SamplingParams.sampling_type`, `_SAMPLING_EPS`) and its top-p
+    always keeps the most likely token (`apply_top_k_top_p`); so does the sampler now."""
+    retries_before = metric(attacked, "pdserve_router_request_retries_total")
+    victims: dict[int, httpx.Response] = {}
+
+    def victim(i: int) -> None:
+        victims[i] = httpx.post(f"{attacked.url}/v1/completions", json={
+            "model": model, "prompt": f"victim {i} " * 4, "max_tokens": MAX_LEN - 40, "ignore_eos": True,
+            "temperature": 0}, timeout=120)
+
+    threads = [threading.Thread(target=victim, args=(i,)) for i in range(2)]  # one per decode
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    # Around the float32 edge where the first token survives and a later one does not.
+    temperatures = [1.0e-38 + k * 0.02e-38 for k in range(12)] + [1e-300, 5e-39]
+    attacks = [{"temperature": t} for t in temperatures] + [{"top_p": p} for p in (1e-300, 1e-46)]
+    replies = [httpx.post(f"{attacked.url}/v1/completions", json={
+        "model": model, "prompt": "hello world", "max_tokens": 60, "ignore_eos": True, **extra}, timeout=60)
+        for extra in attacks]
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in replies] == [200] * len(attacks), [
+        (a, r.status_code) for a, r in zip(attacks, replies) if r.status_code != 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 60 for r in replies)
+    assert [victims[i].status_code for i in range(2)] == [200, 200]
+    assert metric(attacked, "pdserve_router_request_retries_total") == retries_before, "a victim was aborted"
+    all_free_within(attacked, 1.0)

@@ -207,3 +207,17 @@ def test_invalid_member_is_refused(registry: Registry) -> None:
     with pytest.raises(ValueError, match="kv_layout"):
         registry.register(SVC, bad)
     assert registry.members(SVC) == []
+
+
+def test_a_service_cannot_register_more_than_max_members(clock: FakeClock) -> None:
+    from pdserve_operator.broker_registry import TooManyMembers
+
+    reg = Registry(ttl_s=10.0, clock=clock, wall_clock=clock, max_members=2)
+    first = reg.register("ns/a", prefill("p0"))
+    reg.register("ns/a", prefill("p1"))
+    with pytest.raises(TooManyMembers):
+        reg.register("ns/a", prefill("p2"))
+    reg.register("ns/a", prefill("p1"))  # a member already there registers again
+    reg.register("ns/b", prefill("p2"))  # the cap is per service
+    assert reg.deregister("ns/a", first.lease_id)
+    reg.register("ns/a", prefill("p2"))  # room again once one left

@@ -236,3 +236,30 @@ def test_packed_batches_fill_each_pass_up_to_the_budget_and_never_leave_a_prompt
     assert packed_batches([10], 4) == [range(0, 1)]  # a prompt longer than the budget still goes alone
     assert packed_batches([], 4) == []
     assert packed_batches([1, 1, 1], 100) == [range(0, 3)]
+
+
+def test_a_request_whose_draw_fails_is_aborted_alone(tiny, prompts, alone, monkeypatch):
+    """A sampler that raises (parameters it cannot honour) ends its own request with 'abort'
+    and hands its slot back; before, the exception left `step()` and the decode's generation
+    loop failed every request of the batch with it."""
+    gen = Generator(tiny.model, tiny.tokenizer, colocated_cache(tiny.model, 3, 64))
+    tokens: dict[str, list[int]] = {}
+    for slot, prompt in enumerate(prompts[:3]):
+        request_id, first = start(gen, tiny, slot, prompt, GREEDY)
+        tokens[request_id] = [first.token_id]
+    *good, bad = tokens
+
+    def refuse(logits, index):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(gen._running[bad].sampler, "sample", refuse)
+    aborted = []
+    while gen.has_work():
+        for out in gen.step():
+            if out.request_id == bad:
+                aborted.append(out)
+            else:
+                tokens[out.request_id].append(out.token_id)
+    assert [(o.finished, o.finish_reason, o.token_id) for o in aborted] == [(True, FinishReason.ABORT, None)]
+    assert [tokens[i] for i in good] == alone[:2]
+    assert gen.num_running == 0 and gen._slots == {}

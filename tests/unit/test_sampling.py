@@ -140,3 +140,25 @@ def test_streamed_output_is_the_cut_of_the_whole_text_however_chunked_and_never_
 def test_invalid_params_are_rejected_with_the_field_name():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=2.0)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 5e-39, 1.1e-38, 1e-30, 9.9e-6])
+def test_a_vanishing_temperature_is_greedy_as_in_vllm(temperature):
+    """vllm/sampling_params.py: `sampling_type` is GREEDY below `_SAMPLING_EPS` (1e-5). Before,
+    logits/temperature overflowed float32 (or divided by a temperature that rounds to 0) and
+    `torch.multinomial` raised on the NaN softmax."""
+    big = LOGITS * 1e3  # large logits overflow first
+    assert set(draws(SamplingParams(temperature=temperature, seed=8), 20)) == {1}
+    assert {Sampler(SamplingParams(temperature=temperature)).sample(big, i) for i in range(5)} == {1}
+
+
+def test_sampling_from_1e_minus_5_up_still_draws():
+    assert len(set(draws(SamplingParams(temperature=1.0, seed=9), 400))) > 1
+    assert set(draws(SamplingParams(temperature=1e-5, seed=9), 50)) == {1}  # sharp, but sampled
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-10])
+def test_a_top_p_that_rounds_to_nothing_keeps_the_most_likely_token(top_p):
+    """vLLM's top-p never masks the most likely token; a top_p below float32's range compared
+    as 0 and kept none, and the draw raised."""
+    assert set(draws(SamplingParams(top_p=top_p, seed=10), 50)) == {1}

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_worker import pod_env as E
 from pdserve_worker.model.default_model import BUILTIN_SOURCE
+from pdserve_worker.roles.http_guard import HttpLimits
 from pdserve_worker.rpc.auth import TLSConfig
 
 # Worker-only knobs (the operator leaves them at their defaults).
@@ -41,6 +42,10 @@ MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are a
 PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
+# Every HTTP port (router API, pod probes, admin): a request must arrive whole within this
+# many seconds, and connections past the cap are closed at once (roles/http_guard.py).
+HTTP_REQUEST_DEADLINE_S = "PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS"
+HTTP_MAX_CONNECTIONS = "PDSERVE_HTTP_MAX_CONNECTIONS"
 
 Role = Literal["prefill", "decode", "router", "colocated"]
 BUILTIN_PREFIX = "builtin:"
@@ -95,6 +100,8 @@ class WorkerSettings(BaseSettings):
     request_timeout_seconds: float = Field(600.0, gt=0, validation_alias=REQUEST_TIMEOUT_S)
     grace_seconds: float = Field(30.0, ge=0, validation_alias=GRACE_S)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, validation_alias=MAX_BODY_BYTES)
+    http_request_deadline_seconds: float = Field(30.0, gt=0, validation_alias=HTTP_REQUEST_DEADLINE_S)
+    http_max_connections: int = Field(4096, ge=1, validation_alias=HTTP_MAX_CONNECTIONS)
     admin_port: int = Field(E.ADMIN_PORT, ge=0, le=65535, validation_alias=E.ADMIN_PORT_ENV)
     api_keys_file: Path | None = Field(None, validation_alias=E.API_KEYS_FILE)
     admission_queue: int = Field(1024, ge=0, le=1_000_000, validation_alias=E.ADMISSION_QUEUE)  # 0: no queue
@@ -139,6 +146,10 @@ class WorkerSettings(BaseSettings):
         return self
 
     # ---- derived -----------------------------------------------------------------------------
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.http_request_deadline_seconds, self.http_max_connections)
 
     @property
     def token(self) -> str:

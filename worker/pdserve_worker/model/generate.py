@@ -15,6 +15,7 @@ over a `KVView` (a `KVCache`, or the group's `GroupKV`).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,11 +25,14 @@ import torch
 
 from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.logs import kv
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.llama import LlamaModel
 from pdserve_worker.model.sampling import Sampler, StopStringMatcher, stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("pdserve.generate")
 
 
 class KVView(Protocol):
@@ -220,8 +224,7 @@ class Generator(Generic[CacheT]):
         outputs = []
         for row, request in enumerate(decoding):
             request.position += 1
-            token = request.sampler.sample(logits[row], len(request.output_ids))
-            outputs.append(self._accept(request, token))
+            outputs.append(self._sample_and_accept(request, logits[row]))
         self.stats.decode_seconds += time.perf_counter() - started
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(decoding)
@@ -258,6 +261,18 @@ class Generator(Generic[CacheT]):
             request.matcher.feed(request.detok.push(token))
         if emitted:
             request.last_token = emitted[-1]
+
+    def _sample_and_accept(self, request: _Request, logits: torch.Tensor) -> StepOutput:
+        """Draw the request's next token and record it. A draw that fails (parameters its
+        sampler cannot honour) aborts this request alone: the batch's other requests never
+        pay for one client's sampling parameters."""
+        try:
+            token = request.sampler.sample(logits, len(request.output_ids))
+        except (RuntimeError, ValueError) as exc:
+            log.error(kv(event="sampling_failed", request=request.request_id, error=repr(exc)))
+            self._finish(request)
+            return StepOutput(request.request_id, None, "", True, FinishReason.ABORT)
+        return self._accept(request, token)
 
     def _accept(self, request: _Request, token: int) -> StepOutput:
         """Record a sampled token: emit its text, or finish the request."""

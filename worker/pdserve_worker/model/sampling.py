@@ -45,9 +45,13 @@ class Sampler:
             values, candidates = torch.sort(scaled, descending=True)
         probs = torch.softmax(values, dim=-1)
         if p.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+            # Keep the smallest prefix whose mass reaches top_p. The most likely token always
+            # stays, explicitly: a top_p that rounds to 0 in float32 would keep nothing (vLLM's
+            # `apply_top_k_top_p` likewise never masks the last token of its ascending sort).
             before = torch.cumsum(probs, dim=-1) - probs
-            probs = torch.where(before < p.top_p, probs, torch.zeros_like(probs))
+            keep = before < p.top_p
+            keep[0] = True
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
         self._generator.manual_seed(_index_seed(self.seed, index))
         choice = torch.multinomial(probs, 1, generator=self._generator)
         return int(candidates[choice])

@@ -20,6 +20,11 @@ INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
+# Below this temperature a request is sampled greedily, as vLLM does (vllm/sampling_params.py,
+# `_SAMPLING_EPS`, `SamplingParams.sampling_type`): logits divided by a vanishing temperature
+# overflow float32 (below about 1.2e-38 the divisor itself rounds to 0), and the softmax of
+# an infinite value is NaN, which no sampler can draw from.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -40,7 +45,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(16, ge=1, le=UINT32_MAX, description="Tokens to generate at most.")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="Below 1e-5 (0 included) greedy.")
     top_k: int = Field(0, ge=0, le=UINT32_MAX, description="Keep the k most likely tokens; 0 disables.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to keep; 1 disables.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
@@ -53,4 +58,4 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from pdserve_worker.roles.http_guard import HttpLimits
 from pdserve_worker.roles.router_server import build_router_server
 from pdserve_worker.rpc.auth import TLSConfig, TokenTable, authorize
 
@@ -116,7 +117,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def embedded_server(app: ASGIApp, host: str, port: int, grace_s: float,
-                    tls: TLSConfig | None = None) -> EmbeddedServer:
+                    tls: TLSConfig | None = None, limits: HttpLimits = HttpLimits()) -> EmbeddedServer:
     """The router's uvicorn configuration (quiet, graceful drain of `grace_s`, HTTPS with
-    `tls`), signal-free."""
-    return EmbeddedServer(build_router_server(app, host, port, grace_s=grace_s, tls=tls).config)
+    `tls`, the bounds of `limits` on unfinished requests), signal-free."""
+    return EmbeddedServer(build_router_server(app, host, port, grace_s=grace_s, tls=tls, limits=limits).config)

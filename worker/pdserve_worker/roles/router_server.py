@@ -17,6 +17,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from pdserve_worker.logs import kv
+from pdserve_worker.roles.http_guard import HttpLimits, guarded_h11
 from pdserve_worker.rpc.auth import TLSConfig
 
 log = logging.getLogger("pdserve.router")
@@ -25,10 +26,12 @@ DEFAULT_GRACE_S = 30.0
 
 
 def build_router_server(app: ASGIApp, host: str, port: int, *, grace_s: float = DEFAULT_GRACE_S,
-                        log_level: str = "warning", tls: TLSConfig | None = None) -> uvicorn.Server:
+                        log_level: str = "warning", tls: TLSConfig | None = None,
+                        limits: HttpLimits = HttpLimits()) -> uvicorn.Server:
     """A uvicorn server for `app`, not yet started (tests run it in a thread and stop it).
     With `tls` it serves HTTPS only (clients are not asked for certificates: API clients use
-    the API's own authentication)."""
+    the API's own authentication). `limits` bound what clients that never finish a request
+    can hold (http_guard.py)."""
     ssl: dict[str, str] = {}
     if tls is not None and tls.cert_file is not None and tls.key_file is not None:
         ssl = {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
@@ -41,6 +44,7 @@ def build_router_server(app: ASGIApp, host: str, port: int, *, grace_s: float = 
         log_level=log_level,
         access_log=False,  # the router logs one structured line per request instead
         lifespan="off",
+        http=guarded_h11(limits),
         **ssl,  # type: ignore[arg-type]
     )
     return uvicorn.Server(config)

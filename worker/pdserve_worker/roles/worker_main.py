@@ -156,13 +156,15 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
 
     http_socket = _listen_or_fail(settings.bind_host, settings.http_port)
     app = worker_app(state)
-    http = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds)
+    http = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds,
+                           limits=settings.http_limits)
     http_task = asyncio.create_task(http.serve(sockets=[http_socket]), name="worker-http")
     admin: Any = None
     admin_task: asyncio.Task | None = None
     if settings.role == "decode":
         admin_socket = _listen_or_fail(ADMIN_HOST, settings.admin_port)
-        admin = embedded_server(admin_app(tokens, drain), ADMIN_HOST, settings.admin_port, settings.grace_seconds)
+        admin = embedded_server(admin_app(tokens, drain), ADMIN_HOST, settings.admin_port, settings.grace_seconds,
+                                limits=settings.http_limits)
         admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]), name="worker-admin")
     backend = None
     worker: Any = None
@@ -320,7 +322,8 @@ async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state
                      admission=admission, keys=keys)
     _add_pod_routes(app, state)
     sock = _listen_or_fail(settings.bind_host, settings.http_port)
-    server = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds, settings.tls)
+    server = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds, settings.tls,
+                             settings.http_limits)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
     try:
         state.phase = "ready"

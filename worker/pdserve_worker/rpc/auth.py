@@ -11,6 +11,10 @@ So a worker of one service can neither see nor join another's. Requests without 
 table holds only its own service's token, so a token of another service is unknown to it
 (UNAUTHENTICATED; it cannot tell another service's token from garbage).
 
+A call whose headers carry no token, or one the table does not know, is refused from the
+headers alone, before its request message is read: otherwise a peer with no token could keep
+a call (and its connection) open by never sending the message.
+
 Servers are grpc.aio servers. On a plaintext channel gRPC refuses to send call credentials,
 so clients add the header with an interceptor there, and with `access_token_call_credentials`
 (the same header, gRPC's own helper) composed into the TLS credentials otherwise.
@@ -146,7 +150,23 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         metadata = handler_call_details.invocation_metadata
+        token = token_from_metadata(metadata)
+        if isinstance(token, Denial):
+            return _refused_unread(token)
+        if self._tokens.service_for(token) is None:
+            return _refused_unread(Denial(grpc.StatusCode.UNAUTHENTICATED, "token is not valid for any service here"))
         return _guarded(handler, lambda request: authorize(self._tokens, metadata, request))
+
+
+def _refused_unread(denial: Denial) -> grpc.RpcMethodHandler:
+    """A handler that answers `denial` at once. Request-streaming, so the server hands it the
+    call before any message arrived and never reads one; the status is what the client sees,
+    whatever the method's shape."""
+
+    async def refuse(_requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(denial.code, denial.details)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 # (request_streaming, response_streaming) -> the handler's behaviour attribute and factory.

@@ -6,8 +6,15 @@ answers with GOAWAY "too_many_pings". A short reconnect backoff lets clients fin
 broker within a second or two instead of gRPC's default of up to two minutes.
 
 Message sizes are set explicitly on both ends of every channel (gRPC's defaults are 4 MiB in
-and unlimited out): a server buffers a whole message before the token is checked, so its
-receive limit is what an unauthenticated peer can make it hold per call.
+and unlimited out).
+
+What a peer without a token can hold on a server (`GrpcLimits`; gRPC's defaults kept a TCP
+connection that never spoke HTTP/2 for 120 s, one that sent the HTTP/2 preface and nothing
+else for ever, and capped nothing): a connection must finish its HTTP/2 (and TLS) handshake
+within `handshake_timeout_ms`, one with no call in progress for `idle_timeout_ms` is closed
+(a client reconnects on its next call), and at most `max_connections` are open at once (a
+newer one is closed at accept). A call without a valid token is refused from its headers,
+before its message is read (auth.py), so such a connection stays idle.
 
 With a `TLSConfig` a server listens with TLS only (no plaintext port next to it) and a client
 verifies the server's certificate against the configured CA, under `server_name` when the
@@ -16,6 +23,9 @@ address is a pod IP that no certificate names.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -28,6 +38,49 @@ KEEPALIVE_MS = 10_000
 WORKER_MAX_MESSAGE = 16 * 1024 * 1024
 # The broker: registrations and membership lists (a few hundred bytes per member).
 BROKER_MAX_MESSAGE = 4 * 1024 * 1024
+
+
+# The environment's names for GrpcLimits (every process of a deployment reads its own).
+HANDSHAKE_TIMEOUT_ENV = "PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS"
+IDLE_TIMEOUT_ENV = "PDSERVE_GRPC_IDLE_TIMEOUT_MS"
+MAX_CONNECTIONS_ENV = "PDSERVE_GRPC_MAX_CONNECTIONS"
+WORKER_MAX_CONNECTIONS = 1024  # routers, prefills, group members and the operator of one service
+BROKER_MAX_CONNECTIONS = 8192  # one channel per pod of every service; ~13 KB each when idle
+
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    """Bounds of a gRPC server on connections (see the module docstring)."""
+
+    handshake_timeout_ms: int = 10_000
+    idle_timeout_ms: int = 300_000
+    max_connections: int = WORKER_MAX_CONNECTIONS
+
+    @classmethod
+    def from_env(cls, max_connections: int = WORKER_MAX_CONNECTIONS,
+                 env: Mapping[str, str] | None = None) -> GrpcLimits:
+        env = os.environ if env is None else env
+
+        def positive(name: str, default: int) -> int:
+            raw = env.get(name)
+            if not raw:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+            return value
+
+        return cls(positive(HANDSHAKE_TIMEOUT_ENV, cls.handshake_timeout_ms),
+                   positive(IDLE_TIMEOUT_ENV, cls.idle_timeout_ms),
+                   positive(MAX_CONNECTIONS_ENV, max_connections))
+
+    def options(self) -> list[tuple[str, int]]:
+        return [("grpc.server_handshake_timeout_ms", self.handshake_timeout_ms),
+                ("grpc.max_connection_idle_ms", self.idle_timeout_ms),
+                ("grpc.max_allowed_incoming_connections", self.max_connections)]
 
 
 def size_options(max_message: int) -> list[tuple[str, int]]:
@@ -69,10 +122,13 @@ def aio_channel(address: str, token: str, tls: TLSConfig | None = None, *,
     return grpc.aio.secure_channel(address, tls.channel_credentials(token), options=options)
 
 
-def aio_server(tokens: TokenTable, *, max_message: int = WORKER_MAX_MESSAGE) -> grpc.aio.Server:
-    """An aio server (create it inside the loop that will run it) that checks every call's token."""
+def aio_server(tokens: TokenTable, *, max_message: int = WORKER_MAX_MESSAGE,
+               limits: GrpcLimits | None = None) -> grpc.aio.Server:
+    """An aio server (create it inside the loop that will run it) that checks every call's
+    token; `limits` default to `GrpcLimits.from_env()`."""
+    limits = limits or GrpcLimits.from_env()
     return grpc.aio.server(interceptors=[ServiceAuthInterceptor(tokens)],
-                           options=[*SERVER_OPTIONS, *size_options(max_message)])
+                           options=[*SERVER_OPTIONS, *size_options(max_message), *limits.options()])
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = None) -> int:

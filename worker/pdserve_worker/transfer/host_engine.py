@@ -29,7 +29,8 @@ HIXL's own behaviour, and all set by a pdserve worker, service_link.py):
 - `pdserve.AuthKey` (hex): a link is admitted only after both ends prove, by HMAC
   challenge-response, that they hold this key; until then the server tells a peer nothing but
   a nonce and bounds what it reads (`pdserve.HandshakeTimeoutMs`, default 5000; at most
-  `pdserve.MaxLinks`, default 256, links and 32 handshakes at once). With a key, the notify
+  `pdserve.MaxLinks`, default 256, links and 32 handshakes at once, a newcomer cutting the
+  oldest handshake when all 32 are taken). With a key, the notify
   inbox also takes datagrams only from this process's user.
 - `pdserve.RemoteWrite=leased`: peers WRITE only into ranges leased with `lease_write(addr,
   len)` (host-engine extension; `revoke_write(id)` ends one), else PARAM_INVALID.

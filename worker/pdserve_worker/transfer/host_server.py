@@ -12,8 +12,14 @@ port):
   else; until then the server reads only small handshake bodies under `handshake_timeout_s`,
   sizes no buffer from what the peer sent, and discloses nothing but a fresh nonce. Regions,
   and (only to a client on this host) shared-memory names and the notify inbox, come after.
-- At most `max_links` connections at once and `max_pending` of them still in the handshake;
-  more are closed at accept.
+- At most `max_links` connections at once and `max_pending` of them still in the handshake.
+  When every pending place is taken, the oldest pending handshake is cut to make room (a
+  genuine peer finishes its handshake within a round trip; a squatter that connects and says
+  nothing would otherwise keep every genuine prefill out); when every link is an admitted
+  one, the newcomer is closed at accept.
+- A failed `accept()` (out of file descriptors: every connection to any of the process's
+  ports costs one) is counted and retried after a pause; only closing the listener ends
+  the acceptor.
 - `remote_write="leased"`: a WRITE lands only inside ranges the owner leased (leases.py), else
   PARAM_INVALID; `remote_read=False`: every READ is PARAM_INVALID (no pull mode needs it).
 - Refusals are counted by reason (`stats()`), with a rate-limited summary log line rather
@@ -24,6 +30,7 @@ capability (readiness.py) are what bound a peer.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -43,6 +50,7 @@ from pdserve_worker.transfer.regions import Region, RegionTable
 log = logging.getLogger("pdserve.transfer.host_server")
 
 MAX_CLIENT_NAME = 256
+ACCEPT_RETRY_S = 0.1  # after a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM): the cause lasts a while
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,7 @@ class HostServer:
         self._listener.bind((host, port))
         self._listener.listen(128)
         self._conns: set[socket.socket] = set()
-        self._pending = 0  # connections still in the handshake
+        self._pending: dict[socket.socket, None] = {}  # connections still in the handshake, oldest first
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stopping = False
@@ -119,37 +127,52 @@ class HostServer:
     def stats(self) -> dict[str, int]:
         """Refusals by reason, plus the links open now."""
         with self._lock:
-            links, pending = len(self._conns), self._pending
+            links, pending = len(self._conns), len(self._pending)
         return {**self.drops.totals(), "links_open": links - pending, "handshakes_pending": pending}
 
     def _accept_loop(self) -> None:
         while True:
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return  # listener shut down
+            except OSError as exc:
+                if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listener was shut down or closed
+                self.drops.count("accept_failed", error=errno.errorcode.get(exc.errno or 0, exc.errno))
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            evicted: socket.socket | None = None
             with self._lock:
                 if self._stopping:
                     conn.close()
                     return
-                full = len(self._conns) >= self.policy.max_links or self._pending >= self.policy.max_pending
-                if not full:
+                pending_full = len(self._pending) >= self.policy.max_pending
+                links_full = len(self._conns) >= self.policy.max_links
+                if (pending_full or links_full) and self._pending:
+                    evicted = next(iter(self._pending))  # the oldest handshake makes room
+                    del self._pending[evicted]
+                    links_full = False
+                if not links_full:
                     self._conns.add(conn)
-                    self._pending += 1
+                    self._pending[conn] = None
                     t = threading.Thread(target=self._serve, args=(conn, peer), name=f"hixl-serve-{peer}", daemon=True)
                     self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            if full:
+            if evicted is not None:
+                self.drops.count("handshake_evicted", peer=peer)
+                try:
+                    evicted.shutdown(socket.SHUT_RDWR)  # its thread wakes, fails its handshake, cleans up
+                except OSError:
+                    pass
+            if links_full:
                 conn.close()
                 self.drops.count("link_cap", peer=peer)
                 continue
             t.start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        reader = wire.FrameReader(conn)
-        pending = True
         client = "?"
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (inside: the finally must run)
+            reader = wire.FrameReader(conn)
             reader.deadline = time.monotonic() + self.policy.handshake_timeout_s
             try:
                 client, snapshot = self._handshake(conn, reader)
@@ -160,13 +183,12 @@ class HostServer:
                 self.drops.count("auth_failed", peer=peer)
                 return
             except (ConnectionError, OSError):  # ProtocolError included
-                if not self._stopping:
+                if not self._stopping and conn in self._pending:  # (an evicted one was counted)
                     self.drops.count("handshake_invalid", peer=peer)
                 return
             finally:
                 with self._lock:
-                    self._pending -= 1
-                pending = False
+                    self._pending.pop(conn, None)
             reader.deadline = None
             conn.settimeout(None)
             allowed = RegionTable(snapshot)  # exactly what the client was told, nothing registered later
@@ -182,8 +204,7 @@ class HostServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
-                if pending:
-                    self._pending -= 1
+                self._pending.pop(conn, None)
             conn.close()
 
     # ---- the handshake -----------------------------------------------------------------------------

@@ -3,8 +3,13 @@
 A decode's pool is registered whole (HIXL's rule: register before connect), but at any
 moment only the slots reserved for a request are due to receive KV. With the host engine
 option `pdserve.RemoteWrite=leased` its server writes a remote WRITE only where every range
-lies inside a lease (else PARAM_INVALID, counted as `writes_refused`), so even a peer that
-holds the service's key cannot scribble over a slot that another request is decoding from.
+lies inside a lease (else PARAM_INVALID, counted as `writes_refused`), so a peer that
+holds the service's key cannot start a write into a free slot or one another request is
+decoding from. What leases do not bound (all about peers inside the service, which hold its
+key): a lease covers a slot's bytes, not a link, so any of them may write into any slot
+reserved right now; and a WRITE frame is checked when it starts, so one whose payload is
+still arriving keeps landing after the lease ended (quarantine keeps the slot from being
+reused meanwhile only where the grant ended without a commit).
 
 - `LeaseTable`: the engine's side (pure, thread-safe): ranges by id, and the check.
 - `SlotWriteLeases`: the decode's side: a slot table's hooks (`granted`/`ended`) that lease a

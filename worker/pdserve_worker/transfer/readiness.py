@@ -13,9 +13,10 @@ drainer becomes it (leader/follower), drains for everybody and files each ready 
 its slot; the others sleep on a condition and are woken when something was filed. When the
 drainer's own message arrives it leaves and a follower takes over. A message is filed only if
 - `authorize(slot, generation, nonce)` says it carries the reservation's capability (the slot
-  table's `verify`: an unguessable value that only the decode, the router and the prefill
-  of that request know), so a forged notify is dropped however it reached the engine (on real
-  HIXL anyone who can reach the port can send one), and
+  table's `verify`: a MAC of slot and generation, unguessable without the service's token;
+  outside the service only the decode, the router and the prefill of that request see it),
+  so a forged notify is dropped however it reached the engine (on real HIXL anyone who can
+  reach the port can send one), and
 - `accepts(slot, generation)` says the slot still waits for exactly that generation (the slot
   table's `is_reserved`): a late notify from an abandoned transfer is never taken for the new
   request's KV.
