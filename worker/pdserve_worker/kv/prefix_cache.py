@@ -1,0 +1,219 @@
+"""A prefill's cache of prompt-prefix KV blocks: chained block hashes, longest-prefix reuse, LRU (pure logic).
+
+A prompt is cut into blocks of `block_tokens` tokens; block i is named by a hash chained over
+every token before it: h_i = SHA-256(h_{i-1} || tokens of block i), with h_{-1} derived from a
+*salt* of the model revision, KV dtype and block size. Two prompts share the name of block i
+exactly when they share tokens [0, (i+1)*B) and the model that computes the KV, so a hit is
+the KV this prefill would compute (a causal model's KV of a token depends only on the tokens
+before it). Only whole blocks are named; the tail of a prompt is always computed.
+
+A cryptographic hash, not Python's `hash()` or xxhash: whoever can send prompts chooses the
+hashed input, and a collision would hand one user's KV to another's prompt. vLLM made the same
+move after a `hash(None)` collision in its prefix cache (GHSA-rm76-4mrf-v9r8 / CVE-2025-25183)
+and hashes block keys with SHA-256 (vllm/v1/core/kv_cache_utils.py, `hash_block_tokens`).
+
+The cache holds at most `num_blocks` blocks (the memory bound). Each block is either free,
+*pinned* by a prefill that reads or fills it (refcount > 0), or cached-and-idle, in LRU order.
+Only idle blocks are evicted, least recently used first, so a block in use is never evicted;
+when every block is pinned a prefill simply caches less. vLLM's v1 block pool and nano-vllm's
+block manager keep the same three states (a free queue whose head is evicted, a hash → block
+map, refcounts); this one keeps the LRU separate from the free list because its blocks are a
+cache beside the scratch slots, not the only place a prompt's KV lives.
+
+The protocol of one prefill (kv copies are the caller's, roles/prefix_reuse.py):
+  lease = cache.acquire(hashes, limit)   # pins the longest cached prefix: lease.hits
+  fills = cache.reserve_fills(lease, hashes)  # blocks for the blocks not cached yet
+  ... copy hit blocks into the scratch slot, compute the rest, copy the fills out ...
+  cache.publish(lease)                   # fills become findable (only after their KV is in)
+  cache.release(lease)                   # exactly once, on every path (success or failure)
+A fill is registered under its hash only by `publish`, so no prefill ever reads a block whose
+KV is still being written; a released lease that never published gives its fills back free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+HASH_BYTES = 32
+
+
+def cache_salt(revision: str, dtype: str, block_tokens: int) -> bytes:
+    """The root of every hash chain: KV of another model, dtype or block size never matches."""
+    return hashlib.sha256(f"pdserve-prefix|{revision}|{dtype}|{block_tokens}".encode()).digest()
+
+
+def block_hashes(tokens: Sequence[int], block_tokens: int, salt: bytes) -> list[bytes]:
+    """Chained hashes of the whole blocks of `tokens` (a partial last block is not named)."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    out: list[bytes] = []
+    parent = salt
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        block = tokens[start:start + block_tokens]
+        parent = hashlib.sha256(parent + struct.pack(f"<{block_tokens}q", *block)).digest()
+        out.append(parent)
+    return out
+
+
+@dataclass
+class PrefixLease:
+    """One prefill's hold on cache blocks: the hits it reads, the fills it writes."""
+
+    hits: list[int] = field(default_factory=list)  # blocks of hashes[0..len(hits))
+    fills: list[tuple[int, int]] = field(default_factory=list)  # (hash index, block) to be written
+    fill_hashes: list[bytes] = field(default_factory=list)
+    published: bool = False
+    released: bool = False
+
+    @property
+    def hit_blocks(self) -> int:
+        return len(self.hits)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queries: int
+    query_blocks: int
+    hit_blocks: int
+    cached_blocks: int  # blocks findable by hash now
+    pinned_blocks: int
+    capacity_blocks: int
+    block_tokens: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of whole prompt blocks that were found cached."""
+        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
+
+
+class PrefixCache:
+    def __init__(self, num_blocks: int, block_tokens: int) -> None:
+        if num_blocks <= 0 or block_tokens <= 0:
+            raise ValueError(f"num_blocks and block_tokens must be positive, got {num_blocks}, {block_tokens}")
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._refs = [0] * num_blocks
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached, unpinned; least recently used first
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest
+        self._lock = threading.Lock()
+        self._queries = self._query_blocks = self._hit_blocks = self._evictions = 0
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """Leading hashes cached now (no side effect)."""
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if h not in self._by_hash:
+                    break
+                n += 1
+            return n
+
+    def acquire(self, hashes: Sequence[bytes], limit: int | None = None) -> PrefixLease:
+        """Pin the longest cached prefix of `hashes`, at most `limit` blocks (a prefill must
+        compute at least one token to sample from: pass (prompt_len - 1) // block_tokens)."""
+        cap = len(hashes) if limit is None else max(0, min(limit, len(hashes)))
+        lease = PrefixLease()
+        with self._lock:
+            for h in hashes[:cap]:
+                block = self._by_hash.get(h)
+                if block is None:
+                    break
+                self._pin(block)
+                lease.hits.append(block)
+            self._queries += 1
+            self._query_blocks += cap
+            self._hit_blocks += len(lease.hits)
+        return lease
+
+    def reserve_fills(self, lease: PrefixLease, hashes: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Blocks for the hashes after the hits that are not cached: free ones first, then the
+        least recently used idle ones (evicted). Stops at the first that cannot be had (every
+        block pinned), so what is cached stays a prefix. Returns (hash index, block) to fill."""
+        self._check_open(lease)
+        with self._lock:
+            for index in range(len(lease.hits), len(hashes)):
+                h = hashes[index]
+                if h in self._by_hash:  # cached meanwhile (past the hit limit): nothing to fill
+                    continue
+                block = self._take()
+                if block is None:
+                    break
+                self._refs[block] = 1
+                lease.fills.append((index, block))
+                lease.fill_hashes.append(h)
+            return list(lease.fills)
+
+    def publish(self, lease: PrefixLease) -> None:
+        """The fills' KV is written: make them findable. A hash another prefill published
+        meanwhile keeps its block; this lease's duplicate goes back free on release."""
+        self._check_open(lease)
+        with self._lock:
+            for (_, block), h in zip(lease.fills, lease.fill_hashes, strict=True):
+                if h not in self._by_hash:
+                    self._by_hash[h] = block
+                    self._hash_of[block] = h
+            lease.published = True
+
+    def release(self, lease: PrefixLease) -> None:
+        """Unpin everything the lease holds. Exactly once: a second call is an error."""
+        self._check_open(lease)
+        with self._lock:
+            lease.released = True
+            # Tail first: it becomes the least recently used, so eviction takes a chain from
+            # its end and the prefix that many prompts share stays findable longest (vLLM frees
+            # a request's blocks in reverse order for the same reason).
+            for block in reversed(lease.hits + [b for _, b in lease.fills]):
+                self._unpin(block)
+
+    def stats(self) -> PrefixCacheStats:
+        with self._lock:
+            pinned = sum(1 for r in self._refs if r > 0)
+            return PrefixCacheStats(self._queries, self._query_blocks, self._hit_blocks, len(self._by_hash), pinned,
+                                    self.num_blocks, self.block_tokens, self._evictions)
+
+    def refcount(self, block: int) -> int:
+        with self._lock:
+            return self._refs[block]
+
+    def lookup(self, h: bytes) -> int | None:
+        with self._lock:
+            return self._by_hash.get(h)
+
+    # ---- internals (lock held) ---------------------------------------------------------------------
+    @staticmethod
+    def _check_open(lease: PrefixLease) -> None:
+        if lease.released:
+            raise RuntimeError("prefix lease already released")
+
+    def _pin(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._idle.pop(block, None)
+        self._refs[block] += 1
+
+    def _unpin(self, block: int) -> None:
+        if self._refs[block] <= 0:
+            raise AssertionError(f"prefix block {block} unpinned with refcount {self._refs[block]}")
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._hash_of:
+                self._idle[block] = None  # most recently used: last to go
+            else:
+                self._free.append(block)
+
+    def _take(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if not self._idle:
+            return None
+        block, _ = self._idle.popitem(last=False)
+        del self._by_hash[self._hash_of.pop(block)]
+        self._evictions += 1
+        return block
