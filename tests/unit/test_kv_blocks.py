@@ -12,7 +12,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve_worker.kv.blocks import BlockAllocator, BlockGrant, NoFreeBlocks, blocks_for
+from pdserve_worker.kv.block_layout import BlockLayout
+from pdserve_worker.kv.blocks import BlockGrant, BlockTable, NoFreeBlocks, blocks_for
+from pdserve_worker.kv.slots import SlotState
 
 
 class Clock:
@@ -26,22 +28,25 @@ class Clock:
 class RecordingLeases:
     def __init__(self) -> None:
         self.live: dict[int, tuple[int, ...]] = {}
-        self.events: list[tuple[str, int]] = []
 
-    def granted(self, generation: int, blocks: tuple[int, ...]) -> None:
+    def granted(self, slot: int, generation: int, blocks: tuple[int, ...]) -> None:
         assert generation not in self.live
         self.live[generation] = blocks
-        self.events.append(("granted", generation))
 
-    def ended(self, generation: int) -> None:
+    def ended(self, slot: int, generation: int) -> None:
         assert generation in self.live, f"lease {generation} ended twice or never granted"
         del self.live[generation]
-        self.events.append(("ended", generation))
 
 
-def allocator(num_blocks: int = 8, block_tokens: int = 4, **kw) -> tuple[BlockAllocator, Clock]:
+def layout(num_blocks: int = 8, block_tokens: int = 4) -> BlockLayout:
+    return BlockLayout(num_blocks, block_tokens, num_layers=2, kv_heads=1, head_dim=4, dtype="float32")
+
+
+def allocator(num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8, **kw) -> tuple[BlockTable, Clock]:
     clock = Clock()
-    return BlockAllocator(num_blocks, block_tokens, clock=clock, **kw), clock
+    table = BlockTable(layout(num_blocks, block_tokens), max_reservations, engine_id="10.0.0.1:7000",
+                       base_addr=0x10000, clock=clock, **kw)
+    return table, clock
 
 
 def test_blocks_for_rounds_up() -> None:
@@ -52,9 +57,10 @@ def test_blocks_for_rounds_up() -> None:
 
 def test_a_reservation_takes_whole_blocks_for_its_tokens_lowest_first() -> None:
     alloc, _ = allocator()
-    a = alloc.reserve("a", 9, ttl_s=5)  # 3 blocks of 4
-    b = alloc.reserve("b", 4, ttl_s=5)
+    a = alloc.reserve("a", 5, num_tokens=9)  # 3 blocks of 4
+    b = alloc.reserve("b", 5, num_tokens=4)
     assert a.blocks == (0, 1, 2) and b.blocks == (3,)
+    assert (a.slot, b.slot) == (0, 1) and (a.engine_id, a.base_addr, a.layout) == ("10.0.0.1:7000", 0x10000, layout())
     assert a.writable == a.blocks and a.shared == 0
     usage = alloc.usage()
     assert (usage.free_blocks, usage.reserved_blocks, usage.tokens_used, usage.tokens_total) == (4, 4, 16, 32)
@@ -62,116 +68,117 @@ def test_a_reservation_takes_whole_blocks_for_its_tokens_lowest_first() -> None:
 
 def test_capacity_is_tokens_and_the_refusal_says_why() -> None:
     alloc, _ = allocator(num_blocks=8, block_tokens=4)
-    alloc.reserve("a", 20, ttl_s=5)  # 5 blocks
+    alloc.reserve("a", 5, num_tokens=20)  # 5 blocks
     assert alloc.can_admit(12) and not alloc.can_admit(13)
-    with pytest.raises(NoFreeBlocks, match=r"needs 4 blocks \(13 tokens\), 3 free, 5 reserved"):
-        alloc.reserve("b", 13, ttl_s=5)
+    with pytest.raises(NoFreeBlocks, match=r"needs 4 blocks \(13 tokens\), 3 free; 5 blocks reserved"):
+        alloc.reserve("b", 5, num_tokens=13)
     with pytest.raises(NoFreeBlocks, match="more than this pool's 8"):
-        alloc.reserve("huge", 33, ttl_s=5)
+        alloc.reserve("huge", 5, num_tokens=33)
 
 
 def test_max_reservations_caps_concurrent_requests() -> None:
     alloc, _ = allocator(max_reservations=2)
-    alloc.reserve("a", 1, 5)
-    alloc.reserve("b", 1, 5)
-    with pytest.raises(NoFreeBlocks, match="the cap is 2"):
-        alloc.reserve("c", 1, 5)
+    alloc.reserve("a", 5, num_tokens=1)
+    alloc.reserve("b", 5, num_tokens=1)
+    with pytest.raises(NoFreeBlocks, match="all 2 reservations in use"):
+        alloc.reserve("c", 5, num_tokens=1)
 
 
 def test_expiry_quarantines_exactly_its_blocks_until_the_quarantine_passes() -> None:
     expired: list[BlockGrant] = []
     alloc, clock = allocator(quarantine_s=5.0, on_expire=expired.append)
-    a = alloc.reserve("a", 8, ttl_s=1.0)
-    b = alloc.reserve("b", 8, ttl_s=10.0)
+    a = alloc.reserve("a", 1.0, num_tokens=8)
+    b = alloc.reserve("b", 10.0, num_tokens=8)
     clock.now += 1.5
-    assert not alloc.is_reserved(a.generation)  # stale before any sweep
+    assert not alloc.is_reserved(a.slot, a.generation)  # stale before any sweep
     assert [g.generation for g in alloc.expire()] == [a.generation]
     assert [g.request_id for g in expired] == ["a"]
     usage = alloc.usage()
     assert (usage.quarantined_blocks, usage.reserved_blocks, usage.free_blocks) == (2, 2, 4)
-    c = alloc.reserve("c", 16, ttl_s=1.0)
+    c = alloc.reserve("c", 1.0, num_tokens=16)
     assert not set(c.blocks) & set(a.blocks + b.blocks)
     with pytest.raises(NoFreeBlocks, match="2 quarantined"):
-        alloc.reserve("d", 1, 1.0)
-    assert not alloc.commit(a.generation) and not alloc.release(a.generation)  # stale
+        alloc.reserve("d", 1.0, num_tokens=1)
+    assert not alloc.commit(a.slot, a.generation) and not alloc.release(a.slot, a.generation)  # stale
     clock.now += 5.0
-    d = alloc.reserve("d", 8, ttl_s=1.0)
-    assert d.blocks == a.blocks and d.generation > a.generation
+    assert alloc.state(a.slot) is SlotState.FREE
+    d = alloc.reserve("d", 1.0, num_tokens=8)
+    assert d.blocks == a.blocks and d.slot == a.slot and d.generation > a.generation
 
 
 def test_commit_then_release_frees_at_once_and_stale_generations_do_nothing() -> None:
     alloc, _ = allocator(quarantine_s=100)
-    a = alloc.reserve("a", 8, 5)
-    assert alloc.commit(a.generation)
-    assert not alloc.commit(a.generation)
-    assert alloc.release(a.generation)
+    a = alloc.reserve("a", 5, num_tokens=8)
+    assert alloc.commit(a.slot, a.generation)
+    assert not alloc.commit(a.slot, a.generation)
+    assert alloc.release(a.slot, a.generation)
     assert alloc.usage().free_blocks == 8
-    assert not alloc.release(a.generation)
+    assert not alloc.release(a.slot, a.generation)
 
 
 def test_release_before_commit_quarantines_release_grant_settled_frees() -> None:
     alloc, _ = allocator(quarantine_s=100)
-    a = alloc.reserve("a", 8, 5)
-    assert alloc.release(a.generation)
+    a = alloc.reserve("a", 5, num_tokens=8)
+    assert alloc.release(a.slot, a.generation)
     assert alloc.usage().quarantined_blocks == 2
-    assert alloc.release_grant(a.generation, push_settled=True)  # the prefill says its push is over
+    assert alloc.release_grant(a.slot, a.generation, push_settled=True)  # the prefill says its push is over
     assert alloc.usage().free_blocks == 8
-    b = alloc.reserve("b", 8, 5)
-    assert alloc.release_grant(b.generation, push_settled=False)
+    b = alloc.reserve("b", 5, num_tokens=8)
+    assert alloc.release_grant(b.slot, b.generation, push_settled=False)
     assert alloc.usage().quarantined_blocks == 2
-    c = alloc.reserve("c", 4, 5)
-    assert alloc.release_grant(c.generation, push_settled=True)
+    c = alloc.reserve("c", 5, num_tokens=4)
+    assert alloc.release_grant(c.slot, c.generation, push_settled=True)
     assert alloc.usage().quarantined_blocks == 2 and alloc.usage().free_blocks == 6
 
 
 def test_nonce_is_the_reservations_capability() -> None:
     alloc, _ = allocator(capability_key=b"k" * 32)
-    a = alloc.reserve("a", 4, 5)
-    assert alloc.verify(a.generation, a.nonce)
-    assert not alloc.verify(a.generation + 1, a.nonce)
-    assert not alloc.verify(a.generation, "00" * 16)
+    a = alloc.reserve("a", 5, num_tokens=4)
+    assert alloc.verify(a.slot, a.generation, a.nonce)
+    assert not alloc.verify(a.slot, a.generation + 1, a.nonce)
+    assert not alloc.verify(a.slot, a.generation, "00" * 16)
     other, _ = allocator(capability_key=b"x" * 32)
-    assert not other.verify(a.generation, a.nonce)
+    assert not other.verify(a.slot, a.generation, a.nonce)
 
 
 def test_write_leases_cover_only_writable_blocks_and_end_once() -> None:
     leases = RecordingLeases()
     alloc, _ = allocator(leases=leases)
-    a = alloc.reserve("a", 12, 5, prompt_tokens=9)
+    a = alloc.reserve("a", 5, num_tokens=12, prompt_tokens=9)
     assert leases.live == {a.generation: (0, 1, 2)}
-    alloc.commit(a.generation)
+    alloc.commit(a.slot, a.generation)
     assert leases.live == {}
-    b = alloc.reserve("b", 12, 5, prompt_tokens=10, share_from=a.generation, shared_blocks=2)
+    b = alloc.reserve("b", 5, num_tokens=12, prompt_tokens=10, share_from=(a.slot, a.generation), shared_blocks=2)
     assert b.blocks[:2] == (0, 1) and b.shared == 2 and b.writable == (3,)
     assert leases.live == {b.generation: (3,)}
     assert alloc.refcount(0) == 2 and alloc.refcount(2) == 1
-    alloc.release(a.generation)  # a ends; the shared blocks live on in b
+    alloc.release(a.slot, a.generation)  # a ends; the shared blocks live on in b
     assert alloc.refcount(0) == 1 and alloc.refcount(2) == 0
-    alloc.release(b.generation)  # before commit: only its writable block is quarantined
+    alloc.release(b.slot, b.generation)  # before commit: only its writable block is quarantined
     assert leases.live == {}
     assert alloc.refcount(0) == 0 and alloc.refcount(3) == 1
 
 
 def test_sharing_only_whole_committed_prompt_blocks() -> None:
     alloc, _ = allocator()
-    a = alloc.reserve("a", 12, 5, prompt_tokens=6)  # one whole prompt block
+    a = alloc.reserve("a", 5, num_tokens=12, prompt_tokens=6)  # one whole prompt block
     with pytest.raises(ValueError, match="not a committed"):
-        alloc.reserve("b", 8, 5, share_from=a.generation, shared_blocks=1)
-    alloc.commit(a.generation)
+        alloc.reserve("b", 5, num_tokens=8, share_from=(a.slot, a.generation), shared_blocks=1)
+    alloc.commit(a.slot, a.generation)
     with pytest.raises(ValueError, match="1 whole prompt blocks"):
-        alloc.reserve("b", 8, 5, share_from=a.generation, shared_blocks=2)
-    assert alloc.reserve("b", 8, 5, share_from=a.generation, shared_blocks=1).blocks[0] == a.blocks[0]
+        alloc.reserve("b", 5, num_tokens=8, share_from=(a.slot, a.generation), shared_blocks=2)
+    assert alloc.reserve("b", 5, num_tokens=8, share_from=(a.slot, a.generation), shared_blocks=1).blocks[0] == a.blocks[0]
 
 
 def test_a_refused_lease_grants_nothing() -> None:
     class Refusing(RecordingLeases):
-        def granted(self, generation, blocks):
+        def granted(self, slot, generation, blocks):
             raise RuntimeError("engine refused")
 
     alloc, _ = allocator(leases=Refusing())
     with pytest.raises(RuntimeError):
-        alloc.reserve("a", 8, 5)
-    assert alloc.usage().free_blocks == 8 and alloc.usage().reservations == 0
+        alloc.reserve("a", 5, num_tokens=8)
+    assert alloc.usage().free_blocks == 8 and alloc.usage().slots.free == 8
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -181,83 +188,92 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = Clock()
         self.leases = RecordingLeases()
-        self.alloc = BlockAllocator(12, 4, quarantine_s=3.0, clock=self.clock, leases=self.leases,
-                                    max_reservations=6)
+        self.alloc = BlockTable(layout(12, 4), 6, quarantine_s=3.0, clock=self.clock, leases=self.leases)
         self.grants: list[BlockGrant] = []
+
+    def pick(self, i: int) -> BlockGrant:
+        return self.grants[i % len(self.grants)]
 
     @rule(tokens=st.integers(1, 30), ttl=st.floats(0.5, 5), prompt_frac=st.floats(0.1, 1.0),
           share=st.integers(0, 3), source=st.integers(0, 50))
     def reserve(self, tokens, ttl, prompt_frac, share, source):
         prompt = max(1, int(tokens * prompt_frac))
-        committed = [g for g in self.grants if self.alloc.grant_of(g.generation) is not None
-                     and not self.alloc.is_reserved(g.generation)]
+        committed = [g for g in self.grants if self.alloc.grant_of(g.slot, g.generation) is not None
+                     and not self.alloc.is_reserved(g.slot, g.generation)]
         kw = {}
         if committed and share:
             src = committed[source % len(committed)]
-            whole = min(src.num_tokens, prompt) // 4  # upper bound; the allocator checks prompts
-            kw = {"share_from": src.generation, "shared_blocks": min(share, whole)}
-        before = self.alloc.usage()
+            kw = {"share_from": (src.slot, src.generation), "shared_blocks": min(share, prompt // 4)}
         try:
-            grant = self.alloc.reserve(f"r{len(self.grants)}", tokens, ttl, prompt_tokens=prompt, **kw)
+            grant = self.alloc.reserve(f"r{len(self.grants)}", ttl, num_tokens=tokens, prompt_tokens=prompt, **kw)
         except NoFreeBlocks:
             return
         except ValueError as exc:
             assert "whole prompt blocks" in str(exc)
             return
         assert len(grant.blocks) == blocks_for(tokens, 4)
-        assert self.alloc.usage().free_blocks <= before.free_blocks - len(grant.writable) + before.quarantined_blocks
+        if kw:
+            assert grant.blocks[:grant.shared] == src.blocks[:grant.shared]
         self.grants.append(grant)
 
     @precondition(lambda self: self.grants)
     @rule(i=st.integers(0, 100))
     def commit(self, i):
-        self.alloc.commit(self.grants[i % len(self.grants)].generation)
+        g = self.pick(i)
+        self.alloc.commit(g.slot, g.generation)
 
     @precondition(lambda self: self.grants)
     @rule(i=st.integers(0, 100))
     def release(self, i):
-        self.alloc.release(self.grants[i % len(self.grants)].generation)
+        g = self.pick(i)
+        self.alloc.release(g.slot, g.generation)
 
     @precondition(lambda self: self.grants)
     @rule(i=st.integers(0, 100), settled=st.booleans())
     def release_grant(self, i, settled):
-        self.alloc.release_grant(self.grants[i % len(self.grants)].generation, push_settled=settled)
+        g = self.pick(i)
+        self.alloc.release_grant(g.slot, g.generation, push_settled=settled)
 
     @rule(dt=st.floats(0, 4))
     def tick_and_expire(self, dt):
         self.clock.now += dt
-        before = {b: self.alloc.refcount(b) for b in range(12)}
+        before = [self.alloc.refcount(b) for b in range(12)]
         expired = self.alloc.expire()
-        # An expiry takes exactly the expired reservations' shared references and nothing else.
+        # An expiry gives back exactly the expired reservations' shared references (their own
+        # blocks stay quarantined) and nothing else.
         for b in range(12):
             shared_refs = sum(1 for g in expired for x in g.blocks[:g.shared] if x == b)
-            released = 0 if self.alloc.quarantine_s else sum(1 for g in expired for x in g.writable if x == b)
-            assert self.alloc.refcount(b) == before[b] - shared_refs - released
+            assert self.alloc.refcount(b) == before[b] - shared_refs
+        for g in expired:
+            assert self.alloc.state(g.slot) is SlotState.QUARANTINED
+            assert all(self.alloc.refcount(b) >= 1 for b in g.writable)
 
     @invariant()
     def accounting_is_exact(self):
         alloc = self.alloc
-        live, quarantined = alloc._by_gen.values(), None  # noqa: F841
         refs = [0] * 12
         writers: dict[int, int] = {}
-        for res in alloc._by_gen.values():
-            for b in res.held:
+        for h in alloc._handles:
+            for b in h.held:
                 refs[b] += 1
-            if res.state.value != "quarantined":
-                for b in res.blocks[res.shared:]:
-                    assert b not in writers, f"block {b} writable in two reservations"
-                    writers[b] = res.generation
+            if h.state in (SlotState.RESERVED, SlotState.COMMITTED):
+                for b in h.blocks[h.shared:]:
+                    assert b not in writers, f"block {b} writable in two live reservations"
+                    writers[b] = h.generation
+                for b in h.blocks:
+                    assert alloc.refcount(b) >= 1, "a live reservation's block is free"
         for b in range(12):
             count = alloc.refcount(b)
             assert count >= 0
             assert count == refs[b], f"block {b}: refcount {count}, held by {refs[b]}"
-        free = set(alloc._free)
-        assert len(free) == len(alloc._free), "a block is twice in the free list"
-        assert free == {b for b in range(12) if refs[b] == 0}
+        assert len(set(alloc._free)) == len(alloc._free), "a block is twice in the free list"
+        assert set(alloc._free) == {b for b in range(12) if refs[b] == 0}
         usage = alloc.usage()
-        assert usage.free_blocks + len({b for r in alloc._by_gen.values() for b in r.held}) == 12
-        assert set(self.leases.live) == {r.generation for r in alloc._by_gen.values()
-                                         if r.state.value == "reserved" and r.blocks[r.shared:]}
+        held = {b for h in alloc._handles for b in h.held}
+        assert usage.free_blocks + len(held) == 12
+        assert usage.tokens_used == len(held) * 4
+        assert set(self.leases.live) == {h.generation for h in alloc._handles
+                                         if h.state is SlotState.RESERVED and h.blocks[h.shared:]}
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase

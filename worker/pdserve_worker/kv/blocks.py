@@ -12,10 +12,14 @@ with a `max_len` slot per request that is still most of the gain (`300 + 64` tok
 
 The semantics are those of the slot table (kv/slots.py), one reservation standing where a slot
 stood:
-- A reservation is named by its `generation`, unique over the allocator's life (clock-based
-  start with random low bits, as slots'); every later message (ready notify, commit, release)
-  names a generation, and one that is not live is ignored.
-- It carries a capability `nonce` = HMAC(key, generation), handed out only in the grant.
+- A reservation holds a *handle* `slot` (0..max_reservations-1, what `slots` means now: a cap on
+  concurrent requests, the row a request decodes in) and a `generation`, unique over the
+  table's life (clock-based start with random low bits, as slots'); every later message (ready
+  notify, commit, release) names (slot, generation), and one that is not live is ignored. The
+  names are those of the slot table, so the wire, the readiness path and the decode loop keep
+  speaking of slots: only where the KV lives changed.
+- It carries the capability `nonce` = HMAC(key, slot, generation) (kv/slots.py's, so a layer-
+  sharded group's members check notifies for reservations they were never told about).
 - A lease (TTL) runs until the KV is committed. A lease that runs out, or a release before
   commit, *quarantines* the reservation: its writable blocks are held, granted to nobody, for
   `quarantine_s`, so a late write of an abandoned push lands in blocks nobody reads. A
@@ -40,7 +44,6 @@ All methods are thread-safe; time comes from an injected clock, so tests drive i
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import hmac
 import itertools
@@ -50,37 +53,25 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Protocol
 
-from pdserve_worker.kv.slots import NONCE_BYTES, first_generation
+from pdserve_worker.kv.block_layout import BlockLayout
+from pdserve_worker.kv.slots import SlotState, SlotUsage, first_generation, reservation_nonce
 from pdserve_worker.logs import kv
 
 log = logging.getLogger("pdserve.kv.blocks")
 
 
-class ReservationState(str, Enum):
-    RESERVED = "reserved"  # granted, waiting for its KV
-    COMMITTED = "committed"  # KV arrived, decoding
-    QUARANTINED = "quarantined"  # abandoned; its blocks are held until `deadline`
-
-
 class NoFreeBlocks(RuntimeError):
-    """Not enough free blocks (or the reservation cap is reached) for a request."""
+    """Not enough free blocks, or every reservation handle is taken, for a request."""
 
 
 class BlockLeaseHooks(Protocol):
-    """What an allocator tells about write leases (transfer.leases.BlockWriteLeases)."""
+    """What a block table tells about write leases (transfer.leases.BlockWriteLeases)."""
 
-    def granted(self, generation: int, blocks: tuple[int, ...]) -> None: ...
+    def granted(self, slot: int, generation: int, blocks: tuple[int, ...]) -> None: ...
 
-    def ended(self, generation: int) -> None: ...
-
-
-def block_nonce(key: bytes, generation: int) -> str:
-    """The capability of reservation `generation` under `key`, as hex."""
-    mac = hmac.new(key, f"pdserve-blocks|{generation}".encode(), hashlib.sha256).digest()
-    return mac[:NONCE_BYTES].hex()
+    def ended(self, slot: int, generation: int) -> None: ...
 
 
 def blocks_for(num_tokens: int, block_tokens: int) -> int:
@@ -92,14 +83,19 @@ def blocks_for(num_tokens: int, block_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class BlockGrant:
-    """A reservation as a prefill needs it: which blocks, which of them it writes, which lease."""
+    """What a prefill needs to push into a reservation: where (engine, base, layout), which
+    blocks (in token order: blocks[i] holds tokens [i*B, (i+1)*B)) and which lease."""
 
     request_id: str
+    slot: int
     generation: int
-    blocks: tuple[int, ...]  # in token order: blocks[i] holds tokens [i*B, (i+1)*B)
-    shared: int  # leading blocks shared read-only with another reservation (already hold KV)
-    num_tokens: int  # tokens reserved (prompt + max new)
     expires_at: float
+    engine_id: str
+    base_addr: int
+    layout: BlockLayout
+    blocks: tuple[int, ...]
+    shared: int = 0  # leading blocks shared read-only with another reservation (already hold KV)
+    num_tokens: int = 0  # tokens reserved (prompt + max new)
     nonce: str = field(default="", repr=False)
 
     @property
@@ -109,12 +105,14 @@ class BlockGrant:
 
 @dataclass(frozen=True)
 class BlockUsage:
+    """Reservation handles as slots counted them, and the pool in blocks and tokens."""
+
+    slots: SlotUsage
     total_blocks: int
     free_blocks: int
     reserved_blocks: int  # held by reservations still waiting for their KV
     committed_blocks: int  # held by decoding requests (shared blocks counted once)
     quarantined_blocks: int
-    reservations: int  # live (reserved + committed)
     block_tokens: int
 
     @property
@@ -127,64 +125,69 @@ class BlockUsage:
 
 
 @dataclass
-class _Reservation:
-    request_id: str
-    generation: int
-    blocks: tuple[int, ...]
-    shared: int
-    num_tokens: int
-    prompt_tokens: int
-    state: ReservationState
-    deadline: float  # lease end while RESERVED, quarantine end while QUARANTINED
-    nonce: str
+class _Handle:
+    state: SlotState = SlotState.FREE
+    generation: int = 0
+    request_id: str = ""
+    deadline: float = 0.0  # lease end while RESERVED, quarantine end while QUARANTINED
+    nonce: str = ""
+    blocks: tuple[int, ...] = ()
+    shared: int = 0
+    num_tokens: int = 0
+    prompt_tokens: int = 0
     held: tuple[int, ...] = ()  # the blocks whose references this reservation still holds
 
 
-class BlockAllocator:
+class BlockTable:
     def __init__(
         self,
-        num_blocks: int,
-        block_tokens: int,
+        layout: BlockLayout,
+        max_reservations: int,
         *,
-        max_reservations: int | None = None,
+        engine_id: str = "",
+        base_addr: int = 0,
         quarantine_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_expire: Callable[[BlockGrant], None] | None = None,
         capability_key: bytes | None = None,
         leases: BlockLeaseHooks | None = None,
     ) -> None:
-        if num_blocks <= 0 or block_tokens <= 0:
-            raise ValueError(f"num_blocks and block_tokens must be positive, got {num_blocks}, {block_tokens}")
+        if max_reservations <= 0:
+            raise ValueError(f"max_reservations must be positive, got {max_reservations}")
         if quarantine_s < 0:
             raise ValueError(f"quarantine_s must be >= 0, got {quarantine_s}")
-        if max_reservations is not None and max_reservations <= 0:
-            raise ValueError(f"max_reservations must be positive, got {max_reservations}")
-        self.num_blocks = num_blocks
-        self.block_tokens = block_tokens
-        self.max_reservations = max_reservations
+        self.layout = layout
+        self.num_blocks = layout.num_blocks
+        self.block_tokens = layout.block_tokens
+        self.engine_id = engine_id
+        self.base_addr = base_addr
         self.quarantine_s = quarantine_s
         self._clock = clock
         self._on_expire = on_expire
         self._key = capability_key or secrets.token_bytes(32)
         self._leases = leases
-        self._refs = [0] * num_blocks
+        self._handles = [_Handle() for _ in range(max_reservations)]
+        self._refs = [0] * self.num_blocks
         # Lowest block first: a fresh pool hands out runs of consecutive blocks, which a push
         # moves as one descriptor per layer (kv/block_layout.py).
-        self._free: list[int] = list(range(num_blocks))
-        self._by_gen: dict[int, _Reservation] = {}  # every reservation that holds blocks
+        self._free: list[int] = list(range(self.num_blocks))
         self._generations = itertools.count(first_generation())
         self._lock = threading.Lock()
 
+    @property
+    def max_reservations(self) -> int:
+        return len(self._handles)
+
     # ---- reservations ------------------------------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int, ttl_s: float, *, prompt_tokens: int | None = None,
-                share_from: int | None = None, shared_blocks: int = 0) -> BlockGrant:
-        """Grant blocks for `num_tokens` tokens for `ttl_s` seconds. Raises NoFreeBlocks.
+    def reserve(self, request_id: str, ttl_s: float, *, num_tokens: int, prompt_tokens: int | None = None,
+                share_from: tuple[int, int] | None = None, shared_blocks: int = 0) -> BlockGrant:
+        """Grant a handle and blocks for `num_tokens` tokens for `ttl_s` seconds. Raises NoFreeBlocks.
 
         `prompt_tokens` (default `num_tokens`): how many of them the prefill writes; only whole
         blocks of a reservation's prompt may later be shared.
         `share_from`/`shared_blocks`: take the first `shared_blocks` blocks of the committed
-        reservation `share_from` read-only instead of fresh ones (their KV is already here, and
-        its decode never writes them: they hold only prompt tokens)."""
+        reservation (slot, generation) read-only instead of fresh ones (their KV is already
+        here, and its decode never writes them: they hold only prompt tokens)."""
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
         if num_tokens <= 0:
@@ -194,7 +197,7 @@ class BlockAllocator:
             raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
         need = blocks_for(num_tokens, self.block_tokens)
         if need > self.num_blocks:
-            raise NoFreeBlocks(f"request {request_id!r} needs {need} blocks ({num_tokens} tokens), "
+            raise NoFreeBlocks(f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
                                f"more than this pool's {self.num_blocks}")
         if not 0 <= shared_blocks <= need:
             raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
@@ -204,29 +207,27 @@ class BlockAllocator:
             self._sweep(now)
             shared: tuple[int, ...] = ()
             if shared_blocks:
-                source = self._by_gen.get(share_from) if share_from is not None else None
-                if source is None or source.state is not ReservationState.COMMITTED:
+                source = self._live(*share_from) if share_from is not None else None
+                if source is None or source.state is not SlotState.COMMITTED:
                     raise ValueError(f"share_from {share_from} is not a committed reservation")
                 whole = min(source.prompt_tokens, prompt) // self.block_tokens
                 if shared_blocks > whole:
                     raise ValueError(f"cannot share {shared_blocks} blocks: {whole} whole prompt blocks in common")
                 shared = source.blocks[:shared_blocks]
-            live = sum(1 for r in self._by_gen.values() if r.state is not ReservationState.QUARANTINED)
-            if self.max_reservations is not None and live >= self.max_reservations:
-                raise NoFreeBlocks(f"no KV reservation for request {request_id!r}: {live} requests live, "
-                                   f"the cap is {self.max_reservations}")
+            index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
-            if fresh > len(self._free):
-                usage = self._usage(now)
+            if index is None or fresh > len(self._free):
+                usage = self._usage()
+                what = (f"all {len(self._handles)} reservations in use" if index is None else
+                        f"needs {fresh} blocks ({num_tokens} tokens), {usage.free_blocks} free")
                 raise NoFreeBlocks(
-                    f"no KV blocks for request {request_id!r}: needs {fresh} blocks ({num_tokens} tokens), "
-                    f"{usage.free_blocks} free, {usage.reserved_blocks} reserved, {usage.committed_blocks} committed, "
-                    f"{usage.quarantined_blocks} quarantined of {self.num_blocks}")
+                    f"no KV room for request {request_id!r}: {what}; {usage.reserved_blocks} blocks reserved, "
+                    f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {self.num_blocks}")
             generation = next(self._generations)
             taken = tuple(heapq.heappop(self._free) for _ in range(fresh))
             if self._leases is not None and taken:
                 try:
-                    self._leases.granted(generation, taken)
+                    self._leases.granted(index, generation, taken)
                 except BaseException:
                     for b in taken:
                         heapq.heappush(self._free, b)
@@ -234,62 +235,63 @@ class BlockAllocator:
             blocks = shared + taken
             for b in blocks:
                 self._refs[b] += 1
-            res = _Reservation(request_id, generation, blocks, len(shared), num_tokens, prompt, ReservationState.RESERVED,
-                               now + ttl_s, block_nonce(self._key, generation), held=blocks)
-            self._by_gen[generation] = res
-            grant = self._grant(res)
-        log.debug(kv(event="blocks_reserved", request=request_id, generation=generation, blocks=len(blocks),
-                     shared=len(shared), tokens=num_tokens))
+            h = self._handles[index]
+            h.state, h.generation, h.request_id, h.deadline = SlotState.RESERVED, generation, request_id, now + ttl_s
+            h.nonce = reservation_nonce(self._key, index, generation)
+            h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
+            grant = self._grant(index, h)
+        log.debug(kv(event="blocks_reserved", request=request_id, slot=index, generation=generation,
+                     blocks=len(blocks), shared=len(shared), tokens=num_tokens))
         return grant
 
-    def renew(self, generation: int, ttl_s: float) -> bool:
+    def renew(self, slot: int, generation: int, ttl_s: float) -> bool:
         with self._lock:
-            res = self._live(generation)
-            if res is None or res.state is not ReservationState.RESERVED:
+            h = self._live(slot, generation)
+            if h is None or h.state is not SlotState.RESERVED:
                 return False
-            res.deadline = max(res.deadline, self._clock() + ttl_s)
+            h.deadline = max(h.deadline, self._clock() + ttl_s)
             return True
 
-    def commit(self, generation: int) -> bool:
+    def commit(self, slot: int, generation: int) -> bool:
         """The KV arrived and decode takes it: the lease stops expiring. False if stale."""
         with self._lock:
-            res = self._live(generation)
-            if res is None or res.state is not ReservationState.RESERVED:
-                log.info(kv(event="blocks_commit_stale", generation=generation))
+            h = self._live(slot, generation)
+            if h is None or h.state is not SlotState.RESERVED:
+                log.info(kv(event="blocks_commit_stale", slot=slot, generation=generation))
                 return False
-            res.state = ReservationState.COMMITTED
-            res.deadline = 0.0
-            self._end_lease(res)
+            h.state = SlotState.COMMITTED
+            h.deadline = 0.0
+            self._end_lease(slot, h)
             return True
 
-    def release(self, generation: int) -> bool:
-        """Give the blocks back: before commit quarantined, after commit free. Stale: False."""
+    def release(self, slot: int, generation: int) -> bool:
+        """Give the reservation back: before commit quarantined, after commit free. Stale: False."""
         with self._lock:
-            res = self._by_gen.get(generation)
-            if res is None or res.state is ReservationState.QUARANTINED:
-                log.info(kv(event="blocks_release_stale", generation=generation))
+            h = self._handle(slot)
+            if h is None or h.state not in (SlotState.RESERVED, SlotState.COMMITTED) or h.generation != generation:
+                log.info(kv(event="blocks_release_stale", slot=slot, generation=generation))
                 return False
-            if res.state is ReservationState.RESERVED:
-                self._quarantine(res)
+            if h.state is SlotState.RESERVED:
+                self._quarantine(slot, h)
             else:
-                self._drop(res)
+                self._drop(h)
             return True
 
-    def release_grant(self, generation: int, *, push_settled: bool) -> bool:
+    def release_grant(self, slot: int, generation: int, *, push_settled: bool) -> bool:
         """A router gives back a grant it will not use (see kv/slots.py's `release_grant`)."""
         with self._lock:
-            res = self._by_gen.get(generation)
-            if res is None:
+            h = self._handle(slot)
+            if h is None or h.generation != generation:
                 return False
-            if res.state is ReservationState.RESERVED:
+            if h.state is SlotState.RESERVED:
                 if push_settled:
-                    self._end_lease(res)
-                    self._drop(res)
+                    self._end_lease(slot, h)
+                    self._drop(h)
                 else:
-                    self._quarantine(res)
+                    self._quarantine(slot, h)
                 return True
-            if res.state is ReservationState.QUARANTINED and push_settled:
-                self._drop(res)
+            if h.state is SlotState.QUARANTINED and push_settled:
+                self._drop(h)
                 return True
             return False
 
@@ -298,36 +300,48 @@ class BlockAllocator:
         expired: list[BlockGrant] = []
         with self._lock:
             now = self._clock()
-            for res in list(self._by_gen.values()):
-                if res.state is ReservationState.RESERVED and res.deadline <= now:
-                    expired.append(self._grant(res))
-                    self._quarantine(res)
+            for index, h in enumerate(self._handles):
+                if h.state is SlotState.RESERVED and h.deadline <= now:
+                    expired.append(self._grant(index, h))
+                    self._quarantine(index, h)
         for grant in expired:
-            log.warning(kv(event="blocks_lease_expired", request=grant.request_id, generation=grant.generation,
-                           blocks=len(grant.blocks)))
+            log.warning(kv(event="blocks_lease_expired", request=grant.request_id, slot=grant.slot,
+                           generation=grant.generation, blocks=len(grant.blocks)))
             if self._on_expire is not None:
                 self._on_expire(grant)
         return expired
 
     # ---- queries -------------------------------------------------------------------------------
-    def is_current(self, generation: int) -> bool:
+    def is_current(self, slot: int, generation: int) -> bool:
         with self._lock:
-            return self._live(generation) is not None
+            return self._live(slot, generation) is not None
 
-    def is_reserved(self, generation: int) -> bool:
+    def is_reserved(self, slot: int, generation: int) -> bool:
         with self._lock:
-            res = self._live(generation)
-            return res is not None and res.state is ReservationState.RESERVED
+            h = self._live(slot, generation)
+            return h is not None and h.state is SlotState.RESERVED
 
-    def verify(self, generation: int, nonce: str) -> bool:
-        expected = block_nonce(self._key, generation)
+    def verify(self, slot: int, generation: int, nonce: str) -> bool:
+        expected = reservation_nonce(self._key, slot, generation)
         return hmac.compare_digest(expected.encode(), nonce.encode("utf-8", "replace"))
 
-    def grant_of(self, generation: int) -> BlockGrant | None:
-        """The live reservation `generation` (reserved or committed), or None."""
+    def grant_of(self, slot: int, generation: int) -> BlockGrant | None:
+        """The live reservation (slot, generation), reserved or committed, or None."""
         with self._lock:
-            res = self._live(generation)
-            return None if res is None else self._grant(res)
+            h = self._live(slot, generation)
+            return None if h is None else self._grant(slot, h)
+
+    def blocks_of(self, slot: int) -> tuple[int, ...]:
+        """The block table of the reservation in handle `slot` (what decode attends through)."""
+        with self._lock:
+            return self._handles[slot].blocks
+
+    def state(self, slot: int) -> SlotState:
+        with self._lock:
+            h = self._handles[slot]
+            if h.state is SlotState.QUARANTINED and h.deadline <= self._clock():
+                return SlotState.FREE
+            return h.state
 
     def refcount(self, block: int) -> int:
         with self._lock:
@@ -335,55 +349,53 @@ class BlockAllocator:
 
     def usage(self) -> BlockUsage:
         with self._lock:
-            now = self._clock()
-            self._sweep(now)
-            return self._usage(now)
+            self._sweep(self._clock())
+            return self._usage()
 
     def can_admit(self, num_tokens: int) -> bool:
-        """Whether a reservation of `num_tokens` would be granted now (no side effect)."""
+        """Whether a reservation of `num_tokens` would be granted now (no side effect but sweeping)."""
         with self._lock:
-            now = self._clock()
-            self._sweep(now)
-            live = sum(1 for r in self._by_gen.values() if r.state is not ReservationState.QUARANTINED)
-            if self.max_reservations is not None and live >= self.max_reservations:
+            self._sweep(self._clock())
+            if not any(h.state is SlotState.FREE for h in self._handles):
                 return False
             return blocks_for(num_tokens, self.block_tokens) <= len(self._free)
 
     # ---- internals (lock held) -------------------------------------------------------------------
-    def _live(self, generation: int) -> _Reservation | None:
-        res = self._by_gen.get(generation)
-        if res is None:
+    def _handle(self, slot: int) -> _Handle | None:
+        return self._handles[slot] if 0 <= slot < len(self._handles) else None
+
+    def _live(self, slot: int, generation: int) -> _Handle | None:
+        h = self._handle(slot)
+        if h is None or h.generation != generation:
             return None
-        if res.state is ReservationState.COMMITTED:
-            return res
-        if res.state is ReservationState.RESERVED and res.deadline > self._clock():
-            return res
+        if h.state is SlotState.COMMITTED or (h.state is SlotState.RESERVED and h.deadline > self._clock()):
+            return h
         return None
 
     def _sweep(self, now: float) -> None:
-        """Quarantines that have run their time end: their blocks are free again."""
-        for res in [r for r in self._by_gen.values()
-                    if r.state is ReservationState.QUARANTINED and r.deadline <= now]:
-            self._drop(res)
+        """Quarantines that have run their time end: their blocks and handle are free again."""
+        for h in self._handles:
+            if h.state is SlotState.QUARANTINED and h.deadline <= now:
+                self._drop(h)
 
-    def _quarantine(self, res: _Reservation) -> None:
-        """Writable blocks held until the deadline; shared ones (never written by this
-        reservation's push) are given back at once."""
-        self._end_lease(res)
-        res.state = ReservationState.QUARANTINED
-        res.deadline = self._clock() + self.quarantine_s
-        shared, writable = res.held[:res.shared], res.held[res.shared:]
-        self._unref(shared)
-        res.held = writable
-        if not writable or self.quarantine_s == 0:
-            self._drop(res)
+    def _quarantine(self, index: int, h: _Handle) -> None:
+        """Writable blocks (and the handle) held until the deadline; shared ones, never written
+        by this reservation's push, are given back at once."""
+        self._end_lease(index, h)
+        h.state = SlotState.QUARANTINED
+        h.deadline = self._clock() + self.quarantine_s
+        h.request_id = ""
+        self._unref(h.held[:h.shared])
+        h.held = h.held[h.shared:]
+        if self.quarantine_s == 0:
+            self._drop(h)
 
-    def _drop(self, res: _Reservation) -> None:
+    def _drop(self, h: _Handle) -> None:
         """The one place a reservation gives back its block references (exactly once)."""
-        if self._by_gen.pop(res.generation, None) is None:
-            raise AssertionError(f"reservation {res.generation} dropped twice")
-        self._unref(res.held)
-        res.held = ()
+        if h.state is SlotState.FREE:
+            raise AssertionError(f"reservation {h.generation} dropped twice")
+        self._unref(h.held)
+        h.state, h.request_id, h.deadline, h.held, h.blocks, h.shared = SlotState.FREE, "", 0.0, (), (), 0
 
     def _unref(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -393,25 +405,27 @@ class BlockAllocator:
             if self._refs[b] == 0:
                 heapq.heappush(self._free, b)
 
-    def _end_lease(self, res: _Reservation) -> None:
-        if self._leases is not None and res.blocks[res.shared:]:
+    def _end_lease(self, index: int, h: _Handle) -> None:
+        if self._leases is not None and h.blocks[h.shared:]:
             try:
-                self._leases.ended(res.generation)
-            except Exception as exc:  # a revoke that failed must not wedge the allocator
-                log.error(kv(event="lease_end_failed", generation=res.generation, error=repr(exc)))
+                self._leases.ended(index, h.generation)
+            except Exception as exc:  # a revoke that failed must not wedge the table
+                log.error(kv(event="lease_end_failed", slot=index, generation=h.generation, error=repr(exc)))
 
-    def _usage(self, now: float) -> BlockUsage:
-        counts = {state: set() for state in ReservationState}
-        for res in self._by_gen.values():
-            counts[res.state].update(res.held)
-        committed = counts[ReservationState.COMMITTED]
-        reserved = counts[ReservationState.RESERVED] - committed
-        quarantined = counts[ReservationState.QUARANTINED]
-        live = sum(1 for r in self._by_gen.values() if r.state is not ReservationState.QUARANTINED)
-        return BlockUsage(self.num_blocks, len(self._free), len(reserved), len(committed), len(quarantined), live,
-                          self.block_tokens)
+    def _usage(self) -> BlockUsage:
+        now = self._clock()
+        counts = {state: 0 for state in SlotState}
+        blocks: dict[SlotState, set[int]] = {state: set() for state in SlotState}
+        for h in self._handles:
+            state = SlotState.FREE if h.state is SlotState.QUARANTINED and h.deadline <= now else h.state
+            counts[state] += 1
+            blocks[h.state].update(h.held)
+        committed = blocks[SlotState.COMMITTED]
+        slots = SlotUsage(counts[SlotState.FREE], counts[SlotState.RESERVED], counts[SlotState.COMMITTED],
+                          counts[SlotState.QUARANTINED])
+        return BlockUsage(slots, self.num_blocks, len(self._free), len(blocks[SlotState.RESERVED] - committed),
+                          len(committed), len(blocks[SlotState.QUARANTINED]), self.block_tokens)
 
-    @staticmethod
-    def _grant(res: _Reservation) -> BlockGrant:
-        return BlockGrant(res.request_id, res.generation, res.blocks, res.shared, res.num_tokens,
-                          res.deadline, res.nonce)
+    def _grant(self, index: int, h: _Handle) -> BlockGrant:
+        return BlockGrant(h.request_id, index, h.generation, h.deadline, self.engine_id, self.base_addr, self.layout,
+                          h.blocks, h.shared, h.num_tokens, h.nonce)
