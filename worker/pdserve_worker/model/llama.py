@@ -32,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.kv.paged import PagedKVCache
+from pdserve_worker.model import paged_attention
+from pdserve_worker.model.paged_attention import PagedPlan
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.matmul import Linear
 from pdserve_worker.model.quant import QuantizedTensor, dequantize, quantize, to_kind
@@ -97,6 +100,11 @@ class _StepPlan:
     runs: tuple[_Run, ...]
     tokens: int  # T
     segments: tuple[_Segment, ...] = ()
+
+
+def _room(cache: KVCache | PagedKVCache, slot: int) -> int:
+    """Tokens the KV of `slot` can hold: a slot's max_len, or its bound block table's capacity."""
+    return cache.capacity(slot) if isinstance(cache, PagedKVCache) else cache.layout.max_len
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -299,8 +307,9 @@ class LlamaModel:
         n = ids.numel()
         if n == 0:
             raise ValueError("prefill needs at least one token")
-        if n > cache.layout.max_len:
-            raise ValueError(f"prompt of {n} tokens exceeds the KV slot's max_len {cache.layout.max_len}")
+        room = _room(cache, slot)
+        if n > room:
+            raise ValueError(f"prompt of {n} tokens exceeds the KV slot's max_len {room}")
         layers = cache.layout.layer_range
         step = layers_per_chunk or len(layers)
         if step <= 0:
@@ -339,8 +348,9 @@ class LlamaModel:
         for i, p in enumerate(ids):
             if p.numel() == 0:
                 raise ValueError(f"prompt {i} of the batch has no tokens")
-            if p.numel() > cache.layout.max_len:
-                raise ValueError(f"prompt {i} of {p.numel()} tokens exceeds the KV slot's max_len {cache.layout.max_len}")
+            room = _room(cache, slots[i])
+            if p.numel() > room:
+                raise ValueError(f"prompt {i} of {p.numel()} tokens exceeds the KV slot's max_len {room}")
         layers = cache.layout.layer_range
         step = layers_per_chunk or len(layers)
         if step <= 0:
@@ -380,12 +390,20 @@ class LlamaModel:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _plan(self, hidden: torch.Tensor, cache: KVCache, slots: Sequence[int], positions: Sequence[int]) -> _StepPlan:
+    def _plan(self, hidden: torch.Tensor, cache: KVCache | PagedKVCache, slots: Sequence[int],
+              positions: Sequence[int]) -> _StepPlan | PagedPlan:
         if hidden.dim() != 3:
             raise ValueError(f"hidden must be [batch, tokens, hidden], got shape {tuple(hidden.shape)}")
         batch, tokens = hidden.shape[0], hidden.shape[1]
         if len(slots) != batch or len(positions) != batch:
             raise ValueError(f"{batch} rows but {len(slots)} slots and {len(positions)} positions")
+        if isinstance(cache, PagedKVCache):
+            if cache.dtype != self.dtype:
+                raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
+            pos = torch.as_tensor(list(positions), dtype=torch.long)[:, None] + torch.arange(tokens)[None]
+            cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
+            return paged_attention.batch_plan(cache, slots, positions, tokens, cos[:, :, None], sin[:, :, None],
+                                              pos.to(self.device))
         if len(set(slots)) != batch:
             raise ValueError(f"a slot appears twice in one batch: {list(slots)}")
         layout = cache.layout
@@ -409,9 +427,17 @@ class LlamaModel:
             tokens=tokens,
         )
 
-    def _packed_plan(self, cache: KVCache, slots: list[int], starts: list[int], lengths: list[int]) -> _StepPlan:
+    def _packed_plan(self, cache: KVCache | PagedKVCache, slots: list[int], starts: list[int],
+                     lengths: list[int]) -> _StepPlan | PagedPlan:
         """The plan of prompts packed into one row: prompt i's `lengths[i]` tokens go to
         positions `starts[i]`.. of `slots[i]`."""
+        if isinstance(cache, PagedKVCache):
+            if cache.dtype != self.dtype:
+                raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
+            pos = torch.cat([start + torch.arange(n) for start, n in zip(starts, lengths)])
+            cos, sin = cos_sin(self.inv_freq, pos[None].to(self.device), self.dtype, self.rope_scale)
+            return paged_attention.packed_plan(cache, slots, starts, lengths, cos[:, :, None], sin[:, :, None],
+                                               pos.to(self.device))
         if len(set(slots)) != len(slots):
             raise ValueError(f"a slot appears twice in one batch: {slots}")
         layout = cache.layout
@@ -486,6 +512,10 @@ class LlamaModel:
         q, k = qk[:, :, :heads], qk[:, :, heads:]
         v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
 
+        if isinstance(plan, PagedPlan):
+            attn = paged_attention.write_and_attend(q, k, v, cache.keys(layer), cache.values(layer), plan, heads,
+                                                    kv_heads, head_dim)
+            return self._finish_layer(x, attn, w)
         keys, values = cache.keys(layer), cache.values(layer)  # [slot, token, kv_head, head_dim]
         if plan.segments:
             keys[plan.slots, plan.positions] = k[0]
@@ -499,9 +529,12 @@ class LlamaModel:
             values[plan.slots[:, None], plan.positions] = v
 
         attn = self._attend(q, keys, values, plan)
-        x = x + self.linear(attn, w.o, bias=w.o_bias)
+        return self._finish_layer(x, attn, w)
 
-        h = _rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+    def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """Output projection, residual, MLP: everything of a layer after attention."""
+        x = x + self.linear(attn, w.o, bias=w.o_bias)
+        h = _rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
         gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)
         return x + self.linear(F.silu(gate) * up, w.down)
 
