@@ -296,17 +296,23 @@ class LlamaModel:
         slot: int,
         layers_per_chunk: int | None = None,
         on_chunk: Callable[[range], None] | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
         """Write the KV of positions 0..n-1 into `slot` and return the last position's logits `[vocab]`.
 
         Layers run in chunks of `layers_per_chunk`; after each chunk, whose KV is then final in
         the cache, `on_chunk(layer_range)` is called (the transfer pushes that chunk from there
         while the next chunk computes). Runs over the layers the cache holds.
+
+        `start` > 0: positions 0..start-1 already hold this prompt's KV (a cached prefix,
+        kv/prefix_store.py); only tokens start.. are computed, attending over all of it.
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         n = ids.numel()
         if n == 0:
             raise ValueError("prefill needs at least one token")
+        if not 0 <= start < n:
+            raise ValueError(f"prefill start {start} must leave at least one of the prompt's {n} tokens to compute")
         room = _room(cache, slot)
         if n > room:
             raise ValueError(f"prompt of {n} tokens exceeds the KV slot's max_len {room}")
@@ -314,8 +320,8 @@ class LlamaModel:
         step = layers_per_chunk or len(layers)
         if step <= 0:
             raise ValueError(f"layers_per_chunk must be positive, got {layers_per_chunk}")
-        hidden = self.embed(ids)
-        plan = self._plan(hidden, cache, [slot], [0])
+        hidden = self.embed(ids[start:])
+        plan = self._plan(hidden, cache, [slot], [start])
         for start in range(layers.start, layers.stop, step):
             chunk = range(start, min(start + step, layers.stop))
             for layer in chunk:
@@ -332,8 +338,12 @@ class LlamaModel:
         slots: Sequence[int],
         layers_per_chunk: int | None = None,
         on_chunk: Callable[[range], None] | None = None,
+        starts: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """`prefill` of several prompts in one forward pass: logits `[len(prompts), vocab]`.
+
+        `starts[i]` > 0: prompt i's first `starts[i]` positions already hold its KV (a cached
+        prefix); only the rest is computed.
 
         The prompts are packed into one row of all their tokens (no padding): every matrix
         product runs once over all of them, and attention runs per prompt over its own slot
@@ -355,9 +365,12 @@ class LlamaModel:
         step = layers_per_chunk or len(layers)
         if step <= 0:
             raise ValueError(f"layers_per_chunk must be positive, got {layers_per_chunk}")
-        hidden = self.embed(torch.cat(ids))
-        lengths = [int(p.numel()) for p in ids]
-        plan = self._packed_plan(cache, list(slots), [0] * len(ids), lengths)
+        first = [0] * len(ids) if starts is None else [int(x) for x in starts]
+        if len(first) != len(ids) or any(not 0 <= f < p.numel() for f, p in zip(first, ids)):
+            raise ValueError(f"starts {first} must leave at least one token of each prompt to compute")
+        hidden = self.embed(torch.cat([p[f:] for f, p in zip(first, ids)]))
+        lengths = [int(p.numel()) - f for f, p in zip(first, ids)]
+        plan = self._packed_plan(cache, list(slots), first, lengths)
         for start in range(layers.start, layers.stop, step):
             chunk = range(start, min(start + step, layers.stop))
             for layer in chunk:
