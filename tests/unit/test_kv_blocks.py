@@ -12,8 +12,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve_worker.kv.block_layout import BlockLayout
-from pdserve_worker.kv.blocks import BlockGrant, BlockTable, NoFreeBlocks, blocks_for
+from pdserve_worker.kv.blocks import BlockTable, NoFreeBlocks, blocks_for
+from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.kv.slots import Grant as BlockGrant
 from pdserve_worker.kv.slots import SlotState
 
 
@@ -38,13 +39,14 @@ class RecordingLeases:
         del self.live[generation]
 
 
-def layout(num_blocks: int = 8, block_tokens: int = 4) -> BlockLayout:
-    return BlockLayout(num_blocks, block_tokens, num_layers=2, kv_heads=1, head_dim=4, dtype="float32")
+def layout(num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8) -> KVLayout:
+    return KVLayout(num_slots=max_reservations, num_layers=2, max_len=64, kv_heads=1, head_dim=4, dtype="float32",
+                    block_tokens=block_tokens, num_blocks=num_blocks)
 
 
 def allocator(num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8, **kw) -> tuple[BlockTable, Clock]:
     clock = Clock()
-    table = BlockTable(layout(num_blocks, block_tokens), max_reservations, engine_id="10.0.0.1:7000",
+    table = BlockTable(layout(num_blocks, block_tokens, max_reservations), engine_id="10.0.0.1:7000",
                        base_addr=0x10000, clock=clock, **kw)
     return table, clock
 
@@ -179,6 +181,8 @@ def test_a_refused_lease_grants_nothing() -> None:
     with pytest.raises(RuntimeError):
         alloc.reserve("a", 5, num_tokens=8)
     assert alloc.usage().free_blocks == 8 and alloc.usage().slots.free == 8
+    with pytest.raises(ValueError, match="paged layout"):
+        BlockTable(KVLayout(num_slots=2, num_layers=1, max_len=8, kv_heads=1, head_dim=4))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -188,7 +192,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = Clock()
         self.leases = RecordingLeases()
-        self.alloc = BlockTable(layout(12, 4), 6, quarantine_s=3.0, clock=self.clock, leases=self.leases)
+        self.alloc = BlockTable(layout(12, 4, 6), quarantine_s=3.0, clock=self.clock, leases=self.leases)
         self.grants: list[BlockGrant] = []
 
     def pick(self, i: int) -> BlockGrant:

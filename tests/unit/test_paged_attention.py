@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from pdserve_worker.kv.block_layout import BlockLayout
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.loader import load_model
@@ -20,7 +21,8 @@ def tiny(tiny_model_dir):
 
 def paged(tiny, num_blocks: int = 40, bt: int = 4) -> PagedKVCache:
     c = tiny.config
-    return PagedKVCache.allocate(BlockLayout(num_blocks, bt, c.num_layers, c.num_kv_heads, c.head_dim, "float32"))
+    layout = c.kv_layout(4, 64, "float32")
+    return PagedKVCache.allocate(replace(layout, block_tokens=bt, num_blocks=num_blocks))
 
 
 def test_binding_is_checked_and_rows_follow_the_table(tiny) -> None:

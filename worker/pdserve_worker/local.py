@@ -66,6 +66,9 @@ class LocalPlan:
     weights: str = "auto"  # model/weight_routes.py
     slots: int = 8
     max_len: int | None = None  # tokens per request; None: 2048, or the model's context if shorter
+    kv_block_tokens: int = 16  # decode KV blocks (0: max-length slots)
+    kv_tokens: int = 0  # decode KV pool in tokens (0: slots x max_len)
+    prefix_cache_tokens: int = 0  # prefill prefix cache (0: off)
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
@@ -313,6 +316,9 @@ class LocalDeployment:
             S.WEIGHTS: self.plan.weights,
             E.MAX_LENGTH: str(self.max_len),
             E.SLOTS: str(plan.slots),
+            E.KV_BLOCK_TOKENS: str(plan.kv_block_tokens),
+            E.KV_TOKENS: str(plan.kv_tokens),
+            E.PREFIX_CACHE_TOKENS: str(plan.prefix_cache_tokens),
             E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
             E.READINESS_MODE: plan.readiness,
             E.TRANSFER_BACKEND: "cpu",

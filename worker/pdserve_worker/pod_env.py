@@ -69,6 +69,9 @@ ENGINE_OPTIONS = "PDSERVE_ENGINE_OPTIONS"  # JSON object of strings, passed to t
 
 LAYERS_PER_CHUNK = "PDSERVE_LAYERS_PER_CHUNK"  # prefill
 SLOTS = "PDSERVE_SLOTS"  # decode
+KV_BLOCK_TOKENS = "PDSERVE_KV_BLOCK_TOKENS"  # decode: tokens per KV block (0: max-length slots)
+KV_TOKENS = "PDSERVE_KV_TOKENS"  # decode: KV pool size in tokens (0: slots x max length)
+PREFIX_CACHE_TOKENS = "PDSERVE_PREFIX_CACHE_TOKENS"  # prefill: prefix cache size in tokens (0: off)
 READINESS_MODE = "PDSERVE_READINESS_MODE"  # decode: interrupt | poll | spin
 POLL_INTERVAL_MICROS = "PDSERVE_POLL_INTERVAL_MICROS"  # decode, only with poll
 WARMUP = "PDSERVE_WARMUP"  # decode: "true" | "false"
@@ -141,6 +144,9 @@ class PodEnv(BaseModel):
     engine_options: dict[str, str] = Field(default_factory=dict)
     layers_per_chunk: int | None = None
     slots: int | None = None
+    kv_block_tokens: int | None = None
+    kv_tokens: int | None = None
+    prefix_cache_tokens: int | None = None
     readiness_mode: Literal["interrupt", "poll", "spin"] | None = None
     poll_interval_micros: int | None = None
     warmup: bool | None = None
@@ -186,6 +192,9 @@ _FIELD_ENV: dict[str, str] = {
     "engine_options": ENGINE_OPTIONS,
     "layers_per_chunk": LAYERS_PER_CHUNK,
     "slots": SLOTS,
+    "kv_block_tokens": KV_BLOCK_TOKENS,
+    "kv_tokens": KV_TOKENS,
+    "prefix_cache_tokens": PREFIX_CACHE_TOKENS,
     "readiness_mode": READINESS_MODE,
     "poll_interval_micros": POLL_INTERVAL_MICROS,
     "warmup": WARMUP,

@@ -39,6 +39,7 @@ GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight
 SHARD_INDEX = "PDSERVE_SHARD_INDEX"  # decode group member index; pods derive it from their ordinal
 GROUP_PEERS = "PDSERVE_GROUP_PEERS"  # decode group: gRPC endpoints of members 0..N-1, comma-separated
 MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are answered 413
+PREFIX_BLOCK_TOKENS = "PDSERVE_PREFIX_BLOCK_TOKENS"  # prefill: tokens per prefix-cache block
 PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
@@ -86,6 +87,15 @@ class WorkerSettings(BaseSettings):
     prefill_batch: int = Field(8, ge=1, le=256, validation_alias=PREFILL_BATCH)
     prefill_token_budget: int = Field(4096, ge=1, validation_alias=PREFILL_TOKEN_BUDGET)
     slots: int = Field(8, ge=1, validation_alias=E.SLOTS)
+    # Decode KV in blocks of this many tokens (0: one max-length slot per request; a layer-
+    # sharded group keeps slots). The pool holds kv_tokens (0: slots x max_length, today's
+    # memory); `slots` then caps concurrent requests only.
+    kv_block_tokens: int = Field(16, ge=0, le=4096, validation_alias=E.KV_BLOCK_TOKENS)
+    kv_tokens: int = Field(0, ge=0, validation_alias=E.KV_TOKENS)
+    # Prefill: tokens of prompt-prefix KV kept for reuse (0: no prefix cache), in blocks of
+    # prefix_block_tokens.
+    prefix_cache_tokens: int = Field(0, ge=0, validation_alias=E.PREFIX_CACHE_TOKENS)
+    prefix_block_tokens: int = Field(16, ge=1, le=4096, validation_alias=PREFIX_BLOCK_TOKENS)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)
     warmup: bool = Field(True, validation_alias=E.WARMUP)

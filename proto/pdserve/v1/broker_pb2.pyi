@@ -75,16 +75,20 @@ class RouterLoad(_message.Message):
     def __init__(self, requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., ttft: _Optional[_Union[LatencyHistogram, _Mapping]] = ..., tpot: _Optional[_Union[LatencyHistogram, _Mapping]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("slots_used", "slots_free", "active_requests", "router")
+    __slots__ = ("slots_used", "slots_free", "active_requests", "router", "kv_tokens_used", "kv_tokens_total")
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     slots_used: int
     slots_free: int
     active_requests: int
     router: RouterLoad
-    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ...) -> None: ...
+    kv_tokens_used: int
+    kv_tokens_total: int
+    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
     __slots__ = ("worker_id", "role", "grpc_endpoint", "engine_id", "regions", "kv_layout", "revision", "capacity", "group", "labels")

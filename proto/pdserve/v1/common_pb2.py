@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\x8a\x01\n\x08KVLayout\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x0f\n\x07max_len\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x07 \x01(\r\"P\n\x0cMemoryRegion\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0b\n\x03len\x18\x02 \x01(\x04\x12%\n\x08mem_type\x18\x03 \x01(\x0e\x32\x13.pdserve.v1.MemType\"\x88\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eos*K\n\x07MemType\x12\x18\n\x14MEM_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fMEM_TYPE_DEVICE\x10\x01\x12\x11\n\rMEM_TYPE_HOST\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xb4\x01\n\x08KVLayout\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x0f\n\x07max_len\x18\x03 \x01(\r\x12\x10\n\x08kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x08 \x01(\r\x12\x12\n\nnum_blocks\x18\t \x01(\r\"P\n\x0cMemoryRegion\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\x04\x12\x0b\n\x03len\x18\x02 \x01(\x04\x12%\n\x08mem_type\x18\x03 \x01(\x0e\x32\x13.pdserve.v1.MemType\"\x88\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ignore_eos*K\n\x07MemType\x12\x18\n\x14MEM_TYPE_UNSPECIFIED\x10\x00\x12\x13\n\x0fMEM_TYPE_DEVICE\x10\x01\x12\x11\n\rMEM_TYPE_HOST\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMTYPE']._serialized_start=529
-  _globals['_MEMTYPE']._serialized_end=604
+  _globals['_MEMTYPE']._serialized_start=571
+  _globals['_MEMTYPE']._serialized_end=646
   _globals['_KVLAYOUT']._serialized_start=40
-  _globals['_KVLAYOUT']._serialized_end=178
-  _globals['_MEMORYREGION']._serialized_start=180
-  _globals['_MEMORYREGION']._serialized_end=260
-  _globals['_SAMPLINGPARAMS']._serialized_start=263
-  _globals['_SAMPLINGPARAMS']._serialized_end=527
+  _globals['_KVLAYOUT']._serialized_end=220
+  _globals['_MEMORYREGION']._serialized_start=222
+  _globals['_MEMORYREGION']._serialized_end=302
+  _globals['_SAMPLINGPARAMS']._serialized_start=305
+  _globals['_SAMPLINGPARAMS']._serialized_end=569
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ MEM_TYPE_DEVICE: MemType
 MEM_TYPE_HOST: MemType
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim", "dtype", "first_layer")
+    __slots__ = ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim", "dtype", "first_layer", "block_tokens", "num_blocks")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class KVLayout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     num_layers: int
     max_len: int
@@ -32,7 +34,9 @@ class KVLayout(_message.Message):
     head_dim: int
     dtype: str
     first_layer: int
-    def __init__(self, num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_len: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_layer: _Optional[int] = ...) -> None: ...
+    block_tokens: int
+    num_blocks: int
+    def __init__(self, num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_len: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_layer: _Optional[int] = ..., block_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "len", "mem_type")

@@ -32,7 +32,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id", "group_grants", "nonce")
+    __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id", "group_grants", "nonce", "blocks", "shared_blocks")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class Grant(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_GRANTS_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     slot: int
     generation: int
     engine_id: str
@@ -53,7 +55,9 @@ class Grant(_message.Message):
     request_id: str
     group_grants: _containers.RepeatedCompositeFieldContainer[Grant]
     nonce: bytes
-    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., group_grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    shared_blocks: int
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., group_grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., nonce: _Optional[bytes] = ..., blocks: _Optional[_Iterable[int]] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated")
@@ -118,7 +122,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeStatus(_message.Message):
-    __slots__ = ("worker_id", "slots_total", "slots_used", "slots_free", "active_requests", "draining", "notifies_dropped", "transfer_refusals")
+    __slots__ = ("worker_id", "slots_total", "slots_used", "slots_free", "active_requests", "draining", "notifies_dropped", "transfer_refusals", "kv_tokens_used", "kv_tokens_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +131,8 @@ class DecodeStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NOTIFIES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     slots_total: int
     slots_used: int
@@ -135,7 +141,9 @@ class DecodeStatus(_message.Message):
     draining: bool
     notifies_dropped: int
     transfer_refusals: int
-    def __init__(self, worker_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., notifies_dropped: _Optional[int] = ..., transfer_refusals: _Optional[int] = ...) -> None: ...
+    kv_tokens_used: int
+    kv_tokens_total: int
+    def __init__(self, worker_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., notifies_dropped: _Optional[int] = ..., transfer_refusals: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "targets", "num_generated")
@@ -152,18 +160,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., targets: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "num_tokens", "kv_bytes", "push_seconds", "prefill_seconds")
+    __slots__ = ("first_token", "num_tokens", "kv_bytes", "push_seconds", "prefill_seconds", "cached_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_tokens: int
     kv_bytes: int
     push_seconds: float
     prefill_seconds: float
-    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id", "slot", "generation")

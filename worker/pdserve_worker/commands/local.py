@@ -32,7 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compute and KV dtype (default auto: bfloat16 where the CPU has native bf16, else float32)")
     p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
                    help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)")
-    p.add_argument("--slots", type=int, default=8, help="KV slots per decode worker (default 8)")
+    p.add_argument("--slots", type=int, default=8,
+                   help="concurrent requests per decode worker; with max-length slots (--kv-block-tokens 0) also "
+                        "the KV pool: slots x max-len tokens (default 8)")
+    p.add_argument("--kv-block-tokens", type=int, default=16,
+                   help="decode: KV in blocks of this many tokens, a request reserving prompt + max_tokens "
+                        "(default 16; 0: one max-length slot per request)")
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="decode: KV pool size in tokens with blocks (default 0: slots x max-len, the memory of slots)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="prefill: tokens of prompt-prefix KV kept for reuse (default 0: no prefix cache)")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)")
     p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
@@ -65,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         extra_env = _parse_env(args.env)
         plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
                          weights=args.weights, slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
+                         kv_block_tokens=args.kv_block_tokens, kv_tokens=args.kv_tokens,
+                         prefix_cache_tokens=args.prefix_cache_tokens,
                          layers_per_chunk=args.layers_per_chunk, layer_shards=args.layer_shards,
                          tls=args.tls, api_keys=args.api_keys, log_dir=args.log_dir, extra_env=extra_env)
     except ValueError as exc:

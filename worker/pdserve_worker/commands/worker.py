@@ -33,6 +33,9 @@ _FLAG_FIELDS = {
     "threads": "threads",
     "transfer_backend": "transfer_backend",
     "slots": "slots",
+    "kv_block_tokens": "kv_block_tokens",
+    "kv_tokens": "kv_tokens",
+    "prefix_cache_tokens": "prefix_cache_tokens",
     "layers_per_chunk": "layers_per_chunk",
     "readiness": "readiness_mode",
     "drain_timeout": "drain_timeout_seconds",
@@ -66,7 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (0: all this process may use)")
     p.add_argument("--transfer-backend", choices=["auto", "hixl", "cpu"], default=None)
-    p.add_argument("--slots", type=int, default=None, help="decode: KV slots (concurrent requests)")
+    p.add_argument("--slots", type=int, default=None, help="decode: concurrent requests (and, without blocks, KV slots)")
+    p.add_argument("--kv-block-tokens", type=int, default=None, help="decode: tokens per KV block (0: max-length slots)")
+    p.add_argument("--kv-tokens", type=int, default=None, help="decode: KV pool in tokens (0: slots x max-len)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=None, help="prefill: prefix cache in tokens (0: off)")
     p.add_argument("--layers-per-chunk", type=int, default=None, help="prefill: layers between two KV pushes")
     p.add_argument("--readiness", choices=["interrupt", "poll", "spin"], default=None, help="decode: readiness mode")
     p.add_argument("--drain-timeout", type=float, default=None, help="decode: seconds /drain may wait")

@@ -157,7 +157,7 @@ def check_compatible(source: KVLayout, dest: BlockLayout) -> None:
 
 
 def push_descriptors(source: KVLayout, slot: int, dest: BlockLayout, blocks: Sequence[int], layers: range,
-                     end_token: int, start_token: int = 0) -> list[Descriptor]:
+                     end_token: int, start_token: int = 0, kv_indices: Sequence[int] = (K, V)) -> list[Descriptor]:
     """Descriptors that copy tokens [start_token, end_token) of `layers` from scratch slot `slot`
     of `source` into the reservation `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B)).
 
@@ -175,7 +175,7 @@ def push_descriptors(source: KVLayout, slot: int, dest: BlockLayout, blocks: Seq
     per_token = dest.bytes_per_token
     pieces: list[Descriptor] = []
     for layer in layers:
-        for kv_index in (K, V):
+        for kv_index in kv_indices:
             src_base = source.token_run(slot, layer, kv_index, end_token - start_token, start_token)[0]
             src_base -= start_token * per_token
             for i in range(start_token // bt, (end_token - 1) // bt + 1):

@@ -52,17 +52,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve_worker.kv.block_layout import BlockLayout
-from pdserve_worker.kv.slots import SlotState, SlotUsage, first_generation, reservation_nonce
+from pdserve_worker.kv.layout import KVLayout
+from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage, first_generation, reservation_nonce
 from pdserve_worker.logs import kv
 
 log = logging.getLogger("pdserve.kv.blocks")
 
 
-class NoFreeBlocks(RuntimeError):
+class NoFreeBlocks(NoFreeSlot):
     """Not enough free blocks, or every reservation handle is taken, for a request."""
 
 
@@ -79,28 +79,6 @@ def blocks_for(num_tokens: int, block_tokens: int) -> int:
     if num_tokens < 0 or block_tokens <= 0:
         raise ValueError(f"blocks_for({num_tokens}, {block_tokens}): need tokens >= 0 and block_tokens > 0")
     return -(-num_tokens // block_tokens)
-
-
-@dataclass(frozen=True)
-class BlockGrant:
-    """What a prefill needs to push into a reservation: where (engine, base, layout), which
-    blocks (in token order: blocks[i] holds tokens [i*B, (i+1)*B)) and which lease."""
-
-    request_id: str
-    slot: int
-    generation: int
-    expires_at: float
-    engine_id: str
-    base_addr: int
-    layout: BlockLayout
-    blocks: tuple[int, ...]
-    shared: int = 0  # leading blocks shared read-only with another reservation (already hold KV)
-    num_tokens: int = 0  # tokens reserved (prompt + max new)
-    nonce: str = field(default="", repr=False)
-
-    @property
-    def writable(self) -> tuple[int, ...]:
-        return self.blocks[self.shared:]
 
 
 @dataclass(frozen=True)
@@ -141,24 +119,24 @@ class _Handle:
 class BlockTable:
     def __init__(
         self,
-        layout: BlockLayout,
-        max_reservations: int,
+        layout: KVLayout,
         *,
         engine_id: str = "",
         base_addr: int = 0,
         quarantine_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        on_expire: Callable[[BlockGrant], None] | None = None,
+        on_expire: Callable[[Grant], None] | None = None,
         capability_key: bytes | None = None,
         leases: BlockLeaseHooks | None = None,
     ) -> None:
-        if max_reservations <= 0:
-            raise ValueError(f"max_reservations must be positive, got {max_reservations}")
+        if not layout.paged:
+            raise ValueError(f"a BlockTable needs a paged layout (block_tokens > 0), got {layout}")
         if quarantine_s < 0:
             raise ValueError(f"quarantine_s must be >= 0, got {quarantine_s}")
         self.layout = layout
         self.num_blocks = layout.num_blocks
         self.block_tokens = layout.block_tokens
+        max_reservations = layout.num_slots
         self.engine_id = engine_id
         self.base_addr = base_addr
         self.quarantine_s = quarantine_s
@@ -180,7 +158,7 @@ class BlockTable:
 
     # ---- reservations ------------------------------------------------------------------------
     def reserve(self, request_id: str, ttl_s: float, *, num_tokens: int, prompt_tokens: int | None = None,
-                share_from: tuple[int, int] | None = None, shared_blocks: int = 0) -> BlockGrant:
+                share_from: tuple[int, int] | None = None, shared_blocks: int = 0) -> Grant:
         """Grant a handle and blocks for `num_tokens` tokens for `ttl_s` seconds. Raises NoFreeBlocks.
 
         `prompt_tokens` (default `num_tokens`): how many of them the prefill writes; only whole
@@ -295,9 +273,9 @@ class BlockTable:
                 return True
             return False
 
-    def expire(self) -> list[BlockGrant]:
+    def expire(self) -> list[Grant]:
         """Quarantine every reservation whose lease has run out; returns their grants."""
-        expired: list[BlockGrant] = []
+        expired: list[Grant] = []
         with self._lock:
             now = self._clock()
             for index, h in enumerate(self._handles):
@@ -325,7 +303,7 @@ class BlockTable:
         expected = reservation_nonce(self._key, slot, generation)
         return hmac.compare_digest(expected.encode(), nonce.encode("utf-8", "replace"))
 
-    def grant_of(self, slot: int, generation: int) -> BlockGrant | None:
+    def grant_of(self, slot: int, generation: int) -> Grant | None:
         """The live reservation (slot, generation), reserved or committed, or None."""
         with self._lock:
             h = self._live(slot, generation)
@@ -426,6 +404,6 @@ class BlockTable:
         return BlockUsage(slots, self.num_blocks, len(self._free), len(blocks[SlotState.RESERVED] - committed),
                           len(committed), len(blocks[SlotState.QUARANTINED]), self.block_tokens)
 
-    def _grant(self, index: int, h: _Handle) -> BlockGrant:
-        return BlockGrant(h.request_id, index, h.generation, h.deadline, self.engine_id, self.base_addr, self.layout,
-                          h.blocks, h.shared, h.num_tokens, h.nonce)
+    def _grant(self, index: int, h: _Handle) -> Grant:
+        return Grant(h.request_id, index, h.generation, self.engine_id, self.base_addr, self.layout, h.nonce,
+                     h.blocks, h.shared)

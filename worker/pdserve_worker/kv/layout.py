@@ -8,11 +8,20 @@ and K/V instead of one per token.
 A pool may hold only a contiguous range of the model's layers (a member of a layer-sharded
 decode group): `first_layer` and `num_layers` name that range, and asking for a layer outside
 it is an error, never a silently wrong offset.
+
+A decode pool may instead be *paged* (`block_tokens` > 0): `num_blocks` blocks of
+`block_tokens` tokens in the layer-major block layout of kv/block_layout.py (`.blocks`), shared
+by at most `num_slots` concurrent requests of at most `max_len` tokens each; a request's KV is
+wherever its block table says. A paged layout has no slot runs: asking for one is an error.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve_worker.kv.block_layout import BlockLayout
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -34,6 +43,8 @@ class KVLayout:
     head_dim: int
     dtype: str = "bfloat16"
     first_layer: int = 0
+    block_tokens: int = 0  # > 0: a paged pool of `num_blocks` blocks (kv/block_layout.py)
+    num_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim"):
@@ -44,6 +55,32 @@ class KVLayout:
             raise ValueError(f"KVLayout.first_layer must be >= 0, got {self.first_layer!r}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        if self.block_tokens < 0 or self.num_blocks < 0 or (self.block_tokens > 0) != (self.num_blocks > 0):
+            raise ValueError(f"KVLayout.block_tokens and num_blocks must both be positive (paged) or both 0, got "
+                             f"{self.block_tokens!r} and {self.num_blocks!r}")
+
+    @property
+    def paged(self) -> bool:
+        return self.block_tokens > 0
+
+    @property
+    def blocks(self) -> "BlockLayout":
+        """The block geometry of a paged pool."""
+        from pdserve_worker.kv.block_layout import BlockLayout
+
+        if not self.paged:
+            raise ValueError("a slot pool has no blocks")
+        return BlockLayout(self.num_blocks, self.block_tokens, self.num_layers, self.kv_heads, self.head_dim,
+                           self.dtype, self.first_layer)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV the pool holds (all requests together)."""
+        return self.num_blocks * self.block_tokens if self.paged else self.num_slots * self.max_len
+
+    def _slot_pool(self, what: str) -> None:
+        if self.paged:
+            raise ValueError(f"{what} of a paged KV pool: its requests' KV is where their block tables say")
 
     @property
     def dtype_size(self) -> int:
@@ -56,7 +93,10 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        """The pool as a contiguous tensor: (slot, layer, K|V, token, kv_head, head_dim)."""
+        """The pool as a contiguous tensor: (slot, layer, K|V, token, kv_head, head_dim), or a
+        paged pool's (layer, K|V, block, token, kv_head, head_dim)."""
+        if self.paged:
+            return self.blocks.shape
         return (self.num_slots, self.num_layers, 2, self.max_len, self.kv_heads, self.head_dim)
 
     @property
@@ -66,18 +106,23 @@ class KVLayout:
 
     @property
     def bytes_per_kv_layer(self) -> int:
+        self._slot_pool("bytes_per_kv_layer")
         return self.max_len * self.bytes_per_token
 
     @property
     def bytes_per_slot(self) -> int:
+        self._slot_pool("bytes_per_slot")
         return self.num_layers * 2 * self.bytes_per_kv_layer
 
     @property
     def total_bytes(self) -> int:
+        if self.paged:
+            return self.blocks.total_bytes
         return self.num_slots * self.bytes_per_slot
 
     def offset(self, slot: int, layer: int, kv: int) -> int:
         """Byte offset of (slot, layer, K|V) from the pool's base; `layer` is the model's index."""
+        self._slot_pool("offset")
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} outside pool of {self.num_slots} slots")
         if layer not in self.layer_range:

@@ -1,6 +1,7 @@
 """A block-paged KV pool as a tensor, and the block table of each request handle.
 
-The pool is `BlockLayout.shape` — (layer, K|V, block, token-in-block, kv_head, head_dim) — over
+The pool is a paged `KVLayout`'s shape — (layer, K|V, block, token-in-block, kv_head, head_dim),
+`layout.blocks` — over
 memory that someone else may own (a decode's registered pool, which prefills write into), so,
 like `KVCache`, it only ever views the tensor it is given. Per layer, K and V are viewed flat
 as `[num_blocks * block_tokens, kv_heads, head_dim]`: token j of a request whose block table
@@ -19,15 +20,19 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve_worker.kv.block_layout import BlockLayout
 from pdserve_worker.kv.cache import torch_dtype
-from pdserve_worker.kv.layout import K, V
+from pdserve_worker.kv.layout import K, V, KVLayout
 
 
 class PagedKVCache:
-    """A block pool viewed per layer as flat token rows, with a block table per handle."""
+    """A block pool viewed per layer as flat token rows, with a block table per handle.
 
-    def __init__(self, layout: BlockLayout, tensor: torch.Tensor) -> None:
+    `layout` is the paged KVLayout (what the Generator reads: `num_slots` handles, `max_len` per
+    request, the layer range); `blocks` its block geometry."""
+
+    def __init__(self, layout: KVLayout, tensor: torch.Tensor) -> None:
+        if not layout.paged:
+            raise ValueError(f"a PagedKVCache needs a paged layout (block_tokens > 0), got {layout}")
         if tuple(tensor.shape) != layout.shape:
             raise ValueError(f"block pool tensor has shape {tuple(tensor.shape)}, layout needs {layout.shape}")
         if tensor.dtype != torch_dtype(layout.dtype):
@@ -35,6 +40,7 @@ class PagedKVCache:
         if not tensor.is_contiguous():
             raise ValueError(f"block pool tensor must be contiguous, got strides {tensor.stride()}")
         self.layout = layout
+        self.blocks = layout.blocks
         self.tensor = tensor
         rows = layout.num_blocks * layout.block_tokens
         self._keys = [tensor[i, K].view(rows, layout.kv_heads, layout.head_dim) for i in range(layout.num_layers)]
@@ -43,7 +49,7 @@ class PagedKVCache:
         self._lock = threading.Lock()
 
     @classmethod
-    def allocate(cls, layout: BlockLayout, device: str | torch.device = "cpu") -> "PagedKVCache":
+    def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> "PagedKVCache":
         return cls(layout, torch.zeros(layout.shape, dtype=torch_dtype(layout.dtype), device=device))
 
     @property

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from pdserve_worker.kv.layout import K, V, KVLayout
@@ -103,6 +104,18 @@ class KVPool:
                 addr, length = self.run(slot, layer, kv_index, num_tokens)
                 view = np.frombuffer((ctypes.c_char * length).from_address(addr), dtype=np.uint8)
                 int(view[::PAGE].sum())
+
+    def warm_blocks(self, blocks: Sequence[int]) -> None:
+        """`warm` for a paged pool: touch one byte per page of `blocks` in every layer."""
+        if self.device != "cpu" or not blocks:
+            return
+        import numpy as np
+
+        from pdserve_worker.kv.block_layout import block_spans
+
+        for offset, length in block_spans(self.layout.blocks, blocks):
+            view = np.frombuffer((ctypes.c_char * length).from_address(self.base_addr + offset), dtype=np.uint8)
+            int(view[::PAGE].sum())
 
     def close(self) -> None:
         """Deregister and free. Only at shutdown: the tensor view must not be used after this.

@@ -106,6 +106,15 @@ class Grant:
     base_addr: int
     layout: KVLayout
     nonce: str = field(default="", repr=False)  # the capability a ready notify must carry (hex)
+    # A paged pool's reservation (kv/blocks.py): its blocks in token order, of which the first
+    # `shared` are another reservation's (read-only here: the push skips them). Empty for a slot.
+    blocks: tuple[int, ...] = ()
+    shared: int = 0
+
+    @property
+    def writable(self) -> tuple[int, ...]:
+        """The blocks a push writes (a paged reservation's own)."""
+        return self.blocks[self.shared:]
 
     @property
     def slot_addr(self) -> int:

@@ -6,6 +6,11 @@ notification, which a prefill worker sends after pushing the prompt's KV into th
 which carries the first token; then the request joins the continuous batch of the
 `GenerationLoop` and its tokens stream back as `TokenEvent`s.
 
+The pool is paged by default (`kv_block_tokens` > 0, kv/blocks.py): a grant is a handle (its
+`slot`), a generation and the blocks for prompt + max_tokens, and the request decodes through
+its block table (kv/paged.py). Every name below — slot, generation, lease, quarantine — means
+the same for both pools; a layer-sharded group keeps max-length slots.
+
 Who frees a slot, however the stream ends:
 - before the KV was committed (timeout, cancel, error): `SlotTable.release` quarantines it,
   because a prefill may still be writing into it;
@@ -27,17 +32,19 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable
+from pdserve_worker.kv.paged import PagedKVCache
+from pdserve_worker.kv.pool import KVPool
+from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
 from pdserve_worker.logs import kv
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
@@ -49,7 +56,7 @@ from pdserve_worker.rpc.convert import finish_reason_to_proto, grant_to_proto, s
 from pdserve_worker.rpc.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
-from pdserve_worker.transfer.leases import SlotWriteLeases
+from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
 from pdserve_worker.transfer.service_link import capability_key
 
@@ -95,20 +102,32 @@ class DecodeWorker:
         # Only reserved slots are writable by peers (host engine), and a ready notify counts
         # only with its grant's nonce: neither a stray peer nor a forged notify can touch a
         # request that is not theirs.
-        self.leases = SlotWriteLeases(backend, self.pool.base_addr, layout)
-        self.slots = SlotTable(
-            layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
-            capability_key=capability_key(settings.token), leases=self.leases,
-        )
+        self.slots: SlotTable | BlockTable
+        self.cache: KVCache | PagedKVCache
+        if layout.paged:
+            self.leases = BlockWriteLeases(backend, self.pool.base_addr, layout)
+            self.slots = BlockTable(
+                layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
+                capability_key=capability_key(settings.token), leases=self.leases,
+            )
+            self.cache = cache = PagedKVCache(layout, self.pool.tensor)
+            warm = self._warm_blocks
+        else:
+            self.leases = SlotWriteLeases(backend, self.pool.base_addr, layout)
+            self.slots = SlotTable(
+                layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
+                capability_key=capability_key(settings.token), leases=self.leases,
+            )
+            self.cache = cache = KVCache(layout, self.pool.tensor)
+            warm = self.pool.warm
         self.readiness = Readiness(
             backend,
             settings.readiness_mode,
             accepts=self.slots.is_reserved,
             authorize=self.slots.verify,
             poll_interval_us=settings.poll_interval_micros,
-            warmup=self.pool.warm if settings.warmup else None,
+            warmup=warm if settings.warmup else None,
         )
-        cache = KVCache(layout, self.pool.tensor)
         self.loop = GenerationLoop(self.make_generator(cache), name="decode-loop")
         # One blocking readiness wait per request that waits: at most one per slot.
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
@@ -121,11 +140,37 @@ class DecodeWorker:
     # ---- what a layer-sharded group's leader replaces (roles/decode_shard.py) ----------------
 
     def pool_layout(self) -> KVLayout:
-        """The pool this worker registers: every layer here."""
-        return self.loaded.config.kv_layout(self.settings.slots, self.settings.max_length, self.settings.model_dtype)
+        """The pool this worker registers: every layer here; paged unless kv_block_tokens is 0."""
+        s = self.settings
+        layout = self.loaded.config.kv_layout(s.slots, s.max_length, s.model_dtype)
+        return paged_layout(layout, s.kv_block_tokens, s.kv_tokens)
 
     def make_generator(self, cache: KVCache) -> Generator[Any]:
         return Generator(self.loaded.model, self.loaded.tokenizer, cache)
+
+    def reserve(self, request_id: str, ttl_s: float, num_prompt_tokens: int, max_tokens: int) -> Grant:
+        """A grant for a request of `num_prompt_tokens` + `max_tokens`: a slot, or the blocks of
+        exactly that many tokens (raises NoFreeSlot, or its NoFreeBlocks, when there is no room)."""
+        if isinstance(self.slots, BlockTable):
+            return self.slots.reserve(request_id, ttl_s, num_tokens=num_prompt_tokens + max_tokens,
+                                      prompt_tokens=num_prompt_tokens)
+        return self.slots.reserve(request_id, ttl_s)
+
+    def adopt(self, slot: int, generation: int) -> None:
+        """The KV of (slot, generation) is committed: decode reads it through its block table."""
+        if isinstance(self.cache, PagedKVCache):
+            self.cache.bind(slot, self.slots.blocks_of(slot))
+
+    def finished(self, slot: int, generation: int) -> None:
+        """The request left the batch: its blocks are nobody's to read, and the grant is freed."""
+        if isinstance(self.cache, PagedKVCache):
+            self.cache.unbind(slot)
+        self.slots.release(slot, generation)
+
+    def _warm_blocks(self, slot: int, num_tokens: int) -> None:
+        blocks = self.slots.blocks_of(slot)
+        bt = self.layout.block_tokens
+        self.pool.warm_blocks(blocks[: -(-num_tokens // bt)])
 
     def group_grants(self, grant: Grant) -> list[Grant]:
         """Every member's grant of a layer-sharded group's slot; none for an unsharded decode."""
@@ -169,15 +214,29 @@ class DecodeWorker:
 
     # ---- reporting ---------------------------------------------------------------------------
 
+    def slot_usage(self) -> SlotUsage:
+        """Grants by state (a paged pool's handles count as slots)."""
+        usage = self.slots.usage()
+        return usage.slots if isinstance(usage, BlockUsage) else usage
+
+    def kv_tokens(self) -> tuple[int, int]:
+        """(used, total) KV tokens: blocks held x block size, or slots taken x max_len."""
+        usage = self.slots.usage()
+        if isinstance(usage, BlockUsage):
+            return usage.tokens_used, usage.tokens_total
+        return (self.layout.num_slots - usage.free) * self.layout.max_len, self.layout.kv_tokens
+
     def busy_slots(self) -> int:
         """Slots reserved or decoding (quarantined ones hold nobody's request)."""
-        usage = self.slots.usage()
+        usage = self.slot_usage()
         return usage.reserved + usage.committed
 
     def load(self) -> Load:
-        usage = self.slots.usage()
+        usage = self.slot_usage()
+        used, total = self.kv_tokens()
         return Load(
-            slots_used=self.layout.num_slots - usage.free, slots_free=usage.free, active_requests=self.loop.active
+            slots_used=self.layout.num_slots - usage.free, slots_free=usage.free, active_requests=self.loop.active,
+            kv_tokens_used=used, kv_tokens_total=total,
         )
 
     def member_info(self) -> MemberInfo:
@@ -191,7 +250,7 @@ class DecodeWorker:
             kv_layout=self.layout,
             revision=self.revision,
             slots_total=self.layout.num_slots,
-            slots_free=self.slots.usage().free,
+            slots_free=self.slot_usage().free,
             labels={"model": self.loaded.name},
         )
 
@@ -206,6 +265,8 @@ class DecodeWorker:
             draining=self.draining,
             notifies_dropped=self.readiness.drops.total(),
             transfer_refusals=transfer_refusals(self.backend),
+            kv_tokens_used=load.kv_tokens_used,
+            kv_tokens_total=load.kv_tokens_total,
         )
 
     # ---- the request road --------------------------------------------------------------------
@@ -232,6 +293,17 @@ class DecodeWorker:
         waited = time.monotonic() - started
         self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
         return Ready(num_tokens, first_token, waited)
+
+
+def paged_layout(layout: KVLayout, block_tokens: int, kv_tokens: int) -> KVLayout:
+    """`layout` (slots of max_len) as a paged pool of `kv_tokens` tokens (0: the slots' memory)
+    in blocks of `block_tokens`; unchanged when `block_tokens` is 0."""
+    if not block_tokens:
+        return layout
+    tokens = kv_tokens or layout.num_slots * layout.max_len
+    if tokens < block_tokens:
+        raise ValueError(f"kv_tokens ({tokens}) holds not one block of {block_tokens} tokens")
+    return replace(layout, block_tokens=block_tokens, num_blocks=tokens // block_tokens)
 
 
 def transfer_refusals(backend: TransferBackend) -> int:
@@ -261,7 +333,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             )
         ttl_s = (request.lease_ms or w.settings.lease_ms) / 1000
         try:
-            grant = w.slots.reserve(request.request_id, ttl_s)
+            grant = w.reserve(request.request_id, ttl_s, request.num_prompt_tokens, request.max_tokens)
         except NoFreeSlot as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         log.debug(kv(event="slot_granted", request=request.request_id, slot=grant.slot, generation=grant.generation))
@@ -309,9 +381,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 )
             if not w.slots.commit(slot, generation):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
+            w.adopt(slot, generation)
             # From here the loop owns the slot and frees it when the request leaves the batch.
             stream = w.loop.submit(
-                request.request_id, prompt, slot, params, lambda: w.slots.release(slot, generation),
+                request.request_id, prompt, slot, params, lambda: w.finished(slot, generation),
                 first_token=ready.first_token, num_generated=resumed,
             )
             index = resumed  # a resumed stream goes on at the index where the broken one stopped

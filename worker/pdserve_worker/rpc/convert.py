@@ -32,6 +32,8 @@ def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
         head_dim=layout.head_dim,
         dtype=layout.dtype,
         first_layer=layout.first_layer,
+        block_tokens=layout.block_tokens,
+        num_blocks=layout.num_blocks,
     )
 
 
@@ -45,6 +47,8 @@ def layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
         head_dim=msg.head_dim,
         dtype=msg.dtype,
         first_layer=msg.first_layer,
+        block_tokens=msg.block_tokens,
+        num_blocks=msg.num_blocks,
     )
 
 
@@ -85,6 +89,8 @@ def grant_to_proto(grant: Grant, *, worker_id: str, lease_deadline_unix_ms: int)
         worker_id=worker_id,
         request_id=grant.request_id,
         nonce=bytes.fromhex(grant.nonce),
+        blocks=list(grant.blocks),
+        shared_blocks=grant.shared,
     )
 
 
@@ -95,14 +101,31 @@ def grant_from_proto(msg: worker_pb2.Grant, request_id: str = "", what: str = "g
     if len(msg.nonce) != NONCE_BYTES:
         raise ValueError(f"{what} lacks its reservation's nonce ({len(msg.nonce)} bytes, need {NONCE_BYTES}): "
                          "pass the decode's Reserve answer unchanged")
+    layout = layout_from_proto(msg.kv_layout)
+    blocks = tuple(msg.blocks)
+    if layout.paged:
+        # A paged grant is only pushable with its block list, every block inside the pool, and
+        # room in it for the request's whole prompt (the push checks the token count).
+        if not blocks or len(blocks) * layout.block_tokens > layout.max_len + layout.block_tokens:
+            raise ValueError(f"{what}: a paged grant needs 1..{-(-layout.max_len // layout.block_tokens)} blocks, "
+                             f"got {len(blocks)}")
+        bad = [b for b in blocks if b >= layout.num_blocks]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"{what}: blocks must be distinct and below num_blocks {layout.num_blocks}, got {bad or 'repeats'}")
+        if msg.shared_blocks > len(blocks):
+            raise ValueError(f"{what}: shared_blocks {msg.shared_blocks} > its {len(blocks)} blocks")
+    elif blocks:
+        raise ValueError(f"{what}: blocks given for a slot pool (block_tokens 0)")
     return Grant(
         request_id=msg.request_id or request_id,
         slot=msg.slot,
         generation=msg.generation,
         engine_id=msg.engine_id,
         base_addr=msg.base_addr,
-        layout=layout_from_proto(msg.kv_layout),
+        layout=layout,
         nonce=msg.nonce.hex(),
+        blocks=blocks,
+        shared=msg.shared_blocks,
     )
 
 

@@ -128,6 +128,8 @@ class Load:
     slots_free: int = 0
     active_requests: int = 0
     router: RouterLoad | None = None  # routers only
+    kv_tokens_used: int = 0  # decode: KV tokens in use / in all (0/0: not reported)
+    kv_tokens_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,8 @@ def _is_host_port(text: str) -> bool:
 
 
 def load_to_proto(load: Load) -> broker_pb2.Load:
-    msg = broker_pb2.Load(slots_used=load.slots_used, slots_free=load.slots_free, active_requests=load.active_requests)
+    msg = broker_pb2.Load(slots_used=load.slots_used, slots_free=load.slots_free, active_requests=load.active_requests,
+                          kv_tokens_used=load.kv_tokens_used, kv_tokens_total=load.kv_tokens_total)
     if load.router is not None:
         r = load.router
         msg.router.CopyFrom(broker_pb2.RouterLoad(
@@ -285,7 +288,7 @@ def load_from_proto(msg: broker_pb2.Load) -> Load:
             tpot=_histogram_from_proto(r.tpot) if r.HasField("tpot") else None,
         )
     return Load(slots_used=msg.slots_used, slots_free=msg.slots_free, active_requests=msg.active_requests,
-                router=router)
+                router=router, kv_tokens_used=msg.kv_tokens_used, kv_tokens_total=msg.kv_tokens_total)
 
 
 def member_info_to_proto(info: MemberInfo) -> broker_pb2.MemberInfo:

@@ -17,6 +17,9 @@ the notify travels after the data on the same link and is sent only once every p
 
 Targets are the decode's grants (`kv.slots.Grant`, from the Reserve answer). A target's
 layout may hold a layer range only (a layer-sharded decode group): it gets only its layers.
+A target whose pool is paged (kv/block_layout.py) is written through its grant's block list:
+one descriptor per (layer, K|V, run of consecutive blocks), never into its shared blocks
+(`push_descriptors`); layer chunks, queue depth and the notify are the same.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve_worker.kv.block_layout import push_descriptors
 from pdserve_worker.kv.layout import K, V, KVLayout
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.logs import kv
@@ -79,11 +83,14 @@ class _Put:
     submitted: float
 
 
+Piece = tuple[int, int, int]  # (source address, target address, bytes): one descriptor
+
+
 @dataclass
 class _TargetState:
     target: Grant
     owned: range
-    dst_addrs: dict[tuple[int, int], int]  # (layer, K|V) -> where its run starts on the target
+    pieces: dict[tuple[int, int], list[Piece]]  # (layer, K|V) -> its descriptors to the target
     pushed: set[int] = field(default_factory=set)
     outstanding: deque[_Put] = field(default_factory=deque)
     in_flight_runs: int = 0
@@ -142,8 +149,8 @@ class KVPusher:
         if not 0 <= source.slot < source.layout.num_slots:
             raise ValueError(f"source slot {source.slot} outside its pool of {source.layout.num_slots}")
         self._run_len = num_tokens * source.layout.bytes_per_token
-        self._states = [self._check_target(t) for t in targets]
         self._src_addrs = _run_addrs(source.base_addr, source.layout, source.slot)
+        self._states = [self._check_target(t) for t in targets]
         if not self._states:
             raise ValueError("a push needs at least one target")
         self.stats = PushStats()
@@ -171,8 +178,29 @@ class KVPusher:
                 raise ValueError(f"num_tokens={self.num_tokens} does not fit {who} max_len={layout.max_len}")
         if not 0 <= target.slot < dst.num_slots:
             raise ValueError(f"target {target.describe()}: slot outside its pool of {dst.num_slots}")
+        if dst.paged:
+            return _TargetState(target, dst.layer_range, self._block_pieces(target))
         dst_addrs = _run_addrs(target.base_addr, dst, target.slot)
-        return _TargetState(target, dst.layer_range, dst_addrs)
+        pieces = {run: [(self._src_addrs[run], addr, self._run_len)] for run, addr in dst_addrs.items()}
+        return _TargetState(target, dst.layer_range, pieces)
+
+    def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+        """A paged target's descriptors: the prompt's tokens into its own blocks (the shared
+        ones already hold them), coalesced over runs of consecutive blocks."""
+        src, blocks = self.source, target.layout.blocks
+        bt = blocks.block_tokens
+        if self.num_tokens > len(target.blocks) * bt:
+            raise ValueError(f"target {target.describe()}: {self.num_tokens} tokens do not fit its "
+                             f"{len(target.blocks)} blocks of {bt}")
+        start = min(target.shared * bt, self.num_tokens)
+        pieces: dict[tuple[int, int], list[Piece]] = {}
+        for layer in blocks.layer_range:
+            for kv_index in (K, V):
+                descs = push_descriptors(src.layout, src.slot, blocks, target.blocks, range(layer, layer + 1),
+                                         self.num_tokens, start, kv_indices=(kv_index,))
+                pieces[(layer, kv_index)] = [(src.base_addr + d.src, target.base_addr + d.dst, d.length)
+                                             for d in descs]
+        return pieces
 
     # ---- pushing -------------------------------------------------------------------------------------
     def push_chunk(self, layers: range) -> None:
@@ -195,19 +223,16 @@ class KVPusher:
             raise
 
     def _push_layers(self, state: _TargetState, layers: list[int]) -> None:
-        runs = [(layer, kv_index) for layer in layers for kv_index in (K, V)]
+        runs = [(layer, piece) for layer in layers for kv_index in (K, V) for piece in state.pieces[(layer, kv_index)]]
         for start in range(0, len(runs), self.queue_depth):
             batch = runs[start : start + self.queue_depth]
             self._wait_for_room(state, len(batch))
             self._submit(state, batch)
         state.pushed.update(layers)
 
-    def _descs(self, state: _TargetState, runs: list[tuple[int, int]]) -> list[Any]:
-        make, src, dst, n = self._api.TransferOpDesc, self._src_addrs, state.dst_addrs, self._run_len
-        return [make(src[run], dst[run], n) for run in runs]
-
-    def _submit(self, state: _TargetState, runs: list[tuple[int, int]]) -> None:
-        descs = self._descs(state, runs)
+    def _submit(self, state: _TargetState, runs: list[tuple[int, Piece]]) -> None:
+        make = self._api.TransferOpDesc
+        descs = [make(src, dst, n) for _, (src, dst, n) in runs]
         layers = range(runs[0][0], runs[-1][0] + 1)
         deadline = time.monotonic() + self.timeout_s
         backoff = _Backoff()
@@ -241,7 +266,7 @@ class KVPusher:
         state.in_flight_runs += len(runs)
         self.stats.puts += len(runs)
         self.stats.requests += 1
-        self.stats.bytes += len(runs) * self._run_len
+        self.stats.bytes += sum(n for _, (_, _, n) in runs)
 
     def _wait_for_room(self, state: _TargetState, runs: int) -> None:
         if state.in_flight_runs + runs <= self.queue_depth:
