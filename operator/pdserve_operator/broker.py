@@ -253,5 +253,8 @@ class BrokerServer:
     def registered_counts(self, service_key: str) -> dict[Role, int]:
         return self.registry.registered_counts(service_key)
 
+    def kv_tokens_in_use(self, service_key: str) -> int:
+        return self.registry.kv_tokens_in_use(service_key)
+
     def set_draining(self, service_key: str, worker_id: str, draining: bool = True) -> bool:
         return self.registry.set_draining(service_key, worker_id=worker_id, draining=draining)

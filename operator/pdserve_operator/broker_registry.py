@@ -303,6 +303,12 @@ class Registry:
             counts[member.role] += 1
         return counts
 
+    def kv_tokens_in_use(self, service_key: str) -> int:
+        """KV tokens the service's decodes last reported in use (a layer-sharded group once,
+        by its leader): the operator's status."""
+        return sum(m.load.kv_tokens_used for m in self.members(service_key)
+                   if m.role is Role.DECODE and (m.info.group is None or m.info.group.member_index == 0))
+
     def services(self) -> list[str]:
         with self._lock:
             return sorted(self._services)

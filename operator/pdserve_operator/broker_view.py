@@ -42,6 +42,9 @@ class BrokerView(Protocol):
     def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
         """Mark a worker draining (no new requests) or active again; False when it is not registered."""
 
+    # Optional: `kv_tokens_in_use(service_key) -> int | None` (decode KV tokens reserved across the
+    # service); read through `kv_tokens_in_use` below, so a view without it reports unknown.
+
 
 class NullBrokerView:
     """No broker in this process: remember tokens (for tests and logs), know no counts."""
@@ -66,6 +69,9 @@ class NullBrokerView:
 
     def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
         return False
+
+    def kv_tokens_in_use(self, service_key: str) -> int | None:
+        return None
 
 
 class BrokerServerView:
@@ -95,6 +101,16 @@ class BrokerServerView:
 
     def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
         return self.server.registry.set_draining(service_key, worker_id=worker_id, draining=draining)
+
+    def kv_tokens_in_use(self, service_key: str) -> int | None:
+        fn = getattr(self.server, "kv_tokens_in_use", None)
+        return None if fn is None else fn(service_key)
+
+
+def kv_tokens_in_use(view: object, service_key: str) -> int | None:
+    """A view's KV tokens in use, None for a view (an older fake) that does not tell."""
+    fn = getattr(view, "kv_tokens_in_use", None)
+    return None if fn is None else fn(service_key)
 
 
 def load_broker(host: str, port: int, tls: Any = None) -> tuple[BrokerView, Any | None]:

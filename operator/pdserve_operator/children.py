@@ -246,10 +246,13 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
             env.append(val(E.API_KEYS_FILE, f"{E.API_KEYS_DIR}/{E.API_KEYS_KEY}"))
     if role == "prefill":
         env.append(val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk))
+        env.append(val(E.PREFIX_CACHE_TOKENS, spec.prefill.prefix_cache_tokens))
     if role == "decode":
         d = spec.decode
         env += [
             val(E.SLOTS, d.slots),
+            val(E.KV_BLOCK_TOKENS, d.kv_block_tokens),
+            val(E.KV_TOKENS, kv_tokens_per_group(spec)),
             val(E.READINESS_MODE, d.readiness),
             val(E.WARMUP, d.warmup),
             val(E.LAYER_SHARDS, d.layer_shards),
@@ -267,6 +270,15 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
         if e.name not in ours and not e.name.startswith("PDSERVE_")
     ]
     return env
+
+
+def kv_tokens_per_group(spec: s.PDInferenceServiceSpec) -> int:
+    """KV tokens one decode group holds: kvTokens, else slots x model.maxLength (also what a slot
+    pool holds)."""
+    d = spec.decode
+    if d.kv_block_tokens and d.kv_tokens is not None:
+        return d.kv_tokens
+    return d.slots * spec.model.max_length
 
 
 def _model_source_in_pod(source: str) -> str:

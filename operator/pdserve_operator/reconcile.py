@@ -42,7 +42,7 @@ from pdserve_operator.autoscale import Autoscaler
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator import status as st
-from pdserve_operator.broker_view import BrokerView
+from pdserve_operator.broker_view import BrokerView, kv_tokens_in_use
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 
 log = logging.getLogger("pdserve.operator.reconcile")
@@ -259,6 +259,7 @@ class Reconciler:
             decode_pods=decode_pods,
             registered=self.broker.registered_counts(key),
             slots_used=self.broker.slots_in_use(key),
+            kv_tokens_used=kv_tokens_in_use(self.broker, key),
             conflicts=tuple(conflicts),
             autoscaling=scaling,
         )

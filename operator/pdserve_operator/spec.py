@@ -252,6 +252,11 @@ class PrefillSpec(PodOverrides):
     layers_per_chunk: int = Field(
         4, ge=1, le=1024, description="Layers computed between two KV pushes (transfer of chunk k overlaps compute of k+1)."
     )
+    prefix_cache_tokens: int = Field(
+        0, ge=0, le=16_777_216,
+        description="Tokens of prompt-prefix KV each prefill pod keeps for reuse (blocks of 16 tokens, LRU): a prompt "
+        "whose beginning was seen computes only the rest. 0: no prefix cache.",
+    )
 
 
 class DecodeSpec(PodOverrides):
@@ -260,7 +265,22 @@ class DecodeSpec(PodOverrides):
     replicas: int = Field(
         1, ge=0, le=1024, description="Number of decode groups (the scale subresource; kubectl scale pdis/NAME)."
     )
-    slots: int = Field(8, ge=1, le=4096, description="Request slots in each decode group's KV pool.")
+    slots: int = Field(
+        8, ge=1, le=4096,
+        description="Concurrent requests per decode group. With kvBlockTokens 0 also its KV pool: slots of "
+        "model.maxLength tokens each.",
+    )
+    kv_block_tokens: int = Field(
+        16, ge=0, le=4096,
+        description="Tokens per KV block: a request reserves blocks for its prompt plus max_tokens, so capacity is "
+        "counted in tokens. 0: one model.maxLength slot per request. A layer-sharded group (layerShards > 1) keeps "
+        "slots.",
+    )
+    kv_tokens: int | None = Field(
+        None, ge=1, le=1 << 30,
+        description="KV pool size in tokens per decode group with blocks (default slots x model.maxLength: the "
+        "memory of the slots).",
+    )
     readiness: Literal["interrupt", "poll", "spin"] = Field(
         "interrupt",
         description="How decode waits for a slot's KV: interrupt (block on the notification), poll (every pollIntervalMicros), spin.",
@@ -750,6 +770,14 @@ class AutoscalingStatus(Model):
     summary: str = Field("", description="P:current[->desired] D:current[->desired], for printer columns.")
 
 
+class KVStatus(Model):
+    """KV capacity in tokens across the ready decode groups."""
+
+    used: int | None = Field(None, ge=0, description="KV tokens reserved by requests, when the broker reports it.")
+    total: int = Field(0, ge=0, description="KV tokens of all ready decode groups.")
+    summary: str = Field("0/0", description="used/total, for printer columns ('-' for unknown used).")
+
+
 class PDInferenceServiceStatus(Model):
     """Observed state, written by the operator only."""
 
@@ -760,6 +788,7 @@ class PDInferenceServiceStatus(Model):
     decode: DecodeStatus = Field(default_factory=DecodeStatus, description="Decode groups.")
     router: RoleStatus = Field(default_factory=RoleStatus, description="Router pods.")
     slots: SlotStatus = Field(default_factory=SlotStatus, description="KV slot usage.")
+    kv_tokens: KVStatus = Field(default_factory=KVStatus, description="KV token usage (blocks in use x block size).")
     endpoint: str = Field("", description="In-cluster URL of the OpenAI-compatible API.")
     autoscaling: AutoscalingStatus | None = Field(None, description="Autoscaling decisions (with spec.autoscaling).")
 

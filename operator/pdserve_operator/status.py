@@ -31,6 +31,7 @@ class Observed:
     decode_pods: tuple[tuple[int, bool], ...] | None = None
     registered: Mapping[str, int] | None = None  # from the broker; None when no broker runs
     slots_used: int | None = None
+    kv_tokens_used: int | None = None  # from the broker: the decodes' reported KV tokens in use
     conflicts: tuple[str, ...] = field(default=())  # children another controller owns
     autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale.py)
 
@@ -214,6 +215,8 @@ def compute(
     ]
     total = spec.decode.slots * decode_ready
     used = observed.slots_used
+    kv_total = ch.kv_tokens_per_group(spec) * decode_ready
+    kv_used = observed.kv_tokens_used
     return s.PDInferenceServiceStatus(
         phase=phase,
         observed_generation=generation,
@@ -226,6 +229,7 @@ def compute(
         ),
         router=s.RoleStatus(**role_status["router"]),
         slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),
+        kv_tokens=s.KVStatus(used=kv_used, total=kv_total, summary=_summary(kv_used, kv_total)),
         endpoint=ch.endpoint(owner, spec),
         autoscaling=observed.autoscaling,
     )

@@ -314,10 +314,12 @@ def prefill_first_token(
     params: SamplingParams,
     index: int = 0,
     layers_per_chunk: int | None = None,
+    start: int = 0,
 ) -> int:
     """Compute a prompt's KV into `slot` and draw its first token, as a prefill worker does
-    (`index`: the output index that token has, > 0 for a resumed request)."""
-    logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk)
+    (`index`: the output index that token has, > 0 for a resumed request; `start`: positions
+    already holding the prompt's KV, a cached prefix)."""
+    logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, start=start)
     return Sampler(params).sample(logits, index)
 
 

@@ -36,6 +36,7 @@ class RequestInfo:
     prefill: str | None = None  # id of the prefill instance that served the prompt
     decode: str | None = None  # id of the decode instance that generated the tokens
     retries: int = 0  # failed workers replaced while serving it (the request resumed elsewhere)
+    cached_tokens: int = 0  # prompt tokens whose KV the prefill took from its prefix cache
 
     def as_response_field(self) -> dict[str, object]:
         """The `pdserve` extension object of a response: JSON-ready, absent values left out."""
@@ -48,6 +49,8 @@ class RequestInfo:
             field["decode"] = self.decode
         if self.retries:
             field["retries"] = self.retries
+        if self.cached_tokens:
+            field["cached_tokens"] = self.cached_tokens
         return field
 
 

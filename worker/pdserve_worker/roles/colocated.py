@@ -4,6 +4,9 @@ The generation loop prefills a new prompt between decode steps, in the same thre
 a long prompt is prefilled every running request waits: this is the interference that PD
 disaggregation removes, and what `benchmarks/serve.py` measures it against.
 
+With `prefix_cache_tokens` > 0 the prefill reuses cached prompt prefixes as a prefill worker
+does (kv/prefix_store.py), and the first event reports the cached tokens.
+
 Slots are owned as on a decode: a `SlotTable` grants one per request and takes it back when
 the loop says the request left the batch. Requests beyond the free slots wait for one here,
 in arrival order (no 429).
@@ -15,6 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from pdserve_worker.kv.prefix_store import PrefixStore
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import LoadedModel
@@ -30,7 +34,8 @@ _HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): it
 class ColocatedBackend(ModelTokenizing):
     """`roles.backend.Backend` over a Generator on its own scheduler thread."""
 
-    def __init__(self, loaded: LoadedModel, *, slots: int, max_len: int, model_name: str | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, *, slots: int, max_len: int, model_name: str | None = None,
+                 prefix_cache_tokens: int = 0, prefix_block_tokens: int = 16, revision: str = "") -> None:
         self.model_name = model_name or loaded.name
         self.max_model_len = max_len
         self._tokenizer = loaded.tokenizer
@@ -38,9 +43,24 @@ class ColocatedBackend(ModelTokenizing):
         cache = colocated_cache(model, slots, max_len)
         self.slots = SlotTable(cache.layout, quarantine_s=0.0)
         self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
+        self.prefix: PrefixStore | None = None
+        if prefix_cache_tokens:
+            self.prefix = PrefixStore(cache.layout, max(1, prefix_cache_tokens // prefix_block_tokens),
+                                      prefix_block_tokens, revision or loaded.name, device=model.device)
+        self._cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
+        store = self.prefix
 
         def prefill(prompt: list[int], slot: int, params: SamplingParams) -> int:
-            return prefill_first_token(model, cache, slot, prompt, params)
+            if store is None:
+                return prefill_first_token(model, cache, slot, prompt, params)
+            use = store.begin(prompt, cache, slot)
+            try:
+                first = prefill_first_token(model, cache, slot, prompt, params, start=use.cached_tokens)
+                store.finish(use, cache, slot)
+            finally:
+                store.end(use)
+            self._cached[slot] = use.cached_tokens
+            return first
 
         self.loop = GenerationLoop(Generator(model, loaded.tokenizer, cache), prefill=prefill, name="colocated-loop")
 
@@ -80,7 +100,11 @@ class ColocatedBackend(ModelTokenizing):
                 if out.token_id is None or out.finish_reason is FinishReason.ABORT:  # aborted inside the loop
                     raise BackendError(f"request {request_id} was aborted: {out.finish_reason}")
                 finished = out.finished  # before the yield: the router closes us once it has the last event
-                yield TokenEvent(out.token_id, out.text, out.finish_reason, _COLOCATED if first else None)
+                info = None
+                if first:
+                    cached = self._cached.pop(grant.slot, 0)
+                    info = RequestInfo(disaggregated=False, kv_bytes=0, cached_tokens=cached) if cached else _COLOCATED
+                yield TokenEvent(out.token_id, out.text, out.finish_reason, info)
                 first = False
                 if finished:
                     return

@@ -237,12 +237,15 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefill's prefix cache
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, object]:
+        """OpenAI's usage object; `prompt_tokens_details.cached_tokens` as OpenAI reports prompt caching."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

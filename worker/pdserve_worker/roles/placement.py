@@ -46,12 +46,17 @@ def rank_decodes(members: Iterable[Member], inflight: Mapping[str, int], revisio
     return sorted(candidates, key=key)
 
 
+def estimated_queue(member: Member, inflight: int) -> int:
+    """Requests queued at a prefill: the larger of its last report and this router's own count."""
+    return max(member.load.active_requests, inflight)
+
+
 def rank_prefills(members: Iterable[Member], inflight: Mapping[str, int], revision: str) -> list[Member]:
     """Candidate prefills, best first: shortest estimated queue, then fewest of ours, then by id."""
     candidates = [m for m in members if compatible(m, Role.PREFILL, revision)]
 
     def key(m: Member) -> tuple[int, int, str]:
         mine = inflight.get(m.worker_id, 0)
-        return (max(m.load.active_requests, mine), mine, m.worker_id)
+        return (estimated_queue(m, mine), mine, m.worker_id)
 
     return sorted(candidates, key=key)

@@ -16,6 +16,12 @@ fails, or that is cancelled, ends alone; the others go on. Passes run one after 
 one compute thread (they are compute bound, running two at once would only split the cores),
 while the gRPC event loop stays free to accept and queue requests.
 
+With a prefix cache (`prefix_cache_tokens` > 0, kv/prefix_store.py), each prompt first takes
+the longest cached prefix of its whole blocks into its scratch slot and the pass computes only
+the rest (`start=`); the push still sends the prompt's whole KV. After the pass, the prompts'
+new whole blocks are copied out and published; every pinned block is unpinned on every path.
+The reply says how many prompt tokens came from the cache (`cached_tokens`).
+
 A router that abandons a request (its client left) sends `Cancel`: a queued prefill never
 starts, a running one stops before its next layer chunk and waits for the puts it issued.
 The failed Prefill then says in its trailing metadata (`rpc/trailers.py`) whether its push is
@@ -43,6 +49,7 @@ from pydantic import ValidationError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
+from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.logs import kv
 from pdserve_worker.model.loader import LoadedModel
@@ -107,6 +114,7 @@ class PrefillResult:
     kv_bytes: int
     push_seconds: float
     prefill_seconds: float
+    cached_tokens: int = 0
 
 
 class PrefillWorker:
@@ -120,6 +128,13 @@ class PrefillWorker:
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = KVCache(layout, self.pool.tensor)
         self.source = PushSource(self.pool.base_addr, layout, slot=0)
+        self.prefix: PrefixStore | None = None
+        if settings.prefix_cache_tokens:
+            bt = settings.prefix_block_tokens
+            self.prefix = PrefixStore(layout, max(1, settings.prefix_cache_tokens // bt), bt, revision,
+                                      device=settings.device)
+            log.info(kv(event="prefix_cache", blocks=self.prefix.cache.num_blocks, block_tokens=bt,
+                        bytes=self.prefix.nbytes))
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
         self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
@@ -269,17 +284,29 @@ class PrefillWorker:
                 raise _AllEnded
 
         model = self.loaded.model
+        uses: dict[int, PrefixUse] = {}
         try:
-            if len(live) == 1:
-                slot, job = live[0]
-                logits = model.prefill(job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk)[None]
-            else:
-                logits = model.prefill_batch([j.prompt for _, j in live], self.cache, [slot for slot, _ in live],
-                                             s.layers_per_chunk, on_chunk=on_chunk)
-        except _AllEnded:
-            return
+            if self.prefix is not None:
+                for slot, job in live:
+                    uses[slot] = self.prefix.begin(job.prompt, self.cache, slot)
+            starts = [uses[slot].cached_tokens if uses else 0 for slot, _ in live]
+            try:
+                if len(live) == 1:
+                    slot, job = live[0]
+                    logits = model.prefill(job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk,
+                                           start=starts[0])[None]
+                else:
+                    logits = model.prefill_batch([j.prompt for _, j in live], self.cache, [slot for slot, _ in live],
+                                                 s.layers_per_chunk, on_chunk=on_chunk, starts=starts)
+            except _AllEnded:
+                return
+            for slot, use in uses.items():  # the pass ran through: every prompt's KV is whole
+                self.prefix.finish(use, self.cache, slot)
+        finally:
+            for use in uses.values():
+                self.prefix.end(use)
         computed = time.perf_counter()
-        for row, (_, job) in enumerate(live):
+        for row, (slot, job) in enumerate(live):
             if job.settled:
                 continue
             try:
@@ -298,10 +325,13 @@ class PrefillWorker:
             done = time.perf_counter()
             self.served += 1
             self.metrics.observe_prefilled(len(job.prompt), stats.bytes, stats.seconds, done - job.accepted)
-            log.info(kv(event="prefill_done", request=job.request_id, tokens=len(job.prompt), targets=len(job.targets),
-                        batch=len(live), kv_bytes=stats.bytes, queued_ms=round((started - job.accepted) * 1000, 1),
+            cached = uses[slot].cached_tokens if uses else 0
+            log.info(kv(event="prefill_done", request=job.request_id, tokens=len(job.prompt), cached=cached,
+                        targets=len(job.targets), batch=len(live), kv_bytes=stats.bytes,
+                        queued_ms=round((started - job.accepted) * 1000, 1),
                         compute_ms=round((computed - started) * 1000, 1), push_ms=round(stats.seconds * 1000, 1)))
-            self._resolve(job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted))
+            self._resolve(job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted,
+                                             cached))
 
     def _fail(self, job: _Job, exc: BaseException, settled: bool) -> None:
         self._resolve(job, _mark(exc, settled))
@@ -375,6 +405,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             kv_bytes=result.kv_bytes,
             push_seconds=result.push_seconds,
             prefill_seconds=result.prefill_seconds,
+            cached_tokens=result.cached_tokens,
         )
 
     async def Cancel(self, request: worker_pb2.CancelPrefillRequest,

@@ -406,7 +406,8 @@ class _Router:
         return gen.info.as_response_field()
 
     def _usage(self, gen: Generation) -> Usage:
-        return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens)
+        cached = gen.info.cached_tokens if gen.info is not None else 0
+        return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens, cached_tokens=cached)
 
     def _fail(self, exc: BaseException, ledger: _Ledger) -> ApiError:
         """Account a failed request and return the error to answer with; the details (worker

@@ -86,6 +86,16 @@ class RouterMetrics:
         )
         self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "Tokens generated.", registry=r)
+        self.prompt_cached_tokens = Counter(
+            f"{_PREFIX}_prompt_cached_tokens",
+            "Prompt tokens of answered requests whose KV came from a prefill's prefix cache "
+            "(the hit rate is this over prompt_tokens).", registry=r,
+        )
+        self.prefix_routed = Counter(
+            f"{_PREFIX}_prefix_routed",
+            "Prefill choices by reason: prefix (the prefill predicted to hold the longest prefix of the "
+            "prompt), least_loaded (no match worth its load).", ["reason"], registry=r,
+        )
         self.requests_completed = Counter(
             f"{_PREFIX}_requests_completed",
             "Requests answered in full, by how they were served (disaggregated or colocated).",
@@ -139,6 +149,12 @@ class RouterMetrics:
         self.decode_slots_free = Gauge(
             f"{_PREFIX}_decode_slots_free", "KV slots free per decode instance.", ["decode"], registry=r
         )
+        self.decode_kv_tokens_used = Gauge(
+            f"{_PREFIX}_decode_kv_tokens_used", "KV tokens in use per decode instance.", ["decode"], registry=r
+        )
+        self.decode_kv_tokens_total = Gauge(
+            f"{_PREFIX}_decode_kv_tokens_total", "KV tokens per decode instance.", ["decode"], registry=r
+        )
 
     # --- what the router calls -------------------------------------------------------------
 
@@ -148,6 +164,8 @@ class RouterMetrics:
         self.e2e_latency.observe(timing.e2e_s)
         disaggregated = info is not None and info.disaggregated
         self.requests_completed.labels(mode="disaggregated" if disaggregated else "colocated").inc()
+        if info is not None and info.cached_tokens:
+            self.prompt_cached_tokens.inc(info.cached_tokens)
         if info is not None and info.disaggregated:
             self.kv_transfer_bytes.observe(info.kv_bytes)
             if info.kv_transfer_s is not None:
@@ -198,14 +216,22 @@ class RouterMetrics:
 
     # --- what the backend calls ------------------------------------------------------------
 
-    def set_decode_slots(self, decode: str, used: int, free: int) -> None:
-        """Publish one decode instance's slot usage (called when the backend learns it)."""
+    def set_decode_slots(self, decode: str, used: int, free: int, kv_tokens_used: int = 0,
+                         kv_tokens_total: int = 0) -> None:
+        """Publish one decode instance's slot and KV-token usage (called when the backend learns it)."""
         self.decode_slots_used.labels(decode=decode).set(used)
         self.decode_slots_free.labels(decode=decode).set(free)
+        if kv_tokens_total:
+            self.decode_kv_tokens_used.labels(decode=decode).set(kv_tokens_used)
+            self.decode_kv_tokens_total.labels(decode=decode).set(kv_tokens_total)
+
+    def observe_prefill_choice(self, reason: str) -> None:
+        self.prefix_routed.labels(reason=reason).inc()
 
     def forget_decode(self, decode: str) -> None:
         """Drop a decode instance that left the membership, so its gauges do not linger."""
-        for gauge in (self.decode_slots_used, self.decode_slots_free):
+        for gauge in (self.decode_slots_used, self.decode_slots_free, self.decode_kv_tokens_used,
+                      self.decode_kv_tokens_total):
             try:
                 gauge.remove(decode)
             except KeyError:

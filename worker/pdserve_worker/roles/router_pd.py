@@ -51,7 +51,9 @@ from pdserve_worker.roles.backend import (
     TokenEvent,
     capacity_held,
 )
-from pdserve_worker.roles.placement import compatible, rank_decodes, rank_prefills
+from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt
+from pdserve_worker.roles.placement import compatible, estimated_queue, rank_decodes, rank_prefills
+from pdserve_worker.roles.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.roles.router_metrics import RouterMetrics
 from pdserve_worker.roles.tokenizing import ModelTokenizing
 from pdserve_worker.rpc.auth import TLSConfig
@@ -63,6 +65,7 @@ from pdserve_worker.rpc.membership import EventType, Member, MemberEvent, Role
 log = logging.getLogger("pdserve.router.pd")
 
 NO_CAPACITY_RETRY_S = 1.0
+PREFIX_HISTORY_BLOCKS = 16_384  # per prefill: 262,144 tokens of 16-token blocks (about 1 MB of hashes)
 CLOSE_WAIT_S = 2.0
 
 
@@ -98,6 +101,9 @@ class PDBackend(ModelTokenizing):
         metrics: RouterMetrics | None = None,
         timeouts: Timeouts = Timeouts(),
         tls: TLSConfig | None = None,
+        prefix_history_blocks: int = PREFIX_HISTORY_BLOCKS,
+        prefix_block_tokens: int = 16,
+        balance: BalanceBound = BalanceBound(),
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -115,6 +121,13 @@ class PDBackend(ModelTokenizing):
         self._background: set[asyncio.Task[None]] = set()
         # Set when a decode is found lost (left the membership and does not answer): its streams end.
         self._lost: dict[str, asyncio.Event] = {}
+        # Prefix-aware prefill choice from this router's own routing history (0 blocks: off).
+        self._prefixes = PrefixHistory(prefix_history_blocks) if prefix_history_blocks else None
+        self._recent = RecentShare()
+        self._balance = balance
+        self._prefix_block_tokens = prefix_block_tokens
+        # Only this router's own predictions use these hashes: the revision keeps two models apart.
+        self._prefix_salt = cache_salt(revision, "router-prediction", prefix_block_tokens)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -165,6 +178,8 @@ class PDBackend(ModelTokenizing):
         if member is None:
             return
         if event.type is EventType.REMOVED:
+            if member.role is Role.PREFILL and self._prefixes is not None:
+                self._prefixes.forget(member.worker_id)  # a prefill that comes back holds nothing
             if member.role is Role.DECODE and self._metrics is not None:
                 self._metrics.forget_decode(member.worker_id)
             if member.role is Role.DECODE and self._inflight_decode[member.worker_id] > 0:
@@ -175,7 +190,8 @@ class PDBackend(ModelTokenizing):
             return
         if member.role is Role.DECODE and self._metrics is not None:
             used = member.load.slots_used
-            self._metrics.set_decode_slots(member.worker_id, used, max(member.info.slots_total - used, 0))
+            self._metrics.set_decode_slots(member.worker_id, used, max(member.info.slots_total - used, 0),
+                                           member.load.kv_tokens_used, member.load.kv_tokens_total)
         if member.info.revision != self.revision:
             log.warning(kv(event="member_revision_mismatch", worker=member.worker_id, role=member.role,
                            revision=member.info.revision, ours=self.revision))
@@ -255,7 +271,7 @@ class PDBackend(ModelTokenizing):
         """
         tokens = prompt_ids + emitted
         sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
-        prefill = self._pick_prefill(avoid)
+        prefill = self._pick_prefill(avoid, tokens)
         decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
         call = None
         prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
@@ -291,7 +307,7 @@ class PDBackend(ModelTokenizing):
                     # The prefill's reply has the push's figures; at the latest the last token waits for it.
                     reply = await self._prefill_reply(prefill_call, prefill.worker_id)
                     info = attach = RequestInfo(True, reply.kv_bytes, reply.push_seconds, prefill.worker_id,
-                                                decode.worker_id, retries)
+                                                decode.worker_id, retries, reply.cached_tokens)
                 elif info is None and event.index == len(emitted):
                     attach = RequestInfo(event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id,
                                          decode.worker_id, retries)
@@ -354,11 +370,25 @@ class PDBackend(ModelTokenizing):
 
     # ---- choosing members ----------------------------------------------------------------------------
 
-    def _pick_prefill(self, avoid: set[str]) -> Member:
+    def _pick_prefill(self, avoid: set[str], tokens: list[int]) -> Member:
+        """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
+        (roles/prefix_routing.py), else the shortest queue; remembered as holding it now."""
         ranked = _excluding(rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision), avoid)
         if not ranked:
             raise BackendUnavailable(f"no prefill worker of model revision {self.revision} is registered")
-        return ranked[0]
+        if self._prefixes is None:
+            return ranked[0]
+        by_id = {m.worker_id: m for m in ranked}
+        ids = list(by_id)
+        hashes = block_hashes(tokens, self._prefix_block_tokens, self._prefix_salt)
+        queues = {m.worker_id: estimated_queue(m, self._inflight_prefill[m.worker_id]) for m in ranked}
+        choice = choose_prefill(ids, queues, self._prefixes.matches(ids, hashes), self._recent.counts(),
+                                self._balance)
+        self._prefixes.record(choice.worker_id, hashes)
+        self._recent.record(choice.worker_id)
+        if self._metrics is not None:
+            self._metrics.observe_prefill_choice(choice.reason)
+        return by_id[choice.worker_id]
 
     async def _reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                        avoid: set[str]) -> tuple[Member, worker_pb2.Grant]:

@@ -402,7 +402,9 @@ async def _run_colocated(settings: WorkerSettings) -> None:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)
     backend = ColocatedBackend(loaded, slots=settings.slots, max_len=max_len,
-                               model_name=served_name(settings, folder))
+                               model_name=served_name(settings, folder),
+                               prefix_cache_tokens=settings.prefix_cache_tokens,
+                               prefix_block_tokens=settings.prefix_block_tokens)
     backend.start()
     try:
         await _serve_api(settings, backend, RouterMetrics(), state, stop)

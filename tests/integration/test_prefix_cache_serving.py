@@ -1,0 +1,74 @@
+"""The prefix cache end to end: `pdserve local` with `--prefix-cache-tokens`, PD, colocated and a
+layer-sharded decode group. Multi-turn prompts sharing a system prompt are answered exactly as
+colocated generation without any cache answers them (greedy), and repeats report
+`usage.prompt_tokens_details.cached_tokens` (issue #16's acceptance)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from local_run import LocalRun, pid_alive
+
+pytestmark = pytest.mark.slow
+
+MAX_LEN = 256
+SYSTEM = ("You are a careful assistant for a platform team. Answer in one short sentence, plainly, "
+          "and never invent facts you were not given.")
+TURNS = [" Q: What is a KV cache? A:", " Q: What is a KV cache? A: It stores keys. Q: And values? A:",
+         " Q: Name a colour. A:"]
+MODES = {
+    "pd": ("--prefill", "1", "--decode", "1"),
+    "colocated": ("--colocated",),
+    "pd-layer-shards-2": ("--prefill", "1", "--decode", "1", "--layer-shards", "2"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Colocated generation in this process without a prefix cache: what every answer must equal."""
+    from pdserve_worker.model.generate import generate
+    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.sampling_params import SamplingParams
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+
+    def complete(prompt: str, max_tokens: int) -> str:
+        ids = loaded.tokenizer.encode(prompt)
+        [done] = generate(loaded.model, loaded.tokenizer, [ids], SamplingParams(max_tokens=max_tokens, temperature=0),
+                          max_len=MAX_LEN)
+        return done.text
+
+    complete.encode = loaded.tokenizer.encode
+    return complete
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def local(request, tiny_model_dir, tmp_path_factory):
+    run = LocalRun.start(
+        tmp_path_factory.mktemp(f"prefix-{request.param}"),
+        "--model", str(tiny_model_dir), "--dtype", "float32", *MODES[request.param], "--slots", "4",
+        "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0", "--threads", "1",
+        "--prefix-cache-tokens", "2048",
+    )
+    yield run
+    pids = [c["pid"] for c in run.manifest["children"]]
+    code = run.stop()
+    assert code == 0, run.stderr_path.read_text()
+    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+
+
+def test_greedy_answers_with_the_prefix_cache_equal_those_without(local, reference):
+    client = openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    system_blocks = len(reference.encode(SYSTEM)) // 16 * 16
+    cached = []
+    for round_ in range(2):  # the second round finds every prompt cached but its tail
+        for turn in TURNS:
+            prompt = SYSTEM + turn
+            answer = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+            assert answer.choices[0].text == reference(prompt, 16), (round_, turn)
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+            assert 0 <= cached[-1] < answer.usage.prompt_tokens and cached[-1] % 16 == 0
+    assert cached[0] == 0  # nothing was cached before the first request
+    assert all(c >= system_blocks - 16 for c in cached[1:]), cached  # the system prompt's blocks, at least
+    assert cached[len(TURNS) + 1] > cached[1]  # a repeated long turn reuses more than the system prompt
