@@ -33,8 +33,17 @@ answered 429 with Retry-After, and the client sleeps that long and tries again, 
 client does. Goodput = requests that met their class's SLO (TTFT, measured from the first
 send, retries included) per second of the trace.
 
+Multi-turn trace (`--multiturn`, issue #16): conversations that share one 1,500-token
+system prompt, each turn extending the conversation before it (its question and the answer it
+got), served by 1 prefill + 1 decode with the prefill's prefix cache off and on; TTFT p50 of
+the requests whose prefix was seen before (every request but the first), cache on ÷ off.
+Then 2 prefills + 1 decode, prefix cache on, 4 distinct system prompts interleaved: the share
+of repeat requests (system prompt seen before) that land on a prefill that served it before,
+and the busiest prefill's requests ÷ the least busy's.
+
 Usage: python benchmarks/serve.py [--requests 32] [--rate 0.5] [--configs pd1,pd2,pd1s2,colocated]
        python benchmarks/serve.py --mixed [--duration 40]
+       python benchmarks/serve.py --multiturn [--conversations 4 --turns 3]
 """
 
 from __future__ import annotations
@@ -63,6 +72,10 @@ CONFIGS = {
     # 1 prefill + one decode group of 2 layer-sharded processes: as many model processes as pd2.
     "pd1s2": dict(prefill=1, decode=1, layer_shards=2),
     "colocated": dict(colocated=True),
+    # The multi-turn trace: the prefill's prefix cache off and on; 2 prefills for prefix routing.
+    "pd1-nocache": dict(prefill=1, decode=1, prefix_cache_tokens=0),
+    "pd1-cache": dict(prefill=1, decode=1, prefix_cache_tokens=16_384),
+    "pd2p-cache": dict(prefill=2, decode=1, prefix_cache_tokens=16_384),
 }
 WORDS = ("the model reads a prompt and writes an answer one token at a time while the cache of keys and values "
          "grows with every step of the decoder on the machine in the cluster of servers").split()
@@ -73,6 +86,8 @@ class Request:
     at: float  # seconds after the start of the trace
     prompt: str
     prompt_tokens: int
+    group: int = 0  # multi-turn: which system prompt
+    seen: bool = False  # multi-turn: an earlier request of the trace shares its system prompt
 
 
 @dataclass
@@ -83,6 +98,8 @@ class Result:
     completion_tokens: int = 0
     error: str | None = None
     retries: int = 0  # 429s the client slept on and retried
+    cached_tokens: int = 0
+    prefill: str | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -137,6 +154,10 @@ async def one(http: httpx.AsyncClient, url: str, model: str, request: Request, o
                     chunk = json.loads(line[5:])
                     if chunk.get("usage"):
                         result.completion_tokens = chunk["usage"]["completion_tokens"]
+                        result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get(
+                            "cached_tokens", 0)
+                    if chunk.get("pdserve"):
+                        result.prefill = chunk["pdserve"].get("prefill") or result.prefill
                     if any(c.get("text") for c in chunk.get("choices") or []):
                         result.token_times.append(time.monotonic())
             return result
@@ -180,6 +201,10 @@ def summarize(name: str, results: list[Result], wall_s: float) -> dict[str, floa
 
 
 def run_config(name: str, args: argparse.Namespace, trace: list[Request]) -> dict[str, float]:
+    return summarize(name, *run_trace(name, args, trace))
+
+
+def run_trace(name: str, args: argparse.Namespace, trace: list[Request]) -> tuple[list[Result], float]:
     plan = LocalPlan(port=0, dtype=args.dtype, slots=args.slots, max_len=args.max_len, threads=args.threads,
                      **CONFIGS[name])
     print(f"[{name}] starting ...", file=sys.stderr, flush=True)
@@ -189,7 +214,75 @@ def run_config(name: str, args: argparse.Namespace, trace: list[Request]) -> dic
     for r in results:
         if r.error:
             print(f"[{name}] request failed: {r.error}", file=sys.stderr)
-    return summarize(name, results, wall)
+    return results, wall
+
+
+def words(rng: random.Random, tokenizer, count: int) -> str:
+    ids = tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(count)))[:count]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def make_multiturn_trace(tokenizer, seed: int, systems: int, conversations: int, turns: int, rate: float,
+                         system_tokens: int = 1500) -> list[Request]:
+    """`conversations` conversations over `systems` system prompts of `system_tokens` tokens
+    (assigned in turn, so systems interleave), each of `turns` turns; turn k's prompt is turn
+    k-1's prompt, a stand-in for its answer and a new question (it extends the one before).
+    Turns arrive in rounds (every conversation's turn 1, then every turn 2, ...), conversations
+    shuffled within a round, Poisson gaps."""
+    rng = random.Random(seed)
+    heads = [f"System {g}: " + words(rng, tokenizer, system_tokens) for g in range(systems)]
+    convs = [heads[c % systems] for c in range(conversations)]
+    at, trace, seen = 0.0, [], set()
+    for _ in range(turns):
+        order = list(range(conversations))
+        rng.shuffle(order)
+        for c in order:
+            convs[c] += " Answer: " + words(rng, tokenizer, 24) + " Question: " + words(rng, tokenizer, 40)
+            at += rng.expovariate(rate)
+            group = c % systems
+            trace.append(Request(at, convs[c], len(tokenizer.encode(convs[c])), group, group in seen))
+            seen.add(group)
+    return trace
+
+
+def multiturn(args: argparse.Namespace, tokenizer) -> int:
+    one = make_multiturn_trace(tokenizer, args.seed, 1, args.conversations, args.turns, args.rate)
+    lengths = [r.prompt_tokens for r in one]
+    print(f"multi-turn: {len(one)} requests, 1 system prompt of 1,500 tokens, {args.conversations} conversations x "
+          f"{args.turns} turns, prompts {min(lengths)}-{max(lengths)} tokens, {args.output_tokens} output tokens")
+    off, off_wall = run_trace("pd1-nocache", args, one)
+    on, on_wall = run_trace("pd1-cache", args, one)
+    failed = sum(r.error is not None for r in off + on)
+    ttft_off = pct([r.ttft for r in off if r.request.seen and r.ttft is not None], 50)
+    ttft_on = pct([r.ttft for r in on if r.request.seen and r.ttft is not None], 50)
+    cached = sum(r.cached_tokens for r in on) / max(1, sum(r.request.prompt_tokens for r in on))
+    for name, rows, wall in (("cache off", off, off_wall), ("cache on", on, on_wall)):
+        row = summarize(name, rows, wall)
+        print(f"  {name:<9} TTFT p50 (prefix seen) {pct([r.ttft for r in rows if r.request.seen and r.ttft], 50):.2f}s "
+              f"TTFT p50 all {row['ttft_p50']:.2f}s  TPOT p50 {row['tpot_p50'] * 1e3:.1f}ms")
+    print(f"  TTFT p50 of repeat-prefix requests, cache on / off: {ttft_on / ttft_off:.2f} (target <= 0.3); "
+          f"prompt tokens from the cache: {cached:.0%}")
+
+    four = make_multiturn_trace(tokenizer, args.seed + 1, 4, max(8, args.conversations * 2), args.turns, args.rate)
+    routed, _ = run_trace("pd2p-cache", args, four)
+    failed += sum(r.error is not None for r in routed)
+    holders: dict[int, set[str]] = {}
+    hits = repeats = 0
+    served: dict[str, int] = {}
+    for r in routed:  # in arrival order: the trace is ordered
+        if r.prefill is None:
+            continue
+        served[r.prefill] = served.get(r.prefill, 0) + 1
+        if r.request.seen:
+            repeats += 1
+            hits += r.prefill in holders.get(r.request.group, set())
+        holders.setdefault(r.request.group, set()).add(r.prefill)
+    counts = sorted(served.values())
+    balance = counts[-1] / counts[0] if len(counts) > 1 and counts[0] else float("inf")
+    print(f"  2 prefills, 4 system prompts, {len(four)} requests: repeat requests on a prefill holding their "
+          f"prefix {hits}/{repeats} = {hits / max(1, repeats):.0%} (target >= 90%); requests per prefill "
+          f"{served} (busiest / least busy {balance:.2f}, target <= 2)")
+    return 1 if failed else 0
 
 
 # ---- mixed trace: admission queue against 429 + retries --------------------------------------------
@@ -325,6 +418,9 @@ def main() -> int:
     mixed.add_argument("--batch-prompt", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"),
                        help="prompt tokens of batch requests")
     mixed.add_argument("--batch-slo", type=float, default=60.0, help="TTFT SLO of batch requests, s")
+    parser.add_argument("--multiturn", action="store_true", help="the multi-turn trace: the prefix cache and prefix routing")
+    parser.add_argument("--conversations", type=int, default=4, help="multiturn: conversations per system prompt run")
+    parser.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
     args = parser.parse_args()
     if args.mixed:
         if args.configs == parser.get_default("configs"):
@@ -345,6 +441,10 @@ def main() -> int:
     tokenizer = Tokenizer.from_dir(folder)
     if args.mixed:
         return main_mixed(args, tokenizer, model)
+    if args.multiturn:
+        print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, "
+              f"{len(os.sched_getaffinity(0))} CPUs")
+        return multiturn(args, tokenizer)
     trace = make_trace(args.requests, args.rate, args.long_fraction, (32, 256), (1024, 2048), tokenizer, args.seed)
     lengths = [r.prompt_tokens for r in trace]
     cpus = len(os.sched_getaffinity(0))

@@ -310,6 +310,12 @@ class DecodeSpec(PodOverrides):
             holds=lambda d: d.poll_interval_micros is None or d.readiness == "poll",
             field="pollIntervalMicros",
         ),
+        Rule(
+            cel="!has(self.kvTokens) || self.kvBlockTokens > 0",
+            message="kvTokens is only meaningful with kvBlockTokens > 0 (max-length slots hold slots x maxLength)",
+            holds=lambda d: d.kv_tokens is None or d.kv_block_tokens > 0,
+            field="kvTokens",
+        ),
     )
 
 

@@ -116,3 +116,22 @@ def test_block_spans_cover_exactly_the_blocks_in_every_layer(blocks) -> None:
     got = covered.reshape(dst.num_layers, 2, dst.num_blocks, dst.bytes_per_block).all(axis=3)
     assert np.array_equal(got, want)
     assert covered.reshape(dst.num_layers, 2, dst.num_blocks, -1).any(axis=3).sum() == want.sum()
+
+
+def test_a_paged_kv_layout_is_its_blocks_and_has_no_slot_runs() -> None:
+    paged = KVLayout(num_slots=64, num_layers=3, max_len=2048, kv_heads=2, head_dim=2, dtype="float32",
+                     block_tokens=4, num_blocks=12)
+    assert paged.paged and paged.blocks == pool()
+    assert paged.shape == pool().shape and paged.total_bytes == pool().total_bytes
+    assert paged.kv_tokens == 48
+    for call in (lambda: paged.offset(0, 0, K), lambda: paged.token_run(0, 0, K, 1), lambda: paged.slot_span(0),
+                 lambda: paged.bytes_per_slot):
+        with pytest.raises(ValueError, match="paged KV pool"):
+            call()
+    slots = KVLayout(num_slots=8, num_layers=3, max_len=2048, kv_heads=2, head_dim=2)
+    assert not slots.paged and slots.kv_tokens == 8 * 2048
+    with pytest.raises(ValueError, match="no blocks"):
+        slots.blocks
+    with pytest.raises(ValueError, match="both be positive"):
+        KVLayout(num_slots=8, num_layers=3, max_len=64, kv_heads=2, head_dim=2, block_tokens=4)
+    assert KVLayout.from_dict(paged.to_dict()) == paged

@@ -221,3 +221,15 @@ def test_a_service_cannot_register_more_than_max_members(clock: FakeClock) -> No
     reg.register("ns/b", prefill("p2"))  # the cap is per service
     assert reg.deregister("ns/a", first.lease_id)
     reg.register("ns/a", prefill("p2"))  # room again once one left
+
+
+def test_kv_tokens_in_use_sums_the_decodes_last_reports(clock: FakeClock) -> None:
+    reg = Registry(ttl_s=10.0, clock=clock)
+    a = reg.register(SVC, decode("d0"))
+    b = reg.register(SVC, decode("d1"))
+    reg.register(SVC, prefill())
+    assert reg.kv_tokens_in_use(SVC) == 0
+    reg.keepalive(SVC, a.lease_id, Load(slots_used=2, slots_free=2, kv_tokens_used=736, kv_tokens_total=4096))
+    reg.keepalive(SVC, b.lease_id, Load(slots_used=1, slots_free=3, kv_tokens_used=368, kv_tokens_total=4096))
+    assert reg.kv_tokens_in_use(SVC) == 1104
+    assert reg.kv_tokens_in_use("ns/other") == 0

@@ -292,3 +292,24 @@ def test_tls_server_name_can_be_given() -> None:
     env = {e["name"]: e.get("value") for e in
            objs[("Deployment", "svc-prefill")]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PDSERVE_TLS_SERVER_NAME"] == "workers.example.internal"
+
+
+def test_kv_blocks_and_the_prefix_cache_reach_the_pods_and_kv_tokens_the_status() -> None:
+    objs = render({"model": {"maxLength": 1024}, "decode": {"slots": 32, "kvBlockTokens": 32, "kvTokens": 8192},
+                   "prefill": {"prefixCacheTokens": 4096}})
+    decode = pod_env.PodEnv.from_environ({k: v for k, v in env(objs[("StatefulSet", "svc-decode")]).items()
+                                          if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
+    assert (decode.slots, decode.kv_block_tokens, decode.kv_tokens) == (32, 32, 8192)
+    prefill = pod_env.PodEnv.from_environ({k: v for k, v in env(objs[("Deployment", "svc-prefill")]).items()
+                                           if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
+    assert prefill.prefix_cache_tokens == 4096
+    # Unset kvTokens: the memory of the slots; status counts it per ready group.
+    spec = s.parse_spec({"model": {"maxLength": 1024}, "decode": {"replicas": 2, "slots": 4}})
+    assert ch.kv_tokens_per_group(spec) == 4 * 1024
+    status = compute(st.Observed(prefill=workload(1), decode=workload(2), router=workload(1), kv_tokens_used=1500),
+                     spec=spec)
+    assert (status.kv_tokens.used, status.kv_tokens.total, status.kv_tokens.summary) == (1500, 8192, "1500/8192")
+    unknown = compute(st.Observed(prefill=workload(1), decode=workload(2), router=workload(1)), spec=spec)
+    assert unknown.kv_tokens.summary == "-/8192"
+    with pytest.raises(ValueError, match="kvTokens is only meaningful"):
+        s.parse_spec({"decode": {"kvBlockTokens": 0, "kvTokens": 4096}})

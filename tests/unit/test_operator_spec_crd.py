@@ -138,6 +138,7 @@ def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, svc: dict, whole
         ({"model": {"source": "builtin:llama9000"}}, "unknown built-in model"),
         ({"device": {"type": "cuda"}}, "spec.device: resourceName is required"),
         ({"decode": {"pollIntervalMicros": 10}}, "pollIntervalMicros is only meaningful"),
+        ({"decode": {"kvBlockTokens": 0, "kvTokens": 4096}}, "kvTokens is only meaningful"),
         ({"prefill": {"resources": {"limits": {"cpu": "two"}}}}, "not a Kubernetes quantity"),
         ({"decode": {"bogus": 1}}, "spec.decode.bogus"),
     ],
