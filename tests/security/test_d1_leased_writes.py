@@ -59,8 +59,9 @@ def test_an_insider_cannot_write_outside_leases_nor_read(decode_peer) -> None:
 
 
 def test_the_real_decode_leases_only_reserved_slots(local) -> None:
-    """The same against a decode worker of `pdserve local`: its pool is writable only where
-    a Reserve answer pointed, and only until that request's KV arrived."""
+    """The same against a decode worker of `pdserve local` (a paged pool: the grant's blocks):
+    its pool is writable only where a Reserve answer pointed, and only until that request's KV
+    arrived."""
     auth = (("authorization", f"Bearer {local.token}"),)
     with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:
         decode = worker_pb2_grpc.DecodeStub(channel)
@@ -75,11 +76,17 @@ def test_the_real_decode_leases_only_reserved_slots(local) -> None:
         try:
             assert insider.engine.register_mem(api.MemDesc(local_addr, 256), api.MEM_HOST)[0] == api.SUCCESS
             insider.ensure_connected(grant.engine_id, 2000)
-            slot_bytes = grant.kv_layout.num_layers * 2 * grant.kv_layout.max_len * grant.kv_layout.kv_heads * \
-                grant.kv_layout.head_dim * 4
-            other = (grant.slot + 1) % grant.kv_layout.num_slots
-            own = grant.base_addr + grant.slot * slot_bytes
-            elsewhere = grant.base_addr + other * slot_bytes
+            layout = grant.kv_layout
+            if layout.block_tokens:  # a paged pool (the default): the grant's own first block, and another
+                block_bytes = layout.block_tokens * layout.kv_heads * layout.head_dim * 4
+                other = next(b for b in range(layout.num_blocks) if b not in grant.blocks)
+                own = grant.base_addr + grant.blocks[0] * block_bytes  # layer 0, K
+                elsewhere = grant.base_addr + other * block_bytes
+            else:
+                slot_bytes = layout.num_layers * 2 * layout.max_len * layout.kv_heads * layout.head_dim * 4
+                other = (grant.slot + 1) % layout.num_slots
+                own = grant.base_addr + grant.slot * slot_bytes
+                elsewhere = grant.base_addr + other * slot_bytes
             write = api.TransferOp.WRITE
             assert insider.engine.transfer_sync(grant.engine_id, write, [api.TransferOpDesc(local_addr, elsewhere, 256)],
                                                 2000) == api.PARAM_INVALID
