@@ -43,7 +43,7 @@ and the busiest prefill's requests ÷ the least busy's.
 
 Usage: python benchmarks/serve.py [--requests 32] [--rate 0.5] [--configs pd1,pd2,pd1s2,colocated]
        python benchmarks/serve.py --mixed [--duration 40]
-       python benchmarks/serve.py --multiturn [--conversations 4 --turns 3]
+       python benchmarks/serve.py --multiturn [--conversations 4 --turns 3] [--sequential]
 """
 
 from __future__ import annotations
@@ -166,14 +166,20 @@ async def one(http: httpx.AsyncClient, url: str, model: str, request: Request, o
             return result
 
 
-async def drive(url: str, trace: list[Request], output_tokens: int) -> tuple[list[Result], float]:
+async def drive(url: str, trace: list[Request], output_tokens: int,
+                sequential: bool = False) -> tuple[list[Result], float]:
+    """Replay `trace` at its arrival times, or (`sequential`) each request once the one before
+    it was answered: TTFT then holds no queueing, only the request's own prefill."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
         model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
         # One warm-up request: first-call costs (allocator, lazy imports) are not the load's.
         warm = Request(0.0, "hello there", 2)
         await one(http, url, model, warm, 4, time.monotonic())
         start = time.monotonic()
-        results = await asyncio.gather(*(one(http, url, model, r, output_tokens, start) for r in trace))
+        if sequential:
+            results = [await one(http, url, model, r, output_tokens, time.monotonic() - r.at) for r in trace]
+        else:
+            results = await asyncio.gather(*(one(http, url, model, r, output_tokens, start) for r in trace))
         return list(results), time.monotonic() - start
 
 
@@ -204,13 +210,14 @@ def run_config(name: str, args: argparse.Namespace, trace: list[Request]) -> dic
     return summarize(name, *run_trace(name, args, trace))
 
 
-def run_trace(name: str, args: argparse.Namespace, trace: list[Request]) -> tuple[list[Result], float]:
+def run_trace(name: str, args: argparse.Namespace, trace: list[Request],
+              sequential: bool = False) -> tuple[list[Result], float]:
     plan = LocalPlan(port=0, dtype=args.dtype, slots=args.slots, max_len=args.max_len, threads=args.threads,
                      **CONFIGS[name])
     print(f"[{name}] starting ...", file=sys.stderr, flush=True)
     with LocalDeployment(plan, progress=None) as deployment:
-        url = deployment.start(timeout_s=300)
-        results, wall = asyncio.run(drive(url, trace, args.output_tokens))
+        url = deployment.start(timeout_s=600)
+        results, wall = asyncio.run(drive(url, trace, args.output_tokens, sequential))
     for r in results:
         if r.error:
             print(f"[{name}] request failed: {r.error}", file=sys.stderr)
@@ -247,11 +254,12 @@ def make_multiturn_trace(tokenizer, seed: int, systems: int, conversations: int,
 
 def multiturn(args: argparse.Namespace, tokenizer) -> int:
     one = make_multiturn_trace(tokenizer, args.seed, 1, args.conversations, args.turns, args.rate)
+    seq = args.sequential
     lengths = [r.prompt_tokens for r in one]
     print(f"multi-turn: {len(one)} requests, 1 system prompt of 1,500 tokens, {args.conversations} conversations x "
           f"{args.turns} turns, prompts {min(lengths)}-{max(lengths)} tokens, {args.output_tokens} output tokens")
-    off, off_wall = run_trace("pd1-nocache", args, one)
-    on, on_wall = run_trace("pd1-cache", args, one)
+    off, off_wall = run_trace("pd1-nocache", args, one, seq)
+    on, on_wall = run_trace("pd1-cache", args, one, seq)
     failed = sum(r.error is not None for r in off + on)
     ttft_off = pct([r.ttft for r in off if r.request.seen and r.ttft is not None], 50)
     ttft_on = pct([r.ttft for r in on if r.request.seen and r.ttft is not None], 50)
@@ -263,8 +271,9 @@ def multiturn(args: argparse.Namespace, tokenizer) -> int:
     print(f"  TTFT p50 of repeat-prefix requests, cache on / off: {ttft_on / ttft_off:.2f} (target <= 0.3); "
           f"prompt tokens from the cache: {cached:.0%}")
 
-    four = make_multiturn_trace(tokenizer, args.seed + 1, 4, max(8, args.conversations * 2), args.turns, args.rate)
-    routed, _ = run_trace("pd2p-cache", args, four)
+    four = make_multiturn_trace(tokenizer, args.seed + 1, 4, max(8, args.conversations * 2), args.turns, args.rate,
+                                system_tokens=args.routing_system_tokens)
+    routed, _ = run_trace("pd2p-cache", args, four, seq)
     failed += sum(r.error is not None for r in routed)
     holders: dict[int, set[str]] = {}
     hits = repeats = 0
@@ -279,7 +288,7 @@ def multiturn(args: argparse.Namespace, tokenizer) -> int:
         holders.setdefault(r.request.group, set()).add(r.prefill)
     counts = sorted(served.values())
     balance = counts[-1] / counts[0] if len(counts) > 1 and counts[0] else float("inf")
-    print(f"  2 prefills, 4 system prompts, {len(four)} requests: repeat requests on a prefill holding their "
+    print(f"  2 prefills, 4 system prompts of {args.routing_system_tokens} tokens, {len(four)} requests: repeat requests on a prefill holding their "
           f"prefix {hits}/{repeats} = {hits / max(1, repeats):.0%} (target >= 90%); requests per prefill "
           f"{served} (busiest / least busy {balance:.2f}, target <= 2)")
     return 1 if failed else 0
@@ -421,6 +430,10 @@ def main() -> int:
     parser.add_argument("--multiturn", action="store_true", help="the multi-turn trace: the prefix cache and prefix routing")
     parser.add_argument("--conversations", type=int, default=4, help="multiturn: conversations per system prompt run")
     parser.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
+    parser.add_argument("--sequential", action="store_true",
+                        help="multiturn: each request after the one before was answered (no queueing in TTFT)")
+    parser.add_argument("--routing-system-tokens", type=int, default=1500,
+                        help="multiturn: system prompt length of the 4-prompt routing trace")
     args = parser.parse_args()
     if args.mixed:
         if args.configs == parser.get_default("configs"):
