@@ -39,11 +39,13 @@ def test_metrics_table_lists_exactly_what_workers_expose() -> None:
     for role in ("prefill", "decode"):
         metrics = WorkerMetrics(role)
         if role == "prefill":
-            metrics.watch_prefill(lambda: 0)
+            from pdserve_worker.kv.prefix_cache import PrefixCache
+
+            metrics.watch_prefill(lambda: 0, PrefixCache(4, 16).stats)  # with a prefix cache: every series
         else:
             from pdserve_worker.roles.generation_loop import LoopStats
 
-            metrics.watch_decode(lambda: 0, 4, lambda: 0, LoopStats)
+            metrics.watch_decode(lambda: 0, 4, lambda: 0, LoopStats, kv_tokens=lambda: (0, 64))
         for family in metrics.registry.collect():
             exposed.add(f"{family.name}_total" if family.type == "counter" else family.name)
     documented = set(re.findall(r"`(pdserve_(?:prefill|decode|kv)_\w+)`", section("Metrics")))

@@ -134,8 +134,9 @@ class DecodeWorker:
         self.draining = False
         self._sweeper: asyncio.Task[None] | None = None
         self.metrics = WorkerMetrics("decode")  # served on /metrics (worker_main)
-        self.metrics.watch_decode(lambda: layout.num_slots - self.slots.usage().free, layout.num_slots,
-                                  lambda: self.loop.active, lambda: self.loop.stats)
+        self.metrics.watch_decode(lambda: layout.num_slots - self.slot_usage().free, layout.num_slots,
+                                  lambda: self.loop.active, lambda: self.loop.stats,
+                                  kv_tokens=self.kv_tokens)
 
     # ---- what a layer-sharded group's leader replaces (roles/decode_shard.py) ----------------
 

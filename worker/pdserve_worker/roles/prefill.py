@@ -143,7 +143,8 @@ class PrefillWorker:
         self._jobs: dict[JobKey, _Job] = {}
         self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
         self.metrics = WorkerMetrics("prefill")  # served on /metrics (worker_main)
-        self.metrics.watch_prefill(lambda: self.queued)
+        self.metrics.watch_prefill(lambda: self.queued,
+                                   self.prefix.stats if self.prefix is not None else None)
 
     def member_info(self) -> MemberInfo:
         return MemberInfo(

@@ -6,8 +6,9 @@ their own series. What an autoscaler or a dashboard needs to see of each role:
 
 - prefill: the queue (prompts accepted and not answered: `queue_length`), how long a prompt
   waited before its pass began (`queue_wait_seconds`), prompt tokens computed (tokens/s is
-  their `rate()`), prefill wall time per request;
-- decode: KV slots used and total, requests running in the batch, decode step time (a
+  their `rate()`), prefill wall time per request; with a prefix cache its lookups, hits,
+  evictions and size in tokens;
+- decode: KV slots used and total, KV tokens used and total, requests running in the batch, decode step time (a
   Summary: `rate(_sum)/rate(_count)` is the mean step), tokens generated (tokens/s);
 - both: KV transfer bytes, time and failures (prefill: what it pushed; decode: what it received
   and how long it waited for the ready notify; failures: pushes that failed / readiness timeouts).
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -49,6 +50,27 @@ class _DecodeLoopCollector(Collector):
                                   value=st.tokens)
         yield CounterMetricFamily("pdserve_decode_requests", "Requests that entered the decode batch.",
                                   value=st.requests)
+
+
+class _PrefixCacheCollector(Collector):
+    """A prefill's prefix cache (`PrefixCache.stats`), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        st = self._stats()
+        yield CounterMetricFamily("pdserve_prefill_prefix_query_tokens",
+                                  "Whole-block prompt tokens looked up in the prefix cache.",
+                                  value=st.query_blocks * st.block_tokens)
+        yield CounterMetricFamily("pdserve_prefill_prefix_hit_tokens",
+                                  "Prompt tokens found in the prefix cache (hit rate: over query_tokens).",
+                                  value=st.hit_blocks * st.block_tokens)
+        yield CounterMetricFamily("pdserve_prefill_prefix_evictions", "Prefix cache blocks evicted (LRU).",
+                                  value=st.evictions)
+        cached = GaugeMetricFamily("pdserve_prefill_prefix_cached_tokens", "Tokens findable in the prefix cache.")
+        cached.add_metric([], st.cached_blocks * st.block_tokens)
+        yield cached
 
 
 class WorkerMetrics:
@@ -89,15 +111,23 @@ class WorkerMetrics:
 
     # --- wiring (the worker calls these once) -----------------------------------------------
 
-    def watch_prefill(self, queued: Callable[[], int]) -> None:
-        """Publish the prefill queue: prompts accepted and not yet answered."""
+    def watch_prefill(self, queued: Callable[[], int], prefix_stats: Callable[[], Any] | None = None) -> None:
+        """Publish the prefill queue (prompts accepted and not yet answered) and, with a prefix
+        cache, its counters (`PrefixCacheStats`)."""
         Gauge("pdserve_prefill_queue_length", "Prompts queued or computing on this prefill worker.",
               registry=self.registry).set_function(lambda: float(queued()))
+        if prefix_stats is not None:
+            self.registry.register(_PrefixCacheCollector(prefix_stats))
 
     def watch_decode(self, slots_used: Callable[[], int], slots_total: int, running: Callable[[], int],
-                     loop_stats: Callable[[], Any]) -> None:
-        """Publish decode's KV and batch state and its loop counters."""
+                     loop_stats: Callable[[], Any], kv_tokens: Callable[[], tuple[int, int]] | None = None) -> None:
+        """Publish decode's KV and batch state and its loop counters; `kv_tokens`: (used, total)."""
         r = self.registry
+        if kv_tokens is not None:
+            Gauge("pdserve_decode_kv_tokens_used", "KV tokens reserved (blocks held x block size).",
+                  registry=r).set_function(lambda: float(kv_tokens()[0]))
+            Gauge("pdserve_decode_kv_tokens_total", "KV tokens of this decode's pool.",
+                  registry=r).set_function(lambda: float(kv_tokens()[1]))
         Gauge("pdserve_decode_kv_slots_used", "KV slots held (reserved, decoding or quarantined).",
               registry=r).set_function(lambda: float(slots_used()))
         Gauge("pdserve_decode_kv_slots_total", "KV slots of this decode's pool.", registry=r).set(slots_total)
