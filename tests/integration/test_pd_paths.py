@@ -69,12 +69,12 @@ class _DiesAfterOneChunk:
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 
-    def prefill(self, prompt, cache, slot, layers_per_chunk=None, on_chunk=None):
+    def prefill(self, prompt, cache, slot, layers_per_chunk=None, on_chunk=None, **kwargs):
         def first_chunk_then_die(layers: range) -> None:
             on_chunk(layers)
             raise _Died(f"killed after pushing layers {layers.start}..{layers.stop - 1}")
 
-        return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=first_chunk_then_die)
+        return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=first_chunk_then_die, **kwargs)
 
 
 class _SlowChunks:
@@ -86,14 +86,14 @@ class _SlowChunks:
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 
-    def prefill(self, prompt, cache, slot, layers_per_chunk=None, on_chunk=None):
+    def prefill(self, prompt, cache, slot, layers_per_chunk=None, on_chunk=None, **kwargs):
         import time
 
         def slowly(layers: range) -> None:
             time.sleep(self._delay_s)
             on_chunk(layers)
 
-        return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=slowly)
+        return self._model.prefill(prompt, cache, slot, layers_per_chunk, on_chunk=slowly, **kwargs)
 
 
 class DyingPrefill(PrefillServicer):

@@ -97,6 +97,24 @@ class BlockUsage:
     def tokens_total(self) -> int:
         return self.total_blocks * self.block_tokens
 
+    # The slot table's view, so callers that count reservations (the router's Status, tests of
+    # the release paths) read a block pool and a slot pool alike.
+    @property
+    def free(self) -> int:
+        return self.slots.free
+
+    @property
+    def reserved(self) -> int:
+        return self.slots.reserved
+
+    @property
+    def committed(self) -> int:
+        return self.slots.committed
+
+    @property
+    def quarantined(self) -> int:
+        return self.slots.quarantined
+
     @property
     def tokens_used(self) -> int:
         return (self.total_blocks - self.free_blocks) * self.block_tokens
