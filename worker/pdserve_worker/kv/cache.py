@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_worker.kv.layout import K, V, KVLayout, local_layer_index
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -69,10 +69,7 @@ class KVCache:
 
     def local_layer(self, layer: int) -> int:
         """Index into this pool of model layer `layer`; an error if the pool does not hold it."""
-        if layer not in self.layout.layer_range:
-            held = self.layout.layer_range
-            raise IndexError(f"layer {layer} not held by this KV pool (holds {held.start}..{held.stop - 1})")
-        return layer - self.layout.first_layer
+        return local_layer_index(self.layout.layer_range, layer)
 
     def keys(self, layer: int) -> torch.Tensor:
         """View `[slot, token, kv_head, head_dim]` of layer `layer`'s keys (writes go to the pool)."""

@@ -32,6 +32,16 @@ DTYPE_SIZES: dict[str, int] = {
 K, V = 0, 1
 
 
+def local_layer_index(layer_range: range, layer: int) -> int:
+    """Index into a pool holding model layers `layer_range` of model layer `layer`.
+
+    One place for the slot pool (kv/cache.py) and the block pool (kv/paged.py).
+    """
+    if layer not in layer_range:
+        raise IndexError(f"layer {layer} not held by this KV pool (holds {layer_range.start}..{layer_range.stop - 1})")
+    return layer - layer_range.start
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Geometry of one registered KV pool."""

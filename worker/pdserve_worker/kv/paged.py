@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve_worker.kv.cache import torch_dtype
-from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_worker.kv.layout import K, V, KVLayout, local_layer_index
 
 
 class PagedKVCache:
@@ -65,10 +65,7 @@ class PagedKVCache:
         return self.layout.block_tokens
 
     def local_layer(self, layer: int) -> int:
-        if layer not in self.layout.layer_range:
-            held = self.layout.layer_range
-            raise IndexError(f"layer {layer} not held by this KV pool (holds {held.start}..{held.stop - 1})")
-        return layer - self.layout.first_layer
+        return local_layer_index(self.layout.layer_range, layer)
 
     def keys(self, layer: int) -> torch.Tensor:
         """Flat rows `[num_blocks * block_tokens, kv_head, head_dim]` of layer `layer`'s keys."""
