@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import socket
+from pdserve_worker.free_ports import free_port
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]

@@ -26,6 +26,7 @@ from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from test_operator import SAMPLE, all_children, status
 
 import chart_tools
+from netutil import free_port
 from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, request_attributes
 
 from pdserve_operator import children as ch
@@ -42,14 +43,6 @@ UNUSED_GRANTS_ALLOWED = {
         "children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
         "admission plugin (OpenShift) allows only with this permission on the owner; the emulator runs no admission",
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

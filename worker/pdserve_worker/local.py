@@ -42,6 +42,7 @@ import httpx
 
 from pdserve_worker import pod_env as E
 from pdserve_worker import settings as S
+from pdserve_worker.free_ports import free_port
 from pdserve_worker.model.default_model import model_argument
 from pdserve_worker.tls_certs import CertFiles, tls_env, write_run_certificates
 
@@ -112,12 +113,6 @@ def auto_dtype() -> str:
     except (ImportError, AttributeError):
         native = False
     return "bfloat16" if native else "float32"
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
