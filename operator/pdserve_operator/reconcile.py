@@ -44,6 +44,7 @@ from pdserve_operator import spec as s
 from pdserve_operator import status as st
 from pdserve_operator.broker_view import BrokerView, kv_tokens_in_use
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
+from pdserve_operator.metrics import OperatorMetrics
 
 log = logging.getLogger("pdserve.operator.reconcile")
 
@@ -108,8 +109,10 @@ class Reconciler:
         defaults: ch.Defaults,
         clock: Callable[[], str] = utc_now,
         token_factory: Callable[[], str] = new_token,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.kube = kube
+        self.metrics = metrics
         self.broker = broker
         self.defaults = defaults
         self.clock = clock
@@ -125,11 +128,18 @@ class Reconciler:
         slot.waiting = True
         async with slot.lock:
             slot.waiting = False
-            return await self.reconcile(namespace, name, why)
+            try:
+                return await self.reconcile(namespace, name, why)
+            except Exception:
+                if self.metrics is not None:
+                    self.metrics.observe_reconcile("error")
+                raise
 
     def forget(self, namespace: str, name: str) -> None:
         self._slots.pop((namespace, name), None)
         self.autoscaler.forget(f"{namespace}/{name}")
+        if self.metrics is not None:
+            self.metrics.forget(namespace, name)
 
     async def reconcile(self, namespace: str, name: str, why: str) -> Outcome | None:
         body = await asyncio.to_thread(self.kube.get, PDIS, namespace, name)
@@ -143,6 +153,9 @@ class Reconciler:
             log.warning(kv(event="spec_invalid", service=svc.owner.key, reason=str(exc)))
             invalid = st.invalid(svc.owner, svc.generation, str(exc), svc.prev, self.clock())
             await self._write_status(svc, invalid, outcome)
+            if self.metrics is not None:
+                self.metrics.observe_reconcile("invalid")
+                self.metrics.observe_status(namespace, name, invalid)
             return outcome
         token, secret = await self._token(svc)
         children = ch.render(svc.owner, spec, token, self.defaults)
@@ -153,6 +166,9 @@ class Reconciler:
         observed = await self._observe(svc, spec, live, outcome.conflicts, scaling)
         status = st.compute(svc.owner, spec, svc.generation, observed, svc.prev, self.clock())
         await self._write_status(svc, status, outcome)
+        if self.metrics is not None:
+            self.metrics.observe_reconcile("ok")
+            self.metrics.observe_status(namespace, name, status)
         log.debug(kv(event="reconciled", service=svc.owner.key, why=why, phase=outcome.phase))
         return outcome
 

@@ -51,6 +51,9 @@ def run(
     if broker is None:
         broker, server = load_broker(config.broker_host, config.broker_port, config.broker_tls())
     runtime = build_runtime(config, broker=broker, broker_server=server, kube=kube)
+    metrics_server = None
+    if config.metrics_port:
+        metrics_server, _ = runtime.metrics.serve(config.broker_host, config.metrics_port)
     try:
         config = check_peering(config, runtime.kube)
         settings = kopf_settings(config)
@@ -58,6 +61,9 @@ def run(
                     standalone=config.standalone, peering=config.peering, priority=settings.peering.priority))
         asyncio.run(_operate(config, settings, runtime, stop_flag, ready_flag))
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
         runtime.close()
         log.info(kv(event="operator_stop"))
 

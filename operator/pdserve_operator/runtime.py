@@ -18,6 +18,7 @@ from pdserve_worker.rpc.auth import TLSConfig
 from pdserve_operator import children as ch
 from pdserve_operator.broker_view import BrokerView, NullBrokerView
 from pdserve_operator.kube import RestKubeClient
+from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import Reconciler
 
 log = logging.getLogger("pdserve.operator")
@@ -46,6 +47,9 @@ class OperatorConfig(BaseSettings):
         30.0, gt=0, description="While the peering object is missing, say so this often.")
     resync_seconds: float = Field(30.0, gt=0, description="Reconcile each resource at least this often.")
     liveness: str | None = Field(None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of the operator's Prometheus /metrics (reconciles, replicas by role); "
+        "0: not served.")
     kubeconfig: str | None = Field(None, description="kubeconfig outside a cluster (in a pod: the service account).")
     network_policy: bool = Field(
         True,
@@ -91,6 +95,7 @@ class Runtime:
     broker: BrokerView
     reconciler: Reconciler
     broker_server: Any = None
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     last_sync: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def resync_due(self, namespace: str, name: str) -> bool:
@@ -123,10 +128,12 @@ def build_runtime(
         operator_namespace=config.pod_namespace,
         broker_tls=config.broker_tls() is not None,
     )
+    metrics = OperatorMetrics()
     return Runtime(
         config=config,
         kube=kube,
         broker=broker,
         broker_server=broker_server,
-        reconciler=Reconciler(kube, broker, defaults),
+        metrics=metrics,
+        reconciler=Reconciler(kube, broker, defaults, metrics=metrics),
     )

@@ -31,8 +31,9 @@ from pdserve_worker import pod_env  # noqa: E402
 FULL = ["--set", "watchNamespaces={team-a,team-b}", "--set", "networkPolicy.enabled=true",
         "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.labels.release=prom",
         "--set", "imagePullSecrets[0].name=regcred", "--set", "podAnnotations.a=b",
-        "--set", "broker.tls.secretName=pdserve-broker-tls"]
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor"}
+        "--set", "broker.tls.secretName=pdserve-broker-tls", "--set", "dashboards.enabled=true",
+        "--set", "prometheusRule.enabled=true"]
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 KUBERNETES_VERSION = "1.30.0"  # oldest minor the chart targets that the validator knows well
 
 
@@ -151,7 +152,7 @@ def test_operator_network_policy_opens_the_broker_port_only_to_pdserve_pods() ->
 
 
 def test_service_monitor_scrapes_the_routers_metrics_port() -> None:
-    [monitor] = by_kind(render(*FULL), "ServiceMonitor")
+    [monitor, _operator] = by_kind(render(*FULL), "ServiceMonitor")
     assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
     assert monitor["spec"]["endpoints"][0]["port"] == "http" and monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}

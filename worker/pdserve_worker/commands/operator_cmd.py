@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, help="how many operator replicas run; with 1, a missing peering object "
                    "means standalone with a warning (default: unknown, so the operator waits for it)")
     p.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--metrics-port", type=int, help="port of the operator's Prometheus /metrics (default: not served)")
     p.add_argument("--kubeconfig", help="kubeconfig file outside a cluster (default: $KUBECONFIG)")
     p.set_defaults(func=run)
 
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         "priority": args.priority,
         "replicas": args.replicas,
         "liveness": args.liveness,
+        "metrics_port": args.metrics_port,
         "kubeconfig": args.kubeconfig,
     }
     config = OperatorConfig(**{k: v for k, v in flags.items() if v is not None})

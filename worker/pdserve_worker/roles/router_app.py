@@ -552,6 +552,9 @@ def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, metrics=metrics)
     app.state.backend = backend
     app.state.metrics = metrics
+    describe = getattr(backend, "health", None)  # optional: a backend may report its members
+    if callable(describe):
+        metrics.watch_backend(describe)
     app.state.router = router
 
     @app.exception_handler(ApiError)

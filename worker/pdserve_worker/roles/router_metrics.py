@@ -8,11 +8,13 @@ per-decode slot gauges, since only it knows the decode membership.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 from pdserve_worker.roles.backend import RequestInfo
 
@@ -155,6 +157,13 @@ class RouterMetrics:
         self.decode_kv_tokens_total = Gauge(
             f"{_PREFIX}_decode_kv_tokens_total", "KV tokens per decode instance.", ["decode"], registry=r
         )
+        self.prefill_failures = Counter(
+            f"{_PREFIX}_prefill_failures",
+            "Prefill calls (prompt compute and KV push to the decode) that failed, by gRPC status code.",
+            ["code"], registry=r,
+        )
+        self._backend_view = _BackendView()
+        r.register(self._backend_view)
 
     # --- what the router calls -------------------------------------------------------------
 
@@ -184,6 +193,10 @@ class RouterMetrics:
     def observe_grant_returned(self, outcome: str) -> None:
         """A grant went back to its decode without a finished request (see `grants_returned`)."""
         self.grants_returned.labels(outcome=outcome).inc()
+
+    def observe_prefill_failure(self, code: str) -> None:
+        """A prefill call (compute + KV push) failed with gRPC status `code`."""
+        self.prefill_failures.labels(code=code).inc()
 
     def observe_rejected(self, status: int) -> None:
         self.requests_rejected.labels(status=str(status)).inc()
@@ -237,6 +250,40 @@ class RouterMetrics:
             except KeyError:
                 pass
 
+    def watch_backend(self, health: Callable[[], dict[str, object]]) -> None:
+        """Publish the backend's `health()` at every scrape: ready members by role and requests
+        in flight by role (read when scraped, so no code path has to remember to update them)."""
+        self._backend_view.health = health
+
     def exposition(self) -> bytes:
         """The registry in Prometheus text format, for `/metrics`."""
         return generate_latest(self.registry)
+
+
+class _BackendView(Collector):
+    """`pdserve_router_members{role}` and `pdserve_router_requests_in_flight{role}` from the
+    backend's `health()` (`members`, `in_flight`), read at scrape time."""
+
+    def __init__(self) -> None:
+        self.health: Callable[[], dict[str, object]] | None = None
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families({}))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families(self.health() if self.health is not None else {}))
+
+    @staticmethod
+    def _families(health: dict[str, object]) -> list[GaugeMetricFamily]:
+        members = GaugeMetricFamily(f"{_PREFIX}_members",
+                                    "Workers this router could send a request to now, by role.", labels=["role"])
+        in_flight = GaugeMetricFamily(f"{_PREFIX}_requests_in_flight",
+                                      "Requests this router has in flight now, by the role of the worker "
+                                      "(a request counts on its prefill and its decode until it ends).",
+                                      labels=["role"])
+        for family, key in ((members, "members"), (in_flight, "in_flight")):
+            values = health.get(key)
+            if isinstance(values, dict):
+                for label, value in sorted(values.items()):
+                    family.add_metric([str(label)], float(value))
+        return [members, in_flight]

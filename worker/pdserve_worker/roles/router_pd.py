@@ -361,6 +361,8 @@ class PDBackend(ModelTokenizing):
             return await prefill_call
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if self._metrics is not None:
+                self._metrics.observe_prefill_failure(code.name)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise _Retryable(prefill_id, RequestTimeout(
                     f"prefill {prefill_id} did not finish in {self._t.prefill_s:g}s")) from None
