@@ -230,6 +230,11 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
             val(E.TLS_CA, f"{E.TLS_DIR}/{E.TLS_CA_KEY}"),
             val(E.TLS_SERVER_NAME, tls_server_name(owner, spec)),
         ]
+    if spec.observability.tracing is not None:
+        env += [
+            val(E.TRACING_ENDPOINT, spec.observability.tracing.endpoint),
+            val(E.TRACING_SAMPLE_RATIO, spec.observability.tracing.sample_ratio),
+        ]
     if spec.tls is not None or defaults.broker_tls:
         # Explicit either way: a broker with TLS and a service without spec.tls is a clear start error.
         env.append(val(E.BROKER_TLS, defaults.broker_tls))

@@ -607,6 +607,26 @@ def planner_drives(a: AutoscalingSpec | None, role: str | None = None) -> bool:
     return any(getattr(a, r).enabled and getattr(a, r).driver == "planner" for r in roles)
 
 
+class TracingSpec(Model):
+    """OpenTelemetry tracing of requests across router, prefill and decode (worker/pdserve_worker/tracing.py)."""
+
+    endpoint: str = Field(
+        min_length=1, max_length=2048, pattern=r"^https?://[^\s]+$",
+        description="OTLP/gRPC endpoint of an OpenTelemetry collector, e.g. http://otel-collector.observability:4317.",
+    )
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="Fraction of requests traced, decided at the router (an incoming sampled traceparent is "
+        "honoured); prefill and decode follow the router's decision.",
+    )
+
+
+class ObservabilitySpec(Model):
+    """What the service reports besides its metrics."""
+
+    tracing: TracingSpec | None = Field(None, description="Request tracing (off when unset).")
+
+
 class PDInferenceServiceSpec(Model):
     """Desired state of a prefill/decode disaggregated inference service."""
 
@@ -624,6 +644,8 @@ class PDInferenceServiceSpec(Model):
         None, description="Per-role autoscaling (off when unset): the built-in planner, a rendered HPA, or another "
         "controller owns a role's replicas.",
     )
+    observability: ObservabilitySpec = Field(
+        default_factory=ObservabilitySpec, description="Tracing (the metrics are always on).")
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(

@@ -1,4 +1,12 @@
-"""Observability against a running deployment: the dashboard's and the alerts' series exist.
+"""Observability against a running deployment: one trace per request across the three
+processes, and the dashboard's and the alerts' series exist.
+
+Tracing: `pdserve local --trace-file` (JSON lines from every process) serves one request; its
+spans must form exactly one trace with one root (the router's request span, a child of the
+client's `traceparent`), the prefill's and the decode's spans parented on the router's attempt
+over gRPC, per-chunk compute and push spans, one span for the decode steps, and children inside
+their parents' time. A decode killed mid-stream: the resumed request's second attempt, the
+resume and the new decode's spans are in the same trace.
 
 `pdserve local` (tiny model) serves a request; its router's `/metrics` is scraped, and so is the
 operator's `/metrics` after it reconciled a service (the operator's own registry and HTTP server,
@@ -13,7 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,20 +74,49 @@ def scraped(text: str, declared: dict[str, tuple[str, ...]]) -> dict[str, dict[s
     return out
 
 
+LAYERS_PER_CHUNK = 1
+
+
 @pytest.fixture(scope="module")
 def local(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("obs-local")
     run = LocalRun.start(
-        tmp_path_factory.mktemp("obs-local"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
-        "--slots", "2", "--max-len", "128", "--layers-per-chunk", "1", "--port", "0",
+        logs, "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
+        "--slots", "2", "--max-len", "256", "--layers-per-chunk", str(LAYERS_PER_CHUNK), "--port", "0",
+        "--threads", "1", "--on-exit", "ignore", "--trace-file", str(logs / "spans.jsonl"),
     )
+    run.trace_file = logs / "spans.jsonl"  # type: ignore[attr-defined]
     yield run
     assert run.stop() == 0, run.stderr_path.read_text()
 
 
+def model_id(local: LocalRun) -> str:
+    return httpx.get(f"{local.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def spans_of(local: LocalRun, trace_id: str, until: Any, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+    """The spans of `trace_id` in the trace file, once `until(spans)` holds (exporters batch)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = [json.loads(line) for line in local.trace_file.read_text().splitlines() if line]  # type: ignore[attr-defined]
+        mine = [s for s in spans if s["trace_id"] == trace_id]
+        if until(mine) or time.monotonic() > deadline:
+            return mine
+        time.sleep(0.2)
+
+
+def by_name(spans: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [s for s in spans if s["name"] == name]
+
+
+def within(child: dict[str, Any], parent: dict[str, Any], slack_ns: int = 5_000_000) -> bool:
+    """The child's time inside the parent's (one machine, one clock; slack for clock reads)."""
+    return child["start_ns"] >= parent["start_ns"] - slack_ns and child["end_ns"] <= parent["end_ns"] + slack_ns
+
+
 @pytest.fixture(scope="module")
 def router_series(local) -> dict[str, dict[str, set[str]]]:
-    model = httpx.get(f"{local.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    model = model_id(local)
     reply = httpx.post(f"{local.url}/v1/completions", json={"model": model, "prompt": "hello there",
                                                              "max_tokens": 4, "temperature": 0}, timeout=120)
     assert reply.status_code == 200, reply.text
@@ -176,3 +216,118 @@ def test_operator_reports_replicas_by_role_and_reconciles(operator_series) -> No
     assert operator_series["pdserve_operator_replicas_desired"]["role"] == {"prefill", "decode", "router"}
     assert operator_series["pdserve_operator_replicas_ready"]["pdis"] == {"svc"}
     assert operator_series["pdserve_operator_reconciles_total"]["result"] == {"ok", "invalid", "error"}
+
+
+# ---- tracing -------------------------------------------------------------------------------------
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> None:
+    prompt = "tracing one request through three processes"
+    reply = httpx.post(f"{local.url}/v1/completions", timeout=120,
+                       headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+                       json={"model": model_id(local), "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    spans = spans_of(local, CLIENT_TRACE, lambda s: {"router.request", "prefill", "decode.steps"} <= {x["name"] for x in s})
+    ids = {s["span_id"]: s for s in spans}
+    [root] = by_name(spans, "router.request")
+    assert root["parent_span_id"] == CLIENT_SPAN  # the client's traceparent was honoured
+    assert [s for s in spans if s["parent_span_id"] not in ids] == [root], "exactly one root, under the client's span"
+    assert {s["service"] for s in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    [admission] = by_name(spans, "router.admission")
+    [attempt] = by_name(spans, "router.attempt")
+    [reserve] = by_name(spans, "router.reserve")
+    [prefill] = by_name(spans, "prefill")
+    [decode] = by_name(spans, "decode.generate")
+    [wait] = by_name(spans, "decode.notify_wait")
+    [steps] = by_name(spans, "decode.steps")
+    [finish] = by_name(spans, "kv.push.finish")
+    parent = {s["name"]: ids[s["parent_span_id"]]["name"] for s in spans if s is not root and s["name"] not in
+              ("prefill.compute", "kv.push")}
+    assert parent == {"router.admission": "router.request", "router.attempt": "router.request",
+                      "router.reserve": "router.attempt", "prefill": "router.attempt",
+                      "decode.generate": "router.attempt", "decode.notify_wait": "decode.generate",
+                      "decode.steps": "decode.generate", "kv.push.finish": "prefill"}
+    layers = 4  # the tiny model (pdserve_worker.model.tiny)
+    computes, pushes = by_name(spans, "prefill.compute"), by_name(spans, "kv.push")
+    assert len(computes) == len(pushes) == layers // LAYERS_PER_CHUNK
+    assert {ids[s["parent_span_id"]]["name"] for s in computes + pushes} == {"prefill"}
+    assert sorted(s["attributes"]["pdserve.layers.first"] for s in pushes) == list(range(0, layers, LAYERS_PER_CHUNK))
+    for child in [admission, attempt, reserve, prefill, decode, wait, steps, finish, *computes, *pushes]:
+        assert within(child, ids[child["parent_span_id"]]), child["name"]
+    # The attributes the issue asks for.
+    assert root["attributes"]["gen_ai.request.model"] == model_id(local)
+    assert root["attributes"]["gen_ai.usage.input_tokens"] == prefill["attributes"]["gen_ai.usage.input_tokens"] > 0
+    assert root["attributes"]["gen_ai.usage.output_tokens"] == 8 == steps["attributes"]["gen_ai.usage.output_tokens"]
+    assert steps["attributes"]["pdserve.decode.steps"] == 7 and steps["attributes"]["pdserve.decode.mean_step_ms"] > 0
+    assert root["attributes"]["pdserve.kv.bytes"] == prefill["attributes"]["pdserve.kv.bytes"] == \
+        finish["attributes"]["pdserve.kv.bytes"] > 0
+    assert decode["attributes"]["pdserve.slot"] == attempt["attributes"]["pdserve.slot"]
+    assert decode["attributes"]["pdserve.decode.member"] == attempt["attributes"]["pdserve.decode.member"] == \
+        root["attributes"]["pdserve.decode.member"]
+    assert root["status"] == "UNSET" and root["attributes"]["pdserve.outcome"] == "ok"
+
+
+def test_a_request_without_traceparent_starts_its_own_trace(local) -> None:
+    before = {json.loads(l)["trace_id"] for l in local.trace_file.read_text().splitlines() if l}
+    reply = httpx.post(f"{local.url}/v1/completions", timeout=120,
+                       json={"model": model_id(local), "prompt": "a new trace", "max_tokens": 2, "temperature": 0})
+    assert reply.status_code == 200
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        spans = [json.loads(l) for l in local.trace_file.read_text().splitlines() if l]
+        new = {s["trace_id"] for s in spans} - before
+        roots = [s for s in spans if s["trace_id"] in new and s["name"] == "router.request"]
+        if roots and any(s["trace_id"] in new and s["name"] == "decode.steps" for s in spans):
+            break
+        time.sleep(0.2)
+    assert len(new) == 1 and roots[0]["parent_span_id"] is None
+
+
+def decode_busy(local: LocalRun, name: str) -> bool:
+    import grpc
+
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(local.child(name)["grpc"]) as channel:
+        status = worker_pb2_grpc.DecodeStub(channel).Status(
+            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5)
+    return status.active_requests > 0
+
+
+def test_a_resumed_request_shows_the_resume_in_the_same_trace(local) -> None:
+    """Runs last: it kills a decode (the deployment carries on without it, --on-exit ignore)."""
+    trace = "0af7651916cd43dd8448eb211c80319c"
+    killed: list[str] = []
+    with httpx.stream("POST", f"{local.url}/v1/completions", timeout=120,
+                      headers={"traceparent": f"00-{trace}-b7ad6b7169203331-01"},
+                      json={"model": model_id(local), "prompt": "resume me", "max_tokens": 200,
+                            "temperature": 0, "stream": True, "ignore_eos": True}) as reply:
+        assert reply.status_code == 200
+        chunks = 0
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks += 1
+            if chunks == 3:
+                busy = [n for n in ("decode-0", "decode-1") if decode_busy(local, n)]
+                assert busy, "no decode was serving the request"
+                os.kill(local.child(busy[0])["pid"], signal.SIGKILL)
+                killed.append(busy[0])
+    assert killed
+    spans = spans_of(local, trace, lambda s: len(by_name(s, "router.attempt")) == 2
+                     and by_name(s, "router.request") and by_name(s, "decode.steps"))
+    [root] = by_name(spans, "router.request")
+    attempts = sorted(by_name(spans, "router.attempt"), key=lambda s: s["attributes"]["pdserve.retry"])
+    assert [a["attributes"]["pdserve.retry"] for a in attempts] == [0, 1]
+    assert attempts[0]["status"] == "ERROR" and attempts[1]["attributes"]["pdserve.finished"] is True
+    assert attempts[1]["attributes"]["pdserve.resumed_tokens"] >= 2
+    [resume] = by_name(spans, "router.resume")
+    assert resume["parent_span_id"] == root["span_id"] and resume["attributes"]["pdserve.failed.member"] == killed[0]
+    assert attempts[0]["end_ns"] <= resume["start_ns"] + 5_000_000 <= attempts[1]["start_ns"] + 10_000_000
+    # The survivor's spans hang under the second attempt, in the same trace.
+    [decode] = [d for d in by_name(spans, "decode.generate") if d["parent_span_id"] == attempts[1]["span_id"]]
+    assert decode["attributes"]["pdserve.decode.member"] != killed[0]
+    assert root["attributes"]["pdserve.resumes"] == 1

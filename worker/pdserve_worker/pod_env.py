@@ -87,6 +87,10 @@ TLS_CA = "PDSERVE_TLS_CA"  # PEM CA (ca.crt) that peers' certificates must chain
 TLS_SERVER_NAME = "PDSERVE_TLS_SERVER_NAME"  # the name worker certificates carry (peers are dialled by IP)
 BROKER_TLS = "PDSERVE_BROKER_TLS"  # "true": the broker speaks TLS (verified with TLS_CA)
 TLS_DIR = "/etc/pdserve/tls"
+# Tracing (spec.observability.tracing; worker/pdserve_worker/tracing.py): off when unset.
+TRACING_ENDPOINT = "PDSERVE_TRACING_ENDPOINT"  # OTLP/gRPC collector endpoint
+TRACING_SAMPLE_RATIO = "PDSERVE_TRACING_SAMPLE_RATIO"  # 0..1, decided at the router
+TRACE_FILE = "PDSERVE_TRACE_FILE"  # JSON lines, one span a line (pdserve local --trace-file)
 TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"  # cert-manager's Secret keys
 
 # Router admission (spec.router.auth, spec.router.admission): docs/admission.md.

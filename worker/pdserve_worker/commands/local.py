@@ -5,6 +5,7 @@
     pdserve local --colocated   one process that prefills and decodes (the baseline)
     pdserve local --tls         mutual TLS on every gRPC hop, HTTPS at the router (a CA made for the run)
     pdserve local --api-keys F  require API keys (a keys file, docs/admission.md) on the OpenAI endpoint
+    pdserve local --trace-file spans.jsonl   OpenTelemetry spans of every process, one JSON object a line
 
 Progress goes to stderr; the router's URL goes to stdout once it serves. Ctrl-C or SIGTERM
 stops every child. Exits non-zero, with the failing child's last log lines, if the
@@ -62,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an extra environment variable for every child (repeatable), e.g. "
                         "PDSERVE_READINESS_TIMEOUT_MS=3000")
+    p.add_argument("--trace-file", type=Path, default=None,
+                   help="OpenTelemetry spans of every process as JSON lines in this file (emptied first; needs "
+                        "the tracing extra: pip install pdserve[tracing])")
     p.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the deployment to serve")
     p.set_defaults(func=run)
@@ -72,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         extra_env = _parse_env(args.env)
+        if args.trace_file is not None:
+            extra_env.setdefault("PDSERVE_TRACE_FILE", str(_trace_file(args.trace_file)))
         plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
                          weights=args.weights, slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
                          kv_block_tokens=args.kv_block_tokens, kv_tokens=args.kv_tokens,
@@ -160,3 +166,15 @@ def _demo(url: str, shape: str, verify: ssl.SSLContext | bool = True, api_key: s
     print(flush=True)
     print(answer.stats.summary(), flush=True)
     return 0
+
+
+def _trace_file(path: Path) -> Path:
+    """The trace file, absolute (children run elsewhere) and empty, so it holds this run only."""
+    from pdserve_worker import tracing
+
+    if not tracing.available():
+        raise ValueError("--trace-file needs the tracing extra: pip install 'pdserve[tracing]'")
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    return path

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
+from pdserve_worker import tracing
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.layout import KVLayout
 from pdserve_worker.kv.paged import PagedKVCache
@@ -364,9 +365,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where} is not a live grant")
         stream: RequestStream | None = None
         finished = False
+        # A streaming handler: its span is ended by hand (tracing.py on spans across yields).
+        trace = tracing.start_span("decode.generate", {
+            "pdserve.request_id": request.request_id, "pdserve.decode.member": w.settings.member_id,
+            "pdserve.slot": slot, "pdserve.slot.generation": generation, "gen_ai.usage.input_tokens": len(prompt),
+            "pdserve.resumed_tokens": resumed or None}, parent=tracing.extract(context.invocation_metadata()))
+        steps = 0
+        first_step_ns = last_step_ns = 0
         try:
             try:
+                wait_ns = tracing.now_ns()
                 ready = await w.wait_ready(slot, generation, timeout_s)
+                tracing.record("decode.notify_wait", wait_ns, tracing.now_ns(),
+                               {"pdserve.readiness": w.settings.readiness_mode, "pdserve.ready_wait_s": ready.wait_s},
+                               parent=trace)
             except ReadinessTimeout as exc:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
             except SlotNotReserved as exc:
@@ -390,6 +402,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             )
             index = resumed  # a resumed stream goes on at the index where the broken one stopped
             async for out in stream:
+                last_step_ns = tracing.now_ns()
+                first_step_ns = first_step_ns or last_step_ns
+                steps += 1
                 event = worker_pb2.TokenEvent(index=index, text=out.text)
                 if out.token_id is not None:
                     event.token_id = out.token_id
@@ -409,7 +424,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     return
         except RequestFailed as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"{where}: {exc}")
+        except BaseException as exc:
+            trace.record_exception(exc)
+            raise
         finally:
+            if steps:
+                # One span for all the steps, not one per token: the first token came with the KV
+                # (sampled by the prefill), every later one is a decode step in the batch.
+                tracing.record("decode.steps", first_step_ns, last_step_ns, {
+                    "pdserve.decode.steps": steps - 1, "gen_ai.usage.output_tokens": steps,
+                    "pdserve.decode.mean_step_ms": round((last_step_ns - first_step_ns) / 1e6 / (steps - 1), 3)
+                    if steps > 1 else None, "pdserve.finished": finished}, parent=trace)
+            trace.set_attribute("pdserve.finished", finished)
+            trace.end()
             if stream is None:
                 w.slots.release(slot, generation)  # never committed: quarantined (a push may be in flight)
             elif not finished:

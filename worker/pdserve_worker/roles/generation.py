@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
 from dataclasses import dataclass
 
+from pdserve_worker import tracing
 from pdserve_worker.logs import kv
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.roles.backend import Backend, RequestInfo, TokenEvent
@@ -48,8 +50,9 @@ class Generation:
     """
 
     def __init__(self, backend: Backend, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 arrived: float) -> None:
+                 arrived: float, trace: Any = tracing.NOOP) -> None:
         self._backend = backend
+        self.trace = trace  # the request's span (tracing.py): current around every step of the backend
         self._prompt_ids = prompt_ids
         self._params = params
         self.request_id = request_id
@@ -78,7 +81,12 @@ class Generation:
         # aclosing: leaving this block early (finish, cancellation) closes the backend's
         # generator, which is how the backend learns to release the request's slot.
         async with _closing(self._backend.generate(self._prompt_ids, self._params, self.request_id)) as events:
-            async for event in events:
+            while True:
+                with tracing.use(self.trace):  # the backend's spans and gRPC calls join the request's trace
+                    try:
+                        event = await events.__anext__()
+                    except StopAsyncIteration:
+                        break
                 self._on_token(event.info)
                 if event.finish_reason is not None:
                     final = Delta(event.text, FinishReason(event.finish_reason))
@@ -93,6 +101,21 @@ class Generation:
             final = Delta("", FinishReason.STOP)
         self.finish_reason = final.finish_reason
         yield final
+
+    def end_trace(self, outcome: str) -> None:
+        """End the request's span with what it came to (the ledger calls it once)."""
+        info = self.info
+        self.trace.set_attributes({
+            "pdserve.outcome": outcome, "gen_ai.usage.output_tokens": self.completion_tokens,
+            "gen_ai.response.finish_reasons": self.finish_reason,
+            "pdserve.ttft_s": None if self.first_token is None else round(self.first_token - self.arrived, 6),
+            "pdserve.kv.bytes": info.kv_bytes if info is not None else None,
+            "pdserve.prefill.member": getattr(info, "prefill", None), "pdserve.decode.member": getattr(info, "decode", None),
+            "pdserve.resumes": getattr(info, "retries", None),
+        })
+        if outcome != "ok":
+            self.trace.set_error(outcome)
+        self.trace.end()
 
     def _on_token(self, info: RequestInfo | None) -> None:
         now = time.monotonic()

@@ -42,11 +42,13 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker import tracing
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
@@ -95,6 +97,7 @@ class _Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     pusher: KVPusher | None = None
     settled: bool = False  # an outcome was handed to `done` (set on the compute thread)
+    trace: Any = None  # the request's prefill span (tracing.py); children are timed on the compute thread
 
 
 def _mark(exc: BaseException, settled: bool) -> BaseException:
@@ -191,7 +194,7 @@ class PrefillWorker:
         return False
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      targets: list[Grant], num_generated: int) -> PrefillResult:
+                      targets: list[Grant], num_generated: int, trace: Any = None) -> PrefillResult:
         """Queue one prefill on the compute thread and wait for it (the event loop stays free).
 
         Raises `PrefillCancelled` when cancelled; every failure carries `push_settled`."""
@@ -201,7 +204,7 @@ class PrefillWorker:
             raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled before it arrived"), True)
         loop = asyncio.get_running_loop()
         job = self._jobs[key] = _Job(request_id, prompt, params, targets, num_generated, time.perf_counter(), loop,
-                                     loop.create_future())
+                                     loop.create_future(), trace=trace)
         self.queued += 1
         try:
             with self._lock:
@@ -266,21 +269,33 @@ class PrefillWorker:
         if not live:
             return
 
+        chunk_started = [tracing.now_ns()]
+
         def on_chunk(layers: range) -> None:
+            computed_ns = tracing.now_ns()
             for _, job in live:
                 if job.settled:
                     continue
+                tracing.record("prefill.compute", chunk_started[0], computed_ns,
+                               {"pdserve.layers.first": layers.start, "pdserve.layers.count": len(layers),
+                                "pdserve.batch": len(live)}, parent=job.trace)
                 if job.cancelled.is_set():
                     self._fail(job, PrefillCancelled(
                         f"prefill of request {job.request_id} was cancelled at layer {layers.start}"),
                         self._quiesce(job.pusher))
                     continue
+                push_ns = tracing.now_ns()
                 try:
                     job.pusher.push_chunk(layers)
                 except PushError as exc:  # a put failed: whether others still land is unknown
                     self.metrics.observe_transfer_failure()
                     job.pusher.abort()
                     self._fail(job, exc, False)
+                tracing.record("kv.push", push_ns, tracing.now_ns(),
+                               {"pdserve.layers.first": layers.start, "pdserve.layers.count": len(layers),
+                                "pdserve.push.targets": len(job.targets), "pdserve.push.failed": job.settled},
+                               parent=job.trace)
+            chunk_started[0] = tracing.now_ns()
             if all(job.settled for _, job in live):
                 raise _AllEnded
 
@@ -314,7 +329,11 @@ class PrefillWorker:
                 if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
                     raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
                 first = Sampler(job.params).sample(logits[row], job.num_generated)
+                finish_ns = tracing.now_ns()
                 stats = job.pusher.finish({"first_token": first})
+                tracing.record("kv.push.finish", finish_ns, tracing.now_ns(),
+                               {"pdserve.kv.bytes": stats.bytes, "pdserve.push.seconds": stats.seconds},
+                               parent=job.trace)
             except PushError as exc:
                 self.metrics.observe_transfer_failure()
                 job.pusher.abort()
@@ -387,8 +406,28 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             targets = push_targets_from_proto(request)
         except (ValueError, ValidationError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), settled)
+        with tracing.span("prefill", {"pdserve.request_id": request.request_id,
+                                      "pdserve.prefill.member": self.w.settings.member_id,
+                                      "gen_ai.usage.input_tokens": len(prompt),
+                                      "pdserve.resumed_tokens": request.num_generated or None},
+                          parent=tracing.extract(context.invocation_metadata())) as trace:
+            result = await self._prefill(request, prompt, params, targets, context, trace)
+            trace.set_attributes({"pdserve.kv.bytes": result.kv_bytes, "pdserve.push.seconds": result.push_seconds,
+                                  "pdserve.prefix.cached_tokens": result.cached_tokens})
+        return worker_pb2.PrefillReply(
+            first_token=result.first_token,
+            num_tokens=result.num_tokens,
+            kv_bytes=result.kv_bytes,
+            push_seconds=result.push_seconds,
+            prefill_seconds=result.prefill_seconds,
+            cached_tokens=result.cached_tokens,
+        )
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest, prompt: list[int], params: SamplingParams,
+                       targets: list[Grant], context: grpc.aio.ServicerContext, trace: Any) -> PrefillResult:
         try:
-            result = await self.w.prefill(request.request_id, prompt, params, targets, request.num_generated)
+            return await self.w.prefill(request.request_id, prompt, params, targets, request.num_generated,
+                                        trace=trace)
         except PrefillCancelled as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc), settled_trailer(push_settled_of(exc)))
         except PushError as exc:
@@ -400,14 +439,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             log.error(kv(event="prefill_failed", request=request.request_id, error=repr(exc)), exc_info=exc)
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill of request {request.request_id} failed",
                                 settled_trailer(push_settled_of(exc)))
-        return worker_pb2.PrefillReply(
-            first_token=result.first_token,
-            num_tokens=result.num_tokens,
-            kv_bytes=result.kv_bytes,
-            push_seconds=result.push_seconds,
-            prefill_seconds=result.prefill_seconds,
-            cached_tokens=result.cached_tokens,
-        )
+        raise AssertionError("context.abort returned")  # it always raises
 
     async def Cancel(self, request: worker_pb2.CancelPrefillRequest,
                      context: grpc.aio.ServicerContext) -> worker_pb2.CancelPrefillReply:

@@ -43,8 +43,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from pdserve_worker import __version__
+from pdserve_worker import __version__, tracing
 from pdserve_worker.logs import kv
+from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.roles.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
 from pdserve_worker.roles.generation import Delta, Generation
 from pdserve_worker.roles.openai_api import (
@@ -167,6 +168,7 @@ class _Ledger:
         if self._admission is not None and self.ticket is not None:
             # The one release of the request's admission, however it ended.
             self._admission.release(self.ticket, self._gen.completion_tokens)
+        self._gen.end_trace(outcome)
         if not log.isEnabledFor(logging.INFO):
             return True
         gen, timing = self._gen, self._gen.timing()
@@ -309,7 +311,50 @@ class _Router:
         arrived = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # The request's span: a child of the caller's `traceparent` if it sent one. The ledger
+        # ends it once the request is accounted; a request refused before that ends it here.
+        trace = tracing.start_span("router.request", {
+            "pdserve.request_id": request_id, "http.route": request.url.path,
+            "gen_ai.request.model": self.backend.model_name, "pdserve.stream": bool(body.stream)},
+            parent=tracing.extract(request.headers))
+        try:
+            with tracing.use(trace):
+                return await self._serve(request, body, tenant, chat, request_id, arrived, trace)
+        except BaseException as exc:
+            trace.record_exception(exc)
+            trace.end()
+            raise
+
+    async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
+                     chat: bool, request_id: str, arrived: float, trace: Any) -> Response:
         priority, deadline_s = self._admission_headers(request)
+        with tracing.span("router.admission") as admission:  # model, tokenize, limits, sampling parameters
+            prompt_ids, params, max_tokens = await self._admit(body, chat, request_id)
+            admission.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+        trace.set_attributes({"gen_ai.usage.input_tokens": len(prompt_ids), "gen_ai.request.max_tokens": max_tokens,
+                              "pdserve.tenant": tenant.name, "pdserve.priority": priority})
+        gen = Generation(self.backend, prompt_ids, params, request_id, arrived, trace=trace)
+        fmt_type = ChatResponseFormat if chat else ResponseFormat
+        fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
+        ticket = None
+        if self.admission is not None:
+            try:
+                ticket = self.admission.enter(tenant, priority, len(prompt_ids), max_tokens, deadline_s)  # type: ignore[arg-type]
+            except Rejected as exc:
+                self.metrics.observe_rejected(429)
+                log.info(kv(event="request_rejected", request_id=request_id, tenant=tenant.name,
+                            reason=exc.reason.value, retry_after_s=round(exc.retry_after_s, 3)))
+                raise from_rejection(exc, request_id) from None
+        # No await between the ticket and the ledger that releases it.
+        ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
+        if body.stream:
+            return await self._stream(request, gen, fmt, ledger)
+        return await self._complete(request, gen, fmt, ledger)
+
+    async def _admit(self, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                     request_id: str) -> tuple[list[int], SamplingParams, int]:
+        """The prompt's token ids, the sampling parameters and max_tokens; an ApiError (4xx) if
+        the request cannot be served as asked."""
         if body.model != self.backend.model_name:
             raise self.reject(404, f"The model '{body.model}' does not exist; this server serves "
                                    f"'{self.backend.model_name}'", param="model", code="model_not_found")
@@ -328,23 +373,7 @@ class _Router:
         except ValidationError as exc:
             self.metrics.observe_rejected(400)
             raise from_validation_errors(exc.errors()) from None
-        gen = Generation(self.backend, prompt_ids, params, request_id, arrived)
-        fmt_type = ChatResponseFormat if chat else ResponseFormat
-        fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
-        ticket = None
-        if self.admission is not None:
-            try:
-                ticket = self.admission.enter(tenant, priority, len(prompt_ids), max_tokens, deadline_s)  # type: ignore[arg-type]
-            except Rejected as exc:
-                self.metrics.observe_rejected(429)
-                log.info(kv(event="request_rejected", request_id=request_id, tenant=tenant.name,
-                            reason=exc.reason.value, retry_after_s=round(exc.retry_after_s, 3)))
-                raise from_rejection(exc, request_id) from None
-        # No await between the ticket and the ledger that releases it.
-        ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
-        if body.stream:
-            return await self._stream(request, gen, fmt, ledger)
-        return await self._complete(request, gen, fmt, ledger)
+        return prompt_ids, params, max_tokens
 
     async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[int]:
         """Token ids of the prompt; a prompt too long to fit is refused by its length in
@@ -439,7 +468,9 @@ class _Router:
         ticket, admission = ledger.ticket, self.admission
         while True:
             if ticket is not None and admission is not None:
+                queued_ns = tracing.now_ns()
                 await admission.wait_turn(ticket)
+                tracing.record("router.queue", queued_ns, tracing.now_ns(), parent=gen.trace)
             deltas = gen.deltas()
             try:
                 if ticket is None or admission is None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker import tracing
 from pdserve_worker.broker_client import BrokerClient, MembershipView
 from pdserve_worker.logs import kv
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
@@ -257,6 +258,10 @@ class PDBackend(ModelTokenizing):
                 avoid.add(failure.worker_id)
                 log.warning(kv(event="request_retry", request=request_id, retry=retries, failed=failure.worker_id,
                                emitted=len(emitted), error=str(failure.error)))
+                # The resume, in the request's trace: the next attempt span carries `pdserve.retry`.
+                tracing.record("router.resume", tracing.now_ns(), tracing.now_ns(), {
+                    "pdserve.retry": retries, "pdserve.failed.member": failure.worker_id,
+                    "pdserve.resumed_tokens": len(emitted), "error.message": str(failure.error)})
                 if self._metrics is not None:
                     self._metrics.observe_retry()
 
@@ -272,7 +277,20 @@ class PDBackend(ModelTokenizing):
         tokens = prompt_ids + emitted
         sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
         prefill = self._pick_prefill(avoid, tokens)
-        decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
+        # One span per attempt, ended by hand (this is a generator: tracing.py on spans across yields).
+        attempt = tracing.start_span("router.attempt", {
+            "pdserve.request_id": request_id, "pdserve.retry": retries, "pdserve.prefill.member": prefill.worker_id,
+            "pdserve.resumed_tokens": len(emitted) or None})
+        try:
+            with tracing.use(attempt), tracing.span("router.reserve") as reserving:
+                decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
+                reserving.set_attributes({"pdserve.decode.member": decode.worker_id, "pdserve.slot": grant.slot})
+        except BaseException as exc:
+            attempt.record_exception(exc)
+            attempt.end()
+            raise
+        attempt.set_attributes({"pdserve.decode.member": decode.worker_id, "pdserve.slot": grant.slot,
+                                "pdserve.slot.generation": grant.generation})
         call = None
         prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
         info: RequestInfo | None = None
@@ -283,15 +301,16 @@ class PDBackend(ModelTokenizing):
         try:
             decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
             prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
-            call = decode_stub.Generate(worker_pb2.GenerateRequest(
-                request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
-                sampling=sampling, readiness_timeout_ms=self._t.readiness_ms, num_generated=len(emitted),
-            ))
-            prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
-                worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=tokens, sampling=sampling,
-                                          targets=push_targets(grant), num_generated=len(emitted)),
-                timeout=self._t.prefill_s,
-            ))
+            with tracing.use(attempt):  # both calls carry the attempt's traceparent (rpc/channels.py)
+                call = decode_stub.Generate(worker_pb2.GenerateRequest(
+                    request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
+                    sampling=sampling, readiness_timeout_ms=self._t.readiness_ms, num_generated=len(emitted),
+                ))
+                prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
+                    worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=tokens, sampling=sampling,
+                                              targets=push_targets(grant), num_generated=len(emitted)),
+                    timeout=self._t.prefill_s,
+                ))
             lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
             while True:
                 event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
@@ -317,7 +336,11 @@ class PDBackend(ModelTokenizing):
                 yield TokenEvent(event.token_id, event.text, reason, attach)
                 if finished:
                     return
-        except grpc.aio.AioRpcError as exc:
+        except BaseException as exc:
+            if not finished:
+                attempt.record_exception(exc)
+            if not isinstance(exc, grpc.aio.AioRpcError):
+                raise
             error = _decode_error(exc, decode.worker_id, request_id)
             if exc.code() in _RETRYABLE_DECODE:
                 # The decode's readiness wait timing out means the prefill never delivered; an
@@ -326,6 +349,8 @@ class PDBackend(ModelTokenizing):
                 raise _Retryable(culprit, error) from None
             raise error from None
         finally:
+            attempt.set_attribute("pdserve.finished", finished)
+            attempt.end()
             self._inflight_decode[decode.worker_id] -= 1
             self._inflight_prefill[prefill.worker_id] -= 1
             if not finished:

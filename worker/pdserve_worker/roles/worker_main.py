@@ -82,6 +82,9 @@ def served_name(settings: WorkerSettings, folder: Path) -> str:
 
 
 async def run_worker(settings: WorkerSettings) -> int:
+    from pdserve_worker import tracing
+
+    tracing.setup(f"pdserve-{settings.role}", settings.member_id)  # a no-op unless asked for (tracing.py)
     try:
         if settings.role == "router":
             await _run_router(settings)
@@ -92,6 +95,8 @@ async def run_worker(settings: WorkerSettings) -> int:
     except StartupError as exc:
         log.error(kv(event="worker_start_failed", role=settings.role, error=str(exc)))
         return 1
+    finally:
+        tracing.shutdown()  # exports what is still buffered
     return 0
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from pdserve_worker import tracing
 from pdserve_worker.rpc.auth import ServiceAuthInterceptor, TLSConfig, TokenTable, bearer_interceptors
 
 KEEPALIVE_MS = 10_000
@@ -117,9 +118,10 @@ def aio_channel(address: str, token: str, tls: TLSConfig | None = None, *,
                 max_message: int = WORKER_MAX_MESSAGE) -> grpc.aio.Channel:
     """An aio channel to `address` whose every call carries the service's bearer token."""
     options = channel_options(tls, max_message)
+    traced = tracing.client_interceptors() if tracing.enabled() else []  # W3C traceparent on every call
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=bearer_interceptors(token))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(token), options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=[*bearer_interceptors(token), *traced])
+    return grpc.aio.secure_channel(address, tls.channel_credentials(token), options=options, interceptors=traced or None)
 
 
 def aio_server(tokens: TokenTable, *, max_message: int = WORKER_MAX_MESSAGE,
