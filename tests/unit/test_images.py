@@ -105,7 +105,7 @@ def _requirement_names(specs: list[str]) -> dict[str, str]:
 # Import names of the project dependencies the operator image leaves out.
 NOT_IN_OPERATOR_IMAGE = {"torch": "torch", "numpy": "numpy", "gguf": "gguf", "safetensors": "safetensors",
                          "tokenizers": "tokenizers", "jinja2": "jinja2", "fastapi": "fastapi", "uvicorn": "uvicorn",
-                         "httpx": "httpx", "prometheus-client": "prometheus_client", "cryptography": "cryptography"}
+                         "httpx": "httpx", "cryptography": "cryptography"}
 
 
 def test_operator_requirements_are_the_project_ranges() -> None:
