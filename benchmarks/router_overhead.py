@@ -8,7 +8,11 @@ same backend consumed in-process with no HTTP at all. Prints medians over repeat
                         thread, the disconnect watcher, JSON) vs. GET /health on the same server
     per-token cost    = streaming time per token through the router vs. in-process
 
-Usage: python benchmarks/router_overhead.py [--tokens 256] [--repeats 15]
+Tracing: a second router with tracing on (sampling 1.0, spans exported as JSON lines to a
+temporary file; needs the tracing extra) is measured in the same run, its requests interleaved
+with the first one's, so "off vs on" shares the machine's load.
+
+Usage: python benchmarks/router_overhead.py [--tokens 256] [--repeats 15] [--no-tracing]
 """
 
 from __future__ import annotations
@@ -51,10 +55,15 @@ class InstantBackend:
 
 
 def serve(port: int) -> None:
+    from pdserve_worker import tracing
     from pdserve_worker.roles.router_app import create_app
     from pdserve_worker.roles.router_server import serve_router
 
-    serve_router(create_app(InstantBackend()), "127.0.0.1", port, grace_s=1)
+    tracing.setup("pdserve-router", "bench")  # on when PDSERVE_TRACE_FILE is set (the traced router)
+    try:
+        serve_router(create_app(InstantBackend()), "127.0.0.1", port, grace_s=1)
+    finally:
+        tracing.shutdown()
 
 
 def in_process_seconds(tokens: int) -> float:
@@ -67,62 +76,112 @@ def in_process_seconds(tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Router:
+    """One router child process and its measurements."""
+
+    def __init__(self, name: str, extra_env: dict[str, str]) -> None:
+        import httpx
+
+        self.name = name
+        self.port = free_port()
+        env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING", **extra_env}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(self.port)], env=env)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+        self.one: list[float] = []
+        self.health: list[float] = []
+        self.streamed: list[float] = []
+
+    def wait_ready(self) -> None:
+        import httpx
+
+        for _ in range(400):
+            try:
+                self.client.get("/health")
+                return
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise RuntimeError(f"router {self.name} did not start")
+
+    def measure_once(self, tokens: int) -> None:
+        start = time.perf_counter()
+        self.client.get("/health")
+        self.health.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        r = self.client.post("/v1/completions", json={"model": "instant", "prompt": "x", "max_tokens": 1})
+        self.one.append(time.perf_counter() - start)
+        assert r.status_code == 200, r.text
+        body = {"model": "instant", "prompt": "x", "max_tokens": tokens, "stream": True}
+        start = time.perf_counter()
+        with self.client.stream("POST", "/v1/completions", json=body) as r:
+            chunks = sum(1 for line in r.iter_lines() if line.startswith("data: {"))
+        self.streamed.append(time.perf_counter() - start)
+        assert chunks == tokens + 1, chunks  # one per token, then the finish chunk
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--no-tracing", action="store_true", help="measure only the router without tracing")
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
         serve(args.serve)
         return
 
-    import httpx
+    import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], env=env)
-    url = f"http://127.0.0.1:{port}"
+    from pdserve_worker import tracing
+
+    spans = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "spans.jsonl"
+    routers = [Router("tracing off", {})]
+    if not args.no_tracing:
+        if not tracing.available():
+            raise SystemExit("the tracing comparison needs the tracing extra (pip install 'pdserve[tracing]'), "
+                             "or pass --no-tracing")
+        routers.append(Router("tracing on (sampling 1.0)", {"PDSERVE_TRACE_FILE": str(spans),
+                                                            "PDSERVE_TRACING_SAMPLE_RATIO": "1.0"}))
+    baseline: list[float] = []
     try:
-        with httpx.Client(base_url=url, timeout=30) as client:
-            for _ in range(200):
-                try:
-                    client.get("/health")
-                    break
-                except httpx.TransportError:
-                    time.sleep(0.05)
-            one, health, streamed, baseline = [], [], [], []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                client.get("/health")
-                health.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                r = client.post("/v1/completions", json={"model": "instant", "prompt": "x", "max_tokens": 1})
-                one.append(time.perf_counter() - start)
-                assert r.status_code == 200, r.text
-                body = {"model": "instant", "prompt": "x", "max_tokens": args.tokens, "stream": True}
-                start = time.perf_counter()
-                with client.stream("POST", "/v1/completions", json=body) as r:
-                    chunks = sum(1 for line in r.iter_lines() if line.startswith("data: {"))
-                streamed.append(time.perf_counter() - start)
-                assert chunks == args.tokens + 1, chunks  # one per token, then the finish chunk
-                baseline.append(in_process_seconds(args.tokens))
+        for router in routers:
+            router.wait_ready()
+        for _ in range(args.repeats):
+            for router in routers:  # interleaved: both see the same load
+                router.measure_once(args.tokens)
+            baseline.append(in_process_seconds(args.tokens))
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        for router in routers:
+            router.close()
 
-    req_ms = statistics.median(one) * 1000
-    health_ms = statistics.median(health) * 1000
-    tok_router_us = statistics.median(streamed) / args.tokens * 1e6
     tok_base_us = statistics.median(baseline) / args.tokens * 1e6
-    print(f"1-token completion: median {req_ms:.2f} ms; GET /health baseline {health_ms:.2f} ms; "
-          f"router work {req_ms - health_ms:.2f} ms, ratio {req_ms / health_ms:.2f}x")
-    print(f"per streamed token: router {tok_router_us:.1f} us, in-process baseline {tok_base_us:.1f} us, "
-          f"ratio {tok_router_us / tok_base_us:.0f}x")
-    print(f"router streaming ceiling: {1e6 / tok_router_us:,.0f} tokens/s per stream "
-          f"(a CPU decode step of 10-40 ms is 10-40k us)")
+    results = {}
+    for router in routers:
+        req_ms = statistics.median(router.one) * 1000
+        health_ms = statistics.median(router.health) * 1000
+        tok_router_us = statistics.median(router.streamed) / args.tokens * 1e6
+        results[router.name] = (req_ms, tok_router_us)
+        print(f"[{router.name}] 1-token completion: median {req_ms:.2f} ms; GET /health baseline {health_ms:.2f} ms; "
+              f"router work {req_ms - health_ms:.2f} ms, ratio {req_ms / health_ms:.2f}x")
+        print(f"[{router.name}] per streamed token: router {tok_router_us:.1f} us, in-process baseline "
+              f"{tok_base_us:.1f} us, ratio {tok_router_us / tok_base_us:.0f}x; streaming ceiling "
+              f"{1e6 / tok_router_us:,.0f} tokens/s per stream")
+    if len(results) == 2:
+        (off_req, off_tok), (on_req, on_tok) = results.values()
+        lines = spans.read_text().splitlines() if spans.exists() else []
+        print(f"tracing on vs off: 1-token completion {on_req / off_req:.3f}x ({on_req - off_req:+.2f} ms), "
+              f"per streamed token {on_tok / off_tok:.3f}x ({on_tok - off_tok:+.1f} us); "
+              f"{len(lines)} spans exported")
 
 
 if __name__ == "__main__":

@@ -72,11 +72,20 @@ NOOP = _NoopSpan()
 class _Span:
     """A thin handle over an SDK span (so callers never import opentelemetry)."""
 
-    __slots__ = ("otel", "ended")
+    __slots__ = ("otel", "ended", "_context")
 
     def __init__(self, otel: Any) -> None:
         self.otel = otel
         self.ended = False
+        self._context: Any = None
+
+    def context(self) -> Any:
+        """The OpenTelemetry context with this span current (made once: `use` runs per token)."""
+        if self._context is None:
+            from opentelemetry import trace
+
+            self._context = trace.set_span_in_context(self.otel)
+        return self._context
 
     def set_attribute(self, key: str, value: Any) -> None:
         if value is not None:
@@ -114,6 +123,7 @@ class _Tracing:
 
 _state: _Tracing | None = None
 _lock = threading.Lock()
+_otel_context: Any = None  # opentelemetry.context, once tracing is on
 
 
 def enabled() -> bool:
@@ -154,6 +164,10 @@ def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None
         log.warning(kv(event="tracing_unavailable", endpoint=endpoint, file=path,
                        detail="install the tracing extra (pip install pdserve[tracing]); serving without traces"))
         return False
+    global _otel_context
+    from opentelemetry import context as otel_context
+
+    _otel_context = otel_context
     with _lock:
         if _state is not None:
             return True
@@ -207,40 +221,66 @@ def now_ns() -> int:
     return time.time_ns() if _state is not None else 0
 
 
-@contextlib.contextmanager
-def span(name: str, attributes: Mapping[str, Any] | None = None, parent: Any = None) -> Iterator[Any]:
+class _Off:
+    """The context manager `span` and `use` return while tracing is off: one shared object, so
+    the per-token path costs an attribute lookup, not a generator (benchmarks/router_overhead.py)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NoopSpan:
+        return NOOP
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_OFF = _Off()
+
+
+def span(name: str, attributes: Mapping[str, Any] | None = None, parent: Any = None) -> Any:
     """A span around a block (no `yield` of a generator inside it), current within the block;
     an exception leaving the block marks it failed."""
     if _state is None:
-        yield NOOP
-        return
+        return _OFF
+    return _span_on(name, attributes, parent)
+
+
+@contextlib.contextmanager
+def _span_on(name: str, attributes: Mapping[str, Any] | None, parent: Any) -> Iterator[Any]:
+    assert _state is not None
     with _state.tracer.start_as_current_span(name, context=_context_of(parent), attributes=_clean(attributes),
                                              record_exception=True, set_status_on_exception=True) as otel:
         yield _Span(otel)
 
 
-@contextlib.contextmanager
-def use(handle: Any) -> Iterator[None]:
+def use(handle: Any) -> Any:
     """Make `handle` (a span from `start_span`) current within the block, without ending it."""
     if _state is None or not isinstance(handle, _Span):
-        yield
-        return
-    from opentelemetry import context, trace
+        return _OFF
+    return _use_on(handle)
 
-    token = context.attach(trace.set_span_in_context(handle.otel))
-    try:
-        yield
-    finally:
-        context.detach(token)
+
+class _use_on:  # noqa: N801 - used like the function it replaces
+    """Attach on enter, detach on exit (a class, not a generator: it runs once per token)."""
+
+    __slots__ = ("_span", "_token")
+
+    def __init__(self, handle: _Span) -> None:
+        self._span = handle
+        self._token: Any = None
+
+    def __enter__(self) -> None:
+        self._token = _otel_context.attach(self._span.context())
+
+    def __exit__(self, *exc: object) -> None:
+        _otel_context.detach(self._token)
 
 
 def _context_of(parent: Any) -> Any:
     if parent is None:
         return None
     if isinstance(parent, _Span):
-        from opentelemetry import trace
-
-        return trace.set_span_in_context(parent.otel)
+        return parent.context()
     if isinstance(parent, _NoopSpan):
         return None
     return parent  # a Context from extract()
