@@ -59,7 +59,7 @@ def serve(port: int) -> None:
     from pdserve_worker.roles.router_app import create_app
     from pdserve_worker.roles.router_server import serve_router
 
-    tracing.setup("pdserve-router", "bench")  # on when PDSERVE_TRACE_FILE is set (the traced router)
+    tracing.setup("pdserve-router", "bench", edge=True)  # on when PDSERVE_TRACE_FILE is set (the traced router)
     try:
         serve_router(create_app(InstantBackend()), "127.0.0.1", port, grace_s=1)
     finally:

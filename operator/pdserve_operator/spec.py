@@ -616,8 +616,8 @@ class TracingSpec(Model):
     )
     sample_ratio: float = Field(
         1.0, ge=0.0, le=1.0,
-        description="Fraction of requests traced, decided at the router (an incoming sampled traceparent is "
-        "honoured); prefill and decode follow the router's decision.",
+        description="Fraction of requests traced, decided at the router by trace id (a client's traceparent "
+        "links the trace but cannot force it to be recorded); prefill and decode follow the router's decision.",
     )
 
 

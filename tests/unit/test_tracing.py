@@ -142,3 +142,22 @@ def test_spec_observability_tracing_reaches_every_pod() -> None:
     for bad in ({"endpoint": "otel:4317"}, {"endpoint": "http://otel:4317", "sampleRatio": 2}):
         with pytest.raises(ValueError):
             s.parse_spec({"observability": {"tracing": bad}})
+
+
+def test_at_the_edge_a_clients_sampled_flag_does_not_force_recording(tmp_path) -> None:
+    """The router: a client cannot make every request traced; the ratio decides by trace id."""
+    path = tmp_path / "e.jsonl"
+    tracing.setup("pdserve-router", env={E.TRACE_FILE: str(path), E.TRACING_SAMPLE_RATIO: "0"}, edge=True)
+    try:
+        sampled = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+        tracing.start_span("forced-by-client", parent=tracing.extract(sampled)).end()
+    finally:
+        tracing.shutdown()
+    assert read(path) == []
+    tracing.setup("pdserve-router", env={E.TRACE_FILE: str(path), E.TRACING_SAMPLE_RATIO: "1"}, edge=True)
+    try:
+        tracing.start_span("linked", parent=tracing.extract(sampled)).end()
+    finally:
+        tracing.shutdown()
+    [span] = read(path)
+    assert span["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736" and span["parent_span_id"] == "00f067aa0ba902b7"

@@ -140,12 +140,17 @@ def available() -> bool:
         return False
 
 
-def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None) -> bool:
+def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None, *, edge: bool = False) -> bool:
     """Turn tracing on for this process if the environment asks for it; True when it is on.
 
     `service` names the process's role (`pdserve-router`, `pdserve-prefill`, ...), `instance`
     the member id. An endpoint or file set without the extra installed is logged, not fatal:
     serving matters more than its traces.
+
+    `edge` (the router): callers are untrusted, so a client's sampled `traceparent` links the
+    trace but does not force it to be recorded; the ratio still decides (by trace id), else any
+    client could have every request traced and exported. Workers (`edge` False) follow the
+    router's decision, which reaches them only over the service's authenticated gRPC.
     """
     global _state
     env = os.environ if env is None else env
@@ -172,7 +177,9 @@ def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None
         if _state is not None:
             return True
         resource = Resource.create({"service.name": service, "service.instance.id": instance or service})
-        provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio)))
+        by_ratio = TraceIdRatioBased(ratio)
+        sampler = ParentBased(by_ratio, remote_parent_sampled=by_ratio) if edge else ParentBased(by_ratio)
+        provider = TracerProvider(resource=resource, sampler=sampler)
         if path:
             # Short delay: a file is read by a person or a test right after the request.
             provider.add_span_processor(BatchSpanProcessor(JsonLinesExporter(path), schedule_delay_millis=200))

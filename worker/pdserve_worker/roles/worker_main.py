@@ -84,7 +84,8 @@ def served_name(settings: WorkerSettings, folder: Path) -> str:
 async def run_worker(settings: WorkerSettings) -> int:
     from pdserve_worker import tracing
 
-    tracing.setup(f"pdserve-{settings.role}", settings.member_id)  # a no-op unless asked for (tracing.py)
+    # A no-op unless asked for (tracing.py); the router (and colocated) face clients: the edge.
+    tracing.setup(f"pdserve-{settings.role}", settings.member_id, edge=settings.role in ("router", "colocated"))
     try:
         if settings.role == "router":
             await _run_router(settings)
