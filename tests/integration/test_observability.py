@@ -218,6 +218,21 @@ def test_operator_reports_replicas_by_role_and_reconciles(operator_series) -> No
     assert operator_series["pdserve_operator_reconciles_total"]["result"] == {"ok", "invalid", "error"}
 
 
+def test_pdserve_top_shows_the_running_deployment(local, router_series) -> None:
+    import subprocess
+
+    from local_run import cli, cli_env
+
+    out = subprocess.run(cli("top", "--url", local.url, "--interval", "0.5", "--once"), capture_output=True,
+                         text=True, env=cli_env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "workers reachable   prefill 1  decode 2" in out.stdout
+    assert out.stdout.count("decode-") >= 2  # the KV slot rows of both decodes
+    bad = subprocess.run(cli("top", "--url", "http://127.0.0.1:1", "--once"), capture_output=True, text=True,
+                         env=cli_env(), timeout=60)
+    assert bad.returncode == 1 and "cannot read metrics" in bad.stderr
+
+
 # ---- tracing -------------------------------------------------------------------------------------
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

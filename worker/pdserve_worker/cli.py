@@ -18,6 +18,7 @@ COMMANDS: tuple[str, ...] = (
     "protos",
     "complete",
     "chat",
+    "top",
     "crd",
     "operator",
     "generate",
