@@ -152,12 +152,16 @@ def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None
     client could have every request traced and exported. Workers (`edge` False) follow the
     router's decision, which reaches them only over the service's authenticated gRPC.
     """
-    global _state
+    global _state, _otel_context
     env = os.environ if env is None else env
     endpoint, path = env.get(ENV_ENDPOINT, "").strip(), env.get(ENV_FILE, "").strip()
     if not endpoint and not path:
         return False
-    ratio = float(env.get(ENV_SAMPLE_RATIO, "1.0") or "1.0")
+    raw_ratio = env.get(ENV_SAMPLE_RATIO, "1.0") or "1.0"
+    try:
+        ratio = float(raw_ratio)
+    except ValueError:
+        raise ValueError(f"{ENV_SAMPLE_RATIO} must be a number within [0, 1], got {raw_ratio!r}") from None
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"{ENV_SAMPLE_RATIO} must be within [0, 1], got {ratio}")
     try:
@@ -165,11 +169,13 @@ def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError:
         log.warning(kv(event="tracing_unavailable", endpoint=endpoint, file=path,
                        detail="install the tracing extra (pip install pdserve[tracing]); serving without traces"))
         return False
-    global _otel_context
     from opentelemetry import context as otel_context
 
     _otel_context = otel_context
@@ -183,9 +189,7 @@ def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None
         if path:
             # Short delay: a file is read by a person or a test right after the request.
             provider.add_span_processor(BatchSpanProcessor(JsonLinesExporter(path), schedule_delay_millis=200))
-        if endpoint:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+        if endpoint:  # OTLP/gRPC; an http:// endpoint is plaintext, https:// TLS (the exporter's rule)
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         _state = _Tracing(provider, provider.get_tracer("pdserve"))
     log.info(kv(event="tracing_on", service=service, endpoint=endpoint, file=path, sample_ratio=ratio))
@@ -388,6 +392,9 @@ def _exporter_base() -> type:
 
 class JsonLinesExporter:
     """Appends one JSON object per span to a file; several processes may share the file.
+
+    (The class is built when first used: its base class is the SDK's, and this module must
+    import without the SDK.)
 
     Each batch is one `write` on a descriptor opened with O_APPEND, so lines of different
     processes never interleave within a line (Linux appends each write whole on a local file).
