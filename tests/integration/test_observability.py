@@ -43,9 +43,11 @@ from chart_tools import CHART, by_kind, render  # noqa: E402
 pytestmark = pytest.mark.slow
 
 # Labels Prometheus (prometheus-operator) puts on every scraped series; `pdis` comes from the
-# routers' ServiceMonitor relabeling (tests/unit/test_observability_chart.py checks it is there).
+# relabeling of the routers' ServiceMonitor and the workers' PodMonitor
+# (tests/unit/test_observability_chart.py checks both are there).
 TARGET_LABELS = {"namespace", "service", "pod", "container", "endpoint", "job", "instance"}
 ROUTER_TARGET_LABELS = TARGET_LABELS | {"pdis"}
+WITH_PDIS = ("pdserve_router_", "pdserve_prefill_", "pdserve_decode_", "pdserve_kv_")
 
 
 def declared_labels(registry: Any) -> dict[str, tuple[str, ...]]:
@@ -128,6 +130,22 @@ def router_series(local) -> dict[str, dict[str, set[str]]]:
 
 
 @pytest.fixture(scope="module")
+def worker_series(local, router_series) -> dict[str, dict[str, set[str]]]:
+    """The prefill's and the decodes' /metrics (after the router fixture's request)."""
+    from pdserve_worker.roles.worker_metrics import WorkerMetrics
+
+    out: dict[str, dict[str, set[str]]] = {}
+    for name in ("prefill-0", "decode-0", "decode-1"):
+        role = name.split("-")[0]
+        text = httpx.get(f"http://{local.child(name)['http']}/metrics", timeout=30).text
+        for sample, labels in scraped(text, declared_labels(WorkerMetrics(role).registry)).items():
+            merged = out.setdefault(sample, {})
+            for k, v in labels.items():
+                merged.setdefault(k, set()).update(v)
+    return out
+
+
+@pytest.fixture(scope="module")
 def operator_series() -> dict[str, dict[str, set[str]]]:
     from kube_fake import fake_kube, service
 
@@ -179,7 +197,7 @@ def missing(exprs: list[str], series: dict[str, dict[str, set[str]]]) -> list[st
                 problems.append(f"{sel.metric}: no such series (in {expr!r})")
                 continue
             have = set(series[sel.metric])
-            extra = ROUTER_TARGET_LABELS if sel.metric.startswith("pdserve_router_") else TARGET_LABELS
+            extra = ROUTER_TARGET_LABELS if sel.metric.startswith(WITH_PDIS) else TARGET_LABELS
             labels_of_expr |= have | extra
             for label, matchers in sel.matchers.items():
                 if label not in have | extra:
@@ -194,8 +212,9 @@ def missing(exprs: list[str], series: dict[str, dict[str, set[str]]]) -> list[st
     return problems
 
 
-def test_every_series_and_label_the_dashboard_and_rules_use_is_exposed(router_series, operator_series) -> None:
-    series = {**router_series, **operator_series}
+def test_every_series_and_label_the_dashboard_and_rules_use_is_exposed(router_series, worker_series,
+                                                                       operator_series) -> None:
+    series = {**router_series, **worker_series, **operator_series}
     exprs = dashboard_exprs() + rule_exprs()
     assert len(exprs) > 25
     assert missing(exprs, series) == []
@@ -204,6 +223,8 @@ def test_every_series_and_label_the_dashboard_and_rules_use_is_exposed(router_se
     assert missing(['sum by (decode) (pdserve_router_prompt_tokens_total)'], series)
     assert missing(['pdserve_router_time_to_first_token_seconds_bucket{le="2.4"}'], series)
     assert missing(['pdserve_operator_replicas_ready{rol="decode"}'], series)
+    used = {s.metric for e in exprs for s in promcheck.uses(e).selectors}
+    assert {"pdserve_prefill_queue_length", "pdserve_decode_running_requests"} <= used  # workers' too
 
 
 def test_router_reports_members_and_in_flight_by_role(router_series) -> None:
@@ -318,7 +339,7 @@ def test_a_resumed_request_shows_the_resume_in_the_same_trace(local) -> None:
     killed: list[str] = []
     with httpx.stream("POST", f"{local.url}/v1/completions", timeout=120,
                       headers={"traceparent": f"00-{trace}-b7ad6b7169203331-01"},
-                      json={"model": model_id(local), "prompt": "resume me", "max_tokens": 200,
+                      json={"model": model_id(local), "prompt": "resume me", "max_tokens": 240,
                             "temperature": 0, "stream": True, "ignore_eos": True}) as reply:
         assert reply.status_code == 200
         chunks = 0
@@ -326,11 +347,18 @@ def test_a_resumed_request_shows_the_resume_in_the_same_trace(local) -> None:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunks += 1
-            if chunks == 3:
-                busy = [n for n in ("decode-0", "decode-1") if decode_busy(local, n)]
-                assert busy, "no decode was serving the request"
-                os.kill(local.child(busy[0])["pid"], signal.SIGKILL)
-                killed.append(busy[0])
+            if chunks == 2:
+                # Freeze both decodes at once (the tiny model would finish before a Status call),
+                # then wake them one by one: the one holding the request is killed as soon as found.
+                decodes = ["decode-0", "decode-1"]
+                for name in decodes:
+                    os.kill(local.child(name)["pid"], signal.SIGSTOP)
+                for name in decodes:
+                    os.kill(local.child(name)["pid"], signal.SIGCONT)
+                    if not killed and decode_busy(local, name):
+                        os.kill(local.child(name)["pid"], signal.SIGKILL)
+                        killed.append(name)
+                assert killed, "no decode was serving the request"
     assert killed
     spans = spans_of(local, trace, lambda s: len(by_name(s, "router.attempt")) == 2
                      and by_name(s, "router.request") and by_name(s, "decode.steps"))

@@ -77,6 +77,9 @@ def test_operator_serves_metrics_and_the_monitors_scrape_it_and_label_routers_by
     assert routers["spec"]["endpoints"][0]["relabelings"] == [
         {"sourceLabels": ["__meta_kubernetes_service_label_app_kubernetes_io_instance"], "targetLabel": "pdis"}]
     assert operator["spec"]["endpoints"][0]["port"] == "metrics"
+    [pods] = by_kind(objects, "PodMonitor")
+    assert pods["spec"]["podMetricsEndpoints"][0]["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"], "targetLabel": "pdis"}]
     assert operator["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
     assert operator["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
 
@@ -90,7 +93,8 @@ def test_rules_pass_the_ported_promtool_checks() -> None:
     alerts = {r["alert"] for g in spec["groups"] for r in g["rules"]}
     assert alerts >= {"PdserveSLOBurnTTFTFast", "PdserveSLOBurnTTFTSlow", "PdserveSLOBurnTPOTFast",
                       "PdserveSLOBurnTPOTSlow", "PdserveKVSaturated", "PdserveKVTransferFailures",
-                      "PdserveNoReadyPrefill", "PdserveNoReadyDecode", "PdserveReconcileErrors"}
+                      "PdserveNoReadyPrefill", "PdserveNoReadyDecode", "PdserveReconcileErrors",
+                      "PdserveKVTransferFailuresOnWorkers", "PdservePrefillQueueBacklog"}
 
 
 def test_slo_thresholds_come_from_values() -> None:
