@@ -273,6 +273,7 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> Non
     assert [s for s in spans if s["parent_span_id"] not in ids] == [root], "exactly one root, under the client's span"
     assert {s["service"] for s in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
     [admission] = by_name(spans, "router.admission")
+    [queue] = by_name(spans, "router.queue")  # the admission queue's wait for a KV reservation
     [attempt] = by_name(spans, "router.attempt")
     [reserve] = by_name(spans, "router.reserve")
     [prefill] = by_name(spans, "prefill")
@@ -282,7 +283,8 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> Non
     [finish] = by_name(spans, "kv.push.finish")
     parent = {s["name"]: ids[s["parent_span_id"]]["name"] for s in spans if s is not root and s["name"] not in
               ("prefill.compute", "kv.push")}
-    assert parent == {"router.admission": "router.request", "router.attempt": "router.request",
+    assert parent == {"router.admission": "router.request", "router.queue": "router.request",
+                      "router.attempt": "router.request",
                       "router.reserve": "router.attempt", "prefill": "router.attempt",
                       "decode.generate": "router.attempt", "decode.notify_wait": "decode.generate",
                       "decode.steps": "decode.generate", "kv.push.finish": "prefill"}
@@ -291,7 +293,7 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> Non
     assert len(computes) == len(pushes) == layers // LAYERS_PER_CHUNK
     assert {ids[s["parent_span_id"]]["name"] for s in computes + pushes} == {"prefill"}
     assert sorted(s["attributes"]["pdserve.layers.first"] for s in pushes) == list(range(0, layers, LAYERS_PER_CHUNK))
-    for child in [admission, attempt, reserve, prefill, decode, wait, steps, finish, *computes, *pushes]:
+    for child in [admission, queue, attempt, reserve, prefill, decode, wait, steps, finish, *computes, *pushes]:
         assert within(child, ids[child["parent_span_id"]]), child["name"]
     # The attributes the issue asks for.
     assert root["attributes"]["gen_ai.request.model"] == model_id(local)
