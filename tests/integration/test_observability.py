@@ -86,6 +86,7 @@ def local(tiny_model_dir, tmp_path_factory):
         logs, "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
         "--slots", "2", "--max-len", "256", "--layers-per-chunk", str(LAYERS_PER_CHUNK), "--port", "0",
         "--threads", "1", "--on-exit", "ignore", "--trace-file", str(logs / "spans.jsonl"),
+        "--prefix-cache-tokens", "256",  # the dashboard's prefix cache panels read its metrics
     )
     run.trace_file = logs / "spans.jsonl"  # type: ignore[attr-defined]
     yield run
@@ -225,6 +226,13 @@ def test_every_series_and_label_the_dashboard_and_rules_use_is_exposed(router_se
     assert missing(['pdserve_operator_replicas_ready{rol="decode"}'], series)
     used = {s.metric for e in exprs for s in promcheck.uses(e).selectors}
     assert {"pdserve_prefill_queue_length", "pdserve_decode_running_requests"} <= used  # workers' too
+    # #16's KV blocks and prefix cache: KV tokens (routers' and decodes'), prefix hit ratio, routing.
+    assert {"pdserve_router_decode_kv_tokens_used", "pdserve_router_decode_kv_tokens_total",
+            "pdserve_decode_kv_tokens_used", "pdserve_decode_kv_tokens_total",
+            "pdserve_prefill_prefix_hit_tokens_total", "pdserve_prefill_prefix_query_tokens_total",
+            "pdserve_prefill_prefix_cached_tokens", "pdserve_router_prefix_routed_total"} <= used
+    assert {"pdserve_router_decode_kv_tokens_used"} <= {s.metric for e in rule_exprs()
+                                                         for s in promcheck.uses(e).selectors}
 
 
 def test_router_reports_members_and_in_flight_by_role(router_series) -> None:
