@@ -27,6 +27,7 @@ import pytest
 from local_run import LocalRun, pid_alive
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker.model.tiny import write_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +36,18 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", "A language model p
 
 
 @pytest.fixture(scope="module")
-def local(tiny_model_dir, tmp_path_factory):
+def slow_model_dir(tmp_path_factory):
+    """The tiny model with 16 layers: its streams last ~4x longer, so a fault fired at the third
+    chunk still meets the request on a decode (with 4 layers a loaded machine once saw the
+    decode finish all 160 tokens before the client had read three chunks)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-16-layers"), num_layers=16)
+
+
+@pytest.fixture(scope="module")
+def local(slow_model_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-faults"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "2", "--decode", "2",
+        "--model", str(slow_model_dir), "--dtype", "float32", "--prefill", "2", "--decode", "2",
         "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
         "--threads", "1", "--on-exit", "restart",
         "--env", "PDSERVE_READINESS_TIMEOUT_MS=3000", "--env", "PDSERVE_TRANSFER_TIMEOUT_MS=2000",

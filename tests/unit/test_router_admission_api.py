@@ -43,8 +43,9 @@ class SlotBackend:
     model_name = "slot-model"
     max_model_len = 4096
 
-    def __init__(self, slots: int, tokens: int = 4, delay_s: float = 0.02) -> None:
+    def __init__(self, slots: int, tokens: int = 4, delay_s: float = 0.02, gate: threading.Event | None = None) -> None:
         self.slots = slots
+        self.gate = gate  # when given, a request holds its slot (before its first token) until the gate opens
         self.tokens = tokens
         self.delay_s = delay_s
         self.used = 0
@@ -67,6 +68,8 @@ class SlotBackend:
             self.peak = max(self.peak, self.used)
         try:
             capacity_held()
+            while self.gate is not None and not self.gate.is_set():  # set from the test's thread
+                await asyncio.sleep(0.005)
             count = min(self.tokens, params.max_tokens)
             for i in range(count):
                 await asyncio.sleep(self.delay_s)
@@ -146,7 +149,10 @@ def test_401_in_openai_shape_and_the_key_never_logged(serve, caplog):
 
 
 def test_429_queue_full_in_openai_shape_with_retry_after(serve):
-    backend = SlotBackend(slots=1, tokens=40, delay_s=0.02)
+    # The running request holds its slot until the 429 is seen: however slow the machine, the
+    # queue is still full when the third request arrives (a timed request once finished first).
+    gate = threading.Event()
+    backend = SlotBackend(slots=1, tokens=4, delay_s=0.02, gate=gate)
     url, admission = serve(backend, AdmissionConfig(capacity=1))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
@@ -156,12 +162,16 @@ def test_429_queue_full_in_openai_shape_with_retry_after(serve):
                 r = await http.post("/v1/completions", json={"model": "slot-model", "prompt": "p", "max_tokens": 40})
                 return r.status_code
             running = asyncio.create_task(one())
-            await asyncio.sleep(0.1)
+            while backend.used < 1:
+                await asyncio.sleep(0.01)
             waiting = asyncio.create_task(one())
             while admission.waiting() < 1:
                 await asyncio.sleep(0.01)
-            with pytest.raises(openai.RateLimitError) as caught:
-                await asyncio.to_thread(client.completions.create, model="slot-model", prompt="p", max_tokens=2)
+            try:
+                with pytest.raises(openai.RateLimitError) as caught:
+                    await asyncio.to_thread(client.completions.create, model="slot-model", prompt="p", max_tokens=2)
+            finally:
+                gate.set()
             err = caught.value
             assert err.status_code == 429 and err.code == "queue_full"
             assert err.body["type"] == "rate_limit_error" and "queue is full" in err.message
