@@ -132,7 +132,7 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
                  what=f"{kind}/{cname} repaired")
 
     autoscaling_scenario(cluster, broker, namespace, name)
-    cluster.kubectl("delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=20s")
+    cluster.kubectl("delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=60s")  # the operator's finalizer runs first: slow under load
     assert cluster.get("PDInferenceService", namespace, name) is None
 
 
