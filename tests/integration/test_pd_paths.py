@@ -196,7 +196,7 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
         engines.append(d_backend)
         decode = DecodeWorker(d_settings, loaded, d_backend, REVISION)
         workers.append(decode)
-        decode.start()
+        await decode.start()
         await serve(d_settings, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s))
         await join(decode.member_info(), decode.load)
 
@@ -338,7 +338,7 @@ async def test_a_prefill_that_is_down_fails_the_request_and_releases_the_grant(l
     async with cluster(loaded, prefill="down") as c:
         with pytest.raises(BackendUnavailable, match="prefill-0"):
             await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
-        await eventually(lambda: c.decode.busy_slots() == 0)
+        await eventually(lambda: c.decode.busy() == 0)
 
 
 @pytest.mark.asyncio
@@ -372,9 +372,9 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot(loaded):
         stream = c.backend.generate([5, 6, 7], SamplingParams(max_tokens=MAX_LEN - 4, ignore_eos=True), "leaver")
         first = await anext(stream)
         assert first.finish_reason is None
-        assert c.decode.busy_slots() == 1
+        assert c.decode.busy() == 1
         await stream.aclose()
-        await eventually(lambda: c.decode.busy_slots() == 0 and c.decode.loop.active == 0)
+        await eventually(lambda: c.decode.busy() == 0 and c.decode.loop.active == 0)
         assert c.decode.slots.usage().free == SLOTS  # committed slots come back free, not quarantined
 
 
@@ -444,7 +444,7 @@ async def test_when_every_prefill_fails_the_error_says_no_worker_was_left(loaded
         with pytest.raises(BackendUnavailable, match="no other worker could take request req-1 over") as raised:
             await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
         assert "prefill-1" in str(raised.value)
-        await eventually(lambda: c.decode.busy_slots() == 0)
+        await eventually(lambda: c.decode.busy() == 0)
 
 
 @pytest.mark.asyncio

@@ -33,12 +33,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker import tracing
 from pdserve_worker.kv.cache import KVCache
@@ -86,15 +87,49 @@ class Ready:
     wait_s: float
 
 
-class DecodeWorker:
-    """The state of one decode worker; the gRPC servicer and the HTTP endpoints call into it."""
+class GroupHooks(Protocol):
+    """What a layer-sharded group's leader does beyond a plain decode (`decode_shard.ShardGroup`):
+    its pool holds member 0's layers, its decode step hops through the followers, its grants
+    name every member, and its KV is ready once every member's notification arrived."""
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str) -> None:
+    def pool_layout(self, full: KVLayout) -> KVLayout:
+        """The leader's own pool, given the whole model's."""
+        ...
+
+    def generator(self, loaded: LoadedModel, cache: KVCache) -> Generator[Any]: ...
+
+    def grants(self, grant: Grant) -> list[Grant]:
+        """Every member's grant of the leader's `grant` (the prefill's push targets)."""
+        ...
+
+    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> list[tuple[int, int]]:
+        """Each follower's (num_tokens, first_token) for the slot, once its notification came."""
+        ...
+
+    def labels(self) -> dict[str, str]:
+        """What the leader's broker registration says about its group."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DecodeWorker:
+    """The state of one decode worker; the gRPC servicer and the HTTP endpoints call into it.
+
+    `group`: set for a layer-sharded group's leader (the hooks of `GroupHooks`); a plain decode
+    holds every layer."""
+
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str,
+                 group: GroupHooks | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
         self.backend = backend
         self.revision = revision
-        layout = self.pool_layout()
+        self.group = group
+        full = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
+        # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
+        layout = (paged_layout(full, settings.kv_block_tokens, settings.kv_tokens) if group is None
+                  else group.pool_layout(full))
         self.layout = layout
         self.pool = KVPool(backend, layout, device=settings.device)
         # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
@@ -129,7 +164,9 @@ class DecodeWorker:
             poll_interval_us=settings.poll_interval_micros,
             warmup=warm if settings.warmup else None,
         )
-        self.loop = GenerationLoop(self.make_generator(cache), name="decode-loop")
+        generator = (Generator(loaded.model, loaded.tokenizer, cache) if group is None
+                     else group.generator(loaded, cache))
+        self.loop = GenerationLoop(generator, name="decode-loop")
         # One blocking readiness wait per request that waits: at most one per slot.
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
         self.draining = False
@@ -139,16 +176,7 @@ class DecodeWorker:
                                   lambda: self.loop.active, lambda: self.loop.stats,
                                   kv_tokens=self.kv_tokens)
 
-    # ---- what a layer-sharded group's leader replaces (roles/decode_shard.py) ----------------
-
-    def pool_layout(self) -> KVLayout:
-        """The pool this worker registers: every layer here; paged unless kv_block_tokens is 0."""
-        s = self.settings
-        layout = self.loaded.config.kv_layout(s.slots, s.max_length, s.model_dtype)
-        return paged_layout(layout, s.kv_block_tokens, s.kv_tokens)
-
-    def make_generator(self, cache: KVCache) -> Generator[Any]:
-        return Generator(self.loaded.model, self.loaded.tokenizer, cache)
+    # ---- what a paged pool adds to the request road (kv/blocks.py) --------------------------------
 
     def reserve(self, request_id: str, ttl_s: float, num_prompt_tokens: int, max_tokens: int) -> Grant:
         """A grant for a request of `num_prompt_tokens` + `max_tokens`: a slot, or the blocks of
@@ -176,11 +204,15 @@ class DecodeWorker:
 
     def group_grants(self, grant: Grant) -> list[Grant]:
         """Every member's grant of a layer-sharded group's slot; none for an unsharded decode."""
-        return []
+        return [] if self.group is None else self.group.grants(grant)
 
-    # ---- lifecycle ---------------------------------------------------------------------------
+    # ---- the ServingRole of a decode process (roles/serving.py) --------------------------------
 
-    def start(self) -> None:
+    def add_to(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
+
+    async def start(self, broker: BrokerClient | None = None) -> None:
+        """Run the generation loop and the lease sweeper (the broker is not needed here)."""
         self.loop.start()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="decode-lease-sweeper")
 
@@ -198,6 +230,8 @@ class DecodeWorker:
         self.loop.stop()
         self._waiters.shutdown(wait=False, cancel_futures=True)
         self.pool.deregister()
+        if self.group is not None:
+            self.group.close()
 
     def free(self) -> None:
         self.pool.free()
@@ -205,13 +239,13 @@ class DecodeWorker:
     async def drain(self, timeout_s: float) -> bool:
         """Take no new slots; wait until every slot is free or `timeout_s` passed. True if drained."""
         if not self.draining:
-            log.info(kv(event="decode_draining", busy=self.busy_slots(), timeout_s=timeout_s))
+            log.info(kv(event="decode_draining", busy=self.busy(), timeout_s=timeout_s))
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self.busy_slots() and time.monotonic() < deadline:
+        while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        drained = self.busy_slots() == 0
-        log.info(kv(event="decode_drained" if drained else "decode_drain_timeout", busy=self.busy_slots()))
+        drained = self.busy() == 0
+        log.info(kv(event="decode_drained" if drained else "decode_drain_timeout", busy=self.busy()))
         return drained
 
     # ---- reporting ---------------------------------------------------------------------------
@@ -228,7 +262,7 @@ class DecodeWorker:
             return usage.tokens_used, usage.tokens_total
         return (self.layout.num_slots - usage.free) * self.layout.max_len, self.layout.kv_tokens
 
-    def busy_slots(self) -> int:
+    def busy(self) -> int:
         """Slots reserved or decoding (quarantined ones hold nobody's request)."""
         usage = self.slot_usage()
         return usage.reserved + usage.committed
@@ -253,7 +287,9 @@ class DecodeWorker:
             revision=self.revision,
             slots_total=self.layout.num_slots,
             slots_free=self.slot_usage().free,
-            labels={"model": self.loaded.name},
+            # A group's leader registers as one plain decode (routers use it alone, as it stands
+            # for its whole group); the labels say what it is made of.
+            labels={"model": self.loaded.name, **(self.group.labels() if self.group is not None else {})},
         )
 
     def status(self) -> worker_pb2.DecodeStatus:
@@ -274,8 +310,9 @@ class DecodeWorker:
     # ---- the request road --------------------------------------------------------------------
 
     def kv_bytes(self, num_tokens: int) -> int:
-        """Bytes of KV that `num_tokens` prompt tokens occupy in this pool (all its layers, K and V)."""
-        return num_tokens * self.layout.bytes_per_token * 2 * self.layout.num_layers
+        """Bytes of KV that `num_tokens` prompt tokens occupy (every layer of the model, K and V:
+        in this pool, or across a group's pools)."""
+        return num_tokens * self.layout.bytes_per_token * 2 * self.loaded.config.num_layers
 
     async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> Ready:
         started = time.monotonic()
@@ -292,6 +329,11 @@ class DecodeWorker:
             # (The message itself is not quoted: it carries the reservation's nonce.)
             raise ReadyUnusable(f"the ready message of slot {slot} generation {generation} lacks an integer "
                                 f"num_tokens or first_token") from None
+        if self.group is not None:  # a group's request starts once every member's KV is there
+            answers = await self.group.wait_ready(slot, generation, timeout_s)
+            if any(a != (num_tokens, first_token) for a in answers):
+                raise ReadyUnusable(f"slot {slot} generation {generation}: members disagree on (num_tokens, "
+                                    f"first_token): leader {(num_tokens, first_token)}, followers {answers}")
         waited = time.monotonic() - started
         self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
         return Ready(num_tokens, first_token, waited)

@@ -49,7 +49,8 @@ from pdserve_worker.roles.decode import DecodeWorker, MemberUnavailable, Ready, 
 from pdserve_worker.rpc.auth import TLSConfig, bearer_metadata
 from pdserve_worker.rpc.channels import WORKER_MAX_MESSAGE, channel_options
 from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto, layout_from_proto, layout_to_proto
-from pdserve_worker.rpc.membership import MemberInfo
+from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.rpc.membership import Load
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
@@ -142,6 +143,24 @@ class ShardFollower:
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="shard-ready")
         self.steps = 0
         self.open_streams = 0  # the leader's Forward streams now open here
+
+    # ---- the ServingRole of a follower process (roles/serving.py) ------------------------------
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        shard_pb2_grpc.add_DecodeShardServicer_to_server(DecodeShardServicer(self), server)
+
+    async def start(self, broker: BrokerClient) -> None:
+        """Nothing runs on its own here: the leader drives every step."""
+
+    def member_info(self) -> None:
+        """Followers do not register: the group is routed to, and drains, as its leader."""
+        return None
+
+    def load(self) -> Load:
+        return Load()
+
+    def busy(self) -> int:
+        return self.open_streams
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop only once the leader let go: it closes its Forward stream after draining its own
@@ -296,59 +315,62 @@ def describe_followers(remotes: Sequence[RemoteShard], timeout_s: float = DESCRI
 # ---- the leader -----------------------------------------------------------------------------------------
 
 
-class GroupLeader(DecodeWorker):
-    """A DecodeWorker whose pool holds member 0's layers and whose decode step hops through the
-    followers; its grants name every member and its readiness waits for all of them."""
+class ShardGroup:
+    """The leader's side of a layer-sharded group (`decode.GroupHooks`): given to its
+    DecodeWorker, which then holds member 0's layers, hops through the followers each decode
+    step, grants the slot on every member and waits for every member's notification."""
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str,
-                 remotes: Sequence[RemoteShard], followers: Sequence[FollowerInfo]) -> None:
+    def __init__(self, leader_id: str, own_layers: range, remotes: Sequence[RemoteShard],
+                 followers: Sequence[FollowerInfo]) -> None:
+        self.leader_id = leader_id
+        self.own_layers = own_layers
         self.remotes = tuple(remotes)
         self.followers = tuple(followers)
-        super().__init__(settings, loaded, backend, revision)
-        layouts = [self.layout, *(f.layout for f in self.followers)]
-        check_group_layouts(layouts, loaded.config.num_layers)
-        log.info(kv(event="decode_group_formed", members=len(layouts),
-                    layers=" ".join(f"{lay.first_layer}..{lay.layer_range.stop - 1}" for lay in layouts),
-                    followers=",".join(f.endpoint for f in self.followers)))
 
-    def pool_layout(self) -> KVLayout:
-        return _pool_layout(self.settings, self.loaded)
+    def pool_layout(self, full: KVLayout) -> KVLayout:
+        return replace(full, first_layer=self.own_layers.start, num_layers=len(self.own_layers))
 
-    def make_generator(self, cache: KVCache) -> Generator[Any]:
-        own = ShardMember(self.loaded.model, cache)
+    def generator(self, loaded: LoadedModel, cache: KVCache) -> Generator[Any]:
+        own = ShardMember(loaded.model, cache)
         layouts = [cache.layout, *(f.layout for f in self.followers)]
+        check_group_layouts(layouts, loaded.config.num_layers)
         hops = [own.forward, *(r.forward for r in self.remotes)]
 
         def hop(index: int, hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
             return hops[index](hidden, slots, positions)
 
-        decoder = ShardedDecoder(self.loaded.model, layouts, hop)
-        return Generator(decoder, self.loaded.tokenizer, GroupKV(layouts, self.loaded.config.num_layers))
+        log.info(kv(event="decode_group_formed", members=len(layouts),
+                    layers=" ".join(f"{lay.first_layer}..{lay.layer_range.stop - 1}" for lay in layouts),
+                    followers=",".join(f.endpoint for f in self.followers)))
+        return Generator(ShardedDecoder(loaded.model, layouts, hop), loaded.tokenizer,
+                         GroupKV(layouts, loaded.config.num_layers))
 
-    def member_info(self) -> MemberInfo:
-        """Registered as one plain decode (no GroupInfo: routers use a leader alone, since it
-        stands for its whole group); labels say what it is made of."""
-        info = super().member_info()
-        members = [self.settings.member_id, *(f.worker_id for f in self.followers)]
-        return replace(info, labels={**info.labels, "layer_shards": str(len(members)), "group_members": ",".join(members)})
-
-    def group_grants(self, grant: Grant) -> list[Grant]:
+    def grants(self, grant: Grant) -> list[Grant]:
         return [grant, *(replace(grant, engine_id=f.engine_id, base_addr=f.base_addr, layout=f.layout)
                          for f in self.followers)]
 
-    def kv_bytes(self, num_tokens: int) -> int:
-        return num_tokens * self.layout.bytes_per_token * 2 * self.loaded.config.num_layers
+    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> list[tuple[int, int]]:
+        return list(await asyncio.gather(*(asyncio.to_thread(r.wait_ready, slot, generation, timeout_s)
+                                           for r in self.remotes)))
 
-    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> Ready:
-        own = await super().wait_ready(slot, generation, timeout_s)
-        answers = await asyncio.gather(*(asyncio.to_thread(r.wait_ready, slot, generation, timeout_s)
-                                         for r in self.remotes))
-        if any(a != (own.num_tokens, own.first_token) for a in answers):
-            raise ReadyUnusable(f"slot {slot} generation {generation}: members disagree on (num_tokens, first_token): "
-                                f"leader {(own.num_tokens, own.first_token)}, followers {answers}")
-        return own
+    def labels(self) -> dict[str, str]:
+        members = [self.leader_id, *(f.worker_id for f in self.followers)]
+        return {"layer_shards": str(len(members)), "group_members": ",".join(members)}
 
     def close(self) -> None:
-        super().close()
         for remote in self.remotes:
             remote.close()
+
+
+async def connect_group(settings: WorkerSettings, own_layers: range, max_message: int) -> ShardGroup:
+    """The leader's group: its followers (`settings.peers[1:]`), described once they are up
+    (they load their model meanwhile). Raises ShardError if one does not answer in time."""
+    remotes = [RemoteShard(peer, settings.token, settings.peer_tls, max_message=max_message)
+               for peer in settings.peers[1:]]
+    try:
+        followers = await asyncio.to_thread(describe_followers, remotes)
+    except ShardError:
+        for remote in remotes:
+            remote.close()
+        raise
+    return ShardGroup(settings.member_id, own_layers, remotes, followers)

@@ -143,7 +143,8 @@ class GenerationLoop:
         """Fail whatever is still running and end the thread."""
         self._stopping.set()
         self._commands.put(None)
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:  # started (a worker that failed to start never did)
+            self._thread.join(timeout_s)
 
     # ---- submitting (any thread; streams are bound to the running event loop) ----------------
 

@@ -18,6 +18,7 @@ so nothing outside the pod reaches them, and they want the service's token as we
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -121,3 +122,25 @@ def embedded_server(app: ASGIApp, host: str, port: int, grace_s: float,
     """The router's uvicorn configuration (quiet, graceful drain of `grace_s`, HTTPS with
     `tls`, the bounds of `limits` on unfinished requests), signal-free."""
     return EmbeddedServer(build_router_server(app, host, port, grace_s=grace_s, tls=tls, limits=limits).config)
+
+
+@dataclass
+class RunningServer:
+    """An embedded server serving in a task of the running event loop."""
+
+    server: EmbeddedServer
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in flight finish (the server's grace period), end."""
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self.task
+
+
+def serve_in_background(app: ASGIApp, host: str, port: int, grace_s: float, tls: TLSConfig | None = None,
+                        name: str = "http", limits: HttpLimits = HttpLimits()) -> RunningServer:
+    """Listen on host:port now (OSError naming it if taken) and serve `app` in a task."""
+    sock = listen(host, port)
+    server = embedded_server(app, host, port, grace_s, tls, limits)
+    return RunningServer(server, asyncio.create_task(server.serve(sockets=[sock]), name=name))

@@ -49,6 +49,7 @@ from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker import tracing
+from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
@@ -148,6 +149,22 @@ class PrefillWorker:
         self.metrics = WorkerMetrics("prefill")  # served on /metrics (worker_main)
         self.metrics.watch_prefill(lambda: self.queued,
                                    self.prefix.stats if self.prefix is not None else None)
+
+    # ---- the ServingRole of a prefill process (roles/serving.py) -----------------------------------
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
+
+    async def start(self, broker: BrokerClient) -> None:
+        """Follow the decode membership: a decode that leaves is disconnected (`on_member`)."""
+        await broker.watch([Role.DECODE], listener=self.on_member)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Nothing to wait for here: prefills in flight finish in the gRPC server's grace period."""
+        return True
+
+    def busy(self) -> int:
+        return self.queued
 
     def member_info(self) -> MemberInfo:
         return MemberInfo(

@@ -26,24 +26,29 @@ benchmarks and a one-process `pdserve local --colocated`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve_worker.logs import kv
 from pdserve_worker.roles.pod_http import (
     ADMIN_HOST,
+    RunningServer,
     WorkerState,
     admin_app,
-    embedded_server,
     health_routes,
-    listen,
+    serve_in_background,
     worker_app,
 )
 from pdserve_worker.settings import WorkerSettings, model_revision
+
+if TYPE_CHECKING:
+    from pdserve_worker.broker_client import BrokerClient
+    from pdserve_worker.model.loader import LoadedModel
+    from pdserve_worker.roles.serving import ServingRole
+    from pdserve_worker.transfer.engine import TransferBackend
 
 log = logging.getLogger("pdserve.worker")
 
@@ -105,181 +110,188 @@ async def run_worker(settings: WorkerSettings) -> int:
 
 
 async def _run_model_worker(settings: WorkerSettings) -> None:
+    """A prefill, a decode or a decode group's follower, from start to stop (module doc)."""
+    import grpc
     import torch
 
-    from pdserve_worker.broker_client import BrokerClient, BrokerError
+    from pdserve_worker.roles.serving import grpc_max_message
+    from pdserve_worker.rpc.channels import aio_server
+
+    stop = _stop_event()
+    process = _Membership(settings)
+    http = _serve_or_fail(worker_app(process.state), settings.bind_host, settings.http_port, settings, "worker-http")
+    # The admin port (/drain, the preStop hook's) listens on loopback only, and only a decode has one.
+    admin = (None if settings.role != "decode" else
+             _serve_or_fail(admin_app(process.tokens, process.drain), ADMIN_HOST, settings.admin_port, settings,
+                            "worker-admin"))
+    backend: TransferBackend | None = None
+    server: grpc.aio.Server | None = None
+    role: ServingRole | None = None
+    try:
+        torch.set_num_threads(settings.torch_threads)
+        process.state.phase = "loading"
+        loaded, revision = await _load_model(settings)
+        backend = _start_engine(settings)
+        role = process.role = await _make_role(settings, loaded, backend, revision)
+        metrics = getattr(role, "metrics", None)  # a group's follower reports through its leader
+        if metrics is not None:
+            process.state.metrics = metrics.exposition
+        server = aio_server(process.tokens, max_message=grpc_max_message(settings, loaded.config.hidden_size))
+        role.add_to(server)
+        _bind_or_fail(server, settings)
+        await server.start()
+        await role.start(process.broker)
+        if stop.is_set():
+            return
+        await process.join(role)
+        log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id, grpc=settings.grpc_endpoint,
+                    http=settings.http_port, model=loaded.name, revision=revision))
+        await _until(stop, http.task)
+        log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
+        await process.leave()
+    finally:
+        process.state.phase = "stopping"
+        await process.broker.close()
+        if server is not None:
+            await server.stop(settings.grace_seconds)  # calls in flight get the grace period
+        for running in (http, admin):
+            if running is not None:
+                await running.stop()
+        _let_go(role, backend)
+        log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
+
+
+def _let_go(role: ServingRole | None, backend: TransferBackend | None) -> None:
+    """Stop using the pool and deregister it, then stop the engine (its server first: no peer
+    can be writing any more), and only then free the pool's memory."""
+    if role is not None:
+        role.close()
+    if backend is not None:
+        backend.engine.finalize()
+    if role is not None:
+        role.free()
+
+
+class _Membership:
+    """This process's place in its service: its phase (/healthz, /readyz), its broker
+    registration, and the drain that /drain and the stop signal share."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        from pdserve_worker.broker_client import BrokerClient
+        from pdserve_worker.rpc.auth import TokenTable
+
+        self.settings = settings
+        self.state = WorkerState(settings.role, settings.member_id)
+        self.broker: BrokerClient = BrokerClient(settings.broker_address, settings.service, settings.token,
+                                                 settings.broker_channel_tls)
+        self.tokens = TokenTable({settings.service: settings.token})
+        self.role: ServingRole | None = None
+        self.registered = False
+
+    async def join(self, role: ServingRole) -> None:
+        """Register (a group's follower does not: its leader stands for the group); then ready."""
+        from pdserve_worker.broker_client import BrokerError
+
+        self.state.phase = "registering"
+        info = role.member_info()
+        if info is not None:
+            try:
+                await self.broker.register(info, load=role.load, timeout_s=REGISTER_TIMEOUT_S)
+            except (BrokerError, TimeoutError) as exc:
+                raise StartupError(f"broker {self.settings.broker_address} did not register us: {exc}") from exc
+            self.registered = True
+        if self.state.phase == "registering":
+            self.state.phase = "ready"
+
+    async def drain(self) -> dict[str, Any]:
+        """GET /drain on the admin port: the pod's preStop hook (pod_env.py). A registered role
+        leaves the broker once drained, and /healthz then fails: a drained decode is replaced,
+        not kept idle. A follower serves its leader's steps until the leader let go."""
+        role = self.role
+        if role is None or self.state.phase not in ("ready", "draining", "drained"):
+            self.state.phase = "draining"
+            return {"drained": True, "busy": 0}
+        if self.state.phase == "ready":
+            self.state.phase = "draining"
+            if self.registered:
+                await self.broker.set_draining(True)
+        drained = await role.drain(self.settings.drain_timeout_seconds)
+        if self.registered:
+            await self._leave_broker()
+            if self.state.phase == "draining":
+                self.state.phase = "drained"
+        return {"drained": drained, "busy": role.busy()}
+
+    async def leave(self) -> None:
+        """On the stop signal: drain unless /drain did, then leave the broker."""
+        if self.role is not None and self.state.phase not in ("draining", "drained"):
+            self.state.phase = "draining"
+            if self.registered:
+                await self.broker.set_draining(True)
+            await self.role.drain(self.settings.drain_timeout_seconds)
+        self.state.phase = "stopping"
+        await self._leave_broker()
+
+    async def _leave_broker(self) -> None:
+        if self.registered:
+            self.registered = False
+            await self.broker.deregister()
+
+
+async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
+    """The model (a layer-sharded decode member loads only its share) and its revision."""
     from pdserve_worker.model.loader import load_model
-    from pdserve_worker.roles.decode import DecodeServicer, DecodeWorker
-    from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
-    from pdserve_worker.rpc.auth import TokenTable
-    from pdserve_worker.rpc.channels import aio_server, bind
-    from pdserve_worker.rpc.membership import Role
-    from pdserve.v1 import shard_pb2_grpc, worker_pb2_grpc
-    from pdserve_worker.roles.decode_shard import (
-        DecodeShardServicer,
-        GroupLeader,
-        RemoteShard,
-        ShardError,
-        ShardFollower,
-        describe_followers,
-        group_max_message,
-        is_follower,
-        member_layers,
-    )
-    from pdserve_worker.rpc.channels import WORKER_MAX_MESSAGE
+    from pdserve_worker.roles.decode_shard import member_layers
+
+    try:
+        folder = await asyncio.to_thread(resolve_model_folder, settings)
+        layers = member_layers(settings, folder)
+        # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
+        loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
+                                         layers, settings.weights)
+        loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
+    return loaded, model_revision(folder, settings.model_dtype)
+
+
+def _start_engine(settings: WorkerSettings) -> TransferBackend:
+    """The transfer engine, initialized. A prefill connects out only: it listens on no transfer
+    port. A decode admits only peers holding the service's link key, and (unless it is a group
+    follower, which has no slot table) lets them write only into reserved slots (service_link.py)."""
+    from pdserve_worker.roles.decode_shard import is_follower
     from pdserve_worker.transfer.engine import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
 
-    stop = _stop_event()
-    state = WorkerState(settings.role, settings.member_id)
-    decode: DecodeWorker | None = None
-    broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
-    tokens = TokenTable({settings.service: settings.token})
-    registered = False
+    backend = create_engine(settings.transfer_backend)
+    engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
+    options = engine_options(backend.name, settings.token, settings.engine_options,
+                             leased_writes=settings.role == "decode" and not is_follower(settings))
+    status = backend.engine.initialize(engine_id, options)
+    if status != backend.api.SUCCESS:
+        raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
+    log.info(kv(event="transfer_engine_started", backend=backend.name, engine=engine_id))
+    return backend
 
-    async def leave_broker() -> None:
-        nonlocal registered
-        if registered:
-            registered = False
-            await broker.deregister()
 
-    async def drain() -> dict[str, Any]:
-        """GET /drain on the admin port: the pod's preStop hook (pod_env.py)."""
-        if isinstance(worker, ShardFollower) and state.phase in ("ready", "draining"):
-            state.phase = "draining"  # serve the leader's steps until it has drained and let go
-            return {"drained": await worker.drain(settings.drain_timeout_seconds), "busy": worker.open_streams}
-        if decode is None or state.phase not in ("ready", "draining", "drained"):
-            state.phase = "draining"
-            return {"drained": True, "busy": 0}
-        if state.phase == "ready":
-            state.phase = "draining"
-            await broker.set_draining(True)
-        drained = await decode.drain(settings.drain_timeout_seconds)
-        await leave_broker()
-        if state.phase == "draining":
-            state.phase = "drained"  # /healthz fails from here: a drained decode is replaced, not kept idle
-        return {"drained": drained, "busy": decode.busy_slots()}
+async def _make_role(settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend,
+                     revision: str) -> ServingRole:
+    from pdserve_worker.roles.decode_shard import ShardError
+    from pdserve_worker.roles.serving import make_role
 
-    http_socket = _listen_or_fail(settings.bind_host, settings.http_port)
-    app = worker_app(state)
-    http = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds,
-                           limits=settings.http_limits)
-    http_task = asyncio.create_task(http.serve(sockets=[http_socket]), name="worker-http")
-    admin: Any = None
-    admin_task: asyncio.Task | None = None
-    if settings.role == "decode":
-        admin_socket = _listen_or_fail(ADMIN_HOST, settings.admin_port)
-        admin = embedded_server(admin_app(tokens, drain), ADMIN_HOST, settings.admin_port, settings.grace_seconds,
-                                limits=settings.http_limits)
-        admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]), name="worker-admin")
-    backend = None
-    worker: Any = None
-    server = None
     try:
-        torch.set_num_threads(settings.torch_threads)
-        state.phase = "loading"
-        try:
-            folder = await asyncio.to_thread(resolve_model_folder, settings)
-            layers = member_layers(settings, folder)  # a layer-sharded decode member loads only its share
-            # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
-            loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
-                                             layers, settings.weights)
-            loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
-        except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
-        revision = model_revision(folder, settings.model_dtype)
-        backend = create_engine(settings.transfer_backend)
-        # A prefill connects out only: it listens on no transfer port. A decode admits only
-        # peers holding the service's link key, and (unless it is a group follower, which has
-        # no slot table) lets them write only into reserved slots (service_link.py).
-        engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
-        options = engine_options(backend.name, settings.token, settings.engine_options,
-                                 leased_writes=settings.role == "decode" and not is_follower(settings))
-        status = backend.engine.initialize(engine_id, options)
-        if status != backend.api.SUCCESS:
-            raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
-        max_message = (WORKER_MAX_MESSAGE if settings.layer_shards == 1
-                       else group_max_message(settings.slots, loaded.config.hidden_size))
-        server = aio_server(tokens, max_message=max_message)
-        if is_follower(settings):
-            worker = ShardFollower(settings, loaded, backend)
-            shard_pb2_grpc.add_DecodeShardServicer_to_server(DecodeShardServicer(worker), server)
-            load_fn = None
-        elif settings.role == "decode" and settings.layer_shards > 1:
-            remotes = [RemoteShard(peer, settings.token, settings.peer_tls, max_message=max_message)
-                       for peer in settings.peers[1:]]
-            try:
-                followers = await asyncio.to_thread(describe_followers, remotes)
-            except ShardError as exc:
-                raise StartupError(str(exc)) from exc
-            worker = decode = GroupLeader(settings, loaded, backend, revision, remotes, followers)
-            worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), server)
-            decode.start()
-            load_fn = decode.load
-        elif settings.role == "decode":
-            worker = decode = DecodeWorker(settings, loaded, backend, revision)
-            worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), server)
-            decode.start()
-            load_fn = decode.load
-        else:
-            worker = PrefillWorker(settings, loaded, backend, revision)
-            worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
-            load_fn = worker.load
-        if getattr(worker, "metrics", None) is not None:  # a group's follower reports through its leader
-            state.metrics = worker.metrics.exposition
-        try:
-            bind(server, settings.bind_host, settings.grpc_port, settings.tls)
-        except (OSError, ValueError) as exc:
-            raise StartupError(str(exc)) from exc
-        await server.start()
-        if stop.is_set():
-            return
-        state.phase = "registering"
-        try:
-            if load_fn is not None:  # a group's followers are part of their leader's instance
-                await broker.register(worker.member_info(), load=load_fn, timeout_s=REGISTER_TIMEOUT_S)
-                registered = True
-        except (BrokerError, TimeoutError) as exc:
-            raise StartupError(f"broker {settings.broker_address} did not register us: {exc}") from exc
-        if isinstance(worker, PrefillWorker):
-            await broker.watch([Role.DECODE], listener=worker.on_member)
-        if state.phase == "registering":
-            state.phase = "ready"
-        log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id,
-                    grpc=settings.grpc_endpoint, engine=engine_id, http=settings.http_port,
-                    model=loaded.name, revision=revision))
-        await _until(stop, http_task)
-        log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
-        if decode is not None and state.phase not in ("draining", "drained"):
-            state.phase = "draining"
-            await broker.set_draining(True)
-            await decode.drain(settings.drain_timeout_seconds)
-        if isinstance(worker, ShardFollower) and state.phase not in ("draining", "drained"):
-            state.phase = "draining"
-            await worker.drain(settings.drain_timeout_seconds)
-        state.phase = "stopping"
-        await leave_broker()
-    finally:
-        state.phase = "stopping"
-        await broker.close()
-        if server is not None:
-            await server.stop(settings.grace_seconds)
-        http.should_exit = True
-        with contextlib.suppress(Exception):
-            await http_task
-        if admin is not None and admin_task is not None:
-            admin.should_exit = True
-            with contextlib.suppress(Exception):
-                await admin_task
-        # Stop using the pool and deregister it, then stop the engine (its server first: no
-        # peer can be writing any more), and only then free the pool's memory.
-        if worker is not None:
-            worker.close()
-        if backend is not None:
-            backend.engine.finalize()
-        if worker is not None:
-            worker.free()
-        log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
+        return await make_role(settings, loaded, backend, revision)
+    except ShardError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def _bind_or_fail(server: Any, settings: WorkerSettings) -> None:
+    from pdserve_worker.rpc.channels import bind
+
+    try:
+        bind(server, settings.bind_host, settings.grpc_port, settings.tls)
+    except (OSError, ValueError) as exc:
+        raise StartupError(str(exc)) from exc
 
 
 async def _until(stop: asyncio.Event, server_task: asyncio.Task) -> None:
@@ -291,19 +303,15 @@ async def _until(stop: asyncio.Event, server_task: asyncio.Task) -> None:
         raise StartupError(f"the HTTP server stopped unexpectedly: {server_task.exception()!r}")
 
 
-def _listen_or_fail(host: str, port: int):
+def _serve_or_fail(app: Any, host: str, port: int, settings: WorkerSettings, name: str,
+                   tls: Any = None) -> RunningServer:
     try:
-        return listen(host, port)
+        return serve_in_background(app, host, port, settings.grace_seconds, tls, name, settings.http_limits)
     except OSError as exc:
         raise StartupError(str(exc)) from exc
 
 
 # ---- router and colocated --------------------------------------------------------------------------
-
-
-def _add_pod_routes(app, state: WorkerState) -> None:
-    for route in health_routes(state):
-        app.router.routes.append(route)
 
 
 async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state: WorkerState,
@@ -326,21 +334,16 @@ async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state
             deadline_s=settings.admission_deadline_seconds, replicas=settings.router_replicas), observer=metrics)
     app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes),
                      admission=admission, keys=keys)
-    _add_pod_routes(app, state)
-    sock = _listen_or_fail(settings.bind_host, settings.http_port)
-    server = embedded_server(app, settings.bind_host, settings.http_port, settings.grace_seconds, settings.tls,
-                             settings.http_limits)
-    task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
+    app.router.routes.extend(health_routes(state))
+    running = _serve_or_fail(app, settings.bind_host, settings.http_port, settings, "router-http", settings.tls)
     try:
         state.phase = "ready"
         log.info(kv(event="router_listening", role=settings.role, host=settings.bind_host, port=settings.http_port,
                     model=backend.model_name, https=settings.tls is not None))
-        await _until(stop, task)
+        await _until(stop, running.task)
         state.phase = "stopping"
     finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await task
+        await running.stop()
 
 
 async def _run_router(settings: WorkerSettings) -> None:
