@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for folder in ("worker", "operator", "proto"):
+for folder in ("worker", "operator", "common", "proto"):
     sys.path.insert(0, str(ROOT / folder))
 
 import torch  # noqa: E402

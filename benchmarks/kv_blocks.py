@@ -11,7 +11,7 @@ tokens admit 16,384 // 368 = 44. Both run the same model, dtype and threads in o
 Figures are medians of decode-step times (after warmup) over the 64 output tokens; aggregate
 tokens/s = batch / step time.
 
-    PYTHONPATH=worker python benchmarks/kv_blocks.py [--quick]
+    PYTHONPATH=worker:common:proto python benchmarks/kv_blocks.py [--quick]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for folder in ("worker", "operator", "proto"):
+for folder in ("worker", "operator", "common", "proto"):
     sys.path.insert(0, str(ROOT / folder))
 
 import torch  # noqa: E402

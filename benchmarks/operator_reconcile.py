@@ -7,7 +7,7 @@
 
 Baseline measured in the same run: the round trip of one GET to the emulator (the floor of any
 reaction). Prints p50/p99 and ratios to that floor. Run:
-    PYTHONPATH=worker:operator:proto:tests python benchmarks/operator_reconcile.py [--services 50]
+    PYTHONPATH=worker:operator:common:proto:tests python benchmarks/operator_reconcile.py [--services 50]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for sub in ("worker", "operator", "proto", "tests"):
+for sub in ("worker", "operator", "common", "proto", "tests"):
     sys.path.insert(0, str(ROOT / sub))
 
 from kube_emulator import EmulatorThread  # noqa: E402

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "proto")]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
 
 import serve  # noqa: E402  (benchmarks/serve.py: the trace, the client, the summary)
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "worker")]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "worker"), str(ROOT / "common")]
 
 from pdserve_operator.planner import (  # noqa: E402
     SLO,

@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "proto")]
+sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
 
 from pdserve_worker.model.sampling_params import SamplingParams  # noqa: E402
-from pdserve_worker.roles.backend import TokenEvent  # noqa: E402
+from pdserve_worker.router.backend import TokenEvent  # noqa: E402
 
 
 class InstantBackend:
@@ -55,9 +55,9 @@ class InstantBackend:
 
 
 def serve(port: int) -> None:
-    from pdserve_worker import tracing
-    from pdserve_worker.roles.router_app import create_app
-    from pdserve_worker.roles.router_server import serve_router
+    from pdserve_common import tracing
+    from pdserve_worker.router.app import create_app
+    from pdserve_worker.router.server import serve_router
 
     tracing.setup("pdserve-router", "bench", edge=True)  # on when PDSERVE_TRACE_FILE is set (the traced router)
     try:
@@ -142,7 +142,7 @@ def main() -> None:
 
     import tempfile
 
-    from pdserve_worker import tracing
+    from pdserve_common import tracing
 
     spans = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "spans.jsonl"
     routers = [Router("tracing off", {})]

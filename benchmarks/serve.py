@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "proto")]
+sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
 
 import httpx  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Soak: requests through `pdserve local` while random faults hit its processes (loopback only).
 
-    PYTHONPATH=worker:operator:proto python benchmarks/soak.py --requests 60 --seconds 120
+    PYTHONPATH=worker:operator:common:proto python benchmarks/soak.py --requests 60 --seconds 120
 
 Starts broker, 2 decode, 2 prefill and a router (a tiny random-weight model unless --model)
 with `--on-exit restart`, records each prompt's undisturbed greedy answer, then streams
@@ -63,7 +63,7 @@ class Tally:
 class Deployment:
     def __init__(self, model: str, log_dir: Path, slots: int, max_len: int) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("worker", "operator", "proto")]
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
                                             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         self.log_dir = log_dir
         self.proc = subprocess.Popen(

@@ -1,6 +1,6 @@
 """KV transfer benchmark: push throughput, readiness wake-up, compute/transfer overlap.
 
-Run:  PYTHONPATH=worker python benchmarks/transfer.py [--repeats 9] [--quick]
+Run:  PYTHONPATH=worker:common:proto python benchmarks/transfer.py [--repeats 9] [--quick]
 
 Everything is measured in this one run against baselines measured on the same machine:
 
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
 from pdserve_worker.transfer.peers import PeerProcess, decode_main, grant_from_dict
@@ -377,8 +377,8 @@ def bench_auth_parts(n: int = 20000) -> dict[str, float]:
     import socket as _socket
 
     from pdserve_worker.kv.slots import SlotTable
-    from pdserve_worker.transfer import wire
-    from pdserve_worker.transfer.notify_inbox import NotifyInbox, abstract
+    from pdserve_worker.transfer.host import wire
+    from pdserve_worker.transfer.host.notify_inbox import NotifyInbox, abstract
 
     slots = SlotTable(throughput_layout(MB, 2))
     grant = slots.reserve("parts", 60)

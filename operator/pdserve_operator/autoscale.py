@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 from pdserve_operator import children as ch
 from pdserve_operator import events as ev

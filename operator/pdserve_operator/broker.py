@@ -20,10 +20,10 @@ import grpc
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
 from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, Registry, TooManyMembers, WatchEnded
-from pdserve_worker.logs import kv
-from pdserve_worker.rpc.auth import TLSConfig, TokenTable
-from pdserve_worker.rpc.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, bind
-from pdserve_worker.rpc.membership import (
+from pdserve_common.logs import kv
+from pdserve_common.auth import TLSConfig, TokenTable
+from pdserve_common.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, bind
+from pdserve_common.membership import (
     BROKER_ID_HEADER,
     Member,
     Role,

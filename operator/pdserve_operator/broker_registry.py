@@ -30,8 +30,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from pdserve_worker.logs import kv
-from pdserve_worker.rpc.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role, change_type
+from pdserve_common.logs import kv
+from pdserve_common.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role, change_type
 
 log = logging.getLogger("pdserve.broker")
 

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 if TYPE_CHECKING:
-    from pdserve_worker.rpc.membership import Member
+    from pdserve_common.membership import Member
 
 log = logging.getLogger("pdserve.operator.broker_view")
 

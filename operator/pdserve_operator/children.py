@@ -8,7 +8,7 @@ false booleans, empty lists): those would read as drift forever.
 
 Decode layer sharding: a decode *group* is `layerShards` pods. The StatefulSet runs
 `replicas × layerShards` pods; each pod derives (group, member) from its ordinal
-(`pdserve_worker.pod_env.group_member`), so the operator only has to pass the shard count.
+(`pdserve_common.pod_env.group_member`), so the operator only has to pass the shard count.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve_worker import pod_env as E
+from pdserve_common import pod_env as E
 
 from pdserve_operator import spec as s
 

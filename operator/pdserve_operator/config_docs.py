@@ -87,12 +87,11 @@ def _operator_flags() -> dict[str, str]:
     """Setting name → its `pdserve operator` flag, read from the command's own parser."""
     import argparse
 
-    from pdserve_worker.commands import operator_cmd
+    from pdserve_operator.command import add_arguments
 
     parser = argparse.ArgumentParser()
-    operator_cmd.register(parser.add_subparsers())
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest: a.option_strings[0] for a in sub.choices["operator"]._actions if a.option_strings}
+    add_arguments(parser)
+    return {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
 
 
 def _operator_rows() -> Iterator[tuple[str, str, str, str]]:

@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 from pdserve_operator import children as ch
 from pdserve_operator import drift
@@ -315,7 +315,7 @@ def parse(svc: _Service) -> s.PDInferenceServiceSpec:
 
 
 def _pod_readiness(pod: Live) -> tuple[int, bool]:
-    from pdserve_worker.pod_env import ordinal_of
+    from pdserve_common.pod_env import ordinal_of
 
     conditions = (pod.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)

@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 from pdserve_operator import peering
 from pdserve_operator.broker_view import BrokerView, load_broker

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pdserve_worker.rpc.auth import TLSConfig
+from pdserve_common.auth import TLSConfig
 
 from pdserve_operator import children as ch
 from pdserve_operator.broker_view import BrokerView, NullBrokerView

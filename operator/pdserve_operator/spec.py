@@ -608,7 +608,7 @@ def planner_drives(a: AutoscalingSpec | None, role: str | None = None) -> bool:
 
 
 class TracingSpec(Model):
-    """OpenTelemetry tracing of requests across router, prefill and decode (worker/pdserve_worker/tracing.py)."""
+    """OpenTelemetry tracing of requests across router, prefill and decode (common/pdserve_common/tracing.py)."""
 
     endpoint: str = Field(
         min_length=1, max_length=2048, pattern=r"^https?://[^\s]+$",

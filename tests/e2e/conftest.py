@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-for sub in ("worker", "operator", "proto", "tests"):
+for sub in ("worker", "operator", "common", "proto", "tests"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
@@ -129,7 +129,7 @@ class FakeBroker:
         return self.slots.get(service_key)
 
     def members(self, service_key: str) -> list[Any] | None:
-        """The autoscaler's input: members with loads the test set (`pdserve_worker.rpc.membership.Member`)."""
+        """The autoscaler's input: members with loads the test set (`pdserve_common.membership.Member`)."""
         return list(self.loads.get(service_key, []))
 
     def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:

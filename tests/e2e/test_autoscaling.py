@@ -34,8 +34,8 @@ from pdserve_operator.broker import BrokerServer
 from pdserve_operator.broker_view import BrokerServerView
 from pdserve_operator.kube import KINDS
 from pdserve_worker.broker_client import BrokerClient
-from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.rpc.membership import Histogram, Load, MemberInfo, MemoryRegion, Role, RouterLoad
+from pdserve_common.kv_layout import KVLayout
+from pdserve_common.membership import Histogram, Load, MemberInfo, MemoryRegion, Role, RouterLoad
 
 NAME = "scaled"
 TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

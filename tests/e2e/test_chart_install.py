@@ -139,8 +139,8 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
 def autoscaling_scenario(cluster: Cluster, broker: Any, namespace: str, name: str) -> None:
     """Autoscaling's calls: an HPA rendered, repaired and removed; the planner writing both
     workloads' replicas through their scale subresources (a busy decode in the broker)."""
-    from pdserve_worker.kv.layout import KVLayout
-    from pdserve_worker.rpc.membership import Load, Member, MemberInfo, MemoryRegion, Role
+    from pdserve_common.kv_layout import KVLayout
+    from pdserve_common.membership import Load, Member, MemberInfo, MemoryRegion, Role
 
     layout = KVLayout(num_slots=8, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
     busy = Member(MemberInfo(worker_id=f"{name}-decode-0", role=Role.DECODE, grpc_endpoint="10.0.0.1:7000",

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
 
-from pdserve_worker.pod_env import PodEnv
+from pdserve_common.pod_env import PodEnv
 
 SAMPLE = ROOT / "manifests" / "samples" / "smollm2-cpu.yaml"
 

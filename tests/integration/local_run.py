@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(ROOT / d) for d in ("worker", "operator", "proto")]
+    paths = [str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 

@@ -15,14 +15,14 @@ import grpc
 import pytest
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
-from pdserve_worker.rpc.channels import aio_channel
+from pdserve_common.channels import aio_channel
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "proto")]
+    paths = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     env.update(extra)
     return env

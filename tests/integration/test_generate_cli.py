@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    paths = [str(ROOT / d) for d in ("worker", "operator", "proto")]
+    paths = [str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return subprocess.run(
         [sys.executable, "-m", "pdserve_worker.cli", "generate", *args],

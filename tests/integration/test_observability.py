@@ -125,7 +125,7 @@ def router_series(local) -> dict[str, dict[str, set[str]]]:
     assert reply.status_code == 200, reply.text
     bad = httpx.post(f"{local.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}, timeout=30)
     assert bad.status_code == 400
-    from pdserve_worker.roles.router_metrics import RouterMetrics
+    from pdserve_worker.router.metrics import RouterMetrics
 
     return scraped(httpx.get(f"{local.url}/metrics", timeout=30).text, declared_labels(RouterMetrics().registry))
 

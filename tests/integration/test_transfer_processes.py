@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from netutil import free_port
-from pdserve_worker.kv.layout import KVLayout, shard_layers
+from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
 from pdserve_worker.transfer.peers import PeerError, PeerProcess, decode_main, prefill_main

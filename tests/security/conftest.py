@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # 
 from local_run import LocalRun, pid_alive  # noqa: E402
 
 from netutil import free_port  # noqa: E402
-from pdserve_worker.kv.layout import KVLayout  # noqa: E402
-from pdserve_worker.transfer import link_auth  # noqa: E402
+from pdserve_common.kv_layout import KVLayout  # noqa: E402
+from pdserve_worker.transfer.host import link_auth  # noqa: E402
 from pdserve_worker.transfer.peers import PeerProcess, decode_main  # noqa: E402
 
 MAX_LEN = 128
@@ -69,7 +69,7 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
             # Every HTTP port's bounds on unfinished requests, turned down so the tests are quick.
             "--env", f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
             "--env", f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
-            # And every gRPC port's (rpc/channels.py), for test_grpc_bounds.py.
+            # And every gRPC port's (pdserve_common/channels.py), for test_grpc_bounds.py.
             "--env", f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",
             "--env", f"PDSERVE_GRPC_IDLE_TIMEOUT_MS={GRPC_IDLE_MS}",
             "--env", f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",

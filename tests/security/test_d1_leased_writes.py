@@ -16,9 +16,9 @@ import pytest
 from security import attacker
 from security.conftest import KEY
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer import link_auth
+from pdserve_worker.transfer.host import link_auth
 from pdserve_worker.transfer.engine import create_engine
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 from security import attacker
 from security.conftest import KEY
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer import wire
+from pdserve_worker.transfer.host import wire
 from pdserve_worker.transfer.engine import create_engine
 
 pytestmark = pytest.mark.slow

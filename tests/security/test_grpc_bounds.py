@@ -12,7 +12,7 @@ it OOM-killed, and with it every service's membership.
 Now every gRPC server (broker, prefill, decode) refuses a call without a valid token from its
 headers, before reading its message, cuts a connection that has not finished the HTTP/2 (and
 TLS) handshake in time, closes connections with no call for a while, and caps connections
-(rpc/channels.py). The deployment runs with those turned down (conftest.py).
+(pdserve_common/channels.py). The deployment runs with those turned down (conftest.py).
 """
 
 from __future__ import annotations

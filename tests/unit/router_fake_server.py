@@ -10,9 +10,9 @@ import sys
 
 from router_fakes import ScriptedBackend
 
-from pdserve_worker import logs
-from pdserve_worker.roles.router_app import create_app
-from pdserve_worker.roles.router_server import serve_router
+from pdserve_common import logs
+from pdserve_worker.router.app import create_app
+from pdserve_worker.router.server import serve_router
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
-from pdserve_worker.roles.router_server import build_router_server
+from pdserve_worker.router.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
+from pdserve_worker.router.server import build_router_server
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve_worker.kv.block_layout import (
+from pdserve_common.block_layout import (
     BlockLayout,
     Descriptor,
     Run,
@@ -16,7 +16,7 @@ from pdserve_worker.kv.block_layout import (
     block_spans,
     push_descriptors,
 )
-from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_common.kv_layout import K, V, KVLayout
 
 
 def source_layout(max_len: int = 40, layers: int = 3) -> KVLayout:

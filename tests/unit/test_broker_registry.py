@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from pdserve_operator.broker_registry import Registry, Subscription, WatchEnded
-from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.rpc.membership import EventType, Load, MemberInfo, MemoryRegion, Role
+from pdserve_common.kv_layout import KVLayout
+from pdserve_common.membership import EventType, Load, MemberInfo, MemoryRegion, Role
 
 SVC = "ns/svc"
 

@@ -13,15 +13,15 @@ import torch
 
 from netutil import free_port
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.layout import KVLayout, shard_layers
+from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import load_model
 from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, member_layouts
-from pdserve_worker.roles.decode_group import DecodeGroup, GroupNotReady, MemberEndpoint
-from pdserve_worker.roles.generation_loop import GenerationLoop
+from pdserve_worker.decode.group import DecodeGroup, GroupNotReady, MemberEndpoint
+from pdserve_worker.decode.generation_loop import GenerationLoop
 from pdserve_worker.transfer.engine import create_engine
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.push import KVPusher, PushSource

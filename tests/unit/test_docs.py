@@ -8,7 +8,7 @@ from pathlib import Path
 import kopf
 import pytest
 
-from pdserve_worker.roles.router_metrics import RouterMetrics
+from pdserve_worker.router.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -43,7 +43,7 @@ def test_metrics_table_lists_exactly_what_workers_expose() -> None:
 
             metrics.watch_prefill(lambda: 0, PrefixCache(4, 16).stats)  # with a prefix cache: every series
         else:
-            from pdserve_worker.roles.generation_loop import LoopStats
+            from pdserve_worker.decode.generation_loop import LoopStats
 
             metrics.watch_decode(lambda: 0, 4, lambda: 0, LoopStats, kv_tokens=lambda: (0, 64))
         for family in metrics.registry.collect():
@@ -53,7 +53,7 @@ def test_metrics_table_lists_exactly_what_workers_expose() -> None:
 
 
 # Messages the troubleshooting table quotes, and where they come from.
-SOURCES = [ROOT / "operator", ROOT / "worker", Path(kopf.__file__).parent]
+SOURCES = [ROOT / "operator", ROOT / "worker", ROOT / "common", Path(kopf.__file__).parent]
 QUOTED = [
     "resourceName is required when type is npu or cuda",
     "transfer.backend hixl needs device.type npu",
@@ -88,7 +88,7 @@ def test_troubleshooting_quotes_messages_the_code_really_emits(message: str) -> 
 
 
 def test_paths_the_readme_names_exist() -> None:
-    paths = set(re.findall(r"`((?:manifests|charts|docs|scripts|operator|worker)/[\w./-]+)`", README))
+    paths = set(re.findall(r"`((?:manifests|charts|docs|scripts|operator|worker|common)/[\w./-]+)`", README))
     paths |= set(re.findall(r"-f ((?:manifests|operator|worker)/[\w./-]+)", README))
     assert paths
     missing = sorted(p for p in paths if not (ROOT / p.rstrip("/")).exists())

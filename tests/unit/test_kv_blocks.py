@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pdserve_worker.kv.blocks import BlockTable, NoFreeBlocks, blocks_for
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.slots import Grant as BlockGrant
 from pdserve_worker.kv.slots import SlotState
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache, dtype_name, torch_dtype
-from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_common.kv_layout import K, V, KVLayout
 
 
 def layout(**kw) -> KVLayout:

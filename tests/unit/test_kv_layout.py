@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve_worker.kv.layout import K, V, KVLayout, shard_layers
+from pdserve_common.kv_layout import K, V, KVLayout, shard_layers
 
 
 def make(**kw):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 
 @pytest.mark.parametrize("value,shown", [

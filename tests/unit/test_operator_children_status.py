@@ -12,7 +12,7 @@ from pdserve_operator import children as ch
 from pdserve_operator import drift
 from pdserve_operator import spec as s
 from pdserve_operator import status as st
-from pdserve_worker import pod_env
+from pdserve_common import pod_env
 
 OWNER = ch.Owner(name="svc", namespace="ns", uid="uid-1")
 DEFAULTS = ch.Defaults(image="img:1", broker_address="broker:50070")
@@ -262,7 +262,7 @@ def test_no_tls_renders_no_tls() -> None:
 
 
 def test_tls_mounts_the_secret_in_every_pod_and_the_router_serves_https(monkeypatch) -> None:
-    from pdserve_worker import pod_env as E
+    from pdserve_common import pod_env as E
     from pdserve_worker.settings import WorkerSettings
 
     objs = render({"tls": {"secretName": "svc-cert"}})

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.roles.placement import rank_decodes, rank_prefills
-from pdserve_worker.rpc.membership import GroupInfo, Load, Member, MemberInfo, MemoryRegion, Role
+from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.router.placement import rank_decodes, rank_prefills
+from pdserve_common.membership import GroupInfo, Load, Member, MemberInfo, MemoryRegion, Role
 
 REV = "r1"
 

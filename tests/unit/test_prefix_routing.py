@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt
-from pdserve_worker.roles.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
+from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 
 SALT = cache_salt("r", "float32", 4)
 

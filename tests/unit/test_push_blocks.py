@@ -13,7 +13,7 @@ import pytest
 
 from netutil import free_port
 from pdserve_worker.kv.blocks import BlockTable
-from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_common.kv_layout import K, V, KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.engine import create_engine

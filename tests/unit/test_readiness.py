@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from netutil import free_port
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.slots import SlotTable, reservation_nonce
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved

@@ -18,11 +18,11 @@ import pytest
 from router_fakes import running_router
 
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.backend import NoCapacity, TokenEvent, capacity_held
-from pdserve_worker.roles.router_admission import AdmissionConfig, AdmissionQueue
-from pdserve_worker.roles.router_app import create_app
-from pdserve_worker.roles.router_keys import KeyStore
-from pdserve_worker.roles.router_metrics import RouterMetrics
+from pdserve_worker.router.backend import NoCapacity, TokenEvent, capacity_held
+from pdserve_worker.router.admission import AdmissionConfig, AdmissionQueue
+from pdserve_worker.router.app import create_app
+from pdserve_worker.router.keys import KeyStore
+from pdserve_worker.router.metrics import RouterMetrics
 
 KEY = "sk-test-interactive-0123456789"
 BATCH_KEY = "sk-test-batch-0123456789abcd"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from router_fakes import ScriptedBackend, running_router
 
-from pdserve_worker.roles.backend import NoCapacity, RequestInfo
-from pdserve_worker.roles.router_app import create_app
+from pdserve_worker.router.backend import NoCapacity, RequestInfo
+from pdserve_worker.router.app import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
+    [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
 INFO = RequestInfo(disaggregated=True, kv_bytes=5 * 1024 * 1024, kv_transfer_s=0.0031, decode="d0")
 
 
@@ -100,7 +100,7 @@ def test_chat_goes_on_after_a_failed_turn(port):
 
 
 def test_complete_sends_the_api_key_from_the_environment(port):
-    from pdserve_worker.roles.router_keys import KeyStore
+    from pdserve_worker.router.keys import KeyStore
 
     key = "sk-cli-test-0123456789abcdef"
     keys = KeyStore.parse(f'tenants:\n  - name: cli\n    keys: ["{key}"]\n')

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.backend import RequestInfo, TokenEvent
-from pdserve_worker.roles.generation import Delta, Generation
+from pdserve_worker.router.backend import RequestInfo, TokenEvent
+from pdserve_worker.router.generation import Delta, Generation
 
 
 class IteratorBackend:

@@ -17,7 +17,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
+    [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
 
 
 def start(port: int, grace_s: float, tokens: int, delay_s: float) -> subprocess.Popen:

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from pdserve.v1 import broker_pb2, worker_pb2, worker_pb2_grpc
-from pdserve_worker.rpc.auth import Denial, TLSConfig, TokenTable, authorize, token_from_metadata
-from pdserve_worker.rpc.channels import aio_channel, aio_server, bind
+from pdserve_common.auth import Denial, TLSConfig, TokenTable, authorize, token_from_metadata
+from pdserve_common.channels import aio_channel, aio_server, bind
 
 UNAUTH, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
 

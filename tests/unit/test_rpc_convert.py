@@ -8,10 +8,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pdserve.v1 import broker_pb2, common_pb2
-from pdserve_worker.kv.layout import DTYPE_SIZES, KVLayout
+from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.rpc.convert import layout_from_proto, layout_to_proto, sampling_from_proto, sampling_to_proto
-from pdserve_worker.rpc.membership import (
+from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
+from pdserve_worker.rpc.convert import sampling_from_proto, sampling_to_proto
+from pdserve_common.membership import (
     EventType,
     GroupInfo,
     Load,

@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_worker.rpc.auth import TokenTable
-from pdserve_worker.rpc.channels import WORKER_MAX_MESSAGE, aio_channel, aio_server, bind
+from pdserve_common.auth import TokenTable
+from pdserve_common.channels import WORKER_MAX_MESSAGE, aio_channel, aio_server, bind
 
 SVC, TOKEN = "ns/svc", "tok"
 
@@ -66,7 +66,7 @@ async def test_the_worker_limit_carries_the_largest_prompt_a_spec_allows(port):
 def test_the_admin_drain_wants_the_service_token():
     from starlette.testclient import TestClient
 
-    from pdserve_worker.roles.pod_http import admin_app
+    from pdserve_worker.process.pod_http import admin_app
 
     drained = []
 

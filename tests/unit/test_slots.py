@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotTable
 
 LAYOUT = KVLayout(num_slots=3, num_layers=2, max_len=8, kv_heads=1, head_dim=4, dtype="float32")

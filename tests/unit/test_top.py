@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pdserve_worker.roles.router_metrics import RequestTiming, RouterMetrics
+from pdserve_worker.router.metrics import RequestTiming, RouterMetrics
 from pdserve_worker.top_view import parse, quantile, render, view
 
 INF = math.inf

@@ -12,8 +12,8 @@ import pytest
 
 from pdserve_operator import children as ch
 from pdserve_operator import spec as s
-from pdserve_worker import pod_env as E
-from pdserve_worker import tracing
+from pdserve_common import pod_env as E
+from pdserve_common import tracing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_without_the_extra_it_stays_off_and_says_so(tmp_path) -> None:
     code = (
         "import sys, logging; logging.basicConfig(level=logging.INFO)\n"
         "sys.modules['opentelemetry'] = None\n"
-        "from pdserve_worker import tracing\n"
+        "from pdserve_common import tracing\n"
         f"assert tracing.setup('r', env={{'PDSERVE_TRACE_FILE': {str(tmp_path / 't.jsonl')!r}}}) is False\n"
         "assert not tracing.available() and not tracing.enabled()\n"
         "assert 'opentelemetry.sdk' not in sys.modules\n"
@@ -57,7 +57,7 @@ def test_without_the_extra_it_stays_off_and_says_so(tmp_path) -> None:
 
 
 def test_a_plain_import_does_not_load_opentelemetry() -> None:
-    code = "import sys; import pdserve_worker.tracing, pdserve_worker.rpc.channels; " \
+    code = "import sys; import pdserve_common.tracing, pdserve_common.channels; " \
            "assert not [m for m in sys.modules if m.startswith('opentelemetry')], sorted(sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pdserve_worker import pod_env as E
+from pdserve_common import pod_env as E
 from pdserve_worker.cli import build_parser
 from pdserve_worker.commands.worker import settings_from_args
 from pdserve_worker.settings import WorkerSettings, model_revision

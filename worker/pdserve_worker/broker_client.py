@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
-from pdserve_worker.logs import kv
-from pdserve_worker.rpc.auth import TLSConfig
+from pdserve_common.logs import kv
+from pdserve_common.auth import TLSConfig
 from pdserve_worker.rpc.backoff import Backoff
-from pdserve_worker.rpc.channels import BROKER_MAX_MESSAGE, aio_channel
-from pdserve_worker.rpc.membership import (
+from pdserve_common.channels import BROKER_MAX_MESSAGE, aio_channel
+from pdserve_common.membership import (
     BROKER_ID_HEADER,
     EventType,
     Load,

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 
 class ApiCallError(Exception):

@@ -40,7 +40,7 @@ from typing import TextIO
 
 import httpx
 
-from pdserve_worker import pod_env as E
+from pdserve_common import pod_env as E
 from pdserve_worker import settings as S
 from pdserve_worker.free_ports import free_port
 from pdserve_worker.model.default_model import model_argument
@@ -76,7 +76,7 @@ class LocalPlan:
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     readiness: str = "interrupt"
     tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
-    api_keys: Path | None = None  # keys file (router_keys.py) the router requires; None: no authentication
+    api_keys: Path | None = None  # keys file (router/keys.py) the router requires; None: no authentication
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 

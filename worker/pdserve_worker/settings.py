@@ -22,10 +22,10 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pdserve_worker import pod_env as E
+from pdserve_common import pod_env as E
 from pdserve_worker.model.default_model import BUILTIN_SOURCE
-from pdserve_worker.roles.http_guard import HttpLimits
-from pdserve_worker.rpc.auth import TLSConfig
+from pdserve_worker.router.http_guard import HttpLimits
+from pdserve_common.auth import TLSConfig
 
 # Worker-only knobs (the operator leaves them at their defaults).
 BIND_HOST = "PDSERVE_BIND_HOST"  # address the HTTP and gRPC servers listen on
@@ -44,7 +44,7 @@ PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
 # Every HTTP port (router API, pod probes, admin): a request must arrive whole within this
-# many seconds, and connections past the cap are closed at once (roles/http_guard.py).
+# many seconds, and connections past the cap are closed at once (router/http_guard.py).
 HTTP_REQUEST_DEADLINE_S = "PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS"
 HTTP_MAX_CONNECTIONS = "PDSERVE_HTTP_MAX_CONNECTIONS"
 

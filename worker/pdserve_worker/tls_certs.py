@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve_worker import pod_env as E
+from pdserve_common import pod_env as E
 
 
 @dataclass(frozen=True)

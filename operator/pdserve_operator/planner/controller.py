@@ -40,7 +40,7 @@ Role = Literal["prefill", "decode"]
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """One worker's load as the broker has it from its keepalive (`rpc.membership.Load`)."""
+    """One worker's load as the broker has it from its keepalive (`pdserve_common.membership.Load`)."""
 
     worker_id: str
     role: Role

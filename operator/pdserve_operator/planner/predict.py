@@ -2,7 +2,7 @@
 
 TTFT = request overhead + prefill queue wait + prefill service (compute + exposed KV push)
        + the wait for the decode's current step to end (the first token, sampled by prefill,
-       is dispatched between two decode steps: `roles/generation_loop.py`).
+       is dispatched between two decode steps: `decode/generation_loop.py`).
 TPOT = the decode step time a request sees (one token per step per sequence).
 
 The wait + service part of TTFT is a proper convolution: the wait (an atom at zero plus an

@@ -66,8 +66,8 @@ def load_tokens(tokens_file: Path | None, env: dict[str, str] | os._Environ) -> 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve_operator.broker import BrokerServer
-    from pdserve_worker import logs
-    from pdserve_worker.rpc.auth import TLSConfig
+    from pdserve_common import logs
+    from pdserve_common.auth import TLSConfig
 
     log = logs.setup("broker")
     try:

@@ -15,7 +15,7 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pdserve_worker import pod_env as E
+    from pdserve_common import pod_env as E
 
     p = sub.add_parser("drain", help="drain this pod's decode worker (its preStop hook)")
     p.add_argument("--port", type=int, default=int(os.environ.get(E.ADMIN_PORT_ENV) or E.ADMIN_PORT),
@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from pdserve_worker import pod_env as E
-    from pdserve_worker.roles.pod_http import ADMIN_HOST
+    from pdserve_common import pod_env as E
+    from pdserve_worker.process.pod_http import ADMIN_HOST
 
     token = os.environ.get(E.BROKER_TOKEN, "")
     if not token:

@@ -52,7 +52,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pdserve_worker import logs
+    from pdserve_common import logs
     from pdserve_worker.model.generate import Generator, StepOutput, colocated_cache, prefill_first_token
     from pdserve_worker.model.loader import load_model
 

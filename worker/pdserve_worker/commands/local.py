@@ -170,7 +170,7 @@ def _demo(url: str, shape: str, verify: ssl.SSLContext | bool = True, api_key: s
 
 def _trace_file(path: Path) -> Path:
     """The trace file, absolute (children run elsewhere) and empty, so it holds this run only."""
-    from pdserve_worker import tracing
+    from pdserve_common import tracing
 
     if not tracing.available():
         raise ValueError("--trace-file needs the tracing extra: pip install 'pdserve[tracing]'")

@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from pdserve_worker import logs
-    from pdserve_worker.roles.worker_main import run_worker
+    from pdserve_common import logs
+    from pdserve_worker.process.worker_main import run_worker
 
     try:
         settings = settings_from_args(args)

@@ -1,6 +1,6 @@
 """Which request owns which KV blocks of a decode: reservations of block lists (pure logic).
 
-A decode's KV pool is split into fixed-size blocks of `block_tokens` tokens (kv/block_layout.py).
+A decode's KV pool is split into fixed-size blocks of `block_tokens` tokens (pdserve_common/block_layout.py).
 A request is granted a *reservation*: the list of blocks that holds its prompt plus every token
 it may generate (`prompt + max_tokens`, capped at the model's length). The whole need is taken
 at admission rather than a first share grown while decoding: a request that was admitted can
@@ -55,9 +55,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage, first_generation, reservation_nonce
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 log = logging.getLogger("pdserve.kv.blocks")
 
@@ -165,7 +165,7 @@ class BlockTable:
         self._handles = [_Handle() for _ in range(max_reservations)]
         self._refs = [0] * self.num_blocks
         # Lowest block first: a fresh pool hands out runs of consecutive blocks, which a push
-        # moves as one descriptor per layer (kv/block_layout.py).
+        # moves as one descriptor per layer (pdserve_common/block_layout.py).
         self._free: list[int] = list(range(self.num_blocks))
         self._generations = itertools.count(first_generation())
         self._lock = threading.Lock()

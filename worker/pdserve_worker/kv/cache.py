@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve_worker.kv.layout import K, V, KVLayout, local_layer_index
+from pdserve_common.kv_layout import K, V, KVLayout, local_layer_index
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve_worker.kv.cache import torch_dtype
-from pdserve_worker.kv.layout import K, V, KVLayout, local_layer_index
+from pdserve_common.kv_layout import K, V, KVLayout, local_layer_index
 
 
 class PagedKVCache:

@@ -24,8 +24,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve_worker.kv.layout import K, V, KVLayout
-from pdserve_worker.logs import kv
+from pdserve_common.kv_layout import K, V, KVLayout
+from pdserve_common.logs import kv
 from pdserve_worker.transfer.engine import TransferBackend, TransferError
 
 log = logging.getLogger("pdserve.kv.pool")
@@ -111,7 +111,7 @@ class KVPool:
             return
         import numpy as np
 
-        from pdserve_worker.kv.block_layout import block_spans
+        from pdserve_common.block_layout import block_spans
 
         for offset, length in block_spans(self.layout.blocks, blocks):
             view = np.frombuffer((ctypes.c_char * length).from_address(self.base_addr + offset), dtype=np.uint8)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve_worker.kv.cache import KVCache, torch_dtype
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.prefix_cache import PrefixCache, PrefixCacheStats, PrefixLease, block_hashes, cache_salt
 
 

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.logs import kv
+from pdserve_common.kv_layout import KVLayout
+from pdserve_common.logs import kv
 
 log = logging.getLogger("pdserve.kv.slots")
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pdserve_worker.kv.layout import DTYPE_SIZES, KVLayout
+from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Tokens per request (prompt plus output) when none is asked for: the CRD's spec.model.maxLength

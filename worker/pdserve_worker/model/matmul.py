@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 from pdserve_worker.model.quant import GROUP, QuantizedTensor, nibbles
 
 log = logging.getLogger("pdserve.model.matmul")

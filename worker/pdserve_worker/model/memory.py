@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 log = logging.getLogger("pdserve.model.memory")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from math import prod
 
-from pdserve_worker.kv.layout import DTYPE_SIZES
+from pdserve_common.kv_layout import DTYPE_SIZES
 from pdserve_worker.model.config import ModelConfig
 
 Shape = tuple[int, ...]

@@ -1,7 +1,7 @@
 """A layer-sharded decode step: the hidden state travels member to member, the last one samples.
 
 A decode group of N members splits the model's layers into balanced contiguous ranges
-(`kv.layout.shard_layers`). Member i holds the weights and the KV pool of its range only, so a
+(`pdserve_common.kv_layout.shard_layers`). Member i holds the weights and the KV pool of its range only, so a
 model too large for one device's KV budget still decodes with long contexts. One decode step
 of a batch: member 0 embeds the batch's tokens, every member runs `run_layers` over its
 range (reading and writing only its own pool), and the last member applies the final norm
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve_worker.kv.cache import KVCache, torch_dtype
-from pdserve_worker.kv.layout import KVLayout, shard_layers
+from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.model.llama import LlamaModel
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve_worker.kv.layout import DTYPE_SIZES, shard_layers
+from pdserve_common.kv_layout import DTYPE_SIZES, shard_layers
 from pdserve_worker.model.config import HF_CLASSES, ModelConfig
 from pdserve_worker.model.generation_config import GenerationDefaults
 from pdserve_worker.model.shapes import parameter_count

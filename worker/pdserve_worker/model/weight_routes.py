@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from math import prod
 from typing import Literal
 
-from pdserve_worker.kv.layout import DTYPE_SIZES
+from pdserve_common.kv_layout import DTYPE_SIZES
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.gguf_format import QUANT_GROUP as GROUP
 

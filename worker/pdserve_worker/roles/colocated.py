@@ -23,16 +23,16 @@ from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
-from pdserve_worker.roles.backend import BackendError, RequestInfo, TokenEvent
-from pdserve_worker.roles.generation_loop import GenerationLoop, RequestFailed
-from pdserve_worker.roles.tokenizing import ModelTokenizing
+from pdserve_worker.router.backend import BackendError, RequestInfo, TokenEvent
+from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
+from pdserve_worker.router.tokenizing import ModelTokenizing
 
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
 _HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): its lease never runs
 
 
 class ColocatedBackend(ModelTokenizing):
-    """`roles.backend.Backend` over a Generator on its own scheduler thread."""
+    """`router.backend.Backend` over a Generator on its own scheduler thread."""
 
     def __init__(self, loaded: LoadedModel, *, slots: int, max_len: int, model_name: str | None = None,
                  prefix_cache_tokens: int = 0, prefix_block_tokens: int = 16, revision: str = "") -> None:

@@ -1,6 +1,6 @@
 """The Prometheus metrics of a prefill or decode worker (`/metrics` on the pod's http port).
 
-Same style as the router's (`router_metrics.py`): one `CollectorRegistry` per worker, never the
+Same style as the router's (`router/metrics.py`): one `CollectorRegistry` per worker, never the
 process-global default, so several workers in one process (`pdserve local`, tests) keep
 their own series. What an autoscaler or a dashboard needs to see of each role:
 

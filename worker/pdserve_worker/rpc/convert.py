@@ -1,10 +1,10 @@
 """Proto messages <-> the domain types of the worker roles: one module, so that the router,
 prefill and decode convert the same way and a field added to a proto is added here once.
 
-KVLayout, SamplingParams, the grant of a slot (`kv.slots.Grant`), the finish reason, and a
-layer-sharded group's hidden state. The membership types the operator shares convert in
-`rpc.membership`. Torch is imported only by the hidden-state converters (the router, which
-uses the others, holds no torch).
+SamplingParams, the grant of a slot (`kv.slots.Grant`), the finish reason, and a
+layer-sharded group's hidden state. The vocabulary the operator shares converts in
+`pdserve_common` (`kv_layout`: KVLayout; `membership`: members and their events). Torch is
+imported only by the hidden-state converters (the router, which uses the others, holds no torch).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.v1 import common_pb2, shard_pb2, worker_pb2
-from pdserve_worker.kv.layout import KVLayout
+from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
 from pdserve_worker.kv.slots import NONCE_BYTES, Grant
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 
@@ -21,35 +21,6 @@ if TYPE_CHECKING:
     import torch
 
 _SAMPLING_SCALARS: tuple[str, ...] = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
-
-
-def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(
-        num_slots=layout.num_slots,
-        num_layers=layout.num_layers,
-        max_len=layout.max_len,
-        kv_heads=layout.kv_heads,
-        head_dim=layout.head_dim,
-        dtype=layout.dtype,
-        first_layer=layout.first_layer,
-        block_tokens=layout.block_tokens,
-        num_blocks=layout.num_blocks,
-    )
-
-
-def layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
-    """The layout a peer sent; ValueError names the field when it is not a valid pool geometry."""
-    return KVLayout(
-        num_slots=msg.num_slots,
-        num_layers=msg.num_layers,
-        max_len=msg.max_len,
-        kv_heads=msg.kv_heads,
-        head_dim=msg.head_dim,
-        dtype=msg.dtype,
-        first_layer=msg.first_layer,
-        block_tokens=msg.block_tokens,
-        num_blocks=msg.num_blocks,
-    )
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:

@@ -3,7 +3,7 @@
 How the pieces fit (every module says more):
 
 - `engine.create_engine(backend)` → `TransferBackend(name, engine, api, blocking, host)`: real
-  HIXL (`hixl`, from CANN) when it imports, else `host_engine.Hixl`, which has the same API and
+  HIXL (`hixl`, from CANN) when it imports, else `host.engine.Hixl`, which has the same API and
   semantics on host memory (shared memory between processes of a host, TCP between hosts).
   Code above uses only `backend.engine.<hixl method>` (the `TransferEngine` protocol),
   `backend.api.<hixl type or code>`, and the host engine's extras where the backend declares

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 
 SUMMARY_INTERVAL_S = 10.0
 

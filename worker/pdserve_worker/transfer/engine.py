@@ -1,6 +1,6 @@
 """Pick the transfer engine: real HIXL where CANN is installed, the host engine elsewhere.
 
-Code above this module never imports `hixl` or `host_engine` itself. It gets a
+Code above this module never imports `hixl` or `host.engine` itself. It gets a
 `TransferBackend`: the engine, typed as `TransferEngine` (the HIXL binding's methods this
 project calls), plus `api`, the module that holds the descriptor types, enums and status codes
 that this engine accepts (the real `hixl` module, or our mirror `hixl_api`), and writes
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal, Protocol
 
-from pdserve_worker.logs import kv
+from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api
 
 log = logging.getLogger("pdserve.transfer.engine")
@@ -143,7 +143,7 @@ def create_engine(backend: BackendName = "auto") -> TransferBackend:
             return TransferBackend("hixl", module.Hixl(), module)
         if backend == "hixl":
             raise RuntimeError("transfer backend 'hixl' requested but `import hixl` failed (is CANN installed?)")
-    from pdserve_worker.transfer.host_engine import Hixl as HostHixl
+    from pdserve_worker.transfer.host.engine import Hixl as HostHixl
 
     log.info(kv(event="transfer_backend", backend="cpu", requested=backend))
     engine = HostHixl()

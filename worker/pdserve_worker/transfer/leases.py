@@ -28,9 +28,9 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from pdserve_worker.kv.block_layout import block_spans
-from pdserve_worker.kv.layout import KVLayout
-from pdserve_worker.logs import kv
+from pdserve_common.block_layout import block_spans
+from pdserve_common.kv_layout import KVLayout
+from pdserve_common.logs import kv
 from pdserve_worker.transfer.engine import TransferBackend
 
 log = logging.getLogger("pdserve.transfer.leases")

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_common.kv_layout import K, V, KVLayout
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.logs import kv, setup
+from pdserve_common.logs import kv, setup
 
 log = logging.getLogger("pdserve.transfer.peers")
 

@@ -1,0 +1,213 @@
+"""Where each byte of KV lives in a decode pool: pure arithmetic, shared by every role.
+
+The layout is slot-major, then layer, then K/V, then token-major `[max_len, kv_heads,
+head_dim]` (DESIGN.md). Token-major last means the KV of a prompt's first n tokens of one
+(slot, layer, K|V) is a single contiguous run, so a prefill pushes one descriptor per layer
+and K/V instead of one per token.
+
+A pool may hold only a contiguous range of the model's layers (a member of a layer-sharded
+decode group): `first_layer` and `num_layers` name that range, and asking for a layer outside
+it is an error, never a silently wrong offset.
+
+A decode pool may instead be *paged* (`block_tokens` > 0): `num_blocks` blocks of
+`block_tokens` tokens in the layer-major block layout of pdserve_common/block_layout.py (`.blocks`), shared
+by at most `num_slots` concurrent requests of at most `max_len` tokens each; a request's KV is
+wherever its block table says. A paged layout has no slot runs: asking for one is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from pdserve_common.block_layout import BlockLayout
+
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+}
+
+K, V = 0, 1
+
+
+def local_layer_index(layer_range: range, layer: int) -> int:
+    """Index into a pool holding model layers `layer_range` of model layer `layer`.
+
+    One place for the slot pool (kv/cache.py) and the block pool (kv/paged.py).
+    """
+    if layer not in layer_range:
+        raise IndexError(f"layer {layer} not held by this KV pool (holds {layer_range.start}..{layer_range.stop - 1})")
+    return layer - layer_range.start
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one registered KV pool."""
+
+    num_slots: int
+    num_layers: int
+    max_len: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    first_layer: int = 0
+    block_tokens: int = 0  # > 0: a paged pool of `num_blocks` blocks (pdserve_common/block_layout.py)
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.first_layer < 0:
+            raise ValueError(f"KVLayout.first_layer must be >= 0, got {self.first_layer!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        if self.block_tokens < 0 or self.num_blocks < 0 or (self.block_tokens > 0) != (self.num_blocks > 0):
+            raise ValueError(f"KVLayout.block_tokens and num_blocks must both be positive (paged) or both 0, got "
+                             f"{self.block_tokens!r} and {self.num_blocks!r}")
+
+    @property
+    def paged(self) -> bool:
+        return self.block_tokens > 0
+
+    @property
+    def blocks(self) -> "BlockLayout":
+        """The block geometry of a paged pool."""
+        from pdserve_common.block_layout import BlockLayout
+
+        if not self.paged:
+            raise ValueError("a slot pool has no blocks")
+        return BlockLayout(self.num_blocks, self.block_tokens, self.num_layers, self.kv_heads, self.head_dim,
+                           self.dtype, self.first_layer)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV the pool holds (all requests together)."""
+        return self.num_blocks * self.block_tokens if self.paged else self.num_slots * self.max_len
+
+    def _slot_pool(self, what: str) -> None:
+        if self.paged:
+            raise ValueError(f"{what} of a paged KV pool: its requests' KV is where their block tables say")
+
+    @property
+    def dtype_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def layer_range(self) -> range:
+        """The model layers this pool holds."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """The pool as a contiguous tensor: (slot, layer, K|V, token, kv_head, head_dim), or a
+        paged pool's (layer, K|V, block, token, kv_head, head_dim)."""
+        if self.paged:
+            return self.blocks.shape
+        return (self.num_slots, self.num_layers, 2, self.max_len, self.kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's K (or V) in one layer."""
+        return self.kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def bytes_per_kv_layer(self) -> int:
+        self._slot_pool("bytes_per_kv_layer")
+        return self.max_len * self.bytes_per_token
+
+    @property
+    def bytes_per_slot(self) -> int:
+        self._slot_pool("bytes_per_slot")
+        return self.num_layers * 2 * self.bytes_per_kv_layer
+
+    @property
+    def total_bytes(self) -> int:
+        if self.paged:
+            return self.blocks.total_bytes
+        return self.num_slots * self.bytes_per_slot
+
+    def offset(self, slot: int, layer: int, kv: int) -> int:
+        """Byte offset of (slot, layer, K|V) from the pool's base; `layer` is the model's index."""
+        self._slot_pool("offset")
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside pool of {self.num_slots} slots")
+        if layer not in self.layer_range:
+            raise IndexError(
+                f"layer {layer} not held by this pool (holds {self.first_layer}..{self.layer_range.stop - 1})"
+            )
+        if kv not in (K, V):
+            raise IndexError(f"kv must be 0 (K) or 1 (V), got {kv}")
+        local = layer - self.first_layer
+        return ((slot * self.num_layers + local) * 2 + kv) * self.bytes_per_kv_layer
+
+    def token_run(self, slot: int, layer: int, kv: int, num_tokens: int, start_token: int = 0) -> tuple[int, int]:
+        """(offset, length) of tokens [start_token, start_token+num_tokens) of one (slot, layer, K|V)."""
+        if num_tokens < 0 or start_token < 0 or start_token + num_tokens > self.max_len:
+            raise IndexError(
+                f"tokens {start_token}..{start_token + num_tokens} outside max_len {self.max_len}"
+            )
+        return (
+            self.offset(slot, layer, kv) + start_token * self.bytes_per_token,
+            num_tokens * self.bytes_per_token,
+        )
+
+    def slot_span(self, slot: int) -> tuple[int, int]:
+        """(offset, length) of a whole slot: what a warmup touches and a release may clear."""
+        return self.offset(slot, self.first_layer, K), self.bytes_per_slot
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> "KVLayout":
+        return cls(**data)  # type: ignore[arg-type]
+
+
+def shard_layers(num_layers: int, shards: int) -> list[range]:
+    """Balanced contiguous layer ranges for a decode group of `shards` members.
+
+    The first `num_layers % shards` members get one extra layer, so sizes differ by at most one.
+    """
+    if shards <= 0 or shards > num_layers:
+        raise ValueError(f"shards must be in 1..{num_layers}, got {shards}")
+    base, extra = divmod(num_layers, shards)
+    ranges, start = [], 0
+    for i in range(shards):
+        size = base + (1 if i < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        num_slots=layout.num_slots,
+        num_layers=layout.num_layers,
+        max_len=layout.max_len,
+        kv_heads=layout.kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        first_layer=layout.first_layer,
+        block_tokens=layout.block_tokens,
+        num_blocks=layout.num_blocks,
+    )
+
+
+def layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
+    """The layout a peer sent; ValueError names the field when it is not a valid pool geometry."""
+    return KVLayout(
+        num_slots=msg.num_slots,
+        num_layers=msg.num_layers,
+        max_len=msg.max_len,
+        kv_heads=msg.kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype,
+        first_layer=msg.first_layer,
+        block_tokens=msg.block_tokens,
+        num_blocks=msg.num_blocks,
+    )

@@ -1,0 +1,272 @@
+"""One scheduler thread running the engine's continuous-batching `Generator` for an asyncio server.
+
+The gRPC (decode) and HTTP (colocated) servers are asyncio; the model is torch, which blocks.
+So the `Generator` lives on one thread of its own, the only thread that ever touches it: each
+turn it applies the commands that arrived (add a request, cancel one), then runs one
+`step()`, which advances every running request by one token in a single batched
+`decode_step`. Each request's outputs go back to the event loop that submitted it as a
+`RequestStream`. With nothing to do the thread sleeps on its command queue.
+
+Every request comes with a slot that belongs to the caller (the decode's or the colocated
+backend's `SlotTable`) and an `on_done`, called on this thread once the request has left the
+batch for good: only then may the slot be granted again, or the next request's KV could be
+overwritten by this one's last decode step. Two ways in:
+- `submit(..., first_token=t)`: the prompt's KV is already in the slot (a prefill worker
+  pushed it) and its first token is known (decode).
+- `submit(...)` without a first token: this loop computes the prompt's KV into the slot
+  itself, with the `prefill` it was built with, between decode steps (the colocated
+  baseline, where a long prompt stalls every running request meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve_common.logs import kv
+from pdserve_worker.model.generate import Generator, StepOutput
+from pdserve_worker.model.sampling_params import SamplingParams
+
+log = logging.getLogger("pdserve.generation_loop")
+
+_END = object()
+
+# (prompt ids, slot, params) -> the first token, after writing the prompt's KV into the slot.
+Prefill = Callable[[list[int], int, SamplingParams], int]
+
+
+class RequestFailed(RuntimeError):
+    """The loop could not serve a request (bad input for the engine, or a failed step)."""
+
+
+class RequestStream:
+    """The outputs of one request, delivered on the event loop that submitted it.
+
+    Iterate it with `async for`; it ends after the output with `finished` set, and raises
+    `RequestFailed` if the loop failed the request.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._ended = False
+
+    def _put(self, item: Any) -> None:
+        """Called from the scheduler thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self._ended = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.finished:
+            self._ended = True
+        return item
+
+
+@dataclass
+class _Entry:
+    stream: RequestStream
+    on_done: Callable[[], None]
+
+
+@dataclass
+class _Add:
+    entry: _Entry
+    internal_id: str
+    prompt_ids: list[int]
+    slot: int
+    params: SamplingParams
+    first_token: int | None
+    num_generated: int = 0
+
+
+@dataclass
+class _Cancel:
+    internal_id: str
+
+
+@dataclass
+class LoopStats:
+    steps: int = 0
+    tokens: int = 0
+    requests: int = 0
+    failures: int = 0
+    busy_s: float = field(default=0.0)
+
+
+class GenerationLoop:
+    def __init__(self, generator: Generator[Any], *, prefill: Prefill | None = None,
+                 name: str = "generation-loop") -> None:
+        self._gen = generator
+        self._prefill = prefill
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._entries: dict[str, _Entry] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopping = threading.Event()
+        self.stats = LoopStats()
+
+    @property
+    def generator(self) -> Generator[Any]:
+        return self._gen
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not yet finished (approximate: read from another thread)."""
+        return len(self._entries)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Fail whatever is still running and end the thread."""
+        self._stopping.set()
+        self._commands.put(None)
+        if self._thread.ident is not None:  # started (a worker that failed to start never did)
+            self._thread.join(timeout_s)
+
+    # ---- submitting (any thread; streams are bound to the running event loop) ----------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        slot: int,
+        params: SamplingParams,
+        on_done: Callable[[], None],
+        *,
+        first_token: int | None = None,
+        num_generated: int = 0,
+    ) -> RequestStream:
+        """Run a request in `slot`; `on_done` runs once the slot is no longer used, however the
+        request ends (also when it is refused).
+
+        With `first_token` the prompt's KV is already in the slot; without it this loop's
+        `prefill` computes it first. `num_generated`: the last that many of `prompt_ids` were
+        already emitted elsewhere (a resumed stream, see `Generator.add_prefilled`).
+        """
+        if first_token is None and self._prefill is None:
+            raise RuntimeError("this loop decodes KV computed elsewhere: pass the request's first_token")
+        if self._stopping.is_set():
+            raise RequestFailed("the generation loop is stopping")
+        # The Generator keys requests by id; ids from outside need not be unique here.
+        internal = f"{request_id}#{next(self._ids)}"
+        stream = RequestStream(asyncio.get_running_loop(), internal)
+        entry = _Entry(stream, on_done)
+        self._commands.put(_Add(entry, internal, [int(t) for t in prompt_ids], slot, params, first_token,
+                                num_generated))
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Stop a request early (the client went away); its `on_done` runs on the loop."""
+        self._commands.put(_Cancel(stream.request_id))
+
+    # ---- the scheduler thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._apply_commands(block=not self._gen.has_work())
+            if self._stopping.is_set():
+                self._fail_all(RequestFailed("the generation loop stopped"))
+                return
+            if not self._gen.has_work():
+                continue
+            started = time.perf_counter()
+            try:
+                outputs = self._gen.step()
+            except Exception as exc:  # a bug or a bad request inside the batch: fail the batch, keep serving
+                log.exception(kv(event="generation_step_failed", running=len(self._entries), error=repr(exc)))
+                self.stats.failures += 1
+                self._fail_all(RequestFailed(f"generation step failed: {exc}"))
+                continue
+            self.stats.busy_s += time.perf_counter() - started
+            self.stats.steps += 1
+            self.stats.tokens += sum(1 for o in outputs if o.token_id is not None)
+            self._dispatch(outputs)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Cancel):
+                self._cancel(command.internal_id)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, command: _Add) -> None:
+        self._entries[command.internal_id] = command.entry
+        self.stats.requests += 1
+        try:
+            first = command.first_token
+            if first is None:
+                assert self._prefill is not None  # submit() checked
+                prompt = self._gen.check_prompt(command.prompt_ids)
+                first = self._prefill(prompt, command.slot, command.params)
+            _, output = self._gen.add_prefilled(
+                command.prompt_ids, command.slot, first, command.params, command.internal_id, command.num_generated,
+            )
+        except (ValueError, RuntimeError, IndexError) as exc:
+            # Refused before it joined the batch: the slot was never the Generator's.
+            self._end(command.internal_id, RequestFailed(str(exc)))
+            return
+        self._dispatch([output])
+
+    def _cancel(self, internal_id: str) -> None:
+        if internal_id not in self._entries:
+            return  # finished meanwhile
+        self._gen.abort(internal_id)
+        self._end(internal_id, _END)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                self._end(out.request_id, out)
+                continue
+            entry = self._entries.get(out.request_id)
+            if entry is not None:
+                entry.stream._put(out)
+
+    def _end(self, internal_id: str, final: Any) -> None:
+        """The request leaves for good: `on_done` (which frees its slot) runs before the stream's
+        last item is delivered, so whoever sees a stream end sees its slot free too."""
+        entry = self._entries.pop(internal_id, None)
+        if entry is None:
+            return
+        try:
+            entry.on_done()
+        except Exception:
+            log.exception(kv(event="on_done_failed", request=internal_id))
+        if final is not None:
+            entry.stream._put(final)
+
+    def _fail_all(self, error: RequestFailed) -> None:
+        for internal_id in list(self._entries):
+            self._gen.abort(internal_id)
+            self._end(internal_id, error)

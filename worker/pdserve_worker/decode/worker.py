@@ -1,0 +1,496 @@
+"""The decode role: a KV pool registered with the transfer engine, slots with leases, token streams.
+
+The request road (worker.proto): the router `Reserve`s a slot here and gets a grant (where
+the slot's bytes are); it opens `Generate` with that grant, which waits for the slot's ready
+notification, which a prefill worker sends after pushing the prompt's KV into the slot and
+which carries the first token; then the request joins the continuous batch of the
+`GenerationLoop` and its tokens stream back as `TokenEvent`s.
+
+The pool is paged by default (`kv_block_tokens` > 0, kv/blocks.py): a grant is a handle (its
+`slot`), a generation and the blocks for prompt + max_tokens, and the request decodes through
+its block table (kv/paged.py). Every name below — slot, generation, lease, quarantine — means
+the same for both pools; a layer-sharded group keeps max-length slots.
+
+Who frees a slot, however the stream ends:
+- before the KV was committed (timeout, cancel, error): `SlotTable.release` quarantines it,
+  because a prefill may still be writing into it;
+- after commit: the generation loop calls back once the request left the batch (finished,
+  cancelled or failed), and only then is the slot free for the next grant.
+
+Stop strings and stop tokens are handled here, once (the engine's Generator does it): a
+stream's text never contains a stop string and ends with FINISH_REASON_STOP, so the
+generation ends, and the slot is freed, the moment it matched.
+
+Draining (`drain()`, the pod's preStop `GET /drain`): no new grants (Reserve answers
+UNAVAILABLE), the broker marks the member draining so routers look elsewhere, requests in
+flight run to the end (or the drain timeout), then the caller deregisters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import grpc
+from pydantic import ValidationError
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.kv.blocks import BlockTable, BlockUsage
+from pdserve_common import tracing
+from pdserve_worker.kv.cache import KVCache
+from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.kv.paged import PagedKVCache
+from pdserve_worker.kv.pool import KVPool
+from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
+from pdserve_common.logs import kv
+from pdserve_worker.model.generate import Generator
+from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.model.sampling import stop_token_ids
+from pdserve_worker.model.sampling_params import FinishReason
+from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed, RequestStream
+from pdserve_worker.roles.worker_metrics import WorkerMetrics
+from pdserve_worker.rpc.convert import finish_reason_to_proto, grant_to_proto, sampling_from_proto
+from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
+from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases
+from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
+from pdserve_worker.transfer.service_link import capability_key
+
+log = logging.getLogger("pdserve.decode")
+
+SWEEP_S = 1.0  # how often lapsed leases are looked for
+
+
+class ReadyUnusable(RuntimeError):
+    """The ready notification(s) for a slot cannot be decoded from: malformed, for another
+    prompt length, or a layer-sharded group's members disagree. The push is at fault, not this
+    decode: Generate answers ABORTED, which the router retries with another prefill."""
+
+
+class MemberUnavailable(RuntimeError):
+    """A member of this decode's layer-sharded group did not answer: Generate answers
+    UNAVAILABLE, and the router resumes the request on another decode."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """What the ready notification told us about a slot's KV."""
+
+    num_tokens: int
+    first_token: int
+    wait_s: float
+
+
+class GroupHooks(Protocol):
+    """What a layer-sharded group's leader does beyond a plain decode (`decode.shard.ShardGroup`):
+    its pool holds member 0's layers, its decode step hops through the followers, its grants
+    name every member, and its KV is ready once every member's notification arrived."""
+
+    def pool_layout(self, full: KVLayout) -> KVLayout:
+        """The leader's own pool, given the whole model's."""
+        ...
+
+    def generator(self, loaded: LoadedModel, cache: KVCache) -> Generator[Any]: ...
+
+    def grants(self, grant: Grant) -> list[Grant]:
+        """Every member's grant of the leader's `grant` (the prefill's push targets)."""
+        ...
+
+    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> list[tuple[int, int]]:
+        """Each follower's (num_tokens, first_token) for the slot, once its notification came."""
+        ...
+
+    def labels(self) -> dict[str, str]:
+        """What the leader's broker registration says about its group."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DecodeWorker:
+    """The state of one decode worker; the gRPC servicer and the HTTP endpoints call into it.
+
+    `group`: set for a layer-sharded group's leader (the hooks of `GroupHooks`); a plain decode
+    holds every layer."""
+
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str,
+                 group: GroupHooks | None = None) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.backend = backend
+        self.revision = revision
+        self.group = group
+        full = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
+        # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
+        layout = (paged_layout(full, settings.kv_block_tokens, settings.kv_tokens) if group is None
+                  else group.pool_layout(full))
+        self.layout = layout
+        self.pool = KVPool(backend, layout, device=settings.device)
+        # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
+        # writing lands in a slot nobody has been granted since.
+        quarantine_s = settings.transfer_timeout_ms / 1000 + 5.0
+        # Only reserved slots are writable by peers (host engine), and a ready notify counts
+        # only with its grant's nonce: neither a stray peer nor a forged notify can touch a
+        # request that is not theirs.
+        self.slots: SlotTable | BlockTable
+        self.cache: KVCache | PagedKVCache
+        if layout.paged:
+            self.leases = BlockWriteLeases(backend, self.pool.base_addr, layout)
+            self.slots = BlockTable(
+                layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
+                capability_key=capability_key(settings.token), leases=self.leases,
+            )
+            self.cache = cache = PagedKVCache(layout, self.pool.tensor)
+            warm = self._warm_blocks
+        else:
+            self.leases = SlotWriteLeases(backend, self.pool.base_addr, layout)
+            self.slots = SlotTable(
+                layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
+                capability_key=capability_key(settings.token), leases=self.leases,
+            )
+            self.cache = cache = KVCache(layout, self.pool.tensor)
+            warm = self.pool.warm
+        self.readiness = Readiness(
+            backend,
+            settings.readiness_mode,
+            accepts=self.slots.is_reserved,
+            authorize=self.slots.verify,
+            poll_interval_us=settings.poll_interval_micros,
+            warmup=warm if settings.warmup else None,
+        )
+        generator = (Generator(loaded.model, loaded.tokenizer, cache) if group is None
+                     else group.generator(loaded, cache))
+        self.loop = GenerationLoop(generator, name="decode-loop")
+        # One blocking readiness wait per request that waits: at most one per slot.
+        self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
+        self.draining = False
+        self._sweeper: asyncio.Task[None] | None = None
+        self.metrics = WorkerMetrics("decode")  # served on /metrics (worker_main)
+        self.metrics.watch_decode(lambda: layout.num_slots - self.slot_usage().free, layout.num_slots,
+                                  lambda: self.loop.active, lambda: self.loop.stats,
+                                  kv_tokens=self.kv_tokens)
+
+    # ---- what a paged pool adds to the request road (kv/blocks.py) --------------------------------
+
+    def reserve(self, request_id: str, ttl_s: float, num_prompt_tokens: int, max_tokens: int) -> Grant:
+        """A grant for a request of `num_prompt_tokens` + `max_tokens`: a slot, or the blocks of
+        exactly that many tokens (raises NoFreeSlot, or its NoFreeBlocks, when there is no room)."""
+        if isinstance(self.slots, BlockTable):
+            return self.slots.reserve(request_id, ttl_s, num_tokens=num_prompt_tokens + max_tokens,
+                                      prompt_tokens=num_prompt_tokens)
+        return self.slots.reserve(request_id, ttl_s)
+
+    def adopt(self, slot: int, generation: int) -> None:
+        """The KV of (slot, generation) is committed: decode reads it through its block table."""
+        if isinstance(self.cache, PagedKVCache):
+            self.cache.bind(slot, self.slots.blocks_of(slot))
+
+    def finished(self, slot: int, generation: int) -> None:
+        """The request left the batch: its blocks are nobody's to read, and the grant is freed."""
+        if isinstance(self.cache, PagedKVCache):
+            self.cache.unbind(slot)
+        self.slots.release(slot, generation)
+
+    def _warm_blocks(self, slot: int, num_tokens: int) -> None:
+        blocks = self.slots.blocks_of(slot)
+        bt = self.layout.block_tokens
+        self.pool.warm_blocks(blocks[: -(-num_tokens // bt)])
+
+    def group_grants(self, grant: Grant) -> list[Grant]:
+        """Every member's grant of a layer-sharded group's slot; none for an unsharded decode."""
+        return [] if self.group is None else self.group.grants(grant)
+
+    # ---- the ServingRole of a decode process (roles/serving.py) --------------------------------
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
+
+    async def start(self, broker: BrokerClient | None = None) -> None:
+        """Run the generation loop and the lease sweeper (the broker is not needed here)."""
+        self.loop.start()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="decode-lease-sweeper")
+
+    async def _sweep(self) -> None:
+        """Leases also lapse when nobody reserves: settle them so usage and quarantine are true."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.slots.expire()
+
+    def close(self) -> None:
+        """Stop using the pool and deregister it. The caller then finalizes the engine (its
+        server stops, so no peer can be writing) and only then calls `free`."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.loop.stop()
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        self.pool.deregister()
+        if self.group is not None:
+            self.group.close()
+
+    def free(self) -> None:
+        self.pool.free()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new slots; wait until every slot is free or `timeout_s` passed. True if drained."""
+        if not self.draining:
+            log.info(kv(event="decode_draining", busy=self.busy(), timeout_s=timeout_s))
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = self.busy() == 0
+        log.info(kv(event="decode_drained" if drained else "decode_drain_timeout", busy=self.busy()))
+        return drained
+
+    # ---- reporting ---------------------------------------------------------------------------
+
+    def slot_usage(self) -> SlotUsage:
+        """Grants by state (a paged pool's handles count as slots)."""
+        usage = self.slots.usage()
+        return usage.slots if isinstance(usage, BlockUsage) else usage
+
+    def kv_tokens(self) -> tuple[int, int]:
+        """(used, total) KV tokens: blocks held x block size, or slots taken x max_len."""
+        usage = self.slots.usage()
+        if isinstance(usage, BlockUsage):
+            return usage.tokens_used, usage.tokens_total
+        return (self.layout.num_slots - usage.free) * self.layout.max_len, self.layout.kv_tokens
+
+    def busy(self) -> int:
+        """Slots reserved or decoding (quarantined ones hold nobody's request)."""
+        usage = self.slot_usage()
+        return usage.reserved + usage.committed
+
+    def load(self) -> Load:
+        usage = self.slot_usage()
+        used, total = self.kv_tokens()
+        return Load(
+            slots_used=self.layout.num_slots - usage.free, slots_free=usage.free, active_requests=self.loop.active,
+            kv_tokens_used=used, kv_tokens_total=total,
+        )
+
+    def member_info(self) -> MemberInfo:
+        mem_type = MemType.DEVICE if self.pool.mem_type == self.backend.api.MemType.MEM_DEVICE else MemType.HOST
+        return MemberInfo(
+            worker_id=self.settings.member_id,
+            role=Role.DECODE,
+            grpc_endpoint=self.settings.grpc_endpoint,
+            engine_id=self.settings.engine_id,
+            regions=(MemoryRegion(self.pool.base_addr, self.pool.nbytes, mem_type),),
+            kv_layout=self.layout,
+            revision=self.revision,
+            slots_total=self.layout.num_slots,
+            slots_free=self.slot_usage().free,
+            # A group's leader registers as one plain decode (routers use it alone, as it stands
+            # for its whole group); the labels say what it is made of.
+            labels={"model": self.loaded.name, **(self.group.labels() if self.group is not None else {})},
+        )
+
+    def status(self) -> worker_pb2.DecodeStatus:
+        load = self.load()
+        return worker_pb2.DecodeStatus(
+            worker_id=self.settings.member_id,
+            slots_total=self.layout.num_slots,
+            slots_used=load.slots_used,
+            slots_free=load.slots_free,
+            active_requests=load.active_requests,
+            draining=self.draining,
+            notifies_dropped=self.readiness.drops.total(),
+            transfer_refusals=transfer_refusals(self.backend),
+            kv_tokens_used=load.kv_tokens_used,
+            kv_tokens_total=load.kv_tokens_total,
+        )
+
+    # ---- the request road --------------------------------------------------------------------
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """Bytes of KV that `num_tokens` prompt tokens occupy (every layer of the model, K and V:
+        in this pool, or across a group's pools)."""
+        return num_tokens * self.layout.bytes_per_token * 2 * self.loaded.config.num_layers
+
+    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> Ready:
+        started = time.monotonic()
+        try:
+            message = await asyncio.get_running_loop().run_in_executor(
+                self._waiters, self.readiness.wait, slot, generation, timeout_s
+            )
+        except ReadinessTimeout:
+            self.metrics.observe_transfer_failure()
+            raise
+        try:
+            num_tokens, first_token = int(message["num_tokens"]), int(message["first_token"])
+        except (KeyError, TypeError, ValueError):
+            # (The message itself is not quoted: it carries the reservation's nonce.)
+            raise ReadyUnusable(f"the ready message of slot {slot} generation {generation} lacks an integer "
+                                f"num_tokens or first_token") from None
+        if self.group is not None:  # a group's request starts once every member's KV is there
+            answers = await self.group.wait_ready(slot, generation, timeout_s)
+            if any(a != (num_tokens, first_token) for a in answers):
+                raise ReadyUnusable(f"slot {slot} generation {generation}: members disagree on (num_tokens, "
+                                    f"first_token): leader {(num_tokens, first_token)}, followers {answers}")
+        waited = time.monotonic() - started
+        self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
+        return Ready(num_tokens, first_token, waited)
+
+
+def paged_layout(layout: KVLayout, block_tokens: int, kv_tokens: int) -> KVLayout:
+    """`layout` (slots of max_len) as a paged pool of `kv_tokens` tokens (0: the slots' memory)
+    in blocks of `block_tokens`; unchanged when `block_tokens` is 0."""
+    if not block_tokens:
+        return layout
+    tokens = kv_tokens or layout.num_slots * layout.max_len
+    if tokens < block_tokens:
+        raise ValueError(f"kv_tokens ({tokens}) holds not one block of {block_tokens} tokens")
+    return replace(layout, block_tokens=block_tokens, num_blocks=tokens // block_tokens)
+
+
+def transfer_refusals(backend: TransferBackend) -> int:
+    """What the engine's server refused so far (host engine; real HIXL counts nothing)."""
+    if backend.host is None:
+        return 0
+    stats = backend.host.security_stats()
+    return sum(v for k, v in stats.items() if k not in ("links_open", "handshakes_pending", "write_leases"))
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeServicer):
+    """worker.proto's Decode service over a `DecodeWorker` (auth ran before these methods)."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.w = worker
+
+    async def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.aio.ServicerContext) -> worker_pb2.Grant:
+        w = self.w
+        if w.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode {w.settings.member_id} is draining")
+        need = request.num_prompt_tokens + request.max_tokens
+        if request.num_prompt_tokens == 0 or need > w.layout.max_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_prompt_tokens ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) = {need} "
+                f"must be in 1..{w.layout.max_len} (the slots' max_len)",
+            )
+        ttl_s = (request.lease_ms or w.settings.lease_ms) / 1000
+        try:
+            grant = w.reserve(request.request_id, ttl_s, request.num_prompt_tokens, request.max_tokens)
+        except NoFreeSlot as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        log.debug(kv(event="slot_granted", request=request.request_id, slot=grant.slot, generation=grant.generation))
+        deadline_ms = int((time.time() + ttl_s) * 1000)
+        reply = grant_to_proto(grant, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
+        reply.group_grants.extend(grant_to_proto(g, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
+                                  for g in w.group_grants(grant))
+        return reply
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        w = self.w
+        slot, generation, prompt = request.slot, request.generation, list(request.prompt_token_ids)
+        where = f"slot {slot} generation {generation} (request {request.request_id})"
+        resumed = request.num_generated
+        if resumed >= len(prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{where}: num_generated ({resumed}) must be below the {len(prompt)} tokens of "
+                                "prompt_token_ids (the prompt, then the tokens already streamed)")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: sampling: {exc}")
+        stop_ids = stop_token_ids(params, w.loaded.tokenizer.eos_token_ids)
+        timeout_s = (request.readiness_timeout_ms or w.settings.readiness_timeout_ms) / 1000
+        # Generate claims the grant: its lease now lasts as long as we are willing to wait.
+        if not w.slots.renew(slot, generation, timeout_s + 5.0):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where} is not a live grant")
+        stream: RequestStream | None = None
+        finished = False
+        # A streaming handler: its span is ended by hand (tracing.py on spans across yields).
+        trace = tracing.start_span("decode.generate", {
+            "pdserve.request_id": request.request_id, "pdserve.decode.member": w.settings.member_id,
+            "pdserve.slot": slot, "pdserve.slot.generation": generation, "gen_ai.usage.input_tokens": len(prompt),
+            "pdserve.resumed_tokens": resumed or None}, parent=tracing.extract(context.invocation_metadata()))
+        steps = 0
+        first_step_ns = last_step_ns = 0
+        try:
+            try:
+                wait_ns = tracing.now_ns()
+                ready = await w.wait_ready(slot, generation, timeout_s)
+                tracing.record("decode.notify_wait", wait_ns, tracing.now_ns(),
+                               {"pdserve.readiness": w.settings.readiness_mode, "pdserve.ready_wait_s": ready.wait_s},
+                               parent=trace)
+            except ReadinessTimeout as exc:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
+            except SlotNotReserved as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}")
+            except ReadyUnusable as exc:
+                await context.abort(grpc.StatusCode.ABORTED, f"{where}: {exc}")
+            except MemberUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: {exc}")
+            if ready.num_tokens != len(prompt):
+                await context.abort(
+                    grpc.StatusCode.ABORTED,
+                    f"{where}: prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}",
+                )
+            if not w.slots.commit(slot, generation):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
+            w.adopt(slot, generation)
+            # From here the loop owns the slot and frees it when the request leaves the batch.
+            stream = w.loop.submit(
+                request.request_id, prompt, slot, params, lambda: w.finished(slot, generation),
+                first_token=ready.first_token, num_generated=resumed,
+            )
+            index = resumed  # a resumed stream goes on at the index where the broken one stopped
+            async for out in stream:
+                last_step_ns = tracing.now_ns()
+                first_step_ns = first_step_ns or last_step_ns
+                steps += 1
+                event = worker_pb2.TokenEvent(index=index, text=out.text)
+                if out.token_id is not None:
+                    event.token_id = out.token_id
+                if index == resumed:
+                    event.kv_bytes_received = w.kv_bytes(ready.num_tokens)
+                    event.kv_pushed = True
+                    event.ready_wait_s = ready.wait_s
+                    event.num_prompt_tokens = ready.num_tokens
+                if out.finished:
+                    finished = True
+                    event.finish_reason = finish_reason_to_proto(out.finish_reason or FinishReason.STOP)
+                    if out.finish_reason is FinishReason.STOP and out.token_id in stop_ids:
+                        event.stop = str(out.token_id)  # a stop token; a stop string is not reported back
+                yield event
+                index += 1
+                if finished:
+                    return
+        except RequestFailed as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{where}: {exc}")
+        except BaseException as exc:
+            trace.record_exception(exc)
+            raise
+        finally:
+            if steps:
+                # One span for all the steps, not one per token: the first token came with the KV
+                # (sampled by the prefill), every later one is a decode step in the batch.
+                tracing.record("decode.steps", first_step_ns, last_step_ns, {
+                    "pdserve.decode.steps": steps - 1, "gen_ai.usage.output_tokens": steps,
+                    "pdserve.decode.mean_step_ms": round((last_step_ns - first_step_ns) / 1e6 / (steps - 1), 3)
+                    if steps > 1 else None, "pdserve.finished": finished}, parent=trace)
+            trace.set_attribute("pdserve.finished", finished)
+            trace.end()
+            if stream is None:
+                w.slots.release(slot, generation)  # never committed: quarantined (a push may be in flight)
+            elif not finished:
+                w.loop.cancel(stream)  # the loop frees the slot once the request is out of the batch
+
+    async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseReply:
+        # Only a grant still waiting for its Generate (or quarantined for it) is released here; a
+        # committed slot is the generation loop's until its request leaves the batch.
+        released = self.w.slots.release_grant(request.slot, request.generation, push_settled=request.push_settled)
+        log.debug(kv(event="grant_released", request=request.request_id, slot=request.slot,
+                     generation=request.generation, push_settled=request.push_settled, released=released))
+        return worker_pb2.ReleaseReply(released=released)
+
+    async def Status(self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DecodeStatus:
+        return self.w.status()

@@ -1,0 +1,422 @@
+"""One worker process from start to stop: `pdserve worker --role prefill|decode|router|colocated`.
+
+Start (each step visible on /healthz's `phase`): HTTP first, so probes answer while the model
+loads; then the model, the transfer engine and the role's state; the gRPC server; and last
+the broker registration, after which /readyz turns 200. Peers learn of a worker only once it
+can serve.
+
+Stop (SIGTERM or SIGINT, once): /readyz fails at once; a decode drains (no new slots, active
+requests finish, up to the drain timeout); the worker leaves the broker, then the gRPC and
+HTTP servers stop (in-flight calls get the grace period), then the KV pool is deregistered,
+the transfer engine finalized (its server stopped and joined, so no peer's write can still
+land), and only then the pool's memory freed. A second signal during the stop is ignored; the pod's grace period is
+the hard limit. A decode drained through its admin port (the preStop hook's `pdserve drain`)
+has already left the broker when the signal comes; drained by anything else, it fails its
+liveness probe and is restarted.
+
+With TLS configured (settings.tls) every gRPC server listens with TLS only and requires a
+client certificate of the CA, every gRPC client (to the broker, to other workers, a group's
+leader to its followers) dials with TLS and its certificate, and the router serves HTTPS.
+
+The router role serves the OpenAI API (`router.app.create_app`) over `PDBackend`; the
+colocated role serves it over one in-process Generator (no broker): the baseline of the
+benchmarks and a one-process `pdserve local --colocated`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pdserve_common.logs import kv
+from pdserve_worker.process.pod_http import (
+    ADMIN_HOST,
+    RunningServer,
+    WorkerState,
+    admin_app,
+    health_routes,
+    serve_in_background,
+    worker_app,
+)
+from pdserve_worker.settings import WorkerSettings, model_revision
+
+if TYPE_CHECKING:
+    from pdserve_worker.broker_client import BrokerClient
+    from pdserve_worker.model.loader import LoadedModel
+    from pdserve_worker.roles.serving import ServingRole
+    from pdserve_worker.transfer.engine import TransferBackend
+
+log = logging.getLogger("pdserve.worker")
+
+REGISTER_TIMEOUT_S = 120.0
+
+
+class StartupError(RuntimeError):
+    """The worker cannot start (bad model, taken port, broker refused it); the message says why."""
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def resolve_model_folder(settings: WorkerSettings) -> Path:
+    """The HF folder of the model: as given, or the GGUF's converted copy (converted once, cached)."""
+    path = settings.model_path
+    if path is not None and (Path(path) / "config.json").is_file():
+        return Path(path)  # no torch needed (the router holds no weights)
+    from pdserve_worker.model.loader import model_folder
+
+    return model_folder(path, settings.model_dtype)[0]
+
+
+def served_name(settings: WorkerSettings, folder: Path) -> str:
+    if settings.model_name:
+        return settings.model_name
+    marker = folder / "pdserve_source.json"
+    if marker.is_file():
+        return str(json.loads(marker.read_text()).get("name", folder.name))
+    return folder.name
+
+
+async def run_worker(settings: WorkerSettings) -> int:
+    from pdserve_common import tracing
+
+    # A no-op unless asked for (tracing.py); the router (and colocated) face clients: the edge.
+    tracing.setup(f"pdserve-{settings.role}", settings.member_id, edge=settings.role in ("router", "colocated"))
+    try:
+        if settings.role == "router":
+            await _run_router(settings)
+        elif settings.role == "colocated":
+            await _run_colocated(settings)
+        else:
+            await _run_model_worker(settings)
+    except StartupError as exc:
+        log.error(kv(event="worker_start_failed", role=settings.role, error=str(exc)))
+        return 1
+    finally:
+        tracing.shutdown()  # exports what is still buffered
+    return 0
+
+
+# ---- prefill and decode ---------------------------------------------------------------------------
+
+
+async def _run_model_worker(settings: WorkerSettings) -> None:
+    """A prefill, a decode or a decode group's follower, from start to stop (module doc)."""
+    import grpc
+    import torch
+
+    from pdserve_worker.roles.serving import grpc_max_message
+    from pdserve_common.channels import aio_server
+
+    stop = _stop_event()
+    process = _Membership(settings)
+    http = _serve_or_fail(worker_app(process.state), settings.bind_host, settings.http_port, settings, "worker-http")
+    # The admin port (/drain, the preStop hook's) listens on loopback only, and only a decode has one.
+    admin = (None if settings.role != "decode" else
+             _serve_or_fail(admin_app(process.tokens, process.drain), ADMIN_HOST, settings.admin_port, settings,
+                            "worker-admin"))
+    backend: TransferBackend | None = None
+    server: grpc.aio.Server | None = None
+    role: ServingRole | None = None
+    try:
+        torch.set_num_threads(settings.torch_threads)
+        process.state.phase = "loading"
+        loaded, revision = await _load_model(settings)
+        backend = _start_engine(settings)
+        role = process.role = await _make_role(settings, loaded, backend, revision)
+        metrics = getattr(role, "metrics", None)  # a group's follower reports through its leader
+        if metrics is not None:
+            process.state.metrics = metrics.exposition
+        server = aio_server(process.tokens, max_message=grpc_max_message(settings, loaded.config.hidden_size))
+        role.add_to(server)
+        _bind_or_fail(server, settings)
+        await server.start()
+        await role.start(process.broker)
+        if stop.is_set():
+            return
+        await process.join(role)
+        log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id, grpc=settings.grpc_endpoint,
+                    http=settings.http_port, model=loaded.name, revision=revision))
+        await _until(stop, http.task)
+        log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
+        await process.leave()
+    finally:
+        process.state.phase = "stopping"
+        await process.broker.close()
+        if server is not None:
+            await server.stop(settings.grace_seconds)  # calls in flight get the grace period
+        for running in (http, admin):
+            if running is not None:
+                await running.stop()
+        _let_go(role, backend)
+        log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
+
+
+def _let_go(role: ServingRole | None, backend: TransferBackend | None) -> None:
+    """Stop using the pool and deregister it, then stop the engine (its server first: no peer
+    can be writing any more), and only then free the pool's memory."""
+    if role is not None:
+        role.close()
+    if backend is not None:
+        backend.engine.finalize()
+    if role is not None:
+        role.free()
+
+
+class _Membership:
+    """This process's place in its service: its phase (/healthz, /readyz), its broker
+    registration, and the drain that /drain and the stop signal share."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        from pdserve_worker.broker_client import BrokerClient
+        from pdserve_common.auth import TokenTable
+
+        self.settings = settings
+        self.state = WorkerState(settings.role, settings.member_id)
+        self.broker: BrokerClient = BrokerClient(settings.broker_address, settings.service, settings.token,
+                                                 settings.broker_channel_tls)
+        self.tokens = TokenTable({settings.service: settings.token})
+        self.role: ServingRole | None = None
+        self.registered = False
+
+    async def join(self, role: ServingRole) -> None:
+        """Register (a group's follower does not: its leader stands for the group); then ready."""
+        from pdserve_worker.broker_client import BrokerError
+
+        self.state.phase = "registering"
+        info = role.member_info()
+        if info is not None:
+            try:
+                await self.broker.register(info, load=role.load, timeout_s=REGISTER_TIMEOUT_S)
+            except (BrokerError, TimeoutError) as exc:
+                raise StartupError(f"broker {self.settings.broker_address} did not register us: {exc}") from exc
+            self.registered = True
+        if self.state.phase == "registering":
+            self.state.phase = "ready"
+
+    async def drain(self) -> dict[str, Any]:
+        """GET /drain on the admin port: the pod's preStop hook (pod_env.py). A registered role
+        leaves the broker once drained, and /healthz then fails: a drained decode is replaced,
+        not kept idle. A follower serves its leader's steps until the leader let go."""
+        role = self.role
+        if role is None or self.state.phase not in ("ready", "draining", "drained"):
+            self.state.phase = "draining"
+            return {"drained": True, "busy": 0}
+        if self.state.phase == "ready":
+            self.state.phase = "draining"
+            if self.registered:
+                await self.broker.set_draining(True)
+        drained = await role.drain(self.settings.drain_timeout_seconds)
+        if self.registered:
+            await self._leave_broker()
+            if self.state.phase == "draining":
+                self.state.phase = "drained"
+        return {"drained": drained, "busy": role.busy()}
+
+    async def leave(self) -> None:
+        """On the stop signal: drain unless /drain did, then leave the broker."""
+        if self.role is not None and self.state.phase not in ("draining", "drained"):
+            self.state.phase = "draining"
+            if self.registered:
+                await self.broker.set_draining(True)
+            await self.role.drain(self.settings.drain_timeout_seconds)
+        self.state.phase = "stopping"
+        await self._leave_broker()
+
+    async def _leave_broker(self) -> None:
+        if self.registered:
+            self.registered = False
+            await self.broker.deregister()
+
+
+async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
+    """The model (a layer-sharded decode member loads only its share) and its revision."""
+    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.decode.shard import member_layers
+
+    try:
+        folder = await asyncio.to_thread(resolve_model_folder, settings)
+        layers = member_layers(settings, folder)
+        # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
+        loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
+                                         layers, settings.weights)
+        loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
+    return loaded, model_revision(folder, settings.model_dtype)
+
+
+def _start_engine(settings: WorkerSettings) -> TransferBackend:
+    """The transfer engine, initialized. A prefill connects out only: it listens on no transfer
+    port. A decode admits only peers holding the service's link key, and (unless it is a group
+    follower, which has no slot table) lets them write only into reserved slots (service_link.py)."""
+    from pdserve_worker.decode.shard import is_follower
+    from pdserve_worker.transfer.engine import create_engine
+    from pdserve_worker.transfer.service_link import engine_options, local_engine_id
+
+    backend = create_engine(settings.transfer_backend)
+    engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
+    options = engine_options(backend.name, settings.token, settings.engine_options,
+                             leased_writes=settings.role == "decode" and not is_follower(settings))
+    status = backend.engine.initialize(engine_id, options)
+    if status != backend.api.SUCCESS:
+        raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
+    log.info(kv(event="transfer_engine_started", backend=backend.name, engine=engine_id))
+    return backend
+
+
+async def _make_role(settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend,
+                     revision: str) -> ServingRole:
+    from pdserve_worker.decode.shard import ShardError
+    from pdserve_worker.roles.serving import make_role
+
+    try:
+        return await make_role(settings, loaded, backend, revision)
+    except ShardError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def _bind_or_fail(server: Any, settings: WorkerSettings) -> None:
+    from pdserve_common.channels import bind
+
+    try:
+        bind(server, settings.bind_host, settings.grpc_port, settings.tls)
+    except (OSError, ValueError) as exc:
+        raise StartupError(str(exc)) from exc
+
+
+async def _until(stop: asyncio.Event, server_task: asyncio.Task) -> None:
+    """Wait for a stop signal; a server that died on its own is a failure."""
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, server_task}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if server_task.done() and not stop.is_set():
+        raise StartupError(f"the HTTP server stopped unexpectedly: {server_task.exception()!r}")
+
+
+def _serve_or_fail(app: Any, host: str, port: int, settings: WorkerSettings, name: str,
+                   tls: Any = None) -> RunningServer:
+    try:
+        return serve_in_background(app, host, port, settings.grace_seconds, tls, name, settings.http_limits)
+    except OSError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+# ---- router and colocated --------------------------------------------------------------------------
+
+
+async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state: WorkerState,
+                     stop: asyncio.Event) -> None:
+    """Serve the OpenAI API over `backend` until stopped; in-flight requests get the grace period."""
+    from pdserve_worker.router.admission import AdmissionConfig, AdmissionQueue
+    from pdserve_worker.router.app import RouterLimits, create_app
+    from pdserve_worker.router.keys import KeyFile, KeyFileError
+
+    keys = None
+    if settings.api_keys_file is not None:
+        try:
+            keys = KeyFile(settings.api_keys_file)
+        except (KeyFileError, OSError) as exc:
+            raise StartupError(f"API keys: {exc}") from exc
+    admission = None
+    if settings.admission_queue > 0:  # 0: no queue, a request without a free slot is a 429 at once
+        admission = AdmissionQueue(AdmissionConfig(
+            capacity=settings.admission_queue, max_queued_per_tenant=settings.admission_per_tenant,
+            deadline_s=settings.admission_deadline_seconds, replicas=settings.router_replicas), observer=metrics)
+    app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes),
+                     admission=admission, keys=keys)
+    app.router.routes.extend(health_routes(state))
+    running = _serve_or_fail(app, settings.bind_host, settings.http_port, settings, "router-http", settings.tls)
+    try:
+        state.phase = "ready"
+        log.info(kv(event="router_listening", role=settings.role, host=settings.bind_host, port=settings.http_port,
+                    model=backend.model_name, https=settings.tls is not None))
+        await _until(stop, running.task)
+        state.phase = "stopping"
+    finally:
+        await running.stop()
+
+
+async def _run_router(settings: WorkerSettings) -> None:
+    from pdserve_worker.broker_client import BrokerClient
+    from pdserve_worker.model.config import ModelConfig
+    from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
+    from pdserve_worker.router.load import router_load
+    from pdserve_worker.router.metrics import RouterMetrics
+    from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+    from pdserve_common.membership import MemberInfo, Role
+
+    stop = _stop_event()
+    state = WorkerState(settings.role, settings.member_id)
+    try:
+        folder = await asyncio.to_thread(resolve_model_folder, settings)
+        tokenizer = Tokenizer.from_dir(folder)
+        config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    except (FileNotFoundError, ValueError, TokenizerError) as exc:
+        raise StartupError(f"cannot read model {settings.model_source!r}: {exc}") from exc
+    broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
+    metrics = RouterMetrics()
+    backend = PDBackend(
+        model_name=served_name(settings, folder),
+        tokenizer=tokenizer,
+        max_model_len=min(settings.max_length, config.max_position_embeddings),
+        revision=model_revision(folder, settings.model_dtype),
+        broker=broker,
+        token=settings.token,
+        metrics=metrics,
+        timeouts=Timeouts(lease_ms=settings.lease_ms, readiness_ms=settings.readiness_timeout_ms,
+                          prefill_s=settings.request_timeout_seconds),
+        tls=settings.peer_tls,
+    )
+    # A router without a prefill or a decode to send requests to is not ready for traffic.
+    state.serving = lambda: bool(backend.health()["ready"])
+    try:
+        await backend.start()
+        # The keepalive carries the router's traffic: the operator's autoscaler plans from it.
+        await broker.register(MemberInfo(worker_id=settings.member_id, role=Role.ROUTER,
+                                         revision=backend.revision), wait=False,
+                              load=lambda: router_load(metrics))
+        await _serve_api(settings, backend, metrics, state, stop)
+        await broker.deregister()
+    finally:
+        await backend.close()
+        await broker.close()
+        log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
+
+
+async def _run_colocated(settings: WorkerSettings) -> None:
+    import torch
+
+    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.roles.colocated import ColocatedBackend
+    from pdserve_worker.router.metrics import RouterMetrics
+
+    stop = _stop_event()
+    state = WorkerState(settings.role, settings.member_id)
+    torch.set_num_threads(settings.torch_threads)
+    try:
+        folder = await asyncio.to_thread(resolve_model_folder, settings)
+        loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
+                                         None, settings.weights)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
+    max_len = min(settings.max_length, loaded.config.max_position_embeddings)
+    backend = ColocatedBackend(loaded, slots=settings.slots, max_len=max_len,
+                               model_name=served_name(settings, folder),
+                               prefix_cache_tokens=settings.prefix_cache_tokens,
+                               prefix_block_tokens=settings.prefix_block_tokens)
+    backend.start()
+    try:
+        await _serve_api(settings, backend, RouterMetrics(), state, stop)
+    finally:
+        backend.close()
+        log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))

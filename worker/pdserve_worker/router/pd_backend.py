@@ -1,0 +1,567 @@
+"""The router's PD backend: one request's road through a decode and a prefill worker.
+
+For each request (worker.proto's header has the contract):
+1. rank the decodes of the broker's membership (`placement`), `Reserve` a slot on the best one
+   that has a free slot (the next one on RESOURCE_EXHAUSTED or if it is away);
+2. open `Generate` on that decode with the grant: it waits for the slot's KV;
+3. meanwhile call `Prefill` on the least busy prefill with the grant as its target: it
+   computes the prompt's KV, pushes it into the slot and notifies the decode, whose stream
+   then starts with the first token (sampled by prefill);
+4. stream the decode's tokens to the router, with a `RequestInfo` saying the KV arrived by
+   push: the bytes and the push time (from the prefill's reply), prefill and decode ids.
+
+Failures of a worker are retried (`Timeouts.max_retries`): a decode whose stream breaks
+(killed, aborted) or a prefill that fails or never delivers (the decode's readiness wait
+times out) is avoided, and the request takes the road again with the tokens already streamed
+appended to the prompt (`num_generated`), so the client's stream continues without a gap.
+Failures that another worker would repeat (a bad prompt, no free slot) end the request.
+
+Each failed attempt is cleaned up: a failed prefill cancels the stream at once (the decode
+would otherwise wait for a notification that never comes), and a request that ends early
+for any reason (error, client gone, stop string) cancels its Generate, which frees the slot,
+and sends a Release for the grant in case Generate never claimed it (idempotent).
+
+Stop strings are the decode's job: it ends generation and frees the slot the moment one
+matches, and its text never contains one (the router passes the text through).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_common import tracing
+from pdserve_worker.broker_client import BrokerClient, MembershipView
+from pdserve_common.logs import kv
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.tokenizer import Tokenizer
+from pdserve_worker.router.backend import (
+    BackendError,
+    BackendUnavailable,
+    InvalidPrompt,
+    NoCapacity,
+    RequestInfo,
+    RequestTimeout,
+    TokenEvent,
+    capacity_held,
+)
+from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt
+from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
+from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
+from pdserve_worker.router.metrics import RouterMetrics
+from pdserve_worker.router.tokenizing import ModelTokenizing
+from pdserve_common.auth import TLSConfig
+from pdserve_common.channels import aio_channel
+from pdserve_worker.rpc.convert import finish_reason_from_proto, sampling_to_proto
+from pdserve_worker.rpc.trailers import push_settled
+from pdserve_common.membership import EventType, Member, MemberEvent, Role
+
+log = logging.getLogger("pdserve.router.pd")
+
+NO_CAPACITY_RETRY_S = 1.0
+PREFIX_HISTORY_BLOCKS = 16_384  # per prefill: 262,144 tokens of 16-token blocks (about 1 MB of hashes)
+CLOSE_WAIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    rpc_s: float = 5.0  # Reserve, Release
+    lease_ms: int = 30_000  # a grant lapses if Generate has not claimed it by then
+    readiness_ms: int = 300_000  # how long the decode waits for the KV (prefill queueing included)
+    prefill_s: float = 600.0  # deadline of one Prefill call
+    max_retries: int = 2  # a request survives this many failed decode or prefill workers
+    resume_wait_s: float = 10.0  # how long a retry waits for a free slot before giving up
+    settle_s: float = 30.0  # how long an abandoned grant waits for the prefill to confirm its push ended
+
+
+def push_targets(grant: worker_pb2.Grant) -> list[worker_pb2.Grant]:
+    """Where the prefill pushes: every member of a layer-sharded group (its leader lists them
+    in `group_grants`), else the one decode that granted the slot."""
+    return list(grant.group_grants) or [grant]
+
+
+class PDBackend(ModelTokenizing):
+    """`router.backend.Backend` over the broker's membership of prefill and decode workers."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        revision: str,
+        broker: BrokerClient,
+        token: str,
+        metrics: RouterMetrics | None = None,
+        timeouts: Timeouts = Timeouts(),
+        tls: TLSConfig | None = None,
+        prefix_history_blocks: int = PREFIX_HISTORY_BLOCKS,
+        prefix_block_tokens: int = 16,
+        balance: BalanceBound = BalanceBound(),
+    ) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.revision = revision
+        self._tokenizer = tokenizer
+        self._broker = broker
+        self._token = token
+        self._metrics = metrics
+        self._t = timeouts
+        self._tls = tls  # how workers are dialled (settings.peer_tls)
+        self._view: MembershipView | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._inflight_decode: Counter[str] = Counter()
+        self._inflight_prefill: Counter[str] = Counter()
+        self._background: set[asyncio.Task[None]] = set()
+        # Set when a decode is found lost (left the membership and does not answer): its streams end.
+        self._lost: dict[str, asyncio.Event] = {}
+        # Prefix-aware prefill choice from this router's own routing history (0 blocks: off).
+        self._prefixes = PrefixHistory(prefix_history_blocks) if prefix_history_blocks else None
+        self._recent = RecentShare()
+        self._balance = balance
+        self._prefix_block_tokens = prefix_block_tokens
+        # Only this router's own predictions use these hashes: the revision keeps two models apart.
+        self._prefix_salt = cache_salt(revision, "router-prediction", prefix_block_tokens)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Watch the decode and prefill membership (inside the event loop that serves requests)."""
+        self._view = await self._broker.watch([Role.DECODE, Role.PREFILL], listener=self._on_member)
+
+    async def close(self) -> None:
+        # Grants being given back get a moment to reach their decodes; past it, leases reclaim them.
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
+        for task in list(self._background):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    @property
+    def view(self) -> MembershipView:
+        if self._view is None:
+            raise RuntimeError("PDBackend.start() was not awaited")
+        return self._view
+
+    def ready_members(self) -> dict[str, int]:
+        """Members that could serve a request now, by role."""
+        members = self.view.members.values() if self._view is not None else ()
+        return {
+            role.value: sum(1 for m in members if compatible(m, role, self.revision))
+            for role in (Role.PREFILL, Role.DECODE)
+        }
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests this router has on decodes and on prefills now (0 once they are all over)."""
+        return {"decode": sum(self._inflight_decode.values()), "prefill": sum(self._inflight_prefill.values())}
+
+    def health(self) -> dict[str, object]:
+        """For the router's /health: whether requests can be served, and by how many members."""
+        members = self.ready_members()
+        return {
+            "ready": members["prefill"] > 0 and members["decode"] > 0,
+            "members": members,
+            "in_flight": self.in_flight(),
+            "broker_connected": self._view is not None and self._view.connected,
+        }
+
+    def _on_member(self, event: MemberEvent) -> None:
+        member = event.member
+        if member is None:
+            return
+        if event.type is EventType.REMOVED:
+            if member.role is Role.PREFILL and self._prefixes is not None:
+                self._prefixes.forget(member.worker_id)  # a prefill that comes back holds nothing
+            if member.role is Role.DECODE and self._metrics is not None:
+                self._metrics.forget_decode(member.worker_id)
+            if member.role is Role.DECODE and self._inflight_decode[member.worker_id] > 0:
+                # Closing its channel now would cancel our streams there: the probe decides.
+                self._spawn(self._probe_decode(member))
+                return
+            self._close_channel(member.info.grpc_endpoint)
+            return
+        if member.role is Role.DECODE and self._metrics is not None:
+            used = member.load.slots_used
+            self._metrics.set_decode_slots(member.worker_id, used, max(member.info.slots_total - used, 0),
+                                           member.load.kv_tokens_used, member.load.kv_tokens_total)
+        if member.info.revision != self.revision:
+            log.warning(kv(event="member_revision_mismatch", worker=member.worker_id, role=member.role,
+                           revision=member.info.revision, ours=self.revision))
+
+    async def _probe_decode(self, member: Member) -> None:
+        """A decode with our streams left the membership: if it does not answer either (frozen,
+        or gone without closing its connections), its streams are given up and resumed
+        elsewhere. One that answers keeps them: the broker may merely have restarted."""
+        channel = aio_channel(member.info.grpc_endpoint, self._token, self._tls)
+        try:
+            await worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest(), timeout=self._t.rpc_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(kv(event="decode_lost", decode=member.worker_id, code=exc.code().name,
+                           streams=self._inflight_decode[member.worker_id]))
+            self._lost.pop(member.worker_id, asyncio.Event()).set()
+            await asyncio.sleep(0)  # the streams give up (and cancel their calls) before the channel closes
+            self._close_channel(member.info.grpc_endpoint)
+        finally:
+            await channel.close()
+
+    def _close_channel(self, endpoint: str) -> None:
+        channel = self._channels.pop(endpoint, None)
+        if channel is not None:
+            self._spawn(channel.close())
+
+    # ---- one request ------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+        """Serve one request; a decode or prefill that fails midway is replaced (at most `max_retries` times).
+
+        The tokens already streamed are kept: a retry re-prefills the prompt followed by them
+        on another decode (`num_generated`), whose stream goes on at the next token, so the
+        client sees one answer with no token repeated or lost.
+        """
+        emitted: list[int] = []
+        avoid: set[str] = set()
+        retries = 0
+        failure: _Retryable | None = None
+        resume_deadline = 0.0
+        while True:
+            try:
+                async for event in self._attempt(prompt_ids, emitted, params, request_id, avoid, retries):
+                    if event.token_id is not None:
+                        emitted.append(event.token_id)
+                    yield event
+                return
+            except (NoCapacity, BackendUnavailable) as exc:
+                if failure is None:
+                    raise
+                if isinstance(exc, NoCapacity) and time.monotonic() < resume_deadline:
+                    # A stream cannot be answered 429 midway: wait for a slot to come free.
+                    await asyncio.sleep(exc.retry_after_s)
+                    continue
+                # A retry found no worker left: the failure that made it is what the client should hear of.
+                raise type(failure.error)(f"{failure.error}; no other worker could take request {request_id} "
+                                          f"over after {len(emitted)} tokens: {exc}") from None
+            except _Retryable as caught:
+                failure = caught
+                resume_deadline = time.monotonic() + self._t.resume_wait_s
+                retries += 1
+                if retries > self._t.max_retries:
+                    raise failure.error from None
+                avoid.add(failure.worker_id)
+                log.warning(kv(event="request_retry", request=request_id, retry=retries, failed=failure.worker_id,
+                               emitted=len(emitted), error=str(failure.error)))
+                # The resume, in the request's trace: the next attempt span carries `pdserve.retry`.
+                tracing.record("router.resume", tracing.now_ns(), tracing.now_ns(), {
+                    "pdserve.retry": retries, "pdserve.failed.member": failure.worker_id,
+                    "pdserve.resumed_tokens": len(emitted), "error.message": str(failure.error)})
+                if self._metrics is not None:
+                    self._metrics.observe_retry()
+
+    async def _attempt(self, prompt_ids: list[int], emitted: list[int], params: SamplingParams, request_id: str,
+                       avoid: set[str], retries: int) -> AsyncIterator[TokenEvent]:
+        """One road through a decode and a prefill; failures a retry may cure raise `_Retryable`.
+
+        Everything that can fail without a worker (converting the parameters, choosing a
+        prefill) happens before the Reserve; from the grant on, every way out (an error, a
+        cancellation at any await, the client closing the stream) passes the `finally`, which
+        either leaves the slot to a stream that finished or gives the grant back (`_give_back`).
+        """
+        tokens = prompt_ids + emitted
+        sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
+        prefill = self._pick_prefill(avoid, tokens)
+        # One span per attempt, ended by hand (this is a generator: tracing.py on spans across yields).
+        attempt = tracing.start_span("router.attempt", {
+            "pdserve.request_id": request_id, "pdserve.retry": retries, "pdserve.prefill.member": prefill.worker_id,
+            "pdserve.resumed_tokens": len(emitted) or None})
+        try:
+            with tracing.use(attempt), tracing.span("router.reserve") as reserving:
+                decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
+                reserving.set_attributes({"pdserve.decode.member": decode.worker_id, "pdserve.slot": grant.slot})
+        except BaseException as exc:
+            attempt.record_exception(exc)
+            attempt.end()
+            raise
+        attempt.set_attributes({"pdserve.decode.member": decode.worker_id, "pdserve.slot": grant.slot,
+                                "pdserve.slot.generation": grant.generation})
+        call = None
+        prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
+        info: RequestInfo | None = None
+        finished = False
+        # No await between these increments and the `try`: nothing can leave in between.
+        self._inflight_decode[decode.worker_id] += 1
+        self._inflight_prefill[prefill.worker_id] += 1
+        try:
+            decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
+            prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
+            with tracing.use(attempt):  # both calls carry the attempt's traceparent (pdserve_common/channels.py)
+                call = decode_stub.Generate(worker_pb2.GenerateRequest(
+                    request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
+                    sampling=sampling, readiness_timeout_ms=self._t.readiness_ms, num_generated=len(emitted),
+                ))
+                prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
+                    worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=tokens, sampling=sampling,
+                                              targets=push_targets(grant), num_generated=len(emitted)),
+                    timeout=self._t.prefill_s,
+                ))
+            lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
+            while True:
+                event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
+                try:
+                    reason = finish_reason_from_proto(event.finish_reason)
+                except ValueError:
+                    reason = FinishReason.ABORT  # a newer decode's reason: not an answer we can give
+                if reason is FinishReason.ABORT:
+                    raise _Retryable(decode.worker_id,
+                                     BackendError(f"decode {decode.worker_id} aborted request {request_id}"))
+                attach = None
+                if info is None and (prefill_call.done() or reason is not None):
+                    # The prefill's reply has the push's figures; at the latest the last token waits for it.
+                    reply = await self._prefill_reply(prefill_call, prefill.worker_id)
+                    info = attach = RequestInfo(True, reply.kv_bytes, reply.push_seconds, prefill.worker_id,
+                                                decode.worker_id, retries, reply.cached_tokens)
+                elif info is None and event.index == len(emitted):
+                    attach = RequestInfo(event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id,
+                                         decode.worker_id, retries)
+                # Set before the yield: the router closes this generator as soon as it has the
+                # last event, and a finished request must not be cancelled or released.
+                finished = reason is not None
+                yield TokenEvent(event.token_id, event.text, reason, attach)
+                if finished:
+                    return
+        except BaseException as exc:
+            if not finished:
+                attempt.record_exception(exc)
+            if not isinstance(exc, grpc.aio.AioRpcError):
+                raise
+            error = _decode_error(exc, decode.worker_id, request_id)
+            if exc.code() in _RETRYABLE_DECODE:
+                # The decode's readiness wait timing out means the prefill never delivered; an
+                # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).
+                culprit = prefill.worker_id if exc.code() in _PREFILL_AT_FAULT else decode.worker_id
+                raise _Retryable(culprit, error) from None
+            raise error from None
+        finally:
+            attempt.set_attribute("pdserve.finished", finished)
+            attempt.end()
+            self._inflight_decode[decode.worker_id] -= 1
+            self._inflight_prefill[prefill.worker_id] -= 1
+            if not finished:
+                if call is not None:
+                    call.cancel()  # a committed slot is freed by the decode once its request leaves the batch
+                self._spawn(self._give_back(decode, grant, request_id, prefill, prefill_call))
+
+    async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str,
+                          lost: asyncio.Event):
+        """The decode's next event; if the prefill fails first, its error (the decode would wait in
+        vain); if the decode is found lost first, a retryable failure (its stream may never end)."""
+        read = asyncio.ensure_future(call.read())
+        lost_wait = asyncio.ensure_future(lost.wait())
+        try:
+            waiting = {read, lost_wait} | (set() if prefill_call.done() else {prefill_call})
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done() and lost.is_set():
+                read.cancel()
+                raise _Retryable(decode_id, BackendUnavailable(
+                    f"decode {decode_id} left the membership and does not answer"))
+            if prefill_call.done() and not read.done() and prefill_call.exception() is not None:
+                read.cancel()
+                await self._prefill_reply(prefill_call, prefill_id)  # raises the mapped error
+        finally:
+            lost_wait.cancel()
+        event = await read
+        if event is grpc.aio.EOF:
+            raise _Retryable(decode_id, BackendError(f"decode {decode_id} ended the stream without a finish reason"))
+        return event
+
+    async def _prefill_reply(self, prefill_call: asyncio.Future, prefill_id: str) -> worker_pb2.PrefillReply:
+        try:
+            return await prefill_call
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if self._metrics is not None:
+                self._metrics.observe_prefill_failure(code.name)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise _Retryable(prefill_id, RequestTimeout(
+                    f"prefill {prefill_id} did not finish in {self._t.prefill_s:g}s")) from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise _Retryable(prefill_id, BackendUnavailable(f"prefill {prefill_id} failed: {exc.details()}")) from None
+            raise BackendError(f"prefill {prefill_id} failed: {code.name}: {exc.details()}") from None
+
+    # ---- choosing members ----------------------------------------------------------------------------
+
+    def _pick_prefill(self, avoid: set[str], tokens: list[int]) -> Member:
+        """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
+        (router/prefix_routing.py), else the shortest queue; remembered as holding it now."""
+        ranked = _excluding(rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision), avoid)
+        if not ranked:
+            raise BackendUnavailable(f"no prefill worker of model revision {self.revision} is registered")
+        if self._prefixes is None:
+            return ranked[0]
+        by_id = {m.worker_id: m for m in ranked}
+        ids = list(by_id)
+        hashes = block_hashes(tokens, self._prefix_block_tokens, self._prefix_salt)
+        queues = {m.worker_id: estimated_queue(m, self._inflight_prefill[m.worker_id]) for m in ranked}
+        choice = choose_prefill(ids, queues, self._prefixes.matches(ids, hashes), self._recent.counts(),
+                                self._balance)
+        self._prefixes.record(choice.worker_id, hashes)
+        self._recent.record(choice.worker_id)
+        if self._metrics is not None:
+            self._metrics.observe_prefill_choice(choice.reason)
+        return by_id[choice.worker_id]
+
+    async def _reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                       avoid: set[str]) -> tuple[Member, worker_pb2.Grant]:
+        ranked = _excluding(rank_decodes(self.view.members.values(), self._inflight_decode, self.revision), avoid)
+        if not ranked:
+            raise BackendUnavailable(f"no decode worker of model revision {self.revision} is registered")
+        request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                            max_tokens=max_tokens, lease_ms=self._t.lease_ms)
+        full, failed = 0, []
+        for member in ranked:
+            stub = worker_pb2_grpc.DecodeStub(self._channel(member))
+            reserve = asyncio.ensure_future(stub.Reserve(request, timeout=self._t.rpc_s))
+            try:
+                # Shielded: cancelled while the Reserve is in flight (the client left), the call
+                # goes on, and a grant that arrives anyway is given back instead of lost.
+                grant = await asyncio.shield(reserve)
+                capacity_held()  # the admission queue may let the next request try
+                return member, grant
+            except asyncio.CancelledError:
+                self._spawn(self._give_back_late(member, reserve, request_id))
+                raise
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidPrompt(f"decode {member.worker_id}: {exc.details()}") from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full += 1
+                else:
+                    failed.append(f"{member.worker_id}: {code.name} {exc.details()}")
+                    log.warning(kv(event="reserve_failed", decode=member.worker_id, code=code.name,
+                                   detail=exc.details()))
+        if full:
+            raise NoCapacity(NO_CAPACITY_RETRY_S, f"no free KV slot on {full} decode worker(s)")
+        raise BackendUnavailable(f"no decode worker could reserve a slot: {'; '.join(failed)}")
+
+    # ---- giving grants back -------------------------------------------------------------------------
+
+    async def _give_back_late(self, decode: Member, reserve: asyncio.Future[worker_pb2.Grant],
+                              request_id: str) -> None:
+        """A Reserve whose request was cancelled while it was in flight: give back what it granted."""
+        await asyncio.wait({reserve})  # (`wait`: the call's own failure or cancellation does not raise here)
+        if reserve.cancelled() or reserve.exception() is not None:
+            return  # nothing was granted
+        await self._give_back(decode, reserve.result(), request_id, None, None)
+
+    async def _give_back(self, decode: Member, grant: worker_pb2.Grant, request_id: str,
+                         prefill: Member | None, prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None) -> None:
+        """Return a grant the request will not finish with, counted by how it went back.
+
+        Free at once (`push_settled`) where no write into the slot can still arrive: no Prefill
+        was sent, or the prefill answered that its push is over (after a Cancel, if it was still
+        running). Otherwise the decode quarantines the slot; if even the Release fails, the
+        decode's lease takes the slot back on its own.
+        """
+        settled = prefill_call is None or await self._settle_push(prefill, prefill_call, grant, request_id)
+        released = await self._release(decode, grant, settled)
+        if released is None:
+            outcome = "lease"
+        elif not released:
+            outcome = "stream"  # nothing left to give back: the decode's stream had the slot
+        else:
+            outcome = "released" if settled else "quarantined"
+        log.debug(kv(event="grant_returned", request=request_id, decode=decode.worker_id, slot=grant.slot,
+                     generation=grant.generation, outcome=outcome))
+        if self._metrics is not None:
+            self._metrics.observe_grant_returned(outcome)
+
+    async def _settle_push(self, prefill: Member | None, prefill_call: asyncio.Future[worker_pb2.PrefillReply],
+                           grant: worker_pb2.Grant, request_id: str) -> bool:
+        """Whether the prefill's push into `grant` is over: asks a prefill still at work to stop
+        and waits (at most `settle_s`) for its answer. False when that cannot be known."""
+        if not prefill_call.done() and prefill is not None:
+            try:
+                await worker_pb2_grpc.PrefillStub(self._channel(prefill)).Cancel(
+                    worker_pb2.CancelPrefillRequest(request_id=request_id, slot=grant.slot,
+                                                    generation=grant.generation),
+                    timeout=self._t.rpc_s)
+            except grpc.aio.AioRpcError as exc:
+                log.warning(kv(event="prefill_cancel_failed", prefill=prefill.worker_id, request=request_id,
+                               code=exc.code().name))
+            done, _ = await asyncio.wait({prefill_call}, timeout=self._t.settle_s)
+            if not done:
+                prefill_call.cancel()
+                return False
+        if prefill_call.cancelled():
+            return False
+        exc = prefill_call.exception()
+        return exc is None or (isinstance(exc, grpc.aio.AioRpcError) and push_settled(exc))
+
+    async def _release(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None:
+        """worker.proto's Release; None when it could not be delivered (the lease then lapses)."""
+        stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
+        try:
+            reply = await stub.Release(worker_pb2.ReleaseRequest(
+                request_id=grant.request_id, slot=grant.slot, generation=grant.generation,
+                push_settled=push_settled), timeout=self._t.rpc_s)
+        except grpc.aio.AioRpcError as exc:  # the lease lapses on its own: logged, not fatal
+            log.warning(kv(event="release_failed", decode=decode.worker_id, slot=grant.slot, code=exc.code().name))
+            return None
+        return reply.released
+
+    def _channel(self, member: Member) -> grpc.aio.Channel:
+        endpoint = member.info.grpc_endpoint
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = aio_channel(endpoint, self._token, self._tls)
+        return channel
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class _Retryable(Exception):
+    """A failure of one worker that another may not have: `error` is raised if no retry is left."""
+
+    def __init__(self, worker_id: str, error: BackendError) -> None:
+        super().__init__(str(error))
+        self.worker_id = worker_id
+        self.error = error
+
+
+# UNAVAILABLE: the decode went away (killed, network) or a member of its group did; INTERNAL:
+# its generation loop failed; DEADLINE_EXCEEDED: its readiness wait ended without the prefill's
+# notification; ABORTED: the notification that came cannot be used (malformed, for another
+# prompt length, a group's members disagree).
+_RETRYABLE_DECODE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+_PREFILL_AT_FAULT = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+
+
+def _excluding(ranked: list[Member], avoid: set[str]) -> list[Member]:
+    """Members that have not failed this request. A failed one is not tried again: a stalled
+    worker would stall the retry too and cost another quarantined slot, and a dead one stays
+    in the membership until its lease lapses."""
+    return [m for m in ranked if m.worker_id not in avoid]
+
+
+def _decode_error(exc: grpc.aio.AioRpcError, decode_id: str, request_id: str) -> BackendError:
+    code, details = exc.code(), exc.details()
+    where = f"decode {decode_id} (request {request_id})"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimeout(f"{where}: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return BackendUnavailable(f"{where} is unavailable: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidPrompt(f"{where}: {details}")
+    return BackendError(f"{where}: {code.name}: {details}")

@@ -1,0 +1,62 @@
+"""Which decode and which prefill serve a request: pure ranking over the known membership.
+
+Decode: the most free slots first. The broker's view of a decode's load is as old as its last
+keepalive (a third of the lease TTL), so the router also counts the requests it has in flight
+there itself and takes the larger of the two as the slots in use: a burst of requests spreads
+over the decodes at once instead of piling onto the one that looked idle a second ago.
+
+Prefill: the shortest queue (prefill computes one prompt at a time and queues the rest, so the
+shortest queue gives the earliest first token): the larger of the queue the prefill last
+reported and this router's own requests in flight there.
+
+Only active members of the router's model revision are candidates: a draining member takes
+no new requests, and KV from another model or dtype would be garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from pdserve_common.membership import Member, Role
+
+
+def compatible(member: Member, role: Role, revision: str) -> bool:
+    """An active member of `role` that serves the same model revision, and (decode) one this
+    router can use alone: a member of a layer-sharded group needs its whole group."""
+    if member.role != role or member.draining or member.info.revision != revision:
+        return False
+    group = member.info.group
+    return group is None or group.member_count == 1
+
+
+def estimated_used(member: Member, inflight: int) -> int:
+    """Slots in use at a decode: the larger of its last report and this router's own count."""
+    return max(member.load.slots_used, inflight)
+
+
+def rank_decodes(members: Iterable[Member], inflight: Mapping[str, int], revision: str) -> list[Member]:
+    """Candidate decodes, best first: most free slots, then fewest of our requests, then by id."""
+    candidates = [m for m in members if compatible(m, Role.DECODE, revision)]
+
+    def key(m: Member) -> tuple[int, int, str]:
+        mine = inflight.get(m.worker_id, 0)
+        free = m.info.slots_total - estimated_used(m, mine)
+        return (-free, mine, m.worker_id)
+
+    return sorted(candidates, key=key)
+
+
+def estimated_queue(member: Member, inflight: int) -> int:
+    """Requests queued at a prefill: the larger of its last report and this router's own count."""
+    return max(member.load.active_requests, inflight)
+
+
+def rank_prefills(members: Iterable[Member], inflight: Mapping[str, int], revision: str) -> list[Member]:
+    """Candidate prefills, best first: shortest estimated queue, then fewest of ours, then by id."""
+    candidates = [m for m in members if compatible(m, Role.PREFILL, revision)]
+
+    def key(m: Member) -> tuple[int, int, str]:
+        mine = inflight.get(m.worker_id, 0)
+        return (estimated_queue(m, mine), mine, m.worker_id)
+
+    return sorted(candidates, key=key)
