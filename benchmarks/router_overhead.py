@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -57,11 +58,13 @@ class InstantBackend:
 def serve(port: int) -> None:
     from pdserve_common import tracing
     from pdserve_worker.router.app import create_app
-    from pdserve_worker.router.server import serve_router
+    from pdserve_worker.router.server import build_router_server
 
     tracing.setup("pdserve-router", "bench", edge=True)  # on when PDSERVE_TRACE_FILE is set (the traced router)
+    # uvicorn drains on SIGTERM, then re-raises it: ignored then, so the spans still get flushed.
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
-        serve_router(create_app(InstantBackend()), "127.0.0.1", port, grace_s=1)
+        build_router_server(create_app(InstantBackend()), "127.0.0.1", port, grace_s=1).run()
     finally:
         tracing.shutdown()
 

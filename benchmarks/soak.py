@@ -1,6 +1,6 @@
 """Soak: requests through `pdserve local` while random faults hit its processes (loopback only).
 
-    PYTHONPATH=worker:operator:common:proto python benchmarks/soak.py --requests 60 --seconds 120
+    PYTHONPATH=worker:operator:common:proto:tests python benchmarks/soak.py --requests 60 --seconds 120
 
 Starts broker, 2 decode, 2 prefill and a router (a tiny random-weight model unless --model)
 with `--on-exit restart`, records each prompt's undisturbed greedy answer, then streams
@@ -190,7 +190,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     model = args.model
     if model is None:
-        from pdserve_worker.model.tiny import write_tiny_model
+        from support.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(work / "tiny-model"))
     (work / "logs").mkdir()

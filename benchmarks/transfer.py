@@ -1,6 +1,6 @@
 """KV transfer benchmark: push throughput, readiness wake-up, compute/transfer overlap.
 
-Run:  PYTHONPATH=worker:common:proto python benchmarks/transfer.py [--repeats 9] [--quick]
+Run:  PYTHONPATH=worker:common:proto:tests python benchmarks/transfer.py [--repeats 9] [--quick]
 
 Everything is measured in this one run against baselines measured on the same machine:
 
@@ -51,7 +51,7 @@ from typing import Any
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
-from pdserve_worker.transfer.peers import PeerProcess, decode_main, grant_from_dict
+from support.transfer_peers import PeerProcess, decode_main, grant_from_dict
 from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks, prefill_and_push
 
 MB = 1 << 20

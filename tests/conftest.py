@@ -18,7 +18,7 @@ def port() -> int:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random-weight LLaMA HF folder (about 1 MB), written once per session."""
-    from pdserve_worker.model.tiny import write_tiny_model
+    from support.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

@@ -29,13 +29,8 @@ finds its place from its ordinal (the suffix of its name): `group = ordinal // s
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from collections.abc import Mapping
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
 
 HTTP_PORT = 8080
 GRPC_PORT = 50051
@@ -120,89 +115,3 @@ def group_member(ordinal: int, shards: int) -> tuple[int, int]:
     if ordinal < 0:
         raise ValueError(f"ordinal must be >= 0, got {ordinal}")
     return divmod(ordinal, shards)
-
-
-class PodEnv(BaseModel):
-    """What a worker pod was told by the operator, parsed and checked."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    role: Literal["prefill", "decode", "router"]
-    service: str = Field(pattern=r"^[a-z0-9-]+/[a-z0-9-]+$")
-    broker_address: str
-    broker_token: str = Field(min_length=1, repr=False)
-    pod_name: str = ""
-    pod_ip: str = ""
-    http_port: int = HTTP_PORT
-    grpc_port: int = GRPC_PORT
-    model_name: str = ""
-    model_source: str = "builtin:smollm2"
-    model_dtype: str = "bfloat16"
-    max_length: int = 2048
-    device: Literal["npu", "cuda", "cpu"] = "cpu"
-    device_count: int = 0
-    transfer_backend: Literal["hixl", "cpu", "auto"] = "auto"
-    queue_depth: int = 8
-    connect_timeout_ms: int = 5000
-    transfer_timeout_ms: int = 30000
-    engine_options: dict[str, str] = Field(default_factory=dict)
-    layers_per_chunk: int | None = None
-    slots: int | None = None
-    kv_block_tokens: int | None = None
-    kv_tokens: int | None = None
-    prefix_cache_tokens: int | None = None
-    readiness_mode: Literal["interrupt", "poll", "spin"] | None = None
-    poll_interval_micros: int | None = None
-    warmup: bool | None = None
-    layer_shards: int = 1
-    decode_service: str = ""
-    drain_timeout_seconds: int = 60
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "PodEnv":
-        env = os.environ if environ is None else environ
-        fields: dict[str, object] = {}
-        for name, var in _FIELD_ENV.items():
-            if var in env and env[var] != "":
-                fields[name] = env[var]
-        if "engine_options" in fields:
-            fields["engine_options"] = json.loads(str(fields["engine_options"]))
-        return cls.model_validate(fields)
-
-    def group_member(self) -> tuple[int, int]:
-        """This decode pod's (group, member), from its name's ordinal and the shard count."""
-        return group_member(ordinal_of(self.pod_name), self.layer_shards)
-
-
-_FIELD_ENV: dict[str, str] = {
-    "role": ROLE,
-    "service": SERVICE,
-    "broker_address": BROKER_ADDRESS,
-    "broker_token": BROKER_TOKEN,
-    "pod_name": POD_NAME,
-    "pod_ip": POD_IP,
-    "http_port": HTTP_PORT_ENV,
-    "grpc_port": GRPC_PORT_ENV,
-    "model_name": MODEL_NAME,
-    "model_source": MODEL_SOURCE,
-    "model_dtype": MODEL_DTYPE,
-    "max_length": MAX_LENGTH,
-    "device": DEVICE,
-    "device_count": DEVICE_COUNT,
-    "transfer_backend": TRANSFER_BACKEND,
-    "queue_depth": QUEUE_DEPTH,
-    "connect_timeout_ms": CONNECT_TIMEOUT_MS,
-    "transfer_timeout_ms": TRANSFER_TIMEOUT_MS,
-    "engine_options": ENGINE_OPTIONS,
-    "layers_per_chunk": LAYERS_PER_CHUNK,
-    "slots": SLOTS,
-    "kv_block_tokens": KV_BLOCK_TOKENS,
-    "kv_tokens": KV_TOKENS,
-    "prefix_cache_tokens": PREFIX_CACHE_TOKENS,
-    "readiness_mode": READINESS_MODE,
-    "poll_interval_micros": POLL_INTERVAL_MICROS,
-    "warmup": WARMUP,
-    "layer_shards": LAYER_SHARDS,
-    "decode_service": DECODE_SERVICE,
-    "drain_timeout_seconds": DRAIN_TIMEOUT_SECONDS,
-}

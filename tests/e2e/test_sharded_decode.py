@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
 
-from pdserve_common.pod_env import PodEnv
+from support.worker_env import worker_settings
 
 SAMPLE = ROOT / "manifests" / "samples" / "smollm2-cpu.yaml"
 
@@ -53,9 +53,9 @@ def test_scaled_sharded_decode_renders_groups_of_members(cluster: Cluster, opera
 
     members: dict[int, list[int]] = {}
     for ordinal in range(sts["spec"]["replicas"]):
-        env = PodEnv.from_environ(pod_environ(sts, f"shard-decode-{ordinal}", secret))
+        env = worker_settings(pod_environ(sts, f"shard-decode-{ordinal}", secret))
         assert env.role == "decode" and env.layer_shards == 2
-        group, member = env.group_member()
+        group, member = env.group_member
         members.setdefault(group, []).append(member)
     # Consecutive ordinals fill a group: three whole groups, each member once.
     assert members == {0: [0, 1], 1: [0, 1], 2: [0, 1]}

@@ -27,7 +27,7 @@ import pytest
 from local_run import LocalRun, pid_alive
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_worker.model.tiny import write_tiny_model
+from support.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.slow
 

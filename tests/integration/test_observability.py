@@ -296,7 +296,7 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> Non
                       "router.reserve": "router.attempt", "prefill": "router.attempt",
                       "decode.generate": "router.attempt", "decode.notify_wait": "decode.generate",
                       "decode.steps": "decode.generate", "kv.push.finish": "prefill"}
-    layers = 4  # the tiny model (pdserve_worker.model.tiny)
+    layers = 4  # the tiny model (tests/support/tiny_model.py)
     computes, pushes = by_name(spans, "prefill.compute"), by_name(spans, "kv.push")
     assert len(computes) == len(pushes) == layers // LAYERS_PER_CHUNK
     assert {ids[s["parent_span_id"]]["name"] for s in computes + pushes} == {"prefill"}

@@ -1,6 +1,6 @@
 """Acceptance: KV transfer between real processes on 127.0.0.1 (multiprocessing, spawn).
 
-Decode and prefill peers (pdserve_worker.transfer.peers) are separate processes with their
+Decode and prefill peers (support.transfer_peers) are separate processes with their
 own engines; this test process drives them, and in some tests is itself the prefill client.
 """
 
@@ -20,7 +20,7 @@ from netutil import free_port
 from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
-from pdserve_worker.transfer.peers import PeerError, PeerProcess, decode_main, prefill_main
+from support.transfer_peers import PeerError, PeerProcess, decode_main, prefill_main
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,7 @@
-"""A router process over a ScriptedBackend, served by `serve_router` (for the SIGTERM tests).
+"""A router process over a ScriptedBackend, drained on SIGTERM (for the SIGTERM tests).
+
+uvicorn drains on SIGTERM: it stops accepting, lets requests in flight run for up to
+`grace_s`, cancels the rest (closing the backends' generators), then re-raises the signal.
 
 Usage: python router_fake_server.py PORT GRACE_S TOKENS DELAY_S
 Prints `closed REQUEST_ID cancelled=BOOL tokens=N` when a backend generator closes.
@@ -6,13 +9,19 @@ Prints `closed REQUEST_ID cancelled=BOOL tokens=N` when a backend generator clos
 
 from __future__ import annotations
 
+import signal
 import sys
+from types import FrameType
 
 from router_fakes import ScriptedBackend
 
 from pdserve_common import logs
 from pdserve_worker.router.app import create_app
-from pdserve_worker.router.server import serve_router
+from pdserve_worker.router.server import build_router_server
+
+
+def _after_drain(sig: int, frame: FrameType | None) -> None:
+    """uvicorn re-raises the captured SIGTERM once drained; the drain was the stop: exit cleanly."""
 
 
 def main() -> None:
@@ -23,7 +32,8 @@ def main() -> None:
         on_close=lambda call: print(f"closed {call.request_id} cancelled={call.cancelled} tokens={call.tokens_sent}",
                                     flush=True),
     )
-    serve_router(create_app(backend), "127.0.0.1", port, grace_s=grace_s)
+    signal.signal(signal.SIGTERM, _after_drain)
+    build_router_server(create_app(backend), "127.0.0.1", port, grace_s=grace_s).run()
     print("exited", flush=True)
 
 

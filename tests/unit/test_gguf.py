@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.convert import MARKER, converted_gguf
 from pdserve_worker.model.loader import load_model
-from pdserve_worker.model.tiny import tiny_config, tiny_weights, write_tiny_gguf, write_tiny_model
+from pdserve_worker.model.random_model import tiny_config, tiny_weights
+from support.tiny_model import write_tiny_gguf, write_tiny_model
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.model.weights import permute_qk, read_gguf, unpermute_qk
 

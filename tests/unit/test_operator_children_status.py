@@ -13,6 +13,7 @@ from pdserve_operator import drift
 from pdserve_operator import spec as s
 from pdserve_operator import status as st
 from pdserve_common import pod_env
+from support.worker_env import worker_settings
 
 OWNER = ch.Owner(name="svc", namespace="ns", uid="uid-1")
 DEFAULTS = ch.Defaults(image="img:1", broker_address="broker:50070")
@@ -53,12 +54,12 @@ def test_pod_env_round_trips_through_the_worker_contract() -> None:
             continue
         values = {k: v for k, v in env(obj).items() if isinstance(v, str)}
         values.update({pod_env.BROKER_TOKEN: "secret", pod_env.POD_NAME: f"{name}-4"})
-        parsed = pod_env.PodEnv.from_environ(values)
+        parsed = worker_settings(values)
         assert parsed.role == name.removeprefix("svc-") and parsed.service == "ns/svc"
         assert parsed.broker_address == "broker:50070" and parsed.engine_options == {"a": "b"}
         if kind == "StatefulSet":
             assert (parsed.slots, parsed.readiness_mode, parsed.poll_interval_micros) == (4, "poll", 25)
-            assert parsed.group_member() == (1, 1)  # ordinal 4 with 3 shards
+            assert parsed.group_member == (1, 1)  # ordinal 4 with 3 shards
 
 
 def test_decode_statefulset_runs_groups_times_shards_pods() -> None:
@@ -297,11 +298,11 @@ def test_tls_server_name_can_be_given() -> None:
 def test_kv_blocks_and_the_prefix_cache_reach_the_pods_and_kv_tokens_the_status() -> None:
     objs = render({"model": {"maxLength": 1024}, "decode": {"slots": 32, "kvBlockTokens": 32, "kvTokens": 8192},
                    "prefill": {"prefixCacheTokens": 4096}})
-    decode = pod_env.PodEnv.from_environ({k: v for k, v in env(objs[("StatefulSet", "svc-decode")]).items()
-                                          if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
+    decode = worker_settings({k: v for k, v in env(objs[("StatefulSet", "svc-decode")]).items()
+                              if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
     assert (decode.slots, decode.kv_block_tokens, decode.kv_tokens) == (32, 32, 8192)
-    prefill = pod_env.PodEnv.from_environ({k: v for k, v in env(objs[("Deployment", "svc-prefill")]).items()
-                                           if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
+    prefill = worker_settings({k: v for k, v in env(objs[("Deployment", "svc-prefill")]).items()
+                               if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
     assert prefill.prefix_cache_tokens == 4096
     # Unset kvTokens: the memory of the slots; status counts it per ready group.
     spec = s.parse_spec({"model": {"maxLength": 1024}, "decode": {"replicas": 2, "slots": 4}})

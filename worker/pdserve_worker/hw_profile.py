@@ -138,7 +138,7 @@ def engine_overheads(dtype: str, rounds: int = 60) -> dict[str, float]:
     """
     from pdserve_worker.kv.cache import KVCache
     from pdserve_worker.model.llama import LlamaModel
-    from pdserve_worker.model.tiny import tiny_config, tiny_weights
+    from pdserve_worker.model.random_model import tiny_config, tiny_weights
 
     def stepper(layers: int, batch: int) -> Callable[[], None]:
         config = tiny_config(256, num_layers=layers, max_position_embeddings=64)

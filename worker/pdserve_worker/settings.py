@@ -6,8 +6,8 @@ ranks above the environment. A few knobs that pods never need to change (bind ad
 transfer engine's port, torch threads, timeouts of the request road) have names of their own,
 declared here, with defaults that suit a pod.
 
-pydantic-settings rather than `PodEnv.from_environ`: the same validation, plus flag/env
-precedence and JSON parsing of `PDSERVE_ENGINE_OPTIONS` without hand-written code.
+The one parser of these variables: pydantic-settings gives validation, flag/env precedence
+and JSON parsing of `PDSERVE_ENGINE_OPTIONS` without hand-written code.
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
-"""Serve the router app with uvicorn and drain it gracefully on SIGTERM.
+"""The router app's uvicorn server, drained gracefully when told to stop.
 
-Kubernetes stops a pod with SIGTERM, then SIGKILL after the grace period. On SIGTERM uvicorn
-stops accepting connections, lets the requests in flight (streams included) run for up to
-`grace_s` seconds and then cancels what is left, which closes the backends' generators and
-frees their slots. A second SIGTERM or SIGINT forces the exit.
+Kubernetes stops a pod with SIGTERM, then SIGKILL after the grace period. The worker process
+(`process.worker_main`) runs this server embedded and signal-free (`process.pod_http`); on the
+stop signal it tells the server to exit, and uvicorn stops accepting connections, lets the
+requests in flight (streams included) run for up to `grace_s` seconds and then cancels what
+is left, which closes the backends' generators and frees their slots.
 """
 
 from __future__ import annotations
 
-import logging
-import signal
-import threading
-from types import FrameType
 
 import uvicorn
 from starlette.types import ASGIApp
 
-from pdserve_common.logs import kv
 from pdserve_worker.router.http_guard import HttpLimits, guarded_h11
 from pdserve_common.auth import TLSConfig
 
-log = logging.getLogger("pdserve.router")
 
 DEFAULT_GRACE_S = 30.0
 
@@ -48,21 +43,3 @@ def build_router_server(app: ASGIApp, host: str, port: int, *, grace_s: float = 
         **ssl,  # type: ignore[arg-type]
     )
     return uvicorn.Server(config)
-
-
-def _after_drain(sig: int, frame: FrameType | None) -> None:
-    """uvicorn re-raises the captured SIGTERM once drained; the drain was the stop: exit cleanly."""
-
-
-def serve_router(app: ASGIApp, host: str, port: int, *, grace_s: float = DEFAULT_GRACE_S) -> None:
-    """Serve until SIGTERM/SIGINT, draining in-flight requests for up to `grace_s` seconds."""
-    server = build_router_server(app, host, port, grace_s=grace_s)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _after_drain) if main_thread else None
-    log.info(kv(event="router_listening", host=host, port=port, grace_s=grace_s))
-    try:
-        server.run()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    log.info(kv(event="router_stopped", host=host, port=port))

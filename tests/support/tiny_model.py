@@ -8,17 +8,15 @@ on a fixed corpus. Deterministic for a seed, about 1 MB, written in well under a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.random_model import tiny_config, tiny_weights
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS, EOS = "<|endoftext|>", "<|im_end|>"
@@ -43,19 +41,6 @@ _CORPUS = (
     "Unicode text: café, naïve, Ünïcödé, 東京, 🙂 and ∑ survive a round trip. ",
 )
 
-TINY_DEFAULTS: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
 
 
 def build_tiny_tokenizer(vocab_size: int = 384) -> BackendTokenizer:
@@ -73,48 +58,6 @@ def build_tiny_tokenizer(vocab_size: int = 384) -> BackendTokenizer:
     )
     tok.train_from_iterator([line * 8 for line in _CORPUS], trainer=trainer)
     return tok
-
-
-def tiny_config(vocab_size: int, **overrides: Any) -> ModelConfig:
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise TypeError(f"unknown tiny model overrides {sorted(unknown)}; ModelConfig fields are {sorted(fields)}")
-    values = {**TINY_DEFAULTS, "vocab_size": vocab_size, "bos_token_id": 0, "eos_token_ids": (2,), **overrides}
-    return ModelConfig(**values)
-
-
-def tiny_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights scaled so activations and logits stay O(1) through every layer."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def normal(*shape: int, scale: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
-
-    h, i = config.hidden_size, config.intermediate_size
-    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    weights = {
-        "model.embed_tokens.weight": normal(config.vocab_size, h, scale=1.0),
-        "model.norm.weight": 1.0 + normal(h, scale=0.1),
-    }
-    if not config.tie_word_embeddings:
-        weights["lm_head.weight"] = normal(config.vocab_size, h, scale=h**-0.5)
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}."
-        weights.update(
-            {
-                p + "input_layernorm.weight": 1.0 + normal(h, scale=0.1),
-                p + "post_attention_layernorm.weight": 1.0 + normal(h, scale=0.1),
-                p + "self_attn.q_proj.weight": normal(q_out, h, scale=h**-0.5),
-                p + "self_attn.k_proj.weight": normal(kv_out, h, scale=h**-0.5),
-                p + "self_attn.v_proj.weight": normal(kv_out, h, scale=h**-0.5),
-                p + "self_attn.o_proj.weight": normal(h, q_out, scale=q_out**-0.5),
-                p + "mlp.gate_proj.weight": normal(i, h, scale=h**-0.5),
-                p + "mlp.up_proj.weight": normal(i, h, scale=h**-0.5),
-                p + "mlp.down_proj.weight": normal(h, i, scale=i**-0.5),
-            }
-        )
-    return weights
 
 
 def write_tiny_model(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
