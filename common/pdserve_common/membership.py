@@ -72,31 +72,6 @@ class MemoryRegion:
             raise ValueError(f"region length must be > 0, got {self.length} (addr {self.addr:#x})")
 
 
-@dataclass(frozen=True)
-class GroupInfo:
-    """Membership of a layer-sharded decode group: this member holds layers [first_layer, +num_layers)."""
-
-    group_id: str
-    member_index: int
-    member_count: int
-    first_layer: int
-    num_layers: int
-
-    @property
-    def layer_range(self) -> range:
-        return range(self.first_layer, self.first_layer + self.num_layers)
-
-    def validate(self) -> None:
-        if not self.group_id:
-            raise ValueError("group.group_id must not be empty")
-        if self.member_count < 1 or not 0 <= self.member_index < self.member_count:
-            raise ValueError(
-                f"group.member_index must be in 0..member_count-1, got {self.member_index} of {self.member_count}"
-            )
-        if self.num_layers < 1:
-            raise ValueError(f"group.num_layers must be >= 1, got {self.num_layers}")
-
-
 MAX_HISTOGRAM_BUCKETS = 64
 
 
@@ -145,7 +120,6 @@ class MemberInfo:
     revision: str = ""
     slots_total: int = 0
     slots_free: int = 0
-    group: GroupInfo | None = None
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def validate(self) -> None:
@@ -181,12 +155,6 @@ class MemberInfo:
             )
         if not 0 <= self.slots_free <= self.slots_total:
             raise ValueError(f"{who}: slots_free must be in 0..{self.slots_total}, got {self.slots_free}")
-        if self.group is not None:
-            self.group.validate()
-            if self.group.layer_range != self.kv_layout.layer_range:
-                raise ValueError(
-                    f"{who}: group layers {self.group.layer_range} != kv_layout layers {self.kv_layout.layer_range}"
-                )
 
 
 @dataclass(frozen=True)
@@ -307,17 +275,6 @@ def member_info_to_proto(info: MemberInfo) -> broker_pb2.MemberInfo:
     )
     if info.kv_layout is not None:
         msg.kv_layout.CopyFrom(layout_to_proto(info.kv_layout))
-    if info.group is not None:
-        g = info.group
-        msg.group.CopyFrom(
-            broker_pb2.GroupInfo(
-                group_id=g.group_id,
-                member_index=g.member_index,
-                member_count=g.member_count,
-                first_layer=g.first_layer,
-                num_layers=g.num_layers,
-            )
-        )
     return msg
 
 
@@ -328,10 +285,6 @@ def member_info_from_proto(msg: broker_pb2.MemberInfo) -> MemberInfo:
         if r.mem_type not in _MEM_FROM_PROTO:
             raise ValueError(f"region {r.addr:#x} has no valid mem_type (got proto value {r.mem_type})")
         regions.append(MemoryRegion(addr=r.addr, length=r.len, mem_type=_MEM_FROM_PROTO[r.mem_type]))
-    group = None
-    if msg.HasField("group"):
-        g = msg.group
-        group = GroupInfo(g.group_id, g.member_index, g.member_count, g.first_layer, g.num_layers)
     info = MemberInfo(
         worker_id=msg.worker_id,
         role=role_from_proto(msg.role),
@@ -342,7 +295,6 @@ def member_info_from_proto(msg: broker_pb2.MemberInfo) -> MemberInfo:
         revision=msg.revision,
         slots_total=msg.capacity.slots_total,
         slots_free=msg.capacity.slots_free,
-        group=group,
         labels=dict(msg.labels),
     )
     info.validate()

@@ -307,7 +307,7 @@ class Registry:
         """KV tokens the service's decodes last reported in use (a layer-sharded group once,
         by its leader): the operator's status."""
         return sum(m.load.kv_tokens_used for m in self.members(service_key)
-                   if m.role is Role.DECODE and (m.info.group is None or m.info.group.member_index == 0))
+                   if m.role is Role.DECODE)
 
     def services(self) -> list[str]:
         with self._lock:

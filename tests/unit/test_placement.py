@@ -7,17 +7,16 @@ from hypothesis import strategies as st
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.router.placement import rank_decodes, rank_prefills
-from pdserve_common.membership import GroupInfo, Load, Member, MemberInfo, MemoryRegion, Role
+from pdserve_common.membership import Load, Member, MemberInfo, MemoryRegion, Role
 
 REV = "r1"
 
 
-def decode(worker_id: str, total: int = 8, used: int = 0, *, revision: str = REV, draining: bool = False,
-           group: GroupInfo | None = None) -> Member:
+def decode(worker_id: str, total: int = 8, used: int = 0, *, revision: str = REV, draining: bool = False) -> Member:
     layout = KVLayout(num_slots=total, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
     info = MemberInfo(worker_id=worker_id, role=Role.DECODE, grpc_endpoint="h:1", engine_id="h:2",
                       regions=(MemoryRegion(0x1000, layout.total_bytes),), kv_layout=layout, revision=revision,
-                      slots_total=total, slots_free=total, group=group)
+                      slots_total=total, slots_free=total)
     return Member(info, draining=draining, load=Load(slots_used=used, slots_free=total - used))
 
 
@@ -38,8 +37,7 @@ def test_own_requests_in_flight_count_before_the_next_keepalive():
 
 
 def test_only_active_members_of_our_revision_of_a_usable_shape():
-    group = GroupInfo("g", 0, 2, 0, 2)
-    members = [decode("old", revision="r0"), decode("leaving", draining=True), decode("shard", group=group),
+    members = [decode("old", revision="r0"), decode("leaving", draining=True),
                decode("ok"), prefill("p")]
     assert [m.worker_id for m in rank_decodes(members, {}, REV)] == ["ok"]
     assert rank_decodes([decode("old", revision="r0")], {}, REV) == []

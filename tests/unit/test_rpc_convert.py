@@ -14,7 +14,6 @@ from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
 from pdserve_worker.rpc.convert import sampling_from_proto, sampling_to_proto
 from pdserve_common.membership import (
     EventType,
-    GroupInfo,
     Load,
     Member,
     MemberEvent,
@@ -95,12 +94,11 @@ def sharded_decode() -> MemberInfo:
         revision="abc123",
         slots_total=8,
         slots_free=6,
-        group=GroupInfo("g0", member_index=1, member_count=2, first_layer=15, num_layers=15),
         labels={"node": "n1"},
     )
 
 
-def test_member_round_trip_with_group_and_regions() -> None:
+def test_member_round_trip_with_layer_range_and_regions() -> None:
     member = Member(info=sharded_decode(), draining=True, load=Load(2, 6, 2), registered_unix_ms=123)
     wire = broker_pb2.Member.FromString(member_to_proto(member).SerializeToString())
     assert wire.info.regions[0].mem_type == common_pb2.MEM_TYPE_DEVICE
@@ -123,8 +121,6 @@ def test_event_round_trip() -> None:
         (lambda m: m.ClearField("kv_layout"), "needs a kv_layout"),
         (lambda m: m.ClearField("regions"), "needs the regions"),
         (lambda m: setattr(m.capacity, "slots_total", 9), "slots_total 9 != kv_layout.num_slots 8"),
-        (lambda m: setattr(m.group, "first_layer", 0), "group layers"),
-        (lambda m: setattr(m.group, "member_index", 2), "member_index"),
         (lambda m: setattr(m, "engine_id", "nohost"), "engine_id must be ip:port"),
         (lambda m: setattr(m, "role", broker_pb2.ROLE_UNSPECIFIED), "role must be one of"),
         (lambda m: setattr(m.regions[0], "mem_type", common_pb2.MEM_TYPE_UNSPECIFIED), "mem_type"),

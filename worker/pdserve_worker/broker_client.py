@@ -99,9 +99,6 @@ class MembershipView:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def remove_listener(self, listener: Listener) -> None:
-        self._listeners.remove(listener)
-
     async def wait_for(self, predicate: Callable[[MembershipView], bool], timeout: float | None = None) -> None:
         """Return once `predicate(view)` holds; TimeoutError after `timeout` seconds."""
         async with asyncio.timeout(timeout):

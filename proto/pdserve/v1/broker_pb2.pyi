@@ -28,20 +28,6 @@ MEMBER_STATE_UNSPECIFIED: MemberState
 MEMBER_STATE_ACTIVE: MemberState
 MEMBER_STATE_DRAINING: MemberState
 
-class GroupInfo(_message.Message):
-    __slots__ = ("group_id", "member_index", "member_count", "first_layer", "num_layers")
-    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    MEMBER_INDEX_FIELD_NUMBER: _ClassVar[int]
-    MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
-    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    group_id: str
-    member_index: int
-    member_count: int
-    first_layer: int
-    num_layers: int
-    def __init__(self, group_id: _Optional[str] = ..., member_index: _Optional[int] = ..., member_count: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
-
 class Capacity(_message.Message):
     __slots__ = ("slots_total", "slots_free")
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +77,7 @@ class Load(_message.Message):
     def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_endpoint", "engine_id", "regions", "kv_layout", "revision", "capacity", "group", "labels")
+    __slots__ = ("worker_id", "role", "grpc_endpoint", "engine_id", "regions", "kv_layout", "revision", "capacity", "labels")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -107,7 +93,6 @@ class MemberInfo(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
-    GROUP_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
@@ -117,9 +102,8 @@ class MemberInfo(_message.Message):
     kv_layout: _common_pb2.KVLayout
     revision: str
     capacity: Capacity
-    group: GroupInfo
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_endpoint: _Optional[str] = ..., engine_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., revision: _Optional[str] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_endpoint: _Optional[str] = ..., engine_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., revision: _Optional[str] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("info", "state", "load", "registered_unix_ms")

@@ -21,12 +21,9 @@ from pdserve_common.membership import Member, Role
 
 
 def compatible(member: Member, role: Role, revision: str) -> bool:
-    """An active member of `role` that serves the same model revision, and (decode) one this
-    router can use alone: a member of a layer-sharded group needs its whole group."""
-    if member.role != role or member.draining or member.info.revision != revision:
-        return False
-    group = member.info.group
-    return group is None or group.member_count == 1
+    """An active member of `role` that serves the same model revision. (A layer-sharded decode
+    group registers only its leader, as one plain decode: its followers are no members.)"""
+    return member.role == role and not member.draining and member.info.revision == revision
 
 
 def estimated_used(member: Member, inflight: int) -> int:
