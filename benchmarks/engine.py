@@ -383,7 +383,7 @@ def main() -> int:
     per_token = weight_bytes(model) + kv_bytes
     achieved = per_token / ours_dec[1] / 1e9
     print("\n## summary")
-    print(f"| metric | ours | HF | ours/HF |\n|---|---|---|---|")
+    print("| metric | ours | HF | ours/HF |\n|---|---|---|---|")
     for n in prefill_lengths:
         hf_v = hf_pf.get(n)
         print(f"| prefill {n} (tokens/s) | {ours_pf[n]:.0f} | {hf_v or float('nan'):.0f} | "

@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
 
 import serve  # noqa: E402  (benchmarks/serve.py: the trace, the client, the summary)
-
 from pdserve_operator.planner import (  # noqa: E402
     SLO,
     HardwareProfile,

@@ -121,7 +121,7 @@ def make_trace(n: int, rate: float, long_fraction: float, short: tuple[int, int]
     """Poisson arrivals; prompt lengths uniform in `short` or (with `long_fraction`) in `long`."""
     rng = random.Random(seed)
     at, trace = 0.0, []
-    for i in range(n):
+    for _ in range(n):
         at += rng.expovariate(rate)
         lo, hi = long if rng.random() < long_fraction else short
         target = rng.randint(lo, hi)

@@ -51,8 +51,8 @@ from typing import Any
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.transfer.engine import TransferBackend, create_engine
-from support.transfer_peers import PeerProcess, decode_main, grant_from_dict
 from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks, prefill_and_push
+from support.transfer_peers import PeerProcess, decode_main, grant_from_dict
 
 MB = 1 << 20
 
@@ -633,12 +633,13 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.samples, args.cpu_wait, args.model_repeats = 3, 40, 0.5, 2
 
     print(f"# transfer benchmark {datetime.date.today().isoformat()} on {machine()}")
-    print("load average at start: %.2f %.2f %.2f" % os.getloadavg())
+    print("load average at start: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.auth_only:
         report_auth(args.repeats, args.samples)
-        print("\nload average at end: %.2f %.2f %.2f" % os.getloadavg())
+        print("\nload average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         return 0
-    print("\n## push throughput (median of %d interleaved rounds, each sample right after an untimed run; GB/s = 1e9 bytes/s)" % args.repeats)
+    print(f"\n## push throughput (median of {args.repeats} interleaved rounds, each sample right after an untimed run; "
+          "GB/s = 1e9 bytes/s)")
     print("| size | memcpy, 1 thread | shm push | ratio | raw TCP | TCP push | ratio |")
     print("|---|---|---|---|---|---|---|")
     for r in bench_throughput(args.repeats, [1, 8, 64]):
@@ -690,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {r['path']} | {r['kv_mb']:.1f} MiB | {r['compute_s'] * 1e3:.0f} ms | {r['pipelined_s'] * 1e3:.0f} ms | "
                 f"{r['pipelined_s'] / r['compute_s']:.3f} | {r['serial_s'] * 1e3:.0f} ms | {r['serial_s'] / r['compute_s']:.3f} |"
             )
-    print("\nload average at end: %.2f %.2f %.2f" % os.getloadavg())
+    print("\nload average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     return 0
 
 

@@ -27,7 +27,7 @@ import hmac
 import inspect
 import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,9 +143,9 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -158,19 +158,19 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
         return _guarded(handler, lambda request: authorize(self._tokens, metadata, request))
 
 
-def _refused_unread(denial: Denial) -> grpc.RpcMethodHandler:
+def _refused_unread(denial: Denial) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler that answers `denial` at once. Request-streaming, so the server hands it the
     call before any message arrived and never reads one; the status is what the client sees,
     whatever the method's shape."""
 
-    async def refuse(_requests: Any, context: grpc.aio.ServicerContext) -> None:
+    async def refuse(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(denial.code, denial.details)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 # (request_streaming, response_streaming) -> the handler's behaviour attribute and factory.
-_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler[Any, Any]]]] = {
     (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
     (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
     (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
@@ -178,7 +178,9 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]
 }
 
 
-def _guarded(handler: grpc.RpcMethodHandler, check: Callable[[Any], Denial | None]) -> grpc.RpcMethodHandler:
+def _guarded(
+    handler: grpc.RpcMethodHandler[Any, Any], check: Callable[[Any], Denial | None]
+) -> grpc.RpcMethodHandler[Any, Any]:
     """The same handler with `check` run before its behaviour: on the request of a unary-request
     call; on None for request streams (they carry no service_key field: the token alone decides)."""
     attribute, factory = _KINDS[(bool(handler.request_streaming), bool(handler.response_streaming))]
@@ -190,14 +192,14 @@ def _guarded(handler: grpc.RpcMethodHandler, check: Callable[[Any], Denial | Non
 
 
 def _guard_behavior(
-    behavior: Callable, check: Callable[[Any], Denial | None], subject: Callable[[Any], Any]
-) -> Callable:
+    behavior: Callable[..., Any], check: Callable[[Any], Denial | None], subject: Callable[[Any], Any]
+) -> Callable[..., Any]:
     """Wrap a grpc.aio behaviour in the same shape: an async generator stays one (a streaming
     reply), anything else becomes a coroutine (a unary reply, or a stream written with
     `context.write`)."""
     if inspect.isasyncgenfunction(behavior):
 
-        async def guarded_stream(request: Any, context: grpc.aio.ServicerContext):
+        async def guarded_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             denial = check(subject(request))
             if denial is not None:
                 await context.abort(denial.code, denial.details)
@@ -206,7 +208,7 @@ def _guard_behavior(
 
         return guarded_stream
 
-    async def guarded(request: Any, context: grpc.aio.ServicerContext):
+    async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         denial = check(subject(request))
         if denial is not None:
             await context.abort(denial.code, denial.details)
@@ -223,26 +225,27 @@ class _BearerToken:
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(*self._header)
-        return details._replace(metadata=metadata)  # ClientCallDetails is a namedtuple
+        replaced: grpc.aio.ClientCallDetails = details._replace(metadata=metadata)  # type: ignore[attr-defined]  # a namedtuple
+        return replaced
 
 
 class _UnaryUnaryBearer(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
 class _UnaryStreamBearer(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
 class _StreamUnaryBearer(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 
 class _StreamStreamBearer(_BearerToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 
@@ -278,6 +281,11 @@ class TLSConfig:
             server_name=values["server_name"],
         )
 
+    def _require(self, path: Path, what: str) -> bytes:
+        data = self._read(path, what)
+        assert data is not None  # a path was given
+        return data
+
     def _read(self, path: Path | None, what: str) -> bytes | None:
         if path is None:
             return None
@@ -292,8 +300,9 @@ class TLSConfig:
                 f"a TLS server needs cert_file and key_file, got cert={self.cert_file} key={self.key_file}"
             )
         ca = self._read(self.ca_file, "ca")
+        pair = (self._require(self.key_file, "key"), self._require(self.cert_file, "cert"))
         return grpc.ssl_server_credentials(
-            [(self._read(self.key_file, "key"), self._read(self.cert_file, "cert"))],
+            [pair],
             root_certificates=ca,
             require_client_auth=ca is not None,
         )

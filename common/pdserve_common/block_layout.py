@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from pdserve_common.kv_layout import DTYPE_SIZES, K, V, KVLayout
+from pdserve_common.kv_layout import DTYPE_SIZES, K, KVLayout, V
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,12 @@ class BlockLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> "BlockLayout":
+    def from_dict(cls, data: dict[str, object]) -> BlockLayout:
         return cls(**data)  # type: ignore[arg-type]
 
     @classmethod
     def for_budget(cls, kv_tokens: int, block_tokens: int, num_layers: int, kv_heads: int, head_dim: int,
-                   dtype: str = "bfloat16", first_layer: int = 0) -> "BlockLayout":
+                   dtype: str = "bfloat16", first_layer: int = 0) -> BlockLayout:
         """The pool that holds `kv_tokens` tokens (rounded down to whole blocks)."""
         if kv_tokens < block_tokens:
             raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one block of {block_tokens} tokens")

@@ -76,7 +76,7 @@ class KVLayout:
         return self.block_tokens > 0
 
     @property
-    def blocks(self) -> "BlockLayout":
+    def blocks(self) -> BlockLayout:
         """The block geometry of a paged pool."""
         from pdserve_common.block_layout import BlockLayout
 
@@ -165,7 +165,7 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> "KVLayout":
+    def from_dict(cls, data: dict[str, object]) -> KVLayout:
         return cls(**data)  # type: ignore[arg-type]
 
 

@@ -6,7 +6,6 @@ import logging
 import os
 import sys
 
-
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pdserve.v1 import broker_pb2, common_pb2
-from pdserve_common.kv_layout import KVLayout
-from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
+from pdserve_common.kv_layout import KVLayout, layout_from_proto, layout_to_proto
 
 # Initial metadata of a Watch stream: the broker's incarnation id, sent before any event so
 # that a watcher knows the stream is up even while the snapshot is still empty.
@@ -33,20 +32,20 @@ class MemType(enum.StrEnum):
     HOST = "host"
 
 
-_ROLE_TO_PROTO: dict[Role, int] = {
+_ROLE_TO_PROTO: dict[Role, broker_pb2.Role] = {
     Role.PREFILL: broker_pb2.ROLE_PREFILL,
     Role.DECODE: broker_pb2.ROLE_DECODE,
     Role.ROUTER: broker_pb2.ROLE_ROUTER,
 }
 _ROLE_FROM_PROTO: dict[int, Role] = {v: k for k, v in _ROLE_TO_PROTO.items()}
-_MEM_TO_PROTO: dict[MemType, int] = {
+_MEM_TO_PROTO: dict[MemType, common_pb2.MemType] = {
     MemType.DEVICE: common_pb2.MEM_TYPE_DEVICE,
     MemType.HOST: common_pb2.MEM_TYPE_HOST,
 }
 _MEM_FROM_PROTO: dict[int, MemType] = {v: k for k, v in _MEM_TO_PROTO.items()}
 
 
-def role_to_proto(role: Role | str) -> int:
+def role_to_proto(role: Role | str) -> broker_pb2.Role:
     return _ROLE_TO_PROTO[Role(role)]
 
 
@@ -203,7 +202,7 @@ def change_type(old: Member | None, new: Member) -> EventType | None:
     return EventType.UPDATED
 
 
-_EVENT_TO_PROTO: dict[EventType, int] = {
+_EVENT_TO_PROTO: dict[EventType, broker_pb2.WatchEvent.Type] = {
     EventType.ADDED: broker_pb2.WatchEvent.ADDED,
     EventType.UPDATED: broker_pb2.WatchEvent.UPDATED,
     EventType.DRAINING: broker_pb2.WatchEvent.DRAINING,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import re
 
-
 HTTP_PORT = 8080
 GRPC_PORT = 50051
 TRANSFER_PORT = 50052

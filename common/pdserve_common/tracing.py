@@ -343,19 +343,19 @@ def client_interceptors() -> list[Any]:
         return d._replace(metadata=metadata)
 
     class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-        async def intercept_unary_unary(self, continuation, call_details, request):
+        async def intercept_unary_unary(self, continuation: Any, call_details: Any, request: Any) -> Any:
             return await continuation(details(call_details), request)
 
     class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-        async def intercept_unary_stream(self, continuation, call_details, request):
+        async def intercept_unary_stream(self, continuation: Any, call_details: Any, request: Any) -> Any:
             return await continuation(details(call_details), request)
 
     class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation, call_details, request_iterator):
+        async def intercept_stream_unary(self, continuation: Any, call_details: Any, request_iterator: Any) -> Any:
             return await continuation(details(call_details), request_iterator)
 
     class StreamStream(grpc.aio.StreamStreamClientInterceptor):
-        async def intercept_stream_stream(self, continuation, call_details, request_iterator):
+        async def intercept_stream_stream(self, continuation: Any, call_details: Any, request_iterator: Any) -> Any:
             return await continuation(details(call_details), request_iterator)
 
     return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_common.logs import kv
-
 from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, KubeClient
 from pdserve_operator.planner import (
+    SLO,
     Bounds,
     ControllerConfig,
     LengthDistribution,
@@ -47,7 +47,6 @@ from pdserve_operator.planner import (
     Observation,
     PlannerState,
     ServingModel,
-    SLO,
     WorkerLoad,
     Workload,
     controller_step,
@@ -93,7 +92,9 @@ def planner_config(spec: s.PDInferenceServiceSpec, current: Mapping[str, int]) -
     their current count, so the plan works around them."""
     a = spec.autoscaling
     assert a is not None
-    shape = ModelShape.load(s.planner_model_name(spec))
+    model_name = s.planner_model_name(spec)
+    assert model_name is not None  # the spec's validation requires one where the planner drives a role
+    shape = ModelShape.load(model_name)
     profile = load_profile(s.planner_profile_name(spec))
     model = ServingModel(shape=shape, profile=profile, max_len=spec.model.max_length, slots=spec.decode.slots,
                          layers_per_chunk=spec.prefill.layers_per_chunk)
@@ -188,7 +189,7 @@ class Autoscaler:
         planner_roles = [r for r in ("prefill", "decode") if getattr(a, r).enabled and getattr(a, r).driver == "planner"]
         if planner_roles and now >= state.next_due and all(workloads.values()):
             await self._plan(owner, spec, generation, state, current, ready, workloads, planner_roles, now, post_event)
-            current = {r: int((workloads[r].get("spec") or {}).get("replicas") or 0) // per[r] for r in workloads}
+            current = {r: int(((workloads[r] or {}).get("spec") or {}).get("replicas") or 0) // per[r] for r in workloads}
         if state.drain is not None:
             state.next_due = min(state.next_due, now + DRAIN_RECHECK_S)
         return self._status(owner, spec, state, current, live)

@@ -14,15 +14,15 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
 
 import grpc
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
-from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, Registry, TooManyMembers, WatchEnded
-from pdserve_common.logs import kv
 from pdserve_common.auth import TLSConfig, TokenTable
 from pdserve_common.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, bind
+from pdserve_common.logs import kv
 from pdserve_common.membership import (
     BROKER_ID_HEADER,
     Member,
@@ -33,6 +33,9 @@ from pdserve_common.membership import (
     member_to_proto,
     role_from_proto,
 )
+from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, Registry, TooManyMembers, WatchEnded
+
+Context = grpc.aio.ServicerContext[Any, Any]
 
 log = logging.getLogger("pdserve.broker")
 
@@ -48,7 +51,7 @@ _ENDED_CODES: dict[str, grpc.StatusCode] = {
 }
 
 
-async def _roles(request_roles, context: grpc.aio.ServicerContext) -> list[Role]:
+async def _roles(request_roles: Iterable[int], context: Context) -> list[Role]:
     try:
         return [role_from_proto(r) for r in request_roles]
     except ValueError as exc:
@@ -56,7 +59,7 @@ async def _roles(request_roles, context: grpc.aio.ServicerContext) -> list[Role]
         raise  # unreachable: abort raises
 
 
-async def _require_service_key(service_key: str, context: grpc.aio.ServicerContext) -> None:
+async def _require_service_key(service_key: str, context: Context) -> None:
     if not service_key:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "service_key must be 'namespace/name', got ''")
 
@@ -69,7 +72,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         self._registry = registry
         self._broker_id = broker_id
 
-    async def Register(self, request: broker_pb2.RegisterRequest, context) -> broker_pb2.RegisterReply:
+    async def Register(self, request: broker_pb2.RegisterRequest, context: Context) -> broker_pb2.RegisterReply:
         await _require_service_key(request.service_key, context)
         size = request.member.ByteSize()
         if size > MAX_MEMBER_BYTES:
@@ -87,7 +90,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             lease_id=lease.lease_id, ttl_ms=int(lease.ttl_s * 1000), broker_id=self._broker_id
         )
 
-    async def KeepAlive(self, request: broker_pb2.KeepAliveRequest, context) -> broker_pb2.KeepAliveReply:
+    async def KeepAlive(self, request: broker_pb2.KeepAliveRequest, context: Context) -> broker_pb2.KeepAliveReply:
         load = load_from_proto(request.load) if request.HasField("load") else None
         if not self._registry.keepalive(request.service_key, request.lease_id, load):
             await context.abort(
@@ -97,7 +100,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             )
         return broker_pb2.KeepAliveReply(ttl_ms=int(self._registry.ttl_s * 1000), broker_id=self._broker_id)
 
-    async def Watch(self, request: broker_pb2.WatchRequest, context) -> AsyncIterator[broker_pb2.WatchEvent]:
+    async def Watch(self, request: broker_pb2.WatchRequest, context: Context) -> AsyncIterator[broker_pb2.WatchEvent]:
         await _require_service_key(request.service_key, context)
         roles = await _roles(request.roles, context)
         sub = self._registry.subscribe(request.service_key, roles, asyncio.get_running_loop())
@@ -114,7 +117,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         finally:
             self._registry.unsubscribe(sub)
 
-    async def SetDraining(self, request: broker_pb2.SetDrainingRequest, context) -> broker_pb2.SetDrainingReply:
+    async def SetDraining(self, request: broker_pb2.SetDrainingRequest, context: Context) -> broker_pb2.SetDrainingReply:
         target = request.WhichOneof("target")
         if target is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set lease_id or worker_id")
@@ -125,10 +128,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                 f"no member with {target} {value!r} in service {request.service_key!r}")
         return broker_pb2.SetDrainingReply()
 
-    async def Deregister(self, request: broker_pb2.DeregisterRequest, context) -> broker_pb2.DeregisterReply:
+    async def Deregister(self, request: broker_pb2.DeregisterRequest, context: Context) -> broker_pb2.DeregisterReply:
         return broker_pb2.DeregisterReply(removed=self._registry.deregister(request.service_key, request.lease_id))
 
-    async def ListMembers(self, request: broker_pb2.ListMembersRequest, context) -> broker_pb2.ListMembersReply:
+    async def ListMembers(self, request: broker_pb2.ListMembersRequest, context: Context) -> broker_pb2.ListMembersReply:
         roles = await _roles(request.roles, context)
         return broker_pb2.ListMembersReply(
             members=[member_to_proto(m) for m in self._registry.members(request.service_key, roles)],
@@ -162,7 +165,7 @@ class BrokerServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
-        self._reaper: asyncio.Task | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self.port: int | None = None
 
     # --- lifecycle ----------------------------------------------------------------------

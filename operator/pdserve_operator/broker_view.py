@@ -97,10 +97,11 @@ class BrokerServerView:
         return None if fn is None else fn(service_key)
 
     def members(self, service_key: str) -> list[Member] | None:
-        return self.server.registry.members(service_key)
+        members: list[Member] = self.server.registry.members(service_key)
+        return members
 
     def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
-        return self.server.registry.set_draining(service_key, worker_id=worker_id, draining=draining)
+        return bool(self.server.registry.set_draining(service_key, worker_id=worker_id, draining=draining))
 
     def kv_tokens_in_use(self, service_key: str) -> int | None:
         fn = getattr(self.server, "kv_tokens_in_use", None)

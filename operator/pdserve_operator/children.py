@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve_common import pod_env as E
-
 from pdserve_operator import spec as s
 
 LABEL_NAME = "app.kubernetes.io/name"
@@ -441,7 +440,7 @@ def initial_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
     workload is created with (its floor; with driver external, the spec's as written). Once
     the workload exists, an autoscaled role's count is never written by the operator's apply
     (`autoscaled_workloads`)."""
-    replicas = getattr(spec, role).replicas
+    replicas: int = getattr(spec, role).replicas
     if not s.autoscaled(spec, role):
         return replicas
     assert spec.autoscaling is not None

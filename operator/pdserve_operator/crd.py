@@ -93,7 +93,7 @@ def _structural(node: dict[str, Any], name: str = "") -> dict[str, Any]:
         out["x-kubernetes-list-type"] = "map"
         out["x-kubernetes-list-map-keys"] = [_LIST_MAP_KEYS[name]]
     if "type" in out or "description" in out:  # readable YAML: what a node is comes first
-        head = {k: out[k] for k in ("type", "description") if k in out}
+        head: dict[str, Any] = {k: out[k] for k in ("type", "description") if k in out}
         out = {**head, **{k: v for k, v in out.items() if k not in head}}
     if out.get("type") == "object" and "properties" in out and out.get("required") is not None:
         out["required"] = [r for r in out["required"] if r in out["properties"]]

@@ -29,7 +29,7 @@ def _scalar_equal(want: Any, have: Any) -> bool:
         return want is have or want == have and type(want) is type(have)
     if isinstance(want, (int, float)) and isinstance(have, str) or isinstance(have, (int, float)) and isinstance(want, str):
         return str(want) == str(have)  # quantities: the API server returns them as strings
-    return want == have
+    return bool(want == have)
 
 
 def drifted_paths(want: Any, have: Any, path: str = "") -> list[str]:

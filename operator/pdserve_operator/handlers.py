@@ -56,7 +56,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     configure(settings)
     if "runtime" not in memo:
         memo["runtime"] = build_runtime(OperatorConfig())
@@ -82,6 +82,13 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         runtime.close()
 
 
+def _namespaced(namespace: str | None) -> str:
+    """The namespace kopf passes for our namespaced resources (None only for cluster-scoped ones)."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced resource arrived without a namespace")
+    return namespace
+
+
 async def _reconcile(memo: kopf.Memo, namespace: str, name: str, why: str) -> None:
     runtime: Runtime = memo["runtime"]
     try:
@@ -95,25 +102,27 @@ async def _reconcile(memo: kopf.Memo, namespace: str, name: str, why: str) -> No
 @kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL)
 @kopf.on.create(s.GROUP, s.VERSION, s.PLURAL)
 @kopf.on.update(s.GROUP, s.VERSION, s.PLURAL)
-async def reconcile_service(name: str, namespace: str, memo: kopf.Memo, reason: str, **_: Any) -> None:
-    await _reconcile(memo, namespace, name, str(reason))
+async def reconcile_service(name: str, namespace: str | None, memo: kopf.Memo, reason: str, **_: Any) -> None:
+    await _reconcile(memo, _namespaced(namespace), name, str(reason))
 
 
 @kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=TIMER_TICK_SECONDS, initial_delay=TIMER_TICK_SECONDS)
-async def resync(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+async def resync(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime = memo["runtime"]
-    if runtime.resync_due(namespace, name):
-        await _reconcile(memo, namespace, name, "resync")
-    elif runtime.reconciler.autoscaler.due(f"{namespace}/{name}"):  # the planner's interval is its own
-        await _reconcile(memo, namespace, name, "autoscale")
+    ns = _namespaced(namespace)
+    if runtime.resync_due(ns, name):
+        await _reconcile(memo, ns, name, "resync")
+    elif runtime.reconciler.autoscaler.due(f"{ns}/{name}"):  # the planner's interval is its own
+        await _reconcile(memo, ns, name, "autoscale")
 
 
 @kopf.on.delete(s.GROUP, s.VERSION, s.PLURAL)
-async def forget_service(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def forget_service(name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     runtime: Runtime = memo["runtime"]
-    runtime.broker.remove_service(f"{namespace}/{name}")
-    runtime.reconciler.forget(namespace, name)
-    runtime.last_sync.pop((namespace, name), None)
+    ns = _namespaced(namespace)
+    runtime.broker.remove_service(f"{ns}/{name}")
+    runtime.reconciler.forget(ns, name)
+    runtime.last_sync.pop((ns, name), None)
     logger.info("service removed from the broker; children go by garbage collection")
 
 
@@ -122,15 +131,16 @@ def _owner_of(body: kopf.Body) -> str | None:
         if ref.get("kind") == s.KIND and ref.get("apiVersion", "").startswith(s.GROUP + "/"):
             return str(ref["name"])
     # The ownerReference was removed by hand: the instance label still names the owner.
-    return body.get("metadata", {}).get("labels", {}).get(ch.LABEL_INSTANCE)
+    owner = body.get("metadata", {}).get("labels", {}).get(ch.LABEL_INSTANCE)
+    return str(owner) if owner is not None else None
 
 
 def _register_child_watch(group: str, version: str, plural: str) -> None:
     @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
-    async def child_changed(body: kopf.Body, namespace: str, memo: kopf.Memo, type: str | None, **_: Any) -> None:
+    async def child_changed(body: kopf.Body, namespace: str | None, memo: kopf.Memo, type: str, **_: Any) -> None:
         owner = _owner_of(body)
         if owner:
-            await _reconcile(memo, namespace, owner, f"child {plural} {type or 'listed'}")
+            await _reconcile(memo, _namespaced(namespace), owner, f"child {plural} {type or 'listed'}")
 
 
 for _group, _version, _plural in CHILD_RESOURCES:

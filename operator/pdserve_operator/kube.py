@@ -103,7 +103,7 @@ class RestKubeClient:
         self.api = api_client
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None) -> "RestKubeClient":
+    def from_environment(cls, kubeconfig: str | None = None) -> RestKubeClient:
         """In-cluster credentials when running in a pod, else the kubeconfig (read now, not at import)."""
         config = kubernetes.client.Configuration()
         try:

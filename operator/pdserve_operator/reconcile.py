@@ -35,13 +35,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve_common.logs import kv
-
 from pdserve_operator import children as ch
 from pdserve_operator import drift
-from pdserve_operator.autoscale import Autoscaler
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator import status as st
+from pdserve_operator.autoscale import Autoscaler
 from pdserve_operator.broker_view import BrokerView, kv_tokens_in_use
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.metrics import OperatorMetrics

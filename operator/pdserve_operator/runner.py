@@ -14,7 +14,6 @@ from typing import Any
 import kopf
 
 from pdserve_common.logs import kv
-
 from pdserve_operator import peering
 from pdserve_operator.broker_view import BrokerView, load_broker
 from pdserve_operator.kube import RestKubeClient

@@ -14,7 +14,6 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common.auth import TLSConfig
-
 from pdserve_operator import children as ch
 from pdserve_operator.broker_view import BrokerView, NullBrokerView
 from pdserve_operator.kube import RestKubeClient

@@ -87,7 +87,7 @@ class Model(BaseModel):
     rules: ClassVar[tuple[Rule, ...]] = ()
 
     @model_validator(mode="after")
-    def _check_rules(self) -> "Model":
+    def _check_rules(self) -> Model:
         broken = [rule.message for rule in type(self).rules if not rule.holds(self)]
         if broken:  # every broken rule at once, as the API server reports every CEL failure
             raise ValueError("; ".join(broken))
@@ -208,7 +208,7 @@ class ModelSpec(Model):
         return BUILTIN_MODELS.get(self.source.removeprefix("builtin:"))
 
     @model_validator(mode="after")
-    def _known_builtin(self) -> "ModelSpec":
+    def _known_builtin(self) -> ModelSpec:
         if self.source.startswith("builtin:") and self.builtin is None:
             raise ValueError(
                 f"model.source: unknown built-in model {self.source!r}; known: "
@@ -681,7 +681,7 @@ class PDInferenceServiceSpec(Model):
     )
 
     @model_validator(mode="after")
-    def _fits_builtin_model(self) -> "PDInferenceServiceSpec":
+    def _fits_builtin_model(self) -> PDInferenceServiceSpec:
         """Checks the API server cannot make: it does not know a built-in model's depth."""
         if planner_drives(self.autoscaling) and planner_model_name(self) is None:
             raise ValueError(
@@ -733,7 +733,8 @@ def effective_min(spec: PDInferenceServiceSpec, role: str) -> int:
     """An autoscaled role's floor: max(minReplicas, the role's replicas) (decode: groups)."""
     assert spec.autoscaling is not None
     r: RoleAutoscaling = getattr(spec.autoscaling, role)
-    return min(r.max_replicas, max(r.min_replicas, getattr(spec, role).replicas))
+    replicas: int = getattr(spec, role).replicas
+    return min(r.max_replicas, max(r.min_replicas, replicas))
 
 
 # ---------------------------------------------------------------------------------------------

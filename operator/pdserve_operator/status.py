@@ -48,7 +48,7 @@ class Workload:
     failure: str | None = None
 
     @classmethod
-    def of(cls, obj: dict[str, Any] | None) -> "Workload":
+    def of(cls, obj: dict[str, Any] | None) -> Workload:
         if obj is None:
             return cls(exists=False)
         st = obj.get("status") or {}

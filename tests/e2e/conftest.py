@@ -26,7 +26,6 @@ for sub in ("worker", "operator", "common", "proto", "tests"):
         sys.path.insert(0, str(ROOT / sub))
 
 from kube_emulator import EmulatorThread  # noqa: E402
-
 from pdserve_operator import spec as s  # noqa: E402
 from pdserve_operator.kube import KINDS, PDIS, RestKubeClient  # noqa: E402
 from pdserve_operator.runtime import OperatorConfig  # noqa: E402

@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
 from conftest import Cluster, OperatorHandle, wait_for
 from kube_emulator.managed_fields import owners
-
+from pdserve_common.kv_layout import KVLayout
+from pdserve_common.membership import Histogram, Load, MemberInfo, MemoryRegion, Role, RouterLoad
 from pdserve_operator import spec as s
 from pdserve_operator.broker import BrokerServer
 from pdserve_operator.broker_view import BrokerServerView
 from pdserve_operator.kube import KINDS
 from pdserve_worker.broker_client import BrokerClient
-from pdserve_common.kv_layout import KVLayout
-from pdserve_common.membership import Histogram, Load, MemberInfo, MemoryRegion, Role, RouterLoad
 
 NAME = "scaled"
 TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -22,13 +22,12 @@ from unittest import mock
 
 import pytest
 import yaml
-from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from test_operator import SAMPLE, all_children, status
 
 import chart_tools
-from netutil import free_port
+from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, request_attributes
-
+from netutil import free_port
 from pdserve_operator import children as ch
 from pdserve_operator.kube import KINDS, KubeError
 from pdserve_operator.runtime import OperatorConfig

@@ -7,10 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-from conftest import ROOT, Cluster, OperatorHandle, wait_for
 
+from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from pdserve_operator import children as ch
 from pdserve_operator.kube import KINDS
 

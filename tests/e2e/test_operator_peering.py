@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from test_operator import SAMPLE, all_children
 
+from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from pdserve_operator.runtime import OperatorConfig
 
 pytestmark = pytest.mark.slow

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, Cluster, OperatorHandle, wait_for
-from kube_emulator import EmulatorThread
 from test_operator import SAMPLE, all_children
 
+from conftest import ROOT, Cluster, OperatorHandle, wait_for
+from kube_emulator import EmulatorThread
 from pdserve_operator import spec as s
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.runtime import OperatorConfig

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import ROOT, Cluster, OperatorHandle, wait_for
 
+from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from support.worker_env import worker_settings
 
 SAMPLE = ROOT / "manifests" / "samples" / "smollm2-cpu.yaml"

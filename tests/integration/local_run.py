@@ -89,7 +89,7 @@ class LocalRun:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"pdserve local did not stop within {timeout_s}s")
+            raise AssertionError(f"pdserve local did not stop within {timeout_s}s") from None
 
 
 def pid_alive(pid: int) -> bool:

@@ -208,7 +208,7 @@ def test_a_tenant_is_held_to_its_tokens_per_minute(local, model):
     assert used <= CAPPED_TPM + CAPPED_TPM / 60 * elapsed + 40, (used, elapsed)
     metrics = httpx.get(f"{local.url}/metrics").text
     assert 'pdserve_router_admission_rejected_total{reason="tokens_per_minute"}' in metrics
-    assert f'pdserve_router_tenant_tokens_total{{kind="completion",tenant="capped"}}' in metrics
+    assert 'pdserve_router_tenant_tokens_total{kind="completion",tenant="capped"}' in metrics
 
 
 def test_a_hundred_queued_clients_that_leave_free_everything_within_a_second(local, model):

@@ -15,13 +15,13 @@ import grpc
 import pytest
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
+from pdserve_common.auth import TLSConfig
+from pdserve_common.channels import aio_channel
+from pdserve_common.kv_layout import KVLayout
+from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, MemoryRegion, Role
 from pdserve_operator.broker import BrokerServer
 from pdserve_worker.broker_client import BrokerClient, BrokerError, MembershipView
-from pdserve_common.kv_layout import KVLayout
-from pdserve_common.auth import TLSConfig
 from pdserve_worker.rpc.backoff import Backoff
-from pdserve_common.channels import aio_channel
-from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, MemoryRegion, Role
 
 SVC, OTHER = "ns/a", "ns/b"
 TOKENS = {SVC: "tok-a", OTHER: "tok-b"}

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_reference import CHATS, GREEDY_TOKENS
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.generate import greedy_tokens
 from pdserve_worker.model.loader import load_model
-
-from test_engine_reference import CHATS, GREEDY_TOKENS
 
 pytestmark = pytest.mark.slow
 

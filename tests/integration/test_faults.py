@@ -16,7 +16,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field

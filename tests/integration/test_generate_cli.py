@@ -69,10 +69,9 @@ def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, 
     bfloat16 while the served workers used float32 on CPUs without native bf16, and the two
     texts parted after 15 tokens)."""
     import httpx
+    from local_run import LocalRun
 
     from pdserve_worker.local import auto_dtype
-
-    from local_run import LocalRun
 
     prompt, tokens = "The capital of France is", 24
     out = run_cli("--model", str(tiny_model_dir), "--prompt", prompt, "--max-tokens", str(tokens),

@@ -10,9 +10,9 @@ import pytest
 
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
+from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import create_engine
 

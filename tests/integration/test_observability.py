@@ -148,13 +148,12 @@ def worker_series(local, router_series) -> dict[str, dict[str, set[str]]]:
 
 @pytest.fixture(scope="module")
 def operator_series() -> dict[str, dict[str, set[str]]]:
-    from kube_fake import fake_kube, service
+    from kube_fake import DEFAULTS, fake_kube, service
 
     from netutil import free_port
     from pdserve_operator.broker_view import NullBrokerView
     from pdserve_operator.metrics import OperatorMetrics
     from pdserve_operator.reconcile import Reconciler
-    from kube_fake import DEFAULTS
 
     kube = fake_kube()
     kube.inner.create(service("svc", "team", {}))
@@ -317,13 +316,13 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> Non
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(local) -> None:
-    before = {json.loads(l)["trace_id"] for l in local.trace_file.read_text().splitlines() if l}
+    before = {json.loads(line)["trace_id"] for line in local.trace_file.read_text().splitlines() if line}
     reply = httpx.post(f"{local.url}/v1/completions", timeout=120,
                        json={"model": model_id(local), "prompt": "a new trace", "max_tokens": 2, "temperature": 0})
     assert reply.status_code == 200
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        spans = [json.loads(l) for l in local.trace_file.read_text().splitlines() if l]
+        spans = [json.loads(line) for line in local.trace_file.read_text().splitlines() if line]
         new = {s["trace_id"] for s in spans} - before
         roots = [s for s in spans if s["trace_id"] in new and s["name"] == "router.request"]
         if roots and any(s["trace_id"] in new and s["name"] == "decode.steps" for s in spans):

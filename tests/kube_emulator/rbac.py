@@ -100,7 +100,7 @@ class Rule:
     source: str = ""  # "ClusterRole/NAME" or "Role/NS/NAME", for messages
 
     @classmethod
-    def from_policy(cls, rule: Mapping[str, Any], namespace: str = "", source: str = "") -> "Rule":
+    def from_policy(cls, rule: Mapping[str, Any], namespace: str = "", source: str = "") -> Rule:
         return cls(
             verbs=tuple(rule.get("verbs") or ()),
             api_groups=tuple(rule.get("apiGroups") or ()),

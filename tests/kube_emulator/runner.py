@@ -47,7 +47,7 @@ class EmulatorThread:
             self._ready.set()
             await self._stop.wait()
 
-    def __enter__(self) -> "EmulatorThread":
+    def __enter__(self) -> EmulatorThread:
         self._thread.start()
         self._ready.wait(30)
         if self._error is not None:

@@ -37,7 +37,7 @@ import json
 import random
 import string
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp.web
@@ -140,7 +140,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
     history: collections.deque[tuple[int, tuple[str, str], str, Obj]] = attrs.field(factory=collections.deque)
     watchers: set[Any] = attrs.field(factory=set)
     server_url: str = ""
-    audit_log: list["AuditEntry"] = attrs.field(factory=list)
+    audit_log: list[AuditEntry] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         # Deliberately not calling KubernetesScaffold's: its fallback reactions (a catch-all 404
@@ -241,8 +241,8 @@ class KubeEmulator(kmock.KubernetesScaffold):
                 except yaml.YAMLError:
                     pass
             if request.body[:1] == b"k8s":
-                raise ApiError(415, "UnsupportedMediaType", "protobuf bodies are not supported")
-            raise ApiError(400, "BadRequest", "the request body is neither JSON nor YAML")
+                raise ApiError(415, "UnsupportedMediaType", "protobuf bodies are not supported") from None
+            raise ApiError(400, "BadRequest", "the request body is neither JSON nor YAML") from None
 
     def _json(self, doc: Obj, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if "as=Table" in request.headers.get("Accept", "") and doc.get("kind") != "Table":
@@ -715,7 +715,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
         finally:
             self.watchers.discard(watcher)
 
-    async def _stream(self, request: kmock.Request, initial: list[tuple[str, Obj]], watcher: "_Watcher | None",
+    async def _stream(self, request: kmock.Request, initial: list[tuple[str, Obj]], watcher: _Watcher | None,
                       timeout: float, bookmarks: bool, rtype: ResourceType | None = None) -> aiohttp.web.StreamResponse:
         response = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)

@@ -30,7 +30,7 @@ def recv_all_until_close(sock: socket.socket, timeout_s: float = 5.0) -> bytes:
     while time.monotonic() < deadline:
         try:
             chunk = sock.recv(1 << 16)
-        except socket.timeout:
+        except TimeoutError:
             break
         except ConnectionResetError:
             break

@@ -13,13 +13,13 @@ import ctypes
 import grpc
 import pytest
 
-from security import attacker
-from security.conftest import KEY
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.host import link_auth
 from pdserve_worker.transfer.engine import create_engine
+from pdserve_worker.transfer.host import link_auth
+from security import attacker
+from security.conftest import KEY
 
 pytestmark = pytest.mark.slow
 

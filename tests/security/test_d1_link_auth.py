@@ -16,12 +16,12 @@ import time
 import grpc
 import pytest
 
-from security import attacker
-from security.conftest import KEY, complete
 from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.engine import create_engine
+from pdserve_worker.transfer.host import link_auth, wire
+from security import attacker
+from security.conftest import KEY, complete
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
+from pdserve_worker.transfer import hixl_api as api
+from pdserve_worker.transfer.engine import create_engine
+from pdserve_worker.transfer.host import wire
 from security import attacker
 from security.conftest import KEY
-from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.host import wire
-from pdserve_worker.transfer.engine import create_engine
 
 pytestmark = pytest.mark.slow
 

@@ -45,7 +45,7 @@ def received_until_close(sock: socket.socket, seconds: float) -> tuple[bytes, fl
     while time.monotonic() - started < seconds:
         try:
             chunk = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionResetError:
             return got, time.monotonic() - started
@@ -62,7 +62,7 @@ def answered(sock: socket.socket, stream: int, seconds: float) -> bool:
     while time.monotonic() - started < seconds:
         try:
             got += sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             pass
         for kind, flags, sid, _ in h2wire.frames(got):
             if sid == stream and (kind == h2wire.RST_STREAM or (kind == h2wire.HEADERS and flags & h2wire.END_STREAM)):

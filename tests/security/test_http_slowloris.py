@@ -50,7 +50,7 @@ def closed_within(sock: socket.socket, seconds: float) -> float | None:
         try:
             if sock.recv(4096) == b"":
                 return time.monotonic() - started
-        except socket.timeout:
+        except TimeoutError:
             continue
         except ConnectionResetError:
             return time.monotonic() - started

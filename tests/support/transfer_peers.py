@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdserve_common.kv_layout import K, V, KVLayout
-from pdserve_worker.kv.slots import Grant
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_common.logs import kv, setup
+from pdserve_worker.kv.slots import Grant
 
 log = logging.getLogger("pdserve.transfer.peers")
 
@@ -73,7 +73,7 @@ class PeerProcess:
     info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, main: Callable[[Connection, dict[str, Any]], None], config: dict[str, Any], wait_s: float = 60) -> "PeerProcess":
+    def start(cls, main: Callable[[Connection, dict[str, Any]], None], config: dict[str, Any], wait_s: float = 60) -> PeerProcess:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(target=main, args=(child, config), daemon=True)

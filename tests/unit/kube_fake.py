@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_emulator import patching, selectors
-
 from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s

@@ -16,7 +16,7 @@ from pdserve_common.block_layout import (
     block_spans,
     push_descriptors,
 )
-from pdserve_common.kv_layout import K, V, KVLayout
+from pdserve_common.kv_layout import K, KVLayout, V
 
 
 def source_layout(max_len: int = 40, layers: int = 3) -> KVLayout:
@@ -131,7 +131,7 @@ def test_a_paged_kv_layout_is_its_blocks_and_has_no_slot_runs() -> None:
     slots = KVLayout(num_slots=8, num_layers=3, max_len=2048, kv_heads=2, head_dim=2)
     assert not slots.paged and slots.kv_tokens == 8 * 2048
     with pytest.raises(ValueError, match="no blocks"):
-        slots.blocks
+        _ = slots.blocks
     with pytest.raises(ValueError, match="both be positive"):
         KVLayout(num_slots=8, num_layers=3, max_len=64, kv_heads=2, head_dim=2, block_tokens=4)
     assert KVLayout.from_dict(paged.to_dict()) == paged

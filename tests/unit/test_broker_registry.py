@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from pdserve_operator.broker_registry import Registry, Subscription, WatchEnded
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import EventType, Load, MemberInfo, MemoryRegion, Role
+from pdserve_operator.broker_registry import Registry, Subscription, WatchEnded
 
 SVC = "ns/svc"
 

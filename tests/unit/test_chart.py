@@ -23,9 +23,8 @@ import chart_tools  # noqa: E402
 from chart_tools import CHART, by_kind, render  # noqa: E402
 from kube_emulator import validate_crd  # noqa: E402
 from kube_emulator.schema import admit  # noqa: E402
-
-from pdserve_operator import spec as s  # noqa: E402
 from pdserve_common import pod_env  # noqa: E402
+from pdserve_operator import spec as s  # noqa: E402
 
 # Every option that changes what is rendered, at once.
 FULL = ["--set", "watchNamespaces={team-a,team-b}", "--set", "networkPolicy.enabled=true",
@@ -161,8 +160,8 @@ def test_service_monitor_scrapes_the_routers_metrics_port() -> None:
 
 def test_pod_monitor_scrapes_every_prefill_and_decode_pod() -> None:
     """Prefill pods have no Service: a PodMonitor selects the workers the operator labels."""
-    from pdserve_operator import children as ch
     from pdserve_common import pod_env as E
+    from pdserve_operator import children as ch
 
     [monitor] = by_kind(render(*FULL), "PodMonitor")
     assert by_kind(render(), "PodMonitor") == []  # off unless serviceMonitor.enabled

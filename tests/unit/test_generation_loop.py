@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
+from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.generate import Generator, colocated_cache, generate, prefill_first_token
 from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 
 MAX_LEN, SLOTS = 64, 2
 

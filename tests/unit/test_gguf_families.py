@@ -12,8 +12,8 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from model_families import build_family, hf_greedy, hf_logits, hf_model, write_family_gguf
 
+from model_families import build_family, hf_greedy, hf_logits, hf_model, write_family_gguf
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.generate import greedy_tokens
 from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, hf_to_gguf_name

@@ -14,10 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from netutil import free_port
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.host.engine import Hixl, get_capability
-
-from netutil import free_port
 
 SIZE = 1 << 16
 

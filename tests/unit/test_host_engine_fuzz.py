@@ -13,10 +13,9 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_host_engine import SIZE, Pair
 
 from pdserve_worker.transfer import hixl_api as api
-
-from test_host_engine import SIZE, Pair
 
 U64 = (1 << 64) - 1
 
@@ -83,10 +82,9 @@ import os  # noqa: E402
 import socket  # noqa: E402
 import tracemalloc  # noqa: E402
 
+from netutil import free_port  # noqa: E402
 from pdserve_worker.transfer.host import link_auth, wire  # noqa: E402
 from pdserve_worker.transfer.host.engine import Hixl  # noqa: E402
-
-from netutil import free_port  # noqa: E402
 
 KEY = os.urandom(32)
 # What one connection may make the server allocate, at most: before the handshake, nothing

@@ -22,7 +22,7 @@ PYTHONPATH = os.pathsep.join(str(ROOT / d) for d in ("worker", "operator", "comm
 
 def instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")))
     return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", text, re.M)]
 
 
@@ -85,7 +85,7 @@ def test_worker_image_builds_cpu_or_ascend_by_argument() -> None:
 
 
 def test_dockerignore_keeps_secrets_and_bulk_out_but_not_what_the_images_copy() -> None:
-    patterns = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
     for must in (".git", ".venv", ".tools", "tests"):
         assert must in patterns, must
     for dockerfile in DOCKERFILES:
@@ -110,8 +110,8 @@ NOT_IN_OPERATOR_IMAGE = {"torch": "torch", "numpy": "numpy", "gguf": "gguf", "sa
 
 def test_operator_requirements_are_the_project_ranges() -> None:
     project = _requirement_names(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
-    lines = [l.strip() for l in (ROOT / "operator" / "requirements.txt").read_text().splitlines()]
-    operator = _requirement_names([l for l in lines if l and not l.startswith("#")])
+    lines = [line.strip() for line in (ROOT / "operator" / "requirements.txt").read_text().splitlines()]
+    operator = _requirement_names([line for line in lines if line and not line.startswith("#")])
     for name, spec in operator.items():
         assert project.get(name) == spec, f"operator/requirements.txt {spec!r} != pyproject {project.get(name)!r}"
     assert set(project) - set(operator) == set(NOT_IN_OPERATOR_IMAGE), "classify the new dependency here"

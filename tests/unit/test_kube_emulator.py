@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from kube_emulator import EmulatorThread  # noqa: E402
-
 from pdserve_operator.crd import build_crd  # noqa: E402
 from pdserve_operator.kube import KINDS, PDIS, KubeError, RestKubeClient  # noqa: E402
 

@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from kube_emulator import EmulatorThread  # noqa: E402
-
 from pdserve_operator import crd as pdcrd  # noqa: E402
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -95,7 +94,7 @@ def accepted(kube: Api, doc: dict[str, Any]) -> None:
 
 
 S = {"type": "string"}
-I = {"type": "integer"}
+INT = {"type": "integer"}
 
 # (case id, CRD, the expected error text, upstream function in file)
 CASES: list[tuple[str, dict[str, Any], str, str]] = [
@@ -125,7 +124,7 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("additional-properties-at-root", crd(root={"type": "object", "additionalProperties": {"type": "string"}}),
      f"{V}.additionalProperties: Forbidden: must not be used at the root",
      "validateStructuralInvariants in pkg/apiserver/schema/validation.go"),
-    ("kind-not-string", crd(root={"type": "object", "properties": {"kind": I}}),
+    ("kind-not-string", crd(root={"type": "object", "properties": {"kind": INT}}),
      f'{V}.properties[kind].type: Invalid value: "integer": must be string',
      "validateStructuralInvariants in pkg/apiserver/schema/validation.go"),
     ("int-or-string-and-preserve",
@@ -174,14 +173,14 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
      f"{V}.items: Required value: because it is defined in {V}.allOf[0].items",
      "validateNestedValueValidationCompleteness in pkg/apiserver/schema/complete.go"),
     # ---- pkg/apiserver/schema/defaulting/validation.go (ValidateDefaults, requirePrunedDefaults)
-    ("default-not-pruned", crd({"type": "object", "properties": {"a": I}, "default": {"bogus": 1}}),
+    ("default-not-pruned", crd({"type": "object", "properties": {"a": INT}, "default": {"bogus": 1}}),
      f'{V}.properties[spec].default: Invalid value: {{"bogus":1}}: must not have unknown fields',
      "validate (ValidateDefaults) in pkg/apiserver/schema/defaulting/validation.go"),
     ("default-invalid", crd({"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}, "default": {"n": 0}}),
      f"{V}.properties[spec].default.n: Invalid value: 0: n in body should be greater than or equal to 1",
      "validate (ValidateDefaults) in pkg/apiserver/schema/defaulting/validation.go"),
     ("default-fails-its-rule",
-     crd({"type": "object", "properties": {"a": I}, "default": {}, "x-kubernetes-validations": [{"rule": "self.a > 0"}]}),
+     crd({"type": "object", "properties": {"a": INT}, "default": {}, "x-kubernetes-validations": [{"rule": "self.a > 0"}]}),
      f'{V}.properties[spec].default: Invalid value: "object": no such key: a evaluating rule: self.a > 0',
      "validate (ValidateDefaults) in pkg/apiserver/schema/defaulting/validation.go + validateExpressions in "
      "pkg/apiserver/schema/cel/validation.go"),
@@ -242,22 +241,22 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("rule-empty", crd({"type": "object", "x-kubernetes-validations": [{"rule": " "}]}),
      f"{V}.properties[spec].x-kubernetes-validations[0].rule: Required value: rule is not specified",
      "ValidateCustomResourceDefinitionOpenAPISchema in pkg/apis/apiextensions/validation/validation.go"),
-    ("rule-reason-unknown", crd({"type": "object", "properties": {"a": I},
+    ("rule-reason-unknown", crd({"type": "object", "properties": {"a": INT},
                                  "x-kubernetes-validations": [{"rule": "self.a > 0", "reason": "FieldValueBogus"}]}),
      f'{V}.properties[spec].x-kubernetes-validations[0].reason: Unsupported value: "FieldValueBogus": supported values: '
      '"FieldValueDuplicate", "FieldValueForbidden", "FieldValueInvalid", "FieldValueRequired"',
      "ValidateCustomResourceDefinitionOpenAPISchema in pkg/apis/apiextensions/validation/validation.go"),
-    ("rule-field-path-invalid", crd({"type": "object", "properties": {"a": I},
+    ("rule-field-path-invalid", crd({"type": "object", "properties": {"a": INT},
                                      "x-kubernetes-validations": [{"rule": "self.a > 0", "fieldPath": ".b"}]}),
      f'{V}.properties[spec].x-kubernetes-validations[0].fieldPath: Invalid value: ".b": must be a valid path',
      "ValidateCustomResourceDefinitionOpenAPISchema + pathValid in pkg/apis/apiextensions/validation/validation.go, "
      "ValidFieldPath in pkg/apiserver/schema/cel/validation.go"),
-    ("rule-message-newline", crd({"type": "object", "properties": {"a": I},
+    ("rule-message-newline", crd({"type": "object", "properties": {"a": INT},
                                   "x-kubernetes-validations": [{"rule": "self.a > 0", "message": "two\nlines"}]}),
      f'{V}.properties[spec].x-kubernetes-validations[0].message: Invalid value: "two\\nlines": must not contain line '
      "breaks",
      "ValidateCustomResourceDefinitionOpenAPISchema in pkg/apis/apiextensions/validation/validation.go"),
-    ("rule-undefined-field", crd({"type": "object", "properties": {"a": I}, "x-kubernetes-validations": [{"rule": "self.b > 0"}]}),
+    ("rule-undefined-field", crd({"type": "object", "properties": {"a": INT}, "x-kubernetes-validations": [{"rule": "self.b > 0"}]}),
      f'{V}.properties[spec].x-kubernetes-validations[0].rule: Invalid value: {{"Rule":"self.b > 0","Message":"",'
      '"MessageExpression":"","Reason":null,"FieldPath":"","OptionalOldSelf":null}: compilation failed: '
      "ERROR: <input>:1:5: undefined field 'b'\n | self.b > 0\n | ....^",
@@ -270,14 +269,14 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
      "ERROR: <input>:1:17: undeclared reference to 'startswth' (in container '')\n | self.a.startswth('x')\n"
      " | ................^",
      "compileRule in pkg/apiserver/schema/cel/compilation.go (cel-go checker.checkCall: undeclaredReference)"),
-    ("rule-in-wrong-element-type", crd({"type": "object", "properties": {"n": I, "tags": {"type": "array", "items": S}},
+    ("rule-in-wrong-element-type", crd({"type": "object", "properties": {"n": INT, "tags": {"type": "array", "items": S}},
                                         "x-kubernetes-validations": [{"rule": "self.n in self.tags"}]}),
      f'{V}.properties[spec].x-kubernetes-validations[0].rule: Invalid value: {{"Rule":"self.n in self.tags",'
      '"Message":"","MessageExpression":"","Reason":null,"FieldPath":"","OptionalOldSelf":null}: compilation failed: '
      "ERROR: <input>:1:8: found no matching overload for '@in' applied to '(int, list(string))'\n"
      " | self.n in self.tags\n | .......^",
      "compileRule in pkg/apiserver/schema/cel/compilation.go (cel-go's @in overloads: (A, list(A)), (A, map(A, B)))"),
-    ("rule-not-bool", crd({"type": "object", "properties": {"a": I}, "x-kubernetes-validations": [{"rule": "self.a + 1"}]}),
+    ("rule-not-bool", crd({"type": "object", "properties": {"a": INT}, "x-kubernetes-validations": [{"rule": "self.a + 1"}]}),
      f'{V}.properties[spec].x-kubernetes-validations[0].rule: Invalid value: {{"Rule":"self.a + 1","Message":"",'
      '"MessageExpression":"","Reason":null,"FieldPath":"","OptionalOldSelf":null}: cel expression must evaluate to a bool',
      "compileRule in pkg/apiserver/schema/cel/compilation.go"),
@@ -345,7 +344,7 @@ def test_the_full_message_is_the_one_kubectl_printed_for_our_old_crd(kube: Api) 
         "x-kubernetes-int-or-string": True,
         "allOf": [{"anyOf": [{"type": "integer"}, {"type": "string"}]}, {"pattern": "^[0-9]+%?$"}]}}}}},
     # transition rules on a correlatable node, with fieldPath and reason
-    {"type": "object", "properties": {"spec": {"type": "object", "properties": {"a": I}, "x-kubernetes-validations": [
+    {"type": "object", "properties": {"spec": {"type": "object", "properties": {"a": INT}, "x-kubernetes-validations": [
         {"rule": "self.a >= oldSelf.a", "message": "a may only grow", "fieldPath": ".a", "reason": "FieldValueForbidden"}]}}},
 ], ids=["metadata-name-restriction", "int-or-string-anyof", "int-or-string-allof", "transition-rule"])
 def test_what_upstream_admits_is_admitted(kube: Api, schema: dict) -> None:

@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from chart_tools import render  # noqa: E402
-
 from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator import crd  # noqa: E402
 from pdserve_operator import spec as s  # noqa: E402

@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve_worker.kv.blocks import BlockTable, NoFreeBlocks, blocks_for
 from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.kv.blocks import BlockTable, NoFreeBlocks, blocks_for
 from pdserve_worker.kv.slots import Grant as BlockGrant
 from pdserve_worker.kv.slots import SlotState
 

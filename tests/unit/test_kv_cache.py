@@ -3,8 +3,8 @@ import mmap
 import pytest
 import torch
 
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.kv.cache import KVCache, dtype_name, torch_dtype
-from pdserve_common.kv_layout import K, V, KVLayout
 
 
 def layout(**kw) -> KVLayout:

@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve_common.kv_layout import K, V, KVLayout, shard_layers
+from pdserve_common.kv_layout import K, KVLayout, V, shard_layers
 
 
 def make(**kw):
@@ -21,7 +21,7 @@ def test_offsets_follow_the_design_formula():
 
 def test_runs_of_all_slots_tile_the_pool_without_overlap():
     lay = make()
-    spans = sorted(lay.token_run(s, l, kv, lay.max_len) for s in range(4) for l in range(3) for kv in (K, V))
+    spans = sorted(lay.token_run(s, layer, kv, lay.max_len) for s in range(4) for layer in range(3) for kv in (K, V))
     pos = 0
     for off, length in spans:
         assert off == pos

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdserve_common.kv_layout import V, KVLayout
+from pdserve_common.kv_layout import KVLayout, V
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.transfer.engine import TransferBackend, TransferError, create_engine
 

@@ -14,8 +14,8 @@ import json
 
 import pytest
 import torch
-from model_families import FAMILIES, build_family, hf_greedy, hf_logits, hf_model
 
+from model_families import FAMILIES, build_family, hf_greedy, hf_logits, hf_model
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.generate import greedy_tokens

@@ -174,7 +174,6 @@ async def test_a_worker_whose_weights_do_not_fit_exits_before_it_registers(famil
     import socket
 
     from netutil import free_port
-
     from pdserve_worker.process.worker_main import run_worker
     from pdserve_worker.settings import WorkerSettings
 
@@ -208,7 +207,6 @@ async def test_a_max_length_beyond_the_model_is_a_start_failure_not_a_traceback(
     import socket
 
     from netutil import free_port
-
     from pdserve_worker.process.worker_main import run_worker
     from pdserve_worker.settings import WorkerSettings
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
+from pdserve_common import pod_env
 from pdserve_operator import children as ch
 from pdserve_operator import drift
 from pdserve_operator import spec as s
 from pdserve_operator import status as st
-from pdserve_common import pod_env
 from support.worker_env import worker_settings
 
 OWNER = ch.Owner(name="svc", namespace="ns", uid="uid-1")

@@ -18,7 +18,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kube_emulator import validate_crd  # noqa: E402
 from kube_emulator.schema import _program, admit  # noqa: E402
-
 from pdserve_operator import crd  # noqa: E402
 from pdserve_operator import spec as s  # noqa: E402
 

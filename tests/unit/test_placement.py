@@ -6,8 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdserve_common.kv_layout import KVLayout
-from pdserve_worker.router.placement import rank_decodes, rank_prefills
 from pdserve_common.membership import Load, Member, MemberInfo, MemoryRegion, Role
+from pdserve_worker.router.placement import rank_decodes, rank_prefills
 
 REV = "r1"
 

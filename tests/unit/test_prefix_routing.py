@@ -79,7 +79,7 @@ def test_interleaved_system_prompts_stick_to_their_prefill_and_load_stays_balanc
     served = {"p0": 0, "p1": 0}
     home: dict[int, str] = {}
     repeats = hits = 0
-    for n in range(200):
+    for _ in range(200):
         s = rng.randrange(4)
         prompt = systems[s] + [rng.randrange(50_000) for _ in range(rng.randrange(1, 40))]
         hashes = block_hashes(prompt, 16, SALT)

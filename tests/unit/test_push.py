@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from netutil import free_port
-from pdserve_common.kv_layout import K, V, KVLayout
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.transfer.engine import TransferBackend, create_engine
 from pdserve_worker.kv.slots import Grant
+from pdserve_worker.transfer.engine import TransferBackend, create_engine
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, layer_chunks, prefill_and_push
 
 LAYERS = 6

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from netutil import free_port
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.kv.blocks import BlockTable
-from pdserve_common.kv_layout import K, V, KVLayout
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.engine import create_engine

@@ -20,9 +20,9 @@ from pdserve_worker.model.convert import quantized_gguf
 from pdserve_worker.model.loader import load_model, loaded_bytes
 from pdserve_worker.model.matmul import Int4Matrix, Linear, pack_int4
 from pdserve_worker.model.quant import dequantize, from_gguf_blocks, nibbles, quantize, to_kind
-from support.tiny_model import write_tiny_gguf, write_tiny_model
 from pdserve_worker.model.weight_routes import group_route, loaded_weight_bytes, plan, summary
 from pdserve_worker.model.weights import read_gguf, read_gguf_quantized, read_quantized_dir
+from support.tiny_model import write_tiny_gguf
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 CPU = torch.device("cpu")

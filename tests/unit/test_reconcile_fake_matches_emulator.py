@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from kube_emulator import EmulatorThread
 from kube_fake import Action, MemoryKube, Recorder, reconcile, reconciler, service
 
+from kube_emulator import EmulatorThread
 from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s

@@ -18,9 +18,9 @@ import pytest
 from router_fakes import running_router
 
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.router.backend import NoCapacity, TokenEvent, capacity_held
 from pdserve_worker.router.admission import AdmissionConfig, AdmissionQueue
 from pdserve_worker.router.app import create_app
+from pdserve_worker.router.backend import NoCapacity, TokenEvent, capacity_held
 from pdserve_worker.router.keys import KeyStore
 from pdserve_worker.router.metrics import RouterMetrics
 

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import ScriptedBackend, running_router
 
-from pdserve_worker.router.backend import BackendUnavailable, NoCapacity, RequestInfo, RequestTimeout
 from pdserve_worker.router.app import create_app
+from pdserve_worker.router.backend import BackendUnavailable, NoCapacity, RequestInfo, RequestTimeout
 from pdserve_worker.router.metrics import RouterMetrics
 
 MODEL = ScriptedBackend.model_name

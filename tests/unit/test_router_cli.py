@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from router_fakes import ScriptedBackend, running_router
 
-from pdserve_worker.router.backend import NoCapacity, RequestInfo
 from pdserve_worker.router.app import create_app
+from pdserve_worker.router.backend import NoCapacity, RequestInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(

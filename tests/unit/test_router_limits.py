@@ -16,9 +16,9 @@ import pytest
 from router_fakes import ScriptedBackend, running_router
 
 from pdserve_worker.model.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pdserve_worker.router.app import RouterLimits, create_app
 from pdserve_worker.router.backend import NoCapacity
 from pdserve_worker.router.openai_api import MAX_MESSAGES
-from pdserve_worker.router.app import RouterLimits, create_app
 from pdserve_worker.router.tokenizing import TokenizerPool, max_prompt_chars
 from pdserve_worker.rpc.convert import sampling_to_proto
 
@@ -31,7 +31,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
 def router(port):
     stack = []
 
-    def start(backend=None, limits=RouterLimits()):
+    def start(backend=None, limits=RouterLimits()):  # noqa: B008  (frozen: one shared default is safe)
         backend = backend or ScriptedBackend(max_model_len=100_000)
         cm = running_router(create_app(backend, limits=limits), port)
         stack.append(cm)

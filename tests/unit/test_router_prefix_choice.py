@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+from pdserve_common.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role
 from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.pd_backend import PDBackend
-from pdserve_common.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role
 
 REV = "r1"
 

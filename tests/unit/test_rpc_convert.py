@@ -8,10 +8,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pdserve.v1 import broker_pb2, common_pb2
-from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout
-from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
-from pdserve_worker.rpc.convert import sampling_from_proto, sampling_to_proto
+from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout, layout_from_proto, layout_to_proto
 from pdserve_common.membership import (
     EventType,
     Load,
@@ -28,6 +25,8 @@ from pdserve_common.membership import (
     member_info_to_proto,
     member_to_proto,
 )
+from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.rpc.convert import sampling_from_proto, sampling_to_proto
 
 layouts = st.builds(
     KVLayout,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve_operator import children as ch
-from pdserve_operator import spec as s
 from pdserve_common import pod_env as E
 from pdserve_common import tracing
+from pdserve_operator import children as ch
+from pdserve_operator import spec as s
 
 ROOT = Path(__file__).resolve().parents[2]
 

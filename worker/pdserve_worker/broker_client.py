@@ -26,10 +26,9 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
-from pdserve_common.logs import kv
 from pdserve_common.auth import TLSConfig
-from pdserve_worker.rpc.backoff import Backoff
 from pdserve_common.channels import BROKER_MAX_MESSAGE, aio_channel
+from pdserve_common.logs import kv
 from pdserve_common.membership import (
     BROKER_ID_HEADER,
     EventType,
@@ -45,6 +44,7 @@ from pdserve_common.membership import (
     member_info_to_proto,
     role_to_proto,
 )
+from pdserve_worker.rpc.backoff import Backoff
 
 log = logging.getLogger("pdserve.broker_client")
 
@@ -177,8 +177,8 @@ class BrokerClient:
         self._ttl_s = 10.0
         self.broker_id = ""
         self.registrations = 0  # successful Register calls: 1 + re-registrations
-        self._keepalive_task: asyncio.Task | None = None
-        self._watch_tasks: list[asyncio.Task] = []
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._watch_tasks: list[asyncio.Task[None]] = []
 
     # --- registration -------------------------------------------------------------------
 
@@ -354,7 +354,7 @@ class BrokerClient:
             reply = await self._stub().Deregister(
                 broker_pb2.DeregisterRequest(service_key=self.service_key, lease_id=lease), timeout=self._timeout
             )
-            return reply.removed
+            return bool(reply.removed)
         except grpc.aio.AioRpcError as exc:
             log.warning(kv(event="broker_client.deregister_failed", code=exc.code().name, detail=exc.details()))
             return False
@@ -389,6 +389,8 @@ class BrokerClient:
         while True:
             call = self._stub().Watch(request)
             seen: set[str] = set()
+            detail: str | None
+            code: grpc.StatusCode | None
             try:
                 metadata = await call.initial_metadata()
                 broker_id = dict(metadata or ()).get(BROKER_ID_HEADER, "")
@@ -463,7 +465,7 @@ def _raise_if_cancelling() -> None:
         raise asyncio.CancelledError()
 
 
-async def _cancel(task: asyncio.Task | None) -> None:
+async def _cancel(task: asyncio.Task[None] | None) -> None:
     if task is None or task.done():
         return
     task.cancel()

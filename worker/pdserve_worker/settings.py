@@ -23,9 +23,9 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common import pod_env as E
+from pdserve_common.auth import TLSConfig
 from pdserve_worker.model.default_model import BUILTIN_SOURCE
 from pdserve_worker.router.http_guard import HttpLimits
-from pdserve_common.auth import TLSConfig
 
 # Worker-only knobs (the operator leaves them at their defaults).
 BIND_HOST = "PDSERVE_BIND_HOST"  # address the HTTP and gRPC servers listen on
@@ -126,7 +126,7 @@ class WorkerSettings(BaseSettings):
     broker_tls: bool | None = Field(None, validation_alias=E.BROKER_TLS)  # None: as the worker's own TLS
 
     @model_validator(mode="after")
-    def _consistent(self) -> "WorkerSettings":
+    def _consistent(self) -> WorkerSettings:
         if self.role != "colocated":
             if not self.broker_address:
                 raise ValueError(f"a {self.role} worker needs the broker's address ({E.BROKER_ADDRESS} or --broker)")

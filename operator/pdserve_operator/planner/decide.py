@@ -12,7 +12,7 @@ the bounds and band allow) with `meets_slo` False and a reason naming what fell 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -62,7 +62,7 @@ class Bounds:
         return (self.min_prefill <= prefill <= self.max_prefill and self.min_decode <= decode <= self.max_decode
                 and self.in_band(prefill, decode))
 
-    def pairs(self):
+    def pairs(self) -> Iterator[tuple[int, int]]:
         """Every allowed (P, D), cheapest first (cost, then P + D, then P)."""
         allowed = [(p, d) for p in range(self.min_prefill, self.max_prefill + 1)
                    for d in range(self.min_decode, self.max_decode + 1) if self.in_band(p, d)]

@@ -97,7 +97,7 @@ class ModelShape:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, data: dict[str, Any], name: str | None = None) -> "ModelShape":
+    def from_hf_config(cls, data: dict[str, Any], name: str | None = None) -> ModelShape:
         """From an HF `config.json` dict of a LLaMA-family model (llama, mistral, qwen2 keys)."""
         try:
             heads = int(data["num_attention_heads"])
@@ -117,7 +117,7 @@ class ModelShape:
             raise ValueError(f"config.json lacks {exc.args[0]!r}, which the planner needs") from exc
 
     @classmethod
-    def load(cls, ref: str | Path) -> "ModelShape":
+    def load(cls, ref: str | Path) -> ModelShape:
         """A built-in name (`BUILTIN`), an HF folder holding config.json, or a config.json path."""
         if str(ref) in BUILTIN:
             return BUILTIN[str(ref)]

@@ -70,7 +70,7 @@ class HardwareProfile(BaseModel):
     def effective_memory_bandwidth(self) -> float:
         return self.memory_bandwidth * self.memory_efficiency
 
-    def with_overrides(self, **changes: Any) -> "HardwareProfile":
+    def with_overrides(self, **changes: Any) -> HardwareProfile:
         """A copy with fields changed, validated again (frozen models copy without checks)."""
         return HardwareProfile.model_validate({**self.model_dump(), **changes})
 

@@ -30,6 +30,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from pdserve_operator.planner.perf import ServingModel
 
@@ -69,7 +70,7 @@ class _Server:
 
 @dataclass
 class _Prefill(_Server):
-    queue: deque = field(default_factory=deque)
+    queue: deque[tuple[SimRequest, _Decode]] = field(default_factory=deque)
     busy_until: float | None = None
 
     @property
@@ -88,8 +89,8 @@ class _Seq:
 class _Decode(_Server):
     capacity: int | None = None
     reserved: int = 0  # slots held: reserved for a prefill in flight, pending or active
-    active: list = field(default_factory=list)
-    pending: list = field(default_factory=list)
+    active: list[_Seq] = field(default_factory=list)
+    pending: list[SimRequest] = field(default_factory=list)
     context: int = 0  # Σ context of active
     run_start: float = 0.0
     run_steps: int = 0
@@ -110,7 +111,7 @@ class Simulation:
         self.model = model
         self.startup_s = startup_s
         self.now = 0.0
-        self._events: list = []
+        self._events: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self.prefills: list[_Prefill] = []
         self.decodes: list[_Decode] = []
@@ -125,6 +126,7 @@ class Simulation:
     # ---- replicas ------------------------------------------------------------------------------
 
     def _add(self, role: str, ready_at: float) -> None:
+        server: _Server
         if role == "prefill":
             server = _Prefill("prefill", len(self.prefills), self.now, ready_at)
             self.prefills.append(server)
@@ -145,8 +147,8 @@ class Simulation:
             self._add(role, ready_at=self.now + self.startup_s)
         if count < len(live):
             # Starting ones first (nothing to drain), then the least loaded.
-            def key(s: _Server) -> tuple:
-                load = s.load if isinstance(s, _Prefill) else s.reserved
+            def key(s: _Server) -> tuple[bool, int, int]:
+                load = s.load if isinstance(s, _Prefill) else cast(_Decode, s).reserved
                 return (s.ready_at <= self.now, load, -s.index)
 
             for server in sorted(live, key=key)[: len(live) - count]:
@@ -156,7 +158,7 @@ class Simulation:
     def _maybe_remove(self, server: _Server) -> None:
         if not server.draining or server.removed is not None:
             return
-        idle = server.load == 0 if isinstance(server, _Prefill) else server.reserved == 0
+        idle = server.load == 0 if isinstance(server, _Prefill) else cast(_Decode, server).reserved == 0
         if idle:
             server.removed = self.now
 

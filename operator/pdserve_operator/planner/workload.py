@@ -20,7 +20,7 @@ class WeightedLength(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     weight: float = Field(gt=0)
-    dist: "LengthDistribution"
+    dist: LengthDistribution
 
 
 class LengthDistribution(BaseModel):
@@ -34,7 +34,7 @@ class LengthDistribution(BaseModel):
     mixture: tuple[WeightedLength, ...] | None = None
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "LengthDistribution":
+    def _one_kind(self) -> LengthDistribution:
         given = [k for k in ("fixed", "uniform", "samples", "mixture") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"a length distribution needs exactly one of fixed/uniform/samples/mixture, got {given or 'none'}")
@@ -59,8 +59,7 @@ class LengthDistribution(BaseModel):
             counts: dict[int, int] = {}
             for n in self.samples:
                 counts[n] = counts.get(n, 0) + 1
-            total = len(self.samples)
-            return sorted((n, c / total) for n, c in counts.items())
+            return sorted((n, c / len(self.samples)) for n, c in counts.items())
         assert self.mixture is not None
         total = sum(part.weight for part in self.mixture)
         merged: dict[int, float] = {}
@@ -82,7 +81,7 @@ class LengthDistribution(BaseModel):
                 return n
         return points[-1][0]
 
-    def scaled_to_mean(self, mean: float) -> "LengthDistribution":
+    def scaled_to_mean(self, mean: float) -> LengthDistribution:
         """The same shape stretched so that its mean is `mean` (lengths stay >= 1)."""
         if mean <= 0:
             raise ValueError(f"a mean length must be positive, got {mean}")
@@ -92,7 +91,7 @@ class LengthDistribution(BaseModel):
         ))
 
     @classmethod
-    def of(cls, lengths: Sequence[int]) -> "LengthDistribution":
+    def of(cls, lengths: Sequence[int]) -> LengthDistribution:
         return cls(samples=tuple(int(n) for n in lengths))
 
 
@@ -117,5 +116,5 @@ class Workload(BaseModel):
     output_tokens: LengthDistribution
     slo: SLO = SLO()
 
-    def with_rate(self, rate: float) -> "Workload":
+    def with_rate(self, rate: float) -> Workload:
         return self.model_copy(update={"arrival_rate": max(0.0, float(rate))})

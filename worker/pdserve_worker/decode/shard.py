@@ -36,22 +36,21 @@ import grpc
 import torch
 
 from pdserve.v1 import shard_pb2, shard_pb2_grpc
+from pdserve_common.auth import TLSConfig, bearer_metadata
+from pdserve_common.channels import WORKER_MAX_MESSAGE, channel_options
+from pdserve_common.kv_layout import KVLayout, layout_from_proto, layout_to_proto, shard_layers
+from pdserve_common.logs import kv
+from pdserve_common.membership import Load
+from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
 from pdserve_worker.kv.cache import KVCache
-from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant, nonce_matches
-from pdserve_common.logs import kv
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
-from pdserve_worker.decode.worker import DecodeWorker, MemberUnavailable, Ready, ReadyUnusable
-from pdserve_common.auth import TLSConfig, bearer_metadata
-from pdserve_common.channels import WORKER_MAX_MESSAGE, channel_options
-from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
 from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto
-from pdserve_worker.broker_client import BrokerClient
-from pdserve_common.membership import Load
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout

@@ -39,23 +39,23 @@ import grpc
 from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_worker.broker_client import BrokerClient
-from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_common import tracing
-from pdserve_worker.kv.cache import KVCache
 from pdserve_common.kv_layout import KVLayout
+from pdserve_common.logs import kv
+from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
+from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed, RequestStream
+from pdserve_worker.kv.blocks import BlockTable, BlockUsage
+from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
-from pdserve_common.logs import kv
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason
-from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed, RequestStream
 from pdserve_worker.roles.worker_metrics import WorkerMetrics
 from pdserve_worker.rpc.convert import finish_reason_to_proto, grant_to_proto, sampling_from_proto
-from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases

@@ -56,8 +56,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve_common.kv_layout import KVLayout
-from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage, first_generation, reservation_nonce
 from pdserve_common.logs import kv
+from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage, first_generation, reservation_nonce
 
 log = logging.getLogger("pdserve.kv.blocks")
 

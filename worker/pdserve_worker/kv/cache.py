@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve_common.kv_layout import K, V, KVLayout, local_layer_index
+from pdserve_common.kv_layout import K, KVLayout, V, local_layer_index
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -55,7 +55,7 @@ class KVCache:
         self._values = [tensor[:, i, V] for i in range(layout.num_layers)]
 
     @classmethod
-    def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> "KVCache":
+    def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> KVCache:
         """A zeroed pool of its own (tests, prefill workers, colocated generation)."""
         return cls(layout, torch.zeros(layout.shape, dtype=torch_dtype(layout.dtype), device=device))
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve_common.kv_layout import K, KVLayout, V, local_layer_index
 from pdserve_worker.kv.cache import torch_dtype
-from pdserve_common.kv_layout import K, V, KVLayout, local_layer_index
 
 
 class PagedKVCache:
@@ -49,7 +49,7 @@ class PagedKVCache:
         self._lock = threading.Lock()
 
     @classmethod
-    def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> "PagedKVCache":
+    def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> PagedKVCache:
         return cls(layout, torch.zeros(layout.shape, dtype=torch_dtype(layout.dtype), device=device))
 
     @property

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve_common.kv_layout import K, V, KVLayout
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.engine import TransferBackend, TransferError
 
@@ -102,7 +102,7 @@ class KVPool:
         for layer in self.layout.layer_range:
             for kv_index in (K, V):
                 addr, length = self.run(slot, layer, kv_index, num_tokens)
-                view = np.frombuffer((ctypes.c_char * length).from_address(addr), dtype=np.uint8)
+                view = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(addr))
                 int(view[::PAGE].sum())
 
     def warm_blocks(self, blocks: Sequence[int]) -> None:
@@ -114,7 +114,8 @@ class KVPool:
         from pdserve_common.block_layout import block_spans
 
         for offset, length in block_spans(self.layout.blocks, blocks):
-            view = np.frombuffer((ctypes.c_char * length).from_address(self.base_addr + offset), dtype=np.uint8)
+            view = np.frombuffer(memoryview((ctypes.c_char * length).from_address(self.base_addr + offset)),
+                                 dtype=np.uint8)
             int(view[::PAGE].sum())
 
     def close(self) -> None:

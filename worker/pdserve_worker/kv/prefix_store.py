@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve_worker.kv.cache import KVCache, torch_dtype
 from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.kv.cache import KVCache, torch_dtype
 from pdserve_worker.kv.prefix_cache import PrefixCache, PrefixCacheStats, PrefixLease, block_hashes, cache_salt
 
 
@@ -54,7 +54,7 @@ class PrefixStore:
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel() * self.blocks.element_size()
+        return int(self.blocks.numel() * self.blocks.element_size())
 
     def hashes(self, prompt: Sequence[int]) -> list[bytes]:
         return block_hashes(prompt, self.block_tokens, self.salt)

@@ -183,7 +183,7 @@ class ModelConfig:
     # ---- HF config.json -------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, data: dict[str, Any]) -> ModelConfig:
         """From an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
         model_type = data.get("model_type", "llama")
         if model_type not in ARCHITECTURES:

@@ -23,9 +23,9 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
+from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.llama import LlamaModel
 from pdserve_worker.model.sampling import Sampler, StopStringMatcher, stop_token_ids

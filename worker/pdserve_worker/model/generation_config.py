@@ -31,7 +31,7 @@ class GenerationDefaults:
     max_new_tokens: int | None = None
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "GenerationDefaults":
+    def from_dict(cls, data: dict[str, Any]) -> GenerationDefaults:
         """From the file's object; a value of the wrong type or out of range is an error naming the key."""
         eos = data.get("eos_token_id")
         eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
@@ -49,7 +49,7 @@ class GenerationDefaults:
         )
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "GenerationDefaults":
+    def from_folder(cls, folder: str | Path) -> GenerationDefaults:
         """The folder's generation_config.json, or no defaults when it has none."""
         path = Path(folder) / FILE
         if not path.is_file():

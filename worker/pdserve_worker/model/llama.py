@@ -34,14 +34,13 @@ import torch.nn.functional as F
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model import paged_attention
-from pdserve_worker.model.paged_attention import PagedPlan
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.matmul import Linear
+from pdserve_worker.model.paged_attention import PagedPlan
 from pdserve_worker.model.quant import QuantizedTensor, dequantize, quantize, to_kind
 from pdserve_worker.model.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.weight_routes import groups as matrix_groups
-
 
 # Logits a quantized head recomputes in fp32 from the exact rows (see `LlamaModel.head`).
 REFINED_LOGITS = 16
@@ -555,7 +554,7 @@ class LlamaModel:
         """Attention of q `[B, T, heads, head_dim]` over each row's slot; returns `[B, T, heads * head_dim]`."""
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        batch, tokens = q.shape[0], q.shape[1]
+        tokens = q.shape[1]
         outs = []
         if plan.segments:  # packed prompts: each attends over its own slot
             for seg in plan.segments:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve_worker.kv.cache import torch_dtype
 from pdserve_common.logs import kv
+from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.convert import MARKER, converted_gguf, quantized_gguf
 from pdserve_worker.model.default_model import DEFAULT_MODEL_NAME, default_model_path, model_argument

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from pdserve_worker.model.gguf_format import QUANT_GROUP as GROUP
-from pdserve_worker.model.gguf_format import QUANTIZED_TYPES as GGUF_KINDS
 
 Kind = Literal["q4", "q8"]
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}

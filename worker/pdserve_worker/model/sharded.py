@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pdserve_worker.kv.cache import KVCache, torch_dtype
 from pdserve_common.kv_layout import KVLayout, shard_layers
+from pdserve_worker.kv.cache import KVCache, torch_dtype
 from pdserve_worker.model.llama import LlamaModel
 
 
@@ -114,7 +114,7 @@ class ShardedDecoder:
         self._hop = hop
 
     @classmethod
-    def local(cls, members: Sequence[ShardMember]) -> "ShardedDecoder":
+    def local(cls, members: Sequence[ShardMember]) -> ShardedDecoder:
         return cls(members[0].model, [m.cache.layout for m in members], local_hop(members))
 
     @torch.inference_mode()

@@ -55,15 +55,17 @@ class TokenizerError(ValueError):
 def _token_content(value: Any) -> str | None:
     """A special token in tokenizer_config.json is a string or {"content": ...}."""
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        content = value.get("content")
+        return None if content is None else str(content)
+    return None if value is None else str(value)
 
 
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -84,7 +86,7 @@ class IncrementalDetokenizer:
     concatenated equal `Tokenizer.decode` of all ids.
     """
 
-    def __init__(self, tokenizer: "Tokenizer", skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -136,7 +138,7 @@ class Tokenizer:
     # ---- construction --------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+    def from_dir(cls, path: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
         """From an HF folder: tokenizer.json, tokenizer_config.json, chat_template.jinja if present."""
         folder = Path(path)
         tok_file = folder / "tokenizer.json"
@@ -161,7 +163,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         """Rebuild the tokenizer a GGUF file describes (byte-level BPE, `tokenizer.ggml.model` gpt2)."""
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.gguf_format import QUANTIZED_TYPES as GGUF_KINDS
 from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk, read_gguf_metadata
-from pdserve_worker.model.quant import GGUF_KINDS, QuantizedTensor, from_gguf_blocks
+from pdserve_worker.model.quant import QuantizedTensor, from_gguf_blocks
 
 __all__ = ["GGUFCheckpoint", "gguf_to_hf_name", "permute_qk", "unpermute_qk", "read_gguf", "read_gguf_metadata",
            "read_gguf_quantized", "read_quantized_dir", "read_safetensors_dir", "safetensors_files"]

@@ -33,9 +33,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from pdserve_common.auth import TLSConfig, TokenTable, authorize
 from pdserve_worker.router.http_guard import HttpLimits
 from pdserve_worker.router.server import build_router_server
-from pdserve_common.auth import TLSConfig, TokenTable, authorize
 
 ADMIN_HOST = "127.0.0.1"
 

@@ -114,8 +114,8 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     import grpc
     import torch
 
-    from pdserve_worker.roles.serving import grpc_max_message
     from pdserve_common.channels import aio_server
+    from pdserve_worker.roles.serving import grpc_max_message
 
     stop = _stop_event()
     process = _Membership(settings)
@@ -177,8 +177,8 @@ class _Membership:
     registration, and the drain that /drain and the stop signal share."""
 
     def __init__(self, settings: WorkerSettings) -> None:
-        from pdserve_worker.broker_client import BrokerClient
         from pdserve_common.auth import TokenTable
+        from pdserve_worker.broker_client import BrokerClient
 
         self.settings = settings
         self.state = WorkerState(settings.role, settings.member_id)
@@ -240,8 +240,8 @@ class _Membership:
 
 async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
     """The model (a layer-sharded decode member loads only its share) and its revision."""
-    from pdserve_worker.model.loader import load_model
     from pdserve_worker.decode.shard import member_layers
+    from pdserve_worker.model.loader import load_model
 
     try:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
@@ -347,13 +347,13 @@ async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state
 
 
 async def _run_router(settings: WorkerSettings) -> None:
+    from pdserve_common.membership import MemberInfo, Role
     from pdserve_worker.broker_client import BrokerClient
     from pdserve_worker.model.config import ModelConfig
     from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
     from pdserve_worker.router.load import router_load
     from pdserve_worker.router.metrics import RouterMetrics
     from pdserve_worker.router.pd_backend import PDBackend, Timeouts
-    from pdserve_common.membership import MemberInfo, Role
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)

@@ -18,13 +18,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.kv.prefix_store import PrefixStore
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.router.backend import BackendError, RequestInfo, TokenEvent
-from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.router.tokenizing import ModelTokenizing
 
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)

@@ -49,18 +49,18 @@ from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
+from pdserve_common.logs import kv
+from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, Role
 from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
 from pdserve_worker.kv.slots import Grant
-from pdserve_common.logs import kv
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import Sampler
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
-from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, Role
 from pdserve_worker.roles.worker_metrics import WorkerMetrics
+from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend

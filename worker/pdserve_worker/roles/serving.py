@@ -14,13 +14,13 @@ from typing import Protocol
 
 import grpc
 
-from pdserve_worker.broker_client import BrokerClient
-from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.decode.worker import DecodeWorker
-from pdserve_worker.decode.shard import connect_group, group_max_message, is_follower, ShardFollower
-from pdserve_worker.roles.prefill import PrefillWorker
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.membership import Load, MemberInfo
+from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.decode.shard import ShardFollower, connect_group, group_max_message, is_follower
+from pdserve_worker.decode.worker import DecodeWorker
+from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.roles.prefill import PrefillWorker
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import TransferBackend
 

@@ -161,7 +161,7 @@ class State(str, Enum):
 class Ticket:
     """One request's passage through admission."""
 
-    tenant: "_TenantState"
+    tenant: _TenantState
     priority: int  # index into PRIORITIES
     prompt_tokens: int
     max_tokens: int

@@ -30,9 +30,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
-
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -43,12 +42,22 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from pdserve_worker import __version__
 from pdserve_common import tracing
 from pdserve_common.logs import kv
+from pdserve_worker import __version__
 from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.router.admission import AdmissionQueue, Rejected, State, Ticket
 from pdserve_worker.router.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
+from pdserve_worker.router.errors import (
+    ApiError,
+    from_backend_error,
+    from_rejection,
+    from_validation_errors,
+    unauthorized,
+)
 from pdserve_worker.router.generation import Delta, Generation
+from pdserve_worker.router.keys import ANONYMOUS, PRIORITIES, KeyFile, KeyStore, Tenant, TenantLimits, bearer_key
+from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.openai_api import (
     ChatCompletionRequest,
     ChatResponseFormat,
@@ -57,16 +66,6 @@ from pdserve_worker.router.openai_api import (
     Usage,
     error_body,
 )
-from pdserve_worker.router.admission import AdmissionQueue, Rejected, State, Ticket
-from pdserve_worker.router.errors import (
-    ApiError,
-    from_backend_error,
-    from_rejection,
-    from_validation_errors,
-    unauthorized,
-)
-from pdserve_worker.router.keys import ANONYMOUS, PRIORITIES, KeyFile, KeyStore, Tenant, TenantLimits, bearer_key
-from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.tokenizing import (
     DEFAULT_MAX_TOKEN_CHARS,
     TOKENIZE_QUEUE,

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 
@@ -86,7 +86,7 @@ class Backend(Protocol):
         """Token ids of a raw completion prompt (with BOS if the model wants one)."""
         ...
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a conversation after the model's chat template, ready for the reply."""
         ...
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic_core import ErrorDetails
 
+from pdserve_worker.router.admission import Rejected
 from pdserve_worker.router.backend import (
     BackendError,
     BackendUnavailable,
@@ -23,7 +24,6 @@ from pdserve_worker.router.backend import (
     RequestTimeout,
 )
 from pdserve_worker.router.openai_api import error_body
-from pdserve_worker.router.admission import Rejected
 
 
 @dataclass

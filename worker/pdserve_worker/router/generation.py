@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve_common import tracing
 from pdserve_common.logs import kv

@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -66,7 +67,7 @@ class TenantLimits(BaseModel):
     max_priority: Priority = Field("high", alias="maxPriority")
     weight: float = Field(1.0, gt=0, le=1000)
 
-    def per_replica(self, replicas: int) -> "TenantLimits":
+    def per_replica(self, replicas: int) -> TenantLimits:
         """This router's share when `replicas` routers serve the tenant: each enforces 1/N of the
         rates and of the concurrency, rounded up (docs/admission.md, "Several routers")."""
         if replicas <= 1:
@@ -107,7 +108,7 @@ class _KeysFile(BaseModel):
     tenants: list[_TenantEntry] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _unique(self) -> "_KeysFile":
+    def _unique(self) -> _KeysFile:
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
@@ -145,7 +146,7 @@ class KeyStore:
         self._by_digest = {d: (d, t) for d, t in digests.items()}
 
     @classmethod
-    def parse(cls, text: str, source: str = "keys file") -> "KeyStore":
+    def parse(cls, text: str, source: str = "keys file") -> KeyStore:
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -205,7 +206,8 @@ def bearer_key(authorization: str | None) -> str | None:
 class KeyFile:
     """The keys file at `path`, re-read when it changes (checked at most every `reload_interval_s`)."""
 
-    def __init__(self, path: str | Path, reload_interval_s: float = 1.0, clock=time.monotonic) -> None:
+    def __init__(self, path: str | Path, reload_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = Path(path)
         self.reload_interval_s = reload_interval_s
         self._clock = clock

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import Counter, Histogram as PromHistogram
+from prometheus_client import Counter
+from prometheus_client import Histogram as PromHistogram
 
-from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_common.membership import Histogram, Load, RouterLoad
+from pdserve_worker.router.metrics import RouterMetrics
 
 
 def _counter_total(counter: Counter) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -17,6 +18,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from pdserve_worker.router.backend import RequestInfo
+from pdserve_worker.router.keys import Priority
 
 _PREFIX = "pdserve_router"
 
@@ -211,11 +213,10 @@ class RouterMetrics:
 
     # --- what the admission queue calls (router.admission.Observer) ------------------------
 
-    def watch_admission(self, waiting: Callable[[str], int], priorities: Iterable[str]) -> None:
+    def watch_admission(self, waiting: Callable[[Priority], int], priorities: Iterable[Priority]) -> None:
         """Read the queue's length per class at each scrape (nothing to keep in sync)."""
         for priority in priorities:
-            self.admission_queue_length.labels(priority=priority).set_function(
-                lambda p=priority: waiting(p))
+            self.admission_queue_length.labels(priority=priority).set_function(partial(waiting, priority))
 
     def observe_admission_rejected(self, reason: str) -> None:
         self.admission_rejected.labels(reason=reason).inc()

@@ -31,15 +31,20 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any, cast
 
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
-from pdserve_worker.broker_client import BrokerClient, MembershipView
+from pdserve_common.auth import TLSConfig
+from pdserve_common.channels import aio_channel
 from pdserve_common.logs import kv
+from pdserve_common.membership import EventType, Member, MemberEvent, Role
+from pdserve_worker.broker_client import BrokerClient, MembershipView
+from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.backend import (
@@ -52,16 +57,12 @@ from pdserve_worker.router.backend import (
     TokenEvent,
     capacity_held,
 )
-from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt
+from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
-from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.tokenizing import ModelTokenizing
-from pdserve_common.auth import TLSConfig
-from pdserve_common.channels import aio_channel
 from pdserve_worker.rpc.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
-from pdserve_common.membership import EventType, Member, MemberEvent, Role
 
 log = logging.getLogger("pdserve.router.pd")
 
@@ -358,8 +359,8 @@ class PDBackend(ModelTokenizing):
                     call.cancel()  # a committed slot is freed by the decode once its request leaves the batch
                 self._spawn(self._give_back(decode, grant, request_id, prefill, prefill_call))
 
-    async def _next_event(self, call, prefill_call: asyncio.Future, prefill_id: str, decode_id: str,
-                          lost: asyncio.Event):
+    async def _next_event(self, call: Any, prefill_call: asyncio.Future[worker_pb2.PrefillReply], prefill_id: str,
+                          decode_id: str, lost: asyncio.Event) -> worker_pb2.TokenEvent:
         """The decode's next event; if the prefill fails first, its error (the decode would wait in
         vain); if the decode is found lost first, a retryable failure (its stream may never end)."""
         read = asyncio.ensure_future(call.read())
@@ -379,9 +380,10 @@ class PDBackend(ModelTokenizing):
         event = await read
         if event is grpc.aio.EOF:
             raise _Retryable(decode_id, BackendError(f"decode {decode_id} ended the stream without a finish reason"))
-        return event
+        return cast(worker_pb2.TokenEvent, event)
 
-    async def _prefill_reply(self, prefill_call: asyncio.Future, prefill_id: str) -> worker_pb2.PrefillReply:
+    async def _prefill_reply(self, prefill_call: asyncio.Future[worker_pb2.PrefillReply],
+                             prefill_id: str) -> worker_pb2.PrefillReply:
         try:
             return await prefill_call
         except grpc.aio.AioRpcError as exc:
@@ -502,8 +504,8 @@ class PDBackend(ModelTokenizing):
                 return False
         if prefill_call.cancelled():
             return False
-        exc = prefill_call.exception()
-        return exc is None or (isinstance(exc, grpc.aio.AioRpcError) and push_settled(exc))
+        error = prefill_call.exception()
+        return error is None or (isinstance(error, grpc.aio.AioRpcError) and push_settled(error))
 
     async def _release(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None:
         """worker.proto's Release; None when it could not be delivered (the lease then lapses)."""
@@ -515,7 +517,7 @@ class PDBackend(ModelTokenizing):
         except grpc.aio.AioRpcError as exc:  # the lease lapses on its own: logged, not fatal
             log.warning(kv(event="release_failed", decode=decode.worker_id, slot=grant.slot, code=exc.code().name))
             return None
-        return reply.released
+        return bool(reply.released)
 
     def _channel(self, member: Member) -> grpc.aio.Channel:
         endpoint = member.info.grpc_endpoint
@@ -524,7 +526,7 @@ class PDBackend(ModelTokenizing):
             channel = self._channels[endpoint] = aio_channel(endpoint, self._token, self._tls)
         return channel
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

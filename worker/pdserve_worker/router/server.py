@@ -9,13 +9,11 @@ is left, which closes the backends' generators and frees their slots.
 
 from __future__ import annotations
 
-
 import uvicorn
 from starlette.types import ASGIApp
 
-from pdserve_worker.router.http_guard import HttpLimits, guarded_h11
 from pdserve_common.auth import TLSConfig
-
+from pdserve_worker.router.http_guard import HttpLimits, guarded_h11
 
 DEFAULT_GRACE_S = 30.0
 

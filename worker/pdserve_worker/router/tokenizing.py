@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import jinja2
@@ -41,7 +41,7 @@ class ModelTokenizing:
     def tokenize_prompt(self, prompt: str) -> list[int]:
         return self._tokenizer.encode(prompt)
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         try:
             return self._tokenizer.encode_chat(messages)
         except (jinja2.TemplateError, TokenizerError) as exc:

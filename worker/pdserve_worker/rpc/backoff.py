@@ -26,4 +26,4 @@ class Backoff:
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         ceiling = min(self.cap_s, self.base_s * 2 ** min(attempt, 62))
-        return ceiling / 2 + (rng or random).uniform(0, ceiling / 2)
+        return float(ceiling / 2 + (rng or random).uniform(0, ceiling / 2))

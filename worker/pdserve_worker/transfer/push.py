@@ -30,12 +30,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve_common.block_layout import push_descriptors
-from pdserve_common.kv_layout import K, V, KVLayout
-from pdserve_worker.kv.slots import Grant
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_common.logs import kv
+from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.engine import TransferBackend, TransferError
 from pdserve_worker.transfer.hixl_api import MAX_NOTIFY_FIELD, status_name
 

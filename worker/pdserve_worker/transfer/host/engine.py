@@ -84,18 +84,18 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.host.link import CopyStep, Link, Request
-from pdserve_worker.transfer.host.server import HostServer, ServerPolicy
-from pdserve_worker.transfer.leases import LeaseTable
-from pdserve_worker.transfer.host.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.host.netio import parse_engine_id
+from pdserve_worker.transfer.host.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.host.regions import Region, RegionTable
+from pdserve_worker.transfer.host.server import HostServer, ServerPolicy
 from pdserve_worker.transfer.host.shm import ShmSegment
+from pdserve_worker.transfer.leases import LeaseTable
 
 log = logging.getLogger("pdserve.transfer.host_engine")
 
@@ -133,7 +133,7 @@ class HostEngineOptions:
     handshake_timeout_ms: int = 5000
 
     @classmethod
-    def parse(cls, options: dict[str, str]) -> "HostEngineOptions":
+    def parse(cls, options: dict[str, str]) -> HostEngineOptions:
         def positive(key: str, default: int, minimum: int = 1) -> int:
             raw = options.get(key)
             if raw is None:
@@ -186,23 +186,24 @@ class HostEngineOptions:
         )
 
 
-T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _never_raises(failed: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+def _never_raises(failed: Callable[[], Any]) -> Callable[[F], F]:
     """The binding's contract: status codes, never exceptions. A bug becomes `failed()` (a
-    FAILED status, fresh each time) plus a log line with the traceback."""
+    FAILED status, fresh each time, of the wrapped call's return type) plus a log line with
+    the traceback."""
 
-    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+    def wrap(fn: F) -> F:
         @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> T:
+        def inner(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
                 log.exception(kv(event="engine_call_failed", call=fn.__name__, error=repr(exc)))
                 return failed()
 
-        return inner
+        return cast(F, inner)
 
     return wrap
 
@@ -451,6 +452,7 @@ class Hixl:
         except OSError as exc:
             log.warning(kv(event="connect_failed", remote=remote_engine, error=exc))
             return api.FAILED
+        stale: Link | None
         with self._lock:
             old = self._links.get(remote_engine)
             if old is not None and not old.closed:  # a concurrent connect won
@@ -761,8 +763,8 @@ class Hixl:
         if not self._initialized or self._notifies is None:
             return api.FAILED, []
         items = self._notifies.wait_drain(timeout_s)
-        if not self._initialized:
-            return api.FAILED, items
+        if not self._initialized:  # finalize() ran on another thread meanwhile
+            return api.FAILED, items  # type: ignore[unreachable]
         return (api.SUCCESS, items) if items else (api.TIMEOUT, [])
 
     # ---- write leases (host engine only) -------------------------------------------------------------

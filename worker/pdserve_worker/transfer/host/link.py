@@ -131,7 +131,7 @@ class Link:
         allow_shm: bool,
         inline_send_max_bytes: int,
         key: bytes | None = None,
-    ) -> "Link":
+    ) -> Link:
         """Connect (retrying while the server is not up yet), authenticate, map shared regions.
 
         With `key` the server must prove it holds the same key before we use anything it
@@ -147,14 +147,18 @@ class Link:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             hello = _handshake(sock, local_engine, remote_engine, key)
             sock.settimeout(None)
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
             raise TimeoutError(f"{remote_engine} accepted but did not finish the handshake in time") from None
         except BaseException:
             sock.close()
             raise
         reader, body = hello
-        regions = [Region.from_wire(r) for r in body.get("regions", [])]  # type: ignore[union-attr]
+        listed = body.get("regions", [])
+        if not isinstance(listed, list):
+            sock.close()
+            raise ConnectionError(f"{remote_engine} sent regions that are not a list: {type(listed).__name__}")
+        regions = [Region.from_wire(r) for r in listed]
         mappings: dict[str, ShmSegment] = {}
         inbox: socket.socket | None = None
         if allow_shm and body.get("host") == link_auth.host_tag():
@@ -420,7 +424,7 @@ def _connect_until(host: str, port: int, deadline: float) -> socket.socket:
             raise TimeoutError(f"no engine answered at {host}:{port} ({last or 'timed out'})")
         try:
             return socket.create_connection((host, port), timeout=remaining)
-        except (ConnectionRefusedError, socket.timeout) as exc:
+        except (TimeoutError, ConnectionRefusedError) as exc:
             last = exc
             time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
 

@@ -36,10 +36,9 @@ import struct
 import threading
 import time
 
-from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.host import wire
 from pdserve_worker.transfer.drops import DropCounter
+from pdserve_worker.transfer.host import wire
 
 log = logging.getLogger("pdserve.transfer.notify_inbox")
 
@@ -158,7 +157,7 @@ def _sender_uid(ancdata: list[tuple[int, int, bytes]]) -> int | None:
     """The uid the kernel attached to a datagram (SCM_CREDENTIALS), None if there is none."""
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= UCRED.size:
-            return UCRED.unpack_from(payload)[1]
+            return int(UCRED.unpack_from(payload)[1])
     return None
 
 

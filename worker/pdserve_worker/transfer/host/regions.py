@@ -38,7 +38,7 @@ class Region:
         return data
 
     @classmethod
-    def from_wire(cls, data: dict[str, object]) -> "Region":
+    def from_wire(cls, data: dict[str, object]) -> Region:
         return cls(**{k: v for k, v in data.items() if k != "end"})  # type: ignore[arg-type]
 
 

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.drops import DropCounter
-from pdserve_worker.transfer.leases import LeaseTable
+from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.host.netio import sendmsg_all
 from pdserve_worker.transfer.host.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.host.regions import Region, RegionTable
+from pdserve_worker.transfer.leases import LeaseTable
 
 log = logging.getLogger("pdserve.transfer.host_server")
 
@@ -176,7 +176,7 @@ class HostServer:
             reader.deadline = time.monotonic() + self.policy.handshake_timeout_s
             try:
                 client, snapshot = self._handshake(conn, reader)
-            except socket.timeout:
+            except TimeoutError:
                 self.drops.count("handshake_timeout", peer=peer)
                 return
             except link_auth.AuthError:

@@ -64,7 +64,7 @@ class ShmSegment:
         self.bytes = memoryview(self._view).cast("B")  # for copies cheaper than a ctypes call
 
     @classmethod
-    def create(cls, size: int, populate: bool = True) -> "ShmSegment":
+    def create(cls, size: int, populate: bool = True) -> ShmSegment:
         """A new zero-filled segment. `populate` faults every page in now (like device memory,
         it is then resident), so the first transfer into it does not pay for page faults."""
         if size <= 0:
@@ -83,7 +83,7 @@ class ShmSegment:
         return cls(name, size, mapping, owner=True, lock_fd=fd)
 
     @classmethod
-    def attach(cls, name: str, size: int, populate: bool = True) -> "ShmSegment":
+    def attach(cls, name: str, size: int, populate: bool = True) -> ShmSegment:
         """Map a peer's segment. Raises OSError when it is not visible here (another host or
         pod) and ValueError when the file there is not the size the peer announced."""
         if not name.startswith(NAME_PREFIX) or "/" in name:
@@ -124,7 +124,7 @@ class ShmSegment:
 
 def reap_orphans() -> list[str]:
     """Unlink pdserve segments whose owner is gone (nobody holds their flock). Returns names."""
-    reaped = []
+    reaped: list[str] = []
     try:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(NAME_PREFIX)]
     except OSError:

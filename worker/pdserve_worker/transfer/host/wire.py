@@ -121,7 +121,7 @@ class FrameReader:
             if self.deadline is not None:
                 left = self.deadline - time.monotonic()
                 if left <= 0:
-                    raise socket.timeout("handshake deadline passed")
+                    raise TimeoutError("handshake deadline passed")
                 self._sock.settimeout(left)
             k = self._sock.recv_into(self._view[self._end :])
             if k == 0:
