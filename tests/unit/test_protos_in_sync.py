@@ -29,6 +29,6 @@ def test_generated_modules_import_under_the_package_name() -> None:
         "Register", "KeepAlive", "Watch", "SetDraining", "Deregister", "ListMembers"
     }
     assert {m.name for m in worker_pb2.DESCRIPTOR.services_by_name["Decode"].methods} == {
-        "Reserve", "Generate", "Release", "Status"
+        "Reserve", "Generate", "Release", "Status", "Migrate"
     }
     assert hasattr(broker_pb2_grpc, "BrokerStub") and hasattr(worker_pb2_grpc, "PrefillStub")

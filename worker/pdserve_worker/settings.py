@@ -33,6 +33,10 @@ TRANSFER_PORT_ENV = "PDSERVE_TRANSFER_PORT"  # the transfer engine's port (engin
 TRANSFER_PORT = 50052
 THREADS = "PDSERVE_THREADS"  # torch CPU threads; 0 = the CPUs this process may use
 READINESS_TIMEOUT_MS = "PDSERVE_READINESS_TIMEOUT_MS"  # decode: how long Generate waits for the KV
+# decode: what a drain does with requests in flight: migrate (push their KV to another decode),
+# resume (end their streams at once: the router re-prefills them elsewhere), wait (let them finish)
+DRAIN_MODE = "PDSERVE_DRAIN_MODE"
+MIGRATE_WAIT_S = "PDSERVE_MIGRATE_WAIT_SECONDS"  # decode: how long a handed-over request waits for its Migrate
 LEASE_MS = "PDSERVE_LEASE_MS"  # router: lease of a reserved slot until Generate claims it
 REQUEST_TIMEOUT_S = "PDSERVE_REQUEST_TIMEOUT_SECONDS"  # router: deadline of one Prefill call
 GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight may finish on SIGTERM
@@ -101,6 +105,8 @@ class WorkerSettings(BaseSettings):
     warmup: bool = Field(True, validation_alias=E.WARMUP)
     layer_shards: int = Field(1, ge=1, validation_alias=E.LAYER_SHARDS)
     drain_timeout_seconds: float = Field(60.0, ge=0, validation_alias=E.DRAIN_TIMEOUT_SECONDS)
+    drain_mode: Literal["migrate", "resume", "wait"] = Field("migrate", validation_alias=DRAIN_MODE)
+    migrate_wait_seconds: float = Field(10.0, gt=0, validation_alias=MIGRATE_WAIT_S)
     decode_service: str = Field("", validation_alias=E.DECODE_SERVICE)
     shard_index: int | None = Field(None, ge=0, validation_alias=SHARD_INDEX)
     group_peers: str = Field("", validation_alias=GROUP_PEERS)

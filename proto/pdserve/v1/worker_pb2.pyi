@@ -60,7 +60,7 @@ class Grant(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., group_grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., nonce: _Optional[bytes] = ..., blocks: _Optional[_Iterable[int]] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated")
+    __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated", "migrated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     READINESS_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
     generation: int
@@ -75,10 +76,11 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     readiness_timeout_ms: int
     num_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., readiness_timeout_ms: _Optional[int] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    migrated: bool
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., readiness_timeout_ms: _Optional[int] = ..., num_generated: _Optional[int] = ..., migrated: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("index", "token_id", "text", "finish_reason", "stop", "kv_bytes_received", "kv_pushed", "ready_wait_s", "num_prompt_tokens")
+    __slots__ = ("index", "token_id", "text", "finish_reason", "stop", "kv_bytes_received", "kv_pushed", "ready_wait_s", "num_prompt_tokens", "handover")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class TokenEvent(_message.Message):
     KV_PUSHED_FIELD_NUMBER: _ClassVar[int]
     READY_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_id: int
     text: str
@@ -97,7 +100,40 @@ class TokenEvent(_message.Message):
     kv_pushed: bool
     ready_wait_s: float
     num_prompt_tokens: int
-    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., kv_bytes_received: _Optional[int] = ..., kv_pushed: _Optional[bool] = ..., ready_wait_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    handover: Handover
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., kv_bytes_received: _Optional[int] = ..., kv_pushed: _Optional[bool] = ..., ready_wait_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ...) -> None: ...
+
+class Handover(_message.Message):
+    __slots__ = ("num_generated", "seed", "kv_tokens")
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_generated: int
+    seed: int
+    kv_tokens: int
+    def __init__(self, num_generated: _Optional[int] = ..., seed: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id", "slot", "generation", "targets")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    slot: int
+    generation: int
+    targets: _containers.RepeatedCompositeFieldContainer[Grant]
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ...) -> None: ...
+
+class MigrateReply(_message.Message):
+    __slots__ = ("num_tokens", "kv_bytes", "push_seconds")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    kv_bytes: int
+    push_seconds: float
+    def __init__(self, num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "slot", "generation", "push_settled")

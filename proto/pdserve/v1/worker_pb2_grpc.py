@@ -55,6 +55,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeStatus.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/pdserve.v1.Decode/Migrate',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.MigrateReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -98,6 +103,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Push the KV of a request this decode handed over (its stream ended with `handover`) into
+        the grant(s) of another decode, then notify them. The source's KV of the request is freed
+        when the call ends, however it ends. FAILED_PRECONDITION: (slot, generation) is not a
+        request handed over here (or its Migrate already ran); INVALID_ARGUMENT: unusable
+        targets; UNAVAILABLE: a put or the notify failed. Errors carry `pdserve-push-settled`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +136,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeStatus.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.MigrateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.MigrateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +252,33 @@ class Decode:
             '/pdserve.v1.Decode/Status',
             pdserve_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Migrate',
+            pdserve_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.MigrateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_common.logs import kv
-from pdserve_worker.model.generate import Generator, StepOutput
+from pdserve_worker.model.generate import Detached, Generator, StepOutput
 from pdserve_worker.model.sampling_params import SamplingParams
 
 log = logging.getLogger("pdserve.generation_loop")
@@ -79,7 +79,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._ended = True
             raise item
-        if item.finished:
+        if isinstance(item, Parked) or item.finished:
             self._ended = True
         return item
 
@@ -106,6 +106,23 @@ class _Cancel:
     internal_id: str
 
 
+# (what was detached, the request's on_done) -> the handoff that now owns the request's slot.
+Park = Callable[[Detached, Callable[[], None]], Any]
+
+
+@dataclass
+class _ParkAll:
+    park: Park
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A stream's last item when its request was parked for a migration (decode/migration.py):
+    `handoff` (what `park` returned) now frees the slot, not the loop."""
+
+    handoff: Any
+
+
 @dataclass
 class LoopStats:
     steps: int = 0
@@ -122,6 +139,7 @@ class GenerationLoop:
         self._prefill = prefill
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._entries: dict[str, _Entry] = {}
+        self._parked: dict[str, Any] = {}  # internal id -> its handoff (released on cancel or stop)
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = threading.Event()
@@ -179,8 +197,15 @@ class GenerationLoop:
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
-        """Stop a request early (the client went away); its `on_done` runs on the loop."""
+        """Stop a request early (the client went away); its `on_done` runs on the loop (a parked
+        request's handoff is released instead)."""
         self._commands.put(_Cancel(stream.request_id))
+
+    def park_all(self, park: Park) -> None:
+        """After the current step, take every running request out of the batch (a draining
+        decode migrates them): `park(detached, on_done)` makes each one's handoff, which its
+        stream receives as its last item (`Parked`) and which frees its slot from then on."""
+        self._commands.put(_ParkAll(park))
 
     # ---- the scheduler thread -----------------------------------------------------------------
 
@@ -189,6 +214,9 @@ class GenerationLoop:
             self._apply_commands(block=not self._gen.has_work())
             if self._stopping.is_set():
                 self._fail_all(RequestFailed("the generation loop stopped"))
+                for handoff in self._parked.values():
+                    handoff.release()
+                self._parked.clear()
                 return
             if not self._gen.has_work():
                 continue
@@ -215,6 +243,8 @@ class GenerationLoop:
                 self._add(command)
             elif isinstance(command, _Cancel):
                 self._cancel(command.internal_id)
+            elif isinstance(command, _ParkAll):
+                self._park_all(command.park)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -239,10 +269,31 @@ class GenerationLoop:
         self._dispatch([output])
 
     def _cancel(self, internal_id: str) -> None:
+        handoff = self._parked.pop(internal_id, None)
+        if handoff is not None:
+            handoff.release()  # idempotent: a Migrate may have released it already
+            return
         if internal_id not in self._entries:
             return  # finished meanwhile
         self._gen.abort(internal_id)
         self._end(internal_id, _END)
+
+    def _park_all(self, park: Park) -> None:
+        self._parked = {i: h for i, h in self._parked.items() if not h.settled}
+        for internal_id in list(self._entries):
+            detached = self._gen.detach(internal_id)
+            if detached is None:
+                continue
+            entry = self._entries.pop(internal_id)
+            try:
+                handoff = park(detached, entry.on_done)
+            except Exception as exc:  # never lose the slot: end the request the usual way
+                log.exception(kv(event="park_failed", request=internal_id))
+                self._entries[internal_id] = entry
+                self._end(internal_id, RequestFailed(f"could not hand the request over: {exc}"))
+                continue
+            self._parked[internal_id] = handoff
+            entry.stream._put(Parked(handoff))
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:

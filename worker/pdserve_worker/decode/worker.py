@@ -22,8 +22,11 @@ stream's text never contains a stop string and ends with FINISH_REASON_STOP, so 
 generation ends, and the slot is freed, the moment it matched.
 
 Draining (`drain()`, the pod's preStop `GET /drain`): no new grants (Reserve answers
-UNAVAILABLE), the broker marks the member draining so routers look elsewhere, requests in
-flight run to the end (or the drain timeout), then the caller deregisters.
+UNAVAILABLE), the broker marks the member draining so routers look elsewhere, then requests
+in flight are handed over (`drain_mode` migrate, the default: decode/migration.py; their KV is
+pushed to another decode the router reserved and they go on there, no prefill involved), or
+ended at once for the router to resume (resume), or run to the end (wait, and always for a
+layer-sharded group), up to the drain timeout; then the caller deregisters.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import grpc
@@ -44,7 +47,7 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.broker_client import BrokerClient
-from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed, RequestStream
+from pdserve_worker.decode.generation_loop import GenerationLoop, Parked, RequestFailed, RequestStream
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
@@ -54,11 +57,27 @@ from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason
+from pdserve_worker.decode.migration import (
+    MIGRATED,
+    Handoff,
+    HandoffBook,
+    HandoffUnavailable,
+    MigrationMetrics,
+    MigrationResult,
+    push_handoff,
+)
 from pdserve_worker.roles.worker_metrics import WorkerMetrics
-from pdserve_worker.rpc.convert import finish_reason_to_proto, grant_to_proto, sampling_from_proto
+from pdserve_worker.rpc.convert import (
+    finish_reason_to_proto,
+    grant_to_proto,
+    push_targets_from_proto,
+    sampling_from_proto,
+)
+from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.settings import WorkerSettings
-from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.engine import TransferBackend, TransferError
 from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases
+from pdserve_worker.transfer.push import PushError, PushSource
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
 from pdserve_worker.transfer.service_link import capability_key
 
@@ -85,6 +104,7 @@ class Ready:
     num_tokens: int
     first_token: int
     wait_s: float
+    message: dict[str, Any] = field(default_factory=dict)  # the whole notify (a migration's state)
 
 
 class GroupHooks(Protocol):
@@ -175,6 +195,10 @@ class DecodeWorker:
         self.metrics.watch_decode(lambda: layout.num_slots - self.slot_usage().free, layout.num_slots,
                                   lambda: self.loop.active, lambda: self.loop.stats,
                                   kv_tokens=self.kv_tokens)
+        # Requests handed over while draining (decode/migration.py), and the one thread that pushes them.
+        self.handoffs = HandoffBook()
+        self.migration_metrics = MigrationMetrics(self.metrics.registry)
+        self._migrations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-migrate")
 
     # ---- what a paged pool adds to the request road (kv/blocks.py) --------------------------------
 
@@ -206,6 +230,20 @@ class DecodeWorker:
         """Every member's grant of a layer-sharded group's slot; none for an unsharded decode."""
         return [] if self.group is None else self.group.grants(grant)
 
+    @property
+    def supports_migration(self) -> bool:
+        """Whether this decode can hand its requests over when draining (a layer-sharded group
+        cannot: its KV is spread over its members, decode/migration.py)."""
+        return self.group is None
+
+    def push_handoff(self, handoff: Handoff, targets: list[Grant]) -> MigrationResult:
+        """Push a handed-over request's KV from this pool into `targets` (blocking)."""
+        source = PushSource(self.pool.base_addr, self.layout, handoff.slot)
+        blocks = self.slots.blocks_of(handoff.slot) if isinstance(self.slots, BlockTable) else ()
+        return push_handoff(self.backend, source, blocks, handoff, targets,
+                            layers_per_chunk=self.settings.layers_per_chunk,
+                            timeout_s=self.settings.transfer_timeout_ms / 1000)
+
     # ---- the ServingRole of a decode process (roles/serving.py) --------------------------------
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -228,6 +266,8 @@ class DecodeWorker:
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.loop.stop()
+        self.handoffs.release_all()
+        self._migrations.shutdown(wait=True)  # a push reading the pool ends before it is deregistered
         self._waiters.shutdown(wait=False, cancel_futures=True)
         self.pool.deregister()
         if self.group is not None:
@@ -238,11 +278,16 @@ class DecodeWorker:
 
     async def drain(self, timeout_s: float) -> bool:
         """Take no new slots; wait until every slot is free or `timeout_s` passed. True if drained."""
+        mode = self.settings.drain_mode if self.supports_migration else "wait"
         if not self.draining:
-            log.info(kv(event="decode_draining", busy=self.busy(), timeout_s=timeout_s))
+            log.info(kv(event="decode_draining", busy=self.busy(), timeout_s=timeout_s, mode=mode))
         self.draining = True
         deadline = time.monotonic() + timeout_s
         while self.busy() and time.monotonic() < deadline:
+            if mode != "wait":
+                # Again each turn: a request whose KV arrives after the drain began joins the
+                # batch and is handed over at the next one.
+                self.loop.park_all(Handoff)
             await asyncio.sleep(0.05)
         drained = self.busy() == 0
         log.info(kv(event="decode_drained" if drained else "decode_drain_timeout", busy=self.busy()))
@@ -336,7 +381,7 @@ class DecodeWorker:
                                     f"first_token): leader {(num_tokens, first_token)}, followers {answers}")
         waited = time.monotonic() - started
         self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
-        return Ready(num_tokens, first_token, waited)
+        return Ready(num_tokens, first_token, waited, message)
 
 
 def paged_layout(layout: KVLayout, block_tokens: int, kv_tokens: int) -> KVLayout:
@@ -348,6 +393,21 @@ def paged_layout(layout: KVLayout, block_tokens: int, kv_tokens: int) -> KVLayou
     if tokens < block_tokens:
         raise ValueError(f"kv_tokens ({tokens}) holds not one block of {block_tokens} tokens")
     return replace(layout, block_tokens=block_tokens, num_blocks=tokens // block_tokens)
+
+
+def migration_mismatch(ready: Ready, prompt: list[int], num_generated: int, seed: int | None) -> str | None:
+    """Why a migration's ready notify does not fit the request the router described (None: it
+    fits): the source's state must be exactly the stream the router spliced, or the text would
+    fork."""
+    m = ready.message
+    if not m.get(MIGRATED):
+        return "a prefill's KV came for a migrated request"
+    if ready.num_tokens != len(prompt) - 1 or ready.first_token != prompt[-1]:
+        return (f"the source pushed {ready.num_tokens} tokens of KV ending before token {ready.first_token}, "
+                f"the request has {len(prompt)} tokens ending with {prompt[-1]}")
+    if m.get("num_generated") != num_generated or m.get("seed") != seed:
+        return "the source's generation state (tokens generated, seed) differs from the request's"
+    return None
 
 
 def transfer_refusals(backend: TransferBackend) -> int:
@@ -396,6 +456,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{where}: num_generated ({resumed}) must be below the {len(prompt)} tokens of "
                                 "prompt_token_ids (the prompt, then the tokens already streamed)")
+        if request.migrated and resumed < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{where}: a migrated request has streamed tokens (num_generated >= 1), got 0")
         try:
             params = sampling_from_proto(request.sampling)
         except ValidationError as exc:
@@ -429,24 +492,42 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.ABORTED, f"{where}: {exc}")
             except MemberUnavailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: {exc}")
-            if ready.num_tokens != len(prompt):
-                await context.abort(
-                    grpc.StatusCode.ABORTED,
-                    f"{where}: prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}",
-                )
+            problem = migration_mismatch(ready, prompt, resumed, params.seed) if request.migrated else (
+                "a migration's KV came for a prefilled request" if ready.message.get(MIGRATED) else
+                None if ready.num_tokens == len(prompt) else
+                f"prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}")
+            if problem is not None:
+                await context.abort(grpc.StatusCode.ABORTED, f"{where}: {problem}")
             if not w.slots.commit(slot, generation):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
             w.adopt(slot, generation)
+            # A migrated request: its KV lacks the last streamed token, which joins the batch as
+            # the "first" token (its output, already streamed by the source, is not sent again).
+            kv_ids, first, replayed = ((prompt[:-1], prompt[-1], resumed - 1) if request.migrated
+                                       else (prompt, ready.first_token, resumed))
+            if request.migrated:
+                w.migration_metrics.received.inc()
             # From here the loop owns the slot and frees it when the request leaves the batch.
             stream = w.loop.submit(
-                request.request_id, prompt, slot, params, lambda: w.finished(slot, generation),
-                first_token=ready.first_token, num_generated=resumed,
+                request.request_id, kv_ids, slot, params, lambda: w.finished(slot, generation),
+                first_token=first, num_generated=replayed,
             )
-            index = resumed  # a resumed stream goes on at the index where the broken one stopped
+            index = replayed  # a resumed stream goes on at the index where the broken one stopped
             async for out in stream:
+                if isinstance(out, Parked):  # this decode is draining: hand the request over
+                    trace.set_attribute("pdserve.handed_over", True)
+                    yield await self._handover_event(out.handoff, generation, index, context, where)
+                    await self._await_migrate(out.handoff, context, where)
+                    return
                 last_step_ns = tracing.now_ns()
                 first_step_ns = first_step_ns or last_step_ns
                 steps += 1
+                if index < resumed:  # (a migrated request's last streamed token, replayed)
+                    if out.finished or out.token_id != first:
+                        await context.abort(grpc.StatusCode.ABORTED,
+                                            f"{where}: the migrated state does not replay to its last token")
+                    index += 1
+                    continue
                 event = worker_pb2.TokenEvent(index=index, text=out.text)
                 if out.token_id is not None:
                     event.token_id = out.token_id
@@ -483,6 +564,73 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 w.slots.release(slot, generation)  # never committed: quarantined (a push may be in flight)
             elif not finished:
                 w.loop.cancel(stream)  # the loop frees the slot once the request is out of the batch
+
+    async def _handover_event(self, handoff: Handoff, generation: int, index: int,
+                              context: grpc.aio.ServicerContext, where: str) -> worker_pb2.TokenEvent:
+        """The request was parked for a migration: the event that tells the router (`handover`),
+        after the handoff is filed for the router's Migrate (drain mode resume: an error instead)."""
+        w = self.w
+        d = handoff.detached
+        if index != len(d.output_ids):  # the stream and the generator disagree: never splice on that
+            handoff.release()
+            await context.abort(grpc.StatusCode.INTERNAL, f"{where}: parked after {len(d.output_ids)} tokens, "
+                                                          f"streamed {index}")
+        if w.settings.drain_mode == "resume":
+            handoff.release()
+            w.migration_metrics.observe(handoff)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: decode {w.settings.member_id} is draining: "
+                                                             "resume the request elsewhere")
+        w.handoffs.add(handoff, generation)
+        return worker_pb2.TokenEvent(index=index, handover=worker_pb2.Handover(
+            num_generated=len(d.output_ids), seed=d.seed, kv_tokens=d.kv_tokens))
+
+    async def _await_migrate(self, handoff: Handoff, context: grpc.aio.ServicerContext, where: str) -> None:
+        """Keep the KV until the router's Migrate pushed it or `migrate_wait_seconds` passed; then
+        the handoff is released (a no-op after a Migrate) and the stream ends."""
+        w = self.w
+        deadline = time.monotonic() + w.settings.migrate_wait_seconds
+        while not handoff.settled and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if handoff.state == Handoff.PARKED:
+            handoff.release()
+            w.migration_metrics.observe(handoff)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{where}: handed over, but no Migrate came within {w.settings.migrate_wait_seconds:g}s")
+
+    async def Migrate(self, request: worker_pb2.MigrateRequest, context: grpc.aio.ServicerContext) -> worker_pb2.MigrateReply:
+        w = self.w
+        where = f"slot {request.slot} generation {request.generation} (request {request.request_id})"
+        try:
+            handoff = w.handoffs.take(request.request_id, request.slot, request.generation)
+        except HandoffUnavailable as exc:
+            context.set_trailing_metadata(settled_trailer(True))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        try:
+            targets = push_targets_from_proto(request)
+        except ValueError as exc:
+            handoff.finish(migrated=False)
+            w.migration_metrics.observe(handoff)
+            context.set_trailing_metadata(settled_trailer(True))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
+        started = time.monotonic()
+        push = asyncio.get_running_loop().run_in_executor(w._migrations, w.push_handoff, handoff, targets)
+        # However this call ends (even cancelled), the KV is freed only once the push stopped reading it.
+        push.add_done_callback(lambda f: handoff.finish(migrated=not f.cancelled() and f.exception() is None))
+        try:
+            result = await asyncio.shield(push)
+        except (PushError, TransferError, ValueError) as exc:
+            w.migration_metrics.observe(handoff)
+            log.warning(kv(event="migration_failed", request=request.request_id, slot=request.slot, error=str(exc)))
+            # A push that failed was aborted: its puts reached a terminal state or were given up on.
+            context.set_trailing_metadata(settled_trailer(isinstance(exc, ValueError)))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: migration failed: {exc}")
+        seconds = time.monotonic() - started
+        w.migration_metrics.observe(handoff, result.stats.bytes, seconds)
+        log.info(kv(event="request_migrated", request=request.request_id, tokens=result.num_tokens,
+                    bytes=result.stats.bytes, seconds=f"{seconds:.4f}",
+                    targets=",".join(t.engine_id for t in targets)))
+        return worker_pb2.MigrateReply(num_tokens=result.num_tokens, kv_bytes=result.stats.bytes,
+                                       push_seconds=result.stats.seconds)
 
     async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseReply:
         # Only a grant still waiting for its Generate (or quarantined for it) is released here; a

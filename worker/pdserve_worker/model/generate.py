@@ -109,6 +109,24 @@ class _Request:
 
 
 @dataclass(frozen=True)
+class Detached:
+    """A running request taken out of the batch with everything needed to go on elsewhere:
+    its KV holds `kv_tokens` positions (every token but the last output, which the next step
+    would have written), and replaying `output_ids` on a fresh request with the same `seed`
+    rebuilds its sampler index, detokenizer and stop-string state exactly."""
+
+    request_id: str
+    slot: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    seed: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+
+@dataclass(frozen=True)
 class Completion:
     request_id: str
     prompt_ids: list[int]
@@ -205,6 +223,16 @@ class Generator(Generic[CacheT]):
             return None
         self._finish(request)
         return StepOutput(request_id, None, "", True, FinishReason.ABORT)
+
+    def detach(self, request_id: str) -> Detached | None:
+        """Take a running request out of the batch to continue it elsewhere (a migration); its
+        slot is the caller's again and its KV stays there untouched. None if unknown."""
+        request = self._running.get(request_id)
+        if request is None:
+            return None
+        self._finish(request)
+        return Detached(request.request_id, request.slot, list(request.prompt_ids), list(request.output_ids),
+                        request.sampler.seed)
 
     # ---- the loop ----------------------------------------------------------------------------------
 

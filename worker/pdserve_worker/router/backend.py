@@ -37,6 +37,7 @@ class RequestInfo:
     decode: str | None = None  # id of the decode instance that generated the tokens
     retries: int = 0  # failed workers replaced while serving it (the request resumed elsewhere)
     cached_tokens: int = 0  # prompt tokens whose KV the prefill took from its prefix cache
+    migrations: int = 0  # times a draining decode handed it over to another decode (its KV moved)
 
     def as_response_field(self) -> dict[str, object]:
         """The `pdserve` extension object of a response: JSON-ready, absent values left out."""
@@ -51,6 +52,8 @@ class RequestInfo:
             field["retries"] = self.retries
         if self.cached_tokens:
             field["cached_tokens"] = self.cached_tokens
+        if self.migrations:
+            field["migrations"] = self.migrations
         return field
 
 

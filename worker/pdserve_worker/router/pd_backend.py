@@ -21,6 +21,10 @@ would otherwise wait for a notification that never comes), and a request that en
 for any reason (error, client gone, stop string) cancels its Generate, which frees the slot,
 and sends a Release for the grant in case Generate never claimed it (idempotent).
 
+A draining decode hands its requests over instead of failing them: its stream ends with a
+`handover` event, and the request moves to another decode with its KV and no prefill
+(router/migration.py); if that fails, it resumes as above.
+
 Stop strings are the decode's job: it ends generation and frees the slot the moment one
 matches, and its text never contains one (the router passes the text through).
 """
@@ -58,6 +62,7 @@ from pdserve_worker.router.backend import (
     capacity_held,
 )
 from pdserve_worker.router.metrics import RouterMetrics
+from pdserve_worker.router.migration import MigrationFailed, RouterMigrationMetrics, migrate, note
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.router.tokenizing import ModelTokenizing
@@ -114,6 +119,7 @@ class PDBackend(ModelTokenizing):
         self._broker = broker
         self._token = token
         self._metrics = metrics
+        self._migration_metrics = RouterMigrationMetrics(metrics.registry) if metrics is not None else None
         self._t = timeouts
         self._tls = tls  # how workers are dialled (settings.peer_tls)
         self._view: MembershipView | None = None
@@ -233,9 +239,12 @@ class PDBackend(ModelTokenizing):
         retries = 0
         failure: _Retryable | None = None
         resume_deadline = 0.0
+        seeds: list[int] = []  # the seed a draining decode handed over (a request without one got it there)
         while True:
+            if seeds and params.seed is None:
+                params = params.model_copy(update={"seed": seeds[-1]})  # a resume samples as the source did
             try:
-                async for event in self._attempt(prompt_ids, emitted, params, request_id, avoid, retries):
+                async for event in self._attempt(prompt_ids, emitted, params, request_id, avoid, retries, seeds):
                     if event.token_id is not None:
                         emitted.append(event.token_id)
                     yield event
@@ -267,7 +276,7 @@ class PDBackend(ModelTokenizing):
                     self._metrics.observe_retry()
 
     async def _attempt(self, prompt_ids: list[int], emitted: list[int], params: SamplingParams, request_id: str,
-                       avoid: set[str], retries: int) -> AsyncIterator[TokenEvent]:
+                       avoid: set[str], retries: int, seeds: list[int]) -> AsyncIterator[TokenEvent]:
         """One road through a decode and a prefill; failures a retry may cure raise `_Retryable`.
 
         Everything that can fail without a worker (converting the parameters, choosing a
@@ -296,6 +305,7 @@ class PDBackend(ModelTokenizing):
         prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
         info: RequestInfo | None = None
         finished = False
+        migrations = 0
         # No await between these increments and the `try`: nothing can leave in between.
         self._inflight_decode[decode.worker_id] += 1
         self._inflight_prefill[prefill.worker_id] += 1
@@ -315,6 +325,25 @@ class PDBackend(ModelTokenizing):
             lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
             while True:
                 event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
+                if event.HasField("handover"):  # the decode is draining: move the request, KV and all
+                    seeds.append(event.handover.seed)
+                    if params.seed is None:
+                        params = params.model_copy(update={"seed": event.handover.seed})
+                    try:
+                        moved = await migrate(self, request_id, prompt_ids, emitted, params, decode, grant,
+                                              event.handover, avoid)
+                    except MigrationFailed as exc:
+                        note(self._migration_metrics, request_id, decode.worker_id, None, exc)
+                        raise _Retryable(decode.worker_id, exc) from None
+                    note(self._migration_metrics, request_id, decode.worker_id, moved)
+                    call.cancel()  # the source's stream is over; its KV was freed by the Migrate
+                    self._inflight_decode[decode.worker_id] -= 1
+                    self._inflight_decode[moved.decode.worker_id] += 1
+                    decode, grant, call = moved.decode, moved.grant, moved.call
+                    lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
+                    migrations += 1
+                    info = None  # the next event reports the new decode
+                    continue
                 try:
                     reason = finish_reason_from_proto(event.finish_reason)
                 except ValueError:
@@ -323,7 +352,10 @@ class PDBackend(ModelTokenizing):
                     raise _Retryable(decode.worker_id,
                                      BackendError(f"decode {decode.worker_id} aborted request {request_id}"))
                 attach = None
-                if info is None and (prefill_call.done() or reason is not None):
+                if info is None and migrations:  # the first event of the decode the request moved to
+                    attach = info = RequestInfo(True, event.kv_bytes_received, None, prefill.worker_id,
+                                                decode.worker_id, retries, migrations=migrations)
+                elif info is None and (prefill_call.done() or reason is not None):
                     # The prefill's reply has the push's figures; at the latest the last token waits for it.
                     reply = await self._prefill_reply(prefill_call, prefill.worker_id)
                     info = attach = RequestInfo(True, reply.kv_bytes, reply.push_seconds, prefill.worker_id,
@@ -346,7 +378,8 @@ class PDBackend(ModelTokenizing):
             if exc.code() in _RETRYABLE_DECODE:
                 # The decode's readiness wait timing out means the prefill never delivered; an
                 # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).
-                culprit = prefill.worker_id if exc.code() in _PREFILL_AT_FAULT else decode.worker_id
+                at_prefill = exc.code() in _PREFILL_AT_FAULT and not migrations  # a migrated KV came from no prefill
+                culprit = prefill.worker_id if at_prefill else decode.worker_id
                 raise _Retryable(culprit, error) from None
             raise error from None
         finally:

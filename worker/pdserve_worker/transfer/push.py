@@ -148,7 +148,8 @@ class KVPusher:
         if not 0 <= source.slot < source.layout.num_slots:
             raise ValueError(f"source slot {source.slot} outside its pool of {source.layout.num_slots}")
         self._run_len = num_tokens * source.layout.bytes_per_token
-        self._src_addrs = _run_addrs(source.base_addr, source.layout, source.slot)
+        # A paged source (a decode's own pool, roles/migration.py) places tokens per block instead.
+        self._src_addrs = {} if source.layout.paged else _run_addrs(source.base_addr, source.layout, source.slot)
         self._states = [self._check_target(t) for t in targets]
         if not self._states:
             raise ValueError("a push needs at least one target")
@@ -177,11 +178,14 @@ class KVPusher:
                 raise ValueError(f"num_tokens={self.num_tokens} does not fit {who} max_len={layout.max_len}")
         if not 0 <= target.slot < dst.num_slots:
             raise ValueError(f"target {target.describe()}: slot outside its pool of {dst.num_slots}")
-        if dst.paged:
-            return _TargetState(target, dst.layer_range, self._block_pieces(target))
-        dst_addrs = _run_addrs(target.base_addr, dst, target.slot)
-        pieces = {run: [(self._src_addrs[run], addr, self._run_len)] for run, addr in dst_addrs.items()}
-        return _TargetState(target, dst.layer_range, pieces)
+        return _TargetState(target, dst.layer_range, self._target_pieces(target))
+
+    def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+        """Every (layer, K|V) of the target's layers: its descriptors (source, target, bytes)."""
+        if target.layout.paged:
+            return self._block_pieces(target)
+        dst_addrs = _run_addrs(target.base_addr, target.layout, target.slot)
+        return {run: [(self._src_addrs[run], addr, self._run_len)] for run, addr in dst_addrs.items()}
 
     def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
         """A paged target's descriptors: the prompt's tokens into its own blocks (the shared

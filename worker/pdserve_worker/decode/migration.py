@@ -1,0 +1,278 @@
+"""Live migration, the decode's side: hand running requests over to another decode when draining.
+
+A draining decode (`DecodeWorker.drain`) asks its generation loop to *park* every running
+request: the loop takes it out of the batch after the current step (`Generator.detach`), its
+KV stays where it is, and a `Handoff` records what another decode needs to go on: the tokens
+so far and the sampler's seed. The request's `Generate` stream then sends one event carrying
+`handover` (worker.proto) after its last token, and the router, which already holds the
+streamed tokens, reserves on another decode and calls `Migrate` here with that grant: the KV
+of every token but the last streamed one is pushed with the same engine and layer chunks as a
+prefill's push (`MigrationPusher`), and the notify tells the target the seed, the token count
+and the last token, from which it rebuilds the request (`Generator.add_prefilled` replays the
+streamed tokens: sampler index, detokenizer and stop-string state come out as they were here).
+
+One release path: a handoff's KV (the request's slot or blocks) is freed by `Handoff.release`,
+exactly once, whichever comes first: the Migrate that ran (success or failure), the stream
+being cancelled, the wait for a Migrate running out, or the worker closing. A release that
+arrives while the push is reading the KV is held until the push is over.
+
+Layer-sharded groups do not migrate (their leader's `supports_migration` is False): a group's
+KV is spread over its members' pools, so each member would have to push its layers to the
+matching member of the target group. Groups drain by waiting, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve_common.block_layout import Descriptor
+from pdserve_common.kv_layout import K, V, KVLayout
+from pdserve_worker.kv.slots import Grant
+from pdserve_common.logs import kv
+from pdserve_worker.model.generate import Detached
+from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.push import KVPusher, Piece, PushSource, PushStats, layer_chunks
+
+log = logging.getLogger("pdserve.decode.migration")
+
+MIGRATED = "migrated"  # the key a migration's ready notify carries (with "seed" and "num_generated")
+
+
+class HandoffUnavailable(RuntimeError):
+    """No request handed over here under that (slot, generation), or its Migrate already ran."""
+
+
+class Handoff:
+    """One parked request and the one way its KV is freed (thread-safe)."""
+
+    PARKED, MIGRATING, RELEASED = "parked", "migrating", "released"
+
+    def __init__(self, detached: Detached, on_done: Callable[[], None]) -> None:
+        self.detached = detached
+        self.generation = -1  # set when its Generate files it (`HandoffBook.add`)
+        self.parked_at = time.monotonic()
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._state = self.PARKED
+        self._release_pending = False
+        self.outcome: str | None = None  # "migrated" / "failed" / "released" (never migrated)
+
+    @property
+    def slot(self) -> int:
+        return self.detached.slot
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            return self._state
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will happen to it: migrated, failed or released."""
+        return self.state == self.RELEASED
+
+    def take(self) -> bool:
+        """Claim it for a Migrate (once): False if it was released or is being migrated."""
+        with self._lock:
+            if self._state != self.PARKED:
+                return False
+            self._state = self.MIGRATING
+            return True
+
+    def finish(self, migrated: bool) -> None:
+        """The Migrate is over (pushed and notified, or failed): the KV is nobody's now."""
+        with self._lock:
+            if self._state != self.MIGRATING:
+                return
+            self._state = self.RELEASED
+            self.outcome = "migrated" if migrated else "failed"
+        self._free()
+
+    def release(self) -> None:
+        """Give the KV back (cancelled stream, nobody migrated it, shutdown): at once, or once a
+        Migrate reading it is over."""
+        with self._lock:
+            if self._state == self.MIGRATING:
+                self._release_pending = True
+                return
+            if self._state == self.RELEASED:
+                return
+            self._state = self.RELEASED
+            self.outcome = "released"
+        self._free()
+
+    def _free(self) -> None:
+        try:
+            self._on_done()
+        except Exception:
+            log.exception(kv(event="handoff_release_failed", slot=self.slot, generation=self.generation))
+
+
+class HandoffBook:
+    """The requests parked on this decode, by (slot, generation) (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handoffs: dict[tuple[int, int], Handoff] = {}
+
+    def add(self, handoff: Handoff, generation: int) -> None:
+        with self._lock:
+            self._prune()
+            handoff.generation = generation
+            self._handoffs[(handoff.slot, generation)] = handoff
+
+    def get(self, slot: int, generation: int) -> Handoff | None:
+        with self._lock:
+            return self._handoffs.get((slot, generation))
+
+    def take(self, request_id: str, slot: int, generation: int) -> Handoff:
+        """The handoff a Migrate may push from, claimed (raises HandoffUnavailable)."""
+        handoff = self.get(slot, generation)
+        if handoff is None or handoff.detached.request_id.rsplit("#", 1)[0] != request_id or not handoff.take():
+            raise HandoffUnavailable(f"no request {request_id!r} handed over in slot {slot} generation "
+                                     f"{generation} (never parked, released, or already migrated)")
+        return handoff
+
+    def pending(self) -> int:
+        with self._lock:
+            self._prune()
+            return len(self._handoffs)
+
+    def release_all(self) -> None:
+        with self._lock:
+            handoffs = list(self._handoffs.values())
+            self._handoffs.clear()
+        for handoff in handoffs:
+            handoff.release()
+
+    def _prune(self) -> None:
+        for key in [k for k, h in self._handoffs.items() if h.settled]:
+            del self._handoffs[key]
+
+
+# ---- where the bytes go (pure) ------------------------------------------------------------------
+
+Extent = tuple[int, int, int]  # (first token, end token, byte offset of the first token from the pool base)
+
+
+def token_extents(layout: KVLayout, slot: int, blocks: Sequence[int], layer: int, kv_index: int) -> list[Extent]:
+    """Where tokens of (layer, K|V) of a request live in a pool: one extent for a slot pool,
+    one per block (in token order) for a paged pool."""
+    if layout.paged:
+        geometry, bt = layout.blocks, layout.block_tokens
+        return [(i * bt, (i + 1) * bt, geometry.offset(layer, kv_index, b)) for i, b in enumerate(blocks)]
+    return [(0, layout.max_len, layout.offset(slot, layer, kv_index))]
+
+
+def migration_descriptors(src: KVLayout, src_slot: int, src_blocks: Sequence[int], dst: KVLayout, dst_slot: int,
+                          dst_blocks: Sequence[int], layer: int, kv_index: int, start: int, end: int) -> list[Descriptor]:
+    """Copies of tokens [start, end) of (layer, K|V) from one decode pool to another, either
+    slot or paged, one descriptor per stretch contiguous on both sides (coalesced)."""
+    if not 0 <= start <= end:
+        raise ValueError(f"token range {start}..{end} is reversed or negative")
+    per_token = src.bytes_per_token
+    if per_token != dst.bytes_per_token:
+        raise ValueError(f"bytes per token differ: source {per_token}, target {dst.bytes_per_token}")
+    sources = token_extents(src, src_slot, src_blocks, layer, kv_index)
+    targets = token_extents(dst, dst_slot, dst_blocks, layer, kv_index)
+    for extents, who in ((sources, "source"), (targets, "target")):
+        if end > (extents[-1][1] if extents else 0):
+            raise ValueError(f"{end} tokens do not fit the {who}'s {extents[-1][1] if extents else 0}")
+    out: list[Descriptor] = []
+    t, i, j = start, 0, 0
+    while t < end:
+        while sources[i][1] <= t:
+            i += 1
+        while targets[j][1] <= t:
+            j += 1
+        (s0, s1, s_off), (d0, d1, d_off) = sources[i], targets[j]
+        stop = min(s1, d1, end)
+        piece = Descriptor(s_off + (t - s0) * per_token, d_off + (t - d0) * per_token, (stop - t) * per_token)
+        if out and out[-1].src + out[-1].length == piece.src and out[-1].dst + out[-1].length == piece.dst:
+            out[-1] = Descriptor(out[-1].src, out[-1].dst, out[-1].length + piece.length)
+        else:
+            out.append(piece)
+        t = stop
+    return out
+
+
+class MigrationPusher(KVPusher):
+    """`KVPusher` from a decode's own pool (slot or paged) instead of a prefill's scratch slot:
+    the same engine, queue depth, layer chunks, timeouts and nonce-carrying notify."""
+
+    def __init__(self, backend: TransferBackend, source: PushSource, source_blocks: Sequence[int],
+                 targets: Sequence[Grant], num_tokens: int, **kwargs: object) -> None:
+        self._source_blocks = tuple(source_blocks)
+        super().__init__(backend, source, targets, num_tokens, **kwargs)  # type: ignore[arg-type]
+
+    def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+        src, dst = self.source.layout, target.layout
+        start = min(target.shared * dst.block_tokens, self.num_tokens) if dst.paged else 0
+        pieces: dict[tuple[int, int], list[Piece]] = {}
+        for layer in dst.layer_range:
+            for kv_index in (K, V):
+                descs = migration_descriptors(src, self.source.slot, self._source_blocks, dst, target.slot,
+                                              target.blocks, layer, kv_index, start, self.num_tokens)
+                pieces[(layer, kv_index)] = [(self.source.base_addr + d.src, target.base_addr + d.dst, d.length)
+                                             for d in descs]
+        return pieces
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    num_tokens: int
+    stats: PushStats
+
+
+def push_handoff(backend: TransferBackend, source: PushSource, source_blocks: Sequence[int], handoff: Handoff,
+                 targets: Sequence[Grant], *, layers_per_chunk: int, timeout_s: float) -> MigrationResult:
+    """Push a parked request's KV into `targets` chunk of layers by chunk, then notify them with
+    the generation state (blocking: run it off the event loop). Raises PushError / ValueError."""
+    d = handoff.detached
+    num_tokens = d.kv_tokens
+    pusher = MigrationPusher(backend, source, source_blocks, targets, num_tokens, timeout_s=timeout_s)
+    try:
+        for chunk in layer_chunks(source.layout.layer_range, max(1, layers_per_chunk)):
+            pusher.push_chunk(chunk)
+        stats = pusher.finish({"first_token": d.output_ids[-1], MIGRATED: 1, "seed": d.seed,
+                               "num_generated": len(d.output_ids)})
+    except BaseException:
+        pusher.abort()
+        raise
+    return MigrationResult(num_tokens, stats)
+
+
+class MigrationMetrics:
+    """A decode's migration figures on its /metrics (the registry of `WorkerMetrics`)."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.handoffs = Counter(
+            "pdserve_decode_migrations",
+            "Requests this decode handed over while draining, by outcome: migrated (pushed and notified), "
+            "failed (the push or notify failed: the router resumes the request by re-prefilling), released "
+            "(no Migrate came, or the drain mode is resume).",
+            ["outcome"], registry=registry,
+        )
+        self.bytes = Counter("pdserve_decode_migration_bytes", "KV bytes pushed by migrations.", registry=registry)
+        self.seconds = Histogram(
+            "pdserve_decode_migration_seconds", "Per migration: Migrate call to the target's notify sent.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=registry,
+        )
+        self.received = Counter(
+            "pdserve_decode_migrations_received", "Requests this decode took over from a draining decode.",
+            registry=registry,
+        )
+
+    def observe(self, handoff: Handoff, kv_bytes: int = 0, seconds: float | None = None) -> None:
+        self.handoffs.labels(handoff.outcome or "released").inc()
+        if kv_bytes:
+            self.bytes.inc(kv_bytes)
+        if seconds is not None:
+            self.seconds.observe(max(0.0, seconds))

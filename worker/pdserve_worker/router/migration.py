@@ -1,0 +1,146 @@
+"""The router's side of a live migration: move a stream off a draining decode without a prefill.
+
+A draining decode stops stepping a request and ends its token stream with a `handover` event
+(worker.proto; decode/migration.py is that side). The router then holds every token the client
+was sent, and:
+1. reserves KV on another decode with normal admission (`PDBackend._reserve`, never the source
+   or a decode this request already failed on), for prompt + streamed tokens + what is left of
+   max_tokens, as a resume would;
+2. opens `Generate(migrated=True)` there with prompt + streamed tokens and the source's seed,
+   and a short readiness wait (the KV comes within one Migrate call, not after a prefill);
+3. calls the source's `Migrate` with the new grant(s): the source pushes the KV it holds and
+   notifies the target with the generation state. When Migrate answered, the notify was sent.
+The caller then reads the target's stream, which starts at the next token: no gap, no token
+twice. Any failure on the way (no room, target or source refuses or dies, a timeout) raises
+`MigrationFailed`, and the caller resumes the request the old way (re-prefill of prompt +
+streamed tokens on another decode), with the seed learned from the handover, so the text is
+the same. The target's grant is given back on every failure (free at once when the source
+said its push is settled, else quarantined by the decode).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_common.logs import kv
+from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.router.backend import BackendError, NoCapacity
+from pdserve_worker.rpc.convert import sampling_to_proto
+from pdserve_common.membership import Member
+from pdserve_worker.rpc.trailers import push_settled
+
+if TYPE_CHECKING:
+    from pdserve_worker.router.pd_backend import PDBackend
+
+log = logging.getLogger("pdserve.router.migration")
+
+MIGRATE_S = 10.0  # the Migrate call, and the target's wait for the KV after it
+
+
+class MigrationFailed(BackendError):
+    """The request could not be moved; the caller resumes it by re-prefilling."""
+
+
+@dataclass
+class Moved:
+    """The request's new home: the target decode, its grant and the open Generate call."""
+
+    decode: Member
+    grant: worker_pb2.Grant
+    call: Any  # grpc.aio.UnaryStreamCall
+    kv_bytes: int
+    seconds: float
+
+
+class RouterMigrationMetrics:
+    """Migrations as the router saw them, on the router's /metrics."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Requests a draining decode handed over, by outcome: migrated (the KV moved to another decode), "
+            "fallback (it could not: the request was resumed by re-prefilling).",
+            ["outcome"], registry=registry,
+        )
+        self.seconds = Histogram(
+            "pdserve_router_migration_seconds", "From the handover event to the target's grant filled (Migrate answered).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=registry,
+        )
+        self.bytes = Counter("pdserve_router_migration_bytes", "KV bytes moved by migrations.", registry=registry)
+
+
+async def migrate(backend: PDBackend, request_id: str, prompt_ids: list[int], emitted: list[int],
+                  params: SamplingParams, source: Member, source_grant: worker_pb2.Grant,
+                  handover: worker_pb2.Handover, avoid: set[str]) -> Moved:
+    """Move the request off `source` (see the module docstring); raises MigrationFailed."""
+    started = time.monotonic()
+    if handover.num_generated != len(emitted) or not emitted:
+        raise MigrationFailed(f"decode {source.worker_id} handed request {request_id} over after "
+                              f"{handover.num_generated} tokens, the client has {len(emitted)}")
+    tokens = prompt_ids + emitted
+    sampling = sampling_to_proto(params)
+    sampling.seed = handover.seed  # the source's (it chose one if the request had none)
+    try:
+        target, grant = await backend._reserve(request_id, len(tokens), params.max_tokens - len(emitted),
+                                               avoid | {source.worker_id})
+    except (NoCapacity, BackendError) as exc:
+        raise MigrationFailed(f"no decode could take request {request_id} over: {exc}") from None
+    call = None
+    settled = False
+    ok = False
+    try:
+        call = worker_pb2_grpc.DecodeStub(backend._channel(target)).Generate(worker_pb2.GenerateRequest(
+            request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
+            sampling=sampling, readiness_timeout_ms=int(MIGRATE_S * 2000), num_generated=len(emitted),
+            migrated=True,
+        ))
+        from pdserve_worker.router.pd_backend import push_targets
+
+        try:
+            reply = await worker_pb2_grpc.DecodeStub(backend._channel(source)).Migrate(worker_pb2.MigrateRequest(
+                request_id=request_id, slot=source_grant.slot, generation=source_grant.generation,
+                targets=push_targets(grant)), timeout=MIGRATE_S)
+        except grpc.aio.AioRpcError as exc:
+            # (The target is not avoided by the resume: a failed push may be the leaving source's
+            # fault, and a target that is really gone refuses the resume's Reserve anyway.)
+            settled = push_settled(exc)
+            raise MigrationFailed(f"decode {source.worker_id} could not push request {request_id} to "
+                                  f"{target.worker_id}: {exc.code().name} {exc.details()}") from None
+        ok = True
+        return Moved(target, grant, call, reply.kv_bytes, time.monotonic() - started)
+    finally:
+        if not ok:
+            if call is not None:
+                call.cancel()
+            backend._spawn(_give_back(backend, target, grant, settled))
+
+
+async def _give_back(backend: PDBackend, target: Member, grant: worker_pb2.Grant, settled: bool) -> None:
+    released = await backend._release(target, grant, settled)
+    log.debug(kv(event="migration_grant_returned", decode=target.worker_id, slot=grant.slot,
+                 settled=settled, released=released))
+
+
+def note(metrics: RouterMigrationMetrics | None, request_id: str, source: str, moved: Moved | None,
+         error: BaseException | None = None) -> None:
+    """Log and count one migration's outcome."""
+    if moved is not None:
+        log.info(kv(event="request_migrated", request=request_id, source=source, target=moved.decode.worker_id,
+                    kv_bytes=moved.kv_bytes, seconds=f"{moved.seconds:.4f}"))
+    else:
+        log.warning(kv(event="migration_fallback", request=request_id, source=source, error=str(error)))
+    if metrics is None:
+        return
+    metrics.migrations.labels("migrated" if moved is not None else "fallback").inc()
+    if moved is not None:
+        metrics.seconds.observe(moved.seconds)
+        metrics.bytes.inc(moved.kv_bytes)
+
