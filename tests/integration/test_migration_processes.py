@@ -1,0 +1,194 @@
+"""Live migration through real processes (issue #17's acceptance): `pdserve local` (broker, one
+prefill, two decodes, router; tiny model).
+
+4 greedy streams of 256 tokens and 2 seeded sampled ones run on decode-0 (decode-1's slots
+are held meanwhile, so the router puts them all on decode-0); then decode-0 is drained through
+its admin port (the pod's preStop). The drain answers in under 2 s while the streams go on,
+no prefill is called during it (the prefill's request counter), every stream's text is that
+of an undisturbed run of the same deployment, each answer says it moved once to decode-1,
+decode-0's KV is all free, the migrations are counted on both ends' /metrics, and no process
+is left after the deployment stops. Then the faults: the target decode killed mid-migration,
+the source killed mid-migration; either way the request resumes with identical text.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import pytest
+from local_run import LocalRun, pid_alive
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+SLOTS, MAX_LEN, MAX_TOKENS = 8, 320, 256
+GREEDY = ["The quick brown fox", "Paris is the capital of", "A language model predicts", "Berlin is"]
+SEEDED = [("Once upon a time", 7), ("In a galaxy far away", 8)]
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir, tmp_path_factory):
+    run = LocalRun.start(
+        tmp_path_factory.mktemp("pd-migrate"),
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
+        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--port", "0", "--threads", "1",
+        "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=20",
+    )
+    pids = {c["pid"] for c in run.manifest["children"]}
+    yield run
+    code = run.stop()
+    assert code == 0, run.stderr_path.read_text()[-4000:]
+    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    pdserve: dict = field(default_factory=dict)
+    chunks: int = 0
+    error: str | None = None
+    arrivals: list[float] = field(default_factory=list)
+
+
+def body(model: str, prompt: str, seed: int | None) -> dict:
+    sampling = {"temperature": 0.8, "top_p": 0.95, "seed": seed} if seed is not None else {"temperature": 0}
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **sampling}
+
+
+def stream(url: str, model: str, prompt: str, seed: int | None, answer: Answer) -> Answer:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body(model, prompt, seed), timeout=120) as reply:
+        if reply.status_code != 200:
+            answer.error = f"HTTP {reply.status_code}: {reply.read().decode()}"
+            return answer
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                answer.error = str(chunk["error"])
+                continue
+            for choice in chunk.get("choices", []):
+                answer.text += choice.get("text", "")
+                answer.chunks += 1
+                answer.arrivals.append(time.monotonic())
+                answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+            if chunk.get("usage"):
+                answer.completion_tokens = chunk["usage"]["completion_tokens"]
+            answer.pdserve = chunk.get("pdserve", answer.pdserve)
+    return answer
+
+
+REQUESTS = [(p, None) for p in GREEDY] + SEEDED
+
+
+def model_of(local: LocalRun) -> str:
+    return httpx.get(f"{local.url}/v1/models", timeout=5).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def reference(local) -> list[str]:
+    model = model_of(local)
+    answers = [stream(local.url, model, p, s, Answer()) for p, s in REQUESTS]
+    for a in answers:
+        assert a.error is None and a.completion_tokens == MAX_TOKENS and not a.pdserve.get("migrations")
+    return [a.text for a in answers]
+
+
+def stub(local: LocalRun, name: str) -> tuple[grpc.Channel, worker_pb2_grpc.DecodeStub]:
+    channel = grpc.insecure_channel(local.child(name)["grpc"])
+    return channel, worker_pb2_grpc.DecodeStub(channel)
+
+
+def auth(local: LocalRun) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {local.token}"),)
+
+
+def scrape(address: str) -> dict[str, float]:
+    text = httpx.get(f"http://{address}/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
+
+
+def prefills_served(local: LocalRun) -> float:
+    return scrape(local.child("prefill-0")["http"]).get("pdserve_prefill_request_seconds_count", 0.0)
+
+
+class Held:
+    """Every slot of a decode reserved (a long lease), so the router puts requests elsewhere."""
+
+    def __init__(self, local: LocalRun, name: str) -> None:
+        self.channel, self.stub = stub(local, name)
+        self.meta = auth(local)
+        self.grants = [self.stub.Reserve(worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4,
+                                                                   max_tokens=4, lease_ms=120_000),
+                                         metadata=self.meta, timeout=5) for i in range(SLOTS)]
+
+    def release(self) -> None:
+        for g in self.grants:
+            self.stub.Release(worker_pb2.ReleaseRequest(request_id=g.request_id, slot=g.slot, generation=g.generation,
+                                                        push_settled=True), metadata=self.meta, timeout=5)
+        self.channel.close()
+
+
+def run_streams(local: LocalRun, when_chunks: int, action) -> tuple[list[Answer], object]:
+    """Stream every request; once each has `when_chunks` chunks, run `action()` (in this thread)."""
+    model = model_of(local)
+    answers = [Answer() for _ in REQUESTS]
+    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+        futures = [pool.submit(stream, local.url, model, p, s, a) for (p, s), a in zip(REQUESTS, answers)]
+        deadline = time.monotonic() + 60
+        while not all(a.chunks >= when_chunks for a in answers):
+            assert time.monotonic() < deadline, [a.chunks for a in answers]
+            assert not any(f.done() for f in futures), [a.error for a in answers]
+            time.sleep(0.002)
+        assert all(a.chunks < MAX_TOKENS for a in answers), "a stream ended before the action was due"
+        result = action()
+        for f in futures:
+            f.result(timeout=120)
+    return answers, result
+
+
+def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
+    held = Held(local, "decode-1")
+    drain: dict = {}
+
+    def drain_decode_0() -> None:
+        held.release()  # decode-1 has room again: the migrations' target
+        drain["prefills"] = prefills_served(local)
+        started = time.monotonic()
+        drain["answer"] = local.drain("decode-0")
+        drain["seconds"] = time.monotonic() - started
+        drain["prefills_after"] = prefills_served(local)
+
+    answers, _ = run_streams(local, 4, drain_decode_0)
+    for a, text in zip(answers, reference):
+        assert a.error is None and a.completion_tokens == MAX_TOKENS and a.finish_reason == "length"
+        assert a.text == text, "a migrated stream's text differs from the undisturbed run"
+        assert a.pdserve.get("migrations") == 1 and a.pdserve.get("decode") == "decode-1", a.pdserve
+        assert not a.pdserve.get("retries")
+    assert drain["answer"].get("drained") is True
+    assert drain["seconds"] < 2.0, f"the drain took {drain['seconds']:.2f}s"
+    assert drain["prefills_after"] == drain["prefills"], "a prefill was made during the drain"
+    channel, decode0 = stub(local, "decode-0")
+    with channel:
+        status = decode0.Status(worker_pb2.StatusRequest(), metadata=auth(local), timeout=5)
+    assert status.slots_free == status.slots_total and status.kv_tokens_used == 0 and status.active_requests == 0
+    source, target = scrape(local.child("decode-0")["http"]), scrape(local.child("decode-1")["http"])
+    assert source['pdserve_decode_migrations_total{outcome="migrated"}'] == len(REQUESTS)
+    assert source["pdserve_decode_migration_bytes_total"] > 0
+    assert target["pdserve_decode_migrations_received_total"] == len(REQUESTS)
+    router = scrape(local.url.removeprefix("http://"))
+    assert router['pdserve_router_migrations_total{outcome="migrated"}'] == len(REQUESTS)
+    assert router.get('pdserve_router_migrations_total{outcome="fallback"}', 0) == 0
