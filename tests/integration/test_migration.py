@@ -347,3 +347,71 @@ async def test_drain_mode_resume_ends_streams_at_once_and_the_router_reprefills(
         check_identical(results, expected)
         assert drained and CountingPrefill.calls - prefills == len(reqs)
         assert c.decodes[0].slots.usage().free == SLOTS
+
+
+class TargetDiesAfterTheKV(DecodeServicer):
+    """A decode killed right after a migration's KV and notify reached it (before its first token)."""
+
+    async def Generate(self, request, context):
+        if not request.migrated:
+            async for event in super().Generate(request, context):
+                yield event
+            return
+        await asyncio.sleep(0.3)  # the Migrate has pushed and notified meanwhile
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset by peer (killed)")
+
+
+class SourceDiesMidPush(DecodeServicer):
+    """A decode killed in the middle of a migration's push: one layer chunk is out, no notify."""
+
+    async def Migrate(self, request, context):
+        from pdserve_worker.roles.migration import MigrationPusher
+        from pdserve_worker.rpc.convert import push_targets_from_proto
+        from pdserve_worker.transfer.push import PushSource
+
+        w = self.w
+        handoff = w.handoffs.take(request.request_id, request.slot, request.generation)
+        source = PushSource(w.pool.base_addr, w.layout, handoff.slot)
+        pusher = MigrationPusher(w.backend, source, w.slots.blocks_of(handoff.slot),
+                                 push_targets_from_proto(request), handoff.detached.kv_tokens)
+        pusher.push_chunk(range(0, 1))
+        pusher.abort()
+        handoff.finish(migrated=False)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset by peer (killed)")  # no trailers
+
+
+async def drain_after_parking_others(c: Cluster, others: tuple[int, ...]):
+    for i in others:
+        await c.members[i].set_draining(False)
+    await c.backend.view.wait_for(lambda v: not any(v.members[f"decode-{i}"].draining for i in others), 5)
+    return await c.drain(0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault", ["target dies after the KV", "source dies mid-push"])
+async def test_a_migration_cut_short_resumes_with_the_same_text(loaded, fault):
+    reqs = requests(loaded)[2:6]  # two greedy, two seeded
+    expected = reference(loaded, reqs)
+    servicers = ((DecodeServicer, TargetDiesAfterTheKV, DecodeServicer) if fault.startswith("target")
+                 else (SourceDiesMidPush, DecodeServicer, DecodeServicer))
+    async with cluster(loaded, decode_extra=({}, {}, {}), slow=(0.02, 0.0, 0.0), servicers=servicers) as c:
+        for i in (1, 2):
+            await c.members[i].set_draining(True)
+        await c.backend.view.wait_for(lambda v: v.members["decode-1"].draining and v.members["decode-2"].draining, 5)
+        prefills = CountingPrefill.calls
+        results, (drained, _) = await run_with(c, reqs, lambda: drain_after_parking_others(c, (1, 2)))
+        check_identical(results, expected)
+        assert drained
+        for events in results:
+            info = [e.info for e in events if e.info is not None][-1]
+            assert info.retries == 1, info  # resumed once
+            if fault.startswith("target"):
+                assert info.decode == "decode-2"  # not the dead target, not the drained source
+        assert CountingPrefill.calls - prefills == 2 * len(reqs)  # first road + the resume
+        fallbacks = sample(c.metrics, "pdserve_router_migrations_total", {"outcome": "fallback"})
+        assert fallbacks == (len(reqs) if fault.startswith("source") else 0)
+        assert c.decodes[0].slots.usage().free == SLOTS and c.decodes[0].handoffs.pending() == 0
+        if fault.startswith("source"):
+            # The target grants of the cut push are quarantined (a write may still land), then free.
+            usage = c.decodes[1].slots.usage()
+            assert usage.quarantined + usage.free == SLOTS
