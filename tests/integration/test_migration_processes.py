@@ -192,3 +192,80 @@ def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
     router = scrape(local.url.removeprefix("http://"))
     assert router['pdserve_router_migrations_total{outcome="migrated"}'] == len(REQUESTS)
     assert router.get('pdserve_router_migrations_total{outcome="fallback"}', 0) == 0
+
+
+@pytest.fixture
+def three_decodes(tiny_model_dir, tmp_path):
+    run = LocalRun.start(
+        tmp_path / "pd-migrate-faults",
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "3",
+        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--port", "0", "--threads", "1", "--on-exit", "ignore",
+        "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=20", "--env", "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+    )
+    pids = {c["pid"] for c in run.manifest["children"]}
+    yield run
+    code = run.stop()
+    assert code == 0, run.stderr_path.read_text()[-4000:]
+    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+
+
+def undisturbed(local: LocalRun) -> list[str]:
+    model = model_of(local)
+    return [stream(local.url, model, p, s, Answer()).text for p, s in REQUESTS]
+
+
+@pytest.mark.parametrize("victim", ["target", "source"])
+def test_a_decode_killed_mid_migration_leaves_every_text_identical(three_decodes, victim):
+    """The kill lands while the drain's migrations run (as soon as the router counted the first
+    one): each request either moved before it, or resumes by re-prefilling (a migration that
+    fails falls back to that too); none is lost or changed."""
+    local = three_decodes
+    expected = undisturbed(local)
+    holds = {name: Held(local, name) for name in ("decode-1", "decode-2")}
+    killed = "decode-1" if victim == "target" else "decode-0"
+
+    def drain_and_kill() -> None:
+        holds["decode-1"].release()  # the migrations' target
+        if victim == "source":
+            holds["decode-2"].release()  # room for the resumes
+        drainer = threading.Thread(target=lambda: _drain_quietly(local, "decode-0"), daemon=True)
+        drainer.start()
+        deadline = time.monotonic() + 10
+        while sum(migrations(local).values()) < 1:  # the first request has moved: kill amid the rest
+            assert time.monotonic() < deadline, "no migration began"
+        os.kill(local.child(killed)["pid"], signal.SIGKILL)
+        if victim == "target":
+            time.sleep(0.5)
+            holds["decode-2"].release()  # the resumes find room here
+        drainer.join(30)
+
+    answers, _ = run_streams(local, 4, drain_and_kill)
+    moved = resumed = 0
+    for i, (a, text) in enumerate(zip(answers, expected)):
+        if a.text != text:
+            at = next((j for j, (x, y) in enumerate(zip(a.text, text)) if x != y), min(len(a.text), len(text)))
+            print(f"DIVERGED request {i} {REQUESTS[i]} at char {at} of {len(text)}: {a.pdserve}")
+    for a, text in zip(answers, expected):
+        assert a.error is None and a.completion_tokens == MAX_TOKENS, a.error
+        assert a.text == text, f"{victim} killed: a stream's text differs from the undisturbed run"
+        assert a.pdserve.get("decode") not in (killed, "decode-0"), a.pdserve
+        moved += bool(a.pdserve.get("migrations"))
+        resumed += bool(a.pdserve.get("retries"))
+    counted = migrations(local)
+    assert moved + resumed >= len(REQUESTS) and counted["migrated"] >= 1
+    if victim == "target":
+        assert resumed >= 1  # at least the streams that had moved to it went on elsewhere
+    print(f"{victim} killed mid-drain: router counted {counted}; {moved} answers ended on their migration "
+          f"target, {resumed} resumed by re-prefill")
+
+
+def migrations(local: LocalRun) -> dict[str, float]:
+    router = scrape(local.url.removeprefix("http://"))
+    return {o: router.get(f'pdserve_router_migrations_total{{outcome="{o}"}}', 0.0) for o in ("migrated", "fallback")}
+
+
+def _drain_quietly(local: LocalRun, name: str) -> None:
+    try:
+        local.drain(name)
+    except (httpx.HTTPError, AssertionError):
+        pass  # the drained decode itself was killed: its admin port is gone
