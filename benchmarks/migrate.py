@@ -13,12 +13,13 @@ Each mode is one `pdserve local` deployment (1 prefill, 2 decodes, real processe
 Same trace in each: decode-1's slots are held while N streams start, so all run on decode-0;
 once each stream has K tokens, decode-1 is freed and decode-0 drained through its admin port
 (the pod's preStop). Measured: how long the drain call took (what holds a scale-down), and the
-largest gap between two tokens a client saw (its p50 and max over the streams), against the
-median inter-token gap of the same streams before the drain; prefill calls made during the
+largest gap between two tokens a client saw from the drain on (its p50 and max over the
+streams), against the mean inter-token gap of the same streams before the drain (SSE chunks
+that arrive in one read count as gaps of 0); prefill calls made during the
 drain (the prefill's counter); every text compared with the wait run's (undisturbed).
 
 Usage: PYTHONPATH=worker:operator:proto python benchmarks/migrate.py [--model builtin:smollm2]
-       [--streams 6] [--max-tokens 256] [--prompt-words 300] [--modes migrate,resume,wait]
+       [--dtype float32] [--streams 6] [--max-tokens 256] [--prompt-words 300] [--modes migrate,resume,wait]
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def scrape(address: str, name: str) -> float:
 
 
 def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
-    run = LocalRun.start(work / mode, "--model", args.model, "--prefill", "1", "--decode", "2",
+    run = LocalRun.start(work / mode, "--model", args.model, "--dtype", args.dtype, "--prefill", "1", "--decode", "2",
                          "--slots", str(SLOTS), "--max-len", str(args.max_len), "--port", "0",
                          "--env", f"PDSERVE_DRAIN_MODE={mode}", "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=600",
                          timeout_s=600)
@@ -107,7 +108,7 @@ def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
                        for p, s, st in zip(texts, seeds, streams)]
             while not all(len(s.arrivals) >= args.drain_after for s in streams):
                 if any(f.done() for f in futures):
-                    raise RuntimeError(f"{mode}: a stream ended before the drain: {[f.exception() for f in futures]}")
+                    raise RuntimeError(f"{mode}: a stream ended before the drain: {[s.error for s in streams]}")
                 time.sleep(0.005)
             for g in held:
                 decode1.Release(worker_pb2.ReleaseRequest(request_id=g.request_id, slot=g.slot,
@@ -126,11 +127,11 @@ def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
         run.stop(timeout_s=120)
     before, worst = [], []
     for s in streams:
-        gaps = [b - a for a, b in zip(s.arrivals, s.arrivals[1:])]
-        before += [g for g, t in zip(gaps, s.arrivals[1:]) if t < drain_started]
-        worst.append(max(gaps))
+        gaps = [(b - a, b) for a, b in zip(s.arrivals, s.arrivals[1:])]
+        before += [g for g, end in gaps if end < drain_started]
+        worst.append(max(g for g, end in gaps if end >= drain_started))  # the gaps from the drain on
     return {"mode": mode, "drained": drained.get("drained"), "drain_s": drain_s, "prefills": prefills_during,
-            "itl_before_ms": 1000 * statistics.median(before), "gap_p50_ms": 1000 * statistics.median(worst),
+            "itl_before_ms": 1000 * statistics.fmean(before), "gap_p50_ms": 1000 * statistics.median(worst),
             "gap_max_ms": 1000 * max(worst), "texts": [s.text for s in streams],
             "migrations": sum(bool(s.info.get("migrations")) for s in streams),
             "errors": [s.error for s in streams if s.error]}
@@ -139,6 +140,9 @@ def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:smollm2")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 (default): texts compare across the runs; in bfloat16 a batch's composition "
+                        "alone can flip a greedy token")
     p.add_argument("--streams", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-words", type=int, default=300)
@@ -147,7 +151,7 @@ def main() -> int:
     p.add_argument("--modes", default="migrate,resume,wait")
     args = p.parse_args()
     print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} python {platform.python_version()}"
-          f"; model {args.model}, {args.streams} streams x {args.max_tokens} tokens, prompts of ~{args.prompt_words} "
+          f"; model {args.model} {args.dtype}, {args.streams} streams x {args.max_tokens} tokens, prompts of ~{args.prompt_words} "
           f"words, drain after {args.drain_after} tokens")
     results = []
     with tempfile.TemporaryDirectory(prefix="pdserve-migrate-bench-") as tmp:

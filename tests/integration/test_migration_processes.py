@@ -1,5 +1,5 @@
 """Live migration through real processes (issue #17's acceptance): `pdserve local` (broker, one
-prefill, two decodes, router; tiny model).
+prefill, two decodes, router; the tiny model with 16 layers).
 
 4 greedy streams of 256 tokens and 2 seeded sampled ones run on decode-0 (decode-1's slots
 are held meanwhile, so the router puts them all on decode-0); then decode-0 is drained through
@@ -37,10 +37,19 @@ SEEDED = [("Once upon a time", 7), ("In a galaxy far away", 8)]
 
 
 @pytest.fixture(scope="module")
-def local(tiny_model_dir, tmp_path_factory):
+def deep_tiny_dir(tmp_path_factory):
+    """The tiny model with 16 layers: a decode step costs about 4x the 4-layer one's, so 256-token
+    streams still run when the drain comes on a loaded machine."""
+    from pdserve_worker.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-16-layers"), num_layers=16)
+
+
+@pytest.fixture(scope="module")
+def local(deep_tiny_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-migrate"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
+        "--model", str(deep_tiny_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
         "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--port", "0", "--threads", "1",
         "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=20",
     )
@@ -178,6 +187,7 @@ def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
         assert a.text == text, "a migrated stream's text differs from the undisturbed run"
         assert a.pdserve.get("migrations") == 1 and a.pdserve.get("decode") == "decode-1", a.pdserve
         assert not a.pdserve.get("retries")
+    print(f"drain of decode-0 with {len(REQUESTS)} streams: {drain['seconds']:.3f}s")
     assert drain["answer"].get("drained") is True
     assert drain["seconds"] < 2.0, f"the drain took {drain['seconds']:.2f}s"
     assert drain["prefills_after"] == drain["prefills"], "a prefill was made during the drain"
@@ -195,10 +205,10 @@ def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
 
 
 @pytest.fixture
-def three_decodes(tiny_model_dir, tmp_path):
+def three_decodes(deep_tiny_dir, tmp_path):
     run = LocalRun.start(
         tmp_path / "pd-migrate-faults",
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "3",
+        "--model", str(deep_tiny_dir), "--dtype", "float32", "--prefill", "1", "--decode", "3",
         "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--port", "0", "--threads", "1", "--on-exit", "ignore",
         "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=20", "--env", "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
     )
