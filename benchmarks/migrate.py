@@ -16,7 +16,7 @@ once each stream has K tokens, decode-1 is freed and decode-0 drained through it
 largest gap between two tokens a client saw from the drain on (its p50 and max over the
 streams), against the mean inter-token gap of the same streams before the drain (SSE chunks
 that arrive in one read count as gaps of 0); prefill calls made during the
-drain (the prefill's counter); every text compared with the wait run's (undisturbed).
+drain call and until the streams ended (the prefill's counter); every text compared with the wait run's (undisturbed).
 
 Usage: PYTHONPATH=worker:operator:proto python benchmarks/migrate.py [--model builtin:smollm2]
        [--dtype float32] [--streams 6] [--max-tokens 256] [--prompt-words 300] [--modes migrate,resume,wait]
@@ -122,6 +122,7 @@ def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
             prefills_during = scrape(prefill_http, "pdserve_prefill_request_seconds_count") - prefills
             for f in futures:
                 f.result()
+            prefills_after = scrape(prefill_http, "pdserve_prefill_request_seconds_count") - prefills
         channel.close()
     finally:
         run.stop(timeout_s=120)
@@ -130,7 +131,7 @@ def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
         gaps = [(b - a, b) for a, b in zip(s.arrivals, s.arrivals[1:])]
         before += [g for g, end in gaps if end < drain_started]
         worst.append(max(g for g, end in gaps if end >= drain_started))  # the gaps from the drain on
-    return {"mode": mode, "drained": drained.get("drained"), "drain_s": drain_s, "prefills": prefills_during,
+    return {"mode": mode, "drained": drained.get("drained"), "drain_s": drain_s, "prefills": prefills_during, "prefills_after": prefills_after,
             "itl_before_ms": 1000 * statistics.fmean(before), "gap_p50_ms": 1000 * statistics.median(worst),
             "gap_max_ms": 1000 * max(worst), "texts": [s.text for s in streams],
             "migrations": sum(bool(s.info.get("migrations")) for s in streams),
@@ -160,15 +161,15 @@ def main() -> int:
             r = results[-1]
             print(f"{mode}: drain {r['drain_s']:.2f}s, largest gap p50 {r['gap_p50_ms']:.0f} ms / max "
                   f"{r['gap_max_ms']:.0f} ms, ITL before {r['itl_before_ms']:.1f} ms, prefills during drain "
-                  f"{r['prefills']:.0f}, migrated {r['migrations']}, errors {r['errors']}", flush=True)
+                  f"{r['prefills']:.0f} (until the end {r['prefills_after']:.0f}), migrated {r['migrations']}, errors {r['errors']}", flush=True)
     base = next((r for r in results if r["mode"] == "wait"), results[0])
     print("\n| drain mode | drain call | largest gap a client saw (p50 / max over streams) | ITL before | "
-          "prefills during drain | text = undisturbed |")
+          "prefill calls during the drain call / until the streams ended | text = undisturbed |")
     print("|---|---|---|---|---|---|")
     for r in results:
         same = sum(a == b for a, b in zip(r["texts"], base["texts"]))
         print(f"| {r['mode']} | {r['drain_s']:.2f} s | {r['gap_p50_ms']:.0f} / {r['gap_max_ms']:.0f} ms | "
-              f"{r['itl_before_ms']:.1f} ms | {r['prefills']:.0f} | {same}/{len(r['texts'])} |")
+              f"{r['itl_before_ms']:.1f} ms | {r['prefills']:.0f} / {r['prefills_after']:.0f} | {same}/{len(r['texts'])} |")
     return 0
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.layout import K, V, KVLayout
+from pdserve_worker.kv.layout import K, KVLayout, V
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.generate import Detached, Generator, colocated_cache, generate, prefill_first_token
 from pdserve_worker.model.sampling_params import SamplingParams
