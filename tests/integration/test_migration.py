@@ -365,7 +365,7 @@ class SourceDiesMidPush(DecodeServicer):
     """A decode killed in the middle of a migration's push: one layer chunk is out, no notify."""
 
     async def Migrate(self, request, context):
-        from pdserve_worker.roles.migration import MigrationPusher
+        from pdserve_worker.decode.migration import MigrationPusher
         from pdserve_worker.rpc.convert import push_targets_from_proto
         from pdserve_worker.transfer.push import PushSource
 

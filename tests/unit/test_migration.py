@@ -1,4 +1,4 @@
-"""Live migration's pieces (roles/migration.py): where each byte goes between two decode pools,
+"""Live migration's pieces (decode/migration.py): where each byte goes between two decode pools,
 the handoff's one release path, and the engine-level promise — a request detached after k
 tokens and continued in another pool from the moved KV gives exactly the tokens and text of an
 undisturbed run (greedy, seeded sampling, a stop string)."""
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.layout import K, KVLayout, V
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.generate import Detached, Generator, colocated_cache, generate, prefill_first_token
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.generation_loop import GenerationLoop, Parked
-from pdserve_worker.roles.migration import Handoff, HandoffBook, HandoffUnavailable, migration_descriptors
+from pdserve_worker.decode.generation_loop import GenerationLoop, Parked
+from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_descriptors
 
 MAX_LEN = 64
 
