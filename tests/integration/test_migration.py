@@ -131,7 +131,7 @@ async def cluster(loaded, decode_extra: tuple[dict, ...] = ({}, {}), slow: tuple
             model = loaded if not delay else dataclasses.replace(loaded, model=_SlowSteps(loaded.model, delay))
             d = DecodeWorker(s, model, engine(s), REVISION)
             workers.append(d)
-            d.start()
+            await d.start()
             await serve(s, lambda srv, d=d, v=servicer: worker_pb2_grpc.add_DecodeServicer_to_server(v(d), srv))
             members.append(await join(d.member_info(), d.load))
             decodes.append(d)

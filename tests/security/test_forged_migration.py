@@ -51,7 +51,7 @@ async def decode(loaded):
     backend = create_engine("cpu")
     assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
     worker = DecodeWorker(settings, loaded, backend, "rev")
-    worker.start()
+    await worker.start()
     server = aio_server(TokenTable({SVC: TOKEN}))
     worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
     bind(server, "127.0.0.1", settings.grpc_port)
