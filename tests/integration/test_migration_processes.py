@@ -40,7 +40,7 @@ SEEDED = [("Once upon a time", 7), ("In a galaxy far away", 8)]
 def deep_tiny_dir(tmp_path_factory):
     """The tiny model with 16 layers: a decode step costs about 4x the 4-layer one's, so 256-token
     streams still run when the drain comes on a loaded machine."""
-    from pdserve_worker.model.tiny import write_tiny_model
+    from support.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-16-layers"), num_layers=16)
 
