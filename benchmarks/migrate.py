@@ -19,7 +19,7 @@ that arrive in one read count as gaps of 0); prefill calls made during the
 drain call and until the streams ended (the prefill's counter); every text compared with the wait run's (undisturbed).
 
 Usage: PYTHONPATH=worker:operator:proto python benchmarks/migrate.py [--model builtin:smollm2]
-       [--dtype float32] [--streams 6] [--max-tokens 256] [--prompt-words 300] [--modes migrate,resume,wait]
+       [--dtype float32] [--streams 6] [--max-tokens 256] [--prompt-words 300] [--modes wait,migrate,resume,wait]
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=300)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--drain-after", type=int, default=16, help="tokens every stream has when the drain starts")
-    p.add_argument("--modes", default="migrate,resume,wait")
+    p.add_argument("--modes", default="wait,migrate,resume,wait",
+                   help="the first wait run is the reference; a second one is the control (deployment to deployment)")
     args = p.parse_args()
     print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} python {platform.python_version()}"
           f"; model {args.model} {args.dtype}, {args.streams} streams x {args.max_tokens} tokens, prompts of ~{args.prompt_words} "
@@ -163,6 +164,13 @@ def main() -> int:
                   f"{r['gap_max_ms']:.0f} ms, ITL before {r['itl_before_ms']:.1f} ms, prefills during drain "
                   f"{r['prefills']:.0f} (until the end {r['prefills_after']:.0f}), migrated {r['migrations']}, errors {r['errors']}", flush=True)
     base = next((r for r in results if r["mode"] == "wait"), results[0])
+    for r in results:
+        if r is not base:
+            differ = [i for i, (a, b) in enumerate(zip(r["texts"], base["texts"])) if a != b]
+            where = {i: next((j for j, (x, y) in enumerate(zip(r["texts"][i], base["texts"][i])) if x != y), None)
+                     for i in differ}
+            print(f"{r['mode']}: streams whose text differs from the first wait run: {differ} "
+                  f"(first differing character: {where}; streams {args.streams - 2}.. are the seeded ones)")
     print("\n| drain mode | drain call | largest gap a client saw (p50 / max over streams) | ITL before | "
           "prefill calls during the drain call / until the streams ended | text = undisturbed |")
     print("|---|---|---|---|---|---|")
