@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve_common.block_layout import Descriptor
 from pdserve_common.kv_layout import K, V, KVLayout
@@ -246,33 +245,3 @@ def push_handoff(backend: TransferBackend, source: PushSource, source_blocks: Se
         raise
     return MigrationResult(num_tokens, stats)
 
-
-class MigrationMetrics:
-    """A decode's migration figures on its /metrics (the registry of `WorkerMetrics`)."""
-
-    def __init__(self, registry: Any) -> None:
-        from prometheus_client import Counter, Histogram
-
-        self.handoffs = Counter(
-            "pdserve_decode_migrations",
-            "Requests this decode handed over while draining, by outcome: migrated (pushed and notified), "
-            "failed (the push or notify failed: the router resumes the request by re-prefilling), released "
-            "(no Migrate came, or the drain mode is resume).",
-            ["outcome"], registry=registry,
-        )
-        self.bytes = Counter("pdserve_decode_migration_bytes", "KV bytes pushed by migrations.", registry=registry)
-        self.seconds = Histogram(
-            "pdserve_decode_migration_seconds", "Per migration: Migrate call to the target's notify sent.",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=registry,
-        )
-        self.received = Counter(
-            "pdserve_decode_migrations_received", "Requests this decode took over from a draining decode.",
-            registry=registry,
-        )
-
-    def observe(self, handoff: Handoff, kv_bytes: int = 0, seconds: float | None = None) -> None:
-        self.handoffs.labels(handoff.outcome or "released").inc()
-        if kv_bytes:
-            self.bytes.inc(kv_bytes)
-        if seconds is not None:
-            self.seconds.observe(max(0.0, seconds))

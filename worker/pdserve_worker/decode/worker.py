@@ -62,7 +62,6 @@ from pdserve_worker.decode.migration import (
     Handoff,
     HandoffBook,
     HandoffUnavailable,
-    MigrationMetrics,
     MigrationResult,
     push_handoff,
 )
@@ -197,7 +196,6 @@ class DecodeWorker:
                                   kv_tokens=self.kv_tokens)
         # Requests handed over while draining (decode/migration.py), and the one thread that pushes them.
         self.handoffs = HandoffBook()
-        self.migration_metrics = MigrationMetrics(self.metrics.registry)
         self._migrations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-migrate")
 
     # ---- what a paged pool adds to the request road (kv/blocks.py) --------------------------------
@@ -506,7 +504,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             kv_ids, first, replayed = ((prompt[:-1], prompt[-1], resumed - 1) if request.migrated
                                        else (prompt, ready.first_token, resumed))
             if request.migrated:
-                w.migration_metrics.received.inc()
+                w.metrics.migrations_received.inc()
             # From here the loop owns the slot and frees it when the request leaves the batch.
             stream = w.loop.submit(
                 request.request_id, kv_ids, slot, params, lambda: w.finished(slot, generation),
@@ -577,7 +575,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                                                           f"streamed {index}")
         if w.settings.drain_mode == "resume":
             handoff.release()
-            w.migration_metrics.observe(handoff)
+            w.metrics.observe_handoff(handoff.outcome or "released")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: decode {w.settings.member_id} is draining: "
                                                              "resume the request elsewhere")
         w.handoffs.add(handoff, generation)
@@ -593,7 +591,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await asyncio.sleep(0.01)
         if handoff.state == Handoff.PARKED:
             handoff.release()
-            w.migration_metrics.observe(handoff)
+            w.metrics.observe_handoff(handoff.outcome or "released")
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{where}: handed over, but no Migrate came within {w.settings.migrate_wait_seconds:g}s")
 
@@ -609,7 +607,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             targets = push_targets_from_proto(request)
         except ValueError as exc:
             handoff.finish(migrated=False)
-            w.migration_metrics.observe(handoff)
+            w.metrics.observe_handoff(handoff.outcome or "released")
             context.set_trailing_metadata(settled_trailer(True))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
         started = time.monotonic()
@@ -619,13 +617,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         try:
             result = await asyncio.shield(push)
         except (PushError, TransferError, ValueError) as exc:
-            w.migration_metrics.observe(handoff)
+            w.metrics.observe_handoff(handoff.outcome or "released")
             log.warning(kv(event="migration_failed", request=request.request_id, slot=request.slot, error=str(exc)))
             # A push that failed was aborted: its puts reached a terminal state or were given up on.
             context.set_trailing_metadata(settled_trailer(isinstance(exc, ValueError)))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: migration failed: {exc}")
         seconds = time.monotonic() - started
-        w.migration_metrics.observe(handoff, result.stats.bytes, seconds)
+        w.metrics.observe_handoff(handoff.outcome or "migrated", result.stats.bytes, seconds)
         log.info(kv(event="request_migrated", request=request.request_id, tokens=result.num_tokens,
                     bytes=result.stats.bytes, seconds=f"{seconds:.4f}",
                     targets=",".join(t.engine_id for t in targets)))

@@ -96,6 +96,24 @@ class WorkerMetrics:
             "Transfers that failed (prefill: a put or the ready notify failed; decode: readiness timed out).",
             registry=r,
         )
+        if role == "decode":  # live migration when draining (roles/migration.py)
+            self.migrations = Counter(
+                "pdserve_decode_migrations",
+                "Requests this decode handed over while draining, by outcome: migrated (pushed and notified), "
+                "failed (the push or notify failed: the router resumes the request by re-prefilling), released "
+                "(no Migrate came, or the drain mode is resume).",
+                ["outcome"], registry=r,
+            )
+            self.migration_bytes = Counter("pdserve_decode_migration_bytes", "KV bytes pushed by migrations.",
+                                           registry=r)
+            self.migration_seconds = Histogram(
+                "pdserve_decode_migration_seconds", "Per migration: Migrate call to the target's notify sent.",
+                buckets=_KV_SECONDS_BUCKETS, registry=r,
+            )
+            self.migrations_received = Counter(
+                "pdserve_decode_migrations_received", "Requests this decode took over from a draining decode.",
+                registry=r,
+            )
         if role == "prefill":
             self.queue_wait = Histogram(
                 "pdserve_prefill_queue_wait_seconds", "From a prompt's arrival to the start of its prefill pass.",
@@ -149,6 +167,14 @@ class WorkerMetrics:
     def observe_transfer(self, kv_bytes: int, seconds: float) -> None:
         self.kv_transfer_bytes.inc(kv_bytes)
         self.kv_transfer_seconds.observe(max(0.0, seconds))
+
+    def observe_handoff(self, outcome: str, kv_bytes: int = 0, seconds: float | None = None) -> None:
+        """A request this decode handed over: how it ended (decode only)."""
+        self.migrations.labels(outcome=outcome).inc()
+        if kv_bytes:
+            self.migration_bytes.inc(kv_bytes)
+        if seconds is not None:
+            self.migration_seconds.observe(max(0.0, seconds))
 
     def observe_transfer_failure(self) -> None:
         self.kv_transfer_failures.inc()

@@ -120,6 +120,19 @@ class RouterMetrics:
             "Times a request was resumed on another worker after its decode or prefill failed.",
             registry=r,
         )
+        # Live migration off draining decodes (roles/router_migration.py).
+        self.migrations = Counter(
+            f"{_PREFIX}_migrations",
+            "Requests a draining decode handed over, by outcome: migrated (the KV moved to another decode), "
+            "fallback (it could not: the request was resumed by re-prefilling).",
+            ["outcome"], registry=r,
+        )
+        self.migration_seconds = Histogram(
+            f"{_PREFIX}_migration_seconds",
+            "From a decode's handover event to the target's grant filled (its Migrate answered).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=r,
+        )
+        self.migration_bytes = Counter(f"{_PREFIX}_migration_bytes", "KV bytes moved by migrations.", registry=r)
         self.grants_returned = Counter(
             f"{_PREFIX}_grants_returned",
             "Decode slot grants given back without a finished request, by outcome: released (free at "
@@ -191,6 +204,13 @@ class RouterMetrics:
     def observe_retry(self) -> None:
         """A request lost its decode or prefill and goes on elsewhere."""
         self.request_retries.inc()
+
+    def observe_migration(self, moved: bool, seconds: float = 0.0, kv_bytes: int = 0) -> None:
+        """A handed-over request moved with its KV, or fell back to a resume."""
+        self.migrations.labels(outcome="migrated" if moved else "fallback").inc()
+        if moved:
+            self.migration_seconds.observe(max(0.0, seconds))
+            self.migration_bytes.inc(kv_bytes)
 
     def observe_grant_returned(self, outcome: str) -> None:
         """A grant went back to its decode without a finished request (see `grants_returned`)."""

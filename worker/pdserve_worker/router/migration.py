@@ -36,6 +36,7 @@ from pdserve_common.membership import Member
 from pdserve_worker.rpc.trailers import push_settled
 
 if TYPE_CHECKING:
+    from pdserve_worker.router.metrics import RouterMetrics
     from pdserve_worker.router.pd_backend import PDBackend
 
 log = logging.getLogger("pdserve.router.migration")
@@ -56,25 +57,6 @@ class Moved:
     call: Any  # grpc.aio.UnaryStreamCall
     kv_bytes: int
     seconds: float
-
-
-class RouterMigrationMetrics:
-    """Migrations as the router saw them, on the router's /metrics."""
-
-    def __init__(self, registry: Any) -> None:
-        from prometheus_client import Counter, Histogram
-
-        self.migrations = Counter(
-            "pdserve_router_migrations",
-            "Requests a draining decode handed over, by outcome: migrated (the KV moved to another decode), "
-            "fallback (it could not: the request was resumed by re-prefilling).",
-            ["outcome"], registry=registry,
-        )
-        self.seconds = Histogram(
-            "pdserve_router_migration_seconds", "From the handover event to the target's grant filled (Migrate answered).",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=registry,
-        )
-        self.bytes = Counter("pdserve_router_migration_bytes", "KV bytes moved by migrations.", registry=registry)
 
 
 async def migrate(backend: PDBackend, request_id: str, prompt_ids: list[int], emitted: list[int],
@@ -129,7 +111,7 @@ async def _give_back(backend: PDBackend, target: Member, grant: worker_pb2.Grant
                  settled=settled, released=released))
 
 
-def note(metrics: RouterMigrationMetrics | None, request_id: str, source: str, moved: Moved | None,
+def note(metrics: RouterMetrics | None, request_id: str, source: str, moved: Moved | None,
          error: BaseException | None = None) -> None:
     """Log and count one migration's outcome."""
     if moved is not None:
@@ -137,10 +119,5 @@ def note(metrics: RouterMigrationMetrics | None, request_id: str, source: str, m
                     kv_bytes=moved.kv_bytes, seconds=f"{moved.seconds:.4f}"))
     else:
         log.warning(kv(event="migration_fallback", request=request_id, source=source, error=str(error)))
-    if metrics is None:
-        return
-    metrics.migrations.labels("migrated" if moved is not None else "fallback").inc()
-    if moved is not None:
-        metrics.seconds.observe(moved.seconds)
-        metrics.bytes.inc(moved.kv_bytes)
-
+    if metrics is not None:
+        metrics.observe_migration(moved is not None, moved.seconds if moved else 0.0, moved.kv_bytes if moved else 0)

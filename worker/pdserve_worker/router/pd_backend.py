@@ -62,7 +62,7 @@ from pdserve_worker.router.backend import (
     capacity_held,
 )
 from pdserve_worker.router.metrics import RouterMetrics
-from pdserve_worker.router.migration import MigrationFailed, RouterMigrationMetrics, migrate, note
+from pdserve_worker.router.migration import MigrationFailed, migrate, note
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.router.tokenizing import ModelTokenizing
@@ -119,7 +119,6 @@ class PDBackend(ModelTokenizing):
         self._broker = broker
         self._token = token
         self._metrics = metrics
-        self._migration_metrics = RouterMigrationMetrics(metrics.registry) if metrics is not None else None
         self._t = timeouts
         self._tls = tls  # how workers are dialled (settings.peer_tls)
         self._view: MembershipView | None = None
@@ -333,9 +332,9 @@ class PDBackend(ModelTokenizing):
                         moved = await migrate(self, request_id, prompt_ids, emitted, params, decode, grant,
                                               event.handover, avoid)
                     except MigrationFailed as exc:
-                        note(self._migration_metrics, request_id, decode.worker_id, None, exc)
+                        note(self._metrics, request_id, decode.worker_id, None, exc)
                         raise _Retryable(decode.worker_id, exc) from None
-                    note(self._migration_metrics, request_id, decode.worker_id, moved)
+                    note(self._metrics, request_id, decode.worker_id, moved)
                     call.cancel()  # the source's stream is over; its KV was freed by the Migrate
                     self._inflight_decode[decode.worker_id] -= 1
                     self._inflight_decode[moved.decode.worker_id] += 1
