@@ -415,3 +415,39 @@ async def test_a_migration_cut_short_resumes_with_the_same_text(loaded, fault):
             # The target grants of the cut push are quarantined (a write may still land), then free.
             usage = c.decodes[1].slots.usage()
             assert usage.quarantined + usage.free == SLOTS
+
+
+@pytest.mark.asyncio
+async def test_a_migration_is_traced_in_the_request_s_trace(loaded, tmp_path):
+    import json
+
+    from pdserve_common import pod_env as E
+    from pdserve_common import tracing
+
+    path = tmp_path / "spans.jsonl"
+    assert tracing.setup("pdserve-test", "t-migrate", env={E.TRACE_FILE: str(path)})
+    try:
+        reqs = requests(loaded)[:1]
+        expected = reference(loaded, reqs)
+        async with cluster(loaded) as c:
+            await c.members[1].set_draining(True)
+            await c.backend.view.wait_for(lambda v: v.members["decode-1"].draining, 5)
+
+            async def drain_decode_0():
+                await c.members[1].set_draining(False)
+                await c.backend.view.wait_for(lambda v: not v.members["decode-1"].draining, 5)
+                return await c.drain(0)
+
+            results, _ = await run_with(c, reqs, drain_decode_0)
+            check_identical(results, expected)
+    finally:
+        tracing.shutdown()
+    spans = [json.loads(line) for line in path.read_text().splitlines() if line]
+    by_name = {s["name"]: s for s in spans}
+    assert {"router.migrate", "decode.migrate", "router.attempt"} <= set(by_name), sorted(by_name)
+    moved = by_name["router.migrate"]
+    assert moved["attributes"]["pdserve.source.member"] == "decode-0"
+    assert moved["attributes"]["pdserve.decode.member"] == "decode-1"
+    # The source's push is in the request's trace, under the router's migrate span.
+    assert by_name["decode.migrate"]["trace_id"] == moved["trace_id"] == by_name["router.attempt"]["trace_id"]
+    assert by_name["decode.migrate"]["attributes"]["pdserve.kv_bytes"] > 0

@@ -610,7 +610,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             w.metrics.observe_handoff(handoff.outcome or "released")
             context.set_trailing_metadata(settled_trailer(True))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
-        started = time.monotonic()
+        started, started_ns = time.monotonic(), tracing.now_ns()
         push = asyncio.get_running_loop().run_in_executor(w._migrations, w.push_handoff, handoff, targets)
         # However this call ends (even cancelled), the KV is freed only once the push stopped reading it.
         push.add_done_callback(lambda f: handoff.finish(migrated=not f.cancelled() and f.exception() is None))
@@ -624,6 +624,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: migration failed: {exc}")
         seconds = time.monotonic() - started
         w.metrics.observe_handoff(handoff.outcome or "migrated", result.stats.bytes, seconds)
+        tracing.record("decode.migrate", started_ns, tracing.now_ns(), {
+            "pdserve.request_id": request.request_id, "pdserve.decode.member": w.settings.member_id,
+            "pdserve.kv_tokens": result.num_tokens, "pdserve.kv_bytes": result.stats.bytes},
+            parent=tracing.extract(context.invocation_metadata()))
         log.info(kv(event="request_migrated", request=request.request_id, tokens=result.num_tokens,
                     bytes=result.stats.bytes, seconds=f"{seconds:.4f}",
                     targets=",".join(t.engine_id for t in targets)))

@@ -329,8 +329,14 @@ class PDBackend(ModelTokenizing):
                     if params.seed is None:
                         params = params.model_copy(update={"seed": event.handover.seed})
                     try:
-                        moved = await migrate(self, request_id, prompt_ids, emitted, params, decode, grant,
-                                              event.handover, avoid)
+                        # In the attempt's trace; the calls carry its traceparent (rpc/channels.py).
+                        with tracing.use(attempt), tracing.span("router.migrate", {
+                                "pdserve.source.member": decode.worker_id,
+                                "pdserve.resumed_tokens": len(emitted)}) as moving:
+                            moved = await migrate(self, request_id, prompt_ids, emitted, params, decode, grant,
+                                                  event.handover, avoid)
+                            moving.set_attributes({"pdserve.decode.member": moved.decode.worker_id,
+                                                   "pdserve.kv_bytes": moved.kv_bytes})
                     except MigrationFailed as exc:
                         note(self._metrics, request_id, decode.worker_id, None, exc)
                         raise _Retryable(decode.worker_id, exc) from None
