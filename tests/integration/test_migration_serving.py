@@ -23,18 +23,18 @@ import pytest
 
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_common.auth import TokenTable
+from pdserve_common.channels import aio_channel, aio_server, bind
+from pdserve_common.membership import MemberInfo, Role
 from pdserve_operator.broker import BrokerServer
 from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.model.generate import generate
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
 from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
-from pdserve_common.auth import TokenTable
 from pdserve_worker.rpc.backoff import Backoff
-from pdserve_common.channels import aio_channel, aio_server, bind
-from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import create_engine

@@ -22,10 +22,10 @@ import pytest_asyncio
 
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
+from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
 from pdserve_worker.settings import WorkerSettings

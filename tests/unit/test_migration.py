@@ -12,13 +12,13 @@ import threading
 import pytest
 import torch
 
-from pdserve_worker.kv.cache import KVCache
 from pdserve_common.kv_layout import K, KVLayout, V
+from pdserve_worker.decode.generation_loop import GenerationLoop, Parked
+from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_descriptors
+from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.generate import Detached, Generator, colocated_cache, generate, prefill_first_token
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.decode.generation_loop import GenerationLoop, Parked
-from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_descriptors
 
 MAX_LEN = 64
 

@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve_common.block_layout import Descriptor
-from pdserve_common.kv_layout import K, V, KVLayout
-from pdserve_worker.kv.slots import Grant
+from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_common.logs import kv
+from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.generate import Detached
 from pdserve_worker.transfer.engine import TransferBackend
 from pdserve_worker.transfer.push import KVPusher, Piece, PushSource, PushStats, layer_chunks

@@ -48,6 +48,14 @@ from pdserve_common.logs import kv
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.decode.generation_loop import GenerationLoop, Parked, RequestFailed, RequestStream
+from pdserve_worker.decode.migration import (
+    MIGRATED,
+    Handoff,
+    HandoffBook,
+    HandoffUnavailable,
+    MigrationResult,
+    push_handoff,
+)
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
@@ -57,14 +65,6 @@ from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason
-from pdserve_worker.decode.migration import (
-    MIGRATED,
-    Handoff,
-    HandoffBook,
-    HandoffUnavailable,
-    MigrationResult,
-    push_handoff,
-)
 from pdserve_worker.roles.worker_metrics import WorkerMetrics
 from pdserve_worker.rpc.convert import (
     finish_reason_to_proto,
