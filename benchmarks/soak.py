@@ -190,6 +190,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
     model = args.model
     if model is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/support, without PYTHONPATH
         from support.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(work / "tiny-model"))

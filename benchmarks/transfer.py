@@ -48,11 +48,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdserve_common.kv_layout import KVLayout
-from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.transfer.engine import TransferBackend, create_engine
-from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks, prefill_and_push
-from support.transfer_peers import PeerProcess, decode_main, grant_from_dict
+# The peer processes are the tests' (tests/support): found without PYTHONPATH=...:tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from pdserve_common.kv_layout import KVLayout  # noqa: E402
+from pdserve_worker.kv.pool import KVPool  # noqa: E402
+from pdserve_worker.transfer.engine import TransferBackend, create_engine  # noqa: E402
+from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks, prefill_and_push  # noqa: E402
+from support.transfer_peers import PeerProcess, decode_main, grant_from_dict  # noqa: E402
 
 MB = 1 << 20
 
