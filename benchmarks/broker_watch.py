@@ -32,9 +32,17 @@ SVC, TOKEN = "bench/svc", "bench-token"
 
 def decode_info() -> MemberInfo:
     layout = KVLayout(num_slots=8, num_layers=30, max_len=2048, kv_heads=3, head_dim=64)
-    return MemberInfo(worker_id="decode-0", role=Role.DECODE, grpc_endpoint="127.0.0.1:7000",
-                      engine_id="127.0.0.1:7100", regions=(MemoryRegion(0x10000, layout.total_bytes),),
-                      kv_layout=layout, revision="r", slots_total=8, slots_free=8)
+    return MemberInfo(
+        worker_id="decode-0",
+        role=Role.DECODE,
+        grpc_endpoint="127.0.0.1:7000",
+        engine_id="127.0.0.1:7100",
+        regions=(MemoryRegion(0x10000, layout.total_bytes),),
+        kv_layout=layout,
+        revision="r",
+        slots_total=8,
+        slots_free=8,
+    )
 
 
 def summary(name: str, seconds: list[float], baseline: float | None = None) -> None:
@@ -86,9 +94,20 @@ async def main(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             broker.start("127.0.0.1", port)
             new_id = broker.broker_id
-            await asyncio.gather(*(v.wait_for(
-                lambda v, new_id=new_id: v.connected and v.broker_id == new_id and "decode-0" in v.members
-                and v.get("decode-0").registered_unix_ms >= int((time.time() - 60) * 1000), 30) for v in views))
+            await asyncio.gather(
+                *(
+                    v.wait_for(
+                        lambda v, new_id=new_id: (
+                            v.connected
+                            and v.broker_id == new_id
+                            and "decode-0" in v.members
+                            and v.get("decode-0").registered_unix_ms >= int((time.time() - 60) * 1000)
+                        ),
+                        30,
+                    )
+                    for v in views
+                )
+            )
             while not broker.members(SVC):
                 await asyncio.sleep(0.01)
             recover.append(time.perf_counter() - start)

@@ -57,6 +57,7 @@ def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
 
 def cpu_idle_fraction(seconds: float = 2.0) -> float | None:
     """Share of CPU time idle over `seconds` (Linux /proc/stat): other work skews every figure."""
+
     def sample() -> tuple[int, int]:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return fields[3] + fields[4], sum(fields)
@@ -271,8 +272,15 @@ def hf_decode(model, vocab: int, batch: int, context: int, steps: int) -> float:
 
     ids = torch.tensor([prompt_ids(context, vocab, slot) for slot in range(batch)])
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 3, min_new_tokens=steps + 3,
-                       do_sample=False, pad_token_id=0, logits_processor=transformers.LogitsProcessorList([Stamp()]))
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=steps + 3,
+            min_new_tokens=steps + 3,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=transformers.LogitsProcessorList([Stamp()]),
+        )
     gaps = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # the first steps warm caches and allocators
     return statistics.median(gaps)
 
@@ -304,12 +312,21 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 repeats, no 2048-token prefill, fewer steps")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp (skipped anyway if not installed)")
-    parser.add_argument("--weights", default="auto", choices=["auto", "dequantized", "int8", "int4"],
-                        help="how our matrices are held (default auto: a GGUF's blocks stay quantized)")
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "dequantized", "int8", "int4"],
+        help="how our matrices are held (default auto: a GGUF's blocks stay quantized)",
+    )
     parser.add_argument("--packed-prompts", type=int, default=8, help="prompts of the packed prefill")
     parser.add_argument("--packed-length", type=int, default=128, help="tokens per prompt of the packed prefill")
-    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                        help="before each phase, wait up to this long for a quiet machine (shared hosts)")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each phase, wait up to this long for a quiet machine (shared hosts)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steps = 3, 12
@@ -318,8 +335,11 @@ def main() -> int:
     prefill_lengths = [128, 512] if args.quick else [128, 512, 2048]
     batches = [1, 8, 16]
 
-    print(f"# engine benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
-          f"threads={args.threads}  torch={torch.__version__}  dtype={dtype}  weights={args.weights}", flush=True)
+    print(
+        f"# engine benchmark  {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
+        f"threads={args.threads}  torch={torch.__version__}  dtype={dtype}  weights={args.weights}",
+        flush=True,
+    )
     idle = wait_for_idle(args.wait_idle)
     print(f"cpu idle before start: {'unknown' if idle is None else f'{idle:.0%}'}", flush=True)
     bandwidth = memcpy_gb_per_s(args.repeats)
@@ -372,40 +392,60 @@ def main() -> int:
         hf_pf = {n: hf_prefill(hf, vocab, n, hf_repeats if n < 2048 else 1) for n in prefill_lengths}
         wait_for_idle(args.wait_idle)
         # HF's batched bf16 steps take seconds on CPUs without bf16 GEMM: fewer of them, still a median.
-        hf_dec = {b: hf_decode(hf, vocab, b, args.context, args.steps if b == 1 else min(args.steps, 8)) for b in batches}
+        hf_dec = {
+            b: hf_decode(hf, vocab, b, args.context, args.steps if b == 1 else min(args.steps, 8)) for b in batches
+        }
         for n, v in hf_pf.items():
             print(f"hf   prefill {n:>5} tokens: {v:8.1f} tokens/s", flush=True)
         for b, s in hf_dec.items():
             print(f"hf   decode batch {b:>2}: {s * 1e3:7.2f} ms/step  {b / s:7.1f} tokens/s", flush=True)
 
-    kv_bytes = 2 * loaded.config.num_layers * (args.context + args.steps // 2) * loaded.config.num_kv_heads \
-        * loaded.config.head_dim * model.embed_tokens.element_size()
+    kv_bytes = (
+        2
+        * loaded.config.num_layers
+        * (args.context + args.steps // 2)
+        * loaded.config.num_kv_heads
+        * loaded.config.head_dim
+        * model.embed_tokens.element_size()
+    )
     per_token = weight_bytes(model) + kv_bytes
     achieved = per_token / ours_dec[1] / 1e9
     print("\n## summary")
     print("| metric | ours | HF | ours/HF |\n|---|---|---|---|")
     for n in prefill_lengths:
         hf_v = hf_pf.get(n)
-        print(f"| prefill {n} (tokens/s) | {ours_pf[n]:.0f} | {hf_v or float('nan'):.0f} | "
-              f"{ours_pf[n] / hf_v if hf_v else float('nan'):.2f} |")
+        print(
+            f"| prefill {n} (tokens/s) | {ours_pf[n]:.0f} | {hf_v or float('nan'):.0f} | "
+            f"{ours_pf[n] / hf_v if hf_v else float('nan'):.2f} |"
+        )
     for b in batches:
         hf_s = hf_dec.get(b)
-        print(f"| decode batch {b} (ms/step) | {ours_dec[b] * 1e3:.1f} | {hf_s * 1e3 if hf_s else float('nan'):.1f} | "
-              f"{ours_dec[b] / hf_s if hf_s else float('nan'):.2f} |")
-    print(f"\nbatch-1 decode: {per_token / 1e6:.0f} MB read per token -> {achieved:.2f} GB/s = "
-          f"{achieved / bandwidth:.2f} of memcpy ({bandwidth:.2f} GB/s)")
-    print(f"aggregate tokens/s batch 16 / batch 1: {(16 / ours_dec[16]) / (1 / ours_dec[1]):.2f}x; "
-          f"batch 8 / batch 1: {(8 / ours_dec[8]) / (1 / ours_dec[1]):.2f}x")
+        print(
+            f"| decode batch {b} (ms/step) | {ours_dec[b] * 1e3:.1f} | {hf_s * 1e3 if hf_s else float('nan'):.1f} | "
+            f"{ours_dec[b] / hf_s if hf_s else float('nan'):.2f} |"
+        )
+    print(
+        f"\nbatch-1 decode: {per_token / 1e6:.0f} MB read per token -> {achieved:.2f} GB/s = "
+        f"{achieved / bandwidth:.2f} of memcpy ({bandwidth:.2f} GB/s)"
+    )
+    print(
+        f"aggregate tokens/s batch 16 / batch 1: {(16 / ours_dec[16]) / (1 / ours_dec[1]):.2f}x; "
+        f"batch 8 / batch 1: {(8 / ours_dec[8]) / (1 / ours_dec[1]):.2f}x"
+    )
     if hf_dec:
         print(f"batch-1 decode speed ours vs HF: {hf_dec[1] / ours_dec[1]:.2f}x faster")
     one = packed["one_at_a_time"]
-    print(f"packed prefill {args.packed_prompts} x {args.packed_length}: one row {packed['packed'] / one:.2f}x, "
-          f"one prompt per row {packed['rows'] / one:.2f}x the one-at-a-time tokens/s (target >= 2x)")
+    print(
+        f"packed prefill {args.packed_prompts} x {args.packed_length}: one row {packed['packed'] / one:.2f}x, "
+        f"one prompt per row {packed['rows'] / one:.2f}x the one-at-a-time tokens/s (target >= 2x)"
+    )
     if llama_dec:
         top = max(batches)
-        print(f"batch-1 decode ours / llama.cpp: {ours_dec[1] / llama_dec[1]:.2f} (target <= 1.5); "
-              f"batch-{top} aggregate tokens/s ours / llama.cpp: {llama_dec[top] / ours_dec[top]:.2f} (target >= 1); "
-              f"prefill 128 ours / llama.cpp: {ours_pf[128] / llama_pf:.2f}")
+        print(
+            f"batch-1 decode ours / llama.cpp: {ours_dec[1] / llama_dec[1]:.2f} (target <= 1.5); "
+            f"batch-{top} aggregate tokens/s ours / llama.cpp: {llama_dec[top] / ours_dec[top]:.2f} (target >= 1); "
+            f"prefill 128 ours / llama.cpp: {ours_pf[128] / llama_pf:.2f}"
+        )
     return 0
 
 

@@ -80,12 +80,16 @@ def main() -> int:
     kv_tokens = SLOTS * MAX_LEN
     num_blocks = kv_tokens // BLOCK
     admitted = num_blocks // per_request
-    print(f"model={loaded.name} dtype={dtype} threads={torch.get_num_threads()} cpu={platform.processor() or '?'} "
-          f"kv_tokens={kv_tokens} slots_admit={SLOTS} blocks_admit={admitted}", flush=True)
+    print(
+        f"model={loaded.name} dtype={dtype} threads={torch.get_num_threads()} cpu={platform.processor() or '?'} "
+        f"kv_tokens={kv_tokens} slots_admit={SLOTS} blocks_admit={admitted}",
+        flush=True,
+    )
 
     slot_cache = KVCache.allocate(config.kv_layout(SLOTS, MAX_LEN, dtype_name(model.dtype)))
-    layout = replace(config.kv_layout(admitted, MAX_LEN, dtype_name(model.dtype)), block_tokens=BLOCK,
-                     num_blocks=num_blocks)
+    layout = replace(
+        config.kv_layout(admitted, MAX_LEN, dtype_name(model.dtype)), block_tokens=BLOCK, num_blocks=num_blocks
+    )
     assert layout.total_bytes == slot_cache.layout.total_bytes, "the same KV memory"
 
     def paged(batch: int) -> PagedKVCache:

@@ -46,8 +46,10 @@ from local_run import LocalRun  # noqa: E402  (the tests' way of running `pdserv
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 SLOTS = 8
-WORDS = ("river stone light garden window morning paper music orange silver market winter "
-         "bridge forest story engine letter mountain ocean candle").split()
+WORDS = (
+    "river stone light garden window morning paper music orange silver market winter "
+    "bridge forest story engine letter mountain ocean candle"
+).split()
 
 
 @dataclass
@@ -59,14 +61,12 @@ class Stream:
 
 
 def prompts(n: int, words: int) -> list[str]:
-    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words)) + f" Chapter {i}:"
-            for i in range(n)]
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words)) + f" Chapter {i}:" for i in range(n)]
 
 
 def run_stream(url: str, model: str, prompt: str, seed: int | None, max_tokens: int, out: Stream) -> None:
     sampling = {"temperature": 0.8, "top_p": 0.95, "seed": seed} if seed is not None else {"temperature": 0}
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            **sampling}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, **sampling}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
         if reply.status_code != 200:
             out.error = f"HTTP {reply.status_code}"
@@ -88,32 +88,61 @@ def scrape(address: str, name: str) -> float:
 
 
 def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
-    run = LocalRun.start(work / mode, "--model", args.model, "--dtype", args.dtype, "--prefill", "1", "--decode", "2",
-                         "--slots", str(SLOTS), "--max-len", str(args.max_len), "--port", "0",
-                         "--env", f"PDSERVE_DRAIN_MODE={mode}", "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=600",
-                         timeout_s=600)
+    run = LocalRun.start(
+        work / mode,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--slots",
+        str(SLOTS),
+        "--max-len",
+        str(args.max_len),
+        "--port",
+        "0",
+        "--env",
+        f"PDSERVE_DRAIN_MODE={mode}",
+        "--env",
+        "PDSERVE_DRAIN_TIMEOUT_SECONDS=600",
+        timeout_s=600,
+    )
     try:
         model = httpx.get(f"{run.url}/v1/models", timeout=10).json()["data"][0]["id"]
         meta = (("authorization", f"Bearer {run.token}"),)
         channel = grpc.insecure_channel(run.child("decode-1")["grpc"])
         decode1 = worker_pb2_grpc.DecodeStub(channel)
-        held = [decode1.Reserve(worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4, max_tokens=4,
-                                                          lease_ms=600_000), metadata=meta, timeout=10)
-                for i in range(SLOTS)]
+        held = [
+            decode1.Reserve(
+                worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4, max_tokens=4, lease_ms=600_000),
+                metadata=meta,
+                timeout=10,
+            )
+            for i in range(SLOTS)
+        ]
         texts = prompts(args.streams, args.prompt_words)
         seeds = [None if i < args.streams - 2 else 100 + i for i in range(args.streams)]
         streams = [Stream() for _ in texts]
         with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
-            futures = [pool.submit(run_stream, run.url, model, p, s, args.max_tokens, st)
-                       for p, s, st in zip(texts, seeds, streams)]
+            futures = [
+                pool.submit(run_stream, run.url, model, p, s, args.max_tokens, st)
+                for p, s, st in zip(texts, seeds, streams)
+            ]
             while not all(len(s.arrivals) >= args.drain_after for s in streams):
                 if any(f.done() for f in futures):
                     raise RuntimeError(f"{mode}: a stream ended before the drain: {[s.error for s in streams]}")
                 time.sleep(0.005)
             for g in held:
-                decode1.Release(worker_pb2.ReleaseRequest(request_id=g.request_id, slot=g.slot,
-                                                          generation=g.generation, push_settled=True),
-                                metadata=meta, timeout=10)
+                decode1.Release(
+                    worker_pb2.ReleaseRequest(
+                        request_id=g.request_id, slot=g.slot, generation=g.generation, push_settled=True
+                    ),
+                    metadata=meta,
+                    timeout=10,
+                )
             prefill_http = run.child("prefill-0")["http"]
             prefills = scrape(prefill_http, "pdserve_prefill_request_seconds_count")
             drain_started = time.monotonic()
@@ -131,53 +160,80 @@ def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
         gaps = [(b - a, b) for a, b in zip(s.arrivals, s.arrivals[1:])]
         before += [g for g, end in gaps if end < drain_started]
         worst.append(max(g for g, end in gaps if end >= drain_started))  # the gaps from the drain on
-    return {"mode": mode, "drained": drained.get("drained"), "drain_s": drain_s, "prefills": prefills_during, "prefills_after": prefills_after,
-            "itl_before_ms": 1000 * statistics.fmean(before), "gap_p50_ms": 1000 * statistics.median(worst),
-            "gap_max_ms": 1000 * max(worst), "texts": [s.text for s in streams],
-            "migrations": sum(bool(s.info.get("migrations")) for s in streams),
-            "errors": [s.error for s in streams if s.error]}
+    return {
+        "mode": mode,
+        "drained": drained.get("drained"),
+        "drain_s": drain_s,
+        "prefills": prefills_during,
+        "prefills_after": prefills_after,
+        "itl_before_ms": 1000 * statistics.fmean(before),
+        "gap_p50_ms": 1000 * statistics.median(worst),
+        "gap_max_ms": 1000 * max(worst),
+        "texts": [s.text for s in streams],
+        "migrations": sum(bool(s.info.get("migrations")) for s in streams),
+        "errors": [s.error for s in streams if s.error],
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="builtin:smollm2")
-    p.add_argument("--dtype", default="float32",
-                   help="float32 (default): texts compare across the runs; in bfloat16 a batch's composition "
-                        "alone can flip a greedy token")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 (default): texts compare across the runs; in bfloat16 a batch's composition "
+        "alone can flip a greedy token",
+    )
     p.add_argument("--streams", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-words", type=int, default=300)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--drain-after", type=int, default=16, help="tokens every stream has when the drain starts")
-    p.add_argument("--modes", default="wait,migrate,resume,wait",
-                   help="the first wait run is the reference; a second one is the control (deployment to deployment)")
+    p.add_argument(
+        "--modes",
+        default="wait,migrate,resume,wait",
+        help="the first wait run is the reference; a second one is the control (deployment to deployment)",
+    )
     args = p.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} python {platform.python_version()}"
-          f"; model {args.model} {args.dtype}, {args.streams} streams x {args.max_tokens} tokens, prompts of ~{args.prompt_words} "
-          f"words, drain after {args.drain_after} tokens")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} python {platform.python_version()}"
+        f"; model {args.model} {args.dtype}, {args.streams} streams x {args.max_tokens} tokens, prompts of ~{args.prompt_words} "
+        f"words, drain after {args.drain_after} tokens"
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="pdserve-migrate-bench-") as tmp:
         for mode in args.modes.split(","):
             results.append(one_mode(mode, args, Path(tmp)))
             r = results[-1]
-            print(f"{mode}: drain {r['drain_s']:.2f}s, largest gap p50 {r['gap_p50_ms']:.0f} ms / max "
-                  f"{r['gap_max_ms']:.0f} ms, ITL before {r['itl_before_ms']:.1f} ms, prefills during drain "
-                  f"{r['prefills']:.0f} (until the end {r['prefills_after']:.0f}), migrated {r['migrations']}, errors {r['errors']}", flush=True)
+            print(
+                f"{mode}: drain {r['drain_s']:.2f}s, largest gap p50 {r['gap_p50_ms']:.0f} ms / max "
+                f"{r['gap_max_ms']:.0f} ms, ITL before {r['itl_before_ms']:.1f} ms, prefills during drain "
+                f"{r['prefills']:.0f} (until the end {r['prefills_after']:.0f}), migrated {r['migrations']}, errors {r['errors']}",
+                flush=True,
+            )
     base = next((r for r in results if r["mode"] == "wait"), results[0])
     for r in results:
         if r is not base:
             differ = [i for i, (a, b) in enumerate(zip(r["texts"], base["texts"])) if a != b]
-            where = {i: next((j for j, (x, y) in enumerate(zip(r["texts"][i], base["texts"][i])) if x != y), None)
-                     for i in differ}
-            print(f"{r['mode']}: streams whose text differs from the first wait run: {differ} "
-                  f"(first differing character: {where}; streams {args.streams - 2}.. are the seeded ones)")
-    print("\n| drain mode | drain call | largest gap a client saw (p50 / max over streams) | ITL before | "
-          "prefill calls during the drain call / until the streams ended | text = undisturbed |")
+            where = {
+                i: next((j for j, (x, y) in enumerate(zip(r["texts"][i], base["texts"][i])) if x != y), None)
+                for i in differ
+            }
+            print(
+                f"{r['mode']}: streams whose text differs from the first wait run: {differ} "
+                f"(first differing character: {where}; streams {args.streams - 2}.. are the seeded ones)"
+            )
+    print(
+        "\n| drain mode | drain call | largest gap a client saw (p50 / max over streams) | ITL before | "
+        "prefill calls during the drain call / until the streams ended | text = undisturbed |"
+    )
     print("|---|---|---|---|---|---|")
     for r in results:
         same = sum(a == b for a, b in zip(r["texts"], base["texts"]))
-        print(f"| {r['mode']} | {r['drain_s']:.2f} s | {r['gap_p50_ms']:.0f} / {r['gap_max_ms']:.0f} ms | "
-              f"{r['itl_before_ms']:.1f} ms | {r['prefills']:.0f} / {r['prefills_after']:.0f} | {same}/{len(r['texts'])} |")
+        print(
+            f"| {r['mode']} | {r['drain_s']:.2f} s | {r['gap_p50_ms']:.0f} / {r['gap_max_ms']:.0f} ms | "
+            f"{r['itl_before_ms']:.1f} ms | {r['prefills']:.0f} / {r['prefills_after']:.0f} | {same}/{len(r['texts'])} |"
+        )
     return 0
 
 

@@ -31,11 +31,18 @@ from pdserve_operator.crd import build_crd  # noqa: E402
 from pdserve_operator.kube import KINDS, PDIS, RestKubeClient  # noqa: E402
 from pdserve_operator.runtime import OperatorConfig  # noqa: E402
 
-CHILD_KINDS = [("Secret", ch.secret_name), ("ConfigMap", ch.config_name), ("Service", ch.headless_name),
-               ("Service", ch.router_service_name), ("Deployment", lambda n: f"{n}-prefill"),
-               ("StatefulSet", lambda n: f"{n}-decode"), ("Deployment", lambda n: f"{n}-router"),
-               ("PodDisruptionBudget", lambda n: f"{n}-prefill"), ("PodDisruptionBudget", lambda n: f"{n}-decode"),
-               ("PodDisruptionBudget", lambda n: f"{n}-router")]
+CHILD_KINDS = [
+    ("Secret", ch.secret_name),
+    ("ConfigMap", ch.config_name),
+    ("Service", ch.headless_name),
+    ("Service", ch.router_service_name),
+    ("Deployment", lambda n: f"{n}-prefill"),
+    ("StatefulSet", lambda n: f"{n}-decode"),
+    ("Deployment", lambda n: f"{n}-router"),
+    ("PodDisruptionBudget", lambda n: f"{n}-prefill"),
+    ("PodDisruptionBudget", lambda n: f"{n}-decode"),
+    ("PodDisruptionBudget", lambda n: f"{n}-router"),
+]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -63,9 +70,17 @@ def main() -> None:
         get_p50 = statistics.median(floor)
 
         stop, ready = threading.Event(), threading.Event()
-        config = OperatorConfig(namespaces=[ns], standalone=True, kubeconfig=str(kubeconfig), resync_seconds=3600,
-                                broker_host="127.0.0.1", broker_port=0)  # the real broker if present, on a free port
-        thread = threading.Thread(target=runner.run, args=(config,), kwargs={"stop_flag": stop, "ready_flag": ready}, daemon=True)
+        config = OperatorConfig(
+            namespaces=[ns],
+            standalone=True,
+            kubeconfig=str(kubeconfig),
+            resync_seconds=3600,
+            broker_host="127.0.0.1",
+            broker_port=0,
+        )  # the real broker if present, on a free port
+        thread = threading.Thread(
+            target=runner.run, args=(config,), kwargs={"stop_flag": stop, "ready_flag": ready}, daemon=True
+        )
         thread.start()
         assert ready.wait(30)
 
@@ -74,12 +89,21 @@ def main() -> None:
         done: dict[str, float] = {}
         t_start = time.perf_counter()
         for name in names:
-            kube.create({"apiVersion": "pdserve.dev/v1alpha1", "kind": "PDInferenceService",
-                         "metadata": {"name": name, "namespace": ns}, "spec": {}})
+            kube.create(
+                {
+                    "apiVersion": "pdserve.dev/v1alpha1",
+                    "kind": "PDInferenceService",
+                    "metadata": {"name": name, "namespace": ns},
+                    "spec": {},
+                }
+            )
             created[name] = time.perf_counter()
         while len(done) < len(names) and time.perf_counter() - t_start < 300:
-            present = {(o["kind"], o["metadata"]["name"]) for kind in {k for k, _ in CHILD_KINDS}
-                       for o in kube.list(KINDS[kind], ns, f"{ch.LABEL_MANAGED_BY}={ch.MANAGED_BY}")}
+            present = {
+                (o["kind"], o["metadata"]["name"])
+                for kind in {k for k, _ in CHILD_KINDS}
+                for o in kube.list(KINDS[kind], ns, f"{ch.LABEL_MANAGED_BY}={ch.MANAGED_BY}")
+            }
             now = time.perf_counter()
             for name in names:
                 if name not in done and all((k, fn(name)) in present for k, fn in CHILD_KINDS):
@@ -88,7 +112,9 @@ def main() -> None:
         total = max(done.values()) - t_start
         per = [done[n] - created[n] for n in names if n in done]
         print(f"create: {len(done)}/{len(names)} services complete (10 children each) in {total:.2f} s")
-        print(f"create→children per service: p50 {statistics.median(per) * 1000:.0f} ms, p99 {pct(per, 0.99) * 1000:.0f} ms")
+        print(
+            f"create→children per service: p50 {statistics.median(per) * 1000:.0f} ms, p99 {pct(per, 0.99) * 1000:.0f} ms"
+        )
 
         lat = []
         for i, name in enumerate(names[: args.scales]):

@@ -35,7 +35,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
+sys.path[:0] = [
+    str(ROOT / "benchmarks"),
+    str(ROOT / "worker"),
+    str(ROOT / "operator"),
+    str(ROOT / "common"),
+    str(ROOT / "proto"),
+]
 
 import serve  # noqa: E402  (benchmarks/serve.py: the trace, the client, the summary)
 from pdserve_operator.planner import (  # noqa: E402
@@ -94,7 +100,9 @@ def serve_measured(name: str, dtype: str, args: argparse.Namespace, trace) -> tu
     print(f"[{name}] serving the trace ...", file=sys.stderr, flush=True)
     with LocalDeployment(plan, progress=None) as deployment:
         url = deployment.start(timeout_s=300)
-        pids = {role: [c.pid for c in deployment.children if c.role == role and c.pid] for role in ("prefill", "decode")}
+        pids = {
+            role: [c.pid for c in deployment.children if c.role == role and c.pid] for role in ("prefill", "decode")
+        }
         before = {role: schedstat(p) for role, p in pids.items()}
         results, wall = asyncio.run(serve.drive(url, trace, args.output_tokens))
         after = {role: schedstat(p) for role, p in pids.items()}
@@ -132,8 +140,11 @@ def main() -> int:
     configs = args.configs.split(",")
     threads = {name: LocalPlan(port=0, **serve.CONFIGS[name]).threads_per_process() for name in configs}
     cpus = len(os.sched_getaffinity(0))
-    print(f"# plan_check {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} {cpus} CPUs  dtype={dtype}  "
-          f"threads per model process {threads}  load {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"# plan_check {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} {cpus} CPUs  dtype={dtype}  "
+        f"threads per model process {threads}  load {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
 
     def get_profile(name: str) -> HardwareProfile:
         if args.profile:
@@ -142,22 +153,35 @@ def main() -> int:
             from pdserve_worker.hw_profile import measure
 
             print(f"[{name}] measuring the profile (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
-            profile = measure(SMOLLM2_135M, dtype, threads[name],
-                              progress=lambda line: print(line, file=sys.stderr, flush=True), name=f"here-{dtype}")
+            profile = measure(
+                SMOLLM2_135M,
+                dtype,
+                threads[name],
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+                name=f"here-{dtype}",
+            )
             if args.save_profile:
                 profile.dump(Path(args.save_profile).with_suffix(f".{name}.yaml"))
-        print(f"[{name}] profile: matmul {profile.matmul_flops / 1e9:.1f} GFLOP/s, attention "
-              f"{(profile.attention_flops or 0) / 1e9:.1f} GFLOP/s + {profile.attention_overhead_s * 1e3:.2f} ms/layer, "
-              f"read {profile.memory_bandwidth / 1e9:.2f} GB/s, layer overhead {profile.layer_overhead_s * 1e6:.0f} us, "
-              f"sequence overhead {profile.sequence_overhead_s * 1e6:.0f} us, link {profile.link_bandwidth / 1e9:.2f} GB/s",
-              flush=True)
+        print(
+            f"[{name}] profile: matmul {profile.matmul_flops / 1e9:.1f} GFLOP/s, attention "
+            f"{(profile.attention_flops or 0) / 1e9:.1f} GFLOP/s + {profile.attention_overhead_s * 1e3:.2f} ms/layer, "
+            f"read {profile.memory_bandwidth / 1e9:.2f} GB/s, layer overhead {profile.layer_overhead_s * 1e6:.0f} us, "
+            f"sequence overhead {profile.sequence_overhead_s * 1e6:.0f} us, link {profile.link_bandwidth / 1e9:.2f} GB/s",
+            flush=True,
+        )
         return profile
 
     folder, _ = model_folder(None, dtype)
     tokenizer = Tokenizer.from_dir(folder)
-    trace = serve.make_trace(args.requests, args.rate, args.long_fraction, (32, 256), (1024, 2048), tokenizer, args.seed)
-    workload = Workload(arrival_rate=args.rate, prompt_tokens=LengthDistribution.of([r.prompt_tokens for r in trace]),
-                        output_tokens=LengthDistribution(fixed=args.output_tokens), slo=SLO(quantile=0.5))
+    trace = serve.make_trace(
+        args.requests, args.rate, args.long_fraction, (32, 256), (1024, 2048), tokenizer, args.seed
+    )
+    workload = Workload(
+        arrival_rate=args.rate,
+        prompt_tokens=LengthDistribution.of([r.prompt_tokens for r in trace]),
+        output_tokens=LengthDistribution(fixed=args.output_tokens),
+        slo=SLO(quantile=0.5),
+    )
 
     rows, last_profile = [], None
     for name in configs:
@@ -170,32 +194,50 @@ def main() -> int:
         if not args.no_serve:
             measured, shares, results = serve_measured(name, dtype, args, trace)
             row.update(ttft=measured["ttft_p50"], tpot=measured["tpot_p50"], failed=measured["failed"], shares=shares)
-            shared = ServingModel(SMOLLM2_135M, slowed(profile, shares["prefill"]), max_len=args.max_len, slots=args.slots,
-                                  decode_profile=slowed(profile, shares["decode"]))
+            shared = ServingModel(
+                SMOLLM2_135M,
+                slowed(profile, shares["prefill"]),
+                max_len=args.max_len,
+                slots=args.slots,
+                decode_profile=slowed(profile, shares["decode"]),
+            )
             row["adj_ttft"], row["adj_tpot"], replay = predict_trace(shared, trace, args.output_tokens, p, d)
             print(f"[{name}] per request (prompt tokens: TTFT measured / predicted at share):", flush=True)
-            print("   " + ", ".join(f"{r.request.prompt_tokens}: {r.ttft:.1f}/{s.ttft:.1f}s"
-                                    for r, s in zip(results, replay) if r.ttft is not None), flush=True)
+            print(
+                "   "
+                + ", ".join(
+                    f"{r.request.prompt_tokens}: {r.ttft:.1f}/{s.ttft:.1f}s"
+                    for r, s in zip(results, replay)
+                    if r.ttft is not None
+                ),
+                flush=True,
+            )
         rows.append(row)
 
     def ratio(a: float | None, b: float | None) -> str:
         return f"{a / b:.2f}" if a and b else "-"
 
     print("\npredicted (replay of the trace) vs measured medians; ratio = predicted / measured")
-    print(f"{'config':<7} {'CPU P/D':>9} {'TTFT meas':>9} {'dedicated':>10} {'ratio':>6} {'at share':>9} {'ratio':>6} "
-          f"{'TPOT meas':>9} {'dedicated':>10} {'ratio':>6} {'at share':>9} {'ratio':>6}")
+    print(
+        f"{'config':<7} {'CPU P/D':>9} {'TTFT meas':>9} {'dedicated':>10} {'ratio':>6} {'at share':>9} {'ratio':>6} "
+        f"{'TPOT meas':>9} {'dedicated':>10} {'ratio':>6} {'at share':>9} {'ratio':>6}"
+    )
     for r in rows:
         shares = r.get("shares", {})
         share_text = f"{shares['prefill']:.2f}/{shares['decode']:.2f}" if shares else "-"
-        print(f"{r['config']:<7} {share_text:>9} {r.get('ttft', float('nan')):>8.2f}s "
-              f"{r['pred_ttft']:>9.2f}s {ratio(r['pred_ttft'], r.get('ttft')):>6} {r.get('adj_ttft', float('nan')):>8.2f}s "
-              f"{ratio(r.get('adj_ttft'), r.get('ttft')):>6} {r.get('tpot', float('nan')) * 1e3:>7.0f}ms "
-              f"{r['pred_tpot'] * 1e3:>8.0f}ms {ratio(r['pred_tpot'], r.get('tpot')):>6} "
-              f"{r.get('adj_tpot', float('nan')) * 1e3:>7.0f}ms {ratio(r.get('adj_tpot'), r.get('tpot')):>6}")
+        print(
+            f"{r['config']:<7} {share_text:>9} {r.get('ttft', float('nan')):>8.2f}s "
+            f"{r['pred_ttft']:>9.2f}s {ratio(r['pred_ttft'], r.get('ttft')):>6} {r.get('adj_ttft', float('nan')):>8.2f}s "
+            f"{ratio(r.get('adj_ttft'), r.get('ttft')):>6} {r.get('tpot', float('nan')) * 1e3:>7.0f}ms "
+            f"{r['pred_tpot'] * 1e3:>8.0f}ms {ratio(r['pred_tpot'], r.get('tpot')):>6} "
+            f"{r.get('adj_tpot', float('nan')) * 1e3:>7.0f}ms {ratio(r.get('adj_tpot'), r.get('tpot')):>6}"
+        )
     for r in rows:
         a = r["analytic"]
-        print(f"analytic, Poisson at {args.rate}/s with the trace's lengths, {r['config']}: TTFT p50 "
-              f"{a.ttft_p50_s:.2f}s, TPOT mean {a.tpot_mean_s * 1e3:.0f}ms, prefill utilisation {a.prefill_utilization:.2f}")
+        print(
+            f"analytic, Poisson at {args.rate}/s with the trace's lengths, {r['config']}: TTFT p50 "
+            f"{a.ttft_p50_s:.2f}s, TPOT mean {a.tpot_mean_s * 1e3:.0f}ms, prefill utilisation {a.prefill_utilization:.2f}"
+        )
     if not args.no_components and last_profile is not None:
         components(last_profile, dtype, threads[configs[-1]])
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
@@ -230,8 +272,10 @@ def components(profile: HardwareProfile, dtype: str, threads: int) -> None:
         ids = torch.randint(100, engine.config.vocab_size, (n,), generator=gen).tolist()
         cpu, wall = timed(lambda: engine.prefill(ids, cache, 0))
         predicted = model.prefill_seconds(n)
-        print(f"  prefill {n:>5} tokens: model {predicted * 1e3:7.0f} ms   engine CPU {cpu * 1e3:7.0f} ms (ratio "
-              f"{predicted / cpu:.2f})   wall {wall * 1e3:7.0f} ms")
+        print(
+            f"  prefill {n:>5} tokens: model {predicted * 1e3:7.0f} ms   engine CPU {cpu * 1e3:7.0f} ms (ratio "
+            f"{predicted / cpu:.2f})   wall {wall * 1e3:7.0f} ms"
+        )
     context = 1024
     for batch in (1, 8):
         cache = KVCache.allocate(engine.config.kv_layout(batch, context + 40, dtype))
@@ -246,8 +290,10 @@ def components(profile: HardwareProfile, dtype: str, threads: int) -> None:
 
         cpu, wall = timed(step, repeats=15)
         predicted = model.decode_step_seconds(batch, batch * (context + 8))
-        print(f"  decode step, batch {batch}, context {context}: model {predicted * 1e3:6.1f} ms   engine CPU "
-              f"{cpu * 1e3:6.1f} ms (ratio {predicted / cpu:.2f})   wall {wall * 1e3:6.1f} ms")
+        print(
+            f"  decode step, batch {batch}, context {context}: model {predicted * 1e3:6.1f} ms   engine CPU "
+            f"{cpu * 1e3:6.1f} ms (ratio {predicted / cpu:.2f})   wall {wall * 1e3:6.1f} ms"
+        )
 
 
 if __name__ == "__main__":

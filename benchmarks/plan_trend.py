@@ -27,18 +27,26 @@ PROMPT, OUTPUT = 4096, 256
 
 def main() -> int:
     base = bundled_profile("ascend-910b")
-    workload = Workload(arrival_rate=0, prompt_tokens=LengthDistribution(fixed=PROMPT),
-                        output_tokens=LengthDistribution(fixed=OUTPUT), slo=SLO(quantile=0.99))
-    print(f"LLaMA-7B, {PROMPT}-token prompts, {OUTPUT} output tokens; profile {base.name} "
-          f"(fp16 {base.matmul_flops / 1e12:.0f} TFLOPS x {base.compute_efficiency}, "
-          f"HBM x {base.memory_efficiency}, {base.memory_capacity_bytes / 1e9:.0f} GB)")
+    workload = Workload(
+        arrival_rate=0,
+        prompt_tokens=LengthDistribution(fixed=PROMPT),
+        output_tokens=LengthDistribution(fixed=OUTPUT),
+        slo=SLO(quantile=0.99),
+    )
+    print(
+        f"LLaMA-7B, {PROMPT}-token prompts, {OUTPUT} output tokens; profile {base.name} "
+        f"(fp16 {base.matmul_flops / 1e12:.0f} TFLOPS x {base.compute_efficiency}, "
+        f"HBM x {base.memory_efficiency}, {base.memory_capacity_bytes / 1e9:.0f} GB)"
+    )
     falls = True
     for bandwidth in (1.6e12, 1.2e12, 0.9e12):
         profile = base.with_overrides(memory_bandwidth=bandwidth)
         model = ServingModel(LLAMA_7B, profile, max_len=PROMPT + OUTPUT)
-        print(f"\nHBM {bandwidth / 1e12:.1f} TB/s: prefill of one prompt {model.prefill_service_seconds(PROMPT):.2f} s, "
-              f"decode step at batch 1 {model.decode_step_seconds(1, PROMPT + OUTPUT / 2) * 1e3:.1f} ms, "
-              f"{model.decode_capacity} requests per decode")
+        print(
+            f"\nHBM {bandwidth / 1e12:.1f} TB/s: prefill of one prompt {model.prefill_service_seconds(PROMPT):.2f} s, "
+            f"decode step at batch 1 {model.decode_step_seconds(1, PROMPT + OUTPUT / 2) * 1e3:.1f} ms, "
+            f"{model.decode_capacity} requests per decode"
+        )
         print(f"{'rate':>6}  " + "  ".join(f"{p}P{d}D TPOT mean/p99 (TTFT p50)".rjust(30) for p, d in SEEDS))
         for rate in (0.12, 0.5, 1.0, 1.5):
             cells, tpots = [], []
@@ -51,7 +59,10 @@ def main() -> int:
             trend = all(a >= b - 1e-9 for a, b in zip(tpots, tpots[1:])) and tpots[0] > tpots[-1]
             falls &= trend
             print(f"{rate:>5.2f}/s " + "  ".join(cells) + ("" if trend else "   <- not falling"))
-    print("\nthe seeds' table (LLaMA-7B on Ascend 910): " + ", ".join(f"{p}P{d}D {t} ms" for (p, d), (_, t) in SEEDS.items()))
+    print(
+        "\nthe seeds' table (LLaMA-7B on Ascend 910): "
+        + ", ".join(f"{p}P{d}D {t} ms" for (p, d), (_, t) in SEEDS.items())
+    )
     print(f"TPOT falls from 1P1D to 2P4D at every load and bandwidth: {'yes' if falls else 'NO'}")
     return 0
 

@@ -54,8 +54,9 @@ from pdserve_operator.planner.simulate import SimRequest, Simulation  # noqa: E4
 DEFAULT_PROFILE = ROOT / "benchmarks" / "profiles" / "cpu-1t-2026-12-01.yaml"
 
 
-def diurnal_arrivals(peak: float, trough: float, day: float, prompt: tuple[int, int], output: tuple[int, int],
-                     seed: int) -> list[SimRequest]:
+def diurnal_arrivals(
+    peak: float, trough: float, day: float, prompt: tuple[int, int], output: tuple[int, int], seed: int
+) -> list[SimRequest]:
     """A non-homogeneous Poisson stream by thinning a rate-`peak` stream."""
     rng, t, out = random.Random(seed), 0.0, []
     while True:
@@ -91,8 +92,16 @@ def run_fixed(model: ServingModel, requests: list[SimRequest], p: int, d: int, d
     return sim
 
 
-def run_planner(model: ServingModel, requests: list[SimRequest], config: ControllerConfig, start: tuple[int, int],
-                day: float, interval: float, startup: float, rate_window: float) -> tuple[Simulation, list]:
+def run_planner(
+    model: ServingModel,
+    requests: list[SimRequest],
+    config: ControllerConfig,
+    start: tuple[int, int],
+    day: float,
+    interval: float,
+    startup: float,
+    rate_window: float,
+) -> tuple[Simulation, list]:
     sim = Simulation(model, *start, startup_s=startup)
     sim.submit(requests)
     state, current = PlannerState(), start
@@ -117,12 +126,17 @@ def run_planner(model: ServingModel, requests: list[SimRequest], config: Control
         workers = tuple(WorkerLoad(wid, role, active, slots) for wid, role, active, slots in sim.loads())  # type: ignore[arg-type]
         ready = lambda role: sum(1 for w in workers if w.role == role)  # noqa: E731
         obs = Observation(
-            prefill_replicas=current[0], decode_replicas=current[1], workers=workers,
+            prefill_replicas=current[0],
+            decode_replicas=current[1],
+            workers=workers,
             request_rate=len(window) / min(rate_window, t),
             prompt_tokens_mean=sum(r.prompt for r in window) / len(window) if window else None,
             output_tokens_mean=sum(r.output for r in window) / len(window) if window else None,
-            ttft_s=quantile(ttfts, q) if ttfts else None, tpot_s=quantile(tpots, q) if tpots else None,
-            samples=min(len(ttfts), len(tpots)), prefill_ready=ready("prefill"), decode_ready=ready("decode"),
+            ttft_s=quantile(ttfts, q) if ttfts else None,
+            tpot_s=quantile(tpots, q) if tpots else None,
+            samples=min(len(ttfts), len(tpots)),
+            prefill_ready=ready("prefill"),
+            decode_ready=ready("decode"),
         )
         result = controller_step(state, obs, t, config)
         state = result.state
@@ -165,22 +179,35 @@ def main() -> int:
     lo_p, hi_p = (int(x) for x in args.prompt.split("-"))
     lo_o, hi_o = (int(x) for x in args.output.split("-"))
     slo = SLO(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, quantile=args.quantile)
-    workload = Workload(arrival_rate=args.peak, prompt_tokens=LengthDistribution(uniform=(lo_p, hi_p)),
-                        output_tokens=LengthDistribution(uniform=(lo_o, hi_o)), slo=slo)
+    workload = Workload(
+        arrival_rate=args.peak,
+        prompt_tokens=LengthDistribution(uniform=(lo_p, hi_p)),
+        output_tokens=LengthDistribution(uniform=(lo_o, hi_o)),
+        slo=slo,
+    )
     bounds = Bounds(max_prefill=args.max_replicas, max_decode=args.max_replicas)
     peak_plan = plan_replicas(model, workload, bounds)
     if not peak_plan.meets_slo:
         print(f"the peak cannot be served within {args.max_replicas} replicas: {peak_plan.reason}", file=sys.stderr)
         return 2
     fixed = (peak_plan.prefill, peak_plan.decode)
-    print(f"# planner benchmark {time.strftime('%Y-%m-%d %H:%M')}  profile {profile.name} "
-          f"({(profile.measured or {}).get('date', 'published')})")
-    print(f"model {SMOLLM2_135M.name} {profile.dtype}; prompts {args.prompt}, outputs {args.output} tokens; "
-          f"SLO p{args.quantile * 100:g}: TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms")
-    print(f"per replica: prefill of a mean prompt {model.prefill_service_seconds(round(workload.prompt_tokens.mean())):.2f} s, "
-          f"decode step at batch 1/8 {model.decode_step_seconds(1, 300) * 1e3:.0f}/{model.decode_step_seconds(8, 2400) * 1e3:.0f} ms")
-    print(f"day: {args.day_seconds:g} s, rate {args.peak * args.trough:.2f}..{args.peak:.2f} req/s; fixed for the peak: "
-          f"{fixed[0]}P {fixed[1]}D ({peak_plan.reason})", flush=True)
+    print(
+        f"# planner benchmark {time.strftime('%Y-%m-%d %H:%M')}  profile {profile.name} "
+        f"({(profile.measured or {}).get('date', 'published')})"
+    )
+    print(
+        f"model {SMOLLM2_135M.name} {profile.dtype}; prompts {args.prompt}, outputs {args.output} tokens; "
+        f"SLO p{args.quantile * 100:g}: TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms"
+    )
+    print(
+        f"per replica: prefill of a mean prompt {model.prefill_service_seconds(round(workload.prompt_tokens.mean())):.2f} s, "
+        f"decode step at batch 1/8 {model.decode_step_seconds(1, 300) * 1e3:.0f}/{model.decode_step_seconds(8, 2400) * 1e3:.0f} ms"
+    )
+    print(
+        f"day: {args.day_seconds:g} s, rate {args.peak * args.trough:.2f}..{args.peak:.2f} req/s; fixed for the peak: "
+        f"{fixed[0]}P {fixed[1]}D ({peak_plan.reason})",
+        flush=True,
+    )
 
     requests = diurnal_arrivals(args.peak, args.trough, args.day_seconds, (lo_p, hi_p), (lo_o, hi_o), args.seed)
     started = time.perf_counter()
@@ -190,10 +217,12 @@ def main() -> int:
     fixed_tpot = quantile([r.tpot for r in requests if r.tpot], 0.99)
     for r in requests:
         r.first_token = r.done = None
-    config = ControllerConfig(model=model, workload=workload, bounds=bounds, up_window_s=args.up_window,
-                              down_window_s=args.down_window)
-    plan_sim, changes = run_planner(model, requests, config, fixed, args.day_seconds, args.interval, args.startup,
-                                    args.rate_window)
+    config = ControllerConfig(
+        model=model, workload=workload, bounds=bounds, up_window_s=args.up_window, down_window_s=args.down_window
+    )
+    plan_sim, changes = run_planner(
+        model, requests, config, fixed, args.day_seconds, args.interval, args.startup, args.rate_window
+    )
     plan_att = attainment(requests, slo)
     plan_ttft = quantile([r.ttft for r in requests], 0.99)
     plan_tpot = quantile([r.tpot for r in requests if r.tpot], 0.99)
@@ -202,19 +231,31 @@ def main() -> int:
     rs_fixed = fixed_sim.replica_seconds(until=fixed_sim.horizon)
     rs_plan = plan_sim.replica_seconds(until=plan_sim.horizon)
     print(f"\n{len(requests)} requests; simulated in {elapsed:.0f} s")
-    print(f"{'':<9} {'replica-s':>10} {'prefill-s':>10} {'decode-s':>10} {'within SLO':>11} {'TTFT p99':>9} {'TPOT p99':>9} {'changes':>8}")
-    for name, sim, att, ttft, tpot, n in (("fixed", fixed_sim, fixed_att, fixed_ttft, fixed_tpot, 0),
-                                          ("planner", plan_sim, plan_att, plan_ttft, plan_tpot, len(changes))):
-        print(f"{name:<9} {sim.replica_seconds(until=sim.horizon):>10.0f} "
-              f"{sim.replica_seconds('prefill', sim.horizon):>10.0f} {sim.replica_seconds('decode', sim.horizon):>10.0f} "
-              f"{att * 100:>10.2f}% {ttft:>8.2f}s {tpot * 1e3:>7.0f}ms {n:>8}")
+    print(
+        f"{'':<9} {'replica-s':>10} {'prefill-s':>10} {'decode-s':>10} {'within SLO':>11} {'TTFT p99':>9} {'TPOT p99':>9} {'changes':>8}"
+    )
+    for name, sim, att, ttft, tpot, n in (
+        ("fixed", fixed_sim, fixed_att, fixed_ttft, fixed_tpot, 0),
+        ("planner", plan_sim, plan_att, plan_ttft, plan_tpot, len(changes)),
+    ):
+        print(
+            f"{name:<9} {sim.replica_seconds(until=sim.horizon):>10.0f} "
+            f"{sim.replica_seconds('prefill', sim.horizon):>10.0f} {sim.replica_seconds('decode', sim.horizon):>10.0f} "
+            f"{att * 100:>10.2f}% {ttft:>8.2f}s {tpot * 1e3:>7.0f}ms {n:>8}"
+        )
     saving = 1 - rs_plan / rs_fixed
-    print(f"\nplanner saves {saving * 100:.1f}% replica-seconds (target >= 30%) at {plan_att * 100:.2f}% within SLO "
-          f"(target >= 99%): {'met' if saving >= 0.30 and plan_att >= 0.99 else 'NOT met'}")
-    peak_counts = max((c[3] for c in changes if c[1] == "prefill"), default=fixed[0]), \
-        max((c[3] for c in changes if c[1] == "decode"), default=fixed[1])
-    low_counts = min((c[3] for c in changes if c[1] == "prefill"), default=fixed[0]), \
-        min((c[3] for c in changes if c[1] == "decode"), default=fixed[1])
+    print(
+        f"\nplanner saves {saving * 100:.1f}% replica-seconds (target >= 30%) at {plan_att * 100:.2f}% within SLO "
+        f"(target >= 99%): {'met' if saving >= 0.30 and plan_att >= 0.99 else 'NOT met'}"
+    )
+    peak_counts = (
+        max((c[3] for c in changes if c[1] == "prefill"), default=fixed[0]),
+        max((c[3] for c in changes if c[1] == "decode"), default=fixed[1]),
+    )
+    low_counts = (
+        min((c[3] for c in changes if c[1] == "prefill"), default=fixed[0]),
+        min((c[3] for c in changes if c[1] == "decode"), default=fixed[1]),
+    )
     print(f"planner ranged prefill {low_counts[0]}..{peak_counts[0]}, decode {low_counts[1]}..{peak_counts[1]}")
     return 0
 

@@ -48,8 +48,9 @@ class InstantBackend:
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         return self.tokenize_prompt("".join(m["content"] for m in messages))
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[TokenEvent]:
         for i in range(params.max_tokens):
             yield TokenEvent(i, " tok", "length" if i + 1 == params.max_tokens else None)
             await asyncio.sleep(0)  # yield to the loop as a real backend awaiting a decode step does
@@ -151,10 +152,14 @@ def main() -> None:
     routers = [Router("tracing off", {})]
     if not args.no_tracing:
         if not tracing.available():
-            raise SystemExit("the tracing comparison needs the tracing extra (pip install 'pdserve[tracing]'), "
-                             "or pass --no-tracing")
-        routers.append(Router("tracing on (sampling 1.0)", {"PDSERVE_TRACE_FILE": str(spans),
-                                                            "PDSERVE_TRACING_SAMPLE_RATIO": "1.0"}))
+            raise SystemExit(
+                "the tracing comparison needs the tracing extra (pip install 'pdserve[tracing]'), or pass --no-tracing"
+            )
+        routers.append(
+            Router(
+                "tracing on (sampling 1.0)", {"PDSERVE_TRACE_FILE": str(spans), "PDSERVE_TRACING_SAMPLE_RATIO": "1.0"}
+            )
+        )
     baseline: list[float] = []
     try:
         for router in routers:
@@ -174,17 +179,23 @@ def main() -> None:
         health_ms = statistics.median(router.health) * 1000
         tok_router_us = statistics.median(router.streamed) / args.tokens * 1e6
         results[router.name] = (req_ms, tok_router_us)
-        print(f"[{router.name}] 1-token completion: median {req_ms:.2f} ms; GET /health baseline {health_ms:.2f} ms; "
-              f"router work {req_ms - health_ms:.2f} ms, ratio {req_ms / health_ms:.2f}x")
-        print(f"[{router.name}] per streamed token: router {tok_router_us:.1f} us, in-process baseline "
-              f"{tok_base_us:.1f} us, ratio {tok_router_us / tok_base_us:.0f}x; streaming ceiling "
-              f"{1e6 / tok_router_us:,.0f} tokens/s per stream")
+        print(
+            f"[{router.name}] 1-token completion: median {req_ms:.2f} ms; GET /health baseline {health_ms:.2f} ms; "
+            f"router work {req_ms - health_ms:.2f} ms, ratio {req_ms / health_ms:.2f}x"
+        )
+        print(
+            f"[{router.name}] per streamed token: router {tok_router_us:.1f} us, in-process baseline "
+            f"{tok_base_us:.1f} us, ratio {tok_router_us / tok_base_us:.0f}x; streaming ceiling "
+            f"{1e6 / tok_router_us:,.0f} tokens/s per stream"
+        )
     if len(results) == 2:
         (off_req, off_tok), (on_req, on_tok) = results.values()
         lines = spans.read_text().splitlines() if spans.exists() else []
-        print(f"tracing on vs off: 1-token completion {on_req / off_req:.3f}x ({on_req - off_req:+.2f} ms), "
-              f"per streamed token {on_tok / off_tok:.3f}x ({on_tok - off_tok:+.1f} us); "
-              f"{len(lines)} spans exported")
+        print(
+            f"tracing on vs off: 1-token completion {on_req / off_req:.3f}x ({on_req - off_req:+.2f} ms), "
+            f"per streamed token {on_tok / off_tok:.3f}x ({on_tok - off_tok:+.1f} us); "
+            f"{len(lines)} spans exported"
+        )
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ CONFIGS = {
     "pd1-cache": dict(prefill=1, decode=1, prefix_cache_tokens=16_384),
     "pd2p-cache": dict(prefill=2, decode=1, prefix_cache_tokens=16_384),
 }
-WORDS = ("the model reads a prompt and writes an answer one token at a time while the cache of keys and values "
-         "grows with every step of the decoder on the machine in the cluster of servers").split()
+WORDS = (
+    "the model reads a prompt and writes an answer one token at a time while the cache of keys and values "
+    "grows with every step of the decoder on the machine in the cluster of servers"
+).split()
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,9 @@ class Result:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
-def make_trace(n: int, rate: float, long_fraction: float, short: tuple[int, int], long: tuple[int, int],
-               tokenizer, seed: int) -> list[Request]:
+def make_trace(
+    n: int, rate: float, long_fraction: float, short: tuple[int, int], long: tuple[int, int], tokenizer, seed: int
+) -> list[Request]:
     """Poisson arrivals; prompt lengths uniform in `short` or (with `long_fraction`) in `long`."""
     rng = random.Random(seed)
     at, trace = 0.0, []
@@ -132,12 +135,26 @@ def make_trace(n: int, rate: float, long_fraction: float, short: tuple[int, int]
     return trace
 
 
-async def one(http: httpx.AsyncClient, url: str, model: str, request: Request, output_tokens: int,
-              start: float, headers: dict[str, str] | None = None) -> Result:
+async def one(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    request: Request,
+    output_tokens: int,
+    start: float,
+    headers: dict[str, str] | None = None,
+) -> Result:
     await asyncio.sleep(max(0.0, start + request.at - time.monotonic()))
     result = Result(request, sent=time.monotonic())
-    body = {"model": model, "prompt": request.prompt, "max_tokens": output_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     while True:
         try:
             async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers or {}) as response:
@@ -155,7 +172,8 @@ async def one(http: httpx.AsyncClient, url: str, model: str, request: Request, o
                     if chunk.get("usage"):
                         result.completion_tokens = chunk["usage"]["completion_tokens"]
                         result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get(
-                            "cached_tokens", 0)
+                            "cached_tokens", 0
+                        )
                     if chunk.get("pdserve"):
                         result.prefill = chunk["pdserve"].get("prefill") or result.prefill
                     if any(c.get("text") for c in chunk.get("choices") or []):
@@ -166,8 +184,9 @@ async def one(http: httpx.AsyncClient, url: str, model: str, request: Request, o
             return result
 
 
-async def drive(url: str, trace: list[Request], output_tokens: int,
-                sequential: bool = False) -> tuple[list[Result], float]:
+async def drive(
+    url: str, trace: list[Request], output_tokens: int, sequential: bool = False
+) -> tuple[list[Result], float]:
     """Replay `trace` at its arrival times, or (`sequential`) each request once the one before
     it was answered: TTFT then holds no queueing, only the request's own prefill."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
@@ -198,11 +217,17 @@ def summarize(name: str, results: list[Result], wall_s: float) -> dict[str, floa
     gaps = [g for r in ok for g in r.gaps]
     tokens = sum(r.completion_tokens for r in ok)
     return {
-        "config": name, "ok": len(ok), "failed": len(results) - len(ok),
-        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-        "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
-        "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99),
-        "tok_per_s": tokens / wall_s if wall_s else 0.0, "wall_s": wall_s,
+        "config": name,
+        "ok": len(ok),
+        "failed": len(results) - len(ok),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct(tpot, 50),
+        "tpot_p99": pct(tpot, 99),
+        "itl_p50": pct(gaps, 50),
+        "itl_p99": pct(gaps, 99),
+        "tok_per_s": tokens / wall_s if wall_s else 0.0,
+        "wall_s": wall_s,
     }
 
 
@@ -210,10 +235,12 @@ def run_config(name: str, args: argparse.Namespace, trace: list[Request]) -> dic
     return summarize(name, *run_trace(name, args, trace))
 
 
-def run_trace(name: str, args: argparse.Namespace, trace: list[Request],
-              sequential: bool = False) -> tuple[list[Result], float]:
-    plan = LocalPlan(port=0, dtype=args.dtype, slots=args.slots, max_len=args.max_len, threads=args.threads,
-                     **CONFIGS[name])
+def run_trace(
+    name: str, args: argparse.Namespace, trace: list[Request], sequential: bool = False
+) -> tuple[list[Result], float]:
+    plan = LocalPlan(
+        port=0, dtype=args.dtype, slots=args.slots, max_len=args.max_len, threads=args.threads, **CONFIGS[name]
+    )
     print(f"[{name}] starting ...", file=sys.stderr, flush=True)
     with LocalDeployment(plan, progress=None) as deployment:
         url = deployment.start(timeout_s=600)
@@ -229,8 +256,9 @@ def words(rng: random.Random, tokenizer, count: int) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def make_multiturn_trace(tokenizer, seed: int, systems: int, conversations: int, turns: int, rate: float,
-                         system_tokens: int = 1500) -> list[Request]:
+def make_multiturn_trace(
+    tokenizer, seed: int, systems: int, conversations: int, turns: int, rate: float, system_tokens: int = 1500
+) -> list[Request]:
     """`conversations` conversations over `systems` system prompts of `system_tokens` tokens
     (assigned in turn, so systems interleave), each of `turns` turns; turn k's prompt is turn
     k-1's prompt, a stand-in for its answer and a new question (it extends the one before).
@@ -256,8 +284,10 @@ def multiturn(args: argparse.Namespace, tokenizer) -> int:
     one = make_multiturn_trace(tokenizer, args.seed, 1, args.conversations, args.turns, args.rate)
     seq = args.sequential
     lengths = [r.prompt_tokens for r in one]
-    print(f"multi-turn: {len(one)} requests, 1 system prompt of 1,500 tokens, {args.conversations} conversations x "
-          f"{args.turns} turns, prompts {min(lengths)}-{max(lengths)} tokens, {args.output_tokens} output tokens")
+    print(
+        f"multi-turn: {len(one)} requests, 1 system prompt of 1,500 tokens, {args.conversations} conversations x "
+        f"{args.turns} turns, prompts {min(lengths)}-{max(lengths)} tokens, {args.output_tokens} output tokens"
+    )
     off, off_wall = run_trace("pd1-nocache", args, one, seq)
     on, on_wall = run_trace("pd1-cache", args, one, seq)
     failed = sum(r.error is not None for r in off + on)
@@ -266,13 +296,24 @@ def multiturn(args: argparse.Namespace, tokenizer) -> int:
     cached = sum(r.cached_tokens for r in on) / max(1, sum(r.request.prompt_tokens for r in on))
     for name, rows, wall in (("cache off", off, off_wall), ("cache on", on, on_wall)):
         row = summarize(name, rows, wall)
-        print(f"  {name:<9} TTFT p50 (prefix seen) {pct([r.ttft for r in rows if r.request.seen and r.ttft], 50):.2f}s "
-              f"TTFT p50 all {row['ttft_p50']:.2f}s  TPOT p50 {row['tpot_p50'] * 1e3:.1f}ms")
-    print(f"  TTFT p50 of repeat-prefix requests, cache on / off: {ttft_on / ttft_off:.2f} (target <= 0.3); "
-          f"prompt tokens from the cache: {cached:.0%}")
+        print(
+            f"  {name:<9} TTFT p50 (prefix seen) {pct([r.ttft for r in rows if r.request.seen and r.ttft], 50):.2f}s "
+            f"TTFT p50 all {row['ttft_p50']:.2f}s  TPOT p50 {row['tpot_p50'] * 1e3:.1f}ms"
+        )
+    print(
+        f"  TTFT p50 of repeat-prefix requests, cache on / off: {ttft_on / ttft_off:.2f} (target <= 0.3); "
+        f"prompt tokens from the cache: {cached:.0%}"
+    )
 
-    four = make_multiturn_trace(tokenizer, args.seed + 1, 4, max(8, args.conversations * 2), args.turns, args.rate,
-                                system_tokens=args.routing_system_tokens)
+    four = make_multiturn_trace(
+        tokenizer,
+        args.seed + 1,
+        4,
+        max(8, args.conversations * 2),
+        args.turns,
+        args.rate,
+        system_tokens=args.routing_system_tokens,
+    )
     routed, _ = run_trace("pd2p-cache", args, four, seq)
     failed += sum(r.error is not None for r in routed)
     holders: dict[int, set[str]] = {}
@@ -288,9 +329,11 @@ def multiturn(args: argparse.Namespace, tokenizer) -> int:
         holders.setdefault(r.request.group, set()).add(r.prefill)
     counts = sorted(served.values())
     balance = counts[-1] / counts[0] if len(counts) > 1 and counts[0] else float("inf")
-    print(f"  2 prefills, 4 system prompts of {args.routing_system_tokens} tokens, {len(four)} requests: repeat requests on a prefill holding their "
-          f"prefix {hits}/{repeats} = {hits / max(1, repeats):.0%} (target >= 90%); requests per prefill "
-          f"{served} (busiest / least busy {balance:.2f}, target <= 2)")
+    print(
+        f"  2 prefills, 4 system prompts of {args.routing_system_tokens} tokens, {len(four)} requests: repeat requests on a prefill holding their "
+        f"prefix {hits}/{repeats} = {hits / max(1, repeats):.0%} (target >= 90%); requests per prefill "
+        f"{served} (busiest / least busy {balance:.2f}, target <= 2)"
+    )
     return 1 if failed else 0
 
 
@@ -334,22 +377,45 @@ def make_mixed_trace(args: argparse.Namespace, tokenizer) -> list[tuple[MixedCla
     return sorted(trace, key=lambda item: item[1].at)
 
 
-async def drive_mixed(url: str, trace: list[tuple[MixedClass, Request]]) -> tuple[list[tuple[MixedClass, Result]], float]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0),
-                                 limits=httpx.Limits(max_connections=1000)) as http:
+async def drive_mixed(
+    url: str, trace: list[tuple[MixedClass, Request]]
+) -> tuple[list[tuple[MixedClass, Result]], float]:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(900.0, connect=10.0), limits=httpx.Limits(max_connections=1000)
+    ) as http:
         auth = {name: {"Authorization": f"Bearer {key}"} for name, key in MIXED_KEYS.items()}
         model = (await http.get(f"{url}/v1/models", headers=auth["interactive"])).json()["data"][0]["id"]
         await one(http, url, model, Request(0.0, "hello there", 2), 4, time.monotonic(), auth["interactive"])
         start = time.monotonic()
-        results = await asyncio.gather(*(
-            one(http, url, model, request, cls.output_tokens, start,
-                {**auth[cls.name], "x-pdserve-priority": cls.priority}) for cls, request in trace))
+        results = await asyncio.gather(
+            *(
+                one(
+                    http,
+                    url,
+                    model,
+                    request,
+                    cls.output_tokens,
+                    start,
+                    {**auth[cls.name], "x-pdserve-priority": cls.priority},
+                )
+                for cls, request in trace
+            )
+        )
         return list(zip((cls for cls, _ in trace), results)), time.monotonic() - start
 
 
 def run_mixed(name: str, args: argparse.Namespace, trace: list[tuple[MixedClass, Request]], keys: Path) -> dict:
-    plan = LocalPlan(port=0, dtype=args.dtype, slots=args.slots, max_len=args.max_len, threads=args.threads,
-                     prefill=1, decode=1, api_keys=keys, extra_env=MIXED_CONFIGS[name])
+    plan = LocalPlan(
+        port=0,
+        dtype=args.dtype,
+        slots=args.slots,
+        max_len=args.max_len,
+        threads=args.threads,
+        prefill=1,
+        decode=1,
+        api_keys=keys,
+        extra_env=MIXED_CONFIGS[name],
+    )
     print(f"[{name}] starting ...", file=sys.stderr, flush=True)
     with LocalDeployment(plan, progress=None) as deployment:
         url = deployment.start(timeout_s=300)
@@ -361,8 +427,14 @@ def run_mixed(name: str, args: argparse.Namespace, trace: list[tuple[MixedClass,
         ok = [r for c, r in mine if r.error is None and r.ttft is not None]
         good = [r for c, r in mine if r.error is None and r.ttft is not None and r.ttft <= c.slo_ttft_s]
         ttft = [r.ttft for r in ok]
-        row[cls_name] = {"n": len(mine), "ok": len(ok), "good": len(good), "retries": sum(r.retries for _, r in mine),
-                         "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99)}
+        row[cls_name] = {
+            "n": len(mine),
+            "ok": len(ok),
+            "good": len(good),
+            "retries": sum(r.retries for _, r in mine),
+            "ttft_p50": pct(ttft, 50),
+            "ttft_p99": pct(ttft, 99),
+        }
     row["goodput"] = sum(row[c]["good"] for c in MIXED_KEYS) / span
     for c, r in results:
         if r.error:
@@ -376,29 +448,38 @@ def main_mixed(args: argparse.Namespace, tokenizer, model: str) -> int:
     trace = make_mixed_trace(args, tokenizer)
     counts = {c: sum(1 for k, _ in trace if k.name == c) for c in MIXED_KEYS}
     cpus = len(os.sched_getaffinity(0))
-    print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; mixed trace over "
-          f"{args.duration:.0f}s: {counts['interactive']} interactive (priority high, {args.interactive_rate}/s, "
-          f"32-128 prompt tokens, {args.interactive_tokens} out, SLO TTFT <= {args.interactive_slo:g}s) + "
-          f"{counts['batch']} batch (priority low, bursts of {args.batch_burst} every {args.batch_every:g}s, "
-          f"{args.batch_prompt[0]}-{args.batch_prompt[1]} prompt tokens, {args.batch_tokens} out, SLO TTFT <= {args.batch_slo:g}s); 1 prefill + 1 decode, "
-          f"{args.slots} slots")
+    print(
+        f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; mixed trace over "
+        f"{args.duration:.0f}s: {counts['interactive']} interactive (priority high, {args.interactive_rate}/s, "
+        f"32-128 prompt tokens, {args.interactive_tokens} out, SLO TTFT <= {args.interactive_slo:g}s) + "
+        f"{counts['batch']} batch (priority low, bursts of {args.batch_burst} every {args.batch_every:g}s, "
+        f"{args.batch_prompt[0]}-{args.batch_prompt[1]} prompt tokens, {args.batch_tokens} out, SLO TTFT <= {args.batch_slo:g}s); 1 prefill + 1 decode, "
+        f"{args.slots} slots"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.yaml"
-        keys.write_text("tenants:\n" + "".join(
-            f"  - name: {name}\n    keys: [\"{key}\"]\n" for name, key in MIXED_KEYS.items()))
+        keys.write_text(
+            "tenants:\n" + "".join(f'  - name: {name}\n    keys: ["{key}"]\n' for name, key in MIXED_KEYS.items())
+        )
         rows = [run_mixed(name, args, trace, keys) for name in args.configs.split(",")]
-    print(f"\n{'config':<10} {'class':<12} {'n':>4} {'ok':>4} {'in SLO':>7} {'429s':>6} {'TTFT p50':>9} {'TTFT p99':>9}")
+    print(
+        f"\n{'config':<10} {'class':<12} {'n':>4} {'ok':>4} {'in SLO':>7} {'429s':>6} {'TTFT p50':>9} {'TTFT p99':>9}"
+    )
     for row in rows:
         for cls_name in MIXED_KEYS:
             c = row[cls_name]
-            print(f"{row['config']:<10} {cls_name:<12} {c['n']:>4} {c['ok']:>4} {c['good']:>7} {c['retries']:>6} "
-                  f"{c['ttft_p50']:>8.2f}s {c['ttft_p99']:>8.2f}s")
+            print(
+                f"{row['config']:<10} {cls_name:<12} {c['n']:>4} {c['ok']:>4} {c['good']:>7} {c['retries']:>6} "
+                f"{c['ttft_p50']:>8.2f}s {c['ttft_p99']:>8.2f}s"
+            )
         print(f"{row['config']:<10} goodput {row['goodput']:.2f} requests in SLO per second")
     by = {r["config"]: r for r in rows}
     if "queue" in by and "retry429" in by and by["retry429"]["goodput"] > 0:
         q, r = by["queue"], by["retry429"]
-        print(f"\ngoodput queue ÷ 429+retry: {q['goodput'] / r['goodput']:.2f}x; interactive in SLO "
-              f"{q['interactive']['good']}/{q['interactive']['n']} vs {r['interactive']['good']}/{r['interactive']['n']}")
+        print(
+            f"\ngoodput queue ÷ 429+retry: {q['goodput'] / r['goodput']:.2f}x; interactive in SLO "
+            f"{q['interactive']['good']}/{q['interactive']['n']} vs {r['interactive']['good']}/{r['interactive']['n']}"
+        )
     return 1 if any(row[c]["ok"] < row[c]["n"] for row in rows for c in MIXED_KEYS) else 0
 
 
@@ -409,8 +490,12 @@ def main() -> int:
     parser.add_argument("--long-fraction", type=float, default=0.35, help="share of prompts of 1-2k tokens")
     parser.add_argument("--output-tokens", type=int, default=24)
     parser.add_argument("--configs", default="pd1,pd2,colocated")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="auto: bfloat16 where the CPU has native bf16 matmul, else float32")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto: bfloat16 where the CPU has native bf16 matmul, else float32",
+    )
     parser.add_argument("--slots", type=int, default=16, help="KV slots per decode (and for colocated)")
     parser.add_argument("--max-len", type=int, default=2304)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per model process (0: CPUs shared)")
@@ -424,16 +509,31 @@ def main() -> int:
     mixed.add_argument("--batch-burst", type=int, default=4)
     mixed.add_argument("--batch-every", type=float, default=20.0)
     mixed.add_argument("--batch-tokens", type=int, default=64)
-    mixed.add_argument("--batch-prompt", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"),
-                       help="prompt tokens of batch requests")
+    mixed.add_argument(
+        "--batch-prompt",
+        type=int,
+        nargs=2,
+        default=(64, 128),
+        metavar=("MIN", "MAX"),
+        help="prompt tokens of batch requests",
+    )
     mixed.add_argument("--batch-slo", type=float, default=60.0, help="TTFT SLO of batch requests, s")
-    parser.add_argument("--multiturn", action="store_true", help="the multi-turn trace: the prefix cache and prefix routing")
+    parser.add_argument(
+        "--multiturn", action="store_true", help="the multi-turn trace: the prefix cache and prefix routing"
+    )
     parser.add_argument("--conversations", type=int, default=4, help="multiturn: conversations per system prompt run")
     parser.add_argument("--turns", type=int, default=3, help="multiturn: turns per conversation")
-    parser.add_argument("--sequential", action="store_true",
-                        help="multiturn: each request after the one before was answered (no queueing in TTFT)")
-    parser.add_argument("--routing-system-tokens", type=int, default=1500,
-                        help="multiturn: system prompt length of the 4-prompt routing trace")
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="multiturn: each request after the one before was answered (no queueing in TTFT)",
+    )
+    parser.add_argument(
+        "--routing-system-tokens",
+        type=int,
+        default=1500,
+        help="multiturn: system prompt length of the 4-prompt routing trace",
+    )
     args = parser.parse_args()
     if args.mixed:
         if args.configs == parser.get_default("configs"):
@@ -455,32 +555,44 @@ def main() -> int:
     if args.mixed:
         return main_mixed(args, tokenizer, model)
     if args.multiturn:
-        print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, "
-              f"{len(os.sched_getaffinity(0))} CPUs")
+        print(
+            f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, "
+            f"{len(os.sched_getaffinity(0))} CPUs"
+        )
         return multiturn(args, tokenizer)
     trace = make_trace(args.requests, args.rate, args.long_fraction, (32, 256), (1024, 2048), tokenizer, args.seed)
     lengths = [r.prompt_tokens for r in trace]
     cpus = len(os.sched_getaffinity(0))
-    print(f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; "
-          f"{len(trace)} requests at {args.rate}/s over {trace[-1].at:.0f}s, prompts {min(lengths)}-{max(lengths)} "
-          f"tokens ({sum(n >= 1024 for n in lengths)} of 1k+), {args.output_tokens} output tokens each")
+    print(
+        f"{time.strftime('%Y-%m-%d')} {model} {args.dtype}; {platform.machine()}, {cpus} CPUs; "
+        f"{len(trace)} requests at {args.rate}/s over {trace[-1].at:.0f}s, prompts {min(lengths)}-{max(lengths)} "
+        f"tokens ({sum(n >= 1024 for n in lengths)} of 1k+), {args.output_tokens} output tokens each"
+    )
     rows = [run_config(name, args, trace) for name in args.configs.split(",")]
 
-    print(f"\n{'config':<10} {'ok':>3} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
-          f"{'ITL p50':>8} {'ITL p99':>8} {'tok/s':>7}")
+    print(
+        f"\n{'config':<10} {'ok':>3} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'tok/s':>7}"
+    )
     for r in rows:
-        print(f"{r['config']:<10} {r['ok']:>3} {r['ttft_p50']:>8.2f}s {r['ttft_p99']:>8.2f}s "
-              f"{r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p99'] * 1e3:>7.1f}ms {r['itl_p50'] * 1e3:>6.1f}ms "
-              f"{r['itl_p99'] * 1e3:>6.1f}ms {r['tok_per_s']:>7.1f}")
+        print(
+            f"{r['config']:<10} {r['ok']:>3} {r['ttft_p50']:>8.2f}s {r['ttft_p99']:>8.2f}s "
+            f"{r['tpot_p50'] * 1e3:>7.1f}ms {r['tpot_p99'] * 1e3:>7.1f}ms {r['itl_p50'] * 1e3:>6.1f}ms "
+            f"{r['itl_p99'] * 1e3:>6.1f}ms {r['tok_per_s']:>7.1f}"
+        )
     by = {r["config"]: r for r in rows}
     if "colocated" in by and "pd1" in by:
         c, d = by["colocated"], by["pd1"]
-        print(f"\ninterference ratio (colocated ÷ 1 prefill + 1 decode): TPOT p99 {c['tpot_p99'] / d['tpot_p99']:.1f}x, "
-              f"ITL p99 {c['itl_p99'] / d['itl_p99']:.1f}x (target >= 3)")
+        print(
+            f"\ninterference ratio (colocated ÷ 1 prefill + 1 decode): TPOT p99 {c['tpot_p99'] / d['tpot_p99']:.1f}x, "
+            f"ITL p99 {c['itl_p99'] / d['itl_p99']:.1f}x (target >= 3)"
+        )
     if "pd1s2" in by and "pd2" in by:
         g, d = by["pd1s2"], by["pd2"]
-        print(f"layer-sharded group ÷ 2 unsharded decodes (1 prefill each): TPOT p50 {g['tpot_p50'] / d['tpot_p50']:.2f}x, "
-              f"TTFT p50 {g['ttft_p50'] / d['ttft_p50']:.2f}x, throughput {g['tok_per_s'] / d['tok_per_s']:.2f}x")
+        print(
+            f"layer-sharded group ÷ 2 unsharded decodes (1 prefill each): TPOT p50 {g['tpot_p50'] / d['tpot_p50']:.2f}x, "
+            f"TTFT p50 {g['ttft_p50'] / d['ttft_p50']:.2f}x, throughput {g['tok_per_s'] / d['tok_per_s']:.2f}x"
+        )
     failed = sum(r["failed"] for r in rows)
     return 1 if failed else 0
 

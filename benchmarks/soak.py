@@ -35,8 +35,14 @@ import httpx
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["The quick brown fox", "Paris is the capital of", "A language model predicts", "Berlin is",
-           "Numbers like 12345 and", "Unicode text: café, naïve,"]
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    "A language model predicts",
+    "Berlin is",
+    "Numbers like 12345 and",
+    "Unicode text: café, naïve,",
+]
 
 
 @dataclass
@@ -63,15 +69,49 @@ class Tally:
 class Deployment:
     def __init__(self, model: str, log_dir: Path, slots: int, max_len: int) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
-                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
+            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
         self.log_dir = log_dir
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve_worker.cli", "local", "--log-dir", str(log_dir), "--model", model,
-             "--dtype", "float32", "--prefill", "2", "--decode", "2", "--slots", str(slots), "--max-len", str(max_len),
-             "--layers-per-chunk", "1", "--port", "0", "--threads", "1", "--on-exit", "restart",
-             "--env", "PDSERVE_READINESS_TIMEOUT_MS=3000", "--env", "PDSERVE_TRANSFER_TIMEOUT_MS=2000"],
-            stdout=subprocess.PIPE, stderr=open(log_dir / "local.stderr", "w"), text=True, env=env)
+            [
+                sys.executable,
+                "-m",
+                "pdserve_worker.cli",
+                "local",
+                "--log-dir",
+                str(log_dir),
+                "--model",
+                model,
+                "--dtype",
+                "float32",
+                "--prefill",
+                "2",
+                "--decode",
+                "2",
+                "--slots",
+                str(slots),
+                "--max-len",
+                str(max_len),
+                "--layers-per-chunk",
+                "1",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                "--on-exit",
+                "restart",
+                "--env",
+                "PDSERVE_READINESS_TIMEOUT_MS=3000",
+                "--env",
+                "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=open(log_dir / "local.stderr", "w"),
+            text=True,
+            env=env,
+        )
         assert self.proc.stdout is not None
         self.url = self.proc.stdout.readline().strip()
         if not self.url.startswith("http://"):
@@ -98,7 +138,8 @@ class Deployment:
         with grpc.insecure_channel(self.child(name)["grpc"]) as channel:
             try:
                 return worker_pb2_grpc.DecodeStub(channel).Status(
-                    worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {token}"),), timeout=2)
+                    worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {token}"),), timeout=2
+                )
             except grpc.RpcError:
                 return None
 
@@ -134,8 +175,15 @@ def complete(d: Deployment, prompt: str, max_tokens: int, tries: int = 8) -> Ans
 
 
 def _complete_once(d: Deployment, prompt: str, max_tokens: int) -> Answer:
-    body = {"model": d.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": d.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     answer = Answer()
     try:
         with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=120) as reply:
@@ -146,7 +194,7 @@ def _complete_once(d: Deployment, prompt: str, max_tokens: int) -> Answer:
             for line in reply.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     answer.error = str(chunk["error"])[:200]
                 for choice in chunk.get("choices", []):
@@ -166,7 +214,8 @@ def inject_faults(d: Deployment, every_s: float, stop: threading.Event, rng: ran
             continue
         fault = rng.choice(["kill decode", "kill prefill", "freeze prefill", "kill broker"])
         name = {"kill decode": f"decode-{rng.randrange(2)}", "kill broker": "broker"}.get(
-            fault, f"prefill-{rng.randrange(2)}")
+            fault, f"prefill-{rng.randrange(2)}"
+        )
         tally.faults.append(f"{fault} ({name})")
         if fault == "freeze prefill":
             d.signal(name, signal.SIGSTOP)
@@ -241,8 +290,10 @@ def main() -> int:
     finally:
         alive = d.stop()
     print(f"faulty phase: {faulty_s:.0f} s, {len(tally.faults)} faults: {', '.join(tally.faults)}")
-    print(f"requests completed {tally.completed} / failed {tally.failed} / retried {tally.retried} "
-          f"(of {tally.completed + tally.failed})")
+    print(
+        f"requests completed {tally.completed} / failed {tally.failed} / retried {tally.retried} "
+        f"(of {tally.completed + tally.failed})"
+    )
     print(f"answers differing from the undisturbed run: {tally.differing}")
     print(f"tokens lost: {tally.tokens_lost}")
     print(f"slots leaked: {leaked}")

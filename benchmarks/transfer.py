@@ -172,7 +172,9 @@ def bench_throughput(repeats: int, sizes_mb: list[int]) -> list[dict[str, Any]]:
     largest = max(sizes_mb) * MB
     decode_layout = throughput_layout(largest, 2)
     sink = PeerProcess.start(tcp_sink_main, {"max_bytes": largest})
-    decode = PeerProcess.start(decode_main, {"engine_id": f"127.0.0.1:{free_port()}", "layout": decode_layout.to_dict()})
+    decode = PeerProcess.start(
+        decode_main, {"engine_id": f"127.0.0.1:{free_port()}", "layout": decode_layout.to_dict()}
+    )
     raw = socket.create_connection(("127.0.0.1", sink.info["port"]))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     shm_backend, tcp_backend = client("auto"), client("tcp")
@@ -236,8 +238,10 @@ def bench_readiness(samples: int, cpu_wait_s: float) -> list[dict[str, Any]]:
                 grant = decode.call("reserve", request_id=f"{mode}-{i}", ttl_s=60)
                 decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)
                 time.sleep(0.003)  # let the decode side block before the notify goes out
-                body = (f'{{"request_id":"{mode}-{i}","slot":{grant["slot"]},"generation":{grant["generation"]},'
-                        f'"nonce":"{grant["nonce"]}","num_tokens":1}}')
+                body = (
+                    f'{{"request_id":"{mode}-{i}","slot":{grant["slot"]},"generation":{grant["generation"]},'
+                    f'"nonce":"{grant["nonce"]}","num_tokens":1}}'
+                )
                 t0 = time.perf_counter_ns()
                 backend.check(backend.engine.send_notify(engine_id, api.NotifyDesc("kv_ready", body), 2000), "notify")
                 woke = decode.result()["woke_ns"]
@@ -265,10 +269,16 @@ def bench_readiness(samples: int, cpu_wait_s: float) -> list[dict[str, Any]]:
 
 # ---- 5. what authentication costs ----------------------------------------------------------------------
 def _auth_decode(layout: KVLayout, on: bool, mode: str = "interrupt") -> PeerProcess:
-    return PeerProcess.start(decode_main, {
-        "engine_id": f"127.0.0.1:{free_port()}", "layout": layout.to_dict(), "mode": mode,
-        "options": AUTH_ON if on else {}, "check_nonce": on,
-    })
+    return PeerProcess.start(
+        decode_main,
+        {
+            "engine_id": f"127.0.0.1:{free_port()}",
+            "layout": layout.to_dict(),
+            "mode": mode,
+            "options": AUTH_ON if on else {},
+            "check_nonce": on,
+        },
+    )
 
 
 def bench_auth_throughput(repeats: int, sizes_mb: list[int]) -> list[dict[str, Any]]:
@@ -280,12 +290,17 @@ def bench_auth_throughput(repeats: int, sizes_mb: list[int]) -> list[dict[str, A
     the medians of those ratios are the figures (a slow second on a shared box hits a whole
     round, not one side)."""
     largest = max(sizes_mb) * MB
-    decodes = {False: _auth_decode(throughput_layout(largest, 4), False),
-               True: _auth_decode(throughput_layout(largest, 2), True)}
+    decodes = {
+        False: _auth_decode(throughput_layout(largest, 4), False),
+        True: _auth_decode(throughput_layout(largest, 2), True),
+    }
     key = {"pdserve.AuthKey": AUTH_KEY} if AUTH_ON else {}
     variants = {"off": False, "off2": False, "on": True}
-    clients = {(path, v): client("auto" if path == "shm" else "tcp", **(key if on else {}))
-               for path in ("shm", "tcp") for v, on in variants.items()}
+    clients = {
+        (path, v): client("auto" if path == "shm" else "tcp", **(key if on else {}))
+        for path in ("shm", "tcp")
+        for v, on in variants.items()
+    }
     rows = []
     try:
         for size_mb in sizes_mb:
@@ -305,7 +320,7 @@ def bench_auth_throughput(repeats: int, sizes_mb: list[int]) -> list[dict[str, A
             for i in range(repeats):
                 for path in ("shm", "tcp"):
                     order = ["off", "on", "off2"]
-                    order = order[i % 3:] + order[: i % 3]
+                    order = order[i % 3 :] + order[: i % 3]
                     got = {}
                     for v in order:
                         fns[f"{path}_{v}"]()  # settle: an untimed run right before the timed one
@@ -333,8 +348,10 @@ def _wake_once(decode: PeerProcess, backend: TransferBackend, engine_id: str, ta
     grant = decode.call("reserve", request_id=tag, ttl_s=60)
     decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)
     time.sleep(0.003)  # let the decode side block before the notify goes out
-    body = (f'{{"request_id":"{tag}","slot":{grant["slot"]},"generation":{grant["generation"]},'
-            f'"nonce":"{grant["nonce"]}","num_tokens":1}}')
+    body = (
+        f'{{"request_id":"{tag}","slot":{grant["slot"]},"generation":{grant["generation"]},'
+        f'"nonce":"{grant["nonce"]}","num_tokens":1}}'
+    )
     t0 = time.perf_counter_ns()
     backend.check(backend.engine.send_notify(engine_id, backend.api.NotifyDesc("kv_ready", body), 2000), "notify")
     woke = decode.result()["woke_ns"]
@@ -355,7 +372,7 @@ def bench_auth_wakeup(samples: int) -> dict[str, dict[str, float]]:
             backends[on].ensure_connected(decodes[on].info["engine_id"], 2000)
         for i in range(samples + 5):
             pair = {}
-            for on in ((False, True) if i % 2 else (True, False)):
+            for on in (False, True) if i % 2 else (True, False):
                 pair[on] = _wake_once(decodes[on], backends[on], decodes[on].info["engine_id"], f"w{i}")
             if i >= 5:
                 for on, us in pair.items():
@@ -368,8 +385,10 @@ def bench_auth_wakeup(samples: int) -> dict[str, dict[str, float]]:
     out = {}
     for on, values in latencies.items():
         values.sort()
-        out["on" if on else "off"] = {"p50_us": statistics.median(values),
-                                      "p99_us": values[min(len(values) - 1, int(0.99 * len(values)))]}
+        out["on" if on else "off"] = {
+            "p50_us": statistics.median(values),
+            "p99_us": values[min(len(values) - 1, int(0.99 * len(values)))],
+        }
     out["paired"] = {"p50_us": statistics.median(diffs)}
     return out
 
@@ -416,23 +435,31 @@ def bench_auth_parts(n: int = 20000) -> dict[str, float]:
 
 def report_auth(repeats: int, samples: int) -> None:
     print(f"\n## authentication cost (auth on vs off side by side; {repeats} paired rounds, medians)")
-    print("| size | shm off | shm on | on ÷ off | control off ÷ off | TCP off | TCP on | on ÷ off | control off ÷ off |")
+    print(
+        "| size | shm off | shm on | on ÷ off | control off ÷ off | TCP off | TCP on | on ÷ off | control off ÷ off |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in bench_auth_throughput(repeats, [8, 64]):
         n = r["size_mb"] * MB
         g = {k: n / v / 1e9 for k, v in r.items() if not k.startswith(("size", "ratio"))}
-        print(f"| {r['size_mb']} MB | {g['shm_off']:.2f} GB/s | {g['shm_on']:.2f} GB/s | {r['ratio_shm_on']:.3f} | "
-              f"{r['ratio_shm_off2']:.3f} | {g['tcp_off']:.2f} GB/s | {g['tcp_on']:.2f} GB/s | {r['ratio_tcp_on']:.3f} | "
-              f"{r['ratio_tcp_off2']:.3f} |")
+        print(
+            f"| {r['size_mb']} MB | {g['shm_off']:.2f} GB/s | {g['shm_on']:.2f} GB/s | {r['ratio_shm_on']:.3f} | "
+            f"{r['ratio_shm_off2']:.3f} | {g['tcp_off']:.2f} GB/s | {g['tcp_on']:.2f} GB/s | {r['ratio_tcp_on']:.3f} | "
+            f"{r['ratio_tcp_off2']:.3f} |"
+        )
     w = bench_auth_wakeup(samples)
-    print(f"\ninterrupt wake-up ({samples} alternating samples each): off p50 {w['off']['p50_us']:.0f} µs "
-          f"(p99 {w['off']['p99_us']:.0f}), on p50 {w['on']['p50_us']:.0f} µs (p99 {w['on']['p99_us']:.0f}): "
-          f"on - off = {w['on']['p50_us'] - w['off']['p50_us']:+.0f} µs; median of paired differences "
-          f"{w['paired']['p50_us']:+.0f} µs")
+    print(
+        f"\ninterrupt wake-up ({samples} alternating samples each): off p50 {w['off']['p50_us']:.0f} µs "
+        f"(p99 {w['off']['p99_us']:.0f}), on p50 {w['on']['p50_us']:.0f} µs (p99 {w['on']['p99_us']:.0f}): "
+        f"on - off = {w['on']['p50_us'] - w['off']['p50_us']:+.0f} µs; median of paired differences "
+        f"{w['paired']['p50_us']:+.0f} µs"
+    )
     parts = bench_auth_parts()
-    print(f"per-notify work auth adds, alone: nonce check {parts['nonce_check_us']:.1f} µs; datagram send+drain "
-          f"{parts['datagram_plain_us']:.1f} µs plain vs {parts['datagram_checked_us']:.1f} µs with the sender's credentials; "
-          f"per TCP write descriptor: lease check {parts['lease_check_us']:.2f} µs (a push of 8 layers sends 16 per chunk)")
+    print(
+        f"per-notify work auth adds, alone: nonce check {parts['nonce_check_us']:.1f} µs; datagram send+drain "
+        f"{parts['datagram_plain_us']:.1f} µs plain vs {parts['datagram_checked_us']:.1f} µs with the sender's credentials; "
+        f"per TCP write descriptor: lease check {parts['lease_check_us']:.2f} µs (a push of 8 layers sends 16 per chunk)"
+    )
 
 
 # ---- 3. overlap -----------------------------------------------------------------------------------------
@@ -458,7 +485,11 @@ class StandInCompute:
         lay = self.source.layout
         for layer in layers:
             h = self.x @ self.w  # the "work"
-            flat = h[:, : lay.kv_heads * lay.head_dim].reshape(self.num_tokens, lay.kv_heads, lay.head_dim).to(self.kv.dtype)
+            flat = (
+                h[:, : lay.kv_heads * lay.head_dim]
+                .reshape(self.num_tokens, lay.kv_heads, lay.head_dim)
+                .to(self.kv.dtype)
+            )
             local = layer - lay.first_layer
             self.kv[0, local, 0, : self.num_tokens].copy_(flat)
             self.kv[0, local, 1, : self.num_tokens].copy_(flat)
@@ -521,14 +552,22 @@ def bench_overlap(repeats: int, layers_per_chunk: int, compute_threads: int = 1)
                 return time.perf_counter() - t0
 
             def with_push(pipelined: bool, compute: Callable[[range], None] = compute) -> Callable[[], float]:
-                return lambda: granted_round(decode, 60, lambda grant: run_overlap(
-                    backend, compute, source, grant, tokens, layers_per_chunk, pipelined))
+                return lambda: granted_round(
+                    decode,
+                    60,
+                    lambda grant: run_overlap(backend, compute, source, grant, tokens, layers_per_chunk, pipelined),
+                )
 
             def push_only() -> float:
                 return with_push(True, compute=lambda chunk: None)()
 
             m = interleaved_medians(
-                {"compute_s": compute_only, "pipelined_s": with_push(True), "serial_s": with_push(False), "push_s": push_only},
+                {
+                    "compute_s": compute_only,
+                    "pipelined_s": with_push(True),
+                    "serial_s": with_push(False),
+                    "push_s": push_only,
+                },
                 repeats,
                 warmup=1,
             )
@@ -629,8 +668,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-model", action="store_true", help="skip section 4 (the real model's prefill)")
     parser.add_argument("--auth-only", action="store_true", help="run only section 5 (what authentication costs)")
     parser.add_argument("--model-repeats", type=int, default=5, help="rounds of section 4 (each ~3 prefills)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="section 4's model dtype; auto = what `pdserve local` picks on this CPU")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="section 4's model dtype; auto = what `pdserve local` picks on this CPU",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.samples, args.cpu_wait, args.model_repeats = 3, 40, 0.5, 2
@@ -641,8 +684,10 @@ def main(argv: list[str] | None = None) -> int:
         report_auth(args.repeats, args.samples)
         print("\nload average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         return 0
-    print(f"\n## push throughput (median of {args.repeats} interleaved rounds, each sample right after an untimed run; "
-          "GB/s = 1e9 bytes/s)")
+    print(
+        f"\n## push throughput (median of {args.repeats} interleaved rounds, each sample right after an untimed run; "
+        "GB/s = 1e9 bytes/s)"
+    )
     print("| size | memcpy, 1 thread | shm push | ratio | raw TCP | TCP push | ratio |")
     print("|---|---|---|---|---|---|---|")
     for r in bench_throughput(args.repeats, [1, 8, 64]):

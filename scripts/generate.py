@@ -55,11 +55,18 @@ def helm_binary() -> str:
 
 def helm_template(*args: str) -> str:
     """`helm template` of the chart; HOME-free (cache and config in a throwaway place)."""
-    env = dict(os.environ, HELM_CACHE_HOME="/tmp/pdserve-helm/cache", HELM_CONFIG_HOME="/tmp/pdserve-helm/config",
-               HELM_DATA_HOME="/tmp/pdserve-helm/data")
+    env = dict(
+        os.environ,
+        HELM_CACHE_HOME="/tmp/pdserve-helm/cache",
+        HELM_CONFIG_HOME="/tmp/pdserve-helm/config",
+        HELM_DATA_HOME="/tmp/pdserve-helm/data",
+    )
     out = subprocess.run(
         [helm_binary(), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args],
-        capture_output=True, text=True, env=env, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     if out.returncode != 0:
         raise RuntimeError(f"helm template {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")

@@ -6,6 +6,7 @@ bash scripts/setup.sh
 # Linters first (a minute cold, seconds with their caches; pinned in the dev extra): a failure
 # here needs no suite run.
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/mypy
 # pytest exits 5 when no test ran: that stays a failure here on purpose.
 exec .venv/bin/python -m pytest -q "$@"

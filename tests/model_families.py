@@ -39,10 +39,14 @@ CORPUS = (
     "Unicode text: café, naïve, 東京, 北京是中国的首都, 🙂 and ∑ survive a round trip.\n\nNew lines too.\n",
 )
 # Qwen2's pre-tokenizer regex (transformers' tokenization_qwen2.PRETOKENIZE_REGEX).
-QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _byte_level_bpe(regex: str, specials: list[str], nfc: bool, vocab_size: int = 400) -> Tokenizer:
@@ -52,11 +56,15 @@ def _byte_level_bpe(regex: str, specials: list[str], nfc: bool, vocab_size: int 
     if nfc:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator([line * 8 for line in CORPUS], trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tok
@@ -75,11 +83,13 @@ def _sentencepiece_bpe(specials: list[str], vocab_size: int = 400) -> Tokenizer:
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in state["merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ["<unk>", "<s>", "</s>", *specials]])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", vocab["<s>"])])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
     return tok
 
 
@@ -157,58 +167,158 @@ QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 FAMILIES: dict[str, Family] = {
     # Qwen2.5-7B-Instruct: 28 heads over 4 KV heads, q/k/v bias, untied, theta 1e6, ChatML.
     "qwen2": Family(
-        name="qwen2", model_type="qwen2", like="Qwen/Qwen2.5-7B-Instruct",
-        config=dict(hidden_size=96, intermediate_size=224, num_hidden_layers=3, num_attention_heads=6,
-                    num_key_value_heads=2, max_position_embeddings=256, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False, use_sliding_window=False, sliding_window=131072, max_window_layers=28),
-        tokenizer="qwen2", specials=QWEN_SPECIALS, bos=None, eos="<|im_end|>", chat_template=QWEN25_TEMPLATE,
-        tokenizer_class="Qwen2Tokenizer", eos_ids=("<|im_end|>", "<|endoftext|>"),
-        sampling=dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05), vocab_padding=9,
+        name="qwen2",
+        model_type="qwen2",
+        like="Qwen/Qwen2.5-7B-Instruct",
+        config=dict(
+            hidden_size=96,
+            intermediate_size=224,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            sliding_window=131072,
+            max_window_layers=28,
+        ),
+        tokenizer="qwen2",
+        specials=QWEN_SPECIALS,
+        bos=None,
+        eos="<|im_end|>",
+        chat_template=QWEN25_TEMPLATE,
+        tokenizer_class="Qwen2Tokenizer",
+        eos_ids=("<|im_end|>", "<|endoftext|>"),
+        sampling=dict(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+        vocab_padding=9,
     ),
     # Qwen3-0.6B: explicit head_dim (16 x 128 > hidden 1024), q/k RMSNorm, no bias, tied head.
     "qwen3": Family(
-        name="qwen3", model_type="qwen3", like="Qwen/Qwen3-0.6B",
-        config=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rope_theta=1_000_000.0,
-                    rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False, use_sliding_window=False),
-        tokenizer="qwen2", specials=(*QWEN_SPECIALS, "<think>", "</think>"), bos=None, eos="<|im_end|>",
-        chat_template=QWEN3_TEMPLATE, tokenizer_class="Qwen2Tokenizer", eos_ids=("<|im_end|>", "<|endoftext|>"),
-        sampling=dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=20), vocab_padding=4,
+        name="qwen3",
+        model_type="qwen3",
+        like="Qwen/Qwen3-0.6B",
+        config=dict(
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=256,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            use_sliding_window=False,
+        ),
+        tokenizer="qwen2",
+        specials=(*QWEN_SPECIALS, "<think>", "</think>"),
+        bos=None,
+        eos="<|im_end|>",
+        chat_template=QWEN3_TEMPLATE,
+        tokenizer_class="Qwen2Tokenizer",
+        eos_ids=("<|im_end|>", "<|endoftext|>"),
+        sampling=dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=20),
+        vocab_padding=4,
     ),
     # DeepSeek-R1-Distill-Qwen-1.5B: a qwen2 model (sliding window configured but off), its own
     # fullwidth special tokens, BOS added by the template, eos <｜end▁of▁sentence｜>.
     "r1-distill-qwen": Family(
-        name="r1-distill-qwen", model_type="qwen2", like="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
-        config=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=21),
+        name="r1-distill-qwen",
+        model_type="qwen2",
+        like="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+        config=dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            sliding_window=4096,
+            max_window_layers=21,
+        ),
         tokenizer="qwen2",
-        specials=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"),
-        bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", chat_template=R1_DISTILL_TEMPLATE,
-        eos_ids=("<｜end▁of▁sentence｜>",), sampling=dict(do_sample=True, temperature=0.6, top_p=0.95),
+        specials=(
+            "<｜begin▁of▁sentence｜>",
+            "<｜end▁of▁sentence｜>",
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "<think>",
+            "</think>",
+        ),
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+        chat_template=R1_DISTILL_TEMPLATE,
+        eos_ids=("<｜end▁of▁sentence｜>",),
+        sampling=dict(do_sample=True, temperature=0.6, top_p=0.95),
     ),
     # Llama-3.1-8B-Instruct: 4 query heads per KV head, llama3 rope scaling, theta 5e5, untied.
     "llama3": Family(
-        name="llama3", model_type="llama", like="meta-llama/Llama-3.1-8B-Instruct",
-        config=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=1, max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False,
-                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                      original_max_position_embeddings=32)),
+        name="llama3",
+        model_type="llama",
+        like="meta-llama/Llama-3.1-8B-Instruct",
+        config=dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
         tokenizer="llama3",
-        specials=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-                  "<|eot_id|>"),
-        bos="<|begin_of_text|>", eos="<|eot_id|>", chat_template=LLAMA3_TEMPLATE,
-        eos_ids=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"), sampling=dict(do_sample=True, temperature=0.6, top_p=0.9),
+        specials=(
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",
+            "<|eot_id|>",
+        ),
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        chat_template=LLAMA3_TEMPLATE,
+        eos_ids=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        sampling=dict(do_sample=True, temperature=0.6, top_p=0.9),
     ),
     # Mistral-7B-Instruct-v0.3: sentencepiece-style BPE with byte fallback, [INST] template, no window.
     "mistral": Family(
-        name="mistral", model_type="mistral", like="mistralai/Mistral-7B-Instruct-v0.3",
-        config=dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False, sliding_window=None),
-        tokenizer="sentencepiece", specials=("[INST]", "[/INST]"), bos="<s>", eos="</s>",
-        chat_template=MISTRAL_TEMPLATE, eos_ids=("</s>",),
+        name="mistral",
+        model_type="mistral",
+        like="mistralai/Mistral-7B-Instruct-v0.3",
+        config=dict(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=None,
+        ),
+        tokenizer="sentencepiece",
+        specials=("[INST]", "[/INST]"),
+        bos="<s>",
+        eos="</s>",
+        chat_template=MISTRAL_TEMPLATE,
+        eos_ids=("</s>",),
     ),
 }
 
@@ -220,7 +330,8 @@ def build_tokenizer(family: Family) -> Tokenizer:
         tok = _byte_level_bpe(LLAMA3_REGEX, list(family.specials), nfc=False)
         bos = tok.token_to_id(family.bos)
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{family.bos} $A", pair=f"{family.bos} $A {family.bos} $B", special_tokens=[(family.bos, bos)])
+            single=f"{family.bos} $A", pair=f"{family.bos} $A {family.bos} $B", special_tokens=[(family.bos, bos)]
+        )
         return tok
     return _sentencepiece_bpe(list(family.specials))
 
@@ -263,14 +374,22 @@ def build_family(name: str, folder: str | Path, seed: int = 0, shard_kb: int = 6
     _reinitialize(model, seed)
     model.save_pretrained(out, max_shard_size=f"{shard_kb}KB")
     tok.save(str(out / "tokenizer.json"))
-    tok_cfg = {"tokenizer_class": family.tokenizer_class, "eos_token": family.eos, "bos_token": family.bos,
-               "chat_template": family.chat_template, "clean_up_tokenization_spaces": False,
-               "model_max_length": kwargs["max_position_embeddings"]}
+    tok_cfg = {
+        "tokenizer_class": family.tokenizer_class,
+        "eos_token": family.eos,
+        "bos_token": family.bos,
+        "chat_template": family.chat_template,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": kwargs["max_position_embeddings"],
+    }
     if family.tokenizer_class == "Qwen2Tokenizer":
         tok_cfg.update(pad_token="<|endoftext|>", unk_token=None)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
-    gen = {"bos_token_id": kwargs["bos_token_id"], "eos_token_id": [ids[t] for t in family.eos_ids] or kwargs["eos_token_id"],
-           **family.sampling}
+    gen = {
+        "bos_token_id": kwargs["bos_token_id"],
+        "eos_token_id": [ids[t] for t in family.eos_ids] or kwargs["eos_token_id"],
+        **family.sampling,
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
 
@@ -295,7 +414,7 @@ def hf_greedy(model, ids: list[int], count: int) -> list[int]:
     seq = list(ids)
     for _ in range(count):
         seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 # ---- GGUF, the way llama.cpp's converter writes it -----------------------------------------------------
@@ -363,8 +482,11 @@ def write_family_gguf(folder: str | Path, path: str | Path, quantized: tuple[str
             raise ValueError(f"gguf has no name for {hf_name}")
         array = tensor.numpy().astype(np.float32)
         if name in quantized:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(
+                name,
+                gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

@@ -52,7 +52,7 @@ def _template_errors(text: str) -> list[str]:
             if end < 0:
                 errors.append(f"unclosed action in {text!r}")
                 break
-            action = text[i + 2:end]
+            action = text[i + 2 : end]
             defined = set(re.findall(r"(\$[A-Za-z_][A-Za-z0-9_]*)\s*:?=", action))
             for var in re.findall(r"\$[A-Za-z_][A-Za-z0-9_]*", action):
                 if var not in TEMPLATE_VARS and var not in defined:

@@ -80,8 +80,9 @@ class BlockLayout:
     def offset(self, layer: int, kv: int, block: int) -> int:
         """Byte offset of block `block` of (layer, K|V) from the pool's base; `layer` is the model's."""
         if layer not in self.layer_range:
-            raise IndexError(f"layer {layer} not held by this pool "
-                             f"(holds {self.first_layer}..{self.layer_range.stop - 1})")
+            raise IndexError(
+                f"layer {layer} not held by this pool (holds {self.first_layer}..{self.layer_range.stop - 1})"
+            )
         if kv not in (K, V):
             raise IndexError(f"kv must be 0 (K) or 1 (V), got {kv}")
         if not 0 <= block < self.num_blocks:
@@ -96,8 +97,16 @@ class BlockLayout:
         return cls(**data)  # type: ignore[arg-type]
 
     @classmethod
-    def for_budget(cls, kv_tokens: int, block_tokens: int, num_layers: int, kv_heads: int, head_dim: int,
-                   dtype: str = "bfloat16", first_layer: int = 0) -> BlockLayout:
+    def for_budget(
+        cls,
+        kv_tokens: int,
+        block_tokens: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str = "bfloat16",
+        first_layer: int = 0,
+    ) -> BlockLayout:
         """The pool that holds `kv_tokens` tokens (rounded down to whole blocks)."""
         if kv_tokens < block_tokens:
             raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one block of {block_tokens} tokens")
@@ -156,8 +165,16 @@ def check_compatible(source: KVLayout, dest: BlockLayout) -> None:
         raise ValueError(f"KV geometry differs: source (kv_heads, head_dim, dtype)={mine}, block pool {theirs}")
 
 
-def push_descriptors(source: KVLayout, slot: int, dest: BlockLayout, blocks: Sequence[int], layers: range,
-                     end_token: int, start_token: int = 0, kv_indices: Sequence[int] = (K, V)) -> list[Descriptor]:
+def push_descriptors(
+    source: KVLayout,
+    slot: int,
+    dest: BlockLayout,
+    blocks: Sequence[int],
+    layers: range,
+    end_token: int,
+    start_token: int = 0,
+    kv_indices: Sequence[int] = (K, V),
+) -> list[Descriptor]:
     """Descriptors that copy tokens [start_token, end_token) of `layers` from scratch slot `slot`
     of `source` into the reservation `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B)).
 

@@ -58,8 +58,9 @@ class GrpcLimits:
     max_connections: int = WORKER_MAX_CONNECTIONS
 
     @classmethod
-    def from_env(cls, max_connections: int = WORKER_MAX_CONNECTIONS,
-                 env: Mapping[str, str] | None = None) -> GrpcLimits:
+    def from_env(
+        cls, max_connections: int = WORKER_MAX_CONNECTIONS, env: Mapping[str, str] | None = None
+    ) -> GrpcLimits:
         env = os.environ if env is None else env
 
         def positive(name: str, default: int) -> int:
@@ -74,18 +75,23 @@ class GrpcLimits:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
             return value
 
-        return cls(positive(HANDSHAKE_TIMEOUT_ENV, cls.handshake_timeout_ms),
-                   positive(IDLE_TIMEOUT_ENV, cls.idle_timeout_ms),
-                   positive(MAX_CONNECTIONS_ENV, max_connections))
+        return cls(
+            positive(HANDSHAKE_TIMEOUT_ENV, cls.handshake_timeout_ms),
+            positive(IDLE_TIMEOUT_ENV, cls.idle_timeout_ms),
+            positive(MAX_CONNECTIONS_ENV, max_connections),
+        )
 
     def options(self) -> list[tuple[str, int]]:
-        return [("grpc.server_handshake_timeout_ms", self.handshake_timeout_ms),
-                ("grpc.max_connection_idle_ms", self.idle_timeout_ms),
-                ("grpc.max_allowed_incoming_connections", self.max_connections)]
+        return [
+            ("grpc.server_handshake_timeout_ms", self.handshake_timeout_ms),
+            ("grpc.max_connection_idle_ms", self.idle_timeout_ms),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+        ]
 
 
 def size_options(max_message: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_message), ("grpc.max_receive_message_length", max_message)]
+
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
@@ -114,23 +120,29 @@ def channel_options(tls: TLSConfig | None, max_message: int) -> list[tuple[str, 
     return options
 
 
-def aio_channel(address: str, token: str, tls: TLSConfig | None = None, *,
-                max_message: int = WORKER_MAX_MESSAGE) -> grpc.aio.Channel:
+def aio_channel(
+    address: str, token: str, tls: TLSConfig | None = None, *, max_message: int = WORKER_MAX_MESSAGE
+) -> grpc.aio.Channel:
     """An aio channel to `address` whose every call carries the service's bearer token."""
     options = channel_options(tls, max_message)
     traced = tracing.client_interceptors() if tracing.enabled() else []  # W3C traceparent on every call
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=[*bearer_interceptors(token), *traced])
-    return grpc.aio.secure_channel(address, tls.channel_credentials(token), options=options, interceptors=traced or None)
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(token), options=options, interceptors=traced or None
+    )
 
 
-def aio_server(tokens: TokenTable, *, max_message: int = WORKER_MAX_MESSAGE,
-               limits: GrpcLimits | None = None) -> grpc.aio.Server:
+def aio_server(
+    tokens: TokenTable, *, max_message: int = WORKER_MAX_MESSAGE, limits: GrpcLimits | None = None
+) -> grpc.aio.Server:
     """An aio server (create it inside the loop that will run it) that checks every call's
     token; `limits` default to `GrpcLimits.from_env()`."""
     limits = limits or GrpcLimits.from_env()
-    return grpc.aio.server(interceptors=[ServiceAuthInterceptor(tokens)],
-                           options=[*SERVER_OPTIONS, *size_options(max_message), *limits.options()])
+    return grpc.aio.server(
+        interceptors=[ServiceAuthInterceptor(tokens)],
+        options=[*SERVER_OPTIONS, *size_options(max_message), *limits.options()],
+    )
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = None) -> int:

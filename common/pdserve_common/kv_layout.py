@@ -68,8 +68,10 @@ class KVLayout:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         if self.block_tokens < 0 or self.num_blocks < 0 or (self.block_tokens > 0) != (self.num_blocks > 0):
-            raise ValueError(f"KVLayout.block_tokens and num_blocks must both be positive (paged) or both 0, got "
-                             f"{self.block_tokens!r} and {self.num_blocks!r}")
+            raise ValueError(
+                f"KVLayout.block_tokens and num_blocks must both be positive (paged) or both 0, got "
+                f"{self.block_tokens!r} and {self.num_blocks!r}"
+            )
 
     @property
     def paged(self) -> bool:
@@ -82,8 +84,15 @@ class KVLayout:
 
         if not self.paged:
             raise ValueError("a slot pool has no blocks")
-        return BlockLayout(self.num_blocks, self.block_tokens, self.num_layers, self.kv_heads, self.head_dim,
-                           self.dtype, self.first_layer)
+        return BlockLayout(
+            self.num_blocks,
+            self.block_tokens,
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.first_layer,
+        )
 
     @property
     def kv_tokens(self) -> int:
@@ -149,9 +158,7 @@ class KVLayout:
     def token_run(self, slot: int, layer: int, kv: int, num_tokens: int, start_token: int = 0) -> tuple[int, int]:
         """(offset, length) of tokens [start_token, start_token+num_tokens) of one (slot, layer, K|V)."""
         if num_tokens < 0 or start_token < 0 or start_token + num_tokens > self.max_len:
-            raise IndexError(
-                f"tokens {start_token}..{start_token + num_tokens} outside max_len {self.max_len}"
-            )
+            raise IndexError(f"tokens {start_token}..{start_token + num_tokens} outside max_len {self.max_len}")
         return (
             self.offset(slot, layer, kv) + start_token * self.bytes_per_token,
             num_tokens * self.bytes_per_token,
@@ -183,6 +190,7 @@ def shard_layers(num_layers: int, shards: int) -> list[range]:
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
     return common_pb2.KVLayout(

@@ -149,9 +149,7 @@ class MemberInfo:
         if not self.regions:
             raise ValueError(f"{who} needs the regions of its registered KV pool")
         if self.slots_total != self.kv_layout.num_slots:
-            raise ValueError(
-                f"{who}: slots_total {self.slots_total} != kv_layout.num_slots {self.kv_layout.num_slots}"
-            )
+            raise ValueError(f"{who}: slots_total {self.slots_total} != kv_layout.num_slots {self.kv_layout.num_slots}")
         if not 0 <= self.slots_free <= self.slots_total:
             raise ValueError(f"{who}: slots_free must be in 0..{self.slots_total}, got {self.slots_free}")
 
@@ -218,18 +216,28 @@ def _is_host_port(text: str) -> bool:
 
 
 def load_to_proto(load: Load) -> broker_pb2.Load:
-    msg = broker_pb2.Load(slots_used=load.slots_used, slots_free=load.slots_free, active_requests=load.active_requests,
-                          kv_tokens_used=load.kv_tokens_used, kv_tokens_total=load.kv_tokens_total)
+    msg = broker_pb2.Load(
+        slots_used=load.slots_used,
+        slots_free=load.slots_free,
+        active_requests=load.active_requests,
+        kv_tokens_used=load.kv_tokens_used,
+        kv_tokens_total=load.kv_tokens_total,
+    )
     if load.router is not None:
         r = load.router
-        msg.router.CopyFrom(broker_pb2.RouterLoad(
-            requests_total=r.requests_total, prompt_tokens_total=r.prompt_tokens_total,
-            output_tokens_total=r.output_tokens_total))
+        msg.router.CopyFrom(
+            broker_pb2.RouterLoad(
+                requests_total=r.requests_total,
+                prompt_tokens_total=r.prompt_tokens_total,
+                output_tokens_total=r.output_tokens_total,
+            )
+        )
         for name in ("ttft", "tpot"):
             hist = getattr(r, name)
             if hist is not None:
                 getattr(msg.router, name).CopyFrom(
-                    broker_pb2.LatencyHistogram(bounds=hist.bounds, counts=hist.counts, count=hist.count))
+                    broker_pb2.LatencyHistogram(bounds=hist.bounds, counts=hist.counts, count=hist.count)
+                )
     return msg
 
 
@@ -238,8 +246,9 @@ def _histogram_from_proto(msg: broker_pb2.LatencyHistogram) -> Histogram | None:
     bounds, counts = tuple(msg.bounds), tuple(msg.counts)
     if not bounds or len(bounds) > MAX_HISTOGRAM_BUCKETS or len(bounds) != len(counts):
         return None
-    if any(a >= b for a, b in zip(bounds, bounds[1:])) or any(a > b for a, b in zip((*counts, msg.count),
-                                                                                      (*counts[1:], msg.count))):
+    if any(a >= b for a, b in zip(bounds, bounds[1:])) or any(
+        a > b for a, b in zip((*counts, msg.count), (*counts[1:], msg.count))
+    ):
         return None
     return Histogram(bounds, counts, msg.count)
 
@@ -249,13 +258,20 @@ def load_from_proto(msg: broker_pb2.Load) -> Load:
     if msg.HasField("router"):
         r = msg.router
         router = RouterLoad(
-            requests_total=r.requests_total, prompt_tokens_total=r.prompt_tokens_total,
+            requests_total=r.requests_total,
+            prompt_tokens_total=r.prompt_tokens_total,
             output_tokens_total=r.output_tokens_total,
             ttft=_histogram_from_proto(r.ttft) if r.HasField("ttft") else None,
             tpot=_histogram_from_proto(r.tpot) if r.HasField("tpot") else None,
         )
-    return Load(slots_used=msg.slots_used, slots_free=msg.slots_free, active_requests=msg.active_requests,
-                router=router, kv_tokens_used=msg.kv_tokens_used, kv_tokens_total=msg.kv_tokens_total)
+    return Load(
+        slots_used=msg.slots_used,
+        slots_free=msg.slots_free,
+        active_requests=msg.active_requests,
+        router=router,
+        kv_tokens_used=msg.kv_tokens_used,
+        kv_tokens_total=msg.kv_tokens_total,
+    )
 
 
 def member_info_to_proto(info: MemberInfo) -> broker_pb2.MemberInfo:
@@ -265,8 +281,7 @@ def member_info_to_proto(info: MemberInfo) -> broker_pb2.MemberInfo:
         grpc_endpoint=info.grpc_endpoint,
         engine_id=info.engine_id,
         regions=[
-            common_pb2.MemoryRegion(addr=r.addr, len=r.length, mem_type=_MEM_TO_PROTO[r.mem_type])
-            for r in info.regions
+            common_pb2.MemoryRegion(addr=r.addr, len=r.length, mem_type=_MEM_TO_PROTO[r.mem_type]) for r in info.regions
         ],
         revision=info.revision,
         capacity=broker_pb2.Capacity(slots_total=info.slots_total, slots_free=info.slots_free),

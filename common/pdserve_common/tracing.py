@@ -173,8 +173,14 @@ def setup(service: str, instance: str = "", env: Mapping[str, str] | None = None
         if endpoint:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError:
-        log.warning(kv(event="tracing_unavailable", endpoint=endpoint, file=path,
-                       detail="install the tracing extra (pip install pdserve[tracing]); serving without traces"))
+        log.warning(
+            kv(
+                event="tracing_unavailable",
+                endpoint=endpoint,
+                file=path,
+                detail="install the tracing extra (pip install pdserve[tracing]); serving without traces",
+            )
+        )
         return False
     from opentelemetry import context as otel_context
 
@@ -216,14 +222,16 @@ def start_span(name: str, attributes: Mapping[str, Any] | None = None, parent: A
     return _Span(_state.tracer.start_span(name, context=_context_of(parent), attributes=_clean(attributes)))
 
 
-def record(name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None,
-           parent: Any = None) -> None:
+def record(
+    name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None, parent: Any = None
+) -> None:
     """A finished span with the given wall-clock times (time.time_ns()): for work timed on a
     thread or in a loop, where a `with` block cannot sit."""
     if _state is None:
         return
-    otel = _state.tracer.start_span(name, context=_context_of(parent), attributes=_clean(attributes),
-                                    start_time=start_ns)
+    otel = _state.tracer.start_span(
+        name, context=_context_of(parent), attributes=_clean(attributes), start_time=start_ns
+    )
     otel.end(end_time=max(end_ns, start_ns))
 
 
@@ -259,8 +267,13 @@ def span(name: str, attributes: Mapping[str, Any] | None = None, parent: Any = N
 @contextlib.contextmanager
 def _span_on(name: str, attributes: Mapping[str, Any] | None, parent: Any) -> Iterator[Any]:
     assert _state is not None
-    with _state.tracer.start_as_current_span(name, context=_context_of(parent), attributes=_clean(attributes),
-                                             record_exception=True, set_status_on_exception=True) as otel:
+    with _state.tracer.start_as_current_span(
+        name,
+        context=_context_of(parent),
+        attributes=_clean(attributes),
+        record_exception=True,
+        set_status_on_exception=True,
+    ) as otel:
         yield _Span(otel)
 
 
@@ -379,8 +392,9 @@ def span_record(span: Any) -> dict[str, Any]:
         "end_ns": span.end_time,
         "status": span.status.status_code.name,
         "attributes": dict(span.attributes or {}),
-        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
-                   for e in span.events],
+        "events": [
+            {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
+        ],
     }
 
 

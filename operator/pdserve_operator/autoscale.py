@@ -96,8 +96,13 @@ def planner_config(spec: s.PDInferenceServiceSpec, current: Mapping[str, int]) -
     assert model_name is not None  # the spec's validation requires one where the planner drives a role
     shape = ModelShape.load(model_name)
     profile = load_profile(s.planner_profile_name(spec))
-    model = ServingModel(shape=shape, profile=profile, max_len=spec.model.max_length, slots=spec.decode.slots,
-                         layers_per_chunk=spec.prefill.layers_per_chunk)
+    model = ServingModel(
+        shape=shape,
+        profile=profile,
+        max_len=spec.model.max_length,
+        slots=spec.decode.slots,
+        layers_per_chunk=spec.prefill.layers_per_chunk,
+    )
     workload = Workload(
         arrival_rate=0.0,
         prompt_tokens=LengthDistribution(fixed=a.expected_prompt_tokens),
@@ -112,15 +117,25 @@ def planner_config(spec: s.PDInferenceServiceSpec, current: Mapping[str, int]) -
         else:
             pinned = max(1, current[role])
             limits[role] = (pinned, pinned)
-    bounds_args = dict(min_prefill=limits["prefill"][0], max_prefill=limits["prefill"][1],
-                       min_decode=limits["decode"][0], max_decode=limits["decode"][1])
+    bounds_args = dict(
+        min_prefill=limits["prefill"][0],
+        max_prefill=limits["prefill"][1],
+        min_decode=limits["decode"][0],
+        max_decode=limits["decode"][1],
+    )
     try:
-        bounds = Bounds(**bounds_args, min_ratio=a.ratio.min_prefill_per_decode,
-                        max_ratio=a.ratio.max_prefill_per_decode)
+        bounds = Bounds(
+            **bounds_args, min_ratio=a.ratio.min_prefill_per_decode, max_ratio=a.ratio.max_prefill_per_decode
+        )
     except ValueError:
         bounds = Bounds(**bounds_args)  # a pinned role leaves no pair in the band: bounds only
-    return ControllerConfig(model=model, workload=workload, bounds=bounds,
-                            up_window_s=a.scale_up_window_seconds, down_window_s=a.scale_down_window_seconds)
+    return ControllerConfig(
+        model=model,
+        workload=workload,
+        bounds=bounds,
+        up_window_s=a.scale_up_window_seconds,
+        down_window_s=a.scale_down_window_seconds,
+    )
 
 
 def in_band(prefill: int, decode: int, a: s.AutoscalingSpec, spec: s.PDInferenceServiceSpec) -> int:
@@ -145,8 +160,13 @@ def router_report(load: Any) -> RouterReport | None:
         except ValueError:
             return None  # malformed: its traffic still counts, its latencies do not
 
-    return RouterReport(router.requests_total, router.prompt_tokens_total, router.output_tokens_total,
-                        hist(router.ttft), hist(router.tpot))
+    return RouterReport(
+        router.requests_total,
+        router.prompt_tokens_total,
+        router.output_tokens_total,
+        hist(router.ttft),
+        hist(router.tpot),
+    )
 
 
 def decode_leader_ids(name: str, groups: range, shards: int) -> tuple[str, ...]:
@@ -155,8 +175,13 @@ def decode_leader_ids(name: str, groups: range, shards: int) -> tuple[str, ...]:
 
 
 class Autoscaler:
-    def __init__(self, kube: KubeClient, broker: Any, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        kube: KubeClient,
+        broker: Any,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.kube = kube
         self.broker = broker
         self.clock = clock
@@ -170,8 +195,14 @@ class Autoscaler:
     def forget(self, key: str) -> None:
         self._states.pop(key, None)
 
-    async def step(self, owner: ch.Owner, spec: s.PDInferenceServiceSpec, generation: int,
-                   live: Mapping[tuple[str, str], Live | None], post_event: EventFn) -> s.AutoscalingStatus | None:
+    async def step(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        generation: int,
+        live: Mapping[tuple[str, str], Live | None],
+        post_event: EventFn,
+    ) -> s.AutoscalingStatus | None:
         """One look at the service; the status to report (None: autoscaling is off)."""
         a = spec.autoscaling
         if a is None or not (a.prefill.enabled or a.decode.enabled):
@@ -179,26 +210,43 @@ class Autoscaler:
             return None
         state = self._states.setdefault(owner.key, _State())
         shards = spec.decode.layer_shards
-        workloads = {"prefill": live.get(("Deployment", ch.workload_name(owner.name, "prefill"))),
-                     "decode": live.get(("StatefulSet", ch.workload_name(owner.name, "decode")))}
+        workloads = {
+            "prefill": live.get(("Deployment", ch.workload_name(owner.name, "prefill"))),
+            "decode": live.get(("StatefulSet", ch.workload_name(owner.name, "decode"))),
+        }
         per = {"prefill": 1, "decode": shards}
         current = {r: int(((w or {}).get("spec") or {}).get("replicas") or 0) // per[r] for r, w in workloads.items()}
-        ready = {r: int(((w or {}).get("status") or {}).get("readyReplicas") or 0) // per[r]
-                 for r, w in workloads.items()}
+        ready = {
+            r: int(((w or {}).get("status") or {}).get("readyReplicas") or 0) // per[r] for r, w in workloads.items()
+        }
         now = self.clock()
-        planner_roles = [r for r in ("prefill", "decode") if getattr(a, r).enabled and getattr(a, r).driver == "planner"]
+        planner_roles = [
+            r for r in ("prefill", "decode") if getattr(a, r).enabled and getattr(a, r).driver == "planner"
+        ]
         if planner_roles and now >= state.next_due and all(workloads.values()):
             await self._plan(owner, spec, generation, state, current, ready, workloads, planner_roles, now, post_event)
-            current = {r: int(((workloads[r] or {}).get("spec") or {}).get("replicas") or 0) // per[r] for r in workloads}
+            current = {
+                r: int(((workloads[r] or {}).get("spec") or {}).get("replicas") or 0) // per[r] for r in workloads
+            }
         if state.drain is not None:
             state.next_due = min(state.next_due, now + DRAIN_RECHECK_S)
         return self._status(owner, spec, state, current, live)
 
     # ---- planning --------------------------------------------------------------------------
 
-    async def _plan(self, owner: ch.Owner, spec: s.PDInferenceServiceSpec, generation: int, state: _State,
-                    current: dict[str, int], ready: dict[str, int], workloads: dict[str, Live | None],
-                    planner_roles: list[str], now: float, post_event: EventFn) -> None:
+    async def _plan(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        generation: int,
+        state: _State,
+        current: dict[str, int],
+        ready: dict[str, int],
+        workloads: dict[str, Live | None],
+        planner_roles: list[str],
+        now: float,
+        post_event: EventFn,
+    ) -> None:
         a = spec.autoscaling
         assert a is not None
         state.next_due = now + a.interval_seconds
@@ -221,30 +269,59 @@ class Autoscaler:
         for m in members or ():
             role = str(getattr(m.role, "value", m.role))
             if role in ("prefill", "decode"):
-                workers.append(WorkerLoad(m.worker_id, role, m.load.active_requests, m.load.slots_used,  # type: ignore[arg-type]
-                                          m.load.slots_used + m.load.slots_free, m.draining))
+                workers.append(
+                    WorkerLoad(
+                        m.worker_id,
+                        role,
+                        m.load.active_requests,
+                        m.load.slots_used,  # type: ignore[arg-type]
+                        m.load.slots_used + m.load.slots_free,
+                        m.draining,
+                    )
+                )
             elif role == "router" and (rep := router_report(m.load)) is not None:
                 reports[m.worker_id] = rep
-        win = window(state.routers, reports, now - state.sampled_at if state.sampled_at is not None else 0.0,
-                     a.slo.percentile / 100)
+        win = window(
+            state.routers,
+            reports,
+            now - state.sampled_at if state.sampled_at is not None else 0.0,
+            a.slo.percentile / 100,
+        )
         state.routers, state.sampled_at = reports, now
         obs = Observation(
-            prefill_replicas=current["prefill"], decode_replicas=current["decode"], workers=tuple(workers),
-            request_rate=win.request_rate, prompt_tokens_mean=win.prompt_tokens_mean,
-            output_tokens_mean=win.output_tokens_mean, ttft_s=win.ttft_s, tpot_s=win.tpot_s, samples=win.samples,
-            prefill_ready=ready["prefill"], decode_ready=ready["decode"],
+            prefill_replicas=current["prefill"],
+            decode_replicas=current["decode"],
+            workers=tuple(workers),
+            request_rate=win.request_rate,
+            prompt_tokens_mean=win.prompt_tokens_mean,
+            output_tokens_mean=win.output_tokens_mean,
+            ttft_s=win.ttft_s,
+            tpot_s=win.tpot_s,
+            samples=win.samples,
+            prefill_ready=ready["prefill"],
+            decode_ready=ready["decode"],
         )
         result = controller_step(state.planner, obs, now, state.config)
         state.planner = result.state
-        log.info(kv(event="autoscale_step", service=owner.key, rate=win.request_rate, ttft_s=win.ttft_s,
-                    tpot_s=win.tpot_s, prefill=f"{current['prefill']}->{result.prefill.desired}",
-                    decode=f"{current['decode']}->{result.decode.desired}"))
+        log.info(
+            kv(
+                event="autoscale_step",
+                service=owner.key,
+                rate=win.request_rate,
+                ttft_s=win.ttft_s,
+                tpot_s=win.tpot_s,
+                prefill=f"{current['prefill']}->{result.prefill.desired}",
+                decode=f"{current['decode']}->{result.decode.desired}",
+            )
+        )
         decode_now = current["decode"]
         if "decode" in planner_roles:  # decode first: a drain may hold it up, and prefill must fit what it is
             state.reasons["decode"] = result.decode.reason
             state.desired["decode"] = result.decode.desired
             await self._decode(owner, spec, state, current["decode"], result.decode.desired, workloads, now, post_event)
-            decode_now = int((workloads["decode"] or {}).get("spec", {}).get("replicas") or 0) // spec.decode.layer_shards
+            decode_now = (
+                int((workloads["decode"] or {}).get("spec", {}).get("replicas") or 0) // spec.decode.layer_shards
+            )
         if "prefill" in planner_roles:
             desired, reason = result.prefill.desired, result.prefill.reason
             banded = in_band(desired, decode_now, a, spec)
@@ -253,12 +330,22 @@ class Autoscaler:
                 desired = banded
             state.reasons["prefill"], state.desired["prefill"] = reason, desired
             if desired != current["prefill"]:
-                await self._scale(owner, "Deployment", ch.workload_name(owner.name, "prefill"), desired, workloads,
-                                  "prefill")
+                await self._scale(
+                    owner, "Deployment", ch.workload_name(owner.name, "prefill"), desired, workloads, "prefill"
+                )
                 await self._changed(state, "prefill", current["prefill"], desired, reason, post_event)
 
-    async def _decode(self, owner: ch.Owner, spec: s.PDInferenceServiceSpec, state: _State, current: int,
-                      desired: int, workloads: dict[str, Live | None], now: float, post_event: EventFn) -> None:
+    async def _decode(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        state: _State,
+        current: int,
+        desired: int,
+        workloads: dict[str, Live | None],
+        now: float,
+        post_event: EventFn,
+    ) -> None:
         shards = spec.decode.layer_shards
         name = ch.workload_name(owner.name, "decode")
         drain = state.drain
@@ -266,8 +353,11 @@ class Autoscaler:
             if drain is not None:  # back up (or steady) before the drain ended: keep every group
                 await self._undrain(owner, drain.victims)
                 state.drain = None
-                await post_event(ev.NORMAL, "ScaleDownCancelled",
-                                 f"decode stays at {current}: the planner no longer wants {drain.target}")
+                await post_event(
+                    ev.NORMAL,
+                    "ScaleDownCancelled",
+                    f"decode stays at {current}: the planner no longer wants {drain.target}",
+                )
             if desired > current:
                 # Groups that come back may still be registered from before, drained by us: a
                 # pod that restarts registers afresh, but one that never stopped keeps the mark.
@@ -280,19 +370,23 @@ class Autoscaler:
             if drain is not None:
                 await self._undrain(owner, tuple(v for v in drain.victims if v not in victims))
             drain = state.drain = _Drain(desired, victims, now)
-            await post_event(ev.NORMAL, "DrainingForScaleDown",
-                             f"decode {current} -> {desired}: draining {', '.join(victims)} first")
+            await post_event(
+                ev.NORMAL, "DrainingForScaleDown", f"decode {current} -> {desired}: draining {', '.join(victims)} first"
+            )
         for victim in victims:  # every step: a broker restart forgets who was draining
             self.broker.set_draining(owner.key, victim, True)
         busy = self._busy(owner.key, victims)
         timed_out = now - drain.started >= spec.decode.drain_timeout_seconds
         if busy and not timed_out:
-            state.reasons["decode"] = (f"draining {', '.join(victims)} before {current} -> {desired}: "
-                                       f"{sum(busy.values())} requests still running")
+            state.reasons["decode"] = (
+                f"draining {', '.join(victims)} before {current} -> {desired}: "
+                f"{sum(busy.values())} requests still running"
+            )
             return
         await self._scale(owner, "StatefulSet", name, desired * shards, workloads, "decode")
-        why = state.reasons["decode"] + (f"; drain timed out with {sum(busy.values())} requests running"
-                                         if busy else "; drained")
+        why = state.reasons["decode"] + (
+            f"; drain timed out with {sum(busy.values())} requests running" if busy else "; drained"
+        )
         state.drain = None
         await self._changed(state, "decode", current, desired, why, post_event)
 
@@ -310,11 +404,13 @@ class Autoscaler:
         for victim in victims:
             self.broker.set_draining(owner.key, victim, False)
 
-    async def _scale(self, owner: ch.Owner, kind: str, name: str, replicas: int,
-                     workloads: dict[str, Live | None], role: str) -> None:
+    async def _scale(
+        self, owner: ch.Owner, kind: str, name: str, replicas: int, workloads: dict[str, Live | None], role: str
+    ) -> None:
         """Write replicas through the scale subresource (the field an autoscaler owns)."""
-        await asyncio.to_thread(self.kube.merge_patch, KINDS[kind], owner.namespace, name,
-                                {"spec": {"replicas": replicas}}, "scale")
+        await asyncio.to_thread(
+            self.kube.merge_patch, KINDS[kind], owner.namespace, name, {"spec": {"replicas": replicas}}, "scale"
+        )
         obj = workloads.get(role)
         if obj is not None:  # what the status computed after this step reads
             obj.setdefault("spec", {})["replicas"] = replicas
@@ -327,8 +423,14 @@ class Autoscaler:
 
     # ---- status ----------------------------------------------------------------------------
 
-    def _status(self, owner: ch.Owner, spec: s.PDInferenceServiceSpec, state: _State, current: dict[str, int],
-                live: Mapping[tuple[str, str], Live | None]) -> s.AutoscalingStatus:
+    def _status(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        state: _State,
+        current: dict[str, int],
+        live: Mapping[tuple[str, str], Live | None],
+    ) -> s.AutoscalingStatus:
         a = spec.autoscaling
         assert a is not None
         roles: dict[str, s.RoleScalingStatus | None] = {}
@@ -349,8 +451,16 @@ class Autoscaler:
                     desired //= spec.decode.layer_shards
             else:
                 reason = "driven by an external autoscaler (spec.replicas of the workload is its to write)"
-            roles[role] = s.RoleScalingStatus(driver=r.driver, current=current[role], desired=desired,
-                                              reason=reason[:1024], last_change_time=state.changed_at.get(role))
-        parts = [f"{role[0].upper()}:{st.current}" + (f"->{st.desired}" if st.desired != st.current else "")
-                 for role, st in roles.items() if st is not None]
+            roles[role] = s.RoleScalingStatus(
+                driver=r.driver,
+                current=current[role],
+                desired=desired,
+                reason=reason[:1024],
+                last_change_time=state.changed_at.get(role),
+            )
+        parts = [
+            f"{role[0].upper()}:{st.current}" + (f"->{st.desired}" if st.desired != st.current else "")
+            for role, st in roles.items()
+            if st is not None
+        ]
         return s.AutoscalingStatus(prefill=roles["prefill"], decode=roles["decode"], summary=" ".join(parts))

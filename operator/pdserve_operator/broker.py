@@ -76,8 +76,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         await _require_service_key(request.service_key, context)
         size = request.member.ByteSize()
         if size > MAX_MEMBER_BYTES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"member: {size} bytes, more than the {MAX_MEMBER_BYTES} a member may take")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"member: {size} bytes, more than the {MAX_MEMBER_BYTES} a member may take",
+            )
         try:
             info = member_info_from_proto(request.member)
         except ValueError as exc:
@@ -105,8 +107,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         roles = await _roles(request.roles, context)
         sub = self._registry.subscribe(request.service_key, roles, asyncio.get_running_loop())
         await context.send_initial_metadata(((BROKER_ID_HEADER, self._broker_id),))
-        log.debug(kv(event="broker.watch", service=request.service_key, roles=",".join(roles) or "all",
-                     peer=context.peer()))
+        log.debug(
+            kv(event="broker.watch", service=request.service_key, roles=",".join(roles) or "all", peer=context.peer())
+        )
         try:
             while True:
                 try:
@@ -117,21 +120,26 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         finally:
             self._registry.unsubscribe(sub)
 
-    async def SetDraining(self, request: broker_pb2.SetDrainingRequest, context: Context) -> broker_pb2.SetDrainingReply:
+    async def SetDraining(
+        self, request: broker_pb2.SetDrainingRequest, context: Context
+    ) -> broker_pb2.SetDrainingReply:
         target = request.WhichOneof("target")
         if target is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set lease_id or worker_id")
         value = getattr(request, target)
         found = self._registry.set_draining(request.service_key, draining=request.draining, **{target: value})
         if not found:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no member with {target} {value!r} in service {request.service_key!r}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no member with {target} {value!r} in service {request.service_key!r}"
+            )
         return broker_pb2.SetDrainingReply()
 
     async def Deregister(self, request: broker_pb2.DeregisterRequest, context: Context) -> broker_pb2.DeregisterReply:
         return broker_pb2.DeregisterReply(removed=self._registry.deregister(request.service_key, request.lease_id))
 
-    async def ListMembers(self, request: broker_pb2.ListMembersRequest, context: Context) -> broker_pb2.ListMembersReply:
+    async def ListMembers(
+        self, request: broker_pb2.ListMembersRequest, context: Context
+    ) -> broker_pb2.ListMembersReply:
         roles = await _roles(request.roles, context)
         return broker_pb2.ListMembersReply(
             members=[member_to_proto(m) for m in self._registry.members(request.service_key, roles)],
@@ -183,13 +191,25 @@ class BrokerServer:
         except BaseException:
             self._halt_loop()
             raise
-        log.info(kv(event="broker.listening", host=host, port=self.port, broker_id=self.broker_id,
-                    tls=self._tls is not None, ttl_s=self.registry.ttl_s, services=len(self.tokens.services())))
+        log.info(
+            kv(
+                event="broker.listening",
+                host=host,
+                port=self.port,
+                broker_id=self.broker_id,
+                tls=self._tls is not None,
+                ttl_s=self.registry.ttl_s,
+                services=len(self.tokens.services()),
+            )
+        )
         return self.port
 
     async def _start(self, host: str, port: int) -> int:
-        server = aio_server(self.tokens, max_message=BROKER_MAX_MESSAGE,
-                            limits=GrpcLimits.from_env(max_connections=BROKER_MAX_CONNECTIONS))
+        server = aio_server(
+            self.tokens,
+            max_message=BROKER_MAX_MESSAGE,
+            limits=GrpcLimits.from_env(max_connections=BROKER_MAX_CONNECTIONS),
+        )
         broker_pb2_grpc.add_BrokerServicer_to_server(BrokerServicer(self.registry, self.broker_id), server)
         bound = bind(server, host, port, self._tls)
         await server.start()

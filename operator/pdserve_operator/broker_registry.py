@@ -170,8 +170,10 @@ class Registry:
             svc = self._services.setdefault(service_key, _Service())
             old = svc.entries.get(info.worker_id)
             if old is None and len(svc.entries) >= self.max_members:
-                raise TooManyMembers(f"service {service_key!r} already has {len(svc.entries)} members, "
-                                     f"the most one service may register; {info.worker_id!r} is not added")
+                raise TooManyMembers(
+                    f"service {service_key!r} already has {len(svc.entries)} members, "
+                    f"the most one service may register; {info.worker_id!r} is not added"
+                )
             if old is not None:
                 svc.leases.pop(old.lease_id, None)
             member = Member(
@@ -183,8 +185,18 @@ class Registry:
             svc.entries[info.worker_id] = _Entry(member, lease_id, self._clock() + self.ttl_s)
             svc.leases[lease_id] = info.worker_id
             self._publish(svc, change_type(old.member if old else None, member) or EventType.UPDATED, member)
-        log.info(kv(event="broker.register", service=service_key, worker=info.worker_id, role=info.role,
-                    endpoint=info.grpc_endpoint, engine=info.engine_id, replaced=old is not None, draining=draining))
+        log.info(
+            kv(
+                event="broker.register",
+                service=service_key,
+                worker=info.worker_id,
+                role=info.role,
+                endpoint=info.grpc_endpoint,
+                engine=info.engine_id,
+                replaced=old is not None,
+                draining=draining,
+            )
+        )
         return Lease(lease_id, self.ttl_s)
 
     def keepalive(self, service_key: str, lease_id: str, load: Load | None = None) -> bool:
@@ -215,8 +227,9 @@ class Registry:
             if entry.member.draining != draining:
                 old = entry.member
                 entry.member = replace(old, draining=draining)
-                self._publish(self._services[service_key], change_type(old, entry.member) or EventType.UPDATED,
-                              entry.member)
+                self._publish(
+                    self._services[service_key], change_type(old, entry.member) or EventType.UPDATED, entry.member
+                )
                 log.info(kv(event="broker.draining", service=service_key, worker=old.worker_id, draining=draining))
             return True
 
@@ -287,9 +300,7 @@ class Registry:
         with self._lock:
             svc = self._services.get(service_key)
             entries = list(svc.entries.values()) if svc else []
-        return sorted(
-            (e.member for e in entries if not wanted or e.member.role in wanted), key=lambda m: m.worker_id
-        )
+        return sorted((e.member for e in entries if not wanted or e.member.role in wanted), key=lambda m: m.worker_id)
 
     def revision(self, service_key: str) -> int:
         with self._lock:
@@ -306,8 +317,7 @@ class Registry:
     def kv_tokens_in_use(self, service_key: str) -> int:
         """KV tokens the service's decodes last reported in use (a layer-sharded group once,
         by its leader): the operator's status."""
-        return sum(m.load.kv_tokens_used for m in self.members(service_key)
-                   if m.role is Role.DECODE)
+        return sum(m.load.kv_tokens_used for m in self.members(service_key) if m.role is Role.DECODE)
 
     def services(self) -> list[str]:
         with self._lock:
@@ -325,8 +335,15 @@ class Registry:
         svc.entries.pop(entry.member.worker_id, None)
         svc.leases.pop(entry.lease_id, None)
         self._publish(svc, EventType.REMOVED, entry.member)
-        log.info(kv(event="broker.remove", service=service_key, worker=entry.member.worker_id,
-                    role=entry.member.role, why=why))
+        log.info(
+            kv(
+                event="broker.remove",
+                service=service_key,
+                worker=entry.member.worker_id,
+                role=entry.member.role,
+                why=why,
+            )
+        )
 
     def _publish(self, svc: _Service, kind: EventType, member: Member) -> None:
         svc.revision += 1

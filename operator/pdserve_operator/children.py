@@ -328,9 +328,16 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
         # A directory mount, not subPath: the kubelet swaps the files on a Secret update, and the
         # router re-reads them (a subPath mount would never change).
         mounts.append({"name": "api-keys", "mountPath": E.API_KEYS_DIR, "readOnly": True})
-        volumes.append({"name": "api-keys", "secret": {
-            "secretName": spec.router.auth.secret_name, "defaultMode": 0o440,
-            "items": [{"key": E.API_KEYS_KEY, "path": E.API_KEYS_KEY}]}})
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": spec.router.auth.secret_name,
+                    "defaultMode": 0o440,
+                    "items": [{"key": E.API_KEYS_KEY, "path": E.API_KEYS_KEY}],
+                },
+            }
+        )
     if role in ("prefill", "decode"):
         # The host transfer engine keeps KV pools in shared memory; the container default is 64 MiB.
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -501,7 +508,9 @@ def horizontal_pod_autoscaler(owner: Owner, role: str, spec: s.PDInferenceServic
 
 def hpa_roles(spec: s.PDInferenceServiceSpec) -> list[str]:
     a = spec.autoscaling
-    return [r for r in ("prefill", "decode") if a is not None and getattr(a, r).enabled and getattr(a, r).driver == "hpa"]
+    return [
+        r for r in ("prefill", "decode") if a is not None and getattr(a, r).enabled and getattr(a, r).driver == "hpa"
+    ]
 
 
 def deployment(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:

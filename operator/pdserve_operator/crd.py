@@ -170,14 +170,39 @@ def openapi_schema() -> dict[str, Any]:
 
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
-    {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary", "description": "Ready/desired prefill pods."},
-    {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary", "description": "Ready/desired decode groups."},
-    {"name": "Slots", "type": "string", "jsonPath": ".status.slots.summary", "description": "Used/total request slots."},
+    {
+        "name": "Prefill",
+        "type": "string",
+        "jsonPath": ".status.prefill.summary",
+        "description": "Ready/desired prefill pods.",
+    },
+    {
+        "name": "Decode",
+        "type": "string",
+        "jsonPath": ".status.decode.summary",
+        "description": "Ready/desired decode groups.",
+    },
+    {
+        "name": "Slots",
+        "type": "string",
+        "jsonPath": ".status.slots.summary",
+        "description": "Used/total request slots.",
+    },
     {"name": "KV", "type": "string", "jsonPath": ".status.kvTokens.summary", "description": "Used/total KV tokens."},
-    {"name": "Scale", "type": "string", "jsonPath": ".status.autoscaling.summary",
-     "description": "Autoscaled roles: current[->desired] replicas (P: prefill, D: decode groups)."},
+    {
+        "name": "Scale",
+        "type": "string",
+        "jsonPath": ".status.autoscaling.summary",
+        "description": "Autoscaled roles: current[->desired] replicas (P: prefill, D: decode groups).",
+    },
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
-    {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1, "description": "OpenAI API URL."},
+    {
+        "name": "Endpoint",
+        "type": "string",
+        "jsonPath": ".status.endpoint",
+        "priority": 1,
+        "description": "OpenAI API URL.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -27,7 +27,12 @@ def _empty(value: Any) -> bool:
 def _scalar_equal(want: Any, have: Any) -> bool:
     if isinstance(want, bool) or isinstance(have, bool):
         return want is have or want == have and type(want) is type(have)
-    if isinstance(want, (int, float)) and isinstance(have, str) or isinstance(have, (int, float)) and isinstance(want, str):
+    if (
+        isinstance(want, (int, float))
+        and isinstance(have, str)
+        or isinstance(have, (int, float))
+        and isinstance(want, str)
+    ):
         return str(want) == str(have)  # quantities: the API server returns them as strings
     return bool(want == have)
 

@@ -30,15 +30,28 @@ class OperatorMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.reconciles = Counter(
-            f"{_PREFIX}_reconciles", "Reconciles of a PDInferenceService, by result: ok, invalid (the spec was "
-            "refused; status says why), error (an API call failed; kopf retries).", ["result"], registry=r)
+            f"{_PREFIX}_reconciles",
+            "Reconciles of a PDInferenceService, by result: ok, invalid (the spec was "
+            "refused; status says why), error (an API call failed; kopf retries).",
+            ["result"],
+            registry=r,
+        )
         labels = ["pdis_namespace", "pdis", "role"]
-        self.desired = Gauge(f"{_PREFIX}_replicas_desired",
-                             "Pods (router, prefill) or decode groups the spec asks for.", labels, registry=r)
-        self.ready = Gauge(f"{_PREFIX}_replicas_ready", "Ready pods or complete ready decode groups.", labels,
-                           registry=r)
-        self.slots_total = Gauge(f"{_PREFIX}_kv_slots_total", "KV slots of all ready decode groups of a service.",
-                                 ["pdis_namespace", "pdis"], registry=r)
+        self.desired = Gauge(
+            f"{_PREFIX}_replicas_desired",
+            "Pods (router, prefill) or decode groups the spec asks for.",
+            labels,
+            registry=r,
+        )
+        self.ready = Gauge(
+            f"{_PREFIX}_replicas_ready", "Ready pods or complete ready decode groups.", labels, registry=r
+        )
+        self.slots_total = Gauge(
+            f"{_PREFIX}_kv_slots_total",
+            "KV slots of all ready decode groups of a service.",
+            ["pdis_namespace", "pdis"],
+            registry=r,
+        )
         for result in RESULTS:  # present from the start, so that rate() sees the first error
             self.reconciles.labels(result=result)
 

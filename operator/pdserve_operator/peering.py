@@ -51,8 +51,9 @@ class PeeringObject:
 
     def manifest(self) -> str:
         meta = {"name": self.name, **({"namespace": self.namespace} if self.namespace else {})}
-        return json.dumps({"apiVersion": f"{GROUP}/{VERSION}", "kind": self.kind, "metadata": meta},
-                          separators=(",", ":"))
+        return json.dumps(
+            {"apiVersion": f"{GROUP}/{VERSION}", "kind": self.kind, "metadata": meta}, separators=(",", ":")
+        )
 
     def create_command(self) -> str:
         return f"echo '{self.manifest()}' | kubectl create -f -"

@@ -160,8 +160,9 @@ class Reconciler:
         children = ch.render(svc.owner, spec, token, self.defaults)
         live = await self._apply_children(svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec))
         await self._remove_stale_hpas(svc, spec)
-        scaling = await self.autoscaler.step(svc.owner, spec, svc.generation, live,
-                                             lambda type_, reason, msg: self._event(svc, type_, reason, msg))
+        scaling = await self.autoscaler.step(
+            svc.owner, spec, svc.generation, live, lambda type_, reason, msg: self._event(svc, type_, reason, msg)
+        )
         observed = await self._observe(svc, spec, live, outcome.conflicts, scaling)
         status = st.compute(svc.owner, spec, svc.generation, observed, svc.prev, self.clock())
         await self._write_status(svc, status, outcome)
@@ -187,7 +188,11 @@ class Reconciler:
         return token, secret
 
     async def _apply_children(
-        self, svc: _Service, desired: list[Live], secret: Live | None, outcome: Outcome,
+        self,
+        svc: _Service,
+        desired: list[Live],
+        secret: Live | None,
+        outcome: Outcome,
         autoscaled: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
     ) -> dict[tuple[str, str], Live]:
         """Create, leave or patch each rendered child; the children as they are now.
@@ -205,7 +210,11 @@ class Reconciler:
         return live
 
     async def _apply_child(
-        self, svc: _Service, want: Live, read: tuple[Live | None] | None, outcome: Outcome,
+        self,
+        svc: _Service,
+        want: Live,
+        read: tuple[Live | None] | None,
+        outcome: Outcome,
         replicas_released: bool = False,
     ) -> Live:
         """One child; `read` holds it when it was read already (None inside: it did not exist)."""
@@ -257,7 +266,11 @@ class Reconciler:
             log.info(kv(event="hpa_removed", service=svc.owner.key, hpa=name, role=role))
 
     async def _observe(
-        self, svc: _Service, spec: s.PDInferenceServiceSpec, live: dict[tuple[str, str], Live], conflicts: list[str],
+        self,
+        svc: _Service,
+        spec: s.PDInferenceServiceSpec,
+        live: dict[tuple[str, str], Live],
+        conflicts: list[str],
         scaling: s.AutoscalingStatus | None = None,
     ) -> st.Observed:
         """What the status is computed from: the workloads, decode pods when grouped, the broker."""
@@ -297,8 +310,15 @@ class Reconciler:
         try:
             await asyncio.to_thread(self.kube.post_event, svc.body, type_, reason, message)
         except KubeError as exc:
-            log.warning(kv(event="event_post_failed", service=svc.owner.key, reason=reason, status=exc.status,
-                           error=exc.message))
+            log.warning(
+                kv(
+                    event="event_post_failed",
+                    service=svc.owner.key,
+                    reason=reason,
+                    status=exc.status,
+                    error=exc.message,
+                )
+            )
 
 
 def parse(svc: _Service) -> s.PDInferenceServiceSpec:

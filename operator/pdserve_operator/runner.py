@@ -56,8 +56,15 @@ def run(
     try:
         config = check_peering(config, runtime.kube)
         settings = kopf_settings(config)
-        log.info(kv(event="operator_start", namespaces=",".join(config.namespaces) or "*",
-                    standalone=config.standalone, peering=config.peering, priority=settings.peering.priority))
+        log.info(
+            kv(
+                event="operator_start",
+                namespaces=",".join(config.namespaces) or "*",
+                standalone=config.standalone,
+                peering=config.peering,
+                priority=settings.peering.priority,
+            )
+        )
         asyncio.run(_operate(config, settings, runtime, stop_flag, ready_flag))
     finally:
         if metrics_server is not None:
@@ -76,9 +83,15 @@ def check_peering(config: OperatorConfig, kube: RestKubeClient) -> OperatorConfi
     missing = peering.find_missing(kube, peering.peering_objects(config.peering, config.namespaces))
     if missing and config.replicas == 1:
         for m in missing:
-            log.warning(kv(event="peering_missing_standalone", missing=m.what, fix=m.fix,
-                           detail="the only replica runs without peering: a second operator started by hand "
-                                  "would not be paused"))
+            log.warning(
+                kv(
+                    event="peering_missing_standalone",
+                    missing=m.what,
+                    fix=m.fix,
+                    detail="the only replica runs without peering: a second operator started by hand "
+                    "would not be paused",
+                )
+            )
         return config.model_copy(update={"standalone": True})
     return config
 
@@ -94,16 +107,27 @@ async def _report_peering(config: OperatorConfig, kube: RestKubeClient) -> None:
                 log.info(kv(event="peering_found", peering=config.peering, detail="kopf resumes the handlers"))
             return
         for m in missing:
-            log.warning(kv(event="peering_missing", waiting_for=str(m.obj), missing=m.what, fix=m.fix,
-                           detail="kopf keeps every handler paused until it exists; with one replica, "
-                                  "--standalone runs without peering"))
+            log.warning(
+                kv(
+                    event="peering_missing",
+                    waiting_for=str(m.obj),
+                    missing=m.what,
+                    fix=m.fix,
+                    detail="kopf keeps every handler paused until it exists; with one replica, "
+                    "--standalone runs without peering",
+                )
+            )
         reported = True
         await asyncio.sleep(config.peering_report_seconds)
 
 
-async def _operate(config: OperatorConfig, settings: kopf.OperatorSettings, runtime: Any,
-                   stop_flag: threading.Event | asyncio.Event | None,
-                   ready_flag: threading.Event | asyncio.Event | None) -> None:
+async def _operate(
+    config: OperatorConfig,
+    settings: kopf.OperatorSettings,
+    runtime: Any,
+    stop_flag: threading.Event | asyncio.Event | None,
+    ready_flag: threading.Event | asyncio.Event | None,
+) -> None:
     reporter = None if config.standalone else asyncio.create_task(_report_peering(config, runtime.kube))
     try:
         await kopf.operator(

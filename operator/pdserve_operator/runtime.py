@@ -40,15 +40,22 @@ class OperatorConfig(BaseSettings):
     peering: str = Field("pdserve", description="kopf peering name shared by the operator replicas.")
     priority: int | None = Field(None, description="Peering priority; derived from the pod name when unset.")
     replicas: int | None = Field(
-        None, ge=1, description="How many operator replicas run (the chart sets it). With 1, a missing peering object "
-        "means standalone with a warning; otherwise (or unknown) the operator waits for it.")
+        None,
+        ge=1,
+        description="How many operator replicas run (the chart sets it). With 1, a missing peering object "
+        "means standalone with a warning; otherwise (or unknown) the operator waits for it.",
+    )
     peering_report_seconds: float = Field(
-        30.0, gt=0, description="While the peering object is missing, say so this often.")
+        30.0, gt=0, description="While the peering object is missing, say so this often."
+    )
     resync_seconds: float = Field(30.0, gt=0, description="Reconcile each resource at least this often.")
     liveness: str | None = Field(None, description="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     metrics_port: int = Field(
-        0, ge=0, le=65535, description="Port of the operator's Prometheus /metrics (reconciles, replicas by role); "
-        "0: not served.")
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the operator's Prometheus /metrics (reconciles, replicas by role); 0: not served.",
+    )
     kubeconfig: str | None = Field(None, description="kubeconfig outside a cluster (in a pod: the service account).")
     network_policy: bool = Field(
         True,

@@ -98,9 +98,7 @@ class Model(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-_QUANTITY = re.compile(
-    r"^[+-]?(\d+(\.\d*)?|\.\d+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(\d+(\.\d*)?|\.\d+)))?$"
-)
+_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(\d+(\.\d*)?|\.\d+)))?$")
 
 
 def _check_quantity(value: int | str) -> int | str:
@@ -132,9 +130,7 @@ class ResourceRequirements(Model):
     requests: dict[str, Quantity] = Field(
         default_factory=dict, description="Minimum resources the scheduler reserves (e.g. cpu: 2, memory: 8Gi)."
     )
-    limits: dict[str, Quantity] = Field(
-        default_factory=dict, description="Maximum resources the container may use."
-    )
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources the container may use.")
 
 
 class Toleration(Model):
@@ -182,7 +178,10 @@ class ModelSpec(Model):
     """Which model to serve and how."""
 
     name: str = Field(
-        "SmolLM2-135M-Instruct", min_length=1, max_length=253, description="Model name reported by the API (/v1/models)."
+        "SmolLM2-135M-Instruct",
+        min_length=1,
+        max_length=253,
+        description="Model name reported by the API (/v1/models).",
     )
     source: str = Field(
         "builtin:smollm2",
@@ -193,9 +192,7 @@ class ModelSpec(Model):
             "(a PersistentVolumeClaim mounted read-only at /models), or an absolute path inside the pod."
         ),
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Compute and KV cache dtype."
-    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Compute and KV cache dtype.")
     max_length: int = Field(
         2048, ge=16, le=1_048_576, description="Maximum tokens per request (prompt plus output); sizes each KV slot."
     )
@@ -250,10 +247,15 @@ class PrefillSpec(PodOverrides):
 
     replicas: int = Field(1, ge=0, le=1024, description="Number of prefill pods.")
     layers_per_chunk: int = Field(
-        4, ge=1, le=1024, description="Layers computed between two KV pushes (transfer of chunk k overlaps compute of k+1)."
+        4,
+        ge=1,
+        le=1024,
+        description="Layers computed between two KV pushes (transfer of chunk k overlaps compute of k+1).",
     )
     prefix_cache_tokens: int = Field(
-        0, ge=0, le=16_777_216,
+        0,
+        ge=0,
+        le=16_777_216,
         description="Tokens of prompt-prefix KV each prefill pod keeps for reuse (blocks of 16 tokens, LRU): a prompt "
         "whose beginning was seen computes only the rest. 0: no prefix cache.",
     )
@@ -266,18 +268,24 @@ class DecodeSpec(PodOverrides):
         1, ge=0, le=1024, description="Number of decode groups (the scale subresource; kubectl scale pdis/NAME)."
     )
     slots: int = Field(
-        8, ge=1, le=4096,
+        8,
+        ge=1,
+        le=4096,
         description="Concurrent requests per decode group. With kvBlockTokens 0 also its KV pool: slots of "
         "model.maxLength tokens each.",
     )
     kv_block_tokens: int = Field(
-        16, ge=0, le=4096,
+        16,
+        ge=0,
+        le=4096,
         description="Tokens per KV block: a request reserves blocks for its prompt plus max_tokens, so capacity is "
         "counted in tokens. 0: one model.maxLength slot per request. A layer-sharded group (layerShards > 1) keeps "
         "slots.",
     )
     kv_tokens: int | None = Field(
-        None, ge=1, le=1 << 30,
+        None,
+        ge=1,
+        le=1 << 30,
         description="KV pool size in tokens per decode group with blocks (default slots x model.maxLength: the "
         "memory of the slots).",
     )
@@ -323,7 +331,8 @@ class TransferSpec(Model):
     """How KV moves from prefill to decode."""
 
     backend: Literal["hixl", "cpu", "auto"] = Field(
-        "auto", description="hixl (CANN one-sided transfer, NPU only), cpu (host-memory engine), auto (hixl where available)."
+        "auto",
+        description="hixl (CANN one-sided transfer, NPU only), cpu (host-memory engine), auto (hixl where available).",
     )
     queue_depth: int = Field(
         8,
@@ -367,7 +376,9 @@ class RouterAuthSpec(Model):
     """API keys on the OpenAI endpoint (docs/admission.md)."""
 
     secret_name: str = Field(
-        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
         description=(
             "Secret whose keys.yaml lists the tenants, their keys (or their SHA-256 digests) and optional "
             "limits: requestsPerMinute, tokensPerMinute, maxConcurrent, maxPriority, weight. Requests need "
@@ -381,12 +392,16 @@ class RouterAdmissionSpec(Model):
     """The routers' admission queue: requests wait here for a KV reservation (docs/admission.md)."""
 
     queue_size: int = Field(
-        1024, ge=1, le=1_000_000,
+        1024,
+        ge=1,
+        le=1_000_000,
         description="Requests that may wait per router; past it, 429 with Retry-After from the measured drain rate.",
     )
     per_tenant: int = Field(256, ge=1, le=1_000_000, description="Of those, how many one tenant may hold.")
     deadline_seconds: int = Field(
-        60, ge=1, le=86_400,
+        60,
+        ge=1,
+        le=86_400,
         description=(
             "Longest a request waits for admission; a request may shorten it with the x-pdserve-deadline-ms "
             "header. One the measured drain rate cannot admit in time is answered 429 at once."
@@ -410,7 +425,9 @@ class TLSSpec(Model):
     """TLS for the service's own hops, from a Secret in its namespace (cert-manager's shape)."""
 
     secret_name: str = Field(
-        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
         description=(
             "Secret with tls.crt, tls.key and ca.crt (what a cert-manager Certificate writes). Every pod "
             "mounts it: gRPC between the service's pods is mutual TLS only, the router serves HTTPS. The "
@@ -418,7 +435,10 @@ class TLSSpec(Model):
         ),
     )
     server_name: str | None = Field(
-        None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+        None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
         description=(
             "The DNS name the certificate carries that peers check (pods dial each other by IP); "
             "default NAME.NAMESPACE.svc, the router Service's name."
@@ -429,7 +449,9 @@ class TLSSpec(Model):
 class MetricTarget(Model):
     """The target of an HPA metric (autoscaling/v2 MetricTarget)."""
 
-    type: Literal["Utilization", "AverageValue", "Value"] = Field(description="Which of the values below is the target.")
+    type: Literal["Utilization", "AverageValue", "Value"] = Field(
+        description="Which of the values below is the target."
+    )
     average_utilization: int | None = Field(
         None, ge=1, le=10000, description="Percent of the pods' resource request (type Utilization, Resource metrics)."
     )
@@ -439,11 +461,13 @@ class MetricTarget(Model):
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="(self.type == 'Utilization') == has(self.averageUtilization) && "
-                "(self.type == 'AverageValue') == has(self.averageValue) && (self.type == 'Value') == has(self.value)",
+            "(self.type == 'AverageValue') == has(self.averageValue) && (self.type == 'Value') == has(self.value)",
             message="set exactly the value of the target's type: averageUtilization, averageValue or value",
-            holds=lambda t: (t.type == "Utilization") == (t.average_utilization is not None)
-            and (t.type == "AverageValue") == (t.average_value is not None)
-            and (t.type == "Value") == (t.value is not None),
+            holds=lambda t: (
+                (t.type == "Utilization") == (t.average_utilization is not None)
+                and (t.type == "AverageValue") == (t.average_value is not None)
+                and (t.type == "Value") == (t.value is not None)
+            ),
         ),
     )
 
@@ -456,8 +480,12 @@ class HPAMetric(Model):
     workers' /metrics). External: a metric from outside the cluster's pods."""
 
     type: Literal["Resource", "Pods", "External"] = Field(description="Where the metric comes from.")
-    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:./-]*$",
-                      description="Resource name (cpu, memory) or the metric's name.")
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:./-]*$",
+        description="Resource name (cpu, memory) or the metric's name.",
+    )
     selector: dict[str, str] = Field(
         default_factory=dict, description="Labels that select the metric's series (Pods, External)."
     )
@@ -547,10 +575,13 @@ class RatioBand(Model):
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="!has(self.minPrefillPerDecode) || !has(self.maxPrefillPerDecode) || "
-                "self.minPrefillPerDecode <= self.maxPrefillPerDecode",
+            "self.minPrefillPerDecode <= self.maxPrefillPerDecode",
             message="minPrefillPerDecode must not exceed maxPrefillPerDecode",
-            holds=lambda b: b.min_prefill_per_decode is None or b.max_prefill_per_decode is None
-            or b.min_prefill_per_decode <= b.max_prefill_per_decode,
+            holds=lambda b: (
+                b.min_prefill_per_decode is None
+                or b.max_prefill_per_decode is None
+                or b.min_prefill_per_decode <= b.max_prefill_per_decode
+            ),
             field="minPrefillPerDecode",
         ),
     )
@@ -575,11 +606,13 @@ class AutoscalingSpec(Model):
     )
     interval_seconds: int = Field(15, ge=1, le=3600, description="How often the planner looks.")
     planner_model: Literal["smollm2-135m", "llama-7b"] | None = Field(
-        None, description="The model shape the planner's performance model uses; default: the built-in model served "
+        None,
+        description="The model shape the planner's performance model uses; default: the built-in model served "
         "(required for a model from a claim or a path).",
     )
     hardware_profile: Literal["ascend-910b", "cpu-reference"] | None = Field(
-        None, description="The planner's hardware profile; default ascend-910b on npu, cpu-reference on cpu.",
+        None,
+        description="The planner's hardware profile; default ascend-910b on npu, cpu-reference on cpu.",
     )
     expected_prompt_tokens: int = Field(
         512, ge=1, le=1_048_576, description="Prompt length the planner assumes until routers report traffic."
@@ -591,7 +624,7 @@ class AutoscalingSpec(Model):
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="!((self.prefill.enabled && self.prefill.driver == 'planner') || "
-                "(self.decode.enabled && self.decode.driver == 'planner')) || has(self.slo.ttftMs) || has(self.slo.tpotMs)",
+            "(self.decode.enabled && self.decode.driver == 'planner')) || has(self.slo.ttftMs) || has(self.slo.tpotMs)",
             message="the planner needs slo.ttftMs or slo.tpotMs",
             holds=lambda a: not planner_drives(a) or a.slo.ttft_ms is not None or a.slo.tpot_ms is not None,
             field="slo",
@@ -611,11 +644,15 @@ class TracingSpec(Model):
     """OpenTelemetry tracing of requests across router, prefill and decode (common/pdserve_common/tracing.py)."""
 
     endpoint: str = Field(
-        min_length=1, max_length=2048, pattern=r"^https?://[^\s]+$",
+        min_length=1,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
         description="OTLP/gRPC endpoint of an OpenTelemetry collector, e.g. http://otel-collector.observability:4317.",
     )
     sample_ratio: float = Field(
-        1.0, ge=0.0, le=1.0,
+        1.0,
+        ge=0.0,
+        le=1.0,
         description="Fraction of requests traced, decided at the router by trace id (a client's traceparent "
         "links the trace but cannot force it to be recorded); prefill and decode follow the router's decision.",
     )
@@ -641,11 +678,13 @@ class PDInferenceServiceSpec(Model):
     router: RouterSpec = Field(default_factory=RouterSpec, description="Router role and its Service.")
     tls: TLSSpec | None = Field(None, description="TLS on the service's gRPC hops and its API (off when unset).")
     autoscaling: AutoscalingSpec | None = Field(
-        None, description="Per-role autoscaling (off when unset): the built-in planner, a rendered HPA, or another "
+        None,
+        description="Per-role autoscaling (off when unset): the built-in planner, a rendered HPA, or another "
         "controller owns a role's replicas.",
     )
     observability: ObservabilitySpec = Field(
-        default_factory=ObservabilitySpec, description="Tracing (the metrics are always on).")
+        default_factory=ObservabilitySpec, description="Tracing (the metrics are always on)."
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -656,26 +695,36 @@ class PDInferenceServiceSpec(Model):
         ),
         Rule(
             cel="!has(self.autoscaling) || !self.autoscaling.prefill.enabled || "
-                "self.prefill.replicas <= self.autoscaling.prefill.maxReplicas",
+            "self.prefill.replicas <= self.autoscaling.prefill.maxReplicas",
             message="prefill.replicas (the floor while autoscaling) must not exceed autoscaling.prefill.maxReplicas",
-            holds=lambda s: s.autoscaling is None or not s.autoscaling.prefill.enabled
-            or s.prefill.replicas <= s.autoscaling.prefill.max_replicas,
+            holds=lambda s: (
+                s.autoscaling is None
+                or not s.autoscaling.prefill.enabled
+                or s.prefill.replicas <= s.autoscaling.prefill.max_replicas
+            ),
             field="prefill.replicas",
         ),
         Rule(
             cel="!has(self.autoscaling) || !self.autoscaling.decode.enabled || "
-                "self.decode.replicas <= self.autoscaling.decode.maxReplicas",
+            "self.decode.replicas <= self.autoscaling.decode.maxReplicas",
             message="decode.replicas (the floor while autoscaling) must not exceed autoscaling.decode.maxReplicas",
-            holds=lambda s: s.autoscaling is None or not s.autoscaling.decode.enabled
-            or s.decode.replicas <= s.autoscaling.decode.max_replicas,
+            holds=lambda s: (
+                s.autoscaling is None
+                or not s.autoscaling.decode.enabled
+                or s.decode.replicas <= s.autoscaling.decode.max_replicas
+            ),
             field="decode.replicas",
         ),
         Rule(
             cel="!has(self.autoscaling) || !self.autoscaling.decode.enabled || self.autoscaling.decode.driver == 'planner' "
-                "|| self.decode.layerShards == 1",
+            "|| self.decode.layerShards == 1",
             message="with decode.layerShards > 1 only the planner scales decode (an HPA counts pods, not groups)",
-            holds=lambda s: s.autoscaling is None or not s.autoscaling.decode.enabled
-            or s.autoscaling.decode.driver == "planner" or s.decode.layer_shards == 1,
+            holds=lambda s: (
+                s.autoscaling is None
+                or not s.autoscaling.decode.enabled
+                or s.autoscaling.decode.driver == "planner"
+                or s.decode.layer_shards == 1
+            ),
             field="autoscaling.decode.driver",
         ),
     )

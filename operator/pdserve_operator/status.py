@@ -122,7 +122,9 @@ def invalid(
     base = prev or s.PDInferenceServiceStatus()
     conds = [
         _condition(prev, "SpecValid", False, "InvalidSpec", reason, generation, now),
-        _condition(prev, "Ready", False, "InvalidSpec", "the spec is invalid; children were left unchanged", generation, now),
+        _condition(
+            prev, "Ready", False, "InvalidSpec", "the spec is invalid; children were left unchanged", generation, now
+        ),
         _condition(prev, "Progressing", False, "InvalidSpec", "waiting for a valid spec", generation, now),
         _condition(prev, "Degraded", False, "InvalidSpec", "", generation, now),
     ]
@@ -138,7 +140,11 @@ def compute(
     now: str,
 ) -> s.PDInferenceServiceStatus:
     shards = spec.decode.layer_shards
-    prefill, decode, router = (Workload.of(observed.prefill), Workload.of(observed.decode), Workload.of(observed.router))
+    prefill, decode, router = (
+        Workload.of(observed.prefill),
+        Workload.of(observed.decode),
+        Workload.of(observed.router),
+    )
     reg = observed.registered
 
     decode_ready = (
@@ -175,9 +181,7 @@ def compute(
     missing = [role for role, w in workloads.items() if not w.exists]
     failures = [f"{role}: {w.failure}" for role, w in workloads.items() if w.failure]
     rolling = [
-        role
-        for role, w in workloads.items()
-        if w.exists and (not w.current_generation or w.updated < w.replicas)
+        role for role, w in workloads.items() if w.exists and (not w.current_generation or w.updated < w.replicas)
     ]
     spec_changed = prev is None or prev.observed_generation != generation
     any_ready = any(st["ready"] > 0 for st in role_status.values())
@@ -200,7 +204,15 @@ def compute(
     moving = ", ".join(f"{role} rolling out" for role in rolling) or detail
     conds = [
         _condition(prev, "SpecValid", True, "Valid", "", generation, now),
-        _condition(prev, "Ready", phase == "Ready", "AllReplicasReady" if phase == "Ready" else "NotReady", detail, generation, now),
+        _condition(
+            prev,
+            "Ready",
+            phase == "Ready",
+            "AllReplicasReady" if phase == "Ready" else "NotReady",
+            detail,
+            generation,
+            now,
+        ),
         _condition(
             prev,
             "Progressing",
@@ -210,8 +222,15 @@ def compute(
             generation,
             now,
         ),
-        _condition(prev, "Degraded", phase == "Degraded", "Degraded" if phase == "Degraded" else "Healthy",
-                   detail if phase == "Degraded" else "", generation, now),
+        _condition(
+            prev,
+            "Degraded",
+            phase == "Degraded",
+            "Degraded" if phase == "Degraded" else "Healthy",
+            detail if phase == "Degraded" else "",
+            generation,
+            now,
+        ),
     ]
     total = spec.decode.slots * decode_ready
     used = observed.slots_used

@@ -97,7 +97,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 @pytest.fixture
 def namespace(cluster: Cluster) -> str:
     name = f"t-{uuid.uuid4().hex[:8]}"
-    cluster.kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    cluster.kube.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
     return name
 
 

@@ -84,8 +84,11 @@ class Traffic:
             self._advance()
             n = int(self.requests)
         fast = Histogram(TTFT_BOUNDS, tuple(n for _ in TTFT_BOUNDS), n)  # every request within 50 ms
-        return Load(router=RouterLoad(requests_total=n, prompt_tokens_total=256 * n, output_tokens_total=64 * n,
-                                      ttft=fast, tpot=fast))
+        return Load(
+            router=RouterLoad(
+                requests_total=n, prompt_tokens_total=256 * n, output_tokens_total=64 * n, ttft=fast, tpot=fast
+            )
+        )
 
 
 class FakeWorkers:
@@ -105,9 +108,17 @@ class FakeWorkers:
 
     def add_decode(self, worker_id: str) -> None:
         layout = KVLayout(num_slots=8, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
-        info = MemberInfo(worker_id=worker_id, role=Role.DECODE, grpc_endpoint="127.0.0.1:7000",
-                          engine_id="127.0.0.1:7100", regions=(MemoryRegion(0x10000, layout.total_bytes),),
-                          kv_layout=layout, revision="r1", slots_total=8, slots_free=8)
+        info = MemberInfo(
+            worker_id=worker_id,
+            role=Role.DECODE,
+            grpc_endpoint="127.0.0.1:7000",
+            engine_id="127.0.0.1:7100",
+            regions=(MemoryRegion(0x10000, layout.total_bytes),),
+            kv_layout=layout,
+            revision="r1",
+            slots_total=8,
+            slots_free=8,
+        )
         self.decode_busy[worker_id] = 0
 
         def load() -> Load:
@@ -117,8 +128,10 @@ class FakeWorkers:
         self._register(info, load)
 
     def add_prefill(self, worker_id: str) -> None:
-        self._register(MemberInfo(worker_id=worker_id, role=Role.PREFILL, grpc_endpoint="127.0.0.1:7001",
-                                  revision="r1"), lambda: Load())
+        self._register(
+            MemberInfo(worker_id=worker_id, role=Role.PREFILL, grpc_endpoint="127.0.0.1:7001", revision="r1"),
+            lambda: Load(),
+        )
 
     def add_router(self, worker_id: str) -> None:
         self._register(MemberInfo(worker_id=worker_id, role=Role.ROUTER, revision="r1"), self.traffic.load)
@@ -175,8 +188,11 @@ def replicas(cluster: Cluster, namespace: str) -> tuple[int, int]:
 
 def events(cluster: Cluster, namespace: str) -> list[tuple[str, str]]:
     items = cluster.kube.list(KINDS["Event"], namespace)
-    return [(e["reason"], e["message"]) for e in sorted(items, key=lambda e: e["metadata"]["resourceVersion"])
-            if e["involvedObject"]["kind"] == s.KIND]
+    return [
+        (e["reason"], e["message"])
+        for e in sorted(items, key=lambda e: e["metadata"]["resourceVersion"])
+        if e["involvedObject"]["kind"] == s.KIND
+    ]
 
 
 def track(cluster: Cluster, namespace: str, seconds: float) -> list[tuple[int, int]]:
@@ -196,8 +212,9 @@ def track_times(cluster: Cluster, namespace: str, seconds: float) -> list[tuple[
     return seen
 
 
-def test_load_up_oscillation_and_down_through_a_drain(cluster: Cluster, namespace: str, broker: BrokerServer,
-                                                      scaling_operator: OperatorHandle) -> None:
+def test_load_up_oscillation_and_down_through_a_drain(
+    cluster: Cluster, namespace: str, broker: BrokerServer, scaling_operator: OperatorHandle
+) -> None:
     create(cluster, namespace, autoscaled_doc())
     assert wait_for(lambda: replicas(cluster, namespace) == (1, 1), what="workloads at their floor")
     fakes = workers_for(cluster, namespace, broker)
@@ -233,7 +250,9 @@ def test_load_up_oscillation_and_down_through_a_drain(cluster: Cluster, namespac
         for role in (0, 1):
             changes = [t for (t, pd), (_, before) in zip(timeline[1:], timeline) if pd[role] != before[role]]
             assert len(changes) <= 3, f"role {role} changed {len(changes)} times in 10 s: {flips}"
-            assert all(b - a >= 4 - 0.5 for a, b in zip(changes, changes[1:])), f"two changes within a window: {timeline}"
+            assert all(b - a >= 4 - 0.5 for a, b in zip(changes, changes[1:])), (
+                f"two changes within a window: {timeline}"
+            )
         fakes.traffic.set_rate(3.0)  # back up, after the 2 s up window
         wait_for(lambda: replicas(cluster, namespace) == (3, 3), timeout=10, what="back at 3, 3")
         # Steady high load for a whole down window: the window then holds only its recommendations.
@@ -243,12 +262,17 @@ def test_load_up_oscillation_and_down_through_a_drain(cluster: Cluster, namespac
         # the down window, drains decode-1 and decode-2, and lowers the StatefulSet only after
         # decode-2's request finished.
         assert not [m.worker_id for m in broker.registry.members(key) if m.draining], (
-            timeline, events(cluster, namespace))
+            timeline,
+            events(cluster, namespace),
+        )
         fakes.decode_busy[f"{NAME}-decode-2"] = 1
         fakes.traffic.set_rate(0.1)
         fell = time.monotonic()
-        draining = wait_for(lambda: sorted(m.worker_id for m in broker.registry.members(key) if m.draining),
-                            timeout=20, what="decodes marked draining")
+        draining = wait_for(
+            lambda: sorted(m.worker_id for m in broker.registry.members(key) if m.draining),
+            timeout=20,
+            what="decodes marked draining",
+        )
         # The window holds recommendations, each made from the last 1 s interval's traffic: the
         # last high one may be up to an interval older than the fall.
         assert time.monotonic() - fell >= 4 - 1 - 0.3, "scaled down before the down window passed"
@@ -274,34 +298,59 @@ def test_load_up_oscillation_and_down_through_a_drain(cluster: Cluster, namespac
         fakes.close()
 
 
-def test_an_hpa_owned_role_is_never_overwritten(cluster: Cluster, namespace: str, broker: BrokerServer,
-                                                scaling_operator: OperatorHandle) -> None:
+def test_an_hpa_owned_role_is_never_overwritten(
+    cluster: Cluster, namespace: str, broker: BrokerServer, scaling_operator: OperatorHandle
+) -> None:
     doc = autoscaled_doc(
-        prefill={"enabled": True, "driver": "hpa", "minReplicas": 1, "maxReplicas": 6,
-                 "metric": {"type": "Pods", "name": "pdserve_prefill_queue_length",
-                            "target": {"type": "AverageValue", "averageValue": "4"}}},
+        prefill={
+            "enabled": True,
+            "driver": "hpa",
+            "minReplicas": 1,
+            "maxReplicas": 6,
+            "metric": {
+                "type": "Pods",
+                "name": "pdserve_prefill_queue_length",
+                "target": {"type": "AverageValue", "averageValue": "4"},
+            },
+        },
         decode={"enabled": True, "driver": "external", "minReplicas": 1, "maxReplicas": 6},
     )
     doc["spec"]["decode"] = {"replicas": 2}
     create(cluster, namespace, doc)
     assert wait_for(lambda: replicas(cluster, namespace) == (1, 2), what="workloads created at their initial counts")
-    hpa = wait_for(lambda: cluster.kube.get(KINDS["HorizontalPodAutoscaler"], namespace, f"{NAME}-prefill"),
-                   what="the rendered HPA")
+    hpa = wait_for(
+        lambda: cluster.kube.get(KINDS["HorizontalPodAutoscaler"], namespace, f"{NAME}-prefill"),
+        what="the rendered HPA",
+    )
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{NAME}-prefill"}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 6)
-    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
-        "metric": {"name": "pdserve_prefill_queue_length"}, "target": {"type": "AverageValue", "averageValue": "4"}}}]
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "pdserve_prefill_queue_length"},
+                "target": {"type": "AverageValue", "averageValue": "4"},
+            },
+        }
+    ]
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 4
 
     # A second field manager (the HPA controller, KEDA) writes the replicas through the scale
     # subresource, as they do.
     for kind, name, value in (("Deployment", f"{NAME}-prefill", 5), ("StatefulSet", f"{NAME}-decode", 4)):
-        cluster.kube.request("PATCH", KINDS[kind].path(namespace, name, "scale"), {"spec": {"replicas": value}},
-                             "application/merge-patch+json", {"fieldManager": "horizontal-pod-autoscaler"})
+        cluster.kube.request(
+            "PATCH",
+            KINDS[kind].path(namespace, name, "scale"),
+            {"spec": {"replicas": value}},
+            "application/merge-patch+json",
+            {"fieldManager": "horizontal-pod-autoscaler"},
+        )
     # The operator reconciles again and again (a spec change, resyncs every second, child events).
     cluster.kube.merge_patch(KINDS[s.KIND], namespace, NAME, {"spec": {"router": {"replicas": 2}}})
-    wait_for(lambda: (cluster.get("Deployment", namespace, f"{NAME}-router") or {}).get("spec", {}).get("replicas") == 2,
-             what="the spec change reconciled")
+    wait_for(
+        lambda: (cluster.get("Deployment", namespace, f"{NAME}-router") or {}).get("spec", {}).get("replicas") == 2,
+        what="the spec change reconciled",
+    )
     seen = track(cluster, namespace, 3.0)
     assert seen == [(5, 4)], f"the operator overwrote an autoscaler's replicas: {seen}"
     # Field ownership as the API server records it (the emulator's managed_fields.py): the
@@ -315,7 +364,10 @@ def test_an_hpa_owned_role_is_never_overwritten(cluster: Cluster, namespace: str
     assert status["autoscaling"]["decode"]["driver"] == "external" and status["decode"]["desired"] == 4
 
     # Handing prefill to the planner removes the operator's HPA, so the two never fight.
-    cluster.kube.merge_patch(KINDS[s.KIND], namespace, NAME, {"spec": {"autoscaling": {"prefill": {
-        "driver": "planner", "metric": None}}}})
-    wait_for(lambda: cluster.kube.get(KINDS["HorizontalPodAutoscaler"], namespace, f"{NAME}-prefill") is None,
-             what="the HPA removed")
+    cluster.kube.merge_patch(
+        KINDS[s.KIND], namespace, NAME, {"spec": {"autoscaling": {"prefill": {"driver": "planner", "metric": None}}}}
+    )
+    wait_for(
+        lambda: cluster.kube.get(KINDS["HorizontalPodAutoscaler"], namespace, f"{NAME}-prefill") is None,
+        what="the HPA removed",
+    )

@@ -38,9 +38,12 @@ OPERATOR_TOKEN = "token-of-serviceaccount-pdserve-system-pdserve-operator"
 
 # Granted although the scenario never makes the call, each with its reason.
 UNUSED_GRANTS_ALLOWED = {
-    ("pdserve.dev", "pdinferenceservices/finalizers", "update"):
-        "children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
-        "admission plugin (OpenShift) allows only with this permission on the owner; the emulator runs no admission",
+    (
+        "pdserve.dev",
+        "pdinferenceservices/finalizers",
+        "update",
+    ): "children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
+    "admission plugin (OpenShift) allows only with this permission on the owner; the emulator runs no admission",
 }
 
 
@@ -59,11 +62,13 @@ class ChartOperator(OperatorHandle):
             config = OperatorConfig()
         assert config.liveness is not None and config.liveness.endswith(f":{self.deployment_health_port()}/healthz")
         # What differs outside a pod: where the API is, and a loopback port for the liveness probe.
-        return config.model_copy(update={
-            "kubeconfig": str(self.cluster.kubeconfig),
-            "liveness": f"http://127.0.0.1:{self.health_port}/healthz",
-            "resync_seconds": 1.0,
-        })
+        return config.model_copy(
+            update={
+                "kubeconfig": str(self.cluster.kubeconfig),
+                "liveness": f"http://127.0.0.1:{self.health_port}/healthz",
+                "resync_seconds": 1.0,
+            }
+        )
 
     def deployment_health_port(self) -> int:
         container = self.deployment["spec"]["template"]["spec"]["containers"][0]
@@ -90,8 +95,11 @@ def apply_chart(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
 @pytest.fixture(scope="module")
 def chart_namespace(cluster: Cluster) -> Iterator[str]:
     try:
-        cluster.kube.request("POST", "/api/v1/namespaces",
-                             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CHART_NAMESPACE}})
+        cluster.kube.request(
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CHART_NAMESPACE}},
+        )
     except KubeError as exc:
         if exc.status != 409:
             raise
@@ -119,7 +127,9 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
     wait_for(lambda: status(cluster, namespace, name).get("phase") == "Pending", what="status Pending")
     kids = [(kind, cname) for kind, cname in children]
     if network_policy:
-        policy = wait_for(lambda: cluster.get("NetworkPolicy", namespace, ch.network_policy_name(name)), what="NetworkPolicy")
+        policy = wait_for(
+            lambda: cluster.get("NetworkPolicy", namespace, ch.network_policy_name(name)), what="NetworkPolicy"
+        )
         assert policy["spec"]["podSelector"]["matchLabels"] == ch.selector_labels(name)
         kids.append(("NetworkPolicy", ch.network_policy_name(name)))
 
@@ -127,11 +137,15 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
     for kind, cname in kids:
         cluster.kube.merge_patch(KINDS[kind], namespace, cname, {"metadata": {"labels": {ch.LABEL_NAME: "edited"}}})
     for kind, cname in kids:
-        wait_for(lambda k=kind, n=cname: cluster.get(k, namespace, n)["metadata"]["labels"][ch.LABEL_NAME] == ch.APP,
-                 what=f"{kind}/{cname} repaired")
+        wait_for(
+            lambda k=kind, n=cname: cluster.get(k, namespace, n)["metadata"]["labels"][ch.LABEL_NAME] == ch.APP,
+            what=f"{kind}/{cname} repaired",
+        )
 
     autoscaling_scenario(cluster, broker, namespace, name)
-    cluster.kubectl("delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=60s")  # the operator's finalizer runs first: slow under load
+    cluster.kubectl(
+        "delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=60s"
+    )  # the operator's finalizer runs first: slow under load
     assert cluster.get("PDInferenceService", namespace, name) is None
 
 
@@ -142,15 +156,29 @@ def autoscaling_scenario(cluster: Cluster, broker: Any, namespace: str, name: st
     from pdserve_common.membership import Load, Member, MemberInfo, MemoryRegion, Role
 
     layout = KVLayout(num_slots=8, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
-    busy = Member(MemberInfo(worker_id=f"{name}-decode-0", role=Role.DECODE, grpc_endpoint="10.0.0.1:7000",
-                             engine_id="10.0.0.1:7100", regions=(MemoryRegion(0x10000, layout.total_bytes),),
-                             kv_layout=layout, revision="r", slots_total=8, slots_free=0),
-                  load=Load(slots_used=8, slots_free=0, active_requests=8))
+    busy = Member(
+        MemberInfo(
+            worker_id=f"{name}-decode-0",
+            role=Role.DECODE,
+            grpc_endpoint="10.0.0.1:7000",
+            engine_id="10.0.0.1:7100",
+            regions=(MemoryRegion(0x10000, layout.total_bytes),),
+            kv_layout=layout,
+            revision="r",
+            slots_total=8,
+            slots_free=0,
+        ),
+        load=Load(slots_used=8, slots_free=0, active_requests=8),
+    )
     broker.loads[f"{namespace}/{name}"] = [busy]
     hpa_metric = {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
-    autoscaling = {"slo": {"ttftMs": 2000, "tpotMs": 100}, "intervalSeconds": 1, "scaleUpWindowSeconds": 0,
-                   "prefill": {"enabled": True, "driver": "hpa", "maxReplicas": 4, "metric": hpa_metric},
-                   "decode": {"enabled": True, "maxReplicas": 3}}
+    autoscaling = {
+        "slo": {"ttftMs": 2000, "tpotMs": 100},
+        "intervalSeconds": 1,
+        "scaleUpWindowSeconds": 0,
+        "prefill": {"enabled": True, "driver": "hpa", "maxReplicas": 4, "metric": hpa_metric},
+        "decode": {"enabled": True, "maxReplicas": 3},
+    }
     pdis = KINDS["PDInferenceService"]
     cluster.kube.merge_patch(pdis, namespace, name, {"spec": {"autoscaling": autoscaling}})
     hpa_kind = KINDS["HorizontalPodAutoscaler"]
@@ -186,8 +214,9 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
     assert (account["namespace"], account["name"]) == (ACCOUNT.namespace, ACCOUNT.name)
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == ACCOUNT.name
 
-    as_operator = replace(cluster, kubeconfig=cluster.emulator.write_kubeconfig(
-        tmp_path / "operator-kubeconfig", token=OPERATOR_TOKEN))
+    as_operator = replace(
+        cluster, kubeconfig=cluster.emulator.write_kubeconfig(tmp_path / "operator-kubeconfig", token=OPERATOR_TOKEN)
+    )
     handle = ChartOperator(as_operator, namespace, deployment=deployment)
     network_policy = handle.config().network_policy
     assert network_policy == (mode == "cluster-wide")
@@ -207,8 +236,12 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
     assert not denied, "the chart's RBAC refuses calls the operator makes:\n" + "\n".join(denied)
 
     def used(ns: str, group: str, resource: str, verb: str) -> bool:
-        return any(r.is_resource and (r.verb, r.group, r.resource_key) == (verb, group, resource)
-                   and (not ns or r.namespace == ns) for r in requests)
+        return any(
+            r.is_resource
+            and (r.verb, r.group, r.resource_key) == (verb, group, resource)
+            and (not ns or r.namespace == ns)
+            for r in requests
+        )
 
     grants = {g for rule in authorizer.rules_for(ACCOUNT) for g in rule.grants()}
     unused = sorted(g for g in grants if not used(*g) and g[1:] not in UNUSED_GRANTS_ALLOWED)
@@ -218,15 +251,40 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
 
 def test_helm_install_dry_run_prints_the_next_steps(cluster: Cluster, tmp_path: Path) -> None:
     """NOTES.txt renders only at install time; a client-side dry run against the emulator shows it."""
-    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), HELM_CACHE_HOME=str(tmp_path / "cache"),
-               HELM_CONFIG_HOME=str(tmp_path / "config"), HELM_DATA_HOME=str(tmp_path / "data"))
+    env = dict(
+        os.environ,
+        KUBECONFIG=str(cluster.kubeconfig),
+        HELM_CACHE_HOME=str(tmp_path / "cache"),
+        HELM_CONFIG_HOME=str(tmp_path / "config"),
+        HELM_DATA_HOME=str(tmp_path / "data"),
+    )
     # A release of its own (helm refuses to adopt the objects the other tests applied with kubectl).
-    out = subprocess.run([chart_tools.helm(), "install", "notes", str(chart_tools.CHART), "-n", "notes-ns",
-                          "--set", "peering.name=notes", "--dry-run=client", "--disable-openapi-validation"],
-                         capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [
+            chart_tools.helm(),
+            "install",
+            "notes",
+            str(chart_tools.CHART),
+            "-n",
+            "notes-ns",
+            "--set",
+            "peering.name=notes",
+            "--dry-run=client",
+            "--disable-openapi-validation",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
-    for step in ("kubectl -n notes-ns rollout status deployment/notes-pdserve-operator", "kubectl apply", "kubectl get pdis",
-                 "kubectl scale pdis/smollm2", "/v1/completions"):
+    for step in (
+        "kubectl -n notes-ns rollout status deployment/notes-pdserve-operator",
+        "kubectl apply",
+        "kubectl get pdis",
+        "kubectl scale pdis/smollm2",
+        "/v1/completions",
+    ):
         assert step in notes, notes
     assert str(ROOT) not in notes

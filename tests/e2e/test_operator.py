@@ -49,13 +49,25 @@ def env_of(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_ready(cluster: Cluster, ns: str, name: str, prefill: int, decode_pods: int, router: int) -> None:
-    for kind, role, n in (("Deployment", "prefill", prefill), ("StatefulSet", "decode", decode_pods), ("Deployment", "router", router)):
+    for kind, role, n in (
+        ("Deployment", "prefill", prefill),
+        ("StatefulSet", "decode", decode_pods),
+        ("Deployment", "router", router),
+    ):
         obj = cluster.get(kind, ns, f"{name}-{role}")
         assert obj is not None
-        cluster.patch_status(kind, ns, f"{name}-{role}", {
-            "observedGeneration": obj["metadata"]["generation"],
-            "replicas": n, "readyReplicas": n, "updatedReplicas": n, "availableReplicas": n,
-        })
+        cluster.patch_status(
+            kind,
+            ns,
+            f"{name}-{role}",
+            {
+                "observedGeneration": obj["metadata"]["generation"],
+                "replicas": n,
+                "readyReplicas": n,
+                "updatedReplicas": n,
+                "availableReplicas": n,
+            },
+        )
 
 
 def apply(cluster: Cluster, ns: str, doc: dict[str, Any], tmp: Path) -> None:
@@ -64,7 +76,9 @@ def apply(cluster: Cluster, ns: str, doc: dict[str, Any], tmp: Path) -> None:
     cluster.kubectl("apply", "--validate=false", "-n", ns, "-f", str(path))
 
 
-def test_sample_gets_every_child_with_owner_env_and_resources(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+def test_sample_gets_every_child_with_owner_env_and_resources(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["metadata"]["name"] = "svc"
     doc["spec"]["device"] = {"type": "npu", "resourceName": "huawei.com/Ascend910", "count": 2}
@@ -92,7 +106,11 @@ def test_sample_gets_every_child_with_owner_env_and_resources(cluster: Cluster, 
     assert container["lifecycle"]["preStop"] == {"exec": {"command": ["pdserve", "drain"]}}
     prefill_env = env_of(kids[("Deployment", "svc-prefill")])
     assert prefill_env["PDSERVE_ROLE"] == "prefill" and prefill_env["EXTRA"] == "1"
-    assert "huawei.com/Ascend910" not in (kids[("Deployment", "svc-router")]["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {}))
+    assert "huawei.com/Ascend910" not in (
+        kids[("Deployment", "svc-router")]["spec"]["template"]["spec"]["containers"][0]
+        .get("resources", {})
+        .get("limits", {})
+    )
 
     # The token in the Secret is the one the broker was told, and it is kept across reconciles.
     token = base64.b64decode(kids[("Secret", "svc-broker-token")]["data"]["token"]).decode()
@@ -122,7 +140,9 @@ def test_sample_gets_every_child_with_owner_env_and_resources(cluster: Cluster, 
     wait_for(lambda: status(cluster, namespace, "svc").get("phase") == "Degraded", what="Degraded")
 
 
-def test_kubectl_scale_drives_the_statefulset_and_status(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+def test_kubectl_scale_drives_the_statefulset_and_status(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["spec"]["decode"]["layerShards"] = 2
     apply(cluster, namespace, doc, tmp_path)
@@ -131,44 +151,79 @@ def test_kubectl_scale_drives_the_statefulset_and_status(cluster: Cluster, opera
     assert env_of(sts)["PDSERVE_LAYER_SHARDS"] == "2"
 
     cluster.kubectl("scale", "pdis/smollm2", "--replicas=3", "-n", namespace)
-    wait_for(lambda: cluster.get("StatefulSet", namespace, "smollm2-decode")["spec"]["replicas"] == 6, what="6 decode pods")
-    wait_for(lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("desired") == 3, what="status desired 3")
+    wait_for(
+        lambda: cluster.get("StatefulSet", namespace, "smollm2-decode")["spec"]["replicas"] == 6, what="6 decode pods"
+    )
+    wait_for(
+        lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("desired") == 3, what="status desired 3"
+    )
     # Play the StatefulSet controller: six pods, one of group 2 not ready yet.
     for ordinal in range(6):
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": f"smollm2-decode-{ordinal}", "namespace": namespace,
-            "labels": ch.selector_labels("smollm2", "decode")}, "spec": {"containers": [{"name": "worker", "image": "x"}]}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"smollm2-decode-{ordinal}",
+                "namespace": namespace,
+                "labels": ch.selector_labels("smollm2", "decode"),
+            },
+            "spec": {"containers": [{"name": "worker", "image": "x"}]},
+        }
         cluster.kube.create(pod)
         ready = "False" if ordinal == 5 else "True"
-        cluster.patch_status("Pod", namespace, pod["metadata"]["name"], {"conditions": [{"type": "Ready", "status": ready}]})
+        cluster.patch_status(
+            "Pod", namespace, pod["metadata"]["name"], {"conditions": [{"type": "Ready", "status": ready}]}
+        )
     make_ready(cluster, namespace, "smollm2", 1, 5, 1)
-    wait_for(lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("summary") == "2/3", what="decode 2/3 (a partial group serves nothing)")
+    wait_for(
+        lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("summary") == "2/3",
+        what="decode 2/3 (a partial group serves nothing)",
+    )
     cluster.patch_status("Pod", namespace, "smollm2-decode-5", {"conditions": [{"type": "Ready", "status": "True"}]})
     make_ready(cluster, namespace, "smollm2", 1, 6, 1)
     wait_for(lambda: status(cluster, namespace, "smollm2").get("decode", {}).get("summary") == "3/3", what="decode 3/3")
-    out = cluster.kubectl("get", "pdis/smollm2", "-n", namespace, "-o", "jsonpath={.status.decode.replicas} {.status.decode.selector}").stdout
+    out = cluster.kubectl(
+        "get", "pdis/smollm2", "-n", namespace, "-o", "jsonpath={.status.decode.replicas} {.status.decode.selector}"
+    ).stdout
     assert out.split() == ["3", ch.selector_string("smollm2", "decode")]
-    scale = cluster.kubectl("get", "--raw", f"/apis/pdserve.dev/v1alpha1/namespaces/{namespace}/pdinferenceservices/smollm2/scale").stdout
+    scale = cluster.kubectl(
+        "get", "--raw", f"/apis/pdserve.dev/v1alpha1/namespaces/{namespace}/pdinferenceservices/smollm2/scale"
+    ).stdout
     assert '"replicas":3' in scale.replace(" ", "")
 
 
-def test_hand_edits_and_deletions_of_children_are_reverted(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+def test_hand_edits_and_deletions_of_children_are_reverted(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
     apply(cluster, namespace, yaml.safe_load(SAMPLE.read_text()), tmp_path)
     wait_for(lambda: all_children(cluster, namespace, "smollm2"), what="all children")
     wait_for(lambda: status(cluster, namespace, "smollm2").get("phase"), what="first status")
 
     cluster.kubectl("scale", "statefulset/smollm2-decode", "--replicas=5", "-n", namespace)
     cluster.kubectl("set", "env", "deployment/smollm2-prefill", "PDSERVE_QUEUE_DEPTH=99", "-n", namespace)
-    wait_for(lambda: cluster.get("StatefulSet", namespace, "smollm2-decode")["spec"]["replicas"] == 1, what="replicas reverted")
-    wait_for(lambda: env_of(cluster.get("Deployment", namespace, "smollm2-prefill"))["PDSERVE_QUEUE_DEPTH"] == "8", what="env reverted")
+    wait_for(
+        lambda: cluster.get("StatefulSet", namespace, "smollm2-decode")["spec"]["replicas"] == 1,
+        what="replicas reverted",
+    )
+    wait_for(
+        lambda: env_of(cluster.get("Deployment", namespace, "smollm2-prefill"))["PDSERVE_QUEUE_DEPTH"] == "8",
+        what="env reverted",
+    )
 
     cluster.kubectl("delete", "service/smollm2", "configmap/smollm2-config", "-n", namespace)
-    wait_for(lambda: cluster.get("Service", namespace, "smollm2") and cluster.get("ConfigMap", namespace, "smollm2-config"), what="recreated")
+    wait_for(
+        lambda: cluster.get("Service", namespace, "smollm2") and cluster.get("ConfigMap", namespace, "smollm2-config"),
+        what="recreated",
+    )
     events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
-    assert any(e.get("reason") == "DriftReverted" and "StatefulSet/smollm2-decode" in e.get("message", "") for e in events)
+    assert any(
+        e.get("reason") == "DriftReverted" and "StatefulSet/smollm2-decode" in e.get("message", "") for e in events
+    )
 
 
-def test_invalid_resources_are_rejected_or_marked(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+def test_invalid_resources_are_rejected_or_marked(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
     bad = yaml.safe_load(SAMPLE.read_text())
     bad["metadata"]["name"] = "bad"
     bad["spec"]["decode"]["replicas"] = -1
@@ -193,6 +248,7 @@ def test_invalid_resources_are_rejected_or_marked(cluster: Cluster, operator: Op
     valid = next(c for c in st["conditions"] if c["type"] == "SpecValid")
     assert valid["status"] == "False" and "decode.layerShards" in valid["message"]
     assert cluster.get("StatefulSet", namespace, "deep-decode") is None
+
     # kopf posts the Event after the status patch: wait for it rather than race it.
     def invalid_event() -> bool:
         events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
@@ -205,17 +261,23 @@ def test_invalid_resources_are_rejected_or_marked(cluster: Cluster, operator: Op
     wait_for(lambda: status(cluster, namespace, "deep").get("phase") == "Pending", what="valid again")
 
 
-def test_deleting_the_resource_removes_children_and_broker_entry(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+def test_deleting_the_resource_removes_children_and_broker_entry(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
     apply(cluster, namespace, yaml.safe_load(SAMPLE.read_text()), tmp_path)
     wait_for(lambda: all_children(cluster, namespace, "smollm2"), what="all children")
     assert f"{namespace}/smollm2" in operator.broker.tokens
-    cluster.kubectl("delete", "pdis/smollm2", "-n", namespace, "--wait=true", "--timeout=60s")  # the operator's finalizer runs first: slow under load
+    cluster.kubectl(
+        "delete", "pdis/smollm2", "-n", namespace, "--wait=true", "--timeout=60s"
+    )  # the operator's finalizer runs first: slow under load
     wait_for(lambda: all(v is None for v in children_of(cluster, namespace, "smollm2").values()), what="children gone")
     assert cluster.get("PDInferenceService", namespace, "smollm2") is None
     assert operator.broker.removed == [f"{namespace}/smollm2"] and f"{namespace}/smollm2" not in operator.broker.tokens
 
 
-def test_restarting_the_operator_changes_nothing_that_was_right(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+def test_restarting_the_operator_changes_nothing_that_was_right(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
     apply(cluster, namespace, yaml.safe_load(SAMPLE.read_text()), tmp_path)
     wait_for(lambda: all_children(cluster, namespace, "smollm2"), what="all children")
     operator.broker.counts[f"{namespace}/smollm2"] = {"prefill": 1, "decode": 1, "router": 1}
@@ -224,7 +286,10 @@ def test_restarting_the_operator_changes_nothing_that_was_right(cluster: Cluster
     time.sleep(1.5)  # let the child events of make_ready settle
 
     def versions() -> dict[str, str]:
-        out = {f"{k}/{n}": v["metadata"]["resourceVersion"] for (k, n), v in all_children(cluster, namespace, "smollm2").items()}
+        out = {
+            f"{k}/{n}": v["metadata"]["resourceVersion"]
+            for (k, n), v in all_children(cluster, namespace, "smollm2").items()
+        }
         cr = cluster.get("PDInferenceService", namespace, "smollm2")
         out["status"] = yaml.safe_dump(cr["status"])
         out["spec"] = yaml.safe_dump(cr["spec"])

@@ -25,8 +25,11 @@ class PeeredOperator(OperatorHandle):
     priority: int = 0
 
     def config(self) -> OperatorConfig:
-        return super().config().model_copy(update={"standalone": False, "peering": "pdserve-e2e",
-                                                   "priority": self.priority})
+        return (
+            super()
+            .config()
+            .model_copy(update={"standalone": False, "peering": "pdserve-e2e", "priority": self.priority})
+        )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +55,15 @@ def create(cluster: Cluster, namespace: str, name: str, tmp: Path) -> None:
 def test_only_the_leader_acts_and_the_standby_takes_over(
     cluster: Cluster, namespace: str, peering_crd: None, tmp_path: Path
 ) -> None:
-    cluster.kubectl("apply", "--validate=false", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(
-        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "pdserve-e2e"}}))
+    cluster.kubectl(
+        "apply",
+        "--validate=false",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        stdin=yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "pdserve-e2e"}}),
+    )
     leader = PeeredOperator(cluster, namespace, priority=200)
     standby = PeeredOperator(cluster, namespace, priority=100)
     leader.start()
@@ -74,7 +84,9 @@ def test_only_the_leader_acts_and_the_standby_takes_over(
 
         leader.stop()  # a clean stop withdraws its peering record at once
         create(cluster, namespace, "second", tmp_path)
-        wait_for(lambda: all_children(cluster, namespace, "second"), timeout=60, what="children of 'second' by the standby")
+        wait_for(
+            lambda: all_children(cluster, namespace, "second"), timeout=60, what="children of 'second' by the standby"
+        )
         assert f"{namespace}/second" in standby.broker.tokens
         assert f"{namespace}/second" not in leader.broker.tokens
     finally:

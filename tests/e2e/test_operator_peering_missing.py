@@ -51,8 +51,19 @@ class PeeringOperator(OperatorHandle):
     replicas: int | None = None
 
     def config(self) -> OperatorConfig:
-        return super().config().model_copy(update={"standalone": False, "peering": "pdserve", "priority": 100,
-                                                   "replicas": self.replicas, "peering_report_seconds": 0.5})
+        return (
+            super()
+            .config()
+            .model_copy(
+                update={
+                    "standalone": False,
+                    "peering": "pdserve",
+                    "priority": 100,
+                    "replicas": self.replicas,
+                    "peering_report_seconds": 0.5,
+                }
+            )
+        )
 
 
 class Captured(logging.Handler):
@@ -81,7 +92,9 @@ def log() -> Iterator[Captured]:
 
 def new_namespace(cluster: Cluster) -> str:
     name = f"t-{uuid.uuid4().hex[:8]}"
-    cluster.kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    cluster.kube.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
     return name
 
 
@@ -103,8 +116,11 @@ def run_fix(cluster: Cluster, command: str) -> None:
     """Run the command the log told the user to run, as they would (kubectl from the repo root)."""
     from conftest import kubectl_binary
 
-    env = {"KUBECONFIG": str(cluster.kubeconfig), "KUBECACHEDIR": str(cluster.cache), "PATH": str(Path(kubectl_binary()).parent)
-           + ":/usr/bin:/bin"}
+    env = {
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "KUBECACHEDIR": str(cluster.cache),
+        "PATH": str(Path(kubectl_binary()).parent) + ":/usr/bin:/bin",
+    }
     command = command.replace("kubectl ", "kubectl --validate=false ")
     out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -112,7 +128,8 @@ def run_fix(cluster: Cluster, command: str) -> None:
 
 @pytest.mark.parametrize("with_crds", [False, True], ids=["no-peering-crds", "crds-but-no-object"])
 def test_a_missing_peering_object_is_named_with_its_fix_and_the_operator_resumes_after_it(
-        bare_cluster: Cluster, log: Captured, with_crds: bool) -> None:
+    bare_cluster: Cluster, log: Captured, with_crds: bool
+) -> None:
     cluster = bare_cluster
     if with_crds:
         cluster.kubectl("apply", "--validate=false", "-f", str(ROOT / "manifests" / "kopf-peering.yaml"))
@@ -122,12 +139,12 @@ def test_a_missing_peering_object_is_named_with_its_fix_and_the_operator_resumes
     try:
         lines = wait_for(lambda: log.with_event("peering_missing"), timeout=10, what="a peering_missing log line")
         line = lines[0]
-        assert line.startswith("WARNING") and f"waiting_for=\"KopfPeering {namespace}/pdserve\"" in line, line
+        assert line.startswith("WARNING") and f'waiting_for="KopfPeering {namespace}/pdserve"' in line, line
         if with_crds:
-            assert f"missing=\"KopfPeering {namespace}/pdserve\"" in line, line
+            assert f'missing="KopfPeering {namespace}/pdserve"' in line, line
             assert "kopf-peering.yaml" not in fix_from(line)
         else:
-            assert "missing=\"CRD kopfpeerings.kopf.dev\"" in line, line
+            assert 'missing="CRD kopfpeerings.kopf.dev"' in line, line
             assert fix_from(line).startswith("kubectl apply -f manifests/kopf-peering.yaml && "), line
         create_sample(cluster, namespace, "waiting")
         time.sleep(2.0)  # paused: kopf reconciles nothing meanwhile, and keeps saying why
@@ -148,7 +165,7 @@ def test_the_only_replica_falls_back_to_standalone_with_a_warning(bare_cluster: 
     operator.start()
     try:
         [line] = log.with_event("peering_missing_standalone")
-        assert line.startswith("WARNING") and "missing=\"CRD kopfpeerings.kopf.dev\"" in line, line
+        assert line.startswith("WARNING") and 'missing="CRD kopfpeerings.kopf.dev"' in line, line
         assert "standalone=True" in log.with_event("operator_start")[0]
         create_sample(cluster, namespace, "alone")
         wait_for(lambda: all_children(cluster, namespace, "alone"), timeout=30, what="children without peering")

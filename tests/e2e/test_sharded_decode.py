@@ -35,7 +35,9 @@ def pod_environ(sts: dict[str, Any], pod_name: str, secret: dict[str, Any] | Non
     return env
 
 
-def test_scaled_sharded_decode_renders_groups_of_members(cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path) -> None:
+def test_scaled_sharded_decode_renders_groups_of_members(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["metadata"]["name"] = "shard"
     doc["spec"]["decode"]["layerShards"] = 2
@@ -45,10 +47,19 @@ def test_scaled_sharded_decode_renders_groups_of_members(cluster: Cluster, opera
     wait_for(lambda: cluster.get("StatefulSet", namespace, "shard-decode"), what="decode StatefulSet")
 
     cluster.kubectl("scale", "pdis/shard", "--replicas=3", "-n", namespace)
-    sts = wait_for(lambda: (o := cluster.get("StatefulSet", namespace, "shard-decode")) and o["spec"]["replicas"] == 6 and o,
-                   what="3 groups x 2 shards = 6 decode pods")
-    wait_for(lambda: ((cluster.get("PDInferenceService", namespace, "shard") or {}).get("status") or {})
-             .get("decode", {}).get("desired") == 3, what="status counts groups, not pods")
+    sts = wait_for(
+        lambda: (o := cluster.get("StatefulSet", namespace, "shard-decode")) and o["spec"]["replicas"] == 6 and o,
+        what="3 groups x 2 shards = 6 decode pods",
+    )
+    wait_for(
+        lambda: (
+            ((cluster.get("PDInferenceService", namespace, "shard") or {}).get("status") or {})
+            .get("decode", {})
+            .get("desired")
+            == 3
+        ),
+        what="status counts groups, not pods",
+    )
     secret = cluster.get("Secret", namespace, "shard-broker-token")
 
     members: dict[int, list[int]] = {}

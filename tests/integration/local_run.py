@@ -45,8 +45,13 @@ class LocalRun:
         log_dir.mkdir(parents=True, exist_ok=True)
         stderr_path = log_dir / "local.stderr"
         with open(stderr_path, "w") as err:
-            proc = subprocess.Popen(cli("local", "--log-dir", str(log_dir), *args), stdout=subprocess.PIPE,
-                                    stderr=err, text=True, env=cli_env())
+            proc = subprocess.Popen(
+                cli("local", "--log-dir", str(log_dir), *args),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=cli_env(),
+            )
         deadline = time.monotonic() + timeout_s
         assert proc.stdout is not None
         while time.monotonic() < deadline:
@@ -76,8 +81,11 @@ class LocalRun:
         """The child's preStop drain: its admin port (127.0.0.1 only) with the service's token."""
         import httpx
 
-        reply = httpx.get(f"http://{self.child(name)['admin']}/drain",
-                          headers={"Authorization": f"Bearer {self.token}"}, timeout=timeout_s)
+        reply = httpx.get(
+            f"http://{self.child(name)['admin']}/drain",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=timeout_s,
+        )
         assert reply.status_code == 200, reply.text
         return reply.json()
 

@@ -41,17 +41,17 @@ CAPPED_TPM = 1200
 KEYS_FILE = f"""
 tenants:
   - name: interactive
-    keys: ["{KEYS['interactive']}"]
+    keys: ["{KEYS["interactive"]}"]
   - name: batch
-    keys: ["{KEYS['batch']}"]
+    keys: ["{KEYS["batch"]}"]
   - name: t1
-    keys: ["{KEYS['t1']}"]
+    keys: ["{KEYS["t1"]}"]
   - name: t2
-    keys: ["{KEYS['t2']}"]
+    keys: ["{KEYS["t2"]}"]
   - name: heavy
-    keys: ["{KEYS['heavy']}"]
+    keys: ["{KEYS["heavy"]}"]
   - name: capped
-    keys: ["{KEYS['capped']}"]
+    keys: ["{KEYS["capped"]}"]
     tokensPerMinute: {CAPPED_TPM}
 """
 
@@ -67,8 +67,22 @@ def keys_path(tmp_path_factory):
 def local(tiny_model_dir, tmp_path_factory, keys_path):
     run = LocalRun.start(
         tmp_path_factory.mktemp("admission-local"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
-        "--slots", "2", "--max-len", str(MAX_LEN), "--port", "0", "--api-keys", str(keys_path),
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--slots",
+        "2",
+        "--max-len",
+        str(MAX_LEN),
+        "--port",
+        "0",
+        "--api-keys",
+        str(keys_path),
     )
     yield run
     assert run.stop() == 0, run.stderr_path.read_text()
@@ -85,22 +99,38 @@ def _auth(tenant: str) -> dict[str, str]:
 
 def _decode_slots_used(local) -> int:
     with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:
-        return worker_pb2_grpc.DecodeStub(channel).Status(
-            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5).slots_used
+        return (
+            worker_pb2_grpc.DecodeStub(channel)
+            .Status(worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5)
+            .slots_used
+        )
 
 
 def _admission(local) -> dict:
     return httpx.get(f"{local.url}/health").json()["admission"]
 
 
-async def _ttft(http: httpx.AsyncClient, model: str, tenant: str, *, max_tokens: int = 24,
-                priority: str = "normal", deadline_ms: int | None = None) -> tuple[int, float, float]:
+async def _ttft(
+    http: httpx.AsyncClient,
+    model: str,
+    tenant: str,
+    *,
+    max_tokens: int = 24,
+    priority: str = "normal",
+    deadline_ms: int | None = None,
+) -> tuple[int, float, float]:
     """(status, seconds to the first chunk, seconds to the end) of one streamed completion."""
     headers = {**_auth(tenant), "x-pdserve-priority": priority}
     if deadline_ms is not None:
         headers["x-pdserve-deadline-ms"] = str(deadline_ms)
-    body = {"model": model, "prompt": "Admission test prompt", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "Admission test prompt",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     started = time.monotonic()
     first = None
     async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
@@ -122,8 +152,9 @@ def test_twenty_concurrent_requests_all_complete_within_their_deadline(local, mo
 
     async def run():
         async with _client(local.url) as http:
-            return await asyncio.gather(*[_ttft(http, model, "interactive", max_tokens=32,
-                                                deadline_ms=deadline_s * 1000) for _ in range(20)])
+            return await asyncio.gather(
+                *[_ttft(http, model, "interactive", max_tokens=32, deadline_ms=deadline_s * 1000) for _ in range(20)]
+            )
 
     results = asyncio.run(run())
     assert [status for status, _, _ in results] == [200] * 20
@@ -181,8 +212,10 @@ def test_a_tenant_with_ten_times_the_load_at_most_doubles_the_others_wait(local,
     after = statistics.median(flood["t1"] + flood["t2"])
     # Fair over tokens: the others keep their share of the slots. (First come first served would
     # put each of their requests behind the heavy tenant's 20: about 4x the wait.)
-    print(f"fairness: others' wait p50 {before * 1000:.0f} ms at even load, {after * 1000:.0f} ms with 10x; "
-          f"requests heavy {len(flood['heavy'])}, t1+t2 {len(flood['t1'] + flood['t2'])}")
+    print(
+        f"fairness: others' wait p50 {before * 1000:.0f} ms at even load, {after * 1000:.0f} ms with 10x; "
+        f"requests heavy {len(flood['heavy'])}, t1+t2 {len(flood['t1'] + flood['t2'])}"
+    )
     assert after <= 2.0 * before, (before, after, len(flood["t1"]), len(flood["heavy"]))
     assert len(flood["heavy"]) <= 2 * len(flood["t1"] + flood["t2"])
 
@@ -192,8 +225,13 @@ def test_a_tenant_is_held_to_its_tokens_per_minute(local, model):
     used, refused, started = 0, None, time.monotonic()
     for _ in range(200):
         try:
-            reply = client.completions.create(model=model, prompt="Admission test prompt", max_tokens=40,
-                                              temperature=0, extra_body={"ignore_eos": True})
+            reply = client.completions.create(
+                model=model,
+                prompt="Admission test prompt",
+                max_tokens=40,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
         except openai.RateLimitError as exc:
             refused = exc
             break
@@ -254,15 +292,19 @@ def test_401_and_429_in_openai_shape(local, model):
 
     async def run():
         async with _client(local.url) as http:
-            backlog = [asyncio.create_task(_ttft(http, model, "batch", priority="low", max_tokens=64))
-                       for _ in range(30)]
+            backlog = [
+                asyncio.create_task(_ttft(http, model, "batch", priority="low", max_tokens=64)) for _ in range(30)
+            ]
             while _admission(local)["waiting"]["low"] < 20:
                 await asyncio.sleep(0.05)
             client = openai.AsyncOpenAI(base_url=f"{local.url}/v1", api_key=KEYS["batch"], max_retries=0)
             with pytest.raises(openai.RateLimitError) as refused:
-                await client.completions.create(model=model, prompt="x", max_tokens=4,
-                                                extra_headers={"x-pdserve-priority": "low",
-                                                               "x-pdserve-deadline-ms": "1"})
+                await client.completions.create(
+                    model=model,
+                    prompt="x",
+                    max_tokens=4,
+                    extra_headers={"x-pdserve-priority": "low", "x-pdserve-deadline-ms": "1"},
+                )
             for task in backlog:
                 task.cancel()
             await asyncio.gather(*backlog, return_exceptions=True)

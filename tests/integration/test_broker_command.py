@@ -58,10 +58,24 @@ def test_broker_command_serves_its_tokens_and_stops_on_sigterm(tmp_path: Path) -
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("ns/a: tok-a\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve_worker.cli", "broker", "--host", "127.0.0.1", "--port", "0",
-         "--tokens-file", str(tokens), "--grace", "0.5"],
+        [
+            sys.executable,
+            "-m",
+            "pdserve_worker.cli",
+            "broker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--tokens-file",
+            str(tokens),
+            "--grace",
+            "0.5",
+        ],
         env=subprocess_env(PDSERVE_BROKER_TOKENS='{"ns/b": "tok-b"}'),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         port, _ = wait_for_port(proc)
@@ -86,7 +100,10 @@ def test_broker_command_refuses_a_bad_tokens_file(tmp_path: Path) -> None:
     tokens.write_text("- just\n- a list\n")
     out = subprocess.run(
         [sys.executable, "-m", "pdserve_worker.cli", "broker", "--port", "0", "--tokens-file", str(tokens)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=60,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2
     assert "want a mapping service_key -> token, got list" in out.stderr

@@ -32,9 +32,15 @@ FAST = Backoff(base_s=0.05, cap_s=0.5)
 def decode(worker_id: str) -> MemberInfo:
     layout = KVLayout(num_slots=4, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
     return MemberInfo(
-        worker_id=worker_id, role=Role.DECODE, grpc_endpoint="127.0.0.1:7000", engine_id="127.0.0.1:7100",
-        regions=(MemoryRegion(0x10000, layout.total_bytes),), kv_layout=layout, revision="r1",
-        slots_total=4, slots_free=4,
+        worker_id=worker_id,
+        role=Role.DECODE,
+        grpc_endpoint="127.0.0.1:7000",
+        engine_id="127.0.0.1:7100",
+        regions=(MemoryRegion(0x10000, layout.total_bytes),),
+        kv_layout=layout,
+        revision="r1",
+        slots_total=4,
+        slots_free=4,
     )
 
 
@@ -142,7 +148,8 @@ async def test_tokens_keep_services_apart(broker: BrokerServer) -> None:
     async with aio_channel(address, "tok-b") as other_service:
         assert await watch_first(other_service, SVC) == grpc.StatusCode.PERMISSION_DENIED
         listed = await broker_pb2_grpc.BrokerStub(other_service).ListMembers(
-            broker_pb2.ListMembersRequest(service_key=OTHER))
+            broker_pb2.ListMembersRequest(service_key=OTHER)
+        )
         assert list(listed.members) == [], "service b must not see service a's members"
     async with grpc.aio.insecure_channel(address) as anonymous:
         assert await watch_first(anonymous, SVC) == grpc.StatusCode.UNAUTHENTICATED
@@ -159,8 +166,9 @@ async def test_tokens_keep_services_apart(broker: BrokerServer) -> None:
 
 @pytest.mark.asyncio
 async def test_invalid_member_is_refused_with_the_reason(broker: BrokerServer) -> None:
-    bad = broker_pb2.RegisterRequest(service_key=SVC, member=broker_pb2.MemberInfo(worker_id="d9",
-                                                                                  role=broker_pb2.ROLE_DECODE))
+    bad = broker_pb2.RegisterRequest(
+        service_key=SVC, member=broker_pb2.MemberInfo(worker_id="d9", role=broker_pb2.ROLE_DECODE)
+    )
     async with aio_channel(f"127.0.0.1:{broker.port}", "tok-a") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await broker_pb2_grpc.BrokerStub(channel).Register(bad)
@@ -213,18 +221,24 @@ def write_self_signed(folder: Path) -> tuple[Path, Path]:
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_file, key_file = folder / "tls.crt", folder / "tls.key"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_file, key_file
 
 

@@ -29,8 +29,13 @@ def routes():
 
 def test_auto_keeps_the_default_models_blocks(routes):
     quantized, dequantized = routes
-    assert quantized.routes == {"lm_head": "int8", "attn_qkv": "int4", "attn_o": "int4", "mlp_gate_up": "int4",
-                                "mlp_down": "int4"}
+    assert quantized.routes == {
+        "lm_head": "int8",
+        "attn_qkv": "int4",
+        "attn_o": "int4",
+        "mlp_gate_up": "int4",
+        "mlp_down": "int4",
+    }
     assert set(dequantized.routes.values()) == {"dequantized"}
 
 
@@ -50,6 +55,8 @@ def test_quantized_logits_and_greedy_text_follow_the_dequantized_model(routes, t
         logits = dequantized.model.prefill(ids + reference[:first], KVCache.allocate(layout), 0)
         top2 = logits.topk(2).values
         gap = float(top2[0] - top2[1])
-        assert gap < NEAR_TIE, (f"token {first} differs ({quantized.tokenizer.decode([mine[first]])!r} vs "
-                                f"{dequantized.tokenizer.decode([reference[first]])!r}) where the dequantized "
-                                f"model leads by {gap:.3f}")
+        assert gap < NEAR_TIE, (
+            f"token {first} differs ({quantized.tokenizer.decode([mine[first]])!r} vs "
+            f"{dequantized.tokenizer.decode([reference[first]])!r}) where the dequantized "
+            f"model leads by {gap:.3f}"
+        )

@@ -41,7 +41,9 @@ def hf_reference():
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     model.eval()
     return model, tok
 
@@ -69,7 +71,14 @@ def chat_ids(ours, text: str) -> list[int]:
 
 def test_config_read_from_gguf(ours):
     c = ours.config
-    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 576, 9, 3, 64, 49152)
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+        49152,
+    )
     assert c.tie_word_embeddings and c.rope_theta == 100000.0
 
 
@@ -126,7 +135,9 @@ def test_batched_decode_matches_decoding_alone(ours):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     for slot, p in enumerate(prompts):
-        request_id, out = gen.add_prefilled(p, slot, prefill_first_token(ours.model, gen.cache, slot, p, params), params)
+        request_id, out = gen.add_prefilled(
+            p, slot, prefill_first_token(ours.model, gen.cache, slot, p, params), params
+        )
         tokens[request_id] = [out.token_id]
     for out in gen.stream():
         tokens[out.request_id].append(out.token_id)

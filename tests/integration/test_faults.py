@@ -46,10 +46,30 @@ def slow_model_dir(tmp_path_factory):
 def local(slow_model_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-faults"),
-        "--model", str(slow_model_dir), "--dtype", "float32", "--prefill", "2", "--decode", "2",
-        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
-        "--threads", "1", "--on-exit", "restart",
-        "--env", "PDSERVE_READINESS_TIMEOUT_MS=3000", "--env", "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+        "--model",
+        str(slow_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--slots",
+        str(SLOTS),
+        "--max-len",
+        str(MAX_LEN),
+        "--layers-per-chunk",
+        "1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--on-exit",
+        "restart",
+        "--env",
+        "PDSERVE_READINESS_TIMEOUT_MS=3000",
+        "--env",
+        "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
     )
     seen_pids: set[int] = set()
     run.seen_pids = seen_pids  # type: ignore[attr-defined]
@@ -77,8 +97,15 @@ def served_model(url: str) -> str:
 
 def stream(url: str, prompt: str, answer: Answer, max_tokens: int = MAX_TOKENS) -> Answer:
     """One streamed greedy completion, recorded into `answer` as it arrives."""
-    body = {"model": served_model(url), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": served_model(url),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
         if reply.status_code != 200:
             answer.error = f"HTTP {reply.status_code}: {reply.read().decode()}"
@@ -86,7 +113,7 @@ def stream(url: str, prompt: str, answer: Answer, max_tokens: int = MAX_TOKENS) 
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 answer.error = str(chunk["error"])
                 continue
@@ -249,5 +276,8 @@ def test_draining_a_decode_under_load_loses_no_request(local, reference):
     answer = stream(local.url, PROMPTS[2], Answer())
     assert_complete([answer], PROMPTS[2:3], reference)
     assert answer.pdserve["decode"] == "decode-0"
-    wait_until(lambda: (s := decode_status(local, "decode-1")) is not None and s.slots_free == SLOTS, 15,
-               "decode-1's slots free")
+    wait_until(
+        lambda: (s := decode_status(local, "decode-1")) is not None and s.slots_free == SLOTS,
+        15,
+        "decode-1's slots free",
+    )

@@ -46,8 +46,22 @@ def test_streams_the_same_text_as_the_generator(tiny_model_dir):
     from pdserve_worker.model.loader import load_model
     from pdserve_worker.model.sampling_params import SamplingParams
 
-    out = run_cli("--model", str(tiny_model_dir), "--prompt", "Paris is", "--max-tokens", "6", "--temperature", "0.7",
-                  "--seed", "3", "--dtype", "float32", "--threads", "1")
+    out = run_cli(
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "Paris is",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "3",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+    )
     assert out.returncode == 0, out.stderr
     loaded = load_model(str(tiny_model_dir), dtype="float32")
     params = SamplingParams(max_tokens=6, temperature=0.7, seed=3)
@@ -74,18 +88,44 @@ def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, 
     from pdserve_worker.local import auto_dtype
 
     prompt, tokens = "The capital of France is", 24
-    out = run_cli("--model", str(tiny_model_dir), "--prompt", prompt, "--max-tokens", str(tokens),
-                  "--temperature", "0", "--threads", "1")
+    out = run_cli(
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(tokens),
+        "--temperature",
+        "0",
+        "--threads",
+        "1",
+    )
     assert out.returncode == 0, out.stderr
     stats = stats_line(out.stderr)
     assert stats["dtype"] == auto_dtype()
-    run = LocalRun.start(tmp_path / "local", "--model", str(tiny_model_dir), "--prefill", "1", "--decode", "1",
-                         "--max-len", "128", "--slots", "2", "--port", "0")
+    run = LocalRun.start(
+        tmp_path / "local",
+        "--model",
+        str(tiny_model_dir),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--max-len",
+        "128",
+        "--slots",
+        "2",
+        "--port",
+        "0",
+    )
     try:
         assert run.manifest["dtype"] == stats["dtype"]
         model = httpx.get(f"{run.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        rsp = httpx.post(f"{run.url}/v1/completions", timeout=120, json={
-            "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0})
+        rsp = httpx.post(
+            f"{run.url}/v1/completions",
+            timeout=120,
+            json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0},
+        )
         assert rsp.status_code == 200, rsp.text
         served = rsp.json()["choices"][0]["text"]
     finally:

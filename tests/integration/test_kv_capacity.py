@@ -30,10 +30,19 @@ def loaded(tmp_path_factory):
 
 
 async def admissions(loaded, **decode_settings) -> tuple[int, str, worker_pb2.DecodeStatus]:
-    settings = WorkerSettings(role="decode", service=SVC, broker_address="127.0.0.1:1", broker_token=TOKEN,
-                              worker_id="decode-0", advertise_host="127.0.0.1", grpc_port=free_port(),
-                              transfer_port=free_port(), model_dtype="float32", max_length=MAX_LEN,
-                              **decode_settings)
+    settings = WorkerSettings(
+        role="decode",
+        service=SVC,
+        broker_address="127.0.0.1:1",
+        broker_token=TOKEN,
+        worker_id="decode-0",
+        advertise_host="127.0.0.1",
+        grpc_port=free_port(),
+        transfer_port=free_port(),
+        model_dtype="float32",
+        max_length=MAX_LEN,
+        **decode_settings,
+    )
     backend = create_engine("cpu")
     assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
     worker = DecodeWorker(settings, loaded, backend, "rev")
@@ -47,8 +56,11 @@ async def admissions(loaded, **decode_settings) -> tuple[int, str, worker_pb2.De
             stub = worker_pb2_grpc.DecodeStub(channel)
             for admitted in range(10_000):
                 try:
-                    await stub.Reserve(worker_pb2.ReserveRequest(
-                        request_id=f"r{admitted}", num_prompt_tokens=PROMPT, max_tokens=OUTPUT, lease_ms=60_000))
+                    await stub.Reserve(
+                        worker_pb2.ReserveRequest(
+                            request_id=f"r{admitted}", num_prompt_tokens=PROMPT, max_tokens=OUTPUT, lease_ms=60_000
+                        )
+                    )
                 except grpc.aio.AioRpcError as exc:
                     assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
                     status = await stub.Status(worker_pb2.StatusRequest())
@@ -68,8 +80,9 @@ async def test_blocks_admit_four_times_the_requests_of_slots_in_the_same_memory(
     assert (slot_status.kv_tokens_used, slot_status.kv_tokens_total) == (SLOTS * MAX_LEN, SLOTS * MAX_LEN)
 
     # The same memory (kv_tokens default: slots x max_len), blocks of 16, a request cap of 256.
-    blocks, block_refusal, block_status = await admissions(loaded, slots=256, kv_block_tokens=16,
-                                                           kv_tokens=SLOTS * MAX_LEN)
+    blocks, block_refusal, block_status = await admissions(
+        loaded, slots=256, kv_block_tokens=16, kv_tokens=SLOTS * MAX_LEN
+    )
     per_request = -(-(PROMPT + OUTPUT) // 16) * 16  # 368 tokens: 23 blocks
     assert blocks == (SLOTS * MAX_LEN) // per_request == 44
     assert blocks >= 4 * slots

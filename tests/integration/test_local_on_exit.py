@@ -19,8 +19,11 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", "A language model p
 
 def complete(url: str, prompt: str) -> dict:
     model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
-    reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    reply = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -28,9 +31,26 @@ def complete(url: str, prompt: str) -> dict:
 def test_a_dead_decode_stays_down_and_the_rest_serves(tiny_model_dir, tmp_path):
     run = LocalRun.start(
         tmp_path / "pd-ignore",
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
-        "--slots", "2", "--max-len", "128", "--port", "0", "--threads", "1", "--on-exit", "ignore",
-        "--env", "PDSERVE_READINESS_TIMEOUT_MS=3000",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--slots",
+        "2",
+        "--max-len",
+        "128",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--on-exit",
+        "ignore",
+        "--env",
+        "PDSERVE_READINESS_TIMEOUT_MS=3000",
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     try:

@@ -49,9 +49,24 @@ def deep_tiny_dir(tmp_path_factory):
 def local(deep_tiny_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-migrate"),
-        "--model", str(deep_tiny_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
-        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--port", "0", "--threads", "1",
-        "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=20",
+        "--model",
+        str(deep_tiny_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--slots",
+        str(SLOTS),
+        "--max-len",
+        str(MAX_LEN),
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--env",
+        "PDSERVE_DRAIN_TIMEOUT_SECONDS=20",
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     yield run
@@ -73,8 +88,15 @@ class Answer:
 
 def body(model: str, prompt: str, seed: int | None) -> dict:
     sampling = {"temperature": 0.8, "top_p": 0.95, "seed": seed} if seed is not None else {"temperature": 0}
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **sampling}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **sampling,
+    }
 
 
 def stream(url: str, model: str, prompt: str, seed: int | None, answer: Answer) -> Answer:
@@ -85,7 +107,7 @@ def stream(url: str, model: str, prompt: str, seed: int | None, answer: Answer) 
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 answer.error = str(chunk["error"])
                 continue
@@ -140,14 +162,24 @@ class Held:
     def __init__(self, local: LocalRun, name: str) -> None:
         self.channel, self.stub = stub(local, name)
         self.meta = auth(local)
-        self.grants = [self.stub.Reserve(worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4,
-                                                                   max_tokens=4, lease_ms=120_000),
-                                         metadata=self.meta, timeout=5) for i in range(SLOTS)]
+        self.grants = [
+            self.stub.Reserve(
+                worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4, max_tokens=4, lease_ms=120_000),
+                metadata=self.meta,
+                timeout=5,
+            )
+            for i in range(SLOTS)
+        ]
 
     def release(self) -> None:
         for g in self.grants:
-            self.stub.Release(worker_pb2.ReleaseRequest(request_id=g.request_id, slot=g.slot, generation=g.generation,
-                                                        push_settled=True), metadata=self.meta, timeout=5)
+            self.stub.Release(
+                worker_pb2.ReleaseRequest(
+                    request_id=g.request_id, slot=g.slot, generation=g.generation, push_settled=True
+                ),
+                metadata=self.meta,
+                timeout=5,
+            )
         self.channel.close()
 
 
@@ -208,9 +240,28 @@ def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
 def three_decodes(deep_tiny_dir, tmp_path):
     run = LocalRun.start(
         tmp_path / "pd-migrate-faults",
-        "--model", str(deep_tiny_dir), "--dtype", "float32", "--prefill", "1", "--decode", "3",
-        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--port", "0", "--threads", "1", "--on-exit", "ignore",
-        "--env", "PDSERVE_DRAIN_TIMEOUT_SECONDS=20", "--env", "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+        "--model",
+        str(deep_tiny_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "3",
+        "--slots",
+        str(SLOTS),
+        "--max-len",
+        str(MAX_LEN),
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--on-exit",
+        "ignore",
+        "--env",
+        "PDSERVE_DRAIN_TIMEOUT_SECONDS=20",
+        "--env",
+        "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     yield run
@@ -265,8 +316,10 @@ def test_a_decode_killed_mid_migration_leaves_every_text_identical(three_decodes
     assert moved + resumed >= len(REQUESTS) and counted["migrated"] >= 1
     if victim == "target":
         assert resumed >= 1  # at least the streams that had moved to it went on elsewhere
-    print(f"{victim} killed mid-drain: router counted {counted}; {moved} answers ended on their migration "
-          f"target, {resumed} resumed by re-prefill")
+    print(
+        f"{victim} killed mid-drain: router counted {counted}; {moved} answers ended on their migration "
+        f"target, {resumed} resumed by re-prefill"
+    )
 
 
 def migrations(local: LocalRun) -> dict[str, float]:

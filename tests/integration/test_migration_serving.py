@@ -42,8 +42,14 @@ from pdserve_worker.transfer.engine import create_engine
 SVC, TOKEN, REVISION = "test/migrate", "secret-token", "rev-1"
 SLOTS, MAX_LEN, MAX_TOKENS = 6, 128, 96
 FAST = Backoff(base_s=0.05, cap_s=0.5)
-PROMPTS = ["The quick brown fox", "Paris is the capital of", "A language model predicts", "Berlin is",
-           "Once upon a time", "In a galaxy far away"]
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    "A language model predicts",
+    "Berlin is",
+    "Once upon a time",
+    "In a galaxy far away",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +98,31 @@ class Cluster:
 
 
 def settings(role: str, broker_port: int, index: int, **extra) -> WorkerSettings:
-    return WorkerSettings(role=role, service=SVC, broker_address=f"127.0.0.1:{broker_port}", broker_token=TOKEN,
-                          worker_id=f"{role}-{index}", advertise_host="127.0.0.1", grpc_port=free_port(),
-                          transfer_port=free_port(), model_dtype="float32", max_length=MAX_LEN, slots=SLOTS,
-                          layers_per_chunk=1, transfer_timeout_ms=2000, **extra)
+    return WorkerSettings(
+        role=role,
+        service=SVC,
+        broker_address=f"127.0.0.1:{broker_port}",
+        broker_token=TOKEN,
+        worker_id=f"{role}-{index}",
+        advertise_host="127.0.0.1",
+        grpc_port=free_port(),
+        transfer_port=free_port(),
+        model_dtype="float32",
+        max_length=MAX_LEN,
+        slots=SLOTS,
+        layers_per_chunk=1,
+        transfer_timeout_ms=2000,
+        **extra,
+    )
 
 
 @asynccontextmanager
-async def cluster(loaded, decode_extra: tuple[dict, ...] = ({}, {}), slow: tuple[float, ...] = (0.02, 0.0),
-                  servicers: tuple[type, ...] = (DecodeServicer, DecodeServicer)) -> AsyncIterator[Cluster]:
+async def cluster(
+    loaded,
+    decode_extra: tuple[dict, ...] = ({}, {}),
+    slow: tuple[float, ...] = (0.02, 0.0),
+    servicers: tuple[type, ...] = (DecodeServicer, DecodeServicer),
+) -> AsyncIterator[Cluster]:
     broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
     broker.start("127.0.0.1", 0)
     engines, servers, clients, workers, channels = [], [], [], [], []
@@ -141,15 +163,22 @@ async def cluster(loaded, decode_extra: tuple[dict, ...] = ({}, {}), slow: tuple
         prefill = PrefillWorker(p, loaded, engine(p), REVISION)
         workers.append(prefill)
         await serve(p, lambda srv: worker_pb2_grpc.add_PrefillServicer_to_server(CountingPrefill(prefill), srv))
-        await join(MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint=p.grpc_endpoint,
-                              revision=REVISION))
+        await join(
+            MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint=p.grpc_endpoint, revision=REVISION)
+        )
         router_broker = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
         clients.append(router_broker)
         metrics = RouterMetrics()
-        backend = PDBackend(model_name="tiny", tokenizer=loaded.tokenizer, max_model_len=MAX_LEN, revision=REVISION,
-                            broker=router_broker, token=TOKEN, metrics=metrics,
-                            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30,
-                                              resume_wait_s=5.0))
+        backend = PDBackend(
+            model_name="tiny",
+            tokenizer=loaded.tokenizer,
+            max_model_len=MAX_LEN,
+            revision=REVISION,
+            broker=router_broker,
+            token=TOKEN,
+            metrics=metrics,
+            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, resume_wait_s=5.0),
+        )
         await backend.start()
         await backend.view.wait_for(lambda v: len(v.members) == len(decodes) + 1, 5)
         try:
@@ -173,10 +202,13 @@ async def cluster(loaded, decode_extra: tuple[dict, ...] = ({}, {}), slow: tuple
 def requests(loaded) -> list[tuple[list[int], SamplingParams]]:
     """4 greedy streams and 2 seeded sampled ones, none ending early."""
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return ([(loaded.tokenizer.encode(p), greedy) for p in PROMPTS[:4]]
-            + [(loaded.tokenizer.encode(p), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9,
-                                                             seed=11 + i, ignore_eos=True))
-               for i, p in enumerate(PROMPTS[4:])])
+    return [(loaded.tokenizer.encode(p), greedy) for p in PROMPTS[:4]] + [
+        (
+            loaded.tokenizer.encode(p),
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=11 + i, ignore_eos=True),
+        )
+        for i, p in enumerate(PROMPTS[4:])
+    ]
 
 
 def reference(loaded, reqs) -> list[tuple[list[int], str]]:
@@ -272,14 +304,21 @@ async def test_with_no_room_elsewhere_the_request_resumes_by_prefill_with_the_sa
         async def fill_decode_1_then_drain_decode_0():
             await c.members[1].set_draining(False)
             await c.backend.view.wait_for(lambda v: not v.members["decode-1"].draining, 5)
-            held = [await c.stubs[1].Reserve(worker_pb2.ReserveRequest(
-                request_id=f"hold-{i}", num_prompt_tokens=4, max_tokens=4, lease_ms=60_000)) for i in range(SLOTS)]
+            held = [
+                await c.stubs[1].Reserve(
+                    worker_pb2.ReserveRequest(
+                        request_id=f"hold-{i}", num_prompt_tokens=4, max_tokens=4, lease_ms=60_000
+                    )
+                )
+                for i in range(SLOTS)
+            ]
             prefills = CountingPrefill.calls
             drain = asyncio.create_task(c.drain(0))
             await asyncio.sleep(1.0)  # the migrations found no room and the requests wait to resume
             for g in held:
-                await c.stubs[1].Release(worker_pb2.ReleaseRequest(slot=g.slot, generation=g.generation,
-                                                                   push_settled=True))
+                await c.stubs[1].Release(
+                    worker_pb2.ReleaseRequest(slot=g.slot, generation=g.generation, push_settled=True)
+                )
             drained, _ = await drain
             return drained, prefills
 
@@ -372,8 +411,13 @@ class SourceDiesMidPush(DecodeServicer):
         w = self.w
         handoff = w.handoffs.take(request.request_id, request.slot, request.generation)
         source = PushSource(w.pool.base_addr, w.layout, handoff.slot)
-        pusher = MigrationPusher(w.backend, source, w.slots.blocks_of(handoff.slot),
-                                 push_targets_from_proto(request), handoff.detached.kv_tokens)
+        pusher = MigrationPusher(
+            w.backend,
+            source,
+            w.slots.blocks_of(handoff.slot),
+            push_targets_from_proto(request),
+            handoff.detached.kv_tokens,
+        )
         pusher.push_chunk(range(0, 1))
         pusher.abort()
         handoff.finish(migrated=False)
@@ -392,8 +436,11 @@ async def drain_after_parking_others(c: Cluster, others: tuple[int, ...]):
 async def test_a_migration_cut_short_resumes_with_the_same_text(loaded, fault):
     reqs = requests(loaded)[2:6]  # two greedy, two seeded
     expected = reference(loaded, reqs)
-    servicers = ((DecodeServicer, TargetDiesAfterTheKV, DecodeServicer) if fault.startswith("target")
-                 else (SourceDiesMidPush, DecodeServicer, DecodeServicer))
+    servicers = (
+        (DecodeServicer, TargetDiesAfterTheKV, DecodeServicer)
+        if fault.startswith("target")
+        else (SourceDiesMidPush, DecodeServicer, DecodeServicer)
+    )
     async with cluster(loaded, decode_extra=({}, {}, {}), slow=(0.02, 0.0, 0.0), servicers=servicers) as c:
         for i in (1, 2):
             await c.members[i].set_draining(True)

@@ -83,10 +83,31 @@ LAYERS_PER_CHUNK = 1
 def local(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("obs-local")
     run = LocalRun.start(
-        logs, "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
-        "--slots", "2", "--max-len", "256", "--layers-per-chunk", str(LAYERS_PER_CHUNK), "--port", "0",
-        "--threads", "1", "--on-exit", "ignore", "--trace-file", str(logs / "spans.jsonl"),
-        "--prefix-cache-tokens", "256",  # the dashboard's prefix cache panels read its metrics
+        logs,
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--slots",
+        "2",
+        "--max-len",
+        "256",
+        "--layers-per-chunk",
+        str(LAYERS_PER_CHUNK),
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--on-exit",
+        "ignore",
+        "--trace-file",
+        str(logs / "spans.jsonl"),
+        "--prefix-cache-tokens",
+        "256",  # the dashboard's prefix cache panels read its metrics
     )
     run.trace_file = logs / "spans.jsonl"  # type: ignore[attr-defined]
     yield run
@@ -120,8 +141,11 @@ def within(child: dict[str, Any], parent: dict[str, Any], slack_ns: int = 5_000_
 @pytest.fixture(scope="module")
 def router_series(local) -> dict[str, dict[str, set[str]]]:
     model = model_id(local)
-    reply = httpx.post(f"{local.url}/v1/completions", json={"model": model, "prompt": "hello there",
-                                                             "max_tokens": 4, "temperature": 0}, timeout=120)
+    reply = httpx.post(
+        f"{local.url}/v1/completions",
+        json={"model": model, "prompt": "hello there", "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
     assert reply.status_code == 200, reply.text
     bad = httpx.post(f"{local.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}, timeout=30)
     assert bad.status_code == 400
@@ -162,8 +186,9 @@ def operator_series() -> dict[str, dict[str, set[str]]]:
     port = free_port()
     server, thread = metrics.serve("127.0.0.1", port)
     try:
-        return scraped(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text,
-                       declared_labels(metrics.registry))
+        return scraped(
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, declared_labels(metrics.registry)
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -205,33 +230,43 @@ def missing(exprs: list[str], series: dict[str, dict[str, set[str]]]) -> list[st
                 for op, value in matchers:
                     seen = series[sel.metric].get(label)
                     if seen and op == "Equal" and value not in seen:
-                        problems.append(f"{sel.metric}{{{label}={value!r}}}: no such value "
-                                        f"(seen {sorted(series[sel.metric][label])})")
+                        problems.append(
+                            f"{sel.metric}{{{label}={value!r}}}: no such value "
+                            f"(seen {sorted(series[sel.metric][label])})"
+                        )
         for label in use.grouping - labels_of_expr:
             problems.append(f"grouping label {label!r} is on none of the series of {expr!r}")
     return problems
 
 
-def test_every_series_and_label_the_dashboard_and_rules_use_is_exposed(router_series, worker_series,
-                                                                       operator_series) -> None:
+def test_every_series_and_label_the_dashboard_and_rules_use_is_exposed(
+    router_series, worker_series, operator_series
+) -> None:
     series = {**router_series, **worker_series, **operator_series}
     exprs = dashboard_exprs() + rule_exprs()
     assert len(exprs) > 25
     assert missing(exprs, series) == []
     # The check can fail: a misspelt metric, label or bucket bound is reported.
-    assert missing(['rate(pdserve_router_tokens_total[5m])'], series)
-    assert missing(['sum by (decode) (pdserve_router_prompt_tokens_total)'], series)
+    assert missing(["rate(pdserve_router_tokens_total[5m])"], series)
+    assert missing(["sum by (decode) (pdserve_router_prompt_tokens_total)"], series)
     assert missing(['pdserve_router_time_to_first_token_seconds_bucket{le="2.4"}'], series)
     assert missing(['pdserve_operator_replicas_ready{rol="decode"}'], series)
     used = {s.metric for e in exprs for s in promcheck.uses(e).selectors}
     assert {"pdserve_prefill_queue_length", "pdserve_decode_running_requests"} <= used  # workers' too
     # #16's KV blocks and prefix cache: KV tokens (routers' and decodes'), prefix hit ratio, routing.
-    assert {"pdserve_router_decode_kv_tokens_used", "pdserve_router_decode_kv_tokens_total",
-            "pdserve_decode_kv_tokens_used", "pdserve_decode_kv_tokens_total",
-            "pdserve_prefill_prefix_hit_tokens_total", "pdserve_prefill_prefix_query_tokens_total",
-            "pdserve_prefill_prefix_cached_tokens", "pdserve_router_prefix_routed_total"} <= used
-    assert {"pdserve_router_decode_kv_tokens_used"} <= {s.metric for e in rule_exprs()
-                                                         for s in promcheck.uses(e).selectors}
+    assert {
+        "pdserve_router_decode_kv_tokens_used",
+        "pdserve_router_decode_kv_tokens_total",
+        "pdserve_decode_kv_tokens_used",
+        "pdserve_decode_kv_tokens_total",
+        "pdserve_prefill_prefix_hit_tokens_total",
+        "pdserve_prefill_prefix_query_tokens_total",
+        "pdserve_prefill_prefix_cached_tokens",
+        "pdserve_router_prefix_routed_total",
+    } <= used
+    assert {"pdserve_router_decode_kv_tokens_used"} <= {
+        s.metric for e in rule_exprs() for s in promcheck.uses(e).selectors
+    }
 
 
 def test_router_reports_members_and_in_flight_by_role(router_series) -> None:
@@ -251,13 +286,19 @@ def test_pdserve_top_shows_the_running_deployment(local, router_series) -> None:
 
     from local_run import cli, cli_env
 
-    out = subprocess.run(cli("top", "--url", local.url, "--interval", "0.5", "--once"), capture_output=True,
-                         text=True, env=cli_env(), timeout=60)
+    out = subprocess.run(
+        cli("top", "--url", local.url, "--interval", "0.5", "--once"),
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "workers reachable   prefill 1  decode 2" in out.stdout
     assert out.stdout.count("decode-") >= 2  # the KV slot rows of both decodes
-    bad = subprocess.run(cli("top", "--url", "http://127.0.0.1:1", "--once"), capture_output=True, text=True,
-                         env=cli_env(), timeout=60)
+    bad = subprocess.run(
+        cli("top", "--url", "http://127.0.0.1:1", "--once"), capture_output=True, text=True, env=cli_env(), timeout=60
+    )
     assert bad.returncode == 1 and "cannot read metrics" in bad.stderr
 
 
@@ -269,11 +310,16 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 
 def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> None:
     prompt = "tracing one request through three processes"
-    reply = httpx.post(f"{local.url}/v1/completions", timeout=120,
-                       headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
-                       json={"model": model_id(local), "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    reply = httpx.post(
+        f"{local.url}/v1/completions",
+        timeout=120,
+        headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+        json={"model": model_id(local), "prompt": prompt, "max_tokens": 8, "temperature": 0},
+    )
     assert reply.status_code == 200, reply.text
-    spans = spans_of(local, CLIENT_TRACE, lambda s: {"router.request", "prefill", "decode.steps"} <= {x["name"] for x in s})
+    spans = spans_of(
+        local, CLIENT_TRACE, lambda s: {"router.request", "prefill", "decode.steps"} <= {x["name"] for x in s}
+    )
     ids = {s["span_id"]: s for s in spans}
     [root] = by_name(spans, "router.request")
     assert root["parent_span_id"] == CLIENT_SPAN  # the client's traceparent was honoured
@@ -288,13 +334,22 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> Non
     [wait] = by_name(spans, "decode.notify_wait")
     [steps] = by_name(spans, "decode.steps")
     [finish] = by_name(spans, "kv.push.finish")
-    parent = {s["name"]: ids[s["parent_span_id"]]["name"] for s in spans if s is not root and s["name"] not in
-              ("prefill.compute", "kv.push")}
-    assert parent == {"router.admission": "router.request", "router.queue": "router.request",
-                      "router.attempt": "router.request",
-                      "router.reserve": "router.attempt", "prefill": "router.attempt",
-                      "decode.generate": "router.attempt", "decode.notify_wait": "decode.generate",
-                      "decode.steps": "decode.generate", "kv.push.finish": "prefill"}
+    parent = {
+        s["name"]: ids[s["parent_span_id"]]["name"]
+        for s in spans
+        if s is not root and s["name"] not in ("prefill.compute", "kv.push")
+    }
+    assert parent == {
+        "router.admission": "router.request",
+        "router.queue": "router.request",
+        "router.attempt": "router.request",
+        "router.reserve": "router.attempt",
+        "prefill": "router.attempt",
+        "decode.generate": "router.attempt",
+        "decode.notify_wait": "decode.generate",
+        "decode.steps": "decode.generate",
+        "kv.push.finish": "prefill",
+    }
     layers = 4  # the tiny model (tests/support/tiny_model.py)
     computes, pushes = by_name(spans, "prefill.compute"), by_name(spans, "kv.push")
     assert len(computes) == len(pushes) == layers // LAYERS_PER_CHUNK
@@ -307,18 +362,28 @@ def test_one_request_is_one_trace_across_router_prefill_and_decode(local) -> Non
     assert root["attributes"]["gen_ai.usage.input_tokens"] == prefill["attributes"]["gen_ai.usage.input_tokens"] > 0
     assert root["attributes"]["gen_ai.usage.output_tokens"] == 8 == steps["attributes"]["gen_ai.usage.output_tokens"]
     assert steps["attributes"]["pdserve.decode.steps"] == 7 and steps["attributes"]["pdserve.decode.mean_step_ms"] > 0
-    assert root["attributes"]["pdserve.kv.bytes"] == prefill["attributes"]["pdserve.kv.bytes"] == \
-        finish["attributes"]["pdserve.kv.bytes"] > 0
+    assert (
+        root["attributes"]["pdserve.kv.bytes"]
+        == prefill["attributes"]["pdserve.kv.bytes"]
+        == finish["attributes"]["pdserve.kv.bytes"]
+        > 0
+    )
     assert decode["attributes"]["pdserve.slot"] == attempt["attributes"]["pdserve.slot"]
-    assert decode["attributes"]["pdserve.decode.member"] == attempt["attributes"]["pdserve.decode.member"] == \
-        root["attributes"]["pdserve.decode.member"]
+    assert (
+        decode["attributes"]["pdserve.decode.member"]
+        == attempt["attributes"]["pdserve.decode.member"]
+        == root["attributes"]["pdserve.decode.member"]
+    )
     assert root["status"] == "UNSET" and root["attributes"]["pdserve.outcome"] == "ok"
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(local) -> None:
     before = {json.loads(line)["trace_id"] for line in local.trace_file.read_text().splitlines() if line}
-    reply = httpx.post(f"{local.url}/v1/completions", timeout=120,
-                       json={"model": model_id(local), "prompt": "a new trace", "max_tokens": 2, "temperature": 0})
+    reply = httpx.post(
+        f"{local.url}/v1/completions",
+        timeout=120,
+        json={"model": model_id(local), "prompt": "a new trace", "max_tokens": 2, "temperature": 0},
+    )
     assert reply.status_code == 200
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -338,7 +403,8 @@ def decode_busy(local: LocalRun, name: str) -> bool:
 
     with grpc.insecure_channel(local.child(name)["grpc"]) as channel:
         status = worker_pb2_grpc.DecodeStub(channel).Status(
-            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5)
+            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5
+        )
     return status.active_requests > 0
 
 
@@ -346,10 +412,20 @@ def test_a_resumed_request_shows_the_resume_in_the_same_trace(local) -> None:
     """Runs last: it kills a decode (the deployment carries on without it, --on-exit ignore)."""
     trace = "0af7651916cd43dd8448eb211c80319c"
     killed: list[str] = []
-    with httpx.stream("POST", f"{local.url}/v1/completions", timeout=120,
-                      headers={"traceparent": f"00-{trace}-b7ad6b7169203331-01"},
-                      json={"model": model_id(local), "prompt": "resume me", "max_tokens": 240,
-                            "temperature": 0, "stream": True, "ignore_eos": True}) as reply:
+    with httpx.stream(
+        "POST",
+        f"{local.url}/v1/completions",
+        timeout=120,
+        headers={"traceparent": f"00-{trace}-b7ad6b7169203331-01"},
+        json={
+            "model": model_id(local),
+            "prompt": "resume me",
+            "max_tokens": 240,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as reply:
         assert reply.status_code == 200
         chunks = 0
         for line in reply.iter_lines():
@@ -369,8 +445,13 @@ def test_a_resumed_request_shows_the_resume_in_the_same_trace(local) -> None:
                         killed.append(name)
                 assert killed, "no decode was serving the request"
     assert killed
-    spans = spans_of(local, trace, lambda s: len(by_name(s, "router.attempt")) == 2
-                     and by_name(s, "router.request") and by_name(s, "decode.steps"))
+    spans = spans_of(
+        local,
+        trace,
+        lambda s: (
+            len(by_name(s, "router.attempt")) == 2 and by_name(s, "router.request") and by_name(s, "decode.steps")
+        ),
+    )
     [root] = by_name(spans, "router.request")
     attempts = sorted(by_name(spans, "router.attempt"), key=lambda s: s["attributes"]["pdserve.retry"])
     assert [a["attributes"]["pdserve.retry"] for a in attempts] == [0, 1]

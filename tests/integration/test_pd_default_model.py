@@ -17,17 +17,45 @@ MAX_TOKENS = 40
 
 def colocated(question: str) -> str:
     out = subprocess.run(
-        cli("generate", "--chat", "--prompt", question, "--temperature", "0", "--max-tokens", str(MAX_TOKENS),
-            "--dtype", "float32", "--threads", "1"),
-        capture_output=True, text=True, env=cli_env(), timeout=300,
+        cli(
+            "generate",
+            "--chat",
+            "--prompt",
+            question,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+        ),
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.removesuffix("\n")
 
 
 def test_greedy_answers_equal_colocated_generate(default_model_dir, tmp_path):
-    run = LocalRun.start(tmp_path, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--slots", "2",
-                         "--max-len", "512", "--port", "0")
+    run = LocalRun.start(
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--slots",
+        "2",
+        "--max-len",
+        "512",
+        "--port",
+        "0",
+    )
     try:
         client = openai.OpenAI(base_url=f"{run.url}/v1", api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
@@ -35,7 +63,8 @@ def test_greedy_answers_equal_colocated_generate(default_model_dir, tmp_path):
         answers = []
         for question in QUESTIONS:
             reply = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, temperature=0)
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, temperature=0
+            )
             assert reply.model_extra["pdserve"]["disaggregated"] is True
             assert reply.model_extra["pdserve"]["kv_bytes"] > 0
             answers.append(reply.choices[0].message.content)

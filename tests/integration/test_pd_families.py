@@ -19,8 +19,11 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", "Unicode text: cafÃ
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module", params=[("qwen2", 1), ("qwen2", 2), ("qwen3", 1), ("qwen3", 2)],
-                ids=["qwen2", "qwen2-shards2", "qwen3", "qwen3-shards2"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen2", 1), ("qwen2", 2), ("qwen3", 1), ("qwen3", 2)],
+    ids=["qwen2", "qwen2-shards2", "qwen3", "qwen3-shards2"],
+)
 def deployment(request, family_dirs, tmp_path_factory):
     """(pdserve local run, colocated reference) for one family and layer-shard count."""
     from pdserve_worker.model.generate import generate
@@ -32,14 +35,37 @@ def deployment(request, family_dirs, tmp_path_factory):
     loaded = load_model(str(folder), dtype="float32")
 
     def reference(prompt_ids: list[int], max_tokens: int) -> str:
-        [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0), max_len=MAX_LEN)
+        [done] = generate(
+            loaded.model,
+            loaded.tokenizer,
+            [prompt_ids],
+            SamplingParams(max_tokens=max_tokens, temperature=0),
+            max_len=MAX_LEN,
+        )
         return done.text
 
     run = LocalRun.start(
         tmp_path_factory.mktemp(f"pd-{name}-{shards}"),
-        "--model", str(folder), "--dtype", "float32", "--prefill", "1", "--decode", "1",
-        "--layer-shards", str(shards), "--slots", "4", "--max-len", str(MAX_LEN), "--layers-per-chunk", "1",
-        "--port", "0", "--threads", "1",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--layer-shards",
+        str(shards),
+        "--slots",
+        "4",
+        "--max-len",
+        str(MAX_LEN),
+        "--layers-per-chunk",
+        "1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
     )
     yield run, loaded, reference
     pids = [c["pid"] for c in run.manifest["children"]]
@@ -60,8 +86,9 @@ def test_greedy_output_equals_colocated_generation(deployment):
     assert report["kv_bytes"] == first.usage.prompt_tokens * kv_bytes_per_token  # every layer's KV was pushed
 
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched decode across requests
-        answers = list(pool.map(
-            lambda p: client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0), PROMPTS))
+        answers = list(
+            pool.map(lambda p: client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0), PROMPTS)
+        )
     assert [a.choices[0].text for a in answers] == [reference(loaded.tokenizer.encode(p), 16) for p in PROMPTS]
 
     chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)

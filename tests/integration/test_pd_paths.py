@@ -159,15 +159,32 @@ class Cluster:
 
 
 def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> WorkerSettings:
-    return WorkerSettings(role=role, service=SVC, broker_address=f"127.0.0.1:{broker_port}", broker_token=TOKEN,
-                          worker_id=f"{role}-{index}", advertise_host="127.0.0.1", grpc_port=free_port(),
-                          transfer_port=free_port(), model_dtype="float32", max_length=MAX_LEN, slots=SLOTS,
-                          layers_per_chunk=1, transfer_timeout_ms=1000, **extra)
+    return WorkerSettings(
+        role=role,
+        service=SVC,
+        broker_address=f"127.0.0.1:{broker_port}",
+        broker_token=TOKEN,
+        worker_id=f"{role}-{index}",
+        advertise_host="127.0.0.1",
+        grpc_port=free_port(),
+        transfer_port=free_port(),
+        model_dtype="float32",
+        max_length=MAX_LEN,
+        slots=SLOTS,
+        layers_per_chunk=1,
+        transfer_timeout_ms=1000,
+        **extra,
+    )
 
 
 @asynccontextmanager
-async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms: int = 10_000,
-                  freeze_after: int | None = None, settle_s: float = 5.0) -> AsyncIterator[Cluster]:
+async def cluster(
+    loaded,
+    prefill: str | tuple[str, ...] = "real",
+    readiness_ms: int = 10_000,
+    freeze_after: int | None = None,
+    settle_s: float = 5.0,
+) -> AsyncIterator[Cluster]:
     """prefill: "real", "stuck" (never pushes), "dies" (killed after its first pushed layer chunk),
     "slow" (a real prefill taking 0.15 s per layer chunk), "short" (pushes the prompt less its last
     token) or "down" (registered, nobody listening); a tuple
@@ -216,8 +233,14 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
                 await serve(p_settings, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s))
             elif kind == "stuck":
                 await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
-            await join(MemberInfo(worker_id=f"prefill-{index}", role=Role.PREFILL,
-                                  grpc_endpoint=p_settings.grpc_endpoint, revision=REVISION))
+            await join(
+                MemberInfo(
+                    worker_id=f"prefill-{index}",
+                    role=Role.PREFILL,
+                    grpc_endpoint=p_settings.grpc_endpoint,
+                    revision=REVISION,
+                )
+            )
 
         freezing = freezing_member = None
         relay_channels: list[grpc.aio.Channel] = []
@@ -234,25 +257,43 @@ async def cluster(loaded, prefill: str | tuple[str, ...] = "real", readiness_ms:
             servers.append(server)
             # The real decode's engine and pool, but more slots claimed: the router tries it first.
             real_info = decode.member_info()
-            await join(dataclasses.replace(real_info, worker_id="decode-9", grpc_endpoint=f"127.0.0.1:{f_port}",
-                                           kv_layout=dataclasses.replace(real_info.kv_layout, num_slots=64),
-                                           slots_total=64, slots_free=64))
+            await join(
+                dataclasses.replace(
+                    real_info,
+                    worker_id="decode-9",
+                    grpc_endpoint=f"127.0.0.1:{f_port}",
+                    kv_layout=dataclasses.replace(real_info.kv_layout, num_slots=64),
+                    slots_total=64,
+                    slots_free=64,
+                )
+            )
             freezing_member = clients[-1]
 
         router_broker = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
         clients.append(router_broker)
-        backend = PDBackend(model_name="tiny", tokenizer=loaded.tokenizer, max_model_len=MAX_LEN, revision=REVISION,
-                            broker=router_broker, token=TOKEN,
-                            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30,
-                                              settle_s=settle_s))
+        backend = PDBackend(
+            model_name="tiny",
+            tokenizer=loaded.tokenizer,
+            max_model_len=MAX_LEN,
+            revision=REVISION,
+            broker=router_broker,
+            token=TOKEN,
+            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30, settle_s=settle_s),
+        )
         await backend.start()
         await backend.view.wait_for(lambda v: len(v.members) == 1 + len(kinds) + (freezing is not None), 5)
         channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
         p_channels = [aio_channel(e, TOKEN) for e in p_endpoints]
         try:
-            yield Cluster(backend, decode, worker_pb2_grpc.DecodeStub(channel),
-                          [worker_pb2_grpc.PrefillStub(c) for c in p_channels], freezing, freezing_member,
-                          [w for w in workers if isinstance(w, PrefillWorker)])
+            yield Cluster(
+                backend,
+                decode,
+                worker_pb2_grpc.DecodeStub(channel),
+                [worker_pb2_grpc.PrefillStub(c) for c in p_channels],
+                freezing,
+                freezing_member,
+                [w for w in workers if isinstance(w, PrefillWorker)],
+            )
         finally:
             for c in [channel, *p_channels, *relay_channels]:
                 await c.close()
@@ -299,16 +340,21 @@ async def test_the_road_streams_colocated_tokens_and_frees_the_slot(loaded):
 @pytest.mark.asyncio
 async def test_no_free_slot_is_no_capacity(loaded):
     async with cluster(loaded) as c:
-        grants = [await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4,
-                                                                        max_tokens=4)) for i in range(SLOTS)]
+        grants = [
+            await c.decode_stub.Reserve(
+                worker_pb2.ReserveRequest(request_id=f"hold-{i}", num_prompt_tokens=4, max_tokens=4)
+            )
+            for i in range(SLOTS)
+        ]
         with pytest.raises(NoCapacity) as raised:
             await collect(c.backend, [1, 2, 3], SamplingParams(max_tokens=2))
         assert raised.value.retry_after_s > 0
         for g in grants:
             reply = await c.decode_stub.Release(worker_pb2.ReleaseRequest(slot=g.slot, generation=g.generation))
             assert reply.released
-        again = await c.decode_stub.Release(worker_pb2.ReleaseRequest(slot=grants[0].slot,
-                                                                      generation=grants[0].generation))
+        again = await c.decode_stub.Release(
+            worker_pb2.ReleaseRequest(slot=grants[0].slot, generation=grants[0].generation)
+        )
         assert not again.released  # idempotent: a stale grant is a no-op
 
 
@@ -316,8 +362,9 @@ async def test_no_free_slot_is_no_capacity(loaded):
 async def test_a_prompt_beyond_the_slots_is_invalid(loaded):
     async with cluster(loaded) as c:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="x", num_prompt_tokens=MAX_LEN,
-                                                                  max_tokens=1))
+            await c.decode_stub.Reserve(
+                worker_pb2.ReserveRequest(request_id="x", num_prompt_tokens=MAX_LEN, max_tokens=1)
+            )
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(InvalidPrompt, match="max_len"):
             await collect(c.backend, [1] * (MAX_LEN - 2), SamplingParams(max_tokens=5))
@@ -355,10 +402,16 @@ async def test_a_draining_decode_takes_no_new_request(loaded):
 @pytest.mark.asyncio
 async def test_generate_needs_the_live_generation(loaded):
     async with cluster(loaded) as c:
-        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="g", num_prompt_tokens=2,
-                                                                      max_tokens=2))
-        stale = worker_pb2.GenerateRequest(request_id="g", slot=grant.slot, generation=grant.generation + 1,
-                                           prompt_token_ids=[1, 2], readiness_timeout_ms=200)
+        grant = await c.decode_stub.Reserve(
+            worker_pb2.ReserveRequest(request_id="g", num_prompt_tokens=2, max_tokens=2)
+        )
+        stale = worker_pb2.GenerateRequest(
+            request_id="g",
+            slot=grant.slot,
+            generation=grant.generation + 1,
+            prompt_token_ids=[1, 2],
+            readiness_timeout_ms=200,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             async for _ in c.decode_stub.Generate(stale):
                 pass
@@ -397,14 +450,28 @@ async def test_generate_resumes_a_stream_at_num_generated(loaded):
     k = 5
     emitted = [t for t, _ in expected[:k]]
     async with cluster(loaded) as c:
-        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
-            request_id="r", num_prompt_tokens=len(prompt) + k, max_tokens=params.max_tokens - k))
+        grant = await c.decode_stub.Reserve(
+            worker_pb2.ReserveRequest(
+                request_id="r", num_prompt_tokens=len(prompt) + k, max_tokens=params.max_tokens - k
+            )
+        )
         sampling = sampling_to_proto(params)
-        call = c.decode_stub.Generate(worker_pb2.GenerateRequest(
-            request_id="r", slot=grant.slot, generation=grant.generation, prompt_token_ids=prompt + emitted,
-            sampling=sampling, readiness_timeout_ms=5000, num_generated=k))
-        await c.prefill_stubs[0].Prefill(worker_pb2.PrefillRequest(
-            request_id="r", prompt_token_ids=prompt + emitted, sampling=sampling, targets=[grant], num_generated=k))
+        call = c.decode_stub.Generate(
+            worker_pb2.GenerateRequest(
+                request_id="r",
+                slot=grant.slot,
+                generation=grant.generation,
+                prompt_token_ids=prompt + emitted,
+                sampling=sampling,
+                readiness_timeout_ms=5000,
+                num_generated=k,
+            )
+        )
+        await c.prefill_stubs[0].Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="r", prompt_token_ids=prompt + emitted, sampling=sampling, targets=[grant], num_generated=k
+            )
+        )
         events = [e async for e in call]
         assert [e.index for e in events] == list(range(k, params.max_tokens))
         assert [(e.token_id, e.text) for e in events] == expected[k:]
@@ -415,12 +482,20 @@ async def test_generate_resumes_a_stream_at_num_generated(loaded):
 @pytest.mark.asyncio
 async def test_generate_refuses_a_resume_with_nothing_before_it(loaded):
     async with cluster(loaded) as c:
-        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="r", num_prompt_tokens=2,
-                                                                      max_tokens=2))
+        grant = await c.decode_stub.Reserve(
+            worker_pb2.ReserveRequest(request_id="r", num_prompt_tokens=2, max_tokens=2)
+        )
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            async for _ in c.decode_stub.Generate(worker_pb2.GenerateRequest(
-                    request_id="r", slot=grant.slot, generation=grant.generation, prompt_token_ids=[1, 2],
-                    num_generated=2, readiness_timeout_ms=200)):
+            async for _ in c.decode_stub.Generate(
+                worker_pb2.GenerateRequest(
+                    request_id="r",
+                    slot=grant.slot,
+                    generation=grant.generation,
+                    prompt_token_ids=[1, 2],
+                    num_generated=2,
+                    readiness_timeout_ms=200,
+                )
+            ):
                 pass
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_generated" in raised.value.details()
 
@@ -546,18 +621,26 @@ async def test_a_prefill_cancelled_before_its_request_arrives_refuses_it(loaded)
     from pdserve_worker.rpc.trailers import push_settled
 
     async with cluster(loaded) as c:
-        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="early", num_prompt_tokens=3,
-                                                                      max_tokens=2))
-        reply = await c.prefill_stubs[0].Cancel(worker_pb2.CancelPrefillRequest(
-            request_id="early", slot=grant.slot, generation=grant.generation))
+        grant = await c.decode_stub.Reserve(
+            worker_pb2.ReserveRequest(request_id="early", num_prompt_tokens=3, max_tokens=2)
+        )
+        reply = await c.prefill_stubs[0].Cancel(
+            worker_pb2.CancelPrefillRequest(request_id="early", slot=grant.slot, generation=grant.generation)
+        )
         assert not reply.found
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await c.prefill_stubs[0].Prefill(worker_pb2.PrefillRequest(
-                request_id="early", prompt_token_ids=[1, 2, 3], sampling=sampling_to_proto(SamplingParams()),
-                targets=[grant]))
+            await c.prefill_stubs[0].Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="early",
+                    prompt_token_ids=[1, 2, 3],
+                    sampling=sampling_to_proto(SamplingParams()),
+                    targets=[grant],
+                )
+            )
         assert refused.value.code() == grpc.StatusCode.ABORTED and push_settled(refused.value)
-        released = await c.decode_stub.Release(worker_pb2.ReleaseRequest(
-            slot=grant.slot, generation=grant.generation, push_settled=True))
+        released = await c.decode_stub.Release(
+            worker_pb2.ReleaseRequest(slot=grant.slot, generation=grant.generation, push_settled=True)
+        )
         assert released.released and c.decode.slots.usage().free == SLOTS
 
 
@@ -603,14 +686,33 @@ async def test_prompts_waiting_together_share_one_pass_and_each_reaches_its_own_
     expected = [_reference(loaded, p, params) for p in prompts]
     async with cluster(loaded) as c:
         sampling = sampling_to_proto(params)
-        grants = [await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
-            request_id=f"b{i}", num_prompt_tokens=len(p), max_tokens=params.max_tokens)) for i, p in enumerate(prompts)]
-        streams = [c.decode_stub.Generate(worker_pb2.GenerateRequest(
-            request_id=f"b{i}", slot=g.slot, generation=g.generation, prompt_token_ids=p, sampling=sampling,
-            readiness_timeout_ms=10_000)) for i, (p, g) in enumerate(zip(prompts, grants))]
-        counter, replies = await _queued_prefills(c, loaded, [worker_pb2.PrefillRequest(
-            request_id=f"b{i}", prompt_token_ids=p, sampling=sampling, targets=[g])
-            for i, (p, g) in enumerate(zip(prompts, grants))])
+        grants = [
+            await c.decode_stub.Reserve(
+                worker_pb2.ReserveRequest(request_id=f"b{i}", num_prompt_tokens=len(p), max_tokens=params.max_tokens)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        streams = [
+            c.decode_stub.Generate(
+                worker_pb2.GenerateRequest(
+                    request_id=f"b{i}",
+                    slot=g.slot,
+                    generation=g.generation,
+                    prompt_token_ids=p,
+                    sampling=sampling,
+                    readiness_timeout_ms=10_000,
+                )
+            )
+            for i, (p, g) in enumerate(zip(prompts, grants))
+        ]
+        counter, replies = await _queued_prefills(
+            c,
+            loaded,
+            [
+                worker_pb2.PrefillRequest(request_id=f"b{i}", prompt_token_ids=p, sampling=sampling, targets=[g])
+                for i, (p, g) in enumerate(zip(prompts, grants))
+            ],
+        )
         assert counter.passes == [2]  # one forward pass for both
         assert [r.num_tokens for r in replies] == [len(p) for p in prompts]
         for stream, want in zip(streams, expected):
@@ -625,17 +727,32 @@ async def test_a_prompt_whose_push_fails_fails_alone(loaded):
     prompt = loaded.tokenizer.encode("Paris is the capital of")
     async with cluster(loaded) as c:
         sampling = sampling_to_proto(params)
-        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
-            request_id="ok", num_prompt_tokens=len(prompt), max_tokens=params.max_tokens))
-        stream = c.decode_stub.Generate(worker_pb2.GenerateRequest(
-            request_id="ok", slot=grant.slot, generation=grant.generation, prompt_token_ids=prompt, sampling=sampling,
-            readiness_timeout_ms=10_000))
+        grant = await c.decode_stub.Reserve(
+            worker_pb2.ReserveRequest(request_id="ok", num_prompt_tokens=len(prompt), max_tokens=params.max_tokens)
+        )
+        stream = c.decode_stub.Generate(
+            worker_pb2.GenerateRequest(
+                request_id="ok",
+                slot=grant.slot,
+                generation=grant.generation,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                readiness_timeout_ms=10_000,
+            )
+        )
         nowhere = worker_pb2.Grant()
         nowhere.CopyFrom(grant)
         nowhere.engine_id = f"127.0.0.1:{free_port()}"  # no transfer engine listens there
-        counter, (bad, good) = await _queued_prefills(c, loaded, [
-            worker_pb2.PrefillRequest(request_id="bad", prompt_token_ids=prompt, sampling=sampling, targets=[nowhere]),
-            worker_pb2.PrefillRequest(request_id="ok", prompt_token_ids=prompt, sampling=sampling, targets=[grant])])
+        counter, (bad, good) = await _queued_prefills(
+            c,
+            loaded,
+            [
+                worker_pb2.PrefillRequest(
+                    request_id="bad", prompt_token_ids=prompt, sampling=sampling, targets=[nowhere]
+                ),
+                worker_pb2.PrefillRequest(request_id="ok", prompt_token_ids=prompt, sampling=sampling, targets=[grant]),
+            ],
+        )
         assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.UNAVAILABLE
         assert good.num_tokens == len(prompt)
         assert counter.passes == [1]  # the unreachable prompt never entered the pass
@@ -650,15 +767,31 @@ async def test_a_prompt_cancelled_while_queued_leaves_the_pass_to_the_others(loa
     prompts = [loaded.tokenizer.encode("Paris is the capital of"), loaded.tokenizer.encode("The quick brown fox")]
     async with cluster(loaded) as c:
         sampling = sampling_to_proto(params)
-        grants = [await c.decode_stub.Reserve(worker_pb2.ReserveRequest(
-            request_id=f"c{i}", num_prompt_tokens=len(p), max_tokens=params.max_tokens)) for i, p in enumerate(prompts)]
-        stream = c.decode_stub.Generate(worker_pb2.GenerateRequest(
-            request_id="c1", slot=grants[1].slot, generation=grants[1].generation, prompt_token_ids=prompts[1],
-            sampling=sampling, readiness_timeout_ms=10_000))
-        counter, (cancelled, kept) = await _queued_prefills(c, loaded, [worker_pb2.PrefillRequest(
-            request_id=f"c{i}", prompt_token_ids=p, sampling=sampling, targets=[g])
-            for i, (p, g) in enumerate(zip(prompts, grants))],
-            while_queued=lambda w: w.cancel(("c0", grants[0].slot, grants[0].generation)))
+        grants = [
+            await c.decode_stub.Reserve(
+                worker_pb2.ReserveRequest(request_id=f"c{i}", num_prompt_tokens=len(p), max_tokens=params.max_tokens)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        stream = c.decode_stub.Generate(
+            worker_pb2.GenerateRequest(
+                request_id="c1",
+                slot=grants[1].slot,
+                generation=grants[1].generation,
+                prompt_token_ids=prompts[1],
+                sampling=sampling,
+                readiness_timeout_ms=10_000,
+            )
+        )
+        counter, (cancelled, kept) = await _queued_prefills(
+            c,
+            loaded,
+            [
+                worker_pb2.PrefillRequest(request_id=f"c{i}", prompt_token_ids=p, sampling=sampling, targets=[g])
+                for i, (p, g) in enumerate(zip(prompts, grants))
+            ],
+            while_queued=lambda w: w.cancel(("c0", grants[0].slot, grants[0].generation)),
+        )
         assert isinstance(cancelled, grpc.aio.AioRpcError) and cancelled.code() == grpc.StatusCode.ABORTED
         assert push_settled(cancelled)  # nothing of it was put: its slot may be given back free
         assert kept.num_tokens == len(prompts[1]) and counter.passes == [1]
@@ -673,17 +806,31 @@ async def test_a_ready_message_that_cannot_be_used_is_aborted_not_unknown(loaded
     import json
 
     async with cluster(loaded) as c:
-        grant = await c.decode_stub.Reserve(worker_pb2.ReserveRequest(request_id="m", num_prompt_tokens=2,
-                                                                      max_tokens=2))
-        call = c.decode_stub.Generate(worker_pb2.GenerateRequest(
-            request_id="m", slot=grant.slot, generation=grant.generation, prompt_token_ids=[1, 2],
-            readiness_timeout_ms=5000))
+        grant = await c.decode_stub.Reserve(
+            worker_pb2.ReserveRequest(request_id="m", num_prompt_tokens=2, max_tokens=2)
+        )
+        call = c.decode_stub.Generate(
+            worker_pb2.GenerateRequest(
+                request_id="m",
+                slot=grant.slot,
+                generation=grant.generation,
+                prompt_token_ids=[1, 2],
+                readiness_timeout_ms=5000,
+            )
+        )
         client = create_engine("cpu")
         assert client.engine.initialize("127.0.0.1") == client.api.SUCCESS
         try:
             client.ensure_connected(grant.engine_id, 2000)
-            body = json.dumps({"request_id": "m", "slot": grant.slot, "generation": grant.generation,
-                               "nonce": grant.nonce.hex(), "num_tokens": 2})
+            body = json.dumps(
+                {
+                    "request_id": "m",
+                    "slot": grant.slot,
+                    "generation": grant.generation,
+                    "nonce": grant.nonce.hex(),
+                    "num_tokens": 2,
+                }
+            )
             assert client.engine.send_notify(grant.engine_id, client.api.NotifyDesc("kv_ready", body)) == 0
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 async for _ in call:

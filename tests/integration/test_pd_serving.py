@@ -62,8 +62,22 @@ def reference(tiny_model_dir):
 def local(tiny_model_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-local"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
-        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--slots",
+        str(SLOTS),
+        "--max-len",
+        str(MAX_LEN),
+        "--layers-per-chunk",
+        "1",
+        "--port",
+        "0",
     )
     yield run
     pids = [c["pid"] for c in run.manifest["children"]]
@@ -104,8 +118,9 @@ def test_chat_matches_colocated_greedy_and_seeded(client, model, reference):
     greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
     assert greedy.choices[0].message.content == reference.complete(prompt_ids, max_tokens=20, temperature=0)
     # Prefill samples token 0, decode the rest: keyed by (seed, index), the same draws as colocated.
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0.8, seed=11,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=20, temperature=0.8, seed=11, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == reference.complete(prompt_ids, max_tokens=20, temperature=0.8, seed=11)
 
@@ -113,7 +128,7 @@ def test_chat_matches_colocated_greedy_and_seeded(client, model, reference):
 def test_stop_string_cut_once_by_decode(client, model, reference):
     prompt = PROMPTS[1]
     full = reference.complete(reference.tokenizer.encode(prompt), max_tokens=30, temperature=0)
-    stop = next((full[i:i + 3] for i in range(4, len(full) - 3) if full[i:i + 3].strip()), None)
+    stop = next((full[i : i + 3] for i in range(4, len(full) - 3) if full[i : i + 3].strip()), None)
     assert stop, f"the reference answer {full!r} has no usable stop string"
     answer = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
     assert answer.choices[0].text == full[: full.index(stop)]
@@ -154,8 +169,9 @@ def test_worker_metrics_agree_with_the_router(local, client, model):
 
     def scrape(address: str) -> dict[str, float]:
         text = httpx.get(f"http://{address}/metrics").text
-        return {m.group(1): float(m.group(2))
-                for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
+        return {
+            m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)
+        }
 
     router = scrape(local.url.removeprefix("http://"))
     prefill = scrape(local.child("prefill-0")["http"])
@@ -204,8 +220,9 @@ def test_grpc_calls_need_the_service_token(local):
         with pytest.raises(grpc.RpcError) as other:
             broker.ListMembers(broker_pb2.ListMembersRequest(service_key="other/service"), metadata=right, timeout=5)
         assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        members = broker.ListMembers(broker_pb2.ListMembersRequest(service_key="local/pdserve"), metadata=right,
-                                     timeout=5).members
+        members = broker.ListMembers(
+            broker_pb2.ListMembersRequest(service_key="local/pdserve"), metadata=right, timeout=5
+        ).members
         assert {m.info.worker_id for m in members} == {"decode-0", "decode-1", "prefill-0", "router-0"}
     with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:
         decode = worker_pb2_grpc.DecodeStub(channel)
@@ -219,20 +236,28 @@ def test_grpc_calls_need_the_service_token(local):
     with grpc.insecure_channel(local.child("prefill-0")["grpc"]) as channel:
         prefill = worker_pb2_grpc.PrefillStub(channel)
         with pytest.raises(grpc.RpcError) as denied:
-            prefill.Prefill(worker_pb2.PrefillRequest(request_id="x", prompt_token_ids=[1, 2]), metadata=wrong,
-                            timeout=5)
+            prefill.Prefill(
+                worker_pb2.PrefillRequest(request_id="x", prompt_token_ids=[1, 2]), metadata=wrong, timeout=5
+            )
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def _decode_status(local, name: str) -> worker_pb2.DecodeStatus:
     with grpc.insecure_channel(local.child(name)["grpc"]) as channel:
         return worker_pb2_grpc.DecodeStub(channel).Status(
-            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5)
+            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5
+        )
 
 
 def test_a_client_that_goes_away_frees_its_slot(local, client, model):
-    stream = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=MAX_LEN - 20, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model,
+        prompt=PROMPTS[2],
+        max_tokens=MAX_LEN - 20,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(stream))
     busy = sum(_decode_status(local, n).slots_used for n in ("decode-0", "decode-1"))
     assert busy >= 1
@@ -250,9 +275,27 @@ def test_start_failure_names_the_child_and_exits_nonzero(tiny_model_dir, tmp_pat
     from local_run import cli, cli_env
 
     out = subprocess.run(
-        cli("local", "--model", str(tiny_model_dir), "--dtype", "float32", "--decode", "1", "--slots", "1",
-            "--max-len", "8", "--port", "0", "--log-dir", str(tmp_path)),
-        capture_output=True, text=True, env=cli_env(), timeout=180,
+        cli(
+            "local",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--decode",
+            "1",
+            "--slots",
+            "1",
+            "--max-len",
+            "8",
+            "--port",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+        ),
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=180,
     )
     assert out.returncode == 1, out.stderr
     assert re.search(r"(decode|prefill|router)-0 \(pid \d+\) exited with code 2", out.stderr), out.stderr
@@ -266,8 +309,13 @@ def test_a_taken_port_is_refused_before_anything_starts(local, tiny_model_dir, t
     from local_run import cli, cli_env
 
     port = local.url.rsplit(":", 1)[1]
-    out = subprocess.run(cli("local", "--model", str(tiny_model_dir), "--port", port, "--log-dir", str(tmp_path)),
-                         capture_output=True, text=True, env=cli_env(), timeout=60)
+    out = subprocess.run(
+        cli("local", "--model", str(tiny_model_dir), "--port", port, "--log-dir", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
     assert out.returncode == 1 and f"port {port}" in out.stderr and "already in use" in out.stderr
     assert not (tmp_path / "deployment.json").exists()
 

@@ -25,7 +25,9 @@ def reference(tiny_model_dir):
     loaded = load_model(str(tiny_model_dir), dtype="float32")
 
     def complete(prompt: str, **params) -> str:
-        [done] = generate(loaded.model, loaded.tokenizer, [loaded.tokenizer.encode(prompt)], SamplingParams(**params), max_len=MAX_LEN)
+        [done] = generate(
+            loaded.model, loaded.tokenizer, [loaded.tokenizer.encode(prompt)], SamplingParams(**params), max_len=MAX_LEN
+        )
         return done.text
 
     complete.kv_bytes_per_token = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
@@ -36,9 +38,26 @@ def reference(tiny_model_dir):
 def local(tiny_model_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-sharded"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
-        "--layer-shards", "2", "--slots", "4", "--max-len", str(MAX_LEN), "--layers-per-chunk", "1",
-        "--port", "0", "--threads", "1",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--layer-shards",
+        "2",
+        "--slots",
+        "4",
+        "--max-len",
+        str(MAX_LEN),
+        "--layers-per-chunk",
+        "1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
     )
     yield run
     pids = [c["pid"] for c in run.manifest["children"]]
@@ -61,8 +80,9 @@ def test_group_of_two_processes_answers_as_colocated(local, reference):
     assert report["kv_bytes"] == answer.usage.prompt_tokens * reference.kv_bytes_per_token
 
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        answers = list(pool.map(
-            lambda p: client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0), PROMPTS))
+        answers = list(
+            pool.map(lambda p: client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0), PROMPTS)
+        )
     assert [a.choices[0].text for a in answers] == [reference(p, max_tokens=12, temperature=0) for p in PROMPTS]
 
 

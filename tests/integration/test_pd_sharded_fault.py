@@ -15,8 +15,25 @@ pytestmark = pytest.mark.slow
 
 def test_a_dead_follower_fails_requests_quickly(tiny_model_dir, tmp_path):
     run = LocalRun.start(
-        tmp_path, "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
-        "--layer-shards", "2", "--slots", "2", "--max-len", "64", "--port", "0", "--threads", "1",
+        tmp_path,
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--layer-shards",
+        "2",
+        "--slots",
+        "2",
+        "--max-len",
+        "64",
+        "--port",
+        "0",
+        "--threads",
+        "1",
     )
     try:
         client = openai.OpenAI(base_url=f"{run.url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -12,10 +12,15 @@ from local_run import LocalRun, pid_alive
 pytestmark = pytest.mark.slow
 
 MAX_LEN = 256
-SYSTEM = ("You are a careful assistant for a platform team. Answer in one short sentence, plainly, "
-          "and never invent facts you were not given.")
-TURNS = [" Q: What is a KV cache? A:", " Q: What is a KV cache? A: It stores keys. Q: And values? A:",
-         " Q: Name a colour. A:"]
+SYSTEM = (
+    "You are a careful assistant for a platform team. Answer in one short sentence, plainly, "
+    "and never invent facts you were not given."
+)
+TURNS = [
+    " Q: What is a KV cache? A:",
+    " Q: What is a KV cache? A: It stores keys. Q: And values? A:",
+    " Q: Name a colour. A:",
+]
 MODES = {
     "pd": ("--prefill", "1", "--decode", "1"),
     "colocated": ("--colocated",),
@@ -34,8 +39,9 @@ def reference(tiny_model_dir):
 
     def complete(prompt: str, max_tokens: int) -> str:
         ids = loaded.tokenizer.encode(prompt)
-        [done] = generate(loaded.model, loaded.tokenizer, [ids], SamplingParams(max_tokens=max_tokens, temperature=0),
-                          max_len=MAX_LEN)
+        [done] = generate(
+            loaded.model, loaded.tokenizer, [ids], SamplingParams(max_tokens=max_tokens, temperature=0), max_len=MAX_LEN
+        )
         return done.text
 
     complete.encode = loaded.tokenizer.encode
@@ -46,9 +52,23 @@ def reference(tiny_model_dir):
 def local(request, tiny_model_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp(f"prefix-{request.param}"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", *MODES[request.param], "--slots", "4",
-        "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0", "--threads", "1",
-        "--prefix-cache-tokens", "2048",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        *MODES[request.param],
+        "--slots",
+        "4",
+        "--max-len",
+        str(MAX_LEN),
+        "--layers-per-chunk",
+        "1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--prefix-cache-tokens",
+        "2048",
     )
     yield run
     pids = [c["pid"] for c in run.manifest["children"]]

@@ -55,8 +55,16 @@ def start_decode(peers: Callable[..., PeerProcess], layout: KVLayout, **config: 
     return peers(decode_main, engine_id=f"127.0.0.1:{free_port()}", layout=layout.to_dict(), **config)
 
 
-def start_prefill(peers: Callable[..., PeerProcess], layout: KVLayout, seed: int, transport: str = "auto") -> PeerProcess:
-    return peers(prefill_main, engine_id="127.0.0.1", layout=layout.to_dict(), seed=seed, options={"pdserve.Transport": transport})
+def start_prefill(
+    peers: Callable[..., PeerProcess], layout: KVLayout, seed: int, transport: str = "auto"
+) -> PeerProcess:
+    return peers(
+        prefill_main,
+        engine_id="127.0.0.1",
+        layout=layout.to_dict(),
+        seed=seed,
+        options={"pdserve.Transport": transport},
+    )
 
 
 @pytest.fixture
@@ -77,7 +85,12 @@ def test_pushed_kv_equals_the_source_bytes(peers: Callable[..., PeerProcess], tr
     stats = prefill.call("push", targets=[grant], num_tokens=41, layers_per_chunk=3)
     ready = decode.result()["message"]
     assert prefill.call("link_path", engine_id=decode.info["engine_id"]) == ("shm" if transport == "auto" else "tcp")
-    assert (ready["request_id"], ready["slot"], ready["generation"], ready["num_tokens"]) == ("r1", grant["slot"], grant["generation"], 41)
+    assert (ready["request_id"], ready["slot"], ready["generation"], ready["num_tokens"]) == (
+        "r1",
+        grant["slot"],
+        grant["generation"],
+        41,
+    )
     assert stats["puts"] == 16 and stats["bytes"] == 16 * 41 * 64
     assert decode.call("checksums", slot=grant["slot"], num_tokens=41) == prefill.call("checksums", num_tokens=41)
     assert decode.call("untouched_beyond", slot=grant["slot"], num_tokens=41)
@@ -116,7 +129,10 @@ def test_64_layers_into_8_decode_targets_with_queue_depth_128(peers: Callable[..
     for d, lay, grant in zip(decodes, layouts, grants):
         got = d.call("checksums", slot=grant["slot"], num_tokens=30)
         assert got == {k: v for k, v in source.items() if int(k.split("/")[0]) in lay.layer_range}
-        assert d.call("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)["message"]["num_tokens"] == 30
+        assert (
+            d.call("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)["message"]["num_tokens"]
+            == 30
+        )
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
@@ -127,7 +143,9 @@ def test_out_of_range_descriptors_are_param_invalid(peers: Callable[..., PeerPro
     backend.check(backend.engine.initialize("127.0.0.1", {"pdserve.Transport": transport}), "initialize")
     try:
         local = (ctypes.c_char * 4096)()
-        backend.check(backend.engine.register_mem(api.MemDesc(ctypes.addressof(local), 4096), api.MEM_HOST)[0], "register")
+        backend.check(
+            backend.engine.register_mem(api.MemDesc(ctypes.addressof(local), 4096), api.MEM_HOST)[0], "register"
+        )
         remote, base = decode.info["engine_id"], decode.info["base_addr"]
         backend.ensure_connected(remote, 5000)
         end = base + layout.total_bytes
@@ -137,8 +155,16 @@ def test_out_of_range_descriptors_are_param_invalid(peers: Callable[..., PeerPro
             "before the pool": (ctypes.addressof(local), base - 64, 64),
             "unregistered local": (ctypes.addressof(local) + 4096 - 32, base, 64),
         }
-        got = {name: backend.engine.transfer_sync(remote, api.WRITE, [api.TransferOpDesc(*c)], 2000) for name, c in cases.items()}
-        assert got == {"inside": api.SUCCESS, "past the pool's end": api.PARAM_INVALID, "before the pool": api.PARAM_INVALID, "unregistered local": api.PARAM_INVALID}
+        got = {
+            name: backend.engine.transfer_sync(remote, api.WRITE, [api.TransferOpDesc(*c)], 2000)
+            for name, c in cases.items()
+        }
+        assert got == {
+            "inside": api.SUCCESS,
+            "past the pool's end": api.PARAM_INVALID,
+            "before the pool": api.PARAM_INVALID,
+            "unregistered local": api.PARAM_INVALID,
+        }
     finally:
         backend.engine.finalize()
 
@@ -192,9 +218,18 @@ def test_every_readiness_mode_delivers(peers: Callable[..., PeerProcess], client
         grant = decode.call("reserve", request_id=f"m{i}", ttl_s=30)
         decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=10)
         time.sleep(0.02)
-        body = json.dumps({"request_id": f"m{i}", "slot": grant["slot"], "generation": grant["generation"],
-                           "nonce": grant["nonce"], "num_tokens": 7})
-        client.check(client.engine.send_notify(decode.info["engine_id"], api.NotifyDesc("kv_ready", body), 5000), "notify")
+        body = json.dumps(
+            {
+                "request_id": f"m{i}",
+                "slot": grant["slot"],
+                "generation": grant["generation"],
+                "nonce": grant["nonce"],
+                "num_tokens": 7,
+            }
+        )
+        client.check(
+            client.engine.send_notify(decode.info["engine_id"], api.NotifyDesc("kv_ready", body), 5000), "notify"
+        )
         assert decode.result()["message"]["request_id"] == f"m{i}"
         assert decode.call("commit", slot=grant["slot"], generation=grant["generation"])
         assert decode.call("release", slot=grant["slot"], generation=grant["generation"])
@@ -209,7 +244,9 @@ def test_terminal_status_is_reported_once_across_processes(peers: Callable[..., 
         status, addr = backend.engine.malloc_mem(4096)
         backend.check(backend.engine.register_mem(api.MemDesc(addr, 4096), api.MEM_HOST)[0], "register")
         backend.ensure_connected(decode.info["engine_id"], 5000)
-        status, req = backend.engine.transfer_async(decode.info["engine_id"], api.WRITE, [api.TransferOpDesc(addr, decode.info["base_addr"], 4096)])
+        status, req = backend.engine.transfer_async(
+            decode.info["engine_id"], api.WRITE, [api.TransferOpDesc(addr, decode.info["base_addr"], 4096)]
+        )
         assert status == api.SUCCESS
         seen = []
         deadline = time.monotonic() + 10
@@ -227,7 +264,10 @@ def test_terminal_status_is_reported_once_across_processes(peers: Callable[..., 
 def test_resource_exhausted_past_the_bounds_and_recovery(peers: Callable[..., PeerProcess]) -> None:
     decode = start_decode(peers, decode_layout(slots=1), options={"pdserve.NotifyQueueSize": "2"})
     backend = create_engine("cpu")
-    backend.check(backend.engine.initialize("127.0.0.1", {"pdserve.MaxOutstandingTransfers": "8", "pdserve.Transport": "tcp"}), "initialize")
+    backend.check(
+        backend.engine.initialize("127.0.0.1", {"pdserve.MaxOutstandingTransfers": "8", "pdserve.Transport": "tcp"}),
+        "initialize",
+    )
     try:
         status, addr = backend.engine.malloc_mem(4096)
         backend.check(backend.engine.register_mem(api.MemDesc(addr, 4096), api.MEM_HOST)[0], "register")
@@ -243,11 +283,23 @@ def test_resource_exhausted_past_the_bounds_and_recovery(peers: Callable[..., Pe
         assert backend.engine.transfer_async(remote, api.WRITE, op)[0] == api.SUCCESS
         # The decode's notify queue holds 2 until someone drains it.
         grant = decode.call("reserve", request_id="q", ttl_s=30)
-        body = json.dumps({"request_id": "q", "slot": grant["slot"], "generation": grant["generation"],
-                           "nonce": grant["nonce"], "num_tokens": 1})
+        body = json.dumps(
+            {
+                "request_id": "q",
+                "slot": grant["slot"],
+                "generation": grant["generation"],
+                "nonce": grant["nonce"],
+                "num_tokens": 1,
+            }
+        )
         sent = [backend.engine.send_notify(remote, api.NotifyDesc("kv_ready", body), 2000) for _ in range(3)]
         assert sent == [api.SUCCESS, api.SUCCESS, api.RESOURCE_EXHAUSTED]
-        assert decode.call("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=5)["message"]["request_id"] == "q"
+        assert (
+            decode.call("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=5)["message"][
+                "request_id"
+            ]
+            == "q"
+        )
         assert backend.engine.send_notify(remote, api.NotifyDesc("kv_ready", body), 2000) == api.SUCCESS
     finally:
         backend.engine.finalize()

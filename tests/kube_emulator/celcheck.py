@@ -74,8 +74,29 @@ def map_of(key: T, value: T) -> T:
     return T("map", elem=value, key=key)
 
 
-_CEL_RESERVED = {"true", "false", "null", "in", "as", "break", "const", "continue", "else", "for", "function", "if",
-                 "import", "let", "loop", "package", "namespace", "return", "var", "void", "while"}
+_CEL_RESERVED = {
+    "true",
+    "false",
+    "null",
+    "in",
+    "as",
+    "break",
+    "const",
+    "continue",
+    "else",
+    "for",
+    "function",
+    "if",
+    "import",
+    "let",
+    "loop",
+    "package",
+    "namespace",
+    "return",
+    "var",
+    "void",
+    "while",
+}
 
 
 def escape(name: str) -> str | None:
@@ -84,7 +105,9 @@ def escape(name: str) -> str | None:
         return f"__{name}__"
     if not name or not (name[0].isalpha() or name[0] == "_"):
         return None
-    out = name.replace("__", "__underscores__").replace(".", "__dot__").replace("-", "__dash__").replace("/", "__slash__")
+    out = (
+        name.replace("__", "__underscores__").replace(".", "__dot__").replace("-", "__dash__").replace("/", "__slash__")
+    )
     return out if re.fullmatch(r"[_a-zA-Z][_a-zA-Z0-9]*", out) else None
 
 
@@ -117,7 +140,8 @@ def decl_type(s: Schema | None, resource_root: bool = False) -> T | None:
         return T("object", fields=tuple(fields))
     if kind == "string":
         return {"byte": BYTES, "duration": DURATION, "date": TIMESTAMP, "date-time": TIMESTAMP}.get(
-            s.get("format") or "", STRING)
+            s.get("format") or "", STRING
+        )
     return {"boolean": BOOL, "number": DOUBLE, "integer": INT}.get(kind or "")
 
 
@@ -127,7 +151,10 @@ def with_type_and_object_meta(s: Schema) -> Schema:
     props = dict(s.get("properties") or {})
     props["apiVersion"] = {"type": "string"}
     props["kind"] = {"type": "string"}
-    props["metadata"] = {"type": "object", "properties": {"name": {"type": "string"}, "generateName": {"type": "string"}}}
+    props["metadata"] = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "generateName": {"type": "string"}},
+    }
     return {**s, "type": "object", "properties": props}
 
 
@@ -136,26 +163,116 @@ def with_type_and_object_meta(s: Schema) -> Schema:
 # (cel/library.go), ext.Strings v2, ext.Lists v3, two-variable comprehensions (ext/*.go at
 # cel-go 14f6746a), and the Kubernetes libraries (pkg/cel/library/library_compatibility_test.go's
 # knownFunctions, kubernetes/apiserver 24a394e5). A name outside this set is a typo to cel-go.
-MEMBER_FUNCTIONS = frozenset({
-    # cel-go standard and optionals
-    "contains", "endsWith", "startsWith", "matches", "size", "getDate", "getDayOfMonth", "getDayOfWeek",
-    "getDayOfYear", "getFullYear", "getHours", "getMilliseconds", "getMinutes", "getMonth", "getSeconds",
-    "hasValue", "value", "or", "orValue", "optMap", "optFlatMap", "first", "last",
-    # macros
-    "all", "exists", "exists_one", "existsOne", "map", "filter", "sortBy", "transformList", "transformMap",
-    "transformMapEntry",
-    # ext.Strings, ext.Lists
-    "charAt", "format", "indexOf", "join", "lastIndexOf", "lowerAscii", "replace", "reverse", "split", "substring",
-    "trim", "upperAscii", "distinct", "flatten", "slice", "sort",
-    # Kubernetes libraries
-    "isSorted", "sum", "max", "min", "find", "findAll", "getScheme", "getHost", "getHostname", "getPort",
-    "getEscapedPath", "getQuery", "path", "group", "serviceAccount", "resource", "subresource", "namespace", "name",
-    "check", "allowed", "reason", "errored", "error", "add", "asApproximateFloat", "asInteger", "compareTo",
-    "isGreaterThan", "isInteger", "isLessThan", "sign", "sub", "ip", "family", "isUnspecified", "isLoopback",
-    "isLinkLocalMulticast", "isLinkLocalUnicast", "isGlobalUnicast", "isCanonical", "containsIP", "containsCIDR",
-    "masked", "prefixLength", "string", "fieldSelector", "labelSelector", "validate", "major", "minor", "patch",
-    "includes",
-})
+MEMBER_FUNCTIONS = frozenset(
+    {
+        # cel-go standard and optionals
+        "contains",
+        "endsWith",
+        "startsWith",
+        "matches",
+        "size",
+        "getDate",
+        "getDayOfMonth",
+        "getDayOfWeek",
+        "getDayOfYear",
+        "getFullYear",
+        "getHours",
+        "getMilliseconds",
+        "getMinutes",
+        "getMonth",
+        "getSeconds",
+        "hasValue",
+        "value",
+        "or",
+        "orValue",
+        "optMap",
+        "optFlatMap",
+        "first",
+        "last",
+        # macros
+        "all",
+        "exists",
+        "exists_one",
+        "existsOne",
+        "map",
+        "filter",
+        "sortBy",
+        "transformList",
+        "transformMap",
+        "transformMapEntry",
+        # ext.Strings, ext.Lists
+        "charAt",
+        "format",
+        "indexOf",
+        "join",
+        "lastIndexOf",
+        "lowerAscii",
+        "replace",
+        "reverse",
+        "split",
+        "substring",
+        "trim",
+        "upperAscii",
+        "distinct",
+        "flatten",
+        "slice",
+        "sort",
+        # Kubernetes libraries
+        "isSorted",
+        "sum",
+        "max",
+        "min",
+        "find",
+        "findAll",
+        "getScheme",
+        "getHost",
+        "getHostname",
+        "getPort",
+        "getEscapedPath",
+        "getQuery",
+        "path",
+        "group",
+        "serviceAccount",
+        "resource",
+        "subresource",
+        "namespace",
+        "name",
+        "check",
+        "allowed",
+        "reason",
+        "errored",
+        "error",
+        "add",
+        "asApproximateFloat",
+        "asInteger",
+        "compareTo",
+        "isGreaterThan",
+        "isInteger",
+        "isLessThan",
+        "sign",
+        "sub",
+        "ip",
+        "family",
+        "isUnspecified",
+        "isLoopback",
+        "isLinkLocalMulticast",
+        "isLinkLocalUnicast",
+        "isGlobalUnicast",
+        "isCanonical",
+        "containsIP",
+        "containsCIDR",
+        "masked",
+        "prefixLength",
+        "string",
+        "fieldSelector",
+        "labelSelector",
+        "validate",
+        "major",
+        "minor",
+        "patch",
+        "includes",
+    }
+)
 
 # ---------------------------------------------------------------- compilation
 
@@ -219,8 +336,9 @@ class _Checker:
         cond, then, other = node.children
         ctype = self.check(cond, env)
         if ctype.kind not in ("bool", "dyn"):
-            self.error(self.op_between(cond, then, "?"), f"found no matching overload for '_?_:_' applied to "
-                                                          f"'({ctype}, ...)'")
+            self.error(
+                self.op_between(cond, then, "?"), f"found no matching overload for '_?_:_' applied to '({ctype}, ...)'"
+            )
         a, b = self.check(then, env), self.check(other, env)
         return a if a == b else DYN
 
@@ -230,7 +348,9 @@ class _Checker:
         left, right = node.children
         a, b = self.check(left, env), self.check(right, env)
         if a.kind not in ("bool", "dyn") or b.kind not in ("bool", "dyn"):
-            self.error(self.op_between(left, right, op), f"found no matching overload for '_{op}_' applied to '({a}, {b})'")
+            self.error(
+                self.op_between(left, right, op), f"found no matching overload for '_{op}_' applied to '({a}, {b})'"
+            )
         return BOOL
 
     def _conditionalor(self, node: lark.Tree, env: dict[str, T]) -> T:
@@ -243,8 +363,15 @@ class _Checker:
         if len(node.children) == 1:
             return self.check(node.children[0], env)
         op_node, right = node.children
-        op = {"relation_lt": "<", "relation_le": "<=", "relation_gt": ">", "relation_ge": ">=", "relation_eq": "==",
-              "relation_ne": "!=", "relation_in": "in"}[op_node.data]
+        op = {
+            "relation_lt": "<",
+            "relation_le": "<=",
+            "relation_gt": ">",
+            "relation_ge": ">=",
+            "relation_eq": "==",
+            "relation_ne": "!=",
+            "relation_in": "in",
+        }[op_node.data]
         left = op_node.children[0]
         a, b = self.check(left, env), self.check(right, env)
         where = self.op_between(left, right, op)
@@ -291,8 +418,16 @@ class _Checker:
 
     def _literal(self, node: lark.Tree, env: dict[str, T]) -> T:
         tok = node.children[0]
-        return {"UINT_LIT": UINT, "FLOAT_LIT": DOUBLE, "INT_LIT": INT, "MLSTRING_LIT": STRING, "STRING_LIT": STRING,
-                "BYTES_LIT": BYTES, "BOOL_LIT": BOOL, "NULL_LIT": NULL}[tok.type]
+        return {
+            "UINT_LIT": UINT,
+            "FLOAT_LIT": DOUBLE,
+            "INT_LIT": INT,
+            "MLSTRING_LIT": STRING,
+            "STRING_LIT": STRING,
+            "BYTES_LIT": BYTES,
+            "BOOL_LIT": BOOL,
+            "NULL_LIT": NULL,
+        }[tok.type]
 
     def _list_lit(self, node: lark.Tree, env: dict[str, T]) -> T:
         elems = [self.check(e, env) for e in (node.children[0].children if node.children and node.children[0] else [])]
@@ -342,7 +477,9 @@ class _Checker:
         operand, index = self.check(operand_node, env), self.check(index_node, env)
         if operand.kind == "list":
             if index.kind not in ("int", "uint", "dyn"):
-                self.error(self.start(index_node), f"found no matching overload for '_[_]' applied to '({operand}, {index})'")
+                self.error(
+                    self.start(index_node), f"found no matching overload for '_[_]' applied to '({operand}, {index})'"
+                )
             return operand.elem or DYN
         if operand.kind == "map":
             return operand.elem or DYN
@@ -350,7 +487,9 @@ class _Checker:
             return DYN
         if operand.kind == "dyn":
             return DYN
-        return self.error(self.start(index_node), f"found no matching overload for '_[_]' applied to '({operand}, {index})'")
+        return self.error(
+            self.start(index_node), f"found no matching overload for '_[_]' applied to '({operand}, {index})'"
+        )
 
     def _member_object(self, node: lark.Tree, env: dict[str, T]) -> T:
         return self.error(self.start(node), "object construction is not supported in validation rules")
@@ -368,8 +507,18 @@ class _Checker:
             if len(types) == 1 and types[0].kind not in ("string", "bytes", "list", "map", "dyn"):
                 self.error(name_tok.start_pos, f"found no matching overload for 'size' applied to '({types[0]})'")
             return INT
-        conversions = {"int": INT, "uint": UINT, "double": DOUBLE, "string": STRING, "bytes": BYTES, "bool": BOOL,
-                       "timestamp": TIMESTAMP, "duration": DURATION, "type": TYPE, "dyn": DYN}
+        conversions = {
+            "int": INT,
+            "uint": UINT,
+            "double": DOUBLE,
+            "string": STRING,
+            "bytes": BYTES,
+            "bool": BOOL,
+            "timestamp": TIMESTAMP,
+            "duration": DURATION,
+            "type": TYPE,
+            "dyn": DYN,
+        }
         if name in conversions:
             return conversions[name]
         if name == "matches" or name.startswith("is") and name[2:3].isupper():
@@ -397,18 +546,69 @@ class _Checker:
         if name in ("all", "exists", "exists_one", "map", "filter") and len(args) in (2, 3):
             return self.comprehension(name, operand, args, env, name_tok)
         types = [self.check(a, env) for a in args]
-        if name in ("startsWith", "endsWith", "contains", "matches", "isSorted", "hasValue", "isLessThan",
-                    "isGreaterThan", "isInteger", "containsIP", "containsCIDR", "isCanonical", "isLoopback",
-                    "isUnspecified", "isGlobalUnicast", "isLinkLocalMulticast", "isLinkLocalUnicast"):
+        if name in (
+            "startsWith",
+            "endsWith",
+            "contains",
+            "matches",
+            "isSorted",
+            "hasValue",
+            "isLessThan",
+            "isGreaterThan",
+            "isInteger",
+            "containsIP",
+            "containsCIDR",
+            "isCanonical",
+            "isLoopback",
+            "isUnspecified",
+            "isGlobalUnicast",
+            "isLinkLocalMulticast",
+            "isLinkLocalUnicast",
+        ):
             return BOOL
         if name == "size":
             return INT
-        if name in ("indexOf", "lastIndexOf", "compareTo", "sign", "asInteger", "getMilliseconds", "getSeconds",
-                    "getMinutes", "getHours", "getFullYear", "getMonth", "getDate", "getDayOfMonth", "getDayOfWeek",
-                    "getDayOfYear", "prefixLength", "family", "major", "minor", "patch"):
+        if name in (
+            "indexOf",
+            "lastIndexOf",
+            "compareTo",
+            "sign",
+            "asInteger",
+            "getMilliseconds",
+            "getSeconds",
+            "getMinutes",
+            "getHours",
+            "getFullYear",
+            "getMonth",
+            "getDate",
+            "getDayOfMonth",
+            "getDayOfWeek",
+            "getDayOfYear",
+            "prefixLength",
+            "family",
+            "major",
+            "minor",
+            "patch",
+        ):
             return INT
-        if name in ("lowerAscii", "upperAscii", "trim", "replace", "substring", "charAt", "format", "reverse", "join",
-                    "find", "getScheme", "getHost", "getHostname", "getPort", "getEscapedPath", "quote"):
+        if name in (
+            "lowerAscii",
+            "upperAscii",
+            "trim",
+            "replace",
+            "substring",
+            "charAt",
+            "format",
+            "reverse",
+            "join",
+            "find",
+            "getScheme",
+            "getHost",
+            "getHostname",
+            "getPort",
+            "getEscapedPath",
+            "quote",
+        ):
             return STRING
         if name in ("split", "findAll"):
             return list_of(STRING)
@@ -433,30 +633,50 @@ class _Checker:
         elif operand.kind == "dyn":
             var_type = DYN
         else:
-            return self.error(tok.start_pos, f"expression of type '{operand}' cannot be range of a comprehension "
-                                             "(must be list, map, or dynamic)")
+            return self.error(
+                tok.start_pos,
+                f"expression of type '{operand}' cannot be range of a comprehension (must be list, map, or dynamic)",
+            )
         inner = {**env, str(var.children[0]): var_type}
         types = [self.check(a, inner) for a in args[1:]]
         if name in ("all", "exists", "exists_one", "filter"):
             if types[0].kind not in ("bool", "dyn"):
-                self.error(self.start(args[1]), f"found no matching overload for '_&&_' applied to '(bool, {types[0]})'")
+                self.error(
+                    self.start(args[1]), f"found no matching overload for '_&&_' applied to '(bool, {types[0]})'"
+                )
             return list_of(var_type) if name == "filter" else BOOL
         return list_of(types[-1])
 
 
 def _unwrap(node: Any) -> lark.Tree | None:
     """Descend single-child wrappers (expr -> conditionalor -> ... -> member -> X) to X."""
-    while isinstance(node, lark.Tree) and node.data in (
-            "expr", "conditionalor", "conditionaland", "relation", "addition", "multiplication", "unary", "member",
-            "primary") and len(node.children) == 1:
+    while (
+        isinstance(node, lark.Tree)
+        and node.data
+        in (
+            "expr",
+            "conditionalor",
+            "conditionaland",
+            "relation",
+            "addition",
+            "multiplication",
+            "unary",
+            "member",
+            "primary",
+        )
+        and len(node.children) == 1
+    ):
         node = node.children[0]
     return node if isinstance(node, lark.Tree) else None
 
 
 def _namespace(node: Any) -> str | None:
     inner = _unwrap(node)
-    if inner is not None and inner.data == "ident" and str(inner.children[0]) in ("optional", "math", "strings",
-                                                                                   "sets", "lists", "base64"):
+    if (
+        inner is not None
+        and inner.data == "ident"
+        and str(inner.children[0]) in ("optional", "math", "strings", "sets", "lists", "base64")
+    ):
         return str(inner.children[0])
     return None
 
@@ -481,7 +701,7 @@ def _display(source: str, offset: int, message: str) -> str:
     line_start = source.rfind("\n", 0, offset) + 1
     col = offset - line_start
     line_end = source.find("\n", offset)
-    snippet = source[line_start: len(source) if line_end < 0 else line_end].replace("\t", " ")
+    snippet = source[line_start : len(source) if line_end < 0 else line_end].replace("\t", " ")
     return f"ERROR: <input>:{line_no}:{col + 1}: {message}\n | {snippet}\n | {'.' * col}^"
 
 
@@ -500,7 +720,9 @@ def compile_rule(rule: str, self_type: T | None, optional_old_self: bool = False
             lines = rule.split("\n")
             offset = sum(len(x) + 1 for x in lines[: line - 1]) + max(column - 1, 0)
         detail = str(exc.args[0] if exc.args else exc).strip().splitlines()[0]
-        return Compiled(error="compilation failed: " + _display(rule, min(offset, len(rule)), f"Syntax error: {detail}"))
+        return Compiled(
+            error="compilation failed: " + _display(rule, min(offset, len(rule)), f"Syntax error: {detail}")
+        )
     old = T("optional", elem=self_type) if optional_old_self else self_type
     checker = _Checker(rule, self_type, optional_old_self)
     out = checker.check(tree, {"self": self_type, "oldSelf": old})
@@ -519,7 +741,9 @@ class FieldPathError(ValueError):
     pass
 
 
-def valid_field_path(json_path: str, schema: Schema, allow_array_notation: bool = True) -> tuple[list[tuple[str, str]], Schema]:
+def valid_field_path(
+    json_path: str, schema: Schema, allow_array_notation: bool = True
+) -> tuple[list[tuple[str, str]], Schema]:
     """`ValidFieldPath`: `.a.b['c']` must name fields (or map keys) the schema declares.
 
     Returns the normalized path as ("child"|"key", name) steps and the schema found there."""
@@ -581,7 +805,7 @@ def _tokens(path: str) -> list[str]:
             j = i + 1
             while j < len(path) and not (path[j] == "'" and path[j - 1] != "\\"):
                 j += 1
-            out.append(path[i: j + 1])
+            out.append(path[i : j + 1])
             i = j + 1
         elif path[i] in ".[]":
             out.append(path[i])

@@ -44,22 +44,70 @@ _OPENAPI_TYPES = ["array", "boolean", "integer", "number", "object", "string"]
 _PRINTER_TYPES = ["boolean", "date", "integer", "number", "string"]
 _PRINTER_FORMATS = ["byte", "date", "date-time", "double", "float", "int32", "int64", "password"]
 _REASONS = ["FieldValueDuplicate", "FieldValueForbidden", "FieldValueInvalid", "FieldValueRequired"]
-_ALLOWED_AT_ROOT = ["Description", "Type", "Format", "Title", "Maximum", "ExclusiveMaximum", "Minimum",
-                    "ExclusiveMinimum", "MaxLength", "MinLength", "Pattern", "MaxItems", "MinItems", "UniqueItems",
-                    "MultipleOf", "Required", "Items", "Properties", "ExternalDocs", "Example", "XPreserveUnknownFields",
-                    "XValidations"]
+_ALLOWED_AT_ROOT = [
+    "Description",
+    "Type",
+    "Format",
+    "Title",
+    "Maximum",
+    "ExclusiveMaximum",
+    "Minimum",
+    "ExclusiveMinimum",
+    "MaxLength",
+    "MinLength",
+    "Pattern",
+    "MaxItems",
+    "MinItems",
+    "UniqueItems",
+    "MultipleOf",
+    "Required",
+    "Items",
+    "Properties",
+    "ExternalDocs",
+    "Example",
+    "XPreserveUnknownFields",
+    "XValidations",
+]
 # JSON keys of JSONSchemaProps -> the Go field names allowedAtRootSchema compares against.
-_GO_FIELD = {"description": "Description", "type": "Type", "format": "Format", "title": "Title", "maximum": "Maximum",
-             "exclusiveMaximum": "ExclusiveMaximum", "minimum": "Minimum", "exclusiveMinimum": "ExclusiveMinimum",
-             "maxLength": "MaxLength", "minLength": "MinLength", "pattern": "Pattern", "maxItems": "MaxItems",
-             "minItems": "MinItems", "uniqueItems": "UniqueItems", "multipleOf": "MultipleOf", "required": "Required",
-             "items": "Items", "properties": "Properties", "externalDocs": "ExternalDocs", "example": "Example",
-             "x-kubernetes-preserve-unknown-fields": "XPreserveUnknownFields", "x-kubernetes-validations": "XValidations",
-             "default": "Default", "enum": "Enum", "allOf": "AllOf", "anyOf": "AnyOf", "oneOf": "OneOf", "not": "Not",
-             "additionalProperties": "AdditionalProperties", "nullable": "Nullable", "maxProperties": "MaxProperties",
-             "minProperties": "MinProperties", "x-kubernetes-embedded-resource": "XEmbeddedResource",
-             "x-kubernetes-int-or-string": "XIntOrString", "x-kubernetes-list-type": "XListType",
-             "x-kubernetes-list-map-keys": "XListMapKeys", "x-kubernetes-map-type": "XMapType"}
+_GO_FIELD = {
+    "description": "Description",
+    "type": "Type",
+    "format": "Format",
+    "title": "Title",
+    "maximum": "Maximum",
+    "exclusiveMaximum": "ExclusiveMaximum",
+    "minimum": "Minimum",
+    "exclusiveMinimum": "ExclusiveMinimum",
+    "maxLength": "MaxLength",
+    "minLength": "MinLength",
+    "pattern": "Pattern",
+    "maxItems": "MaxItems",
+    "minItems": "MinItems",
+    "uniqueItems": "UniqueItems",
+    "multipleOf": "MultipleOf",
+    "required": "Required",
+    "items": "Items",
+    "properties": "Properties",
+    "externalDocs": "ExternalDocs",
+    "example": "Example",
+    "x-kubernetes-preserve-unknown-fields": "XPreserveUnknownFields",
+    "x-kubernetes-validations": "XValidations",
+    "default": "Default",
+    "enum": "Enum",
+    "allOf": "AllOf",
+    "anyOf": "AnyOf",
+    "oneOf": "OneOf",
+    "not": "Not",
+    "additionalProperties": "AdditionalProperties",
+    "nullable": "Nullable",
+    "maxProperties": "MaxProperties",
+    "minProperties": "MinProperties",
+    "x-kubernetes-embedded-resource": "XEmbeddedResource",
+    "x-kubernetes-int-or-string": "XIntOrString",
+    "x-kubernetes-list-type": "XListType",
+    "x-kubernetes-list-map-keys": "XListMapKeys",
+    "x-kubernetes-map-type": "XMapType",
+}
 _NEWLINE = re.compile(r"[\n\r]+")
 
 
@@ -69,9 +117,11 @@ def _dns1035(value: str) -> list[str]:
     if len(value) > 63:
         errs.append("must be no more than 63 characters")
     if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", value):
-        errs.append("a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an "
-                    "alphabetic character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', "
-                    "regex used for validation is '[a-z]([-a-z0-9]*[a-z0-9])?')")
+        errs.append(
+            "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an "
+            "alphabetic character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', "
+            "regex used for validation is '[a-z]([-a-z0-9]*[a-z0-9])?')"
+        )
     return errs
 
 
@@ -80,9 +130,11 @@ def _dns1123_subdomain(value: str) -> list[str]:
     if len(value) > 253:
         errs.append("must be no more than 253 characters")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", value):
-        errs.append("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
-                    "and must start and end with an alphanumeric character (e.g. 'example.com', regex used for "
-                    "validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
+        errs.append(
+            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
+            "and must start and end with an alphanumeric character (e.g. 'example.com', regex used for "
+            "validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
+        )
     return errs
 
 
@@ -137,8 +189,9 @@ def _spec(spec: Obj, path: Path) -> list[FieldError]:
     elif scope not in ("Cluster", "Namespaced"):
         errs.append(F.not_supported(path.child("scope"), scope, ["Cluster", "Namespaced"]))
     if spec.get("preserveUnknownFields") is True:
-        errs.append(F.invalid(path.child("preserveUnknownFields"), True,
-                              "must be false in order to use defaults in the schema"))
+        errs.append(
+            F.invalid(path.child("preserveUnknownFields"), True, "must be false in order to use defaults in the schema")
+        )
 
     versions = spec.get("versions") or []
     # conversion.go: identical per-version fields move to the top level.
@@ -151,8 +204,9 @@ def _spec(spec: Obj, path: Path) -> list[FieldError]:
         unique = unique and version.get("name") not in seen
         seen.add(version.get("name"))
         if _dns1035(version.get("name") or ""):
-            errs.append(F.invalid(vpath.child("name"), version.get("name") or "",
-                                  ",".join(_dns1035(version.get("name") or ""))))
+            errs.append(
+                F.invalid(vpath.child("name"), version.get("name") or "", ",".join(_dns1035(version.get("name") or "")))
+            )
         if not (version.get("schema") or {}).get("openAPIV3Schema") and not top_schema:
             errs.append(F.required(vpath.child("schema").child("openAPIV3Schema"), ""))
         status_on = "status" in (version.get("subresources") or {})
@@ -166,15 +220,19 @@ def _spec(spec: Obj, path: Path) -> list[FieldError]:
     if not unique:
         errs.append(F.invalid(path.child("versions"), F.OMIT, "must contain unique version names"))
     if storage != 1:
-        errs.append(F.invalid(path.child("versions"), F.OMIT, "must have exactly one version marked as storage version"))
+        errs.append(
+            F.invalid(path.child("versions"), F.OMIT, "must have exactly one version marked as storage version")
+        )
     for key, what in (("plural", "plural"), ("singular", "singular"), ("kind", "kind"), ("listKind", "listKind")):
         if not (spec.get("names") or {}).get(key):
             errs.append(F.required(path.child("names", what), ""))
     errs += _names(spec.get("names") or {}, path.child("names"))
     if versions:
         if top_schema and (versions[0].get("schema") or {}).get("openAPIV3Schema") is None:
-            errs += [F.required(path.child("versions").index(i).child("schema").child("openAPIV3Schema"), "")
-                     for i in range(len(versions))]
+            errs += [
+                F.required(path.child("versions").index(i).child("schema").child("openAPIV3Schema"), "")
+                for i in range(len(versions))
+            ]
         if top_schema:
             status_on = any("status" in (v.get("subresources") or {}) for v in versions)
             errs += _validation(versions[0].get("schema"), status_on, path.child("validation"))
@@ -193,8 +251,13 @@ def _names(names: Obj, path: Path) -> list[FieldError]:
             errs.append(F.invalid(path.child(key), names[key], ",".join(_dns1035(names[key]))))
     for key in ("kind", "listKind"):
         if names.get(key) and _dns1035(names[key].lower()):
-            errs.append(F.invalid(path.child(key), names[key], "may have mixed case, but should otherwise match: "
-                                  + ",".join(_dns1035(names[key].lower()))))
+            errs.append(
+                F.invalid(
+                    path.child(key),
+                    names[key],
+                    "may have mixed case, but should otherwise match: " + ",".join(_dns1035(names[key].lower())),
+                )
+            )
     for key in ("shortNames", "categories"):
         for i, value in enumerate(names.get(key) or []):
             if _dns1035(value):
@@ -240,8 +303,10 @@ def _subresources(sub: Obj | None, path: Path) -> list[FieldError]:
     scale = (sub or {}).get("scale")
     if scale is None:
         return errs
-    for key, prefixes, where in (("specReplicasPath", (".spec.",), ".spec"),
-                                 ("statusReplicasPath", (".status.",), ".status")):
+    for key, prefixes, where in (
+        ("specReplicasPath", (".spec.",), ".spec"),
+        ("statusReplicasPath", (".status.",), ".status"),
+    ):
         value = scale.get(key) or ""
         p = path.child(f"scale.{key}")
         if not value:
@@ -276,15 +341,25 @@ def _validation(validation: Obj | None, status_on: bool, path: Path) -> list[Fie
             go_name = _GO_FIELD.get(key, key)
             if go_name == "Type":
                 if value != "object":
-                    errs.append(F.invalid(path.child("openAPIV3Schema.type"), value,
-                                          'only "object" is allowed as the type at the root of the schema if the '
-                                          "status subresource is enabled"))
+                    errs.append(
+                        F.invalid(
+                            path.child("openAPIV3Schema.type"),
+                            value,
+                            'only "object" is allowed as the type at the root of the schema if the '
+                            "status subresource is enabled",
+                        )
+                    )
                     break
                 continue
             if go_name not in _ALLOWED_AT_ROOT:
-                errs.append(F.invalid(path.child("openAPIV3Schema"), F.OMIT,
-                                      f"only [{' '.join(_ALLOWED_AT_ROOT)}] fields are allowed at the root of the "
-                                      "schema if the status subresource is enabled"))
+                errs.append(
+                    F.invalid(
+                        path.child("openAPIV3Schema"),
+                        F.OMIT,
+                        f"only [{' '.join(_ALLOWED_AT_ROOT)}] fields are allowed at the root of the "
+                        "schema if the status subresource is enabled",
+                    )
+                )
                 break
     if s.get("nullable") is True:
         errs.append(F.forbidden(path.child("openAPIV3Schema.nullable"), "nullable cannot be true at the root"))
@@ -310,10 +385,19 @@ def _validation(validation: Obj | None, status_on: bool, path: Path) -> list[Fie
 class _Ctx:
     """specStandardValidatorV3's state while descending."""
 
-    def __init__(self, allow_defaults: bool = True, reason: str = "", inside_meta: bool = False,
-                 uncorrelatable: Path | None = None) -> None:
-        self.allow_defaults, self.reason, self.inside_meta, self.uncorrelatable = allow_defaults, reason, inside_meta, \
-            uncorrelatable
+    def __init__(
+        self,
+        allow_defaults: bool = True,
+        reason: str = "",
+        inside_meta: bool = False,
+        uncorrelatable: Path | None = None,
+    ) -> None:
+        self.allow_defaults, self.reason, self.inside_meta, self.uncorrelatable = (
+            allow_defaults,
+            reason,
+            inside_meta,
+            uncorrelatable,
+        )
 
     def forbid_defaults(self, reason: str) -> _Ctx:
         return _Ctx(False, reason, self.inside_meta, self.uncorrelatable)
@@ -322,7 +406,9 @@ class _Ctx:
         return _Ctx(self.allow_defaults, self.reason, True, self.uncorrelatable)
 
     def forbid_old_self(self, path: Path) -> _Ctx:
-        return self if self.uncorrelatable is not None else _Ctx(self.allow_defaults, self.reason, self.inside_meta, path)
+        return (
+            self if self.uncorrelatable is not None else _Ctx(self.allow_defaults, self.reason, self.inside_meta, path)
+        )
 
 
 def _standard(s: Obj, path: Path, ctx: _Ctx) -> list[FieldError]:
@@ -333,10 +419,14 @@ def _standard(s: Obj, path: Path, ctx: _Ctx) -> list[FieldError]:
         errs.append(F.not_supported(path.child("type"), type_, _OPENAPI_TYPES))
     if s.get("default") is not None and not ctx.allow_defaults:
         errs.append(F.forbidden(path.child("default"), "must not be set" + (f" {ctx.reason}" if ctx.reason else "")))
-    for key, what in (("id", "id is not supported"), ("additionalItems", "additionalItems is not supported"),
-                      ("patternProperties", "patternProperties is not supported"),
-                      ("definitions", "definitions is not supported"), ("dependencies", "dependencies is not supported"),
-                      ("$ref", "$ref is not supported")):
+    for key, what in (
+        ("id", "id is not supported"),
+        ("additionalItems", "additionalItems is not supported"),
+        ("patternProperties", "patternProperties is not supported"),
+        ("definitions", "definitions is not supported"),
+        ("dependencies", "dependencies is not supported"),
+        ("$ref", "$ref is not supported"),
+    ):
         if key in s and s[key] not in (None, "", {}):
             errs.append(F.forbidden(path.child(key), what))
     if type_ == "null":
@@ -344,12 +434,15 @@ def _standard(s: Obj, path: Path, ctx: _Ctx) -> list[FieldError]:
     if isinstance(s.get("items"), list):
         errs.append(F.forbidden(path.child("items"), "items must be a schema object and not an array"))
     if ctx.inside_meta and s.get("x-kubernetes-embedded-resource") is True:
-        errs.append(F.forbidden(path.child("x-kubernetes-embedded-resource"), "must not be used inside of resource meta"))
+        errs.append(
+            F.forbidden(path.child("x-kubernetes-embedded-resource"), "must not be used inside of resource meta")
+        )
     return errs
 
 
-def _openapi(s: Obj | None, path: Path, ctx: _Ctx, is_root: bool, cel_ok: bool,
-             resource_root: bool = False) -> tuple[list[FieldError], list[FieldError]]:
+def _openapi(
+    s: Obj | None, path: Path, ctx: _Ctx, is_root: bool, cel_ok: bool, resource_root: bool = False
+) -> tuple[list[FieldError], list[FieldError]]:
     """`ValidateCustomResourceDefinitionOpenAPISchema`: (schema errors, CEL errors)."""
     schema_errs: list[FieldError] = []
     cel_errs: list[FieldError] = []
@@ -357,15 +450,23 @@ def _openapi(s: Obj | None, path: Path, ctx: _Ctx, is_root: bool, cel_ok: bool,
         return schema_errs, cel_errs
     schema_errs += _standard(s, path, ctx)
     if s.get("uniqueItems") is True:
-        schema_errs.append(F.forbidden(path.child("uniqueItems"),
-                                       "uniqueItems cannot be set to true since the runtime complexity becomes quadratic"))
+        schema_errs.append(
+            F.forbidden(
+                path.child("uniqueItems"),
+                "uniqueItems cannot be set to true since the runtime complexity becomes quadratic",
+            )
+        )
     extra = s.get("additionalProperties")
     if extra is not None:
         if s.get("properties") and (extra is False or isinstance(extra, dict)):
-            schema_errs.append(F.forbidden(path.child("additionalProperties"),
-                                           "additionalProperties and properties are mutual exclusive"))
-        sub_ctx = ctx.forbid_defaults("inside additionalProperties applying to object metadata") if ctx.inside_meta \
-            else ctx
+            schema_errs.append(
+                F.forbidden(
+                    path.child("additionalProperties"), "additionalProperties and properties are mutual exclusive"
+                )
+            )
+        sub_ctx = (
+            ctx.forbid_defaults("inside additionalProperties applying to object metadata") if ctx.inside_meta else ctx
+        )
         if isinstance(extra, dict):
             a, b = _openapi(extra, path.child("additionalProperties"), sub_ctx, False, cel_ok)
             schema_errs += a
@@ -379,8 +480,14 @@ def _openapi(s: Obj | None, path: Path, ctx: _Ctx, is_root: bool, cel_ok: bool,
             sub_ctx = sub_ctx.meta()
             if is_root:
                 sub_ctx = sub_ctx.forbid_defaults(f"in top-level {name}")
-        a, b = _openapi(prop, path.child("properties").key(name), sub_ctx, False, cel_ok,
-                        resource_root=prop.get("x-kubernetes-embedded-resource") is True)
+        a, b = _openapi(
+            prop,
+            path.child("properties").key(name),
+            sub_ctx,
+            False,
+            cel_ok,
+            resource_root=prop.get("x-kubernetes-embedded-resource") is True,
+        )
         schema_errs += a
         cel_errs += b
     if isinstance(s.get("not"), dict):
@@ -391,12 +498,20 @@ def _openapi(s: Obj | None, path: Path, ctx: _Ctx, is_root: bool, cel_ok: bool,
     items = s.get("items")
     if isinstance(items, dict):
         sub_ctx = ctx if s.get("x-kubernetes-list-type") == "map" else ctx.forbid_old_self(path)
-        a, b = _openapi(items, path.child("items"), sub_ctx, False, cel_ok,
-                        resource_root=items.get("x-kubernetes-embedded-resource") is True)
+        a, b = _openapi(
+            items,
+            path.child("items"),
+            sub_ctx,
+            False,
+            cel_ok,
+            resource_root=items.get("x-kubernetes-embedded-resource") is True,
+        )
         schema_errs += a
         cel_errs += b
     if s.get("x-kubernetes-preserve-unknown-fields") is False:
-        schema_errs.append(F.invalid(path.child("x-kubernetes-preserve-unknown-fields"), False, "must be true or undefined"))
+        schema_errs.append(
+            F.invalid(path.child("x-kubernetes-preserve-unknown-fields"), False, "must be true or undefined")
+        )
     schema_errs += _map_and_list_types(s, path)
     schema_errs += _map_list_keys_map_set(s, path)
     schema_errs += _rules_static(s, path)
@@ -410,54 +525,103 @@ def _map_and_list_types(s: Obj, path: Path) -> list[FieldError]:
     type_ = s.get("type") or ""
     map_type, list_type = s.get("x-kubernetes-map-type"), s.get("x-kubernetes-list-type")
     if map_type is not None and type_ != "object":
-        errs.append(F.required(path.child("type"), "must be object if x-kubernetes-map-type is specified") if not type_
-                    else F.invalid(path.child("type"), type_, "must be object if x-kubernetes-map-type is specified"))
+        errs.append(
+            F.required(path.child("type"), "must be object if x-kubernetes-map-type is specified")
+            if not type_
+            else F.invalid(path.child("type"), type_, "must be object if x-kubernetes-map-type is specified")
+        )
     if map_type is not None and map_type not in ("atomic", "granular"):
         errs.append(F.not_supported(path.child("x-kubernetes-map-type"), map_type, ["atomic", "granular"]))
     items = s.get("items") if isinstance(s.get("items"), dict) else None
     if list_type is not None and type_ != "array":
-        errs.append(F.required(path.child("type"), "must be array if x-kubernetes-list-type is specified") if not type_
-                    else F.invalid(path.child("type"), type_, "must be array if x-kubernetes-list-type is specified"))
+        errs.append(
+            F.required(path.child("type"), "must be array if x-kubernetes-list-type is specified")
+            if not type_
+            else F.invalid(path.child("type"), type_, "must be array if x-kubernetes-list-type is specified")
+        )
     elif list_type == "set" and items is not None:
         if items.get("type") == "array" and items.get("x-kubernetes-list-type") not in (None, "atomic"):
-            errs.append(F.invalid(path.child("items").child("x-kubernetes-list-type"), items["x-kubernetes-list-type"],
-                                  "must be atomic as item of a list with x-kubernetes-list-type=set"))
+            errs.append(
+                F.invalid(
+                    path.child("items").child("x-kubernetes-list-type"),
+                    items["x-kubernetes-list-type"],
+                    "must be atomic as item of a list with x-kubernetes-list-type=set",
+                )
+            )
         if items.get("type") == "object" and items.get("x-kubernetes-map-type") != "atomic":
-            errs.append(F.invalid(path.child("items").child("x-kubernetes-map-type"), items.get("x-kubernetes-list-type"),
-                                  "must be atomic as item of a list with x-kubernetes-list-type=set"))
+            errs.append(
+                F.invalid(
+                    path.child("items").child("x-kubernetes-map-type"),
+                    items.get("x-kubernetes-list-type"),
+                    "must be atomic as item of a list with x-kubernetes-list-type=set",
+                )
+            )
     if list_type is not None and list_type not in ("atomic", "set", "map"):
         errs.append(F.not_supported(path.child("x-kubernetes-list-type"), list_type, ["atomic", "set", "map"]))
     keys = s.get("x-kubernetes-list-map-keys") or []
     if keys:
         if list_type is None:
-            errs.append(F.required(path.child("x-kubernetes-list-type"), "must be map if x-kubernetes-list-map-keys is non-empty"))
+            errs.append(
+                F.required(
+                    path.child("x-kubernetes-list-type"), "must be map if x-kubernetes-list-map-keys is non-empty"
+                )
+            )
         elif list_type != "map":
-            errs.append(F.invalid(path.child("x-kubernetes-list-type"), list_type,
-                                  "must be map if x-kubernetes-list-map-keys is non-empty"))
+            errs.append(
+                F.invalid(
+                    path.child("x-kubernetes-list-type"),
+                    list_type,
+                    "must be map if x-kubernetes-list-map-keys is non-empty",
+                )
+            )
     if list_type == "map":
         if not keys:
-            errs.append(F.required(path.child("x-kubernetes-list-map-keys"), "must not be empty if x-kubernetes-list-type is map"))
+            errs.append(
+                F.required(
+                    path.child("x-kubernetes-list-map-keys"), "must not be empty if x-kubernetes-list-type is map"
+                )
+            )
         if "items" not in s:
             errs.append(F.required(path.child("items"), "must have a schema if x-kubernetes-list-type is map"))
         if isinstance(s.get("items"), list):
-            errs.append(F.invalid(path.child("items"), F.OMIT, "must only have a single schema if x-kubernetes-list-type is map"))
+            errs.append(
+                F.invalid(
+                    path.child("items"), F.OMIT, "must only have a single schema if x-kubernetes-list-type is map"
+                )
+            )
         if items is not None and items.get("type") != "object":
-            errs.append(F.invalid(path.child("items").child("type"), items.get("type") or "",
-                                  "must be object if parent array's x-kubernetes-list-type is map"))
+            errs.append(
+                F.invalid(
+                    path.child("items").child("type"),
+                    items.get("type") or "",
+                    "must be object if parent array's x-kubernetes-list-type is map",
+                )
+            )
         if items is not None and items.get("type") == "object":
             seen: set[str] = set()
             for k in keys:
                 prop = (items.get("properties") or {}).get(k)
                 if prop is not None:
                     if prop.get("type") in ("array", "object"):
-                        errs.append(F.invalid(path.child("items").child("properties").key(k).child("type"),
-                                              items.get("type"), "must be a scalar type if parent array's "
-                                                                 "x-kubernetes-list-type is map"))
+                        errs.append(
+                            F.invalid(
+                                path.child("items").child("properties").key(k).child("type"),
+                                items.get("type"),
+                                "must be a scalar type if parent array's x-kubernetes-list-type is map",
+                            )
+                        )
                 else:
-                    errs.append(F.invalid(path.child("x-kubernetes-list-map-keys"), keys,
-                                          "entries must all be names of item properties"))
+                    errs.append(
+                        F.invalid(
+                            path.child("x-kubernetes-list-map-keys"),
+                            keys,
+                            "entries must all be names of item properties",
+                        )
+                    )
                 if k in seen:
-                    errs.append(F.invalid(path.child("x-kubernetes-list-map-keys"), keys, "must not contain duplicate entries"))
+                    errs.append(
+                        F.invalid(path.child("x-kubernetes-list-map-keys"), keys, "must not contain duplicate entries")
+                    )
                 seen.add(k)
     return errs
 
@@ -470,7 +634,11 @@ def _map_list_keys_map_set(s: Obj, path: Path) -> list[FieldError]:
         return []
     errs = []
     if items.get("nullable") is True:
-        errs.append(F.forbidden(path.child("items").child("nullable"), f"cannot be nullable when x-kubernetes-list-type is {list_type}"))
+        errs.append(
+            F.forbidden(
+                path.child("items").child("nullable"), f"cannot be nullable when x-kubernetes-list-type is {list_type}"
+            )
+        )
     if list_type == "map":
         required = set(items.get("required") or [])
         for k in s.get("x-kubernetes-list-map-keys") or []:
@@ -478,12 +646,20 @@ def _map_list_keys_map_set(s: Obj, path: Path) -> list[FieldError]:
             if prop is None:
                 continue
             if k not in required and prop.get("default") is None:
-                errs.append(F.required(path.child("items").child("properties").key(k).child("default"),
-                                       "this property is in x-kubernetes-list-map-keys, so it must have a default or "
-                                       "be a required property"))
+                errs.append(
+                    F.required(
+                        path.child("items").child("properties").key(k).child("default"),
+                        "this property is in x-kubernetes-list-map-keys, so it must have a default or "
+                        "be a required property",
+                    )
+                )
             if prop.get("nullable") is True:
-                errs.append(F.forbidden(path.child("items").child("properties").key(k).child("nullable"),
-                                        "this property is in x-kubernetes-list-map-keys, so it cannot be nullable"))
+                errs.append(
+                    F.forbidden(
+                        path.child("items").child("properties").key(k).child("nullable"),
+                        "this property is in x-kubernetes-list-map-keys, so it cannot be nullable",
+                    )
+                )
     return errs
 
 
@@ -501,8 +677,11 @@ def _rules_static(s: Obj, path: Path) -> list[FieldError]:
             errs.append(F.invalid(p.child("message"), rule["message"], "must not contain line breaks"))
         elif _NEWLINE.search(text) and not msg:
             errs.append(F.required(p.child("message"), "message must be specified if rule contains line breaks"))
-        if rule.get("messageExpression") is not None and rule["messageExpression"] != "" \
-                and not rule["messageExpression"].strip():
+        if (
+            rule.get("messageExpression") is not None
+            and rule["messageExpression"] != ""
+            and not rule["messageExpression"].strip()
+        ):
             errs.append(F.required(p.child("messageExpression"), "messageExpression must be non-empty if specified"))
         if rule.get("reason") is not None and rule["reason"] not in _REASONS:
             errs.append(F.not_supported(p.child("reason"), rule["reason"], _REASONS))
@@ -529,20 +708,33 @@ def _rules_compile(s: Obj, path: Path, ctx: _Ctx, resource_root: bool) -> list[F
             errs.append(F.invalid(p.child("rule"), _go_rule(rule), compiled.error))
         if compiled.uses_old_self:
             if ctx.uncorrelatable is not None:
-                errs.append(F.invalid(p.child("rule"), rule.get("rule"),
-                                      f"oldSelf cannot be used on the uncorrelatable portion of the schema within "
-                                      f"{ctx.uncorrelatable}"))
+                errs.append(
+                    F.invalid(
+                        p.child("rule"),
+                        rule.get("rule"),
+                        f"oldSelf cannot be used on the uncorrelatable portion of the schema within "
+                        f"{ctx.uncorrelatable}",
+                    )
+                )
         elif rule.get("optionalOldSelf") is not None and not compiled.error:
-            errs.append(F.invalid(p.child("optionalOldSelf"), rule["optionalOldSelf"],
-                                  "may not be set if oldSelf is not used in rule"))
+            errs.append(
+                F.invalid(
+                    p.child("optionalOldSelf"), rule["optionalOldSelf"], "may not be set if oldSelf is not used in rule"
+                )
+            )
     return errs
 
 
 def _go_rule(rule: Obj) -> F.GoStruct:
     """How the internal ValidationRule struct (no json tags) prints as a bad value."""
-    return F.GoStruct(Rule=rule.get("rule", ""), Message=rule.get("message", ""),
-                      MessageExpression=rule.get("messageExpression", ""), Reason=rule.get("reason"),
-                      FieldPath=rule.get("fieldPath", ""), OptionalOldSelf=rule.get("optionalOldSelf"))
+    return F.GoStruct(
+        Rule=rule.get("rule", ""),
+        Message=rule.get("message", ""),
+        MessageExpression=rule.get("messageExpression", ""),
+        Reason=rule.get("reason"),
+        FieldPath=rule.get("fieldPath", ""),
+        OptionalOldSelf=rule.get("optionalOldSelf"),
+    )
 
 
 # ---------------------------------------------------------------- defaults (defaulting/validation.go)

@@ -78,8 +78,14 @@ TYPE_INVALID = "FieldValueTypeInvalid"
 INTERNAL = "InternalError"
 
 _TYPE_TEXT = {
-    REQUIRED: "Required value", FORBIDDEN: "Forbidden", INVALID: "Invalid value", NOT_SUPPORTED: "Unsupported value",
-    DUPLICATE: "Duplicate value", TOO_LONG: "Too long", TOO_MANY: "Too many", TYPE_INVALID: "Invalid value",
+    REQUIRED: "Required value",
+    FORBIDDEN: "Forbidden",
+    INVALID: "Invalid value",
+    NOT_SUPPORTED: "Unsupported value",
+    DUPLICATE: "Duplicate value",
+    TOO_LONG: "Too long",
+    TOO_MANY: "Too many",
+    TYPE_INVALID: "Invalid value",
     INTERNAL: "Internal error",
 }
 
@@ -160,14 +166,18 @@ def duplicate(path: Path, value: Any) -> FieldError:
 
 
 def too_long(path: Path, max_length: int) -> FieldError:
-    detail = f"may not be more than {max_length} {'byte' if max_length == 1 else 'bytes'}" if max_length >= 0 \
+    detail = (
+        f"may not be more than {max_length} {'byte' if max_length == 1 else 'bytes'}"
+        if max_length >= 0
         else "value is too long"
+    )
     return FieldError(TOO_LONG, str(path), OMIT, detail)
 
 
 def too_many(path: Path, actual: int, maximum: int) -> FieldError:
-    detail = f"must have at most {maximum} {'item' if maximum == 1 else 'items'}" if maximum >= 0 \
-        else "has too many items"
+    detail = (
+        f"must have at most {maximum} {'item' if maximum == 1 else 'items'}" if maximum >= 0 else "has too many items"
+    )
     return FieldError(TOO_MANY, str(path), actual if actual >= 0 else OMIT, detail)
 
 

@@ -26,8 +26,18 @@ import copy
 from typing import Any
 
 Path = tuple[str, ...]
-_SERVER_METADATA = {"uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp",
-                    "deletionGracePeriodSeconds", "managedFields", "selfLink", "name", "namespace"}
+_SERVER_METADATA = {
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "managedFields",
+    "selfLink",
+    "name",
+    "namespace",
+}
 _IDENTITY = {"apiVersion", "kind"}
 
 
@@ -69,8 +79,9 @@ def from_fields_v1(trie: dict[str, Any], prefix: Path = ()) -> set[Path]:
     return out
 
 
-def record_update(old: dict[str, Any] | None, new: dict[str, Any], manager: str, subresource: str | None,
-                  now: str) -> None:
+def record_update(
+    old: dict[str, Any] | None, new: dict[str, Any], manager: str, subresource: str | None, now: str
+) -> None:
     """Set `new`'s managedFields after an Update by `manager` that turned `old` into `new`."""
     before = leaves({k: v for k, v in (old or {}).items() if subresource == "status" or k != "status"})
     after = leaves({k: v for k, v in new.items() if subresource == "status" or k != "status"})
@@ -85,18 +96,28 @@ def record_update(old: dict[str, Any] | None, new: dict[str, Any], manager: str,
     for entry in copy.deepcopy((old or {}).get("metadata", {}).get("managedFields") or []):
         fields = from_fields_v1(entry.get("fieldsV1") or {})
         if (entry.get("manager"), entry.get("operation"), entry.get("apiVersion"), entry.get("subresource")) == (
-                manager, "Update", api_version, subresource):
+            manager,
+            "Update",
+            api_version,
+            subresource,
+        ):
             mine |= fields - removed
             continue
         fields -= changed | removed
         # A field whose ancestor or descendant changed hands as a whole goes with it.
-        fields = {f for f in fields if not any(f[:len(c)] == c or c[:len(f)] == f for c in changed | removed)}
+        fields = {f for f in fields if not any(f[: len(c)] == c or c[: len(f)] == f for c in changed | removed)}
         if fields:
             entry["fieldsV1"] = to_fields_v1(fields)
             entries.append(entry)
     if mine:
-        entry = {"manager": manager, "operation": "Update", "apiVersion": api_version, "time": now,
-                 "fieldsType": "FieldsV1", "fieldsV1": to_fields_v1(mine)}
+        entry = {
+            "manager": manager,
+            "operation": "Update",
+            "apiVersion": api_version,
+            "time": now,
+            "fieldsType": "FieldsV1",
+            "fieldsV1": to_fields_v1(mine),
+        }
         if subresource:
             entry["subresource"] = subresource
         entries.append(entry)
@@ -109,5 +130,8 @@ def record_update(old: dict[str, Any] | None, new: dict[str, Any], manager: str,
 
 def owners(obj: dict[str, Any], path: Path) -> list[str]:
     """The managers that own `path` of `obj` (a test's question)."""
-    return [e["manager"] for e in (obj.get("metadata", {}).get("managedFields") or [])
-            if path in from_fields_v1(e.get("fieldsV1") or {})]
+    return [
+        e["manager"]
+        for e in (obj.get("metadata", {}).get("managedFields") or [])
+        if path in from_fields_v1(e.get("fieldsV1") or {})
+    ]

@@ -63,14 +63,20 @@ def _validate(value: Any, s: Schema, path: Path, name: str) -> list[FieldError]:
     types = ["integer", "string"] if int_or_string else ([s["type"]] if s.get("type") else [])
     if value is None:
         if types and not s.get("nullable"):
-            errs.append(F.type_invalid(path, "null", f"{name} in body must be of type {','.join(types)}: \"null\""))
+            errs.append(F.type_invalid(path, "null", f'{name} in body must be of type {",".join(types)}: "null"'))
         return errs
     actual = _json_type(value)
     if types:
-        ok = actual in types or actual == "integer" and "number" in types or \
-            actual == "number" and "integer" in types and float(value).is_integer()
+        ok = (
+            actual in types
+            or actual == "integer"
+            and "number" in types
+            or actual == "number"
+            and "integer" in types
+            and float(value).is_integer()
+        )
         if not ok:
-            errs.append(F.type_invalid(path, actual, f"{name} in body must be of type {','.join(types)}: \"{actual}\""))
+            errs.append(F.type_invalid(path, actual, f'{name} in body must be of type {",".join(types)}: "{actual}"'))
             return errs
     if "enum" in s and not any(_json_equal(value, e) for e in s["enum"]):
         valid = [e if isinstance(e, str) else json.dumps(e) for e in s["enum"]]
@@ -123,7 +129,9 @@ def _number(value: float, s: Schema, path: Path, name: str) -> list[FieldError]:
         if s.get("exclusiveMinimum") and value <= s["minimum"]:
             errs.append(F.invalid(path, value, f"{name} in body should be greater than {_num(s['minimum'])}"))
         elif value < s["minimum"]:
-            errs.append(F.invalid(path, value, f"{name} in body should be greater than or equal to {_num(s['minimum'])}"))
+            errs.append(
+                F.invalid(path, value, f"{name} in body should be greater than or equal to {_num(s['minimum'])}")
+            )
     factor = s.get("multipleOf")
     if factor and not math.isclose(value / factor, round(value / factor)):
         errs.append(F.invalid(path, value, f"{name} in body should be a multiple of {_num(factor)}"))
@@ -146,8 +154,14 @@ def _junctors(value: Any, s: Schema, path: Path, name: str) -> list[FieldError]:
         results = [_validate(value, sub, path, name) for sub in s["allOf"]]
         failed = [r for r in results if r]
         if failed:
-            errs.append(F.invalid(path, value, f"{quoted} must validate all the schemas (allOf)"
-                                               f"{'. None validated' if len(failed) == len(results) else ''}"))
+            errs.append(
+                F.invalid(
+                    path,
+                    value,
+                    f"{quoted} must validate all the schemas (allOf)"
+                    f"{'. None validated' if len(failed) == len(results) else ''}",
+                )
+            )
             for r in failed:
                 errs += r
     if isinstance(s.get("not"), dict) and not _validate(value, s["not"], path, name):

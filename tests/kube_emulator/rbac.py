@@ -16,15 +16,33 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-_VERBS_BY_METHOD = {"POST": "create", "GET": "get", "HEAD": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+_VERBS_BY_METHOD = {
+    "POST": "create",
+    "GET": "get",
+    "HEAD": "get",
+    "PUT": "update",
+    "PATCH": "patch",
+    "DELETE": "delete",
+}
 # Subresources of a namespace itself (`/api/v1/namespaces/NAME/status`), not namespaced resources.
 _NAMESPACE_SUBRESOURCES = {"status", "finalize"}
 
 # The discovery part of the API server's default `system:discovery` and
 # `system:public-info-viewer` roles, bound to every authenticated user: what kubectl, kopf and
 # client libraries read before any resource.
-DEFAULT_NON_RESOURCE_URLS = ("/api", "/api/*", "/apis", "/apis/*", "/healthz", "/livez", "/readyz",
-                             "/version", "/version/", "/openapi", "/openapi/*")
+DEFAULT_NON_RESOURCE_URLS = (
+    "/api",
+    "/api/*",
+    "/apis",
+    "/apis/*",
+    "/healthz",
+    "/livez",
+    "/readyz",
+    "/version",
+    "/version/",
+    "/openapi",
+    "/openapi/*",
+)
 
 
 @dataclass(frozen=True)
@@ -115,8 +133,10 @@ class Rule:
         if not ("*" in self.verbs or req.verb in self.verbs):
             return False
         if not req.is_resource:
-            return any(u == req.path or u == "*" or u.endswith("*") and req.path.startswith(u[:-1])
-                       for u in self.non_resource_urls)
+            return any(
+                u == req.path or u == "*" or u.endswith("*") and req.path.startswith(u[:-1])
+                for u in self.non_resource_urls
+            )
         if self.namespace and req.namespace != self.namespace:
             return False
         if not ("*" in self.api_groups or req.group in self.api_groups):
@@ -151,7 +171,9 @@ class ServiceAccount:
     def is_subject(self, subject: Mapping[str, Any], binding_namespace: str) -> bool:
         kind = subject.get("kind")
         if kind == "ServiceAccount":
-            return subject.get("name") == self.name and (subject.get("namespace") or binding_namespace) == self.namespace
+            return (
+                subject.get("name") == self.name and (subject.get("namespace") or binding_namespace) == self.namespace
+            )
         if kind == "User":
             return subject.get("name") == self.username
         if kind == "Group":

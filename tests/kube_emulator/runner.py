@@ -79,7 +79,9 @@ class EmulatorThread:
             "kind": "Config",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
             "users": [{"name": "emulator", "user": {"token": token}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}],
+            "contexts": [
+                {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}
+            ],
             "current-context": "emulator",
         }
         path.write_text(yaml.safe_dump(config))

@@ -47,6 +47,7 @@ _META = ("apiVersion", "kind", "metadata")
 
 # ---------------------------------------------------------------- 1. pruning (pruning/algorithm.go)
 
+
 def prune(x: Any, s: Schema | None, resource_root: bool = False) -> Any:
     """`PruneWithOptions`: a copy of x without what s does not specify. At a resource root (and in
     x-kubernetes-embedded-resource objects) apiVersion, kind and metadata are kept."""
@@ -107,6 +108,7 @@ def _skip_prune(x: Any, s: Schema) -> Any:
 
 
 # ---------------------------------------------------------------- nulls and defaults
+
 
 def _sub_schema(s: Schema | None, key: str) -> Schema | None:
     if s is None:
@@ -170,6 +172,7 @@ def default(x: Any, s: Schema | None) -> Any:
 
 
 # ---------------------------------------------------------------- list types (listtype/validation.go)
+
 
 def list_sets_and_maps(path: Path, s: Schema | None, obj: Any) -> list[FieldError]:
     """`ValidateListSetsAndMaps`: no duplicate items in set lists, no duplicate keys in map lists."""
@@ -236,6 +239,7 @@ def _list_map(path: Path, s: Schema, obj: list[Any]) -> list[FieldError]:
 
 # ---------------------------------------------------------------- correlation (ratcheting)
 
+
 def _correlate_item(s: Schema | None, item: Any, old_list: Any) -> Any:
     """Only map lists correlate items (by their keys); anything else: no old value."""
     if s is None or s.get("x-kubernetes-list-type") != "map" or not isinstance(old_list, list):
@@ -264,6 +268,7 @@ class _Corr:
 
 # ---------------------------------------------------------------- CEL (cel/validation.go)
 
+
 @functools.lru_cache(maxsize=1)
 def _environment() -> Any:
     return celpy.Environment()  # builds a parser: about 0.7 s, so once per process
@@ -286,8 +291,11 @@ def _cel_error_text(exc: Any) -> str:
     overload error while cel-go reports the first operand's error: that one is dug out."""
     args = getattr(exc, "args", ()) or ()
     text = str(args[0]) if args else str(exc)
-    if text.startswith(("found no matching overload for _||_", "found no matching overload for _&&_")) \
-            and len(args) > 2 and args[2]:
+    if (
+        text.startswith(("found no matching overload for _||_", "found no matching overload for _&&_"))
+        and len(args) > 2
+        and args[2]
+    ):
         inner = re.search(r"CELEvalError\(\*\((\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*')", str(args[2][0]))
         if inner:
             text = inner.group(1)[1:-1].replace("\\'", "'")
@@ -325,21 +333,40 @@ def _rule_path(path: Path, rule: dict[str, Any], s: Schema) -> Path:
     return path
 
 
-def cel_validate(s: Schema | None, obj: Any, old: Any, path: Path = F.ROOT, resource_root: bool = True,
-                 ratcheting: bool = False) -> tuple[list[FieldError], list[str]]:
+def cel_validate(
+    s: Schema | None, obj: Any, old: Any, path: Path = F.ROOT, resource_root: bool = True, ratcheting: bool = False
+) -> tuple[list[FieldError], list[str]]:
     """`Validator.Validate`: every rule where its node has a value; returns (errors, warnings).
 
     `old` is None on create (transition rules skipped); on update it is the old object, and with
     `ratcheting` errors of non-transition rules on unchanged values become warnings."""
     errors: list[FieldError] = []
     warnings: list[str] = []
-    _cel(s, obj, old, path, resource_root, _Corr(old if ratcheting and old is not None else _ABSENT), ratcheting,
-         errors, warnings)
+    _cel(
+        s,
+        obj,
+        old,
+        path,
+        resource_root,
+        _Corr(old if ratcheting and old is not None else _ABSENT),
+        ratcheting,
+        errors,
+        warnings,
+    )
     return errors, warnings
 
 
-def _cel(s: Schema | None, obj: Any, old: Any, path: Path, resource_root: bool, corr: _Corr, ratcheting: bool,
-         errors: list[FieldError], warnings: list[str]) -> None:
+def _cel(
+    s: Schema | None,
+    obj: Any,
+    old: Any,
+    path: Path,
+    resource_root: bool,
+    corr: _Corr,
+    ratcheting: bool,
+    errors: list[FieldError],
+    warnings: list[str],
+) -> None:
     if s is None or obj is None:
         return
     rules = s.get("x-kubernetes-validations") or []
@@ -358,11 +385,14 @@ def _cel(s: Schema | None, obj: Any, old: Any, path: Path, resource_root: bool, 
             try:
                 result = _program(expr).evaluate(activation)
             except Exception as exc:  # celpy raises CELEvalError (no such key, division by zero, ...)
-                errors.append(F.invalid(path, type_, f"{_cel_error_text(exc)} evaluating rule: {rule_error_string(rule)}"))
+                errors.append(
+                    F.invalid(path, type_, f"{_cel_error_text(exc)} evaluating rule: {rule_error_string(rule)}")
+                )
                 continue
             if isinstance(result, celpy.CELEvalError):
-                errors.append(F.invalid(path, type_,
-                                        f"{_cel_error_text(result)} evaluating rule: {rule_error_string(rule)}"))
+                errors.append(
+                    F.invalid(path, type_, f"{_cel_error_text(result)} evaluating rule: {rule_error_string(rule)}")
+                )
                 continue
             if result is True or isinstance(result, celpy.celtypes.BoolType) and bool(result):
                 continue
@@ -392,6 +422,7 @@ def _cel(s: Schema | None, obj: Any, old: Any, path: Path, resource_root: bool, 
 
 
 # ---------------------------------------------------------------- schema ratcheting
+
 
 def _value_at(obj: Any, field_path: str) -> Any:
     """The value at a printed field path (`spec.a[0].b`, `spec.m[key]`) or _ABSENT."""
@@ -459,6 +490,7 @@ def ratchet(errors: list[FieldError], new: Any, old: Any, s: Schema) -> list[Fie
 
 # ---------------------------------------------------------------- scale (validator.go)
 
+
 def _go_v(value: Any) -> str:
     """Go's %v of a JSON value."""
     if isinstance(value, bool):
@@ -473,8 +505,14 @@ def _go_v(value: Any) -> str:
 
 
 def _go_type(v: Any) -> str:
-    return {bool: "bool", int: "int64", float: "float64", str: "string", list: "[]interface {}",
-            dict: "map[string]interface {}"}.get(type(v), "<nil>")
+    return {
+        bool: "bool",
+        int: "int64",
+        float: "float64",
+        str: "string",
+        list: "[]interface {}",
+        dict: "map[string]interface {}",
+    }.get(type(v), "<nil>")
 
 
 def _nested(obj: Any, dotted: str, want: type, want_name: str) -> tuple[Any, str | None]:
@@ -483,13 +521,18 @@ def _nested(obj: Any, dotted: str, want: type, want_name: str) -> tuple[Any, str
     parts = dotted.lstrip(".").split(".")
     for i, part in enumerate(parts):
         if not isinstance(cur, dict):
-            return None, (f".{'.'.join(parts[:i])} accessor error: {_go_v(cur)} is of the type {_go_type(cur)}, "
-                          "expected map[string]interface{}")
+            return None, (
+                f".{'.'.join(parts[:i])} accessor error: {_go_v(cur)} is of the type {_go_type(cur)}, "
+                "expected map[string]interface{}"
+            )
         if part not in cur:
             return None, None
         cur = cur[part]
     if isinstance(cur, bool) or not isinstance(cur, want):
-        return None, f".{'.'.join(parts)} accessor error: {_go_v(cur)} is of the type {_go_type(cur)}, expected {want_name}"
+        return (
+            None,
+            f".{'.'.join(parts)} accessor error: {_go_v(cur)} is of the type {_go_type(cur)}, expected {want_name}",
+        )
     return cur, None
 
 
@@ -559,9 +602,13 @@ def _blocking(errs: list[FieldError]) -> bool:
     return any(e.type in openapi.BLOCKING for e in errs)
 
 
-_NOT_CHECKED = F.FieldError(F.INVALID, "<nil>", None,
-                            "some validation rules were not checked because the object was invalid; correct the "
-                            "existing errors to complete validation")
+_NOT_CHECKED = F.FieldError(
+    F.INVALID,
+    "<nil>",
+    None,
+    "some validation rules were not checked because the object was invalid; correct the "
+    "existing errors to complete validation",
+)
 
 
 def _body(obj: dict[str, Any], s: Schema) -> tuple[dict[str, Any], Schema]:
@@ -588,7 +635,9 @@ def validate_create(obj: dict[str, Any], v: Version) -> list[FieldError]:
     return errs
 
 
-def validate_update(new: dict[str, Any], old: dict[str, Any], v: Version, status_only: bool = False) -> list[FieldError]:
+def validate_update(
+    new: dict[str, Any], old: dict[str, Any], v: Version, status_only: bool = False
+) -> list[FieldError]:
     """customResourceStrategy.ValidateUpdate / statusStrategy.ValidateUpdate, with ratcheting."""
     errs = _type_meta(new, v)
     if errs:
@@ -621,7 +670,6 @@ def validate_update(new: dict[str, Any], old: dict[str, Any], v: Version, status
 def generation_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """PrepareForUpdate: any change outside metadata bumps the generation."""
     return {k: v for k, v in old.items() if k != "metadata"} != {k: v for k, v in new.items() if k != "metadata"}
-
 
 
 def admit(obj: dict[str, Any], s: Schema) -> tuple[dict[str, Any], list[FieldError]]:

@@ -93,8 +93,9 @@ def _now() -> str:
 
 def _not_found(rtype: ResourceType, name: str) -> ApiError:
     what = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-    return ApiError(404, "NotFound", f'{what} "{name}" not found',
-                    {"name": name, "group": rtype.group, "kind": rtype.plural})
+    return ApiError(
+        404, "NotFound", f'{what} "{name}" not found', {"name": name, "group": rtype.group, "kind": rtype.plural}
+    )
 
 
 def _invalid(rtype: ResourceType, name: str, errors: list[field.FieldError]) -> ApiError:
@@ -105,8 +106,12 @@ def _invalid(rtype: ResourceType, name: str, errors: list[field.FieldError]) -> 
         if str(err) not in {str(u) for u in unique}:
             unique.append(err)
     causes = [{"reason": e.type, "message": e.body(), "field": e.field} for e in unique]
-    return ApiError(422, "Invalid", field.invalid_message(what, name, unique),
-                    {"name": name, "group": rtype.group, "kind": rtype.kind, "causes": causes})
+    return ApiError(
+        422,
+        "Invalid",
+        field.invalid_message(what, name, unique),
+        {"name": name, "group": rtype.group, "kind": rtype.kind, "causes": causes},
+    )
 
 
 def _dig(obj: Any, path: str) -> Any:
@@ -148,8 +153,11 @@ class KubeEmulator(kmock.KubernetesScaffold):
         for rtype in resources.BUILTINS:
             self.types[(rtype.group, rtype.version, rtype.plural)] = rtype
         for ns in ("default", "kube-system"):
-            self._insert(self._type("", "namespaces"), {"apiVersion": "v1", "kind": "Namespace",
-                                                        "metadata": {"name": ns}}, event=False)
+            self._insert(
+                self._type("", "namespaces"),
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+                event=False,
+            )
 
     # ------------------------------------------------------------------ entry point
 
@@ -161,15 +169,22 @@ class KubeEmulator(kmock.KubernetesScaffold):
             # kmock's path parser cannot split `/api/v1/namespaces` (nothing after "namespaces");
             # this handler routes by path itself, so the HTTP part of the request is enough.
             request = kmock.Request(
-                id=len(self._requests), raw_request=raw_request, url=raw_request.url, method=raw_request.method,
-                params=dict(raw_request.query), headers=dict(raw_request.headers), body=body,
+                id=len(self._requests),
+                raw_request=raw_request,
+                url=raw_request.url,
+                method=raw_request.method,
+                params=dict(raw_request.query),
+                headers=dict(raw_request.headers),
+                body=body,
                 text=body.decode("utf-8", "replace"),
             )
         self._requests.append(request)
         auth = raw_request.headers.get("Authorization", "")
         entry = AuditEntry(
-            user=auth.removeprefix("Bearer ").strip(), method=raw_request.method.upper(),
-            path=raw_request.url.path, query=dict(raw_request.query),
+            user=auth.removeprefix("Bearer ").strip(),
+            method=raw_request.method.upper(),
+            path=raw_request.url.path,
+            query=dict(raw_request.query),
             user_agent=raw_request.headers.get("User-Agent", ""),
         )
         self.audit_log.append(entry)
@@ -267,7 +282,9 @@ class KubeEmulator(kmock.KubernetesScaffold):
             raise ApiError(404, "NotFound", f"the server could not find the requested resource: {path}")
         ns = None
         if rest[0] == "namespaces" and len(rest) >= 3:
-            candidate = next((t for (g, v, p), t in self.types.items() if g == group and v == version and p == rest[2]), None)
+            candidate = next(
+                (t for (g, v, p), t in self.types.items() if g == group and v == version and p == rest[2]), None
+            )
             if candidate is not None and candidate.namespaced:
                 ns, rest = rest[1], rest[2:]
         rtype = self._type(group, rest[0], version)
@@ -275,7 +292,14 @@ class KubeEmulator(kmock.KubernetesScaffold):
         sub = "/".join(rest[2:]) or None
         if rtype.namespaced and ns is None and name is not None:
             raise ApiError(404, "NotFound", f"{rtype.plural} is namespaced: use /namespaces/NS/{rtype.plural}/{name}")
-        if sub is not None and sub not in ("status", "scale") or sub == "scale" and rtype.scale is None or sub == "status" and not rtype.status:
+        if (
+            sub is not None
+            and sub not in ("status", "scale")
+            or sub == "scale"
+            and rtype.scale is None
+            or sub == "status"
+            and not rtype.status
+        ):
             raise ApiError(404, "NotFound", f"the server could not find the requested resource: {path}")
         return rtype, ns, name, sub
 
@@ -285,17 +309,45 @@ class KubeEmulator(kmock.KubernetesScaffold):
             return None
         items = []
         for t in found:
-            items.append({"name": t.plural, "singularName": t.singular, "namespaced": t.namespaced, "kind": t.kind,
-                          "verbs": list(t.verbs), "shortNames": list(t.short_names), "categories": list(t.categories)})
+            items.append(
+                {
+                    "name": t.plural,
+                    "singularName": t.singular,
+                    "namespaced": t.namespaced,
+                    "kind": t.kind,
+                    "verbs": list(t.verbs),
+                    "shortNames": list(t.short_names),
+                    "categories": list(t.categories),
+                }
+            )
             if t.status:
-                items.append({"name": f"{t.plural}/status", "singularName": "", "namespaced": t.namespaced,
-                              "kind": t.kind, "verbs": ["get", "patch", "update"]})
+                items.append(
+                    {
+                        "name": f"{t.plural}/status",
+                        "singularName": "",
+                        "namespaced": t.namespaced,
+                        "kind": t.kind,
+                        "verbs": ["get", "patch", "update"],
+                    }
+                )
             if t.scale is not None:
-                items.append({"name": f"{t.plural}/scale", "singularName": "", "namespaced": t.namespaced,
-                              "group": "autoscaling", "version": "v1", "kind": "Scale",
-                              "verbs": ["get", "patch", "update"]})
-        return {"kind": "APIResourceList", "apiVersion": "v1",
-                "groupVersion": f"{group}/{version}" if group else version, "resources": items}
+                items.append(
+                    {
+                        "name": f"{t.plural}/scale",
+                        "singularName": "",
+                        "namespaced": t.namespaced,
+                        "group": "autoscaling",
+                        "version": "v1",
+                        "kind": "Scale",
+                        "verbs": ["get", "patch", "update"],
+                    }
+                )
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{group}/{version}" if group else version,
+            "resources": items,
+        }
 
     def _groups(self) -> dict[str, list[str]]:
         groups: dict[str, list[str]] = {}
@@ -312,11 +364,17 @@ class KubeEmulator(kmock.KubernetesScaffold):
         if path == "/version":
             return {"major": "1", "minor": "32", "gitVersion": "v1.32.0-pdserve-emulator", "platform": "linux/amd64"}
         if path == "/api":
-            return {"kind": "APIVersions", "versions": ["v1"],
-                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
+            return {
+                "kind": "APIVersions",
+                "versions": ["v1"],
+                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}],
+            }
         if path == "/apis":
-            return {"kind": "APIGroupList", "apiVersion": "v1",
-                    "groups": [self._group_doc(g, vs) for g, vs in sorted(self._groups().items())]}
+            return {
+                "kind": "APIGroupList",
+                "apiVersion": "v1",
+                "groups": [self._group_doc(g, vs) for g, vs in sorted(self._groups().items())],
+            }
         if path == "/":
             return {"paths": ["/api", "/api/v1", "/apis", "/version"]}
         parts = path.strip("/").split("/")
@@ -392,8 +450,9 @@ class KubeEmulator(kmock.KubernetesScaffold):
         `old` is the stored object on update, `sub` the subresource written ("status")."""
         name = obj.get("metadata", {}).get("name", "")
         if rtype.custom:
-            version = schema.Version(rtype.group, rtype.version, rtype.kind, rtype.schema, rtype.status,
-                                     rtype.scale_spec)
+            version = schema.Version(
+                rtype.group, rtype.version, rtype.kind, rtype.schema, rtype.status, rtype.scale_spec
+            )
             stored = schema.decode(obj, version)
             if old is None:
                 errors = schema.validate_create(stored, version)
@@ -418,8 +477,10 @@ class KubeEmulator(kmock.KubernetesScaffold):
             "storedVersions": [v["name"] for v in crd["spec"]["versions"] if v.get("storage")],
             "conditions": [
                 {"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": _now()}
-                for t, r, m in (("NamesAccepted", "NoConflicts", "no conflicts found"),
-                                ("Established", "InitialNamesAccepted", "the initial names have been accepted"))
+                for t, r, m in (
+                    ("NamesAccepted", "NoConflicts", "no conflicts found"),
+                    ("Established", "InitialNamesAccepted", "the initial names have been accepted"),
+                )
             ],
         }
 
@@ -434,8 +495,12 @@ class KubeEmulator(kmock.KubernetesScaffold):
 
     def _list(self, rtype: ResourceType, ns: str | None, params: dict[str, str]) -> Obj:
         items = [copy.deepcopy(o) for o in self._select(rtype, ns, params)]
-        return {"apiVersion": rtype.api_version, "kind": f"{rtype.kind}List",
-                "metadata": {"resourceVersion": str(self.rv)}, "items": items}
+        return {
+            "apiVersion": rtype.api_version,
+            "kind": f"{rtype.kind}List",
+            "metadata": {"resourceVersion": str(self.rv)},
+            "items": items,
+        }
 
     def _select(self, rtype: ResourceType, ns: str | None, params: dict[str, str]) -> Iterable[Obj]:
         try:
@@ -471,12 +536,18 @@ class KubeEmulator(kmock.KubernetesScaffold):
         if not meta.get("name"):
             prefix = meta.get("generateName")
             if not prefix:
-                raise _invalid(rtype, "", [field.required(field.Path("metadata", "name"), "name or generateName is required")])
+                raise _invalid(
+                    rtype, "", [field.required(field.Path("metadata", "name"), "name or generateName is required")]
+                )
             meta["name"] = prefix + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
         if self._key(rtype, meta.get("namespace"), meta["name"]) in self.objects:
             what = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-            raise ApiError(409, "AlreadyExists", f'{what} "{meta["name"]}" already exists',
-                           {"name": meta["name"], "group": rtype.group, "kind": rtype.plural})
+            raise ApiError(
+                409,
+                "AlreadyExists",
+                f'{what} "{meta["name"]}" already exists',
+                {"name": meta["name"], "group": rtype.group, "kind": rtype.plural},
+            )
         for key in ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp"):
             meta.pop(key, None)
         if rtype.status and rtype.plural != "customresourcedefinitions":
@@ -494,8 +565,9 @@ class KubeEmulator(kmock.KubernetesScaffold):
             managed_fields.record_update(None, obj, params["_manager"], None, _now())
         return copy.deepcopy(self._insert(rtype, obj))
 
-    def _replace(self, rtype: ResourceType, ns: str | None, name: str, sub: str | None, body: Any,
-                 params: dict[str, str]) -> Obj:
+    def _replace(
+        self, rtype: ResourceType, ns: str | None, name: str, sub: str | None, body: Any, params: dict[str, str]
+    ) -> Obj:
         old = self._get(rtype, ns, name)
         if not isinstance(body, dict):
             raise ApiError(400, "BadRequest", "the body of an update must be an object")
@@ -503,8 +575,16 @@ class KubeEmulator(kmock.KubernetesScaffold):
             return self._write_scale(rtype, old, body, params)
         return self._update(rtype, old, copy.deepcopy(body), sub, params)
 
-    def _patch(self, rtype: ResourceType, ns: str | None, name: str, sub: str | None, body: Any, ctype: str,
-               params: dict[str, str]) -> Obj:
+    def _patch(
+        self,
+        rtype: ResourceType,
+        ns: str | None,
+        name: str,
+        sub: str | None,
+        body: Any,
+        ctype: str,
+        params: dict[str, str],
+    ) -> Obj:
         if ctype.startswith("application/apply-patch") and self._key(rtype, ns, name) not in self.objects:
             return self._create(rtype, ns, body, params)  # server-side apply creates
         old = self._get(rtype, ns, name)
@@ -528,10 +608,13 @@ class KubeEmulator(kmock.KubernetesScaffold):
         want_rv = meta_new.get("resourceVersion")
         if want_rv and want_rv != meta_old["resourceVersion"]:
             what = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-            raise ApiError(409, "Conflict",
-                           f'Operation cannot be fulfilled on {what} "{meta_old["name"]}": the object has been '
-                           "modified; please apply your changes to the latest version and try again",
-                           {"name": meta_old["name"], "group": rtype.group, "kind": rtype.plural})
+            raise ApiError(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {what} "{meta_old["name"]}": the object has been '
+                "modified; please apply your changes to the latest version and try again",
+                {"name": meta_old["name"], "group": rtype.group, "kind": rtype.plural},
+            )
         if meta_new.get("name", meta_old["name"]) != meta_old["name"]:
             raise ApiError(400, "BadRequest", "the name of the object does not match the name in the URL")
         if sub == "status":
@@ -548,8 +631,15 @@ class KubeEmulator(kmock.KubernetesScaffold):
                 else:
                     candidate.pop("status", None)
         cmeta = candidate.setdefault("metadata", {})
-        for key in ("uid", "creationTimestamp", "namespace", "name", "generation", "deletionTimestamp",
-                    "deletionGracePeriodSeconds"):
+        for key in (
+            "uid",
+            "creationTimestamp",
+            "namespace",
+            "name",
+            "generation",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+        ):
             if key in meta_old:
                 cmeta[key] = meta_old[key]
             else:
@@ -563,8 +653,9 @@ class KubeEmulator(kmock.KubernetesScaffold):
             added = set(cmeta.get("finalizers") or []) - set(meta_old.get("finalizers") or [])
             if added:
                 raise ApiError(422, "Invalid", "no new finalizers can be added if the object is being deleted")
-        candidate = self._with_identity(rtype, self._admit(rtype, self._with_identity(rtype, candidate),
-                                                          old if meta_old.get("uid") else None, sub))
+        candidate = self._with_identity(
+            rtype, self._admit(rtype, self._with_identity(rtype, candidate), old if meta_old.get("uid") else None, sub)
+        )
         cmeta = candidate["metadata"]  # admission returns new dicts
         if candidate == old:
             return copy.deepcopy(old)  # a no-op write: same resourceVersion, no event
@@ -599,7 +690,9 @@ class KubeEmulator(kmock.KubernetesScaffold):
         return {
             "kind": "Scale",
             "apiVersion": "autoscaling/v1",
-            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
+            "metadata": {
+                k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta
+            },
             "spec": {"replicas": int(_dig(obj, sc.spec_path) or 0)},
             "status": status,
         }
@@ -608,10 +701,14 @@ class KubeEmulator(kmock.KubernetesScaffold):
         assert rtype.scale is not None
         replicas = _dig(scale, "spec.replicas")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise ApiError(422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}: must be a non-negative integer")
+            raise ApiError(
+                422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}: must be a non-negative integer"
+            )
         new = copy.deepcopy(old)
         _put(new, rtype.scale.spec_path, replicas)
-        new["metadata"]["resourceVersion"] = _dig(scale, "metadata.resourceVersion") or old["metadata"]["resourceVersion"]
+        new["metadata"]["resourceVersion"] = (
+            _dig(scale, "metadata.resourceVersion") or old["metadata"]["resourceVersion"]
+        )
         stored = self._update(rtype, old, new, None, {**params, "_subresource": "scale"})
         return self._scale_of(rtype, stored)
 
@@ -672,10 +769,14 @@ class KubeEmulator(kmock.KubernetesScaffold):
 
     # ------------------------------------------------------------------ watch
 
-    async def _watch(self, request: kmock.Request, rtype: ResourceType, ns: str | None, name: str | None,
-                     params: dict[str, str]) -> aiohttp.web.StreamResponse:
+    async def _watch(
+        self, request: kmock.Request, rtype: ResourceType, ns: str | None, name: str | None, params: dict[str, str]
+    ) -> aiohttp.web.StreamResponse:
         if name is not None:
-            params = {**params, "fieldSelector": ",".join(filter(None, [params.get("fieldSelector"), f"metadata.name={name}"]))}
+            params = {
+                **params,
+                "fieldSelector": ",".join(filter(None, [params.get("fieldSelector"), f"metadata.name={name}"])),
+            }
         try:
             labels = selectors.parse_labels(params.get("labelSelector"))
             fields = selectors.parse_fields(params.get("fieldSelector"))
@@ -698,15 +799,42 @@ class KubeEmulator(kmock.KubernetesScaffold):
         else:
             oldest = self.history[0][0] if self.history else self.rv + 1
             if int(since) < oldest - 1 and int(since) < self.rv:
-                return await self._stream(request, [("ERROR", {
-                    "kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410, "reason": "Expired",
-                    "message": f"too old resource version: {since} ({oldest - 1})"})], None, 0, False)
+                return await self._stream(
+                    request,
+                    [
+                        (
+                            "ERROR",
+                            {
+                                "kind": "Status",
+                                "apiVersion": "v1",
+                                "status": "Failure",
+                                "code": 410,
+                                "reason": "Expired",
+                                "message": f"too old resource version: {since} ({oldest - 1})",
+                            },
+                        )
+                    ],
+                    None,
+                    0,
+                    False,
+                )
             for rv, rkey, etype, obj in self.history:
                 if rv > int(since) and rkey == rtype.key and wanted(obj):
                     initial.append((etype, obj))
         if send_initial:
-            initial.append(("BOOKMARK", {"kind": rtype.kind, "apiVersion": rtype.api_version, "metadata": {
-                "resourceVersion": str(self.rv), "annotations": {"k8s.io/initial-events-end": "true"}}}))
+            initial.append(
+                (
+                    "BOOKMARK",
+                    {
+                        "kind": rtype.kind,
+                        "apiVersion": rtype.api_version,
+                        "metadata": {
+                            "resourceVersion": str(self.rv),
+                            "annotations": {"k8s.io/initial-events-end": "true"},
+                        },
+                    },
+                )
+            )
         self.watchers.add(watcher)  # registered in the same step as the snapshot: no gap
         timeout = float(params.get("timeoutSeconds") or self.default_watch_timeout)
         bookmarks = params.get("allowWatchBookmarks") == "true"
@@ -715,8 +843,15 @@ class KubeEmulator(kmock.KubernetesScaffold):
         finally:
             self.watchers.discard(watcher)
 
-    async def _stream(self, request: kmock.Request, initial: list[tuple[str, Obj]], watcher: _Watcher | None,
-                      timeout: float, bookmarks: bool, rtype: ResourceType | None = None) -> aiohttp.web.StreamResponse:
+    async def _stream(
+        self,
+        request: kmock.Request,
+        initial: list[tuple[str, Obj]],
+        watcher: _Watcher | None,
+        timeout: float,
+        bookmarks: bool,
+        rtype: ResourceType | None = None,
+    ) -> aiohttp.web.StreamResponse:
         response = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)
 
@@ -734,8 +869,14 @@ class KubeEmulator(kmock.KubernetesScaffold):
                         etype, obj = await asyncio.wait_for(watcher.queue.get(), min(left, self.bookmark_interval))
                     except TimeoutError:
                         if bookmarks and rtype is not None:
-                            await send("BOOKMARK", {"kind": rtype.kind, "apiVersion": rtype.api_version,
-                                                    "metadata": {"resourceVersion": str(self.rv)}})
+                            await send(
+                                "BOOKMARK",
+                                {
+                                    "kind": rtype.kind,
+                                    "apiVersion": rtype.api_version,
+                                    "metadata": {"resourceVersion": str(self.rv)},
+                                },
+                            )
                         continue
                     await send(etype, obj)
             await response.write_eof()
@@ -748,11 +889,23 @@ class KubeEmulator(kmock.KubernetesScaffold):
     def _table(self, doc: Obj) -> Obj:
         items = doc["items"] if doc.get("kind", "").endswith("List") else [doc]
         kind = doc["kind"][:-4] if doc.get("kind", "").endswith("List") else doc.get("kind", "")
-        rtype = next((t for t in self.types.values() if t.kind == kind and t.api_version == doc.get("apiVersion")), None)
-        extra = [c for c in (rtype.printer_columns if rtype else ()) if c.get("jsonPath") != ".metadata.creationTimestamp"]
+        rtype = next(
+            (t for t in self.types.values() if t.kind == kind and t.api_version == doc.get("apiVersion")), None
+        )
+        extra = [
+            c for c in (rtype.printer_columns if rtype else ()) if c.get("jsonPath") != ".metadata.creationTimestamp"
+        ]
         columns = [{"name": "Name", "type": "string", "format": "name", "description": "Name", "priority": 0}]
-        columns += [{"name": c["name"], "type": c.get("type", "string"), "format": "", "description": c.get("description", ""),
-                     "priority": c.get("priority", 0)} for c in extra]
+        columns += [
+            {
+                "name": c["name"],
+                "type": c.get("type", "string"),
+                "format": "",
+                "description": c.get("description", ""),
+                "priority": c.get("priority", 0),
+            }
+            for c in extra
+        ]
         columns.append({"name": "Age", "type": "string", "format": "", "description": "Age", "priority": 0})
         rows = []
         for obj in items:
@@ -762,9 +915,13 @@ class KubeEmulator(kmock.KubernetesScaffold):
                 cells.append("" if value is None else value)
             cells.append(_age(obj["metadata"].get("creationTimestamp")))
             rows.append({"cells": cells, "object": obj})
-        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1",
-                "metadata": {"resourceVersion": doc.get("metadata", {}).get("resourceVersion", str(self.rv))},
-                "columnDefinitions": columns, "rows": rows}
+        return {
+            "kind": "Table",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": {"resourceVersion": doc.get("metadata", {}).get("resourceVersion", str(self.rv))},
+            "columnDefinitions": columns,
+            "rows": rows,
+        }
 
 
 def _age(stamp: str | None) -> str:

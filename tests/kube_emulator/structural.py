@@ -47,8 +47,14 @@ def unsupported_field(node: Any) -> str | None:
     """`validateUnsupportedFields` (convert.go) over the whole tree: the first one found."""
     if not isinstance(node, dict):
         return None
-    for key, name in (("id", "id"), ("$schema", "schema"), ("$ref", "$ref"), ("patternProperties", "patternProperties"),
-                      ("dependencies", "dependencies"), ("definitions", "definitions")):
+    for key, name in (
+        ("id", "id"),
+        ("$schema", "schema"),
+        ("$ref", "$ref"),
+        ("patternProperties", "patternProperties"),
+        ("dependencies", "dependencies"),
+        ("definitions", "definitions"),
+    ):
         if _set(node, key):
             return f"OpenAPIV3Schema '{name}' is not supported"
     if "additionalItems" in node:
@@ -75,6 +81,7 @@ def validate_structural(path: Path, schema: Schema) -> list[FieldError]:
 
 
 # ---------------------------------------------------------------- invariants (validation.go)
+
 
 def _has_additional_properties(node: Schema) -> bool:
     # NewStructural: any `additionalProperties` (schema, true or false) is a non-nil StructuralOrBool.
@@ -109,28 +116,44 @@ def _invariants(s: Schema | None, lvl: int, path: Path) -> list[FieldError]:
             errs.append(required(path.child("type"), "must be object if x-kubernetes-embedded-resource is true"))
         else:
             errs.append(invalid(path.child("type"), type_, "must be object if x-kubernetes-embedded-resource is true"))
-    elif not type_ and s.get("x-kubernetes-int-or-string") is not True \
-            and s.get("x-kubernetes-preserve-unknown-fields") is not True:
-        what = {ROOT_LEVEL: "must not be empty at the root", ITEM_LEVEL: "must not be empty for specified array items",
-                FIELD_LEVEL: "must not be empty for specified object fields"}[lvl]
+    elif (
+        not type_
+        and s.get("x-kubernetes-int-or-string") is not True
+        and s.get("x-kubernetes-preserve-unknown-fields") is not True
+    ):
+        what = {
+            ROOT_LEVEL: "must not be empty at the root",
+            ITEM_LEVEL: "must not be empty for specified array items",
+            FIELD_LEVEL: "must not be empty for specified object fields",
+        }[lvl]
         errs.append(required(path.child("type"), what))
     if embedded and _has_additional_properties(s):
-        errs.append(forbidden(path.child("additionalProperties"),
-                              "must not be used if x-kubernetes-embedded-resource is set"))
+        errs.append(
+            forbidden(path.child("additionalProperties"), "must not be used if x-kubernetes-embedded-resource is set")
+        )
     if lvl == ROOT_LEVEL and type_ and type_ != "object":
         errs.append(invalid(path.child("type"), type_, "must be object at the root"))
 
     props = s.get("properties") or {}
     for meta_field in ("kind", "apiVersion"):
         if meta_field in props and check_metadata and (props[meta_field].get("type") or "") != "string":
-            errs.append(invalid(path.child("properties").key(meta_field).child("type"),
-                                props[meta_field].get("type") or "", "must be string"))
+            errs.append(
+                invalid(
+                    path.child("properties").key(meta_field).child("type"),
+                    props[meta_field].get("type") or "",
+                    "must be string",
+                )
+            )
     if "metadata" in props:
         errs += _metadata_invariants(props["metadata"], check_metadata, lvl, path.child("properties").key("metadata"))
     if embedded and s.get("x-kubernetes-preserve-unknown-fields") is not True and not props:
-        errs.append(required(path.child("properties"),
-                             "must not be empty if x-kubernetes-embedded-resource is true without "
-                             "x-kubernetes-preserve-unknown-fields"))
+        errs.append(
+            required(
+                path.child("properties"),
+                "must not be empty if x-kubernetes-embedded-resource is true without "
+                "x-kubernetes-preserve-unknown-fields",
+            )
+        )
     return errs
 
 
@@ -149,8 +172,12 @@ def _metadata_invariants(s: Schema, check_metadata: bool, lvl: int, path: Path) 
         rest.pop("type", None)
         rest.pop("default", None)
         if rest:
-            errs.append(forbidden(path, "must not specify anything other than name and generateName, but metadata is "
-                                        "implicitly specified"))
+            errs.append(
+                forbidden(
+                    path,
+                    "must not specify anything other than name and generateName, but metadata is implicitly specified",
+                )
+            )
     return errs
 
 
@@ -166,16 +193,27 @@ def _is_int_or_string_all_of(s: Schema) -> bool:
 def _extensions(s: Schema, path: Path) -> list[FieldError]:
     errs = []
     if s.get("x-kubernetes-int-or-string") is True and s.get("x-kubernetes-preserve-unknown-fields") is True:
-        errs.append(invalid(path.child("x-kubernetes-preserve-unknown-fields"), True,
-                            "must be false if x-kubernetes-int-or-string is true"))
+        errs.append(
+            invalid(
+                path.child("x-kubernetes-preserve-unknown-fields"),
+                True,
+                "must be false if x-kubernetes-int-or-string is true",
+            )
+        )
     if s.get("x-kubernetes-int-or-string") is True and s.get("x-kubernetes-embedded-resource") is True:
-        errs.append(invalid(path.child("x-kubernetes-embedded-resource"), True,
-                            "must be false if x-kubernetes-int-or-string is true"))
+        errs.append(
+            invalid(
+                path.child("x-kubernetes-embedded-resource"),
+                True,
+                "must be false if x-kubernetes-int-or-string is true",
+            )
+        )
     return errs
 
 
-def _value_validation(v: Schema, skip_any_of: bool, skip_first_all_of_any_of: bool, lvl: int,
-                      path: Path) -> list[FieldError]:
+def _value_validation(
+    v: Schema, skip_any_of: bool, skip_first_all_of_any_of: bool, lvl: int, path: Path
+) -> list[FieldError]:
     """`validateValueValidation`: recurse into the junctors; the pattern must compile."""
     errs: list[FieldError] = []
     if not skip_any_of:
@@ -191,8 +229,9 @@ def _value_validation(v: Schema, skip_any_of: bool, skip_first_all_of_any_of: bo
         try:
             compile_pattern(pattern)
         except PatternError as exc:
-            errs.append(invalid(path.child("pattern"), pattern,
-                                f"must be a valid regular expression, but isn't: {exc}"))
+            errs.append(
+                invalid(path.child("pattern"), pattern, f"must be a valid regular expression, but isn't: {exc}")
+            )
     return errs
 
 
@@ -237,6 +276,7 @@ def _nested(v: Schema | None, skip_any_of: bool, skip_all_of_any_of: bool, lvl: 
 
 # ---------------------------------------------------------------- completeness (complete.go)
 
+
 def _completeness(s: Schema, path: Path) -> list[FieldError]:
     return _vv_completeness(s, s, path, path)
 
@@ -264,9 +304,14 @@ def _nested_completeness(v: Schema | None, s: Schema | None, s_path: Path, v_pat
     s_props = s.get("properties") or {}
     for name, sub in sorted((v.get("properties") or {}).items()):
         if name not in s_props:
-            errs.append(required(s_path.child("properties").key(name),
-                                 f"because it is defined in {v_path.child('properties').key(name)}"))
+            errs.append(
+                required(
+                    s_path.child("properties").key(name),
+                    f"because it is defined in {v_path.child('properties').key(name)}",
+                )
+            )
         else:
-            errs += _nested_completeness(sub, s_props[name], s_path.child("properties").key(name),
-                                         v_path.child("properties").key(name))
+            errs += _nested_completeness(
+                sub, s_props[name], s_path.child("properties").key(name), v_path.child("properties").key(name)
+            )
     return errs

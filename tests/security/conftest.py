@@ -47,7 +47,13 @@ def reference(tiny_model_dir):
         tokenizer = loaded.tokenizer
 
         def complete(self, prompt_ids: list[int], max_tokens: int) -> str:
-            [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0), max_len=MAX_LEN)
+            [done] = generate(
+                loaded.model,
+                loaded.tokenizer,
+                [prompt_ids],
+                SamplingParams(max_tokens=max_tokens, temperature=0),
+                max_len=MAX_LEN,
+            )
             return done.text
 
     return Reference()
@@ -64,16 +70,36 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
     try:
         run = LocalRun.start(
             tmp_path_factory.mktemp("sec-local"),
-            "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
-            "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--slots",
+            str(SLOTS),
+            "--max-len",
+            str(MAX_LEN),
+            "--layers-per-chunk",
+            "1",
+            "--port",
+            "0",
             # Every HTTP port's bounds on unfinished requests, turned down so the tests are quick.
-            "--env", f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
-            "--env", f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
+            "--env",
+            f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
+            "--env",
+            f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
             # And every gRPC port's (pdserve_common/channels.py), for test_grpc_bounds.py.
-            "--env", f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",
-            "--env", f"PDSERVE_GRPC_IDLE_TIMEOUT_MS={GRPC_IDLE_MS}",
-            "--env", f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",
-            "--env", f"PDSERVE_BROKER_MAX_MEMBERS={BROKER_MAX_MEMBERS}",  # test_broker_bounds.py
+            "--env",
+            f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",
+            "--env",
+            f"PDSERVE_GRPC_IDLE_TIMEOUT_MS={GRPC_IDLE_MS}",
+            "--env",
+            f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",
+            "--env",
+            f"PDSERVE_BROKER_MAX_MEMBERS={BROKER_MAX_MEMBERS}",  # test_broker_bounds.py
         )
     finally:
         if saved is None:
@@ -98,8 +124,12 @@ def decode_peer() -> Iterator[Callable[..., PeerProcess]]:
         config: dict[str, Any] = {
             "engine_id": f"127.0.0.1:{free_port()}",
             "layout": layout.to_dict(),
-            "options": {"pdserve.AuthKey": KEY.hex(), "pdserve.RemoteWrite": "leased", "pdserve.RemoteRead": "0",
-                        **options},
+            "options": {
+                "pdserve.AuthKey": KEY.hex(),
+                "pdserve.RemoteWrite": "leased",
+                "pdserve.RemoteRead": "0",
+                **options,
+            },
         }
         peer = PeerProcess.start(decode_main, config)
         peer.info["layout"] = layout
@@ -118,9 +148,15 @@ def decode_engine_id(run: LocalRun) -> str:
     from pdserve.v1 import broker_pb2, broker_pb2_grpc
 
     with grpc.insecure_channel(run.manifest["broker"]) as channel:
-        members = broker_pb2_grpc.BrokerStub(channel).ListMembers(
-            broker_pb2.ListMembersRequest(service_key="local/pdserve", roles=[broker_pb2.ROLE_DECODE]),
-            metadata=(("authorization", f"Bearer {run.token}"),), timeout=5).members
+        members = (
+            broker_pb2_grpc.BrokerStub(channel)
+            .ListMembers(
+                broker_pb2.ListMembersRequest(service_key="local/pdserve", roles=[broker_pb2.ROLE_DECODE]),
+                metadata=(("authorization", f"Bearer {run.token}"),),
+                timeout=5,
+            )
+            .members
+        )
     [member] = members
     return member.info.engine_id
 
@@ -131,7 +167,8 @@ def complete(run: LocalRun, prompt: str, max_tokens: int) -> str:
 
     with httpx.Client(base_url=run.url, timeout=60) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
-        body = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                  "temperature": 0}).json()
+        body = http.post(
+            "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        ).json()
     assert "choices" in body, body
     return body["choices"][0]["text"]

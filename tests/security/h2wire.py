@@ -41,8 +41,15 @@ def _literal(name: str, value: str) -> bytes:
 
 def call_headers(stream: int, path: str, extra: tuple[tuple[str, str], ...] = ()) -> bytes:
     """The HEADERS frame that opens a gRPC call (no END_STREAM: the request message would follow)."""
-    fields = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
-              ("content-type", "application/grpc"), ("te", "trailers"), *extra]
+    fields = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", "x"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        *extra,
+    ]
     return frame(HEADERS, END_HEADERS, stream, b"".join(_literal(k, v) for k, v in fields))
 
 
@@ -58,10 +65,10 @@ def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
     """(type, flags, stream, payload) of every whole frame in `data`."""
     out, i = [], 0
     while i + 9 <= len(data):
-        length = int.from_bytes(data[i:i + 3], "big")
+        length = int.from_bytes(data[i : i + 3], "big")
         if i + 9 + length > len(data):
             break
-        stream = int.from_bytes(data[i + 5:i + 9], "big") & 0x7FFFFFFF
-        out.append((data[i + 3], data[i + 4], stream, data[i + 9:i + 9 + length]))
+        stream = int.from_bytes(data[i + 5 : i + 9], "big") & 0x7FFFFFFF
+        out.append((data[i + 3], data[i + 4], stream, data[i + 9 : i + 9 + length]))
         i += 9 + length
     return out

@@ -22,8 +22,20 @@ pytestmark = pytest.mark.slow
 def deployment(tiny_model_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("admin-drain"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
-        "--slots", "2", "--max-len", "128", "--port", "0",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--slots",
+        "2",
+        "--max-len",
+        "128",
+        "--port",
+        "0",
     )
     yield run
     pids = [c["pid"] for c in run.manifest["children"]]
@@ -44,7 +56,7 @@ def listening_address(port: int) -> str:
             address, hex_port = fields[1].split(":")
             if int(hex_port, 16) == port and fields[3] == "0A":  # LISTEN
                 if len(address) == 8:
-                    return ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                    return ".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0))
                 return address
     raise AssertionError(f"nothing listens on port {port}")
 
@@ -57,8 +69,12 @@ def test_d4_drain_is_not_on_the_pod_port_and_the_admin_port_wants_the_token(depl
     # The admin port: loopback only, whatever the worker's bind address, and no token, no drain.
     admin_port = int(decode["admin"].rsplit(":", 1)[1])
     assert listening_address(admin_port) == "127.0.0.1"
-    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic abc"},
-                    {"Authorization": f"Bearer {deployment.token}x"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong-token"},
+        {"Authorization": "Basic abc"},
+        {"Authorization": f"Bearer {deployment.token}x"},
+    ):
         reply = httpx.get(f"http://{decode['admin']}/drain", headers=headers, timeout=10)
         assert reply.status_code == 401, (headers, reply.text)
     time.sleep(0.3)
@@ -72,8 +88,11 @@ def test_d4_the_preStop_command_drains_and_the_drained_decode_fails_liveness(dep
     import subprocess
 
     decode = deployment.child("decode-1")
-    env = {**cli_env(), "PDSERVE_BROKER_TOKEN": deployment.token,
-           "PDSERVE_ADMIN_PORT": decode["admin"].rsplit(":", 1)[1]}
+    env = {
+        **cli_env(),
+        "PDSERVE_BROKER_TOKEN": deployment.token,
+        "PDSERVE_ADMIN_PORT": decode["admin"].rsplit(":", 1)[1],
+    }
     out = subprocess.run(cli("drain", "--timeout", "30"), env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert '"drained": true' in out.stdout

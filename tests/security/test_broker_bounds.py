@@ -36,8 +36,9 @@ def test_one_services_token_cannot_make_the_broker_hold_much(local):
 
         def register(worker_id: str, pad: int) -> broker_pb2.RegisterReply:
             info = broker_pb2.MemberInfo(worker_id=worker_id, role=broker_pb2.ROLE_ROUTER, labels={"pad": "x" * pad})
-            return stub.Register(broker_pb2.RegisterRequest(service_key=service, member=info), metadata=metadata,
-                                 timeout=5)
+            return stub.Register(
+                broker_pb2.RegisterRequest(service_key=service, member=info), metadata=metadata, timeout=5
+            )
 
         with pytest.raises(grpc.RpcError) as big:
             register("fat", 3 << 20)  # 3 MiB of labels
@@ -53,6 +54,7 @@ def test_one_services_token_cannot_make_the_broker_hold_much(local):
         assert len(leases) == BROKER_MAX_MEMBERS - existing and refused == 2 * BROKER_MAX_MEMBERS - len(leases)
         leases[0] = register("fake-0", 100).lease_id  # a member already there may register again
         for lease in leases:
-            stub.Deregister(broker_pb2.DeregisterRequest(service_key=service, lease_id=lease), metadata=metadata,
-                            timeout=5)
+            stub.Deregister(
+                broker_pb2.DeregisterRequest(service_key=service, lease_id=lease), metadata=metadata, timeout=5
+            )
     assert rss_mib(broker_pid) - before < 64

@@ -44,8 +44,16 @@ def inbox_of(pid: int) -> str:
 
 
 def forged(slot: int, generation: int, num_tokens: int, nonce: str) -> tuple[bytes, str]:
-    msg = json.dumps({"request_id": "victim", "slot": slot, "generation": generation, "nonce": nonce,
-                      "num_tokens": num_tokens, "first_token": FORGED_FIRST_TOKEN})
+    msg = json.dumps(
+        {
+            "request_id": "victim",
+            "slot": slot,
+            "generation": generation,
+            "nonce": nonce,
+            "num_tokens": num_tokens,
+            "first_token": FORGED_FIRST_TOKEN,
+        }
+    )
     return wire.notify_frame(b"kv_ready" + msg.encode(), len(b"kv_ready")), msg
 
 
@@ -61,13 +69,25 @@ def test_forged_ready_notifies_are_dropped_counted_and_the_victim_is_unchanged(l
     dropped_before = decode.Status(worker_pb2.StatusRequest(), metadata=auth, timeout=5).notifies_dropped
 
     # The victim's request, driven as the router drives it.
-    grant = decode.Reserve(worker_pb2.ReserveRequest(request_id="victim", num_prompt_tokens=len(ids), max_tokens=16),
-                           metadata=auth, timeout=5)
+    grant = decode.Reserve(
+        worker_pb2.ReserveRequest(request_id="victim", num_prompt_tokens=len(ids), max_tokens=16),
+        metadata=auth,
+        timeout=5,
+    )
     sampling = sampling_to_proto(SamplingParams(max_tokens=16, temperature=0))
     events: list[worker_pb2.TokenEvent] = []
-    stream = decode.Generate(worker_pb2.GenerateRequest(
-        request_id="victim", slot=grant.slot, generation=grant.generation, prompt_token_ids=ids, sampling=sampling,
-        readiness_timeout_ms=60_000), metadata=auth, timeout=90)
+    stream = decode.Generate(
+        worker_pb2.GenerateRequest(
+            request_id="victim",
+            slot=grant.slot,
+            generation=grant.generation,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            readiness_timeout_ms=60_000,
+        ),
+        metadata=auth,
+        timeout=90,
+    )
     reader = threading.Thread(target=lambda: events.extend(stream), daemon=True)
     reader.start()
     time.sleep(0.3)
@@ -107,8 +127,11 @@ def test_forged_ready_notifies_are_dropped_counted_and_the_victim_is_unchanged(l
     assert dropped == sent_datagrams + 100 and sent_datagrams > 0, (dropped, sent_datagrams)
 
     # The genuine prefill: the victim's answer is exactly the model's.
-    worker_pb2_grpc.PrefillStub(prefill_channel).Prefill(worker_pb2.PrefillRequest(
-        request_id="victim", prompt_token_ids=ids, sampling=sampling, targets=[grant]), metadata=auth, timeout=60)
+    worker_pb2_grpc.PrefillStub(prefill_channel).Prefill(
+        worker_pb2.PrefillRequest(request_id="victim", prompt_token_ids=ids, sampling=sampling, targets=[grant]),
+        metadata=auth,
+        timeout=60,
+    )
     reader.join(60)
     assert "".join(e.text for e in events) == expected
     decode_channel.close()
@@ -131,17 +154,30 @@ def test_a_prefill_refuses_a_grant_without_its_nonce(local, reference) -> None:
     ids = reference.tokenizer.encode("no nonce")
     with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:
         decode = worker_pb2_grpc.DecodeStub(channel)
-        grant = decode.Reserve(worker_pb2.ReserveRequest(request_id="strip", num_prompt_tokens=len(ids), max_tokens=4),
-                               metadata=auth, timeout=5)
+        grant = decode.Reserve(
+            worker_pb2.ReserveRequest(request_id="strip", num_prompt_tokens=len(ids), max_tokens=4),
+            metadata=auth,
+            timeout=5,
+        )
         assert len(grant.nonce) == 16
         stripped = worker_pb2.Grant()
         stripped.CopyFrom(grant)
         stripped.ClearField("nonce")
         with grpc.insecure_channel(local.child("prefill-0")["grpc"]) as pchannel:
             with pytest.raises(grpc.RpcError) as refused:
-                worker_pb2_grpc.PrefillStub(pchannel).Prefill(worker_pb2.PrefillRequest(
-                    request_id="strip", prompt_token_ids=ids, targets=[stripped],
-                    sampling=sampling_to_proto(SamplingParams(max_tokens=4, temperature=0))), metadata=auth, timeout=30)
+                worker_pb2_grpc.PrefillStub(pchannel).Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id="strip",
+                        prompt_token_ids=ids,
+                        targets=[stripped],
+                        sampling=sampling_to_proto(SamplingParams(max_tokens=4, temperature=0)),
+                    ),
+                    metadata=auth,
+                    timeout=30,
+                )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nonce" in refused.value.details()
-        assert decode.Release(worker_pb2.ReleaseRequest(request_id="strip", slot=grant.slot,
-                                                        generation=grant.generation), metadata=auth, timeout=5).released
+        assert decode.Release(
+            worker_pb2.ReleaseRequest(request_id="strip", slot=grant.slot, generation=grant.generation),
+            metadata=auth,
+            timeout=5,
+        ).released

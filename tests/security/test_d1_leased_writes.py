@@ -45,8 +45,9 @@ def test_an_insider_cannot_write_outside_leases_nor_read(decode_peer) -> None:
         # The link stays up for what a push needs: a write into the leased slot.
         sock.sendall(attacker.write_frame(base + start, b"\x13" * 64, seq=4))
         assert attacker.ack(sock) == (api.SUCCESS, 0), (decode.call("security"), leased, start, base)
-    assert {s: decode.call("slot_crc", slot=s) for s in range(3) if s != leased["slot"]} == \
-        {s: crcs[s] for s in range(3) if s != leased["slot"]}
+    assert {s: decode.call("slot_crc", slot=s) for s in range(3) if s != leased["slot"]} == {
+        s: crcs[s] for s in range(3) if s != leased["slot"]
+    }
     stats = decode.call("security")
     assert (stats["write_not_leased"], stats["read_disabled"]) == (2, 1)
     # Once the KV arrived (commit) the lease is gone: a late write is refused.
@@ -66,8 +67,9 @@ def test_the_real_decode_leases_only_reserved_slots(local) -> None:
     with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:
         decode = worker_pb2_grpc.DecodeStub(channel)
         before = decode.Status(worker_pb2.StatusRequest(), metadata=auth, timeout=5).transfer_refusals
-        grant = decode.Reserve(worker_pb2.ReserveRequest(request_id="lease", num_prompt_tokens=4, max_tokens=4),
-                               metadata=auth, timeout=5)
+        grant = decode.Reserve(
+            worker_pb2.ReserveRequest(request_id="lease", num_prompt_tokens=4, max_tokens=4), metadata=auth, timeout=5
+        )
         insider = create_engine("cpu")
         key = link_auth.derive_key(local.token, link_auth.PURPOSE_LINK)
         assert insider.engine.initialize("127.0.0.1", {"pdserve.Transport": "tcp", "pdserve.AuthKey": key.hex()}) == 0
@@ -88,16 +90,31 @@ def test_the_real_decode_leases_only_reserved_slots(local) -> None:
                 own = grant.base_addr + grant.slot * slot_bytes
                 elsewhere = grant.base_addr + other * slot_bytes
             write = api.TransferOp.WRITE
-            assert insider.engine.transfer_sync(grant.engine_id, write, [api.TransferOpDesc(local_addr, elsewhere, 256)],
-                                                2000) == api.PARAM_INVALID
-            assert insider.engine.transfer_sync(grant.engine_id, api.TransferOp.READ,
-                                                [api.TransferOpDesc(local_addr, own, 256)], 2000) == api.PARAM_INVALID
-            assert insider.engine.transfer_sync(grant.engine_id, write, [api.TransferOpDesc(local_addr, own, 256)],
-                                                2000) == api.SUCCESS
-            decode.Release(worker_pb2.ReleaseRequest(request_id="lease", slot=grant.slot, generation=grant.generation),
-                           metadata=auth, timeout=5)
-            assert insider.engine.transfer_sync(grant.engine_id, write, [api.TransferOpDesc(local_addr, own, 256)],
-                                                2000) == api.PARAM_INVALID  # released: the lease went with it
+            assert (
+                insider.engine.transfer_sync(
+                    grant.engine_id, write, [api.TransferOpDesc(local_addr, elsewhere, 256)], 2000
+                )
+                == api.PARAM_INVALID
+            )
+            assert (
+                insider.engine.transfer_sync(
+                    grant.engine_id, api.TransferOp.READ, [api.TransferOpDesc(local_addr, own, 256)], 2000
+                )
+                == api.PARAM_INVALID
+            )
+            assert (
+                insider.engine.transfer_sync(grant.engine_id, write, [api.TransferOpDesc(local_addr, own, 256)], 2000)
+                == api.SUCCESS
+            )
+            decode.Release(
+                worker_pb2.ReleaseRequest(request_id="lease", slot=grant.slot, generation=grant.generation),
+                metadata=auth,
+                timeout=5,
+            )
+            assert (
+                insider.engine.transfer_sync(grant.engine_id, write, [api.TransferOpDesc(local_addr, own, 256)], 2000)
+                == api.PARAM_INVALID
+            )  # released: the lease went with it
         finally:
             insider.engine.finalize()
         after = decode.Status(worker_pb2.StatusRequest(), metadata=auth, timeout=5).transfer_refusals

@@ -28,9 +28,15 @@ pytestmark = pytest.mark.slow
 
 def decode_member(local) -> broker_pb2.Member:
     with grpc.insecure_channel(local.manifest["broker"]) as channel:
-        members = broker_pb2_grpc.BrokerStub(channel).ListMembers(
-            broker_pb2.ListMembersRequest(service_key="local/pdserve", roles=[broker_pb2.ROLE_DECODE]),
-            metadata=(("authorization", f"Bearer {local.token}"),), timeout=5).members
+        members = (
+            broker_pb2_grpc.BrokerStub(channel)
+            .ListMembers(
+                broker_pb2.ListMembersRequest(service_key="local/pdserve", roles=[broker_pb2.ROLE_DECODE]),
+                metadata=(("authorization", f"Bearer {local.token}"),),
+                timeout=5,
+            )
+            .members
+        )
     [member] = members
     return member
 
@@ -38,7 +44,8 @@ def decode_member(local) -> broker_pb2.Member:
 def decode_status(local) -> worker_pb2.DecodeStatus:
     with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:
         return worker_pb2_grpc.DecodeStub(channel).Status(
-            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5)
+            worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {local.token}"),), timeout=5
+        )
 
 
 def test_an_unauthenticated_peer_reads_nothing_and_writes_nothing(local, reference) -> None:
@@ -48,8 +55,7 @@ def test_an_unauthenticated_peer_reads_nothing_and_writes_nothing(local, referen
     before = decode_status(local).transfer_refusals
 
     # 1. The old protocol: HELLO, then straight to READ/WRITE. All it gets is a CHALLENGE.
-    for frame in (attacker.read_request([(region.addr, 4096)]),
-                  attacker.write_frame(region.addr, b"\xff" * 4096)):
+    for frame in (attacker.read_request([(region.addr, 4096)]), attacker.write_frame(region.addr, b"\xff" * 4096)):
         with attacker.connect(engine_id) as sock:
             _, challenge = attacker.hello(sock)
             assert set(challenge) == {"auth", "nonce"} and challenge["auth"] is True
@@ -122,8 +128,10 @@ def test_unauthenticated_attacks_leave_every_byte_of_the_pool_as_it_was(decode_p
     grant = decode.call("reserve", request_id="victim", ttl_s=60)  # a live, leased slot
     crcs = [decode.call("slot_crc", slot=s) for s in range(2)]
     base = decode.info["base_addr"]
-    for payload in (attacker.write_frame(base, b"\x01" * 1024),
-                    attacker.write_frame(base + grant["layout"]["max_len"], b"\x02" * 64)):
+    for payload in (
+        attacker.write_frame(base, b"\x01" * 1024),
+        attacker.write_frame(base + grant["layout"]["max_len"], b"\x02" * 64),
+    ):
         with attacker.connect(decode.info["engine_id"]) as sock:
             attacker.hello(sock)
             sock.sendall(payload)

@@ -128,17 +128,24 @@ def test_a_read_frame_cannot_ask_for_more_than_the_cap(decode_peer) -> None:
         assert backend.engine.register_mem(api.MemDesc(addr, 64), api.MEM_HOST)[0] == api.SUCCESS
         assert backend.engine.connect(decode.info["engine_id"], 2000) == api.SUCCESS
         descs = [api.TransferOpDesc(addr, base, 64)] * ((wire.MAX_READ_BYTES // 64) + 1)
-        assert backend.engine.transfer_sync(decode.info["engine_id"], api.TransferOp.READ, descs, 5000) == api.PARAM_INVALID
+        assert (
+            backend.engine.transfer_sync(decode.info["engine_id"], api.TransferOp.READ, descs, 5000)
+            == api.PARAM_INVALID
+        )
     finally:
         backend.engine.finalize()
 
 
-@pytest.mark.parametrize("frame", [
-    wire.header(wire.Kind.NOTIFY, 8, 1, 1 << 30),  # a notify body of 1 GiB
-    wire.header(wire.Kind.WRITE, 1, 1, 1 << 50),  # a write payload of 1 PiB
-    wire.header(wire.Kind.WRITE, 1 << 20, 1, 0),  # a million descriptors
-    wire.header(wire.Kind.HELLO_ACK, 0, 1, 0),  # a server's frame from a client
-], ids=["notify-1GiB", "write-1PiB", "descs-1M", "wrong-kind"])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        wire.header(wire.Kind.NOTIFY, 8, 1, 1 << 30),  # a notify body of 1 GiB
+        wire.header(wire.Kind.WRITE, 1, 1, 1 << 50),  # a write payload of 1 PiB
+        wire.header(wire.Kind.WRITE, 1 << 20, 1, 0),  # a million descriptors
+        wire.header(wire.Kind.HELLO_ACK, 0, 1, 0),  # a server's frame from a client
+    ],
+    ids=["notify-1GiB", "write-1PiB", "descs-1M", "wrong-kind"],
+)
 def test_oversized_or_wrong_frames_drop_the_link_without_allocating(decode_peer, frame: bytes) -> None:
     """Even an authenticated peer (the key holder) cannot make the server allocate from a
     header: the caps are checked before anything is read, and the link is dropped."""

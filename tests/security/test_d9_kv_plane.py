@@ -90,11 +90,20 @@ def test_floods_of_forged_notifies_and_failed_handshakes_log_a_summary_not_a_lin
     channel = grpc.insecure_channel(decode["grpc"])
     stub = worker_pb2_grpc.DecodeStub(channel)
     # A request that waits for its KV keeps the decode draining its inbox while we flood it.
-    grant = stub.Reserve(worker_pb2.ReserveRequest(request_id="waits", num_prompt_tokens=2, max_tokens=2),
-                         metadata=auth, timeout=5)
-    waiting = stub.Generate(worker_pb2.GenerateRequest(request_id="waits", slot=grant.slot, generation=grant.generation,
-                                                       prompt_token_ids=[1, 2], readiness_timeout_ms=60_000),
-                            metadata=auth, timeout=90)
+    grant = stub.Reserve(
+        worker_pb2.ReserveRequest(request_id="waits", num_prompt_tokens=2, max_tokens=2), metadata=auth, timeout=5
+    )
+    waiting = stub.Generate(
+        worker_pb2.GenerateRequest(
+            request_id="waits",
+            slot=grant.slot,
+            generation=grant.generation,
+            prompt_token_ids=[1, 2],
+            readiness_timeout_ms=60_000,
+        ),
+        metadata=auth,
+        timeout=90,
+    )
     time.sleep(0.3)
     sent = 0
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
@@ -129,16 +138,32 @@ def test_shutdown_stops_the_transfer_server_before_freeing_the_pool(tiny_model_d
     the pool was freed first, while a server thread could be receiving into it)."""
     os.environ["PDSERVE_ENGINE_OPTIONS"] = json.dumps({"pdserve.Transport": "tcp"})
     try:
-        run = LocalRun.start(tmp_path / "stop", "--model", str(tiny_model_dir), "--dtype", "float32",
-                             "--prefill", "1", "--decode", "1", "--slots", str(SLOTS), "--max-len", str(MAX_LEN),
-                             "--port", "0")
+        run = LocalRun.start(
+            tmp_path / "stop",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--slots",
+            str(SLOTS),
+            "--max-len",
+            str(MAX_LEN),
+            "--port",
+            "0",
+        )
     finally:
         del os.environ["PDSERVE_ENGINE_OPTIONS"]
     auth = (("authorization", f"Bearer {run.token}"),)
     with grpc.insecure_channel(run.child("decode-0")["grpc"]) as channel:
         grant = worker_pb2_grpc.DecodeStub(channel).Reserve(
             worker_pb2.ReserveRequest(request_id="slow", num_prompt_tokens=8, max_tokens=8, lease_ms=1500),
-            metadata=auth, timeout=5)
+            metadata=auth,
+            timeout=5,
+        )
     key = link_auth.derive_key(run.token, link_auth.PURPOSE_LINK)
     sock = attacker.connect(grant.engine_id)
     attacker.authenticate(sock, key)

@@ -45,9 +45,19 @@ def loaded(tiny_model_dir):
 
 @pytest_asyncio.fixture
 async def decode(loaded):
-    settings = WorkerSettings(role="decode", service=SVC, broker_address="127.0.0.1:1", broker_token=TOKEN,
-                              worker_id="decode-0", advertise_host="127.0.0.1", grpc_port=free_port(),
-                              transfer_port=free_port(), model_dtype="float32", max_length=64, slots=2)
+    settings = WorkerSettings(
+        role="decode",
+        service=SVC,
+        broker_address="127.0.0.1:1",
+        broker_token=TOKEN,
+        worker_id="decode-0",
+        advertise_host="127.0.0.1",
+        grpc_port=free_port(),
+        transfer_port=free_port(),
+        model_dtype="float32",
+        max_length=64,
+        slots=2,
+    )
     backend = create_engine("cpu")
     assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
     worker = DecodeWorker(settings, loaded, backend, "rev")
@@ -72,24 +82,43 @@ async def decode(loaded):
 
 
 def notify(attacker, engine_id: str, grant, nonce: str, **fields) -> None:
-    message = {"request_id": "victim", "slot": grant.slot, "generation": grant.generation, "nonce": nonce,
-               "num_tokens": len(PROMPT) - 1, "first_token": PROMPT[-1], "migrated": 1, "seed": SEED,
-               "num_generated": 3, **fields}
+    message = {
+        "request_id": "victim",
+        "slot": grant.slot,
+        "generation": grant.generation,
+        "nonce": nonce,
+        "num_tokens": len(PROMPT) - 1,
+        "first_token": PROMPT[-1],
+        "migrated": 1,
+        "seed": SEED,
+        "num_generated": 3,
+        **fields,
+    }
     status = attacker.engine.send_notify(engine_id, attacker.api.NotifyDesc("kv_ready", json.dumps(message)), 2000)
     assert status == attacker.api.SUCCESS
 
 
 async def generate(stub, grant, *, migrated: bool = True, timeout_ms: int = 1500, prompt=PROMPT):
     params = SamplingParams(max_tokens=8, temperature=0.7, seed=SEED, ignore_eos=True)
-    call = stub.Generate(worker_pb2.GenerateRequest(
-        request_id="victim", slot=grant.slot, generation=grant.generation, prompt_token_ids=prompt,
-        sampling=sampling_to_proto(params), readiness_timeout_ms=timeout_ms, num_generated=3, migrated=migrated))
+    call = stub.Generate(
+        worker_pb2.GenerateRequest(
+            request_id="victim",
+            slot=grant.slot,
+            generation=grant.generation,
+            prompt_token_ids=prompt,
+            sampling=sampling_to_proto(params),
+            readiness_timeout_ms=timeout_ms,
+            num_generated=3,
+            migrated=migrated,
+        )
+    )
     return call
 
 
 async def reserve(stub):
-    return await stub.Reserve(worker_pb2.ReserveRequest(request_id="victim", num_prompt_tokens=len(PROMPT),
-                                                        max_tokens=5, lease_ms=30_000))
+    return await stub.Reserve(
+        worker_pb2.ReserveRequest(request_id="victim", num_prompt_tokens=len(PROMPT), max_tokens=5, lease_ms=30_000)
+    )
 
 
 @pytest.mark.asyncio
@@ -112,13 +141,16 @@ async def test_a_migration_notify_without_the_nonce_is_dropped_and_the_request_n
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("fields, why", [
-    ({"seed": SEED + 1}, "generation state"),
-    ({"num_generated": 2}, "generation state"),
-    ({"num_tokens": len(PROMPT)}, "tokens of KV"),
-    ({"first_token": 99}, "tokens of KV"),
-    ({"migrated": 0}, "a prefill's KV came for a migrated request"),
-])
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"seed": SEED + 1}, "generation state"),
+        ({"num_generated": 2}, "generation state"),
+        ({"num_tokens": len(PROMPT)}, "tokens of KV"),
+        ({"first_token": 99}, "tokens of KV"),
+        ({"migrated": 0}, "a prefill's KV came for a migrated request"),
+    ],
+)
 async def test_a_notify_with_the_nonce_but_not_the_request_s_state_is_refused(decode, fields, why) -> None:
     worker, stub, attacker = decode
     grant = await reserve(stub)
@@ -147,8 +179,16 @@ async def test_a_migration_notify_for_a_prefilled_request_is_refused(decode) -> 
 async def test_a_migrated_generate_needs_a_streamed_token(decode) -> None:
     _, stub, _ = decode
     grant = await reserve(stub)
-    call = stub.Generate(worker_pb2.GenerateRequest(request_id="victim", slot=grant.slot, generation=grant.generation,
-                                                    prompt_token_ids=PROMPT, migrated=True, num_generated=0))
+    call = stub.Generate(
+        worker_pb2.GenerateRequest(
+            request_id="victim",
+            slot=grant.slot,
+            generation=grant.generation,
+            prompt_token_ids=PROMPT,
+            migrated=True,
+            num_generated=0,
+        )
+    )
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         async for _ in call:
             pass
@@ -160,7 +200,10 @@ async def test_migrate_of_a_request_never_handed_over_is_refused(decode) -> None
     _, stub, _ = decode
     grant = await reserve(stub)
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await stub.Migrate(worker_pb2.MigrateRequest(request_id="victim", slot=grant.slot,
-                                                     generation=grant.generation, targets=[grant]))
+        await stub.Migrate(
+            worker_pb2.MigrateRequest(
+                request_id="victim", slot=grant.slot, generation=grant.generation, targets=[grant]
+            )
+        )
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert push_settled(raised.value)

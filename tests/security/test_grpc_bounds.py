@@ -28,8 +28,11 @@ from security.conftest import GRPC_HANDSHAKE_MS, GRPC_IDLE_MS, GRPC_MAX_CONNECTI
 
 pytestmark = pytest.mark.slow
 
-METHODS = {"broker": "/pdserve.v1.Broker/ListMembers", "decode-0": "/pdserve.v1.Decode/Reserve",
-           "prefill-0": "/pdserve.v1.Prefill/Prefill"}
+METHODS = {
+    "broker": "/pdserve.v1.Broker/ListMembers",
+    "decode-0": "/pdserve.v1.Decode/Reserve",
+    "prefill-0": "/pdserve.v1.Prefill/Prefill",
+}
 
 
 def grpc_ports(run) -> dict[str, str]:

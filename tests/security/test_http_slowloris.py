@@ -79,12 +79,18 @@ def test_requests_not_whole_within_the_deadline_are_cut_on_every_http_port(local
         partial = connect(address)
         partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         body = connect(address)  # the whole head, half the promised body
-        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": '
+        )
         slow = connect(address)
         threading.Thread(target=trickle, args=(slow, stop), daemon=True).start()
-        held += [(name, "silent", silent), (name, "partial head", partial), (name, "partial body", body),
-                 (name, "trickle", slow)]
+        held += [
+            (name, "silent", silent),
+            (name, "partial head", partial),
+            (name, "partial body", body),
+            (name, "trickle", slow),
+        ]
     try:
         assert httpx.get(f"{local.url}/health", timeout=5).status_code == 200  # served meanwhile
         waited = {(name, kind): closed_within(sock, HTTP_DEADLINE_S + 2.0) for name, kind, sock in held}

@@ -35,8 +35,22 @@ MAX_LEN = 256
 def attacked(tiny_model_dir, tmp_path_factory):
     run = LocalRun.start(
         tmp_path_factory.mktemp("router-attacks"),
-        "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "2",
-        "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--layers-per-chunk", "1", "--port", "0",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--slots",
+        str(SLOTS),
+        "--max-len",
+        str(MAX_LEN),
+        "--layers-per-chunk",
+        "1",
+        "--port",
+        "0",
     )
     yield run
     pids = [c["pid"] for c in run.manifest["children"]]
@@ -58,7 +72,8 @@ def decode_slots(run: LocalRun) -> dict[str, worker_pb2.DecodeStatus]:
             continue
         with grpc.insecure_channel(child["grpc"]) as channel:
             out[child["name"]] = worker_pb2_grpc.DecodeStub(channel).Status(
-                worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {run.token}"),), timeout=5)
+                worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {run.token}"),), timeout=5
+            )
     return out
 
 
@@ -71,8 +86,10 @@ def all_free_within(run: LocalRun, seconds: float) -> float:
         if all(s.slots_free == s.slots_total for s in status.values()):
             return time.monotonic() - started
         if time.monotonic() - started > seconds:
-            raise AssertionError(f"slots still held {seconds}s after the attack: "
-                                 + ", ".join(f"{n}: {s.slots_free}/{s.slots_total} free" for n, s in status.items()))
+            raise AssertionError(
+                f"slots still held {seconds}s after the attack: "
+                + ", ".join(f"{n}: {s.slots_free}/{s.slots_total} free" for n, s in status.items())
+            )
         time.sleep(0.02)
 
 
@@ -80,8 +97,12 @@ def metric(run: LocalRun, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{run.url}/metrics").text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def post_and_vanish(url: str, body: dict, linger_s: float) -> None:
@@ -89,8 +110,11 @@ def post_and_vanish(url: str, body: dict, linger_s: float) -> None:
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         time.sleep(linger_s)
 
 
@@ -98,14 +122,23 @@ def test_d2_top_k_past_uint32_is_400_and_holds_no_slot(attacked, model):
     """D2: top_k=2**63 was a 500 after the Reserve and held the slot ~65 s; 15 of them made
     every request 429 for ~50 s."""
     with ThreadPoolExecutor(15) as pool:
-        replies = list(pool.map(lambda _: httpx.post(f"{attacked.url}/v1/completions", json={
-            "model": model, "prompt": "hello", "max_tokens": 4, "top_k": 2**63}, timeout=30), range(15)))
+        replies = list(
+            pool.map(
+                lambda _: httpx.post(
+                    f"{attacked.url}/v1/completions",
+                    json={"model": model, "prompt": "hello", "max_tokens": 4, "top_k": 2**63},
+                    timeout=30,
+                ),
+                range(15),
+            )
+        )
     assert {r.status_code for r in replies} == {400}
     assert all(r.json()["error"]["param"] == "top_k" for r in replies)
     all_free_within(attacked, 1.0)
     assert httpx.get(f"{attacked.url}/health").json()["in_flight"] == {"decode": 0, "prefill": 0}
-    ok = httpx.post(f"{attacked.url}/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 4},
-                    timeout=30)
+    ok = httpx.post(
+        f"{attacked.url}/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 4}, timeout=30
+    )
     assert ok.status_code == 200
 
 
@@ -117,9 +150,23 @@ def test_d3_instant_disconnects_leave_every_slot_free_within_a_second(attacked, 
     returned_before = metric(attacked, "pdserve_router_grants_returned_total")
     cancelled_before = metric(attacked, "pdserve_router_requests_failed_total", reason="cancelled")
     rng = random.Random(13)
-    threads = [threading.Thread(target=post_and_vanish, args=(attacked.url, {
-        "model": model, "prompt": f"disconnect {i} " * 8, "max_tokens": 64, "ignore_eos": True,
-        "stream": i % 2 == 0}, rng.uniform(0.0, 0.006))) for i in range(40)]
+    threads = [
+        threading.Thread(
+            target=post_and_vanish,
+            args=(
+                attacked.url,
+                {
+                    "model": model,
+                    "prompt": f"disconnect {i} " * 8,
+                    "max_tokens": 64,
+                    "ignore_eos": True,
+                    "stream": i % 2 == 0,
+                },
+                rng.uniform(0.0, 0.006),
+            ),
+        )
+        for i in range(40)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -133,16 +180,26 @@ def test_d3_instant_disconnects_leave_every_slot_free_within_a_second(attacked, 
     took = all_free_within(attacked, 1.0)
     assert httpx.get(f"{attacked.url}/health").json()["in_flight"] == {"decode": 0, "prefill": 0}
     # No slot was quarantined for a push that could not be running any more.
-    outcomes = {o: metric(attacked, "pdserve_router_grants_returned_total", outcome=o)
-                for o in ("released", "quarantined", "stream", "lease")}
+    outcomes = {
+        o: metric(attacked, "pdserve_router_grants_returned_total", outcome=o)
+        for o in ("released", "quarantined", "stream", "lease")
+    }
     assert outcomes["quarantined"] == 0 and outcomes["lease"] == 0, outcomes
     # Those that got a grant before their client vanished gave it back, counted (with 2 x 4 slots for
     # 40 requests, the others waited in the admission queue and left it with their clients).
     assert sum(outcomes.values()) > returned_before
     print(f"all slots free {took:.3f}s after 40 instant disconnects; grants returned: {outcomes}")
     with ThreadPoolExecutor(2 * SLOTS) as pool:  # and every slot serves again
-        replies = list(pool.map(lambda i: httpx.post(f"{attacked.url}/v1/completions", json={
-            "model": model, "prompt": f"after {i}", "max_tokens": 4}, timeout=60), range(2 * SLOTS)))
+        replies = list(
+            pool.map(
+                lambda i: httpx.post(
+                    f"{attacked.url}/v1/completions",
+                    json={"model": model, "prompt": f"after {i}", "max_tokens": 4},
+                    timeout=60,
+                ),
+                range(2 * SLOTS),
+            )
+        )
     assert [r.status_code for r in replies] == [200] * (2 * SLOTS)
 
 
@@ -181,8 +238,10 @@ def test_d5_a_10_mb_body_is_413_at_once_while_a_stream_keeps_its_pace(attacked, 
     health.get("/health")
     with socket.create_connection((host, int(port))) as sock:
         started = time.monotonic()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode())
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
         sock.settimeout(5)
         answer = sock.recv(65536)
         answered_ms = (time.monotonic() - started) * 1000
@@ -203,8 +262,10 @@ def test_d5_a_10_mb_body_is_413_at_once_while_a_stream_keeps_its_pace(attacked, 
     assert finished, f"the stream broke off after {len(gaps)} chunks"
     # "Keeps its pace": no gap while the attack ran is more than a few normal steps long.
     assert max(during) < max(10 * before, 0.25), (before, max(during))
-    print(f"413 in {answered_ms:.2f} ms; /health {max(health_ms):.1f} ms; stream gap median {before * 1000:.1f} ms, "
-          f"max during attack {max(during) * 1000:.1f} ms")
+    print(
+        f"413 in {answered_ms:.2f} ms; /health {max(health_ms):.1f} ms; stream gap median {before * 1000:.1f} ms, "
+        f"max during attack {max(during) * 1000:.1f} ms"
+    )
 
 
 def test_d5_many_empty_messages_are_refused_by_their_number(attacked, model):
@@ -222,15 +283,20 @@ def test_d5_many_empty_messages_are_refused_by_their_number(attacked, model):
     reply = httpx.post(f"{attacked.url}/v1/chat/completions", json=body, timeout=60)
     elapsed = time.monotonic() - started
     assert reply.status_code == 400 and "messages" in reply.json()["error"]["message"]
-    assert elapsed < 4 * baseline + 0.5, f"refusing 200k empty messages took {elapsed:.2f} s, a same-size body {baseline:.2f} s"
+    assert elapsed < 4 * baseline + 0.5, (
+        f"refusing 200k empty messages took {elapsed:.2f} s, a same-size body {baseline:.2f} s"
+    )
 
 
 def test_d6_five_mb_of_stop_strings_is_400_and_quarantines_nothing(attacked, model):
     """D6: more than 4 MiB of stop strings passed the API, overran gRPC's receive limit at the
     decode (a 500) and left the reserved slot quarantined 35 s."""
     for stop in (["s" * (5 * 1024 * 1024)], ["s" * (320 * 1024)] * 16):
-        reply = httpx.post(f"{attacked.url}/v1/completions",
-                           json={"model": model, "prompt": "hello", "max_tokens": 4, "stop": stop}, timeout=30)
+        reply = httpx.post(
+            f"{attacked.url}/v1/completions",
+            json={"model": model, "prompt": "hello", "max_tokens": 4, "stop": stop},
+            timeout=30,
+        )
         assert reply.status_code == 400, reply.text[:300]
         assert reply.json()["error"]["param"] == "stop"
     status = decode_slots(attacked)
@@ -251,11 +317,24 @@ def test_d9_error_bodies_name_no_worker_and_carry_the_request_id(attacked, model
             with grpc.insecure_channel(child["grpc"]) as channel:
                 stub = worker_pb2_grpc.DecodeStub(channel)
                 for _ in range(SLOTS):
-                    held.append((child["grpc"], stub.Reserve(worker_pb2.ReserveRequest(
-                        request_id="holder", num_prompt_tokens=1, max_tokens=1, lease_ms=60_000),
-                        metadata=metadata, timeout=5)))
-        reply = httpx.post(f"{attacked.url}/v1/completions", headers={"x-pdserve-deadline-ms": "300"},
-                           json={"model": model, "prompt": "one more", "max_tokens": 4}, timeout=30)
+                    held.append(
+                        (
+                            child["grpc"],
+                            stub.Reserve(
+                                worker_pb2.ReserveRequest(
+                                    request_id="holder", num_prompt_tokens=1, max_tokens=1, lease_ms=60_000
+                                ),
+                                metadata=metadata,
+                                timeout=5,
+                            ),
+                        )
+                    )
+        reply = httpx.post(
+            f"{attacked.url}/v1/completions",
+            headers={"x-pdserve-deadline-ms": "300"},
+            json={"model": model, "prompt": "one more", "max_tokens": 4},
+            timeout=30,
+        )
         assert reply.status_code == 429, reply.text
         assert reply.json()["error"]["code"] == "deadline"
         message = reply.json()["error"]["message"]
@@ -267,9 +346,13 @@ def test_d9_error_bodies_name_no_worker_and_carry_the_request_id(attacked, model
     finally:
         for address, grant in held:
             with grpc.insecure_channel(address) as channel:
-                worker_pb2_grpc.DecodeStub(channel).Release(worker_pb2.ReleaseRequest(
-                    request_id="holder", slot=grant.slot, generation=grant.generation, push_settled=True),
-                    metadata=metadata, timeout=5)
+                worker_pb2_grpc.DecodeStub(channel).Release(
+                    worker_pb2.ReleaseRequest(
+                        request_id="holder", slot=grant.slot, generation=grant.generation, push_settled=True
+                    ),
+                    metadata=metadata,
+                    timeout=5,
+                )
     all_free_within(attacked, 1.0)
 
 
@@ -286,9 +369,17 @@ def test_a_vanishing_temperature_or_top_p_is_sampled_and_kills_no_batch(attacked
     victims: dict[int, httpx.Response] = {}
 
     def victim(i: int) -> None:
-        victims[i] = httpx.post(f"{attacked.url}/v1/completions", json={
-            "model": model, "prompt": f"victim {i} " * 4, "max_tokens": MAX_LEN - 40, "ignore_eos": True,
-            "temperature": 0}, timeout=120)
+        victims[i] = httpx.post(
+            f"{attacked.url}/v1/completions",
+            json={
+                "model": model,
+                "prompt": f"victim {i} " * 4,
+                "max_tokens": MAX_LEN - 40,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+            timeout=120,
+        )
 
     threads = [threading.Thread(target=victim, args=(i,)) for i in range(2)]  # one per decode
     for t in threads:
@@ -297,13 +388,19 @@ def test_a_vanishing_temperature_or_top_p_is_sampled_and_kills_no_batch(attacked
     # Around the float32 edge where the first token survives and a later one does not.
     temperatures = [1.0e-38 + k * 0.02e-38 for k in range(12)] + [1e-300, 5e-39]
     attacks = [{"temperature": t} for t in temperatures] + [{"top_p": p} for p in (1e-300, 1e-46)]
-    replies = [httpx.post(f"{attacked.url}/v1/completions", json={
-        "model": model, "prompt": "hello world", "max_tokens": 60, "ignore_eos": True, **extra}, timeout=60)
-        for extra in attacks]
+    replies = [
+        httpx.post(
+            f"{attacked.url}/v1/completions",
+            json={"model": model, "prompt": "hello world", "max_tokens": 60, "ignore_eos": True, **extra},
+            timeout=60,
+        )
+        for extra in attacks
+    ]
     for t in threads:
         t.join()
     assert [r.status_code for r in replies] == [200] * len(attacks), [
-        (a, r.status_code) for a, r in zip(attacks, replies) if r.status_code != 200]
+        (a, r.status_code) for a, r in zip(attacks, replies) if r.status_code != 200
+    ]
     assert all(r.json()["usage"]["completion_tokens"] == 60 for r in replies)
     assert [victims[i].status_code for i in range(2)] == [200, 200]
     assert metric(attacked, "pdserve_router_request_retries_total") == retries_before, "a victim was aborted"

@@ -30,8 +30,23 @@ def tls_run(tiny_model_dir, tmp_path_factory):
     # One decode instance of two processes, so the leader -> follower hop is exercised too.
     run = LocalRun.start(
         tmp_path_factory.mktemp("tls-local"),
-        "--tls", "--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1",
-        "--layer-shards", "2", "--slots", "2", "--max-len", "128", "--port", "0",
+        "--tls",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--layer-shards",
+        "2",
+        "--slots",
+        "2",
+        "--max-len",
+        "128",
+        "--port",
+        "0",
     )
     yield run
     pids = [c["pid"] for c in run.manifest["children"]]
@@ -49,7 +64,7 @@ def listening_ports(pid: int) -> set[int]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -62,8 +77,13 @@ def listening_ports(pid: int) -> set[int]:
 def test_d8_the_router_serves_https_to_a_client_with_the_run_ca(tls_run):
     ca = tls_run.manifest["ca_file"]
     assert tls_run.url.startswith("https://") and Path(ca).is_file()
-    client = openai.OpenAI(base_url=f"{tls_run.url}/v1", api_key="unused", max_retries=0, timeout=60,
-                           http_client=httpx.Client(verify=ssl.create_default_context(cafile=ca)))
+    client = openai.OpenAI(
+        base_url=f"{tls_run.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        http_client=httpx.Client(verify=ssl.create_default_context(cafile=ca)),
+    )
     model = client.models.list().data[0].id
     answer = client.completions.create(model=model, prompt="Over TLS,", max_tokens=6, temperature=0)
     assert answer.choices[0].text and answer.model_extra["pdserve"]["disaggregated"] is True
@@ -109,6 +129,11 @@ def test_d8_grpc_ports_want_a_client_certificate_of_the_run_ca(tls_run):
     assert anonymous.value.code() == grpc.StatusCode.UNAVAILABLE
     assert status(grpc.ssl_channel_credentials(ca, key, cert)).slots_total == 2  # the positive control
     with grpc.secure_channel(tls_run.manifest["broker"], grpc.ssl_channel_credentials(ca, key, cert)) as channel:
-        members = broker_pb2_grpc.BrokerStub(channel).ListMembers(
-            broker_pb2.ListMembersRequest(service_key=tls_run.manifest["service"]), metadata=token, timeout=5).members
+        members = (
+            broker_pb2_grpc.BrokerStub(channel)
+            .ListMembers(
+                broker_pb2.ListMembersRequest(service_key=tls_run.manifest["service"]), metadata=token, timeout=5
+            )
+            .members
+        )
     assert {m.info.role for m in members} >= {broker_pb2.ROLE_DECODE, broker_pb2.ROLE_PREFILL}

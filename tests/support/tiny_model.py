@@ -42,7 +42,6 @@ _CORPUS = (
 )
 
 
-
 def build_tiny_tokenizer(vocab_size: int = 384) -> BackendTokenizer:
     """A byte-level BPE trained on a fixed corpus (deterministic: same corpus, same merges)."""
     tok = BackendTokenizer(models.BPE())
@@ -90,8 +89,9 @@ def write_tiny_model(directory: str | Path, seed: int = 0, **overrides: Any) -> 
     return out
 
 
-def write_tiny_gguf(path: str | Path, seed: int = 0, quantized: tuple[str, ...] | dict[str, str] = (),
-                    **overrides: Any) -> Path:
+def write_tiny_gguf(
+    path: str | Path, seed: int = 0, quantized: tuple[str, ...] | dict[str, str] = (), **overrides: Any
+) -> Path:
     """The same tiny model as a llama.cpp-style GGUF file (Q/K rows permuted as llama.cpp does).
 
     Tensors are F32 (exactly the HF folder's weights) except the GGUF tensor names listed in
@@ -143,7 +143,17 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, quantized: tuple[str, ...] 
     hf_to_gguf = {}
     names = ["token_embd.weight", "output_norm.weight"] + ([] if config.tie_word_embeddings else ["output.weight"])
     for layer in range(config.num_layers):
-        for part in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        for part in (
+            "attn_norm",
+            "ffn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ):
             names.append(f"blk.{layer}.{part}.weight")
     for name in names:
         hf_to_gguf[gguf_to_hf_name(name)] = name

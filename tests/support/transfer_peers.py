@@ -73,7 +73,9 @@ class PeerProcess:
     info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, main: Callable[[Connection, dict[str, Any]], None], config: dict[str, Any], wait_s: float = 60) -> PeerProcess:
+    def start(
+        cls, main: Callable[[Connection, dict[str, Any]], None], config: dict[str, Any], wait_s: float = 60
+    ) -> PeerProcess:
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(target=main, args=(child, config), daemon=True)
@@ -133,17 +135,28 @@ def _serve(conn: Connection, handlers: dict[str, Callable[..., Any]], info: dict
 
 def grant_to_dict(grant: Grant) -> dict[str, Any]:
     """A grant as the peers' pipe carries it (plain values: tests read and forge its fields)."""
-    return {"request_id": grant.request_id, "slot": grant.slot, "generation": grant.generation,
-            "engine_id": grant.engine_id, "base_addr": grant.base_addr, "layout": grant.layout.to_dict(),
-            "nonce": grant.nonce}
+    return {
+        "request_id": grant.request_id,
+        "slot": grant.slot,
+        "generation": grant.generation,
+        "engine_id": grant.engine_id,
+        "base_addr": grant.base_addr,
+        "layout": grant.layout.to_dict(),
+        "nonce": grant.nonce,
+    }
 
 
 def grant_from_dict(data: dict[str, Any]) -> Grant:
     layout = data["layout"]
-    return Grant(request_id=str(data["request_id"]), slot=int(data["slot"]), generation=int(data["generation"]),
-                 engine_id=str(data["engine_id"]), base_addr=int(data["base_addr"]),
-                 layout=layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout),
-                 nonce=str(data.get("nonce", "")))
+    return Grant(
+        request_id=str(data["request_id"]),
+        slot=int(data["slot"]),
+        generation=int(data["generation"]),
+        engine_id=str(data["engine_id"]),
+        base_addr=int(data["base_addr"]),
+        layout=layout if isinstance(layout, KVLayout) else KVLayout.from_dict(layout),
+        nonce=str(data.get("nonce", "")),
+    )
 
 
 def decode_main(conn: Connection, config: dict[str, Any]) -> None:
@@ -164,7 +177,10 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     # As a decode worker does it: reserved slots leased (what counts with `pdserve.RemoteWrite=
     # leased`), and a ready notify filed only with its grant's nonce.
     slots = SlotTable(
-        layout, engine_id=config["engine_id"], base_addr=pool.base_addr, quarantine_s=config.get("quarantine_s", 30.0),
+        layout,
+        engine_id=config["engine_id"],
+        base_addr=pool.base_addr,
+        quarantine_s=config.get("quarantine_s", 30.0),
         leases=SlotWriteLeases(backend, pool.base_addr, layout),
     )
     readiness = Readiness(
@@ -206,8 +222,13 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
         "checksums": lambda slot, num_tokens: run_checksums(pool.base_addr, layout, slot, num_tokens),
         "slot_crc": lambda slot: crc(pool.base_addr + layout.slot_span(slot)[0], layout.bytes_per_slot),
         "untouched_beyond": lambda slot, num_tokens: untouched_beyond(pool.base_addr, layout, slot, num_tokens),
-        "security": lambda: {**backend.engine.security_stats(), **{f"notify_{k}": v for k, v in readiness.drops.totals().items()}},
-        "fill": lambda slot, byte: ctypes.memset(pool.base_addr + layout.slot_span(slot)[0], byte, layout.bytes_per_slot) and None,
+        "security": lambda: {
+            **backend.engine.security_stats(),
+            **{f"notify_{k}": v for k, v in readiness.drops.totals().items()},
+        },
+        "fill": lambda slot, byte: (
+            ctypes.memset(pool.base_addr + layout.slot_span(slot)[0], byte, layout.bytes_per_slot) and None
+        ),
     }
     try:
         _serve(conn, handlers, {"engine_id": config["engine_id"], "base_addr": pool.base_addr, "pid": os.getpid()})

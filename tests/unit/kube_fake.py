@@ -198,8 +198,11 @@ class MemoryKube:
             raise KubeError(409, "AlreadyExists", f'{kind.plural} "{meta["name"]}" already exists', "POST", path)
         if kind.kind in STATUS_SUBRESOURCE:
             new.pop("status", None)
-        meta.update(uid=f"00000000-0000-4000-8000-{next(self._uid):012d}", resourceVersion=str(next(self._rv)),
-                    creationTimestamp="2026-12-01T00:00:00Z")
+        meta.update(
+            uid=f"00000000-0000-4000-8000-{next(self._uid):012d}",
+            resourceVersion=str(next(self._rv)),
+            creationTimestamp="2026-12-01T00:00:00Z",
+        )
         if kind.kind not in NO_GENERATION:
             meta["generation"] = 1
         self.objects[key] = new
@@ -260,8 +263,12 @@ DEFAULTS = ch.Defaults(image="img:1", broker_address="broker:50070")
 
 
 def service(name: str, namespace: str, spec: Obj | None = None) -> Obj:
-    return {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": name, "namespace": namespace},
-            "spec": spec or {}}
+    return {
+        "apiVersion": s.API_VERSION,
+        "kind": s.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec or {},
+    }
 
 
 def reconciler(kube: KubeClient, tokens: Iterator[str] | None = None) -> Reconciler:

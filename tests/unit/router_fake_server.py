@@ -28,9 +28,12 @@ def main() -> None:
     port, grace_s, tokens, delay_s = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     logs.setup("router")
     backend = ScriptedBackend(
-        pieces=[f"t{i} " for i in range(tokens)], delay_s=delay_s, max_model_len=100_000,
-        on_close=lambda call: print(f"closed {call.request_id} cancelled={call.cancelled} tokens={call.tokens_sent}",
-                                    flush=True),
+        pieces=[f"t{i} " for i in range(tokens)],
+        delay_s=delay_s,
+        max_model_len=100_000,
+        on_close=lambda call: print(
+            f"closed {call.request_id} cancelled={call.cancelled} tokens={call.tokens_sent}", flush=True
+        ),
     )
     signal.signal(signal.SIGTERM, _after_drain)
     build_router_server(create_app(backend), "127.0.0.1", port, grace_s=grace_s).run()

@@ -35,10 +35,20 @@ class Call:
 class ScriptedBackend:
     model_name = "fake-model"
 
-    def __init__(self, pieces: Sequence[str] = ("Hello", ",", " world", "!"), *, finish: str = "stop",
-                 delay_s: float = 0.0, first_delay_s: float = 0.0, max_model_len: int = 64,
-                 error: BackendError | None = None, error_after: int = 0, info: RequestInfo | None = None,
-                 honour_max_tokens: bool = True, on_close: Callable[[Call], None] | None = None) -> None:
+    def __init__(
+        self,
+        pieces: Sequence[str] = ("Hello", ",", " world", "!"),
+        *,
+        finish: str = "stop",
+        delay_s: float = 0.0,
+        first_delay_s: float = 0.0,
+        max_model_len: int = 64,
+        error: BackendError | None = None,
+        error_after: int = 0,
+        info: RequestInfo | None = None,
+        honour_max_tokens: bool = True,
+        on_close: Callable[[Call], None] | None = None,
+    ) -> None:
         self.pieces = list(pieces)
         self.finish = finish
         self.delay_s = delay_s

@@ -51,11 +51,15 @@ def test_bucket_quantile_interpolates_as_promql_does() -> None:
 
 
 def test_window_merges_routers_and_survives_a_restart() -> None:
-    before = {"r1": RouterReport(100, 10_000, 2_000, hist((50, 90, 100), 100)),
-              "r2": RouterReport(40, 4_000, 800, hist((40, 40, 40), 40))}
-    after = {"r1": RouterReport(130, 13_000, 2_600, hist((50, 110, 130), 130)),  # 30 new, all 0.1..1.0
-             "r2": RouterReport(10, 1_000, 200, hist((10, 10, 10), 10)),  # restarted: 10 since then, all < 0.1
-             "r3": RouterReport(500, 1, 1)}  # new: its counts since start are not this interval's
+    before = {
+        "r1": RouterReport(100, 10_000, 2_000, hist((50, 90, 100), 100)),
+        "r2": RouterReport(40, 4_000, 800, hist((40, 40, 40), 40)),
+    }
+    after = {
+        "r1": RouterReport(130, 13_000, 2_600, hist((50, 110, 130), 130)),  # 30 new, all 0.1..1.0
+        "r2": RouterReport(10, 1_000, 200, hist((10, 10, 10), 10)),  # restarted: 10 since then, all < 0.1
+        "r3": RouterReport(500, 1, 1),
+    }  # new: its counts since start are not this interval's
     w = window(before, after, 10.0, 0.5)
     assert w.request_rate == pytest.approx((30 + 10) / 10)
     assert w.prompt_tokens_mean == pytest.approx((3_000 + 1_000) / 40)
@@ -74,8 +78,11 @@ def test_router_load_reports_what_metrics_show_and_survives_the_wire() -> None:
     metrics.observe_completed(RequestTiming(0.0, 0.3, 1.3, 1.4, 11), 7, None)
     metrics.observe_failed("timeout")
     load = router_load(metrics)
-    assert load.router is not None and (load.router.requests_total, load.router.prompt_tokens_total,
-                                        load.router.output_tokens_total) == (2, 7, 11)
+    assert load.router is not None and (
+        load.router.requests_total,
+        load.router.prompt_tokens_total,
+        load.router.output_tokens_total,
+    ) == (2, 7, 11)
     report = autoscale.router_report(load_from_proto(load_to_proto(load)))
     assert report is not None and report.ttft is not None and report.ttft.count == 1
     assert 0.25 <= report.ttft.quantile(0.5) <= 0.5  # the 0.3 s TTFT, within its bucket (0.25, 0.5]
@@ -97,32 +104,68 @@ def base(**autoscaling: Any) -> dict[str, Any]:
 def admitted(spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """What the API server stores, and its errors (the emulator's port of apiextensions' admission)."""
     schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    stored, errors = admit({"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": "x"}, "spec": spec},
-                           schema)
+    stored, errors = admit(
+        {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": "x"}, "spec": spec}, schema
+    )
     return stored, [str(e) for e in errors]
 
 
 REFUSED = [
     (base(decode={"enabled": True, "minReplicas": 5, "maxReplicas": 2}), "minReplicas must not exceed maxReplicas"),
     (base(decode={"enabled": True, "driver": "hpa"}), "metric is required with driver hpa"),
-    (base(decode={"enabled": True, "metric": {"type": "Resource", "name": "cpu",
-                                              "target": {"type": "Utilization", "averageUtilization": 60}}}),
-     "metric is required with driver hpa"),
-    (base(prefill={"enabled": True, "driver": "hpa", "metric": {
-        "type": "Pods", "name": "q", "target": {"type": "Utilization", "averageUtilization": 50}}}),
-     "a Pods metric's target is AverageValue"),
-    (base(prefill={"enabled": True, "driver": "hpa", "metric": {
-        "type": "Resource", "name": "cpu", "target": {"type": "Value", "value": "2"}}}),
-     "a Resource metric's target is Utilization or AverageValue"),
-    (base(prefill={"enabled": True, "driver": "hpa", "metric": {
-        "type": "Pods", "name": "q", "target": {"type": "AverageValue", "value": "2"}}}),
-     "set exactly the value of the target's type"),
+    (
+        base(
+            decode={
+                "enabled": True,
+                "metric": {
+                    "type": "Resource",
+                    "name": "cpu",
+                    "target": {"type": "Utilization", "averageUtilization": 60},
+                },
+            }
+        ),
+        "metric is required with driver hpa",
+    ),
+    (
+        base(
+            prefill={
+                "enabled": True,
+                "driver": "hpa",
+                "metric": {"type": "Pods", "name": "q", "target": {"type": "Utilization", "averageUtilization": 50}},
+            }
+        ),
+        "a Pods metric's target is AverageValue",
+    ),
+    (
+        base(
+            prefill={
+                "enabled": True,
+                "driver": "hpa",
+                "metric": {"type": "Resource", "name": "cpu", "target": {"type": "Value", "value": "2"}},
+            }
+        ),
+        "a Resource metric's target is Utilization or AverageValue",
+    ),
+    (
+        base(
+            prefill={
+                "enabled": True,
+                "driver": "hpa",
+                "metric": {"type": "Pods", "name": "q", "target": {"type": "AverageValue", "value": "2"}},
+            }
+        ),
+        "set exactly the value of the target's type",
+    ),
     (base(ratio={"minPrefillPerDecode": 2, "maxPrefillPerDecode": 1}), "minPrefillPerDecode must not exceed"),
     ({"autoscaling": {"decode": {"enabled": True}}}, "the planner needs slo.ttftMs or slo.tpotMs"),
-    ({**base(decode={"enabled": True, "maxReplicas": 2}), "decode": {"replicas": 3}},
-     "decode.replicas (the floor while autoscaling) must not exceed autoscaling.decode.maxReplicas"),
-    ({**base(decode={"enabled": True, "driver": "external"}), "decode": {"layerShards": 2}},
-     "with decode.layerShards > 1 only the planner scales decode"),
+    (
+        {**base(decode={"enabled": True, "maxReplicas": 2}), "decode": {"replicas": 3}},
+        "decode.replicas (the floor while autoscaling) must not exceed autoscaling.decode.maxReplicas",
+    ),
+    (
+        {**base(decode={"enabled": True, "driver": "external"}), "decode": {"layerShards": 2}},
+        "with decode.layerShards > 1 only the planner scales decode",
+    ),
 ]
 
 
@@ -146,11 +189,18 @@ def test_an_autoscaled_spec_is_stored_with_its_defaults_and_parses_back() -> Non
     assert "autoscaling" not in stored["spec"]  # off unless asked for: nothing defaulted in
 
 
-@pytest.mark.parametrize("metric", [
-    {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
-    {"type": "Pods", "name": "pdserve_prefill_queue_length", "target": {"type": "AverageValue", "averageValue": "4"}},
-    {"type": "External", "name": "q", "selector": {"queue": "llm"}, "target": {"type": "Value", "value": "10"}},
-])
+@pytest.mark.parametrize(
+    "metric",
+    [
+        {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+        {
+            "type": "Pods",
+            "name": "pdserve_prefill_queue_length",
+            "target": {"type": "AverageValue", "averageValue": "4"},
+        },
+        {"type": "External", "name": "q", "selector": {"queue": "llm"}, "target": {"type": "Value", "value": "10"}},
+    ],
+)
 def test_every_valid_metric_kind_is_admitted(metric: dict[str, Any]) -> None:
     spec = base(prefill={"enabled": True, "driver": "hpa", "metric": metric})
     assert admitted(spec)[1] == []
@@ -181,16 +231,33 @@ def test_planner_names_in_the_spec_are_the_planners() -> None:
 OWNER = ch.Owner("svc", NS, "uid-1")
 
 
-@pytest.mark.parametrize("metric", [
-    {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
-    {"type": "Pods", "name": "pdserve_decode_kv_slots_used", "target": {"type": "AverageValue", "averageValue": "6"}},
-    {"type": "External", "name": "queue_depth", "selector": {"queue": "llm"},
-     "target": {"type": "Value", "value": "100"}},
-])
+@pytest.mark.parametrize(
+    "metric",
+    [
+        {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+        {
+            "type": "Pods",
+            "name": "pdserve_decode_kv_slots_used",
+            "target": {"type": "AverageValue", "averageValue": "6"},
+        },
+        {
+            "type": "External",
+            "name": "queue_depth",
+            "selector": {"queue": "llm"},
+            "target": {"type": "Value", "value": "100"},
+        },
+    ],
+)
 def test_rendered_hpa_is_a_valid_autoscaling_v2_object(metric: dict[str, Any]) -> None:
-    spec = s.parse_spec({**base(decode={"enabled": True, "driver": "hpa", "minReplicas": 2, "maxReplicas": 6,
-                                        "metric": metric}), "decode": {"replicas": 3}})
-    [hpa] = [o for o in ch.render(OWNER, spec, "tok", ch.Defaults("i", "b:1")) if o["kind"] == "HorizontalPodAutoscaler"]
+    spec = s.parse_spec(
+        {
+            **base(decode={"enabled": True, "driver": "hpa", "minReplicas": 2, "maxReplicas": 6, "metric": metric}),
+            "decode": {"replicas": 3},
+        }
+    )
+    [hpa] = [
+        o for o in ch.render(OWNER, spec, "tok", ch.Defaults("i", "b:1")) if o["kind"] == "HorizontalPodAutoscaler"
+    ]
     kubernetes_validate.validate(hpa, "1.30.0", strict=True)  # the real schema; raises naming the field
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "svc-decode"}
     assert hpa["spec"]["minReplicas"] == 3  # the floor: max(minReplicas, decode.replicas)
@@ -198,9 +265,16 @@ def test_rendered_hpa_is_a_valid_autoscaling_v2_object(metric: dict[str, Any]) -
 
 
 def test_autoscaled_workloads_start_at_their_floor() -> None:
-    spec = s.parse_spec({**base(prefill={"enabled": True, "minReplicas": 2, "maxReplicas": 4},
-                                decode={"enabled": True, "driver": "external"}),
-                         "prefill": {"replicas": 1}, "decode": {"replicas": 3}})
+    spec = s.parse_spec(
+        {
+            **base(
+                prefill={"enabled": True, "minReplicas": 2, "maxReplicas": 4},
+                decode={"enabled": True, "driver": "external"},
+            ),
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 3},
+        }
+    )
     assert ch.initial_replicas(spec, "prefill") == 2  # planner: max(minReplicas, replicas)
     assert ch.initial_replicas(spec, "decode") == 3  # external: the spec's count, at creation only
     assert ch.autoscaled_workloads("svc", spec) == {("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode")}
@@ -209,8 +283,13 @@ def test_autoscaled_workloads_start_at_their_floor() -> None:
 
 
 def test_p_d_band_holds_against_the_decode_that_is_there() -> None:
-    spec = s.parse_spec(base(prefill={"enabled": True, "maxReplicas": 8}, decode={"enabled": True},
-                             ratio={"minPrefillPerDecode": 0.5, "maxPrefillPerDecode": 2}))
+    spec = s.parse_spec(
+        base(
+            prefill={"enabled": True, "maxReplicas": 8},
+            decode={"enabled": True},
+            ratio={"minPrefillPerDecode": 0.5, "maxPrefillPerDecode": 2},
+        )
+    )
     assert spec.autoscaling is not None
     assert autoscale.in_band(1, 3, spec.autoscaling, spec) == 2  # ceil(0.5 * 3)
     assert autoscale.in_band(8, 3, spec.autoscaling, spec) == 6

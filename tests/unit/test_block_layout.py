@@ -89,7 +89,7 @@ def test_applied_descriptors_move_exactly_the_tokens_into_their_blocks(data, bt,
     descs = push_descriptors(src, slot, dst, blocks, chunk, end_token=end, start_token=start)
     for d in descs:
         assert d.length > 0
-        pool_bytes[d.dst:d.dst + d.length] = src_bytes[d.src:d.src + d.length]
+        pool_bytes[d.dst : d.dst + d.length] = src_bytes[d.src : d.src + d.length]
 
     s = src_bytes.view(np.int32).reshape(src.shape)  # ints: random bytes may be NaN as floats
     p = pool_bytes.view(np.int32).reshape(dst.shape)
@@ -100,7 +100,7 @@ def test_applied_descriptors_move_exactly_the_tokens_into_their_blocks(data, bt,
                 expected[layer, kv_index, blocks[t // bt], t % bt] = s[slot, layer, kv_index, t]
     assert np.array_equal(p, expected)
     # never more descriptors than (layer, K|V, run) triples
-    runs = len(block_runs(blocks[start // bt:need])) if end > start else 0
+    runs = len(block_runs(blocks[start // bt : need])) if end > start else 0
     assert len(descs) <= len(chunk) * 2 * runs
 
 
@@ -109,8 +109,8 @@ def test_block_spans_cover_exactly_the_blocks_in_every_layer(blocks) -> None:
     dst = pool()
     covered = np.zeros(dst.total_bytes, dtype=bool)
     for off, length in block_spans(dst, blocks):
-        assert not covered[off:off + length].any()
-        covered[off:off + length] = True
+        assert not covered[off : off + length].any()
+        covered[off : off + length] = True
     want = np.zeros(dst.shape[:3], dtype=bool)
     want[:, :, blocks] = True
     got = covered.reshape(dst.num_layers, 2, dst.num_blocks, dst.bytes_per_block).all(axis=3)
@@ -119,13 +119,18 @@ def test_block_spans_cover_exactly_the_blocks_in_every_layer(blocks) -> None:
 
 
 def test_a_paged_kv_layout_is_its_blocks_and_has_no_slot_runs() -> None:
-    paged = KVLayout(num_slots=64, num_layers=3, max_len=2048, kv_heads=2, head_dim=2, dtype="float32",
-                     block_tokens=4, num_blocks=12)
+    paged = KVLayout(
+        num_slots=64, num_layers=3, max_len=2048, kv_heads=2, head_dim=2, dtype="float32", block_tokens=4, num_blocks=12
+    )
     assert paged.paged and paged.blocks == pool()
     assert paged.shape == pool().shape and paged.total_bytes == pool().total_bytes
     assert paged.kv_tokens == 48
-    for call in (lambda: paged.offset(0, 0, K), lambda: paged.token_run(0, 0, K, 1), lambda: paged.slot_span(0),
-                 lambda: paged.bytes_per_slot):
+    for call in (
+        lambda: paged.offset(0, 0, K),
+        lambda: paged.token_run(0, 0, K, 1),
+        lambda: paged.slot_span(0),
+        lambda: paged.bytes_per_slot,
+    ):
         with pytest.raises(ValueError, match="paged KV pool"):
             call()
     slots = KVLayout(num_slots=8, num_layers=3, max_len=2048, kv_heads=2, head_dim=2)

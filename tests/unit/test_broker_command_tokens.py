@@ -23,14 +23,17 @@ def test_file_wins_over_env_and_both_count(tmp_path: Path) -> None:
     assert load_tokens(None, {}) == {}
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("[1, 2]", "want a mapping"),
-    ("noslash: t", "must be 'namespace/name'"),
-    ("a/b/c: t", "must be 'namespace/name'"),
-    ("ns/a: ''", "non-empty string"),
-    ("ns/a: 5", "non-empty string"),
-    ("ns/a: [unclosed", "not YAML/JSON"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1, 2]", "want a mapping"),
+        ("noslash: t", "must be 'namespace/name'"),
+        ("a/b/c: t", "must be 'namespace/name'"),
+        ("ns/a: ''", "non-empty string"),
+        ("ns/a: 5", "non-empty string"),
+        ("ns/a: [unclosed", "not YAML/JSON"),
+    ],
+)
 def test_bad_tokens_name_the_problem(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_tokens(text, "tokens.yaml")

@@ -24,9 +24,15 @@ class FakeClock:
 def decode(worker_id: str = "d0", slots: int = 4) -> MemberInfo:
     layout = KVLayout(num_slots=slots, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
     return MemberInfo(
-        worker_id=worker_id, role=Role.DECODE, grpc_endpoint="10.0.0.1:7000", engine_id="10.0.0.1:7100",
-        regions=(MemoryRegion(0x10000, layout.total_bytes),), kv_layout=layout, revision="r1",
-        slots_total=slots, slots_free=slots,
+        worker_id=worker_id,
+        role=Role.DECODE,
+        grpc_endpoint="10.0.0.1:7000",
+        engine_id="10.0.0.1:7100",
+        regions=(MemoryRegion(0x10000, layout.total_bytes),),
+        kv_layout=layout,
+        revision="r1",
+        slots_total=slots,
+        slots_free=slots,
     )
 
 

@@ -27,11 +27,26 @@ from pdserve_common import pod_env  # noqa: E402
 from pdserve_operator import spec as s  # noqa: E402
 
 # Every option that changes what is rendered, at once.
-FULL = ["--set", "watchNamespaces={team-a,team-b}", "--set", "networkPolicy.enabled=true",
-        "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.labels.release=prom",
-        "--set", "imagePullSecrets[0].name=regcred", "--set", "podAnnotations.a=b",
-        "--set", "broker.tls.secretName=pdserve-broker-tls", "--set", "dashboards.enabled=true",
-        "--set", "prometheusRule.enabled=true"]
+FULL = [
+    "--set",
+    "watchNamespaces={team-a,team-b}",
+    "--set",
+    "networkPolicy.enabled=true",
+    "--set",
+    "serviceMonitor.enabled=true",
+    "--set",
+    "serviceMonitor.labels.release=prom",
+    "--set",
+    "imagePullSecrets[0].name=regcred",
+    "--set",
+    "podAnnotations.a=b",
+    "--set",
+    "broker.tls.secretName=pdserve-broker-tls",
+    "--set",
+    "dashboards.enabled=true",
+    "--set",
+    "prometheusRule.enabled=true",
+]
 CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 KUBERNETES_VERSION = "1.30.0"  # oldest minor the chart targets that the validator knows well
 
@@ -56,8 +71,19 @@ def test_helm_lint_strict(values: list[str]) -> None:
 
 
 def test_values_schema_rejects_typos_and_unsafe_values() -> None:
-    out = helm("lint", "--strict", str(CHART), "--set", "replicaCount=2", "--set", "networkPolcy.enabled=true",
-               "--set", "image.tag=latest", "--set", "watchNamespaces={Team_A}")
+    out = helm(
+        "lint",
+        "--strict",
+        str(CHART),
+        "--set",
+        "replicaCount=2",
+        "--set",
+        "networkPolcy.enabled=true",
+        "--set",
+        "image.tag=latest",
+        "--set",
+        "watchNamespaces={Team_A}",
+    )
     assert out.returncode != 0
     for fragment in ("replicaCount", "networkPolcy", "image.tag", "watchNamespaces.0"):
         assert fragment in out.stdout + out.stderr, out.stdout + out.stderr
@@ -67,7 +93,13 @@ def test_values_schema_rejects_typos_and_unsafe_values() -> None:
 def test_rendered_builtin_kinds_pass_kubernetes_validate_strict(values: list[str]) -> None:
     objects = render(*values)
     builtin = [o for o in objects if o["kind"] not in CUSTOM_KINDS]
-    assert {o["kind"] for o in builtin} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment"}
+    assert {o["kind"] for o in builtin} >= {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Service",
+        "Deployment",
+    }
     for obj in builtin:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)  # raises naming the field
 
@@ -92,7 +124,9 @@ def test_rendered_custom_resources_validate_against_their_crds() -> None:
 def test_chart_crds_are_structural_and_the_same_bytes_as_the_manifests() -> None:
     chart_crd = CHART / "crds" / "pdinferenceservices.pdserve.dev.yaml"
     assert chart_crd.read_bytes() == (ROOT / "manifests" / "crd.yaml").read_bytes()
-    assert (CHART / "crds" / "kopf-peering.yaml").read_bytes() == (ROOT / "manifests" / "kopf-peering.yaml").read_bytes()
+    assert (CHART / "crds" / "kopf-peering.yaml").read_bytes() == (
+        ROOT / "manifests" / "kopf-peering.yaml"
+    ).read_bytes()
     for kind, crd in crds().items():  # every CRD the chart ships passes the API server's CRD admission
         assert [str(e) for e in validate_crd(crd)] == [], kind
 
@@ -100,15 +134,21 @@ def test_chart_crds_are_structural_and_the_same_bytes_as_the_manifests() -> None
 def test_generated_files_are_up_to_date() -> None:
     """manifests/operator.yaml (helm template), the CRD copies and docs/configuration.md."""
     chart_tools.helm()
-    stale = [str(p.relative_to(ROOT)) for p, text in chart_tools.generate.expected().items()
-             if not p.exists() or p.read_text() != text]
+    stale = [
+        str(p.relative_to(ROOT))
+        for p, text in chart_tools.generate.expected().items()
+        if not p.exists() or p.read_text() != text
+    ]
     assert not stale, f"stale generated files {stale}: run `python scripts/generate.py`"
 
 
 def test_operator_manifest_is_the_chart_plus_its_namespace() -> None:
     manifest = chart_tools.docs((ROOT / "manifests" / "operator.yaml").read_text())
-    assert manifest[0] == {"apiVersion": "v1", "kind": "Namespace",
-                           "metadata": {"name": "pdserve-system", "labels": {"app.kubernetes.io/part-of": "pdserve"}}}
+    assert manifest[0] == {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": "pdserve-system", "labels": {"app.kubernetes.io/part-of": "pdserve"}},
+    }
     assert manifest[1:] == render()
     for obj in manifest[1:]:
         if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
@@ -121,11 +161,13 @@ def test_samples_pass_the_crd_schema_unchanged_and_the_operator(sample: Path) ->
     schema = crds()[s.KIND]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     stored, errors = admit(copy.deepcopy(doc), schema)
     assert errors == []
+
     # Nothing pruned: every field the sample sets is one the schema knows.
     def subset(want: Any, have: Any) -> bool:
         if isinstance(want, dict):
             return isinstance(have, dict) and all(k in have and subset(v, have[k]) for k, v in want.items())
         return want == have
+
     assert subset(doc, stored)
     s.parse_spec(stored["spec"])  # the operator's own validation (built-in model depth and the like)
 
@@ -134,7 +176,11 @@ def test_ascend_sample_is_a_7b_model_from_a_claim_on_hixl() -> None:
     doc = yaml.safe_load((ROOT / "manifests" / "samples" / "qwen7b-ascend.yaml").read_text())
     spec = s.parse_spec(doc["spec"])
     assert spec.model.source.startswith("pvc://") and "7b" in spec.model.source.lower()
-    assert (spec.device.type, spec.device.resource_name, spec.transfer.backend) == ("npu", "huawei.com/Ascend910", "hixl")
+    assert (spec.device.type, spec.device.resource_name, spec.transfer.backend) == (
+        "npu",
+        "huawei.com/Ascend910",
+        "hixl",
+    )
 
 
 def test_operator_network_policy_opens_the_broker_port_only_to_pdserve_pods() -> None:
@@ -142,11 +188,15 @@ def test_operator_network_policy_opens_the_broker_port_only_to_pdserve_pods() ->
     broker_rule, health_rule = policy["spec"]["ingress"]
     assert broker_rule["ports"] == [{"port": 50070, "protocol": "TCP"}]
     assert broker_rule["from"][0]["podSelector"]["matchLabels"] == {
-        "app.kubernetes.io/name": "pdserve", "app.kubernetes.io/managed-by": "pdserve-operator"}
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/managed-by": "pdserve-operator",
+    }
     assert "from" not in health_rule and health_rule["ports"][0]["port"] == 8080
     assert by_kind(render("--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
-    env = {e["name"]: e.get("value") for e in by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
-           ["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value")
+        for e in by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["PDSERVE_OPERATOR_NETWORK_POLICY"] == "true"  # and the operator renders one per service
 
 
@@ -169,9 +219,11 @@ def test_pod_monitor_scrapes_every_prefill_and_decode_pod() -> None:
     assert sel["matchExpressions"] == [{"key": ch.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}]
     owner = ch.Owner("svc", "team-a", "uid-1")
     pod_labels = {role: ch.labels(owner.name, role) for role in ch.ROLES}
-    matches = {role: all(lbl.get(k) == v for k, v in sel["matchLabels"].items())
-               and lbl.get(ch.LABEL_COMPONENT) in sel["matchExpressions"][0]["values"]
-               for role, lbl in pod_labels.items()}
+    matches = {
+        role: all(lbl.get(k) == v for k, v in sel["matchLabels"].items())
+        and lbl.get(ch.LABEL_COMPONENT) in sel["matchExpressions"][0]["values"]
+        for role, lbl in pod_labels.items()
+    }
     assert matches == {"prefill": True, "decode": True, "router": False}  # routers: the ServiceMonitor
     [endpoint] = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics" and endpoint["port"] == "http"
@@ -198,7 +250,9 @@ def test_deployment_runs_non_root_read_only_with_probes_and_resources() -> None:
 def test_worker_ports_of_the_pod_contract_are_the_ones_the_policies_name() -> None:
     from pdserve_operator import children as ch
 
-    policy = ch.network_policy(ch.Owner("svc", "ns", "uid"), ch.Defaults(image="i", broker_address="b:1", network_policy=True))
+    policy = ch.network_policy(
+        ch.Owner("svc", "ns", "uid"), ch.Defaults(image="i", broker_address="b:1", network_policy=True)
+    )
     ports = {p["port"] for p in policy["spec"]["ingress"][0]["ports"]}
     assert ports == {pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
 
@@ -213,8 +267,13 @@ def test_broker_tls_mounts_the_secret_and_configures_the_operator() -> None:
     mount = next(m for m in container["volumeMounts"] if m["name"] == "broker-tls")
     assert mount["readOnly"] is True
     env = {e["name"]: e.get("value") for e in container["env"] if "value" in e}
-    config = OperatorConfig(**{k.removeprefix("PDSERVE_OPERATOR_").lower(): v for k, v in env.items()
-                               if k.startswith("PDSERVE_OPERATOR_TLS_")})
+    config = OperatorConfig(
+        **{
+            k.removeprefix("PDSERVE_OPERATOR_").lower(): v
+            for k, v in env.items()
+            if k.startswith("PDSERVE_OPERATOR_TLS_")
+        }
+    )
     tls = config.broker_tls()
     assert tls is not None and str(tls.ca_file).startswith(mount["mountPath"])
     assert {str(tls.cert_file), str(tls.key_file)} == {f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key"}

@@ -49,9 +49,25 @@ def test_no_module_named_operator_is_importable_from_the_project():
 def test_local_refuses_a_max_len_beyond_the_model_before_starting_anything(tiny_model_dir, tmp_path):
     """`pdserve local --model DIR --max-len N` with N above the model's context: one line naming
     the limit and the flag, no process started (before, every worker died with a traceback)."""
-    out = subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "local", "--model", str(tiny_model_dir),
-                          "--max-len", "4096", "--port", "0", "--log-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve_worker.cli",
+            "local",
+            "--model",
+            str(tiny_model_dir),
+            "--max-len",
+            "4096",
+            "--port",
+            "0",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "max_len 4096 exceeds the model's max_position_embeddings 512" in out.stderr and "--max-len" in out.stderr
     assert "Traceback" not in out.stderr and "started" not in out.stderr
@@ -61,8 +77,16 @@ def test_local_refuses_a_max_len_beyond_the_model_before_starting_anything(tiny_
 def test_local_max_len_defaults_to_2048_or_the_models_context():
     from pdserve_worker.model.config import ModelConfig
 
-    short = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
-                        head_dim=4, max_position_embeddings=512)
+    short = ModelConfig(
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        max_position_embeddings=512,
+    )
     assert short.serving_max_len(None) == 512 and short.serving_max_len(100) == 100
     assert ModelConfig(**{**short.to_dict(), "max_position_embeddings": 8192}).serving_max_len(None) == 2048
     windowed = ModelConfig(**{**short.to_dict(), "architecture": "mistral", "sliding_window": 256})
@@ -74,8 +98,11 @@ def test_local_max_len_defaults_to_2048_or_the_models_context():
 def test_info_describes_the_builtin_model_by_its_spec_name():
     """`spec.model.source: builtin:smollm2` is what a PDInferenceService names; `pdserve info --model`
     takes the same. SmolLM2-135M: 30 layers x 2 (K, V) x 3 KV heads x 64 x 2 bytes = 23040."""
-    out = subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "info", "--model", "builtin:smollm2"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve_worker.cli", "info", "--model", "builtin:smollm2"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert (info["architecture"], info["layers"], info["kv_heads"], info["head_dim"]) == ("llama", 30, 3, 64)

@@ -33,14 +33,19 @@ def settings(monkeypatch, **env: str) -> WorkerSettings:
 def test_a_pod_finds_its_group_from_its_ordinal_and_the_headless_service(monkeypatch):
     s = settings(monkeypatch, **{E.POD_NAME: "chat-decode-3"})
     assert s.group_member == (1, 1) and is_follower(s)
-    assert s.peers == [f"chat-decode-2.chat-decode-headless:{E.GRPC_PORT}", f"chat-decode-3.chat-decode-headless:{E.GRPC_PORT}"]
+    assert s.peers == [
+        f"chat-decode-2.chat-decode-headless:{E.GRPC_PORT}",
+        f"chat-decode-3.chat-decode-headless:{E.GRPC_PORT}",
+    ]
     leader = settings(monkeypatch, **{E.POD_NAME: "chat-decode-4"})
     assert leader.group_member == (2, 0) and not is_follower(leader)
     assert leader.peers[0].startswith("chat-decode-4.") and leader.peers[1].startswith("chat-decode-5.")
 
 
 def test_explicit_index_and_peers_win(monkeypatch):
-    s = settings(monkeypatch, **{E.POD_NAME: "decode-0-1", S.SHARD_INDEX: "1", S.GROUP_PEERS: "127.0.0.1:1, 127.0.0.1:2"})
+    s = settings(
+        monkeypatch, **{E.POD_NAME: "decode-0-1", S.SHARD_INDEX: "1", S.GROUP_PEERS: "127.0.0.1:1, 127.0.0.1:2"}
+    )
     assert s.group_member == (0, 1) and s.peers == ["127.0.0.1:1", "127.0.0.1:2"]
     with pytest.raises(ValidationError, match="outside a group of 2"):
         settings(monkeypatch, **{E.POD_NAME: "decode-0-1", S.SHARD_INDEX: "2", S.GROUP_PEERS: "a:1,b:2"})
@@ -89,7 +94,8 @@ def test_worker_flags_set_the_group(monkeypatch):
 
     for name, value in POD.items():
         monkeypatch.setenv(name, value)
-    args = build_parser().parse_args(["worker", "--layer-shards", "3", "--shard-index", "2",
-                                      "--group-peers", "h:1,h:2,h:3"])
+    args = build_parser().parse_args(
+        ["worker", "--layer-shards", "3", "--shard-index", "2", "--group-peers", "h:1,h:2,h:3"]
+    )
     s = settings_from_args(args)
     assert (s.layer_shards, s.group_member, s.peers) == (3, (0, 2), ["h:1", "h:2", "h:3"])

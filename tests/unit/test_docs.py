@@ -17,7 +17,7 @@ README = (ROOT / "README.md").read_text()
 def section(title: str) -> str:
     start = README.index(f"## {title}")
     end = README.find("\n## ", start + 3)
-    return README[start:end if end > 0 else None]
+    return README[start : end if end > 0 else None]
 
 
 def exposed_metric_names() -> set[str]:

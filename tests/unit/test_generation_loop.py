@@ -128,7 +128,9 @@ async def test_a_loop_with_prefill_computes_the_prompt_itself_in_the_callers_slo
     try:
         params = SamplingParams(max_tokens=6, temperature=0)
         prompts = [loaded.tokenizer.encode(t) for t in ("Berlin is", "The lazy dog")]
-        streams = [loop.submit(f"c{i}", p, 1 - i, params, lambda i=i: freed.append(1 - i)) for i, p in enumerate(prompts)]
+        streams = [
+            loop.submit(f"c{i}", p, 1 - i, params, lambda i=i: freed.append(1 - i)) for i, p in enumerate(prompts)
+        ]
         results = await asyncio.gather(*(drain(s) for s in streams))
         for outs, prompt in zip(results, prompts):
             assert [o.token_id for o in outs] == colocated(loaded, prompt, params).output_ids

@@ -92,16 +92,25 @@ def test_a_slot_is_used_by_one_request_at_a_time(tiny, prompts):
 
 
 def test_max_tokens_finishes_with_length_and_text_matches_decode(tiny, prompts):
-    [result] = generate(tiny.model, tiny.tokenizer, [prompts[1]], SamplingParams(max_tokens=5, temperature=0,
-                                                                                 ignore_eos=True), max_len=64)
+    [result] = generate(
+        tiny.model,
+        tiny.tokenizer,
+        [prompts[1]],
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        max_len=64,
+    )
     assert len(result.output_ids) == 5 and result.finish_reason is FinishReason.LENGTH
     assert result.text == tiny.tokenizer.decode(result.output_ids, skip_special_tokens=True)
 
 
 def test_a_full_slot_ends_the_request_with_length(tiny, prompts):
-    [result] = generate(tiny.model, tiny.tokenizer, [prompts[0]], SamplingParams(max_tokens=50, temperature=0,
-                                                                                 ignore_eos=True),
-                        max_len=len(prompts[0]) + 3)
+    [result] = generate(
+        tiny.model,
+        tiny.tokenizer,
+        [prompts[0]],
+        SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+        max_len=len(prompts[0]) + 3,
+    )
     assert result.finish_reason is FinishReason.LENGTH and len(result.output_ids) == 4
 
 
@@ -219,7 +228,9 @@ def test_prompts_admitted_together_share_one_prefill_pass_within_the_token_budge
             return tiny.model.prefill_batch(batch, *args, **kwargs)
 
     stats = GenerationStats()
-    assert [r.output_ids for r in generate(Counting(), tiny.tokenizer, prompts, GREEDY, max_len=64, stats=stats)] == alone
+    assert [
+        r.output_ids for r in generate(Counting(), tiny.tokenizer, prompts, GREEDY, max_len=64, stats=stats)
+    ] == alone
     assert passes == [5] and stats.prefill_tokens == sum(len(p) for p in prompts)
     # A budget of two prompts' tokens: each pass takes as many as fit, the first always.
     passes.clear()

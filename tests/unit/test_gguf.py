@@ -79,7 +79,9 @@ def test_tokenizer_from_gguf_metadata_equals_the_original(tiny_gguf, tiny_model_
     assert ours.apply_chat_template(conv) == original.apply_chat_template(conv)
     # llama.cpp ends generation on the metadata's eos and on <|endoftext|> by its text (EOG detection).
     ids = original.backend.token_to_id
-    assert ours.eos_token_ids == (ids("<|im_end|>"), ids("<|endoftext|>")) and original.eos_token_ids == (ids("<|im_end|>"),)
+    assert ours.eos_token_ids == (ids("<|im_end|>"), ids("<|endoftext|>")) and original.eos_token_ids == (
+        ids("<|im_end|>"),
+    )
 
 
 def test_conversion_is_cached_per_file_identity_and_dtype(tiny_gguf, tmp_path):

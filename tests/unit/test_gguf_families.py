@@ -67,7 +67,9 @@ def test_gguf_loads_and_equals_the_hf_model(gguf_model, tmp_path, monkeypatch):
     ids = ours.tokenizer.encode(TEXTS[0])
     cache = KVCache.allocate(ours.config.kv_layout(1, 64, "float32"))
     assert greedy_tokens(ours.model, cache, 0, ids, 32) == hf_greedy(hf, ids, 32)
-    assert set(ours.tokenizer.eos_token_ids) == set(ours.tokenizer.backend.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    assert set(ours.tokenizer.eos_token_ids) == set(
+        ours.tokenizer.backend.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")
+    )
     # The converted folder is a plain HF folder transformers loads as the same model.
     converted = hf_model(tmp_path / "cache" / next(p.name for p in (tmp_path / "cache").iterdir()))
     assert (hf_logits(converted, ids) - hf_logits(hf, ids)).abs().max().item() < 1e-5
@@ -80,9 +82,18 @@ def test_gguf_config_and_tokenizer_are_the_folders(gguf_model):
     ckpt = read_gguf(path)
     hf_loaded = load_model(str(folder), dtype="float32")
     expected, got = hf_loaded.config, ckpt.config
-    for field in ("vocab_size",  # (GGUF floats are float32) "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-                  "qkv_bias", "o_bias", "qk_norm", "architecture"):
+    for field in (
+        "vocab_size",  # (GGUF floats are float32) "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+        "head_dim",
+        "rope_theta",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "qkv_bias",
+        "o_bias",
+        "qk_norm",
+        "architecture",
+    ):
         want = getattr(expected, field)
         assert getattr(got, field) == (pytest.approx(want, rel=1e-6) if isinstance(want, float) else want), field
     meta = ckpt.metadata
@@ -105,8 +116,9 @@ def test_transformers_reads_the_qwen2_file_as_the_same_model(family_dirs, tmp_pa
 
     folder = family_dirs("qwen2")
     write_family_gguf(folder, tmp_path / "m.gguf")
-    from_gguf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
-                                                                  dtype=torch.float32).eval()
+    from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
     ids = [5, 17, 300, 42, 9]
     assert (hf_logits(from_gguf, ids) - hf_logits(hf_model(folder), ids)).abs().max().item() < 1e-6
 
@@ -120,14 +132,21 @@ def test_quantized_qwen2_tensors_dequantize_and_biases_stay_exact(family_dirs, t
         got, want = ckpt.tensors[hf_name], reference[hf_name]
         assert not torch.equal(got, want)
         assert (got - want).abs().max() <= want.abs().max() / 127 + 1e-6  # Q8_0: one step at most
-    assert torch.equal(ckpt.tensors["model.layers.0.self_attn.q_proj.bias"], reference["model.layers.0.self_attn.q_proj.bias"])
+    assert torch.equal(
+        ckpt.tensors["model.layers.0.self_attn.q_proj.bias"], reference["model.layers.0.self_attn.q_proj.bias"]
+    )
 
 
 def test_yarn_metadata_round_trips(tmp_path, monkeypatch):
     """Qwen2.5 with YaRN: llama.cpp's rope.scaling keys back to HF's rope_scaling, same logits."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    folder = build_family("qwen2", tmp_path / "hf", seed=4, max_position_embeddings=32,
-                          rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    folder = build_family(
+        "qwen2",
+        tmp_path / "hf",
+        seed=4,
+        max_position_embeddings=32,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    )
     path = write_family_gguf(folder, tmp_path / "yarn.gguf")
     meta, _ = read_gguf_metadata(path)
     assert meta["qwen2.rope.scaling.type"] == "yarn" and meta["qwen2.rope.scaling.original_context_length"] == 32
@@ -139,9 +158,16 @@ def test_yarn_metadata_round_trips(tmp_path, monkeypatch):
 
 
 def _meta(arch: str, **extra):
-    meta = {"general.architecture": arch, f"{arch}.attention.head_count": 4, f"{arch}.embedding_length": 64,
-            f"{arch}.context_length": 128, f"{arch}.feed_forward_length": 96, f"{arch}.block_count": 2,
-            f"{arch}.attention.layer_norm_rms_epsilon": 1e-6, f"{arch}.vocab_size": 100}
+    meta = {
+        "general.architecture": arch,
+        f"{arch}.attention.head_count": 4,
+        f"{arch}.embedding_length": 64,
+        f"{arch}.context_length": 128,
+        f"{arch}.feed_forward_length": 96,
+        f"{arch}.block_count": 2,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{arch}.vocab_size": 100,
+    }
     meta.update(extra)
     return meta
 
@@ -154,10 +180,20 @@ def test_gguf_refusals_name_the_key():
     with pytest.raises(ValueError, match="qwen3 file lacks blk.0.attn_q_norm.weight"):
         config_from_gguf(_meta("qwen3"), set())
     with pytest.raises(ValueError, match="qwen2.rope.scaling.yarn_attn_factor"):
-        config_from_gguf(_meta("qwen2", **{"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
-                                           "qwen2.rope.scaling.yarn_attn_factor": 0.8}), {"blk.0.attn_q.bias"})
+        config_from_gguf(
+            _meta(
+                "qwen2",
+                **{
+                    "qwen2.rope.scaling.type": "yarn",
+                    "qwen2.rope.scaling.factor": 4.0,
+                    "qwen2.rope.scaling.yarn_attn_factor": 0.8,
+                },
+            ),
+            {"blk.0.attn_q.bias"},
+        )
     with pytest.raises(ValueError, match="rope.scaling.type 'longrope'"):
-        config_from_gguf(_meta("llama", **{"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0}),
-                         set())
+        config_from_gguf(
+            _meta("llama", **{"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0}), set()
+        )
     with pytest.raises(ValueError, match="lacks llama.block_count"):
         config_from_gguf({k: v for k, v in _meta("llama").items() if k != "llama.block_count"}, set())

@@ -73,7 +73,10 @@ def wait_terminal(engine: Hixl, req_id: int, timeout_s: float = 5.0) -> tuple[in
 
 def test_write_then_read_moves_the_bytes(pair: Pair) -> None:
     ctypes.memmove(pair.local_addr, b"abcdefgh" * 8, 64)
-    ops = [api.TransferOpDesc(pair.local_addr, pair.remote_addr + 100, 32), api.TransferOpDesc(pair.local_addr + 32, pair.remote_addr + 4000, 32)]
+    ops = [
+        api.TransferOpDesc(pair.local_addr, pair.remote_addr + 100, 32),
+        api.TransferOpDesc(pair.local_addr + 32, pair.remote_addr + 4000, 32),
+    ]
     assert pair.client.transfer_sync(pair.remote, api.WRITE, ops, 2000) == api.SUCCESS
     assert pair.remote_bytes(100, 32) == (b"abcdefgh" * 4)
     assert pair.remote_bytes(4000, 32) == (b"abcdefgh" * 4)
@@ -122,7 +125,9 @@ def test_server_refuses_a_write_into_memory_deregistered_after_connect() -> None
 
 
 def test_terminal_status_is_reported_once(pair: Pair) -> None:
-    status, req = pair.client.transfer_async(pair.remote, api.WRITE, [api.TransferOpDesc(pair.local_addr, pair.remote_addr, 128)])
+    status, req = pair.client.transfer_async(
+        pair.remote, api.WRITE, [api.TransferOpDesc(pair.local_addr, pair.remote_addr, 128)]
+    )
     assert status == api.SUCCESS and req != 0
     assert wait_terminal(pair.client, req) == (api.SUCCESS, api.TransferStatus.COMPLETED)
     assert pair.client.get_transfer_status(req) == (api.FAILED, api.TransferStatus.FAILED)
@@ -216,7 +221,10 @@ def test_wait_notifies_blocks_until_a_notify_arrives(pair: Pair) -> None:
 def test_connection_rules() -> None:
     p = Pair("auto")
     try:
-        assert p.client.transfer_sync(p.remote, api.WRITE, [api.TransferOpDesc(p.local_addr, p.remote_addr, 8)]) == api.NOT_CONNECTED
+        assert (
+            p.client.transfer_sync(p.remote, api.WRITE, [api.TransferOpDesc(p.local_addr, p.remote_addr, 8)])
+            == api.NOT_CONNECTED
+        )
         assert p.client.disconnect(p.remote) == api.NOT_CONNECTED
         p.connect()
         assert p.client.connect(p.remote) == api.ALREADY_CONNECTED
@@ -340,12 +348,21 @@ def test_a_lost_server_fails_the_link_and_a_new_one_can_be_reached() -> None:
 KEY_A, KEY_B = "a1" * 32, "b2" * 32
 
 
-@pytest.mark.parametrize("server_key,client_key,ok", [
-    (KEY_A, KEY_A, True), (KEY_A, KEY_B, False), (KEY_A, None, False), (None, KEY_A, False), (None, None, True),
-], ids=["same-key", "other-key", "keyless-client", "keyless-server", "no-auth-like-hixl"])
+@pytest.mark.parametrize(
+    "server_key,client_key,ok",
+    [
+        (KEY_A, KEY_A, True),
+        (KEY_A, KEY_B, False),
+        (KEY_A, None, False),
+        (None, KEY_A, False),
+        (None, None, True),
+    ],
+    ids=["same-key", "other-key", "keyless-client", "keyless-server", "no-auth-like-hixl"],
+)
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
-def test_a_link_needs_the_same_key_on_both_ends(transport: str, server_key: str | None, client_key: str | None,
-                                                ok: bool) -> None:
+def test_a_link_needs_the_same_key_on_both_ends(
+    transport: str, server_key: str | None, client_key: str | None, ok: bool
+) -> None:
     server = Hixl()
     remote = f"127.0.0.1:{free_port()}"
     assert server.initialize(remote, {"pdserve.AuthKey": server_key} if server_key else {}) == api.SUCCESS
@@ -389,10 +406,17 @@ def test_leased_mode_writes_only_leased_ranges_and_read_can_be_off() -> None:
         p.close()
 
 
-@pytest.mark.parametrize("options", [
-    {"pdserve.RemoteWrite": "everything"}, {"pdserve.RemoteRead": "yes"}, {"pdserve.AuthKey": "abc"},
-    {"pdserve.AuthKey": "ab" * 4}, {"pdserve.MaxLinks": "0"}, {"pdserve.HandshakeTimeoutMs": "-1"},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"pdserve.RemoteWrite": "everything"},
+        {"pdserve.RemoteRead": "yes"},
+        {"pdserve.AuthKey": "abc"},
+        {"pdserve.AuthKey": "ab" * 4},
+        {"pdserve.MaxLinks": "0"},
+        {"pdserve.HandshakeTimeoutMs": "-1"},
+    ],
+)
 def test_bad_access_options_are_refused_at_initialize(options: dict[str, str]) -> None:
     engine = Hixl()
     assert engine.initialize(f"127.0.0.1:{free_port()}", options) == api.PARAM_INVALID

@@ -96,13 +96,34 @@ CLOSE_BOUND_S = 3.0
 sizes = st.one_of(
     st.integers(0, 64),
     st.integers(64 << 10, 8 << 20),  # bigger than the read buffer, small enough to be believed
-    st.sampled_from([wire.MAX_HANDSHAKE_BODY, wire.MAX_HANDSHAKE_BODY + 1, wire.MAX_NOTIFY_BODY,
-                     wire.MAX_NOTIFY_BODY + 1, wire.MAX_CONTROL_BODY, wire.MAX_READ_BYTES + 1, SIZE, 1 << 40, U64]),
+    st.sampled_from(
+        [
+            wire.MAX_HANDSHAKE_BODY,
+            wire.MAX_HANDSHAKE_BODY + 1,
+            wire.MAX_NOTIFY_BODY,
+            wire.MAX_NOTIFY_BODY + 1,
+            wire.MAX_CONTROL_BODY,
+            wire.MAX_READ_BYTES + 1,
+            SIZE,
+            1 << 40,
+            U64,
+        ]
+    ),
     st.integers(0, U64),
 )
 # Sizes a header may claim: each cap and one past it, the read buffer, and absurd ones.
-CLAIMED_SIZES = [wire.MAX_HANDSHAKE_BODY, wire.MAX_HANDSHAKE_BODY + 1, wire.MAX_NOTIFY_BODY, wire.MAX_NOTIFY_BODY + 1,
-                 (64 << 10) + 1, 1 << 20, wire.MAX_CONTROL_BODY, wire.MAX_READ_BYTES + 1, 1 << 40, U64]
+CLAIMED_SIZES = [
+    wire.MAX_HANDSHAKE_BODY,
+    wire.MAX_HANDSHAKE_BODY + 1,
+    wire.MAX_NOTIFY_BODY,
+    wire.MAX_NOTIFY_BODY + 1,
+    (64 << 10) + 1,
+    1 << 20,
+    wire.MAX_CONTROL_BODY,
+    wire.MAX_READ_BYTES + 1,
+    1 << 40,
+    U64,
+]
 _valid_kinds = st.sampled_from([int(k) for k in wire.Kind])
 kinds = st.one_of(_valid_kinds, _valid_kinds, _valid_kinds, st.integers(0, 255))  # mostly frames the server parses
 
@@ -146,8 +167,13 @@ class WireTarget:
     def __init__(self) -> None:
         self.server = Hixl()
         self.engine_id = f"127.0.0.1:{free_port()}"
-        options = {"pdserve.AuthKey": KEY.hex(), "pdserve.RemoteWrite": "leased", "pdserve.RemoteRead": "1",
-                   "pdserve.HandshakeTimeoutMs": "500", "pdserve.MaxLinks": "16"}
+        options = {
+            "pdserve.AuthKey": KEY.hex(),
+            "pdserve.RemoteWrite": "leased",
+            "pdserve.RemoteRead": "1",
+            "pdserve.HandshakeTimeoutMs": "500",
+            "pdserve.MaxLinks": "16",
+        }
         assert self.server.initialize(self.engine_id, options) == api.SUCCESS
         status, self.base = self.server.malloc_mem(SIZE)
         assert status == api.SUCCESS
@@ -199,10 +225,14 @@ def _authenticate(sock: socket.socket) -> None:
 @pytest.mark.parametrize("insider", [False, True], ids=["stranger", "insider"])
 @pytest.mark.parametrize("first_kind", [int(k) for k in wire.Kind] + [0, 200], ids=lambda k: f"kind{k}")
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(first=frame_spec, first_size=st.one_of(st.none(), st.sampled_from(CLAIMED_SIZES)),
-       rest=st.lists(frame_spec, max_size=3))
-def test_arbitrary_frames_never_crash_hang_or_balloon_the_server(wire_target: WireTarget, first_kind: int,
-                                                                 insider: bool, first, first_size, rest) -> None:
+@given(
+    first=frame_spec,
+    first_size=st.one_of(st.none(), st.sampled_from(CLAIMED_SIZES)),
+    rest=st.lists(frame_spec, max_size=3),
+)
+def test_arbitrary_frames_never_crash_hang_or_balloon_the_server(
+    wire_target: WireTarget, first_kind: int, insider: bool, first, first_size, rest
+) -> None:
     kind, arg, seq, size, body_kind, raw, descs, truthful = first
     if first_size is not None:  # the first frame claims a size the body does not have
         size, truthful, arg = first_size, False, min(arg, first_size)
@@ -237,8 +267,9 @@ def test_arbitrary_frames_never_crash_hang_or_balloon_the_server(wire_target: Wi
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.lists(st.one_of(st.binary(max_size=300), frame_spec), min_size=1, max_size=8))
-def test_arbitrary_datagrams_into_the_notify_inbox_yield_only_wellformed_notifies(wire_target: WireTarget,
-                                                                                   raw: list) -> None:
+def test_arbitrary_datagrams_into_the_notify_inbox_yield_only_wellformed_notifies(
+    wire_target: WireTarget, raw: list
+) -> None:
     datagrams = [d if isinstance(d, bytes) else build(d, 0) for d in raw]
     from pdserve_worker.transfer.host.notify_inbox import abstract
 

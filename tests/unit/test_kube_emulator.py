@@ -32,7 +32,12 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestKubeClient]:
 
 
 def cm(name: str, **labels: str) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": "default", "labels": labels}, "data": {"k": "v"}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": "default", "labels": labels},
+        "data": {"k": "v"},
+    }
 
 
 def test_identity_conflicts_and_no_op_writes(kube: RestKubeClient) -> None:
@@ -48,8 +53,12 @@ def test_identity_conflicts_and_no_op_writes(kube: RestKubeClient) -> None:
         kube.merge_patch(CM, "default", "a", {"metadata": {"resourceVersion": "1"}, "data": {"k": "w"}})
     assert err.value.status == 409
     with pytest.raises(KubeError) as err:
-        kube.request("PATCH", CM.path("default", "a"), [{"op": "test", "path": "/metadata/resourceVersion", "value": "0"}],
-                     content_type="application/json-patch+json")
+        kube.request(
+            "PATCH",
+            CM.path("default", "a"),
+            [{"op": "test", "path": "/metadata/resourceVersion", "value": "0"}],
+            content_type="application/json-patch+json",
+        )
     assert err.value.status == 422
 
 
@@ -68,8 +77,13 @@ def test_label_selectors_and_namespaces(kube: RestKubeClient) -> None:
 
 
 def test_status_and_scale_subresources_and_generation(kube: RestKubeClient) -> None:
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "default"},
-           "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}, "template": {}}, "status": {"readyReplicas": 9}}
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "default"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}, "template": {}},
+        "status": {"readyReplicas": 9},
+    }
     made = kube.create(dep)
     assert "status" not in made  # status is the controller's, even on create
     kube.merge_patch(DEP, "default", "d", {"status": {"readyReplicas": 1}, "spec": {"replicas": 4}}, "status")
@@ -91,11 +105,16 @@ def test_update_operations_record_field_ownership(kube: RestKubeClient) -> None:
     from kube_emulator.managed_fields import owners
 
     def write(patch: dict, manager: str, sub: str | None = None) -> None:
-        kube.request("PATCH", DEP.path("default", "own", sub), patch, "application/merge-patch+json",
-                     {"fieldManager": manager})
+        kube.request(
+            "PATCH", DEP.path("default", "own", sub), patch, "application/merge-patch+json", {"fieldManager": manager}
+        )
 
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "own", "namespace": "default"},
-           "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}, "template": {}}}
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "own", "namespace": "default"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}, "template": {}},
+    }
     kube.create(dep)
     got = kube.get(DEP, "default", "own")
     creator = got["metadata"]["managedFields"][0]["manager"]
@@ -117,20 +136,31 @@ def test_update_operations_record_field_ownership(kube: RestKubeClient) -> None:
 
 
 def test_custom_resources_are_defaulted_and_validated_with_cel(kube: RestKubeClient) -> None:
-    body = {"apiVersion": "pdserve.dev/v1alpha1", "kind": "PDInferenceService", "metadata": {"name": "v", "namespace": "default"},
-            "spec": {"decode": {"replicas": 2, "unknownField": 1}}}
+    body = {
+        "apiVersion": "pdserve.dev/v1alpha1",
+        "kind": "PDInferenceService",
+        "metadata": {"name": "v", "namespace": "default"},
+        "spec": {"decode": {"replicas": 2, "unknownField": 1}},
+    }
     made = kube.create(body)
     assert made["spec"]["decode"]["slots"] == 8 and "unknownField" not in made["spec"]["decode"]  # defaulted, pruned
-    for spec, field in (({"device": {"type": "npu"}}, "spec.device.resourceName"),
-                        ({"decode": {"readiness": "later"}}, "spec.decode.readiness"),
-                        ({"router": {"service": {"nodePort": 30001}}}, "spec.router.service.nodePort")):
+    for spec, field in (
+        ({"device": {"type": "npu"}}, "spec.device.resourceName"),
+        ({"decode": {"readiness": "later"}}, "spec.decode.readiness"),
+        ({"router": {"service": {"nodePort": 30001}}}, "spec.router.service.nodePort"),
+    ):
         with pytest.raises(KubeError) as err:
             kube.create({**body, "metadata": {"name": "w", "namespace": "default"}, "spec": spec})
         assert err.value.status == 422 and field in err.value.message, err.value.message
     with pytest.raises(KubeError) as err:
         kube.create({**body, "metadata": {"name": "n" * 41, "namespace": "default"}, "spec": {}})
     assert err.value.status == 422 and "at most 40" in err.value.message
-    dry = kube.request("POST", PDIS.path("default"), {**body, "metadata": {"name": "dry", "namespace": "default"}}, query={"dryRun": "All"})
+    dry = kube.request(
+        "POST",
+        PDIS.path("default"),
+        {**body, "metadata": {"name": "dry", "namespace": "default"}},
+        query={"dryRun": "All"},
+    )
     assert dry["metadata"]["name"] == "dry" and kube.get(PDIS, "default", "dry") is None
 
 
@@ -151,7 +181,9 @@ def test_watch_resumes_from_a_version_and_sends_initial_events(kube: RestKubeCli
     url = kube.url + CM.path("default")  # type: ignore[attr-defined]
 
     def watch(query: str) -> list[dict]:
-        with urllib.request.urlopen(f"{url}?watch=true&labelSelector=watch%3Dyes&timeoutSeconds=1&{query}", timeout=10) as resp:
+        with urllib.request.urlopen(
+            f"{url}?watch=true&labelSelector=watch%3Dyes&timeoutSeconds=1&{query}", timeout=10
+        ) as resp:
             return [json.loads(line) for line in resp.read().splitlines() if line.strip()]
 
     resumed = watch(f"resourceVersion={first['metadata']['resourceVersion']}")

@@ -32,31 +32,56 @@ def gadget_crd(size_maximum: int | None = None) -> dict[str, Any]:
     if size_maximum is not None:
         size["maximum"] = size_maximum
         size["x-kubernetes-validations"] = [{"rule": f"self <= {size_maximum}", "message": "size is too big"}]
-    schema = {"type": "object", "properties": {
-        "spec": {"type": "object", "properties": {
-            "replicas": {"type": "integer", "minimum": 0, "default": 1},
-            "mode": {"type": "string", "enum": ["a", "b"], "default": "a"},
-            "size": size,
-            "tags": {"type": "array", "x-kubernetes-list-type": "set", "items": {"type": "string"}},
-            "nullableThing": {"type": "string", "nullable": True},
-            "notNullable": {"type": "string"},
-            "withDefault": {"type": "string", "default": "d"},
-            "code": {"type": "string", "pattern": "^[a-z]+$"},
-            "digits": {"type": "string", "pattern": "^\\d+$"},
-        }, "x-kubernetes-validations": [
-            {"rule": "self.replicas >= oldSelf.replicas", "message": "replicas may not shrink"},
-            {"rule": "self.mode == 'a' || self.replicas <= 3", "message": "mode b allows at most 3 replicas",
-             "fieldPath": ".replicas"},
-        ]},
-        "status": {"type": "object", "properties": {"ready": {"type": "integer", "minimum": 0}}},
-    }}
-    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-            "metadata": {"name": "gadgets.example.com"},
-            "spec": {"group": "example.com", "scope": "Namespaced",
-                     "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
-                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": schema},
-                                   "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
-                                                                            "statusReplicasPath": ".status.ready"}}}]}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "spec": {
+                "type": "object",
+                "properties": {
+                    "replicas": {"type": "integer", "minimum": 0, "default": 1},
+                    "mode": {"type": "string", "enum": ["a", "b"], "default": "a"},
+                    "size": size,
+                    "tags": {"type": "array", "x-kubernetes-list-type": "set", "items": {"type": "string"}},
+                    "nullableThing": {"type": "string", "nullable": True},
+                    "notNullable": {"type": "string"},
+                    "withDefault": {"type": "string", "default": "d"},
+                    "code": {"type": "string", "pattern": "^[a-z]+$"},
+                    "digits": {"type": "string", "pattern": "^\\d+$"},
+                },
+                "x-kubernetes-validations": [
+                    {"rule": "self.replicas >= oldSelf.replicas", "message": "replicas may not shrink"},
+                    {
+                        "rule": "self.mode == 'a' || self.replicas <= 3",
+                        "message": "mode b allows at most 3 replicas",
+                        "fieldPath": ".replicas",
+                    },
+                ],
+            },
+            "status": {"type": "object", "properties": {"ready": {"type": "integer", "minimum": 0}}},
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "gadgets.example.com"},
+        "spec": {
+            "group": "example.com",
+            "scope": "Namespaced",
+            "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {
+                        "status": {},
+                        "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.ready"},
+                    },
+                }
+            ],
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +103,10 @@ def causes(rsp: httpx.Response) -> list[str]:
 
 def test_unknown_fields_are_pruned_and_nulls_dropped_or_defaulted(api: httpx.Client) -> None:
     """prune (pruning/algorithm.go), PruneNonNullableNullsWithoutDefaults, Default."""
-    made = api.post(GADGETS, json=gadget("p", {"bogus": 1, "notNullable": None, "nullableThing": None,
-                                               "withDefault": None}, extra={"x": 1}))
+    made = api.post(
+        GADGETS,
+        json=gadget("p", {"bogus": 1, "notNullable": None, "nullableThing": None, "withDefault": None}, extra={"x": 1}),
+    )
     assert made.status_code == 201, made.text
     body = made.json()
     assert "extra" not in body and "bogus" not in body["spec"]
@@ -94,23 +121,28 @@ def test_defaults_apply_before_validation_and_blocking_errors_skip_cel(api: http
     """Validate runs on the defaulted object; CEL runs unless a blocking error (hasBlockingErr)."""
     assert api.post(GADGETS, json=gadget("d1", {"replicas": 5})).status_code == 201  # mode defaults to a
     assert causes(api.post(GADGETS, json=gadget("d2", {"mode": "b", "replicas": 5}))) == [
-        "spec.replicas: Invalid value: mode b allows at most 3 replicas"]  # fieldPath, value omitted (object node)
+        "spec.replicas: Invalid value: mode b allows at most 3 replicas"
+    ]  # fieldPath, value omitted (object node)
     # a minimum violation is not blocking: CEL still runs and reports too
     assert causes(api.post(GADGETS, json=gadget("d3", {"mode": "b", "replicas": -1}))) == [
         "spec.replicas: Invalid value: -1: spec.replicas in body should be greater than or equal to 0",
-        ".spec.replicas: Invalid value: -1: should be a non-negative integer"]  # ValidateScaleSpec
+        ".spec.replicas: Invalid value: -1: should be a non-negative integer",
+    ]  # ValidateScaleSpec
     # an enum miss is blocking: no CEL, one note instead
     assert causes(api.post(GADGETS, json=gadget("d4", {"mode": "c", "replicas": 9}))) == [
         'spec.mode: Unsupported value: "c": supported values: "a", "b"',
         "<nil>: Invalid value: null: some validation rules were not checked because the object was invalid; correct "
-        "the existing errors to complete validation"]
+        "the existing errors to complete validation",
+    ]
     assert causes(api.post(GADGETS, json=gadget("d5", {"replicas": "many"}))) == [
         'spec.replicas: Invalid value: "string": spec.replicas in body must be of type integer: "string"',
         ".spec.replicas: Invalid value: 0: .spec.replicas accessor error: many is of the type string, expected int64",
         "<nil>: Invalid value: null: some validation rules were not checked because the object was invalid; correct "
-        "the existing errors to complete validation"]
+        "the existing errors to complete validation",
+    ]
     assert causes(api.post(GADGETS, json=gadget("d6", {"tags": ["x", "y", "x"]}))) == [
-        'spec.tags[2]: Duplicate value: "x"']  # listtype.ValidateListSetsAndMaps
+        'spec.tags[2]: Duplicate value: "x"'
+    ]  # listtype.ValidateListSetsAndMaps
 
 
 def test_transition_rules_see_old_self_on_update_only(api: httpx.Client) -> None:
@@ -134,7 +166,8 @@ def test_status_writes_ignore_spec_and_spec_writes_ignore_status(api: httpx.Clie
     assert got["metadata"]["generation"] == made["metadata"]["generation"] + 1
     assert causes(api.patch(f"{url}/status", headers=merge, json={"status": {"ready": -1}})) == [
         "status.ready: Invalid value: -1: ready in body should be greater than or equal to 0",
-        ".status.ready: Invalid value: -1: should be a non-negative integer"]
+        ".status.ready: Invalid value: -1: should be a non-negative integer",
+    ]
 
 
 def test_ratcheting_keeps_unchanged_invalid_values_and_refuses_new_ones(api: httpx.Client) -> None:
@@ -150,10 +183,12 @@ def test_ratcheting_keeps_unchanged_invalid_values_and_refuses_new_ones(api: htt
     assert api.patch(url, headers=merge, json={"spec": {"tags": ["new"]}}).status_code == 200
     assert causes(api.patch(url, headers=merge, json={"spec": {"size": 9}})) == [
         "spec.size: Invalid value: 9: spec.size in body should be less than or equal to 5",
-        "spec.size: Invalid value: 9: size is too big"]
+        "spec.size: Invalid value: 9: size is too big",
+    ]
     assert causes(api.post(GADGETS, json=gadget("r2", {"size": 10}))) == [
         "spec.size: Invalid value: 10: spec.size in body should be less than or equal to 5",
-        "spec.size: Invalid value: 10: size is too big"]
+        "spec.size: Invalid value: 10: size is too big",
+    ]
     crd = api.get(f"{CRDS}/gadgets.example.com").json()
     crd["spec"]["versions"] = gadget_crd()["spec"]["versions"]
     restored = api.put(f"{CRDS}/gadgets.example.com", json=crd)
@@ -166,6 +201,8 @@ def test_patterns_match_as_go_regexp_does(api: httpx.Client) -> None:
     is ASCII only (Python's also takes other scripts' digits)."""
     assert api.post(GADGETS, json=gadget("re1", {"code": "abc", "digits": "123"})).status_code == 201
     assert causes(api.post(GADGETS, json=gadget("re2", {"code": "abc\n"}))) == [
-        'spec.code: Invalid value: "abc\\n": spec.code in body should match \'^[a-z]+$\'']
+        "spec.code: Invalid value: \"abc\\n\": spec.code in body should match '^[a-z]+$'"
+    ]
     assert causes(api.post(GADGETS, json=gadget("re3", {"digits": "\u0661\u0662"}))) == [
-        'spec.digits: Invalid value: "\u0661\u0662": spec.digits in body should match \'^\\d+$\'']
+        "spec.digits: Invalid value: \"\u0661\u0662\": spec.digits in body should match '^\\d+$'"
+    ]

@@ -17,15 +17,39 @@ from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, re
     [
         ("GET", "/api/v1/namespaces/ns/pods", {}, RequestAttributes("list", "", "pods", "", "ns")),
         ("GET", "/api/v1/pods", {"watch": "true"}, RequestAttributes("watch", "", "pods")),
-        ("GET", "/apis/apps/v1/namespaces/ns/deployments/d", {}, RequestAttributes("get", "apps", "deployments", "", "ns", "d")),
-        ("PATCH", "/apis/pdserve.dev/v1alpha1/namespaces/ns/pdinferenceservices/x/status", {},
-         RequestAttributes("patch", "pdserve.dev", "pdinferenceservices", "status", "ns", "x")),
+        (
+            "GET",
+            "/apis/apps/v1/namespaces/ns/deployments/d",
+            {},
+            RequestAttributes("get", "apps", "deployments", "", "ns", "d"),
+        ),
+        (
+            "PATCH",
+            "/apis/pdserve.dev/v1alpha1/namespaces/ns/pdinferenceservices/x/status",
+            {},
+            RequestAttributes("patch", "pdserve.dev", "pdinferenceservices", "status", "ns", "x"),
+        ),
         ("POST", "/api/v1/namespaces/ns/events", {}, RequestAttributes("create", "", "events", "", "ns")),
-        ("DELETE", "/api/v1/namespaces/ns/configmaps", {}, RequestAttributes("deletecollection", "", "configmaps", "", "ns")),
-        ("PUT", "/api/v1/namespaces/ns/finalize", {}, RequestAttributes("update", "", "namespaces", "finalize", "ns", "ns")),
+        (
+            "DELETE",
+            "/api/v1/namespaces/ns/configmaps",
+            {},
+            RequestAttributes("deletecollection", "", "configmaps", "", "ns"),
+        ),
+        (
+            "PUT",
+            "/api/v1/namespaces/ns/finalize",
+            {},
+            RequestAttributes("update", "", "namespaces", "finalize", "ns", "ns"),
+        ),
         ("GET", "/api/v1/namespaces/ns", {}, RequestAttributes("get", "", "namespaces", "", "ns", "ns")),
         ("GET", "/api/v1/namespaces", {"watch": "1"}, RequestAttributes("watch", "", "namespaces")),
-        ("PATCH", "/apis/kopf.dev/v1/clusterkopfpeerings/p", {}, RequestAttributes("patch", "kopf.dev", "clusterkopfpeerings", "", "", "p")),
+        (
+            "PATCH",
+            "/apis/kopf.dev/v1/clusterkopfpeerings/p",
+            {},
+            RequestAttributes("patch", "kopf.dev", "clusterkopfpeerings", "", "", "p"),
+        ),
         ("GET", "/apis/apps/v1", {}, RequestAttributes("get", path="/apis/apps/v1")),
         ("GET", "/version", {}, RequestAttributes("get", path="/version")),
     ],
@@ -38,14 +62,21 @@ SA = ServiceAccount("ops", "op")
 
 
 def objects(binding_kind: str = "ClusterRoleBinding", role_kind: str = "ClusterRole", ns: str = "") -> list[dict]:
-    role = {"kind": role_kind, "metadata": {"name": "r", **({"namespace": ns} if ns else {})}, "rules": [
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]},
-        {"apiGroups": ["pdserve.dev"], "resources": ["pdinferenceservices/status"], "verbs": ["patch"]},
-        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"], "resourceNames": ["only"]},
-    ]}
-    binding = {"kind": binding_kind, "metadata": {"name": "b", **({"namespace": ns} if ns else {})},
-               "roleRef": {"kind": role_kind, "name": "r"},
-               "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]}
+    role = {
+        "kind": role_kind,
+        "metadata": {"name": "r", **({"namespace": ns} if ns else {})},
+        "rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]},
+            {"apiGroups": ["pdserve.dev"], "resources": ["pdinferenceservices/status"], "verbs": ["patch"]},
+            {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get"], "resourceNames": ["only"]},
+        ],
+    }
+    binding = {
+        "kind": binding_kind,
+        "metadata": {"name": "b", **({"namespace": ns} if ns else {})},
+        "roleRef": {"kind": role_kind, "name": "r"},
+        "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}],
+    }
     return [role, binding]
 
 
@@ -56,7 +87,9 @@ def test_cluster_binding_allows_in_every_namespace_and_nothing_more() -> None:
     assert not auth.allowed(SA, request_attributes("GET", "/api/v1/configmaps", {"watch": "true"}))
     assert not auth.allowed(SA, request_attributes("GET", "/api/v1/namespaces/a/secrets/x"))
     # A subresource needs its own grant, and the grant does not cover the main resource.
-    assert auth.allowed(SA, request_attributes("PATCH", "/apis/pdserve.dev/v1/namespaces/a/pdinferenceservices/x/status"))
+    assert auth.allowed(
+        SA, request_attributes("PATCH", "/apis/pdserve.dev/v1/namespaces/a/pdinferenceservices/x/status")
+    )
     assert not auth.allowed(SA, request_attributes("PATCH", "/apis/pdserve.dev/v1/namespaces/a/pdinferenceservices/x"))
     assert auth.allowed(SA, request_attributes("GET", "/apis/apps/v1/namespaces/a/deployments/only"))
     assert not auth.allowed(SA, request_attributes("GET", "/apis/apps/v1/namespaces/a/deployments/other"))

@@ -32,9 +32,18 @@ FIRST_RELEASE: dict[str, tuple[tuple[int, int], str]] = {
     "api:apps/v1": ((1, 9), "apps/v1 Deployment/StatefulSet GA in v1.9 (kubernetes/kubernetes CHANGELOG-1.9)"),
     "api:rbac.authorization.k8s.io/v1": ((1, 8), "RBAC GA in v1.8 (kubernetes/kubernetes CHANGELOG-1.8)"),
     "api:networking.k8s.io/v1": ((1, 7), "NetworkPolicy GA in v1.7 (kubernetes/kubernetes CHANGELOG-1.7)"),
-    "api:policy/v1": ((1, 21), "PodDisruptionBudget policy/v1 in v1.21 (kubernetes/enhancements keps/sig-apps/85-Graduate-PDB-to-Stable)"),
-    "api:kopf.dev/v1": ((1, 16), "a CRD of ours (manifests/kopf-peering.yaml): needs apiextensions.k8s.io/v1, " + KEP95),
-    "schema:default": ((1, 17), "CRD defaulting GA in v1.17 (kubernetes/enhancements keps/sig-api-machinery/575-crd-defaulting)"),
+    "api:policy/v1": (
+        (1, 21),
+        "PodDisruptionBudget policy/v1 in v1.21 (kubernetes/enhancements keps/sig-apps/85-Graduate-PDB-to-Stable)",
+    ),
+    "api:kopf.dev/v1": (
+        (1, 16),
+        "a CRD of ours (manifests/kopf-peering.yaml): needs apiextensions.k8s.io/v1, " + KEP95,
+    ),
+    "schema:default": (
+        (1, 17),
+        "CRD defaulting GA in v1.17 (kubernetes/enhancements keps/sig-api-machinery/575-crd-defaulting)",
+    ),
     "schema:x-kubernetes-int-or-string": ((1, 16), KEP95 + "; JSONSchemaProps.XIntOrString in apiextensions/v1"),
     "schema:x-kubernetes-preserve-unknown-fields": ((1, 16), KEP95 + "; JSONSchemaProps.XPreserveUnknownFields"),
     "schema:x-kubernetes-list-type": ((1, 16), KEP95 + "; JSONSchemaProps.XListType"),
@@ -42,16 +51,22 @@ FIRST_RELEASE: dict[str, tuple[tuple[int, int], str]] = {
     "schema:x-kubernetes-validations": ((1, 25), KEP2876),
     "rule:rule": ((1, 25), KEP2876),
     "rule:message": ((1, 25), KEP2876),
-    "rule:fieldPath": ((1, 28), "kubernetes/kubernetes#118041 '[KEP-2876] Add reason and fieldPath into CRD validation "
-                                "rules', released in v1.28 (kubernetes/enhancements#4159: GA held from 1.28 to 1.29 "
-                                "because fieldPath and reason were added)"),
+    "rule:fieldPath": (
+        (1, 28),
+        "kubernetes/kubernetes#118041 '[KEP-2876] Add reason and fieldPath into CRD validation "
+        "rules', released in v1.28 (kubernetes/enhancements#4159: GA held from 1.28 to 1.29 "
+        "because fieldPath and reason were added)",
+    ),
     "rule:reason": ((1, 28), "kubernetes/kubernetes#118041, released in v1.28 (see rule:fieldPath)"),
     "crd:subresources.status": ((1, 16), KEP95),
     "crd:subresources.scale": ((1, 16), KEP95),
     "crd:additionalPrinterColumns": ((1, 16), KEP95),
     "pod:seccompProfile": ((1, 19), "seccomp GA in v1.19 (kubernetes/enhancements keps/sig-node/135-seccomp)"),
-    "pod:startupProbe": ((1, 20), "startupProbe GA in v1.20, beta on by default since v1.18 (kubernetes/enhancements "
-                                  "keps/sig-node/950-liveness-probe-holdoff)"),
+    "pod:startupProbe": (
+        (1, 20),
+        "startupProbe GA in v1.20, beta on by default since v1.18 (kubernetes/enhancements "
+        "keps/sig-node/950-liveness-probe-holdoff)",
+    ),
 }
 # Third-party APIs: not a Kubernetes release but an add-on (the chart renders them only when enabled).
 ADD_ONS = {"api:monitoring.coreos.com/v1": "prometheus-operator ServiceMonitor, serviceMonitor.enabled=true only"}
@@ -94,8 +109,9 @@ def used_features() -> set[str]:
     docs += render("--set", "serviceMonitor.enabled=true", "--set", "networkPolicy.enabled=true")
     sample = yaml.safe_load((ROOT / "manifests" / "samples" / "smollm2-cpu.yaml").read_text())
     owner = ch.Owner(name="x", namespace="default", uid="u")
-    docs += ch.render(owner, s.parse_spec(sample["spec"]), "token",
-                      ch.Defaults(image="i", broker_address="b:1", network_policy=True))
+    docs += ch.render(
+        owner, s.parse_spec(sample["spec"]), "token", ch.Defaults(image="i", broker_address="b:1", network_policy=True)
+    )
     for doc in docs:
         _object_features(doc, found)
     return found

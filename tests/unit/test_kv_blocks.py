@@ -40,14 +40,27 @@ class RecordingLeases:
 
 
 def layout(num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8) -> KVLayout:
-    return KVLayout(num_slots=max_reservations, num_layers=2, max_len=64, kv_heads=1, head_dim=4, dtype="float32",
-                    block_tokens=block_tokens, num_blocks=num_blocks)
+    return KVLayout(
+        num_slots=max_reservations,
+        num_layers=2,
+        max_len=64,
+        kv_heads=1,
+        head_dim=4,
+        dtype="float32",
+        block_tokens=block_tokens,
+        num_blocks=num_blocks,
+    )
 
 
 def allocator(num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8, **kw) -> tuple[BlockTable, Clock]:
     clock = Clock()
-    table = BlockTable(layout(num_blocks, block_tokens, max_reservations), engine_id="10.0.0.1:7000",
-                       base_addr=0x10000, clock=clock, **kw)
+    table = BlockTable(
+        layout(num_blocks, block_tokens, max_reservations),
+        engine_id="10.0.0.1:7000",
+        base_addr=0x10000,
+        clock=clock,
+        **kw,
+    )
     return table, clock
 
 
@@ -169,7 +182,9 @@ def test_sharing_only_whole_committed_prompt_blocks() -> None:
     alloc.commit(a.slot, a.generation)
     with pytest.raises(ValueError, match="1 whole prompt blocks"):
         alloc.reserve("b", 5, num_tokens=8, share_from=(a.slot, a.generation), shared_blocks=2)
-    assert alloc.reserve("b", 5, num_tokens=8, share_from=(a.slot, a.generation), shared_blocks=1).blocks[0] == a.blocks[0]
+    assert (
+        alloc.reserve("b", 5, num_tokens=8, share_from=(a.slot, a.generation), shared_blocks=1).blocks[0] == a.blocks[0]
+    )
 
 
 def test_a_refused_lease_grants_nothing() -> None:
@@ -198,12 +213,21 @@ class AllocatorMachine(RuleBasedStateMachine):
     def pick(self, i: int) -> BlockGrant:
         return self.grants[i % len(self.grants)]
 
-    @rule(tokens=st.integers(1, 30), ttl=st.floats(0.5, 5), prompt_frac=st.floats(0.1, 1.0),
-          share=st.integers(0, 3), source=st.integers(0, 50))
+    @rule(
+        tokens=st.integers(1, 30),
+        ttl=st.floats(0.5, 5),
+        prompt_frac=st.floats(0.1, 1.0),
+        share=st.integers(0, 3),
+        source=st.integers(0, 50),
+    )
     def reserve(self, tokens, ttl, prompt_frac, share, source):
         prompt = max(1, int(tokens * prompt_frac))
-        committed = [g for g in self.grants if self.alloc.grant_of(g.slot, g.generation) is not None
-                     and not self.alloc.is_reserved(g.slot, g.generation)]
+        committed = [
+            g
+            for g in self.grants
+            if self.alloc.grant_of(g.slot, g.generation) is not None
+            and not self.alloc.is_reserved(g.slot, g.generation)
+        ]
         kw = {}
         if committed and share:
             src = committed[source % len(committed)]
@@ -217,7 +241,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         assert len(grant.blocks) == blocks_for(tokens, 4)
         if kw:
-            assert grant.blocks[:grant.shared] == src.blocks[:grant.shared]
+            assert grant.blocks[: grant.shared] == src.blocks[: grant.shared]
         self.grants.append(grant)
 
     @precondition(lambda self: self.grants)
@@ -246,7 +270,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         # An expiry gives back exactly the expired reservations' shared references (their own
         # blocks stay quarantined) and nothing else.
         for b in range(12):
-            shared_refs = sum(1 for g in expired for x in g.blocks[:g.shared] if x == b)
+            shared_refs = sum(1 for g in expired for x in g.blocks[: g.shared] if x == b)
             assert self.alloc.refcount(b) == before[b] - shared_refs
         for g in expired:
             assert self.alloc.state(g.slot) is SlotState.QUARANTINED
@@ -261,7 +285,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             for b in h.held:
                 refs[b] += 1
             if h.state in (SlotState.RESERVED, SlotState.COMMITTED):
-                for b in h.blocks[h.shared:]:
+                for b in h.blocks[h.shared :]:
                     assert b not in writers, f"block {b} writable in two live reservations"
                     writers[b] = h.generation
                 for b in h.blocks:
@@ -276,8 +300,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         held = {b for h in alloc._handles for b in h.held}
         assert usage.free_blocks + len(held) == 12
         assert usage.tokens_used == len(held) * 4
-        assert set(self.leases.live) == {h.generation for h in alloc._handles
-                                         if h.state is SlotState.RESERVED and h.blocks[h.shared:]}
+        assert set(self.leases.live) == {
+            h.generation for h in alloc._handles if h.state is SlotState.RESERVED and h.blocks[h.shared :]
+        }
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase

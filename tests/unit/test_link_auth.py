@@ -14,8 +14,12 @@ from pdserve_worker.transfer.host import link_auth
 
 
 @settings(max_examples=50)
-@given(secret=st.binary(min_size=1, max_size=80), info=st.binary(max_size=40), salt=st.binary(max_size=40),
-       length=st.integers(1, 100))
+@given(
+    secret=st.binary(min_size=1, max_size=80),
+    info=st.binary(max_size=40),
+    salt=st.binary(max_size=40),
+    length=st.integers(1, 100),
+)
 def test_hkdf_matches_cryptographys_implementation(secret: bytes, info: bytes, salt: bytes, length: int) -> None:
     """The upstream's own implementation (pyca/cryptography's HKDF) is the reference."""
     expected = HKDF(algorithm=hashes.SHA256(), length=length, salt=salt or None, info=info).derive(secret)
@@ -25,9 +29,10 @@ def test_hkdf_matches_cryptographys_implementation(secret: bytes, info: bytes, s
 
 def test_rfc5869_test_case_1() -> None:
     ikm = bytes.fromhex("0b" * 22)
-    okm = link_auth.hkdf(ikm, bytes.fromhex("f0f1f2f3f4f5f6f7f8f9"), 42, salt=bytes.fromhex("000102030405060708090a0b0c"))
-    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
-                         "34007208d5b887185865")
+    okm = link_auth.hkdf(
+        ikm, bytes.fromhex("f0f1f2f3f4f5f6f7f8f9"), 42, salt=bytes.fromhex("000102030405060708090a0b0c")
+    )
+    assert okm.hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865")
 
 
 def test_each_purpose_gets_its_own_key_and_none_is_the_token() -> None:
@@ -44,11 +49,13 @@ def test_proofs_bind_the_key_both_nonces_the_role_and_the_claims() -> None:
     key, cn, sn = os.urandom(32), os.urandom(32), os.urandom(32)
     proof = link_auth.client_proof(key, cn, sn, "10.0.0.1", "hostA")
     assert link_auth.proofs_equal(proof, link_auth.client_proof(key, cn, sn, "10.0.0.1", "hostA"))
-    for other in (link_auth.client_proof(os.urandom(32), cn, sn, "10.0.0.1", "hostA"),
-                  link_auth.client_proof(key, os.urandom(32), sn, "10.0.0.1", "hostA"),
-                  link_auth.client_proof(key, cn, os.urandom(32), "10.0.0.1", "hostA"),
-                  link_auth.client_proof(key, cn, sn, "10.0.0.2", "hostA"),
-                  link_auth.client_proof(key, cn, sn, "10.0.0.1", "hostB")):
+    for other in (
+        link_auth.client_proof(os.urandom(32), cn, sn, "10.0.0.1", "hostA"),
+        link_auth.client_proof(key, os.urandom(32), sn, "10.0.0.1", "hostA"),
+        link_auth.client_proof(key, cn, os.urandom(32), "10.0.0.1", "hostA"),
+        link_auth.client_proof(key, cn, sn, "10.0.0.2", "hostA"),
+        link_auth.client_proof(key, cn, sn, "10.0.0.1", "hostB"),
+    ):
         assert not link_auth.proofs_equal(proof, other)
     # A server's proof is not a client's: a proof cannot be reflected back.
     assert not link_auth.proofs_equal(link_auth.server_proof(key, cn, sn), link_auth.client_proof(key, cn, sn, "", ""))

@@ -10,18 +10,21 @@ from hypothesis import strategies as st
 from pdserve_common.logs import kv
 
 
-@pytest.mark.parametrize("value,shown", [
-    ("plain", "plain"),
-    ("a b", '"a b"'),
-    ("evil\r\nts=1 level=ERROR", '"evil\\r\\nts=1 level=ERROR"'),
-    ("x\ry", '"x\\ry"'),
-    ('q"\\', '"q\\"\\\\"'),
-    ("\x1b[31mred", '"\\x1b[31mred"'),
-    ("line\u2028sep", '"line\\u2028sep"'),
-    ("bidi\u202eoverride", '"bidi\\u202eoverride"'),
-    ("café", "café"),
-    ("", '""'),
-])
+@pytest.mark.parametrize(
+    "value,shown",
+    [
+        ("plain", "plain"),
+        ("a b", '"a b"'),
+        ("evil\r\nts=1 level=ERROR", '"evil\\r\\nts=1 level=ERROR"'),
+        ("x\ry", '"x\\ry"'),
+        ('q"\\', '"q\\"\\\\"'),
+        ("\x1b[31mred", '"\\x1b[31mred"'),
+        ("line\u2028sep", '"line\\u2028sep"'),
+        ("bidi\u202eoverride", '"bidi\\u202eoverride"'),
+        ("café", "café"),
+        ("", '""'),
+    ],
+)
 def test_values_are_quoted_and_escaped(value, shown):
     assert kv(v=value) == f"v={shown}"
 
@@ -37,7 +40,7 @@ def _first_value(line: str) -> tuple[str, str]:
     i = 1
     while body[i] != '"':
         i += 2 if body[i] == "\\" else 1
-    return body[: i + 1], body[i + 2:]
+    return body[: i + 1], body[i + 2 :]
 
 
 @given(st.text())

@@ -88,8 +88,13 @@ def test_a_reorder_that_fails_falls_back_to_plain_weights(monkeypatch, caplog) -
 
 @pytest.mark.parametrize(
     ("dtype", "upcast", "prepack"),
-    [(torch.float32, False, False), (torch.float32, False, True), (torch.bfloat16, False, False),
-     (torch.bfloat16, False, True), (torch.bfloat16, True, False)],
+    [
+        (torch.float32, False, False),
+        (torch.float32, False, True),
+        (torch.bfloat16, False, False),
+        (torch.bfloat16, False, True),
+        (torch.bfloat16, True, False),
+    ],
     ids=["fp32-plain", "fp32-prepacked", "bf16-plain", "bf16-prepacked", "bf16-upcast"],
 )
 @pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 64)])

@@ -42,12 +42,20 @@ def token_offset(layout: KVLayout, slot: int, blocks, layer: int, kv: int, t: in
 
 def apply(descs, src: bytearray, dst: bytearray) -> None:
     for d in descs:
-        dst[d.dst:d.dst + d.length] = src[d.src:d.src + d.length]
+        dst[d.dst : d.dst + d.length] = src[d.src : d.src + d.length]
 
 
 CASES = {
-    "paged->paged, fragmented, shared first block": (paged(), 1, [7, 3, 4, 5, 20, 21, 22], paged(), 2,
-                                                     [9, 10, 30, 2, 1, 11, 12], 4, 25),
+    "paged->paged, fragmented, shared first block": (
+        paged(),
+        1,
+        [7, 3, 4, 5, 20, 21, 22],
+        paged(),
+        2,
+        [9, 10, 30, 2, 1, 11, 12],
+        4,
+        25,
+    ),
     "paged->slot": (paged(), 0, [5, 6, 7, 1, 2, 3, 30], slot_layout(), 2, (), 0, 26),
     "slot->paged": (slot_layout(), 1, (), paged(block_tokens=8), 0, [4, 2, 3], 0, 17),
     "slot->slot": (slot_layout(), 0, (), slot_layout(), 2, (), 0, 31),
@@ -62,8 +70,11 @@ def test_descriptors_move_exactly_the_tokens_asked_for(case: str) -> None:
     per = src_l.bytes_per_token
     for layer in range(2):
         for kv in (K, V):
-            apply(migration_descriptors(src_l, src_slot, src_blocks, dst_l, dst_slot, dst_blocks, layer, kv,
-                                        start, end), src, dst)
+            apply(
+                migration_descriptors(src_l, src_slot, src_blocks, dst_l, dst_slot, dst_blocks, layer, kv, start, end),
+                src,
+                dst,
+            )
     written = 0
     for layer in range(2):
         for kv in (K, V):
@@ -71,9 +82,9 @@ def test_descriptors_move_exactly_the_tokens_asked_for(case: str) -> None:
                 s = token_offset(src_l, src_slot, src_blocks, layer, kv, t)
                 d = token_offset(dst_l, dst_slot, dst_blocks, layer, kv, t)
                 if t < start:
-                    assert dst[d:d + per] == b"\xee" * per, f"token {t} below start was written"
+                    assert dst[d : d + per] == b"\xee" * per, f"token {t} below start was written"
                 else:
-                    assert dst[d:d + per] == src[s:s + per], f"{case}: layer {layer} kv {kv} token {t}"
+                    assert dst[d : d + per] == src[s : s + per], f"{case}: layer {layer} kv {kv} token {t}"
                     written += per
     assert sum(1 for b in dst if b != 0xEE) <= written  # nothing outside the tokens was touched
     assert written == (end - start) * per * 4
@@ -95,6 +106,7 @@ def test_descriptors_refuse_what_does_not_fit() -> None:
 
 
 # ---- the handoff's one release path ---------------------------------------------------------------
+
 
 def handoff(request_id: str = "r#0", slot: int = 1) -> tuple[Handoff, list[int]]:
     freed: list[int] = []
@@ -142,6 +154,7 @@ def test_the_book_hands_a_handoff_to_one_migrate_of_the_right_request() -> None:
 
 # ---- the engine: detach here, continue there --------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
     from pdserve_worker.model.loader import load_model
@@ -182,7 +195,8 @@ def test_a_detached_request_continues_in_another_pool_token_for_token(loaded, ki
     _, ref_first = ref.add_prefilled(prompt, 0, first, whole)
     ref_rest = list(ref.stream())
     expected = dataclasses.make_dataclass("E", ["output_ids", "text"])(
-        [o.token_id for o in [ref_first, *ref_rest]], "".join(o.text for o in [ref_first, *ref_rest]))
+        [o.token_id for o in [ref_first, *ref_rest]], "".join(o.text for o in [ref_first, *ref_rest])
+    )
     if params.seed is not None:  # and a seeded request is what one process gives
         [alone] = generate(loaded.model, loaded.tokenizer, [prompt], params, max_len=MAX_LEN)
         assert alone.output_ids == expected.output_ids
@@ -195,9 +209,10 @@ def test_a_detached_request_continues_in_another_pool_token_for_token(loaded, ki
     s_bytes, d_bytes = byte_view(src.cache.tensor), byte_view(dst_cache.tensor)
     for layer in range(layout.num_layers):
         for kv in (K, V):
-            for d in migration_descriptors(src.cache.layout, 1, (), layout, 0, blocks, layer, kv, 0,
-                                           detached.kv_tokens):
-                d_bytes[d.dst:d.dst + d.length] = s_bytes[d.src:d.src + d.length]
+            for d in migration_descriptors(
+                src.cache.layout, 1, (), layout, 0, blocks, layer, kv, 0, detached.kv_tokens
+            ):
+                d_bytes[d.dst : d.dst + d.length] = s_bytes[d.src : d.src + d.length]
     dst = Generator(loaded.model, loaded.tokenizer, dst_cache)
     tokens = prompt + detached.output_ids
     moved = params.model_copy(update={"seed": detached.seed})  # what the notify carries
@@ -212,7 +227,7 @@ def test_the_stop_string_state_moves_with_the_request(loaded) -> None:
     prompt = loaded.tokenizer.encode("Paris is the capital of")
     plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     [free] = generate(loaded.model, loaded.tokenizer, [prompt], plain, max_len=MAX_LEN)
-    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 3]
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
     params = plain.model_copy(update={"stop": (stop,)})
     [expected] = generate(loaded.model, loaded.tokenizer, [prompt], params, max_len=MAX_LEN)
     assert expected.finish_reason.value == "stop" and stop not in expected.text
@@ -227,14 +242,16 @@ def test_the_stop_string_state_moves_with_the_request(loaded) -> None:
         dst = Generator(loaded.model, loaded.tokenizer, KVCache.allocate(src.cache.layout))
         dst.cache.tensor.copy_(src.cache.tensor)
         tokens = prompt + detached.output_ids
-        _, _ = dst.add_prefilled(tokens[:-1], 0, tokens[-1], params.model_copy(update={"seed": detached.seed}),
-                                 num_generated=k - 1)
+        _, _ = dst.add_prefilled(
+            tokens[:-1], 0, tokens[-1], params.model_copy(update={"seed": detached.seed}), num_generated=k - 1
+        )
         rest = list(dst.stream())
         assert "".join(o.text for o in outs + rest) == expected.text, f"detached after {k} tokens"
         assert rest[-1].finish_reason == expected.finish_reason
 
 
 # ---- the loop parks requests -------------------------------------------------------------------------
+
 
 @pytest.mark.asyncio
 async def test_parking_ends_the_stream_and_the_handoff_owns_the_slot(loaded) -> None:
@@ -270,8 +287,9 @@ async def test_a_stopping_loop_releases_parked_requests(loaded) -> None:
     loop.start()
     freed = threading.Event()
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    stream = loop.submit("r", [5, 6, 7], 0, params, freed.set,
-                         first_token=prefill_first_token(loaded.model, cache, 0, [5, 6, 7], params))
+    stream = loop.submit(
+        "r", [5, 6, 7], 0, params, freed.set, first_token=prefill_first_token(loaded.model, cache, 0, [5, 6, 7], params)
+    )
     await anext(stream)
     loop.park_all(Handoff)
     assert isinstance([i async for i in stream][-1], Parked)

@@ -26,20 +26,46 @@ GIB, MIB, KIB = 1024**3, 1024**2, 1024
 # Qwen/Qwen2.5-7B-Instruct config.json as published (the model card: 7.61B parameters, 28 layers,
 # 28 query heads and 4 KV heads, QKV bias, 32,768-token context, YaRN for longer).
 QWEN25_7B_INSTRUCT = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
-    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
-    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
-    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
 }
-MINIMAL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2}
+MINIMAL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
-@pytest.mark.parametrize("extra", [{}, {"use_sliding_window": True, "max_window_layers": 1}, {"sliding_window": None}],
-                         ids=["defaults", "sliding-on", "no-window"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"use_sliding_window": True, "max_window_layers": 1}, {"sliding_window": None}],
+    ids=["defaults", "sliding-on", "no-window"],
+)
 def test_keys_left_out_get_transformers_defaults(model_type, extra):
     """A config.json with only the sizes: our reading equals transformers' config class's."""
     import transformers
@@ -72,8 +98,14 @@ def test_kv_heads_left_out_default_as_in_transformers(model_type):
 def test_biases_and_norms_per_family_are_transformers_modules():
     import transformers
 
-    for model_type, extra in [("llama", {}), ("llama", {"attention_bias": True}), ("mistral", {"attention_bias": True}),
-                              ("qwen2", {}), ("qwen3", {}), ("qwen3", {"attention_bias": True})]:
+    for model_type, extra in [
+        ("llama", {}),
+        ("llama", {"attention_bias": True}),
+        ("mistral", {"attention_bias": True}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("qwen3", {"attention_bias": True}),
+    ]:
         data = {"model_type": model_type, **MINIMAL, **extra}
         with torch.device("meta"):
             hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**data))
@@ -108,15 +140,27 @@ def test_what_the_engine_cannot_compute_exactly_is_refused_by_name(change, messa
 
 
 def test_rope_scaling_is_read_as_transformers_standardizes_it():
-    yarn = ModelConfig.from_hf({**QWEN25_7B_INSTRUCT, "rope_scaling": {
-        "factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}})
+    yarn = ModelConfig.from_hf(
+        {
+            **QWEN25_7B_INSTRUCT,
+            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+        }
+    )
     assert yarn.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert yarn.max_position_embeddings == 131072  # Qwen2.5's documented 128K with YaRN
     # transformers 5 writes rope_parameters with rope_theta inside; `rope_scaling` wins over it.
-    v5 = ModelConfig.from_hf({**MINIMAL, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
+    v5 = ModelConfig.from_hf(
+        {**MINIMAL, "model_type": "llama", "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
+    )
     assert (v5.rope_theta, v5.rope_scaling) == (5e5, None)
-    llama3 = ModelConfig.from_hf({**MINIMAL, "model_type": "llama", "max_position_embeddings": 4096,
-                                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    llama3 = ModelConfig.from_hf(
+        {
+            **MINIMAL,
+            "model_type": "llama",
+            "max_position_embeddings": 4096,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+        }
+    )
     assert llama3.rope_scaling["original_max_position_embeddings"] == 4096  # standardize_rope_params' default
 
 
@@ -136,14 +180,18 @@ def test_qwen25_7b_is_accepted_and_runs_on_the_meta_device():
     assert weight_shapes(config) == {n: tuple(p.shape) for n, p in hf.named_parameters()}
     assert parameter_count(config) == hf.num_parameters() == 7_615_616_512  # "7.61B"
 
-    weights = {name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in weight_shapes(config).items()}
+    weights = {
+        name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in weight_shapes(config).items()
+    }
     model = LlamaModel(config, weights, dtype=torch.bfloat16, device="meta")
     cache = KVCache.allocate(config.kv_layout(2, 8192, "bfloat16"), device="meta")
     hidden = torch.empty(1, 16, config.hidden_size, dtype=torch.bfloat16, device="meta")
     out = model.run_layers(hidden, range(config.num_layers), cache, [1], [0])
     assert out.shape == (1, 16, 3584)
     assert model.head(out[:, -1]).shape == (1, 152064)
-    step = model.run_layers(torch.empty(2, 1, 3584, dtype=torch.bfloat16, device="meta"), range(28), cache, [0, 1], [16, 16])
+    step = model.run_layers(
+        torch.empty(2, 1, 3584, dtype=torch.bfloat16, device="meta"), range(28), cache, [0, 1], [16, 16]
+    )
     assert step.shape == (2, 1, 3584)
 
 
@@ -182,16 +230,42 @@ def test_the_samples_comment_states_the_right_arithmetic():
 
 def _qwen_folder(tmp_path: Path, **change) -> Path:
     (tmp_path / "config.json").write_text(json.dumps({**QWEN25_7B_INSTRUCT, **change}))
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
-         "repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20, "top_p": 0.8}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 151643,
+                "do_sample": True,
+                "eos_token_id": [151645, 151643],
+                "pad_token_id": 151643,
+                "repetition_penalty": 1.05,
+                "temperature": 0.7,
+                "top_k": 20,
+                "top_p": 0.8,
+            }
+        )
+    )
     return tmp_path
 
 
 def test_info_prints_the_model_and_the_slots_that_fit(tmp_path):
     folder = _qwen_folder(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(folder), "--max-len",
-                          "8192", "--memory", "32GiB"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve_worker.cli",
+            "info",
+            "--model",
+            str(folder),
+            "--max-len",
+            "8192",
+            "--memory",
+            "32GiB",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     info = json.loads(out.stdout)
     assert (info["architecture"], info["parameters"], info["parameters_human"]) == ("qwen2", 7_615_616_512, "7.62B")
     assert (info["checkpoint_dtype"], info["dtype"], info["kv_bytes_per_token"]) == ("bfloat16", "bfloat16", 57344)
@@ -219,8 +293,10 @@ def test_info_with_layer_shards_counts_each_members_share(tmp_path):
 
 def test_info_works_without_torch(tmp_path):
     folder = _qwen_folder(tmp_path)
-    code = ("import sys; sys.modules['torch'] = None; from pdserve_worker.cli import main; "
-            f"sys.exit(main(['info', '--model', {str(folder)!r}, '--memory', '80GB']))")
+    code = (
+        "import sys; sys.modules['torch'] = None; from pdserve_worker.cli import main; "
+        f"sys.exit(main(['info', '--model', {str(folder)!r}, '--memory', '80GB']))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["memory"]["budget_bytes"] == 80 * 10**9
@@ -228,10 +304,16 @@ def test_info_works_without_torch(tmp_path):
 
 def test_info_refuses_bad_input_with_the_reason(tmp_path):
     folder = _qwen_folder(tmp_path)
-    for args, message in [(["--memory", "lots"], "not a size"), (["--max-len", "40000"], "max_position_embeddings"),
-                          (["--layer-shards", "29"], "shards must be in 1..28")]:
-        out = subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(folder), *args],
-                             capture_output=True, text=True)
+    for args, message in [
+        (["--memory", "lots"], "not a size"),
+        (["--max-len", "40000"], "max_position_embeddings"),
+        (["--layer-shards", "29"], "shards must be in 1..28"),
+    ]:
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(folder), *args],
+            capture_output=True,
+            text=True,
+        )
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
 
 
@@ -249,13 +331,17 @@ def test_info_without_max_len_takes_the_models_context_when_it_is_shorter(tmp_pa
     """`pdserve info --model DIR` describes any model it accepts: without --max-len a slot is
     2048 tokens or the model's whole context (or sliding window) if that is shorter; an explicit
     --max-len beyond it is still refused by name."""
+
     def folder(name: str, **change) -> Path:
         (tmp_path / name).mkdir()
         return _qwen_folder(tmp_path / name, **change)
 
     def info(model: Path, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(model), *args],
-                              capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(model), *args],
+            capture_output=True,
+            text=True,
+        )
 
     short = folder("short", max_position_embeddings=1024)
     out = info(short)

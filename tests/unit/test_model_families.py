@@ -128,8 +128,9 @@ def test_layer_sharded_members_equal_the_whole_model(family):
     logits = back.model.head(back.model.run_layers(hidden, range(split, cfg.num_layers), second, [1], [0]))[0]
     whole = KVCache.allocate(cfg.kv_layout(2, MAX_LEN, "float32"))
     m = loaded.model
-    assert torch.allclose(logits, m.head(m.run_layers(m.embed(ids), range(cfg.num_layers), whole, [1], [0]))[0],
-                          atol=1e-5)
+    assert torch.allclose(
+        logits, m.head(m.run_layers(m.embed(ids), range(cfg.num_layers), whole, [1], [0]))[0], atol=1e-5
+    )
     assert torch.equal(first.tensor[1], whole.tensor[1, :split])
     assert torch.equal(second.tensor[1], whole.tensor[1, split:])
 
@@ -149,14 +150,16 @@ def test_tokenizer_chat_template_and_eos_match_transformers(family):
     ours = loaded.tokenizer
     for text in [*TEXTS, "e\u0301 composed to é (NFC)", "<|im_start|>user\nhi<|im_end|>"]:
         assert ours.encode(text) == hf_tok.encode(text), text
-    assert ours.encode_chat(CHAT) == list(hf_tok.apply_chat_template(CHAT, add_generation_prompt=True,
-                                                                     tokenize=True, return_dict=False))
+    assert ours.encode_chat(CHAT) == list(
+        hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
     gen = json.loads((folder / "generation_config.json").read_text())
     eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
     assert set(eos) <= set(ours.eos_token_ids)
     assert hf_tok.convert_tokens_to_ids(FAMILIES[name].eos) in ours.eos_token_ids
-    assert loaded.generation.sampling_defaults() == {k: v for k, v in FAMILIES[name].sampling.items()
-                                                     if k in ("temperature", "top_p", "top_k")}
+    assert loaded.generation.sampling_defaults() == {
+        k: v for k, v in FAMILIES[name].sampling.items() if k in ("temperature", "top_p", "top_k")
+    }
 
 
 def test_qwen3_template_passes_enable_thinking(family_dirs):
@@ -170,10 +173,26 @@ def test_qwen3_template_passes_enable_thinking(family_dirs):
 
 VARIANTS = {
     # Qwen2.5's long-context recipe: static YaRN x4 over the original context (positions past 32 here).
-    "qwen2-yarn": ("qwen2", dict(max_position_embeddings=32,
-                                 rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
-    "qwen3-yarn-betas": ("qwen3", dict(max_position_embeddings=48, rope_scaling={
-        "rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 48, "beta_fast": 16, "beta_slow": 2})),
+    "qwen2-yarn": (
+        "qwen2",
+        dict(
+            max_position_embeddings=32,
+            rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        ),
+    ),
+    "qwen3-yarn-betas": (
+        "qwen3",
+        dict(
+            max_position_embeddings=48,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 2.5,
+                "original_max_position_embeddings": 48,
+                "beta_fast": 16,
+                "beta_slow": 2,
+            },
+        ),
+    ),
     "llama-dynamic": ("llama3", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
     "llama-linear": ("llama3", dict(rope_scaling={"rope_type": "linear", "factor": 3.0})),
     "llama-attention-bias": ("llama3", dict(attention_bias=True, rope_scaling=None)),
@@ -228,7 +247,9 @@ def test_qwen2_sliding_window_is_exact_up_to_the_window_and_refused_beyond(tmp_p
     # Proof that the refusal is needed: past the window transformers' answer differs from full attention.
     longer = ours.tokenizer.encode(TEXTS[2])[:40]
     unbounded = load_model(str(folder), dtype="float32").model
-    cache = KVCache.allocate(ModelConfig(**{**ours.config.to_dict(), "sliding_window": None}).kv_layout(1, 40, "float32"))
+    cache = KVCache.allocate(
+        ModelConfig(**{**ours.config.to_dict(), "sliding_window": None}).kv_layout(1, 40, "float32")
+    )
     full = unbounded.head(unbounded.run_layers(unbounded.embed(longer), range(3), cache, [0], [0]))[0]
     assert (full - hf_logits(hf, longer)).abs().max().item() > 1e-3
 

@@ -67,7 +67,9 @@ def _rewrite_tensor(folder: Path, name: str, tensor: torch.Tensor | None) -> Non
 
 def test_a_checkpoint_that_does_not_match_its_config_is_refused_naming_the_tensor(qwen_copy):
     _rewrite_tensor(qwen_copy, "model.layers.1.self_attn.k_proj.bias", torch.zeros(16))
-    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.k_proj.bias' has shape \(16,\), config.json implies \(32,\)"):
+    with pytest.raises(
+        ValueError, match=r"'model.layers.1.self_attn.k_proj.bias' has shape \(16,\), config.json implies \(32,\)"
+    ):
         load_model(str(qwen_copy), dtype="float32")
     _rewrite_tensor(qwen_copy, "model.layers.1.self_attn.k_proj.bias", None)
     with pytest.raises(ValueError, match="lacks tensor 'model.layers.1.self_attn.k_proj.bias', which the index places"):
@@ -89,17 +91,33 @@ def test_an_untied_config_needs_its_lm_head(qwen_copy):
 
 
 def test_generation_config_gives_eos_lists_and_sampling_defaults(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [151645, 151643], "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-         "repetition_penalty": 1.05, "transformers_version": "4.37.0"}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token_id": [151645, 151643],
+                "do_sample": True,
+                "temperature": 0.7,
+                "top_p": 0.8,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "transformers_version": "4.37.0",
+            }
+        )
+    )
     gen = GenerationDefaults.from_folder(tmp_path)
     assert gen.eos_token_ids == (151645, 151643)
     assert gen.sampling_defaults() == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-    assert GenerationDefaults.from_dict({"do_sample": False, "temperature": 0.6}).sampling_defaults() == {"temperature": 0.0}
+    assert GenerationDefaults.from_dict({"do_sample": False, "temperature": 0.6}).sampling_defaults() == {
+        "temperature": 0.0
+    }
     assert GenerationDefaults.from_folder(tmp_path / "absent") == GenerationDefaults()
-    for bad, message in [({"eos_token_id": "</s>"}, "eos_token_id"), ({"top_p": 0}, r"top_p 0 outside \(0"),
-                         ({"temperature": -1}, "temperature -1"), ({"top_k": 2.5}, "top_k must be an integer"),
-                         ({"do_sample": "yes"}, "do_sample must be true or false")]:
+    for bad, message in [
+        ({"eos_token_id": "</s>"}, "eos_token_id"),
+        ({"top_p": 0}, r"top_p 0 outside \(0"),
+        ({"temperature": -1}, "temperature -1"),
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"do_sample": "yes"}, "do_sample must be true or false"),
+    ]:
         with pytest.raises(ValueError, match=message):
             GenerationDefaults.from_dict(bad)
 
@@ -130,7 +148,10 @@ def test_a_tied_head_on_the_cpu_counts_its_packed_copy(family_dirs):
     config = load_model(str(family_dirs("qwen3")), dtype="float32").config
     assert config.tie_word_embeddings
     cpu = loaded_bytes(config, "bfloat16", range(3), torch.device("cpu"))
-    assert cpu == loaded_bytes(config, "bfloat16", range(3), torch.device("meta")) + config.vocab_size * config.hidden_size * 2
+    assert (
+        cpu
+        == loaded_bytes(config, "bfloat16", range(3), torch.device("meta")) + config.vocab_size * config.hidden_size * 2
+    )
 
 
 def test_unknown_availability_passes_and_enough_passes():
@@ -182,10 +203,20 @@ async def test_a_worker_whose_weights_do_not_fit_exits_before_it_registers(famil
     broker.listen()
     broker.setblocking(False)
     monkeypatch.setattr(loader, "device_available", lambda device: (4096, "cgroup limit - working set"))
-    settings = WorkerSettings(role="decode", broker_address=f"127.0.0.1:{broker.getsockname()[1]}",
-                              broker_token="t0ken", model_source=str(family_dirs("qwen2")), model_dtype="float32",
-                              bind_host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                              transfer_port=free_port(), slots=2, max_length=64, grace_seconds=0)
+    settings = WorkerSettings(
+        role="decode",
+        broker_address=f"127.0.0.1:{broker.getsockname()[1]}",
+        broker_token="t0ken",
+        model_source=str(family_dirs("qwen2")),
+        model_dtype="float32",
+        bind_host="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        transfer_port=free_port(),
+        slots=2,
+        max_length=64,
+        grace_seconds=0,
+    )
     with caplog.at_level(logging.ERROR, logger="pdserve.worker"):
         code = await asyncio.wait_for(run_worker(settings), 60)
     assert code == 1
@@ -214,10 +245,20 @@ async def test_a_max_length_beyond_the_model_is_a_start_failure_not_a_traceback(
     broker.bind(("127.0.0.1", 0))
     broker.listen()
     broker.setblocking(False)
-    settings = WorkerSettings(role=role, broker_address=f"127.0.0.1:{broker.getsockname()[1]}",
-                              broker_token="t0ken", model_source=str(family_dirs("qwen2")), model_dtype="float32",
-                              bind_host="127.0.0.1", http_port=free_port(), grpc_port=free_port(),
-                              transfer_port=free_port(), slots=2, max_length=4096, grace_seconds=0)
+    settings = WorkerSettings(
+        role=role,
+        broker_address=f"127.0.0.1:{broker.getsockname()[1]}",
+        broker_token="t0ken",
+        model_source=str(family_dirs("qwen2")),
+        model_dtype="float32",
+        bind_host="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        transfer_port=free_port(),
+        slots=2,
+        max_length=4096,
+        grace_seconds=0,
+    )
     with caplog.at_level(logging.ERROR, logger="pdserve.worker"):
         code = await asyncio.wait_for(run_worker(settings), 60)
     assert code == 1

@@ -97,8 +97,12 @@ def test_prefill_continued_from_a_cached_prefix_equals_one_pass(tiny):
 
 
 def test_batched_decode_of_scattered_slots_matches_each_alone(tiny):
-    prompts = [tiny.tokenizer.encode(t) for t in ("Paris", "The quick brown fox", "12345 and", "a language model predicts")]
-    alone = [greedy_tokens(tiny.model, KVCache.allocate(tiny.config.kv_layout(1, 64, "float32")), 0, p, 10) for p in prompts]
+    prompts = [
+        tiny.tokenizer.encode(t) for t in ("Paris", "The quick brown fox", "12345 and", "a language model predicts")
+    ]
+    alone = [
+        greedy_tokens(tiny.model, KVCache.allocate(tiny.config.kv_layout(1, 64, "float32")), 0, p, 10) for p in prompts
+    ]
 
     cache = KVCache.allocate(tiny.config.kv_layout(8, 64, "float32"))
     slots = [6, 1, 2, 4]  # runs {1,2}, {4}, {6}: strided views and a masked batch

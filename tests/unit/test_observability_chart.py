@@ -49,7 +49,9 @@ def schema_errors(doc: dict[str, Any]) -> list[str]:
 
 
 def test_dashboard_and_rules_are_off_by_default_and_on_when_asked() -> None:
-    assert not [o for o in render() if o["kind"] in ("PrometheusRule",) or o["metadata"]["name"].endswith("-dashboards")]
+    assert not [
+        o for o in render() if o["kind"] in ("PrometheusRule",) or o["metadata"]["name"].endswith("-dashboards")
+    ]
     objects = render(*ON, "--set", "dashboards.annotations.grafana_folder=LLM")
     [cm] = [o for o in by_kind(objects, "ConfigMap") if o["metadata"]["name"].endswith("-dashboards")]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"  # the grafana chart sidecar's default label
@@ -75,11 +77,13 @@ def test_operator_serves_metrics_and_the_monitors_scrape_it_and_label_routers_by
     assert routers["metadata"]["name"].endswith("-routers") and operator["metadata"]["name"].endswith("-operator")
     # The dashboard and the alerts group the routers' series by `pdis`: this relabeling makes it.
     assert routers["spec"]["endpoints"][0]["relabelings"] == [
-        {"sourceLabels": ["__meta_kubernetes_service_label_app_kubernetes_io_instance"], "targetLabel": "pdis"}]
+        {"sourceLabels": ["__meta_kubernetes_service_label_app_kubernetes_io_instance"], "targetLabel": "pdis"}
+    ]
     assert operator["spec"]["endpoints"][0]["port"] == "metrics"
     [pods] = by_kind(objects, "PodMonitor")
     assert pods["spec"]["podMetricsEndpoints"][0]["relabelings"] == [
-        {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"], "targetLabel": "pdis"}]
+        {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_instance"], "targetLabel": "pdis"}
+    ]
     assert operator["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
     assert operator["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
 
@@ -91,50 +95,73 @@ def test_rules_pass_the_ported_promtool_checks() -> None:
     spec = rules()
     assert promcheck.rule_file_errors(spec) == []
     alerts = {r["alert"] for g in spec["groups"] for r in g["rules"]}
-    assert alerts >= {"PdserveSLOBurnTTFTFast", "PdserveSLOBurnTTFTSlow", "PdserveSLOBurnTPOTFast",
-                      "PdserveSLOBurnTPOTSlow", "PdserveKVSaturated", "PdserveKVTransferFailures",
-                      "PdserveNoReadyPrefill", "PdserveNoReadyDecode", "PdserveReconcileErrors",
-                      "PdserveKVTransferFailuresOnWorkers", "PdservePrefillQueueBacklog"}
+    assert alerts >= {
+        "PdserveSLOBurnTTFTFast",
+        "PdserveSLOBurnTTFTSlow",
+        "PdserveSLOBurnTPOTFast",
+        "PdserveSLOBurnTPOTSlow",
+        "PdserveKVSaturated",
+        "PdserveKVTransferFailures",
+        "PdserveNoReadyPrefill",
+        "PdserveNoReadyDecode",
+        "PdserveReconcileErrors",
+        "PdserveKVTransferFailuresOnWorkers",
+        "PdservePrefillQueueBacklog",
+    }
 
 
 def test_slo_thresholds_come_from_values() -> None:
-    [rule] = by_kind(render(*ON, "--set-string", "prometheusRule.ttft.le=1.0", "--set-json", "prometheusRule.ttft.objective=0.95"),
-                     "PrometheusRule")
+    [rule] = by_kind(
+        render(*ON, "--set-string", "prometheusRule.ttft.le=1.0", "--set-json", "prometheusRule.ttft.objective=0.95"),
+        "PrometheusRule",
+    )
     fast = next(r for g in rule["spec"]["groups"] for r in g["rules"] if r["alert"] == "PdserveSLOBurnTTFTFast")
     assert 'le="1.0"' in fast["expr"] and "> 0.72" in fast["expr"]  # 14.4 x (1 - 0.95)
     assert promcheck.rule_file_errors(rule["spec"]) == []
 
 
 def _one_alert(**change: Any) -> dict[str, Any]:
-    rule = {"alert": "A", "expr": "up == 0", "for": "5m", "labels": {"severity": "page"},
-            "annotations": {"summary": "{{ $labels.job }} is down"}}
+    rule = {
+        "alert": "A",
+        "expr": "up == 0",
+        "for": "5m",
+        "labels": {"severity": "page"},
+        "annotations": {"summary": "{{ $labels.job }} is down"},
+    }
     rule.update(change)
     return {"groups": [{"name": "g", "rules": [{k: v for k, v in rule.items() if v is not None}]}]}
 
 
-@pytest.mark.parametrize(("doc", "error"), [
-    ({"groups": [{"name": "", "rules": []}]}, "Groupname must not be empty"),
-    ({"groups": [{"name": "g", "rules": []}, {"name": "g", "rules": []}]}, 'groupname: "g" is repeated'),
-    ({"groups": [{"name": "g", "rulez": []}]}, "field rulez not found"),
-    ({"groups": [{"name": "g", "interval": "5 minutes", "rules": []}]}, "not a valid duration"),
-    (_one_alert(record="r"), "only one of 'record' and 'alert' must be set"),
-    (_one_alert(alert=None), "one of 'record' or 'alert' must be set"),
-    (_one_alert(expr=None), "field 'expr' must be set"),
-    (_one_alert(expr="sum(rate(up[5m])"), "could not parse expression"),
-    (_one_alert(expr="rate(up[5x])"), "could not parse expression"),
-    (_one_alert(**{"for": "1hour"}), "not a valid duration"),
-    (_one_alert(labels={"bad-name": "x"}), "invalid label name: bad-name"),
-    (_one_alert(labels={"__name__": "x"}), "invalid label name: __name__"),
-    (_one_alert(annotations={"summary": "{{ $labels.job }"}), "unclosed action"),
-    (_one_alert(annotations={"summary": "{{ $lables.job }}"}), "undefined variable '$lables'"),
-    (_one_alert(severity="x"), "field severity not found"),
-    ({"groups": [{"name": "g", "rules": [{"record": "a:b", "expr": "up", "for": "5m"}]}]},
-     "invalid field 'for' in recording rule"),
-    ({"groups": [{"name": "g", "rules": [{"record": "a:b", "expr": "up", "annotations": {"a": "b"}}]}]},
-     "invalid field 'annotations' in recording rule"),
-    ({"groups": [{"name": "g", "rules": [{"record": "a-b", "expr": "up"}]}]}, "invalid recording rule name"),
-    ({"groups": [{"name": "g", "rules": [{"record": "a{b}", "expr": "up"}]}]}, "braces present"),
-])
+@pytest.mark.parametrize(
+    ("doc", "error"),
+    [
+        ({"groups": [{"name": "", "rules": []}]}, "Groupname must not be empty"),
+        ({"groups": [{"name": "g", "rules": []}, {"name": "g", "rules": []}]}, 'groupname: "g" is repeated'),
+        ({"groups": [{"name": "g", "rulez": []}]}, "field rulez not found"),
+        ({"groups": [{"name": "g", "interval": "5 minutes", "rules": []}]}, "not a valid duration"),
+        (_one_alert(record="r"), "only one of 'record' and 'alert' must be set"),
+        (_one_alert(alert=None), "one of 'record' or 'alert' must be set"),
+        (_one_alert(expr=None), "field 'expr' must be set"),
+        (_one_alert(expr="sum(rate(up[5m])"), "could not parse expression"),
+        (_one_alert(expr="rate(up[5x])"), "could not parse expression"),
+        (_one_alert(**{"for": "1hour"}), "not a valid duration"),
+        (_one_alert(labels={"bad-name": "x"}), "invalid label name: bad-name"),
+        (_one_alert(labels={"__name__": "x"}), "invalid label name: __name__"),
+        (_one_alert(annotations={"summary": "{{ $labels.job }"}), "unclosed action"),
+        (_one_alert(annotations={"summary": "{{ $lables.job }}"}), "undefined variable '$lables'"),
+        (_one_alert(severity="x"), "field severity not found"),
+        (
+            {"groups": [{"name": "g", "rules": [{"record": "a:b", "expr": "up", "for": "5m"}]}]},
+            "invalid field 'for' in recording rule",
+        ),
+        (
+            {"groups": [{"name": "g", "rules": [{"record": "a:b", "expr": "up", "annotations": {"a": "b"}}]}]},
+            "invalid field 'annotations' in recording rule",
+        ),
+        ({"groups": [{"name": "g", "rules": [{"record": "a-b", "expr": "up"}]}]}, "invalid recording rule name"),
+        ({"groups": [{"name": "g", "rules": [{"record": "a{b}", "expr": "up"}]}]}, "braces present"),
+    ],
+)
 def test_rule_checks_refuse_what_promtool_refuses(doc: dict[str, Any], error: str) -> None:
     errors = promcheck.rule_file_errors(doc)
     assert any(error in e for e in errors), errors
@@ -142,8 +169,20 @@ def test_rule_checks_refuse_what_promtool_refuses(doc: dict[str, Any], error: st
 
 def test_a_valid_rule_file_passes_the_checks() -> None:
     assert promcheck.rule_file_errors(_one_alert()) == []
-    assert promcheck.rule_file_errors({"groups": [{"name": "g", "interval": "1m30s", "rules": [
-        {"record": "job:up:sum", "expr": "sum by (job) (up)", "labels": {"team": "a"}}]}]}) == []
+    assert (
+        promcheck.rule_file_errors(
+            {
+                "groups": [
+                    {
+                        "name": "g",
+                        "interval": "1m30s",
+                        "rules": [{"record": "job:up:sum", "expr": "sum by (job) (up)", "labels": {"team": "a"}}],
+                    }
+                ]
+            }
+        )
+        == []
+    )
 
 
 # ---- the dashboard: Grafana's schema, ported ---------------------------------------------------
@@ -165,16 +204,19 @@ def test_dashboard_loads_in_grafanas_schema_and_every_query_parses() -> None:
         assert g["x"] + g["w"] <= 24, p["title"]
 
 
-@pytest.mark.parametrize(("change", "where"), [
-    (lambda b: b["panels"][1].__setitem__("titel", "x"), "Additional properties"),
-    (lambda b: b["panels"][1]["gridPos"].__setitem__("w", 25), "25"),
-    (lambda b: b["panels"][1].__delitem__("type"), "'type' is a required property"),
-    (lambda b: b.__setitem__("graphTooltip", 3), "3"),
-    (lambda b: b["templating"]["list"][1].__delitem__("hide"), "'hide' is a required property"),
-    (lambda b: b["templating"]["list"][1].__setitem__("type", "dropdown"), "dropdown"),
-    (lambda b: b["panels"][0].__delitem__("id"), "'id' is a required property"),
-    (lambda b: b.__setitem__("dashboardTitle", "x"), "Additional properties"),
-])
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        (lambda b: b["panels"][1].__setitem__("titel", "x"), "Additional properties"),
+        (lambda b: b["panels"][1]["gridPos"].__setitem__("w", 25), "25"),
+        (lambda b: b["panels"][1].__delitem__("type"), "'type' is a required property"),
+        (lambda b: b.__setitem__("graphTooltip", 3), "3"),
+        (lambda b: b["templating"]["list"][1].__delitem__("hide"), "'hide' is a required property"),
+        (lambda b: b["templating"]["list"][1].__setitem__("type", "dropdown"), "dropdown"),
+        (lambda b: b["panels"][0].__delitem__("id"), "'id' is a required property"),
+        (lambda b: b.__setitem__("dashboardTitle", "x"), "Additional properties"),
+    ],
+)
 def test_dashboard_schema_refuses_what_grafanas_refuses(change: Any, where: str) -> None:
     board = copy.deepcopy(dashboard())
     change(board)

@@ -37,9 +37,16 @@ def test_render_is_deterministic_and_complete() -> None:
     assert a == b
     assert set(a) == {
         ("NetworkPolicy", "svc-workers"),  # on by default: real HIXL admits any peer that reaches it
-        ("Secret", "svc-broker-token"), ("ConfigMap", "svc-config"), ("Service", "svc-decode-headless"),
-        ("Service", "svc"), ("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router"),
-        ("PodDisruptionBudget", "svc-prefill"), ("PodDisruptionBudget", "svc-decode"), ("PodDisruptionBudget", "svc-router"),
+        ("Secret", "svc-broker-token"),
+        ("ConfigMap", "svc-config"),
+        ("Service", "svc-decode-headless"),
+        ("Service", "svc"),
+        ("Deployment", "svc-prefill"),
+        ("StatefulSet", "svc-decode"),
+        ("Deployment", "svc-router"),
+        ("PodDisruptionBudget", "svc-prefill"),
+        ("PodDisruptionBudget", "svc-decode"),
+        ("PodDisruptionBudget", "svc-router"),
     }
     for obj in a.values():
         assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
@@ -47,8 +54,12 @@ def test_render_is_deterministic_and_complete() -> None:
 
 
 def test_pod_env_round_trips_through_the_worker_contract() -> None:
-    objs = render({"decode": {"readiness": "poll", "pollIntervalMicros": 25, "layerShards": 3, "slots": 4},
-                   "transfer": {"engineOptions": {"a": "b"}}})
+    objs = render(
+        {
+            "decode": {"readiness": "poll", "pollIntervalMicros": 25, "layerShards": 3, "slots": 4},
+            "transfer": {"engineOptions": {"a": "b"}},
+        }
+    )
     for (kind, name), obj in objs.items():
         if kind not in ("Deployment", "StatefulSet"):
             continue
@@ -70,22 +81,30 @@ def test_decode_statefulset_runs_groups_times_shards_pods() -> None:
 
 
 def test_device_resources_and_user_overrides() -> None:
-    objs = render({
-        "device": {"type": "npu", "resourceName": "huawei.com/Ascend910", "count": 2},
-        "prefill": {"resources": {"requests": {"cpu": 4, "memory": "8Gi"}, "limits": {"huawei.com/Ascend910": 8}},
-                    "env": [{"name": "A", "value": "1"}, {"name": "PDSERVE_ROLE", "value": "decode"}, {"name": "EMPTY"}],
-                    "nodeSelector": {"pool": "npu"},
-                    "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}]},
-    })
+    objs = render(
+        {
+            "device": {"type": "npu", "resourceName": "huawei.com/Ascend910", "count": 2},
+            "prefill": {
+                "resources": {"requests": {"cpu": 4, "memory": "8Gi"}, "limits": {"huawei.com/Ascend910": 8}},
+                "env": [{"name": "A", "value": "1"}, {"name": "PDSERVE_ROLE", "value": "decode"}, {"name": "EMPTY"}],
+                "nodeSelector": {"pool": "npu"},
+                "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}],
+            },
+        }
+    )
     pre = objs[("Deployment", "svc-prefill")]
     res = container(pre)["resources"]
     assert res["requests"] == {"cpu": "4", "memory": "8Gi", "huawei.com/Ascend910": "2"}
     assert res["limits"] == {"huawei.com/Ascend910": "2"}  # spec.device wins over an override
     e = env(pre)
     assert e["PDSERVE_ROLE"] == "prefill" and e["A"] == "1" and "EMPTY" in e
-    assert [x for x in container(pre)["env"] if x["name"] == "EMPTY"] == [{"name": "EMPTY"}]  # no "" the server would drop
+    assert [x for x in container(pre)["env"] if x["name"] == "EMPTY"] == [
+        {"name": "EMPTY"}
+    ]  # no "" the server would drop
     assert pre["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "npu"}
-    assert pre["spec"]["template"]["spec"]["tolerations"] == [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pre["spec"]["template"]["spec"]["tolerations"] == [
+        {"key": "k", "operator": "Exists", "effect": "NoSchedule"}
+    ]
     assert "resources" not in container(objs[("Deployment", "svc-router")])
 
 
@@ -94,8 +113,12 @@ def test_pods_are_non_root_with_probes_and_decode_drains() -> None:
     for kind, name in (("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router")):
         pod = objs[(kind, name)]["spec"]["template"]["spec"]
         c = pod["containers"][0]
-        assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
-        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert (
+            pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
+        )
+        assert (
+            c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        )
         assert c["args"] == ["worker", "--role", name.removeprefix("svc-")]
     decode = objs[("StatefulSet", "svc-decode")]["spec"]["template"]["spec"]
     assert decode["containers"][0]["lifecycle"]["preStop"] == {"exec": {"command": ["pdserve", "drain"]}}
@@ -111,7 +134,9 @@ def test_pvc_model_source_mounts_the_claim() -> None:
 
 def test_scaling_does_not_roll_pods_but_a_setting_does() -> None:
     base = render()[("Deployment", "svc-prefill")]["spec"]["template"]
-    scaled = render({"prefill": {"replicas": 5}, "decode": {"replicas": 4}})[("Deployment", "svc-prefill")]["spec"]["template"]
+    scaled = render({"prefill": {"replicas": 5}, "decode": {"replicas": 4}})[("Deployment", "svc-prefill")]["spec"][
+        "template"
+    ]
     changed = render({"transfer": {"queueDepth": 2}})[("Deployment", "svc-prefill")]["spec"]["template"]
     assert base == scaled
     assert base["metadata"]["annotations"] != changed["metadata"]["annotations"]
@@ -140,7 +165,11 @@ def test_drift_ignores_server_defaults_but_sees_edits() -> None:
     container(edited)["env"][0]["value"] = "router"
     assert drift.content_drift(desired, edited) == ["spec.replicas", "spec.template.spec.containers[0].env[0].value"]
     patch = drift.merge_patch(desired)
-    assert patch["spec"]["replicas"] == 1 and "status" not in patch and set(patch["metadata"]) == {"labels", "ownerReferences"}
+    assert (
+        patch["spec"]["replicas"] == 1
+        and "status" not in patch
+        and set(patch["metadata"]) == {"labels", "ownerReferences"}
+    )
 
 
 def test_quantities_compare_as_the_server_returns_them() -> None:
@@ -151,7 +180,9 @@ def test_quantities_compare_as_the_server_returns_them() -> None:
 def test_foreign_controller_is_detected() -> None:
     desired = render()[("Service", "svc")]
     live = copy.deepcopy(desired)
-    live["metadata"]["ownerReferences"] = [{"uid": "other", "controller": True, "kind": "X", "name": "y", "apiVersion": "v1"}]
+    live["metadata"]["ownerReferences"] = [
+        {"uid": "other", "controller": True, "kind": "X", "name": "y", "apiVersion": "v1"}
+    ]
     assert drift.foreign_controller(desired, live) == "other"
     assert drift.foreign_controller(desired, desired) is None
 
@@ -159,17 +190,31 @@ def test_foreign_controller_is_detected() -> None:
 # ------------------------------------------------------------------ status
 
 
-def workload(ready: int, replicas: int | None = None, gen: int = 1, observed: int = 1, conditions: list | None = None) -> dict:
+def workload(
+    ready: int, replicas: int | None = None, gen: int = 1, observed: int = 1, conditions: list | None = None
+) -> dict:
     replicas = ready if replicas is None else replicas
-    return {"metadata": {"generation": gen}, "status": {"readyReplicas": ready, "replicas": replicas,
-            "updatedReplicas": replicas, "observedGeneration": observed, "conditions": conditions or []}}
+    return {
+        "metadata": {"generation": gen},
+        "status": {
+            "readyReplicas": ready,
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "observedGeneration": observed,
+            "conditions": conditions or [],
+        },
+    }
 
 
 SPEC = s.parse_spec({"prefill": {"replicas": 2}, "decode": {"replicas": 2, "slots": 4}, "router": {"replicas": 1}})
 
 
-def compute(observed: st.Observed, prev: s.PDInferenceServiceStatus | None = None, generation: int = 1,
-            spec: s.PDInferenceServiceSpec = SPEC) -> s.PDInferenceServiceStatus:
+def compute(
+    observed: st.Observed,
+    prev: s.PDInferenceServiceStatus | None = None,
+    generation: int = 1,
+    spec: s.PDInferenceServiceSpec = SPEC,
+) -> s.PDInferenceServiceStatus:
     return st.compute(OWNER, spec, generation, observed, prev, "t1")
 
 
@@ -194,18 +239,29 @@ def test_losing_pods_after_ready_is_degraded_but_scaling_is_progress() -> None:
     ready = compute(st.Observed(prefill=workload(2), decode=workload(2), router=workload(1)))
     lost = compute(st.Observed(prefill=workload(2), decode=workload(1, 2), router=workload(1)), prev=ready)
     assert lost.phase == "Degraded" and st.transition_event(ready, lost)[0] == "Warning"
-    scaled = compute(st.Observed(prefill=workload(2), decode=workload(2, 2), router=workload(1)), prev=ready, generation=2,
-                     spec=s.parse_spec({"prefill": {"replicas": 2}, "decode": {"replicas": 3}, "router": {"replicas": 1}}))
+    scaled = compute(
+        st.Observed(prefill=workload(2), decode=workload(2, 2), router=workload(1)),
+        prev=ready,
+        generation=2,
+        spec=s.parse_spec({"prefill": {"replicas": 2}, "decode": {"replicas": 3}, "router": {"replicas": 1}}),
+    )
     assert scaled.phase == "Progressing"
-    failing = compute(st.Observed(prefill=workload(0, 2, conditions=[{"type": "ReplicaFailure", "status": "True", "message": "quota"}]),
-                                  decode=workload(2), router=workload(1)))
+    failing = compute(
+        st.Observed(
+            prefill=workload(0, 2, conditions=[{"type": "ReplicaFailure", "status": "True", "message": "quota"}]),
+            decode=workload(2),
+            router=workload(1),
+        )
+    )
     assert failing.phase == "Degraded" and "quota" in failing.condition("Degraded").message
 
 
 def test_groups_count_only_when_every_member_is_ready() -> None:
     assert st.ready_groups([(0, True), (1, True), (2, True), (3, False), (4, True), (5, True)], 2) == 2
     spec = s.parse_spec({"decode": {"replicas": 2, "layerShards": 2}})
-    out = compute(st.Observed(decode=workload(3, 4), decode_pods=((0, True), (1, False), (2, True), (3, True))), spec=spec)
+    out = compute(
+        st.Observed(decode=workload(3, 4), decode_pods=((0, True), (1, False), (2, True), (3, True))), spec=spec
+    )
     assert out.decode.ready == 1 and out.decode.replicas == 2
 
 
@@ -290,25 +346,37 @@ def test_tls_mounts_the_secret_in_every_pod_and_the_router_serves_https(monkeypa
 
 def test_tls_server_name_can_be_given() -> None:
     objs = render({"tls": {"secretName": "svc-cert", "serverName": "workers.example.internal"}})
-    env = {e["name"]: e.get("value") for e in
-           objs[("Deployment", "svc-prefill")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value")
+        for e in objs[("Deployment", "svc-prefill")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["PDSERVE_TLS_SERVER_NAME"] == "workers.example.internal"
 
 
 def test_kv_blocks_and_the_prefix_cache_reach_the_pods_and_kv_tokens_the_status() -> None:
-    objs = render({"model": {"maxLength": 1024}, "decode": {"slots": 32, "kvBlockTokens": 32, "kvTokens": 8192},
-                   "prefill": {"prefixCacheTokens": 4096}})
-    decode = worker_settings({k: v for k, v in env(objs[("StatefulSet", "svc-decode")]).items()
-                              if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
+    objs = render(
+        {
+            "model": {"maxLength": 1024},
+            "decode": {"slots": 32, "kvBlockTokens": 32, "kvTokens": 8192},
+            "prefill": {"prefixCacheTokens": 4096},
+        }
+    )
+    decode = worker_settings(
+        {k: v for k, v in env(objs[("StatefulSet", "svc-decode")]).items() if isinstance(v, str)}
+        | {pod_env.BROKER_TOKEN: "x"}
+    )
     assert (decode.slots, decode.kv_block_tokens, decode.kv_tokens) == (32, 32, 8192)
-    prefill = worker_settings({k: v for k, v in env(objs[("Deployment", "svc-prefill")]).items()
-                               if isinstance(v, str)} | {pod_env.BROKER_TOKEN: "x"})
+    prefill = worker_settings(
+        {k: v for k, v in env(objs[("Deployment", "svc-prefill")]).items() if isinstance(v, str)}
+        | {pod_env.BROKER_TOKEN: "x"}
+    )
     assert prefill.prefix_cache_tokens == 4096
     # Unset kvTokens: the memory of the slots; status counts it per ready group.
     spec = s.parse_spec({"model": {"maxLength": 1024}, "decode": {"replicas": 2, "slots": 4}})
     assert ch.kv_tokens_per_group(spec) == 4 * 1024
-    status = compute(st.Observed(prefill=workload(1), decode=workload(2), router=workload(1), kv_tokens_used=1500),
-                     spec=spec)
+    status = compute(
+        st.Observed(prefill=workload(1), decode=workload(2), router=workload(1), kv_tokens_used=1500), spec=spec
+    )
     assert (status.kv_tokens.used, status.kv_tokens.total, status.kv_tokens.summary) == (1500, 8192, "1500/8192")
     unknown = compute(st.Observed(prefill=workload(1), decode=workload(2), router=workload(1)), spec=spec)
     assert unknown.kv_tokens.summary == "-/8192"

@@ -38,7 +38,9 @@ def test_grpc_and_transfer_ports_only_from_the_service_and_the_operator() -> Non
     private, public = spec["ingress"]
     assert {p["port"] for p in private["ports"]} == {pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
     same_service, operator = private["from"]
-    assert same_service == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "svc"}}}
+    assert same_service == {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "svc"}}
+    }
     assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
     assert operator["podSelector"]["matchLabels"] == ch.OPERATOR_POD_LABELS
     # The HTTP port (OpenAI API on routers, probes, metrics) stays reachable; nothing else is listed.
@@ -61,9 +63,16 @@ def test_live_policy_with_defaulted_fields_is_not_drift() -> None:
 
 def test_decode_pods_declare_the_transfer_port_and_others_do_not() -> None:
     kids = render(False)
-    ports = {name: {p["name"]: p["containerPort"] for p in obj["spec"]["template"]["spec"]["containers"][0]["ports"]}
-             for (kind, name), obj in kids.items() if kind in ("Deployment", "StatefulSet")}
-    assert ports["svc-decode"] == {"http": pod_env.HTTP_PORT, "grpc": pod_env.GRPC_PORT, "transfer": pod_env.TRANSFER_PORT}
+    ports = {
+        name: {p["name"]: p["containerPort"] for p in obj["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        for (kind, name), obj in kids.items()
+        if kind in ("Deployment", "StatefulSet")
+    }
+    assert ports["svc-decode"] == {
+        "http": pod_env.HTTP_PORT,
+        "grpc": pod_env.GRPC_PORT,
+        "transfer": pod_env.TRANSFER_PORT,
+    }
     assert "transfer" not in ports["svc-prefill"] and "transfer" not in ports["svc-router"]
 
 

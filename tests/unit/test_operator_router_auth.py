@@ -23,9 +23,15 @@ def _env(pod: dict) -> dict[str, str]:
 
 
 def test_auth_mounts_the_keys_secret_on_routers_only(monkeypatch):
-    spec = s.PDInferenceServiceSpec.model_validate({"router": {
-        "replicas": 3, "auth": {"secretName": "team-keys"},
-        "admission": {"queueSize": 500, "perTenant": 50, "deadlineSeconds": 20}}})
+    spec = s.PDInferenceServiceSpec.model_validate(
+        {
+            "router": {
+                "replicas": 3,
+                "auth": {"secretName": "team-keys"},
+                "admission": {"queueSize": 500, "perTenant": 50, "deadlineSeconds": 20},
+            }
+        }
+    )
     router = _pod(spec, "router")
     volume = next(v for v in router["volumes"] if v["name"] == "api-keys")
     assert volume["secret"]["secretName"] == "team-keys"
@@ -40,8 +46,12 @@ def test_auth_mounts_the_keys_secret_on_routers_only(monkeypatch):
             monkeypatch.setenv(name, value)
     monkeypatch.setenv(E.BROKER_TOKEN, "t")
     settings = WorkerSettings()  # as the pod's worker reads its environment
-    assert (settings.admission_queue, settings.admission_per_tenant, settings.admission_deadline_seconds,
-            settings.router_replicas) == (500, 50, 20.0, 3)
+    assert (
+        settings.admission_queue,
+        settings.admission_per_tenant,
+        settings.admission_deadline_seconds,
+        settings.router_replicas,
+    ) == (500, 50, 20.0, 3)
     assert str(settings.api_keys_file) == f"{E.API_KEYS_DIR}/keys.yaml"
     for role in ("prefill", "decode"):
         pod = _pod(spec, role)
@@ -55,5 +65,9 @@ def test_without_auth_no_keys_and_default_admission():
     assert all(v["name"] != "api-keys" for v in router["volumes"])
     env = _env(router)
     assert E.API_KEYS_FILE not in env
-    assert (env[E.ADMISSION_QUEUE], env[E.ADMISSION_PER_TENANT], env[E.ADMISSION_DEADLINE_SECONDS],
-            env[E.ROUTER_REPLICAS]) == ("1024", "256", "60", "1")
+    assert (
+        env[E.ADMISSION_QUEUE],
+        env[E.ADMISSION_PER_TENANT],
+        env[E.ADMISSION_DEADLINE_SECONDS],
+        env[E.ROUTER_REPLICAS],
+    ) == ("1024", "256", "60", "1")

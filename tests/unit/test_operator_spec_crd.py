@@ -27,7 +27,9 @@ def schema() -> dict[str, Any]:
 
 
 def test_manifest_is_the_output_of_pdserve_crd() -> None:
-    out = subprocess.run([sys.executable, "-m", "pdserve_worker.cli", "crd"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve_worker.cli", "crd"], capture_output=True, text=True, check=True
+    )
     assert out.stdout == (ROOT / "manifests" / "crd.yaml").read_text(), "regenerate: pdserve crd > manifests/crd.yaml"
     assert yaml.safe_load(out.stdout) == crd.build_crd()
 
@@ -58,7 +60,9 @@ def test_every_field_is_described_for_kubectl_explain() -> None:
 def test_crd_shape_scale_printer_columns_and_names() -> None:
     doc = crd.build_crd()
     version = doc["spec"]["versions"][0]
-    assert doc["spec"]["names"]["shortNames"] == ["pdis"] and doc["metadata"]["name"] == "pdinferenceservices.pdserve.dev"
+    assert (
+        doc["spec"]["names"]["shortNames"] == ["pdis"] and doc["metadata"]["name"] == "pdinferenceservices.pdserve.dev"
+    )
     assert version["subresources"]["scale"] == {
         "specReplicasPath": ".spec.decode.replicas",
         "statusReplicasPath": ".status.decode.replicas",
@@ -76,7 +80,9 @@ def test_crd_shape_scale_printer_columns_and_names() -> None:
 
 def test_schema_defaults_equal_the_model_defaults() -> None:
     """What the API server stores for an empty spec is what pydantic fills in."""
-    stored, errors = admit({"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": "x"}, "spec": {}}, schema())
+    stored, errors = admit(
+        {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": {"name": "x"}, "spec": {}}, schema()
+    )
     assert errors == []
     assert s.parse_spec(stored["spec"]).wire() == s.PDInferenceServiceSpec().wire()
     assert stored["spec"]["decode"]["slots"] == 8 and stored["spec"]["transfer"]["backend"] == "auto"
@@ -95,13 +101,18 @@ decode = st.fixed_dictionaries(
     {"readiness": st.sampled_from(["interrupt", "poll", "spin"])}, optional={"pollIntervalMicros": st.integers(1, 500)}
 )
 service = st.fixed_dictionaries(
-    {"type": st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"])}, optional={"nodePort": st.integers(30000, 32767)}
+    {"type": st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"])},
+    optional={"nodePort": st.integers(30000, 32767)},
 )
 # Whole specs whose nested parts are valid, so that only the spec-level rule can fail.
 spec_doc = st.fixed_dictionaries(
     {
         "device": st.sampled_from(
-            [{"type": "cpu"}, {"type": "npu", "resourceName": "huawei.com/Ascend910"}, {"type": "cuda", "resourceName": "nvidia.com/gpu"}]
+            [
+                {"type": "cpu"},
+                {"type": "npu", "resourceName": "huawei.com/Ascend910"},
+                {"type": "cuda", "resourceName": "nvidia.com/gpu"},
+            ]
         ),
         "transfer": st.fixed_dictionaries({"backend": st.sampled_from(["hixl", "cpu", "auto"])}),
     }
@@ -118,7 +129,10 @@ def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, svc: dict, whole
         doc = samples[model]
         # What the API server evaluates: the stored (defaulted) form.
         sub_schema = _SCHEMAS[model]
-        stored, _ = admit({"metadata": {}, **doc}, {**sub_schema, "properties": {**sub_schema["properties"], "metadata": {"type": "object"}}})
+        stored, _ = admit(
+            {"metadata": {}, **doc},
+            {**sub_schema, "properties": {**sub_schema["properties"], "metadata": {"type": "object"}}},
+        )
         stored.pop("metadata")
         cel_ok = bool(_program(rule.cel).evaluate({"self": celpy.json_to_cel(stored)}))
         try:
@@ -149,7 +163,9 @@ def test_invalid_specs_name_the_field(doc: dict, fragment: str) -> None:
 
 
 def test_a_path_source_and_a_pvc_source_are_valid_without_model_knowledge() -> None:
-    assert s.parse_spec({"model": {"source": "pvc://models/llama"}, "decode": {"layerShards": 64}}).model.builtin is None
+    assert (
+        s.parse_spec({"model": {"source": "pvc://models/llama"}, "decode": {"layerShards": 64}}).model.builtin is None
+    )
     assert s.parse_spec({"model": {"source": "/opt/models/x"}}).model.source == "/opt/models/x"
 
 
@@ -163,7 +179,11 @@ def test_scale_paths_and_printer_columns_point_at_fields_of_the_right_type() -> 
     version = crd.build_crd()["spec"]["versions"][0]
     sch = version["schema"]["openAPIV3Schema"]
     scale = version["subresources"]["scale"]
-    for key, want in (("specReplicasPath", "integer"), ("statusReplicasPath", "integer"), ("labelSelectorPath", "string")):
+    for key, want in (
+        ("specReplicasPath", "integer"),
+        ("statusReplicasPath", "integer"),
+        ("labelSelectorPath", "string"),
+    ):
         _, node = valid_field_path(scale[key], sch, allow_array_notation=False)
         assert node.get("type") == want, (key, node)
     for col in version["additionalPrinterColumns"]:
@@ -171,5 +191,7 @@ def test_scale_paths_and_printer_columns_point_at_fields_of_the_right_type() -> 
             assert col["jsonPath"] == ".metadata.creationTimestamp" and col["type"] == "date"
             continue
         _, node = valid_field_path(col["jsonPath"], sch, allow_array_notation=False)
-        assert node.get("type") == {"string": "string", "integer": "integer", "number": "number",
-                                    "boolean": "boolean"}[col["type"]], col
+        assert (
+            node.get("type")
+            == {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean"}[col["type"]]
+        ), col

@@ -14,15 +14,26 @@ REV = "r1"
 
 def decode(worker_id: str, total: int = 8, used: int = 0, *, revision: str = REV, draining: bool = False) -> Member:
     layout = KVLayout(num_slots=total, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
-    info = MemberInfo(worker_id=worker_id, role=Role.DECODE, grpc_endpoint="h:1", engine_id="h:2",
-                      regions=(MemoryRegion(0x1000, layout.total_bytes),), kv_layout=layout, revision=revision,
-                      slots_total=total, slots_free=total)
+    info = MemberInfo(
+        worker_id=worker_id,
+        role=Role.DECODE,
+        grpc_endpoint="h:1",
+        engine_id="h:2",
+        regions=(MemoryRegion(0x1000, layout.total_bytes),),
+        kv_layout=layout,
+        revision=revision,
+        slots_total=total,
+        slots_free=total,
+    )
     return Member(info, draining=draining, load=Load(slots_used=used, slots_free=total - used))
 
 
 def prefill(worker_id: str, *, revision: str = REV, draining: bool = False, queued: int = 0) -> Member:
-    return Member(MemberInfo(worker_id=worker_id, role=Role.PREFILL, grpc_endpoint="h:3", revision=revision),
-                  draining=draining, load=Load(active_requests=queued))
+    return Member(
+        MemberInfo(worker_id=worker_id, role=Role.PREFILL, grpc_endpoint="h:3", revision=revision),
+        draining=draining,
+        load=Load(active_requests=queued),
+    )
 
 
 def test_most_free_slots_first():
@@ -37,8 +48,7 @@ def test_own_requests_in_flight_count_before_the_next_keepalive():
 
 
 def test_only_active_members_of_our_revision_of_a_usable_shape():
-    members = [decode("old", revision="r0"), decode("leaving", draining=True),
-               decode("ok"), prefill("p")]
+    members = [decode("old", revision="r0"), decode("leaving", draining=True), decode("ok"), prefill("p")]
     assert [m.worker_id for m in rank_decodes(members, {}, REV)] == ["ok"]
     assert rank_decodes([decode("old", revision="r0")], {}, REV) == []
 

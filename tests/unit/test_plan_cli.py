@@ -39,21 +39,37 @@ def test_unreachable_slo_exits_1_and_says_so(capsys):
 
 def test_a_workload_file_with_flags_overriding(tmp_path, capsys):
     path = tmp_path / "w.yaml"
-    path.write_text(yaml.safe_dump({"arrival_rate": 0.5, "prompt_tokens": {"uniform": [128, 1024]},
-                                    "output_tokens": {"fixed": 64}, "slo": {"ttft_ms": 2000, "quantile": 0.9}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "arrival_rate": 0.5,
+                "prompt_tokens": {"uniform": [128, 1024]},
+                "output_tokens": {"fixed": 64},
+                "slo": {"ttft_ms": 2000, "quantile": 0.9},
+            }
+        )
+    )
     assert main(["plan", "--hardware", "ascend-910b", "--workload", str(path), "--rate", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert "2 req/s" in data["reason"] and "ttft_p90_s" in data["predicted"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rate", "1", "--prompt-tokens", "abc", "--output-tokens", "8"], "lengths 'abc'"),
-    (["--rate", "1", "--prompt-tokens", "10-5", "--output-tokens", "8"], "lo <= hi"),
-    (["--prompt-tokens", "10", "--output-tokens", "8"], "needs arrival_rate"),
-    (["--rate", "1", "--prompt-tokens", "10", "--output-tokens", "8", "--hardware", "nope"], "neither a bundled profile"),
-    (["--rate", "1", "--prompt-tokens", "10", "--output-tokens", "8", "--min-ratio", "3", "--max-ratio", "1"],
-     "exceeds max_ratio"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rate", "1", "--prompt-tokens", "abc", "--output-tokens", "8"], "lengths 'abc'"),
+        (["--rate", "1", "--prompt-tokens", "10-5", "--output-tokens", "8"], "lo <= hi"),
+        (["--prompt-tokens", "10", "--output-tokens", "8"], "needs arrival_rate"),
+        (
+            ["--rate", "1", "--prompt-tokens", "10", "--output-tokens", "8", "--hardware", "nope"],
+            "neither a bundled profile",
+        ),
+        (
+            ["--rate", "1", "--prompt-tokens", "10", "--output-tokens", "8", "--min-ratio", "3", "--max-ratio", "1"],
+            "exceeds max_ratio",
+        ),
+    ],
+)
 def test_bad_input_is_refused_with_the_reason(args, message, capsys):
     assert main(["plan", *args]) == 2
     assert message in capsys.readouterr().err
@@ -74,6 +90,21 @@ def test_profile_measures_this_machine_and_planning_reads_it(tmp_path, capsys):
     assert profile.matmul_flops > 1e8 and profile.memory_bandwidth > 1e7 and profile.link_bandwidth > 1e6
     assert profile.layer_overhead_s > 0 and not profile.overlap_compute_memory and not profile.overlap_transfer
     capsys.readouterr()
-    assert main(["plan", "--hardware", str(out), "--rate", "0.1", "--prompt-tokens", "128",
-                 "--output-tokens", "16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--hardware",
+                str(out),
+                "--rate",
+                "0.1",
+                "--prompt-tokens",
+                "128",
+                "--output-tokens",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["hardware"] == profile.name

@@ -23,17 +23,34 @@ from pdserve_operator.planner import (
 )
 from pdserve_operator.planner.model_shape import SMOLLM2_135M
 
-CPU = HardwareProfile(name="cpu", device="cpu", dtype="bfloat16", matmul_flops=3e11, attention_flops=1e11,
-                      memory_bandwidth=1.4e10, link_bandwidth=2e9, step_overhead_s=1e-3, layer_overhead_s=2e-4,
-                      sequence_overhead_s=2e-5, overlap_compute_memory=False, overlap_transfer=False)
+CPU = HardwareProfile(
+    name="cpu",
+    device="cpu",
+    dtype="bfloat16",
+    matmul_flops=3e11,
+    attention_flops=1e11,
+    memory_bandwidth=1.4e10,
+    link_bandwidth=2e9,
+    step_overhead_s=1e-3,
+    layer_overhead_s=2e-4,
+    sequence_overhead_s=2e-5,
+    overlap_compute_memory=False,
+    overlap_transfer=False,
+)
 MODEL = ServingModel(SMOLLM2_135M, CPU, max_len=2304, slots=24)
-WORKLOAD = Workload(arrival_rate=0, prompt_tokens=LengthDistribution(uniform=(128, 1024)),
-                    output_tokens=LengthDistribution(uniform=(32, 160)), slo=SLO(ttft_ms=2000, tpot_ms=90))
+WORKLOAD = Workload(
+    arrival_rate=0,
+    prompt_tokens=LengthDistribution(uniform=(128, 1024)),
+    output_tokens=LengthDistribution(uniform=(32, 160)),
+    slo=SLO(ttft_ms=2000, tpot_ms=90),
+)
 BOUNDS = Bounds(min_prefill=1, max_prefill=12, min_decode=1, max_decode=12, min_ratio=0.5, max_ratio=3.0)
 
 
 def config(**kw) -> ControllerConfig:
-    return ControllerConfig(model=MODEL, workload=WORKLOAD, bounds=BOUNDS, **{"up_window_s": 30, "down_window_s": 300, **kw})
+    return ControllerConfig(
+        model=MODEL, workload=WORKLOAD, bounds=BOUNDS, **{"up_window_s": 30, "down_window_s": 300, **kw}
+    )
 
 
 def needed(rate: float) -> tuple[int, int]:
@@ -51,7 +68,9 @@ class Loop:
 
     def run(self, rate_at, until: float) -> None:
         while self.t <= until:
-            obs = Observation(prefill_replicas=self.current[0], decode_replicas=self.current[1], request_rate=rate_at(self.t))
+            obs = Observation(
+                prefill_replicas=self.current[0], decode_replicas=self.current[1], request_rate=rate_at(self.t)
+            )
             result = controller_step(self.state, obs, self.t, self.cfg)
             self.state = result.state
             new = (result.prefill.desired, result.decode.desired)
@@ -98,8 +117,12 @@ def test_a_fresh_controller_does_not_scale_down_before_watching_a_whole_window()
     assert loop.current == needed(0.3)
 
 
-@given(half_period=st.sampled_from([20.0, 40.0, 60.0, 100.0, 140.0]), low=st.floats(0.2, 1.0), high=st.floats(2.0, 5.0),
-       up_window=st.sampled_from([0.0, 10.0, 30.0]))
+@given(
+    half_period=st.sampled_from([20.0, 40.0, 60.0, 100.0, 140.0]),
+    low=st.floats(0.2, 1.0),
+    high=st.floats(2.0, 5.0),
+    up_window=st.sampled_from([0.0, 10.0, 30.0]),
+)
 @settings(max_examples=15, deadline=None)
 def test_load_oscillating_faster_than_the_window_makes_at_most_one_change_per_window(half_period, low, high, up_window):
     window = 300.0
@@ -113,7 +136,10 @@ def test_load_oscillating_faster_than_the_window_makes_at_most_one_change_per_wi
         assert all(new > old for _, r, old, new in loop.changes if r == role)
 
 
-@given(rates=st.lists(st.floats(0.0, 8.0), min_size=5, max_size=40), start=st.tuples(st.integers(1, 12), st.integers(1, 12)))
+@given(
+    rates=st.lists(st.floats(0.0, 8.0), min_size=5, max_size=40),
+    start=st.tuples(st.integers(1, 12), st.integers(1, 12)),
+)
 @settings(max_examples=40, deadline=None)
 def test_every_decision_is_within_bounds_and_band(rates, start):
     loop = Loop(config(up_window_s=0, down_window_s=60), start=start)
@@ -144,8 +170,14 @@ def test_observed_slowness_corrects_the_model_and_asks_for_more():
     from pdserve_operator.planner import predict
 
     predicted = predict(MODEL, WORKLOAD.with_rate(2.0), 2, 2)
-    slow = Observation(prefill_replicas=2, decode_replicas=2, request_rate=2.0, ttft_s=3 * predicted.ttft_q_s,
-                       tpot_s=predicted.tpot_q_s, samples=100)
+    slow = Observation(
+        prefill_replicas=2,
+        decode_replicas=2,
+        request_rate=2.0,
+        ttft_s=3 * predicted.ttft_q_s,
+        tpot_s=predicted.tpot_q_s,
+        samples=100,
+    )
     state = PlannerState()
     for i in range(10):  # the EWMA converges toward the observed ratio
         result = controller_step(state, slow, float(i), config(up_window_s=0))
@@ -162,9 +194,15 @@ def test_observed_slowness_corrects_the_model_and_asks_for_more():
 
 
 def test_unreachable_slo_goes_to_the_bounds_and_says_so():
-    tight = ControllerConfig(model=MODEL, workload=WORKLOAD.model_copy(update={"slo": SLO(ttft_ms=1, tpot_ms=1)}),
-                             bounds=BOUNDS, up_window_s=0)
-    result = controller_step(PlannerState(), Observation(prefill_replicas=1, decode_replicas=1, request_rate=1.0), 0.0, tight)
+    tight = ControllerConfig(
+        model=MODEL,
+        workload=WORKLOAD.model_copy(update={"slo": SLO(ttft_ms=1, tpot_ms=1)}),
+        bounds=BOUNDS,
+        up_window_s=0,
+    )
+    result = controller_step(
+        PlannerState(), Observation(prefill_replicas=1, decode_replicas=1, request_rate=1.0), 0.0, tight
+    )
     assert (result.prefill.desired, result.decode.desired) == (12, 12)
     assert any("not reachable" in n for n in result.notes)
 

@@ -28,9 +28,20 @@ from pdserve_operator.planner.decide import smallest_pair
 from pdserve_operator.planner.model_shape import SMOLLM2_135M
 from pdserve_operator.planner.simulate import SimRequest, simulate_trace
 
-CPU = HardwareProfile(name="cpu", device="cpu", dtype="bfloat16", matmul_flops=3e11, attention_flops=1e11,
-                      memory_bandwidth=1.4e10, link_bandwidth=2e9, step_overhead_s=1e-3, layer_overhead_s=2e-4,
-                      sequence_overhead_s=2e-5, overlap_compute_memory=False, overlap_transfer=False)
+CPU = HardwareProfile(
+    name="cpu",
+    device="cpu",
+    dtype="bfloat16",
+    matmul_flops=3e11,
+    attention_flops=1e11,
+    memory_bandwidth=1.4e10,
+    link_bandwidth=2e9,
+    step_overhead_s=1e-3,
+    layer_overhead_s=2e-4,
+    sequence_overhead_s=2e-5,
+    overlap_compute_memory=False,
+    overlap_transfer=False,
+)
 MODEL = ServingModel(SMOLLM2_135M, CPU, max_len=2304, slots=24)
 
 
@@ -66,18 +77,31 @@ def bounds_st(draw) -> Bounds:
     hi = draw(st.one_of(st.none(), st.sampled_from([0.5, 1.0, 2.0, 3.0])))
     assume(lo is None or hi is None or lo <= hi)
     try:
-        return Bounds(min_prefill=min_p, max_prefill=max_p, min_decode=min_d, max_decode=max_d, min_ratio=lo, max_ratio=hi)
+        return Bounds(
+            min_prefill=min_p, max_prefill=max_p, min_decode=min_d, max_decode=max_d, min_ratio=lo, max_ratio=hi
+        )
     except ValueError:
         assume(False)
         raise
 
 
-@given(rate=st.floats(0.05, 8.0), prompt=lengths, output=outputs, ttft=st.floats(200, 8000), tpot=st.floats(25, 200),
-       quantile=st.sampled_from([0.5, 0.9, 0.99]), bounds=bounds_st())
+@given(
+    rate=st.floats(0.05, 8.0),
+    prompt=lengths,
+    output=outputs,
+    ttft=st.floats(200, 8000),
+    tpot=st.floats(25, 200),
+    quantile=st.sampled_from([0.5, 0.9, 0.99]),
+    bounds=bounds_st(),
+)
 @settings(max_examples=80, deadline=None)
 def test_plan_is_the_cheapest_pair_that_meets_the_slo(rate, prompt, output, ttft, tpot, quantile, bounds):
-    workload = Workload(arrival_rate=rate, prompt_tokens=prompt, output_tokens=output,
-                        slo=SLO(ttft_ms=ttft, tpot_ms=tpot, quantile=quantile))
+    workload = Workload(
+        arrival_rate=rate,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        slo=SLO(ttft_ms=ttft, tpot_ms=tpot, quantile=quantile),
+    )
     plan = plan_replicas(MODEL, workload, bounds)
     expected = brute_force(MODEL, workload, bounds)
     assert bounds.contains(plan.prefill, plan.decode)
@@ -92,8 +116,12 @@ def test_plan_is_the_cheapest_pair_that_meets_the_slo(rate, prompt, output, ttft
 @given(rate=st.floats(0.05, 6.0), factor=st.floats(1.0, 3.0), bounds=bounds_st())
 @settings(max_examples=30, deadline=None)
 def test_more_load_never_costs_less(rate, factor, bounds):
-    base = Workload(arrival_rate=rate, prompt_tokens=LengthDistribution(uniform=(64, 1024)),
-                    output_tokens=LengthDistribution(uniform=(16, 128)), slo=SLO(ttft_ms=2500, tpot_ms=90))
+    base = Workload(
+        arrival_rate=rate,
+        prompt_tokens=LengthDistribution(uniform=(64, 1024)),
+        output_tokens=LengthDistribution(uniform=(16, 128)),
+        slo=SLO(ttft_ms=2500, tpot_ms=90),
+    )
     low, high = plan_replicas(MODEL, base, bounds), plan_replicas(MODEL, base.with_rate(rate * factor), bounds)
     if low.meets_slo and high.meets_slo:
         assert bounds.cost(high.prefill, high.decode) >= bounds.cost(low.prefill, low.decode)
@@ -133,8 +161,12 @@ def test_band_and_bounds_are_validated_and_clamped():
 
 
 def test_the_band_can_set_a_count_and_the_reason_says_so():
-    workload = Workload(arrival_rate=1.0, prompt_tokens=LengthDistribution(fixed=128),
-                        output_tokens=LengthDistribution(fixed=400), slo=SLO(ttft_ms=5000, tpot_ms=60))
+    workload = Workload(
+        arrival_rate=1.0,
+        prompt_tokens=LengthDistribution(fixed=128),
+        output_tokens=LengthDistribution(fixed=400),
+        slo=SLO(ttft_ms=5000, tpot_ms=60),
+    )
     free = plan_replicas(MODEL, workload, Bounds(max_prefill=8, max_decode=8))
     banded = plan_replicas(MODEL, workload, Bounds(max_prefill=8, max_decode=8, min_ratio=1.0))
     assert (free.prefill, free.decode) == (1, 3)  # decode-heavy: long answers
@@ -156,8 +188,12 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def test_chosen_counts_meet_the_slo_in_simulation_and_one_prefill_fewer_does_not():
-    workload = Workload(arrival_rate=3.0, prompt_tokens=LengthDistribution(uniform=(128, 1024)),
-                        output_tokens=LengthDistribution(uniform=(32, 160)), slo=SLO(ttft_ms=2000, tpot_ms=90, quantile=0.9))
+    workload = Workload(
+        arrival_rate=3.0,
+        prompt_tokens=LengthDistribution(uniform=(128, 1024)),
+        output_tokens=LengthDistribution(uniform=(32, 160)),
+        slo=SLO(ttft_ms=2000, tpot_ms=90, quantile=0.9),
+    )
     plan = plan_replicas(MODEL, workload, Bounds(max_prefill=12, max_decode=12))
     assert plan.meets_slo and plan.prefill >= 2
     trace = poisson_trace(3.0, 6000, (128, 1024), (32, 160), seed=3)

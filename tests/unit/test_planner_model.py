@@ -15,17 +15,31 @@ from pdserve_operator.planner.model_shape import LLAMA_7B, SMOLLM2_135M
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CPU = HardwareProfile(name="t", device="cpu", dtype="float32", matmul_flops=1e11, memory_bandwidth=1e10,
-                      link_bandwidth=1e9, overlap_compute_memory=False, overlap_transfer=False)
+CPU = HardwareProfile(
+    name="t",
+    device="cpu",
+    dtype="float32",
+    matmul_flops=1e11,
+    memory_bandwidth=1e10,
+    link_bandwidth=1e9,
+    overlap_compute_memory=False,
+    overlap_transfer=False,
+)
 
 
 def test_planner_imports_neither_torch_nor_the_worker():
-    code = ("import sys, pdserve_operator.planner; "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('pdserve_worker')]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, pdserve_operator.planner; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('pdserve_worker')]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     env_path = f"{ROOT / 'operator'}"
-    result = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -35,9 +49,16 @@ def test_hf_config_parses_like_the_worker(tiny_model_dir):
 
     data = json.loads((tiny_model_dir / "config.json").read_text())
     ours, theirs = ModelShape.from_hf_config(data), ModelConfig.from_hf(data)
-    for a, b in [("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("num_heads", "num_heads"),
-                 ("num_kv_heads", "num_kv_heads"), ("head_dim", "head_dim"), ("intermediate_size", "intermediate_size"),
-                 ("vocab_size", "vocab_size"), ("tie_word_embeddings", "tie_word_embeddings")]:
+    for a, b in [
+        ("num_layers", "num_layers"),
+        ("hidden_size", "hidden_size"),
+        ("num_heads", "num_heads"),
+        ("num_kv_heads", "num_kv_heads"),
+        ("head_dim", "head_dim"),
+        ("intermediate_size", "intermediate_size"),
+        ("vocab_size", "vocab_size"),
+        ("tie_word_embeddings", "tie_word_embeddings"),
+    ]:
         assert getattr(ours, a) == getattr(theirs, b), a
     assert ModelShape.load(tiny_model_dir) == ModelShape.from_hf_config(data, name=tiny_model_dir.name)
 
@@ -83,7 +104,8 @@ def test_prefill_time_grows_faster_than_linearly_and_decode_with_the_batch():
     assert model.decode_step_seconds(0, 0) == 0.0
     # Memory bound at batch 1 on this profile: the weight read dominates.
     assert model.decode_step_seconds(1, 1) == pytest.approx(
-        model.weight_bytes / 1e10 + (SMOLLM2_135M.matmul_flops_per_token + SMOLLM2_135M.head_flops) / 1e11, rel=0.01)
+        model.weight_bytes / 1e10 + (SMOLLM2_135M.matmul_flops_per_token + SMOLLM2_135M.head_flops) / 1e11, rel=0.01
+    )
 
 
 def test_roofline_max_versus_sum_and_exposed_transfer():
@@ -125,7 +147,9 @@ def test_profiles_round_trip_and_refuse_bad_values(tmp_path):
 def test_decode_can_run_on_other_hardware_than_prefill():
     """A bandwidth-rich decode device: decode steps and KV capacity follow its profile."""
     npu = bundled_profile("ascend-910b")
-    fast_decode = npu.with_overrides(name="decode", memory_bandwidth=2 * npu.memory_bandwidth, memory_capacity_bytes=1.28e11)
+    fast_decode = npu.with_overrides(
+        name="decode", memory_bandwidth=2 * npu.memory_bandwidth, memory_capacity_bytes=1.28e11
+    )
     same = ServingModel(LLAMA_7B, npu, max_len=4096)
     split = ServingModel(LLAMA_7B, npu, max_len=4096, decode_profile=fast_decode)
     assert split.prefill_seconds(1000) == same.prefill_seconds(1000)

@@ -90,7 +90,7 @@ def fcfs_servers(lam: float, services: list[float], weights: list[float], c: int
         start = max(t, heapq.heappop(free))
         waits.append(start - t)
         heapq.heappush(free, start + s)
-    return sum(waits[n // 10:]) / (n - n // 10)
+    return sum(waits[n // 10 :]) / (n - n // 10)
 
 
 @pytest.mark.parametrize("c", [1, 2, 4])

@@ -13,12 +13,32 @@ from pdserve_operator.planner.model_shape import SMOLLM2_135M
 from pdserve_operator.planner.simulate import SimRequest, Simulation, simulate_trace
 
 # Everything but the fixed overhead is ~free: prefill = decode step = 1 s, whatever the batch.
-CLOCK = HardwareProfile(name="clock", device="cpu", dtype="float32", matmul_flops=1e30, memory_bandwidth=1e30,
-                        link_bandwidth=1e30, step_overhead_s=1.0, overlap_compute_memory=True, overlap_transfer=True)
-CPU = HardwareProfile(name="cpu", device="cpu", dtype="bfloat16", matmul_flops=3e11, attention_flops=1e11,
-                      memory_bandwidth=1.4e10, link_bandwidth=2e9, step_overhead_s=1e-3, layer_overhead_s=2e-4,
-                      sequence_overhead_s=2e-5, request_overhead_s=2e-3, overlap_compute_memory=False,
-                      overlap_transfer=False)
+CLOCK = HardwareProfile(
+    name="clock",
+    device="cpu",
+    dtype="float32",
+    matmul_flops=1e30,
+    memory_bandwidth=1e30,
+    link_bandwidth=1e30,
+    step_overhead_s=1.0,
+    overlap_compute_memory=True,
+    overlap_transfer=True,
+)
+CPU = HardwareProfile(
+    name="cpu",
+    device="cpu",
+    dtype="bfloat16",
+    matmul_flops=3e11,
+    attention_flops=1e11,
+    memory_bandwidth=1.4e10,
+    link_bandwidth=2e9,
+    step_overhead_s=1e-3,
+    layer_overhead_s=2e-4,
+    sequence_overhead_s=2e-5,
+    request_overhead_s=2e-3,
+    overlap_compute_memory=False,
+    overlap_transfer=False,
+)
 
 
 def test_a_request_arriving_mid_run_joins_at_the_next_step_boundary():
@@ -85,8 +105,12 @@ def test_every_request_finishes_and_every_slot_is_returned():
 
 
 def test_simulation_and_prediction_agree_on_means():
-    workload = Workload(arrival_rate=2.0, prompt_tokens=LengthDistribution(uniform=(128, 1024)),
-                        output_tokens=LengthDistribution(uniform=(32, 160)), slo=SLO(quantile=0.99))
+    workload = Workload(
+        arrival_rate=2.0,
+        prompt_tokens=LengthDistribution(uniform=(128, 1024)),
+        output_tokens=LengthDistribution(uniform=(32, 160)),
+        slo=SLO(quantile=0.99),
+    )
     model = ServingModel(SMOLLM2_135M, CPU)
     rng = random.Random(11)
     t, reqs = 0.0, []

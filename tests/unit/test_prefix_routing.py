@@ -37,8 +37,11 @@ def test_no_match_is_the_least_loaded_and_no_candidate_is_an_error() -> None:
         BalanceBound(ratio=0.5)
 
 
-@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 10), st.integers(0, 30)), min_size=1, max_size=6),
-       st.floats(1, 4), st.integers(0, 4))
+@given(
+    st.lists(st.tuples(st.integers(0, 20), st.integers(0, 10), st.integers(0, 30)), min_size=1, max_size=6),
+    st.floats(1, 4),
+    st.integers(0, 4),
+)
 def test_the_choice_is_within_the_bound_and_has_the_best_match_there(specs, ratio, slack) -> None:
     ids = [f"p{i}" for i in range(len(specs))]
     queues = {w: q for w, (q, _, _) in zip(ids, specs)}
@@ -47,8 +50,11 @@ def test_the_choice_is_within_the_bound_and_has_the_best_match_there(specs, rati
     ranked = sorted(ids, key=lambda w: (queues[w], w))
     bound = BalanceBound(ratio, slack)
     choice = choose_prefill(ranked, queues, matches, recent, bound)
-    eligible = [w for w in ids if bound.allows(queues[w], min(queues.values()))
-                and bound.allows(recent[w], min(recent.values()))]
+    eligible = [
+        w
+        for w in ids
+        if bound.allows(queues[w], min(queues.values())) and bound.allows(recent[w], min(recent.values()))
+    ]
     if choice.reason == "prefix":
         assert choice.worker_id in eligible
         assert matches[choice.worker_id] == max(matches[w] for w in eligible)

@@ -26,9 +26,18 @@ def test_generated_modules_import_under_the_package_name() -> None:
 
     assert broker_pb2.DESCRIPTOR.package == "pdserve.v1"
     assert {m.name for m in broker_pb2.DESCRIPTOR.services_by_name["Broker"].methods} == {
-        "Register", "KeepAlive", "Watch", "SetDraining", "Deregister", "ListMembers"
+        "Register",
+        "KeepAlive",
+        "Watch",
+        "SetDraining",
+        "Deregister",
+        "ListMembers",
     }
     assert {m.name for m in worker_pb2.DESCRIPTOR.services_by_name["Decode"].methods} == {
-        "Reserve", "Generate", "Release", "Status", "Migrate"
+        "Reserve",
+        "Generate",
+        "Release",
+        "Status",
+        "Migrate",
     }
     assert hasattr(broker_pb2_grpc, "BrokerStub") and hasattr(worker_pb2_grpc, "PrefillStub")

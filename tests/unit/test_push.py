@@ -36,8 +36,15 @@ class Decode:
         ctypes.memset(self.pool.base_addr, 0xEE, self.pool.nbytes)
 
     def target(self, slot: int, generation: int = 1, request_id: str = "req") -> Grant:
-        return Grant(request_id, slot, generation, self.engine_id, self.pool.base_addr, self.pool.layout,
-                     nonce=f"nonce-{slot}-{generation}")
+        return Grant(
+            request_id,
+            slot,
+            generation,
+            self.engine_id,
+            self.pool.base_addr,
+            self.pool.layout,
+            nonce=f"nonce-{slot}-{generation}",
+        )
 
     def run(self, slot: int, layer: int, kv_index: int, n: int, start: int = 0) -> bytes:
         addr, length = self.pool.run(slot, layer, kv_index, n, start)
@@ -246,8 +253,15 @@ def test_prefill_and_push_pipelines_or_not(prefill: Prefill, decodes: list[Decod
             original(chunk)
 
         pusher.push_chunk = push_chunk  # type: ignore[method-assign]
-        prefill_and_push(lambda c, events=events: events.append(f"compute{c.start}"), pusher, layer_chunks(range(LAYERS), 3), pipelined=pipelined)
-        expected = ["compute0", "push0", "compute3", "push3"] if pipelined else ["compute0", "compute3", "push0", "push3"]
+        prefill_and_push(
+            lambda c, events=events: events.append(f"compute{c.start}"),
+            pusher,
+            layer_chunks(range(LAYERS), 3),
+            pipelined=pipelined,
+        )
+        expected = (
+            ["compute0", "push0", "compute3", "push3"] if pipelined else ["compute0", "compute3", "push0", "push3"]
+        )
         assert events == expected
         assert d.run(slot, 4, V, TOKENS) == prefill.run(4, V)
 

@@ -40,8 +40,17 @@ class PagedDecode:
         ctypes.memset(self.pool.base_addr, 0xEE, self.pool.nbytes)
 
     def grant(self, blocks: tuple[int, ...], shared: int = 0, slot: int = 0) -> Grant:
-        return Grant("req", slot, 7, self.engine_id, self.pool.base_addr, self.pool.layout, nonce="n",
-                     blocks=blocks, shared=shared)
+        return Grant(
+            "req",
+            slot,
+            7,
+            self.engine_id,
+            self.pool.base_addr,
+            self.pool.layout,
+            nonce="n",
+            blocks=blocks,
+            shared=shared,
+        )
 
     def token(self, blocks: tuple[int, ...], layer: int, kv_index: int, t: int) -> bytes:
         b = self.pool.layout.blocks
@@ -125,8 +134,9 @@ def test_leased_writes_reach_only_the_reservations_own_blocks() -> None:
     prefill = Prefill("tcp")
     try:
         leases = BlockWriteLeases(decode.backend, decode.pool.base_addr, decode.pool.layout)
-        table = BlockTable(decode.pool.layout, engine_id=decode.engine_id, base_addr=decode.pool.base_addr,
-                           leases=leases)
+        table = BlockTable(
+            decode.pool.layout, engine_id=decode.engine_id, base_addr=decode.pool.base_addr, leases=leases
+        )
         first = table.reserve("a", 30, num_tokens=2 * BT)
         grant = table.reserve("b", 30, num_tokens=TOKENS)
         assert len(leases) == 2

@@ -33,8 +33,11 @@ def gguf_blocks(values: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def gguf_values(blocks: np.ndarray, type_name: str, shape) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]),
-                                       dtype=np.float32).reshape(shape))
+    return torch.from_numpy(
+        np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]), dtype=np.float32).reshape(
+            shape
+        )
+    )
 
 
 def random_blocks(rows: int, cols: int, type_name: str, seed: int) -> np.ndarray:
@@ -52,8 +55,10 @@ def random_blocks(rows: int, cols: int, type_name: str, seed: int) -> np.ndarray
 @pytest.mark.parametrize("type_name", TYPES)
 def test_blocks_split_exactly_as_gguf_reads_them(type_name):
     for seed, (rows, cols) in enumerate([(48, 96), (5, 32), (64, 576)]):
-        for blocks in (gguf_blocks(np.random.default_rng(seed).normal(size=(rows, cols)) * 0.02, type_name),
-                       random_blocks(rows, cols, type_name, seed)):
+        for blocks in (
+            gguf_blocks(np.random.default_rng(seed).normal(size=(rows, cols)) * 0.02, type_name),
+            random_blocks(rows, cols, type_name, seed),
+        ):
             t = from_gguf_blocks(blocks, type_name, (rows, cols))
             assert t.kind == ("q8" if type_name == "Q8_0" else "q4") and t.shape == (rows, cols)
             assert torch.equal(dequantize(t), gguf_values(blocks, type_name, (rows, cols)))
@@ -113,10 +118,14 @@ def test_int4_packing_keeps_every_nibble_and_gives_scale_times_nibble_plus_minim
     exact = gguf_values(random_blocks(rows, cols, type_name, 7), type_name, (rows, cols))
     bound = (16 * t.scale.abs() + (t.minimum + 8 * t.scale).abs()).repeat_interleave(32, 1) * 2.0**-8
     assert ((kernel_values(packed, rows, cols) - exact).abs() <= bound + exact.abs() * 2.0**-8).all()
-    unrounded_zero = t.minimum + 8 * t.scale + (nibbles(t).float().reshape(rows, -1, 32).mean(-1) - 8) * (
-        t.scale - t.scale.to(torch.bfloat16).float())
-    unrounded = ((nibbles(t).float() - 8).reshape(rows, -1, 32) * t.scale.to(torch.bfloat16).float()[..., None]
-                 + unrounded_zero[..., None])
+    unrounded_zero = (
+        t.minimum
+        + 8 * t.scale
+        + (nibbles(t).float().reshape(rows, -1, 32).mean(-1) - 8) * (t.scale - t.scale.to(torch.bfloat16).float())
+    )
+    unrounded = (nibbles(t).float() - 8).reshape(rows, -1, 32) * t.scale.to(torch.bfloat16).float()[
+        ..., None
+    ] + unrounded_zero[..., None]
     group_error = (unrounded - exact.reshape(rows, -1, 32)).sum(-1)
     assert group_error.abs().max() <= 1e-6 * exact.abs().max() * 32
 
@@ -252,7 +261,9 @@ def test_float_checkpoints_quantize_on_request(tiny_model_dir):
         loaded = load_model(str(tiny_model_dir), dtype="float32", weights=weights)
         assert set(loaded.routes.values()) == {weights}
         got = loaded.model.prefill(ids, KVCache.allocate(layout), 0)
-        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > (0.97 if weights == "int4" else 0.999)  # 4 bits of random normals: about 20 dB
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > (
+            0.97 if weights == "int4" else 0.999
+        )  # 4 bits of random normals: about 20 dB
 
 
 def test_memory_check_counts_packed_sizes(tiny_model_dir):
@@ -268,7 +279,8 @@ def test_memory_check_counts_packed_sizes(tiny_model_dir):
     routes = plan(config, "int4", {}, layers)
     counted = loaded_weight_bytes(config, "bfloat16", routes, layers, tied_copy=True)
     floats = sum(t.numel() * 2 for t in [model.embed_tokens, model.norm]) + sum(
-        w.attn_norm.numel() * 2 + w.mlp_norm.numel() * 2 for w in model.layers.values())
+        w.attn_norm.numel() * 2 + w.mlp_norm.numel() * 2 for w in model.layers.values()
+    )
     assert counted == held + floats
     assert summary(routes) == {k: "int4" for k in ("lm_head", "attn_qkv", "attn_o", "mlp_gate_up", "mlp_down")}
 
@@ -288,9 +300,10 @@ def test_packed_prefill_equals_one_prompt_at_a_time(quantized_models, tiny_model
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         for p, s in zip(prompts, slots):  # each prompt's KV in its own slot, nothing else written
-            torch.testing.assert_close(packed.tensor[s][:, :, : len(p)], alone.tensor[s][:, :, : len(p)],
-                                       rtol=1e-5, atol=1e-5)
-            assert not packed.tensor[s][:, :, len(p):].any()
+            torch.testing.assert_close(
+                packed.tensor[s][:, :, : len(p)], alone.tensor[s][:, :, : len(p)], rtol=1e-5, atol=1e-5
+            )
+            assert not packed.tensor[s][:, :, len(p) :].any()
     with pytest.raises(ValueError, match="one slot per prompt"):
         plain.model.prefill_batch([[1]], KVCache.allocate(plain.config.kv_layout(2, 8, "float32")), [0, 1])
     with pytest.raises(ValueError, match="a slot appears twice"):
@@ -307,8 +320,13 @@ def test_info_shows_the_cpu_route_of_each_layer_type_without_loading(tmp_path):
     path = tiny_quantized_gguf(tmp_path / "q.gguf", types=("Q4_1",))
     auto = report(path, "bfloat16", 64)
     assert auto["weights"] == "auto"
-    assert auto["cpu_routes"] == {"lm_head": "int4", "attn_qkv": "int4", "attn_o": "int4", "mlp_gate_up": "int4",
-                                  "mlp_down": "int4"}
+    assert auto["cpu_routes"] == {
+        "lm_head": "int4",
+        "attn_qkv": "int4",
+        "attn_o": "int4",
+        "mlp_gate_up": "int4",
+        "mlp_down": "int4",
+    }
     dense = report(path, "bfloat16", 64, weights="dequantized")
     assert set(dense["cpu_routes"].values()) == {"dequantized"}
     assert auto["cpu_weights_bytes"] < dense["cpu_weights_bytes"]

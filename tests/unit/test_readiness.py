@@ -51,8 +51,9 @@ class Side:
     def ready(self, slot: int, generation: int, name: str = "kv_ready", nonce: str | None = None, **extra: Any) -> None:
         """A ready notify as a prefill sends it: with the grant's nonce unless told otherwise."""
         nonce = reservation_nonce(KEY, slot, generation) if nonce is None else nonce
-        msg = json.dumps({"request_id": "r", "slot": slot, "generation": generation, "nonce": nonce, "num_tokens": 3,
-                          **extra})
+        msg = json.dumps(
+            {"request_id": "r", "slot": slot, "generation": generation, "nonce": nonce, "num_tokens": 3, **extra}
+        )
         api = self.client.api
         self.client.check(self.client.engine.send_notify(self.engine_id, api.NotifyDesc(name, msg), 2000), "notify")
 
@@ -83,12 +84,25 @@ class PollOnly:
 @pytest.mark.parametrize("mode", ["interrupt", "poll", "spin"])
 def test_every_mode_delivers_the_ready_message(side: Side, mode: str) -> None:
     warmed: list[tuple[int, int]] = []
-    readiness = Readiness(side.decode, mode, accepts=side.slots.is_reserved, authorize=side.slots.verify, poll_interval_us=200, warmup=lambda s, n: warmed.append((s, n)))
+    readiness = Readiness(
+        side.decode,
+        mode,
+        accepts=side.slots.is_reserved,
+        authorize=side.slots.verify,
+        poll_interval_us=200,
+        warmup=lambda s, n: warmed.append((s, n)),
+    )
     g = side.slots.reserve("r", 60)
     side.later(0.05, side.ready, g.slot, g.generation, first_token=5)
     message = readiness.wait(g.slot, g.generation, timeout_s=5)
-    assert message == {"request_id": "r", "slot": g.slot, "generation": g.generation, "nonce": g.nonce, "num_tokens": 3,
-                       "first_token": 5}
+    assert message == {
+        "request_id": "r",
+        "slot": g.slot,
+        "generation": g.generation,
+        "nonce": g.nonce,
+        "num_tokens": 3,
+        "first_token": 5,
+    }
     assert warmed == [(g.slot, 3)]
 
 
@@ -153,7 +167,12 @@ def test_waiting_on_a_slot_whose_lease_ended_raises(side: Side) -> None:
 
 def test_other_notifies_go_to_their_handler(side: Side) -> None:
     others: list[str] = []
-    readiness = Readiness(side.decode, accepts=side.slots.is_reserved, authorize=side.slots.verify, on_other=lambda n: others.append(n.name))
+    readiness = Readiness(
+        side.decode,
+        accepts=side.slots.is_reserved,
+        authorize=side.slots.verify,
+        on_other=lambda n: others.append(n.name),
+    )
     g = side.slots.reserve("r", 60)
     side.ready(g.slot, g.generation, name="drain_request")
     side.ready(g.slot, g.generation)

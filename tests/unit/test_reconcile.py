@@ -112,9 +112,16 @@ def test_a_409_for_a_child_that_is_gone_again_fails_the_reconcile_for_a_retry() 
 def test_a_child_controlled_by_another_owner_is_not_written_and_degrades_the_service() -> None:
     kube, owner = seeded()
     router_svc = next(o for o in rendered(owner) if o["kind"] == "Service" and o["metadata"]["name"] == "svc")
-    theirs = {**router_svc, "metadata": {**router_svc["metadata"], "ownerReferences": [
-        {"apiVersion": "apps/v1", "kind": "Deployment", "name": "other", "uid": "other-uid", "controller": True}]},
-        "spec": {"selector": {"app": "other"}, "ports": [{"port": 1}]}}
+    theirs = {
+        **router_svc,
+        "metadata": {
+            **router_svc["metadata"],
+            "ownerReferences": [
+                {"apiVersion": "apps/v1", "kind": "Deployment", "name": "other", "uid": "other-uid", "controller": True}
+            ],
+        },
+        "spec": {"selector": {"app": "other"}, "ports": [{"port": 1}]},
+    }
     kube.inner.create(theirs)
 
     out = reconcile(reconciler(kube), NS, "svc")
@@ -151,8 +158,10 @@ def test_drift_by_someone_else_is_patched_back_with_an_event() -> None:
     want = {o["metadata"]["name"]: o for o in rendered(owner) if o["kind"] in ("Deployment", "StatefulSet")}
     writes = kube.writes()
     assert [a.short() for a in writes] == [
-        "patch Deployment/svc-prefill", f"event {s.KIND}/svc {ev.DRIFT_REVERTED}",
-        "patch StatefulSet/svc-decode", f"event {s.KIND}/svc {ev.DRIFT_REVERTED}",
+        "patch Deployment/svc-prefill",
+        f"event {s.KIND}/svc {ev.DRIFT_REVERTED}",
+        "patch StatefulSet/svc-decode",
+        f"event {s.KIND}/svc {ev.DRIFT_REVERTED}",
     ]
     assert writes[0].body == drift.merge_patch(want["svc-prefill"])
     assert writes[2].body == drift.merge_patch(want["svc-decode"])
@@ -182,7 +191,10 @@ def test_an_invalid_spec_writes_only_the_status() -> None:
     kube, _ = seeded({"decode": {"layerShards": 31}})
     out = reconcile(reconciler(kube), NS, "svc")
     assert [a.short() for a in kube.actions] == [
-        f"get {s.KIND}/svc", f"patch {s.KIND}/svc/status", f"event {s.KIND}/svc {ev.INVALID_SPEC}"]
+        f"get {s.KIND}/svc",
+        f"patch {s.KIND}/svc/status",
+        f"event {s.KIND}/svc {ev.INVALID_SPEC}",
+    ]
     status = status_of(kube)
     valid = condition(status, "SpecValid")
     assert status["phase"] == "Invalid" and valid["status"] == "False" and "decode.layerShards" in valid["message"]
@@ -234,10 +246,20 @@ def test_sharded_decode_lists_its_pods_to_count_complete_groups() -> None:
     labels, selector = ch.selector_labels("svc", "decode"), ch.selector_string("svc", "decode")
     for ordinal in range(4):  # group 0 complete, group 1 half ready
         ready = "True" if ordinal < 3 else "False"
-        kube.inner.create({"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": f"svc-decode-{ordinal}", "namespace": NS, "labels": labels}})
-        kube.inner.merge_patch(pods, NS, f"svc-decode-{ordinal}",
-                               {"status": {"conditions": [{"type": "Ready", "status": ready}]}}, "status")
+        kube.inner.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"svc-decode-{ordinal}", "namespace": NS, "labels": labels},
+            }
+        )
+        kube.inner.merge_patch(
+            pods,
+            NS,
+            f"svc-decode-{ordinal}",
+            {"status": {"conditions": [{"type": "Ready", "status": ready}]}},
+            "status",
+        )
     kube.inner.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "other-0", "namespace": NS}})
     reconcile(reconciler(kube), NS, "svc")
     assert Action("list", "Pod", NS, None, body=selector) in kube.actions
@@ -273,7 +295,8 @@ def test_a_broker_token_secret_owned_by_someone_else_is_not_trusted() -> None:
     kube, owner = seeded()
     planted = next(o for o in rendered(owner, token="chosen-by-them") if o["kind"] == "Secret")
     planted["metadata"]["ownerReferences"] = [
-        {"apiVersion": "v1", "kind": "ConfigMap", "name": "theirs", "uid": "their-uid", "controller": True}]
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "theirs", "uid": "their-uid", "controller": True}
+    ]
     kube.inner.create(planted)
     rec = reconciler(kube)
     out = reconcile(rec, NS, "svc")

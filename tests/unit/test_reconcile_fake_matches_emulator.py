@@ -59,8 +59,9 @@ def scenario(kube: Recorder) -> Steps:
         text = json.dumps([a.__dict__ for a in kube.actions], default=list)
         for uid, who in uids.items():
             text = text.replace(uid, f"<uid of {who}>")
-        steps[label] = [Action(**{**a, "body": tuple(a["body"]) if a["verb"] == "event" else a["body"]})
-                        for a in json.loads(text)]
+        steps[label] = [
+            Action(**{**a, "body": tuple(a["body"]) if a["verb"] == "event" else a["body"]}) for a in json.loads(text)
+        ]
 
     def add_service(name: str, spec: dict[str, Any] | None = None) -> ch.Owner:
         inner.create(service(name, NS, spec))
@@ -80,13 +81,24 @@ def scenario(kube: Recorder) -> Steps:
     step("create raced", "raced")
 
     foreign = add_service("foreign")
-    other = inner.create({"apiVersion": "v1", "kind": "ConfigMap",
-                          "metadata": {"name": "other-owner", "namespace": NS}})
+    other = inner.create(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "other-owner", "namespace": NS}}
+    )
     uids[other["metadata"]["uid"]] = "other-owner"
-    theirs = next(o for o in ch.render(foreign, s.parse_spec({}), "x", rec.defaults) if o["kind"] == "Service"
-                  and o["metadata"]["name"] == "foreign")
-    theirs["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "other-owner",
-                                              "uid": other["metadata"]["uid"], "controller": True}]
+    theirs = next(
+        o
+        for o in ch.render(foreign, s.parse_spec({}), "x", rec.defaults)
+        if o["kind"] == "Service" and o["metadata"]["name"] == "foreign"
+    )
+    theirs["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "name": "other-owner",
+            "uid": other["metadata"]["uid"],
+            "controller": True,
+        }
+    ]
     step("foreign owner", "foreign", lambda: inner.create(theirs))
 
     add_service("bad", {"decode": {"layerShards": 31}})
@@ -94,10 +106,16 @@ def scenario(kube: Recorder) -> Steps:
 
     def pods() -> None:
         def pod(name: str, owner: str) -> None:
-            inner.create({"apiVersion": "v1", "kind": "Pod", "metadata": {
-                "name": name, "namespace": NS, "labels": ch.selector_labels(owner, "decode")}})
-            inner.merge_patch(KINDS["Pod"], NS, name, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}},
-                              "status")
+            inner.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": name, "namespace": NS, "labels": ch.selector_labels(owner, "decode")},
+                }
+            )
+            inner.merge_patch(
+                KINDS["Pod"], NS, name, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}, "status"
+            )
 
         for ordinal in range(3):  # group 0 complete, group 1 half
             pod(f"svc-decode-{ordinal}", "svc")
@@ -132,7 +150,8 @@ def test_the_fake_and_the_real_client_on_the_emulator_see_the_same_calls(emulate
     emulated_events = emulated.list(KINDS["Event"], NS)
     emulated_events.sort(key=lambda e: e["metadata"]["name"].rsplit(".", 1)[1])
     assert [(e["involvedObject"]["name"], e["type"], e["reason"]) for e in emulated_events] == [
-        (name, type_, reason) for _, name, type_, reason, _ in fake.events]
+        (name, type_, reason) for _, name, type_, reason, _ in fake.events
+    ]
     for e in emulated_events:
         assert e["involvedObject"]["uid"] == _uid(emulated, s.KIND, e["involvedObject"]["name"])
         assert e["involvedObject"]["namespace"] == e["metadata"]["namespace"] == NS

@@ -136,7 +136,7 @@ async def test_weight_shares_tokens_and_fifo_within_a_tenant():
     order = serve_order(q, holder, 8)
     assert sum(1 for t in order if t in hs) == 6
     served_h = [t for t in order if t in hs]
-    assert served_h == hs[:len(served_h)]  # FIFO within the tenant
+    assert served_h == hs[: len(served_h)]  # FIFO within the tenant
     for t in hs + ls:
         q.release(t)
 

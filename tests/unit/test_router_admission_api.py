@@ -59,7 +59,9 @@ class SlotBackend:
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         return [ord(c) for m in messages for c in m["content"]]
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[TokenEvent]:
         with self.lock:
             if self.used >= self.slots:
                 self.refused += 1
@@ -98,9 +100,17 @@ def serve(port):
 def _burst(url: str, n: int, headers: dict[str, str] | None = None, max_tokens: int = 4) -> list[httpx.Response]:
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            return await asyncio.gather(*[
-                client.post("/v1/completions", json={"model": "slot-model", "prompt": f"p{i}", "max_tokens": max_tokens},
-                            headers=headers or {}) for i in range(n)])
+            return await asyncio.gather(
+                *[
+                    client.post(
+                        "/v1/completions",
+                        json={"model": "slot-model", "prompt": f"p{i}", "max_tokens": max_tokens},
+                        headers=headers or {},
+                    )
+                    for i in range(n)
+                ]
+            )
+
     return asyncio.run(run())
 
 
@@ -158,9 +168,11 @@ def test_429_queue_full_in_openai_shape_with_retry_after(serve):
 
     async def fill() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+
             async def one() -> int:
                 r = await http.post("/v1/completions", json={"model": "slot-model", "prompt": "p", "max_tokens": 40})
                 return r.status_code
+
             running = asyncio.create_task(one())
             while backend.used < 1:
                 await asyncio.sleep(0.01)
@@ -189,11 +201,12 @@ def test_429_queue_full_in_openai_shape_with_retry_after(serve):
 def test_bad_admission_headers_are_400(serve):
     url, _ = serve(SlotBackend(slots=1))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    for headers, code in (({"x-pdserve-priority": "urgent"}, "invalid_priority"),
-                          ({"x-pdserve-deadline-ms": "-5"}, "invalid_deadline"),
-                          ({"x-pdserve-deadline-ms": "1e3"}, "invalid_deadline"),
-                          ({"x-pdserve-deadline-ms": "9" * 5000}, "invalid_deadline"),  # int() would refuse it: a 500
-                          ):
+    for headers, code in (
+        ({"x-pdserve-priority": "urgent"}, "invalid_priority"),
+        ({"x-pdserve-deadline-ms": "-5"}, "invalid_deadline"),
+        ({"x-pdserve-deadline-ms": "1e3"}, "invalid_deadline"),
+        ({"x-pdserve-deadline-ms": "9" * 5000}, "invalid_deadline"),  # int() would refuse it: a 500
+    ):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model="slot-model", prompt="p", max_tokens=1, extra_headers=headers)
         assert caught.value.code == code
@@ -225,11 +238,16 @@ def test_high_priority_goes_first_and_the_ceiling_holds(serve):
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+
             async def one(label: str, key: str, priority: str) -> None:
-                r = await http.post("/v1/completions", json={"model": "slot-model", "prompt": "p", "max_tokens": 3},
-                                    headers={"Authorization": f"Bearer {key}", "x-pdserve-priority": priority})
+                r = await http.post(
+                    "/v1/completions",
+                    json={"model": "slot-model", "prompt": "p", "max_tokens": 3},
+                    headers={"Authorization": f"Bearer {key}", "x-pdserve-priority": priority},
+                )
                 assert r.status_code == 200
                 finished.append(label)
+
             first = asyncio.create_task(one("first", KEY, "normal"))
             await asyncio.sleep(0.03)
             # batch asks for high but its key's ceiling is low; interactive's low and high follow it.

@@ -36,8 +36,11 @@ def serve(port):
 
 def samples(url: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 # --- answers ---------------------------------------------------------------------------------
@@ -58,8 +61,9 @@ def test_completion_non_streaming_gives_text_usage_and_finish(serve):
 
 def test_completion_streaming_chunks_concatenate_to_the_text(serve):
     client, _ = serve(ScriptedBackend())
-    stream = client.completions.create(model=MODEL, prompt=["Say hi"], max_tokens=10, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL, prompt=["Say hi"], max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert texts == ["Hello", ",", " world", "!", ""]
@@ -71,8 +75,10 @@ def test_completion_streaming_chunks_concatenate_to_the_text(serve):
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
     assert out.choices[0].message.content == "Hello, world!" and out.choices[0].message.role == "assistant"
     prompt = "<system>be brief<user>hi<assistant>"
@@ -110,8 +116,13 @@ def test_request_info_reaches_the_response_and_the_metrics(serve):
     info = RequestInfo(disaggregated=True, kv_bytes=3 * 1024 * 1024, kv_transfer_s=0.004, prefill="p0", decode="d1")
     client, url = serve(ScriptedBackend(info=info))
     out = client.completions.create(model=MODEL, prompt="x")
-    assert out.model_extra["pdserve"] == {"disaggregated": True, "kv_bytes": 3 * 1024 * 1024,
-                                          "kv_transfer_ms": 4.0, "prefill": "p0", "decode": "d1"}
+    assert out.model_extra["pdserve"] == {
+        "disaggregated": True,
+        "kv_bytes": 3 * 1024 * 1024,
+        "kv_transfer_ms": 4.0,
+        "prefill": "p0",
+        "decode": "d1",
+    }
     chunks = list(client.completions.create(model=MODEL, prompt="x", stream=True))
     assert chunks[-1].model_extra["pdserve"]["decode"] == "d1"
     m = samples(url)
@@ -158,8 +169,12 @@ CASES = [
     ({"prompt": "hi"}, 400, ["missing", "model"], "model"),
     ({"model": MODEL}, 400, ["missing", "prompt"], "prompt"),
     ({"model": "gpt-9", "prompt": "hi"}, 404, ["gpt-9", "does not exist"], "model"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, ["max_tokens", "greater than or equal to 1", "0"],
-     "max_tokens"),
+    (
+        {"model": MODEL, "prompt": "hi", "max_tokens": 0},
+        400,
+        ["max_tokens", "greater than or equal to 1", "0"],
+        "max_tokens",
+    ),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, ["max_tokens", "-3"], "max_tokens"),
     ({"model": MODEL, "prompt": "x" * 80}, 400, ["80 tokens", "maximum context length is 64"], "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 63}, 400, ["2 tokens", "63", "64", "at most 62"], "max_tokens"),
@@ -192,14 +207,19 @@ def test_bad_completion_requests_get_openai_errors_and_service_goes_on(serve, bo
     assert client.completions.create(model=MODEL, prompt="ok").choices[0].text == "Hello, world!"
 
 
-@pytest.mark.parametrize("body,words", [
-    ({"model": MODEL, "messages": []}, ["messages", "at least 1"]),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, ["messages.0.role"]),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, ["only text content"]),
-    ({"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]}, ["must end with a user message"]),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
-     ["max_completion_tokens"]),
-])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        ({"model": MODEL, "messages": []}, ["messages", "at least 1"]),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, ["messages.0.role"]),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, ["only text content"]),
+        ({"model": MODEL, "messages": [{"role": "assistant", "content": "x"}]}, ["must end with a user message"]),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            ["max_completion_tokens"],
+        ),
+    ],
+)
 def test_bad_chat_requests_are_400(serve, body, words):
     client, url = serve(ScriptedBackend())
     r = httpx.post(f"{url}/v1/chat/completions", json=body)
@@ -231,8 +251,10 @@ def test_no_capacity_is_429_with_retry_after(serve, stream):
         client.completions.create(model=MODEL, prompt="x")
 
 
-@pytest.mark.parametrize("error,status", [(BackendUnavailable("no decode registered"), 503),
-                                          (RequestTimeout("kv transfer timed out after 5 s"), 504)])
+@pytest.mark.parametrize(
+    "error,status",
+    [(BackendUnavailable("no decode registered"), 503), (RequestTimeout("kv transfer timed out after 5 s"), 504)],
+)
 def test_unavailable_and_timeout_map_to_503_and_504(serve, error, status):
     _, url = serve(ScriptedBackend(error=error))
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
@@ -241,8 +263,12 @@ def test_unavailable_and_timeout_map_to_503_and_504(serve, error, status):
     # kind of failure and the request id that finds them there.
     assert r.status_code == status and str(error) not in message
     assert message.endswith(f"(request {r.headers['x-request-id']})")
-    assert samples(url)[("pdserve_router_requests_failed_total",
-                         (("reason", "unavailable" if status == 503 else "timeout"),))] == 1
+    assert (
+        samples(url)[
+            ("pdserve_router_requests_failed_total", (("reason", "unavailable" if status == 503 else "timeout"),))
+        ]
+        == 1
+    )
 
 
 def test_error_after_the_stream_started_is_reported_in_band(serve):

@@ -15,14 +15,30 @@ from pdserve_worker.router.app import create_app
 from pdserve_worker.router.backend import NoCapacity, RequestInfo
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        [
+            str(ROOT / "worker"),
+            str(ROOT / "operator"),
+            str(ROOT / "common"),
+            str(ROOT / "proto"),
+            os.environ.get("PYTHONPATH", ""),
+        ]
+    ),
+}
 INFO = RequestInfo(disaggregated=True, kv_bytes=5 * 1024 * 1024, kv_transfer_s=0.0031, decode="d0")
 
 
 def pdserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve_worker.cli", *args], input=stdin, env=ENV,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve_worker.cli", *args],
+        input=stdin,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def stats(stderr: str) -> dict[str, str]:
@@ -34,8 +50,18 @@ def stats(stderr: str) -> dict[str, str]:
 def test_complete_prints_the_answer_and_a_timing_line(port, stream):
     backend = ScriptedBackend(delay_s=0.05, info=INFO)
     with running_router(create_app(backend), port) as url:
-        out = pdserve("complete", "--url", url, "--prompt", "Say hi", "--max-tokens", "9",
-                      "--temperature", "0.5", *(["--stream"] if stream else []))
+        out = pdserve(
+            "complete",
+            "--url",
+            url,
+            "--prompt",
+            "Say hi",
+            "--max-tokens",
+            "9",
+            "--temperature",
+            "0.5",
+            *(["--stream"] if stream else []),
+        )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "Hello, world!\n"
     got = stats(out.stderr)
@@ -63,8 +89,11 @@ def test_complete_reports_the_router_error_and_fails(port):
     with running_router(create_app(ScriptedBackend(error=NoCapacity(2, "all slots busy"))), port) as url:
         out = pdserve("complete", "--url", url, "--prompt", "x")
     assert out.returncode == 1
-    assert re.search(r"HTTP 429: the service has no free capacity now; retry later \(request cmpl-\w+\) "
-                     r"\(retry after 2 s\)", out.stderr), out.stderr
+    assert re.search(
+        r"HTTP 429: the service has no free capacity now; retry later \(request cmpl-\w+\) "
+        r"\(retry after 2 s\)",
+        out.stderr,
+    ), out.stderr
 
 
 def test_complete_names_an_unreachable_router(port):
@@ -75,16 +104,21 @@ def test_complete_names_an_unreachable_router(port):
 def test_chat_keeps_the_conversation_across_turns(port):
     backend = ScriptedBackend(max_model_len=256)
     with running_router(create_app(backend), port) as url:
-        out = pdserve("chat", "--url", url, "--system", "be nice",
-                      stdin="hi\n\nand again?\n/reset\nfresh\n/exit\nnot sent\n")
+        out = pdserve(
+            "chat", "--url", url, "--system", "be nice", stdin="hi\n\nand again?\n/reset\nfresh\n/exit\nnot sent\n"
+        )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "Hello, world!\n" * 3
     assert len([ln for ln in out.stderr.splitlines() if "ttft_ms=" in ln]) == 3
     system = {"role": "system", "content": "be nice"}
     assert backend.chats == [
         [system, {"role": "user", "content": "hi"}],
-        [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, world!"},
-         {"role": "user", "content": "and again?"}],
+        [
+            system,
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello, world!"},
+            {"role": "user", "content": "and again?"},
+        ],
         [system, {"role": "user", "content": "fresh"}],
     ]
 

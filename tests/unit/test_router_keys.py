@@ -40,8 +40,9 @@ def test_keys_map_to_tenants_with_their_limits():
     store = KeyStore.parse(FILE)
     a = store.lookup(KEY_A)
     assert a is not None and a.name == "interactive"
-    assert a.limits == TenantLimits(requests_per_minute=600, tokens_per_minute=100000, max_concurrent=4,
-                                    max_priority="high")
+    assert a.limits == TenantLimits(
+        requests_per_minute=600, tokens_per_minute=100000, max_concurrent=4, max_priority="high"
+    )
     assert store.lookup(KEY_C).name == "interactive"  # given as its digest only
     b = store.lookup(KEY_B)
     assert b.name == "batch" and b.limits.max_priority == "low" and b.limits.weight == 0.5
@@ -52,31 +53,37 @@ def test_keys_map_to_tenants_with_their_limits():
     assert KEY_A not in repr(store) and len(store) == 3
 
 
-@pytest.mark.parametrize("header,key", [
-    (f"Bearer {KEY_A}", KEY_A),
-    (f"bearer {KEY_A}", KEY_A),  # RFC 6750 / RFC 9110: the scheme is case-insensitive
-    (f"  Bearer   {KEY_A}  ", KEY_A),
-    (f"Basic {KEY_A}", None),
-    ("Bearer", None),
-    ("Bearer ", None),
-    ("", None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "header,key",
+    [
+        (f"Bearer {KEY_A}", KEY_A),
+        (f"bearer {KEY_A}", KEY_A),  # RFC 6750 / RFC 9110: the scheme is case-insensitive
+        (f"  Bearer   {KEY_A}  ", KEY_A),
+        (f"Basic {KEY_A}", None),
+        ("Bearer", None),
+        ("Bearer ", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_bearer_header(header, key):
     assert bearer_key(header) == key
 
 
-@pytest.mark.parametrize("text,message", [
-    ("tenants: []", "tenants"),
-    ("tenants:\n  - name: a\n    keys: ['short']", "16-512 printable ASCII"),
-    ("tenants:\n  - name: a\n    keys: ['sha256:abc']", "64 lowercase hex"),
-    (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n  - name: a\n    keys: ['{KEY_B}']", "listed twice"),
-    (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n  - name: b\n    keys: ['{KEY_A}']", "one key is listed for"),
-    (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n    tokensPerMinute: 0", "greater than or equal to 1"),
-    (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n    maxPriority: urgent", "maxPriority"),
-    (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n    rpm: 5", "Extra inputs"),
-    ("tenants: [", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("tenants: []", "tenants"),
+        ("tenants:\n  - name: a\n    keys: ['short']", "16-512 printable ASCII"),
+        ("tenants:\n  - name: a\n    keys: ['sha256:abc']", "64 lowercase hex"),
+        (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n  - name: a\n    keys: ['{KEY_B}']", "listed twice"),
+        (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n  - name: b\n    keys: ['{KEY_A}']", "one key is listed for"),
+        (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n    tokensPerMinute: 0", "greater than or equal to 1"),
+        (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n    maxPriority: urgent", "maxPriority"),
+        (f"tenants:\n  - name: a\n    keys: ['{KEY_A}']\n    rpm: 5", "Extra inputs"),
+        ("tenants: [", "not valid YAML"),
+    ],
+)
 def test_bad_files_are_refused_without_quoting_a_key(text, message):
     with pytest.raises(KeyFileError) as caught:
         KeyStore.parse(text, "keys.yaml")

@@ -42,23 +42,26 @@ def router(port):
         cm.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"top_k": 2**63}, "top_k"),  # D2 of issue 13: was a 500 after the slot was reserved
-    ({"top_k": 2**32}, "top_k"),
-    ({"max_tokens": 2**40}, "max_tokens"),
-    ({"seed": 2**64}, "seed"),
-    ({"seed": -(2**63) - 1}, "seed"),
-    ({"n": 2**63}, "n"),
-    ({"logprobs": 2**63}, None),
-    ({"best_of": 2**63}, None),
-    ({"presence_penalty": 1e308}, "presence_penalty"),
-    ({"frequency_penalty": -2.0}, "frequency_penalty"),
-    ({"temperature": 1e308}, "temperature"),
-    ({"top_p": 2.0}, "top_p"),
-    ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
-    ({"stop": "s" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
-    ({"model": "m" * 10_000}, "model"),
-])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"top_k": 2**63}, "top_k"),  # D2 of issue 13: was a 500 after the slot was reserved
+        ({"top_k": 2**32}, "top_k"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"n": 2**63}, "n"),
+        ({"logprobs": 2**63}, None),
+        ({"best_of": 2**63}, None),
+        ({"presence_penalty": 1e308}, "presence_penalty"),
+        ({"frequency_penalty": -2.0}, "frequency_penalty"),
+        ({"temperature": 1e308}, "temperature"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": "s" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+        ({"model": "m" * 10_000}, "model"),
+    ],
+)
 def test_values_the_workers_cannot_take_are_400_before_the_backend(router, extra, param):
     backend, url = router()
     r = httpx.post(f"{url}/v1/completions", json={**COMPLETIONS, **extra})
@@ -70,8 +73,12 @@ def test_values_the_workers_cannot_take_are_400_before_the_backend(router, extra
 
 def test_every_accepted_value_fits_the_wire_format():
     """The API's bounds are the proto's: the largest accepted values convert without error."""
-    params = SamplingParams(max_tokens=2**32 - 1, top_k=2**32 - 1, seed=2**63 - 1,
-                            stop=tuple(str(i) + "x" * (MAX_STOP_STRING_CHARS - 2) for i in range(10, 10 + MAX_STOP_STRINGS)))
+    params = SamplingParams(
+        max_tokens=2**32 - 1,
+        top_k=2**32 - 1,
+        seed=2**63 - 1,
+        stop=tuple(str(i) + "x" * (MAX_STOP_STRING_CHARS - 2) for i in range(10, 10 + MAX_STOP_STRINGS)),
+    )
     msg = sampling_to_proto(params)
     assert msg.top_k == 2**32 - 1 and msg.seed == 2**63 - 1 and len(msg.stop) == MAX_STOP_STRINGS
 
@@ -92,8 +99,9 @@ def test_a_prompt_too_long_to_fit_is_refused_by_its_characters_without_tokenizin
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded" and "1001 characters" in error["message"]
-    r = httpx.post(f"{url}/v1/chat/completions",
-                   json={**CHAT, "messages": [{"role": "user", "content": "z" * 600}] * 2})
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "z" * 600}] * 2}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert backend.chats == [] and backend.calls == []
 
@@ -138,8 +146,11 @@ def _raw_post(url: str, headers: dict[str, str], body_bytes: int, chunked: bool 
                     got.set()  # the answer started: stop sending
                 data += part
                 head_, sep, body = data.partition(b"\r\n\r\n")
-                length = [int(line.split(b":")[1]) for line in head_.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")]
+                length = [
+                    int(line.split(b":")[1])
+                    for line in head_.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ]
                 if sep and length and len(body) >= length[0]:
                     break
         except OSError:
@@ -217,8 +228,12 @@ def test_a_busy_tokenizer_is_429_not_a_queue(router):
     long_prompt = {**COMPLETIONS, "prompt": "p" * 5000}  # past the inline bound: tokenized in the pool
     with httpx.Client(timeout=10) as client:
         results: list[int] = []
-        threads = [threading.Thread(target=lambda: results.append(
-            client.post(f"{url}/v1/completions", json=long_prompt).status_code)) for _ in range(3)]
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(client.post(f"{url}/v1/completions", json=long_prompt).status_code)
+            )
+            for _ in range(3)
+        ]
         for t in threads:
             t.start()
         for t in threads:

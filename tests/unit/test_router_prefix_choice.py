@@ -14,13 +14,23 @@ REV = "r1"
 
 
 def prefill(worker_id: str, queued: int = 0) -> Member:
-    return Member(MemberInfo(worker_id=worker_id, role=Role.PREFILL, grpc_endpoint=f"{worker_id}:1", revision=REV),
-                  load=Load(active_requests=queued))
+    return Member(
+        MemberInfo(worker_id=worker_id, role=Role.PREFILL, grpc_endpoint=f"{worker_id}:1", revision=REV),
+        load=Load(active_requests=queued),
+    )
 
 
 def backend(members: list[Member], **kw) -> PDBackend:
-    pd = PDBackend(model_name="m", tokenizer=None, max_model_len=4096, revision=REV, broker=None, token="t",
-                   metrics=RouterMetrics(), **kw)
+    pd = PDBackend(
+        model_name="m",
+        tokenizer=None,
+        max_model_len=4096,
+        revision=REV,
+        broker=None,
+        token="t",
+        metrics=RouterMetrics(),
+        **kw,
+    )
     pd._view = SimpleNamespace(members={m.worker_id: m for m in members}, connected=True)
     return pd
 

@@ -26,9 +26,16 @@ json_values = st.recursive(
 # validator get exercised.
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "bot"]) | json_values},
-    optional={"content": st.text(max_size=10) | st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"])}, optional={"text": st.text(max_size=5)}), max_size=2)
-        | json_values},
+    optional={
+        "content": st.text(max_size=10)
+        | st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "image_url"])}, optional={"text": st.text(max_size=5)}
+            ),
+            max_size=2,
+        )
+        | json_values
+    },
 )
 fields = {
     "model": st.just(MODEL) | json_values,
@@ -45,13 +52,21 @@ fields = {
     "ignore_eos": st.booleans() | json_values,
 }
 completion_bodies = st.fixed_dictionaries(
-    {}, optional={**fields, "prompt": st.text(max_size=70) | st.lists(st.text(max_size=5), max_size=2) | json_values,
-                  "echo": st.booleans(), "logprobs": st.none() | st.integers(0, 2)})
+    {},
+    optional={
+        **fields,
+        "prompt": st.text(max_size=70) | st.lists(st.text(max_size=5), max_size=2) | json_values,
+        "echo": st.booleans(),
+        "logprobs": st.none() | st.integers(0, 2),
+    },
+)
 chat_bodies = st.fixed_dictionaries(
-    {}, optional={**fields, "messages": st.lists(message, max_size=3) | json_values, "logprobs": st.booleans()})
+    {}, optional={**fields, "messages": st.lists(message, max_size=3) | json_values, "logprobs": st.booleans()}
+)
 # JSON.dumps writes NaN/Infinity, which Python's parser (and so the server's) accepts.
-payloads = (completion_bodies.map(json.dumps) | json_values.map(json.dumps) | st.binary(max_size=40)
-            | st.text(max_size=40))
+payloads = (
+    completion_bodies.map(json.dumps) | json_values.map(json.dumps) | st.binary(max_size=40) | st.text(max_size=40)
+)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +101,9 @@ def test_no_completion_body_causes_a_server_error(client, payload):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=chat_bodies)
 def test_no_chat_body_causes_a_server_error(client, body):
-    response = client.post("/v1/chat/completions", content=json.dumps(body),
-                           headers={"content-type": "application/json"})
+    response = client.post(
+        "/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
     check(response, chat=True)
 
 
@@ -115,13 +131,26 @@ def answer_of(response, chat: bool) -> tuple[str, str]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(chat=st.booleans(), prompt=st.text(min_size=1, max_size=30), max_tokens=st.integers(1, 6),
-       temperature=st.floats(0, 2), top_p=st.floats(0.01, 1), stream=st.booleans(),
-       stops=st.lists(st.text(alphabet="Helo, wrd!x", min_size=1, max_size=4), max_size=3))
-def test_every_valid_request_is_answered_with_the_scripted_text(client, chat, prompt, max_tokens, temperature,
-                                                                top_p, stream, stops):
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-            "stream": stream, "stop": stops}
+@given(
+    chat=st.booleans(),
+    prompt=st.text(min_size=1, max_size=30),
+    max_tokens=st.integers(1, 6),
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0.01, 1),
+    stream=st.booleans(),
+    stops=st.lists(st.text(alphabet="Helo, wrd!x", min_size=1, max_size=4), max_size=3),
+)
+def test_every_valid_request_is_answered_with_the_scripted_text(
+    client, chat, prompt, max_tokens, temperature, top_p, stream, stops
+):
+    body = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "stream": stream,
+        "stop": stops,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:

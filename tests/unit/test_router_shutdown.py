@@ -16,14 +16,28 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
-    [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")])}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(
+        [
+            str(ROOT / "worker"),
+            str(ROOT / "operator"),
+            str(ROOT / "common"),
+            str(ROOT / "proto"),
+            os.environ.get("PYTHONPATH", ""),
+        ]
+    ),
+}
 
 
 def start(port: int, grace_s: float, tokens: int, delay_s: float) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "router_fake_server.py"), str(port), str(grace_s), str(tokens), str(delay_s)],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     while True:
         try:

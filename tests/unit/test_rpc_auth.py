@@ -25,24 +25,30 @@ def test_token_table_resolves_rotates_and_removes() -> None:
     assert not table.remove("ns/a")
 
 
-@pytest.mark.parametrize(("service", "token", "message"), [
-    ("ns/b", "tok-a", "cannot share a token"),
-    ("ns/b", "has space", "without whitespace"),
-    ("ns/b", "", "non-empty"),
-    ("", "x", "service_key"),
-])
+@pytest.mark.parametrize(
+    ("service", "token", "message"),
+    [
+        ("ns/b", "tok-a", "cannot share a token"),
+        ("ns/b", "has space", "without whitespace"),
+        ("ns/b", "", "non-empty"),
+        ("", "x", "service_key"),
+    ],
+)
 def test_token_table_refuses(service: str, token: str, message: str) -> None:
     table = TokenTable({"ns/a": "tok-a"})
     with pytest.raises(ValueError, match=message):
         table.set(service, token)
 
 
-@pytest.mark.parametrize(("metadata", "expected"), [
-    ((), "missing"),
-    ((("authorization", "Basic dXNlcg=="),), "malformed"),
-    ((("authorization", "Bearer "),), "malformed"),
-    ((("authorization", "Bearer a"), ("authorization", "Bearer b")), "2 'authorization' headers"),
-])
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ((), "missing"),
+        ((("authorization", "Basic dXNlcg=="),), "malformed"),
+        ((("authorization", "Bearer "),), "malformed"),
+        ((("authorization", "Bearer a"), ("authorization", "Bearer b")), "2 'authorization' headers"),
+    ],
+)
 def test_missing_or_malformed_header_is_unauthenticated(metadata, expected: str) -> None:
     denial = token_from_metadata(metadata)
     assert isinstance(denial, Denial) and denial.code == UNAUTH and expected in denial.details

@@ -25,7 +25,9 @@ class Clock:
 
 def table(quarantine_s: float = 5.0, **kw) -> tuple[SlotTable, Clock]:
     clock = Clock()
-    return SlotTable(LAYOUT, engine_id="10.0.0.1:7000", base_addr=0x10000, quarantine_s=quarantine_s, clock=clock, **kw), clock
+    return SlotTable(
+        LAYOUT, engine_id="10.0.0.1:7000", base_addr=0x10000, quarantine_s=quarantine_s, clock=clock, **kw
+    ), clock
 
 
 def test_grant_carries_what_a_prefill_needs() -> None:
@@ -282,4 +284,3 @@ def test_a_settled_give_back_lifts_the_quarantine_of_its_own_generation_only() -
     assert slots.commit(c.slot, c.generation)
     assert not slots.release_grant(c.slot, c.generation, push_settled=True)  # a committed slot is its stream's
     assert slots.state(c.slot) is SlotState.COMMITTED
-

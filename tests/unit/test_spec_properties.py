@@ -32,11 +32,18 @@ def _field_names(schema: dict[str, Any], out: set[str]) -> set[str]:
 NAMES = sorted(_field_names(crd.model_schema(s.PDInferenceServiceSpec), set()))
 keys = st.one_of(st.sampled_from(NAMES), st.text(max_size=8))
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True),
+    st.text(max_size=12),
     st.sampled_from(["npu", "cpu", "cuda", "hixl", "auto", "builtin:smollm2-135m", "500m", "2Gi", "ClusterIP"]),
 )
-documents = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                          st.dictionaries(keys, inner, max_size=5)), max_leaves=25)
+documents = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(keys, inner, max_size=5)),
+    max_leaves=25,
+)
 spec_documents = st.dictionaries(keys, documents, max_size=6)
 
 

@@ -49,7 +49,9 @@ def test_matches_hf_tokenizer_on_the_same_folder(tok, tiny_model_dir):
         assert tok.encode(text) == hf.encode(text)
     conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
     for gen in (True, False):
-        assert tok.apply_chat_template(conv, gen) == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+        assert tok.apply_chat_template(conv, gen) == hf.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=gen
+        )
 
 
 @settings(max_examples=150, deadline=None)

@@ -12,19 +12,22 @@ from pdserve_worker.top_view import parse, quantile, render, view
 INF = math.inf
 
 
-@pytest.mark.parametrize(("q", "buckets", "expected"), [
-    # Cases of prometheus/prometheus promql/quantile.go BucketQuantile, ported.
-    (0.5, {0.1: 0, 0.5: 50, 1.0: 100, INF: 100}, 0.5),          # at a bucket bound
-    (0.75, {0.1: 0, 0.5: 50, 1.0: 100, INF: 100}, 0.75),        # interpolated from the previous bound
-    (0.05, {0.1: 10, 0.5: 50, 1.0: 100, INF: 100}, 0.05),       # first bucket: from 0
-    (0.99, {0.1: 0, 0.5: 50, 1.0: 90, INF: 100}, 1.0),          # in +Inf: the second-highest bound
-    (0.75, {-1.0: 10, 0.5: 20, INF: 20}, -0.25),                # negative first bound, rank in bucket 2
-    (0.25, {-1.0: 10, 0.5: 20, INF: 20}, -1.0),                 # rank in a first bucket whose bound <= 0
-    (0.5, {0.1: 0, 0.5: 60, 1.0: 50, INF: 100}, (0.1 + 0.4 * 50 / 60)),  # non-monotonic: envelope
-    (0.5, {0.1: 0, INF: 0}, None),                               # no observations: NaN
-    (0.5, {0.1: 5, 1.0: 10}, None),                              # no +Inf bucket: NaN
-    (0.5, {INF: 10}, None),                                      # fewer than 2 buckets: NaN
-])
+@pytest.mark.parametrize(
+    ("q", "buckets", "expected"),
+    [
+        # Cases of prometheus/prometheus promql/quantile.go BucketQuantile, ported.
+        (0.5, {0.1: 0, 0.5: 50, 1.0: 100, INF: 100}, 0.5),  # at a bucket bound
+        (0.75, {0.1: 0, 0.5: 50, 1.0: 100, INF: 100}, 0.75),  # interpolated from the previous bound
+        (0.05, {0.1: 10, 0.5: 50, 1.0: 100, INF: 100}, 0.05),  # first bucket: from 0
+        (0.99, {0.1: 0, 0.5: 50, 1.0: 90, INF: 100}, 1.0),  # in +Inf: the second-highest bound
+        (0.75, {-1.0: 10, 0.5: 20, INF: 20}, -0.25),  # negative first bound, rank in bucket 2
+        (0.25, {-1.0: 10, 0.5: 20, INF: 20}, -1.0),  # rank in a first bucket whose bound <= 0
+        (0.5, {0.1: 0, 0.5: 60, 1.0: 50, INF: 100}, (0.1 + 0.4 * 50 / 60)),  # non-monotonic: envelope
+        (0.5, {0.1: 0, INF: 0}, None),  # no observations: NaN
+        (0.5, {0.1: 5, 1.0: 10}, None),  # no +Inf bucket: NaN
+        (0.5, {INF: 10}, None),  # fewer than 2 buckets: NaN
+    ],
+)
 def test_quantile_is_promqls_bucket_quantile(q, buckets, expected) -> None:
     got = quantile(q, buckets)
     assert got == expected if expected is None else got == pytest.approx(expected)

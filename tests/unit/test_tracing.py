@@ -36,7 +36,9 @@ def test_off_by_default_every_call_is_a_noop() -> None:
     with tracing.span("x") as sp:
         sp.set_attribute("a", 1)
     assert tracing.start_span("y") is tracing.NOOP and not tracing.NOOP.is_recording()
-    assert tracing.inject() == {} and tracing.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
+    assert (
+        tracing.inject() == {} and tracing.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
+    )
     tracing.record("z", 1, 2)
     assert tracing.now_ns() == 0
 
@@ -57,8 +59,10 @@ def test_without_the_extra_it_stays_off_and_says_so(tmp_path) -> None:
 
 
 def test_a_plain_import_does_not_load_opentelemetry() -> None:
-    code = "import sys; import pdserve_common.tracing, pdserve_common.channels; " \
-           "assert not [m for m in sys.modules if m.startswith('opentelemetry')], sorted(sys.modules)"
+    code = (
+        "import sys; import pdserve_common.tracing, pdserve_common.channels; "
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], sorted(sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 

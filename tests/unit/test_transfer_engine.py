@@ -52,8 +52,18 @@ def test_check_names_the_status() -> None:
 
 
 def test_status_codes_match_hixl() -> None:
-    assert (hixl_api.SUCCESS, hixl_api.PARAM_INVALID, hixl_api.TIMEOUT, hixl_api.NOT_CONNECTED) == (0, 103900, 103901, 103902)
-    assert (hixl_api.ALREADY_CONNECTED, hixl_api.UNSUPPORTED, hixl_api.RESOURCE_EXHAUSTED, hixl_api.FAILED) == (103903, 103905, 203900, 503900)
+    assert (hixl_api.SUCCESS, hixl_api.PARAM_INVALID, hixl_api.TIMEOUT, hixl_api.NOT_CONNECTED) == (
+        0,
+        103900,
+        103901,
+        103902,
+    )
+    assert (hixl_api.ALREADY_CONNECTED, hixl_api.UNSUPPORTED, hixl_api.RESOURCE_EXHAUSTED, hixl_api.FAILED) == (
+        103903,
+        103905,
+        203900,
+        503900,
+    )
     assert [m.name for m in hixl_api.TransferStatus] == ["WAITING", "COMPLETED", "TIMEOUT", "FAILED"]
     assert (hixl_api.MEM_DEVICE, hixl_api.MEM_HOST, hixl_api.READ, hixl_api.WRITE) == (0, 1, 0, 1)
     assert hixl_api.status_name(203900) == "RESOURCE_EXHAUSTED(203900)"

@@ -16,7 +16,11 @@ from pdserve_worker.transfer.host.netio import _advance, parse_engine_id, recvms
 def test_frames_survive_arbitrary_segmentation() -> None:
     a, b = socket.socketpair()
     payload = bytes(range(256)) * 300
-    stream = wire.json_frame(wire.Kind.NOTIFY, {"name": "n", "msg": "m"}, seq=5) + wire.header(wire.Kind.WRITE, 1, 6, len(payload)) + payload
+    stream = (
+        wire.json_frame(wire.Kind.NOTIFY, {"name": "n", "msg": "m"}, seq=5)
+        + wire.header(wire.Kind.WRITE, 1, 6, len(payload))
+        + payload
+    )
 
     def dribble() -> None:
         for i in range(0, len(stream), 777):  # odd-sized pieces split headers and bodies

@@ -94,8 +94,12 @@ def test_tls_needs_all_three_files(pod_env, monkeypatch):
 
 def test_tls_settings_say_how_each_peer_is_dialled(pod_env, monkeypatch):
     assert WorkerSettings().tls is None and WorkerSettings().broker_channel_tls is None
-    for name, value in {E.TLS_CERT: "/t/tls.crt", E.TLS_KEY: "/t/tls.key", E.TLS_CA: "/t/ca.crt",
-                        E.TLS_SERVER_NAME: "chat.prod.svc"}.items():
+    for name, value in {
+        E.TLS_CERT: "/t/tls.crt",
+        E.TLS_KEY: "/t/tls.key",
+        E.TLS_CA: "/t/ca.crt",
+        E.TLS_SERVER_NAME: "chat.prod.svc",
+    }.items():
         monkeypatch.setenv(name, value)
     s = WorkerSettings()
     assert s.tls is not None and s.tls.ca_file is not None  # servers require client certificates

@@ -140,8 +140,13 @@ class MembershipView:
                 try:
                     listener(event)
                 except Exception:  # a listener's bug must not stop the watch
-                    log.exception(kv(event="broker_client.listener_failed", type=event.type,
-                                     worker=event.member.worker_id if event.member else ""))
+                    log.exception(
+                        kv(
+                            event="broker_client.listener_failed",
+                            type=event.type,
+                            worker=event.member.worker_id if event.member else "",
+                        )
+                    )
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -218,10 +223,18 @@ class BrokerClient:
                         break
                     except grpc.aio.AioRpcError as exc:
                         if exc.code() in _PERMANENT:
-                            raise BrokerError(f"broker {self.address} refused registration of "
-                                              f"{info.worker_id}: {exc.details()}", exc.code()) from None
-                        log.warning(kv(event="broker_client.register_retry", broker=self.address,
-                                       code=exc.code().name, attempt=attempt))
+                            raise BrokerError(
+                                f"broker {self.address} refused registration of {info.worker_id}: {exc.details()}",
+                                exc.code(),
+                            ) from None
+                        log.warning(
+                            kv(
+                                event="broker_client.register_retry",
+                                broker=self.address,
+                                code=exc.code().name,
+                                attempt=attempt,
+                            )
+                        )
                         await asyncio.sleep(self._backoff.delay(attempt))
                         attempt += 1
         self._keepalive_task = asyncio.get_running_loop().create_task(
@@ -243,8 +256,9 @@ class BrokerClient:
             await self._register_once()
         except grpc.aio.AioRpcError as exc:
             if exc.code() in _PERMANENT:
-                raise BrokerError(f"broker {self.address} refused the update of {info.worker_id}: "
-                                  f"{exc.details()}", exc.code()) from None
+                raise BrokerError(
+                    f"broker {self.address} refused the update of {info.worker_id}: {exc.details()}", exc.code()
+                ) from None
             self._lease_id = None  # the keepalive task registers the new info when the broker is back
             log.warning(kv(event="broker_client.update_deferred", code=exc.code().name, detail=exc.details()))
 
@@ -260,9 +274,17 @@ class BrokerClient:
         self._lease_id, self._ttl_s, self.broker_id = reply.lease_id, reply.ttl_ms / 1000, reply.broker_id
         self._draining_acked = draining == self._draining
         self.registrations += 1
-        log.info(kv(event="broker_client.registered", service=self.service_key, worker=self._info.worker_id,
-                    role=self._info.role, broker_id=reply.broker_id, ttl_s=self._ttl_s,
-                    registrations=self.registrations))
+        log.info(
+            kv(
+                event="broker_client.registered",
+                service=self.service_key,
+                worker=self._info.worker_id,
+                role=self._info.role,
+                broker_id=reply.broker_id,
+                ttl_s=self._ttl_s,
+                registrations=self.registrations,
+            )
+        )
 
     def _current_load(self) -> Load | None:
         if self._load_fn is None:
@@ -298,8 +320,14 @@ class BrokerClient:
             except grpc.aio.AioRpcError as exc:
                 _raise_if_cancelling()
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning(kv(event="broker_client.lease_unknown", service=self.service_key,
-                                   worker=self._info.worker_id if self._info else "", detail=exc.details()))
+                    log.warning(
+                        kv(
+                            event="broker_client.lease_unknown",
+                            service=self.service_key,
+                            worker=self._info.worker_id if self._info else "",
+                            detail=exc.details(),
+                        )
+                    )
                     self._lease_id = None
                     continue
                 failures += 1
@@ -316,8 +344,16 @@ class BrokerClient:
         # First failure of a streak (and every tenth) at WARNING: a down broker must not flood the log.
         level = logging.ERROR if exc.code() in _PERMANENT else logging.WARNING
         if failures == 1 or failures % 10 == 0 or exc.code() in _PERMANENT:
-            log.log(level, kv(event=f"broker_client.{what}_failed", broker=self.address, code=exc.code().name,
-                              detail=exc.details(), failures=failures))
+            log.log(
+                level,
+                kv(
+                    event=f"broker_client.{what}_failed",
+                    broker=self.address,
+                    code=exc.code().name,
+                    detail=exc.details(),
+                    failures=failures,
+                ),
+            )
 
     async def set_draining(self, draining: bool = True) -> bool:
         """Take no new requests (or take them again). Remembered: if the broker cannot be told
@@ -409,8 +445,16 @@ class BrokerClient:
             view._set_connected(False)
             level = logging.ERROR if code in _PERMANENT else logging.WARNING
             if attempt == 0 or attempt % 10 == 0 or code in _PERMANENT:
-                log.log(level, kv(event="broker_client.watch_lost", service=self.service_key,
-                                  code=code.name if code else "OK", detail=detail, kept=len(view.members)))
+                log.log(
+                    level,
+                    kv(
+                        event="broker_client.watch_lost",
+                        service=self.service_key,
+                        code=code.name if code else "OK",
+                        detail=detail,
+                        kept=len(view.members),
+                    ),
+                )
             await asyncio.sleep(self._backoff.delay(attempt))
             attempt += 1
 

@@ -115,8 +115,9 @@ class RouterClient:
         base = self.url.rstrip("/")
         base = base.removesuffix("/v1")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._http = httpx.Client(base_url=base, timeout=httpx.Timeout(self.timeout_s, connect=10.0),
-                                  verify=self.verify, headers=headers)
+        self._http = httpx.Client(
+            base_url=base, timeout=httpx.Timeout(self.timeout_s, connect=10.0), verify=self.verify, headers=headers
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -183,7 +184,7 @@ def _sse_json(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if not line.startswith("data:"):
             continue  # blank separators, comments (":"), other SSE fields: not used by OpenAI
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
         yield json.loads(data)

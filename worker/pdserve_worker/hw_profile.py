@@ -71,12 +71,18 @@ SPREAD_S = 1.5
 
 def matmul_flops(shape: ModelShape, dtype: torch.dtype, tokens: int = 512, repeats: int = 5) -> float:
     h, hd = shape.hidden_size, shape.head_dim
-    dims = [(h, (shape.num_heads + 2 * shape.num_kv_heads) * hd), (shape.num_heads * hd, h),
-            (h, 2 * shape.intermediate_size), (shape.intermediate_size, h)]
+    dims = [
+        (h, (shape.num_heads + 2 * shape.num_kv_heads) * hd),
+        (shape.num_heads * hd, h),
+        (h, 2 * shape.intermediate_size),
+        (shape.intermediate_size, h),
+    ]
     gen = torch.Generator().manual_seed(0)
     linear = _engine_linear(dtype)
-    pairs = [(torch.randn(tokens, k, generator=gen).to(dtype), linear.prepare(torch.randn(n, k, generator=gen).to(dtype)))
-             for k, n in dims]
+    pairs = [
+        (torch.randn(tokens, k, generator=gen).to(dtype), linear.prepare(torch.randn(n, k, generator=gen).to(dtype)))
+        for k, n in dims
+    ]
     flops = sum(2 * tokens * k * n for k, n in dims)
     with torch.inference_mode():
         seconds = _median_seconds(lambda: [linear(x, w) for x, w in pairs], repeats, min_total_s=SPREAD_S)
@@ -89,8 +95,9 @@ def _engine_linear(dtype: torch.dtype):
     return Linear(torch.device("cpu"), dtype)
 
 
-def attention(shape: ModelShape, dtype: torch.dtype, lengths: tuple[int, int] = (256, 2048),
-              repeats: int = 5) -> tuple[float, float]:
+def attention(
+    shape: ModelShape, dtype: torch.dtype, lengths: tuple[int, int] = (256, 2048), repeats: int = 5
+) -> tuple[float, float]:
     """(FLOP/s, fixed seconds per layer) of causal prefill attention, from two prompt lengths."""
     gqa = shape.num_heads != shape.num_kv_heads
     gen = torch.Generator().manual_seed(1)
@@ -100,8 +107,13 @@ def attention(shape: ModelShape, dtype: torch.dtype, lengths: tuple[int, int] = 
         k = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
         v = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
         with torch.inference_mode():
-            times.append(_median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
-                                         repeats, min_total_s=SPREAD_S / 2))
+            times.append(
+                _median_seconds(
+                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
+                    repeats,
+                    min_total_s=SPREAD_S / 2,
+                )
+            )
         # Count as the planner does: one layer's share of `shape.prefill_attention_flops`.
         flops.append(shape.prefill_attention_flops(tokens) / shape.num_layers)
     rate = (flops[1] - flops[0]) / max(1e-9, times[1] - times[0])
@@ -113,11 +125,18 @@ def attention(shape: ModelShape, dtype: torch.dtype, lengths: tuple[int, int] = 
 def read_bandwidth(shape: ModelShape, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s of one decode step's weight GEMVs, memcpy bytes/s of as many bytes)."""
     h, hd = shape.hidden_size, shape.head_dim
-    dims = [(h, (shape.num_heads + 2 * shape.num_kv_heads) * hd), (shape.num_heads * hd, h),
-            (h, 2 * shape.intermediate_size), (shape.intermediate_size, h)]
+    dims = [
+        (h, (shape.num_heads + 2 * shape.num_kv_heads) * hd),
+        (shape.num_heads * hd, h),
+        (h, 2 * shape.intermediate_size),
+        (shape.intermediate_size, h),
+    ]
     linear = _engine_linear(dtype)
-    pairs = [(torch.ones(1, k, dtype=dtype), linear.prepare(torch.ones(n, k, dtype=dtype)))
-             for _ in range(shape.num_layers) for k, n in dims]
+    pairs = [
+        (torch.ones(1, k, dtype=dtype), linear.prepare(torch.ones(n, k, dtype=dtype)))
+        for _ in range(shape.num_layers)
+        for k, n in dims
+    ]
     pairs.append((torch.ones(1, h, dtype=dtype), linear.prepare(torch.ones(shape.vocab_size, h, dtype=dtype))))
     element = torch.tensor([], dtype=dtype).element_size()
     nbytes = (shape.num_layers * sum(k * n for k, n in dims) + shape.vocab_size * h) * element
@@ -233,8 +252,13 @@ async def _asyncio_rtt(rounds: int = 200) -> float:
     return statistics.median(times)
 
 
-def measure(shape: ModelShape, dtype: str, threads: int, progress: Callable[[str], None] = lambda _: None,
-            name: str | None = None) -> HardwareProfile:
+def measure(
+    shape: ModelShape,
+    dtype: str,
+    threads: int,
+    progress: Callable[[str], None] = lambda _: None,
+    name: str | None = None,
+) -> HardwareProfile:
     torch.set_num_threads(threads)
     tdtype = getattr(torch, dtype)
     figures: dict[str, Any] = {}
@@ -242,8 +266,10 @@ def measure(shape: ModelShape, dtype: str, threads: int, progress: Callable[[str
     figures["matmul_flops"] = matmul_flops(shape, tdtype)
     progress(f"  {figures['matmul_flops'] / 1e9:.1f} GFLOP/s; attention FLOP/s ...")
     figures["attention_flops"], figures["attention_overhead_s"] = attention(shape, tdtype)
-    progress(f"  {figures['attention_flops'] / 1e9:.1f} GFLOP/s + {figures['attention_overhead_s'] * 1e3:.2f} ms per layer; "
-             "memory bandwidth ...")
+    progress(
+        f"  {figures['attention_flops'] / 1e9:.1f} GFLOP/s + {figures['attention_overhead_s'] * 1e3:.2f} ms per layer; "
+        "memory bandwidth ..."
+    )
     gemv, copy = read_bandwidth(shape, tdtype)
     progress(f"  GEMV read {gemv / 1e9:.1f} GB/s, memcpy {copy / 1e9:.1f} GB/s; engine overheads ...")
     overheads = engine_overheads(dtype)

@@ -160,8 +160,13 @@ class Child:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                self.argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         finally:
             log.close()
@@ -296,31 +301,33 @@ class LocalDeployment:
     def _worker_env(self, role: str, worker_id: str, http_port: int) -> dict[str, str]:
         plan = self.plan
         env = source_env()
-        env.update({
-            E.ROLE: role,
-            E.SERVICE: SERVICE,
-            E.POD_NAME: worker_id,
-            E.POD_IP: HOST,
-            S.BIND_HOST: HOST,
-            E.HTTP_PORT_ENV: str(http_port),
-            E.GRPC_PORT_ENV: str(free_port()),
-            E.ADMIN_PORT_ENV: str(free_port()),
-            S.TRANSFER_PORT_ENV: str(free_port()),
-            E.MODEL_SOURCE: self.model_source,
-            E.MODEL_DTYPE: self.dtype,
-            S.WEIGHTS: self.plan.weights,
-            E.MAX_LENGTH: str(self.max_len),
-            E.SLOTS: str(plan.slots),
-            E.KV_BLOCK_TOKENS: str(plan.kv_block_tokens),
-            E.KV_TOKENS: str(plan.kv_tokens),
-            E.PREFIX_CACHE_TOKENS: str(plan.prefix_cache_tokens),
-            E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
-            E.READINESS_MODE: plan.readiness,
-            E.TRANSFER_BACKEND: "cpu",
-            E.DRAIN_TIMEOUT_SECONDS: "10",
-            S.THREADS: str(plan.threads_per_process()),
-            S.GRACE_S: "5",
-        })
+        env.update(
+            {
+                E.ROLE: role,
+                E.SERVICE: SERVICE,
+                E.POD_NAME: worker_id,
+                E.POD_IP: HOST,
+                S.BIND_HOST: HOST,
+                E.HTTP_PORT_ENV: str(http_port),
+                E.GRPC_PORT_ENV: str(free_port()),
+                E.ADMIN_PORT_ENV: str(free_port()),
+                S.TRANSFER_PORT_ENV: str(free_port()),
+                E.MODEL_SOURCE: self.model_source,
+                E.MODEL_DTYPE: self.dtype,
+                S.WEIGHTS: self.plan.weights,
+                E.MAX_LENGTH: str(self.max_len),
+                E.SLOTS: str(plan.slots),
+                E.KV_BLOCK_TOKENS: str(plan.kv_block_tokens),
+                E.KV_TOKENS: str(plan.kv_tokens),
+                E.PREFIX_CACHE_TOKENS: str(plan.prefix_cache_tokens),
+                E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
+                E.READINESS_MODE: plan.readiness,
+                E.TRANSFER_BACKEND: "cpu",
+                E.DRAIN_TIMEOUT_SECONDS: "10",
+                S.THREADS: str(plan.threads_per_process()),
+                S.GRACE_S: "5",
+            }
+        )
         if self.model_name:
             env[E.MODEL_NAME] = self.model_name
         if role != "colocated":
@@ -387,10 +394,15 @@ class LocalDeployment:
             "token_file": str(token_file),
             "ca_file": None if self.certs is None else str(self.certs.ca),
             "children": [
-                {"name": c.name, "role": c.role, "pid": c.pid, "log": str(c.log_path),
-                 "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
-                 "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None,
-                 "admin": f"{HOST}:{c.env[E.ADMIN_PORT_ENV]}" if E.ADMIN_PORT_ENV in c.env else None}
+                {
+                    "name": c.name,
+                    "role": c.role,
+                    "pid": c.pid,
+                    "log": str(c.log_path),
+                    "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
+                    "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None,
+                    "admin": f"{HOST}:{c.env[E.ADMIN_PORT_ENV]}" if E.ADMIN_PORT_ENV in c.env else None,
+                }
                 for c in self.children
             ],
         }
@@ -421,8 +433,10 @@ class LocalDeployment:
         dead = [c for c in self.children if c.exited() is not None and c.pid not in reported]
         for child in dead:
             reported.add(child.pid)
-            self.say(f"{child.name} (pid {child.pid}) exited with code {child.exited()}; carrying on without it "
-                     f"(--on-exit ignore)")
+            self.say(
+                f"{child.name} (pid {child.pid}) exited with code {child.exited()}; carrying on without it "
+                f"(--on-exit ignore)"
+            )
         return dead
 
     def restart_dead(self) -> list[Child]:

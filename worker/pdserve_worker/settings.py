@@ -152,13 +152,19 @@ class WorkerSettings(BaseSettings):
             missing = ", ".join(name for name, value in tls_files.items() if not value)
             raise ValueError(f"TLS needs a certificate, its key and the CA; missing {missing}")
         if self.broker_tls and self.tls is None:
-            raise ValueError(f"{E.BROKER_TLS}=true: the broker speaks TLS, but no certificate is configured "
-                             f"({E.TLS_CERT}/{E.TLS_KEY}/{E.TLS_CA}, spec.tls)")
+            raise ValueError(
+                f"{E.BROKER_TLS}=true: the broker speaks TLS, but no certificate is configured "
+                f"({E.TLS_CERT}/{E.TLS_KEY}/{E.TLS_CA}, spec.tls)"
+            )
         if self.weights in ("int8", "int4") and self.device != "cpu":
-            raise ValueError(f"{WEIGHTS}={self.weights} runs on the CPU only (torch's weight-only kernels), "
-                             f"not on {self.device}; use auto or dequantized")
+            raise ValueError(
+                f"{WEIGHTS}={self.weights} runs on the CPU only (torch's weight-only kernels), "
+                f"not on {self.device}; use auto or dequantized"
+            )
         if self.model_source.startswith(BUILTIN_PREFIX) and self.model_source != BUILTIN_DEFAULT:
-            raise ValueError(f"{E.MODEL_SOURCE}: unknown built-in model {self.model_source!r}; known: {BUILTIN_DEFAULT}")
+            raise ValueError(
+                f"{E.MODEL_SOURCE}: unknown built-in model {self.model_source!r}; known: {BUILTIN_DEFAULT}"
+            )
         return self
 
     # ---- derived -----------------------------------------------------------------------------

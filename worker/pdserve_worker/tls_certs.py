@@ -26,8 +26,9 @@ class CertFiles:
     key: Path
 
 
-def write_run_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"),
-                           days: int = 30, common_name: str = "pdserve") -> CertFiles:
+def write_run_certificates(
+    folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), days: int = 30, common_name: str = "pdserve"
+) -> CertFiles:
     """Write `ca.crt`, `tls.crt` and `tls.key` (mode 0600) into `folder`, cert-manager's names."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -42,12 +43,27 @@ def write_run_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "l
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{common_name} run CA")])
     ca_cert = (
         x509.CertificateBuilder()
-        .subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -62,12 +78,16 @@ def write_run_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "l
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-        .issuer_name(ca_name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
@@ -77,8 +97,11 @@ def write_run_certificates(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "l
     files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     fd = os.open(files.key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out:
-        out.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption()))
+        out.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return files
 
 

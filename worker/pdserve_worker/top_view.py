@@ -76,8 +76,10 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 def _bucket_delta(prev: Samples, cur: Samples, name: str) -> dict[float, float]:
     before = {float(dict(k)["le"]): v for k, v in prev.get(name + "_bucket", {}).items()}
-    return {float(dict(k)["le"]): v - before.get(float(dict(k)["le"]), 0.0)
-            for k, v in cur.get(name + "_bucket", {}).items()}
+    return {
+        float(dict(k)["le"]): v - before.get(float(dict(k)["le"]), 0.0)
+        for k, v in cur.get(name + "_bucket", {}).items()
+    }
 
 
 @dataclass
@@ -99,6 +101,7 @@ class TopView:
 
 def view(prev: Samples, cur: Samples, interval_s: float, routers: int) -> TopView:
     """What changed between two scrapes `interval_s` apart."""
+
     def rate(name: str, **match: str) -> float:
         return max(_total(cur, name, **match) - _total(prev, name, **match), 0.0) / interval_s
 
@@ -106,8 +109,10 @@ def view(prev: Samples, cur: Samples, interval_s: float, routers: int) -> TopVie
     free = _by(cur, PREFIX + "decode_slots_free", "decode")
     # Every router reports every decode: per router the same numbers, so divide the sums back.
     slots = {d: (used[d] / routers, (used[d] + free.get(d, 0.0)) / routers) for d in sorted(used)}
-    failed_now, failed_before = _by(cur, PREFIX + "requests_failed_total", "reason"), \
-        _by(prev, PREFIX + "requests_failed_total", "reason")
+    failed_now, failed_before = (
+        _by(cur, PREFIX + "requests_failed_total", "reason"),
+        _by(prev, PREFIX + "requests_failed_total", "reason"),
+    )
     ttft = _bucket_delta(prev, cur, PREFIX + "time_to_first_token_seconds")
     tpot = _bucket_delta(prev, cur, PREFIX + "time_per_output_token_seconds")
     return TopView(
@@ -119,8 +124,11 @@ def view(prev: Samples, cur: Samples, interval_s: float, routers: int) -> TopVie
         requests_per_s=rate(PREFIX + "requests_completed_total"),
         tokens_per_s=rate(PREFIX + "generation_tokens_total"),
         prompt_tokens_per_s=rate(PREFIX + "prompt_tokens_total"),
-        failed_per_s={r: (v - failed_before.get(r, 0.0)) / interval_s for r, v in failed_now.items()
-                      if v - failed_before.get(r, 0.0) > 0},
+        failed_per_s={
+            r: (v - failed_before.get(r, 0.0)) / interval_s
+            for r, v in failed_now.items()
+            if v - failed_before.get(r, 0.0) > 0
+        },
         resumes_per_s=rate(PREFIX + "request_retries_total"),
         prefill_failures_per_s=rate(PREFIX + "prefill_failures_total"),
         ttft={f"p{int(q * 100)}": quantile(q, ttft) for q in (0.5, 0.9, 0.99)},
@@ -133,18 +141,19 @@ def _ms(value: float | None) -> str:
 
 
 def render(v: TopView, title: str) -> str:
-    lines = [f"pdserve top  {title}  ({v.routers} router{'s' if v.routers != 1 else ''}, "
-             f"last {v.interval_s:.1f}s)", ""]
+    lines = [f"pdserve top  {title}  ({v.routers} router{'s' if v.routers != 1 else ''}, last {v.interval_s:.1f}s)", ""]
     roles = "  ".join(f"{role} {v.members.get(role, 0):g}" for role in ("prefill", "decode")) or "-"
     flight = "  ".join(f"{role} {v.in_flight.get(role, 0):g}" for role in ("prefill", "decode"))
     lines += [f"workers reachable   {roles}", f"requests in flight  {flight}", ""]
-    lines.append(f"requests/s {v.requests_per_s:.2f}   tokens/s out {v.tokens_per_s:.1f}   "
-                 f"in {v.prompt_tokens_per_s:.1f}")
+    lines.append(
+        f"requests/s {v.requests_per_s:.2f}   tokens/s out {v.tokens_per_s:.1f}   in {v.prompt_tokens_per_s:.1f}"
+    )
     lines.append("TTFT  " + "  ".join(f"{k} {_ms(x)}" for k, x in v.ttft.items()))
     lines.append("TPOT  " + "  ".join(f"{k} {_ms(x)}" for k, x in v.tpot.items()))
     failures = "  ".join(f"{r} {x:.2f}/s" for r, x in sorted(v.failed_per_s.items())) or "none"
-    lines.append(f"failed {failures}   resumed {v.resumes_per_s:.2f}/s   "
-                 f"prefill failures {v.prefill_failures_per_s:.2f}/s")
+    lines.append(
+        f"failed {failures}   resumed {v.resumes_per_s:.2f}/s   prefill failures {v.prefill_failures_per_s:.2f}/s"
+    )
     lines += ["", f"{'decode':<32} {'KV slots':>10}  usage"]
     for decode, (used, total) in v.slots.items():
         share = used / total if total else 0.0

@@ -153,22 +153,39 @@ def _corrected(previous: float, observed: float | None, predicted: float, config
     return min(hi, max(lo, (1 - w) * previous + w * ratio))
 
 
-def _stabilise(current: int, recommended: int, history: list[tuple[float, int]], now: float, started: float,
-               config: ControllerConfig) -> tuple[int, str]:
+def _stabilise(
+    current: int,
+    recommended: int,
+    history: list[tuple[float, int]],
+    now: float,
+    started: float,
+    config: ControllerConfig,
+) -> tuple[int, str]:
     up = [r for t, r in history if t >= now - config.up_window_s]
     down = [r for t, r in history if t >= now - config.down_window_s]
     up_target, down_target = min(up), max(down)
     watched = now - started >= config.down_window_s
     if up_target > current:
-        return up_target, f"up {current}->{up_target}: every recommendation of the last {config.up_window_s:g}s is >= {up_target}"
+        return (
+            up_target,
+            f"up {current}->{up_target}: every recommendation of the last {config.up_window_s:g}s is >= {up_target}",
+        )
     if down_target < current and watched:
-        return down_target, (f"down {current}->{down_target}: every recommendation of the last "
-                             f"{config.down_window_s:g}s is <= {down_target}")
+        return down_target, (
+            f"down {current}->{down_target}: every recommendation of the last "
+            f"{config.down_window_s:g}s is <= {down_target}"
+        )
     if recommended > current:
-        return current, f"hold at {current}: {recommended} recommended, waiting for the {config.up_window_s:g}s up window"
+        return (
+            current,
+            f"hold at {current}: {recommended} recommended, waiting for the {config.up_window_s:g}s up window",
+        )
     if recommended < current:
-        why = (f"recommendations of the last {config.down_window_s:g}s reach {down_target}" if down_target >= current
-               else f"watched for {now - started:.0f}s of the {config.down_window_s:g}s down window")
+        why = (
+            f"recommendations of the last {config.down_window_s:g}s reach {down_target}"
+            if down_target >= current
+            else f"watched for {now - started:.0f}s of the {config.down_window_s:g}s down window"
+        )
         return current, f"hold at {current}: {recommended} recommended, but {why}"
     return current, f"steady at {current}"
 
@@ -179,9 +196,13 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
     current = (obs.prefill_replicas, obs.decode_replicas)
     workload = config.workload
     if obs.prompt_tokens_mean:
-        workload = workload.model_copy(update={"prompt_tokens": workload.prompt_tokens.scaled_to_mean(obs.prompt_tokens_mean)})
+        workload = workload.model_copy(
+            update={"prompt_tokens": workload.prompt_tokens.scaled_to_mean(obs.prompt_tokens_mean)}
+        )
     if obs.output_tokens_mean:
-        workload = workload.model_copy(update={"output_tokens": workload.output_tokens.scaled_to_mean(obs.output_tokens_mean)})
+        workload = workload.model_copy(
+            update={"output_tokens": workload.output_tokens.scaled_to_mean(obs.output_tokens_mean)}
+        )
     rate = estimate_rate(obs, config, workload)
     notes: list[str] = []
 
@@ -196,7 +217,8 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
             new_state,
             RoleDecision("prefill", current[0], current[0], p, reason, state.last_change_s[0]),
             RoleDecision("decode", current[1], current[1], d, reason, state.last_change_s[1]),
-            None, None,
+            None,
+            None,
         )
 
     # 2. correction factors, from a settled deployment with enough samples.
@@ -222,8 +244,9 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
         notes.append(plan.reason)
 
     # 4. stabilisation, per role.
-    history = [(t, p, d) for t, p, d in state.history
-               if t >= now - max(config.up_window_s, config.down_window_s)] + [(now, plan.prefill, plan.decode)]
+    history = [(t, p, d) for t, p, d in state.history if t >= now - max(config.up_window_s, config.down_window_s)] + [
+        (now, plan.prefill, plan.decode)
+    ]
     p_des, p_why = _stabilise(current[0], plan.prefill, [(t, p) for t, p, _ in history], now, started, config)
     d_des, d_why = _stabilise(current[1], plan.decode, [(t, d) for t, _, d in history], now, started, config)
 
@@ -239,12 +262,18 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
         now if d_fin != current[1] else state.last_change_s[1],
     )
     new_state = PlannerState(
-        started_s=started, history=tuple(history), last_change_s=last,
-        ttft_correction=ttft_c, tpot_correction=tpot_c, rate=rate,
+        started_s=started,
+        history=tuple(history),
+        last_change_s=last,
+        ttft_correction=ttft_c,
+        tpot_correction=tpot_c,
+        rate=rate,
     )
     return StepResult(
         new_state,
         RoleDecision("prefill", current[0], plan.prefill, p_fin, p_why + plan_note, last[0]),
         RoleDecision("decode", current[1], plan.decode, d_fin, d_why + plan_note, last[1]),
-        plan, planned_rate, tuple(notes),
+        plan,
+        planned_rate,
+        tuple(notes),
     )

@@ -59,13 +59,20 @@ class Bounds:
         )
 
     def contains(self, prefill: int, decode: int) -> bool:
-        return (self.min_prefill <= prefill <= self.max_prefill and self.min_decode <= decode <= self.max_decode
-                and self.in_band(prefill, decode))
+        return (
+            self.min_prefill <= prefill <= self.max_prefill
+            and self.min_decode <= decode <= self.max_decode
+            and self.in_band(prefill, decode)
+        )
 
     def pairs(self) -> Iterator[tuple[int, int]]:
         """Every allowed (P, D), cheapest first (cost, then P + D, then P)."""
-        allowed = [(p, d) for p in range(self.min_prefill, self.max_prefill + 1)
-                   for d in range(self.min_decode, self.max_decode + 1) if self.in_band(p, d)]
+        allowed = [
+            (p, d)
+            for p in range(self.min_prefill, self.max_prefill + 1)
+            for d in range(self.min_decode, self.max_decode + 1)
+            if self.in_band(p, d)
+        ]
         return iter(sorted(allowed, key=lambda pd: (self.cost(*pd), pd[0] + pd[1], pd[0])))
 
     def cost(self, prefill: int, decode: int) -> float:
@@ -86,7 +93,9 @@ class Bounds:
             if p / d < self.min_ratio - 1e-9:
                 d = max(self.min_decode, math.floor(p / self.min_ratio + 1e-9))
         if not self.contains(p, d):  # an odd box corner: take the nearest allowed pair
-            p, d = min(((a, b) for a, b in self.pairs()), key=lambda ab: (abs(ab[0] - prefill) + abs(ab[1] - decode), -ab[0]))
+            p, d = min(
+                ((a, b) for a, b in self.pairs()), key=lambda ab: (abs(ab[0] - prefill) + abs(ab[1] - decode), -ab[0])
+            )
         return p, d
 
 

@@ -36,12 +36,22 @@ class ModelShape:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size"):
+        for field in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelShape.{field} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelShape.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"ModelShape.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
 
     # ---- parameters ---------------------------------------------------------------------------
 
@@ -125,18 +135,34 @@ class ModelShape:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise ValueError(f"model {str(ref)!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor a config.json")
+            raise ValueError(
+                f"model {str(ref)!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor a config.json"
+            )
         return cls.from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
 
 
 # SmolLM2-135M-Instruct, the bundled default model (FACTS.md; its GGUF metadata).
 SMOLLM2_135M = ModelShape(
-    name="SmolLM2-135M-Instruct", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
-    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+    name="SmolLM2-135M-Instruct",
+    num_layers=30,
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
 )
 # LLaMA-7B, the seeds' model: meta-llama/Llama-2-7b-hf config.json (LLaMA-1 7B has the same shape).
 LLAMA_7B = ModelShape(
-    name="Llama-2-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
-    intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False,
+    name="Llama-2-7b",
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    intermediate_size=11008,
+    vocab_size=32000,
+    tie_word_embeddings=False,
 )
 BUILTIN: dict[str, ModelShape] = {"smollm2-135m": SMOLLM2_135M, "llama-7b": LLAMA_7B}

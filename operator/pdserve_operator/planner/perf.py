@@ -52,8 +52,10 @@ class ServingModel:
         if self.layers_per_chunk < 1:
             raise ValueError(f"layers_per_chunk must be >= 1, got {self.layers_per_chunk}")
         if self.decode_profile is not None and self.decode_profile.dtype != self.profile.dtype:
-            raise ValueError(f"decode profile dtype {self.decode_profile.dtype} differs from prefill's {self.profile.dtype}: "
-                             "the KV pushed must be read as written")
+            raise ValueError(
+                f"decode profile dtype {self.decode_profile.dtype} differs from prefill's {self.profile.dtype}: "
+                "the KV pushed must be read as written"
+            )
         for profile in {self.profile.name: self.profile, self.decoder.name: self.decoder}.values():
             capacity = profile.memory_capacity_bytes
             if capacity is not None and self.weight_bytes >= capacity * profile.memory_utilization:
@@ -118,9 +120,14 @@ class ServingModel:
         if tokens < 1:
             raise ValueError(f"a prompt has at least 1 token, got {tokens}")
         p, s = self.profile, self.shape
-        gemm = self._combine(p, (tokens * s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops,
-                             self.weight_bytes / p.effective_memory_bandwidth)
-        attention = s.num_layers * p.attention_overhead_s + s.prefill_attention_flops(tokens) / p.effective_attention_flops
+        gemm = self._combine(
+            p,
+            (tokens * s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops,
+            self.weight_bytes / p.effective_memory_bandwidth,
+        )
+        attention = (
+            s.num_layers * p.attention_overhead_s + s.prefill_attention_flops(tokens) / p.effective_attention_flops
+        )
         return p.step_overhead_s + s.num_layers * p.layer_overhead_s + gemm + attention
 
     def transfer_seconds(self, tokens: int) -> float:

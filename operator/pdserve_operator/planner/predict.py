@@ -177,11 +177,20 @@ def decode_side(model: ServingModel, workload: Workload, decode: int, quantile: 
     )
 
 
-def predict(model: ServingModel, workload: Workload, prefill: int, decode: int, quantile: float | None = None) -> Prediction:
+def predict(
+    model: ServingModel, workload: Workload, prefill: int, decode: int, quantile: float | None = None
+) -> Prediction:
     """The prediction for P = `prefill`, D = `decode`; `quantile` defaults to the SLO's."""
     q = workload.slo.quantile if quantile is None else quantile
-    return compose(model, workload, prefill_side(model, workload, prefill, q), decode_side(model, workload, decode, q),
-                   prefill, decode, q)
+    return compose(
+        model,
+        workload,
+        prefill_side(model, workload, prefill, q),
+        decode_side(model, workload, decode, q),
+        prefill,
+        decode,
+        q,
+    )
 
 
 def _dispatch(dc: DecodeSide, quantile: float) -> tuple[float, float]:
@@ -216,8 +225,9 @@ def meets(model: ServingModel, pf: PrefillSide, dc: DecodeSide, slo: SLO) -> tup
     return ttft_ok, capacity is None or _slots(pf, dc, q)[1] <= capacity
 
 
-def compose(model: ServingModel, workload: Workload, pf: PrefillSide, dc: DecodeSide, prefill: int, decode: int,
-            quantile: float) -> Prediction:
+def compose(
+    model: ServingModel, workload: Workload, pf: PrefillSide, dc: DecodeSide, prefill: int, decode: int, quantile: float
+) -> Prediction:
     """A prediction from the two sides, computed once per count (the planner's grid reuses them)."""
     overhead = model.profile.request_overhead_s
     dispatch_mean, dispatch_q = _dispatch(dc, quantile)

@@ -77,8 +77,13 @@ def wait_quantile(q: float, p_wait: float, mean_wait: float) -> float:
     return mean_wait / p_wait * math.log(p_wait / (1 - q))
 
 
-def batch_distribution(rate: float, steps_per_request: float, step_seconds: Callable[[int], float],
-                       tail: float = 1e-12, limit: int = 100_000) -> list[float] | None:
+def batch_distribution(
+    rate: float,
+    steps_per_request: float,
+    step_seconds: Callable[[int], float],
+    tail: float = 1e-12,
+    limit: int = 100_000,
+) -> list[float] | None:
     """π(0..n_max) of the decode batch (see the module docstring); None if the decode cannot keep up.
 
     `step_seconds(n)` is the step time with n sequences, non-decreasing. The product is kept in

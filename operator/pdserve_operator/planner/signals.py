@@ -32,8 +32,10 @@ class LatencyHistogram:
 
     def __post_init__(self) -> None:
         if len(self.bounds) != len(self.cumulative) or len(self.bounds) > MAX_BUCKETS:
-            raise ValueError(f"a histogram needs one count per bound (at most {MAX_BUCKETS}), "
-                             f"got {len(self.bounds)} bounds and {len(self.cumulative)} counts")
+            raise ValueError(
+                f"a histogram needs one count per bound (at most {MAX_BUCKETS}), "
+                f"got {len(self.bounds)} bounds and {len(self.cumulative)} counts"
+            )
         if any(b >= c for b, c in zip(self.bounds, self.bounds[1:])):
             raise ValueError(f"histogram bounds must increase, got {list(self.bounds)}")
         counts = (*self.cumulative, self.count)
@@ -43,17 +45,23 @@ class LatencyHistogram:
     def since(self, older: LatencyHistogram | None) -> LatencyHistogram:
         """The observations made after `older` (all of them when it is None, of other buckets,
         or larger: the router restarted)."""
-        if older is None or older.bounds != self.bounds or older.count > self.count or any(
-                o > n for o, n in zip(older.cumulative, self.cumulative)):
+        if (
+            older is None
+            or older.bounds != self.bounds
+            or older.count > self.count
+            or any(o > n for o, n in zip(older.cumulative, self.cumulative))
+        ):
             return self
-        return LatencyHistogram(self.bounds, tuple(n - o for n, o in zip(self.cumulative, older.cumulative)),
-                                self.count - older.count)
+        return LatencyHistogram(
+            self.bounds, tuple(n - o for n, o in zip(self.cumulative, older.cumulative)), self.count - older.count
+        )
 
     def plus(self, other: LatencyHistogram) -> LatencyHistogram:
         if other.bounds != self.bounds:
             raise ValueError(f"cannot add histograms of different buckets: {list(self.bounds)} vs {list(other.bounds)}")
-        return LatencyHistogram(self.bounds, tuple(a + b for a, b in zip(self.cumulative, other.cumulative)),
-                                self.count + other.count)
+        return LatencyHistogram(
+            self.bounds, tuple(a + b for a, b in zip(self.cumulative, other.cumulative)), self.count + other.count
+        )
 
     def quantile(self, q: float) -> float | None:
         """Prometheus' bucketQuantile; None without observations."""
@@ -100,8 +108,9 @@ def _increase(new: int, old: int) -> int:
     return new if new < old else new - old
 
 
-def window(previous: Mapping[str, RouterReport], current: Mapping[str, RouterReport], seconds: float,
-           quantile: float) -> RouterWindow:
+def window(
+    previous: Mapping[str, RouterReport], current: Mapping[str, RouterReport], seconds: float, quantile: float
+) -> RouterWindow:
     """Traffic between two sets of reports `seconds` apart (routers present in both only: a new
     router's counts since its start may span more than the interval)."""
     both = sorted(set(previous) & set(current))

@@ -37,7 +37,9 @@ class LengthDistribution(BaseModel):
     def _one_kind(self) -> LengthDistribution:
         given = [k for k in ("fixed", "uniform", "samples", "mixture") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"a length distribution needs exactly one of fixed/uniform/samples/mixture, got {given or 'none'}")
+            raise ValueError(
+                f"a length distribution needs exactly one of fixed/uniform/samples/mixture, got {given or 'none'}"
+            )
         if self.uniform is not None and not (1 <= self.uniform[0] <= self.uniform[1]):
             raise ValueError(f"uniform range must be 1 <= lo <= hi, got {list(self.uniform)}")
         if self.samples is not None and (not self.samples or min(self.samples) < 1):
@@ -86,9 +88,12 @@ class LengthDistribution(BaseModel):
         if mean <= 0:
             raise ValueError(f"a mean length must be positive, got {mean}")
         factor = mean / self.mean()
-        return LengthDistribution(mixture=tuple(
-            WeightedLength(weight=p, dist=LengthDistribution(fixed=max(1, round(n * factor)))) for n, p in self.points()
-        ))
+        return LengthDistribution(
+            mixture=tuple(
+                WeightedLength(weight=p, dist=LengthDistribution(fixed=max(1, round(n * factor))))
+                for n, p in self.points()
+            )
+        )
 
     @classmethod
     def of(cls, lengths: Sequence[int]) -> LengthDistribution:

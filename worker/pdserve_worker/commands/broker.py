@@ -76,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
         log.error(logs.kv(event="broker.bad_tokens", error=str(exc)))
         return 2
     if not tokens:
-        log.warning(logs.kv(event="broker.no_tokens",
-                            hint=f"every call will be refused: give --tokens-file or ${TOKENS_ENV}"))
+        log.warning(
+            logs.kv(event="broker.no_tokens", hint=f"every call will be refused: give --tokens-file or ${TOKENS_ENV}")
+        )
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert or args.tls_key else TLSConfig.from_env()
 
     stop = threading.Event()

@@ -17,14 +17,24 @@ from collections.abc import Iterator
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a router interactively (multi-turn, streamed)")
     p.add_argument("--url", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--ca", default=None, help="CA file to verify an https router with (pdserve local --tls: "
-                                           "ca.crt in its log folder)")
+    p.add_argument(
+        "--ca",
+        default=None,
+        help="CA file to verify an https router with (pdserve local --tls: ca.crt in its log folder)",
+    )
     p.add_argument("--model", default=None, help="model name (default: the one the router serves)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="API key for a router with keys on (default: $OPENAI_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="API key for a router with keys on (default: $OPENAI_API_KEY)",
+    )
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="tokens per reply at most (default: the rest of the model's context)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per reply at most (default: the rest of the model's context)",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a reply")
     p.set_defaults(func=run)
@@ -59,8 +69,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    with RouterClient(args.url, timeout_s=args.timeout, verify=ssl.create_default_context(cafile=args.ca) if args.ca else True,
-                          api_key=args.api_key) as client:
+    with RouterClient(
+        args.url,
+        timeout_s=args.timeout,
+        verify=ssl.create_default_context(cafile=args.ca) if args.ca else True,
+        api_key=args.api_key,
+    ) as client:
         try:
             model = args.model or client.served_model()
         except (ApiCallError, httpx.TransportError) as exc:
@@ -79,8 +93,13 @@ def run(args: argparse.Namespace) -> int:
                 print("(conversation reset)", file=sys.stderr)
                 continue
             turn = [*history, {"role": "user", "content": line}]
-            body: dict[str, object] = {"model": model, "messages": turn, "temperature": args.temperature,
-                                       "stream": True, "stream_options": {"include_usage": True}}
+            body: dict[str, object] = {
+                "model": model,
+                "messages": turn,
+                "temperature": args.temperature,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             if args.max_tokens is not None:
                 body["max_tokens"] = args.max_tokens
             try:

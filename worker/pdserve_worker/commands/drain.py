@@ -18,10 +18,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     from pdserve_common import pod_env as E
 
     p = sub.add_parser("drain", help="drain this pod's decode worker (its preStop hook)")
-    p.add_argument("--port", type=int, default=int(os.environ.get(E.ADMIN_PORT_ENV) or E.ADMIN_PORT),
-                   help=f"the worker's admin port on 127.0.0.1 (default ${E.ADMIN_PORT_ENV} or {E.ADMIN_PORT})")
-    p.add_argument("--timeout", type=float, default=None,
-                   help=f"seconds to wait (default ${E.DRAIN_TIMEOUT_SECONDS} + 30, or 90)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get(E.ADMIN_PORT_ENV) or E.ADMIN_PORT),
+        help=f"the worker's admin port on 127.0.0.1 (default ${E.ADMIN_PORT_ENV} or {E.ADMIN_PORT})",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help=f"seconds to wait (default ${E.DRAIN_TIMEOUT_SECONDS} + 30, or 90)"
+    )
     p.set_defaults(func=run)
 
 

@@ -26,13 +26,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="compute dtype (default auto, as `pdserve local` and the API: bfloat16 where the CPU has "
-                        "native bf16, else float32)")
-    p.add_argument("--weights", default="auto", choices=["auto", "dequantized", "int8", "int4"],
-                   help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="compute dtype (default auto, as `pdserve local` and the API: bfloat16 where the CPU has "
+        "native bf16, else float32)",
+    )
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "dequantized", "int8", "int4"],
+        help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N]")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the CPUs this process may use)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: the CPUs this process may use)"
+    )
     p.set_defaults(func=run)
 
 

@@ -20,17 +20,35 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="print versions, default model path and available backends; "
-                                    "with --model, the model's size, KV bytes per token and slots that fit")
-    p.add_argument("--model", default=None,
-                   help="HF folder, GGUF file or builtin:smollm2 to describe (nothing is loaded)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
-                   help="weights and KV dtype (default bfloat16)")
-    p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
-                   help="how a CPU worker holds the matrices (default auto): shown as cpu_routes per layer type")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="tokens per KV slot, as spec.model.maxLength (default 2048, or the model's context if shorter)")
-    p.add_argument("--memory", default=None, help="device memory per worker, e.g. 64GiB, 32Gi, 80GB: how many slots fit")
+    p = sub.add_parser(
+        "info",
+        help="print versions, default model path and available backends; "
+        "with --model, the model's size, KV bytes per token and slots that fit",
+    )
+    p.add_argument(
+        "--model", default=None, help="HF folder, GGUF file or builtin:smollm2 to describe (nothing is loaded)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="bfloat16",
+        help="weights and KV dtype (default bfloat16)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["auto", "dequantized", "int8", "int4"],
+        default="auto",
+        help="how a CPU worker holds the matrices (default auto): shown as cpu_routes per layer type",
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="tokens per KV slot, as spec.model.maxLength (default 2048, or the model's context if shorter)",
+    )
+    p.add_argument(
+        "--memory", default=None, help="device memory per worker, e.g. 64GiB, 32Gi, 80GB: how many slots fit"
+    )
     p.add_argument("--layer-shards", type=int, default=1, help="decode workers one model is split over (default 1)")
     p.set_defaults(func=run)
 
@@ -48,7 +66,9 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
     return torch.__version__, {
         "threads": torch.get_num_threads(),
         "dtype_auto": auto_dtype(),
-        "matmul": {name: route(torch.device("cpu"), getattr(torch, name)) for name in ("float32", "bfloat16", "float16")},
+        "matmul": {
+            name: route(torch.device("cpu"), getattr(torch, name)) for name in ("float32", "bfloat16", "float16")
+        },
         "quantized_matmul": QUANT_ROUTES,
     }
 
@@ -60,7 +80,9 @@ def _model(args: argparse.Namespace) -> int:
     try:
         memory = parse_bytes(args.memory) if args.memory is not None else None
         if (args.max_len is not None and args.max_len <= 0) or args.layer_shards <= 0:
-            raise ValueError(f"--max-len and --layer-shards must be positive, got {args.max_len} and {args.layer_shards}")
+            raise ValueError(
+                f"--max-len and --layer-shards must be positive, got {args.max_len} and {args.layer_shards}"
+            )
         model = model_argument(args.model) or default_model_path()  # builtin:smollm2: the bundled GGUF
         print(json.dumps(report(model, args.dtype, args.max_len, memory, args.layer_shards, args.weights), indent=2))
     except (OSError, ValueError) as exc:

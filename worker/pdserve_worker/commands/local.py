@@ -29,43 +29,95 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                   help="compute and KV dtype (default auto: bfloat16 where the CPU has native bf16, else float32)")
-    p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default="auto",
-                   help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)")
-    p.add_argument("--slots", type=int, default=8,
-                   help="concurrent requests per decode worker; with max-length slots (--kv-block-tokens 0) also "
-                        "the KV pool: slots x max-len tokens (default 8)")
-    p.add_argument("--kv-block-tokens", type=int, default=16,
-                   help="decode: KV in blocks of this many tokens, a request reserving prompt + max_tokens "
-                        "(default 16; 0: one max-length slot per request)")
-    p.add_argument("--kv-tokens", type=int, default=0,
-                   help="decode: KV pool size in tokens with blocks (default 0: slots x max-len, the memory of slots)")
-    p.add_argument("--prefix-cache-tokens", type=int, default=0,
-                   help="prefill: tokens of prompt-prefix KV kept for reuse (default 0: no prefix cache)")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="compute and KV dtype (default auto: bfloat16 where the CPU has native bf16, else float32)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["auto", "dequantized", "int8", "int4"],
+        default="auto",
+        help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=8,
+        help="concurrent requests per decode worker; with max-length slots (--kv-block-tokens 0) also "
+        "the KV pool: slots x max-len tokens (default 8)",
+    )
+    p.add_argument(
+        "--kv-block-tokens",
+        type=int,
+        default=16,
+        help="decode: KV in blocks of this many tokens, a request reserving prompt + max_tokens "
+        "(default 16; 0: one max-length slot per request)",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=0,
+        help="decode: KV pool size in tokens with blocks (default 0: slots x max-len, the memory of slots)",
+    )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="prefill: tokens of prompt-prefix KV kept for reuse (default 0: no prefix cache)",
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)",
+    )
     p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
-    p.add_argument("--layer-shards", type=int, default=1,
-                   help="processes per decode instance, each holding a share of the layers (default 1)")
+    p.add_argument(
+        "--layer-shards",
+        type=int,
+        default=1,
+        help="processes per decode instance, each holding a share of the layers (default 1)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
     p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
-    p.add_argument("--tls", action="store_true",
-                   help="make a CA for the run: mutual TLS on every gRPC hop (no plaintext gRPC port), HTTPS "
-                        "at the router; clients verify it with ca.crt in the log folder")
-    p.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
-                   help="require API keys on the OpenAI endpoint: a keys file (docs/admission.md), re-read when "
-                        "it changes (default: no authentication)")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a CA for the run: mutual TLS on every gRPC hop (no plaintext gRPC port), HTTPS "
+        "at the router; clients verify it with ca.crt in the log folder",
+    )
+    p.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require API keys on the OpenAI endpoint: a keys file (docs/admission.md), re-read when "
+        "it changes (default: no authentication)",
+    )
     p.add_argument("--demo", action="store_true", help=f"ask {DEMO_QUESTION!r}, show the answer and timing, stop")
-    p.add_argument("--on-exit", choices=["stop", "restart", "ignore"], default="stop",
-                   help="when a child exits while serving: stop everything (default), restart it (as a pod's "
-                        "restart policy would), or carry on without it (fault-injection tests)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="an extra environment variable for every child (repeatable), e.g. "
-                        "PDSERVE_READINESS_TIMEOUT_MS=3000")
-    p.add_argument("--trace-file", type=Path, default=None,
-                   help="OpenTelemetry spans of every process as JSON lines in this file (emptied first; needs "
-                        "the tracing extra: pip install pdserve[tracing])")
+    p.add_argument(
+        "--on-exit",
+        choices=["stop", "restart", "ignore"],
+        default="stop",
+        help="when a child exits while serving: stop everything (default), restart it (as a pod's "
+        "restart policy would), or carry on without it (fault-injection tests)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an extra environment variable for every child (repeatable), e.g. PDSERVE_READINESS_TIMEOUT_MS=3000",
+    )
+    p.add_argument(
+        "--trace-file",
+        type=Path,
+        default=None,
+        help="OpenTelemetry spans of every process as JSON lines in this file (emptied first; needs "
+        "the tracing extra: pip install pdserve[tracing])",
+    )
     p.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the deployment to serve")
     p.set_defaults(func=run)
@@ -78,12 +130,27 @@ def run(args: argparse.Namespace) -> int:
         extra_env = _parse_env(args.env)
         if args.trace_file is not None:
             extra_env.setdefault("PDSERVE_TRACE_FILE", str(_trace_file(args.trace_file)))
-        plan = LocalPlan(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model, dtype=args.dtype,
-                         weights=args.weights, slots=args.slots, max_len=args.max_len, threads=args.threads, colocated=args.colocated,
-                         kv_block_tokens=args.kv_block_tokens, kv_tokens=args.kv_tokens,
-                         prefix_cache_tokens=args.prefix_cache_tokens,
-                         layers_per_chunk=args.layers_per_chunk, layer_shards=args.layer_shards,
-                         tls=args.tls, api_keys=args.api_keys, log_dir=args.log_dir, extra_env=extra_env)
+        plan = LocalPlan(
+            prefill=args.prefill,
+            decode=args.decode,
+            port=args.port,
+            model=args.model,
+            dtype=args.dtype,
+            weights=args.weights,
+            slots=args.slots,
+            max_len=args.max_len,
+            threads=args.threads,
+            colocated=args.colocated,
+            kv_block_tokens=args.kv_block_tokens,
+            kv_tokens=args.kv_tokens,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+            layers_per_chunk=args.layers_per_chunk,
+            layer_shards=args.layer_shards,
+            tls=args.tls,
+            api_keys=args.api_keys,
+            log_dir=args.log_dir,
+            extra_env=extra_env,
+        )
     except ValueError as exc:
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2
@@ -106,9 +173,13 @@ def run(args: argparse.Namespace) -> int:
             return _demo(url, shape, deployment.verify, os.environ.get("OPENAI_API_KEY"))
         print(url, flush=True)
         ca = f" --ca {deployment.certs.ca}" if deployment.certs is not None else ""
-        print(f"pdserve local: serving at {url}/v1 ({shape}); try:\n"
-              f"  pdserve complete --url {url}{ca} --chat --stream --prompt {DEMO_QUESTION!r}\n"
-              f"Ctrl-C stops it.", file=sys.stderr, flush=True)
+        print(
+            f"pdserve local: serving at {url}/v1 ({shape}); try:\n"
+            f"  pdserve complete --url {url}{ca} --chat --stream --prompt {DEMO_QUESTION!r}\n"
+            f"Ctrl-C stops it.",
+            file=sys.stderr,
+            flush=True,
+        )
         reported: set[int] = set()
         while not flag.wait(0.5):
             if args.on_exit == "restart":
@@ -119,8 +190,11 @@ def run(args: argparse.Namespace) -> int:
                 continue
             dead = deployment.dead_child()
             if dead is not None and args.on_exit == "stop":
-                print(f"pdserve local: {dead.name} (pid {dead.pid}) exited with code {dead.exited()}; "
-                      f"its last log lines:\n{dead.tail()}", file=sys.stderr)
+                print(
+                    f"pdserve local: {dead.name} (pid {dead.pid}) exited with code {dead.exited()}; "
+                    f"its last log lines:\n{dead.tail()}",
+                    file=sys.stderr,
+                )
                 return 1
         return 0
     finally:

@@ -20,15 +20,32 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="prefill/decode counts and predicted TTFT/TPOT for a workload; --profile measures")
-    p.add_argument("--profile", action="store_true", help="measure this machine's hardware profile and write it (--out)")
-    p.add_argument("--out", type=Path, default=Path("pdserve-profile.yaml"), help="where --profile writes (.yaml/.json)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="--profile: torch threads (default: what `pdserve local` gives each of 1 prefill + 1 decode)")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                   help="--profile: serving dtype (default auto, as `pdserve local`)")
-    p.add_argument("--hardware", default="ascend-910b", help="a bundled profile name or a profile file (default ascend-910b)")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="built-in (smollm2-135m, llama-7b), an HF folder or config.json (default smollm2-135m)")
+    p.add_argument(
+        "--profile", action="store_true", help="measure this machine's hardware profile and write it (--out)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("pdserve-profile.yaml"), help="where --profile writes (.yaml/.json)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="--profile: torch threads (default: what `pdserve local` gives each of 1 prefill + 1 decode)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="--profile: serving dtype (default auto, as `pdserve local`)",
+    )
+    p.add_argument(
+        "--hardware", default="ascend-910b", help="a bundled profile name or a profile file (default ascend-910b)"
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="built-in (smollm2-135m, llama-7b), an HF folder or config.json (default smollm2-135m)",
+    )
     p.add_argument("--workload", type=Path, default=None, help="a workload file; the flags below override it")
     p.add_argument("--rate", type=float, default=None, help="requests per second (Poisson)")
     p.add_argument("--prompt-tokens", default=None, help="prompt lengths: N, LO-HI, or LO-HI:W,LO-HI:W")
@@ -93,7 +110,9 @@ def _workload(args: argparse.Namespace):
     data["slo"] = slo
     missing = [k for k in ("arrival_rate", "prompt_tokens", "output_tokens") if k not in data]
     if missing:
-        raise ValueError(f"the workload needs {', '.join(missing)} (flags --rate/--prompt-tokens/--output-tokens or --workload)")
+        raise ValueError(
+            f"the workload needs {', '.join(missing)} (flags --rate/--prompt-tokens/--output-tokens or --workload)"
+        )
     return Workload.model_validate(data)
 
 
@@ -108,10 +127,18 @@ def run(args: argparse.Namespace) -> int:
         workload = _workload(args)
         shape = ModelShape.load(args.model)
         profile = load_profile(args.hardware)
-        longest = max(n for n, _ in workload.prompt_tokens.points()) + max(n for n, _ in workload.output_tokens.points())
+        longest = max(n for n, _ in workload.prompt_tokens.points()) + max(
+            n for n, _ in workload.output_tokens.points()
+        )
         model = ServingModel(shape, profile, max_len=args.max_len or longest, slots=args.slots)
-        bounds = Bounds(min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
-                        max_decode=args.max_decode, min_ratio=args.min_ratio, max_ratio=args.max_ratio)
+        bounds = Bounds(
+            min_prefill=args.min_prefill,
+            max_prefill=args.max_prefill,
+            min_decode=args.min_decode,
+            max_decode=args.max_decode,
+            min_ratio=args.min_ratio,
+            max_ratio=args.max_ratio,
+        )
     except (ValueError, ValidationError, OSError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
@@ -126,10 +153,15 @@ def run(args: argparse.Namespace) -> int:
         "model": shape.name,
         "hardware": profile.name,
         "predicted": {
-            "ttft_p50_s": pred.ttft_p50_s, f"ttft_{q}_s": pred.ttft_q_s, "ttft_mean_s": pred.ttft_mean_s,
-            "tpot_mean_s": pred.tpot_mean_s, f"tpot_{q}_s": pred.tpot_q_s,
-            "prefill_utilization": pred.prefill_utilization, "decode_batch_mean": pred.decode_batch_mean,
-            "decode_slots_mean": pred.decode_slots_mean, f"decode_slots_{q}": pred.decode_slots_q,
+            "ttft_p50_s": pred.ttft_p50_s,
+            f"ttft_{q}_s": pred.ttft_q_s,
+            "ttft_mean_s": pred.ttft_mean_s,
+            "tpot_mean_s": pred.tpot_mean_s,
+            f"tpot_{q}_s": pred.tpot_q_s,
+            "prefill_utilization": pred.prefill_utilization,
+            "decode_batch_mean": pred.decode_batch_mean,
+            "decode_slots_mean": pred.decode_slots_mean,
+            f"decode_slots_{q}": pred.decode_slots_q,
             "decode_capacity": pred.decode_capacity,
         },
     }
@@ -138,12 +170,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         cap = "unlimited" if pred.decode_capacity is None else str(pred.decode_capacity)
         print(f"{shape.name} on {profile.name}, {workload.arrival_rate:g} req/s")
-        print(f"start with: {plan.prefill} prefill, {plan.decode} decode"
-              + ("" if plan.meets_slo else "  (SLO NOT met within the bounds)"))
-        print(f"TTFT  p50 {pred.ttft_p50_s * 1e3:,.0f} ms   {q} {pred.ttft_q_s * 1e3:,.0f} ms   "
-              f"(prefill utilisation {pred.prefill_utilization:.2f})")
-        print(f"TPOT  mean {pred.tpot_mean_s * 1e3:,.1f} ms   {q} {pred.tpot_q_s * 1e3:,.1f} ms   "
-              f"(decode batch {pred.decode_batch_mean:.1f}, slots {q} {pred.decode_slots_q} of {cap})")
+        print(
+            f"start with: {plan.prefill} prefill, {plan.decode} decode"
+            + ("" if plan.meets_slo else "  (SLO NOT met within the bounds)")
+        )
+        print(
+            f"TTFT  p50 {pred.ttft_p50_s * 1e3:,.0f} ms   {q} {pred.ttft_q_s * 1e3:,.0f} ms   "
+            f"(prefill utilisation {pred.prefill_utilization:.2f})"
+        )
+        print(
+            f"TPOT  mean {pred.tpot_mean_s * 1e3:,.1f} ms   {q} {pred.tpot_q_s * 1e3:,.1f} ms   "
+            f"(decode batch {pred.decode_batch_mean:.1f}, slots {q} {pred.decode_slots_q} of {cap})"
+        )
         print(f"why: {plan.reason}")
     return 0 if plan.meets_slo else 1
 

@@ -17,8 +17,9 @@ import time
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("top", help="a terminal view of a running deployment from its routers' metrics")
-    p.add_argument("--url", action="append", required=True,
-                   help="a router's base URL (repeatable: every router of the deployment)")
+    p.add_argument(
+        "--url", action="append", required=True, help="a router's base URL (repeatable: every router of the deployment)"
+    )
     p.add_argument("--ca", default=None, help="CA file to verify https routers with")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between two scrapes (default 2)")
     p.add_argument("--once", action="store_true", help="print one view and exit")

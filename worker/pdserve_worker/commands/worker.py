@@ -47,12 +47,20 @@ _FLAG_FIELDS = {
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker: prefill, decode, router (or colocated)")
-    p.add_argument("--role", choices=["prefill", "decode", "router", "colocated"], default=None,
-                   help="the worker's role (else $PDSERVE_ROLE)")
+    p.add_argument(
+        "--role",
+        choices=["prefill", "decode", "router", "colocated"],
+        default=None,
+        help="the worker's role (else $PDSERVE_ROLE)",
+    )
     p.add_argument("--service", default=None, help="service key namespace/name (else $PDSERVE_SERVICE)")
     p.add_argument("--broker", default=None, help="broker host:port (else $PDSERVE_BROKER_ADDRESS)")
-    p.add_argument("--broker-token-file", type=Path, default=None,
-                   help="file holding the service's broker token (else $PDSERVE_BROKER_TOKEN)")
+    p.add_argument(
+        "--broker-token-file",
+        type=Path,
+        default=None,
+        help="file holding the service's broker token (else $PDSERVE_BROKER_TOKEN)",
+    )
     p.add_argument("--worker-id", default=None, help="member id in the service (else $PDSERVE_POD_NAME)")
     p.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
     p.add_argument("--advertise-host", default=None, help="address peers reach us at (else $PDSERVE_POD_IP)")
@@ -62,25 +70,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2)")
     p.add_argument("--model-name", default=None, help="name the API serves the model under")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
-    p.add_argument("--weights", choices=["auto", "dequantized", "int8", "int4"], default=None,
-                   help="how weight matrices are held (else $PDSERVE_WEIGHTS; default auto: a GGUF's Q4_0/Q4_1/Q8_0 "
-                        "stay quantized on the CPU)")
+    p.add_argument(
+        "--weights",
+        choices=["auto", "dequantized", "int8", "int4"],
+        default=None,
+        help="how weight matrices are held (else $PDSERVE_WEIGHTS; default auto: a GGUF's Q4_0/Q4_1/Q8_0 "
+        "stay quantized on the CPU)",
+    )
     p.add_argument("--max-len", type=int, default=None, help="tokens per request, prompt plus output")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (0: all this process may use)")
     p.add_argument("--transfer-backend", choices=["auto", "hixl", "cpu"], default=None)
-    p.add_argument("--slots", type=int, default=None, help="decode: concurrent requests (and, without blocks, KV slots)")
-    p.add_argument("--kv-block-tokens", type=int, default=None, help="decode: tokens per KV block (0: max-length slots)")
+    p.add_argument(
+        "--slots", type=int, default=None, help="decode: concurrent requests (and, without blocks, KV slots)"
+    )
+    p.add_argument(
+        "--kv-block-tokens", type=int, default=None, help="decode: tokens per KV block (0: max-length slots)"
+    )
     p.add_argument("--kv-tokens", type=int, default=None, help="decode: KV pool in tokens (0: slots x max-len)")
     p.add_argument("--prefix-cache-tokens", type=int, default=None, help="prefill: prefix cache in tokens (0: off)")
     p.add_argument("--layers-per-chunk", type=int, default=None, help="prefill: layers between two KV pushes")
     p.add_argument("--readiness", choices=["interrupt", "poll", "spin"], default=None, help="decode: readiness mode")
     p.add_argument("--drain-timeout", type=float, default=None, help="decode: seconds /drain may wait")
     p.add_argument("--layer-shards", type=int, default=None, help="decode: processes in this worker's group")
-    p.add_argument("--shard-index", type=int, default=None,
-                   help="decode: this worker's member index in its group (else from the pod ordinal)")
-    p.add_argument("--group-peers", default=None,
-                   help="decode: gRPC host:port of members 0..N-1, comma-separated (else from the headless Service)")
+    p.add_argument(
+        "--shard-index",
+        type=int,
+        default=None,
+        help="decode: this worker's member index in its group (else from the pod ordinal)",
+    )
+    p.add_argument(
+        "--group-peers",
+        default=None,
+        help="decode: gRPC host:port of members 0..N-1, comma-separated (else from the headless Service)",
+    )
     p.set_defaults(func=run)
 
 

@@ -133,8 +133,9 @@ class LoopStats:
 
 
 class GenerationLoop:
-    def __init__(self, generator: Generator[Any], *, prefill: Prefill | None = None,
-                 name: str = "generation-loop") -> None:
+    def __init__(
+        self, generator: Generator[Any], *, prefill: Prefill | None = None, name: str = "generation-loop"
+    ) -> None:
         self._gen = generator
         self._prefill = prefill
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -192,8 +193,9 @@ class GenerationLoop:
         internal = f"{request_id}#{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop(), internal)
         entry = _Entry(stream, on_done)
-        self._commands.put(_Add(entry, internal, [int(t) for t in prompt_ids], slot, params, first_token,
-                                num_generated))
+        self._commands.put(
+            _Add(entry, internal, [int(t) for t in prompt_ids], slot, params, first_token, num_generated)
+        )
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
@@ -260,7 +262,12 @@ class GenerationLoop:
                 prompt = self._gen.check_prompt(command.prompt_ids)
                 first = self._prefill(prompt, command.slot, command.params)
             _, output = self._gen.add_prefilled(
-                command.prompt_ids, command.slot, first, command.params, command.internal_id, command.num_generated,
+                command.prompt_ids,
+                command.slot,
+                first,
+                command.params,
+                command.internal_id,
+                command.num_generated,
             )
         except (ValueError, RuntimeError, IndexError) as exc:
             # Refused before it joined the batch: the slot was never the Generator's.

@@ -133,8 +133,10 @@ class HandoffBook:
         """The handoff a Migrate may push from, claimed (raises HandoffUnavailable)."""
         handoff = self.get(slot, generation)
         if handoff is None or handoff.detached.request_id.rsplit("#", 1)[0] != request_id or not handoff.take():
-            raise HandoffUnavailable(f"no request {request_id!r} handed over in slot {slot} generation "
-                                     f"{generation} (never parked, released, or already migrated)")
+            raise HandoffUnavailable(
+                f"no request {request_id!r} handed over in slot {slot} generation "
+                f"{generation} (never parked, released, or already migrated)"
+            )
         return handoff
 
     def pending(self) -> int:
@@ -168,8 +170,18 @@ def token_extents(layout: KVLayout, slot: int, blocks: Sequence[int], layer: int
     return [(0, layout.max_len, layout.offset(slot, layer, kv_index))]
 
 
-def migration_descriptors(src: KVLayout, src_slot: int, src_blocks: Sequence[int], dst: KVLayout, dst_slot: int,
-                          dst_blocks: Sequence[int], layer: int, kv_index: int, start: int, end: int) -> list[Descriptor]:
+def migration_descriptors(
+    src: KVLayout,
+    src_slot: int,
+    src_blocks: Sequence[int],
+    dst: KVLayout,
+    dst_slot: int,
+    dst_blocks: Sequence[int],
+    layer: int,
+    kv_index: int,
+    start: int,
+    end: int,
+) -> list[Descriptor]:
     """Copies of tokens [start, end) of (layer, K|V) from one decode pool to another, either
     slot or paged, one descriptor per stretch contiguous on both sides (coalesced)."""
     if not 0 <= start <= end:
@@ -204,8 +216,15 @@ class MigrationPusher(KVPusher):
     """`KVPusher` from a decode's own pool (slot or paged) instead of a prefill's scratch slot:
     the same engine, queue depth, layer chunks, timeouts and nonce-carrying notify."""
 
-    def __init__(self, backend: TransferBackend, source: PushSource, source_blocks: Sequence[int],
-                 targets: Sequence[Grant], num_tokens: int, **kwargs: object) -> None:
+    def __init__(
+        self,
+        backend: TransferBackend,
+        source: PushSource,
+        source_blocks: Sequence[int],
+        targets: Sequence[Grant],
+        num_tokens: int,
+        **kwargs: object,
+    ) -> None:
         self._source_blocks = tuple(source_blocks)
         super().__init__(backend, source, targets, num_tokens, **kwargs)  # type: ignore[arg-type]
 
@@ -215,10 +234,21 @@ class MigrationPusher(KVPusher):
         pieces: dict[tuple[int, int], list[Piece]] = {}
         for layer in dst.layer_range:
             for kv_index in (K, V):
-                descs = migration_descriptors(src, self.source.slot, self._source_blocks, dst, target.slot,
-                                              target.blocks, layer, kv_index, start, self.num_tokens)
-                pieces[(layer, kv_index)] = [(self.source.base_addr + d.src, target.base_addr + d.dst, d.length)
-                                             for d in descs]
+                descs = migration_descriptors(
+                    src,
+                    self.source.slot,
+                    self._source_blocks,
+                    dst,
+                    target.slot,
+                    target.blocks,
+                    layer,
+                    kv_index,
+                    start,
+                    self.num_tokens,
+                )
+                pieces[(layer, kv_index)] = [
+                    (self.source.base_addr + d.src, target.base_addr + d.dst, d.length) for d in descs
+                ]
         return pieces
 
 
@@ -228,8 +258,16 @@ class MigrationResult:
     stats: PushStats
 
 
-def push_handoff(backend: TransferBackend, source: PushSource, source_blocks: Sequence[int], handoff: Handoff,
-                 targets: Sequence[Grant], *, layers_per_chunk: int, timeout_s: float) -> MigrationResult:
+def push_handoff(
+    backend: TransferBackend,
+    source: PushSource,
+    source_blocks: Sequence[int],
+    handoff: Handoff,
+    targets: Sequence[Grant],
+    *,
+    layers_per_chunk: int,
+    timeout_s: float,
+) -> MigrationResult:
     """Push a parked request's KV into `targets` chunk of layers by chunk, then notify them with
     the generation state (blocking: run it off the event loop). Raises PushError / ValueError."""
     d = handoff.detached
@@ -238,10 +276,10 @@ def push_handoff(backend: TransferBackend, source: PushSource, source_blocks: Se
     try:
         for chunk in layer_chunks(source.layout.layer_range, max(1, layers_per_chunk)):
             pusher.push_chunk(chunk)
-        stats = pusher.finish({"first_token": d.output_ids[-1], MIGRATED: 1, "seed": d.seed,
-                               "num_generated": len(d.output_ids)})
+        stats = pusher.finish(
+            {"first_token": d.output_ids[-1], MIGRATED: 1, "seed": d.seed, "num_generated": len(d.output_ids)}
+        )
     except BaseException:
         pusher.abort()
         raise
     return MigrationResult(num_tokens, stats)
-

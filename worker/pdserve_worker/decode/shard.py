@@ -135,10 +135,14 @@ class ShardFollower:
         # under the key that every member derives from the service's token (kv/slots.py); a
         # forged one can then neither be filed nor raise the floor.
         key = capability_key(settings.token)
-        self.readiness = Readiness(backend, settings.readiness_mode, accepts=self.floor.accepts,
-                                   authorize=lambda slot, generation, nonce: nonce_matches(key, slot, generation, nonce),
-                                   poll_interval_us=settings.poll_interval_micros,
-                                   warmup=self.pool.warm if settings.warmup else None)
+        self.readiness = Readiness(
+            backend,
+            settings.readiness_mode,
+            accepts=self.floor.accepts,
+            authorize=lambda slot, generation, nonce: nonce_matches(key, slot, generation, nonce),
+            poll_interval_us=settings.poll_interval_micros,
+            warmup=self.pool.warm if settings.warmup else None,
+        )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="shard-ready")
         self.steps = 0
@@ -169,14 +173,23 @@ class ShardFollower:
         deadline = time.monotonic() + timeout_s
         while self.open_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        log.info(kv(event="shard_drained" if not self.open_streams else "shard_drain_timeout",
-                    member=self.member_index, open_streams=self.open_streams))
+        log.info(
+            kv(
+                event="shard_drained" if not self.open_streams else "shard_drain_timeout",
+                member=self.member_index,
+                open_streams=self.open_streams,
+            )
+        )
         return self.open_streams == 0
 
     def info(self) -> shard_pb2.ShardInfo:
-        return shard_pb2.ShardInfo(worker_id=self.settings.member_id, engine_id=self.settings.engine_id,
-                                   base_addr=self.pool.base_addr, kv_layout=layout_to_proto(self.pool.layout),
-                                   member_index=self.member_index)
+        return shard_pb2.ShardInfo(
+            worker_id=self.settings.member_id,
+            engine_id=self.settings.engine_id,
+            base_addr=self.pool.base_addr,
+            kv_layout=layout_to_proto(self.pool.layout),
+            member_index=self.member_index,
+        )
 
     def forward(self, message: shard_pb2.HiddenState) -> shard_pb2.HiddenState:
         hidden = hidden_from_proto(message, self.loaded.model.device).to(self.loaded.model.dtype)
@@ -198,7 +211,9 @@ class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
     def __init__(self, follower: ShardFollower) -> None:
         self.f = follower
 
-    async def Describe(self, request: shard_pb2.DescribeShardRequest, context: grpc.aio.ServicerContext) -> shard_pb2.ShardInfo:
+    async def Describe(
+        self, request: shard_pb2.DescribeShardRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.ShardInfo:
         return self.f.info()
 
     async def Forward(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -215,19 +230,27 @@ class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
         finally:
             self.f.open_streams -= 1
 
-    async def WaitReady(self, request: shard_pb2.WaitReadyRequest, context: grpc.aio.ServicerContext) -> shard_pb2.WaitReadyReply:
+    async def WaitReady(
+        self, request: shard_pb2.WaitReadyRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.WaitReadyReply:
         timeout_s = (request.timeout_ms or self.f.settings.readiness_timeout_ms) / 1000
         self.f.floor.raise_to(request.slot, request.generation)
         try:
             message = await asyncio.get_running_loop().run_in_executor(
-                self.f._waiters, self.f.readiness.wait, request.slot, request.generation, timeout_s)
+                self.f._waiters, self.f.readiness.wait, request.slot, request.generation, timeout_s
+            )
         except ReadinessTimeout as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"member {self.f.member_index}: {exc}")
         try:
-            return shard_pb2.WaitReadyReply(num_tokens=int(message["num_tokens"]), first_token=int(message["first_token"]))
+            return shard_pb2.WaitReadyReply(
+                num_tokens=int(message["num_tokens"]), first_token=int(message["first_token"])
+            )
         except (KeyError, TypeError, ValueError):
-            await context.abort(grpc.StatusCode.ABORTED, f"member {self.f.member_index}: the ready message of slot "
-                                f"{request.slot} lacks an integer num_tokens or first_token")
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"member {self.f.member_index}: the ready message of slot "
+                f"{request.slot} lacks an integer num_tokens or first_token",
+            )
 
 
 # ---- the leader's view of a follower -------------------------------------------------------------
@@ -246,14 +269,18 @@ class RemoteShard:
     """A follower seen from the leader: a blocking client (the generation loop's thread calls
     `forward`; readiness waits run on worker threads)."""
 
-    def __init__(self, endpoint: str, token: str, tls: TLSConfig | None = None, *,
-                 max_message: int = WORKER_MAX_MESSAGE) -> None:
+    def __init__(
+        self, endpoint: str, token: str, tls: TLSConfig | None = None, *, max_message: int = WORKER_MAX_MESSAGE
+    ) -> None:
         self.endpoint = endpoint
         options = channel_options(tls, max_message)
         # The token travels as explicit metadata on each call (a blocking channel has no
         # interceptors here), so TLS adds the transport only, not call credentials.
-        self._channel = (grpc.insecure_channel(endpoint, options=options) if tls is None
-                         else grpc.secure_channel(endpoint, tls.ssl_credentials(), options=options))
+        self._channel = (
+            grpc.insecure_channel(endpoint, options=options)
+            if tls is None
+            else grpc.secure_channel(endpoint, tls.ssl_credentials(), options=options)
+        )
         self._stub = shard_pb2_grpc.DecodeShardStub(self._channel)
         self._metadata = bearer_metadata(token)
         self._lock = threading.Lock()
@@ -262,13 +289,16 @@ class RemoteShard:
 
     def describe(self, timeout_s: float = DESCRIBE_TIMEOUT_S) -> FollowerInfo:
         try:
-            info = self._stub.Describe(shard_pb2.DescribeShardRequest(), metadata=self._metadata,
-                                       timeout=timeout_s, wait_for_ready=True)
+            info = self._stub.Describe(
+                shard_pb2.DescribeShardRequest(), metadata=self._metadata, timeout=timeout_s, wait_for_ready=True
+            )
         except grpc.RpcError as exc:
-            raise ShardError(f"group member at {self.endpoint} did not describe itself: {exc.code().name} "
-                             f"{exc.details()}") from None
-        return FollowerInfo(self.endpoint, info.worker_id, info.engine_id, info.base_addr,
-                            layout_from_proto(info.kv_layout))
+            raise ShardError(
+                f"group member at {self.endpoint} did not describe itself: {exc.code().name} {exc.details()}"
+            ) from None
+        return FollowerInfo(
+            self.endpoint, info.worker_id, info.engine_id, info.base_addr, layout_from_proto(info.kv_layout)
+        )
 
     def forward(self, hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """One step through the follower's layers over the group's open stream (opened on first use,
@@ -291,7 +321,9 @@ class RemoteShard:
         try:
             reply = self._stub.WaitReady(
                 shard_pb2.WaitReadyRequest(slot=slot, generation=generation, timeout_ms=max(1, int(timeout_s * 1000))),
-                metadata=self._metadata, timeout=timeout_s + 5.0)
+                metadata=self._metadata,
+                timeout=timeout_s + 5.0,
+            )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise ReadinessTimeout(f"group member at {self.endpoint}: {exc.details()}") from None
@@ -320,8 +352,9 @@ class ShardGroup:
     DecodeWorker, which then holds member 0's layers, hops through the followers each decode
     step, grants the slot on every member and waits for every member's notification."""
 
-    def __init__(self, leader_id: str, own_layers: range, remotes: Sequence[RemoteShard],
-                 followers: Sequence[FollowerInfo]) -> None:
+    def __init__(
+        self, leader_id: str, own_layers: range, remotes: Sequence[RemoteShard], followers: Sequence[FollowerInfo]
+    ) -> None:
         self.leader_id = leader_id
         self.own_layers = own_layers
         self.remotes = tuple(remotes)
@@ -339,19 +372,28 @@ class ShardGroup:
         def hop(index: int, hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
             return hops[index](hidden, slots, positions)
 
-        log.info(kv(event="decode_group_formed", members=len(layouts),
-                    layers=" ".join(f"{lay.first_layer}..{lay.layer_range.stop - 1}" for lay in layouts),
-                    followers=",".join(f.endpoint for f in self.followers)))
-        return Generator(ShardedDecoder(loaded.model, layouts, hop), loaded.tokenizer,
-                         GroupKV(layouts, loaded.config.num_layers))
+        log.info(
+            kv(
+                event="decode_group_formed",
+                members=len(layouts),
+                layers=" ".join(f"{lay.first_layer}..{lay.layer_range.stop - 1}" for lay in layouts),
+                followers=",".join(f.endpoint for f in self.followers),
+            )
+        )
+        return Generator(
+            ShardedDecoder(loaded.model, layouts, hop), loaded.tokenizer, GroupKV(layouts, loaded.config.num_layers)
+        )
 
     def grants(self, grant: Grant) -> list[Grant]:
-        return [grant, *(replace(grant, engine_id=f.engine_id, base_addr=f.base_addr, layout=f.layout)
-                         for f in self.followers)]
+        return [
+            grant,
+            *(replace(grant, engine_id=f.engine_id, base_addr=f.base_addr, layout=f.layout) for f in self.followers),
+        ]
 
     async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> list[tuple[int, int]]:
-        return list(await asyncio.gather(*(asyncio.to_thread(r.wait_ready, slot, generation, timeout_s)
-                                           for r in self.remotes)))
+        return list(
+            await asyncio.gather(*(asyncio.to_thread(r.wait_ready, slot, generation, timeout_s) for r in self.remotes))
+        )
 
     def labels(self) -> dict[str, str]:
         members = [self.leader_id, *(f.worker_id for f in self.followers)]
@@ -365,8 +407,9 @@ class ShardGroup:
 async def connect_group(settings: WorkerSettings, own_layers: range, max_message: int) -> ShardGroup:
     """The leader's group: its followers (`settings.peers[1:]`), described once they are up
     (they load their model meanwhile). Raises ShardError if one does not answer in time."""
-    remotes = [RemoteShard(peer, settings.token, settings.peer_tls, max_message=max_message)
-               for peer in settings.peers[1:]]
+    remotes = [
+        RemoteShard(peer, settings.token, settings.peer_tls, max_message=max_message) for peer in settings.peers[1:]
+    ]
     try:
         followers = await asyncio.to_thread(describe_followers, remotes)
     except ShardError:

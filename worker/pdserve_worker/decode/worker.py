@@ -138,8 +138,14 @@ class DecodeWorker:
     `group`: set for a layer-sharded group's leader (the hooks of `GroupHooks`); a plain decode
     holds every layer."""
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str,
-                 group: GroupHooks | None = None) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        loaded: LoadedModel,
+        backend: TransferBackend,
+        revision: str,
+        group: GroupHooks | None = None,
+    ) -> None:
         self.settings = settings
         self.loaded = loaded
         self.backend = backend
@@ -147,8 +153,11 @@ class DecodeWorker:
         self.group = group
         full = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
         # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
-        layout = (paged_layout(full, settings.kv_block_tokens, settings.kv_tokens) if group is None
-                  else group.pool_layout(full))
+        layout = (
+            paged_layout(full, settings.kv_block_tokens, settings.kv_tokens)
+            if group is None
+            else group.pool_layout(full)
+        )
         self.layout = layout
         self.pool = KVPool(backend, layout, device=settings.device)
         # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
@@ -162,16 +171,24 @@ class DecodeWorker:
         if layout.paged:
             self.leases = BlockWriteLeases(backend, self.pool.base_addr, layout)
             self.slots = BlockTable(
-                layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
-                capability_key=capability_key(settings.token), leases=self.leases,
+                layout,
+                engine_id=settings.engine_id,
+                base_addr=self.pool.base_addr,
+                quarantine_s=quarantine_s,
+                capability_key=capability_key(settings.token),
+                leases=self.leases,
             )
             self.cache = cache = PagedKVCache(layout, self.pool.tensor)
             warm = self._warm_blocks
         else:
             self.leases = SlotWriteLeases(backend, self.pool.base_addr, layout)
             self.slots = SlotTable(
-                layout, engine_id=settings.engine_id, base_addr=self.pool.base_addr, quarantine_s=quarantine_s,
-                capability_key=capability_key(settings.token), leases=self.leases,
+                layout,
+                engine_id=settings.engine_id,
+                base_addr=self.pool.base_addr,
+                quarantine_s=quarantine_s,
+                capability_key=capability_key(settings.token),
+                leases=self.leases,
             )
             self.cache = cache = KVCache(layout, self.pool.tensor)
             warm = self.pool.warm
@@ -183,17 +200,22 @@ class DecodeWorker:
             poll_interval_us=settings.poll_interval_micros,
             warmup=warm if settings.warmup else None,
         )
-        generator = (Generator(loaded.model, loaded.tokenizer, cache) if group is None
-                     else group.generator(loaded, cache))
+        generator = (
+            Generator(loaded.model, loaded.tokenizer, cache) if group is None else group.generator(loaded, cache)
+        )
         self.loop = GenerationLoop(generator, name="decode-loop")
         # One blocking readiness wait per request that waits: at most one per slot.
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
         self.draining = False
         self._sweeper: asyncio.Task[None] | None = None
         self.metrics = WorkerMetrics("decode")  # served on /metrics (worker_main)
-        self.metrics.watch_decode(lambda: layout.num_slots - self.slot_usage().free, layout.num_slots,
-                                  lambda: self.loop.active, lambda: self.loop.stats,
-                                  kv_tokens=self.kv_tokens)
+        self.metrics.watch_decode(
+            lambda: layout.num_slots - self.slot_usage().free,
+            layout.num_slots,
+            lambda: self.loop.active,
+            lambda: self.loop.stats,
+            kv_tokens=self.kv_tokens,
+        )
         # Requests handed over while draining (decode/migration.py), and the one thread that pushes them.
         self.handoffs = HandoffBook()
         self._migrations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-migrate")
@@ -204,8 +226,9 @@ class DecodeWorker:
         """A grant for a request of `num_prompt_tokens` + `max_tokens`: a slot, or the blocks of
         exactly that many tokens (raises NoFreeSlot, or its NoFreeBlocks, when there is no room)."""
         if isinstance(self.slots, BlockTable):
-            return self.slots.reserve(request_id, ttl_s, num_tokens=num_prompt_tokens + max_tokens,
-                                      prompt_tokens=num_prompt_tokens)
+            return self.slots.reserve(
+                request_id, ttl_s, num_tokens=num_prompt_tokens + max_tokens, prompt_tokens=num_prompt_tokens
+            )
         return self.slots.reserve(request_id, ttl_s)
 
     def adopt(self, slot: int, generation: int) -> None:
@@ -238,9 +261,15 @@ class DecodeWorker:
         """Push a handed-over request's KV from this pool into `targets` (blocking)."""
         source = PushSource(self.pool.base_addr, self.layout, handoff.slot)
         blocks = self.slots.blocks_of(handoff.slot) if isinstance(self.slots, BlockTable) else ()
-        return push_handoff(self.backend, source, blocks, handoff, targets,
-                            layers_per_chunk=self.settings.layers_per_chunk,
-                            timeout_s=self.settings.transfer_timeout_ms / 1000)
+        return push_handoff(
+            self.backend,
+            source,
+            blocks,
+            handoff,
+            targets,
+            layers_per_chunk=self.settings.layers_per_chunk,
+            timeout_s=self.settings.transfer_timeout_ms / 1000,
+        )
 
     # ---- the ServingRole of a decode process (roles/serving.py) --------------------------------
 
@@ -314,8 +343,11 @@ class DecodeWorker:
         usage = self.slot_usage()
         used, total = self.kv_tokens()
         return Load(
-            slots_used=self.layout.num_slots - usage.free, slots_free=usage.free, active_requests=self.loop.active,
-            kv_tokens_used=used, kv_tokens_total=total,
+            slots_used=self.layout.num_slots - usage.free,
+            slots_free=usage.free,
+            active_requests=self.loop.active,
+            kv_tokens_used=used,
+            kv_tokens_total=total,
         )
 
     def member_info(self) -> MemberInfo:
@@ -370,13 +402,16 @@ class DecodeWorker:
             num_tokens, first_token = int(message["num_tokens"]), int(message["first_token"])
         except (KeyError, TypeError, ValueError):
             # (The message itself is not quoted: it carries the reservation's nonce.)
-            raise ReadyUnusable(f"the ready message of slot {slot} generation {generation} lacks an integer "
-                                f"num_tokens or first_token") from None
+            raise ReadyUnusable(
+                f"the ready message of slot {slot} generation {generation} lacks an integer num_tokens or first_token"
+            ) from None
         if self.group is not None:  # a group's request starts once every member's KV is there
             answers = await self.group.wait_ready(slot, generation, timeout_s)
             if any(a != (num_tokens, first_token) for a in answers):
-                raise ReadyUnusable(f"slot {slot} generation {generation}: members disagree on (num_tokens, "
-                                    f"first_token): leader {(num_tokens, first_token)}, followers {answers}")
+                raise ReadyUnusable(
+                    f"slot {slot} generation {generation}: members disagree on (num_tokens, "
+                    f"first_token): leader {(num_tokens, first_token)}, followers {answers}"
+                )
         waited = time.monotonic() - started
         self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
         return Ready(num_tokens, first_token, waited, message)
@@ -401,8 +436,10 @@ def migration_mismatch(ready: Ready, prompt: list[int], num_generated: int, seed
     if not m.get(MIGRATED):
         return "a prefill's KV came for a migrated request"
     if ready.num_tokens != len(prompt) - 1 or ready.first_token != prompt[-1]:
-        return (f"the source pushed {ready.num_tokens} tokens of KV ending before token {ready.first_token}, "
-                f"the request has {len(prompt)} tokens ending with {prompt[-1]}")
+        return (
+            f"the source pushed {ready.num_tokens} tokens of KV ending before token {ready.first_token}, "
+            f"the request has {len(prompt)} tokens ending with {prompt[-1]}"
+        )
     if m.get("num_generated") != num_generated or m.get("seed") != seed:
         return "the source's generation state (tokens generated, seed) differs from the request's"
     return None
@@ -441,8 +478,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         log.debug(kv(event="slot_granted", request=request.request_id, slot=grant.slot, generation=grant.generation))
         deadline_ms = int((time.time() + ttl_s) * 1000)
         reply = grant_to_proto(grant, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
-        reply.group_grants.extend(grant_to_proto(g, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
-                                  for g in w.group_grants(grant))
+        reply.group_grants.extend(
+            grant_to_proto(g, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
+            for g in w.group_grants(grant)
+        )
         return reply
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -451,12 +490,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         where = f"slot {slot} generation {generation} (request {request.request_id})"
         resumed = request.num_generated
         if resumed >= len(prompt):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{where}: num_generated ({resumed}) must be below the {len(prompt)} tokens of "
-                                "prompt_token_ids (the prompt, then the tokens already streamed)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: num_generated ({resumed}) must be below the {len(prompt)} tokens of "
+                "prompt_token_ids (the prompt, then the tokens already streamed)",
+            )
         if request.migrated and resumed < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{where}: a migrated request has streamed tokens (num_generated >= 1), got 0")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: a migrated request has streamed tokens (num_generated >= 1), got 0",
+            )
         try:
             params = sampling_from_proto(request.sampling)
         except ValidationError as exc:
@@ -469,19 +512,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         stream: RequestStream | None = None
         finished = False
         # A streaming handler: its span is ended by hand (tracing.py on spans across yields).
-        trace = tracing.start_span("decode.generate", {
-            "pdserve.request_id": request.request_id, "pdserve.decode.member": w.settings.member_id,
-            "pdserve.slot": slot, "pdserve.slot.generation": generation, "gen_ai.usage.input_tokens": len(prompt),
-            "pdserve.resumed_tokens": resumed or None}, parent=tracing.extract(context.invocation_metadata()))
+        trace = tracing.start_span(
+            "decode.generate",
+            {
+                "pdserve.request_id": request.request_id,
+                "pdserve.decode.member": w.settings.member_id,
+                "pdserve.slot": slot,
+                "pdserve.slot.generation": generation,
+                "gen_ai.usage.input_tokens": len(prompt),
+                "pdserve.resumed_tokens": resumed or None,
+            },
+            parent=tracing.extract(context.invocation_metadata()),
+        )
         steps = 0
         first_step_ns = last_step_ns = 0
         try:
             try:
                 wait_ns = tracing.now_ns()
                 ready = await w.wait_ready(slot, generation, timeout_s)
-                tracing.record("decode.notify_wait", wait_ns, tracing.now_ns(),
-                               {"pdserve.readiness": w.settings.readiness_mode, "pdserve.ready_wait_s": ready.wait_s},
-                               parent=trace)
+                tracing.record(
+                    "decode.notify_wait",
+                    wait_ns,
+                    tracing.now_ns(),
+                    {"pdserve.readiness": w.settings.readiness_mode, "pdserve.ready_wait_s": ready.wait_s},
+                    parent=trace,
+                )
             except ReadinessTimeout as exc:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
             except SlotNotReserved as exc:
@@ -490,25 +545,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.ABORTED, f"{where}: {exc}")
             except MemberUnavailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: {exc}")
-            problem = migration_mismatch(ready, prompt, resumed, params.seed) if request.migrated else (
-                "a migration's KV came for a prefilled request" if ready.message.get(MIGRATED) else
-                None if ready.num_tokens == len(prompt) else
-                f"prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}")
+            problem = (
+                migration_mismatch(ready, prompt, resumed, params.seed)
+                if request.migrated
+                else (
+                    "a migration's KV came for a prefilled request"
+                    if ready.message.get(MIGRATED)
+                    else None
+                    if ready.num_tokens == len(prompt)
+                    else f"prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}"
+                )
+            )
             if problem is not None:
                 await context.abort(grpc.StatusCode.ABORTED, f"{where}: {problem}")
             if not w.slots.commit(slot, generation):
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived"
+                )
             w.adopt(slot, generation)
             # A migrated request: its KV lacks the last streamed token, which joins the batch as
             # the "first" token (its output, already streamed by the source, is not sent again).
-            kv_ids, first, replayed = ((prompt[:-1], prompt[-1], resumed - 1) if request.migrated
-                                       else (prompt, ready.first_token, resumed))
+            kv_ids, first, replayed = (
+                (prompt[:-1], prompt[-1], resumed - 1) if request.migrated else (prompt, ready.first_token, resumed)
+            )
             if request.migrated:
                 w.metrics.migrations_received.inc()
             # From here the loop owns the slot and frees it when the request leaves the batch.
             stream = w.loop.submit(
-                request.request_id, kv_ids, slot, params, lambda: w.finished(slot, generation),
-                first_token=first, num_generated=replayed,
+                request.request_id,
+                kv_ids,
+                slot,
+                params,
+                lambda: w.finished(slot, generation),
+                first_token=first,
+                num_generated=replayed,
             )
             index = replayed  # a resumed stream goes on at the index where the broken one stopped
             async for out in stream:
@@ -522,8 +592,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 steps += 1
                 if index < resumed:  # (a migrated request's last streamed token, replayed)
                     if out.finished or out.token_id != first:
-                        await context.abort(grpc.StatusCode.ABORTED,
-                                            f"{where}: the migrated state does not replay to its last token")
+                        await context.abort(
+                            grpc.StatusCode.ABORTED, f"{where}: the migrated state does not replay to its last token"
+                        )
                     index += 1
                     continue
                 event = worker_pb2.TokenEvent(index=index, text=out.text)
@@ -552,10 +623,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             if steps:
                 # One span for all the steps, not one per token: the first token came with the KV
                 # (sampled by the prefill), every later one is a decode step in the batch.
-                tracing.record("decode.steps", first_step_ns, last_step_ns, {
-                    "pdserve.decode.steps": steps - 1, "gen_ai.usage.output_tokens": steps,
-                    "pdserve.decode.mean_step_ms": round((last_step_ns - first_step_ns) / 1e6 / (steps - 1), 3)
-                    if steps > 1 else None, "pdserve.finished": finished}, parent=trace)
+                tracing.record(
+                    "decode.steps",
+                    first_step_ns,
+                    last_step_ns,
+                    {
+                        "pdserve.decode.steps": steps - 1,
+                        "gen_ai.usage.output_tokens": steps,
+                        "pdserve.decode.mean_step_ms": round((last_step_ns - first_step_ns) / 1e6 / (steps - 1), 3)
+                        if steps > 1
+                        else None,
+                        "pdserve.finished": finished,
+                    },
+                    parent=trace,
+                )
             trace.set_attribute("pdserve.finished", finished)
             trace.end()
             if stream is None:
@@ -563,24 +644,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             elif not finished:
                 w.loop.cancel(stream)  # the loop frees the slot once the request is out of the batch
 
-    async def _handover_event(self, handoff: Handoff, generation: int, index: int,
-                              context: grpc.aio.ServicerContext, where: str) -> worker_pb2.TokenEvent:
+    async def _handover_event(
+        self, handoff: Handoff, generation: int, index: int, context: grpc.aio.ServicerContext, where: str
+    ) -> worker_pb2.TokenEvent:
         """The request was parked for a migration: the event that tells the router (`handover`),
         after the handoff is filed for the router's Migrate (drain mode resume: an error instead)."""
         w = self.w
         d = handoff.detached
         if index != len(d.output_ids):  # the stream and the generator disagree: never splice on that
             handoff.release()
-            await context.abort(grpc.StatusCode.INTERNAL, f"{where}: parked after {len(d.output_ids)} tokens, "
-                                                          f"streamed {index}")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"{where}: parked after {len(d.output_ids)} tokens, streamed {index}"
+            )
         if w.settings.drain_mode == "resume":
             handoff.release()
             w.metrics.observe_handoff(handoff.outcome or "released")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: decode {w.settings.member_id} is draining: "
-                                                             "resume the request elsewhere")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{where}: decode {w.settings.member_id} is draining: resume the request elsewhere",
+            )
         w.handoffs.add(handoff, generation)
-        return worker_pb2.TokenEvent(index=index, handover=worker_pb2.Handover(
-            num_generated=len(d.output_ids), seed=d.seed, kv_tokens=d.kv_tokens))
+        return worker_pb2.TokenEvent(
+            index=index,
+            handover=worker_pb2.Handover(num_generated=len(d.output_ids), seed=d.seed, kv_tokens=d.kv_tokens),
+        )
 
     async def _await_migrate(self, handoff: Handoff, context: grpc.aio.ServicerContext, where: str) -> None:
         """Keep the KV until the router's Migrate pushed it or `migrate_wait_seconds` passed; then
@@ -592,10 +679,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         if handoff.state == Handoff.PARKED:
             handoff.release()
             w.metrics.observe_handoff(handoff.outcome or "released")
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"{where}: handed over, but no Migrate came within {w.settings.migrate_wait_seconds:g}s")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{where}: handed over, but no Migrate came within {w.settings.migrate_wait_seconds:g}s",
+            )
 
-    async def Migrate(self, request: worker_pb2.MigrateRequest, context: grpc.aio.ServicerContext) -> worker_pb2.MigrateReply:
+    async def Migrate(
+        self, request: worker_pb2.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.MigrateReply:
         w = self.w
         where = f"slot {request.slot} generation {request.generation} (request {request.request_id})"
         try:
@@ -624,23 +715,51 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: migration failed: {exc}")
         seconds = time.monotonic() - started
         w.metrics.observe_handoff(handoff.outcome or "migrated", result.stats.bytes, seconds)
-        tracing.record("decode.migrate", started_ns, tracing.now_ns(), {
-            "pdserve.request_id": request.request_id, "pdserve.decode.member": w.settings.member_id,
-            "pdserve.kv_tokens": result.num_tokens, "pdserve.kv_bytes": result.stats.bytes},
-            parent=tracing.extract(context.invocation_metadata()))
-        log.info(kv(event="request_migrated", request=request.request_id, tokens=result.num_tokens,
-                    bytes=result.stats.bytes, seconds=f"{seconds:.4f}",
-                    targets=",".join(t.engine_id for t in targets)))
-        return worker_pb2.MigrateReply(num_tokens=result.num_tokens, kv_bytes=result.stats.bytes,
-                                       push_seconds=result.stats.seconds)
+        tracing.record(
+            "decode.migrate",
+            started_ns,
+            tracing.now_ns(),
+            {
+                "pdserve.request_id": request.request_id,
+                "pdserve.decode.member": w.settings.member_id,
+                "pdserve.kv_tokens": result.num_tokens,
+                "pdserve.kv_bytes": result.stats.bytes,
+            },
+            parent=tracing.extract(context.invocation_metadata()),
+        )
+        log.info(
+            kv(
+                event="request_migrated",
+                request=request.request_id,
+                tokens=result.num_tokens,
+                bytes=result.stats.bytes,
+                seconds=f"{seconds:.4f}",
+                targets=",".join(t.engine_id for t in targets),
+            )
+        )
+        return worker_pb2.MigrateReply(
+            num_tokens=result.num_tokens, kv_bytes=result.stats.bytes, push_seconds=result.stats.seconds
+        )
 
-    async def Release(self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseReply:
+    async def Release(
+        self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseReply:
         # Only a grant still waiting for its Generate (or quarantined for it) is released here; a
         # committed slot is the generation loop's until its request leaves the batch.
         released = self.w.slots.release_grant(request.slot, request.generation, push_settled=request.push_settled)
-        log.debug(kv(event="grant_released", request=request.request_id, slot=request.slot,
-                     generation=request.generation, push_settled=request.push_settled, released=released))
+        log.debug(
+            kv(
+                event="grant_released",
+                request=request.request_id,
+                slot=request.slot,
+                generation=request.generation,
+                push_settled=request.push_settled,
+                released=released,
+            )
+        )
         return worker_pb2.ReleaseReply(released=released)
 
-    async def Status(self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> worker_pb2.DecodeStatus:
+    async def Status(
+        self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DecodeStatus:
         return self.w.status()

@@ -175,8 +175,16 @@ class BlockTable:
         return len(self._handles)
 
     # ---- reservations ------------------------------------------------------------------------
-    def reserve(self, request_id: str, ttl_s: float, *, num_tokens: int, prompt_tokens: int | None = None,
-                share_from: tuple[int, int] | None = None, shared_blocks: int = 0) -> Grant:
+    def reserve(
+        self,
+        request_id: str,
+        ttl_s: float,
+        *,
+        num_tokens: int,
+        prompt_tokens: int | None = None,
+        share_from: tuple[int, int] | None = None,
+        shared_blocks: int = 0,
+    ) -> Grant:
         """Grant a handle and blocks for `num_tokens` tokens for `ttl_s` seconds. Raises NoFreeBlocks.
 
         `prompt_tokens` (default `num_tokens`): how many of them the prefill writes; only whole
@@ -193,8 +201,10 @@ class BlockTable:
             raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
         need = blocks_for(num_tokens, self.block_tokens)
         if need > self.num_blocks:
-            raise NoFreeBlocks(f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
-                               f"more than this pool's {self.num_blocks}")
+            raise NoFreeBlocks(
+                f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
+                f"more than this pool's {self.num_blocks}"
+            )
         if not 0 <= shared_blocks <= need:
             raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
         self.expire()
@@ -214,11 +224,15 @@ class BlockTable:
             fresh = need - len(shared)
             if index is None or fresh > len(self._free):
                 usage = self._usage()
-                what = (f"all {len(self._handles)} reservations in use" if index is None else
-                        f"needs {fresh} blocks ({num_tokens} tokens), {usage.free_blocks} free")
+                what = (
+                    f"all {len(self._handles)} reservations in use"
+                    if index is None
+                    else f"needs {fresh} blocks ({num_tokens} tokens), {usage.free_blocks} free"
+                )
                 raise NoFreeBlocks(
                     f"no KV room for request {request_id!r}: {what}; {usage.reserved_blocks} blocks reserved, "
-                    f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {self.num_blocks}")
+                    f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {self.num_blocks}"
+                )
             generation = next(self._generations)
             taken = tuple(heapq.heappop(self._free) for _ in range(fresh))
             if self._leases is not None and taken:
@@ -236,8 +250,17 @@ class BlockTable:
             h.nonce = reservation_nonce(self._key, index, generation)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
             grant = self._grant(index, h)
-        log.debug(kv(event="blocks_reserved", request=request_id, slot=index, generation=generation,
-                     blocks=len(blocks), shared=len(shared), tokens=num_tokens))
+        log.debug(
+            kv(
+                event="blocks_reserved",
+                request=request_id,
+                slot=index,
+                generation=generation,
+                blocks=len(blocks),
+                shared=len(shared),
+                tokens=num_tokens,
+            )
+        )
         return grant
 
     def renew(self, slot: int, generation: int, ttl_s: float) -> bool:
@@ -301,8 +324,15 @@ class BlockTable:
                     expired.append(self._grant(index, h))
                     self._quarantine(index, h)
         for grant in expired:
-            log.warning(kv(event="blocks_lease_expired", request=grant.request_id, slot=grant.slot,
-                           generation=grant.generation, blocks=len(grant.blocks)))
+            log.warning(
+                kv(
+                    event="blocks_lease_expired",
+                    request=grant.request_id,
+                    slot=grant.slot,
+                    generation=grant.generation,
+                    blocks=len(grant.blocks),
+                )
+            )
             if self._on_expire is not None:
                 self._on_expire(grant)
         return expired
@@ -381,8 +411,8 @@ class BlockTable:
         h.state = SlotState.QUARANTINED
         h.deadline = self._clock() + self.quarantine_s
         h.request_id = ""
-        self._unref(h.held[:h.shared])
-        h.held = h.held[h.shared:]
+        self._unref(h.held[: h.shared])
+        h.held = h.held[h.shared :]
         if self.quarantine_s == 0:
             self._drop(h)
 
@@ -402,7 +432,7 @@ class BlockTable:
                 heapq.heappush(self._free, b)
 
     def _end_lease(self, index: int, h: _Handle) -> None:
-        if self._leases is not None and h.blocks[h.shared:]:
+        if self._leases is not None and h.blocks[h.shared :]:
             try:
                 self._leases.ended(index, h.generation)
             except Exception as exc:  # a revoke that failed must not wedge the table
@@ -417,11 +447,23 @@ class BlockTable:
             counts[state] += 1
             blocks[h.state].update(h.held)
         committed = blocks[SlotState.COMMITTED]
-        slots = SlotUsage(counts[SlotState.FREE], counts[SlotState.RESERVED], counts[SlotState.COMMITTED],
-                          counts[SlotState.QUARANTINED])
-        return BlockUsage(slots, self.num_blocks, len(self._free), len(blocks[SlotState.RESERVED] - committed),
-                          len(committed), len(blocks[SlotState.QUARANTINED]), self.block_tokens)
+        slots = SlotUsage(
+            counts[SlotState.FREE],
+            counts[SlotState.RESERVED],
+            counts[SlotState.COMMITTED],
+            counts[SlotState.QUARANTINED],
+        )
+        return BlockUsage(
+            slots,
+            self.num_blocks,
+            len(self._free),
+            len(blocks[SlotState.RESERVED] - committed),
+            len(committed),
+            len(blocks[SlotState.QUARANTINED]),
+            self.block_tokens,
+        )
 
     def _grant(self, index: int, h: _Handle) -> Grant:
-        return Grant(h.request_id, index, h.generation, self.engine_id, self.base_addr, self.layout, h.nonce,
-                     h.blocks, h.shared)
+        return Grant(
+            h.request_id, index, h.generation, self.engine_id, self.base_addr, self.layout, h.nonce, h.blocks, h.shared
+        )

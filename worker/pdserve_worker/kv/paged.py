@@ -113,8 +113,9 @@ class PagedKVCache:
         return f"PagedKVCache(layout={self.layout!r}, device={self.device}, bound={len(self._tables)})"
 
 
-def rows_of(table: Sequence[int], block_tokens: int, start: int, stop: int,
-            device: str | torch.device = "cpu") -> torch.Tensor:
+def rows_of(
+    table: Sequence[int], block_tokens: int, start: int, stop: int, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """Flat pool rows of tokens [start, stop) of a block table: `table[j // B] * B + j % B`."""
     j = torch.arange(start, stop)
     blocks = torch.as_tensor(table, dtype=torch.long)[j // block_tokens]

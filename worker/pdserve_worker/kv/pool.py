@@ -114,8 +114,9 @@ class KVPool:
         from pdserve_common.block_layout import block_spans
 
         for offset, length in block_spans(self.layout.blocks, blocks):
-            view = np.frombuffer(memoryview((ctypes.c_char * length).from_address(self.base_addr + offset)),
-                                 dtype=np.uint8)
+            view = np.frombuffer(
+                memoryview((ctypes.c_char * length).from_address(self.base_addr + offset)), dtype=np.uint8
+            )
             int(view[::PAGE].sum())
 
     def close(self) -> None:

@@ -54,7 +54,7 @@ def block_hashes(tokens: Sequence[int], block_tokens: int, salt: bytes) -> list[
     out: list[bytes] = []
     parent = salt
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        block = tokens[start:start + block_tokens]
+        block = tokens[start : start + block_tokens]
         parent = hashlib.sha256(parent + struct.pack(f"<{block_tokens}q", *block)).digest()
         out.append(parent)
     return out
@@ -176,8 +176,16 @@ class PrefixCache:
     def stats(self) -> PrefixCacheStats:
         with self._lock:
             pinned = sum(1 for r in self._refs if r > 0)
-            return PrefixCacheStats(self._queries, self._query_blocks, self._hit_blocks, len(self._by_hash), pinned,
-                                    self.num_blocks, self.block_tokens, self._evictions)
+            return PrefixCacheStats(
+                self._queries,
+                self._query_blocks,
+                self._hit_blocks,
+                len(self._by_hash),
+                pinned,
+                self.num_blocks,
+                self.block_tokens,
+                self._evictions,
+            )
 
     def refcount(self, block: int) -> int:
         with self._lock:

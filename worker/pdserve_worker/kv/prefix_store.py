@@ -40,8 +40,9 @@ class PrefixUse:
 
 
 class PrefixStore:
-    def __init__(self, layout: KVLayout, num_blocks: int, block_tokens: int, revision: str,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, block_tokens: int, revision: str, device: str | torch.device = "cpu"
+    ) -> None:
         if layout.max_len < block_tokens:
             raise ValueError(f"prefix block of {block_tokens} tokens is longer than a prompt may be ({layout.max_len})")
         self.layout = layout
@@ -69,7 +70,7 @@ class PrefixStore:
             bt = self.block_tokens
             dest = cache.slot(slot)  # [layer, K|V, token, kv_head, head_dim]
             for i, block in enumerate(lease.hits):
-                dest[:, :, i * bt:(i + 1) * bt] = self.blocks[block]
+                dest[:, :, i * bt : (i + 1) * bt] = self.blocks[block]
             self.cache.reserve_fills(lease, hashes)
         except BaseException:
             self.cache.release(lease)
@@ -81,7 +82,7 @@ class PrefixStore:
         bt = self.block_tokens
         source = cache.slot(slot)
         for index, block in use.lease.fills:
-            self.blocks[block] = source[:, :, index * bt:(index + 1) * bt]
+            self.blocks[block] = source[:, :, index * bt : (index + 1) * bt]
         self.cache.publish(use.lease)
 
     def end(self, use: PrefixUse) -> None:
@@ -96,5 +97,10 @@ class PrefixStore:
     def _check(self, cache: KVCache) -> None:
         mine, theirs = self.layout, cache.layout
         if (mine.num_layers, mine.first_layer, mine.kv_heads, mine.head_dim, mine.dtype) != (
-                theirs.num_layers, theirs.first_layer, theirs.kv_heads, theirs.head_dim, theirs.dtype):
+            theirs.num_layers,
+            theirs.first_layer,
+            theirs.kv_heads,
+            theirs.head_dim,
+            theirs.dtype,
+        ):
             raise ValueError(f"prefix store geometry {mine} does not match the scratch pool {theirs}")

@@ -114,7 +114,7 @@ class Grant:
     @property
     def writable(self) -> tuple[int, ...]:
         """The blocks a push writes (a paged reservation's own)."""
-        return self.blocks[self.shared:]
+        return self.blocks[self.shared :]
 
     @property
     def slot_addr(self) -> int:
@@ -229,9 +229,7 @@ class SlotTable:
         with self._lock:
             s = self._slots[slot] if 0 <= slot < len(self._slots) else None
             if s is None or s.state not in (SlotState.RESERVED, SlotState.COMMITTED) or s.generation != generation:
-                log.info(
-                    kv(event="slot_release_stale", slot=slot, generation=generation, **self._describe(s))
-                )
+                log.info(kv(event="slot_release_stale", slot=slot, generation=generation, **self._describe(s)))
                 return False
             if s.state is SlotState.RESERVED:
                 self._quarantine(slot, s)
@@ -334,7 +332,10 @@ class SlotTable:
             state = SlotState.FREE if s.state is SlotState.QUARANTINED and s.deadline <= now else s.state
             counts[state] += 1
         return SlotUsage(
-            counts[SlotState.FREE], counts[SlotState.RESERVED], counts[SlotState.COMMITTED], counts[SlotState.QUARANTINED]
+            counts[SlotState.FREE],
+            counts[SlotState.RESERVED],
+            counts[SlotState.COMMITTED],
+            counts[SlotState.QUARANTINED],
         )
 
     @staticmethod
@@ -357,8 +358,15 @@ class SlotTable:
                 log.error(kv(event="lease_end_failed", slot=index, generation=generation, error=repr(exc)))
 
     def _grant(self, index: int, s: _Slot) -> Grant:
-        return Grant(s.request_id, index, s.generation, self.engine_id, self.base_addr, self.layout,
-                     s.nonce or reservation_nonce(self._key, index, s.generation))
+        return Grant(
+            s.request_id,
+            index,
+            s.generation,
+            self.engine_id,
+            self.base_addr,
+            self.layout,
+            s.nonce or reservation_nonce(self._key, index, s.generation),
+        )
 
     @staticmethod
     def _describe(s: _Slot | None) -> dict[str, object]:

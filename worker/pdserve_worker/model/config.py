@@ -48,14 +48,36 @@ HF_CLASSES = {
 # What transformers' config classes (5.x) use for keys a config.json may omit.
 # (num_key_value_heads None: as many as the query heads.)
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": None,
-              "num_key_value_heads": None},
-    "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": 4096,
-                "num_key_value_heads": 8},
-    "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": None, "sliding_window": 4096,
-              "max_window_layers": 28, "num_key_value_heads": 32},
-    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128, "sliding_window": 4096,
-              "max_window_layers": 28, "num_key_value_heads": 32},
+    "llama": {
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "head_dim": None,
+        "sliding_window": None,
+        "num_key_value_heads": None,
+    },
+    "mistral": {
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-6,
+        "head_dim": None,
+        "sliding_window": 4096,
+        "num_key_value_heads": 8,
+    },
+    "qwen2": {
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "head_dim": None,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "num_key_value_heads": 32,
+    },
+    "qwen3": {
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "head_dim": 128,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "num_key_value_heads": 32,
+    },
 }
 DEFAULT_ROPE_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta
 
@@ -88,7 +110,15 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -109,8 +139,10 @@ class ModelConfig:
                     f"rope_scaling.rope_type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
                 )
             if rope_type != "default" and not isinstance(self.rope_scaling.get("factor"), (int, float)):
-                raise ValueError(f"rope_scaling.factor must be a number for rope_type {rope_type!r}, "
-                                 f"got {self.rope_scaling.get('factor')!r}")
+                raise ValueError(
+                    f"rope_scaling.factor must be a number for rope_type {rope_type!r}, "
+                    f"got {self.rope_scaling.get('factor')!r}"
+                )
 
     @property
     def rope_type(self) -> str:
@@ -143,10 +175,13 @@ class ModelConfig:
         if max_len > self.max_position_embeddings:
             why = ""
             if self.rope_type == "dynamic":
-                why = (" (rope_scaling.rope_type 'dynamic' recomputes the rotary frequencies beyond it, per forward "
-                       "length: cached keys would no longer match; not supported)")
-            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
-                             f"{self.max_position_embeddings}{why}")
+                why = (
+                    " (rope_scaling.rope_type 'dynamic' recomputes the rotary frequencies beyond it, per forward "
+                    "length: cached keys would no longer match; not supported)"
+                )
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's max_position_embeddings {self.max_position_embeddings}{why}"
+            )
         if self.sliding_window is not None and max_len > self.sliding_window:
             raise ValueError(
                 f"max_len {max_len} exceeds the model's sliding_window {self.sliding_window} (config.json "
@@ -191,8 +226,10 @@ class ModelConfig:
         quant = data.get("quantization_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            raise ValueError(f"config.json quantization_config (quant_method {method!r}) is not supported: "
-                             "serve the unquantized (bf16/fp16) checkpoint or a GGUF file")
+            raise ValueError(
+                f"config.json quantization_config (quant_method {method!r}) is not supported: "
+                "serve the unquantized (bf16/fp16) checkpoint or a GGUF file"
+            )
         act = data.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act {act!r} is not supported; expected 'silu'")
@@ -252,8 +289,9 @@ class ModelConfig:
             "qwen3": self.qkv_bias == self.o_bias and self.qk_norm,
         }[arch]
         if not expressible:
-            raise ValueError(f"{arch} has no config.json for qkv_bias={self.qkv_bias} o_bias={self.o_bias} "
-                             f"qk_norm={self.qk_norm}")
+            raise ValueError(
+                f"{arch} has no config.json for qkv_bias={self.qkv_bias} o_bias={self.o_bias} qk_norm={self.qk_norm}"
+            )
         rope = dict(self.rope_scaling) if self.rope_scaling else None
         data: dict[str, Any] = {
             "architectures": [HF_CLASSES[arch]],
@@ -283,8 +321,11 @@ class ModelConfig:
             data["sliding_window"] = self.sliding_window
         if arch in ("qwen2", "qwen3"):
             # Every layer sliding when there is a window: within max_len <= window it is full attention anyway.
-            data.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
-                        max_window_layers=0 if self.sliding_window is not None else self.num_layers)
+            data.update(
+                use_sliding_window=self.sliding_window is not None,
+                sliding_window=self.sliding_window,
+                max_window_layers=0 if self.sliding_window is not None else self.num_layers,
+            )
         return data
 
     def to_dict(self) -> dict[str, Any]:
@@ -316,8 +357,9 @@ def _rope(data: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | N
     rope_type = rope.pop("rope_type", None) or rope.get("type") or "default"
     rope.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"config.json rope_scaling.rope_type {rope_type!r} is not supported; "
-                         f"expected one of {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"config.json rope_scaling.rope_type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
+        )
     if rope_type == "default":
         return theta, None
     if rope_type in ("llama3", "yarn"):
@@ -342,8 +384,9 @@ def _sliding_window(model_type: str, data: dict[str, Any], layers: int, defaults
     layer_types = data.get("layer_types")
     if layer_types is None:
         first = int(data.get("max_window_layers", defaults["max_window_layers"]))
-        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                       for i in range(layers)]
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
+        ]
     odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if odd:
         raise ValueError(f"config.json layer_types {odd} are not supported (full_attention, sliding_attention)")

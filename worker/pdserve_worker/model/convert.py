@@ -74,8 +74,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(checkpoint.config.to_hf("float32"), indent=2))
     tokenizer.save(out)
     # Every id llama.cpp ends generation on, where an HF folder lists them.
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": checkpoint.config.bos_token_id, "eos_token_id": list(tokenizer.eos_token_ids)}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {"bos_token_id": checkpoint.config.bos_token_id, "eos_token_id": list(tokenizer.eos_token_ids)}, indent=2
+        )
+    )
     _mark(out, gguf_path, "float32")
     return out
 

@@ -231,8 +231,9 @@ class Generator(Generic[CacheT]):
         if request is None:
             return None
         self._finish(request)
-        return Detached(request.request_id, request.slot, list(request.prompt_ids), list(request.output_ids),
-                        request.sampler.seed)
+        return Detached(
+            request.request_id, request.slot, list(request.prompt_ids), list(request.output_ids), request.sampler.seed
+        )
 
     # ---- the loop ----------------------------------------------------------------------------------
 

@@ -84,8 +84,7 @@ def _bool(data: dict[str, Any], key: str) -> bool | None:
     return value
 
 
-def _number(data: dict[str, Any], key: str, kind: type, low: float, high: float | None,
-            open_low: bool = False) -> Any:
+def _number(data: dict[str, Any], key: str, kind: type, low: float, high: float | None, open_low: bool = False) -> Any:
     value = data.get(key)
     if value is None:
         return None

@@ -132,8 +132,9 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-                     or hidden // heads),
+        head_dim=int(
+            meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
+        ),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -166,7 +167,9 @@ def _rope_scaling(meta: dict[str, Any], arch: str, context: int) -> dict[str, An
         scaling: dict[str, Any] = {
             "rope_type": "yarn",
             "factor": float(factor),
-            "original_max_position_embeddings": int(meta.get(f"{arch}.rope.scaling.original_context_length") or context),
+            "original_max_position_embeddings": int(
+                meta.get(f"{arch}.rope.scaling.original_context_length") or context
+            ),
         }
         for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if (value := meta.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:

@@ -115,8 +115,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], layers: range,
-                  quantized: Mapping[str, QuantizedTensor] | None = None) -> None:
+def check_weights(
+    config: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    layers: range,
+    quantized: Mapping[str, QuantizedTensor] | None = None,
+) -> None:
     """Every tensor the config implies for `layers` is present with its shape (names the first that
     is not), as a float tensor or, for a matrix, quantized."""
     quantized = quantized or {}
@@ -197,14 +201,20 @@ class LlamaModel:
             # The checkpoint's own blocks where it has them (int8 holds 4- and 8-bit ones exactly),
             # else the float weights quantized by llama.cpp's reference rounding.
             kind = "q4" if route == "int4" else "q8"
-            parts = [(to_kind(quantized[n], kind) if route == "int4" else quantized[n]) if n in quantized
-                     else quantize(_hf(n, weights), kind) for n in names]
+            parts = [
+                (to_kind(quantized[n], kind) if route == "int4" else quantized[n])
+                if n in quantized
+                else quantize(_hf(n, weights), kind)
+                for n in names
+            ]
             return self.linear.prepare_quantized(parts, route)
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
         # Tied: a packed or quantized head is a second copy (the embedding lookup needs the plain rows).
-        self.lm_head = matrix("lm_head", lambda: self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight"))
+        self.lm_head = matrix(
+            "lm_head", lambda: self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
+        )
         # A quantized head's exact rows (fp32, by token id), for `head`'s refinement: a tied head's
         # are the embedding rows; an untied one keeps its checkpoint blocks and dequantizes rows.
         self._head_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -219,8 +229,12 @@ class LlamaModel:
             p = f"model.layers.{i}."
             qk_norm = None
             if config.qk_norm:  # one weight row per head, q's heads first: a single norm call over q and k
-                qk_norm = torch.cat([take(p + "self_attn.q_norm.weight")[None].expand(config.num_heads, -1),
-                                     take(p + "self_attn.k_norm.weight")[None].expand(config.num_kv_heads, -1)])
+                qk_norm = torch.cat(
+                    [
+                        take(p + "self_attn.q_norm.weight")[None].expand(config.num_heads, -1),
+                        take(p + "self_attn.k_norm.weight")[None].expand(config.num_kv_heads, -1),
+                    ]
+                )
             self.layers[i] = LayerWeights(
                 attn_norm=take(p + "input_layernorm.weight"),
                 qkv=matrix(p + "attn_qkv", lambda: fused(*groups[p + "attn_qkv"])),
@@ -351,8 +365,10 @@ class LlamaModel:
         KV of every prompt is final. Equal, up to summation order, to prefilling each alone.
         """
         if len(prompts) != len(slots) or not prompts:
-            raise ValueError(f"prefill_batch needs one slot per prompt and at least one prompt, got "
-                             f"{len(prompts)} prompts and {len(slots)} slots")
+            raise ValueError(
+                f"prefill_batch needs one slot per prompt and at least one prompt, got "
+                f"{len(prompts)} prompts and {len(slots)} slots"
+            )
         ids = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
         for i, p in enumerate(ids):
             if p.numel() == 0:
@@ -402,8 +418,9 @@ class LlamaModel:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _plan(self, hidden: torch.Tensor, cache: KVCache | PagedKVCache, slots: Sequence[int],
-              positions: Sequence[int]) -> _StepPlan | PagedPlan:
+    def _plan(
+        self, hidden: torch.Tensor, cache: KVCache | PagedKVCache, slots: Sequence[int], positions: Sequence[int]
+    ) -> _StepPlan | PagedPlan:
         if hidden.dim() != 3:
             raise ValueError(f"hidden must be [batch, tokens, hidden], got shape {tuple(hidden.shape)}")
         batch, tokens = hidden.shape[0], hidden.shape[1]
@@ -414,8 +431,9 @@ class LlamaModel:
                 raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
             pos = torch.as_tensor(list(positions), dtype=torch.long)[:, None] + torch.arange(tokens)[None]
             cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
-            return paged_attention.batch_plan(cache, slots, positions, tokens, cos[:, :, None], sin[:, :, None],
-                                              pos.to(self.device))
+            return paged_attention.batch_plan(
+                cache, slots, positions, tokens, cos[:, :, None], sin[:, :, None], pos.to(self.device)
+            )
         if len(set(slots)) != batch:
             raise ValueError(f"a slot appears twice in one batch: {list(slots)}")
         layout = cache.layout
@@ -439,8 +457,9 @@ class LlamaModel:
             tokens=tokens,
         )
 
-    def _packed_plan(self, cache: KVCache | PagedKVCache, slots: list[int], starts: list[int],
-                     lengths: list[int]) -> _StepPlan | PagedPlan:
+    def _packed_plan(
+        self, cache: KVCache | PagedKVCache, slots: list[int], starts: list[int], lengths: list[int]
+    ) -> _StepPlan | PagedPlan:
         """The plan of prompts packed into one row: prompt i's `lengths[i]` tokens go to
         positions `starts[i]`.. of `slots[i]`."""
         if isinstance(cache, PagedKVCache):
@@ -448,8 +467,9 @@ class LlamaModel:
                 raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
             pos = torch.cat([start + torch.arange(n) for start, n in zip(starts, lengths)])
             cos, sin = cos_sin(self.inv_freq, pos[None].to(self.device), self.dtype, self.rope_scale)
-            return paged_attention.packed_plan(cache, slots, starts, lengths, cos[:, :, None], sin[:, :, None],
-                                               pos.to(self.device))
+            return paged_attention.packed_plan(
+                cache, slots, starts, lengths, cos[:, :, None], sin[:, :, None], pos.to(self.device)
+            )
         if len(set(slots)) != len(slots):
             raise ValueError(f"a slot appears twice in one batch: {slots}")
         layout = cache.layout
@@ -525,8 +545,9 @@ class LlamaModel:
         v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
 
         if isinstance(plan, PagedPlan):
-            attn = paged_attention.write_and_attend(q, k, v, cache.keys(layer), cache.values(layer), plan, heads,
-                                                    kv_heads, head_dim)
+            attn = paged_attention.write_and_attend(
+                q, k, v, cache.keys(layer), cache.values(layer), plan, heads, kv_heads, head_dim
+            )
             return self._finish_layer(x, attn, w)
         keys, values = cache.keys(layer), cache.values(layer)  # [slot, token, kv_head, head_dim]
         if plan.segments:
@@ -562,7 +583,11 @@ class LlamaModel:
                 kr = keys[seg.slot : seg.slot + 1, :end].transpose(1, 2)
                 vr = values[seg.slot : seg.slot + 1, :end].transpose(1, 2)
                 out = F.scaled_dot_product_attention(
-                    q[:, seg.start : seg.stop].transpose(1, 2), kr, vr, attn_mask=seg.mask, is_causal=seg.mask is None,
+                    q[:, seg.start : seg.stop].transpose(1, 2),
+                    kr,
+                    vr,
+                    attn_mask=seg.mask,
+                    is_causal=seg.mask is None,
                     enable_gqa=heads != kv_heads,
                 )
                 outs.append(out.transpose(1, 2).reshape(1, n, heads * head_dim))
@@ -575,10 +600,16 @@ class LlamaModel:
             if tokens == 1:
                 # [rows, kv_heads, group, head_dim]: the group plays the query-length role.
                 qr = q_run.reshape(n, kv_heads, heads // kv_heads, head_dim)
-                outs.append(F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask).reshape(n, 1, heads * head_dim))
+                outs.append(
+                    F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask).reshape(n, 1, heads * head_dim)
+                )
             else:
                 out = F.scaled_dot_product_attention(
-                    q_run.transpose(1, 2), kr, vr, attn_mask=run.mask, is_causal=run.mask is None,
+                    q_run.transpose(1, 2),
+                    kr,
+                    vr,
+                    attn_mask=run.mask,
+                    is_causal=run.mask is None,
                     enable_gqa=heads != kv_heads,
                 )
                 outs.append(out.transpose(1, 2).reshape(n, tokens, heads * head_dim))

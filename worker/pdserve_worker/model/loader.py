@@ -98,8 +98,9 @@ def stored_kinds(folder: Path) -> dict[str, Kind]:
     return kinds
 
 
-def loaded_bytes(config: ModelConfig, dtype: str, layers: range, device: torch.device,
-                 routes: dict[str, str] | None = None) -> int:
+def loaded_bytes(
+    config: ModelConfig, dtype: str, layers: range, device: torch.device, routes: dict[str, str] | None = None
+) -> int:
     """Memory the weights of `layers` take once loaded on `device` on the planned `routes`
     (default: all dequantized): dequantized ones in `dtype`, quantized ones in their packed size,
     plus a second copy of a tied embedding where the LM head is held apart from it (packed for
@@ -135,9 +136,13 @@ def load_model(
     stored = stored_kinds(quantized_folder) if quantized_folder is not None else {}
     routes = plan(config, weights, stored, held, torch_device.type)
     available, source = device_available(torch_device)
-    check_fits(loaded_bytes(config, dtype, held, torch_device, routes), available, source,
-               what=f"the weights of {name} (layers {held.start}..{held.stop - 1}, {dtype}, weights {weights})",
-               device=str(torch_device))
+    check_fits(
+        loaded_bytes(config, dtype, held, torch_device, routes),
+        available,
+        source,
+        what=f"the weights of {name} (layers {held.start}..{held.stop - 1}, {dtype}, weights {weights})",
+        device=str(torch_device),
+    )
     generation = GenerationDefaults.from_folder(folder)
     eos = list(dict.fromkeys([*config.eos_token_ids, *generation.eos_token_ids]))
     tokenizer = Tokenizer.from_dir(folder, extra_eos_token_ids=eos)
@@ -145,12 +150,31 @@ def load_model(
     # (but the embedding rows always are: the lookup needs them).
     wanted = {n for group, parts in groups(config, held).items() if routes[group] != "dequantized" for n in parts}
     quantized = read_quantized_dir(quantized_folder, [n for n in wanted if n in stored]) if quantized_folder else {}
-    names = [n for n in [*weight_shapes(config, held), "rope_freqs.weight"]
-             if n not in quantized or n == "model.embed_tokens.weight"]
-    model = LlamaModel(config, read_safetensors_dir(folder, names), dtype=torch_dtype(dtype), device=torch_device,
-                       layers=layers, quantized=quantized, routes=routes)
-    log.info(kv(event="model_loaded", name=name, architecture=config.architecture, folder=folder, dtype=dtype,
-                device=torch_device, weights=weights,
-                routes=",".join(f"{k}:{v}" for k, v in summary(model.routes).items()),
-                seconds=round(time.perf_counter() - started, 3)))
+    names = [
+        n
+        for n in [*weight_shapes(config, held), "rope_freqs.weight"]
+        if n not in quantized or n == "model.embed_tokens.weight"
+    ]
+    model = LlamaModel(
+        config,
+        read_safetensors_dir(folder, names),
+        dtype=torch_dtype(dtype),
+        device=torch_device,
+        layers=layers,
+        quantized=quantized,
+        routes=routes,
+    )
+    log.info(
+        kv(
+            event="model_loaded",
+            name=name,
+            architecture=config.architecture,
+            folder=folder,
+            dtype=dtype,
+            device=torch_device,
+            weights=weights,
+            routes=",".join(f"{k}:{v}" for k, v in summary(model.routes).items()),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+    )
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, generation=generation)

@@ -203,8 +203,14 @@ class Linear:
         except RuntimeError as exc:
             # A CPU or build where oneDNN declines: serve on the plain weights, slower but right.
             self.prepack = False
-            log.warning(kv(event="prepack_unavailable", dtype=str(w.dtype).removeprefix("torch."),
-                           shape="x".join(map(str, w.shape)), error=str(exc).splitlines()[0][:200]))
+            log.warning(
+                kv(
+                    event="prepack_unavailable",
+                    dtype=str(w.dtype).removeprefix("torch."),
+                    shape="x".join(map(str, w.shape)),
+                    error=str(exc).splitlines()[0][:200],
+                )
+            )
             return w
 
     def prepare_quantized(self, parts: list[QuantizedTensor], route: str) -> Int4Matrix:
@@ -217,7 +223,10 @@ class Linear:
         return pack_int4(parts, 1 if route == "int4" else 2)
 
     def __call__(
-        self, x: torch.Tensor, w: torch.Tensor | Int4Matrix, out_dtype: torch.dtype | None = None,
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor | Int4Matrix,
+        out_dtype: torch.dtype | None = None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`x @ w.T (+ bias)`; the bias (in the weight's dtype) is added inside the product, before
@@ -247,8 +256,9 @@ class Linear:
         y = out_t.t().to(out_dtype or x.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
-    def _quantized(self, x: torch.Tensor, w: Int4Matrix, out_dtype: torch.dtype | None,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+    def _quantized(
+        self, x: torch.Tensor, w: Int4Matrix, out_dtype: torch.dtype | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         rows, cols = w.shape
         flat = x.reshape(-1, cols).to(torch.bfloat16)
         if w.planes > 1:

@@ -65,9 +65,11 @@ def _cgroup_available(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 def host_available() -> tuple[int | None, str]:
     """(bytes available to this process on the host, where the figure came from)."""
-    figures = {name: value for name, value in (("MemAvailable", _meminfo_available()),
-                                                ("cgroup limit - working set", _cgroup_available()))
-               if value is not None}
+    figures = {
+        name: value
+        for name, value in (("MemAvailable", _meminfo_available()), ("cgroup limit - working set", _cgroup_available()))
+        if value is not None
+    }
     if not figures:
         return None, "unknown"
     source = min(figures, key=figures.__getitem__)

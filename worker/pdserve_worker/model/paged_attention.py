@@ -56,13 +56,21 @@ def _check(cache: PagedKVCache, slot: int, start: int, n: int) -> Sequence[int]:
     table = cache.table(slot)
     capacity = len(table) * cache.block_tokens
     if start < 0 or start + n > capacity:
-        raise IndexError(f"positions {start}..{start + n - 1} outside handle {slot}'s {capacity} tokens "
-                         f"({len(table)} blocks)")
+        raise IndexError(
+            f"positions {start}..{start + n - 1} outside handle {slot}'s {capacity} tokens ({len(table)} blocks)"
+        )
     return table
 
 
-def batch_plan(cache: PagedKVCache, slots: Sequence[int], positions: Sequence[int], tokens: int,
-               cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> PagedPlan:
+def batch_plan(
+    cache: PagedKVCache,
+    slots: Sequence[int],
+    positions: Sequence[int],
+    tokens: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+) -> PagedPlan:
     """Rows of `tokens` tokens each, row b written at `positions[b]`.. of handle `slots[b]`."""
     if len(set(slots)) != len(slots):
         raise ValueError(f"a KV handle appears twice in one batch: {list(slots)}")
@@ -81,8 +89,15 @@ def batch_plan(cache: PagedKVCache, slots: Sequence[int], positions: Sequence[in
     return PagedPlan(pos, cos, sin, tokens, write, packed=False, gather=gather.to(device), mask=mask.to(device))
 
 
-def packed_plan(cache: PagedKVCache, slots: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
-                cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> PagedPlan:
+def packed_plan(
+    cache: PagedKVCache,
+    slots: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+) -> PagedPlan:
     """Prompts packed in one row: prompt i's `lengths[i]` tokens at `starts[i]`.. of `slots[i]`."""
     if len(set(slots)) != len(slots):
         raise ValueError(f"a KV handle appears twice in one batch: {list(slots)}")
@@ -101,8 +116,17 @@ def packed_plan(cache: PagedKVCache, slots: Sequence[int], starts: Sequence[int]
     return PagedPlan(pos, cos, sin, offset, torch.cat(writes).to(device), packed=True, segments=tuple(segments))
 
 
-def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     plan: PagedPlan, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+def write_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    plan: PagedPlan,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
     """Write k/v `[B, T, kv_heads, head_dim]` to their pool rows, then attention of q `[B, T,
     heads, head_dim]` over each row's keys; returns `[B, T, heads * head_dim]`."""
     batch, tokens = q.shape[0], q.shape[1]
@@ -114,17 +138,23 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: to
         for seg in plan.segments:
             n = seg.stop - seg.start
             if seg.gather is None:
-                kr, vr = k[:, seg.start:seg.stop], v[:, seg.start:seg.stop]
+                kr, vr = k[:, seg.start : seg.stop], v[:, seg.start : seg.stop]
             else:
                 kr, vr = keys[seg.gather][None], values[seg.gather][None]
             out = F.scaled_dot_product_attention(
-                q[:, seg.start:seg.stop].transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
-                attn_mask=seg.mask, is_causal=seg.mask is None, enable_gqa=gqa)
+                q[:, seg.start : seg.stop].transpose(1, 2),
+                kr.transpose(1, 2),
+                vr.transpose(1, 2),
+                attn_mask=seg.mask,
+                is_causal=seg.mask is None,
+                enable_gqa=gqa,
+            )
             outs.append(out.transpose(1, 2).reshape(1, n, heads * head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     if plan.causal_self:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
+        )
         return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
     kr = keys[plan.gather].transpose(1, 2)  # [B, kv_heads, key_len, head_dim]
     vr = values[plan.gather].transpose(1, 2)

@@ -53,11 +53,15 @@ class QuantizedTensor:
         rows, groups = self.scale.shape
         width = groups * (GROUP // 2 if self.kind == "q4" else GROUP)
         if tuple(self.q.shape) != (rows, width):
-            raise ValueError(f"{self.kind} values of shape {tuple(self.q.shape)} do not match scales {tuple(self.scale.shape)}")
+            raise ValueError(
+                f"{self.kind} values of shape {tuple(self.q.shape)} do not match scales {tuple(self.scale.shape)}"
+            )
         if (self.kind == "q4") != (self.minimum is not None):
             raise ValueError(f"{self.kind} tensor {'needs' if self.kind == 'q4' else 'has no'} minimums")
         if self.minimum is not None and self.minimum.shape != self.scale.shape:
-            raise ValueError(f"minimums of shape {tuple(self.minimum.shape)} differ from scales {tuple(self.scale.shape)}")
+            raise ValueError(
+                f"minimums of shape {tuple(self.minimum.shape)} differ from scales {tuple(self.scale.shape)}"
+            )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -69,8 +73,12 @@ class QuantizedTensor:
 
     def rows(self, index: torch.Tensor) -> QuantizedTensor:
         """The rows `index` (a permutation or a selection), values untouched."""
-        return QuantizedTensor(self.kind, self.q[index].contiguous(), self.scale[index].contiguous(),
-                               None if self.minimum is None else self.minimum[index].contiguous())
+        return QuantizedTensor(
+            self.kind,
+            self.q[index].contiguous(),
+            self.scale[index].contiguous(),
+            None if self.minimum is None else self.minimum[index].contiguous(),
+        )
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """The arrays under `prefix.qweight` / `.scales` / `.mins`, for a safetensors file."""
@@ -120,7 +128,9 @@ def quantize(weight: torch.Tensor, kind: Kind) -> QuantizedTensor:
     import gguf
 
     if weight.dim() != 2 or weight.shape[1] % GROUP:
-        raise ValueError(f"only matrices whose rows are whole blocks of {GROUP} quantize, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"only matrices whose rows are whole blocks of {GROUP} quantize, got shape {tuple(weight.shape)}"
+        )
     type_name = "Q4_1" if kind == "q4" else "Q8_0"
     array = weight.detach().to(torch.float32).cpu().contiguous().numpy()
     blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType[type_name])

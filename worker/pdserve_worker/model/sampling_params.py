@@ -48,12 +48,15 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="Below 1e-5 (0 included) greedy.")
     top_k: int = Field(0, ge=0, le=UINT32_MAX, description="Keep the k most likely tokens; 0 disables.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to keep; 1 disables.")
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
-                             description="Seed of the request's own generator; None draws one.")
-    stop: tuple[StopString, ...] = Field((), max_length=MAX_STOP_STRINGS,
-                                         description="Strings that end generation (not included in the output).")
-    stop_token_ids: tuple[TokenId, ...] = Field((), max_length=MAX_STOP_TOKEN_IDS,
-                                                description="Token ids that end generation besides EOS.")
+    seed: int | None = Field(
+        None, ge=INT64_MIN, le=INT64_MAX, description="Seed of the request's own generator; None draws one."
+    )
+    stop: tuple[StopString, ...] = Field(
+        (), max_length=MAX_STOP_STRINGS, description="Strings that end generation (not included in the output)."
+    )
+    stop_token_ids: tuple[TokenId, ...] = Field(
+        (), max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end generation besides EOS."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
 
     @property

@@ -44,8 +44,9 @@ def layer_shapes(config: ModelConfig, layer: int) -> dict[str, Shape]:
         p + "mlp.down_proj.weight": (h, i),
     }
     if config.qkv_bias:
-        shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)})
+        shapes.update(
+            {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,)}
+        )
     if config.o_bias:
         shapes[p + "self_attn.o_proj.bias"] = (h,)
     if config.qk_norm:

@@ -24,9 +24,26 @@ from pdserve_worker.model.generation_config import GenerationDefaults
 from pdserve_worker.model.shapes import parameter_count
 
 GIB = 1024**3
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
-          "ti": 2**40, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -85,15 +102,26 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
             pass
         from pdserve_worker.model.gguf_format import QUANTIZED_TYPES, gguf_to_hf_name
 
-        stored = {gguf_to_hf_name(t.name): QUANTIZED_TYPES[t.tensor_type.name] for t in reader.tensors
-                  if t.tensor_type.name in QUANTIZED_TYPES and len(t.shape) == 2}
-        return config, {"format": "gguf", "name": p.stem, "checkpoint_dtype": file_type, "quantized": stored,
-                        "generation": GenerationDefaults(eos_token_ids=config.eos_token_ids)}
+        stored = {
+            gguf_to_hf_name(t.name): QUANTIZED_TYPES[t.tensor_type.name]
+            for t in reader.tensors
+            if t.tensor_type.name in QUANTIZED_TYPES and len(t.shape) == 2
+        }
+        return config, {
+            "format": "gguf",
+            "name": p.stem,
+            "checkpoint_dtype": file_type,
+            "quantized": stored,
+            "generation": GenerationDefaults(eos_token_ids=config.eos_token_ids),
+        }
     if p.is_dir() and (p / "config.json").is_file():
         data = json.loads((p / "config.json").read_text())
         return ModelConfig.from_hf(data), {
-            "format": "hf", "name": p.name, "checkpoint_dtype": data.get("torch_dtype") or data.get("dtype"),
-            "quantized": {}, "generation": GenerationDefaults.from_folder(p),
+            "format": "hf",
+            "name": p.name,
+            "checkpoint_dtype": data.get("torch_dtype") or data.get("dtype"),
+            "quantized": {},
+            "generation": GenerationDefaults.from_folder(p),
         }
     raise FileNotFoundError(f"model path {str(p)!r} is neither a .gguf file nor a folder with config.json")
 
@@ -105,8 +133,14 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def report(path: str | Path, dtype: str = "bfloat16", max_len: int | None = None, memory: int | None = None,
-           layer_shards: int = 1, weights: str = "auto") -> dict[str, Any]:
+def report(
+    path: str | Path,
+    dtype: str = "bfloat16",
+    max_len: int | None = None,
+    memory: int | None = None,
+    layer_shards: int = 1,
+    weights: str = "auto",
+) -> dict[str, Any]:
     """Everything `pdserve info --model` prints, as one JSON-able dict (max_len None: the default
     a worker would serve, `ModelConfig.serving_max_len`).
 
@@ -154,7 +188,11 @@ def report(path: str | Path, dtype: str = "bfloat16", max_len: int | None = None
     }
     if layer_shards > 1:
         out["members"] = [
-            {"layers": [m.start, m.stop - 1], "weights_bytes": sizing.weight_bytes(m), "slot_bytes": sizing.slot_bytes(m)}
+            {
+                "layers": [m.start, m.stop - 1],
+                "weights_bytes": sizing.weight_bytes(m),
+                "slot_bytes": sizing.slot_bytes(m),
+            }
             for m in sizing.members
         ]
     if memory is not None:

@@ -26,8 +26,21 @@ from tokenizers.decoders import DecodeStream
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 # Tokens llama.cpp treats as end of generation by their text, whatever the metadata's eos id says
 # (llama_vocab::impl::load's EOG detection): a Qwen GGUF stops on <|endoftext|> as on <|im_end|>.
-GGUF_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-                  "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>")
+GGUF_EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<｜end▁of▁sentence｜>",
+)
 
 # Pre-tokenizer splits by GGUF `tokenizer.ggml.pre`: the regex llama.cpp applies before BPE.
 _LLAMA3_SPLIT = (
@@ -64,8 +77,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -194,11 +212,19 @@ class Tokenizer:
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
             )
-        eog = [int(meta[f"tokenizer.ggml.{key}"]) for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-               if meta.get(f"tokenizer.ggml.{key}") is not None]
+        eog = [
+            int(meta[f"tokenizer.ggml.{key}"])
+            for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+            if meta.get(f"tokenizer.ggml.{key}") is not None
+        ]
         eog += [vocab[text] for text in GGUF_EOG_TEXTS if text in vocab]
-        return cls(backend, chat_template=meta.get("tokenizer.chat_template"), bos_token=bos,
-                   eos_token=token("eos_token_id"), eos_token_ids=list(dict.fromkeys(eog)))
+        return cls(
+            backend,
+            chat_template=meta.get("tokenizer.chat_template"),
+            bos_token=bos,
+            eos_token=token("eos_token_id"),
+            eos_token_ids=list(dict.fromkeys(eog)),
+        )
 
     def save(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (loadable here and by HF AutoTokenizer)."""

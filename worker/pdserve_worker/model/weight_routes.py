@@ -62,8 +62,10 @@ def check_weights_choice(weights: str, device_type: str) -> None:
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights in ("int4", "int8") and device_type != "cpu":
-        raise ValueError(f"--weights {weights} runs on the CPU only (torch's weight-only {weights} kernels are CPU "
-                         f"kernels); on {device_type} use --weights dequantized or auto")
+        raise ValueError(
+            f"--weights {weights} runs on the CPU only (torch's weight-only {weights} kernels are CPU "
+            f"kernels); on {device_type} use --weights dequantized or auto"
+        )
 
 
 def group_route(weights: str, kinds: list[Kind | None], device_type: str = "cpu") -> str:
@@ -80,12 +82,15 @@ def group_route(weights: str, kinds: list[Kind | None], device_type: str = "cpu"
     return "dequantized"
 
 
-def plan(config: ModelConfig, weights: str, stored: Mapping[str, Kind], layers: Iterable[int],
-         device_type: str = "cpu") -> dict[str, str]:
+def plan(
+    config: ModelConfig, weights: str, stored: Mapping[str, Kind], layers: Iterable[int], device_type: str = "cpu"
+) -> dict[str, str]:
     """Route per matrix group of `layers` (and the LM head); `stored` gives the quantized kind of
     each tensor the checkpoint holds quantized."""
-    return {group: group_route(weights, [stored.get(n) for n in parts], device_type)
-            for group, parts in groups(config, layers).items()}
+    return {
+        group: group_route(weights, [stored.get(n) for n in parts], device_type)
+        for group, parts in groups(config, layers).items()
+    }
 
 
 def summary(routes: Mapping[str, str]) -> dict[str, str]:
@@ -93,8 +98,10 @@ def summary(routes: Mapping[str, str]) -> dict[str, str]:
     by_type: dict[str, Counter[str]] = {}
     for group, route in routes.items():
         by_type.setdefault(group.rsplit(".", 1)[-1], Counter())[route] += 1
-    return {kind: next(iter(c)) if len(c) == 1 else ", ".join(f"{r} ({n} layers)" for r, n in sorted(c.items()))
-            for kind, c in by_type.items()}
+    return {
+        kind: next(iter(c)) if len(c) == 1 else ", ".join(f"{r} ({n} layers)" for r, n in sorted(c.items()))
+        for kind, c in by_type.items()
+    }
 
 
 def matrix_bytes(shape: tuple[int, int], route: str, dtype: str) -> int:
@@ -107,8 +114,9 @@ def matrix_bytes(shape: tuple[int, int], route: str, dtype: str) -> int:
     return rows * cols * DTYPE_SIZES[dtype]
 
 
-def loaded_weight_bytes(config: ModelConfig, dtype: str, routes: Mapping[str, str], layers: Iterable[int],
-                        tied_copy: bool) -> int:
+def loaded_weight_bytes(
+    config: ModelConfig, dtype: str, routes: Mapping[str, str], layers: Iterable[int], tied_copy: bool
+) -> int:
     """Bytes of every weight a member holding `layers` keeps on the planned `routes`.
 
     `tied_copy`: the LM head is held apart from the embedding rows (a tied model on the CPU,

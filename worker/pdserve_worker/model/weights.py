@@ -28,8 +28,18 @@ from pdserve_worker.model.gguf_format import QUANTIZED_TYPES as GGUF_KINDS
 from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk, read_gguf_metadata
 from pdserve_worker.model.quant import QuantizedTensor, from_gguf_blocks
 
-__all__ = ["GGUFCheckpoint", "gguf_to_hf_name", "permute_qk", "unpermute_qk", "read_gguf", "read_gguf_metadata",
-           "read_gguf_quantized", "read_quantized_dir", "read_safetensors_dir", "safetensors_files"]
+__all__ = [
+    "GGUFCheckpoint",
+    "gguf_to_hf_name",
+    "permute_qk",
+    "unpermute_qk",
+    "read_gguf",
+    "read_gguf_metadata",
+    "read_gguf_quantized",
+    "read_quantized_dir",
+    "read_safetensors_dir",
+    "safetensors_files",
+]
 
 
 def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:

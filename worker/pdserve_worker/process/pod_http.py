@@ -64,8 +64,13 @@ def health_routes(state: WorkerState) -> list[Route]:
         return JSONResponse(body)
 
     async def readyz(_: Request) -> JSONResponse:
-        body = {"ready": state.ready, "role": state.role, "worker": state.worker_id, "phase": state.phase,
-                **state.detail}
+        body = {
+            "ready": state.ready,
+            "role": state.role,
+            "worker": state.worker_id,
+            "phase": state.phase,
+            **state.detail,
+        }
         return JSONResponse(body, status_code=200 if state.ready else 503)
 
     return [Route("/healthz", healthz), Route("/readyz", readyz)]
@@ -117,8 +122,9 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def embedded_server(app: ASGIApp, host: str, port: int, grace_s: float,
-                    tls: TLSConfig | None = None, limits: HttpLimits = HttpLimits()) -> EmbeddedServer:
+def embedded_server(
+    app: ASGIApp, host: str, port: int, grace_s: float, tls: TLSConfig | None = None, limits: HttpLimits = HttpLimits()
+) -> EmbeddedServer:
     """The router's uvicorn configuration (quiet, graceful drain of `grace_s`, HTTPS with
     `tls`, the bounds of `limits` on unfinished requests), signal-free."""
     return EmbeddedServer(build_router_server(app, host, port, grace_s=grace_s, tls=tls, limits=limits).config)
@@ -138,8 +144,15 @@ class RunningServer:
             await self.task
 
 
-def serve_in_background(app: ASGIApp, host: str, port: int, grace_s: float, tls: TLSConfig | None = None,
-                        name: str = "http", limits: HttpLimits = HttpLimits()) -> RunningServer:
+def serve_in_background(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    grace_s: float,
+    tls: TLSConfig | None = None,
+    name: str = "http",
+    limits: HttpLimits = HttpLimits(),
+) -> RunningServer:
     """Listen on host:port now (OSError naming it if taken) and serve `app` in a task."""
     sock = listen(host, port)
     server = embedded_server(app, host, port, grace_s, tls, limits)

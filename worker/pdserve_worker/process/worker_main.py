@@ -121,9 +121,13 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     process = _Membership(settings)
     http = _serve_or_fail(worker_app(process.state), settings.bind_host, settings.http_port, settings, "worker-http")
     # The admin port (/drain, the preStop hook's) listens on loopback only, and only a decode has one.
-    admin = (None if settings.role != "decode" else
-             _serve_or_fail(admin_app(process.tokens, process.drain), ADMIN_HOST, settings.admin_port, settings,
-                            "worker-admin"))
+    admin = (
+        None
+        if settings.role != "decode"
+        else _serve_or_fail(
+            admin_app(process.tokens, process.drain), ADMIN_HOST, settings.admin_port, settings, "worker-admin"
+        )
+    )
     backend: TransferBackend | None = None
     server: grpc.aio.Server | None = None
     role: ServingRole | None = None
@@ -144,8 +148,17 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         if stop.is_set():
             return
         await process.join(role)
-        log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id, grpc=settings.grpc_endpoint,
-                    http=settings.http_port, model=loaded.name, revision=revision))
+        log.info(
+            kv(
+                event="worker_ready",
+                role=settings.role,
+                worker=settings.member_id,
+                grpc=settings.grpc_endpoint,
+                http=settings.http_port,
+                model=loaded.name,
+                revision=revision,
+            )
+        )
         await _until(stop, http.task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
         await process.leave()
@@ -182,8 +195,9 @@ class _Membership:
 
         self.settings = settings
         self.state = WorkerState(settings.role, settings.member_id)
-        self.broker: BrokerClient = BrokerClient(settings.broker_address, settings.service, settings.token,
-                                                 settings.broker_channel_tls)
+        self.broker: BrokerClient = BrokerClient(
+            settings.broker_address, settings.service, settings.token, settings.broker_channel_tls
+        )
         self.tokens = TokenTable({settings.service: settings.token})
         self.role: ServingRole | None = None
         self.registered = False
@@ -247,8 +261,9 @@ async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
         layers = member_layers(settings, folder)
         # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
-        loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
-                                         layers, settings.weights)
+        loaded = await asyncio.to_thread(
+            load_model, settings.model_path, settings.model_dtype, settings.device, layers, settings.weights
+        )
         loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
@@ -265,8 +280,12 @@ def _start_engine(settings: WorkerSettings) -> TransferBackend:
 
     backend = create_engine(settings.transfer_backend)
     engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
-    options = engine_options(backend.name, settings.token, settings.engine_options,
-                             leased_writes=settings.role == "decode" and not is_follower(settings))
+    options = engine_options(
+        backend.name,
+        settings.token,
+        settings.engine_options,
+        leased_writes=settings.role == "decode" and not is_follower(settings),
+    )
     status = backend.engine.initialize(engine_id, options)
     if status != backend.api.SUCCESS:
         raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
@@ -274,8 +293,9 @@ def _start_engine(settings: WorkerSettings) -> TransferBackend:
     return backend
 
 
-async def _make_role(settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend,
-                     revision: str) -> ServingRole:
+async def _make_role(
+    settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str
+) -> ServingRole:
     from pdserve_worker.decode.shard import ShardError
     from pdserve_worker.roles.serving import make_role
 
@@ -303,8 +323,9 @@ async def _until(stop: asyncio.Event, server_task: asyncio.Task) -> None:
         raise StartupError(f"the HTTP server stopped unexpectedly: {server_task.exception()!r}")
 
 
-def _serve_or_fail(app: Any, host: str, port: int, settings: WorkerSettings, name: str,
-                   tls: Any = None) -> RunningServer:
+def _serve_or_fail(
+    app: Any, host: str, port: int, settings: WorkerSettings, name: str, tls: Any = None
+) -> RunningServer:
     try:
         return serve_in_background(app, host, port, settings.grace_seconds, tls, name, settings.http_limits)
     except OSError as exc:
@@ -314,8 +335,9 @@ def _serve_or_fail(app: Any, host: str, port: int, settings: WorkerSettings, nam
 # ---- router and colocated --------------------------------------------------------------------------
 
 
-async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state: WorkerState,
-                     stop: asyncio.Event) -> None:
+async def _serve_api(
+    settings: WorkerSettings, backend: Any, metrics: Any, state: WorkerState, stop: asyncio.Event
+) -> None:
     """Serve the OpenAI API over `backend` until stopped; in-flight requests get the grace period."""
     from pdserve_worker.router.admission import AdmissionConfig, AdmissionQueue
     from pdserve_worker.router.app import RouterLimits, create_app
@@ -329,17 +351,32 @@ async def _serve_api(settings: WorkerSettings, backend: Any, metrics: Any, state
             raise StartupError(f"API keys: {exc}") from exc
     admission = None
     if settings.admission_queue > 0:  # 0: no queue, a request without a free slot is a 429 at once
-        admission = AdmissionQueue(AdmissionConfig(
-            capacity=settings.admission_queue, max_queued_per_tenant=settings.admission_per_tenant,
-            deadline_s=settings.admission_deadline_seconds, replicas=settings.router_replicas), observer=metrics)
-    app = create_app(backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes),
-                     admission=admission, keys=keys)
+        admission = AdmissionQueue(
+            AdmissionConfig(
+                capacity=settings.admission_queue,
+                max_queued_per_tenant=settings.admission_per_tenant,
+                deadline_s=settings.admission_deadline_seconds,
+                replicas=settings.router_replicas,
+            ),
+            observer=metrics,
+        )
+    app = create_app(
+        backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes), admission=admission, keys=keys
+    )
     app.router.routes.extend(health_routes(state))
     running = _serve_or_fail(app, settings.bind_host, settings.http_port, settings, "router-http", settings.tls)
     try:
         state.phase = "ready"
-        log.info(kv(event="router_listening", role=settings.role, host=settings.bind_host, port=settings.http_port,
-                    model=backend.model_name, https=settings.tls is not None))
+        log.info(
+            kv(
+                event="router_listening",
+                role=settings.role,
+                host=settings.bind_host,
+                port=settings.http_port,
+                model=backend.model_name,
+                https=settings.tls is not None,
+            )
+        )
         await _until(stop, running.task)
         state.phase = "stopping"
     finally:
@@ -373,8 +410,11 @@ async def _run_router(settings: WorkerSettings) -> None:
         broker=broker,
         token=settings.token,
         metrics=metrics,
-        timeouts=Timeouts(lease_ms=settings.lease_ms, readiness_ms=settings.readiness_timeout_ms,
-                          prefill_s=settings.request_timeout_seconds),
+        timeouts=Timeouts(
+            lease_ms=settings.lease_ms,
+            readiness_ms=settings.readiness_timeout_ms,
+            prefill_s=settings.request_timeout_seconds,
+        ),
         tls=settings.peer_tls,
     )
     # A router without a prefill or a decode to send requests to is not ready for traffic.
@@ -382,9 +422,11 @@ async def _run_router(settings: WorkerSettings) -> None:
     try:
         await backend.start()
         # The keepalive carries the router's traffic: the operator's autoscaler plans from it.
-        await broker.register(MemberInfo(worker_id=settings.member_id, role=Role.ROUTER,
-                                         revision=backend.revision), wait=False,
-                              load=lambda: router_load(metrics))
+        await broker.register(
+            MemberInfo(worker_id=settings.member_id, role=Role.ROUTER, revision=backend.revision),
+            wait=False,
+            load=lambda: router_load(metrics),
+        )
         await _serve_api(settings, backend, metrics, state, stop)
         await broker.deregister()
     finally:
@@ -405,15 +447,20 @@ async def _run_colocated(settings: WorkerSettings) -> None:
     torch.set_num_threads(settings.torch_threads)
     try:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
-        loaded = await asyncio.to_thread(load_model, settings.model_path, settings.model_dtype, settings.device,
-                                         None, settings.weights)
+        loaded = await asyncio.to_thread(
+            load_model, settings.model_path, settings.model_dtype, settings.device, None, settings.weights
+        )
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)
-    backend = ColocatedBackend(loaded, slots=settings.slots, max_len=max_len,
-                               model_name=served_name(settings, folder),
-                               prefix_cache_tokens=settings.prefix_cache_tokens,
-                               prefix_block_tokens=settings.prefix_block_tokens)
+    backend = ColocatedBackend(
+        loaded,
+        slots=settings.slots,
+        max_len=max_len,
+        model_name=served_name(settings, folder),
+        prefix_cache_tokens=settings.prefix_cache_tokens,
+        prefix_block_tokens=settings.prefix_block_tokens,
+    )
     backend.start()
     try:
         await _serve_api(settings, backend, RouterMetrics(), state, stop)

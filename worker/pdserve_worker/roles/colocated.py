@@ -34,8 +34,17 @@ _HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): it
 class ColocatedBackend(ModelTokenizing):
     """`router.backend.Backend` over a Generator on its own scheduler thread."""
 
-    def __init__(self, loaded: LoadedModel, *, slots: int, max_len: int, model_name: str | None = None,
-                 prefix_cache_tokens: int = 0, prefix_block_tokens: int = 16, revision: str = "") -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        slots: int,
+        max_len: int,
+        model_name: str | None = None,
+        prefix_cache_tokens: int = 0,
+        prefix_block_tokens: int = 16,
+        revision: str = "",
+    ) -> None:
         self.model_name = model_name or loaded.name
         self.max_model_len = max_len
         self._tokenizer = loaded.tokenizer
@@ -45,8 +54,13 @@ class ColocatedBackend(ModelTokenizing):
         self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
         self.prefix: PrefixStore | None = None
         if prefix_cache_tokens:
-            self.prefix = PrefixStore(cache.layout, max(1, prefix_cache_tokens // prefix_block_tokens),
-                                      prefix_block_tokens, revision or loaded.name, device=model.device)
+            self.prefix = PrefixStore(
+                cache.layout,
+                max(1, prefix_cache_tokens // prefix_block_tokens),
+                prefix_block_tokens,
+                revision or loaded.name,
+                device=model.device,
+            )
         self._cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
         store = self.prefix
 
@@ -74,7 +88,9 @@ class ColocatedBackend(ModelTokenizing):
     def health(self) -> dict[str, object]:
         return {"ready": True, "members": {"colocated": 1}}
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[TokenEvent]:
         free = self._free
         if free is None:
             raise BackendError("ColocatedBackend.start() was not called")

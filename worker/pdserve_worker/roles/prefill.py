@@ -135,10 +135,12 @@ class PrefillWorker:
         self.prefix: PrefixStore | None = None
         if settings.prefix_cache_tokens:
             bt = settings.prefix_block_tokens
-            self.prefix = PrefixStore(layout, max(1, settings.prefix_cache_tokens // bt), bt, revision,
-                                      device=settings.device)
-            log.info(kv(event="prefix_cache", blocks=self.prefix.cache.num_blocks, block_tokens=bt,
-                        bytes=self.prefix.nbytes))
+            self.prefix = PrefixStore(
+                layout, max(1, settings.prefix_cache_tokens // bt), bt, revision, device=settings.device
+            )
+            log.info(
+                kv(event="prefix_cache", blocks=self.prefix.cache.num_blocks, block_tokens=bt, bytes=self.prefix.nbytes)
+            )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
         self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
@@ -147,8 +149,7 @@ class PrefillWorker:
         self._jobs: dict[JobKey, _Job] = {}
         self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
         self.metrics = WorkerMetrics("prefill")  # served on /metrics (worker_main)
-        self.metrics.watch_prefill(lambda: self.queued,
-                                   self.prefix.stats if self.prefix is not None else None)
+        self.metrics.watch_prefill(lambda: self.queued, self.prefix.stats if self.prefix is not None else None)
 
     # ---- the ServingRole of a prefill process (roles/serving.py) -----------------------------------
 
@@ -192,8 +193,9 @@ class PrefillWorker:
         member = event.member
         if event.type is EventType.REMOVED and member is not None and member.info.engine_id:
             status = self.backend.engine.disconnect(member.info.engine_id, 1000)
-            log.info(kv(event="decode_disconnected", decode=member.worker_id, engine=member.info.engine_id,
-                        status=status))
+            log.info(
+                kv(event="decode_disconnected", decode=member.worker_id, engine=member.info.engine_id, status=status)
+            )
 
     def cancel(self, key: JobKey) -> bool:
         """Stop the prefill of `key`; True if it was here (queued or running). A key not seen yet
@@ -205,13 +207,21 @@ class PrefillWorker:
         now = time.monotonic()
         self._early_cancels[key] = now + CANCEL_MEMORY_S
         self._early_cancels.move_to_end(key)
-        while self._early_cancels and (len(self._early_cancels) > CANCEL_MEMORY_MAX
-                                       or next(iter(self._early_cancels.values())) < now):
+        while self._early_cancels and (
+            len(self._early_cancels) > CANCEL_MEMORY_MAX or next(iter(self._early_cancels.values())) < now
+        ):
             self._early_cancels.popitem(last=False)
         return False
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      targets: list[Grant], num_generated: int, trace: Any = None) -> PrefillResult:
+    async def prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        targets: list[Grant],
+        num_generated: int,
+        trace: Any = None,
+    ) -> PrefillResult:
         """Queue one prefill on the compute thread and wait for it (the event loop stays free).
 
         Raises `PrefillCancelled` when cancelled; every failure carries `push_settled`."""
@@ -220,8 +230,17 @@ class PrefillWorker:
         if self._early_cancels.pop(key, 0.0) > time.monotonic():
             raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled before it arrived"), True)
         loop = asyncio.get_running_loop()
-        job = self._jobs[key] = _Job(request_id, prompt, params, targets, num_generated, time.perf_counter(), loop,
-                                     loop.create_future(), trace=trace)
+        job = self._jobs[key] = _Job(
+            request_id,
+            prompt,
+            params,
+            targets,
+            num_generated,
+            time.perf_counter(),
+            loop,
+            loop.create_future(),
+            trace=trace,
+        )
         self.queued += 1
         try:
             with self._lock:
@@ -270,13 +289,18 @@ class PrefillWorker:
             self.metrics.observe_queue_wait(started - job.accepted)
         for slot, job in enumerate(batch):
             if job.cancelled.is_set():
-                self._fail(job, PrefillCancelled(f"prefill of request {job.request_id} was cancelled while queued"),
-                           True)
+                self._fail(
+                    job, PrefillCancelled(f"prefill of request {job.request_id} was cancelled while queued"), True
+                )
                 continue
             try:
                 job.pusher = KVPusher(
-                    self.backend, PushSource(self.pool.base_addr, self.cache.layout, slot=slot), job.targets,
-                    len(job.prompt), queue_depth=s.queue_depth, timeout_s=s.transfer_timeout_ms / 1000,
+                    self.backend,
+                    PushSource(self.pool.base_addr, self.cache.layout, slot=slot),
+                    job.targets,
+                    len(job.prompt),
+                    queue_depth=s.queue_depth,
+                    timeout_s=s.transfer_timeout_ms / 1000,
                     connect_timeout_ms=s.connect_timeout_ms,
                 )
             except Exception as exc:  # this prompt's targets are unusable or unreachable: it alone fails
@@ -293,13 +317,23 @@ class PrefillWorker:
             for _, job in live:
                 if job.settled:
                     continue
-                tracing.record("prefill.compute", chunk_started[0], computed_ns,
-                               {"pdserve.layers.first": layers.start, "pdserve.layers.count": len(layers),
-                                "pdserve.batch": len(live)}, parent=job.trace)
+                tracing.record(
+                    "prefill.compute",
+                    chunk_started[0],
+                    computed_ns,
+                    {
+                        "pdserve.layers.first": layers.start,
+                        "pdserve.layers.count": len(layers),
+                        "pdserve.batch": len(live),
+                    },
+                    parent=job.trace,
+                )
                 if job.cancelled.is_set():
-                    self._fail(job, PrefillCancelled(
-                        f"prefill of request {job.request_id} was cancelled at layer {layers.start}"),
-                        self._quiesce(job.pusher))
+                    self._fail(
+                        job,
+                        PrefillCancelled(f"prefill of request {job.request_id} was cancelled at layer {layers.start}"),
+                        self._quiesce(job.pusher),
+                    )
                     continue
                 push_ns = tracing.now_ns()
                 try:
@@ -308,10 +342,18 @@ class PrefillWorker:
                     self.metrics.observe_transfer_failure()
                     job.pusher.abort()
                     self._fail(job, exc, False)
-                tracing.record("kv.push", push_ns, tracing.now_ns(),
-                               {"pdserve.layers.first": layers.start, "pdserve.layers.count": len(layers),
-                                "pdserve.push.targets": len(job.targets), "pdserve.push.failed": job.settled},
-                               parent=job.trace)
+                tracing.record(
+                    "kv.push",
+                    push_ns,
+                    tracing.now_ns(),
+                    {
+                        "pdserve.layers.first": layers.start,
+                        "pdserve.layers.count": len(layers),
+                        "pdserve.push.targets": len(job.targets),
+                        "pdserve.push.failed": job.settled,
+                    },
+                    parent=job.trace,
+                )
             chunk_started[0] = tracing.now_ns()
             if all(job.settled for _, job in live):
                 raise _AllEnded
@@ -326,11 +368,18 @@ class PrefillWorker:
             try:
                 if len(live) == 1:
                     slot, job = live[0]
-                    logits = model.prefill(job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk,
-                                           start=starts[0])[None]
+                    logits = model.prefill(
+                        job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk, start=starts[0]
+                    )[None]
                 else:
-                    logits = model.prefill_batch([j.prompt for _, j in live], self.cache, [slot for slot, _ in live],
-                                                 s.layers_per_chunk, on_chunk=on_chunk, starts=starts)
+                    logits = model.prefill_batch(
+                        [j.prompt for _, j in live],
+                        self.cache,
+                        [slot for slot, _ in live],
+                        s.layers_per_chunk,
+                        on_chunk=on_chunk,
+                        starts=starts,
+                    )
             except _AllEnded:
                 return
             for slot, use in uses.items():  # the pass ran through: every prompt's KV is whole
@@ -348,9 +397,13 @@ class PrefillWorker:
                 first = Sampler(job.params).sample(logits[row], job.num_generated)
                 finish_ns = tracing.now_ns()
                 stats = job.pusher.finish({"first_token": first})
-                tracing.record("kv.push.finish", finish_ns, tracing.now_ns(),
-                               {"pdserve.kv.bytes": stats.bytes, "pdserve.push.seconds": stats.seconds},
-                               parent=job.trace)
+                tracing.record(
+                    "kv.push.finish",
+                    finish_ns,
+                    tracing.now_ns(),
+                    {"pdserve.kv.bytes": stats.bytes, "pdserve.push.seconds": stats.seconds},
+                    parent=job.trace,
+                )
             except PushError as exc:
                 self.metrics.observe_transfer_failure()
                 job.pusher.abort()
@@ -363,12 +416,23 @@ class PrefillWorker:
             self.served += 1
             self.metrics.observe_prefilled(len(job.prompt), stats.bytes, stats.seconds, done - job.accepted)
             cached = uses[slot].cached_tokens if uses else 0
-            log.info(kv(event="prefill_done", request=job.request_id, tokens=len(job.prompt), cached=cached,
-                        targets=len(job.targets), batch=len(live), kv_bytes=stats.bytes,
-                        queued_ms=round((started - job.accepted) * 1000, 1),
-                        compute_ms=round((computed - started) * 1000, 1), push_ms=round(stats.seconds * 1000, 1)))
-            self._resolve(job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted,
-                                             cached))
+            log.info(
+                kv(
+                    event="prefill_done",
+                    request=job.request_id,
+                    tokens=len(job.prompt),
+                    cached=cached,
+                    targets=len(job.targets),
+                    batch=len(live),
+                    kv_bytes=stats.bytes,
+                    queued_ms=round((started - job.accepted) * 1000, 1),
+                    compute_ms=round((computed - started) * 1000, 1),
+                    push_ms=round(stats.seconds * 1000, 1),
+                )
+            )
+            self._resolve(
+                job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted, cached)
+            )
 
     def _fail(self, job: _Job, exc: BaseException, settled: bool) -> None:
         self._resolve(job, _mark(exc, settled))
@@ -405,32 +469,49 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         self.w = worker
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PrefillReply:
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillReply:
         prompt = list(request.prompt_token_ids)
         vocab = self.w.loaded.config.vocab_size
         settled = settled_trailer(True)  # nothing is put before the prefill runs
         if not prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty", settled)
         if min(prompt) < 0 or max(prompt) >= vocab:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt_token_ids must be in 0..{vocab - 1}, got {min(prompt)}..{max(prompt)}", settled)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids must be in 0..{vocab - 1}, got {min(prompt)}..{max(prompt)}",
+                settled,
+            )
         if len(prompt) > self.w.cache.layout.max_len:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {self.w.cache.layout.max_len}",
-                                settled)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {self.w.cache.layout.max_len}",
+                settled,
+            )
         try:
             params = sampling_from_proto(request.sampling)
             targets = push_targets_from_proto(request)
         except (ValueError, ValidationError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), settled)
-        with tracing.span("prefill", {"pdserve.request_id": request.request_id,
-                                      "pdserve.prefill.member": self.w.settings.member_id,
-                                      "gen_ai.usage.input_tokens": len(prompt),
-                                      "pdserve.resumed_tokens": request.num_generated or None},
-                          parent=tracing.extract(context.invocation_metadata())) as trace:
+        with tracing.span(
+            "prefill",
+            {
+                "pdserve.request_id": request.request_id,
+                "pdserve.prefill.member": self.w.settings.member_id,
+                "gen_ai.usage.input_tokens": len(prompt),
+                "pdserve.resumed_tokens": request.num_generated or None,
+            },
+            parent=tracing.extract(context.invocation_metadata()),
+        ) as trace:
             result = await self._prefill(request, prompt, params, targets, context, trace)
-            trace.set_attributes({"pdserve.kv.bytes": result.kv_bytes, "pdserve.push.seconds": result.push_seconds,
-                                  "pdserve.prefix.cached_tokens": result.cached_tokens})
+            trace.set_attributes(
+                {
+                    "pdserve.kv.bytes": result.kv_bytes,
+                    "pdserve.push.seconds": result.push_seconds,
+                    "pdserve.prefix.cached_tokens": result.cached_tokens,
+                }
+            )
         return worker_pb2.PrefillReply(
             first_token=result.first_token,
             num_tokens=result.num_tokens,
@@ -440,11 +521,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             cached_tokens=result.cached_tokens,
         )
 
-    async def _prefill(self, request: worker_pb2.PrefillRequest, prompt: list[int], params: SamplingParams,
-                       targets: list[Grant], context: grpc.aio.ServicerContext, trace: Any) -> PrefillResult:
+    async def _prefill(
+        self,
+        request: worker_pb2.PrefillRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        targets: list[Grant],
+        context: grpc.aio.ServicerContext,
+        trace: Any,
+    ) -> PrefillResult:
         try:
-            return await self.w.prefill(request.request_id, prompt, params, targets, request.num_generated,
-                                        trace=trace)
+            return await self.w.prefill(request.request_id, prompt, params, targets, request.num_generated, trace=trace)
         except PrefillCancelled as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc), settled_trailer(push_settled_of(exc)))
         except PushError as exc:
@@ -454,13 +541,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), settled_trailer(push_settled_of(exc)))
         except Exception as exc:  # noqa: BLE001 - a bug: logged in full, answered without internals
             log.error(kv(event="prefill_failed", request=request.request_id, error=repr(exc)), exc_info=exc)
-            await context.abort(grpc.StatusCode.INTERNAL, f"prefill of request {request.request_id} failed",
-                                settled_trailer(push_settled_of(exc)))
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"prefill of request {request.request_id} failed",
+                settled_trailer(push_settled_of(exc)),
+            )
         raise AssertionError("context.abort returned")  # it always raises
 
-    async def Cancel(self, request: worker_pb2.CancelPrefillRequest,
-                     context: grpc.aio.ServicerContext) -> worker_pb2.CancelPrefillReply:
+    async def Cancel(
+        self, request: worker_pb2.CancelPrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.CancelPrefillReply:
         found = self.w.cancel((request.request_id, request.slot, request.generation))
-        log.debug(kv(event="prefill_cancel", request=request.request_id, slot=request.slot,
-                     generation=request.generation, found=found))
+        log.debug(
+            kv(
+                event="prefill_cancel",
+                request=request.request_id,
+                slot=request.slot,
+                generation=request.generation,
+                found=found,
+            )
+        )
         return worker_pb2.CancelPrefillReply(found=found)

@@ -64,8 +64,9 @@ def grpc_max_message(settings: WorkerSettings, hidden_size: int) -> int:
     return WORKER_MAX_MESSAGE if settings.layer_shards == 1 else group_max_message(settings.slots, hidden_size)
 
 
-async def make_role(settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend,
-                    revision: str) -> ServingRole:
+async def make_role(
+    settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str
+) -> ServingRole:
     """The role `settings` asks for, over a loaded model and an initialized engine. A group's
     leader first waits for its followers to describe their pools (ShardError if they do not)."""
     if is_follower(settings):

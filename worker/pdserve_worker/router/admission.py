@@ -61,8 +61,9 @@ class AdmissionConfig:
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.max_queued_per_tenant < 1:
-            raise ValueError(f"admission capacity {self.capacity} and per-tenant {self.max_queued_per_tenant} "
-                             f"must be at least 1")
+            raise ValueError(
+                f"admission capacity {self.capacity} and per-tenant {self.max_queued_per_tenant} must be at least 1"
+            )
         if not self.deadline_s > 0:
             raise ValueError(f"admission deadline must be positive, got {self.deadline_s}")
         if not 0 < self.retry_min_s <= self.retry_max_s:
@@ -207,8 +208,12 @@ class _TenantState:
 class AdmissionQueue:
     """See the module docstring. One per router process, used from its event loop only."""
 
-    def __init__(self, config: AdmissionConfig = AdmissionConfig(), observer: Observer | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig = AdmissionConfig(),
+        observer: Observer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self._observer = observer
         self._clock = clock
@@ -225,8 +230,9 @@ class AdmissionQueue:
 
     # ---- entering ---------------------------------------------------------------------------------
 
-    def enter(self, tenant: Tenant, priority: Priority, prompt_tokens: int, max_tokens: int,
-              deadline_s: float | None = None) -> Ticket:
+    def enter(
+        self, tenant: Tenant, priority: Priority, prompt_tokens: int, max_tokens: int, deadline_s: float | None = None
+    ) -> Ticket:
         """A ticket for a request, or `Rejected` at once when it cannot be served.
 
         `priority` is lowered to the tenant's `maxPriority`; `deadline_s` (from a header) can
@@ -238,19 +244,27 @@ class AdmissionQueue:
         wait_limit = self.config.deadline_s if deadline_s is None else min(deadline_s, self.config.deadline_s)
         total = sum(self._waiting)
         if total >= self.config.capacity:
-            self._refuse(Reason.QUEUE_FULL, f"the admission queue is full ({total} requests waiting)",
-                         self._drain_time(total, now))
+            self._refuse(
+                Reason.QUEUE_FULL,
+                f"the admission queue is full ({total} requests waiting)",
+                self._drain_time(total, now),
+            )
         if state.waiting() >= self.config.max_queued_per_tenant:
-            self._refuse(Reason.TENANT_QUEUE_FULL,
-                         f"tenant {state.name!r} has {state.waiting()} requests waiting, its most",
-                         self._drain_time(state.waiting(), now))
+            self._refuse(
+                Reason.TENANT_QUEUE_FULL,
+                f"tenant {state.name!r} has {state.waiting()} requests waiting, its most",
+                self._drain_time(state.waiting(), now),
+            )
         self._check_rates(state, prompt_tokens, now)
         ahead = self._ahead(state, rank)
         estimate = self._estimate(ahead, now)
         if estimate is not None and estimate > wait_limit:
-            self._refuse(Reason.DEADLINE, f"the queue's measured drain rate admits this request in about "
-                                          f"{estimate:.1f} s, later than its deadline of {wait_limit:g} s",
-                         estimate)
+            self._refuse(
+                Reason.DEADLINE,
+                f"the queue's measured drain rate admits this request in about "
+                f"{estimate:.1f} s, later than its deadline of {wait_limit:g} s",
+                estimate,
+            )
         # Charged now, refunded if the request leaves without being admitted.
         if state.requests is not None:
             state.requests.take(1, now)
@@ -280,16 +294,27 @@ class AdmissionQueue:
         if state.requests is not None:
             wait = state.requests.wait_s(1, now)
             if wait > 0:
-                self._refuse(Reason.REQUESTS_PER_MINUTE, f"tenant {state.name!r} is over its limit of "
-                             f"{state.limits.requests_per_minute} requests per minute", wait)
+                self._refuse(
+                    Reason.REQUESTS_PER_MINUTE,
+                    f"tenant {state.name!r} is over its limit of "
+                    f"{state.limits.requests_per_minute} requests per minute",
+                    wait,
+                )
         if state.tokens is not None:
             wait = state.tokens.wait_s(max(prompt_tokens, 1), now)
             if wait == INF:
-                self._refuse(Reason.TOKENS_PER_MINUTE, f"the prompt's {prompt_tokens} tokens are more than tenant "
-                             f"{state.name!r}'s limit of {state.limits.tokens_per_minute} tokens per minute", 60.0)
+                self._refuse(
+                    Reason.TOKENS_PER_MINUTE,
+                    f"the prompt's {prompt_tokens} tokens are more than tenant "
+                    f"{state.name!r}'s limit of {state.limits.tokens_per_minute} tokens per minute",
+                    60.0,
+                )
             if wait > 0:
-                self._refuse(Reason.TOKENS_PER_MINUTE, f"tenant {state.name!r} is over its limit of "
-                             f"{state.limits.tokens_per_minute} tokens per minute", wait)
+                self._refuse(
+                    Reason.TOKENS_PER_MINUTE,
+                    f"tenant {state.name!r} is over its limit of {state.limits.tokens_per_minute} tokens per minute",
+                    wait,
+                )
 
     def _refuse(self, reason: Reason, message: str, retry_after_s: float) -> None:
         if self._observer is not None:
@@ -336,8 +361,11 @@ class AdmissionQueue:
                     self._refund(ticket)
                     self._pump()
                     waited = self._clock() - ticket.enqueued
-                    self._refuse(Reason.DEADLINE, f"the request waited {waited:.1f} s for admission, its deadline",
-                                 self._drain_time(sum(self._waiting), self._clock()))
+                    self._refuse(
+                        Reason.DEADLINE,
+                        f"the request waited {waited:.1f} s for admission, its deadline",
+                        self._drain_time(sum(self._waiting), self._clock()),
+                    )
                 # dispatched at the very moment the deadline passed: it goes on
         ticket.turn = None
 

@@ -135,8 +135,14 @@ async def run_unless_disconnected(request: Request, fn: Callable[[], Awaitable[T
 class _Ledger:
     """Accounts one admitted request exactly once in metrics and in the log, however it ends."""
 
-    def __init__(self, metrics: RouterMetrics, gen: Generation, endpoint: str,
-                 admission: AdmissionQueue | None = None, ticket: Ticket | None = None) -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        gen: Generation,
+        endpoint: str,
+        admission: AdmissionQueue | None = None,
+        ticket: Ticket | None = None,
+    ) -> None:
         self._metrics = metrics
         self._gen = gen
         self._endpoint = endpoint
@@ -173,15 +179,21 @@ class _Ledger:
             return True
         gen, timing = self._gen, self._gen.timing()
         info = gen.info
-        log.info(kv(
-            event="request_done", request_id=gen.request_id, endpoint=self._endpoint, outcome=outcome,
-            prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-            finish_reason=gen.finish_reason,
-            ttft_ms=None if timing.ttft_s is None else round(timing.ttft_s * 1000, 2),
-            e2e_ms=round(timing.e2e_s * 1000, 2),
-            disaggregated=info is not None and info.disaggregated,
-            kv_bytes=0 if info is None else info.kv_bytes,
-        ))
+        log.info(
+            kv(
+                event="request_done",
+                request_id=gen.request_id,
+                endpoint=self._endpoint,
+                outcome=outcome,
+                prompt_tokens=gen.prompt_tokens,
+                completion_tokens=gen.completion_tokens,
+                finish_reason=gen.finish_reason,
+                ttft_ms=None if timing.ttft_s is None else round(timing.ttft_s * 1000, 2),
+                e2e_ms=round(timing.e2e_s * 1000, 2),
+                disaggregated=info is not None and info.disaggregated,
+                kv_bytes=0 if info is None else info.kv_bytes,
+            )
+        )
         return True
 
 
@@ -193,8 +205,9 @@ class _ClosingStreamingResponse(StreamingResponse):
     the generators' cleanup (and so the backend's) as soon as the response is over.
     """
 
-    def __init__(self, content: AsyncIterator[str], closers: list[Callable[[], Awaitable[None]]],
-                 headers: dict[str, str]) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], closers: list[Callable[[], Awaitable[None]]], headers: dict[str, str]
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self._closers = closers
 
@@ -263,9 +276,15 @@ class BodyLimit:
 class _Router:
     """The request path shared by both generation endpoints."""
 
-    def __init__(self, backend: Backend, metrics: RouterMetrics, report_request_info: bool,
-                 limits: RouterLimits, admission: AdmissionQueue | None = None,
-                 keys: KeyFile | KeyStore | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        metrics: RouterMetrics,
+        report_request_info: bool,
+        limits: RouterLimits,
+        admission: AdmissionQueue | None = None,
+        keys: KeyFile | KeyStore | None = None,
+    ) -> None:
         self.backend = backend
         self.admission = admission
         self.keys = keys
@@ -274,7 +293,8 @@ class _Router:
         self.limits = limits
         self.tokenizers = TokenizerPool(limits.tokenize_threads, limits.tokenize_queue)
         self.max_prompt_chars = limits.max_prompt_chars or max_prompt_chars(
-            backend.max_model_len, getattr(backend, "max_token_chars", DEFAULT_MAX_TOKEN_CHARS))
+            backend.max_model_len, getattr(backend, "max_token_chars", DEFAULT_MAX_TOKEN_CHARS)
+        )
 
     def reject(self, status: int, message: str, param: str | None = None, code: str | None = None) -> ApiError:
         self.metrics.observe_rejected(status)
@@ -295,28 +315,41 @@ class _Router:
         """The priority class and the deadline (seconds) a request asks for in its headers."""
         priority = request.headers.get(PRIORITY_HEADER, DEFAULT_PRIORITY).strip().lower()
         if priority not in PRIORITIES:
-            raise self.reject(400, f"header {PRIORITY_HEADER}: {priority[:32]!r} is not one of "
-                                   f"{', '.join(PRIORITIES)}", code="invalid_priority")
+            raise self.reject(
+                400,
+                f"header {PRIORITY_HEADER}: {priority[:32]!r} is not one of {', '.join(PRIORITIES)}",
+                code="invalid_priority",
+            )
         raw = request.headers.get(DEADLINE_HEADER)
         if raw is None:
             return priority, None
         raw = raw.strip()
         if not (raw.isascii() and raw.isdigit() and len(raw) <= 8) or not 0 < int(raw) <= 86_400_000:
-            raise self.reject(400, f"header {DEADLINE_HEADER}: {raw[:32]!r} is not a whole number of "
-                                   f"milliseconds from 1 to 86400000", code="invalid_deadline")
+            raise self.reject(
+                400,
+                f"header {DEADLINE_HEADER}: {raw[:32]!r} is not a whole number of milliseconds from 1 to 86400000",
+                code="invalid_deadline",
+            )
         return priority, int(raw) / 1000.0
 
-    async def serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                    tenant: Tenant = ANONYMOUS_TENANT) -> Response:
+    async def serve(
+        self, request: Request, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant = ANONYMOUS_TENANT
+    ) -> Response:
         arrived = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         # The request's span: a child of the caller's `traceparent` if it sent one. The ledger
         # ends it once the request is accounted; a request refused before that ends it here.
-        trace = tracing.start_span("router.request", {
-            "pdserve.request_id": request_id, "http.route": request.url.path,
-            "gen_ai.request.model": self.backend.model_name, "pdserve.stream": bool(body.stream)},
-            parent=tracing.extract(request.headers))
+        trace = tracing.start_span(
+            "router.request",
+            {
+                "pdserve.request_id": request_id,
+                "http.route": request.url.path,
+                "gen_ai.request.model": self.backend.model_name,
+                "pdserve.stream": bool(body.stream),
+            },
+            parent=tracing.extract(request.headers),
+        )
         try:
             with tracing.use(trace):
                 return await self._serve(request, body, tenant, chat, request_id, arrived, trace)
@@ -325,14 +358,28 @@ class _Router:
             trace.end()
             raise
 
-    async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant,
-                     chat: bool, request_id: str, arrived: float, trace: Any) -> Response:
+    async def _serve(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        tenant: Tenant,
+        chat: bool,
+        request_id: str,
+        arrived: float,
+        trace: Any,
+    ) -> Response:
         priority, deadline_s = self._admission_headers(request)
         with tracing.span("router.admission") as admission:  # model, tokenize, limits, sampling parameters
             prompt_ids, params, max_tokens = await self._admit(body, chat, request_id)
             admission.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
-        trace.set_attributes({"gen_ai.usage.input_tokens": len(prompt_ids), "gen_ai.request.max_tokens": max_tokens,
-                              "pdserve.tenant": tenant.name, "pdserve.priority": priority})
+        trace.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": len(prompt_ids),
+                "gen_ai.request.max_tokens": max_tokens,
+                "pdserve.tenant": tenant.name,
+                "pdserve.priority": priority,
+            }
+        )
         gen = Generation(self.backend, prompt_ids, params, request_id, arrived, trace=trace)
         fmt_type = ChatResponseFormat if chat else ResponseFormat
         fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
@@ -342,8 +389,15 @@ class _Router:
                 ticket = self.admission.enter(tenant, priority, len(prompt_ids), max_tokens, deadline_s)  # type: ignore[arg-type]
             except Rejected as exc:
                 self.metrics.observe_rejected(429)
-                log.info(kv(event="request_rejected", request_id=request_id, tenant=tenant.name,
-                            reason=exc.reason.value, retry_after_s=round(exc.retry_after_s, 3)))
+                log.info(
+                    kv(
+                        event="request_rejected",
+                        request_id=request_id,
+                        tenant=tenant.name,
+                        reason=exc.reason.value,
+                        retry_after_s=round(exc.retry_after_s, 3),
+                    )
+                )
                 raise from_rejection(exc, request_id) from None
         # No await between the ticket and the ledger that releases it.
         ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
@@ -351,22 +405,33 @@ class _Router:
             return await self._stream(request, gen, fmt, ledger)
         return await self._complete(request, gen, fmt, ledger)
 
-    async def _admit(self, body: CompletionRequest | ChatCompletionRequest, chat: bool,
-                     request_id: str) -> tuple[list[int], SamplingParams, int]:
+    async def _admit(
+        self, body: CompletionRequest | ChatCompletionRequest, chat: bool, request_id: str
+    ) -> tuple[list[int], SamplingParams, int]:
         """The prompt's token ids, the sampling parameters and max_tokens; an ApiError (4xx) if
         the request cannot be served as asked."""
         if body.model != self.backend.model_name:
-            raise self.reject(404, f"The model '{body.model}' does not exist; this server serves "
-                                   f"'{self.backend.model_name}'", param="model", code="model_not_found")
+            raise self.reject(
+                404,
+                f"The model '{body.model}' does not exist; this server serves '{self.backend.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         prompt_ids = await self._tokenize(body, request_id)
         prompt_field = "messages" if chat else "prompt"
         if not prompt_ids:
             raise self.reject(400, f"{prompt_field} is empty (0 tokens)", param=prompt_field)
-        max_field = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
-                     and body.max_completion_tokens is not None else "max_tokens")
+        max_field = (
+            "max_completion_tokens"
+            if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None
+            else "max_tokens"
+        )
         max_tokens = self._settle_max_tokens(
-            body.requested_max_tokens(), None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, len(prompt_ids),
-            prompt_field, max_field,
+            body.requested_max_tokens(),
+            None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+            len(prompt_ids),
+            prompt_field,
+            max_field,
         )
         try:
             params = body.sampling_params(max_tokens)
@@ -395,9 +460,12 @@ class _Router:
             field = "prompt"
         if size > self.max_prompt_chars:
             raise self.reject(
-                400, f"{field} is {size} characters; at most {self.max_prompt_chars} can fit the model's maximum "
-                     f"context length of {self.backend.max_model_len} tokens", param=field,
-                code="context_length_exceeded")
+                400,
+                f"{field} is {size} characters; at most {self.max_prompt_chars} can fit the model's maximum "
+                f"context length of {self.backend.max_model_len} tokens",
+                param=field,
+                code="context_length_exceeded",
+            )
         try:
             if size <= INLINE_TOKENIZE_MAX_CHARS:
                 return call()
@@ -409,24 +477,31 @@ class _Router:
             self.metrics.observe_rejected(error.status)
             raise error from None
 
-    def _settle_max_tokens(self, requested: int | None, default: int | None, prompt_len: int,
-                           prompt_field: str, max_field: str) -> int:
+    def _settle_max_tokens(
+        self, requested: int | None, default: int | None, prompt_len: int, prompt_field: str, max_field: str
+    ) -> int:
         """The number of tokens to generate, within the model's context; 400 if it cannot fit."""
         limit = self.backend.max_model_len
         room = limit - prompt_len
         if room < 1:
             raise self.reject(
-                400, f"{prompt_field} is {prompt_len} tokens, but the model's maximum context length is {limit} "
-                     f"tokens, which must also hold at least one generated token",
-                param=prompt_field, code="context_length_exceeded")
+                400,
+                f"{prompt_field} is {prompt_len} tokens, but the model's maximum context length is {limit} "
+                f"tokens, which must also hold at least one generated token",
+                param=prompt_field,
+                code="context_length_exceeded",
+            )
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
             raise self.reject(
-                400, f"{prompt_field} ({prompt_len} tokens) plus {max_field} ({requested}) is "
-                     f"{prompt_len + requested} tokens, more than the model's maximum context length of {limit} "
-                     f"tokens; ask for at most {room}",
-                param=max_field, code="context_length_exceeded")
+                400,
+                f"{prompt_field} ({prompt_len} tokens) plus {max_field} ({requested}) is "
+                f"{prompt_len + requested} tokens, more than the model's maximum context length of {limit} "
+                f"tokens; ask for at most {room}",
+                param=max_field,
+                code="context_length_exceeded",
+            )
         return requested
 
     def _extension(self, gen: Generation) -> dict[str, Any] | None:
@@ -529,12 +604,14 @@ class _Router:
             ledger.failed("cancelled")  # no-op when the stream was already accounted
 
         return _ClosingStreamingResponse(
-            events, closers=[events.aclose, deltas.aclose, abandon],
+            events,
+            closers=[events.aclose, deltas.aclose, abandon],
             headers={"x-request-id": gen.request_id, "Cache-Control": "no-cache"},
         )
 
-    async def _events(self, gen: Generation, fmt: ResponseFormat, first: Delta,
-                      deltas: AsyncIterator[Delta], ledger: _Ledger) -> AsyncGenerator[str, None]:
+    async def _events(
+        self, gen: Generation, fmt: ResponseFormat, first: Delta, deltas: AsyncIterator[Delta], ledger: _Ledger
+    ) -> AsyncGenerator[str, None]:
         """The SSE body: opening chunks, one chunk per visible delta, finish, usage, [DONE]."""
         try:
             for chunk in fmt.opening_chunks():
@@ -562,9 +639,15 @@ class _Router:
         ledger.completed()
 
 
-def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
-               report_request_info: bool = True, limits: RouterLimits = RouterLimits(),
-               admission: AdmissionQueue | None = None, keys: KeyFile | KeyStore | None = None) -> FastAPI:
+def create_app(
+    backend: Backend,
+    metrics: RouterMetrics | None = None,
+    *,
+    report_request_info: bool = True,
+    limits: RouterLimits = RouterLimits(),
+    admission: AdmissionQueue | None = None,
+    keys: KeyFile | KeyStore | None = None,
+) -> FastAPI:
     """The router's ASGI app over `backend`; `metrics` is shared with the backend for its gauges.
 
     `report_request_info` adds the backend's per-request `RequestInfo` (disaggregated, KV bytes
@@ -619,16 +702,23 @@ def create_app(backend: Backend, metrics: RouterMetrics | None = None, *,
         return await router.serve(request, body, tenant)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               tenant: Tenant = tenant_of) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: Tenant = tenant_of) -> Response:
         return await router.serve(request, body, tenant)
 
     @app.get("/v1/models", dependencies=[tenant_of])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": backend.model_name, "object": "model", "created": started, "owned_by": "pdserve",
-            "max_model_len": backend.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": backend.model_name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "pdserve",
+                    "max_model_len": backend.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health() -> dict[str, object]:

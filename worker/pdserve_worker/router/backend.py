@@ -93,9 +93,7 @@ class Backend(Protocol):
         """Token ids of a conversation after the model's chat template, ready for the reply."""
         ...
 
-    def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[TokenEvent]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
         """Stream the tokens generated after `prompt_ids`; stop strings, stop token ids and EOS are
         the backend's job (its text never holds a stop string, and it ends with "stop")."""
         ...

@@ -73,8 +73,14 @@ def retry_headers(retry_after_s: float) -> dict[str, str]:
 def from_rejection(exc: Rejected, request_id: str | None = None) -> ApiError:
     """The 429 of a request the admission queue will not serve; `code` says why."""
     text = f"{exc} (request {request_id})" if request_id else str(exc)
-    return ApiError(429, f"{text}; retry later", "rate_limit_error", None, exc.reason.value,
-                    retry_headers(min(exc.retry_after_s, MAX_RETRY_AFTER_S)))
+    return ApiError(
+        429,
+        f"{text}; retry later",
+        "rate_limit_error",
+        None,
+        exc.reason.value,
+        retry_headers(min(exc.retry_after_s, MAX_RETRY_AFTER_S)),
+    )
 
 
 MAX_RETRY_AFTER_S = 3600.0
@@ -89,16 +95,16 @@ def unauthorized(presented: bool) -> ApiError:
     else:
         message = "You didn't provide an API key. Give it as 'Authorization: Bearer KEY'."
         challenge = 'Bearer realm="pdserve"'
-    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key",
-                    {"WWW-Authenticate": challenge})
+    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": challenge})
 
 
 def from_backend_error(exc: BackendError, request_id: str | None = None) -> tuple[ApiError, str]:
     """The HTTP error for a backend failure, and the metrics reason label."""
     message = public_message(exc, request_id)
     if isinstance(exc, NoCapacity):
-        return ApiError(429, message, "rate_limit_error", None, "no_capacity",
-                        retry_headers(exc.retry_after_s)), "no_capacity"
+        return ApiError(
+            429, message, "rate_limit_error", None, "no_capacity", retry_headers(exc.retry_after_s)
+        ), "no_capacity"
     if isinstance(exc, BackendUnavailable):
         return ApiError(503, message, "service_unavailable", None, "backend_unavailable"), "unavailable"
     if isinstance(exc, RequestTimeout):

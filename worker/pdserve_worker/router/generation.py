@@ -49,8 +49,15 @@ class Generation:
     consumer that waits for the first delta waits for the first token, not for visible text.
     """
 
-    def __init__(self, backend: Backend, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 arrived: float, trace: Any = tracing.NOOP) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        arrived: float,
+        trace: Any = tracing.NOOP,
+    ) -> None:
         self._backend = backend
         self.trace = trace  # the request's span (tracing.py): current around every step of the backend
         self._prompt_ids = prompt_ids
@@ -96,8 +103,13 @@ class Generation:
                     break
                 yield Delta(event.text)
         if final is None:
-            log.warning(kv(event="backend_ended_without_finish_reason", request_id=self.request_id,
-                           tokens=self.completion_tokens))
+            log.warning(
+                kv(
+                    event="backend_ended_without_finish_reason",
+                    request_id=self.request_id,
+                    tokens=self.completion_tokens,
+                )
+            )
             final = Delta("", FinishReason.STOP)
         self.finish_reason = final.finish_reason
         yield final
@@ -105,14 +117,18 @@ class Generation:
     def end_trace(self, outcome: str) -> None:
         """End the request's span with what it came to (the ledger calls it once)."""
         info = self.info
-        self.trace.set_attributes({
-            "pdserve.outcome": outcome, "gen_ai.usage.output_tokens": self.completion_tokens,
-            "gen_ai.response.finish_reasons": self.finish_reason,
-            "pdserve.ttft_s": None if self.first_token is None else round(self.first_token - self.arrived, 6),
-            "pdserve.kv.bytes": info.kv_bytes if info is not None else None,
-            "pdserve.prefill.member": getattr(info, "prefill", None), "pdserve.decode.member": getattr(info, "decode", None),
-            "pdserve.resumes": getattr(info, "retries", None),
-        })
+        self.trace.set_attributes(
+            {
+                "pdserve.outcome": outcome,
+                "gen_ai.usage.output_tokens": self.completion_tokens,
+                "gen_ai.response.finish_reasons": self.finish_reason,
+                "pdserve.ttft_s": None if self.first_token is None else round(self.first_token - self.arrived, 6),
+                "pdserve.kv.bytes": info.kv_bytes if info is not None else None,
+                "pdserve.prefill.member": getattr(info, "prefill", None),
+                "pdserve.decode.member": getattr(info, "decode", None),
+                "pdserve.resumes": getattr(info, "retries", None),
+            }
+        )
         if outcome != "ok":
             self.trace.set_error(outcome)
         self.trace.end()

@@ -60,8 +60,9 @@ def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
     """uvicorn's h11 protocol class with `limits` (see the module docstring); pass it as
     `uvicorn.Config(http=...)`."""
     cap = limits.effective_max_connections()
-    drops = DropCounter(log, "http_connections_closed", request_deadline_s=limits.request_deadline_s,
-                        max_connections=cap)
+    drops = DropCounter(
+        log, "http_connections_closed", request_deadline_s=limits.request_deadline_s, max_connections=cap
+    )
 
     class GuardedH11Protocol(H11Protocol):
         stats = drops

@@ -76,11 +76,13 @@ class TenantLimits(BaseModel):
         def share(value: int | None) -> int | None:
             return None if value is None else max(1, math.ceil(value / replicas))
 
-        return self.model_copy(update={
-            "requests_per_minute": share(self.requests_per_minute),
-            "tokens_per_minute": share(self.tokens_per_minute),
-            "max_concurrent": share(self.max_concurrent),
-        })
+        return self.model_copy(
+            update={
+                "requests_per_minute": share(self.requests_per_minute),
+                "tokens_per_minute": share(self.tokens_per_minute),
+                "max_concurrent": share(self.max_concurrent),
+            }
+        )
 
 
 class _TenantEntry(TenantLimits):
@@ -92,13 +94,19 @@ class _TenantEntry(TenantLimits):
     def _key_shapes(cls, keys: list[str]) -> list[str]:
         for index, key in enumerate(keys):
             if key.startswith(DIGEST_PREFIX):
-                digest = key[len(DIGEST_PREFIX):]
+                digest = key[len(DIGEST_PREFIX) :]
                 if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                     raise ValueError(f"keys[{index}]: a digest is 'sha256:' and 64 lowercase hex characters")
-            elif not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS or not key.isascii() or not key.isprintable() \
-                    or any(c.isspace() for c in key):
-                raise ValueError(f"keys[{index}]: a key is {MIN_KEY_CHARS}-{MAX_KEY_CHARS} printable ASCII "
-                                 f"characters without spaces (got {len(key)} characters)")
+            elif (
+                not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS
+                or not key.isascii()
+                or not key.isprintable()
+                or any(c.isspace() for c in key)
+            ):
+                raise ValueError(
+                    f"keys[{index}]: a key is {MIN_KEY_CHARS}-{MAX_KEY_CHARS} printable ASCII "
+                    f"characters without spaces (got {len(key)} characters)"
+                )
         return keys
 
 
@@ -130,7 +138,7 @@ def digest_of(key: str) -> bytes:
 
 def _stored_digest(key: str) -> bytes:
     if key.startswith(DIGEST_PREFIX):
-        return bytes.fromhex(key[len(DIGEST_PREFIX):])
+        return bytes.fromhex(key[len(DIGEST_PREFIX) :])
     return digest_of(key)
 
 
@@ -163,8 +171,9 @@ class KeyStore:
         tenants: list[Tenant] = []
         digests: dict[bytes, Tenant] = {}
         for entry in parsed.tenants:
-            tenant = Tenant(entry.name, TenantLimits.model_validate(
-                entry.model_dump(by_alias=True, exclude={"name", "keys"})))
+            tenant = Tenant(
+                entry.name, TenantLimits.model_validate(entry.model_dump(by_alias=True, exclude={"name", "keys"}))
+            )
             tenants.append(tenant)
             for key in entry.keys:
                 digest = _stored_digest(key)
@@ -206,8 +215,9 @@ def bearer_key(authorization: str | None) -> str | None:
 class KeyFile:
     """The keys file at `path`, re-read when it changes (checked at most every `reload_interval_s`)."""
 
-    def __init__(self, path: str | Path, reload_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, path: str | Path, reload_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.path = Path(path)
         self.reload_interval_s = reload_interval_s
         self._clock = clock
@@ -243,8 +253,14 @@ class KeyFile:
             store = KeyStore.parse(self.path.read_text(encoding="utf-8"), str(self.path))
         except (OSError, UnicodeDecodeError, KeyFileError) as exc:
             self.failed_reloads += 1
-            log.error(kv(event="api_keys_reload_failed", path=self.path, error=str(exc) if isinstance(
-                exc, KeyFileError) else type(exc).__name__, kept_keys=len(self._store)))
+            log.error(
+                kv(
+                    event="api_keys_reload_failed",
+                    path=self.path,
+                    error=str(exc) if isinstance(exc, KeyFileError) else type(exc).__name__,
+                    kept_keys=len(self._store),
+                )
+            )
             return
         self._store = store
         self.reloads += 1

@@ -40,10 +40,12 @@ def _histogram(hist: PromHistogram) -> Histogram:
 
 
 def router_load(metrics: RouterMetrics) -> Load:
-    return Load(router=RouterLoad(
-        requests_total=_counter_total(metrics.requests_completed) + _counter_total(metrics.requests_failed),
-        prompt_tokens_total=_counter_total(metrics.prompt_tokens),
-        output_tokens_total=_counter_total(metrics.generation_tokens),
-        ttft=_histogram(metrics.time_to_first_token),
-        tpot=_histogram(metrics.time_per_output_token),
-    ))
+    return Load(
+        router=RouterLoad(
+            requests_total=_counter_total(metrics.requests_completed) + _counter_total(metrics.requests_failed),
+            prompt_tokens_total=_counter_total(metrics.prompt_tokens),
+            output_tokens_total=_counter_total(metrics.generation_tokens),
+            ttft=_histogram(metrics.time_to_first_token),
+            tpot=_histogram(metrics.time_per_output_token),
+        )
+    )

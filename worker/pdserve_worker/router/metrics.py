@@ -66,54 +66,65 @@ class RouterMetrics:
         self.time_to_first_token = Histogram(
             f"{_PREFIX}_time_to_first_token_seconds",
             "From the request's arrival to its first generated token.",
-            buckets=_TTFT_BUCKETS, registry=r,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.time_per_output_token = Histogram(
             f"{_PREFIX}_time_per_output_token_seconds",
             "Mean time between output tokens of one request (requests with 2+ tokens).",
-            buckets=_TPOT_BUCKETS, registry=r,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
         )
         self.e2e_latency = Histogram(
             f"{_PREFIX}_e2e_request_latency_seconds",
             "From the request's arrival to its last byte, for requests that completed.",
-            buckets=_E2E_BUCKETS, registry=r,
+            buckets=_E2E_BUCKETS,
+            registry=r,
         )
         self.kv_transfer_bytes = Histogram(
             f"{_PREFIX}_kv_transfer_bytes",
             "KV bytes pushed from prefill to decode per disaggregated request.",
-            buckets=_KV_BYTES_BUCKETS, registry=r,
+            buckets=_KV_BYTES_BUCKETS,
+            registry=r,
         )
         self.kv_transfer_seconds = Histogram(
             f"{_PREFIX}_kv_transfer_seconds",
             "Wall time of one request's KV push, first put to completion.",
-            buckets=_KV_SECONDS_BUCKETS, registry=r,
+            buckets=_KV_SECONDS_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter(f"{_PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter(f"{_PREFIX}_generation_tokens", "Tokens generated.", registry=r)
         self.prompt_cached_tokens = Counter(
             f"{_PREFIX}_prompt_cached_tokens",
             "Prompt tokens of answered requests whose KV came from a prefill's prefix cache "
-            "(the hit rate is this over prompt_tokens).", registry=r,
+            "(the hit rate is this over prompt_tokens).",
+            registry=r,
         )
         self.prefix_routed = Counter(
             f"{_PREFIX}_prefix_routed",
             "Prefill choices by reason: prefix (the prefill predicted to hold the longest prefix of the "
-            "prompt), least_loaded (no match worth its load).", ["reason"], registry=r,
+            "prompt), least_loaded (no match worth its load).",
+            ["reason"],
+            registry=r,
         )
         self.requests_completed = Counter(
             f"{_PREFIX}_requests_completed",
             "Requests answered in full, by how they were served (disaggregated or colocated).",
-            ["mode"], registry=r,
+            ["mode"],
+            registry=r,
         )
         self.requests_failed = Counter(
             f"{_PREFIX}_requests_failed",
             "Admitted requests that did not complete, by reason.",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.requests_rejected = Counter(
             f"{_PREFIX}_requests_rejected",
             "Requests refused before reaching the backend (bad input), by HTTP status.",
-            ["status"], registry=r,
+            ["status"],
+            registry=r,
         )
         self.request_retries = Counter(
             f"{_PREFIX}_request_retries",
@@ -125,12 +136,14 @@ class RouterMetrics:
             f"{_PREFIX}_migrations",
             "Requests a draining decode handed over, by outcome: migrated (the KV moved to another decode), "
             "fallback (it could not: the request was resumed by re-prefilling).",
-            ["outcome"], registry=r,
+            ["outcome"],
+            registry=r,
         )
         self.migration_seconds = Histogram(
             f"{_PREFIX}_migration_seconds",
             "From a decode's handover event to the target's grant filled (its Migrate answered).",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
         )
         self.migration_bytes = Counter(f"{_PREFIX}_migration_bytes", "KV bytes moved by migrations.", registry=r)
         self.grants_returned = Counter(
@@ -138,27 +151,34 @@ class RouterMetrics:
             "Decode slot grants given back without a finished request, by outcome: released (free at "
             "once: no push could still write), quarantined (a push may still be running), stream (the "
             "decode's stream already held the slot), lease (the Release failed: the decode's lease reclaims it).",
-            ["outcome"], registry=r,
+            ["outcome"],
+            registry=r,
         )
         self.admission_queue_length = Gauge(
             f"{_PREFIX}_admission_queue_length",
-            "Requests waiting in the admission queue, by priority class.", ["priority"], registry=r,
+            "Requests waiting in the admission queue, by priority class.",
+            ["priority"],
+            registry=r,
         )
         self.admission_wait = Histogram(
             f"{_PREFIX}_admission_wait_seconds",
             "From a request's arrival in the admission queue to its KV reservation, by priority class.",
-            ["priority"], buckets=_WAIT_BUCKETS, registry=r,
+            ["priority"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
         )
         self.admission_rejected = Counter(
             f"{_PREFIX}_admission_rejected",
             "Requests the admission queue answered 429, by reason (queue_full, tenant_queue_full, "
             "requests_per_minute, tokens_per_minute, deadline).",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         self.tenant_tokens = Counter(
             f"{_PREFIX}_tenant_tokens",
             "Tokens of admitted requests per tenant (the API key's tenant; 'anonymous' without keys), by kind.",
-            ["tenant", "kind"], registry=r,
+            ["tenant", "kind"],
+            registry=r,
         )
         self.decode_slots_used = Gauge(
             f"{_PREFIX}_decode_slots_used", "KV slots in use per decode instance.", ["decode"], registry=r
@@ -175,7 +195,8 @@ class RouterMetrics:
         self.prefill_failures = Counter(
             f"{_PREFIX}_prefill_failures",
             "Prefill calls (prompt compute and KV push to the decode) that failed, by gRPC status code.",
-            ["code"], registry=r,
+            ["code"],
+            registry=r,
         )
         self._backend_view = _BackendView()
         r.register(self._backend_view)
@@ -250,8 +271,9 @@ class RouterMetrics:
 
     # --- what the backend calls ------------------------------------------------------------
 
-    def set_decode_slots(self, decode: str, used: int, free: int, kv_tokens_used: int = 0,
-                         kv_tokens_total: int = 0) -> None:
+    def set_decode_slots(
+        self, decode: str, used: int, free: int, kv_tokens_used: int = 0, kv_tokens_total: int = 0
+    ) -> None:
         """Publish one decode instance's slot and KV-token usage (called when the backend learns it)."""
         self.decode_slots_used.labels(decode=decode).set(used)
         self.decode_slots_free.labels(decode=decode).set(free)
@@ -264,8 +286,12 @@ class RouterMetrics:
 
     def forget_decode(self, decode: str) -> None:
         """Drop a decode instance that left the membership, so its gauges do not linger."""
-        for gauge in (self.decode_slots_used, self.decode_slots_free, self.decode_kv_tokens_used,
-                      self.decode_kv_tokens_total):
+        for gauge in (
+            self.decode_slots_used,
+            self.decode_slots_free,
+            self.decode_kv_tokens_used,
+            self.decode_kv_tokens_total,
+        ):
             try:
                 gauge.remove(decode)
             except KeyError:
@@ -296,12 +322,15 @@ class _BackendView(Collector):
 
     @staticmethod
     def _families(health: dict[str, object]) -> list[GaugeMetricFamily]:
-        members = GaugeMetricFamily(f"{_PREFIX}_members",
-                                    "Workers this router could send a request to now, by role.", labels=["role"])
-        in_flight = GaugeMetricFamily(f"{_PREFIX}_requests_in_flight",
-                                      "Requests this router has in flight now, by the role of the worker "
-                                      "(a request counts on its prefill and its decode until it ends).",
-                                      labels=["role"])
+        members = GaugeMetricFamily(
+            f"{_PREFIX}_members", "Workers this router could send a request to now, by role.", labels=["role"]
+        )
+        in_flight = GaugeMetricFamily(
+            f"{_PREFIX}_requests_in_flight",
+            "Requests this router has in flight now, by the role of the worker "
+            "(a request counts on its prefill and its decode until it ends).",
+            labels=["role"],
+        )
         for family, key in ((members, "members"), (in_flight, "in_flight")):
             values = health.get(key)
             if isinstance(values, dict):

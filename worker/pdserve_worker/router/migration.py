@@ -59,43 +59,69 @@ class Moved:
     seconds: float
 
 
-async def migrate(backend: PDBackend, request_id: str, prompt_ids: list[int], emitted: list[int],
-                  params: SamplingParams, source: Member, source_grant: worker_pb2.Grant,
-                  handover: worker_pb2.Handover, avoid: set[str]) -> Moved:
+async def migrate(
+    backend: PDBackend,
+    request_id: str,
+    prompt_ids: list[int],
+    emitted: list[int],
+    params: SamplingParams,
+    source: Member,
+    source_grant: worker_pb2.Grant,
+    handover: worker_pb2.Handover,
+    avoid: set[str],
+) -> Moved:
     """Move the request off `source` (see the module docstring); raises MigrationFailed."""
     started = time.monotonic()
     if handover.num_generated != len(emitted) or not emitted:
-        raise MigrationFailed(f"decode {source.worker_id} handed request {request_id} over after "
-                              f"{handover.num_generated} tokens, the client has {len(emitted)}")
+        raise MigrationFailed(
+            f"decode {source.worker_id} handed request {request_id} over after "
+            f"{handover.num_generated} tokens, the client has {len(emitted)}"
+        )
     tokens = prompt_ids + emitted
     sampling = sampling_to_proto(params)
     sampling.seed = handover.seed  # the source's (it chose one if the request had none)
     try:
-        target, grant = await backend._reserve(request_id, len(tokens), params.max_tokens - len(emitted),
-                                               avoid | {source.worker_id})
+        target, grant = await backend._reserve(
+            request_id, len(tokens), params.max_tokens - len(emitted), avoid | {source.worker_id}
+        )
     except (NoCapacity, BackendError) as exc:
         raise MigrationFailed(f"no decode could take request {request_id} over: {exc}") from None
     call = None
     settled = False
     ok = False
     try:
-        call = worker_pb2_grpc.DecodeStub(backend._channel(target)).Generate(worker_pb2.GenerateRequest(
-            request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
-            sampling=sampling, readiness_timeout_ms=int(MIGRATE_S * 2000), num_generated=len(emitted),
-            migrated=True,
-        ))
+        call = worker_pb2_grpc.DecodeStub(backend._channel(target)).Generate(
+            worker_pb2.GenerateRequest(
+                request_id=request_id,
+                slot=grant.slot,
+                generation=grant.generation,
+                prompt_token_ids=tokens,
+                sampling=sampling,
+                readiness_timeout_ms=int(MIGRATE_S * 2000),
+                num_generated=len(emitted),
+                migrated=True,
+            )
+        )
         from pdserve_worker.router.pd_backend import push_targets
 
         try:
-            reply = await worker_pb2_grpc.DecodeStub(backend._channel(source)).Migrate(worker_pb2.MigrateRequest(
-                request_id=request_id, slot=source_grant.slot, generation=source_grant.generation,
-                targets=push_targets(grant)), timeout=MIGRATE_S)
+            reply = await worker_pb2_grpc.DecodeStub(backend._channel(source)).Migrate(
+                worker_pb2.MigrateRequest(
+                    request_id=request_id,
+                    slot=source_grant.slot,
+                    generation=source_grant.generation,
+                    targets=push_targets(grant),
+                ),
+                timeout=MIGRATE_S,
+            )
         except grpc.aio.AioRpcError as exc:
             # (The target is not avoided by the resume: a failed push may be the leaving source's
             # fault, and a target that is really gone refuses the resume's Reserve anyway.)
             settled = push_settled(exc)
-            raise MigrationFailed(f"decode {source.worker_id} could not push request {request_id} to "
-                                  f"{target.worker_id}: {exc.code().name} {exc.details()}") from None
+            raise MigrationFailed(
+                f"decode {source.worker_id} could not push request {request_id} to "
+                f"{target.worker_id}: {exc.code().name} {exc.details()}"
+            ) from None
         ok = True
         return Moved(target, grant, call, reply.kv_bytes, time.monotonic() - started)
     finally:
@@ -107,16 +133,32 @@ async def migrate(backend: PDBackend, request_id: str, prompt_ids: list[int], em
 
 async def _give_back(backend: PDBackend, target: Member, grant: worker_pb2.Grant, settled: bool) -> None:
     released = await backend._release(target, grant, settled)
-    log.debug(kv(event="migration_grant_returned", decode=target.worker_id, slot=grant.slot,
-                 settled=settled, released=released))
+    log.debug(
+        kv(
+            event="migration_grant_returned",
+            decode=target.worker_id,
+            slot=grant.slot,
+            settled=settled,
+            released=released,
+        )
+    )
 
 
-def note(metrics: RouterMetrics | None, request_id: str, source: str, moved: Moved | None,
-         error: BaseException | None = None) -> None:
+def note(
+    metrics: RouterMetrics | None, request_id: str, source: str, moved: Moved | None, error: BaseException | None = None
+) -> None:
     """Log and count one migration's outcome."""
     if moved is not None:
-        log.info(kv(event="request_migrated", request=request_id, source=source, target=moved.decode.worker_id,
-                    kv_bytes=moved.kv_bytes, seconds=f"{moved.seconds:.4f}"))
+        log.info(
+            kv(
+                event="request_migrated",
+                request=request_id,
+                source=source,
+                target=moved.decode.worker_id,
+                kv_bytes=moved.kv_bytes,
+                seconds=f"{moved.seconds:.4f}",
+            )
+        )
     else:
         log.warning(kv(event="migration_fallback", request=request_id, source=source, error=str(error)))
     if metrics is not None:

@@ -63,8 +63,9 @@ class _GenerationRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=UINT32_MAX,
-                              description="Extension: keep the k most likely tokens; -1 or 0 disables.")
+    top_k: int | None = Field(
+        None, ge=-1, le=UINT32_MAX, description="Extension: keep the k most likely tokens; -1 or 0 disables."
+    )
     # torch seeds a generator with a 64-bit integer; anything wider cannot be honoured.
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: StopString | list[StopString] | None = None
@@ -224,8 +225,9 @@ class ChatCompletionRequest(_GenerationRequest):
 # --- errors ---------------------------------------------------------------------------------
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error envelope; clients (the openai package) read `error.message` from it."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -262,8 +264,7 @@ class ResponseFormat:
     object_chunk = "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def full(self, text: str, finish_reason: str, usage: Usage, extension: dict[str, Any] | None) -> dict[str, Any]:
         body = self._envelope(self.object_full, [self._full_choice(text, finish_reason)])
@@ -310,8 +311,12 @@ class ChatResponseFormat(ResponseFormat):
     object_chunk = "chat.completion.chunk"
 
     def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
 
     def _chunk_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

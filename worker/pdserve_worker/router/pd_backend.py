@@ -197,11 +197,23 @@ class PDBackend(ModelTokenizing):
             return
         if member.role is Role.DECODE and self._metrics is not None:
             used = member.load.slots_used
-            self._metrics.set_decode_slots(member.worker_id, used, max(member.info.slots_total - used, 0),
-                                           member.load.kv_tokens_used, member.load.kv_tokens_total)
+            self._metrics.set_decode_slots(
+                member.worker_id,
+                used,
+                max(member.info.slots_total - used, 0),
+                member.load.kv_tokens_used,
+                member.load.kv_tokens_total,
+            )
         if member.info.revision != self.revision:
-            log.warning(kv(event="member_revision_mismatch", worker=member.worker_id, role=member.role,
-                           revision=member.info.revision, ours=self.revision))
+            log.warning(
+                kv(
+                    event="member_revision_mismatch",
+                    worker=member.worker_id,
+                    role=member.role,
+                    revision=member.info.revision,
+                    ours=self.revision,
+                )
+            )
 
     async def _probe_decode(self, member: Member) -> None:
         """A decode with our streams left the membership: if it does not answer either (frozen,
@@ -211,8 +223,14 @@ class PDBackend(ModelTokenizing):
         try:
             await worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest(), timeout=self._t.rpc_s)
         except grpc.aio.AioRpcError as exc:
-            log.warning(kv(event="decode_lost", decode=member.worker_id, code=exc.code().name,
-                           streams=self._inflight_decode[member.worker_id]))
+            log.warning(
+                kv(
+                    event="decode_lost",
+                    decode=member.worker_id,
+                    code=exc.code().name,
+                    streams=self._inflight_decode[member.worker_id],
+                )
+            )
             self._lost.pop(member.worker_id, asyncio.Event()).set()
             await asyncio.sleep(0)  # the streams give up (and cancel their calls) before the channel closes
             self._close_channel(member.info.grpc_endpoint)
@@ -226,7 +244,9 @@ class PDBackend(ModelTokenizing):
 
     # ---- one request ------------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[TokenEvent]:
         """Serve one request; a decode or prefill that fails midway is replaced (at most `max_retries` times).
 
         The tokens already streamed are kept: a retry re-prefills the prompt followed by them
@@ -256,8 +276,10 @@ class PDBackend(ModelTokenizing):
                     await asyncio.sleep(exc.retry_after_s)
                     continue
                 # A retry found no worker left: the failure that made it is what the client should hear of.
-                raise type(failure.error)(f"{failure.error}; no other worker could take request {request_id} "
-                                          f"over after {len(emitted)} tokens: {exc}") from None
+                raise type(failure.error)(
+                    f"{failure.error}; no other worker could take request {request_id} "
+                    f"over after {len(emitted)} tokens: {exc}"
+                ) from None
             except _Retryable as caught:
                 failure = caught
                 resume_deadline = time.monotonic() + self._t.resume_wait_s
@@ -265,17 +287,41 @@ class PDBackend(ModelTokenizing):
                 if retries > self._t.max_retries:
                     raise failure.error from None
                 avoid.add(failure.worker_id)
-                log.warning(kv(event="request_retry", request=request_id, retry=retries, failed=failure.worker_id,
-                               emitted=len(emitted), error=str(failure.error)))
+                log.warning(
+                    kv(
+                        event="request_retry",
+                        request=request_id,
+                        retry=retries,
+                        failed=failure.worker_id,
+                        emitted=len(emitted),
+                        error=str(failure.error),
+                    )
+                )
                 # The resume, in the request's trace: the next attempt span carries `pdserve.retry`.
-                tracing.record("router.resume", tracing.now_ns(), tracing.now_ns(), {
-                    "pdserve.retry": retries, "pdserve.failed.member": failure.worker_id,
-                    "pdserve.resumed_tokens": len(emitted), "error.message": str(failure.error)})
+                tracing.record(
+                    "router.resume",
+                    tracing.now_ns(),
+                    tracing.now_ns(),
+                    {
+                        "pdserve.retry": retries,
+                        "pdserve.failed.member": failure.worker_id,
+                        "pdserve.resumed_tokens": len(emitted),
+                        "error.message": str(failure.error),
+                    },
+                )
                 if self._metrics is not None:
                     self._metrics.observe_retry()
 
-    async def _attempt(self, prompt_ids: list[int], emitted: list[int], params: SamplingParams, request_id: str,
-                       avoid: set[str], retries: int, seeds: list[int]) -> AsyncIterator[TokenEvent]:
+    async def _attempt(
+        self,
+        prompt_ids: list[int],
+        emitted: list[int],
+        params: SamplingParams,
+        request_id: str,
+        avoid: set[str],
+        retries: int,
+        seeds: list[int],
+    ) -> AsyncIterator[TokenEvent]:
         """One road through a decode and a prefill; failures a retry may cure raise `_Retryable`.
 
         Everything that can fail without a worker (converting the parameters, choosing a
@@ -287,9 +333,15 @@ class PDBackend(ModelTokenizing):
         sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
         prefill = self._pick_prefill(avoid, tokens)
         # One span per attempt, ended by hand (this is a generator: tracing.py on spans across yields).
-        attempt = tracing.start_span("router.attempt", {
-            "pdserve.request_id": request_id, "pdserve.retry": retries, "pdserve.prefill.member": prefill.worker_id,
-            "pdserve.resumed_tokens": len(emitted) or None})
+        attempt = tracing.start_span(
+            "router.attempt",
+            {
+                "pdserve.request_id": request_id,
+                "pdserve.retry": retries,
+                "pdserve.prefill.member": prefill.worker_id,
+                "pdserve.resumed_tokens": len(emitted) or None,
+            },
+        )
         try:
             with tracing.use(attempt), tracing.span("router.reserve") as reserving:
                 decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
@@ -298,8 +350,13 @@ class PDBackend(ModelTokenizing):
             attempt.record_exception(exc)
             attempt.end()
             raise
-        attempt.set_attributes({"pdserve.decode.member": decode.worker_id, "pdserve.slot": grant.slot,
-                                "pdserve.slot.generation": grant.generation})
+        attempt.set_attributes(
+            {
+                "pdserve.decode.member": decode.worker_id,
+                "pdserve.slot": grant.slot,
+                "pdserve.slot.generation": grant.generation,
+            }
+        )
         call = None
         prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
         info: RequestInfo | None = None
@@ -312,15 +369,29 @@ class PDBackend(ModelTokenizing):
             decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
             prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
             with tracing.use(attempt):  # both calls carry the attempt's traceparent (pdserve_common/channels.py)
-                call = decode_stub.Generate(worker_pb2.GenerateRequest(
-                    request_id=request_id, slot=grant.slot, generation=grant.generation, prompt_token_ids=tokens,
-                    sampling=sampling, readiness_timeout_ms=self._t.readiness_ms, num_generated=len(emitted),
-                ))
-                prefill_call = asyncio.ensure_future(prefill_stub.Prefill(
-                    worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=tokens, sampling=sampling,
-                                              targets=push_targets(grant), num_generated=len(emitted)),
-                    timeout=self._t.prefill_s,
-                ))
+                call = decode_stub.Generate(
+                    worker_pb2.GenerateRequest(
+                        request_id=request_id,
+                        slot=grant.slot,
+                        generation=grant.generation,
+                        prompt_token_ids=tokens,
+                        sampling=sampling,
+                        readiness_timeout_ms=self._t.readiness_ms,
+                        num_generated=len(emitted),
+                    )
+                )
+                prefill_call = asyncio.ensure_future(
+                    prefill_stub.Prefill(
+                        worker_pb2.PrefillRequest(
+                            request_id=request_id,
+                            prompt_token_ids=tokens,
+                            sampling=sampling,
+                            targets=push_targets(grant),
+                            num_generated=len(emitted),
+                        ),
+                        timeout=self._t.prefill_s,
+                    )
+                )
             lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
             while True:
                 event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
@@ -330,13 +401,19 @@ class PDBackend(ModelTokenizing):
                         params = params.model_copy(update={"seed": event.handover.seed})
                     try:
                         # In the attempt's trace; the calls carry its traceparent (rpc/channels.py).
-                        with tracing.use(attempt), tracing.span("router.migrate", {
-                                "pdserve.source.member": decode.worker_id,
-                                "pdserve.resumed_tokens": len(emitted)}) as moving:
-                            moved = await migrate(self, request_id, prompt_ids, emitted, params, decode, grant,
-                                                  event.handover, avoid)
-                            moving.set_attributes({"pdserve.decode.member": moved.decode.worker_id,
-                                                   "pdserve.kv_bytes": moved.kv_bytes})
+                        with (
+                            tracing.use(attempt),
+                            tracing.span(
+                                "router.migrate",
+                                {"pdserve.source.member": decode.worker_id, "pdserve.resumed_tokens": len(emitted)},
+                            ) as moving,
+                        ):
+                            moved = await migrate(
+                                self, request_id, prompt_ids, emitted, params, decode, grant, event.handover, avoid
+                            )
+                            moving.set_attributes(
+                                {"pdserve.decode.member": moved.decode.worker_id, "pdserve.kv_bytes": moved.kv_bytes}
+                            )
                     except MigrationFailed as exc:
                         note(self._metrics, request_id, decode.worker_id, None, exc)
                         raise _Retryable(decode.worker_id, exc) from None
@@ -354,20 +431,36 @@ class PDBackend(ModelTokenizing):
                 except ValueError:
                     reason = FinishReason.ABORT  # a newer decode's reason: not an answer we can give
                 if reason is FinishReason.ABORT:
-                    raise _Retryable(decode.worker_id,
-                                     BackendError(f"decode {decode.worker_id} aborted request {request_id}"))
+                    raise _Retryable(
+                        decode.worker_id, BackendError(f"decode {decode.worker_id} aborted request {request_id}")
+                    )
                 attach = None
                 if info is None and migrations:  # the first event of the decode the request moved to
-                    attach = info = RequestInfo(True, event.kv_bytes_received, None, prefill.worker_id,
-                                                decode.worker_id, retries, migrations=migrations)
+                    attach = info = RequestInfo(
+                        True,
+                        event.kv_bytes_received,
+                        None,
+                        prefill.worker_id,
+                        decode.worker_id,
+                        retries,
+                        migrations=migrations,
+                    )
                 elif info is None and (prefill_call.done() or reason is not None):
                     # The prefill's reply has the push's figures; at the latest the last token waits for it.
                     reply = await self._prefill_reply(prefill_call, prefill.worker_id)
-                    info = attach = RequestInfo(True, reply.kv_bytes, reply.push_seconds, prefill.worker_id,
-                                                decode.worker_id, retries, reply.cached_tokens)
+                    info = attach = RequestInfo(
+                        True,
+                        reply.kv_bytes,
+                        reply.push_seconds,
+                        prefill.worker_id,
+                        decode.worker_id,
+                        retries,
+                        reply.cached_tokens,
+                    )
                 elif info is None and event.index == len(emitted):
-                    attach = RequestInfo(event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id,
-                                         decode.worker_id, retries)
+                    attach = RequestInfo(
+                        event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id, decode.worker_id, retries
+                    )
                 # Set before the yield: the router closes this generator as soon as it has the
                 # last event, and a finished request must not be cancelled or released.
                 finished = reason is not None
@@ -397,8 +490,14 @@ class PDBackend(ModelTokenizing):
                     call.cancel()  # a committed slot is freed by the decode once its request leaves the batch
                 self._spawn(self._give_back(decode, grant, request_id, prefill, prefill_call))
 
-    async def _next_event(self, call: Any, prefill_call: asyncio.Future[worker_pb2.PrefillReply], prefill_id: str,
-                          decode_id: str, lost: asyncio.Event) -> worker_pb2.TokenEvent:
+    async def _next_event(
+        self,
+        call: Any,
+        prefill_call: asyncio.Future[worker_pb2.PrefillReply],
+        prefill_id: str,
+        decode_id: str,
+        lost: asyncio.Event,
+    ) -> worker_pb2.TokenEvent:
         """The decode's next event; if the prefill fails first, its error (the decode would wait in
         vain); if the decode is found lost first, a retryable failure (its stream may never end)."""
         read = asyncio.ensure_future(call.read())
@@ -408,8 +507,9 @@ class PDBackend(ModelTokenizing):
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not read.done() and lost.is_set():
                 read.cancel()
-                raise _Retryable(decode_id, BackendUnavailable(
-                    f"decode {decode_id} left the membership and does not answer"))
+                raise _Retryable(
+                    decode_id, BackendUnavailable(f"decode {decode_id} left the membership and does not answer")
+                )
             if prefill_call.done() and not read.done() and prefill_call.exception() is not None:
                 read.cancel()
                 await self._prefill_reply(prefill_call, prefill_id)  # raises the mapped error
@@ -420,8 +520,9 @@ class PDBackend(ModelTokenizing):
             raise _Retryable(decode_id, BackendError(f"decode {decode_id} ended the stream without a finish reason"))
         return cast(worker_pb2.TokenEvent, event)
 
-    async def _prefill_reply(self, prefill_call: asyncio.Future[worker_pb2.PrefillReply],
-                             prefill_id: str) -> worker_pb2.PrefillReply:
+    async def _prefill_reply(
+        self, prefill_call: asyncio.Future[worker_pb2.PrefillReply], prefill_id: str
+    ) -> worker_pb2.PrefillReply:
         try:
             return await prefill_call
         except grpc.aio.AioRpcError as exc:
@@ -429,10 +530,13 @@ class PDBackend(ModelTokenizing):
             if self._metrics is not None:
                 self._metrics.observe_prefill_failure(code.name)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise _Retryable(prefill_id, RequestTimeout(
-                    f"prefill {prefill_id} did not finish in {self._t.prefill_s:g}s")) from None
+                raise _Retryable(
+                    prefill_id, RequestTimeout(f"prefill {prefill_id} did not finish in {self._t.prefill_s:g}s")
+                ) from None
             if code == grpc.StatusCode.UNAVAILABLE:
-                raise _Retryable(prefill_id, BackendUnavailable(f"prefill {prefill_id} failed: {exc.details()}")) from None
+                raise _Retryable(
+                    prefill_id, BackendUnavailable(f"prefill {prefill_id} failed: {exc.details()}")
+                ) from None
             raise BackendError(f"prefill {prefill_id} failed: {code.name}: {exc.details()}") from None
 
     # ---- choosing members ----------------------------------------------------------------------------
@@ -449,21 +553,22 @@ class PDBackend(ModelTokenizing):
         ids = list(by_id)
         hashes = block_hashes(tokens, self._prefix_block_tokens, self._prefix_salt)
         queues = {m.worker_id: estimated_queue(m, self._inflight_prefill[m.worker_id]) for m in ranked}
-        choice = choose_prefill(ids, queues, self._prefixes.matches(ids, hashes), self._recent.counts(),
-                                self._balance)
+        choice = choose_prefill(ids, queues, self._prefixes.matches(ids, hashes), self._recent.counts(), self._balance)
         self._prefixes.record(choice.worker_id, hashes)
         self._recent.record(choice.worker_id)
         if self._metrics is not None:
             self._metrics.observe_prefill_choice(choice.reason)
         return by_id[choice.worker_id]
 
-    async def _reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
-                       avoid: set[str]) -> tuple[Member, worker_pb2.Grant]:
+    async def _reserve(
+        self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: set[str]
+    ) -> tuple[Member, worker_pb2.Grant]:
         ranked = _excluding(rank_decodes(self.view.members.values(), self._inflight_decode, self.revision), avoid)
         if not ranked:
             raise BackendUnavailable(f"no decode worker of model revision {self.revision} is registered")
-        request = worker_pb2.ReserveRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                            max_tokens=max_tokens, lease_ms=self._t.lease_ms)
+        request = worker_pb2.ReserveRequest(
+            request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, lease_ms=self._t.lease_ms
+        )
         full, failed = 0, []
         for member in ranked:
             stub = worker_pb2_grpc.DecodeStub(self._channel(member))
@@ -485,24 +590,30 @@ class PDBackend(ModelTokenizing):
                     full += 1
                 else:
                     failed.append(f"{member.worker_id}: {code.name} {exc.details()}")
-                    log.warning(kv(event="reserve_failed", decode=member.worker_id, code=code.name,
-                                   detail=exc.details()))
+                    log.warning(
+                        kv(event="reserve_failed", decode=member.worker_id, code=code.name, detail=exc.details())
+                    )
         if full:
             raise NoCapacity(NO_CAPACITY_RETRY_S, f"no free KV slot on {full} decode worker(s)")
         raise BackendUnavailable(f"no decode worker could reserve a slot: {'; '.join(failed)}")
 
     # ---- giving grants back -------------------------------------------------------------------------
 
-    async def _give_back_late(self, decode: Member, reserve: asyncio.Future[worker_pb2.Grant],
-                              request_id: str) -> None:
+    async def _give_back_late(self, decode: Member, reserve: asyncio.Future[worker_pb2.Grant], request_id: str) -> None:
         """A Reserve whose request was cancelled while it was in flight: give back what it granted."""
         await asyncio.wait({reserve})  # (`wait`: the call's own failure or cancellation does not raise here)
         if reserve.cancelled() or reserve.exception() is not None:
             return  # nothing was granted
         await self._give_back(decode, reserve.result(), request_id, None, None)
 
-    async def _give_back(self, decode: Member, grant: worker_pb2.Grant, request_id: str,
-                         prefill: Member | None, prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None) -> None:
+    async def _give_back(
+        self,
+        decode: Member,
+        grant: worker_pb2.Grant,
+        request_id: str,
+        prefill: Member | None,
+        prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None,
+    ) -> None:
         """Return a grant the request will not finish with, counted by how it went back.
 
         Free at once (`push_settled`) where no write into the slot can still arrive: no Prefill
@@ -518,24 +629,45 @@ class PDBackend(ModelTokenizing):
             outcome = "stream"  # nothing left to give back: the decode's stream had the slot
         else:
             outcome = "released" if settled else "quarantined"
-        log.debug(kv(event="grant_returned", request=request_id, decode=decode.worker_id, slot=grant.slot,
-                     generation=grant.generation, outcome=outcome))
+        log.debug(
+            kv(
+                event="grant_returned",
+                request=request_id,
+                decode=decode.worker_id,
+                slot=grant.slot,
+                generation=grant.generation,
+                outcome=outcome,
+            )
+        )
         if self._metrics is not None:
             self._metrics.observe_grant_returned(outcome)
 
-    async def _settle_push(self, prefill: Member | None, prefill_call: asyncio.Future[worker_pb2.PrefillReply],
-                           grant: worker_pb2.Grant, request_id: str) -> bool:
+    async def _settle_push(
+        self,
+        prefill: Member | None,
+        prefill_call: asyncio.Future[worker_pb2.PrefillReply],
+        grant: worker_pb2.Grant,
+        request_id: str,
+    ) -> bool:
         """Whether the prefill's push into `grant` is over: asks a prefill still at work to stop
         and waits (at most `settle_s`) for its answer. False when that cannot be known."""
         if not prefill_call.done() and prefill is not None:
             try:
                 await worker_pb2_grpc.PrefillStub(self._channel(prefill)).Cancel(
-                    worker_pb2.CancelPrefillRequest(request_id=request_id, slot=grant.slot,
-                                                    generation=grant.generation),
-                    timeout=self._t.rpc_s)
+                    worker_pb2.CancelPrefillRequest(
+                        request_id=request_id, slot=grant.slot, generation=grant.generation
+                    ),
+                    timeout=self._t.rpc_s,
+                )
             except grpc.aio.AioRpcError as exc:
-                log.warning(kv(event="prefill_cancel_failed", prefill=prefill.worker_id, request=request_id,
-                               code=exc.code().name))
+                log.warning(
+                    kv(
+                        event="prefill_cancel_failed",
+                        prefill=prefill.worker_id,
+                        request=request_id,
+                        code=exc.code().name,
+                    )
+                )
             done, _ = await asyncio.wait({prefill_call}, timeout=self._t.settle_s)
             if not done:
                 prefill_call.cancel()
@@ -549,9 +681,12 @@ class PDBackend(ModelTokenizing):
         """worker.proto's Release; None when it could not be delivered (the lease then lapses)."""
         stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
         try:
-            reply = await stub.Release(worker_pb2.ReleaseRequest(
-                request_id=grant.request_id, slot=grant.slot, generation=grant.generation,
-                push_settled=push_settled), timeout=self._t.rpc_s)
+            reply = await stub.Release(
+                worker_pb2.ReleaseRequest(
+                    request_id=grant.request_id, slot=grant.slot, generation=grant.generation, push_settled=push_settled
+                ),
+                timeout=self._t.rpc_s,
+            )
         except grpc.aio.AioRpcError as exc:  # the lease lapses on its own: logged, not fatal
             log.warning(kv(event="release_failed", decode=decode.worker_id, slot=grant.slot, code=exc.code().name))
             return None
@@ -583,8 +718,9 @@ class _Retryable(Exception):
 # its generation loop failed; DEADLINE_EXCEEDED: its readiness wait ended without the prefill's
 # notification; ABORTED: the notification that came cannot be used (malformed, for another
 # prompt length, a group's members disagree).
-_RETRYABLE_DECODE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
-                               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+_RETRYABLE_DECODE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+)
 _PREFILL_AT_FAULT = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 
 

@@ -50,8 +50,13 @@ class PrefillChoice:
     reason: str  # "prefix" | "shortest_queue"
 
 
-def choose_prefill(ranked: Sequence[str], queues: Mapping[str, int], matches: Mapping[str, int],
-                   recent: Mapping[str, int] | None = None, bound: BalanceBound = BalanceBound()) -> PrefillChoice:
+def choose_prefill(
+    ranked: Sequence[str],
+    queues: Mapping[str, int],
+    matches: Mapping[str, int],
+    recent: Mapping[str, int] | None = None,
+    bound: BalanceBound = BalanceBound(),
+) -> PrefillChoice:
     """`ranked`: candidate prefills, best first by the plain load ranking; `queues`: each one's
     estimated queue now; `matches`: each one's predicted matched blocks; `recent`: requests this
     router sent each one within its recent window (`RecentShare`). Raises ValueError when empty.

@@ -18,9 +18,16 @@ from pdserve_worker.router.http_guard import HttpLimits, guarded_h11
 DEFAULT_GRACE_S = 30.0
 
 
-def build_router_server(app: ASGIApp, host: str, port: int, *, grace_s: float = DEFAULT_GRACE_S,
-                        log_level: str = "warning", tls: TLSConfig | None = None,
-                        limits: HttpLimits = HttpLimits()) -> uvicorn.Server:
+def build_router_server(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    *,
+    grace_s: float = DEFAULT_GRACE_S,
+    log_level: str = "warning",
+    tls: TLSConfig | None = None,
+    limits: HttpLimits = HttpLimits(),
+) -> uvicorn.Server:
     """A uvicorn server for `app`, not yet started (tests run it in a thread and stop it).
     With `tls` it serves HTTPS only (clients are not asked for certificates: API clients use
     the API's own authentication). `limits` bound what clients that never finish a request

@@ -70,19 +70,24 @@ def grant_from_proto(msg: worker_pb2.Grant, request_id: str = "", what: str = "g
     if not msg.engine_id or not msg.base_addr:
         raise ValueError(f"{what} lacks engine_id or base_addr: {msg.engine_id!r} {msg.base_addr:#x}")
     if len(msg.nonce) != NONCE_BYTES:
-        raise ValueError(f"{what} lacks its reservation's nonce ({len(msg.nonce)} bytes, need {NONCE_BYTES}): "
-                         "pass the decode's Reserve answer unchanged")
+        raise ValueError(
+            f"{what} lacks its reservation's nonce ({len(msg.nonce)} bytes, need {NONCE_BYTES}): "
+            "pass the decode's Reserve answer unchanged"
+        )
     layout = layout_from_proto(msg.kv_layout)
     blocks = tuple(msg.blocks)
     if layout.paged:
         # A paged grant is only pushable with its block list, every block inside the pool, and
         # room in it for the request's whole prompt (the push checks the token count).
         if not blocks or len(blocks) * layout.block_tokens > layout.max_len + layout.block_tokens:
-            raise ValueError(f"{what}: a paged grant needs 1..{-(-layout.max_len // layout.block_tokens)} blocks, "
-                             f"got {len(blocks)}")
+            raise ValueError(
+                f"{what}: a paged grant needs 1..{-(-layout.max_len // layout.block_tokens)} blocks, got {len(blocks)}"
+            )
         bad = [b for b in blocks if b >= layout.num_blocks]
         if bad or len(set(blocks)) != len(blocks):
-            raise ValueError(f"{what}: blocks must be distinct and below num_blocks {layout.num_blocks}, got {bad or 'repeats'}")
+            raise ValueError(
+                f"{what}: blocks must be distinct and below num_blocks {layout.num_blocks}, got {bad or 'repeats'}"
+            )
         if msg.shared_blocks > len(blocks):
             raise ValueError(f"{what}: shared_blocks {msg.shared_blocks} > its {len(blocks)} blocks")
     elif blocks:
@@ -144,8 +149,11 @@ def hidden_to_proto(hidden: torch.Tensor, slots: Sequence[int], positions: Seque
 
     flat = hidden.detach().to("cpu").contiguous().view(-1)
     return shard_pb2.HiddenState(
-        slots=list(slots), positions=list(positions), shape=list(hidden.shape),
-        dtype=dtype_name(hidden.dtype), data=flat.view(torch.uint8).numpy().tobytes(),
+        slots=list(slots),
+        positions=list(positions),
+        shape=list(hidden.shape),
+        dtype=dtype_name(hidden.dtype),
+        data=flat.view(torch.uint8).numpy().tobytes(),
     )
 
 
@@ -158,6 +166,8 @@ def hidden_from_proto(message: shard_pb2.HiddenState, device: torch.device | str
     shape = tuple(message.shape)
     expected = dtype.itemsize * int(torch.Size(shape).numel())
     if len(message.data) != expected:
-        raise ValueError(f"hidden state of shape {shape} {message.dtype} needs {expected} bytes, got {len(message.data)}")
+        raise ValueError(
+            f"hidden state of shape {shape} {message.dtype} needs {expected} bytes, got {len(message.data)}"
+        )
     # bytearray: frombuffer wants a writable buffer, and the tensor must own its memory.
     return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape).to(device)

@@ -154,8 +154,10 @@ class BlockWriteLeases:
             if status != self._api.SUCCESS:
                 for got in ids:
                     self._engine.revoke_write(got)
-                raise RuntimeError(f"engine refused a write lease for slot {slot}'s blocks ({length} bytes at "
-                                   f"offset {offset}): status {status}")
+                raise RuntimeError(
+                    f"engine refused a write lease for slot {slot}'s blocks ({length} bytes at "
+                    f"offset {offset}): status {status}"
+                )
             ids.append(lease_id)
         self._leases[(slot, generation)] = ids
 

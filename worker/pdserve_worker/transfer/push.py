@@ -160,7 +160,9 @@ class KVPusher:
             try:
                 backend.ensure_connected(state.target.engine_id, connect_timeout_ms)
             except TransferError as exc:
-                raise PushError(f"cannot reach target {state.target.describe()}: {exc}", state.target, status=exc.status) from None
+                raise PushError(
+                    f"cannot reach target {state.target.describe()}: {exc}", state.target, status=exc.status
+                ) from None
 
     def _check_target(self, target: Grant) -> _TargetState:
         src, dst = self.source.layout, target.layout
@@ -193,16 +195,25 @@ class KVPusher:
         src, blocks = self.source, target.layout.blocks
         bt = blocks.block_tokens
         if self.num_tokens > len(target.blocks) * bt:
-            raise ValueError(f"target {target.describe()}: {self.num_tokens} tokens do not fit its "
-                             f"{len(target.blocks)} blocks of {bt}")
+            raise ValueError(
+                f"target {target.describe()}: {self.num_tokens} tokens do not fit its "
+                f"{len(target.blocks)} blocks of {bt}"
+            )
         start = min(target.shared * bt, self.num_tokens)
         pieces: dict[tuple[int, int], list[Piece]] = {}
         for layer in blocks.layer_range:
             for kv_index in (K, V):
-                descs = push_descriptors(src.layout, src.slot, blocks, target.blocks, range(layer, layer + 1),
-                                         self.num_tokens, start, kv_indices=(kv_index,))
-                pieces[(layer, kv_index)] = [(src.base_addr + d.src, target.base_addr + d.dst, d.length)
-                                             for d in descs]
+                descs = push_descriptors(
+                    src.layout,
+                    src.slot,
+                    blocks,
+                    target.blocks,
+                    range(layer, layer + 1),
+                    self.num_tokens,
+                    start,
+                    kv_indices=(kv_index,),
+                )
+                pieces[(layer, kv_index)] = [(src.base_addr + d.src, target.base_addr + d.dst, d.length) for d in descs]
         return pieces
 
     # ---- pushing -------------------------------------------------------------------------------------
@@ -394,8 +405,14 @@ class KVPusher:
     def _notify(self, state: _TargetState, extra: dict[str, object]) -> None:
         t = state.target
         message = json.dumps(
-            {"request_id": t.request_id, "slot": t.slot, "generation": t.generation, "nonce": t.nonce,
-             "num_tokens": self.num_tokens, **extra},
+            {
+                "request_id": t.request_id,
+                "slot": t.slot,
+                "generation": t.generation,
+                "nonce": t.nonce,
+                "num_tokens": self.num_tokens,
+                **extra,
+            },
             separators=(",", ":"),
         )
         if len(message) > MAX_NOTIFY_FIELD:

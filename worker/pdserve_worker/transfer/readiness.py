@@ -172,7 +172,9 @@ class Readiness:
             except (ValueError, KeyError, TypeError, RecursionError):
                 self.drops.count("malformed")
                 continue
-            if self._authorize is not None and not (isinstance(nonce, str) and self._authorize(slot, generation, nonce)):
+            if self._authorize is not None and not (
+                isinstance(nonce, str) and self._authorize(slot, generation, nonce)
+            ):
                 self.drops.count("bad_capability", slot=slot, generation=generation)
                 continue
             if not self._accepts(slot, generation):

@@ -555,9 +555,7 @@ class Hixl:
 
     # ---- transfers -----------------------------------------------------------------------------------
     @_never_raises(_status(api.FAILED))
-    def transfer_sync(
-        self, remote_engine: str, op: int, op_descs: Sequence[Any], timeout_in_millis: int = 1000
-    ) -> int:
+    def transfer_sync(self, remote_engine: str, op: int, op_descs: Sequence[Any], timeout_in_millis: int = 1000) -> int:
         if not self._initialized:
             return api.FAILED
         if timeout_in_millis <= 0:
@@ -572,9 +570,7 @@ class Hixl:
         return request.code
 
     @_never_raises(lambda: (api.FAILED, 0))
-    def transfer_async(
-        self, remote_engine: str, op: int, op_descs: Sequence[Any], args: Any = None
-    ) -> tuple[int, int]:
+    def transfer_async(self, remote_engine: str, op: int, op_descs: Sequence[Any], args: Any = None) -> tuple[int, int]:
         if not self._initialized:
             return api.FAILED, 0
         with self._lock:
@@ -603,7 +599,15 @@ class Hixl:
         try:
             descs, plan = self._resolve(link, op_descs)
         except _BadRange as bad:
-            log.warning(kv(event="range_not_registered", side=bad.side, remote=remote_engine, addr=hex(bad.addr), len=bad.length))
+            log.warning(
+                kv(
+                    event="range_not_registered",
+                    side=bad.side,
+                    remote=remote_engine,
+                    addr=hex(bad.addr),
+                    len=bad.length,
+                )
+            )
             return api.PARAM_INVALID, None
         request = Request(next(self._req_ids), operation, descs, int(getattr(args, "user_data", 0) or 0))
         if plan is None and operation is api.TransferOp.READ and request.nbytes > wire.MAX_READ_BYTES:
@@ -806,4 +810,3 @@ class Hixl:
     def outstanding(self) -> int:
         with self._lock:
             return len(self._requests)
-

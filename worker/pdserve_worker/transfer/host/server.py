@@ -66,9 +66,11 @@ class ServerPolicy:
     handshake_timeout_s: float = 5.0
 
     def __repr__(self) -> str:  # never print the key
-        return (f"ServerPolicy(auth={self.key is not None}, remote_write={self.remote_write}, "
-                f"remote_read={self.remote_read}, max_links={self.max_links}, max_pending={self.max_pending}, "
-                f"handshake_timeout_s={self.handshake_timeout_s})")
+        return (
+            f"ServerPolicy(auth={self.key is not None}, remote_write={self.remote_write}, "
+            f"remote_read={self.remote_read}, max_links={self.max_links}, max_pending={self.max_pending}, "
+            f"handshake_timeout_s={self.handshake_timeout_s})"
+        )
 
 
 class HostServer:
@@ -192,8 +194,15 @@ class HostServer:
             reader.deadline = None
             conn.settimeout(None)
             allowed = RegionTable(snapshot)  # exactly what the client was told, nothing registered later
-            log.info(kv(event="link_accepted", server=self.engine_id, client=client, regions=len(allowed),
-                        auth=self.policy.key is not None))
+            log.info(
+                kv(
+                    event="link_accepted",
+                    server=self.engine_id,
+                    client=client,
+                    regions=len(allowed),
+                    auth=self.policy.key is not None,
+                )
+            )
             while self._handle_frame(conn, reader, allowed):
                 pass
         except (ConnectionError, OSError) as exc:
@@ -218,7 +227,9 @@ class HostServer:
             raise wire.ProtocolError(f"first frame must be HELLO, got {kind.name}")
         client_nonce = link_auth.parse_nonce(reader.json(size, wire.MAX_HANDSHAKE_BODY).get("nonce"))
         server_nonce = link_auth.new_nonce()
-        conn.sendall(wire.json_frame(wire.Kind.CHALLENGE, {"auth": key is not None, "nonce": server_nonce.hex()}, seq=seq))
+        conn.sendall(
+            wire.json_frame(wire.Kind.CHALLENGE, {"auth": key is not None, "nonce": server_nonce.hex()}, seq=seq)
+        )
         kind, _, seq, size = reader.header()
         if kind is not wire.Kind.AUTH:
             raise wire.ProtocolError(f"expected AUTH, got {kind.name}")

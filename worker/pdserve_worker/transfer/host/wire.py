@@ -125,9 +125,7 @@ class FrameReader:
                 self._sock.settimeout(left)
             k = self._sock.recv_into(self._view[self._end :])
             if k == 0:
-                raise ConnectionError(
-                    f"peer closed the connection after {self._end - self._start} of {need} bytes"
-                )
+                raise ConnectionError(f"peer closed the connection after {self._end - self._start} of {need} bytes")
             self._end += k
 
     def read(self, n: int) -> bytes:
