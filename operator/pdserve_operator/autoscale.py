@@ -272,9 +272,9 @@ class Autoscaler:
                 workers.append(
                     WorkerLoad(
                         m.worker_id,
-                        role,
+                        role,  # type: ignore[arg-type]
                         m.load.active_requests,
-                        m.load.slots_used,  # type: ignore[arg-type]
+                        m.load.slots_used,
                         m.load.slots_used + m.load.slots_free,
                         m.draining,
                     )
