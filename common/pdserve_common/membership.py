@@ -104,6 +104,8 @@ class Load:
     router: RouterLoad | None = None  # routers only
     kv_tokens_used: int = 0  # decode: KV tokens in use / in all (0/0: not reported)
     kv_tokens_total: int = 0
+    migrated: int = 0  # decode: requests handed over with their KV since it started (docs/migration.md)
+    migration_fallbacks: int = 0  # decode: handed-over requests the router resumed instead
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,8 @@ def load_to_proto(load: Load) -> broker_pb2.Load:
         active_requests=load.active_requests,
         kv_tokens_used=load.kv_tokens_used,
         kv_tokens_total=load.kv_tokens_total,
+        migrated=load.migrated,
+        migration_fallbacks=load.migration_fallbacks,
     )
     if load.router is not None:
         r = load.router
@@ -271,6 +275,8 @@ def load_from_proto(msg: broker_pb2.Load) -> Load:
         router=router,
         kv_tokens_used=msg.kv_tokens_used,
         kv_tokens_total=msg.kv_tokens_total,
+        migrated=msg.migrated,
+        migration_fallbacks=msg.migration_fallbacks,
     )
 
 

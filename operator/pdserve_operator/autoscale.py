@@ -14,7 +14,11 @@ it decides for the roles the planner drives:
   StatefulSet removes first) draining in the broker, so routers place nothing new there; only
   when their running requests and held slots are 0 — or `decode.drainTimeoutSeconds` passed —
   lower the StatefulSet (whose pods' preStop drain then finds nothing left). A new decision to
-  go up cancels the drain.
+  go up cancels the drain. Each decode, seeing the mark in its keepalive reply, hands its
+  requests over to the others (docs/migration.md) and reports how many moved in its load; when
+  the StatefulSet goes down, one `DecodeDrained` Event per decode says so, and
+  `status.lastDrain` holds the sums. A decode scale-down without the autoscaler (`kubectl
+  scale`, an edited spec.decode.replicas) takes the same path (`manual_decode`).
 
 Every change is an Event (`ScaledUp`/`ScaledDown`/`DrainingForScaleDown`) and every step
 leaves `status.autoscaling` (per role: driver, current, desired, reason, last change). Roles
@@ -70,6 +74,7 @@ class _Drain:
     target: int  # decode groups to keep
     victims: tuple[str, ...]  # worker ids of the groups that go
     started: float
+    baseline: dict[str, tuple[int, int]] = field(default_factory=dict)  # (migrated, fallbacks) at the mark
 
 
 @dataclass
@@ -187,13 +192,18 @@ class Autoscaler:
         self.clock = clock
         self.wall = wall
         self._states: dict[str, _State] = {}
+        self._manual: dict[str, _Drain] = {}  # decode scale-downs without the autoscaler, draining
+        self._last_drain: dict[str, s.DrainStatus] = {}
 
     def due(self, key: str) -> bool:
+        """A step is due (or a manual scale-down drains: look again at each timer tick)."""
         state = self._states.get(key)
-        return state is not None and self.clock() >= state.next_due
+        return key in self._manual or (state is not None and self.clock() >= state.next_due)
 
     def forget(self, key: str) -> None:
         self._states.pop(key, None)
+        self._manual.pop(key, None)
+        self._last_drain.pop(key, None)
 
     async def step(
         self,
@@ -206,7 +216,7 @@ class Autoscaler:
         """One look at the service; the status to report (None: autoscaling is off)."""
         a = spec.autoscaling
         if a is None or not (a.prefill.enabled or a.decode.enabled):
-            self.forget(owner.key)
+            self._states.pop(owner.key, None)  # a manual scale-down's drain (manual_decode) stays
             return None
         state = self._states.setdefault(owner.key, _State())
         shards = spec.decode.layer_shards
@@ -365,21 +375,12 @@ class Autoscaler:
                 await self._scale(owner, "StatefulSet", name, desired * shards, workloads, "decode")
                 await self._changed(state, "decode", current, desired, state.reasons["decode"], post_event)
             return
-        victims = decode_leader_ids(owner.name, range(desired, current), shards)
-        if drain is None or drain.target != desired:
-            if drain is not None:
-                await self._undrain(owner, tuple(v for v in drain.victims if v not in victims))
-            drain = state.drain = _Drain(desired, victims, now)
-            await post_event(
-                ev.NORMAL, "DrainingForScaleDown", f"decode {current} -> {desired}: draining {', '.join(victims)} first"
-            )
-        for victim in victims:  # every step: a broker restart forgets who was draining
-            self.broker.set_draining(owner.key, victim, True)
-        busy = self._busy(owner.key, victims)
+        drain = state.drain = await self._mark(owner, spec, drain, current, desired, now, post_event)
+        busy = self._busy(owner.key, drain.victims)
         timed_out = now - drain.started >= spec.decode.drain_timeout_seconds
         if busy and not timed_out:
             state.reasons["decode"] = (
-                f"draining {', '.join(victims)} before {current} -> {desired}: "
+                f"draining {', '.join(drain.victims)} before {current} -> {desired}: "
                 f"{sum(busy.values())} requests still running"
             )
             return
@@ -388,7 +389,112 @@ class Autoscaler:
             f"; drain timed out with {sum(busy.values())} requests running" if busy else "; drained"
         )
         state.drain = None
+        await self._drained(owner, drain, busy, now, post_event)
         await self._changed(state, "decode", current, desired, why, post_event)
+
+    # ---- decode scale-down: drain, then lower (the autoscaler's and a manual one alike) ------
+
+    async def _mark(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        drain: _Drain | None,
+        current: int,
+        desired: int,
+        now: float,
+        post_event: EventFn,
+    ) -> _Drain:
+        """Mark the decode groups that go (the highest ordinals, which a StatefulSet removes
+        first) draining: routers place nothing new there and each decode, seeing the mark in its
+        keepalive reply, hands its requests over (docs/migration.md). Returns the drain."""
+        victims = decode_leader_ids(owner.name, range(desired, current), spec.decode.layer_shards)
+        if drain is None or drain.target != desired:
+            if drain is not None:
+                await self._undrain(owner, tuple(v for v in drain.victims if v not in victims))
+            drain = _Drain(desired, victims, now, self._handovers(owner.key, victims))
+            await post_event(
+                ev.NORMAL, "DrainingForScaleDown", f"decode {current} -> {desired}: draining {', '.join(victims)} first"
+            )
+        for victim in victims:  # every step: a broker restart forgets who was draining
+            self.broker.set_draining(owner.key, victim, True)
+        return drain
+
+    async def _drained(
+        self, owner: ch.Owner, drain: _Drain, busy: Mapping[str, int], now: float, post_event: EventFn
+    ) -> None:
+        """The StatefulSet goes down now: one `DecodeDrained` Event per decode with what its
+        drain did (from its last reported load, less what it had counted before the mark),
+        and the sums in status.lastDrain."""
+        seconds = max(0.0, now - drain.started)
+        counts = self._handovers(owner.key, drain.victims)
+        migrated = failed = 0
+        for victim in drain.victims:
+            base_m, base_f = drain.baseline.get(victim, (0, 0))
+            m, f = counts.get(victim, (base_m, base_f))
+            m, f = max(0, m - base_m), max(0, f - base_f)
+            migrated, failed = migrated + m, failed + f
+            left = f", {busy[victim]} still running (drain timed out)" if victim in busy else ""
+            await post_event(
+                ev.NORMAL if victim not in busy else ev.WARNING,
+                "DecodeDrained",
+                f"{victim}: {m} requests migrated, {f} resumed by re-prefill{left}; drained in {seconds:.1f}s",
+            )
+            log.info(
+                kv(
+                    event="decode_drained",
+                    service=owner.key,
+                    decode=victim,
+                    migrated=m,
+                    failed=f,
+                    running=busy.get(victim, 0),
+                    seconds=f"{seconds:.2f}",
+                )
+            )
+        self._last_drain[owner.key] = s.DrainStatus(
+            decodes=list(drain.victims),
+            migrated=migrated,
+            failed=failed,
+            running=sum(busy.values()),
+            seconds=round(seconds, 3),
+            time=_utc(self.wall()),
+        )
+
+    def _handovers(self, key: str, victims: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+        """(migrated, fallbacks) each registered decode among `victims` reported (cumulative)."""
+        members = {m.worker_id: m for m in (self.broker.members(key) or ())} if hasattr(self.broker, "members") else {}
+        return {v: (members[v].load.migrated, members[v].load.migration_fallbacks) for v in victims if v in members}
+
+    def last_drain(self, key: str) -> s.DrainStatus | None:
+        return self._last_drain.get(key)
+
+    async def manual_decode(
+        self, owner: ch.Owner, spec: s.PDInferenceServiceSpec, live: Live | None, post_event: EventFn
+    ) -> bool:
+        """Decode scale-down when no autoscaler drives decode (`kubectl scale pdis`, an edited
+        spec.decode.replicas): the same drain-then-lower as the autoscaler's. True when the
+        StatefulSet may take the spec's replicas now; False holds them while the groups that go
+        drain (until their running requests are 0 or decode.drainTimeoutSeconds passed)."""
+        shards = spec.decode.layer_shards
+        current = int(((live or {}).get("spec") or {}).get("replicas") or 0) // shards
+        desired = spec.decode.replicas
+        drain = self._manual.get(owner.key)
+        if live is None or desired >= current:
+            if drain is not None:  # scaled back up before the drain ended: keep every group
+                del self._manual[owner.key]
+                await self._undrain(owner, drain.victims)
+                await post_event(ev.NORMAL, "ScaleDownCancelled", f"decode stays at {current}: spec asks {desired}")
+            return True
+        victims = decode_leader_ids(owner.name, range(desired, current), shards)
+        if drain is None and not self._handovers(owner.key, victims):
+            return True  # none of the groups that go is registered: nothing runs there to drain
+        now = self.clock()
+        drain = self._manual[owner.key] = await self._mark(owner, spec, drain, current, desired, now, post_event)
+        busy = self._busy(owner.key, drain.victims)
+        if busy and now - drain.started < spec.decode.drain_timeout_seconds:
+            return False
+        del self._manual[owner.key]
+        await self._drained(owner, drain, busy, now, post_event)
+        return True
 
     def _busy(self, key: str, victims: tuple[str, ...]) -> dict[str, int]:
         """Requests still running (or slots held) on the draining decodes; gone ones hold none."""

@@ -100,7 +100,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 f"lease {request.lease_id!r} unknown in service {request.service_key!r} "
                 "(expired, or the broker restarted): register again",
             )
-        return broker_pb2.KeepAliveReply(ttl_ms=int(self._registry.ttl_s * 1000), broker_id=self._broker_id)
+        # The reply says whether the member is marked draining: a decode the operator marked
+        # (scale-down) learns it here and drains itself (worker_main.py).
+        return broker_pb2.KeepAliveReply(
+            ttl_ms=int(self._registry.ttl_s * 1000),
+            broker_id=self._broker_id,
+            draining=self._registry.draining_of(request.service_key, request.lease_id),
+        )
 
     async def Watch(self, request: broker_pb2.WatchRequest, context: Context) -> AsyncIterator[broker_pb2.WatchEvent]:
         await _require_service_key(request.service_key, context)

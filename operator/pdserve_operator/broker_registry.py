@@ -211,6 +211,12 @@ class Registry:
                 self._publish(self._services[service_key], EventType.UPDATED, entry.member)
             return True
 
+    def draining_of(self, service_key: str, lease_id: str) -> bool:
+        """Whether the member holding `lease_id` is marked draining (False when unknown)."""
+        with self._lock:
+            entry = self._entry_by_lease(service_key, lease_id)
+            return entry is not None and entry.member.draining
+
     def set_draining(
         self, service_key: str, *, lease_id: str | None = None, worker_id: str | None = None, draining: bool = True
     ) -> bool:

@@ -29,7 +29,7 @@ import datetime
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -158,12 +158,19 @@ class Reconciler:
             return outcome
         token, secret = await self._token(svc)
         children = ch.render(svc.owner, spec, token, self.defaults)
-        live = await self._apply_children(svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec))
+        live = await self._apply_children(
+            svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec), spec
+        )
         await self._remove_stale_hpas(svc, spec)
         scaling = await self.autoscaler.step(
             svc.owner, spec, svc.generation, live, lambda type_, reason, msg: self._event(svc, type_, reason, msg)
         )
         observed = await self._observe(svc, spec, live, outcome.conflicts, scaling)
+        observed = replace(
+            observed,
+            last_drain=self.autoscaler.last_drain(svc.owner.key)
+            or (svc.prev.last_drain if svc.prev is not None else None),
+        )
         status = st.compute(svc.owner, spec, svc.generation, observed, svc.prev, self.clock())
         await self._write_status(svc, status, outcome)
         if self.metrics is not None:
@@ -171,6 +178,15 @@ class Reconciler:
             self.metrics.observe_status(namespace, name, status)
         log.debug(kv(event="reconciled", service=svc.owner.key, why=why, phase=outcome.phase))
         return outcome
+
+    async def _decode_may_lower(self, svc: _Service, spec: s.PDInferenceServiceSpec, sts: Live | None) -> bool:
+        """Whether the decode StatefulSet (no autoscaler drives it) may take the spec's replicas
+        now: a scale-down first drains the groups that go (autoscale.py `manual_decode`)."""
+
+        async def post(type_: ev.EventType, reason: str, message: str) -> None:
+            await self._event(svc, type_, reason, message)
+
+        return await self.autoscaler.manual_decode(svc.owner, spec, sts, post)
 
     async def _token(self, svc: _Service) -> tuple[str, Live | None]:
         """The service's broker token (from its Secret, or a new one) and the Secret as read.
@@ -194,17 +210,24 @@ class Reconciler:
         secret: Live | None,
         outcome: Outcome,
         autoscaled: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
+        spec: s.PDInferenceServiceSpec | None = None,
     ) -> dict[tuple[str, str], Live]:
         """Create, leave or patch each rendered child; the children as they are now.
 
         The workloads in `autoscaled` get their rendered replicas only when created: after that
         `spec.replicas` is the autoscaler's field, and we neither compare nor write it (as a
-        server-side apply that leaves the field out of its configuration would not)."""
+        server-side apply that leaves the field out of its configuration would not). The decode
+        StatefulSet keeps its replicas too while a scale-down drains the groups that go."""
         live: dict[tuple[str, str], Live] = {}
+        decode = ("StatefulSet", ch.workload_name(svc.owner.name, "decode"))
         for want in desired:
             read = (secret,) if want["kind"] == "Secret" else None  # the Secret was read for the token
             key = (want["kind"], want["metadata"]["name"])
-            live[key] = await self._apply_child(svc, want, read, outcome, key in autoscaled)
+            held = key in autoscaled
+            if key == decode and not held and spec is not None:
+                read = (await asyncio.to_thread(self.kube.get, KINDS["StatefulSet"], svc.owner.namespace, key[1]),)
+                held = not await self._decode_may_lower(svc, spec, read[0])
+            live[key] = await self._apply_child(svc, want, read, outcome, held)
         if outcome.created:
             log.info(kv(event="children_created", service=svc.owner.key, children=",".join(outcome.created)))
         return live

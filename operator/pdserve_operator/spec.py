@@ -848,6 +848,19 @@ class AutoscalingStatus(Model):
     summary: str = Field("", description="P:current[->desired] D:current[->desired], for printer columns.")
 
 
+class DrainStatus(Model):
+    """The last decode scale-down's drain: what the decodes that went did with their requests."""
+
+    decodes: list[str] = Field(default_factory=list, description="The decode groups drained (their leader pods).")
+    migrated: int = Field(0, ge=0, description="Requests handed over with their KV to another decode.")
+    failed: int = Field(0, ge=0, description="Handed-over requests the router resumed by re-prefill instead.")
+    running: int = Field(
+        0, ge=0, description="Requests still running when the StatefulSet was lowered (drain timed out)."
+    )
+    seconds: float = Field(0.0, ge=0, description="From marking the decodes draining to lowering the StatefulSet.")
+    time: str = Field("", description="When the StatefulSet was lowered (RFC 3339).")
+
+
 class KVStatus(Model):
     """KV capacity in tokens across the ready decode groups."""
 
@@ -869,6 +882,7 @@ class PDInferenceServiceStatus(Model):
     kv_tokens: KVStatus = Field(default_factory=KVStatus, description="KV token usage (blocks in use x block size).")
     endpoint: str = Field("", description="In-cluster URL of the OpenAI-compatible API.")
     autoscaling: AutoscalingStatus | None = Field(None, description="Autoscaling decisions (with spec.autoscaling).")
+    last_drain: DrainStatus | None = Field(None, description="The last decode scale-down's drain (docs/migration.md).")
 
     def condition(self, type_: str) -> Condition | None:
         return next((c for c in self.conditions if c.type == type_), None)

@@ -34,6 +34,7 @@ class Observed:
     kv_tokens_used: int | None = None  # from the broker: the decodes' reported KV tokens in use
     conflicts: tuple[str, ...] = field(default=())  # children another controller owns
     autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale.py)
+    last_drain: s.DrainStatus | None = None  # the last decode scale-down's drain (autoscale.py)
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ def compute(
         kv_tokens=s.KVStatus(used=kv_used, total=kv_total, summary=_summary(kv_used, kv_total)),
         endpoint=ch.endpoint(owner, spec),
         autoscaling=observed.autoscaling,
+        last_drain=observed.last_drain,
     )
 
 

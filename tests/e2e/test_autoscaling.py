@@ -11,6 +11,9 @@ wrote to the workloads. Windows are seconds long to keep the module fast.
 - load falls → after the down window decode goes down through a drain: the groups that go are
   marked draining in the broker and the StatefulSet is lowered only once their running
   requests reached 0 (no request lost);
+- `kubectl scale` down with no autoscaler → the same drain first: the victim acts on its mark,
+  the StatefulSet goes down once it is idle, a DecodeDrained Event and status.lastDrain carry
+  its migration counts (issue #17);
 - a role an HPA drives (driver hpa, and driver external with a second field manager writing
   the replicas) is never overwritten by the operator.
 """
@@ -371,3 +374,108 @@ def test_an_hpa_owned_role_is_never_overwritten(
         lambda: cluster.kube.get(KINDS["HorizontalPodAutoscaler"], namespace, f"{NAME}-prefill") is None,
         what="the HPA removed",
     )
+
+
+class MigratingDecodes(FakeWorkers):
+    """Decodes that act on the operator's mark as a real one does (worker_main
+    `drain_marked`): a short while after the mark, their running requests have moved
+    (`moved` migrated, `resumed` fell back to re-prefill), and they report it at once."""
+
+    def __init__(self, *args: Any, drain_s: float, moved: int, resumed: int) -> None:
+        super().__init__(*args)
+        self.drain_s, self.moved, self.resumed = drain_s, moved, resumed
+        self.counts: dict[str, tuple[int, int]] = {}
+        self.marked: list[str] = []
+
+    def add_migrating_decode(self, worker_id: str, busy: int) -> None:
+        layout = KVLayout(num_slots=8, num_layers=2, max_len=16, kv_heads=1, head_dim=8, dtype="float32")
+        info = MemberInfo(
+            worker_id=worker_id,
+            role=Role.DECODE,
+            grpc_endpoint="127.0.0.1:7000",
+            engine_id="127.0.0.1:7100",
+            regions=(MemoryRegion(0x10000, layout.total_bytes),),
+            kv_layout=layout,
+            revision="r1",
+            slots_total=8,
+            slots_free=8,
+        )
+        self.decode_busy[worker_id], self.counts[worker_id] = busy, (0, 0)
+
+        def load() -> Load:
+            n = self.decode_busy[worker_id]
+            migrated, fallbacks = self.counts[worker_id]
+            return Load(
+                slots_used=n, slots_free=8 - n, active_requests=n, migrated=migrated, migration_fallbacks=fallbacks
+            )
+
+        async def drain() -> None:
+            await asyncio.sleep(self.drain_s)
+            self.counts[worker_id], self.decode_busy[worker_id] = (self.moved, self.resumed), 0
+            await self.clients[worker_id].report_now()
+
+        def on_mark() -> None:
+            self.marked.append(worker_id)
+            self.loop.create_task(drain())
+
+        async def go() -> BrokerClient:
+            client = BrokerClient(self.address, self.service, self.token)
+            await client.register(info, load=load, timeout_s=10, on_marked_draining=on_mark)
+            return client
+
+        self.clients[worker_id] = self._run(go())
+
+
+def test_kubectl_scale_down_drains_the_decode_first_and_reports_its_migrations(
+    cluster: Cluster, namespace: str, broker: BrokerServer, scaling_operator: OperatorHandle
+) -> None:
+    """Issue #17: `kubectl scale` down with no autoscaler → the group that goes is marked
+    draining, acts on the mark, and the StatefulSet is lowered only once its running requests
+    are 0; a DecodeDrained Event and status.lastDrain carry its migration counts."""
+    doc = {
+        "apiVersion": s.API_VERSION,
+        "kind": s.KIND,
+        "metadata": {"name": NAME},
+        "spec": {"model": {"maxLength": 1024}, "decode": {"replicas": 2, "drainTimeoutSeconds": 60}},
+    }
+    create(cluster, namespace, doc)
+    wait_for(lambda: replicas(cluster, namespace)[1] == 2, what="two decode replicas")
+    secret = wait_for(lambda: cluster.get("Secret", namespace, f"{NAME}-broker-token"), what="the broker token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    workers = MigratingDecodes(
+        f"127.0.0.1:{broker.port}", f"{namespace}/{NAME}", token, drain_s=3.0, moved=4, resumed=1
+    )
+    key, victim, kept = f"{namespace}/{NAME}", f"{NAME}-decode-1", f"{NAME}-decode-0"
+    try:
+        workers.add_migrating_decode(kept, busy=2)
+        workers.add_migrating_decode(victim, busy=5)
+        wait_for(
+            lambda: sorted(m.load.active_requests for m in broker.registry.members(key)) == [2, 5],
+            what="two fake decodes registered, their loads reported",
+        )
+
+        cluster.kubectl("scale", f"{s.PLURAL}/{NAME}", "-n", namespace, "--replicas=1")
+        wait_for(lambda: workers.marked, timeout=20, what="the victim acting on its mark")
+        assert workers.marked == [victim]
+        assert [m.worker_id for m in broker.registry.members(key) if m.draining] == [victim]
+        assert replicas(cluster, namespace)[1] == 2  # held while the victim's requests move
+        seen = track(cluster, namespace, 1.5)
+        assert [d for _, d in seen] == [2], f"the StatefulSet went down while the victim was busy: {seen}"
+
+        wait_for(lambda: replicas(cluster, namespace)[1] == 1, timeout=20, what="decode lowered after the drain")
+        assert workers.decode_busy[victim] == 0  # lowered only once nothing ran there
+        drained = wait_for(
+            lambda: [m for r, m in events(cluster, namespace) if r == "DecodeDrained"], what="the DecodeDrained Event"
+        )
+        assert len(drained) == 1
+        assert drained[0].startswith(f"{victim}: 4 requests migrated, 1 resumed by re-prefill; drained in "), drained
+        reasons = [r for r, _ in events(cluster, namespace)]
+        assert reasons.index("DrainingForScaleDown") < reasons.index("DecodeDrained")
+        last = wait_for(
+            lambda: cluster.get(s.KIND, namespace, NAME)["status"].get("lastDrain"), what="status.lastDrain"
+        )
+        assert last["decodes"] == [victim] and last["migrated"] == 4 and last["failed"] == 1
+        assert last["running"] == 0 and last["seconds"] >= 2.5 and last["time"]
+        assert workers.decode_busy[kept] == 2 and kept not in workers.marked  # the kept group untouched
+    finally:
+        workers.close()

@@ -13,7 +13,10 @@ tasks on the caller's event loop (create and use a client inside one running loo
   view keeps what it knew (`connected` is False); when the stream comes back the broker's
   snapshot is applied as a diff, and members missing from it are dropped once the broker
   says the snapshot is complete (SYNCED).
-- `set_draining`, `deregister`, `list_members`, `close`.
+- `set_draining`, `deregister`, `list_members`, `close`. A member someone else marked
+  draining (the operator scaling decode down) learns it from the next KeepAlive reply: a client
+  registered with `on_marked_draining` then keeps the mark as its own and calls it once.
+- `report_now()` sends the load at once (a drained decode's migration counts, for the operator).
 """
 
 from __future__ import annotations
@@ -176,6 +179,7 @@ class BrokerClient:
         self._stub_: broker_pb2_grpc.BrokerStub | None = None
         self._info: MemberInfo | None = None
         self._load_fn: Callable[[], Load] | None = None
+        self._on_marked_draining: Callable[[], None] | None = None
         self._draining = False
         self._draining_acked = True  # the broker has self._draining (or will get it on register)
         self._lease_id: str | None = None
@@ -202,6 +206,7 @@ class BrokerClient:
         load: Callable[[], Load] | None = None,
         wait: bool = True,
         timeout_s: float | None = None,
+        on_marked_draining: Callable[[], None] | None = None,
     ) -> None:
         """Join the service and keep the lease alive in the background.
 
@@ -209,11 +214,13 @@ class BrokerClient:
         once registered (retrying while the broker is unreachable, up to `timeout_s`);
         a refusal that retrying cannot fix (bad token, invalid member) raises BrokerError.
         Without `wait`, the keepalive task registers as soon as the broker answers.
+        `on_marked_draining` is called (once, on the event loop) when a KeepAlive reply says
+        someone else marked this member draining.
         """
         info.validate()
         if self._keepalive_task is not None:
             raise RuntimeError(f"worker {self._info.worker_id if self._info else '?'} is already registered")
-        self._info, self._load_fn = info, load
+        self._info, self._load_fn, self._on_marked_draining = info, load, on_marked_draining
         if wait:
             async with asyncio.timeout(timeout_s):
                 attempt = 0
@@ -339,6 +346,44 @@ class BrokerClient:
             self._ttl_s, self.broker_id = reply.ttl_ms / 1000, reply.broker_id
             if not self._draining_acked:  # a SetDraining that failed earlier: tell the broker now
                 await self._send_draining()
+            elif reply.draining and not self._draining and self._on_marked_draining is not None:
+                self._marked_draining()
+            elif self._draining and not reply.draining:  # unmarked by someone else: a drained worker
+                await self._send_draining()  # takes nothing new, so the mark stays true
+
+    def _marked_draining(self) -> None:
+        """Someone holding the service's token marked us draining and our owner acts on it: keep
+        the mark (a re-registration after a broker restart carries it) and tell the owner, once."""
+        assert self._on_marked_draining is not None
+        self._draining = True
+        log.info(
+            kv(
+                event="broker_client.marked_draining",
+                service=self.service_key,
+                worker=self._info.worker_id if self._info else "",
+            )
+        )
+        try:
+            self._on_marked_draining()
+        except Exception:
+            log.exception(kv(event="broker_client.on_marked_draining_failed"))
+
+    async def report_now(self) -> bool:
+        """Renew the lease with the current load at once (not waiting for the next turn); False
+        when it did not reach the broker (the keepalive task goes on as before)."""
+        lease = self._lease_id
+        if lease is None:
+            return False
+        request = broker_pb2.KeepAliveRequest(service_key=self.service_key, lease_id=lease)
+        load = self._current_load()
+        if load is not None:
+            request.load.CopyFrom(load_to_proto(load))
+        try:
+            await self._stub().KeepAlive(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.warning(kv(event="broker_client.report_failed", code=exc.code().name, detail=exc.details()))
+            return False
+        return True
 
     def _log_failure(self, what: str, exc: grpc.aio.AioRpcError, failures: int) -> None:
         # First failure of a streak (and every tenth) at WARNING: a down broker must not flood the log.

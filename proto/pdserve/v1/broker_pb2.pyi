@@ -61,20 +61,24 @@ class RouterLoad(_message.Message):
     def __init__(self, requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., ttft: _Optional[_Union[LatencyHistogram, _Mapping]] = ..., tpot: _Optional[_Union[LatencyHistogram, _Mapping]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("slots_used", "slots_free", "active_requests", "router", "kv_tokens_used", "kv_tokens_total")
+    __slots__ = ("slots_used", "slots_free", "active_requests", "router", "kv_tokens_used", "kv_tokens_total", "migrated", "migration_fallbacks")
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     slots_used: int
     slots_free: int
     active_requests: int
     router: RouterLoad
     kv_tokens_used: int
     kv_tokens_total: int
-    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ...) -> None: ...
+    migrated: int
+    migration_fallbacks: int
+    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., migrated: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
     __slots__ = ("worker_id", "role", "grpc_endpoint", "engine_id", "regions", "kv_layout", "revision", "capacity", "labels")
@@ -148,12 +152,14 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, service_key: _Optional[str] = ..., lease_id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
 
 class KeepAliveReply(_message.Message):
-    __slots__ = ("ttl_ms", "broker_id")
+    __slots__ = ("ttl_ms", "broker_id", "draining")
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     ttl_ms: int
     broker_id: str
-    def __init__(self, ttl_ms: _Optional[int] = ..., broker_id: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, ttl_ms: _Optional[int] = ..., broker_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("service_key", "roles")

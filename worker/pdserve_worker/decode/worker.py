@@ -348,6 +348,8 @@ class DecodeWorker:
             active_requests=self.loop.active,
             kv_tokens_used=used,
             kv_tokens_total=total,
+            migrated=self.metrics.handoffs["migrated"],
+            migration_fallbacks=self.metrics.handoffs["failed"] + self.metrics.handoffs["released"],
         )
 
     def member_info(self) -> MemberInfo:

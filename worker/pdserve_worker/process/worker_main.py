@@ -201,6 +201,7 @@ class _Membership:
         self.tokens = TokenTable({settings.service: settings.token})
         self.role: ServingRole | None = None
         self.registered = False
+        self.marked_drain: asyncio.Task[None] | None = None  # the drain the operator's mark started
 
     async def join(self, role: ServingRole) -> None:
         """Register (a group's follower does not: its leader stands for the group); then ready."""
@@ -210,7 +211,12 @@ class _Membership:
         info = role.member_info()
         if info is not None:
             try:
-                await self.broker.register(info, load=role.load, timeout_s=REGISTER_TIMEOUT_S)
+                # A decode acts on being marked draining by the operator (a scale-down): it
+                # hands its requests over before its StatefulSet is lowered (docs/migration.md).
+                on_mark = self._on_marked_draining if self.settings.role == "decode" else None
+                await self.broker.register(
+                    info, load=role.load, timeout_s=REGISTER_TIMEOUT_S, on_marked_draining=on_mark
+                )
             except (BrokerError, TimeoutError) as exc:
                 raise StartupError(f"broker {self.settings.broker_address} did not register us: {exc}") from exc
             self.registered = True
@@ -236,6 +242,25 @@ class _Membership:
                 self.state.phase = "drained"
         return {"drained": drained, "busy": role.busy()}
 
+    def _on_marked_draining(self) -> None:
+        if self.marked_drain is None:
+            self.marked_drain = asyncio.get_running_loop().create_task(self.drain_marked(), name="marked-drain")
+
+    async def drain_marked(self) -> None:
+        """The operator marked this decode draining to scale down: drain as /drain does (migrate
+        mode: every request moves to another decode), then stay registered, draining and idle,
+        and report the load at once: the operator lowers the StatefulSet when it sees nothing
+        running, and reads the migration counts from that load for its Event. The pod's stop
+        (preStop /drain, SIGTERM) then finds nothing to do but leave the broker."""
+        role = self.role
+        if role is None or self.state.phase != "ready":
+            return  # not serving yet, or already draining/stopping: that path drains
+        self.state.phase = "draining"
+        log.info(kv(event="worker_marked_draining", worker=self.settings.member_id, busy=role.busy()))
+        drained = await role.drain(self.settings.drain_timeout_seconds)
+        await self.broker.report_now()
+        log.info(kv(event="worker_drained_by_mark", worker=self.settings.member_id, drained=drained, busy=role.busy()))
+
     async def leave(self) -> None:
         """On the stop signal: drain unless /drain did, then leave the broker."""
         if self.role is not None and self.state.phase not in ("draining", "drained"):
@@ -243,6 +268,8 @@ class _Membership:
             if self.registered:
                 await self.broker.set_draining(True)
             await self.role.drain(self.settings.drain_timeout_seconds)
+        if self.marked_drain is not None and not self.marked_drain.done():
+            self.marked_drain.cancel()  # its wait only: what it parked is released with the pool
         self.state.phase = "stopping"
         await self._leave_broker()
 

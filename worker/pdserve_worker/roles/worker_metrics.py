@@ -20,6 +20,7 @@ leave no state behind (a prompt's wait, a finished push) are observed where they
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -89,6 +90,9 @@ class WorkerMetrics:
         if role not in ("prefill", "decode"):
             raise ValueError(f"worker metrics are for prefill or decode, got role {role!r}")
         self.role = role
+        # The handover outcomes again as plain numbers: the decode reports them in its broker
+        # Load (migrated, migration_fallbacks) for the operator's drain Event.
+        self.handoffs: collections.Counter[str] = collections.Counter()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.kv_transfer_bytes = Counter(
@@ -206,6 +210,7 @@ class WorkerMetrics:
     def observe_handoff(self, outcome: str, kv_bytes: int = 0, seconds: float | None = None) -> None:
         """A request this decode handed over: how it ended (decode only)."""
         self.migrations.labels(outcome=outcome).inc()
+        self.handoffs[outcome] += 1
         if kv_bytes:
             self.migration_bytes.inc(kv_bytes)
         if seconds is not None:
