@@ -132,6 +132,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         target = request.WhichOneof("target")
         if target is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set lease_id or worker_id")
+        if target == "worker_id":
+            # A decode marked draining now drains for real (#17: it hands its requests over and
+            # stays idle), so over the wire a worker may drain only itself, by its own lease; a
+            # pod holding the service token must not empty the other decodes. The operator
+            # drains a member through the registry in its own process, never through here.
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"SetDraining by worker_id {request.worker_id!r} is refused: a worker drains only itself (lease_id)",
+            )
         value = getattr(request, target)
         found = self._registry.set_draining(request.service_key, draining=request.draining, **{target: value})
         if not found:

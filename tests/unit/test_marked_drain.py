@@ -141,3 +141,35 @@ async def test_an_unmarked_decode_and_a_marked_prefill_do_not_drain(broker: Brok
         assert not any(x.draining for x in broker.registry.members(SVC))
     finally:
         await m.broker.close()
+
+
+@pytest.mark.asyncio
+async def test_over_the_wire_a_worker_drains_only_itself(broker: BrokerServer) -> None:
+    """Marked draining, a decode now really drains: a pod with the service's token (a router,
+    say) must not be able to empty the other decodes. SetDraining by worker_id is refused over
+    gRPC (the operator marks members in its own process); a worker's own lease still works."""
+    import grpc
+
+    from pdserve.v1 import broker_pb2, broker_pb2_grpc
+
+    m = membership(broker)
+    role = RecordingRole("svc-decode-1")
+    m.role = role
+    await m.join(role)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{broker.port}") as channel:
+            stub = broker_pb2_grpc.BrokerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.SetDraining(
+                    broker_pb2.SetDrainingRequest(service_key=SVC, worker_id="svc-decode-1", draining=True),
+                    metadata=(("authorization", f"Bearer {TOKEN}"),),
+                    timeout=5,
+                )
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "drains only itself" in (refused.value.details() or "")
+        await asyncio.sleep(TTL)
+        assert role.drains == 0 and not broker.registry.draining_of(SVC, m.broker.lease_id)
+        assert await m.broker.set_draining(True)  # its own lease: allowed
+        assert broker.registry.draining_of(SVC, m.broker.lease_id)
+    finally:
+        await m.broker.close()
