@@ -506,12 +506,15 @@ class LlamaModel:
         """Split the batch into maximal runs of rows whose slots are consecutive.
 
         One SDPA call per run reads the run's KV as a strided view of the pool (no copy).
-        Keys past a row's own length inside that view are masked out.
+        Keys past a row's own length inside that view are masked out. A decode step (one token
+        per row) runs each row alone over exactly its own keys instead: padding a row to its
+        neighbours' length changes the last bits of its attention, which the quantized route's
+        bf16 activations turn into other tokens (batch invariance: model/paged_attention.py).
         """
         runs: list[_Run] = []
         start = 0
         for b in range(1, len(slots) + 1):
-            if b < len(slots) and slots[b] == slots[b - 1] + 1:
+            if b < len(slots) and slots[b] == slots[b - 1] + 1 and tokens > 1:
                 continue
             rows = range(start, b)
             ends = [positions[r] + tokens for r in rows]

@@ -8,6 +8,14 @@ which the slot pool's strided views did not; benchmarks/README.md has what it co
 A prompt computed from position 0 attends over its own fresh K/V (no gather), as the slot
 path does.
 
+A decode step (one token per row) is the exception: each row attends in its own SDPA call over
+exactly its own keys, never padded to the batch's longest row. SDPA's result depends in its
+last bits on the key length it is given, and on the quantized route (activations rounded to
+bf16 before each int4 product) those bits become different tokens, so a seeded request's text
+would depend on which other requests shared its steps — that is, on load, and on a live
+migration's new neighbours (issue #17). Row by row, a row's arithmetic is the same alone or in
+any batch (tests/unit/test_batch_invariance.py).
+
 On an NPU this is where torch_npu's paged attention operator belongs (it takes the same
 per-layer `[num_blocks, block_size, kv_heads, head_dim]` cache and a block table); it is not
 wired in yet: there is no NPU here to test it on.
@@ -49,6 +57,7 @@ class PagedPlan:
     segments: tuple[PagedSegment, ...] = ()  # packed: one per prompt
     gather: torch.Tensor | None = None  # batch: [B, key_len] flat rows (padding rows masked)
     mask: torch.Tensor | None = None  # batch: [B, 1, T, key_len]
+    rows: tuple[torch.Tensor, ...] = ()  # decode (T == 1): each row's own flat key rows, unpadded
     causal_self: bool = False  # batch of one row from position 0: attend over its own K/V
 
 
@@ -79,6 +88,9 @@ def batch_plan(
     write = torch.cat([rows_of(t, bt, p, p + tokens) for t, p in zip(tables, positions)]).to(device)
     if len(slots) == 1 and positions[0] == 0:
         return PagedPlan(pos, cos, sin, tokens, write, packed=False, causal_self=True)
+    if tokens == 1:
+        rows = tuple(rows_of(t, bt, 0, p + 1).to(device) for t, p in zip(tables, positions))
+        return PagedPlan(pos, cos, sin, tokens, write, packed=False, rows=rows)
     key_len = max(p + tokens for p in positions)
     gather = torch.zeros((len(slots), key_len), dtype=torch.long)
     for b, (t, p) in enumerate(zip(tables, positions)):
@@ -156,11 +168,16 @@ def write_and_attend(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
         )
         return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    if plan.rows:
+        # One call per row over its own keys (batch invariance, above); [1, kv_heads, group,
+        # head_dim]: the group plays the query-length role (see LlamaModel).
+        qr = q.reshape(batch, 1, kv_heads, heads // kv_heads, head_dim)
+        outs = [
+            F.scaled_dot_product_attention(qr[b], keys[r][None].transpose(1, 2), values[r][None].transpose(1, 2))
+            for b, r in enumerate(plan.rows)
+        ]
+        return torch.cat(outs).reshape(batch, 1, heads * head_dim)
     kr = keys[plan.gather].transpose(1, 2)  # [B, kv_heads, key_len, head_dim]
     vr = values[plan.gather].transpose(1, 2)
-    if tokens == 1:
-        # [rows, kv_heads, group, head_dim]: the group plays the query-length role (see LlamaModel).
-        qr = q.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-        return F.scaled_dot_product_attention(qr, kr, vr, attn_mask=plan.mask).reshape(batch, 1, heads * head_dim)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, attn_mask=plan.mask, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
