@@ -19,7 +19,7 @@ that arrive in one read count as gaps of 0); prefill calls made during the
 drain call and until the streams ended (the prefill's counter); every text compared with the wait run's (undisturbed).
 
 Usage: PYTHONPATH=worker:operator:proto python benchmarks/migrate.py [--model builtin:smollm2]
-       [--dtype float32] [--streams 6] [--max-tokens 256] [--prompt-words 300] [--modes wait,migrate,resume,wait]
+       [--dtype auto] [--weights auto] [--streams 6] [--max-tokens 256] [--prompt-words 300] [--modes wait,migrate,resume,wait]
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def one_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
         args.model,
         "--dtype",
         args.dtype,
+        "--weights",
+        args.weights,
         "--prefill",
         "1",
         "--decode",
@@ -180,9 +182,16 @@ def main() -> int:
     p.add_argument("--model", default="builtin:smollm2")
     p.add_argument(
         "--dtype",
-        default="float32",
-        help="float32 (default): texts compare across the runs; in bfloat16 a batch's composition "
-        "alone can flip a greedy token",
+        default="auto",
+        help="auto (default, as `pdserve local`): bf16 where the CPU has it natively, else fp32",
+    )
+    p.add_argument(
+        "--weights",
+        default="auto",
+        help="auto (default, as `pdserve local`): the GGUF's matrices stay int4/int8, a route whose "
+        "logits are bitwise the same whatever batch a request runs in, so seeded texts compare "
+        "across schedules; `dequantized` in bf16 is not (the GEMM's kernel depends on the batch's row "
+        "count), and a batch's composition alone can then flip a token",
     )
     p.add_argument("--streams", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -197,7 +206,7 @@ def main() -> int:
     args = p.parse_args()
     print(
         f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} python {platform.python_version()}"
-        f"; model {args.model} {args.dtype}, {args.streams} streams x {args.max_tokens} tokens, prompts of ~{args.prompt_words} "
+        f"; model {args.model} {args.dtype} weights {args.weights}, {args.streams} streams x {args.max_tokens} tokens, prompts of ~{args.prompt_words} "
         f"words, drain after {args.drain_after} tokens"
     )
     results = []

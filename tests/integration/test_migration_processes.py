@@ -1,5 +1,5 @@
 """Live migration through real processes (issue #17's acceptance): `pdserve local` (broker, one
-prefill, two decodes, router; the tiny model with 16 layers).
+prefill, two decodes, router; the tiny model with 16 layers, and the real default model SmolLM2).
 
 4 greedy streams of 256 tokens and 2 seeded sampled ones run on decode-0 (decode-1's slots
 are held meanwhile, so the router puts them all on decode-0); then decode-0 is drained through
@@ -45,14 +45,19 @@ def deep_tiny_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-16-layers"), num_layers=16)
 
 
-@pytest.fixture(scope="module")
-def local(deep_tiny_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny-16-layers", "smollm2"])
+def local(request, tmp_path_factory):
+    """The tiny model in fp32, and the real default model as a user runs it (`builtin:smollm2`,
+    dtype and weights auto: bf16 where the CPU has it, int4 matrices; a route whose logits do not
+    depend on the batch, tests/unit/test_batch_invariance.py)."""
+    if request.param == "smollm2":
+        model = ["builtin:smollm2"]
+    else:
+        model = [str(request.getfixturevalue("deep_tiny_dir")), "--dtype", "float32"]
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-migrate"),
         "--model",
-        str(deep_tiny_dir),
-        "--dtype",
-        "float32",
+        *model,
         "--prefill",
         "1",
         "--decode",
