@@ -15,7 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,52 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@dataclass
+class Answer:
+    """One streamed completion as a client saw it, filled in while it arrives."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    pdserve: dict = field(default_factory=dict)
+    chunks: int = 0
+    error: str | None = None
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each chunk
+    on_chunk: Callable[[int], None] | None = None  # called in the reading thread after each chunk
+
+
+def served_model(url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+
+
+def stream_completion(url: str, body: dict[str, Any], answer: Answer, timeout_s: float = 120.0) -> Answer:
+    """POST a streamed /v1/completions `body` and record its SSE chunks into `answer`; an HTTP
+    error or an error chunk is kept in `answer.error`, never raised."""
+    import httpx
+
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as reply:
+        if reply.status_code != 200:
+            answer.error = f"HTTP {reply.status_code}: {reply.read().decode()}"
+            return answer
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                answer.error = str(chunk["error"])
+                continue
+            for choice in chunk.get("choices", []):
+                answer.text += choice.get("text", "")
+                answer.chunks += 1
+                answer.arrivals.append(time.monotonic())
+                answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+                if answer.on_chunk is not None:
+                    answer.on_chunk(answer.chunks)
+            if chunk.get("usage"):
+                answer.completion_tokens = chunk["usage"]["completion_tokens"]
+            answer.pdserve = chunk.get("pdserve", answer.pdserve)
+    return answer

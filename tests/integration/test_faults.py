@@ -13,17 +13,14 @@ deployment. Timeouts are shortened through `--env` so recovery takes seconds: th
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 import httpx
 import pytest
-from local_run import LocalRun, pid_alive
+from local_run import Answer, LocalRun, pid_alive, served_model, stream_completion
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from support.tiny_model import write_tiny_model
@@ -80,21 +77,6 @@ def local(slow_model_dir, tmp_path_factory):
     assert not [pid for pid in seen_pids if pid_alive(pid)], "children outlived pdserve local"
 
 
-@dataclass
-class Answer:
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    pdserve: dict = field(default_factory=dict)
-    chunks: int = 0
-    error: str | None = None
-    on_chunk: Callable[[int], None] | None = None  # called in the reading thread after each chunk
-
-
-def served_model(url: str) -> str:
-    return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
-
-
 def stream(url: str, prompt: str, answer: Answer, max_tokens: int = MAX_TOKENS) -> Answer:
     """One streamed greedy completion, recorded into `answer` as it arrives."""
     body = {
@@ -106,27 +88,7 @@ def stream(url: str, prompt: str, answer: Answer, max_tokens: int = MAX_TOKENS) 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
-        if reply.status_code != 200:
-            answer.error = f"HTTP {reply.status_code}: {reply.read().decode()}"
-            return answer
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                answer.error = str(chunk["error"])
-                continue
-            for choice in chunk.get("choices", []):
-                answer.text += choice.get("text", "")
-                answer.chunks += 1
-                answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
-                if answer.on_chunk is not None:
-                    answer.on_chunk(answer.chunks)
-            if chunk.get("usage"):
-                answer.completion_tokens = chunk["usage"]["completion_tokens"]
-            answer.pdserve = chunk.get("pdserve", answer.pdserve)
-    return answer
+    return stream_completion(url, body, answer)
 
 
 @pytest.fixture(scope="module")

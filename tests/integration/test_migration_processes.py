@@ -14,18 +14,16 @@ the source killed mid-migration; either way the request resumes with identical t
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import re
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import httpx
 import pytest
-from local_run import LocalRun, pid_alive
+from local_run import Answer, LocalRun, pid_alive, served_model, stream_completion
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -80,17 +78,6 @@ def local(request, tmp_path_factory):
     assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
 
 
-@dataclass
-class Answer:
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    pdserve: dict = field(default_factory=dict)
-    chunks: int = 0
-    error: str | None = None
-    arrivals: list[float] = field(default_factory=list)
-
-
 def body(model: str, prompt: str, seed: int | None) -> dict:
     sampling = {"temperature": 0.8, "top_p": 0.95, "seed": seed} if seed is not None else {"temperature": 0}
     return {
@@ -105,33 +92,14 @@ def body(model: str, prompt: str, seed: int | None) -> dict:
 
 
 def stream(url: str, model: str, prompt: str, seed: int | None, answer: Answer) -> Answer:
-    with httpx.stream("POST", f"{url}/v1/completions", json=body(model, prompt, seed), timeout=120) as reply:
-        if reply.status_code != 200:
-            answer.error = f"HTTP {reply.status_code}: {reply.read().decode()}"
-            return answer
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                answer.error = str(chunk["error"])
-                continue
-            for choice in chunk.get("choices", []):
-                answer.text += choice.get("text", "")
-                answer.chunks += 1
-                answer.arrivals.append(time.monotonic())
-                answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
-            if chunk.get("usage"):
-                answer.completion_tokens = chunk["usage"]["completion_tokens"]
-            answer.pdserve = chunk.get("pdserve", answer.pdserve)
-    return answer
+    return stream_completion(url, body(model, prompt, seed), answer)
 
 
 REQUESTS = [(p, None) for p in GREEDY] + SEEDED
 
 
 def model_of(local: LocalRun) -> str:
-    return httpx.get(f"{local.url}/v1/models", timeout=5).json()["data"][0]["id"]
+    return served_model(local.url)
 
 
 @pytest.fixture(scope="module")
