@@ -234,7 +234,17 @@ def test_load_up_oscillation_and_down_through_a_drain(
         stepped = time.monotonic()
         wait_for(lambda: replicas(cluster, namespace) == (3, 3), timeout=15, what="3 prefill, 3 decode")
         assert time.monotonic() - stepped < 8, "the scale-up took longer than a few planner intervals"
-        status = cluster.get(s.KIND, namespace, NAME)["status"]
+        # The status is written after the workloads in the same planner step: a reader can see
+        # the StatefulSet first (a cold first run did), so wait for it.
+        status = wait_for(
+            lambda: (
+                (st := cluster.get(s.KIND, namespace, NAME).get("status") or {}).get("autoscaling", {}).get("summary")
+                == "P:3 D:3"
+                and st
+            ),
+            timeout=5,
+            what="status at P:3 D:3",
+        )
         auto = status["autoscaling"]
         assert auto["decode"]["current"] == 3 and auto["decode"]["desired"] == 3
         assert auto["decode"]["driver"] == "planner" and auto["decode"]["lastChangeTime"]
