@@ -294,8 +294,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             count = alloc.refcount(b)
             assert count >= 0
             assert count == refs[b], f"block {b}: refcount {count}, held by {refs[b]}"
-        assert len(set(alloc._free)) == len(alloc._free), "a block is twice in the free list"
-        assert set(alloc._free) == {b for b in range(12) if refs[b] == 0}
+        assert len(set(alloc._free_blocks)) == len(alloc._free_blocks), "a block is twice in the free list"
+        assert set(alloc._free_blocks) == {b for b in range(12) if refs[b] == 0}
         usage = alloc.usage()
         held = {b for h in alloc._handles for b in h.held}
         assert usage.free_blocks + len(held) == 12

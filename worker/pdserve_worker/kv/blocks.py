@@ -11,7 +11,7 @@ with a `max_len` slot per request that is still most of the gain (`300 + 64` tok
 2,048).
 
 The semantics are those of the slot table (kv/slots.py), one reservation standing where a slot
-stood:
+stood; the lease life itself is one piece of code for both (kv/reservations.py):
 - A reservation holds a *handle* `slot` (0..max_reservations-1, what `slots` means now: a cap on
   concurrent requests, the row a request decodes in) and a `generation`, unique over the
   table's life (clock-based start with random low bits, as slots'); every later message (ready
@@ -34,8 +34,9 @@ Blocks are refcounted. A reservation may *share* leading blocks of a committed r
 (the same prompt prefix already decoded here): those are read-only to it (not in its writable
 list, never leased for writing), so one writer per block holds. A block is free exactly when
 no live or quarantined reservation holds it; every path that ends a reservation (commit-then-
-release, release, release_grant, expiry, quarantine end) goes through `_drop`, the one place a
-reservation's references are given back, exactly once.
+release, release, release_grant, expiry, quarantine end) goes through the lease core's `_free`,
+whose `_free_resources` here is the one place a reservation's references are given back,
+exactly once.
 
 `max_reservations` caps concurrent requests (what `slots` means now); capacity is tokens.
 
@@ -45,11 +46,7 @@ All methods are thread-safe; time comes from an injected clock, so tests drive i
 from __future__ import annotations
 
 import heapq
-import hmac
-import itertools
 import logging
-import secrets
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,7 +54,8 @@ from typing import Protocol
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
-from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage, first_generation, reservation_nonce
+from pdserve_worker.kv.reservations import Reservation, ReservationTable
+from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage
 
 log = logging.getLogger("pdserve.kv.blocks")
 
@@ -121,12 +119,7 @@ class BlockUsage:
 
 
 @dataclass
-class _Handle:
-    state: SlotState = SlotState.FREE
-    generation: int = 0
-    request_id: str = ""
-    deadline: float = 0.0  # lease end while RESERVED, quarantine end while QUARANTINED
-    nonce: str = ""
+class _Handle(Reservation):
     blocks: tuple[int, ...] = ()
     shared: int = 0
     num_tokens: int = 0
@@ -134,7 +127,9 @@ class _Handle:
     held: tuple[int, ...] = ()  # the blocks whose references this reservation still holds
 
 
-class BlockTable:
+class BlockTable(ReservationTable[_Handle, Grant]):
+    kind = "blocks"
+
     def __init__(
         self,
         layout: KVLayout,
@@ -149,26 +144,23 @@ class BlockTable:
     ) -> None:
         if not layout.paged:
             raise ValueError(f"a BlockTable needs a paged layout (block_tokens > 0), got {layout}")
-        if quarantine_s < 0:
-            raise ValueError(f"quarantine_s must be >= 0, got {quarantine_s}")
-        self.layout = layout
+        super().__init__(
+            layout,
+            [_Handle() for _ in range(layout.num_slots)],  # max_reservations
+            engine_id=engine_id,
+            base_addr=base_addr,
+            quarantine_s=quarantine_s,
+            clock=clock,
+            on_expire=on_expire,
+            capability_key=capability_key,
+        )
         self.num_blocks = layout.num_blocks
         self.block_tokens = layout.block_tokens
-        max_reservations = layout.num_slots
-        self.engine_id = engine_id
-        self.base_addr = base_addr
-        self.quarantine_s = quarantine_s
-        self._clock = clock
-        self._on_expire = on_expire
-        self._key = capability_key or secrets.token_bytes(32)
         self._leases = leases
-        self._handles = [_Handle() for _ in range(max_reservations)]
         self._refs = [0] * self.num_blocks
         # Lowest block first: a fresh pool hands out runs of consecutive blocks, which a push
         # moves as one descriptor per layer (pdserve_common/block_layout.py).
-        self._free: list[int] = list(range(self.num_blocks))
-        self._generations = itertools.count(first_generation())
-        self._lock = threading.Lock()
+        self._free_blocks: list[int] = list(range(self.num_blocks))
 
     @property
     def max_reservations(self) -> int:
@@ -222,7 +214,7 @@ class BlockTable:
                 shared = source.blocks[:shared_blocks]
             index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
-            if index is None or fresh > len(self._free):
+            if index is None or fresh > len(self._free_blocks):
                 usage = self._usage()
                 what = (
                     f"all {len(self._handles)} reservations in use"
@@ -233,21 +225,19 @@ class BlockTable:
                     f"no KV room for request {request_id!r}: {what}; {usage.reserved_blocks} blocks reserved, "
                     f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {self.num_blocks}"
                 )
-            generation = next(self._generations)
-            taken = tuple(heapq.heappop(self._free) for _ in range(fresh))
+            generation = self._next_generation()
+            taken = tuple(heapq.heappop(self._free_blocks) for _ in range(fresh))
             if self._leases is not None and taken:
                 try:
                     self._leases.granted(index, generation, taken)
                 except BaseException:
                     for b in taken:
-                        heapq.heappush(self._free, b)
+                        heapq.heappush(self._free_blocks, b)
                     raise
             blocks = shared + taken
             for b in blocks:
                 self._refs[b] += 1
-            h = self._handles[index]
-            h.state, h.generation, h.request_id, h.deadline = SlotState.RESERVED, generation, request_id, now + ttl_s
-            h.nonce = reservation_nonce(self._key, index, generation)
+            h = self._claim(index, generation, request_id, ttl_s, now)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
             grant = self._grant(index, h)
         log.debug(
@@ -263,94 +253,7 @@ class BlockTable:
         )
         return grant
 
-    def renew(self, slot: int, generation: int, ttl_s: float) -> bool:
-        with self._lock:
-            h = self._live(slot, generation)
-            if h is None or h.state is not SlotState.RESERVED:
-                return False
-            h.deadline = max(h.deadline, self._clock() + ttl_s)
-            return True
-
-    def commit(self, slot: int, generation: int) -> bool:
-        """The KV arrived and decode takes it: the lease stops expiring. False if stale."""
-        with self._lock:
-            h = self._live(slot, generation)
-            if h is None or h.state is not SlotState.RESERVED:
-                log.info(kv(event="blocks_commit_stale", slot=slot, generation=generation))
-                return False
-            h.state = SlotState.COMMITTED
-            h.deadline = 0.0
-            self._end_lease(slot, h)
-            return True
-
-    def release(self, slot: int, generation: int) -> bool:
-        """Give the reservation back: before commit quarantined, after commit free. Stale: False."""
-        with self._lock:
-            h = self._handle(slot)
-            if h is None or h.state not in (SlotState.RESERVED, SlotState.COMMITTED) or h.generation != generation:
-                log.info(kv(event="blocks_release_stale", slot=slot, generation=generation))
-                return False
-            if h.state is SlotState.RESERVED:
-                self._quarantine(slot, h)
-            else:
-                self._drop(h)
-            return True
-
-    def release_grant(self, slot: int, generation: int, *, push_settled: bool) -> bool:
-        """A router gives back a grant it will not use (see kv/slots.py's `release_grant`)."""
-        with self._lock:
-            h = self._handle(slot)
-            if h is None or h.generation != generation:
-                return False
-            if h.state is SlotState.RESERVED:
-                if push_settled:
-                    self._end_lease(slot, h)
-                    self._drop(h)
-                else:
-                    self._quarantine(slot, h)
-                return True
-            if h.state is SlotState.QUARANTINED and push_settled:
-                self._drop(h)
-                return True
-            return False
-
-    def expire(self) -> list[Grant]:
-        """Quarantine every reservation whose lease has run out; returns their grants."""
-        expired: list[Grant] = []
-        with self._lock:
-            now = self._clock()
-            for index, h in enumerate(self._handles):
-                if h.state is SlotState.RESERVED and h.deadline <= now:
-                    expired.append(self._grant(index, h))
-                    self._quarantine(index, h)
-        for grant in expired:
-            log.warning(
-                kv(
-                    event="blocks_lease_expired",
-                    request=grant.request_id,
-                    slot=grant.slot,
-                    generation=grant.generation,
-                    blocks=len(grant.blocks),
-                )
-            )
-            if self._on_expire is not None:
-                self._on_expire(grant)
-        return expired
-
     # ---- queries -------------------------------------------------------------------------------
-    def is_current(self, slot: int, generation: int) -> bool:
-        with self._lock:
-            return self._live(slot, generation) is not None
-
-    def is_reserved(self, slot: int, generation: int) -> bool:
-        with self._lock:
-            h = self._live(slot, generation)
-            return h is not None and h.state is SlotState.RESERVED
-
-    def verify(self, slot: int, generation: int, nonce: str) -> bool:
-        expected = reservation_nonce(self._key, slot, generation)
-        return hmac.compare_digest(expected.encode(), nonce.encode("utf-8", "replace"))
-
     def grant_of(self, slot: int, generation: int) -> Grant | None:
         """The live reservation (slot, generation), reserved or committed, or None."""
         with self._lock:
@@ -361,13 +264,6 @@ class BlockTable:
         """The block table of the reservation in handle `slot` (what decode attends through)."""
         with self._lock:
             return self._handles[slot].blocks
-
-    def state(self, slot: int) -> SlotState:
-        with self._lock:
-            h = self._handles[slot]
-            if h.state is SlotState.QUARANTINED and h.deadline <= self._clock():
-                return SlotState.FREE
-            return h.state
 
     def refcount(self, block: int) -> int:
         with self._lock:
@@ -384,44 +280,27 @@ class BlockTable:
             self._sweep(self._clock())
             if not any(h.state is SlotState.FREE for h in self._handles):
                 return False
-            return blocks_for(num_tokens, self.block_tokens) <= len(self._free)
+            return blocks_for(num_tokens, self.block_tokens) <= len(self._free_blocks)
 
-    # ---- internals (lock held) -------------------------------------------------------------------
-    def _handle(self, slot: int) -> _Handle | None:
-        return self._handles[slot] if 0 <= slot < len(self._handles) else None
-
-    def _live(self, slot: int, generation: int) -> _Handle | None:
-        h = self._handle(slot)
-        if h is None or h.generation != generation:
-            return None
-        if h.state is SlotState.COMMITTED or (h.state is SlotState.RESERVED and h.deadline > self._clock()):
-            return h
-        return None
-
+    # ---- hooks and internals (lock held) ---------------------------------------------------------
     def _sweep(self, now: float) -> None:
         """Quarantines that have run their time end: their blocks and handle are free again."""
         for h in self._handles:
             if h.state is SlotState.QUARANTINED and h.deadline <= now:
-                self._drop(h)
+                self._free(h)
 
-    def _quarantine(self, index: int, h: _Handle) -> None:
+    def _quarantine_resources(self, index: int, h: _Handle) -> None:
         """Writable blocks (and the handle) held until the deadline; shared ones, never written
         by this reservation's push, are given back at once."""
-        self._end_lease(index, h)
-        h.state = SlotState.QUARANTINED
-        h.deadline = self._clock() + self.quarantine_s
-        h.request_id = ""
         self._unref(h.held[: h.shared])
         h.held = h.held[h.shared :]
         if self.quarantine_s == 0:
-            self._drop(h)
+            self._free(h)
 
-    def _drop(self, h: _Handle) -> None:
+    def _free_resources(self, h: _Handle) -> None:
         """The one place a reservation gives back its block references (exactly once)."""
-        if h.state is SlotState.FREE:
-            raise AssertionError(f"reservation {h.generation} dropped twice")
         self._unref(h.held)
-        h.state, h.request_id, h.deadline, h.held, h.blocks, h.shared = SlotState.FREE, "", 0.0, (), (), 0
+        h.held, h.blocks, h.shared = (), (), 0
 
     def _unref(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -429,14 +308,19 @@ class BlockTable:
                 raise AssertionError(f"block {b} released with refcount {self._refs[b]}")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                heapq.heappush(self._free, b)
+                heapq.heappush(self._free_blocks, b)
 
-    def _end_lease(self, index: int, h: _Handle) -> None:
-        if self._leases is not None and h.blocks[h.shared :]:
-            try:
-                self._leases.ended(index, h.generation)
-            except Exception as exc:  # a revoke that failed must not wedge the table
-                log.error(kv(event="lease_end_failed", slot=index, generation=h.generation, error=repr(exc)))
+    def _end_write_lease(self, index: int, h: _Handle) -> None:
+        if h.blocks[h.shared :]:  # a reservation that shares all its blocks was never leased
+            self._revoke(None if self._leases is None else self._leases.ended, index, h.generation)
+
+    def _log_fields(self, grant: Grant) -> dict[str, object]:
+        return {
+            "request": grant.request_id,
+            "slot": grant.slot,
+            "generation": grant.generation,
+            "blocks": len(grant.blocks),
+        }
 
     def _usage(self) -> BlockUsage:
         now = self._clock()
@@ -456,7 +340,7 @@ class BlockTable:
         return BlockUsage(
             slots,
             self.num_blocks,
-            len(self._free),
+            len(self._free_blocks),
             len(blocks[SlotState.RESERVED] - committed),
             len(committed),
             len(blocks[SlotState.QUARANTINED]),

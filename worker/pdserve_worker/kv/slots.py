@@ -34,29 +34,38 @@ All methods are thread-safe; time comes from an injected clock, so tests drive i
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import itertools
 import logging
-import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Protocol
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
+from pdserve_worker.kv.reservations import (
+    NONCE_BYTES,
+    Reservation,
+    ReservationTable,
+    SlotState,
+    first_generation,
+    nonce_matches,
+    reservation_nonce,
+)
+
+__all__ = [
+    "NONCE_BYTES",
+    "Grant",
+    "LeaseHooks",
+    "NoFreeSlot",
+    "SlotState",
+    "SlotTable",
+    "SlotUsage",
+    "first_generation",
+    "nonce_matches",
+    "reservation_nonce",
+]
 
 log = logging.getLogger("pdserve.kv.slots")
-
-
-class SlotState(str, Enum):
-    FREE = "free"
-    RESERVED = "reserved"  # granted, waiting for its KV
-    COMMITTED = "committed"  # KV arrived, decoding
-    QUARANTINED = "quarantined"  # abandoned; not granted again before `quarantine_until`
 
 
 class NoFreeSlot(RuntimeError):
@@ -69,27 +78,6 @@ class LeaseHooks(Protocol):
     def granted(self, slot: int, generation: int) -> None: ...
 
     def ended(self, slot: int, generation: int) -> None: ...
-
-
-NONCE_BYTES = 16
-
-
-def reservation_nonce(key: bytes, slot: int, generation: int) -> str:
-    """The capability of reservation (slot, generation) under `key`, as hex."""
-    mac = hmac.new(key, f"pdserve-reservation|{slot}|{generation}".encode(), hashlib.sha256).digest()
-    return mac[:NONCE_BYTES].hex()
-
-
-def nonce_matches(key: bytes, slot: int, generation: int, nonce: str) -> bool:
-    """Constant-time check of a notify's nonce against (slot, generation)."""
-    expected = reservation_nonce(key, slot, generation)
-    return hmac.compare_digest(expected.encode(), nonce.encode("utf-8", "replace"))
-
-
-def first_generation() -> int:
-    """Milliseconds since the epoch in the high bits (grows across restarts), 20 random bits
-    below: a restarted decode does not hand out the generations of its previous life."""
-    return (int(time.time() * 1000) << 20) | secrets.randbits(20)
 
 
 @dataclass(frozen=True)
@@ -134,16 +122,11 @@ class SlotUsage:
     quarantined: int
 
 
-@dataclass
-class _Slot:
-    state: SlotState = SlotState.FREE
-    generation: int = 0
-    request_id: str = ""
-    deadline: float = 0.0  # lease end while RESERVED, quarantine end while QUARANTINED
-    nonce: str = ""  # the capability of the current generation
+class SlotTable(ReservationTable[Reservation, Grant]):
+    """One max-length slot per reservation; the lease life is kv/reservations.py's."""
 
+    kind = "slot"
 
-class SlotTable:
     def __init__(
         self,
         layout: KVLayout,
@@ -156,21 +139,18 @@ class SlotTable:
         capability_key: bytes | None = None,
         leases: LeaseHooks | None = None,
     ) -> None:
-        if quarantine_s < 0:
-            raise ValueError(f"quarantine_s must be >= 0, got {quarantine_s}")
-        self.layout = layout
-        self.engine_id = engine_id
-        self.base_addr = base_addr
-        self.quarantine_s = quarantine_s
-        self._clock = clock
-        self._on_expire = on_expire
-        self._slots = [_Slot() for _ in range(layout.num_slots)]
-        self._generations = itertools.count(first_generation())
-        self._key = capability_key or secrets.token_bytes(32)
+        super().__init__(
+            layout,
+            [Reservation() for _ in range(layout.num_slots)],
+            engine_id=engine_id,
+            base_addr=base_addr,
+            quarantine_s=quarantine_s,
+            clock=clock,
+            on_expire=on_expire,
+            capability_key=capability_key,
+        )
         self._leases = leases
-        self._lock = threading.Lock()
 
-    # ---- leases ------------------------------------------------------------------------------------
     def reserve(self, request_id: str, ttl_s: float) -> Grant:
         """Grant the lowest free slot for `ttl_s` seconds. Raises NoFreeSlot."""
         if ttl_s <= 0:
@@ -178,198 +158,38 @@ class SlotTable:
         self.expire()  # leases run out between sweeps too: settle them before choosing
         with self._lock:
             now = self._clock()
-            for index, s in enumerate(self._slots):
+            for index, s in enumerate(self._handles):
                 if s.state is SlotState.QUARANTINED and s.deadline <= now:
-                    s.state = SlotState.FREE
+                    self._free(s)
                 if s.state is SlotState.FREE:
-                    generation = next(self._generations)
+                    generation = self._next_generation()
                     if self._leases is not None:
                         self._leases.granted(index, generation)  # may raise: then nothing changed
-                    s.state = SlotState.RESERVED
-                    s.generation = generation
-                    s.nonce = reservation_nonce(self._key, index, generation)
-                    s.request_id = request_id
-                    s.deadline = now + ttl_s
-                    grant = self._grant(index, s)
+                    grant = self._grant(index, self._claim(index, generation, request_id, ttl_s, now))
                     break
             else:
                 usage = self._usage()
                 raise NoFreeSlot(
                     f"no free KV slot for request {request_id!r}: {usage.reserved} reserved, "
-                    f"{usage.committed} committed, {usage.quarantined} quarantined of {len(self._slots)}"
+                    f"{usage.committed} committed, {usage.quarantined} quarantined of {len(self._handles)}"
                 )
         log.debug(kv(event="slot_reserved", request=request_id, slot=grant.slot, generation=grant.generation))
         return grant
-
-    def renew(self, slot: int, generation: int, ttl_s: float) -> bool:
-        """Extend a reservation's lease (e.g. a long prompt still pushing). False if stale."""
-        with self._lock:
-            s = self._live(slot, generation)
-            if s is None or s.state is not SlotState.RESERVED:
-                return False
-            s.deadline = max(s.deadline, self._clock() + ttl_s)
-            return True
-
-    def commit(self, slot: int, generation: int) -> bool:
-        """The slot's KV arrived and decode takes it: the lease stops expiring. False if stale."""
-        with self._lock:
-            s = self._live(slot, generation)
-            if s is None or s.state is not SlotState.RESERVED:
-                current = self._slots[slot] if 0 <= slot < len(self._slots) else None
-                log.info(kv(event="slot_commit_stale", slot=slot, generation=generation, **self._describe(current)))
-                return False
-            s.state = SlotState.COMMITTED
-            s.deadline = 0.0
-            self._end_lease(slot, generation)  # the KV is in: nothing more to write
-            return True
-
-    def release(self, slot: int, generation: int) -> bool:
-        """Give the slot back. Before commit it is quarantined (a write may be in flight);
-        after commit it is free at once. A stale generation is a no-op (logged): False."""
-        with self._lock:
-            s = self._slots[slot] if 0 <= slot < len(self._slots) else None
-            if s is None or s.state not in (SlotState.RESERVED, SlotState.COMMITTED) or s.generation != generation:
-                log.info(kv(event="slot_release_stale", slot=slot, generation=generation, **self._describe(s)))
-                return False
-            if s.state is SlotState.RESERVED:
-                self._quarantine(slot, s)
-            else:
-                s.state = SlotState.FREE
-                s.request_id = ""
-            return True
-
-    def release_grant(self, slot: int, generation: int, *, push_settled: bool) -> bool:
-        """A router gives back a grant it will not use (worker.proto's Release).
-
-        Reserved: free at once if `push_settled` (no write into it can still arrive), else
-        quarantined. Quarantined for this very generation (its Generate was cancelled, or its
-        lease ran out) and `push_settled`: free at once. Committed: left alone, the request's
-        stream frees it. Anything else is stale: False."""
-        with self._lock:
-            s = self._slots[slot] if 0 <= slot < len(self._slots) else None
-            if s is None or s.generation != generation:
-                return False
-            if s.state is SlotState.RESERVED:
-                if push_settled:
-                    self._end_lease(slot, s.generation)  # not writable any more, like a quarantine
-                    self._free(s)
-                else:
-                    self._quarantine(slot, s)
-                return True
-            if s.state is SlotState.QUARANTINED and push_settled:  # its write lease ended with the quarantine
-                self._free(s)
-                return True
-            return False
-
-    def expire(self) -> list[Grant]:
-        """Quarantine every reservation whose lease has run out; returns their grants."""
-        expired: list[Grant] = []
-        with self._lock:
-            now = self._clock()
-            for index, s in enumerate(self._slots):
-                if s.state is SlotState.RESERVED and s.deadline <= now:
-                    expired.append(self._grant(index, s))
-                    self._quarantine(index, s)
-        for grant in expired:
-            log.warning(
-                kv(event="slot_lease_expired", request=grant.request_id, slot=grant.slot, generation=grant.generation)
-            )
-            if self._on_expire is not None:
-                self._on_expire(grant)
-        return expired
-
-    # ---- queries -----------------------------------------------------------------------------------
-    def is_current(self, slot: int, generation: int) -> bool:
-        """Whether (slot, generation) is a live reservation or commitment (not stale).
-        A reservation whose lease has run out is stale even before `expire` swept it."""
-        with self._lock:
-            s = self._live(slot, generation)
-            return s is not None
-
-    def verify(self, slot: int, generation: int, nonce: str) -> bool:
-        """Whether `nonce` is the capability of reservation (slot, generation) (live or not:
-        `is_reserved` says whether it still waits). The current reservation's nonce is kept,
-        so the common case is one constant-time compare rather than an HMAC."""
-        with self._lock:
-            s = self._slots[slot] if 0 <= slot < len(self._slots) else None
-            expected = s.nonce if s is not None and s.generation == generation and s.nonce else None
-        if expected is None:
-            return nonce_matches(self._key, slot, generation, nonce)
-        return hmac.compare_digest(expected.encode(), nonce.encode("utf-8", "replace"))
-
-    def is_reserved(self, slot: int, generation: int) -> bool:
-        """Whether (slot, generation) still waits for its KV: the only time a ready message counts."""
-        with self._lock:
-            s = self._live(slot, generation)
-            return s is not None and s.state is SlotState.RESERVED
-
-    def state(self, slot: int) -> SlotState:
-        with self._lock:
-            s = self._slots[slot]
-            if s.state is SlotState.QUARANTINED and s.deadline <= self._clock():
-                return SlotState.FREE
-            return s.state
 
     def usage(self) -> SlotUsage:
         with self._lock:
             return self._usage()
 
-    # ---- internals (lock held) ----------------------------------------------------------------------
-    def _live(self, slot: int, generation: int) -> _Slot | None:
-        if not 0 <= slot < len(self._slots):
-            return None
-        s = self._slots[slot]
-        if s.generation != generation:
-            return None
-        if s.state is SlotState.COMMITTED or (s.state is SlotState.RESERVED and s.deadline > self._clock()):
-            return s
-        return None
-
+    # ---- hooks and internals (lock held) -------------------------------------------------------
     def _usage(self) -> SlotUsage:
-        now = self._clock()
-        counts = {state: 0 for state in SlotState}
-        for s in self._slots:
-            state = SlotState.FREE if s.state is SlotState.QUARANTINED and s.deadline <= now else s.state
-            counts[state] += 1
-        return SlotUsage(
-            counts[SlotState.FREE],
-            counts[SlotState.RESERVED],
-            counts[SlotState.COMMITTED],
-            counts[SlotState.QUARANTINED],
-        )
+        c = self._counts()
+        return SlotUsage(c[SlotState.FREE], c[SlotState.RESERVED], c[SlotState.COMMITTED], c[SlotState.QUARANTINED])
 
-    @staticmethod
-    def _free(s: _Slot) -> None:
-        s.state = SlotState.FREE
-        s.request_id = ""
-        s.deadline = 0.0
+    def _end_write_lease(self, index: int, h: Reservation) -> None:
+        self._revoke(None if self._leases is None else self._leases.ended, index, h.generation)
 
-    def _quarantine(self, index: int, s: _Slot) -> None:
-        self._end_lease(index, s.generation)
-        s.state = SlotState.QUARANTINED
-        s.deadline = self._clock() + self.quarantine_s
-        s.request_id = ""
+    def _grant(self, index: int, h: Reservation) -> Grant:
+        return Grant(h.request_id, index, h.generation, self.engine_id, self.base_addr, self.layout, h.nonce)
 
-    def _end_lease(self, index: int, generation: int) -> None:
-        if self._leases is not None:
-            try:
-                self._leases.ended(index, generation)
-            except Exception as exc:  # a revoke that failed must not wedge the table
-                log.error(kv(event="lease_end_failed", slot=index, generation=generation, error=repr(exc)))
-
-    def _grant(self, index: int, s: _Slot) -> Grant:
-        return Grant(
-            s.request_id,
-            index,
-            s.generation,
-            self.engine_id,
-            self.base_addr,
-            self.layout,
-            s.nonce or reservation_nonce(self._key, index, s.generation),
-        )
-
-    @staticmethod
-    def _describe(s: _Slot | None) -> dict[str, object]:
-        if s is None:
-            return {"current": "no such slot"}
-        return {"current_state": s.state.value, "current_generation": s.generation}
+    def _log_fields(self, grant: Grant) -> dict[str, object]:
+        return {"request": grant.request_id, "slot": grant.slot, "generation": grant.generation}
