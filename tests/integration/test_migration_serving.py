@@ -20,13 +20,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from inprocess_stack import Stack
 
-from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_common.auth import TokenTable
-from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_common.membership import MemberInfo, Role
-from pdserve_operator.broker import BrokerServer
 from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.model.generate import generate
@@ -34,14 +31,10 @@ from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
 from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
-from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.trailers import settled_trailer
-from pdserve_worker.settings import WorkerSettings
-from pdserve_worker.transfer.engine import create_engine
 
 SVC, TOKEN, REVISION = "test/migrate", "secret-token", "rev-1"
 SLOTS, MAX_LEN, MAX_TOKENS = 6, 128, 96
-FAST = Backoff(base_s=0.05, cap_s=0.5)
 PROMPTS = [
     "The quick brown fox",
     "Paris is the capital of",
@@ -97,25 +90,6 @@ class Cluster:
         return drained, time.monotonic() - started
 
 
-def settings(role: str, broker_port: int, index: int, **extra) -> WorkerSettings:
-    return WorkerSettings(
-        role=role,
-        service=SVC,
-        broker_address=f"127.0.0.1:{broker_port}",
-        broker_token=TOKEN,
-        worker_id=f"{role}-{index}",
-        advertise_host="127.0.0.1",
-        grpc_port=free_port(),
-        transfer_port=free_port(),
-        model_dtype="float32",
-        max_length=MAX_LEN,
-        slots=SLOTS,
-        layers_per_chunk=1,
-        transfer_timeout_ms=2000,
-        **extra,
-    )
-
-
 @asynccontextmanager
 async def cluster(
     loaded,
@@ -123,58 +97,35 @@ async def cluster(
     slow: tuple[float, ...] = (0.02, 0.0),
     servicers: tuple[type, ...] = (DecodeServicer, DecodeServicer),
 ) -> AsyncIterator[Cluster]:
-    broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
-    broker.start("127.0.0.1", 0)
-    engines, servers, clients, workers, channels = [], [], [], [], []
-
-    async def serve(s: WorkerSettings, add) -> None:
-        server = aio_server(TokenTable({SVC: TOKEN}))
-        add(server)
-        bind(server, "127.0.0.1", s.grpc_port)
-        await server.start()
-        servers.append(server)
-
-    async def join(info: MemberInfo, load=None) -> BrokerClient:
-        c = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
-        clients.append(c)
-        await c.register(info, load=load)
-        return c
-
-    def engine(s: WorkerSettings):
-        b = create_engine("cpu")
-        assert b.engine.initialize(s.engine_id) == b.api.SUCCESS
-        engines.append(b)
-        return b
-
+    stack = Stack(SVC, TOKEN, max_len=MAX_LEN, slots=SLOTS)
     try:
         decodes, members, stubs = [], [], []
         for index, (extra, delay, servicer) in enumerate(zip(decode_extra, slow, servicers, strict=True)):
-            s = settings("decode", broker.port, index, **extra)
+            s = stack.settings("decode", index, transfer_timeout_ms=2000, **extra)
             model = loaded if not delay else dataclasses.replace(loaded, model=_SlowSteps(loaded.model, delay))
-            d = DecodeWorker(s, model, engine(s), REVISION)
-            workers.append(d)
+            d = stack.worker(DecodeWorker(s, model, stack.engine(s), REVISION))
             await d.start()
-            await serve(s, lambda srv, d=d, v=servicer: worker_pb2_grpc.add_DecodeServicer_to_server(v(d), srv))
-            members.append(await join(d.member_info(), d.load))
+            await stack.serve(
+                s.grpc_port, lambda srv, d=d, v=servicer: worker_pb2_grpc.add_DecodeServicer_to_server(v(d), srv)
+            )
+            members.append(await stack.join(d.member_info(), d.load))
             decodes.append(d)
-            channels.append(ch := aio_channel(s.grpc_endpoint, TOKEN))
-            stubs.append(worker_pb2_grpc.DecodeStub(ch))
-        p = settings("prefill", broker.port, 0)
-        prefill = PrefillWorker(p, loaded, engine(p), REVISION)
-        workers.append(prefill)
-        await serve(p, lambda srv: worker_pb2_grpc.add_PrefillServicer_to_server(CountingPrefill(prefill), srv))
-        await join(
+            stubs.append(worker_pb2_grpc.DecodeStub(stack.channel(s.grpc_endpoint)))
+        p = stack.settings("prefill", 0, transfer_timeout_ms=2000)
+        prefill = stack.worker(PrefillWorker(p, loaded, stack.engine(p), REVISION))
+        await stack.serve(
+            p.grpc_port, lambda srv: worker_pb2_grpc.add_PrefillServicer_to_server(CountingPrefill(prefill), srv)
+        )
+        await stack.join(
             MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint=p.grpc_endpoint, revision=REVISION)
         )
-        router_broker = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
-        clients.append(router_broker)
         metrics = RouterMetrics()
         backend = PDBackend(
             model_name="tiny",
             tokenizer=loaded.tokenizer,
             max_model_len=MAX_LEN,
             revision=REVISION,
-            broker=router_broker,
+            broker=stack.client(),
             token=TOKEN,
             metrics=metrics,
             timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, resume_wait_s=5.0),
@@ -186,17 +137,7 @@ async def cluster(
         finally:
             await backend.close()
     finally:
-        for c in channels:
-            await c.close()
-        for c in clients:
-            await c.close()
-        for server in servers:
-            await server.stop(0)
-        for w in workers:
-            w.close()
-        for e in engines:
-            e.engine.finalize()
-        broker.stop(0)
+        await stack.close()
 
 
 def requests(loaded) -> list[tuple[list[int], SamplingParams]]:

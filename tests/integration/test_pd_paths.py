@@ -18,13 +18,11 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from inprocess_stack import Stack
 
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_common.auth import TokenTable
-from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_common.membership import MemberInfo, Role
-from pdserve_operator.broker import BrokerServer
 from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.model.generate import generate
@@ -32,14 +30,11 @@ from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
 from pdserve_worker.router.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
-from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.convert import sampling_to_proto
-from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import create_engine
 
 SVC, TOKEN, REVISION = "test/pd", "secret-token", "rev-1"
 SLOTS, MAX_LEN = 2, 64
-FAST = Backoff(base_s=0.05, cap_s=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -158,25 +153,6 @@ class Cluster:
     prefill_workers: list[PrefillWorker] = dataclasses.field(default_factory=list)
 
 
-def worker_settings(role: str, broker_port: int, index: int = 0, **extra) -> WorkerSettings:
-    return WorkerSettings(
-        role=role,
-        service=SVC,
-        broker_address=f"127.0.0.1:{broker_port}",
-        broker_token=TOKEN,
-        worker_id=f"{role}-{index}",
-        advertise_host="127.0.0.1",
-        grpc_port=free_port(),
-        transfer_port=free_port(),
-        model_dtype="float32",
-        max_length=MAX_LEN,
-        slots=SLOTS,
-        layers_per_chunk=1,
-        transfer_timeout_ms=1000,
-        **extra,
-    )
-
-
 @asynccontextmanager
 async def cluster(
     loaded,
@@ -190,50 +166,33 @@ async def cluster(
     token) or "down" (registered, nobody listening); a tuple
     starts one prefill of each kind, prefill-0 first (the one the router tries first)."""
     kinds = (prefill,) if isinstance(prefill, str) else prefill
-    broker = BrokerServer({SVC: TOKEN}, ttl_s=5.0)
-    broker.start("127.0.0.1", 0)
-    engines, servers, clients, workers = [], [], [], []
-
-    async def serve(settings: WorkerSettings, add) -> None:
-        server = aio_server(TokenTable({SVC: TOKEN}))
-        add(server)
-        bind(server, "127.0.0.1", settings.grpc_port)
-        await server.start()
-        servers.append(server)
-
-    async def join(info: MemberInfo, load=None) -> None:
-        c = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
-        clients.append(c)
-        await c.register(info, load=load)
-
+    stack = Stack(SVC, TOKEN, max_len=MAX_LEN, slots=SLOTS)
     try:
-        d_settings = worker_settings("decode", broker.port)
-        d_backend = create_engine("cpu")
-        assert d_backend.engine.initialize(d_settings.engine_id) == d_backend.api.SUCCESS
-        engines.append(d_backend)
-        decode = DecodeWorker(d_settings, loaded, d_backend, REVISION)
-        workers.append(decode)
+        d_settings = stack.settings("decode")
+        decode = stack.worker(DecodeWorker(d_settings, loaded, stack.engine(d_settings), REVISION))
         await decode.start()
-        await serve(d_settings, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s))
-        await join(decode.member_info(), decode.load)
+        await stack.serve(
+            d_settings.grpc_port, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s)
+        )
+        await stack.join(decode.member_info(), decode.load)
 
         p_endpoints = []
         for index, kind in enumerate(kinds):
-            p_settings = worker_settings("prefill", broker.port, index)
+            p_settings = stack.settings("prefill", index)
             p_endpoints.append(p_settings.grpc_endpoint)
             if kind in ("real", "dies", "slow", "short"):
-                p_backend = create_engine("cpu")
-                assert p_backend.engine.initialize(p_settings.engine_id) == p_backend.api.SUCCESS
-                engines.append(p_backend)
                 wrapped = {"dies": _DiesAfterOneChunk, "slow": _SlowChunks}.get(kind)
                 model = loaded if wrapped is None else dataclasses.replace(loaded, model=wrapped(loaded.model))
-                worker = PrefillWorker(p_settings, model, p_backend, REVISION)
-                workers.append(worker)
+                worker = stack.worker(PrefillWorker(p_settings, model, stack.engine(p_settings), REVISION))
                 servicer = {"dies": DyingPrefill, "short": ShortPrefill}.get(kind, PrefillServicer)(worker)
-                await serve(p_settings, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s))
+                await stack.serve(
+                    p_settings.grpc_port, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s)
+                )
             elif kind == "stuck":
-                await serve(p_settings, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s))
-            await join(
+                await stack.serve(
+                    p_settings.grpc_port, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(StuckPrefill(), s)
+                )
+            await stack.join(
                 MemberInfo(
                     worker_id=f"prefill-{index}",
                     role=Role.PREFILL,
@@ -243,21 +202,14 @@ async def cluster(
             )
 
         freezing = freezing_member = None
-        relay_channels: list[grpc.aio.Channel] = []
         if freeze_after is not None:  # decode-9, in front of decode-0 (it claims more free slots)
             f_port = free_port()
-            relay_channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
-            relay_channels.append(relay_channel)
-            real = worker_pb2_grpc.DecodeStub(relay_channel)
+            real = worker_pb2_grpc.DecodeStub(stack.channel(d_settings.grpc_endpoint))
             freezing = FreezingDecode(real, freeze_after)
-            server = aio_server(TokenTable({SVC: TOKEN}))
-            worker_pb2_grpc.add_DecodeServicer_to_server(freezing, server)
-            bind(server, "127.0.0.1", f_port)
-            await server.start()
-            servers.append(server)
+            await stack.serve(f_port, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(freezing, s))
             # The real decode's engine and pool, but more slots claimed: the router tries it first.
             real_info = decode.member_info()
-            await join(
+            freezing_member = await stack.join(
                 dataclasses.replace(
                     real_info,
                     worker_id="decode-9",
@@ -267,47 +219,34 @@ async def cluster(
                     slots_free=64,
                 )
             )
-            freezing_member = clients[-1]
 
-        router_broker = BrokerClient(f"127.0.0.1:{broker.port}", SVC, TOKEN, backoff=FAST)
-        clients.append(router_broker)
         backend = PDBackend(
             model_name="tiny",
             tokenizer=loaded.tokenizer,
             max_model_len=MAX_LEN,
             revision=REVISION,
-            broker=router_broker,
+            broker=stack.client(),
             token=TOKEN,
             timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30, settle_s=settle_s),
         )
         await backend.start()
         await backend.view.wait_for(lambda v: len(v.members) == 1 + len(kinds) + (freezing is not None), 5)
-        channel = aio_channel(d_settings.grpc_endpoint, TOKEN)
-        p_channels = [aio_channel(e, TOKEN) for e in p_endpoints]
+        decode_stub = worker_pb2_grpc.DecodeStub(stack.channel(d_settings.grpc_endpoint))
+        prefill_stubs = [worker_pb2_grpc.PrefillStub(stack.channel(e)) for e in p_endpoints]
         try:
             yield Cluster(
                 backend,
                 decode,
-                worker_pb2_grpc.DecodeStub(channel),
-                [worker_pb2_grpc.PrefillStub(c) for c in p_channels],
+                decode_stub,
+                prefill_stubs,
                 freezing,
                 freezing_member,
-                [w for w in workers if isinstance(w, PrefillWorker)],
+                [w for w in stack.workers if isinstance(w, PrefillWorker)],
             )
         finally:
-            for c in [channel, *p_channels, *relay_channels]:
-                await c.close()
             await backend.close()
     finally:
-        for c in clients:
-            await c.close()
-        for server in servers:
-            await server.stop(0)
-        for w in workers:
-            w.close()
-        for e in engines:
-            e.engine.finalize()
-        broker.stop(0)
+        await stack.close()
 
 
 async def collect(backend: PDBackend, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:

@@ -1,0 +1,106 @@
+"""A PD service inside the test process: a real broker on 127.0.0.1, and the gRPC servers,
+broker clients, channels, transfer engines and workers a test starts on it, all stopped by
+`close()` (channels, clients, servers, workers, engines, then the broker), whatever failed.
+
+The in-process integration tests (test_pd_paths.py, test_migration_serving.py) build their
+clusters from it, each adding the workers and fault-injecting servicers it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from netutil import free_port
+from pdserve_common.auth import TokenTable
+from pdserve_common.channels import aio_channel, aio_server, bind
+from pdserve_common.membership import Load, MemberInfo
+from pdserve_operator.broker import BrokerServer
+from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.rpc.backoff import Backoff
+from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.transfer.engine import create_engine
+
+FAST = Backoff(base_s=0.05, cap_s=0.5)
+
+
+class Stack:
+    def __init__(self, service: str, token: str, *, max_len: int, slots: int) -> None:
+        self.service, self.token, self.max_len, self.slots = service, token, max_len, slots
+        self.broker = BrokerServer({service: token}, ttl_s=5.0)
+        self.broker.start("127.0.0.1", 0)
+        self.servers: list[grpc.aio.Server] = []
+        self.clients: list[BrokerClient] = []
+        self.channels: list[grpc.aio.Channel] = []
+        self.engines: list[Any] = []
+        self.workers: list[Any] = []
+
+    def settings(self, role: str, index: int = 0, **extra: Any) -> WorkerSettings:
+        """A worker's settings on this broker, fresh loopback ports, the tiny model's sizes."""
+        values: dict[str, Any] = dict(
+            role=role,
+            service=self.service,
+            broker_address=f"127.0.0.1:{self.broker.port}",
+            broker_token=self.token,
+            worker_id=f"{role}-{index}",
+            advertise_host="127.0.0.1",
+            grpc_port=free_port(),
+            transfer_port=free_port(),
+            model_dtype="float32",
+            max_length=self.max_len,
+            slots=self.slots,
+            layers_per_chunk=1,
+            transfer_timeout_ms=1000,
+        )
+        return WorkerSettings(**{**values, **extra})
+
+    def engine(self, settings: WorkerSettings) -> Any:
+        """The host transfer engine a worker of `settings` uses, initialized."""
+        backend = create_engine("cpu")
+        assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
+        self.engines.append(backend)
+        return backend
+
+    def worker(self, w: Any) -> Any:
+        """Own a started (or about to start) worker: closed at the end."""
+        self.workers.append(w)
+        return w
+
+    async def serve(self, port: int, add: Callable[[grpc.aio.Server], None]) -> None:
+        """A token-checking gRPC server on 127.0.0.1:`port` with the servicers `add` puts on it."""
+        server = aio_server(TokenTable({self.service: self.token}))
+        add(server)
+        bind(server, "127.0.0.1", port)
+        await server.start()
+        self.servers.append(server)
+
+    def client(self) -> BrokerClient:
+        c = BrokerClient(f"127.0.0.1:{self.broker.port}", self.service, self.token, backoff=FAST)
+        self.clients.append(c)
+        return c
+
+    async def join(self, info: MemberInfo, load: Callable[[], Load] | None = None) -> BrokerClient:
+        """Register a member as its pod would."""
+        c = self.client()
+        await c.register(info, load=load)
+        return c
+
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        ch = aio_channel(endpoint, self.token)
+        self.channels.append(ch)
+        return ch
+
+    async def close(self) -> None:
+        for ch in self.channels:
+            await ch.close()
+        for c in self.clients:
+            await c.close()
+        for server in self.servers:
+            await server.stop(0)
+        for w in self.workers:
+            w.close()
+        for e in self.engines:
+            e.engine.finalize()
+        self.broker.stop(0)
