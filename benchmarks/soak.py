@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,9 +31,12 @@ from pathlib import Path
 import grpc
 import httpx
 
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+from local_run import LocalRun, pid_alive, served_model  # noqa: E402  (the tests' way of running `pdserve local`)
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+
 PROMPTS = [
     "The quick brown fox",
     "Paris is the capital of",
@@ -67,63 +69,42 @@ class Tally:
 
 
 class Deployment:
+    """`pdserve local` as the tests run it (tests/integration/local_run.py), plus the faults' handles."""
+
     def __init__(self, model: str, log_dir: Path, slots: int, max_len: int) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
-            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        self.run = LocalRun.start(
+            log_dir,
+            "--model",
+            model,
+            "--dtype",
+            "float32",
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--slots",
+            str(slots),
+            "--max-len",
+            str(max_len),
+            "--layers-per-chunk",
+            "1",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--on-exit",
+            "restart",
+            "--env",
+            "PDSERVE_READINESS_TIMEOUT_MS=3000",
+            "--env",
+            "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
         )
-        self.log_dir = log_dir
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve_worker.cli",
-                "local",
-                "--log-dir",
-                str(log_dir),
-                "--model",
-                model,
-                "--dtype",
-                "float32",
-                "--prefill",
-                "2",
-                "--decode",
-                "2",
-                "--slots",
-                str(slots),
-                "--max-len",
-                str(max_len),
-                "--layers-per-chunk",
-                "1",
-                "--port",
-                "0",
-                "--threads",
-                "1",
-                "--on-exit",
-                "restart",
-                "--env",
-                "PDSERVE_READINESS_TIMEOUT_MS=3000",
-                "--env",
-                "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=open(log_dir / "local.stderr", "w"),
-            text=True,
-            env=env,
-        )
-        assert self.proc.stdout is not None
-        self.url = self.proc.stdout.readline().strip()
-        if not self.url.startswith("http://"):
-            raise SystemExit(f"pdserve local did not start; see {log_dir}/local.stderr")
-        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+        self.url = self.run.url
+        self.model = served_model(self.url)
         self.seen_pids: set[int] = set()
 
-    def manifest(self) -> dict:
-        return json.loads((self.log_dir / "deployment.json").read_text())
-
     def child(self, name: str) -> dict:
-        return next(c for c in self.manifest()["children"] if c["name"] == name)
+        return self.run.child(name)
 
     def signal(self, name: str, sig: int) -> None:
         pid = self.child(name)["pid"]
@@ -134,11 +115,10 @@ class Deployment:
             pass
 
     def decode_status(self, name: str) -> worker_pb2.DecodeStatus | None:
-        token = Path(self.manifest()["token_file"]).read_text()
         with grpc.insecure_channel(self.child(name)["grpc"]) as channel:
             try:
                 return worker_pb2_grpc.DecodeStub(channel).Status(
-                    worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {token}"),), timeout=2
+                    worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {self.run.token}"),), timeout=2
                 )
             except grpc.RpcError:
                 return None
@@ -151,17 +131,9 @@ class Deployment:
 
     def stop(self) -> list[int]:
         """Stop; returns the PIDs of children still alive afterwards (must be none)."""
-        self.seen_pids.update(c["pid"] for c in self.manifest()["children"])
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(90)
-        alive = []
-        for pid in self.seen_pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        return alive
+        self.seen_pids.update(c["pid"] for c in self.run.manifest["children"])
+        self.run.stop(90)
+        return [pid for pid in self.seen_pids if pid_alive(pid)]
 
 
 def complete(d: Deployment, prompt: str, max_tokens: int, tries: int = 8) -> Answer:
