@@ -346,3 +346,26 @@ def test_models_and_health(serve):
     client, url = serve(ScriptedBackend())
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL}
+
+
+def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset(port):
+    """generation_config's temperature/top_p/top_k (GenerationDefaults.sampling_defaults) are the
+    defaults, as in transformers' generate and vLLM; a value the request sends wins."""
+    backend = ScriptedBackend()
+    defaults = {"temperature": 0.6, "top_p": 0.8, "top_k": 20}
+    with running_router(create_app(backend, sampling_defaults=defaults), port) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
+        client.completions.create(model=MODEL, prompt="Say hi", max_tokens=5)
+        unset = backend.wait_closed().params
+        client.completions.create(model=MODEL, prompt="Say hi", max_tokens=5, temperature=0.0, top_p=1.0)
+        sent = backend.wait_closed().params
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.8, 20)
+    assert (sent.temperature, sent.top_p, sent.top_k) == (0.0, 1.0, 20)
+
+
+def test_without_model_defaults_a_request_gets_openais(serve):
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    client.completions.create(model=MODEL, prompt="Say hi", max_tokens=5)
+    params = backend.wait_closed().params
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)

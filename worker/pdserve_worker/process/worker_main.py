@@ -363,9 +363,15 @@ def _serve_or_fail(
 
 
 async def _serve_api(
-    settings: WorkerSettings, backend: Any, metrics: Any, state: WorkerState, stop: asyncio.Event
+    settings: WorkerSettings,
+    backend: Any,
+    metrics: Any,
+    state: WorkerState,
+    stop: asyncio.Event,
+    sampling_defaults: dict[str, float | int],
 ) -> None:
-    """Serve the OpenAI API over `backend` until stopped; in-flight requests get the grace period."""
+    """Serve the OpenAI API over `backend` until stopped; in-flight requests get the grace period.
+    `sampling_defaults`: the model's generation_config values for requests that leave them unset."""
     from pdserve_worker.router.admission import AdmissionConfig, AdmissionQueue
     from pdserve_worker.router.app import RouterLimits, create_app
     from pdserve_worker.router.keys import KeyFile, KeyFileError
@@ -388,7 +394,12 @@ async def _serve_api(
             observer=metrics,
         )
     app = create_app(
-        backend, metrics, limits=RouterLimits(max_body_bytes=settings.max_body_bytes), admission=admission, keys=keys
+        backend,
+        metrics,
+        limits=RouterLimits(max_body_bytes=settings.max_body_bytes),
+        admission=admission,
+        keys=keys,
+        sampling_defaults=sampling_defaults,
     )
     app.router.routes.extend(health_routes(state))
     running = _serve_or_fail(app, settings.bind_host, settings.http_port, settings, "router-http", settings.tls)
@@ -402,6 +413,7 @@ async def _serve_api(
                 port=settings.http_port,
                 model=backend.model_name,
                 https=settings.tls is not None,
+                sampling_defaults=sampling_defaults or "openai",
             )
         )
         await _until(stop, running.task)
@@ -414,6 +426,7 @@ async def _run_router(settings: WorkerSettings) -> None:
     from pdserve_common.membership import MemberInfo, Role
     from pdserve_worker.broker_client import BrokerClient
     from pdserve_worker.model.config import ModelConfig
+    from pdserve_worker.model.generation_config import GenerationDefaults
     from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
     from pdserve_worker.router.load import router_load
     from pdserve_worker.router.metrics import RouterMetrics
@@ -425,6 +438,7 @@ async def _run_router(settings: WorkerSettings) -> None:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
         tokenizer = Tokenizer.from_dir(folder)
         config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        sampling_defaults = GenerationDefaults.from_folder(folder).sampling_defaults()
     except (FileNotFoundError, ValueError, TokenizerError) as exc:
         raise StartupError(f"cannot read model {settings.model_source!r}: {exc}") from exc
     broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
@@ -454,7 +468,7 @@ async def _run_router(settings: WorkerSettings) -> None:
             wait=False,
             load=lambda: router_load(metrics),
         )
-        await _serve_api(settings, backend, metrics, state, stop)
+        await _serve_api(settings, backend, metrics, state, stop, sampling_defaults)
         await broker.deregister()
     finally:
         await backend.close()
@@ -490,7 +504,7 @@ async def _run_colocated(settings: WorkerSettings) -> None:
     )
     backend.start()
     try:
-        await _serve_api(settings, backend, RouterMetrics(), state, stop)
+        await _serve_api(settings, backend, RouterMetrics(), state, stop, loaded.generation.sampling_defaults())
     finally:
         backend.close()
         log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))

@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -284,8 +284,10 @@ class _Router:
         limits: RouterLimits,
         admission: AdmissionQueue | None = None,
         keys: KeyFile | KeyStore | None = None,
+        sampling_defaults: Mapping[str, float | int] | None = None,
     ) -> None:
         self.backend = backend
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.admission = admission
         self.keys = keys
         self.metrics = metrics
@@ -434,7 +436,7 @@ class _Router:
             max_field,
         )
         try:
-            params = body.sampling_params(max_tokens)
+            params = body.sampling_params(max_tokens, self.sampling_defaults)
         except ValidationError as exc:
             self.metrics.observe_rejected(400)
             raise from_validation_errors(exc.errors()) from None
@@ -647,6 +649,7 @@ def create_app(
     limits: RouterLimits = RouterLimits(),
     admission: AdmissionQueue | None = None,
     keys: KeyFile | KeyStore | None = None,
+    sampling_defaults: Mapping[str, float | int] | None = None,
 ) -> FastAPI:
     """The router's ASGI app over `backend`; `metrics` is shared with the backend for its gauges.
 
@@ -654,10 +657,12 @@ def create_app(
     and transfer time) to responses as a `pdserve` field; OpenAI clients ignore unknown fields.
     `admission` queues requests for capacity (None: a backend without capacity is a 429 at
     once); `keys` requires API keys on /v1 (None: no authentication, one anonymous tenant).
+    `sampling_defaults`: the model's recommended temperature/top_p/top_k for requests that
+    leave them unset (GenerationDefaults.sampling_defaults; None: OpenAI's).
     The queue must report to `metrics` (`AdmissionQueue(config, observer=metrics)`).
     """
     metrics = metrics if metrics is not None else RouterMetrics()
-    router = _Router(backend, metrics, report_request_info, limits, admission, keys)
+    router = _Router(backend, metrics, report_request_info, limits, admission, keys, sampling_defaults)
     if admission is not None:
         metrics.watch_admission(admission.waiting, PRIORITIES)
     tenant_of = Depends(router.authenticate)

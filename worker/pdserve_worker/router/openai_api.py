@@ -16,6 +16,7 @@ the HTTP layer streams completions and chat alike.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -120,13 +121,18 @@ class _GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's view of this request, once the router has settled `max_tokens`."""
+    def sampling_params(self, max_tokens: int, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """The engine's view of this request, once the router has settled `max_tokens`.
+
+        A field the request leaves unset takes the model's `defaults` (its generation_config:
+        model/generation_config.py's `sampling_defaults`), else OpenAI's (temperature and top_p
+        1, no top_k), as transformers' `generate` and vLLM's default `--generation-config auto` do."""
+        d = defaults or {}
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),
+            temperature=float(d.get("temperature", 1.0)) if self.temperature is None else self.temperature,
+            top_p=float(d.get("top_p", 1.0)) if self.top_p is None else self.top_p,
+            top_k=max(int(d.get("top_k", 0)) if self.top_k is None else self.top_k, 0),
             seed=self.seed,
             stop=self.stop_strings,
             ignore_eos=self.ignore_eos,
