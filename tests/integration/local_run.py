@@ -156,3 +156,17 @@ def stream_completion(url: str, body: dict[str, Any], answer: Answer, timeout_s:
                 answer.completion_tokens = chunk["usage"]["completion_tokens"]
             answer.pdserve = chunk.get("pdserve", answer.pdserve)
     return answer
+
+
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP `pid` and return once it is stopped: kill() only queues the signal, and a process
+    running on another core goes on for a moment (a test that races it sees a 'hung' peer answer)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the field after "(comm)"
+        if state in ("T", "t"):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} not stopped {timeout_s}s after SIGSTOP (state {state})")

@@ -20,7 +20,7 @@ import time
 import grpc
 import httpx
 import pytest
-from local_run import Answer, LocalRun, pid_alive, served_model, stream_completion
+from local_run import Answer, LocalRun, pid_alive, served_model, stop_process, stream_completion
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from support.tiny_model import write_tiny_model
@@ -139,7 +139,10 @@ def settle(local: LocalRun) -> None:
 def kill(local: LocalRun, name: str, sig: int = signal.SIGKILL) -> int:
     pid = local.child(name)["pid"]
     local.seen_pids.add(pid)  # type: ignore[attr-defined]
-    os.kill(pid, sig)
+    if sig == signal.SIGSTOP:
+        stop_process(pid)  # returns once it is stopped, not when the signal is queued
+    else:
+        os.kill(pid, sig)
     return pid
 
 

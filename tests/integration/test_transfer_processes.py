@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from local_run import stop_process
 
 from netutil import free_port
 from pdserve_common.kv_layout import KVLayout, shard_layers
@@ -174,7 +175,7 @@ def test_a_timed_out_put_raises_and_the_lease_expiry_frees_the_slot(peers: Calla
     prefill = start_prefill(peers, prefill_layout(), seed=3, transport="tcp")
     grant = decode.call("reserve", request_id="stuck", ttl_s=1.0)
     prefill.call("connect", engine_id=decode.info["engine_id"])
-    os.kill(decode.process.pid, signal.SIGSTOP)  # a hung decode: it never acknowledges
+    stop_process(decode.process.pid)  # a hung decode: it never acknowledges
     try:
         with pytest.raises(PeerError) as err:
             prefill.call("push", targets=[grant], num_tokens=40, timeout_s=0.5, wait_s=30)
