@@ -11,7 +11,6 @@ from pdserve_operator.planner import (
     SLO,
     Bounds,
     ControllerConfig,
-    HardwareProfile,
     LengthDistribution,
     Observation,
     PlannerState,
@@ -22,21 +21,9 @@ from pdserve_operator.planner import (
     plan_replicas,
 )
 from pdserve_operator.planner.model_shape import SMOLLM2_135M
+from support.planner_profiles import TEST_CPU
 
-CPU = HardwareProfile(
-    name="cpu",
-    device="cpu",
-    dtype="bfloat16",
-    matmul_flops=3e11,
-    attention_flops=1e11,
-    memory_bandwidth=1.4e10,
-    link_bandwidth=2e9,
-    step_overhead_s=1e-3,
-    layer_overhead_s=2e-4,
-    sequence_overhead_s=2e-5,
-    overlap_compute_memory=False,
-    overlap_transfer=False,
-)
+CPU = TEST_CPU
 MODEL = ServingModel(SMOLLM2_135M, CPU, max_len=2304, slots=24)
 WORKLOAD = Workload(
     arrival_rate=0,

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from pdserve_operator.planner import (
     SLO,
     Bounds,
-    HardwareProfile,
     LengthDistribution,
     ServingModel,
     Workload,
@@ -27,21 +26,9 @@ from pdserve_operator.planner import (
 from pdserve_operator.planner.decide import smallest_pair
 from pdserve_operator.planner.model_shape import SMOLLM2_135M
 from pdserve_operator.planner.simulate import SimRequest, simulate_trace
+from support.planner_profiles import TEST_CPU
 
-CPU = HardwareProfile(
-    name="cpu",
-    device="cpu",
-    dtype="bfloat16",
-    matmul_flops=3e11,
-    attention_flops=1e11,
-    memory_bandwidth=1.4e10,
-    link_bandwidth=2e9,
-    step_overhead_s=1e-3,
-    layer_overhead_s=2e-4,
-    sequence_overhead_s=2e-5,
-    overlap_compute_memory=False,
-    overlap_transfer=False,
-)
+CPU = TEST_CPU
 MODEL = ServingModel(SMOLLM2_135M, CPU, max_len=2304, slots=24)
 
 

@@ -11,6 +11,7 @@ import pytest
 from pdserve_operator.planner import SLO, HardwareProfile, LengthDistribution, ServingModel, Workload, predict
 from pdserve_operator.planner.model_shape import SMOLLM2_135M
 from pdserve_operator.planner.simulate import SimRequest, Simulation, simulate_trace
+from support.planner_profiles import TEST_CPU
 
 # Everything but the fixed overhead is ~free: prefill = decode step = 1 s, whatever the batch.
 CLOCK = HardwareProfile(
@@ -24,21 +25,7 @@ CLOCK = HardwareProfile(
     overlap_compute_memory=True,
     overlap_transfer=True,
 )
-CPU = HardwareProfile(
-    name="cpu",
-    device="cpu",
-    dtype="bfloat16",
-    matmul_flops=3e11,
-    attention_flops=1e11,
-    memory_bandwidth=1.4e10,
-    link_bandwidth=2e9,
-    step_overhead_s=1e-3,
-    layer_overhead_s=2e-4,
-    sequence_overhead_s=2e-5,
-    request_overhead_s=2e-3,
-    overlap_compute_memory=False,
-    overlap_transfer=False,
-)
+CPU = TEST_CPU.model_copy(update={"request_overhead_s": 2e-3})
 
 
 def test_a_request_arriving_mid_run_joins_at_the_next_step_boundary():
