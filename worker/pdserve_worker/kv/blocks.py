@@ -323,20 +323,11 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         }
 
     def _usage(self) -> BlockUsage:
-        now = self._clock()
-        counts = {state: 0 for state in SlotState}
         blocks: dict[SlotState, set[int]] = {state: set() for state in SlotState}
         for h in self._handles:
-            state = SlotState.FREE if h.state is SlotState.QUARANTINED and h.deadline <= now else h.state
-            counts[state] += 1
             blocks[h.state].update(h.held)
         committed = blocks[SlotState.COMMITTED]
-        slots = SlotUsage(
-            counts[SlotState.FREE],
-            counts[SlotState.RESERVED],
-            counts[SlotState.COMMITTED],
-            counts[SlotState.QUARANTINED],
-        )
+        slots = self._slot_usage()
         return BlockUsage(
             slots,
             self.num_blocks,

@@ -59,6 +59,14 @@ class SlotState(str, Enum):
     QUARANTINED = "quarantined"  # abandoned; not granted again before its deadline
 
 
+@dataclass(frozen=True)
+class SlotUsage:
+    free: int
+    reserved: int
+    committed: int
+    quarantined: int
+
+
 @dataclass
 class Reservation:
     """One handle's current reservation (lock held to read or write it)."""
@@ -241,13 +249,13 @@ class ReservationTable(Generic[H, G]):
             return h
         return None
 
-    def _counts(self) -> dict[SlotState, int]:
+    def _slot_usage(self) -> SlotUsage:
         """Handles per state, a quarantine past its deadline counted free."""
         now = self._clock()
-        counts = {state: 0 for state in SlotState}
+        c = {state: 0 for state in SlotState}
         for h in self._handles:
-            counts[SlotState.FREE if h.state is SlotState.QUARANTINED and h.deadline <= now else h.state] += 1
-        return counts
+            c[SlotState.FREE if h.state is SlotState.QUARANTINED and h.deadline <= now else h.state] += 1
+        return SlotUsage(c[SlotState.FREE], c[SlotState.RESERVED], c[SlotState.COMMITTED], c[SlotState.QUARANTINED])
 
     def _quarantine(self, index: int, h: H) -> None:
         self._end_write_lease(index, h)

@@ -47,6 +47,7 @@ from pdserve_worker.kv.reservations import (
     Reservation,
     ReservationTable,
     SlotState,
+    SlotUsage,
     first_generation,
     nonce_matches,
     reservation_nonce,
@@ -114,14 +115,6 @@ class Grant:
         return f"{self.engine_id} slot={self.slot} generation={self.generation} request={self.request_id}"
 
 
-@dataclass(frozen=True)
-class SlotUsage:
-    free: int
-    reserved: int
-    committed: int
-    quarantined: int
-
-
 class SlotTable(ReservationTable[Reservation, Grant]):
     """One max-length slot per reservation; the lease life is kv/reservations.py's."""
 
@@ -182,8 +175,7 @@ class SlotTable(ReservationTable[Reservation, Grant]):
 
     # ---- hooks and internals (lock held) -------------------------------------------------------
     def _usage(self) -> SlotUsage:
-        c = self._counts()
-        return SlotUsage(c[SlotState.FREE], c[SlotState.RESERVED], c[SlotState.COMMITTED], c[SlotState.QUARANTINED])
+        return self._slot_usage()
 
     def _end_write_lease(self, index: int, h: Reservation) -> None:
         self._revoke(None if self._leases is None else self._leases.ended, index, h.generation)
