@@ -22,6 +22,7 @@ from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.settings import WorkerSettings
 from pdserve_worker.transfer.engine import create_engine
+from pdserve_worker.transfer.service_link import local_engine_id
 
 FAST = Backoff(base_s=0.05, cap_s=0.5)
 
@@ -56,10 +57,14 @@ class Stack:
         )
         return WorkerSettings(**{**values, **extra})
 
-    def engine(self, settings: WorkerSettings) -> Any:
-        """The host transfer engine a worker of `settings` uses, initialized."""
-        backend = create_engine("cpu")
-        assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
+    def engine(self, settings: WorkerSettings, backend_name: str = "cpu") -> Any:
+        """The transfer engine a worker of `settings` uses, initialized: the host engine, or
+        the two-sided gloo baseline (where, as in a worker, only a decode listens)."""
+        backend = create_engine(backend_name)  # type: ignore[arg-type]
+        engine_id = settings.engine_id
+        if backend_name == "two-sided":
+            engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
+        assert backend.engine.initialize(engine_id) == backend.api.SUCCESS
         self.engines.append(backend)
         return backend
 

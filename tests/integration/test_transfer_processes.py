@@ -97,6 +97,28 @@ def test_pushed_kv_equals_the_source_bytes(peers: Callable[..., PeerProcess], tr
     assert decode.call("untouched_beyond", slot=grant["slot"], num_tokens=41)
 
 
+def test_two_sided_push_between_processes_lands_the_source_bytes(peers: Callable[..., PeerProcess]) -> None:
+    """The gloo send/recv baseline (transfer/two_sided.py) between real processes: the same
+    bytes land, the ready notify follows them, and the decode's CPU did the staging copy."""
+    decode = start_decode(peers, decode_layout(), backend="two-sided")
+    prefill = peers(prefill_main, engine_id="127.0.0.1", layout=prefill_layout().to_dict(), seed=3, backend="two-sided")
+    for request_id, tokens in (("r1", 41), ("r2", 7)):
+        grant = decode.call("reserve", request_id=request_id, ttl_s=30)
+        decode.send("wait", slot=grant["slot"], generation=grant["generation"], timeout_s=30)
+        stats = prefill.call("push", targets=[grant], num_tokens=tokens, layers_per_chunk=3)
+        assert decode.result()["message"]["request_id"] == request_id
+        assert decode.call("checksums", slot=grant["slot"], num_tokens=tokens) == prefill.call(
+            "checksums", num_tokens=tokens
+        )
+        assert decode.call("untouched_beyond", slot=grant["slot"], num_tokens=tokens)
+        decode.call("release", slot=grant["slot"], generation=grant["generation"])
+    pushed = 16 * (41 + 7) * 64
+    assert stats["bytes"] == 16 * 7 * 64
+    assert prefill.call("copies")["socket_send"] == pushed
+    received = decode.call("copies")
+    assert received["socket_recv"] == received["staging_copy"] == pushed
+
+
 def test_four_prefills_write_one_decode_concurrently_without_corruption(peers: Callable[..., PeerProcess]) -> None:
     decode = start_decode(peers, decode_layout(slots=6, max_len=128))
     prefills = [start_prefill(peers, prefill_layout(max_len=120), seed=100 + i) for i in range(4)]

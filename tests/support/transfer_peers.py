@@ -161,7 +161,8 @@ def grant_from_dict(data: dict[str, Any]) -> Grant:
 
 def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     """config: engine_id, layout (dict), options, mode, poll_interval_us, quarantine_s, warmup,
-    check_nonce (default True: a ready notify counts only with its grant's nonce)."""
+    check_nonce (default True: a ready notify counts only with its grant's nonce), backend
+    (default "cpu", the host engine; "two-sided" for the gloo baseline)."""
     setup(f"decode-peer-{os.getpid()}", config.get("log_level"))
     from pdserve_worker.kv.pool import KVPool
     from pdserve_worker.kv.slots import SlotTable
@@ -169,7 +170,7 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     from pdserve_worker.transfer.leases import SlotWriteLeases
     from pdserve_worker.transfer.readiness import Readiness
 
-    backend = create_engine("cpu")
+    backend = create_engine(config.get("backend", "cpu"))
     backend.check(backend.engine.initialize(config["engine_id"], config.get("options", {})), "initialize")
     layout = KVLayout.from_dict(config["layout"])
     pool = KVPool(backend, layout)
@@ -222,6 +223,7 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
         "checksums": lambda slot, num_tokens: run_checksums(pool.base_addr, layout, slot, num_tokens),
         "slot_crc": lambda slot: crc(pool.base_addr + layout.slot_span(slot)[0], layout.bytes_per_slot),
         "untouched_beyond": lambda slot, num_tokens: untouched_beyond(pool.base_addr, layout, slot, num_tokens),
+        "copies": lambda: backend.engine.copy_stats(),  # type: ignore[attr-defined]
         "security": lambda: {
             **backend.engine.security_stats(),
             **{f"notify_{k}": v for k, v in readiness.drops.totals().items()},
@@ -239,13 +241,14 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
 
 
 def prefill_main(conn: Connection, config: dict[str, Any]) -> None:
-    """config: engine_id (client-only is fine), layout (dict, the source pool), options, seed."""
+    """config: engine_id (client-only is fine), layout (dict, the source pool), options, seed,
+    backend (default "cpu")."""
     setup(f"prefill-peer-{os.getpid()}", config.get("log_level"))
     from pdserve_worker.kv.pool import KVPool
     from pdserve_worker.transfer.engine import create_engine
     from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks
 
-    backend = create_engine("cpu")
+    backend = create_engine(config.get("backend", "cpu"))
     backend.check(backend.engine.initialize(config["engine_id"], config.get("options", {})), "initialize")
     layout = KVLayout.from_dict(config["layout"])
     pool = KVPool(backend, layout)
@@ -289,6 +292,7 @@ def prefill_main(conn: Connection, config: dict[str, Any]) -> None:
         "connect": lambda engine_id: backend.ensure_connected(engine_id, 5000),
         "disconnect": lambda engine_id: backend.engine.disconnect(engine_id, 1000),
         "link_path": lambda engine_id: backend.engine.link_path(engine_id),
+        "copies": lambda: backend.engine.copy_stats(),  # type: ignore[attr-defined]
     }
     try:
         _serve(conn, handlers, {"engine_id": config["engine_id"], "base_addr": pool.base_addr, "pid": os.getpid()})

@@ -39,7 +39,7 @@ def test_auto_prefers_real_hixl_when_it_imports(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_unknown_backend_name() -> None:
-    with pytest.raises(ValueError, match="auto, hixl or cpu"):
+    with pytest.raises(ValueError, match="auto, hixl, cpu or two-sided, got .gpu."):
         create_engine("gpu")  # type: ignore[arg-type]
 
 

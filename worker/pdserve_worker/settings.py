@@ -81,7 +81,7 @@ class WorkerSettings(BaseSettings):
     threads: int = Field(0, ge=0, validation_alias=THREADS)
     weights: Literal["auto", "dequantized", "int8", "int4"] = Field("auto", validation_alias=WEIGHTS)
 
-    transfer_backend: Literal["hixl", "cpu", "auto"] = Field("auto", validation_alias=E.TRANSFER_BACKEND)
+    transfer_backend: Literal["hixl", "cpu", "auto", "two-sided"] = Field("auto", validation_alias=E.TRANSFER_BACKEND)
     queue_depth: int = Field(8, ge=1, validation_alias=E.QUEUE_DEPTH)
     connect_timeout_ms: int = Field(5000, ge=1, validation_alias=E.CONNECT_TIMEOUT_MS)
     transfer_timeout_ms: int = Field(30000, ge=1, validation_alias=E.TRANSFER_TIMEOUT_MS)

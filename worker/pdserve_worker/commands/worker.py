@@ -80,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=None, help="tokens per request, prompt plus output")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (0: all this process may use)")
-    p.add_argument("--transfer-backend", choices=["auto", "hixl", "cpu"], default=None)
+    p.add_argument("--transfer-backend", choices=["auto", "hixl", "cpu", "two-sided"], default=None)
     p.add_argument(
         "--slots", type=int, default=None, help="decode: concurrent requests (and, without blocks, KV slots)"
     )

@@ -35,7 +35,7 @@ from pdserve_worker.transfer import hixl_api
 
 log = logging.getLogger("pdserve.transfer.engine")
 
-BackendName = Literal["auto", "hixl", "cpu"]
+BackendName = Literal["auto", "hixl", "cpu", "two-sided"]
 
 
 class TransferEngine(Protocol):
@@ -104,7 +104,7 @@ class TransferBackend:
     """A transfer engine, the vocabulary (types, enums, codes) that goes with it, and what more
     than HIXL it can do (None where it cannot)."""
 
-    name: Literal["hixl", "cpu"]
+    name: Literal["hixl", "cpu", "two-sided"]
     engine: TransferEngine
     api: ModuleType
     blocking: BlockingWaits | None = None
@@ -132,10 +132,17 @@ def create_engine(backend: BackendName = "auto") -> TransferBackend:
     """An uninitialised engine: the caller runs `engine.initialize("ip:port", options)`.
 
     "auto" takes real HIXL when `import hixl` works and the host engine otherwise; "hixl"
-    insists on real HIXL; "cpu" always takes the host engine.
+    insists on real HIXL; "cpu" always takes the host engine; "two-sided" is the gloo
+    send/recv baseline of the seed's experiment (two_sided.py: benchmarks and tests only).
     """
-    if backend not in ("auto", "hixl", "cpu"):
-        raise ValueError(f"transfer backend must be auto, hixl or cpu, got {backend!r}")
+    if backend not in ("auto", "hixl", "cpu", "two-sided"):
+        raise ValueError(f"transfer backend must be auto, hixl, cpu or two-sided, got {backend!r}")
+    if backend == "two-sided":
+        from pdserve_worker.transfer.two_sided import TwoSidedEngine
+
+        log.info(kv(event="transfer_backend", backend="two-sided", requested=backend))
+        two_sided = TwoSidedEngine()
+        return TransferBackend("two-sided", two_sided, hixl_api, blocking=two_sided)
     if backend in ("auto", "hixl"):
         module = _load_hixl()
         if module is not None:

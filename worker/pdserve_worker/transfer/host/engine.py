@@ -88,6 +88,7 @@ from typing import Any, TypeVar, cast
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
+from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.host.link import CopyStep, Link, Request
 from pdserve_worker.transfer.host.netio import parse_engine_id
@@ -247,6 +248,7 @@ class Hixl:
         self._connect_status: dict[str, api.AsyncConnectStatus] = {}
         self._connect_queued = 0
         self._leases = LeaseTable()
+        self.copies = CopyCounts()  # bytes per memory pass, this engine's own (copy_counts.py)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @_never_raises(_status(api.FAILED))
@@ -274,6 +276,7 @@ class Hixl:
                         lambda: {"notify_socket": inbox},
                         self.options.server_policy(),
                         self._leases,
+                        copies=self.copies,
                     )
                 except OSError as exc:
                     log.error(kv(event="listen_failed", engine=local_engine, error=exc))
@@ -442,6 +445,7 @@ class Hixl:
                 allow_shm=self.options.transport == "auto",
                 inline_send_max_bytes=self.options.inline_send_max_bytes,
                 key=self.options.auth_key,
+                copies=self.copies,
             )
         except link_auth.AuthError as exc:
             log.warning(kv(event="connect_unauthenticated", remote=remote_engine, error=exc))
@@ -791,6 +795,10 @@ class Hixl:
             return api.FAILED
         self._leases.revoke(int(lease_id))
         return api.SUCCESS
+
+    def copy_stats(self) -> dict[str, int]:
+        """Host-engine extension: bytes this engine's CPU moved, per memory pass (copy_counts.py)."""
+        return self.copies.snapshot()
 
     def security_stats(self) -> dict[str, int]:
         """Host engine only: what its server refused, by reason, and the links open now."""

@@ -21,6 +21,7 @@ import time
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
+from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.host.netio import sendmsg_all
 from pdserve_worker.transfer.host.notify_inbox import abstract
@@ -97,8 +98,10 @@ class Link:
         mappings: dict[str, ShmSegment],
         inline_send_max_bytes: int,
         notify_socket: socket.socket | None = None,
+        copies: CopyCounts | None = None,
     ) -> None:
         self.local_engine = local_engine
+        self.copies = copies if copies is not None else CopyCounts()
         self.remote_engine = remote_engine
         self.remote = RegionTable(remote_regions)
         self._sock = sock
@@ -131,6 +134,7 @@ class Link:
         allow_shm: bool,
         inline_send_max_bytes: int,
         key: bytes | None = None,
+        copies: CopyCounts | None = None,
     ) -> Link:
         """Connect (retrying while the server is not up yet), authenticate, map shared regions.
 
@@ -176,7 +180,7 @@ class Link:
                 auth=key is not None,
             )
         )
-        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_send_max_bytes, inbox)
+        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_send_max_bytes, inbox, copies)
 
     @property
     def closed(self) -> bool:
@@ -213,6 +217,7 @@ class Link:
                     ctypes.memmove(seg.addr + poff, laddr, n)
                 else:
                     ctypes.memmove(laddr, seg.addr + poff, n)
+            self.copies.add("memmove", request.nbytes)
             request.finish(api.SUCCESS)
         finally:
             with self._copies_cond:
@@ -282,6 +287,8 @@ class Link:
             request.seq = seq
             self._pending.append(request)  # before sending: the ACK may beat us back
             sendmsg_all(self._sock, frame)
+            if request.op is api.TransferOp.WRITE:
+                self.copies.add("socket_send", request.nbytes)
         except OSError as exc:
             self._break(f"send failed: {exc}")
 

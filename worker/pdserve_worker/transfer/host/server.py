@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
+from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.drops import DropCounter
 from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.host.netio import sendmsg_all
@@ -86,8 +87,10 @@ class HostServer:
         local_info: Callable[[], dict[str, object]],
         policy: ServerPolicy | None = None,
         leases: LeaseTable | None = None,
+        copies: CopyCounts | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.copies = copies if copies is not None else CopyCounts()
         self.policy = policy or ServerPolicy()
         self._regions = regions
         self._notifies = notifies
@@ -285,6 +288,7 @@ class HostServer:
             if sum(length for _, length in descs) != size:
                 raise wire.ProtocolError(f"WRITE payload {size} does not match its descriptors")
             reader.readinto([wire.memory(addr, length) for addr, length in descs])
+            self.copies.add("socket_recv", size)
             conn.sendall(wire.header(wire.Kind.ACK, api.SUCCESS, seq))
             return True
         # READ
