@@ -110,9 +110,14 @@ class EmbeddedServer(uvicorn.Server):
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A bound TCP socket for uvicorn, so a taken port fails here, as an OSError naming it."""
+    """A bound TCP socket for uvicorn, so a taken port fails here, as an OSError naming it.
+
+    Made with `IPPROTO_TCP` explicitly: asyncio turns TCP_NODELAY on for the connections it
+    accepts only when the listening socket's `proto` says TCP (a socket made with proto 0 keeps
+    Nagle on, and with the client's delayed ACK every small response on a kept-alive connection
+    waited ~40 ms)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
