@@ -312,17 +312,43 @@ async def test_tokens_per_minute_counts_prompt_and_generated_tokens():
     clock = Clock()
     q = AdmissionQueue(clock=clock)
     limited = Tenant("limited", TenantLimits(tokens_per_minute=600))  # 10 tokens/s
-    t = q.enter(limited, "normal", 100, 1000)
+    t = q.enter(limited, "normal", 100, 1000)  # reserves 1,100 of a full bucket of 600
     q.held(t)
-    q.release(t, 600)  # 700 used: 100 in debt
+    q.release(t, 600)  # 700 used: the 400 not generated come back, 100 in debt
     with pytest.raises(Rejected) as caught:
         q.enter(limited, "normal", 50, 10)
     assert caught.value.reason is Reason.TOKENS_PER_MINUTE
-    assert caught.value.retry_after_s == pytest.approx(15.0)  # (50 - (-100)) / 10 per s
-    clock.now += 15.0
-    q.release(q.enter(limited, "normal", 50, 10))
+    assert caught.value.retry_after_s == pytest.approx(16.0)  # (50 + 10 - (-100)) / 10 per s
+    clock.now += 16.0
+    q.release(q.enter(limited, "normal", 50, 10))  # never admitted: all 60 refunded
     with pytest.raises(Rejected, match="more than tenant 'limited'"):
         q.enter(limited, "normal", 601, 1)
+
+
+async def test_a_burst_reserves_max_tokens_at_admission_and_gets_back_what_it_did_not_use():
+    """#29: a tenant limited to 2,000 tokens/min sent 16 requests of max_tokens 300 at once and
+    all were admitted (the prompt alone was charged). Now each reserves prompt + max_tokens."""
+    clock = Clock()
+    q = AdmissionQueue(clock=clock)
+    limited = Tenant("limited", TenantLimits(tokens_per_minute=2000))
+    admitted, refused = [], 0
+    for _ in range(16):
+        try:
+            admitted.append(q.enter(limited, "normal", 50, 300))
+        except Rejected as exc:
+            assert exc.reason is Reason.TOKENS_PER_MINUTE
+            refused += 1
+    assert len(admitted) == 5 and refused == 11  # 5 x 350 = 1,750 of 2,000
+    assert sum(t.cost for t in admitted) <= 2000
+    for ticket in admitted:  # each stops after 10 tokens: 290 of its reservation come back
+        q.held(ticket)
+        q.release(ticket, 10)
+    more = [q.enter(limited, "normal", 50, 300) for _ in range(4)]  # 250 + 5 x 290 = 1,700 free
+    with pytest.raises(Rejected):  # 300 left
+        q.enter(limited, "normal", 50, 300)
+    for ticket in more:
+        q.release(ticket)  # never admitted: the whole reservation is refunded
+    assert len([q.enter(limited, "normal", 50, 300) for _ in range(4)]) == 4
 
 
 async def test_replicas_split_the_limits():

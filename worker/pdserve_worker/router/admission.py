@@ -99,8 +99,8 @@ class Observer(Protocol):
 
 class TokenBucket:
     """`per_minute` units refilled continuously, at most `per_minute` stored. The level may go
-    below zero: tokens are charged as they are known (the completion only at the end), and a
-    debt holds the tenant's next requests until it is refilled."""
+    below zero (a request reserving more than a minute's budget, taken when the bucket was
+    full), and a debt holds the tenant's next requests until it is refilled."""
 
     def __init__(self, per_minute: int, now: float) -> None:
         self.capacity = float(per_minute)
@@ -255,7 +255,7 @@ class AdmissionQueue:
                 f"tenant {state.name!r} has {state.waiting()} requests waiting, its most",
                 self._drain_time(state.waiting(), now),
             )
-        self._check_rates(state, prompt_tokens, now)
+        self._check_rates(state, prompt_tokens, prompt_tokens + max_tokens, now)
         ahead = self._ahead(state, rank)
         estimate = self._estimate(ahead, now)
         if estimate is not None and estimate > wait_limit:
@@ -265,11 +265,14 @@ class AdmissionQueue:
                 f"{estimate:.1f} s, later than its deadline of {wait_limit:g} s",
                 estimate,
             )
-        # Charged now, refunded if the request leaves without being admitted.
+        # Charged now, refunded if the request leaves without being admitted. The tokens
+        # charged are the prompt and every token it may generate (a reservation): what it does
+        # not generate comes back when it ends (`release`), so a burst cannot take more than
+        # the bucket holds, plus the last request's overflow past it.
         if state.requests is not None:
             state.requests.take(1, now)
         if state.tokens is not None:
-            state.tokens.take(prompt_tokens, now)
+            state.tokens.take(prompt_tokens + max_tokens, now)
         self._seq += 1
         ticket = Ticket(state, rank, prompt_tokens, max_tokens, now + wait_limit, now, self._seq, charged=True)
         ticket.turn = asyncio.get_running_loop().create_future()
@@ -290,7 +293,9 @@ class AdmissionQueue:
                 state.limits, state.requests, state.tokens = limits, requests, tokens
         return state
 
-    def _check_rates(self, state: _TenantState, prompt_tokens: int, now: float) -> None:
+    def _check_rates(self, state: _TenantState, prompt_tokens: int, reserve: int, now: float) -> None:
+        """`reserve`: prompt plus max_tokens. One bigger than a minute's budget goes when the
+        bucket is full (it may overdraw it once); a prompt alone bigger than that never goes."""
         if state.requests is not None:
             wait = state.requests.wait_s(1, now)
             if wait > 0:
@@ -301,14 +306,14 @@ class AdmissionQueue:
                     wait,
                 )
         if state.tokens is not None:
-            wait = state.tokens.wait_s(max(prompt_tokens, 1), now)
-            if wait == INF:
+            if state.tokens.wait_s(max(prompt_tokens, 1), now) == INF:
                 self._refuse(
                     Reason.TOKENS_PER_MINUTE,
                     f"the prompt's {prompt_tokens} tokens are more than tenant "
                     f"{state.name!r}'s limit of {state.limits.tokens_per_minute} tokens per minute",
                     60.0,
                 )
+            wait = state.tokens.wait_s(min(max(reserve, 1), state.tokens.capacity), now)
             if wait > 0:
                 self._refuse(
                     Reason.TOKENS_PER_MINUTE,
@@ -422,9 +427,9 @@ class AdmissionQueue:
             ticket.tenant.active -= 1
             self._running -= 1
             tenant, now = ticket.tenant, self._clock()
-            if tenant.tokens is not None:
-                tenant.tokens.take(completion_tokens, now)
             unused = max(ticket.max_tokens - completion_tokens, 0)
+            if tenant.tokens is not None:  # the reservation's tokens it did not generate
+                tenant.tokens.give(unused, now)
             tenant.finish[ticket.priority] -= unused / tenant.limits.weight
             if self._observer is not None:
                 self._observer.observe_tenant_tokens(tenant.name, ticket.prompt_tokens, completion_tokens)
@@ -443,7 +448,7 @@ class AdmissionQueue:
         if ticket.tenant.requests is not None:
             ticket.tenant.requests.give(1, now)
         if ticket.tenant.tokens is not None:
-            ticket.tenant.tokens.give(ticket.prompt_tokens, now)
+            ticket.tenant.tokens.give(ticket.cost, now)
 
     def _unqueue(self, ticket: Ticket) -> None:
         queue = ticket.tenant.queued.get(ticket.priority)
