@@ -152,6 +152,8 @@ class Tokenizer:
             ids.insert(0, eid)
         self.eos_token_ids: tuple[int, ...] = tuple(ids)
         self._template = _compile_template(chat_template) if chat_template else None
+        self._specials: tuple[str, ...] | None = None  # special tokens' text (encode_chat)
+        self._pieces: dict[tuple[bool, bool], BackendTokenizer] = {}  # (escape, first) -> backend
 
     # ---- construction --------------------------------------------------------------------
 
@@ -270,8 +272,73 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation: the template writes any BOS itself, so none is added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        """Token ids of a conversation: the template writes any BOS itself, so none is added.
+
+        A message's content is text, never markup: a special token spelled in it
+        (`<|im_end|>`, `<|im_start|>system`, `<|eot_id|>`) is encoded as the characters it is
+        made of, so content cannot close its turn or open another. That is the `tokenizers`
+        library's own switch (`encode_special_tokens`, what transformers' `split_special_tokens`
+        sets), applied to the content only: the template's markup keeps its control tokens."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        specials = self._special_strings()
+        if not any(isinstance(m.get("content"), str) and any(t in m["content"] for t in specials) for m in messages):
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for i, (piece, is_content) in enumerate(self._content_pieces(messages, add_generation_prompt, text)):
+            ids += self._piece_backend(is_content, i == 0).encode(piece, add_special_tokens=False).ids
+        return ids
+
+    def _special_strings(self) -> tuple[str, ...]:
+        if self._specials is None:
+            decoder = self.backend.get_added_tokens_decoder()
+            self._specials = tuple(t.content for t in decoder.values() if t.special and t.content)
+        return self._specials
+
+    def _piece_backend(self, escape: bool, first: bool) -> BackendTokenizer:
+        """The backend for one piece of a conversation cut at its contents: a copy that encodes
+        special tokens as plain text for content (its own object: the switch is tokenizer
+        state, and the shared tokenizer is used from several threads), and, for a piece that
+        does not start the text, one whose Metaspace pre-tokenizer prepends no "▁" (a
+        SentencePiece tokenizer marks only the start of the whole text)."""
+        key = (escape, first)
+        if key == (False, True):
+            return self.backend
+        if key not in self._pieces:
+            backend = BackendTokenizer.from_str(self.backend.to_str())
+            backend.encode_special_tokens = escape
+            pre = backend.pre_tokenizer
+            if not first and isinstance(pre, pre_tokenizers.Metaspace) and pre.prepend_scheme != "never":
+                pre.prepend_scheme = "never"
+                backend.pre_tokenizer = pre
+            self._pieces[key] = backend
+        return self._pieces[key]
+
+    def _content_pieces(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, text: str
+    ) -> list[tuple[str, bool]]:
+        """`text` (the rendered conversation) cut into (piece, is message content), found by
+        rendering once more with each content between two private-use marks. A template that
+        trims content (llama 3's `| trim`) is followed; one that changes it otherwise is refused
+        rather than guessed at."""
+        mark_open, mark_close = "\ue000", "\ue001"
+        if any(mark_open in str(m.get("content")) or mark_close in str(m.get("content")) for m in messages):
+            raise TokenizerError("message content holds U+E000/U+E001, which this server reserves")
+        marked = [
+            {**m, "content": f"{mark_open}{m['content']}{mark_close}"} if isinstance(m.get("content"), str) else dict(m)
+            for m in messages
+        ]
+        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        pieces: list[tuple[str, bool]] = []
+        for i, chunk in enumerate(rendered.split(mark_open)):
+            content, sep, rest = chunk.partition(mark_close) if i else ("", "", chunk)
+            if sep:
+                pieces.append((content, True))
+            pieces.append((rest, False))
+        for trim in (False, True):
+            candidate = [(p.strip() if trim and inside else p, inside) for p, inside in pieces]
+            if "".join(p for p, _ in candidate) == text:
+                return [(p, inside) for p, inside in candidate if p]
+        raise TokenizerError("the chat template rewrites message content; cannot keep its special tokens as text")
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
