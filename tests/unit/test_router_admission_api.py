@@ -145,6 +145,13 @@ def test_401_in_openai_shape_and_the_key_never_logged(serve, caplog):
     assert missing.status_code == 401  # the key is checked before the body's fields
     assert missing.json()["error"]["code"] == "invalid_api_key"
     assert set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    # Nor does a body that is not JSON at all, nor one over the size limit, come before the key.
+    for content in (b"{not json", b"x" * (9 << 20)):
+        garbage = httpx.post(
+            f"{url}/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=30
+        )
+        assert garbage.status_code == 401, garbage.text
+        assert garbage.json()["error"]["code"] == "invalid_api_key"
 
     assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
     with caplog.at_level(logging.DEBUG):
@@ -154,7 +161,7 @@ def test_401_in_openai_shape_and_the_key_never_logged(serve, caplog):
     assert [m.id for m in good.models.list()] == ["slot-model"]
     assert KEY not in caplog.text and "sk-wrong" not in caplog.text
     metrics = httpx.get(f"{url}/metrics").text
-    assert 'pdserve_router_requests_rejected_total{status="401"} 3.0' in metrics
+    assert 'pdserve_router_requests_rejected_total{status="401"} 5.0' in metrics
     assert 'pdserve_router_tenant_tokens_total{kind="completion",tenant="interactive"} 2.0' in metrics
 
 
@@ -288,3 +295,29 @@ def test_clients_that_leave_while_queued_leave_the_queue(serve):
     assert took < 1.0
     health = httpx.get(f"{url}/health").json()["admission"]
     assert health["waiting"] == {"high": 0, "normal": 0, "low": 0} and health["running"] == 0
+
+
+def test_the_trace_records_the_priority_served_not_the_one_asked_for(serve, tmp_path):
+    """#29: a key whose maxPriority is low asked for high; the trace said high."""
+    import json
+
+    from pdserve_common import pod_env as E
+    from pdserve_common import tracing
+
+    path = tmp_path / "spans.jsonl"
+    assert tracing.setup("pdserve-router-test", "r-1", env={E.TRACE_FILE: str(path)})
+    try:
+        url, _ = serve(SlotBackend(slots=1), keys=KEYS)
+        reply = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "slot-model", "prompt": "p", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {BATCH_KEY}", "x-pdserve-priority": "high"},
+        )
+        assert reply.status_code == 200
+    finally:
+        tracing.shutdown()
+    spans = [json.loads(line) for line in path.read_text().splitlines() if line]
+    [root] = [s for s in spans if s["name"] == "router.request"]
+    assert root["attributes"]["pdserve.priority"] == "low"
+    assert root["attributes"]["pdserve.priority.requested"] == "high"
+    assert root["attributes"]["pdserve.tenant"] == "batch"

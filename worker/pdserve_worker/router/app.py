@@ -230,6 +230,27 @@ def too_large(limit: int) -> JSONResponse:
     return JSONResponse(body, status_code=413, headers={"Connection": "close"})
 
 
+class KeysFirst:
+    """ASGI middleware: with API keys on, a /v1 request without a known key is answered 401
+    before anything else looks at it. FastAPI reads and JSON-decodes the body before it runs
+    the endpoint's dependencies, so invalid JSON without a key got 400 (and its field errors)
+    before 401; docs/admission.md says keys come first. The endpoints' own dependency still
+    finds the tenant (the lookup is a dict access)."""
+
+    def __init__(self, app: Any, authenticate: Callable[[Request], Tenant]) -> None:
+        self.app = app
+        self.authenticate = authenticate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1/"):
+            try:
+                self.authenticate(Request(scope))
+            except ApiError as exc:
+                await JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _BodyTooLarge(StarletteHTTPException):
     def __init__(self) -> None:
         super().__init__(413, "request body too large")
@@ -374,12 +395,15 @@ class _Router:
         with tracing.span("router.admission") as admission:  # model, tokenize, limits, sampling parameters
             prompt_ids, params, max_tokens = await self._admit(body, chat, request_id)
             admission.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+        served = PRIORITIES[max(PRIORITIES.index(priority), PRIORITIES.index(tenant.limits.max_priority))]
         trace.set_attributes(
             {
                 "gen_ai.usage.input_tokens": len(prompt_ids),
                 "gen_ai.request.max_tokens": max_tokens,
                 "pdserve.tenant": tenant.name,
-                "pdserve.priority": priority,
+                # The class it is served in (the key's maxPriority caps what it asked for).
+                "pdserve.priority": served,
+                "pdserve.priority.requested": priority,
             }
         )
         gen = Generation(self.backend, prompt_ids, params, request_id, arrived, trace=trace)
@@ -669,6 +693,8 @@ def create_app(
     started = int(time.time())
     app = FastAPI(title="pdserve router", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, metrics=metrics)
+    if keys is not None:  # outermost: the key before the body's size or its JSON
+        app.add_middleware(KeysFirst, authenticate=router.authenticate)
     app.state.backend = backend
     app.state.metrics = metrics
     describe = getattr(backend, "health", None)  # optional: a backend may report its members
