@@ -28,6 +28,7 @@ TOKEN = "security-test-service-token"
 KEY = link_auth.derive_key(TOKEN, link_auth.PURPOSE_LINK)
 HTTP_DEADLINE_S = 2.0
 HTTP_MAX_CONNECTIONS = 64
+HTTP_MAX_CONNECTIONS_PER_PEER = 16
 GRPC_HANDSHAKE_MS = 1500
 GRPC_IDLE_MS = 2500
 GRPC_MAX_CONNECTIONS = 48
@@ -91,6 +92,8 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
             f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
             "--env",
             f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
+            "--env",
+            f"PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER={HTTP_MAX_CONNECTIONS_PER_PEER}",
             # And every gRPC port's (pdserve_common/channels.py), for test_grpc_bounds.py.
             "--env",
             f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",

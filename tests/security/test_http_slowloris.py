@@ -107,7 +107,8 @@ def test_connections_past_the_cap_are_closed_at_once_and_cost_no_descriptors(loc
         child = local.child(name)
         address = local.url.removeprefix("http://") if name == "router-0" else child["http"]
         before = len(os.listdir(f"/proc/{child['pid']}/fd"))
-        socks = [connect(address) for _ in range(3 * HTTP_MAX_CONNECTIONS)]
+        # From 12 addresses, so that the cap, not one address's share of it, is what fills.
+        socks = [s for i in range(12) for s in flood_from(address, f"127.0.0.{2 + i}", HTTP_MAX_CONNECTIONS // 4)]
         try:
             time.sleep(0.3)
             during = len(os.listdir(f"/proc/{child['pid']}/fd"))
@@ -120,3 +121,41 @@ def test_connections_past_the_cap_are_closed_at_once_and_cost_no_descriptors(loc
     deadline = time.monotonic() + 5
     while httpx.get(f"{local.url}/health", timeout=5).status_code != 200:
         assert time.monotonic() < deadline
+
+
+def flood_from(address: str, source: str, count: int) -> list[socket.socket]:
+    """`count` idle connections to `address` from the loopback address `source`."""
+    host, port = address.rsplit(":", 1)
+    socks = []
+    for _ in range(count):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((source, 0))
+        s.settimeout(5)
+        s.connect((host, int(port)))
+        s.send(b"G")  # one byte, as #29's flood: a request that never finishes
+        socks.append(s)
+    return socks
+
+
+def test_a_flood_from_one_address_leaves_the_cap_to_other_clients_on_every_http_port(local):
+    """#29: 4,200 idle connections from one client took the router's whole cap (every real
+    request and /health refused), and the same on a decode's pod port failed its liveness
+    probes. Now one address holds at most its share (the deployment runs with a per-peer cap of
+    HTTP_MAX_CONNECTIONS_PER_PEER of HTTP_MAX_CONNECTIONS): flooded from 127.0.0.2 with twice
+    the whole cap, each port still answers a client on 127.0.0.1."""
+    from security.conftest import HTTP_MAX_CONNECTIONS_PER_PEER
+
+    for name, address in http_ports(local).items():
+        if name.endswith("/admin"):
+            continue  # listens for the pod itself only (127.0.0.1, the token): no probe there
+        socks = flood_from(address, "127.0.0.2", 2 * HTTP_MAX_CONNECTIONS)
+        try:
+            time.sleep(0.3)
+            held = sum(1 for s in socks if closed_within(s, 0.05) is None)
+            path = "/health" if name == "router" else "/healthz"
+            for _ in range(3):
+                assert httpx.get(f"http://{address}{path}", timeout=5).status_code == 200, name
+        finally:
+            for s in socks:
+                s.close()
+        assert held <= HTTP_MAX_CONNECTIONS_PER_PEER, (name, held)

@@ -51,6 +51,8 @@ WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, i
 # many seconds, and connections past the cap are closed at once (router/http_guard.py).
 HTTP_REQUEST_DEADLINE_S = "PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS"
 HTTP_MAX_CONNECTIONS = "PDSERVE_HTTP_MAX_CONNECTIONS"
+HTTP_MAX_CONNECTIONS_PER_PEER = "PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER"
+WORKER_HTTP_PER_PEER = 64  # a prefill's or decode's pod port: probes and metrics
 
 Role = Literal["prefill", "decode", "router", "colocated"]
 BUILTIN_PREFIX = "builtin:"
@@ -118,6 +120,9 @@ class WorkerSettings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, validation_alias=MAX_BODY_BYTES)
     http_request_deadline_seconds: float = Field(30.0, gt=0, validation_alias=HTTP_REQUEST_DEADLINE_S)
     http_max_connections: int = Field(4096, ge=1, validation_alias=HTTP_MAX_CONNECTIONS)
+    # One source address's share of that (0: by role, half the cap on a router's public port,
+    # 64 on a worker's pod port, whose clients are the kubelet and Prometheus).
+    http_max_connections_per_peer: int = Field(0, ge=0, validation_alias=HTTP_MAX_CONNECTIONS_PER_PEER)
     admin_port: int = Field(E.ADMIN_PORT, ge=0, le=65535, validation_alias=E.ADMIN_PORT_ENV)
     api_keys_file: Path | None = Field(None, validation_alias=E.API_KEYS_FILE)
     admission_queue: int = Field(1024, ge=0, le=1_000_000, validation_alias=E.ADMISSION_QUEUE)  # 0: no queue
@@ -171,7 +176,10 @@ class WorkerSettings(BaseSettings):
 
     @property
     def http_limits(self) -> HttpLimits:
-        return HttpLimits(self.http_request_deadline_seconds, self.http_max_connections)
+        per_peer = self.http_max_connections_per_peer or (
+            None if self.role in ("router", "colocated") else WORKER_HTTP_PER_PEER
+        )
+        return HttpLimits(self.http_request_deadline_seconds, self.http_max_connections, per_peer)
 
     @property
     def token(self) -> str:

@@ -18,6 +18,13 @@ cluster for probes) starved its transfer server and gRPC server of descriptors.
 - `max_connections`: connections beyond it are closed as soon as they are accepted, so the
   process never runs out of descriptors through its HTTP port (at most half its descriptor
   limit whatever is configured).
+- `max_connections_per_peer`: connections from one source address beyond it are closed as
+  soon as they are accepted, so that one client cannot take the whole cap: #29 measured 4,200
+  idle connections from one client, in 0.1 s and without credentials, taking the router's
+  4,096 and every real request and /health with them, and a flood of a decode's pod port
+  failing 22 of 23 liveness probes (the kubelet probes from the node's address, the flood
+  came from a pod's). A router behind a proxy or load balancer sees it as one peer: raise the
+  per-peer cap to the cap there (`PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER`).
 Both are counted by reason with a rate-limited summary line (transfer/drops.py), never a
 line per connection.
 """
@@ -46,6 +53,11 @@ _RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.SWITCHED_PROTOCOL)
 class HttpLimits:
     request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_peer: int | None = None  # None: half of the cap
+
+    def effective_per_peer(self) -> int:
+        cap = self.effective_max_connections()
+        return max(1, min(cap, self.max_connections_per_peer or cap // 2))
 
     def effective_max_connections(self) -> int:
         """The cap, kept below half the process's descriptor limit (the rest is for everything
@@ -60,8 +72,14 @@ def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
     """uvicorn's h11 protocol class with `limits` (see the module docstring); pass it as
     `uvicorn.Config(http=...)`."""
     cap = limits.effective_max_connections()
+    peer_cap = limits.effective_per_peer()
+    per_peer: dict[str, int] = {}  # open connections by source address (this server's, shared)
     drops = DropCounter(
-        log, "http_connections_closed", request_deadline_s=limits.request_deadline_s, max_connections=cap
+        log,
+        "http_connections_closed",
+        request_deadline_s=limits.request_deadline_s,
+        max_connections=cap,
+        max_connections_per_peer=peer_cap,
     )
 
     class GuardedH11Protocol(H11Protocol):
@@ -70,6 +88,7 @@ def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._request_deadline: asyncio.TimerHandle | None = None
+            self._peer: str | None = None  # set while this connection counts for its peer
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -77,10 +96,24 @@ def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
                 drops.count("connection_cap")
                 transport.close()
                 return
+            peer = self.client[0] if self.client else "unknown"
+            if per_peer.get(peer, 0) >= peer_cap:
+                drops.count("peer_cap")
+                transport.close()
+                return
+            per_peer[peer] = per_peer.get(peer, 0) + 1
+            self._peer = peer
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._peer is not None:
+                left = per_peer[self._peer] - 1
+                if left:
+                    per_peer[self._peer] = left
+                else:
+                    del per_peer[self._peer]
+                self._peer = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
