@@ -155,9 +155,10 @@ async def one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    headers = {"x-pdserve-debug": "workers", **(headers or {})}  # the answer names its prefill
     while True:
         try:
-            async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers or {}) as response:
+            async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
                 if response.status_code == 429:  # no free slot anywhere: the client retries
                     result.retries += 1
                     await asyncio.sleep(float(response.headers.get("retry-after-ms", 500)) / 1000)

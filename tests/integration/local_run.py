@@ -134,7 +134,9 @@ def stream_completion(url: str, body: dict[str, Any], answer: Answer, timeout_s:
     error or an error chunk is kept in `answer.error`, never raised."""
     import httpx
 
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as reply:
+    # The debug header: the answer's `pdserve` field names the workers that served it.
+    headers = {"x-pdserve-debug": "workers"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s) as reply:
         if reply.status_code != 200:
             answer.error = f"HTTP {reply.status_code}: {reply.read().decode()}"
             return answer

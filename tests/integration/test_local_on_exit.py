@@ -23,6 +23,7 @@ def complete(url: str, prompt: str) -> dict:
         f"{url}/v1/completions",
         timeout=60,
         json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        headers={"x-pdserve-debug": "workers"},
     )
     assert reply.status_code == 200, reply.text
     return reply.json()

@@ -88,7 +88,14 @@ def local(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(local):
-    return openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    # Asks for the serving workers' names (x-pdserve-debug): the tests check where requests went.
+    return openai.OpenAI(
+        base_url=f"{local.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        default_headers={"x-pdserve-debug": "workers"},
+    )
 
 
 @pytest.fixture(scope="module")

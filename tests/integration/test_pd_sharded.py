@@ -69,7 +69,13 @@ def local(tiny_model_dir, tmp_path_factory):
 def test_group_of_two_processes_answers_as_colocated(local, reference):
     roles = sorted(c["role"] for c in local.manifest["children"])
     assert roles == ["broker", "decode", "decode-member", "prefill", "router"]
-    client = openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"{local.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        default_headers={"x-pdserve-debug": "workers"},
+    )
     model = client.models.list().data[0].id
 
     answer = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=20, temperature=0)
@@ -92,7 +98,13 @@ def test_a_follower_asked_to_drain_keeps_serving_its_leader(local, reference):
     follower = next(c for c in local.manifest["children"] if c["role"] == "decode-member")
     reply = local.drain(follower["name"], timeout_s=30)
     assert reply == {"drained": False, "busy": 1}  # the leader's step stream is still open
-    client = openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"{local.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        default_headers={"x-pdserve-debug": "workers"},
+    )
     model = client.models.list().data[0].id
     answer = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0)
     assert answer.choices[0].text == reference(PROMPTS[1], max_tokens=8, temperature=0)

@@ -115,6 +115,13 @@ def test_max_tokens_cuts_with_length_even_if_backend_overruns(serve):
 def test_request_info_reaches_the_response_and_the_metrics(serve):
     info = RequestInfo(disaggregated=True, kv_bytes=3 * 1024 * 1024, kv_transfer_s=0.004, prefill="p0", decode="d1")
     client, url = serve(ScriptedBackend(info=info))
+    # Without the debug header the workers stay unnamed (internal topology, #29).
+    assert client.completions.create(model=MODEL, prompt="x").model_extra["pdserve"] == {
+        "disaggregated": True,
+        "kv_bytes": 3 * 1024 * 1024,
+        "kv_transfer_ms": 4.0,
+    }
+    client = client.with_options(default_headers={"x-pdserve-debug": "workers"})
     out = client.completions.create(model=MODEL, prompt="x")
     assert out.model_extra["pdserve"] == {
         "disaggregated": True,
@@ -126,9 +133,26 @@ def test_request_info_reaches_the_response_and_the_metrics(serve):
     chunks = list(client.completions.create(model=MODEL, prompt="x", stream=True))
     assert chunks[-1].model_extra["pdserve"]["decode"] == "d1"
     m = samples(url)
-    assert m[("pdserve_router_requests_completed_total", (("mode", "disaggregated"),))] == 2
-    assert m[("pdserve_router_kv_transfer_bytes_sum", ())] == 2 * 3 * 1024 * 1024
-    assert m[("pdserve_router_kv_transfer_seconds_count", ())] == 2
+    assert m[("pdserve_router_requests_completed_total", (("mode", "disaggregated"),))] == 3
+    assert m[("pdserve_router_kv_transfer_bytes_sum", ())] == 3 * 3 * 1024 * 1024
+    assert m[("pdserve_router_kv_transfer_seconds_count", ())] == 3
+
+
+def test_with_keys_only_a_key_allowed_to_debug_gets_the_workers_names(port):
+    from pdserve_worker.router.keys import KeyStore
+
+    allowed, plain = "sk-debug-0123456789abcdef", "sk-plain-0123456789abcdef"
+    keys = KeyStore.parse(
+        f'tenants:\n  - name: ops\n    keys: ["{allowed}"]\n    debug: true\n  - name: user\n    keys: ["{plain}"]\n'
+    )
+    info = RequestInfo(disaggregated=True, kv_bytes=1, kv_transfer_s=0.001, prefill="p0", decode="d1")
+    with running_router(create_app(ScriptedBackend(info=info), keys=keys), port) as url:
+        for key, named in ((allowed, True), (plain, False)):
+            client = openai.OpenAI(
+                base_url=f"{url}/v1", api_key=key, max_retries=0, default_headers={"x-pdserve-debug": "workers"}
+            )
+            extension = client.completions.create(model=MODEL, prompt="x").model_extra["pdserve"]
+            assert ("prefill" in extension and "decode" in extension) is named, (key, extension)
 
 
 # --- stop strings ----------------------------------------------------------------------------

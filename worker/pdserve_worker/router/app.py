@@ -80,6 +80,7 @@ T = TypeVar("T")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills the context
 INLINE_TOKENIZE_MAX_CHARS = 2048  # longer prompts are tokenized in a worker thread
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEBUG_HEADER = "x-pdserve-debug"  # "workers": name the prefill and decode in the response
 PRIORITY_HEADER = "x-pdserve-priority"  # high | normal | low, capped by the key's maxPriority
 DEADLINE_HEADER = "x-pdserve-deadline-ms"  # how long the request may wait for admission (only shortens)
 DEFAULT_PRIORITY = "normal"
@@ -407,6 +408,7 @@ class _Router:
             }
         )
         gen = Generation(self.backend, prompt_ids, params, request_id, arrived, trace=trace)
+        gen.show_workers = self._shows_workers(request, tenant)
         fmt_type = ChatResponseFormat if chat else ResponseFormat
         fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
         ticket = None
@@ -533,7 +535,13 @@ class _Router:
     def _extension(self, gen: Generation) -> dict[str, Any] | None:
         if not self.report_request_info or gen.info is None:
             return None
-        return gen.info.as_response_field()
+        return gen.info.as_response_field(workers=gen.show_workers)
+
+    def _shows_workers(self, request: Request, tenant: Tenant) -> bool:
+        """The debug header asks for the workers' names; a key may allow it (`debug: true` in
+        keys.yaml), and without keys (no authentication at all) anyone may."""
+        asked = "workers" in request.headers.get(DEBUG_HEADER, "").lower().replace(" ", "").split(",")
+        return asked and (self.keys is None or tenant.limits.debug)
 
     def _usage(self, gen: Generation) -> Usage:
         cached = gen.info.cached_tokens if gen.info is not None else 0

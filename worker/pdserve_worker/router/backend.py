@@ -39,14 +39,16 @@ class RequestInfo:
     cached_tokens: int = 0  # prompt tokens whose KV the prefill took from its prefix cache
     migrations: int = 0  # times a draining decode handed it over to another decode (its KV moved)
 
-    def as_response_field(self) -> dict[str, object]:
-        """The `pdserve` extension object of a response: JSON-ready, absent values left out."""
+    def as_response_field(self, workers: bool = False) -> dict[str, object]:
+        """The `pdserve` extension object of a response: JSON-ready, absent values left out.
+        `workers`: name the prefill and decode that served it (internal topology: only for a
+        request that asked with the debug header and whose key may, router/app.py)."""
         field: dict[str, object] = {"disaggregated": self.disaggregated, "kv_bytes": self.kv_bytes}
         if self.kv_transfer_s is not None:
             field["kv_transfer_ms"] = round(self.kv_transfer_s * 1000.0, 3)
-        if self.prefill is not None:
+        if workers and self.prefill is not None:
             field["prefill"] = self.prefill
-        if self.decode is not None:
+        if workers and self.decode is not None:
             field["decode"] = self.decode
         if self.retries:
             field["retries"] = self.retries

@@ -69,6 +69,7 @@ class Generation:
         self.last_token: float | None = None
         self.finish_reason: FinishReason | None = None
         self.info: RequestInfo | None = None
+        self.show_workers = False  # name the prefill and decode in the response (a debug header the key allows)
 
     @property
     def prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ key `keys.yaml`; `pdserve local --api-keys FILE` points at one directly):
         maxConcurrent: 16             # requests holding a KV reservation at once
         maxPriority: high             # the highest priority class its requests may ask for
         weight: 1                     # share of the token throughput within a priority class
+        debug: false                  # may ask for the serving workers' names (x-pdserve-debug: workers)
 
 Rules that hold whatever the file says:
 - a key is known only by its SHA-256 digest in memory; the file may hold digests alone, so a
@@ -66,6 +67,9 @@ class TenantLimits(BaseModel):
     max_concurrent: int | None = Field(None, ge=1, alias="maxConcurrent")
     max_priority: Priority = Field("high", alias="maxPriority")
     weight: float = Field(1.0, gt=0, le=1000)
+    # May ask, with `x-pdserve-debug: workers`, for the names of the prefill and decode that
+    # served a request (internal topology, off by default).
+    debug: bool = False
 
     def per_replica(self, replicas: int) -> TenantLimits:
         """This router's share when `replicas` routers serve the tenant: each enforces 1/N of the
