@@ -453,6 +453,33 @@ async def test_a_stuck_prefill_is_replaced_by_another(loaded):
 
 
 @pytest.mark.asyncio
+async def test_a_draining_prefill_finishes_what_it_holds_and_new_prompts_go_elsewhere(loaded):
+    """#29: a prefill's drain (its pod's stop on a scale-down) waited for nothing. Now it
+    refuses new prompts (the router takes them to another prefill) and returns once the ones it
+    was computing are answered, which they are, unchanged."""
+    prompt = loaded.tokenizer.encode("Paris is the capital of")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = _reference(loaded, prompt, params)
+    async with cluster(loaded, prefill=("slow", "real")) as c:
+        draining = c.prefill_workers[0]
+        running = asyncio.create_task(collect(c.backend, prompt, params))
+        await eventually(lambda: draining.queued == 1)
+        drain = asyncio.create_task(draining.drain(30.0))
+        await eventually(lambda: draining.draining)
+        _, later = await collect(c.backend, prompt, params)  # arrives while prefill-0 drains
+        assert [(e.token_id, e.text) for e in later] == expected
+        assert [e.info for e in later if e.info is not None][-1].prefill == "prefill-1"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # asked directly, prefill-0 says no
+            await c.prefill_stubs[0].Prefill(worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=prompt))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        _, first = await running
+        assert [(e.token_id, e.text) for e in first] == expected  # finished where it was
+        assert [e.info for e in first if e.info is not None][-1].prefill == "prefill-0"
+        assert await drain is True and draining.queued == 0
+        await eventually(lambda: c.decode.busy() == 0)
+
+
+@pytest.mark.asyncio
 async def test_when_every_prefill_fails_the_error_says_no_worker_was_left(loaded):
     async with cluster(loaded, prefill=("stuck", "down"), readiness_ms=300) as c:
         with pytest.raises(BackendUnavailable, match="no other worker could take request req-1 over") as raised:

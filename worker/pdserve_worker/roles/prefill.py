@@ -145,6 +145,7 @@ class PrefillWorker:
         self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
         self.queued = 0  # requests accepted and not yet answered
+        self.draining = False  # set by drain(): new prompts are refused
         self.served = 0
         self._jobs: dict[JobKey, _Job] = {}
         self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
@@ -161,8 +162,21 @@ class PrefillWorker:
         await broker.watch([Role.DECODE], listener=self.on_member)
 
     async def drain(self, timeout_s: float) -> bool:
-        """Nothing to wait for here: prefills in flight finish in the gRPC server's grace period."""
-        return True
+        """Take no new prompts (a Prefill is refused UNAVAILABLE, nothing put: the router tries
+        another prefill); wait until those queued or computing here are answered, or
+        `timeout_s` passed. True if none is left. Called on the stop signal (a scale-down
+        deletes the pod) after the broker was told this member is draining, so routers stop
+        choosing it; what is still here at the timeout is cut by the gRPC server's stop and
+        retried by its router (its decode reservation is given back)."""
+        if not self.draining:
+            log.info(kv(event="prefill_draining", queued=self.queued, timeout_s=timeout_s))
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.queued and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = self.queued == 0
+        log.info(kv(event="prefill_drained" if drained else "prefill_drain_timeout", queued=self.queued))
+        return drained
 
     def busy(self) -> int:
         return self.queued
@@ -475,6 +489,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         prompt = list(request.prompt_token_ids)
         vocab = self.w.loaded.config.vocab_size
         settled = settled_trailer(True)  # nothing is put before the prefill runs
+        if self.w.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"prefill {self.w.settings.member_id} is draining", settled
+            )
         if not prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty", settled)
         if min(prompt) < 0 or max(prompt) >= vocab:
