@@ -197,6 +197,15 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
         message = readiness.wait(slot, generation, timeout_s)
         return {"message": message, "woke_ns": time.perf_counter_ns()}
 
+    def wait_all(grants: list[tuple[int, int]], timeout_s: float) -> list[dict[str, Any]]:
+        """Wait for many grants at once, one thread each (as a decode's requests do): each
+        one's ready message and the perf_counter_ns (a system-wide clock) it woke at."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, len(grants))) as waiters:
+            futures = [waiters.submit(wait, slot, generation, timeout_s) for slot, generation in grants]
+            return [f.result() for f in futures]
+
     def wait_cpu(slot: int, generation: int, seconds: float) -> dict[str, float]:
         """CPU seconds this whole process burns while one request waits `seconds` for nothing."""
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -215,6 +224,7 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     handlers: dict[str, Callable[..., Any]] = {
         "reserve": lambda request_id, ttl_s: grant_to_dict(slots.reserve(request_id, ttl_s)),
         "wait": wait,
+        "wait_all": wait_all,
         "wait_cpu": wait_cpu,
         "commit": slots.commit,
         "release": release,

@@ -75,6 +75,9 @@ class LocalPlan:
     layers_per_chunk: int = 4
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     readiness: str = "interrupt"
+    # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
+    # baseline of seed 002's experiment (transfer/two_sided.py; benchmarks only).
+    transfer: str = "cpu"
     tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
     api_keys: Path | None = None  # keys file (router/keys.py) the router requires; None: no authentication
     log_dir: Path | None = None
@@ -83,6 +86,8 @@ class LocalPlan:
     def __post_init__(self) -> None:
         if self.weights not in ("auto", "dequantized", "int8", "int4"):
             raise ValueError(f"weights must be auto, dequantized, int8 or int4, got {self.weights!r}")
+        if self.transfer not in ("cpu", "two-sided"):
+            raise ValueError(f"transfer must be cpu or two-sided, got {self.transfer!r}")
         if self.colocated:
             return
         if self.prefill < 1 or self.decode < 1:
@@ -322,7 +327,7 @@ class LocalDeployment:
                 E.PREFIX_CACHE_TOKENS: str(plan.prefix_cache_tokens),
                 E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
                 E.READINESS_MODE: plan.readiness,
-                E.TRANSFER_BACKEND: "cpu",
+                E.TRANSFER_BACKEND: plan.transfer,
                 E.DRAIN_TIMEOUT_SECONDS: "10",
                 S.THREADS: str(plan.threads_per_process()),
                 S.GRACE_S: "5",

@@ -81,6 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="processes per decode instance, each holding a share of the layers (default 1)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
+    p.add_argument(
+        "--transfer",
+        choices=["cpu", "two-sided"],
+        default="cpu",
+        help="KV transport: cpu, the one-sided host engine (default); two-sided, gloo send/recv into a "
+        "staging buffer, the baseline of seed 002's experiment (benchmarks only, loopback only)",
+    )
     p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
     p.add_argument(
         "--tls",
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             prefix_cache_tokens=args.prefix_cache_tokens,
             layers_per_chunk=args.layers_per_chunk,
             layer_shards=args.layer_shards,
+            transfer=args.transfer,
             tls=args.tls,
             api_keys=args.api_keys,
             log_dir=args.log_dir,
