@@ -1,0 +1,432 @@
+"""pdserve against vLLM (CPU) on this machine: same weights, same client, one run.
+
+Setup (once; an optional peer, never a test dependency):  bash benchmarks/setup_vllm.sh
+Run:    .venv/bin/python benchmarks/vs_vllm.py [--servers vllm,colocated,pd,colocated-int4]
+                                               [--scenarios batch1,long,c8,c16,prefix,mixed] [--quick]
+
+Both servers get one HF folder made from the bundled SmolLM2-135M GGUF by transformers
+(`from_pretrained(gguf_file=...)`, saved with its tokenizer and generation config), in the
+dtype `pdserve local` picks on this CPU (bfloat16 with native bf16, else float32), and are
+started one at a time, each with both cores:
+- `vllm`: `python -m vllm.entrypoints.openai.api_server` from the peer venv, with
+  VLLM_CPU_OMP_THREADS_BIND=0-<n-1> and VLLM_CPU_NUM_OF_RESERVED_CPU=0 (its default keeps a
+  core for its front end), VLLM_CPU_KVCACHE_SPACE=4 GiB, its defaults otherwise (prefix
+  caching, chunked prefill, torch.compile); its effective settings are read from its log;
+- `colocated`: `pdserve local --colocated` on the same folder (dense weights);
+- `pd`: `pdserve local --prefill 1 --decode 1` on the same folder;
+- `colocated-int4`: `pdserve local --colocated` on the GGUF itself (the default int4 weights).
+
+The client is one streaming /v1/completions client for all (benchmarks/serve.py's `one`, with
+ignore_eos so every request generates its max_tokens). Scenarios (prompts are word soup of
+exactly the stated length):
+- batch1: 3 requests one at a time, 128-token prompt, 128 out;
+- long: 2 requests one at a time, 2,000-token prompt, 32 out;
+- c8 / c16: 8 / 16 requests at once, 256-token prompts, 128 out (16 / 32 requests: two waves);
+- prefix: 16 requests sharing a 1,500-token prefix (distinct 32-token tails), 4 at a time;
+- mixed: streaming decodes (8 requests, 64-token prompts, 96 out) with 3 long prompts
+  (1,500 tokens, 16 out) arriving among them; TPOT p99 of the streaming ones and goodput
+  (requests meeting TTFT ≤ --slo-ttft and TPOT ≤ --slo-tpot, per second: DistServe's metric).
+
+Prints TTFT p50, TPOT p50/p99 and output tokens/s per server and scenario, and every ratio
+pdserve ÷ vLLM; writes a JSON and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import httpx  # noqa: E402
+
+import serve  # noqa: E402  (its client and percentile; it puts worker/ and the rest on sys.path)
+from seed_transfer import machine  # noqa: E402
+
+ROOT = serve.ROOT
+VLLM_VENV = ROOT / ".venv-vllm"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    prompt_tokens: int
+    output_tokens: int
+    requests: int
+    concurrency: int  # requests in flight at once (1: one after the other)
+    shared_prefix: int = 0  # tokens every prompt shares (the prefix scenario)
+
+
+SCENARIOS = {
+    "batch1": Scenario("batch1", 128, 128, 3, 1),
+    "long": Scenario("long", 2000, 32, 2, 1),
+    "c8": Scenario("c8", 256, 128, 16, 8),
+    "c16": Scenario("c16", 256, 128, 32, 16),
+    "prefix": Scenario("prefix", 1532, 32, 16, 4, shared_prefix=1500),
+}
+
+
+# ---- the shared weights ------------------------------------------------------------------------------
+def hf_folder(dtype: str, cache: Path) -> Path:
+    """The bundled GGUF as one HF folder (transformers' own conversion), made once."""
+    folder = cache / f"smollm2-135m-{dtype}"
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from pdserve_worker.model.default_model import default_model_path
+
+    gguf = default_model_path()
+    print(f"# converting {gguf.name} to an HF folder ({dtype}) for both servers ...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    model.hf_quantizer = None  # FACTS.md: drop the GGUF quantizer marker before saving
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=cache))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+# ---- the servers --------------------------------------------------------------------------------------
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    settings: dict[str, Any]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # our own child's group: vLLM spawns an engine process
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float, announce: bool = False) -> None:
+    """Until `url` answers /v1/models — and, for `pdserve local` (`announce`), until it printed
+    its URL, which it does once every member serves (its router answers /v1/models before)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); its log: {log}\n{log.read_text()[-3000:]}")
+        try:
+            served = httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            served = False
+        if served and (not announce or any(line.strip() == url for line in log.read_text().splitlines())):
+            return
+        time.sleep(2)
+    raise TimeoutError(f"{url} did not serve within {timeout_s:.0f} s; log {log}")
+
+
+def start_vllm(folder: Path, dtype: str, port: int, logs: Path, python: Path) -> Server:
+    cpus = len(os.sched_getaffinity(0))
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "HF_HUB_OFFLINE": "1",
+    }
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    argv += ["--served-model-name", "smollm2", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--max-model-len", "4096"]
+    log = logs / "vllm.log"
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc, log, 900)
+    return Server("vllm", url, proc, log, vllm_settings(log.read_text()))
+
+
+def vllm_settings(text: str) -> dict[str, Any]:
+    """What vLLM says it runs with (its startup log), for the record."""
+    found: dict[str, Any] = {}
+    for key, pattern in (
+        ("version", r"vLLM API server version ([\w.+-]+)"),
+        ("prefix_caching", r"enable_prefix_caching=(\w+)"),
+        ("chunked_prefill", r"enable_chunked_prefill=(\w+)"),
+        ("max_num_batched_tokens", r"max_num_batched_tokens=(\d+)"),
+        ("max_num_seqs", r"max_num_seqs=(\d+)"),
+        ("compilation", r"compilation_config=(\{[^}]{0,200})"),
+        ("kv_cache_gib", r"KV cache space[^\d]*([\d.]+)"),
+        ("omp_bind", r"OMP threads binding[^\n]*"),
+    ):
+        match = re.search(pattern, text)
+        if match:
+            found[key] = match.group(1) if match.groups() else match.group(0)
+    return found
+
+
+def start_pdserve(name: str, model: str, dtype: str, port: int, logs: Path, extra: list[str]) -> Server:
+    argv = [str(ROOT / ".venv" / "bin" / "pdserve"), "local", "--model", model, "--dtype", dtype]
+    argv += ["--port", str(port), "--max-len", "4096", "--slots", "16", "--log-dir", str(logs / name), *extra]
+    log = logs / f"{name}.log"
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc, log, 600, announce=True)
+    return Server(name, url, proc, log, {"argv": " ".join(argv[1:])})
+
+
+# ---- the load ----------------------------------------------------------------------------------------
+def prompt_text(tokenizer: Any, tokens: int, rng: random.Random) -> str:
+    words = " ".join(rng.choice(serve.WORDS) for _ in range(tokens + 8))
+    ids = tokenizer.encode(words)[:tokens]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def scenario_requests(s: Scenario, tokenizer: Any, seed: int) -> list[serve.Request]:
+    rng = random.Random(seed)
+    prefix = prompt_text(tokenizer, s.shared_prefix, rng) if s.shared_prefix else ""
+    out = []
+    for _ in range(s.requests):
+        tail = prompt_text(tokenizer, s.prompt_tokens - s.shared_prefix, rng)
+        text = f"{prefix} {tail}" if prefix else tail
+        out.append(serve.Request(0.0, text, len(tokenizer.encode(text))))
+    return out
+
+
+async def run_scenario(url: str, s: Scenario, requests: list[serve.Request]) -> tuple[list[serve.Result], float]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
+        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        await serve.one(http, url, model, serve.Request(0.0, "hello there", 2), 4, time.monotonic())  # warm-up
+        gate = asyncio.Semaphore(s.concurrency)
+
+        async def limited(r: serve.Request) -> serve.Result:
+            async with gate:
+                return await serve.one(http, url, model, r, s.output_tokens, time.monotonic())
+
+        started = time.monotonic()
+        results = await asyncio.gather(*(limited(r) for r in requests))
+        return list(results), time.monotonic() - started
+
+
+async def run_mixed(url: str, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Streaming decodes with long prompts arriving among them (the PD case)."""
+    rng = random.Random(7)
+    short = [serve.Request(0.5 * i, prompt_text(tokenizer, 64, rng), 64) for i in range(8)]
+    long = [serve.Request(1.0 + 2.0 * i, prompt_text(tokenizer, 1500, rng), 1500) for i in range(3)]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
+        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        await serve.one(http, url, model, serve.Request(0.0, "hello there", 2), 4, time.monotonic())
+        start = time.monotonic()
+        results = await asyncio.gather(
+            *(serve.one(http, url, model, r, 96, start) for r in short),
+            *(serve.one(http, url, model, r, 16, start) for r in long),
+        )
+        wall = time.monotonic() - start
+    streaming = [r for r in results[: len(short)] if r.error is None]
+    tpots = [r.tpot for r in streaming if r.tpot is not None]
+    good = [
+        r
+        for r in results
+        if r.error is None and r.ttft is not None and r.ttft <= args.slo_ttft and (r.tpot or 0) <= args.slo_tpot
+    ]
+    return {
+        "tpot_p50_ms": serve.pct(tpots, 50) * 1e3,
+        "tpot_p99_ms": serve.pct(tpots, 99) * 1e3,
+        "ttft_p50_s": serve.pct([r.ttft for r in results if r.ttft is not None], 50),
+        "goodput_rps": len(good) / wall,
+        "failed": sum(1 for r in results if r.error),
+    }
+
+
+def summarize(results: list[serve.Result], wall: float) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None and r.token_times]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    return {
+        "ttft_p50_s": serve.pct(ttft, 50),
+        "tpot_p50_ms": serve.pct(tpot, 50) * 1e3,
+        "tpot_p99_ms": serve.pct(tpot, 99) * 1e3,
+        "tok_per_s": sum(r.completion_tokens for r in ok) / wall if wall else 0.0,
+        "failed": len(results) - len(ok),
+    }
+
+
+def measure(server: Server, args: argparse.Namespace, tokenizer: Any) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for name in args.scenarios.split(","):
+        started = time.perf_counter()
+        if name == "mixed":
+            rows[name] = asyncio.run(run_mixed(server.url, tokenizer, args))
+        else:
+            s = SCENARIOS[name]
+            if args.quick:
+                s = Scenario(
+                    s.name,
+                    s.prompt_tokens,
+                    min(s.output_tokens, 32),
+                    min(s.requests, s.concurrency),
+                    s.concurrency,
+                    s.shared_prefix,
+                )
+            results, wall = asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, 11)))
+            rows[name] = summarize(results, wall)
+        print(f"  [{server.name}] {name}: {rows[name]} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------------------------
+def print_report(table: dict[str, dict[str, dict[str, Any]]]) -> None:
+    servers = list(table)
+    scenarios = list(next(iter(table.values())))
+    print("\n| scenario | " + " | ".join(servers) + " |")
+    print("|---|" + "---|" * len(servers))
+    for sc in scenarios:
+        cells = []
+        for sv in servers:
+            r = table[sv].get(sc, {})
+            if sc == "mixed":
+                cells.append(
+                    f"TPOT p99 {r.get('tpot_p99_ms', float('nan')):.0f} ms, goodput {r.get('goodput_rps', 0):.2f}/s"
+                )
+            else:
+                cells.append(
+                    f"TTFT {r.get('ttft_p50_s', float('nan')):.2f} s, TPOT {r.get('tpot_p50_ms', float('nan')):.0f} ms, "
+                    f"{r.get('tok_per_s', 0):.1f} tok/s"
+                )
+        print(f"| {sc} | " + " | ".join(cells) + " |")
+    if "vllm" not in table:
+        return
+    base = table["vllm"]
+    print("\n| scenario | " + " | ".join(f"{sv} ÷ vLLM: TTFT / TPOT / tok/s" for sv in servers if sv != "vllm") + " |")
+    print("|---|" + "---|" * (len(servers) - 1))
+    for sc in scenarios:
+        cells = []
+        for sv in servers:
+            if sv == "vllm":
+                continue
+            r, b = table[sv].get(sc, {}), base.get(sc, {})
+            if sc == "mixed":
+                cells.append(
+                    f"TPOT p99 {r['tpot_p99_ms'] / b['tpot_p99_ms']:.2f}, goodput "
+                    f"{r['goodput_rps'] / b['goodput_rps'] if b['goodput_rps'] else float('nan'):.2f}"
+                )
+            else:
+                cells.append(
+                    f"{r['ttft_p50_s'] / b['ttft_p50_s']:.2f} / {r['tpot_p50_ms'] / b['tpot_p50_ms']:.2f} / "
+                    f"{r['tok_per_s'] / b['tok_per_s']:.2f}"
+                )
+        print(f"| {sc} | " + " | ".join(cells) + " |")
+
+
+def plot(table: dict[str, dict[str, dict[str, Any]]], path: Path, where: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = [sc for sc in next(iter(table.values())) if sc != "mixed"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / len(table)
+    for ax, (key, label) in zip(
+        axes, (("ttft_p50_s", "TTFT p50 (s)"), ("tpot_p50_ms", "TPOT p50 (ms)"), ("tok_per_s", "output tokens/s"))
+    ):
+        for i, (server, rows) in enumerate(table.items()):
+            ax.bar(
+                [j + i * width for j in range(len(scenarios))], [rows[sc][key] for sc in scenarios], width, label=server
+            )
+        ax.set_xticks([j + width * (len(table) - 1) / 2 for j in range(len(scenarios))], scenarios)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"pdserve and vLLM (CPU), same weights and client — {where}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default="vllm,colocated,pd,colocated-int4")
+    parser.add_argument("--scenarios", default="batch1,long,c8,c16,prefix,mixed")
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_VENV / "bin" / "python")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--slo-ttft", type=float, default=5.0, help="mixed: TTFT bound of goodput, s")
+    parser.add_argument("--slo-tpot", type=float, default=0.15, help="mixed: TPOT bound of goodput, s")
+    parser.add_argument("--quick", action="store_true", help="one wave per scenario, 32 output tokens at most")
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-vs-vllm")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "figures")
+    parser.add_argument(
+        "--merge", action="store_true", help="add these servers' results to the JSON in --out (a rerun of one server)"
+    )
+    args = parser.parse_args(argv)
+    from pdserve_worker.local import auto_dtype
+    from pdserve_worker.model.default_model import default_model_path
+    from pdserve_worker.model.tokenizer import Tokenizer
+
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
+    args.cache.mkdir(parents=True, exist_ok=True)
+    folder = hf_folder(dtype, args.cache)
+    tokenizer = Tokenizer.from_dir(folder)
+    where = f"{machine()}, {datetime.date.today()}, SmolLM2-135M {dtype}"
+    print(f"# vs_vllm {datetime.datetime.now().isoformat(timespec='seconds')} on {where}", flush=True)
+    logs = Path(tempfile.mkdtemp(prefix="vs-vllm-logs-"))
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    settings: dict[str, Any] = {}
+    for name in args.servers.split(","):
+        port = 18600 + len(table)
+        started = time.perf_counter()
+        if name == "vllm":
+            if not args.vllm_python.exists():
+                print(f"# vllm skipped: {args.vllm_python} missing (bash benchmarks/setup_vllm.sh)", flush=True)
+                continue
+            server = start_vllm(folder, dtype, port, logs, args.vllm_python)
+        elif name == "colocated-int4":
+            server = start_pdserve(name, str(default_model_path()), dtype, port, logs, ["--colocated"])
+        elif name == "colocated":
+            server = start_pdserve(name, str(folder), dtype, port, logs, ["--colocated"])
+        elif name == "pd":
+            server = start_pdserve(name, str(folder), dtype, port, logs, ["--prefill", "1", "--decode", "1"])
+        else:
+            raise SystemExit(f"unknown server {name!r}")
+        print(f"# {name} serving after {time.perf_counter() - started:.0f} s: {server.settings}", flush=True)
+        try:
+            table[name] = measure(server, args, tokenizer)
+            settings[name] = server.settings
+        finally:
+            server.stop()
+    if not table:
+        return 1
+    if args.merge and (args.out / "vs_vllm.json").is_file():
+        earlier = json.loads((args.out / "vs_vllm.json").read_text())
+        table = {**{k: v for k, v in earlier["results"].items() if k not in table}, **table}
+        settings = {**earlier.get("settings", {}), **settings}
+    print_report(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "date": str(datetime.date.today()), "dtype": dtype, "settings": settings}
+    (args.out / "vs_vllm.json").write_text(json.dumps(report | {"results": table}, indent=1))
+    try:
+        plot(table, args.out / "vs_vllm.png", where)
+        print(f"plot: {args.out / 'vs_vllm.png'}")
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install -e '.[plots]')")
+    shutil.rmtree(logs, ignore_errors=True) if not any(
+        r.get("failed") for t in table.values() for r in t.values()
+    ) else None
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
