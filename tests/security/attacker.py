@@ -15,9 +15,11 @@ from pdserve_worker.transfer.host import link_auth, wire
 from pdserve_worker.transfer.host.netio import parse_engine_id
 
 
-def connect(engine_id: str, timeout_s: float = 5.0) -> socket.socket:
+def connect(engine_id: str, timeout_s: float = 5.0, source: str | None = None) -> socket.socket:
+    """A TCP connection to `engine_id`, from the loopback address `source` when given (several
+    loopback addresses stand for several attacking hosts)."""
     host, port = parse_engine_id(engine_id)
-    sock = socket.create_connection((host, port), timeout=timeout_s)
+    sock = socket.create_connection((host, port), timeout=timeout_s, source_address=(source, 0) if source else None)
     sock.settimeout(timeout_s)
     return sock
 

@@ -39,12 +39,14 @@ def legit_connect(engine_id: str) -> int:
 def test_connections_beyond_the_cap_are_closed_at_once_and_idle_ones_time_out(decode_peer) -> None:
     decode = decode_peer(**{"pdserve.MaxLinks": "8", "pdserve.HandshakeTimeoutMs": "1500"})
     engine_id = decode.info["engine_id"]
-    idle = [attacker.connect(engine_id) for _ in range(8)]  # fill every place, say nothing
+    # Fill every place, say nothing: from addresses of their own each (one address holds at
+    # most 4 handshakes, test_transfer_accept.py), so the cap, not a share, is what fills.
+    idle = [attacker.connect(engine_id, source=f"127.0.0.{10 + i}") for i in range(8)]
     time.sleep(0.2)
     started = time.monotonic()
     # Each newcomer cuts the oldest silent handshake (review of issue 13: refusing the newest
     # let 8 squatters, renewed at each deadline, keep every genuine peer out).
-    extra = [attacker.connect(engine_id) for _ in range(20)]
+    extra = [attacker.connect(engine_id, source=f"127.0.0.{30 + i}") for i in range(20)]
     for sock in idle + extra[:12]:  # the 20 oldest are cut at once, not at their deadline
         assert attacker.recv_all_until_close(sock, timeout_s=2) == b""
         sock.close()
@@ -57,9 +59,10 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_idle_ones_time_out(de
     assert stats["handshake_evicted"] >= 21 and stats.get("handshake_timeout", 0) <= 7, stats
     assert stats["handshakes_pending"] == 0
     # Authenticated links count against the cap too: a ninth is refused, until one leaves.
-    links = [attacker.connect(engine_id) for _ in range(8)]
-    for sock in links:
-        attacker.authenticate(sock, KEY)
+    links = []
+    for _ in range(8):  # one after the other: an address's handshakes at once are capped at 8
+        links.append(attacker.connect(engine_id))
+        attacker.authenticate(links[-1], KEY)
     assert legit_connect(engine_id) == api.FAILED
     links.pop().close()
     time.sleep(0.2)

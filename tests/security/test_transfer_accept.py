@@ -45,7 +45,8 @@ def test_running_out_of_descriptors_does_not_stop_the_transfer_server_for_good(d
     try:
         # Room for 2 more descriptors: the third connection's accept() fails with EMFILE.
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_fds(pid) + 2, hard))
-        held = [attacker.connect(decode.info["engine_id"]) for _ in range(6)]
+        # From addresses of their own (one address holds at most 8 handshakes).
+        held = [attacker.connect(decode.info["engine_id"], source=f"127.0.0.{2 + i}") for i in range(6)]
         time.sleep(0.5)  # the acceptor meets EMFILE now
     finally:
         for sock in held:
@@ -64,12 +65,33 @@ def test_running_out_of_descriptors_does_not_stop_the_transfer_server_for_good(d
 def test_silent_connections_cannot_keep_a_genuine_peer_from_linking(decode_peer) -> None:
     decode = decode_peer(**{"pdserve.HandshakeTimeoutMs": "20000"})
     engine = decode.info["engine_id"]
-    squatters = [attacker.connect(engine) for _ in range(40)]  # more than the 32 pending places
+    # From 10 addresses, 4 each: more than the 32 pending places, each address at its share.
+    squatters = [attacker.connect(engine, source=f"127.0.0.{2 + i % 10}") for i in range(40)]
     try:
         time.sleep(0.3)
         for _ in range(3):  # again and again while the squatters stay
             assert "regions" in genuine_handshake(engine)
         assert decode.call("security")["handshakes_pending"] <= 32
+    finally:
+        for sock in squatters:
+            sock.close()
+
+
+def test_one_address_holds_at_most_its_share_of_the_handshakes(decode_peer) -> None:
+    """#29: one attacking address could take every pending place, or churn them by eviction
+    (a newcomer cuts the oldest), cutting a genuine prefill's handshake again and again. Now
+    one address holds at most pdserve.MaxHandshakesPerPeer (8) and its newcomers are closed."""
+    decode = decode_peer(**{"pdserve.HandshakeTimeoutMs": "20000"})
+    engine = decode.info["engine_id"]
+    squatters = [attacker.connect(engine, source="127.0.0.2") for _ in range(40)]
+    try:
+        time.sleep(0.3)
+        stats = decode.call("security")
+        assert stats["handshakes_pending"] <= 8, stats
+        assert stats.get("peer_handshake_cap", 0) >= 30, stats
+        assert stats.get("handshake_evicted", 0) == 0, stats  # nobody else's handshake was cut
+        for _ in range(3):
+            assert "regions" in genuine_handshake(engine)  # from 127.0.0.1
     finally:
         for sock in squatters:
             sock.close()

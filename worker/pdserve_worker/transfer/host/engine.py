@@ -30,7 +30,9 @@ HIXL's own behaviour, and all set by a pdserve worker, service_link.py):
   challenge-response, that they hold this key; until then the server tells a peer nothing but
   a nonce and bounds what it reads (`pdserve.HandshakeTimeoutMs`, default 5000; at most
   `pdserve.MaxLinks`, default 256, links and 32 handshakes at once, a newcomer cutting the
-  oldest handshake when all 32 are taken). With a key, the notify
+  oldest handshake when all 32 are taken; one source address holds at most
+  `pdserve.MaxHandshakesPerPeer`, default 8, of them, so a flood from one address can neither
+  fill the handshake places nor keep evicting other peers' handshakes). With a key, the notify
   inbox also takes datagrams only from this process's user.
 - `pdserve.RemoteWrite=leased`: peers WRITE only into ranges leased with `lease_write(addr,
   len)` (host-engine extension; `revoke_write(id)` ends one), else PARAM_INVALID.
@@ -112,6 +114,7 @@ OPTION_REMOTE_WRITE = "pdserve.RemoteWrite"  # "registered" (HIXL) | "leased"
 OPTION_REMOTE_READ = "pdserve.RemoteRead"  # "1" (HIXL) | "0"
 OPTION_MAX_LINKS = "pdserve.MaxLinks"
 OPTION_HANDSHAKE_TIMEOUT_MS = "pdserve.HandshakeTimeoutMs"
+OPTION_MAX_HANDSHAKES_PER_PEER = "pdserve.MaxHandshakesPerPeer"
 
 CONNECT_QUEUE_CAPACITY = 128  # HIXL's connect_pool.task_queue_capacity default
 
@@ -132,6 +135,7 @@ class HostEngineOptions:
     remote_read: bool = True
     max_links: int = 256
     handshake_timeout_ms: int = 5000
+    max_handshakes_per_peer: int = 8
 
     @classmethod
     def parse(cls, options: dict[str, str]) -> HostEngineOptions:
@@ -174,6 +178,7 @@ class HostEngineOptions:
             remote_read=remote_read == "1",
             max_links=positive(OPTION_MAX_LINKS, cls.max_links),
             handshake_timeout_ms=positive(OPTION_HANDSHAKE_TIMEOUT_MS, cls.handshake_timeout_ms),
+            max_handshakes_per_peer=positive(OPTION_MAX_HANDSHAKES_PER_PEER, cls.max_handshakes_per_peer),
         )
 
     def server_policy(self) -> ServerPolicy:
@@ -183,6 +188,7 @@ class HostEngineOptions:
             remote_read=self.remote_read,
             max_links=self.max_links,
             max_pending=min(32, self.max_links),
+            max_pending_per_peer=min(self.max_handshakes_per_peer, 32, self.max_links),
             handshake_timeout_s=self.handshake_timeout_ms / 1000.0,
         )
 

@@ -16,7 +16,10 @@ port):
   When every pending place is taken, the oldest pending handshake is cut to make room (a
   genuine peer finishes its handshake within a round trip; a squatter that connects and says
   nothing would otherwise keep every genuine prefill out); when every link is an admitted
-  one, the newcomer is closed at accept.
+  one, the newcomer is closed at accept. One source address holds at most
+  `max_pending_per_peer` handshakes (a newcomer past that is closed at accept), so a flood
+  from one address can neither take every pending place nor, by evicting, keep cutting the
+  genuine peers' handshakes.
 - A failed `accept()` (out of file descriptors: every connection to any of the process's
   ports costs one) is counted and retried after a pause; only closing the listener ends
   the acceptor.
@@ -64,6 +67,7 @@ class ServerPolicy:
     remote_read: bool = True
     max_links: int = 256
     max_pending: int = 32
+    max_pending_per_peer: int = 8  # handshakes one source address may hold at once
     handshake_timeout_s: float = 5.0
 
     def __repr__(self) -> str:  # never print the key
@@ -103,7 +107,8 @@ class HostServer:
         self._listener.bind((host, port))
         self._listener.listen(128)
         self._conns: set[socket.socket] = set()
-        self._pending: dict[socket.socket, None] = {}  # connections still in the handshake, oldest first
+        # Connections still in the handshake, oldest first, with their source address.
+        self._pending: dict[socket.socket, str] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._stopping = False
@@ -146,10 +151,17 @@ class HostServer:
                 time.sleep(ACCEPT_RETRY_S)
                 continue
             evicted: socket.socket | None = None
+            host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
             with self._lock:
                 if self._stopping:
                     conn.close()
                     return
+                if sum(1 for h in self._pending.values() if h == host) >= self.policy.max_pending_per_peer:
+                    # One address may not hold (or, by evicting, churn) every handshake place:
+                    # the newcomer goes, the other peers' handshakes stay.
+                    conn.close()
+                    self.drops.count("peer_handshake_cap", peer=host)
+                    continue
                 pending_full = len(self._pending) >= self.policy.max_pending
                 links_full = len(self._conns) >= self.policy.max_links
                 if (pending_full or links_full) and self._pending:
@@ -158,7 +170,7 @@ class HostServer:
                     links_full = False
                 if not links_full:
                     self._conns.add(conn)
-                    self._pending[conn] = None
+                    self._pending[conn] = host
                     t = threading.Thread(target=self._serve, args=(conn, peer), name=f"hixl-serve-{peer}", daemon=True)
                     self._threads = [x for x in self._threads if x.is_alive()] + [t]
             if evicted is not None:
