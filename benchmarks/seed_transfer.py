@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 for sub in ("worker", "common", "proto", "tests"):
     sys.path.insert(0, str(ROOT / sub))
 
+from pdserve_worker.free_ports import free_port  # noqa: E402
 from support.transfer_peers import PeerProcess, decode_main, grant_from_dict  # noqa: E402
 
 TRANSPORTS = {
@@ -144,14 +145,6 @@ def prefill_settings(**values: Any) -> Any:
     from pdserve_worker.settings import WorkerSettings
 
     return WorkerSettings(role="prefill", broker_address="127.0.0.1:1", broker_token="bench", **values)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def grid(args: argparse.Namespace) -> dict[int, list[int]]:

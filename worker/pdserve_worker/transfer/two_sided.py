@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import functools
 import ipaddress
 import itertools
 import logging
@@ -51,13 +50,14 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.host.netio import parse_engine_id
 from pdserve_worker.transfer.host.regions import Region, RegionTable
+from pdserve_worker.transfer.never_raises import F, never_raises
 
 log = logging.getLogger("pdserve.transfer.two_sided")
 
@@ -71,24 +71,9 @@ OPTION_TIMEOUT_MS = "pdserve.TwoSidedTimeoutMs"  # gloo's per-operation timeout 
 ACCEPT_POLL_S = 0.2
 IDLE = datetime.timedelta(days=365)  # how long a receiver waits for a pair's next message
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 def _never_raises(failed: Callable[[], Any]) -> Callable[[F], F]:
-    """HIXL's contract: status codes, never exceptions (a bug becomes FAILED and a log line)."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:
-                log.exception(kv(event="engine_call_failed", call=fn.__name__, error=repr(exc)))
-                return failed()
-
-        return cast(F, inner)
-
-    return wrap
+    return never_raises(failed, log)
 
 
 def _loopback(host: str) -> bool:
@@ -422,7 +407,7 @@ class TwoSidedEngine:
             return status
         if self.wait_transfer(req_id, timeout_in_millis / 1000) != api.SUCCESS:
             return api.TIMEOUT
-        status, state = self.get_transfer_status(req_id)
+        _, state = self.get_transfer_status(req_id)
         return api.SUCCESS if state == api.TransferStatus.COMPLETED else api.FAILED
 
     @_never_raises(lambda: (api.FAILED, api.TransferStatus.FAILED))

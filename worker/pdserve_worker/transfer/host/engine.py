@@ -78,7 +78,6 @@ locks when idle, so an idle engine burns no CPU.
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import logging
 import queue
@@ -86,7 +85,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
@@ -99,6 +98,7 @@ from pdserve_worker.transfer.host.regions import Region, RegionTable
 from pdserve_worker.transfer.host.server import HostServer, ServerPolicy
 from pdserve_worker.transfer.host.shm import ShmSegment
 from pdserve_worker.transfer.leases import LeaseTable
+from pdserve_worker.transfer.never_raises import never_raises
 
 log = logging.getLogger("pdserve.transfer.host_engine")
 
@@ -197,22 +197,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _never_raises(failed: Callable[[], Any]) -> Callable[[F], F]:
-    """The binding's contract: status codes, never exceptions. A bug becomes `failed()` (a
-    FAILED status, fresh each time, of the wrapped call's return type) plus a log line with
-    the traceback."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:
-                log.exception(kv(event="engine_call_failed", call=fn.__name__, error=repr(exc)))
-                return failed()
-
-        return cast(F, inner)
-
-    return wrap
+    """The binding's contract (never_raises.py), logged on this engine's logger."""
+    return never_raises(failed, log)
 
 
 def _status(status: int) -> Callable[[], int]:
