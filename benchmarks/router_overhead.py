@@ -49,7 +49,7 @@ class InstantBackend:
         return self.tokenize_prompt("".join(m["content"] for m in messages))
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
     ) -> AsyncIterator[TokenEvent]:
         for i in range(params.max_tokens):
             yield TokenEvent(i, " tok", "length" if i + 1 == params.max_tokens else None)
@@ -72,7 +72,7 @@ def serve(port: int) -> None:
 
 def in_process_seconds(tokens: int) -> float:
     async def consume() -> None:
-        async for _ in InstantBackend().generate([1], SamplingParams(max_tokens=tokens), "b"):
+        async for _ in InstantBackend().generate([1], SamplingParams(max_tokens=tokens), "b", cache_scope=""):
             pass
 
     start = time.perf_counter()

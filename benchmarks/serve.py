@@ -58,6 +58,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
@@ -143,6 +144,7 @@ async def one(
     output_tokens: int,
     start: float,
     headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Result:
     await asyncio.sleep(max(0.0, start + request.at - time.monotonic()))
     result = Result(request, sent=time.monotonic())
@@ -154,6 +156,7 @@ async def one(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     headers = {"x-pdserve-debug": "workers", **(headers or {})}  # the answer names its prefill
     while True:

@@ -141,7 +141,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
     raise TimeoutError(f"{url} did not serve within {timeout_s:.0f} s; log {log}")
 
 
-def start_vllm(folder: Path, dtype: str, port: int, logs: Path, python: Path) -> Server:
+def start_vllm(folder: Path, dtype: str, port: int, logs: Path, python: Path, extra: tuple[str, ...] = ()) -> Server:
     cpus = len(os.sched_getaffinity(0))
     env = {
         **os.environ,
@@ -152,7 +152,7 @@ def start_vllm(folder: Path, dtype: str, port: int, logs: Path, python: Path) ->
     }
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     argv += ["--served-model-name", "smollm2", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--max-model-len", "4096"]
+    argv += ["--max-model-len", "4096", *extra]
     log = logs / "vllm.log"
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -250,7 +250,8 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
             env.append(val(E.API_KEYS_FILE, f"{E.API_KEYS_DIR}/{E.API_KEYS_KEY}"))
     if role == "prefill":
         env.append(val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk))
-        env.append(val(E.PREFIX_CACHE_TOKENS, spec.prefill.prefix_cache_tokens))
+        if spec.prefill.prefix_cache_tokens is not None:  # unset: the worker sizes it from its memory limit
+            env.append(val(E.PREFIX_CACHE_TOKENS, spec.prefill.prefix_cache_tokens))
     if role == "decode":
         d = spec.decode
         env += [

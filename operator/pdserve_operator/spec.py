@@ -252,12 +252,13 @@ class PrefillSpec(PodOverrides):
         le=1024,
         description="Layers computed between two KV pushes (transfer of chunk k overlaps compute of k+1).",
     )
-    prefix_cache_tokens: int = Field(
-        0,
+    prefix_cache_tokens: int | None = Field(
+        None,
         ge=0,
         le=16_777_216,
         description="Tokens of prompt-prefix KV each prefill pod keeps for reuse (blocks of 16 tokens, LRU): a prompt "
-        "whose beginning was seen computes only the rest. 0: no prefix cache.",
+        "whose beginning was seen computes only the rest; a prompt reuses only its own tenant's prefixes. Unset: "
+        "a quarter of the pod's memory limit (the worker sizes it at start and logs it). 0: no prefix cache.",
     )
 
 

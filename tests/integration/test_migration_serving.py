@@ -166,7 +166,7 @@ async def run_with(c: Cluster, reqs, on_tokens, when: int = 8):
     started = [asyncio.Event() for _ in reqs]
 
     async def one(i: int) -> None:
-        async for event in c.backend.generate(reqs[i][0], reqs[i][1], f"req-{i}"):
+        async for event in c.backend.generate(reqs[i][0], reqs[i][1], f"req-{i}", cache_scope=""):
             results[i].append(event)
             if len(results[i]) == when:
                 started[i].set()

@@ -250,7 +250,7 @@ async def cluster(
 
 
 async def collect(backend: PDBackend, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
-    events = [e async for e in backend.generate(prompt, params, "req-1")]
+    events = [e async for e in backend.generate(prompt, params, "req-1", cache_scope="")]
     return [e.token_id for e in events], events
 
 
@@ -361,7 +361,9 @@ async def test_generate_needs_the_live_generation(loaded):
 @pytest.mark.asyncio
 async def test_a_client_that_leaves_mid_stream_frees_the_slot(loaded):
     async with cluster(loaded) as c:
-        stream = c.backend.generate([5, 6, 7], SamplingParams(max_tokens=MAX_LEN - 4, ignore_eos=True), "leaver")
+        stream = c.backend.generate(
+            [5, 6, 7], SamplingParams(max_tokens=MAX_LEN - 4, ignore_eos=True), "leaver", cache_scope=""
+        )
         first = await anext(stream)
         assert first.finish_reason is None
         assert c.decode.busy() == 1

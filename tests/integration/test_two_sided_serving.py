@@ -80,7 +80,9 @@ async def answers(loaded, transfer: str) -> tuple[list[list[int]], int, dict[str
     out, kv_bytes = [], 0
     async with pd(loaded, transfer) as (backend, _decode, d_backend):
         for i, text in enumerate(PROMPTS):
-            events = [e async for e in backend.generate(loaded.tokenizer.encode(text), params, f"req-{i}")]
+            events = [
+                e async for e in backend.generate(loaded.tokenizer.encode(text), params, f"req-{i}", cache_scope="")
+            ]
             out.append([e.token_id for e in events])
             info = [e.info for e in events if e.info is not None][-1]
             assert info.disaggregated and info.kv_transfer_s is not None

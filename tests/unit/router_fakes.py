@@ -25,6 +25,7 @@ class Call:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
+    cache_scope: str = ""
     tokens_sent: int = 0
     finished: bool = False  # the event with a finish_reason was handed out
     closed: bool = False  # the generator's finally ran (aclose, cancellation or normal end)
@@ -73,8 +74,10 @@ class ScriptedBackend:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
         return [ord(c) for c in text]
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
-        call = Call(list(prompt_ids), params, request_id)
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
+    ) -> AsyncIterator[TokenEvent]:
+        call = Call(list(prompt_ids), params, request_id, cache_scope=cache_scope)
         self.calls.append(call)
         generator = self._generate(call)
         # Held for the test's lifetime so garbage collection can never close a generator the

@@ -21,7 +21,7 @@ def loaded(tiny_model_dir):
 
 
 async def answer(backend: ColocatedBackend, prompt: list[int], params: SamplingParams, request_id: str):
-    return [event async for event in backend.generate(prompt, params, request_id)]
+    return [event async for event in backend.generate(prompt, params, request_id, cache_scope="")]
 
 
 @pytest.mark.asyncio
@@ -50,7 +50,9 @@ async def test_a_request_closed_early_gives_its_slot_to_the_one_waiting(loaded):
     backend.slots.release = lambda slot, generation: (log.append("free"), release(slot, generation))[1]
     backend.start()
     try:
-        first = backend.generate([5, 6, 7], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True), "leaver")
+        first = backend.generate(
+            [5, 6, 7], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True), "leaver", cache_scope=""
+        )
         await anext(first)
         waiting = asyncio.ensure_future(answer(backend, [8, 9], SamplingParams(max_tokens=3, temperature=0), "next"))
         await asyncio.sleep(0)

@@ -10,6 +10,8 @@ from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixStore
 from pdserve_worker.model.loader import load_model
 
+SCOPE = '["anonymous",""]'
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
@@ -39,7 +41,7 @@ def test_greedy_is_identical_with_and_without_the_prefix_cache(tiny) -> None:
         ref = greedy_after(model, plain, 0, ref_logits, len(prompt), 8)
 
         scratch = KVCache.allocate(layout)
-        use = store.begin(prompt, scratch, 1)
+        use = store.begin(prompt, scratch, 1, SCOPE)
         try:
             logits = model.prefill(prompt, scratch, 1, start=use.cached_tokens)
             store.finish(use, scratch, 1)
@@ -67,12 +69,12 @@ def test_packed_prefill_with_cached_starts_matches(tiny) -> None:
     ref = [model.prefill(p, KVCache.allocate(layout), 0) for p in prompts]
     store = PrefixStore(layout, num_blocks=16, block_tokens=4, revision="r")
     warm = KVCache.allocate(layout)
-    use = store.begin(prompts[0], warm, 0)
+    use = store.begin(prompts[0], warm, 0, SCOPE)
     model.prefill(prompts[0], warm, 0)
     store.finish(use, warm, 0)
     store.end(use)
     scratch = KVCache.allocate(layout)
-    uses = [store.begin(p, scratch, i) for i, p in enumerate(prompts)]
+    uses = [store.begin(p, scratch, i, SCOPE) for i, p in enumerate(prompts)]
     got = model.prefill_batch(prompts, scratch, [0, 1], starts=[u.cached_tokens for u in uses])
     for u in uses:
         store.end(u)
@@ -86,13 +88,39 @@ def test_a_whole_prompt_hit_still_computes_its_last_token_and_other_revisions_mi
     store = PrefixStore(layout, num_blocks=8, block_tokens=4, revision="a")
     prompt = list(range(5, 13))  # exactly two blocks
     cache = KVCache.allocate(layout)
-    use = store.begin(prompt, cache, 0)
+    use = store.begin(prompt, cache, 0, SCOPE)
     tiny.model.prefill(prompt, cache, 0, start=use.cached_tokens)
     store.finish(use, cache, 0)
     store.end(use)
-    again = store.begin(prompt, cache, 0)
+    again = store.begin(prompt, cache, 0, SCOPE)
     assert again.cached_tokens == 4  # not 8: the last token's logits must be computed
     store.end(again)
     store.end(again)  # idempotent on every path
     other = PrefixStore(layout, num_blocks=8, block_tokens=4, revision="b")
-    assert other.hashes(prompt) != store.hashes(prompt)
+    assert other.hashes(prompt, SCOPE) != store.hashes(prompt, SCOPE)
+
+
+def test_another_scope_finds_nothing_and_keeps_its_own_blocks(tiny) -> None:
+    """Tenant isolation (issue #30): the same tokens under another scope miss, and its own
+    prefill does not overwrite or unpublish the first scope's blocks."""
+    layout = tiny.config.kv_layout(1, 64, "float32")
+    store = PrefixStore(layout, num_blocks=16, block_tokens=4, revision="a")
+    prompt = list(range(5, 18))
+    cache = KVCache.allocate(layout)
+
+    def run(scope: str) -> int:
+        use = store.begin(prompt, cache, 0, scope)
+        try:
+            tiny.model.prefill(prompt, cache, 0, start=use.cached_tokens)
+            store.finish(use, cache, 0)
+        finally:
+            store.end(use)
+        return use.cached_tokens
+
+    a, b = '["tenant-a",""]', '["tenant-b",""]'
+    assert run(a) == 0
+    assert run(b) == 0  # A's blocks are there, and B does not find them
+    assert run(a) == 12 and run(b) == 12  # each finds its own
+    assert run('["tenant-a","salt"]') == 0  # a cache_salt narrows the scope further
+    assert store.hashes(prompt, a)[0] != store.hashes(prompt, b)[0]
+    assert store.stats().cached_blocks == 9  # three scopes of three whole blocks

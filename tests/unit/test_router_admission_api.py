@@ -60,7 +60,7 @@ class SlotBackend:
         return [ord(c) for m in messages for c in m["content"]]
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
     ) -> AsyncIterator[TokenEvent]:
         with self.lock:
             if self.used >= self.slots:

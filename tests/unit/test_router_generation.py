@@ -25,7 +25,7 @@ class IteratorBackend:
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         return [1]
 
-    def generate(self, prompt_ids, params, request_id):
+    def generate(self, prompt_ids, params, request_id, *, cache_scope):
         events = iter([TokenEvent(i, t, None, self.info if i == 1 else None) for i, t in enumerate(self.texts)])
 
         class It:
@@ -42,7 +42,7 @@ class IteratorBackend:
 
 
 def collect(backend, **params) -> tuple[list[Delta], Generation]:
-    gen = Generation(backend, [1, 2, 3], SamplingParams(**params), "req-1", arrived=0.0)
+    gen = Generation(backend, [1, 2, 3], SamplingParams(**params), "req-1", arrived=0.0, cache_scope="")
 
     async def run() -> list[Delta]:
         return [d async for d in gen.deltas()]

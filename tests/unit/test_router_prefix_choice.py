@@ -11,6 +11,7 @@ from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.pd_backend import PDBackend
 
 REV = "r1"
+SCOPE = '["anonymous",""]'
 
 
 def prefill(worker_id: str, queued: int = 0) -> Member:
@@ -45,7 +46,7 @@ def test_interleaved_system_prompts_stay_on_their_prefill_and_the_load_stays_eve
     for _ in range(60):
         s = rng.randrange(4)
         tokens = systems[s] + [rng.randrange(30_000) for _ in range(rng.randrange(10, 200))]
-        chosen = pd._pick_prefill(set(), tokens).worker_id
+        chosen = pd._pick_prefill(set(), tokens, SCOPE).worker_id
         if s in home:
             repeats += 1
             hits += chosen in home[s]
@@ -61,11 +62,11 @@ def test_a_busy_holder_loses_the_request_and_a_departed_one_is_forgotten() -> No
     members = [prefill("p0"), prefill("p1")]
     pd = backend(members)
     prompt = list(range(400))
-    first = pd._pick_prefill(set(), prompt).worker_id
-    assert pd._pick_prefill(set(), prompt + [7]).worker_id == first
+    first = pd._pick_prefill(set(), prompt, SCOPE).worker_id
+    assert pd._pick_prefill(set(), prompt + [7], SCOPE).worker_id == first
     # The holder's queue grows past the bound: the other one takes it.
     pd._view.members[first] = prefill(first, queued=9)
-    other = pd._pick_prefill(set(), prompt + [8]).worker_id
+    other = pd._pick_prefill(set(), prompt + [8], SCOPE).worker_id
     assert other != first
     pd._view.members[first] = prefill(first)
     pd._on_member(MemberEvent(EventType.REMOVED, pd._view.members[other]))
@@ -74,4 +75,24 @@ def test_a_busy_holder_loses_the_request_and_a_departed_one_is_forgotten() -> No
 
 def test_prefix_routing_off_is_the_shortest_queue() -> None:
     pd = backend([prefill("p0", queued=3), prefill("p1", queued=1)], prefix_history_blocks=0)
-    assert pd._pick_prefill(set(), list(range(100))).worker_id == "p1"
+    assert pd._pick_prefill(set(), list(range(100)), SCOPE).worker_id == "p1"
+
+
+def test_the_prediction_is_per_scope() -> None:
+    """Another tenant's prompt of the same tokens is predicted to be cached nowhere (the
+    prefill would not find it): its choice is not a prefix hit, while the first tenant's is."""
+    pd = backend([prefill("p0"), prefill("p1")])
+    prompt = list(range(400))
+
+    def prefix_routed() -> float:
+        text = pd._metrics.exposition().decode()
+        prefix = 'pdserve_router_prefix_routed_total{reason="prefix"}'
+        line = next((x for x in text.splitlines() if x.startswith(prefix)), "")
+        return float(line.split()[-1]) if line else 0.0
+
+    pd._pick_prefill(set(), prompt, '["a",""]')
+    start = prefix_routed()
+    pd._pick_prefill(set(), prompt, '["b",""]')
+    assert prefix_routed() == start  # b's is not a hit
+    pd._pick_prefill(set(), prompt, '["a",""]')
+    assert prefix_routed() == start + 1  # a's repeat is

@@ -69,7 +69,7 @@ class LocalPlan:
     max_len: int | None = None  # tokens per request; None: 2048, or the model's context if shorter
     kv_block_tokens: int = 16  # decode KV blocks (0: max-length slots)
     kv_tokens: int = 0  # decode KV pool in tokens (0: slots x max_len)
-    prefix_cache_tokens: int = 0  # prefill prefix cache (0: off)
+    prefix_cache_tokens: int | None = None  # prefill prefix cache in tokens (None: auto, a memory share; 0: off)
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
@@ -98,6 +98,10 @@ class LocalPlan:
     @property
     def model_processes(self) -> int:
         return 1 if self.colocated else self.prefill + self.decode * self.layer_shards
+
+    def memory_share(self) -> float:
+        """The part of the machine's memory each model process may size its caches from."""
+        return 1.0 / self.model_processes
 
     def threads_per_process(self) -> int:
         if self.threads:
@@ -284,7 +288,28 @@ class LocalDeployment:
             raise LocalStartError(f"{exc}; choose a smaller --max-len") from None
         if self.plan.max_len is None and max_len < DEFAULT_MAX_LEN:
             self.say(f"max_len {max_len}: the model's context (--max-len sets it)")
+        self._say_prefix_cache(config.kv_bytes_per_token(self.dtype))
         return max_len
+
+    def _say_prefix_cache(self, kv_bytes_per_token: int) -> None:
+        """What each prefill (or the colocated process) will keep of prompt prefixes."""
+        plan = self.plan
+        if plan.prefix_cache_tokens == 0:
+            self.say("prefix cache off (--prefix-cache-tokens 0)")
+            return
+        if plan.prefix_cache_tokens is not None:
+            self.say(f"prefix cache: {plan.prefix_cache_tokens} tokens per prefill (--prefix-cache-tokens)")
+            return
+        from pdserve_worker.kv.memory_budget import PREFIX_CACHE_FRACTION, auto_prefix_tokens, memory_limit
+
+        limit, share = memory_limit(), plan.memory_share()
+        block = S.WorkerSettings.model_fields["prefix_block_tokens"].default
+        tokens = auto_prefix_tokens(limit.bytes, share, kv_bytes_per_token, block)
+        self.say(
+            f"prefix cache: up to {tokens} tokens per prefill ({PREFIX_CACHE_FRACTION:.0%} of its 1/"
+            f"{plan.model_processes} share of {limit.bytes / 2**30:.1f} GiB, {limit.source}; "
+            "--prefix-cache-tokens sets it, 0 turns it off)"
+        )
 
     def _start_broker(self) -> None:
         port = free_port()
@@ -324,7 +349,8 @@ class LocalDeployment:
                 E.SLOTS: str(plan.slots),
                 E.KV_BLOCK_TOKENS: str(plan.kv_block_tokens),
                 E.KV_TOKENS: str(plan.kv_tokens),
-                E.PREFIX_CACHE_TOKENS: str(plan.prefix_cache_tokens),
+                E.PREFIX_CACHE_TOKENS: "auto" if plan.prefix_cache_tokens is None else str(plan.prefix_cache_tokens),
+                S.MEMORY_SHARE: repr(plan.memory_share()),
                 E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
                 E.READINESS_MODE: plan.readiness,
                 E.TRANSFER_BACKEND: plan.transfer,

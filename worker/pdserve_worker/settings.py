@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common import pod_env as E
@@ -46,6 +46,7 @@ MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are a
 PREFIX_BLOCK_TOKENS = "PDSERVE_PREFIX_BLOCK_TOKENS"  # prefill: tokens per prefix-cache block
 PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
+MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
 # Every HTTP port (router API, pod probes, admin): a request must arrive whole within this
 # many seconds, and connections past the cap are closed at once (router/http_guard.py).
@@ -98,9 +99,12 @@ class WorkerSettings(BaseSettings):
     # memory); `slots` then caps concurrent requests only.
     kv_block_tokens: int = Field(16, ge=0, le=4096, validation_alias=E.KV_BLOCK_TOKENS)
     kv_tokens: int = Field(0, ge=0, validation_alias=E.KV_TOKENS)
-    # Prefill: tokens of prompt-prefix KV kept for reuse (0: no prefix cache), in blocks of
-    # prefix_block_tokens.
-    prefix_cache_tokens: int = Field(0, ge=0, validation_alias=E.PREFIX_CACHE_TOKENS)
+    # Prefill: tokens of prompt-prefix KV kept for reuse, in blocks of prefix_block_tokens.
+    # None (unset, or "auto"): a share of this process's memory (kv/memory_budget.py); 0: off.
+    prefix_cache_tokens: int | None = Field(None, ge=0, validation_alias=E.PREFIX_CACHE_TOKENS)
+    # The part of the memory limit (the pod's cgroup, else the machine) this process counts as
+    # its own when it sizes a cache: 1 in a pod; `pdserve local` gives each model process its share.
+    memory_share: float = Field(1.0, gt=0, le=1, validation_alias=MEMORY_SHARE)
     prefix_block_tokens: int = Field(16, ge=1, le=4096, validation_alias=PREFIX_BLOCK_TOKENS)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)
@@ -135,6 +139,11 @@ class WorkerSettings(BaseSettings):
     tls_ca: Path | None = Field(None, validation_alias=E.TLS_CA)
     tls_server_name: str = Field("", validation_alias=E.TLS_SERVER_NAME)
     broker_tls: bool | None = Field(None, validation_alias=E.BROKER_TLS)  # None: as the worker's own TLS
+
+    @field_validator("prefix_cache_tokens", mode="before")
+    @classmethod
+    def _auto_is_none(cls, value: object) -> object:
+        return None if isinstance(value, str) and value.strip().lower() in ("", "auto") else value
 
     @model_validator(mode="after")
     def _consistent(self) -> WorkerSettings:

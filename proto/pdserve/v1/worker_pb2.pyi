@@ -182,18 +182,20 @@ class DecodeStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., notifies_dropped: _Optional[int] = ..., transfer_refusals: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "targets", "num_generated")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "targets", "num_generated", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     targets: _containers.RepeatedCompositeFieldContainer[Grant]
     num_generated: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., targets: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., targets: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., num_generated: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token", "num_tokens", "kv_bytes", "push_seconds", "prefill_seconds", "cached_tokens")

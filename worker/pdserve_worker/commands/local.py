@@ -64,8 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefix-cache-tokens",
         type=int,
-        default=0,
-        help="prefill: tokens of prompt-prefix KV kept for reuse (default 0: no prefix cache)",
+        default=None,
+        help="prefill: tokens of prompt-prefix KV kept for reuse (default: a quarter of each prefill's "
+        "share of the machine's memory; 0: no prefix cache)",
     )
     p.add_argument(
         "--max-len",

@@ -88,7 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--kv-block-tokens", type=int, default=None, help="decode: tokens per KV block (0: max-length slots)"
     )
     p.add_argument("--kv-tokens", type=int, default=None, help="decode: KV pool in tokens (0: slots x max-len)")
-    p.add_argument("--prefix-cache-tokens", type=int, default=None, help="prefill: prefix cache in tokens (0: off)")
+    p.add_argument(
+        "--prefix-cache-tokens", type=int, default=None, help="prefill: prefix cache in tokens (default: auto; 0: off)"
+    )
     p.add_argument("--layers-per-chunk", type=int, default=None, help="prefill: layers between two KV pushes")
     p.add_argument("--readiness", choices=["interrupt", "poll", "spin"], default=None, help="decode: readiness mode")
     p.add_argument("--drain-timeout", type=float, default=None, help="decode: seconds /drain may wait")

@@ -2,10 +2,14 @@
 
 A prompt is cut into blocks of `block_tokens` tokens; block i is named by a hash chained over
 every token before it: h_i = SHA-256(h_{i-1} || tokens of block i), with h_{-1} derived from a
-*salt* of the model revision, KV dtype and block size. Two prompts share the name of block i
-exactly when they share tokens [0, (i+1)*B) and the model that computes the KV, so a hit is
-the KV this prefill would compute (a causal model's KV of a token depends only on the tokens
-before it). Only whole blocks are named; the tail of a prompt is always computed.
+*salt* of the model revision, KV dtype and block size, narrowed by the request's *scope*
+(`scoped_salt`: its tenant, and the `cache_salt` it may name; router/cache_scope.py). Two
+prompts share the name of block i exactly when they share tokens [0, (i+1)*B), the model that
+computes the KV and the scope, so a hit is the KV this prefill would compute (a causal model's
+KV of a token depends only on the tokens before it), and a prompt of one tenant never finds,
+by its `cached_tokens` or by its speed, a block another tenant's prompt put there (vLLM's
+`cache_salt` is mixed into the first block's hash the same way). Only whole blocks are named;
+the tail of a prompt is always computed.
 
 A cryptographic hash, not Python's `hash()` or xxhash: whoever can send prompts chooses the
 hashed input, and a collision would hand one user's KV to another's prompt. vLLM made the same
@@ -45,6 +49,14 @@ HASH_BYTES = 32
 def cache_salt(revision: str, dtype: str, block_tokens: int) -> bytes:
     """The root of every hash chain: KV of another model, dtype or block size never matches."""
     return hashlib.sha256(f"pdserve-prefix|{revision}|{dtype}|{block_tokens}".encode()).digest()
+
+
+def scoped_salt(salt: bytes, scope: str) -> bytes:
+    """The root of the chains of one scope: prompts of different scopes share no block name.
+
+    The scope is hashed behind a separator rather than appended to the token bytes so that no
+    choice of scope string can produce another scope's root (SHA-256 is collision resistant)."""
+    return hashlib.sha256(salt + b"|scope|" + scope.encode("utf-8")).digest()
 
 
 def block_hashes(tokens: Sequence[int], block_tokens: int, salt: bytes) -> list[bytes]:

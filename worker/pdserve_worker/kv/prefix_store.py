@@ -10,10 +10,12 @@ the prefill computes at ~1,000 tokens/s: the copy costs well under 1% of what it
 push path, the chunk pipelining and the packed multi-prompt pass stay exactly as they are.
 
 The store's memory is the bound: `num_blocks` blocks of `block_tokens` tokens of every layer,
-fixed at start (`prefill.prefixCacheTokens`).
+fixed at start (`prefill.prefixCacheTokens`; unset, a share of the process's memory:
+kv/memory_budget.py, `open_prefix_store`). The tensor is allocated empty, not zeroed: a block is
+read only after `finish` wrote it, so pages of a budget that is never filled are never touched.
 
 Use, on the compute thread, exactly as:
-    use = store.begin(prompt, cache, slot)    # hits copied in; use.cached_tokens of the prompt
+    use = store.begin(prompt, cache, slot, scope)  # hits copied in; use.cached_tokens of the prompt
     ... model.prefill(prompt, cache, slot, start=use.cached_tokens) ...
     store.finish(use, cache, slot)            # new whole blocks copied out and published
     store.end(use)                            # always (finally): unpins, exactly once
@@ -21,14 +23,24 @@ Use, on the compute thread, exactly as:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve_common.kv_layout import KVLayout
+from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, torch_dtype
-from pdserve_worker.kv.prefix_cache import PrefixCache, PrefixCacheStats, PrefixLease, block_hashes, cache_salt
+from pdserve_worker.kv.memory_budget import prefix_budget
+from pdserve_worker.kv.prefix_cache import (
+    PrefixCache,
+    PrefixCacheStats,
+    PrefixLease,
+    block_hashes,
+    cache_salt,
+    scoped_salt,
+)
 
 
 @dataclass
@@ -51,20 +63,22 @@ class PrefixStore:
         self.cache = PrefixCache(num_blocks, block_tokens)
         # [block, layer, K|V, token, kv_head, head_dim]: one block of every layer is one slice.
         shape = (num_blocks, layout.num_layers, 2, block_tokens, layout.kv_heads, layout.head_dim)
-        self.blocks = torch.zeros(shape, dtype=torch_dtype(layout.dtype), device=device)
+        self.blocks = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=device)
 
     @property
     def nbytes(self) -> int:
         return int(self.blocks.numel() * self.blocks.element_size())
 
-    def hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        return block_hashes(prompt, self.block_tokens, self.salt)
+    def hashes(self, prompt: Sequence[int], scope: str) -> list[bytes]:
+        """The prompt's block names within `scope` (router/cache_scope.py): another scope's
+        prompt of the same tokens has other names, so it neither finds nor feeds these blocks."""
+        return block_hashes(prompt, self.block_tokens, scoped_salt(self.salt, scope))
 
-    def begin(self, prompt: Sequence[int], cache: KVCache, slot: int) -> PrefixUse:
-        """Pin the longest cached prefix (leaving at least one token to compute), copy it into
-        `slot` of `cache`, and reserve blocks for the prompt's other whole blocks."""
+    def begin(self, prompt: Sequence[int], cache: KVCache, slot: int, scope: str) -> PrefixUse:
+        """Pin the longest cached prefix of `scope` (leaving at least one token to compute),
+        copy it into `slot` of `cache`, and reserve blocks for the prompt's other whole blocks."""
         self._check(cache)
-        hashes = self.hashes(prompt)
+        hashes = self.hashes(prompt, scope)
         lease = self.cache.acquire(hashes, limit=(len(prompt) - 1) // self.block_tokens)
         try:
             bt = self.block_tokens
@@ -104,3 +118,33 @@ class PrefixStore:
             theirs.dtype,
         ):
             raise ValueError(f"prefix store geometry {mine} does not match the scratch pool {theirs}")
+
+
+def kv_bytes_per_token(layout: KVLayout) -> int:
+    """One token's K and V over every layer of `layout`: what a cached token costs."""
+    return layout.num_layers * 2 * layout.bytes_per_token
+
+
+def open_prefix_store(
+    layout: KVLayout,
+    requested: int | None,
+    memory_share: float,
+    block_tokens: int,
+    revision: str,
+    device: str | torch.device = "cpu",
+    logger: logging.Logger | None = None,
+) -> PrefixStore | None:
+    """The prefill's prefix cache: `requested` tokens (0: none), or when None a share of the
+    process's memory (kv/memory_budget.py). Logs what it chose and why, once, at start."""
+    budget = prefix_budget(requested, memory_share, kv_bytes_per_token(layout), block_tokens, str(device))
+    blocks = (
+        budget.tokens // block_tokens if requested is None else (max(1, requested // block_tokens) if requested else 0)
+    )
+    log = logger or logging.getLogger("pdserve.prefix")
+    mode = "auto" if requested is None else "set"
+    if blocks < 1:
+        log.info(kv(event="prefix_cache_off", mode=mode, **budget.describe()))
+        return None
+    store = PrefixStore(layout, blocks, block_tokens, revision, device=device)
+    log.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=block_tokens, **budget.describe()))
+    return store

@@ -501,6 +501,7 @@ async def _run_colocated(settings: WorkerSettings) -> None:
         model_name=served_name(settings, folder),
         prefix_cache_tokens=settings.prefix_cache_tokens,
         prefix_block_tokens=settings.prefix_block_tokens,
+        memory_share=settings.memory_share,
     )
     backend.start()
     try:

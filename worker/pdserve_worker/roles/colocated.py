@@ -4,8 +4,9 @@ The generation loop prefills a new prompt between decode steps, in the same thre
 a long prompt is prefilled every running request waits: this is the interference that PD
 disaggregation removes, and what `benchmarks/serve.py` measures it against.
 
-With `prefix_cache_tokens` > 0 the prefill reuses cached prompt prefixes as a prefill worker
-does (kv/prefix_store.py), and the first event reports the cached tokens.
+With a prefix cache (`prefix_cache_tokens` > 0, or None: sized from memory as a prefill's is)
+the prefill reuses cached prompt prefixes as a prefill worker does (kv/prefix_store.py), and
+the first event reports the cached tokens.
 
 Slots are owned as on a decode: a `SlotTable` grants one per request and takes it back when
 the loop says the request left the batch. Requests beyond the free slots wait for one here,
@@ -19,7 +20,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
-from pdserve_worker.kv.prefix_store import PrefixStore
+from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import LoadedModel
@@ -41,8 +42,9 @@ class ColocatedBackend(ModelTokenizing):
         slots: int,
         max_len: int,
         model_name: str | None = None,
-        prefix_cache_tokens: int = 0,
+        prefix_cache_tokens: int | None = 0,
         prefix_block_tokens: int = 16,
+        memory_share: float = 1.0,
         revision: str = "",
     ) -> None:
         self.model_name = model_name or loaded.name
@@ -52,22 +54,17 @@ class ColocatedBackend(ModelTokenizing):
         cache = colocated_cache(model, slots, max_len)
         self.slots = SlotTable(cache.layout, quarantine_s=0.0)
         self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
-        self.prefix: PrefixStore | None = None
-        if prefix_cache_tokens:
-            self.prefix = PrefixStore(
-                cache.layout,
-                max(1, prefix_cache_tokens // prefix_block_tokens),
-                prefix_block_tokens,
-                revision or loaded.name,
-                device=model.device,
-            )
+        self.prefix: PrefixStore | None = open_prefix_store(
+            cache.layout, prefix_cache_tokens, memory_share, prefix_block_tokens, revision or loaded.name, model.device
+        )
         self._cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
+        self._scope: dict[int, str] = {}  # slot -> the cache scope of the request it holds
         store = self.prefix
 
         def prefill(prompt: list[int], slot: int, params: SamplingParams) -> int:
             if store is None:
                 return prefill_first_token(model, cache, slot, prompt, params)
-            use = store.begin(prompt, cache, slot)
+            use = store.begin(prompt, cache, slot, self._scope[slot])
             try:
                 first = prefill_first_token(model, cache, slot, prompt, params, start=use.cached_tokens)
                 store.finish(use, cache, slot)
@@ -89,7 +86,7 @@ class ColocatedBackend(ModelTokenizing):
         return {"ready": True, "members": {"colocated": 1}}
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
     ) -> AsyncIterator[TokenEvent]:
         free = self._free
         if free is None:
@@ -104,6 +101,7 @@ class ColocatedBackend(ModelTokenizing):
             with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits any more
                 event_loop.call_soon_threadsafe(free.release)
 
+        self._scope[grant.slot] = cache_scope  # read by the prefill on the loop's thread; the slot is ours
         try:
             stream = self.loop.submit(request_id, prompt_ids, grant.slot, params, done)
         except BaseException:

@@ -54,7 +54,7 @@ from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, 
 from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
+from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import Sampler
@@ -71,6 +71,7 @@ log = logging.getLogger("pdserve.prefill")
 # A Cancel that arrives before its Prefill is remembered this long, for at most this many ids.
 CANCEL_MEMORY_S = 60.0
 CANCEL_MEMORY_MAX = 4096
+MAX_CACHE_SCOPE_CHARS = 1024  # a tenant name and a cache_salt, JSON-quoted (router/cache_scope.py)
 
 JobKey = tuple[str, int, int]  # (request_id, slot, generation) of the request's first target
 
@@ -99,6 +100,7 @@ class _Job:
     pusher: KVPusher | None = None
     settled: bool = False  # an outcome was handed to `done` (set on the compute thread)
     trace: Any = None  # the request's prefill span (tracing.py); children are timed on the compute thread
+    cache_scope: str = ""  # which cached prefixes it may reuse (router/cache_scope.py)
 
 
 def _mark(exc: BaseException, settled: bool) -> BaseException:
@@ -132,15 +134,15 @@ class PrefillWorker:
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = KVCache(layout, self.pool.tensor)
         self.source = PushSource(self.pool.base_addr, layout, slot=0)
-        self.prefix: PrefixStore | None = None
-        if settings.prefix_cache_tokens:
-            bt = settings.prefix_block_tokens
-            self.prefix = PrefixStore(
-                layout, max(1, settings.prefix_cache_tokens // bt), bt, revision, device=settings.device
-            )
-            log.info(
-                kv(event="prefix_cache", blocks=self.prefix.cache.num_blocks, block_tokens=bt, bytes=self.prefix.nbytes)
-            )
+        self.prefix = open_prefix_store(
+            layout,
+            settings.prefix_cache_tokens,
+            settings.memory_share,
+            settings.prefix_block_tokens,
+            revision,
+            device=settings.device,
+            logger=log,
+        )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
         self._pending: deque[_Job] = deque()
         self._lock = threading.Lock()
@@ -235,6 +237,7 @@ class PrefillWorker:
         targets: list[Grant],
         num_generated: int,
         trace: Any = None,
+        cache_scope: str = "",
     ) -> PrefillResult:
         """Queue one prefill on the compute thread and wait for it (the event loop stays free).
 
@@ -254,6 +257,7 @@ class PrefillWorker:
             loop,
             loop.create_future(),
             trace=trace,
+            cache_scope=cache_scope,
         )
         self.queued += 1
         try:
@@ -377,7 +381,7 @@ class PrefillWorker:
         try:
             if self.prefix is not None:
                 for slot, job in live:
-                    uses[slot] = self.prefix.begin(job.prompt, self.cache, slot)
+                    uses[slot] = self.prefix.begin(job.prompt, self.cache, slot, job.cache_scope)
             starts = [uses[slot].cached_tokens if uses else 0 for slot, _ in live]
             try:
                 if len(live) == 1:
@@ -507,6 +511,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {self.w.cache.layout.max_len}",
                 settled,
             )
+        if len(request.cache_scope) > MAX_CACHE_SCOPE_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cache_scope has {len(request.cache_scope)} characters, at most {MAX_CACHE_SCOPE_CHARS}",
+                settled,
+            )
         try:
             params = sampling_from_proto(request.sampling)
             targets = push_targets_from_proto(request)
@@ -549,7 +559,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         trace: Any,
     ) -> PrefillResult:
         try:
-            return await self.w.prefill(request.request_id, prompt, params, targets, request.num_generated, trace=trace)
+            return await self.w.prefill(
+                request.request_id,
+                prompt,
+                params,
+                targets,
+                request.num_generated,
+                trace=trace,
+                cache_scope=request.cache_scope,
+            )
         except PrefillCancelled as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc), settled_trailer(push_settled_of(exc)))
         except PushError as exc:

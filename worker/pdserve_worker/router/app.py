@@ -48,6 +48,7 @@ from pdserve_worker import __version__
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.router.admission import AdmissionQueue, Rejected, State, Ticket
 from pdserve_worker.router.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
+from pdserve_worker.router.cache_scope import cache_scope
 from pdserve_worker.router.errors import (
     ApiError,
     from_backend_error,
@@ -407,7 +408,15 @@ class _Router:
                 "pdserve.priority.requested": priority,
             }
         )
-        gen = Generation(self.backend, prompt_ids, params, request_id, arrived, trace=trace)
+        gen = Generation(
+            self.backend,
+            prompt_ids,
+            params,
+            request_id,
+            arrived,
+            trace=trace,
+            cache_scope=cache_scope(tenant, body.cache_salt),
+        )
         gen.show_workers = self._shows_workers(request, tenant)
         fmt_type = ChatResponseFormat if chat else ResponseFormat
         fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)

@@ -95,9 +95,14 @@ class Backend(Protocol):
         """Token ids of a conversation after the model's chat template, ready for the reply."""
         ...
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[TokenEvent]:
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
+    ) -> AsyncIterator[TokenEvent]:
         """Stream the tokens generated after `prompt_ids`; stop strings, stop token ids and EOS are
-        the backend's job (its text never holds a stop string, and it ends with "stop")."""
+        the backend's job (its text never holds a stop string, and it ends with "stop").
+
+        `cache_scope` (router/cache_scope.py) bounds which other prompts' cached prefix KV this
+        one may reuse: a backend with a prefix cache roots the prompt's block hashes in it."""
         ...
 
 

@@ -57,6 +57,8 @@ class Generation:
         request_id: str,
         arrived: float,
         trace: Any = tracing.NOOP,
+        *,
+        cache_scope: str,
     ) -> None:
         self._backend = backend
         self.trace = trace  # the request's span (tracing.py): current around every step of the backend
@@ -69,6 +71,7 @@ class Generation:
         self.last_token: float | None = None
         self.finish_reason: FinishReason | None = None
         self.info: RequestInfo | None = None
+        self.cache_scope = cache_scope  # which cached prefixes it may reuse (router/cache_scope.py)
         self.show_workers = False  # name the prefill and decode in the response (a debug header the key allows)
 
     @property
@@ -88,7 +91,9 @@ class Generation:
         final: Delta | None = None
         # aclosing: leaving this block early (finish, cancellation) closes the backend's
         # generator, which is how the backend learns to release the request's slot.
-        async with _closing(self._backend.generate(self._prompt_ids, self._params, self.request_id)) as events:
+        async with _closing(
+            self._backend.generate(self._prompt_ids, self._params, self.request_id, cache_scope=self.cache_scope)
+        ) as events:
             while True:
                 with tracing.use(self.trace):  # the backend's spans and gRPC calls join the request's trace
                     try:

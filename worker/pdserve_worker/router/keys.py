@@ -12,6 +12,7 @@ key `keys.yaml`; `pdserve local --api-keys FILE` points at one directly):
         maxPriority: high             # the highest priority class its requests may ask for
         weight: 1                     # share of the token throughput within a priority class
         debug: false                  # may ask for the serving workers' names (x-pdserve-debug: workers)
+        sharePrefixCache: false       # reuse cached prompt prefixes with the other tenants that say so
 
 Rules that hold whatever the file says:
 - a key is known only by its SHA-256 digest in memory; the file may hold digests alone, so a
@@ -70,6 +71,9 @@ class TenantLimits(BaseModel):
     # May ask, with `x-pdserve-debug: workers`, for the names of the prefill and decode that
     # served a request (internal topology, off by default).
     debug: bool = False
+    # Reuse cached prompt prefixes with every other tenant that sets it too (router/cache_scope.py);
+    # off, a tenant's prompts share prefix-cache blocks with its own prompts only.
+    share_prefix_cache: bool = Field(False, alias="sharePrefixCache")
 
     def per_replica(self, replicas: int) -> TenantLimits:
         """This router's share when `replicas` routers serve the tenant: each enforces 1/N of the

@@ -48,6 +48,8 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS
 MAX_MESSAGES = 2048
 MAX_MODEL_NAME_CHARS = 256
 
+MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mistake
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -78,6 +80,9 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
     user: str | None = None
+    # vLLM's field: only requests naming the same salt (of the same tenant) share cached
+    # prefix KV (router/cache_scope.py).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -48,7 +48,7 @@ from pdserve_common.channels import aio_channel
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Member, MemberEvent, Role
 from pdserve_worker.broker_client import BrokerClient, MembershipView
-from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt
+from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.backend import (
@@ -245,7 +245,7 @@ class PDBackend(ModelTokenizing):
     # ---- one request ------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
     ) -> AsyncIterator[TokenEvent]:
         """Serve one request; a decode or prefill that fails midway is replaced (at most `max_retries` times).
 
@@ -263,7 +263,9 @@ class PDBackend(ModelTokenizing):
             if seeds and params.seed is None:
                 params = params.model_copy(update={"seed": seeds[-1]})  # a resume samples as the source did
             try:
-                async for event in self._attempt(prompt_ids, emitted, params, request_id, avoid, retries, seeds):
+                async for event in self._attempt(
+                    prompt_ids, emitted, params, request_id, avoid, retries, seeds, cache_scope
+                ):
                     if event.token_id is not None:
                         emitted.append(event.token_id)
                     yield event
@@ -321,6 +323,7 @@ class PDBackend(ModelTokenizing):
         avoid: set[str],
         retries: int,
         seeds: list[int],
+        cache_scope: str,
     ) -> AsyncIterator[TokenEvent]:
         """One road through a decode and a prefill; failures a retry may cure raise `_Retryable`.
 
@@ -331,7 +334,7 @@ class PDBackend(ModelTokenizing):
         """
         tokens = prompt_ids + emitted
         sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
-        prefill = self._pick_prefill(avoid, tokens)
+        prefill = self._pick_prefill(avoid, tokens, cache_scope)
         # One span per attempt, ended by hand (this is a generator: tracing.py on spans across yields).
         attempt = tracing.start_span(
             "router.attempt",
@@ -388,6 +391,7 @@ class PDBackend(ModelTokenizing):
                             sampling=sampling,
                             targets=push_targets(grant),
                             num_generated=len(emitted),
+                            cache_scope=cache_scope,
                         ),
                         timeout=self._t.prefill_s,
                     )
@@ -541,7 +545,7 @@ class PDBackend(ModelTokenizing):
 
     # ---- choosing members ----------------------------------------------------------------------------
 
-    def _pick_prefill(self, avoid: set[str], tokens: list[int]) -> Member:
+    def _pick_prefill(self, avoid: set[str], tokens: list[int], cache_scope: str) -> Member:
         """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
         (router/prefix_routing.py), else the shortest queue; remembered as holding it now."""
         ranked = _excluding(rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision), avoid)
@@ -551,7 +555,7 @@ class PDBackend(ModelTokenizing):
             return ranked[0]
         by_id = {m.worker_id: m for m in ranked}
         ids = list(by_id)
-        hashes = block_hashes(tokens, self._prefix_block_tokens, self._prefix_salt)
+        hashes = block_hashes(tokens, self._prefix_block_tokens, scoped_salt(self._prefix_salt, cache_scope))
         queues = {m.worker_id: estimated_queue(m, self._inflight_prefill[m.worker_id]) for m in ranked}
         choice = choose_prefill(ids, queues, self._prefixes.matches(ids, hashes), self._recent.counts(), self._balance)
         self._prefixes.record(choice.worker_id, hashes)
