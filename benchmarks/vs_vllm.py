@@ -132,7 +132,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
         if proc.poll() is not None:
             raise RuntimeError(f"server exited ({proc.returncode}); its log: {log}\n{log.read_text()[-3000:]}")
         try:
-            served = httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+            served = httpx.get(f"{url}/v1/models", timeout=2).status_code in (200, 401)  # 401: it has API keys
         except httpx.HTTPError:
             served = False
         if served and (not announce or any(line.strip() == url for line in log.read_text().splitlines())):
@@ -156,8 +156,14 @@ def start_vllm(folder: Path, dtype: str, port: int, logs: Path, python: Path, ex
     log = logs / "vllm.log"
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc, log, 900)
-    return Server("vllm", url, proc, log, vllm_settings(log.read_text()))
+    server = Server("vllm", url, proc, log, {})
+    try:
+        wait_ready(url, proc, log, 900)
+    except BaseException:
+        server.stop()  # a server that never served is not left behind
+        raise
+    server.settings = vllm_settings(log.read_text())
+    return server
 
 
 def vllm_settings(text: str) -> dict[str, Any]:
@@ -185,8 +191,13 @@ def start_pdserve(name: str, model: str, dtype: str, port: int, logs: Path, extr
     log = logs / f"{name}.log"
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc, log, 600, announce=True)
-    return Server(name, url, proc, log, {"argv": " ".join(argv[1:])})
+    server = Server(name, url, proc, log, {"argv": " ".join(argv[1:])})
+    try:
+        wait_ready(url, proc, log, 600, announce=True)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 # ---- the load ----------------------------------------------------------------------------------------

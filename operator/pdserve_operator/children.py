@@ -33,6 +33,7 @@ TOKEN_KEY = "token"
 CONFIG_KEY = "service.json"
 CONFIG_DIR = "/etc/pdserve"
 MODELS_DIR = "/models"
+PREFIX_DISK_DIR = "/var/cache/pdserve/prefix"  # the prefill's emptyDir for the prefix cache's disk tier
 WORKER_UID = 1000
 # Labels of the operator's own pods (the Helm chart sets them): a NetworkPolicy peer.
 OPERATOR_POD_LABELS = {LABEL_NAME: "pdserve-operator"}
@@ -252,6 +253,10 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
         env.append(val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk))
         if spec.prefill.prefix_cache_tokens is not None:  # unset: the worker sizes it from its memory limit
             env.append(val(E.PREFIX_CACHE_TOKENS, spec.prefill.prefix_cache_tokens))
+        if spec.prefill.prefix_disk_gib is not None:
+            env.append(val(E.PREFIX_DISK_DIR, PREFIX_DISK_DIR))
+            # 95% of the volume: the kubelet evicts a pod whose emptyDir passes its sizeLimit.
+            env.append(val(E.PREFIX_DISK_BYTES, int(spec.prefill.prefix_disk_gib * 2**30 * 0.95)))
     if role == "decode":
         d = spec.decode
         env += [
@@ -343,6 +348,9 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
         # The host transfer engine keeps KV pools in shared memory; the container default is 64 MiB.
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        if role == "prefill" and spec.prefill.prefix_disk_gib is not None:
+            mounts.append({"name": "prefix-disk", "mountPath": PREFIX_DISK_DIR})
+            volumes.append({"name": "prefix-disk", "emptyDir": {"sizeLimit": f"{spec.prefill.prefix_disk_gib}Gi"}})
         claim = _pvc_claim(spec.model.source)
         if claim is not None:
             mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})

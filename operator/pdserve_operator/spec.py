@@ -260,6 +260,14 @@ class PrefillSpec(PodOverrides):
         "whose beginning was seen computes only the rest; a prompt reuses only its own tenant's prefixes. Unset: "
         "a quarter of the pod's memory limit (the worker sizes it at start and logs it). 0: no prefix cache.",
     )
+    prefix_disk_gib: int | None = Field(
+        None,
+        ge=1,
+        le=65_536,
+        description="A second tier for the prefix cache on the pod's disk: an emptyDir of this many GiB (kept across "
+        "container restarts, not across pod deletion) holding every cached block, read back on a hit, checked, LRU. "
+        "Unset: RAM only.",
+    )
 
 
 class DecodeSpec(PodOverrides):

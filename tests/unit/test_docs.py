@@ -39,9 +39,13 @@ def test_metrics_table_lists_exactly_what_workers_expose() -> None:
     for role in ("prefill", "decode"):
         metrics = WorkerMetrics(role)
         if role == "prefill":
+            from pdserve_worker.kv.disk_tier import DiskTierStats
             from pdserve_worker.kv.prefix_cache import PrefixCache
+            from pdserve_worker.kv.prefix_store import TierStats
 
-            metrics.watch_prefill(lambda: 0, PrefixCache(4, 16).stats)  # with a prefix cache: every series
+            tiers = TierStats(0, 0, DiskTierStats(*([0] * 9), 0.0, 0.0))
+            # With a prefix cache and a disk tier: every series.
+            metrics.watch_prefill(lambda: 0, PrefixCache(4, 16).stats, lambda t=tiers: t, 1024)
         else:
             from pdserve_worker.decode.generation_loop import LoopStats
 

@@ -132,6 +132,28 @@ def test_pvc_model_source_mounts_the_claim() -> None:
     assert env(pre)[pod_env.MODEL_SOURCE] == "/models/llama/7b"
 
 
+def test_prefix_cache_defaults_to_auto_and_a_disk_tier_is_an_emptydir() -> None:
+    pre = render()[("Deployment", "svc-prefill")]
+    assert pod_env.PREFIX_CACHE_TOKENS not in env(pre)  # unset: the worker sizes it from its memory limit
+    assert (
+        worker_settings(
+            {**{k: v for k, v in env(pre).items() if isinstance(v, str)}, pod_env.BROKER_TOKEN: "t"}
+        ).prefix_cache_tokens
+        is None
+    )
+    assert "prefix-disk" not in {v["name"] for v in pre["spec"]["template"]["spec"]["volumes"]}
+    pre = render({"prefill": {"prefixCacheTokens": 0, "prefixDiskGib": 20}})[("Deployment", "svc-prefill")]
+    vols = {v["name"]: v for v in pre["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in container(pre)["volumeMounts"]}
+    assert vols["prefix-disk"] == {"name": "prefix-disk", "emptyDir": {"sizeLimit": "20Gi"}}
+    parsed = worker_settings({**{k: v for k, v in env(pre).items() if isinstance(v, str)}, pod_env.BROKER_TOKEN: "t"})
+    assert parsed.prefix_cache_tokens == 0
+    assert str(parsed.prefix_disk_dir) == mounts["prefix-disk"]["mountPath"]
+    assert 0 < parsed.prefix_disk_bytes < 20 * 2**30  # under the sizeLimit the kubelet enforces
+    with pytest.raises(Exception, match="prefixDiskGib|prefix_disk_gib"):
+        s.parse_spec({"prefill": {"prefixDiskGib": 0}})
+
+
 def test_scaling_does_not_roll_pods_but_a_setting_does() -> None:
     base = render()[("Deployment", "svc-prefill")]["spec"]["template"]
     scaled = render({"prefill": {"replicas": 5}, "decode": {"replicas": 4}})[("Deployment", "svc-prefill")]["spec"][

@@ -70,6 +70,8 @@ class LocalPlan:
     kv_block_tokens: int = 16  # decode KV blocks (0: max-length slots)
     kv_tokens: int = 0  # decode KV pool in tokens (0: slots x max_len)
     prefix_cache_tokens: int | None = None  # prefill prefix cache in tokens (None: auto, a memory share; 0: off)
+    prefix_disk_dir: Path | None = None  # the prefix cache's disk tier: one subfolder per prefill (None: none)
+    prefix_disk_gib: float = 0.0  # its bound per prefill (0: 10 GiB or half the free disk)
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
@@ -361,6 +363,10 @@ class LocalDeployment:
         )
         if self.model_name:
             env[E.MODEL_NAME] = self.model_name
+        if plan.prefix_disk_dir is not None and role in ("prefill", "colocated"):
+            # Its own folder: a restarted prefill finds its blocks, two prefills never share an index.
+            env[E.PREFIX_DISK_DIR] = str(Path(plan.prefix_disk_dir).resolve() / worker_id)
+            env[E.PREFIX_DISK_BYTES] = str(int(plan.prefix_disk_gib * 2**30))
         if role != "colocated":
             env[E.BROKER_ADDRESS] = self.broker_address
             env[E.BROKER_TOKEN] = self.token

@@ -105,6 +105,10 @@ class WorkerSettings(BaseSettings):
     # The part of the memory limit (the pod's cgroup, else the machine) this process counts as
     # its own when it sizes a cache: 1 in a pod; `pdserve local` gives each model process its share.
     memory_share: float = Field(1.0, gt=0, le=1, validation_alias=MEMORY_SHARE)
+    # Prefill: the prefix cache's disk tier (kv/disk_tier.py): a folder (None: no disk tier) and
+    # its bound in bytes (0: the smaller of 10 GiB and half the folder's free space).
+    prefix_disk_dir: Path | None = Field(None, validation_alias=E.PREFIX_DISK_DIR)
+    prefix_disk_bytes: int = Field(0, ge=0, validation_alias=E.PREFIX_DISK_BYTES)
     prefix_block_tokens: int = Field(16, ge=1, le=4096, validation_alias=PREFIX_BLOCK_TOKENS)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)

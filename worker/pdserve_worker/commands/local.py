@@ -69,6 +69,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "share of the machine's memory; 0: no prefix cache)",
     )
     p.add_argument(
+        "--prefix-disk-dir",
+        type=Path,
+        default=None,
+        help="prefill: a disk tier for the prefix cache under this folder (one subfolder per prefill, "
+        "kept across restarts; default: none)",
+    )
+    p.add_argument(
+        "--prefix-disk-gib",
+        type=float,
+        default=0.0,
+        help="prefill: the disk tier's bound per prefill in GiB (default 0: 10 GiB or half the free disk)",
+    )
+    p.add_argument(
         "--max-len",
         type=int,
         default=None,
@@ -152,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
             kv_block_tokens=args.kv_block_tokens,
             kv_tokens=args.kv_tokens,
             prefix_cache_tokens=args.prefix_cache_tokens,
+            prefix_disk_dir=args.prefix_disk_dir,
+            prefix_disk_gib=args.prefix_disk_gib,
             layers_per_chunk=args.layers_per_chunk,
             layer_shards=args.layer_shards,
             transfer=args.transfer,

@@ -36,6 +36,8 @@ _FLAG_FIELDS = {
     "kv_block_tokens": "kv_block_tokens",
     "kv_tokens": "kv_tokens",
     "prefix_cache_tokens": "prefix_cache_tokens",
+    "prefix_disk_dir": "prefix_disk_dir",
+    "prefix_disk_bytes": "prefix_disk_bytes",
     "layers_per_chunk": "layers_per_chunk",
     "readiness": "readiness_mode",
     "drain_timeout": "drain_timeout_seconds",
@@ -91,6 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefix-cache-tokens", type=int, default=None, help="prefill: prefix cache in tokens (default: auto; 0: off)"
     )
+    p.add_argument("--prefix-disk-dir", default=None, help="prefill: folder of the prefix cache's disk tier")
+    p.add_argument("--prefix-disk-bytes", type=int, default=None, help="prefill: the disk tier's bound (0: default)")
     p.add_argument("--layers-per-chunk", type=int, default=None, help="prefill: layers between two KV pushes")
     p.add_argument("--readiness", choices=["interrupt", "poll", "spin"], default=None, help="decode: readiness mode")
     p.add_argument("--drain-timeout", type=float, default=None, help="decode: seconds /drain may wait")

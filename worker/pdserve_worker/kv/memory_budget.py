@@ -24,6 +24,7 @@ blocks are filled, so a large, mostly idle budget costs address space, not memor
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,3 +128,12 @@ def prefix_budget(
     else:
         tokens = requested
     return PrefixBudget(tokens, tokens * kv_bytes_per_token, limit, share, resident)
+
+
+DEFAULT_DISK_BYTES = 10 << 30
+
+
+def default_disk_bytes(folder: Path) -> int:
+    """The disk tier's bound when none is set: 10 GiB, or half the folder's free space if less."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return min(DEFAULT_DISK_BYTES, shutil.disk_usage(folder).free // 2)

@@ -14,8 +14,14 @@ fixed at start (`prefill.prefixCacheTokens`; unset, a share of the process's mem
 kv/memory_budget.py, `open_prefix_store`). The tensor is allocated empty, not zeroed: a block is
 read only after `finish` wrote it, so pages of a budget that is never filled are never touched.
 
+With a disk tier (kv/disk_tier.py) the store is the RAM tier in front of it: every block it
+publishes is also written to disk (a copy, written off the compute thread), and a prompt's
+blocks that only the disk holds are read by a loader thread from the moment the request
+arrives (`prefetch`) and installed as RAM blocks by `begin` before it looks the prompt up. A
+prompt whose blocks the disk does not list waits for nothing.
+
 Use, on the compute thread, exactly as:
-    use = store.begin(prompt, cache, slot, scope)  # hits copied in; use.cached_tokens of the prompt
+    use = store.begin(prompt, cache, slot, scope[, prefetched])  # hits copied in; use.cached_tokens
     ... model.prefill(prompt, cache, slot, start=use.cached_tokens) ...
     store.finish(use, cache, slot)            # new whole blocks copied out and published
     store.end(use)                            # always (finally): unpins, exactly once
@@ -25,14 +31,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, torch_dtype
-from pdserve_worker.kv.memory_budget import prefix_budget
+from pdserve_worker.kv.disk_tier import DiskTier, DiskTierStats
+from pdserve_worker.kv.memory_budget import default_disk_bytes, prefix_budget
 from pdserve_worker.kv.prefix_cache import (
     PrefixCache,
     PrefixCacheStats,
@@ -42,18 +52,38 @@ from pdserve_worker.kv.prefix_cache import (
     scoped_salt,
 )
 
+log = logging.getLogger("pdserve.prefix")
+
+PREFETCH_WAIT_S = 2.0  # the longest a prompt whose blocks are on disk waits for them (then: computed)
+
+Loaded = list[tuple[bytes, memoryview]]  # (block hash, its bytes) read from the disk tier, in chain order
+
 
 @dataclass
 class PrefixUse:
     lease: PrefixLease
     hashes: list[bytes]
     cached_tokens: int
+    disk_tokens: int = 0  # of cached_tokens, those read back from the disk tier
     ended: bool = False
+
+
+@dataclass(frozen=True)
+class TierStats:
+    ram_hit_blocks: int  # blocks a prompt found in RAM
+    disk_hit_blocks: int  # blocks a prompt found only on disk (read back)
+    disk: DiskTierStats | None
 
 
 class PrefixStore:
     def __init__(
-        self, layout: KVLayout, num_blocks: int, block_tokens: int, revision: str, device: str | torch.device = "cpu"
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        block_tokens: int,
+        revision: str,
+        device: str | torch.device = "cpu",
+        disk: DiskTier | None = None,
     ) -> None:
         if layout.max_len < block_tokens:
             raise ValueError(f"prefix block of {block_tokens} tokens is longer than a prompt may be ({layout.max_len})")
@@ -64,6 +94,18 @@ class PrefixStore:
         # [block, layer, K|V, token, kv_head, head_dim]: one block of every layer is one slice.
         shape = (num_blocks, layout.num_layers, 2, block_tokens, layout.kv_heads, layout.head_dim)
         self.blocks = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=device)
+        if disk is not None and (self.blocks.device.type != "cpu" or disk.payload_bytes != self.block_bytes):
+            raise ValueError(
+                f"a disk tier needs host blocks of {self.block_bytes} bytes, got {self.blocks.device} "
+                f"and {disk.payload_bytes} bytes"
+            )
+        self.disk = disk
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-loader") if disk is not None else None
+        self._ram_hits = self._disk_hits = 0
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.blocks[0].numel() * self.blocks.element_size())
 
     @property
     def nbytes(self) -> int:
@@ -74,10 +116,29 @@ class PrefixStore:
         prompt of the same tokens has other names, so it neither finds nor feeds these blocks."""
         return block_hashes(prompt, self.block_tokens, scoped_salt(self.salt, scope))
 
-    def begin(self, prompt: Sequence[int], cache: KVCache, slot: int, scope: str) -> PrefixUse:
+    def prefetch(self, prompt: Sequence[int], scope: str) -> Future[Loaded] | None:
+        """Start reading the prompt's blocks that only the disk tier holds (any thread; no I/O
+        here: the disk's index is in memory). None when there is nothing to read."""
+        if self.disk is None or self._loader is None:
+            return None
+        wanted = []
+        for h in self.hashes(prompt, scope)[: (len(prompt) - 1) // self.block_tokens]:
+            if self.cache.lookup(h) is not None:
+                continue
+            if not self.disk.has(h):
+                break  # the chain ends here: what follows is computed anyway
+            wanted.append(h)
+        return self._loader.submit(self._read, wanted) if wanted else None
+
+    def begin(
+        self, prompt: Sequence[int], cache: KVCache, slot: int, scope: str, prefetched: Future[Loaded] | None = None
+    ) -> PrefixUse:
         """Pin the longest cached prefix of `scope` (leaving at least one token to compute),
-        copy it into `slot` of `cache`, and reserve blocks for the prompt's other whole blocks."""
+        copy it into `slot` of `cache`, and reserve blocks for the prompt's other whole blocks.
+        With a disk tier, the prompt's blocks read from disk (`prefetched`, else read now) are
+        installed in RAM first."""
         self._check(cache)
+        from_disk = self._install(prefetched if prefetched is not None else self.prefetch(prompt, scope))
         hashes = self.hashes(prompt, scope)
         lease = self.cache.acquire(hashes, limit=(len(prompt) - 1) // self.block_tokens)
         try:
@@ -89,15 +150,73 @@ class PrefixStore:
         except BaseException:
             self.cache.release(lease)
             raise
-        return PrefixUse(lease, hashes, lease.hit_blocks * bt)
+        disk_hits = sum(1 for h in hashes[: lease.hit_blocks] if h in from_disk)
+        self._disk_hits += disk_hits
+        self._ram_hits += lease.hit_blocks - disk_hits
+        return PrefixUse(lease, hashes, lease.hit_blocks * bt, disk_hits * bt)
 
     def finish(self, use: PrefixUse, cache: KVCache, slot: int) -> None:
-        """The prompt's KV is final in `slot`: copy the reserved blocks out and publish them."""
+        """The prompt's KV is final in `slot`: copy the reserved blocks out and publish them
+        (and, with a disk tier, hand a copy of each to its writer)."""
         bt = self.block_tokens
         source = cache.slot(slot)
         for index, block in use.lease.fills:
             self.blocks[block] = source[:, :, index * bt : (index + 1) * bt]
         self.cache.publish(use.lease)
+        if self.disk is not None:
+            for (_, block), h in zip(use.lease.fills, use.lease.fill_hashes, strict=True):
+                if self.cache.lookup(h) == block:  # ours was published (not a duplicate of another's)
+                    self._spill(h, block)
+
+    def close(self) -> None:
+        """Stop the disk tier's threads after what they hold is written (a graceful stop)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()
+
+    def tier_stats(self) -> TierStats:
+        return TierStats(self._ram_hits, self._disk_hits, self.disk.stats() if self.disk is not None else None)
+
+    # ---- the disk tier ------------------------------------------------------------------------------
+    def _read(self, wanted: list[bytes]) -> Loaded:
+        assert self.disk is not None
+        out: Loaded = []
+        for h in wanted:
+            payload = self.disk.read(h)
+            if payload is None:
+                break  # corrupt or gone: this block and the rest of the chain are computed
+            out.append((h, payload))
+        return out
+
+    def _install(self, prefetched: Future[Loaded] | None) -> set[bytes]:
+        """Copy blocks read from disk into free (or LRU-evicted) RAM blocks and publish them."""
+        if prefetched is None:
+            return set()
+        try:
+            loaded = prefetched.result(timeout=PREFETCH_WAIT_S)
+        except FutureTimeout:
+            log.warning(kv(event="prefix_disk_slow", wait_s=PREFETCH_WAIT_S))
+            return set()
+        if not loaded:
+            return set()
+        lease = PrefixLease()
+        try:
+            fills = self.cache.reserve_fills(lease, [h for h, _ in loaded])
+            for index, block in fills:
+                self.blocks[block].view(torch.uint8).view(-1).copy_(
+                    torch.frombuffer(loaded[index][1], dtype=torch.uint8)
+                )
+            self.cache.publish(lease)
+        finally:
+            self.cache.release(lease)
+        return {loaded[index][0] for index, _ in fills}
+
+    def _spill(self, h: bytes, block: int) -> None:
+        """Copy the block (a memcpy; the compute that made it took ~100x longer) and queue it."""
+        assert self.disk is not None
+        if not self.disk.has(h):
+            self.disk.spill(h, self.blocks[block].view(torch.uint8).reshape(-1).numpy().tobytes())
 
     def end(self, use: PrefixUse) -> None:
         """Unpin what `begin` pinned; a second call does nothing (every path may call it)."""
@@ -133,18 +252,39 @@ def open_prefix_store(
     revision: str,
     device: str | torch.device = "cpu",
     logger: logging.Logger | None = None,
+    disk_dir: Path | None = None,
+    disk_bytes: int = 0,
 ) -> PrefixStore | None:
     """The prefill's prefix cache: `requested` tokens (0: none), or when None a share of the
-    process's memory (kv/memory_budget.py). Logs what it chose and why, once, at start."""
+    process's memory (kv/memory_budget.py), with a disk tier of `disk_bytes` under `disk_dir`
+    when both are given. Logs what it chose and why, once, at start."""
     budget = prefix_budget(requested, memory_share, kv_bytes_per_token(layout), block_tokens, str(device))
     blocks = (
         budget.tokens // block_tokens if requested is None else (max(1, requested // block_tokens) if requested else 0)
     )
-    log = logger or logging.getLogger("pdserve.prefix")
+    out = logger or log
     mode = "auto" if requested is None else "set"
     if blocks < 1:
-        log.info(kv(event="prefix_cache_off", mode=mode, **budget.describe()))
+        out.info(kv(event="prefix_cache_off", mode=mode, **budget.describe()))
         return None
-    store = PrefixStore(layout, blocks, block_tokens, revision, device=device)
-    log.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=block_tokens, **budget.describe()))
+    disk = None
+    if disk_dir is not None:
+        capacity = disk_bytes or default_disk_bytes(disk_dir)
+        block_bytes = block_tokens * kv_bytes_per_token(layout)
+        disk = DiskTier(disk_dir, capacity, disk_geometry(layout, block_tokens, revision), block_bytes)
+        out.info(kv(event="prefix_disk_tier", folder=str(disk.folder), capacity_bytes=capacity, **_files(disk)))
+    store = PrefixStore(layout, blocks, block_tokens, revision, device=device, disk=disk)
+    out.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=block_tokens, **budget.describe()))
     return store
+
+
+def disk_geometry(layout: KVLayout, block_tokens: int, revision: str) -> str:
+    """What a block file's bytes depend on besides its hash: a restart with another model,
+    dtype or layer range finds none of the old files (they sit in another folder)."""
+    g = layout
+    return f"{revision}|{g.dtype}|{g.num_layers}|{g.first_layer}|{g.kv_heads}|{g.head_dim}|{block_tokens}"
+
+
+def _files(disk: DiskTier) -> dict[str, int]:
+    st = disk.stats()
+    return {"files": st.files, "bytes": st.bytes}

@@ -502,6 +502,8 @@ async def _run_colocated(settings: WorkerSettings) -> None:
         prefix_cache_tokens=settings.prefix_cache_tokens,
         prefix_block_tokens=settings.prefix_block_tokens,
         memory_share=settings.memory_share,
+        prefix_disk_dir=settings.prefix_disk_dir,
+        prefix_disk_bytes=settings.prefix_disk_bytes,
     )
     backend.start()
     try:

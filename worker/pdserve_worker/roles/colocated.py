@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
@@ -45,6 +46,8 @@ class ColocatedBackend(ModelTokenizing):
         prefix_cache_tokens: int | None = 0,
         prefix_block_tokens: int = 16,
         memory_share: float = 1.0,
+        prefix_disk_dir: Path | None = None,
+        prefix_disk_bytes: int = 0,
         revision: str = "",
     ) -> None:
         self.model_name = model_name or loaded.name
@@ -55,7 +58,14 @@ class ColocatedBackend(ModelTokenizing):
         self.slots = SlotTable(cache.layout, quarantine_s=0.0)
         self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
         self.prefix: PrefixStore | None = open_prefix_store(
-            cache.layout, prefix_cache_tokens, memory_share, prefix_block_tokens, revision or loaded.name, model.device
+            cache.layout,
+            prefix_cache_tokens,
+            memory_share,
+            prefix_block_tokens,
+            revision or loaded.name,
+            model.device,
+            disk_dir=prefix_disk_dir,
+            disk_bytes=prefix_disk_bytes,
         )
         self._cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
         self._scope: dict[int, str] = {}  # slot -> the cache scope of the request it holds
@@ -81,6 +91,8 @@ class ColocatedBackend(ModelTokenizing):
 
     def close(self) -> None:
         self.loop.stop()
+        if self.prefix is not None:
+            self.prefix.close()
 
     def health(self) -> dict[str, object]:
         return {"ready": True, "members": {"colocated": 1}}

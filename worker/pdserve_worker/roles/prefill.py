@@ -101,6 +101,7 @@ class _Job:
     settled: bool = False  # an outcome was handed to `done` (set on the compute thread)
     trace: Any = None  # the request's prefill span (tracing.py); children are timed on the compute thread
     cache_scope: str = ""  # which cached prefixes it may reuse (router/cache_scope.py)
+    prefetch: Any = None  # its prefix blocks being read from the disk tier (PrefixStore.prefetch)
 
 
 def _mark(exc: BaseException, settled: bool) -> BaseException:
@@ -142,6 +143,8 @@ class PrefillWorker:
             revision,
             device=settings.device,
             logger=log,
+            disk_dir=settings.prefix_disk_dir,
+            disk_bytes=settings.prefix_disk_bytes,
         )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
         self._pending: deque[_Job] = deque()
@@ -152,7 +155,13 @@ class PrefillWorker:
         self._jobs: dict[JobKey, _Job] = {}
         self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
         self.metrics = WorkerMetrics("prefill")  # served on /metrics (worker_main)
-        self.metrics.watch_prefill(lambda: self.queued, self.prefix.stats if self.prefix is not None else None)
+        p = self.prefix
+        self.metrics.watch_prefill(
+            lambda: self.queued,
+            p.stats if p is not None else None,
+            p.tier_stats if p is not None else None,
+            p.block_bytes if p is not None else 0,
+        )
 
     # ---- the ServingRole of a prefill process (roles/serving.py) -----------------------------------
 
@@ -199,6 +208,8 @@ class PrefillWorker:
     def close(self) -> None:
         """Stop computing; `free` after the engine is finalized (no put of ours still reads)."""
         self._compute.shutdown(wait=True, cancel_futures=True)
+        if self.prefix is not None:
+            self.prefix.close()  # the disk tier's writes queued so far land
         self.pool.deregister()
 
     def free(self) -> None:
@@ -258,6 +269,8 @@ class PrefillWorker:
             loop.create_future(),
             trace=trace,
             cache_scope=cache_scope,
+            # Read from the disk tier while the prompt waits its turn (nothing when none is there).
+            prefetch=self.prefix.prefetch(prompt, cache_scope) if self.prefix is not None else None,
         )
         self.queued += 1
         try:
@@ -381,7 +394,7 @@ class PrefillWorker:
         try:
             if self.prefix is not None:
                 for slot, job in live:
-                    uses[slot] = self.prefix.begin(job.prompt, self.cache, slot, job.cache_scope)
+                    uses[slot] = self.prefix.begin(job.prompt, self.cache, slot, job.cache_scope, job.prefetch)
             starts = [uses[slot].cached_tokens if uses else 0 for slot, _ in live]
             try:
                 if len(live) == 1:

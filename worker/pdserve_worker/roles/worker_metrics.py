@@ -58,10 +58,13 @@ class _DecodeLoopCollector(Collector):
 
 
 class _PrefixCacheCollector(Collector):
-    """A prefill's prefix cache (`PrefixCache.stats`), read at scrape time."""
+    """A prefill's prefix cache (`PrefixCache.stats`, and with `tiers` the RAM and disk tiers'
+    `PrefixStore.tier_stats`), read at scrape time."""
 
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(self, stats: Callable[[], Any], tiers: Callable[[], Any] | None = None, block_bytes: int = 0) -> None:
         self._stats = stats
+        self._tiers = tiers
+        self._block_bytes = block_bytes
 
     def collect(self) -> Iterator[Any]:
         st = self._stats()
@@ -81,6 +84,40 @@ class _PrefixCacheCollector(Collector):
         cached = GaugeMetricFamily("pdserve_prefill_prefix_cached_tokens", "Tokens findable in the prefix cache.")
         cached.add_metric([], st.cached_blocks * st.block_tokens)
         yield cached
+        if self._tiers is not None:
+            yield from self._collect_tiers(st)
+
+    def _collect_tiers(self, st: Any) -> Iterator[Any]:
+        tiers = self._tiers() if self._tiers is not None else None
+        hits = CounterMetricFamily(
+            "pdserve_prefill_prefix_tier_hit_tokens",
+            "Prompt tokens found in each tier of the prefix cache.",
+            labels=["tier"],
+        )
+        hits.add_metric(["ram"], tiers.ram_hit_blocks * st.block_tokens)
+        hits.add_metric(["disk"], tiers.disk_hit_blocks * st.block_tokens)
+        yield hits
+        size = GaugeMetricFamily("pdserve_prefill_prefix_tier_bytes", "Bytes each tier holds.", labels=["tier"])
+        size.add_metric(["ram"], st.cached_blocks * self._block_bytes)
+        disk = tiers.disk
+        if disk is None:
+            yield size
+            return
+        size.add_metric(["disk"], disk.bytes)
+        yield size
+        for name, value, help_ in (
+            ("spilled_blocks", disk.spilled, "Blocks written to the disk tier."),
+            ("spill_dropped_blocks", disk.spill_dropped, "Blocks not written: the writer was behind."),
+            ("loaded_blocks", disk.loaded, "Blocks read back from the disk tier."),
+            ("corrupt_blocks", disk.corrupt, "Disk blocks that failed their check (recomputed)."),
+            ("evictions", disk.evictions, "Disk blocks deleted (LRU, past the capacity)."),
+            ("spill_seconds", disk.spill_seconds, "Time the writer spent writing blocks."),
+            ("load_seconds", disk.load_seconds, "Time spent reading blocks back."),
+        ):
+            yield CounterMetricFamily(f"pdserve_prefill_prefix_disk_{name}", help_, value=value)
+        cap = GaugeMetricFamily("pdserve_prefill_prefix_disk_capacity_bytes", "The disk tier's bound.")
+        cap.add_metric([], disk.capacity_bytes)
+        yield cap
 
 
 class WorkerMetrics:
@@ -155,16 +192,22 @@ class WorkerMetrics:
 
     # --- wiring (the worker calls these once) -----------------------------------------------
 
-    def watch_prefill(self, queued: Callable[[], int], prefix_stats: Callable[[], Any] | None = None) -> None:
+    def watch_prefill(
+        self,
+        queued: Callable[[], int],
+        prefix_stats: Callable[[], Any] | None = None,
+        tier_stats: Callable[[], Any] | None = None,
+        block_bytes: int = 0,
+    ) -> None:
         """Publish the prefill queue (prompts accepted and not yet answered) and, with a prefix
-        cache, its counters (`PrefixCacheStats`)."""
+        cache, its counters (`PrefixCacheStats`) and its tiers' (`TierStats`)."""
         Gauge(
             "pdserve_prefill_queue_length",
             "Prompts queued or computing on this prefill worker.",
             registry=self.registry,
         ).set_function(lambda: float(queued()))
         if prefix_stats is not None:
-            self.registry.register(_PrefixCacheCollector(prefix_stats))
+            self.registry.register(_PrefixCacheCollector(prefix_stats, tier_stats, block_bytes))
 
     def watch_decode(
         self,

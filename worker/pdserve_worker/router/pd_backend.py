@@ -67,7 +67,7 @@ from pdserve_worker.router.placement import compatible, estimated_queue, rank_de
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.router.tokenizing import ModelTokenizing
 from pdserve_worker.rpc.convert import finish_reason_from_proto, sampling_to_proto
-from pdserve_worker.rpc.trailers import push_settled
+from pdserve_worker.rpc.trailers import never_sent, push_settled
 
 log = logging.getLogger("pdserve.router.pd")
 
@@ -679,7 +679,7 @@ class PDBackend(ModelTokenizing):
         if prefill_call.cancelled():
             return False
         error = prefill_call.exception()
-        return error is None or (isinstance(error, grpc.aio.AioRpcError) and push_settled(error))
+        return error is None or (isinstance(error, grpc.aio.AioRpcError) and (push_settled(error) or never_sent(error)))
 
     async def _release(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None:
         """worker.proto's Release; None when it could not be delivered (the lease then lapses)."""

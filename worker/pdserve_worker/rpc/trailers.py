@@ -24,3 +24,20 @@ def push_settled(error: Any) -> bool:
     except Exception:  # noqa: BLE001 - an error without trailers says nothing
         return False
     return any(key == PUSH_SETTLED and value in ("1", b"1") for key, value in metadata)
+
+
+# What gRPC core says when a call found no address it could connect to (pick_first and
+# round_robin's "failed to connect to all addresses"): the request never left this process.
+NEVER_CONNECTED = "failed to connect to all addresses"
+
+
+def never_sent(error: Any) -> bool:
+    """Whether a failed call never reached its server (so it cannot have started a push): its
+    status is UNAVAILABLE and gRPC found no address to connect to. A prefill that died and came
+    back on its port answers connection-refused until the channel reconnects; without this, each
+    such call would quarantine a decode slot for its whole lease."""
+    try:
+        code, details = error.code(), error.details() or ""
+    except Exception:  # noqa: BLE001 - not a gRPC error: nothing is known
+        return False
+    return getattr(code, "name", "") == "UNAVAILABLE" and NEVER_CONNECTED in details
