@@ -46,7 +46,7 @@ import vs_vllm  # noqa: E402
 from seed_transfer import machine  # noqa: E402
 
 ROOT = serve.ROOT
-KEYS = {"A": "sk-bench-tenant-a-0123456789", "B": "sk-bench-tenant-b-0123456789"}
+KEYS = {t: f"sk-bench-tenant-{t.lower()}-0123456789" for t in "ABC"}
 PREFIX, TAIL, OUT = 1000, 24, 16
 
 

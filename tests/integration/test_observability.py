@@ -108,6 +108,8 @@ def local(tiny_model_dir, tmp_path_factory):
         str(logs / "spans.jsonl"),
         "--prefix-cache-tokens",
         "256",  # the dashboard's prefix cache panels read its metrics
+        "--prefix-disk-dir",
+        str(logs / "prefix-disk"),  # and its disk tier panels
     )
     run.trace_file = logs / "spans.jsonl"  # type: ignore[attr-defined]
     yield run

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from pdserve_worker.router.backend import RequestInfo
 from pdserve_worker.router.metrics import RequestTiming, RouterMetrics
 from pdserve_worker.top_view import parse, quantile, render, view
 
@@ -43,20 +44,23 @@ def test_view_rates_and_render_from_two_scrapes() -> None:
     metrics.watch_backend(lambda: {"members": {"prefill": 1, "decode": 2}, "in_flight": {"prefill": 1, "decode": 3}})
     metrics.set_decode_slots("decode-0", 3, 1)
     before = parse([metrics.exposition().decode()])
-    for ttft in (0.02, 0.04, 0.2, 0.3):
-        metrics.observe_completed(RequestTiming(0.0, ttft, ttft + 0.9, 1.0, 10), 5, None)
+    cached = RequestInfo(disaggregated=True, kv_bytes=1, cached_tokens=4)
+    for i, ttft in enumerate((0.02, 0.04, 0.2, 0.3)):
+        metrics.observe_completed(RequestTiming(0.0, ttft, ttft + 0.9, 1.0, 10), 5, cached if i == 0 else None)
     metrics.observe_failed("timeout")
     metrics.observe_retry()
     after = parse([metrics.exposition().decode()])
     v = view(before, after, 2.0, routers=1)
     assert v.requests_per_s == 2.0 and v.tokens_per_s == 20.0 and v.prompt_tokens_per_s == 10.0
     assert v.failed_per_s == {"timeout": 0.5} and v.resumes_per_s == 0.5
+    assert v.cached_tokens_per_s == 2.0  # 4 of the 20 prompt tokens came from a prefix cache
     assert v.members == {"prefill": 1, "decode": 2} and v.in_flight == {"prefill": 1, "decode": 3}
     assert v.slots == {"decode-0": (3, 4)}
     assert v.ttft["p50"] == pytest.approx(0.05)  # 2 of 4 in (0.025, 0.05]: the bound, from the deltas
     assert v.tpot["p50"] == pytest.approx(0.115)  # 4 of 4 in (0.08, 0.15]: halfway
     text = render(v, "http://r")
     assert "prefill 1  decode 2" in text and "decode-0" in text and "75%" in text and "timeout 0.50/s" in text
+    assert "prefix cache hits 20% of prompt tokens" in text
 
 
 def test_two_routers_sum_rates_and_do_not_double_members() -> None:

@@ -72,6 +72,7 @@ class LocalPlan:
     prefix_cache_tokens: int | None = None  # prefill prefix cache in tokens (None: auto, a memory share; 0: off)
     prefix_disk_dir: Path | None = None  # the prefix cache's disk tier: one subfolder per prefill (None: none)
     prefix_disk_gib: float = 0.0  # its bound per prefill (0: 10 GiB or half the free disk)
+    routers: int = 1  # router processes (the first on `port`, the others on free ports: deployment.json)
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
@@ -92,6 +93,8 @@ class LocalPlan:
             raise ValueError(f"transfer must be cpu or two-sided, got {self.transfer!r}")
         if self.colocated:
             return
+        if self.routers < 1:
+            raise ValueError(f"a PD deployment needs at least 1 router, got {self.routers}")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"a PD deployment needs at least 1 prefill and 1 decode, got {self.prefill}/{self.decode}")
         if self.layer_shards < 1:
@@ -254,6 +257,8 @@ class LocalDeployment:
             for i in range(self.plan.prefill):
                 self._spawn(f"prefill-{i}", "prefill", self._worker_env("prefill", f"prefill-{i}", free_port()))
             self._spawn("router-0", "router", self._worker_env("router", "router-0", self.port))
+            for i in range(1, self.plan.routers):  # more routers of the same service (one broker)
+                self._spawn(f"router-{i}", "router", self._worker_env("router", f"router-{i}", free_port()))
         self._write_manifest()
         self.say(f"started {len(self.children)} processes (logs in {self.log_dir}); waiting until they serve")
         self._wait_ready(started + timeout_s, stop_requested)
@@ -424,6 +429,11 @@ class LocalDeployment:
         token_file.write_text(self.token)
         manifest = {
             "url": self.url,
+            "routers": [
+                f"{'https' if self.certs is not None else 'http'}://{HOST}:{c.env[E.HTTP_PORT_ENV]}"
+                for c in self.children
+                if c.role == "router"
+            ],
             "service": SERVICE,
             "broker": self.broker_address,
             "dtype": self.dtype,

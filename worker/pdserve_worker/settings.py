@@ -46,6 +46,7 @@ MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are a
 PREFIX_BLOCK_TOKENS = "PDSERVE_PREFIX_BLOCK_TOKENS"  # prefill: tokens per prefix-cache block
 PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
+PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
 # Every HTTP port (router API, pod probes, admin): a request must arrive whole within this
@@ -109,6 +110,9 @@ class WorkerSettings(BaseSettings):
     # its bound in bytes (0: the smaller of 10 GiB and half the folder's free space).
     prefix_disk_dir: Path | None = Field(None, validation_alias=E.PREFIX_DISK_DIR)
     prefix_disk_bytes: int = Field(0, ge=0, validation_alias=E.PREFIX_DISK_BYTES)
+    # Router: choose a prefill by what the prefills report they hold (router/kv_index.py), or by
+    # this router's own prediction from its routing history alone.
+    prefix_routing: Literal["events", "predict"] = Field("events", validation_alias=PREFIX_ROUTING)
     prefix_block_tokens: int = Field(16, ge=1, le=4096, validation_alias=PREFIX_BLOCK_TOKENS)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)

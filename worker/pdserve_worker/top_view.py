@@ -92,6 +92,7 @@ class TopView:
     requests_per_s: float = 0.0
     tokens_per_s: float = 0.0
     prompt_tokens_per_s: float = 0.0
+    cached_tokens_per_s: float = 0.0  # of the prompt tokens, those whose KV came from a prefix cache
     failed_per_s: dict[str, float] = field(default_factory=dict)
     resumes_per_s: float = 0.0
     prefill_failures_per_s: float = 0.0
@@ -124,6 +125,7 @@ def view(prev: Samples, cur: Samples, interval_s: float, routers: int) -> TopVie
         requests_per_s=rate(PREFIX + "requests_completed_total"),
         tokens_per_s=rate(PREFIX + "generation_tokens_total"),
         prompt_tokens_per_s=rate(PREFIX + "prompt_tokens_total"),
+        cached_tokens_per_s=rate(PREFIX + "prompt_cached_tokens_total"),
         failed_per_s={
             r: (v - failed_before.get(r, 0.0)) / interval_s
             for r, v in failed_now.items()
@@ -148,6 +150,8 @@ def render(v: TopView, title: str) -> str:
     lines.append(
         f"requests/s {v.requests_per_s:.2f}   tokens/s out {v.tokens_per_s:.1f}   in {v.prompt_tokens_per_s:.1f}"
     )
+    hit = f"{v.cached_tokens_per_s / v.prompt_tokens_per_s:.0%}" if v.prompt_tokens_per_s else "-"
+    lines.append(f"prefix cache hits {hit} of prompt tokens ({v.cached_tokens_per_s:.1f} tokens/s)")
     lines.append("TTFT  " + "  ".join(f"{k} {_ms(x)}" for k, x in v.ttft.items()))
     lines.append("TPOT  " + "  ".join(f"{k} {_ms(x)}" for k, x in v.tpot.items()))
     failures = "  ".join(f"{r} {x:.2f}/s" for r, x in sorted(v.failed_per_s.items())) or "none"

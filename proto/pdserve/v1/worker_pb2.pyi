@@ -213,6 +213,42 @@ class PrefillReply(_message.Message):
     cached_tokens: int
     def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class BlockEventsRequest(_message.Message):
+    __slots__ = ("epoch", "after_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    after_seq: int
+    def __init__(self, epoch: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class BlockEventRun(_message.Message):
+    __slots__ = ("stored", "disk", "block_hashes")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    disk: bool
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, stored: _Optional[bool] = ..., disk: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlockEventsReply(_message.Message):
+    __slots__ = ("epoch", "last_seq", "reset", "runs", "salt", "block_tokens", "enabled")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    last_seq: int
+    reset: bool
+    runs: _containers.RepeatedCompositeFieldContainer[BlockEventRun]
+    salt: bytes
+    block_tokens: int
+    enabled: bool
+    def __init__(self, epoch: _Optional[str] = ..., last_seq: _Optional[int] = ..., reset: _Optional[bool] = ..., runs: _Optional[_Iterable[_Union[BlockEventRun, _Mapping]]] = ..., salt: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., enabled: _Optional[bool] = ...) -> None: ...
+
 class CancelPrefillRequest(_message.Message):
     __slots__ = ("request_id", "slot", "generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -310,6 +310,11 @@ class PrefillStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillReply.FromString,
                 _registered_method=True)
+        self.BlockEvents = channel.unary_unary(
+                '/pdserve.v1.Prefill/BlockEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -338,6 +343,15 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockEvents(self, request, context):
+        """What this prefill's prefix cache stores and drops, after `after_seq` of `epoch`
+        (kv/block_events.py): routers follow it to choose the prefill that holds a prompt's
+        prefix. A caller of another epoch, or too far behind, gets `reset` and a snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -350,6 +364,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.CancelPrefillReply.SerializeToString,
+            ),
+            'BlockEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +426,33 @@ class Prefill:
             '/pdserve.v1.Prefill/Cancel',
             pdserve_dot_v1_dot_worker__pb2.CancelPrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.CancelPrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/BlockEvents',
+            pdserve_dot_v1_dot_worker__pb2.BlockEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.BlockEventsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "share of the machine's memory; 0: no prefix cache)",
     )
     p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes (default 1; the others listen on free ports, listed in deployment.json)",
+    )
+    p.add_argument(
         "--prefix-disk-dir",
         type=Path,
         default=None,
@@ -166,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             kv_tokens=args.kv_tokens,
             prefix_cache_tokens=args.prefix_cache_tokens,
             prefix_disk_dir=args.prefix_disk_dir,
+            routers=args.routers,
             prefix_disk_gib=args.prefix_disk_gib,
             layers_per_chunk=args.layers_per_chunk,
             layer_shards=args.layer_shards,

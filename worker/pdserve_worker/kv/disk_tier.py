@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve_common.logs import kv
+from pdserve_worker.kv.block_events import BlockEventLog
 
 log = logging.getLogger("pdserve.prefix.disk")
 
@@ -90,6 +91,7 @@ class DiskTier:
         self._bytes = 0
         self._counts = dict.fromkeys(("spilled", "spill_dropped", "loaded", "load_misses", "corrupt", "evictions"), 0)
         self._seconds = {"spill": 0.0, "load": 0.0}
+        self.events: BlockEventLog | None = None  # told of every file written or deleted, if set
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self._queued_bytes = 0  # of the copies in the queue: bounded by SPILL_QUEUE_BYTES
         self._scan()
@@ -135,6 +137,8 @@ class DiskTier:
                 size = self._lru.pop(block_hash, None)
                 if size is not None:
                     self._bytes -= size
+                    if self.events is not None:
+                        self.events.record(False, True, [block_hash])
             else:
                 self._counts["loaded"] += 1
                 if block_hash in self._lru:
@@ -154,6 +158,11 @@ class DiskTier:
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout=10)
+
+    def held(self) -> list[bytes]:
+        """Every block on disk now (a snapshot for kv/block_events.py)."""
+        with self._lock:
+            return list(self._lru)
 
     def stats(self) -> DiskTierStats:
         with self._lock:
@@ -236,6 +245,8 @@ class DiskTier:
             old = self._lru.pop(block_hash, None)
             self._bytes += size - (old or 0)
             self._lru[block_hash] = size
+            if self.events is not None and old is None:
+                self.events.record(True, True, [block_hash])
             self._evict()
 
     def _evict(self) -> None:
@@ -245,3 +256,5 @@ class DiskTier:
             self._bytes -= size
             self._counts["evictions"] += 1
             self._path(block_hash).unlink(missing_ok=True)
+            if self.events is not None:
+                self.events.record(False, True, [block_hash])

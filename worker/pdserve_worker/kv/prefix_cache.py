@@ -42,6 +42,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve_worker.kv.block_events import BlockEventLog
 
 HASH_BYTES = 32
 
@@ -117,6 +121,8 @@ class PrefixCache:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest
         self._lock = threading.Lock()
         self._queries = self._query_blocks = self._hit_blocks = self._evictions = 0
+        # Told of every block made findable and every one evicted (kv/block_events.py), if set.
+        self.events: BlockEventLog | None = None
 
     def match(self, hashes: Sequence[bytes]) -> int:
         """Leading hashes cached now (no side effect)."""
@@ -168,11 +174,15 @@ class PrefixCache:
         meanwhile keeps its block; this lease's duplicate goes back free on release."""
         self._check_open(lease)
         with self._lock:
+            stored = []
             for (_, block), h in zip(lease.fills, lease.fill_hashes, strict=True):
                 if h not in self._by_hash:
                     self._by_hash[h] = block
                     self._hash_of[block] = h
+                    stored.append(h)
             lease.published = True
+            if self.events is not None and stored:
+                self.events.record(True, False, stored)
 
     def release(self, lease: PrefixLease) -> None:
         """Unpin everything the lease holds. Exactly once: a second call is an error."""
@@ -202,6 +212,11 @@ class PrefixCache:
     def refcount(self, block: int) -> int:
         with self._lock:
             return self._refs[block]
+
+    def held(self) -> list[bytes]:
+        """Every hash findable now (a snapshot for kv/block_events.py)."""
+        with self._lock:
+            return list(self._by_hash)
 
     def lookup(self, h: bytes) -> int | None:
         with self._lock:
@@ -234,6 +249,9 @@ class PrefixCache:
         if not self._idle:
             return None
         block, _ = self._idle.popitem(last=False)
-        del self._by_hash[self._hash_of.pop(block)]
+        h = self._hash_of.pop(block)
+        del self._by_hash[h]
         self._evictions += 1
+        if self.events is not None:
+            self.events.record(False, False, [h])
         return block

@@ -40,6 +40,7 @@ import torch
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
+from pdserve_worker.kv.block_events import BlockEventLog
 from pdserve_worker.kv.cache import KVCache, torch_dtype
 from pdserve_worker.kv.disk_tier import DiskTier, DiskTierStats
 from pdserve_worker.kv.memory_budget import default_disk_bytes, prefix_budget
@@ -100,6 +101,10 @@ class PrefixStore:
                 f"and {disk.payload_bytes} bytes"
             )
         self.disk = disk
+        self.events = BlockEventLog(self._held)  # what routers follow (Prefill.BlockEvents)
+        self.cache.events = self.events
+        if disk is not None:
+            disk.events = self.events
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-loader") if disk is not None else None
         self._ram_hits = self._disk_hits = 0
 
@@ -174,6 +179,10 @@ class PrefixStore:
             self._loader.shutdown(wait=True, cancel_futures=True)
         if self.disk is not None:
             self.disk.close()
+
+    def _held(self) -> list[tuple[bool, bytes]]:
+        ram = [(False, h) for h in self.cache.held()]
+        return ram + ([(True, h) for h in self.disk.held()] if self.disk is not None else [])
 
     def tier_stats(self) -> TierStats:
         return TierStats(self._ram_hits, self._disk_hits, self.disk.stats() if self.disk is not None else None)

@@ -457,6 +457,8 @@ async def _run_router(settings: WorkerSettings) -> None:
             prefill_s=settings.request_timeout_seconds,
         ),
         tls=settings.peer_tls,
+        prefix_block_tokens=settings.prefix_block_tokens,
+        prefix_routing=settings.prefix_routing,
     )
     # A router without a prefill or a decode to send requests to is not ready for traffic.
     state.serving = lambda: bool(backend.health()["ready"])

@@ -52,6 +52,7 @@ from pdserve_common import tracing
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, Role
 from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
@@ -611,3 +612,24 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             )
         )
         return worker_pb2.CancelPrefillReply(found=found)
+
+    async def BlockEvents(
+        self, request: worker_pb2.BlockEventsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.BlockEventsReply:
+        store = self.w.prefix
+        if store is None:
+            return worker_pb2.BlockEventsReply(enabled=False)
+        # A snapshot reads every held hash: off the event loop.
+        batch = await asyncio.to_thread(store.events.since, request.epoch, request.after_seq)
+        return worker_pb2.BlockEventsReply(
+            epoch=batch.epoch,
+            last_seq=batch.last_seq,
+            reset=batch.reset,
+            runs=[
+                worker_pb2.BlockEventRun(stored=stored, disk=disk, block_hashes=hashes)
+                for stored, disk, hashes in runs(batch.events)
+            ],
+            salt=store.salt,
+            block_tokens=store.block_tokens,
+            enabled=True,
+        )

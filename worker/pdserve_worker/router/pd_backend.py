@@ -32,6 +32,7 @@ matches, and its text never contains one (the router passes the text through).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -48,6 +49,7 @@ from pdserve_common.channels import aio_channel
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Member, MemberEvent, Role
 from pdserve_worker.broker_client import BrokerClient, MembershipView
+from pdserve_worker.kv.block_events import MAX_EVENTS_PER_REPLY
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
@@ -61,6 +63,7 @@ from pdserve_worker.router.backend import (
     TokenEvent,
     capacity_held,
 )
+from pdserve_worker.router.kv_index import ReportedIndex
 from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.migration import MigrationFailed, migrate, note
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
@@ -74,6 +77,8 @@ log = logging.getLogger("pdserve.router.pd")
 NO_CAPACITY_RETRY_S = 1.0
 PREFIX_HISTORY_BLOCKS = 16_384  # per prefill: 262,144 tokens of 16-token blocks (about 1 MB of hashes)
 CLOSE_WAIT_S = 2.0
+BLOCK_EVENTS_POLL_S = 0.25  # how often a router pulls each prefill's block events (router/kv_index.py)
+BLOCK_EVENTS_PAGES = 8  # replies taken from one prefill per round (a backlog takes several rounds)
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class PDBackend(ModelTokenizing):
         prefix_history_blocks: int = PREFIX_HISTORY_BLOCKS,
         prefix_block_tokens: int = 16,
         balance: BalanceBound = BalanceBound(),
+        prefix_routing: str = "events",
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -135,14 +141,51 @@ class PDBackend(ModelTokenizing):
         self._prefix_block_tokens = prefix_block_tokens
         # Only this router's own predictions use these hashes: the revision keeps two models apart.
         self._prefix_salt = cache_salt(revision, "router-prediction", prefix_block_tokens)
+        # "events": what the prefills report they hold (router/kv_index.py), the prediction only
+        # for a prefill that has not reported; "predict": the prediction alone.
+        if prefix_routing not in ("events", "predict"):
+            raise ValueError(f"prefix_routing must be 'events' or 'predict', got {prefix_routing!r}")
+        self._reported = ReportedIndex() if prefix_routing == "events" and self._prefixes is not None else None
+        self._follower: asyncio.Task[None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Watch the decode and prefill membership (inside the event loop that serves requests)."""
         self._view = await self._broker.watch([Role.DECODE, Role.PREFILL], listener=self._on_member)
+        if self._reported is not None:
+            self._follower = asyncio.get_running_loop().create_task(self._follow_block_events())
+
+    async def _follow_block_events(self) -> None:
+        """Pull every prefill's block events into the index, BLOCK_EVENTS_POLL_S apart."""
+        while True:
+            for member in [m for m in self.view.members.values() if m.role is Role.PREFILL]:
+                await self._pull_block_events(member)
+            await asyncio.sleep(BLOCK_EVENTS_POLL_S)
+
+    async def _pull_block_events(self, member: Member) -> None:
+        assert self._reported is not None
+        stub = worker_pb2_grpc.PrefillStub(self._channel(member))
+        for _ in range(BLOCK_EVENTS_PAGES):  # a long backlog comes in pages; the rest next round
+            epoch, after = self._reported.cursor(member.worker_id)
+            try:
+                reply = await stub.BlockEvents(
+                    worker_pb2.BlockEventsRequest(epoch=epoch, after_seq=after), timeout=self._t.rpc_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.debug(kv(event="block_events_failed", prefill=member.worker_id, code=exc.code().name))
+                return
+            if member.worker_id not in self.view.members:
+                return  # it left meanwhile: its entry was forgotten (a restart comes with a new epoch)
+            self._reported.apply(member.worker_id, reply)
+            if reply.reset or sum(len(r.block_hashes) for r in reply.runs) < MAX_EVENTS_PER_REPLY:
+                return
 
     async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
         # Grants being given back get a moment to reach their decodes; past it, leases reclaim them.
         if self._background:
             await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
@@ -187,6 +230,8 @@ class PDBackend(ModelTokenizing):
         if event.type is EventType.REMOVED:
             if member.role is Role.PREFILL and self._prefixes is not None:
                 self._prefixes.forget(member.worker_id)  # a prefill that comes back holds nothing
+            if member.role is Role.PREFILL and self._reported is not None:
+                self._reported.forget(member.worker_id)
             if member.role is Role.DECODE and self._metrics is not None:
                 self._metrics.forget_decode(member.worker_id)
             if member.role is Role.DECODE and self._inflight_decode[member.worker_id] > 0:
@@ -557,7 +602,11 @@ class PDBackend(ModelTokenizing):
         ids = list(by_id)
         hashes = block_hashes(tokens, self._prefix_block_tokens, scoped_salt(self._prefix_salt, cache_scope))
         queues = {m.worker_id: estimated_queue(m, self._inflight_prefill[m.worker_id]) for m in ranked}
-        choice = choose_prefill(ids, queues, self._prefixes.matches(ids, hashes), self._recent.counts(), self._balance)
+        bt = self._prefix_block_tokens
+        matches = {w: blocks * bt for w, blocks in self._prefixes.matches(ids, hashes).items()}  # in tokens
+        if self._reported is not None:
+            matches.update(self._reported.matched_tokens(ids, tokens, cache_scope))  # reports win
+        choice = choose_prefill(ids, queues, matches, self._recent.counts(), self._balance)
         self._prefixes.record(choice.worker_id, hashes)
         self._recent.record(choice.worker_id)
         if self._metrics is not None:
