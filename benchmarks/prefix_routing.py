@@ -26,6 +26,7 @@ import json
 import random
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,7 @@ def plot(results: dict[str, Any], path: Path, where: str) -> None:
     ax.set_ylabel("prefix cache hit rate")
     ax.set_title("3 tenants, multi-turn, 2 prefills behind 2 routers (requests alternate)")
     ax.legend(fontsize=8)
-    fig.suptitle(where, fontsize=8)
+    fig.suptitle(textwrap.fill(where, 120), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

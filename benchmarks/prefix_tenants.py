@@ -34,6 +34,7 @@ import json
 import random
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -186,7 +187,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.legend()
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=20)
-    fig.suptitle(report["where"], fontsize=8)
+    fig.suptitle(textwrap.fill(report["where"], 120), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -28,6 +28,7 @@ import random
 import signal
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ def plot(results: dict[str, Any], path: Path, where: str) -> None:
     ax.set_ylabel("prefix cache hit rate")
     ax.set_title("working set 4x the RAM tier, replayed twice, then a prefill restart")
     ax.legend(fontsize=7)
-    fig.suptitle(where, fontsize=8)
+    fig.suptitle(textwrap.fill(where, 120), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -5,8 +5,8 @@ prefill roots every prompt's block hashes in its tenant's scope (router/cache_sc
 finds nothing of A's, while each tenant still reuses its own prompts, tenants that opted in
 (`sharePrefixCache`) share theirs, and a request's `cache_salt` narrows its own scope.
 
-`pdserve local --api-keys`, tiny model, PD (a prefill, a decode) and colocated, with the
-prefix cache as `pdserve local` sizes it by default (no cache flag).
+`pdserve local --api-keys`, tiny model, PD (a prefill, a decode, two routers taking turns) and
+colocated, with the prefix cache as `pdserve local` sizes it by default (no cache flag).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def local(request, tiny_model_dir, tmp_path_factory):
         if name in SHARING:
             lines.append("    sharePrefixCache: true")
     keys.write_text("\n".join(lines) + "\n")
-    mode = ("--prefill", "1", "--decode", "1") if request.param == "pd" else ("--colocated",)
+    # PD behind two routers: requests alternate between them, isolation holds across both.
+    mode = ("--prefill", "1", "--decode", "1", "--routers", "2") if request.param == "pd" else ("--colocated",)
     run = LocalRun.start(
         tmp_path_factory.mktemp(f"tenants-{request.param}"),
         "--model",
@@ -57,15 +58,23 @@ def local(request, tiny_model_dir, tmp_path_factory):
         "--api-keys",
         str(keys),
     )
+    assert len(run.manifest["routers"]) == (2 if request.param == "pd" else 1)
+    assert run.manifest["routers"][0] == run.url
     yield run
     assert run.stop() == 0, run.stderr_path.read_text()
 
 
+SENT = [0]
+
+
 def cached(local: LocalRun, tenant: str, prompt: str, **extra) -> int:
+    routers = local.manifest.get("routers") or [local.url]
+    url = routers[SENT[0] % len(routers)]  # alternate between the routers, as a load balancer would
+    SENT[0] += 1
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
-    model = httpx.get(f"{local.url}/v1/models", headers=headers).json()["data"][0]["id"]
+    model = httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
-    reply = httpx.post(f"{local.url}/v1/completions", json=body, headers=headers, timeout=60)
+    reply = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
     assert reply.status_code == 200, reply.text
     usage = reply.json()["usage"]
     assert usage["prompt_tokens"] > 4 * BLOCK
