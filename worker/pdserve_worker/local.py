@@ -432,7 +432,7 @@ class LocalDeployment:
             "routers": [
                 f"{'https' if self.certs is not None else 'http'}://{HOST}:{c.env[E.HTTP_PORT_ENV]}"
                 for c in self.children
-                if c.role == "router"
+                if c.role in ("router", "colocated")  # the processes that serve the API
             ],
             "service": SERVICE,
             "broker": self.broker_address,
