@@ -262,7 +262,8 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
         env += [
             val(E.SLOTS, d.slots),
             val(E.KV_BLOCK_TOKENS, d.kv_block_tokens),
-            val(E.KV_TOKENS, kv_tokens_per_group(spec)),
+            # Unset: the decode sizes its pool itself, slots x maxLength capped by its memory.
+            *([val(E.KV_TOKENS, d.kv_tokens)] if d.kv_block_tokens and d.kv_tokens is not None else []),
             val(E.READINESS_MODE, d.readiness),
             val(E.WARMUP, d.warmup),
             val(E.LAYER_SHARDS, d.layer_shards),

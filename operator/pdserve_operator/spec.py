@@ -296,7 +296,7 @@ class DecodeSpec(PodOverrides):
         ge=1,
         le=1 << 30,
         description="KV pool size in tokens per decode group with blocks (default slots x model.maxLength: the "
-        "memory of the slots).",
+        "memory of the slots, capped by the decode at half its pod's memory limit and logged at start).",
     )
     readiness: Literal["interrupt", "poll", "spin"] = Field(
         "interrupt",

@@ -75,3 +75,47 @@ def test_open_prefix_store_auto_explicit_and_off(tiny_model_dir, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any("event=prefix_cache " in m and "mode=auto" in m and "limit_source=" in m for m in lines), lines
     assert any("event=prefix_cache_off" in m for m in lines), lines
+
+
+def test_a_decode_pool_is_what_its_slots_use_capped_by_its_memory():
+    # 8 slots x 2,048 tokens of 46 KB: 754 MB, well within half of 8 GiB: unchanged.
+    assert mb.auto_kv_tokens(8 * 2048, 8 * GiB, 1.0, 46080, 16) == 8 * 2048
+    # The same in a 1 GiB pod: capped to half of it, whole blocks.
+    capped = mb.auto_kv_tokens(8 * 2048, GiB, 1.0, 46080, 16)
+    assert capped == int(GiB * 0.5 // 46080) // 16 * 16 and capped < 8 * 2048
+    # Holding 0.85 GiB of 1: only 0.05 GiB may be spared; nothing at all still leaves one block.
+    assert (
+        mb.auto_kv_tokens(8 * 2048, GiB, 1.0, 46080, 16, resident=int(0.85 * GiB))
+        == int(0.05 * GiB) // 46080 // 16 * 16
+    )
+    assert mb.auto_kv_tokens(8 * 2048, GiB, 1.0, 46080, 16, resident=GiB) == 16
+
+
+def test_the_decode_sizes_its_pool_when_kv_tokens_is_unset(tiny_model_dir, monkeypatch, caplog):
+    import json
+
+    from pdserve_worker.decode import worker as dw
+    from support.worker_env import worker_settings
+
+    config = ModelConfig.from_hf(json.loads((tiny_model_dir / "config.json").read_text()))
+    full = config.kv_layout(4, 256, "float32")
+    settings = worker_settings({"PDSERVE_ROLE": "decode", "PDSERVE_BROKER_ADDRESS": "b:1", "PDSERVE_BROKER_TOKEN": "t"})
+    settings = settings.model_copy(update={"slots": 4, "max_length": 256, "model_dtype": "float32"})
+    with caplog.at_level(logging.INFO, logger="pdserve.decode"):
+        assert dw.pool_tokens(settings, full) == 4 * 256  # plenty of memory: the slots' tokens
+    assert any("event=kv_pool_size" in r.getMessage() and "mode=auto" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(dw, "memory_limit", lambda: mb.MemoryLimit(mb.resident_bytes() + 64 * 1024, "test"))
+    with caplog.at_level(logging.INFO, logger="pdserve.decode"):
+        small = dw.pool_tokens(settings, full)
+    assert 16 <= small < 4 * 256 and small % 16 == 0
+    assert any("event=kv_pool_capped_by_memory" in r.getMessage() for r in caplog.records)
+
+
+def test_an_explicit_size_needs_no_memory_reading(monkeypatch):
+    def unreadable():
+        raise RuntimeError("no MemTotal line")
+
+    monkeypatch.setattr(mb, "memory_limit", unreadable)
+    assert mb.prefix_budget(64, 1.0, 1024, 16).tokens == 64
+    with pytest.raises(RuntimeError, match="MemTotal"):
+        mb.prefix_budget(None, 1.0, 1024, 16)

@@ -135,6 +135,8 @@ def test_pvc_model_source_mounts_the_claim() -> None:
 def test_prefix_cache_defaults_to_auto_and_a_disk_tier_is_an_emptydir() -> None:
     pre = render()[("Deployment", "svc-prefill")]
     assert pod_env.PREFIX_CACHE_TOKENS not in env(pre)  # unset: the worker sizes it from its memory limit
+    # So does a decode its pool (slots x maxLength, capped by its memory) when kvTokens is unset.
+    assert pod_env.KV_TOKENS not in env(render()[("StatefulSet", "svc-decode")])
     assert (
         worker_settings(
             {**{k: v for k, v in env(pre).items() if isinstance(v, str)}, pod_env.BROKER_TOKEN: "t"}

@@ -96,8 +96,8 @@ class WorkerSettings(BaseSettings):
     prefill_token_budget: int = Field(4096, ge=1, validation_alias=PREFILL_TOKEN_BUDGET)
     slots: int = Field(8, ge=1, validation_alias=E.SLOTS)
     # Decode KV in blocks of this many tokens (0: one max-length slot per request; a layer-
-    # sharded group keeps slots). The pool holds kv_tokens (0: slots x max_length, today's
-    # memory); `slots` then caps concurrent requests only.
+    # sharded group keeps slots). The pool holds kv_tokens (0: slots x max_length, capped by
+    # half the decode's memory share: kv/memory_budget.py); `slots` caps concurrent requests.
     kv_block_tokens: int = Field(16, ge=0, le=4096, validation_alias=E.KV_BLOCK_TOKENS)
     kv_tokens: int = Field(0, ge=0, validation_alias=E.KV_TOKENS)
     # Prefill: tokens of prompt-prefix KV kept for reuse, in blocks of prefix_block_tokens.

@@ -58,6 +58,7 @@ from pdserve_worker.decode.migration import (
 )
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.kv.memory_budget import auto_kv_tokens, device_free, memory_limit, resident_bytes
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
@@ -154,7 +155,7 @@ class DecodeWorker:
         full = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
         # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
         layout = (
-            paged_layout(full, settings.kv_block_tokens, settings.kv_tokens)
+            paged_layout(full, settings.kv_block_tokens, settings.kv_tokens or pool_tokens(settings, full))
             if group is None
             else group.pool_layout(full)
         )
@@ -417,6 +418,27 @@ class DecodeWorker:
         waited = time.monotonic() - started
         self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
         return Ready(num_tokens, first_token, waited, message)
+
+
+def pool_tokens(settings: WorkerSettings, full: KVLayout) -> int:
+    """The paged pool's tokens when `kv_tokens` is unset: the slots' memory (slots x max_len),
+    capped by the decode's memory (kv/memory_budget.py, `auto_kv_tokens`); logged either way."""
+    bt = settings.kv_block_tokens
+    if not bt:
+        return 0
+    wanted = full.num_slots * full.max_len
+    per_token = full.num_layers * 2 * full.bytes_per_token
+    on_host = settings.device == "cpu"
+    limit = memory_limit() if on_host else device_free(settings.device)
+    resident = resident_bytes() if on_host else 0
+    tokens = auto_kv_tokens(wanted, limit.bytes, settings.memory_share, per_token, bt, resident)
+    fields = dict(tokens=tokens, wanted=wanted, bytes=tokens * per_token, limit_bytes=limit.bytes)
+    fields |= dict(limit_source=limit.source, share=round(settings.memory_share, 4), resident_bytes=resident)
+    if tokens < wanted // bt * bt:
+        log.warning(kv(event="kv_pool_capped_by_memory", **fields))
+    else:
+        log.info(kv(event="kv_pool_size", mode="auto", **fields))
+    return tokens
 
 
 def paged_layout(layout: KVLayout, block_tokens: int, kv_tokens: int) -> KVLayout:

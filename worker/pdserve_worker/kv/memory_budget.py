@@ -121,7 +121,12 @@ def prefix_budget(
 ) -> PrefixBudget:
     """The prefix cache a worker builds: `requested` tokens when set (0: none), else auto."""
     on_host = str(device).split(":")[0] == "cpu"
-    limit = memory_limit() if on_host else device_free(str(device))
+    try:
+        limit = memory_limit() if on_host else device_free(str(device))
+    except RuntimeError:
+        if requested is None:
+            raise  # auto needs the limit; an explicit size only logs it
+        limit = MemoryLimit(0, "unknown")
     resident = resident_bytes() if on_host else 0
     if requested is None:
         tokens = auto_prefix_tokens(limit.bytes, share, kv_bytes_per_token, block_tokens, resident)
@@ -137,3 +142,24 @@ def default_disk_bytes(folder: Path) -> int:
     """The disk tier's bound when none is set: 10 GiB, or half the folder's free space if less."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     return min(DEFAULT_DISK_BYTES, shutil.disk_usage(folder).free // 2)
+
+
+DECODE_KV_FRACTION = 0.5  # of its memory share: a decode's KV pool is most of what it holds
+
+
+def auto_kv_tokens(
+    wanted: int, limit_bytes: int, share: float, kv_bytes_per_token: int, block_tokens: int, resident: int = 0
+) -> int:
+    """A paged decode pool's tokens when none is set: what its slots can use (`wanted`, slots x
+    max_len), capped so that the pool stays within DECODE_KV_FRACTION of the process's memory
+    share and leaves HEADROOM_FRACTION free after what it holds; at least one block.
+
+    Capped, never raised: more KV than the slots can fill buys nothing (the slot count is the
+    concurrency cap), while a pool larger than the pod would be an OOM kill at the first long
+    batch instead of a 429 at admission."""
+    if kv_bytes_per_token <= 0 or block_tokens <= 0:
+        raise ValueError(f"kv_bytes_per_token and block_tokens must be positive: {kv_bytes_per_token}, {block_tokens}")
+    own = limit_bytes * share
+    budget = max(0.0, min(own * DECODE_KV_FRACTION, own * (1 - HEADROOM_FRACTION) - resident))
+    cap = int(budget // kv_bytes_per_token) // block_tokens * block_tokens
+    return max(block_tokens, min(wanted // block_tokens * block_tokens, cap))
