@@ -67,6 +67,9 @@ class ScriptedBackend:
     def tokenize_prompt(self, prompt: str) -> list[int]:
         return [ord(c) for c in prompt]
 
+    def detokenize(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         self.chats.append(messages)
         if messages[-1]["role"] == "assistant":

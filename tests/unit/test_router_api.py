@@ -203,7 +203,7 @@ CASES = [
     ({"model": MODEL, "prompt": "x" * 80}, 400, ["80 tokens", "maximum context length is 64"], "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 63}, 400, ["2 tokens", "63", "64", "at most 62"], "max_tokens"),
     ({"model": MODEL, "prompt": 42}, 400, ["prompt", "valid string", "42"], "prompt"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, ["exactly one string"], "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, ["a list of one", "got a list of 2"], "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens", "valid integer"], "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": True}, 400, ["temperature", "number"], "temperature"),
     ({"model": MODEL, "prompt": "hi", "temperature": 7}, 400, ["temperature", "2"], "temperature"),
@@ -211,7 +211,7 @@ CASES = [
     ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, ["stop"], "stop"),
     (b'{"model": "fake-model", "prompt": "\\ud800"}', 400, ["lone surrogate"], "prompt"),
     ({"model": MODEL, "prompt": ""}, 400, ["empty"], "prompt"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, ["logprobs"], None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, ["logprobs"], "logprobs"),
 ]
 
 

@@ -63,7 +63,9 @@ from pdserve_worker.router.openai_api import (
     ChatCompletionRequest,
     ChatResponseFormat,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseFormat,
+    TokenizeRequest,
     Usage,
     error_body,
 )
@@ -447,13 +449,7 @@ class _Router:
     ) -> tuple[list[int], SamplingParams, int]:
         """The prompt's token ids, the sampling parameters and max_tokens; an ApiError (4xx) if
         the request cannot be served as asked."""
-        if body.model != self.backend.model_name:
-            raise self.reject(
-                404,
-                f"The model '{body.model}' does not exist; this server serves '{self.backend.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+        self._check_model(body.model)
         prompt_ids = await self._tokenize(body, request_id)
         prompt_field = "messages" if chat else "prompt"
         if not prompt_ids:
@@ -477,6 +473,46 @@ class _Router:
             raise from_validation_errors(exc.errors()) from None
         return prompt_ids, params, max_tokens
 
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the prompt's (or conversation's) token ids as a request would get them."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            as_request: CompletionRequest | ChatCompletionRequest = ChatCompletionRequest(
+                model=body.model, messages=body.messages
+            )
+        else:
+            as_request = CompletionRequest(model=body.model, prompt=body.prompt or "")
+        ids = await self._tokenize(as_request, "tokenize")
+        return {"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize."""
+        self._check_model(body.model)
+        ids = self._checked_ids(body.tokens, "tokens")
+        decode = getattr(self.backend, "detokenize", None)
+        if decode is None:
+            raise self.reject(400, "this backend cannot detokenize", param="tokens")
+        return {"prompt": decode(ids)}
+
+    def _check_model(self, model: str) -> None:
+        if model != self.backend.model_name:
+            raise self.reject(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.backend.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _checked_ids(self, ids: list[int], field: str) -> list[int]:
+        """Token ids a client sent: each must be one the model's tokenizer knows."""
+        vocab = getattr(self.backend, "vocab_size", None)  # a backend without a tokenizer: the workers check
+        if vocab is None:
+            return ids
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise self.reject(400, f"{field}: token id {bad} is out of the vocabulary (0..{vocab - 1})", param=field)
+        return ids
+
     async def _tokenize(self, body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[int]:
         """Token ids of the prompt; a prompt too long to fit is refused by its length in
         characters, before it is tokenized; long prompts are tokenized off the event loop.
@@ -485,6 +521,8 @@ class _Router:
         tokenizing a short prompt, so short ones run inline; a long prompt must not stall
         the streams that share the loop.
         """
+        if isinstance(body, CompletionRequest) and body.prompt_ids is not None:
+            return self._checked_ids(body.prompt_ids, "prompt")
         if isinstance(body, ChatCompletionRequest):
             messages = [m.template_dict() for m in body.messages]
             size = sum(len(m["content"]) for m in messages)
@@ -752,6 +790,14 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: Tenant = tenant_of) -> Response:
         return await router.serve(request, body, tenant)
+
+    @app.post("/tokenize", dependencies=[tenant_of])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await router.tokenize(body)
+
+    @app.post("/detokenize", dependencies=[tenant_of])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await router.detokenize(body)
 
     @app.get("/v1/models", dependencies=[tenant_of])
     async def models() -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic_core import ErrorDetails
 
+from pdserve_worker.router import api_fields
 from pdserve_worker.router.admission import Rejected
 from pdserve_worker.router.backend import (
     BackendError,
@@ -145,6 +146,9 @@ def from_validation_errors(errors: list[ErrorDetails] | list[dict[str, Any]]) ->
     where = _location(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid value"))
     message = message.removeprefix("Value error, ")
+    if kind == api_fields.UNSUPPORTED_FIELD:  # a field of the schema this server refuses (router/api_fields.py)
+        field = str((first.get("ctx") or {}).get("field", ""))
+        return ApiError(400, f"{field} {message}", param=field or None, code="unsupported_parameter")
     if kind == "missing":
         text = f"missing required field '{where}'" if where else "missing request body"
     elif kind == "value_error":  # our own validators: the message already names the value

@@ -1,9 +1,11 @@
 """The OpenAI wire format: request models that validate, and the bodies and chunks we answer.
 
 Requests are strict pydantic models: a wrong JSON type is a 400 naming the field, never a
-silent coercion ("5" is not 5, true is not 1.0), and a parameter we do not implement (n > 1,
-logprobs, penalties) is refused with a message instead of being ignored. Unknown keys are
-ignored, as newer clients send fields this server does not know about.
+silent coercion ("5" is not 5, true is not 1.0), and a field of OpenAI's or vLLM's schema we
+do not implement (n > 1, logprobs, penalties, response_format, tools...) is refused with a 400
+naming it instead of being ignored: router/api_fields.py is the one table (docs/api.md is
+generated from it). Keys in neither schema are ignored, as newer clients send fields this
+server does not know about.
 
 Every field is bounded here, at the API, so that nothing past it can fail on a value a client
 chose: integers to what the worker protocol carries (uint32 max_tokens/top_k, int64 seed), stop
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve_worker.model.sampling_params import (
     INT64_MAX,
@@ -29,7 +32,9 @@ from pdserve_worker.model.sampling_params import (
     MAX_STOP_STRINGS,
     UINT32_MAX,
     SamplingParams,
+    TokenId,
 )
+from pdserve_worker.router import api_fields
 
 
 def _utf8_text(value: str) -> str:
@@ -48,6 +53,7 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS
 MAX_MESSAGES = 2048
 MAX_MODEL_NAME_CHARS = 256
 
+MAX_PROMPT_IDS = 1 << 20  # token ids of one prompt sent as ids (the context bounds it further)
 MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mistake
 
 
@@ -84,33 +90,29 @@ class _GenerationRequest(BaseModel):
     # prefix KV (router/cache_scope.py).
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refused_fields(cls, data: Any) -> Any:
+        """A field of the schema this server does not implement, with a value that asks for
+        something, is a 400 naming it (router/api_fields.py), before any other check."""
+        if isinstance(data, dict):
+            table = api_fields.CHAT if "messages" in cls.model_fields else api_fields.COMPLETIONS
+            for f in table:
+                if f.status == "refused" and f.name in data:
+                    if not f.neutral(data[f.name]):
+                        raise PydanticCustomError(
+                            api_fields.UNSUPPORTED_FIELD,
+                            "is not supported: {note} (got {field}={value})",
+                            {"field": f.name, "note": f.note, "value": repr(data[f.name])[:80]},
+                        )
+        return data
+
     @field_validator("stop", mode="before")
     @classmethod
     def _few_stops(cls, value: Any) -> Any:
         # Before the items are validated: a list of a million strings is refused by its length.
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported (one choice per request), got n={value}")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError(f"penalties are not supported, got {value}")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
         return value
 
     @property
@@ -144,8 +146,12 @@ class _GenerationRequest(BaseModel):
         )
 
 
+PromptIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: Text | list[Text]
+    # A string, or token ids (OpenAI's and vLLM's forms), alone or as a list of one.
+    prompt: Text | PromptIds | list[Text] | list[PromptIds]
     echo: bool | None = None
     logprobs: int | None = None
     best_of: int | None = None
@@ -153,26 +159,27 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError(f"prompt must be a string or a list of exactly one string, got a list of {len(value)}")
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt is an empty list")
+        if isinstance(value, list) and isinstance(value[0], (str, list)) and len(value) != 1:
+            raise ValueError(
+                f"prompt must be one prompt (a string or token ids, or a list of one), got a list of {len(value)}"
+            )
         return value
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        if self.best_of is not None and self.best_of != 1:
-            raise ValueError(f"only best_of=1 is supported, got best_of={self.best_of}")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's token ids when it was sent as ids, else None (text: to be tokenized)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], list):
+            p = p[0]
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], int) else None
 
     @property
     def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        p = self.prompt
+        return p if isinstance(p, str) else (p[0] if isinstance(p[0], str) else "")
 
 
 class ContentPart(BaseModel):
@@ -221,16 +228,33 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError(f"at most {MAX_MESSAGES} messages are supported, got {len(value)}")
         return value
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        return self
-
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a completion prompt or a conversation (after the chat template)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME_CHARS)]
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME_CHARS)]
+    tokens: PromptIds
 
 
 # --- errors ---------------------------------------------------------------------------------

@@ -41,6 +41,14 @@ class ModelTokenizing:
     def tokenize_prompt(self, prompt: str) -> list[int]:
         return self._tokenizer.encode(prompt)
 
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids are 0..vocab_size-1 (the tokenizer's, added tokens included)."""
+        return self._tokenizer.vocab_size
+
     def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         try:
             return self._tokenizer.encode_chat(messages)
