@@ -160,7 +160,12 @@ class PDBackend(ModelTokenizing):
         """Pull every prefill's block events into the index, BLOCK_EVENTS_POLL_S apart."""
         while True:
             for member in [m for m in self.view.members.values() if m.role is Role.PREFILL]:
-                await self._pull_block_events(member)
+                try:
+                    await self._pull_block_events(member)
+                except Exception as exc:  # noqa: BLE001 - one bad reply must not stop following the others
+                    log.warning(kv(event="block_events_apply_failed", prefill=member.worker_id, error=repr(exc)))
+                    if self._reported is not None:
+                        self._reported.forget(member.worker_id)  # unknown again: the prediction stands in
             await asyncio.sleep(BLOCK_EVENTS_POLL_S)
 
     async def _pull_block_events(self, member: Member) -> None:
