@@ -132,6 +132,35 @@ def test_chat_matches_colocated_greedy_and_seeded(client, model, reference):
     assert text == reference.complete(prompt_ids, max_tokens=20, temperature=0.8, seed=11)
 
 
+def test_logits_processors_through_pd_match_colocated(client, model, reference):
+    """#31's processors: prefill draws token 0 and decode the rest, each with the request's
+    penalties, bias and min_tokens, so PD answers as colocated generation does — through the
+    official SDK (vLLM's extensions in `extra_body`)."""
+    prompt = PROMPTS[1]
+    ids = reference.tokenizer.encode(prompt)
+    eos = sorted(reference.tokenizer.eos_token_ids)[0]
+    cases = [
+        dict(frequency_penalty=1.5, presence_penalty=0.5),
+        dict(extra_body={"repetition_penalty": 1.4, "min_p": 0.05}, temperature=0.9, seed=5),
+        dict(logit_bias={str(eos): 100}, extra_body={"min_tokens": 4}),
+    ]
+    for case in cases:
+        extra = case.pop("extra_body", {})
+        params = dict(max_tokens=16, temperature=case.pop("temperature", 0), **case, **extra)
+        if "logit_bias" in params:
+            params["logit_bias"] = tuple((int(k), float(v)) for k, v in params["logit_bias"].items())
+        expected = reference.complete(ids, **params)
+        answer = client.completions.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=params["temperature"], extra_body=extra, **case
+        )
+        assert answer.choices[0].text == expected, (case, extra)
+        if "logit_bias" in case:  # EOS biased to win, held back for min_tokens: 4 tokens, then EOS (counted)
+            assert answer.usage.completion_tokens == 5 and answer.choices[0].finish_reason == "stop"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    penalised = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, frequency_penalty=2)
+    assert plain.choices[0].text != penalised.choices[0].text  # the penalty changed the answer
+
+
 def test_stop_string_cut_once_by_decode(client, model, reference):
     prompt = PROMPTS[1]
     full = reference.complete(reference.tokenizer.encode(prompt), max_tokens=30, temperature=0)

@@ -260,7 +260,7 @@ def test_a_request_whose_draw_fails_is_aborted_alone(tiny, prompts, alone, monke
         tokens[request_id] = [first.token_id]
     *good, bad = tokens
 
-    def refuse(logits, index):
+    def refuse(logits, index, *context):
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
     monkeypatch.setattr(gen._running[bad].sampler, "sample", refuse)

@@ -158,7 +158,7 @@ def test_tokenizer_chat_template_and_eos_match_transformers(family):
     assert set(eos) <= set(ours.eos_token_ids)
     assert hf_tok.convert_tokens_to_ids(FAMILIES[name].eos) in ours.eos_token_ids
     assert loaded.generation.sampling_defaults() == {
-        k: v for k, v in FAMILIES[name].sampling.items() if k in ("temperature", "top_p", "top_k")
+        k: v for k, v in FAMILIES[name].sampling.items() if k in ("temperature", "top_p", "top_k", "repetition_penalty")
     }
 
 

@@ -106,10 +106,13 @@ def test_generation_config_gives_eos_lists_and_sampling_defaults(tmp_path):
     )
     gen = GenerationDefaults.from_folder(tmp_path)
     assert gen.eos_token_ids == (151645, 151643)
-    assert gen.sampling_defaults() == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    assert gen.sampling_defaults() == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
     assert GenerationDefaults.from_dict({"do_sample": False, "temperature": 0.6}).sampling_defaults() == {
         "temperature": 0.0
     }
+    # Greedy search applies the file's repetition penalty too (transformers does).
+    greedy = GenerationDefaults.from_dict({"do_sample": False, "repetition_penalty": 1.1})
+    assert greedy.sampling_defaults() == {"temperature": 0.0, "repetition_penalty": 1.1}
     assert GenerationDefaults.from_folder(tmp_path / "absent") == GenerationDefaults()
     for bad, message in [
         ({"eos_token_id": "</s>"}, "eos_token_id"),

@@ -54,7 +54,7 @@ def router(port):
         ({"logprobs": 2**63}, "logprobs"),
         ({"best_of": 2**63}, "best_of"),
         ({"presence_penalty": 1e308}, "presence_penalty"),
-        ({"frequency_penalty": -2.0}, "frequency_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),  # OpenAI's range is [-2, 2]
         ({"temperature": 1e308}, "temperature"),
         ({"top_p": 2.0}, "top_p"),
         ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),

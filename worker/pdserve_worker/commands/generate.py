@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve_common import logs
     from pdserve_worker.model.generate import Generator, StepOutput, colocated_cache, prefill_first_token
     from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.sampling import stop_token_ids
 
     logs.setup("generate")
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve generate: {exc}", file=sys.stderr)
         return 2
-    first = prefill_first_token(loaded.model, generator.cache, 0, prompt_ids, params)
+    stops = tuple(stop_token_ids(params, loaded.tokenizer.eos_token_ids))
+    first = prefill_first_token(loaded.model, generator.cache, 0, prompt_ids, params, stop_ids=stops)
     prefill_s = time.perf_counter() - started
     show(generator.add_prefilled(prompt_ids, 0, first, params)[1])
     for out in generator.stream():

@@ -28,7 +28,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.llama import LlamaModel
-from pdserve_worker.model.sampling import Sampler, StopStringMatcher, stop_token_ids
+from pdserve_worker.model.sampling import Sampler, StopStringMatcher, sample_first, stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -296,7 +296,9 @@ class Generator(Generic[CacheT]):
         sampler cannot honour) aborts this request alone: the batch's other requests never
         pay for one client's sampling parameters."""
         try:
-            token = request.sampler.sample(logits, len(request.output_ids))
+            token = request.sampler.sample(
+                logits, len(request.output_ids), request.prompt_ids, request.output_ids, tuple(request.stops)
+            )
         except (RuntimeError, ValueError) as exc:
             log.error(kv(event="sampling_failed", request=request.request_id, error=repr(exc)))
             self._finish(request)
@@ -344,12 +346,14 @@ def prefill_first_token(
     index: int = 0,
     layers_per_chunk: int | None = None,
     start: int = 0,
+    stop_ids: Sequence[int] = (),
 ) -> int:
     """Compute a prompt's KV into `slot` and draw its first token, as a prefill worker does
-    (`index`: the output index that token has, > 0 for a resumed request; `start`: positions
-    already holding the prompt's KV, a cached prefix)."""
+    (`index`: the output index that token has, > 0 for a resumed request, whose last `index`
+    prompt tokens are its output so far; `start`: positions already holding the prompt's KV, a
+    cached prefix; `stop_ids`: what min_tokens keeps from being drawn)."""
     logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, start=start)
-    return Sampler(params).sample(logits, index)
+    return sample_first(logits, params, prompt_ids, index, stop_ids)
 
 
 @torch.inference_mode()
@@ -360,13 +364,15 @@ def prefill_first_tokens(
     prompts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     layers_per_chunk: int | None = None,
+    stop_ids: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
     """`prefill_first_token` of several prompts in one forward pass (`LlamaModel.prefill_batch`:
     the prompts packed into one row, every matrix product once over all of them)."""
+    stops = stop_ids if stop_ids is not None else [()] * len(prompts)
     if len(prompts) == 1:
-        return [prefill_first_token(model, cache, slots[0], prompts[0], params[0], 0, layers_per_chunk)]
+        return [prefill_first_token(model, cache, slots[0], prompts[0], params[0], 0, layers_per_chunk, 0, stops[0])]
     logits = model.prefill_batch(prompts, cache, slots, layers_per_chunk)
-    return [Sampler(p).sample(logits[row], 0) for row, p in enumerate(params)]
+    return [sample_first(logits[row], p, prompts[row], 0, stops[row]) for row, p in enumerate(params)]
 
 
 def packed_batches(lengths: Sequence[int], token_budget: int) -> list[range]:
@@ -423,7 +429,14 @@ def generate(
 
     for run in runs:
         started = time.perf_counter()
-        firsts = prefill_first_tokens(model, gen.cache, list(run), [checked[i] for i in run], [plist[i] for i in run])
+        firsts = prefill_first_tokens(
+            model,
+            gen.cache,
+            list(run),
+            [checked[i] for i in run],
+            [plist[i] for i in run],
+            stop_ids=[tuple(stop_token_ids(plist[i], tokenizer.eos_token_ids)) for i in run],
+        )
         stats.prefill_seconds += time.perf_counter() - started
         stats.prefill_tokens += sum(len(checked[i]) for i in run)
         for slot, first in zip(run, firsts, strict=True):

@@ -27,7 +27,7 @@ class GenerationDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    repetition_penalty: float | None = None  # read and shown; the sampler does not implement it
+    repetition_penalty: float | None = None  # a request's default (model/processors.py)
     max_new_tokens: int | None = None
 
     @classmethod
@@ -64,13 +64,15 @@ class GenerationDefaults:
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """SamplingParams fields for a request that sets none of them: the file's temperature,
-        top_p and top_k, and greedy when it says `do_sample: false` (transformers' meaning)."""
-        if self.do_sample is False:
-            return {"temperature": 0.0}
+        top_p and top_k, and greedy when it says `do_sample: false` (transformers' meaning);
+        its repetition_penalty either way (transformers applies it to greedy search too)."""
         values: dict[str, float | int] = {}
-        for key in ("temperature", "top_p", "top_k"):
+        keys = ("temperature", "top_p", "top_k") if self.do_sample is not False else ()
+        for key in (*keys, "repetition_penalty"):
             if (value := getattr(self, key)) is not None:
                 values[key] = value
+        if self.do_sample is False:
+            values["temperature"] = 0.0
         return values
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,11 +9,12 @@ worker the rest, and a seeded request still gives exactly the text it gives in o
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pdserve_worker.model import processors
 from pdserve_worker.model.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
@@ -32,10 +33,21 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
         self._generator = torch.Generator(device="cpu")
 
-    def sample(self, logits: torch.Tensor, index: int) -> int:
-        """The token for output position `index` (0 = first generated token) from logits `[vocab]`."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        index: int,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
+        stop_ids: Sequence[int] = (),
+    ) -> int:
+        """The token for output position `index` (0 = first generated token) from logits `[vocab]`;
+        the request's logits processors (model/processors.py) see its prompt, its output so far
+        and the token ids that would stop it."""
         p = self.params
         logits = logits.detach().to("cpu", torch.float32).reshape(-1)
+        if p.processed:
+            logits = processors.apply(logits, p, prompt_ids, output_ids, stop_ids)
         if p.greedy:
             return int(torch.argmax(logits))
         scaled = logits / p.temperature
@@ -44,6 +56,8 @@ class Sampler:
         else:
             values, candidates = torch.sort(scaled, descending=True)
         probs = torch.softmax(values, dim=-1)
+        if p.min_p > 0.0:  # vLLM's min_p: below min_p x the most likely token's probability is out
+            probs = torch.where(probs >= p.min_p * probs[0], probs, torch.zeros_like(probs))
         if p.top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p. The most likely token always
             # stays, explicitly: a top_p that rounds to 0 in float32 would keep nothing (vLLM's
@@ -55,6 +69,15 @@ class Sampler:
         self._generator.manual_seed(_index_seed(self.seed, index))
         choice = torch.multinomial(probs, 1, generator=self._generator)
         return int(candidates[choice])
+
+
+def sample_first(
+    logits: torch.Tensor, params: SamplingParams, tokens: Sequence[int], num_generated: int, stop_ids: Sequence[int]
+) -> int:
+    """The token a prefill draws after `tokens`: the prompt, then (resuming) the `num_generated`
+    tokens already streamed, which are the request's output to its logits processors."""
+    split = len(tokens) - num_generated
+    return Sampler(params).sample(logits, num_generated, tokens[:split], tokens[split:], stop_ids)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Bounds of the wire format (common.proto: uint32 max_tokens/top_k, int64 seed, int32 token ids).
 UINT32_MAX = 2**32 - 1
@@ -20,6 +20,8 @@ INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+MAX_REPETITION_PENALTY = 100.0
 # Below this temperature a request is sampled greedily, as vLLM does (vllm/sampling_params.py,
 # `_SAMPLING_EPS`, `SamplingParams.sampling_type`): logits divided by a vanishing temperature
 # overflow float32 (below about 1.2e-38 the divisor itself rounds to 0), and the softmax of
@@ -58,6 +60,43 @@ class SamplingParams(BaseModel):
         (), max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end generation besides EOS."
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+    # Logits processors (model/processors.py), OpenAI's and vLLM's meanings.
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted once from every generated token's logit."
+    )
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        description="HF's: logits of prompt and output tokens divided (>0) or multiplied.",
+    )
+    logit_bias: tuple[tuple[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]], ...] = Field(
+        (), max_length=MAX_LOGIT_BIAS, description="(token id, bias) added to the logits."
+    )
+    min_tokens: int = Field(
+        0, ge=0, le=UINT32_MAX, description="EOS and stop token ids are masked before this many tokens."
+    )
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the most likely one's probability."
+    )
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def processed(self) -> bool:
+        """Whether any logits processor applies (the sampler skips them all otherwise)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

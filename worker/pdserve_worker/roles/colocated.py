@@ -25,6 +25,7 @@ from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
 from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.model.sampling import stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.router.backend import BackendError, RequestInfo, TokenEvent
 from pdserve_worker.router.tokenizing import ModelTokenizing
@@ -72,11 +73,12 @@ class ColocatedBackend(ModelTokenizing):
         store = self.prefix
 
         def prefill(prompt: list[int], slot: int, params: SamplingParams) -> int:
+            stops = tuple(stop_token_ids(params, loaded.tokenizer.eos_token_ids))
             if store is None:
-                return prefill_first_token(model, cache, slot, prompt, params)
+                return prefill_first_token(model, cache, slot, prompt, params, stop_ids=stops)
             use = store.begin(prompt, cache, slot, self._scope[slot])
             try:
-                first = prefill_first_token(model, cache, slot, prompt, params, start=use.cached_tokens)
+                first = prefill_first_token(model, cache, slot, prompt, params, start=use.cached_tokens, stop_ids=stops)
                 store.finish(use, cache, slot)
             finally:
                 store.end(use)

@@ -58,7 +58,7 @@ from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.model.sampling import Sampler
+from pdserve_worker.model.sampling import sample_first, stop_token_ids
 from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.roles.worker_metrics import WorkerMetrics
 from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
@@ -426,7 +426,8 @@ class PrefillWorker:
             try:
                 if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
                     raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
-                first = Sampler(job.params).sample(logits[row], job.num_generated)
+                stops = stop_token_ids(job.params, self.loaded.tokenizer.eos_token_ids)
+                first = sample_first(logits[row], job.params, job.prompt, job.num_generated, tuple(stops))
                 finish_ns = tracing.now_ns()
                 stats = job.pusher.finish({"first_token": first})
                 tracing.record(

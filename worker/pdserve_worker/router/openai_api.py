@@ -26,8 +26,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from pdserve_worker.model.sampling_params import (
+    INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     UINT32_MAX,
@@ -81,9 +84,14 @@ class _GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # OpenAI's shape: token id (as a string) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extensions (model/processors.py).
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
     user: str | None = None
     # vLLM's field: only requests naming the same salt (of the same tenant) share cached
@@ -115,6 +123,16 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"keys are token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases are in [-100, 100], got {bias} for token {key}")
+        return value
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -143,6 +161,14 @@ class _GenerationRequest(BaseModel):
             seed=self.seed,
             stop=self.stop_strings,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=float(d.get("repetition_penalty", 1.0))
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
         )
 
 

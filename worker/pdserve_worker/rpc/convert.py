@@ -20,7 +20,19 @@ from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-_SAMPLING_SCALARS: tuple[str, ...] = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
+_SAMPLING_SCALARS: tuple[str, ...] = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "min_p",
+)
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -32,6 +44,13 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias_ids=[t for t, _ in params.logit_bias],
+        logit_bias_values=[b for _, b in params.logit_bias],
+        min_tokens=params.min_tokens,
+        min_p=params.min_p,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -43,6 +62,11 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     fields: dict[str, object] = {name: getattr(msg, name) for name in _SAMPLING_SCALARS if msg.HasField(name)}
     fields["stop"] = tuple(msg.stop)
     fields["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if len(msg.logit_bias_ids) != len(msg.logit_bias_values):
+        raise ValueError(
+            f"logit_bias_ids ({len(msg.logit_bias_ids)}) and logit_bias_values ({len(msg.logit_bias_values)}) differ in length"
+        )
+    fields["logit_bias"] = tuple(zip(msg.logit_bias_ids, msg.logit_bias_values, strict=True))
     return SamplingParams(**fields)
 
 
