@@ -42,6 +42,20 @@ def test_presence_and_frequency_are_openais():
     assert torch.equal(processors.apply(raw, SamplingParams(presence_penalty=2.0), [1, 2], []), raw)  # no output yet
 
 
+def test_the_kept_state_gives_what_a_fresh_computation_gives():
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.7, frequency_penalty=0.3, logit_bias=((4, 2.0),))
+    state = processors.ProcessorState(VOCAB)
+    prompt, output = [1, 2, 3, 3], []
+    for step in range(12):
+        raw = logits(10 + step)
+        kept = processors.apply(raw, params, prompt, output, (), state)
+        assert torch.allclose(kept, processors.apply(raw, params, prompt, output)), step
+        output.append((step * 7) % 9)  # repeats, new tokens and prompt tokens
+    assert torch.allclose(
+        processors.apply(raw, params, prompt, [5], (), state), processors.apply(raw, params, prompt, [5])
+    )
+
+
 def test_logit_bias_min_tokens_and_min_p():
     raw = logits(3)
     biased = processors.apply(raw, SamplingParams(logit_bias=((5, 100.0), (6, -100.0))), [], [])

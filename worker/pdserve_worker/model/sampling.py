@@ -32,6 +32,7 @@ class Sampler:
         # A request without a seed still gets one, so its draws are reproducible once known.
         self.seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
         self._generator = torch.Generator(device="cpu")
+        self._processing: processors.ProcessorState | None = None  # built on the first processed draw
 
     def sample(
         self,
@@ -47,7 +48,9 @@ class Sampler:
         p = self.params
         logits = logits.detach().to("cpu", torch.float32).reshape(-1)
         if p.processed:
-            logits = processors.apply(logits, p, prompt_ids, output_ids, stop_ids)
+            if self._processing is None or self._processing.vocab != logits.numel():
+                self._processing = processors.ProcessorState(logits.numel())
+            logits = processors.apply(logits, p, prompt_ids, output_ids, stop_ids, self._processing)
         if p.greedy:
             return int(torch.argmax(logits))
         scaled = logits / p.temperature
