@@ -35,13 +35,11 @@ def deployment(request, family_dirs, tmp_path_factory):
     loaded = load_model(str(folder), dtype="float32")
 
     def reference(prompt_ids: list[int], max_tokens: int) -> str:
-        [done] = generate(
-            loaded.model,
-            loaded.tokenizer,
-            [prompt_ids],
-            SamplingParams(max_tokens=max_tokens, temperature=0),
-            max_len=MAX_LEN,
-        )
+        # The model's generation_config defaults apply as the server applies them (its
+        # repetition_penalty included); the request's own temperature 0 wins.
+        defaults = loaded.generation.sampling_defaults()
+        params = SamplingParams(**{**defaults, "max_tokens": max_tokens, "temperature": 0})
+        [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], params, max_len=MAX_LEN)
         return done.text
 
     run = LocalRun.start(
