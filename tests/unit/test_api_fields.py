@@ -153,3 +153,21 @@ def test_tokenize_and_detokenize_in_vllms_shape_behind_the_keys(port):
         assert http.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"}, headers=auth).status_code == 404
         r = http.post(f"{url}/detokenize", json={"model": MODEL, "tokens": [104, 105]}, headers=auth)
         assert r.json() == {"prompt": "hi"}
+
+
+def test_more_ids_than_a_context_are_refused_before_they_are_scanned(port):
+    backend = ScriptedBackend(max_model_len=64)
+    with running_router(create_app(backend), port) as url, httpx.Client(timeout=10) as http:
+        r = http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": list(range(65)), "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        r = http.post(f"{url}/detokenize", json={"model": MODEL, "tokens": [104] * 65})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = http.post(f"{url}/detokenize", json={"model": MODEL, "tokens": [104] * 64})
+        assert r.json() == {"prompt": "h" * 64}
+    assert backend.calls == []
+
+
+def test_a_long_detokenize_runs_off_the_event_loop(port):
+    with running_router(create_app(ScriptedBackend(max_model_len=1024)), port) as url:
+        r = httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": [105] * 600}, timeout=10)
+    assert r.json() == {"prompt": "i" * 600}

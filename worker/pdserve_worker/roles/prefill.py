@@ -16,11 +16,14 @@ fails, or that is cancelled, ends alone; the others go on. Passes run one after 
 one compute thread (they are compute bound, running two at once would only split the cores),
 while the gRPC event loop stays free to accept and queue requests.
 
-With a prefix cache (`prefix_cache_tokens` > 0, kv/prefix_store.py), each prompt first takes
-the longest cached prefix of its whole blocks into its scratch slot and the pass computes only
-the rest (`start=`); the push still sends the prompt's whole KV. After the pass, the prompts'
-new whole blocks are copied out and published; every pinned block is unpinned on every path.
-The reply says how many prompt tokens came from the cache (`cached_tokens`).
+With the prefix cache (kv/prefix_store.py: on by default, sized from memory; 0 tokens turns it
+off), each prompt first takes the longest cached prefix of its whole blocks, within its cache
+scope (its tenant: router/cache_scope.py), into its scratch slot and the pass computes only the
+rest (`start=`); the push still sends the prompt's whole KV. After the pass, the prompts' new
+whole blocks are copied out and published; every pinned block is unpinned on every path. The
+reply says how many prompt tokens came from the cache (`cached_tokens`). With a disk tier, a
+prompt's blocks on disk are read from the moment it is queued (`prefetch`). `BlockEvents`
+serves what the cache stores and drops to the routers (kv/block_events.py).
 
 A router that abandons a request (its client left) sends `Cancel`: a queued prefill never
 starts, a running one stops before its next layer chunk and waits for the puts it issued.

@@ -78,6 +78,7 @@ from pdserve_worker.router.tokenizing import (
 )
 
 log = logging.getLogger("pdserve.router")
+INLINE_DETOKENIZE_MAX_IDS = 512
 T = TypeVar("T")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills the context
@@ -492,7 +493,10 @@ class _Router:
         decode = getattr(self.backend, "detokenize", None)
         if decode is None:
             raise self.reject(400, "this backend cannot detokenize", param="tokens")
-        return {"prompt": decode(ids)}
+        # A context's worth of ids may take a while: off the event loop past a short one.
+        if len(ids) <= INLINE_DETOKENIZE_MAX_IDS:
+            return {"prompt": decode(ids)}
+        return {"prompt": await self.tokenizers.run(lambda: decode(ids))}
 
     def _check_model(self, model: str) -> None:
         if model != self.backend.model_name:
@@ -504,7 +508,16 @@ class _Router:
             )
 
     def _checked_ids(self, ids: list[int], field: str) -> list[int]:
-        """Token ids a client sent: each must be one the model's tokenizer knows."""
+        """Token ids a client sent: no more than a context holds (checked first: the scan below
+        is per id), each one the model's tokenizer knows."""
+        limit = self.backend.max_model_len
+        if len(ids) > limit:
+            raise self.reject(
+                400,
+                f"{field} is {len(ids)} tokens, more than the model's maximum context length of {limit} tokens",
+                param=field,
+                code="context_length_exceeded",
+            )
         vocab = getattr(self.backend, "vocab_size", None)  # a backend without a tokenizer: the workers check
         if vocab is None:
             return ids
