@@ -276,6 +276,15 @@ def test_grpc_calls_need_the_service_token(local):
                 worker_pb2.PrefillRequest(request_id="x", prompt_token_ids=[1, 2]), metadata=wrong, timeout=5
             )
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # What the prefix cache holds (#30's block events) is for the service's routers only.
+        with pytest.raises(grpc.RpcError) as denied:
+            prefill.BlockEvents(worker_pb2.BlockEventsRequest(), metadata=wrong, timeout=5)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as missing:
+            prefill.BlockEvents(worker_pb2.BlockEventsRequest(), timeout=5)
+        assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        held = prefill.BlockEvents(worker_pb2.BlockEventsRequest(), metadata=right, timeout=5)
+        assert held.enabled and held.reset and len(held.salt) == 32  # on by default; a snapshot first
 
 
 def _decode_status(local, name: str) -> worker_pb2.DecodeStatus:
