@@ -104,7 +104,7 @@ def test_the_decode_sizes_its_pool_when_kv_tokens_is_unset(tiny_model_dir, monke
     with caplog.at_level(logging.INFO, logger="pdserve.decode"):
         assert dw.pool_tokens(settings, full) == 4 * 256  # plenty of memory: the slots' tokens
     assert any("event=kv_pool_size" in r.getMessage() and "mode=auto" in r.getMessage() for r in caplog.records)
-    monkeypatch.setattr(dw, "memory_limit", lambda: mb.MemoryLimit(mb.resident_bytes() + 64 * 1024, "test"))
+    monkeypatch.setattr(mb, "memory_limit", lambda: mb.MemoryLimit(mb.resident_bytes() + 64 * 1024, "test"))
     with caplog.at_level(logging.INFO, logger="pdserve.decode"):
         small = dw.pool_tokens(settings, full)
     assert 16 <= small < 4 * 256 and small % 16 == 0

@@ -58,7 +58,7 @@ from pdserve_worker.decode.migration import (
 )
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.memory_budget import auto_kv_tokens, device_free, memory_limit, resident_bytes
+from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
@@ -428,9 +428,7 @@ def pool_tokens(settings: WorkerSettings, full: KVLayout) -> int:
         return 0
     wanted = full.num_slots * full.max_len
     per_token = full.num_layers * 2 * full.bytes_per_token
-    on_host = settings.device == "cpu"
-    limit = memory_limit() if on_host else device_free(settings.device)
-    resident = resident_bytes() if on_host else 0
+    limit, resident = own_memory(settings.device)
     tokens = auto_kv_tokens(wanted, limit.bytes, settings.memory_share, per_token, bt, resident)
     fields = dict(tokens=tokens, wanted=wanted, bytes=tokens * per_token, limit_bytes=limit.bytes)
     fields |= dict(limit_source=limit.source, share=round(settings.memory_share, 4), resident_bytes=resident)

@@ -112,6 +112,14 @@ def device_free(device: str) -> MemoryLimit:
     return MemoryLimit(int(free), f"{device} free")
 
 
+def own_memory(device: str) -> tuple[MemoryLimit, int]:
+    """(the limit a cache on `device` is sized from, what this process holds of it already):
+    the host's limit and resident set on the CPU, an accelerator's free memory (and 0) on it."""
+    if str(device).split(":")[0] == "cpu":
+        return memory_limit(), resident_bytes()
+    return device_free(str(device)), 0
+
+
 def prefix_budget(
     requested: int | None,
     share: float,
@@ -120,14 +128,12 @@ def prefix_budget(
     device: str = "cpu",
 ) -> PrefixBudget:
     """The prefix cache a worker builds: `requested` tokens when set (0: none), else auto."""
-    on_host = str(device).split(":")[0] == "cpu"
     try:
-        limit = memory_limit() if on_host else device_free(str(device))
+        limit, resident = own_memory(device)
     except RuntimeError:
         if requested is None:
             raise  # auto needs the limit; an explicit size only logs it
-        limit = MemoryLimit(0, "unknown")
-    resident = resident_bytes() if on_host else 0
+        limit, resident = MemoryLimit(0, "unknown"), 0
     if requested is None:
         tokens = auto_prefix_tokens(limit.bytes, share, kv_bytes_per_token, block_tokens, resident)
     else:
