@@ -38,8 +38,8 @@ for folder in ("worker", "operator", "common", "proto"):
 
 import torch  # noqa: E402
 
+from pdserve_worker.cli.local_deployment import auto_dtype  # noqa: E402
 from pdserve_worker.kv.cache import KVCache  # noqa: E402
-from pdserve_worker.local import auto_dtype  # noqa: E402
 from pdserve_worker.model.loader import gguf_source, load_model, model_folder  # noqa: E402
 from pdserve_worker.model.matmul import Int4Matrix  # noqa: E402
 

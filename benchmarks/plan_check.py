@@ -94,7 +94,7 @@ def predict_trace(model: ServingModel, trace, output_tokens: int, p: int, d: int
 
 def serve_measured(name: str, dtype: str, args: argparse.Namespace, trace) -> tuple[dict, dict[str, float], list]:
     """serve.run_config's run, plus the CPU share its prefill and its decode processes got."""
-    from pdserve_worker.local import LocalDeployment, LocalPlan
+    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan
 
     plan = LocalPlan(port=0, dtype=dtype, slots=args.slots, max_len=args.max_len, threads=0, **serve.CONFIGS[name])
     print(f"[{name}] serving the trace ...", file=sys.stderr, flush=True)
@@ -132,7 +132,7 @@ def main() -> int:
     parser.add_argument("--no-components", action="store_true", help="skip the engine-alone comparison")
     args = parser.parse_args()
 
-    from pdserve_worker.local import LocalPlan, auto_dtype
+    from pdserve_worker.cli.local_deployment import LocalPlan, auto_dtype
     from pdserve_worker.model.loader import model_folder
     from pdserve_worker.model.tokenizer import Tokenizer
 
@@ -150,7 +150,7 @@ def main() -> int:
         if args.profile:
             profile = load_profile(args.profile)
         else:
-            from pdserve_worker.hw_profile import measure
+            from pdserve_worker.cli.hw_profile import measure
 
             print(f"[{name}] measuring the profile (load {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
             profile = measure(

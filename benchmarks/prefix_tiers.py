@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-vs-vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "figures")
     args = parser.parse_args(argv)
-    from pdserve_worker.local import auto_dtype
+    from pdserve_worker.cli.local_deployment import auto_dtype
     from pdserve_worker.model.tokenizer import Tokenizer
 
     dtype = auto_dtype()

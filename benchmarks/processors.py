@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    from pdserve_worker.local import auto_dtype
+    from pdserve_worker.cli.local_deployment import auto_dtype
     from pdserve_worker.model.default_model import default_model_path
     from pdserve_worker.model.loader import load_model
     from pdserve_worker.model.sampling_params import SamplingParams

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
 
+from pdserve_worker.api.backend import TokenEvent  # noqa: E402
 from pdserve_worker.model.sampling_params import SamplingParams  # noqa: E402
-from pdserve_worker.router.backend import TokenEvent  # noqa: E402
 
 
 class InstantBackend:
@@ -58,8 +58,8 @@ class InstantBackend:
 
 def serve(port: int) -> None:
     from pdserve_common import tracing
-    from pdserve_worker.router.app import create_app
-    from pdserve_worker.router.server import build_router_server
+    from pdserve_worker.api.app import create_app
+    from pdserve_worker.api.server import build_router_server
 
     tracing.setup("pdserve-router", "bench", edge=True)  # on when PDSERVE_TRACE_FILE is set (the traced router)
     # uvicorn drains on SIGTERM, then re-raises it: ignored then, so the spans still get flushed.

@@ -9,7 +9,7 @@ of this script on this machine:
   decode's registered pool; the decode's CPU takes no part) — what HIXL does over HCCS/RDMA.
 - `tcp`: one-sided, the host engine's TCP path (`pdserve.Transport=tcp`: the decode's engine
   receives each frame straight into the target range).
-- `two-sided`: gloo send/recv (transfer/two_sided.py): the decode posts receives into a
+- `two-sided`: gloo send/recv (transfer/backends/two_sided.py): the decode posts receives into a
   staging buffer, copies staging into the KV blocks and acknowledges every chunk.
 
 The prefill is pdserve's own prefill role (`PrefillWorker`, batching and layer-chunk pushes as
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 for sub in ("worker", "common", "proto", "tests"):
     sys.path.insert(0, str(ROOT / sub))
 
-from pdserve_worker.free_ports import free_port  # noqa: E402
+from pdserve_worker.util.free_ports import free_port  # noqa: E402
 from support.transfer_peers import PeerProcess, decode_main, grant_from_dict  # noqa: E402
 
 TRANSPORTS = {
@@ -142,7 +142,7 @@ class ChunkClock:
 def prefill_settings(**values: Any) -> Any:
     """A prefill worker's settings, as a pod's would be, with the benchmark's sizes (no broker
     is contacted: the prefill role is driven directly, not through gRPC)."""
-    from pdserve_worker.settings import WorkerSettings
+    from pdserve_worker.serving.settings import WorkerSettings
 
     return WorkerSettings(role="prefill", broker_address="127.0.0.1:1", broker_token="bench", **values)
 
@@ -291,8 +291,8 @@ async def run_transport(
     """Every point of both plans for one transport: per length one decode peer (slots for the
     largest concurrency) and one prefill role, warmed by one untimed prefill."""
     from pdserve_worker.model.sampling_params import SamplingParams
-    from pdserve_worker.roles.prefill import PrefillWorker
-    from pdserve_worker.transfer.engine import create_engine
+    from pdserve_worker.prefill.worker import PrefillWorker
+    from pdserve_worker.transfer.base import create_engine
 
     backend_name, options = TRANSPORTS[name]
     clock = ChunkClock(loaded.model)
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         return replot(args.replot, args.out)
     import torch
 
-    from pdserve_worker.local import auto_dtype
+    from pdserve_worker.cli.local_deployment import auto_dtype
     from pdserve_worker.model.loader import load_model
     from pdserve_worker.process.worker_main import model_revision, resolve_model_folder
 

@@ -65,7 +65,7 @@ sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common
 
 import httpx  # noqa: E402
 
-from pdserve_worker.local import LocalDeployment, LocalPlan  # noqa: E402
+from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan  # noqa: E402
 
 CONFIGS = {
     "pd1": dict(prefill=1, decode=1),
@@ -551,7 +551,7 @@ def main() -> int:
     from pdserve_worker.model.tokenizer import Tokenizer
 
     if args.dtype == "auto":
-        from pdserve_worker.local import auto_dtype
+        from pdserve_worker.cli.local_deployment import auto_dtype
 
         args.dtype = auto_dtype()
     folder, model = model_folder(None, args.dtype)

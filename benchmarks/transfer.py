@@ -52,8 +52,8 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from pdserve_common.kv_layout import KVLayout  # noqa: E402
-from pdserve_worker.kv.pool import KVPool  # noqa: E402
-from pdserve_worker.transfer.engine import TransferBackend, create_engine  # noqa: E402
+from pdserve_worker.transfer.base import TransferBackend, create_engine  # noqa: E402
+from pdserve_worker.transfer.pool import KVPool  # noqa: E402
 from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks, prefill_and_push  # noqa: E402
 from support.transfer_peers import PeerProcess, decode_main, grant_from_dict  # noqa: E402
 
@@ -399,8 +399,8 @@ def bench_auth_parts(n: int = 20000) -> dict[str, float]:
     import socket as _socket
 
     from pdserve_worker.kv.slots import SlotTable
-    from pdserve_worker.transfer.host import wire
-    from pdserve_worker.transfer.host.notify_inbox import NotifyInbox, abstract
+    from pdserve_worker.transfer.backends.host import wire
+    from pdserve_worker.transfer.backends.host.notify_inbox import NotifyInbox, abstract
 
     slots = SlotTable(throughput_layout(MB, 2))
     grant = slots.reserve("parts", 60)
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     report_auth(args.repeats, args.samples)
     if not args.no_model:
-        from pdserve_worker.local import auto_dtype
+        from pdserve_worker.cli.local_deployment import auto_dtype
 
         dtype = auto_dtype() if args.dtype == "auto" else args.dtype
         tokens = 2048

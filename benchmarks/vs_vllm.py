@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "--merge", action="store_true", help="add these servers' results to the JSON in --out (a rerun of one server)"
     )
     args = parser.parse_args(argv)
-    from pdserve_worker.local import auto_dtype
+    from pdserve_worker.cli.local_deployment import auto_dtype
     from pdserve_worker.model.default_model import default_model_path
     from pdserve_worker.model.tokenizer import Tokenizer
 

@@ -7,7 +7,7 @@
 | manifests/kopf-peering.yaml | charts/pdserve/crds/kopf-peering.yaml |
 | manifests/operator.yaml | `helm template` of charts/pdserve with default values (+ the Namespace) |
 | docs/configuration.md | spec.py and OperatorConfig via `pdserve crd --docs` |
-| docs/api.md | worker/pdserve_worker/router/api_fields.py (the request fields and what is done with each) |
+| docs/api.md | worker/pdserve_worker/api/api_fields.py (the request fields and what is done with each) |
 
 Tests (`tests/unit/test_chart.py`, `test_generated_files_are_up_to_date`) call `expected()` and fail on any difference, so a change to
 the spec or the chart that is not regenerated cannot land. Run: `python scripts/generate.py`.
@@ -77,7 +77,7 @@ def helm_template(*args: str) -> str:
 def expected() -> dict[Path, str]:
     from pdserve_operator.config_docs import render as config_docs
     from pdserve_operator.crd import crd_yaml
-    from pdserve_worker.router.api_fields import markdown as api_docs
+    from pdserve_worker.api.api_fields import markdown as api_docs
 
     crd = crd_yaml()
     return {

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from pdserve_worker.free_ports import free_port
+from pdserve_worker.util.free_ports import free_port
 
 __all__ = ["free_port"]

@@ -1,7 +1,7 @@
 """The contract between the operator and a worker pod: environment variable names and ports.
 
 The operator (`pdserve_operator.children`) renders these variables into every pod it creates;
-`pdserve worker` reads them back through `settings.WorkerSettings`, whose fields name these
+`pdserve worker` reads them back through `serving/settings.WorkerSettings`, whose fields name these
 constants as their aliases. Keeping both ends on one module means a renamed variable breaks a
 test instead of a deployment.
 

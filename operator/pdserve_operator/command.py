@@ -2,7 +2,7 @@
 
 Here, beside the operator, so that the flag table of docs/configuration.md (`config_docs`) is
 read from the parser without importing the worker package; the `pdserve` CLI
-(`pdserve_worker.commands.operator_cmd`) only mounts it. Every flag has a PDSERVE_OPERATOR_*
+(`pdserve_worker.cli.operator_cmd`) only mounts it. Every flag has a PDSERVE_OPERATOR_*
 variable (the operator Deployment sets those); flags win.
 """
 

@@ -38,7 +38,7 @@ from pdserve_operator import spec as s
 from pdserve_operator.broker import BrokerServer
 from pdserve_operator.broker_view import BrokerServerView
 from pdserve_operator.kube import KINDS
-from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.rpc.broker_client import BrokerClient
 
 NAME = "scaled"
 TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

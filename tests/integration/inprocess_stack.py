@@ -18,10 +18,10 @@ from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_common.membership import Load, MemberInfo
 from pdserve_operator.broker import BrokerServer
-from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.rpc.backoff import Backoff
-from pdserve_worker.settings import WorkerSettings
-from pdserve_worker.transfer.engine import create_engine
+from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.transfer.base import create_engine
 from pdserve_worker.transfer.service_link import local_engine_id
 
 FAST = Backoff(base_s=0.05, cap_s=0.5)

@@ -31,7 +31,7 @@ def cli_env() -> dict[str, str]:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve_worker.cli", *args]
+    return [sys.executable, "-m", "pdserve_worker.cli.main", *args]
 
 
 @dataclass

@@ -333,7 +333,7 @@ def test_a_rotated_key_works_without_restart(local, model, keys_path):
 
 def test_the_demo_sends_the_openai_api_key_and_names_it_when_refused(local, capsys):
     """`pdserve local --demo --api-keys F` asks with $OPENAI_API_KEY (passed in by the command)."""
-    from pdserve_worker.commands.local import _demo
+    from pdserve_worker.cli.local import _demo
 
     assert _demo(local.url, "1 prefill, 1 decode", True, KEYS["batch"]) == 0  # never rotated by the test above
     shown = capsys.readouterr()

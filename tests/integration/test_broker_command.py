@@ -61,7 +61,7 @@ def test_broker_command_serves_its_tokens_and_stops_on_sigterm(tmp_path: Path) -
         [
             sys.executable,
             "-m",
-            "pdserve_worker.cli",
+            "pdserve_worker.cli.main",
             "broker",
             "--host",
             "127.0.0.1",
@@ -99,7 +99,7 @@ def test_broker_command_refuses_a_bad_tokens_file(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text("- just\n- a list\n")
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve_worker.cli", "broker", "--port", "0", "--tokens-file", str(tokens)],
+        [sys.executable, "-m", "pdserve_worker.cli.main", "broker", "--port", "0", "--tokens-file", str(tokens)],
         env=subprocess_env(),
         capture_output=True,
         text=True,

@@ -17,7 +17,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     paths = [str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return subprocess.run(
-        [sys.executable, "-m", "pdserve_worker.cli", "generate", *args],
+        [sys.executable, "-m", "pdserve_worker.cli.main", "generate", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -85,7 +85,7 @@ def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, 
     import httpx
     from local_run import LocalRun
 
-    from pdserve_worker.local import auto_dtype
+    from pdserve_worker.cli.local_deployment import auto_dtype
 
     prompt, tokens = "The capital of France is", 24
     out = run_cli(

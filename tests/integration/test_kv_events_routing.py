@@ -17,7 +17,7 @@ from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.model.loader import load_model
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
+from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
 
 SVC, TOKEN, REVISION = "ns/kv-events", "kv-events-token-0123456789", "rev-kv-events"

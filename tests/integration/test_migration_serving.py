@@ -24,13 +24,13 @@ from inprocess_stack import Stack
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
-from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.model.generate import generate
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
-from pdserve_worker.router.metrics import RouterMetrics
+from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.trailers import settled_trailer
 
 SVC, TOKEN, REVISION = "test/migrate", "secret-token", "rev-1"

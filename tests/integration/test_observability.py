@@ -151,7 +151,7 @@ def router_series(local) -> dict[str, dict[str, set[str]]]:
     assert reply.status_code == 200, reply.text
     bad = httpx.post(f"{local.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}, timeout=30)
     assert bad.status_code == 400
-    from pdserve_worker.router.metrics import RouterMetrics
+    from pdserve_worker.api.metrics import RouterMetrics
 
     return scraped(httpx.get(f"{local.url}/metrics", timeout=30).text, declared_labels(RouterMetrics().registry))
 
@@ -159,7 +159,7 @@ def router_series(local) -> dict[str, dict[str, set[str]]]:
 @pytest.fixture(scope="module")
 def worker_series(local, router_series) -> dict[str, dict[str, set[str]]]:
     """The prefill's and the decodes' /metrics (after the router fixture's request)."""
-    from pdserve_worker.roles.worker_metrics import WorkerMetrics
+    from pdserve_worker.serving.worker_metrics import WorkerMetrics
 
     out: dict[str, dict[str, set[str]]] = {}
     for name in ("prefill-0", "decode-0", "decode-1"):

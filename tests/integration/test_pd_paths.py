@@ -23,15 +23,15 @@ from inprocess_stack import Stack
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
-from pdserve_worker.broker_client import BrokerClient
+from pdserve_worker.api.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.model.generate import generate
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
-from pdserve_worker.router.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
+from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import sampling_to_proto
-from pdserve_worker.transfer.engine import create_engine
+from pdserve_worker.transfer.base import create_engine
 
 SVC, TOKEN, REVISION = "test/pd", "secret-token", "rev-1"
 SLOTS, MAX_LEN = 2, 64

@@ -20,7 +20,7 @@ from local_run import stop_process
 from netutil import free_port
 from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.engine import TransferBackend, create_engine
+from pdserve_worker.transfer.base import TransferBackend, create_engine
 from support.transfer_peers import PeerError, PeerProcess, decode_main, prefill_main
 
 pytestmark = pytest.mark.slow
@@ -98,7 +98,7 @@ def test_pushed_kv_equals_the_source_bytes(peers: Callable[..., PeerProcess], tr
 
 
 def test_two_sided_push_between_processes_lands_the_source_bytes(peers: Callable[..., PeerProcess]) -> None:
-    """The gloo send/recv baseline (transfer/two_sided.py) between real processes: the same
+    """The gloo send/recv baseline (transfer/backends/two_sided.py) between real processes: the same
     bytes land, the ready notify follows them, and the decode's CPU did the staging copy."""
     decode = start_decode(peers, decode_layout(), backend="two-sided")
     prefill = peers(prefill_main, engine_id="127.0.0.1", layout=prefill_layout().to_dict(), seed=3, backend="two-sided")

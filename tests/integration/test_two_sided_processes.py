@@ -1,5 +1,5 @@
 """`pdserve local --transfer two-sided` end to end: the gloo send/recv baseline of seed 002's
-experiment (transfer/two_sided.py) carries the KV between real prefill and decode processes,
+experiment (transfer/backends/two_sided.py) carries the KV between real prefill and decode processes,
 and the answers are the colocated Generator's, one at a time and four at once — so the
 one-sided/two-sided comparison in benchmarks/seed_transfer.py is between working systems.
 """

@@ -17,7 +17,7 @@ from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.model.generate import generate
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.roles.prefill import PrefillServicer, PrefillWorker
+from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
 
 SVC, TOKEN, REVISION = "test/two-sided", "secret-token", "rev-1"

@@ -11,8 +11,8 @@ import os
 import socket
 import time
 
-from pdserve_worker.transfer.host import link_auth, wire
-from pdserve_worker.transfer.host.netio import parse_engine_id
+from pdserve_worker.transfer.backends.host import link_auth, wire
+from pdserve_worker.transfer.backends.host.netio import parse_engine_id
 
 
 def connect(engine_id: str, timeout_s: float = 5.0, source: str | None = None) -> socket.socket:

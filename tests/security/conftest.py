@@ -19,7 +19,7 @@ from local_run import LocalRun, pid_alive  # noqa: E402
 
 from netutil import free_port  # noqa: E402
 from pdserve_common.kv_layout import KVLayout  # noqa: E402
-from pdserve_worker.transfer.host import link_auth  # noqa: E402
+from pdserve_worker.transfer.backends.host import link_auth  # noqa: E402
 from support.transfer_peers import PeerProcess, decode_main  # noqa: E402
 
 MAX_LEN = 128

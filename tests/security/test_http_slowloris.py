@@ -7,7 +7,7 @@ needed; the router's port is the public API, a worker's pod port is open to the 
 for probes) took the router to its descriptor limit: /health stopped answering and asyncio
 logged a traceback per failed accept (72 MB in two minutes); on a decode the transfer server
 then stopped accepting KV links. Now every HTTP port cuts a request that is not whole within
-its deadline and closes connections past its cap at once (router/http_guard.py). The
+its deadline and closes connections past its cap at once (api/http_guard.py). The
 deployment runs with the deadline at 2 s and the cap at 64 (conftest.py).
 """
 

@@ -1,7 +1,7 @@
 """#30's cross-tenant prefix probe against real processes: with API keys and the prefix cache on,
 tenant B sends the prompt tenant A sent before. Before, B's answer reported cached_tokens of
 nearly the whole prefix (and came 13x sooner): a side channel that tells B what A asked. Now the
-prefill roots every prompt's block hashes in its tenant's scope (router/cache_scope.py), so B
+prefill roots every prompt's block hashes in its tenant's scope (api/cache_scope.py), so B
 finds nothing of A's, while each tenant still reuses its own prompts, tenants that opted in
 (`sharePrefixCache`) share theirs, and a request's `cache_salt` narrows its own scope.
 

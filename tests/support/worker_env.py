@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from unittest import mock
 
-from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.serving.settings import WorkerSettings
 
 
 def worker_settings(environ: Mapping[str, str]) -> WorkerSettings:

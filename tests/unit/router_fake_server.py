@@ -16,8 +16,8 @@ from types import FrameType
 from router_fakes import ScriptedBackend
 
 from pdserve_common import logs
-from pdserve_worker.router.app import create_app
-from pdserve_worker.router.server import build_router_server
+from pdserve_worker.api.app import create_app
+from pdserve_worker.api.server import build_router_server
 
 
 def _after_drain(sig: int, frame: FrameType | None) -> None:

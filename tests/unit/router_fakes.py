@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from pdserve_worker.api.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
+from pdserve_worker.api.server import build_router_server
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.router.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
-from pdserve_worker.router.server import build_router_server
 
 
 @dataclass

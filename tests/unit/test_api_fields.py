@@ -1,4 +1,4 @@
-"""The OpenAI request fields (router/api_fields.py, issue #31 item 6): every field the table
+"""The OpenAI request fields (api/api_fields.py, issue #31 item 6): every field the table
 refuses is a 400 naming it when it asks for something, and passes with its neutral value;
 every accepted field passes; a field outside both schemas passes. Also token-id prompts and
 vLLM's /tokenize and /detokenize (item 7)."""
@@ -9,9 +9,9 @@ import httpx
 import pytest
 from router_fakes import ScriptedBackend, running_router
 
-from pdserve_worker.router import api_fields
-from pdserve_worker.router.app import create_app
-from pdserve_worker.router.keys import KeyStore
+from pdserve_worker.api import api_fields
+from pdserve_worker.api.app import create_app
+from pdserve_worker.api.keys import KeyStore
 
 MODEL = "fake-model"
 # A value that asks for something, for every refused field (a new refused field needs one here).

@@ -71,8 +71,8 @@ def test_window_merges_routers_and_survives_a_restart() -> None:
 
 def test_router_load_reports_what_metrics_show_and_survives_the_wire() -> None:
     from pdserve_common.membership import load_from_proto, load_to_proto
+    from pdserve_worker.api.metrics import RequestTiming, RouterMetrics
     from pdserve_worker.router.load import router_load
-    from pdserve_worker.router.metrics import RequestTiming, RouterMetrics
 
     metrics = RouterMetrics()
     metrics.observe_completed(RequestTiming(0.0, 0.3, 1.3, 1.4, 11), 7, None)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve_worker.commands.broker import TOKENS_ENV, load_tokens, parse_tokens
+from pdserve_worker.cli.broker import TOKENS_ENV, load_tokens, parse_tokens
 
 
 def test_yaml_and_json_both_parse() -> None:

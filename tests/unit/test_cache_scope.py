@@ -1,4 +1,4 @@
-"""The scope a request's prefix KV is cached under (router/cache_scope.py, issue #30): one per
+"""The scope a request's prefix KV is cached under (api/cache_scope.py, issue #30): one per
 tenant, one shared by the tenants that opt in, narrowed by vLLM's `cache_salt`, and sent with
 every request the router hands its backend."""
 
@@ -10,10 +10,10 @@ import httpx
 import pytest
 from router_fakes import ScriptedBackend, running_router
 
+from pdserve_worker.api.app import create_app
+from pdserve_worker.api.cache_scope import SHARED, cache_scope
+from pdserve_worker.api.keys import ANONYMOUS, KeyStore, Tenant, TenantLimits
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
-from pdserve_worker.router.app import create_app
-from pdserve_worker.router.cache_scope import SHARED, cache_scope
-from pdserve_worker.router.keys import ANONYMOUS, KeyStore, Tenant, TenantLimits
 
 KEY_A = "sk-tenant-a-0123456789abcdef"
 KEY_B = "sk-tenant-b-0123456789abcdef"

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from pdserve_worker.cli import COMMANDS, build_parser
+from pdserve_worker.cli.main import COMMANDS, build_parser
 
 
 def test_every_command_registers():
@@ -15,7 +15,7 @@ def test_every_command_registers():
 
 def test_info_finds_the_default_model():
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve_worker.cli", "info"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pdserve_worker.cli.main", "info"], capture_output=True, text=True, check=True
     )
     info = json.loads(out.stdout)
     assert info["default_model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf"), info
@@ -27,7 +27,7 @@ def test_info_reports_the_cpu_matmul_route_the_engine_takes():
     from pdserve_worker.model.matmul import Linear
 
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve_worker.cli", "info"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pdserve_worker.cli.main", "info"], capture_output=True, text=True, check=True
     )
     cpu = json.loads(out.stdout)["cpu"]
     assert cpu["dtype_auto"] in ("float32", "bfloat16")
@@ -53,7 +53,7 @@ def test_local_refuses_a_max_len_beyond_the_model_before_starting_anything(tiny_
         [
             sys.executable,
             "-m",
-            "pdserve_worker.cli",
+            "pdserve_worker.cli.main",
             "local",
             "--model",
             str(tiny_model_dir),
@@ -99,7 +99,7 @@ def test_info_describes_the_builtin_model_by_its_spec_name():
     """`spec.model.source: builtin:smollm2` is what a PDInferenceService names; `pdserve info --model`
     takes the same. SmolLM2-135M: 30 layers x 2 (K, V) x 3 KV heads x 64 x 2 bytes = 23040."""
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve_worker.cli", "info", "--model", "builtin:smollm2"],
+        [sys.executable, "-m", "pdserve_worker.cli.main", "info", "--model", "builtin:smollm2"],
         capture_output=True,
         text=True,
     )

@@ -18,11 +18,11 @@ import pytest
 
 from netutil import free_port
 from pdserve_common.kv_layout import KVLayout
-from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.transfer import hixl_api as api
+from pdserve_worker.transfer.base import TransferBackend, create_engine
 from pdserve_worker.transfer.copy_counts import CopyCounts
-from pdserve_worker.transfer.engine import TransferBackend, create_engine
+from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks
 from pdserve_worker.transfer.readiness import Readiness
 

@@ -8,10 +8,10 @@ import torch
 from pydantic import ValidationError
 
 from pdserve_common import pod_env as E
-from pdserve_worker import settings as S
 from pdserve_worker.decode.shard import is_follower, member_layers
 from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto
-from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.serving import settings as S
+from pdserve_worker.serving.settings import WorkerSettings
 
 POD = {
     E.ROLE: "decode",
@@ -89,8 +89,8 @@ def test_a_followers_notify_of_an_abandoned_generation_never_hides_the_current_o
 
 
 def test_worker_flags_set_the_group(monkeypatch):
-    from pdserve_worker.cli import build_parser
-    from pdserve_worker.commands.worker import settings_from_args
+    from pdserve_worker.cli.main import build_parser
+    from pdserve_worker.cli.worker import settings_from_args
 
     for name, value in POD.items():
         monkeypatch.setenv(name, value)

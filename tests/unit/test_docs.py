@@ -8,7 +8,7 @@ from pathlib import Path
 import kopf
 import pytest
 
-from pdserve_worker.router.metrics import RouterMetrics
+from pdserve_worker.api.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -33,7 +33,7 @@ def test_metrics_table_lists_exactly_what_routers_expose() -> None:
 
 
 def test_metrics_table_lists_exactly_what_workers_expose() -> None:
-    from pdserve_worker.roles.worker_metrics import WorkerMetrics
+    from pdserve_worker.serving.worker_metrics import WorkerMetrics
 
     exposed = set()
     for role in ("prefill", "decode"):

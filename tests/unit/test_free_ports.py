@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from pdserve_worker import free_ports
-from pdserve_worker.free_ports import ephemeral_low, free_port
+from pdserve_worker.util import free_ports
+from pdserve_worker.util.free_ports import ephemeral_low, free_port
 
 
 def test_ports_are_below_the_ephemeral_range_unique_and_bindable() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from netutil import free_port
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.host.engine import Hixl, get_capability
+from pdserve_worker.transfer.backends.host.engine import Hixl, get_capability
 
 SIZE = 1 << 16
 
@@ -344,7 +344,7 @@ def test_a_lost_server_fails_the_link_and_a_new_one_can_be_reached() -> None:
         p.close()
 
 
-# ---- who may use a link, and for what (transfer/host/server.py's policy) ------------------------------------
+# ---- who may use a link, and for what (transfer/backends/host/server.py's policy) ------------------------------------
 KEY_A, KEY_B = "a1" * 32, "b2" * 32
 
 
@@ -423,7 +423,7 @@ def test_bad_access_options_are_refused_at_initialize(options: dict[str, str]) -
 
 
 def test_the_key_never_shows_in_the_options_repr() -> None:
-    from pdserve_worker.transfer.host.engine import HostEngineOptions
+    from pdserve_worker.transfer.backends.host.engine import HostEngineOptions
 
     parsed = HostEngineOptions.parse({"pdserve.AuthKey": KEY_A})
     assert parsed.auth_key == bytes.fromhex(KEY_A)
@@ -435,8 +435,8 @@ def test_an_authenticated_engines_inbox_takes_datagrams_only_from_its_own_user()
     runs as another uid, so this process's datagrams are a stranger's and are dropped."""
     import socket
 
-    from pdserve_worker.transfer.host import wire
-    from pdserve_worker.transfer.host.notify_inbox import NotifyInbox, abstract
+    from pdserve_worker.transfer.backends.host import wire
+    from pdserve_worker.transfer.backends.host.notify_inbox import NotifyInbox, abstract
 
     frame = wire.notify_frame(b"kv_ready{}", 8)
     for check, kept in ((True, 1), (False, 1)):

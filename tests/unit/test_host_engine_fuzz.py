@@ -83,8 +83,8 @@ import socket  # noqa: E402
 import tracemalloc  # noqa: E402
 
 from netutil import free_port  # noqa: E402
-from pdserve_worker.transfer.host import link_auth, wire  # noqa: E402
-from pdserve_worker.transfer.host.engine import Hixl  # noqa: E402
+from pdserve_worker.transfer.backends.host import link_auth, wire  # noqa: E402
+from pdserve_worker.transfer.backends.host.engine import Hixl  # noqa: E402
 
 KEY = os.urandom(32)
 # What one connection may make the server allocate, at most: before the handshake, nothing
@@ -271,7 +271,7 @@ def test_arbitrary_datagrams_into_the_notify_inbox_yield_only_wellformed_notifie
     wire_target: WireTarget, raw: list
 ) -> None:
     datagrams = [d if isinstance(d, bytes) else build(d, 0) for d in raw]
-    from pdserve_worker.transfer.host.notify_inbox import abstract
+    from pdserve_worker.transfer.backends.host.notify_inbox import abstract
 
     name = wire_target.server._notifies.name  # the inbox a same-host client is told of after auth
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:

@@ -1,4 +1,4 @@
-"""router/http_guard.py's per-peer cap, in process: one source address holds at most its share
+"""api/http_guard.py's per-peer cap, in process: one source address holds at most its share
 of an HTTP port's connections, the rest of the cap stays for other clients, and a closed
 connection gives its place back (the count has one release path, `connection_lost`)."""
 
@@ -10,8 +10,8 @@ import socket
 import httpx
 import pytest
 
+from pdserve_worker.api.http_guard import HttpLimits
 from pdserve_worker.process.pod_http import WorkerState, serve_in_background, worker_app
-from pdserve_worker.router.http_guard import HttpLimits
 
 
 def open_from(source: str, port: int) -> socket.socket:

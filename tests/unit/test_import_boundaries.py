@@ -33,7 +33,7 @@ def imported_by(*modules: str) -> set[str]:
 @pytest.mark.parametrize(
     "module",
     [
-        "pdserve_worker.router.app",
+        "pdserve_worker.api.app",
         "pdserve_worker.router.pd_backend",
         "pdserve_operator.handlers",
         "pdserve_operator.broker",

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from pdserve_common.kv_layout import KVLayout, V
-from pdserve_worker.kv.pool import KVPool
-from pdserve_worker.transfer.engine import TransferBackend, TransferError, create_engine
+from pdserve_worker.transfer.base import TransferBackend, TransferError, create_engine
+from pdserve_worker.transfer.pool import KVPool
 
 torch = pytest.importorskip("torch")
 

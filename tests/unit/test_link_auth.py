@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve_worker.transfer.host import link_auth
+from pdserve_worker.transfer.backends.host import link_auth
 
 
 @settings(max_examples=50)

@@ -15,10 +15,10 @@ import pytest
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, Role
 from pdserve_operator.broker import BrokerServer
-from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.process.worker_main import _Membership
 from pdserve_worker.rpc.backoff import Backoff
-from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.serving.settings import WorkerSettings
 
 SVC, TOKEN, TTL = "ns/svc", "tok", 0.3
 

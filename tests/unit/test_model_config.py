@@ -253,7 +253,7 @@ def test_info_prints_the_model_and_the_slots_that_fit(tmp_path):
         [
             sys.executable,
             "-m",
-            "pdserve_worker.cli",
+            "pdserve_worker.cli.main",
             "info",
             "--model",
             str(folder),
@@ -294,7 +294,7 @@ def test_info_with_layer_shards_counts_each_members_share(tmp_path):
 def test_info_works_without_torch(tmp_path):
     folder = _qwen_folder(tmp_path)
     code = (
-        "import sys; sys.modules['torch'] = None; from pdserve_worker.cli import main; "
+        "import sys; sys.modules['torch'] = None; from pdserve_worker.cli.main import main; "
         f"sys.exit(main(['info', '--model', {str(folder)!r}, '--memory', '80GB']))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -310,7 +310,7 @@ def test_info_refuses_bad_input_with_the_reason(tmp_path):
         (["--layer-shards", "29"], "shards must be in 1..28"),
     ]:
         out = subprocess.run(
-            [sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(folder), *args],
+            [sys.executable, "-m", "pdserve_worker.cli.main", "info", "--model", str(folder), *args],
             capture_output=True,
             text=True,
         )
@@ -338,7 +338,7 @@ def test_info_without_max_len_takes_the_models_context_when_it_is_shorter(tmp_pa
 
     def info(model: Path, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "pdserve_worker.cli", "info", "--model", str(model), *args],
+            [sys.executable, "-m", "pdserve_worker.cli.main", "info", "--model", str(model), *args],
             capture_output=True,
             text=True,
         )

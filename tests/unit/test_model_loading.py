@@ -199,7 +199,7 @@ async def test_a_worker_whose_weights_do_not_fit_exits_before_it_registers(famil
 
     from netutil import free_port
     from pdserve_worker.process.worker_main import run_worker
-    from pdserve_worker.settings import WorkerSettings
+    from pdserve_worker.serving.settings import WorkerSettings
 
     broker = socket.socket()
     broker.bind(("127.0.0.1", 0))
@@ -242,7 +242,7 @@ async def test_a_max_length_beyond_the_model_is_a_start_failure_not_a_traceback(
 
     from netutil import free_port
     from pdserve_worker.process.worker_main import run_worker
-    from pdserve_worker.settings import WorkerSettings
+    from pdserve_worker.serving.settings import WorkerSettings
 
     broker = socket.socket()
     broker.bind(("127.0.0.1", 0))

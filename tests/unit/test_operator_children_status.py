@@ -344,7 +344,7 @@ def test_no_tls_renders_no_tls() -> None:
 
 def test_tls_mounts_the_secret_in_every_pod_and_the_router_serves_https(monkeypatch) -> None:
     from pdserve_common import pod_env as E
-    from pdserve_worker.settings import WorkerSettings
+    from pdserve_worker.serving.settings import WorkerSettings
 
     objs = render({"tls": {"secretName": "svc-cert"}})
     for kind, name in (("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router")):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pdserve_common import pod_env as E
 from pdserve_operator import children as ch
 from pdserve_operator import spec as s
-from pdserve_worker.settings import WorkerSettings
+from pdserve_worker.serving.settings import WorkerSettings
 
 OWNER = ch.Owner(name="svc", namespace="team", uid="uid-1")
 DEFAULTS = ch.Defaults(image="img:1", broker_address="b:1")

@@ -28,7 +28,7 @@ def schema() -> dict[str, Any]:
 
 def test_manifest_is_the_output_of_pdserve_crd() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve_worker.cli", "crd"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pdserve_worker.cli.main", "crd"], capture_output=True, text=True, check=True
     )
     assert out.stdout == (ROOT / "manifests" / "crd.yaml").read_text(), "regenerate: pdserve crd > manifests/crd.yaml"
     assert yaml.safe_load(out.stdout) == crd.build_crd()

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from pdserve_operator.planner import load_profile
-from pdserve_worker.cli import main
-from pdserve_worker.commands.plan import parse_lengths
+from pdserve_worker.cli.main import main
+from pdserve_worker.cli.plan import parse_lengths
 
 SEEDS = ["--hardware", "ascend-910b", "--model", "llama-7b", "--prompt-tokens", "4096", "--output-tokens", "256"]
 

@@ -12,9 +12,9 @@ import pytest
 
 from netutil import free_port
 from pdserve_common.kv_layout import K, KVLayout, V
-from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.transfer.engine import TransferBackend, create_engine
+from pdserve_worker.transfer.base import TransferBackend, create_engine
+from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, layer_chunks, prefill_and_push
 
 LAYERS = 6

@@ -13,7 +13,7 @@ import pytest
 from netutil import free_port
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.slots import SlotTable, reservation_nonce
-from pdserve_worker.transfer.engine import TransferBackend, create_engine
+from pdserve_worker.transfer.base import TransferBackend, create_engine
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
 
 KEY = b"k" * 32

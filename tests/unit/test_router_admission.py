@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from pdserve_worker.router.admission import (
+from pdserve_worker.api.admission import (
     AdmissionConfig,
     AdmissionQueue,
     DrainRate,
@@ -18,7 +18,7 @@ from pdserve_worker.router.admission import (
     State,
     TokenBucket,
 )
-from pdserve_worker.router.keys import Tenant, TenantLimits
+from pdserve_worker.api.keys import Tenant, TenantLimits
 
 pytestmark = pytest.mark.asyncio
 

@@ -17,12 +17,12 @@ import openai
 import pytest
 from router_fakes import running_router
 
+from pdserve_worker.api.admission import AdmissionConfig, AdmissionQueue
+from pdserve_worker.api.app import create_app
+from pdserve_worker.api.backend import NoCapacity, TokenEvent, capacity_held
+from pdserve_worker.api.keys import KeyStore
+from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.router.admission import AdmissionConfig, AdmissionQueue
-from pdserve_worker.router.app import create_app
-from pdserve_worker.router.backend import NoCapacity, TokenEvent, capacity_held
-from pdserve_worker.router.keys import KeyStore
-from pdserve_worker.router.metrics import RouterMetrics
 
 KEY = "sk-test-interactive-0123456789"
 BATCH_KEY = "sk-test-batch-0123456789abcd"

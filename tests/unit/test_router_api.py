@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import ScriptedBackend, running_router
 
-from pdserve_worker.router.app import create_app
-from pdserve_worker.router.backend import BackendUnavailable, NoCapacity, RequestInfo, RequestTimeout
-from pdserve_worker.router.metrics import RouterMetrics
+from pdserve_worker.api.app import create_app
+from pdserve_worker.api.backend import BackendUnavailable, NoCapacity, RequestInfo, RequestTimeout
+from pdserve_worker.api.metrics import RouterMetrics
 
 MODEL = ScriptedBackend.model_name
 
@@ -139,7 +139,7 @@ def test_request_info_reaches_the_response_and_the_metrics(serve):
 
 
 def test_with_keys_only_a_key_allowed_to_debug_gets_the_workers_names(port):
-    from pdserve_worker.router.keys import KeyStore
+    from pdserve_worker.api.keys import KeyStore
 
     allowed, plain = "sk-debug-0123456789abcdef", "sk-plain-0123456789abcdef"
     keys = KeyStore.parse(

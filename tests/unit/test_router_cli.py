@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from router_fakes import ScriptedBackend, running_router
 
-from pdserve_worker.router.app import create_app
-from pdserve_worker.router.backend import NoCapacity, RequestInfo
+from pdserve_worker.api.app import create_app
+from pdserve_worker.api.backend import NoCapacity, RequestInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {
@@ -32,7 +32,7 @@ INFO = RequestInfo(disaggregated=True, kv_bytes=5 * 1024 * 1024, kv_transfer_s=0
 
 def pdserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pdserve_worker.cli", *args],
+        [sys.executable, "-m", "pdserve_worker.cli.main", *args],
         input=stdin,
         env=ENV,
         capture_output=True,
@@ -134,7 +134,7 @@ def test_chat_goes_on_after_a_failed_turn(port):
 
 
 def test_complete_sends_the_api_key_from_the_environment(port):
-    from pdserve_worker.router.keys import KeyStore
+    from pdserve_worker.api.keys import KeyStore
 
     key = "sk-cli-test-0123456789abcdef"
     keys = KeyStore.parse(f'tenants:\n  - name: cli\n    keys: ["{key}"]\n')

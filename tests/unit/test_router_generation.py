@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from pdserve_worker.api.backend import RequestInfo, TokenEvent
+from pdserve_worker.api.generation import Delta, Generation
 from pdserve_worker.model.sampling_params import SamplingParams
-from pdserve_worker.router.backend import RequestInfo, TokenEvent
-from pdserve_worker.router.generation import Delta, Generation
 
 
 class IteratorBackend:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from pdserve_worker.router.keys import (
+from pdserve_worker.api.keys import (
     KeyFile,
     KeyFileError,
     KeyStore,

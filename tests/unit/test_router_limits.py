@@ -15,11 +15,11 @@ import httpx
 import pytest
 from router_fakes import ScriptedBackend, running_router
 
+from pdserve_worker.api.app import RouterLimits, create_app
+from pdserve_worker.api.backend import NoCapacity
+from pdserve_worker.api.openai_api import MAX_MESSAGES
+from pdserve_worker.api.tokenizing import TokenizerPool, max_prompt_chars
 from pdserve_worker.model.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from pdserve_worker.router.app import RouterLimits, create_app
-from pdserve_worker.router.backend import NoCapacity
-from pdserve_worker.router.openai_api import MAX_MESSAGES
-from pdserve_worker.router.tokenizing import TokenizerPool, max_prompt_chars
 from pdserve_worker.rpc.convert import sampling_to_proto
 
 MODEL = ScriptedBackend.model_name
@@ -107,8 +107,8 @@ def test_a_prompt_too_long_to_fit_is_refused_by_its_characters_without_tokenizin
 
 
 def test_the_char_bound_comes_from_the_longest_token(tiny_model_dir):
+    from pdserve_worker.api.tokenizing import ModelTokenizing
     from pdserve_worker.model.tokenizer import Tokenizer
-    from pdserve_worker.router.tokenizing import ModelTokenizing
 
     class Holder(ModelTokenizing):
         def __init__(self, tokenizer):

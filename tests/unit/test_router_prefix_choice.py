@@ -7,7 +7,7 @@ import random
 from types import SimpleNamespace
 
 from pdserve_common.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role
-from pdserve_worker.router.metrics import RouterMetrics
+from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.router.pd_backend import PDBackend
 
 REV = "r1"

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from router_fakes import ScriptedBackend
 
-from pdserve_worker.router.app import create_app
+from pdserve_worker.api.app import create_app
 
 MODEL = ScriptedBackend.model_name
 

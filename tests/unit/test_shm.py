@@ -8,8 +8,8 @@ import secrets
 
 import pytest
 
-from pdserve_worker.transfer.host import shm
-from pdserve_worker.transfer.host.shm import NAME_PREFIX, SHM_DIR, ShmSegment, reap_orphans
+from pdserve_worker.transfer.backends.host import shm
+from pdserve_worker.transfer.backends.host.shm import NAME_PREFIX, SHM_DIR, ShmSegment, reap_orphans
 
 
 def test_an_attached_mapping_sees_the_owners_writes() -> None:

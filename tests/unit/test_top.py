@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from pdserve_worker.router.backend import RequestInfo
-from pdserve_worker.router.metrics import RequestTiming, RouterMetrics
-from pdserve_worker.top_view import parse, quantile, render, view
+from pdserve_worker.api.backend import RequestInfo
+from pdserve_worker.api.metrics import RequestTiming, RouterMetrics
+from pdserve_worker.cli.top_view import parse, quantile, render, view
 
 INF = math.inf
 

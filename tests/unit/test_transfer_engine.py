@@ -8,8 +8,8 @@ import types
 import pytest
 
 from pdserve_worker.transfer import hixl_api
-from pdserve_worker.transfer.engine import TransferError, create_engine
-from pdserve_worker.transfer.host.engine import Hixl as HostHixl
+from pdserve_worker.transfer.backends.host.engine import Hixl as HostHixl
+from pdserve_worker.transfer.base import TransferError, create_engine
 
 
 def test_cpu_backend_is_the_host_engine_with_the_mirrored_api() -> None:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve_worker.transfer.host import wire
-from pdserve_worker.transfer.host.netio import _advance, parse_engine_id, recvmsg_into_all, sendmsg_all
+from pdserve_worker.transfer.backends.host import wire
+from pdserve_worker.transfer.backends.host.netio import _advance, parse_engine_id, recvmsg_into_all, sendmsg_all
 
 
 def test_frames_survive_arbitrary_segmentation() -> None:

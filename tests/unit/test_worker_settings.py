@@ -6,9 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve_common import pod_env as E
-from pdserve_worker.cli import build_parser
-from pdserve_worker.commands.worker import settings_from_args
-from pdserve_worker.settings import WorkerSettings, model_revision
+from pdserve_worker.cli.main import build_parser
+from pdserve_worker.cli.worker import settings_from_args
+from pdserve_worker.serving.settings import WorkerSettings, model_revision
 
 POD = {
     E.ROLE: "decode",

@@ -8,4 +8,4 @@ if [ -f "$ascend_env" ]; then
   # shellcheck disable=SC1090
   . "$ascend_env"
 fi
-exec python3 -m pdserve_worker.cli "$@"
+exec python3 -m pdserve_worker.cli.main "$@"

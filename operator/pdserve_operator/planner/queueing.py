@@ -1,7 +1,7 @@
 """Queueing formulas the planner predicts with, each with the reason it applies.
 
 Prefill: M/G/c. Arrivals are modelled as Poisson (many independent clients). A prefill worker
-computes one prompt at a time, FCFS (`roles/prefill.py`), and the router sends each prompt to
+computes one prompt at a time, FCFS (`prefill/worker.py`), and the router sends each prompt to
 the prefill with the shortest queue (`roles/placement.rank_prefills`); join-the-shortest-queue
 behaves close to one central queue served by c workers, hence M/G/c rather than c separate
 M/G/1 queues. Service times vary a lot with the prompt length (squared coefficient of

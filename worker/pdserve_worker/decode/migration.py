@@ -34,7 +34,7 @@ from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.generate import Detached
-from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.push import KVPusher, Piece, PushSource, PushStats, layer_chunks
 
 log = logging.getLogger("pdserve.decode.migration")

@@ -41,18 +41,18 @@ from pdserve_common.channels import WORKER_MAX_MESSAGE, channel_options
 from pdserve_common.kv_layout import KVLayout, layout_from_proto, layout_to_proto, shard_layers
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load
-from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
+from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto
-from pdserve_worker.settings import WorkerSettings
-from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
 from pdserve_worker.transfer.service_link import capability_key
 
@@ -148,7 +148,7 @@ class ShardFollower:
         self.steps = 0
         self.open_streams = 0  # the leader's Forward streams now open here
 
-    # ---- the ServingRole of a follower process (roles/serving.py) ------------------------------
+    # ---- the ServingRole of a follower process (process/roles.py) ------------------------------
 
     def add_to(self, server: grpc.aio.Server) -> None:
         shard_pb2_grpc.add_DecodeShardServicer_to_server(DecodeShardServicer(self), server)

@@ -46,7 +46,6 @@ from pdserve_common import tracing
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
-from pdserve_worker.broker_client import BrokerClient
 from pdserve_worker.decode.generation_loop import GenerationLoop, Parked, RequestFailed, RequestStream
 from pdserve_worker.decode.migration import (
     MIGRATED,
@@ -60,13 +59,12 @@ from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
 from pdserve_worker.kv.paged import PagedKVCache
-from pdserve_worker.kv.pool import KVPool
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import stop_token_ids
 from pdserve_worker.model.sampling_params import FinishReason
-from pdserve_worker.roles.worker_metrics import WorkerMetrics
+from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import (
     finish_reason_to_proto,
     grant_to_proto,
@@ -74,9 +72,11 @@ from pdserve_worker.rpc.convert import (
     sampling_from_proto,
 )
 from pdserve_worker.rpc.trailers import settled_trailer
-from pdserve_worker.settings import WorkerSettings
-from pdserve_worker.transfer.engine import TransferBackend, TransferError
+from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.serving.worker_metrics import WorkerMetrics
+from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases
+from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import PushError, PushSource
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
 from pdserve_worker.transfer.service_link import capability_key
@@ -272,7 +272,7 @@ class DecodeWorker:
             timeout_s=self.settings.transfer_timeout_ms / 1000,
         )
 
-    # ---- the ServingRole of a decode process (roles/serving.py) --------------------------------
+    # ---- the ServingRole of a decode process (process/roles.py) --------------------------------
 
     def add_to(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)

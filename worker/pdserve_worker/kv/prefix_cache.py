@@ -3,7 +3,7 @@
 A prompt is cut into blocks of `block_tokens` tokens; block i is named by a hash chained over
 every token before it: h_i = SHA-256(h_{i-1} || tokens of block i), with h_{-1} derived from a
 *salt* of the model revision, KV dtype and block size, narrowed by the request's *scope*
-(`scoped_salt`: its tenant, and the `cache_salt` it may name; router/cache_scope.py). Two
+(`scoped_salt`: its tenant, and the `cache_salt` it may name; api/cache_scope.py). Two
 prompts share the name of block i exactly when they share tokens [0, (i+1)*B), the model that
 computes the KV and the scope, so a hit is the KV this prefill would compute (a causal model's
 KV of a token depends only on the tokens before it), and a prompt of one tenant never finds,

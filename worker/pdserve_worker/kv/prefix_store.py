@@ -117,7 +117,7 @@ class PrefixStore:
         return int(self.blocks.numel() * self.blocks.element_size())
 
     def hashes(self, prompt: Sequence[int], scope: str) -> list[bytes]:
-        """The prompt's block names within `scope` (router/cache_scope.py): another scope's
+        """The prompt's block names within `scope` (api/cache_scope.py): another scope's
         prompt of the same tokens has other names, so it neither finds nor feeds these blocks."""
         return block_hashes(prompt, self.block_tokens, scoped_salt(self.salt, scope))
 

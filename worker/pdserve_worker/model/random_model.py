@@ -1,5 +1,5 @@
 """A small LLaMA of random weights: what `pdserve plan`'s hardware profile times the engine on
-(`hw_profile.engine_overheads`), and what the tests' tiny model (tests/support/tiny_model.py)
+(`cli/hw_profile.engine_overheads`), and what the tests' tiny model (tests/support/tiny_model.py)
 is built from. The shapes are real, the weights' values are not.
 """
 

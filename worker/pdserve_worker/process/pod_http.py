@@ -34,8 +34,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from pdserve_common.auth import TLSConfig, TokenTable, authorize
-from pdserve_worker.router.http_guard import HttpLimits
-from pdserve_worker.router.server import build_router_server
+from pdserve_worker.api.http_guard import HttpLimits
+from pdserve_worker.api.server import build_router_server
 
 ADMIN_HOST = "127.0.0.1"
 

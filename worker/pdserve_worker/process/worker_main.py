@@ -42,13 +42,13 @@ from pdserve_worker.process.pod_http import (
     serve_in_background,
     worker_app,
 )
-from pdserve_worker.settings import WorkerSettings, model_revision
+from pdserve_worker.serving.settings import WorkerSettings, model_revision
 
 if TYPE_CHECKING:
-    from pdserve_worker.broker_client import BrokerClient
     from pdserve_worker.model.loader import LoadedModel
-    from pdserve_worker.roles.serving import ServingRole
-    from pdserve_worker.transfer.engine import TransferBackend
+    from pdserve_worker.process.roles import ServingRole
+    from pdserve_worker.rpc.broker_client import BrokerClient
+    from pdserve_worker.transfer.base import TransferBackend
 
 log = logging.getLogger("pdserve.worker")
 
@@ -115,7 +115,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     import torch
 
     from pdserve_common.channels import aio_server
-    from pdserve_worker.roles.serving import grpc_max_message
+    from pdserve_worker.process.roles import grpc_max_message
 
     stop = _stop_event()
     process = _Membership(settings)
@@ -191,7 +191,7 @@ class _Membership:
 
     def __init__(self, settings: WorkerSettings) -> None:
         from pdserve_common.auth import TokenTable
-        from pdserve_worker.broker_client import BrokerClient
+        from pdserve_worker.rpc.broker_client import BrokerClient
 
         self.settings = settings
         self.state = WorkerState(settings.role, settings.member_id)
@@ -205,7 +205,7 @@ class _Membership:
 
     async def join(self, role: ServingRole) -> None:
         """Register (a group's follower does not: its leader stands for the group); then ready."""
-        from pdserve_worker.broker_client import BrokerError
+        from pdserve_worker.rpc.broker_client import BrokerError
 
         self.state.phase = "registering"
         info = role.member_info()
@@ -302,7 +302,7 @@ def _start_engine(settings: WorkerSettings) -> TransferBackend:
     port. A decode admits only peers holding the service's link key, and (unless it is a group
     follower, which has no slot table) lets them write only into reserved slots (service_link.py)."""
     from pdserve_worker.decode.shard import is_follower
-    from pdserve_worker.transfer.engine import create_engine
+    from pdserve_worker.transfer.base import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
 
     backend = create_engine(settings.transfer_backend)
@@ -324,7 +324,7 @@ async def _make_role(
     settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str
 ) -> ServingRole:
     from pdserve_worker.decode.shard import ShardError
-    from pdserve_worker.roles.serving import make_role
+    from pdserve_worker.process.roles import make_role
 
     try:
         return await make_role(settings, loaded, backend, revision)
@@ -372,9 +372,9 @@ async def _serve_api(
 ) -> None:
     """Serve the OpenAI API over `backend` until stopped; in-flight requests get the grace period.
     `sampling_defaults`: the model's generation_config values for requests that leave them unset."""
-    from pdserve_worker.router.admission import AdmissionConfig, AdmissionQueue
-    from pdserve_worker.router.app import RouterLimits, create_app
-    from pdserve_worker.router.keys import KeyFile, KeyFileError
+    from pdserve_worker.api.admission import AdmissionConfig, AdmissionQueue
+    from pdserve_worker.api.app import RouterLimits, create_app
+    from pdserve_worker.api.keys import KeyFile, KeyFileError
 
     keys = None
     if settings.api_keys_file is not None:
@@ -424,13 +424,13 @@ async def _serve_api(
 
 async def _run_router(settings: WorkerSettings) -> None:
     from pdserve_common.membership import MemberInfo, Role
-    from pdserve_worker.broker_client import BrokerClient
+    from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.model.config import ModelConfig
     from pdserve_worker.model.generation_config import GenerationDefaults
     from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
     from pdserve_worker.router.load import router_load
-    from pdserve_worker.router.metrics import RouterMetrics
     from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+    from pdserve_worker.rpc.broker_client import BrokerClient
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)
@@ -481,9 +481,9 @@ async def _run_router(settings: WorkerSettings) -> None:
 async def _run_colocated(settings: WorkerSettings) -> None:
     import torch
 
+    from pdserve_worker.api.metrics import RouterMetrics
+    from pdserve_worker.colocated.backend import ColocatedBackend
     from pdserve_worker.model.loader import load_model
-    from pdserve_worker.roles.colocated import ColocatedBackend
-    from pdserve_worker.router.metrics import RouterMetrics
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)

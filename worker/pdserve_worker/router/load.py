@@ -14,7 +14,7 @@ from prometheus_client import Counter
 from prometheus_client import Histogram as PromHistogram
 
 from pdserve_common.membership import Histogram, Load, RouterLoad
-from pdserve_worker.router.metrics import RouterMetrics
+from pdserve_worker.api.metrics import RouterMetrics
 
 
 def _counter_total(counter: Counter) -> int:

@@ -48,12 +48,7 @@ from pdserve_common.auth import TLSConfig
 from pdserve_common.channels import aio_channel
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Member, MemberEvent, Role
-from pdserve_worker.broker_client import BrokerClient, MembershipView
-from pdserve_worker.kv.block_events import MAX_EVENTS_PER_REPLY
-from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
-from pdserve_worker.model.tokenizer import Tokenizer
-from pdserve_worker.router.backend import (
+from pdserve_worker.api.backend import (
     BackendError,
     BackendUnavailable,
     InvalidPrompt,
@@ -63,12 +58,17 @@ from pdserve_worker.router.backend import (
     TokenEvent,
     capacity_held,
 )
+from pdserve_worker.api.metrics import RouterMetrics
+from pdserve_worker.api.tokenizing import ModelTokenizing
+from pdserve_worker.kv.block_events import MAX_EVENTS_PER_REPLY
+from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.kv_index import ReportedIndex
-from pdserve_worker.router.metrics import RouterMetrics
 from pdserve_worker.router.migration import MigrationFailed, migrate, note
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
-from pdserve_worker.router.tokenizing import ModelTokenizing
+from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
 from pdserve_worker.rpc.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve_worker.rpc.trailers import never_sent, push_settled
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pdserve_common.block_layout import block_spans
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
-from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.base import TransferBackend
 
 log = logging.getLogger("pdserve.transfer.leases")
 

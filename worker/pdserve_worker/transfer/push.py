@@ -35,7 +35,7 @@ from pdserve_common.block_layout import push_descriptors
 from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.transfer.engine import TransferBackend, TransferError
+from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.hixl_api import MAX_NOTIFY_FIELD, status_name
 
 log = logging.getLogger("pdserve.transfer.push")

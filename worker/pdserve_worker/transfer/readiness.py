@@ -35,9 +35,9 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from pdserve_worker.transfer.drops import DropCounter
-from pdserve_worker.transfer.engine import TransferBackend
+from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.push import READY_NOTIFY
+from pdserve_worker.util.drops import DropCounter
 
 log = logging.getLogger("pdserve.transfer.readiness")
 

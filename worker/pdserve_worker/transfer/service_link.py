@@ -3,7 +3,7 @@
 - The engine id: a decode listens on `ip:port` (prefills push into it); a prefill only ever
   connects out, so it initializes as a client (`ip`, no port, HIXL's rule) and listens on
   nothing an attacker could reach.
-- With the host engine, the options that close the KV plane (transfer/host/engine.py): the link key
+- With the host engine, the options that close the KV plane (transfer/backends/host/engine.py): the link key
   derived from the service's broker token (link_auth.py), READ off (no pull mode exists),
   and on a decode that owns a slot table, WRITE only into leased slots. A layer-sharded
   group's followers have no slot table (the leader's grants are not sent to them), so their
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pdserve_worker.transfer.host import link_auth
-from pdserve_worker.transfer.host.engine import OPTION_AUTH_KEY, OPTION_REMOTE_READ, OPTION_REMOTE_WRITE
+from pdserve_worker.transfer.backends.host import link_auth
+from pdserve_worker.transfer.backends.host.engine import OPTION_AUTH_KEY, OPTION_REMOTE_READ, OPTION_REMOTE_WRITE
 
 
 def local_engine_id(role: str, advertise_host: str, transfer_port: int) -> str:

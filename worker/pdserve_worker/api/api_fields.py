@@ -1,0 +1,193 @@
+"""Every request field a client may send, and what this server does with it: one table.
+
+OpenAI's request schemas (chat/completions and completions) and the vLLM extensions clients
+commonly send, each marked
+- `supported`: implemented as the schema says;
+- `refused`: a value other than the neutral one (absent, null, false, 0, the default) is a 400
+  that names the field — never accepted and silently ignored (a client that sends
+  `response_format` must not get unconstrained text back as if it were honoured);
+- `accepted`: taken and without effect by nature (a label, a hint, a store flag of OpenAI's
+  own platform), said here so that nobody mistakes it for support.
+A field in neither schema passes untouched (forward compatibility: newer clients send fields
+this server does not know).
+
+docs/api.md's table is generated from this one (scripts/generate.py, checked by a test), so
+the documentation cannot drift from what the request models do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Status = Literal["supported", "refused", "accepted"]
+UNSUPPORTED_FIELD = "unsupported_field"  # the validation error type of a refusal (api/errors.py maps it)
+
+
+def _falsy(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value == [] or value == {} or value == ""
+
+
+def _is(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda value: _falsy(value) or value in neutral
+
+
+def _only(*neutral: Any) -> Callable[[Any], bool]:
+    """Neutral when absent or one of `neutral` (for fields whose default is true)."""
+    return lambda value: value is None or any(value is n or (type(value) is type(n) and value == n) for n in neutral)
+
+
+def _text_format(value: Any) -> bool:
+    return _falsy(value) or (isinstance(value, dict) and value.get("type") == "text" and len(value) == 1)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    status: Status
+    note: str
+    neutral: Callable[[Any], bool] = _falsy  # refused fields: values that ask for nothing
+
+
+S: Status = "supported"
+R: Status = "refused"
+A: Status = "accepted"
+_COMMON = [
+    Field("model", S, "must name the served model (404 otherwise)"),
+    Field("max_tokens", S, "default: 16 on completions, the context left on chat"),
+    Field("temperature", S, "0–2; below 1e-5 greedy"),
+    Field("top_p", S, "(0, 1]"),
+    Field("seed", S, "the same text for the same request, in one process or across PD"),
+    Field("stop", S, "up to 16 strings, never part of the output"),
+    Field("stream", S, ""),
+    Field("stream_options", S, "include_usage"),
+    Field("user", A, "a label, not used"),
+    Field("n", R, "only n=1 is supported (one choice per request)", _is(1)),
+    Field("presence_penalty", S, "-2–2, OpenAI's meaning: once per generated token"),
+    Field("frequency_penalty", S, "-2–2, OpenAI's meaning: per occurrence in the output"),
+    Field("logit_bias", S, "up to 300 token ids (decimal strings) → bias in [-100, 100]"),
+    # vLLM's extensions
+    Field("top_k", S, "-1 or 0 disables"),
+    Field("ignore_eos", S, "generate past EOS (benchmarks)"),
+    Field("cache_salt", S, "narrows the tenant's prefix-cache scope (docs/kv-blocks.md)"),
+    Field("min_tokens", S, "EOS and stop token ids masked before that many tokens (≤ max_tokens)"),
+    Field("min_p", S, "0–1: drop tokens below min_p × the most likely one's probability"),
+    Field(
+        "repetition_penalty",
+        S,
+        "HF's: prompt and output tokens' logits ÷ (>0) or × the penalty; default: generation_config's",
+    ),
+    Field("stop_token_ids", R, "not exposed on the API yet"),
+    Field("bad_words", R, "not implemented yet"),
+    Field("include_stop_str_in_output", R, "stop strings are always cut"),
+    Field("skip_special_tokens", R, "special tokens are always skipped", _only(True)),
+    Field("guided_json", R, "structured outputs are not implemented yet"),
+    Field("guided_regex", R, "structured outputs are not implemented yet"),
+    Field("guided_choice", R, "structured outputs are not implemented yet"),
+    Field("guided_grammar", R, "structured outputs are not implemented yet"),
+    Field("structured_outputs", R, "structured outputs are not implemented yet"),
+    Field("truncate_prompt_tokens", R, "a prompt that does not fit is a 400"),
+]
+COMPLETIONS = [
+    Field("prompt", S, "a string, a list of one string, token ids, or a list of one list of token ids"),
+    *_COMMON,
+    Field("echo", R, "prompt logprobs are not implemented yet"),
+    Field("logprobs", R, "not implemented yet"),
+    Field("best_of", R, "only best_of=1 is supported (one sequence per request)", _is(1)),
+    Field("suffix", R, "insertion is not supported"),
+    Field("prompt_logprobs", R, "not implemented yet"),
+]
+CHAT = [
+    Field("messages", S, "text content; system, developer, user, assistant, tool roles"),
+    Field("max_completion_tokens", S, "wins over max_tokens"),
+    *_COMMON,
+    Field("logprobs", R, "not implemented yet"),
+    Field("top_logprobs", R, "not implemented yet"),
+    Field("tools", R, "tool calls are not implemented yet"),
+    Field("tool_choice", R, "tool calls are not implemented yet", _is("none", "auto")),
+    Field("parallel_tool_calls", A, "meaningless without tools, which are refused"),
+    Field("functions", R, "deprecated tool calls: not implemented"),
+    Field("function_call", R, "deprecated tool calls: not implemented", _is("none", "auto")),
+    Field("response_format", R, "only {type: text}: structured outputs are not implemented yet", _text_format),
+    Field("modalities", R, "text only", lambda v: _falsy(v) or v == ["text"]),
+    Field("audio", R, "text only"),
+    Field("prediction", R, "predicted outputs are not implemented"),
+    Field("reasoning_effort", R, "the served models do not reason"),
+    Field("verbosity", R, "not implemented"),
+    Field("web_search_options", R, "no search here"),
+    Field("metadata", A, "OpenAI's stored-completion labels, not used"),
+    Field("store", A, "nothing is stored"),
+    Field("service_tier", A, "one tier; priority comes from the x-pdserve-priority header"),
+    Field("prompt_cache_key", A, "a routing hint; prefix routing finds cached prefixes itself"),
+    Field("safety_identifier", A, "a label, not used"),
+    Field("chat_template_kwargs", R, "the model's template is used as it is"),
+    Field("add_generation_prompt", R, "always added", _only(True)),
+    Field("continue_final_message", R, "not implemented"),
+]
+# Fields of vLLM's protocol (vllm/entrypoints/openai/protocol.py), not OpenAI's.
+VLLM_EXTENSIONS = frozenset(
+    {
+        "add_generation_prompt",
+        "bad_words",
+        "cache_salt",
+        "chat_template_kwargs",
+        "continue_final_message",
+        "guided_choice",
+        "guided_grammar",
+        "guided_json",
+        "guided_regex",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "min_p",
+        "min_tokens",
+        "prompt_logprobs",
+        "repetition_penalty",
+        "skip_special_tokens",
+        "stop_token_ids",
+        "structured_outputs",
+        "top_k",
+        "truncate_prompt_tokens",
+    }
+)
+TABLES: Mapping[str, list[Field]] = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
+
+
+def refusals(table: list[Field], body: Mapping[str, Any]) -> list[str]:
+    """The messages for fields of `body` the table refuses with the value they have."""
+    out = []
+    for f in table:
+        if f.status == "refused" and f.name in body and not f.neutral(body[f.name]):
+            out.append(f"{f.name}: {f.note}")
+    return out
+
+
+API_DOC_HEADER = """\
+# The OpenAI API: what each request field does here
+
+Generated from `worker/pdserve_worker/api/api_fields.py` by `python scripts/generate.py`
+(a test fails when it is stale): the request models refuse exactly the fields marked
+*refused* — any value but the neutral one (absent, null, false, 0, the default) is a 400 whose
+`param` names the field and whose `code` is `unsupported_parameter` — and nothing is accepted
+and silently ignored except the fields marked *accepted*, which have no effect by nature.
+Fields in neither table pass untouched (newer clients send fields this server does not know).
+
+Besides the two endpoints below: `GET /v1/models` (with `max_model_len`), and vLLM's
+`POST /tokenize` (`{"model", "prompt"}` or `{"model", "messages"}` →
+`{"count", "max_model_len", "tokens"}`) and `POST /detokenize` (`{"model", "tokens"}` →
+`{"prompt"}`), behind the same API keys.
+
+"""
+
+
+def markdown() -> str:
+    """docs/api.md (scripts/generate.py writes it; a test compares)."""
+    lines = [API_DOC_HEADER.rstrip("\n"), ""]
+    for endpoint, table in TABLES.items():
+        lines += [f"### `{endpoint}`", "", "| field | from | status | note |", "|---|---|---|---|"]
+        lines += [
+            f"| `{f.name}` | {'vLLM' if f.name in VLLM_EXTENSIONS else 'OpenAI'} | {f.status} | {f.note} |"
+            for f in table
+        ]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""What a client that never finishes its request can hold on a pdserve HTTP port: little, briefly.
+
+uvicorn (h11) has no deadline for receiving a request: `timeout_keep_alive` only runs between
+two requests, and any byte received cancels it (uvicorn issue #157's
+`--timeout-request-start`/`--timeout-request-complete` were never built). So a connection that
+sends nothing, or a header line every few seconds (slowloris), was held for ever, and each
+one costs the process a file descriptor. Measured on the router before this module: 22,000
+such connections (one attacking host, no token needed) took it to its descriptor limit,
+`/health` stopped answering, asyncio logged a traceback for every failed accept (150,000 of
+them, 72 MB, in two minutes), and the same against a worker's pod port (open to the whole
+cluster for probes) starved its transfer server and gRPC server of descriptors.
+
+`guarded_h11(limits)` is uvicorn's h11 protocol with two bounds:
+- `request_deadline_s`: a request must be received whole (head and body) within this many
+  seconds of the connection opening, or of the previous response's end; otherwise the
+  connection is closed (an application waiting for the body sees a disconnect). Streaming
+  a response is not limited: the deadline ends once the request is in.
+- `max_connections`: connections beyond it are closed as soon as they are accepted, so the
+  process never runs out of descriptors through its HTTP port (at most half its descriptor
+  limit whatever is configured).
+- `max_connections_per_peer`: connections from one source address beyond it are closed as
+  soon as they are accepted, so that one client cannot take the whole cap: #29 measured 4,200
+  idle connections from one client, in 0.1 s and without credentials, taking the router's
+  4,096 and every real request and /health with them, and a flood of a decode's pod port
+  failing 22 of 23 liveness probes (the kubelet probes from the node's address, the flood
+  came from a pod's). A router behind a proxy or load balancer sees it as one peer: raise the
+  per-peer cap to the cap there (`PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER`).
+Both are counted by reason with a rate-limited summary line (util/drops.py), never a
+line per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pdserve_worker.util.drops import DropCounter
+
+log = logging.getLogger("pdserve.http")
+
+DEFAULT_REQUEST_DEADLINE_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 4096
+_RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.SWITCHED_PROTOCOL)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_peer: int | None = None  # None: half of the cap
+
+    def effective_per_peer(self) -> int:
+        cap = self.effective_max_connections()
+        return max(1, min(cap, self.max_connections_per_peer or cap // 2))
+
+    def effective_max_connections(self) -> int:
+        """The cap, kept below half the process's descriptor limit (the rest is for everything
+        else the process opens: gRPC, the transfer server, files)."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return self.max_connections
+        return max(1, min(self.max_connections, soft // 2))
+
+
+def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with `limits` (see the module docstring); pass it as
+    `uvicorn.Config(http=...)`."""
+    cap = limits.effective_max_connections()
+    peer_cap = limits.effective_per_peer()
+    per_peer: dict[str, int] = {}  # open connections by source address (this server's, shared)
+    drops = DropCounter(
+        log,
+        "http_connections_closed",
+        request_deadline_s=limits.request_deadline_s,
+        max_connections=cap,
+        max_connections_per_peer=peer_cap,
+    )
+
+    class GuardedH11Protocol(H11Protocol):
+        stats = drops
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._request_deadline: asyncio.TimerHandle | None = None
+            self._peer: str | None = None  # set while this connection counts for its peer
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > cap:
+                drops.count("connection_cap")
+                transport.close()
+                return
+            peer = self.client[0] if self.client else "unknown"
+            if per_peer.get(peer, 0) >= peer_cap:
+                drops.count("peer_cap")
+                transport.close()
+                return
+            per_peer[peer] = per_peer.get(peer, 0) + 1
+            self._peer = peer
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            if self._peer is not None:
+                left = per_peer[self._peer] - 1
+                if left:
+                    per_peer[self._peer] = left
+                else:
+                    del per_peer[self._peer]
+                self._peer = None
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._settle()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request on this connection gets its own deadline
+                self._settle()  # (it may have been pipelined and read already)
+
+        def _settle(self) -> None:
+            if self._request_deadline is not None and self.conn.their_state in _RECEIVED:
+                self._disarm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._request_deadline = self.loop.call_later(limits.request_deadline_s, self._expired)
+
+        def _disarm(self) -> None:
+            if self._request_deadline is not None:
+                self._request_deadline.cancel()
+                self._request_deadline = None
+
+        def _expired(self) -> None:
+            self._request_deadline = None
+            if not self.transport.is_closing():
+                drops.count("request_deadline")
+                self.transport.close()
+
+    return GuardedH11Protocol

@@ -1,0 +1,386 @@
+"""The OpenAI wire format: request models that validate, and the bodies and chunks we answer.
+
+Requests are strict pydantic models: a wrong JSON type is a 400 naming the field, never a
+silent coercion ("5" is not 5, true is not 1.0), and a field of OpenAI's or vLLM's schema we
+do not implement (n > 1, logprobs, penalties, response_format, tools...) is refused with a 400
+naming it instead of being ignored: api/api_fields.py is the one table (docs/api.md is
+generated from it). Keys in neither schema are ignored, as newer clients send fields this
+server does not know about.
+
+Every field is bounded here, at the API, so that nothing past it can fail on a value a client
+chose: integers to what the worker protocol carries (uint32 max_tokens/top_k, int64 seed), stop
+strings in number and length, messages in number, the model name in length.
+
+Responses are built as plain dicts by pure functions, one `ResponseFormat` per endpoint, so
+the HTTP layer streams completions and chat alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from pdserve_worker.api import api_fields
+from pdserve_worker.model.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    UINT32_MAX,
+    SamplingParams,
+    TokenId,
+)
+
+
+def _utf8_text(value: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"); no tokenizer can encode them, so refuse them here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode (lone surrogate at position {exc.start})") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8_text)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS), AfterValidator(_utf8_text)]
+
+# A conversation longer than this is refused before its template is rendered.
+MAX_MESSAGES = 2048
+MAX_MODEL_NAME_CHARS = 256
+
+MAX_PROMPT_IDS = 1 << 20  # token ids of one prompt sent as ids (the context bounds it further)
+MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mistake
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by `/v1/completions` and `/v1/chat/completions`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME_CHARS)]
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(
+        None, ge=-1, le=UINT32_MAX, description="Extension: keep the k most likely tokens; -1 or 0 disables."
+    )
+    # torch seeds a generator with a 64-bit integer; anything wider cannot be honoured.
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: StopString | list[StopString] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # OpenAI's shape: token id (as a string) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extensions (model/processors.py).
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
+    user: str | None = None
+    # vLLM's field: only requests naming the same salt (of the same tenant) share cached
+    # prefix KV (api/cache_scope.py).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused_fields(cls, data: Any) -> Any:
+        """A field of the schema this server does not implement, with a value that asks for
+        something, is a 400 naming it (api/api_fields.py), before any other check."""
+        if isinstance(data, dict):
+            table = api_fields.CHAT if "messages" in cls.model_fields else api_fields.COMPLETIONS
+            for f in table:
+                if f.status == "refused" and f.name in data:
+                    if not f.neutral(data[f.name]):
+                        raise PydanticCustomError(
+                            api_fields.UNSUPPORTED_FIELD,
+                            "is not supported: {note} (got {field}={value})",
+                            {"field": f.name, "note": f.note, "value": repr(data[f.name])[:80]},
+                        )
+        return data
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _few_stops(cls, value: Any) -> Any:
+        # Before the items are validated: a list of a million strings is refused by its length.
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(value)}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"keys are token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases are in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(dict.fromkeys(self.stop))
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream) and self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+        """The engine's view of this request, once the router has settled `max_tokens`.
+
+        A field the request leaves unset takes the model's `defaults` (its generation_config:
+        model/generation_config.py's `sampling_defaults`), else OpenAI's (temperature and top_p
+        1, no top_k), as transformers' `generate` and vLLM's default `--generation-config auto` do."""
+        d = defaults or {}
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(d.get("temperature", 1.0)) if self.temperature is None else self.temperature,
+            top_p=float(d.get("top_p", 1.0)) if self.top_p is None else self.top_p,
+            top_k=max(int(d.get("top_k", 0)) if self.top_k is None else self.top_k, 0),
+            seed=self.seed,
+            stop=self.stop_strings,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=float(d.get("repetition_penalty", 1.0))
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p or 0.0,
+        )
+
+
+PromptIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+
+
+class CompletionRequest(_GenerationRequest):
+    # A string, or token ids (OpenAI's and vLLM's forms), alone or as a list of one.
+    prompt: Text | PromptIds | list[Text] | list[PromptIds]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt is an empty list")
+        if isinstance(value, list) and isinstance(value[0], (str, list)) and len(value) != 1:
+            raise ValueError(
+                f"prompt must be one prompt (a string or token ids, or a list of one), got a list of {len(value)}"
+            )
+        return value
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's token ids when it was sent as ids, else None (text: to be tokenized)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], list):
+            p = p[0]
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], int) else None
+
+    @property
+    def prompt_text(self) -> str:
+        p = self.prompt
+        return p if isinstance(p, str) else (p[0] if isinstance(p[0], str) else "")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type={self.type!r}")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as chat templates expect it: role and plain-text content."""
+        if self.content is None:
+            text = ""
+        elif isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(part.text or "" for part in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        # Before the items are validated: 200k messages are refused by their number alone.
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages are supported, got {len(value)}")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a completion prompt or a conversation (after the chat template)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME_CHARS)]
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[Text, Field(max_length=MAX_MODEL_NAME_CHARS)]
+    tokens: PromptIds
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error envelope; clients (the openai package) read `error.message` from it."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefill's prefix cache
+
+    def as_dict(self) -> dict[str, object]:
+        """OpenAI's usage object; `prompt_tokens_details.cached_tokens` as OpenAI reports prompt caching."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How one endpoint spells its full response and its stream chunks (completions flavour)."""
+
+    request_id: str
+    model: str
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, text: str, finish_reason: str, usage: Usage, extension: dict[str, Any] | None) -> dict[str, Any]:
+        body = self._envelope(self.object_full, [self._full_choice(text, finish_reason)])
+        body["usage"] = usage.as_dict()
+        if extension is not None:
+            body["pdserve"] = extension
+        return body
+
+    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [self._chunk_choice(delta, finish_reason)])
+        if self.include_usage:
+            body["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
+        return body
+
+    def _chunk_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent before the first text (chat announces the role)."""
+        return []
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        return self._chunk({"content": text}, None)
+
+    def finish_chunk(self, finish_reason: str, extension: dict[str, Any] | None) -> dict[str, Any]:
+        """The chunk that carries the finish reason (and no text, as OpenAI sends it)."""
+        body = self._chunk({}, finish_reason)
+        if extension is not None:
+            body["pdserve"] = extension
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = usage.as_dict()
+        return body
+
+
+@dataclass(frozen=True)
+class ChatResponseFormat(ResponseFormat):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+
+    def _chunk_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]

@@ -1,0 +1,285 @@
+"""`pdserve local`: run a PD deployment (broker, decode, prefill, router) on this machine.
+
+    pdserve local --prefill 1 --decode 2 [--port 8000] [--model PATH] [--dtype ...]
+    pdserve local --demo        start, ask one question, show the answer and its timing, stop
+    pdserve local --colocated   one process that prefills and decodes (the baseline)
+    pdserve local --tls         mutual TLS on every gRPC hop, HTTPS at the router (a CA made for the run)
+    pdserve local --api-keys F  require API keys (a keys file, docs/admission.md) on the OpenAI endpoint
+    pdserve local --trace-file spans.jsonl   OpenTelemetry spans of every process, one JSON object a line
+
+Progress goes to stderr; the router's URL goes to stdout once it serves. Ctrl-C or SIGTERM
+stops every child. Exits non-zero, with the failing child's last log lines, if the
+deployment does not come up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import ssl
+import sys
+from pathlib import Path
+
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("local", help="run a prefill/decode deployment as local processes")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="compute and KV dtype (default auto: bfloat16 where the CPU has native bf16, else float32)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["auto", "dequantized", "int8", "int4"],
+        default="auto",
+        help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)",
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=8,
+        help="concurrent requests per decode worker; with max-length slots (--kv-block-tokens 0) also "
+        "the KV pool: slots x max-len tokens (default 8)",
+    )
+    p.add_argument(
+        "--kv-block-tokens",
+        type=int,
+        default=16,
+        help="decode: KV in blocks of this many tokens, a request reserving prompt + max_tokens "
+        "(default 16; 0: one max-length slot per request)",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=0,
+        help="decode: KV pool size in tokens with blocks (default 0: slots x max-len, the memory of slots)",
+    )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        help="prefill: tokens of prompt-prefix KV kept for reuse (default: a quarter of each prefill's "
+        "share of the machine's memory; 0: no prefix cache)",
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes (default 1; the others listen on free ports, listed in deployment.json)",
+    )
+    p.add_argument(
+        "--prefix-disk-dir",
+        type=Path,
+        default=None,
+        help="prefill: a disk tier for the prefix cache under this folder (one subfolder per prefill, "
+        "kept across restarts; default: none)",
+    )
+    p.add_argument(
+        "--prefix-disk-gib",
+        type=float,
+        default=0.0,
+        help="prefill: the disk tier's bound per prefill in GiB (default 0: 10 GiB or half the free disk)",
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)",
+    )
+    p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
+    p.add_argument(
+        "--layer-shards",
+        type=int,
+        default=1,
+        help="processes per decode instance, each holding a share of the layers (default 1)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
+    p.add_argument(
+        "--transfer",
+        choices=["cpu", "two-sided"],
+        default="cpu",
+        help="KV transport: cpu, the one-sided host engine (default); two-sided, gloo send/recv into a "
+        "staging buffer, the baseline of seed 002's experiment (benchmarks only, loopback only)",
+    )
+    p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a CA for the run: mutual TLS on every gRPC hop (no plaintext gRPC port), HTTPS "
+        "at the router; clients verify it with ca.crt in the log folder",
+    )
+    p.add_argument(
+        "--api-keys",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require API keys on the OpenAI endpoint: a keys file (docs/admission.md), re-read when "
+        "it changes (default: no authentication)",
+    )
+    p.add_argument("--demo", action="store_true", help=f"ask {DEMO_QUESTION!r}, show the answer and timing, stop")
+    p.add_argument(
+        "--on-exit",
+        choices=["stop", "restart", "ignore"],
+        default="stop",
+        help="when a child exits while serving: stop everything (default), restart it (as a pod's "
+        "restart policy would), or carry on without it (fault-injection tests)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an extra environment variable for every child (repeatable), e.g. PDSERVE_READINESS_TIMEOUT_MS=3000",
+    )
+    p.add_argument(
+        "--trace-file",
+        type=Path,
+        default=None,
+        help="OpenTelemetry spans of every process as JSON lines in this file (emptied first; needs "
+        "the tracing extra: pip install pdserve[tracing])",
+    )
+    p.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the deployment to serve")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan, LocalStartError, StopFlag
+
+    try:
+        extra_env = _parse_env(args.env)
+        if args.trace_file is not None:
+            extra_env.setdefault("PDSERVE_TRACE_FILE", str(_trace_file(args.trace_file)))
+        plan = LocalPlan(
+            prefill=args.prefill,
+            decode=args.decode,
+            port=args.port,
+            model=args.model,
+            dtype=args.dtype,
+            weights=args.weights,
+            slots=args.slots,
+            max_len=args.max_len,
+            threads=args.threads,
+            colocated=args.colocated,
+            kv_block_tokens=args.kv_block_tokens,
+            kv_tokens=args.kv_tokens,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+            prefix_disk_dir=args.prefix_disk_dir,
+            routers=args.routers,
+            prefix_disk_gib=args.prefix_disk_gib,
+            layers_per_chunk=args.layers_per_chunk,
+            layer_shards=args.layer_shards,
+            transfer=args.transfer,
+            tls=args.tls,
+            api_keys=args.api_keys,
+            log_dir=args.log_dir,
+            extra_env=extra_env,
+        )
+    except ValueError as exc:
+        print(f"pdserve local: {exc}", file=sys.stderr)
+        return 2
+    flag = StopFlag()
+    flag.install()
+    deployment = LocalDeployment(plan)
+    try:
+        try:
+            url = deployment.start(args.timeout, stop_requested=flag.is_set)
+        except LocalStartError as exc:
+            print(f"pdserve local: failed to start: {exc}", file=sys.stderr)
+            return 1
+        except FileNotFoundError as exc:
+            print(f"pdserve local: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        shape = "colocated" if plan.colocated else f"{plan.prefill} prefill, {plan.decode} decode"
+        if args.demo:
+            return _demo(url, shape, deployment.verify, os.environ.get("OPENAI_API_KEY"))
+        print(url, flush=True)
+        ca = f" --ca {deployment.certs.ca}" if deployment.certs is not None else ""
+        print(
+            f"pdserve local: serving at {url}/v1 ({shape}); try:\n"
+            f"  pdserve complete --url {url}{ca} --chat --stream --prompt {DEMO_QUESTION!r}\n"
+            f"Ctrl-C stops it.",
+            file=sys.stderr,
+            flush=True,
+        )
+        reported: set[int] = set()
+        while not flag.wait(0.5):
+            if args.on_exit == "restart":
+                deployment.restart_dead()
+                continue
+            if args.on_exit == "ignore":
+                deployment.report_dead(reported)
+                continue
+            dead = deployment.dead_child()
+            if dead is not None and args.on_exit == "stop":
+                print(
+                    f"pdserve local: {dead.name} (pid {dead.pid}) exited with code {dead.exited()}; "
+                    f"its last log lines:\n{dead.tail()}",
+                    file=sys.stderr,
+                )
+                return 1
+        return 0
+    finally:
+        deployment.stop()
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env wants NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
+
+
+def _demo(url: str, shape: str, verify: ssl.SSLContext | bool = True, api_key: str | None = None) -> int:
+    """One streamed chat request: the answer as it arrives, then what it cost.
+
+    With --api-keys the router wants a key: the demo sends $OPENAI_API_KEY, as `pdserve
+    complete` does, and says so when the router refuses it.
+    """
+    from pdserve_worker.cli.client import ApiCallError, RouterClient
+
+    print(f"pdserve local: {shape} at {url}/v1", file=sys.stderr)
+    print(f"> {DEMO_QUESTION}", flush=True)
+    try:
+        with RouterClient(url, timeout_s=300, verify=verify, api_key=api_key) as client:
+            body = {
+                "model": client.served_model(),
+                "messages": [{"role": "user", "content": DEMO_QUESTION}],
+                "temperature": 0,
+                "max_tokens": 64,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            answer = client.complete(body, chat=True, on_text=lambda t: print(t, end="", flush=True))
+    except ApiCallError as exc:
+        print(f"\npdserve local: the demo request failed: {exc}", file=sys.stderr)
+        if exc.status == 401:
+            print("pdserve local: with --api-keys, set OPENAI_API_KEY to one of the file's keys", file=sys.stderr)
+        return 1
+    print(flush=True)
+    print(answer.stats.summary(), flush=True)
+    return 0
+
+
+def _trace_file(path: Path) -> Path:
+    """The trace file, absolute (children run elsewhere) and empty, so it holds this run only."""
+    from pdserve_common import tracing
+
+    if not tracing.available():
+        raise ValueError("--trace-file needs the tracing extra: pip install 'pdserve[tracing]'")
+    path = path.resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    return path

@@ -1,0 +1,559 @@
+"""`pdserve local`: a whole PD deployment as child processes on 127.0.0.1.
+
+A broker, `decode` decode workers, `prefill` prefill workers and a router, the same processes
+a Kubernetes deployment runs (`pdserve broker`, `pdserve worker --role ...`), configured by the
+same environment variables the operator renders into pods (pod_env.py), with a service token
+generated for this run. Or, with `colocated`, one process that prefills and decodes itself
+(the baseline the benchmarks compare against).
+
+The model is converted once (the loader's cache) before any child starts, so the children
+only map the converted folder. Start-up is over when the router's /health reports every
+worker registered and ready; a child that dies meanwhile fails the start with its last log
+lines. Children run in sessions of their own, so a Ctrl-C in the terminal reaches only this
+process, which stops them in order (router, prefill, decode, broker) by PID; and each child
+is told by the kernel to stop if this process dies without doing so (PR_SET_PDEATHSIG).
+
+With `tls`, a CA is made for the run (`util/tls_certs.py`) with one certificate for 127.0.0.1 that
+every child uses, as pods use their service's Secret: the broker and every worker's gRPC
+server speak mutual TLS only (no plaintext gRPC port is open), and the router serves HTTPS
+(clients verify it with `ca.crt` in the log folder, written to `deployment.json`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from pdserve_common import pod_env as E
+from pdserve_worker.model.default_model import model_argument
+from pdserve_worker.serving import settings as S
+from pdserve_worker.util.free_ports import free_port
+from pdserve_worker.util.tls_certs import CertFiles, tls_env, write_run_certificates
+
+SERVICE = "local/pdserve"
+HOST = "127.0.0.1"
+LOG_TAIL_LINES = 30
+# A sharded decode group's leader drains before its followers stop (they serve its steps).
+STOP_ORDER = ("router", "colocated", "prefill", "decode", "decode-member", "broker")
+
+
+class LocalStartError(RuntimeError):
+    """The deployment did not come up; the message names the child and carries its log tail."""
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    prefill: int = 1
+    decode: int = 2
+    port: int = 8000
+    model: str | None = None  # GGUF or HF folder; None: the bundled default
+    dtype: str = "auto"  # auto: see auto_dtype()
+    weights: str = "auto"  # model/weight_routes.py
+    slots: int = 8
+    max_len: int | None = None  # tokens per request; None: 2048, or the model's context if shorter
+    kv_block_tokens: int = 16  # decode KV blocks (0: max-length slots)
+    kv_tokens: int = 0  # decode KV pool in tokens (0: slots x max_len)
+    prefix_cache_tokens: int | None = None  # prefill prefix cache in tokens (None: auto, a memory share; 0: off)
+    prefix_disk_dir: Path | None = None  # the prefix cache's disk tier: one subfolder per prefill (None: none)
+    prefix_disk_gib: float = 0.0  # its bound per prefill (0: 10 GiB or half the free disk)
+    routers: int = 1  # router processes (the first on `port`, the others on free ports: deployment.json)
+    threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
+    colocated: bool = False
+    layers_per_chunk: int = 4
+    layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
+    readiness: str = "interrupt"
+    # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
+    # baseline of seed 002's experiment (transfer/backends/two_sided.py; benchmarks only).
+    transfer: str = "cpu"
+    tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
+    api_keys: Path | None = None  # keys file (api/keys.py) the router requires; None: no authentication
+    log_dir: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("auto", "dequantized", "int8", "int4"):
+            raise ValueError(f"weights must be auto, dequantized, int8 or int4, got {self.weights!r}")
+        if self.transfer not in ("cpu", "two-sided"):
+            raise ValueError(f"transfer must be cpu or two-sided, got {self.transfer!r}")
+        if self.colocated:
+            return
+        if self.routers < 1:
+            raise ValueError(f"a PD deployment needs at least 1 router, got {self.routers}")
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"a PD deployment needs at least 1 prefill and 1 decode, got {self.prefill}/{self.decode}")
+        if self.layer_shards < 1:
+            raise ValueError(f"layer_shards must be >= 1, got {self.layer_shards}")
+
+    @property
+    def model_processes(self) -> int:
+        return 1 if self.colocated else self.prefill + self.decode * self.layer_shards
+
+    def memory_share(self) -> float:
+        """The part of the machine's memory each model process may size its caches from."""
+        return 1.0 / self.model_processes
+
+    def threads_per_process(self) -> int:
+        if self.threads:
+            return self.threads
+        return max(1, len(os.sched_getaffinity(0)) // self.model_processes)
+
+
+def auto_dtype() -> str:
+    """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32.
+
+    Without native support torch emulates bf16 matmuls: measured 70x slower than fp32 on an
+    AVX2-only EPYC, so there fp32 is both exact and fast. (torch's private probes: pinned torch.)
+    """
+    try:
+        import torch
+
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    except (ImportError, AttributeError):
+        native = False
+    return "bfloat16" if native else "float32"
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux), so no child outlives us."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def source_env() -> dict[str, str]:
+    """The environment children inherit, with this checkout's sources importable."""
+    env = dict(os.environ)
+    import pdserve_worker
+
+    roots = [str(Path(pdserve_worker.__file__).resolve().parents[1])]
+    try:
+        import pdserve_operator
+
+        roots.append(str(Path(pdserve_operator.__file__).resolve().parents[1]))
+    except ImportError:
+        pass
+    try:
+        import pdserve.v1 as protos
+
+        roots.append(str(Path(protos.__file__).resolve().parents[2]))
+    except ImportError:
+        pass
+    existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(roots + existing))
+    return env
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        finally:
+            log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`: by PID, this child only."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class LocalDeployment:
+    """Start with `start()`, stop with `stop()` (or use it as a context manager)."""
+
+    def __init__(self, plan: LocalPlan, *, progress: TextIO | None = sys.stderr, python: str = sys.executable) -> None:
+        self.plan = plan
+        self.python = python
+        self.progress = progress
+        self.token = secrets.token_urlsafe(32)
+        self.log_dir = Path(plan.log_dir or tempfile.mkdtemp(prefix="pdserve-local-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self.broker_address = ""
+        self.port = plan.port or free_port()  # 0: any free port
+        self.url = f"{'https' if plan.tls else 'http'}://{HOST}:{self.port}"
+        self.certs: CertFiles | None = None
+        self.dtype = auto_dtype() if plan.dtype == "auto" else plan.dtype
+        self.model_folder: Path | None = None
+        self.model_source = ""  # what the workers load: the GGUF itself (its quantized blocks), or the folder
+        self.model_name = ""  # the served name; empty: the workers take the folder's
+        self.max_len = 0  # plan.max_len, resolved against the model in start()
+
+    # ---- starting ----------------------------------------------------------------------------
+
+    def say(self, message: str) -> None:
+        if self.progress is not None:
+            print(f"pdserve local: {message}", file=self.progress, flush=True)
+
+    def start(self, timeout_s: float = 300.0, stop_requested: Callable[[], bool] = lambda: False) -> str:
+        """Start every child and wait until the router serves; returns the router's URL."""
+        started = time.monotonic()
+        if _accepts(HOST, self.port):  # else /health below might be answered by someone else's router
+            raise LocalStartError(f"port {self.port} on {HOST} is already in use: choose another with --port")
+        self.model_folder = self._prepare_model()
+        self.max_len = self._resolve_max_len(self.model_folder)
+        if self.plan.tls:
+            self.certs = write_run_certificates(self.log_dir / "tls")
+            self.say(f"TLS on: clients verify the router with {self.certs.ca}")
+        if self.plan.colocated:
+            self._spawn("colocated", "colocated", self._worker_env("colocated", "colocated-0", self.port))
+        else:
+            self._start_broker()
+            for i in range(self.plan.decode):
+                self._spawn_decode_group(i)
+            for i in range(self.plan.prefill):
+                self._spawn(f"prefill-{i}", "prefill", self._worker_env("prefill", f"prefill-{i}", free_port()))
+            self._spawn("router-0", "router", self._worker_env("router", "router-0", self.port))
+            for i in range(1, self.plan.routers):  # more routers of the same service (one broker)
+                self._spawn(f"router-{i}", "router", self._worker_env("router", f"router-{i}", free_port()))
+        self._write_manifest()
+        self.say(f"started {len(self.children)} processes (logs in {self.log_dir}); waiting until they serve")
+        self._wait_ready(started + timeout_s, stop_requested)
+        self.say(f"ready in {time.monotonic() - started:.1f}s")
+        return self.url
+
+    def _prepare_model(self) -> Path:
+        path = model_argument(self.plan.model)  # builtin:smollm2, the spec's name: the bundled model
+        if path is not None and (Path(path) / "config.json").is_file():
+            self.model_source = str(Path(path).resolve())
+            return Path(path).resolve()
+        self.say("preparing the model (a GGUF is converted once and cached)")
+        from pdserve_worker.model.convert import quantized_gguf
+        from pdserve_worker.model.loader import gguf_source, model_folder
+
+        folder, name = model_folder(path, self.dtype)
+        self.model_source = str(folder)
+        if self.plan.weights != "dequantized":  # the workers read the quantized blocks: convert them once here
+            gguf_path = gguf_source(path)
+            quantized_gguf(gguf_path)
+            self.model_source = S.BUILTIN_DEFAULT if path is None else str(gguf_path.resolve())
+        self.model_name = name
+        self.say(f"model {name} at {folder}")
+        return folder
+
+    def _resolve_max_len(self, folder: Path) -> int:
+        """Check --max-len against the model here, once, instead of every worker dying on it."""
+        from pdserve_worker.model.config import DEFAULT_MAX_LEN, ModelConfig
+
+        config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        try:
+            max_len = config.serving_max_len(self.plan.max_len)
+        except ValueError as exc:
+            raise LocalStartError(f"{exc}; choose a smaller --max-len") from None
+        if self.plan.max_len is None and max_len < DEFAULT_MAX_LEN:
+            self.say(f"max_len {max_len}: the model's context (--max-len sets it)")
+        self._say_prefix_cache(config.kv_bytes_per_token(self.dtype))
+        return max_len
+
+    def _say_prefix_cache(self, kv_bytes_per_token: int) -> None:
+        """What each prefill (or the colocated process) will keep of prompt prefixes."""
+        plan = self.plan
+        if plan.prefix_cache_tokens == 0:
+            self.say("prefix cache off (--prefix-cache-tokens 0)")
+            return
+        if plan.prefix_cache_tokens is not None:
+            self.say(f"prefix cache: {plan.prefix_cache_tokens} tokens per prefill (--prefix-cache-tokens)")
+            return
+        from pdserve_worker.kv.memory_budget import PREFIX_CACHE_FRACTION, auto_prefix_tokens, memory_limit
+
+        limit, share = memory_limit(), plan.memory_share()
+        block = S.WorkerSettings.model_fields["prefix_block_tokens"].default
+        tokens = auto_prefix_tokens(limit.bytes, share, kv_bytes_per_token, block)
+        self.say(
+            f"prefix cache: up to {tokens} tokens per prefill ({PREFIX_CACHE_FRACTION:.0%} of its 1/"
+            f"{plan.model_processes} share of {limit.bytes / 2**30:.1f} GiB, {limit.source}; "
+            "--prefix-cache-tokens sets it, 0 turns it off)"
+        )
+
+    def _start_broker(self) -> None:
+        port = free_port()
+        self.broker_address = f"{HOST}:{port}"
+        env = source_env()
+        env["PDSERVE_BROKER_TOKENS"] = json.dumps({SERVICE: self.token})
+        if self.certs is not None:  # `pdserve broker` reads PDSERVE_TLS_CERT/_KEY/_CA: mutual TLS
+            env.update(tls_env(self.certs, broker_tls=False))
+        env.update(self.plan.extra_env)
+        child = self._spawn("broker", "broker", env, ["broker", "--host", HOST, "--port", str(port)])
+        deadline = time.monotonic() + 60
+        while not _accepts(HOST, port):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise LocalStartError(f"broker did not listen on {self.broker_address} within 60s\n{child.tail()}")
+            time.sleep(0.05)
+        self.say(f"broker listening on {self.broker_address}")
+
+    def _worker_env(self, role: str, worker_id: str, http_port: int) -> dict[str, str]:
+        plan = self.plan
+        env = source_env()
+        env.update(
+            {
+                E.ROLE: role,
+                E.SERVICE: SERVICE,
+                E.POD_NAME: worker_id,
+                E.POD_IP: HOST,
+                S.BIND_HOST: HOST,
+                E.HTTP_PORT_ENV: str(http_port),
+                E.GRPC_PORT_ENV: str(free_port()),
+                E.ADMIN_PORT_ENV: str(free_port()),
+                S.TRANSFER_PORT_ENV: str(free_port()),
+                E.MODEL_SOURCE: self.model_source,
+                E.MODEL_DTYPE: self.dtype,
+                S.WEIGHTS: self.plan.weights,
+                E.MAX_LENGTH: str(self.max_len),
+                E.SLOTS: str(plan.slots),
+                E.KV_BLOCK_TOKENS: str(plan.kv_block_tokens),
+                E.KV_TOKENS: str(plan.kv_tokens),
+                E.PREFIX_CACHE_TOKENS: "auto" if plan.prefix_cache_tokens is None else str(plan.prefix_cache_tokens),
+                S.MEMORY_SHARE: repr(plan.memory_share()),
+                E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
+                E.READINESS_MODE: plan.readiness,
+                E.TRANSFER_BACKEND: plan.transfer,
+                E.DRAIN_TIMEOUT_SECONDS: "10",
+                S.THREADS: str(plan.threads_per_process()),
+                S.GRACE_S: "5",
+            }
+        )
+        if self.model_name:
+            env[E.MODEL_NAME] = self.model_name
+        if plan.prefix_disk_dir is not None and role in ("prefill", "colocated"):
+            # Its own folder: a restarted prefill finds its blocks, two prefills never share an index.
+            env[E.PREFIX_DISK_DIR] = str(Path(plan.prefix_disk_dir).resolve() / worker_id)
+            env[E.PREFIX_DISK_BYTES] = str(int(plan.prefix_disk_gib * 2**30))
+        if role != "colocated":
+            env[E.BROKER_ADDRESS] = self.broker_address
+            env[E.BROKER_TOKEN] = self.token
+        if self.certs is not None:
+            env.update(tls_env(self.certs, broker_tls=role != "colocated"))
+        if plan.api_keys is not None and role in ("router", "colocated"):
+            env[E.API_KEYS_FILE] = str(Path(plan.api_keys).resolve())
+        env.update(plan.extra_env)
+        return env
+
+    def _spawn_decode_group(self, index: int) -> None:
+        """One decode instance: a process, or a leader and its followers that know each other's
+        gRPC endpoints (what a pod derives from the StatefulSet's DNS names)."""
+        shards = self.plan.layer_shards
+        if shards == 1:
+            self._spawn(f"decode-{index}", "decode", self._worker_env("decode", f"decode-{index}", free_port()))
+            return
+        envs = [self._worker_env("decode", f"decode-{index}-{m}", free_port()) for m in range(shards)]
+        peers = ",".join(f"{HOST}:{env[E.GRPC_PORT_ENV]}" for env in envs)
+        for member, env in enumerate(envs):
+            env.update({E.LAYER_SHARDS: str(shards), S.SHARD_INDEX: str(member), S.GROUP_PEERS: peers})
+            role = "decode" if member == 0 else "decode-member"
+            self._spawn(f"decode-{index}-{member}", role, env)
+
+    def _spawn(self, name: str, role: str, env: dict[str, str], args: list[str] | None = None) -> Child:
+        argv = [self.python, "-m", "pdserve_worker.cli.main", *(args or ["worker"])]
+        child = Child(name, role, argv, env, self.log_dir / f"{name}.log")
+        child.start()
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, deadline: float, stop_requested: Callable[[], bool]) -> None:
+        want = {"colocated": 1} if self.plan.colocated else {"prefill": self.plan.prefill, "decode": self.plan.decode}
+        last = None
+        with httpx.Client(timeout=2.0, verify=self.verify) as http:
+            while True:
+                self._check_alive()
+                if stop_requested():
+                    raise KeyboardInterrupt
+                members = _members(http, self.url)
+                if members is not None and members != last:
+                    self.say("ready members: " + ", ".join(f"{r} {members.get(r, 0)}/{n}" for r, n in want.items()))
+                    last = members
+                if members is not None and all(members.get(r, 0) >= n for r, n in want.items()):
+                    return
+                if time.monotonic() > deadline:
+                    raise LocalStartError(f"not ready in time (ready: {members}); logs in {self.log_dir}")
+                time.sleep(0.2)
+
+    def _write_manifest(self) -> None:
+        """`deployment.json` (who runs where) and `service-token` (0600) in the log folder, so
+        that tools and tests can reach the broker and workers, or attach a worker of their own."""
+        token_file = self.log_dir / "service-token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.token)
+        manifest = {
+            "url": self.url,
+            "routers": [
+                f"{'https' if self.certs is not None else 'http'}://{HOST}:{c.env[E.HTTP_PORT_ENV]}"
+                for c in self.children
+                if c.role in ("router", "colocated")  # the processes that serve the API
+            ],
+            "service": SERVICE,
+            "broker": self.broker_address,
+            "dtype": self.dtype,
+            "weights": self.plan.weights,
+            "token_file": str(token_file),
+            "ca_file": None if self.certs is None else str(self.certs.ca),
+            "children": [
+                {
+                    "name": c.name,
+                    "role": c.role,
+                    "pid": c.pid,
+                    "log": str(c.log_path),
+                    "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
+                    "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None,
+                    "admin": f"{HOST}:{c.env[E.ADMIN_PORT_ENV]}" if E.ADMIN_PORT_ENV in c.env else None,
+                }
+                for c in self.children
+            ],
+        }
+        (self.log_dir / "deployment.json").write_text(json.dumps(manifest, indent=2))
+
+    def _check_alive(self) -> None:
+        for child in self.children:
+            code = child.exited()
+            if code is not None:
+                raise LocalStartError(
+                    f"{child.name} (pid {child.pid}) exited with code {code}; its last log lines "
+                    f"({child.log_path}):\n{child.tail()}"
+                )
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """What an HTTP client verifies the router with: the run's CA, or the system's."""
+        return ssl.create_default_context(cafile=str(self.certs.ca)) if self.certs is not None else True
+
+    # ---- running and stopping ------------------------------------------------------------------
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.exited() is not None), None)
+
+    def report_dead(self, reported: set[int]) -> list[Child]:
+        """Say once per exited child (PIDs in `reported` were said already) that it stays down:
+        `--on-exit ignore` carries on without it, but not silently."""
+        dead = [c for c in self.children if c.exited() is not None and c.pid not in reported]
+        for child in dead:
+            reported.add(child.pid)
+            self.say(
+                f"{child.name} (pid {child.pid}) exited with code {child.exited()}; carrying on without it "
+                f"(--on-exit ignore)"
+            )
+        return dead
+
+    def restart_dead(self) -> list[Child]:
+        """Start again every child that exited, with its own ports and environment, as a pod's
+        restart policy would; `deployment.json` then has the new PIDs. Returns the restarted."""
+        dead = [c for c in self.children if c.exited() is not None]
+        for child in dead:
+            self.say(f"{child.name} (pid {child.pid}) exited with code {child.exited()}; restarting it")
+            child.start()
+        if dead:
+            self._write_manifest()
+        return dead
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop every child, front to back (router first, broker last), each by its PID."""
+        for role in STOP_ORDER:
+            group = [c for c in self.children if c.role == role]
+            for child in group:  # signal the whole tier at once, then wait for it
+                if child.proc is not None and child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in group:
+                child.stop(timeout_s)
+        if self.children:
+            self.say("stopped")
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _members(http: httpx.Client, url: str) -> dict[str, int] | None:
+    """Ready members by role from the router's /health; None while it does not answer."""
+    try:
+        response = http.get(f"{url}/health")
+    except httpx.TransportError:
+        return None
+    if response.status_code != 200:
+        return None
+    body = response.json()
+    members = body.get("members")
+    return {str(k): int(v) for k, v in members.items()} if isinstance(members, dict) else None
+
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag instead of raising, so stopping follows one path."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal: int | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._event.wait(timeout_s)

@@ -1,0 +1,143 @@
+"""A colocated backend: prefill and decode in one process, one continuous batch (the baseline).
+
+The generation loop prefills a new prompt between decode steps, in the same thread, so while
+a long prompt is prefilled every running request waits: this is the interference that PD
+disaggregation removes, and what `benchmarks/serve.py` measures it against.
+
+With a prefix cache (`prefix_cache_tokens` > 0, or None: sized from memory as a prefill's is)
+the prefill reuses cached prompt prefixes as a prefill worker does (kv/prefix_store.py), and
+the first event reports the cached tokens.
+
+Slots are owned as on a decode: a `SlotTable` grants one per request and takes it back when
+the loop says the request left the batch. Requests beyond the free slots wait for one here,
+in arrival order (no 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from pdserve_worker.api.backend import BackendError, RequestInfo, TokenEvent
+from pdserve_worker.api.tokenizing import ModelTokenizing
+from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
+from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
+from pdserve_worker.kv.slots import SlotTable
+from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
+from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.model.sampling import stop_token_ids
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+
+_COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
+_HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): its lease never runs
+
+
+class ColocatedBackend(ModelTokenizing):
+    """`router.backend.Backend` over a Generator on its own scheduler thread."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        slots: int,
+        max_len: int,
+        model_name: str | None = None,
+        prefix_cache_tokens: int | None = 0,
+        prefix_block_tokens: int = 16,
+        memory_share: float = 1.0,
+        prefix_disk_dir: Path | None = None,
+        prefix_disk_bytes: int = 0,
+        revision: str = "",
+    ) -> None:
+        self.model_name = model_name or loaded.name
+        self.max_model_len = max_len
+        self._tokenizer = loaded.tokenizer
+        model = loaded.model
+        cache = colocated_cache(model, slots, max_len)
+        self.slots = SlotTable(cache.layout, quarantine_s=0.0)
+        self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
+        self.prefix: PrefixStore | None = open_prefix_store(
+            cache.layout,
+            prefix_cache_tokens,
+            memory_share,
+            prefix_block_tokens,
+            revision or loaded.name,
+            model.device,
+            disk_dir=prefix_disk_dir,
+            disk_bytes=prefix_disk_bytes,
+        )
+        self._cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
+        self._scope: dict[int, str] = {}  # slot -> the cache scope of the request it holds
+        store = self.prefix
+
+        def prefill(prompt: list[int], slot: int, params: SamplingParams) -> int:
+            stops = tuple(stop_token_ids(params, loaded.tokenizer.eos_token_ids))
+            if store is None:
+                return prefill_first_token(model, cache, slot, prompt, params, stop_ids=stops)
+            use = store.begin(prompt, cache, slot, self._scope[slot])
+            try:
+                first = prefill_first_token(model, cache, slot, prompt, params, start=use.cached_tokens, stop_ids=stops)
+                store.finish(use, cache, slot)
+            finally:
+                store.end(use)
+            self._cached[slot] = use.cached_tokens
+            return first
+
+        self.loop = GenerationLoop(Generator(model, loaded.tokenizer, cache), prefill=prefill, name="colocated-loop")
+
+    def start(self) -> None:
+        self._free = asyncio.Semaphore(self.slots.layout.num_slots)
+        self.loop.start()
+
+    def close(self) -> None:
+        self.loop.stop()
+        if self.prefix is not None:
+            self.prefix.close()
+
+    def health(self) -> dict[str, object]:
+        return {"ready": True, "members": {"colocated": 1}}
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
+    ) -> AsyncIterator[TokenEvent]:
+        free = self._free
+        if free is None:
+            raise BackendError("ColocatedBackend.start() was not called")
+        await free.acquire()  # a slot is free, or waits for the request ahead of us to leave
+        grant = self.slots.reserve(request_id, _HOLD_S)
+        self.slots.commit(grant.slot, grant.generation)
+        event_loop = asyncio.get_running_loop()
+
+        def done() -> None:  # on the generation loop's thread, once the request left the batch
+            self.slots.release(grant.slot, grant.generation)
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits any more
+                event_loop.call_soon_threadsafe(free.release)
+
+        self._scope[grant.slot] = cache_scope  # read by the prefill on the loop's thread; the slot is ours
+        try:
+            stream = self.loop.submit(request_id, prompt_ids, grant.slot, params, done)
+        except BaseException:
+            done()
+            raise
+        finished = False
+        first = True
+        try:
+            async for out in stream:
+                if out.token_id is None or out.finish_reason is FinishReason.ABORT:  # aborted inside the loop
+                    raise BackendError(f"request {request_id} was aborted: {out.finish_reason}")
+                finished = out.finished  # before the yield: the router closes us once it has the last event
+                info = None
+                if first:
+                    cached = self._cached.pop(grant.slot, 0)
+                    info = RequestInfo(disaggregated=False, kv_bytes=0, cached_tokens=cached) if cached else _COLOCATED
+                yield TokenEvent(out.token_id, out.text, out.finish_reason, info)
+                first = False
+                if finished:
+                    return
+        except RequestFailed as exc:
+            raise BackendError(str(exc)) from None
+        finally:
+            if not finished:
+                self.loop.cancel(stream)

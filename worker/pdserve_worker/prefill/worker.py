@@ -1,0 +1,639 @@
+"""The prefill role: compute a prompt's KV chunk of layers by chunk, pushing each chunk as it is done.
+
+`model.prefill(..., layers_per_chunk, on_chunk=pusher.push_chunk)` writes the KV of each layer
+chunk into a local scratch pool that is registered with the transfer engine (the source
+memory), and the pusher issues that chunk's puts at once, so the transfer of chunk k overlaps
+the compute of chunk k+1. The first token is sampled here from the last position's logits,
+and `finish()` sends it in the ready notification, after every put completed: a decode never
+reads a partial push. Any failure aborts the push and sends no notification; the decode's
+lease then lapses and quarantines the slot.
+
+Prompts waiting together share one forward pass (`LlamaModel.prefill_batch`): the compute
+thread takes up to `prefill_batch` queued prompts whose tokens fit `prefill_token_budget` (the
+first always goes, however long), each in its own scratch slot with its own pusher, so each
+prompt's KV goes to its own decode reservation chunk by chunk as before. A prompt whose push
+fails, or that is cancelled, ends alone; the others go on. Passes run one after another on
+one compute thread (they are compute bound, running two at once would only split the cores),
+while the gRPC event loop stays free to accept and queue requests.
+
+With the prefix cache (kv/prefix_store.py: on by default, sized from memory; 0 tokens turns it
+off), each prompt first takes the longest cached prefix of its whole blocks, within its cache
+scope (its tenant: api/cache_scope.py), into its scratch slot and the pass computes only the
+rest (`start=`); the push still sends the prompt's whole KV. After the pass, the prompts' new
+whole blocks are copied out and published; every pinned block is unpinned on every path. The
+reply says how many prompt tokens came from the cache (`cached_tokens`). With a disk tier, a
+prompt's blocks on disk are read from the moment it is queued (`prefetch`). `BlockEvents`
+serves what the cache stores and drops to the routers (kv/block_events.py).
+
+A router that abandons a request (its client left) sends `Cancel`: a queued prefill never
+starts, a running one stops before its next layer chunk and waits for the puts it issued.
+The failed Prefill then says in its trailing metadata (`rpc/trailers.py`) whether its push is
+over, so that the decode slot can be given back free instead of quarantined. The same holds
+for every other failure: validation before any put is settled, a failed put is not.
+
+Connections to decode engines are made by the first push to each and then kept by the engine
+(a later connect answers ALREADY_CONNECTED); a decode that leaves the membership is
+disconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve_common import tracing
+from pdserve_common.logs import kv
+from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, Role
+from pdserve_worker.kv.block_events import runs
+from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
+from pdserve_worker.kv.slots import Grant
+from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.model.sampling import sample_first, stop_token_ids
+from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
+from pdserve_worker.rpc.trailers import settled_trailer
+from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.serving.worker_metrics import WorkerMetrics
+from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.pool import KVPool
+from pdserve_worker.transfer.push import KVPusher, PushError, PushSource
+
+log = logging.getLogger("pdserve.prefill")
+
+# A Cancel that arrives before its Prefill is remembered this long, for at most this many ids.
+CANCEL_MEMORY_S = 60.0
+CANCEL_MEMORY_MAX = 4096
+MAX_CACHE_SCOPE_CHARS = 1024  # a tenant name and a cache_salt, JSON-quoted (api/cache_scope.py)
+
+JobKey = tuple[str, int, int]  # (request_id, slot, generation) of the request's first target
+
+
+class PrefillCancelled(Exception):
+    """The router cancelled this prefill (worker.proto's Prefill.Cancel)."""
+
+
+class _AllEnded(Exception):
+    """Every prompt of a pass has ended (failed or cancelled): stop computing it."""
+
+
+@dataclass
+class _Job:
+    """One queued prefill; its outcome is handed to `done` on the event loop `loop`."""
+
+    request_id: str = ""
+    prompt: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    targets: list[Grant] = field(default_factory=list)
+    num_generated: int = 0
+    accepted: float = 0.0
+    loop: asyncio.AbstractEventLoop | None = None
+    done: asyncio.Future | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    pusher: KVPusher | None = None
+    settled: bool = False  # an outcome was handed to `done` (set on the compute thread)
+    trace: Any = None  # the request's prefill span (tracing.py); children are timed on the compute thread
+    cache_scope: str = ""  # which cached prefixes it may reuse (api/cache_scope.py)
+    prefetch: Any = None  # its prefix blocks being read from the disk tier (PrefixStore.prefetch)
+
+
+def _mark(exc: BaseException, settled: bool) -> BaseException:
+    """Note on a prefill's failure whether its push is over (read by the servicer)."""
+    exc.push_settled = settled  # type: ignore[attr-defined]
+    return exc
+
+
+def push_settled_of(exc: BaseException) -> bool:
+    return bool(getattr(exc, "push_settled", False))
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    num_tokens: int
+    kv_bytes: int
+    push_seconds: float
+    prefill_seconds: float
+    cached_tokens: int = 0
+
+
+class PrefillWorker:
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.backend = backend
+        self.revision = revision
+        # One scratch slot per prompt of a pass.
+        layout = loaded.config.kv_layout(settings.prefill_batch, settings.max_length, settings.model_dtype)
+        self.pool = KVPool(backend, layout, device=settings.device)
+        self.cache = KVCache(layout, self.pool.tensor)
+        self.source = PushSource(self.pool.base_addr, layout, slot=0)
+        self.prefix = open_prefix_store(
+            layout,
+            settings.prefix_cache_tokens,
+            settings.memory_share,
+            settings.prefix_block_tokens,
+            revision,
+            device=settings.device,
+            logger=log,
+            disk_dir=settings.prefix_disk_dir,
+            disk_bytes=settings.prefix_disk_bytes,
+        )
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
+        self._pending: deque[_Job] = deque()
+        self._lock = threading.Lock()
+        self.queued = 0  # requests accepted and not yet answered
+        self.draining = False  # set by drain(): new prompts are refused
+        self.served = 0
+        self._jobs: dict[JobKey, _Job] = {}
+        self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
+        self.metrics = WorkerMetrics("prefill")  # served on /metrics (worker_main)
+        p = self.prefix
+        self.metrics.watch_prefill(
+            lambda: self.queued,
+            p.stats if p is not None else None,
+            p.tier_stats if p is not None else None,
+            p.block_bytes if p is not None else 0,
+        )
+
+    # ---- the ServingRole of a prefill process (process/roles.py) -----------------------------------
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
+
+    async def start(self, broker: BrokerClient) -> None:
+        """Follow the decode membership: a decode that leaves is disconnected (`on_member`)."""
+        await broker.watch([Role.DECODE], listener=self.on_member)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new prompts (a Prefill is refused UNAVAILABLE, nothing put: the router tries
+        another prefill); wait until those queued or computing here are answered, or
+        `timeout_s` passed. True if none is left. Called on the stop signal (a scale-down
+        deletes the pod) after the broker was told this member is draining, so routers stop
+        choosing it; what is still here at the timeout is cut by the gRPC server's stop and
+        retried by its router (its decode reservation is given back)."""
+        if not self.draining:
+            log.info(kv(event="prefill_draining", queued=self.queued, timeout_s=timeout_s))
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.queued and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = self.queued == 0
+        log.info(kv(event="prefill_drained" if drained else "prefill_drain_timeout", queued=self.queued))
+        return drained
+
+    def busy(self) -> int:
+        return self.queued
+
+    def member_info(self) -> MemberInfo:
+        return MemberInfo(
+            worker_id=self.settings.member_id,
+            role=Role.PREFILL,
+            grpc_endpoint=self.settings.grpc_endpoint,
+            revision=self.revision,
+            labels={"model": self.loaded.name},
+        )
+
+    def load(self) -> Load:
+        """Reported with each keepalive: requests queued or computing here (routers rank by it)."""
+        return Load(active_requests=self.queued)
+
+    def close(self) -> None:
+        """Stop computing; `free` after the engine is finalized (no put of ours still reads)."""
+        self._compute.shutdown(wait=True, cancel_futures=True)
+        if self.prefix is not None:
+            self.prefix.close()  # the disk tier's writes queued so far land
+        self.pool.deregister()
+
+    def free(self) -> None:
+        self.pool.free()
+
+    def on_member(self, event: MemberEvent) -> None:
+        """A decode that left will not be pushed to again: drop the link to its engine."""
+        member = event.member
+        if event.type is EventType.REMOVED and member is not None and member.info.engine_id:
+            status = self.backend.engine.disconnect(member.info.engine_id, 1000)
+            log.info(
+                kv(event="decode_disconnected", decode=member.worker_id, engine=member.info.engine_id, status=status)
+            )
+
+    def cancel(self, key: JobKey) -> bool:
+        """Stop the prefill of `key`; True if it was here (queued or running). A key not seen yet
+        is remembered (bounded), and its Prefill is refused when it arrives."""
+        job = self._jobs.get(key)
+        if job is not None:
+            job.cancelled.set()
+            return True
+        now = time.monotonic()
+        self._early_cancels[key] = now + CANCEL_MEMORY_S
+        self._early_cancels.move_to_end(key)
+        while self._early_cancels and (
+            len(self._early_cancels) > CANCEL_MEMORY_MAX or next(iter(self._early_cancels.values())) < now
+        ):
+            self._early_cancels.popitem(last=False)
+        return False
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        targets: list[Grant],
+        num_generated: int,
+        trace: Any = None,
+        cache_scope: str = "",
+    ) -> PrefillResult:
+        """Queue one prefill on the compute thread and wait for it (the event loop stays free).
+
+        Raises `PrefillCancelled` when cancelled; every failure carries `push_settled`."""
+        first = targets[0]
+        key = (request_id, first.slot, first.generation)
+        if self._early_cancels.pop(key, 0.0) > time.monotonic():
+            raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled before it arrived"), True)
+        loop = asyncio.get_running_loop()
+        job = self._jobs[key] = _Job(
+            request_id,
+            prompt,
+            params,
+            targets,
+            num_generated,
+            time.perf_counter(),
+            loop,
+            loop.create_future(),
+            trace=trace,
+            cache_scope=cache_scope,
+            # Read from the disk tier while the prompt waits its turn (nothing when none is there).
+            prefetch=self.prefix.prefetch(prompt, cache_scope) if self.prefix is not None else None,
+        )
+        self.queued += 1
+        try:
+            with self._lock:
+                self._pending.append(job)
+            # One drain per job: a drain takes every job waiting then (up to the batch), so later
+            # drains may find nothing left to do.
+            self._compute.submit(self._drain)
+            return await job.done
+        except asyncio.CancelledError:
+            job.cancelled.set()  # the caller went away: a queued prefill never starts, a running one stops
+            raise
+        finally:
+            self.queued -= 1
+            self._jobs.pop(key, None)
+
+    def _take_batch(self) -> list[_Job]:
+        """The waiting jobs of the next pass: up to `prefill_batch`, within `prefill_token_budget`."""
+        s = self.settings
+        batch: list[_Job] = []
+        tokens = 0
+        with self._lock:
+            while self._pending and len(batch) < s.prefill_batch:
+                if batch and tokens + len(self._pending[0].prompt) > s.prefill_token_budget:
+                    break
+                job = self._pending.popleft()
+                batch.append(job)
+                tokens += len(job.prompt)
+        return batch
+
+    def _drain(self) -> None:
+        batch = self._take_batch()
+        if not batch:
+            return
+        try:
+            self._run(batch)
+        except BaseException as exc:  # the compute itself failed: every job still open fails with it
+            for job in batch:
+                if not job.settled:
+                    self._fail(job, exc, True if job.pusher is None else self._quiesce(job.pusher))
+
+    def _run(self, batch: list[_Job]) -> None:
+        s = self.settings
+        started = time.perf_counter()
+        live: list[tuple[int, _Job]] = []
+        for job in batch:
+            self.metrics.observe_queue_wait(started - job.accepted)
+        for slot, job in enumerate(batch):
+            if job.cancelled.is_set():
+                self._fail(
+                    job, PrefillCancelled(f"prefill of request {job.request_id} was cancelled while queued"), True
+                )
+                continue
+            try:
+                job.pusher = KVPusher(
+                    self.backend,
+                    PushSource(self.pool.base_addr, self.cache.layout, slot=slot),
+                    job.targets,
+                    len(job.prompt),
+                    queue_depth=s.queue_depth,
+                    timeout_s=s.transfer_timeout_ms / 1000,
+                    connect_timeout_ms=s.connect_timeout_ms,
+                )
+            except Exception as exc:  # this prompt's targets are unusable or unreachable: it alone fails
+                self._fail(job, exc, True)  # nothing was put
+                continue
+            live.append((slot, job))
+        if not live:
+            return
+
+        chunk_started = [tracing.now_ns()]
+
+        def on_chunk(layers: range) -> None:
+            computed_ns = tracing.now_ns()
+            for _, job in live:
+                if job.settled:
+                    continue
+                tracing.record(
+                    "prefill.compute",
+                    chunk_started[0],
+                    computed_ns,
+                    {
+                        "pdserve.layers.first": layers.start,
+                        "pdserve.layers.count": len(layers),
+                        "pdserve.batch": len(live),
+                    },
+                    parent=job.trace,
+                )
+                if job.cancelled.is_set():
+                    self._fail(
+                        job,
+                        PrefillCancelled(f"prefill of request {job.request_id} was cancelled at layer {layers.start}"),
+                        self._quiesce(job.pusher),
+                    )
+                    continue
+                push_ns = tracing.now_ns()
+                try:
+                    job.pusher.push_chunk(layers)
+                except PushError as exc:  # a put failed: whether others still land is unknown
+                    self.metrics.observe_transfer_failure()
+                    job.pusher.abort()
+                    self._fail(job, exc, False)
+                tracing.record(
+                    "kv.push",
+                    push_ns,
+                    tracing.now_ns(),
+                    {
+                        "pdserve.layers.first": layers.start,
+                        "pdserve.layers.count": len(layers),
+                        "pdserve.push.targets": len(job.targets),
+                        "pdserve.push.failed": job.settled,
+                    },
+                    parent=job.trace,
+                )
+            chunk_started[0] = tracing.now_ns()
+            if all(job.settled for _, job in live):
+                raise _AllEnded
+
+        model = self.loaded.model
+        uses: dict[int, PrefixUse] = {}
+        try:
+            if self.prefix is not None:
+                for slot, job in live:
+                    uses[slot] = self.prefix.begin(job.prompt, self.cache, slot, job.cache_scope, job.prefetch)
+            starts = [uses[slot].cached_tokens if uses else 0 for slot, _ in live]
+            try:
+                if len(live) == 1:
+                    slot, job = live[0]
+                    logits = model.prefill(
+                        job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk, start=starts[0]
+                    )[None]
+                else:
+                    logits = model.prefill_batch(
+                        [j.prompt for _, j in live],
+                        self.cache,
+                        [slot for slot, _ in live],
+                        s.layers_per_chunk,
+                        on_chunk=on_chunk,
+                        starts=starts,
+                    )
+            except _AllEnded:
+                return
+            for slot, use in uses.items():  # the pass ran through: every prompt's KV is whole
+                self.prefix.finish(use, self.cache, slot)
+        finally:
+            for use in uses.values():
+                self.prefix.end(use)
+        computed = time.perf_counter()
+        for row, (slot, job) in enumerate(live):
+            if job.settled:
+                continue
+            try:
+                if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
+                    raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
+                stops = stop_token_ids(job.params, self.loaded.tokenizer.eos_token_ids)
+                first = sample_first(logits[row], job.params, job.prompt, job.num_generated, tuple(stops))
+                finish_ns = tracing.now_ns()
+                stats = job.pusher.finish({"first_token": first})
+                tracing.record(
+                    "kv.push.finish",
+                    finish_ns,
+                    tracing.now_ns(),
+                    {"pdserve.kv.bytes": stats.bytes, "pdserve.push.seconds": stats.seconds},
+                    parent=job.trace,
+                )
+            except PushError as exc:
+                self.metrics.observe_transfer_failure()
+                job.pusher.abort()
+                self._fail(job, exc, False)
+                continue
+            except Exception as exc:
+                self._fail(job, exc, self._quiesce(job.pusher))
+                continue
+            done = time.perf_counter()
+            self.served += 1
+            self.metrics.observe_prefilled(len(job.prompt), stats.bytes, stats.seconds, done - job.accepted)
+            cached = uses[slot].cached_tokens if uses else 0
+            log.info(
+                kv(
+                    event="prefill_done",
+                    request=job.request_id,
+                    tokens=len(job.prompt),
+                    cached=cached,
+                    targets=len(job.targets),
+                    batch=len(live),
+                    kv_bytes=stats.bytes,
+                    queued_ms=round((started - job.accepted) * 1000, 1),
+                    compute_ms=round((computed - started) * 1000, 1),
+                    push_ms=round(stats.seconds * 1000, 1),
+                )
+            )
+            self._resolve(
+                job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted, cached)
+            )
+
+    def _fail(self, job: _Job, exc: BaseException, settled: bool) -> None:
+        self._resolve(job, _mark(exc, settled))
+
+    @staticmethod
+    def _resolve(job: _Job, outcome: PrefillResult | BaseException) -> None:
+        """Hand the outcome to the waiting coroutine (if it still waits: a cancelled one does not)."""
+        job.settled = True
+
+        def settle() -> None:
+            if job.done.done():
+                return
+            if isinstance(outcome, BaseException):
+                job.done.set_exception(outcome)
+            else:
+                job.done.set_result(outcome)
+
+        job.loop.call_soon_threadsafe(settle)
+
+    @staticmethod
+    def _quiesce(pusher: KVPusher) -> bool:
+        """After a failure that was not the transfer's: wait for the puts already issued (bounded
+        by the transfer timeout), then drop the push. True if none of them can still land."""
+        try:
+            pusher.flush()
+            settled = True
+        except (PushError, RuntimeError):
+            settled = False
+        pusher.abort()
+        return settled
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.w = worker
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillReply:
+        prompt = list(request.prompt_token_ids)
+        vocab = self.w.loaded.config.vocab_size
+        settled = settled_trailer(True)  # nothing is put before the prefill runs
+        if self.w.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"prefill {self.w.settings.member_id} is draining", settled
+            )
+        if not prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty", settled)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids must be in 0..{vocab - 1}, got {min(prompt)}..{max(prompt)}",
+                settled,
+            )
+        if len(prompt) > self.w.cache.layout.max_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {self.w.cache.layout.max_len}",
+                settled,
+            )
+        if len(request.cache_scope) > MAX_CACHE_SCOPE_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cache_scope has {len(request.cache_scope)} characters, at most {MAX_CACHE_SCOPE_CHARS}",
+                settled,
+            )
+        try:
+            params = sampling_from_proto(request.sampling)
+            targets = push_targets_from_proto(request)
+        except (ValueError, ValidationError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), settled)
+        with tracing.span(
+            "prefill",
+            {
+                "pdserve.request_id": request.request_id,
+                "pdserve.prefill.member": self.w.settings.member_id,
+                "gen_ai.usage.input_tokens": len(prompt),
+                "pdserve.resumed_tokens": request.num_generated or None,
+            },
+            parent=tracing.extract(context.invocation_metadata()),
+        ) as trace:
+            result = await self._prefill(request, prompt, params, targets, context, trace)
+            trace.set_attributes(
+                {
+                    "pdserve.kv.bytes": result.kv_bytes,
+                    "pdserve.push.seconds": result.push_seconds,
+                    "pdserve.prefix.cached_tokens": result.cached_tokens,
+                }
+            )
+        return worker_pb2.PrefillReply(
+            first_token=result.first_token,
+            num_tokens=result.num_tokens,
+            kv_bytes=result.kv_bytes,
+            push_seconds=result.push_seconds,
+            prefill_seconds=result.prefill_seconds,
+            cached_tokens=result.cached_tokens,
+        )
+
+    async def _prefill(
+        self,
+        request: worker_pb2.PrefillRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        targets: list[Grant],
+        context: grpc.aio.ServicerContext,
+        trace: Any,
+    ) -> PrefillResult:
+        try:
+            return await self.w.prefill(
+                request.request_id,
+                prompt,
+                params,
+                targets,
+                request.num_generated,
+                trace=trace,
+                cache_scope=request.cache_scope,
+            )
+        except PrefillCancelled as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc), settled_trailer(push_settled_of(exc)))
+        except PushError as exc:
+            log.warning(kv(event="push_failed", request=request.request_id, error=str(exc)))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}", settled_trailer(False))
+        except ValueError as exc:  # a target whose layout does not fit this model's KV
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), settled_trailer(push_settled_of(exc)))
+        except Exception as exc:  # noqa: BLE001 - a bug: logged in full, answered without internals
+            log.error(kv(event="prefill_failed", request=request.request_id, error=repr(exc)), exc_info=exc)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"prefill of request {request.request_id} failed",
+                settled_trailer(push_settled_of(exc)),
+            )
+        raise AssertionError("context.abort returned")  # it always raises
+
+    async def Cancel(
+        self, request: worker_pb2.CancelPrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.CancelPrefillReply:
+        found = self.w.cancel((request.request_id, request.slot, request.generation))
+        log.debug(
+            kv(
+                event="prefill_cancel",
+                request=request.request_id,
+                slot=request.slot,
+                generation=request.generation,
+                found=found,
+            )
+        )
+        return worker_pb2.CancelPrefillReply(found=found)
+
+    async def BlockEvents(
+        self, request: worker_pb2.BlockEventsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.BlockEventsReply:
+        store = self.w.prefix
+        if store is None:
+            return worker_pb2.BlockEventsReply(enabled=False)
+        # A snapshot reads every held hash: off the event loop.
+        batch = await asyncio.to_thread(store.events.since, request.epoch, request.after_seq)
+        return worker_pb2.BlockEventsReply(
+            epoch=batch.epoch,
+            last_seq=batch.last_seq,
+            reset=batch.reset,
+            runs=[
+                worker_pb2.BlockEventRun(stored=stored, disk=disk, block_hashes=hashes)
+                for stored, disk, hashes in runs(batch.events)
+            ],
+            salt=store.salt,
+            block_tokens=store.block_tokens,
+            enabled=True,
+        )

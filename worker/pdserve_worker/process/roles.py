@@ -1,0 +1,80 @@
+"""What a model-serving worker process runs: one `ServingRole`, whichever role it is.
+
+The process lifecycle (`worker_main`) knows nothing of prefill, decode or a decode group's
+follower: it loads the model, starts the transfer engine, asks `make_role` for the role, and
+from then on only calls the methods below, in this order. Each role says what it serves
+(`add_to`), what it starts (`start`), whether and how it joins the broker (`member_info`,
+`load`), how it stops taking work (`drain`), and how it lets go of its KV pool (`close`, then,
+after the engine is finalized, `free`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import grpc
+
+from pdserve_common.channels import WORKER_MAX_MESSAGE
+from pdserve_common.membership import Load, MemberInfo
+from pdserve_worker.decode.shard import ShardFollower, connect_group, group_max_message, is_follower
+from pdserve_worker.decode.worker import DecodeWorker
+from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.prefill.worker import PrefillWorker
+from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.transfer.base import TransferBackend
+
+
+class ServingRole(Protocol):
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Add the role's gRPC services to the worker's server (not started yet)."""
+        ...
+
+    async def start(self, broker: BrokerClient) -> None:
+        """Start serving (threads, membership watches); the gRPC server is up."""
+        ...
+
+    def member_info(self) -> MemberInfo | None:
+        """What to register with the broker; None: not a broker member (a group's follower)."""
+        ...
+
+    def load(self) -> Load:
+        """Reported with each keepalive."""
+        ...
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new work and wait (at most `timeout_s`) for the work in hand; True if done."""
+        ...
+
+    def busy(self) -> int:
+        """Work in hand (slots, queued prefills, a leader's open streams)."""
+        ...
+
+    def close(self) -> None:
+        """Stop working and deregister the KV pool: the engine is finalized after this."""
+        ...
+
+    def free(self) -> None:
+        """Free the pool's memory (after the engine is finalized: no peer can write any more)."""
+        ...
+
+
+def grpc_max_message(settings: WorkerSettings, hidden_size: int) -> int:
+    """The largest message the worker's gRPC server takes (a group's hidden states are larger)."""
+    return WORKER_MAX_MESSAGE if settings.layer_shards == 1 else group_max_message(settings.slots, hidden_size)
+
+
+async def make_role(
+    settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str
+) -> ServingRole:
+    """The role `settings` asks for, over a loaded model and an initialized engine. A group's
+    leader first waits for its followers to describe their pools (ShardError if they do not)."""
+    if is_follower(settings):
+        return ShardFollower(settings, loaded, backend)
+    if settings.role == "decode":
+        group = None
+        if settings.layer_shards > 1:
+            max_message = grpc_max_message(settings, loaded.config.hidden_size)
+            group = await connect_group(settings, loaded.model.layer_range, max_message)
+        return DecodeWorker(settings, loaded, backend, revision, group=group)
+    return PrefillWorker(settings, loaded, backend, revision)

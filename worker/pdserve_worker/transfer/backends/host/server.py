@@ -1,0 +1,349 @@
+"""The server half of the host engine: accepts links, writes/reads registered memory, takes notifies.
+
+One thread accepts; one thread serves each connected client, answering its frames in order
+(wire.py). At HELLO the client gets the regions registered *at that moment* and that snapshot
+is all the link may ever touch: HIXL's "memory registered after a link exists is not reachable
+over it". Every range is checked again here before a byte is written, because the client's
+check ran against what it was told, and the region may since have been deregistered.
+
+Who gets in, and what they may do (`ServerPolicy`; the threat is anyone who can reach the
+port):
+- With a key, a connection must pass the challenge-response of link_auth.py before anything
+  else; until then the server reads only small handshake bodies under `handshake_timeout_s`,
+  sizes no buffer from what the peer sent, and discloses nothing but a fresh nonce. Regions,
+  and (only to a client on this host) shared-memory names and the notify inbox, come after.
+- At most `max_links` connections at once and `max_pending` of them still in the handshake.
+  When every pending place is taken, the oldest pending handshake is cut to make room (a
+  genuine peer finishes its handshake within a round trip; a squatter that connects and says
+  nothing would otherwise keep every genuine prefill out); when every link is an admitted
+  one, the newcomer is closed at accept. One source address holds at most
+  `max_pending_per_peer` handshakes (a newcomer past that is closed at accept), so a flood
+  from one address can neither take every pending place nor, by evicting, keep cutting the
+  genuine peers' handshakes.
+- A failed `accept()` (out of file descriptors: every connection to any of the process's
+  ports costs one) is counted and retried after a pause; only closing the listener ends
+  the acceptor.
+- `remote_write="leased"`: a WRITE lands only inside ranges the owner leased (leases.py), else
+  PARAM_INVALID; `remote_read=False`: every READ is PARAM_INVALID (no pull mode needs it).
+- Refusals are counted by reason (`stats()`), with a rate-limited summary log line rather
+  than one line each (drops.py).
+Real HIXL has none of this (HIXL.md 1.7): there the NetworkPolicy and the reservation
+capability (readiness.py) are what bound a peer.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve_common.logs import kv
+from pdserve_worker.transfer import hixl_api as api
+from pdserve_worker.transfer.backends.host import link_auth, wire
+from pdserve_worker.transfer.backends.host.netio import sendmsg_all
+from pdserve_worker.transfer.backends.host.notify_inbox import NotifyInbox
+from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
+from pdserve_worker.transfer.copy_counts import CopyCounts
+from pdserve_worker.transfer.leases import LeaseTable
+from pdserve_worker.util.drops import DropCounter
+
+log = logging.getLogger("pdserve.transfer.host_server")
+
+MAX_CLIENT_NAME = 256
+ACCEPT_RETRY_S = 0.1  # after a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM): the cause lasts a while
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    """What the server admits. The defaults are HIXL's behaviour (no authentication, any
+    registered range readable and writable); a pdserve worker sets all of it."""
+
+    key: bytes | None = None
+    remote_write: str = "registered"  # "registered" | "leased"
+    remote_read: bool = True
+    max_links: int = 256
+    max_pending: int = 32
+    max_pending_per_peer: int = 8  # handshakes one source address may hold at once
+    handshake_timeout_s: float = 5.0
+
+    def __repr__(self) -> str:  # never print the key
+        return (
+            f"ServerPolicy(auth={self.key is not None}, remote_write={self.remote_write}, "
+            f"remote_read={self.remote_read}, max_links={self.max_links}, max_pending={self.max_pending}, "
+            f"handshake_timeout_s={self.handshake_timeout_s})"
+        )
+
+
+class HostServer:
+    """Listens on (host, port); serves each client link on its own thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        engine_id: str,
+        regions: RegionTable,
+        notifies: NotifyInbox,
+        local_info: Callable[[], dict[str, object]],
+        policy: ServerPolicy | None = None,
+        leases: LeaseTable | None = None,
+        copies: CopyCounts | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.copies = copies if copies is not None else CopyCounts()
+        self.policy = policy or ServerPolicy()
+        self._regions = regions
+        self._notifies = notifies
+        self._local_info = local_info  # what only a client on this host is told (notify inbox)
+        self._leases = leases if leases is not None else LeaseTable()  # (an empty table is falsy)
+        self.drops = DropCounter(log, "kv_link_refusals", server=engine_id)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, port))
+        self._listener.listen(128)
+        self._conns: set[socket.socket] = set()
+        # Connections still in the handshake, oldest first, with their source address.
+        self._pending: dict[socket.socket, str] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"hixl-accept-{port}", daemon=True)
+
+    def start(self) -> None:
+        self._acceptor.start()
+
+    def stop(self, timeout_s: float = 2.0) -> bool:
+        """Close the listener and every link, join the threads. True when all of them ended
+        (so no server thread can touch registered memory any more)."""
+        with self._lock:
+            self._stopping = True
+            conns = list(self._conns)
+        for sock in [self._listener, *conns]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept/recv
+            except OSError:
+                pass
+        self._listener.close()
+        deadline = time.monotonic() + timeout_s
+        for t in [self._acceptor, *self._threads]:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in [self._acceptor, *self._threads])
+
+    def stats(self) -> dict[str, int]:
+        """Refusals by reason, plus the links open now."""
+        with self._lock:
+            links, pending = len(self._conns), len(self._pending)
+        return {**self.drops.totals(), "links_open": links - pending, "handshakes_pending": pending}
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError as exc:
+                if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listener was shut down or closed
+                self.drops.count("accept_failed", error=errno.errorcode.get(exc.errno or 0, exc.errno))
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            evicted: socket.socket | None = None
+            host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                if sum(1 for h in self._pending.values() if h == host) >= self.policy.max_pending_per_peer:
+                    # One address may not hold (or, by evicting, churn) every handshake place:
+                    # the newcomer goes, the other peers' handshakes stay.
+                    conn.close()
+                    self.drops.count("peer_handshake_cap", peer=host)
+                    continue
+                pending_full = len(self._pending) >= self.policy.max_pending
+                links_full = len(self._conns) >= self.policy.max_links
+                if (pending_full or links_full) and self._pending:
+                    evicted = next(iter(self._pending))  # the oldest handshake makes room
+                    del self._pending[evicted]
+                    links_full = False
+                if not links_full:
+                    self._conns.add(conn)
+                    self._pending[conn] = host
+                    t = threading.Thread(target=self._serve, args=(conn, peer), name=f"hixl-serve-{peer}", daemon=True)
+                    self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            if evicted is not None:
+                self.drops.count("handshake_evicted", peer=peer)
+                try:
+                    evicted.shutdown(socket.SHUT_RDWR)  # its thread wakes, fails its handshake, cleans up
+                except OSError:
+                    pass
+            if links_full:
+                conn.close()
+                self.drops.count("link_cap", peer=peer)
+                continue
+            t.start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        client = "?"
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (inside: the finally must run)
+            reader = wire.FrameReader(conn)
+            reader.deadline = time.monotonic() + self.policy.handshake_timeout_s
+            try:
+                client, snapshot = self._handshake(conn, reader)
+            except TimeoutError:
+                self.drops.count("handshake_timeout", peer=peer)
+                return
+            except link_auth.AuthError:
+                self.drops.count("auth_failed", peer=peer)
+                return
+            except (ConnectionError, OSError):  # ProtocolError included
+                if not self._stopping and conn in self._pending:  # (an evicted one was counted)
+                    self.drops.count("handshake_invalid", peer=peer)
+                return
+            finally:
+                with self._lock:
+                    self._pending.pop(conn, None)
+            reader.deadline = None
+            conn.settimeout(None)
+            allowed = RegionTable(snapshot)  # exactly what the client was told, nothing registered later
+            log.info(
+                kv(
+                    event="link_accepted",
+                    server=self.engine_id,
+                    client=client,
+                    regions=len(allowed),
+                    auth=self.policy.key is not None,
+                )
+            )
+            while self._handle_frame(conn, reader, allowed):
+                pass
+        except (ConnectionError, OSError) as exc:
+            if not self._stopping:
+                log.info(kv(event="link_closed", server=self.engine_id, client=client, reason=exc))
+        except Exception as exc:  # a bug or a hostile peer: drop this link, keep serving others
+            log.error(kv(event="link_failed", server=self.engine_id, client=client, error=repr(exc)))
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                self._pending.pop(conn, None)
+            conn.close()
+
+    # ---- the handshake -----------------------------------------------------------------------------
+    def _handshake(self, conn: socket.socket, reader: wire.FrameReader) -> tuple[str, list[Region]]:
+        """HELLO → CHALLENGE → AUTH → HELLO_ACK. Returns the client's name and the regions it
+        was told of; raises AuthError, ProtocolError or socket.timeout. Nothing but a nonce is
+        sent before the proof checks."""
+        key = self.policy.key
+        kind, _, seq, size = reader.header()
+        if kind is not wire.Kind.HELLO:
+            raise wire.ProtocolError(f"first frame must be HELLO, got {kind.name}")
+        client_nonce = link_auth.parse_nonce(reader.json(size, wire.MAX_HANDSHAKE_BODY).get("nonce"))
+        server_nonce = link_auth.new_nonce()
+        conn.sendall(
+            wire.json_frame(wire.Kind.CHALLENGE, {"auth": key is not None, "nonce": server_nonce.hex()}, seq=seq)
+        )
+        kind, _, seq, size = reader.header()
+        if kind is not wire.Kind.AUTH:
+            raise wire.ProtocolError(f"expected AUTH, got {kind.name}")
+        auth = reader.json(size, wire.MAX_HANDSHAKE_BODY)
+        client, host = str(auth.get("client", ""))[:MAX_CLIENT_NAME], str(auth.get("host", ""))
+        reply: dict[str, object] = {}
+        if key is not None:
+            expected = link_auth.client_proof(key, client_nonce, server_nonce, client, host)
+            if not link_auth.proofs_equal(expected, auth.get("proof")):
+                raise link_auth.AuthError(f"client {client!r} sent a wrong proof")
+            reply["proof"] = link_auth.server_proof(key, client_nonce, server_nonce)
+        same_host = host == link_auth.host_tag()
+        snapshot = self._regions.snapshot()
+        reply["regions"] = [_region_for_peer(r, same_host) for r in snapshot]
+        if same_host:
+            reply["host"] = host
+            reply.update(self._local_info())
+        conn.sendall(wire.json_frame(wire.Kind.HELLO_ACK, reply, seq=seq))
+        return client or "?", snapshot
+
+    # ---- frames of an admitted link ----------------------------------------------------------------
+    def _handle_frame(self, conn: socket.socket, reader: wire.FrameReader, allowed: RegionTable) -> bool:
+        """Serve one frame; False when the client said BYE."""
+        kind, arg, seq, size = reader.header()
+        if kind is wire.Kind.BYE:
+            return False
+        if kind is wire.Kind.NOTIFY:
+            if size > wire.MAX_NOTIFY_BODY or arg > size:
+                raise wire.ProtocolError(f"NOTIFY of {size} bytes with a {arg}-byte name")
+            body = reader.read(size)
+            try:
+                name, msg = body[:arg].decode(), body[arg:].decode()
+            except UnicodeDecodeError:
+                status = api.PARAM_INVALID
+            else:
+                status = self._accept_notify(name, msg)
+            conn.sendall(wire.header(wire.Kind.ACK, status, seq))
+            return True
+        if kind not in (wire.Kind.WRITE, wire.Kind.READ):
+            raise wire.ProtocolError(f"unexpected frame {kind.name} from a client")
+        if arg > wire.MAX_DESCS_PER_FRAME:
+            raise wire.ProtocolError(f"{arg} descriptors in one frame exceed {wire.MAX_DESCS_PER_FRAME}")
+        if kind is wire.Kind.WRITE and size > wire.MAX_WRITE_BYTES:
+            raise wire.ProtocolError(f"WRITE frame declares {size} payload bytes, over {wire.MAX_WRITE_BYTES}")
+        descs = wire.unpack_descs(reader.read(arg * wire.DESC.size))
+        refusal = self._refusal(kind, descs, allowed)
+        if kind is wire.Kind.WRITE:
+            if refusal is not None:
+                reader.discard(size)
+                self.drops.count(refusal, server_frame="WRITE")
+                conn.sendall(wire.header(wire.Kind.ACK, api.PARAM_INVALID, seq))
+                return True
+            if sum(length for _, length in descs) != size:
+                raise wire.ProtocolError(f"WRITE payload {size} does not match its descriptors")
+            reader.readinto([wire.memory(addr, length) for addr, length in descs])
+            self.copies.add("socket_recv", size)
+            conn.sendall(wire.header(wire.Kind.ACK, api.SUCCESS, seq))
+            return True
+        # READ
+        if refusal is not None:
+            self.drops.count(refusal, server_frame="READ")
+            conn.sendall(wire.header(wire.Kind.ACK, api.PARAM_INVALID, seq))
+            return True
+        total = sum(length for _, length in descs)
+        conn.sendall(wire.header(wire.Kind.ACK, api.SUCCESS, seq, total))
+        sendmsg_all(conn, [wire.memory(addr, length) for addr, length in descs])
+        return True
+
+    def _refusal(self, kind: wire.Kind, descs: list[tuple[int, int]], allowed: RegionTable) -> str | None:
+        """Why this frame may not touch memory (a counter's reason), or None when it may."""
+        if kind is wire.Kind.READ:
+            if not self.policy.remote_read:
+                return "read_disabled"
+            if sum(length for _, length in descs) > wire.MAX_READ_BYTES:
+                return "read_too_big"
+        for addr, length in descs:
+            region: Region | None = allowed.find(addr, length)
+            if region is None or length <= 0 or region not in self._regions:
+                return "range_not_registered"
+        if kind is wire.Kind.WRITE and self.policy.remote_write == "leased":
+            for addr, length in descs:
+                if not self._leases.covers(addr, length):
+                    return "write_not_leased"
+        return None
+
+    def _accept_notify(self, name: str, msg: str) -> int:
+        if len(name) > api.MAX_NOTIFY_FIELD or len(msg) > api.MAX_NOTIFY_FIELD:
+            return api.PARAM_INVALID
+        if not self._notifies.put(api.NotifyDesc(name, msg)):
+            self.drops.count("notify_queue_full", capacity=self._notifies.capacity)
+            return api.RESOURCE_EXHAUSTED
+        return api.SUCCESS
+
+
+def _region_for_peer(region: Region, same_host: bool) -> dict[str, object]:
+    """A region as a peer sees it: where and how big; the shared-memory segment behind it only
+    for a peer on this host (one that could map it), never for a remote one."""
+    data = region.to_wire()
+    del data["local_only"]
+    if not same_host:
+        data.update(shm_name="", shm_offset=0, shm_size=0)
+    return data

@@ -1,0 +1,157 @@
+"""Pick the transfer engine: real HIXL where CANN is installed, the host engine elsewhere.
+
+Code above this module never imports `hixl` or `host.engine` itself. It gets a
+`TransferBackend`: the engine, typed as `TransferEngine` (the HIXL binding's methods this
+project calls), plus `api`, the module that holds the descriptor types, enums and status codes
+that this engine accepts (the real `hixl` module, or our mirror `hixl_api`), and writes
+`backend.api.TransferOpDesc(...)`, `backend.api.SUCCESS`, ... so that one and the same code
+drives both.
+
+What only the host engine can do is declared too, as optional parts of the backend that
+`create_engine` fills in for the engine it made (never found by probing the object):
+- `blocking` (`BlockingWaits`): sleep until a notify arrives or a put completes. Real HIXL
+  only has the draining `get_notifies` and the per-request `get_transfer_status`; readiness
+  and the pusher then poll.
+- `host` (`HostExtensions`): memory that peers of the same host map (`malloc_mem`; without it
+  the KV pool is a registered torch tensor), write leases (only reserved slots writable), and
+  counts of what the engine's server refused.
+
+On real HIXL, each calling thread must carry the NPU's ACL context (HIXL.md 1.2): a thread
+that calls the engine (the pusher's, the readiness waiter's) must `torch.npu.set_device(dev)`
+first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal, Protocol
+
+from pdserve_common.logs import kv
+from pdserve_worker.transfer import hixl_api
+
+log = logging.getLogger("pdserve.transfer.engine")
+
+BackendName = Literal["auto", "hixl", "cpu", "two-sided"]
+
+
+class TransferEngine(Protocol):
+    """The methods of the HIXL binding's `hixl.Hixl` (HIXL.md 2.1) that pdserve calls.
+
+    Every call returns an integer status (or a tuple starting with one) and never raises. The
+    descriptors are the `api` module's (`MemDesc`, `TransferOpDesc`, `NotifyDesc`)."""
+
+    def initialize(self, local_engine: str, options: dict[str, str] = ..., /) -> int: ...
+
+    def finalize(self) -> None: ...
+
+    def register_mem(self, mem_desc: Any, mem_type: int, /) -> tuple[int, int]: ...
+
+    def deregister_mem(self, handle: int, /) -> int: ...
+
+    def connect(self, remote_engine: str, timeout_in_millis: int = ..., /) -> int: ...
+
+    def disconnect(self, remote_engine: str, timeout_in_millis: int = ..., /) -> int: ...
+
+    def transfer_async(self, remote_engine: str, op: int, op_descs: Sequence[Any], /) -> tuple[int, int]: ...
+
+    def get_transfer_status(self, req_id: int, /) -> tuple[int, int]: ...
+
+    def send_notify(self, remote_engine: str, notify: Any, timeout_in_millis: int = ..., /) -> int: ...
+
+    def get_notifies(self) -> tuple[int, list[Any]]: ...
+
+
+class BlockingWaits(Protocol):
+    """Waits that sleep in the engine instead of polling it (the host engine's)."""
+
+    def wait_notifies(self, timeout_s: float, /) -> tuple[int, list[Any]]:
+        """Like `get_notifies`, but sleeps up to `timeout_s` until one arrives (TIMEOUT if none)."""
+        ...
+
+    def wait_transfer(self, req_id: int, timeout_s: float, /) -> int:
+        """Sleeps up to `timeout_s` until request `req_id` is no longer WAITING."""
+        ...
+
+
+class HostExtensions(Protocol):
+    """The host engine's own calls: shareable memory, write leases, refusal counts."""
+
+    def malloc_mem(self, size: int, mem_type: int = ..., /) -> tuple[int, int]: ...
+
+    def free_mem(self, addr: int, /) -> int: ...
+
+    def lease_write(self, addr: int, length: int, /) -> tuple[int, int]: ...
+
+    def revoke_write(self, lease_id: int, /) -> int: ...
+
+    def security_stats(self) -> dict[str, int]: ...
+
+
+class TransferError(RuntimeError):
+    """A transfer-engine call returned a status other than the ones the caller accepts."""
+
+    def __init__(self, what: str, status: int) -> None:
+        super().__init__(f"{what}: {hixl_api.status_name(status)}")
+        self.status = status
+
+
+@dataclass
+class TransferBackend:
+    """A transfer engine, the vocabulary (types, enums, codes) that goes with it, and what more
+    than HIXL it can do (None where it cannot)."""
+
+    name: Literal["hixl", "cpu", "two-sided"]
+    engine: TransferEngine
+    api: ModuleType
+    blocking: BlockingWaits | None = None
+    host: HostExtensions | None = None
+
+    def check(self, status: int, what: str, *accept: int) -> None:
+        """Raise TransferError unless `status` is SUCCESS or one of `accept`."""
+        if status != self.api.SUCCESS and status not in accept:
+            raise TransferError(what, status)
+
+    def ensure_connected(self, remote_engine: str, timeout_ms: int) -> None:
+        status = self.engine.connect(remote_engine, timeout_ms)
+        self.check(status, f"connect to {remote_engine}", self.api.ALREADY_CONNECTED)
+
+
+def _load_hixl() -> ModuleType | None:
+    try:
+        return importlib.import_module("hixl")
+    except (ImportError, OSError) as exc:  # no CANN: the .so or its ACL libraries are missing
+        log.info(kv(event="hixl_unavailable", error=exc))
+        return None
+
+
+def create_engine(backend: BackendName = "auto") -> TransferBackend:
+    """An uninitialised engine: the caller runs `engine.initialize("ip:port", options)`.
+
+    "auto" takes real HIXL when `import hixl` works and the host engine otherwise; "hixl"
+    insists on real HIXL; "cpu" always takes the host engine; "two-sided" is the gloo
+    send/recv baseline of the seed's experiment (two_sided.py: benchmarks and tests only).
+    """
+    if backend not in ("auto", "hixl", "cpu", "two-sided"):
+        raise ValueError(f"transfer backend must be auto, hixl, cpu or two-sided, got {backend!r}")
+    if backend == "two-sided":
+        from pdserve_worker.transfer.backends.two_sided import TwoSidedEngine
+
+        log.info(kv(event="transfer_backend", backend="two-sided", requested=backend))
+        two_sided = TwoSidedEngine()
+        return TransferBackend("two-sided", two_sided, hixl_api, blocking=two_sided)
+    if backend in ("auto", "hixl"):
+        module = _load_hixl()
+        if module is not None:
+            log.info(kv(event="transfer_backend", backend="hixl", requested=backend))
+            return TransferBackend("hixl", module.Hixl(), module)
+        if backend == "hixl":
+            raise RuntimeError("transfer backend 'hixl' requested but `import hixl` failed (is CANN installed?)")
+    from pdserve_worker.transfer.backends.host.engine import Hixl as HostHixl
+
+    log.info(kv(event="transfer_backend", backend="cpu", requested=backend))
+    engine = HostHixl()
+    return TransferBackend("cpu", engine, hixl_api, blocking=engine, host=engine)
