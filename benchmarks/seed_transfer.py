@@ -292,7 +292,7 @@ async def run_transport(
     largest concurrency) and one prefill role, warmed by one untimed prefill."""
     from pdserve_worker.model.sampling_params import SamplingParams
     from pdserve_worker.prefill.worker import PrefillWorker
-    from pdserve_worker.transfer.base import create_engine
+    from pdserve_worker.transfer.registry import create_engine
 
     backend_name, options = TRANSPORTS[name]
     clock = ChunkClock(loaded.model)

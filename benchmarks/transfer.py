@@ -52,9 +52,10 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from pdserve_common.kv_layout import KVLayout  # noqa: E402
-from pdserve_worker.transfer.base import TransferBackend, create_engine  # noqa: E402
+from pdserve_worker.transfer.base import TransferBackend  # noqa: E402
 from pdserve_worker.transfer.pool import KVPool  # noqa: E402
 from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks, prefill_and_push  # noqa: E402
+from pdserve_worker.transfer.registry import create_engine  # noqa: E402
 from support.transfer_peers import PeerProcess, decode_main, grant_from_dict  # noqa: E402
 
 MB = 1 << 20

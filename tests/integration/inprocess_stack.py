@@ -21,7 +21,7 @@ from pdserve_operator.broker import BrokerServer
 from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.transfer.base import create_engine
+from pdserve_worker.transfer.registry import create_engine
 from pdserve_worker.transfer.service_link import local_engine_id
 
 FAST = Backoff(base_s=0.05, cap_s=0.5)

@@ -14,7 +14,7 @@ from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.transfer.base import create_engine
+from pdserve_worker.transfer.registry import create_engine
 
 SVC, TOKEN = "test/capacity", "secret-token"
 SLOTS, MAX_LEN, PROMPT, OUTPUT = 8, 2048, 300, 64

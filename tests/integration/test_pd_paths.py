@@ -31,7 +31,7 @@ from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import sampling_to_proto
-from pdserve_worker.transfer.base import create_engine
+from pdserve_worker.transfer.registry import create_engine
 
 SVC, TOKEN, REVISION = "test/pd", "secret-token", "rev-1"
 SLOTS, MAX_LEN = 2, 64

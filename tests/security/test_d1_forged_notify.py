@@ -27,7 +27,7 @@ from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth, wire
-from pdserve_worker.transfer.base import create_engine
+from pdserve_worker.transfer.registry import create_engine
 from security.conftest import complete
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth
-from pdserve_worker.transfer.base import create_engine
+from pdserve_worker.transfer.registry import create_engine
 from security import attacker
 from security.conftest import KEY
 

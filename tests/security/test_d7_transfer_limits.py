@@ -15,7 +15,7 @@ import pytest
 
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import wire
-from pdserve_worker.transfer.base import create_engine
+from pdserve_worker.transfer.registry import create_engine
 from security import attacker
 from security.conftest import KEY
 

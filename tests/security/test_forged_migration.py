@@ -29,7 +29,7 @@ from pdserve_worker.model.sampling_params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.transfer.base import create_engine
+from pdserve_worker.transfer.registry import create_engine
 
 SVC, TOKEN = "test/forged-migration", "secret-token"
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 7 prompt tokens + 3 streamed

@@ -165,10 +165,10 @@ def decode_main(conn: Connection, config: dict[str, Any]) -> None:
     (default "cpu", the host engine; "two-sided" for the gloo baseline)."""
     setup(f"decode-peer-{os.getpid()}", config.get("log_level"))
     from pdserve_worker.kv.slots import SlotTable
-    from pdserve_worker.transfer.base import create_engine
     from pdserve_worker.transfer.leases import SlotWriteLeases
     from pdserve_worker.transfer.pool import KVPool
     from pdserve_worker.transfer.readiness import Readiness
+    from pdserve_worker.transfer.registry import create_engine
 
     backend = create_engine(config.get("backend", "cpu"))
     backend.check(backend.engine.initialize(config["engine_id"], config.get("options", {})), "initialize")
@@ -254,9 +254,9 @@ def prefill_main(conn: Connection, config: dict[str, Any]) -> None:
     """config: engine_id (client-only is fine), layout (dict, the source pool), options, seed,
     backend (default "cpu")."""
     setup(f"prefill-peer-{os.getpid()}", config.get("log_level"))
-    from pdserve_worker.transfer.base import create_engine
     from pdserve_worker.transfer.pool import KVPool
     from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks
+    from pdserve_worker.transfer.registry import create_engine
 
     backend = create_engine(config.get("backend", "cpu"))
     backend.check(backend.engine.initialize(config["engine_id"], config.get("options", {})), "initialize")

@@ -8,15 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve_common.block_layout import (
+from pdserve_common.kv_layout import (
     BlockLayout,
     Descriptor,
+    K,
+    KVLayout,
     Run,
+    V,
     block_runs,
     block_spans,
     push_descriptors,
 )
-from pdserve_common.kv_layout import K, KVLayout, V
 
 
 def source_layout(max_len: int = 40, layers: int = 3) -> KVLayout:

@@ -20,11 +20,12 @@ from netutil import free_port
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.base import TransferBackend, create_engine
+from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks
 from pdserve_worker.transfer.readiness import Readiness
+from pdserve_worker.transfer.registry import create_engine
 
 LAYOUT = dict(num_layers=4, max_len=64, kv_heads=2, head_dim=16, dtype="bfloat16")
 TOKENS = 50

@@ -5,9 +5,11 @@ Each check runs in a fresh interpreter: in this one, other tests have long impor
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +61,135 @@ def test_the_operator_and_the_common_package_import_nothing_of_the_worker() -> N
     assert "pdserve_operator.handlers" in loaded and "pdserve_common.membership" in loaded
     worker = sorted(m for m in loaded if m.split(".")[0] == "pdserve_worker")
     assert worker == [], f"the operator imports the worker package: {worker}"
+
+
+# --- the package order (docs/architecture.md): a package imports only packages on lower rows;
+# packages on one row are peers and import neither each other nor anything above them.
+LAYERS: list[set[str]] = [
+    {"util"},
+    {"kv"},
+    {"transfer", "model"},
+    {"rpc"},
+    {"api"},
+    {"serving"},
+    {"prefill", "decode"},
+    {"colocated", "router"},
+    {"process"},
+    {"cli"},
+]
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = {"pdserve_worker": ROOT / "worker", "pdserve_common": ROOT / "common", "pdserve_operator": ROOT / "operator"}
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every import of every product module, deferred and TYPE_CHECKING ones included (a cycle
+    hidden in a function body is still a cycle), as module -> the product modules it names."""
+    modules: dict[str, Path] = {}
+    for package, base in SOURCES.items():
+        for path in (base / package).rglob("*.py"):
+            if not path.name.endswith("_pb2.py") and not path.name.endswith("_pb2_grpc.py"):
+                name = ".".join(path.relative_to(base).with_suffix("").parts)
+                modules[name.removesuffix(".__init__")] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                named = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in filter(None, map(resolve, named)):
+                if target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_among_product_modules() -> None:
+    graph = module_graph()
+    assert len(graph) > 150 and sum(map(len, graph.values())) > 400  # the scan really saw the tree
+    assert cycles(graph) == []
+
+
+def test_a_cycle_is_seen() -> None:
+    """The detector itself: a two-module and a three-module ring, beside an acyclic tail."""
+    ring = {"a": {"b"}, "b": {"a", "c"}, "c": set(), "x": {"y"}, "y": {"z"}, "z": {"x"}}
+    assert sorted(cycles(ring)) == [["a", "b"], ["x", "y", "z"]]
+
+
+def test_worker_packages_import_only_downwards() -> None:
+    rank = {package: row for row, packages in enumerate(LAYERS) for package in packages}
+    on_disk = {p.name for p in (ROOT / "worker" / "pdserve_worker").iterdir() if (p / "__init__.py").is_file()}
+    assert on_disk == set(rank), f"a package is missing from LAYERS, or LAYERS names a gone one: {on_disk ^ set(rank)}"
+    top_modules = sorted(p.name for p in (ROOT / "worker" / "pdserve_worker").glob("*.py") if p.name != "__init__.py")
+    assert top_modules == [], f"modules with no package: {top_modules}"
+    upward = []
+    for module, targets in module_graph().items():
+        parts = module.split(".")
+        if parts[0] != "pdserve_worker" or len(parts) < 3:
+            continue
+        for target in targets:
+            tparts = target.split(".")
+            if tparts[0] == "pdserve_worker" and len(tparts) >= 3 and tparts[1] != parts[1]:
+                if rank[tparts[1]] >= rank[parts[1]]:
+                    upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_the_common_vocabulary_imports_neither_side() -> None:
+    leaks = [
+        f"{module} -> {target}"
+        for module, targets in module_graph().items()
+        for target in targets
+        if (module.startswith("pdserve_common") and not target.startswith("pdserve_common"))
+        or (module.startswith("pdserve_operator") and target.startswith("pdserve_worker"))
+    ]
+    assert leaks == []

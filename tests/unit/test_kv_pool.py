@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from pdserve_common.kv_layout import KVLayout, V
-from pdserve_worker.transfer.base import TransferBackend, TransferError, create_engine
+from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.pool import KVPool
+from pdserve_worker.transfer.registry import create_engine
 
 torch = pytest.importorskip("torch")
 

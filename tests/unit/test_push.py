@@ -13,9 +13,10 @@ import pytest
 from netutil import free_port
 from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.transfer.base import TransferBackend, create_engine
+from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, layer_chunks, prefill_and_push
+from pdserve_worker.transfer.registry import create_engine
 
 LAYERS = 6
 TOKENS = 5

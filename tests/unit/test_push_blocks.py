@@ -15,10 +15,10 @@ from netutil import free_port
 from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.kv.blocks import BlockTable
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.transfer.base import create_engine
 from pdserve_worker.transfer.leases import BlockWriteLeases, LeaseTable
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource, layer_chunks
+from pdserve_worker.transfer.registry import create_engine
 
 LAYERS, BT, TOKENS = 4, 4, 13  # 13 tokens: 3 whole blocks and one partly used
 

@@ -13,8 +13,9 @@ import pytest
 from netutil import free_port
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.slots import SlotTable, reservation_nonce
-from pdserve_worker.transfer.base import TransferBackend, create_engine
+from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
+from pdserve_worker.transfer.registry import create_engine
 
 KEY = b"k" * 32
 LAYOUT = KVLayout(num_slots=4, num_layers=1, max_len=8, kv_heads=1, head_dim=4, dtype="float32")

@@ -9,7 +9,8 @@ import pytest
 
 from pdserve_worker.transfer import hixl_api
 from pdserve_worker.transfer.backends.host.engine import Hixl as HostHixl
-from pdserve_worker.transfer.base import TransferError, create_engine
+from pdserve_worker.transfer.base import TransferError
+from pdserve_worker.transfer.registry import create_engine
 
 
 def test_cpu_backend_is_the_host_engine_with_the_mirrored_api() -> None:
@@ -39,7 +40,7 @@ def test_auto_prefers_real_hixl_when_it_imports(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_unknown_backend_name() -> None:
-    with pytest.raises(ValueError, match="auto, hixl, cpu or two-sided, got .gpu."):
+    with pytest.raises(ValueError, match="one of auto, hixl, cpu, two-sided, got .gpu."):
         create_engine("gpu")  # type: ignore[arg-type]
 
 
@@ -67,3 +68,25 @@ def test_status_codes_match_hixl() -> None:
     assert [m.name for m in hixl_api.TransferStatus] == ["WAITING", "COMPLETED", "TIMEOUT", "FAILED"]
     assert (hixl_api.MEM_DEVICE, hixl_api.MEM_HOST, hixl_api.READ, hixl_api.WRITE) == (0, 1, 0, 1)
     assert hixl_api.status_name(203900) == "RESOURCE_EXHAUSTED(203900)"
+
+
+def test_the_registry_names_each_backend_once_and_imports_only_the_one_asked_for() -> None:
+    """A new backend is one module with `create()` and one registry line; a process that asks for
+    the host engine never imports the others (gloo, CANN)."""
+    import json
+    import subprocess
+
+    from pdserve_worker.transfer import registry
+
+    assert registry.NAMES == ("auto", *registry.BACKENDS) and set(registry.AUTO) <= set(registry.BACKENDS)
+    probe = (
+        "import json, sys\n"
+        "from pdserve_worker.transfer.registry import create_engine\n"
+        "made = create_engine('cpu')\n"
+        "print(json.dumps([made.name, sorted(m for m in sys.modules if 'transfer.backends' in m)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    name, loaded = json.loads(out.stdout)
+    assert name == "cpu"
+    assert "pdserve_worker.transfer.backends.host.engine" in loaded
+    assert not any(m.endswith(("two_sided", "backends.hixl")) for m in loaded), loaded

@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdserve_worker.transfer.registry import NAMES
+
 # flag dest -> WorkerSettings field (flags left unset do not override the environment)
 _FLAG_FIELDS = {
     "role": "role",
@@ -82,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=None, help="tokens per request, prompt plus output")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (0: all this process may use)")
-    p.add_argument("--transfer-backend", choices=["auto", "hixl", "cpu", "two-sided"], default=None)
+    p.add_argument("--transfer-backend", choices=NAMES, default=None)
     p.add_argument(
         "--slots", type=int, default=None, help="decode: concurrent requests (and, without blocks, KV slots)"
     )

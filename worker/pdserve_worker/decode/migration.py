@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve_common.block_layout import Descriptor
-from pdserve_common.kv_layout import K, KVLayout, V
+from pdserve_common.kv_layout import Descriptor, K, KVLayout, V
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.generate import Detached

@@ -1,6 +1,6 @@
 """Which request owns which KV blocks of a decode: reservations of block lists (pure logic).
 
-A decode's KV pool is split into fixed-size blocks of `block_tokens` tokens (pdserve_common/block_layout.py).
+A decode's KV pool is split into fixed-size blocks of `block_tokens` tokens (pdserve_common/kv_layout.py).
 A request is granted a *reservation*: the list of blocks that holds its prompt plus every token
 it may generate (`prompt + max_tokens`, capped at the model's length). The whole need is taken
 at admission rather than a first share grown while decoding: a request that was admitted can
@@ -159,7 +159,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         self._leases = leases
         self._refs = [0] * self.num_blocks
         # Lowest block first: a fresh pool hands out runs of consecutive blocks, which a push
-        # moves as one descriptor per layer (pdserve_common/block_layout.py).
+        # moves as one descriptor per layer (pdserve_common/kv_layout.py).
         self._free_blocks: list[int] = list(range(self.num_blocks))
 
     @property

@@ -302,7 +302,7 @@ def _start_engine(settings: WorkerSettings) -> TransferBackend:
     port. A decode admits only peers holding the service's link key, and (unless it is a group
     follower, which has no slot table) lets them write only into reserved slots (service_link.py)."""
     from pdserve_worker.decode.shard import is_follower
-    from pdserve_worker.transfer.base import create_engine
+    from pdserve_worker.transfer.registry import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
 
     backend = create_engine(settings.transfer_backend)

@@ -3,7 +3,7 @@
 A draining decode stops stepping a request and ends its token stream with a `handover` event
 (worker.proto; decode/migration.py is that side). The router then holds every token the client
 was sent, and:
-1. reserves KV on another decode with normal admission (`PDBackend._reserve`, never the source
+1. reserves KV on another decode with normal admission (`PDBackend.reserve_decode`, never the source
    or a decode this request already failed on), for prompt + streamed tokens + what is left of
    max_tokens, as a resume would;
 2. opens `Generate(migrated=True)` there with prompt + streamed tokens and the source's seed,
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -37,11 +38,31 @@ from pdserve_worker.rpc.trailers import push_settled
 
 if TYPE_CHECKING:
     from pdserve_worker.api.metrics import RouterMetrics
-    from pdserve_worker.router.pd_backend import PDBackend
 
 log = logging.getLogger("pdserve.router.migration")
 
 MIGRATE_S = 10.0  # the Migrate call, and the target's wait for the KV after it
+
+
+class DecodePort(Protocol):
+    """What a migration needs of the router, and no more (PDBackend is one): take KV on a decode
+    with normal admission, reach a member, give a grant back, run a task past the request."""
+
+    async def reserve_decode(
+        self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: set[str]
+    ) -> tuple[Member, worker_pb2.Grant]: ...
+
+    async def release_decode(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None: ...
+
+    def channel(self, member: Member) -> grpc.aio.Channel: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+
+def push_targets(grant: worker_pb2.Grant) -> list[worker_pb2.Grant]:
+    """Where the prefill pushes: every member of a layer-sharded group (its leader lists them
+    in `group_grants`), else the one decode that granted the slot."""
+    return list(grant.group_grants) or [grant]
 
 
 class MigrationFailed(BackendError):
@@ -60,7 +81,7 @@ class Moved:
 
 
 async def migrate(
-    backend: PDBackend,
+    backend: DecodePort,
     request_id: str,
     prompt_ids: list[int],
     emitted: list[int],
@@ -81,7 +102,7 @@ async def migrate(
     sampling = sampling_to_proto(params)
     sampling.seed = handover.seed  # the source's (it chose one if the request had none)
     try:
-        target, grant = await backend._reserve(
+        target, grant = await backend.reserve_decode(
             request_id, len(tokens), params.max_tokens - len(emitted), avoid | {source.worker_id}
         )
     except (NoCapacity, BackendError) as exc:
@@ -90,7 +111,7 @@ async def migrate(
     settled = False
     ok = False
     try:
-        call = worker_pb2_grpc.DecodeStub(backend._channel(target)).Generate(
+        call = worker_pb2_grpc.DecodeStub(backend.channel(target)).Generate(
             worker_pb2.GenerateRequest(
                 request_id=request_id,
                 slot=grant.slot,
@@ -102,10 +123,8 @@ async def migrate(
                 migrated=True,
             )
         )
-        from pdserve_worker.router.pd_backend import push_targets
-
         try:
-            reply = await worker_pb2_grpc.DecodeStub(backend._channel(source)).Migrate(
+            reply = await worker_pb2_grpc.DecodeStub(backend.channel(source)).Migrate(
                 worker_pb2.MigrateRequest(
                     request_id=request_id,
                     slot=source_grant.slot,
@@ -128,11 +147,11 @@ async def migrate(
         if not ok:
             if call is not None:
                 call.cancel()
-            backend._spawn(_give_back(backend, target, grant, settled))
+            backend.spawn(_give_back(backend, target, grant, settled))
 
 
-async def _give_back(backend: PDBackend, target: Member, grant: worker_pb2.Grant, settled: bool) -> None:
-    released = await backend._release(target, grant, settled)
+async def _give_back(backend: DecodePort, target: Member, grant: worker_pb2.Grant, settled: bool) -> None:
+    released = await backend.release_decode(target, grant, settled)
     log.debug(
         kv(
             event="migration_grant_returned",

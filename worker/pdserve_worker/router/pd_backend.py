@@ -65,7 +65,7 @@ from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
 from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.kv_index import ReportedIndex
-from pdserve_worker.router.migration import MigrationFailed, migrate, note
+from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
@@ -90,12 +90,6 @@ class Timeouts:
     max_retries: int = 2  # a request survives this many failed decode or prefill workers
     resume_wait_s: float = 10.0  # how long a retry waits for a free slot before giving up
     settle_s: float = 30.0  # how long an abandoned grant waits for the prefill to confirm its push ended
-
-
-def push_targets(grant: worker_pb2.Grant) -> list[worker_pb2.Grant]:
-    """Where the prefill pushes: every member of a layer-sharded group (its leader lists them
-    in `group_grants`), else the one decode that granted the slot."""
-    return list(grant.group_grants) or [grant]
 
 
 class PDBackend(ModelTokenizing):
@@ -170,7 +164,7 @@ class PDBackend(ModelTokenizing):
 
     async def _pull_block_events(self, member: Member) -> None:
         assert self._reported is not None
-        stub = worker_pb2_grpc.PrefillStub(self._channel(member))
+        stub = worker_pb2_grpc.PrefillStub(self.channel(member))
         for _ in range(BLOCK_EVENTS_PAGES):  # a long backlog comes in pages; the rest next round
             epoch, after = self._reported.cursor(member.worker_id)
             try:
@@ -241,7 +235,7 @@ class PDBackend(ModelTokenizing):
                 self._metrics.forget_decode(member.worker_id)
             if member.role is Role.DECODE and self._inflight_decode[member.worker_id] > 0:
                 # Closing its channel now would cancel our streams there: the probe decides.
-                self._spawn(self._probe_decode(member))
+                self.spawn(self._probe_decode(member))
                 return
             self._close_channel(member.info.grpc_endpoint)
             return
@@ -290,7 +284,7 @@ class PDBackend(ModelTokenizing):
     def _close_channel(self, endpoint: str) -> None:
         channel = self._channels.pop(endpoint, None)
         if channel is not None:
-            self._spawn(channel.close())
+            self.spawn(channel.close())
 
     # ---- one request ------------------------------------------------------------------------------
 
@@ -397,7 +391,9 @@ class PDBackend(ModelTokenizing):
         )
         try:
             with tracing.use(attempt), tracing.span("router.reserve") as reserving:
-                decode, grant = await self._reserve(request_id, len(tokens), params.max_tokens - len(emitted), avoid)
+                decode, grant = await self.reserve_decode(
+                    request_id, len(tokens), params.max_tokens - len(emitted), avoid
+                )
                 reserving.set_attributes({"pdserve.decode.member": decode.worker_id, "pdserve.slot": grant.slot})
         except BaseException as exc:
             attempt.record_exception(exc)
@@ -419,8 +415,8 @@ class PDBackend(ModelTokenizing):
         self._inflight_decode[decode.worker_id] += 1
         self._inflight_prefill[prefill.worker_id] += 1
         try:
-            decode_stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
-            prefill_stub = worker_pb2_grpc.PrefillStub(self._channel(prefill))
+            decode_stub = worker_pb2_grpc.DecodeStub(self.channel(decode))
+            prefill_stub = worker_pb2_grpc.PrefillStub(self.channel(prefill))
             with tracing.use(attempt):  # both calls carry the attempt's traceparent (pdserve_common/channels.py)
                 call = decode_stub.Generate(
                     worker_pb2.GenerateRequest(
@@ -542,7 +538,7 @@ class PDBackend(ModelTokenizing):
             if not finished:
                 if call is not None:
                     call.cancel()  # a committed slot is freed by the decode once its request leaves the batch
-                self._spawn(self._give_back(decode, grant, request_id, prefill, prefill_call))
+                self.spawn(self._give_back(decode, grant, request_id, prefill, prefill_call))
 
     async def _next_event(
         self,
@@ -618,7 +614,7 @@ class PDBackend(ModelTokenizing):
             self._metrics.observe_prefill_choice(choice.reason)
         return by_id[choice.worker_id]
 
-    async def _reserve(
+    async def reserve_decode(
         self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: set[str]
     ) -> tuple[Member, worker_pb2.Grant]:
         ranked = _excluding(rank_decodes(self.view.members.values(), self._inflight_decode, self.revision), avoid)
@@ -629,7 +625,7 @@ class PDBackend(ModelTokenizing):
         )
         full, failed = 0, []
         for member in ranked:
-            stub = worker_pb2_grpc.DecodeStub(self._channel(member))
+            stub = worker_pb2_grpc.DecodeStub(self.channel(member))
             reserve = asyncio.ensure_future(stub.Reserve(request, timeout=self._t.rpc_s))
             try:
                 # Shielded: cancelled while the Reserve is in flight (the client left), the call
@@ -638,7 +634,7 @@ class PDBackend(ModelTokenizing):
                 capacity_held()  # the admission queue may let the next request try
                 return member, grant
             except asyncio.CancelledError:
-                self._spawn(self._give_back_late(member, reserve, request_id))
+                self.spawn(self._give_back_late(member, reserve, request_id))
                 raise
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
@@ -680,7 +676,7 @@ class PDBackend(ModelTokenizing):
         decode's lease takes the slot back on its own.
         """
         settled = prefill_call is None or await self._settle_push(prefill, prefill_call, grant, request_id)
-        released = await self._release(decode, grant, settled)
+        released = await self.release_decode(decode, grant, settled)
         if released is None:
             outcome = "lease"
         elif not released:
@@ -711,7 +707,7 @@ class PDBackend(ModelTokenizing):
         and waits (at most `settle_s`) for its answer. False when that cannot be known."""
         if not prefill_call.done() and prefill is not None:
             try:
-                await worker_pb2_grpc.PrefillStub(self._channel(prefill)).Cancel(
+                await worker_pb2_grpc.PrefillStub(self.channel(prefill)).Cancel(
                     worker_pb2.CancelPrefillRequest(
                         request_id=request_id, slot=grant.slot, generation=grant.generation
                     ),
@@ -735,9 +731,9 @@ class PDBackend(ModelTokenizing):
         error = prefill_call.exception()
         return error is None or (isinstance(error, grpc.aio.AioRpcError) and (push_settled(error) or never_sent(error)))
 
-    async def _release(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None:
+    async def release_decode(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None:
         """worker.proto's Release; None when it could not be delivered (the lease then lapses)."""
-        stub = worker_pb2_grpc.DecodeStub(self._channel(decode))
+        stub = worker_pb2_grpc.DecodeStub(self.channel(decode))
         try:
             reply = await stub.Release(
                 worker_pb2.ReleaseRequest(
@@ -750,14 +746,14 @@ class PDBackend(ModelTokenizing):
             return None
         return bool(reply.released)
 
-    def _channel(self, member: Member) -> grpc.aio.Channel:
+    def channel(self, member: Member) -> grpc.aio.Channel:
         endpoint = member.info.grpc_endpoint
         channel = self._channels.get(endpoint)
         if channel is None:
             channel = self._channels[endpoint] = aio_channel(endpoint, self._token, self._tls)
         return channel
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

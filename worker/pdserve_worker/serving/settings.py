@@ -26,6 +26,7 @@ from pdserve_common import pod_env as E
 from pdserve_common.auth import TLSConfig
 from pdserve_worker.api.http_guard import HttpLimits
 from pdserve_worker.model.default_model import BUILTIN_SOURCE
+from pdserve_worker.transfer.registry import NAMES
 
 # Worker-only knobs (the operator leaves them at their defaults).
 BIND_HOST = "PDSERVE_BIND_HOST"  # address the HTTP and gRPC servers listen on
@@ -85,7 +86,7 @@ class WorkerSettings(BaseSettings):
     threads: int = Field(0, ge=0, validation_alias=THREADS)
     weights: Literal["auto", "dequantized", "int8", "int4"] = Field("auto", validation_alias=WEIGHTS)
 
-    transfer_backend: Literal["hixl", "cpu", "auto", "two-sided"] = Field("auto", validation_alias=E.TRANSFER_BACKEND)
+    transfer_backend: str = Field("auto", validation_alias=E.TRANSFER_BACKEND)  # transfer.registry.NAMES
     queue_depth: int = Field(8, ge=1, validation_alias=E.QUEUE_DEPTH)
     connect_timeout_ms: int = Field(5000, ge=1, validation_alias=E.CONNECT_TIMEOUT_MS)
     transfer_timeout_ms: int = Field(30000, ge=1, validation_alias=E.TRANSFER_TIMEOUT_MS)
@@ -147,6 +148,13 @@ class WorkerSettings(BaseSettings):
     tls_ca: Path | None = Field(None, validation_alias=E.TLS_CA)
     tls_server_name: str = Field("", validation_alias=E.TLS_SERVER_NAME)
     broker_tls: bool | None = Field(None, validation_alias=E.BROKER_TLS)  # None: as the worker's own TLS
+
+    @field_validator("transfer_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in NAMES:
+            raise ValueError(f"must be one of {', '.join(NAMES)}, got {value!r}")
+        return value
 
     @field_validator("prefix_cache_tokens", mode="before")
     @classmethod

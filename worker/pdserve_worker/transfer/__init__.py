@@ -2,7 +2,7 @@
 
 How the pieces fit (every module says more):
 
-- `engine.create_engine(backend)` → `TransferBackend(name, engine, api, blocking, host)`: real
+- `registry.create_engine(backend)` → `TransferBackend(name, engine, api, blocking, host)`: real
   HIXL (`hixl`, from CANN) when it imports, else `host.engine.Hixl`, which has the same API and
   semantics on host memory (shared memory between processes of a host, TCP between hosts).
   Code above uses only `backend.engine.<hixl method>` (the `TransferEngine` protocol),

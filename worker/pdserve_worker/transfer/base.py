@@ -1,6 +1,7 @@
-"""Pick the transfer engine: real HIXL where CANN is installed, the host engine elsewhere.
+"""What every transfer backend is: the seam between the KV code and an engine.
 
-Code above this module never imports `hixl` or `host.engine` itself. It gets a
+Code above transfer/ never imports `hixl` or a backend module itself; `registry.create_engine`
+makes one by name. It gets a
 `TransferBackend`: the engine, typed as `TransferEngine` (the HIXL binding's methods this
 project calls), plus `api`, the module that holds the descriptor types, enums and status codes
 that this engine accepts (the real `hixl` module, or our mirror `hixl_api`), and writes
@@ -8,7 +9,7 @@ that this engine accepts (the real `hixl` module, or our mirror `hixl_api`), and
 drives both.
 
 What only the host engine can do is declared too, as optional parts of the backend that
-`create_engine` fills in for the engine it made (never found by probing the object):
+the backend's factory fills in for the engine it made (never found by probing the object):
 - `blocking` (`BlockingWaits`): sleep until a notify arrives or a put completes. Real HIXL
   only has the draining `get_notifies` and the per-request `get_transfer_status`; readiness
   and the pusher then poll.
@@ -23,19 +24,12 @@ first.
 
 from __future__ import annotations
 
-import importlib
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api
-
-log = logging.getLogger("pdserve.transfer.engine")
-
-BackendName = Literal["auto", "hixl", "cpu", "two-sided"]
 
 
 class TransferEngine(Protocol):
@@ -91,6 +85,10 @@ class HostExtensions(Protocol):
     def security_stats(self) -> dict[str, int]: ...
 
 
+class BackendUnavailable(RuntimeError):
+    """A backend's factory could not make its engine here (HIXL without CANN, say)."""
+
+
 class TransferError(RuntimeError):
     """A transfer-engine call returned a status other than the ones the caller accepts."""
 
@@ -104,7 +102,7 @@ class TransferBackend:
     """A transfer engine, the vocabulary (types, enums, codes) that goes with it, and what more
     than HIXL it can do (None where it cannot)."""
 
-    name: Literal["hixl", "cpu", "two-sided"]
+    name: str  # the registry's name for it (registry.BACKENDS)
     engine: TransferEngine
     api: ModuleType
     blocking: BlockingWaits | None = None
@@ -118,40 +116,3 @@ class TransferBackend:
     def ensure_connected(self, remote_engine: str, timeout_ms: int) -> None:
         status = self.engine.connect(remote_engine, timeout_ms)
         self.check(status, f"connect to {remote_engine}", self.api.ALREADY_CONNECTED)
-
-
-def _load_hixl() -> ModuleType | None:
-    try:
-        return importlib.import_module("hixl")
-    except (ImportError, OSError) as exc:  # no CANN: the .so or its ACL libraries are missing
-        log.info(kv(event="hixl_unavailable", error=exc))
-        return None
-
-
-def create_engine(backend: BackendName = "auto") -> TransferBackend:
-    """An uninitialised engine: the caller runs `engine.initialize("ip:port", options)`.
-
-    "auto" takes real HIXL when `import hixl` works and the host engine otherwise; "hixl"
-    insists on real HIXL; "cpu" always takes the host engine; "two-sided" is the gloo
-    send/recv baseline of the seed's experiment (two_sided.py: benchmarks and tests only).
-    """
-    if backend not in ("auto", "hixl", "cpu", "two-sided"):
-        raise ValueError(f"transfer backend must be auto, hixl, cpu or two-sided, got {backend!r}")
-    if backend == "two-sided":
-        from pdserve_worker.transfer.backends.two_sided import TwoSidedEngine
-
-        log.info(kv(event="transfer_backend", backend="two-sided", requested=backend))
-        two_sided = TwoSidedEngine()
-        return TransferBackend("two-sided", two_sided, hixl_api, blocking=two_sided)
-    if backend in ("auto", "hixl"):
-        module = _load_hixl()
-        if module is not None:
-            log.info(kv(event="transfer_backend", backend="hixl", requested=backend))
-            return TransferBackend("hixl", module.Hixl(), module)
-        if backend == "hixl":
-            raise RuntimeError("transfer backend 'hixl' requested but `import hixl` failed (is CANN installed?)")
-    from pdserve_worker.transfer.backends.host.engine import Hixl as HostHixl
-
-    log.info(kv(event="transfer_backend", backend="cpu", requested=backend))
-    engine = HostHixl()
-    return TransferBackend("cpu", engine, hixl_api, blocking=engine, host=engine)

@@ -4,7 +4,7 @@ Real HIXL ships only inside CANN (HIXL.md 2.1), so code that must run everywhere
 its types. This module mirrors them name for name and value for value: data classes with the
 same constructor arguments and attributes, enums with the same members and values (C++ enum
 order), and the same status codes and option keys. The host engine (`host.engine.Hixl`)
-takes and returns these; where the real module is present, `engine.create_engine` hands out
+takes and returns these; where the real module is present, `registry.create_engine` hands out
 the real module instead, and code written against `backend.api.X` works with either.
 
 Nothing here does I/O; it is the vocabulary only.

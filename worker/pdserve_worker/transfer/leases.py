@@ -28,8 +28,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from pdserve_common.block_layout import block_spans
-from pdserve_common.kv_layout import KVLayout
+from pdserve_common.kv_layout import KVLayout, block_spans
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.base import TransferBackend
 

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve_common.kv_layout import K, KVLayout, V
+from pdserve_common.kv_layout import K, KVLayout, V, block_spans
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.base import TransferBackend, TransferError
 
@@ -110,8 +110,6 @@ class KVPool:
         if self.device != "cpu" or not blocks:
             return
         import numpy as np
-
-        from pdserve_common.block_layout import block_spans
 
         for offset, length in block_spans(self.layout.blocks, blocks):
             view = np.frombuffer(

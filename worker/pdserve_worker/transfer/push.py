@@ -17,7 +17,7 @@ the notify travels after the data on the same link and is sent only once every p
 
 Targets are the decode's grants (`kv.slots.Grant`, from the Reserve answer). A target's
 layout may hold a layer range only (a layer-sharded decode group): it gets only its layers.
-A target whose pool is paged (pdserve_common/block_layout.py) is written through its grant's block list:
+A target whose pool is paged (pdserve_common/kv_layout.py) is written through its grant's block list:
 one descriptor per (layer, K|V, run of consecutive blocks), never into its shared blocks
 (`push_descriptors`); layer chunks, queue depth and the notify are the same.
 """
@@ -31,8 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdserve_common.block_layout import push_descriptors
-from pdserve_common.kv_layout import K, KVLayout, V
+from pdserve_common.kv_layout import K, KVLayout, V, push_descriptors
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError

@@ -96,6 +96,7 @@ from pdserve_worker.transfer.backends.host.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
 from pdserve_worker.transfer.backends.host.server import HostServer, ServerPolicy
 from pdserve_worker.transfer.backends.host.shm import ShmSegment
+from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.leases import LeaseTable
 from pdserve_worker.transfer.never_raises import never_raises
@@ -810,3 +811,9 @@ class Hixl:
     def outstanding(self) -> int:
         with self._lock:
             return len(self._requests)
+
+
+def create() -> TransferBackend:
+    """The registry's factory ("cpu"): HIXL's API on host memory, with the host-only extras."""
+    engine = Hixl()
+    return TransferBackend("cpu", engine, api, blocking=engine, host=engine)
