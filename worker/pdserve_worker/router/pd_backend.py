@@ -375,170 +375,32 @@ class PDBackend(ModelTokenizing):
         prefill) happens before the Reserve; from the grant on, every way out (an error, a
         cancellation at any await, the client closing the stream) passes the `finally`, which
         either leaves the slot to a stream that finished or gives the grant back (`_give_back`).
+        The loop stays here, not in a generator of `_Attempt`: closing this generator must run
+        that `finally` at once, which a nested generator would leave to the garbage collector.
         """
-        tokens = prompt_ids + emitted
-        sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
-        prefill = self._pick_prefill(avoid, tokens, cache_scope)
-        # One span per attempt, ended by hand (this is a generator: tracing.py on spans across yields).
-        attempt = tracing.start_span(
-            "router.attempt",
-            {
-                "pdserve.request_id": request_id,
-                "pdserve.retry": retries,
-                "pdserve.prefill.member": prefill.worker_id,
-                "pdserve.resumed_tokens": len(emitted) or None,
-            },
-        )
-        try:
-            with tracing.use(attempt), tracing.span("router.reserve") as reserving:
-                decode, grant = await self.reserve_decode(
-                    request_id, len(tokens), params.max_tokens - len(emitted), avoid
-                )
-                reserving.set_attributes({"pdserve.decode.member": decode.worker_id, "pdserve.slot": grant.slot})
-        except BaseException as exc:
-            attempt.record_exception(exc)
-            attempt.end()
-            raise
-        attempt.set_attributes(
-            {
-                "pdserve.decode.member": decode.worker_id,
-                "pdserve.slot": grant.slot,
-                "pdserve.slot.generation": grant.generation,
-            }
-        )
-        call = None
-        prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
-        info: RequestInfo | None = None
-        finished = False
-        migrations = 0
+        attempt = _Attempt(self, request_id, prompt_ids, emitted, params, avoid, retries, seeds, cache_scope)
+        await attempt.reserve()
         # No await between these increments and the `try`: nothing can leave in between.
-        self._inflight_decode[decode.worker_id] += 1
-        self._inflight_prefill[prefill.worker_id] += 1
+        self._inflight_decode[attempt.decode.worker_id] += 1
+        self._inflight_prefill[attempt.prefill.worker_id] += 1
         try:
-            decode_stub = worker_pb2_grpc.DecodeStub(self.channel(decode))
-            prefill_stub = worker_pb2_grpc.PrefillStub(self.channel(prefill))
-            with tracing.use(attempt):  # both calls carry the attempt's traceparent (pdserve_common/channels.py)
-                call = decode_stub.Generate(
-                    worker_pb2.GenerateRequest(
-                        request_id=request_id,
-                        slot=grant.slot,
-                        generation=grant.generation,
-                        prompt_token_ids=tokens,
-                        sampling=sampling,
-                        readiness_timeout_ms=self._t.readiness_ms,
-                        num_generated=len(emitted),
-                    )
-                )
-                prefill_call = asyncio.ensure_future(
-                    prefill_stub.Prefill(
-                        worker_pb2.PrefillRequest(
-                            request_id=request_id,
-                            prompt_token_ids=tokens,
-                            sampling=sampling,
-                            targets=push_targets(grant),
-                            num_generated=len(emitted),
-                            cache_scope=cache_scope,
-                        ),
-                        timeout=self._t.prefill_s,
-                    )
-                )
-            lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
+            attempt.launch()
             while True:
-                event = await self._next_event(call, prefill_call, prefill.worker_id, decode.worker_id, lost)
+                event = await attempt.next_event()
                 if event.HasField("handover"):  # the decode is draining: move the request, KV and all
-                    seeds.append(event.handover.seed)
-                    if params.seed is None:
-                        params = params.model_copy(update={"seed": event.handover.seed})
-                    try:
-                        # In the attempt's trace; the calls carry its traceparent (rpc/channels.py).
-                        with (
-                            tracing.use(attempt),
-                            tracing.span(
-                                "router.migrate",
-                                {"pdserve.source.member": decode.worker_id, "pdserve.resumed_tokens": len(emitted)},
-                            ) as moving,
-                        ):
-                            moved = await migrate(
-                                self, request_id, prompt_ids, emitted, params, decode, grant, event.handover, avoid
-                            )
-                            moving.set_attributes(
-                                {"pdserve.decode.member": moved.decode.worker_id, "pdserve.kv_bytes": moved.kv_bytes}
-                            )
-                    except MigrationFailed as exc:
-                        note(self._metrics, request_id, decode.worker_id, None, exc)
-                        raise _Retryable(decode.worker_id, exc) from None
-                    note(self._metrics, request_id, decode.worker_id, moved)
-                    call.cancel()  # the source's stream is over; its KV was freed by the Migrate
-                    self._inflight_decode[decode.worker_id] -= 1
-                    self._inflight_decode[moved.decode.worker_id] += 1
-                    decode, grant, call = moved.decode, moved.grant, moved.call
-                    lost = self._lost.setdefault(decode.worker_id, asyncio.Event())
-                    migrations += 1
-                    info = None  # the next event reports the new decode
+                    await attempt.move(event.handover)
                     continue
-                try:
-                    reason = finish_reason_from_proto(event.finish_reason)
-                except ValueError:
-                    reason = FinishReason.ABORT  # a newer decode's reason: not an answer we can give
-                if reason is FinishReason.ABORT:
-                    raise _Retryable(
-                        decode.worker_id, BackendError(f"decode {decode.worker_id} aborted request {request_id}")
-                    )
-                attach = None
-                if info is None and migrations:  # the first event of the decode the request moved to
-                    attach = info = RequestInfo(
-                        True,
-                        event.kv_bytes_received,
-                        None,
-                        prefill.worker_id,
-                        decode.worker_id,
-                        retries,
-                        migrations=migrations,
-                    )
-                elif info is None and (prefill_call.done() or reason is not None):
-                    # The prefill's reply has the push's figures; at the latest the last token waits for it.
-                    reply = await self._prefill_reply(prefill_call, prefill.worker_id)
-                    info = attach = RequestInfo(
-                        True,
-                        reply.kv_bytes,
-                        reply.push_seconds,
-                        prefill.worker_id,
-                        decode.worker_id,
-                        retries,
-                        reply.cached_tokens,
-                    )
-                elif info is None and event.index == len(emitted):
-                    attach = RequestInfo(
-                        event.kv_pushed, event.kv_bytes_received, None, prefill.worker_id, decode.worker_id, retries
-                    )
-                # Set before the yield: the router closes this generator as soon as it has the
-                # last event, and a finished request must not be cancelled or released.
-                finished = reason is not None
-                yield TokenEvent(event.token_id, event.text, reason, attach)
-                if finished:
+                token = await attempt.token_event(event)
+                yield token
+                if attempt.finished:
                     return
         except BaseException as exc:
-            if not finished:
-                attempt.record_exception(exc)
-            if not isinstance(exc, grpc.aio.AioRpcError):
+            mapped = attempt.failure(exc)
+            if mapped is None:
                 raise
-            error = _decode_error(exc, decode.worker_id, request_id)
-            if exc.code() in _RETRYABLE_DECODE:
-                # The decode's readiness wait timing out means the prefill never delivered; an
-                # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).
-                at_prefill = exc.code() in _PREFILL_AT_FAULT and not migrations  # a migrated KV came from no prefill
-                culprit = prefill.worker_id if at_prefill else decode.worker_id
-                raise _Retryable(culprit, error) from None
-            raise error from None
+            raise mapped from None
         finally:
-            attempt.set_attribute("pdserve.finished", finished)
-            attempt.end()
-            self._inflight_decode[decode.worker_id] -= 1
-            self._inflight_prefill[prefill.worker_id] -= 1
-            if not finished:
-                if call is not None:
-                    call.cancel()  # a committed slot is freed by the decode once its request leaves the batch
-                self.spawn(self._give_back(decode, grant, request_id, prefill, prefill_call))
+            attempt.close()
 
     async def _next_event(
         self,
@@ -757,6 +619,207 @@ class PDBackend(ModelTokenizing):
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class _Attempt:
+    """The state of one `PDBackend._attempt`: the prefill and decode it holds, the grant, the two
+    calls, what the client has been told, and the span; each step of the road is one method."""
+
+    def __init__(
+        self,
+        backend: PDBackend,
+        request_id: str,
+        prompt_ids: list[int],
+        emitted: list[int],
+        params: SamplingParams,
+        avoid: set[str],
+        retries: int,
+        seeds: list[int],
+        cache_scope: str,
+    ) -> None:
+        self.backend = backend
+        self.request_id, self.prompt_ids, self.emitted, self.params = request_id, prompt_ids, emitted, params
+        self.avoid, self.retries, self.seeds, self.cache_scope = avoid, retries, seeds, cache_scope
+        self.tokens = prompt_ids + emitted
+        self.sampling = sampling_to_proto(params)  # max_tokens counts the emitted tokens too (worker.proto)
+        self.prefill = backend._pick_prefill(avoid, self.tokens, cache_scope)
+        self.call: Any = None  # the decode's Generate stream
+        self.prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
+        self.info: RequestInfo | None = None
+        self.finished = False
+        self.migrations = 0
+        # One span per attempt, ended by hand (this is a generator: tracing.py on spans across yields).
+        self.span = tracing.start_span(
+            "router.attempt",
+            {
+                "pdserve.request_id": request_id,
+                "pdserve.retry": retries,
+                "pdserve.prefill.member": self.prefill.worker_id,
+                "pdserve.resumed_tokens": len(emitted) or None,
+            },
+        )
+
+    async def reserve(self) -> None:
+        """KV on a decode; a failure here ends the span (no grant is held yet)."""
+        try:
+            with tracing.use(self.span), tracing.span("router.reserve") as reserving:
+                self.decode, self.grant = await self.backend.reserve_decode(
+                    self.request_id, len(self.tokens), self.params.max_tokens - len(self.emitted), self.avoid
+                )
+                reserving.set_attributes(
+                    {"pdserve.decode.member": self.decode.worker_id, "pdserve.slot": self.grant.slot}
+                )
+        except BaseException as exc:
+            self.span.record_exception(exc)
+            self.span.end()
+            raise
+        self.span.set_attributes(
+            {
+                "pdserve.decode.member": self.decode.worker_id,
+                "pdserve.slot": self.grant.slot,
+                "pdserve.slot.generation": self.grant.generation,
+            }
+        )
+
+    def launch(self) -> None:
+        """Open the decode's Generate stream, then send the prompt to the prefill."""
+        decode_stub = worker_pb2_grpc.DecodeStub(self.backend.channel(self.decode))
+        prefill_stub = worker_pb2_grpc.PrefillStub(self.backend.channel(self.prefill))
+        with tracing.use(self.span):  # both calls carry the attempt's traceparent (pdserve_common/channels.py)
+            self.call = decode_stub.Generate(
+                worker_pb2.GenerateRequest(
+                    request_id=self.request_id,
+                    slot=self.grant.slot,
+                    generation=self.grant.generation,
+                    prompt_token_ids=self.tokens,
+                    sampling=self.sampling,
+                    readiness_timeout_ms=self.backend._t.readiness_ms,
+                    num_generated=len(self.emitted),
+                )
+            )
+            self.prefill_call = asyncio.ensure_future(
+                prefill_stub.Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=self.request_id,
+                        prompt_token_ids=self.tokens,
+                        sampling=self.sampling,
+                        targets=push_targets(self.grant),
+                        num_generated=len(self.emitted),
+                        cache_scope=self.cache_scope,
+                    ),
+                    timeout=self.backend._t.prefill_s,
+                )
+            )
+        self.lost = self.backend._lost.setdefault(self.decode.worker_id, asyncio.Event())
+
+    async def next_event(self) -> worker_pb2.TokenEvent:
+        assert self.prefill_call is not None
+        return await self.backend._next_event(
+            self.call, self.prefill_call, self.prefill.worker_id, self.decode.worker_id, self.lost
+        )
+
+    async def move(self, handover: worker_pb2.Handover) -> None:
+        """The decode is draining: move the request to another decode (router/migration.py)."""
+        backend = self.backend
+        self.seeds.append(handover.seed)
+        if self.params.seed is None:
+            self.params = self.params.model_copy(update={"seed": handover.seed})
+        source = self.decode
+        try:
+            # In the attempt's trace; the calls carry its traceparent (rpc/channels.py).
+            with (
+                tracing.use(self.span),
+                tracing.span(
+                    "router.migrate",
+                    {"pdserve.source.member": source.worker_id, "pdserve.resumed_tokens": len(self.emitted)},
+                ) as moving,
+            ):
+                moved = await migrate(
+                    backend,
+                    self.request_id,
+                    self.prompt_ids,
+                    self.emitted,
+                    self.params,
+                    source,
+                    self.grant,
+                    handover,
+                    self.avoid,
+                )
+                moving.set_attributes(
+                    {"pdserve.decode.member": moved.decode.worker_id, "pdserve.kv_bytes": moved.kv_bytes}
+                )
+        except MigrationFailed as exc:
+            note(backend._metrics, self.request_id, source.worker_id, None, exc)
+            raise _Retryable(source.worker_id, exc) from None
+        note(backend._metrics, self.request_id, source.worker_id, moved)
+        self.call.cancel()  # the source's stream is over; its KV was freed by the Migrate
+        backend._inflight_decode[source.worker_id] -= 1
+        backend._inflight_decode[moved.decode.worker_id] += 1
+        self.decode, self.grant, self.call = moved.decode, moved.grant, moved.call
+        self.lost = backend._lost.setdefault(self.decode.worker_id, asyncio.Event())
+        self.migrations += 1
+        self.info = None  # the next event reports the new decode
+
+    async def token_event(self, event: worker_pb2.TokenEvent) -> TokenEvent:
+        """The client's event for the decode's; an abort is retryable. Sets `finished` before the
+        caller yields: the router closes the generator as soon as it has the last event, and a
+        finished request must not be cancelled or released."""
+        try:
+            reason = finish_reason_from_proto(event.finish_reason)
+        except ValueError:
+            reason = FinishReason.ABORT  # a newer decode's reason: not an answer we can give
+        if reason is FinishReason.ABORT:
+            raise _Retryable(
+                self.decode.worker_id, BackendError(f"decode {self.decode.worker_id} aborted request {self.request_id}")
+            )
+        attach = await self._request_info(event, reason)
+        self.finished = reason is not None
+        return TokenEvent(event.token_id, event.text, reason, attach)
+
+    async def _request_info(self, event: worker_pb2.TokenEvent, reason: FinishReason | None) -> RequestInfo | None:
+        """Which workers served the request and what the KV cost: attached to one event."""
+        assert self.prefill_call is not None
+        ids = (self.prefill.worker_id, self.decode.worker_id, self.retries)
+        if self.info is not None:
+            return None
+        if self.migrations:  # the first event of the decode the request moved to
+            self.info = RequestInfo(True, event.kv_bytes_received, None, *ids, migrations=self.migrations)
+            return self.info
+        if self.prefill_call.done() or reason is not None:
+            # The prefill's reply has the push's figures; at the latest the last token waits for it.
+            reply = await self.backend._prefill_reply(self.prefill_call, self.prefill.worker_id)
+            self.info = RequestInfo(True, reply.kv_bytes, reply.push_seconds, *ids, reply.cached_tokens)
+            return self.info
+        if event.index == len(self.emitted):
+            return RequestInfo(event.kv_pushed, event.kv_bytes_received, None, *ids)
+        return None
+
+    def failure(self, exc: BaseException) -> BaseException | None:
+        """What to raise for `exc` (None: re-raise it as it is)."""
+        if not self.finished:
+            self.span.record_exception(exc)
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            return None
+        error = _decode_error(exc, self.decode.worker_id, self.request_id)
+        if exc.code() in _RETRYABLE_DECODE:
+            # The decode's readiness wait timing out means the prefill never delivered; an
+            # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).
+            at_prefill = exc.code() in _PREFILL_AT_FAULT and not self.migrations  # a migrated KV came from no prefill
+            culprit = self.prefill.worker_id if at_prefill else self.decode.worker_id
+            return _Retryable(culprit, error)
+        return error
+
+    def close(self) -> None:
+        """Every way out: end the span, count the workers free, give back an unfinished grant."""
+        backend = self.backend
+        self.span.set_attribute("pdserve.finished", self.finished)
+        self.span.end()
+        backend._inflight_decode[self.decode.worker_id] -= 1
+        backend._inflight_prefill[self.prefill.worker_id] -= 1
+        if not self.finished:
+            if self.call is not None:
+                self.call.cancel()  # a committed slot is freed by the decode once its request leaves the batch
+            backend.spawn(backend._give_back(self.decode, self.grant, self.request_id, self.prefill, self.prefill_call))
 
 
 class _Retryable(Exception):
