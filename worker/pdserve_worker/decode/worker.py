@@ -475,6 +475,46 @@ def transfer_refusals(backend: TransferBackend) -> int:
     return sum(v for k, v in stats.items() if k not in ("links_open", "handshakes_pending", "write_leases"))
 
 
+@dataclass
+class _Generation:
+    """One Generate call's state on the decode: what was asked, the span, and how far it got."""
+
+    request: worker_pb2.GenerateRequest
+    where: str
+    prompt: list[int]
+    resumed: int  # tokens the client already has (a resume or a migration)
+    params: Any  # SamplingParams
+    stop_ids: Any
+    timeout_s: float
+    trace: Any
+    index: int = 0  # the next event's index
+    first: int | None = None  # the token the batch starts from
+    stream: RequestStream | None = None
+    finished: bool = False
+    steps: int = 0
+    first_step_ns: int = 0
+    last_step_ns: int = 0
+
+    @property
+    def slot(self) -> int:
+        return self.request.slot
+
+    @property
+    def generation(self) -> int:
+        return self.request.generation
+
+
+def _kv_problem(g: _Generation, ready: Ready) -> str | None:
+    """Why the KV that arrived is not this request's (None: it is)."""
+    if g.request.migrated:
+        return migration_mismatch(ready, g.prompt, g.resumed, g.params.seed)
+    if ready.message.get(MIGRATED):
+        return "a migration's KV came for a prefilled request"
+    if ready.num_tokens != len(g.prompt):
+        return f"prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(g.prompt)}"
+    return None
+
+
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     """worker.proto's Decode service over a `DecodeWorker` (auth ran before these methods)."""
 
@@ -507,6 +547,35 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         return reply
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Validate, wait for the KV, start the request in the batch, stream its tokens. Every way
+        out passes `_end`, which frees the slot unless the loop already owns it."""
+        g = await self._validated(request, context)
+        try:
+            ready = await self._await_kv(g, context)
+            g.stream = self._start_stream(g, ready)
+            async for out in g.stream:
+                if isinstance(out, Parked):  # this decode is draining: hand the request over
+                    g.trace.set_attribute("pdserve.handed_over", True)
+                    yield await self._handover_event(out.handoff, g.generation, g.index, context, g.where)
+                    await self._await_migrate(out.handoff, context, g.where)
+                    return
+                event = await self._token_event(g, out, ready, context)
+                if event is None:
+                    continue
+                yield event
+                if g.finished:
+                    return
+        except RequestFailed as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{g.where}: {exc}")
+        except BaseException as exc:
+            g.trace.record_exception(exc)
+            raise
+        finally:
+            self._end(g)
+
+    async def _validated(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> _Generation:
+        """The request's checks (INVALID_ARGUMENT), and the claim on its grant: from here its
+        lease lasts as long as we are willing to wait for the KV."""
         w = self.w
         slot, generation, prompt = request.slot, request.generation, list(request.prompt_token_ids)
         where = f"slot {slot} generation {generation} (request {request.request_id})"
@@ -526,13 +595,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             params = sampling_from_proto(request.sampling)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: sampling: {exc}")
-        stop_ids = stop_token_ids(params, w.loaded.tokenizer.eos_token_ids)
         timeout_s = (request.readiness_timeout_ms or w.settings.readiness_timeout_ms) / 1000
-        # Generate claims the grant: its lease now lasts as long as we are willing to wait.
         if not w.slots.renew(slot, generation, timeout_s + 5.0):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where} is not a live grant")
-        stream: RequestStream | None = None
-        finished = False
         # A streaming handler: its span is ended by hand (tracing.py on spans across yields).
         trace = tracing.start_span(
             "decode.generate",
@@ -546,125 +611,118 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             },
             parent=tracing.extract(context.invocation_metadata()),
         )
-        steps = 0
-        first_step_ns = last_step_ns = 0
+        stop_ids = stop_token_ids(params, w.loaded.tokenizer.eos_token_ids)
+        return _Generation(request, where, prompt, resumed, params, stop_ids, timeout_s, trace, index=resumed)
+
+    async def _await_kv(self, g: _Generation, context: grpc.aio.ServicerContext) -> Ready:
+        """Wait for the prefill's (or a migration's) ready notice, check that its KV is this
+        request's, and commit the slot."""
+        w, slot, generation, where = self.w, g.slot, g.generation, g.where
         try:
-            try:
-                wait_ns = tracing.now_ns()
-                ready = await w.wait_ready(slot, generation, timeout_s)
-                tracing.record(
-                    "decode.notify_wait",
-                    wait_ns,
-                    tracing.now_ns(),
-                    {"pdserve.readiness": w.settings.readiness_mode, "pdserve.ready_wait_s": ready.wait_s},
-                    parent=trace,
-                )
-            except ReadinessTimeout as exc:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
-            except SlotNotReserved as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}")
-            except ReadyUnusable as exc:
-                await context.abort(grpc.StatusCode.ABORTED, f"{where}: {exc}")
-            except MemberUnavailable as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: {exc}")
-            problem = (
-                migration_mismatch(ready, prompt, resumed, params.seed)
-                if request.migrated
-                else (
-                    "a migration's KV came for a prefilled request"
-                    if ready.message.get(MIGRATED)
-                    else None
-                    if ready.num_tokens == len(prompt)
-                    else f"prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(prompt)}"
-                )
+            wait_ns = tracing.now_ns()
+            ready = await w.wait_ready(slot, generation, g.timeout_s)
+            tracing.record(
+                "decode.notify_wait",
+                wait_ns,
+                tracing.now_ns(),
+                {"pdserve.readiness": w.settings.readiness_mode, "pdserve.ready_wait_s": ready.wait_s},
+                parent=g.trace,
             )
-            if problem is not None:
-                await context.abort(grpc.StatusCode.ABORTED, f"{where}: {problem}")
-            if not w.slots.commit(slot, generation):
+        except ReadinessTimeout as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
+        except SlotNotReserved as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}")
+        except ReadyUnusable as exc:
+            await context.abort(grpc.StatusCode.ABORTED, f"{where}: {exc}")
+        except MemberUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: {exc}")
+        problem = _kv_problem(g, ready)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.ABORTED, f"{where}: {problem}")
+        if not w.slots.commit(slot, generation):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
+        return ready
+
+    def _start_stream(self, g: _Generation, ready: Ready) -> RequestStream:
+        """Hand the slot to the generation loop: from here the loop owns it and frees it when the
+        request leaves the batch."""
+        w, slot, generation, prompt = self.w, g.slot, g.generation, g.prompt
+        w.adopt(slot, generation)
+        # A migrated request: its KV lacks the last streamed token, which joins the batch as
+        # the "first" token (its output, already streamed by the source, is not sent again).
+        migrated = g.request.migrated
+        kv_ids, g.first, replayed = (
+            (prompt[:-1], prompt[-1], g.resumed - 1) if migrated else (prompt, ready.first_token, g.resumed)
+        )
+        if migrated:
+            w.metrics.migrations_received.inc()
+        g.index = replayed  # a resumed stream goes on at the index where the broken one stopped
+        return w.loop.submit(
+            g.request.request_id,
+            kv_ids,
+            slot,
+            g.params,
+            lambda: w.finished(slot, generation),
+            first_token=g.first,
+            num_generated=replayed,
+        )
+
+    async def _token_event(
+        self, g: _Generation, out: Any, ready: Ready, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenEvent | None:
+        """The stream's event for one generated token (None: a replayed token, not sent again)."""
+        g.last_step_ns = tracing.now_ns()
+        g.first_step_ns = g.first_step_ns or g.last_step_ns
+        g.steps += 1
+        if g.index < g.resumed:  # (a migrated request's last streamed token, replayed)
+            if out.finished or out.token_id != g.first:
                 await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived"
+                    grpc.StatusCode.ABORTED, f"{g.where}: the migrated state does not replay to its last token"
                 )
-            w.adopt(slot, generation)
-            # A migrated request: its KV lacks the last streamed token, which joins the batch as
-            # the "first" token (its output, already streamed by the source, is not sent again).
-            kv_ids, first, replayed = (
-                (prompt[:-1], prompt[-1], resumed - 1) if request.migrated else (prompt, ready.first_token, resumed)
+            g.index += 1
+            return None
+        event = worker_pb2.TokenEvent(index=g.index, text=out.text)
+        if out.token_id is not None:
+            event.token_id = out.token_id
+        if g.index == g.resumed:
+            event.kv_bytes_received = self.w.kv_bytes(ready.num_tokens)
+            event.kv_pushed = True
+            event.ready_wait_s = ready.wait_s
+            event.num_prompt_tokens = ready.num_tokens
+        if out.finished:
+            g.finished = True
+            event.finish_reason = finish_reason_to_proto(out.finish_reason or FinishReason.STOP)
+            if out.finish_reason is FinishReason.STOP and out.token_id in g.stop_ids:
+                event.stop = str(out.token_id)  # a stop token; a stop string is not reported back
+        g.index += 1
+        return event
+
+    def _end(self, g: _Generation) -> None:
+        """Every way out of Generate: the steps' span, then the slot — released if never
+        committed (quarantined: a push may be in flight), else cancelled in the loop, which frees
+        it once the request is out of the batch."""
+        if g.steps:
+            # One span for all the steps, not one per token: the first token came with the KV
+            # (sampled by the prefill), every later one is a decode step in the batch.
+            steps, first, last = g.steps, g.first_step_ns, g.last_step_ns
+            tracing.record(
+                "decode.steps",
+                first,
+                last,
+                {
+                    "pdserve.decode.steps": steps - 1,
+                    "gen_ai.usage.output_tokens": steps,
+                    "pdserve.decode.mean_step_ms": round((last - first) / 1e6 / (steps - 1), 3) if steps > 1 else None,
+                    "pdserve.finished": g.finished,
+                },
+                parent=g.trace,
             )
-            if request.migrated:
-                w.metrics.migrations_received.inc()
-            # From here the loop owns the slot and frees it when the request leaves the batch.
-            stream = w.loop.submit(
-                request.request_id,
-                kv_ids,
-                slot,
-                params,
-                lambda: w.finished(slot, generation),
-                first_token=first,
-                num_generated=replayed,
-            )
-            index = replayed  # a resumed stream goes on at the index where the broken one stopped
-            async for out in stream:
-                if isinstance(out, Parked):  # this decode is draining: hand the request over
-                    trace.set_attribute("pdserve.handed_over", True)
-                    yield await self._handover_event(out.handoff, generation, index, context, where)
-                    await self._await_migrate(out.handoff, context, where)
-                    return
-                last_step_ns = tracing.now_ns()
-                first_step_ns = first_step_ns or last_step_ns
-                steps += 1
-                if index < resumed:  # (a migrated request's last streamed token, replayed)
-                    if out.finished or out.token_id != first:
-                        await context.abort(
-                            grpc.StatusCode.ABORTED, f"{where}: the migrated state does not replay to its last token"
-                        )
-                    index += 1
-                    continue
-                event = worker_pb2.TokenEvent(index=index, text=out.text)
-                if out.token_id is not None:
-                    event.token_id = out.token_id
-                if index == resumed:
-                    event.kv_bytes_received = w.kv_bytes(ready.num_tokens)
-                    event.kv_pushed = True
-                    event.ready_wait_s = ready.wait_s
-                    event.num_prompt_tokens = ready.num_tokens
-                if out.finished:
-                    finished = True
-                    event.finish_reason = finish_reason_to_proto(out.finish_reason or FinishReason.STOP)
-                    if out.finish_reason is FinishReason.STOP and out.token_id in stop_ids:
-                        event.stop = str(out.token_id)  # a stop token; a stop string is not reported back
-                yield event
-                index += 1
-                if finished:
-                    return
-        except RequestFailed as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"{where}: {exc}")
-        except BaseException as exc:
-            trace.record_exception(exc)
-            raise
-        finally:
-            if steps:
-                # One span for all the steps, not one per token: the first token came with the KV
-                # (sampled by the prefill), every later one is a decode step in the batch.
-                tracing.record(
-                    "decode.steps",
-                    first_step_ns,
-                    last_step_ns,
-                    {
-                        "pdserve.decode.steps": steps - 1,
-                        "gen_ai.usage.output_tokens": steps,
-                        "pdserve.decode.mean_step_ms": round((last_step_ns - first_step_ns) / 1e6 / (steps - 1), 3)
-                        if steps > 1
-                        else None,
-                        "pdserve.finished": finished,
-                    },
-                    parent=trace,
-                )
-            trace.set_attribute("pdserve.finished", finished)
-            trace.end()
-            if stream is None:
-                w.slots.release(slot, generation)  # never committed: quarantined (a push may be in flight)
-            elif not finished:
-                w.loop.cancel(stream)  # the loop frees the slot once the request is out of the batch
+        g.trace.set_attribute("pdserve.finished", g.finished)
+        g.trace.end()
+        if g.stream is None:
+            self.w.slots.release(g.slot, g.generation)
+        elif not g.finished:
+            self.w.loop.cancel(g.stream)
 
     async def _handover_event(
         self, handoff: Handoff, generation: int, index: int, context: grpc.aio.ServicerContext, where: str
