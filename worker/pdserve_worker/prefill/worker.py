@@ -317,11 +317,28 @@ class PrefillWorker:
                     self._fail(job, exc, True if job.pusher is None else self._quiesce(job.pusher))
 
     def _run(self, batch: list[_Job]) -> None:
-        s = self.settings
+        """One pass over a batch, vLLM's save_kv_layer shape: open a pusher per prompt, compute
+        layer chunk by chunk (each chunk pushed as soon as it is computed, `_ChunkPushes`), then
+        sample each first token and send its kv_ready (`_finish`)."""
         started = time.perf_counter()
-        live: list[tuple[int, _Job]] = []
         for job in batch:
             self.metrics.observe_queue_wait(started - job.accepted)
+        live = self._open_pushers(batch)
+        if not live:
+            return
+        computed_pass = self._forward(live)
+        if computed_pass is None:
+            return  # every prompt of the pass ended before its last layer
+        logits, cached = computed_pass
+        computed = time.perf_counter()
+        for row, (slot, job) in enumerate(live):
+            if not job.settled:
+                self._finish(job, logits[row], cached.get(slot, 0), len(live), started, computed)
+
+    def _open_pushers(self, batch: list[_Job]) -> list[tuple[int, _Job]]:
+        """(scratch slot, job) for every prompt still wanted whose targets can be reached."""
+        s = self.settings
+        live: list[tuple[int, _Job]] = []
         for slot, job in enumerate(batch):
             if job.cancelled.is_set():
                 self._fail(
@@ -342,58 +359,13 @@ class PrefillWorker:
                 self._fail(job, exc, True)  # nothing was put
                 continue
             live.append((slot, job))
-        if not live:
-            return
+        return live
 
-        chunk_started = [tracing.now_ns()]
-
-        def on_chunk(layers: range) -> None:
-            computed_ns = tracing.now_ns()
-            for _, job in live:
-                if job.settled:
-                    continue
-                tracing.record(
-                    "prefill.compute",
-                    chunk_started[0],
-                    computed_ns,
-                    {
-                        "pdserve.layers.first": layers.start,
-                        "pdserve.layers.count": len(layers),
-                        "pdserve.batch": len(live),
-                    },
-                    parent=job.trace,
-                )
-                if job.cancelled.is_set():
-                    self._fail(
-                        job,
-                        PrefillCancelled(f"prefill of request {job.request_id} was cancelled at layer {layers.start}"),
-                        self._quiesce(job.pusher),
-                    )
-                    continue
-                push_ns = tracing.now_ns()
-                try:
-                    job.pusher.push_chunk(layers)
-                except PushError as exc:  # a put failed: whether others still land is unknown
-                    self.metrics.observe_transfer_failure()
-                    job.pusher.abort()
-                    self._fail(job, exc, False)
-                tracing.record(
-                    "kv.push",
-                    push_ns,
-                    tracing.now_ns(),
-                    {
-                        "pdserve.layers.first": layers.start,
-                        "pdserve.layers.count": len(layers),
-                        "pdserve.push.targets": len(job.targets),
-                        "pdserve.push.failed": job.settled,
-                    },
-                    parent=job.trace,
-                )
-            chunk_started[0] = tracing.now_ns()
-            if all(job.settled for _, job in live):
-                raise _AllEnded
-
-        model = self.loaded.model
+    def _forward(self, live: list[tuple[int, _Job]]) -> tuple[Any, dict[int, int]] | None:
+        """The forward pass, each prompt after the longest prefix its cache holds: the logits of
+        each prompt's last position and the tokens taken from the cache (None: all ended)."""
+        s, model = self.settings, self.loaded.model
+        on_chunk = _ChunkPushes(self, live)
         uses: dict[int, PrefixUse] = {}
         try:
             if self.prefix is not None:
@@ -416,59 +388,59 @@ class PrefillWorker:
                         starts=starts,
                     )
             except _AllEnded:
-                return
+                return None
             for slot, use in uses.items():  # the pass ran through: every prompt's KV is whole
                 self.prefix.finish(use, self.cache, slot)
         finally:
             for use in uses.values():
                 self.prefix.end(use)
-        computed = time.perf_counter()
-        for row, (slot, job) in enumerate(live):
-            if job.settled:
-                continue
-            try:
-                if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
-                    raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
-                stops = stop_token_ids(job.params, self.loaded.tokenizer.eos_token_ids)
-                first = sample_first(logits[row], job.params, job.prompt, job.num_generated, tuple(stops))
-                finish_ns = tracing.now_ns()
-                stats = job.pusher.finish({"first_token": first})
-                tracing.record(
-                    "kv.push.finish",
-                    finish_ns,
-                    tracing.now_ns(),
-                    {"pdserve.kv.bytes": stats.bytes, "pdserve.push.seconds": stats.seconds},
-                    parent=job.trace,
-                )
-            except PushError as exc:
-                self.metrics.observe_transfer_failure()
-                job.pusher.abort()
-                self._fail(job, exc, False)
-                continue
-            except Exception as exc:
-                self._fail(job, exc, self._quiesce(job.pusher))
-                continue
-            done = time.perf_counter()
-            self.served += 1
-            self.metrics.observe_prefilled(len(job.prompt), stats.bytes, stats.seconds, done - job.accepted)
-            cached = uses[slot].cached_tokens if uses else 0
-            log.info(
-                kv(
-                    event="prefill_done",
-                    request=job.request_id,
-                    tokens=len(job.prompt),
-                    cached=cached,
-                    targets=len(job.targets),
-                    batch=len(live),
-                    kv_bytes=stats.bytes,
-                    queued_ms=round((started - job.accepted) * 1000, 1),
-                    compute_ms=round((computed - started) * 1000, 1),
-                    push_ms=round(stats.seconds * 1000, 1),
-                )
+        return logits, {slot: use.cached_tokens for slot, use in uses.items()}
+
+    def _finish(self, job: _Job, logits: Any, cached: int, batch: int, started: float, computed: float) -> None:
+        """Sample the prompt's first token and send kv_ready with it; resolve the job either way."""
+        assert job.pusher is not None
+        try:
+            if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
+                raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
+            stops = stop_token_ids(job.params, self.loaded.tokenizer.eos_token_ids)
+            first = sample_first(logits, job.params, job.prompt, job.num_generated, tuple(stops))
+            finish_ns = tracing.now_ns()
+            stats = job.pusher.finish({"first_token": first})
+            tracing.record(
+                "kv.push.finish",
+                finish_ns,
+                tracing.now_ns(),
+                {"pdserve.kv.bytes": stats.bytes, "pdserve.push.seconds": stats.seconds},
+                parent=job.trace,
             )
-            self._resolve(
-                job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted, cached)
+        except PushError as exc:
+            self.metrics.observe_transfer_failure()
+            job.pusher.abort()
+            self._fail(job, exc, False)
+            return
+        except Exception as exc:
+            self._fail(job, exc, self._quiesce(job.pusher))
+            return
+        done = time.perf_counter()
+        self.served += 1
+        self.metrics.observe_prefilled(len(job.prompt), stats.bytes, stats.seconds, done - job.accepted)
+        log.info(
+            kv(
+                event="prefill_done",
+                request=job.request_id,
+                tokens=len(job.prompt),
+                cached=cached,
+                targets=len(job.targets),
+                batch=batch,
+                kv_bytes=stats.bytes,
+                queued_ms=round((started - job.accepted) * 1000, 1),
+                compute_ms=round((computed - started) * 1000, 1),
+                push_ms=round(stats.seconds * 1000, 1),
             )
+        )
+        self._resolve(
+            job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted, cached)
+        )
 
     def _fail(self, job: _Job, exc: BaseException, settled: bool) -> None:
         self._resolve(job, _mark(exc, settled))
@@ -499,6 +471,53 @@ class PrefillWorker:
             settled = False
         pusher.abort()
         return settled
+
+
+class _ChunkPushes:
+    """The `on_chunk` of one pass: after each chunk of layers, record its compute and push it for
+    every prompt still live; raise `_AllEnded` once none is (the pass stops early)."""
+
+    def __init__(self, worker: PrefillWorker, live: list[tuple[int, _Job]]) -> None:
+        self.worker, self.live = worker, live
+        self.started_ns = tracing.now_ns()
+
+    def __call__(self, layers: range) -> None:
+        computed_ns = tracing.now_ns()
+        for _, job in self.live:
+            if not job.settled:
+                self._push(job, layers, computed_ns)
+        self.started_ns = tracing.now_ns()
+        if all(job.settled for _, job in self.live):
+            raise _AllEnded
+
+    def _push(self, job: _Job, layers: range, computed_ns: int) -> None:
+        worker = self.worker
+        assert job.pusher is not None
+        span = {"pdserve.layers.first": layers.start, "pdserve.layers.count": len(layers)}
+        tracing.record(
+            "prefill.compute", self.started_ns, computed_ns, {**span, "pdserve.batch": len(self.live)}, parent=job.trace
+        )
+        if job.cancelled.is_set():
+            worker._fail(
+                job,
+                PrefillCancelled(f"prefill of request {job.request_id} was cancelled at layer {layers.start}"),
+                worker._quiesce(job.pusher),
+            )
+            return
+        push_ns = tracing.now_ns()
+        try:
+            job.pusher.push_chunk(layers)
+        except PushError as exc:  # a put failed: whether others still land is unknown
+            worker.metrics.observe_transfer_failure()
+            job.pusher.abort()
+            worker._fail(job, exc, False)
+        tracing.record(
+            "kv.push",
+            push_ns,
+            tracing.now_ns(),
+            {**span, "pdserve.push.targets": len(job.targets), "pdserve.push.failed": job.settled},
+            parent=job.trace,
+        )
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
