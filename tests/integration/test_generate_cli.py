@@ -70,6 +70,19 @@ def test_streams_the_same_text_as_the_generator(tiny_model_dir):
     assert int(stats_line(out.stderr)["prompt_tokens"]) == len(loaded.tokenizer.encode("Paris is"))
 
 
+def test_the_prompt_may_be_given_positionally(tiny_model_dir):
+    """`pdserve generate "The capital of France is"` is what a newcomer types first."""
+    flags = ("--model", str(tiny_model_dir), "--temperature", "0", "--max-tokens", "4", "--dtype", "float32")
+    positional = run_cli("Paris is", *flags)
+    flagged = run_cli("--prompt", "Paris is", *flags)
+    assert positional.returncode == 0, positional.stderr
+    assert positional.stdout == flagged.stdout and positional.stdout.strip()
+    both = run_cli("Paris is", "--prompt", "Rome is", *flags)
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    neither = run_cli(*flags)
+    assert neither.returncode == 2 and "required" in neither.stderr
+
+
 def test_invalid_options_fail_with_the_field_named(tiny_model_dir):
     out = run_cli("--model", str(tiny_model_dir), "--prompt", "x", "--top-p", "2")
     assert out.returncode == 2 and "top_p" in out.stderr

@@ -16,7 +16,11 @@ from pdserve_worker.model.sampling_params import SamplingParams
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt (colocated, streamed to stdout)")
-    p.add_argument("--prompt", required=True, help="the prompt text (or the user message with --chat)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument(
+        "prompt_text", nargs="?", metavar="PROMPT", help="the prompt text (or the user message with --chat)"
+    )
+    given.add_argument("--prompt", default=None, help="the same, as a flag")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat (else the template's default)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -61,6 +65,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.prompt is None:  # given positionally
+        args.prompt = args.prompt_text
 
     from pdserve_common import logs
     from pdserve_worker.model.generate import Generator, StepOutput, colocated_cache, prefill_first_token
