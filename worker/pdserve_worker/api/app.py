@@ -758,7 +758,6 @@ def create_app(
     if admission is not None:
         metrics.watch_admission(admission.waiting, PRIORITIES)
     tenant_of = Depends(router.authenticate)
-    started = int(time.time())
     app = FastAPI(title="pdserve router", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, metrics=metrics)
     if keys is not None:  # outermost: the key before the body's size or its JSON
@@ -769,6 +768,15 @@ def create_app(
     if callable(describe):
         metrics.watch_backend(describe)
     app.state.router = router
+
+    _add_error_handlers(app, metrics, limits)
+    _add_openai_routes(app, router, backend, tenant_of)
+    _add_operations_routes(app, backend, metrics, admission)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: RouterMetrics, limits: RouterLimits) -> None:
+    """OpenAI's error bodies for every way a request fails, counted by status."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -793,6 +801,11 @@ def create_app(
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.error(kv(event="unhandled_error", error=repr(exc)), exc_info=exc)
         return JSONResponse(error_body("internal error", "internal_error"), status_code=500)
+
+
+def _add_openai_routes(app: FastAPI, router: _Router, backend: Backend, tenant_of: Any) -> None:
+    """/v1 and the tokenizer endpoints, each behind the API key."""
+    started = int(time.time())
 
     # The key is checked (a dependency) before the body is validated: an unauthenticated client
     # learns nothing from field errors.
@@ -827,6 +840,12 @@ def create_app(
             ],
         }
 
+
+def _add_operations_routes(
+    app: FastAPI, backend: Backend, metrics: RouterMetrics, admission: AdmissionQueue | None
+) -> None:
+    """/health and /metrics: no key (the pod's probes and Prometheus read them)."""
+
     @app.get("/health")
     async def health() -> dict[str, object]:
         body: dict[str, object] = {"status": "ok", "model": backend.model_name}
@@ -840,5 +859,3 @@ def create_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
