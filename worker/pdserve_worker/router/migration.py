@@ -112,16 +112,7 @@ async def migrate(
     ok = False
     try:
         call = worker_pb2_grpc.DecodeStub(backend.channel(target)).Generate(
-            worker_pb2.GenerateRequest(
-                request_id=request_id,
-                slot=grant.slot,
-                generation=grant.generation,
-                prompt_token_ids=tokens,
-                sampling=sampling,
-                readiness_timeout_ms=int(MIGRATE_S * 2000),
-                num_generated=len(emitted),
-                migrated=True,
-            )
+            _target_request(request_id, grant, tokens, sampling, len(emitted))
         )
         try:
             reply = await worker_pb2_grpc.DecodeStub(backend.channel(source)).Migrate(
@@ -148,6 +139,22 @@ async def migrate(
             if call is not None:
                 call.cancel()
             backend.spawn(_give_back(backend, target, grant, settled))
+
+
+def _target_request(
+    request_id: str, grant: worker_pb2.Grant, tokens: list[int], sampling: Any, num_generated: int
+) -> worker_pb2.GenerateRequest:
+    """The target's Generate: it waits for the source's push (twice the Migrate's time)."""
+    return worker_pb2.GenerateRequest(
+        request_id=request_id,
+        slot=grant.slot,
+        generation=grant.generation,
+        prompt_token_ids=tokens,
+        sampling=sampling,
+        readiness_timeout_ms=int(MIGRATE_S * 2000),
+        num_generated=num_generated,
+        migrated=True,
+    )
 
 
 async def _give_back(backend: DecodePort, target: Member, grant: worker_pb2.Grant, settled: bool) -> None:

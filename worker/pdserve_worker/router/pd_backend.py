@@ -333,30 +333,30 @@ class PDBackend(ModelTokenizing):
                 if retries > self._t.max_retries:
                     raise failure.error from None
                 avoid.add(failure.worker_id)
-                log.warning(
-                    kv(
-                        event="request_retry",
-                        request=request_id,
-                        retry=retries,
-                        failed=failure.worker_id,
-                        emitted=len(emitted),
-                        error=str(failure.error),
-                    )
-                )
-                # The resume, in the request's trace: the next attempt span carries `pdserve.retry`.
-                tracing.record(
-                    "router.resume",
-                    tracing.now_ns(),
-                    tracing.now_ns(),
-                    {
-                        "pdserve.retry": retries,
-                        "pdserve.failed.member": failure.worker_id,
-                        "pdserve.resumed_tokens": len(emitted),
-                        "error.message": str(failure.error),
-                    },
-                )
-                if self._metrics is not None:
-                    self._metrics.observe_retry()
+                self._note_retry(request_id, retries, failure, len(emitted))
+
+    def _note_retry(self, request_id: str, retries: int, failure: _Retryable, emitted: int) -> None:
+        """Log, trace and count one resume (the next attempt span carries `pdserve.retry`)."""
+        log.warning(
+            kv(
+                event="request_retry",
+                request=request_id,
+                retry=retries,
+                failed=failure.worker_id,
+                emitted=emitted,
+                error=str(failure.error),
+            )
+        )
+        now = tracing.now_ns()
+        attributes = {
+            "pdserve.retry": retries,
+            "pdserve.failed.member": failure.worker_id,
+            "pdserve.resumed_tokens": emitted,
+            "error.message": str(failure.error),
+        }
+        tracing.record("router.resume", now, now, attributes)
+        if self._metrics is not None:
+            self._metrics.observe_retry()
 
     async def _attempt(
         self,
