@@ -167,32 +167,8 @@ class DecodeWorker:
         # Only reserved slots are writable by peers (host engine), and a ready notify counts
         # only with its grant's nonce: neither a stray peer nor a forged notify can touch a
         # request that is not theirs.
-        self.slots: SlotTable | BlockTable
-        self.cache: KVCache | PagedKVCache
-        if layout.paged:
-            self.leases = BlockWriteLeases(backend, self.pool.base_addr, layout)
-            self.slots = BlockTable(
-                layout,
-                engine_id=settings.engine_id,
-                base_addr=self.pool.base_addr,
-                quarantine_s=quarantine_s,
-                capability_key=capability_key(settings.token),
-                leases=self.leases,
-            )
-            self.cache = cache = PagedKVCache(layout, self.pool.tensor)
-            warm = self._warm_blocks
-        else:
-            self.leases = SlotWriteLeases(backend, self.pool.base_addr, layout)
-            self.slots = SlotTable(
-                layout,
-                engine_id=settings.engine_id,
-                base_addr=self.pool.base_addr,
-                quarantine_s=quarantine_s,
-                capability_key=capability_key(settings.token),
-                leases=self.leases,
-            )
-            self.cache = cache = KVCache(layout, self.pool.tensor)
-            warm = self.pool.warm
+        warm = self._own_the_pool(layout, quarantine_s)
+        cache = self.cache
         self.readiness = Readiness(
             backend,
             settings.readiness_mode,
@@ -210,16 +186,37 @@ class DecodeWorker:
         self.draining = False
         self._sweeper: asyncio.Task[None] | None = None
         self.metrics = WorkerMetrics("decode")  # served on /metrics (worker_main)
+        self._watch()
+        # Requests handed over while draining (decode/migration.py), and the one thread that pushes them.
+        self.handoffs = HandoffBook()
+        self._migrations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-migrate")
+
+    def _own_the_pool(self, layout: KVLayout, quarantine_s: float) -> Any:
+        """The pool's one grant owner, its write leases and the cache view over it: blocks for
+        a paged pool, slots otherwise; returns the pool's warm-up."""
+        settings, base_addr, paged = self.settings, self.pool.base_addr, layout.paged
+        self.leases = (BlockWriteLeases if paged else SlotWriteLeases)(self.backend, base_addr, layout)
+        table = BlockTable if paged else SlotTable
+        self.slots: SlotTable | BlockTable = table(
+            layout,
+            engine_id=settings.engine_id,
+            base_addr=base_addr,
+            quarantine_s=quarantine_s,
+            capability_key=capability_key(settings.token),
+            leases=self.leases,
+        )
+        self.cache: KVCache | PagedKVCache = (PagedKVCache if paged else KVCache)(layout, self.pool.tensor)
+        return self._warm_blocks if paged else self.pool.warm
+
+    def _watch(self) -> None:
+        num_slots = self.layout.num_slots
         self.metrics.watch_decode(
-            lambda: layout.num_slots - self.slot_usage().free,
-            layout.num_slots,
+            lambda: num_slots - self.slot_usage().free,
+            num_slots,
             lambda: self.loop.active,
             lambda: self.loop.stats,
             kv_tokens=self.kv_tokens,
         )
-        # Requests handed over while draining (decode/migration.py), and the one thread that pushes them.
-        self.handoffs = HandoffBook()
-        self._migrations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-migrate")
 
     # ---- what a paged pool adds to the request road (kv/blocks.py) --------------------------------
 

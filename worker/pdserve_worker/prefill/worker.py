@@ -528,32 +528,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillReply:
         prompt = list(request.prompt_token_ids)
-        vocab = self.w.loaded.config.vocab_size
         settled = settled_trailer(True)  # nothing is put before the prefill runs
         if self.w.draining:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"prefill {self.w.settings.member_id} is draining", settled
             )
-        if not prompt:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty", settled)
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_token_ids must be in 0..{vocab - 1}, got {min(prompt)}..{max(prompt)}",
-                settled,
-            )
-        if len(prompt) > self.w.cache.layout.max_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {self.w.cache.layout.max_len}",
-                settled,
-            )
-        if len(request.cache_scope) > MAX_CACHE_SCOPE_CHARS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"cache_scope has {len(request.cache_scope)} characters, at most {MAX_CACHE_SCOPE_CHARS}",
-                settled,
-            )
+        refusal = self._refusal(request, prompt)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal, settled)
         try:
             params = sampling_from_proto(request.sampling)
             targets = push_targets_from_proto(request)
@@ -585,6 +567,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             prefill_seconds=result.prefill_seconds,
             cached_tokens=result.cached_tokens,
         )
+
+    def _refusal(self, request: worker_pb2.PrefillRequest, prompt: list[int]) -> str | None:
+        """Why the request is invalid (None: it is not)."""
+        vocab, max_len = self.w.loaded.config.vocab_size, self.w.cache.layout.max_len
+        if not prompt:
+            return "prompt_token_ids is empty"
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            return f"prompt_token_ids must be in 0..{vocab - 1}, got {min(prompt)}..{max(prompt)}"
+        if len(prompt) > max_len:
+            return f"prompt of {len(prompt)} tokens exceeds this prefill's max_len {max_len}"
+        if len(request.cache_scope) > MAX_CACHE_SCOPE_CHARS:
+            return f"cache_scope has {len(request.cache_scope)} characters, at most {MAX_CACHE_SCOPE_CHARS}"
+        return None
 
     async def _prefill(
         self,
