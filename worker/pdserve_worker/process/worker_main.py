@@ -109,6 +109,14 @@ async def run_worker(settings: WorkerSettings) -> int:
 # ---- prefill and decode ---------------------------------------------------------------------------
 
 
+def _admin_listener(settings: WorkerSettings, process: _Membership) -> Any:
+    """The admin port (/drain, the preStop hook's): loopback only, and only a decode has one."""
+    if settings.role != "decode":
+        return None
+    app = admin_app(process.tokens, process.drain)
+    return _serve_or_fail(app, ADMIN_HOST, settings.admin_port, settings, "worker-admin")
+
+
 async def _run_model_worker(settings: WorkerSettings) -> None:
     """A prefill, a decode or a decode group's follower, from start to stop (module doc)."""
     import grpc
@@ -121,13 +129,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     process = _Membership(settings)
     http = _serve_or_fail(worker_app(process.state), settings.bind_host, settings.http_port, settings, "worker-http")
     # The admin port (/drain, the preStop hook's) listens on loopback only, and only a decode has one.
-    admin = (
-        None
-        if settings.role != "decode"
-        else _serve_or_fail(
-            admin_app(process.tokens, process.drain), ADMIN_HOST, settings.admin_port, settings, "worker-admin"
-        )
-    )
+    admin = _admin_listener(settings, process)
     backend: TransferBackend | None = None
     server: grpc.aio.Server | None = None
     role: ServingRole | None = None
@@ -148,17 +150,8 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         if stop.is_set():
             return
         await process.join(role)
-        log.info(
-            kv(
-                event="worker_ready",
-                role=settings.role,
-                worker=settings.member_id,
-                grpc=settings.grpc_endpoint,
-                http=settings.http_port,
-                model=loaded.name,
-                revision=revision,
-            )
-        )
+        ready = {"grpc": settings.grpc_endpoint, "http": settings.http_port, "model": loaded.name, "revision": revision}
+        log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id, **ready))
         await _until(stop, http.task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
         await process.leave()
