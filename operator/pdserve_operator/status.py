@@ -140,28 +140,65 @@ def compute(
     prev: s.PDInferenceServiceStatus | None,
     now: str,
 ) -> s.PDInferenceServiceStatus:
+    """The status a reconcile writes: per-role counts, the phase, the conditions, the capacity."""
     shards = spec.decode.layer_shards
-    prefill, decode, router = (
-        Workload.of(observed.prefill),
-        Workload.of(observed.decode),
-        Workload.of(observed.router),
-    )
-    reg = observed.registered
-
+    workloads = {role: Workload.of(getattr(observed, role)) for role in ("prefill", "decode", "router")}
     decode_ready = (
         ready_groups(observed.decode_pods, shards)
         if observed.decode_pods is not None and shards > 1
-        else decode.ready // shards
+        else workloads["decode"].ready // shards
     )
+    role_status, short = _roles(spec, observed, workloads, decode_ready)
+    missing = [role for role, w in workloads.items() if not w.exists]
+    failures = [f"{role}: {w.failure}" for role, w in workloads.items() if w.failure]
+    rolling = [
+        role for role, w in workloads.items() if w.exists and (not w.current_generation or w.updated < w.replicas)
+    ]
+    spec_changed = prev is None or prev.observed_generation != generation
+    any_ready = any(st["ready"] > 0 for st in role_status.values())
+    phase = _phase(bool(short or missing), failures, observed.conflicts, prev, spec_changed, any_ready)
+    problems = failures + [f"{c} is owned by another controller" for c in observed.conflicts]
+    problems += [f"{role} workload missing" for role in missing] + short
+    detail = "; ".join(problems)
+    progressing = phase in ("Pending", "Progressing") or bool(rolling) or bool(missing)
+    moving = ", ".join(f"{role} rolling out" for role in rolling) or detail
+    total = spec.decode.slots * decode_ready
+    used = observed.slots_used
+    kv_total = ch.kv_tokens_per_group(spec) * decode_ready
+    kv_used = observed.kv_tokens_used
+    return s.PDInferenceServiceStatus(
+        phase=phase,
+        observed_generation=generation,
+        conditions=_conditions(prev, phase, detail, progressing, moving, generation, now),
+        prefill=s.RoleStatus(**role_status["prefill"]),
+        decode=s.DecodeStatus(
+            **role_status["decode"],
+            replicas=workloads["decode"].replicas // shards,
+            selector=ch.selector_string(owner.name, "decode"),
+        ),
+        router=s.RoleStatus(**role_status["router"]),
+        slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),
+        kv_tokens=s.KVStatus(used=kv_used, total=kv_total, summary=_summary(kv_used, kv_total)),
+        endpoint=ch.endpoint(owner, spec),
+        autoscaling=observed.autoscaling,
+        last_drain=observed.last_drain,
+    )
+
+
+def _roles(
+    spec: s.PDInferenceServiceSpec, observed: Observed, workloads: dict[str, Workload], decode_ready: int
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each role's desired/ready/registered counts, and what keeps a role short of ready."""
+    shards, reg = spec.decode.layer_shards, observed.registered
     # An autoscaled role wants what its workload is asked for now (an autoscaler wrote it).
     p_want = _asked(observed.prefill, 1) if s.autoscaled(spec, "prefill") else None
     d_want = _asked(observed.decode, shards) if s.autoscaled(spec, "decode") else None
     p_want = spec.prefill.replicas if p_want is None else p_want
     d_want = spec.decode.replicas if d_want is None else d_want
     roles = {
-        "prefill": (p_want, prefill.ready, p_want),
+        "prefill": (p_want, workloads["prefill"].ready, p_want),
         "decode": (d_want, decode_ready, d_want * shards),
-        "router": (spec.router.replicas, router.ready, spec.router.replicas),
+        "router": (spec.router.replicas, workloads["router"].ready, spec.router.replicas),
     }
     role_status: dict[str, dict[str, Any]] = {}
     short: list[str] = []
@@ -177,43 +214,41 @@ def compute(
             short.append(f"{role} {ready}/{desired} ready")
         elif registered is not None and registered < pods_wanted:
             short.append(f"{role} {registered}/{pods_wanted} registered with the broker")
+    return role_status, short
 
-    workloads = {"prefill": prefill, "decode": decode, "router": router}
-    missing = [role for role, w in workloads.items() if not w.exists]
-    failures = [f"{role}: {w.failure}" for role, w in workloads.items() if w.failure]
-    rolling = [
-        role for role, w in workloads.items() if w.exists and (not w.current_generation or w.updated < w.replicas)
-    ]
-    spec_changed = prev is None or prev.observed_generation != generation
-    any_ready = any(st["ready"] > 0 for st in role_status.values())
 
-    if not short and not missing and not observed.conflicts:
-        phase: s.Phase = "Ready"
-    elif failures or observed.conflicts:
-        phase = "Degraded"
-    elif prev is not None and prev.phase in ("Ready", "Degraded") and not spec_changed:
-        phase = "Degraded"
-    elif any_ready:
-        phase = "Progressing"
-    else:
-        phase = "Pending"
+def _phase(
+    lacking: bool,
+    failures: list[str],
+    conflicts: tuple[str, ...],
+    prev: s.PDInferenceServiceStatus | None,
+    spec_changed: bool,
+    any_ready: bool,
+) -> s.Phase:
+    """Ready when nothing lacks; Degraded on a failure, a conflict, or a fall from Ready without
+    a spec change; else Progressing once anything is ready, Pending before."""
+    if not lacking and not conflicts:
+        return "Ready"
+    if failures or conflicts:
+        return "Degraded"
+    if prev is not None and prev.phase in ("Ready", "Degraded") and not spec_changed:
+        return "Degraded"
+    return "Progressing" if any_ready else "Pending"
 
-    problems = failures + [f"{c} is owned by another controller" for c in observed.conflicts]
-    problems += [f"{role} workload missing" for role in missing] + short
-    detail = "; ".join(problems)
-    progressing = phase in ("Pending", "Progressing") or bool(rolling) or bool(missing)
-    moving = ", ".join(f"{role} rolling out" for role in rolling) or detail
-    conds = [
+
+def _conditions(
+    prev: s.PDInferenceServiceStatus | None,
+    phase: s.Phase,
+    detail: str,
+    progressing: bool,
+    moving: str,
+    generation: int,
+    now: str,
+) -> list[s.Condition]:
+    ready, degraded = phase == "Ready", phase == "Degraded"
+    return [
         _condition(prev, "SpecValid", True, "Valid", "", generation, now),
-        _condition(
-            prev,
-            "Ready",
-            phase == "Ready",
-            "AllReplicasReady" if phase == "Ready" else "NotReady",
-            detail,
-            generation,
-            now,
-        ),
+        _condition(prev, "Ready", ready, "AllReplicasReady" if ready else "NotReady", detail, generation, now),
         _condition(
             prev,
             "Progressing",
@@ -226,34 +261,13 @@ def compute(
         _condition(
             prev,
             "Degraded",
-            phase == "Degraded",
-            "Degraded" if phase == "Degraded" else "Healthy",
-            detail if phase == "Degraded" else "",
+            degraded,
+            "Degraded" if degraded else "Healthy",
+            detail if degraded else "",
             generation,
             now,
         ),
     ]
-    total = spec.decode.slots * decode_ready
-    used = observed.slots_used
-    kv_total = ch.kv_tokens_per_group(spec) * decode_ready
-    kv_used = observed.kv_tokens_used
-    return s.PDInferenceServiceStatus(
-        phase=phase,
-        observed_generation=generation,
-        conditions=conds,
-        prefill=s.RoleStatus(**role_status["prefill"]),
-        decode=s.DecodeStatus(
-            **role_status["decode"],
-            replicas=decode.replicas // shards,
-            selector=ch.selector_string(owner.name, "decode"),
-        ),
-        router=s.RoleStatus(**role_status["router"]),
-        slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),
-        kv_tokens=s.KVStatus(used=kv_used, total=kv_total, summary=_summary(kv_used, kv_total)),
-        endpoint=ch.endpoint(owner, spec),
-        autoscaling=observed.autoscaling,
-        last_drain=observed.last_drain,
-    )
 
 
 def _asked(workload: dict[str, Any] | None, per: int) -> int | None:
