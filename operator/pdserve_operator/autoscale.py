@@ -33,7 +33,7 @@ import datetime
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,7 @@ from pdserve_operator.planner import (
     Observation,
     PlannerState,
     ServingModel,
+    StepResult,
     WorkerLoad,
     Workload,
     controller_step,
@@ -260,37 +261,14 @@ class Autoscaler:
         a = spec.autoscaling
         assert a is not None
         state.next_due = now + a.interval_seconds
-        if state.config is None or state.generation != generation:
-            try:
-                state.config = planner_config(spec, current)
-            except ValueError as exc:
-                for role in planner_roles:
-                    state.reasons[role] = f"planner not configured: {exc}"
-                log.warning(kv(event="autoscale_config_failed", service=owner.key, error=str(exc)))
-                return
-            state.generation = generation
+        if not self._configured(owner, spec, generation, state, current, planner_roles):
+            return
         members = self.broker.members(owner.key) if hasattr(self.broker, "members") else None
         if members is None:
             for role in planner_roles:
                 state.reasons[role] = "hold: the broker reports no load (it is not running in this operator)"
             return
-        workers: list[WorkerLoad] = []
-        reports: dict[str, RouterReport] = {}
-        for m in members or ():
-            role = str(getattr(m.role, "value", m.role))
-            if role in ("prefill", "decode"):
-                workers.append(
-                    WorkerLoad(
-                        m.worker_id,
-                        role,  # type: ignore[arg-type]
-                        m.load.active_requests,
-                        m.load.slots_used,
-                        m.load.slots_used + m.load.slots_free,
-                        m.draining,
-                    )
-                )
-            elif role == "router" and (rep := router_report(m.load)) is not None:
-                reports[m.worker_id] = rep
+        workers, reports = _loads(members)
         win = window(
             state.routers,
             reports,
@@ -311,6 +289,7 @@ class Autoscaler:
             prefill_ready=ready["prefill"],
             decode_ready=ready["decode"],
         )
+        assert state.config is not None
         result = controller_step(state.planner, obs, now, state.config)
         state.planner = result.state
         log.info(
@@ -324,8 +303,48 @@ class Autoscaler:
                 decode=f"{current['decode']}->{result.decode.desired}",
             )
         )
+        await self._apply(owner, spec, state, current, result, workloads, planner_roles, now, post_event)
+
+    def _configured(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        generation: int,
+        state: _State,
+        current: dict[str, int],
+        planner_roles: list[str],
+    ) -> bool:
+        """The planner's configuration for this generation of the spec (False: it has none)."""
+        if state.config is not None and state.generation == generation:
+            return True
+        try:
+            state.config = planner_config(spec, current)
+        except ValueError as exc:
+            for role in planner_roles:
+                state.reasons[role] = f"planner not configured: {exc}"
+            log.warning(kv(event="autoscale_config_failed", service=owner.key, error=str(exc)))
+            return False
+        state.generation = generation
+        return True
+
+    async def _apply(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        state: _State,
+        current: dict[str, int],
+        result: StepResult,
+        workloads: dict[str, Live | None],
+        planner_roles: list[str],
+        now: float,
+        post_event: EventFn,
+    ) -> None:
+        """Scale to the plan: decode first (a drain may hold it up), then prefill within the P:D
+        band of where decode really is."""
+        a = spec.autoscaling
+        assert a is not None
         decode_now = current["decode"]
-        if "decode" in planner_roles:  # decode first: a drain may hold it up, and prefill must fit what it is
+        if "decode" in planner_roles:
             state.reasons["decode"] = result.decode.reason
             state.desired["decode"] = result.decode.desired
             await self._decode(owner, spec, state, current["decode"], result.decode.desired, workloads, now, post_event)
@@ -570,3 +589,20 @@ class Autoscaler:
             if st is not None
         ]
         return s.AutoscalingStatus(prefill=roles["prefill"], decode=roles["decode"], summary=" ".join(parts))
+
+
+def _loads(members: Iterable[Any]) -> tuple[list[WorkerLoad], dict[str, RouterReport]]:
+    """The prefills' and decodes' loads, and each router's report, from the broker's members."""
+    workers: list[WorkerLoad] = []
+    reports: dict[str, RouterReport] = {}
+    for m in members or ():
+        role = str(getattr(m.role, "value", m.role))
+        if role in ("prefill", "decode"):
+            load = m.load
+            total = load.slots_used + load.slots_free
+            workers.append(
+                WorkerLoad(m.worker_id, role, load.active_requests, load.slots_used, total, m.draining)  # type: ignore[arg-type]
+            )
+        elif role == "router" and (rep := router_report(m.load)) is not None:
+            reports[m.worker_id] = rep
+    return workers, reports
