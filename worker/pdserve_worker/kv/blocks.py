@@ -184,57 +184,18 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         `share_from`/`shared_blocks`: take the first `shared_blocks` blocks of the committed
         reservation (slot, generation) read-only instead of fresh ones (their KV is already
         here, and its decode never writes them: they hold only prompt tokens)."""
-        if ttl_s <= 0:
-            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
-        if num_tokens <= 0:
-            raise ValueError(f"a reservation needs at least one token, got {num_tokens}")
-        prompt = num_tokens if prompt_tokens is None else prompt_tokens
-        if not 0 < prompt <= num_tokens:
-            raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
-        need = blocks_for(num_tokens, self.block_tokens)
-        if need > self.num_blocks:
-            raise NoFreeBlocks(
-                f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
-                f"more than this pool's {self.num_blocks}"
-            )
-        if not 0 <= shared_blocks <= need:
-            raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
+        prompt, need = self._checked(request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
         self.expire()
         with self._lock:
             now = self._clock()
             self._sweep(now)
-            shared: tuple[int, ...] = ()
-            if shared_blocks:
-                source = self._live(*share_from) if share_from is not None else None
-                if source is None or source.state is not SlotState.COMMITTED:
-                    raise ValueError(f"share_from {share_from} is not a committed reservation")
-                whole = min(source.prompt_tokens, prompt) // self.block_tokens
-                if shared_blocks > whole:
-                    raise ValueError(f"cannot share {shared_blocks} blocks: {whole} whole prompt blocks in common")
-                shared = source.blocks[:shared_blocks]
+            shared = self._shared_prefix(share_from, shared_blocks, prompt) if shared_blocks else ()
             index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
             if index is None or fresh > len(self._free_blocks):
-                usage = self._usage()
-                what = (
-                    f"all {len(self._handles)} reservations in use"
-                    if index is None
-                    else f"needs {fresh} blocks ({num_tokens} tokens), {usage.free_blocks} free"
-                )
-                raise NoFreeBlocks(
-                    f"no KV room for request {request_id!r}: {what}; {usage.reserved_blocks} blocks reserved, "
-                    f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {self.num_blocks}"
-                )
+                raise self._no_room(request_id, index, fresh, num_tokens)
             generation = self._next_generation()
-            taken = tuple(heapq.heappop(self._free_blocks) for _ in range(fresh))
-            if self._leases is not None and taken:
-                try:
-                    self._leases.granted(index, generation, taken)
-                except BaseException:
-                    for b in taken:
-                        heapq.heappush(self._free_blocks, b)
-                    raise
-            blocks = shared + taken
+            blocks = shared + self._take(index, generation, fresh)
             for b in blocks:
                 self._refs[b] += 1
             h = self._claim(index, generation, request_id, ttl_s, now)
@@ -254,6 +215,63 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         return grant
 
     # ---- queries -------------------------------------------------------------------------------
+
+    def _checked(
+        self, request_id: str, ttl_s: float, num_tokens: int, prompt_tokens: int | None, shared_blocks: int
+    ) -> tuple[int, int]:
+        """The request's prompt tokens and blocks needed, or why it can never be granted."""
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
+        if num_tokens <= 0:
+            raise ValueError(f"a reservation needs at least one token, got {num_tokens}")
+        prompt = num_tokens if prompt_tokens is None else prompt_tokens
+        if not 0 < prompt <= num_tokens:
+            raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
+        need = blocks_for(num_tokens, self.block_tokens)
+        if need > self.num_blocks:
+            raise NoFreeBlocks(
+                f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
+                f"more than this pool's {self.num_blocks}"
+            )
+        if not 0 <= shared_blocks <= need:
+            raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
+        return prompt, need
+
+    def _shared_prefix(self, share_from: tuple[int, int] | None, shared_blocks: int, prompt: int) -> tuple[int, ...]:
+        """The first `shared_blocks` blocks of a committed reservation (lock held)."""
+        source = self._live(*share_from) if share_from is not None else None
+        if source is None or source.state is not SlotState.COMMITTED:
+            raise ValueError(f"share_from {share_from} is not a committed reservation")
+        whole = min(source.prompt_tokens, prompt) // self.block_tokens
+        if shared_blocks > whole:
+            raise ValueError(f"cannot share {shared_blocks} blocks: {whole} whole prompt blocks in common")
+        return source.blocks[:shared_blocks]
+
+    def _no_room(self, request_id: str, index: int | None, fresh: int, num_tokens: int) -> NoFreeBlocks:
+        usage = self._usage()
+        what = (
+            f"all {len(self._handles)} reservations in use"
+            if index is None
+            else f"needs {fresh} blocks ({num_tokens} tokens), {usage.free_blocks} free"
+        )
+        return NoFreeBlocks(
+            f"no KV room for request {request_id!r}: {what}; {usage.reserved_blocks} blocks reserved, "
+            f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {self.num_blocks}"
+        )
+
+    def _take(self, index: int, generation: int, fresh: int) -> tuple[int, ...]:
+        """`fresh` free blocks, lowest first, made writable for this grant (lock held); back on
+        the free list if the leases refuse them."""
+        taken = tuple(heapq.heappop(self._free_blocks) for _ in range(fresh))
+        if self._leases is not None and taken:
+            try:
+                self._leases.granted(index, generation, taken)
+            except BaseException:
+                for b in taken:
+                    heapq.heappush(self._free_blocks, b)
+                raise
+        return taken
+
     def grant_of(self, slot: int, generation: int) -> Grant | None:
         """The live reservation (slot, generation), reserved or committed, or None."""
         with self._lock:
