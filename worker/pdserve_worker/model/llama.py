@@ -140,6 +140,88 @@ def _hf(name: str, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise KeyError(f"weight {name!r} missing from checkpoint") from None
 
 
+class _Weights:
+    """Builds `LlamaModel`'s tensors from a checkpoint: each in the model's dtype and device,
+    each matrix group as its route runs it fastest (`weight_routes.plan`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        quantized: Mapping[str, QuantizedTensor],
+        groups: Mapping[str, Sequence[str]],
+        routes: Mapping[str, str],
+        linear: Linear,
+    ) -> None:
+        self.config, self.weights, self.quantized = config, weights, quantized
+        self.groups, self.routes, self.linear = groups, routes, linear
+
+    def take(self, name: str) -> torch.Tensor:
+        # Same dtype and device: the checkpoint's (memory-mapped) tensor itself, no copy.
+        return _hf(name, self.weights).to(device=self.linear.device, dtype=self.linear.dtype).contiguous()
+
+    def fused(self, *names: str) -> torch.Tensor:
+        # One pass per part (cast and copy together) into the fused matrix: loading stays fast.
+        parts = [_hf(n, self.weights) for n in names]
+        rows = sum(p.shape[0] for p in parts)
+        out = torch.empty((rows, *parts[0].shape[1:]), dtype=self.linear.dtype, device=self.linear.device)
+        row = 0
+        for part in parts:
+            out[row : row + part.shape[0]].copy_(part)
+            row += part.shape[0]
+        return out
+
+    def matrix(self, group: str, dense: Callable[[], torch.Tensor]) -> torch.Tensor | object:
+        """A group's matrix as its route runs it fastest (a prepacked, opaque oneDNN or
+        quantized matrix: for `Linear` only)."""
+        route, names, quantized = self.routes[group], self.groups[group], self.quantized
+        if route == "dequantized":
+            return self.linear.prepare(dense())
+        # The checkpoint's own blocks where it has them (int8 holds 4- and 8-bit ones exactly),
+        # else the float weights quantized by llama.cpp's reference rounding.
+        kind = "q4" if route == "int4" else "q8"
+        parts = [
+            (to_kind(quantized[n], kind) if route == "int4" else quantized[n])
+            if n in quantized
+            else quantize(_hf(n, self.weights), kind)
+            for n in names
+        ]
+        return self.linear.prepare_quantized(parts, route)
+
+    def head_rows(self, embed_tokens: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A quantized head's exact rows (fp32, by token id), for `head`'s refinement: a tied
+        head's are the embedding rows; an untied one keeps its checkpoint blocks and dequantizes rows."""
+        if self.routes["lm_head"] == "dequantized":
+            return None
+        if self.config.tie_word_embeddings:
+            return lambda ids: embed_tokens[ids].float()
+        stored = self.quantized.get("lm_head.weight") or quantize(_hf("lm_head.weight", self.weights), "q8")
+        return lambda ids: dequantize(stored.rows(ids.reshape(-1))).reshape(*ids.shape, -1)
+
+    def layer(self, i: int) -> LayerWeights:
+        config, groups, take, fused, matrix = self.config, self.groups, self.take, self.fused, self.matrix
+        p = f"model.layers.{i}."
+        qk_norm = None
+        if config.qk_norm:  # one weight row per head, q's heads first: a single norm call over q and k
+            qk_norm = torch.cat(
+                [
+                    take(p + "self_attn.q_norm.weight")[None].expand(config.num_heads, -1),
+                    take(p + "self_attn.k_norm.weight")[None].expand(config.num_kv_heads, -1),
+                ]
+            )
+        return LayerWeights(
+            attn_norm=take(p + "input_layernorm.weight"),
+            qkv=matrix(p + "attn_qkv", lambda: fused(*groups[p + "attn_qkv"])),
+            o=matrix(p + "attn_o", lambda: take(p + "self_attn.o_proj.weight")),
+            mlp_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=matrix(p + "mlp_gate_up", lambda: fused(*groups[p + "mlp_gate_up"])),
+            down=matrix(p + "mlp_down", lambda: take(p + "mlp.down_proj.weight")),
+            qkv_bias=fused(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
+            o_bias=take(p + "self_attn.o_proj.bias") if config.o_bias else None,
+            qk_norm=qk_norm,
+        )
+
+
 class LlamaModel:
     """The decoder's weights plus a forward that reads and writes a `KVCache`.
 
@@ -176,76 +258,16 @@ class LlamaModel:
         groups = matrix_groups(config, self.layer_range)
         self.routes = {group: (routes or {}).get(group, "dequantized") for group in groups}
 
-        def take(name: str) -> torch.Tensor:
-            # Same dtype and device: the checkpoint's (memory-mapped) tensor itself, no copy.
-            return _hf(name, weights).to(device=self.device, dtype=dtype).contiguous()
-
-        def fused(*names: str) -> torch.Tensor:
-            # One pass per part (cast and copy together) into the fused matrix: loading stays fast.
-            parts = [_hf(n, weights) for n in names]
-            out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, device=self.device)
-            row = 0
-            for part in parts:
-                out[row : row + part.shape[0]].copy_(part)
-                row += part.shape[0]
-            return out
-
         self.linear = Linear(self.device, dtype)
-
-        def matrix(group: str, dense: Callable[[], torch.Tensor]) -> torch.Tensor | object:
-            """A group's matrix as its route runs it fastest (a prepacked, opaque oneDNN or
-            quantized matrix: for `self.linear` only)."""
-            route, names = self.routes[group], groups[group]
-            if route == "dequantized":
-                return self.linear.prepare(dense())
-            # The checkpoint's own blocks where it has them (int8 holds 4- and 8-bit ones exactly),
-            # else the float weights quantized by llama.cpp's reference rounding.
-            kind = "q4" if route == "int4" else "q8"
-            parts = [
-                (to_kind(quantized[n], kind) if route == "int4" else quantized[n])
-                if n in quantized
-                else quantize(_hf(n, weights), kind)
-                for n in names
-            ]
-            return self.linear.prepare_quantized(parts, route)
-
-        self.embed_tokens = take("model.embed_tokens.weight")
-        self.norm = take("model.norm.weight")
+        build = _Weights(config, weights, quantized, groups, self.routes, self.linear)
+        self.embed_tokens = build.take("model.embed_tokens.weight")
+        self.norm = build.take("model.norm.weight")
         # Tied: a packed or quantized head is a second copy (the embedding lookup needs the plain rows).
-        self.lm_head = matrix(
-            "lm_head", lambda: self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = build.matrix(
+            "lm_head", lambda: self.embed_tokens if config.tie_word_embeddings else build.take("lm_head.weight")
         )
-        # A quantized head's exact rows (fp32, by token id), for `head`'s refinement: a tied head's
-        # are the embedding rows; an untied one keeps its checkpoint blocks and dequantizes rows.
-        self._head_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
-        if self.routes["lm_head"] != "dequantized":
-            if config.tie_word_embeddings:
-                self._head_rows = lambda ids: self.embed_tokens[ids].float()
-            else:
-                stored = quantized.get("lm_head.weight") or quantize(_hf("lm_head.weight", weights), "q8")
-                self._head_rows = lambda ids: dequantize(stored.rows(ids.reshape(-1))).reshape(*ids.shape, -1)
-        self.layers: dict[int, LayerWeights] = {}
-        for i in self.layer_range:
-            p = f"model.layers.{i}."
-            qk_norm = None
-            if config.qk_norm:  # one weight row per head, q's heads first: a single norm call over q and k
-                qk_norm = torch.cat(
-                    [
-                        take(p + "self_attn.q_norm.weight")[None].expand(config.num_heads, -1),
-                        take(p + "self_attn.k_norm.weight")[None].expand(config.num_kv_heads, -1),
-                    ]
-                )
-            self.layers[i] = LayerWeights(
-                attn_norm=take(p + "input_layernorm.weight"),
-                qkv=matrix(p + "attn_qkv", lambda: fused(*groups[p + "attn_qkv"])),
-                o=matrix(p + "attn_o", lambda: take(p + "self_attn.o_proj.weight")),
-                mlp_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=matrix(p + "mlp_gate_up", lambda: fused(*groups[p + "mlp_gate_up"])),
-                down=matrix(p + "mlp_down", lambda: take(p + "mlp.down_proj.weight")),
-                qkv_bias=fused(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
-                o_bias=take(p + "self_attn.o_proj.bias") if config.o_bias else None,
-                qk_norm=qk_norm,
-            )
+        self._head_rows = build.head_rows(self.embed_tokens)
+        self.layers: dict[int, LayerWeights] = {i: build.layer(i) for i in self.layer_range}
         freq_factors = weights.get("rope_freqs.weight")
         self.inv_freq = inverse_frequencies(config, freq_factors).to(self.device)
         self.rope_scale = attention_scaling(config)
