@@ -188,90 +188,20 @@ def _resources(role: str, spec: s.PDInferenceServiceSpec, overrides: s.PodOverri
     return out
 
 
+def _val(name: str, value: object) -> dict[str, Any]:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return {"name": name, "value": text}
+
+
+def _field(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
 def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> list[dict[str, Any]]:
-    def val(name: str, value: object) -> dict[str, Any]:
-        text = value if isinstance(value, str) else json.dumps(value)
-        return {"name": name, "value": text}
-
-    def field(name: str, path: str) -> dict[str, Any]:
-        return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
-
-    env = [
-        val(E.ROLE, role),
-        val(E.SERVICE, owner.key),
-        field(E.NAMESPACE, "metadata.namespace"),
-        field(E.POD_NAME, "metadata.name"),
-        field(E.POD_IP, "status.podIP"),
-        val(E.BROKER_ADDRESS, defaults.broker_address),
-        {
-            "name": E.BROKER_TOKEN,
-            "valueFrom": {"secretKeyRef": {"name": secret_name(owner.name), "key": TOKEN_KEY}},
-        },
-        val(E.HTTP_PORT_ENV, E.HTTP_PORT),
-        val(E.GRPC_PORT_ENV, E.GRPC_PORT),
-        val(E.CONFIG_FILE, f"{CONFIG_DIR}/{CONFIG_KEY}"),
-        val(E.MODEL_NAME, spec.model.name),
-        val(E.MODEL_SOURCE, _model_source_in_pod(spec.model.source)),
-        val(E.MODEL_DTYPE, spec.model.dtype),
-        val(E.MAX_LENGTH, spec.model.max_length),
-        val(E.DEVICE, spec.device.type),
-        val(E.DEVICE_COUNT, spec.device.count if spec.device.type != "cpu" else 0),
-        val(E.TRANSFER_BACKEND, spec.transfer.backend),
-        val(E.QUEUE_DEPTH, spec.transfer.queue_depth),
-        val(E.CONNECT_TIMEOUT_MS, spec.transfer.connect_timeout_ms),
-        val(E.TRANSFER_TIMEOUT_MS, spec.transfer.transfer_timeout_ms),
-        val(E.ENGINE_OPTIONS, json.dumps(spec.transfer.engine_options, sort_keys=True)),
-        val("HOME", "/tmp"),  # the root filesystem is read-only; caches go to the emptyDir
-    ]
-    if spec.tls is not None:
-        env += [
-            val(E.TLS_CERT, f"{E.TLS_DIR}/{E.TLS_CERT_KEY}"),
-            val(E.TLS_KEY, f"{E.TLS_DIR}/{E.TLS_KEY_KEY}"),
-            val(E.TLS_CA, f"{E.TLS_DIR}/{E.TLS_CA_KEY}"),
-            val(E.TLS_SERVER_NAME, tls_server_name(owner, spec)),
-        ]
-    if spec.observability.tracing is not None:
-        env += [
-            val(E.TRACING_ENDPOINT, spec.observability.tracing.endpoint),
-            val(E.TRACING_SAMPLE_RATIO, spec.observability.tracing.sample_ratio),
-        ]
-    if spec.tls is not None or defaults.broker_tls:
-        # Explicit either way: a broker with TLS and a service without spec.tls is a clear start error.
-        env.append(val(E.BROKER_TLS, defaults.broker_tls))
-    if role == "router":
-        a = spec.router.admission
-        env += [
-            val(E.ADMISSION_QUEUE, a.queue_size),
-            val(E.ADMISSION_PER_TENANT, a.per_tenant),
-            val(E.ADMISSION_DEADLINE_SECONDS, a.deadline_seconds),
-            # Each router enforces its share of every tenant's limits (docs/admission.md).
-            val(E.ROUTER_REPLICAS, max(spec.router.replicas, 1)),
-        ]
-        if spec.router.auth is not None:
-            env.append(val(E.API_KEYS_FILE, f"{E.API_KEYS_DIR}/{E.API_KEYS_KEY}"))
-    if role == "prefill":
-        env.append(val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk))
-        if spec.prefill.prefix_cache_tokens is not None:  # unset: the worker sizes it from its memory limit
-            env.append(val(E.PREFIX_CACHE_TOKENS, spec.prefill.prefix_cache_tokens))
-        if spec.prefill.prefix_disk_gib is not None:
-            env.append(val(E.PREFIX_DISK_DIR, PREFIX_DISK_DIR))
-            # 95% of the volume: the kubelet evicts a pod whose emptyDir passes its sizeLimit.
-            env.append(val(E.PREFIX_DISK_BYTES, int(spec.prefill.prefix_disk_gib * 2**30 * 0.95)))
-    if role == "decode":
-        d = spec.decode
-        env += [
-            val(E.SLOTS, d.slots),
-            val(E.KV_BLOCK_TOKENS, d.kv_block_tokens),
-            # Unset: the decode sizes its pool itself, slots x maxLength capped by its memory.
-            *([val(E.KV_TOKENS, d.kv_tokens)] if d.kv_block_tokens and d.kv_tokens is not None else []),
-            val(E.READINESS_MODE, d.readiness),
-            val(E.WARMUP, d.warmup),
-            val(E.LAYER_SHARDS, d.layer_shards),
-            val(E.DECODE_SERVICE, headless_name(owner.name)),
-            val(E.DRAIN_TIMEOUT_SECONDS, d.drain_timeout_seconds),
-        ]
-        if d.readiness == "poll":
-            env.append(val(E.POLL_INTERVAL_MICROS, d.poll_interval_micros or 100))
+    """The worker's environment: what every pod reads, what its role reads, then the user's
+    own variables (never one of ours: they are the contract with the worker)."""
+    env = [_val(E.ROLE, role), *_common_env(owner, spec, defaults)]
+    env += {"router": _router_env, "prefill": _prefill_env, "decode": _decode_env}[role](owner, spec)
     overrides: s.PodOverrides = getattr(spec, role)
     ours = {e["name"] for e in env}
     # The operator's variables are the contract with the worker: user env cannot replace them.
@@ -280,6 +210,94 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
         for e in overrides.env
         if e.name not in ours and not e.name.startswith("PDSERVE_")
     ]
+    return env
+
+
+def _common_env(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        _val(E.SERVICE, owner.key),
+        _field(E.NAMESPACE, "metadata.namespace"),
+        _field(E.POD_NAME, "metadata.name"),
+        _field(E.POD_IP, "status.podIP"),
+        _val(E.BROKER_ADDRESS, defaults.broker_address),
+        {
+            "name": E.BROKER_TOKEN,
+            "valueFrom": {"secretKeyRef": {"name": secret_name(owner.name), "key": TOKEN_KEY}},
+        },
+        _val(E.HTTP_PORT_ENV, E.HTTP_PORT),
+        _val(E.GRPC_PORT_ENV, E.GRPC_PORT),
+        _val(E.CONFIG_FILE, f"{CONFIG_DIR}/{CONFIG_KEY}"),
+        _val(E.MODEL_NAME, spec.model.name),
+        _val(E.MODEL_SOURCE, _model_source_in_pod(spec.model.source)),
+        _val(E.MODEL_DTYPE, spec.model.dtype),
+        _val(E.MAX_LENGTH, spec.model.max_length),
+        _val(E.DEVICE, spec.device.type),
+        _val(E.DEVICE_COUNT, spec.device.count if spec.device.type != "cpu" else 0),
+        _val(E.TRANSFER_BACKEND, spec.transfer.backend),
+        _val(E.QUEUE_DEPTH, spec.transfer.queue_depth),
+        _val(E.CONNECT_TIMEOUT_MS, spec.transfer.connect_timeout_ms),
+        _val(E.TRANSFER_TIMEOUT_MS, spec.transfer.transfer_timeout_ms),
+        _val(E.ENGINE_OPTIONS, json.dumps(spec.transfer.engine_options, sort_keys=True)),
+        _val("HOME", "/tmp"),  # the root filesystem is read-only; caches go to the emptyDir
+    ]
+    if spec.tls is not None:
+        env += [
+            _val(E.TLS_CERT, f"{E.TLS_DIR}/{E.TLS_CERT_KEY}"),
+            _val(E.TLS_KEY, f"{E.TLS_DIR}/{E.TLS_KEY_KEY}"),
+            _val(E.TLS_CA, f"{E.TLS_DIR}/{E.TLS_CA_KEY}"),
+            _val(E.TLS_SERVER_NAME, tls_server_name(owner, spec)),
+        ]
+    if spec.observability.tracing is not None:
+        env += [
+            _val(E.TRACING_ENDPOINT, spec.observability.tracing.endpoint),
+            _val(E.TRACING_SAMPLE_RATIO, spec.observability.tracing.sample_ratio),
+        ]
+    if spec.tls is not None or defaults.broker_tls:
+        # Explicit either way: a broker with TLS and a service without spec.tls is a clear start error.
+        env.append(_val(E.BROKER_TLS, defaults.broker_tls))
+    return env
+
+
+def _router_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
+    a = spec.router.admission
+    env = [
+        _val(E.ADMISSION_QUEUE, a.queue_size),
+        _val(E.ADMISSION_PER_TENANT, a.per_tenant),
+        _val(E.ADMISSION_DEADLINE_SECONDS, a.deadline_seconds),
+        # Each router enforces its share of every tenant's limits (docs/admission.md).
+        _val(E.ROUTER_REPLICAS, max(spec.router.replicas, 1)),
+    ]
+    if spec.router.auth is not None:
+        env.append(_val(E.API_KEYS_FILE, f"{E.API_KEYS_DIR}/{E.API_KEYS_KEY}"))
+    return env
+
+
+def _prefill_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
+    env = [_val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk)]
+    if spec.prefill.prefix_cache_tokens is not None:  # unset: the worker sizes it from its memory limit
+        env.append(_val(E.PREFIX_CACHE_TOKENS, spec.prefill.prefix_cache_tokens))
+    if spec.prefill.prefix_disk_gib is not None:
+        env.append(_val(E.PREFIX_DISK_DIR, PREFIX_DISK_DIR))
+        # 95% of the volume: the kubelet evicts a pod whose emptyDir passes its sizeLimit.
+        env.append(_val(E.PREFIX_DISK_BYTES, int(spec.prefill.prefix_disk_gib * 2**30 * 0.95)))
+    return env
+
+
+def _decode_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
+    d = spec.decode
+    env = [
+        _val(E.SLOTS, d.slots),
+        _val(E.KV_BLOCK_TOKENS, d.kv_block_tokens),
+        # Unset: the decode sizes its pool itself, slots x maxLength capped by its memory.
+        *([_val(E.KV_TOKENS, d.kv_tokens)] if d.kv_block_tokens and d.kv_tokens is not None else []),
+        _val(E.READINESS_MODE, d.readiness),
+        _val(E.WARMUP, d.warmup),
+        _val(E.LAYER_SHARDS, d.layer_shards),
+        _val(E.DECODE_SERVICE, headless_name(owner.name)),
+        _val(E.DRAIN_TIMEOUT_SECONDS, d.drain_timeout_seconds),
+    ]
+    if d.readiness == "poll":
+        env.append(_val(E.POLL_INTERVAL_MICROS, d.poll_interval_micros or 100))
     return env
 
 
