@@ -336,8 +336,50 @@ def _probe(path: str, period: int, failures: int, https: bool = False) -> dict[s
     }
 
 
-def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
-    overrides: s.PodOverrides = getattr(spec, role)
+def _container(
+    owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults, mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The worker container: image, environment, ports, probes, a locked-down security context;
+    a decode's transfer port and preStop drain."""
+    https = role == "router" and spec.tls is not None  # the router serves its API (and probes) over TLS
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.image or defaults.image,
+        "imagePullPolicy": defaults.image_pull_policy,
+        "command": ["pdserve"],
+        "args": ["worker", "--role", role],
+        "env": _env(owner, role, spec, defaults),
+        "ports": [
+            {"name": "http", "containerPort": E.HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": E.GRPC_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": _probe("/readyz", 5, 3, https),
+        "livenessProbe": _probe("/healthz", 10, 6, https),
+        # Loading a model can take minutes; liveness starts counting only after this succeeds.
+        "startupProbe": _probe("/healthz", 5, 120, https),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+    resources = _resources(role, spec, getattr(spec, role))
+    if resources:
+        container["resources"] = resources
+    if role == "decode":
+        container["ports"].append({"name": "transfer", "containerPort": E.TRANSFER_PORT, "protocol": "TCP"})
+        # Contract (pod_env.py): `pdserve drain` calls GET /drain on the admin port, which listens
+        # on 127.0.0.1 only, and returns once the pod's slots are drained or timed out.
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["pdserve", "drain"]}}}
+    return container
+
+
+def _storage(
+    owner: Owner, role: str, spec: s.PDInferenceServiceSpec
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The worker's volume mounts and the pod's volumes."""
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -374,40 +416,15 @@ def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaul
         if claim is not None:
             mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
             volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-    https = role == "router" and spec.tls is not None  # the router serves its API (and probes) over TLS
-    container: dict[str, Any] = {
-        "name": "worker",
-        "image": spec.image or defaults.image,
-        "imagePullPolicy": defaults.image_pull_policy,
-        "command": ["pdserve"],
-        "args": ["worker", "--role", role],
-        "env": _env(owner, role, spec, defaults),
-        "ports": [
-            {"name": "http", "containerPort": E.HTTP_PORT, "protocol": "TCP"},
-            {"name": "grpc", "containerPort": E.GRPC_PORT, "protocol": "TCP"},
-        ],
-        "readinessProbe": _probe("/readyz", 5, 3, https),
-        "livenessProbe": _probe("/healthz", 10, 6, https),
-        # Loading a model can take minutes; liveness starts counting only after this succeeds.
-        "startupProbe": _probe("/healthz", 5, 120, https),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
-        "volumeMounts": mounts,
-    }
-    resources = _resources(role, spec, overrides)
-    if resources:
-        container["resources"] = resources
-    grace = 30
-    if role == "decode":
-        container["ports"].append({"name": "transfer", "containerPort": E.TRANSFER_PORT, "protocol": "TCP"})
-        # Contract (pod_env.py): `pdserve drain` calls GET /drain on the admin port, which listens
-        # on 127.0.0.1 only, and returns once the pod's slots are drained or timed out.
-        container["lifecycle"] = {"preStop": {"exec": {"command": ["pdserve", "drain"]}}}
-        grace = spec.decode.drain_timeout_seconds + 15
+    return mounts, volumes
+
+
+def pod_template(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
+    """The pod of one role: the worker container (`_container`) and the pod's own settings."""
+    overrides: s.PodOverrides = getattr(spec, role)
+    mounts, volumes = _storage(owner, role, spec)
+    container = _container(owner, role, spec, defaults, mounts)
+    grace = spec.decode.drain_timeout_seconds + 15 if role == "decode" else 30
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
