@@ -190,11 +190,8 @@ def _stabilise(
     return current, f"steady at {current}"
 
 
-def controller_step(state: PlannerState, obs: Observation, now: float, config: ControllerConfig) -> StepResult:
-    """One decision. `now` is seconds on any monotonic clock; pass the returned state next time."""
-    started = now if state.started_s is None else state.started_s
-    current = (obs.prefill_replicas, obs.decode_replicas)
-    workload = config.workload
+def _observed_workload(workload: Workload, obs: Observation) -> Workload:
+    """The configured workload with its lengths scaled to the observed means (where observed)."""
     if obs.prompt_tokens_mean:
         workload = workload.model_copy(
             update={"prompt_tokens": workload.prompt_tokens.scaled_to_mean(obs.prompt_tokens_mean)}
@@ -203,31 +200,54 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
         workload = workload.model_copy(
             update={"output_tokens": workload.output_tokens.scaled_to_mean(obs.output_tokens_mean)}
         )
-    rate = estimate_rate(obs, config, workload)
-    notes: list[str] = []
+    return workload
 
-    if rate is None:
-        # No signal (no routers' counts, no decodes): hold everything, within bounds.
-        p, d = config.bounds.clamp(*current)
-        reason = "hold: no load signal (no router request rate and no decode load)"
-        if (p, d) != current:
-            reason += f"; moved to {p}:{d} by the bounds / P:D band"
-        new_state = replace(state, started_s=started)
-        return StepResult(
-            new_state,
-            RoleDecision("prefill", current[0], current[0], p, reason, state.last_change_s[0]),
-            RoleDecision("decode", current[1], current[1], d, reason, state.last_change_s[1]),
-            None,
-            None,
-        )
 
-    # 2. correction factors, from a settled deployment with enough samples.
+def _hold(state: PlannerState, current: tuple[int, int], started: float, config: ControllerConfig) -> StepResult:
+    """No signal (no routers' counts, no decodes): hold everything, within bounds."""
+    p, d = config.bounds.clamp(*current)
+    reason = "hold: no load signal (no router request rate and no decode load)"
+    if (p, d) != current:
+        reason += f"; moved to {p}:{d} by the bounds / P:D band"
+    return StepResult(
+        replace(state, started_s=started),
+        RoleDecision("prefill", current[0], current[0], p, reason, state.last_change_s[0]),
+        RoleDecision("decode", current[1], current[1], d, reason, state.last_change_s[1]),
+        None,
+        None,
+    )
+
+
+def _corrections(
+    state: PlannerState,
+    obs: Observation,
+    current: tuple[int, int],
+    rate: float,
+    workload: Workload,
+    config: ControllerConfig,
+) -> tuple[float, float]:
+    """The TTFT and TPOT correction factors, updated only from a settled deployment with enough samples."""
     ttft_c, tpot_c = state.ttft_correction, state.tpot_correction
     settled = (obs.prefill_ready in (None, current[0])) and (obs.decode_ready in (None, current[1]))
     if settled and obs.samples >= config.correction_min_samples and rate > 0:
         now_pred = predict(config.model, workload.with_rate(rate), *current)
         ttft_c = _corrected(ttft_c, obs.ttft_s, now_pred.ttft_q_s, config)
         tpot_c = _corrected(tpot_c, obs.tpot_s, now_pred.tpot_q_s, config)
+    return ttft_c, tpot_c
+
+
+def controller_step(state: PlannerState, obs: Observation, now: float, config: ControllerConfig) -> StepResult:
+    """One decision. `now` is seconds on any monotonic clock; pass the returned state next time."""
+    started = now if state.started_s is None else state.started_s
+    current = (obs.prefill_replicas, obs.decode_replicas)
+    workload = _observed_workload(config.workload, obs)
+    rate = estimate_rate(obs, config, workload)
+    notes: list[str] = []
+    if rate is None:
+        return _hold(state, current, started, config)
+
+    # 2. correction factors, from a settled deployment with enough samples.
+    ttft_c, tpot_c = _corrections(state, obs, current, rate, workload, config)
     slo = workload.slo
     target = SLO(
         ttft_ms=None if slo.ttft_ms is None else slo.ttft_ms / ttft_c,
@@ -257,10 +277,8 @@ def controller_step(state: PlannerState, obs: Observation, now: float, config: C
         p_why += band if p_fin != p_des else ""
         d_why += band if d_fin != d_des else ""
     plan_note = f" (model: {plan.reason})"
-    last = (
-        now if p_fin != current[0] else state.last_change_s[0],
-        now if d_fin != current[1] else state.last_change_s[1],
-    )
+    was = state.last_change_s
+    last = (now if p_fin != current[0] else was[0], now if d_fin != current[1] else was[1])
     new_state = PlannerState(
         started_s=started,
         history=tuple(history),
