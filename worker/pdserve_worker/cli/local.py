@@ -25,9 +25,43 @@ DEMO_QUESTION = "What is the capital of France?"
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="run a prefill/decode deployment as local processes")
+    _deployment_flags(p.add_argument_group("deployment"))
+    _model_flags(p.add_argument_group("model"))
+    _kv_flags(p.add_argument_group("kv"))
+    _run_flags(p.add_argument_group("run"))
+    p.set_defaults(func=run)
+
+
+def _deployment_flags(p: argparse._ArgumentGroup) -> None:
+    """How many of each process, and how they talk."""
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     p.add_argument("--port", type=int, default=8000, help="the router's port (default 8000)")
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router processes (default 1; the others listen on free ports, listed in deployment.json)",
+    )
+    p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
+    p.add_argument(
+        "--layer-shards",
+        type=int,
+        default=1,
+        help="processes per decode instance, each holding a share of the layers (default 1)",
+    )
+    p.add_argument(
+        "--transfer",
+        choices=["cpu", "two-sided"],
+        default="cpu",
+        help="KV transport: cpu, the one-sided host engine (default); two-sided, gloo send/recv into a "
+        "staging buffer, the baseline of seed 002's experiment (benchmarks only, loopback only)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
+
+
+def _model_flags(p: argparse._ArgumentGroup) -> None:
+    """The model and how its weights are held."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument(
         "--dtype",
@@ -41,6 +75,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="how weight matrices are held (default auto: a GGUF's Q4_0/Q4_1/Q8_0 stay quantized on the CPU)",
     )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)",
+    )
+    p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
+
+
+def _kv_flags(p: argparse._ArgumentGroup) -> None:
+    """The decode's KV pool and the prefill's prefix cache."""
     p.add_argument(
         "--slots",
         type=int,
@@ -69,12 +114,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "share of the machine's memory; 0: no prefix cache)",
     )
     p.add_argument(
-        "--routers",
-        type=int,
-        default=1,
-        help="router processes (default 1; the others listen on free ports, listed in deployment.json)",
-    )
-    p.add_argument(
         "--prefix-disk-dir",
         type=Path,
         default=None,
@@ -87,28 +126,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="prefill: the disk tier's bound per prefill in GiB (default 0: 10 GiB or half the free disk)",
     )
-    p.add_argument(
-        "--max-len",
-        type=int,
-        default=None,
-        help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)",
-    )
-    p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
-    p.add_argument(
-        "--layer-shards",
-        type=int,
-        default=1,
-        help="processes per decode instance, each holding a share of the layers (default 1)",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
-    p.add_argument(
-        "--transfer",
-        choices=["cpu", "two-sided"],
-        default="cpu",
-        help="KV transport: cpu, the one-sided host engine (default); two-sided, gloo send/recv into a "
-        "staging buffer, the baseline of seed 002's experiment (benchmarks only, loopback only)",
-    )
-    p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
+
+
+def _run_flags(p: argparse._ArgumentGroup) -> None:
+    """Security, logs, and what the command does once the deployment serves."""
     p.add_argument(
         "--tls",
         action="store_true",
@@ -147,7 +168,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the deployment to serve")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
