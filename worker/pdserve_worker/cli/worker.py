@@ -51,6 +51,16 @@ _FLAG_FIELDS = {
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker: prefill, decode, router (or colocated)")
+    # A flag left out falls back to the environment the operator sets (serving/settings.py).
+    _membership_flags(p.add_argument_group("membership"))
+    _model_flags(p.add_argument_group("model"))
+    _kv_flags(p.add_argument_group("kv"))
+    _decode_flags(p.add_argument_group("decode"))
+    p.set_defaults(func=run)
+
+
+def _membership_flags(p: argparse._ArgumentGroup) -> None:
+    """Who the worker is, where it listens, and how it reaches the broker and its peers."""
     p.add_argument(
         "--role",
         choices=["prefill", "decode", "router", "colocated"],
@@ -71,6 +81,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=None)
     p.add_argument("--grpc-port", type=int, default=None)
     p.add_argument("--transfer-port", type=int, default=None, help="the transfer engine's port")
+    p.add_argument("--transfer-backend", choices=NAMES, default=None)
+
+
+def _model_flags(p: argparse._ArgumentGroup) -> None:
+    """The model and where it runs."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2)")
     p.add_argument("--model-name", default=None, help="name the API serves the model under")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
@@ -84,7 +99,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=None, help="tokens per request, prompt plus output")
     p.add_argument("--device", choices=["cpu", "cuda", "npu"], default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (0: all this process may use)")
-    p.add_argument("--transfer-backend", choices=NAMES, default=None)
+
+
+def _kv_flags(p: argparse._ArgumentGroup) -> None:
+    """The KV pool (decode) and the prefix cache (prefill)."""
     p.add_argument(
         "--slots", type=int, default=None, help="decode: concurrent requests (and, without blocks, KV slots)"
     )
@@ -98,6 +116,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-disk-dir", default=None, help="prefill: folder of the prefix cache's disk tier")
     p.add_argument("--prefix-disk-bytes", type=int, default=None, help="prefill: the disk tier's bound (0: default)")
     p.add_argument("--layers-per-chunk", type=int, default=None, help="prefill: layers between two KV pushes")
+
+
+def _decode_flags(p: argparse._ArgumentGroup) -> None:
+    """A decode's readiness, drain and layer-sharded group."""
     p.add_argument("--readiness", choices=["interrupt", "poll", "spin"], default=None, help="decode: readiness mode")
     p.add_argument("--drain-timeout", type=float, default=None, help="decode: seconds /drain may wait")
     p.add_argument("--layer-shards", type=int, default=None, help="decode: processes in this worker's group")
@@ -112,7 +134,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="decode: gRPC host:port of members 0..N-1, comma-separated (else from the headless Service)",
     )
-    p.set_defaults(func=run)
 
 
 def settings_from_args(args: argparse.Namespace):
