@@ -19,6 +19,10 @@ import os
 import ssl
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan, StopFlag
 
 DEMO_QUESTION = "What is the capital of France?"
 
@@ -171,37 +175,10 @@ def _run_flags(p: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan, LocalStartError, StopFlag
+    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalStartError, StopFlag
 
     try:
-        extra_env = _parse_env(args.env)
-        if args.trace_file is not None:
-            extra_env.setdefault("PDSERVE_TRACE_FILE", str(_trace_file(args.trace_file)))
-        plan = LocalPlan(
-            prefill=args.prefill,
-            decode=args.decode,
-            port=args.port,
-            model=args.model,
-            dtype=args.dtype,
-            weights=args.weights,
-            slots=args.slots,
-            max_len=args.max_len,
-            threads=args.threads,
-            colocated=args.colocated,
-            kv_block_tokens=args.kv_block_tokens,
-            kv_tokens=args.kv_tokens,
-            prefix_cache_tokens=args.prefix_cache_tokens,
-            prefix_disk_dir=args.prefix_disk_dir,
-            routers=args.routers,
-            prefix_disk_gib=args.prefix_disk_gib,
-            layers_per_chunk=args.layers_per_chunk,
-            layer_shards=args.layer_shards,
-            transfer=args.transfer,
-            tls=args.tls,
-            api_keys=args.api_keys,
-            log_dir=args.log_dir,
-            extra_env=extra_env,
-        )
+        plan = _plan(args)
     except ValueError as exc:
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2
@@ -231,25 +208,45 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        reported: set[int] = set()
-        while not flag.wait(0.5):
-            if args.on_exit == "restart":
-                deployment.restart_dead()
-                continue
-            if args.on_exit == "ignore":
-                deployment.report_dead(reported)
-                continue
-            dead = deployment.dead_child()
-            if dead is not None and args.on_exit == "stop":
-                print(
-                    f"pdserve local: {dead.name} (pid {dead.pid}) exited with code {dead.exited()}; "
-                    f"its last log lines:\n{dead.tail()}",
-                    file=sys.stderr,
-                )
-                return 1
-        return 0
+        return _watch(deployment, flag, args.on_exit)
     finally:
         deployment.stop()
+
+
+def _plan(args: argparse.Namespace) -> LocalPlan:
+    """The deployment the flags ask for (ValueError names a flag that cannot be served)."""
+    from pdserve_worker.cli.local_deployment import LocalPlan
+
+    extra_env = _parse_env(args.env)
+    if args.trace_file is not None:
+        extra_env.setdefault("PDSERVE_TRACE_FILE", str(_trace_file(args.trace_file)))
+    names = (
+        "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
+        "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk layer_shards transfer tls "
+        "api_keys log_dir"
+    ).split()
+    return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)
+
+
+def _watch(deployment: LocalDeployment, flag: StopFlag, on_exit: str) -> int:
+    """Until Ctrl-C: per --on-exit, restart a child that died, report it, or stop (exit 1)."""
+    reported: set[int] = set()
+    while not flag.wait(0.5):
+        if on_exit == "restart":
+            deployment.restart_dead()
+            continue
+        if on_exit == "ignore":
+            deployment.report_dead(reported)
+            continue
+        dead = deployment.dead_child()
+        if dead is not None and on_exit == "stop":
+            print(
+                f"pdserve local: {dead.name} (pid {dead.pid}) exited with code {dead.exited()}; "
+                f"its last log lines:\n{dead.tail()}",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
