@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from pdserve_worker.model.sampling_params import SamplingParams
 
@@ -77,14 +78,7 @@ def run(args: argparse.Namespace) -> int:
     logs.setup("generate")
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop=tuple(args.stop),
-        )
+        params = _sampling(args)
     except ValueError as exc:
         print(f"pdserve generate: invalid sampling options: {exc}", file=sys.stderr)
         return 2
@@ -95,13 +89,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve generate: cannot load the model: {exc}", file=sys.stderr)
         return 2
     tok = loaded.tokenizer
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
-        ]
-        prompt_ids = tok.encode_chat(messages)
-    else:
-        prompt_ids = tok.encode(args.prompt)
+    prompt_ids = _encode(tok, args)
     max_len = min(loaded.config.max_position_embeddings, len(prompt_ids) + args.max_tokens + 1)
     generator = Generator(loaded.model, tok, colocated_cache(loaded.model, 1, max_len))
     reason = None
@@ -127,18 +115,31 @@ def run(args: argparse.Namespace) -> int:
         show(out)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    s = generator.stats
-    print(
-        logs.kv(
-            model=loaded.name,
-            dtype=dtype,
-            weights=args.weights,
-            prompt_tokens=len(prompt_ids),
-            prefill_tokens_per_s=round(len(prompt_ids) / prefill_s, 1) if prefill_s else 0.0,
-            decode_tokens=s.decode_tokens,
-            decode_ms_per_token=round(s.decode_ms_per_step, 2),
-            finish_reason=reason,
-        ),
-        file=sys.stderr,
-    )
+    stats = generator.stats
+    speed = {
+        "prefill_tokens_per_s": round(len(prompt_ids) / prefill_s, 1) if prefill_s else 0.0,
+        "decode_tokens": stats.decode_tokens,
+        "decode_ms_per_token": round(stats.decode_ms_per_step, 2),
+    }
+    what = {"model": loaded.name, "dtype": dtype, "weights": args.weights, "prompt_tokens": len(prompt_ids)}
+    print(logs.kv(**what, **speed, finish_reason=reason), file=sys.stderr)
     return 0
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def _encode(tok: Any, args: argparse.Namespace) -> list[int]:
+    """The prompt's token ids: as text, or as the user's turn in the model's chat template."""
+    if not args.chat:
+        return list(tok.encode(args.prompt))
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return list(tok.encode_chat([*system, {"role": "user", "content": args.prompt}]))
