@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -168,22 +169,28 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        cap = "unlimited" if pred.decode_capacity is None else str(pred.decode_capacity)
-        print(f"{shape.name} on {profile.name}, {workload.arrival_rate:g} req/s")
-        print(
-            f"start with: {plan.prefill} prefill, {plan.decode} decode"
-            + ("" if plan.meets_slo else "  (SLO NOT met within the bounds)")
-        )
-        print(
-            f"TTFT  p50 {pred.ttft_p50_s * 1e3:,.0f} ms   {q} {pred.ttft_q_s * 1e3:,.0f} ms   "
-            f"(prefill utilisation {pred.prefill_utilization:.2f})"
-        )
-        print(
-            f"TPOT  mean {pred.tpot_mean_s * 1e3:,.1f} ms   {q} {pred.tpot_q_s * 1e3:,.1f} ms   "
-            f"(decode batch {pred.decode_batch_mean:.1f}, slots {q} {pred.decode_slots_q} of {cap})"
-        )
-        print(f"why: {plan.reason}")
+        _print_plan(plan, shape.name, profile.name, workload.arrival_rate, q)
     return 0 if plan.meets_slo else 1
+
+
+def _print_plan(plan: Any, model: str, hardware: str, rate: float, q: str) -> None:
+    """The plan as a person reads it: replicas, the predicted TTFT and TPOT, and why."""
+    pred = plan.prediction
+    cap = "unlimited" if pred.decode_capacity is None else str(pred.decode_capacity)
+    print(f"{model} on {hardware}, {rate:g} req/s")
+    print(
+        f"start with: {plan.prefill} prefill, {plan.decode} decode"
+        + ("" if plan.meets_slo else "  (SLO NOT met within the bounds)")
+    )
+    print(
+        f"TTFT  p50 {pred.ttft_p50_s * 1e3:,.0f} ms   {q} {pred.ttft_q_s * 1e3:,.0f} ms   "
+        f"(prefill utilisation {pred.prefill_utilization:.2f})"
+    )
+    print(
+        f"TPOT  mean {pred.tpot_mean_s * 1e3:,.1f} ms   {q} {pred.tpot_q_s * 1e3:,.1f} ms   "
+        f"(decode batch {pred.decode_batch_mean:.1f}, slots {q} {pred.decode_slots_q} of {cap})"
+    )
+    print(f"why: {plan.reason}")
 
 
 def _measure(args: argparse.Namespace) -> int:
