@@ -68,12 +68,83 @@ class HttpLimits:
         return max(1, min(self.max_connections, soft // 2))
 
 
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with the caps and the request deadline; `guarded_h11` makes one
+    subclass per server, whose class attributes are that server's limits and its shared count
+    of open connections by source address."""
+
+    stats: DropCounter
+    limits: HttpLimits
+    cap: int
+    peer_cap: int
+    per_peer: dict[str, int]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._request_deadline: asyncio.TimerHandle | None = None
+        self._peer: str | None = None  # set while this connection counts for its peer
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.cap:
+            self.stats.count("connection_cap")
+            transport.close()
+            return
+        peer = self.client[0] if self.client else "unknown"
+        if self.per_peer.get(peer, 0) >= self.peer_cap:
+            self.stats.count("peer_cap")
+            transport.close()
+            return
+        self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
+        self._peer = peer
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._peer is not None:
+            left = self.per_peer[self._peer] - 1
+            if left:
+                self.per_peer[self._peer] = left
+            else:
+                del self.per_peer[self._peer]
+            self._peer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._settle()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this connection gets its own deadline
+            self._settle()  # (it may have been pipelined and read already)
+
+    def _settle(self) -> None:
+        if self._request_deadline is not None and self.conn.their_state in _RECEIVED:
+            self._disarm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._request_deadline = self.loop.call_later(self.limits.request_deadline_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._request_deadline is not None:
+            self._request_deadline.cancel()
+            self._request_deadline = None
+
+    def _expired(self) -> None:
+        self._request_deadline = None
+        if not self.transport.is_closing():
+            self.stats.count("request_deadline")
+            self.transport.close()
+
+
 def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
     """uvicorn's h11 protocol class with `limits` (see the module docstring); pass it as
-    `uvicorn.Config(http=...)`."""
+    `uvicorn.Config(http=...)`. Each call is one server's: its own counts and drop summary."""
     cap = limits.effective_max_connections()
     peer_cap = limits.effective_per_peer()
-    per_peer: dict[str, int] = {}  # open connections by source address (this server's, shared)
     drops = DropCounter(
         log,
         "http_connections_closed",
@@ -81,68 +152,5 @@ def guarded_h11(limits: HttpLimits) -> type[H11Protocol]:
         max_connections=cap,
         max_connections_per_peer=peer_cap,
     )
-
-    class GuardedH11Protocol(H11Protocol):
-        stats = drops
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._request_deadline: asyncio.TimerHandle | None = None
-            self._peer: str | None = None  # set while this connection counts for its peer
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > cap:
-                drops.count("connection_cap")
-                transport.close()
-                return
-            peer = self.client[0] if self.client else "unknown"
-            if per_peer.get(peer, 0) >= peer_cap:
-                drops.count("peer_cap")
-                transport.close()
-                return
-            per_peer[peer] = per_peer.get(peer, 0) + 1
-            self._peer = peer
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if self._peer is not None:
-                left = per_peer[self._peer] - 1
-                if left:
-                    per_peer[self._peer] = left
-                else:
-                    del per_peer[self._peer]
-                self._peer = None
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._settle()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request on this connection gets its own deadline
-                self._settle()  # (it may have been pipelined and read already)
-
-        def _settle(self) -> None:
-            if self._request_deadline is not None and self.conn.their_state in _RECEIVED:
-                self._disarm()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._request_deadline = self.loop.call_later(limits.request_deadline_s, self._expired)
-
-        def _disarm(self) -> None:
-            if self._request_deadline is not None:
-                self._request_deadline.cancel()
-                self._request_deadline = None
-
-        def _expired(self) -> None:
-            self._request_deadline = None
-            if not self.transport.is_closing():
-                drops.count("request_deadline")
-                self.transport.close()
-
-    return GuardedH11Protocol
+    attributes = {"stats": drops, "limits": limits, "cap": cap, "peer_cap": peer_cap, "per_peer": {}}
+    return type("GuardedH11Protocol", (_GuardedH11,), attributes)
