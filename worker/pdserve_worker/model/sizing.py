@@ -169,18 +169,7 @@ def report(
         "weights": weights,
         "cpu_routes": summary(routes),
         "cpu_weights_bytes": loaded_weight_bytes(config, dtype, routes, range(config.num_layers), tied_copy=True),
-        "layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "heads": config.num_heads,
-        "kv_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "qkv_bias": config.qkv_bias,
-        "qk_norm": config.qk_norm,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
-        "sliding_window": config.sliding_window,
-        "max_position_embeddings": config.max_position_embeddings,
+        **_shape(config),
         "kv_bytes_per_token": config.kv_bytes_per_token(dtype),
         "max_len": max_len,
         "slot_bytes": sum(sizing.slot_bytes(m) for m in sizing.members),
@@ -196,13 +185,36 @@ def report(
             for m in sizing.members
         ]
     if memory is not None:
-        worst = max(sizing.members, key=sizing.weight_bytes)
-        out["memory"] = {
-            "budget_bytes": memory,
-            "budget_gib": round(memory / GIB, 2),
-            "layer_shards": layer_shards,
-            "slots": sizing.slots_fitting(memory),
-            "weights_fit": all(sizing.weight_bytes(m) <= memory for m in sizing.members),
-            "free_after_weights_gib": round((memory - sizing.weight_bytes(worst)) / GIB, 2),
-        }
+        out["memory"] = _fit(sizing, memory, layer_shards)
     return out
+
+
+def _shape(config: ModelConfig) -> dict[str, Any]:
+    """The architecture's numbers, as config.json states them."""
+    return {
+        "layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "qkv_bias": config.qkv_bias,
+        "qk_norm": config.qk_norm,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "sliding_window": config.sliding_window,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+
+
+def _fit(sizing: Sizing, memory: int, layer_shards: int) -> dict[str, Any]:
+    """How the model fits a per-process memory budget: slots, and what the weights leave."""
+    worst = max(sizing.members, key=sizing.weight_bytes)
+    return {
+        "budget_bytes": memory,
+        "budget_gib": round(memory / GIB, 2),
+        "layer_shards": layer_shards,
+        "slots": sizing.slots_fitting(memory),
+        "weights_fit": all(sizing.weight_bytes(m) <= memory for m in sizing.members),
+        "free_after_weights_gib": round((memory - sizing.weight_bytes(worst)) / GIB, 2),
+    }
