@@ -18,7 +18,7 @@ from pdserve_worker.model.default_model import DEFAULT_MODEL_NAME, default_model
 from pdserve_worker.model.generation_config import GenerationDefaults
 from pdserve_worker.model.llama import LlamaModel
 from pdserve_worker.model.memory import check_fits, device_available
-from pdserve_worker.model.quant import Kind
+from pdserve_worker.model.quant import Kind, QuantizedTensor
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.model.weight_routes import check_weights_choice, groups, loaded_weight_bytes, plan, summary
@@ -108,6 +108,17 @@ def loaded_bytes(
     return loaded_weight_bytes(config, dtype, routes or {}, layers, tied_copy=device.type == "cpu")
 
 
+def _read_quantized(
+    config: ModelConfig, held: range, routes: dict[str, str], folder: Path | None, stored: dict[str, Kind]
+) -> dict[str, QuantizedTensor]:
+    """The quantized parts the routes hold quantized, from the quantized cache entry: their float
+    copies are then not even read (but the embedding rows always are: the lookup needs them)."""
+    if folder is None:
+        return {}
+    wanted = {n for group, parts in groups(config, held).items() if routes[group] != "dequantized" for n in parts}
+    return read_quantized_dir(folder, [n for n in wanted if n in stored])
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: str = "bfloat16",
@@ -146,35 +157,18 @@ def load_model(
     generation = GenerationDefaults.from_folder(folder)
     eos = list(dict.fromkeys([*config.eos_token_ids, *generation.eos_token_ids]))
     tokenizer = Tokenizer.from_dir(folder, extra_eos_token_ids=eos)
-    # Quantized parts come from the quantized entry; float copies of them are not even read
-    # (but the embedding rows always are: the lookup needs them).
-    wanted = {n for group, parts in groups(config, held).items() if routes[group] != "dequantized" for n in parts}
-    quantized = read_quantized_dir(quantized_folder, [n for n in wanted if n in stored]) if quantized_folder else {}
+    quantized = _read_quantized(config, held, routes, quantized_folder, stored)
     names = [
         n
         for n in [*weight_shapes(config, held), "rope_freqs.weight"]
         if n not in quantized or n == "model.embed_tokens.weight"
     ]
+    tensors = read_safetensors_dir(folder, names)
     model = LlamaModel(
-        config,
-        read_safetensors_dir(folder, names),
-        dtype=torch_dtype(dtype),
-        device=torch_device,
-        layers=layers,
-        quantized=quantized,
-        routes=routes,
+        config, tensors, torch_dtype(dtype), torch_device, layers=layers, quantized=quantized, routes=routes
     )
-    log.info(
-        kv(
-            event="model_loaded",
-            name=name,
-            architecture=config.architecture,
-            folder=folder,
-            dtype=dtype,
-            device=torch_device,
-            weights=weights,
-            routes=",".join(f"{k}:{v}" for k, v in summary(model.routes).items()),
-            seconds=round(time.perf_counter() - started, 3),
-        )
-    )
+    routes_text = ",".join(f"{k}:{v}" for k, v in summary(model.routes).items())
+    loaded = {"folder": folder, "dtype": dtype, "device": torch_device, "weights": weights, "routes": routes_text}
+    seconds = round(time.perf_counter() - started, 3)
+    log.info(kv(event="model_loaded", name=name, architecture=config.architecture, **loaded, seconds=seconds))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, generation=generation)
