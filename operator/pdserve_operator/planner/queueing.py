@@ -2,7 +2,7 @@
 
 Prefill: M/G/c. Arrivals are modelled as Poisson (many independent clients). A prefill worker
 computes one prompt at a time, FCFS (`prefill/worker.py`), and the router sends each prompt to
-the prefill with the shortest queue (`roles/placement.rank_prefills`); join-the-shortest-queue
+the prefill with the shortest queue (`router/placement.rank_prefills`); join-the-shortest-queue
 behaves close to one central queue served by c workers, hence M/G/c rather than c separate
 M/G/1 queues. Service times vary a lot with the prompt length (squared coefficient of
 variation up to ~1 for mixed short/long prompts), so M/D/c would be optimistic. The mean wait

@@ -131,7 +131,7 @@ class RouterMetrics:
             "Times a request was resumed on another worker after its decode or prefill failed.",
             registry=r,
         )
-        # Live migration off draining decodes (roles/router_migration.py).
+        # Live migration off draining decodes (router/migration.py).
         self.migrations = Counter(
             f"{_PREFIX}_migrations",
             "Requests a draining decode handed over, by outcome: migrated (the KV moved to another decode), "

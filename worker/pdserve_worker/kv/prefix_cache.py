@@ -24,7 +24,7 @@ block manager keep the same three states (a free queue whose head is evicted, a 
 map, refcounts); this one keeps the LRU separate from the free list because its blocks are a
 cache beside the scratch slots, not the only place a prompt's KV lives.
 
-The protocol of one prefill (kv copies are the caller's, roles/prefix_reuse.py):
+The protocol of one prefill (the KV copies are the caller's, kv/prefix_store.py):
   lease = cache.acquire(hashes, limit)   # pins the longest cached prefix: lease.hits
   fills = cache.reserve_fills(lease, hashes)  # blocks for the blocks not cached yet
   ... copy hit blocks into the scratch slot, compute the rest, copy the fills out ...

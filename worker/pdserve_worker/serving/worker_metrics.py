@@ -148,7 +148,7 @@ class WorkerMetrics:
             "Transfers that failed (prefill: a put or the ready notify failed; decode: readiness timed out).",
             registry=r,
         )
-        if role == "decode":  # live migration when draining (roles/migration.py)
+        if role == "decode":  # live migration when draining (decode/migration.py)
             self.migrations = Counter(
                 "pdserve_decode_migrations",
                 "Requests this decode handed over while draining, by outcome: migrated (pushed and notified), "
