@@ -69,6 +69,7 @@ from pdserve_worker.router.migration import MigrationFailed, migrate, note, push
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
+from pdserve_worker.rpc.channel_pool import ChannelPool
 from pdserve_worker.rpc.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve_worker.rpc.trailers import never_sent, push_settled
 
@@ -122,7 +123,7 @@ class PDBackend(ModelTokenizing):
         self._t = timeouts
         self._tls = tls  # how workers are dialled (settings.peer_tls)
         self._view: MembershipView | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool(token, tls, self.spawn)
         self._inflight_decode: Counter[str] = Counter()
         self._inflight_prefill: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
@@ -190,9 +191,7 @@ class PDBackend(ModelTokenizing):
             await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
         for task in list(self._background):
             task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()
 
     @property
     def view(self) -> MembershipView:
@@ -237,7 +236,7 @@ class PDBackend(ModelTokenizing):
                 # Closing its channel now would cancel our streams there: the probe decides.
                 self.spawn(self._probe_decode(member))
                 return
-            self._close_channel(member.info.grpc_endpoint)
+            self._channels.forget(member.info.grpc_endpoint)
             return
         if member.role is Role.DECODE and self._metrics is not None:
             used = member.load.slots_used
@@ -277,14 +276,9 @@ class PDBackend(ModelTokenizing):
             )
             self._lost.pop(member.worker_id, asyncio.Event()).set()
             await asyncio.sleep(0)  # the streams give up (and cancel their calls) before the channel closes
-            self._close_channel(member.info.grpc_endpoint)
+            self._channels.forget(member.info.grpc_endpoint)
         finally:
             await channel.close()
-
-    def _close_channel(self, endpoint: str) -> None:
-        channel = self._channels.pop(endpoint, None)
-        if channel is not None:
-            self.spawn(channel.close())
 
     # ---- one request ------------------------------------------------------------------------------
 
@@ -609,11 +603,7 @@ class PDBackend(ModelTokenizing):
         return bool(reply.released)
 
     def channel(self, member: Member) -> grpc.aio.Channel:
-        endpoint = member.info.grpc_endpoint
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            channel = self._channels[endpoint] = aio_channel(endpoint, self._token, self._tls)
-        return channel
+        return self._channels.get(member.info.grpc_endpoint)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
