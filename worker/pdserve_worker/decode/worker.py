@@ -63,7 +63,7 @@ from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
 from pdserve_worker.model.generate import Generator
 from pdserve_worker.model.loader import LoadedModel
 from pdserve_worker.model.sampling import stop_token_ids
-from pdserve_worker.model.sampling_params import FinishReason
+from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import (
     finish_reason_to_proto,
@@ -480,8 +480,8 @@ class _Generation:
     where: str
     prompt: list[int]
     resumed: int  # tokens the client already has (a resume or a migration)
-    params: Any  # SamplingParams
-    stop_ids: Any
+    params: SamplingParams
+    stop_ids: frozenset[int]
     timeout_s: float
     trace: Any
     index: int = 0  # the next event's index

@@ -769,9 +769,9 @@ class _Attempt:
     async def _request_info(self, event: worker_pb2.TokenEvent, reason: FinishReason | None) -> RequestInfo | None:
         """Which workers served the request and what the KV cost: attached to one event."""
         assert self.prefill_call is not None
-        ids = (self.prefill.worker_id, self.decode.worker_id, self.retries)
         if self.info is not None:
             return None
+        ids = (self.prefill.worker_id, self.decode.worker_id, self.retries)
         if self.migrations:  # the first event of the decode the request moved to
             self.info = RequestInfo(True, event.kv_bytes_received, None, *ids, migrations=self.migrations)
             return self.info
