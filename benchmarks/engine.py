@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 from pdserve_worker.cli.local_deployment import auto_dtype  # noqa: E402
 from pdserve_worker.kv.cache import KVCache  # noqa: E402
-from pdserve_worker.model.loader import gguf_source, load_model, model_folder  # noqa: E402
-from pdserve_worker.model.matmul import Int4Matrix  # noqa: E402
+from pdserve_worker.model.layers.matmul import Int4Matrix  # noqa: E402
+from pdserve_worker.model.loading.loader import gguf_source, load_model, model_folder  # noqa: E402
 
 
 def median_seconds(fn, repeats: int, warmup: int = 1) -> float:

@@ -35,7 +35,7 @@ from pdserve_worker.cli.local_deployment import auto_dtype  # noqa: E402
 from pdserve_worker.kv.blocks import blocks_for  # noqa: E402
 from pdserve_worker.kv.cache import KVCache, dtype_name  # noqa: E402
 from pdserve_worker.kv.paged import PagedKVCache  # noqa: E402
-from pdserve_worker.model.loader import load_model  # noqa: E402
+from pdserve_worker.model.loading.loader import load_model  # noqa: E402
 
 SLOTS, MAX_LEN, PROMPT, OUTPUT, BLOCK = 8, 2048, 300, 64, 16
 

@@ -133,7 +133,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from pdserve_worker.cli.local_deployment import LocalPlan, auto_dtype
-    from pdserve_worker.model.loader import model_folder
+    from pdserve_worker.model.loading.loader import model_folder
     from pdserve_worker.model.tokenizer import Tokenizer
 
     dtype = auto_dtype()
@@ -249,7 +249,7 @@ def components(profile: HardwareProfile, dtype: str, threads: int) -> None:
     import torch
 
     from pdserve_worker.kv.cache import KVCache
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     torch.set_num_threads(threads)
     model = ServingModel(SMOLLM2_135M, profile)

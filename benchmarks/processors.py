@@ -25,7 +25,7 @@ from seed_transfer import machine  # noqa: E402
 def step_times(loaded, params, batch: int, steps: int) -> list[float]:
     import torch
 
-    from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
+    from pdserve_worker.model.engine import Generator, colocated_cache, prefill_first_token
 
     cache = colocated_cache(loaded.model, batch, 512)
     gen = Generator(loaded.model, loaded.tokenizer, cache)
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     from pdserve_worker.cli.local_deployment import auto_dtype
-    from pdserve_worker.model.default_model import default_model_path
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.loading.default_model import default_model_path
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     dtype = auto_dtype()
     loaded = load_model(str(default_model_path()), dtype=dtype)

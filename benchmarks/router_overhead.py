@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
 
 from pdserve_worker.api.backend import TokenEvent  # noqa: E402
-from pdserve_worker.model.sampling_params import SamplingParams  # noqa: E402
+from pdserve_worker.model.sampling.params import SamplingParams  # noqa: E402
 
 
 class InstantBackend:

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     where = f"{machine()}, {datetime.date.today()}"
     if not args.predict_only:
         from pdserve_worker.cli.local_deployment import auto_dtype
-        from pdserve_worker.model.loader import model_folder
+        from pdserve_worker.model.loading.loader import model_folder
         from pdserve_worker.model.tokenizer import Tokenizer
 
         folder, model = model_folder(None, auto_dtype())

@@ -166,7 +166,7 @@ def grid(args: argparse.Namespace) -> dict[int, list[int]]:
 async def run_point(
     worker: Any, clock: ChunkClock, decode: PeerProcess, transport: str, length: int, c: int, vocab: int
 ) -> Point:
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     rng = random.Random(length * 1000 + c)
     prompts = [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(c)]
@@ -290,7 +290,7 @@ async def run_transport(
 ) -> None:
     """Every point of both plans for one transport: per length one decode peer (slots for the
     largest concurrency) and one prefill role, warmed by one untimed prefill."""
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.sampling.params import SamplingParams
     from pdserve_worker.prefill.worker import PrefillWorker
     from pdserve_worker.transfer.registry import create_engine
 
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pdserve_worker.cli.local_deployment import auto_dtype
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.process.worker_main import model_revision, resolve_model_folder
 
     if args.dtype == "auto":

@@ -547,7 +547,7 @@ def main() -> int:
         if args.max_len == parser.get_default("max_len"):
             args.max_len = 1024
 
-    from pdserve_worker.model.loader import model_folder
+    from pdserve_worker.model.loading.loader import model_folder
     from pdserve_worker.model.tokenizer import Tokenizer
 
     if args.dtype == "auto":

@@ -588,7 +588,7 @@ def bench_model_overlap(repeats: int, layers_per_chunk: int, tokens: int, dtype:
     import torch
 
     from pdserve_worker.kv.cache import KVCache
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     model = load_model(None, dtype=dtype).model

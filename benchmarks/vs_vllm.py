@@ -88,7 +88,7 @@ def hf_folder(dtype: str, cache: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from pdserve_worker.model.default_model import default_model_path
+    from pdserve_worker.model.loading.default_model import default_model_path
 
     gguf = default_model_path()
     print(f"# converting {gguf.name} to an HF folder ({dtype}) for both servers ...", flush=True)
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     from pdserve_worker.cli.local_deployment import auto_dtype
-    from pdserve_worker.model.default_model import default_model_path
+    from pdserve_worker.model.loading.default_model import default_model_path
     from pdserve_worker.model.tokenizer import Tokenizer
 
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype

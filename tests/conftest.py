@@ -30,8 +30,8 @@ def default_model_dir():
     Converted once into the pdserve cache ($PDSERVE_CACHE_DIR or ~/.cache/pdserve) and reused
     by every test and later session that needs it.
     """
-    from pdserve_worker.model.convert import converted_gguf
-    from pdserve_worker.model.default_model import default_model_path
+    from pdserve_worker.model.loading.convert import converted_gguf
+    from pdserve_worker.model.loading.default_model import default_model_path
 
     return converted_gguf(default_model_path(), "float32")
 

@@ -14,8 +14,8 @@ import torch
 from test_engine_reference import CHATS, GREEDY_TOKENS
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.generate import greedy_tokens
-from pdserve_worker.model.loader import load_model
+from pdserve_worker.model.engine import greedy_tokens
+from pdserve_worker.model.loading.loader import load_model
 
 pytestmark = pytest.mark.slow
 

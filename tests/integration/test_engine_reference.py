@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.default_model import default_model_path
-from pdserve_worker.model.generate import Generator, greedy_tokens, prefill_first_token
-from pdserve_worker.model.loader import load_model
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.engine import Generator, greedy_tokens, prefill_first_token
+from pdserve_worker.model.loading.default_model import default_model_path
+from pdserve_worker.model.loading.loader import load_model
+from pdserve_worker.model.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -42,9 +42,9 @@ def test_chat_answers_the_capital_of_france(default_model_dir):
 
 
 def test_streams_the_same_text_as_the_generator(tiny_model_dir):
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     out = run_cli(
         "--model",

@@ -22,7 +22,7 @@ SLOTS, MAX_LEN, PROMPT, OUTPUT = 8, 2048, 300, 64
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
     from support.tiny_model import write_tiny_model
 
     folder = write_tiny_model(tmp_path_factory.mktemp("tiny-2048"), max_position_embeddings=MAX_LEN)

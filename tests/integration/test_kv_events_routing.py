@@ -15,8 +15,8 @@ from inprocess_stack import Stack
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
-from pdserve_worker.model.loader import load_model
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.loading.loader import load_model
+from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
 

@@ -26,8 +26,8 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
-from pdserve_worker.model.generate import generate
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.engine import generate
+from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
 from pdserve_worker.rpc.broker_client import BrokerClient
@@ -47,7 +47,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32")
 

@@ -26,9 +26,9 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 )
 def deployment(request, family_dirs, tmp_path_factory):
     """(pdserve local run, colocated reference) for one family and layer-shard count."""
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     name, shards = request.param
     folder = family_dirs(name)

@@ -25,8 +25,8 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.api.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
-from pdserve_worker.model.generate import generate
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.engine import generate
+from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
 from pdserve_worker.router.pd_backend import PDBackend, Timeouts
 from pdserve_worker.rpc.broker_client import BrokerClient
@@ -39,7 +39,7 @@ SLOTS, MAX_LEN = 2, 64
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32")
 
@@ -374,7 +374,7 @@ async def test_a_client_that_leaves_mid_stream_frees_the_slot(loaded):
 
 def _reference(loaded, prompt: list[int], params: SamplingParams):
     """The colocated stream, event by event (token and text delta)."""
-    from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
+    from pdserve_worker.model.engine import Generator, colocated_cache, prefill_first_token
 
     gen = Generator(loaded.model, loaded.tokenizer, colocated_cache(loaded.model, 1, MAX_LEN))
     first = prefill_first_token(loaded.model, gen.cache, 0, prompt, params)

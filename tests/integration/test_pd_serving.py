@@ -40,8 +40,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """Colocated generation in this process: what every answer must equal."""
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
 
@@ -50,7 +50,7 @@ def reference(tiny_model_dir):
         layout_bytes_per_token = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
 
         def complete(self, prompt_ids: list[int], **params) -> str:
-            from pdserve_worker.model.sampling_params import SamplingParams
+            from pdserve_worker.model.sampling.params import SamplingParams
 
             [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], SamplingParams(**params), max_len=MAX_LEN)
             return done.text

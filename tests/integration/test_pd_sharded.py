@@ -18,9 +18,9 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", "A language model p
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
 

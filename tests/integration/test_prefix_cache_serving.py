@@ -31,9 +31,9 @@ MODES = {
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """Colocated generation in this process without a prefix cache: what every answer must equal."""
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
 

@@ -31,9 +31,9 @@ PROMPTS = [prompt(i) for i in range(6)]  # ~36 blocks against a RAM tier of 4
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

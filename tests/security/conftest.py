@@ -38,9 +38,9 @@ BROKER_MAX_MEMBERS = 32
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir):
     """Colocated greedy generation in this process: what every victim's answer must equal."""
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling_params import SamplingParams
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
 

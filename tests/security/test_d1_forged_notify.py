@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth, wire

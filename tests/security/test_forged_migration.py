@@ -25,7 +25,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
 from pdserve_worker.serving.settings import WorkerSettings
@@ -38,7 +38,7 @@ SEED = 5
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32")
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pdserve_worker.model.random_model import tiny_config, tiny_weights
+from pdserve_worker.model.loading.random_model import tiny_config, tiny_weights
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS, EOS = "<|endoftext|>", "<|im_end|>"
@@ -102,7 +102,7 @@ def write_tiny_gguf(
     import gguf
     import numpy as np
 
-    from pdserve_worker.model.weights import gguf_to_hf_name, permute_qk
+    from pdserve_worker.model.loading.weights import gguf_to_hf_name, permute_qk
 
     tokenizer = build_tiny_tokenizer()
     vocab = overrides.pop("vocab_size", tokenizer.get_vocab_size(with_added_tokens=True))

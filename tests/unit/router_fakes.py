@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve_worker.api.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
 from pdserve_worker.api.server import build_router_server
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 
 
 @dataclass

@@ -17,7 +17,7 @@ BASES = [
     ROOT / "worker",
     ROOT,
 ]
-# `prefill/worker.py`, `kv/slots.SlotTable`, `router/pd_backend.PDBackend.generate`, `model/llama.LlamaModel.prefill_batch`
+# `prefill/worker.py`, `kv/slots.SlotTable`, `router/pd_backend.PDBackend.generate`, `model/layers/llama.LlamaModel.prefill_batch`
 NAMED = re.compile(r"`((?:[a-z_]+/)*[a-z_]+)(?:\.py|\.([A-Za-z_][\w.]*))`")
 
 

@@ -5,7 +5,7 @@ Why it matters: a seeded request must give the same text under any load, and a l
 activations are rounded to bf16 before each int4 product, so the last-bit difference that
 padding a row to a longer neighbour's key length made in SDPA became different logits (SmolLM2:
 up to 0.375) and a seeded stream drifted after ~10 tokens. Decode attention now runs each row
-over exactly its own keys (model/paged_attention.py, LlamaModel._runs); torch's int4 kernel and
+over exactly its own keys (model/layers/paged_attention.py, LlamaModel._runs); torch's int4 kernel and
 every other op of a step are row-wise. Checked here bit for bit, with a neighbour longer than
 the row (the padded case), on both KV pools, in fp32 and bf16.
 """
@@ -19,7 +19,7 @@ import torch
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
-from pdserve_worker.model.loader import load_model
+from pdserve_worker.model.loading.loader import load_model
 
 SHORT = [5, 9, 13, 17, 21, 25, 29]
 LONG = [(7 * i) % 90 + 3 for i in range(150)]

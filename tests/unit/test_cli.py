@@ -24,7 +24,7 @@ def test_info_finds_the_default_model():
 def test_info_reports_the_cpu_matmul_route_the_engine_takes():
     import torch
 
-    from pdserve_worker.model.matmul import Linear
+    from pdserve_worker.model.layers.matmul import Linear
 
     out = subprocess.run(
         [sys.executable, "-m", "pdserve_worker.cli.main", "info"], capture_output=True, text=True, check=True

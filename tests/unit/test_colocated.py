@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from pdserve_worker.colocated.backend import ColocatedBackend
-from pdserve_worker.model.generate import generate
-from pdserve_worker.model.loader import load_model
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.engine import generate
+from pdserve_worker.model.loading.loader import load_model
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 
 MAX_LEN = 48
 

@@ -13,7 +13,7 @@ import torch
 from pdserve_worker.kv import disk_tier as dt
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixStore, disk_geometry, kv_bytes_per_token
-from pdserve_worker.model.loader import load_model
+from pdserve_worker.model.loading.loader import load_model
 
 PAYLOAD = 4096
 SCOPE = '["anonymous",""]'

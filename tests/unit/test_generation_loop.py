@@ -11,16 +11,16 @@ import pytest
 
 from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.generate import Generator, colocated_cache, generate, prefill_first_token
-from pdserve_worker.model.sampling import Sampler
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.engine import Generator, colocated_cache, generate, prefill_first_token
+from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.model.sampling.sampler import Sampler
 
 MAX_LEN, SLOTS = 64, 2
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.generate import (
+from pdserve_worker.model.engine import (
     GenerationStats,
     Generator,
     colocated_cache,
@@ -17,8 +17,8 @@ from pdserve_worker.model.generate import (
     packed_batches,
     prefill_first_token,
 )
-from pdserve_worker.model.loader import load_model
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.loading.loader import load_model
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

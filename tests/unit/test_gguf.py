@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.convert import MARKER, converted_gguf
-from pdserve_worker.model.loader import load_model
-from pdserve_worker.model.random_model import tiny_config, tiny_weights
+from pdserve_worker.model.loading.convert import MARKER, converted_gguf
+from pdserve_worker.model.loading.loader import load_model
+from pdserve_worker.model.loading.random_model import tiny_config, tiny_weights
+from pdserve_worker.model.loading.weights import permute_qk, read_gguf, unpermute_qk
 from pdserve_worker.model.tokenizer import Tokenizer
-from pdserve_worker.model.weights import permute_qk, read_gguf, unpermute_qk
 from support.tiny_model import write_tiny_gguf, write_tiny_model
 
 SAMPLES = ["Paris is the capital of France.", "12345 café 🙂 東京", "<|im_start|>user\nhi<|im_end|>"]

@@ -15,12 +15,12 @@ import torch
 
 from model_families import build_family, hf_greedy, hf_logits, hf_model, write_family_gguf
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.generate import greedy_tokens
-from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, hf_to_gguf_name
-from pdserve_worker.model.loader import load_model
+from pdserve_worker.model.engine import greedy_tokens
+from pdserve_worker.model.loading.gguf_format import config_from_gguf, gguf_to_hf_name, hf_to_gguf_name
+from pdserve_worker.model.loading.loader import load_model
+from pdserve_worker.model.loading.weights import read_gguf, read_gguf_metadata
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
-from pdserve_worker.model.weights import read_gguf, read_gguf_metadata
 
 TEXTS = ["Paris is the capital of France.", "12345 café 東京 🙂\n\nnew lines", "<|im_start|>user\nhi<|im_end|>\n"]
 

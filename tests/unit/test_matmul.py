@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve_worker.model.matmul import BLOCK_ELEMENTS, Linear, can_prepack
+from pdserve_worker.model.layers.matmul import BLOCK_ELEMENTS, Linear, can_prepack
 
 CPU = torch.device("cpu")
 
@@ -70,7 +70,7 @@ def test_prepack_is_cpu_only() -> None:
 
 def test_a_reorder_that_fails_falls_back_to_plain_weights(monkeypatch, caplog) -> None:
     """A CPU/build where oneDNN declines the reorder must serve (slower), not fail to load."""
-    from pdserve_worker.model import matmul
+    from pdserve_worker.model.layers import matmul
 
     def declined(w: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("could not create a primitive descriptor for a reorder primitive")

@@ -17,8 +17,8 @@ from pdserve_worker.decode.generation_loop import GenerationLoop, Parked
 from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_descriptors
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
-from pdserve_worker.model.generate import Detached, Generator, colocated_cache, generate, prefill_first_token
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.engine import Detached, Generator, colocated_cache, generate, prefill_first_token
+from pdserve_worker.model.sampling.params import SamplingParams
 
 MAX_LEN = 64
 
@@ -157,7 +157,7 @@ def test_the_book_hands_a_handoff_to_one_migrate_of_the_right_request() -> None:
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     return load_model(str(tiny_model_dir), dtype="float32")
 

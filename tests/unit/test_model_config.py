@@ -15,9 +15,9 @@ import yaml
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.llama import LlamaModel
+from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.loading.sizing import Sizing, parse_bytes, report
 from pdserve_worker.model.shapes import parameter_count, weight_shapes
-from pdserve_worker.model.sizing import Sizing, parse_bytes, report
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "manifests" / "samples" / "qwen7b-ascend.yaml"

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve_worker.model import loader
-from pdserve_worker.model.generation_config import GenerationDefaults
-from pdserve_worker.model.loader import load_model, loaded_bytes
-from pdserve_worker.model.memory import ModelDoesNotFit, _cgroup_available, check_fits, host_available
-from pdserve_worker.model.weights import read_safetensors_dir, safetensors_files
+from pdserve_worker.model.loading import loader
+from pdserve_worker.model.loading.generation_config import GenerationDefaults
+from pdserve_worker.model.loading.loader import load_model, loaded_bytes
+from pdserve_worker.model.loading.memory import ModelDoesNotFit, _cgroup_available, check_fits, host_available
+from pdserve_worker.model.loading.weights import read_safetensors_dir, safetensors_files
 
 
 @pytest.fixture

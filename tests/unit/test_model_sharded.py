@@ -1,4 +1,4 @@
-"""A layer-sharded decode's model side (model/sharded.py): each member's pool holds a contiguous
+"""A layer-sharded decode's model side (model/layers/sharded.py): each member's pool holds a contiguous
 share of the layers, a member refuses layers it has no weights for, and hopping the hidden
 state member to member equals the whole model's step. The group's serving side (grants on
 every member, one ready notification each) is decode/shard.py's: tests/unit/test_decode_shard.py
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.loader import load_model
-from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, member_layouts
+from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, member_layouts
+from pdserve_worker.model.loading.loader import load_model
 
 SLOTS, MAX_LEN = 3, 48
 

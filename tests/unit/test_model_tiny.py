@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.generate import greedy_tokens
-from pdserve_worker.model.loader import load_model
+from pdserve_worker.model.engine import greedy_tokens
+from pdserve_worker.model.loading.loader import load_model
 from support.tiny_model import write_tiny_model
 
 PROMPT = "Paris is the capital of France. 東京 🙂"

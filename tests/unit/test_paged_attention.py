@@ -9,7 +9,7 @@ import torch
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
-from pdserve_worker.model.loader import load_model
+from pdserve_worker.model.loading.loader import load_model
 
 TEXTS = ("Paris is the capital of", "The quick brown fox jumps over", "12345 678", "A language model")
 

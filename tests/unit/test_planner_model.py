@@ -65,7 +65,7 @@ def test_hf_config_parses_like_the_worker(tiny_model_dir):
 
 def test_weight_and_kv_bytes_match_the_engines_tensors(tiny_model_dir):
     """Bytes a decode step reads, counted as benchmarks/engine.py counts the real model's tensors."""
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
     model = loaded.model

@@ -8,7 +8,7 @@ import torch
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixStore
-from pdserve_worker.model.loader import load_model
+from pdserve_worker.model.loading.loader import load_model
 
 SCOPE = '["anonymous",""]'
 

@@ -1,4 +1,4 @@
-"""Logits processors (model/processors.py, issue #31 item 3) against their upstream meanings:
+"""Logits processors (model/sampling/processors.py, issue #31 item 3) against their upstream meanings:
 repetition_penalty is transformers' RepetitionPenaltyLogitsProcessor, presence/frequency are
 OpenAI's (vLLM's `apply_penalties`), logit_bias adds, min_tokens masks the stop ids, min_p
 drops the unlikely; and through the engine: a biased EOS after min_tokens ends a greedy run at
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve_worker.model import processors
-from pdserve_worker.model.sampling import Sampler, sample_first
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling import processors
+from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.model.sampling.sampler import Sampler, sample_first
 
 VOCAB = 50
 
@@ -84,8 +84,8 @@ def test_a_resumed_first_token_sees_the_emitted_tokens_as_output():
 
 @torch.inference_mode()
 def test_min_tokens_holds_back_a_biased_eos_exactly_that_long(tiny_model_dir):
-    from pdserve_worker.model.generate import generate
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
 
     loaded = load_model(str(tiny_model_dir), dtype="float32")
     eos = sorted(loaded.tokenizer.eos_token_ids)[0]

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model import loader
-from pdserve_worker.model.convert import quantized_gguf
-from pdserve_worker.model.loader import load_model, loaded_bytes
-from pdserve_worker.model.matmul import Int4Matrix, Linear, pack_int4
-from pdserve_worker.model.quant import dequantize, from_gguf_blocks, nibbles, quantize, to_kind
-from pdserve_worker.model.weight_routes import group_route, loaded_weight_bytes, plan, summary
-from pdserve_worker.model.weights import read_gguf, read_gguf_quantized, read_quantized_dir
+from pdserve_worker.model.layers.matmul import Int4Matrix, Linear, pack_int4
+from pdserve_worker.model.layers.quant import dequantize, from_gguf_blocks, nibbles, quantize, to_kind
+from pdserve_worker.model.layers.weight_routes import group_route, loaded_weight_bytes, plan, summary
+from pdserve_worker.model.loading import loader
+from pdserve_worker.model.loading.convert import quantized_gguf
+from pdserve_worker.model.loading.loader import load_model, loaded_bytes
+from pdserve_worker.model.loading.weights import read_gguf, read_gguf_quantized, read_quantized_dir
 from support.tiny_model import write_tiny_gguf
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -315,7 +315,7 @@ def test_packed_prefill_equals_one_prompt_at_a_time(quantized_models, tiny_model
 
 
 def test_info_shows_the_cpu_route_of_each_layer_type_without_loading(tmp_path):
-    from pdserve_worker.model.sizing import report
+    from pdserve_worker.model.loading.sizing import report
 
     path = tiny_quantized_gguf(tmp_path / "q.gguf", types=("Q4_1",))
     auto = report(path, "bfloat16", 64)

@@ -22,7 +22,7 @@ from pdserve_worker.api.app import create_app
 from pdserve_worker.api.backend import NoCapacity, TokenEvent, capacity_held
 from pdserve_worker.api.keys import KeyStore
 from pdserve_worker.api.metrics import RouterMetrics
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 
 KEY = "sk-test-interactive-0123456789"
 BATCH_KEY = "sk-test-batch-0123456789abcd"

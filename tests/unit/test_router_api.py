@@ -160,7 +160,7 @@ def test_with_keys_only_a_key_allowed_to_debug_gets_the_workers_names(port):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_go_to_the_backend_and_its_answer_comes_back_as_it_is(serve, stream):
-    """The engine decides where a stop string ends the answer (model.sampling.StopStringMatcher):
+    """The engine decides where a stop string ends the answer (model.sampling.sampler.StopStringMatcher):
     the router hands the stops over and passes the text through, it cuts nothing itself."""
     backend = ScriptedBackend(pieces=["The answer", " is 4", "2.\n"], finish="stop")  # cut before "User:"
     client, _ = serve(backend)

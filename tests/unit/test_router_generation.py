@@ -6,7 +6,7 @@ import asyncio
 
 from pdserve_worker.api.backend import RequestInfo, TokenEvent
 from pdserve_worker.api.generation import Delta, Generation
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 
 
 class IteratorBackend:

@@ -19,7 +19,7 @@ from pdserve_worker.api.app import RouterLimits, create_app
 from pdserve_worker.api.backend import NoCapacity
 from pdserve_worker.api.openai_api import MAX_MESSAGES
 from pdserve_worker.api.tokenizing import TokenizerPool, max_prompt_chars
-from pdserve_worker.model.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pdserve_worker.model.sampling.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 
 MODEL = ScriptedBackend.model_name

@@ -25,7 +25,7 @@ from pdserve_common.membership import (
     member_info_to_proto,
     member_to_proto,
 )
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_from_proto, sampling_to_proto
 
 layouts = st.builds(
@@ -168,7 +168,7 @@ def test_a_grant_crosses_the_wire_and_comes_back_the_same() -> None:
 
 def test_every_finish_reason_has_one_proto_value_and_back() -> None:
     from pdserve.v1 import worker_pb2
-    from pdserve_worker.model.sampling_params import FinishReason
+    from pdserve_worker.model.sampling.params import FinishReason
     from pdserve_worker.rpc.convert import finish_reason_from_proto, finish_reason_to_proto
 
     values = {finish_reason_to_proto(r) for r in FinishReason}

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve_worker.model.sampling import Sampler, StopStringMatcher, stop_token_ids
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.model.sampling.sampler import Sampler, StopStringMatcher, stop_token_ids
 
 LOGITS = torch.log(torch.tensor([0.05, 0.5, 0.3, 0.15]))  # token 1 most likely, then 2, 3, 0
 

@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 
 
 def test_defaults_and_greedy():
@@ -25,7 +25,7 @@ def test_unknown_fields_are_rejected():
 
 def test_the_workers_refuse_what_the_api_refuses() -> None:
     """A request that reaches a worker without the router's checks (gRPC) meets the same bounds."""
-    from pdserve_worker.model.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+    from pdserve_worker.model.sampling.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
     for bad in (
         {"top_k": 2**32},

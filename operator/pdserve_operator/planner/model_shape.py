@@ -5,7 +5,7 @@ reads), or a built-in. Its own small parser rather than the worker's: the worker
 imports the KV layout package and lives in the image with torch, while the planner must run
 in the operator, which has neither. A test checks that both parsers agree on the same file.
 
-Counting conventions (those of the engine, `pdserve_worker.model.llama`):
+Counting conventions (those of the engine, `pdserve_worker.model.layers.llama`):
 - a decode step reads every layer's matrices and norms, the final norm and the LM head once
   (the embedding gather is a few rows: not counted); with tied embeddings the LM head is the
   embedding matrix, read once;

@@ -75,7 +75,7 @@ from pdserve_worker.api.tokenizing import (
     TokenizerPool,
     max_prompt_chars,
 )
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 
 log = logging.getLogger("pdserve.router")
 INLINE_DETOKENIZE_MAX_IDS = 512

@@ -4,7 +4,7 @@ This is where the router's per-request rules live, independent of HTTP: `max_tok
 enforced even if a backend overruns it, the backend's generator is closed as soon as the
 answer is complete (so its decode slot is freed at once), and the timestamps the metrics need
 are taken. Stop strings are not cut here: the engine that generates the tokens decides when a
-request is finished (`model.sampling.StopStringMatcher`, on the decode or the colocated
+request is finished (`model.sampling.sampler.StopStringMatcher`, on the decode or the colocated
 worker), ends it there and frees its slot; its text never holds a stop string.
 """
 
@@ -21,7 +21,7 @@ from pdserve_common import tracing
 from pdserve_common.logs import kv
 from pdserve_worker.api.backend import Backend, RequestInfo, TokenEvent
 from pdserve_worker.api.metrics import RequestTiming
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 
 log = logging.getLogger("pdserve.router")
 

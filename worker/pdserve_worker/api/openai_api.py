@@ -26,7 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from pdserve_worker.api import api_fields
-from pdserve_worker.model.sampling_params import (
+from pdserve_worker.model.sampling.params import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
@@ -88,7 +88,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # OpenAI's shape: token id (as a string) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    # vLLM's extensions (model/processors.py).
+    # vLLM's extensions (model/sampling/processors.py).
     repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -150,7 +150,7 @@ class _GenerationRequest(BaseModel):
         """The engine's view of this request, once the router has settled `max_tokens`.
 
         A field the request leaves unset takes the model's `defaults` (its generation_config:
-        model/generation_config.py's `sampling_defaults`), else OpenAI's (temperature and top_p
+        model/loading/generation_config.py's `sampling_defaults`), else OpenAI's (temperature and top_p
         1, no top_k), as transformers' `generate` and vLLM's default `--generation-config auto` do."""
         d = defaults or {}
         return SamplingParams(

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
         args.prompt = args.prompt_text
 
     from pdserve_common import logs
-    from pdserve_worker.model.generate import Generator, StepOutput, colocated_cache, prefill_first_token
-    from pdserve_worker.model.loader import load_model
-    from pdserve_worker.model.sampling import stop_token_ids
+    from pdserve_worker.model.engine import Generator, StepOutput, colocated_cache, prefill_first_token
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.sampler import stop_token_ids
 
     logs.setup("generate")
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))

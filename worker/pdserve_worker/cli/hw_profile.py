@@ -5,7 +5,7 @@ serving dtype, at the shapes of the model being planned for — so a measured pr
 no efficiency factor (1.0):
 
 - matmul FLOP/s: one layer's projections (q/k/v, o, gate/up, down) for a 512-token chunk,
-  through the engine's own matmul route (`model.matmul.Linear`: oneDNN-prepacked weights
+  through the engine's own matmul route (`model.layers.matmul.Linear`: oneDNN-prepacked weights
   where the CPU supports the dtype), since that is what a prefill runs;
 - attention: causal SDPA with the model's heads (GQA) at 256 and 2,048 tokens; FLOP/s from
   the difference, and the rest of the short one's time as a per-layer fixed cost (SDPA's
@@ -90,7 +90,7 @@ def matmul_flops(shape: ModelShape, dtype: torch.dtype, tokens: int = 512, repea
 
 
 def _engine_linear(dtype: torch.dtype):
-    from pdserve_worker.model.matmul import Linear
+    from pdserve_worker.model.layers.matmul import Linear
 
     return Linear(torch.device("cpu"), dtype)
 
@@ -156,8 +156,8 @@ def engine_overheads(dtype: str, rounds: int = 60) -> dict[str, float]:
     a difference of two of them and swung 2x when they were timed one after the other.
     """
     from pdserve_worker.kv.cache import KVCache
-    from pdserve_worker.model.llama import LlamaModel
-    from pdserve_worker.model.random_model import tiny_config, tiny_weights
+    from pdserve_worker.model.layers.llama import LlamaModel
+    from pdserve_worker.model.loading.random_model import tiny_config, tiny_weights
 
     def stepper(layers: int, batch: int) -> Callable[[], None]:
         config = tiny_config(256, num_layers=layers, max_position_embeddings=64)

@@ -6,7 +6,7 @@ quantized routes: the first thing to look at when decode is slower than expected
 instead describes a model (HF folder or GGUF file) without loading it: architecture,
 parameters, dtype, the route of each layer type on a CPU worker with `--weights` and the bytes
 it holds there, KV bytes per token, and how many KV slots of `--max-len` tokens fit in
-`--memory` per device next to the weights (`model/sizing.py`). The defaults are the
+`--memory` per device next to the weights (`model/loading/sizing.py`). The defaults are the
 PDInferenceService spec's (bfloat16, 2048 or the model's context if shorter), and `--model`
 also takes the spec's `builtin:smollm2`."""
 
@@ -61,7 +61,7 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
     except ImportError:
         return None, "torch not installed"
     from pdserve_worker.cli.local_deployment import auto_dtype
-    from pdserve_worker.model.matmul import QUANT_ROUTES, route
+    from pdserve_worker.model.layers.matmul import QUANT_ROUTES, route
 
     return torch.__version__, {
         "threads": torch.get_num_threads(),
@@ -74,8 +74,8 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from pdserve_worker.model.default_model import default_model_path, model_argument
-    from pdserve_worker.model.sizing import parse_bytes, report
+    from pdserve_worker.model.loading.default_model import default_model_path, model_argument
+    from pdserve_worker.model.loading.sizing import parse_bytes, report
 
     try:
         memory = parse_bytes(args.memory) if args.memory is not None else None
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "model", None):
         return _model(args)
     from pdserve_worker import __version__
-    from pdserve_worker.model.default_model import ModelNotFound, default_model_path
+    from pdserve_worker.model.loading.default_model import ModelNotFound, default_model_path
 
     try:
         model = str(default_model_path())

@@ -41,7 +41,7 @@ from typing import TextIO
 import httpx
 
 from pdserve_common import pod_env as E
-from pdserve_worker.model.default_model import model_argument
+from pdserve_worker.model.loading.default_model import model_argument
 from pdserve_worker.serving import settings as S
 from pdserve_worker.util.free_ports import free_port
 from pdserve_worker.util.tls_certs import CertFiles, tls_env, write_run_certificates
@@ -64,7 +64,7 @@ class LocalPlan:
     port: int = 8000
     model: str | None = None  # GGUF or HF folder; None: the bundled default
     dtype: str = "auto"  # auto: see auto_dtype()
-    weights: str = "auto"  # model/weight_routes.py
+    weights: str = "auto"  # model/layers/weight_routes.py
     slots: int = 8
     max_len: int | None = None  # tokens per request; None: 2048, or the model's context if shorter
     kv_block_tokens: int = 16  # decode KV blocks (0: max-length slots)
@@ -271,8 +271,8 @@ class LocalDeployment:
             self.model_source = str(Path(path).resolve())
             return Path(path).resolve()
         self.say("preparing the model (a GGUF is converted once and cached)")
-        from pdserve_worker.model.convert import quantized_gguf
-        from pdserve_worker.model.loader import gguf_source, model_folder
+        from pdserve_worker.model.loading.convert import quantized_gguf
+        from pdserve_worker.model.loading.loader import gguf_source, model_folder
 
         folder, name = model_folder(path, self.dtype)
         self.model_source = str(folder)

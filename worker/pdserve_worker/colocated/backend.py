@@ -25,10 +25,10 @@ from pdserve_worker.api.tokenizing import ModelTokenizing
 from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
-from pdserve_worker.model.generate import Generator, colocated_cache, prefill_first_token
-from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.model.sampling import stop_token_ids
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.engine import Generator, colocated_cache, prefill_first_token
+from pdserve_worker.model.loading.loader import LoadedModel
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.sampler import stop_token_ids
 
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
 _HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): its lease never runs

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_common.logs import kv
-from pdserve_worker.model.generate import Detached, Generator, StepOutput
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.engine import Detached, Generator, StepOutput
+from pdserve_worker.model.sampling.params import SamplingParams
 
 log = logging.getLogger("pdserve.generation_loop")
 

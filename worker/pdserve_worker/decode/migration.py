@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pdserve_common.kv_layout import Descriptor, K, KVLayout, V
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.model.generate import Detached
+from pdserve_worker.model.engine import Detached
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.push import KVPusher, Piece, PushSource, PushStats, layer_chunks
 

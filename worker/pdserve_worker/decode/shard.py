@@ -45,9 +45,9 @@ from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.generate import Generator
-from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.model.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
+from pdserve_worker.model.engine import Generator
+from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
+from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto
 from pdserve_worker.serving.settings import WorkerSettings

@@ -60,10 +60,10 @@ from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
-from pdserve_worker.model.generate import Generator
-from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.model.sampling import stop_token_ids
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.engine import Generator
+from pdserve_worker.model.loading.loader import LoadedModel
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.sampler import stop_token_ids
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import (
     finish_reason_to_proto,

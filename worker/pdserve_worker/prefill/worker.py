@@ -58,9 +58,9 @@ from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.model.loader import LoadedModel
-from pdserve_worker.model.sampling import sample_first, stop_token_ids
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.loading.loader import LoadedModel
+from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.model.sampling.sampler import sample_first, stop_token_ids
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer

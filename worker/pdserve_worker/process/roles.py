@@ -18,7 +18,7 @@ from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.membership import Load, MemberInfo
 from pdserve_worker.decode.shard import ShardFollower, connect_group, group_max_message, is_follower
 from pdserve_worker.decode.worker import DecodeWorker
-from pdserve_worker.model.loader import LoadedModel
+from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings

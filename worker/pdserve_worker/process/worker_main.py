@@ -45,7 +45,7 @@ from pdserve_worker.process.pod_http import (
 from pdserve_worker.serving.settings import WorkerSettings, model_revision
 
 if TYPE_CHECKING:
-    from pdserve_worker.model.loader import LoadedModel
+    from pdserve_worker.model.loading.loader import LoadedModel
     from pdserve_worker.process.roles import ServingRole
     from pdserve_worker.rpc.broker_client import BrokerClient
     from pdserve_worker.transfer.base import TransferBackend
@@ -72,7 +72,7 @@ def resolve_model_folder(settings: WorkerSettings) -> Path:
     path = settings.model_path
     if path is not None and (Path(path) / "config.json").is_file():
         return Path(path)  # no torch needed (the router holds no weights)
-    from pdserve_worker.model.loader import model_folder
+    from pdserve_worker.model.loading.loader import model_folder
 
     return model_folder(path, settings.model_dtype)[0]
 
@@ -275,7 +275,7 @@ class _Membership:
 async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
     """The model (a layer-sharded decode member loads only its share) and its revision."""
     from pdserve_worker.decode.shard import member_layers
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     try:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
@@ -419,7 +419,7 @@ async def _run_router(settings: WorkerSettings) -> None:
     from pdserve_common.membership import MemberInfo, Role
     from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.model.config import ModelConfig
-    from pdserve_worker.model.generation_config import GenerationDefaults
+    from pdserve_worker.model.loading.generation_config import GenerationDefaults
     from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
     from pdserve_worker.router.load import router_load
     from pdserve_worker.router.pd_backend import PDBackend, Timeouts
@@ -476,7 +476,7 @@ async def _run_colocated(settings: WorkerSettings) -> None:
 
     from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.colocated.backend import ColocatedBackend
-    from pdserve_worker.model.loader import load_model
+    from pdserve_worker.model.loading.loader import load_model
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)

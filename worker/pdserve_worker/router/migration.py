@@ -32,7 +32,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.logs import kv
 from pdserve_common.membership import Member
 from pdserve_worker.api.backend import BackendError, NoCapacity
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
 

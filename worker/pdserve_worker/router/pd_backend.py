@@ -62,7 +62,7 @@ from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.api.tokenizing import ModelTokenizing
 from pdserve_worker.kv.block_events import MAX_EVENTS_PER_REPLY
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.kv_index import ReportedIndex
 from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from pdserve.v1 import common_pb2, shard_pb2, worker_pb2
 from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
 from pdserve_worker.kv.slots import NONCE_BYTES, Grant
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch

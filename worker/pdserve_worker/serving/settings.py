@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pdserve_common import pod_env as E
 from pdserve_common.auth import TLSConfig
 from pdserve_worker.api.http_guard import HttpLimits
-from pdserve_worker.model.default_model import BUILTIN_SOURCE
+from pdserve_worker.model.loading.default_model import BUILTIN_SOURCE
 from pdserve_worker.transfer.registry import NAMES
 
 # Worker-only knobs (the operator leaves them at their defaults).
@@ -49,7 +49,7 @@ PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
-WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/weight_routes.py)
+WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/layers/weight_routes.py)
 # Every HTTP port (router API, pod probes, admin): a request must arrive whole within this
 # many seconds, and connections past the cap are closed at once (api/http_guard.py).
 HTTP_REQUEST_DEADLINE_S = "PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS"

@@ -37,8 +37,8 @@ from safetensors.torch import load_file, save_file
 
 from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import torch_dtype
+from pdserve_worker.model.loading.weights import read_gguf, read_gguf_quantized
 from pdserve_worker.model.tokenizer import Tokenizer
-from pdserve_worker.model.weights import read_gguf, read_gguf_quantized
 
 log = logging.getLogger("pdserve.model.convert")
 

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.gguf_format import QUANTIZED_TYPES as GGUF_KINDS
-from pdserve_worker.model.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk, read_gguf_metadata
-from pdserve_worker.model.quant import QuantizedTensor, from_gguf_blocks
+from pdserve_worker.model.layers.quant import QuantizedTensor, from_gguf_blocks
+from pdserve_worker.model.loading.gguf_format import QUANTIZED_TYPES as GGUF_KINDS
+from pdserve_worker.model.loading.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk, read_gguf_metadata
 
 __all__ = [
     "GGUFCheckpoint",

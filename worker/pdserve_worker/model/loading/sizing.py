@@ -20,7 +20,7 @@ from typing import Any
 
 from pdserve_common.kv_layout import DTYPE_SIZES, shard_layers
 from pdserve_worker.model.config import HF_CLASSES, ModelConfig
-from pdserve_worker.model.generation_config import GenerationDefaults
+from pdserve_worker.model.loading.generation_config import GenerationDefaults
 from pdserve_worker.model.shapes import parameter_count
 
 GIB = 1024**3
@@ -89,7 +89,7 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     """(config, facts about the checkpoint) of an HF folder or a GGUF file."""
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        from pdserve_worker.model.gguf_format import config_from_gguf, read_gguf_metadata
+        from pdserve_worker.model.loading.gguf_format import config_from_gguf, read_gguf_metadata
 
         meta, reader = read_gguf_metadata(p)
         config = config_from_gguf(meta, {t.name for t in reader.tensors})
@@ -100,7 +100,7 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
             file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
         except (ImportError, ValueError):
             pass
-        from pdserve_worker.model.gguf_format import QUANTIZED_TYPES, gguf_to_hf_name
+        from pdserve_worker.model.loading.gguf_format import QUANTIZED_TYPES, gguf_to_hf_name
 
         stored = {
             gguf_to_hf_name(t.name): QUANTIZED_TYPES[t.tensor_type.name]
@@ -146,7 +146,7 @@ def report(
 
     `weights_bytes` is the model in `dtype` (what an accelerator holds); `cpu_routes` and
     `cpu_weights_bytes` what a CPU worker with `--weights` holds (`weight_routes`)."""
-    from pdserve_worker.model.weight_routes import check_weights_choice, loaded_weight_bytes, plan, summary
+    from pdserve_worker.model.layers.weight_routes import check_weights_choice, loaded_weight_bytes, plan, summary
 
     check_weights_choice(weights, "cpu")
     config, facts = read_config(path)

@@ -13,16 +13,16 @@ import torch
 from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.convert import MARKER, converted_gguf, quantized_gguf
-from pdserve_worker.model.default_model import DEFAULT_MODEL_NAME, default_model_path, model_argument
-from pdserve_worker.model.generation_config import GenerationDefaults
-from pdserve_worker.model.llama import LlamaModel
-from pdserve_worker.model.memory import check_fits, device_available
-from pdserve_worker.model.quant import Kind, QuantizedTensor
+from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.layers.quant import Kind, QuantizedTensor
+from pdserve_worker.model.layers.weight_routes import check_weights_choice, groups, loaded_weight_bytes, plan, summary
+from pdserve_worker.model.loading.convert import MARKER, converted_gguf, quantized_gguf
+from pdserve_worker.model.loading.default_model import DEFAULT_MODEL_NAME, default_model_path, model_argument
+from pdserve_worker.model.loading.generation_config import GenerationDefaults
+from pdserve_worker.model.loading.memory import check_fits, device_available
+from pdserve_worker.model.loading.weights import read_quantized_dir, read_safetensors_dir
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
-from pdserve_worker.model.weight_routes import check_weights_choice, groups, loaded_weight_bytes, plan, summary
-from pdserve_worker.model.weights import read_quantized_dir, read_safetensors_dir
 
 log = logging.getLogger("pdserve.model.loader")
 

@@ -33,14 +33,14 @@ import torch.nn.functional as F
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
-from pdserve_worker.model import paged_attention
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.matmul import Linear
-from pdserve_worker.model.paged_attention import PagedPlan
-from pdserve_worker.model.quant import QuantizedTensor, dequantize, quantize, to_kind
-from pdserve_worker.model.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
+from pdserve_worker.model.layers import paged_attention
+from pdserve_worker.model.layers.matmul import Linear
+from pdserve_worker.model.layers.paged_attention import PagedPlan
+from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, quantize, to_kind
+from pdserve_worker.model.layers.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
+from pdserve_worker.model.layers.weight_routes import groups as matrix_groups
 from pdserve_worker.model.shapes import weight_shapes
-from pdserve_worker.model.weight_routes import groups as matrix_groups
 
 # Logits a quantized head recomputes in fp32 from the exact rows (see `LlamaModel.head`).
 REFINED_LOGITS = 16
@@ -531,7 +531,7 @@ class LlamaModel:
         Keys past a row's own length inside that view are masked out. A decode step (one token
         per row) runs each row alone over exactly its own keys instead: padding a row to its
         neighbours' length changes the last bits of its attention, which the quantized route's
-        bf16 activations turn into other tokens (batch invariance: model/paged_attention.py).
+        bf16 activations turn into other tokens (batch invariance: model/layers/paged_attention.py).
         """
         runs: list[_Run] = []
         start = 0

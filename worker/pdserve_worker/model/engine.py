@@ -27,9 +27,9 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.llama import LlamaModel
-from pdserve_worker.model.sampling import Sampler, StopStringMatcher, sample_first, stop_token_ids
-from pdserve_worker.model.sampling_params import FinishReason, SamplingParams
+from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.sampler import Sampler, StopStringMatcher, sample_first, stop_token_ids
 from pdserve_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.generate")

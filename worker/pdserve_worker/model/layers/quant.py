@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from pdserve_worker.model.gguf_format import QUANT_GROUP as GROUP
+from pdserve_worker.model.loading.gguf_format import QUANT_GROUP as GROUP
 
 Kind = Literal["q4", "q8"]
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}

@@ -60,7 +60,7 @@ class SamplingParams(BaseModel):
         (), max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end generation besides EOS."
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
-    # Logits processors (model/processors.py), OpenAI's and vLLM's meanings.
+    # Logits processors (model/sampling/processors.py), OpenAI's and vLLM's meanings.
     presence_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="Subtracted once from every generated token's logit."
     )

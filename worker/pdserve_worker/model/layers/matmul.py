@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve_common.logs import kv
-from pdserve_worker.model.quant import GROUP, QuantizedTensor, nibbles
+from pdserve_worker.model.layers.quant import GROUP, QuantizedTensor, nibbles
 
 log = logging.getLogger("pdserve.model.matmul")
 

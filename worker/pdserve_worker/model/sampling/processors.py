@@ -1,6 +1,6 @@
 """Logits processors: what a request's penalties, logit bias and min_tokens do to its logits.
 
-Applied by the sampler (model/sampling.py) to one row of fp32 logits before temperature, in
+Applied by the sampler (model/sampling/sampler.py) to one row of fp32 logits before temperature, in
 this order, with the meanings clients expect:
 - `logit_bias` (OpenAI): the bias is added to the token's logit;
 - `min_tokens` (vLLM): before that many tokens were generated, EOS and the stop token ids
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams
 
 
 @dataclass

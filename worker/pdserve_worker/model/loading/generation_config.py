@@ -27,7 +27,7 @@ class GenerationDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    repetition_penalty: float | None = None  # a request's default (model/processors.py)
+    repetition_penalty: float | None = None  # a request's default (model/sampling/processors.py)
     max_new_tokens: int | None = None
 
     @classmethod

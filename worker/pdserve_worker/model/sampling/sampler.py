@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve_worker.model import processors
-from pdserve_worker.model.sampling_params import SamplingParams
+from pdserve_worker.model.sampling import processors
+from pdserve_worker.model.sampling.params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
 
@@ -43,7 +43,7 @@ class Sampler:
         stop_ids: Sequence[int] = (),
     ) -> int:
         """The token for output position `index` (0 = first generated token) from logits `[vocab]`;
-        the request's logits processors (model/processors.py) see its prompt, its output so far
+        the request's logits processors (model/sampling/processors.py) see its prompt, its output so far
         and the token ids that would stop it."""
         p = self.params
         logits = logits.detach().to("cpu", torch.float32).reshape(-1)

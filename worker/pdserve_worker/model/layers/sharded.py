@@ -23,7 +23,7 @@ import torch
 
 from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.kv.cache import KVCache, torch_dtype
-from pdserve_worker.model.llama import LlamaModel
+from pdserve_worker.model.layers.llama import LlamaModel
 
 
 @dataclass(frozen=True)
