@@ -39,6 +39,9 @@ def imported_by(*modules: str) -> set[str]:
         "pdserve_worker.router.pd_backend",
         "pdserve_operator.handlers",
         "pdserve_operator.broker",
+        "pdserve_worker.model.loading.sizing",  # `pdserve info` sizes a model it cannot run
+        "pdserve_worker.model.loading.gguf_format",
+        "pdserve_worker.model.layers.weight_routes",
     ],
 )
 def test_the_router_the_operator_and_the_broker_import_no_torch(module: str) -> None:
@@ -76,6 +79,16 @@ LAYERS: list[set[str]] = [
     {"colocated", "router"},
     {"process"},
     {"cli"},
+]
+# Inside model/ the same rule, one level down: families < config < shapes, tokenizer < sampling,
+# layers < loading < engine.
+MODEL_LAYERS: list[set[str]] = [
+    {"families"},
+    {"config"},
+    {"shapes", "tokenizer"},
+    {"sampling", "layers"},
+    {"loading"},
+    {"engine"},
 ]
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"pdserve_worker": ROOT / "worker", "pdserve_common": ROOT / "common", "pdserve_operator": ROOT / "operator"}
@@ -181,6 +194,29 @@ def test_worker_packages_import_only_downwards() -> None:
             if tparts[0] == "pdserve_worker" and len(tparts) >= 3 and tparts[1] != parts[1]:
                 if rank[tparts[1]] >= rank[parts[1]]:
                     upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_model_parts_import_only_downwards() -> None:
+    base = ROOT / "worker" / "pdserve_worker" / "model"
+    rank = {part: row for row, parts in enumerate(MODEL_LAYERS) for part in parts}
+    on_disk = {p.stem for p in base.iterdir() if p.name != "__init__.py" and (p.suffix == ".py" or p.is_dir())}
+    on_disk.discard("__pycache__")
+    assert on_disk == set(rank), (
+        f"a model part is missing from MODEL_LAYERS, or it names a gone one: {on_disk ^ set(rank)}"
+    )
+    upward, checked = [], 0
+    for module, targets in module_graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["pdserve_worker", "model"] or len(parts) < 3:
+            continue
+        for target in targets:
+            tparts = target.split(".")
+            if tparts[:2] == ["pdserve_worker", "model"] and len(tparts) >= 3 and tparts[2] != parts[2]:
+                checked += 1
+                if rank[tparts[2]] >= rank[parts[2]]:
+                    upward.append(f"{module} -> {target}")
+    assert checked > 20  # the scan saw the arrows between the model's parts
     assert upward == []
 
 

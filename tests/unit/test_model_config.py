@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import yaml
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.families import NAMES
 from pdserve_worker.model.layers.llama import LlamaModel
 from pdserve_worker.model.loading.sizing import Sizing, parse_bytes, report
 from pdserve_worker.model.shapes import parameter_count, weight_shapes
@@ -60,7 +62,7 @@ MINIMAL = {
 }
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", NAMES)
 @pytest.mark.parametrize(
     "extra",
     [{}, {"use_sliding_window": True, "max_window_layers": 1}, {"sliding_window": None}],
@@ -85,7 +87,7 @@ def test_keys_left_out_get_transformers_defaults(model_type, extra):
     assert ours.sliding_window == (window if slides else None)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", NAMES)
 def test_kv_heads_left_out_default_as_in_transformers(model_type):
     import transformers
 
@@ -353,3 +355,30 @@ def test_info_without_max_len_takes_the_models_context_when_it_is_shorter(tmp_pa
     assert json.loads(info(short, "--max-len", "1000").stdout)["max_len"] == 1000
     refused = info(short, "--max-len", "4096")
     assert refused.returncode == 2 and "max_len 4096 exceeds the model's max_position_embeddings 1024" in refused.stderr
+
+
+@pytest.mark.parametrize("model_type", NAMES)
+@pytest.mark.parametrize("extra", [{}, {"attention_bias": True}, {"use_sliding_window": True, "sliding_window": 64}])
+def test_every_family_writes_back_a_config_json_transformers_loads_as_the_same_model(model_type, extra):
+    """`to_hf` of a family's config is read by transformers as that family's class
+    (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, the table AutoModelForCausalLM dispatches on) with the same
+    parameters, and reads back here as the same ModelConfig."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    ours = ModelConfig.from_hf({"model_type": model_type, **MINIMAL, **extra})
+    written = ours.to_hf()
+    assert written["architectures"] == [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    assert ModelConfig.from_hf(written) == ours
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**written))
+    assert type(hf).__name__ == written["architectures"][0]
+    assert weight_shapes(ours) == {name: tuple(p.shape) for name, p in hf.named_parameters()}
+
+
+def test_switches_no_config_json_of_the_family_can_state_are_refused_on_the_way_out():
+    mistral = ModelConfig.from_hf({"model_type": "mistral", **MINIMAL})
+    with pytest.raises(ValueError, match="mistral has no config.json for qkv_bias=True"):
+        replace(mistral, qkv_bias=True).to_hf()
+    with pytest.raises(ValueError, match="architecture 'gemma' is not one of"):
+        replace(mistral, architecture="gemma")

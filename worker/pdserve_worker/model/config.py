@@ -5,19 +5,9 @@ a KV pool is sized from it (`kv_layout`), `pdserve info` does its arithmetic wit
 GGUF conversion writes it back out as an HF `config.json` so a converted folder loads like any
 other HF folder (here and in transformers).
 
-The families are the LLaMA block and its relatives, which differ only in a few switches:
-
-| model_type | q/k/v bias            | o bias          | q/k RMSNorm | sliding window                       |
-|------------|-----------------------|-----------------|-------------|--------------------------------------|
-| llama      | `attention_bias`      | `attention_bias`| no          | none                                 |
-| mistral    | no                    | no              | no          | `sliding_window`, every layer        |
-| qwen2      | always                | no              | no          | `use_sliding_window`, layers from `max_window_layers` |
-| qwen3      | `attention_bias`      | `attention_bias`| per head    | as qwen2                             |
-
-Each row is what transformers' own modeling code does (`models/{llama,mistral,qwen2,qwen3}/
-modeling_*.py`, transformers 5.x), including the defaults its config classes give to keys a
-`config.json` leaves out (`_HF_DEFAULTS`; tests/unit/test_model_config.py compares them with the
-installed transformers). What the engine cannot reproduce exactly is refused with the field's
+The families are the LLaMA block and its relatives, which differ only in a few switches: each
+is one module of `model/families/` (its table is in that package's docstring), and this module
+asks the family, never names one. What the engine cannot reproduce exactly is refused with the field's
 name, never approximated: another activation, MLP bias, partial rotary, rope types other than
 default/linear/llama3/yarn/dynamic, quantized checkpoints, and sliding-window attention beyond
 the window (see `kv_layout`).
@@ -31,54 +21,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout
+from pdserve_worker.model.families import FAMILIES, NAMES, family
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Tokens per request (prompt plus output) when none is asked for: the CRD's spec.model.maxLength
 # default; `serving_max_len` lowers it to a shorter model's context.
 DEFAULT_MAX_LEN = 2048
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
-HF_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-# What transformers' config classes (5.x) use for keys a config.json may omit.
-# (num_key_value_heads None: as many as the query heads.)
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "head_dim": None,
-        "sliding_window": None,
-        "num_key_value_heads": None,
-    },
-    "mistral": {
-        "max_position_embeddings": 4096 * 32,
-        "rms_norm_eps": 1e-6,
-        "head_dim": None,
-        "sliding_window": 4096,
-        "num_key_value_heads": 8,
-    },
-    "qwen2": {
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "head_dim": None,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "num_key_value_heads": 32,
-    },
-    "qwen3": {
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "head_dim": 128,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "num_key_value_heads": 32,
-    },
-}
 DEFAULT_ROPE_THETA = 10000.0  # transformers' PreTrainedConfig.default_theta
 
 
@@ -102,7 +51,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    architecture: str = "llama"  # HF model_type: one of ARCHITECTURES
+    architecture: str = "llama"  # HF model_type: one of model/families NAMES
     qkv_bias: bool = False  # q_proj/k_proj/v_proj carry a bias
     o_bias: bool = False  # o_proj carries a bias
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (qwen3)
@@ -128,8 +77,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not one of {ARCHITECTURES}")
+        if self.architecture not in FAMILIES:
+            raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not one of {NAMES}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.rope_scaling is not None:
@@ -185,7 +134,7 @@ class ModelConfig:
         if self.sliding_window is not None and max_len > self.sliding_window:
             raise ValueError(
                 f"max_len {max_len} exceeds the model's sliding_window {self.sliding_window} (config.json "
-                f"{'sliding_window' if self.architecture == 'mistral' else 'use_sliding_window=true'}): this engine "
+                f"{FAMILIES[self.architecture].sliding_key()}): this engine "
                 f"attends over the whole context, which equals sliding-window attention only up to "
                 f"{self.sliding_window} tokens; serve with max_len <= {self.sliding_window}"
             )
@@ -221,8 +170,7 @@ class ModelConfig:
     def from_hf(cls, data: dict[str, Any]) -> ModelConfig:
         """From an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
         model_type = data.get("model_type", "llama")
-        if model_type not in ARCHITECTURES:
-            raise ValueError(f"config.json model_type {model_type!r} is not supported; expected one of {ARCHITECTURES}")
+        fam = family(model_type)
         quant = data.get("quantization_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -233,9 +181,8 @@ class ModelConfig:
         act = data.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act {act!r} is not supported; expected 'silu'")
-        if model_type == "llama" and data.get("mlp_bias"):
-            raise ValueError("config.json mlp_bias=true is not supported by this engine")
-        defaults = _HF_DEFAULTS[model_type]
+        fam.refuse(data)
+        defaults = fam.hf_defaults
         hidden = _int(data, "hidden_size")
         heads = _int(data, "num_attention_heads")
         layers = _int(data, "num_hidden_layers")
@@ -247,13 +194,7 @@ class ModelConfig:
         if rope and rope["rope_type"] == "yarn":
             max_pos = max(max_pos, int(rope["original_max_position_embeddings"] * rope["factor"]))
 
-        attention_bias = bool(data.get("attention_bias", False))
-        qkv_bias, o_bias = {
-            "llama": (attention_bias, attention_bias),
-            "mistral": (False, False),
-            "qwen2": (True, False),
-            "qwen3": (attention_bias, attention_bias),
-        }[model_type]
+        qkv_bias, o_bias = fam.projection_biases(data)
         eos = data.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -274,27 +215,21 @@ class ModelConfig:
             architecture=model_type,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type == "qwen3",
-            sliding_window=_sliding_window(model_type, data, layers, defaults),
+            qk_norm=fam.qk_norm,
+            sliding_window=fam.sliding_window(data, layers),
         )
 
     def to_hf(self, torch_dtype: str = "float32") -> dict[str, Any]:
-        """An HF `config.json` dict that transformers' `{HF_CLASSES[architecture]}` loads as this model."""
+        """An HF `config.json` dict that transformers' class of the family (`Family.hf_class`) loads as this model."""
         arch = self.architecture
-        flags = (self.qkv_bias, self.o_bias, self.qk_norm)
-        expressible = {
-            "llama": self.qkv_bias == self.o_bias and not self.qk_norm,
-            "mistral": flags == (False, False, False),
-            "qwen2": flags == (True, False, False),
-            "qwen3": self.qkv_bias == self.o_bias and self.qk_norm,
-        }[arch]
-        if not expressible:
+        fam = FAMILIES[arch]
+        if not fam.expresses(self.qkv_bias, self.o_bias, self.qk_norm):
             raise ValueError(
                 f"{arch} has no config.json for qkv_bias={self.qkv_bias} o_bias={self.o_bias} qk_norm={self.qk_norm}"
             )
         rope = dict(self.rope_scaling) if self.rope_scaling else None
         data: dict[str, Any] = {
-            "architectures": [HF_CLASSES[arch]],
+            "architectures": [fam.hf_class],
             "model_type": arch,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -313,19 +248,7 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_id,
             "torch_dtype": torch_dtype,
         }
-        if arch in ("llama", "qwen3"):
-            data["attention_bias"] = self.qkv_bias
-        if arch == "llama":
-            data["mlp_bias"] = False
-        if arch == "mistral":
-            data["sliding_window"] = self.sliding_window
-        if arch in ("qwen2", "qwen3"):
-            # Every layer sliding when there is a window: within max_len <= window it is full attention anyway.
-            data.update(
-                use_sliding_window=self.sliding_window is not None,
-                sliding_window=self.sliding_window,
-                max_window_layers=0 if self.sliding_window is not None else self.num_layers,
-            )
+        data.update(fam.hf_keys(self.qkv_bias, self.sliding_window, self.num_layers))
         return data
 
     def to_dict(self) -> dict[str, Any]:
@@ -370,26 +293,3 @@ def _rope(data: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | N
     if not isinstance(rope.get("factor"), (int, float)) or rope["factor"] <= 0:
         raise ValueError(f"config.json rope_scaling.factor must be a positive number, got {rope.get('factor')!r}")
     return theta, {"rope_type": rope_type, **rope}
-
-
-def _sliding_window(model_type: str, data: dict[str, Any], layers: int, defaults: dict[str, Any]) -> int | None:
-    """The window of the layers that slide, as transformers decides which do; None when none does."""
-    window = data.get("sliding_window", defaults["sliding_window"])
-    if model_type == "llama":
-        return None
-    if model_type == "mistral":  # MistralModel: one mask for every layer when sliding_window is set
-        return None if window is None else int(window)
-    if not data.get("use_sliding_window", False):  # Qwen2Config/Qwen3Config.__post_init__
-        window = None
-    layer_types = data.get("layer_types")
-    if layer_types is None:
-        first = int(data.get("max_window_layers", defaults["max_window_layers"]))
-        layer_types = [
-            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
-        ]
-    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if odd:
-        raise ValueError(f"config.json layer_types {odd} are not supported (full_attention, sliding_attention)")
-    if window is None or "sliding_attention" not in layer_types:
-        return None  # Qwen2Attention: a sliding layer without a window attends over everything
-    return int(window)

@@ -24,14 +24,12 @@ own quantizers (`gguf.quants.quantize`, llama.cpp's reference rounding), when a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
-from pdserve_worker.model.loading.gguf_format import QUANT_GROUP as GROUP
+from pdserve_worker.model.layers.quant_blocks import GROUP, Kind
 
-Kind = Literal["q4", "q8"]
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 

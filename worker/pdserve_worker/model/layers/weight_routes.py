@@ -26,7 +26,7 @@ from typing import Literal
 
 from pdserve_common.kv_layout import DTYPE_SIZES
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.loading.gguf_format import QUANT_GROUP as GROUP
+from pdserve_worker.model.layers.quant_blocks import GROUP
 from pdserve_worker.model.shapes import weight_shapes
 
 Kind = Literal["q4", "q8"]

@@ -1,9 +1,9 @@
-"""llama.cpp's GGUF conventions for the llama, qwen2 and qwen3 architectures, as HF terms.
+"""llama.cpp's GGUF conventions for the architectures of `model/families` (llama, qwen2, qwen3), as HF terms.
 
 Tensor names: llama.cpp's converter (`convert_hf_to_gguf.py`) renames HF tensors with the
 `gguf` package's `TensorNameMap` (`blk.{i}.attn_q.weight` for `model.layers.{i}.self_attn.
 q_proj.weight`, `.bias` likewise; qwen3's `attn_q_norm`/`attn_k_norm`). Only LLaMA's Q and K
-rows are permuted (LlamaModel.modify_tensors: GGML's "normal" rope rotates adjacent pairs);
+rows are permuted (`Family.gguf_permutes_qk`) (LlamaModel.modify_tensors: GGML's "normal" rope rotates adjacent pairs);
 qwen2 and qwen3 use the NEOX rope, which rotates halves like HF, and are stored as they are.
 tests/unit/test_gguf_families.py checks the table below against `gguf.get_tensor_name_map`
 and `gguf.MODEL_TENSORS`.
@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pdserve_worker.model.config import ModelConfig
-
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-# GGUF block types kept quantized (`quant.py`), each as the form it becomes; all blocks hold 32 values.
-QUANT_GROUP = 32
-QUANTIZED_TYPES: dict[str, Literal["q4", "q8"]] = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8"}
+from pdserve_worker.model.families import GGUF_FAMILIES
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -92,14 +87,15 @@ def read_gguf_metadata(path: str | Path) -> tuple[dict[str, Any], Any]:
 
 def permutes_qk(arch: str) -> bool:
     """Whether llama.cpp stored this architecture's Q/K rows permuted (GGML normal rope)."""
-    return arch == "llama"
+    return GGUF_FAMILIES[arch].gguf_permutes_qk
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
     """The model a GGUF file describes, from its key/values (decoded to Python values) and tensor names."""
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF general.architecture {arch!r} is not supported; expected one of {GGUF_ARCHITECTURES}")
+    if arch not in GGUF_FAMILIES:
+        raise ValueError(f"GGUF general.architecture {arch!r} is not supported; expected one of {tuple(GGUF_FAMILIES)}")
+    fam = GGUF_FAMILIES[arch]
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -117,12 +113,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         max_positions = max(context, int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]))
     qkv_bias = "blk.0.attn_q.bias" in tensor_names
     qk_norm = "blk.0.attn_q_norm.weight" in tensor_names
-    if arch == "qwen2" and not qkv_bias:
-        raise ValueError("GGUF qwen2 file lacks blk.0.attn_q.bias (Qwen2 attention has q/k/v biases)")
-    if arch == "qwen3" and not qk_norm:
-        raise ValueError("GGUF qwen3 file lacks blk.0.attn_q_norm.weight (Qwen3 normalizes q and k per head)")
-    if arch != "qwen3" and qk_norm:
-        raise ValueError(f"GGUF {arch} file has attn_q_norm tensors, which {arch} does not use")
+    fam.check_gguf_tensors(qkv_bias, qk_norm)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     window = meta.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
@@ -143,7 +134,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
-        architecture=arch,
+        architecture=fam.model_type,
         qkv_bias=qkv_bias,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm=qk_norm,

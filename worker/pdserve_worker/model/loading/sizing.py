@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve_common.kv_layout import DTYPE_SIZES, shard_layers
-from pdserve_worker.model.config import HF_CLASSES, ModelConfig
+from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.families import FAMILIES
 from pdserve_worker.model.loading.generation_config import GenerationDefaults
 from pdserve_worker.model.shapes import parameter_count
 
@@ -100,7 +101,8 @@ def read_config(path: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
             file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
         except (ImportError, ValueError):
             pass
-        from pdserve_worker.model.loading.gguf_format import QUANTIZED_TYPES, gguf_to_hf_name
+        from pdserve_worker.model.layers.quant_blocks import QUANTIZED_TYPES
+        from pdserve_worker.model.loading.gguf_format import gguf_to_hf_name
 
         stored = {
             gguf_to_hf_name(t.name): QUANTIZED_TYPES[t.tensor_type.name]
@@ -159,7 +161,7 @@ def report(
         "name": facts["name"],
         "format": facts["format"],
         "architecture": config.architecture,
-        "hf_class": HF_CLASSES[config.architecture],
+        "hf_class": FAMILIES[config.architecture].hf_class,
         "parameters": params,
         "parameters_human": human_count(params),
         "checkpoint_dtype": facts["checkpoint_dtype"],

@@ -25,7 +25,7 @@ import torch
 
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers.quant import QuantizedTensor, from_gguf_blocks
-from pdserve_worker.model.loading.gguf_format import QUANTIZED_TYPES as GGUF_KINDS
+from pdserve_worker.model.layers.quant_blocks import QUANTIZED_TYPES as GGUF_KINDS
 from pdserve_worker.model.loading.gguf_format import config_from_gguf, gguf_to_hf_name, permutes_qk, read_gguf_metadata
 
 __all__ = [
