@@ -229,3 +229,26 @@ def test_the_common_vocabulary_imports_neither_side() -> None:
         or (module.startswith("pdserve_operator") and target.startswith("pdserve_worker"))
     ]
     assert leaks == []
+
+
+def test_only_the_family_modules_name_a_family() -> None:
+    """A family is one module of model/families plus its line in NAMES: the config reader, the
+    GGUF reader and the forward decide by the family's switches, never by its name. (The
+    tokenizer's GGUF pre-tokenizer names, like "qwen2", are a different vocabulary.)"""
+    from pdserve_worker.model.families import NAMES
+
+    base = ROOT / "worker" / "pdserve_worker" / "model"
+    sources = [base / "config.py", base / "shapes.py", base / "engine.py", *base.glob("layers/*.py")]
+    sources += [p for p in base.glob("loading/*.py")]
+    named = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in NAMES:
+                named.append(f"{path.relative_to(base)}:{node.lineno} {node.value!r}")
+    assert len(sources) > 15
+    # The one default, twice: a model without a model_type is read as LLaMA (the dataclass field,
+    # and a config.json that leaves the key out).
+    defaults = ['architecture: str = "llama"', 'data.get("model_type", "llama")']
+    lines = (base / "config.py").read_text().splitlines()
+    allowed = [f"config.py:{i} 'llama'" for i, line in enumerate(lines, 1) if any(d in line for d in defaults)]
+    assert len(allowed) == 2 and named == allowed
