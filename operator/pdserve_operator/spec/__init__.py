@@ -1,0 +1,3 @@
+"""PDInferenceService spec and status (moved to spec/service.py; split per sub-spec next)."""
+
+from pdserve_operator.spec.service import *  # noqa: F403
