@@ -1,0 +1,76 @@
+"""The routers: their Service, API keys and admission queue."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from pdserve_operator.spec.base import DNS_SUBDOMAIN, Model, Rule
+from pdserve_operator.spec.pods import PodOverrides
+
+
+class RouterServiceSpec(Model):
+    """The Service in front of the routers."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", description="Service type.")
+    port: int = Field(8000, ge=1, le=65535, description="Service port of the OpenAI-compatible API.")
+    node_port: int | None = Field(None, ge=30000, le=32767, description="Fixed node port (NodePort or LoadBalancer).")
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.nodePort) || self.type != 'ClusterIP'",
+            message="nodePort needs type NodePort or LoadBalancer",
+            holds=lambda s: s.node_port is None or s.type != "ClusterIP",
+            field="nodePort",
+        ),
+    )
+
+
+class RouterAuthSpec(Model):
+    """API keys on the OpenAI endpoint (docs/admission.md)."""
+
+    secret_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description=(
+            "Secret whose keys.yaml lists the tenants, their keys (or their SHA-256 digests) and optional "
+            "limits: requestsPerMinute, tokensPerMinute, maxConcurrent, maxPriority, weight. Requests need "
+            "'Authorization: Bearer KEY' (401 otherwise). Routers re-read it when it changes: rotating a "
+            "key needs no restart."
+        ),
+    )
+
+
+class RouterAdmissionSpec(Model):
+    """The routers' admission queue: requests wait here for a KV reservation (docs/admission.md)."""
+
+    queue_size: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Requests that may wait per router; past it, 429 with Retry-After from the measured drain rate.",
+    )
+    per_tenant: int = Field(256, ge=1, le=1_000_000, description="Of those, how many one tenant may hold.")
+    deadline_seconds: int = Field(
+        60,
+        ge=1,
+        le=86_400,
+        description=(
+            "Longest a request waits for admission; a request may shorten it with the x-pdserve-deadline-ms "
+            "header. One the measured drain rate cannot admit in time is answered 429 at once."
+        ),
+    )
+
+
+class RouterSpec(PodOverrides):
+    """Routers: the OpenAI-compatible HTTP front."""
+
+    replicas: int = Field(1, ge=0, le=1024, description="Number of router pods.")
+    service: RouterServiceSpec = Field(default_factory=RouterServiceSpec, description="The router Service.")
+    auth: RouterAuthSpec | None = Field(None, description="API keys (no authentication when unset).")
+    admission: RouterAdmissionSpec = Field(
+        default_factory=RouterAdmissionSpec,
+        description="Admission queue; each tenant's limits are shared out among the router replicas.",
+    )
