@@ -3,11 +3,12 @@
 
 | file | source |
 |---|---|
-| manifests/crd.yaml, charts/pdserve/crds/pdinferenceservices.pdserve.dev.yaml | spec.py via `pdserve crd` |
+| manifests/crd.yaml, charts/pdserve/crds/pdinferenceservices.pdserve.dev.yaml | the operator's `spec` package via `pdserve crd` |
 | manifests/kopf-peering.yaml | charts/pdserve/crds/kopf-peering.yaml |
 | manifests/operator.yaml | `helm template` of charts/pdserve with default values (+ the Namespace) |
-| docs/configuration.md | spec.py and OperatorConfig via `pdserve crd --docs` |
+| docs/configuration.md | the `spec` package and OperatorConfig via `pdserve crd --docs` |
 | docs/api.md | worker/pdserve_worker/api/api_fields.py (the request fields and what is done with each) |
+| docs/structure.md | the product code's imports (scripts/structure.py) |
 
 Tests (`tests/unit/test_chart.py`, `test_generated_files_are_up_to_date`) call `expected()` and fail on any difference, so a change to
 the spec or the chart that is not regenerated cannot land. Run: `python scripts/generate.py`.
@@ -79,6 +80,9 @@ def expected() -> dict[Path, str]:
     from pdserve_operator.crd import crd_yaml
     from pdserve_worker.api.api_fields import markdown as api_docs
 
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import structure
+
     crd = crd_yaml()
     return {
         ROOT / "manifests" / "crd.yaml": crd,
@@ -87,6 +91,7 @@ def expected() -> dict[Path, str]:
         ROOT / "manifests" / "operator.yaml": OPERATOR_HEADER + helm_template(),
         ROOT / "docs" / "configuration.md": config_docs(),
         ROOT / "docs" / "api.md": api_docs(),
+        ROOT / "docs" / "structure.md": structure.render(),
     }
 
 

@@ -66,62 +66,12 @@ def test_the_operator_and_the_common_package_import_nothing_of_the_worker() -> N
     assert worker == [], f"the operator imports the worker package: {worker}"
 
 
-# --- the package order (docs/architecture.md): a package imports only packages on lower rows;
-# packages on one row are peers and import neither each other nor anything above them.
-LAYERS: list[set[str]] = [
-    {"util"},
-    {"kv"},
-    {"transfer", "model"},
-    {"rpc"},
-    {"api"},
-    {"serving"},
-    {"prefill", "decode"},
-    {"colocated", "router"},
-    {"process"},
-    {"cli"},
-]
-# Inside model/ the same rule, one level down: families < config < shapes, tokenizer < sampling,
-# layers < loading < engine.
-MODEL_LAYERS: list[set[str]] = [
-    {"families"},
-    {"config"},
-    {"shapes", "tokenizer"},
-    {"sampling", "layers"},
-    {"loading"},
-    {"engine"},
-]
+# --- the package order (docs/architecture.md; the rows and the import scan are in
+# scripts/structure.py, which also draws them as docs/structure.md): a package imports only
+# packages on lower rows; packages on one row are peers and import neither each other nor anything above them.
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = {"pdserve_worker": ROOT / "worker", "pdserve_common": ROOT / "common", "pdserve_operator": ROOT / "operator"}
-
-
-def module_graph() -> dict[str, set[str]]:
-    """Every import of every product module, deferred and TYPE_CHECKING ones included (a cycle
-    hidden in a function body is still a cycle), as module -> the product modules it names."""
-    modules: dict[str, Path] = {}
-    for package, base in SOURCES.items():
-        for path in (base / package).rglob("*.py"):
-            if not path.name.endswith("_pb2.py") and not path.name.endswith("_pb2_grpc.py"):
-                name = ".".join(path.relative_to(base).with_suffix("").parts)
-                modules[name.removesuffix(".__init__")] = path
-
-    def resolve(name: str) -> str | None:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                named = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                named = [f"{node.module}.{alias.name}" for alias in node.names]
-            else:
-                continue
-            for target in filter(None, map(resolve, named)):
-                if target != name:
-                    graph[name].add(target)
-    return graph
+sys.path.insert(0, str(ROOT / "scripts"))
+from structure import LAYERS, MODEL_LAYERS, module_graph  # noqa: E402
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
