@@ -22,9 +22,9 @@ import grpc
 import httpx
 import openai
 import pytest
-from local_run import LocalRun
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def local(tiny_model_dir, tmp_path_factory, keys_path):
         str(keys_path),
     )
     yield run
-    assert run.stop() == 0, run.stderr_path.read_text()
+    run.stop_cleanly()
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import time
 import grpc
 import httpx
 import pytest
-from local_run import Answer, LocalRun, pid_alive, served_model, stop_process, stream_completion
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from support.local_run import Answer, LocalRun, served_model, stop_process, stream_completion
 from support.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -72,9 +72,7 @@ def local(slow_model_dir, tmp_path_factory):
     run.seen_pids = seen_pids  # type: ignore[attr-defined]
     yield run
     seen_pids.update(c["pid"] for c in run.manifest["children"])
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in seen_pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly(also=seen_pids)
 
 
 def stream(url: str, prompt: str, answer: Answer, max_tokens: int = MAX_TOKENS) -> Answer:

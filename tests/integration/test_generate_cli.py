@@ -96,9 +96,9 @@ def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, 
     bfloat16 while the served workers used float32 on CPUs without native bf16, and the two
     texts parted after 15 tokens)."""
     import httpx
-    from local_run import LocalRun
 
     from pdserve_worker.cli.local_deployment import auto_dtype
+    from support.local_run import LocalRun
 
     prompt, tokens = "The capital of France is", 24
     out = run_cli(
@@ -142,5 +142,5 @@ def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, 
         assert rsp.status_code == 200, rsp.text
         served = rsp.json()["choices"][0]["text"]
     finally:
-        assert run.stop() == 0, run.stderr_path.read_text()
+        run.stop_cleanly()
     assert served and out.stdout == served + "\n"

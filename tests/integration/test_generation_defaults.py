@@ -13,7 +13,8 @@ import shutil
 
 import httpx
 import pytest
-from local_run import LocalRun, pid_alive, served_model
+
+from support.local_run import LocalRun, pid_alive, served_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def test_a_request_without_temperature_follows_do_sample_false(tiny_model_dir, t
         greedy = complete(temperature=0.0)
         hot = {complete(temperature=1.5) for _ in range(3)}
     finally:
-        assert run.stop() == 0, run.stderr_path.read_text()[-4000:]
+        run.stop_cleanly()
     assert not [pid for pid in pids if pid_alive(pid)]
     assert unset == [greedy, greedy]
     assert hot != {greedy}, "sampling at temperature 1.5 gave the greedy text three times: the check cannot tell"

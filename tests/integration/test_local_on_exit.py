@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from local_run import LocalRun, pid_alive
+
+from support.local_run import LocalRun, pid_alive
 
 pytestmark = pytest.mark.slow
 

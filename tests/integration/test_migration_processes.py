@@ -23,9 +23,9 @@ import time
 import grpc
 import httpx
 import pytest
-from local_run import Answer, LocalRun, pid_alive, served_model, stream_completion
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from support.local_run import Answer, LocalRun, served_model, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -73,9 +73,7 @@ def local(request, tmp_path_factory):
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     yield run
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()[-4000:]
-    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly(also=pids)
 
 
 def body(model: str, prompt: str, seed: int | None) -> dict:
@@ -238,9 +236,7 @@ def three_decodes(deep_tiny_dir, tmp_path):
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     yield run
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()[-4000:]
-    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly(also=pids)
 
 
 def undisturbed(local: LocalRun) -> list[str]:

@@ -30,8 +30,9 @@ from typing import Any
 
 import httpx
 import pytest
-from local_run import LocalRun
 from prometheus_client.parser import text_string_to_metric_families
+
+from support.local_run import LocalRun
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -113,7 +114,7 @@ def local(tiny_model_dir, tmp_path_factory):
     )
     run.trace_file = logs / "spans.jsonl"  # type: ignore[attr-defined]
     yield run
-    assert run.stop() == 0, run.stderr_path.read_text()
+    run.stop_cleanly()
 
 
 def model_id(local: LocalRun) -> str:
@@ -286,7 +287,7 @@ def test_operator_reports_replicas_by_role_and_reconciles(operator_series) -> No
 def test_pdserve_top_shows_the_running_deployment(local, router_series) -> None:
     import subprocess
 
-    from local_run import cli, cli_env
+    from support.local_run import cli, cli_env
 
     out = subprocess.run(
         cli("top", "--url", local.url, "--interval", "0.5", "--once"),

@@ -7,7 +7,8 @@ import subprocess
 
 import openai
 import pytest
-from local_run import LocalRun, cli, cli_env
+
+from support.local_run import LocalRun, cli, cli_env
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ import concurrent.futures
 
 import openai
 import pytest
-from local_run import LocalRun, pid_alive
+
+from support.local_run import LocalRun, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +68,7 @@ def deployment(request, family_dirs, tmp_path_factory):
     )
     yield run, loaded, reference
     pids = [c["pid"] for c in run.manifest["children"]]
-    assert run.stop() == 0, run.stderr_path.read_text()
+    run.stop_cleanly()
     assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
 
 

@@ -17,9 +17,9 @@ import grpc
 import httpx
 import openai
 import pytest
-from local_run import LocalRun, pid_alive
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +80,7 @@ def local(tiny_model_dir, tmp_path_factory):
         "0",
     )
     yield run
-    pids = [c["pid"] for c in run.manifest["children"]]
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +314,7 @@ def test_start_failure_names_the_child_and_exits_nonzero(tiny_model_dir, tmp_pat
     """Workers that refuse their settings die at start: `pdserve local` shows why and exits 1."""
     import subprocess
 
-    from local_run import cli, cli_env
+    from support.local_run import cli, cli_env
 
     out = subprocess.run(
         cli(
@@ -351,7 +348,7 @@ def test_start_failure_names_the_child_and_exits_nonzero(tiny_model_dir, tmp_pat
 def test_a_taken_port_is_refused_before_anything_starts(local, tiny_model_dir, tmp_path):
     import subprocess
 
-    from local_run import cli, cli_env
+    from support.local_run import cli, cli_env
 
     port = local.url.rsplit(":", 1)[1]
     out = subprocess.run(

@@ -8,7 +8,8 @@ import concurrent.futures
 
 import openai
 import pytest
-from local_run import LocalRun, pid_alive
+
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +61,7 @@ def local(tiny_model_dir, tmp_path_factory):
         "1",
     )
     yield run
-    pids = [c["pid"] for c in run.manifest["children"]]
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly()
 
 
 def test_group_of_two_processes_answers_as_colocated(local, reference):

@@ -8,7 +8,8 @@ import time
 
 import openai
 import pytest
-from local_run import LocalRun
+
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 

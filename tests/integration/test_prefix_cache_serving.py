@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from local_run import LocalRun, pid_alive
+
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -71,10 +72,7 @@ def local(request, tiny_model_dir, tmp_path_factory):
         "2048",
     )
     yield run
-    pids = [c["pid"] for c in run.manifest["children"]]
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly()
 
 
 def test_greedy_answers_with_the_prefix_cache_equal_those_without(local, reference):

@@ -12,7 +12,8 @@ import time
 
 import httpx
 import pytest
-from local_run import LocalRun
+
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -130,4 +131,4 @@ def test_blocks_come_back_from_disk_after_eviction_a_kill_and_damage(tiny_model_
         assert text == reference[5] and cached == 0
         assert metric(prefill_metrics(run), "pdserve_prefill_prefix_disk_corrupt_blocks_total") >= 1
     finally:
-        assert run.stop() == 0, run.stderr_path.read_text()
+        run.stop_cleanly()

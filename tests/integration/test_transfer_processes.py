@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from local_run import stop_process
 
 from netutil import free_port
 from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.registry import create_engine
+from support.local_run import stop_process
 from support.transfer_peers import PeerError, PeerProcess, decode_main, prefill_main
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,8 @@ import concurrent.futures
 
 import openai
 import pytest
-from local_run import LocalRun
+
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def local(tiny_model_dir, tmp_path_factory):
         "0",
     )
     yield run
-    assert run.stop() == 0, run.stderr_path.read_text()
+    run.stop_cleanly()
 
 
 def test_two_sided_pd_answers_equal_colocated_one_at_a_time_and_together(local, reference):

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # local_run
-
-from local_run import LocalRun, pid_alive  # noqa: E402
-
 from netutil import free_port  # noqa: E402
 from pdserve_common.kv_layout import KVLayout  # noqa: E402
 from pdserve_worker.transfer.backends.host import link_auth  # noqa: E402
+from support.local_run import LocalRun  # noqa: E402
 from support.transfer_peers import PeerProcess, decode_main  # noqa: E402
 
 MAX_LEN = 128
@@ -110,10 +105,7 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
         else:
             os.environ["PDSERVE_ENGINE_OPTIONS"] = saved
     yield run
-    pids = [c["pid"] for c in run.manifest["children"]]
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from local_run import LocalRun, cli, cli_env, pid_alive  # noqa: E402
+from support.local_run import LocalRun, cli, cli_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +38,7 @@ def deployment(tiny_model_dir, tmp_path_factory):
         "0",
     )
     yield run
-    pids = [c["pid"] for c in run.manifest["children"]]
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in pids if pid_alive(pid)]
+    run.stop_cleanly()
 
 
 def decodes_registered(run: LocalRun) -> int:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from local_run import LocalRun  # noqa: E402
+from support.local_run import LocalRun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def local(request, tiny_model_dir, tmp_path_factory):
     assert len(run.manifest["routers"]) == (2 if request.param == "pd" else 1)
     assert run.manifest["routers"][0] == run.url
     yield run
-    assert run.stop() == 0, run.stderr_path.read_text()
+    run.stop_cleanly()
 
 
 SENT = [0]

@@ -21,9 +21,8 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from local_run import LocalRun, pid_alive  # noqa: E402
-
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from support.local_run import LocalRun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -53,10 +52,7 @@ def attacked(tiny_model_dir, tmp_path_factory):
         "0",
     )
     yield run
-    pids = [c["pid"] for c in run.manifest["children"]]
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
+    run.stop_cleanly()
 
 
 @pytest.fixture(scope="module")

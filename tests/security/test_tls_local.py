@@ -18,9 +18,8 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from local_run import LocalRun, pid_alive  # noqa: E402
-
 from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from support.local_run import LocalRun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +48,7 @@ def tls_run(tiny_model_dir, tmp_path_factory):
         "0",
     )
     yield run
-    pids = [c["pid"] for c in run.manifest["children"]]
-    code = run.stop()
-    assert code == 0, run.stderr_path.read_text()
-    assert not [pid for pid in pids if pid_alive(pid)]
+    run.stop_cleanly()
 
 
 def listening_ports(pid: int) -> set[int]:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from local_run import LocalRun  # noqa: E402
+from support.local_run import LocalRun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def local(tiny_model_dir, tmp_path_factory):
         str(keys),
     )
     yield run
-    assert run.stop() == 0, run.stderr_path.read_text()
+    run.stop_cleanly()
 
 
 def test_a_burst_gets_no_more_than_the_tenants_tokens_per_minute(local):

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,15 @@ class LocalRun:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"pdserve local did not stop within {timeout_s}s") from None
+
+    def stop_cleanly(self, also: Iterable[int] = ()) -> None:
+        """Stop, and assert what every serving fixture expects of the stop: exit 0, and none of
+        the deployment's children outliving it (nor the processes in `also`: children a test saw
+        earlier, which a drain or a restart may have replaced since)."""
+        pids = {c["pid"] for c in self.manifest["children"]} | set(also)
+        code = self.stop()
+        assert code == 0, self.stderr_path.read_text()[-4000:]
+        assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
 
 
 def pid_alive(pid: int) -> bool:
