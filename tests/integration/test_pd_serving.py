@@ -50,10 +50,13 @@ def reference(tiny_model_dir):
         layout_bytes_per_token = 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 4
 
         def complete(self, prompt_ids: list[int], **params) -> str:
+            return self.completion(prompt_ids, **params).text
+
+        def completion(self, prompt_ids: list[int], **params):
             from pdserve_worker.model.sampling.params import SamplingParams
 
             [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], SamplingParams(**params), max_len=MAX_LEN)
-            return done.text
+            return done
 
     return Reference()
 
@@ -156,6 +159,46 @@ def test_logits_processors_through_pd_match_colocated(client, model, reference):
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
     penalised = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, frequency_penalty=2)
     assert plain.choices[0].text != penalised.choices[0].text  # the penalty changed the answer
+
+
+def test_logprobs_through_pd_are_colocated_generations_in_both_shapes(client, model, reference):
+    """#31's logprobs: the prefill's first token and the decode's others carry the same values
+    colocated generation computes, in the completions shape (streamed and not) and the chat one;
+    a sampled request's values do not depend on its temperature (they are taken before it)."""
+    prompt = PROMPTS[2]
+    ids = reference.tokenizer.encode(prompt)
+    done = reference.completion(ids, max_tokens=8, temperature=0, logprobs=3)
+    text_of = [reference.tokenizer.decode([t]) for t in done.output_ids]
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == text_of
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in done.logprobs], abs=1e-4)
+    for top, entry in zip(lp.top_logprobs, done.logprobs, strict=True):  # greedy: the chosen token is the top one
+        expected_top = {reference.tokenizer.decode([i]): v for i, v in entry.top}  # (texts may collide: later wins)
+        assert top == pytest.approx(expected_top, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in text_of[:i]) for i in range(len(text_of))]
+    streamed = list(
+        client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, stream=True)
+    )
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == text_of and offsets == lp.text_offset
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_ids = reference.tokenizer.encode_chat(messages)
+    hot = reference.completion(chat_ids, max_tokens=6, temperature=1.5, seed=3, logprobs=2)
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=1.5, seed=3, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [reference.tokenizer.decode([t]) for t in hot.output_ids]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in hot.logprobs], abs=1e-4)
+    assert all(len(c.top_logprobs) == 2 and bytes(c.bytes).decode() == c.token for c in content)
+    cold = reference.completion(chat_ids, max_tokens=6, temperature=0.2, seed=3, logprobs=2)
+    if cold.output_ids[:1] == hot.output_ids[:1]:  # the same first token: the same distribution before temperature
+        assert cold.logprobs[0].logprob == pytest.approx(hot.logprobs[0].logprob, abs=1e-5)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
 
 
 def test_stop_string_cut_once_by_decode(client, model, reference):

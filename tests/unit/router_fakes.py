@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve_worker.api.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
 from pdserve_worker.api.server import build_router_server
-from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -31,6 +31,16 @@ class Call:
     closed: bool = False  # the generator's finally ran (aclose, cancellation or normal end)
     cancelled: bool = False  # closed (GeneratorExit, CancelledError) before its final event
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def fake_logprobs(params: SamplingParams, i: int) -> TokenLogprobs | None:
+    """Token i's logprobs as the scripted backend reports them: the chosen token 1000+i first,
+    then 2000+k, each 0.5 lower (None when the request asked for none)."""
+    if params.logprobs is None:
+        return None
+    chosen = -0.1 * (i + 1)
+    top = [(1000 + i, chosen)] + [(2000 + k, chosen - 0.5 * k) for k in range(1, params.logprobs)]
+    return TokenLogprobs(chosen, tuple(top[: params.logprobs]))
 
 
 class ScriptedBackend:
@@ -103,7 +113,7 @@ class ScriptedBackend:
                 finish = self.finish if last else ("length" if at_limit else None)
                 call.tokens_sent += 1
                 call.finished = finish is not None
-                yield TokenEvent(1000 + i, piece, finish, self.info if i == 0 else None)
+                yield TokenEvent(1000 + i, piece, finish, self.info if i == 0 else None, fake_logprobs(params, i))
                 if finish is not None:
                     return
         except (GeneratorExit, asyncio.CancelledError):

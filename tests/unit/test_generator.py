@@ -263,7 +263,7 @@ def test_a_request_whose_draw_fails_is_aborted_alone(tiny, prompts, alone, monke
     def refuse(logits, index, *context):
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
-    monkeypatch.setattr(gen._running[bad].sampler, "sample", refuse)
+    monkeypatch.setattr(gen._running[bad].sampler, "draw", refuse)
     aborted = []
     while gen.has_work():
         for out in gen.step():

@@ -259,3 +259,27 @@ def test_sliding_window_configured_but_off_is_full_attention(family_dirs):
     config = load_model(str(family_dirs("r1-distill-qwen")), dtype="float32").config
     assert config.sliding_window is None
     config.kv_layout(1, 256, "float32")
+
+
+def test_logprobs_are_transformers_log_softmax_for_every_token(family):
+    """#31: each generated token's logprob and top-5 alternatives, as the engine reports them
+    (prefill's first token, decode's others), are the log-softmax of transformers' logits at
+    that position, and a seeded sampled request reports the values of its own draws."""
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.sampling.params import SamplingParams
+
+    _, _, loaded, hf = family
+    ids = prompts(loaded)[0]
+    for params in (
+        SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.3, seed=7, logprobs=5, ignore_eos=True),
+    ):
+        [done] = generate(loaded.model, loaded.tokenizer, [ids], params, max_len=MAX_LEN)
+        assert len(done.logprobs) == len(done.output_ids) == 6
+        reference = torch.log_softmax(hf_logits(hf, ids + done.output_ids[:-1]), dim=-1)[len(ids) - 1 :]
+        for position, (token, entry) in enumerate(zip(done.output_ids, done.logprobs, strict=True)):
+            expected = reference[position]
+            assert entry.logprob == pytest.approx(float(expected[token]), abs=1e-4)
+            values, top_ids = torch.topk(expected, 5)
+            assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+            assert {i for i, _ in entry.top} == set(top_ids.tolist()) or torch.unique(values).numel() < 5

@@ -72,6 +72,37 @@ def test_completion_streaming_chunks_concatenate_to_the_text(serve):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_logprobs_in_the_completions_and_chat_shapes_streamed_or_not(serve):
+    """#31: what the backend reports per token, in OpenAI's legacy completions shape (the chosen
+    token's text, logprob, a dict of alternatives and text offsets counted over token texts, the
+    offsets going on across stream chunks) and in the chat shape (bytes, exactly k alternatives)."""
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    texts = [chr(1000 + i) for i in range(4)]  # the fake tokenizer's texts of ids 1000..1003 (2 UTF-8 bytes each)
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=10, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert backend.calls[-1].params.logprobs == 2
+    assert lp.tokens == texts and lp.text_offset == [0, 1, 2, 3]
+    assert lp.token_logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert lp.top_logprobs[1] == pytest.approx({texts[1]: -0.2, chr(2001): -0.7})
+    chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=10, logprobs=0, stream=True))
+    scored = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in scored for t in s.tokens] == texts
+    assert [o for s in scored for o in s.text_offset] == [0, 1, 2, 3]
+    assert [list(t) for s in scored for t in s.top_logprobs] == [[t] for t in texts]  # k=0: the chosen token only
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == texts and all(c.bytes == list(t.encode()) for c, t in zip(content, texts))
+    assert [[a.token for a in c.top_logprobs] for c in content][0] == [texts[0], chr(2001), chr(2002)]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=False)
+    assert plain.choices[0].logprobs is None and backend.calls[-1].params.logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=1)
+
+
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)
@@ -211,7 +242,7 @@ CASES = [
     ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, ["stop"], "stop"),
     (b'{"model": "fake-model", "prompt": "\\ud800"}', 400, ["lone surrogate"], "prompt"),
     ({"model": MODEL, "prompt": ""}, 400, ["empty"], "prompt"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, ["logprobs"], "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, ["logprobs"], "logprobs"),
 ]
 
 

@@ -162,3 +162,64 @@ def test_a_top_p_that_rounds_to_nothing_keeps_the_most_likely_token(top_p):
     """vLLM's top-p never masks the most likely token; a top_p below float32's range compared
     as 0 and kept none, and the draw raised."""
     assert set(draws(SamplingParams(top_p=top_p, seed=10), 50)) == {1}
+
+
+def test_logprobs_are_the_processed_log_softmax_and_ignore_temperature():
+    """A draw's logprobs: log-softmax of the logits after the logits processors (here a bias),
+    before temperature and truncation; the top alternatives best first; a banned token (-inf)
+    is reported as the floor, never as a value JSON cannot carry."""
+    from pdserve_worker.model.sampling.params import LOGPROB_FLOOR
+
+    bias = ((0, 3.0),)
+    expected = torch.log_softmax(LOGITS + torch.tensor([3.0, 0, 0, 0]), dim=-1)
+    seen = set()
+    for temperature, top_k in ((0.0, 0), (0.7, 2), (1.9, 0)):
+        params = SamplingParams(temperature=temperature, top_k=top_k, seed=1, logit_bias=bias, logprobs=3)
+        drawn = Sampler(params).draw(LOGITS.clone(), 0)
+        assert drawn.logprobs.logprob == pytest.approx(float(expected[drawn.token]), abs=1e-6)
+        assert [i for i, _ in drawn.logprobs.top] == torch.topk(expected, 3).indices.tolist()
+        assert [v for _, v in drawn.logprobs.top] == pytest.approx(torch.topk(expected, 3).values.tolist())
+        seen.add(drawn.logprobs.top)
+    assert len(seen) == 1  # the same values at every temperature
+    banned = torch.tensor([0.0, float("-inf"), 1.0, float("-inf")])
+    drawn = Sampler(SamplingParams(temperature=0, logprobs=4)).draw(banned, 0)
+    assert [v for _, v in drawn.logprobs.top][-2:] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+    assert Sampler(SamplingParams(temperature=0)).draw(LOGITS, 0).logprobs is None
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        None,
+        {"logprob": -1.0},
+        {"logprob": -1.0, "top": [[1, -1.0]] * 21},
+        {"logprob": float("nan"), "top": []},
+        {"logprob": 0.5, "top": []},
+        {"logprob": -1.0, "top": [[1.5, -1.0]]},
+        {"logprob": -1.0, "top": [[1, "x"]]},
+        {"logprob": -1.0, "top": [[1, -1e9]]},
+        {"logprob": True, "top": []},
+    ],
+)
+def test_logprobs_from_another_process_are_refused_unless_they_are_logprobs(wire):
+    from pdserve_worker.model.sampling.params import TokenLogprobs
+
+    with pytest.raises(ValueError, match="first_logprobs"):
+        TokenLogprobs.from_wire(wire, 20)
+
+
+def test_logprobs_cross_the_wire_unchanged():
+    from pdserve.v1 import common_pb2
+    from pdserve_worker.model.sampling.params import TokenLogprobs
+    from pdserve_worker.rpc.convert import logprobs_from_proto, logprobs_to_proto
+
+    value = TokenLogprobs(-0.25, ((3, -0.25), (9, -1.5)))
+    assert TokenLogprobs.from_wire(value.to_wire(), 20) == value
+    assert logprobs_from_proto(logprobs_to_proto(value)) == value
+    for bad in (
+        common_pb2.TokenLogprobs(logprob=-1, top_ids=[1, 2], top_logprobs=[-1]),
+        common_pb2.TokenLogprobs(logprob=0.1),
+        common_pb2.TokenLogprobs(logprob=-1, top_ids=list(range(21)), top_logprobs=[-1.0] * 21),
+    ):
+        with pytest.raises(ValueError, match="logprobs"):
+            logprobs_from_proto(bad)

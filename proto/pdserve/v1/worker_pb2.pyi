@@ -80,7 +80,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., readiness_timeout_ms: _Optional[int] = ..., num_generated: _Optional[int] = ..., migrated: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("index", "token_id", "text", "finish_reason", "stop", "kv_bytes_received", "kv_pushed", "ready_wait_s", "num_prompt_tokens", "handover")
+    __slots__ = ("index", "token_id", "text", "finish_reason", "stop", "kv_bytes_received", "kv_pushed", "ready_wait_s", "num_prompt_tokens", "handover", "logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class TokenEvent(_message.Message):
     READY_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_id: int
     text: str
@@ -101,7 +102,8 @@ class TokenEvent(_message.Message):
     ready_wait_s: float
     num_prompt_tokens: int
     handover: Handover
-    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., kv_bytes_received: _Optional[int] = ..., kv_pushed: _Optional[bool] = ..., ready_wait_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., kv_bytes_received: _Optional[int] = ..., kv_pushed: _Optional[bool] = ..., ready_wait_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., handover: _Optional[_Union[Handover, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class Handover(_message.Message):
     __slots__ = ("num_generated", "seed", "kv_tokens")

@@ -57,6 +57,7 @@ from pdserve_worker.api.errors import (
 )
 from pdserve_worker.api.generation import Delta, Generation
 from pdserve_worker.api.keys import ANONYMOUS, PRIORITIES, KeyFile, KeyStore, Tenant, TenantLimits, bearer_key
+from pdserve_worker.api.logprobs import Scored, TokenText
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.api.openai_api import (
     ChatCompletionRequest,
@@ -320,6 +321,8 @@ class _Router:
         self.report_request_info = report_request_info
         self.limits = limits
         self.tokenizers = TokenizerPool(limits.tokenize_threads, limits.tokenize_queue)
+        decode = getattr(backend, "detokenize", None)  # a backend without a tokenizer reports no logprobs
+        self.token_texts = None if decode is None else TokenText(decode)
         self.max_prompt_chars = limits.max_prompt_chars or max_prompt_chars(
             backend.max_model_len, getattr(backend, "max_token_chars", DEFAULT_MAX_TOKEN_CHARS)
         )
@@ -422,28 +425,45 @@ class _Router:
         )
         gen.show_workers = self._shows_workers(request, tenant)
         fmt_type = ChatResponseFormat if chat else ResponseFormat
-        fmt = fmt_type(request_id=request_id, model=self.backend.model_name, include_usage=body.include_usage_chunk)
-        ticket = None
-        if self.admission is not None:
-            try:
-                ticket = self.admission.enter(tenant, priority, len(prompt_ids), max_tokens, deadline_s)  # type: ignore[arg-type]
-            except Rejected as exc:
-                self.metrics.observe_rejected(429)
-                log.info(
-                    kv(
-                        event="request_rejected",
-                        request_id=request_id,
-                        tenant=tenant.name,
-                        reason=exc.reason.value,
-                        retry_after_s=round(exc.retry_after_s, 3),
-                    )
-                )
-                raise from_rejection(exc, request_id) from None
+        fmt = fmt_type(
+            request_id=request_id,
+            model=self.backend.model_name,
+            include_usage=body.include_usage_chunk,
+            token_text=None if params.logprobs is None else self.token_texts,
+        )
+        ticket = self._ticket(tenant, priority, len(prompt_ids), max_tokens, deadline_s, request_id)
         # No await between the ticket and the ledger that releases it.
         ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
         if body.stream:
             return await self._stream(request, gen, fmt, ledger)
         return await self._complete(request, gen, fmt, ledger)
+
+    def _ticket(
+        self,
+        tenant: Tenant,
+        priority: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        deadline_s: float | None,
+        request_id: str,
+    ) -> Ticket | None:
+        """The request's place in the admission queue (None without one); a 429 when refused."""
+        if self.admission is None:
+            return None
+        try:
+            return self.admission.enter(tenant, priority, prompt_tokens, max_tokens, deadline_s)  # type: ignore[arg-type]
+        except Rejected as exc:
+            self.metrics.observe_rejected(429)
+            log.info(
+                kv(
+                    event="request_rejected",
+                    request_id=request_id,
+                    tenant=tenant.name,
+                    reason=exc.reason.value,
+                    retry_after_s=round(exc.retry_after_s, 3),
+                )
+            )
+            raise from_rejection(exc, request_id) from None
 
     async def _admit(
         self, body: CompletionRequest | ChatCompletionRequest, chat: bool, request_id: str
@@ -472,6 +492,8 @@ class _Router:
         except ValidationError as exc:
             self.metrics.observe_rejected(400)
             raise from_validation_errors(exc.errors()) from None
+        if params.logprobs is not None and self.token_texts is None:
+            raise self.reject(400, "this backend cannot name tokens: logprobs are not available", param="logprobs")
         return prompt_ids, params, max_tokens
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -658,12 +680,21 @@ class _Router:
                 raise
 
     async def _complete(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:
+        scored: list[Scored] = []
+
+        parts: list[str] = []
+
+        def take(delta: Delta) -> None:
+            parts.append(delta.text)
+            if delta.scored is not None:
+                scored.append(delta.scored)
+
         async def collect() -> str:
             deltas, first = await self._first(gen, ledger)
-            parts: list[str] = [first.text]
+            take(first)
             if first.finish_reason is None:
                 async for delta in deltas:
-                    parts.append(delta.text)
+                    take(delta)
             return "".join(parts)
 
         try:
@@ -678,7 +709,7 @@ class _Router:
             raise self._fail(exc, ledger) from None
         assert gen.finish_reason is not None
         ledger.completed()
-        body = fmt.full(text, gen.finish_reason, self._usage(gen), self._extension(gen))
+        body = fmt.full(text, gen.finish_reason, self._usage(gen), self._extension(gen), scored)
         return JSONResponse(body, headers={"x-request-id": gen.request_id})
 
     async def _stream(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:
@@ -712,8 +743,8 @@ class _Router:
                 yield _sse(chunk)
             delta = first
             while True:
-                if delta.text:
-                    yield _sse(fmt.text_chunk(delta.text))
+                if delta.text or delta.scored is not None:
+                    yield _sse(fmt.text_chunk(delta.text, () if delta.scored is None else (delta.scored,)))
                 if delta.finish_reason is not None:
                     yield _sse(fmt.finish_chunk(delta.finish_reason, self._extension(gen)))
                     break

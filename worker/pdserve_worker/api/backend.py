@@ -17,7 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class TokenEvent:
     text: str
     finish_reason: FinishReason | None = None
     info: RequestInfo | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @runtime_checkable

@@ -20,6 +20,7 @@ from typing import Any
 from pdserve_common import tracing
 from pdserve_common.logs import kv
 from pdserve_worker.api.backend import Backend, RequestInfo, TokenEvent
+from pdserve_worker.api.logprobs import Scored
 from pdserve_worker.api.metrics import RequestTiming
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 
@@ -35,10 +36,12 @@ def _closing(events: AsyncIterator[TokenEvent]) -> AbstractAsyncContextManager[A
 
 @dataclass(frozen=True)
 class Delta:
-    """Text that may be shown now; `finish_reason` is set on the last delta only."""
+    """Text that may be shown now; `finish_reason` is set on the last delta only; `scored` is
+    the token with its logprobs when the request asked for them."""
 
     text: str
     finish_reason: FinishReason | None = None
+    scored: Scored | None = None
 
 
 class Generation:
@@ -101,13 +104,14 @@ class Generation:
                     except StopAsyncIteration:
                         break
                 self._on_token(event.info)
+                scored = None if event.logprobs is None else Scored(event.token_id, event.logprobs)
                 if event.finish_reason is not None:
-                    final = Delta(event.text, FinishReason(event.finish_reason))
+                    final = Delta(event.text, FinishReason(event.finish_reason), scored)
                 elif self.completion_tokens >= self._params.max_tokens:
-                    final = Delta(event.text, FinishReason.LENGTH)
+                    final = Delta(event.text, FinishReason.LENGTH, scored)
                 if final is not None:
                     break
-                yield Delta(event.text)
+                yield Delta(event.text, scored=scored)
         if final is None:
             log.warning(
                 kv(

@@ -18,7 +18,7 @@ the HTTP layer streams completions and chat alike.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -26,11 +26,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from pdserve_worker.api import api_fields
+from pdserve_worker.api.logprobs import Scored, TokenText, chat_block, completion_block
 from pdserve_worker.model.sampling.params import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -146,6 +148,11 @@ class _GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token the response reports logprobs of (None: no logprobs)."""
+        logprobs = getattr(self, "logprobs", None)
+        return logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else None
+
     def sampling_params(self, max_tokens: int, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         """The engine's view of this request, once the router has settled `max_tokens`.
 
@@ -169,6 +176,7 @@ class _GenerationRequest(BaseModel):
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
             min_tokens=self.min_tokens or 0,
             min_p=self.min_p or 0.0,
+            logprobs=self.requested_logprobs(),
         )
 
 
@@ -179,7 +187,8 @@ class CompletionRequest(_GenerationRequest):
     # A string, or token ids (OpenAI's and vLLM's forms), alone or as a list of one.
     prompt: Text | PromptIds | list[Text] | list[PromptIds]
     echo: bool | None = None
-    logprobs: int | None = None
+    # The legacy shape: how many alternatives per token (OpenAI allows 5, vLLM 20: 20 here).
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -243,8 +252,18 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        # OpenAI's rule (and vLLM's ChatCompletionRequest.check_logprobs).
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -320,6 +339,8 @@ class ResponseFormat:
     model: str
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    token_text: TokenText | None = None  # set when the request asked for logprobs
+    _offset: list[int] = field(default_factory=lambda: [0])  # text_offset reached (completions, streamed)
 
     object_full = "text_completion"
     object_chunk = "text_completion"
@@ -327,31 +348,50 @@ class ResponseFormat:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, finish_reason: str, usage: Usage, extension: dict[str, Any] | None) -> dict[str, Any]:
-        body = self._envelope(self.object_full, [self._full_choice(text, finish_reason)])
+    def logprobs_block(self, scored: Sequence[Scored]) -> dict[str, Any] | None:
+        """The choice's `logprobs` for these tokens (None: the request asked for none)."""
+        if self.token_text is None:
+            return None
+        block = completion_block(scored, self.token_text, self._offset[0])
+        self._offset[0] += sum(len(t) for t in block["tokens"])
+        return block
+
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        extension: dict[str, Any] | None,
+        scored: Sequence[Scored] = (),
+    ) -> dict[str, Any]:
+        body = self._envelope(self.object_full, [self._full_choice(text, finish_reason, self.logprobs_block(scored))])
         body["usage"] = usage.as_dict()
         if extension is not None:
             body["pdserve"] = extension
         return body
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _full_choice(self, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        body = self._envelope(self.object_chunk, [self._chunk_choice(delta, finish_reason)])
+    def _chunk(
+        self, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        body = self._envelope(self.object_chunk, [self._chunk_choice(delta, finish_reason, logprobs)])
         if self.include_usage:
             body["usage"] = None  # OpenAI sends null on every chunk but the usage chunk
         return body
 
-    def _chunk_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish_reason}
+    def _chunk_choice(
+        self, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {"index": 0, "text": delta.get("content", ""), "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         """Chunks sent before the first text (chat announces the role)."""
         return []
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
+    def text_chunk(self, text: str, scored: Sequence[Scored] = ()) -> dict[str, Any]:
+        return self._chunk({"content": text}, None, self.logprobs_block(scored) if scored else None)
 
     def finish_chunk(self, finish_reason: str, extension: dict[str, Any] | None) -> dict[str, Any]:
         """The chunk that carries the finish reason (and no text, as OpenAI sends it)."""
@@ -371,16 +411,21 @@ class ChatResponseFormat(ResponseFormat):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def logprobs_block(self, scored: Sequence[Scored]) -> dict[str, Any] | None:
+        return None if self.token_text is None else chat_block(scored, self.token_text)
+
+    def _full_choice(self, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
 
-    def _chunk_choice(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk_choice(
+        self, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]

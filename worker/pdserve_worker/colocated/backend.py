@@ -25,10 +25,10 @@ from pdserve_worker.api.tokenizing import ModelTokenizing
 from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
 from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
-from pdserve_worker.model.engine import Generator, colocated_cache, prefill_first_token
+from pdserve_worker.model.engine import Generator, colocated_cache, prefill_first_draw
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
-from pdserve_worker.model.sampling.sampler import stop_token_ids
+from pdserve_worker.model.sampling.sampler import Draw, stop_token_ids
 
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
 _HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): its lease never runs
@@ -72,13 +72,13 @@ class ColocatedBackend(ModelTokenizing):
         self._scope: dict[int, str] = {}  # slot -> the cache scope of the request it holds
         store = self.prefix
 
-        def prefill(prompt: list[int], slot: int, params: SamplingParams) -> int:
+        def prefill(prompt: list[int], slot: int, params: SamplingParams) -> Draw:
             stops = tuple(stop_token_ids(params, loaded.tokenizer.eos_token_ids))
             if store is None:
-                return prefill_first_token(model, cache, slot, prompt, params, stop_ids=stops)
+                return prefill_first_draw(model, cache, slot, prompt, params, stop_ids=stops)
             use = store.begin(prompt, cache, slot, self._scope[slot])
             try:
-                first = prefill_first_token(model, cache, slot, prompt, params, start=use.cached_tokens, stop_ids=stops)
+                first = prefill_first_draw(model, cache, slot, prompt, params, start=use.cached_tokens, stop_ids=stops)
                 store.finish(use, cache, slot)
             finally:
                 store.end(use)
@@ -132,7 +132,7 @@ class ColocatedBackend(ModelTokenizing):
                 if first:
                     cached = self._cached.pop(grant.slot, 0)
                     info = RequestInfo(disaggregated=False, kv_bytes=0, cached_tokens=cached) if cached else _COLOCATED
-                yield TokenEvent(out.token_id, out.text, out.finish_reason, info)
+                yield TokenEvent(out.token_id, out.text, out.finish_reason, info, out.logprobs)
                 first = False
                 if finished:
                     return

@@ -32,14 +32,16 @@ from typing import Any
 
 from pdserve_common.logs import kv
 from pdserve_worker.model.engine import Detached, Generator, StepOutput
-from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
+from pdserve_worker.model.sampling.sampler import Draw
 
 log = logging.getLogger("pdserve.generation_loop")
 
 _END = object()
 
 # (prompt ids, slot, params) -> the first token, after writing the prompt's KV into the slot.
-Prefill = Callable[[list[int], int, SamplingParams], int]
+# (prompt, slot, params) -> the first token, or its Draw when the request asked for logprobs.
+Prefill = Callable[[list[int], int, SamplingParams], int | Draw]
 
 
 class RequestFailed(RuntimeError):
@@ -99,6 +101,7 @@ class _Add:
     params: SamplingParams
     first_token: int | None
     num_generated: int = 0
+    first_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -177,6 +180,7 @@ class GenerationLoop:
         *,
         first_token: int | None = None,
         num_generated: int = 0,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> RequestStream:
         """Run a request in `slot`; `on_done` runs once the slot is no longer used, however the
         request ends (also when it is refused).
@@ -194,7 +198,9 @@ class GenerationLoop:
         stream = RequestStream(asyncio.get_running_loop(), internal)
         entry = _Entry(stream, on_done)
         self._commands.put(
-            _Add(entry, internal, [int(t) for t in prompt_ids], slot, params, first_token, num_generated)
+            _Add(
+                entry, internal, [int(t) for t in prompt_ids], slot, params, first_token, num_generated, first_logprobs
+            )
         )
         return stream
 
@@ -256,11 +262,12 @@ class GenerationLoop:
         self._entries[command.internal_id] = command.entry
         self.stats.requests += 1
         try:
-            first = command.first_token
+            first, logprobs = command.first_token, command.first_logprobs
             if first is None:
                 assert self._prefill is not None  # submit() checked
                 prompt = self._gen.check_prompt(command.prompt_ids)
-                first = self._prefill(prompt, command.slot, command.params)
+                drawn = self._prefill(prompt, command.slot, command.params)
+                first, logprobs = (drawn.token, drawn.logprobs) if isinstance(drawn, Draw) else (drawn, None)
             _, output = self._gen.add_prefilled(
                 command.prompt_ids,
                 command.slot,
@@ -268,6 +275,7 @@ class GenerationLoop:
                 command.params,
                 command.internal_id,
                 command.num_generated,
+                logprobs,
             )
         except (ValueError, RuntimeError, IndexError) as exc:
             # Refused before it joined the batch: the slot was never the Generator's.

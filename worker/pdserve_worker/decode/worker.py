@@ -62,12 +62,13 @@ from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
 from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.loading.loader import LoadedModel
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import MAX_LOGPROBS, FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import stop_token_ids
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import (
     finish_reason_to_proto,
     grant_to_proto,
+    logprobs_to_proto,
     push_targets_from_proto,
     sampling_from_proto,
 )
@@ -105,6 +106,7 @@ class Ready:
     first_token: int
     wait_s: float
     message: dict[str, Any] = field(default_factory=dict)  # the whole notify (a migration's state)
+    first_logprobs: TokenLogprobs | None = None  # the first token's, drawn by the prefill
 
 
 class GroupHooks(Protocol):
@@ -405,6 +407,11 @@ class DecodeWorker:
             raise ReadyUnusable(
                 f"the ready message of slot {slot} generation {generation} lacks an integer num_tokens or first_token"
             ) from None
+        try:
+            logprobs = message.get("first_logprobs")
+            first_logprobs = None if logprobs is None else TokenLogprobs.from_wire(logprobs, MAX_LOGPROBS)
+        except ValueError as exc:
+            raise ReadyUnusable(f"the ready message of slot {slot} generation {generation}: {exc}") from None
         if self.group is not None:  # a group's request starts once every member's KV is there
             answers = await self.group.wait_ready(slot, generation, timeout_s)
             if any(a != (num_tokens, first_token) for a in answers):
@@ -414,7 +421,7 @@ class DecodeWorker:
                 )
         waited = time.monotonic() - started
         self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
-        return Ready(num_tokens, first_token, waited, message)
+        return Ready(num_tokens, first_token, waited, message, first_logprobs)
 
 
 def pool_tokens(settings: WorkerSettings, full: KVLayout) -> int:
@@ -509,6 +516,8 @@ def _kv_problem(g: _Generation, ready: Ready) -> str | None:
         return "a migration's KV came for a prefilled request"
     if ready.num_tokens != len(g.prompt):
         return f"prefill pushed {ready.num_tokens} tokens of KV, the prompt has {len(g.prompt)}"
+    if g.params.logprobs is not None and ready.first_logprobs is None:
+        return "the request asks for logprobs; the prefill's ready message has none for the first token"
     return None
 
 
@@ -662,6 +671,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             lambda: w.finished(slot, generation),
             first_token=g.first,
             num_generated=replayed,
+            first_logprobs=None if migrated else ready.first_logprobs,
         )
 
     async def _token_event(
@@ -681,6 +691,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         event = worker_pb2.TokenEvent(index=g.index, text=out.text)
         if out.token_id is not None:
             event.token_id = out.token_id
+        if out.logprobs is not None:
+            event.logprobs.CopyFrom(logprobs_to_proto(out.logprobs))
         if g.index == g.resumed:
             event.kv_bytes_received = self.w.kv_bytes(ready.num_tokens)
             event.kv_pushed = True

@@ -28,8 +28,14 @@ from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers.llama import LlamaModel
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
-from pdserve_worker.model.sampling.sampler import Sampler, StopStringMatcher, sample_first, stop_token_ids
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
+from pdserve_worker.model.sampling.sampler import (
+    Draw,
+    Sampler,
+    StopStringMatcher,
+    draw_first,
+    stop_token_ids,
+)
 from pdserve_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.generate")
@@ -74,6 +80,7 @@ class StepOutput:
     text: str
     finished: bool = False
     finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None  # the token's, when the request asked for them
 
 
 @dataclass
@@ -133,6 +140,7 @@ class Completion:
     output_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked for
 
 
 class Generator(Generic[CacheT]):
@@ -185,8 +193,10 @@ class Generator(Generic[CacheT]):
         params: SamplingParams,
         request_id: str | None = None,
         num_generated: int = 0,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> tuple[str, StepOutput]:
-        """Adopt a request whose prompt KV is already in `slot` and whose first token is known.
+        """Adopt a request whose prompt KV is already in `slot` and whose first token is known
+        (with its logprobs, drawn where it was drawn, when the request asks for them).
 
         The slot stays the caller's: it must not hold another running request, and it is free
         for the caller again once this request's last output (`finished`) came out, or after
@@ -214,7 +224,7 @@ class Generator(Generic[CacheT]):
         request.position = len(ids)
         self._running[request.request_id] = request
         self._slots[slot] = request.request_id
-        return request.request_id, self._accept(request, first_token)
+        return request.request_id, self._accept(request, first_token, first_logprobs)
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Take a request out of the batch (its slot is the caller's again); None if unknown."""
@@ -296,34 +306,37 @@ class Generator(Generic[CacheT]):
         sampler cannot honour) aborts this request alone: the batch's other requests never
         pay for one client's sampling parameters."""
         try:
-            token = request.sampler.sample(
+            drawn = request.sampler.draw(
                 logits, len(request.output_ids), request.prompt_ids, request.output_ids, tuple(request.stops)
             )
         except (RuntimeError, ValueError) as exc:
             log.error(kv(event="sampling_failed", request=request.request_id, error=repr(exc)))
             self._finish(request)
             return StepOutput(request.request_id, None, "", True, FinishReason.ABORT)
-        return self._accept(request, token)
+        return self._accept(request, drawn.token, drawn.logprobs)
 
-    def _accept(self, request: _Request, token: int) -> StepOutput:
+    def _accept(self, request: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Record a sampled token: emit its text, or finish the request."""
         request.output_ids.append(token)
         request.last_token = token
         matcher = request.matcher
         if token in request.stops:
-            return self._done(request, token, matcher.feed(request.detok.flush()) + matcher.finish(), FinishReason.STOP)
+            text = matcher.feed(request.detok.flush()) + matcher.finish()
+            return self._done(request, token, text, FinishReason.STOP, logprobs)
         text = matcher.feed(request.detok.push(token))
         if matcher.matched is not None:
-            return self._done(request, token, text, FinishReason.STOP)
+            return self._done(request, token, text, FinishReason.STOP, logprobs)
         if len(request.output_ids) >= request.params.max_tokens or request.position >= self.max_len:
             tail = matcher.feed(request.detok.flush())
             reason = FinishReason.STOP if matcher.matched is not None else FinishReason.LENGTH
-            return self._done(request, token, text + tail + matcher.finish(), reason)
-        return StepOutput(request.request_id, token, text)
+            return self._done(request, token, text + tail + matcher.finish(), reason, logprobs)
+        return StepOutput(request.request_id, token, text, logprobs=logprobs)
 
-    def _done(self, request: _Request, token: int, text: str, reason: FinishReason) -> StepOutput:
+    def _done(
+        self, request: _Request, token: int, text: str, reason: FinishReason, logprobs: TokenLogprobs | None
+    ) -> StepOutput:
         self._finish(request)
-        return StepOutput(request.request_id, token, text, True, reason)
+        return StepOutput(request.request_id, token, text, True, reason, logprobs)
 
     def _finish(self, request: _Request) -> None:
         self._running.pop(request.request_id, None)
@@ -352,8 +365,24 @@ def prefill_first_token(
     (`index`: the output index that token has, > 0 for a resumed request, whose last `index`
     prompt tokens are its output so far; `start`: positions already holding the prompt's KV, a
     cached prefix; `stop_ids`: what min_tokens keeps from being drawn)."""
+    return prefill_first_draw(model, cache, slot, prompt_ids, params, index, layers_per_chunk, start, stop_ids).token
+
+
+@torch.inference_mode()
+def prefill_first_draw(
+    model: LlamaModel,
+    cache: KVCache,
+    slot: int,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    index: int = 0,
+    layers_per_chunk: int | None = None,
+    start: int = 0,
+    stop_ids: Sequence[int] = (),
+) -> Draw:
+    """`prefill_first_token`, with the token's logprobs when the request asks for them."""
     logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, start=start)
-    return sample_first(logits, params, prompt_ids, index, stop_ids)
+    return draw_first(logits, params, prompt_ids, index, stop_ids)
 
 
 @torch.inference_mode()
@@ -365,14 +394,14 @@ def prefill_first_tokens(
     params: Sequence[SamplingParams],
     layers_per_chunk: int | None = None,
     stop_ids: Sequence[Sequence[int]] | None = None,
-) -> list[int]:
-    """`prefill_first_token` of several prompts in one forward pass (`LlamaModel.prefill_batch`:
+) -> list[Draw]:
+    """`prefill_first_draw` of several prompts in one forward pass (`LlamaModel.prefill_batch`:
     the prompts packed into one row, every matrix product once over all of them)."""
     stops = stop_ids if stop_ids is not None else [()] * len(prompts)
     if len(prompts) == 1:
-        return [prefill_first_token(model, cache, slots[0], prompts[0], params[0], 0, layers_per_chunk, 0, stops[0])]
+        return [prefill_first_draw(model, cache, slots[0], prompts[0], params[0], 0, layers_per_chunk, 0, stops[0])]
     logits = model.prefill_batch(prompts, cache, slots, layers_per_chunk)
-    return [sample_first(logits[row], p, prompts[row], 0, stops[row]) for row, p in enumerate(params)]
+    return [draw_first(logits[row], p, prompts[row], 0, stops[row]) for row, p in enumerate(params)]
 
 
 def packed_batches(lengths: Sequence[int], token_budget: int) -> list[range]:
@@ -418,12 +447,15 @@ def generate(
     texts: dict[str, list[str]] = {}
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, FinishReason] = {}
-    ids = [f"req-{slot}" for slot in range(len(prompts))]
+    logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in (f"req-{slot}" for slot in range(len(prompts)))}
+    ids = list(logprobs)
 
     def record(out: StepOutput) -> None:
         texts[out.request_id].append(out.text)
         if out.token_id is not None:
             tokens[out.request_id].append(out.token_id)
+        if out.logprobs is not None:
+            logprobs[out.request_id].append(out.logprobs)
         if out.finished:
             reasons[out.request_id] = out.finish_reason or FinishReason.STOP
 
@@ -441,10 +473,11 @@ def generate(
         stats.prefill_tokens += sum(len(checked[i]) for i in run)
         for slot, first in zip(run, firsts, strict=True):
             texts[ids[slot]], tokens[ids[slot]] = [], []
-            record(gen.add_prefilled(checked[slot], slot, first, plist[slot], ids[slot])[1])
+            added = gen.add_prefilled(checked[slot], slot, first.token, plist[slot], ids[slot], 0, first.logprobs)
+            record(added[1])
     for out in gen.stream():
         record(out)
-    return [Completion(i, list(p), tokens[i], "".join(texts[i]), reasons[i]) for i, p in zip(ids, prompts)]
+    return [Completion(i, list(p), tokens[i], "".join(texts[i]), reasons[i], logprobs[i]) for i, p in zip(ids, prompts)]
 
 
 @torch.inference_mode()

@@ -60,7 +60,7 @@ from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.model.sampling.sampler import sample_first, stop_token_ids
+from pdserve_worker.model.sampling.sampler import draw_first, stop_token_ids
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
@@ -403,9 +403,13 @@ class PrefillWorker:
             if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
                 raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
             stops = stop_token_ids(job.params, self.loaded.tokenizer.eos_token_ids)
-            first = sample_first(logits, job.params, job.prompt, job.num_generated, tuple(stops))
+            drawn = draw_first(logits, job.params, job.prompt, job.num_generated, tuple(stops))
+            first = drawn.token
+            ready: dict[str, Any] = {"first_token": first}
+            if drawn.logprobs is not None:
+                ready["first_logprobs"] = drawn.logprobs.to_wire()
             finish_ns = tracing.now_ns()
-            stats = job.pusher.finish({"first_token": first})
+            stats = job.pusher.finish(ready)
             tracing.record(
                 "kv.push.finish",
                 finish_ns,

@@ -70,7 +70,7 @@ from pdserve_worker.router.placement import compatible, estimated_queue, rank_de
 from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
 from pdserve_worker.rpc.channel_pool import ChannelPool
-from pdserve_worker.rpc.convert import finish_reason_from_proto, sampling_to_proto
+from pdserve_worker.rpc.convert import finish_reason_from_proto, logprobs_from_proto, sampling_to_proto
 from pdserve_worker.rpc.trailers import never_sent, push_settled
 
 log = logging.getLogger("pdserve.router.pd")
@@ -762,9 +762,17 @@ class _Attempt:
             raise _Retryable(
                 self.decode.worker_id, BackendError(f"decode {self.decode.worker_id} aborted request {self.request_id}")
             )
+        logprobs = None
+        if event.HasField("logprobs"):
+            try:
+                logprobs = logprobs_from_proto(event.logprobs)
+            except ValueError as exc:
+                raise _Retryable(
+                    self.decode.worker_id, BackendError(f"decode {self.decode.worker_id}: {exc}")
+                ) from None
         attach = await self._request_info(event, reason)
         self.finished = reason is not None
-        return TokenEvent(event.token_id, event.text, reason, attach)
+        return TokenEvent(event.token_id, event.text, reason, attach, logprobs)
 
     async def _request_info(self, event: worker_pb2.TokenEvent, reason: FinishReason | None) -> RequestInfo | None:
         """Which workers served the request and what the KV cost: attached to one event."""

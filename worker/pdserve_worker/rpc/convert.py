@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 from pdserve.v1 import common_pb2, shard_pb2, worker_pb2
 from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
 from pdserve_worker.kv.slots import NONCE_BYTES, Grant
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import (
+    LOGPROB_FLOOR,
+    MAX_LOGPROBS,
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +33,7 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
     "top_p",
     "seed",
     "ignore_eos",
+    "logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -54,6 +61,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -68,6 +77,26 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         )
     fields["logit_bias"] = tuple(zip(msg.logit_bias_ids, msg.logit_bias_values, strict=True))
     return SamplingParams(**fields)
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        logprob=logprobs.logprob,
+        top_ids=[i for i, _ in logprobs.top],
+        top_logprobs=[v for _, v in logprobs.top],
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs, max_top: int = MAX_LOGPROBS) -> TokenLogprobs:
+    """The decode's logprobs of a token, refused (ValueError) if they cannot be what it computed."""
+    if len(msg.top_ids) != len(msg.top_logprobs) or len(msg.top_ids) > max_top:
+        raise ValueError(
+            f"logprobs carry {len(msg.top_ids)} ids and {len(msg.top_logprobs)} values (at most {max_top} alternatives)"
+        )
+    values = [msg.logprob, *msg.top_logprobs]
+    if not all(LOGPROB_FLOOR <= v <= 0.0 for v in values):  # NaN fails both comparisons
+        raise ValueError(f"logprobs outside [{LOGPROB_FLOOR}, 0]: {values[:4]}")
+    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs, strict=True)))
 
 
 # ---- grants (worker.proto Grant) ----------------------------------------------------------------

@@ -7,7 +7,9 @@ reject nonsense (negative temperature, top_p of 2) with the field name in the er
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,6 +24,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 MAX_REPETITION_PENALTY = 100.0
+# Alternatives per token a request may ask logprobs of (OpenAI's top_logprobs bound; vLLM's
+# default max_logprobs is 20 too).
+MAX_LOGPROBS = 20
 # Below this temperature a request is sampled greedily, as vLLM does (vllm/sampling_params.py,
 # `_SAMPLING_EPS`, `SamplingParams.sampling_type`): logits divided by a vanishing temperature
 # overflow float32 (below about 1.2e-38 the divisor itself rounds to 0), and the softmax of
@@ -80,6 +85,12 @@ class SamplingParams(BaseModel):
     min_p: float = Field(
         0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the most likely one's probability."
     )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Report each generated token's logprob and this many most likely alternatives; None: none.",
+    )
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParams:
@@ -101,3 +112,39 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+# A token the processors banned has logprob -inf; it is reported as this, as vLLM does (JSON,
+# the ready message's and the API's, has no infinity).
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A drawn token's log-probability and the `top` most likely tokens' (id, logprob), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON form the prefill's ready message carries to the decode."""
+        return {"logprob": self.logprob, "top": [[i, v] for i, v in self.top]}
+
+    @classmethod
+    def from_wire(cls, data: Any, max_top: int) -> TokenLogprobs:
+        """Read `to_wire`'s form back, refusing anything else (it comes from another process)."""
+        if not isinstance(data, dict) or not isinstance(data.get("top"), list) or len(data["top"]) > max_top:
+            raise ValueError(f"first_logprobs is not an object with at most {max_top} alternatives: {data!r:.200}")
+        top = []
+        for pair in data["top"]:
+            if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and _finite(pair[1])):
+                raise ValueError(f"first_logprobs alternative is not [token id, logprob]: {pair!r:.100}")
+            top.append((pair[0], float(pair[1])))
+        if not _finite(data.get("logprob")):
+            raise ValueError(f"first_logprobs.logprob is not a logprob: {data.get('logprob')!r:.100}")
+        return cls(float(data["logprob"]), tuple(top))
+
+
+def _finite(value: Any) -> bool:
+    """A logprob as this server computes them: a number in [LOGPROB_FLOOR, 0]."""
+    return type(value) in (int, float) and math.isfinite(value) and LOGPROB_FLOOR <= value <= 0.0

@@ -1,5 +1,12 @@
 """Turning logits into tokens, and deciding when a request is done.
 
+A request that asks for logprobs gets, with each token, its log-probability and those of the
+most likely alternatives: the log-softmax of the logits after the request's logits processors
+(penalties, logit_bias, min_tokens) and before temperature, top-k, top-p and min_p. With no
+processor that is the model's own distribution, vLLM's default `raw_logprobs`; the processors
+are in because they define which tokens a request may get at all (a banned token has logprob
+-inf), while the temperature and truncation only shape the draw.
+
 Sampling runs on the host in fp32 with a torch.Generator per request that is re-seeded for
 every output index from (request seed, index). So the k-th token of a request is drawn the
 same way wherever it is drawn: the prefill worker can draw the first token and a decode
@@ -15,13 +22,31 @@ from dataclasses import dataclass
 import torch
 
 from pdserve_worker.model.sampling import processors
-from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.model.sampling.params import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
 
 
 def _index_seed(seed: int, index: int) -> int:
     return (seed * _MIX + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """`TokenLogprobs` of `token` under `logits` `[vocab]` (fp32), with `top` alternatives."""
+    logprobs = torch.log_softmax(logits, dim=-1).clamp(min=LOGPROB_FLOOR)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(float(logprobs[token]), alternatives)
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A sampled token, with its logprobs when the request asked for them."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
 
 
 class Sampler:
@@ -45,12 +70,28 @@ class Sampler:
         """The token for output position `index` (0 = first generated token) from logits `[vocab]`;
         the request's logits processors (model/sampling/processors.py) see its prompt, its output so far
         and the token ids that would stop it."""
+        return self.draw(logits, index, prompt_ids, output_ids, stop_ids).token
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        index: int,
+        prompt_ids: Sequence[int] = (),
+        output_ids: Sequence[int] = (),
+        stop_ids: Sequence[int] = (),
+    ) -> Draw:
+        """`sample`, and the token's logprobs when the request asks for them."""
         p = self.params
         logits = logits.detach().to("cpu", torch.float32).reshape(-1)
         if p.processed:
             if self._processing is None or self._processing.vocab != logits.numel():
                 self._processing = processors.ProcessorState(logits.numel())
             logits = processors.apply(logits, p, prompt_ids, output_ids, stop_ids, self._processing)
+        token = self._choose(logits, index)
+        return Draw(token, None if p.logprobs is None else token_logprobs(logits, token, p.logprobs))
+
+    def _choose(self, logits: torch.Tensor, index: int) -> int:
+        p = self.params
         if p.greedy:
             return int(torch.argmax(logits))
         scaled = logits / p.temperature
@@ -74,13 +115,20 @@ class Sampler:
         return int(candidates[choice])
 
 
-def sample_first(
+def draw_first(
     logits: torch.Tensor, params: SamplingParams, tokens: Sequence[int], num_generated: int, stop_ids: Sequence[int]
-) -> int:
+) -> Draw:
     """The token a prefill draws after `tokens`: the prompt, then (resuming) the `num_generated`
     tokens already streamed, which are the request's output to its logits processors."""
     split = len(tokens) - num_generated
-    return Sampler(params).sample(logits, num_generated, tokens[:split], tokens[split:], stop_ids)
+    return Sampler(params).draw(logits, num_generated, tokens[:split], tokens[split:], stop_ids)
+
+
+def sample_first(
+    logits: torch.Tensor, params: SamplingParams, tokens: Sequence[int], num_generated: int, stop_ids: Sequence[int]
+) -> int:
+    """`draw_first`'s token."""
+    return draw_first(logits, params, tokens, num_generated, stop_ids).token
 
 
 @dataclass

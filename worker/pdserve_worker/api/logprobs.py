@@ -1,0 +1,84 @@
+"""Generated tokens' logprobs in OpenAI's two response shapes.
+
+The values come from the engine (model/sampling/params.py `TokenLogprobs`: the log-softmax
+after the request's logits processors, before temperature and truncation; -inf as -9999, as
+vLLM sends it). Here they get their token texts and their shape:
+- /v1/completions (the legacy shape, `logprobs: k`): `tokens`, `token_logprobs`,
+  `top_logprobs` (per token a dict text -> logprob of the k most likely tokens, plus the chosen
+  one when it is not among them: "up to logprobs+1 elements", as OpenAI documents and vLLM
+  does) and `text_offset` (where each token's text starts, counted over the token texts);
+- /v1/chat/completions (`logprobs: true, top_logprobs: k`): `content`, one entry per token
+  with `token`, `logprob`, `bytes` (the UTF-8 of the token text) and exactly k `top_logprobs`.
+A token's text is the tokenizer's decoding of that id alone, special tokens included (vLLM
+shows `<|im_end|>` the same way); a token that is part of a multi-byte character decodes to
+U+FFFD there, as it does in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve_worker.model.sampling.params import TokenLogprobs
+
+TOKEN_TEXT_CACHE = 65_536  # token texts remembered (a vocabulary's worth for the bundled models)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One generated token and its logprobs."""
+
+    token_id: int
+    logprobs: TokenLogprobs
+
+
+@dataclass
+class TokenText:
+    """token id -> its text in logprobs, remembered (a bounded cache: the vocabulary is finite,
+    but a tokenizer's may be large)."""
+
+    decode: Callable[[list[int]], str]
+    _texts: dict[int, str] = field(default_factory=dict)
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.decode([token_id])
+            if len(self._texts) < TOKEN_TEXT_CACHE:
+                self._texts[token_id] = text
+        return text
+
+
+def completion_block(scored: Sequence[Scored], text: TokenText, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions `logprobs` object of `scored`, whose first text starts at `offset`."""
+    tokens, offsets, tops = [], [], []
+    for s in scored:
+        token = text(s.token_id)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+        top = {text(i): v for i, v in s.logprobs.top}
+        if s.token_id not in {i for i, _ in s.logprobs.top}:
+            top = {token: s.logprobs.logprob, **top}
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [s.logprobs.logprob for s in scored],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_block(scored: Sequence[Scored], text: TokenText) -> dict[str, Any]:
+    """The chat `logprobs` object of `scored`."""
+    content = []
+    for s in scored:
+        entry = _chat_entry(text(s.token_id), s.logprobs.logprob)
+        entry["top_logprobs"] = [_chat_entry(text(i), v) for i, v in s.logprobs.top]
+        content.append(entry)
+    return {"content": content, "refusal": None}
