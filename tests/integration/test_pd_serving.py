@@ -201,6 +201,29 @@ def test_logprobs_through_pd_are_colocated_generations_in_both_shapes(client, mo
         client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
 
 
+def test_echo_through_pd_gives_the_prefills_prompt_logprobs(client, model, reference):
+    """#31 echo: the prefill computes the prompt tokens' logprobs over the whole prompt and the
+    router puts them before the generated ones (lm-eval's loglikelihood request shape), equal to
+    colocated generation's, streamed or not."""
+    prompt = PROMPTS[0]
+    ids = reference.tokenizer.encode(prompt)
+    done = reference.completion(ids, max_tokens=1, temperature=0, logprobs=2, prompt_logprobs=2)
+    answer = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = answer.choices[0].logprobs
+    assert answer.choices[0].text == prompt + done.text
+    assert lp.tokens == [reference.tokenizer.decode([t]) for t in ids + done.output_ids]
+    expected = [None, *(e.logprob for e in done.prompt_logprobs), done.logprobs[0].logprob]
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-4)
+    assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == 1
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2, stream=True
+        )
+    )
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected[1:], abs=1e-4)
+
+
 def test_stop_string_cut_once_by_decode(client, model, reference):
     prompt = PROMPTS[1]
     full = reference.complete(reference.tokenizer.encode(prompt), max_tokens=30, temperature=0)

@@ -43,6 +43,14 @@ def fake_logprobs(params: SamplingParams, i: int) -> TokenLogprobs | None:
     return TokenLogprobs(chosen, tuple(top[: params.logprobs]))
 
 
+def fake_prompt_logprobs(call: Call) -> tuple[TokenLogprobs, ...] | None:
+    """Prompt token j's logprob is -j (j = 1..n-1), its one alternative 3000+j; None unless asked."""
+    if call.params.prompt_logprobs is None:
+        return None
+    top = call.params.prompt_logprobs
+    return tuple(TokenLogprobs(-float(j), ((3000 + j, -0.5),)[:top]) for j in range(1, len(call.prompt_ids)))
+
+
 class ScriptedBackend:
     model_name = "fake-model"
 
@@ -113,7 +121,10 @@ class ScriptedBackend:
                 finish = self.finish if last else ("length" if at_limit else None)
                 call.tokens_sent += 1
                 call.finished = finish is not None
-                yield TokenEvent(1000 + i, piece, finish, self.info if i == 0 else None, fake_logprobs(params, i))
+                prompt_logprobs = fake_prompt_logprobs(call) if i == 0 else None
+                yield TokenEvent(
+                    1000 + i, piece, finish, self.info if i == 0 else None, fake_logprobs(params, i), prompt_logprobs
+                )
                 if finish is not None:
                     return
         except (GeneratorExit, asyncio.CancelledError):

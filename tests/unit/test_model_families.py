@@ -283,3 +283,26 @@ def test_logprobs_are_transformers_log_softmax_for_every_token(family):
             values, top_ids = torch.topk(expected, 5)
             assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
             assert {i for i, _ in entry.top} == set(top_ids.tolist()) or torch.unique(values).numel() < 5
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(family, monkeypatch):
+    """#31 echo: prompt token i's logprob is the log-softmax of transformers' logits at i-1 (no
+    processors), top-3 likewise; computed from the prefill's own final states, the head over a
+    few positions at a time (16 here, so every prompt spans more than one run)."""
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.sampling import sampler
+    from pdserve_worker.model.sampling.params import SamplingParams
+
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROB_ROWS", 16)
+
+    _, _, loaded, hf = family
+    ids = prompts(loaded)[2]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=3, prompt_logprobs=3, repetition_penalty=1.5)
+    [done] = generate(loaded.model, loaded.tokenizer, [ids], params, max_len=MAX_LEN)
+    expected = torch.log_softmax(hf_logits(hf, ids), dim=-1)
+    assert done.prompt_logprobs is not None and len(done.prompt_logprobs) == len(ids) - 1 > 16
+    for position, entry in enumerate(done.prompt_logprobs, start=1):
+        assert entry.logprob == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
+        assert [v for _, v in entry.top] == pytest.approx(
+            torch.topk(expected[position - 1], 3).values.tolist(), abs=1e-4
+        )

@@ -103,6 +103,33 @@ def test_logprobs_in_the_completions_and_chat_shapes_streamed_or_not(serve):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=1)
 
 
+def test_echo_repeats_the_prompt_with_its_logprobs_as_lm_eval_asks(serve):
+    """#31 echo: the prompt's text before the completion; with logprobs, the prompt's tokens
+    first (the very first with null logprob and alternatives), then the generated ones — what
+    lm-evaluation-harness's loglikelihood requests (echo, logprobs 1, max_tokens 1) read."""
+    backend = ScriptedBackend(pieces=("!",))
+    client, _ = serve(backend)
+    plain = client.completions.create(model=MODEL, prompt="Hey", max_tokens=1, echo=True)
+    assert plain.choices[0].text == "Hey!" and plain.choices[0].logprobs is None
+    assert backend.calls[-1].params.prompt_logprobs is None
+    scored = client.completions.create(model=MODEL, prompt="Hey", max_tokens=1, echo=True, logprobs=1)
+    assert backend.calls[-1].params.prompt_logprobs == 1
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == "Hey!"
+    assert lp.tokens == ["H", "e", "y", chr(1000)] and lp.text_offset == [0, 1, 2, 3]
+    assert lp.token_logprobs == [None, -1.0, -2.0, pytest.approx(-0.1)]
+    assert lp.top_logprobs[0] is None and lp.top_logprobs[2] == {"y": -2.0, chr(3002): -0.5}
+    ids = client.completions.create(model=MODEL, prompt=[72, 105], max_tokens=1, echo=True)
+    assert ids.choices[0].text == "Hi!"  # token-id prompts are echoed decoded
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="Hey", max_tokens=1, echo=True, logprobs=0, stream=True)
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0] == "Hey" and "".join(texts) == "Hey!"
+    first = next(c.choices[0].logprobs for c in chunks if c.choices)
+    assert first.tokens == ["H", "e", "y"] and first.token_logprobs == [None, -1.0, -2.0]
+
+
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)

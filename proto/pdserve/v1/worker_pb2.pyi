@@ -200,20 +200,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., targets: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., num_generated: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "num_tokens", "kv_bytes", "push_seconds", "prefill_seconds", "cached_tokens")
+    __slots__ = ("first_token", "num_tokens", "kv_bytes", "push_seconds", "prefill_seconds", "cached_tokens", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_tokens: int
     kv_bytes: int
     push_seconds: float
     prefill_seconds: float
     cached_tokens: int
-    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., push_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class BlockEventsRequest(_message.Message):
     __slots__ = ("epoch", "after_seq")

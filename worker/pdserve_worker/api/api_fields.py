@@ -92,7 +92,12 @@ _COMMON = [
 COMPLETIONS = [
     Field("prompt", S, "a string, a list of one string, token ids, or a list of one list of token ids"),
     *_COMMON,
-    Field("echo", R, "prompt logprobs are not implemented yet"),
+    Field(
+        "echo",
+        S,
+        "the prompt before the completion; with logprobs, the prompt's tokens first (the very first with null "
+        "logprob), computed by the prefill over the whole prompt (no prefix-cache reuse for it)",
+    ),
     Field(
         "logprobs",
         S,
@@ -101,7 +106,7 @@ COMPLETIONS = [
     ),
     Field("best_of", R, "only best_of=1 is supported (one sequence per request)", _is(1)),
     Field("suffix", R, "insertion is not supported"),
-    Field("prompt_logprobs", R, "not implemented yet"),
+    Field("prompt_logprobs", R, "vLLM's separate field is not implemented: ask echo with logprobs"),
 ]
 CHAT = [
     Field("messages", S, "text content; system, developer, user, assistant, tool roles"),

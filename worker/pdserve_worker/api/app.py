@@ -430,6 +430,7 @@ class _Router:
             model=self.backend.model_name,
             include_usage=body.include_usage_chunk,
             token_text=None if params.logprobs is None else self.token_texts,
+            echo=self._echo_text(body),
         )
         ticket = self._ticket(tenant, priority, len(prompt_ids), max_tokens, deadline_s, request_id)
         # No await between the ticket and the ledger that releases it.
@@ -437,6 +438,17 @@ class _Router:
         if body.stream:
             return await self._stream(request, gen, fmt, ledger)
         return await self._complete(request, gen, fmt, ledger)
+
+    def _echo_text(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
+        """The prompt as the response repeats it (`echo`): as sent, or its ids decoded."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return None
+        ids = body.prompt_ids
+        if ids is None:
+            return body.prompt_text
+        if self.token_texts is None:
+            raise self.reject(400, "this backend cannot decode token ids: echo is not available", param="echo")
+        return self.token_texts.decode(ids)
 
     def _ticket(
         self,
@@ -709,6 +721,8 @@ class _Router:
             raise self._fail(exc, ledger) from None
         assert gen.finish_reason is not None
         ledger.completed()
+        if fmt.echo is not None:
+            text, scored = fmt.echo + text, gen.echoed() + scored
         body = fmt.full(text, gen.finish_reason, self._usage(gen), self._extension(gen), scored)
         return JSONResponse(body, headers={"x-request-id": gen.request_id})
 
@@ -741,6 +755,8 @@ class _Router:
         try:
             for chunk in fmt.opening_chunks():
                 yield _sse(chunk)
+            if fmt.echo is not None:
+                yield _sse(fmt.text_chunk(fmt.echo, gen.echoed()))
             delta = first
             while True:
                 if delta.text or delta.scored is not None:

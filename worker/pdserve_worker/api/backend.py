@@ -74,6 +74,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     info: RequestInfo | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    # On the first event, when the request asked for prompt logprobs: prompt tokens 1..n-1's.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @runtime_checkable

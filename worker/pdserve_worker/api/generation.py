@@ -20,9 +20,9 @@ from typing import Any
 from pdserve_common import tracing
 from pdserve_common.logs import kv
 from pdserve_worker.api.backend import Backend, RequestInfo, TokenEvent
-from pdserve_worker.api.logprobs import Scored
+from pdserve_worker.api.logprobs import Scored, prompt_scored
 from pdserve_worker.api.metrics import RequestTiming
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 
 log = logging.getLogger("pdserve.router")
 
@@ -76,10 +76,15 @@ class Generation:
         self.info: RequestInfo | None = None
         self.cache_scope = cache_scope  # which cached prefixes it may reuse (api/cache_scope.py)
         self.show_workers = False  # name the prefill and decode in the response (a debug header the key allows)
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the prompt's, when asked for (first event)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self._prompt_ids)
+
+    def echoed(self) -> list[Scored]:
+        """The prompt's tokens with their logprobs (an echo), once the first event brought them."""
+        return prompt_scored(self._prompt_ids, self.prompt_logprobs) if self.prompt_logprobs else []
 
     def timing(self, finished: float | None = None) -> RequestTiming:
         return RequestTiming(
@@ -104,6 +109,8 @@ class Generation:
                     except StopAsyncIteration:
                         break
                 self._on_token(event.info)
+                if event.prompt_logprobs is not None:
+                    self.prompt_logprobs = event.prompt_logprobs
                 scored = None if event.logprobs is None else Scored(event.token_id, event.logprobs)
                 if event.finish_reason is not None:
                     final = Delta(event.text, FinishReason(event.finish_reason), scored)

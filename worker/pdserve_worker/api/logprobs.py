@@ -7,6 +7,7 @@ vLLM sends it). Here they get their token texts and their shape:
   `top_logprobs` (per token a dict text -> logprob of the k most likely tokens, plus the chosen
   one when it is not among them: "up to logprobs+1 elements", as OpenAI documents and vLLM
   does) and `text_offset` (where each token's text starts, counted over the token texts);
+  with `echo`, the prompt's tokens come first, the very first with null logprob and top;
 - /v1/chat/completions (`logprobs: true, top_logprobs: k`): `content`, one entry per token
   with `token`, `logprob`, `bytes` (the UTF-8 of the token text) and exactly k `top_logprobs`.
 A token's text is the tokenizer's decoding of that id alone, special tokens included (vLLM
@@ -27,10 +28,15 @@ TOKEN_TEXT_CACHE = 65_536  # token texts remembered (a vocabulary's worth for th
 
 @dataclass(frozen=True)
 class Scored:
-    """One generated token and its logprobs."""
+    """One token and its logprobs (None: an echoed prompt's first token, which has none)."""
 
     token_id: int
-    logprobs: TokenLogprobs
+    logprobs: TokenLogprobs | None
+
+
+def prompt_scored(prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> list[Scored]:
+    """An echoed prompt's tokens with their logprobs (those of tokens 1..n-1; the first has none)."""
+    return [Scored(prompt_ids[0], None), *(Scored(t, lp) for t, lp in zip(prompt_ids[1:], logprobs, strict=True))]
 
 
 @dataclass
@@ -52,19 +58,24 @@ class TokenText:
 
 def completion_block(scored: Sequence[Scored], text: TokenText, offset: int = 0) -> dict[str, Any]:
     """The legacy completions `logprobs` object of `scored`, whose first text starts at `offset`."""
-    tokens, offsets, tops = [], [], []
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float] | None] = []
     for s in scored:
         token = text(s.token_id)
         tokens.append(token)
         offsets.append(offset)
         offset += len(token)
+        if s.logprobs is None:
+            tops.append(None)
+            continue
         top = {text(i): v for i, v in s.logprobs.top}
         if s.token_id not in {i for i, _ in s.logprobs.top}:
             top = {token: s.logprobs.logprob, **top}
         tops.append(top)
     return {
         "tokens": tokens,
-        "token_logprobs": [s.logprobs.logprob for s in scored],
+        "token_logprobs": [None if s.logprobs is None else s.logprobs.logprob for s in scored],
         "top_logprobs": tops,
         "text_offset": offsets,
     }
@@ -78,6 +89,7 @@ def chat_block(scored: Sequence[Scored], text: TokenText) -> dict[str, Any]:
     """The chat `logprobs` object of `scored`."""
     content = []
     for s in scored:
+        assert s.logprobs is not None  # (chat has no echo)
         entry = _chat_entry(text(s.token_id), s.logprobs.logprob)
         entry["top_logprobs"] = [_chat_entry(text(i), v) for i, v in s.logprobs.top]
         content.append(entry)

@@ -153,6 +153,10 @@ class _GenerationRequest(BaseModel):
         logprobs = getattr(self, "logprobs", None)
         return logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (echo with logprobs, completions only)."""
+        return self.requested_logprobs() if getattr(self, "echo", False) else None
+
     def sampling_params(self, max_tokens: int, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         """The engine's view of this request, once the router has settled `max_tokens`.
 
@@ -177,6 +181,7 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens or 0,
             min_p=self.min_p or 0.0,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
         )
 
 
@@ -340,6 +345,7 @@ class ResponseFormat:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText | None = None  # set when the request asked for logprobs
+    echo: str | None = None  # the prompt's text, when the request asked for it before the completion
     _offset: list[int] = field(default_factory=lambda: [0])  # text_offset reached (completions, streamed)
 
     object_full = "text_completion"

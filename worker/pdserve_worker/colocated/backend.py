@@ -27,7 +27,7 @@ from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.engine import Generator, colocated_cache, prefill_first_draw
 from pdserve_worker.model.loading.loader import LoadedModel
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw, stop_token_ids
 
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
@@ -70,12 +70,18 @@ class ColocatedBackend(ModelTokenizing):
         )
         self._cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
         self._scope: dict[int, str] = {}  # slot -> the cache scope of the request it holds
+        self._prompt_logprobs: dict[
+            int, tuple[TokenLogprobs, ...] | None
+        ] = {}  # slot -> its request's prompt logprobs, for its first event
         store = self.prefix
 
         def prefill(prompt: list[int], slot: int, params: SamplingParams) -> Draw:
             stops = tuple(stop_token_ids(params, loaded.tokenizer.eos_token_ids))
-            if store is None:
-                return prefill_first_draw(model, cache, slot, prompt, params, stop_ids=stops)
+            self._prompt_logprobs.pop(slot, None)  # (a request that ended early left its own)
+            if store is None or params.prompt_logprobs is not None:  # (prompt logprobs: every position computed)
+                drawn = prefill_first_draw(model, cache, slot, prompt, params, stop_ids=stops)
+                self._prompt_logprobs[slot] = drawn.prompt_logprobs
+                return drawn
             use = store.begin(prompt, cache, slot, self._scope[slot])
             try:
                 first = prefill_first_draw(model, cache, slot, prompt, params, start=use.cached_tokens, stop_ids=stops)
@@ -128,11 +134,12 @@ class ColocatedBackend(ModelTokenizing):
                 if out.token_id is None or out.finish_reason is FinishReason.ABORT:  # aborted inside the loop
                     raise BackendError(f"request {request_id} was aborted: {out.finish_reason}")
                 finished = out.finished  # before the yield: the router closes us once it has the last event
-                info = None
+                info, prompt_logprobs = None, None
                 if first:
                     cached = self._cached.pop(grant.slot, 0)
                     info = RequestInfo(disaggregated=False, kv_bytes=0, cached_tokens=cached) if cached else _COLOCATED
-                yield TokenEvent(out.token_id, out.text, out.finish_reason, info, out.logprobs)
+                    prompt_logprobs = self._prompt_logprobs.pop(grant.slot, None)
+                yield TokenEvent(out.token_id, out.text, out.finish_reason, info, out.logprobs, prompt_logprobs)
                 first = False
                 if finished:
                     return

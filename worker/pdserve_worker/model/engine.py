@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -34,6 +34,7 @@ from pdserve_worker.model.sampling.sampler import (
     Sampler,
     StopStringMatcher,
     draw_first,
+    prompt_token_logprobs,
     stop_token_ids,
 )
 from pdserve_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -141,6 +142,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked for
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt tokens 1..n-1's, if asked for
 
 
 class Generator(Generic[CacheT]):
@@ -380,9 +382,17 @@ def prefill_first_draw(
     start: int = 0,
     stop_ids: Sequence[int] = (),
 ) -> Draw:
-    """`prefill_first_token`, with the token's logprobs when the request asks for them."""
-    logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, start=start)
-    return draw_first(logits, params, prompt_ids, index, stop_ids)
+    """`prefill_first_token`, with the token's logprobs when the request asks for them, and the
+    prompt's (`params.prompt_logprobs`; then `start` must be 0: a cached prefix has no states)."""
+    if params.prompt_logprobs is None:
+        logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, start=start)
+        return draw_first(logits, params, prompt_ids, index, stop_ids)
+    if start:
+        raise ValueError("prompt logprobs need the whole prompt computed (start 0)")
+    final: list[torch.Tensor] = []
+    logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, on_final=final.append)
+    prompt = prompt_token_logprobs(model.head, final[0], prompt_ids, params.prompt_logprobs)
+    return replace(draw_first(logits, params, prompt_ids, index, stop_ids), prompt_logprobs=prompt)
 
 
 @torch.inference_mode()
@@ -398,8 +408,11 @@ def prefill_first_tokens(
     """`prefill_first_draw` of several prompts in one forward pass (`LlamaModel.prefill_batch`:
     the prompts packed into one row, every matrix product once over all of them)."""
     stops = stop_ids if stop_ids is not None else [()] * len(prompts)
-    if len(prompts) == 1:
-        return [prefill_first_draw(model, cache, slots[0], prompts[0], params[0], 0, layers_per_chunk, 0, stops[0])]
+    if len(prompts) == 1 or any(p.prompt_logprobs is not None for p in params):  # (the states of each alone)
+        return [
+            prefill_first_draw(model, cache, slot, prompt, p, 0, layers_per_chunk, 0, stop)
+            for slot, prompt, p, stop in zip(slots, prompts, params, stops, strict=True)
+        ]
     logits = model.prefill_batch(prompts, cache, slots, layers_per_chunk)
     return [draw_first(logits[row], p, prompts[row], 0, stops[row]) for row, p in enumerate(params)]
 
@@ -419,6 +432,41 @@ def packed_batches(lengths: Sequence[int], token_budget: int) -> list[range]:
     if start < len(lengths):
         runs.append(range(start, len(lengths)))
     return runs
+
+
+class _Collected:
+    """What `generate` gathers per request from the outputs it sees, until the completions."""
+
+    def __init__(self, count: int) -> None:
+        self.ids = [f"req-{slot}" for slot in range(count)]
+        self.texts: dict[str, list[str]] = {i: [] for i in self.ids}
+        self.tokens: dict[str, list[int]] = {i: [] for i in self.ids}
+        self.logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in self.ids}
+        self.prompt_logprobs: dict[str, tuple[TokenLogprobs, ...] | None] = {}
+        self.reasons: dict[str, FinishReason] = {}
+
+    def record(self, out: StepOutput) -> None:
+        self.texts[out.request_id].append(out.text)
+        if out.token_id is not None:
+            self.tokens[out.request_id].append(out.token_id)
+        if out.logprobs is not None:
+            self.logprobs[out.request_id].append(out.logprobs)
+        if out.finished:
+            self.reasons[out.request_id] = out.finish_reason or FinishReason.STOP
+
+    def completions(self, prompts: Sequence[Sequence[int]]) -> list[Completion]:
+        return [
+            Completion(
+                i,
+                list(p),
+                self.tokens[i],
+                "".join(self.texts[i]),
+                self.reasons[i],
+                self.logprobs[i],
+                self.prompt_logprobs.get(i),
+            )
+            for i, p in zip(self.ids, prompts, strict=True)
+        ]
 
 
 def generate(
@@ -443,23 +491,8 @@ def generate(
     stats = stats if stats is not None else GenerationStats()
     gen.stats = stats
     checked = [gen.check_prompt(p) for p in prompts]
-    runs = packed_batches([len(p) for p in checked], prefill_token_budget)
-    texts: dict[str, list[str]] = {}
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, FinishReason] = {}
-    logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in (f"req-{slot}" for slot in range(len(prompts)))}
-    ids = list(logprobs)
-
-    def record(out: StepOutput) -> None:
-        texts[out.request_id].append(out.text)
-        if out.token_id is not None:
-            tokens[out.request_id].append(out.token_id)
-        if out.logprobs is not None:
-            logprobs[out.request_id].append(out.logprobs)
-        if out.finished:
-            reasons[out.request_id] = out.finish_reason or FinishReason.STOP
-
-    for run in runs:
+    got = _Collected(len(prompts))
+    for run in packed_batches([len(p) for p in checked], prefill_token_budget):
         started = time.perf_counter()
         firsts = prefill_first_tokens(
             model,
@@ -472,12 +505,13 @@ def generate(
         stats.prefill_seconds += time.perf_counter() - started
         stats.prefill_tokens += sum(len(checked[i]) for i in run)
         for slot, first in zip(run, firsts, strict=True):
-            texts[ids[slot]], tokens[ids[slot]] = [], []
-            added = gen.add_prefilled(checked[slot], slot, first.token, plist[slot], ids[slot], 0, first.logprobs)
-            record(added[1])
+            request_id = got.ids[slot]
+            got.prompt_logprobs[request_id] = first.prompt_logprobs
+            added = gen.add_prefilled(checked[slot], slot, first.token, plist[slot], request_id, 0, first.logprobs)
+            got.record(added[1])
     for out in gen.stream():
-        record(out)
-    return [Completion(i, list(p), tokens[i], "".join(texts[i]), reasons[i], logprobs[i]) for i, p in zip(ids, prompts)]
+        got.record(out)
+    return got.completions(prompts)
 
 
 @torch.inference_mode()

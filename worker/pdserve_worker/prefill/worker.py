@@ -59,10 +59,10 @@ from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.loading.loader import LoadedModel
-from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.model.sampling.sampler import draw_first, stop_token_ids
+from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
+from pdserve_worker.model.sampling.sampler import draw_first, prompt_token_logprobs, stop_token_ids
 from pdserve_worker.rpc.broker_client import BrokerClient
-from pdserve_worker.rpc.convert import push_targets_from_proto, sampling_from_proto
+from pdserve_worker.rpc.convert import logprobs_to_proto, push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.worker_metrics import WorkerMetrics
@@ -106,6 +106,24 @@ class _Job:
     trace: Any = None  # the request's prefill span (tracing.py); children are timed on the compute thread
     cache_scope: str = ""  # which cached prefixes it may reuse (api/cache_scope.py)
     prefetch: Any = None  # its prefix blocks being read from the disk tier (PrefixStore.prefetch)
+    prompt_states: Any = None  # the prompt's final hidden states, kept when it asks for prompt logprobs
+
+    @property
+    def echo(self) -> bool:
+        """It asks for its prompt's logprobs (a resume does not: the client has them already)."""
+        return self.params is not None and self.params.prompt_logprobs is not None and self.num_generated == 0
+
+
+def _keep_prompt_states(live: list[tuple[int, _Job]], starts: list[int], final: list[Any]) -> None:
+    """Hand each prompt that asks for its logprobs its rows of the pass's packed final states."""
+    if not final:
+        return
+    offset = 0
+    for (_, job), start in zip(live, starts, strict=True):
+        length = len(job.prompt) - start
+        if job.echo:
+            job.prompt_states = final[0][offset : offset + length]
+        offset += length
 
 
 def _mark(exc: BaseException, settled: bool) -> BaseException:
@@ -126,6 +144,7 @@ class PrefillResult:
     push_seconds: float
     prefill_seconds: float
     cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens 1..n-1's, when asked for
 
 
 class PrefillWorker:
@@ -367,16 +386,19 @@ class PrefillWorker:
         s, model = self.settings, self.loaded.model
         on_chunk = _ChunkPushes(self, live)
         uses: dict[int, PrefixUse] = {}
+        final: list[Any] = []  # the final hidden states, when a prompt asks for its logprobs
+        keep = {"on_final": final.append} if any(job.echo for _, job in live) else {}
         try:
-            if self.prefix is not None:
+            if self.prefix is not None:  # (a prompt that wants its logprobs computes every position)
                 for slot, job in live:
-                    uses[slot] = self.prefix.begin(job.prompt, self.cache, slot, job.cache_scope, job.prefetch)
-            starts = [uses[slot].cached_tokens if uses else 0 for slot, _ in live]
+                    if not job.echo:
+                        uses[slot] = self.prefix.begin(job.prompt, self.cache, slot, job.cache_scope, job.prefetch)
+            starts = [uses[slot].cached_tokens if slot in uses else 0 for slot, _ in live]
             try:
                 if len(live) == 1:
                     slot, job = live[0]
                     logits = model.prefill(
-                        job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk, start=starts[0]
+                        job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk, start=starts[0], **keep
                     )[None]
                 else:
                     logits = model.prefill_batch(
@@ -386,9 +408,11 @@ class PrefillWorker:
                         s.layers_per_chunk,
                         on_chunk=on_chunk,
                         starts=starts,
+                        **keep,
                     )
             except _AllEnded:
                 return None
+            _keep_prompt_states(live, starts, final)
             for slot, use in uses.items():  # the pass ran through: every prompt's KV is whole
                 self.prefix.finish(use, self.cache, slot)
         finally:
@@ -443,8 +467,24 @@ class PrefillWorker:
             )
         )
         self._resolve(
-            job, PrefillResult(first, len(job.prompt), stats.bytes, stats.seconds, done - job.accepted, cached)
+            job,
+            PrefillResult(
+                first,
+                len(job.prompt),
+                stats.bytes,
+                stats.seconds,
+                done - job.accepted,
+                cached,
+                self._prompt_logprobs(job),
+            ),
         )
+
+    def _prompt_logprobs(self, job: _Job) -> tuple[TokenLogprobs, ...]:
+        """The prompt's logprobs, from the states its pass kept (none unless it asked)."""
+        states, job.prompt_states = job.prompt_states, None
+        if states is None or job.params is None or job.params.prompt_logprobs is None:
+            return ()
+        return prompt_token_logprobs(self.loaded.model.head, states, job.prompt, job.params.prompt_logprobs)
 
     def _fail(self, job: _Job, exc: BaseException, settled: bool) -> None:
         self._resolve(job, _mark(exc, settled))
@@ -570,6 +610,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             push_seconds=result.push_seconds,
             prefill_seconds=result.prefill_seconds,
             cached_tokens=result.cached_tokens,
+            prompt_logprobs=[logprobs_to_proto(entry) for entry in result.prompt_logprobs],
         )
 
     def _refusal(self, request: worker_pb2.PrefillRequest, prompt: list[int]) -> str | None:

@@ -62,7 +62,7 @@ from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.api.tokenizing import ModelTokenizing
 from pdserve_worker.kv.block_events import MAX_EVENTS_PER_REPLY
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.kv_index import ReportedIndex
 from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets
@@ -635,6 +635,7 @@ class _Attempt:
         self.prefill = backend._pick_prefill(avoid, self.tokens, cache_scope)
         self.call: Any = None  # the decode's Generate stream
         self.prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
+        self.prompt_logprobs_sent = False
         self.info: RequestInfo | None = None
         self.finished = False
         self.migrations = 0
@@ -772,7 +773,19 @@ class _Attempt:
                 ) from None
         attach = await self._request_info(event, reason)
         self.finished = reason is not None
-        return TokenEvent(event.token_id, event.text, reason, attach, logprobs)
+        return TokenEvent(event.token_id, event.text, reason, attach, logprobs, await self._prompt_logprobs())
+
+    async def _prompt_logprobs(self) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt's logprobs, from the prefill's reply, for the request's first event only."""
+        if self.params.prompt_logprobs is None or self.emitted or self.prompt_logprobs_sent:
+            return None
+        assert self.prefill_call is not None
+        reply = await self.backend._prefill_reply(self.prefill_call, self.prefill.worker_id)
+        self.prompt_logprobs_sent = True
+        try:
+            return tuple(logprobs_from_proto(entry) for entry in reply.prompt_logprobs)
+        except ValueError as exc:
+            raise BackendError(f"prefill {self.prefill.worker_id}: prompt {exc}") from None
 
     async def _request_info(self, event: worker_pb2.TokenEvent, reason: FinishReason | None) -> RequestInfo | None:
         """Which workers served the request and what the KV cost: attached to one event."""

@@ -34,6 +34,7 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
     "seed",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -63,6 +64,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 

@@ -332,8 +332,10 @@ class LlamaModel:
         layers_per_chunk: int | None = None,
         on_chunk: Callable[[range], None] | None = None,
         start: int = 0,
+        on_final: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Write the KV of positions 0..n-1 into `slot` and return the last position's logits `[vocab]`.
+        """Write the KV of positions 0..n-1 into `slot` and return the last position's logits `[vocab]`
+        (`on_final` gets the computed positions' final hidden states `[n - start, hidden]` first).
 
         Layers run in chunks of `layers_per_chunk`; after each chunk, whose KV is then final in
         the cache, `on_chunk(layer_range)` is called (the transfer pushes that chunk from there
@@ -363,6 +365,8 @@ class LlamaModel:
                 hidden = self._layer(hidden, layer, cache, plan)
             if on_chunk is not None:
                 on_chunk(chunk)
+        if on_final is not None:
+            on_final(hidden[0])
         return self.head(hidden[0, -1])
 
     @torch.inference_mode()
@@ -374,8 +378,10 @@ class LlamaModel:
         layers_per_chunk: int | None = None,
         on_chunk: Callable[[range], None] | None = None,
         starts: Sequence[int] | None = None,
+        on_final: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """`prefill` of several prompts in one forward pass: logits `[len(prompts), vocab]`.
+        """`prefill` of several prompts in one forward pass: logits `[len(prompts), vocab]`
+        (`on_final`: the packed final hidden states of every computed position, prompt after prompt).
 
         `starts[i]` > 0: prompt i's first `starts[i]` positions already hold its KV (a cached
         prefix); only the rest is computed.
@@ -414,6 +420,8 @@ class LlamaModel:
                 hidden = self._layer(hidden, layer, cache, plan)
             if on_chunk is not None:
                 on_chunk(chunk)
+        if on_final is not None:
+            on_final(hidden[0])
         last = torch.tensor([seg.stop - 1 for seg in plan.segments], device=self.device)
         return self.head(hidden[0, last])
 

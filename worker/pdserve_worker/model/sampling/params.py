@@ -91,6 +91,12 @@ class SamplingParams(BaseModel):
         le=MAX_LOGPROBS,
         description="Report each generated token's logprob and this many most likely alternatives; None: none.",
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Report each prompt token's logprob (after the first) and this many alternatives; None: none.",
+    )
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParams:

@@ -16,7 +16,7 @@ worker the rest, and a seeded request still gives exactly the text it gives in o
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +41,40 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     return TokenLogprobs(float(logprobs[token]), alternatives)
 
 
+PROMPT_LOGPROB_ROWS = 128  # prompt positions whose logits exist at once (x vocab x 4 bytes)
+
+
+def prompt_token_logprobs(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, prompt: Sequence[int], top: int
+) -> tuple[TokenLogprobs, ...]:
+    """Logprobs of prompt tokens 1..n-1, each under the model's logits at the position before it
+    (no processors: they act on outputs), from the final hidden states `[n, hidden]` of the prompt.
+    The head runs on `PROMPT_LOGPROB_ROWS` positions at a time, so a long prompt never holds
+    its whole `[n, vocab]` logits."""
+    ids = torch.as_tensor(list(prompt[1:]), dtype=torch.long)
+    out: list[TokenLogprobs] = []
+    for begin in range(0, ids.numel(), PROMPT_LOGPROB_ROWS):
+        rows = hidden[begin : begin + PROMPT_LOGPROB_ROWS]
+        rows = rows[: ids.numel() - begin]
+        logprobs = torch.log_softmax(head(rows).to("cpu", torch.float32), dim=-1).clamp(min=LOGPROB_FLOOR)
+        chosen = logprobs.gather(1, ids[begin : begin + rows.shape[0], None])[:, 0].tolist()
+        if top:
+            values, top_ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+            pairs = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
+        else:
+            pairs = [()] * len(chosen)
+        out.extend(TokenLogprobs(c, p) for c, p in zip(chosen, pairs, strict=True))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Draw:
-    """A sampled token, with its logprobs when the request asked for them."""
+    """A sampled token, with its logprobs when the request asked for them (and, when it asked for
+    them, the prompt's: tokens 1..n-1)."""
 
     token: int
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class Sampler:
