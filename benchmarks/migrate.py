@@ -40,10 +40,9 @@ import grpc
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from local_run import LocalRun  # noqa: E402  (the tests' way of running `pdserve local`)
-
+sys.path.insert(0, str(ROOT / "tests"))
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from support.local_run import LocalRun  # noqa: E402  (the tests' way of running `pdserve local`)
 
 SLOTS = 8
 WORDS = (

@@ -32,10 +32,9 @@ import grpc
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from local_run import LocalRun, pid_alive, served_model  # noqa: E402  (the tests' way of running `pdserve local`)
-
+sys.path.insert(0, str(ROOT / "tests"))
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from support.local_run import LocalRun, pid_alive, served_model  # noqa: E402  (the tests' way of running `pdserve local`)
 
 PROMPTS = [
     "The quick brown fox",
@@ -69,7 +68,7 @@ class Tally:
 
 
 class Deployment:
-    """`pdserve local` as the tests run it (tests/integration/local_run.py), plus the faults' handles."""
+    """`pdserve local` as the tests run it (tests/support/local_run.py), plus the faults' handles."""
 
     def __init__(self, model: str, log_dir: Path, slots: int, max_len: int) -> None:
         self.run = LocalRun.start(
