@@ -45,8 +45,12 @@ def router(stack: Stack, loaded, routing: str) -> PDBackend:
 
 
 async def cached_tokens(backend: PDBackend, prompt: list[int], request_id: str) -> int:
+    """The prompt tokens the prefill took from its cache, as the request's last report says: the
+    first event's report may come before the prefill's reply (then without the cache's figure),
+    the last one waits for it (the router keeps the latest, api/backend.RequestInfo)."""
     events = [e async for e in backend.generate(prompt, PARAMS, request_id, cache_scope=SCOPE)]
-    return events[0].info.cached_tokens if events[0].info is not None else 0
+    infos = [e.info for e in events if e.info is not None]
+    return infos[-1].cached_tokens if infos else 0
 
 
 async def two_routers(loaded, routing_b: str) -> tuple[list[int], list[int], list[int]]:
