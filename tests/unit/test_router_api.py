@@ -130,6 +130,38 @@ def test_echo_repeats_the_prompt_with_its_logprobs_as_lm_eval_asks(serve):
     assert first.tokens == ["H", "e", "y"] and first.token_logprobs == [None, -1.0, -2.0]
 
 
+def test_system_fingerprint_names_the_server_and_model_revision_on_every_body(serve):
+    """#31: OpenAI's system_fingerprint, the same on every response and chunk of one server, and
+    another for another model revision (what a seeded request's determinism depends on)."""
+    from pdserve_worker.api.openai_api import system_fingerprint
+
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    whole = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
+    prints = {whole.system_fingerprint} | {c.system_fingerprint for c in chat}
+    assert prints == {system_fingerprint(MODEL, "")} and prints.pop().startswith("fp_")
+    assert system_fingerprint(MODEL, "rev-a") != system_fingerprint(MODEL, "rev-b") != system_fingerprint(MODEL, "")
+
+
+def test_echo_logprobs_too_large_for_the_prefills_reply_are_a_clear_400(serve, monkeypatch):
+    """The prefill returns an echo's prompt logprobs in one gRPC reply: a prompt whose logprobs
+    would not fit (here made small: 10 tokens at 20 alternatives) is refused before it runs,
+    naming what fits; fewer alternatives fit more."""
+    from pdserve_common.channels import WORKER_MAX_MESSAGE
+    from pdserve_worker.api import app as app_module
+
+    monkeypatch.setattr(app_module, "PROMPT_LOGPROB_BYTES", WORKER_MAX_MESSAGE // 2 // (21 * 10))
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    prompt = "abcdefghijklmnopqrst"  # 20 tokens with the fake tokenizer
+    with pytest.raises(openai.BadRequestError, match="at most 10 tokens, got 20"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=20)
+    assert not backend.calls
+    ok = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=0)
+    assert len(ok.choices[0].logprobs.tokens) == 21
+
+
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)

@@ -96,7 +96,8 @@ COMPLETIONS = [
         "echo",
         S,
         "the prompt before the completion; with logprobs, the prompt's tokens first (the very first with null "
-        "logprob), computed by the prefill over the whole prompt (no prefix-cache reuse for it)",
+        "logprob), computed by the prefill over the whole prompt (no prefix-cache reuse for it); with logprobs k, "
+        "prompts up to 8 MiB / (16 B × (k+1)) tokens (24,966 at k=20)",
     ),
     Field(
         "logprobs",
@@ -185,7 +186,9 @@ Fields in neither table pass untouched (newer clients send fields this server do
 Besides the two endpoints below: `GET /v1/models` (with `max_model_len`), and vLLM's
 `POST /tokenize` (`{"model", "prompt"}` or `{"model", "messages"}` →
 `{"count", "max_model_len", "tokens"}`) and `POST /detokenize` (`{"model", "tokens"}` →
-`{"prompt"}`), behind the same API keys.
+`{"prompt"}`), behind the same API keys. Every response and stream chunk carries OpenAI's
+`system_fingerprint` (this server's version, the model and its revision: it changes when
+what a seeded answer depends on changes).
 
 """
 

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve_common import tracing
+from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.logs import kv
 from pdserve_worker import __version__
 from pdserve_worker.api.admission import AdmissionQueue, Rejected, State, Ticket
@@ -68,6 +69,7 @@ from pdserve_worker.api.openai_api import (
     TokenizeRequest,
     Usage,
     error_body,
+    system_fingerprint,
 )
 from pdserve_worker.api.tokenizing import (
     DEFAULT_MAX_TOKEN_CHARS,
@@ -77,6 +79,9 @@ from pdserve_worker.api.tokenizing import (
     max_prompt_chars,
 )
 from pdserve_worker.model.sampling.params import SamplingParams
+
+# Bytes one (token id, logprob) pair takes in the prefill's reply, generously (proto: varint + double + tags).
+PROMPT_LOGPROB_BYTES = 16
 
 log = logging.getLogger("pdserve.router")
 INLINE_DETOKENIZE_MAX_IDS = 512
@@ -321,6 +326,7 @@ class _Router:
         self.report_request_info = report_request_info
         self.limits = limits
         self.tokenizers = TokenizerPool(limits.tokenize_threads, limits.tokenize_queue)
+        self.fingerprint = system_fingerprint(backend.model_name, str(getattr(backend, "revision", "")))
         decode = getattr(backend, "detokenize", None)  # a backend without a tokenizer reports no logprobs
         self.token_texts = None if decode is None else TokenText(decode)
         self.max_prompt_chars = limits.max_prompt_chars or max_prompt_chars(
@@ -431,6 +437,7 @@ class _Router:
             include_usage=body.include_usage_chunk,
             token_text=None if params.logprobs is None else self.token_texts,
             echo=self._echo_text(body),
+            fingerprint=self.fingerprint,
         )
         ticket = self._ticket(tenant, priority, len(prompt_ids), max_tokens, deadline_s, request_id)
         # No await between the ticket and the ledger that releases it.
@@ -506,6 +513,16 @@ class _Router:
             raise from_validation_errors(exc.errors()) from None
         if params.logprobs is not None and self.token_texts is None:
             raise self.reject(400, "this backend cannot name tokens: logprobs are not available", param="logprobs")
+        if params.prompt_logprobs is not None:
+            # The prefill sends them in one gRPC reply: bounded, with room to spare, by its message limit.
+            most = WORKER_MAX_MESSAGE // 2 // (PROMPT_LOGPROB_BYTES * (params.prompt_logprobs + 1))
+            if len(prompt_ids) > most:
+                raise self.reject(
+                    400,
+                    f"echo with logprobs {params.prompt_logprobs} is served for prompts of at most {most} tokens, "
+                    f"got {len(prompt_ids)}: ask fewer alternatives or no echo",
+                    param="logprobs",
+                )
         return prompt_ids, params, max_tokens
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:

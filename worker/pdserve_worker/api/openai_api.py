@@ -17,6 +17,7 @@ the HTTP layer streams completions and chat alike.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pdserve_worker import __version__
 from pdserve_worker.api import api_fields
 from pdserve_worker.api.logprobs import Scored, TokenText, chat_block, completion_block
 from pdserve_worker.model.sampling.params import (
@@ -320,6 +322,13 @@ def error_body(
 # --- responses ------------------------------------------------------------------------------
 
 
+def system_fingerprint(model: str, revision: str) -> str:
+    """OpenAI's `system_fingerprint`: what a seeded request's determinism depends on here (this
+    server's version, the served model and its revision), so a client sees when it changed."""
+    digest = hashlib.sha256(f"pdserve {__version__}\n{model}\n{revision}".encode()).hexdigest()
+    return f"fp_{digest[:10]}"
+
+
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
@@ -346,13 +355,18 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: TokenText | None = None  # set when the request asked for logprobs
     echo: str | None = None  # the prompt's text, when the request asked for it before the completion
+    fingerprint: str | None = None  # `system_fingerprint`: this server's version and the model's revision
     _offset: list[int] = field(default_factory=lambda: [0])  # text_offset reached (completions, streamed)
 
     object_full = "text_completion"
     object_chunk = "text_completion"
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+        if self.fingerprint is not None:
+            body["system_fingerprint"] = self.fingerprint
+        body["choices"] = choices
+        return body
 
     def logprobs_block(self, scored: Sequence[Scored]) -> dict[str, Any] | None:
         """The choice's `logprobs` for these tokens (None: the request asked for none)."""

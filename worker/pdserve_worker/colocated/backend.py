@@ -52,6 +52,7 @@ class ColocatedBackend(ModelTokenizing):
         revision: str = "",
     ) -> None:
         self.model_name = model_name or loaded.name
+        self.revision = revision or loaded.name  # (the system_fingerprint's)
         self.max_model_len = max_len
         self._tokenizer = loaded.tokenizer
         model = loaded.model
