@@ -224,6 +224,19 @@ def test_echo_through_pd_gives_the_prefills_prompt_logprobs(client, model, refer
     assert streamed[0] is None and streamed[1:] == pytest.approx(expected[1:], abs=1e-4)
 
 
+def test_a_list_of_prompts_gets_each_its_colocated_answer(client, model, reference):
+    """#31: several prompts in one request (lm-eval's batches), served at once over PD: choice i
+    is prompt i's colocated answer, with echo and logprobs too."""
+    prompts = PROMPTS[:3]
+    expected = [reference.complete(reference.tokenizer.encode(p), max_tokens=6, temperature=0) for p in prompts]
+    out = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.text for c in out.choices] == expected and [c.index for c in out.choices] == [0, 1, 2]
+    ids = [reference.tokenizer.encode(p) for p in prompts[:2]]
+    echoed = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    for choice, prompt_ids in zip(echoed.choices, ids, strict=True):
+        assert len(choice.logprobs.token_logprobs) == len(prompt_ids) + 1 and choice.logprobs.token_logprobs[0] is None
+
+
 def test_stop_string_cut_once_by_decode(client, model, reference):
     prompt = PROMPTS[1]
     full = reference.complete(reference.tokenizer.encode(prompt), max_tokens=30, temperature=0)

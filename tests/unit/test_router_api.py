@@ -162,6 +162,43 @@ def test_echo_logprobs_too_large_for_the_prefills_reply_are_a_clear_400(serve, m
     assert len(ok.choices[0].logprobs.tokens) == 21
 
 
+def test_several_prompts_get_one_choice_each_streamed_or_not(serve):
+    """#31: a list of prompts (strings or token ids) as vLLM serves it: each prompt a request of
+    its own, all at once, one choice per prompt in order, the usage summed; streamed, the chunks
+    interleave with each choice's index, one usage chunk and one [DONE] at the end."""
+    backend = ScriptedBackend(delay_s=0.01)
+    client, url = serve(backend)
+    out = client.completions.create(model=MODEL, prompt=["ab", "cde", "f"], max_tokens=10)
+    assert [c.index for c in out.choices] == [0, 1, 2] and {c.text for c in out.choices} == {"Hello, world!"}
+    assert sorted(c.prompt_ids for c in backend.calls) == [[97, 98], [99, 100, 101], [102]]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (6, 12)
+    assert all(c.closed for c in backend.calls)
+    ids = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [[104, 105], [106]], "max_tokens": 2})
+    assert ids.status_code == 200 and [c["index"] for c in ids.json()["choices"]] == [0, 1]
+
+    stream = client.completions.create(
+        model=MODEL, prompt=["ab", "cde"], max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: "Hello, world!", 1: "Hello, world!"}
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [8] and not chunks[-1].choices
+    finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    assert finishes == ["stop", "stop"]
+
+
+def test_one_prompt_of_several_refused_refuses_the_request_and_frees_the_others(serve):
+    backend = ScriptedBackend(first_delay_s=0.2)
+    client, _ = serve(backend)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            client.completions.create(model=MODEL, prompt=["ok", "x" * 80], max_tokens=4, stream=stream)
+    assert backend.calls and all(backend.wait_closed(i).closed for i in range(len(backend.calls)))
+
+
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)
@@ -293,7 +330,7 @@ CASES = [
     ({"model": MODEL, "prompt": "x" * 80}, 400, ["80 tokens", "maximum context length is 64"], "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 63}, 400, ["2 tokens", "63", "64", "at most 62"], "max_tokens"),
     ({"model": MODEL, "prompt": 42}, 400, ["prompt", "valid string", "42"], "prompt"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, ["a list of one", "got a list of 2"], "prompt"),
+    ({"model": MODEL, "prompt": ["a"] * 65}, 400, ["at most 64 prompts", "got 65"], "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens", "valid integer"], "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": True}, 400, ["temperature", "number"], "temperature"),
     ({"model": MODEL, "prompt": "hi", "temperature": 7}, 400, ["temperature", "2"], "temperature"),

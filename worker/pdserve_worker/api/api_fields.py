@@ -90,7 +90,12 @@ _COMMON = [
     Field("truncate_prompt_tokens", R, "a prompt that does not fit is a 400"),
 ]
 COMPLETIONS = [
-    Field("prompt", S, "a string, a list of one string, token ids, or a list of one list of token ids"),
+    Field(
+        "prompt",
+        S,
+        "a string or token ids, or a list of up to 64 of either: one choice per prompt (index = its position), "
+        "each prompt served as a request of its own (admission, limits, a slot), all at once",
+    ),
     *_COMMON,
     Field(
         "echo",

@@ -46,6 +46,7 @@ from pdserve_common import tracing
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.logs import kv
 from pdserve_worker import __version__
+from pdserve_worker.api import fan_out
 from pdserve_worker.api.admission import AdmissionQueue, Rejected, State, Ticket
 from pdserve_worker.api.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
 from pdserve_worker.api.cache_scope import cache_scope
@@ -226,8 +227,13 @@ class _ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            for close in self._closers:
-                await close()
+            await self.close()
+
+    async def close(self) -> None:
+        """Run the closers, once (also for a stream that is never sent: api/fan_out.py)."""
+        closers, self._closers = self._closers, []
+        for close in closers:
+            await close()
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -372,6 +378,8 @@ class _Router:
     async def serve(
         self, request: Request, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant = ANONYMOUS_TENANT
     ) -> Response:
+        if isinstance(body, CompletionRequest) and len(body.prompts()) > 1:
+            return await self._serve_prompts(request, body, tenant)
         arrived = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -394,6 +402,24 @@ class _Router:
             trace.record_exception(exc)
             trace.end()
             raise
+
+    async def _serve_prompts(self, request: Request, body: CompletionRequest, tenant: Tenant) -> Response:
+        """Several prompts: each a request of its own, all at once, joined (api/fan_out.py)."""
+        calls = [lambda part=part: self.serve(request, part, tenant) for part in body.split()]
+        responses = await fan_out.run_all(calls)
+        if not body.stream:
+            return fan_out.full_response(responses)
+        streams = [r for r in responses if isinstance(r, _ClosingStreamingResponse)]
+        if len(streams) < len(responses):  # one was not a stream (a 499: the client left)
+            for stream in streams:
+                await stream.close()
+            return next(r for r in responses if not isinstance(r, _ClosingStreamingResponse))
+        merged = fan_out.merged_stream(streams, body.include_usage_chunk)
+        return _ClosingStreamingResponse(
+            merged,
+            closers=[merged.aclose, *(s.close for s in streams)],
+            headers={"x-request-id": streams[0].headers["x-request-id"], "Cache-Control": "no-cache"},
+        )
 
     async def _serve(
         self,

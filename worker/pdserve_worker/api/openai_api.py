@@ -61,6 +61,9 @@ MAX_MESSAGES = 2048
 MAX_MODEL_NAME_CHARS = 256
 
 MAX_PROMPT_IDS = 1 << 20  # token ids of one prompt sent as ids (the context bounds it further)
+# Prompts of one /v1/completions request (each is served as a request of its own: admission,
+# limits and a slot each; lm-eval sends its batch this way).
+MAX_PROMPTS = 64
 MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mistake
 
 
@@ -191,7 +194,7 @@ PromptIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_I
 
 
 class CompletionRequest(_GenerationRequest):
-    # A string, or token ids (OpenAI's and vLLM's forms), alone or as a list of one.
+    # A string, or token ids (OpenAI's and vLLM's forms), alone or as a list of several (one choice each).
     prompt: Text | PromptIds | list[Text] | list[PromptIds]
     echo: bool | None = None
     # The legacy shape: how many alternatives per token (OpenAI allows 5, vLLM 20: 20 here).
@@ -199,16 +202,26 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
+    def _few_prompts(cls, value: Any) -> Any:
+        # Before the items are validated: a list of a million prompts is refused by its length.
         if isinstance(value, list) and not value:
             raise ValueError("prompt is an empty list")
-        if isinstance(value, list) and isinstance(value[0], (str, list)) and len(value) != 1:
-            raise ValueError(
-                f"prompt must be one prompt (a string or token ids, or a list of one), got a list of {len(value)}"
-            )
+        if isinstance(value, list) and isinstance(value[0], (str, list)) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are supported in one request, got {len(value)}")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: one, or the several of a list of strings or of id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)  # type: ignore[arg-type]
+
+    def split(self) -> list[CompletionRequest]:
+        """The request once per prompt (the same fields otherwise)."""
+        return [self.model_copy(update={"prompt": prompt}) for prompt in self.prompts()]
 
     @property
     def prompt_ids(self) -> list[int] | None:
