@@ -83,7 +83,7 @@ def write_tasks(folder: Path) -> Path:
     return folder
 
 
-def evaluate(model: str, model_args: str, tasks: Path) -> dict[str, Any]:
+def evaluate(model: str, model_args: str, tasks: Path, batch_size: int = 1) -> dict[str, Any]:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -95,7 +95,7 @@ def evaluate(model: str, model_args: str, tasks: Path) -> dict[str, Any]:
         tasks=["pdserve_mc", "pdserve_gen"],
         task_manager=TaskManager(include_path=str(tasks)),
         log_samples=True,
-        batch_size=1,
+        batch_size=batch_size,
     )
     print(f"#   done in {time.monotonic() - started:.0f} s", flush=True)
     return out
@@ -111,6 +111,12 @@ def per_request(out: dict[str, Any]) -> tuple[list[tuple[float, bool]], list[str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keep", type=Path, default=None, help="folder for the HF conversion and the logs")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="lm-eval's batch for pdserve (a list of that many prompts per request)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -126,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         served = f"model={served_model(run.url)},base_url={run.url}/v1/completions,tokenizer={folder}"
-        ours = evaluate("local-completions", served + ",tokenized_requests=True,num_concurrent=1,max_retries=1", tasks)
+        ours = evaluate(
+            "local-completions",
+            served + ",tokenized_requests=True,num_concurrent=1,max_retries=1",
+            tasks,
+            args.batch_size,
+        )
     finally:
         run.stop_cleanly()
     theirs = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu", tasks)
