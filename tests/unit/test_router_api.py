@@ -187,7 +187,7 @@ def test_several_prompts_get_one_choice_each_streamed_or_not(serve):
     assert texts == {0: "Hello, world!", 1: "Hello, world!"}
     assert [c.usage.completion_tokens for c in chunks if c.usage] == [8] and not chunks[-1].choices
     finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
-    assert finishes == ["stop", "stop"]
+    assert finishes == ["stop", "stop"] and len({c.id for c in chunks}) == 1  # one request, one id
 
 
 def test_one_prompt_of_several_refused_refuses_the_request_and_frees_the_others(serve):

@@ -414,11 +414,12 @@ class _Router:
             for stream in streams:
                 await stream.close()
             return next(r for r in responses if not isinstance(r, _ClosingStreamingResponse))
-        merged = fan_out.merged_stream(streams, body.include_usage_chunk)
+        request_id = streams[0].headers["x-request-id"]
+        merged = fan_out.merged_stream(streams, body.include_usage_chunk, request_id)
         return _ClosingStreamingResponse(
             merged,
             closers=[merged.aclose, *(s.close for s in streams)],
-            headers={"x-request-id": streams[0].headers["x-request-id"], "Cache-Control": "no-cache"},
+            headers={"x-request-id": request_id, "Cache-Control": "no-cache"},
         )
 
     async def _serve(

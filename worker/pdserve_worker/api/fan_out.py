@@ -67,8 +67,9 @@ def _data(event: str) -> str:
     return event.removeprefix("data: ").rstrip("\n")
 
 
-async def merged_stream(streams: Sequence[Any], include_usage: bool) -> AsyncGenerator[str, None]:
-    """The streams' events interleaved as they come, each choice given its prompt's index."""
+async def merged_stream(streams: Sequence[Any], include_usage: bool, request_id: str) -> AsyncGenerator[str, None]:
+    """The streams' events interleaved as they come, each choice given its prompt's index and
+    every chunk the one id of the request (`request_id`, the first prompt's)."""
     queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: Any) -> None:
@@ -99,6 +100,7 @@ async def merged_stream(streams: Sequence[Any], include_usage: bool) -> AsyncGen
                 continue
             for choice in payload["choices"]:
                 choice["index"] = index
+            payload["id"] = request_id
             last = payload
             yield f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
         else:
