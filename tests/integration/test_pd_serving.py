@@ -237,6 +237,23 @@ def test_a_list_of_prompts_gets_each_its_colocated_answer(client, model, referen
         assert len(choice.logprobs.token_logprobs) == len(prompt_ids) + 1 and choice.logprobs.token_logprobs[0] is None
 
 
+def test_stop_token_ids_end_the_answer_before_that_token_through_pd(client, model, reference):
+    """vLLM's stop_token_ids: greedy generation stops where the named token would come (the
+    decode checks it; the token's text is not in the answer), finish_reason stop."""
+    prompt = PROMPTS[1]
+    done = reference.completion(reference.tokenizer.encode(prompt), max_tokens=12, temperature=0, ignore_eos=True)
+    stop_at = next(i for i in range(3, 12) if done.output_ids[i] not in done.output_ids[:i])
+    answer = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [done.output_ids[stop_at]]},
+    )
+    assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == stop_at + 1
+    assert answer.choices[0].text == reference.tokenizer.decode(done.output_ids[:stop_at], skip_special_tokens=True)
+
+
 def test_stop_string_cut_once_by_decode(client, model, reference):
     prompt = PROMPTS[1]
     full = reference.complete(reference.tokenizer.encode(prompt), max_tokens=30, temperature=0)

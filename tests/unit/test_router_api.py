@@ -199,6 +199,15 @@ def test_one_prompt_of_several_refused_refuses_the_request_and_frees_the_others(
     assert backend.calls and all(backend.wait_closed(i).closed for i in range(len(backend.calls)))
 
 
+def test_stop_token_ids_reach_the_engine_once_each(serve):
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body={"stop_token_ids": [7, 9, 7]})
+    assert backend.calls[-1].params.stop_token_ids == (7, 9)
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"stop_token_ids": list(range(65))})
+
+
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)

@@ -78,7 +78,7 @@ _COMMON = [
         S,
         "HF's: prompt and output tokens' logits ÷ (>0) or × the penalty; default: generation_config's",
     ),
-    Field("stop_token_ids", R, "not exposed on the API yet"),
+    Field("stop_token_ids", S, "up to 64 token ids that end generation besides EOS (not in the text; finish: stop)"),
     Field("bad_words", R, "not implemented yet"),
     Field("include_stop_str_in_output", R, "stop strings are always cut"),
     Field("skip_special_tokens", R, "special tokens are always skipped", _only(True)),

@@ -38,6 +38,7 @@ from pdserve_worker.model.sampling.params import (
     MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     UINT32_MAX,
     SamplingParams,
     TokenId,
@@ -100,6 +101,8 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
+    # vLLM's extension: token ids that end generation besides EOS (not part of the text).
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     user: str | None = None
     # vLLM's field: only requests naming the same salt (of the same tenant) share cached
     # prefix KV (api/cache_scope.py).
@@ -176,6 +179,7 @@ class _GenerationRequest(BaseModel):
             top_k=max(int(d.get("top_k", 0)) if self.top_k is None else self.top_k, 0),
             seed=self.seed,
             stop=self.stop_strings,
+            stop_token_ids=tuple(dict.fromkeys(self.stop_token_ids or ())),
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
