@@ -493,6 +493,7 @@ class PrefillWorker:
     def _resolve(job: _Job, outcome: PrefillResult | BaseException) -> None:
         """Hand the outcome to the waiting coroutine (if it still waits: a cancelled one does not)."""
         job.settled = True
+        job.prompt_states = None  # (a view of its pass's states: every outcome lets go of it here)
 
         def settle() -> None:
             if job.done.done():
