@@ -194,9 +194,13 @@ def test_logprobs_through_pd_are_colocated_generations_in_both_shapes(client, mo
     assert [c.token for c in content] == [reference.tokenizer.decode([t]) for t in hot.output_ids]
     assert [c.logprob for c in content] == pytest.approx([e.logprob for e in hot.logprobs], abs=1e-4)
     assert all(len(c.top_logprobs) == 2 and bytes(c.bytes).decode() == c.token for c in content)
-    cold = reference.completion(chat_ids, max_tokens=6, temperature=0.2, seed=3, logprobs=2)
-    if cold.output_ids[:1] == hot.output_ids[:1]:  # the same first token: the same distribution before temperature
-        assert cold.logprobs[0].logprob == pytest.approx(hot.logprobs[0].logprob, abs=1e-5)
+    cold = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, temperature=0.2, seed=3, logprobs=True, top_logprobs=2
+    )
+    # The first position's distribution is the prompt's alone, taken before the temperature.
+    first_hot, first_cold = content[0].top_logprobs, cold.choices[0].logprobs.content[0].top_logprobs
+    assert [a.token for a in first_cold] == [a.token for a in first_hot]
+    assert [a.logprob for a in first_cold] == pytest.approx([a.logprob for a in first_hot], abs=1e-5)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model=model, messages=messages, max_tokens=2, top_logprobs=2)
 

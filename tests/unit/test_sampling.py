@@ -196,6 +196,7 @@ def test_logprobs_are_the_processed_log_softmax_and_ignore_temperature():
         {"logprob": float("nan"), "top": []},
         {"logprob": 0.5, "top": []},
         {"logprob": -1.0, "top": [[1.5, -1.0]]},
+        {"logprob": -1.0, "top": [[-1, -1.0]]},
         {"logprob": -1.0, "top": [[1, "x"]]},
         {"logprob": -1.0, "top": [[1, -1e9]]},
         {"logprob": True, "top": []},
@@ -219,6 +220,7 @@ def test_logprobs_cross_the_wire_unchanged():
     for bad in (
         common_pb2.TokenLogprobs(logprob=-1, top_ids=[1, 2], top_logprobs=[-1]),
         common_pb2.TokenLogprobs(logprob=0.1),
+        common_pb2.TokenLogprobs(logprob=-1, top_ids=[-3], top_logprobs=[-1.0]),
         common_pb2.TokenLogprobs(logprob=-1, top_ids=list(range(21)), top_logprobs=[-1.0] * 21),
     ):
         with pytest.raises(ValueError, match="logprobs"):

@@ -17,8 +17,9 @@ U+FFFD there, as it does in vLLM.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve_worker.model.sampling.params import TokenLogprobs
@@ -39,21 +40,16 @@ def prompt_scored(prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) 
     return [Scored(prompt_ids[0], None), *(Scored(t, lp) for t, lp in zip(prompt_ids[1:], logprobs, strict=True))]
 
 
-@dataclass
 class TokenText:
-    """token id -> its text in logprobs, remembered (a bounded cache: the vocabulary is finite,
-    but a tokenizer's may be large)."""
+    """token id -> its text in logprobs, remembered (functools' bounded LRU: the vocabulary is
+    finite, but a tokenizer's may be large)."""
 
-    decode: Callable[[list[int]], str]
-    _texts: dict[int, str] = field(default_factory=dict)
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode  # (also what an echo of token ids decodes with)
+        self._text = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE)(lambda token_id: decode([token_id]))
 
     def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self.decode([token_id])
-            if len(self._texts) < TOKEN_TEXT_CACHE:
-                self._texts[token_id] = text
-        return text
+        return str(self._text(token_id))
 
 
 def completion_block(scored: Sequence[Scored], text: TokenText, offset: int = 0) -> dict[str, Any]:

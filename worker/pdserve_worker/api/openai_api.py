@@ -158,12 +158,11 @@ class _GenerationRequest(BaseModel):
 
     def requested_logprobs(self) -> int | None:
         """Alternatives per token the response reports logprobs of (None: no logprobs)."""
-        logprobs = getattr(self, "logprobs", None)
-        return logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else None
+        return None
 
     def requested_prompt_logprobs(self) -> int | None:
         """The same for the prompt's tokens (echo with logprobs, completions only)."""
-        return self.requested_logprobs() if getattr(self, "echo", False) else None
+        return None
 
     def sampling_params(self, max_tokens: int, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
         """The engine's view of this request, once the router has settled `max_tokens`.
@@ -205,6 +204,12 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -21,6 +21,8 @@ from pdserve_worker.model.sampling.params import (
     FinishReason,
     SamplingParams,
     TokenLogprobs,
+    is_logprob,
+    is_token_id,
 )
 
 if TYPE_CHECKING:
@@ -97,8 +99,10 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs, max_top: int = MAX_LOGPRO
             f"logprobs carry {len(msg.top_ids)} ids and {len(msg.top_logprobs)} values (at most {max_top} alternatives)"
         )
     values = [msg.logprob, *msg.top_logprobs]
-    if not all(LOGPROB_FLOOR <= v <= 0.0 for v in values):  # NaN fails both comparisons
+    if not all(map(is_logprob, values)):
         raise ValueError(f"logprobs outside [{LOGPROB_FLOOR}, 0]: {values[:4]}")
+    if not all(map(is_token_id, msg.top_ids)):
+        raise ValueError(f"logprobs name negative token ids: {list(msg.top_ids)[:4]}")
     return TokenLogprobs(msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs, strict=True)))
 
 

@@ -143,14 +143,20 @@ class TokenLogprobs:
             raise ValueError(f"first_logprobs is not an object with at most {max_top} alternatives: {data!r:.200}")
         top = []
         for pair in data["top"]:
-            if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and _finite(pair[1])):
+            if not (isinstance(pair, list) and len(pair) == 2 and is_token_id(pair[0]) and is_logprob(pair[1])):
                 raise ValueError(f"first_logprobs alternative is not [token id, logprob]: {pair!r:.100}")
             top.append((pair[0], float(pair[1])))
-        if not _finite(data.get("logprob")):
+        if not is_logprob(data.get("logprob")):
             raise ValueError(f"first_logprobs.logprob is not a logprob: {data.get('logprob')!r:.100}")
         return cls(float(data["logprob"]), tuple(top))
 
 
-def _finite(value: Any) -> bool:
-    """A logprob as this server computes them: a number in [LOGPROB_FLOOR, 0]."""
+def is_token_id(value: Any) -> bool:
+    """A token id (a tokenizer refuses a negative one with an error of its own)."""
+    return type(value) is int and 0 <= value <= INT32_MAX
+
+
+def is_logprob(value: Any) -> bool:
+    """A logprob as this server computes them: a number in [LOGPROB_FLOOR, 0] (what another
+    process sends is checked with this, in either wire form)."""
     return type(value) in (int, float) and math.isfinite(value) and LOGPROB_FLOOR <= value <= 0.0

@@ -31,14 +31,21 @@ def _index_seed(seed: int, index: int) -> int:
     return (seed * _MIX + index * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
+def rows_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """`TokenLogprobs` of `tokens[r]` under row r of `logits` `[rows, vocab]`, each with `top`
+    alternatives: one log-softmax, one gather and one top-k over all the rows."""
+    logprobs = torch.log_softmax(logits.to("cpu", torch.float32), dim=-1).clamp(min=LOGPROB_FLOOR)
+    chosen = logprobs.gather(1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprobs(c) for c in chosen]
+    values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+    pairs = zip(ids.tolist(), values.tolist(), strict=True)
+    return [TokenLogprobs(c, tuple(zip(i, v, strict=True))) for c, (i, v) in zip(chosen, pairs, strict=True)]
+
+
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """`TokenLogprobs` of `token` under `logits` `[vocab]` (fp32), with `top` alternatives."""
-    logprobs = torch.log_softmax(logits, dim=-1).clamp(min=LOGPROB_FLOOR)
-    alternatives: tuple[tuple[int, float], ...] = ()
-    if top:
-        values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
-        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprobs(float(logprobs[token]), alternatives)
+    return rows_logprobs(logits.reshape(1, -1), [token], top)[0]
 
 
 PROMPT_LOGPROB_ROWS = 128  # prompt positions whose logits exist at once (x vocab x 4 bytes)
@@ -51,19 +58,11 @@ def prompt_token_logprobs(
     (no processors: they act on outputs), from the final hidden states `[n, hidden]` of the prompt.
     The head runs on `PROMPT_LOGPROB_ROWS` positions at a time, so a long prompt never holds
     its whole `[n, vocab]` logits."""
-    ids = torch.as_tensor(list(prompt[1:]), dtype=torch.long)
+    following = list(prompt[1:])
     out: list[TokenLogprobs] = []
-    for begin in range(0, ids.numel(), PROMPT_LOGPROB_ROWS):
-        rows = hidden[begin : begin + PROMPT_LOGPROB_ROWS]
-        rows = rows[: ids.numel() - begin]
-        logprobs = torch.log_softmax(head(rows).to("cpu", torch.float32), dim=-1).clamp(min=LOGPROB_FLOOR)
-        chosen = logprobs.gather(1, ids[begin : begin + rows.shape[0], None])[:, 0].tolist()
-        if top:
-            values, top_ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
-            pairs = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
-        else:
-            pairs = [()] * len(chosen)
-        out.extend(TokenLogprobs(c, p) for c, p in zip(chosen, pairs, strict=True))
+    for begin in range(0, len(following), PROMPT_LOGPROB_ROWS):
+        tokens = following[begin : begin + PROMPT_LOGPROB_ROWS]
+        out += rows_logprobs(head(hidden[begin : begin + len(tokens)]), tokens, top)
     return tuple(out)
 
 
