@@ -5,9 +5,11 @@ Why it matters: a seeded request must give the same text under any load, and a l
 activations are rounded to bf16 before each int4 product, so the last-bit difference that
 padding a row to a longer neighbour's key length made in SDPA became different logits (SmolLM2:
 up to 0.375) and a seeded stream drifted after ~10 tokens. Decode attention now runs each row
-over exactly its own keys (model/layers/paged_attention.py, LlamaModel._runs); torch's int4 kernel and
-every other op of a step are row-wise. Checked here bit for bit, with a neighbour longer than
-the row (the padded case), on both KV pools, in fp32 and bf16.
+over exactly its own keys: all rows in one call of the native kernel (model/layers/decode_kernel.py),
+or, where it is not built, each row in its own SDPA call (model/layers/paged_attention.py,
+LlamaModel._runs); torch's int4 kernel and every other op of a step are row-wise. Checked here
+bit for bit, with a neighbour longer than the row (the padded case), on both KV pools, in fp32
+and bf16, through both attention paths.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
+from pdserve_worker.model.layers import decode_kernel
 from pdserve_worker.model.loading.loader import load_model
 
 SHORT = [5, 9, 13, 17, 21, 25, 29]
@@ -56,8 +59,17 @@ def steps(model, cache, prompts: list[list[int]], slots: list[int]) -> list[torc
     return seen
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def attention(request, monkeypatch):
+    """Which decode attention the steps use: the native kernel, or SDPA row by row."""
+    if request.param == "kernel" and not decode_kernel.available():
+        pytest.skip("the native kernel could not be built here (the torch path is tested)")
+    monkeypatch.setattr(decode_kernel, "_state", {"ok": request.param == "kernel"})
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["slots", "paged"])
-def test_a_rows_logits_are_bitwise_the_same_alone_and_beside_a_longer_row(int4_model, kind):
+def test_a_rows_logits_are_bitwise_the_same_alone_and_beside_a_longer_row(int4_model, kind, attention):
     alone = steps(int4_model, pool(int4_model, kind), [SHORT], [0])
     # slots 0 and 1 are adjacent: the slot pool used to read them in one padded SDPA call
     beside = steps(int4_model, pool(int4_model, kind), [SHORT, LONG, LONG[:40]], [0, 1, 2])

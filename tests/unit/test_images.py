@@ -130,6 +130,7 @@ NOT_IN_OPERATOR_IMAGE = {
     "uvicorn": "uvicorn",
     "httpx": "httpx",
     "cryptography": "cryptography",
+    "ninja": "ninja",
 }
 
 

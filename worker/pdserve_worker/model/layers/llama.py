@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.layers import paged_attention
+from pdserve_worker.model.layers import decode_kernel, paged_attention
+from pdserve_worker.model.layers.decode_kernel import DecodeRows
 from pdserve_worker.model.layers.matmul import Linear
 from pdserve_worker.model.layers.paged_attention import PagedPlan
 from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, quantize, to_kind
@@ -99,6 +100,7 @@ class _StepPlan:
     runs: tuple[_Run, ...]
     tokens: int  # T
     segments: tuple[_Segment, ...] = ()
+    kernel: DecodeRows | None = None  # a decode step (T == 1) through the native kernel, when it serves
 
 
 def _room(cache: KVCache | PagedKVCache, slot: int) -> int:
@@ -477,14 +479,20 @@ class LlamaModel:
         starts = torch.tensor(list(positions), dtype=torch.long)
         pos = starts[:, None] + torch.arange(tokens)[None]
         cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
+        kernel = None
+        if tokens == 1:  # a slot is one block of max_len tokens
+            kernel = decode_kernel.rows_for(
+                [[s] for s in slots], [p + 1 for p in positions], layout.head_dim, self.device
+            )
         return _StepPlan(
             slots=torch.tensor(list(slots), dtype=torch.long, device=self.device),
             positions=pos.to(self.device),
             first=(int(slots[0]), int(positions[0])),
             cos=cos[:, :, None],
             sin=sin[:, :, None],
-            runs=self._runs(list(slots), list(positions), tokens),
+            runs=() if kernel is not None else self._runs(list(slots), list(positions), tokens),
             tokens=tokens,
+            kernel=kernel,
         )
 
     def _packed_plan(
@@ -594,6 +602,8 @@ class LlamaModel:
             keys[plan.slots[:, None], plan.positions] = k
             values[plan.slots[:, None], plan.positions] = v
 
+        if plan.kernel is not None:  # [slot, token, kv_head, head_dim]: a slot is one block
+            return self._finish_layer(x, plan.kernel.attend(q, keys, values), w)
         attn = self._attend(q, keys, values, plan)
         return self._finish_layer(x, attn, w)
 

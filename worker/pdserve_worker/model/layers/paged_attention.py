@@ -8,8 +8,9 @@ which the slot pool's strided views did not; benchmarks/README.md has what it co
 A prompt computed from position 0 attends over its own fresh K/V (no gather), as the slot
 path does.
 
-A decode step (one token per row) is the exception: each row attends in its own SDPA call over
-exactly its own keys, never padded to the batch's longest row. SDPA's result depends in its
+A decode step (one token per row) is the exception: each row attends over exactly its own keys,
+never padded to the batch's longest row: all rows in one call of the native kernel
+(model/layers/decode_kernel.py), or, where it is not built, each row in its own SDPA call. SDPA's result depends in its
 last bits on the key length it is given, and on the quantized route (activations rounded to
 bf16 before each int4 product) those bits become different tokens, so a seeded request's text
 would depend on which other requests shared its steps — that is, on load, and on a live
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve_worker.kv.paged import PagedKVCache, rows_of
+from pdserve_worker.model.layers import decode_kernel
+from pdserve_worker.model.layers.decode_kernel import DecodeRows
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class PagedPlan:
     gather: torch.Tensor | None = None  # batch: [B, key_len] flat rows (padding rows masked)
     mask: torch.Tensor | None = None  # batch: [B, 1, T, key_len]
     rows: tuple[torch.Tensor, ...] = ()  # decode (T == 1): each row's own flat key rows, unpadded
+    kernel: DecodeRows | None = None  # decode (T == 1) through the native kernel, when it serves
     causal_self: bool = False  # batch of one row from position 0: attend over its own K/V
 
 
@@ -89,6 +93,9 @@ def batch_plan(
     if len(slots) == 1 and positions[0] == 0:
         return PagedPlan(pos, cos, sin, tokens, write, packed=False, causal_self=True)
     if tokens == 1:
+        kernel = decode_kernel.rows_for(tables, [p + 1 for p in positions], cache.layout.head_dim, device, bt)
+        if kernel is not None:
+            return PagedPlan(pos, cos, sin, tokens, write, packed=False, kernel=kernel)
         rows = tuple(rows_of(t, bt, 0, p + 1).to(device) for t, p in zip(tables, positions))
         return PagedPlan(pos, cos, sin, tokens, write, packed=False, rows=rows)
     key_len = max(p + tokens for p in positions)
@@ -168,6 +175,8 @@ def write_and_attend(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
         )
         return out.transpose(1, 2).reshape(batch, tokens, heads * head_dim)
+    if plan.kernel is not None:
+        return plan.kernel.attend(q, keys, values)
     if plan.rows:
         # One call per row over its own keys (batch invariance, above); [1, kv_heads, group,
         # head_dim]: the group plays the query-length role (see LlamaModel).
