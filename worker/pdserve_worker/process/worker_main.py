@@ -43,6 +43,7 @@ from pdserve_worker.process.pod_http import (
     worker_app,
 )
 from pdserve_worker.serving.settings import WorkerSettings, model_revision
+from pdserve_worker.util.fresh_thread import run_in_fresh_thread
 
 if TYPE_CHECKING:
     from pdserve_worker.model.loading.loader import LoadedModel
@@ -120,10 +121,10 @@ def _admin_listener(settings: WorkerSettings, process: _Membership) -> Any:
 async def _run_model_worker(settings: WorkerSettings) -> None:
     """A prefill, a decode or a decode group's follower, from start to stop (module doc)."""
     import grpc
-    import torch
 
     from pdserve_common.channels import aio_server
     from pdserve_worker.process.roles import grpc_max_message
+    from pdserve_worker.serving.torch_threads import serve_with
 
     stop = _stop_event()
     process = _Membership(settings)
@@ -134,7 +135,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     server: grpc.aio.Server | None = None
     role: ServingRole | None = None
     try:
-        torch.set_num_threads(settings.torch_threads)
+        serve_with(settings.torch_threads)  # (serving/torch_threads.py)
         process.state.phase = "loading"
         loaded, revision = await _load_model(settings)
         backend = _start_engine(settings)
@@ -278,10 +279,11 @@ async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
     from pdserve_worker.model.loading.loader import load_model
 
     try:
-        folder = await asyncio.to_thread(resolve_model_folder, settings)
+        # Fresh threads, not to_thread: no OpenMP pool may outlive them (util/fresh_thread.py).
+        folder = await run_in_fresh_thread(resolve_model_folder, settings)
         layers = member_layers(settings, folder)
         # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
-        loaded = await asyncio.to_thread(
+        loaded = await run_in_fresh_thread(
             load_model, settings.model_path, settings.model_dtype, settings.device, layers, settings.weights
         )
         loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
@@ -472,18 +474,17 @@ async def _run_router(settings: WorkerSettings) -> None:
 
 
 async def _run_colocated(settings: WorkerSettings) -> None:
-    import torch
-
     from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.colocated.backend import ColocatedBackend
     from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.serving.torch_threads import serve_with
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)
-    torch.set_num_threads(settings.torch_threads)
+    serve_with(settings.torch_threads)  # (serving/torch_threads.py)
     try:
-        folder = await asyncio.to_thread(resolve_model_folder, settings)
-        loaded = await asyncio.to_thread(
+        folder = await run_in_fresh_thread(resolve_model_folder, settings)  # (util/fresh_thread.py)
+        loaded = await run_in_fresh_thread(
             load_model, settings.model_path, settings.model_dtype, settings.device, None, settings.weights
         )
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
