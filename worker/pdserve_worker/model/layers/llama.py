@@ -273,6 +273,8 @@ class LlamaModel:
         freq_factors = weights.get("rope_freqs.weight")
         self.inv_freq = inverse_frequencies(config, freq_factors).to(self.device)
         self.rope_scale = attention_scaling(config)
+        if self.device.type == "cpu":  # load (or build) the decode kernel now, not in the first request's step
+            decode_kernel.available()
 
     # ---- the three stages ------------------------------------------------------------------
 
