@@ -68,7 +68,9 @@ def build(verbose: bool = False) -> None:
     name = f"pdserve_decode_attention_{digest}"
     folder = _cache_root() / f"decode_attention-{digest}"
     library = folder / f"{name}.so"
-    if library.is_file() and not (folder / "lock").exists():  # built before (the name holds the source, torch and ISA): ~10 ms, not ninja's ~2 s
+    # Built before (the name holds the source, torch and ISA) and not being built now: ~10 ms,
+    # where torch's loader would run ninja first (~2 s).
+    if library.is_file() and not (folder / "lock").exists():
         torch.ops.load_library(str(library))
         return
     folder.mkdir(parents=True, exist_ok=True)
