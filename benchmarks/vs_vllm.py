@@ -25,7 +25,17 @@ exactly the stated length):
 - prefix: 16 requests sharing a 1,500-token prefix (distinct 32-token tails), 4 at a time;
 - mixed: streaming decodes (8 requests, 64-token prompts, 96 out) with 3 long prompts
   (1,500 tokens, 16 out) arriving among them; TPOT p99 of the streaming ones and goodput
-  (requests meeting TTFT ≤ --slo-ttft and TPOT ≤ --slo-tpot, per second: DistServe's metric).
+  (requests meeting TTFT ≤ --slo-ttft and TPOT ≤ --slo-tpot, per second: DistServe's metric);
+- sweep-concurrency: 1, 2, 4, 8 and 16 requests at once (twice that many in all), 256-token
+  prompts, 64 out: output tokens/s and TPOT against concurrency (the plot's first two panels);
+- sweep-length: one request at a time, prompts of 128, 512, 1,024 and 2,000 tokens, 8 out:
+  TTFT against prompt length (the third panel).
+
+Every scenario draws prompts of its own (seeded by its name): no prompt, and no prefix but the
+prefix scenario's own, is shared between scenarios, so a server's prefix cache helps only
+where the scenario means it to. Each server is warmed up the same way before it is measured
+(a few requests of other lengths and batch sizes, prompts of their own), as vLLM warms itself
+up at start.
 
 Prints TTFT p50, TPOT p50/p99 and output tokens/s per server and scenario, and every ratio
 pdserve ÷ vLLM; writes a JSON and PNG plots to --out.
@@ -46,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,6 +218,11 @@ def prompt_text(tokenizer: Any, tokens: int, rng: random.Random) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def seed_of(name: str) -> int:
+    """A scenario's own prompt seed (stable across runs and servers)."""
+    return zlib.crc32(name.encode())
+
+
 def scenario_requests(s: Scenario, tokenizer: Any, seed: int) -> list[serve.Request]:
     rng = random.Random(seed)
     prefix = prompt_text(tokenizer, s.shared_prefix, rng) if s.shared_prefix else ""
@@ -276,31 +292,78 @@ def summarize(results: list[serve.Result], wall: float) -> dict[str, Any]:
     }
 
 
+SWEEP_CONCURRENCY = (1, 2, 4, 8, 16)
+SWEEP_LENGTHS = (128, 512, 1024, 2000)
+SWEEPS = ("sweep-concurrency", "sweep-length")
+
+
+def sweep_scenarios(name: str) -> dict[str, Scenario]:
+    """The points of a sweep, each a scenario with prompts of its own."""
+    if name == "sweep-concurrency":
+        return {str(c): Scenario(f"{name}-{c}", 256, 64, 2 * c, c) for c in SWEEP_CONCURRENCY}
+    return {str(n): Scenario(f"{name}-{n}", n, 8, 2, 1) for n in SWEEP_LENGTHS}
+
+
+def warm_up(server: Server, tokenizer: Any) -> None:
+    """The same warm-up for every server: one long prompt alone, then a batch of short ones."""
+    started = time.perf_counter()
+    for s in (Scenario("warmup-long", 600, 8, 1, 1), Scenario("warmup-batch", 100, 16, 4, 4)):
+        asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, seed_of(s.name))))
+    print(f"  [{server.name}] warmed up ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def shortened(s: Scenario) -> Scenario:
+    """--quick: one wave, 32 output tokens at most."""
+    return Scenario(
+        s.name,
+        s.prompt_tokens,
+        min(s.output_tokens, 32),
+        min(s.requests, s.concurrency),
+        s.concurrency,
+        s.shared_prefix,
+    )
+
+
+def run_one(server: Server, s: Scenario, tokenizer: Any, quick: bool) -> dict[str, Any]:
+    s = shortened(s) if quick else s
+    results, wall = asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, seed_of(s.name))))
+    return summarize(results, wall)
+
+
 def measure(server: Server, args: argparse.Namespace, tokenizer: Any) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
+    warm_up(server, tokenizer)
     for name in args.scenarios.split(","):
         started = time.perf_counter()
         if name == "mixed":
             rows[name] = asyncio.run(run_mixed(server.url, tokenizer, args))
+        elif name in SWEEPS:
+            rows[name] = {}
+            for point, s in sweep_scenarios(name).items():
+                rows[name][point] = run_one(server, s, tokenizer, args.quick)
+                print(f"  [{server.name}] {name} {point}: {rows[name][point]}", flush=True)
         else:
-            s = SCENARIOS[name]
-            if args.quick:
-                s = Scenario(
-                    s.name,
-                    s.prompt_tokens,
-                    min(s.output_tokens, 32),
-                    min(s.requests, s.concurrency),
-                    s.concurrency,
-                    s.shared_prefix,
-                )
-            results, wall = asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, 11)))
-            rows[name] = summarize(results, wall)
+            rows[name] = run_one(server, SCENARIOS[name], tokenizer, args.quick)
         print(f"  [{server.name}] {name}: {rows[name]} ({time.perf_counter() - started:.0f} s)", flush=True)
     return rows
 
 
 # ---- report --------------------------------------------------------------------------------------------
+def flat(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each sweep's points as rows of their own ("sweep-length 512")."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for server, rows in table.items():
+        out[server] = {}
+        for name, row in rows.items():
+            if name in SWEEPS:
+                out[server].update({f"{name} {point}": r for point, r in row.items()})
+            else:
+                out[server][name] = row
+    return out
+
+
 def print_report(table: dict[str, dict[str, dict[str, Any]]]) -> None:
+    table = flat(table)
     servers = list(table)
     scenarios = list(next(iter(table.values())))
     print("\n| scenario | " + " | ".join(servers) + " |")
@@ -349,7 +412,7 @@ def plot(table: dict[str, dict[str, dict[str, Any]]], path: Path, where: str) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scenarios = [sc for sc in next(iter(table.values())) if sc != "mixed"]
+    scenarios = [sc for sc in next(iter(table.values())) if sc != "mixed" and sc not in SWEEPS]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     width = 0.8 / len(table)
     for ax, (key, label) in zip(
@@ -368,10 +431,42 @@ def plot(table: dict[str, dict[str, dict[str, Any]]], path: Path, where: str) ->
     plt.close(fig)
 
 
+def plot_sweeps(table: dict[str, dict[str, Any]], path: Path, where: str) -> bool:
+    """tok/s and TPOT against concurrency, TTFT against prompt length: one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("sweep-concurrency", "tok_per_s", "output tokens/s", "requests at once"),
+        ("sweep-concurrency", "tpot_p50_ms", "TPOT p50 (ms)", "requests at once"),
+        ("sweep-length", "ttft_p50_s", "TTFT p50 (s)", "prompt tokens"),
+    )
+    if not any(sweep in rows for rows in table.values() for sweep, *_ in panels):
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (sweep, key, label, xlabel) in zip(axes, panels):
+        for server, rows in table.items():
+            points = rows.get(sweep, {})
+            if points:
+                xs = [int(x) for x in points]
+                ax.plot(xs, [points[x][key] for x in points], marker="o", label=server)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"pdserve and vLLM (CPU) against load and prompt length — {where}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="vllm,colocated,pd,colocated-int4")
-    parser.add_argument("--scenarios", default="batch1,long,c8,c16,prefix,mixed")
+    parser.add_argument("--scenarios", default="batch1,long,c8,c16,prefix,mixed,sweep-concurrency,sweep-length")
     parser.add_argument("--vllm-python", type=Path, default=VLLM_VENV / "bin" / "python")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--slo-ttft", type=float, default=5.0, help="mixed: TTFT bound of goodput, s")
@@ -431,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plot(table, args.out / "vs_vllm.png", where)
         print(f"plot: {args.out / 'vs_vllm.png'}")
+        if plot_sweeps(table, args.out / "vs_vllm_sweeps.png", where):
+            print(f"plot: {args.out / 'vs_vllm_sweeps.png'}")
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install -e '.[plots]')")
     shutil.rmtree(logs, ignore_errors=True) if not any(
