@@ -5,7 +5,7 @@ Why it matters: a seeded request must give the same text under any load, and a l
 activations are rounded to bf16 before each int4 product, so the last-bit difference that
 padding a row to a longer neighbour's key length made in SDPA became different logits (SmolLM2:
 up to 0.375) and a seeded stream drifted after ~10 tokens. Decode attention now runs each row
-over exactly its own keys: all rows in one call of the native kernel (model/layers/decode_kernel.py),
+over exactly its own keys: all rows in one call of the native kernel (model/layers/native.py),
 or, where it is not built, each row in its own SDPA call (model/layers/paged_attention.py,
 LlamaModel._runs); torch's int4 kernel and every other op of a step are row-wise. Checked here
 bit for bit, with a neighbour longer than the row (the padded case), on both KV pools, in fp32
@@ -21,7 +21,7 @@ import torch
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
-from pdserve_worker.model.layers import decode_kernel
+from pdserve_worker.model.layers import native
 from pdserve_worker.model.loading.loader import load_model
 
 SHORT = [5, 9, 13, 17, 21, 25, 29]
@@ -62,9 +62,9 @@ def steps(model, cache, prompts: list[list[int]], slots: list[int]) -> list[torc
 @pytest.fixture(params=["kernel", "torch"])
 def attention(request, monkeypatch):
     """Which decode attention the steps use: the native kernel, or SDPA row by row."""
-    if request.param == "kernel" and not decode_kernel.available():
+    if request.param == "kernel" and not native.available():
         pytest.skip("the native kernel could not be built here (the torch path is tested)")
-    monkeypatch.setattr(decode_kernel, "_state", {"ok": request.param == "kernel"})
+    monkeypatch.setattr(native, "_state", {"ok": request.param == "kernel"})
     return request.param
 
 

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.layers import decode_kernel, paged_attention
-from pdserve_worker.model.layers.decode_kernel import DecodeRows
+from pdserve_worker.model.layers import native, paged_attention
 from pdserve_worker.model.layers.matmul import Linear
+from pdserve_worker.model.layers.native import DecodeRows
 from pdserve_worker.model.layers.paged_attention import PagedPlan
 from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, quantize, to_kind
 from pdserve_worker.model.layers.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
@@ -274,7 +274,7 @@ class LlamaModel:
         self.inv_freq = inverse_frequencies(config, freq_factors).to(self.device)
         self.rope_scale = attention_scaling(config)
         if self.device.type == "cpu":  # load (or build) the decode kernel now, not in the first request's step
-            decode_kernel.available()
+            native.available()
 
     # ---- the three stages ------------------------------------------------------------------
 
@@ -317,7 +317,9 @@ class LlamaModel:
         apart. So the `REFINED_LOGITS` largest are recomputed in fp32 from the exact weight
         rows (a gather and a dot: tens of microseconds): greedy, top-k and the head of top-p
         see fp32 logits; the rest, whose probabilities are small, keep the kernel's."""
-        normed = _rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        fused = self._fused() and hidden.is_contiguous()
+        normed = native.rms_norm(hidden, self.norm, eps) if fused else _rms_norm(hidden, self.norm, eps)
         logits = self.linear(normed, self.lm_head, torch.float32)
         if self._head_rows is None:
             return logits
@@ -483,9 +485,7 @@ class LlamaModel:
         cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
         kernel = None
         if tokens == 1:  # a slot is one block of max_len tokens
-            kernel = decode_kernel.rows_for(
-                [[s] for s in slots], [p + 1 for p in positions], layout.head_dim, self.device
-            )
+            kernel = native.rows_for([[s] for s in slots], [p + 1 for p in positions], layout.head_dim, self.device)
         return _StepPlan(
             slots=torch.tensor(list(slots), dtype=torch.long, device=self.device),
             positions=pos.to(self.device),
@@ -577,15 +577,7 @@ class LlamaModel:
         batch, tokens, _ = x.shape
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-        h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = self.linear(h, w.qkv, bias=w.qkv_bias)
-        qk = qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim)
-        if w.qk_norm is not None:  # qwen3: RMSNorm over each head's head_dim, before RoPE
-            qk = _rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
-        # Q and K rotate together (one set of ops); SDPA's fast kernels need the contiguous result.
-        qk = apply_rotary(qk, plan.cos, plan.sin)
-        q, k = qk[:, :, :heads], qk[:, :, heads:]
-        v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
+        q, k, v = self._qkv(x, w, plan)
 
         if isinstance(plan, PagedPlan):
             attn = paged_attention.write_and_attend(
@@ -609,10 +601,40 @@ class LlamaModel:
         attn = self._attend(q, keys, values, plan)
         return self._finish_layer(x, attn, w)
 
+    def _fused(self) -> bool:
+        """Whether a layer's elementwise steps run as the native ops (model/layers/native.py)."""
+        return self.device.type == "cpu" and native.available()
+
+    def _qkv(
+        self, x: torch.Tensor, w: LayerWeights, plan: _StepPlan | PagedPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention norm, the QKV projection and RoPE: q `[B, T, heads, D]`, k and v `[B, T,
+        kv_heads, D]`."""
+        cfg = self.config
+        batch, tokens, _ = x.shape
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self._fused():  # the same steps as below, fused
+            h = native.rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+            qkv = self.linear(h, w.qkv, bias=w.qkv_bias)
+            return native.rope_qkv(qkv, plan.cos, plan.sin, heads, kv_heads, w.qk_norm, cfg.rms_norm_eps)
+        h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        qkv = self.linear(h, w.qkv, bias=w.qkv_bias)
+        qk = qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim)
+        if w.qk_norm is not None:  # qwen3: RMSNorm over each head's head_dim, before RoPE
+            qk = _rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
+        # Q and K rotate together (one set of ops); SDPA's fast kernels need the contiguous result.
+        qk = apply_rotary(qk, plan.cos, plan.sin)
+        v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
+        return qk[:, :, :heads], qk[:, :, heads:], v
+
     def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """Output projection, residual, MLP: everything of a layer after attention."""
+        eps = self.config.rms_norm_eps
+        if self._fused():  # the same steps as below, fused
+            x, h = native.add_rms_norm(x, self.linear(attn, w.o, bias=w.o_bias), w.mlp_norm, eps)
+            return x + self.linear(native.silu_mul(self.linear(h, w.gate_up)), w.down)
         x = x + self.linear(attn, w.o, bias=w.o_bias)
-        h = _rms_norm(x, w.mlp_norm, self.config.rms_norm_eps)
+        h = _rms_norm(x, w.mlp_norm, eps)
         gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)
         return x + self.linear(F.silu(gate) * up, w.down)
 

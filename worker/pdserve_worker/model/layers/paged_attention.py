@@ -10,7 +10,7 @@ path does.
 
 A decode step (one token per row) is the exception: each row attends over exactly its own keys,
 never padded to the batch's longest row: all rows in one call of the native kernel
-(model/layers/decode_kernel.py), or, where it is not built, each row in its own SDPA call. SDPA's result depends in its
+(model/layers/native.py), or, where it is not built, each row in its own SDPA call. SDPA's result depends in its
 last bits on the key length it is given, and on the quantized route (activations rounded to
 bf16 before each int4 product) those bits become different tokens, so a seeded request's text
 would depend on which other requests shared its steps — that is, on load, and on a live
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve_worker.kv.paged import PagedKVCache, rows_of
-from pdserve_worker.model.layers import decode_kernel
-from pdserve_worker.model.layers.decode_kernel import DecodeRows
+from pdserve_worker.model.layers import native
+from pdserve_worker.model.layers.native import DecodeRows
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def batch_plan(
     if len(slots) == 1 and positions[0] == 0:
         return PagedPlan(pos, cos, sin, tokens, write, packed=False, causal_self=True)
     if tokens == 1:
-        kernel = decode_kernel.rows_for(tables, [p + 1 for p in positions], cache.layout.head_dim, device, bt)
+        kernel = native.rows_for(tables, [p + 1 for p in positions], cache.layout.head_dim, device, bt)
         if kernel is not None:
             return PagedPlan(pos, cos, sin, tokens, write, packed=False, kernel=kernel)
         rows = tuple(rows_of(t, bt, 0, p + 1).to(device) for t, p in zip(tables, positions))

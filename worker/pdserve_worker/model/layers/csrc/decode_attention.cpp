@@ -1,5 +1,5 @@
 // Decode attention over a KV pool through block tables: one query token per row, every row over
-// exactly its own keys, all rows of a step in one call (model/layers/decode_kernel.py says why
+// exactly its own keys, all rows of a step in one call (model/layers/native.py says why
 // this is ours and not a library's).
 //
 // Row b's key j (0 <= j < lengths[b]) is keys[tables[b][j / B], j % B] (B = block_tokens), where
@@ -17,13 +17,14 @@
 // tests/unit/test_batch_invariance.py), which torch's SDPA only gives when each row is its own
 // call. Scores and accumulators are fp32 whatever the pool's dtype; exp is ATen's vectorized one.
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -35,6 +36,17 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+
+// Calls fn.template operator()<T>() for the model dtypes the ops take (fp32, bf16, fp16).
+template <typename Fn>
+inline void dispatch(at::ScalarType type, const char* what, Fn&& fn) {
+  switch (type) {
+    case at::kFloat: fn.template operator()<float>(); break;
+    case at::kBFloat16: fn.template operator()<c10::BFloat16>(); break;
+    case at::kHalf: fn.template operator()<c10::Half>(); break;
+    default: TORCH_CHECK(false, what, ": dtype float32, bfloat16 or float16, got ", type);
+  }
+}
 constexpr int64_t PART = 64;  // keys per part
 
 struct Shape {
@@ -51,9 +63,9 @@ inline Vec load_chunk(const T* src) {
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(src);
   } else {
-    float buf[Vec::size()];
-    at::vec::convert(src, buf, Vec::size());
-    return Vec::loadu(buf);
+    Vec out;
+    at::vec::load_to_float<T>(src, out);  // a half-width load widened in registers
+    return out;
   }
 }
 
@@ -88,15 +100,42 @@ inline void tile_scores(const float* q, const T* k, int64_t D, float* scores, in
   for (int g = 0; g < GT; ++g) scores[g * n + i] = hsum(acc[g]);
 }
 
-// out[g] += w[g * n + i] * v for GT query heads sharing one KV head's value row v.
+// out[g] = sum_i w[g * n + i] * V_i for GT query heads sharing KV head h, over the part's keys:
+// the GT x C accumulators stay in registers (C = head_dim / Vec::size(), known at compile time).
+template <int GT, int C, typename T>
+inline void tile_values(const float* w, int64_t n, const T* values, const int64_t* table, const Part& p,
+                        const Shape& s, int64_t h, float* out) {
+  Vec acc[GT][C];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = Vec(0.0f);
+  for_each_key(values, table, p, s, [&](int64_t i, const T* row) {
+    const T* v = row + h * C * Vec::size();
+    Vec vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load_chunk(v + c * Vec::size());
+    for (int g = 0; g < GT; ++g) {
+      const Vec weight(w[g * n + i]);
+      for (int c = 0; c < C; ++c) acc[g][c] = at::vec::fmadd(weight, vv[c], acc[g][c]);
+    }
+  });
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c].store(out + g * C * Vec::size() + c * Vec::size());
+}
+
+// The same for any head_dim (a multiple of Vec::size()): accumulators in memory.
 template <int GT, typename T>
-inline void tile_values(const float* w, int64_t n, int64_t i, const T* v, int64_t D, float* out) {
-  Vec weight[GT];
-  for (int g = 0; g < GT; ++g) weight[g] = Vec(w[g * n + i]);
-  for (int64_t d = 0; d < D; d += Vec::size()) {
-    const Vec vv = load_chunk(v + d);
-    for (int g = 0; g < GT; ++g) at::vec::fmadd(weight[g], vv, Vec::loadu(out + g * D + d)).store(out + g * D + d);
-  }
+inline void tile_values_any(const float* w, int64_t n, const T* values, const int64_t* table, const Part& p,
+                            const Shape& s, int64_t h, float* out) {
+  const int64_t D = s.head_dim;
+  std::fill(out, out + GT * D, 0.0f);
+  for_each_key(values, table, p, s, [&](int64_t i, const T* row) {
+    const T* v = row + h * D;
+    for (int64_t d = 0; d < D; d += Vec::size()) {
+      const Vec vv = load_chunk(v + d);
+      for (int g = 0; g < GT; ++g) {
+        at::vec::fmadd(Vec(w[g * n + i]), vv, Vec::loadu(out + g * D + d)).store(out + g * D + d);
+      }
+    }
+  });
 }
 
 // Calls fn.template operator()<GT>(first query head of the tile) over G in tiles of up to 4.
@@ -136,14 +175,17 @@ void attend_part(const float* qf, const T* keys, const T* values, const int64_t*
     at::vec::map([top = tops[qh]](Vec x) { return (x - Vec(top)).exp(); }, sc, sc, n);
     sums[qh] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sc, n);
   }
-  std::fill(acc, acc + H * D, 0.0f);
-  for_each_key(values, table, p, s, [&](int64_t i, const T* row) {
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      for_each_tile(G, [&]<int GT>(int64_t g0) {
-        tile_values<GT>(scores + (h * G + g0) * n, n, i, row + h * D, D, acc + (h * G + g0) * D);
-      });
-    }
-  });
+  for (int64_t h = 0; h < s.kv_heads; ++h) {  // one pass over the part's rows per KV head
+    for_each_tile(G, [&]<int GT>(int64_t g0) {
+      const float* w = scores + (h * G + g0) * n;
+      float* out = acc + (h * G + g0) * D;
+      switch (D / Vec::size()) {
+        case 4: tile_values<GT, 4>(w, n, values, table, p, s, h, out); break;
+        case 8: tile_values<GT, 8>(w, n, values, table, p, s, h, out); break;
+        default: tile_values_any<GT>(w, n, values, table, p, s, h, out); break;
+      }
+    });
+  }
 }
 
 // Row b's output from its parts' results, merged in order.
@@ -248,7 +290,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const Shape s = shape_of(q, keys, tables);
   check_tables(tables, lengths, s);
   at::Tensor out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+  dispatch(q.scalar_type(), "decode_attention", [&]<typename scalar_t>() {
     run<scalar_t>(q, keys, values, tables, lengths, static_cast<float>(scale), s, out);
   });
   return out;

@@ -1,0 +1,210 @@
+"""The model's native CPU ops: decode attention over block tables, and the elementwise parts of a
+layer (RMSNorm with its residual add, rotary embedding of q and k, SiLU(gate) * up).
+
+Why ops of ours. Decode attention: a decode step attends one query token per row over that
+row's own keys, and the rows' key lengths differ. torch's SDPA takes one key length per call,
+so rows either share a padded length (and a row's last bits then depend on its neighbours':
+SmolLM2's seeded streams drifted on the int4 route, issue #17) or each row is its own call. Row
+by row cost 48% of a batch-16 step on the default model (2,400 SDPA calls of 82 us for 5 steps,
+measured 2026-12-04 on a 2-vCPU EPYC), which is how vLLM's CPU backend and SGLang's CPU kernels
+came to have paged decode-attention kernels of their own; neither ships as a library we could
+depend on (vllm._C comes with the whole vLLM). The elementwise parts: a layer ran about 35 torch
+ops besides its 4 matrix products, each a dispatch, an allocation and a pass over memory (a
+fifth of a batch-16 decode step); vLLM fuses the same ones (its `rms_norm`, `fused_add_rms_norm`,
+`rotary_embedding`, `silu_and_mul` ops) and torch.compile would, at minutes of compile per
+shape. torch_npu's paged attention op is the NPU's answer (model/layers/paged_attention.py).
+
+`csrc/*.cpp` are plain ATen (Vectorized<float>, at::parallel_for on torch's own thread pool),
+compiled once per machine by torch's extension builder, as torch.compile's inductor compiles its
+C++ kernels: g++ and ninja at first use, then a cached library (one per source hash, torch
+version and CPU capability, under the pdserve cache). Where it cannot be built (no compiler: the
+slim image says so at start) or `PDSERVE_NATIVE_OPS=torch`, the model runs its torch ops as
+before; both are batch invariant and agree within rounding (tests/unit/test_native_ops.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve_common.logs import kv
+
+log = logging.getLogger("pdserve.model.native")
+
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "layer_ops.cpp"))
+ENV = "PDSERVE_NATIVE_OPS"  # kernel (default) | torch
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return Path(base) / "kernels"
+
+
+def _isa() -> tuple[str, list[str], list[str]]:
+    """(name, compiler flags, macros) of the widest vector ISA torch itself uses on this CPU, as
+    inductor picks it (ATen's Vectorized follows the CPU_CAPABILITY_* macro it is built with)."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    if not isa:
+        return "default", [], []
+    flags = isa.build_arch_flags().split()
+    return str(isa), flags, [f"-D{m}" for m in isa.build_macro()]
+
+
+def build(verbose: bool = False) -> None:
+    """Load the cached library, or compile it first, and register the `torch.ops.pdserve` ops."""
+    from torch.utils import cpp_extension
+
+    isa, arch, macros = _isa()
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(sources + torch.__version__.encode() + isa.encode()).hexdigest()[:16]
+    name = f"pdserve_native_{digest}"
+    folder = _cache_root() / f"native-{digest}"
+    library = folder / f"{name}.so"
+    # Built before (the name holds the source, torch and ISA) and not being built now: ~10 ms,
+    # where torch's loader would run ninja first (~2 s).
+    if library.is_file() and not (folder / "lock").exists():
+        torch.ops.load_library(str(library))
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=["-O3", "-fno-math-errno", *arch, *macros],
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+def available() -> bool:
+    """Whether the native ops are there (built or loaded now on the first call, once per process)."""
+    known = _state.get("ok")
+    if known is not None:  # (asked once per layer of every step: no lock once settled)
+        return bool(known)
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+        return bool(_state["ok"])
+
+
+def _load() -> bool:
+    choice = os.environ.get(ENV, "kernel")
+    if choice == "torch":
+        log.info(kv(event="native_ops", impl="torch", why=f"{ENV}=torch"))
+        return False
+    if choice != "kernel":
+        raise ValueError(f"{ENV} must be 'kernel' or 'torch', got {choice!r}")
+    try:
+        build()
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path serves
+        log.warning(kv(event="native_ops", impl="torch", why="native ops not built", error=repr(exc)[:300]))
+        return False
+    log.info(kv(event="native_ops", impl="kernel", isa=_isa()[0]))
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q `[B, heads, head_dim]` over each row's keys: row b's key j is
+    `keys[tables[b, j // B], j % B]` of keys/values `[blocks, B, kv_heads, head_dim]` (a block
+    dense, blocks at any stride), for j < lengths[b]. Returns `[B, heads, head_dim]`."""
+    return torch.ops.pdserve.decode_attention(q, keys, values, tables, lengths, scale)
+
+
+# head_dim a multiple of the widest Vectorized<float> (AVX512: 16 floats) on every ISA we build for.
+HEAD_DIM_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """What the kernel needs of one decode step, shared by every layer: each row's block table
+    (a slot pool is one block of max_len tokens per slot) and key count."""
+
+    tables: torch.Tensor  # [B, max_blocks] int64
+    lengths: torch.Tensor  # [B] int64
+    block_tokens: int = 0  # > 0: the pools come as flat token rows, viewed in blocks of this many
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q `[B, 1, heads, head_dim]` over pools `[blocks, block_tokens, kv_heads, head_dim]` (or
+        flat `[rows, kv_heads, head_dim]` with `block_tokens` set): `[B, 1, heads * head_dim]`."""
+        batch, _, heads, head_dim = q.shape
+        if self.block_tokens:
+            keys = keys.view(-1, self.block_tokens, *keys.shape[1:])
+            values = values.view(-1, self.block_tokens, *values.shape[1:])
+        query = q.reshape(batch, heads, head_dim).contiguous()
+        out = decode_attention(query, keys, values, self.tables, self.lengths, head_dim**-0.5)
+        return out.view(batch, 1, heads * head_dim)
+
+
+def rows_for(
+    tables: Sequence[Sequence[int]], lengths: Sequence[int], head_dim: int, device: torch.device, block_tokens: int = 0
+) -> DecodeRows | None:
+    """The kernel's view of a decode step, or None where it does not serve (not built, not a CPU
+    pool, or a head_dim it does not take): the caller then attends row by row with SDPA."""
+    if device.type != "cpu" or head_dim % HEAD_DIM_MULTIPLE or not available():
+        return None
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([[*t, *([0] * (width - len(t)))] for t in tables], dtype=torch.long)
+    return DecodeRows(padded, torch.tensor(list(lengths), dtype=torch.long), block_tokens)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm of the rows of x `[..., width]` (fp32 inside, the weight in x's dtype)."""
+    return torch.ops.pdserve.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, its RMSNorm): a sublayer's residual add and the next sublayer's norm."""
+    width = x.shape[-1]
+    total, normed = torch.ops.pdserve.add_rms_norm(x.reshape(-1, width), delta.reshape(-1, width), weight, eps)
+    return total.view(x.shape), normed.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of `[..., 2 * inter]` (gate first): `[..., inter]`."""
+    out = torch.ops.pdserve.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+    return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+
+def rope_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    qk_norm: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v `[B, T, heads|kv_heads, head_dim]` of qkv `[B, T, width]`, q and k rotated by
+    cos/signed sin `[B, T, 1, head_dim]` (rope.cos_sin's), after qwen3's per-head norm when
+    `qk_norm` `[heads + kv_heads, head_dim]` is given."""
+    batch, tokens, width = qkv.shape
+    head_dim = cos.shape[-1]
+    flat = qkv.reshape(batch * tokens, width)
+    angles = cos.reshape(batch * tokens, head_dim), sin.reshape(batch * tokens, head_dim)
+    q, k, v = torch.ops.pdserve.rope_qkv(flat, *angles, heads, kv_heads, qk_norm, eps)
+    return (
+        q.view(batch, tokens, heads, head_dim),
+        k.view(batch, tokens, kv_heads, head_dim),
+        v.view(batch, tokens, kv_heads, head_dim),
+    )
