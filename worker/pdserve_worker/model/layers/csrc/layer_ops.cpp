@@ -9,7 +9,9 @@
 //   rope:       out = T(T(x * cos) + T(roll(x) * signed_sin))    (cos, sin already in T)
 //   silu_mul:   out = T(T(silu(gate)) * up)
 // Every op works row by row (a token's row never depends on another's), in a fixed order: a
-// row's bits are the same alone or in any batch.
+// row's bits are the same alone or in any batch. Values move BLOCK (two Vectorized<float>) at a
+// time, widened from and rounded back to T in registers; a row's tail runs the same steps one
+// value at a time.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,11 +20,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -30,6 +32,7 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+constexpr int64_t BLOCK = 2 * Vec::size();
 
 // Calls fn.template operator()<T>() for the model dtypes the ops take (fp32, bf16, fp16).
 template <typename Fn>
@@ -42,7 +45,35 @@ inline void dispatch(at::ScalarType type, const char* what, Fn&& fn) {
   }
 }
 
-// The value fp32 x takes once stored in T (the rounding a torch op in T does).
+// BLOCK values of T as two fp32 vectors, and back.
+template <typename T>
+inline void load2(const T* p, Vec& a, Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = Vec::loadu(p);
+    b = Vec::loadu(p + Vec::size());
+  } else {
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+  }
+}
+
+template <typename T>
+inline void store2(T* p, const Vec& a, const Vec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + Vec::size());
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// The values a and b take once stored in T (the rounding a torch op in T does), kept as fp32.
+template <typename T>
+inline void round2(Vec& a, Vec& b) {
+  if constexpr (!std::is_same_v<T, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+  }
+}
+
 template <typename T>
 inline float round_to(float x) {
   if constexpr (std::is_same_v<T, float>) {
@@ -55,26 +86,36 @@ inline float round_to(float x) {
 // Rows per parallel task: a few tens of KB of work, so a batch-1 decode step stays on one thread.
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
+// 1 / sqrt(mean(x^2) + eps) of one row of T, in a fixed order.
 template <typename T>
-float mean_square(const float* x, int64_t n) {
+float inv_rms(const T* x, int64_t n, float eps) {
   Vec acc(0.0f);
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec v = Vec::loadu(x + i);
-    acc = at::vec::fmadd(v, v, acc);
+  for (; i + BLOCK <= n; i += BLOCK) {
+    Vec a, b;
+    load2(x + i, a, b);
+    acc = at::vec::fmadd(a, a, at::vec::fmadd(b, b, acc));
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-  for (; i < n; ++i) sum += x[i] * x[i];
-  return sum / static_cast<float>(n);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, acc);
+  for (; i < n; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
-// y = w * T(x * rsqrt(mean(x^2) + eps)) for one row held as fp32 in `row`.
+// y = w * T(x * inv) for one row.
 template <typename T>
-void norm_row(const float* row, const T* w, float eps, int64_t n, T* y) {
-  const float inv = 1.0f / std::sqrt(mean_square<T>(row, n) + eps);
-  for (int64_t i = 0; i < n; ++i) {
-    y[i] = static_cast<T>(static_cast<float>(w[i]) * round_to<T>(row[i] * inv));
+void scale_row(const T* x, const T* w, float inv, int64_t n, T* y) {
+  int64_t i = 0;
+  const Vec s(inv);
+  for (; i + BLOCK <= n; i += BLOCK) {
+    Vec a, b, wa, wb;
+    load2(x + i, a, b);
+    a = a * s;
+    b = b * s;
+    round2<T>(a, b);
+    load2(w + i, wa, wb);
+    store2(y + i, wa * a, wb * b);
   }
+  for (; i < n; ++i) y[i] = static_cast<T>(static_cast<float>(w[i]) * round_to<T>(static_cast<float>(x[i]) * inv));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
@@ -87,19 +128,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, w, "rms_norm");
   at::Tensor y = at::empty_like(x);
   const int64_t n = x.size(1);
-  dispatch(x.scalar_type(), "rms_norm", [&]<typename scalar_t>() {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = w.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
+  dispatch(x.scalar_type(), "rms_norm", [&]<typename T>() {
+    const T* xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
     at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
-      std::vector<float> row(static_cast<size_t>(n));
       for (int64_t r = begin; r < end; ++r) {
-        at::vec::convert(xp + r * n, row.data(), n);
-        norm_row<scalar_t>(row.data(), wp, static_cast<float>(eps), n, yp + r * n);
+        scale_row<T>(xp + r * n, wp, inv_rms<T>(xp + r * n, n, static_cast<float>(eps)), n, yp + r * n);
       }
     });
   });
   return y;
+}
+
+// s = T(x + delta) for one row.
+template <typename T>
+void add_row(const T* x, const T* delta, int64_t n, T* s) {
+  int64_t i = 0;
+  for (; i + BLOCK <= n; i += BLOCK) {
+    Vec a, b, da, db;
+    load2(x + i, a, b);
+    load2(delta + i, da, db);
+    store2(s + i, a + da, b + db);
+  }
+  for (; i < n; ++i) s[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(delta[i]));
 }
 
 // (x + delta, rms_norm(x + delta)): the residual add of one sublayer and the norm of the next.
@@ -111,43 +163,40 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   at::Tensor sum = at::empty_like(x);
   at::Tensor y = at::empty_like(x);
   const int64_t n = x.size(1);
-  dispatch(x.scalar_type(), "add_rms_norm", [&]<typename scalar_t>() {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* dp = delta.data_ptr<scalar_t>();
-    const scalar_t* wp = w.data_ptr<scalar_t>();
-    scalar_t* sp = sum.data_ptr<scalar_t>();
-    scalar_t* yp = y.data_ptr<scalar_t>();
+  dispatch(x.scalar_type(), "add_rms_norm", [&]<typename T>() {
+    const T* xp = x.data_ptr<T>();
+    const T* dp = delta.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* sp = sum.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
     at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
-      std::vector<float> row(static_cast<size_t>(n));
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t s = static_cast<scalar_t>(static_cast<float>(xp[r * n + i]) + static_cast<float>(dp[r * n + i]));
-          sp[r * n + i] = s;
-          row[i] = static_cast<float>(s);
-        }
-        norm_row<scalar_t>(row.data(), wp, static_cast<float>(eps), n, yp + r * n);
+        add_row<T>(xp + r * n, dp + r * n, n, sp + r * n);
+        scale_row<T>(sp + r * n, wp, inv_rms<T>(sp + r * n, n, static_cast<float>(eps)), n, yp + r * n);
       }
     });
   });
   return {sum, y};
 }
 
-// silu(gate) * up of one row's `n` values, Vec::size() at a time (exp is ATen's vectorized one).
+// exp_u20: ATen's faster exp (20 ulp), the one torch's own softmax kernels use.
+inline Vec silu(const Vec& x) { return x / (Vec(1.0f) + x.neg().exp_u20()); }
+
+// T(T(silu(g)) * u) over one row's n values.
 template <typename T>
 void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
-  constexpr int64_t W = Vec::size();
-  float gf[W], uf[W], act[W];
-  T rounded[W];
-  for (int64_t i = 0; i < n; i += W) {
-    const int64_t m = std::min(W, n - i);
-    at::vec::convert(g + i, gf, m);
-    at::vec::convert(u + i, uf, m);
-    const Vec x = Vec::loadu(gf, m);
-    (x / (Vec(1.0f) + x.neg().exp())).store(act, m);
-    at::vec::convert(act, rounded, m);  // silu's result in T, as torch's silu returns it
-    at::vec::convert(rounded, act, m);
-    (Vec::loadu(act, m) * Vec::loadu(uf, m)).store(act, m);
-    at::vec::convert(act, out + i, m);
+  int64_t i = 0;
+  for (; i + BLOCK <= n; i += BLOCK) {
+    Vec ga, gb, ua, ub;
+    load2(g + i, ga, gb);
+    load2(u + i, ua, ub);
+    Vec a = silu(ga), b = silu(gb);
+    round2<T>(a, b);  // silu's result in T, as torch's silu returns it
+    store2(out + i, a * ua, b * ub);
+  }
+  for (; i < n; ++i) {
+    const float gf = static_cast<float>(g[i]);
+    out[i] = static_cast<T>(round_to<T>(gf / (1.0f + std::exp(-gf))) * static_cast<float>(u[i]));
   }
 }
 
@@ -157,42 +206,49 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
               "silu_mul: gate_up is a contiguous CPU [rows, 2 * inter], got ", gate_up.sizes());
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  dispatch(gate_up.scalar_type(), "silu_mul", [&]<typename scalar_t>() {
-    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+  dispatch(gate_up.scalar_type(), "silu_mul", [&]<typename T>() {
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
     at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        silu_mul_row<scalar_t>(gp + r * 2 * inter, gp + r * 2 * inter + inter, op + r * inter, inter);
-      }
+      for (int64_t r = begin; r < end; ++r) silu_mul_row<T>(gp + r * 2 * inter, gp + r * 2 * inter + inter, op + r * inter, inter);
     });
   });
   return out;
 }
 
-// One head's row x [D] rotated in place: T(T(x * cos) + T(roll(x, D/2) * signed_sin)).
+// dst = T(T(src * cos) + T(roll(src, D/2) * signed_sin)) for one head of D values. Where half a
+// head is whole blocks (D 64 or 128: every family here) the roll is a swap of blocks.
 template <typename T>
-inline void rotate(T* x, const T* cos, const T* sin, int64_t D, float* tmp) {
-  for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(x[d]);
+void rotate(const T* src, const T* cos, const T* sin, int64_t D, T* dst) {
   const int64_t half = D / 2;
+  if (half % BLOCK == 0) {
+    for (int64_t i = 0; i < D; i += BLOCK) {
+      Vec xa, xb, ra, rb, ca, cb, sa, sb;
+      load2(src + i, xa, xb);
+      load2(src + (i + half) % D, ra, rb);
+      load2(cos + i, ca, cb);
+      load2(sin + i, sa, sb);
+      Vec pa = xa * ca, pb = xb * cb, qa = ra * sa, qb = rb * sb;
+      round2<T>(pa, pb);
+      round2<T>(qa, qb);
+      store2(dst + i, pa + qa, pb + qb);
+    }
+    return;
+  }
   for (int64_t d = 0; d < D; ++d) {
-    const float rolled = tmp[(d + half) % D];
-    const float a = round_to<T>(tmp[d] * static_cast<float>(cos[d]));
-    const float b = round_to<T>(rolled * static_cast<float>(sin[d]));
-    x[d] = static_cast<T>(a + b);
+    const float a = round_to<T>(static_cast<float>(src[d]) * static_cast<float>(cos[d]));
+    const float b = round_to<T>(static_cast<float>(src[(d + half) % D]) * static_cast<float>(sin[d]));
+    dst[d] = static_cast<T>(a + b);
   }
 }
 
-// q, k, v of qkv [rows, (heads + 2 kv_heads) * D] (after its bias), q and k rotated by cos/sin
-// [rows, D] (after qwen3's per-head norm when qk_norm [heads + kv_heads, D] is given): three
-// contiguous [rows, heads|kv_heads, D].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
-                                                        const at::Tensor& sin, int64_t heads, int64_t kv_heads,
-                                                        const std::optional<at::Tensor>& qk_norm, double eps) {
+void check_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                const std::optional<at::Tensor>& qk_norm) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(), "rope_qkv: qkv is a contiguous CPU [rows, width]");
-  const int64_t rows = qkv.size(0), all = heads + 2 * kv_heads;
+  const int64_t all = heads + 2 * kv_heads;
   TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % all == 0, "rope_qkv: width ", qkv.size(1), " is not (",
               heads, " + 2 * ", kv_heads, ") heads of one size");
-  const int64_t D = qkv.size(1) / all;
+  const int64_t rows = qkv.size(0), D = qkv.size(1) / all;
   TORCH_CHECK(D % 2 == 0 && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == D &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
                   sin.scalar_type() == qkv.scalar_type(),
@@ -202,30 +258,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, c
                     qk_norm->is_contiguous() && qk_norm->scalar_type() == qkv.scalar_type(),
                 "rope_qkv: qk_norm [", heads + kv_heads, ", ", D, "], got ", qk_norm->sizes());
   }
+}
+
+// q, k, v of qkv [rows, (heads + 2 kv_heads) * D] (after its bias), q and k rotated by cos/sin
+// [rows, D] (after qwen3's per-head norm when qk_norm [heads + kv_heads, D] is given): three
+// contiguous [rows, heads|kv_heads, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                                        const std::optional<at::Tensor>& qk_norm, double eps) {
+  check_rope(qkv, cos, sin, heads, kv_heads, qk_norm);
+  const int64_t rows = qkv.size(0), all = heads + 2 * kv_heads, D = qkv.size(1) / all;
   at::Tensor q = at::empty({rows, heads, D}, qkv.options());
   at::Tensor k = at::empty({rows, kv_heads, D}, qkv.options());
   at::Tensor v = at::empty({rows, kv_heads, D}, qkv.options());
-  dispatch(qkv.scalar_type(), "rope_qkv", [&]<typename scalar_t>() {
-    const scalar_t* src = qkv.data_ptr<scalar_t>();
-    const scalar_t* cp = cos.data_ptr<scalar_t>();
-    const scalar_t* sp = sin.data_ptr<scalar_t>();
-    const scalar_t* np = qk_norm.has_value() ? qk_norm->data_ptr<scalar_t>() : nullptr;
-    scalar_t* outs[2] = {q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>()};
-    scalar_t* vp = v.data_ptr<scalar_t>();
+  dispatch(qkv.scalar_type(), "rope_qkv", [&]<typename T>() {
+    const T* src = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    const T* np = qk_norm.has_value() ? qk_norm->data_ptr<T>() : nullptr;
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    T* vp = v.data_ptr<T>();
     at::parallel_for(0, rows, grain(all * D), [&](int64_t begin, int64_t end) {
-      std::vector<float> tmp(static_cast<size_t>(D));
+      std::vector<T> normed(static_cast<size_t>(D));
       for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* row = src + r * all * D;
+        const T* row = src + r * all * D;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
-          const bool is_q = h < heads;
-          scalar_t* dst = outs[is_q ? 0 : 1] + (r * (is_q ? heads : kv_heads) + (is_q ? h : h - heads)) * D;
+          T* dst = h < heads ? qp + (r * heads + h) * D : kp + (r * kv_heads + h - heads) * D;
+          const T* head = row + h * D;
           if (np != nullptr) {  // qwen3: RMSNorm over the head's D, before RoPE
-            for (int64_t d = 0; d < D; ++d) tmp[d] = static_cast<float>(row[h * D + d]);
-            norm_row<scalar_t>(tmp.data(), np + h * D, static_cast<float>(eps), D, dst);
-          } else {
-            std::copy(row + h * D, row + (h + 1) * D, dst);
+            scale_row<T>(head, np + h * D, inv_rms<T>(head, D, static_cast<float>(eps)), D, normed.data());
+            head = normed.data();
           }
-          rotate<scalar_t>(dst, cp + r * D, sp + r * D, D, tmp.data());
+          rotate<T>(head, cp + r * D, sp + r * D, D, dst);
         }
         std::copy(row + (heads + kv_heads) * D, row + all * D, vp + r * kv_heads * D);
       }
