@@ -274,3 +274,23 @@ def test_a_request_whose_draw_fails_is_aborted_alone(tiny, prompts, alone, monke
     assert [(o.finished, o.finish_reason, o.token_id) for o in aborted] == [(True, FinishReason.ABORT, None)]
     assert [tokens[i] for i in good] == alone[:2]
     assert gen.num_running == 0 and gen._slots == {}
+
+
+def test_warm_up_runs_a_prefill_and_decode_steps_and_leaves_no_trace(tiny_model_dir):
+    from pdserve_worker.model.engine import warm_up
+    from pdserve_worker.model.loading.loader import load_model
+
+    whole = load_model(str(tiny_model_dir), dtype="float32").model
+    assert warm_up(whole) > 0.0
+    calls: list[str] = []
+    original = whole.decode_step
+
+    def counted(*args, **kwargs):
+        calls.append("decode")
+        return original(*args, **kwargs)
+
+    whole.decode_step = counted  # type: ignore[method-assign]
+    warm_up(whole)
+    assert calls == ["decode", "decode"]  # batch 1, then batch 2
+    half = load_model(str(tiny_model_dir), dtype="float32", layers=range(0, 1)).model
+    assert warm_up(half) == 0.0  # a layer-sharded member's steps need its group

@@ -287,9 +287,18 @@ async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
             load_model, settings.model_path, settings.model_dtype, settings.device, layers, settings.weights
         )
         loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
+        await _warm_up(loaded)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     return loaded, model_revision(folder, settings.model_dtype)
+
+
+async def _warm_up(loaded: LoadedModel) -> None:
+    """A short prefill and decode before serving (model/engine.warm_up), on a thread that ends."""
+    from pdserve_worker.model.engine import warm_up
+
+    seconds = await run_in_fresh_thread(warm_up, loaded.model)
+    log.info(kv(event="model_warmed", seconds=round(seconds, 3)))
 
 
 def _start_engine(settings: WorkerSettings) -> TransferBackend:
@@ -487,6 +496,7 @@ async def _run_colocated(settings: WorkerSettings) -> None:
         loaded = await run_in_fresh_thread(
             load_model, settings.model_path, settings.model_dtype, settings.device, None, settings.weights
         )
+        await _warm_up(loaded)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)
