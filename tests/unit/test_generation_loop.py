@@ -150,3 +150,90 @@ async def test_a_loop_without_prefill_wants_the_first_token(loaded):
     loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, colocated_cache(loaded.model, 1, MAX_LEN)))
     with pytest.raises(RuntimeError, match="first_token"):
         loop.submit("x", [1, 2], 0, SamplingParams(max_tokens=2), lambda: None)
+
+
+class Recording:
+    """ColocatedPrefill with every call recorded: (slot, positions computed, done)."""
+
+    def __init__(self, loaded, cache, store=None) -> None:
+        from pdserve_worker.colocated.prefill import ColocatedPrefill
+
+        self.inner = ColocatedPrefill(loaded.model, cache, store, loaded.tokenizer.eos_token_ids)
+        self.calls: list[tuple[int, int, bool]] = []
+        self.abandoned: list[int] = []
+
+    def advance(self, prompt, slot, params, budget):
+        used, drawn = self.inner.advance(prompt, slot, params, budget)
+        self.calls.append((slot, used, drawn is not None))
+        return used, drawn
+
+    def abandon(self, slot):
+        self.abandoned.append(slot)
+        self.inner.abandon(slot)
+
+
+@pytest.mark.asyncio
+async def test_a_long_prompt_is_computed_a_chunk_per_step_while_others_decode(loaded):
+    long_len, chunk = 200, 16
+    cache = colocated_cache(loaded.model, SLOTS, 256)
+    prefill = Recording(loaded, cache)
+    loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache), prefill=prefill, prefill_chunk_tokens=chunk)
+    loop.start()
+    try:
+        short = loaded.tokenizer.encode("Berlin is")
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        running = loop.submit("running", short, 0, params, lambda: None)
+        first = await running.__anext__()  # decoding before the long prompt arrives
+        long_prompt = [(7 * i) % 90 + 3 for i in range(long_len)]
+        arriving = loop.submit("long", long_prompt, 1, SamplingParams(max_tokens=4, temperature=0), lambda: None)
+        seen_before = 0
+        waiter = asyncio.ensure_future(arriving.__anext__())
+        rest = [first]
+        async for out in running:
+            rest.append(out)
+            if not waiter.done():
+                seen_before += 1
+        long_outs = [await waiter] + await drain(arriving)
+    finally:
+        loop.stop()
+    chunks = [c for c in prefill.calls if c[0] == 1]
+    assert [used for _, used, _ in chunks] == [chunk] * (long_len // chunk) + [long_len % chunk]
+    assert [done for *_, done in chunks] == [False] * (len(chunks) - 1) + [True]
+    # the running request kept getting tokens between the long prompt's chunks
+    assert seen_before >= len(chunks) - 2
+    # and chunking changed nothing in either answer
+    assert [o.token_id for o in rest] == colocated(loaded, short, params).output_ids
+    reference = generate(
+        loaded.model, loaded.tokenizer, [long_prompt], SamplingParams(max_tokens=4, temperature=0), max_len=256
+    )
+    assert [o.token_id for o in long_outs] == reference[0].output_ids
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_between_chunks_lets_go_of_its_slot_and_prefix_pins(loaded):
+    from pdserve_worker.kv.prefix_store import open_prefix_store
+
+    cache = colocated_cache(loaded.model, SLOTS, 256)
+    store = open_prefix_store(cache.layout, 4096, 1.0, 16, "rev", loaded.model.device)
+    prefill = Recording(loaded, cache, store)
+    prefill.inner.scope[0] = prefill.inner.scope[1] = "tenant"
+    loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache), prefill=prefill, prefill_chunk_tokens=8)
+    freed: list[int] = []
+    loop.start()
+    try:
+        blocker = loop.submit(
+            "b", [5, 6, 7], 1, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), lambda: freed.append(1)
+        )
+        await blocker.__anext__()
+        stream = loop.submit("long", list(range(3, 203)), 0, SamplingParams(max_tokens=4), lambda: freed.append(0))
+        while not any(slot == 0 for slot, *_ in prefill.calls):
+            await asyncio.sleep(0.01)
+        loop.cancel(stream)
+        assert await drain(stream) == []
+        loop.cancel(blocker)
+        await drain(blocker)
+    finally:
+        loop.stop()
+    assert prefill.abandoned == [0] and sorted(freed) == [0, 1]
+    assert not any(done for slot, _, done in prefill.calls if slot == 0)
+    assert store.stats().pinned_blocks == 0

@@ -86,6 +86,12 @@ def _model_flags(p: argparse._ArgumentGroup) -> None:
         help="tokens per request, prompt plus output (default 2048, or the model's context if shorter)",
     )
     p.add_argument("--layers-per-chunk", type=int, default=4, help="prefill: layers between two KV pushes (default 4)")
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=512,
+        help="colocated: prompt positions computed between two decode steps (chunked prefill; default 512)",
+    )
 
 
 def _kv_flags(p: argparse._ArgumentGroup) -> None:
@@ -222,7 +228,8 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
         extra_env.setdefault("PDSERVE_TRACE_FILE", str(_trace_file(args.trace_file)))
     names = (
         "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
-        "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk layer_shards transfer tls "
+        "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk prefill_chunk_tokens layer_shards "
+        "transfer tls "
         "api_keys log_dir"
     ).split()
     return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)

@@ -76,6 +76,7 @@ class LocalPlan:
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
+    prefill_chunk_tokens: int = 512  # colocated: prompt positions between two decode steps
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     readiness: str = "interrupt"
     # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
@@ -359,6 +360,7 @@ class LocalDeployment:
                 E.PREFIX_CACHE_TOKENS: "auto" if plan.prefix_cache_tokens is None else str(plan.prefix_cache_tokens),
                 S.MEMORY_SHARE: repr(plan.memory_share()),
                 E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
+                S.PREFILL_CHUNK_TOKENS: str(plan.prefill_chunk_tokens),
                 E.READINESS_MODE: plan.readiness,
                 E.TRANSFER_BACKEND: plan.transfer,
                 E.DRAIN_TIMEOUT_SECONDS: "10",

@@ -1,8 +1,9 @@
 """A colocated backend: prefill and decode in one process, one continuous batch (the baseline).
 
-The generation loop prefills a new prompt between decode steps, in the same thread, so while
-a long prompt is prefilled every running request waits: this is the interference that PD
-disaggregation removes, and what `benchmarks/serve.py` measures it against.
+The generation loop prefills new prompts between decode steps, in the same thread, a chunk of
+positions per step (colocated/prefill.py): while a long prompt is prefilled every running
+request waits one chunk per token. That interference is what PD disaggregation removes, and
+what `benchmarks/serve.py` measures it against.
 
 With a prefix cache (`prefix_cache_tokens` > 0, or None: sized from memory as a prefill's is)
 the prefill reuses cached prompt prefixes as a prefill worker does (kv/prefix_store.py), and
@@ -22,13 +23,13 @@ from pathlib import Path
 
 from pdserve_worker.api.backend import BackendError, RequestInfo, TokenEvent
 from pdserve_worker.api.tokenizing import ModelTokenizing
-from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
+from pdserve_worker.colocated.prefill import ColocatedPrefill
+from pdserve_worker.decode.generation_loop import DEFAULT_PREFILL_CHUNK_TOKENS, GenerationLoop, RequestFailed
 from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
-from pdserve_worker.model.engine import Generator, colocated_cache, prefill_first_draw
+from pdserve_worker.model.engine import Generator, colocated_cache
 from pdserve_worker.model.loading.loader import LoadedModel
-from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
-from pdserve_worker.model.sampling.sampler import Draw, stop_token_ids
+from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 
 _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
 _HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): its lease never runs
@@ -50,6 +51,7 @@ class ColocatedBackend(ModelTokenizing):
         prefix_disk_dir: Path | None = None,
         prefix_disk_bytes: int = 0,
         revision: str = "",
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> None:
         self.model_name = model_name or loaded.name
         self.revision = revision or loaded.name  # (the system_fingerprint's)
@@ -69,30 +71,13 @@ class ColocatedBackend(ModelTokenizing):
             disk_dir=prefix_disk_dir,
             disk_bytes=prefix_disk_bytes,
         )
-        self._cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
-        self._scope: dict[int, str] = {}  # slot -> the cache scope of the request it holds
-        self._prompt_logprobs: dict[
-            int, tuple[TokenLogprobs, ...] | None
-        ] = {}  # slot -> its request's prompt logprobs, for its first event
-        store = self.prefix
-
-        def prefill(prompt: list[int], slot: int, params: SamplingParams) -> Draw:
-            stops = tuple(stop_token_ids(params, loaded.tokenizer.eos_token_ids))
-            self._prompt_logprobs.pop(slot, None)  # (a request that ended early left its own)
-            if store is None or params.prompt_logprobs is not None:  # (prompt logprobs: every position computed)
-                drawn = prefill_first_draw(model, cache, slot, prompt, params, stop_ids=stops)
-                self._prompt_logprobs[slot] = drawn.prompt_logprobs
-                return drawn
-            use = store.begin(prompt, cache, slot, self._scope[slot])
-            try:
-                first = prefill_first_draw(model, cache, slot, prompt, params, start=use.cached_tokens, stop_ids=stops)
-                store.finish(use, cache, slot)
-            finally:
-                store.end(use)
-            self._cached[slot] = use.cached_tokens
-            return first
-
-        self.loop = GenerationLoop(Generator(model, loaded.tokenizer, cache), prefill=prefill, name="colocated-loop")
+        self.prefill = ColocatedPrefill(model, cache, self.prefix, loaded.tokenizer.eos_token_ids)
+        self.loop = GenerationLoop(
+            Generator(model, loaded.tokenizer, cache),
+            prefill=self.prefill,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            name="colocated-loop",
+        )
 
     def start(self) -> None:
         self._free = asyncio.Semaphore(self.slots.layout.num_slots)
@@ -122,7 +107,7 @@ class ColocatedBackend(ModelTokenizing):
             with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits any more
                 event_loop.call_soon_threadsafe(free.release)
 
-        self._scope[grant.slot] = cache_scope  # read by the prefill on the loop's thread; the slot is ours
+        self.prefill.scope[grant.slot] = cache_scope  # read by the prefill on the loop's thread; the slot is ours
         try:
             stream = self.loop.submit(request_id, prompt_ids, grant.slot, params, done)
         except BaseException:
@@ -137,9 +122,9 @@ class ColocatedBackend(ModelTokenizing):
                 finished = out.finished  # before the yield: the router closes us once it has the last event
                 info, prompt_logprobs = None, None
                 if first:
-                    cached = self._cached.pop(grant.slot, 0)
+                    cached = self.prefill.cached.pop(grant.slot, 0)
                     info = RequestInfo(disaggregated=False, kv_bytes=0, cached_tokens=cached) if cached else _COLOCATED
-                    prompt_logprobs = self._prompt_logprobs.pop(grant.slot, None)
+                    prompt_logprobs = self.prefill.prompt_logprobs.pop(grant.slot, None)
                 yield TokenEvent(out.token_id, out.text, out.finish_reason, info, out.logprobs, prompt_logprobs)
                 first = False
                 if finished:

@@ -14,13 +14,17 @@ overwritten by this one's last decode step. Two ways in:
 - `submit(..., first_token=t)`: the prompt's KV is already in the slot (a prefill worker
   pushed it) and its first token is known (decode).
 - `submit(...)` without a first token: this loop computes the prompt's KV into the slot
-  itself, with the `prefill` it was built with, between decode steps (the colocated
-  baseline, where a long prompt stalls every running request meanwhile).
+  itself, with the `prefill` it was built with, between decode steps (colocated). Prompts wait
+  in arrival order and are computed `prefill_chunk_tokens` positions per turn (chunked
+  prefill, as vLLM and SGLang do it): a long prompt delays each decode step by one chunk, not
+  by the whole prompt, and a prompt that finishes within a turn leaves the rest of the budget to
+  the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -28,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pdserve_common.logs import kv
 from pdserve_worker.model.engine import Detached, Generator, StepOutput
@@ -39,9 +43,40 @@ log = logging.getLogger("pdserve.generation_loop")
 
 _END = object()
 
-# (prompt ids, slot, params) -> the first token, after writing the prompt's KV into the slot.
-# (prompt, slot, params) -> the first token, or its Draw when the request asked for logprobs.
+# (prompt, slot, params) -> the first token (or its Draw, with logprobs), after writing the
+# prompt's KV into the slot: a whole prompt at once.
 Prefill = Callable[[list[int], int, SamplingParams], int | Draw]
+
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+
+
+@runtime_checkable
+class ChunkedPrefill(Protocol):
+    """Computes prompts' KV into their slots a chunk at a time (the colocated backend's)."""
+
+    def advance(self, prompt: list[int], slot: int, params: SamplingParams, budget: int) -> tuple[int, Draw | None]:
+        """Compute up to `budget` more of the prompt's positions into `slot` (a cached prefix
+        counts on the first call): the positions computed, and the first token's Draw once
+        the prompt is whole (else None)."""
+        ...
+
+    def abandon(self, slot: int) -> None:
+        """The request left before its prompt was whole: let go of what `advance` holds for it."""
+        ...
+
+
+class _WholePrompt:
+    """A `Prefill` function as a `ChunkedPrefill` that takes each prompt in one piece."""
+
+    def __init__(self, fn: Prefill) -> None:
+        self._fn = fn
+
+    def advance(self, prompt: list[int], slot: int, params: SamplingParams, budget: int) -> tuple[int, Draw | None]:
+        drawn = self._fn(prompt, slot, params)
+        return len(prompt), drawn if isinstance(drawn, Draw) else Draw(drawn)
+
+    def abandon(self, slot: int) -> None:
+        pass
 
 
 class RequestFailed(RuntimeError):
@@ -137,10 +172,19 @@ class LoopStats:
 
 class GenerationLoop:
     def __init__(
-        self, generator: Generator[Any], *, prefill: Prefill | None = None, name: str = "generation-loop"
+        self,
+        generator: Generator[Any],
+        *,
+        prefill: Prefill | ChunkedPrefill | None = None,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        name: str = "generation-loop",
     ) -> None:
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be positive, got {prefill_chunk_tokens}")
         self._gen = generator
-        self._prefill = prefill
+        self._prefill = prefill if prefill is None or isinstance(prefill, ChunkedPrefill) else _WholePrompt(prefill)
+        self._chunk = prefill_chunk_tokens
+        self._waiting: collections.deque[tuple[_Add, list[int]]] = collections.deque()  # (request, its prompt)
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._entries: dict[str, _Entry] = {}
         self._parked: dict[str, Any] = {}  # internal id -> its handoff (released on cancel or stop)
@@ -219,13 +263,15 @@ class GenerationLoop:
 
     def _run(self) -> None:
         while True:
-            self._apply_commands(block=not self._gen.has_work())
+            self._apply_commands(block=not (self._gen.has_work() or self._waiting))
             if self._stopping.is_set():
                 self._fail_all(RequestFailed("the generation loop stopped"))
                 for handoff in self._parked.values():
                     handoff.release()
                 self._parked.clear()
                 return
+            if self._waiting:
+                self._prefill_some()
             if not self._gen.has_work():
                 continue
             started = time.perf_counter()
@@ -261,13 +307,36 @@ class GenerationLoop:
     def _add(self, command: _Add) -> None:
         self._entries[command.internal_id] = command.entry
         self.stats.requests += 1
+        if command.first_token is None:  # this loop computes the prompt: it waits its turn
+            try:
+                self._waiting.append((command, self._gen.check_prompt(command.prompt_ids)))
+            except ValueError as exc:  # refused before it joined: the slot was never the Generator's
+                self._end(command.internal_id, RequestFailed(str(exc)))
+            return
+        self._join(command, command.first_token, command.first_logprobs)
+
+    def _prefill_some(self) -> None:
+        """Up to one chunk's worth of waiting prompts' positions, oldest prompt first; each prompt
+        that is whole joins the batch."""
+        assert self._prefill is not None  # submit() checked
+        budget = self._chunk
+        while budget > 0 and self._waiting:
+            command, prompt = self._waiting[0]
+            try:
+                used, drawn = self._prefill.advance(prompt, command.slot, command.params, budget)
+            except (ValueError, RuntimeError, IndexError) as exc:
+                self._waiting.popleft()
+                self._prefill.abandon(command.slot)
+                self._end(command.internal_id, RequestFailed(str(exc)))
+                continue
+            budget -= max(used, 1)
+            if drawn is not None:
+                self._waiting.popleft()
+                self._join(command, drawn.token, drawn.logprobs)
+
+    def _join(self, command: _Add, first: int, logprobs: TokenLogprobs | None) -> None:
+        """The request, its prompt's KV in its slot and its first token known, joins the batch."""
         try:
-            first, logprobs = command.first_token, command.first_logprobs
-            if first is None:
-                assert self._prefill is not None  # submit() checked
-                prompt = self._gen.check_prompt(command.prompt_ids)
-                drawn = self._prefill(prompt, command.slot, command.params)
-                first, logprobs = (drawn.token, drawn.logprobs) if isinstance(drawn, Draw) else (drawn, None)
             _, output = self._gen.add_prefilled(
                 command.prompt_ids,
                 command.slot,
@@ -290,6 +359,9 @@ class GenerationLoop:
             return
         if internal_id not in self._entries:
             return  # finished meanwhile
+        if self._drop_waiting(internal_id):
+            self._end(internal_id, _END)
+            return
         self._gen.abort(internal_id)
         self._end(internal_id, _END)
 
@@ -332,7 +404,19 @@ class GenerationLoop:
         if final is not None:
             entry.stream._put(final)
 
+    def _drop_waiting(self, internal_id: str) -> bool:
+        """Take a request whose prompt was not whole yet out of the wait (letting go of its part)."""
+        for index, (command, _) in enumerate(self._waiting):
+            if command.internal_id == internal_id:
+                del self._waiting[index]
+                assert self._prefill is not None
+                self._prefill.abandon(command.slot)
+                return True
+        return False
+
     def _fail_all(self, error: RequestFailed) -> None:
+        while self._waiting:
+            self._drop_waiting(self._waiting[0][0].internal_id)
         for internal_id in list(self._entries):
             self._gen.abort(internal_id)
             self._end(internal_id, error)

@@ -510,6 +510,7 @@ async def _run_colocated(settings: WorkerSettings) -> None:
         memory_share=settings.memory_share,
         prefix_disk_dir=settings.prefix_disk_dir,
         prefix_disk_bytes=settings.prefix_disk_bytes,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
     backend.start()
     try:

@@ -47,6 +47,8 @@ MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are a
 PREFIX_BLOCK_TOKENS = "PDSERVE_PREFIX_BLOCK_TOKENS"  # prefill: tokens per prefix-cache block
 PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
+# colocated: prompt positions computed between two decode steps (chunked prefill, decode/generation_loop.py)
+PREFILL_CHUNK_TOKENS = "PDSERVE_PREFILL_CHUNK_TOKENS"
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/layers/weight_routes.py)
@@ -115,6 +117,7 @@ class WorkerSettings(BaseSettings):
     # this router's own prediction from its routing history alone.
     prefix_routing: Literal["events", "predict"] = Field("events", validation_alias=PREFIX_ROUTING)
     prefix_block_tokens: int = Field(16, ge=1, le=4096, validation_alias=PREFIX_BLOCK_TOKENS)
+    prefill_chunk_tokens: int = Field(512, ge=1, le=1_048_576, validation_alias=PREFILL_CHUNK_TOKENS)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)
     warmup: bool = Field(True, validation_alias=E.WARMUP)

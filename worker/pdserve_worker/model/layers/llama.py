@@ -339,9 +339,11 @@ class LlamaModel:
         on_chunk: Callable[[range], None] | None = None,
         start: int = 0,
         on_final: Callable[[torch.Tensor], None] | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
         """Write the KV of positions 0..n-1 into `slot` and return the last position's logits `[vocab]`
-        (`on_final` gets the computed positions' final hidden states `[n - start, hidden]` first).
+        (`on_final` gets the computed positions' final hidden states `[n - start, hidden]` first;
+        `logits=False`: a chunk of a longer prompt, whose head is not run: an empty tensor).
 
         Layers run in chunks of `layers_per_chunk`; after each chunk, whose KV is then final in
         the cache, `on_chunk(layer_range)` is called (the transfer pushes that chunk from there
@@ -373,7 +375,7 @@ class LlamaModel:
                 on_chunk(chunk)
         if on_final is not None:
             on_final(hidden[0])
-        return self.head(hidden[0, -1])
+        return self.head(hidden[0, -1]) if logits else hidden.new_empty(0)
 
     @torch.inference_mode()
     def prefill_batch(
