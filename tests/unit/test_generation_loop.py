@@ -158,7 +158,7 @@ class Recording:
     def __init__(self, loaded, cache, store=None) -> None:
         from pdserve_worker.colocated.prefill import ColocatedPrefill
 
-        self.inner = ColocatedPrefill(loaded.model, cache, store, loaded.tokenizer.eos_token_ids)
+        self.inner = ColocatedPrefill(loaded.model, cache, store, loaded.tokenizer)
         self.calls: list[tuple[int, int, bool]] = []
         self.abandoned: list[int] = []
 

@@ -131,6 +131,7 @@ NOT_IN_OPERATOR_IMAGE = {
     "httpx": "httpx",
     "cryptography": "cryptography",
     "ninja": "ninja",
+    "llguidance": "llguidance",
 }
 
 

@@ -38,10 +38,6 @@ def _only(*neutral: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or any(value is n or (type(value) is type(n) and value == n) for n in neutral)
 
 
-def _text_format(value: Any) -> bool:
-    return _falsy(value) or (isinstance(value, dict) and value.get("type") == "text" and len(value) == 1)
-
-
 @dataclass(frozen=True)
 class Field:
     name: str
@@ -82,11 +78,21 @@ _COMMON = [
     Field("bad_words", R, "not implemented yet"),
     Field("include_stop_str_in_output", R, "stop strings are always cut"),
     Field("skip_special_tokens", R, "special tokens are always skipped", _only(True)),
-    Field("guided_json", R, "structured outputs are not implemented yet"),
-    Field("guided_regex", R, "structured outputs are not implemented yet"),
-    Field("guided_choice", R, "structured outputs are not implemented yet"),
-    Field("guided_grammar", R, "structured outputs are not implemented yet"),
-    Field("structured_outputs", R, "structured outputs are not implemented yet"),
+    Field("guided_json", S, "a JSON schema (object or string) the output matches (llguidance)"),
+    Field("guided_regex", S, "a regular expression the output matches"),
+    Field("guided_choice", S, "up to 256 strings: the output is one of them"),
+    Field("guided_grammar", S, "a Lark or llama.cpp GBNF grammar the output matches"),
+    Field(
+        "structured_outputs",
+        S,
+        "vLLM's form: exactly one of json, regex, choice, grammar, json_object; one structured-output field per request",
+    ),
+    Field(
+        "response_format",
+        S,
+        "text, json_object, or json_schema {name, schema}: the output matches the schema (llguidance, JSON with fixed "
+        "whitespace unless the schema's x-guidance says otherwise); an invalid schema is a 400 naming the problem",
+    ),
     Field("truncate_prompt_tokens", R, "a prompt that does not fit is a 400"),
 ]
 COMPLETIONS = [
@@ -125,7 +131,6 @@ CHAT = [
     Field("parallel_tool_calls", A, "meaningless without tools, which are refused"),
     Field("functions", R, "deprecated tool calls: not implemented"),
     Field("function_call", R, "deprecated tool calls: not implemented", _is("none", "auto")),
-    Field("response_format", R, "only {type: text}: structured outputs are not implemented yet", _text_format),
     Field("modalities", R, "text only", lambda v: _falsy(v) or v == ["text"]),
     Field("audio", R, "text only"),
     Field("prediction", R, "predicted outputs are not implemented"),

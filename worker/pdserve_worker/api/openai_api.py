@@ -2,7 +2,7 @@
 
 Requests are strict pydantic models: a wrong JSON type is a 400 naming the field, never a
 silent coercion ("5" is not 5, true is not 1.0), and a field of OpenAI's or vLLM's schema we
-do not implement (n > 1, logprobs, penalties, response_format, tools...) is refused with a 400
+do not implement (n > 1, tools, ...) is refused with a 400
 naming it instead of being ignored: api/api_fields.py is the one table (docs/api.md is
 generated from it). Keys in neither schema are ignored, as newer clients send fields this
 server does not know about.
@@ -29,6 +29,7 @@ from pydantic_core import PydanticCustomError
 from pdserve_worker import __version__
 from pdserve_worker.api import api_fields
 from pdserve_worker.api.logprobs import Scored, TokenText, chat_block, completion_block
+from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.sampling.params import (
     INT32_MAX,
     INT64_MAX,
@@ -66,6 +67,64 @@ MAX_PROMPT_IDS = 1 << 20  # token ids of one prompt sent as ids (the context bou
 # limits and a slot each; lm-eval sends its batch this way).
 MAX_PROMPTS = 64
 MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mistake
+
+
+def _structured(kind: grammars.Kind) -> Any:
+    """A validator turning a structured-output field's value into its grammar (GrammarError, a
+    ValueError, is the 400 that names the field and what is wrong with it)."""
+
+    def build(value: Any) -> str | None:
+        return None if value is None else grammars.build(kind, value)
+
+    return AfterValidator(build)
+
+
+def _response_format(value: Any) -> str | None:
+    """OpenAI's `response_format`: text (no grammar), json_object, or json_schema with its schema."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return grammars.build("json_object", None)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("json_schema needs {name, schema}: the schema is missing")
+        return grammars.build("json_schema", spec["schema"])
+    raise ValueError(f"type is text, json_object or json_schema, got {kind!r}")
+
+
+def _structured_outputs(value: Any) -> str | None:
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"an object with one of json, regex, choice, grammar, json_object, got {type(value).__name__}")
+    given = {k: v for k, v in value.items() if k in _STRUCTURED_KINDS and v not in (None, False)}
+    if len(given) != 1:
+        raise ValueError(f"exactly one of {', '.join(_STRUCTURED_KINDS)} is given, got {sorted(given) or 'none'}")
+    [(key, spec)] = given.items()
+    return grammars.build(_STRUCTURED_KINDS[key], None if key == "json_object" else spec)
+
+
+_STRUCTURED_KINDS: dict[str, grammars.Kind] = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+# The fields that ask for structured outputs (a request may use one).
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 class StreamOptions(BaseModel):
@@ -107,6 +166,14 @@ class _GenerationRequest(BaseModel):
     # vLLM's field: only requests naming the same salt (of the same tenant) share cached
     # prefix KV (api/cache_scope.py).
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # Structured outputs (model/sampling/grammar.py): each field, when given, becomes the grammar
+    # the output must match; OpenAI's response_format and vLLM's structured_outputs / guided_*.
+    response_format: Annotated[Any, AfterValidator(_response_format)] = None
+    structured_outputs: Annotated[Any, AfterValidator(_structured_outputs)] = None
+    guided_json: Annotated[Any, _structured("json_schema")] = None
+    guided_regex: Annotated[Any, _structured("regex")] = None
+    guided_choice: Annotated[Any, _structured("choice")] = None
+    guided_grammar: Annotated[Any, _structured("grammar")] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -124,6 +191,18 @@ class _GenerationRequest(BaseModel):
                             {"field": f.name, "note": f.note, "value": repr(data[f.name])[:80]},
                         )
         return data
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> _GenerationRequest:
+        asked = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if len(asked) > 1:
+            raise ValueError(f"structured outputs take one of {', '.join(asked)}, not several")
+        return self
+
+    @property
+    def grammar(self) -> str | None:
+        """The llguidance grammar the output must match, if the request asks for structured outputs."""
+        return next((getattr(self, name) for name in STRUCTURED_FIELDS if getattr(self, name) is not None), None)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -190,6 +269,7 @@ class _GenerationRequest(BaseModel):
             min_p=self.min_p or 0.0,
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
+            grammar=self.grammar,
         )
 
 

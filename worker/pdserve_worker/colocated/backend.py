@@ -71,7 +71,7 @@ class ColocatedBackend(ModelTokenizing):
             disk_dir=prefix_disk_dir,
             disk_bytes=prefix_disk_bytes,
         )
-        self.prefill = ColocatedPrefill(model, cache, self.prefix, loaded.tokenizer.eos_token_ids)
+        self.prefill = ColocatedPrefill(model, cache, self.prefix, loaded.tokenizer)
         self.loop = GenerationLoop(
             Generator(model, loaded.tokenizer, cache),
             prefill=self.prefill,

@@ -16,7 +16,6 @@ request (`scope`), which the backend sets before it submits the request.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve_worker.kv.cache import KVCache
@@ -25,6 +24,7 @@ from pdserve_worker.model.engine import prefill_first_draw
 from pdserve_worker.model.layers.llama import LlamaModel
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw, stop_token_ids
+from pdserve_worker.model.tokenizer import Tokenizer
 
 
 @dataclass
@@ -36,11 +36,9 @@ class _Progress:
 class ColocatedPrefill:
     """`generation_loop.ChunkedPrefill` over one model, its pool and (optionally) a prefix store."""
 
-    def __init__(
-        self, model: LlamaModel, cache: KVCache, store: PrefixStore | None, eos_token_ids: Iterable[int]
-    ) -> None:
-        self.model, self.cache, self.store = model, cache, store
-        self.eos = tuple(eos_token_ids)
+    def __init__(self, model: LlamaModel, cache: KVCache, store: PrefixStore | None, tokenizer: Tokenizer) -> None:
+        self.model, self.cache, self.store, self.tokenizer = model, cache, store, tokenizer
+        self.eos = tuple(tokenizer.eos_token_ids)
         self.scope: dict[int, str] = {}  # slot -> the cache scope of the request it holds
         self.cached: dict[int, int] = {}  # slot -> prompt tokens its prefill took from the prefix cache
         self.prompt_logprobs: dict[int, tuple[TokenLogprobs, ...] | None] = {}
@@ -62,7 +60,14 @@ class ColocatedPrefill:
         try:
             stops = tuple(stop_token_ids(params, self.eos))
             drawn = prefill_first_draw(
-                self.model, self.cache, slot, prompt, params, start=progress.done, stop_ids=stops
+                self.model,
+                self.cache,
+                slot,
+                prompt,
+                params,
+                start=progress.done,
+                stop_ids=stops,
+                tokenizer=self.tokenizer,
             )
             if progress.use is not None:
                 assert self.store is not None
@@ -86,6 +91,8 @@ class ColocatedPrefill:
 
     def _whole(self, prompt: list[int], slot: int, params: SamplingParams) -> Draw:
         stops = tuple(stop_token_ids(params, self.eos))
-        drawn = prefill_first_draw(self.model, self.cache, slot, prompt, params, stop_ids=stops)
+        drawn = prefill_first_draw(
+            self.model, self.cache, slot, prompt, params, stop_ids=stops, tokenizer=self.tokenizer
+        )
         self.prompt_logprobs[slot] = drawn.prompt_logprobs
         return drawn

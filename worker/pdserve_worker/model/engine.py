@@ -28,6 +28,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.sampling.grammar_mask import GrammarMatcher, mask_rows
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import (
     Draw,
@@ -114,6 +115,7 @@ class _Request:
     position: int = 0  # where the next input token's KV goes
     last_token: int = -1
     output_ids: list[int] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: what may come next
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,11 @@ class Generator(Generic[CacheT]):
         request.position = len(ids)
         self._running[request.request_id] = request
         self._slots[slot] = request.request_id
-        return request.request_id, self._accept(request, first_token, first_logprobs)
+        try:
+            return request.request_id, self._accept(request, first_token, first_logprobs)
+        except ValueError:  # a first token its grammar does not allow: the request never joined
+            self._finish(request)
+            raise
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Take a request out of the batch (its slot is the caller's again); None if unknown."""
@@ -262,6 +268,7 @@ class Generator(Generic[CacheT]):
             [r.position for r in decoding],
             [r.last_token for r in decoding],
         )
+        mask_rows(logits, [r.grammar for r in decoding])  # one bitmask over the batch; none without grammars
         outputs = []
         for row, request in enumerate(decoding):
             request.position += 1
@@ -287,6 +294,7 @@ class Generator(Generic[CacheT]):
             stops=stop_token_ids(params, self.tokenizer.eos_token_ids),
             detok=self.tokenizer.detokenizer(skip_special_tokens=True),
             matcher=StopStringMatcher(tuple(params.stop)),
+            grammar=GrammarMatcher.start(self.tokenizer, self.model.config.vocab_size, params.grammar),
         )
 
     @staticmethod
@@ -300,6 +308,8 @@ class Generator(Generic[CacheT]):
         for token in emitted:
             request.output_ids.append(token)
             request.matcher.feed(request.detok.push(token))
+        if request.grammar is not None:  # its state is the tokens it consumed: nothing to carry
+            request.grammar.consume(emitted)
         if emitted:
             request.last_token = emitted[-1]
 
@@ -311,11 +321,11 @@ class Generator(Generic[CacheT]):
             drawn = request.sampler.draw(
                 logits, len(request.output_ids), request.prompt_ids, request.output_ids, tuple(request.stops)
             )
-        except (RuntimeError, ValueError) as exc:
+            return self._accept(request, drawn.token, drawn.logprobs)
+        except (RuntimeError, ValueError) as exc:  # (ValueError: also a token its grammar refused)
             log.error(kv(event="sampling_failed", request=request.request_id, error=repr(exc)))
             self._finish(request)
             return StepOutput(request.request_id, None, "", True, FinishReason.ABORT)
-        return self._accept(request, drawn.token, drawn.logprobs)
 
     def _accept(self, request: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
         """Record a sampled token: emit its text, or finish the request."""
@@ -325,9 +335,12 @@ class Generator(Generic[CacheT]):
         if token in request.stops:
             text = matcher.feed(request.detok.flush()) + matcher.finish()
             return self._done(request, token, text, FinishReason.STOP, logprobs)
+        if request.grammar is not None:
+            request.grammar.consume([token])  # (GrammarError, a ValueError, for a token it does not allow)
         text = matcher.feed(request.detok.push(token))
-        if matcher.matched is not None:
-            return self._done(request, token, text, FinishReason.STOP, logprobs)
+        if matcher.matched is not None or (request.grammar is not None and request.grammar.done):
+            tail = matcher.feed(request.detok.flush()) if matcher.matched is None else ""
+            return self._done(request, token, text + tail + matcher.finish(), FinishReason.STOP, logprobs)
         if len(request.output_ids) >= request.params.max_tokens or request.position >= self.max_len:
             tail = matcher.feed(request.detok.flush())
             reason = FinishReason.STOP if matcher.matched is not None else FinishReason.LENGTH
@@ -381,12 +394,16 @@ def prefill_first_token(
     layers_per_chunk: int | None = None,
     start: int = 0,
     stop_ids: Sequence[int] = (),
+    tokenizer: Tokenizer | None = None,
 ) -> int:
     """Compute a prompt's KV into `slot` and draw its first token, as a prefill worker does
     (`index`: the output index that token has, > 0 for a resumed request, whose last `index`
     prompt tokens are its output so far; `start`: positions already holding the prompt's KV, a
-    cached prefix; `stop_ids`: what min_tokens keeps from being drawn)."""
-    return prefill_first_draw(model, cache, slot, prompt_ids, params, index, layers_per_chunk, start, stop_ids).token
+    cached prefix; `stop_ids`: what min_tokens keeps from being drawn; `tokenizer`: what a
+    request's grammar is matched against)."""
+    return prefill_first_draw(
+        model, cache, slot, prompt_ids, params, index, layers_per_chunk, start, stop_ids, tokenizer
+    ).token
 
 
 @torch.inference_mode()
@@ -400,18 +417,19 @@ def prefill_first_draw(
     layers_per_chunk: int | None = None,
     start: int = 0,
     stop_ids: Sequence[int] = (),
+    tokenizer: Tokenizer | None = None,
 ) -> Draw:
     """`prefill_first_token`, with the token's logprobs when the request asks for them, and the
     prompt's (`params.prompt_logprobs`; then `start` must be 0: a cached prefix has no states)."""
     if params.prompt_logprobs is None:
         logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, start=start)
-        return draw_first(logits, params, prompt_ids, index, stop_ids)
+        return draw_first(logits, params, prompt_ids, index, stop_ids, tokenizer)
     if start:
         raise ValueError("prompt logprobs need the whole prompt computed (start 0)")
     final: list[torch.Tensor] = []
     logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, on_final=final.append)
     prompt = prompt_token_logprobs(model.head, final[0], prompt_ids, params.prompt_logprobs)
-    return replace(draw_first(logits, params, prompt_ids, index, stop_ids), prompt_logprobs=prompt)
+    return replace(draw_first(logits, params, prompt_ids, index, stop_ids, tokenizer), prompt_logprobs=prompt)
 
 
 @torch.inference_mode()
@@ -423,17 +441,18 @@ def prefill_first_tokens(
     params: Sequence[SamplingParams],
     layers_per_chunk: int | None = None,
     stop_ids: Sequence[Sequence[int]] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> list[Draw]:
     """`prefill_first_draw` of several prompts in one forward pass (`LlamaModel.prefill_batch`:
     the prompts packed into one row, every matrix product once over all of them)."""
     stops = stop_ids if stop_ids is not None else [()] * len(prompts)
     if len(prompts) == 1 or any(p.prompt_logprobs is not None for p in params):  # (the states of each alone)
         return [
-            prefill_first_draw(model, cache, slot, prompt, p, 0, layers_per_chunk, 0, stop)
+            prefill_first_draw(model, cache, slot, prompt, p, 0, layers_per_chunk, 0, stop, tokenizer)
             for slot, prompt, p, stop in zip(slots, prompts, params, stops, strict=True)
         ]
     logits = model.prefill_batch(prompts, cache, slots, layers_per_chunk)
-    return [draw_first(logits[row], p, prompts[row], 0, stops[row]) for row, p in enumerate(params)]
+    return [draw_first(logits[row], p, prompts[row], 0, stops[row], tokenizer) for row, p in enumerate(params)]
 
 
 def packed_batches(lengths: Sequence[int], token_budget: int) -> list[range]:
@@ -520,6 +539,7 @@ def generate(
             [checked[i] for i in run],
             [plist[i] for i in run],
             stop_ids=[tuple(stop_token_ids(plist[i], tokenizer.eos_token_ids)) for i in run],
+            tokenizer=tokenizer,
         )
         stats.prefill_seconds += time.perf_counter() - started
         stats.prefill_tokens += sum(len(checked[i]) for i in run)

@@ -427,7 +427,7 @@ class PrefillWorker:
             if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
                 raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
             stops = stop_token_ids(job.params, self.loaded.tokenizer.eos_token_ids)
-            drawn = draw_first(logits, job.params, job.prompt, job.num_generated, tuple(stops))
+            drawn = draw_first(logits, job.params, job.prompt, job.num_generated, tuple(stops), self.loaded.tokenizer)
             first = drawn.token
             ready: dict[str, Any] = {"first_token": first}
             if drawn.logprobs is not None:

@@ -37,6 +37,7 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
     "ignore_eos",
     "logprobs",
     "prompt_logprobs",
+    "grammar",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -68,6 +69,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.grammar is not None:
+        msg.grammar = params.grammar
     return msg
 
 

@@ -27,6 +27,9 @@ MAX_REPETITION_PENALTY = 100.0
 # Alternatives per token a request may ask logprobs of (OpenAI's top_logprobs bound; vLLM's
 # default max_logprobs is 20 too).
 MAX_LOGPROBS = 20
+# A structured-output grammar (model/sampling/grammar.py: llguidance's serialized form) travels in
+# every PD message of its request; its size also bounds its compile.
+MAX_GRAMMAR_CHARS = 64 * 1024
 # Below this temperature a request is sampled greedily, as vLLM does (vllm/sampling_params.py,
 # `_SAMPLING_EPS`, `SamplingParams.sampling_type`): logits divided by a vanishing temperature
 # overflow float32 (below about 1.2e-38 the divisor itself rounds to 0), and the softmax of
@@ -96,6 +99,11 @@ class SamplingParams(BaseModel):
         ge=0,
         le=MAX_LOGPROBS,
         description="Report each prompt token's logprob (after the first) and this many alternatives; None: none.",
+    )
+    grammar: str | None = Field(
+        None,
+        max_length=MAX_GRAMMAR_CHARS,
+        description="Structured outputs: the llguidance grammar the output must match (model/sampling/grammar.py).",
     )
 
     @model_validator(mode="after")

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve_worker.model.sampling import processors
+from pdserve_worker.model.sampling.grammar_mask import GrammarMatcher
 from pdserve_worker.model.sampling.params import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
+from pdserve_worker.model.tokenizer import Tokenizer
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive indices over the seed space
 
@@ -143,19 +145,36 @@ class Sampler:
 
 
 def draw_first(
-    logits: torch.Tensor, params: SamplingParams, tokens: Sequence[int], num_generated: int, stop_ids: Sequence[int]
+    logits: torch.Tensor,
+    params: SamplingParams,
+    tokens: Sequence[int],
+    num_generated: int,
+    stop_ids: Sequence[int],
+    tokenizer: Tokenizer | None = None,
 ) -> Draw:
     """The token a prefill draws after `tokens`: the prompt, then (resuming) the `num_generated`
-    tokens already streamed, which are the request's output to its logits processors."""
+    tokens already streamed, which are the request's output to its logits processors (and to its
+    grammar, which only a `tokenizer` can turn into masks)."""
     split = len(tokens) - num_generated
+    if params.grammar is not None:
+        if tokenizer is None:
+            raise ValueError("a request with a grammar is drawn with the tokenizer (none was given)")
+        matcher = GrammarMatcher.start(tokenizer, logits.shape[-1], params.grammar)
+        matcher.consume(tokens[split:])
+        logits = matcher.mask(logits.detach().to("cpu", torch.float32).reshape(-1).clone())
     return Sampler(params).draw(logits, num_generated, tokens[:split], tokens[split:], stop_ids)
 
 
 def sample_first(
-    logits: torch.Tensor, params: SamplingParams, tokens: Sequence[int], num_generated: int, stop_ids: Sequence[int]
+    logits: torch.Tensor,
+    params: SamplingParams,
+    tokens: Sequence[int],
+    num_generated: int,
+    stop_ids: Sequence[int],
+    tokenizer: Tokenizer | None = None,
 ) -> int:
     """`draw_first`'s token."""
-    return draw_first(logits, params, tokens, num_generated, stop_ids).token
+    return draw_first(logits, params, tokens, num_generated, stop_ids, tokenizer).token
 
 
 @dataclass
