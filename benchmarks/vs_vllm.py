@@ -188,6 +188,10 @@ def vllm_settings(text: str) -> dict[str, Any]:
         ("max_num_seqs", r"max_num_seqs=(\d+)"),
         ("compilation", r"compilation_config=(\{[^}]{0,200})"),
         ("kv_cache_gib", r"KV cache space[^\d]*([\d.]+)"),
+        ("kv_cache_tokens", r"KV cache size: ([\d,]+) tokens"),
+        # vLLM 0.32 logs its token budget as the compile range's end, not by name
+        ("compile_range_end_tokens", r"'compile_ranges_endpoints': \[(\d+)\]"),
+        ("non_default_args", r"non-default args: (\{[^}]*\})"),
         ("omp_bind", r"OMP threads binding[^\n]*"),
     ):
         match = re.search(pattern, text)
