@@ -13,8 +13,10 @@ connection that never spoke HTTP/2 for 120 s, one that sent the HTTP/2 preface a
 else for ever, and capped nothing): a connection must finish its HTTP/2 (and TLS) handshake
 within `handshake_timeout_ms`, one with no call in progress for `idle_timeout_ms` is closed
 (a client reconnects on its next call), and at most `max_connections` are open at once (a
-newer one is closed at accept). A call without a valid token is refused from its headers,
-before its message is read (auth.py), so such a connection stays idle.
+newer one is closed at accept), of which one source address may hold a quarter
+(`listen`: a front of ours caps per address, grpc_front.py, which gRPC cannot). A call without a
+valid token is refused from its headers, before its message is read (auth.py), so such a
+connection stays idle.
 
 With a `TLSConfig` a server listens with TLS only (no plaintext port next to it) and a client
 verifies the server's certificate against the configured CA, under `server_name` when the
@@ -24,6 +26,7 @@ address is a pod IP that no certificate names.
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,7 @@ import grpc
 
 from pdserve_common import tracing
 from pdserve_common.auth import ServiceAuthInterceptor, TLSConfig, TokenTable, bearer_interceptors
+from pdserve_common.grpc_front import PeerCappedFront, inner_address, per_peer_from_env
 
 KEEPALIVE_MS = 10_000
 # Worker services: a Prefill or Generate request holds up to max_len token ids (<= 5 bytes
@@ -156,3 +160,30 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = 
     if bound == 0:
         raise OSError(f"cannot listen on {address}")
     return bound
+
+
+async def listen(
+    server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = None, limits: GrpcLimits | None = None
+) -> tuple[int, PeerCappedFront]:
+    """Listen on host:port (0 = any free port) behind a per-address connection cap
+    (grpc_front.py): the gRPC server itself listens on a private abstract unix socket. Returns
+    the bound port and the front (close it after the server stops); OSError if it cannot."""
+    limits = limits or GrpcLimits.from_env()
+    inner = inner_address()
+    bind_inner = f"unix-abstract:{inner}"
+    try:
+        bound = server.add_secure_port(bind_inner, tls.server_credentials()) if tls else server.add_insecure_port(bind_inner)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {bind_inner}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"cannot listen on {bind_inner}")
+    # Each spliced connection holds three descriptors here (outer, inner, gRPC's end of the
+    # inner): the total stays within a third of the process's limit, the rest for everything else.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    total = limits.max_connections if soft == resource.RLIM_INFINITY else max(1, min(limits.max_connections, soft // 6))
+    front = PeerCappedFront(inner, min(total, per_peer_from_env(total)), total)
+    try:
+        return await front.start(host, port), front
+    except OSError as exc:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise OSError(f"cannot listen on {address}: {exc}") from exc

@@ -21,7 +21,8 @@ import grpc
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
 from pdserve_common.auth import TLSConfig, TokenTable
-from pdserve_common.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, bind
+from pdserve_common.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, listen
+from pdserve_common.grpc_front import PeerCappedFront
 from pdserve_common.logs import kv
 from pdserve_common.membership import (
     BROKER_ID_HEADER,
@@ -188,6 +189,7 @@ class BrokerServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
+        self._front: PeerCappedFront | None = None  # the per-address cap in front of the port
         self._reaper: asyncio.Task[None] | None = None
         self.port: int | None = None
 
@@ -220,13 +222,10 @@ class BrokerServer:
         return self.port
 
     async def _start(self, host: str, port: int) -> int:
-        server = aio_server(
-            self.tokens,
-            max_message=BROKER_MAX_MESSAGE,
-            limits=GrpcLimits.from_env(max_connections=BROKER_MAX_CONNECTIONS),
-        )
+        limits = GrpcLimits.from_env(max_connections=BROKER_MAX_CONNECTIONS)
+        server = aio_server(self.tokens, max_message=BROKER_MAX_MESSAGE, limits=limits)
         broker_pb2_grpc.add_BrokerServicer_to_server(BrokerServicer(self.registry, self.broker_id), server)
-        bound = bind(server, host, port, self._tls)
+        bound, self._front = await listen(server, host, port, self._tls, limits)
         await server.start()
         self.registry.start()
         self._server = server
@@ -258,6 +257,8 @@ class BrokerServer:
             self._reaper.cancel()
         if self._server is not None:
             await self._server.stop(grace)
+        if self._front is not None:
+            await self._front.close()
 
     def _halt_loop(self) -> None:
         loop, thread = self._loop, self._thread

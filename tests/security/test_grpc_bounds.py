@@ -111,3 +111,46 @@ def test_connections_past_the_cap_are_closed(local):
         for sock in socks:
             sock.close()
     assert during - before <= GRPC_MAX_CONNECTIONS + 4, (before, during)
+
+
+def test_a_flood_from_one_address_leaves_every_grpc_port_to_the_others(local, reference):
+    """#29: gRPC's one global cap could be taken whole by one peer (the broker is reachable from
+    every pdserve pod of every service). Each gRPC port now sits behind a per-address cap
+    (pdserve_common/grpc_front.py: a quarter of the cap, GRPC_MAX_CONNECTIONS / 4 here): flooded
+    from 127.0.0.2 with twice the whole cap, every port still serves the deployment's own
+    processes on 127.0.0.1 — a request through router, prefill and decode, and a token-holder's
+    broker call."""
+    import grpc
+
+    from pdserve.v1 import broker_pb2, broker_pb2_grpc
+    from security.conftest import complete
+
+    held: dict[str, int] = {}
+    floods = []
+    try:
+        for name, address in grpc_ports(local).items():
+            host, port = address.rsplit(":", 1)
+            socks = []
+            for _ in range(2 * GRPC_MAX_CONNECTIONS):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind(("127.0.0.2", 0))
+                s.connect((host, int(port)))
+                socks.append(s)
+            floods.append(socks)
+            time.sleep(0.3)
+            held[name] = sum(1 for s in socks if received_until_close(s, 0.05)[1] is None)
+        prompt = "The quick brown fox"
+        answer = complete(local, prompt, 8)
+        assert answer == reference.complete(reference.tokenizer.encode(prompt), 8)
+        with grpc.insecure_channel(local.manifest["broker"]) as channel:
+            reply = broker_pb2_grpc.BrokerStub(channel).ListMembers(
+                broker_pb2.ListMembersRequest(service_key="local/pdserve"),
+                metadata=(("authorization", f"Bearer {local.token}"),),
+                timeout=10,
+            )
+        assert len(reply.members) >= 2
+    finally:
+        for socks in floods:
+            for s in socks:
+                s.close()
+    assert all(count <= GRPC_MAX_CONNECTIONS // 4 for count in held.values()), held

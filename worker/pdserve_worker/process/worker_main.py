@@ -133,6 +133,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     admin = _admin_listener(settings, process)
     backend: TransferBackend | None = None
     server: grpc.aio.Server | None = None
+    front: Any = None  # the gRPC port's per-address cap (pdserve_common/grpc_front.py)
     role: ServingRole | None = None
     try:
         serve_with(settings.torch_threads)  # (serving/torch_threads.py)
@@ -145,7 +146,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             process.state.metrics = metrics.exposition
         server = aio_server(process.tokens, max_message=grpc_max_message(settings, loaded.config.hidden_size))
         role.add_to(server)
-        _bind_or_fail(server, settings)
+        front = await _listen_or_fail(server, settings)
         await server.start()
         await role.start(process.broker)
         if stop.is_set():
@@ -161,6 +162,8 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         await process.broker.close()
         if server is not None:
             await server.stop(settings.grace_seconds)  # calls in flight get the grace period
+        if front is not None:
+            await front.close()
         for running in (http, admin):
             if running is not None:
                 await running.stop()
@@ -336,13 +339,15 @@ async def _make_role(
         raise StartupError(str(exc)) from exc
 
 
-def _bind_or_fail(server: Any, settings: WorkerSettings) -> None:
-    from pdserve_common.channels import bind
+async def _listen_or_fail(server: Any, settings: WorkerSettings) -> Any:
+    """The gRPC port, behind the per-address cap (pdserve_common/grpc_front.py): its front."""
+    from pdserve_common.channels import listen
 
     try:
-        bind(server, settings.bind_host, settings.grpc_port, settings.tls)
+        _, front = await listen(server, settings.bind_host, settings.grpc_port, settings.tls)
     except (OSError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
+    return front
 
 
 async def _until(stop: asyncio.Event, server_task: asyncio.Task) -> None:
