@@ -172,7 +172,11 @@ async def listen(
     inner = inner_address()
     bind_inner = f"unix-abstract:{inner}"
     try:
-        bound = server.add_secure_port(bind_inner, tls.server_credentials()) if tls else server.add_insecure_port(bind_inner)
+        bound = (
+            server.add_secure_port(bind_inner, tls.server_credentials())
+            if tls
+            else server.add_insecure_port(bind_inner)
+        )
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {bind_inner}: {exc}") from exc
     if bound == 0:
