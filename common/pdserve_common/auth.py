@@ -15,6 +15,15 @@ A call whose headers carry no token, or one the table does not know, is refused 
 headers alone, before its request message is read: otherwise a peer with no token could keep
 a call (and its connection) open by never sending the message.
 
+Credentials by role (issue #29): the service token itself is held by the operator only. Every
+pod gets a token of its role, derived from the service token (`role_token`, an HMAC, as the KV
+plane's keys are), and a server's `policy` says which roles may call each method: a router's
+token can watch the membership and call the workers it routes to, never register, replace or
+deregister a member; a decode's calls another decode's Migrate, never a prefill's. A table
+holds, per service, the service token (every role: `SERVICE_ROLE`) and the role tokens, or only
+the digests of the role tokens it accepts (a worker, which holds no other secret than its own).
+The handler learns the caller's role from `caller_role()`.
+
 Servers are grpc.aio servers. On a plaintext channel gRPC refuses to send call credentials,
 so clients add the header with an interceptor there, and with `access_token_call_credentials`
 (the same header, gRPC's own helper) composed into the TLS credentials otherwise.
@@ -22,6 +31,7 @@ so clients add the header with an interceptor there, and with `access_token_call
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import hmac
 import inspect
@@ -53,52 +63,110 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+ROLES = ("router", "prefill", "decode")
+SERVICE_ROLE = "service"  # the service token itself: every role (the operator, and tools holding the Secret)
+_ROLE_TOKEN_PREFIX = "pdr1"
+
+
+def role_token(service_token: str, role: str) -> str:
+    """The token of `role` pods of the service whose token is `service_token`:
+    `pdr1.<role>.<hex HMAC-SHA256(service token, purpose)>`. One-way: a role token reveals
+    neither the service token nor another role's."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    mac = hmac.new(service_token.encode(), f"pdserve role token v1 {role}".encode(), hashlib.sha256).hexdigest()
+    return f"{_ROLE_TOKEN_PREFIX}.{role}.{mac}"
+
+
+def role_of_token(token: str) -> str | None:
+    """The role a role token names (None for any other token); what it names is proven only by a
+    table that knows the token."""
+    parts = token.split(".")
+    return parts[1] if len(parts) == 3 and parts[0] == _ROLE_TOKEN_PREFIX and parts[1] in ROLES else None
+
+
+def token_digest(token: str) -> str:
+    """The hex digest a worker is told to accept a role token by (not a secret)."""
+    return _digest(token).hex()
+
+
+@dataclass(frozen=True)
+class Principal:
+    service: str
+    role: str  # one of ROLES, or SERVICE_ROLE
+
+
 class TokenTable:
-    """service_key -> token, resolvable by token; thread-safe (the operator updates it live)."""
+    """Tokens by digest -> (service, role); thread-safe (the operator updates it live)."""
 
     def __init__(self, tokens: Mapping[str, str] | None = None) -> None:
         self._lock = threading.Lock()
-        self._by_service: dict[str, bytes] = {}
-        self._by_digest: dict[bytes, str] = {}
+        self._by_service: dict[str, set[bytes]] = {}
+        self._by_digest: dict[bytes, Principal] = {}
         for service, token in (tokens or {}).items():
             self.set(service, token)
 
     def set(self, service_key: str, token: str) -> None:
-        if not service_key:
-            raise ValueError("service_key must not be empty")
+        """The service's token (every role) and the role tokens derived from it."""
         if not token or any(c.isspace() for c in token):
             raise ValueError(f"token of service {service_key!r} must be non-empty without whitespace")
-        digest = _digest(token)
+        entries = {_digest(token): SERVICE_ROLE} | {_digest(role_token(token, r)): r for r in ROLES}
+        self._replace(service_key, entries)
+
+    def accept(self, service_key: str, digests: Mapping[str, str]) -> None:
+        """Tokens by role -> hex digest (a worker's table: it holds no token but its own); the role
+        may be SERVICE_ROLE (the service token's digest)."""
+        bad = [role for role in digests if role not in (*ROLES, SERVICE_ROLE)]
+        if bad:
+            raise ValueError(f"accepted roles must be among {', '.join((*ROLES, SERVICE_ROLE))}, got {bad}")
+        try:
+            entries = {bytes.fromhex(d): role for role, d in digests.items()}
+        except ValueError:
+            raise ValueError(f"accepted token digests of {service_key!r} must be hex SHA-256 digests") from None
+        if any(len(d) != 32 for d in entries):
+            raise ValueError(f"accepted token digests of {service_key!r} must be 32-byte SHA-256 digests")
+        self._replace(service_key, entries)
+
+    def _replace(self, service_key: str, entries: Mapping[bytes, str]) -> None:
+        if not service_key:
+            raise ValueError("service_key must not be empty")
         with self._lock:
-            owner = self._by_digest.get(digest)
-            if owner is not None and owner != service_key:
-                raise ValueError(f"service {service_key!r} cannot share a token with service {owner!r}")
-            old = self._by_service.pop(service_key, None)
-            if old is not None:
+            for digest in entries:
+                owner = self._by_digest.get(digest)
+                if owner is not None and owner.service != service_key:
+                    raise ValueError(f"service {service_key!r} cannot share a token with service {owner.service!r}")
+            for old in self._by_service.pop(service_key, set()):
                 self._by_digest.pop(old, None)
-            self._by_service[service_key] = digest
-            self._by_digest[digest] = service_key
+            self._by_service[service_key] = set(entries)
+            for digest, role in entries.items():
+                self._by_digest[digest] = Principal(service_key, role)
 
     def remove(self, service_key: str) -> bool:
         with self._lock:
-            digest = self._by_service.pop(service_key, None)
-            if digest is None:
+            digests = self._by_service.pop(service_key, None)
+            if digests is None:
                 return False
-            self._by_digest.pop(digest, None)
+            for digest in digests:
+                self._by_digest.pop(digest, None)
             return True
 
-    def service_for(self, token: str) -> str | None:
+    def principal(self, token: str) -> Principal | None:
+        """Who a token is: its service and role (None: unknown here)."""
         with self._lock:
             return self._by_digest.get(_digest(token))
+
+    def service_for(self, token: str) -> str | None:
+        found = self.principal(token)
+        return None if found is None else found.service
 
     def services(self) -> list[str]:
         with self._lock:
             return sorted(self._by_service)
 
     def verify(self, service_key: str, token: str) -> bool:
-        with self._lock:
-            want = self._by_service.get(service_key)
-        return want is not None and hmac.compare_digest(want, _digest(token))
+        """Whether `token` is the service token of `service_key` (not one of its role tokens)."""
+        found = self.principal(token)
+        return found is not None and found.service == service_key and found.role == SERVICE_ROLE
 
 
 @dataclass(frozen=True)
@@ -126,20 +194,35 @@ def authorize(tokens: TokenTable, metadata: Any, request: Any) -> Denial | None:
     token = token_from_metadata(metadata)
     if isinstance(token, Denial):
         return token
-    principal = tokens.service_for(token)
+    principal = tokens.principal(token)
     if principal is None:
         return Denial(grpc.StatusCode.UNAUTHENTICATED, "token is not valid for any service here")
     wanted = getattr(request, "service_key", None) if request is not None else None
-    if wanted is not None and wanted != principal:
+    if wanted is not None and wanted != principal.service:
         return Denial(grpc.StatusCode.PERMISSION_DENIED, f"token does not grant access to service {wanted!r}")
     return None
+
+
+# Who made the call a handler serves (set for the handler by ServiceAuthInterceptor).
+_CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("pdserve_caller", default=None)
+
+
+def caller() -> Principal | None:
+    """The principal of the call being served (None outside an authenticated handler)."""
+    return _CALLER.get()
+
+
+# A server's policy: method (/package.Service/Method) -> the roles that may call it (the service
+# token may call anything). A method the policy does not name is open to every role.
+Policy = Mapping[str, frozenset[str]]
 
 
 class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks every call's token before the handler runs (see the module docstring)."""
 
-    def __init__(self, tokens: TokenTable) -> None:
+    def __init__(self, tokens: TokenTable, policy: Policy | None = None) -> None:
         self._tokens = tokens
+        self._policy = policy or {}
 
     async def intercept_service(
         self,
@@ -153,9 +236,16 @@ class ServiceAuthInterceptor(grpc.aio.ServerInterceptor):
         token = token_from_metadata(metadata)
         if isinstance(token, Denial):
             return _refused_unread(token)
-        if self._tokens.service_for(token) is None:
+        principal = self._tokens.principal(token)
+        if principal is None:
             return _refused_unread(Denial(grpc.StatusCode.UNAUTHENTICATED, "token is not valid for any service here"))
-        return _guarded(handler, lambda request: authorize(self._tokens, metadata, request))
+        method = handler_call_details.method
+        allowed = self._policy.get(method)
+        if allowed is not None and principal.role != SERVICE_ROLE and principal.role not in allowed:
+            return _refused_unread(
+                Denial(grpc.StatusCode.PERMISSION_DENIED, f"a {principal.role}'s token may not call {method}")
+            )
+        return _guarded(handler, lambda request: authorize(self._tokens, metadata, request), principal)
 
 
 def _refused_unread(denial: Denial) -> grpc.RpcMethodHandler[Any, Any]:
@@ -179,20 +269,24 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler[A
 
 
 def _guarded(
-    handler: grpc.RpcMethodHandler[Any, Any], check: Callable[[Any], Denial | None]
+    handler: grpc.RpcMethodHandler[Any, Any], check: Callable[[Any], Denial | None], principal: Principal
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """The same handler with `check` run before its behaviour: on the request of a unary-request
-    call; on None for request streams (they carry no service_key field: the token alone decides)."""
+    call; on None for request streams (they carry no service_key field: the token alone decides);
+    the behaviour runs with `caller()` = `principal`."""
     attribute, factory = _KINDS[(bool(handler.request_streaming), bool(handler.response_streaming))]
     subject = (lambda _iterator: None) if handler.request_streaming else (lambda request: request)
-    wrapped = _guard_behavior(getattr(handler, attribute), check, subject)
+    wrapped = _guard_behavior(getattr(handler, attribute), check, subject, principal)
     return factory(
         wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
     )
 
 
 def _guard_behavior(
-    behavior: Callable[..., Any], check: Callable[[Any], Denial | None], subject: Callable[[Any], Any]
+    behavior: Callable[..., Any],
+    check: Callable[[Any], Denial | None],
+    subject: Callable[[Any], Any],
+    principal: Principal,
 ) -> Callable[..., Any]:
     """Wrap a grpc.aio behaviour in the same shape: an async generator stays one (a streaming
     reply), anything else becomes a coroutine (a unary reply, or a stream written with
@@ -203,6 +297,7 @@ def _guard_behavior(
             denial = check(subject(request))
             if denial is not None:
                 await context.abort(denial.code, denial.details)
+            _CALLER.set(principal)
             async for item in behavior(request, context):
                 yield item
 
@@ -212,6 +307,7 @@ def _guard_behavior(
         denial = check(subject(request))
         if denial is not None:
             await context.abort(denial.code, denial.details)
+        _CALLER.set(principal)
         result = behavior(request, context)
         return await result if inspect.isawaitable(result) else result
 

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from pdserve_common import tracing
-from pdserve_common.auth import ServiceAuthInterceptor, TLSConfig, TokenTable, bearer_interceptors
+from pdserve_common.auth import Policy, ServiceAuthInterceptor, TLSConfig, TokenTable, bearer_interceptors
 from pdserve_common.grpc_front import PeerCappedFront, inner_address, per_peer_from_env
 
 KEEPALIVE_MS = 10_000
@@ -137,14 +137,30 @@ def aio_channel(
     )
 
 
+# Which roles' tokens may call a worker's methods (auth.py): the router routes requests to the
+# workers; a decode group's leader drives its members. Every other call between workers goes
+# over the KV plane, not gRPC. The broker admits every role (a member registers its own role).
+_ROUTER = frozenset({"router"})
+_DECODE = frozenset({"decode"})
+WORKER_POLICY: Policy = {
+    **{f"/pdserve.v1.Decode/{m}": _ROUTER for m in ("Reserve", "Generate", "Release", "Status", "Migrate")},
+    **{f"/pdserve.v1.Prefill/{m}": _ROUTER for m in ("Prefill", "Cancel", "BlockEvents")},
+    **{f"/pdserve.v1.DecodeShard/{m}": _DECODE for m in ("Describe", "Forward", "WaitReady")},
+}
+
+
 def aio_server(
-    tokens: TokenTable, *, max_message: int = WORKER_MAX_MESSAGE, limits: GrpcLimits | None = None
+    tokens: TokenTable,
+    *,
+    max_message: int = WORKER_MAX_MESSAGE,
+    limits: GrpcLimits | None = None,
+    policy: Policy | None = None,
 ) -> grpc.aio.Server:
     """An aio server (create it inside the loop that will run it) that checks every call's
-    token; `limits` default to `GrpcLimits.from_env()`."""
+    token (and, with a `policy`, its role); `limits` default to `GrpcLimits.from_env()`."""
     limits = limits or GrpcLimits.from_env()
     return grpc.aio.server(
-        interceptors=[ServiceAuthInterceptor(tokens)],
+        interceptors=[ServiceAuthInterceptor(tokens, policy)],
         options=[*SERVER_OPTIONS, *size_options(max_message), *limits.options()],
     )
 

@@ -42,7 +42,15 @@ NAMESPACE = "PDSERVE_NAMESPACE"
 POD_NAME = "PDSERVE_POD_NAME"
 POD_IP = "PDSERVE_POD_IP"
 BROKER_ADDRESS = "PDSERVE_BROKER_ADDRESS"  # host:port of the operator's gRPC broker
-BROKER_TOKEN = "PDSERVE_BROKER_TOKEN"  # from the service's Secret; every broker call carries it
+# This pod's role token (auth.role_token) from the service's Secret: every gRPC call it makes
+# carries it. Only the operator holds the service token itself.
+BROKER_TOKEN = "PDSERVE_BROKER_TOKEN"
+# What the pod's own gRPC server admits: role:sha256-hex of each role token that may call it
+# (auth.token_digest; digests, not secrets), comma-separated.
+ACCEPT_TOKEN_DIGESTS = "PDSERVE_ACCEPT_TOKEN_DIGESTS"
+# The KV plane's keys (transfer/service_link.ServiceKeys), hex, from the Secret: prefill and decode.
+KV_LINK_KEY = "PDSERVE_KV_LINK_KEY"
+KV_CAPABILITY_KEY = "PDSERVE_KV_CAPABILITY_KEY"
 HTTP_PORT_ENV = "PDSERVE_HTTP_PORT"
 ADMIN_PORT_ENV = "PDSERVE_ADMIN_PORT"
 GRPC_PORT_ENV = "PDSERVE_GRPC_PORT"

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
-from pdserve_common.auth import TLSConfig, TokenTable
+from pdserve_common.auth import SERVICE_ROLE, TLSConfig, TokenTable, caller
 from pdserve_common.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, listen
 from pdserve_common.grpc_front import PeerCappedFront
 from pdserve_common.logs import kv
@@ -34,7 +34,7 @@ from pdserve_common.membership import (
     member_to_proto,
     role_from_proto,
 )
-from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, Registry, TooManyMembers, WatchEnded
+from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, MemberTaken, Registry, TooManyMembers, WatchEnded
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -85,10 +85,25 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             info = member_info_from_proto(request.member)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"member: {exc}")
+        who = caller()  # (None: called without the interceptor, in-process)
+        if who is not None and who.role != SERVICE_ROLE and info.role.value != who.role:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a {who.role}'s token may not register a {info.role.value} member ({info.worker_id})",
+            )
+        full = who is None or who.role == SERVICE_ROLE
         try:
-            lease = self._registry.register(request.service_key, info, draining=request.draining)
+            lease = self._registry.register(
+                request.service_key,
+                info,
+                draining=request.draining,
+                replaces=request.replaces_lease_id,
+                may_replace=full,
+            )
         except TooManyMembers as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except MemberTaken as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return broker_pb2.RegisterReply(
             lease_id=lease.lease_id, ttl_ms=int(lease.ttl_s * 1000), broker_id=self._broker_id
         )

@@ -43,6 +43,11 @@ class TooManyMembers(Exception):
     """A service already has `max_members` members: a new worker id is refused."""
 
 
+class MemberTaken(Exception):
+    """A worker id's registration is live and the caller may not replace it (#29: a router's
+    token re-registered decode-0 at an endpoint of its own until the real pod came back)."""
+
+
 class WatchEnded(Exception):
     """The broker ended a watch: `reason` is 'overflow', 'service_removed' or 'shutdown'."""
 
@@ -161,14 +166,30 @@ class Registry:
 
     # --- membership changes -------------------------------------------------------------
 
-    def register(self, service_key: str, info: MemberInfo, *, draining: bool = False) -> Lease:
+    def register(
+        self,
+        service_key: str,
+        info: MemberInfo,
+        *,
+        draining: bool = False,
+        replaces: str = "",
+        may_replace: bool = True,
+    ) -> Lease:
         """Add a member, or replace the registration of its worker_id (the old lease ends).
-        Raises TooManyMembers for a new worker id of a service that has `max_members`."""
+        Raises TooManyMembers for a new worker id of a service that has `max_members`, and
+        MemberTaken when the worker_id's registration is live and the caller may not replace it
+        (`may_replace` False: a role token) without presenting that registration's lease."""
         info.validate()
         lease_id = secrets.token_hex(16)
         with self._lock:
             svc = self._services.setdefault(service_key, _Service())
             old = svc.entries.get(info.worker_id)
+            if old is not None and not may_replace and not secrets.compare_digest(replaces, old.lease_id):
+                left = old.deadline - self._clock()
+                raise MemberTaken(
+                    f"member {info.worker_id!r} of {service_key!r} is registered (its lease runs {left:.1f} s more); "
+                    "only its own lease replaces it: register again once it has expired"
+                )
             if old is None and len(svc.entries) >= self.max_members:
                 raise TooManyMembers(
                     f"service {service_key!r} already has {len(svc.entries)} members, "

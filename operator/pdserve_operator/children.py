@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve_common import credentials as C
 from pdserve_common import pod_env as E
 from pdserve_operator import spec as s
 
@@ -29,7 +30,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "pdserve-operator"
 APP = "pdserve"
 ANNOTATION_SPEC_HASH = "pdserve.dev/config-hash"
-TOKEN_KEY = "token"
+TOKEN_KEY = C.TOKEN_KEY
 CONFIG_KEY = "service.json"
 CONFIG_DIR = "/etc/pdserve"
 MODELS_DIR = "/models"
@@ -200,7 +201,7 @@ def _field(name: str, path: str) -> dict[str, Any]:
 def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> list[dict[str, Any]]:
     """The worker's environment: what every pod reads, what its role reads, then the user's
     own variables (never one of ours: they are the contract with the worker)."""
-    env = [_val(E.ROLE, role), *_common_env(owner, spec, defaults)]
+    env = [_val(E.ROLE, role), *_credentials_env(owner, role), *_common_env(owner, spec, defaults)]
     env += {"router": _router_env, "prefill": _prefill_env, "decode": _decode_env}[role](owner, spec)
     overrides: s.PodOverrides = getattr(spec, role)
     ours = {e["name"] for e in env}
@@ -213,6 +214,16 @@ def _env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defa
     return env
 
 
+def _from_secret(owner: Owner, name: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(owner.name), "key": key}}}
+
+
+def _credentials_env(owner: Owner, role: str) -> list[dict[str, Any]]:
+    """A pod's part of the service's Secret (pdserve_common/credentials.py, issue #29): its
+    role's token, never the service token; keys where it moves KV; whom its server admits."""
+    return [_from_secret(owner, name, key) for name, key in C.pod_keys(role).items()]
+
+
 def _common_env(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         _val(E.SERVICE, owner.key),
@@ -220,10 +231,6 @@ def _common_env(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults
         _field(E.POD_NAME, "metadata.name"),
         _field(E.POD_IP, "status.podIP"),
         _val(E.BROKER_ADDRESS, defaults.broker_address),
-        {
-            "name": E.BROKER_TOKEN,
-            "valueFrom": {"secretKeyRef": {"name": secret_name(owner.name), "key": TOKEN_KEY}},
-        },
         _val(E.HTTP_PORT_ENV, E.HTTP_PORT),
         _val(E.GRPC_PORT_ENV, E.GRPC_PORT),
         _val(E.CONFIG_FILE, f"{CONFIG_DIR}/{CONFIG_KEY}"),
@@ -462,7 +469,7 @@ def secret(owner: Owner, token: str) -> dict[str, Any]:
         "kind": "Secret",
         "metadata": _meta(owner, secret_name(owner.name)),
         "type": "Opaque",
-        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        "data": {key: base64.b64encode(value.encode()).decode() for key, value in C.secret_data(token).items()},
     }
 
 

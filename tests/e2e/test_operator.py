@@ -97,7 +97,21 @@ def test_sample_gets_every_child_with_owner_env_and_resources(
     env = env_of(decode)
     assert env["PDSERVE_ROLE"] == "decode"
     assert env["PDSERVE_SERVICE"] == f"{namespace}/svc"
-    assert env["PDSERVE_BROKER_TOKEN"] == {"secretKeyRef": {"name": "svc-broker-token", "key": "token"}}
+    # Each pod its role's token and what its role needs from the Secret, never the service token (#29).
+    assert env["PDSERVE_BROKER_TOKEN"] == {"secretKeyRef": {"name": "svc-broker-token", "key": "token-decode"}}
+    assert env["PDSERVE_KV_CAPABILITY_KEY"] == {
+        "secretKeyRef": {"name": "svc-broker-token", "key": "kv-capability-key"}
+    }
+    router_env = env_of(kids[("Deployment", "svc-router")])
+    assert router_env["PDSERVE_BROKER_TOKEN"]["secretKeyRef"]["key"] == "token-router"
+    assert not {"PDSERVE_KV_LINK_KEY", "PDSERVE_KV_CAPABILITY_KEY"} & set(router_env)
+    every_key = {
+        ref["secretKeyRef"]["key"]
+        for kind, name in (("StatefulSet", "svc-decode"), ("Deployment", "svc-prefill"), ("Deployment", "svc-router"))
+        for ref in env_of(kids[(kind, name)]).values()
+        if isinstance(ref, dict) and "secretKeyRef" in ref
+    }
+    assert "token" not in every_key
     assert env["PDSERVE_READINESS_MODE"] == "poll" and env["PDSERVE_POLL_INTERVAL_MICROS"] == "50"
     assert env["PDSERVE_TRANSFER_BACKEND"] == "cpu" and env["PDSERVE_SLOTS"] == "8"
     container = decode["spec"]["template"]["spec"]["containers"][0]
@@ -113,8 +127,12 @@ def test_sample_gets_every_child_with_owner_env_and_resources(
     )
 
     # The token in the Secret is the one the broker was told, and it is kept across reconciles.
-    token = base64.b64decode(kids[("Secret", "svc-broker-token")]["data"]["token"]).decode()
+    data = {k: base64.b64decode(v).decode() for k, v in kids[("Secret", "svc-broker-token")]["data"].items()}
+    token = data["token"]
     assert operator.broker.tokens[f"{namespace}/svc"] == token and len(token) >= 32
+    from pdserve_common.auth import role_token
+
+    assert data["token-decode"] == role_token(token, "decode") and data["token-router"] == role_token(token, "router")
 
     st = wait_for(lambda: status(cluster, namespace, "svc").get("phase"), what="a status")
     assert st == "Pending"

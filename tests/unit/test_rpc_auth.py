@@ -127,3 +127,93 @@ def test_tls_config_from_env_and_its_errors(tmp_path: Path) -> None:
         TLSConfig(ca_file=tmp_path / "ca.pem").server_credentials()
     with pytest.raises(ValueError, match="cannot read TLS key file .*missing.pem"):
         TLSConfig(cert_file=tmp_path / "c.pem", key_file=tmp_path / "missing.pem").server_credentials()
+
+
+# ---- credentials by role (issue #29) ------------------------------------------------------------
+
+
+def test_role_tokens_are_derived_one_way_and_resolve_to_their_role() -> None:
+    from pdserve_common.auth import SERVICE_ROLE, Principal, role_of_token, role_token
+
+    table = TokenTable({"ns/a": "tok-a"})
+    router, decode = role_token("tok-a", "router"), role_token("tok-a", "decode")
+    assert router.startswith("pdr1.router.") and role_of_token(router) == "router" and role_of_token("tok-a") is None
+    assert "tok-a" not in router and router != role_token("tok-b", "router") and router != decode
+    assert table.principal("tok-a") == Principal("ns/a", SERVICE_ROLE)
+    assert table.principal(router) == Principal("ns/a", "router")
+    assert table.verify("ns/a", "tok-a") and not table.verify("ns/a", router)  # a role token is not the service's
+    assert table.principal(role_token("tok-a", "decode")[:-1] + "0") is None  # a forged MAC is unknown
+    with pytest.raises(ValueError, match="role must be one of"):
+        role_token("tok-a", "operator")
+
+
+def test_a_workers_table_admits_only_the_digests_it_was_given() -> None:
+    from pdserve_common.auth import role_token, token_digest
+    from pdserve_common.credentials import pod_env, secret_data
+
+    data = secret_data("tok-a")
+    decode_env = pod_env("tok-a", "decode")
+    assert decode_env["PDSERVE_BROKER_TOKEN"] == role_token("tok-a", "decode")
+    assert "tok-a" not in "".join(decode_env.values())  # no pod gets the service token
+    assert "PDSERVE_KV_CAPABILITY_KEY" in decode_env and "PDSERVE_KV_CAPABILITY_KEY" not in pod_env("tok-a", "prefill")
+    assert set(pod_env("tok-a", "router")) == {"PDSERVE_BROKER_TOKEN"}
+    table = TokenTable()
+    table.accept("ns/a", dict(item.split(":") for item in data["accept-prefill"].split(",")))
+    assert table.service_for(role_token("tok-a", "router")) == "ns/a"
+    assert table.service_for("tok-a") == "ns/a"  # the operator's token, by its digest
+    assert table.service_for(role_token("tok-a", "decode")) is None  # nobody but routers calls a prefill
+    with pytest.raises(ValueError, match="accepted roles"):
+        table.accept("ns/a", {"admin": token_digest("x")})
+    with pytest.raises(ValueError, match="hex SHA-256"):
+        table.accept("ns/a", {"router": "zz"})
+
+
+@pytest.mark.asyncio
+async def test_the_policy_refuses_a_role_before_the_handler_and_tells_the_handler_who_called() -> None:
+    from pdserve_common.auth import caller, role_token
+    from pdserve_common.channels import WORKER_POLICY
+
+    seen: list[str] = []
+
+    class Decode(EchoDecode):
+        async def Status(self, request, context):
+            seen.append(caller().role)
+            return await super().Status(request, context)
+
+    servicer = Decode()
+    server = aio_server(TokenTable({"ns/a": "tok-a"}), policy=WORKER_POLICY)
+    worker_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    port = bind(server, "127.0.0.1", 0)
+    await server.start()
+    try:
+        for token in (role_token("tok-a", "router"), "tok-a"):
+            async with aio_channel(f"127.0.0.1:{port}", token) as channel:
+                await worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest())
+        assert seen == ["router", "service"]
+        for role in ("decode", "prefill"):
+            async with aio_channel(f"127.0.0.1:{port}", role_token("tok-a", role)) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest())
+            assert refused.value.code() == DENIED and f"a {role}'s token may not call" in refused.value.details()
+        assert servicer.calls == 2
+    finally:
+        await server.stop(None)
+
+
+def test_a_live_member_is_replaced_only_with_its_own_lease() -> None:
+    from pdserve_common.membership import MemberInfo, Role
+    from pdserve_operator.broker_registry import MemberTaken, Registry
+
+    registry = Registry(ttl_s=10.0)
+    info = MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint="10.0.0.1:1")
+    first = registry.register("ns/a", info)
+    moved = MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint="6.6.6.6:1")
+    with pytest.raises(MemberTaken, match="only its own lease replaces it"):
+        registry.register("ns/a", moved, may_replace=False)
+    with pytest.raises(MemberTaken):
+        registry.register("ns/a", moved, may_replace=False, replaces="a-guess")
+    assert [m.info.grpc_endpoint for m in registry.members("ns/a")] == ["10.0.0.1:1"]
+    second = registry.register("ns/a", info, may_replace=False, replaces=first.lease_id)  # the member itself
+    assert second.lease_id != first.lease_id
+    registry.register("ns/a", moved)  # the service token may
+    assert [m.info.grpc_endpoint for m in registry.members("ns/a")] == ["6.6.6.6:1"]

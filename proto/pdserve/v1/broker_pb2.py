@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/broker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"3\n\x08\x43\x61pacity\x12\x13\n\x0bslots_total\x18\x01 \x01(\r\x12\x12\n\nslots_free\x18\x02 \x01(\r\"A\n\x10LatencyHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\xb6\x01\n\nRouterLoad\x12\x16\n\x0erequests_total\x18\x01 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x02 \x01(\x04\x12\x1b\n\x13output_tokens_total\x18\x03 \x01(\x04\x12*\n\x04ttft\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.LatencyHistogram\x12*\n\x04tpot\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.LatencyHistogram\"\xcf\x01\n\x04Load\x12\x12\n\nslots_used\x18\x01 \x01(\r\x12\x12\n\nslots_free\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12&\n\x06router\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.RouterLoad\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\x17\n\x0fkv_tokens_total\x18\x06 \x01(\x04\x12\x10\n\x08migrated\x18\x07 \x01(\x04\x12\x1b\n\x13migration_fallbacks\x18\x08 \x01(\x04\"\xe7\x02\n\nMemberInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x15\n\rgrpc_endpoint\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12)\n\x07regions\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.MemoryRegion\x12\'\n\tkv_layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x10\n\x08revision\x18\x07 \x01(\t\x12&\n\x08\x63\x61pacity\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.Capacity\x12\x32\n\x06labels\x18\n \x03(\x0b\x32\".pdserve.v1.MemberInfo.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\nR\x05group\"\x92\x01\n\x06Member\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.MemberInfo\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x1e\n\x04load\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.Load\x12\x1a\n\x12registered_unix_ms\x18\x04 \x01(\x03\"`\n\x0fRegisterRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12&\n\x06member\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.MemberInfo\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"D\n\rRegisterReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x11\n\tbroker_id\x18\x03 \x01(\t\"Y\n\x10KeepAliveRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x1e\n\x04load\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.Load\"E\n\x0eKeepAliveReply\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"D\n\x0cWatchRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x1f\n\x05roles\x18\x02 \x03(\x0e\x32\x10.pdserve.v1.Role\"\xca\x01\n\nWatchEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.WatchEvent.Type\x12\"\n\x06member\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.Member\x12\x10\n\x08revision\x18\x03 \x01(\x04\"[\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x01\x12\x0b\n\x07UPDATED\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x0b\n\x07REMOVED\x10\x04\x12\n\n\x06SYNCED\x10\x05\"n\n\x12SetDrainingRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x12\n\x08lease_id\x18\x02 \x01(\tH\x00\x12\x13\n\tworker_id\x18\x03 \x01(\tH\x00\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x42\x08\n\x06target\"\x12\n\x10SetDrainingReply\":\n\x11\x44\x65registerRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"J\n\x12ListMembersRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x1f\n\x05roles\x18\x02 \x03(\x0e\x32\x10.pdserve.v1.Role\"I\n\x10ListMembersReply\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\x12\x10\n\x08revision\x18\x02 \x01(\x04*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x0f\n\x0bROLE_ROUTER\x10\x03*_\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x01\x12\x19\n\x15MEMBER_STATE_DRAINING\x10\x02\x32\xb4\x03\n\x06\x42roker\x12\x42\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x19.pdserve.v1.RegisterReply\x12\x45\n\tKeepAlive\x12\x1c.pdserve.v1.KeepAliveRequest\x1a\x1a.pdserve.v1.KeepAliveReply\x12;\n\x05Watch\x12\x18.pdserve.v1.WatchRequest\x1a\x16.pdserve.v1.WatchEvent0\x01\x12K\n\x0bSetDraining\x12\x1e.pdserve.v1.SetDrainingRequest\x1a\x1c.pdserve.v1.SetDrainingReply\x12H\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1b.pdserve.v1.DeregisterReply\x12K\n\x0bListMembers\x12\x1e.pdserve.v1.ListMembersRequest\x1a\x1c.pdserve.v1.ListMembersReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/broker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"3\n\x08\x43\x61pacity\x12\x13\n\x0bslots_total\x18\x01 \x01(\r\x12\x12\n\nslots_free\x18\x02 \x01(\r\"A\n\x10LatencyHistogram\x12\x0e\n\x06\x62ounds\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\xb6\x01\n\nRouterLoad\x12\x16\n\x0erequests_total\x18\x01 \x01(\x04\x12\x1b\n\x13prompt_tokens_total\x18\x02 \x01(\x04\x12\x1b\n\x13output_tokens_total\x18\x03 \x01(\x04\x12*\n\x04ttft\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.LatencyHistogram\x12*\n\x04tpot\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.LatencyHistogram\"\xcf\x01\n\x04Load\x12\x12\n\nslots_used\x18\x01 \x01(\r\x12\x12\n\nslots_free\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\r\x12&\n\x06router\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.RouterLoad\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\x17\n\x0fkv_tokens_total\x18\x06 \x01(\x04\x12\x10\n\x08migrated\x18\x07 \x01(\x04\x12\x1b\n\x13migration_fallbacks\x18\x08 \x01(\x04\"\xe7\x02\n\nMemberInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x15\n\rgrpc_endpoint\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12)\n\x07regions\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.MemoryRegion\x12\'\n\tkv_layout\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x10\n\x08revision\x18\x07 \x01(\t\x12&\n\x08\x63\x61pacity\x18\x08 \x01(\x0b\x32\x14.pdserve.v1.Capacity\x12\x32\n\x06labels\x18\n \x03(\x0b\x32\".pdserve.v1.MemberInfo.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\nR\x05group\"\x92\x01\n\x06Member\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.MemberInfo\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.MemberState\x12\x1e\n\x04load\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.Load\x12\x1a\n\x12registered_unix_ms\x18\x04 \x01(\x03\"{\n\x0fRegisterRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12&\n\x06member\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.MemberInfo\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x19\n\x11replaces_lease_id\x18\x04 \x01(\t\"D\n\rRegisterReply\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x11\n\tbroker_id\x18\x03 \x01(\t\"Y\n\x10KeepAliveRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x1e\n\x04load\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.Load\"E\n\x0eKeepAliveReply\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"D\n\x0cWatchRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x1f\n\x05roles\x18\x02 \x03(\x0e\x32\x10.pdserve.v1.Role\"\xca\x01\n\nWatchEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.WatchEvent.Type\x12\"\n\x06member\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.Member\x12\x10\n\x08revision\x18\x03 \x01(\x04\"[\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x01\x12\x0b\n\x07UPDATED\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x0b\n\x07REMOVED\x10\x04\x12\n\n\x06SYNCED\x10\x05\"n\n\x12SetDrainingRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x12\n\x08lease_id\x18\x02 \x01(\tH\x00\x12\x13\n\tworker_id\x18\x03 \x01(\tH\x00\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x42\x08\n\x06target\"\x12\n\x10SetDrainingReply\":\n\x11\x44\x65registerRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"J\n\x12ListMembersRequest\x12\x13\n\x0bservice_key\x18\x01 \x01(\t\x12\x1f\n\x05roles\x18\x02 \x03(\x0e\x32\x10.pdserve.v1.Role\"I\n\x10ListMembersReply\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.pdserve.v1.Member\x12\x10\n\x08revision\x18\x02 \x01(\x04*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x0f\n\x0bROLE_ROUTER\x10\x03*_\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x01\x12\x19\n\x15MEMBER_STATE_DRAINING\x10\x02\x32\xb4\x03\n\x06\x42roker\x12\x42\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x19.pdserve.v1.RegisterReply\x12\x45\n\tKeepAlive\x12\x1c.pdserve.v1.KeepAliveRequest\x1a\x1a.pdserve.v1.KeepAliveReply\x12;\n\x05Watch\x12\x18.pdserve.v1.WatchRequest\x1a\x16.pdserve.v1.WatchEvent0\x01\x12K\n\x0bSetDraining\x12\x1e.pdserve.v1.SetDrainingRequest\x1a\x1c.pdserve.v1.SetDrainingReply\x12H\n\nDeregister\x12\x1d.pdserve.v1.DeregisterRequest\x1a\x1b.pdserve.v1.DeregisterReply\x12K\n\x0bListMembers\x12\x1e.pdserve.v1.ListMembersRequest\x1a\x1c.pdserve.v1.ListMembersReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MEMBERINFO_LABELSENTRY']._loaded_options = None
   _globals['_MEMBERINFO_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=2074
-  _globals['_ROLE']._serialized_end=2154
-  _globals['_MEMBERSTATE']._serialized_start=2156
-  _globals['_MEMBERSTATE']._serialized_end=2251
+  _globals['_ROLE']._serialized_start=2101
+  _globals['_ROLE']._serialized_end=2181
+  _globals['_MEMBERSTATE']._serialized_start=2183
+  _globals['_MEMBERSTATE']._serialized_end=2278
   _globals['_CAPACITY']._serialized_start=64
   _globals['_CAPACITY']._serialized_end=115
   _globals['_LATENCYHISTOGRAM']._serialized_start=117
@@ -53,31 +53,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMBER']._serialized_start=942
   _globals['_MEMBER']._serialized_end=1088
   _globals['_REGISTERREQUEST']._serialized_start=1090
-  _globals['_REGISTERREQUEST']._serialized_end=1186
-  _globals['_REGISTERREPLY']._serialized_start=1188
-  _globals['_REGISTERREPLY']._serialized_end=1256
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1258
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1347
-  _globals['_KEEPALIVEREPLY']._serialized_start=1349
-  _globals['_KEEPALIVEREPLY']._serialized_end=1418
-  _globals['_WATCHREQUEST']._serialized_start=1420
-  _globals['_WATCHREQUEST']._serialized_end=1488
-  _globals['_WATCHEVENT']._serialized_start=1491
-  _globals['_WATCHEVENT']._serialized_end=1693
-  _globals['_WATCHEVENT_TYPE']._serialized_start=1602
-  _globals['_WATCHEVENT_TYPE']._serialized_end=1693
-  _globals['_SETDRAININGREQUEST']._serialized_start=1695
-  _globals['_SETDRAININGREQUEST']._serialized_end=1805
-  _globals['_SETDRAININGREPLY']._serialized_start=1807
-  _globals['_SETDRAININGREPLY']._serialized_end=1825
-  _globals['_DEREGISTERREQUEST']._serialized_start=1827
-  _globals['_DEREGISTERREQUEST']._serialized_end=1885
-  _globals['_DEREGISTERREPLY']._serialized_start=1887
-  _globals['_DEREGISTERREPLY']._serialized_end=1921
-  _globals['_LISTMEMBERSREQUEST']._serialized_start=1923
-  _globals['_LISTMEMBERSREQUEST']._serialized_end=1997
-  _globals['_LISTMEMBERSREPLY']._serialized_start=1999
-  _globals['_LISTMEMBERSREPLY']._serialized_end=2072
-  _globals['_BROKER']._serialized_start=2254
-  _globals['_BROKER']._serialized_end=2690
+  _globals['_REGISTERREQUEST']._serialized_end=1213
+  _globals['_REGISTERREPLY']._serialized_start=1215
+  _globals['_REGISTERREPLY']._serialized_end=1283
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1285
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1374
+  _globals['_KEEPALIVEREPLY']._serialized_start=1376
+  _globals['_KEEPALIVEREPLY']._serialized_end=1445
+  _globals['_WATCHREQUEST']._serialized_start=1447
+  _globals['_WATCHREQUEST']._serialized_end=1515
+  _globals['_WATCHEVENT']._serialized_start=1518
+  _globals['_WATCHEVENT']._serialized_end=1720
+  _globals['_WATCHEVENT_TYPE']._serialized_start=1629
+  _globals['_WATCHEVENT_TYPE']._serialized_end=1720
+  _globals['_SETDRAININGREQUEST']._serialized_start=1722
+  _globals['_SETDRAININGREQUEST']._serialized_end=1832
+  _globals['_SETDRAININGREPLY']._serialized_start=1834
+  _globals['_SETDRAININGREPLY']._serialized_end=1852
+  _globals['_DEREGISTERREQUEST']._serialized_start=1854
+  _globals['_DEREGISTERREQUEST']._serialized_end=1912
+  _globals['_DEREGISTERREPLY']._serialized_start=1914
+  _globals['_DEREGISTERREPLY']._serialized_end=1948
+  _globals['_LISTMEMBERSREQUEST']._serialized_start=1950
+  _globals['_LISTMEMBERSREQUEST']._serialized_end=2024
+  _globals['_LISTMEMBERSREPLY']._serialized_start=2026
+  _globals['_LISTMEMBERSREPLY']._serialized_end=2099
+  _globals['_BROKER']._serialized_start=2281
+  _globals['_BROKER']._serialized_end=2717
 # @@protoc_insertion_point(module_scope)

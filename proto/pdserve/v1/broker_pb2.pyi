@@ -122,14 +122,16 @@ class Member(_message.Message):
     def __init__(self, info: _Optional[_Union[MemberInfo, _Mapping]] = ..., state: _Optional[_Union[MemberState, str]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("service_key", "member", "draining")
+    __slots__ = ("service_key", "member", "draining", "replaces_lease_id")
     SERVICE_KEY_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     service_key: str
     member: MemberInfo
     draining: bool
-    def __init__(self, service_key: _Optional[str] = ..., member: _Optional[_Union[MemberInfo, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    replaces_lease_id: str
+    def __init__(self, service_key: _Optional[str] = ..., member: _Optional[_Union[MemberInfo, _Mapping]] = ..., draining: _Optional[bool] = ..., replaces_lease_id: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("lease_id", "ttl_ms", "broker_id")

@@ -41,6 +41,7 @@ from typing import TextIO
 import httpx
 
 from pdserve_common import pod_env as E
+from pdserve_common.credentials import pod_env
 from pdserve_worker.model.loading.default_model import model_argument
 from pdserve_worker.serving import settings as S
 from pdserve_worker.util.free_ports import free_port
@@ -376,7 +377,9 @@ class LocalDeployment:
             env[E.PREFIX_DISK_BYTES] = str(int(plan.prefix_disk_gib * 2**30))
         if role != "colocated":
             env[E.BROKER_ADDRESS] = self.broker_address
-            env[E.BROKER_TOKEN] = self.token
+            # Its role's part of the service's credentials, as a pod gets it: never the service
+            # token (pdserve_common/credentials.py).
+            env.update(pod_env(self.token, role))
         if self.certs is not None:
             env.update(tls_env(self.certs, broker_tls=role != "colocated"))
         if plan.api_keys is not None and role in ("router", "colocated"):

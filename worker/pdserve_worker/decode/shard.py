@@ -54,7 +54,6 @@ from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
-from pdserve_worker.transfer.service_link import capability_key
 
 log = logging.getLogger("pdserve.decode_shard")
 
@@ -134,7 +133,7 @@ class ShardFollower:
         # A notify counts only with the reservation's capability, which the leader's table made
         # under the key that every member derives from the service's token (kv/slots.py); a
         # forged one can then neither be filed nor raise the floor.
-        key = capability_key(settings.token)
+        key = settings.capability_key()
         self.readiness = Readiness(
             backend,
             settings.readiness_mode,

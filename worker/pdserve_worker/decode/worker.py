@@ -80,7 +80,6 @@ from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import PushError, PushSource
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
-from pdserve_worker.transfer.service_link import capability_key
 
 log = logging.getLogger("pdserve.decode")
 
@@ -204,7 +203,7 @@ class DecodeWorker:
             engine_id=settings.engine_id,
             base_addr=base_addr,
             quarantine_s=quarantine_s,
-            capability_key=capability_key(settings.token),
+            capability_key=settings.capability_key(),
             leases=self.leases,
         )
         self.cache: KVCache | PagedKVCache = (PagedKVCache if paged else KVCache)(layout, self.pool.tensor)

@@ -122,7 +122,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     """A prefill, a decode or a decode group's follower, from start to stop (module doc)."""
     import grpc
 
-    from pdserve_common.channels import aio_server
+    from pdserve_common.channels import WORKER_POLICY, aio_server
     from pdserve_worker.process.roles import grpc_max_message
     from pdserve_worker.serving.torch_threads import serve_with
 
@@ -144,7 +144,9 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         metrics = getattr(role, "metrics", None)  # a group's follower reports through its leader
         if metrics is not None:
             process.state.metrics = metrics.exposition
-        server = aio_server(process.tokens, max_message=grpc_max_message(settings, loaded.config.hidden_size))
+        server = aio_server(
+            process.tokens, max_message=grpc_max_message(settings, loaded.config.hidden_size), policy=WORKER_POLICY
+        )
         role.add_to(server)
         front = await _listen_or_fail(server, settings)
         await server.start()
@@ -187,7 +189,6 @@ class _Membership:
     registration, and the drain that /drain and the stop signal share."""
 
     def __init__(self, settings: WorkerSettings) -> None:
-        from pdserve_common.auth import TokenTable
         from pdserve_worker.rpc.broker_client import BrokerClient
 
         self.settings = settings
@@ -195,7 +196,7 @@ class _Membership:
         self.broker: BrokerClient = BrokerClient(
             settings.broker_address, settings.service, settings.token, settings.broker_channel_tls
         )
-        self.tokens = TokenTable({settings.service: settings.token})
+        self.tokens = settings.token_table()
         self.role: ServingRole | None = None
         self.registered = False
         self.marked_drain: asyncio.Task[None] | None = None  # the drain the operator's mark started
@@ -316,7 +317,7 @@ def _start_engine(settings: WorkerSettings) -> TransferBackend:
     engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
     options = engine_options(
         backend.name,
-        settings.token,
+        settings.kv_keys().link,
         settings.engine_options,
         leased_writes=settings.role == "decode" and not is_follower(settings),
     )

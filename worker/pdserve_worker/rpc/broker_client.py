@@ -274,7 +274,10 @@ class BrokerClient:
         draining = self._draining
         reply = await self._stub().Register(
             broker_pb2.RegisterRequest(
-                service_key=self.service_key, member=member_info_to_proto(self._info), draining=draining
+                service_key=self.service_key,
+                member=member_info_to_proto(self._info),
+                draining=draining,
+                replaces_lease_id=self._lease_id or "",  # (an update: the member's own lease)
             ),
             timeout=self._timeout,
         )

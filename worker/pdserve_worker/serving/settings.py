@@ -23,7 +23,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common import pod_env as E
-from pdserve_common.auth import TLSConfig
+from pdserve_common.auth import TLSConfig, TokenTable, role_of_token
+from pdserve_common.service_keys import ServiceKeys
 from pdserve_worker.api.http_guard import HttpLimits
 from pdserve_worker.model.loading.default_model import BUILTIN_SOURCE
 from pdserve_worker.transfer.registry import NAMES
@@ -73,6 +74,11 @@ class WorkerSettings(BaseSettings):
     service: str = Field("default/pdserve", validation_alias=E.SERVICE, pattern=r"^[a-z0-9-]+/[a-z0-9-]+$")
     broker_address: str = Field("", validation_alias=E.BROKER_ADDRESS)
     broker_token: SecretStr = Field(SecretStr(""), validation_alias=E.BROKER_TOKEN)
+    # With a role token (a pod): who may call this worker's gRPC server, and the KV plane's keys
+    # (pod_env.py). With the service token itself (in-process stacks) both are derived from it.
+    accept_token_digests: str = Field("", validation_alias=E.ACCEPT_TOKEN_DIGESTS)
+    kv_link_key: SecretStr = Field(SecretStr(""), validation_alias=E.KV_LINK_KEY)
+    kv_capability_key: SecretStr = Field(SecretStr(""), validation_alias=E.KV_CAPABILITY_KEY)
     worker_id: str = Field("", validation_alias=E.POD_NAME)
     advertise_host: str = Field("127.0.0.1", validation_alias=E.POD_IP)
     bind_host: str = Field("0.0.0.0", validation_alias=BIND_HOST)
@@ -212,6 +218,38 @@ class WorkerSettings(BaseSettings):
     @property
     def token(self) -> str:
         return self.broker_token.get_secret_value()
+
+    def token_table(self) -> TokenTable:
+        """Who this worker's gRPC server admits: the role tokens whose digests it was given, or,
+        holding the service token itself, every token derived from it."""
+        table = TokenTable()
+        if self.accept_token_digests:
+            try:
+                pairs = dict(item.split(":", 1) for item in self.accept_token_digests.split(","))
+            except ValueError:
+                raise ValueError(f"{E.ACCEPT_TOKEN_DIGESTS} is role:digest[,role:digest...]") from None
+            table.accept(self.service, pairs)
+        elif role_of_token(self.token) is None:
+            table.set(self.service, self.token)
+        else:
+            raise ValueError(f"a worker with a role token needs {E.ACCEPT_TOKEN_DIGESTS} (who may call it)")
+        return table
+
+    def kv_keys(self) -> ServiceKeys:
+        """The KV plane's keys: given (a pod with a role token), else derived from the service token."""
+        link, capability = self.kv_link_key.get_secret_value(), self.kv_capability_key.get_secret_value()
+        if link:
+            return ServiceKeys.from_hex(link, capability)
+        if role_of_token(self.token) is not None:
+            raise ValueError(f"a {self.role} worker with a role token needs {E.KV_LINK_KEY}")
+        return ServiceKeys.from_token(self.token)
+
+    def capability_key(self) -> bytes:
+        """The key of reservation capabilities (a decode's; a prefill is not given it)."""
+        key = self.kv_keys().capability
+        if key is None:
+            raise ValueError(f"a {self.role} worker needs {E.KV_CAPABILITY_KEY} (the reservation capabilities' key)")
+        return key
 
     @property
     def tls(self) -> TLSConfig | None:

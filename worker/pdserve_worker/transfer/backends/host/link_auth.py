@@ -1,10 +1,9 @@
 """Who may use a host engine's KV link: a per-service key, proven by challenge-response.
 
 The KV plane admits only the service's own processes. Every pod of a service already holds
-one secret, the broker token (the operator's per-service Secret; `pdserve local` makes one
-per run), so no new secret is distributed: each purpose gets its own key derived from that
-token with HKDF (RFC 5869, HMAC-SHA256), and a leaked derived key reveals neither the token
-nor the other keys.
+one secret of its own, the service token, held by the operator (`pdserve local` makes one per
+run): each purpose gets its own key derived from it (pdserve_common/service_keys.py), and the
+pods that need one are given it, never the token.
 
 - `PURPOSE_LINK`: the host engine's link key. At connect both sides send a fresh 32-byte
   nonce; the client proves it holds the key with HMAC(key, "client" | both nonces | its
@@ -17,10 +16,8 @@ nor the other keys.
   layer-sharded decode group can check a ready notify's capability without being told of
   each reservation.
 
-Hand-written over `hmac`/`hashlib`/`secrets` rather than a library: HKDF with one output
-block is two HMAC calls, and the handshake is four; `cryptography` would be a runtime
-dependency of every worker for ten lines (tests/unit/test_link_auth.py checks `hkdf` against
-`cryptography`'s implementation).
+Hand-written over `hmac`/`hashlib`/`secrets` rather than a library: the handshake is four HMAC
+calls (the key derivation's reasons are in service_keys.py).
 """
 
 from __future__ import annotations
@@ -29,39 +26,21 @@ import hashlib
 import hmac
 import secrets
 
+# The key derivation lives beside the operator's use of it; re-exported here for the engine.
+from pdserve_common.service_keys import KEY_BYTES as KEY_BYTES
+from pdserve_common.service_keys import PURPOSE_CAPABILITY as PURPOSE_CAPABILITY
+from pdserve_common.service_keys import PURPOSE_LINK as PURPOSE_LINK
+from pdserve_common.service_keys import SALT as SALT
+from pdserve_common.service_keys import derive_key as derive_key
+from pdserve_common.service_keys import hkdf as hkdf
 from pdserve_worker.transfer.backends.host.shm import host_identity
 
-PURPOSE_LINK = "pdserve kv-link v1"
-PURPOSE_CAPABILITY = "pdserve kv-capability v1"
-SALT = b"pdserve-service-token"
-KEY_BYTES = 32
 NONCE_BYTES = 32
 MIN_KEY_BYTES = 16
 
 
 class AuthError(ConnectionError):
     """The peer did not prove it holds the service's key (or asked us to skip the proof)."""
-
-
-def hkdf(secret: bytes, info: bytes, length: int = KEY_BYTES, salt: bytes = SALT) -> bytes:
-    """RFC 5869 HKDF-SHA256: extract, then expand to `length` bytes (at most 255 blocks)."""
-    if not secret:
-        raise ValueError("cannot derive a key from an empty secret")
-    if not 0 < length <= 255 * hashlib.sha256().digest_size:
-        raise ValueError(f"HKDF output length must be in 1..{255 * 32}, got {length}")
-    prk = hmac.new(salt, secret, hashlib.sha256).digest()
-    out, block, counter = b"", b"", 1
-    while len(out) < length:
-        block = hmac.new(prk, block + info + bytes([counter]), hashlib.sha256).digest()
-        out += block
-        counter += 1
-    return out[:length]
-
-
-def derive_key(service_secret: str | bytes, purpose: str) -> bytes:
-    """The key for `purpose` (one of the PURPOSE_* names) from the service's broker token."""
-    raw = service_secret.encode() if isinstance(service_secret, str) else bytes(service_secret)
-    return hkdf(raw, purpose.encode())
 
 
 def new_nonce() -> bytes:
