@@ -174,3 +174,44 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# The structure of Qwen2.5-Instruct's chat template where it handles tools (the tools in the
+# system turn inside <tools></tools>, calls in <tool_call> blocks, results as <tool_response>
+# in a user turn), for the tool-call tests: the tiny model's own template knows no tools.
+QWEN_TOOLS_TEMPLATE = """\
+{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}\
+{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}\
+{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\
+{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}\
+{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\
+\\n</tool_call><|im_end|>\\n" }}\
+{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\
+{%- endif %}\
+{%- for message in messages %}\
+{%- if (message.role == "user") or (message.role == "system" and not loop.first) or \
+(message.role == "assistant" and not message.tool_calls) %}\
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\
+{%- elif message.role == "assistant" %}{{- '<|im_start|>' + message.role }}\
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}\
+{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}\
+{%- endif %}{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}\
+{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}\
+{%- elif message.role == "tool" %}\
+{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}\
+{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}\
+{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}\
+{%- endif %}{%- endfor %}\
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+def write_tool_model(directory: str | Path) -> Path:
+    """The tiny model with QWEN_TOOLS_TEMPLATE as its chat template, and room for its long
+    system turn (the tiny tokenizer spends about a token per character)."""
+    out = write_tiny_model(directory, max_position_embeddings=2048)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN_TOOLS_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -126,9 +126,14 @@ CHAT = [
     *_COMMON,
     Field("logprobs", S, "each generated token's logprob (as on /v1/completions: after the logits processors)"),
     Field("top_logprobs", S, "0–20 alternatives per token; needs logprobs: true"),
-    Field("tools", R, "tool calls are not implemented yet"),
-    Field("tool_choice", R, "tool calls are not implemented yet", _is("none", "auto")),
-    Field("parallel_tool_calls", A, "meaningless without tools, which are refused"),
+    Field(
+        "tools",
+        S,
+        "up to 128 functions, given to the model's chat template; its answer is parsed for calls in the "
+        "template's format (Hermes/Qwen <tool_call> blocks, or Llama 3's JSON) into tool_calls (api/tools.py)",
+    ),
+    Field("tool_choice", S, "none, auto, required or a named function; required and named enforced with a grammar"),
+    Field("parallel_tool_calls", S, "false: required allows one call only (a named function always one)"),
     Field("functions", R, "deprecated tool calls: not implemented"),
     Field("function_call", R, "deprecated tool calls: not implemented", _is("none", "auto")),
     Field("modalities", R, "text only", lambda v: _falsy(v) or v == ["text"]),

@@ -47,6 +47,7 @@ from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.logs import kv
 from pdserve_worker import __version__
 from pdserve_worker.api import fan_out
+from pdserve_worker.api import tools as api_tools
 from pdserve_worker.api.admission import AdmissionQueue, Rejected, State, Ticket
 from pdserve_worker.api.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
 from pdserve_worker.api.cache_scope import cache_scope
@@ -79,6 +80,7 @@ from pdserve_worker.api.tokenizing import (
     TokenizerPool,
     max_prompt_chars,
 )
+from pdserve_worker.model.sampling.grammar import GrammarError
 from pdserve_worker.model.sampling.params import SamplingParams
 
 # Bytes one (token id, logprob) pair takes in the prefill's reply, generously (proto: varint + double + tags).
@@ -234,6 +236,11 @@ class _ClosingStreamingResponse(StreamingResponse):
         closers, self._closers = self._closers, []
         for close in closers:
             await close()
+
+
+def _chars(value: Any) -> int:
+    """Characters of a value as JSON (0 for nothing)."""
+    return len(json.dumps(value, ensure_ascii=False)) if value else 0
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -457,21 +464,40 @@ class _Router:
             cache_scope=cache_scope(tenant, body.cache_salt),
         )
         gen.show_workers = self._shows_workers(request, tenant)
-        fmt_type = ChatResponseFormat if chat else ResponseFormat
-        fmt = fmt_type(
-            request_id=request_id,
-            model=self.backend.model_name,
-            include_usage=body.include_usage_chunk,
-            token_text=None if params.logprobs is None else self.token_texts,
-            echo=self._echo_text(body),
-            fingerprint=self.fingerprint,
-        )
+        fmt = self._response_format(body, request_id, params)
         ticket = self._ticket(tenant, priority, len(prompt_ids), max_tokens, deadline_s, request_id)
         # No await between the ticket and the ledger that releases it.
         ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
         if body.stream:
             return await self._stream(request, gen, fmt, ledger)
         return await self._complete(request, gen, fmt, ledger)
+
+    def _response_format(
+        self, body: CompletionRequest | ChatCompletionRequest, request_id: str, params: SamplingParams
+    ) -> ResponseFormat:
+        token_text = None if params.logprobs is None else self.token_texts
+        if isinstance(body, ChatCompletionRequest):
+            return ChatResponseFormat(
+                request_id=request_id,
+                model=self.backend.model_name,
+                include_usage=body.include_usage_chunk,
+                token_text=token_text,
+                fingerprint=self.fingerprint,
+                tools=body.tool_spec,
+                tool_format=self._tool_format(),
+            )
+        return ResponseFormat(
+            request_id=request_id,
+            model=self.backend.model_name,
+            include_usage=body.include_usage_chunk,
+            token_text=token_text,
+            echo=self._echo_text(body),
+            fingerprint=self.fingerprint,
+        )
+
+    def _tool_format(self) -> api_tools.Format:
+        """The format the model calls tools in (its template's); hermes for a backend without one."""
+        return "llama3_json" if getattr(self.backend, "tool_format", "hermes") == "llama3_json" else "hermes"
 
     def _echo_text(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
         """The prompt as the response repeats it (`echo`): as sent, or its ids decoded."""
@@ -535,9 +561,15 @@ class _Router:
         )
         try:
             params = body.sampling_params(max_tokens, self.sampling_defaults)
+            spec = body.tool_spec if isinstance(body, ChatCompletionRequest) else None
+            forced = spec.grammar(self._tool_format()) if spec is not None else None
+            if forced is not None:  # tool_choice required or named: the answer is a call (api/tools.py)
+                params = params.model_copy(update={"grammar": forced})
         except ValidationError as exc:
             self.metrics.observe_rejected(400)
             raise from_validation_errors(exc.errors()) from None
+        except GrammarError as exc:
+            raise self.reject(400, f"tools: {exc}", param="tools") from None
         if params.logprobs is not None and self.token_texts is None:
             raise self.reject(400, "this backend cannot name tokens: logprobs are not available", param="logprobs")
         if params.prompt_logprobs is not None:
@@ -615,9 +647,23 @@ class _Router:
         if isinstance(body, CompletionRequest) and body.prompt_ids is not None:
             return self._checked_ids(body.prompt_ids, "prompt")
         if isinstance(body, ChatCompletionRequest):
-            messages = [m.template_dict() for m in body.messages]
-            size = sum(len(m["content"]) for m in messages)
-            call: Callable[[], list[int]] = lambda: self.backend.tokenize_chat(messages)  # noqa: E731
+            try:
+                messages = [m.template_dict() for m in body.messages]
+            except ValueError as exc:  # an earlier turn's tool call whose arguments are not JSON
+                raise self.reject(400, f"messages: {exc}", param="messages") from None
+            spec = body.tool_spec
+            tools = spec.template_tools() if spec is not None else None
+            # the template writes the tools and earlier calls too: they count towards the prompt's size
+            size = (
+                sum(len(m["content"]) for m in messages)
+                + _chars(tools)
+                + _chars([m["tool_calls"] for m in messages if "tool_calls" in m])
+            )
+            call: Callable[[], list[int]] = (
+                (lambda: self.backend.tokenize_chat(messages, tools=tools))  # type: ignore[call-arg]
+                if tools
+                else (lambda: self.backend.tokenize_chat(messages))
+            )
             field = "messages"
         else:
             text = body.prompt_text
@@ -800,12 +846,18 @@ class _Router:
             for chunk in fmt.opening_chunks():
                 yield _sse(chunk)
             if fmt.echo is not None:
-                yield _sse(fmt.text_chunk(fmt.echo, gen.echoed()))
+                echoed = fmt.text_chunk(fmt.echo, gen.echoed())
+                if echoed is not None:
+                    yield _sse(echoed)
             delta = first
             while True:
                 if delta.text or delta.scored is not None:
-                    yield _sse(fmt.text_chunk(delta.text, () if delta.scored is None else (delta.scored,)))
+                    piece = fmt.text_chunk(delta.text, () if delta.scored is None else (delta.scored,))
+                    if piece is not None:  # (None: held back, e.g. what may be a tool call)
+                        yield _sse(piece)
                 if delta.finish_reason is not None:
+                    for closing in fmt.closing_chunks():
+                        yield _sse(closing)
                     yield _sse(fmt.finish_chunk(delta.finish_reason, self._extension(gen)))
                     break
                 delta = await anext(deltas)

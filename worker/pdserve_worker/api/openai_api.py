@@ -18,16 +18,18 @@ the HTTP layer streams completions and chat alike.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pdserve_worker import __version__
 from pdserve_worker.api import api_fields
+from pdserve_worker.api import tools as api_tools
 from pdserve_worker.api.logprobs import Scored, TokenText, chat_block, completion_block
 from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.sampling.params import (
@@ -67,6 +69,7 @@ MAX_PROMPT_IDS = 1 << 20  # token ids of one prompt sent as ids (the context bou
 # limits and a slot each; lm-eval sends its batch this way).
 MAX_PROMPTS = 64
 MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mistake
+MAX_TOOL_ARGUMENT_CHARS = 64 * 1024  # a tool call's arguments sent back in a conversation
 
 
 def _structured(kind: grammars.Kind) -> Any:
@@ -339,22 +342,57 @@ class ContentPart(BaseModel):
         return self
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Annotated[Text, Field(max_length=64)]
+    arguments: Annotated[Text, Field(max_length=MAX_TOOL_ARGUMENT_CHARS)]  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, sent back with the conversation."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: Annotated[Text, Field(max_length=256)] = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=api_tools.MAX_TOOLS)  # an assistant turn's
+    tool_call_id: Annotated[Text, Field(max_length=256)] | None = None  # a tool turn's
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it: role and plain-text content."""
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: role and plain-text content, and an assistant
+        turn's tool calls (arguments as an object, as HF templates write them with `tojson`)."""
         if self.content is None:
             text = ""
         elif isinstance(self.content, str):
             text = self.content
         else:
             text = "".join(part.text or "" for part in self.content)
-        return {"role": self.role, "content": text}
+        out: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: ToolCallIn) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise ValueError(f"tool call {call.id or call.function.name}: arguments are not JSON") from None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -362,7 +400,26 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    # Tool calls (api/tools.py): checked into `tool_spec` below.
+    tools: list[Any] | None = Field(None, max_length=api_tools.MAX_TOOLS)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    _tool_spec: api_tools.ToolSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        self._tool_spec = api_tools.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
+        spec = self._tool_spec
+        if spec is not None and spec.choice in ("required", "named") and self.grammar is not None:
+            raise ValueError(
+                "tool_choice required or a named function is enforced with a grammar: no structured output with it"
+            )
+        return self
+
+    @property
+    def tool_spec(self) -> api_tools.ToolSpec | None:
+        """The request's tools, when it has some."""
+        return self._tool_spec
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -512,8 +569,13 @@ class ResponseFormat:
         """Chunks sent before the first text (chat announces the role)."""
         return []
 
-    def text_chunk(self, text: str, scored: Sequence[Scored] = ()) -> dict[str, Any]:
+    def text_chunk(self, text: str, scored: Sequence[Scored] = ()) -> dict[str, Any] | None:
+        """The chunk of this text (None: nothing to send now)."""
         return self._chunk({"content": text}, None, self.logprobs_block(scored) if scored else None)
+
+    def closing_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent after the last text, before the finish chunk (chat's held-back tool calls)."""
+        return []
 
     def finish_chunk(self, finish_reason: str, extension: dict[str, Any] | None) -> dict[str, Any]:
         """The chunk that carries the finish reason (and no text, as OpenAI sends it)."""
@@ -536,13 +598,20 @@ class ChatResponseFormat(ResponseFormat):
     def logprobs_block(self, scored: Sequence[Scored]) -> dict[str, Any] | None:
         return None if self.token_text is None else chat_block(scored, self.token_text)
 
+    # The request's tools (api/tools.py): its answer is parsed for calls in the model's format.
+    tools: api_tools.ToolSpec | None = None
+    tool_format: api_tools.Format = "hermes"
+    _stream: list[api_tools.ToolStream] = field(default_factory=list)  # the streamed answer's splitter
+    _calls: list[api_tools.ToolCall] = field(default_factory=list)  # what the stream held back
+
     def _full_choice(self, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None and self.tools.active:
+            content, calls = api_tools.parse_calls(text, self.tool_format, self.tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.as_dict() for c in calls]}
+                finish_reason = "tool_calls"
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk_choice(
         self, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
@@ -550,4 +619,28 @@ class ChatResponseFormat(ResponseFormat):
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
+        if self.tools is not None and self.tools.active:
+            self._stream.append(api_tools.ToolStream(self.tool_format, self.tools))
         return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def text_chunk(self, text: str, scored: Sequence[Scored] = ()) -> dict[str, Any] | None:
+        if self._stream:
+            text = self._stream[0].feed(text)
+            if not text and not scored:
+                return None
+        return super().text_chunk(text, scored)
+
+    def closing_chunks(self) -> list[dict[str, Any]]:
+        """What the stream held back, at its end: text that was not a call after all, or the calls."""
+        if not self._stream:
+            return []
+        rest, calls = self._stream[0].finish()
+        self._calls.extend(calls)
+        chunks = [self._chunk({"content": rest}, None)] if rest else []
+        if calls:
+            deltas = [{"index": i, **c.as_dict()} for i, c in enumerate(calls)]
+            chunks.append(self._chunk({"tool_calls": deltas}, None))
+        return chunks
+
+    def finish_chunk(self, finish_reason: str, extension: dict[str, Any] | None) -> dict[str, Any]:
+        return super().finish_chunk("tool_calls" if self._calls else finish_reason, extension)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import anyio
 import jinja2
 
+from pdserve_worker.api import tools
 from pdserve_worker.api.backend import InvalidPrompt, NoCapacity
 from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
 
@@ -45,13 +46,18 @@ class ModelTokenizing:
         return self._tokenizer.decode(ids)
 
     @functools.cached_property
+    def tool_format(self) -> tools.Format:
+        """How the model's template has it call tools (api/tools.py)."""
+        return tools.tool_format(self._tokenizer.chat_template)
+
+    @functools.cached_property
     def vocab_size(self) -> int:
         """Token ids are 0..vocab_size-1 (the tokenizer's, added tokens included)."""
         return self._tokenizer.vocab_size
 
-    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         try:
-            return self._tokenizer.encode_chat(messages)
+            return self._tokenizer.encode_chat(messages, tools=tools)
         except (jinja2.TemplateError, TokenizerError) as exc:
             raise InvalidPrompt(f"the model's chat template rejected the messages: {exc}", public=True) from None
 

@@ -271,7 +271,12 @@ class Tokenizer:
             **extra,
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of a conversation: the template writes any BOS itself, so none is added.
 
         A message's content is text, never markup: a special token spelled in it
@@ -279,14 +284,33 @@ class Tokenizer:
         made of, so content cannot close its turn or open another. That is the `tokenizers`
         library's own switch (`encode_special_tokens`, what transformers' `split_special_tokens`
         sets), applied to the content only: the template's markup keeps its control tokens."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        extra = {"tools": list(tools)} if tools else {}  # (HF templates take them as `tools`)
         specials = self._special_strings()
+        self._refuse_markup_outside_content(messages, tools, specials)
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         if not any(isinstance(m.get("content"), str) and any(t in m["content"] for t in specials) for m in messages):
             return self.encode(text, add_special_tokens=False)
         ids: list[int] = []
-        for i, (piece, is_content) in enumerate(self._content_pieces(messages, add_generation_prompt, text)):
+        for i, (piece, is_content) in enumerate(self._content_pieces(messages, add_generation_prompt, text, extra)):
             ids += self._piece_backend(is_content, i == 0).encode(piece, add_special_tokens=False).ids
         return ids
+
+    @staticmethod
+    def _refuse_markup_outside_content(
+        messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None, specials: tuple[str, ...]
+    ) -> None:
+        """The client's text the template writes outside a message's content (the tools' schemas
+        and descriptions, earlier turns' tool calls) is not cut out as content is, so a special
+        token spelled there would be markup: refused, naming it."""
+        outside: dict[str, Any] = {"tools": tools or []}
+        outside.update(
+            {f"messages[{i}]": {k: v for k, v in m.items() if k != "content"} for i, m in enumerate(messages)}
+        )
+        for where, value in outside.items():
+            text = json.dumps(value, ensure_ascii=False, default=str)
+            found = next((t for t in specials if t in text), None)
+            if found is not None:
+                raise TokenizerError(f"{where} spells the model's control token {found!r} outside a message's content")
 
     def _special_strings(self) -> tuple[str, ...]:
         if self._specials is None:
@@ -314,7 +338,7 @@ class Tokenizer:
         return self._pieces[key]
 
     def _content_pieces(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, text: str
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, text: str, extra: Mapping[str, Any]
     ) -> list[tuple[str, bool]]:
         """`text` (the rendered conversation) cut into (piece, is message content), found by
         rendering once more with each content between two private-use marks. A template that
@@ -327,7 +351,7 @@ class Tokenizer:
             {**m, "content": f"{mark_open}{m['content']}{mark_close}"} if isinstance(m.get("content"), str) else dict(m)
             for m in messages
         ]
-        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        rendered = self.apply_chat_template(marked, add_generation_prompt, **extra)
         pieces: list[tuple[str, bool]] = []
         for i, chunk in enumerate(rendered.split(mark_open)):
             content, sep, rest = chunk.partition(mark_close) if i else ("", "", chunk)
