@@ -108,6 +108,10 @@ def _room(cache: KVCache | PagedKVCache, slot: int) -> int:
     return cache.capacity(slot) if isinstance(cache, PagedKVCache) else cache.layout.max_len
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as HF LLaMA computes it: normalize in fp32, round to the model dtype, then weight.
 
@@ -247,8 +251,12 @@ class LlamaModel:
         layers: range | None = None,
         quantized: Mapping[str, QuantizedTensor] | None = None,
         routes: Mapping[str, str] | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.config = config
+        # A tensor-parallel rank (model/layers/tensor_parallel.py): `config` is its share, and
+        # `reduce` sums o_proj's and down_proj's partial products over the group (an all_reduce).
+        self.reduce = reduce
         self.dtype = dtype
         self.device = torch.device(device)
         self.layer_range = range(config.num_layers) if layers is None else layers
@@ -631,14 +639,14 @@ class LlamaModel:
 
     def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """Output projection, residual, MLP: everything of a layer after attention."""
-        eps = self.config.rms_norm_eps
+        eps, reduce = self.config.rms_norm_eps, self.reduce or _same
         if self._fused():  # the same steps as below, fused
-            x, h = native.add_rms_norm(x, self.linear(attn, w.o, bias=w.o_bias), w.mlp_norm, eps)
-            return x + self.linear(native.silu_mul(self.linear(h, w.gate_up)), w.down)
-        x = x + self.linear(attn, w.o, bias=w.o_bias)
+            x, h = native.add_rms_norm(x, reduce(self.linear(attn, w.o, bias=w.o_bias)), w.mlp_norm, eps)
+            return x + reduce(self.linear(native.silu_mul(self.linear(h, w.gate_up)), w.down))
+        x = x + reduce(self.linear(attn, w.o, bias=w.o_bias))
         h = _rms_norm(x, w.mlp_norm, eps)
         gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + self.linear(F.silu(gate) * up, w.down)
+        return x + reduce(self.linear(F.silu(gate) * up, w.down))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
         """Attention of q `[B, T, heads, head_dim]` over each row's slot; returns `[B, T, heads * head_dim]`."""

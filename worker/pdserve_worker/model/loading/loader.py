@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers.llama import LlamaModel
 from pdserve_worker.model.layers.quant import Kind, QuantizedTensor
+from pdserve_worker.model.layers.tensor_parallel import TPShard, shard_weights
 from pdserve_worker.model.layers.weight_routes import check_weights_choice, groups, loaded_weight_bytes, plan, summary
 from pdserve_worker.model.loading.convert import MARKER, converted_gguf, quantized_gguf
 from pdserve_worker.model.loading.default_model import DEFAULT_MODEL_NAME, default_model_path, model_argument
@@ -36,6 +38,9 @@ class LoadedModel:
     config: ModelConfig
     name: str
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # A tensor-parallel rank's place (model/layers/tensor_parallel.py): `config` is then its
+    # share of the model (its heads, its KV heads), `tp.config` the whole model's.
+    tp: TPShard | None = None
 
     @property
     def routes(self) -> dict[str, str]:
@@ -125,6 +130,8 @@ def load_model(
     device: str = "cpu",
     layers: range | None = None,
     weights: str = "dequantized",
+    tp: tuple[int, int] = (1, 0),
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LoadedModel:
     """Load weights (GGUF via the conversion cache, or an HF folder) and the tokenizer.
 
@@ -134,13 +141,19 @@ def load_model(
     dequantized), "int4"/"int8" quantize every matrix, "dequantized" (the default here; the
     CLIs default to auto) holds them in `dtype`. Before any weight is read, the memory they
     need is checked against what the device has (`ModelDoesNotFit`, a RuntimeError, names both).
+
+    `tp` = (size, rank): load rank `rank`'s share of a tensor-parallel group (size > 1), whose
+    o_proj and down_proj partial products `reduce` sums over the group. Quantized routes then
+    quantize the rank's float slices (a checkpoint's quantized blocks are not sliced).
     """
     started = time.perf_counter()
     torch_device = resolve_device(device)
     check_weights_choice(weights, torch_device.type)
     folder, name = model_folder(path, dtype)
     hf_config = json.loads((folder / "config.json").read_text())
-    config = ModelConfig.from_hf(hf_config)
+    full = ModelConfig.from_hf(hf_config)
+    shard = TPShard(full, *tp) if tp[0] > 1 else None
+    config = shard.local_config if shard is not None else full
     held = range(config.num_layers) if layers is None else layers
     gguf_path = gguf_source(path) if weights != "dequantized" and torch_device.type == "cpu" else None
     quantized_folder = quantized_gguf(gguf_path) if gguf_path is not None else None
@@ -157,18 +170,30 @@ def load_model(
     generation = GenerationDefaults.from_folder(folder)
     eos = list(dict.fromkeys([*config.eos_token_ids, *generation.eos_token_ids]))
     tokenizer = Tokenizer.from_dir(folder, extra_eos_token_ids=eos)
-    quantized = _read_quantized(config, held, routes, quantized_folder, stored)
+    # (a tensor-parallel rank reads float weights and quantizes its slices: blocks are not sliced)
+    quantized = _read_quantized(config, held, routes, quantized_folder if shard is None else None, stored)
     names = [
         n
         for n in [*weight_shapes(config, held), "rope_freqs.weight"]
         if n not in quantized or n == "model.embed_tokens.weight"
     ]
     tensors = read_safetensors_dir(folder, names)
+    if shard is not None:
+        tensors = shard_weights(shard, tensors)
     model = LlamaModel(
-        config, tensors, torch_dtype(dtype), torch_device, layers=layers, quantized=quantized, routes=routes
+        config,
+        tensors,
+        torch_dtype(dtype),
+        torch_device,
+        layers=layers,
+        quantized=quantized,
+        routes=routes,
+        reduce=reduce,
     )
     routes_text = ",".join(f"{k}:{v}" for k, v in summary(model.routes).items())
     loaded = {"folder": folder, "dtype": dtype, "device": torch_device, "weights": weights, "routes": routes_text}
     seconds = round(time.perf_counter() - started, 3)
+    if shard is not None:
+        loaded["tp"] = f"{shard.rank}/{shard.size}"
     log.info(kv(event="model_loaded", name=name, architecture=config.architecture, **loaded, seconds=seconds))
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, generation=generation)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, generation=generation, tp=shard)

@@ -1,0 +1,121 @@
+"""One tensor-parallel instance's process group: torch.distributed, one process per rank.
+
+The collective library is chosen from the device, as vLLM and vllm-ascend do: gloo on the CPU,
+nccl on CUDA, hccl on Ascend (torch_npu registers the backend). The model's all_reduce runs on
+that group. What the ranks say to each other besides the model's sums (rank 0's description
+of the next pass, each rank's "my pushes landed") are small Python objects, sent over a gloo
+group on the CPU — the device group's collectives take device tensors, and vLLM keeps the same
+split (its `cpu_group` for metadata).
+
+Every collective has a deadline (`timeout_s`, torch.distributed's own): a rank that died or
+hangs makes the others' next collective raise instead of waiting for ever, and the instance
+then stops as one (the pod restarts the group). gloo honours the timeout on every op; nccl and
+hccl enforce it through their watchdogs (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, HCCL's
+`HCCL_EXEC_TIMEOUT`), which abort the process rather than raise.
+
+The group is rendezvoused over TCP at rank 0's `address` (host:port); all ranks of one
+instance run in one pod, so it is a loopback address there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve_common.logs import kv
+
+log = logging.getLogger("pdserve.tp")
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class GroupError(RuntimeError):
+    """A collective of the instance's group failed or timed out: a rank died or hangs."""
+
+
+def backend_for(device: str) -> str:
+    """The collective backend of a device ("cpu", "cuda:0", "npu:1")."""
+    kind = device.split(":", 1)[0]
+    if kind not in BACKENDS:
+        raise ValueError(f"no collective backend for device {device!r}; expected one of {sorted(BACKENDS)}")
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the "hccl" backend with torch.distributed)
+        except ImportError as exc:
+            raise RuntimeError(
+                f"tensor parallelism on {device!r} needs torch_npu (pip install 'pdserve[npu]')"
+            ) from exc
+    return BACKENDS[kind]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where a rank's group meets: `size` ranks, this one `rank`, rendezvous at `address`."""
+
+    size: int
+    rank: int
+    address: str  # host:port of rank 0's rendezvous (or file:///path, a FileStore: no port at all)
+    device: str = "cpu"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} outside a group of {self.size}")
+        host, _, port = self.address.rpartition(":")
+        if not self.address.startswith("file://") and (not host or not port.isdigit()):
+            raise ValueError(f"tensor-parallel rendezvous address must be host:port, got {self.address!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"tensor-parallel timeout must be positive, got {self.timeout_s}")
+
+    @property
+    def init_method(self) -> str:
+        return self.address if self.address.startswith("file://") else f"tcp://{self.address}"
+
+
+class TPGroup:
+    """This process's membership of its instance's group (torch.distributed's default group)."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self.size, self.rank = spec.size, spec.rank
+        backend = backend_for(spec.device)
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        dist.init_process_group(
+            backend, init_method=spec.init_method, world_size=spec.size, rank=spec.rank, timeout=timeout
+        )
+        # Control messages (Python objects) travel on the CPU: the default group when it is gloo.
+        self._cpu = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        log.info(kv(event="tp_group_joined", rank=spec.rank, size=spec.size, backend=backend, address=spec.address))
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, in place (the model's `reduce`)."""
+        dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's `obj`, on every rank (rank 0 passes it, the others receive it)."""
+        box = [obj if self.rank == 0 else None]
+        self._collective(dist.broadcast_object_list, box, src=0, group=self._cpu)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        self._collective(dist.gather_object, obj, out, dst=0, group=self._cpu)
+        return out
+
+    def _collective(self, op: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            op(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as exc:  # a peer died, hung past the timeout, or left
+            raise GroupError(f"tensor-parallel group (rank {self.rank} of {self.size}): {exc}") from exc
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
