@@ -30,6 +30,13 @@ layer's K is one strided view and a block table indexes it directly.
 
 A pool may hold only a layer range (a member of a layer-sharded decode group): `first_layer`
 and `num_layers` name it, and a layer outside it is an error, not a wrong offset.
+
+A pool may also hold only a range of the KV heads (a tensor-parallel rank's:
+model/layers/tensor_parallel.py): `first_head` and `kv_heads` name it. A push between pools
+holding different head ranges (a prefill of tp 2 into a decode of tp 1, or the reverse) moves
+the heads both hold: where those are all of both pools' heads the descriptors are the runs
+above; where they are not, a token's heads are a slice of its row on one side, so a run is
+one token long (`push_descriptors`).
 """
 
 from __future__ import annotations
@@ -71,14 +78,16 @@ class KVLayout:
     first_layer: int = 0
     block_tokens: int = 0  # > 0: a paged pool of `num_blocks` blocks (BlockLayout below)
     num_blocks: int = 0
+    first_head: int = 0  # the pool holds KV heads first_head.. first_head + kv_heads - 1
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.first_layer < 0:
-            raise ValueError(f"KVLayout.first_layer must be >= 0, got {self.first_layer!r}")
+        for name in ("first_layer", "first_head"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"KVLayout.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         if self.block_tokens < 0 or self.num_blocks < 0 or (self.block_tokens > 0) != (self.num_blocks > 0):
@@ -104,7 +113,13 @@ class KVLayout:
             self.head_dim,
             self.dtype,
             self.first_layer,
+            self.first_head,
         )
+
+    @property
+    def head_range(self) -> range:
+        """The KV heads this pool holds."""
+        return range(self.first_head, self.first_head + self.kv_heads)
 
     @property
     def kv_tokens(self) -> int:
@@ -215,6 +230,7 @@ def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
         first_layer=layout.first_layer,
         block_tokens=layout.block_tokens,
         num_blocks=layout.num_blocks,
+        first_head=layout.first_head,
     )
 
 
@@ -230,6 +246,7 @@ def layout_from_proto(msg: common_pb2.KVLayout) -> KVLayout:
         first_layer=msg.first_layer,
         block_tokens=msg.block_tokens,
         num_blocks=msg.num_blocks,
+        first_head=msg.first_head,
     )
 
 
@@ -245,14 +262,16 @@ class BlockLayout:
     head_dim: int
     dtype: str = "bfloat16"
     first_layer: int = 0
+    first_head: int = 0  # the pool holds KV heads first_head.. first_head + kv_heads - 1
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_tokens", "num_layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"BlockLayout.{name} must be a positive int, got {value!r}")
-        if self.first_layer < 0:
-            raise ValueError(f"BlockLayout.first_layer must be >= 0, got {self.first_layer!r}")
+        for name in ("first_layer", "first_head"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"BlockLayout.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"BlockLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
 
@@ -263,6 +282,10 @@ class BlockLayout:
     @property
     def layer_range(self) -> range:
         return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def head_range(self) -> range:
+        return range(self.first_head, self.first_head + self.kv_heads)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -316,11 +339,14 @@ class BlockLayout:
         head_dim: int,
         dtype: str = "bfloat16",
         first_layer: int = 0,
+        first_head: int = 0,
     ) -> BlockLayout:
         """The pool that holds `kv_tokens` tokens (rounded down to whole blocks)."""
         if kv_tokens < block_tokens:
             raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one block of {block_tokens} tokens")
-        return cls(kv_tokens // block_tokens, block_tokens, num_layers, kv_heads, head_dim, dtype, first_layer)
+        return cls(
+            kv_tokens // block_tokens, block_tokens, num_layers, kv_heads, head_dim, dtype, first_layer, first_head
+        )
 
 
 @dataclass(frozen=True)
@@ -368,11 +394,17 @@ def _coalesce(pieces: Iterable[Descriptor]) -> list[Descriptor]:
 
 
 def check_compatible(source: KVLayout, dest: BlockLayout) -> None:
-    """A source slot and a block pool hold the same KV geometry (else the bytes would be garbage)."""
-    mine = (source.kv_heads, source.head_dim, source.dtype)
-    theirs = (dest.kv_heads, dest.head_dim, dest.dtype)
+    """A source slot and a block pool hold KV of one geometry (else the bytes would be garbage)."""
+    mine = (source.head_dim, source.dtype)
+    theirs = (dest.head_dim, dest.dtype)
     if mine != theirs:
-        raise ValueError(f"KV geometry differs: source (kv_heads, head_dim, dtype)={mine}, block pool {theirs}")
+        raise ValueError(f"KV geometry differs: source (head_dim, dtype)={mine}, block pool {theirs}")
+
+
+def shared_heads(source: range, dest: range) -> range:
+    """The KV heads two pools both hold (empty when none)."""
+    start, stop = max(source.start, dest.start), min(source.stop, dest.stop)
+    return range(start, max(start, stop))
 
 
 def push_descriptors(
@@ -384,31 +416,48 @@ def push_descriptors(
     end_token: int,
     start_token: int = 0,
     kv_indices: Sequence[int] = (K, V),
+    heads: range | None = None,
 ) -> list[Descriptor]:
     """Descriptors that copy tokens [start_token, end_token) of `layers` from scratch slot `slot`
     of `source` into the reservation `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B)).
 
     One descriptor per (layer, K|V, run of consecutive blocks); a partly used last block moves
     only its used tokens. `start_token` > 0 skips tokens the decode already holds (shared
-    blocks), so a push never writes a block it does not own."""
+    blocks), so a push never writes a block it does not own.
+
+    `heads` (default: all both pools hold) are the KV heads moved. Where they are not every
+    head of both pools, each token's heads are a slice of its row: one descriptor per token."""
     check_compatible(source, dest)
+    heads = shared_heads(source.head_range, dest.head_range) if heads is None else heads
+    outside = [h for h in (heads.start, heads.stop - 1) if h not in source.head_range or h not in dest.head_range]
+    if heads and outside:
+        raise IndexError(f"heads {heads} are not held by both the source ({source.head_range}) and {dest.head_range}")
     bt = dest.block_tokens
     if not 0 <= start_token <= end_token:
         raise IndexError(f"token range {start_token}..{end_token} is empty or reversed")
     if end_token > len(blocks) * bt:
         raise IndexError(f"{end_token} tokens do not fit {len(blocks)} blocks of {bt}")
-    if end_token == start_token:
+    if end_token == start_token or not heads:
         return []
-    per_token = dest.bytes_per_token
+    head_bytes = dest.head_dim * dest.dtype_size
+    span = len(heads) * head_bytes
+    src_row, dst_row = source.bytes_per_token, dest.bytes_per_token
+    src_skip, dst_skip = (heads.start - source.first_head) * head_bytes, (heads.start - dest.first_head) * head_bytes
+    whole = span == src_row == dst_row
     pieces: list[Descriptor] = []
     for layer in layers:
         for kv_index in kv_indices:
             src_base = source.token_run(slot, layer, kv_index, end_token - start_token, start_token)[0]
-            src_base -= start_token * per_token
+            src_base -= start_token * src_row
             for i in range(start_token // bt, (end_token - 1) // bt + 1):
                 lo, hi = max(start_token, i * bt), min(end_token, (i + 1) * bt)
-                dst = dest.offset(layer, kv_index, blocks[i]) + (lo - i * bt) * per_token
-                pieces.append(Descriptor(src_base + lo * per_token, dst, (hi - lo) * per_token))
+                dst = dest.offset(layer, kv_index, blocks[i]) + (lo - i * bt) * dst_row
+                if whole:
+                    pieces.append(Descriptor(src_base + lo * src_row, dst, (hi - lo) * src_row))
+                    continue
+                for t in range(hi - lo):  # a slice of each token's row
+                    src = src_base + (lo + t) * src_row + src_skip
+                    pieces.append(Descriptor(src, dst + t * dst_row + dst_skip, span))
     return _coalesce(pieces)
 
 

@@ -63,9 +63,14 @@ def test_contiguous_blocks_cost_one_descriptor_per_layer_and_kv_like_a_slot() ->
 
 
 def test_geometry_mismatch_is_refused() -> None:
-    other = BlockLayout(4, 4, 3, kv_heads=1, head_dim=2, dtype="float32")
+    other = BlockLayout(4, 4, 3, kv_heads=2, head_dim=4, dtype="float32")
     with pytest.raises(ValueError, match="geometry differs"):
         push_descriptors(source_layout(), 0, other, [0], range(0, 1), 2)
+    one_head = BlockLayout(4, 4, 3, kv_heads=1, head_dim=2, dtype="float32", first_head=1)
+    with pytest.raises(IndexError, match="not held by both"):
+        push_descriptors(source_layout(), 0, one_head, [0], range(0, 1), 2, heads=range(0, 2))
+    elsewhere = BlockLayout(4, 4, 3, kv_heads=1, head_dim=2, dtype="float32", first_head=5)
+    assert push_descriptors(source_layout(), 0, elsewhere, [0], range(0, 1), 2) == []  # no head in common
     with pytest.raises(IndexError, match="do not fit"):
         push_descriptors(source_layout(), 0, pool(), [0], range(0, 1), 5)
 
@@ -142,3 +147,49 @@ def test_a_paged_kv_layout_is_its_blocks_and_has_no_slot_runs() -> None:
     with pytest.raises(ValueError, match="both be positive"):
         KVLayout(num_slots=8, num_layers=3, max_len=64, kv_heads=2, head_dim=2, block_tokens=4)
     assert KVLayout.from_dict(paged.to_dict()) == paged
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.data(),
+    heads=st.sampled_from([1, 2, 4]),
+    p_tp=st.sampled_from([1, 2, 4]),
+    d_tp=st.sampled_from([1, 2, 4]),
+    bt=st.sampled_from([1, 2, 4]),
+)
+def test_every_rank_pair_of_a_tensor_parallel_push_fills_exactly_the_decode_ranks_heads(
+    data, heads, p_tp, d_tp, bt
+) -> None:
+    """P_tp prefill ranks (each holding its slice of `heads` KV heads, or a replica when tp
+    exceeds them) push into D_tp decode ranks' block pools: afterwards each decode pool holds, for
+    its own heads, exactly the whole model's KV, and nothing else is written."""
+    end = data.draw(st.integers(1, 12))
+    need = -(-end // bt)
+    num_blocks = 12 // bt + 2
+    blocks = data.draw(st.permutations(range(num_blocks)))[:need]
+    rng = np.random.default_rng(1)
+    whole = rng.integers(1, 1 << 30, size=(2, 2, 16, heads, 2), dtype=np.int32)  # layer, K|V, token, head, dim
+
+    def split(tp: int, rank: int) -> range:
+        per = max(1, heads // tp)
+        first = rank * per if tp <= heads else rank // (tp // heads)
+        return range(first, first + per)
+
+    pools = []
+    for d in range(d_tp):
+        held = split(d_tp, d)
+        dst = BlockLayout(num_blocks, bt, 2, len(held), 2, "float32", first_head=held.start)
+        pools.append((held, dst, np.zeros(dst.total_bytes, dtype=np.uint8)))
+    pushed = [split(p_tp, p) for p in range(p_tp) if p_tp <= heads or p % (p_tp // heads) == 0]
+    for held in pushed:
+        src = KVLayout(1, 2, 16, len(held), 2, "float32", first_head=held.start)
+        src_bytes = np.ascontiguousarray(whole[None, :, :, :, held.start : held.stop]).view(np.uint8).reshape(-1)
+        for _, dst, pool_bytes in pools:
+            for desc in push_descriptors(src, 0, dst, blocks, range(0, 2), end_token=end):
+                pool_bytes[desc.dst : desc.dst + desc.length] = src_bytes[desc.src : desc.src + desc.length]
+    for d_held, dst, pool_bytes in pools:
+        got = pool_bytes.view(np.int32).reshape(dst.shape)
+        expected = np.zeros_like(got)
+        for t in range(end):
+            expected[:, :, blocks[t // bt], t % bt] = whole[:, :, t, d_held.start : d_held.stop]
+        assert np.array_equal(got, expected)

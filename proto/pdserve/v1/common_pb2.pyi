@@ -17,7 +17,7 @@ MEM_TYPE_DEVICE: MemType
 MEM_TYPE_HOST: MemType
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim", "dtype", "first_layer", "block_tokens", "num_blocks")
+    __slots__ = ("num_slots", "num_layers", "max_len", "kv_heads", "head_dim", "dtype", "first_layer", "block_tokens", "num_blocks", "first_head")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class KVLayout(_message.Message):
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     num_layers: int
     max_len: int
@@ -36,7 +37,8 @@ class KVLayout(_message.Message):
     first_layer: int
     block_tokens: int
     num_blocks: int
-    def __init__(self, num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_len: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_layer: _Optional[int] = ..., block_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    first_head: int
+    def __init__(self, num_slots: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_len: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_layer: _Optional[int] = ..., block_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_head: _Optional[int] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("addr", "len", "mem_type")

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdserve_common.kv_layout import K, KVLayout, V, push_descriptors
+from pdserve_common.kv_layout import K, KVLayout, V, push_descriptors, shared_heads
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError
@@ -55,11 +55,17 @@ class PushError(RuntimeError):
 
 @dataclass(frozen=True)
 class PushSource:
-    """Where the prompt's KV lies in this process: a registered pool and the slot used."""
+    """Where the prompt's KV lies in this process: a registered pool and the slot used, and the
+    KV heads pushed from it (None: all it holds; a tensor-parallel rank holding a replica: none)."""
 
     base_addr: int
     layout: KVLayout
     slot: int = 0
+    heads: range | None = None
+
+    @property
+    def pushed_heads(self) -> range:
+        return self.layout.head_range if self.heads is None else self.heads
 
 
 @dataclass
@@ -165,11 +171,18 @@ class KVPusher:
 
     def _check_target(self, target: Grant) -> _TargetState:
         src, dst = self.source.layout, target.layout
-        for attr in ("kv_heads", "head_dim", "dtype"):
+        # Without tensor parallelism both pools hold every head; a rank's pushes its heads' share
+        exact = ("kv_heads", "first_head") if self.source.heads is None else ()
+        for attr in ("head_dim", "dtype", *exact):
             if getattr(src, attr) != getattr(dst, attr):
                 raise ValueError(
                     f"target {target.describe()} has {attr}={getattr(dst, attr)!r}, source has {getattr(src, attr)!r}"
                 )
+        if not dst.paged and dst.head_range != src.head_range:  # (head slices are for block pools only)
+            raise ValueError(
+                f"target {target.describe()} holds KV heads {dst.head_range}, source {src.head_range}: a slot "
+                f"pool takes the same heads only"
+            )
         if dst.first_layer < src.first_layer or dst.layer_range.stop > src.layer_range.stop:
             raise ValueError(
                 f"target {target.describe()} holds layers {dst.layer_range}, source only {src.layer_range}"
@@ -199,6 +212,7 @@ class KVPusher:
                 f"{len(target.blocks)} blocks of {bt}"
             )
         start = min(target.shared * bt, self.num_tokens)
+        heads = shared_heads(src.pushed_heads, blocks.head_range)  # (a tensor-parallel rank's share)
         pieces: dict[tuple[int, int], list[Piece]] = {}
         for layer in blocks.layer_range:
             for kv_index in (K, V):
@@ -211,6 +225,7 @@ class KVPusher:
                     self.num_tokens,
                     start,
                     kv_indices=(kv_index,),
+                    heads=heads,
                 )
                 pieces[(layer, kv_index)] = [(src.base_addr + d.src, target.base_addr + d.dst, d.length) for d in descs]
         return pieces
@@ -372,6 +387,16 @@ class KVPusher:
         clash = [k for k in _RESERVED_KEYS if k in extra]
         if clash:
             raise ValueError(f"extra must not set {clash}: the pusher fills them")
+        return self._end(extra)
+
+    def settle(self) -> PushStats:
+        """Wait for every put and notify nobody: a tensor-parallel rank's share of a push, whose
+        ready notify rank 0 sends once every rank's puts landed (prefill/tp_rank.py)."""
+        if self._failed or self._finished:
+            raise RuntimeError("settle after the push failed or finished")
+        return self._end(None)
+
+    def _end(self, extra: dict[str, object] | None) -> PushStats:
         for state in self._states:
             missing = sorted(set(state.owned) - state.pushed)
             if missing:
@@ -383,8 +408,9 @@ class KVPusher:
                 )
         try:
             self._wait(lambda: all(not s.outstanding for s in self._states))
-            for state in self._states:
-                self._notify(state, extra)
+            if extra is not None:
+                for state in self._states:
+                    self._notify(state, extra)
         except BaseException:
             self._fail()
             raise
