@@ -82,6 +82,8 @@ READINESS_MODE = "PDSERVE_READINESS_MODE"  # decode: interrupt | poll | spin
 POLL_INTERVAL_MICROS = "PDSERVE_POLL_INTERVAL_MICROS"  # decode, only with poll
 WARMUP = "PDSERVE_WARMUP"  # decode: "true" | "false"
 LAYER_SHARDS = "PDSERVE_LAYER_SHARDS"  # decode: pods per group
+# prefill: tensor-parallel ranks of the instance (one process each, all in the pod; rank 0 starts the others)
+TENSOR_PARALLEL = "PDSERVE_TENSOR_PARALLEL"
 DECODE_SERVICE = "PDSERVE_DECODE_SERVICE"  # decode: the headless Service giving pods stable DNS
 DRAIN_TIMEOUT_SECONDS = "PDSERVE_DRAIN_TIMEOUT_SECONDS"  # decode: how long /drain may wait
 

@@ -179,8 +179,10 @@ def _resources(role: str, spec: s.PDInferenceServiceSpec, overrides: s.PodOverri
     limits = {k: _quantity(v) for k, v in overrides.resources.limits.items()}
     device = spec.device
     if role in ("prefill", "decode") and device.type != "cpu" and device.resource_name and device.count:
-        # Extended resources must be requested with requests == limits; spec.device wins.
-        requests[device.resource_name] = limits[device.resource_name] = _quantity(device.count)
+        # Extended resources must be requested with requests == limits; spec.device wins. A
+        # tensor-parallel prefill pod runs one rank per device.count of them.
+        ranks = spec.prefill.tensor_parallel_size if role == "prefill" else 1
+        requests[device.resource_name] = limits[device.resource_name] = _quantity(device.count * ranks)
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
@@ -281,6 +283,8 @@ def _router_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, 
 
 def _prefill_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
     env = [_val(E.LAYERS_PER_CHUNK, spec.prefill.layers_per_chunk)]
+    if spec.prefill.tensor_parallel_size > 1:  # rank 0 (the container's process) starts the others
+        env.append(_val(E.TENSOR_PARALLEL, spec.prefill.tensor_parallel_size))
     if spec.prefill.prefix_cache_tokens is not None:  # unset: the worker sizes it from its memory limit
         env.append(_val(E.PREFIX_CACHE_TOKENS, spec.prefill.prefix_cache_tokens))
     if spec.prefill.prefix_disk_gib is not None:

@@ -293,11 +293,28 @@ def test_info_with_layer_shards_counts_each_members_share(tmp_path):
     assert (small["slots"], small["weights_fit"]) == (0, False)
 
 
+def test_info_with_tp_shows_each_ranks_share_and_refuses_a_size_the_heads_cannot_take(tmp_path):
+    config = ModelConfig.from_hf(QWEN25_7B_INSTRUCT)  # 28 query heads over 4 KV heads
+    ranks = report(_qwen_folder(tmp_path), "bfloat16", 8192, tp=4)["tensor_parallel"]
+    assert [(r["heads"], r["kv_heads"]) for r in ranks] == [([7 * i, 7 * i + 6], [i, i]) for i in range(4)]
+    assert all(r["kv_bytes_per_token"] == config.kv_bytes_per_token() // 4 for r in ranks)
+    globals_ = 2 * 152064 * 3584 + 3584  # embedding, head, final norm: replicated on every rank
+    norms = 28 * 2 * 3584  # each layer's two RMSNorm weights: replicated too
+    layers = parameter_count(config) - globals_ - norms
+    assert ranks[0]["weights_bytes"] == (globals_ + norms + layers // 4) * 2
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve_worker.cli.main", "info", "--model", str(_qwen_folder(tmp_path)), "--tp", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "sizes that work: [1, 2, 4, 28]" in out.stderr, out.stderr
+
+
 def test_info_works_without_torch(tmp_path):
     folder = _qwen_folder(tmp_path)
     code = (
         "import sys; sys.modules['torch'] = None; from pdserve_worker.cli.main import main; "
-        f"sys.exit(main(['info', '--model', {str(folder)!r}, '--memory', '80GB']))"
+        f"sys.exit(main(['info', '--model', {str(folder)!r}, '--memory', '80GB', '--tp', '2']))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -108,6 +108,21 @@ def test_device_resources_and_user_overrides() -> None:
     assert "resources" not in container(objs[("Deployment", "svc-router")])
 
 
+def test_a_tensor_parallel_prefill_pod_asks_for_a_device_per_rank_and_starts_its_ranks() -> None:
+    objs = render(
+        {
+            "device": {"type": "npu", "resourceName": "huawei.com/Ascend910", "count": 1},
+            "prefill": {"tensorParallelSize": 3},
+        }
+    )
+    pre, dec = objs[("Deployment", "svc-prefill")], objs[("StatefulSet", "svc-decode")]
+    assert container(pre)["resources"]["limits"] == {"huawei.com/Ascend910": "3"}
+    assert container(dec)["resources"]["limits"] == {"huawei.com/Ascend910": "1"}
+    assert env(pre)["PDSERVE_TENSOR_PARALLEL"] == "3"
+    assert "PDSERVE_TENSOR_PARALLEL" not in env(dec)
+    assert "PDSERVE_TENSOR_PARALLEL" not in env(render({})[("Deployment", "svc-prefill")])
+
+
 def test_pods_are_non_root_with_probes_and_decode_drains() -> None:
     objs = render({"decode": {"drainTimeoutSeconds": 90}})
     for kind, name in (("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router")):

@@ -89,7 +89,7 @@ def test_schema_defaults_equal_the_model_defaults() -> None:
 
 
 def _rules_with_models() -> list[tuple[type[s.Model], s.Rule]]:
-    models = [s.DeviceSpec, s.DecodeSpec, s.RouterServiceSpec, s.PDInferenceServiceSpec]
+    models = [s.DeviceSpec, s.DecodeSpec, s.PrefillSpec, s.RouterServiceSpec, s.PDInferenceServiceSpec]
     return [(m, r) for m in models for r in m.rules]
 
 
@@ -99,6 +99,10 @@ device = st.fixed_dictionaries(
 )
 decode = st.fixed_dictionaries(
     {"readiness": st.sampled_from(["interrupt", "poll", "spin"])}, optional={"pollIntervalMicros": st.integers(1, 500)}
+)
+prefill = st.fixed_dictionaries(
+    {"tensorParallelSize": st.sampled_from([1, 3])},
+    optional={"prefixCacheTokens": st.sampled_from([0, 4096]), "prefixDiskGib": st.integers(1, 4)},
 )
 service = st.fixed_dictionaries(
     {"type": st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"])},
@@ -117,14 +121,23 @@ spec_doc = st.fixed_dictionaries(
         "transfer": st.fixed_dictionaries({"backend": st.sampled_from(["hixl", "cpu", "auto"])}),
     }
 )
-_SCHEMAS = {m: crd.model_schema(m) for m in (s.DeviceSpec, s.DecodeSpec, s.RouterServiceSpec, s.PDInferenceServiceSpec)}
+_SCHEMAS = {
+    m: crd.model_schema(m)
+    for m in (s.DeviceSpec, s.DecodeSpec, s.PrefillSpec, s.RouterServiceSpec, s.PDInferenceServiceSpec)
+}
 
 
 @settings(max_examples=60, deadline=None)
-@given(dev=device, dec=decode, svc=service, whole=spec_doc)
-def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, svc: dict, whole: dict) -> None:
+@given(dev=device, dec=decode, pre=prefill, svc=service, whole=spec_doc)
+def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, pre: dict, svc: dict, whole: dict) -> None:
     """Each Rule's CEL (API server) and predicate (operator) accept exactly the same objects."""
-    samples = {s.DeviceSpec: dev, s.DecodeSpec: dec, s.RouterServiceSpec: svc, s.PDInferenceServiceSpec: whole}
+    samples = {
+        s.DeviceSpec: dev,
+        s.DecodeSpec: dec,
+        s.PrefillSpec: pre,
+        s.RouterServiceSpec: svc,
+        s.PDInferenceServiceSpec: whole,
+    }
     for model, rule in _rules_with_models():
         doc = samples[model]
         # What the API server evaluates: the stored (defaulted) form.
@@ -148,6 +161,8 @@ def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, svc: dict, whole
     [
         ({"decode": {"layerShards": 31}}, "decode.layerShards"),
         ({"prefill": {"layersPerChunk": 40}}, "prefill.layersPerChunk"),
+        ({"prefill": {"tensorParallelSize": 2}}, "sizes that work: [1, 3, 9]"),
+        ({"prefill": {"tensorParallelSize": 3, "prefixCacheTokens": 512}}, "prefix cache is off in a tensor-parallel"),
         ({"model": {"source": "builtin:llama9000"}}, "unknown built-in model"),
         ({"device": {"type": "cuda"}}, "spec.device: resourceName is required"),
         ({"decode": {"pollIntervalMicros": 10}}, "pollIntervalMicros is only meaningful"),

@@ -16,11 +16,21 @@ class BuiltinModel:
 
     name: str
     layers: int
+    heads: int
+    kv_heads: int
+
+    def tensor_parallel_sizes(self) -> list[int]:
+        """The sizes that split its heads (the worker's model/layers/tensor_parallel.valid_sizes)."""
+        return [
+            t
+            for t in range(1, self.heads + 1)
+            if self.heads % t == 0 and (self.kv_heads % t == 0 or t % self.kv_heads == 0)
+        ]
 
 
 # Models selectable as `source: builtin:<key>`; must match what the worker image bundles.
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2": BuiltinModel(name="SmolLM2-135M-Instruct", layers=30),
+    "smollm2": BuiltinModel(name="SmolLM2-135M-Instruct", layers=30, heads=9, kv_heads=3),
 }
 
 

@@ -36,6 +36,30 @@ class PrefillSpec(PodOverrides):
         "container restarts, not across pod deletion) holding every cached block, read back on a hit, checked, LRU. "
         "Unset: RAM only.",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks per prefill pod: one process per rank, each holding a share of every "
+        "layer's heads (all_reduce inside the pod through the device's collective library) and pushing its own KV "
+        "heads to decode; the pod asks for device.count x tensorParallelSize accelerators. Must split the "
+        "model's heads (pdserve info --tp N). The prefix cache is off in a tensor-parallel prefill.",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.tensorParallelSize == 1 || !has(self.prefixCacheTokens) || self.prefixCacheTokens == 0",
+            message="prefixCacheTokens: the prefix cache is off in a tensor-parallel prefill (tensorParallelSize > 1)",
+            holds=lambda p: p.tensor_parallel_size == 1 or not p.prefix_cache_tokens,
+            field="prefixCacheTokens",
+        ),
+        Rule(
+            cel="self.tensorParallelSize == 1 || !has(self.prefixDiskGib)",
+            message="prefixDiskGib: the prefix cache is off in a tensor-parallel prefill (tensorParallelSize > 1)",
+            holds=lambda p: p.tensor_parallel_size == 1 or p.prefix_disk_gib is None,
+            field="prefixDiskGib",
+        ),
+    )
 
 
 class DecodeSpec(PodOverrides):

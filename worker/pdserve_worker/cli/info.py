@@ -2,7 +2,7 @@
 how this CPU runs the model (the dtype `--dtype auto` picks, each dtype's matmul route and the
 quantized routes: the first thing to look at when decode is slower than expected).
 
-`pdserve info --model PATH [--dtype D] [--weights W] [--max-len N] [--memory 64GiB] [--layer-shards K]`
+`pdserve info --model PATH [--dtype D] [--weights W] [--max-len N] [--memory 64GiB] [--layer-shards K] [--tp N]`
 instead describes a model (HF folder or GGUF file) without loading it: architecture,
 parameters, dtype, the route of each layer type on a CPU worker with `--weights` and the bytes
 it holds there, KV bytes per token, and how many KV slots of `--max-len` tokens fit in
@@ -50,6 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--memory", default=None, help="device memory per worker, e.g. 64GiB, 32Gi, 80GB: how many slots fit"
     )
     p.add_argument("--layer-shards", type=int, default=1, help="decode workers one model is split over (default 1)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of an instance: each rank's heads, weights and KV bytes (refused, naming "
+        "the sizes that work, when they do not split the model's heads)",
+    )
     p.set_defaults(func=run)
 
 
@@ -79,12 +86,14 @@ def _model(args: argparse.Namespace) -> int:
 
     try:
         memory = parse_bytes(args.memory) if args.memory is not None else None
-        if (args.max_len is not None and args.max_len <= 0) or args.layer_shards <= 0:
+        if (args.max_len is not None and args.max_len <= 0) or args.layer_shards <= 0 or args.tp <= 0:
             raise ValueError(
-                f"--max-len and --layer-shards must be positive, got {args.max_len} and {args.layer_shards}"
+                f"--max-len, --layer-shards and --tp must be positive, got {args.max_len}, {args.layer_shards}, "
+                f"{args.tp}"
             )
         model = model_argument(args.model) or default_model_path()  # builtin:smollm2: the bundled GGUF
-        print(json.dumps(report(model, args.dtype, args.max_len, memory, args.layer_shards, args.weights), indent=2))
+        described = report(model, args.dtype, args.max_len, memory, args.layer_shards, args.weights, args.tp)
+        print(json.dumps(described, indent=2))
     except (OSError, ValueError) as exc:
         print(f"pdserve info: {exc}", file=sys.stderr)
         return 2

@@ -55,6 +55,13 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
         help="processes per decode instance, each holding a share of the layers (default 1)",
     )
     p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per prefill instance, one process each (default 1); must split the "
+        "model's heads (pdserve info --tp N says)",
+    )
+    p.add_argument(
         "--transfer",
         choices=["cpu", "two-sided"],
         default="cpu",
@@ -229,7 +236,7 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     names = (
         "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
         "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk prefill_chunk_tokens layer_shards "
-        "transfer tls "
+        "prefill_tp transfer tls "
         "api_keys log_dir"
     ).split()
     return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)

@@ -21,7 +21,6 @@ server speak mutual TLS only (no plaintext gRPC port is open), and the router se
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -44,6 +43,7 @@ from pdserve_common import pod_env as E
 from pdserve_common.credentials import pod_env
 from pdserve_worker.model.loading.default_model import model_argument
 from pdserve_worker.serving import settings as S
+from pdserve_worker.util.children import die_with_parent
 from pdserve_worker.util.free_ports import free_port
 from pdserve_worker.util.tls_certs import CertFiles, tls_env, write_run_certificates
 
@@ -79,6 +79,7 @@ class LocalPlan:
     layers_per_chunk: int = 4
     prefill_chunk_tokens: int = 512  # colocated: prompt positions between two decode steps
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
+    prefill_tp: int = 1  # tensor-parallel ranks per prefill instance (rank 0 starts the others)
     readiness: str = "interrupt"
     # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
     # baseline of seed 002's experiment (transfer/backends/two_sided.py; benchmarks only).
@@ -101,10 +102,12 @@ class LocalPlan:
             raise ValueError(f"a PD deployment needs at least 1 prefill and 1 decode, got {self.prefill}/{self.decode}")
         if self.layer_shards < 1:
             raise ValueError(f"layer_shards must be >= 1, got {self.layer_shards}")
+        if self.prefill_tp < 1:
+            raise ValueError(f"prefill_tp must be >= 1, got {self.prefill_tp}")
 
     @property
     def model_processes(self) -> int:
-        return 1 if self.colocated else self.prefill + self.decode * self.layer_shards
+        return 1 if self.colocated else self.prefill * self.prefill_tp + self.decode * self.layer_shards
 
     def memory_share(self) -> float:
         """The part of the machine's memory each model process may size its caches from."""
@@ -129,15 +132,6 @@ def auto_dtype() -> str:
     except (ImportError, AttributeError):
         native = False
     return "bfloat16" if native else "float32"
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux), so no child outlives us."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def source_env() -> dict[str, str]:
@@ -182,7 +176,7 @@ class Child:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         finally:
             log.close()
@@ -257,7 +251,9 @@ class LocalDeployment:
             for i in range(self.plan.decode):
                 self._spawn_decode_group(i)
             for i in range(self.plan.prefill):
-                self._spawn(f"prefill-{i}", "prefill", self._worker_env("prefill", f"prefill-{i}", free_port()))
+                env = self._worker_env("prefill", f"prefill-{i}", free_port())
+                env[E.TENSOR_PARALLEL] = str(self.plan.prefill_tp)  # (rank 0 starts the other ranks)
+                self._spawn(f"prefill-{i}", "prefill", env)
             self._spawn("router-0", "router", self._worker_env("router", "router-0", self.port))
             for i in range(1, self.plan.routers):  # more routers of the same service (one broker)
                 self._spawn(f"router-{i}", "router", self._worker_env("router", f"router-{i}", free_port()))

@@ -146,8 +146,10 @@ class ModelConfig:
         dtype: str = "bfloat16",
         first_layer: int = 0,
         num_layers: int | None = None,
+        first_head: int = 0,
     ) -> KVLayout:
-        """The KV pool geometry for this model: all layers, or `num_layers` from `first_layer`."""
+        """The KV pool geometry for this model: all layers, or `num_layers` from `first_layer`
+        (`first_head`: where a tensor-parallel rank's KV heads start among the whole model's)."""
         count = self.num_layers - first_layer if num_layers is None else num_layers
         if first_layer < 0 or count <= 0 or first_layer + count > self.num_layers:
             raise ValueError(
@@ -162,6 +164,7 @@ class ModelConfig:
             head_dim=self.head_dim,
             dtype=dtype,
             first_layer=first_layer,
+            first_head=first_head,
         )
 
     # ---- HF config.json -------------------------------------------------------------------

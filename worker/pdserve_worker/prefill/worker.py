@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import threading
 import time
 from collections import OrderedDict, deque
@@ -61,10 +63,21 @@ from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import draw_first, prompt_token_logprobs, stop_token_ids
+from pdserve_worker.prefill.tp_rank import (
+    IDLE,
+    STOP,
+    PassPlan,
+    PassPrompt,
+    RankReport,
+    check_targets,
+    pushed_heads,
+    scratch_layout,
+)
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import logprobs_to_proto, push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.serving.tp_group import TPGroup
 from pdserve_worker.serving.worker_metrics import WorkerMetrics
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
@@ -82,6 +95,11 @@ JobKey = tuple[str, int, int]  # (request_id, slot, generation) of the request's
 
 class PrefillCancelled(Exception):
     """The router cancelled this prefill (worker.proto's Prefill.Cancel)."""
+
+
+class InstanceBroken(RuntimeError):
+    """The tensor-parallel group of this instance broke (a rank died or hangs): the router tries
+    another prefill (UNAVAILABLE), and this one restarts as one."""
 
 
 class _AllEnded(Exception):
@@ -107,6 +125,7 @@ class _Job:
     cache_scope: str = ""  # which cached prefixes it may reuse (api/cache_scope.py)
     prefetch: Any = None  # its prefix blocks being read from the disk tier (PrefixStore.prefetch)
     prompt_states: Any = None  # the prompt's final hidden states, kept when it asks for prompt logprobs
+    peer_bytes: int = 0  # KV bytes the other tensor-parallel ranks pushed for it
 
     @property
     def echo(self) -> bool:
@@ -148,26 +167,44 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        loaded: LoadedModel,
+        backend: TransferBackend,
+        revision: str,
+        group: TPGroup | None = None,
+    ) -> None:
         self.settings = settings
         self.loaded = loaded
         self.backend = backend
         self.revision = revision
-        # One scratch slot per prompt of a pass.
-        layout = loaded.config.kv_layout(settings.prefill_batch, settings.max_length, settings.model_dtype)
+        # Rank 0 of a tensor-parallel instance (prefill/tp_rank.py): the others follow its passes.
+        self.group = group
+        self.fatal: str | None = None  # why the instance must restart (its group broke)
+        self._last_collective = time.monotonic()
+        self._heartbeat: asyncio.Task[None] | None = None
+        # One scratch slot per prompt of a pass (a tensor-parallel rank's: its KV heads only).
+        layout = scratch_layout(settings, loaded)
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = KVCache(layout, self.pool.tensor)
-        self.source = PushSource(self.pool.base_addr, layout, slot=0)
-        self.prefix = open_prefix_store(
-            layout,
-            settings.prefix_cache_tokens,
-            settings.memory_share,
-            settings.prefix_block_tokens,
-            revision,
-            device=settings.device,
-            logger=log,
-            disk_dir=settings.prefix_disk_dir,
-            disk_bytes=settings.prefix_disk_bytes,
+        self.source = PushSource(self.pool.base_addr, layout, slot=0, heads=pushed_heads(loaded))
+        if group is not None and settings.prefix_cache_tokens != 0:
+            log.info(kv(event="prefix_cache_off", reason="tensor_parallel", tp=group.size))
+        self.prefix = (
+            None
+            if group is not None
+            else open_prefix_store(
+                layout,
+                settings.prefix_cache_tokens,
+                settings.memory_share,
+                settings.prefix_block_tokens,
+                revision,
+                device=settings.device,
+                logger=log,
+                disk_dir=settings.prefix_disk_dir,
+                disk_bytes=settings.prefix_disk_bytes,
+            )
         )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")
         self._pending: deque[_Job] = deque()
@@ -192,8 +229,37 @@ class PrefillWorker:
         worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
 
     async def start(self, broker: BrokerClient) -> None:
-        """Follow the decode membership: a decode that leaves is disconnected (`on_member`)."""
+        """Follow the decode membership: a decode that leaves is disconnected (`on_member`); with
+        tensor parallelism, keep the other ranks' wait for the next pass within its timeout."""
         await broker.watch([Role.DECODE], listener=self.on_member)
+        if self.group is not None:
+            self._heartbeat = asyncio.get_running_loop().create_task(self._keep_ranks_waiting(), name="tp-idle")
+
+    async def _keep_ranks_waiting(self) -> None:
+        period = self.group.spec.timeout_s / 4 if self.group is not None else 1.0
+        while self.fatal is None:
+            await asyncio.sleep(period / 2)
+            if time.monotonic() - self._last_collective > period and not self.queued:
+                self._compute.submit(self._tell_ranks, IDLE)
+
+    def _tell_ranks(self, what: str) -> None:
+        """(compute thread) IDLE or STOP to the other ranks, unless a pass just spoke to them."""
+        if self.group is None or self.fatal is not None:
+            return
+        if what == IDLE and time.monotonic() - self._last_collective < self.group.spec.timeout_s / 8:
+            return
+        try:
+            self.group.broadcast(what)
+            self._last_collective = time.monotonic()
+        except Exception as exc:  # a rank is gone: the instance restarts as one
+            self._broken(exc)
+
+    def _broken(self, exc: BaseException) -> None:
+        """The group broke: refuse new prompts and stop the process (exit non-zero: worker_main)."""
+        if self.fatal is None:
+            self.fatal = f"tensor-parallel group broke: {exc}"
+            log.error(kv(event="tp_group_broken", error=str(exc)))
+            os.kill(os.getpid(), signal.SIGTERM)
 
     async def drain(self, timeout_s: float) -> bool:
         """Take no new prompts (a Prefill is refused UNAVAILABLE, nothing put: the router tries
@@ -230,7 +296,12 @@ class PrefillWorker:
 
     def close(self) -> None:
         """Stop computing; `free` after the engine is finalized (no put of ours still reads)."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         self._compute.shutdown(wait=True, cancel_futures=True)
+        if self.group is not None:  # the other ranks stop with us (no pass runs any more)
+            self._tell_ranks(STOP)
+            self.group.close()
         if self.prefix is not None:
             self.prefix.close()  # the disk tier's writes queued so far land
         self.pool.deregister()
@@ -278,6 +349,8 @@ class PrefillWorker:
         Raises `PrefillCancelled` when cancelled; every failure carries `push_settled`."""
         first = targets[0]
         key = (request_id, first.slot, first.generation)
+        if self.fatal is not None:
+            raise _mark(InstanceBroken(f"prefill {self.settings.member_id}: {self.fatal}"), True)
         if self._early_cancels.pop(key, 0.0) > time.monotonic():
             raise _mark(PrefillCancelled(f"prefill of request {request_id} was cancelled before it arrived"), True)
         loop = asyncio.get_running_loop()
@@ -331,6 +404,9 @@ class PrefillWorker:
         try:
             self._run(batch)
         except BaseException as exc:  # the compute itself failed: every job still open fails with it
+            if self.group is not None:  # the ranks may be anywhere in the pass: the instance restarts
+                self._broken(exc)
+                exc = InstanceBroken(f"prefill {self.settings.member_id}: {self.fatal}")
             for job in batch:
                 if not job.settled:
                     self._fail(job, exc, True if job.pusher is None else self._quiesce(job.pusher))
@@ -345,14 +421,38 @@ class PrefillWorker:
         live = self._open_pushers(batch)
         if not live:
             return
+        if self.group is not None:  # the other ranks compute the same pass and push their heads
+            self._last_collective = time.monotonic()
+            self.group.broadcast(self._pass_plan(live))
         computed_pass = self._forward(live)
         if computed_pass is None:
             return  # every prompt of the pass ended before its last layer
         logits, cached = computed_pass
+        if self.group is not None:
+            self._merge_ranks(live, self.group.gather(None))
         computed = time.perf_counter()
         for row, (slot, job) in enumerate(live):
             if not job.settled:
                 self._finish(job, logits[row], cached.get(slot, 0), len(live), started, computed)
+
+    def _pass_plan(self, live: list[tuple[int, _Job]]) -> PassPlan:
+        prompts = tuple(PassPrompt(j.request_id, slot, tuple(j.prompt), tuple(j.targets)) for slot, j in live)
+        return PassPlan(prompts, self.settings.layers_per_chunk)
+
+    def _merge_ranks(self, live: list[tuple[int, _Job]], reports: list[Any] | None) -> None:
+        """The other ranks' outcomes: a prompt any rank failed fails here (before its notify),
+        its push settled only if every rank's is."""
+        per_rank: list[list[RankReport]] = (reports or [])[1:]
+        for rank, rank_reports in enumerate(per_rank, start=1):
+            for (_, job), report in zip(live, rank_reports, strict=True):
+                self.metrics.observe_rank_bytes(rank, report.kv_bytes)
+                job.peer_bytes += report.kv_bytes
+                if report.pushed or job.settled:
+                    continue
+                assert job.pusher is not None
+                self.metrics.observe_transfer_failure()
+                settled = self._quiesce(job.pusher) and report.settled
+                self._fail(job, PushError(report.error, job.targets[0]), settled)
 
     def _open_pushers(self, batch: list[_Job]) -> list[tuple[int, _Job]]:
         """(scratch slot, job) for every prompt still wanted whose targets can be reached."""
@@ -365,9 +465,10 @@ class PrefillWorker:
                 )
                 continue
             try:
+                check_targets(self.loaded, job.targets)
                 job.pusher = KVPusher(
                     self.backend,
-                    PushSource(self.pool.base_addr, self.cache.layout, slot=slot),
+                    PushSource(self.pool.base_addr, self.cache.layout, slot=slot, heads=self.source.heads),
                     job.targets,
                     len(job.prompt),
                     queue_depth=s.queue_depth,
@@ -384,7 +485,8 @@ class PrefillWorker:
         """The forward pass, each prompt after the longest prefix its cache holds: the logits of
         each prompt's last position and the tokens taken from the cache (None: all ended)."""
         s, model = self.settings, self.loaded.model
-        on_chunk = _ChunkPushes(self, live)
+        # (tensor-parallel ranks compute in lockstep: the pass never stops early on rank 0 alone)
+        on_chunk = _ChunkPushes(self, live, stop_early=self.group is None)
         uses: dict[int, PrefixUse] = {}
         final: list[Any] = []  # the final hidden states, when a prompt asks for its logprobs
         keep = {"on_final": final.append} if any(job.echo for _, job in live) else {}
@@ -451,7 +553,9 @@ class PrefillWorker:
             return
         done = time.perf_counter()
         self.served += 1
-        self.metrics.observe_prefilled(len(job.prompt), stats.bytes, stats.seconds, done - job.accepted)
+        self.metrics.observe_rank_bytes(0, stats.bytes)
+        kv_bytes = stats.bytes + job.peer_bytes  # (every rank's share)
+        self.metrics.observe_prefilled(len(job.prompt), kv_bytes, stats.seconds, done - job.accepted)
         log.info(
             kv(
                 event="prefill_done",
@@ -460,7 +564,7 @@ class PrefillWorker:
                 cached=cached,
                 targets=len(job.targets),
                 batch=batch,
-                kv_bytes=stats.bytes,
+                kv_bytes=kv_bytes,
                 queued_ms=round((started - job.accepted) * 1000, 1),
                 compute_ms=round((computed - started) * 1000, 1),
                 push_ms=round(stats.seconds * 1000, 1),
@@ -471,7 +575,7 @@ class PrefillWorker:
             PrefillResult(
                 first,
                 len(job.prompt),
-                stats.bytes,
+                kv_bytes,
                 stats.seconds,
                 done - job.accepted,
                 cached,
@@ -522,8 +626,8 @@ class _ChunkPushes:
     """The `on_chunk` of one pass: after each chunk of layers, record its compute and push it for
     every prompt still live; raise `_AllEnded` once none is (the pass stops early)."""
 
-    def __init__(self, worker: PrefillWorker, live: list[tuple[int, _Job]]) -> None:
-        self.worker, self.live = worker, live
+    def __init__(self, worker: PrefillWorker, live: list[tuple[int, _Job]], stop_early: bool = True) -> None:
+        self.worker, self.live, self.stop_early = worker, live, stop_early
         self.started_ns = tracing.now_ns()
 
     def __call__(self, layers: range) -> None:
@@ -532,7 +636,7 @@ class _ChunkPushes:
             if not job.settled:
                 self._push(job, layers, computed_ns)
         self.started_ns = tracing.now_ns()
-        if all(job.settled for _, job in self.live):
+        if self.stop_early and all(job.settled for _, job in self.live):
             raise _AllEnded
 
     def _push(self, job: _Job, layers: range, computed_ns: int) -> None:
@@ -651,6 +755,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         except PushError as exc:
             log.warning(kv(event="push_failed", request=request.request_id, error=str(exc)))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}", settled_trailer(False))
+        except InstanceBroken as exc:  # another prefill can serve it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), settled_trailer(push_settled_of(exc)))
         except ValueError as exc:  # a target whose layout does not fit this model's KV
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), settled_trailer(push_settled_of(exc)))
         except Exception as exc:  # noqa: BLE001 - a bug: logged in full, answered without internals

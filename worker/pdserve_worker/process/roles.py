@@ -22,6 +22,7 @@ from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.serving.tp_group import TPGroup
 from pdserve_worker.transfer.base import TransferBackend
 
 
@@ -65,7 +66,11 @@ def grpc_max_message(settings: WorkerSettings, hidden_size: int) -> int:
 
 
 async def make_role(
-    settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str
+    settings: WorkerSettings,
+    loaded: LoadedModel,
+    backend: TransferBackend,
+    revision: str,
+    tp_group: TPGroup | None = None,
 ) -> ServingRole:
     """The role `settings` asks for, over a loaded model and an initialized engine. A group's
     leader first waits for its followers to describe their pools (ShardError if they do not)."""
@@ -77,4 +82,4 @@ async def make_role(
             max_message = grpc_max_message(settings, loaded.config.hidden_size)
             group = await connect_group(settings, loaded.model.layer_range, max_message)
         return DecodeWorker(settings, loaded, backend, revision, group=group)
-    return PrefillWorker(settings, loaded, backend, revision)
+    return PrefillWorker(settings, loaded, backend, revision, group=tp_group)

@@ -26,6 +26,7 @@ benchmarks and a one-process `pdserve local --colocated`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -42,22 +43,21 @@ from pdserve_worker.process.pod_http import (
     serve_in_background,
     worker_app,
 )
+from pdserve_worker.process.startup import StartupError, start_engine
 from pdserve_worker.serving.settings import WorkerSettings, model_revision
 from pdserve_worker.util.fresh_thread import run_in_fresh_thread
 
 if TYPE_CHECKING:
     from pdserve_worker.model.loading.loader import LoadedModel
     from pdserve_worker.process.roles import ServingRole
+    from pdserve_worker.process.tp_ranks import Ranks
     from pdserve_worker.rpc.broker_client import BrokerClient
+    from pdserve_worker.serving.tp_group import TPGroup
     from pdserve_worker.transfer.base import TransferBackend
 
 log = logging.getLogger("pdserve.worker")
 
 REGISTER_TIMEOUT_S = 120.0
-
-
-class StartupError(RuntimeError):
-    """The worker cannot start (bad model, taken port, broker refused it); the message says why."""
 
 
 def _stop_event() -> asyncio.Event:
@@ -135,12 +135,14 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     server: grpc.aio.Server | None = None
     front: Any = None  # the gRPC port's per-address cap (pdserve_common/grpc_front.py)
     role: ServingRole | None = None
+    ranks: Ranks | None = None  # a tensor-parallel instance's other ranks (process/tp_ranks.py)
     try:
         serve_with(settings.torch_threads)  # (serving/torch_threads.py)
         process.state.phase = "loading"
-        loaded, revision = await _load_model(settings)
-        backend = _start_engine(settings)
-        role = process.role = await _make_role(settings, loaded, backend, revision)
+        ranks, settings, group = await _tp_group(settings)
+        loaded, revision = await _load_model(settings, group)
+        backend = start_engine(settings)
+        role = process.role = await _make_role(settings, loaded, backend, revision, group)
         metrics = getattr(role, "metrics", None)  # a group's follower reports through its leader
         if metrics is not None:
             process.state.metrics = metrics.exposition
@@ -159,6 +161,9 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         await _until(stop, http.task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
         await process.leave()
+        fatal = getattr(role, "fatal", None)
+        if fatal:  # (exit non-zero: the pod's restart brings the instance back)
+            raise StartupError(fatal)
     finally:
         process.state.phase = "stopping"
         await process.broker.close()
@@ -170,7 +175,25 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
             if running is not None:
                 await running.stop()
         _let_go(role, backend)
+        if ranks is not None:
+            ranks.stop()
         log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
+
+
+async def _tp_group(settings: WorkerSettings) -> tuple[Ranks | None, WorkerSettings, TPGroup | None]:
+    """A tensor-parallel instance's rank 0 starts the other ranks and joins the group with them
+    (process/tp_ranks.py); returns them, its settings with the rendezvous, and the group."""
+    from pdserve_worker.process.tp_ranks import group_spec, start_ranks
+    from pdserve_worker.serving.tp_group import TPGroup
+
+    if settings.tensor_parallel == 1:
+        return None, settings, None
+    ranks, settings = start_ranks(settings)
+    try:
+        return ranks, settings, await run_in_fresh_thread(TPGroup, group_spec(settings))
+    except (RuntimeError, ValueError) as exc:
+        ranks.stop()
+        raise StartupError(f"tensor-parallel group of {settings.tensor_parallel} did not form: {exc}") from exc
 
 
 def _let_go(role: ServingRole | None, backend: TransferBackend | None) -> None:
@@ -277,8 +300,9 @@ class _Membership:
             await self.broker.deregister()
 
 
-async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
-    """The model (a layer-sharded decode member loads only its share) and its revision."""
+async def _load_model(settings: WorkerSettings, group: TPGroup | None = None) -> tuple[LoadedModel, str]:
+    """The model (a layer-sharded decode member loads only its share, a tensor-parallel rank its
+    heads) and its revision."""
     from pdserve_worker.decode.shard import member_layers
     from pdserve_worker.model.loading.loader import load_model
 
@@ -287,8 +311,10 @@ async def _load_model(settings: WorkerSettings) -> tuple[LoadedModel, str]:
         folder = await run_in_fresh_thread(resolve_model_folder, settings)
         layers = member_layers(settings, folder)
         # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
+        tp = {} if group is None else {"tp": (group.size, group.rank), "reduce": group.all_reduce}
+        load = functools.partial(load_model, **tp)
         loaded = await run_in_fresh_thread(
-            load_model, settings.model_path, settings.model_dtype, settings.device, layers, settings.weights
+            load, settings.model_path, settings.model_dtype, settings.device, layers, settings.weights
         )
         loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
         await _warm_up(loaded)
@@ -305,37 +331,14 @@ async def _warm_up(loaded: LoadedModel) -> None:
     log.info(kv(event="model_warmed", seconds=round(seconds, 3)))
 
 
-def _start_engine(settings: WorkerSettings) -> TransferBackend:
-    """The transfer engine, initialized. A prefill connects out only: it listens on no transfer
-    port. A decode admits only peers holding the service's link key, and (unless it is a group
-    follower, which has no slot table) lets them write only into reserved slots (service_link.py)."""
-    from pdserve_worker.decode.shard import is_follower
-    from pdserve_worker.transfer.registry import create_engine
-    from pdserve_worker.transfer.service_link import engine_options, local_engine_id
-
-    backend = create_engine(settings.transfer_backend)
-    engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
-    options = engine_options(
-        backend.name,
-        settings.kv_keys().link,
-        settings.engine_options,
-        leased_writes=settings.role == "decode" and not is_follower(settings),
-    )
-    status = backend.engine.initialize(engine_id, options)
-    if status != backend.api.SUCCESS:
-        raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
-    log.info(kv(event="transfer_engine_started", backend=backend.name, engine=engine_id))
-    return backend
-
-
 async def _make_role(
-    settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str
+    settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str, group: TPGroup | None
 ) -> ServingRole:
     from pdserve_worker.decode.shard import ShardError
     from pdserve_worker.process.roles import make_role
 
     try:
-        return await make_role(settings, loaded, backend, revision)
+        return await make_role(settings, loaded, backend, revision, group)
     except ShardError as exc:
         raise StartupError(str(exc)) from exc
 

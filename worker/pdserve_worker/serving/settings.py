@@ -59,6 +59,10 @@ HTTP_REQUEST_DEADLINE_S = "PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS"
 HTTP_MAX_CONNECTIONS = "PDSERVE_HTTP_MAX_CONNECTIONS"
 HTTP_MAX_CONNECTIONS_PER_PEER = "PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER"
 WORKER_HTTP_PER_PEER = 64  # a prefill's or decode's pod port: probes and metrics
+# A tensor-parallel instance's other ranks (prefill/tp_rank.py): rank 0 starts them with these.
+TP_RANK = "PDSERVE_TP_RANK"  # this process's rank (0: the instance's face, the others follow it)
+TP_ADDRESS = "PDSERVE_TP_ADDRESS"  # the group's rendezvous (file:///path or host:port)
+TP_TIMEOUT_S = "PDSERVE_TP_TIMEOUT_SECONDS"  # a collective not done in this long means a rank died or hangs
 
 Role = Literal["prefill", "decode", "router", "colocated"]
 BUILTIN_PREFIX = "builtin:"
@@ -128,6 +132,10 @@ class WorkerSettings(BaseSettings):
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)
     warmup: bool = Field(True, validation_alias=E.WARMUP)
     layer_shards: int = Field(1, ge=1, validation_alias=E.LAYER_SHARDS)
+    tensor_parallel: int = Field(1, ge=1, le=64, validation_alias=E.TENSOR_PARALLEL)
+    tp_rank: int = Field(0, ge=0, validation_alias=TP_RANK)
+    tp_address: str = Field("", validation_alias=TP_ADDRESS)
+    tp_timeout_seconds: float = Field(60.0, gt=0, validation_alias=TP_TIMEOUT_S)
     drain_timeout_seconds: float = Field(60.0, ge=0, validation_alias=E.DRAIN_TIMEOUT_SECONDS)
     drain_mode: Literal["migrate", "resume", "wait"] = Field("migrate", validation_alias=DRAIN_MODE)
     migrate_wait_seconds: float = Field(10.0, gt=0, validation_alias=MIGRATE_WAIT_S)
@@ -186,6 +194,12 @@ class WorkerSettings(BaseSettings):
                     f"{GROUP_PEERS}: a group of {self.layer_shards} needs {self.layer_shards} member endpoints, "
                     f"got {len(self.peers)} ({self.group_peers!r}); pods derive them from {E.DECODE_SERVICE}"
                 )
+        if self.tensor_parallel != 1 and self.role != "prefill":
+            raise ValueError(
+                f"{E.TENSOR_PARALLEL}={self.tensor_parallel}: only prefill instances are tensor-parallel so far"
+            )
+        if self.tp_rank >= self.tensor_parallel:
+            raise ValueError(f"{TP_RANK}={self.tp_rank} outside a tensor-parallel group of {self.tensor_parallel}")
         tls_files = {E.TLS_CERT: self.tls_cert, E.TLS_KEY: self.tls_key, E.TLS_CA: self.tls_ca}
         if any(tls_files.values()) and not all(tls_files.values()):
             missing = ", ".join(name for name, value in tls_files.items() if not value)

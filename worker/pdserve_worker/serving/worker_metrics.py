@@ -189,6 +189,12 @@ class WorkerMetrics:
                 buckets=_PREFILL_BUCKETS,
                 registry=r,
             )
+            self.rank_kv_bytes = Counter(
+                "pdserve_prefill_rank_kv_bytes",
+                "KV bytes each tensor-parallel rank of this instance pushed (rank 0 alone without TP).",
+                ["rank"],
+                registry=r,
+            )
 
     # --- wiring (the worker calls these once) -----------------------------------------------
 
@@ -245,6 +251,10 @@ class WorkerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.prefill_seconds.observe(max(0.0, total_s))
         self.observe_transfer(kv_bytes, push_s)
+
+    def observe_rank_bytes(self, rank: int, kv_bytes: int) -> None:
+        """KV bytes one rank of a tensor-parallel prefill pushed for a prompt."""
+        self.rank_kv_bytes.labels(rank=str(rank)).inc(kv_bytes)
 
     def observe_transfer(self, kv_bytes: int, seconds: float) -> None:
         self.kv_transfer_bytes.inc(kv_bytes)

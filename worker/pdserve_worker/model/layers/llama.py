@@ -395,9 +395,11 @@ class LlamaModel:
         on_chunk: Callable[[range], None] | None = None,
         starts: Sequence[int] | None = None,
         on_final: Callable[[torch.Tensor], None] | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
         """`prefill` of several prompts in one forward pass: logits `[len(prompts), vocab]`
-        (`on_final`: the packed final hidden states of every computed position, prompt after prompt).
+        (`on_final`: the packed final hidden states of every computed position, prompt after prompt;
+        `logits=False`: the head is not run, an empty tensor — a tensor-parallel rank past 0).
 
         `starts[i]` > 0: prompt i's first `starts[i]` positions already hold its KV (a cached
         prefix); only the rest is computed.
@@ -438,6 +440,8 @@ class LlamaModel:
                 on_chunk(chunk)
         if on_final is not None:
             on_final(hidden[0])
+        if not logits:
+            return hidden.new_empty(0)
         last = torch.tensor([seg.stop - 1 for seg in plan.segments], device=self.device)
         return self.head(hidden[0, last])
 

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve_worker.model.config import ModelConfig
+
+if TYPE_CHECKING:  # (the shares are arithmetic: `pdserve info --tp` runs without torch)
+    import torch
 
 # The quantized routes' block of input columns (model/layers/quant_blocks.py GROUP): MLP slices
 # are whole multiples of it where the intermediate size allows.
@@ -117,6 +119,8 @@ class TPShard:
 def shard_weights(shard: TPShard, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The rank's tensors by HF name, with the shapes its `local_config` implies: slices (views:
     nothing is copied until the model takes them) of the layers' matrices, the rest as they are."""
+    import torch
+
     d = shard.config.head_dim
     q = slice(shard.heads.start * d, shard.heads.stop * d)
     kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)

@@ -124,6 +124,24 @@ def _read_quantized(
     return read_quantized_dir(folder, [n for n in wanted if n in stored])
 
 
+def _since(started: float) -> float:
+    return round(time.perf_counter() - started, 3)
+
+
+def _read_floats(
+    config: ModelConfig, folder: Path, held: range, quantized: dict[str, QuantizedTensor], shard: TPShard | None
+) -> dict[str, torch.Tensor]:
+    """The float tensors a model holding `held` needs (not the matrices it holds quantized, but
+    always the embedding rows: the lookup needs them); a tensor-parallel rank's slices of them."""
+    names = [
+        n
+        for n in [*weight_shapes(config, held), "rope_freqs.weight"]
+        if n not in quantized or n == "model.embed_tokens.weight"
+    ]
+    tensors = read_safetensors_dir(folder, names)
+    return tensors if shard is None else shard_weights(shard, tensors)
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: str = "bfloat16",
@@ -172,28 +190,12 @@ def load_model(
     tokenizer = Tokenizer.from_dir(folder, extra_eos_token_ids=eos)
     # (a tensor-parallel rank reads float weights and quantizes its slices: blocks are not sliced)
     quantized = _read_quantized(config, held, routes, quantized_folder if shard is None else None, stored)
-    names = [
-        n
-        for n in [*weight_shapes(config, held), "rope_freqs.weight"]
-        if n not in quantized or n == "model.embed_tokens.weight"
-    ]
-    tensors = read_safetensors_dir(folder, names)
-    if shard is not None:
-        tensors = shard_weights(shard, tensors)
-    model = LlamaModel(
-        config,
-        tensors,
-        torch_dtype(dtype),
-        torch_device,
-        layers=layers,
-        quantized=quantized,
-        routes=routes,
-        reduce=reduce,
-    )
+    tensors = _read_floats(config, folder, held, quantized, shard)
+    where = {"layers": layers, "quantized": quantized, "routes": routes, "reduce": reduce}
+    model = LlamaModel(config, tensors, torch_dtype(dtype), torch_device, **where)  # type: ignore[arg-type]
     routes_text = ",".join(f"{k}:{v}" for k, v in summary(model.routes).items())
     loaded = {"folder": folder, "dtype": dtype, "device": torch_device, "weights": weights, "routes": routes_text}
-    seconds = round(time.perf_counter() - started, 3)
     if shard is not None:
         loaded["tp"] = f"{shard.rank}/{shard.size}"
-    log.info(kv(event="model_loaded", name=name, architecture=config.architecture, **loaded, seconds=seconds))
+    log.info(kv(event="model_loaded", name=name, architecture=config.architecture, **loaded, seconds=_since(started)))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, name=name, generation=generation, tp=shard)

@@ -142,9 +142,11 @@ def report(
     memory: int | None = None,
     layer_shards: int = 1,
     weights: str = "auto",
+    tp: int = 1,
 ) -> dict[str, Any]:
     """Everything `pdserve info --model` prints, as one JSON-able dict (max_len None: the default
-    a worker would serve, `ModelConfig.serving_max_len`).
+    a worker would serve, `ModelConfig.serving_max_len`; `tp` > 1: each tensor-parallel rank's
+    share, or ValueError naming the sizes the heads allow).
 
     `weights_bytes` is the model in `dtype` (what an accelerator holds); `cpu_routes` and
     `cpu_weights_bytes` what a CPU worker with `--weights` holds (`weight_routes`)."""
@@ -188,6 +190,32 @@ def report(
         ]
     if memory is not None:
         out["memory"] = _fit(sizing, memory, layer_shards)
+    if tp > 1:
+        out["tensor_parallel"] = tp_ranks(config, dtype, routes, tp)
+    return out
+
+
+def tp_ranks(config: ModelConfig, dtype: str, routes: dict[str, str], tp: int) -> list[dict[str, Any]]:
+    """What each rank of a tensor-parallel instance holds (model/layers/tensor_parallel.py): its
+    heads, its weights (in `dtype`, and on a CPU worker's `routes`) and KV bytes per token."""
+    from pdserve_worker.model.layers.tensor_parallel import TPShard
+    from pdserve_worker.model.layers.weight_routes import loaded_weight_bytes
+
+    out = []
+    for rank in range(tp):
+        shard = TPShard(config, tp, rank)
+        local = shard.local_config
+        out.append(
+            {
+                "rank": rank,
+                "heads": [shard.heads.start, shard.heads.stop - 1],
+                "kv_heads": [shard.kv_heads.start, shard.kv_heads.stop - 1],
+                "pushes_kv": bool(shard.pushed_kv_heads),  # (a replica's rank leaves it to another)
+                "weights_bytes": parameter_count(local) * DTYPE_SIZES[dtype],
+                "cpu_weights_bytes": loaded_weight_bytes(local, dtype, routes, range(local.num_layers), tied_copy=True),
+                "kv_bytes_per_token": local.kv_bytes_per_token(dtype),
+            }
+        )
     return out
 
 

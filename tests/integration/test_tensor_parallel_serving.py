@@ -1,0 +1,158 @@
+"""Tensor-parallel prefill through real processes (issue #32): `pdserve local --prefill-tp N`
+starts a prefill instance of N rank processes (gloo all_reduce inside it), each pushing its own
+KV heads one-sided into the decode's blocks.
+
+- The greedy text equals transformers' fp32 generate (the upstream, never our own tp=1 output)
+  for llama3, qwen2 and qwen3 tiny models, at tp 2 and 4 (tp 4 over 2 KV heads replicates each).
+- Each rank pushed its share of the KV bytes (the prefill's per-rank counter), and their sum is
+  what the response reports: nothing went through rank 0 for another rank.
+- A rank killed in the middle of a prefill: the request completes through the other prefill
+  instance and the decode's blocks all come back.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from model_families import build_family, hf_greedy, hf_model
+from pdserve_worker.model.tokenizer import Tokenizer
+from support.local_run import LocalRun
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["Paris is the capital of", "Unicode: café 東京 and 12345.", "The quick brown fox jumps over the lazy dog."]
+CASES = {  # (family, config override, tensor-parallel size)
+    "llama3-tp2": ("llama3", {"num_attention_heads": 4, "num_key_value_heads": 2}, 2),
+    "llama3-tp4": ("llama3", {"num_attention_heads": 4, "num_key_value_heads": 2}, 4),  # KV heads replicated
+    "qwen2-tp2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 2),
+    "qwen3-tp2": ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2}, 2),
+}
+TOKENS = 10
+
+
+def _metric(text: str, name: str, labels: str) -> float:
+    found = re.search(rf"^{name}\{{{labels}\}} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def deployment(request, tmp_path_factory):
+    family, override, tp = CASES[request.param]
+    folder = build_family(family, tmp_path_factory.mktemp(f"tp-model-{request.param}"), **override)
+    hf = hf_model(folder)
+    tok = Tokenizer.from_dir(folder)
+    # (the server leaves special tokens out of the text, as vLLM does)
+    expected = [
+        (tok.encode(t), tok.decode(hf_greedy(hf, tok.encode(t), TOKENS), skip_special_tokens=True)) for t in TEXTS
+    ]
+    run = LocalRun.start(
+        tmp_path_factory.mktemp(f"tp-{request.param}"),
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--prefill-tp",
+        str(tp),
+        "--prefix-cache-tokens",
+        "0",
+        "--port",
+        "0",
+    )
+    try:
+        yield run, expected, tp
+    finally:
+        run.stop_cleanly()
+
+
+def test_greedy_text_equals_transformers_and_each_rank_pushes_its_share(deployment):
+    run, expected, tp = deployment
+    total = 0
+    with httpx.Client(base_url=run.url, timeout=120) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        for ids, text in expected:
+            # (repetition_penalty 1: qwen2's generation_config.json would apply 1.05, which HF's greedy does not)
+            body = {"model": model, "prompt": ids, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+            body["repetition_penalty"] = 1.0
+            reply = http.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == text
+            total += reply.json()["pdserve"]["kv_bytes"]
+        metrics = httpx.get(f"http://{run.child('prefill-0')['http']}/metrics").text
+    per_rank = [_metric(metrics, "pdserve_prefill_rank_kv_bytes_total", f'rank="{r}"') for r in range(tp)]
+    pushing = [b for b in per_rank if b]  # (with replicated KV heads, a replica's rank pushes nothing)
+    assert sum(per_rank) == total > 0
+    assert len(pushing) == min(tp, 2) and len(set(pushing)) == 1  # equal shares: each its heads only
+    assert pushing[0] == total / len(pushing)
+
+
+def _rank_pids(run: LocalRun, name: str) -> list[int]:
+    log = open(run.child(name)["log"]).read()
+    found = re.findall(r"event=tp_ranks_started size=\d+ pids=\[([\d, ]+)\]", log)
+    return [int(p) for p in found[-1].split(",")]
+
+
+def _kv_tokens_used(run: LocalRun) -> float:
+    metrics = httpx.get(f"http://{run.child('decode-0')['http']}/metrics").text
+    return float(re.search(r"^pdserve_decode_kv_tokens_used (\S+)$", metrics, re.MULTILINE).group(1))
+
+
+def test_a_rank_killed_mid_prefill_fails_over_to_another_prefill(tmp_path_factory):
+    folder = build_family("qwen3", tmp_path_factory.mktemp("tp-fault-model"))
+    run = LocalRun.start(
+        tmp_path_factory.mktemp("tp-fault"),
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--prefill-tp",
+        "2",
+        "--prefix-cache-tokens",
+        "0",
+        "--on-exit",
+        "restart",
+        "--port",
+        "0",
+    )
+    frozen = _rank_pids(run, "prefill-0")[0]
+    try:
+        # Rank 1 frozen: prefill-0's next pass starts on rank 0 and waits in its first
+        # all_reduce, mid-prefill; killing rank 1 then breaks that collective.
+        os.kill(frozen, signal.SIGSTOP)
+        with httpx.Client(base_url=run.url, timeout=120) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Paris is the capital of", "max_tokens": 8, "temperature": 0}
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(http.post, "/v1/completions", json=body) for _ in range(4)]
+                time.sleep(3.0)  # the requests are in: one at least waits on prefill-0
+                os.kill(frozen, signal.SIGKILL)
+                replies = [f.result() for f in futures]
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        assert len({r.json()["choices"][0]["text"] for r in replies}) == 1  # the same greedy text
+        prefill_log = open(run.child("prefill-0")["log"]).read()
+        assert "event=tp_group_broken" in prefill_log  # prefill-0 did serve one and lost its rank
+        deadline = time.monotonic() + 30
+        while _kv_tokens_used(run) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _kv_tokens_used(run) == 0  # every block came back
+    finally:
+        try:
+            os.kill(frozen, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        run.stop_cleanly(also=[frozen])

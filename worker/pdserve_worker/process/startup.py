@@ -1,0 +1,42 @@
+"""What every model process of a worker starts with, shared by `pdserve worker` (worker_main)
+and the other ranks of a tensor-parallel instance (tp_ranks): the transfer engine."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from pdserve_common.logs import kv
+from pdserve_worker.serving.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from pdserve_worker.transfer.base import TransferBackend
+
+log = logging.getLogger("pdserve.worker")
+
+
+class StartupError(RuntimeError):
+    """The worker cannot start (bad model, taken port, broker refused it); the message says why."""
+
+
+def start_engine(settings: WorkerSettings) -> TransferBackend:
+    """The transfer engine, initialized. A prefill connects out only: it listens on no transfer
+    port. A decode admits only peers holding the service's link key, and (unless it is a group
+    follower, which has no slot table) lets them write only into reserved slots (service_link.py)."""
+    from pdserve_worker.decode.shard import is_follower
+    from pdserve_worker.transfer.registry import create_engine
+    from pdserve_worker.transfer.service_link import engine_options, local_engine_id
+
+    backend = create_engine(settings.transfer_backend)
+    engine_id = local_engine_id(settings.role, settings.advertise_host, settings.transfer_port)
+    options = engine_options(
+        backend.name,
+        settings.kv_keys().link,
+        settings.engine_options,
+        leased_writes=settings.role == "decode" and not is_follower(settings),
+    )
+    status = backend.engine.initialize(engine_id, options)
+    if status != backend.api.SUCCESS:
+        raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
+    log.info(kv(event="transfer_engine_started", backend=backend.name, engine=engine_id))
+    return backend

@@ -1,0 +1,143 @@
+"""The processes of a tensor-parallel instance: rank 0 starts the others, each runs one rank.
+
+One rank = one process = one device, as vLLM and torchrun lay it out: rank 0 is `pdserve
+worker` itself (the pod's command), and before it loads anything it starts ranks 1..N-1 as
+`python -m pdserve_worker.process.tp_ranks`, same environment plus their rank and the group's
+rendezvous, then joins the group with them. All ranks live in the pod, so the rendezvous is a
+FileStore in a folder of rank 0's (no port to choose, nothing reachable from outside the pod);
+on an accelerator each rank takes device `rank` of the N the pod asked for.
+
+The others die with rank 0 (Linux's parent-death signal), and rank 0 ends them by PID when it
+stops; a rank that exits on its own breaks the group's next collective, which ends rank 0 too
+(prefill/tp_rank.py), so the instance restarts as one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve_common.logs import kv
+from pdserve_worker.serving import settings as S
+from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.serving.tp_group import GroupSpec
+from pdserve_worker.util.children import die_with_parent
+
+log = logging.getLogger("pdserve.tp")
+
+STOP_TIMEOUT_S = 10.0
+
+
+def bind_device(settings: WorkerSettings) -> None:
+    """On an accelerator, make device `rank` of the pod's this process's current one: every
+    tensor it makes on "cuda" or "npu" (weights, its KV pool) lands there."""
+    import torch
+
+    if settings.device == "cuda":
+        torch.cuda.set_device(settings.tp_rank)
+    elif settings.device == "npu":
+        import torch_npu  # noqa: F401  (torch.npu is torch_npu's)
+
+        torch.npu.set_device(settings.tp_rank)  # type: ignore[attr-defined]
+
+
+def group_spec(settings: WorkerSettings) -> GroupSpec:
+    return GroupSpec(
+        settings.tensor_parallel, settings.tp_rank, settings.tp_address, settings.device, settings.tp_timeout_seconds
+    )
+
+
+@dataclass
+class Ranks:
+    """Rank 0's view of the others: their processes and the rendezvous folder."""
+
+    address: str
+    folder: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def stop(self) -> None:
+        """End the other ranks by PID (SIGTERM, then SIGKILL), then remove the rendezvous."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def start_ranks(settings: WorkerSettings) -> tuple[Ranks, WorkerSettings]:
+    """Start ranks 1..N-1 of this instance; returns them and rank 0's settings (with the rendezvous)."""
+    folder = Path(tempfile.mkdtemp(prefix="pdserve-tp-"))
+    address = f"file://{folder / 'store'}"
+    ranks = Ranks(address, folder)
+    for rank in range(1, settings.tensor_parallel):
+        env = {**os.environ, S.TP_RANK: str(rank), S.TP_ADDRESS: address}
+        ranks.procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "pdserve_worker.process.tp_ranks"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            )
+        )
+    log.info(kv(event="tp_ranks_started", size=settings.tensor_parallel, pids=[p.pid for p in ranks.procs]))
+    return ranks, settings.model_copy(update={"tp_address": address})
+
+
+def run_follower() -> int:
+    """A rank past 0, from start to stop: join, load its share, warm up, follow rank 0's passes."""
+    from pdserve_common import logs
+    from pdserve_worker.model.engine import warm_up
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.prefill.tp_rank import FollowerRank
+    from pdserve_worker.process.startup import start_engine
+    from pdserve_worker.serving.torch_threads import serve_with
+    from pdserve_worker.serving.tp_group import GroupError, TPGroup
+
+    settings = WorkerSettings()
+    logs.setup(f"{settings.role}:{settings.member_id}:rank{settings.tp_rank}")
+    serve_with(settings.torch_threads)
+    bind_device(settings)
+    group = TPGroup(group_spec(settings))
+    rank = None
+    backend = None
+    try:
+        loaded = load_model(
+            settings.model_path,
+            settings.model_dtype,
+            settings.device,
+            None,
+            settings.weights,
+            tp=(settings.tensor_parallel, settings.tp_rank),
+            reduce=group.all_reduce,
+        )
+        warm_up(loaded.model)  # (rank 0 warms up too: the collectives match)
+        backend = start_engine(settings)
+        rank = FollowerRank(settings, loaded, backend, group)
+        rank.serve()
+        return 0
+    except (GroupError, RuntimeError) as exc:
+        log.error(kv(event="tp_rank_failed", rank=settings.tp_rank, error=str(exc)))
+        return 1
+    finally:
+        if rank is not None:
+            rank.close()
+        if backend is not None:
+            backend.engine.finalize()
+        if rank is not None:
+            rank.free()
+        group.close()
+
+
+if __name__ == "__main__":
+    sys.exit(run_follower())
