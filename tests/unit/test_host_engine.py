@@ -100,6 +100,28 @@ def test_ranges_outside_registered_memory_are_param_invalid(pair: Pair) -> None:
     assert pair.client.outstanding() == 0  # nothing refused was left behind
 
 
+def test_a_batch_of_strided_runs_lands_each_run_and_one_bad_run_refuses_the_batch(pair: Pair) -> None:
+    """A TP rank's push is thousands of short runs, each a slice of a wider row on the far
+    side; the engine checks such a batch against its extremes at once (host/engine.py
+    `_resolve_within`). Every run must land where it says, and one run outside the region, a
+    or zero length must still refuse the whole batch."""
+    span, row, runs = 4, 16, 512
+    ctypes.memmove(pair.local_addr, bytes(range(256)) * 8, span * runs)
+    ops = [api.TransferOpDesc(pair.local_addr + i * span, pair.remote_addr + 8 + i * row, span) for i in range(runs)]
+    assert pair.client.transfer_sync(pair.remote, api.WRITE, ops, 2000) == api.SUCCESS
+    sent = ctypes.string_at(pair.local_addr, span * runs)
+    landed = pair.remote_bytes(0, row * runs + 8)
+    assert all(landed[8 + i * row : 8 + i * row + span] == sent[i * span : (i + 1) * span] for i in range(runs))
+    assert landed[8 + span : 8 + row] == bytes(row - span)  # the rest of each row untouched
+    for bad in (
+        api.TransferOpDesc(pair.local_addr, pair.remote_addr + SIZE - 2, span),
+        api.TransferOpDesc(pair.local_addr, pair.remote_addr, 0),
+        api.TransferOpDesc(pair.local_addr, pair.remote_addr - span, span),
+    ):
+        assert pair.client.transfer_sync(pair.remote, api.WRITE, [*ops, bad], 1000) == api.PARAM_INVALID
+    assert pair.client.outstanding() == 0
+
+
 def test_memory_registered_after_connect_is_not_reachable_over_that_link(pair: Pair) -> None:
     status, late = pair.server.malloc_mem(4096)
     assert status == api.SUCCESS

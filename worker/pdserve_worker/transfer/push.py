@@ -227,7 +227,8 @@ class KVPusher:
                     kv_indices=(kv_index,),
                     heads=heads,
                 )
-                pieces[(layer, kv_index)] = [(src.base_addr + d.src, target.base_addr + d.dst, d.length) for d in descs]
+                sb, tb = src.base_addr, target.base_addr
+                pieces[(layer, kv_index)] = [(sb + a, tb + b, n) for a, b, n in descs]
         return pieces
 
     # ---- pushing -------------------------------------------------------------------------------------
