@@ -241,6 +241,16 @@ def test_a_list_of_prompts_gets_each_its_colocated_answer(client, model, referen
         assert len(choice.logprobs.token_logprobs) == len(prompt_ids) + 1 and choice.logprobs.token_logprobs[0] is None
 
 
+def test_n_seeded_choices_are_the_colocated_answers_of_seed_plus_index(client, model, reference):
+    """#31 item 2: n = 3 with a seed over PD: choice i is exactly the colocated answer sampled
+    with seed + i (vLLM's parallel sampling seeds), and the prompt is counted once."""
+    ids = reference.tokenizer.encode(PROMPTS[0])
+    expected = [reference.complete(ids, max_tokens=8, temperature=1.0, seed=40 + i) for i in range(3)]
+    out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=40, n=3)
+    assert [c.text for c in out.choices] == expected and [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 24
+
+
 def test_stop_token_ids_end_the_answer_before_that_token_through_pd(client, model, reference):
     """vLLM's stop_token_ids: greedy generation stops where the named token would come (the
     decode checks it; the token's text is not in the answer), finish_reason stop."""

@@ -16,7 +16,6 @@ from pdserve_worker.api.keys import KeyStore
 MODEL = "fake-model"
 # A value that asks for something, for every refused field (a new refused field needs one here).
 ASKING = {
-    "n": 2,
     "presence_penalty": 0.5,
     "frequency_penalty": 0.5,
     "logit_bias": {"5": 10},
@@ -57,6 +56,7 @@ ASKING = {
 ASKING["web_search_options"] = {"search_context_size": "low"}
 ACCEPTED = {
     "user": "u-1",
+    "n": 2,
     "parallel_tool_calls": True,
     "metadata": {"k": "v"},
     "store": True,

@@ -190,6 +190,54 @@ def test_several_prompts_get_one_choice_each_streamed_or_not(serve):
     assert finishes == ["stop", "stop"] and len({c.id for c in chunks}) == 1  # one request, one id
 
 
+def test_n_choices_are_copies_of_the_request_with_seed_plus_index_and_the_prompt_counted_once(serve):
+    """#31 item 2: n > 1 on both endpoints. Each choice is a request of its own; with a seed,
+    choice i samples with seed + i, as vLLM's parallel sampling does
+    (vllm/v1/engine/parallel_sampling.py, ParentRequest.get_child_sampling_params); usage
+    counts each prompt once and every completion; with a list of prompts the choices are
+    prompt-major (index = prompt × n + i)."""
+    backend = ScriptedBackend(delay_s=0.005)
+    client, _ = serve(backend)
+    out = client.completions.create(model=MODEL, prompt="ab", max_tokens=10, n=3, seed=7)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert sorted(c.params.seed for c in backend.calls) == [7, 8, 9]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (2, 12, 14)
+    assert all(c.closed for c in backend.calls)
+
+    backend.calls.clear()
+    both = client.completions.create(model=MODEL, prompt=["ab", "cde"], max_tokens=10, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.prompt_ids for c in backend.calls].count([97, 98]) == 2 and len(backend.calls) == 4
+    assert both.usage.prompt_tokens == 5 and both.usage.completion_tokens == 16
+
+    backend.calls.clear()
+    top = 2**63 - 1
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], n=2, seed=top, max_tokens=10
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and {c.message.content for c in chat.choices} == {"Hello, world!"}
+    assert sorted(c.params.seed for c in backend.calls) == [-(2**63), top]  # seed + 1 wraps to int64
+    assert chat.usage.prompt_tokens == len(backend.calls[0].prompt_ids)
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        n=2,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert texts == {0: "Hello, world!", 1: "Hello, world!"}
+    usage = [c.usage for c in chunks if c.usage]
+    assert len(usage) == 1 and usage[0].completion_tokens == 8
+    assert usage[0].prompt_tokens == len(backend.calls[-1].prompt_ids)  # once, not twice
+
+
 def test_one_prompt_of_several_refused_refuses_the_request_and_frees_the_others(serve):
     backend = ScriptedBackend(first_delay_s=0.2)
     client, _ = serve(backend)
@@ -343,7 +391,9 @@ CASES = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, ["max_tokens", "valid integer"], "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": True}, 400, ["temperature", "number"], "temperature"),
     ({"model": MODEL, "prompt": "hi", "temperature": 7}, 400, ["temperature", "2"], "temperature"),
-    ({"model": MODEL, "prompt": "hi", "n": 3}, 400, ["n=1", "n=3"], "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 65}, 400, ["n", "less than or equal to 64"], "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, ["n", "greater than or equal to 1"], "n"),
+    ({"model": MODEL, "prompt": ["a", "b", "c"], "n": 22}, 400, ["prompts × n", "66", "3 prompt(s) × n=22"], None),
     ({"model": MODEL, "prompt": "hi", "stop": ""}, 400, ["stop"], "stop"),
     (b'{"model": "fake-model", "prompt": "\\ud800"}', 400, ["lone surrogate"], "prompt"),
     ({"model": MODEL, "prompt": ""}, 400, ["empty"], "prompt"),
@@ -386,8 +436,6 @@ def test_bad_chat_requests_are_400(serve, body, words):
     assert r.status_code == 400, r.text
     for word in words:
         assert word in r.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
 
 
 def test_unknown_route_and_method_use_the_error_envelope(serve):

@@ -59,7 +59,12 @@ _COMMON = [
     Field("stream", S, ""),
     Field("stream_options", S, "include_usage"),
     Field("user", A, "a label, not used"),
-    Field("n", R, "only n=1 is supported (one choice per request)", _is(1)),
+    Field(
+        "n",
+        S,
+        "1–64 choices (prompts × n ≤ 64); each served as a request of its own (its own prefill: no KV fork "
+        "yet); with a seed, choice i samples with seed + i; usage counts each prompt once",
+    ),
     Field("presence_penalty", S, "-2–2, OpenAI's meaning: once per generated token"),
     Field("frequency_penalty", S, "-2–2, OpenAI's meaning: per occurrence in the output"),
     Field("logit_bias", S, "up to 300 token ids (decimal strings) → bias in [-100, 100]"),

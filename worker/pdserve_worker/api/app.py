@@ -385,7 +385,7 @@ class _Router:
     async def serve(
         self, request: Request, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant = ANONYMOUS_TENANT
     ) -> Response:
-        if isinstance(body, CompletionRequest) and len(body.prompts()) > 1:
+        if body.sequences() > 1:
             return await self._serve_prompts(request, body, tenant)
         arrived = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
@@ -410,19 +410,23 @@ class _Router:
             trace.end()
             raise
 
-    async def _serve_prompts(self, request: Request, body: CompletionRequest, tenant: Tenant) -> Response:
-        """Several prompts: each a request of its own, all at once, joined (api/fan_out.py)."""
+    async def _serve_prompts(
+        self, request: Request, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant
+    ) -> Response:
+        """Several prompts or n > 1: each sequence a request of its own, all at once, joined
+        (api/fan_out.py)."""
         calls = [lambda part=part: self.serve(request, part, tenant) for part in body.split()]
         responses = await fan_out.run_all(calls)
+        n = body.n or 1
         if not body.stream:
-            return fan_out.full_response(responses)
+            return fan_out.full_response(responses, n)
         streams = [r for r in responses if isinstance(r, _ClosingStreamingResponse)]
         if len(streams) < len(responses):  # one was not a stream (a 499: the client left)
             for stream in streams:
                 await stream.close()
             return next(r for r in responses if not isinstance(r, _ClosingStreamingResponse))
         request_id = streams[0].headers["x-request-id"]
-        merged = fan_out.merged_stream(streams, body.include_usage_chunk, request_id)
+        merged = fan_out.merged_stream(streams, body.include_usage_chunk, request_id, n)
         return _ClosingStreamingResponse(
             merged,
             closers=[merged.aclose, *(s.close for s in streams)],

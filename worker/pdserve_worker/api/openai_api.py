@@ -2,7 +2,7 @@
 
 Requests are strict pydantic models: a wrong JSON type is a 400 naming the field, never a
 silent coercion ("5" is not 5, true is not 1.0), and a field of OpenAI's or vLLM's schema we
-do not implement (n > 1, tools, ...) is refused with a 400
+do not implement (best_of > 1, suffix, ...) is refused with a 400
 naming it instead of being ignored: api/api_fields.py is the one table (docs/api.md is
 generated from it). Keys in neither schema are ignored, as newer clients send fields this
 server does not know about.
@@ -68,6 +68,9 @@ MAX_PROMPT_IDS = 1 << 20  # token ids of one prompt sent as ids (the context bou
 # Prompts of one /v1/completions request (each is served as a request of its own: admission,
 # limits and a slot each; lm-eval sends its batch this way).
 MAX_PROMPTS = 64
+# n > 1 is served as n requests of the prompt (api/fan_out.py); prompts × n shares the bound
+# of a prompt list, so one request cannot open more sequences than a list of prompts could.
+MAX_N = MAX_PROMPTS
 MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mistake
 MAX_TOOL_ARGUMENT_CHARS = 64 * 1024  # a tool call's arguments sent back in a conversation
 
@@ -153,7 +156,7 @@ class _GenerationRequest(BaseModel):
     stop: StopString | list[StopString] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # OpenAI's shape: token id (as a string) -> bias in [-100, 100].
@@ -194,6 +197,38 @@ class _GenerationRequest(BaseModel):
                             {"field": f.name, "note": f.note, "value": repr(data[f.name])[:80]},
                         )
         return data
+
+    @model_validator(mode="after")
+    def _sequences_bounded(self) -> _GenerationRequest:
+        if self.sequences() > MAX_PROMPTS:
+            raise ValueError(
+                f"prompts × n is at most {MAX_PROMPTS} sequences per request, got {self.sequences()} "
+                f"({len(self.prompt_list())} prompt(s) × n={self.n})"
+            )
+        return self
+
+    def prompt_list(self) -> list[Any]:
+        """The request's prompts (a chat request has one: its conversation)."""
+        return [None]
+
+    def sequences(self) -> int:
+        """How many sequences the request asks for: prompts × n."""
+        return len(self.prompt_list()) * (self.n or 1)
+
+    def copies(self, **update: Any) -> list[Any]:
+        """The request as n requests of one sequence each (api/fan_out.py). With a seed, copy i
+        samples with seed + i (wrapped to int64), as vLLM's parallel sampling does, so the n
+        answers differ and a repeated request repeats them all."""
+        n = self.n or 1
+        out = []
+        for i in range(n):
+            seed = None if self.seed is None else (self.seed + i - INT64_MIN) % (1 << 64) + INT64_MIN
+            out.append(self.model_copy(update={**update, "n": None, "seed": seed}))
+        return out
+
+    def split(self) -> list[Any]:
+        """One request per sequence, in choice order (prompt-major, as vLLM indexes them)."""
+        return self.copies()
 
     @model_validator(mode="after")
     def _one_grammar(self) -> _GenerationRequest:
@@ -311,9 +346,12 @@ class CompletionRequest(_GenerationRequest):
             return [p]
         return list(p)  # type: ignore[arg-type]
 
-    def split(self) -> list[CompletionRequest]:
-        """The request once per prompt (the same fields otherwise)."""
-        return [self.model_copy(update={"prompt": prompt}) for prompt in self.prompts()]
+    def prompt_list(self) -> list[Any]:
+        return self.prompts()
+
+    def split(self) -> list[Any]:
+        """The request once per prompt and copy (the same fields otherwise), prompt-major."""
+        return [c for prompt in self.prompts() for c in self.copies(prompt=prompt)]
 
     @property
     def prompt_ids(self) -> list[int] | None:
