@@ -276,6 +276,15 @@ def test_stop_string_cut_once_by_decode(client, model, reference):
     answer = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
     assert answer.choices[0].text == full[: full.index(stop)]
     assert answer.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)]
 
 
 def test_eight_concurrent_requests_over_two_decodes(client, model, reference):

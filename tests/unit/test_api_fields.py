@@ -24,8 +24,6 @@ ASKING = {
     "repetition_penalty": 1.5,
     "stop_token_ids": [7],
     "bad_words": ["x"],
-    "include_stop_str_in_output": True,
-    "skip_special_tokens": False,
     "guided_json": {"type": "object"},
     "guided_regex": "a+",
     "guided_choice": ["a", "b"],
@@ -56,6 +54,8 @@ ASKING = {
 ASKING["web_search_options"] = {"search_context_size": "low"}
 ACCEPTED = {
     "user": "u-1",
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
     "n": 2,
     "parallel_tool_calls": True,
     "metadata": {"k": "v"},

@@ -132,6 +132,37 @@ def test_stop_string_cuts_the_text(tiny, prompts):
     assert cut.text == full.text[: full.text.index(stop)]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_that_ended_the_text(tiny, prompts, alone):
+    """vLLM's include_stop_str_in_output: a stop string stays at the end of the text, and a stop
+    token's own text is detokenized too (vllm/v1/engine/detokenizer.py keeps it only then)."""
+    [full] = generate(tiny.model, tiny.tokenizer, [prompts[2]], GREEDY, max_len=64)
+    stop = full.text[5:8]
+    kept = GREEDY.model_copy(update={"stop": (stop,), "include_stop_str_in_output": True})
+    [out] = generate(tiny.model, tiny.tokenizer, [prompts[2]], kept, max_len=64)
+    assert out.finish_reason is FinishReason.STOP
+    assert out.text == full.text[: full.text.index(stop) + len(stop)]
+
+    token = alone[1][4]
+    first = alone[1].index(token)
+    params = GREEDY.model_copy(update={"stop_token_ids": (token,), "include_stop_str_in_output": True})
+    [result] = generate(tiny.model, tiny.tokenizer, [prompts[1]], params, max_len=64)
+    assert result.output_ids == alone[1][: first + 1]
+    assert result.text == tiny.tokenizer.decode(alone[1][: first + 1], skip_special_tokens=True)
+
+
+def test_skip_special_tokens_false_shows_special_tokens_as_the_tokenizer_decodes_them(tiny, prompts):
+    """A special token forced into the output (logit_bias) is in the text only with
+    skip_special_tokens=False, spelled as the tokenizers library decodes it."""
+    special = tiny.tokenizer.eos_token_ids[0]
+    forced = GREEDY.model_copy(update={"max_tokens": 3, "logit_bias": ((special, 100.0),)})
+    [hidden] = generate(tiny.model, tiny.tokenizer, [prompts[0]], forced, max_len=64)
+    shown_params = forced.model_copy(update={"skip_special_tokens": False})
+    [shown] = generate(tiny.model, tiny.tokenizer, [prompts[0]], shown_params, max_len=64)
+    assert shown.output_ids == hidden.output_ids == [special] * 3
+    spelled = tiny.tokenizer.decode([special], skip_special_tokens=False)
+    assert spelled and hidden.text == "" and shown.text == spelled * 3
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny, prompts):
     params = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     together = generate(tiny.model, tiny.tokenizer, prompts[:3], params, max_len=64)

@@ -61,6 +61,8 @@ sampling = st.builds(
     stop=st.lists(st.text(min_size=1, max_size=5), max_size=3).map(tuple),  # empty stop strings are refused
     stop_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=3).map(tuple),
     ignore_eos=st.booleans(),
+    include_stop_str_in_output=st.booleans(),
+    skip_special_tokens=st.booleans(),
 )
 
 

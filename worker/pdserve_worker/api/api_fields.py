@@ -81,8 +81,10 @@ _COMMON = [
     ),
     Field("stop_token_ids", S, "up to 64 token ids that end generation besides EOS (not in the text; finish: stop)"),
     Field("bad_words", R, "not implemented yet"),
-    Field("include_stop_str_in_output", R, "stop strings are always cut"),
-    Field("skip_special_tokens", R, "special tokens are always skipped", _only(True)),
+    Field(
+        "include_stop_str_in_output", S, "the stop string that ended the answer stays at its end (not a stop token id)"
+    ),
+    Field("skip_special_tokens", S, "false: special tokens (<|im_end|>, EOS, tool-call markers) are in the text"),
     Field("guided_json", S, "a JSON schema (object or string) the output matches (llguidance)"),
     Field("guided_regex", S, "a regular expression the output matches"),
     Field("guided_choice", S, "up to 256 strings: the output is one of them"),

@@ -166,6 +166,9 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
+    # vLLM's: keep the stop string that ended the answer; show special tokens in the text.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # vLLM's extension: token ids that end generation besides EOS (not part of the text).
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     user: str | None = None
@@ -297,6 +300,8 @@ class _GenerationRequest(BaseModel):
             stop=self.stop_strings,
             stop_token_ids=tuple(dict.fromkeys(self.stop_token_ids or ())),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=float(d.get("repetition_penalty", 1.0))

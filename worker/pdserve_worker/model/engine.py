@@ -292,8 +292,8 @@ class Generator(Generic[CacheT]):
             params=params,
             sampler=Sampler(params),
             stops=stop_token_ids(params, self.tokenizer.eos_token_ids),
-            detok=self.tokenizer.detokenizer(skip_special_tokens=True),
-            matcher=StopStringMatcher(tuple(params.stop)),
+            detok=self.tokenizer.detokenizer(skip_special_tokens=params.skip_special_tokens),
+            matcher=StopStringMatcher(tuple(params.stop), include=params.include_stop_str_in_output),
             grammar=GrammarMatcher.start(self.tokenizer, self.model.config.vocab_size, params.grammar),
         )
 
@@ -333,7 +333,10 @@ class Generator(Generic[CacheT]):
         request.last_token = token
         matcher = request.matcher
         if token in request.stops:
-            text = matcher.feed(request.detok.flush()) + matcher.finish()
+            # The stop token's own text only with include_stop_str_in_output (vLLM's
+            # detokenizer: skipped_stop_token_id); a special one still needs skip_special_tokens=false.
+            last = request.detok.push(token) if request.params.include_stop_str_in_output else ""
+            text = matcher.feed(last + request.detok.flush()) + matcher.finish()
             return self._done(request, token, text, FinishReason.STOP, logprobs)
         if request.grammar is not None:
             request.grammar.consume([token])  # (GrammarError, a ValueError, for a token it does not allow)

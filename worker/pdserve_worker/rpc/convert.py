@@ -43,6 +43,8 @@ _SAMPLING_SCALARS: tuple[str, ...] = (
     "repetition_penalty",
     "min_tokens",
     "min_p",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 
 
@@ -62,6 +64,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         logit_bias_values=[b for _, b in params.logit_bias],
         min_tokens=params.min_tokens,
         min_p=params.min_p,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed

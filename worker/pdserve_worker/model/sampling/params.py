@@ -68,6 +68,8 @@ class SamplingParams(BaseModel):
         (), max_length=MAX_STOP_TOKEN_IDS, description="Token ids that end generation besides EOS."
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the text.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     # Logits processors (model/sampling/processors.py), OpenAI's and vLLM's meanings.
     presence_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="Subtracted once from every generated token's logit."

@@ -191,9 +191,13 @@ class StopStringMatcher:
     `find_stopping_strings` keeps the earliest start (""), vLLM's `StopChecker` the first of
     the request's list; here "bc" completed first, so the answer is "a", as for tokens
     "a", "bc", "d".
+
+    `include` (vLLM's include_stop_str_in_output) keeps the matched stop string at the end of
+    the text instead of cutting it; the text after it is cut either way.
     """
 
     stop: tuple[str, ...]
+    include: bool = False
     _pending: str = ""
     matched: str | None = None
 
@@ -209,9 +213,9 @@ class StopStringMatcher:
         # ends in this delta; `find` gives each stop's first, hence earliest-ending, occurrence.
         hits = [(i + len(s), i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
-            _, index, self.matched = min(hits)
+            end, index, self.matched = min(hits)
             self._pending = ""
-            return text[:index]
+            return text[: end if self.include else index]
         hold = self._held_tail(text)
         self._pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
