@@ -251,6 +251,27 @@ def test_n_seeded_choices_are_the_colocated_answers_of_seed_plus_index(client, m
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 24
 
 
+def test_bad_words_through_pd_are_the_colocated_answer_with_the_same_bans(client, model, reference):
+    """#31: vLLM's bad_words over PD: the router turns words into token sequences
+    (api/bad_words.py), prefill and decode ban them; the answer is the colocated one with the
+    same sequences banned, and differs from the unbanned one."""
+    from pdserve_worker.api.bad_words import bad_word_ids
+
+    ids = reference.tokenizer.encode(PROMPTS[2])
+    free = reference.completion(ids, max_tokens=8, temperature=0, ignore_eos=True)
+    word = reference.tokenizer.decode(free.output_ids[1:2]).strip() or reference.tokenizer.decode(free.output_ids[1:2])
+    banned = bad_word_ids([word], lambda text: reference.tokenizer.encode(text, add_special_tokens=False))
+    expected = reference.complete(ids, max_tokens=8, temperature=0, ignore_eos=True, bad_words=banned)
+    out = client.completions.create(
+        model=model,
+        prompt=PROMPTS[2],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"bad_words": [word], "ignore_eos": True},
+    )
+    assert out.choices[0].text == expected != free.text
+
+
 def test_stop_token_ids_end_the_answer_before_that_token_through_pd(client, model, reference):
     """vLLM's stop_token_ids: greedy generation stops where the named token would come (the
     decode checks it; the token's text is not in the answer), finish_reason stop."""

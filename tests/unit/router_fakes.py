@@ -88,6 +88,9 @@ class ScriptedBackend:
     def detokenize(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
 
+    def encode_words(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         self.chats.append(messages)
         if messages[-1]["role"] == "assistant":

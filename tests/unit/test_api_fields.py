@@ -23,7 +23,6 @@ ASKING = {
     "min_p": 0.1,
     "repetition_penalty": 1.5,
     "stop_token_ids": [7],
-    "bad_words": ["x"],
     "guided_json": {"type": "object"},
     "guided_regex": "a+",
     "guided_choice": ["a", "b"],
@@ -54,6 +53,7 @@ ASKING = {
 ASKING["web_search_options"] = {"search_context_size": "low"}
 ACCEPTED = {
     "user": "u-1",
+    "bad_words": ["x"],
     "include_stop_str_in_output": True,
     "skip_special_tokens": False,
     "n": 2,

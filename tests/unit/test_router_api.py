@@ -256,6 +256,17 @@ def test_stop_token_ids_reach_the_engine_once_each(serve):
         client.completions.create(model=MODEL, prompt="hi", extra_body={"stop_token_ids": list(range(65))})
 
 
+def test_bad_words_reach_the_engine_as_token_sequences_and_unenforceable_ones_are_400(serve):
+    backend = ScriptedBackend()
+    client, _ = serve(backend)
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body={"bad_words": ["ab", " ab", "c"]})
+    # The fake tokenizer spells characters: "ab" and " ab" strip to one word; " ab" is longer, so not kept.
+    assert backend.calls[-1].params.bad_words == ((97, 98), (99,))
+    for words, match in (([" "], "no token"), (["x"] * 129, "bad_words")):
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.completions.create(model=MODEL, prompt="hi", extra_body={"bad_words": words})
+
+
 def test_chat_non_streaming_and_streaming(serve):
     backend = ScriptedBackend()
     client, _ = serve(backend)

@@ -80,7 +80,12 @@ _COMMON = [
         "HF's: prompt and output tokens' logits ÷ (>0) or × the penalty; default: generation_config's",
     ),
     Field("stop_token_ids", S, "up to 64 token ids that end generation besides EOS (not in the text; finish: stop)"),
-    Field("bad_words", R, "not implemented yet"),
+    Field(
+        "bad_words",
+        S,
+        "vLLM's: each word (and its space-prefixed form) as tokens; the last token is banned after the rest; "
+        "at most 128 token sequences of 64 tokens",
+    ),
     Field(
         "include_stop_str_in_output", S, "the stop string that ended the answer stays at its end (not a stop token id)"
     ),

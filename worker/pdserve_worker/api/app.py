@@ -50,6 +50,7 @@ from pdserve_worker.api import fan_out
 from pdserve_worker.api import tools as api_tools
 from pdserve_worker.api.admission import AdmissionQueue, Rejected, State, Ticket
 from pdserve_worker.api.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
+from pdserve_worker.api.bad_words import BadWordsError, bad_word_ids
 from pdserve_worker.api.cache_scope import cache_scope
 from pdserve_worker.api.errors import (
     ApiError,
@@ -564,7 +565,7 @@ class _Router:
             max_field,
         )
         try:
-            params = body.sampling_params(max_tokens, self.sampling_defaults)
+            params = body.sampling_params(max_tokens, self.sampling_defaults, self._bad_words(body))
             spec = body.tool_spec if isinstance(body, ChatCompletionRequest) else None
             forced = spec.grammar(self._tool_format()) if spec is not None else None
             if forced is not None:  # tool_choice required or named: the answer is a call (api/tools.py)
@@ -587,6 +588,18 @@ class _Router:
                     param="logprobs",
                 )
         return prompt_ids, params, max_tokens
+
+    def _bad_words(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[tuple[int, ...], ...]:
+        """The request's bad_words as token sequences (api/bad_words.py); 400 if one cannot be."""
+        if not body.bad_words:
+            return ()
+        encode = getattr(self.backend, "encode_words", None)
+        if encode is None:
+            raise self.reject(400, "this backend has no tokenizer: bad_words are not available", param="bad_words")
+        try:
+            return bad_word_ids(body.bad_words, encode)
+        except BadWordsError as exc:
+            raise self.reject(400, str(exc), param="bad_words") from None
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's /tokenize: the prompt's (or conversation's) token ids as a request would get them."""

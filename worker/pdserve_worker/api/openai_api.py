@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from pdserve_worker import __version__
 from pdserve_worker.api import api_fields
 from pdserve_worker.api import tools as api_tools
+from pdserve_worker.api.bad_words import MAX_BAD_WORD_SEQUENCES
 from pdserve_worker.api.logprobs import Scored, TokenText, chat_block, completion_block
 from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.sampling.params import (
@@ -168,6 +169,8 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
     # vLLM's: keep the stop string that ended the answer; show special tokens in the text.
     include_stop_str_in_output: bool = False
+    # vLLM's: words the answer must not contain (api/bad_words.py turns them into token sequences).
+    bad_words: list[StopString] | None = Field(None, max_length=MAX_BAD_WORD_SEQUENCES)
     skip_special_tokens: bool = True
     # vLLM's extension: token ids that end generation besides EOS (not part of the text).
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
@@ -284,7 +287,12 @@ class _GenerationRequest(BaseModel):
         """The same for the prompt's tokens (echo with logprobs, completions only)."""
         return None
 
-    def sampling_params(self, max_tokens: int, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        defaults: Mapping[str, float | int] | None = None,
+        bad_words: tuple[tuple[int, ...], ...] = (),
+    ) -> SamplingParams:
         """The engine's view of this request, once the router has settled `max_tokens`.
 
         A field the request leaves unset takes the model's `defaults` (its generation_config:
@@ -313,6 +321,7 @@ class _GenerationRequest(BaseModel):
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
             grammar=self.grammar,
+            bad_words=bad_words,
         )
 
 

@@ -42,6 +42,10 @@ class ModelTokenizing:
     def tokenize_prompt(self, prompt: str) -> list[int]:
         return self._tokenizer.encode(prompt)
 
+    def encode_words(self, text: str) -> list[int]:
+        """Token ids of `text` without BOS or other added tokens (bad_words: api/bad_words.py)."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
     def detokenize(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids)
 

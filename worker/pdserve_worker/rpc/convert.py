@@ -66,6 +66,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         min_p=params.min_p,
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
+        bad_word_ids=[t for word in params.bad_words for t in word],
+        bad_word_lengths=[len(word) for word in params.bad_words],
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -88,7 +90,19 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
             f"logit_bias_ids ({len(msg.logit_bias_ids)}) and logit_bias_values ({len(msg.logit_bias_values)}) differ in length"
         )
     fields["logit_bias"] = tuple(zip(msg.logit_bias_ids, msg.logit_bias_values, strict=True))
+    fields["bad_words"] = _bad_words_from_proto(msg)
     return SamplingParams(**fields)
+
+
+def _bad_words_from_proto(msg: common_pb2.SamplingParams) -> tuple[tuple[int, ...], ...]:
+    ids, lengths = list(msg.bad_word_ids), list(msg.bad_word_lengths)
+    if sum(lengths) != len(ids):
+        raise ValueError(f"bad_word_lengths sum to {sum(lengths)}, bad_word_ids holds {len(ids)}")
+    words, at = [], 0
+    for n in lengths:
+        words.append(tuple(ids[at : at + n]))
+        at += n
+    return tuple(words)
 
 
 def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -69,6 +69,9 @@ class SamplingParams(BaseModel):
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the text.")
+    bad_words: tuple[Annotated[tuple[TokenId, ...], Field(min_length=1, max_length=64)], ...] = Field(
+        (), max_length=128, description="Token sequences whose last token is banned after the rest (vLLM's)."
+    )
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     # Logits processors (model/sampling/processors.py), OpenAI's and vLLM's meanings.
     presence_penalty: float = Field(
@@ -123,6 +126,7 @@ class SamplingParams(BaseModel):
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.bad_words
         )
 
     @property

@@ -9,7 +9,9 @@ this order, with the meanings clients expect:
   token of the prompt and the output has its logit divided by the penalty when positive,
   multiplied when negative;
 - `presence_penalty` / `frequency_penalty` (OpenAI, vLLM's `apply_penalties`): a generated
-  token's logit loses presence once and frequency per occurrence in the output.
+  token's logit loses presence once and frequency per occurrence in the output;
+- `bad_words` (vLLM's, as token sequences: api/bad_words.py): a sequence's last token cannot be
+  drawn where the output ends with the rest of it (vllm/v1/sample/ops/bad_words.py).
 
 A request that uses none pays nothing (the sampler skips this module). One that does keeps a
 `ProcessorState` in its sampler: the prompt's token mask and the bias tensors built once, the
@@ -102,6 +104,10 @@ def apply(
         out.index_add_(0, ids, bias)
     if params.min_tokens and len(output_ids) < params.min_tokens and stop_ids:
         out[st.stop_index(stop_ids)] = float("-inf")
+    if params.bad_words:
+        banned = [t for t in banned_tokens(params.bad_words, output_ids) if t < out.numel()]
+        if banned:
+            out[torch.tensor(banned, dtype=torch.long)] = float("-inf")
     penalised = params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
     if not penalised:
         return out
@@ -114,3 +120,18 @@ def apply(
         ids, counts = st.output()
         out.index_add_(0, ids, -(params.frequency_penalty * counts + params.presence_penalty))
     return out
+
+
+def banned_tokens(words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:
+    """The tokens the next draw may not take: each sequence's last token where the output ends
+    with the sequence's other tokens (a one-token word always), as vLLM's
+    `_apply_bad_words_single_batch` decides (the output only, not the prompt)."""
+    banned = []
+    n = len(output_ids)
+    for word in words:
+        rest = len(word) - 1
+        if rest > n:
+            continue
+        if rest == 0 or list(output_ids[n - rest :]) == list(word[:rest]):
+            banned.append(word[-1])
+    return banned
