@@ -156,3 +156,43 @@ def test_a_rank_killed_mid_prefill_fails_over_to_another_prefill(tmp_path_factor
         except ProcessLookupError:
             pass
         run.stop_cleanly(also=[frozen])
+
+
+def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_dir, tmp_path):
+    """The bundled SmolLM2-135M (9 query heads over 3 KV heads: sizes 1, 3, 9), dequantized to
+    fp32, prefilled by 3 ranks of one KV head each: the greedy chat answers are transformers'
+    fp32 greedy tokens, and each of the 3 ranks pushed a third of the KV."""
+    hf = hf_model(default_model_dir)
+    tok = Tokenizer.from_dir(default_model_dir)
+    chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in ("What is the capital of France?", "Hi!")]
+    expected = [tok.decode(hf_greedy(hf, ids, TOKENS), skip_special_tokens=True) for ids in chats]
+    run = LocalRun.start(
+        tmp_path,
+        "--model",
+        str(default_model_dir),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--prefill-tp",
+        "3",
+        "--prefix-cache-tokens",
+        "0",
+        "--port",
+        "0",
+    )
+    try:
+        with httpx.Client(base_url=run.url, timeout=300) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            for ids, text in zip(chats, expected, strict=True):
+                body = {"model": model, "prompt": ids, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+                reply = http.post("/v1/completions", json={**body, "repetition_penalty": 1.0})
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["text"] == text
+            metrics = httpx.get(f"http://{run.child('prefill-0')['http']}/metrics").text
+        per_rank = [_metric(metrics, "pdserve_prefill_rank_kv_bytes_total", f'rank="{r}"') for r in range(3)]
+        assert per_rank[0] > 0 and len(set(per_rank)) == 1
+    finally:
+        run.stop_cleanly()
