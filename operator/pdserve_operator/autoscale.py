@@ -108,6 +108,7 @@ def planner_config(spec: s.PDInferenceServiceSpec, current: Mapping[str, int]) -
         max_len=spec.model.max_length,
         slots=spec.decode.slots,
         layers_per_chunk=spec.prefill.layers_per_chunk,
+        prefill_tp=spec.prefill.tensor_parallel_size,
     )
     workload = Workload(
         arrival_rate=0.0,

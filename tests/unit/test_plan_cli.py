@@ -108,3 +108,18 @@ def test_profile_measures_this_machine_and_planning_reads_it(tmp_path, capsys):
         == 0
     )
     assert json.loads(capsys.readouterr().out)["hardware"] == profile.name
+
+
+def test_prefill_tp_is_planned_and_counted_in_devices(capsys):
+    """#32: --prefill-tp makes each prefill instance N devices: the plan says so and counts
+    them; a long prompt's predicted TTFT falls; a size the heads cannot take is refused."""
+    base = ["plan", "--hardware", "ascend-910b", "--model", "llama-7b", "--rate", "1", "--prompt-tokens", "8192"]
+    base += ["--output-tokens", "64", "--ttft-ms", "100000", "--tpot-ms", "1000", "--json"]
+    assert main(base) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*base, "--prefill-tp", "4"]) == 0
+    four = json.loads(capsys.readouterr().out)
+    assert four["prefill_tensor_parallel"] == 4 and four["devices"] == 4 * four["prefill"] + four["decode"]
+    assert four["predicted"]["ttft_p50_s"] < one["predicted"]["ttft_p50_s"]
+    assert main([*base, "--prefill-tp", "3"]) == 2
+    assert "sizes that do: [1, 2, 4, 8, 16, 32]" in capsys.readouterr().err

@@ -157,3 +157,27 @@ def test_decode_can_run_on_other_hardware_than_prefill():
     assert split.decode_capacity > same.decode_capacity
     with pytest.raises(ValueError, match="KV pushed must be read as written"):
         ServingModel(LLAMA_7B, npu, decode_profile=npu.with_overrides(dtype="bfloat16"))
+
+
+def test_tensor_parallel_prefill_splits_the_layers_and_adds_two_ring_all_reduces_per_layer():
+    """#32: at tp t the layers' FLOPs and weight reads are split t ways (embedding and LM head
+    stay whole, as model/layers/tensor_parallel.py keeps them), each layer adds 2 ring
+    all_reduces of n × hidden values, and min(t, KV heads) links carry the KV push."""
+    s = SMOLLM2_135M
+    assert s.tensor_parallel_sizes() == [1, 3, 9]
+    prof = CPU.with_overrides(collective_bandwidth=2e9, collective_latency_s=1e-4)
+    one, three = ServingModel(s, prof), ServingModel(s, prof, prefill_tp=3)
+    n = 2048
+    ring = 2 * (3 - 1) / 3 * n * s.hidden_size * 4 / 2e9
+    assert three.all_reduce_seconds(n) == pytest.approx(2 * s.num_layers * (ring + 1e-4))
+    head = s.head_params * 4
+    gemm1 = (n * s.matmul_flops_per_token + s.head_flops) / 1e11 + one.weight_bytes / 1e10
+    gemm3 = (n * s.matmul_flops_per_token / 3 + s.head_flops) / 1e11 + ((one.weight_bytes - head) / 3 + head) / 1e10
+    attention1 = s.prefill_attention_flops(n) / 1e11
+    assert one.prefill_seconds(n) == pytest.approx(gemm1 + attention1)
+    assert three.prefill_seconds(n) == pytest.approx(gemm3 + attention1 / 3 + three.all_reduce_seconds(n))
+    assert three.transfer_seconds(n) == pytest.approx(one.transfer_seconds(n) / 3)
+    nine = ServingModel(s, prof, prefill_tp=9)  # 3 KV heads: 3 ranks push, 6 hold replicas
+    assert nine.transfer_seconds(n) == pytest.approx(three.transfer_seconds(n))
+    with pytest.raises(ValueError, match=r"prefill_tp 2 .* 9 heads over 3 KV heads; sizes that do: \[1, 3, 9\]"):
+        ServingModel(s, prof, prefill_tp=2)

@@ -53,6 +53,13 @@ class ModelShape:
                 f"ModelShape.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
+    def tensor_parallel_sizes(self) -> list[int]:
+        """Tensor-parallel sizes the heads split into evenly (the worker's
+        model/layers/tensor_parallel.py `valid_sizes`: query heads divisible, KV heads divisible
+        or replicated)."""
+        heads, kv = self.num_heads, self.num_kv_heads
+        return [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+
     # ---- parameters ---------------------------------------------------------------------------
 
     @property

@@ -12,7 +12,15 @@ own roofline — `combine(compute, memory)` — and the pass is their sum plus f
                    + combine(attention(C) / attention FLOP/s, C · kv bytes/token / memory bandwidth)
 
 with overhead = step overhead + layers · layer overhead, C the context tokens of the whole
-batch, and the LM head computed for the last prompt position only in prefill. The KV push of
+batch, and the LM head computed for the last prompt position only in prefill.
+
+A tensor-parallel prefill instance of t devices (`prefill_tp`) splits the layers' FLOPs and
+weight reads t ways (the embedding and LM head stay whole on every rank, as the engine does:
+model/layers/tensor_parallel.py) and adds two all_reduces per layer of n × hidden values, each
+a ring: 2(t−1)/t of the bytes over the collective bandwidth plus its latency. Each rank
+pushes its own KV heads over its own link, so min(t, KV heads) links carry a prompt's KV at
+once (past t = KV heads the heads are replicated, and a replica pushes nothing). Decode
+replicas are not tensor-parallel (the worker does not split decode yet). The KV push of
 n tokens moves n · kv bytes/token over the link; with `overlap_transfer` only the last layer
 chunk's share is exposed (the others went while later chunks computed).
 
@@ -43,8 +51,14 @@ class ServingModel:
     # Decode replicas on other hardware than prefill (a bandwidth-rich device for decode, a
     # compute-rich one for prefill); None: the same profile. Weights and KV use `profile`'s dtype.
     decode_profile: HardwareProfile | None = None
+    prefill_tp: int = 1  # devices of one prefill instance (tensor parallelism)
 
     def __post_init__(self) -> None:
+        if self.prefill_tp < 1 or self.prefill_tp not in self.shape.tensor_parallel_sizes():
+            raise ValueError(
+                f"prefill_tp {self.prefill_tp} does not split {self.shape.name}'s {self.shape.num_heads} heads over "
+                f"{self.shape.num_kv_heads} KV heads; sizes that do: {self.shape.tensor_parallel_sizes()}"
+            )
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.slots is not None and self.slots < 1:
@@ -119,27 +133,47 @@ class ServingModel:
     def prefill_seconds(self, tokens: int) -> float:
         if tokens < 1:
             raise ValueError(f"a prompt has at least 1 token, got {tokens}")
-        p, s = self.profile, self.shape
+        p, s, t = self.profile, self.shape, self.prefill_tp
+        head_bytes = s.head_params * p.dtype_bytes
         gemm = self._combine(
             p,
-            (tokens * s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops,
-            self.weight_bytes / p.effective_memory_bandwidth,
+            (tokens * s.matmul_flops_per_token / t + s.head_flops) / p.effective_matmul_flops,
+            ((self.weight_bytes - head_bytes) / t + head_bytes) / p.effective_memory_bandwidth,
         )
         attention = (
-            s.num_layers * p.attention_overhead_s + s.prefill_attention_flops(tokens) / p.effective_attention_flops
+            s.num_layers * p.attention_overhead_s + s.prefill_attention_flops(tokens) / t / p.effective_attention_flops
         )
-        return p.step_overhead_s + s.num_layers * p.layer_overhead_s + gemm + attention
+        return (
+            p.step_overhead_s + s.num_layers * p.layer_overhead_s + gemm + attention + self.all_reduce_seconds(tokens)
+        )
+
+    def all_reduce_seconds(self, tokens: int) -> float:
+        """The prefill's collectives at `prefill_tp` devices: 2 ring all_reduces per layer."""
+        t, p, s = self.prefill_tp, self.profile, self.shape
+        if t == 1:
+            return 0.0
+        bandwidth = p.collective_bandwidth or p.link_bandwidth
+        latency = p.link_latency_s if p.collective_latency_s is None else p.collective_latency_s
+        ring = 2 * (t - 1) / t * tokens * s.hidden_size * p.dtype_bytes / bandwidth
+        return 2 * s.num_layers * (ring + latency)
+
+    @property
+    def _push_links(self) -> int:
+        """Links a prompt's KV goes over at once: one per rank holding distinct KV heads."""
+        return min(self.prefill_tp, self.shape.num_kv_heads)
 
     def transfer_seconds(self, tokens: int) -> float:
-        """The whole KV push of a prompt over the link."""
-        return tokens * self.kv_bytes_per_token / self.profile.link_bandwidth + self.profile.link_latency_s
+        """The whole KV push of a prompt over the link(s)."""
+        seconds = tokens * self.kv_bytes_per_token / self.profile.link_bandwidth / self._push_links
+        return seconds + self.profile.link_latency_s
 
     def exposed_transfer_seconds(self, tokens: int) -> float:
         """The part of the push the prompt waits for after its prefill compute."""
         if not self.profile.overlap_transfer:
             return self.transfer_seconds(tokens)
         share = min(1.0, self.layers_per_chunk / self.shape.num_layers)
-        return tokens * self.kv_bytes_per_token * share / self.profile.link_bandwidth + self.profile.link_latency_s
+        seconds = tokens * self.kv_bytes_per_token * share / self.profile.link_bandwidth / self._push_links
+        return seconds + self.profile.link_latency_s
 
     def prefill_service_seconds(self, tokens: int) -> float:
         """How long a prefill worker is busy with one prompt (compute + exposed push)."""

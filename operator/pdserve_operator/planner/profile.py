@@ -39,6 +39,14 @@ class HardwareProfile(BaseModel):
     memory_efficiency: float = Field(default=1.0, gt=0, le=1, description="share of memory_bandwidth achieved")
     link_bandwidth: float = Field(gt=0, description="bytes/s of the KV push between a prefill and a decode")
     link_latency_s: float = Field(default=0.0, ge=0, description="one round trip on the link")
+    collective_bandwidth: float | None = Field(
+        default=None,
+        gt=0,
+        description="bytes/s of an all_reduce's ring between the devices of a tensor-parallel instance; None: link_bandwidth",
+    )
+    collective_latency_s: float | None = Field(
+        default=None, ge=0, description="fixed cost of one all_reduce; None: link_latency_s"
+    )
     step_overhead_s: float = Field(default=0.0, ge=0, description="fixed cost of one forward pass")
     layer_overhead_s: float = Field(default=0.0, ge=0, description="fixed cost per layer per forward pass")
     sequence_overhead_s: float = Field(default=0.0, ge=0, description="per sequence per layer in a decode step")

@@ -56,6 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantile", type=float, default=None, help="SLO quantile (default 0.99)")
     p.add_argument("--max-len", type=int, default=None, help="tokens per slot (default: longest prompt + output)")
     p.add_argument("--slots", type=int, default=None, help="KV slots per decode (default: what device memory allows)")
+    p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        help="devices per prefill instance (tensor parallelism; spec.prefill.tensorParallelSize), default 1",
+    )
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=16)
     p.add_argument("--min-decode", type=int, default=1)
@@ -131,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
         longest = max(n for n, _ in workload.prompt_tokens.points()) + max(
             n for n, _ in workload.output_tokens.points()
         )
-        model = ServingModel(shape, profile, max_len=args.max_len or longest, slots=args.slots)
+        model = ServingModel(
+            shape, profile, max_len=args.max_len or longest, slots=args.slots, prefill_tp=args.prefill_tp
+        )
         bounds = Bounds(
             min_prefill=args.min_prefill,
             max_prefill=args.max_prefill,
@@ -148,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     q = f"p{round(workload.slo.quantile * 100, 2):g}"
     result = {
         "prefill": plan.prefill,
+        "prefill_tensor_parallel": args.prefill_tp,
+        "devices": plan.prefill * args.prefill_tp + plan.decode,
         "decode": plan.decode,
         "meets_slo": plan.meets_slo,
         "reason": plan.reason,
@@ -169,17 +179,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        _print_plan(plan, shape.name, profile.name, workload.arrival_rate, q)
+        _print_plan(plan, shape.name, profile.name, workload.arrival_rate, q, args.prefill_tp)
     return 0 if plan.meets_slo else 1
 
 
-def _print_plan(plan: Any, model: str, hardware: str, rate: float, q: str) -> None:
+def _print_plan(plan: Any, model: str, hardware: str, rate: float, q: str, prefill_tp: int = 1) -> None:
     """The plan as a person reads it: replicas, the predicted TTFT and TPOT, and why."""
     pred = plan.prediction
     cap = "unlimited" if pred.decode_capacity is None else str(pred.decode_capacity)
     print(f"{model} on {hardware}, {rate:g} req/s")
+    tp = f" (tensor-parallel over {prefill_tp} devices each)" if prefill_tp > 1 else ""
+    devices = plan.prefill * prefill_tp + plan.decode
     print(
-        f"start with: {plan.prefill} prefill, {plan.decode} decode"
+        f"start with: {plan.prefill} prefill{tp}, {plan.decode} decode: {devices} devices"
         + ("" if plan.meets_slo else "  (SLO NOT met within the bounds)")
     )
     print(
