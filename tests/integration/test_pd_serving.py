@@ -228,6 +228,24 @@ def test_echo_through_pd_gives_the_prefills_prompt_logprobs(client, model, refer
     assert streamed[0] is None and streamed[1:] == pytest.approx(expected[1:], abs=1e-4)
 
 
+def test_vllms_prompt_logprobs_through_pd_are_the_prefills(client, model, reference):
+    """#31: prompt_logprobs (vLLM's field) over PD: every prompt token's logprob and rank as
+    colocated generation computes them, its alternatives ranked 1..k."""
+    prompt = PROMPTS[1]
+    ids = reference.tokenizer.encode(prompt)
+    done = reference.completion(ids, max_tokens=1, temperature=0, prompt_logprobs=2)
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    got = reply.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for token, entry, want in zip(ids[1:], got[1:], done.prompt_logprobs, strict=True):
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(want.logprob, abs=1e-4) and mine["rank"] == want.rank >= 1
+        by_rank = {v["rank"]: v["logprob"] for v in entry.values()}
+        assert 1 in by_rank and by_rank[1] >= mine["logprob"] - 1e-6  # the most likely is no less likely
+
+
 def test_a_list_of_prompts_gets_each_its_colocated_answer(client, model, reference):
     """#31: several prompts in one request (lm-eval's batches), served at once over PD: choice i
     is prompt i's colocated answer, with echo and logprobs too."""

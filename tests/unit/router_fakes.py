@@ -44,11 +44,12 @@ def fake_logprobs(params: SamplingParams, i: int) -> TokenLogprobs | None:
 
 
 def fake_prompt_logprobs(call: Call) -> tuple[TokenLogprobs, ...] | None:
-    """Prompt token j's logprob is -j (j = 1..n-1), its one alternative 3000+j; None unless asked."""
+    """Prompt token j's logprob is -j (j = 1..n-1), rank j + 1, its one alternative 3000+j; None
+    unless asked."""
     if call.params.prompt_logprobs is None:
         return None
     top = call.params.prompt_logprobs
-    return tuple(TokenLogprobs(-float(j), ((3000 + j, -0.5),)[:top]) for j in range(1, len(call.prompt_ids)))
+    return tuple(TokenLogprobs(-float(j), ((3000 + j, -0.5),)[:top], j + 1) for j in range(1, len(call.prompt_ids)))
 
 
 class ScriptedBackend:

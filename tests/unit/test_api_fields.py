@@ -33,7 +33,6 @@ ASKING = {
     "logprobs": 2,
     "best_of": 2,
     "suffix": "end",
-    "prompt_logprobs": 1,
     "top_logprobs": 3,
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required",
@@ -53,6 +52,7 @@ ASKING = {
 ASKING["web_search_options"] = {"search_context_size": "low"}
 ACCEPTED = {
     "user": "u-1",
+    "prompt_logprobs": 1,
     "bad_words": ["x"],
     "include_stop_str_in_output": True,
     "skip_special_tokens": False,

@@ -144,6 +144,40 @@ def test_system_fingerprint_names_the_server_and_model_revision_on_every_body(se
     assert system_fingerprint(MODEL, "rev-a") != system_fingerprint(MODEL, "rev-b") != system_fingerprint(MODEL, "")
 
 
+def test_prompt_logprobs_in_vllms_shape_on_both_endpoints_and_never_streamed(serve):
+    """#31: vLLM's prompt_logprobs — None for the first prompt token, then {token id: {logprob,
+    rank, decoded_token}} with the prompt's token and the alternatives (ranks 1..k), on the
+    choice for completions and on the response for chat (vllm/entrypoints/openai/completion/
+    protocol.py CompletionResponseChoice, chat_completion/protocol.py ChatCompletionResponse).
+    A stream cannot carry them: 400, as vLLM answers."""
+    backend = ScriptedBackend()
+    _, url = serve(backend)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "prompt_logprobs": 1}
+    choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    assert choice["logprobs"] is None  # (no generated-token logprobs were asked)
+    assert choice["prompt_logprobs"] == [
+        None,
+        {
+            "98": {"logprob": -1.0, "rank": 2, "decoded_token": "b"},
+            "3001": {"logprob": -0.5, "rank": 1, "decoded_token": chr(3001)},
+        },
+        {
+            "99": {"logprob": -2.0, "rank": 3, "decoded_token": "c"},
+            "3002": {"logprob": -0.5, "rank": 1, "decoded_token": chr(3002)},
+        },
+    ]
+    assert backend.calls[-1].params.prompt_logprobs == 1
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=chat).json()
+    prompt = backend.calls[-1].prompt_ids
+    assert len(reply["prompt_logprobs"]) == len(prompt) and reply["prompt_logprobs"][0] is None
+    assert reply["prompt_logprobs"][1] == {
+        str(prompt[1]): {"logprob": -1.0, "rank": 2, "decoded_token": chr(prompt[1])}
+    }
+    streamed = httpx.post(f"{url}/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and "prompt_logprobs" in streamed.json()["error"]["message"]
+
+
 def test_echo_logprobs_too_large_for_the_prefills_reply_are_a_clear_400(serve, monkeypatch):
     """The prefill returns an echo's prompt logprobs in one gRPC reply: a prompt whose logprobs
     would not fit (here made small: 10 tokens at 20 alternatives) is refused before it runs,

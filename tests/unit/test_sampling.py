@@ -225,3 +225,16 @@ def test_logprobs_cross_the_wire_unchanged():
     ):
         with pytest.raises(ValueError, match="logprobs"):
             logprobs_from_proto(bad)
+
+
+def test_logprob_ranks_count_the_tokens_at_least_as_likely():
+    """vLLM's rank (vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`): 1 + tokens
+    strictly more likely, ties counted against the token; checked against a sort."""
+    from pdserve_worker.model.sampling.sampler import rows_logprobs
+
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0, 0.5], [3.0, 1.0, 0.0, -2.0, 1.0]])
+    got = rows_logprobs(logits, [4, 1], 2)
+    for row, token, lp in zip(logits, [4, 1], got, strict=True):
+        assert lp.rank == int((row >= row[token]).sum())
+    assert [lp.rank for lp in got] == [3, 3]  # 0.5 behind two 2.0s; 1.0 tied with the other 1.0
+    assert rows_logprobs(logits, [1, 0], 0)[1].rank == 1

@@ -130,7 +130,12 @@ COMPLETIONS = [
     ),
     Field("best_of", R, "only best_of=1 is supported (one sequence per request)", _is(1)),
     Field("suffix", R, "insertion is not supported"),
-    Field("prompt_logprobs", R, "vLLM's separate field is not implemented: ask echo with logprobs"),
+    Field(
+        "prompt_logprobs",
+        S,
+        "vLLM's: 0–20 alternatives per prompt token, in vLLM's shape on the choice (not streamed; wins over echo's "
+        "logprobs)",
+    ),
 ]
 CHAT = [
     Field("messages", S, "text content; system, developer, user, assistant, tool roles"),
@@ -138,6 +143,11 @@ CHAT = [
     *_COMMON,
     Field("logprobs", S, "each generated token's logprob (as on /v1/completions: after the logits processors)"),
     Field("top_logprobs", S, "0–20 alternatives per token; needs logprobs: true"),
+    Field(
+        "prompt_logprobs",
+        S,
+        "vLLM's: 0–20 alternatives per prompt token, in vLLM's shape on the response (not streamed)",
+    ),
     Field(
         "tools",
         S,

@@ -480,6 +480,7 @@ class _Router:
     def _response_format(
         self, body: CompletionRequest | ChatCompletionRequest, request_id: str, params: SamplingParams
     ) -> ResponseFormat:
+        asked = body.prompt_logprobs is not None
         token_text = None if params.logprobs is None else self.token_texts
         if isinstance(body, ChatCompletionRequest):
             return ChatResponseFormat(
@@ -488,6 +489,7 @@ class _Router:
                 include_usage=body.include_usage_chunk,
                 token_text=token_text,
                 fingerprint=self.fingerprint,
+                prompt_logprobs=asked,
                 tools=body.tool_spec,
                 tool_format=self._tool_format(),
             )
@@ -498,6 +500,7 @@ class _Router:
             token_text=token_text,
             echo=self._echo_text(body),
             fingerprint=self.fingerprint,
+            prompt_logprobs=asked,
         )
 
     def _tool_format(self) -> api_tools.Format:
@@ -575,7 +578,7 @@ class _Router:
             raise from_validation_errors(exc.errors()) from None
         except GrammarError as exc:
             raise self.reject(400, f"tools: {exc}", param="tools") from None
-        if params.logprobs is not None and self.token_texts is None:
+        if (params.logprobs is not None or params.prompt_logprobs is not None) and self.token_texts is None:
             raise self.reject(400, "this backend cannot name tokens: logprobs are not available", param="logprobs")
         if params.prompt_logprobs is not None:
             # The prefill sends them in one gRPC reply: bounded, with room to spare, by its message limit.
@@ -583,7 +586,7 @@ class _Router:
             if len(prompt_ids) > most:
                 raise self.reject(
                     400,
-                    f"echo with logprobs {params.prompt_logprobs} is served for prompts of at most {most} tokens, "
+                    f"prompt logprobs with {params.prompt_logprobs} alternatives are served for prompts of at most {most} tokens, "
                     f"got {len(prompt_ids)}: ask fewer alternatives or no echo",
                     param="logprobs",
                 )
@@ -831,6 +834,8 @@ class _Router:
         if fmt.echo is not None:
             text, scored = fmt.echo + text, gen.echoed() + scored
         body = fmt.full(text, gen.finish_reason, self._usage(gen), self._extension(gen), scored)
+        if fmt.prompt_logprobs and self.token_texts is not None:
+            fmt.add_prompt_logprobs(body, gen.echoed(), self.token_texts)
         return JSONResponse(body, headers={"x-request-id": gen.request_id})
 
     async def _stream(self, request: Request, gen: Generation, fmt: ResponseFormat, ledger: _Ledger) -> Response:

@@ -90,3 +90,23 @@ def chat_block(scored: Sequence[Scored], text: TokenText) -> dict[str, Any]:
         entry["top_logprobs"] = [_chat_entry(text(i), v) for i, v in s.logprobs.top]
         content.append(entry)
     return {"content": content, "refusal": None}
+
+
+def vllm_prompt_logprobs(scored: Sequence[Scored], text: TokenText) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: {logprob,
+    rank, decoded_token}} holding the prompt's token (its rank among the whole vocabulary) and
+    the alternatives (ranks 1..k), as vLLM's `Logprob` entries serialize."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for s in scored:
+        if s.logprobs is None:
+            out.append(None)
+            continue
+        entry = {str(s.token_id): _vllm_logprob(s.logprobs.logprob, s.logprobs.rank, text(s.token_id))}
+        for i, (token, value) in enumerate(s.logprobs.top):
+            entry.setdefault(str(token), _vllm_logprob(value, i + 1, text(token)))
+        out.append(entry)
+    return out
+
+
+def _vllm_logprob(value: float, rank: int, token: str) -> dict[str, Any]:
+    return {"logprob": value, "rank": rank or None, "decoded_token": token}

@@ -31,7 +31,7 @@ from pdserve_worker import __version__
 from pdserve_worker.api import api_fields
 from pdserve_worker.api import tools as api_tools
 from pdserve_worker.api.bad_words import MAX_BAD_WORD_SEQUENCES
-from pdserve_worker.api.logprobs import Scored, TokenText, chat_block, completion_block
+from pdserve_worker.api.logprobs import Scored, TokenText, chat_block, completion_block, vllm_prompt_logprobs
 from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.sampling.params import (
     INT32_MAX,
@@ -169,6 +169,8 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")
     # vLLM's: keep the stop string that ended the answer; show special tokens in the text.
     include_stop_str_in_output: bool = False
+    # vLLM's: the prompt's logprobs with this many alternatives (api/logprobs.py `vllm_prompt_logprobs`).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: words the answer must not contain (api/bad_words.py turns them into token sequences).
     bad_words: list[StopString] | None = Field(None, max_length=MAX_BAD_WORD_SEQUENCES)
     skip_special_tokens: bool = True
@@ -203,6 +205,13 @@ class _GenerationRequest(BaseModel):
                             {"field": f.name, "note": f.note, "value": repr(data[f.name])[:80]},
                         )
         return data
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> _GenerationRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            # (vLLM refuses the same: they would all come before the first token)
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return self
 
     @model_validator(mode="after")
     def _sequences_bounded(self) -> _GenerationRequest:
@@ -284,8 +293,8 @@ class _GenerationRequest(BaseModel):
         return None
 
     def requested_prompt_logprobs(self) -> int | None:
-        """The same for the prompt's tokens (echo with logprobs, completions only)."""
-        return None
+        """The same for the prompt's tokens (vLLM's prompt_logprobs, or echo with logprobs)."""
+        return self.prompt_logprobs
 
     def sampling_params(
         self,
@@ -341,6 +350,8 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
     def requested_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is not None:  # (vLLM: prompt_logprobs wins over echo's logprobs)
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
@@ -567,6 +578,7 @@ class ResponseFormat:
     token_text: TokenText | None = None  # set when the request asked for logprobs
     echo: str | None = None  # the prompt's text, when the request asked for it before the completion
     fingerprint: str | None = None  # `system_fingerprint`: this server's version and the model's revision
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for by name: reported in vLLM's shape
     _offset: list[int] = field(default_factory=lambda: [0])  # text_offset reached (completions, streamed)
 
     object_full = "text_completion"
@@ -603,6 +615,10 @@ class ResponseFormat:
 
     def _full_choice(self, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def add_prompt_logprobs(self, body: dict[str, Any], prompt: Sequence[Scored], text: TokenText) -> None:
+        """vLLM's `prompt_logprobs`, in its place: on the choice (completions)."""
+        body["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(prompt, text)
 
     def _chunk(
         self, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
@@ -649,6 +665,10 @@ class ChatResponseFormat(ResponseFormat):
 
     def logprobs_block(self, scored: Sequence[Scored]) -> dict[str, Any] | None:
         return None if self.token_text is None else chat_block(scored, self.token_text)
+
+    def add_prompt_logprobs(self, body: dict[str, Any], prompt: Sequence[Scored], text: TokenText) -> None:
+        """vLLM's `prompt_logprobs`, in its place: on the response (chat)."""
+        body["prompt_logprobs"] = vllm_prompt_logprobs(prompt, text)
 
     # The request's tools (api/tools.py): its answer is parsed for calls in the model's format.
     tools: api_tools.ToolSpec | None = None

@@ -110,6 +110,7 @@ def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
         logprob=logprobs.logprob,
         top_ids=[i for i, _ in logprobs.top],
         top_logprobs=[v for _, v in logprobs.top],
+        rank=logprobs.rank,
     )
 
 
@@ -124,7 +125,7 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs, max_top: int = MAX_LOGPRO
         raise ValueError(f"logprobs outside [{LOGPROB_FLOOR}, 0]: {values[:4]}")
     if not all(map(is_token_id, msg.top_ids)):
         raise ValueError(f"logprobs name negative token ids: {list(msg.top_ids)[:4]}")
-    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs, strict=True)))
+    return TokenLogprobs(msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs, strict=True)), msg.rank)
 
 
 # ---- grants (worker.proto Grant) ----------------------------------------------------------------

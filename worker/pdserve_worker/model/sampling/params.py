@@ -145,10 +145,12 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    # 1 + how many tokens are at least as likely (vLLM's rank: 1 = the most likely); 0 = not known.
+    rank: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON form the prefill's ready message carries to the decode."""
-        return {"logprob": self.logprob, "top": [[i, v] for i, v in self.top]}
+        return {"logprob": self.logprob, "top": [[i, v] for i, v in self.top], "rank": self.rank}
 
     @classmethod
     def from_wire(cls, data: Any, max_top: int) -> TokenLogprobs:
@@ -162,7 +164,10 @@ class TokenLogprobs:
             top.append((pair[0], float(pair[1])))
         if not is_logprob(data.get("logprob")):
             raise ValueError(f"first_logprobs.logprob is not a logprob: {data.get('logprob')!r:.100}")
-        return cls(float(data["logprob"]), tuple(top))
+        rank = data.get("rank", 0)
+        if not (type(rank) is int and 0 <= rank <= INT32_MAX):
+            raise ValueError(f"first_logprobs.rank is not a rank: {rank!r:.100}")
+        return cls(float(data["logprob"]), tuple(top), rank)
 
 
 def is_token_id(value: Any) -> bool:

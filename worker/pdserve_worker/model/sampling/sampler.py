@@ -37,12 +37,17 @@ def rows_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list
     """`TokenLogprobs` of `tokens[r]` under row r of `logits` `[rows, vocab]`, each with `top`
     alternatives: one log-softmax, one gather and one top-k over all the rows."""
     logprobs = torch.log_softmax(logits.to("cpu", torch.float32), dim=-1).clamp(min=LOGPROB_FLOOR)
-    chosen = logprobs.gather(1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    picked = logprobs.gather(1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])
+    # vLLM's rank (vllm/v1/sample/ops/logprobs.py, batched_count_greater_than): tokens at least as likely.
+    ranks = (logprobs >= picked).sum(dim=-1).tolist()
+    chosen = picked[:, 0].tolist()
     if not top:
-        return [TokenLogprobs(c) for c in chosen]
+        return [TokenLogprobs(c, rank=r) for c, r in zip(chosen, ranks, strict=True)]
     values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
     pairs = zip(ids.tolist(), values.tolist(), strict=True)
-    return [TokenLogprobs(c, tuple(zip(i, v, strict=True))) for c, (i, v) in zip(chosen, pairs, strict=True)]
+    return [
+        TokenLogprobs(c, tuple(zip(i, v, strict=True)), r) for c, (i, v), r in zip(chosen, pairs, ranks, strict=True)
+    ]
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
