@@ -180,8 +180,8 @@ def _resources(role: str, spec: s.PDInferenceServiceSpec, overrides: s.PodOverri
     device = spec.device
     if role in ("prefill", "decode") and device.type != "cpu" and device.resource_name and device.count:
         # Extended resources must be requested with requests == limits; spec.device wins. A
-        # tensor-parallel prefill pod runs one rank per device.count of them.
-        ranks = spec.prefill.tensor_parallel_size if role == "prefill" else 1
+        # tensor-parallel pod runs one rank per device.count of them.
+        ranks = spec.prefill.tensor_parallel_size if role == "prefill" else spec.decode.tensor_parallel_size
         requests[device.resource_name] = limits[device.resource_name] = _quantity(device.count * ranks)
     out: dict[str, Any] = {}
     if requests:
@@ -297,6 +297,7 @@ def _prefill_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str,
 def _decode_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
     d = spec.decode
     env = [
+        *([_val(E.TENSOR_PARALLEL, d.tensor_parallel_size)] if d.tensor_parallel_size > 1 else []),
         _val(E.SLOTS, d.slots),
         _val(E.KV_BLOCK_TOKENS, d.kv_block_tokens),
         # Unset: the decode sizes its pool itself, slots x maxLength capped by its memory.

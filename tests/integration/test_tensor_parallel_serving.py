@@ -1,13 +1,15 @@
-"""Tensor-parallel prefill through real processes (issue #32): `pdserve local --prefill-tp N`
-starts a prefill instance of N rank processes (gloo all_reduce inside it), each pushing its own
-KV heads one-sided into the decode's blocks.
+"""Tensor-parallel prefill and decode through real processes (issue #32): `pdserve local
+--prefill-tp N --decode-tp M` starts instances of N (M) rank processes (gloo all_reduce inside
+each), each prefill rank pushing its own KV heads one-sided into the decode rank(s) holding them.
 
 - The greedy text equals transformers' fp32 generate (the upstream, never our own tp=1 output)
-  for llama3, qwen2 and qwen3 tiny models, at tp 2 and 4 (tp 4 over 2 KV heads replicates each).
+  for llama3, qwen2 and qwen3 tiny models, at P_tp × D_tp of 2×1, 4×1 (tp 4 over 2 KV heads
+  replicates each), 1×2, 2×2 and 4×2, and for the bundled model at 3×1, 1×3 and 3×3.
 - Each rank pushed its share of the KV bytes (the prefill's per-rank counter), and their sum is
   what the response reports: nothing went through rank 0 for another rank.
 - A rank killed in the middle of a prefill: the request completes through the other prefill
-  instance and the decode's blocks all come back.
+  instance and the decode's blocks all come back. A decode rank killed: its instance ends
+  itself, and requests go on through the other decode.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from support.local_run import LocalRun
 pytestmark = pytest.mark.slow
 
 TEXTS = ["Paris is the capital of", "Unicode: café 東京 and 12345.", "The quick brown fox jumps over the lazy dog."]
-CASES = {  # (family, config override, tensor-parallel size)
-    "llama3-tp2": ("llama3", {"num_attention_heads": 4, "num_key_value_heads": 2}, 2),
-    "llama3-tp4": ("llama3", {"num_attention_heads": 4, "num_key_value_heads": 2}, 4),  # KV heads replicated
-    "qwen2-tp2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 2),
-    "qwen3-tp2": ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2}, 2),
+LLAMA = {"num_attention_heads": 4, "num_key_value_heads": 2}
+CASES = {  # (family, config override, prefill tensor-parallel size, decode's)
+    "llama3-p2d1": ("llama3", LLAMA, 2, 1),
+    "llama3-p4d1": ("llama3", LLAMA, 4, 1),  # KV heads replicated
+    "qwen2-p2d1": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 2, 1),
+    "qwen3-p2d1": ("qwen3", LLAMA, 2, 1),
+    "llama3-p1d2": ("llama3", LLAMA, 1, 2),
+    "llama3-p2d2": ("llama3", LLAMA, 2, 2),  # each prefill rank writes whole rows of its decode rank
+    "qwen2-p4d2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 4, 2),
 }
 TOKENS = 10
 
@@ -43,7 +49,7 @@ def _metric(text: str, name: str, labels: str) -> float:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def deployment(request, tmp_path_factory):
-    family, override, tp = CASES[request.param]
+    family, override, tp, decode_tp = CASES[request.param]
     folder = build_family(family, tmp_path_factory.mktemp(f"tp-model-{request.param}"), **override)
     hf = hf_model(folder)
     tok = Tokenizer.from_dir(folder)
@@ -63,19 +69,21 @@ def deployment(request, tmp_path_factory):
         "1",
         "--prefill-tp",
         str(tp),
+        "--decode-tp",
+        str(decode_tp),
         "--prefix-cache-tokens",
         "0",
         "--port",
         "0",
     )
     try:
-        yield run, expected, tp
+        yield run, expected, tp, override["num_key_value_heads"]
     finally:
         run.stop_cleanly()
 
 
 def test_greedy_text_equals_transformers_and_each_rank_pushes_its_share(deployment):
-    run, expected, tp = deployment
+    run, expected, tp, kv_heads = deployment
     total = 0
     with httpx.Client(base_url=run.url, timeout=120) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
@@ -91,7 +99,7 @@ def test_greedy_text_equals_transformers_and_each_rank_pushes_its_share(deployme
     per_rank = [_metric(metrics, "pdserve_prefill_rank_kv_bytes_total", f'rank="{r}"') for r in range(tp)]
     pushing = [b for b in per_rank if b]  # (with replicated KV heads, a replica's rank pushes nothing)
     assert sum(per_rank) == total > 0
-    assert len(pushing) == min(tp, 2) and len(set(pushing)) == 1  # equal shares: each its heads only
+    assert len(pushing) == min(tp, kv_heads) and len(set(pushing)) == 1  # equal shares: each its heads only
     assert pushing[0] == total / len(pushing)
 
 
@@ -158,10 +166,11 @@ def test_a_rank_killed_mid_prefill_fails_over_to_another_prefill(tmp_path_factor
         run.stop_cleanly(also=[frozen])
 
 
-def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_dir, tmp_path):
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(3, 1), (1, 3), (3, 3)])
+def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_dir, tmp_path, prefill_tp, decode_tp):
     """The bundled SmolLM2-135M (9 query heads over 3 KV heads: sizes 1, 3, 9), dequantized to
-    fp32, prefilled by 3 ranks of one KV head each: the greedy chat answers are transformers'
-    fp32 greedy tokens, and each of the 3 ranks pushed a third of the KV."""
+    fp32, prefilled and/or decoded by 3 ranks of one KV head each: the greedy chat answers are
+    transformers' fp32 greedy tokens, and each prefill rank pushed its share of the KV."""
     hf = hf_model(default_model_dir)
     tok = Tokenizer.from_dir(default_model_dir)
     chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in ("What is the capital of France?", "Hi!")]
@@ -177,7 +186,9 @@ def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_di
         "--decode",
         "1",
         "--prefill-tp",
-        "3",
+        str(prefill_tp),
+        "--decode-tp",
+        str(decode_tp),
         "--prefix-cache-tokens",
         "0",
         "--port",
@@ -192,7 +203,47 @@ def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_di
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["choices"][0]["text"] == text
             metrics = httpx.get(f"http://{run.child('prefill-0')['http']}/metrics").text
-        per_rank = [_metric(metrics, "pdserve_prefill_rank_kv_bytes_total", f'rank="{r}"') for r in range(3)]
+        ranks = range(prefill_tp)
+        per_rank = [_metric(metrics, "pdserve_prefill_rank_kv_bytes_total", f'rank="{r}"') for r in ranks]
         assert per_rank[0] > 0 and len(set(per_rank)) == 1
     finally:
         run.stop_cleanly()
+
+
+def test_a_dead_decode_rank_takes_its_instance_down_and_the_other_decode_serves(tmp_path_factory):
+    """A decode rank past 0 killed: rank 0's next collective fails, it logs tp_group_broken and
+    ends its process (the instance restarts as one); requests go on through the other decode."""
+    folder = build_family("llama3", tmp_path_factory.mktemp("tp-decode-fault-model"), **LLAMA)
+    run = LocalRun.start(
+        tmp_path_factory.mktemp("tp-decode-fault"),
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--decode-tp",
+        "2",
+        "--prefix-cache-tokens",
+        "0",
+        "--port",
+        "0",
+    )
+    victim = _rank_pids(run, "decode-0")[0]
+    try:
+        os.kill(victim, signal.SIGKILL)
+        with httpx.Client(base_url=run.url, timeout=120) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Paris is the capital of", "max_tokens": 6, "temperature": 0}
+            deadline = time.monotonic() + 60
+            while "event=tp_group_broken" not in open(run.child("decode-0")["log"]).read():
+                assert time.monotonic() < deadline, "decode-0 never noticed its dead rank"
+                http.post("/v1/completions", json=body)  # (a step, or the idle tick, finds the rank gone)
+                time.sleep(0.5)
+            replies = [http.post("/v1/completions", json=body) for _ in range(4)]
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        assert len({r.json()["choices"][0]["text"] for r in replies}) == 1
+    finally:
+        run.stop_cleanly(also=[victim])

@@ -123,6 +123,19 @@ def test_a_tensor_parallel_prefill_pod_asks_for_a_device_per_rank_and_starts_its
     assert "PDSERVE_TENSOR_PARALLEL" not in env(render({})[("Deployment", "svc-prefill")])
 
 
+def test_a_tensor_parallel_decode_pod_asks_for_a_device_per_rank_and_starts_its_ranks() -> None:
+    objs = render(
+        {
+            "device": {"type": "cuda", "resourceName": "nvidia.com/gpu", "count": 1},
+            "decode": {"tensorParallelSize": 3},
+        }
+    )
+    pre, dec = objs[("Deployment", "svc-prefill")], objs[("StatefulSet", "svc-decode")]
+    assert container(dec)["resources"]["limits"] == {"nvidia.com/gpu": "3"}
+    assert container(pre)["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert env(dec)["PDSERVE_TENSOR_PARALLEL"] == "3" and "PDSERVE_TENSOR_PARALLEL" not in env(pre)
+
+
 def test_pods_are_non_root_with_probes_and_decode_drains() -> None:
     objs = render({"decode": {"drainTimeoutSeconds": 90}})
     for kind, name in (("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router")):

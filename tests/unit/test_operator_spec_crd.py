@@ -98,7 +98,13 @@ device = st.fixed_dictionaries(
     optional={"resourceName": st.just("huawei.com/Ascend910"), "count": st.integers(0, 3)},
 )
 decode = st.fixed_dictionaries(
-    {"readiness": st.sampled_from(["interrupt", "poll", "spin"])}, optional={"pollIntervalMicros": st.integers(1, 500)}
+    {"readiness": st.sampled_from(["interrupt", "poll", "spin"])},
+    optional={
+        "pollIntervalMicros": st.integers(1, 500),
+        "tensorParallelSize": st.sampled_from([1, 3]),
+        "layerShards": st.sampled_from([1, 2]),
+        "kvBlockTokens": st.sampled_from([0, 16]),
+    },
 )
 prefill = st.fixed_dictionaries(
     {"tensorParallelSize": st.sampled_from([1, 3])},
@@ -163,6 +169,9 @@ def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, pre: dict, svc: 
         ({"prefill": {"layersPerChunk": 40}}, "prefill.layersPerChunk"),
         ({"prefill": {"tensorParallelSize": 2}}, "sizes that work: [1, 3, 9]"),
         ({"prefill": {"tensorParallelSize": 3, "prefixCacheTokens": 512}}, "prefix cache is off in a tensor-parallel"),
+        ({"decode": {"tensorParallelSize": 2}}, "decode.tensorParallelSize: 2 does not split"),
+        ({"decode": {"tensorParallelSize": 3, "layerShards": 2}}, "tensor-parallel or layer-sharded"),
+        ({"decode": {"tensorParallelSize": 3, "kvBlockTokens": 0}}, "needs a paged KV pool"),
         ({"model": {"source": "builtin:llama9000"}}, "unknown built-in model"),
         ({"device": {"type": "cuda"}}, "spec.device: resourceName is required"),
         ({"decode": {"pollIntervalMicros": 10}}, "pollIntervalMicros is only meaningful"),

@@ -66,6 +66,10 @@ def test_plain_names_in_the_environment_are_not_read(monkeypatch):
         ({E.MODEL_SOURCE: "builtin:llama-70b"}, "builtin:llama-70b"),
         ({E.SLOTS: "0"}, E.SLOTS),
         ({E.READINESS_MODE: "sometimes"}, E.READINESS_MODE),
+        ({E.ROLE: "router", E.TENSOR_PARALLEL: "2"}, "a router is not a model instance"),
+        # (PDSERVE_LAYER_SHARDS=2 on a decode: its group peers are checked first, so a group of one peer
+        # named at all passes that check and the tensor-parallel one speaks)
+        ({E.TENSOR_PARALLEL: "2", E.KV_BLOCK_TOKENS: "0"}, "needs a paged KV pool"),
     ],
 )
 def test_invalid_settings_name_what_is_wrong(pod_env, monkeypatch, env, needle):
@@ -113,3 +117,11 @@ def test_a_tls_broker_without_a_certificate_is_a_clear_error(pod_env, monkeypatc
     monkeypatch.setenv(E.BROKER_TLS, "true")
     with pytest.raises(ValidationError, match="the broker speaks TLS, but no certificate is configured"):
         WorkerSettings()
+
+
+def test_a_decode_may_be_tensor_parallel_but_not_also_layer_sharded(pod_env, monkeypatch):
+    monkeypatch.setenv(E.TENSOR_PARALLEL, "2")
+    assert WorkerSettings().tensor_parallel == 2
+    monkeypatch.setenv(E.LAYER_SHARDS, "2")
+    with pytest.raises(ValidationError, match="tensor-parallel or layer-sharded, not both"):
+        WorkerSettings(group_peers="a:1,b:2")

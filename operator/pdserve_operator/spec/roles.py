@@ -111,6 +111,16 @@ class DecodeSpec(PodOverrides):
     drain_timeout_seconds: int = Field(
         60, ge=0, le=3600, description="How long a stopping decode pod may finish its requests (preStop /drain)."
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks per decode pod: one process per rank, each holding a share of every "
+        "layer's heads and a KV pool of its own KV heads (the prefill pushes each rank's heads into its pool); the "
+        "pod asks for device.count x tensorParallelSize accelerators. Must split the model's heads (pdserve info "
+        "--tp N). Needs kvBlockTokens > 0; not with layerShards > 1. Its requests finish in place when it drains "
+        "(no live migration).",
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -118,6 +128,18 @@ class DecodeSpec(PodOverrides):
             message="pollIntervalMicros is only meaningful with readiness poll",
             holds=lambda d: d.poll_interval_micros is None or d.readiness == "poll",
             field="pollIntervalMicros",
+        ),
+        Rule(
+            cel="self.tensorParallelSize == 1 || self.layerShards == 1",
+            message="tensorParallelSize: a decode group is tensor-parallel or layer-sharded (layerShards > 1), not both",
+            holds=lambda d: d.tensor_parallel_size == 1 or d.layer_shards == 1,
+            field="tensorParallelSize",
+        ),
+        Rule(
+            cel="self.tensorParallelSize == 1 || self.kvBlockTokens > 0",
+            message="tensorParallelSize: a tensor-parallel decode needs a paged KV pool (kvBlockTokens > 0)",
+            holds=lambda d: d.tensor_parallel_size == 1 or d.kv_block_tokens > 0,
+            field="tensorParallelSize",
         ),
         Rule(
             cel="!has(self.kvTokens) || self.kvBlockTokens > 0",

@@ -108,12 +108,16 @@ class PDInferenceServiceSpec(Model):
                 f"decode.layerShards: {self.decode.layer_shards} shards exceed the "
                 f"{builtin.layers} layers of {self.model.source}"
             )
-        if self.prefill.tensor_parallel_size not in builtin.tensor_parallel_sizes():
-            raise ValueError(
-                f"prefill.tensorParallelSize: {self.prefill.tensor_parallel_size} does not split the "
-                f"{builtin.heads} query heads over {builtin.kv_heads} KV heads of {self.model.source}; "
-                f"sizes that work: {builtin.tensor_parallel_sizes()}"
-            )
+        for role, size in (
+            ("prefill", self.prefill.tensor_parallel_size),
+            ("decode", self.decode.tensor_parallel_size),
+        ):
+            if size not in builtin.tensor_parallel_sizes():
+                raise ValueError(
+                    f"{role}.tensorParallelSize: {size} does not split the "
+                    f"{builtin.heads} query heads over {builtin.kv_heads} KV heads of {self.model.source}; "
+                    f"sizes that work: {builtin.tensor_parallel_sizes()}"
+                )
         if self.prefill.layers_per_chunk > builtin.layers:
             raise ValueError(
                 f"prefill.layersPerChunk: {self.prefill.layers_per_chunk} exceeds the "

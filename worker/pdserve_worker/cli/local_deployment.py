@@ -80,6 +80,7 @@ class LocalPlan:
     prefill_chunk_tokens: int = 512  # colocated: prompt positions between two decode steps
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     prefill_tp: int = 1  # tensor-parallel ranks per prefill instance (rank 0 starts the others)
+    decode_tp: int = 1  # the same per decode instance
     readiness: str = "interrupt"
     # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
     # baseline of seed 002's experiment (transfer/backends/two_sided.py; benchmarks only).
@@ -102,12 +103,18 @@ class LocalPlan:
             raise ValueError(f"a PD deployment needs at least 1 prefill and 1 decode, got {self.prefill}/{self.decode}")
         if self.layer_shards < 1:
             raise ValueError(f"layer_shards must be >= 1, got {self.layer_shards}")
-        if self.prefill_tp < 1:
-            raise ValueError(f"prefill_tp must be >= 1, got {self.prefill_tp}")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError(f"prefill_tp and decode_tp must be >= 1, got {self.prefill_tp}/{self.decode_tp}")
+        if self.decode_tp > 1 and self.layer_shards > 1:
+            raise ValueError("a decode is tensor-parallel (--decode-tp) or layer-sharded (--layer-shards), not both")
+        if self.decode_tp > 1 and not self.kv_block_tokens:
+            raise ValueError("--decode-tp needs a paged KV pool: --kv-block-tokens > 0")
 
     @property
     def model_processes(self) -> int:
-        return 1 if self.colocated else self.prefill * self.prefill_tp + self.decode * self.layer_shards
+        return (
+            1 if self.colocated else self.prefill * self.prefill_tp + self.decode * self.layer_shards * self.decode_tp
+        )
 
     def memory_share(self) -> float:
         """The part of the machine's memory each model process may size its caches from."""
@@ -388,7 +395,9 @@ class LocalDeployment:
         gRPC endpoints (what a pod derives from the StatefulSet's DNS names)."""
         shards = self.plan.layer_shards
         if shards == 1:
-            self._spawn(f"decode-{index}", "decode", self._worker_env("decode", f"decode-{index}", free_port()))
+            env = self._worker_env("decode", f"decode-{index}", free_port())
+            env[E.TENSOR_PARALLEL] = str(self.plan.decode_tp)  # (rank 0 starts the other ranks)
+            self._spawn(f"decode-{index}", "decode", env)
             return
         envs = [self._worker_env("decode", f"decode-{index}-{m}", free_port()) for m in range(shards)]
         peers = ",".join(f"{HOST}:{env[E.GRPC_PORT_ENV]}" for env in envs)

@@ -48,6 +48,7 @@ _END = object()
 Prefill = Callable[[list[int], int, SamplingParams], int | Draw]
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
+IDLE_TICK_S = 1.0  # how often an idle generator hook runs while no command comes
 
 
 @runtime_checkable
@@ -288,9 +289,17 @@ class GenerationLoop:
             self._dispatch(outputs)
 
     def _apply_commands(self, block: bool) -> None:
+        # A generator with an `idle` hook (a tensor-parallel decode's: decode/tp_decode.py) is
+        # called while nothing comes, on this thread, the one that runs its collectives.
+        idle = getattr(self._gen, "idle", None) if block else None
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=IDLE_TICK_S if idle is not None else None)
         except queue.Empty:
+            if idle is not None:
+                try:
+                    idle()
+                except Exception as exc:  # (the generator says how it fails: a broken group ends the process)
+                    log.error(kv(event="generator_idle_failed", error=repr(exc)))
             return
         while True:
             if isinstance(command, _Add):

@@ -17,7 +17,8 @@ import grpc
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.membership import Load, MemberInfo
 from pdserve_worker.decode.shard import ShardFollower, connect_group, group_max_message, is_follower
-from pdserve_worker.decode.worker import DecodeWorker
+from pdserve_worker.decode.tp_decode import TPDecodeGroup
+from pdserve_worker.decode.worker import DecodeWorker, GroupHooks
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.rpc.broker_client import BrokerClient
@@ -77,8 +78,10 @@ async def make_role(
     if is_follower(settings):
         return ShardFollower(settings, loaded, backend)
     if settings.role == "decode":
-        group = None
-        if settings.layer_shards > 1:
+        group: GroupHooks | None = None
+        if tp_group is not None:
+            group = TPDecodeGroup(settings, loaded, tp_group)
+        elif settings.layer_shards > 1:
             max_message = grpc_max_message(settings, loaded.config.hidden_size)
             group = await connect_group(settings, loaded.model.layer_range, max_message)
         return DecodeWorker(settings, loaded, backend, revision, group=group)

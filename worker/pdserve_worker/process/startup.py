@@ -22,7 +22,8 @@ class StartupError(RuntimeError):
 def start_engine(settings: WorkerSettings) -> TransferBackend:
     """The transfer engine, initialized. A prefill connects out only: it listens on no transfer
     port. A decode admits only peers holding the service's link key, and (unless it is a group
-    follower, which has no slot table) lets them write only into reserved slots (service_link.py)."""
+    follower or a tensor-parallel rank past 0, which keep no slot table) lets them write only into
+    reserved slots (service_link.py)."""
     from pdserve_worker.decode.shard import is_follower
     from pdserve_worker.transfer.registry import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
@@ -33,7 +34,8 @@ def start_engine(settings: WorkerSettings) -> TransferBackend:
         backend.name,
         settings.kv_keys().link,
         settings.engine_options,
-        leased_writes=settings.role == "decode" and not is_follower(settings),
+        # (a tensor-parallel decode's other ranks keep no slot table either: decode/tp_decode.py)
+        leased_writes=settings.role == "decode" and not is_follower(settings) and settings.tp_rank == 0,
     )
     status = backend.engine.initialize(engine_id, options)
     if status != backend.api.SUCCESS:

@@ -28,6 +28,7 @@ from pdserve_worker.serving import settings as S
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.tp_group import GroupSpec
 from pdserve_worker.util.children import die_with_parent
+from pdserve_worker.util.free_ports import free_port
 
 log = logging.getLogger("pdserve.tp")
 
@@ -82,6 +83,8 @@ def start_ranks(settings: WorkerSettings) -> tuple[Ranks, WorkerSettings]:
     ranks = Ranks(address, folder)
     for rank in range(1, settings.tensor_parallel):
         env = {**os.environ, S.TP_RANK: str(rank), S.TP_ADDRESS: address}
+        if settings.role == "decode":  # each rank's engine listens for the prefill's pushes
+            env[S.TRANSFER_PORT_ENV] = str(free_port(settings.bind_host))
         ranks.procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "pdserve_worker.process.tp_ranks"],
@@ -97,6 +100,7 @@ def start_ranks(settings: WorkerSettings) -> tuple[Ranks, WorkerSettings]:
 def run_follower() -> int:
     """A rank past 0, from start to stop: join, load its share, warm up, follow rank 0's passes."""
     from pdserve_common import logs
+    from pdserve_worker.decode.tp_decode import DecodeFollower
     from pdserve_worker.model.engine import warm_up
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.prefill.tp_rank import FollowerRank
@@ -109,7 +113,7 @@ def run_follower() -> int:
     serve_with(settings.torch_threads)
     bind_device(settings)
     group = TPGroup(group_spec(settings))
-    rank = None
+    rank: FollowerRank | DecodeFollower | None = None
     backend = None
     try:
         loaded = load_model(
@@ -123,10 +127,11 @@ def run_follower() -> int:
         )
         warm_up(loaded.model)  # (rank 0 warms up too: the collectives match)
         backend = start_engine(settings)
-        rank = FollowerRank(settings, loaded, backend, group)
+        follower = DecodeFollower if settings.role == "decode" else FollowerRank
+        rank = follower(settings, loaded, backend, group)
         rank.serve()
         return 0
-    except (GroupError, RuntimeError) as exc:
+    except (GroupError, RuntimeError, ValueError) as exc:  # (rank 0 fails the same way and says why)
         log.error(kv(event="tp_rank_failed", rank=settings.tp_rank, error=str(exc)))
         return 1
     finally:

@@ -194,9 +194,17 @@ class WorkerSettings(BaseSettings):
                     f"{GROUP_PEERS}: a group of {self.layer_shards} needs {self.layer_shards} member endpoints, "
                     f"got {len(self.peers)} ({self.group_peers!r}); pods derive them from {E.DECODE_SERVICE}"
                 )
-        if self.tensor_parallel != 1 and self.role != "prefill":
+        if self.tensor_parallel != 1 and self.role not in ("prefill", "decode"):
+            raise ValueError(f"{E.TENSOR_PARALLEL}={self.tensor_parallel}: a {self.role} is not a model instance")
+        if self.tensor_parallel != 1 and self.layer_shards != 1:
             raise ValueError(
-                f"{E.TENSOR_PARALLEL}={self.tensor_parallel}: only prefill instances are tensor-parallel so far"
+                f"{E.TENSOR_PARALLEL}={self.tensor_parallel} with a layer-sharded decode group of {self.layer_shards}: "
+                "a decode is tensor-parallel or layer-sharded, not both"
+            )
+        if self.tensor_parallel != 1 and self.role == "decode" and not self.kv_block_tokens:
+            raise ValueError(
+                f"{E.TENSOR_PARALLEL}={self.tensor_parallel}: a tensor-parallel decode needs a paged KV pool "
+                "(kv_block_tokens > 0)"
             )
         if self.tp_rank >= self.tensor_parallel:
             raise ValueError(f"{TP_RANK}={self.tp_rank} outside a tensor-parallel group of {self.tensor_parallel}")

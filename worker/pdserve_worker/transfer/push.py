@@ -171,8 +171,9 @@ class KVPusher:
 
     def _check_target(self, target: Grant) -> _TargetState:
         src, dst = self.source.layout, target.layout
-        # Without tensor parallelism both pools hold every head; a rank's pushes its heads' share
-        exact = ("kv_heads", "first_head") if self.source.heads is None else ()
+        # Without tensor parallelism both pools hold every head; a rank pushes its heads' share,
+        # and a block pool (a tensor-parallel decode rank's) takes the heads it holds.
+        exact = ("kv_heads", "first_head") if self.source.heads is None and not dst.paged else ()
         for attr in ("head_dim", "dtype", *exact):
             if getattr(src, attr) != getattr(dst, attr):
                 raise ValueError(

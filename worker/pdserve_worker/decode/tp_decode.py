@@ -1,0 +1,235 @@
+"""A tensor-parallel decode instance: rank 0 decodes, ranks 1.. run the same steps on their heads.
+
+Rank 0 is the decode worker routers and the broker see: the slot table, the write leases, the
+ready notifications, the continuous batch and the sampler are its alone. Every rank holds its
+tensor-parallel share of the model (model/layers/tensor_parallel.py) and a paged KV pool of
+its KV heads with the same blocks as rank 0's, so one block table serves them all. Rank 0's
+grant of a reservation becomes one grant per rank (same slot, generation, blocks and nonce;
+each rank's engine, pool and head range): the prefill pushes each rank's heads straight into
+that rank's pool, nothing goes through rank 0 (transfer/push.py cuts the heads per target).
+
+Each decode step rank 0 sends the step — slots, positions, last tokens and each slot's block
+table — on the group's CPU channel, then every rank runs `decode_step`, whose all_reduces pair
+up across the ranks; rank 0 samples, the others drop their logits. While idle, rank 0 sends
+IDLE every few seconds so the others' wait stays inside the group's deadline (serving/
+tp_group.py); a failed or timed-out collective means a rank is gone, and rank 0 then ends its
+own process so the instance restarts as one (as a tensor-parallel prefill does).
+
+Ready: the prefill notifies every target only once all its puts (every rank's, for a
+tensor-parallel prefill) completed, so rank 0's own notification is enough to start the
+request; the others drain theirs unread. Their engines take writes from any peer holding the
+service's link key (no write leases: those follow rank 0's slot table, which the others do
+not keep). A tensor-parallel decode does not migrate its requests when draining (its KV is
+spread over its ranks): they finish where they are, as a layer-sharded group's do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pdserve_common.kv_layout import KVLayout
+from pdserve_common.logs import kv
+from pdserve_worker.kv.paged import PagedKVCache
+from pdserve_worker.kv.slots import Grant
+from pdserve_worker.model.engine import Generator
+from pdserve_worker.model.loading.loader import LoadedModel
+from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.serving.tp_group import GroupError, TPGroup
+from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.pool import KVPool
+
+log = logging.getLogger("pdserve.tp")
+
+IDLE, STOP = "idle", "stop"
+IDLE_EVERY_S = 5.0  # well inside the group's deadline (tp_timeout_seconds, 60 by default)
+DRAIN_EVERY_S = 0.05  # how often a follower empties its notify queue
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode step as rank 0 runs it: what the other ranks need to run the same one."""
+
+    slots: tuple[int, ...]
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]  # each slot's blocks, in token order
+
+
+@dataclass(frozen=True)
+class RankPool:
+    """Where a rank's KV pool is: the grant of a reservation names it for that rank."""
+
+    engine_id: str
+    base_addr: int
+    layout: dict[str, Any]
+
+
+def first_head(loaded: LoadedModel) -> int:
+    return loaded.tp.kv_heads.start if loaded.tp is not None else 0
+
+
+class MirroredModel:
+    """Rank 0's model: every decode step is first described to the other ranks."""
+
+    def __init__(self, model: Any, group: TPGroup) -> None:
+        self._model, self._group = model, group
+        self._last_sent = time.monotonic()
+        self.broken = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def decode_step(
+        self, cache: PagedKVCache, slots: Sequence[int], positions: Sequence[int], token_ids: Sequence[int]
+    ) -> torch.Tensor:
+        tables = tuple(cache.table(s) for s in slots)
+        self._send(DecodeStep(tuple(slots), tuple(positions), tuple(token_ids), tables))
+        try:
+            return self._model.decode_step(cache, slots, positions, token_ids)
+        except GroupError as exc:
+            self._broken(exc)
+            raise
+
+    def idle(self) -> None:
+        """Keep the other ranks' wait alive (called by the generation loop while it has no work)."""
+        if time.monotonic() - self._last_sent >= IDLE_EVERY_S:
+            self._send(IDLE)
+
+    def _send(self, what: Any) -> None:
+        if self.broken:
+            raise GroupError("tensor-parallel decode group is broken: the instance is restarting")
+        try:
+            self._group.broadcast(what)
+        except GroupError as exc:
+            self._broken(exc)
+            raise
+        self._last_sent = time.monotonic()
+
+    def _broken(self, exc: BaseException) -> None:
+        """A rank is gone: this instance cannot decode any more; end it so it restarts as one."""
+        if not self.broken:
+            self.broken = True
+            log.error(kv(event="tp_group_broken", role="decode", error=str(exc)[:300]))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class TPGenerator(Generator[Any]):
+    """The continuous batch over a mirrored model; idle ticks reach the other ranks."""
+
+    def idle(self) -> None:
+        self.model.idle()
+
+
+class TPDecodeGroup:
+    """Rank 0's side (`decode.worker.GroupHooks`): the pools of every rank, their grants, the
+    mirrored decode step."""
+
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, group: TPGroup) -> None:
+        self.settings, self.loaded, self.group = settings, loaded, group
+        self.others: list[RankPool] = []
+        self.model: MirroredModel | None = None
+
+    def pool_layout(self, full: KVLayout) -> KVLayout:
+        """Rank 0's paged pool; the others make theirs with the same blocks and tell where."""
+        from pdserve_worker.decode.worker import paged_layout, pool_tokens
+
+        s = self.settings
+        if not s.kv_block_tokens:
+            raise ValueError("a tensor-parallel decode needs a paged KV pool (kv_block_tokens > 0)")
+        full = replace(full, first_head=first_head(self.loaded))
+        layout = paged_layout(full, s.kv_block_tokens, s.kv_tokens or pool_tokens(s, full))
+        self.group.broadcast(layout.to_dict())
+        pools = self.group.gather(None) or []
+        self.others = [RankPool(**p) for p in pools[1:]]
+        log.info(kv(event="tp_decode_pools", ranks=self.group.size, blocks=layout.num_blocks))
+        return layout
+
+    def generator(self, loaded: LoadedModel, cache: Any) -> Generator[Any]:
+        self.model = MirroredModel(loaded.model, self.group)
+        return TPGenerator(self.model, loaded.tokenizer, cache)  # type: ignore[arg-type]
+
+    def grants(self, grant: Grant) -> list[Grant]:
+        return [
+            grant,
+            *(
+                replace(grant, engine_id=p.engine_id, base_addr=p.base_addr, layout=KVLayout.from_dict(p.layout))
+                for p in self.others
+            ),
+        ]
+
+    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> list[tuple[int, int]]:
+        return []  # (rank 0's notify comes after every rank's puts completed: module doc)
+
+    def labels(self) -> dict[str, str]:
+        return {"tensor_parallel": str(self.group.size)}
+
+    def close(self) -> None:
+        """Tell the others to stop (the generation loop has stopped: no collective is running)."""
+        if self.model is None or not self.model.broken:
+            try:
+                self.group.broadcast(STOP)
+            except GroupError as exc:
+                log.warning(kv(event="tp_stop_unsent", error=str(exc)[:200]))
+
+
+class DecodeFollower:
+    """Rank 1.. of a tensor-parallel decode: its heads' pool, and the steps rank 0 describes."""
+
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, group: TPGroup) -> None:
+        self.settings, self.loaded, self.backend, self.group = settings, loaded, backend, group
+        leader = KVLayout.from_dict(group.broadcast())
+        layout = replace(leader, first_head=first_head(loaded))
+        self.pool = KVPool(backend, layout, device=settings.device)
+        self.cache = PagedKVCache(layout, self.pool.tensor)
+        group.gather({"engine_id": settings.engine_id, "base_addr": self.pool.base_addr, "layout": layout.to_dict()})
+        self._stop = threading.Event()
+        self._drainer = threading.Thread(target=self._drain, name="tp-notify-drain", daemon=True)
+        self._drainer.start()
+
+    def serve(self) -> None:
+        """Run rank 0's steps until it says STOP (a failed collective raises GroupError)."""
+        steps = 0
+        while True:
+            step = self.group.broadcast()
+            if step == STOP:
+                log.info(kv(event="tp_rank_stopped", rank=self.group.rank, steps=steps))
+                return
+            if step == IDLE:
+                continue
+            self.run_step(step)
+            steps += 1
+
+    def run_step(self, step: DecodeStep) -> None:
+        for slot, blocks in zip(step.slots, step.tables, strict=True):
+            try:
+                bound = self.cache.table(slot)
+            except KeyError:  # (a slot this rank has not decoded yet)
+                bound = None
+            if bound != blocks:
+                self.cache.bind(slot, blocks)
+        with torch.inference_mode():
+            self.loaded.model.decode_step(self.cache, step.slots, step.positions, step.tokens)
+
+    def _drain(self) -> None:
+        """Rank 0 starts requests on its own notification; these are emptied unread."""
+        engine = self.backend.engine
+        while not self._stop.wait(DRAIN_EVERY_S):
+            engine.get_notifies()
+
+    def close(self) -> None:
+        """Stop draining and deregister the pool (the engine is finalized next, then `free`)."""
+        self._stop.set()
+        self._drainer.join(timeout=1.0)
+        self.pool.deregister()
+
+    def free(self) -> None:
+        self.pool.free()
