@@ -3,9 +3,12 @@
 Run:  PYTHONPATH=worker:common:proto:tests python benchmarks/tensor_parallel.py [--tokens 2048] [--repeats 5]
 
 One run, side by side: a 2048-token prompt prefilled by
-- tp 1: one process with 2 torch threads (what a prefill pod runs today), and
-- tp 2: two rank processes with 1 thread each, gloo all_reduce between them (`pdserve local
-  --prefill-tp 2`, `spec.prefill.tensorParallelSize: 2`),
+- P1→D1: one process with 2 torch threads (what a prefill pod runs today), into one decode pool;
+- P2→D1: two rank processes with 1 thread each, gloo all_reduce between them (`pdserve local
+  --prefill-tp 2`, `spec.prefill.tensorParallelSize: 2`), each pushing a slice of every token's
+  row of the one decode pool (its heads);
+- P2→D2: the same into a tensor-parallel decode's two pools (`--decode-tp 2`), each rank's heads
+  whole rows of its own decode rank's pool,
 on a model tp 2 can split (the bundled SmolLM2-135M has 9 query heads over 3 KV heads: sizes
 1, 3, 9): SmolLM2's depth and width class with 8 heads over 4 KV heads (30 layers, hidden 512,
 MLP 1536, head_dim 64, bf16, random weights — the arithmetic, not the text, is measured).
@@ -107,15 +110,18 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
     pool = KVPool(backend, layout)
     cache = KVCache(layout, pool.tensor)
     heads = loaded.tp.pushed_kv_heads if loaded.tp is not None else None
-    target = Grant(
-        "bench",
-        0,
-        1,
-        cfg["engine_id"],
-        cfg["base_addr"],
-        KVLayout.from_dict(cfg["decode_layout"]),
-        blocks=tuple(range(cfg["tokens"] // BLOCK)),
-    )
+    targets = [  # one per decode rank: each holds its share of the KV heads
+        Grant(
+            "bench",
+            0,
+            1,
+            peer["engine_id"],
+            peer["base_addr"],
+            KVLayout.from_dict(peer["layout"]),
+            blocks=tuple(range(cfg["tokens"] // BLOCK)),
+        )
+        for peer in cfg["peers"]
+    ]
     ids, lpc = cfg["ids"], cfg["layers_per_chunk"]
 
     def barrier() -> None:
@@ -132,7 +138,7 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
     def pushed() -> tuple[float, int]:
         barrier()
         t0 = time.perf_counter()
-        pusher = KVPusher(backend, PushSource(pool.base_addr, layout, 0, heads), [target], len(ids))
+        pusher = KVPusher(backend, PushSource(pool.base_addr, layout, 0, heads), targets, len(ids))
         loaded.model.prefill(ids, cache, 0, lpc, on_chunk=pusher.push_chunk, logits=rank == 0)
         if rank:
             stats = pusher.settle()
@@ -156,6 +162,41 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
         group.close()
 
 
+CONFIGS = ((1, 1), (2, 1), (2, 2))  # (prefill ranks, decode ranks)
+
+
+def label(size: int, decode_tp: int) -> str:
+    return f"P{size}→D{decode_tp}"
+
+
+def start_decode_peers(decode_tp: int, tokens: int) -> list[tuple[Connection, Any, dict[str, Any]]]:
+    """`decode_tp` decode pools of 4 ÷ decode_tp KV heads each, in processes of their own."""
+    from pdserve_common.kv_layout import KVLayout
+    from pdserve_worker.util.free_ports import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    heads = SHAPE["num_kv_heads"] // decode_tp
+    peers = []
+    for r in range(decode_tp):
+        layout = KVLayout(
+            num_slots=1,
+            num_layers=SHAPE["num_layers"],
+            max_len=tokens,
+            kv_heads=heads,
+            head_dim=SHAPE["head_dim"],
+            dtype="bfloat16",
+            block_tokens=BLOCK,
+            num_blocks=tokens // BLOCK,
+            first_head=r * heads,
+        )
+        parent, child = ctx.Pipe()
+        peer = ctx.Process(target=decode_peer, args=(child, layout.to_dict()), daemon=True)
+        peer.start()
+        parent.send(free_port())
+        peers.append((parent, peer, {**parent.recv(), "layout": layout.to_dict()}))
+    return peers
+
+
 def run_tp(size: int, cfg: dict[str, Any]) -> list[list[dict[str, float]]]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -172,7 +213,7 @@ def run_tp(size: int, cfg: dict[str, Any]) -> list[list[dict[str, float]]]:
     return [results[r] for r in range(size)]
 
 
-def summarize(runs: dict[int, list[list[dict[str, float]]]]) -> dict[str, Any]:
+def summarize(runs: dict[str, list[list[dict[str, float]]]]) -> dict[str, Any]:
     med = {}
     for size, ranks in runs.items():
         r0 = ranks[0]
@@ -183,10 +224,12 @@ def summarize(runs: dict[int, list[list[dict[str, float]]]]) -> dict[str, Any]:
             "rank_kv_bytes": [rank[0]["bytes"] for rank in ranks],
         }
         med[size]["overlap"] = med[size]["pushed_ms"] / med[size]["alone_ms"]
+    one, two, matched = label(1, 1), label(2, 1), label(2, 2)
     return {
         "tp": med,
-        "ttft_tp2_over_tp1": med[2]["pushed_ms"] / med[1]["pushed_ms"],
-        "allreduce_share_tp2": med[2]["allreduce_ms"] / med[2]["alone_ms"],
+        "ttft_tp2_over_tp1": med[two]["pushed_ms"] / med[one]["pushed_ms"],
+        "ttft_tp2_decode_tp2_over_tp1": med[matched]["pushed_ms"] / med[one]["pushed_ms"],
+        "allreduce_share_tp2": med[two]["allreduce_ms"] / med[two]["alone_ms"],
     }
 
 
@@ -197,7 +240,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    sizes = sorted(summary["tp"])
+    sizes = list(summary["tp"])
     x = range(len(sizes))
     alone = [summary["tp"][s]["alone_ms"] for s in sizes]
     reduce_ = [summary["tp"][s]["allreduce_ms"] for s in sizes]
@@ -205,9 +248,13 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.bar(x, [a - r for a, r in zip(alone, reduce_)], label="prefill compute", color="#4c72b0")
     ax.bar(x, reduce_, bottom=[a - r for a, r in zip(alone, reduce_)], label="all_reduce (gloo)", color="#dd8452")
     ax.bar(x, tail, bottom=alone, label="push tail to the notify", color="#55a868")
-    ax.set_xticks(list(x), [f"tp {s}" for s in sizes])
+    ax.set_xticks(list(x), sizes)
     ax.set_ylabel("ms (median)")
-    ax.set_title(f"2048-token prefill + KV push, 2 vCPU: tp2 ÷ tp1 = {summary['ttft_tp2_over_tp1']:.2f}")
+    ax.set_title(
+        f"2048-token prefill + KV push, 2 vCPU: P2→D1 ÷ P1→D1 = {summary['ttft_tp2_over_tp1']:.2f}, "
+        f"P2→D2 {summary['ttft_tp2_decode_tp2_over_tp1']:.2f}",
+        fontsize=10,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -219,29 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers-per-chunk", type=int, default=4)
     args = parser.parse_args(argv)
-    from pdserve_common.kv_layout import KVLayout
     from support.tiny_model import write_tiny_model
 
     folder = write_tiny_model(Path(tempfile.mkdtemp(prefix="pdserve-tp-model-")), **SHAPE)
     say(f"model: random weights, {SHAPE} in {folder}")
-    decode_layout = KVLayout(
-        num_slots=1,
-        num_layers=30,
-        max_len=args.tokens,
-        kv_heads=4,
-        head_dim=64,
-        dtype="bfloat16",
-        block_tokens=BLOCK,
-        num_blocks=args.tokens // BLOCK,
-    )
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    peer = ctx.Process(target=decode_peer, args=(child, decode_layout.to_dict()), daemon=True)
-    peer.start()
-    from pdserve_worker.util.free_ports import free_port
-
-    parent.send(free_port())
-    info = parent.recv()
     import random
 
     ids = [random.Random(0).randrange(10, 200) for _ in range(args.tokens)]
@@ -251,15 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "ids": ids,
         "layers_per_chunk": args.layers_per_chunk,
-        "decode_layout": decode_layout.to_dict(),
-        **info,
     }
     runs = {}
-    for size in (1, 2):
-        say(f"tp {size}: {size} rank process(es), {max(1, len(os.sched_getaffinity(0)) // size)} thread(s) each")
-        runs[size] = run_tp(size, cfg)
-    parent.send("stop")
-    peer.join(10)
+    for size, decode_tp in CONFIGS:
+        peers = start_decode_peers(decode_tp, args.tokens)
+        threads = max(1, len(os.sched_getaffinity(0)) // size)
+        say(f"P{size}→D{decode_tp}: {size} rank process(es), {threads} thread(s) each, {decode_tp} decode pool(s)")
+        runs[label(size, decode_tp)] = run_tp(size, {**cfg, "peers": [info for _, _, info in peers]})
+        for parent, peer, _ in peers:
+            parent.send("stop")
+            peer.join(10)
     summary = summarize(runs)
     summary.update(
         date=datetime.date.today().isoformat(),
@@ -273,12 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     plot(summary, FIGURES / "tensor_parallel.png")
     for size, m in summary["tp"].items():
         print(
-            f"tp {size}: prefill alone {m['alone_ms']:.0f} ms (all_reduce {m['allreduce_ms']:.0f} ms), "
+            f"{size}: prefill alone {m['alone_ms']:.0f} ms (all_reduce {m['allreduce_ms']:.0f} ms), "
             f"+ pipelined push to the notify {m['pushed_ms']:.0f} ms, overlap {m['overlap']:.3f}, "
             f"KV bytes per rank {m['rank_kv_bytes']}"
         )
     print(
-        f"TTFT tp2 ÷ tp1: {summary['ttft_tp2_over_tp1']:.2f}; all_reduce share at tp2: {summary['allreduce_share_tp2']:.1%}"
+        f"TTFT P2→D1 ÷ P1→D1: {summary['ttft_tp2_over_tp1']:.2f}; P2→D2 ÷ P1→D1: "
+        f"{summary['ttft_tp2_decode_tp2_over_tp1']:.2f}; all_reduce share at tp2: {summary['allreduce_share_tp2']:.1%}"
     )
     return 0
 
