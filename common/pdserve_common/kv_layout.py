@@ -192,6 +192,21 @@ class KVLayout:
             num_tokens * self.bytes_per_token,
         )
 
+    @property
+    def slot_blocks(self) -> SlotBlocks:
+        """A slot pool as `push_descriptors` cuts it: each slot one block of max_len tokens."""
+        self._slot_pool("slot_blocks")
+        return SlotBlocks(
+            self.num_slots,
+            self.max_len,
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.first_layer,
+            self.first_head,
+        )
+
     def slot_span(self, slot: int) -> tuple[int, int]:
         """(offset, length) of a whole slot: what a warmup touches and a release may clear."""
         return self.offset(slot, self.first_layer, K), self.bytes_per_slot
@@ -369,6 +384,26 @@ def block_runs(blocks: Sequence[int]) -> list[Run]:
         else:
             runs.append(Run(i, b, 1))
     return runs
+
+
+@dataclass(frozen=True)
+class SlotBlocks(BlockLayout):
+    """A slot pool seen as a block pool whose blocks are its slots (block_tokens = max_len), so
+    that `push_descriptors` can cut a head slice into it (a tensor-parallel prefill rank into a
+    layer-sharded decode member's slots). Only the order of the pieces differs: a slot pool
+    keeps one slot's layers together ([slot][layer][K|V][token], `KVLayout.offset`), a block
+    pool one layer's blocks."""
+
+    def offset(self, layer: int, kv: int, block: int) -> int:
+        if layer not in self.layer_range:
+            raise IndexError(
+                f"layer {layer} not held by this pool (holds {self.first_layer}..{self.layer_range.stop - 1})"
+            )
+        if kv not in (K, V):
+            raise IndexError(f"kv must be 0 (K) or 1 (V), got {kv}")
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"slot {block} outside pool of {self.num_blocks} slots")
+        return ((block * self.num_layers + layer - self.first_layer) * 2 + kv) * self.bytes_per_block
 
 
 class Descriptor(NamedTuple):

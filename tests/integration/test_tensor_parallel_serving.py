@@ -4,7 +4,8 @@ each), each prefill rank pushing its own KV heads one-sided into the decode rank
 
 - The greedy text equals transformers' fp32 generate (the upstream, never our own tp=1 output)
   for llama3, qwen2 and qwen3 tiny models, at P_tp × D_tp of 2×1, 4×1 (tp 4 over 2 KV heads
-  replicates each), 1×2, 2×2 and 4×2, and for the bundled model at 3×1, 1×3 and 3×3.
+  replicates each), 1×2, 2×2 and 4×2, P_tp 2 into a 2-member layer-sharded decode group, and
+  for the bundled model at 3×1, 1×3 and 3×3.
 - Each rank pushed its share of the KV bytes (the prefill's per-rank counter), and their sum is
   what the response reports: nothing went through rank 0 for another rank.
 - A rank killed in the middle of a prefill: the request completes through the other prefill
@@ -38,6 +39,7 @@ CASES = {  # (family, config override, prefill tensor-parallel size, decode's)
     "llama3-p1d2": ("llama3", LLAMA, 1, 2),
     "llama3-p2d2": ("llama3", LLAMA, 2, 2),  # each prefill rank writes whole rows of its decode rank
     "qwen2-p4d2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 4, 2),
+    "llama3-p2-shards2": ("llama3", LLAMA, 2, 1, 2),  # into a 2-member layer-sharded decode group's slots
 }
 TOKENS = 10
 
@@ -49,7 +51,7 @@ def _metric(text: str, name: str, labels: str) -> float:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def deployment(request, tmp_path_factory):
-    family, override, tp, decode_tp = CASES[request.param]
+    family, override, tp, decode_tp, *sharded = CASES[request.param]
     folder = build_family(family, tmp_path_factory.mktemp(f"tp-model-{request.param}"), **override)
     hf = hf_model(folder)
     tok = Tokenizer.from_dir(folder)
@@ -71,6 +73,8 @@ def deployment(request, tmp_path_factory):
         str(tp),
         "--decode-tp",
         str(decode_tp),
+        "--layer-shards",
+        str(sharded[0] if sharded else 1),
         "--prefix-cache-tokens",
         "0",
         "--port",

@@ -193,3 +193,40 @@ def test_every_rank_pair_of_a_tensor_parallel_push_fills_exactly_the_decode_rank
         for t in range(end):
             expected[:, :, blocks[t // bt], t % bt] = whole[:, :, t, d_held.start : d_held.stop]
         assert np.array_equal(got, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    slots=st.integers(1, 3),
+    layers=st.integers(1, 3),
+    first_layer=st.integers(0, 2),
+    heads=st.sampled_from([2, 4]),
+    p_tp=st.sampled_from([2, 4]),
+    end=st.integers(1, 8),
+)
+def test_a_tensor_parallel_prefills_head_slices_land_in_a_slot_pool(slots, layers, first_layer, heads, p_tp, end):
+    """A layer-sharded decode member keeps slots of max_len tokens ([slot][layer][K|V][token]):
+    `KVLayout.slot_blocks` addresses them as blocks (its offsets are `KVLayout.offset`'s), so
+    each prefill rank's heads land in their columns of the slot and nothing else is written."""
+    max_len = 8
+    pool = KVLayout(slots, layers, max_len, heads, 2, "float32", first_layer=first_layer)
+    view = pool.slot_blocks
+    for slot in range(slots):
+        for layer in pool.layer_range:
+            for kv in (0, 1):
+                assert view.offset(layer, kv, slot) == pool.offset(slot, layer, kv)
+    slot = slots - 1
+    rng = np.random.default_rng(2)
+    whole = rng.integers(1, 1 << 30, size=(layers, 2, max_len, heads, 2), dtype=np.int32)
+    got = np.zeros(pool.total_bytes, dtype=np.uint8)
+    per = max(1, heads // p_tp)
+    for rank in range(min(p_tp, heads)):
+        held = range(rank * per, rank * per + per)
+        src = KVLayout(1, layers, max_len, per, 2, "float32", first_layer=first_layer, first_head=held.start)
+        src_bytes = np.ascontiguousarray(whole[None, :, :, :, held.start : held.stop]).view(np.uint8).reshape(-1)
+        for d in push_descriptors(src, 0, view, [slot], pool.layer_range, end_token=end):
+            got[d.dst : d.dst + d.length] = src_bytes[d.src : d.src + d.length]
+    shaped = got.view(np.int32).reshape(slots, layers, 2, max_len, heads, 2)
+    expected = np.zeros_like(shaped)
+    expected[slot, :, :, :end] = whole[:, :, :end]
+    assert np.array_equal(shaped, expected)

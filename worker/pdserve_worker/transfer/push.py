@@ -179,11 +179,6 @@ class KVPusher:
                 raise ValueError(
                     f"target {target.describe()} has {attr}={getattr(dst, attr)!r}, source has {getattr(src, attr)!r}"
                 )
-        if not dst.paged and dst.head_range != src.head_range:  # (head slices are for block pools only)
-            raise ValueError(
-                f"target {target.describe()} holds KV heads {dst.head_range}, source {src.head_range}: a slot "
-                f"pool takes the same heads only"
-            )
         if dst.first_layer < src.first_layer or dst.layer_range.stop > src.layer_range.stop:
             raise ValueError(
                 f"target {target.describe()} holds layers {dst.layer_range}, source only {src.layer_range}"
@@ -199,8 +194,35 @@ class KVPusher:
         """Every (layer, K|V) of the target's layers: its descriptors (source, target, bytes)."""
         if target.layout.paged:
             return self._block_pieces(target)
+        if (
+            self.source.pushed_heads != target.layout.head_range
+            or self.source.layout.head_range != target.layout.head_range
+        ):
+            # A head slice into slots (a tensor-parallel prefill rank into a layer-sharded
+            # decode member): each slot is one block of max_len tokens to push_descriptors.
+            return self._slot_slice_pieces(target)
         dst_addrs = _run_addrs(target.base_addr, target.layout, target.slot)
         return {run: [(self._src_addrs[run], addr, self._run_len)] for run, addr in dst_addrs.items()}
+
+    def _slot_slice_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+        src, view = self.source, target.layout.slot_blocks
+        heads = shared_heads(src.pushed_heads, view.head_range)
+        pieces: dict[tuple[int, int], list[Piece]] = {}
+        for layer in view.layer_range:
+            for kv_index in (K, V):
+                descs = push_descriptors(
+                    src.layout,
+                    src.slot,
+                    view,
+                    (target.slot,),
+                    range(layer, layer + 1),
+                    self.num_tokens,
+                    kv_indices=(kv_index,),
+                    heads=heads,
+                )
+                sb, tb = src.base_addr, target.base_addr
+                pieces[(layer, kv_index)] = [(sb + a, tb + b, n) for a, b, n in descs]
+        return pieces
 
     def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
         """A paged target's descriptors: the prompt's tokens into its own blocks (the shared
