@@ -109,6 +109,7 @@ def planner_config(spec: s.PDInferenceServiceSpec, current: Mapping[str, int]) -
         slots=spec.decode.slots,
         layers_per_chunk=spec.prefill.layers_per_chunk,
         prefill_tp=spec.prefill.tensor_parallel_size,
+        decode_tp=spec.decode.tensor_parallel_size,
     )
     workload = Workload(
         arrival_rate=0.0,

@@ -120,6 +120,10 @@ def test_prefill_tp_is_planned_and_counted_in_devices(capsys):
     assert main([*base, "--prefill-tp", "4"]) == 0
     four = json.loads(capsys.readouterr().out)
     assert four["prefill_tensor_parallel"] == 4 and four["devices"] == 4 * four["prefill"] + four["decode"]
+    assert main([*base, "--decode-tp", "2"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["devices"] == both["prefill"] + 2 * both["decode"]
+    assert both["predicted"]["tpot_mean_s"] < one["predicted"]["tpot_mean_s"]
     assert four["predicted"]["ttft_p50_s"] < one["predicted"]["ttft_p50_s"]
     assert main([*base, "--prefill-tp", "3"]) == 2
     assert "sizes that do: [1, 2, 4, 8, 16, 32]" in capsys.readouterr().err

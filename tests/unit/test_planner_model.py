@@ -181,3 +181,18 @@ def test_tensor_parallel_prefill_splits_the_layers_and_adds_two_ring_all_reduces
     assert nine.transfer_seconds(n) == pytest.approx(three.transfer_seconds(n))
     with pytest.raises(ValueError, match=r"prefill_tp 2 .* 9 heads over 3 KV heads; sizes that do: \[1, 3, 9\]"):
         ServingModel(s, prof, prefill_tp=2)
+    with pytest.raises(ValueError, match=r"decode_tp 4 does not split"):
+        ServingModel(s, prof, decode_tp=4)
+
+
+def test_tensor_parallel_decode_splits_the_step_and_holds_more_requests_per_device():
+    """#32: at decode_tp t a step reads 1/t of the layers' weights and of the KV per device and
+    adds 2 all_reduces per layer of the batch's rows; each device holds its heads' KV, so more
+    requests fit its memory."""
+    s = LLAMA_7B
+    prof = bundled_profile("ascend-910b")
+    one, four = ServingModel(s, prof, max_len=4096), ServingModel(s, prof, max_len=4096, decode_tp=4)
+    assert four.decode_step_seconds(8, 8 * 2048) < one.decode_step_seconds(8, 8 * 2048)
+    ring = four._decode_all_reduce(8) - four._decode_all_reduce(0)
+    assert ring == pytest.approx(2 * s.num_layers * 2 * 3 / 4 * 8 * s.hidden_size * 2 / prof.link_bandwidth)
+    assert four.decode_capacity > 3 * one.decode_capacity  # (its weights shrink too)

@@ -19,8 +19,9 @@ weight reads t ways (the embedding and LM head stay whole on every rank, as the 
 model/layers/tensor_parallel.py) and adds two all_reduces per layer of n × hidden values, each
 a ring: 2(t−1)/t of the bytes over the collective bandwidth plus its latency. Each rank
 pushes its own KV heads over its own link, so min(t, KV heads) links carry a prompt's KV at
-once (past t = KV heads the heads are replicated, and a replica pushes nothing). Decode
-replicas are not tensor-parallel (the worker does not split decode yet). The KV push of
+once (past t = KV heads the heads are replicated, and a replica pushes nothing). A
+tensor-parallel decode (`decode_tp`) splits a step the same way: each device reads 1/t of the
+layers' weights and of the KV, plus two all_reduces per layer of the batch's rows. The KV push of
 n tokens moves n · kv bytes/token over the link; with `overlap_transfer` only the last layer
 chunk's share is exposed (the others went while later chunks computed).
 
@@ -52,13 +53,16 @@ class ServingModel:
     # compute-rich one for prefill); None: the same profile. Weights and KV use `profile`'s dtype.
     decode_profile: HardwareProfile | None = None
     prefill_tp: int = 1  # devices of one prefill instance (tensor parallelism)
+    decode_tp: int = 1  # devices of one decode instance
 
     def __post_init__(self) -> None:
-        if self.prefill_tp < 1 or self.prefill_tp not in self.shape.tensor_parallel_sizes():
-            raise ValueError(
-                f"prefill_tp {self.prefill_tp} does not split {self.shape.name}'s {self.shape.num_heads} heads over "
-                f"{self.shape.num_kv_heads} KV heads; sizes that do: {self.shape.tensor_parallel_sizes()}"
-            )
+        for name in ("prefill_tp", "decode_tp"):
+            size = getattr(self, name)
+            if size not in self.shape.tensor_parallel_sizes():
+                raise ValueError(
+                    f"{name} {size} does not split {self.shape.name}'s {self.shape.num_heads} heads over "
+                    f"{self.shape.num_kv_heads} KV heads; sizes that do: {self.shape.tensor_parallel_sizes()}"
+                )
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.slots is not None and self.slots < 1:
@@ -70,12 +74,12 @@ class ServingModel:
                 f"decode profile dtype {self.decode_profile.dtype} differs from prefill's {self.profile.dtype}: "
                 "the KV pushed must be read as written"
             )
-        for profile in {self.profile.name: self.profile, self.decoder.name: self.decoder}.values():
-            capacity = profile.memory_capacity_bytes
-            if capacity is not None and self.weight_bytes >= capacity * profile.memory_utilization:
+        for profile, t in ((self.profile, self.prefill_tp), (self.decoder, self.decode_tp)):
+            capacity, held = profile.memory_capacity_bytes, self.device_weight_bytes(t)
+            if capacity is not None and held >= capacity * profile.memory_utilization:
                 raise ValueError(
-                    f"{self.shape.name} weights ({self.weight_bytes / 1e9:.1f} GB) do not fit in {profile.name}'s "
-                    f"{capacity * profile.memory_utilization / 1e9:.1f} GB usable memory"
+                    f"{self.shape.name} weights ({held / 1e9:.1f} GB per device at tensor-parallel {t}) do not fit "
+                    f"in {profile.name}'s {capacity * profile.memory_utilization / 1e9:.1f} GB usable memory"
                 )
 
     @property
@@ -89,6 +93,12 @@ class ServingModel:
     def weight_bytes(self) -> int:
         return self.shape.weight_bytes(self.profile.dtype_bytes)
 
+    def device_weight_bytes(self, tp: int) -> float:
+        """Weights one device of a `tp`-way instance holds (as `weight_bytes` counts them): its
+        share of the layers, the head whole."""
+        head = self.shape.head_params * self.profile.dtype_bytes
+        return (self.weight_bytes - head) / tp + head
+
     @cached_property
     def kv_bytes_per_token(self) -> int:
         return self.shape.kv_bytes_per_token(self.profile.dtype_bytes)
@@ -98,15 +108,31 @@ class ServingModel:
         """Per-step constants: (fixed s, s per sequence, weight read s, KV read s per context
         token, GEMM s per sequence, attention s per context token): a decode step is linear in
         the batch and in the context on each side of each roofline."""
-        p, s = self.decoder, self.shape
+        p, s, t = self.decoder, self.shape, self.decode_tp
+        # At decode_tp t each device reads 1/t of the layers' weights and of the KV (its heads;
+        # replicas past t = KV heads read their copy) and does 1/t of their FLOPs; embedding and
+        # head stay whole (model/layers/tensor_parallel.py). Two ring all_reduces per layer.
+        kv_share = 1 / min(t, s.num_kv_heads)
         return (
-            p.step_overhead_s + s.num_layers * p.layer_overhead_s,
-            s.num_layers * p.sequence_overhead_s,
-            self.weight_bytes / p.effective_memory_bandwidth,
-            self.kv_bytes_per_token / p.effective_memory_bandwidth,
-            (s.matmul_flops_per_token + s.head_flops) / p.effective_matmul_flops,
-            s.attention_flops(1.0) / p.effective_attention_flops,
+            p.step_overhead_s + s.num_layers * p.layer_overhead_s + self._decode_all_reduce(0),
+            s.num_layers * p.sequence_overhead_s + self._decode_all_reduce(1) - self._decode_all_reduce(0),
+            self.device_weight_bytes(t) / p.effective_memory_bandwidth,
+            self.kv_bytes_per_token * kv_share / p.effective_memory_bandwidth,
+            (s.matmul_flops_per_token / t + s.head_flops) / p.effective_matmul_flops,
+            s.attention_flops(1.0) / t / p.effective_attention_flops,
         )
+
+    def _decode_all_reduce(self, batch: int) -> float:
+        """A decode step's collectives at `decode_tp`: 2 ring all_reduces per layer of batch x hidden."""
+        return self._ring_seconds(self.decode_tp, self.decoder, batch)
+
+    def _ring_seconds(self, t: int, p: HardwareProfile, rows: int) -> float:
+        if t == 1:
+            return 0.0
+        bandwidth = p.collective_bandwidth or p.link_bandwidth
+        latency = p.link_latency_s if p.collective_latency_s is None else p.collective_latency_s
+        ring = 2 * (t - 1) / t * rows * self.shape.hidden_size * p.dtype_bytes / bandwidth
+        return 2 * self.shape.num_layers * (ring + latency)
 
     @property
     def decode_capacity(self) -> int | None:
@@ -117,9 +143,10 @@ class ServingModel:
         """
         by_memory = None
         capacity = self.decoder.memory_capacity_bytes
-        if capacity is not None:
-            free = capacity * self.decoder.memory_utilization - self.weight_bytes
-            by_memory = max(0, int(free // (self.max_len * self.kv_bytes_per_token)))
+        if capacity is not None:  # (per device: at decode_tp each holds its heads' KV)
+            free = capacity * self.decoder.memory_utilization - self.device_weight_bytes(self.decode_tp)
+            per_request = self.max_len * self.kv_bytes_per_token / min(self.decode_tp, self.shape.num_kv_heads)
+            by_memory = max(0, int(free // per_request))
         if self.slots is None:
             return by_memory
         return self.slots if by_memory is None else min(self.slots, by_memory)
@@ -134,11 +161,10 @@ class ServingModel:
         if tokens < 1:
             raise ValueError(f"a prompt has at least 1 token, got {tokens}")
         p, s, t = self.profile, self.shape, self.prefill_tp
-        head_bytes = s.head_params * p.dtype_bytes
         gemm = self._combine(
             p,
             (tokens * s.matmul_flops_per_token / t + s.head_flops) / p.effective_matmul_flops,
-            ((self.weight_bytes - head_bytes) / t + head_bytes) / p.effective_memory_bandwidth,
+            self.device_weight_bytes(t) / p.effective_memory_bandwidth,
         )
         attention = (
             s.num_layers * p.attention_overhead_s + s.prefill_attention_flops(tokens) / t / p.effective_attention_flops
@@ -149,13 +175,7 @@ class ServingModel:
 
     def all_reduce_seconds(self, tokens: int) -> float:
         """The prefill's collectives at `prefill_tp` devices: 2 ring all_reduces per layer."""
-        t, p, s = self.prefill_tp, self.profile, self.shape
-        if t == 1:
-            return 0.0
-        bandwidth = p.collective_bandwidth or p.link_bandwidth
-        latency = p.link_latency_s if p.collective_latency_s is None else p.collective_latency_s
-        ring = 2 * (t - 1) / t * tokens * s.hidden_size * p.dtype_bytes / bandwidth
-        return 2 * s.num_layers * (ring + latency)
+        return self._ring_seconds(self.prefill_tp, self.profile, tokens)
 
     @property
     def _push_links(self) -> int:

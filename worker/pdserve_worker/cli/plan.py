@@ -62,6 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="devices per prefill instance (tensor parallelism; spec.prefill.tensorParallelSize), default 1",
     )
+    p.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="devices per decode instance (tensor parallelism; spec.decode.tensorParallelSize), default 1",
+    )
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=16)
     p.add_argument("--min-decode", type=int, default=1)
@@ -138,7 +144,12 @@ def run(args: argparse.Namespace) -> int:
             n for n, _ in workload.output_tokens.points()
         )
         model = ServingModel(
-            shape, profile, max_len=args.max_len or longest, slots=args.slots, prefill_tp=args.prefill_tp
+            shape,
+            profile,
+            max_len=args.max_len or longest,
+            slots=args.slots,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
         )
         bounds = Bounds(
             min_prefill=args.min_prefill,
@@ -157,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "prefill": plan.prefill,
         "prefill_tensor_parallel": args.prefill_tp,
-        "devices": plan.prefill * args.prefill_tp + plan.decode,
+        "decode_tensor_parallel": args.decode_tp,
+        "devices": plan.prefill * args.prefill_tp + plan.decode * args.decode_tp,
         "decode": plan.decode,
         "meets_slo": plan.meets_slo,
         "reason": plan.reason,
@@ -179,19 +191,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        _print_plan(plan, shape.name, profile.name, workload.arrival_rate, q, args.prefill_tp)
+        _print_plan(plan, shape.name, profile.name, workload.arrival_rate, q, (args.prefill_tp, args.decode_tp))
     return 0 if plan.meets_slo else 1
 
 
-def _print_plan(plan: Any, model: str, hardware: str, rate: float, q: str, prefill_tp: int = 1) -> None:
+def _print_plan(plan: Any, model: str, hardware: str, rate: float, q: str, tp: tuple[int, int] = (1, 1)) -> None:
     """The plan as a person reads it: replicas, the predicted TTFT and TPOT, and why."""
     pred = plan.prediction
     cap = "unlimited" if pred.decode_capacity is None else str(pred.decode_capacity)
     print(f"{model} on {hardware}, {rate:g} req/s")
-    tp = f" (tensor-parallel over {prefill_tp} devices each)" if prefill_tp > 1 else ""
-    devices = plan.prefill * prefill_tp + plan.decode
+    each = [f" (tensor-parallel over {t} devices each)" if t > 1 else "" for t in tp]
+    devices = plan.prefill * tp[0] + plan.decode * tp[1]
     print(
-        f"start with: {plan.prefill} prefill{tp}, {plan.decode} decode: {devices} devices"
+        f"start with: {plan.prefill} prefill{each[0]}, {plan.decode} decode{each[1]}: {devices} devices"
         + ("" if plan.meets_slo else "  (SLO NOT met within the bounds)")
     )
     print(
