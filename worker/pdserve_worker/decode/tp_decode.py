@@ -95,7 +95,7 @@ class MirroredModel:
         self._send(DecodeStep(tuple(slots), tuple(positions), tuple(token_ids), tables))
         try:
             return self._model.decode_step(cache, slots, positions, token_ids)
-        except GroupError as exc:
+        except BaseException as exc:  # the ranks may be anywhere in the step: the instance restarts
             self._broken(exc)
             raise
 

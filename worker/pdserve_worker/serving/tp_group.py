@@ -94,8 +94,8 @@ class TPGroup:
         log.info(kv(event="tp_group_joined", rank=spec.rank, size=spec.size, backend=backend, address=spec.address))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over the group, in place (the model's `reduce`)."""
-        dist.all_reduce(tensor)
+        """The sum over the group, in place (the model's `reduce`); GroupError when a rank is gone."""
+        self._collective(dist.all_reduce, tensor)
         return tensor
 
     def broadcast(self, obj: Any = None) -> Any:
