@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"api"},
     {"serving"},
     {"prefill", "decode"},
-    {"colocated", "router"},
+    {"colocated", "router", "gateway"},
     {"process"},
     {"cli"},
 ]

@@ -53,6 +53,8 @@ KV_LINK_KEY = "PDSERVE_KV_LINK_KEY"
 KV_CAPABILITY_KEY = "PDSERVE_KV_CAPABILITY_KEY"
 HTTP_PORT_ENV = "PDSERVE_HTTP_PORT"
 ADMIN_PORT_ENV = "PDSERVE_ADMIN_PORT"
+# A router's endpoint-picker port (Envoy ext_proc, gateway/ext_proc.py); 0: none (the default).
+EPP_PORT_ENV = "PDSERVE_EPP_PORT"
 GRPC_PORT_ENV = "PDSERVE_GRPC_PORT"
 CONFIG_FILE = "PDSERVE_CONFIG_FILE"  # the rendered spec as JSON (ConfigMap), for humans and tools
 

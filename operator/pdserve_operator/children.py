@@ -278,6 +278,8 @@ def _router_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, 
     ]
     if spec.router.auth is not None:
         env.append(_val(E.API_KEYS_FILE, f"{E.API_KEYS_DIR}/{E.API_KEYS_KEY}"))
+    if spec.router.endpoint_picker_port is not None:  # (gateway/ext_proc.py, docs/gateway.md)
+        env.append(_val(E.EPP_PORT_ENV, spec.router.endpoint_picker_port))
     return env
 
 

@@ -132,6 +132,7 @@ NOT_IN_OPERATOR_IMAGE = {
     "cryptography": "cryptography",
     "ninja": "ninja",
     "llguidance": "llguidance",
+    "xds-protos": "envoy",  # (the routers' endpoint picker; the operator renders no ext_proc)
 }
 
 

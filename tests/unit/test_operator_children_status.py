@@ -434,3 +434,10 @@ def test_kv_blocks_and_the_prefix_cache_reach_the_pods_and_kv_tokens_the_status(
     assert unknown.kv_tokens.summary == "-/8192"
     with pytest.raises(ValueError, match="kvTokens is only meaningful"):
         s.parse_spec({"decode": {"kvBlockTokens": 0, "kvTokens": 4096}})
+
+
+def test_routers_serve_the_endpoint_picker_only_when_the_spec_names_its_port() -> None:
+    """#34: spec.router.endpointPickerPort starts every router's ext_proc picker (docs/gateway.md)."""
+    on = render({"router": {"endpointPickerPort": 9002}})[("Deployment", "svc-router")]
+    assert env(on)["PDSERVE_EPP_PORT"] == "9002"
+    assert "PDSERVE_EPP_PORT" not in env(render({})[("Deployment", "svc-router")])

@@ -74,3 +74,10 @@ class RouterSpec(PodOverrides):
         default_factory=RouterAdmissionSpec,
         description="Admission queue; each tenant's limits are shared out among the router replicas.",
     )
+    endpoint_picker_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc) on this port of "
+        "every router, for an InferencePool of the routers (docs/gateway.md). Unset: none.",
+    )

@@ -62,6 +62,13 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
         "model's heads (pdserve info --tp N says)",
     )
     p.add_argument(
+        "--epp-port",
+        type=int,
+        default=0,
+        help="serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc) on this port "
+        "from router-0 (default 0: off; docs/gateway.md)",
+    )
+    p.add_argument(
         "--decode-tp",
         type=int,
         default=1,
@@ -242,7 +249,7 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     names = (
         "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
         "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk prefill_chunk_tokens layer_shards "
-        "prefill_tp decode_tp transfer tls "
+        "prefill_tp decode_tp epp_port transfer tls "
         "api_keys log_dir"
     ).split()
     return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)

@@ -81,6 +81,7 @@ class LocalPlan:
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     prefill_tp: int = 1  # tensor-parallel ranks per prefill instance (rank 0 starts the others)
     decode_tp: int = 1  # the same per decode instance
+    epp_port: int = 0  # router-0's endpoint picker (gateway/ext_proc.py); 0: none
     readiness: str = "interrupt"
     # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
     # baseline of seed 002's experiment (transfer/backends/two_sided.py; benchmarks only).
@@ -261,7 +262,10 @@ class LocalDeployment:
                 env = self._worker_env("prefill", f"prefill-{i}", free_port())
                 env[E.TENSOR_PARALLEL] = str(self.plan.prefill_tp)  # (rank 0 starts the other ranks)
                 self._spawn(f"prefill-{i}", "prefill", env)
-            self._spawn("router-0", "router", self._worker_env("router", "router-0", self.port))
+            env = self._worker_env("router", "router-0", self.port)
+            if self.plan.epp_port:
+                env[E.EPP_PORT_ENV] = str(self.plan.epp_port)
+            self._spawn("router-0", "router", env)
             for i in range(1, self.plan.routers):  # more routers of the same service (one broker)
                 self._spawn(f"router-{i}", "router", self._worker_env("router", f"router-{i}", free_port()))
         self._write_manifest()

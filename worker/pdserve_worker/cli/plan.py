@@ -134,23 +134,11 @@ def run(args: argparse.Namespace) -> int:
         return _measure(args)
     from pydantic import ValidationError
 
-    from pdserve_operator.planner import Bounds, ModelShape, ServingModel, load_profile, plan_replicas
+    from pdserve_operator.planner import Bounds, plan_replicas
 
     try:
         workload = _workload(args)
-        shape = ModelShape.load(args.model)
-        profile = load_profile(args.hardware)
-        longest = max(n for n, _ in workload.prompt_tokens.points()) + max(
-            n for n, _ in workload.output_tokens.points()
-        )
-        model = ServingModel(
-            shape,
-            profile,
-            max_len=args.max_len or longest,
-            slots=args.slots,
-            prefill_tp=args.prefill_tp,
-            decode_tp=args.decode_tp,
-        )
+        model = _serving_model(args, workload)
         bounds = Bounds(
             min_prefill=args.min_prefill,
             max_prefill=args.max_prefill,
@@ -163,18 +151,42 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
     plan = plan_replicas(model, workload, bounds)
-    pred = plan.prediction
     q = f"p{round(workload.slo.quantile * 100, 2):g}"
-    result = {
+    tp = (args.prefill_tp, args.decode_tp)
+    if args.json:
+        print(json.dumps(_result(plan, model, q, tp), indent=2))
+    else:
+        _print_plan(plan, model.shape.name, model.profile.name, workload.arrival_rate, q, tp)
+    return 0 if plan.meets_slo else 1
+
+
+def _serving_model(args: argparse.Namespace, workload: Any) -> Any:
+    from pdserve_operator.planner import ModelShape, ServingModel, load_profile
+
+    longest = max(n for n, _ in workload.prompt_tokens.points()) + max(n for n, _ in workload.output_tokens.points())
+    return ServingModel(
+        ModelShape.load(args.model),
+        load_profile(args.hardware),
+        max_len=args.max_len or longest,
+        slots=args.slots,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+    )
+
+
+def _result(plan: Any, model: Any, q: str, tp: tuple[int, int]) -> dict[str, Any]:
+    """The plan as JSON: counts, devices, and the predictions at the SLO's quantile `q`."""
+    pred = plan.prediction
+    return {
         "prefill": plan.prefill,
-        "prefill_tensor_parallel": args.prefill_tp,
-        "decode_tensor_parallel": args.decode_tp,
-        "devices": plan.prefill * args.prefill_tp + plan.decode * args.decode_tp,
+        "prefill_tensor_parallel": tp[0],
+        "decode_tensor_parallel": tp[1],
+        "devices": plan.prefill * tp[0] + plan.decode * tp[1],
         "decode": plan.decode,
         "meets_slo": plan.meets_slo,
         "reason": plan.reason,
-        "model": shape.name,
-        "hardware": profile.name,
+        "model": model.shape.name,
+        "hardware": model.profile.name,
         "predicted": {
             "ttft_p50_s": pred.ttft_p50_s,
             f"ttft_{q}_s": pred.ttft_q_s,
@@ -188,11 +200,6 @@ def run(args: argparse.Namespace) -> int:
             "decode_capacity": pred.decode_capacity,
         },
     }
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print_plan(plan, shape.name, profile.name, workload.arrival_rate, q, (args.prefill_tp, args.decode_tp))
-    return 0 if plan.meets_slo else 1
 
 
 def _print_plan(plan: Any, model: str, hardware: str, rate: float, q: str, tp: tuple[int, int] = (1, 1)) -> None:

@@ -26,6 +26,7 @@ benchmarks and a one-process `pdserve local --colocated`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.worker")
 
 REGISTER_TIMEOUT_S = 120.0
+EPP_MAX_STREAMS = 1024  # concurrent ext_proc streams (one per request the gateway has in flight)
 
 
 def _stop_event() -> asyncio.Event:
@@ -447,6 +449,7 @@ async def _run_router(settings: WorkerSettings) -> None:
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)
+    epp: Any = None
     try:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
         tokenizer = Tokenizer.from_dir(folder)
@@ -478,17 +481,50 @@ async def _run_router(settings: WorkerSettings) -> None:
     try:
         await backend.start()
         # The keepalive carries the router's traffic: the operator's autoscaler plans from it.
+        # Its HTTP endpoint, for the endpoint pickers of a gateway (gateway/ext_proc.py).
+        endpoint = {"http_endpoint": f"{settings.advertise_host}:{settings.http_port}"}
         await broker.register(
-            MemberInfo(worker_id=settings.member_id, role=Role.ROUTER, revision=backend.revision),
+            MemberInfo(worker_id=settings.member_id, role=Role.ROUTER, revision=backend.revision, labels=endpoint),
             wait=False,
-            load=lambda: router_load(metrics),
+            load=lambda: dataclasses.replace(router_load(metrics), active_requests=backend.in_flight()["decode"]),
         )
+        epp = await _start_epp(settings, broker, backend.model_name, backend.revision) if settings.epp_port else None
         await _serve_api(settings, backend, metrics, state, stop, sampling_defaults)
         await broker.deregister()
     finally:
+        if epp is not None:
+            await epp.stop(settings.grace_seconds)
         await backend.close()
         await broker.close()
         log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
+
+
+async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, revision: str) -> Any:
+    """The router's endpoint picker (gateway/ext_proc.py) on `epp_port`: it picks among the
+    service's routers that the broker lists (its own included), by their reported load."""
+    import grpc
+
+    from pdserve_common.membership import Role
+    from pdserve_worker.gateway import ext_proc
+    from pdserve_worker.gateway.endpoint_picker import Candidate
+
+    view = await broker.watch([Role.ROUTER])
+
+    def candidates() -> list[Candidate]:
+        return [
+            Candidate(m.info.labels["http_endpoint"], m.load.active_requests)
+            for m in view.by_role(Role.ROUTER)
+            if m.info.labels.get("http_endpoint") and m.info.revision == revision
+        ]
+
+    server = grpc.aio.server(maximum_concurrent_rpcs=EPP_MAX_STREAMS)
+    ext_proc.add_to(server, ext_proc.EndpointPicker(model_name, candidates))
+    address = f"{settings.bind_host}:{settings.epp_port}"
+    if not server.add_insecure_port(address):
+        raise StartupError(f"the endpoint picker cannot listen on {address}")
+    await server.start()
+    log.info(kv(event="epp_listening", address=address, model=model_name))
+    return server
 
 
 async def _run_colocated(settings: WorkerSettings) -> None:

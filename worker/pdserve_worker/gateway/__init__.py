@@ -1,0 +1,1 @@
+"""The Gateway API Inference Extension's side of pdserve: an endpoint picker (docs/gateway.md)."""

@@ -1,0 +1,168 @@
+"""The endpoint-picker side of Envoy's ext_proc protocol, as the Gateway API Inference Extension
+specifies it: a gateway streams each request to us and routes it where we say.
+
+The stubs are Envoy's own (`envoy.service.ext_proc.v3`, from the xds-protos package). Per
+request, one `Process` stream, in either request-body mode a gateway may configure:
+- FULL_DUPLEX_STREAMED (what the Inference Extension's gateways use; the first message's
+  `protocol_config` says so): headers and body chunks arrive without waiting for answers; at
+  the body's end we answer the headers (routed) and then hand the body back unchanged as one
+  streamed body response, as the upstream endpoint picker does.
+- BUFFERED: the headers are answered CONTINUE (the pick needs the body); the whole body comes
+  in one message and its answer carries the route (a body response may mutate headers in
+  this mode).
+In both, a request without a body is picked on its headers. The body (at most
+`MAX_BODY_BYTES`) is parsed: the model must be ours and the prompt gives the affinity key
+(gateway/endpoint_picker.py). The route is set both ways the protocol names: the
+`x-gateway-destination-endpoint` header and the `envoy.lb` dynamic metadata key of the same
+name; the route cache is cleared, so the route sees the header. Response phases: CONTINUE.
+Refusals are the protocol's `ImmediateResponse`, in OpenAI's error shape: 400 for a body that is
+not a JSON object, 404 for another model, 413 for a body over the bound, 503 when no router is
+ready. A stream that breaks is the gRPC error; what the gateway then does is its `failureMode`
+(docs/gateway.md).
+
+Who can reach this port: the gateway (ext_proc carries no credential of ours). The worst a
+caller can do is learn router addresses it could resolve from the Service anyway, and hold a
+stream: each holds at most MAX_BODY_BYTES, and the server's stream count is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from pdserve_common.logs import kv
+from pdserve_worker.gateway.endpoint_picker import Candidate, affinity_key, pick
+
+log = logging.getLogger("pdserve.gateway")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+METADATA_NAMESPACE = "envoy.lb"
+MAX_BODY_BYTES = 8 << 20  # the router's own body limit (PDSERVE_MAX_BODY_BYTES' default)
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def _error(status: int, message: str, code: str) -> ep.ProcessingResponse:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=ep.HeaderMutation(
+                set_headers=[
+                    base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
+                    )
+                ]
+            ),
+            body=body.encode(),
+            details=code,
+        )
+    )
+
+
+def _routed(address: str, phase: str) -> ep.ProcessingResponse:
+    """The answer that sends the request to `address`, in the `phase` it answers."""
+    common = ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(
+            set_headers=[
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=address.encode())
+                )
+            ]
+        ),
+        clear_route_cache=True,
+    )
+    metadata = struct_pb2.Struct()
+    metadata.update({METADATA_NAMESPACE: {DESTINATION_HEADER: address}})
+    if phase == "request_headers":
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata)
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+_CONTINUE = {
+    "request_headers": ep.ProcessingResponse(request_headers=ep.HeadersResponse()),
+    "response_headers": ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
+    "response_body": ep.ProcessingResponse(response_body=ep.BodyResponse()),
+    "request_trailers": ep.ProcessingResponse(request_trailers=ep.TrailersResponse()),
+    "response_trailers": ep.ProcessingResponse(response_trailers=ep.TrailersResponse()),
+}
+
+
+class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """Envoy's ExternalProcessor service for one pdserve service's routers."""
+
+    def __init__(self, model_name: str, candidates: Callable[[], Sequence[Candidate]]) -> None:
+        self.model_name = model_name
+        self.candidates = candidates
+        self.picks = 0
+
+    async def Process(  # noqa: N802  (the protocol's name)
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        body = bytearray()
+        duplex = False
+        async for request in request_iterator:
+            if request.HasField("protocol_config"):
+                duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
+            phase = request.WhichOneof("request")
+            if phase == "request_headers":
+                if request.request_headers.end_of_stream:  # no body: nothing to read the model from
+                    yield self._decide({}, phase)
+                elif not duplex:
+                    yield _CONTINUE[phase]
+            elif phase == "request_body":
+                body += request.request_body.body
+                if len(body) > MAX_BODY_BYTES:
+                    yield _error(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
+                    return
+                if request.request_body.end_of_stream:
+                    for answer in self._answer_body(bytes(body), duplex):
+                        yield answer
+                    body.clear()
+            elif phase in _CONTINUE:
+                yield _CONTINUE[phase]
+
+    def _answer_body(self, raw: bytes, duplex: bool) -> list[ep.ProcessingResponse]:
+        """The answers to a whole body: in full duplex the routed headers, then the body back."""
+        answer = self._from_body(raw, "request_headers" if duplex else "request_body")
+        if not duplex or answer.HasField("immediate_response"):
+            return [answer]
+        streamed = ep.StreamedBodyResponse(body=raw, end_of_stream=True)
+        back = ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed)))
+        return [answer, ep.ProcessingResponse(request_body=back)]
+
+    def _from_body(self, raw: bytes, phase: str = "request_body") -> ep.ProcessingResponse:
+        try:
+            parsed = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return _error(400, "the request body is not JSON", "invalid_json")
+        if not isinstance(parsed, dict):
+            return _error(400, "the request body is not a JSON object", "invalid_json")
+        model = parsed.get("model")
+        if model is not None and model != self.model_name:
+            return _error(
+                404,
+                f"The model {str(model)[:256]!r} does not exist; this gateway route serves {self.model_name!r}",
+                "model_not_found",
+            )
+        return self._decide(parsed, phase)
+
+    def _decide(self, parsed: dict[str, Any], phase: str) -> ep.ProcessingResponse:
+        chosen = pick(self.candidates(), affinity_key(parsed))
+        if chosen is None:
+            log.warning(kv(event="epp_no_endpoint", model=self.model_name))
+            return _error(503, "no pdserve router is ready for this model", "no_endpoint")
+        self.picks += 1
+        return _routed(chosen.address, phase)
+
+
+def add_to(server: Any, picker: EndpointPicker) -> None:
+    ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
