@@ -43,7 +43,7 @@ from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
-from pdserve_common.kv_layout import KVLayout
+from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.decode.generation_loop import GenerationLoop, Parked, RequestFailed, RequestStream
@@ -387,8 +387,12 @@ class DecodeWorker:
 
     def kv_bytes(self, num_tokens: int) -> int:
         """Bytes of KV that `num_tokens` prompt tokens occupy (every layer of the model, K and V:
-        in this pool, or across a group's pools)."""
-        return num_tokens * self.layout.bytes_per_token * 2 * self.loaded.config.num_layers
+        in this pool, or across a group's pools; every KV head, across a tensor-parallel
+        decode's ranks)."""
+        tp = self.loaded.tp
+        heads = self.layout.kv_heads if tp is None else tp.config.num_kv_heads
+        per_token = heads * self.layout.head_dim * DTYPE_SIZES[self.layout.dtype]
+        return num_tokens * per_token * 2 * self.loaded.config.num_layers
 
     async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> Ready:
         started = time.monotonic()
