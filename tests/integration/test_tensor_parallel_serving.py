@@ -3,8 +3,8 @@
 each), each prefill rank pushing its own KV heads one-sided into the decode rank(s) holding them.
 
 - The greedy text equals transformers' fp32 generate (the upstream, never our own tp=1 output)
-  for llama3, qwen2 and qwen3 tiny models, at P_tp × D_tp of 2×1, 4×1 (tp 4 over 2 KV heads
-  replicates each), 1×2, 2×2 and 4×2, P_tp 2 into a 2-member layer-sharded decode group, and
+  for llama3, qwen2 and qwen3 tiny models at every P_tp ∈ {1, 2, 4} × D_tp ∈ {1, 2} (tp 4
+  over 2 KV heads replicates each), P_tp 2 into a 2-member layer-sharded decode group, and
   for the bundled model at 3×1, 1×3 and 3×3.
 - Each rank pushed its share of the KV bytes (the prefill's per-rank counter), and their sum is
   what the response reports: nothing went through rank 0 for another rank.
@@ -31,16 +31,18 @@ pytestmark = pytest.mark.slow
 
 TEXTS = ["Paris is the capital of", "Unicode: café 東京 and 12345.", "The quick brown fox jumps over the lazy dog."]
 LLAMA = {"num_attention_heads": 4, "num_key_value_heads": 2}
-CASES = {  # (family, config override, prefill tensor-parallel size, decode's)
-    "llama3-p2d1": ("llama3", LLAMA, 2, 1),
-    "llama3-p4d1": ("llama3", LLAMA, 4, 1),  # KV heads replicated
-    "qwen2-p2d1": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 2, 1),
-    "qwen3-p2d1": ("qwen3", LLAMA, 2, 1),
-    "llama3-p1d2": ("llama3", LLAMA, 1, 2),
-    "llama3-p2d2": ("llama3", LLAMA, 2, 2),  # each prefill rank writes whole rows of its decode rank
-    "qwen2-p4d2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}, 4, 2),
-    "llama3-p2-shards2": ("llama3", LLAMA, 2, 1, 2),  # into a 2-member layer-sharded decode group's slots
+QWEN2 = {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}
+FAMILIES = {"llama3": LLAMA, "qwen2": QWEN2, "qwen3": LLAMA}
+# (family, config override, prefill tensor-parallel size, decode's[, layer shards]): every
+# P_tp in {1, 2, 4} x D_tp in {1, 2} but 1 x 1 (tests/integration/test_pd_families.py), per family.
+CASES = {
+    f"{family}-p{p}d{d}": (family, override, p, d)
+    for family, override in FAMILIES.items()
+    for p in (1, 2, 4)
+    for d in (1, 2)
+    if (p, d) != (1, 1)
 }
+CASES["llama3-p2-shards2"] = ("llama3", LLAMA, 2, 1, 2)  # into a 2-member layer-sharded decode group's slots
 TOKENS = 10
 
 
