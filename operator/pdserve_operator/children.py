@@ -650,13 +650,18 @@ def network_policy_name(name: str) -> str:
     return f"{name}-workers"
 
 
-def network_policy(owner: Owner, defaults: Defaults) -> dict[str, Any]:
+def network_policy(owner: Owner, defaults: Defaults, epp_port: int | None = None) -> dict[str, Any]:
     """Only this service's pods (and the operator) reach its pods' gRPC and transfer ports.
 
     Prefill pushes KV into decode memory and routers drive both over gRPC; a pod of another
     service, or anything else in the cluster, has no business on those ports. The HTTP port
-    stays open: routers serve the API on it, and probes and Prometheus scrapes arrive there.
+    stays open: routers serve the API on it, and probes and Prometheus scrapes arrive there;
+    so does a router's endpoint-picker port when the spec names one (the gateway dials it from
+    its own namespace: docs/gateway.md).
     """
+    public = [{"port": E.HTTP_PORT, "protocol": "TCP"}]
+    if epp_port is not None:
+        public.append({"port": epp_port, "protocol": "TCP"})
     peers = selector_labels(owner.name)
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -681,7 +686,7 @@ def network_policy(owner: Owner, defaults: Defaults) -> dict[str, Any]:
                         {"port": E.TRANSFER_PORT, "protocol": "TCP"},
                     ],
                 },
-                {"ports": [{"port": E.HTTP_PORT, "protocol": "TCP"}]},
+                {"ports": public},
             ],
         },
     }
@@ -691,7 +696,7 @@ def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: D
     """Every child, in apply order (what pods mount exists before the pods)."""
     if not token:
         raise ValueError(f"empty broker token for {owner.key}")
-    policy = [network_policy(owner, defaults)] if defaults.network_policy else []
+    policy = [network_policy(owner, defaults, spec.router.endpoint_picker_port)] if defaults.network_policy else []
     return [
         *policy,  # before the pods, so no pod of the service ever runs unprotected
         secret(owner, token),

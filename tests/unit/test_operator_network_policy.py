@@ -85,3 +85,13 @@ def test_operator_settings_reach_the_children_defaults() -> None:
     runtime = build_runtime(config, kube=NoKube())  # type: ignore[arg-type]
     assert runtime.reconciler.defaults.network_policy is True
     assert runtime.reconciler.defaults.operator_namespace == "ops"
+
+
+def test_a_routers_endpoint_picker_port_is_open_like_its_api() -> None:
+    """#34: the gateway dials the picker from its own namespace (docs/gateway.md)."""
+    defaults = ch.Defaults(image="img:1", broker_address="b:1", network_policy=True, operator_namespace="ops")
+    objs = ch.render(OWNER, s.parse_spec({"router": {"endpointPickerPort": 9002}}), "tok", defaults)
+    policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    private, public = policy["spec"]["ingress"]
+    assert public == {"ports": [{"port": pod_env.HTTP_PORT, "protocol": "TCP"}, {"port": 9002, "protocol": "TCP"}]}
+    assert 9002 not in {p["port"] for p in private["ports"]}

@@ -89,7 +89,7 @@ def test_schema_defaults_equal_the_model_defaults() -> None:
 
 
 def _rules_with_models() -> list[tuple[type[s.Model], s.Rule]]:
-    models = [s.DeviceSpec, s.DecodeSpec, s.PrefillSpec, s.RouterServiceSpec, s.PDInferenceServiceSpec]
+    models = [s.DeviceSpec, s.DecodeSpec, s.PrefillSpec, s.RouterServiceSpec, s.RouterSpec, s.PDInferenceServiceSpec]
     return [(m, r) for m in models for r in m.rules]
 
 
@@ -110,6 +110,7 @@ prefill = st.fixed_dictionaries(
     {"tensorParallelSize": st.sampled_from([1, 3])},
     optional={"prefixCacheTokens": st.sampled_from([0, 4096]), "prefixDiskGib": st.integers(1, 4)},
 )
+router = st.fixed_dictionaries({}, optional={"endpointPickerPort": st.sampled_from([9002, 8080, 8081, 50051, 50052])})
 service = st.fixed_dictionaries(
     {"type": st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"])},
     optional={"nodePort": st.integers(30000, 32767)},
@@ -129,19 +130,20 @@ spec_doc = st.fixed_dictionaries(
 )
 _SCHEMAS = {
     m: crd.model_schema(m)
-    for m in (s.DeviceSpec, s.DecodeSpec, s.PrefillSpec, s.RouterServiceSpec, s.PDInferenceServiceSpec)
+    for m in (s.DeviceSpec, s.DecodeSpec, s.PrefillSpec, s.RouterServiceSpec, s.RouterSpec, s.PDInferenceServiceSpec)
 }
 
 
 @settings(max_examples=60, deadline=None)
-@given(dev=device, dec=decode, pre=prefill, svc=service, whole=spec_doc)
-def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, pre: dict, svc: dict, whole: dict) -> None:
+@given(dev=device, dec=decode, pre=prefill, svc=service, rtr=router, whole=spec_doc)
+def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, pre: dict, svc: dict, rtr: dict, whole: dict) -> None:
     """Each Rule's CEL (API server) and predicate (operator) accept exactly the same objects."""
     samples = {
         s.DeviceSpec: dev,
         s.DecodeSpec: dec,
         s.PrefillSpec: pre,
         s.RouterServiceSpec: svc,
+        s.RouterSpec: rtr,
         s.PDInferenceServiceSpec: whole,
     }
     for model, rule in _rules_with_models():
@@ -170,6 +172,7 @@ def test_cel_rules_and_python_rules_agree(dev: dict, dec: dict, pre: dict, svc: 
         ({"prefill": {"tensorParallelSize": 2}}, "sizes that work: [1, 3, 9]"),
         ({"prefill": {"tensorParallelSize": 3, "prefixCacheTokens": 512}}, "prefix cache is off in a tensor-parallel"),
         ({"decode": {"tensorParallelSize": 2}}, "decode.tensorParallelSize: 2 does not split"),
+        ({"router": {"endpointPickerPort": 50051}}, "the pods' own ports"),
         ({"decode": {"tensorParallelSize": 3, "layerShards": 2}}, "tensor-parallel or layer-sharded"),
         ({"decode": {"tensorParallelSize": 3, "kvBlockTokens": 0}}, "needs a paged KV pool"),
         ({"model": {"source": "builtin:llama9000"}}, "unknown built-in model"),

@@ -6,6 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from pdserve_common import pod_env as E
 from pdserve_operator.spec.base import DNS_SUBDOMAIN, Model, Rule
 from pdserve_operator.spec.pods import PodOverrides
 
@@ -64,6 +65,10 @@ class RouterAdmissionSpec(Model):
     )
 
 
+# The pods' own ports (pdserve_common/pod_env.py): an endpoint picker may not take one.
+POD_PORTS = frozenset({E.HTTP_PORT, E.GRPC_PORT, E.TRANSFER_PORT, E.ADMIN_PORT})
+
+
 class RouterSpec(PodOverrides):
     """Routers: the OpenAI-compatible HTTP front."""
 
@@ -79,5 +84,16 @@ class RouterSpec(PodOverrides):
         ge=1,
         le=65535,
         description="Serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc) on this port of "
-        "every router, for an InferencePool of the routers (docs/gateway.md). Unset: none.",
+        "every router, for an InferencePool of the routers (docs/gateway.md); the service's NetworkPolicy opens it "
+        "like the API port. Not one of the pods' own ports. Unset: none.",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel=f"!has(self.endpointPickerPort) || !(self.endpointPickerPort in {sorted(POD_PORTS)})",
+            message=f"endpointPickerPort: the pods' own ports {sorted(POD_PORTS)} are taken (and the gRPC and "
+            "transfer ports must stay closed to other namespaces)",
+            holds=lambda r: r.endpoint_picker_port not in POD_PORTS,
+            field="endpointPickerPort",
+        ),
     )
