@@ -172,6 +172,31 @@ async def test_max_concurrent_waits_without_blocking_others():
     q.release(other)
 
 
+async def test_a_tenant_over_its_share_of_the_slots_goes_after_one_under_it():
+    """#29: maxConcurrent's default is the tenant's weighted share of what runs here. a grabbed
+    3 of 4 slots while b was quiet; b now waits with a costlier request, which SFQ alone would
+    put after a's cheap ones: the slot a frees goes to b. Work-conserving: with b served, a's
+    next request is not held back."""
+    q = AdmissionQueue()
+    a_held = [q.enter(A, "normal", 1, 1) for _ in range(3)]
+    b_held = q.enter(B, "normal", 1000, 1000)
+    for t in (*a_held, b_held):
+        q.held(t)
+    probe = q.enter(A, "normal", 1, 1)
+    q.no_capacity(probe)  # the 5th request finds no slot: the queue is blocked
+    q.release(probe)
+    a_next = q.enter(A, "normal", 1, 1)
+    b_next = q.enter(B, "normal", 1000, 1000)
+    assert a_next.state is State.WAITING and b_next.state is State.WAITING
+    q.release(a_held[0], 1)  # a slot frees: a holds 2 of 3 (share 2), b 1
+    assert q._probe is b_next and b_next.state is State.TRYING
+    q.held(b_next)
+    q.release(b_held, 1)  # b is served; a's waiting request is next
+    assert q._probe is a_next
+    for t in (*a_held[1:], b_next, a_next):
+        q.release(t)
+
+
 async def test_timer_probes_a_blocked_queue_without_any_release():
     q = AdmissionQueue(AdmissionConfig(retry_min_s=0.01, retry_max_s=0.02))
     block(q)  # the holder never releases: slots came free elsewhere (another router)

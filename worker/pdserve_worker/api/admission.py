@@ -16,7 +16,9 @@ Order of service:
   starts at the class's virtual time, so idleness earns no credit. Equivalent in what it
   guarantees to deficit round robin over tokens, and a choice that can be peeked without
   mutating (a request that finds no slot keeps its place);
-- FIFO within a tenant and class; a tenant at its `maxConcurrent` waits without blocking others.
+- FIFO within a tenant and class; a tenant at its `maxConcurrent` waits without blocking others;
+  one without a `maxConcurrent` that holds its weighted share of the running requests goes
+  after the tenants under theirs (its default cap, work-conserving: `_over_share`).
 
 How capacity is found: the queue does not know how many slots exist (other routers share the
 decodes, decodes join and leave). While nothing waits, a request is dispatched at once. The
@@ -464,21 +466,41 @@ class AdmissionQueue:
     # ---- dispatching ------------------------------------------------------------------------------
 
     def _select(self) -> Ticket | None:
-        """The next ticket by class, then the smallest SFQ start tag, then arrival."""
+        """The next ticket by class, then a tenant under its share of the running requests
+        (`_over_share`), then the smallest SFQ start tag, then arrival."""
+        over = self._over_share()
         for rank in range(len(PRIORITIES)):
             if not self._waiting[rank]:
                 continue
-            best: tuple[float, int, Ticket] | None = None
+            best: tuple[bool, float, int, Ticket] | None = None
             for tenant in self._tenants.values():
                 queue = tenant.queued.get(rank)
                 if not queue or not tenant.eligible():
                     continue
-                key = (max(tenant.finish[rank], self._vtime[rank]), queue[0].seq, queue[0])
-                if best is None or key[:2] < best[:2]:
+                tag = max(tenant.finish[rank], self._vtime[rank])
+                key = (tenant.name in over, tag, queue[0].seq, queue[0])
+                if best is None or key[:3] < best[:3]:
                     best = key
             if best is not None:
-                return best[2]
+                return best[3]
         return None
+
+    def _over_share(self) -> set[str]:
+        """Tenants without a maxConcurrent of their own that hold at least their weighted share
+        of the requests running here while another tenant has requests too: the share is
+        `maxConcurrent`'s default. Work-conserving — such a tenant still goes next when nobody
+        under their share waits — so one tenant cannot keep every slot it grabbed while the
+        others were idle (docs/admission.md)."""
+        contending = [t for t in self._tenants.values() if t.active or t.waiting()]
+        if len(contending) < 2:
+            return set()
+        running = sum(t.active for t in contending)
+        weights = sum(t.limits.weight for t in contending)
+        return {
+            t.name
+            for t in contending
+            if t.limits.max_concurrent is None and t.active >= max(1, math.ceil(running * t.limits.weight / weights))
+        }
 
     def _dispatch(self, ticket: Ticket) -> None:
         ticket.tenant.queued[ticket.priority].popleft()
