@@ -105,3 +105,23 @@ def test_greedy_text_of_a_tp_group_equals_transformers(tp_models, tmp_path, size
         assert tokens == expected, folder
         full_kv = {"llama3": 2, "qwen2": 4, "qwen3": 2}[next(n for n in FAMILIES_FOR_TP if f"tp-{n}" in folder)]
         assert kv_heads == [max(1, full_kv // size)] * size  # each rank holds its share of the KV heads only
+
+
+def test_the_operators_size_rule_is_the_workers():
+    """The planner and the CRD validator cannot import the model code: their copy of the rule
+    (planner/model_shape.py) must name the sizes `valid_sizes` names."""
+    from pdserve_operator.planner.model_shape import tensor_parallel_sizes
+
+    for heads, kv in ((9, 3), (8, 4), (4, 2), (32, 8), (12, 12), (14, 2)):
+        config = ModelConfig.from_hf(
+            {
+                "hidden_size": 64 * heads,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "num_hidden_layers": 1,
+                "intermediate_size": 128,
+                "vocab_size": 32,
+                "architectures": ["LlamaForCausalLM"],
+            }
+        )
+        assert tensor_parallel_sizes(heads, kv) == valid_sizes(config), (heads, kv)

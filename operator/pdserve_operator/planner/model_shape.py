@@ -23,6 +23,13 @@ from typing import Any
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
+def tensor_parallel_sizes(heads: int, kv_heads: int) -> list[int]:
+    """Tensor-parallel sizes `heads` query heads over `kv_heads` KV heads split into evenly: query
+    heads divisible, KV heads divisible or replicated. The operator's one copy of the worker's
+    model/layers/tensor_parallel.py `valid_sizes` (a test checks they agree)."""
+    return [t for t in range(1, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+
+
 @dataclass(frozen=True)
 class ModelShape:
     name: str
@@ -54,11 +61,7 @@ class ModelShape:
             )
 
     def tensor_parallel_sizes(self) -> list[int]:
-        """Tensor-parallel sizes the heads split into evenly (the worker's
-        model/layers/tensor_parallel.py `valid_sizes`: query heads divisible, KV heads divisible
-        or replicated)."""
-        heads, kv = self.num_heads, self.num_kv_heads
-        return [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+        return tensor_parallel_sizes(self.num_heads, self.num_kv_heads)
 
     # ---- parameters ---------------------------------------------------------------------------
 

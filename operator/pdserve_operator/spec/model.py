@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from pdserve_operator.planner.model_shape import tensor_parallel_sizes
 from pdserve_operator.spec.base import Model, Rule
 
 
@@ -20,12 +21,8 @@ class BuiltinModel:
     kv_heads: int
 
     def tensor_parallel_sizes(self) -> list[int]:
-        """The sizes that split its heads (the worker's model/layers/tensor_parallel.valid_sizes)."""
-        return [
-            t
-            for t in range(1, self.heads + 1)
-            if self.heads % t == 0 and (self.kv_heads % t == 0 or t % self.kv_heads == 0)
-        ]
+        """The sizes that split its heads (the planner's rule, the worker's `valid_sizes`)."""
+        return tensor_parallel_sizes(self.heads, self.kv_heads)
 
 
 # Models selectable as `source: builtin:<key>`; must match what the worker image bundles.

@@ -43,13 +43,12 @@ from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.serving.tp_group import GroupError, TPGroup
+from pdserve_worker.serving.tp_group import IDLE, STOP, GroupError, TPGroup
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
 
 log = logging.getLogger("pdserve.tp")
 
-IDLE, STOP = "idle", "stop"
 IDLE_EVERY_S = 5.0  # well inside the group's deadline (tp_timeout_seconds, 60 by default)
 DRAIN_EVERY_S = 0.05  # how often a follower empties its notify queue
 

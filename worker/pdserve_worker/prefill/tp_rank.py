@@ -36,14 +36,12 @@ from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.serving.tp_group import TPGroup
+from pdserve_worker.serving.tp_group import IDLE, STOP, TPGroup
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource
 
 log = logging.getLogger("pdserve.prefill.tp")
-
-IDLE, STOP = "idle", "stop"
 
 
 @dataclass(frozen=True)

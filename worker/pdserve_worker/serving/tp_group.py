@@ -32,6 +32,9 @@ from pdserve_common.logs import kv
 log = logging.getLogger("pdserve.tp")
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# What rank 0 broadcasts besides a pass or a step: "keep waiting" and "stop" (prefill/tp_rank.py,
+# decode/tp_decode.py).
+IDLE, STOP = "idle", "stop"
 DEFAULT_TIMEOUT_S = 60.0
 
 
