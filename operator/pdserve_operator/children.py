@@ -22,6 +22,7 @@ from typing import Any
 from pdserve_common import credentials as C
 from pdserve_common import pod_env as E
 from pdserve_operator import spec as s
+from pdserve_operator.spec import scaling_adapter as sa
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -643,6 +644,20 @@ def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
         "kind": "PodDisruptionBudget",
         "metadata": _meta(owner, workload_name(owner.name, role), role),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name, role)}},
+    }
+
+
+def adapter_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def scaling_adapter(owner: Owner, role: str, replicas: int) -> dict[str, Any]:
+    """The role's PDScalingAdapter: a /scale handle on spec.<role>.replicas (scaling_adapters.py)."""
+    return {
+        "apiVersion": s.API_VERSION,
+        "kind": sa.ADAPTER_KIND,
+        "metadata": _meta(owner, adapter_name(owner.name, role), role),
+        "spec": {"replicas": replicas, "serviceName": owner.name, "role": role},
     }
 
 

@@ -26,6 +26,7 @@ from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KubeError
 from pdserve_operator.runtime import OperatorConfig, Runtime, build_runtime
+from pdserve_operator.spec.scaling_adapter import ADAPTER_PLURAL
 
 FINALIZER = "pdserve.dev/finalizer"
 PREFIX = "pdserve.dev"
@@ -40,6 +41,7 @@ CHILD_RESOURCES = (
     ("", "v1", "configmaps"),
     ("", "v1", "secrets"),
     ("policy", "v1", "poddisruptionbudgets"),
+    (s.GROUP, s.VERSION, ADAPTER_PLURAL),  # a scaled adapter moves the spec now, not at the next resync
 )
 
 

@@ -21,6 +21,7 @@ import kubernetes
 
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
+from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND, ADAPTER_PLURAL
 
 if TYPE_CHECKING:
     import kopf
@@ -59,6 +60,7 @@ KINDS: dict[str, Kind] = {
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind(s.API_VERSION, s.KIND, s.PLURAL),
+        Kind(s.API_VERSION, ADAPTER_KIND, ADAPTER_PLURAL),
     )
 }
 PDIS = KINDS[s.KIND]

@@ -44,6 +44,7 @@ from pdserve_operator.autoscale import Autoscaler
 from pdserve_operator.broker_view import BrokerView, kv_tokens_in_use
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.metrics import OperatorMetrics
+from pdserve_operator.scaling_adapters import ScalingAdapters
 
 log = logging.getLogger("pdserve.operator.reconcile")
 
@@ -118,6 +119,7 @@ class Reconciler:
         self.token_factory = token_factory
         self._slots: dict[tuple[str, str], _Slot] = {}
         self.autoscaler = Autoscaler(kube, broker)
+        self.adapters = ScalingAdapters(kube)
 
     async def request(self, namespace: str, name: str, why: str) -> Outcome | None:
         """Reconcile soon; returns None when an already queued run will cover this request."""
@@ -156,12 +158,14 @@ class Reconciler:
                 self.metrics.observe_reconcile("invalid")
                 self.metrics.observe_status(namespace, name, invalid)
             return outcome
+        svc, spec, adapters = await self._sync_adapters(svc, spec)
         token, secret = await self._token(svc)
         children = ch.render(svc.owner, spec, token, self.defaults)
         live = await self._apply_children(
             svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec), spec
         )
         await self._remove_stale_hpas(svc, spec)
+        await self.adapters.report(svc.owner, spec, adapters, live)
         scaling = await self.autoscaler.step(
             svc.owner, spec, svc.generation, live, lambda type_, reason, msg: self._event(svc, type_, reason, msg)
         )
@@ -178,6 +182,21 @@ class Reconciler:
             self.metrics.observe_status(namespace, name, status)
         log.debug(kv(event="reconciled", service=svc.owner.key, why=why, phase=outcome.phase))
         return outcome
+
+    async def _sync_adapters(
+        self, svc: _Service, spec: s.PDInferenceServiceSpec
+    ) -> tuple[_Service, s.PDInferenceServiceSpec, dict[str, Live]]:
+        """Each role's PDScalingAdapter in step with the spec; a scaled adapter changes the spec
+        (scaling_adapters.py), and the rest of this reconcile then works from the new spec."""
+
+        async def post(type_: ev.EventType, reason: str, message: str) -> None:
+            await self._event(svc, type_, reason, message)
+
+        body, adapters = await self.adapters.sync(svc.body, svc.owner, spec, post)
+        if body is svc.body:
+            return svc, spec, adapters
+        moved = _Service(body, svc.owner, int(body["metadata"].get("generation") or 1), svc.prev)
+        return moved, parse(moved), adapters
 
     async def _decode_may_lower(self, svc: _Service, spec: s.PDInferenceServiceSpec, sts: Live | None) -> bool:
         """Whether the decode StatefulSet (no autoscaler drives it) may take the spec's replicas

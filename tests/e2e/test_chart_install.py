@@ -142,11 +142,23 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
             what=f"{kind}/{cname} repaired",
         )
 
+    adapter_scenario(cluster, namespace, name)
     autoscaling_scenario(cluster, broker, namespace, name)
     cluster.kubectl(
         "delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=60s"
     )  # the operator's finalizer runs first: slow under load
     assert cluster.get("PDInferenceService", namespace, name) is None
+
+
+def adapter_scenario(cluster: Cluster, namespace: str, name: str) -> None:
+    """The per-role PDScalingAdapter's calls: a scaled adapter moves the spec, a moved spec the adapter."""
+    pdis, adapter = KINDS["PDInferenceService"], KINDS["PDScalingAdapter"]
+    prefill = ch.adapter_name(name, "prefill")
+    wait_for(lambda: (cluster.kube.get(adapter, namespace, prefill) or {}).get("status"), what="adapter synced")
+    cluster.kubectl("scale", f"pdsa/{prefill}", "--replicas=2", "-n", namespace)
+    wait_for(lambda: cluster.get("PDInferenceService", namespace, name)["spec"]["prefill"]["replicas"] == 2)
+    cluster.kube.merge_patch(pdis, namespace, name, {"spec": {"prefill": {"replicas": 1}}})
+    wait_for(lambda: cluster.kube.get(adapter, namespace, prefill)["spec"]["replicas"] == 1, what="adapter follows")
 
 
 def autoscaling_scenario(cluster: Cluster, broker: Any, namespace: str, name: str) -> None:

@@ -320,3 +320,81 @@ def test_restarting_the_operator_changes_nothing_that_was_right(
     wait_for(lambda: operator.broker.token_calls > calls, what="the restarted operator's first reconcile")
     time.sleep(2.5)  # several resync periods
     assert versions() == before
+
+
+def adapter_of(cluster: Cluster, ns: str, name: str) -> dict[str, Any] | None:
+    return cluster.kube.get(KINDS["PDScalingAdapter"], ns, name)
+
+
+def synced_adapter(cluster: Cluster, ns: str, name: str, replicas: int) -> dict[str, Any] | bool:
+    """The adapter once the operator took `replicas` from it (or gave it them)."""
+    got = adapter_of(cluster, ns, name)
+    if got is None or got["spec"]["replicas"] != replicas:
+        return False
+    return got if (got.get("status") or {}).get("observedGeneration") == got["metadata"]["generation"] else False
+
+
+def test_kubectl_scale_of_a_role_adapter_drives_that_role(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
+    """Issue #34: prefill gets a scale target of its own (PDScalingAdapter), kept equal to the spec both ways."""
+    doc = yaml.safe_load(SAMPLE.read_text())
+    apply(cluster, namespace, doc, tmp_path)
+    for role in ("prefill", "decode"):
+        wait_for(lambda r=role: synced_adapter(cluster, namespace, f"smollm2-{r}", 1), what=f"{role} adapter")
+
+    cluster.kubectl("scale", "pdsa/smollm2-prefill", "--replicas=3", "-n", namespace)
+    wait_for(
+        lambda: cluster.get("Deployment", namespace, "smollm2-prefill")["spec"]["replicas"] == 3, what="3 prefill pods"
+    )
+    spec = cluster.get("PDInferenceService", namespace, "smollm2")["spec"]
+    assert spec["prefill"]["replicas"] == 3 and spec["decode"]["replicas"] == 1
+    make_ready(cluster, namespace, "smollm2", 3, 1, 1)
+    wait_for(lambda: (adapter_of(cluster, namespace, "smollm2-prefill").get("status") or {}).get("replicas") == 3)
+    scale = cluster.kubectl(
+        "get", "--raw", f"/apis/pdserve.dev/v1alpha1/namespaces/{namespace}/pdscalingadapters/smollm2-prefill/scale"
+    ).stdout.replace(" ", "")
+    assert '"replicas":3' in scale and ch.selector_string("smollm2", "prefill") in scale, scale
+    table = cluster.kubectl("get", "pdsa", "-n", namespace).stdout
+    assert "smollm2-prefill" in table and "ROLE" in table, table
+
+    # The other way: the service's own scale (decode groups) moves the decode adapter.
+    cluster.kubectl("scale", "pdis/smollm2", "--replicas=2", "-n", namespace)
+    wait_for(lambda: synced_adapter(cluster, namespace, "smollm2-decode", 2), what="decode adapter at 2")
+    assert cluster.get("StatefulSet", namespace, "smollm2-decode")["spec"]["replicas"] == 2
+
+
+def test_the_planner_takes_a_scaled_adapter_as_its_floor_and_refusals_are_events(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["spec"]["autoscaling"] = {
+        "prefill": {"enabled": True, "minReplicas": 1, "maxReplicas": 4},
+        "slo": {"ttftMs": 3000},
+        "scaleUpWindowSeconds": 0,
+        "scaleDownWindowSeconds": 0,
+        "intervalSeconds": 1,
+    }
+    apply(cluster, namespace, doc, tmp_path)
+    wait_for(lambda: synced_adapter(cluster, namespace, "smollm2-prefill", 1), what="prefill adapter")
+    make_ready(cluster, namespace, "smollm2", 1, 1, 1)
+
+    cluster.kubectl("scale", "pdsa/smollm2-prefill", "--replicas=3", "-n", namespace)
+    wait_for(
+        lambda: cluster.get("Deployment", namespace, "smollm2-prefill")["spec"]["replicas"] == 3,
+        what="the planner up to its new floor",
+    )
+    wait_for(  # the planner's doing, and it says why
+        lambda: (
+            "moved to 3:1 by the bounds" in status(cluster, namespace, "smollm2")["autoscaling"]["prefill"]["reason"]
+        ),
+        what="the planner's reason",
+    )
+
+    # Above the planner's maxReplicas: the service refuses it, the adapter says what it has.
+    cluster.kubectl("scale", "pdsa/smollm2-prefill", "--replicas=6", "-n", namespace)
+    wait_for(lambda: synced_adapter(cluster, namespace, "smollm2-prefill", 3), what="adapter back at 3")
+    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+    refused = [e["message"] for e in events if e.get("reason") == "ScaleRefused"]
+    assert refused and "replicas 6 refused" in refused[0], refused
+    assert cluster.get("PDInferenceService", namespace, "smollm2")["spec"]["prefill"]["replicas"] == 3

@@ -31,13 +31,15 @@ from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.broker_view import NullBrokerView
-from pdserve_operator.kube import KINDS, PDIS, Kind, KubeClient, KubeError
+from pdserve_operator.kube import KINDS, Kind, KubeClient, KubeError
 from pdserve_operator.reconcile import Outcome, Reconciler
+from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND
 
 Obj = dict[str, Any]
 WRITES = ("create", "patch", "delete", "event")
 # Kinds whose status is a subresource (the main endpoint ignores it, and a create drops it).
-STATUS_SUBRESOURCE = {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "Pod", s.KIND}
+STATUS_SUBRESOURCE = {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "Pod", s.KIND, ADAPTER_KIND}
+CUSTOM = {s.KIND, ADAPTER_KIND}
 # Kinds without a generation; the others count changes of their spec (a custom resource with a
 # status subresource: of everything but metadata and status).
 NO_GENERATION = {"ConfigMap", "Secret", "Event"}
@@ -162,7 +164,7 @@ def _kind_of(obj: Obj) -> Kind:
 
 
 def _generation_content(kind: Kind, obj: Obj) -> Any:
-    if kind.kind == PDIS.kind:
+    if kind.kind in CUSTOM:
         return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
     return obj.get("spec")
 
@@ -216,6 +218,10 @@ class MemoryKube:
         if old is None:
             path = kind.path(namespace, name, sub)
             raise KubeError(404, "NotFound", f'{kind.plural} "{name}" not found', "PATCH", path)
+        want_rv = (patch.get("metadata") or {}).get("resourceVersion")
+        if want_rv is not None and want_rv != old["metadata"]["resourceVersion"]:  # optimistic concurrency
+            path = kind.path(namespace, name, sub)
+            raise KubeError(409, "Conflict", f'{kind.plural} "{name}": the object has been modified', "PATCH", path)
         merged = patching.merge_patch(old, patch)
         new = copy.deepcopy(old)
         if sub == "status":

@@ -104,7 +104,7 @@ def _object_features(obj: dict[str, Any], found: set[str]) -> None:
 
 def used_features() -> set[str]:
     found: set[str] = set()
-    docs = [crd.build_crd()]
+    docs = [crd.build_crd(), crd.build_adapter_crd()]
     docs += list(yaml.safe_load_all((ROOT / "manifests" / "kopf-peering.yaml").read_text()))
     docs += render("--set", "serviceMonitor.enabled=true", "--set", "networkPolicy.enabled=true")
     sample = yaml.safe_load((ROOT / "manifests" / "samples" / "smollm2-cpu.yaml").read_text())

@@ -31,13 +31,33 @@ def test_manifest_is_the_output_of_pdserve_crd() -> None:
         [sys.executable, "-m", "pdserve_worker.cli.main", "crd"], capture_output=True, text=True, check=True
     )
     assert out.stdout == (ROOT / "manifests" / "crd.yaml").read_text(), "regenerate: pdserve crd > manifests/crd.yaml"
-    assert yaml.safe_load(out.stdout) == crd.build_crd()
+    assert list(yaml.safe_load_all(out.stdout)) == [crd.build_crd(), crd.build_adapter_crd()]
 
 
 def test_crd_passes_the_api_servers_crd_admission() -> None:
-    """Every rule ported from apiextensions-apiserver (tests/kube_emulator/crd_validation.py)."""
+    """Every rule ported from apiextensions-apiserver (tests/kube_emulator/crd_validation.py),
+    for both CRDs of manifests/crd.yaml (PDInferenceService and the per-role PDScalingAdapter)."""
     assert [str(e) for e in validate_crd(crd.build_crd())] == []
-    assert [str(e) for e in validate_crd(yaml.safe_load((ROOT / "manifests" / "crd.yaml").read_text()))] == []
+    assert [str(e) for e in validate_crd(crd.build_adapter_crd())] == []
+    docs = list(yaml.safe_load_all((ROOT / "manifests" / "crd.yaml").read_text()))
+    assert [d["metadata"]["name"] for d in docs] == ["pdinferenceservices.pdserve.dev", "pdscalingadapters.pdserve.dev"]
+    assert [str(e) for d in docs for e in validate_crd(d)] == []
+
+
+def test_the_adapter_crd_is_a_scale_target_every_field_described() -> None:
+    version = crd.build_adapter_crd()["spec"]["versions"][0]
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    root = version["schema"]["openAPIV3Schema"]
+    missing = [p for p, sub in _walk(root) if not sub.get("description") and p != ".metadata"]
+    assert missing == []
+    assert root["properties"]["spec"]["required"] == ["replicas", "serviceName", "role"]
 
 
 def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:

@@ -47,18 +47,29 @@ def test_an_empty_namespace_gets_every_child_created_and_one_status_patch() -> N
     out = reconcile(reconciler(kube), NS, "svc")
 
     children = rendered(owner)
-    expected = [Action("get", s.KIND, NS, "svc"), Action("get", "Secret", NS, ch.secret_name("svc"))]
+    adapters = [ch.scaling_adapter(owner, role, 1) for role in ("prefill", "decode")]
+    expected = [Action("get", s.KIND, NS, "svc")]
+    for obj in adapters:  # first, so that a scaled adapter moves the spec this reconcile works from
+        expected += [Action("get", obj["kind"], NS, obj["metadata"]["name"])]
+        expected += [Action("create", obj["kind"], NS, obj["metadata"]["name"], body=obj)]
+    expected.append(Action("get", "Secret", NS, ch.secret_name("svc")))
     for obj in children:
         name = obj["metadata"]["name"]
         if obj["kind"] != "Secret":  # read once already, for the token
             expected.append(Action("get", obj["kind"], NS, name))
         expected.append(Action("create", obj["kind"], NS, name, body=obj))
-    assert kube.actions[:-2] == expected
-    patch, event = kube.actions[-2:]
+    assert kube.actions[:-4] == expected
+    *reports, patch, event = kube.actions[-4:]
+    assert [(a.verb, a.kind, a.name, a.sub) for a in reports] == [
+        ("patch", "PDScalingAdapter", f"svc-{role}", "status") for role in ("prefill", "decode")
+    ]
+    assert reports[0].body == {
+        "status": {"replicas": 0, "selector": ch.selector_string("svc", "prefill"), "observedGeneration": 1}
+    }
     assert (patch.verb, patch.kind, patch.name, patch.sub) == ("patch", s.KIND, "svc", "status")
     assert patch.body["status"]["phase"] == "Pending" and patch.body["status"]["observedGeneration"] == 1
     assert event == Action("event", s.KIND, NS, "svc", body=(ev.NORMAL, ev.PHASE_PENDING, event.body[2]))
-    assert [a.verb for a in kube.writes()] == ["create"] * len(children) + ["patch", "event"]
+    assert [a.verb for a in kube.writes()] == ["create"] * (len(children) + 2) + ["patch"] * 3 + ["event"]
     assert out is not None and out.created == [f"{o['kind']}/{o['metadata']['name']}" for o in children]
     assert out.status_written and out.phase == "Pending" and not out.patched and not out.conflicts
     assert status_of(kube)["phase"] == "Pending"
@@ -181,8 +192,13 @@ def test_a_spec_change_patches_children_without_calling_it_drift() -> None:
     kube.inner.merge_patch(PDIS, NS, "svc", {"spec": {"decode": {"replicas": 3}}})
     kube.clear()
     out = reconcile(rec, NS, "svc")
-    assert [a.short() for a in kube.writes()] == ["patch StatefulSet/svc-decode", f"patch {s.KIND}/svc/status"]
-    assert kube.writes()[0].body["spec"]["replicas"] == 3
+    assert [a.short() for a in kube.writes()] == [
+        "patch PDScalingAdapter/svc-decode",  # the service moved: its adapter follows
+        "patch StatefulSet/svc-decode",
+        "patch PDScalingAdapter/svc-decode/status",
+        f"patch {s.KIND}/svc/status",
+    ]
+    assert kube.writes()[0].body["spec"]["replicas"] == 3 and kube.writes()[1].body["spec"]["replicas"] == 3
     assert out is not None and status_of(kube)["observedGeneration"] == 2
 
 

@@ -13,6 +13,7 @@ calls the reconciler makes next.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from kube_emulator import EmulatorThread
 from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
-from pdserve_operator.crd import build_crd
+from pdserve_operator.crd import build_adapter_crd, build_crd
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, RestKubeClient
 
 NS = "agree"
@@ -34,7 +35,8 @@ Steps = dict[str, list[Action]]
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestKubeClient]:
     with EmulatorThread() as emu:
         client = RestKubeClient.from_environment(str(emu.write_kubeconfig(tmp_path_factory.mktemp("kc") / "config")))
-        client.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", build_crd())
+        for crd in (build_crd(), build_adapter_crd()):
+            client.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
         namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
         client.request("POST", "/api/v1/namespaces", namespace)
         yield client
@@ -59,6 +61,7 @@ def scenario(kube: Recorder) -> Steps:
         text = json.dumps([a.__dict__ for a in kube.actions], default=list)
         for uid, who in uids.items():
             text = text.replace(uid, f"<uid of {who}>")
+        text = re.sub(r'"resourceVersion": "\d+"', '"resourceVersion": "<rv>"', text)  # each server's own counter
         steps[label] = [
             Action(**{**a, "body": tuple(a["body"]) if a["verb"] == "event" else a["body"]}) for a in json.loads(text)
         ]
@@ -123,6 +126,8 @@ def scenario(kube: Recorder) -> Steps:
 
     step("decode pods ready", "svc", pods)
     step("spec change", "svc", lambda: inner.merge_patch(PDIS, NS, "svc", {"spec": {"decode": {"replicas": 2}}}))
+    adapter = KINDS["PDScalingAdapter"]
+    step("adapter scaled", "svc", lambda: inner.merge_patch(adapter, NS, "svc-prefill", {"spec": {"replicas": 3}}))
     return steps
 
 
@@ -144,6 +149,7 @@ def test_the_fake_and_the_real_client_on_the_emulator_see_the_same_calls(emulate
     assert f"event {s.KIND}/foreign {ev.DEGRADED}" in writes["foreign owner"]
     assert writes["invalid spec"] == [f"patch {s.KIND}/bad/status", f"event {s.KIND}/bad {ev.INVALID_SPEC}"]
     assert any(a.verb == "list" and a.kind == "Pod" for a in on_fake["decode pods ready"])
+    assert writes["adapter scaled"][:2] == [f"patch {s.KIND}/svc", "patch Deployment/svc-prefill"]
     assert writes["decode pods ready"] == [f"patch {s.KIND}/svc/status", f"event {s.KIND}/svc {ev.PHASE_PROGRESSING}"]
 
     # The Events were stored, by the real poster too, in the order they were posted.

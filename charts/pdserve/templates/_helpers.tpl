@@ -54,6 +54,13 @@ records them against the API emulator and checks both directions). */}}
 - apiGroups: [pdserve.dev]
   resources: [pdinferenceservices/finalizers]
   verbs: [update]
+# One PDScalingAdapter per role (a /scale target each): made, synced, and its status written.
+- apiGroups: [pdserve.dev]
+  resources: [pdscalingadapters]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [pdserve.dev]
+  resources: [pdscalingadapters/status]
+  verbs: [patch]
 - apiGroups: [""]
   resources: [configmaps, secrets, services]
   verbs: [get, list, watch, create, patch]

@@ -1,0 +1,190 @@
+"""Each role's PDScalingAdapter and the service's `spec.<role>.replicas`, kept equal.
+
+Two objects hold one number, so each reconcile decides which one moved (`decide`, pure):
+- the adapter's `metadata.generation` is ahead of its `status.observedGeneration`: someone
+  scaled the adapter (kubectl scale, an HPA, KEDA) since the operator last took its value →
+  the service's `spec.<role>.replicas` takes it, by a merge patch of the PDInferenceService.
+  Everything downstream is then the path `kubectl edit pdis` takes: a decode scale-down drains
+  the groups that go first; with the planner driving the role the value is its floor.
+- otherwise the service's spec moved (kubectl edit, `kubectl scale pdis`) → the adapter takes
+  it, by a patch carrying the adapter's resourceVersion: a scale landing between our read and
+  our write fails it with 409, and the next reconcile lets that scale win.
+- a value the service refuses (422: above `autoscaling.<role>.maxReplicas`, say) → a Warning
+  Event `ScaleRefused` naming the adapter and the value, and the adapter goes back to the
+  service's value — so an HPA that asks for too much sees the count it has, not a lie.
+
+Status (what an HPA reads through /scale): `replicas` is the role's current count (prefill
+pods, decode groups), `selector` its pods. An adapter never synced (no status yet) loses to
+the service. Adapters another controller owns are left alone. Where the CRD is missing
+(`helm upgrade` never updates a chart's crds/), the operator logs it once per service and
+serves on without adapters: apply manifests/crd.yaml to get them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve_common.logs import kv
+from pdserve_operator import children as ch
+from pdserve_operator import drift
+from pdserve_operator import events as ev
+from pdserve_operator import spec as s
+from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
+from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND, ADAPTER_ROLES
+
+log = logging.getLogger("pdserve.operator.scaling_adapters")
+
+Live = dict[str, Any]
+EventFn = Callable[[ev.EventType, str, str], Awaitable[None]]
+ADAPTER = KINDS[ADAPTER_KIND]
+SCALE_REFUSED = "ScaleRefused"
+
+
+class _NoCRD(Exception):
+    """The PDScalingAdapter CRD is not installed (the API has no such resource)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    to_service: int | None = None  # the adapter was scaled: the service's spec.<role>.replicas takes this
+    to_adapter: int | None = None  # the service's spec moved: the adapter's spec.replicas takes this
+
+
+def decide(adapter: Live, service_replicas: int) -> Decision:
+    """Which of the two moved since the last sync (module docstring)."""
+    wanted = int(adapter["spec"]["replicas"])
+    if wanted == service_replicas:
+        return Decision()
+    generation = int(adapter["metadata"].get("generation") or 0)
+    observed = int((adapter.get("status") or {}).get("observedGeneration") or 0)
+    if observed and generation > observed:
+        return Decision(to_service=wanted)
+    return Decision(to_adapter=service_replicas)
+
+
+def role_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
+    return int(getattr(spec, role).replicas)
+
+
+def current_replicas(spec: s.PDInferenceServiceSpec, role: str, live: Mapping[tuple[str, str], Live], name: str) -> int:
+    """The role's count now, from its workload's status (decode: whole groups)."""
+    kind, per = ("Deployment", 1) if role == "prefill" else ("StatefulSet", spec.decode.layer_shards)
+    workload = live.get((kind, ch.workload_name(name, role))) or {}
+    return int((workload.get("status") or {}).get("replicas") or 0) // per
+
+
+def status_of(adapter: Live, replicas: int, selector: str) -> dict[str, Any]:
+    return {
+        "replicas": replicas,
+        "selector": selector,
+        "observedGeneration": int(adapter["metadata"].get("generation") or 0),
+    }
+
+
+class ScalingAdapters:
+    """The adapters' side of a reconcile: `sync` before the children, `report` after."""
+
+    def __init__(self, kube: KubeClient) -> None:
+        self.kube = kube
+        self._missing: set[str] = set()  # services told once that the CRD is not installed
+
+    async def sync(
+        self, body: Live, owner: ch.Owner, spec: s.PDInferenceServiceSpec, post: EventFn
+    ) -> tuple[Live, dict[str, Live]]:
+        """The service as it is after the sync (patched when an adapter won) and each role's adapter."""
+        adapters: dict[str, Live] = {}
+        for role in ADAPTER_ROLES:
+            name = ch.adapter_name(owner.name, role)
+            adapter = await asyncio.to_thread(self.kube.get, ADAPTER, owner.namespace, name)
+            if adapter is None:
+                try:
+                    created = await self._create(owner, role, role_replicas(spec, role))
+                except _NoCRD:
+                    return body, {}
+                if created is not None:
+                    adapters[role] = created
+                continue
+            if drift.controller_other_than({owner.uid}, adapter) is not None:
+                log.warning(kv(event="adapter_foreign", service=owner.key, adapter=name))
+                continue
+            decision = decide(adapter, role_replicas(spec, role))
+            if decision.to_service is not None:
+                body, adapter = await self._to_service(body, owner, role, adapter, decision.to_service, post)
+            elif decision.to_adapter is not None:
+                adapter = await self._to_adapter(owner, adapter, decision.to_adapter)
+            adapters[role] = adapter
+        return body, adapters
+
+    async def _create(self, owner: ch.Owner, role: str, replicas: int) -> Live | None:
+        """The new adapter; None when it was made since our get (the next reconcile syncs it)."""
+        try:
+            return await asyncio.to_thread(self.kube.create, ch.scaling_adapter(owner, role, replicas))
+        except KubeError as exc:
+            if exc.status == 409:
+                return None
+            if exc.status != 404:
+                raise
+        if owner.key not in self._missing:
+            self._missing.add(owner.key)
+            log.warning(
+                kv(
+                    event="adapter_crd_missing",
+                    service=owner.key,
+                    crd="pdscalingadapters.pdserve.dev",
+                    fix="kubectl apply -f manifests/crd.yaml",
+                )
+            )
+        raise _NoCRD
+
+    async def _to_service(
+        self, body: Live, owner: ch.Owner, role: str, adapter: Live, replicas: int, post: EventFn
+    ) -> tuple[Live, Live]:
+        patch = {"spec": {role: {"replicas": replicas}}}
+        try:
+            body = await asyncio.to_thread(self.kube.merge_patch, PDIS, owner.namespace, owner.name, patch)
+        except KubeError as exc:
+            if exc.status != 422:
+                raise
+            label = f"{ADAPTER_KIND}/{adapter['metadata']['name']}"
+            await post(ev.WARNING, SCALE_REFUSED, f"{label}: replicas {replicas} refused: {exc.message}")
+            log.warning(kv(event="adapter_scale_refused", service=owner.key, role=role, replicas=replicas))
+            reverted = await self._to_adapter(owner, adapter, role_replicas_of(body, role))
+            return body, reverted
+        log.info(kv(event="adapter_scaled_service", service=owner.key, role=role, replicas=replicas))
+        return body, adapter
+
+    async def _to_adapter(self, owner: ch.Owner, adapter: Live, replicas: int) -> Live:
+        meta = adapter["metadata"]
+        patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "spec": {"replicas": replicas}}
+        try:
+            return await asyncio.to_thread(self.kube.merge_patch, ADAPTER, owner.namespace, meta["name"], patch)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            log.info(kv(event="adapter_scaled_meanwhile", service=owner.key, adapter=meta["name"]))
+            return adapter  # its new scale wins at the next reconcile (the watch brings one)
+
+    async def report(
+        self,
+        owner: ch.Owner,
+        spec: s.PDInferenceServiceSpec,
+        adapters: Mapping[str, Live],
+        live: Mapping[tuple[str, str], Live],
+    ) -> None:
+        """Write each adapter's status: current count, selector, the generation taken."""
+        for role, adapter in adapters.items():
+            current = current_replicas(spec, role, live, owner.name)
+            want = status_of(adapter, current, ch.selector_string(owner.name, role))
+            if {k: (adapter.get("status") or {}).get(k) for k in want} == want:
+                continue
+            name = adapter["metadata"]["name"]
+            await asyncio.to_thread(self.kube.merge_patch, ADAPTER, owner.namespace, name, {"status": want}, "status")
+
+
+def role_replicas_of(body: Live, role: str) -> int:
+    """spec.<role>.replicas of a service as the API returned it (defaulted: 1 when absent)."""
+    return int(((body.get("spec") or {}).get(role) or {}).get("replicas", 1))
