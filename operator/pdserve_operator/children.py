@@ -647,6 +647,52 @@ def disruption_budget(owner: Owner, role: str) -> dict[str, Any]:
     }
 
 
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+
+def epp_service_name(name: str) -> str:
+    return f"{name}-epp"
+
+
+def epp_service(owner: Owner, port: int) -> dict[str, Any]:
+    """The routers' endpoint-picker port as a ClusterIP Service: what the pool's endpointPickerRef names."""
+    ext_proc = {"name": "grpc-ext-proc", "port": port, "targetPort": port, "protocol": "TCP", "appProtocol": "http2"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, epp_service_name(owner.name), "router"),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(owner.name, "router"), "ports": [ext_proc]},
+    }
+
+
+def inference_pool(owner: Owner, spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
+    """The InferencePool of the service's routers, their pickers as its endpoint picker.
+
+    Routers, not decode pods: a decode serves no HTTP, and the pairing state (broker loads,
+    prefix history, admission) lives in the routers (docs/gateway.md says why)."""
+    assert spec.router.endpoint_picker_port is not None  # RouterSpec's rule
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _meta(owner, owner.name, "router"),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name, "router")},
+            "targetPorts": [{"number": E.HTTP_PORT}],
+            "endpointPickerRef": {
+                "name": epp_service_name(owner.name),
+                "port": {"number": spec.router.endpoint_picker_port},
+                "failureMode": spec.router.inference_pool.failure_mode,
+            },
+        },
+    }
+
+
+def gateway_children(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
+    if not spec.router.inference_pool.enabled or spec.router.endpoint_picker_port is None:
+        return []
+    return [epp_service(owner, spec.router.endpoint_picker_port), inference_pool(owner, spec)]
+
+
 def adapter_name(name: str, role: str) -> str:
     return f"{name}-{role}"
 
@@ -721,6 +767,7 @@ def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: D
         deployment(owner, "prefill", spec, defaults),
         decode_statefulset(owner, spec, defaults),
         deployment(owner, "router", spec, defaults),
+        *gateway_children(owner, spec),  # after the routers they select
         *(disruption_budget(owner, role) for role in ROLES),
         *(horizontal_pod_autoscaler(owner, role, spec) for role in hpa_roles(spec)),
     ]

@@ -61,6 +61,7 @@ KINDS: dict[str, Kind] = {
         Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
         Kind(s.API_VERSION, s.KIND, s.PLURAL),
         Kind(s.API_VERSION, ADAPTER_KIND, ADAPTER_PLURAL),
+        Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
     )
 }
 PDIS = KINDS[s.KIND]

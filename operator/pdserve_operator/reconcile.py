@@ -66,6 +66,7 @@ class Outcome:
     created: list[str] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)  # optional children the cluster cannot take
     status_written: bool = False
     phase: str = ""
 
@@ -170,6 +171,7 @@ class Reconciler:
             svc.owner, spec, svc.generation, live, lambda type_, reason, msg: self._event(svc, type_, reason, msg)
         )
         observed = await self._observe(svc, spec, live, outcome.conflicts, scaling)
+        observed = replace(observed, unavailable=tuple(outcome.unavailable))
         observed = replace(
             observed,
             last_drain=self.autoscaler.last_drain(svc.owner.key)
@@ -246,7 +248,13 @@ class Reconciler:
             if key == decode and not held and spec is not None:
                 read = (await asyncio.to_thread(self.kube.get, KINDS["StatefulSet"], svc.owner.namespace, key[1]),)
                 held = not await self._decode_may_lower(svc, spec, read[0])
-            live[key] = await self._apply_child(svc, want, read, outcome, held)
+            try:
+                live[key] = await self._apply_child(svc, want, read, outcome, held)
+            except KubeError as exc:
+                if want["kind"] not in OPTIONAL_KINDS or exc.status not in (403, 404):
+                    raise
+                outcome.unavailable.append(_unavailable(want, exc))
+                log.warning(kv(event="child_unavailable", service=svc.owner.key, child=key[1], status=exc.status))
         if outcome.created:
             log.info(kv(event="children_created", service=svc.owner.key, children=",".join(outcome.created)))
         return live
@@ -373,6 +381,20 @@ def parse(svc: _Service) -> s.PDInferenceServiceSpec:
         raise InvalidSpec(s.describe(exc)) from exc
     except ValueError as exc:
         raise InvalidSpec(str(exc)) from exc
+
+
+# Children of APIs a cluster may lack (a CRD of another project): without it the service still
+# serves, so the reconcile goes on and the status says Degraded and what to install or grant.
+OPTIONAL_KINDS = {
+    "InferencePool": "the Gateway API Inference Extension's CRDs (InferencePool, inference.networking.k8s.io/v1)"
+}
+
+
+def _unavailable(want: Live, exc: KubeError) -> str:
+    label = f"{want['kind']}/{want['metadata']['name']}"
+    if exc.status == 404:
+        return f"{label}: the cluster has no {want['apiVersion']} {want['kind']} API: install {OPTIONAL_KINDS[want['kind']]}"
+    return f"{label}: the operator may not write it ({exc.message}): grant it (chart value inferencePool.enabled=true)"
 
 
 def _pod_readiness(pod: Live) -> tuple[int, bool]:

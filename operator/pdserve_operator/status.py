@@ -33,6 +33,7 @@ class Observed:
     slots_used: int | None = None
     kv_tokens_used: int | None = None  # from the broker: the decodes' reported KV tokens in use
     conflicts: tuple[str, ...] = field(default=())  # children another controller owns
+    unavailable: tuple[str, ...] = field(default=())  # children the cluster cannot take (no such API, forbidden)
     autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale.py)
     last_drain: s.DrainStatus | None = None  # the last decode scale-down's drain (autoscale.py)
 
@@ -156,8 +157,10 @@ def compute(
     ]
     spec_changed = prev is None or prev.observed_generation != generation
     any_ready = any(st["ready"] > 0 for st in role_status.values())
-    phase = _phase(bool(short or missing), failures, observed.conflicts, prev, spec_changed, any_ready)
+    blocked = observed.conflicts + observed.unavailable
+    phase = _phase(bool(short or missing), failures, blocked, prev, spec_changed, any_ready)
     problems = failures + [f"{c} is owned by another controller" for c in observed.conflicts]
+    problems += list(observed.unavailable)
     problems += [f"{role} workload missing" for role in missing] + short
     detail = "; ".join(problems)
     progressing = phase in ("Pending", "Progressing") or bool(rolling) or bool(missing)

@@ -398,3 +398,63 @@ def test_the_planner_takes_a_scaled_adapter_as_its_floor_and_refusals_are_events
     refused = [e["message"] for e in events if e.get("reason") == "ScaleRefused"]
     assert refused and "replicas 6 refused" in refused[0], refused
     assert cluster.get("PDInferenceService", namespace, "smollm2")["spec"]["prefill"]["replicas"] == 3
+
+
+# Test-only stand-in for the Gateway API Inference Extension's InferencePool CRD: it makes the
+# API exist, and checks nothing of the object (the upstream CRD file could not be fetched here,
+# so no claim of upstream validity is made by this test; docs/gateway.md says so).
+STAND_IN_POOL_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "inferencepools.inference.networking.k8s.io"},
+    "spec": {
+        "group": "inference.networking.k8s.io",
+        "scope": "Namespaced",
+        "names": {"kind": "InferencePool", "plural": "inferencepools", "singular": "inferencepool"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {"spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def test_an_inference_pool_waits_for_its_api_then_selects_the_routers(
+    cluster: Cluster, operator: OperatorHandle, namespace: str, tmp_path: Path
+) -> None:
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["spec"]["router"]["endpointPickerPort"] = 9002
+    doc["spec"]["router"]["inferencePool"] = {"enabled": True}
+    pools = f"/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools"
+    if cluster.kubectl("get", "crd", "inferencepools.inference.networking.k8s.io", check=False).returncode != 0:
+        apply(cluster, namespace, doc, tmp_path)
+        wait_for(
+            lambda: "no inference.networking.k8s.io/v1 InferencePool API" in str(status(cluster, namespace, "smollm2")),
+            what="Degraded, naming the missing API",
+        )
+        assert cluster.get("Service", namespace, "smollm2-epp") is not None  # everything else was applied
+        assert status(cluster, namespace, "smollm2")["phase"] == "Degraded"
+        cluster.kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", STAND_IN_POOL_CRD)
+    else:
+        apply(cluster, namespace, doc, tmp_path)
+    pool = wait_for(lambda: cluster.kube.get(KINDS["InferencePool"], namespace, "smollm2"), what="the pool")
+    assert pool["spec"]["selector"]["matchLabels"] == ch.selector_labels("smollm2", "router")
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "smollm2-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailOpen",
+    }
+    listed = cluster.kube.request("GET", pools)["items"]
+    assert [p["metadata"]["name"] for p in listed] == ["smollm2"]
+    operator.broker.counts[f"{namespace}/smollm2"] = {"prefill": 1, "decode": 1, "router": 1}
+    make_ready(cluster, namespace, "smollm2", 1, 1, 1)
+    wait_for(lambda: status(cluster, namespace, "smollm2").get("phase") == "Ready", what="Ready once the pool exists")

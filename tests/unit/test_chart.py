@@ -46,6 +46,8 @@ FULL = [
     "dashboards.enabled=true",
     "--set",
     "prometheusRule.enabled=true",
+    "--set",
+    "inferencePool.enabled=true",
 ]
 CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 KUBERNETES_VERSION = "1.30.0"  # oldest minor the chart targets that the validator knows well
@@ -280,3 +282,20 @@ def test_broker_tls_mounts_the_secret_and_configures_the_operator() -> None:
     # Off by default: no TLS variables, no volume.
     plain = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
     assert "broker-tls" not in {v["name"] for v in plain["volumes"]}
+
+
+def test_inference_pool_grant_only_when_asked() -> None:
+    """The operator writes InferencePools (spec.router.inferencePool) only where the chart grants it."""
+
+    def pool_rules(*args: str) -> list[dict[str, Any]]:
+        [role] = by_kind(render(*args), "ClusterRole")
+        return [r for r in role["rules"] if "inferencepools" in r["resources"]]
+
+    assert pool_rules() == []
+    assert pool_rules("--set", "inferencePool.enabled=true") == [
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "create", "patch"],
+        }
+    ]

@@ -89,6 +89,11 @@ records them against the API emulator and checks both directions). */}}
   resources: [networkpolicies]
   verbs: [get, create, patch]
 {{- end }}
+{{- if .Values.inferencePool.enabled }}
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch]
+{{- end }}
 {{- if and .Values.peering.enabled .Values.watchNamespaces }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]

@@ -69,6 +69,21 @@ class RouterAdmissionSpec(Model):
 POD_PORTS = frozenset({E.HTTP_PORT, E.GRPC_PORT, E.TRANSFER_PORT, E.ADMIN_PORT})
 
 
+class InferencePoolSpec(Model):
+    """An InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1) of the routers."""
+
+    enabled: bool = Field(
+        False,
+        description="Render an InferencePool named like the service, selecting its routers, and a Service NAME-epp "
+        "for their endpoint pickers (needs endpointPickerPort and the InferencePool CRD; docs/gateway.md).",
+    )
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        "FailOpen",
+        description="What the gateway does when the picker does not answer: FailOpen sends the request to any "
+        "router of the pool (each serves it fully; only prefix affinity is lost), FailClose answers 5xx.",
+    )
+
+
 class RouterSpec(PodOverrides):
     """Routers: the OpenAI-compatible HTTP front."""
 
@@ -87,6 +102,9 @@ class RouterSpec(PodOverrides):
         "every router, for an InferencePool of the routers (docs/gateway.md); the service's NetworkPolicy opens it "
         "like the API port. Not one of the pods' own ports. Unset: none.",
     )
+    inference_pool: InferencePoolSpec = Field(
+        default_factory=InferencePoolSpec, description="Render the InferencePool of the routers (docs/gateway.md)."
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -95,5 +113,11 @@ class RouterSpec(PodOverrides):
             "transfer ports must stay closed to other namespaces)",
             holds=lambda r: r.endpoint_picker_port not in POD_PORTS,
             field="endpointPickerPort",
+        ),
+        Rule(
+            cel="!self.inferencePool.enabled || has(self.endpointPickerPort)",
+            message="inferencePool.enabled needs endpointPickerPort: the pool's picker is the routers' ext_proc port",
+            holds=lambda r: not r.inference_pool.enabled or r.endpoint_picker_port is not None,
+            field="inferencePool",
         ),
     )
