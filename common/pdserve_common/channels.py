@@ -179,7 +179,12 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = 
 
 
 async def listen(
-    server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None = None, limits: GrpcLimits | None = None
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    tls: TLSConfig | None = None,
+    limits: GrpcLimits | None = None,
+    per_peer: int | None = None,
 ) -> tuple[int, PeerCappedFront]:
     """Listen on host:port (0 = any free port) behind a per-address connection cap
     (grpc_front.py): the gRPC server itself listens on a private abstract unix socket. Returns
@@ -201,7 +206,7 @@ async def listen(
     # inner): the total stays within a third of the process's limit, the rest for everything else.
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     total = limits.max_connections if soft == resource.RLIM_INFINITY else max(1, min(limits.max_connections, soft // 6))
-    front = PeerCappedFront(inner, min(total, per_peer_from_env(total)), total)
+    front = PeerCappedFront(inner, min(total, per_peer or per_peer_from_env(total)), total)
     try:
         return await front.start(host, port), front
     except OSError as exc:

@@ -20,18 +20,26 @@ not a JSON object, 404 for another model, 413 for a body over the bound, 503 whe
 ready. A stream that breaks is the gRPC error; what the gateway then does is its `failureMode`
 (docs/gateway.md).
 
-Who can reach this port: the gateway (ext_proc carries no credential of ours). The worst a
-caller can do is learn router addresses it could resolve from the Service anyway, and hold a
-stream: each holds at most MAX_BODY_BYTES, and the server's stream count is bounded.
+Who can reach this port: the gateway — and whatever else the NetworkPolicy lets through, as
+ext_proc carries no credential of ours. The worst a caller can do is learn router addresses it
+could resolve from the Service anyway, and hold resources; `PickerLimits` bounds each of them
+per caller, not only in total: connections per source address (the gRPC front, as on every
+worker port), streams per connection (so per address: a quarter of the server's), the time a
+stream may take to reach its pick (a stream that sends headers and then nothing is cut), and
+the request bodies buffered across all streams (else 1,024 streams × 8 MiB would be 8 GiB).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -48,6 +56,18 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
 MAX_BODY_BYTES = 8 << 20  # the router's own body limit (PDSERVE_MAX_BODY_BYTES' default)
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+@dataclass(frozen=True)
+class PickerLimits:
+    """What the picker's port lets any one caller hold (module docstring)."""
+
+    max_streams: int = 1024  # concurrent streams, the whole server (one per request the gateway has in flight)
+    streams_per_connection: int = 32  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a gateway opens more connections
+    connections_per_peer: int = 8  # so one address holds at most 256 streams: a quarter
+    max_connections: int = 256
+    pick_deadline_s: float = 30.0  # from a stream's first message to its pick (headers and whole body)
+    body_budget_bytes: int = 256 << 20  # request bodies buffered across all streams
 
 
 def _error(status: int, message: str, code: str) -> ep.ProcessingResponse:
@@ -96,39 +116,95 @@ _CONTINUE = {
 }
 
 
+@dataclass
+class _Stream:
+    """One Process stream's state."""
+
+    deadline_s: float
+    duplex: bool = False
+    picked: bool = False
+    over: bool = False  # answered with a refusal: the stream ends
+    body: bytearray = dataclass_field(default_factory=bytearray)
+
+
+async def _until_picked(
+    requests: AsyncIterator[ep.ProcessingRequest], stream: _Stream, context: Any
+) -> AsyncIterator[ep.ProcessingRequest]:
+    """The stream's messages; until its pick each must come within the stream's deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + stream.deadline_s
+    iterator = aiter(requests)
+    while True:
+        try:
+            if stream.picked:
+                request = await anext(iterator)
+            else:
+                request = await asyncio.wait_for(anext(iterator), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            log.info(kv(event="epp_pick_deadline", peer=context.peer(), seconds=stream.deadline_s))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no request within {stream.deadline_s:g} s")
+            return
+        yield request
+
+
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """Envoy's ExternalProcessor service for one pdserve service's routers."""
 
-    def __init__(self, model_name: str, candidates: Callable[[], Sequence[Candidate]]) -> None:
+    def __init__(
+        self, model_name: str, candidates: Callable[[], Sequence[Candidate]], limits: PickerLimits | None = None
+    ) -> None:
         self.model_name = model_name
         self.candidates = candidates
+        self.limits = limits or PickerLimits()
         self.picks = 0
+        self.buffered = 0  # request-body bytes held by all streams now
 
     async def Process(  # noqa: N802  (the protocol's name)
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        body = bytearray()
-        duplex = False
-        async for request in request_iterator:
-            if request.HasField("protocol_config"):
-                duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
-            phase = request.WhichOneof("request")
-            if phase == "request_headers":
-                if request.request_headers.end_of_stream:  # no body: nothing to read the model from
-                    yield self._decide({}, phase)
-                elif not duplex:
-                    yield _CONTINUE[phase]
-            elif phase == "request_body":
-                body += request.request_body.body
-                if len(body) > MAX_BODY_BYTES:
-                    yield _error(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
+        stream = _Stream(self.limits.pick_deadline_s)
+        try:
+            async for request in _until_picked(request_iterator, stream, context):
+                for answer in self._handle(request, stream):
+                    yield answer
+                if stream.over:
                     return
-                if request.request_body.end_of_stream:
-                    for answer in self._answer_body(bytes(body), duplex):
-                        yield answer
-                    body.clear()
-            elif phase in _CONTINUE:
-                yield _CONTINUE[phase]
+        finally:
+            self.buffered -= len(stream.body)
+
+    def _handle(self, request: ep.ProcessingRequest, stream: _Stream) -> list[ep.ProcessingResponse]:
+        """The answers to one message of a stream."""
+        if request.HasField("protocol_config"):
+            stream.duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
+        phase = request.WhichOneof("request")
+        if phase == "request_headers":
+            if request.request_headers.end_of_stream:  # no body: nothing to read the model from
+                stream.picked = True
+                return [self._decide({}, phase)]
+            return [] if stream.duplex else [_CONTINUE[phase]]
+        if phase == "request_body":
+            return self._body(request.request_body, stream)
+        return [_CONTINUE[phase]] if phase in _CONTINUE else []
+
+    def _body(self, part: ep.HttpBody, stream: _Stream) -> list[ep.ProcessingResponse]:
+        if len(stream.body) + len(part.body) > MAX_BODY_BYTES:
+            stream.over = True
+            return [_error(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")]
+        if self.buffered + len(part.body) > self.limits.body_budget_bytes:
+            stream.over = True
+            log.warning(kv(event="epp_body_budget_full", buffered=self.buffered))
+            return [_error(503, "the endpoint picker holds too many request bodies; retry", "picker_busy")]
+        stream.body += part.body
+        self.buffered += len(part.body)
+        if not part.end_of_stream:
+            return []
+        answers = self._answer_body(bytes(stream.body), stream.duplex)
+        self.buffered -= len(stream.body)
+        stream.body.clear()
+        stream.picked = True
+        return answers
 
     def _answer_body(self, raw: bytes, duplex: bool) -> list[ep.ProcessingResponse]:
         """The answers to a whole body: in full duplex the routed headers, then the body back."""
@@ -166,3 +242,31 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 def add_to(server: Any, picker: EndpointPicker) -> None:
     ep_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+
+
+@dataclass
+class PickerServer:
+    """A serving picker: the gRPC server and the per-address front before it."""
+
+    server: Any
+    front: Any
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+        await self.front.close()
+
+
+async def serve(picker: EndpointPicker, host: str, port: int) -> PickerServer:
+    """The picker on host:port (0: a free one) behind the per-address connection cap of every
+    worker port (pdserve_common/grpc_front.py), with `picker.limits`. OSError if it cannot listen."""
+    from pdserve_common.channels import GrpcLimits, listen
+
+    lim = picker.limits
+    conn = GrpcLimits(max_connections=lim.max_connections)
+    options = [("grpc.max_concurrent_streams", lim.streams_per_connection), *conn.options()]
+    server = grpc.aio.server(maximum_concurrent_rpcs=lim.max_streams, options=options)
+    add_to(server, picker)
+    bound, front = await listen(server, host, port, None, conn, per_peer=lim.connections_per_peer)
+    await server.start()
+    return PickerServer(server, front, bound)

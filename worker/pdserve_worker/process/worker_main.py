@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.worker")
 
 REGISTER_TIMEOUT_S = 120.0
-EPP_MAX_STREAMS = 1024  # concurrent ext_proc streams (one per request the gateway has in flight)
 
 
 def _stop_event() -> asyncio.Event:
@@ -502,8 +501,6 @@ async def _run_router(settings: WorkerSettings) -> None:
 async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, revision: str) -> Any:
     """The router's endpoint picker (gateway/ext_proc.py) on `epp_port`: it picks among the
     service's routers that the broker lists (its own included), by their reported load."""
-    import grpc
-
     from pdserve_common.membership import Role
     from pdserve_worker.gateway import ext_proc
     from pdserve_worker.gateway.endpoint_picker import Candidate
@@ -517,14 +514,15 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
             if m.info.labels.get("http_endpoint") and m.info.revision == revision
         ]
 
-    server = grpc.aio.server(maximum_concurrent_rpcs=EPP_MAX_STREAMS)
-    ext_proc.add_to(server, ext_proc.EndpointPicker(model_name, candidates))
     address = f"{settings.bind_host}:{settings.epp_port}"
-    if not server.add_insecure_port(address):
-        raise StartupError(f"the endpoint picker cannot listen on {address}")
-    await server.start()
+    try:
+        running = await ext_proc.serve(
+            ext_proc.EndpointPicker(model_name, candidates), settings.bind_host, settings.epp_port
+        )
+    except OSError as exc:
+        raise StartupError(f"the endpoint picker cannot listen on {address}: {exc}") from exc
     log.info(kv(event="epp_listening", address=address, model=model_name))
-    return server
+    return running
 
 
 async def _run_colocated(settings: WorkerSettings) -> None:
