@@ -28,10 +28,10 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve_common.kv_layout import K, KVLayout, V, push_descriptors, shared_heads
+from pdserve_common.kv_layout import BlockLayout, K, KVLayout, V, push_descriptors, shared_heads
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError
@@ -205,8 +205,30 @@ class KVPusher:
         return {run: [(self._src_addrs[run], addr, self._run_len)] for run, addr in dst_addrs.items()}
 
     def _slot_slice_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
-        src, view = self.source, target.layout.slot_blocks
+        """A head slice into slots: each slot is one block of max_len tokens."""
+        return self._pieces(target, target.layout.slot_blocks, (target.slot,), 0)
+
+    def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+        """A paged target's descriptors: the prompt's tokens into its own blocks (the shared
+        ones already hold them), coalesced over runs of consecutive blocks."""
+        blocks = target.layout.blocks
+        bt = blocks.block_tokens
+        if self.num_tokens > len(target.blocks) * bt:
+            raise ValueError(
+                f"target {target.describe()}: {self.num_tokens} tokens do not fit its "
+                f"{len(target.blocks)} blocks of {bt}"
+            )
+        return self._pieces(target, blocks, target.blocks, min(target.shared * bt, self.num_tokens))
+
+    def _pieces(
+        self, target: Grant, view: BlockLayout, blocks: Sequence[int], start: int
+    ) -> dict[tuple[int, int], list[Piece]]:
+        """Every (layer, K|V) of `view`'s layers: the descriptors of tokens start..num_tokens
+        into `blocks` of `view`, for the heads source and target share (a tensor-parallel
+        rank's share, or all)."""
+        src = self.source
         heads = shared_heads(src.pushed_heads, view.head_range)
+        sb, tb = src.base_addr, target.base_addr
         pieces: dict[tuple[int, int], list[Piece]] = {}
         for layer in view.layer_range:
             for kv_index in (K, V):
@@ -214,43 +236,13 @@ class KVPusher:
                     src.layout,
                     src.slot,
                     view,
-                    (target.slot,),
-                    range(layer, layer + 1),
-                    self.num_tokens,
-                    kv_indices=(kv_index,),
-                    heads=heads,
-                )
-                sb, tb = src.base_addr, target.base_addr
-                pieces[(layer, kv_index)] = [(sb + a, tb + b, n) for a, b, n in descs]
-        return pieces
-
-    def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
-        """A paged target's descriptors: the prompt's tokens into its own blocks (the shared
-        ones already hold them), coalesced over runs of consecutive blocks."""
-        src, blocks = self.source, target.layout.blocks
-        bt = blocks.block_tokens
-        if self.num_tokens > len(target.blocks) * bt:
-            raise ValueError(
-                f"target {target.describe()}: {self.num_tokens} tokens do not fit its "
-                f"{len(target.blocks)} blocks of {bt}"
-            )
-        start = min(target.shared * bt, self.num_tokens)
-        heads = shared_heads(src.pushed_heads, blocks.head_range)  # (a tensor-parallel rank's share)
-        pieces: dict[tuple[int, int], list[Piece]] = {}
-        for layer in blocks.layer_range:
-            for kv_index in (K, V):
-                descs = push_descriptors(
-                    src.layout,
-                    src.slot,
                     blocks,
-                    target.blocks,
                     range(layer, layer + 1),
                     self.num_tokens,
                     start,
                     kv_indices=(kv_index,),
                     heads=heads,
                 )
-                sb, tb = src.base_addr, target.base_addr
                 pieces[(layer, kv_index)] = [(sb + a, tb + b, n) for a, b, n in descs]
         return pieces
 
