@@ -22,6 +22,7 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
+from pdserve_common import inherited_sockets
 from pdserve_common.logs import kv
 
 log = logging.getLogger("pdserve.grpc_front")
@@ -58,16 +59,18 @@ class PeerCappedFront:
 
     async def start(self, host: str, port: int) -> int:
         """Listen; the bound port (0 picks a free one). OSError if the address is taken."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # Made with IPPROTO_TCP: asyncio then sets TCP_NODELAY on accepted sockets (a token
-        # event must not wait for Nagle).
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
+        sock = inherited_sockets.take(port)  # `pdserve local` bound it for us
+        if sock is None:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            # Made with IPPROTO_TCP: asyncio then sets TCP_NODELAY on accepted sockets (a token
+            # event must not wait for Nagle).
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                raise
         self._server = await asyncio.start_server(self._accepted, sock=sock, backlog=4096, limit=_CHUNK)
         return int(sock.getsockname()[1])
 

@@ -39,6 +39,7 @@ from typing import TextIO
 
 import httpx
 
+from pdserve_common import inherited_sockets
 from pdserve_common import pod_env as E
 from pdserve_common.credentials import pod_env
 from pdserve_worker.model.loading.default_model import model_argument
@@ -172,6 +173,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
+    fds: tuple[int, ...] = ()  # the listening sockets it serves (kept by the parent: a restart gets them again)
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -184,6 +186,7 @@ class Child:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=self.fds,
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         finally:
@@ -227,8 +230,11 @@ class LocalDeployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self.broker_address = ""
-        self.port = plan.port or free_port()  # 0: any free port
-        self.url = f"{'https' if plan.tls else 'http'}://{HOST}:{self.port}"
+        # Every port a child serves is bound here first and handed down (pdserve_common/
+        # inherited_sockets.py): held for the deployment's life, so no other process takes it.
+        self._held: dict[int, socket.socket] = {}
+        self.port = plan.port  # the router's: bound in start() (0: any free port)
+        self.url = ""
         self.certs: CertFiles | None = None
         self.dtype = auto_dtype() if plan.dtype == "auto" else plan.dtype
         self.model_folder: Path | None = None
@@ -245,8 +251,8 @@ class LocalDeployment:
     def start(self, timeout_s: float = 300.0, stop_requested: Callable[[], bool] = lambda: False) -> str:
         """Start every child and wait until the router serves; returns the router's URL."""
         started = time.monotonic()
-        if _accepts(HOST, self.port):  # else /health below might be answered by someone else's router
-            raise LocalStartError(f"port {self.port} on {HOST} is already in use: choose another with --port")
+        self.port = self._hold_given(self.plan.port, "--port")
+        self.url = f"{'https' if self.plan.tls else 'http'}://{HOST}:{self.port}"
         self.model_folder = self._prepare_model()
         self.max_len = self._resolve_max_len(self.model_folder)
         if self.plan.tls:
@@ -259,15 +265,15 @@ class LocalDeployment:
             for i in range(self.plan.decode):
                 self._spawn_decode_group(i)
             for i in range(self.plan.prefill):
-                env = self._worker_env("prefill", f"prefill-{i}", free_port())
+                env = self._worker_env("prefill", f"prefill-{i}", self._hold())
                 env[E.TENSOR_PARALLEL] = str(self.plan.prefill_tp)  # (rank 0 starts the other ranks)
                 self._spawn(f"prefill-{i}", "prefill", env)
             env = self._worker_env("router", "router-0", self.port)
             if self.plan.epp_port:
-                env[E.EPP_PORT_ENV] = str(self.plan.epp_port)
+                env[E.EPP_PORT_ENV] = str(self._hold_given(self.plan.epp_port, "--epp-port"))
             self._spawn("router-0", "router", env)
             for i in range(1, self.plan.routers):  # more routers of the same service (one broker)
-                self._spawn(f"router-{i}", "router", self._worker_env("router", f"router-{i}", free_port()))
+                self._spawn(f"router-{i}", "router", self._worker_env("router", f"router-{i}", self._hold()))
         self._write_manifest()
         self.say(f"started {len(self.children)} processes (logs in {self.log_dir}); waiting until they serve")
         self._wait_ready(started + timeout_s, stop_requested)
@@ -327,8 +333,31 @@ class LocalDeployment:
             "--prefix-cache-tokens sets it, 0 turns it off)"
         )
 
+    def _hold(self, port: int = 0) -> int:
+        """Bind `port` on HOST (0: a free one) for a child to serve; kept until stop()."""
+        if port:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                sock.close()
+                raise
+            sock.set_inheritable(True)
+        else:
+            sock = inherited_sockets.bind_for_child(HOST)
+        bound = int(sock.getsockname()[1])
+        self._held[bound] = sock
+        return bound
+
+    def _hold_given(self, port: int, flag: str) -> int:
+        try:
+            return self._hold(port)
+        except OSError as exc:
+            raise LocalStartError(f"port {port} on {HOST} is already in use: choose another with {flag}") from exc
+
     def _start_broker(self) -> None:
-        port = free_port()
+        port = self._hold()
         self.broker_address = f"{HOST}:{port}"
         env = source_env()
         env["PDSERVE_BROKER_TOKENS"] = json.dumps({SERVICE: self.token})
@@ -355,9 +384,10 @@ class LocalDeployment:
                 E.POD_IP: HOST,
                 S.BIND_HOST: HOST,
                 E.HTTP_PORT_ENV: str(http_port),
-                E.GRPC_PORT_ENV: str(free_port()),
-                E.ADMIN_PORT_ENV: str(free_port()),
-                S.TRANSFER_PORT_ENV: str(free_port()),
+                E.GRPC_PORT_ENV: str(self._hold()),
+                E.ADMIN_PORT_ENV: str(self._hold()),
+                # The host engine serves its port from the socket handed down; two-sided (gloo) binds its own.
+                S.TRANSFER_PORT_ENV: str(self._hold() if plan.transfer == "cpu" else free_port()),
                 E.MODEL_SOURCE: self.model_source,
                 E.MODEL_DTYPE: self.dtype,
                 S.WEIGHTS: self.plan.weights,
@@ -399,11 +429,11 @@ class LocalDeployment:
         gRPC endpoints (what a pod derives from the StatefulSet's DNS names)."""
         shards = self.plan.layer_shards
         if shards == 1:
-            env = self._worker_env("decode", f"decode-{index}", free_port())
+            env = self._worker_env("decode", f"decode-{index}", self._hold())
             env[E.TENSOR_PARALLEL] = str(self.plan.decode_tp)  # (rank 0 starts the other ranks)
             self._spawn(f"decode-{index}", "decode", env)
             return
-        envs = [self._worker_env("decode", f"decode-{index}-{m}", free_port()) for m in range(shards)]
+        envs = [self._worker_env("decode", f"decode-{index}-{m}", self._hold()) for m in range(shards)]
         peers = ",".join(f"{HOST}:{env[E.GRPC_PORT_ENV]}" for env in envs)
         for member, env in enumerate(envs):
             env.update({E.LAYER_SHARDS: str(shards), S.SHARD_INDEX: str(member), S.GROUP_PEERS: peers})
@@ -412,7 +442,11 @@ class LocalDeployment:
 
     def _spawn(self, name: str, role: str, env: dict[str, str], args: list[str] | None = None) -> Child:
         argv = [self.python, "-m", "pdserve_worker.cli.main", *(args or ["worker"])]
-        child = Child(name, role, argv, env, self.log_dir / f"{name}.log")
+        # The sockets of the ports this child serves: those its env or arguments name.
+        named = {v for k, v in env.items() if k.endswith("_PORT")} | set(args or [])
+        sockets = [s for port, s in self._held.items() if str(port) in named]
+        env = {**env, inherited_sockets.LISTEN_FDS_ENV: inherited_sockets.env_value(sockets)}
+        child = Child(name, role, argv, env, self.log_dir / f"{name}.log", fds=tuple(s.fileno() for s in sockets))
         child.start()
         self.children.append(child)
         return child
@@ -501,7 +535,8 @@ class LocalDeployment:
         return dead
 
     def restart_dead(self) -> list[Child]:
-        """Start again every child that exited, with its own ports and environment, as a pod's
+        """Start again every child that exited, with its own ports (the same listening sockets:
+        connections that arrived meanwhile wait in their backlog) and environment, as a pod's
         restart policy would; `deployment.json` then has the new PIDs. Returns the restarted."""
         dead = [c for c in self.children if c.exited() is not None]
         for child in dead:
@@ -520,6 +555,9 @@ class LocalDeployment:
                     child.proc.send_signal(signal.SIGTERM)
             for child in group:
                 child.stop(timeout_s)
+        for sock in self._held.values():  # the ports go back only now: every child is gone
+            sock.close()
+        self._held.clear()
         if self.children:
             self.say("stopped")
 

@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from pdserve_common import inherited_sockets
 from pdserve_common.auth import TLSConfig, TokenTable, authorize
 from pdserve_worker.api.http_guard import HttpLimits
 from pdserve_worker.api.server import build_router_server
@@ -116,6 +117,9 @@ def listen(host: str, port: int) -> socket.socket:
     accepts only when the listening socket's `proto` says TCP (a socket made with proto 0 keeps
     Nagle on, and with the client's delayed ACK every small response on a kept-alive connection
     waited ~40 ms)."""
+    handed = inherited_sockets.take(port)  # `pdserve local` bound it for us
+    if handed is not None:
+        return handed
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,4 +1,6 @@
-"""Free loopback ports for processes we start and that bind them later (`pdserve local`, tests).
+"""Free loopback ports for processes we start and that bind them later (tests, a TP instance's
+ranks, the two-sided transport; `pdserve local` hands its children bound sockets instead:
+pdserve_common/inherited_sockets.py).
 
 A port found with bind(0) and then closed is only free until someone else takes it, and
 bind(0) draws from the kernel's ephemeral range — the same range every outbound connection

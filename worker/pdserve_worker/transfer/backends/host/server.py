@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve_common import inherited_sockets
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth, wire
@@ -101,10 +102,7 @@ class HostServer:
         self._local_info = local_info  # what only a client on this host is told (notify inbox)
         self._leases = leases if leases is not None else LeaseTable()  # (an empty table is falsy)
         self.drops = DropCounter(log, "kv_link_refusals", server=engine_id)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((host, port))
+        self._listener = inherited_sockets.take(port) or _bound(host, port)  # (handed down by `pdserve local`)
         self._listener.listen(128)
         self._conns: set[socket.socket] = set()
         # Connections still in the handshake, oldest first, with their source address.
@@ -347,3 +345,15 @@ def _region_for_peer(region: Region, same_host: bool) -> dict[str, object]:
     if not same_host:
         data.update(shm_name="", shm_offset=0, shm_size=0)
     return data
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
