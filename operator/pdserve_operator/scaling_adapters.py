@@ -13,7 +13,9 @@ Two objects hold one number, so each reconcile decides which one moved (`decide`
   Event `ScaleRefused` naming the adapter and the value, and the adapter goes back to the
   service's value — so an HPA that asks for too much sees the count it has, not a lie.
 
-Status (what an HPA reads through /scale): `replicas` is the role's current count (prefill
+A role whose autoscaling driver is `external` belongs to another controller: a scaled adapter
+still writes the spec (the count at creation), and a Warning Event `AdapterIgnored` says that
+nothing running changed. Status (what an HPA reads through /scale): `replicas` is the role's current count (prefill
 pods, decode groups), `selector` its pods. An adapter never synced (no status yet) loses to
 the service. Adapters another controller owns are left alone. Where the CRD is missing
 (`helm upgrade` never updates a chart's crds/), the operator logs it once per service and
@@ -42,6 +44,7 @@ Live = dict[str, Any]
 EventFn = Callable[[ev.EventType, str, str], Awaitable[None]]
 ADAPTER = KINDS[ADAPTER_KIND]
 SCALE_REFUSED = "ScaleRefused"
+ADAPTER_IGNORED = "AdapterIgnored"
 
 
 class _NoCRD(Exception):
@@ -113,6 +116,7 @@ class ScalingAdapters:
                 continue
             decision = decide(adapter, role_replicas(spec, role))
             if decision.to_service is not None:
+                await _warn_if_external(spec, role, adapter, post)
                 body, adapter = await self._to_service(body, owner, role, adapter, decision.to_service, post)
             elif decision.to_adapter is not None:
                 adapter = await self._to_adapter(owner, adapter, decision.to_adapter)
@@ -183,6 +187,21 @@ class ScalingAdapters:
                 continue
             name = adapter["metadata"]["name"]
             await asyncio.to_thread(self.kube.merge_patch, ADAPTER, owner.namespace, name, {"status": want}, "status")
+
+
+async def _warn_if_external(spec: s.PDInferenceServiceSpec, role: str, adapter: Live, post: EventFn) -> None:
+    """With driver external another controller owns the workload's replicas: the value an
+    adapter gives the spec is then only the count at creation. Said, not silently dropped."""
+    a = spec.autoscaling
+    if a is None or not getattr(a, role).enabled or getattr(a, role).driver != "external":
+        return
+    await post(
+        ev.WARNING,
+        ADAPTER_IGNORED,
+        f"{ADAPTER_KIND}/{adapter['metadata']['name']}: {role}'s replicas belong to an external autoscaler "
+        f"(autoscaling.{role}.driver external), so this scale changes nothing running: scale the workload "
+        f"itself, or turn autoscaling.{role} off to drive the role through this adapter",
+    )
 
 
 def role_replicas_of(body: Live, role: str) -> int:

@@ -7,7 +7,7 @@ from kube_fake import fake_kube, reconcile, reconciler, service
 from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
-from pdserve_operator.scaling_adapters import SCALE_REFUSED, Decision, decide
+from pdserve_operator.scaling_adapters import ADAPTER_IGNORED, SCALE_REFUSED, Decision, decide
 
 ADAPTER = KINDS["PDScalingAdapter"]
 NS = "team"
@@ -103,3 +103,16 @@ def test_an_adapter_another_controller_owns_is_left_alone() -> None:
     assert [a.verb for a in kube.actions if (a.kind, a.name) == ("PDScalingAdapter", "svc-prefill")] == ["get"]
     assert kube.inner.get(PDIS, NS, "svc")["spec"] == {}  # its 7 never reached the service
     assert kube.inner.get(ADAPTER, NS, "svc-decode") is not None
+
+
+def test_a_scale_of_a_role_an_external_autoscaler_owns_is_said_to_change_nothing() -> None:
+    spec = {"autoscaling": {"prefill": {"enabled": True, "driver": "external"}}}
+    kube, rec = synced(spec)
+    kube.inner.merge_patch(ADAPTER, NS, "svc-prefill", {"spec": {"replicas": 3}})
+    reconcile(rec, NS, "svc")
+    ignored = [e for e in kube.inner.events if e[3] == ADAPTER_IGNORED]
+    assert len(ignored) == 1 and "autoscaling.prefill.driver external" in ignored[0][4]
+    assert kube.inner.get(KINDS["Deployment"], NS, "svc-prefill")["spec"]["replicas"] == 1  # not the operator's to set
+    kube.inner.merge_patch(ADAPTER, NS, "svc-decode", {"spec": {"replicas": 2}})  # decode: no autoscaling
+    reconcile(rec, NS, "svc")
+    assert len([e for e in kube.inner.events if e[3] == ADAPTER_IGNORED]) == 1
