@@ -49,15 +49,14 @@ def reference(tiny_model_dir):
     return complete
 
 
-@pytest.fixture(scope="module", params=sorted(MODES))
-def local(request, tiny_model_dir, tmp_path_factory):
-    run = LocalRun.start(
-        tmp_path_factory.mktemp(f"prefix-{request.param}"),
+def start(tmp_path_factory, tiny_model_dir, name: str, *mode: str) -> LocalRun:
+    return LocalRun.start(
+        tmp_path_factory.mktemp(f"prefix-{name}"),
         "--model",
         str(tiny_model_dir),
         "--dtype",
         "float32",
-        *MODES[request.param],
+        *mode,
         "--slots",
         "4",
         "--max-len",
@@ -71,6 +70,20 @@ def local(request, tiny_model_dir, tmp_path_factory):
         "--prefix-cache-tokens",
         "2048",
     )
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def local(request, tiny_model_dir, tmp_path_factory):
+    run = start(tmp_path_factory, tiny_model_dir, request.param, *MODES[request.param])
+    yield run
+    run.stop_cleanly()
+
+
+@pytest.fixture(scope="module")
+def two_prefills(tiny_model_dir, tmp_path_factory):
+    """Two prefills: n copies of a prompt, started at once, would be spread over both (and each
+    prefill would compute the prompt) without api/prompt_copies.py."""
+    run = start(tmp_path_factory, tiny_model_dir, "two-prefills", "--prefill", "2", "--decode", "1")
     yield run
     run.stop_cleanly()
 
@@ -90,3 +103,49 @@ def test_greedy_answers_with_the_prefix_cache_equal_those_without(local, referen
     assert cached[0] == 0  # nothing was cached before the first request
     assert all(c >= system_blocks - 16 for c in cached[1:]), cached  # the system prompt's blocks, at least
     assert cached[len(TURNS) + 1] > cached[1]  # a repeated long turn reuses more than the system prompt
+
+
+def hit_tokens(local) -> float:
+    """pdserve_prefill_prefix_hit_tokens_total over every process that prefills."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for child in local.manifest["children"]:
+        if child["role"] not in ("prefill", "colocated") or not child["http"]:
+            continue
+        text = httpx.get(f"http://{child['http']}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            if family.name == "pdserve_prefill_prefix_hit_tokens":
+                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
+
+
+def test_n_copies_of_a_prompt_compute_it_once_and_answer_as_single_requests(local, reference):
+    check_copies(local, reference)
+
+
+def test_n_copies_go_to_the_prefill_of_the_first_copy(two_prefills, reference):
+    """Without api/prompt_copies.py the copies spread over both prefills and only one of them
+    found the prompt cached (measured: 128 of the 256 tokens asked here)."""
+    check_copies(two_prefills, reference)
+
+
+def check_copies(local, reference) -> None:
+    """#31 item 2 (api/prompt_copies.py): the first copy prefills, the others find the prompt in
+    the prefix cache of the same prefill; each copy still samples as the single request with its
+    seed would (seed + i)."""
+    client = openai.OpenAI(base_url=f"{local.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    prompt = SYSTEM + " Three answers to one question about copies, please."
+    whole = (len(reference.encode(prompt)) - 1) // 16 * 16  # what a prefill may reuse (it computes the last token)
+    before = hit_tokens(local)
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=8, n=3, temperature=0.9, seed=11)
+    reused = hit_tokens(local) - before
+    assert reused >= 2 * whole > 0, (reused, whole)  # copies 1 and 2 reused every whole block of the prompt
+    singles = [
+        client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.9, seed=11 + i)
+        for i in range(3)
+    ]
+    assert [c.text for c in out.choices] == [s.choices[0].text for s in singles]
+    assert out.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counted once

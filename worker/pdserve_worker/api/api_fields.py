@@ -62,8 +62,10 @@ _COMMON = [
     Field(
         "n",
         S,
-        "1–64 choices (prompts × n ≤ 64); each served as a request of its own (its own prefill: no KV fork "
-        "yet); with a seed, choice i samples with seed + i; usage counts each prompt once",
+        "1–64 choices (prompts × n ≤ 64); each served as a request of its own; with a prefix cache the "
+        "first copy of a prompt prefills it and the others follow on the same prefill, reusing its cached "
+        "blocks (no copy-on-write KV fork in decode: each copy holds its own KV); with a seed, choice i "
+        "samples with seed + i; usage counts each prompt once",
     ),
     Field("presence_penalty", S, "-2–2, OpenAI's meaning: once per generated token"),
     Field("frequency_penalty", S, "-2–2, OpenAI's meaning: per occurrence in the output"),

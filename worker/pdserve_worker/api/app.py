@@ -25,6 +25,7 @@ push) is behind the backend; this module owns the HTTP contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -46,7 +47,7 @@ from pdserve_common import tracing
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.logs import kv
 from pdserve_worker import __version__
-from pdserve_worker.api import fan_out
+from pdserve_worker.api import fan_out, prompt_copies
 from pdserve_worker.api import tools as api_tools
 from pdserve_worker.api.admission import AdmissionQueue, Rejected, State, Ticket
 from pdserve_worker.api.backend import Backend, BackendError, InvalidPrompt, NoCapacity, capacity_listener
@@ -416,9 +417,18 @@ class _Router:
     ) -> Response:
         """Several prompts or n > 1: each sequence a request of its own, all at once, joined
         (api/fan_out.py)."""
-        calls = [lambda part=part: self.serve(request, part, tenant) for part in body.split()]
-        responses = await fan_out.run_all(calls)
         n = body.n or 1
+        parts = body.split()
+        calls: list[Callable[[], Awaitable[Response]]]
+        if n > 1 and getattr(self.backend, "shares_prompt_prefill", False):  # (api/prompt_copies.py)
+            groups = [prompt_copies.Copies() for _ in range(len(parts) // n)]
+            calls = [
+                functools.partial(self._serve_copy, request, part, tenant, groups[k // n], k % n == 0)
+                for k, part in enumerate(parts)
+            ]
+        else:
+            calls = [functools.partial(self.serve, request, part, tenant) for part in parts]
+        responses = await fan_out.run_all(calls)
         if not body.stream:
             return fan_out.full_response(responses, n)
         streams = [r for r in responses if isinstance(r, _ClosingStreamingResponse)]
@@ -433,6 +443,21 @@ class _Router:
             closers=[merged.aclose, *(s.close for s in streams)],
             headers={"x-request-id": request_id, "Cache-Control": "no-cache"},
         )
+
+    async def _serve_copy(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        tenant: Tenant,
+        copies: prompt_copies.Copies,
+        first: bool,
+    ) -> Response:
+        """One copy of a prompt (its own task: the group is this task's context)."""
+        prompt_copies.enter(copies, first)
+        try:
+            return await self.serve(request, body, tenant)
+        finally:
+            prompt_copies.first_done()  # (a no-op but for the first copy; already done once it had a token)
 
     async def _serve(
         self,
@@ -470,6 +495,7 @@ class _Router:
         )
         gen.show_workers = self._shows_workers(request, tenant)
         fmt = self._response_format(body, request_id, params)
+        await prompt_copies.wait_for_first()  # a later copy of a prompt: after the first one's prefill
         ticket = self._ticket(tenant, priority, len(prompt_ids), max_tokens, deadline_s, request_id)
         # No await between the ticket and the ledger that releases it.
         ledger = _Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
@@ -778,6 +804,12 @@ class _Router:
         the request waits for its turn, then tries; a `NoCapacity` before the reservation puts
         it back at its place, to try again when the queue says (api/admission.py).
         """
+        try:
+            return await self._first_admitted(gen, ledger)
+        finally:
+            prompt_copies.first_done()  # the first copy of a prompt: the others may go
+
+    async def _first_admitted(self, gen: Generation, ledger: _Ledger) -> tuple[AsyncGenerator[Delta, None], Delta]:
         ticket, admission = ledger.ticket, self.admission
         while True:
             if ticket is not None and admission is not None:

@@ -10,8 +10,10 @@ their chunks as they come, each choice tagged with its prompt's index, then one 
 answer is the response (the others are cancelled and their slots released); one in a stream
 is reported in-band, as a single request's is, and the stream ends.
 
-n copies of a prompt each prefill it (no KV fork yet), but usage counts the prompt once, as
-vLLM does: `n` tells which answers are copies of one prompt.
+n copies of a prompt: with a prefix cache the first copy prefills it and the others follow on
+the same prefill, reusing its blocks (api/prompt_copies.py); each copy still holds its own KV in
+decode (no copy-on-write fork there). Usage counts the prompt once, as vLLM does: `n` tells
+which answers are copies of one prompt.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class RouterMetrics:
         self.prefix_routed = Counter(
             f"{_PREFIX}_prefix_routed",
             "Prefill choices by reason: prefix (the prefill predicted to hold the longest prefix of the "
-            "prompt), least_loaded (no match worth its load).",
+            "prompt), least_loaded (no match worth its load), copy (a later copy of an n > 1 prompt, "
+            "sent where the first copy ran).",
             ["reason"],
             registry=r,
         )

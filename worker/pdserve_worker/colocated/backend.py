@@ -83,6 +83,12 @@ class ColocatedBackend(ModelTokenizing):
         self._free = asyncio.Semaphore(self.slots.layout.num_slots)
         self.loop.start()
 
+    @property
+    def shares_prompt_prefill(self) -> bool:
+        """n copies of a prompt: the first's prefill leaves the prompt in the prefix cache, if
+        there is one, for the others (api/prompt_copies.py)."""
+        return self.prefix is not None
+
     def close(self) -> None:
         self.loop.stop()
         if self.prefix is not None:

@@ -530,6 +530,7 @@ async def _run_colocated(settings: WorkerSettings) -> None:
     from pdserve_worker.colocated.backend import ColocatedBackend
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.serving.torch_threads import serve_with
+    from pdserve_worker.serving.worker_metrics import watch_prefix_cache
 
     stop = _stop_event()
     state = WorkerState(settings.role, settings.member_id)
@@ -556,8 +557,11 @@ async def _run_colocated(settings: WorkerSettings) -> None:
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
     backend.start()
+    metrics = RouterMetrics()
+    if backend.prefix is not None:  # its prefix cache's series, as a prefill publishes them
+        watch_prefix_cache(metrics.registry, backend.prefix)
     try:
-        await _serve_api(settings, backend, RouterMetrics(), state, stop, loaded.generation.sampling_defaults())
+        await _serve_api(settings, backend, metrics, state, stop, loaded.generation.sampling_defaults())
     finally:
         backend.close()
         log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))

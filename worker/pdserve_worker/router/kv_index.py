@@ -90,6 +90,11 @@ class ReportedIndex:
                     log.warning(kv(event="kv_index_capped", prefill=prefill_id, max_hashes=self.max_hashes))
                 tier.update(run.block_hashes[: max(0, room)])
 
+    def any_enabled(self) -> bool:
+        """Some prefill reports a prefix cache (one without is not held here)."""
+        with self._lock:
+            return bool(self._held)
+
     def forget(self, prefill_id: str) -> None:
         with self._lock:
             self._held.pop(prefill_id, None)

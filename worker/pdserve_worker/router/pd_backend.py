@@ -48,6 +48,7 @@ from pdserve_common.auth import TLSConfig
 from pdserve_common.channels import aio_channel
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Member, MemberEvent, Role
+from pdserve_worker.api import prompt_copies
 from pdserve_worker.api.backend import (
     BackendError,
     BackendUnavailable,
@@ -67,7 +68,13 @@ from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.kv_index import ReportedIndex
 from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
-from pdserve_worker.router.prefix_routing import BalanceBound, PrefixHistory, RecentShare, choose_prefill
+from pdserve_worker.router.prefix_routing import (
+    BalanceBound,
+    PrefillChoice,
+    PrefixHistory,
+    RecentShare,
+    choose_prefill,
+)
 from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
 from pdserve_worker.rpc.channel_pool import ChannelPool
 from pdserve_worker.rpc.convert import finish_reason_from_proto, logprobs_from_proto, sampling_to_proto
@@ -447,6 +454,15 @@ class PDBackend(ModelTokenizing):
 
     # ---- choosing members ----------------------------------------------------------------------------
 
+    @property
+    def shares_prompt_prefill(self) -> bool:
+        """Whether n copies of a prompt gain from following the first (api/prompt_copies.py):
+        prefix routing is on and some prefill reports a prefix cache (or, routing by prediction
+        alone, is assumed to have one)."""
+        if self._prefixes is None:
+            return False
+        return self._reported is None or self._reported.any_enabled()
+
     def _pick_prefill(self, avoid: set[str], tokens: list[int], cache_scope: str) -> Member:
         """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
         (router/prefix_routing.py), else the shortest queue; remembered as holding it now."""
@@ -464,6 +480,10 @@ class PDBackend(ModelTokenizing):
         if self._reported is not None:
             matches.update(self._reported.matched_tokens(ids, tokens, cache_scope))  # reports win
         choice = choose_prefill(ids, queues, matches, self._recent.counts(), self._balance)
+        followed = prompt_copies.preferred_prefill()  # a later copy of a prompt: where the first one ran
+        if followed in by_id:
+            choice = PrefillChoice(followed, matches.get(followed, 0) // bt, "copy")
+        prompt_copies.note_prefill(choice.worker_id)
         self._prefixes.record(choice.worker_id, hashes)
         self._recent.record(choice.worker_id)
         if self._metrics is not None:

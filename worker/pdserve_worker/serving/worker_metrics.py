@@ -120,6 +120,12 @@ class _PrefixCacheCollector(Collector):
         yield cap
 
 
+def watch_prefix_cache(registry: CollectorRegistry, store: Any) -> None:
+    """A prefix store's counters and tiers on `registry` (the prefill's, and the colocated
+    process's router registry: the same pdserve_prefill_prefix_* series in both)."""
+    registry.register(_PrefixCacheCollector(store.stats, store.tier_stats, store.block_bytes))
+
+
 class WorkerMetrics:
     """The metrics of one prefill or decode worker."""
 
