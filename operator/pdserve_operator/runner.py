@@ -32,6 +32,7 @@ def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     # With replicas > 1 a missing peering CRD must stop the operator, not let replicas fight.
     settings.peering.mandatory = not config.standalone
     settings.peering.priority = config.priority if config.priority is not None else derived_priority()
+    settings.peering.lifetime = config.peering_lifetime_seconds
     return settings
 
 

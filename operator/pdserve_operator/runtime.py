@@ -45,6 +45,14 @@ class OperatorConfig(BaseSettings):
         description="How many operator replicas run (the chart sets it). With 1, a missing peering object "
         "means standalone with a warning; otherwise (or unknown) the operator waits for it.",
     )
+    peering_lifetime_seconds: int = Field(
+        15,
+        ge=5,
+        le=3600,
+        description="How long a replica's peering record counts as alive without a refresh (kopf's lifetime; its "
+        "default is 60): after an unclean death (SIGKILL, OOM) neither a restarted operator nor a standby acts "
+        "before the dead record is this old (benchmarks/operator_failover.py: 58 s at 60, 13 s at 15).",
+    )
     peering_report_seconds: float = Field(
         30.0, gt=0, description="While the peering object is missing, say so this often."
     )

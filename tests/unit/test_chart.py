@@ -299,3 +299,19 @@ def test_inference_pool_grant_only_when_asked() -> None:
             "verbs": ["get", "create", "patch"],
         }
     ]
+
+
+def test_the_peering_lifetime_reaches_kopf_from_the_chart() -> None:
+    """benchmarks/operator_failover.py: an operator that died uncleanly is replaced after about the
+    peering lifetime (58 s at kopf's 60, 13 s at 15), so the chart's value must reach kopf."""
+    from pdserve_operator.runner import kopf_settings
+    from pdserve_operator.runtime import OperatorConfig
+
+    def lifetime(*args: str) -> int:
+        container = by_kind(render(*args), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        config = OperatorConfig(**{"peering_lifetime_seconds": env["PDSERVE_OPERATOR_PEERING_LIFETIME_SECONDS"]})
+        return int(kopf_settings(config).peering.lifetime)
+
+    assert lifetime() == 15
+    assert lifetime("--set", "peering.lifetimeSeconds=40") == 40
