@@ -36,7 +36,7 @@ class Kind:
 
     def path(self, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
         base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
-        if self.namespaced:
+        if self.namespaced and namespace is not None:  # (None: a list across every namespace)
             base += f"/namespaces/{namespace}"
         base += f"/{self.plural}"
         if name is not None:

@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 
 from pdserve_common.logs import kv
-from pdserve_operator import peering
+from pdserve_operator import broker_tokens, peering
 from pdserve_operator.broker_view import BrokerView, load_broker
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.runtime import OperatorConfig, build_runtime, derived_priority
@@ -56,6 +56,8 @@ def run(
         metrics_server, _ = runtime.metrics.serve(config.broker_host, config.metrics_port)
     try:
         config = check_peering(config, runtime.kube)
+        if config.standalone or config.replicas == 1:  # the only replica: serve re-registrations at once
+            broker_tokens.preload(runtime.kube, runtime.broker, config.namespaces)
         settings = kopf_settings(config)
         log.info(
             kv(

@@ -187,7 +187,9 @@ class MemoryKube:
         return [
             copy.deepcopy(obj)
             for (k, ns, _), obj in sorted(self.objects.items())
-            if k == kind.kind and ns == (namespace or "") and matches(obj["metadata"].get("labels") or {})
+            if k == kind.kind
+            and (namespace is None or ns == namespace)
+            and matches(obj["metadata"].get("labels") or {})
         ]
 
     def create(self, obj: Obj) -> Obj:

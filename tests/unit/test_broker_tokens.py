@@ -1,0 +1,44 @@
+"""The broker's tokens loaded from the services' Secrets when the only operator replica starts
+(operator/pdserve_operator/broker_tokens.py): a restarted operator serves workers'
+re-registrations before kopf peering lets it reconcile (13 s at the default lifetime)."""
+
+from __future__ import annotations
+
+import base64
+
+from kube_fake import fake_kube, reconcile, reconciler, service
+
+from pdserve_operator import broker_tokens
+from pdserve_operator import children as ch
+from pdserve_operator.broker_view import NullBrokerView
+from pdserve_operator.kube import KINDS
+
+
+class Recording(NullBrokerView):
+    def __init__(self) -> None:
+        self.tokens: dict[str, str] = {}
+
+    def set_service_token(self, service_key: str, token: str) -> None:
+        self.tokens[service_key] = token
+
+
+def test_every_trusted_token_secret_of_every_namespace_is_loaded() -> None:
+    kube = fake_kube()
+    for ns in ("a", "b"):
+        kube.inner.create(service("svc", ns))
+        reconcile(reconciler(kube, iter([f"token-{ns}"])), ns, "svc")  # the operator made its Secret
+    # Not trusted: the right name, but another controller; the right owner kind, but another service's name.
+    foreign = ch.secret(ch.Owner("svc", "c", "u"), "forged")
+    foreign["metadata"]["ownerReferences"][0]["kind"] = "Deployment"
+    kube.inner.create(foreign)
+    renamed = ch.secret(ch.Owner("other", "d", "u"), "forged")
+    renamed["metadata"]["name"] = ch.secret_name("svc")
+    kube.inner.create(renamed)
+
+    broker = Recording()
+    assert broker_tokens.preload(kube, broker, []) == 2  # [] : every namespace
+    assert broker.tokens == {"a/svc": "token-a", "b/svc": "token-b"}
+    scoped = Recording()
+    assert broker_tokens.preload(kube, scoped, ["b"]) == 1 and scoped.tokens == {"b/svc": "token-b"}
+    secret = kube.inner.get(KINDS["Secret"], "a", ch.secret_name("svc"))
+    assert base64.b64decode(secret["data"]["token"]) == b"token-a"  # what was loaded is what is kept
