@@ -53,13 +53,18 @@ def take(port: int, env: dict[str, str] | None = None) -> socket.socket | None:
     return sock
 
 
-def bind_for_child(host: str) -> socket.socket:
-    """A TCP socket bound to a free port of `host`, not listening, inheritable: for `pass_fds`.
-    Made with IPPROTO_TCP, so asyncio sets TCP_NODELAY on what the child accepts from it."""
+def bind_for_child(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to `port` of `host` (0: a free one), not listening, inheritable: for
+    `pass_fds`. OSError when the port is taken. Made with IPPROTO_TCP, so asyncio sets
+    TCP_NODELAY on what the child accepts from it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
 

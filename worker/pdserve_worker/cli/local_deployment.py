@@ -335,17 +335,7 @@ class LocalDeployment:
 
     def _hold(self, port: int = 0) -> int:
         """Bind `port` on HOST (0: a free one) for a child to serve; kept until stop()."""
-        if port:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((HOST, port))
-            except OSError:
-                sock.close()
-                raise
-            sock.set_inheritable(True)
-        else:
-            sock = inherited_sockets.bind_for_child(HOST)
+        sock = inherited_sockets.bind_for_child(HOST, port)
         bound = int(sock.getsockname()[1])
         self._held[bound] = sock
         return bound
