@@ -171,9 +171,9 @@ class Reconciler:
             svc.owner, spec, svc.generation, live, lambda type_, reason, msg: self._event(svc, type_, reason, msg)
         )
         observed = await self._observe(svc, spec, live, outcome.conflicts, scaling)
-        observed = replace(observed, unavailable=tuple(outcome.unavailable))
         observed = replace(
             observed,
+            unavailable=tuple(outcome.unavailable),
             last_drain=self.autoscaler.last_drain(svc.owner.key)
             or (svc.prev.last_drain if svc.prev is not None else None),
         )

@@ -15,7 +15,9 @@ Two objects hold one number, so each reconcile decides which one moved (`decide`
 
 A role whose autoscaling driver is `external` belongs to another controller: a scaled adapter
 still writes the spec (the count at creation), and a Warning Event `AdapterIgnored` says that
-nothing running changed. Status (what an HPA reads through /scale): `replicas` is the role's current count (prefill
+nothing running changed.
+
+Status (what an HPA reads through /scale): `replicas` is the role's current count (prefill
 pods, decode groups), `selector` its pods. An adapter never synced (no status yet) loses to
 the service. Adapters another controller owns are left alone. Where the CRD is missing
 (`helm upgrade` never updates a chart's crds/), the operator logs it once per service and
@@ -117,7 +119,8 @@ class ScalingAdapters:
             decision = decide(adapter, role_replicas(spec, role))
             if decision.to_service is not None:
                 await _warn_if_external(spec, role, adapter, post)
-                body, adapter = await self._to_service(body, owner, role, adapter, decision.to_service, post)
+                current = role_replicas(spec, role)
+                body, adapter = await self._to_service(body, owner, role, adapter, (decision.to_service, current), post)
             elif decision.to_adapter is not None:
                 adapter = await self._to_adapter(owner, adapter, decision.to_adapter)
             adapters[role] = adapter
@@ -145,8 +148,10 @@ class ScalingAdapters:
         raise _NoCRD
 
     async def _to_service(
-        self, body: Live, owner: ch.Owner, role: str, adapter: Live, replicas: int, post: EventFn
+        self, body: Live, owner: ch.Owner, role: str, adapter: Live, values: tuple[int, int], post: EventFn
     ) -> tuple[Live, Live]:
+        """`values`: (the adapter's replicas, the service's now); a refusal puts the adapter back at the latter."""
+        replicas, current = values
         patch = {"spec": {role: {"replicas": replicas}}}
         try:
             body = await asyncio.to_thread(self.kube.merge_patch, PDIS, owner.namespace, owner.name, patch)
@@ -156,7 +161,7 @@ class ScalingAdapters:
             label = f"{ADAPTER_KIND}/{adapter['metadata']['name']}"
             await post(ev.WARNING, SCALE_REFUSED, f"{label}: replicas {replicas} refused: {exc.message}")
             log.warning(kv(event="adapter_scale_refused", service=owner.key, role=role, replicas=replicas))
-            reverted = await self._to_adapter(owner, adapter, role_replicas_of(body, role))
+            reverted = await self._to_adapter(owner, adapter, current)
             return body, reverted
         log.info(kv(event="adapter_scaled_service", service=owner.key, role=role, replicas=replicas))
         return body, adapter
@@ -202,8 +207,3 @@ async def _warn_if_external(spec: s.PDInferenceServiceSpec, role: str, adapter: 
         f"(autoscaling.{role}.driver external), so this scale changes nothing running: scale the workload "
         f"itself, or turn autoscaling.{role} off to drive the role through this adapter",
     )
-
-
-def role_replicas_of(body: Live, role: str) -> int:
-    """spec.<role>.replicas of a service as the API returned it (defaulted: 1 when absent)."""
-    return int(((body.get("spec") or {}).get(role) or {}).get("replicas", 1))

@@ -626,32 +626,52 @@ def test_without_model_defaults_a_request_gets_openais(serve):
 
 def test_later_copies_of_a_prompt_start_once_the_first_has_its_first_token(serve):
     """api/prompt_copies.py: on a backend whose prefills cache prefixes, copy 0 of each prompt
-    goes first and the others follow its first token; elsewhere all copies start at once."""
+    goes first and the others start after its first token; elsewhere all copies start at once.
+    Judged by the order of events, not by the clock."""
 
-    class Timed(ScriptedBackend):
+    class Ordered(ScriptedBackend):
         def __init__(self) -> None:
-            super().__init__(first_delay_s=0.3, delay_s=0.001)
+            super().__init__(first_delay_s=0.2, delay_s=0.001)
             self.shares_prompt_prefill = True
-            self.started: list[tuple[float, list[int], int | None]] = []
+            self.events: list[tuple[str, tuple[int, ...], int | None]] = []
 
         def generate(self, prompt_ids, params, request_id, *, cache_scope):
-            self.started.append((time.monotonic(), list(prompt_ids), params.seed))
-            return super().generate(prompt_ids, params, request_id, cache_scope=cache_scope)
+            key = (tuple(prompt_ids), params.seed)
+            self.events.append(("start", *key))
+            inner = super().generate(prompt_ids, params, request_id, cache_scope=cache_scope)
 
-    backend = Timed()
+            async def noted():
+                async for i, event in _enumerate(inner):
+                    if i == 0:
+                        self.events.append(("first", *key))
+                    yield event
+
+            return noted()
+
+    async def _enumerate(it):
+        i = 0
+        async for item in it:
+            yield i, item
+            i += 1
+
+    backend = Ordered()
     client, _ = serve(backend)
     for shares, stream in ((True, False), (True, True), (False, False)):
-        backend.shares_prompt_prefill, backend.started = shares, []
+        backend.shares_prompt_prefill, backend.events = shares, []
         out = client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=4, n=3, seed=5, stream=stream)
         if stream:
             assert len({ch.index for chunk in out for ch in chunk.choices}) == 6
         else:
             assert [c.index for c in out.choices] == list(range(6))
-        t0 = min(t for t, _, _ in backend.started)
-        firsts = [t - t0 for t, _, seed in backend.started if seed == 5]  # copy 0 of each prompt
-        later = [t - t0 for t, _, seed in backend.started if seed != 5]
-        assert len(firsts) == 2 and len(later) == 4 and max(firsts) < 0.1
-        if shares:
-            assert min(later) >= 0.3, later  # after the first copy's first token (0.3 s in)
-        else:
-            assert max(later) < 0.25, later  # all at once
+        order = [(kind, prompt, seed) for kind, prompt, seed in backend.events]
+        starts = [e for e in order if e[0] == "start"]
+        assert len(starts) == 6
+        for _, prompt, seed in starts:
+            if seed == 5:  # copy 0 of its prompt
+                continue
+            leader_first = order.index(("first", prompt, 5))
+            follower_start = order.index(("start", prompt, seed))
+            if shares:
+                assert leader_first < follower_start, order  # after its prompt's first copy had a token
+            else:
+                assert follower_start < leader_first, order  # all at once (each waits 0.2 s for a token)
