@@ -88,6 +88,11 @@ LAYER_SHARDS = "PDSERVE_LAYER_SHARDS"  # decode: pods per group
 TENSOR_PARALLEL = "PDSERVE_TENSOR_PARALLEL"
 DECODE_SERVICE = "PDSERVE_DECODE_SERVICE"  # decode: the headless Service giving pods stable DNS
 DRAIN_TIMEOUT_SECONDS = "PDSERVE_DRAIN_TIMEOUT_SECONDS"  # decode: how long /drain may wait
+# Decode group place, given explicitly (`pdserve local`; LeaderWorkerSet pods, from LWS's labels
+# through the downward API); StatefulSet pods derive them from their ordinal instead.
+GROUP_INDEX = "PDSERVE_GROUP_INDEX"  # decode: which group (default 0 when SHARD_INDEX is given)
+SHARD_INDEX = "PDSERVE_SHARD_INDEX"  # decode: member index in its group
+GROUP_PEERS = "PDSERVE_GROUP_PEERS"  # decode: gRPC endpoints of members 0..N-1, comma-separated
 
 # TLS (spec.tls): the Secret's files, mounted at TLS_DIR. With them every gRPC server of the pod
 # speaks TLS only and requires a client certificate of the same CA; the router serves HTTPS.

@@ -39,6 +39,7 @@ from typing import Any
 
 from pdserve_common.logs import kv
 from pdserve_operator import children as ch
+from pdserve_operator import decode_groups as dg
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, KubeClient
@@ -177,9 +178,9 @@ def router_report(load: Any) -> RouterReport | None:
     )
 
 
-def decode_leader_ids(name: str, groups: range, shards: int) -> tuple[str, ...]:
+def decode_leader_ids(name: str, spec: s.PDInferenceServiceSpec, groups: range) -> tuple[str, ...]:
     """Worker ids (pod names) of decode groups: a group registers as its member 0."""
-    return tuple(f"{ch.workload_name(name, 'decode')}-{g * shards}" for g in groups)
+    return dg.of(name, spec).leader_ids(groups)
 
 
 class Autoscaler:
@@ -222,12 +223,11 @@ class Autoscaler:
             self._states.pop(owner.key, None)  # a manual scale-down's drain (manual_decode) stays
             return None
         state = self._states.setdefault(owner.key, _State())
-        shards = spec.decode.layer_shards
         workloads = {
             "prefill": live.get(("Deployment", ch.workload_name(owner.name, "prefill"))),
-            "decode": live.get(("StatefulSet", ch.workload_name(owner.name, "decode"))),
+            "decode": live.get(dg.of(owner.name, spec).key),
         }
-        per = {"prefill": 1, "decode": shards}
+        per = {"prefill": 1, "decode": dg.of(owner.name, spec).per_replica}
         current = {r: int(((w or {}).get("spec") or {}).get("replicas") or 0) // per[r] for r, w in workloads.items()}
         ready = {
             r: int(((w or {}).get("status") or {}).get("readyReplicas") or 0) // per[r] for r, w in workloads.items()
@@ -350,8 +350,8 @@ class Autoscaler:
             state.reasons["decode"] = result.decode.reason
             state.desired["decode"] = result.decode.desired
             await self._decode(owner, spec, state, current["decode"], result.decode.desired, workloads, now, post_event)
-            decode_now = (
-                int((workloads["decode"] or {}).get("spec", {}).get("replicas") or 0) // spec.decode.layer_shards
+            decode_now = dg.of(owner.name, spec).groups(
+                int((workloads["decode"] or {}).get("spec", {}).get("replicas") or 0)
             )
         if "prefill" in planner_roles:
             desired, reason = result.prefill.desired, result.prefill.reason
@@ -361,9 +361,7 @@ class Autoscaler:
                 desired = banded
             state.reasons["prefill"], state.desired["prefill"] = reason, desired
             if desired != current["prefill"]:
-                await self._scale(
-                    owner, "Deployment", ch.workload_name(owner.name, "prefill"), desired, workloads, "prefill"
-                )
+                await self._scale(owner, ch.workload_name(owner.name, "prefill"), desired, workloads, "prefill")
                 await self._changed(state, "prefill", current["prefill"], desired, reason, post_event)
 
     async def _decode(
@@ -377,8 +375,7 @@ class Autoscaler:
         now: float,
         post_event: EventFn,
     ) -> None:
-        shards = spec.decode.layer_shards
-        name = ch.workload_name(owner.name, "decode")
+        decode = dg.of(owner.name, spec)
         drain = state.drain
         if desired >= current:
             if drain is not None:  # back up (or steady) before the drain ended: keep every group
@@ -392,8 +389,8 @@ class Autoscaler:
             if desired > current:
                 # Groups that come back may still be registered from before, drained by us: a
                 # pod that restarts registers afresh, but one that never stopped keeps the mark.
-                await self._undrain(owner, decode_leader_ids(owner.name, range(current, desired), shards))
-                await self._scale(owner, "StatefulSet", name, desired * shards, workloads, "decode")
+                await self._undrain(owner, decode.leader_ids(range(current, desired)))
+                await self._scale(owner, decode, decode.replicas(desired), workloads, "decode")
                 await self._changed(state, "decode", current, desired, state.reasons["decode"], post_event)
             return
         drain = state.drain = await self._mark(owner, spec, drain, current, desired, now, post_event)
@@ -405,7 +402,7 @@ class Autoscaler:
                 f"{sum(busy.values())} requests still running"
             )
             return
-        await self._scale(owner, "StatefulSet", name, desired * shards, workloads, "decode")
+        await self._scale(owner, decode, decode.replicas(desired), workloads, "decode")
         why = state.reasons["decode"] + (
             f"; drain timed out with {sum(busy.values())} requests running" if busy else "; drained"
         )
@@ -428,7 +425,7 @@ class Autoscaler:
         """Mark the decode groups that go (the highest ordinals, which a StatefulSet removes
         first) draining: routers place nothing new there and each decode, seeing the mark in its
         keepalive reply, hands its requests over (docs/migration.md). Returns the drain."""
-        victims = decode_leader_ids(owner.name, range(desired, current), spec.decode.layer_shards)
+        victims = decode_leader_ids(owner.name, spec, range(desired, current))
         if drain is None or drain.target != desired:
             if drain is not None:
                 await self._undrain(owner, tuple(v for v in drain.victims if v not in victims))
@@ -495,8 +492,7 @@ class Autoscaler:
         spec.decode.replicas): the same drain-then-lower as the autoscaler's. True when the
         StatefulSet may take the spec's replicas now; False holds them while the groups that go
         drain (until their running requests are 0 or decode.drainTimeoutSeconds passed)."""
-        shards = spec.decode.layer_shards
-        current = int(((live or {}).get("spec") or {}).get("replicas") or 0) // shards
+        current = dg.of(owner.name, spec).groups(int(((live or {}).get("spec") or {}).get("replicas") or 0))
         desired = spec.decode.replicas
         drain = self._manual.get(owner.key)
         if live is None or desired >= current:
@@ -505,7 +501,7 @@ class Autoscaler:
                 await self._undrain(owner, drain.victims)
                 await post_event(ev.NORMAL, "ScaleDownCancelled", f"decode stays at {current}: spec asks {desired}")
             return True
-        victims = decode_leader_ids(owner.name, range(desired, current), shards)
+        victims = decode_leader_ids(owner.name, spec, range(desired, current))
         if drain is None and not self._handovers(owner.key, victims):
             return True  # none of the groups that go is registered: nothing runs there to drain
         now = self.clock()
@@ -532,9 +528,15 @@ class Autoscaler:
             self.broker.set_draining(owner.key, victim, False)
 
     async def _scale(
-        self, owner: ch.Owner, kind: str, name: str, replicas: int, workloads: dict[str, Live | None], role: str
+        self,
+        owner: ch.Owner,
+        workload: dg.DecodeWorkload | str,
+        replicas: int,
+        workloads: dict[str, Live | None],
+        role: str,
     ) -> None:
         """Write replicas through the scale subresource (the field an autoscaler owns)."""
+        kind, name = workload.key if isinstance(workload, dg.DecodeWorkload) else ("Deployment", workload)
         await asyncio.to_thread(
             self.kube.merge_patch, KINDS[kind], owner.namespace, name, {"spec": {"replicas": replicas}}, "scale"
         )
@@ -574,8 +576,8 @@ class Autoscaler:
                 hpa = live.get(("HorizontalPodAutoscaler", ch.hpa_name(owner.name, role))) or {}
                 desired = int((hpa.get("status") or {}).get("desiredReplicas") or current[role])
                 reason = f"driven by HorizontalPodAutoscaler {ch.hpa_name(owner.name, role)}"
-                if role == "decode" and spec.decode.layer_shards > 1:
-                    desired //= spec.decode.layer_shards
+                if role == "decode":
+                    desired = dg.of(owner.name, spec).groups(desired)
             else:
                 reason = "driven by an external autoscaler (spec.replicas of the workload is its to write)"
             roles[role] = s.RoleScalingStatus(

@@ -310,6 +310,7 @@ def _decode_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, 
         _val(E.LAYER_SHARDS, d.layer_shards),
         _val(E.DECODE_SERVICE, headless_name(owner.name)),
         _val(E.DRAIN_TIMEOUT_SECONDS, d.drain_timeout_seconds),
+        *(_lws_env(owner, spec) if d.group_scheduling == "leaderWorkerSet" else []),
     ]
     if d.readiness == "poll":
         env.append(_val(E.POLL_INTERVAL_MICROS, d.poll_interval_micros or 100))
@@ -516,7 +517,7 @@ def initial_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
 
 def autoscaled_workloads(name: str, spec: s.PDInferenceServiceSpec) -> set[tuple[str, str]]:
     """(kind, name) of the workloads whose spec.replicas belongs to an autoscaler, not to us."""
-    kinds = {"prefill": "Deployment", "decode": "StatefulSet"}
+    kinds = {"prefill": "Deployment", "decode": decode_kind(spec)[1]}
     return {(kinds[role], workload_name(name, role)) for role in kinds if s.autoscaled(spec, role)}
 
 
@@ -548,13 +549,13 @@ def horizontal_pod_autoscaler(owner: Owner, role: str, spec: s.PDInferenceServic
     assert a is not None
     r: s.RoleAutoscaling = getattr(a, role)
     assert r.metric is not None
-    kind = "Deployment" if role == "prefill" else "StatefulSet"
+    api, kind = ("apps/v1", "Deployment") if role == "prefill" else decode_kind(spec)
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
         "metadata": _meta(owner, hpa_name(owner.name, role), role),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": kind, "name": workload_name(owner.name, role)},
+            "scaleTargetRef": {"apiVersion": api, "kind": kind, "name": workload_name(owner.name, role)},
             "minReplicas": s.effective_min(spec, role),
             "maxReplicas": r.max_replicas,
             "metrics": [_metric_spec(r.metric)],
@@ -601,6 +602,71 @@ def decode_statefulset(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: D
             "updateStrategy": {"type": "RollingUpdate"},
         },
     }
+
+
+# LeaderWorkerSet (sigs.k8s.io/lws, api/leaderworkerset/v1): its API, and the labels its
+# controller puts on every pod of a group (the leader's worker-index is 0).
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+def decode_leader_worker_set(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
+    """The decode groups as one LeaderWorkerSet: a group of layerShards pods is created,
+    scheduled, restarted and rolled as a unit (spec.decode.groupScheduling, docs/gang-scheduling.md).
+
+    One template for leader and workers: a pod's place comes from LWS's labels (`_lws_env`).
+    A member that restarts takes its whole group with it (RecreateGroupOnPodRestart): the
+    others hold layers of requests the restarted one lost, so serving on without it is not
+    possible. Rolling updates replace one group at a time and never add a surplus group (each
+    holds a full model's worth of devices)."""
+    name = workload_name(owner.name, "decode")
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": _meta(owner, name, "decode"),
+        "spec": {
+            "replicas": initial_replicas(spec, "decode"),
+            "leaderWorkerTemplate": {
+                "size": spec.decode.layer_shards,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": pod_template(owner, "decode", spec, defaults),
+            },
+            "startupPolicy": "LeaderCreated",  # members start together: ordered start would serialise model loads
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+            },
+            "networkConfig": {"subdomainPolicy": "Shared"},
+        },
+    }
+
+
+def _lws_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
+    """A LeaderWorkerSet pod's place and its group's members: indices from LWS's labels, peers
+    by the DNS names LWS gives its pods under its headless Service (named like the LWS, shared
+    subdomain). The kubelet expands `$(PDSERVE_GROUP_INDEX)`, defined just before."""
+    lws = workload_name(owner.name, "decode")
+    group = f"$({E.GROUP_INDEX})"
+    members = [f"{lws}-{group}"] + [f"{lws}-{group}-{m}" for m in range(1, spec.decode.layer_shards)]
+    return [
+        _field(E.GROUP_INDEX, f"metadata.labels['{LWS_GROUP_INDEX}']"),
+        _field(E.SHARD_INDEX, f"metadata.labels['{LWS_WORKER_INDEX}']"),
+        _val(E.GROUP_PEERS, ",".join(f"{pod}.{lws}:{E.GRPC_PORT}" for pod in members)),
+    ]
+
+
+def decode_kind(spec: s.PDInferenceServiceSpec) -> tuple[str, str]:
+    """(apiVersion, kind) of the decode workload (decode_groups.py says what differs)."""
+    if spec.decode.group_scheduling == "leaderWorkerSet":
+        return LWS_API_VERSION, "LeaderWorkerSet"
+    return "apps/v1", "StatefulSet"
+
+
+def decode_workload(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
+    if spec.decode.group_scheduling == "leaderWorkerSet":
+        return decode_leader_worker_set(owner, spec, defaults)
+    return decode_statefulset(owner, spec, defaults)
 
 
 def decode_pods(spec: s.PDInferenceServiceSpec) -> int:
@@ -765,7 +831,7 @@ def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: D
         headless_service(owner),
         router_service(owner, spec),
         deployment(owner, "prefill", spec, defaults),
-        decode_statefulset(owner, spec, defaults),
+        decode_workload(owner, spec, defaults),
         deployment(owner, "router", spec, defaults),
         *gateway_children(owner, spec),  # after the routers they select
         *(disruption_budget(owner, role) for role in ROLES),

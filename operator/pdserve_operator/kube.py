@@ -62,6 +62,7 @@ KINDS: dict[str, Kind] = {
         Kind(s.API_VERSION, s.KIND, s.PLURAL),
         Kind(s.API_VERSION, ADAPTER_KIND, ADAPTER_PLURAL),
         Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
+        Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
     )
 }
 PDIS = KINDS[s.KIND]

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 
 from pdserve_common.logs import kv
 from pdserve_operator import children as ch
+from pdserve_operator import decode_groups as dg
 from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
@@ -166,6 +167,7 @@ class Reconciler:
             svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec), spec
         )
         await self._remove_stale_hpas(svc, spec)
+        await self._remove_replaced_decode(svc, spec, live)
         await self.adapters.report(svc.owner, spec, adapters, live)
         scaling = await self.autoscaler.step(
             svc.owner, spec, svc.generation, live, lambda type_, reason, msg: self._event(svc, type_, reason, msg)
@@ -240,13 +242,13 @@ class Reconciler:
         server-side apply that leaves the field out of its configuration would not). The decode
         StatefulSet keeps its replicas too while a scale-down drains the groups that go."""
         live: dict[tuple[str, str], Live] = {}
-        decode = ("StatefulSet", ch.workload_name(svc.owner.name, "decode"))
+        decode = dg.of(svc.owner.name, spec).key if spec is not None else ("StatefulSet", "")
         for want in desired:
             read = (secret,) if want["kind"] == "Secret" else None  # the Secret was read for the token
             key = (want["kind"], want["metadata"]["name"])
             held = key in autoscaled
             if key == decode and not held and spec is not None:
-                read = (await asyncio.to_thread(self.kube.get, KINDS["StatefulSet"], svc.owner.namespace, key[1]),)
+                read = (await asyncio.to_thread(self.kube.get, KINDS[key[0]], svc.owner.namespace, key[1]),)
                 held = not await self._decode_may_lower(svc, spec, read[0])
             try:
                 live[key] = await self._apply_child(svc, want, read, outcome, held)
@@ -315,6 +317,28 @@ class Reconciler:
             await asyncio.to_thread(self.kube.delete, kind, svc.owner.namespace, name)
             log.info(kv(event="hpa_removed", service=svc.owner.key, hpa=name, role=role))
 
+    async def _remove_replaced_decode(
+        self, svc: _Service, spec: s.PDInferenceServiceSpec, live: dict[tuple[str, str], Live]
+    ) -> None:
+        """After spec.decode.groupScheduling changed, the decode workload of the kind the status
+        last recorded goes, once the one the spec asks for exists (never leave the service with
+        no decode). Its pods stop as any decode pod does (preStop drain: their requests migrate
+        or finish). Only a recorded kind is looked for: no read of an API the cluster may lack."""
+        decode = dg.of(svc.owner.name, spec)
+        was = svc.prev.decode.workload_kind if svc.prev is not None else None
+        if was is None or was == decode.kind or decode.key not in live:
+            return
+        kind = KINDS[was]
+        current = await asyncio.to_thread(self.kube.get, kind, svc.owner.namespace, decode.name)
+        if current is None or drift.controller_other_than({svc.owner.uid}, current) is not None:
+            return
+        if not any(ref.get("uid") == svc.owner.uid for ref in current["metadata"].get("ownerReferences") or []):
+            return
+        await asyncio.to_thread(self.kube.delete, kind, svc.owner.namespace, decode.name)
+        log.info(kv(event="decode_workload_replaced", service=svc.owner.key, removed=f"{was}/{decode.name}"))
+        message = f"{was}/{decode.name} removed: the decode groups run as a {decode.kind} now"
+        await self._event(svc, ev.NORMAL, "DecodeWorkloadReplaced", message)
+
     async def _observe(
         self,
         svc: _Service,
@@ -326,13 +350,14 @@ class Reconciler:
         """What the status is computed from: the workloads, decode pods when grouped, the broker."""
         name, key = svc.owner.name, svc.owner.key
         decode_pods = None
-        if spec.decode.layer_shards > 1:  # complete groups need every member pod ready
+        decode = dg.of(name, spec)
+        if decode.shards > 1:  # complete groups need every member pod ready
             selector = ch.selector_string(name, "decode")
             pods = await asyncio.to_thread(self.kube.list, KINDS["Pod"], svc.owner.namespace, selector)
-            decode_pods = tuple(_pod_readiness(p) for p in pods)
+            decode_pods = tuple(_pod_readiness(decode, p) for p in pods)
         return st.Observed(
             prefill=live.get(("Deployment", ch.workload_name(name, "prefill"))),
-            decode=live.get(("StatefulSet", ch.workload_name(name, "decode"))),
+            decode=live.get(decode.key),
             router=live.get(("Deployment", ch.workload_name(name, "router"))),
             decode_pods=decode_pods,
             registered=self.broker.registered_counts(key),
@@ -385,21 +410,24 @@ def parse(svc: _Service) -> s.PDInferenceServiceSpec:
 
 # Children of APIs a cluster may lack (a CRD of another project): without it the service still
 # serves, so the reconcile goes on and the status says Degraded and what to install or grant.
+# A LeaderWorkerSet is the decode itself: without it no decode runs, and the status says so
+# (Degraded, what to install) rather than quietly falling back to the StatefulSet the user opted out of.
 OPTIONAL_KINDS = {
-    "InferencePool": "the Gateway API Inference Extension's CRDs (InferencePool, inference.networking.k8s.io/v1)"
+    "InferencePool": "the Gateway API Inference Extension's CRDs (InferencePool, inference.networking.k8s.io/v1)",
+    "LeaderWorkerSet": "LeaderWorkerSet (sigs.k8s.io/lws, leaderworkerset.x-k8s.io/v1), "
+    "or set spec.decode.groupScheduling: statefulSet",
 }
+GRANTS = {"InferencePool": "inferencePool.enabled=true", "LeaderWorkerSet": "leaderWorkerSet.enabled=true"}
 
 
 def _unavailable(want: Live, exc: KubeError) -> str:
     label = f"{want['kind']}/{want['metadata']['name']}"
     if exc.status == 404:
         return f"{label}: the cluster has no {want['apiVersion']} {want['kind']} API: install {OPTIONAL_KINDS[want['kind']]}"
-    return f"{label}: the operator may not write it ({exc.message}): grant it (chart value inferencePool.enabled=true)"
+    return f"{label}: the operator may not write it ({exc.message}): grant it (chart value {GRANTS[want['kind']]})"
 
 
-def _pod_readiness(pod: Live) -> tuple[int, bool]:
-    from pdserve_common.pod_env import ordinal_of
-
+def _pod_readiness(decode: dg.DecodeWorkload, pod: Live) -> tuple[int, bool]:
     conditions = (pod.get("status") or {}).get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-    return ordinal_of(pod["metadata"]["name"]), ready
+    return decode.place(pod), ready

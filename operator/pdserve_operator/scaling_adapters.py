@@ -34,6 +34,7 @@ from typing import Any
 
 from pdserve_common.logs import kv
 from pdserve_operator import children as ch
+from pdserve_operator import decode_groups as dg
 from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
@@ -77,9 +78,11 @@ def role_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
 
 def current_replicas(spec: s.PDInferenceServiceSpec, role: str, live: Mapping[tuple[str, str], Live], name: str) -> int:
     """The role's count now, from its workload's status (decode: whole groups)."""
-    kind, per = ("Deployment", 1) if role == "prefill" else ("StatefulSet", spec.decode.layer_shards)
-    workload = live.get((kind, ch.workload_name(name, role))) or {}
-    return int((workload.get("status") or {}).get("replicas") or 0) // per
+    if role == "prefill":
+        workload = live.get(("Deployment", ch.workload_name(name, role))) or {}
+        return int((workload.get("status") or {}).get("replicas") or 0)
+    decode = dg.of(name, spec)
+    return decode.groups(int(((live.get(decode.key) or {}).get("status") or {}).get("replicas") or 0))
 
 
 def status_of(adapter: Live, replicas: int, selector: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_operator import children as ch
+from pdserve_operator import decode_groups as dg
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 
@@ -66,7 +67,10 @@ class Workload:
             ready=int(st.get("readyReplicas") or 0),
             replicas=int(st.get("replicas") or 0),
             updated=int(st.get("updatedReplicas") or 0),
-            current_generation=gen is None or int(st.get("observedGeneration") or 0) >= int(gen),
+            # A LeaderWorkerSet's status has no observedGeneration: its updatedReplicas tell a rollout.
+            current_generation=gen is None
+            or obj.get("kind") == "LeaderWorkerSet"
+            or int(st.get("observedGeneration") or 0) >= int(gen),
             failure=failure,
         )
 
@@ -142,14 +146,14 @@ def compute(
     now: str,
 ) -> s.PDInferenceServiceStatus:
     """The status a reconcile writes: per-role counts, the phase, the conditions, the capacity."""
-    shards = spec.decode.layer_shards
+    decode = dg.of(owner.name, spec)
     workloads = {role: Workload.of(getattr(observed, role)) for role in ("prefill", "decode", "router")}
     decode_ready = (
-        ready_groups(observed.decode_pods, shards)
-        if observed.decode_pods is not None and shards > 1
-        else workloads["decode"].ready // shards
+        ready_groups(observed.decode_pods, decode.shards)
+        if observed.decode_pods is not None and decode.shards > 1
+        else decode.groups(workloads["decode"].ready)
     )
-    role_status, short = _roles(spec, observed, workloads, decode_ready)
+    role_status, short = _roles(spec, observed, workloads, decode_ready, decode)
     missing = [role for role, w in workloads.items() if not w.exists]
     failures = [f"{role}: {w.failure}" for role, w in workloads.items() if w.failure]
     rolling = [
@@ -176,8 +180,9 @@ def compute(
         prefill=s.RoleStatus(**role_status["prefill"]),
         decode=s.DecodeStatus(
             **role_status["decode"],
-            replicas=workloads["decode"].replicas // shards,
+            replicas=decode.groups(workloads["decode"].replicas),
             selector=ch.selector_string(owner.name, "decode"),
+            workload_kind=decode.kind if observed.decode is not None else _prev_kind(prev),
         ),
         router=s.RoleStatus(**role_status["router"]),
         slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),
@@ -188,14 +193,22 @@ def compute(
     )
 
 
+def _prev_kind(prev: s.PDInferenceServiceStatus | None) -> str | None:
+    return prev.decode.workload_kind if prev is not None else None
+
+
 def _roles(
-    spec: s.PDInferenceServiceSpec, observed: Observed, workloads: dict[str, Workload], decode_ready: int
+    spec: s.PDInferenceServiceSpec,
+    observed: Observed,
+    workloads: dict[str, Workload],
+    decode_ready: int,
+    decode: dg.DecodeWorkload,
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Each role's desired/ready/registered counts, and what keeps a role short of ready."""
     shards, reg = spec.decode.layer_shards, observed.registered
     # An autoscaled role wants what its workload is asked for now (an autoscaler wrote it).
     p_want = _asked(observed.prefill, 1) if s.autoscaled(spec, "prefill") else None
-    d_want = _asked(observed.decode, shards) if s.autoscaled(spec, "decode") else None
+    d_want = _asked(observed.decode, decode.per_replica) if s.autoscaled(spec, "decode") else None
     p_want = spec.prefill.replicas if p_want is None else p_want
     d_want = spec.decode.replicas if d_want is None else d_want
     roles = {

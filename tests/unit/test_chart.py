@@ -48,6 +48,8 @@ FULL = [
     "prometheusRule.enabled=true",
     "--set",
     "inferencePool.enabled=true",
+    "--set",
+    "leaderWorkerSet.enabled=true",
 ]
 CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 KUBERNETES_VERSION = "1.30.0"  # oldest minor the chart targets that the validator knows well
@@ -298,6 +300,26 @@ def test_inference_pool_grant_only_when_asked() -> None:
             "resources": ["inferencepools"],
             "verbs": ["get", "create", "patch"],
         }
+    ]
+
+
+def test_leader_worker_set_grant_only_when_asked() -> None:
+    """The operator runs decode groups as LeaderWorkerSets (spec.decode.groupScheduling) only where
+    the chart grants it: the LWS itself, its /scale, and removing the StatefulSet it replaces."""
+
+    def lws_rules(*args: str) -> list[dict[str, Any]]:
+        [role] = by_kind(render(*args), "ClusterRole")
+        return [r for r in role["rules"] if "leaderworkerset.x-k8s.io" in r["apiGroups"] or r["verbs"] == ["delete"]]
+
+    assert lws_rules() == []
+    assert lws_rules("--set", "leaderWorkerSet.enabled=true") == [
+        {
+            "apiGroups": ["leaderworkerset.x-k8s.io"],
+            "resources": ["leaderworkersets"],
+            "verbs": ["get", "create", "patch", "delete"],
+        },
+        {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets/scale"], "verbs": ["patch"]},
+        {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["delete"]},
     ]
 
 

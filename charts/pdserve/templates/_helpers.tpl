@@ -94,6 +94,19 @@ records them against the API emulator and checks both directions). */}}
   resources: [inferencepools]
   verbs: [get, create, patch]
 {{- end }}
+{{- if .Values.leaderWorkerSet.enabled }}
+# spec.decode.groupScheduling leaderWorkerSet: decode groups as LeaderWorkerSets (scaled through
+# /scale like the StatefulSet), and a switch of groupScheduling removes the workload of the other kind.
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, create, patch, delete]
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets/scale]
+  verbs: [patch]
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [delete]
+{{- end }}
 {{- if and .Values.peering.enabled .Values.watchNamespaces }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]

@@ -108,6 +108,13 @@ class DecodeSpec(PodOverrides):
         le=64,
         description="Pods per decode group, each holding a contiguous share of the layers; the StatefulSet runs replicas x layerShards pods.",
     )
+    group_scheduling: Literal["statefulSet", "leaderWorkerSet"] = Field(
+        "statefulSet",
+        description="What runs the decode pods: statefulSet (one StatefulSet of replicas x layerShards pods) or "
+        "leaderWorkerSet (one LeaderWorkerSet of replicas groups of layerShards pods, created, scheduled, restarted "
+        "and rolled as a unit; needs the LWS CRD, leaderworkerset.x-k8s.io/v1, and the chart value "
+        "leaderWorkerSet.enabled). Changing it replaces every decode pod (docs/gang-scheduling.md).",
+    )
     drain_timeout_seconds: int = Field(
         60, ge=0, le=3600, description="How long a stopping decode pod may finish its requests (preStop /drain)."
     )

@@ -80,13 +80,15 @@ class PDInferenceServiceSpec(Model):
         ),
         Rule(
             cel="!has(self.autoscaling) || !self.autoscaling.decode.enabled || self.autoscaling.decode.driver == 'planner' "
-            "|| self.decode.layerShards == 1",
-            message="with decode.layerShards > 1 only the planner scales decode (an HPA counts pods, not groups)",
+            "|| self.decode.layerShards == 1 || self.decode.groupScheduling == 'leaderWorkerSet'",
+            message="with decode.layerShards > 1 only the planner scales decode (an HPA on a StatefulSet counts pods, "
+            "not groups; with groupScheduling leaderWorkerSet its replicas are groups and any driver works)",
             holds=lambda s: (
                 s.autoscaling is None
                 or not s.autoscaling.decode.enabled
                 or s.autoscaling.decode.driver == "planner"
                 or s.decode.layer_shards == 1
+                or s.decode.group_scheduling == "leaderWorkerSet"
             ),
             field="autoscaling.decode.driver",
         ),

@@ -42,8 +42,8 @@ MIGRATE_WAIT_S = "PDSERVE_MIGRATE_WAIT_SECONDS"  # decode: how long a handed-ove
 LEASE_MS = "PDSERVE_LEASE_MS"  # router: lease of a reserved slot until Generate claims it
 REQUEST_TIMEOUT_S = "PDSERVE_REQUEST_TIMEOUT_SECONDS"  # router: deadline of one Prefill call
 GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight may finish on SIGTERM
-SHARD_INDEX = "PDSERVE_SHARD_INDEX"  # decode group member index; pods derive it from their ordinal
-GROUP_PEERS = "PDSERVE_GROUP_PEERS"  # decode group: gRPC endpoints of members 0..N-1, comma-separated
+SHARD_INDEX = E.SHARD_INDEX
+GROUP_PEERS = E.GROUP_PEERS
 MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are answered 413
 PREFIX_BLOCK_TOKENS = "PDSERVE_PREFIX_BLOCK_TOKENS"  # prefill: tokens per prefix-cache block
 PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
@@ -141,6 +141,7 @@ class WorkerSettings(BaseSettings):
     migrate_wait_seconds: float = Field(10.0, gt=0, validation_alias=MIGRATE_WAIT_S)
     decode_service: str = Field("", validation_alias=E.DECODE_SERVICE)
     shard_index: int | None = Field(None, ge=0, validation_alias=SHARD_INDEX)
+    group_index: int | None = Field(None, ge=0, validation_alias=E.GROUP_INDEX)
     group_peers: str = Field("", validation_alias=GROUP_PEERS)
 
     readiness_timeout_ms: int = Field(300_000, ge=1, validation_alias=READINESS_TIMEOUT_MS)
@@ -308,11 +309,14 @@ class WorkerSettings(BaseSettings):
 
     @property
     def group_member(self) -> tuple[int, int]:
-        """(group, member) of a layer-sharded decode: from PDSERVE_SHARD_INDEX, else the pod ordinal."""
+        """(group, member) of a layer-sharded decode: from PDSERVE_GROUP_INDEX / PDSERVE_SHARD_INDEX
+        (a LeaderWorkerSet pod, `pdserve local`), else the StatefulSet pod's ordinal."""
         if self.shard_index is not None:
             if self.shard_index >= self.layer_shards:
                 raise ValueError(f"{SHARD_INDEX}={self.shard_index} outside a group of {self.layer_shards}")
-            return 0, self.shard_index
+            return self.group_index or 0, self.shard_index
+        if self.group_index is not None:
+            raise ValueError(f"{E.GROUP_INDEX}={self.group_index} without {SHARD_INDEX}: say the member too")
         return E.group_member(E.ordinal_of(self.worker_id), self.layer_shards)
 
     @property
