@@ -89,6 +89,13 @@ BLOCK_EVENTS_POLL_S = 0.25  # how often a router pulls each prefill's block even
 BLOCK_EVENTS_PAGES = 8  # replies taken from one prefill per round (a backlog takes several rounds)
 
 
+MEMBER_POLL_S = 0.1  # how often a request waiting for a member looks at the membership again
+
+
+class NoMember(BackendUnavailable):
+    """No prefill (decode) that this request may use is registered right now."""
+
+
 @dataclass(frozen=True)
 class Timeouts:
     rpc_s: float = 5.0  # Reserve, Release
@@ -97,6 +104,9 @@ class Timeouts:
     prefill_s: float = 600.0  # deadline of one Prefill call
     max_retries: int = 2  # a request survives this many failed decode or prefill workers
     resume_wait_s: float = 10.0  # how long a retry waits for a free slot before giving up
+    # How long a request waits for a prefill (decode) to be registered when none is (all
+    # restarting, or the view emptied across a broker restart) before it is answered 503.
+    member_wait_s: float = 10.0
     settle_s: float = 30.0  # how long an abandoned grant waits for the prefill to confirm its push ended
 
 
@@ -130,7 +140,7 @@ class PDBackend(ModelTokenizing):
         self._t = timeouts
         self._tls = tls  # how workers are dialled (settings.peer_tls)
         self._view: MembershipView | None = None
-        self._channels = ChannelPool(token, tls, self.spawn)
+        self._channels = ChannelPool(token, tls, self.spawn, grace_s=timeouts.prefill_s)
         self._inflight_decode: Counter[str] = Counter()
         self._inflight_prefill: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
@@ -283,7 +293,7 @@ class PDBackend(ModelTokenizing):
             )
             self._lost.pop(member.worker_id, asyncio.Event()).set()
             await asyncio.sleep(0)  # the streams give up (and cancel their calls) before the channel closes
-            self._channels.forget(member.info.grpc_endpoint)
+            self._channels.forget(member.info.grpc_endpoint, grace=False)
         finally:
             await channel.close()
 
@@ -302,7 +312,7 @@ class PDBackend(ModelTokenizing):
         avoid: set[str] = set()
         retries = 0
         failure: _Retryable | None = None
-        resume_deadline = 0.0
+        resume_deadline = member_deadline = 0.0
         seeds: list[int] = []  # the seed a draining decode handed over (a request without one got it there)
         while True:
             if seeds and params.seed is None:
@@ -316,6 +326,11 @@ class PDBackend(ModelTokenizing):
                     yield event
                 return
             except (NoCapacity, BackendUnavailable) as exc:
+                if isinstance(exc, NoMember):  # none registered: wait a while for one to (re)join
+                    member_deadline = member_deadline or time.monotonic() + self._t.member_wait_s
+                    if time.monotonic() < member_deadline:
+                        await asyncio.sleep(MEMBER_POLL_S)
+                        continue
                 if failure is None:
                     raise
                 if isinstance(exc, NoCapacity) and time.monotonic() < resume_deadline:
@@ -423,7 +438,7 @@ class PDBackend(ModelTokenizing):
                 raise _Retryable(
                     decode_id, BackendUnavailable(f"decode {decode_id} left the membership and does not answer")
                 )
-            if prefill_call.done() and not read.done() and prefill_call.exception() is not None:
+            if prefill_call.done() and not read.done() and (prefill_call.cancelled() or prefill_call.exception()):
                 read.cancel()
                 await self._prefill_reply(prefill_call, prefill_id)  # raises the mapped error
         finally:
@@ -438,6 +453,15 @@ class PDBackend(ModelTokenizing):
     ) -> worker_pb2.PrefillReply:
         try:
             return await prefill_call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not prefill_call.cancelled() or (task is not None and task.cancelling()):
+                raise  # this request itself is being cancelled (the client left)
+            # gRPC ends a call whose channel we closed (its member left the membership) as
+            # cancelled, not as an RpcError: that prefill is gone, another can take the prompt.
+            raise _Retryable(
+                prefill_id, BackendUnavailable(f"prefill {prefill_id} went away mid-call (its channel was closed)")
+            ) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if self._metrics is not None:
@@ -468,7 +492,7 @@ class PDBackend(ModelTokenizing):
         (router/prefix_routing.py), else the shortest queue; remembered as holding it now."""
         ranked = _excluding(rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision), avoid)
         if not ranked:
-            raise BackendUnavailable(f"no prefill worker of model revision {self.revision} is registered")
+            raise NoMember(f"no prefill worker of model revision {self.revision} is registered")
         if self._prefixes is None:
             return ranked[0]
         by_id = {m.worker_id: m for m in ranked}
@@ -495,7 +519,7 @@ class PDBackend(ModelTokenizing):
     ) -> tuple[Member, worker_pb2.Grant]:
         ranked = _excluding(rank_decodes(self.view.members.values(), self._inflight_decode, self.revision), avoid)
         if not ranked:
-            raise BackendUnavailable(f"no decode worker of model revision {self.revision} is registered")
+            raise NoMember(f"no decode worker of model revision {self.revision} is registered")
         request = worker_pb2.ReserveRequest(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, lease_ms=self._t.lease_ms
         )

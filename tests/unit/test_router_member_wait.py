@@ -1,0 +1,62 @@
+"""A request that finds no prefill (decode) registered waits `member_wait_s` for one to join
+before its 503: across a broker restart, or while every prefill restarts, requests were
+answered 503 by the dozen within a second (benchmarks/soak.py at twice the fault rate)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve_common.membership import Load, Member, MemberInfo, Role
+from pdserve_worker.api.metrics import RouterMetrics
+from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.router.pd_backend import NoMember, PDBackend, Timeouts
+
+REV = "r1"
+
+
+def backend(wait_s: float) -> PDBackend:
+    pd = PDBackend(
+        model_name="m",
+        tokenizer=None,
+        max_model_len=4096,
+        revision=REV,
+        broker=None,
+        token="t",
+        metrics=RouterMetrics(),
+        timeouts=Timeouts(member_wait_s=wait_s),
+    )
+    pd._view = SimpleNamespace(members={}, connected=True)  # type: ignore[assignment]
+    return pd
+
+
+async def drain(pd: PDBackend) -> None:
+    async for _ in pd.generate([1, 2, 3], SamplingParams(max_tokens=4), "req-1", cache_scope="s"):
+        pass
+
+
+@pytest.mark.asyncio
+async def test_none_registered_waits_then_answers_unavailable() -> None:
+    started = time.monotonic()
+    with pytest.raises(NoMember, match="no prefill worker of model revision r1 is registered"):
+        await drain(backend(0.4))
+    assert time.monotonic() - started >= 0.4
+
+
+@pytest.mark.asyncio
+async def test_a_member_that_joins_meanwhile_is_used() -> None:
+    pd = backend(0.8)
+
+    async def join() -> None:
+        await asyncio.sleep(0.2)
+        info = MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint="prefill-0:1", revision=REV)
+        pd._view.members["prefill-0"] = Member(info, load=Load())  # type: ignore[union-attr]
+
+    joining = asyncio.ensure_future(join())
+    # The prefill that joined was taken: what is missing now is a decode (and no call was made).
+    with pytest.raises(NoMember, match="no decode worker"):
+        await drain(pd)
+    await joining
