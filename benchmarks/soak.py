@@ -1,21 +1,33 @@
-"""Soak: requests through `pdserve local` while random faults hit its processes (loopback only).
+"""Soak: requests through `pdserve local` while random faults hit its processes and links.
 
     PYTHONPATH=worker:operator:common:proto:tests python benchmarks/soak.py --requests 60 --seconds 120
+    ... --links proxied --fault-every 2   # network faults too, at twice the default rate
 
 Starts broker, 2 decode, 2 prefill and a router (a tiny random-weight model unless --model)
 with `--on-exit restart`, records each prompt's undisturbed greedy answer, then streams
-`--requests` requests (a 429 is retried after its Retry-After, as the OpenAI client does) (`--concurrency` at a time) while every `--fault-every` seconds one
-random fault is injected by PID: a decode or a prefill killed (SIGKILL), a prefill frozen
-for a few seconds (SIGSTOP/SIGCONT), or the broker killed. Bounded by `--seconds`.
+`--requests` requests (`--concurrency` at a time; a 429 is retried after its Retry-After, as
+the OpenAI client does) while every `--fault-every` seconds one random fault is injected: a
+decode or a prefill killed (SIGKILL, by PID), a prefill frozen for a few seconds
+(SIGSTOP/SIGCONT), or the broker (the operator's part in a cluster) killed. Bounded by `--seconds`.
 
-Prints requests completed / failed / retried, answers that differ from the undisturbed run,
-tokens lost (must be 0) and decode slots leaked once everything settled (must be 0); exits 1
-if either is not 0. The baseline is the same deployment's undisturbed answers, in the same run.
+With `--links proxied` every worker advertises 127.0.0.2 (`--env PDSERVE_POD_IP`) while it
+listens on 127.0.0.1, and a fault-injecting proxy (tests/support/fault_proxy.py) on 127.0.0.2
+forwards each of its gRPC and KV-transfer ports: every router → prefill, router → decode,
+prefill → decode (KV and notifications) and decode → decode (migration) connection crosses it.
+The faults then also include, for all links into one worker: a delay (200 ms a chunk for 4 s;
+what loss looks like under TCP), a stall (2-6 s of silence that then heals: a partition), and
+a reset of every open connection (RST).
+
+Prints requests completed / failed / retried, every error code met (retried ones too), answers
+that differ from the undisturbed run, tokens lost (must be 0) and decode slots leaked once
+everything settled (must be 0); exits 1 if any is not 0. The baseline is the same
+deployment's undisturbed answers, in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import json
 import os
@@ -34,7 +46,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from support.fault_proxy import FaultProxy  # noqa: E402
 from support.local_run import LocalRun, pid_alive, served_model  # noqa: E402  (the tests' way of running `pdserve local`)
+
+ADVERTISED = "127.0.0.2"  # --links proxied: what workers advertise; the proxy listens there
 
 PROMPTS = [
     "The quick brown fox",
@@ -54,6 +69,7 @@ class Answer:
     retries: int = 0
     error: str | None = None
     retry_after_s: float = 1.0
+    codes: list[str] = field(default_factory=list)  # every error met, the retried ones too
 
 
 @dataclass
@@ -63,6 +79,7 @@ class Tally:
     retried: int = 0
     differing: int = 0
     tokens_lost: int = 0
+    codes: collections.Counter[str] = field(default_factory=collections.Counter)
     errors: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
 
@@ -70,7 +87,8 @@ class Tally:
 class Deployment:
     """`pdserve local` as the tests run it (tests/support/local_run.py), plus the faults' handles."""
 
-    def __init__(self, model: str, log_dir: Path, slots: int, max_len: int) -> None:
+    def __init__(self, model: str, log_dir: Path, slots: int, max_len: int, proxied: bool) -> None:
+        links = ["--env", f"PDSERVE_POD_IP={ADVERTISED}"] if proxied else []
         self.run = LocalRun.start(
             log_dir,
             "--model",
@@ -97,10 +115,23 @@ class Deployment:
             "PDSERVE_READINESS_TIMEOUT_MS=3000",
             "--env",
             "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+            *links,
         )
+        self.proxy = self._proxy_links() if proxied else None
         self.url = self.run.url
         self.model = served_model(self.url)
         self.seen_pids: set[int] = set()
+
+    def _proxy_links(self) -> FaultProxy:
+        """Each worker's gRPC and transfer port, listened on at the advertised address and
+        forwarded to where the worker really listens; a group per worker."""
+        proxy = FaultProxy()
+        for c in self.run.manifest["children"]:
+            for key in ("grpc", "transfer"):
+                if c["role"] in ("prefill", "decode") and c.get(key):
+                    host, port = c[key].rsplit(":", 1)
+                    proxy.link(c["name"], (ADVERTISED, int(port)), (host, int(port)))
+        return proxy
 
     def child(self, name: str) -> dict:
         return self.run.child(name)
@@ -132,17 +163,44 @@ class Deployment:
         """Stop; returns the PIDs of children still alive afterwards (must be none)."""
         self.seen_pids.update(c["pid"] for c in self.run.manifest["children"])
         self.run.stop(90)
+        if self.proxy is not None:
+            self.proxy.close()
         return [pid for pid in self.seen_pids if pid_alive(pid)]
 
 
+SDK_RETRIES = 2  # the openai SDK's default max_retries for 408/409/5xx (and connection errors)
+
+
 def complete(d: Deployment, prompt: str, max_tokens: int, tries: int = 8) -> Answer:
-    """One request as the OpenAI client sends it: a 429 is retried after its Retry-After."""
-    for _ in range(tries - 1):
+    """One request as the OpenAI client sends it: a 429 is retried after its Retry-After (up to
+    `tries` times); a 5xx or a connection error that came before any token is retried at most
+    SDK_RETRIES times after the SDK's backoff (0.5 s, doubling). A failure midway through a
+    stream is not retried: the client already has part of the answer."""
+    codes: list[str] = []
+    server_errors = 0
+    for attempt in range(tries):
         answer = _complete_once(d, prompt, max_tokens)
-        if not (answer.error or "").startswith("HTTP 429"):
-            return answer
-        time.sleep(answer.retry_after_s)
-    return _complete_once(d, prompt, max_tokens)
+        codes += answer.codes
+        error = answer.error or ""
+        if error.startswith("HTTP 429") and attempt < tries - 1:
+            time.sleep(answer.retry_after_s)
+            continue
+        retryable = error.startswith("HTTP 5") or (error and not answer.text and not error.startswith("HTTP 4"))
+        if retryable and server_errors < SDK_RETRIES:
+            time.sleep(0.5 * 2**server_errors)
+            server_errors += 1
+            continue
+        break
+    answer.codes = codes
+    answer.retries += server_errors
+    return answer
+
+
+def error_code(status: int | None, body: object) -> str:
+    """What a client would branch on: the HTTP status and the OpenAI error's code (or type)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    code = (error.get("code") or error.get("type")) if isinstance(error, dict) else None
+    return " ".join(str(x) for x in (f"HTTP {status}" if status else "in-stream", code) if x)
 
 
 def _complete_once(d: Deployment, prompt: str, max_tokens: int) -> Answer:
@@ -160,7 +218,12 @@ def _complete_once(d: Deployment, prompt: str, max_tokens: int) -> Answer:
         with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=120) as reply:
             if reply.status_code != 200:
                 answer.retry_after_s = float(reply.headers.get("retry-after", "1"))
-                answer.error = f"HTTP {reply.status_code}: {reply.read().decode()[:200]}"
+                text = reply.read().decode()
+                answer.error = f"HTTP {reply.status_code}: {text[:200]}"
+                try:
+                    answer.codes.append(error_code(reply.status_code, json.loads(text)))
+                except ValueError:
+                    answer.codes.append(f"HTTP {reply.status_code} (not JSON)")
                 return answer
             for line in reply.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -168,6 +231,7 @@ def _complete_once(d: Deployment, prompt: str, max_tokens: int) -> Answer:
                 chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     answer.error = str(chunk["error"])[:200]
+                    answer.codes.append(error_code(None, chunk))
                 for choice in chunk.get("choices", []):
                     answer.text += choice.get("text", "")
                     answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
@@ -176,14 +240,25 @@ def _complete_once(d: Deployment, prompt: str, max_tokens: int) -> Answer:
                 answer.retries = chunk.get("pdserve", {}).get("retries", answer.retries)
     except httpx.HTTPError as exc:
         answer.error = repr(exc)
+        answer.codes.append(f"client {type(exc).__name__}")
     return answer
 
 
+PROCESS_FAULTS = ["kill decode", "kill prefill", "freeze prefill", "kill broker"]
+LINK_FAULTS = ["delay links", "stall links", "reset links"]
+
+
 def inject_faults(d: Deployment, every_s: float, stop: threading.Event, rng: random.Random, tally: Tally) -> None:
+    faults = PROCESS_FAULTS + (LINK_FAULTS if d.proxy is not None else [])
     while not stop.wait(every_s):
         if not d.healthy():  # let the last fault heal first: one fault at a time
             continue
-        fault = rng.choice(["kill decode", "kill prefill", "freeze prefill", "kill broker"])
+        fault = rng.choice(faults)
+        if fault in LINK_FAULTS:
+            name = rng.choice(["decode", "prefill"]) + f"-{rng.randrange(2)}"
+            tally.faults.append(f"{fault} into {name}")
+            link_fault(d, fault, name, rng, stop)
+            continue
         name = {"kill decode": f"decode-{rng.randrange(2)}", "kill broker": "broker"}.get(
             fault, f"prefill-{rng.randrange(2)}"
         )
@@ -196,6 +271,20 @@ def inject_faults(d: Deployment, every_s: float, stop: threading.Event, rng: ran
             d.signal(name, signal.SIGKILL)
 
 
+def link_fault(d: Deployment, fault: str, name: str, rng: random.Random, stop: threading.Event) -> None:
+    """One network fault on every link into worker `name`; returns once it healed."""
+    assert d.proxy is not None
+    if fault == "delay links":
+        d.proxy.delay(name, ms=200, seconds=4)
+        stop.wait(4.0)
+    elif fault == "stall links":
+        seconds = rng.uniform(2.0, 6.0)  # both sides of the 3 s readiness and 2 s transfer timeouts
+        d.proxy.stall(name, seconds)
+        stop.wait(seconds)
+    else:
+        d.proxy.reset(name)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=60)
@@ -205,6 +294,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=180.0, help="time bound of the faulty phase")
     ap.add_argument("--model", default=None, help="HF folder (default: a tiny random-weight model)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--links", choices=["direct", "proxied"], default="direct", help="proxied: network faults too (module doc)"
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
@@ -215,7 +307,7 @@ def main() -> int:
 
         model = str(write_tiny_model(work / "tiny-model"))
     (work / "logs").mkdir()
-    d = Deployment(model, work / "logs", slots=4, max_len=256)
+    d = Deployment(model, work / "logs", slots=4, max_len=256, proxied=args.links == "proxied")
     tally = Tally()
     leaked = -1
     try:
@@ -236,8 +328,15 @@ def main() -> int:
                 futures[pool.submit(complete, d, p, args.max_tokens)] = p
                 while sum(not f.done() for f in futures) >= args.concurrency:
                     time.sleep(0.02)
+                if len(futures) % 50 == 0:  # progress: a soak runs minutes
+                    print(
+                        f"[{time.monotonic() - started:5.0f} s] {len(futures)} requests sent, "
+                        f"{len(tally.faults)} faults so far",
+                        flush=True,
+                    )
             for future, prompt in futures.items():
                 a = future.result()
+                tally.codes.update(a.codes)
                 if a.error is not None:
                     tally.failed += 1
                     tally.errors.append(a.error)
@@ -265,6 +364,12 @@ def main() -> int:
         f"requests completed {tally.completed} / failed {tally.failed} / retried {tally.retried} "
         f"(of {tally.completed + tally.failed})"
     )
+    print(
+        "error codes met (retried or final): "
+        + (", ".join(f"{c} x{n}" for c, n in tally.codes.most_common()) or "none")
+    )
+    if d.proxy is not None:
+        print(f"proxied links: {d.proxy.counters()}")
     print(f"answers differing from the undisturbed run: {tally.differing}")
     print(f"tokens lost: {tally.tokens_lost}")
     print(f"slots leaked: {leaked}")

@@ -487,6 +487,7 @@ class LocalDeployment:
                     "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
                     "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None,
                     "admin": f"{HOST}:{c.env[E.ADMIN_PORT_ENV]}" if E.ADMIN_PORT_ENV in c.env else None,
+                    "transfer": f"{HOST}:{c.env[S.TRANSFER_PORT_ENV]}" if S.TRANSFER_PORT_ENV in c.env else None,
                 }
                 for c in self.children
             ],

@@ -1,0 +1,165 @@
+"""A TCP proxy that injects network faults: the soak's stand-in for a network that delays,
+loses and resets (there is no netem on these machines).
+
+One `FaultProxy` runs an asyncio loop in a thread and serves any number of *links*: a listening
+address forwarding to an upstream one. Links are grouped by a name (a child of `pdserve local`:
+every port it serves), and faults hit every link of a group, open connections and new ones alike:
+
+- `delay(name, ms, seconds)`: each chunk waits `ms` before it is forwarded (latency; also what
+  a lossy link looks like to TCP, whose retransmissions turn loss into delay);
+- `stall(name, seconds)`: nothing is forwarded either way until it heals, new connections are
+  accepted and held too (a partition that heals: the peers see silence, not an error, and TCP
+  delivers everything afterwards, as it would after retransmitting);
+- `reset(name)`: every open connection is aborted with a TCP RST (SO_LINGER 0), both sides.
+
+Counters per group (connections, bytes, resets) say what the faults met.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+CHUNK = 64 * 1024
+
+
+@dataclass
+class _Group:
+    delay_s: float = 0.0
+    delay_until: float = 0.0
+    stall_until: float = 0.0
+    connections: int = 0
+    bytes: int = 0
+    resets: int = 0
+    open: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = field(default_factory=set)
+
+
+def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    writer.transport.abort()
+
+
+class FaultProxy:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._groups: dict[str, _Group] = {}
+        self._servers: list[asyncio.Server] = []
+        self._thread = threading.Thread(target=self.loop.run_forever, name="fault-proxy", daemon=True)
+        self._thread.start()
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    def link(self, name: str, listen: tuple[str, int], upstream: tuple[str, int]) -> tuple[str, int]:
+        """Forward `listen` (port 0: a free one) to `upstream`, as part of group `name`; returns
+        the bound address."""
+        group = self._groups.setdefault(name, _Group())
+
+        async def start() -> tuple[str, int]:
+            async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await self._serve(group, upstream, reader, writer)
+
+            server = await asyncio.start_server(handle, listen[0], listen[1], reuse_address=True)
+            self._servers.append(server)
+            host, port = server.sockets[0].getsockname()[:2]
+            return host, port
+
+        bound: tuple[str, int] = self._run(start())
+        return bound
+
+    async def _serve(
+        self, group: _Group, upstream: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        group.connections += 1
+        await self._gate(group)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*upstream)
+        except OSError:
+            _abort_with_rst(writer)  # as the upstream refused: the client sees a reset
+            return
+        pair = (writer, up_writer)
+        group.open.add(pair)
+        try:
+            await asyncio.gather(self._pump(group, reader, up_writer), self._pump(group, up_reader, writer))
+        finally:
+            group.open.discard(pair)
+            for w in pair:
+                w.close()
+
+    async def _gate(self, group: _Group) -> None:
+        while (wait := group.stall_until - time.monotonic()) > 0:
+            await asyncio.sleep(min(wait, 0.05))
+        if group.delay_s and time.monotonic() < group.delay_until:
+            await asyncio.sleep(group.delay_s)
+
+    async def _pump(self, group: _Group, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(CHUNK):
+                await self._gate(group)
+                dst.write(data)
+                await dst.drain()
+                group.bytes += len(data)
+            if dst.can_write_eof():
+                dst.write_eof()
+        except (ConnectionError, OSError):
+            _abort_with_rst(dst)
+
+    # ---- faults (callable from any thread) ---------------------------------------------------
+
+    def delay(self, name: str, ms: float, seconds: float) -> None:
+        g = self._groups[name]
+        g.delay_s, g.delay_until = ms / 1000.0, time.monotonic() + seconds
+
+    def stall(self, name: str, seconds: float) -> None:
+        self._groups[name].stall_until = time.monotonic() + seconds
+
+    def reset(self, name: str) -> int:
+        """Abort every open connection of the group with RST; returns how many."""
+        group = self._groups[name]
+
+        async def abort() -> int:
+            pairs = list(group.open)
+            for pair in pairs:
+                for w in pair:
+                    _abort_with_rst(w)
+            group.resets += len(pairs)
+            return len(pairs)
+
+        n: int = self._run(abort())
+        return n
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {
+            n: {"connections": g.connections, "bytes": g.bytes, "resets": g.resets} for n, g in self._groups.items()
+        }
+
+    def close(self) -> None:
+        async def shut() -> None:
+            for server in self._servers:
+                server.close()
+            for group in self._groups.values():
+                for pair in list(group.open):
+                    for w in pair:
+                        w.transport.abort()
+
+        self._run(shut())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self.loop.close()
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""The soak's fault-injecting proxy (tests/support/fault_proxy.py) does what it says: forwards,
+delays, stalls then delivers everything, and resets connections with RST."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from support.fault_proxy import FaultProxy
+
+
+@pytest.fixture
+def echo() -> Iterator[tuple[str, int]]:
+    """An echo server on 127.0.0.1 (a free port), stopped by the test."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+            except ConnectionResetError:
+                return  # what a reset does to the upstream side too
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield server.getsockname()[:2]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def round_trip(sock: socket.socket, payload: bytes) -> tuple[bytes, float]:
+    started = time.monotonic()
+    sock.sendall(payload)
+    got = b""
+    while len(got) < len(payload):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    return got, time.monotonic() - started
+
+
+def test_forwards_delays_stalls_and_resets(echo: tuple[str, int]) -> None:
+    with FaultProxy() as proxy:
+        addr = proxy.link("decode-0", ("127.0.0.1", 0), echo)
+        with socket.create_connection(addr, timeout=5) as sock:
+            got, fast = round_trip(sock, b"x" * 1000)
+            assert got == b"x" * 1000
+
+            proxy.delay("decode-0", ms=150, seconds=5)
+            got, slow = round_trip(sock, b"hello")
+            assert got == b"hello" and slow >= 0.3 > fast  # 150 ms each way
+
+            proxy.delay("decode-0", ms=0, seconds=0)
+            proxy.stall("decode-0", seconds=0.6)
+            got, stalled = round_trip(sock, b"held, not lost")
+            assert got == b"held, not lost" and stalled >= 0.5  # silence, then everything
+
+            assert proxy.reset("decode-0") == 1
+            with pytest.raises(ConnectionResetError):
+                sock.sendall(b"after the reset")
+                if not sock.recv(10):
+                    raise ConnectionResetError("closed")  # an orderly close would not be a reset
+        counters = proxy.counters()["decode-0"]
+        assert counters["connections"] == 1 and counters["resets"] == 1 and counters["bytes"] >= 2000
+
+
+def test_an_upstream_that_refuses_is_a_reset_for_the_client() -> None:
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there now
+    with FaultProxy() as proxy:
+        addr = proxy.link("gone", ("127.0.0.1", 0), ("127.0.0.1", port))
+        with socket.create_connection(addr, timeout=5) as sock:
+            with pytest.raises(ConnectionResetError):
+                if not sock.recv(10):
+                    raise AssertionError("an orderly close, not a reset")
