@@ -21,13 +21,15 @@ Status (what an HPA reads through /scale): `replicas` is the role's current coun
 pods, decode groups), `selector` its pods. An adapter never synced (no status yet) loses to
 the service. Adapters another controller owns are left alone. Where the CRD is missing
 (`helm upgrade` never updates a chart's crds/), the operator logs it once per service and
-serves on without adapters: apply manifests/crd.yaml to get them.
+serves on without adapters, looking again every CRD_RECHECK_S (5 min; not at every reconcile):
+apply manifests/crd.yaml to get them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -93,18 +95,26 @@ def status_of(adapter: Live, replicas: int, selector: str) -> dict[str, Any]:
     }
 
 
+CRD_RECHECK_S = 300.0  # how often a service without the adapter CRD looks for it again
+
+
 class ScalingAdapters:
     """The adapters' side of a reconcile: `sync` before the children, `report` after."""
 
-    def __init__(self, kube: KubeClient) -> None:
+    def __init__(self, kube: KubeClient, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
-        self._missing: set[str] = set()  # services told once that the CRD is not installed
+        self.monotonic = monotonic
+        # Services whose adapters could not be made because the CRD is not installed, and when
+        # to look again: without it every reconcile paid a GET and a failed CREATE.
+        self._missing: dict[str, float] = {}
 
     async def sync(
         self, body: Live, owner: ch.Owner, spec: s.PDInferenceServiceSpec, post: EventFn
     ) -> tuple[Live, dict[str, Live]]:
         """The service as it is after the sync (patched when an adapter won) and each role's adapter."""
         adapters: dict[str, Live] = {}
+        if self.monotonic() < self._missing.get(owner.key, 0.0):
+            return body, {}
         for role in ADAPTER_ROLES:
             name = ch.adapter_name(owner.name, role)
             adapter = await asyncio.to_thread(self.kube.get, ADAPTER, owner.namespace, name)
@@ -132,14 +142,17 @@ class ScalingAdapters:
     async def _create(self, owner: ch.Owner, role: str, replicas: int) -> Live | None:
         """The new adapter; None when it was made since our get (the next reconcile syncs it)."""
         try:
-            return await asyncio.to_thread(self.kube.create, ch.scaling_adapter(owner, role, replicas))
+            created = await asyncio.to_thread(self.kube.create, ch.scaling_adapter(owner, role, replicas))
+            self._missing.pop(owner.key, None)
+            return created
         except KubeError as exc:
             if exc.status == 409:
                 return None
             if exc.status != 404:
                 raise
-        if owner.key not in self._missing:
-            self._missing.add(owner.key)
+        told = owner.key in self._missing
+        self._missing[owner.key] = self.monotonic() + CRD_RECHECK_S
+        if not told:
             log.warning(
                 kv(
                     event="adapter_crd_missing",

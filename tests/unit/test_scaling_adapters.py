@@ -7,7 +7,7 @@ from kube_fake import fake_kube, reconcile, reconciler, service
 from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
-from pdserve_operator.scaling_adapters import ADAPTER_IGNORED, SCALE_REFUSED, Decision, decide
+from pdserve_operator.scaling_adapters import ADAPTER_IGNORED, CRD_RECHECK_S, SCALE_REFUSED, Decision, decide
 
 ADAPTER = KINDS["PDScalingAdapter"]
 NS = "team"
@@ -92,6 +92,19 @@ def test_without_the_adapter_crd_the_service_is_served_and_told_once() -> None:
     out = reconcile(rec, NS, "svc")
     assert out is not None and "Deployment/svc-prefill" in out.created
     assert [a.verb for a in kube.actions if a.kind == "PDScalingAdapter"] == ["get", "create"]  # not per role
+    # Nor per reconcile: the next ones do not ask again until the recheck is due.
+    now = [0.0]
+    rec.adapters.monotonic = lambda: now[0]
+    rec.adapters._missing[f"{NS}/svc"] = now[0] + CRD_RECHECK_S
+    kube.clear()
+    reconcile(rec, NS, "svc")
+    assert [a for a in kube.actions if a.kind == "PDScalingAdapter"] == []
+    now[0] += CRD_RECHECK_S  # due: it looks again, and finds the CRD installed meanwhile
+    kube.reactors.clear()
+    reconcile(rec, NS, "svc")
+    verbs = [a.verb for a in kube.actions if a.kind == "PDScalingAdapter"]
+    assert verbs[:4] == ["get", "create", "get", "create"]  # both made (then their status written)
+    assert kube.inner.get(ADAPTER, NS, "svc-prefill") is not None
 
 
 def test_an_adapter_another_controller_owns_is_left_alone() -> None:
