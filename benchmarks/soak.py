@@ -16,7 +16,10 @@ forwards each of its gRPC and KV-transfer ports: every router → prefill, route
 prefill → decode (KV and notifications) and decode → decode (migration) connection crosses it.
 The faults then also include, for all links into one worker: a delay (200 ms a chunk for 4 s;
 what loss looks like under TCP), a stall (2-6 s of silence that then heals: a partition), and
-a reset of every open connection (RST).
+a reset of every open connection (RST). With `--links netns` (root, iproute2) each worker's
+links also cross a veth pair of its own into a network namespace of the soak's and back
+(tests/support/netns_links.py), and one more fault cuts that pair for 2-6 s: a real partition,
+the kernel dropping both legs' packets until the link is set up again.
 
 Prints requests completed / failed / retried, every error code met (retried ones too), answers
 that differ from the undisturbed run, tokens lost (must be 0) and decode slots leaked once
@@ -48,6 +51,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from support.fault_proxy import FaultProxy  # noqa: E402
 from support.local_run import LocalRun, pid_alive, served_model  # noqa: E402  (the tests' way of running `pdserve local`)
+from support.netns_links import NetnsLinks  # noqa: E402
 
 ADVERTISED = "127.0.0.2"  # --links proxied: what workers advertise; the proxy listens there
 
@@ -87,7 +91,8 @@ class Tally:
 class Deployment:
     """`pdserve local` as the tests run it (tests/support/local_run.py), plus the faults' handles."""
 
-    def __init__(self, model: str, log_dir: Path, slots: int, max_len: int, proxied: bool) -> None:
+    def __init__(self, model: str, log_dir: Path, slots: int, max_len: int, links_mode: str) -> None:
+        proxied = links_mode != "direct"
         links = ["--env", f"PDSERVE_POD_IP={ADVERTISED}"] if proxied else []
         self.run = LocalRun.start(
             log_dir,
@@ -117,20 +122,28 @@ class Deployment:
             "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
             *links,
         )
-        self.proxy = self._proxy_links() if proxied else None
+        self.netns: NetnsLinks | None = None
+        self.proxy = self._proxy_links(links_mode == "netns") if proxied else None
         self.url = self.run.url
         self.model = served_model(self.url)
         self.seen_pids: set[int] = set()
 
-    def _proxy_links(self) -> FaultProxy:
+    def _proxy_links(self, netns: bool) -> FaultProxy:
         """Each worker's gRPC and transfer port, listened on at the advertised address and
-        forwarded to where the worker really listens; a group per worker."""
+        forwarded to where the worker really listens (with `netns`, across its veth pair); a
+        group per worker."""
         proxy = FaultProxy()
+        self.netns = NetnsLinks(proxy) if netns else None
         for c in self.run.manifest["children"]:
-            for key in ("grpc", "transfer"):
-                if c["role"] in ("prefill", "decode") and c.get(key):
-                    host, port = c[key].rsplit(":", 1)
-                    proxy.link(c["name"], (ADVERTISED, int(port)), (host, int(port)))
+            ports = [int(c[key].rsplit(":", 1)[1]) for key in ("grpc", "transfer") if c.get(key)]
+            if c["role"] not in ("prefill", "decode"):
+                continue
+            if self.netns is not None:
+                self.netns.add(c["name"], ports, ADVERTISED)
+            for port in [] if self.netns is not None else ports:
+                proxy.link(c["name"], (ADVERTISED, port), ("127.0.0.1", port))
+        if self.netns is not None:
+            self.netns.start()
         return proxy
 
     def child(self, name: str) -> dict:
@@ -163,6 +176,8 @@ class Deployment:
         """Stop; returns the PIDs of children still alive afterwards (must be none)."""
         self.seen_pids.update(c["pid"] for c in self.run.manifest["children"])
         self.run.stop(90)
+        if self.netns is not None:
+            self.netns.close()
         if self.proxy is not None:
             self.proxy.close()
         return [pid for pid in self.seen_pids if pid_alive(pid)]
@@ -249,12 +264,12 @@ LINK_FAULTS = ["delay links", "stall links", "reset links"]
 
 
 def inject_faults(d: Deployment, every_s: float, stop: threading.Event, rng: random.Random, tally: Tally) -> None:
-    faults = PROCESS_FAULTS + (LINK_FAULTS if d.proxy is not None else [])
+    faults = PROCESS_FAULTS + (LINK_FAULTS if d.proxy is not None else []) + (["partition"] if d.netns else [])
     while not stop.wait(every_s):
         if not d.healthy():  # let the last fault heal first: one fault at a time
             continue
         fault = rng.choice(faults)
-        if fault in LINK_FAULTS:
+        if fault in LINK_FAULTS or fault == "partition":
             name = rng.choice(["decode", "prefill"]) + f"-{rng.randrange(2)}"
             tally.faults.append(f"{fault} into {name}")
             link_fault(d, fault, name, rng, stop)
@@ -281,6 +296,14 @@ def link_fault(d: Deployment, fault: str, name: str, rng: random.Random, stop: t
         seconds = rng.uniform(2.0, 6.0)  # both sides of the 3 s readiness and 2 s transfer timeouts
         d.proxy.stall(name, seconds)
         stop.wait(seconds)
+    elif fault == "partition":
+        assert d.netns is not None
+        seconds = rng.uniform(2.0, 6.0)
+        d.netns.partition(name, cut=True)
+        try:
+            stop.wait(seconds)
+        finally:
+            d.netns.partition(name, cut=False)
     else:
         d.proxy.reset(name)
 
@@ -295,7 +318,10 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="HF folder (default: a tiny random-weight model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--links", choices=["direct", "proxied"], default="direct", help="proxied: network faults too (module doc)"
+        "--links",
+        choices=["direct", "proxied", "netns"],
+        default="direct",
+        help="proxied: network faults too; netns: and a veth partition (module doc)",
     )
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -307,7 +333,7 @@ def main() -> int:
 
         model = str(write_tiny_model(work / "tiny-model"))
     (work / "logs").mkdir()
-    d = Deployment(model, work / "logs", slots=4, max_len=256, proxied=args.links == "proxied")
+    d = Deployment(model, work / "logs", slots=4, max_len=256, links_mode=args.links)
     tally = Tally()
     leaked = -1
     try:

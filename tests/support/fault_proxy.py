@@ -163,3 +163,28 @@ class FaultProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python fault_proxy.py LISTEN=UPSTREAM ...` (host:port each): a relay without faults, until
+    SIGTERM. The soak runs one inside its network namespace, so that links cross a veth pair
+    that it can cut (benchmarks/soak.py --links netns)."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("links", nargs="+", help="LISTEN_HOST:PORT=UPSTREAM_HOST:PORT")
+    args = ap.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with FaultProxy() as proxy:
+        for spec in args.links:
+            listen, upstream = (part.rsplit(":", 1) for part in spec.split("="))
+            proxy.link(spec, (listen[0], int(listen[1])), (upstream[0], int(upstream[1])))
+        print("relaying", flush=True)
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()
