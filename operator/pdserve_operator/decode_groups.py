@@ -55,6 +55,12 @@ class DecodeWorkload:
             return tuple(f"{self.name}-{g * self.shards}" for g in groups)
         return tuple(f"{self.name}-{g}" for g in groups)
 
+    def runs(self, pod: dict[str, Any]) -> bool:
+        """Whether this workload runs the pod: during a switch of groupScheduling the pods of
+        the other kind still match the decode selector until they are gone."""
+        lws = ch.LWS_GROUP_INDEX in ((pod.get("metadata") or {}).get("labels") or {})
+        return lws == (self.kind == "LeaderWorkerSet")
+
     def place(self, pod: dict[str, Any]) -> int:
         """A pod's place in the groups as a StatefulSet ordinal would say it (group × shards +
         member), so one rule (`status.ready_groups`) counts complete groups of either kind."""

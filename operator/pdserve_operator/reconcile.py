@@ -354,7 +354,7 @@ class Reconciler:
         if decode.shards > 1:  # complete groups need every member pod ready
             selector = ch.selector_string(name, "decode")
             pods = await asyncio.to_thread(self.kube.list, KINDS["Pod"], svc.owner.namespace, selector)
-            decode_pods = tuple(_pod_readiness(decode, p) for p in pods)
+            decode_pods = tuple(_pod_readiness(decode, p) for p in pods if decode.runs(p))
         return st.Observed(
             prefill=live.get(("Deployment", ch.workload_name(name, "prefill"))),
             decode=live.get(decode.key),

@@ -49,6 +49,10 @@ def test_a_pod_is_placed_by_ordinal_or_by_lws_labels() -> None:
     # LWS's worker pod chat-decode-2-3: its name's last number is not an ordinal; its labels are.
     pod = {"metadata": {"name": "chat-decode-2-3", "labels": {lws.GROUP_INDEX: "2", lws.WORKER_INDEX: "3"}}}
     assert group.place(pod) == 11
+    # During a switch of groupScheduling both kinds' pods match the selector: each counts its own.
+    old_sts_pod = {"metadata": {"name": "chat-decode-9", "labels": {}}}
+    assert group.runs(pod) and not group.runs(old_sts_pod)
+    assert sts.runs(old_sts_pod) and not sts.runs(pod)
     with pytest.raises(ValueError, match="'chat-decode-2-3' lacks the LeaderWorkerSet index labels"):
         group.place({"metadata": {"name": "chat-decode-2-3", "labels": {lws.GROUP_INDEX: "2"}}})
 
@@ -170,3 +174,22 @@ def test_a_statefulset_service_never_reads_the_lws_api() -> None:
     reconcile(rec, NS, "chat")
     assert not [a for a in kube.actions if a.kind == "LeaderWorkerSet"]
     assert kube.inner.get(PDIS, NS, "chat")["status"]["decode"]["workloadKind"] == "StatefulSet"
+
+
+def test_a_reconcile_mid_switch_counts_only_its_own_kinds_pods() -> None:
+    """Switching to a LeaderWorkerSet while the StatefulSet's pods still run: those pods (no
+    LWS labels) match the decode selector too, and must neither crash nor count."""
+    kube = fake_kube()
+    kube.inner.create(service("chat", NS, LWS))
+    labels = ch.labels("chat", "decode")
+    for name, extra in (("chat-decode-5", {}), ("chat-decode-1", {lws.GROUP_INDEX: "1", lws.WORKER_INDEX: "0"})):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {**labels, **extra}},
+        }
+        pod["status"] = {"conditions": [{"type": "Ready", "status": "True"}]}
+        kube.inner.create(pod)
+    out = reconcile(reconciler(kube), NS, "chat")
+    assert out is not None and "LeaderWorkerSet/chat-decode" in out.created
+    assert kube.inner.get(PDIS, NS, "chat")["status"]["decode"]["ready"] == 0  # one member of a 4-pod group
