@@ -152,11 +152,19 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
     raise TimeoutError(f"{url} did not serve within {timeout_s:.0f} s; log {log}")
 
 
-def start_vllm(folder: Path, dtype: str, port: int, logs: Path, python: Path, extra: tuple[str, ...] = ()) -> Server:
+def start_vllm(
+    folder: Path,
+    dtype: str,
+    port: int,
+    logs: Path,
+    python: Path,
+    extra: tuple[str, ...] = (),
+    omp_bind: str | None = None,  # default: every core to its one rank ("0-N"); "0|1": a core per rank
+) -> Server:
     cpus = len(os.sched_getaffinity(0))
     env = {
         **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": omp_bind or f"0-{cpus - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "HF_HUB_OFFLINE": "1",

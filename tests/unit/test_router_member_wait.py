@@ -60,3 +60,33 @@ async def test_a_member_that_joins_meanwhile_is_used() -> None:
     with pytest.raises(NoMember, match="no decode worker"):
         await drain(pd)
     await joining
+
+
+@pytest.mark.asyncio
+async def test_only_failed_members_left_fails_now_unless_one_left_lately() -> None:
+    """The registered prefill failed this request (it stays avoided): waiting is worth it only
+    when another one left a moment ago (restarting), not when it is all the deployment has."""
+    from pdserve_worker.api.backend import BackendUnavailable
+    from pdserve_worker.router.pd_backend import _none_left
+
+    only = [Member(MemberInfo(worker_id="prefill-0", role=Role.PREFILL, revision=REV), load=Load())]
+    alone = _none_left(Role.PREFILL, REV, only, departed=False)
+    assert type(alone) is BackendUnavailable and "but the failed prefill-0" in str(alone)
+    assert isinstance(_none_left(Role.PREFILL, REV, only, departed=True), NoMember)
+    assert isinstance(_none_left(Role.PREFILL, REV, [], departed=False), NoMember)
+
+
+def test_departures_are_remembered_for_a_window_and_forgotten_on_return() -> None:
+    from pdserve_worker.router.departures import Departures
+
+    now = [0.0]
+    d = Departures(window_s=60.0, clock=lambda: now[0])
+    assert not d.recent(Role.PREFILL)
+    d.left(Role.PREFILL, "prefill-1")
+    assert d.recent(Role.PREFILL) and not d.recent(Role.DECODE)
+    d.joined(Role.PREFILL, "prefill-1")  # back as itself
+    assert not d.recent(Role.PREFILL)
+    d.left(Role.PREFILL, "prefill-7f9c")  # a Deployment pod: it comes back under another name
+    now[0] = 61.0
+    assert not d.recent(Role.PREFILL)  # past the window: forgotten (and dropped)
+    assert d._left[Role.PREFILL] == {}

@@ -65,6 +65,7 @@ from pdserve_worker.kv.block_events import MAX_EVENTS_PER_REPLY
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.tokenizer import Tokenizer
+from pdserve_worker.router.departures import Departures
 from pdserve_worker.router.kv_index import ReportedIndex
 from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
@@ -143,6 +144,7 @@ class PDBackend(ModelTokenizing):
         self._channels = ChannelPool(token, tls, self.spawn, grace_s=timeouts.prefill_s)
         self._inflight_decode: Counter[str] = Counter()
         self._inflight_prefill: Counter[str] = Counter()
+        self._departures = Departures()  # who left lately: worth waiting for when none is left
         self._background: set[asyncio.Task[None]] = set()
         # Set when a decode is found lost (left the membership and does not answer): its streams end.
         self._lost: dict[str, asyncio.Event] = {}
@@ -242,7 +244,10 @@ class PDBackend(ModelTokenizing):
         member = event.member
         if member is None:
             return
+        if event.type is EventType.ADDED:
+            self._departures.joined(member.role, member.worker_id)
         if event.type is EventType.REMOVED:
+            self._departures.left(member.role, member.worker_id)
             if member.role is Role.PREFILL and self._prefixes is not None:
                 self._prefixes.forget(member.worker_id)  # a prefill that comes back holds nothing
             if member.role is Role.PREFILL and self._reported is not None:
@@ -490,9 +495,10 @@ class PDBackend(ModelTokenizing):
     def _pick_prefill(self, avoid: set[str], tokens: list[int], cache_scope: str) -> Member:
         """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
         (router/prefix_routing.py), else the shortest queue; remembered as holding it now."""
-        ranked = _excluding(rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision), avoid)
+        members = rank_prefills(self.view.members.values(), self._inflight_prefill, self.revision)
+        ranked = _excluding(members, avoid)
         if not ranked:
-            raise NoMember(f"no prefill worker of model revision {self.revision} is registered")
+            raise _none_left(Role.PREFILL, self.revision, members, self._departures.recent(Role.PREFILL))
         if self._prefixes is None:
             return ranked[0]
         by_id = {m.worker_id: m for m in ranked}
@@ -517,9 +523,10 @@ class PDBackend(ModelTokenizing):
     async def reserve_decode(
         self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: set[str]
     ) -> tuple[Member, worker_pb2.Grant]:
-        ranked = _excluding(rank_decodes(self.view.members.values(), self._inflight_decode, self.revision), avoid)
+        members = rank_decodes(self.view.members.values(), self._inflight_decode, self.revision)
+        ranked = _excluding(members, avoid)
         if not ranked:
-            raise NoMember(f"no decode worker of model revision {self.revision} is registered")
+            raise _none_left(Role.DECODE, self.revision, members, self._departures.recent(Role.DECODE))
         request = worker_pb2.ReserveRequest(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, lease_ms=self._t.lease_ms
         )
@@ -894,6 +901,18 @@ _RETRYABLE_DECODE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
 )
 _PREFILL_AT_FAULT = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+
+
+def _none_left(role: Role, revision: str, members: list[Member], departed: bool) -> BackendUnavailable:
+    """No member this request may use. Worth waiting for (NoMember) when none is registered at
+    all, or one of the role left lately (restarting, or the view refilling after a broker
+    restart); not when the registered ones are all the deployment has and each failed this
+    request already: waiting would only delay its error."""
+    if not members:
+        return NoMember(f"no {role} worker of model revision {revision} is registered")
+    failed = ", ".join(m.worker_id for m in members)
+    text = f"no {role} worker of model revision {revision} is registered but the failed {failed}"
+    return NoMember(text) if departed else BackendUnavailable(text)
 
 
 def _excluding(ranked: list[Member], avoid: set[str]) -> list[Member]:
