@@ -11,7 +11,9 @@ bf16 in both servers. Four servers, one at a time, each warmed up the same way, 
 `--requests` prompts of `--tokens` tokens one after the other, 8 output tokens each:
 - vLLM, tp 1 (both cores, `VLLM_CPU_OMP_THREADS_BIND=0-1`) and tp 2 (`--tensor-parallel-size
   2`, a core per rank: `0|1`);
-- pdserve 1P1D (`pdserve local`) and 1P1D with `--prefill-tp 2` (the prefill's two ranks, gloo
+- pdserve 1P1D (`pdserve local`, which shares the cores among its model processes: the prefill
+  gets 1 thread), the same with `--threads 2` (the prefill gets both cores, as vLLM's tp 1
+  does), and 1P1D with `--prefill-tp 2` (the prefill's two ranks, 1 thread each, gloo
   all_reduce, each pushing its own heads' KV to the decode).
 Prints TTFT p50 per server and the tp 2 ÷ tp 1 ratio of each, with progress; writes
 benchmarks/figures/tp_vs_vllm.{json,png}. On 2 cores tensor parallelism cannot make a prefill
@@ -34,6 +36,7 @@ import vs_vllm as vv  # noqa: E402  (its servers, client and summaries)
 from tensor_parallel import SHAPE  # noqa: E402
 
 FIGURES = Path(__file__).resolve().parent / "figures"
+SERVERS = ("vllm-tp1", "vllm-tp2", "pdserve-tp1", "pdserve-tp1-threads2", "pdserve-tp2")
 
 
 def start(name: str, folder: Path, port: int, logs: Path, vllm_python: Path) -> vv.Server:
@@ -42,7 +45,8 @@ def start(name: str, folder: Path, port: int, logs: Path, vllm_python: Path) -> 
         return vv.start_vllm(folder, "bfloat16", port, logs, vllm_python)
     if name == "vllm-tp2":  # a core per rank
         return vv.start_vllm(folder, "bfloat16", port, logs, vllm_python, ("--tensor-parallel-size", "2"), "0|1")
-    extra = ["--prefill", "1", "--decode", "1"] + (["--prefill-tp", "2"] if name == "pdserve-tp2" else [])
+    extra = ["--prefill", "1", "--decode", "1"]
+    extra += {"pdserve-tp2": ["--prefill-tp", "2"], "pdserve-tp1-threads2": ["--threads", "2"]}.get(name, [])
     return vv.start_pdserve(name, str(folder), "bfloat16", port, logs, extra)
 
 
@@ -63,7 +67,8 @@ def plot(table: dict[str, dict[str, Any]], path: Path, where: str) -> None:
 
     names = list(table)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(names, [table[n]["ttft_p50_s"] for n in names], color=["#888", "#bbb", "#1f77b4", "#8fbbd9"])
+    ax.bar(names, [table[n]["ttft_p50_s"] for n in names], color=["#888", "#bbb", "#1f77b4", "#4a90c8", "#8fbbd9"])
+    ax.tick_params(axis="x", labelrotation=20)
     ax.set_ylabel("TTFT p50 (s)")
     ax.set_title(f"{where}: tp 1 vs tp 2, same model and client")
     fig.tight_layout()
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = write_tiny_model(work / "model", **{**SHAPE, "max_position_embeddings": 4096})
     tokenizer = AutoTokenizer.from_pretrained(folder)
     table: dict[str, dict[str, Any]] = {}
-    for name in ("vllm-tp1", "vllm-tp2", "pdserve-tp1", "pdserve-tp2"):
+    for name in SERVERS:
         (work / name).mkdir()
         server = start(name, folder, args.port, work / name, args.vllm_python)
         try:
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         "vllm_tp2_over_tp1": table["vllm-tp2"]["ttft_p50_s"] / table["vllm-tp1"]["ttft_p50_s"],
         "pdserve_tp2_over_tp1": table["pdserve-tp2"]["ttft_p50_s"] / table["pdserve-tp1"]["ttft_p50_s"],
+        "pdserve_tp2_over_tp1_threads2": table["pdserve-tp2"]["ttft_p50_s"]
+        / table["pdserve-tp1-threads2"]["ttft_p50_s"],
         "pdserve_over_vllm_tp2": table["pdserve-tp2"]["ttft_p50_s"] / table["vllm-tp2"]["ttft_p50_s"],
     }
     for key, value in ratios.items():
