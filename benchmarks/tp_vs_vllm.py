@@ -70,7 +70,7 @@ def plot(table: dict[str, dict[str, Any]], path: Path, where: str) -> None:
     ax.bar(names, [table[n]["ttft_p50_s"] for n in names], color=["#888", "#bbb", "#1f77b4", "#4a90c8", "#8fbbd9"])
     ax.tick_params(axis="x", labelrotation=20)
     ax.set_ylabel("TTFT p50 (s)")
-    ax.set_title(f"{where}: tp 1 vs tp 2, same model and client")
+    ax.set_title(f"TTFT, tp 1 vs tp 2, same model and client\n{where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
