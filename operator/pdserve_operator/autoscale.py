@@ -178,11 +178,6 @@ def router_report(load: Any) -> RouterReport | None:
     )
 
 
-def decode_leader_ids(name: str, spec: s.PDInferenceServiceSpec, groups: range) -> tuple[str, ...]:
-    """Worker ids (pod names) of decode groups: a group registers as its member 0."""
-    return dg.of(name, spec).leader_ids(groups)
-
-
 class Autoscaler:
     def __init__(
         self,
@@ -223,11 +218,12 @@ class Autoscaler:
             self._states.pop(owner.key, None)  # a manual scale-down's drain (manual_decode) stays
             return None
         state = self._states.setdefault(owner.key, _State())
+        decode = dg.of(owner.name, spec)
         workloads = {
             "prefill": live.get(("Deployment", ch.workload_name(owner.name, "prefill"))),
-            "decode": live.get(dg.of(owner.name, spec).key),
+            "decode": live.get(decode.key),
         }
-        per = {"prefill": 1, "decode": dg.of(owner.name, spec).per_replica}
+        per = {"prefill": 1, "decode": decode.per_replica}
         current = {r: int(((w or {}).get("spec") or {}).get("replicas") or 0) // per[r] for r, w in workloads.items()}
         ready = {
             r: int(((w or {}).get("status") or {}).get("readyReplicas") or 0) // per[r] for r, w in workloads.items()
@@ -361,7 +357,8 @@ class Autoscaler:
                 desired = banded
             state.reasons["prefill"], state.desired["prefill"] = reason, desired
             if desired != current["prefill"]:
-                await self._scale(owner, ch.workload_name(owner.name, "prefill"), desired, workloads, "prefill")
+                prefill = ("Deployment", ch.workload_name(owner.name, "prefill"))
+                await self._scale(owner, prefill, desired, workloads, "prefill")
                 await self._changed(state, "prefill", current["prefill"], desired, reason, post_event)
 
     async def _decode(
@@ -390,7 +387,7 @@ class Autoscaler:
                 # Groups that come back may still be registered from before, drained by us: a
                 # pod that restarts registers afresh, but one that never stopped keeps the mark.
                 await self._undrain(owner, decode.leader_ids(range(current, desired)))
-                await self._scale(owner, decode, decode.replicas(desired), workloads, "decode")
+                await self._scale(owner, decode.key, decode.replicas(desired), workloads, "decode")
                 await self._changed(state, "decode", current, desired, state.reasons["decode"], post_event)
             return
         drain = state.drain = await self._mark(owner, spec, drain, current, desired, now, post_event)
@@ -402,7 +399,7 @@ class Autoscaler:
                 f"{sum(busy.values())} requests still running"
             )
             return
-        await self._scale(owner, decode, decode.replicas(desired), workloads, "decode")
+        await self._scale(owner, decode.key, decode.replicas(desired), workloads, "decode")
         why = state.reasons["decode"] + (
             f"; drain timed out with {sum(busy.values())} requests running" if busy else "; drained"
         )
@@ -425,7 +422,7 @@ class Autoscaler:
         """Mark the decode groups that go (the highest ordinals, which a StatefulSet removes
         first) draining: routers place nothing new there and each decode, seeing the mark in its
         keepalive reply, hands its requests over (docs/migration.md). Returns the drain."""
-        victims = decode_leader_ids(owner.name, spec, range(desired, current))
+        victims = dg.of(owner.name, spec).leader_ids(range(desired, current))
         if drain is None or drain.target != desired:
             if drain is not None:
                 await self._undrain(owner, tuple(v for v in drain.victims if v not in victims))
@@ -501,7 +498,7 @@ class Autoscaler:
                 await self._undrain(owner, drain.victims)
                 await post_event(ev.NORMAL, "ScaleDownCancelled", f"decode stays at {current}: spec asks {desired}")
             return True
-        victims = decode_leader_ids(owner.name, spec, range(desired, current))
+        victims = dg.of(owner.name, spec).leader_ids(range(desired, current))
         if drain is None and not self._handovers(owner.key, victims):
             return True  # none of the groups that go is registered: nothing runs there to drain
         now = self.clock()
@@ -530,13 +527,14 @@ class Autoscaler:
     async def _scale(
         self,
         owner: ch.Owner,
-        workload: dg.DecodeWorkload | str,
+        workload: tuple[str, str],
         replicas: int,
         workloads: dict[str, Live | None],
         role: str,
     ) -> None:
-        """Write replicas through the scale subresource (the field an autoscaler owns)."""
-        kind, name = workload.key if isinstance(workload, dg.DecodeWorkload) else ("Deployment", workload)
+        """Write replicas of `workload` (kind, name) through its scale subresource (the field an
+        autoscaler owns)."""
+        kind, name = workload
         await asyncio.to_thread(
             self.kube.merge_patch, KINDS[kind], owner.namespace, name, {"spec": {"replicas": replicas}}, "scale"
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve_common.pod_env import ordinal_of
 from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 
@@ -26,7 +27,6 @@ from pdserve_operator import spec as s
 @dataclass(frozen=True)
 class DecodeWorkload:
     kind: str  # "StatefulSet" | "LeaderWorkerSet"
-    api_version: str
     name: str
     shards: int
 
@@ -66,8 +66,6 @@ class DecodeWorkload:
         member), so one rule (`status.ready_groups`) counts complete groups of either kind."""
         meta = pod.get("metadata") or {}
         if self.kind == "StatefulSet":
-            from pdserve_common.pod_env import ordinal_of
-
             return ordinal_of(meta["name"])
         lbl = meta.get("labels") or {}
         try:
@@ -78,5 +76,4 @@ class DecodeWorkload:
 
 def of(name: str, spec: s.PDInferenceServiceSpec) -> DecodeWorkload:
     """The decode workload of service `name` as its spec asks for it."""
-    api, kind = ch.decode_kind(spec)
-    return DecodeWorkload(kind, api, ch.workload_name(name, "decode"), spec.decode.layer_shards)
+    return DecodeWorkload(ch.decode_kind(spec)[1], ch.workload_name(name, "decode"), spec.decode.layer_shards)

@@ -310,9 +310,7 @@ class Reconciler:
         for role in set(("prefill", "decode")) - set(ch.hpa_roles(spec)):
             name = ch.hpa_name(svc.owner.name, role)
             current = await asyncio.to_thread(self.kube.get, kind, svc.owner.namespace, name)
-            if current is None or drift.controller_other_than({svc.owner.uid}, current) is not None:
-                continue
-            if not any(ref.get("uid") == svc.owner.uid for ref in current["metadata"].get("ownerReferences") or []):
+            if not _ours(svc, current):
                 continue
             await asyncio.to_thread(self.kube.delete, kind, svc.owner.namespace, name)
             log.info(kv(event="hpa_removed", service=svc.owner.key, hpa=name, role=role))
@@ -330,9 +328,7 @@ class Reconciler:
             return
         kind = KINDS[was]
         current = await asyncio.to_thread(self.kube.get, kind, svc.owner.namespace, decode.name)
-        if current is None or drift.controller_other_than({svc.owner.uid}, current) is not None:
-            return
-        if not any(ref.get("uid") == svc.owner.uid for ref in current["metadata"].get("ownerReferences") or []):
+        if not _ours(svc, current):
             return
         await asyncio.to_thread(self.kube.delete, kind, svc.owner.namespace, decode.name)
         log.info(kv(event="decode_workload_replaced", service=svc.owner.key, removed=f"{was}/{decode.name}"))
@@ -425,6 +421,14 @@ def _unavailable(want: Live, exc: KubeError) -> str:
     if exc.status == 404:
         return f"{label}: the cluster has no {want['apiVersion']} {want['kind']} API: install {OPTIONAL_KINDS[want['kind']]}"
     return f"{label}: the operator may not write it ({exc.message}): grant it (chart value {GRANTS[want['kind']]})"
+
+
+def _ours(svc: _Service, obj: Live | None) -> bool:
+    """Whether `obj` exists and is this service's to delete: it names the service among its
+    owners and no other controller claims it."""
+    if obj is None or drift.controller_other_than({svc.owner.uid}, obj) is not None:
+        return False
+    return any(ref.get("uid") == svc.owner.uid for ref in obj["metadata"].get("ownerReferences") or [])
 
 
 def _pod_readiness(decode: dg.DecodeWorkload, pod: Live) -> tuple[int, bool]:

@@ -91,7 +91,7 @@ def test_decode_groups_run_as_one_leader_worker_set(
 
     # Every pod LWS would make finds its group and member, and its group's members by DNS.
     secret = cluster.get("Secret", namespace, ch.secret_name(NAME))
-    decode = dg.DecodeWorkload("LeaderWorkerSet", ch.LWS_API_VERSION, name, 2)
+    decode = dg.DecodeWorkload("LeaderWorkerSet", name, 2)
     places = {}
     for pod in create_pods(cluster, namespace, obj, groups=2, size=2):
         env = worker_settings(lws.pod_environ(pod, pod["metadata"]["name"], pod["metadata"]["labels"], secret))

@@ -36,16 +36,16 @@ def rendered(spec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     ],
 )
 def test_counts_and_leaders_of_either_kind(kind: str, per: int, leaders: tuple[str, ...]) -> None:
-    d = dg.DecodeWorkload(kind, "x", "chat-decode", 4)
+    d = dg.DecodeWorkload(kind, "chat-decode", 4)
     assert d.per_replica == per
     assert d.replicas(3) == 3 * per and d.groups(d.replicas(3)) == 3
     assert d.leader_ids(range(2, 4)) == leaders
 
 
 def test_a_pod_is_placed_by_ordinal_or_by_lws_labels() -> None:
-    sts = dg.DecodeWorkload("StatefulSet", "apps/v1", "chat-decode", 4)
+    sts = dg.DecodeWorkload("StatefulSet", "chat-decode", 4)
     assert sts.place({"metadata": {"name": "chat-decode-9"}}) == 9
-    group = dg.DecodeWorkload("LeaderWorkerSet", ch.LWS_API_VERSION, "chat-decode", 4)
+    group = dg.DecodeWorkload("LeaderWorkerSet", "chat-decode", 4)
     # LWS's worker pod chat-decode-2-3: its name's last number is not an ordinal; its labels are.
     pod = {"metadata": {"name": "chat-decode-2-3", "labels": {lws.GROUP_INDEX: "2", lws.WORKER_INDEX: "3"}}}
     assert group.place(pod) == 11

@@ -96,6 +96,10 @@ MEMBER_POLL_S = 0.1  # how often a request waiting for a member looks at the mem
 class NoMember(BackendUnavailable):
     """No prefill (decode) that this request may use is registered right now."""
 
+    def __init__(self, message: str, role: Role) -> None:
+        super().__init__(message)
+        self.role = role
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -331,10 +335,9 @@ class PDBackend(ModelTokenizing):
                     yield event
                 return
             except (NoCapacity, BackendUnavailable) as exc:
-                if isinstance(exc, NoMember):  # none registered: wait a while for one to (re)join
+                if isinstance(exc, NoMember):  # none to use: wait a while for one to (re)join
                     member_deadline = member_deadline or time.monotonic() + self._t.member_wait_s
-                    if time.monotonic() < member_deadline:
-                        await asyncio.sleep(MEMBER_POLL_S)
+                    if await self._member_joined(exc.role, avoid, member_deadline):
                         continue
                 if failure is None:
                     raise
@@ -355,6 +358,18 @@ class PDBackend(ModelTokenizing):
                     raise failure.error from None
                 avoid.add(failure.worker_id)
                 self._note_retry(request_id, retries, failure, len(emitted))
+
+    async def _member_joined(self, role: Role, avoid: set[str], deadline: float) -> bool:
+        """Wait until a member of `role` this request may use is registered (True), or the
+        deadline (False). Only the view is looked at meanwhile: the attempt is not re-run, so
+        nothing (a prefill choice, a prefix record) is counted for each look."""
+        rank = rank_prefills if role is Role.PREFILL else rank_decodes
+        inflight = self._inflight_prefill if role is Role.PREFILL else self._inflight_decode
+        while time.monotonic() < deadline:
+            if _excluding(rank(self.view.members.values(), inflight, self.revision), avoid):
+                return True
+            await asyncio.sleep(MEMBER_POLL_S)
+        return False
 
     def _note_retry(self, request_id: str, retries: int, failure: _Retryable, emitted: int) -> None:
         """Log, trace and count one resume (the next attempt span carries `pdserve.retry`)."""
@@ -909,10 +924,10 @@ def _none_left(role: Role, revision: str, members: list[Member], departed: bool)
     restart); not when the registered ones are all the deployment has and each failed this
     request already: waiting would only delay its error."""
     if not members:
-        return NoMember(f"no {role} worker of model revision {revision} is registered")
+        return NoMember(f"no {role} worker of model revision {revision} is registered", role)
     failed = ", ".join(m.worker_id for m in members)
     text = f"no {role} worker of model revision {revision} is registered but the failed {failed}"
-    return NoMember(text) if departed else BackendUnavailable(text)
+    return NoMember(text, role) if departed else BackendUnavailable(text)
 
 
 def _excluding(ranked: list[Member], avoid: set[str]) -> list[Member]:
