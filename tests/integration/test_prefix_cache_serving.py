@@ -75,6 +75,7 @@ def start(tmp_path_factory, tiny_model_dir, name: str, *mode: str) -> LocalRun:
 @pytest.fixture(scope="module", params=sorted(MODES))
 def local(request, tiny_model_dir, tmp_path_factory):
     run = start(tmp_path_factory, tiny_model_dir, request.param, *MODES[request.param])
+    run.mode = request.param
     yield run
     run.stop_cleanly()
 
@@ -105,20 +106,33 @@ def test_greedy_answers_with_the_prefix_cache_equal_those_without(local, referen
     assert cached[len(TURNS) + 1] > cached[1]  # a repeated long turn reuses more than the system prompt
 
 
-def hit_tokens(local) -> float:
-    """pdserve_prefill_prefix_hit_tokens_total over every process that prefills."""
+def counter(local, roles: tuple[str, ...], name: str) -> float:
+    """The counter `name` summed over every process of `roles` (from their /metrics)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     total = 0.0
     for child in local.manifest["children"]:
-        if child["role"] not in ("prefill", "colocated") or not child["http"]:
+        if child["role"] not in roles or not child["http"]:
             continue
         text = httpx.get(f"http://{child['http']}/metrics", timeout=10).text
         for family in text_string_to_metric_families(text):
-            if family.name == "pdserve_prefill_prefix_hit_tokens":
+            if family.name == name:
                 total += sum(s.value for s in family.samples if s.name.endswith("_total"))
     return total
+
+
+def hit_tokens(local) -> float:
+    """pdserve_prefill_prefix_hit_tokens_total over every process that prefills."""
+    return counter(local, ("prefill", "colocated"), "pdserve_prefill_prefix_hit_tokens")
+
+
+def pushed_and_shared(local) -> tuple[float, float]:
+    """KV bytes the prefills pushed, and KV blocks decodes took from another copy instead."""
+    return (
+        counter(local, ("prefill",), "pdserve_kv_transfer_bytes"),
+        counter(local, ("decode",), "pdserve_decode_kv_shared_blocks"),
+    )
 
 
 def test_n_copies_of_a_prompt_compute_it_once_and_answer_as_single_requests(local, reference):
@@ -139,13 +153,35 @@ def check_copies(local, reference) -> None:
     model = client.models.list().data[0].id
     prompt = SYSTEM + " Three answers to one question about copies, please."
     whole = (len(reference.encode(prompt)) - 1) // 16 * 16  # what a prefill may reuse (it computes the last token)
-    before = hit_tokens(local)
+    before, (pushed_before, shared_before) = hit_tokens(local), pushed_and_shared(local)
     out = client.completions.create(model=model, prompt=prompt, max_tokens=8, n=3, temperature=0.9, seed=11)
     reused = hit_tokens(local) - before
     assert reused >= 2 * whole > 0, (reused, whole)  # copies 1 and 2 reused every whole block of the prompt
+    pushed_n, shared_n = (a - b for a, b in zip(pushed_and_shared(local), (pushed_before, shared_before), strict=True))
     singles = [
         client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.9, seed=11 + i)
         for i in range(3)
     ]
     assert [c.text for c in out.choices] == [s.choices[0].text for s in singles]
     assert out.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counted once
+    if "prefill" not in {child["role"] for child in local.manifest["children"]}:
+        return
+    # PD: pushed once. The other copies took the first copy's whole prompt blocks on the decode
+    # (read-only) and were pushed only the tail; each single request pushed it all. A layer-
+    # sharded group keeps max-length slots, not blocks: nothing to share there, pushed 3 times.
+    pushed_one = (pushed_and_shared(local)[0] - pushed_before - pushed_n) / 3
+    if getattr(local, "mode", "") == "pd-layer-shards-2":
+        assert (shared_n, pushed_n) == (0, pytest.approx(3 * pushed_one))
+        return
+    blocks = out.usage.prompt_tokens // 16
+    assert shared_n == 2 * blocks > 0, (shared_n, blocks)
+    tail = (out.usage.prompt_tokens - blocks * 16) / out.usage.prompt_tokens
+    assert pushed_n == pytest.approx(pushed_one * (1 + 2 * tail)), (pushed_n, pushed_one, tail)
+    # One token each: the first copy has ended before the others reserve; its decode kept the
+    # prompt's blocks for them.
+    _, shared_before = pushed_and_shared(local)
+    short = client.completions.create(model=model, prompt=prompt, max_tokens=1, n=3, temperature=0.9, seed=11)
+    assert [c.text for c in short.choices] == [
+        s.choices[0].text[: len(c.text)] for c, s in zip(short.choices, singles, strict=True)
+    ]
+    assert pushed_and_shared(local)[1] - shared_before == 2 * blocks

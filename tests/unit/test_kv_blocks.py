@@ -187,6 +187,78 @@ def test_sharing_only_whole_committed_prompt_blocks() -> None:
     )
 
 
+def test_a_copy_shares_what_is_still_there_and_must_have_the_same_prompt() -> None:
+    """shared_blocks=None (n copies of a prompt, issue #31): every whole prompt block in common
+    once the source is committed and told its prompt; none before, and none after it ended.
+    The sharing copy's prompt must start with the shared tokens (note_prompt)."""
+    alloc, _ = allocator(num_blocks=16)
+    prompt = list(range(100, 110))  # 10 tokens: 2 whole blocks of 4
+    a = alloc.reserve("a", 5, num_tokens=14, prompt_tokens=10)
+    src = (a.slot, a.generation)
+    early = alloc.reserve("early", 5, num_tokens=14, prompt_tokens=10, share_from=src, shared_blocks=None)
+    assert early.shared == 0  # a's KV has not landed: nothing to share, and no error
+    assert alloc.note_prompt(a.slot, a.generation, prompt) is None
+    alloc.commit(*src)
+    b = alloc.reserve("b", 5, num_tokens=14, prompt_tokens=10, share_from=src, shared_blocks=None)
+    assert b.shared == 2 and b.blocks[:2] == a.blocks[:2] and alloc.refcount(a.blocks[0]) == 2
+    wrong = [*prompt[:5], 7, *prompt[6:]]
+    problem = alloc.note_prompt(b.slot, b.generation, wrong)
+    assert problem is not None and "position 5" in problem and "2 shared KV blocks" in problem
+    assert alloc.note_prompt(b.slot, b.generation, [*prompt[:8], 1, 2]) is None  # the tail is its own
+    short = alloc.reserve("short", 5, num_tokens=9, prompt_tokens=5, share_from=src, shared_blocks=None)
+    assert short.shared == 1  # one whole block in common with a 5-token prompt
+    alloc.release(*src)
+    after = alloc.reserve("after", 5, num_tokens=14, prompt_tokens=10, share_from=src, shared_blocks=None)
+    assert after.shared == 0
+    assert alloc.refcount(a.blocks[0]) == 2  # b and short still hold the shared block
+
+
+def test_an_ended_copy_keeps_its_prompt_blocks_for_the_later_copies_and_lets_them_go() -> None:
+    """keep_for: the first copy may end before the others reserve (a short answer); its whole
+    prompt blocks then wait for them, one share each, and go back after the last, after
+    KEEP_S, or as soon as a reservation needs them."""
+    from pdserve_worker.kv.blocks import KEEP_S
+
+    alloc, clock = allocator(num_blocks=8)
+    prompt = list(range(10))  # 2 whole blocks of 4
+
+    def first(keep: int) -> BlockGrant:
+        g = alloc.reserve("first", 5, num_tokens=12, prompt_tokens=10, keep_for=keep)
+        assert alloc.note_prompt(g.slot, g.generation, prompt) is None
+        alloc.commit(g.slot, g.generation)
+        alloc.release(g.slot, g.generation)  # it answered and ended
+        return g
+
+    def copy(src: BlockGrant, tokens: int = 12) -> BlockGrant:
+        return alloc.reserve(
+            "copy", 5, num_tokens=tokens, prompt_tokens=10, share_from=(src.slot, src.generation), shared_blocks=None
+        )
+
+    a = first(keep=2)
+    assert alloc.usage().kept_blocks == 2 and alloc.usage().free_blocks == 6
+    b, c = copy(a), copy(a)
+    assert b.shared == c.shared == 2 and b.blocks[:2] == c.blocks[:2] == a.blocks[:2]
+    assert alloc.usage().kept_blocks == 0 and alloc.refcount(a.blocks[0]) == 2  # let go after the last copy
+    third = copy(a)
+    assert third.shared == 0  # a third copy was not expected
+    for g in (b, c, third):
+        alloc.release_grant(g.slot, g.generation, push_settled=True)
+    assert alloc.usage().free_blocks == 8
+
+    d = first(keep=1)
+    clock.now += KEEP_S + 0.1
+    assert alloc.usage().kept_blocks == 0 and copy(d).shared == 0  # its copy came too late
+
+    alloc2, _ = allocator(num_blocks=4)
+    g = alloc2.reserve("first", 5, num_tokens=12, prompt_tokens=10, keep_for=1)
+    alloc2.note_prompt(g.slot, g.generation, prompt)
+    alloc2.commit(g.slot, g.generation)
+    alloc2.release(g.slot, g.generation)
+    assert alloc2.usage().kept_blocks == 2 and alloc2.can_admit(16)
+    other = alloc2.reserve("other", 5, num_tokens=16)  # needs all 4 blocks: the kept ones go
+    assert len(other.blocks) == 4 and alloc2.usage().kept_blocks == 0
+
+
 def test_a_refused_lease_grants_nothing() -> None:
     class Refusing(RecordingLeases):
         def granted(self, slot, generation, blocks):
@@ -209,6 +281,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.leases = RecordingLeases()
         self.alloc = BlockTable(layout(12, 4, 6), quarantine_s=3.0, clock=self.clock, leases=self.leases)
         self.grants: list[BlockGrant] = []
+        self.prompts: dict[int, int] = {}
 
     def pick(self, i: int) -> BlockGrant:
         return self.grants[i % len(self.grants)]
@@ -217,10 +290,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         tokens=st.integers(1, 30),
         ttl=st.floats(0.5, 5),
         prompt_frac=st.floats(0.1, 1.0),
-        share=st.integers(0, 3),
+        share=st.integers(0, 4),
         source=st.integers(0, 50),
+        keep=st.integers(0, 2),
     )
-    def reserve(self, tokens, ttl, prompt_frac, share, source):
+    def reserve(self, tokens, ttl, prompt_frac, share, source, keep):
         prompt = max(1, int(tokens * prompt_frac))
         committed = [
             g
@@ -229,11 +303,16 @@ class AllocatorMachine(RuleBasedStateMachine):
             and not self.alloc.is_reserved(g.slot, g.generation)
         ]
         kw = {}
-        if committed and share:
+        if share == 4 and self.grants:  # a later copy: any earlier reservation, live, kept or gone
+            src = self.pick(source)
+            kw = {"share_from": (src.slot, src.generation), "shared_blocks": None}
+        elif committed and share:
             src = committed[source % len(committed)]
             kw = {"share_from": (src.slot, src.generation), "shared_blocks": min(share, prompt // 4)}
         try:
-            grant = self.alloc.reserve(f"r{len(self.grants)}", ttl, num_tokens=tokens, prompt_tokens=prompt, **kw)
+            grant = self.alloc.reserve(
+                f"r{len(self.grants)}", ttl, num_tokens=tokens, prompt_tokens=prompt, keep_for=keep, **kw
+            )
         except NoFreeBlocks:
             return
         except ValueError as exc:
@@ -243,11 +322,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         if kw:
             assert grant.blocks[: grant.shared] == src.blocks[: grant.shared]
         self.grants.append(grant)
+        self.prompts[grant.generation] = prompt
 
     @precondition(lambda self: self.grants)
     @rule(i=st.integers(0, 100))
     def commit(self, i):
         g = self.pick(i)
+        # Every prompt is a prefix of one sequence, so any copy may share with any other.
+        assert self.alloc.note_prompt(g.slot, g.generation, list(range(self.prompts[g.generation]))) is None
         self.alloc.commit(g.slot, g.generation)
 
     @precondition(lambda self: self.grants)
@@ -284,6 +366,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         for h in alloc._handles:
             for b in h.held:
                 refs[b] += 1
+        kept = [b for k in alloc._kept.values() for b in k.blocks]
+        for b in kept:
+            refs[b] += 1
             if h.state in (SlotState.RESERVED, SlotState.COMMITTED):
                 for b in h.blocks[h.shared :]:
                     assert b not in writers, f"block {b} writable in two live reservations"
@@ -298,8 +383,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert set(alloc._free_blocks) == {b for b in range(12) if refs[b] == 0}
         usage = alloc.usage()
         held = {b for h in alloc._handles for b in h.held}
-        assert usage.free_blocks + len(held) == 12
-        assert usage.tokens_used == len(held) * 4
+        kept_only = set(kept) - held
+        assert usage.kept_blocks == len(kept_only)
+        assert usage.free_blocks + len(held | kept_only) == 12
+        assert usage.tokens_used == len(held | kept_only) * 4
+        assert all(k.copies > 0 for k in alloc._kept.values()), "a kept entry outlived its last copy"
         assert set(self.leases.live) == {
             h.generation for h in alloc._handles if h.state is SlotState.RESERVED and h.blocks[h.shared :]
         }

@@ -20,16 +20,28 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_ms")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_ms", "share_from", "keep_for_copies")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FROM_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FOR_COPIES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    share_from: SlotRef
+    keep_for_copies: int
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., share_from: _Optional[_Union[SlotRef, _Mapping]] = ..., keep_for_copies: _Optional[int] = ...) -> None: ...
+
+class SlotRef(_message.Message):
+    __slots__ = ("slot", "generation")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    generation: int
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Grant(_message.Message):
     __slots__ = ("slot", "generation", "engine_id", "base_addr", "kv_layout", "lease_deadline_unix_ms", "worker_id", "request_id", "group_grants", "nonce", "blocks", "shared_blocks")

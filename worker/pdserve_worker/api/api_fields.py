@@ -64,7 +64,8 @@ _COMMON = [
         S,
         "1–64 choices (prompts × n ≤ 64); each served as a request of its own; with a prefix cache the "
         "first copy of a prompt prefills it and the others follow on the same prefill, reusing its cached "
-        "blocks (no copy-on-write KV fork in decode: each copy holds its own KV); with a seed, choice i "
+        "blocks; on a paged decode the others share the first copy's whole prompt blocks read-only and are "
+        "pushed only the tail (a layer-sharded group's slots are not shared); with a seed, choice i "
         "samples with seed + i; usage counts each prompt once",
     ),
     Field("presence_penalty", S, "-2–2, OpenAI's meaning: once per generated token"),

@@ -421,7 +421,7 @@ class _Router:
         parts = body.split()
         calls: list[Callable[[], Awaitable[Response]]]
         if n > 1 and getattr(self.backend, "shares_prompt_prefill", False):  # (api/prompt_copies.py)
-            groups = [prompt_copies.Copies() for _ in range(len(parts) // n)]
+            groups = [prompt_copies.Copies(later=n - 1) for _ in range(len(parts) // n)]
             calls = [
                 functools.partial(self._serve_copy, request, part, tenant, groups[k // n], k % n == 0)
                 for k, part in enumerate(parts)

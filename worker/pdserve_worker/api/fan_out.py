@@ -11,9 +11,9 @@ answer is the response (the others are cancelled and their slots released); one 
 is reported in-band, as a single request's is, and the stream ends.
 
 n copies of a prompt: with a prefix cache the first copy prefills it and the others follow on
-the same prefill, reusing its blocks (api/prompt_copies.py); each copy still holds its own KV in
-decode (no copy-on-write fork there). Usage counts the prompt once, as vLLM does: `n` tells
-which answers are copies of one prompt.
+the same prefill, reusing its blocks, and on the first copy's decode, sharing its whole prompt
+blocks read-only: only the tail is pushed again (api/prompt_copies.py, kv/blocks.py). Usage
+counts the prompt once, as vLLM does: `n` tells which answers are copies of one prompt.
 """
 
 from __future__ import annotations

@@ -10,6 +10,16 @@ reported every 0.25 s (router/kv_index.py). The other copies then prefill only w
 whole cached blocks. What it costs: the other copies' first token comes after the first copy's
 (they would otherwise compute the whole prompt at the same time, on the same machines).
 
+The KV is pushed once too: the first copy's Reserve says how many copies follow, and each later
+copy asks the first copy's decode first, naming that reservation (`share_from`). A paged decode
+grants the later copy the first copy's whole prompt blocks read-only (kv/blocks.py; the prefill's
+push skips them, only the tail of the prompt travels), checks at Generate that the later copy's
+prompt holds the same tokens, and keeps those blocks for the later copies if the first copy has
+already ended (a one-token answer). A copy whose first-copy decode is not a choice (it failed
+this request, or left) reserves plainly elsewhere. The decode step itself is not shared: each
+copy attends over the same blocks in its own row of the batch; no block is ever copied, since a
+copy writes only blocks of its own (positions past the whole prompt blocks).
+
 A copy's group travels in a context variable set by the task that serves it, so the request
 path needs no new argument: `wait_for_first` before a follower takes its admission ticket (it
 holds no place in the queue while it waits), `first_done` when the first copy has its first
@@ -27,8 +37,10 @@ from dataclasses import dataclass, field
 class Copies:
     """The copies of one prompt."""
 
+    later: int = 0  # copies after the first
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
     prefill: str | None = None  # the prefill the first copy ran on
+    decode: tuple[str, int, int] | None = None  # the first copy's reservation: (decode, slot, generation)
 
 
 _CURRENT: ContextVar[tuple[Copies, bool] | None] = ContextVar("pdserve_prompt_copies", default=None)
@@ -64,3 +76,24 @@ def preferred_prefill() -> str | None:
     """For a follower: the prefill that holds its prompt, if the first copy named one."""
     current = _CURRENT.get()
     return current[0].prefill if current is not None and not current[1] else None
+
+
+def note_decode(worker_id: str, slot: int, generation: int) -> None:
+    """The first copy's reservation (the others share its prompt's blocks there)."""
+    current = _CURRENT.get()
+    if current is not None and current[1]:
+        current[0].decode = (worker_id, slot, generation)
+
+
+def later_copies() -> int:
+    """For the first copy: how many copies will follow it (its decode keeps the prompt's blocks
+    for them); 0 for any other request."""
+    current = _CURRENT.get()
+    return current[0].later if current is not None and current[1] else 0
+
+
+def shared_decode() -> tuple[str, int, int] | None:
+    """For a follower: the decode and reservation holding its prompt's KV, if the first copy
+    named one (the decode checks that it is still there, and that the prompts match)."""
+    current = _CURRENT.get()
+    return current[0].decode if current is not None and not current[1] else None

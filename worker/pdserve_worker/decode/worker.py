@@ -221,14 +221,42 @@ class DecodeWorker:
 
     # ---- what a paged pool adds to the request road (kv/blocks.py) --------------------------------
 
-    def reserve(self, request_id: str, ttl_s: float, num_prompt_tokens: int, max_tokens: int) -> Grant:
+    def reserve(
+        self,
+        request_id: str,
+        ttl_s: float,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        share_from: tuple[int, int] | None = None,
+        keep_for: int = 0,
+    ) -> Grant:
         """A grant for a request of `num_prompt_tokens` + `max_tokens`: a slot, or the blocks of
-        exactly that many tokens (raises NoFreeSlot, or its NoFreeBlocks, when there is no room)."""
+        exactly that many tokens (raises NoFreeSlot, or its NoFreeBlocks, when there is no room).
+        `share_from`: another copy of the prompt decoding here, whose whole prompt blocks a paged
+        pool shares read-only (as many as are still there; a slot pool has none to share);
+        `keep_for`: the later copies of this one's prompt, which will ask to share it."""
         if isinstance(self.slots, BlockTable):
             return self.slots.reserve(
-                request_id, ttl_s, num_tokens=num_prompt_tokens + max_tokens, prompt_tokens=num_prompt_tokens
+                request_id,
+                ttl_s,
+                num_tokens=num_prompt_tokens + max_tokens,
+                prompt_tokens=num_prompt_tokens,
+                share_from=share_from,
+                shared_blocks=None,
+                keep_for=min(keep_for, self.slots.max_reservations),
             )
         return self.slots.reserve(request_id, ttl_s)
+
+    def shared_tokens(self, slot: int, generation: int) -> int:
+        """Tokens of (slot, generation)'s prompt held in blocks shared with another copy (not pushed)."""
+        grant = self.slots.grant_of(slot, generation) if isinstance(self.slots, BlockTable) else None
+        return 0 if grant is None else grant.shared * self.layout.block_tokens
+
+    def note_prompt(self, slot: int, generation: int, token_ids: list[int]) -> str | None:
+        """The prompt of a reservation (kv/blocks.py `note_prompt`): why it cannot be, or None."""
+        if isinstance(self.slots, BlockTable):
+            return self.slots.note_prompt(slot, generation, token_ids)
+        return None
 
     def adopt(self, slot: int, generation: int) -> None:
         """The KV of (slot, generation) is committed: decode reads it through its block table."""
@@ -423,7 +451,7 @@ class DecodeWorker:
                     f"first_token): leader {(num_tokens, first_token)}, followers {answers}"
                 )
         waited = time.monotonic() - started
-        self.metrics.observe_transfer(self.kv_bytes(num_tokens), waited)
+        self.metrics.observe_transfer(self.kv_bytes(num_tokens - self.shared_tokens(slot, generation)), waited)
         return Ready(num_tokens, first_token, waited, message, first_logprobs)
 
 
@@ -543,10 +571,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             )
         ttl_s = (request.lease_ms or w.settings.lease_ms) / 1000
         try:
-            grant = w.reserve(request.request_id, ttl_s, request.num_prompt_tokens, request.max_tokens)
+            share = (request.share_from.slot, request.share_from.generation) if request.HasField("share_from") else None
+            grant = w.reserve(
+                request.request_id, ttl_s, request.num_prompt_tokens, request.max_tokens, share, request.keep_for_copies
+            )
         except NoFreeSlot as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        log.debug(kv(event="slot_granted", request=request.request_id, slot=grant.slot, generation=grant.generation))
+        log.debug(
+            kv(
+                event="slot_granted",
+                request=request.request_id,
+                slot=grant.slot,
+                generation=grant.generation,
+                shared_blocks=grant.shared,
+            )
+        )
+        if grant.shared:
+            w.metrics.kv_shared_blocks.inc(grant.shared)
         deadline_ms = int((time.time() + ttl_s) * 1000)
         reply = grant_to_proto(grant, worker_id=w.settings.member_id, lease_deadline_unix_ms=deadline_ms)
         reply.group_grants.extend(
@@ -605,6 +646,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: sampling: {exc}")
         timeout_s = (request.readiness_timeout_ms or w.settings.readiness_timeout_ms) / 1000
+        problem = w.note_prompt(slot, generation, prompt)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {problem}")
         if not w.slots.renew(slot, generation, timeout_s + 5.0):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where} is not a live grant")
         # A streaming handler: its span is ended by hand (tracing.py on spans across yields).
@@ -697,7 +741,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         if out.logprobs is not None:
             event.logprobs.CopyFrom(logprobs_to_proto(out.logprobs))
         if g.index == g.resumed:
-            event.kv_bytes_received = self.w.kv_bytes(ready.num_tokens)
+            event.kv_bytes_received = self.w.kv_bytes(ready.num_tokens - self.w.shared_tokens(g.slot, g.generation))
             event.kv_pushed = True
             event.ready_wait_s = ready.wait_s
             event.num_prompt_tokens = ready.num_tokens

@@ -38,6 +38,13 @@ release, release, release_grant, expiry, quarantine end) goes through the lease 
 whose `_free_resources` here is the one place a reservation's references are given back,
 exactly once.
 
+n copies of one prompt (issue #31): the first copy's reservation may ask to *keep* its whole
+prompt blocks for `keep_for` later copies. While it decodes they share from it; if it ends
+first, `_free_resources` hands those references to a `_Kept` entry instead of giving them
+back, and each later copy's share takes one of its expected copies. A kept entry lets go (its
+one release path, `_let_go`) when its last copy came, after `KEEP_S`, or when a reservation
+needs its blocks: keeping never refuses a request.
+
 `max_reservations` caps concurrent requests (what `slots` means now); capacity is tokens.
 
 All methods are thread-safe; time comes from an injected clock, so tests drive it directly.
@@ -45,6 +52,7 @@ All methods are thread-safe; time comes from an injected clock, so tests drive i
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import time
@@ -90,6 +98,7 @@ class BlockUsage:
     committed_blocks: int  # held by decoding requests (shared blocks counted once)
     quarantined_blocks: int
     block_tokens: int
+    kept_blocks: int = 0  # held only for later copies of a prompt (given up for any reservation)
 
     @property
     def tokens_total(self) -> int:
@@ -118,6 +127,20 @@ class BlockUsage:
         return (self.total_blocks - self.free_blocks) * self.block_tokens
 
 
+KEEP_S = 10.0  # how long an ended copy's prompt blocks wait for the later copies of its prompt
+
+
+@dataclass
+class _Kept:
+    """The whole prompt blocks of an ended reservation, held for later copies of its prompt."""
+
+    blocks: tuple[int, ...]
+    prompt_tokens: int
+    prompt_ids: tuple[int, ...]
+    copies: int  # later copies still expected
+    deadline: float
+
+
 @dataclass
 class _Handle(Reservation):
     blocks: tuple[int, ...] = ()
@@ -125,6 +148,10 @@ class _Handle(Reservation):
     num_tokens: int = 0
     prompt_tokens: int = 0
     held: tuple[int, ...] = ()  # the blocks whose references this reservation still holds
+    # Its prompt's token ids once Generate named them (`note_prompt`); until then, for a
+    # reservation sharing blocks, the tokens those blocks hold (what its prompt must start with).
+    prompt_ids: tuple[int, ...] = ()
+    keep_for: int = 0  # later copies of its prompt that will share its prompt blocks
 
 
 class BlockTable(ReservationTable[_Handle, Grant]):
@@ -161,6 +188,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         # Lowest block first: a fresh pool hands out runs of consecutive blocks, which a push
         # moves as one descriptor per layer (pdserve_common/kv_layout.py).
         self._free_blocks: list[int] = list(range(self.num_blocks))
+        self._kept: dict[int, _Kept] = {}  # by the generation of the reservation that ended
 
     @property
     def max_reservations(self) -> int:
@@ -175,7 +203,8 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         num_tokens: int,
         prompt_tokens: int | None = None,
         share_from: tuple[int, int] | None = None,
-        shared_blocks: int = 0,
+        shared_blocks: int | None = 0,
+        keep_for: int = 0,
     ) -> Grant:
         """Grant a handle and blocks for `num_tokens` tokens for `ttl_s` seconds. Raises NoFreeBlocks.
 
@@ -183,13 +212,19 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         blocks of a reservation's prompt may later be shared.
         `share_from`/`shared_blocks`: take the first `shared_blocks` blocks of the committed
         reservation (slot, generation) read-only instead of fresh ones (their KV is already
-        here, and its decode never writes them: they hold only prompt tokens)."""
+        here, and its decode never writes them: they hold only prompt tokens). `shared_blocks`
+        None: every whole prompt block the two have in common, or none when `share_from` is no
+        longer committed, nor kept, or has not been told its prompt (`note_prompt`): n copies of
+        a prompt share what is still there. `keep_for`: later copies that will share this one's
+        prompt blocks (kept for them if it ends first; see the module's docstring)."""
         prompt, need = self._checked(request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
         self.expire()
         with self._lock:
             now = self._clock()
             self._sweep(now)
-            shared = self._shared_prefix(share_from, shared_blocks, prompt) if shared_blocks else ()
+            if need > len(self._free_blocks):  # kept blocks never stand in a reservation's way
+                self._let_go(lambda gen, kept: share_from is None or gen != share_from[1])
+            shared, expected = self._shared_prefix(share_from, shared_blocks, prompt)
             index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
             if index is None or fresh > len(self._free_blocks):
@@ -198,8 +233,11 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             blocks = shared + self._take(index, generation, fresh)
             for b in blocks:
                 self._refs[b] += 1
+            if shared and share_from is not None:
+                self._copy_came(share_from[1])
             h = self._claim(index, generation, request_id, ttl_s, now)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
+            h.prompt_ids, h.keep_for = expected, keep_for
             grant = self._grant(index, h)
         log.debug(
             kv(
@@ -217,7 +255,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
     # ---- queries -------------------------------------------------------------------------------
 
     def _checked(
-        self, request_id: str, ttl_s: float, num_tokens: int, prompt_tokens: int | None, shared_blocks: int
+        self, request_id: str, ttl_s: float, num_tokens: int, prompt_tokens: int | None, shared_blocks: int | None
     ) -> tuple[int, int]:
         """The request's prompt tokens and blocks needed, or why it can never be granted."""
         if ttl_s <= 0:
@@ -233,19 +271,48 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                 f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
                 f"more than this pool's {self.num_blocks}"
             )
-        if not 0 <= shared_blocks <= need:
+        if shared_blocks is not None and not 0 <= shared_blocks <= need:
             raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
         return prompt, need
 
-    def _shared_prefix(self, share_from: tuple[int, int] | None, shared_blocks: int, prompt: int) -> tuple[int, ...]:
-        """The first `shared_blocks` blocks of a committed reservation (lock held)."""
-        source = self._live(*share_from) if share_from is not None else None
-        if source is None or source.state is not SlotState.COMMITTED:
+    def _shared_prefix(
+        self, share_from: tuple[int, int] | None, shared_blocks: int | None, prompt: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The first `shared_blocks` blocks of a committed reservation, and the prompt tokens they
+        hold as far as it was told them (lock held); see `reserve` for None."""
+        if share_from is None or shared_blocks == 0:
+            return (), ()
+        live = self._live(*share_from)
+        source = live if live is not None and live.state is SlotState.COMMITTED else self._kept.get(share_from[1])
+        whole = 0 if source is None else min(source.prompt_tokens, prompt) // self.block_tokens
+        if shared_blocks is None:
+            shared_blocks = whole if source is not None and source.prompt_ids else 0
+        elif source is None or source is not live:
             raise ValueError(f"share_from {share_from} is not a committed reservation")
-        whole = min(source.prompt_tokens, prompt) // self.block_tokens
-        if shared_blocks > whole:
+        elif shared_blocks > whole:
             raise ValueError(f"cannot share {shared_blocks} blocks: {whole} whole prompt blocks in common")
-        return source.blocks[:shared_blocks]
+        if source is None or shared_blocks == 0:
+            return (), ()
+        return source.blocks[:shared_blocks], source.prompt_ids[: shared_blocks * self.block_tokens]
+
+    def _copy_came(self, generation: int) -> None:
+        """A later copy shared the prompt blocks of `generation`: one fewer to keep them for."""
+        kept = self._kept.get(generation)
+        if kept is not None:
+            kept.copies -= 1
+            self._let_go(lambda gen, k: gen == generation and k.copies <= 0)
+            return
+        for h in self._handles:
+            if h.generation == generation and h.keep_for > 0:
+                h.keep_for -= 1
+
+    def _let_go(self, which: Callable[[int, _Kept], bool]) -> None:
+        """The one release path of kept blocks: the entries `which` names give their references back."""
+        for generation, kept in list(self._kept.items()):
+            if which(generation, kept):
+                del self._kept[generation]
+                self._unref(kept.blocks)
+                log.debug(kv(event="kept_blocks_let_go", generation=generation, blocks=len(kept.blocks)))
 
     def _no_room(self, request_id: str, index: int | None, fresh: int, num_tokens: int) -> NoFreeBlocks:
         usage = self._usage()
@@ -278,6 +345,24 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             h = self._live(slot, generation)
             return None if h is None else self._grant(slot, h)
 
+    def note_prompt(self, slot: int, generation: int, token_ids: Sequence[int]) -> str | None:
+        """Tell (slot, generation) its prompt (Generate names it), for a later copy to share its
+        blocks. A reservation that shares blocks must start with the tokens they hold: the
+        problem, naming the first difference, if it does not (nothing is recorded then)."""
+        with self._lock:
+            h = self._live(slot, generation)
+            if h is None:
+                return None  # (not live: the caller's renew refuses it)
+            expected, given = h.prompt_ids, tuple(token_ids[: len(h.prompt_ids)])
+            if given != expected:
+                at = next((i for i, (a, b) in enumerate(zip(given, expected, strict=False)) if a != b), len(given))
+                return (
+                    f"prompt_token_ids differ at position {at} from the {len(expected)} tokens held by its "
+                    f"{h.shared} shared KV blocks (another copy's prompt)"
+                )
+            h.prompt_ids = tuple(token_ids)
+            return None
+
     def blocks_of(self, slot: int) -> tuple[int, ...]:
         """The block table of the reservation in handle `slot` (what decode attends through)."""
         with self._lock:
@@ -298,14 +383,21 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             self._sweep(self._clock())
             if not any(h.state is SlotState.FREE for h in self._handles):
                 return False
-            return blocks_for(num_tokens, self.block_tokens) <= len(self._free_blocks)
+            return blocks_for(num_tokens, self.block_tokens) <= len(self._free_blocks) + self._kept_only()
+
+    def _kept_only(self) -> int:
+        """Blocks that only kept entries hold (lock held)."""
+        holders = collections.Counter(b for kept in self._kept.values() for b in kept.blocks)
+        return sum(1 for b, n in holders.items() if self._refs[b] == n)
 
     # ---- hooks and internals (lock held) ---------------------------------------------------------
     def _sweep(self, now: float) -> None:
-        """Quarantines that have run their time end: their blocks and handle are free again."""
+        """Quarantines that have run their time end: their blocks and handle are free again; so
+        do kept prompt blocks whose later copies did not come in time."""
         for h in self._handles:
             if h.state is SlotState.QUARANTINED and h.deadline <= now:
                 self._free(h)
+        self._let_go(lambda generation, kept: kept.deadline <= now)
 
     def _quarantine_resources(self, index: int, h: _Handle) -> None:
         """Writable blocks (and the handle) held until the deadline; shared ones, never written
@@ -316,9 +408,17 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             self._free(h)
 
     def _free_resources(self, h: _Handle) -> None:
-        """The one place a reservation gives back its block references (exactly once)."""
-        self._unref(h.held)
-        h.held, h.blocks, h.shared = (), (), 0
+        """The one place a reservation gives back its block references (exactly once); those
+        of its whole prompt blocks go to a `_Kept` entry instead while later copies are expected."""
+        whole = h.prompt_tokens // self.block_tokens
+        if h.state is SlotState.COMMITTED and h.keep_for > 0 and h.prompt_ids and whole:
+            self._kept[h.generation] = _Kept(
+                h.held[:whole], h.prompt_tokens, h.prompt_ids, h.keep_for, self._clock() + KEEP_S
+            )
+            self._unref(h.held[whole:])
+        else:
+            self._unref(h.held)
+        h.held, h.blocks, h.shared, h.prompt_ids, h.keep_for = (), (), 0, (), 0
 
     def _unref(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -354,6 +454,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             len(committed),
             len(blocks[SlotState.QUARANTINED]),
             self.block_tokens,
+            self._kept_only(),
         )
 
     def _grant(self, index: int, h: _Handle) -> Grant:

@@ -543,12 +543,18 @@ class PDBackend(ModelTokenizing):
         if not ranked:
             raise _none_left(Role.DECODE, self.revision, members, self._departures.recent(Role.DECODE))
         request = worker_pb2.ReserveRequest(
-            request_id=request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, lease_ms=self._t.lease_ms
+            request_id=request_id,
+            num_prompt_tokens=num_prompt_tokens,
+            max_tokens=max_tokens,
+            lease_ms=self._t.lease_ms,
+            keep_for_copies=prompt_copies.later_copies(),
         )
+        ranked, sharing = _sharing_first(ranked, request)
         full, failed = 0, []
         for member in ranked:
             stub = worker_pb2_grpc.DecodeStub(self.channel(member))
-            reserve = asyncio.ensure_future(stub.Reserve(request, timeout=self._t.rpc_s))
+            asked = sharing if sharing is not None and member is ranked[0] else request
+            reserve = asyncio.ensure_future(stub.Reserve(asked, timeout=self._t.rpc_s))
             try:
                 # Shielded: cancelled while the Reserve is in flight (the client left), the call
                 # goes on, and a grant that arrives anyway is given back instead of lost.
@@ -724,8 +730,13 @@ class _Attempt:
                     self.request_id, len(self.tokens), self.params.max_tokens - len(self.emitted), self.avoid
                 )
                 reserving.set_attributes(
-                    {"pdserve.decode.member": self.decode.worker_id, "pdserve.slot": self.grant.slot}
+                    {
+                        "pdserve.decode.member": self.decode.worker_id,
+                        "pdserve.slot": self.grant.slot,
+                        "pdserve.kv.shared_blocks": self.grant.shared_blocks or None,
+                    }
                 )
+                prompt_copies.note_decode(self.decode.worker_id, self.grant.slot, self.grant.generation)
         except BaseException as exc:
             self.span.record_exception(exc)
             self.span.end()
@@ -928,6 +939,22 @@ def _none_left(role: Role, revision: str, members: list[Member], departed: bool)
     failed = ", ".join(m.worker_id for m in members)
     text = f"no {role} worker of model revision {revision} is registered but the failed {failed}"
     return NoMember(text, role) if departed else BackendUnavailable(text)
+
+
+def _sharing_first(
+    ranked: list[Member], request: worker_pb2.ReserveRequest
+) -> tuple[list[Member], worker_pb2.ReserveRequest | None]:
+    """A later copy of a prompt (api/prompt_copies.py): the decode holding the first copy's KV
+    first, asked to share its prompt blocks (push once); any other decode gets the plain
+    request. Unchanged when there is no first copy to share with, or its decode is not a choice."""
+    shared = prompt_copies.shared_decode()
+    first = next((m for m in ranked if shared is not None and m.worker_id == shared[0]), None)
+    if shared is None or first is None:
+        return ranked, None
+    sharing = worker_pb2.ReserveRequest()
+    sharing.CopyFrom(request)
+    sharing.share_from.slot, sharing.share_from.generation = shared[1], shared[2]
+    return [first, *(m for m in ranked if m is not first)], sharing
 
 
 def _excluding(ranked: list[Member], avoid: set[str]) -> list[Member]:

@@ -177,6 +177,11 @@ class WorkerMetrics:
                 "Requests this decode took over from a draining decode.",
                 registry=r,
             )
+            self.kv_shared_blocks = Counter(
+                "pdserve_decode_kv_shared_blocks",
+                "KV blocks granted read-only from another copy of the same prompt (n > 1) instead of pushed again.",
+                registry=r,
+            )
         if role == "prefill":
             self.queue_wait = Histogram(
                 "pdserve_prefill_queue_wait_seconds",
