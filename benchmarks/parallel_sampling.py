@@ -1,11 +1,11 @@
 """Parallel sampling (n > 1) against vLLM (CPU): same weights, same client, one run (issue #31 item 2).
 
 Setup (once; an optional peer):  bash benchmarks/setup_vllm.sh
-Run:    .venv/bin/python benchmarks/parallel_sampling.py [--servers vllm,pd,pd-singles]
+Run:    .venv/bin/python benchmarks/parallel_sampling.py [--servers vllm,pd,pd-singles,colocated]
                                                        [--n 4] [--prompt-tokens 1000] [--quick]
 
-Each request asks for n completions of one prompt (temperature 1, a seed each, ignore_eos so
-every choice generates max_tokens), non-streamed, `--concurrency` requests at a time, every
+Each request asks for n completions of one prompt (temperature 1, with --seed a seed each,
+ignore_eos so every choice generates max_tokens), non-streamed, `--concurrency` requests at a time, every
 request a prompt of its own. Servers, one at a time with both cores (benchmarks/vs_vllm.py
 starts them the same way, on the same HF folder):
 - `vllm`: vLLM forks the sequences in its scheduler (the prompt computed and held once);
@@ -14,10 +14,13 @@ starts them the same way, on the same HF folder):
   the tail is pushed again: api/prompt_copies.py, kv/blocks.py);
 - `pd-singles`: the same deployment sent the n copies as n requests of their own, at once (what
   a client without n support does, and what pdserve's KV path did before the decode shared
-  blocks): every copy computes and pushes the whole prompt.
+  blocks): every copy pushes the whole prompt (one prefill runs them one after the other, so
+  its prefix cache spares the later ones the compute all the same);
+- `colocated`: `pdserve local --colocated` (one process, both cores; no KV to push).
 
 Prints per server the request latency p50, output tokens/s and, for pdserve, the KV bytes the
-prefill pushed and the prompt tokens it computed per request (from its /metrics); the ratios
+prefill pushed and the prompt tokens it computed (not found in its prefix cache) per request
+(from its /metrics); the ratios
 pd ÷ vLLM and pd ÷ pd-singles. Writes parallel_sampling.json and a PNG to --out.
 """
 
@@ -48,6 +51,7 @@ class Load:
     max_tokens: int
     concurrency: int
     singles: bool = False  # n requests of one choice each instead of one request of n
+    seeded: bool = False  # a seed per request (choice i: seed + i)
 
 
 @dataclass
@@ -57,15 +61,14 @@ class Outcome:
     failed: int = 0
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, load: Load, seed: int, out: Outcome) -> None:
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, load: Load, seed: int, out: Outcome
+) -> None:
     """One prompt's n choices: one request with n, or (singles) n requests at once."""
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": load.max_tokens, "temperature": 1.0}
+    body = {"model": model, "prompt": prompt, "max_tokens": load.max_tokens, "temperature": 1.0}
     body |= {"ignore_eos": True}
-    bodies = (
-        [body | {"n": 1, "seed": seed + i} for i in range(load.n)]
-        if load.singles
-        else [body | {"n": load.n, "seed": seed}]
-    )
+    seeds = [{"seed": seed + i} if load.seeded else {} for i in range(load.n)]
+    bodies = [body | {"n": 1} | s for s in seeds] if load.singles else [body | {"n": load.n} | seeds[0]]
     started = time.perf_counter()
     replies = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=b) for b in bodies))
     if any(r.status_code != 200 for r in replies):
@@ -83,13 +86,14 @@ async def run_load(url: str, load: Load) -> tuple[Outcome, float]:
     async def gated(i: int, prompt: str) -> None:
         nonlocal done
         async with gate:
-            await one_request(client, url, prompt, load, 1000 * i, out)
+            await one_request(client, url, model, prompt, load, 1000 * i, out)
         done += 1
         if done % max(1, len(load.prompts) // 4) == 0:
             print(f"    {done}/{len(load.prompts)} requests", flush=True)
 
     started = time.perf_counter()
     async with httpx.AsyncClient(timeout=600) as client:
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]  # (each server names it)
         await asyncio.gather(*(gated(i, p) for i, p in enumerate(load.prompts)))
     return out, time.perf_counter() - started
 
@@ -117,7 +121,7 @@ def pdserve_counters(server: vs_vllm.Server, logs: Path) -> dict[str, float]:
 
 
 def measure(server: vs_vllm.Server, load: Load, logs: Path) -> dict[str, Any]:
-    is_pdserve = server.name != "vllm"
+    is_pdserve = server.name.startswith("pd")
     before = pdserve_counters(server, logs) if is_pdserve else {}
     out, wall = asyncio.run(run_load(server.url, load))
     row: dict[str, Any] = {
@@ -129,18 +133,24 @@ def measure(server: vs_vllm.Server, load: Load, logs: Path) -> dict[str, Any]:
     if is_pdserve:
         after = pdserve_counters(server, logs)
         row |= {k: (after[k] - before[k]) / len(load.prompts) for k in after}  # per request (n choices)
+        row["prompt_tokens_computed"] = row.pop("prompt_tokens_prefilled") - row["prefix_hit_tokens"]
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", default="vllm,pd,pd-singles")
+    parser.add_argument("--servers", default="vllm,pd,pd-singles,colocated")
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="2 requests, 16 tokens out")
+    parser.add_argument(
+        "--seed",
+        action="store_true",
+        help="give each request a seed (vLLM 0.32 CPU's engine died on seeded requests with chunked prefills here)",
+    )
     parser.add_argument("--vllm-python", type=Path, default=vs_vllm.VLLM_VENV / "bin" / "python")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-vs-vllm")
     parser.add_argument("--out", type=Path, default=serve.ROOT / "benchmarks" / "figures")
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [
                 vs_vllm.prompt_text(tokenizer, args.prompt_tokens, random.Random(i)) for i in range(args.requests)
             ]
-            load = Load(prompts, args.n, args.max_tokens, args.concurrency, singles=name.endswith("singles"))
+            load = Load(prompts, args.n, args.max_tokens, args.concurrency, name.endswith("singles"), args.seed)
             print(f"  [{name}] {len(prompts)} requests × n={args.n}, {args.concurrency} at a time", flush=True)
             table[name] = measure(server, load, logs)
             print(f"  [{name}] {table[name]}", flush=True)
@@ -189,20 +199,21 @@ def start(
         return vs_vllm.start_vllm(folder, dtype, port, logs, args.vllm_python)
     if name in ("pd", "pd-singles"):
         return vs_vllm.start_pdserve(name, str(folder), dtype, port, logs, ["--prefill", "1", "--decode", "1"])
+    if name == "colocated":
+        return vs_vllm.start_pdserve(name, str(folder), dtype, port, logs, ["--colocated"])
     raise SystemExit(f"unknown server {name!r}")
 
 
 def report(table: dict[str, dict[str, Any]], args: argparse.Namespace, where: str) -> None:
     base, pd, singles = table.get("vllm"), table.get("pd"), table.get("pd-singles")
     ratios: dict[str, float] = {}
-    if base and pd:
-        ratios["pd_latency_over_vllm"] = pd["latency_p50_s"] / base["latency_p50_s"]
-        ratios["pd_tok_s_over_vllm"] = pd["tok_per_s"] / base["tok_per_s"]
+    for name in ("pd", "colocated"):
+        if base and name in table:
+            ratios[f"{name}_latency_over_vllm"] = table[name]["latency_p50_s"] / base["latency_p50_s"]
+            ratios[f"{name}_tok_s_over_vllm"] = table[name]["tok_per_s"] / base["tok_per_s"]
     if pd and singles:
         ratios["pd_kv_bytes_over_singles"] = pd["kv_bytes_pushed"] / max(1.0, singles["kv_bytes_pushed"])
-        ratios["pd_prefilled_over_singles"] = pd["prompt_tokens_prefilled"] / max(
-            1.0, singles["prompt_tokens_prefilled"]
-        )
+        ratios["pd_computed_over_singles"] = pd["prompt_tokens_computed"] / max(1.0, singles["prompt_tokens_computed"])
         ratios["pd_latency_over_singles"] = pd["latency_p50_s"] / singles["latency_p50_s"]
     for name, row in table.items():
         print(
