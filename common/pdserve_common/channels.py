@@ -150,7 +150,7 @@ _DECODE = frozenset({"decode"})
 WORKER_POLICY: Policy = {
     **{f"/pdserve.v1.Decode/{m}": _ROUTER for m in ("Reserve", "Generate", "Release", "Status", "Migrate")},
     **{f"/pdserve.v1.Prefill/{m}": _ROUTER for m in ("Prefill", "Cancel", "BlockEvents")},
-    **{f"/pdserve.v1.DecodeShard/{m}": _DECODE for m in ("Describe", "Forward", "WaitReady")},
+    **{f"/pdserve.v1.DecodeShard/{m}": _DECODE for m in ("Describe", "Forward", "WaitReady", "PushHandoff")},
 }
 
 

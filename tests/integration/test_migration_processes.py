@@ -1,5 +1,7 @@
 """Live migration through real processes (issue #17's acceptance): `pdserve local` (broker, one
-prefill, two decodes, router; the tiny model with 16 layers, and the real default model SmolLM2).
+prefill, two decodes, router; the tiny model with 16 layers, and the real default model SmolLM2;
+and two layer-sharded groups of 2 members each, where decode-0/decode-1 below are their leaders
+and each member pushes its own layers, issue #29).
 
 4 greedy streams of 256 tokens and 2 seeded sampled ones run on decode-0 (decode-1's slots
 are held meanwhile, so the router puts them all on decode-0); then decode-0 is drained through
@@ -43,15 +45,18 @@ def deep_tiny_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-16-layers"), num_layers=16)
 
 
-@pytest.fixture(scope="module", params=["tiny-16-layers", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny-16-layers", "smollm2", "tiny-16-layers-groups"])
 def local(request, tmp_path_factory):
     """The tiny model in fp32, and the real default model as a user runs it (`builtin:smollm2`,
     dtype and weights auto: bf16 where the CPU has it, int4 matrices; a route whose logits do not
-    depend on the batch, tests/unit/test_batch_invariance.py)."""
+    depend on the batch, tests/unit/test_batch_invariance.py); and the tiny model on two layer-
+    sharded decode groups of 2 members (each member pushes its own layers when its group drains)."""
     if request.param == "smollm2":
         model = ["builtin:smollm2"]
     else:
         model = [str(request.getfixturevalue("deep_tiny_dir")), "--dtype", "float32"]
+    if request.param.endswith("-groups"):
+        model += ["--layer-shards", "2"]
     run = LocalRun.start(
         tmp_path_factory.mktemp("pd-migrate"),
         "--model",
@@ -98,6 +103,11 @@ REQUESTS = [(p, None) for p in GREEDY] + SEEDED
 
 def model_of(local: LocalRun) -> str:
     return served_model(local.url)
+
+
+def decodes(local: LocalRun) -> list[str]:
+    """The decode instances routers see: decode-0, decode-1, or their groups' leaders."""
+    return sorted(c["name"] for c in local.manifest["children"] if c["role"] == "decode")
 
 
 @pytest.fixture(scope="module")
@@ -172,15 +182,38 @@ def run_streams(local: LocalRun, when_chunks: int, action) -> tuple[list[Answer]
     return answers, result
 
 
+def forged_member_pushes_are_refused(local: LocalRun) -> int:
+    """A group follower's PushHandoff (its layers of a request, to any engine named) runs only for
+    a decode's token (a router's is refused by the policy) and that reservation's nonce. Returns
+    how many followers were probed (none outside the groups deployment)."""
+    from pdserve.v1 import shard_pb2, shard_pb2_grpc
+    from pdserve_common.auth import role_token
+
+    followers = [c for c in local.manifest["children"] if c["role"] == "decode-member"]
+    forged = shard_pb2.PushHandoffRequest(slot=0, generation=1, nonce="00" * 16, num_tokens=4)
+    for follower in followers:
+        with grpc.insecure_channel(follower["grpc"]) as channel:
+            shard = shard_pb2_grpc.DecodeShardStub(channel)
+            for role, needle in (("router", "may not call"), ("decode", "nonce is not that reservation's")):
+                meta = (("authorization", f"Bearer {role_token(local.token, role)}"),)
+                with pytest.raises(grpc.RpcError) as refused:
+                    shard.PushHandoff(forged, metadata=meta, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+                assert needle in refused.value.details()
+    return len(followers)
+
+
 def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
-    held = Held(local, "decode-1")
+    source, target = decodes(local)
+    assert forged_member_pushes_are_refused(local) == (2 if source.count("-") == 2 else 0)  # decode-0-0: a group
+    held = Held(local, target)
     drain: dict = {}
 
     def drain_decode_0() -> None:
-        held.release()  # decode-1 has room again: the migrations' target
+        held.release()  # the target has room again
         drain["prefills"] = prefills_served(local)
         started = time.monotonic()
-        drain["answer"] = local.drain("decode-0")
+        drain["answer"] = local.drain(source)
         drain["seconds"] = time.monotonic() - started
         drain["prefills_after"] = prefills_served(local)
 
@@ -188,20 +221,20 @@ def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
     for a, text in zip(answers, reference):
         assert a.error is None and a.completion_tokens == MAX_TOKENS and a.finish_reason == "length"
         assert a.text == text, "a migrated stream's text differs from the undisturbed run"
-        assert a.pdserve.get("migrations") == 1 and a.pdserve.get("decode") == "decode-1", a.pdserve
+        assert a.pdserve.get("migrations") == 1 and a.pdserve.get("decode") == target, a.pdserve
         assert not a.pdserve.get("retries")
-    print(f"drain of decode-0 with {len(REQUESTS)} streams: {drain['seconds']:.3f}s")
+    print(f"drain of {source} with {len(REQUESTS)} streams: {drain['seconds']:.3f}s")
     assert drain["answer"].get("drained") is True
     assert drain["seconds"] < 2.0, f"the drain took {drain['seconds']:.2f}s"
     assert drain["prefills_after"] == drain["prefills"], "a prefill was made during the drain"
-    channel, decode0 = stub(local, "decode-0")
+    channel, decode0 = stub(local, source)
     with channel:
         status = decode0.Status(worker_pb2.StatusRequest(), metadata=auth(local), timeout=5)
     assert status.slots_free == status.slots_total and status.kv_tokens_used == 0 and status.active_requests == 0
-    source, target = scrape(local.child("decode-0")["http"]), scrape(local.child("decode-1")["http"])
-    assert source['pdserve_decode_migrations_total{outcome="migrated"}'] == len(REQUESTS)
-    assert source["pdserve_decode_migration_bytes_total"] > 0
-    assert target["pdserve_decode_migrations_received_total"] == len(REQUESTS)
+    sent, received = scrape(local.child(source)["http"]), scrape(local.child(target)["http"])
+    assert sent['pdserve_decode_migrations_total{outcome="migrated"}'] == len(REQUESTS)
+    assert sent["pdserve_decode_migration_bytes_total"] > 0
+    assert received["pdserve_decode_migrations_received_total"] == len(REQUESTS)
     router = scrape(local.url.removeprefix("http://"))
     assert router['pdserve_router_migrations_total{outcome="migrated"}'] == len(REQUESTS)
     assert router.get('pdserve_router_migrations_total{outcome="fallback"}', 0) == 0

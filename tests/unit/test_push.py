@@ -281,3 +281,45 @@ def test_layer_chunks() -> None:
     assert layer_chunks(range(2, 9), 3) == [range(2, 5), range(5, 8), range(8, 9)]
     with pytest.raises(ValueError):
         layer_chunks(range(4), 0)
+
+
+def test_a_group_migrates_each_members_layers_into_any_split_and_notifies_once(decodes: list[Decode]) -> None:
+    """decode/migration.py: a layer-sharded group (layers 0-2 and 3-5) hands a request over to a
+    plain decode and to a group split otherwise (0-1, 2-5). Each source member writes exactly the
+    layers it and each target share; only the leader notifies, once per target."""
+    from pdserve_worker.decode.migration import MigrationPusher
+
+    members = []
+    for first, seed in ((0, 1), (3, 2)):
+        backend = create_engine("cpu")
+        backend.check(backend.engine.initialize("127.0.0.1", {}), "initialize")
+        pool = KVPool(backend, layout(2, 16, first_layer=first, num_layers=3))
+        ctypes.memmove(pool.base_addr, random.Random(seed).randbytes(pool.nbytes), pool.nbytes)
+        members.append((backend, pool))
+    full, low, high = Decode(layout(3, 16)), Decode(layout(2, 16, 0, 2)), Decode(layout(2, 16, 2, 4))
+    decodes += [full, low, high]
+    try:
+        for targets in ([full.target(2)], [low.target(1), high.target(0)]):
+            pushers = [
+                MigrationPusher(backend, PushSource(pool.base_addr, pool.layout, 1), (), targets, TOKENS)
+                for backend, pool in members
+            ]
+            for pusher, (_, pool) in zip(pushers, members, strict=True):
+                for chunk in layer_chunks(pool.layout.layer_range, 2):
+                    pusher.push_chunk(chunk)
+            follower_stats = pushers[1].settle()
+            leader_stats = pushers[0].finish({"first_token": 7})
+            assert leader_stats.bytes + follower_stats.bytes == LAYERS * 2 * TOKENS * 16  # every layer once
+            for t in targets:
+                d = next(x for x in (full, low, high) if x.engine_id == t.engine_id)
+                for layer in d.pool.layout.layer_range:
+                    _, pool = members[0] if layer < 3 else members[1]
+                    for kv_index in (K, V):
+                        addr, length = pool.run(1, layer, kv_index, TOKENS)
+                        assert d.run(t.slot, layer, kv_index, TOKENS) == ctypes.string_at(addr, length)
+                _, notes = d.backend.engine.get_notifies()
+                assert [json.loads(n.notify_msg)["first_token"] for n in notes] == [7]  # the leader's, once
+    finally:
+        for backend, pool in members:
+            pool.close()
+            backend.engine.finalize()

@@ -217,3 +217,20 @@ def test_a_live_member_is_replaced_only_with_its_own_lease() -> None:
     assert second.lease_id != first.lease_id
     registry.register("ns/a", moved)  # the service token may
     assert [m.info.grpc_endpoint for m in registry.members("ns/a")] == ["6.6.6.6:1"]
+
+
+def test_every_worker_method_is_named_in_the_policy() -> None:
+    """A method the policy does not name is open to every role (auth.py): a new RPC of a worker
+    service (shard.proto's PushHandoff, say) must say who may call it, or this fails."""
+    from pdserve.v1 import shard_pb2, worker_pb2
+    from pdserve_common.channels import WORKER_POLICY
+
+    methods = {
+        f"/{service.full_name}/{method.name}"
+        for module in (worker_pb2, shard_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    assert len(methods) > 10
+    assert methods - set(WORKER_POLICY) == set()
+    assert WORKER_POLICY["/pdserve.v1.DecodeShard/PushHandoff"] == frozenset({"decode"})

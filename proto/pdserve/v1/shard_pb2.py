@@ -23,25 +23,30 @@ _sym_db = _symbol_database.Default()
 
 
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
+from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/shard.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x16\n\x14\x44\x65scribeShardRequest\"\x83\x01\n\tShardInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0cmember_index\x18\x05 \x01(\r\"[\n\x0bHiddenState\x12\r\n\x05slots\x18\x01 \x03(\r\x12\x11\n\tpositions\x18\x02 \x03(\r\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"H\n\x10WaitReadyRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"9\n\x0eWaitReadyReply\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r2\xda\x01\n\x0b\x44\x65\x63odeShard\x12\x43\n\x08\x44\x65scribe\x12 .pdserve.v1.DescribeShardRequest\x1a\x15.pdserve.v1.ShardInfo\x12?\n\x07\x46orward\x12\x17.pdserve.v1.HiddenState\x1a\x17.pdserve.v1.HiddenState(\x01\x30\x01\x12\x45\n\tWaitReady\x12\x1c.pdserve.v1.WaitReadyRequest\x1a\x1a.pdserve.v1.WaitReadyReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/shard.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/worker.proto\"\x16\n\x14\x44\x65scribeShardRequest\"\x83\x01\n\tShardInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x14\n\x0cmember_index\x18\x05 \x01(\r\"[\n\x0bHiddenState\x12\r\n\x05slots\x18\x01 \x03(\r\x12\x11\n\tpositions\x18\x02 \x03(\r\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"H\n\x10WaitReadyRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"9\n\x0eWaitReadyReply\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\"\x91\x01\n\x12PushHandoffRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\"\n\x07targets\x18\x05 \x03(\x0b\x32\x11.pdserve.v1.Grant\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\"/\n\x10PushHandoffReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0c\n\x04puts\x18\x02 \x01(\r2\xa7\x02\n\x0b\x44\x65\x63odeShard\x12\x43\n\x08\x44\x65scribe\x12 .pdserve.v1.DescribeShardRequest\x1a\x15.pdserve.v1.ShardInfo\x12?\n\x07\x46orward\x12\x17.pdserve.v1.HiddenState\x1a\x17.pdserve.v1.HiddenState(\x01\x30\x01\x12\x45\n\tWaitReady\x12\x1c.pdserve.v1.WaitReadyRequest\x1a\x1a.pdserve.v1.WaitReadyReply\x12K\n\x0bPushHandoff\x12\x1e.pdserve.v1.PushHandoffRequest\x1a\x1c.pdserve.v1.PushHandoffReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.shard_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DESCRIBESHARDREQUEST']._serialized_start=63
-  _globals['_DESCRIBESHARDREQUEST']._serialized_end=85
-  _globals['_SHARDINFO']._serialized_start=88
-  _globals['_SHARDINFO']._serialized_end=219
-  _globals['_HIDDENSTATE']._serialized_start=221
-  _globals['_HIDDENSTATE']._serialized_end=312
-  _globals['_WAITREADYREQUEST']._serialized_start=314
-  _globals['_WAITREADYREQUEST']._serialized_end=386
-  _globals['_WAITREADYREPLY']._serialized_start=388
-  _globals['_WAITREADYREPLY']._serialized_end=445
-  _globals['_DECODESHARD']._serialized_start=448
-  _globals['_DECODESHARD']._serialized_end=666
+  _globals['_DESCRIBESHARDREQUEST']._serialized_start=88
+  _globals['_DESCRIBESHARDREQUEST']._serialized_end=110
+  _globals['_SHARDINFO']._serialized_start=113
+  _globals['_SHARDINFO']._serialized_end=244
+  _globals['_HIDDENSTATE']._serialized_start=246
+  _globals['_HIDDENSTATE']._serialized_end=337
+  _globals['_WAITREADYREQUEST']._serialized_start=339
+  _globals['_WAITREADYREQUEST']._serialized_end=411
+  _globals['_WAITREADYREPLY']._serialized_start=413
+  _globals['_WAITREADYREPLY']._serialized_end=470
+  _globals['_PUSHHANDOFFREQUEST']._serialized_start=473
+  _globals['_PUSHHANDOFFREQUEST']._serialized_end=618
+  _globals['_PUSHHANDOFFREPLY']._serialized_start=620
+  _globals['_PUSHHANDOFFREPLY']._serialized_end=667
+  _globals['_DECODESHARD']._serialized_start=670
+  _globals['_DECODESHARD']._serialized_end=965
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from pdserve.v1 import common_pb2 as _common_pb2
+from pdserve.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -56,3 +57,27 @@ class WaitReadyReply(_message.Message):
     num_tokens: int
     first_token: int
     def __init__(self, num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ...) -> None: ...
+
+class PushHandoffRequest(_message.Message):
+    __slots__ = ("slot", "generation", "nonce", "num_tokens", "targets", "timeout_ms")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    generation: int
+    nonce: str
+    num_tokens: int
+    targets: _containers.RepeatedCompositeFieldContainer[_worker_pb2.Grant]
+    timeout_ms: int
+    def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., nonce: _Optional[str] = ..., num_tokens: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[_worker_pb2.Grant, _Mapping]]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PushHandoffReply(_message.Message):
+    __slots__ = ("bytes", "puts")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    puts: int
+    def __init__(self, bytes: _Optional[int] = ..., puts: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,11 @@ class DecodeShardStub:
                 request_serializer=pdserve_dot_v1_dot_shard__pb2.WaitReadyRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_shard__pb2.WaitReadyReply.FromString,
                 _registered_method=True)
+        self.PushHandoff = channel.unary_unary(
+                '/pdserve.v1.DecodeShard/PushHandoff',
+                request_serializer=pdserve_dot_v1_dot_shard__pb2.PushHandoffRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_shard__pb2.PushHandoffReply.FromString,
+                _registered_method=True)
 
 
 class DecodeShardServicer:
@@ -75,6 +80,16 @@ class DecodeShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushHandoff(self, request, context):
+        """Live migration of a request the group hands over (decode/migration.py): push this member's
+        layers of the slot's first num_tokens tokens into the targets holding any of them, and
+        answer once those puts completed. No notify: the leader sends it once every member's
+        puts (and its own) landed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_DecodeShardServicer_to_server(servicer, server):
                     servicer.WaitReady,
                     request_deserializer=pdserve_dot_v1_dot_shard__pb2.WaitReadyRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_shard__pb2.WaitReadyReply.SerializeToString,
+            ),
+            'PushHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushHandoff,
+                    request_deserializer=pdserve_dot_v1_dot_shard__pb2.PushHandoffRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_shard__pb2.PushHandoffReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class DecodeShard:
             '/pdserve.v1.DecodeShard/WaitReady',
             pdserve_dot_v1_dot_shard__pb2.WaitReadyRequest.SerializeToString,
             pdserve_dot_v1_dot_shard__pb2.WaitReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeShard/PushHandoff',
+            pdserve_dot_v1_dot_shard__pb2.PushHandoffRequest.SerializeToString,
+            pdserve_dot_v1_dot_shard__pb2.PushHandoffReply.FromString,
             options,
             channel_credentials,
             insecure,

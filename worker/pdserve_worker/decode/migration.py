@@ -16,9 +16,14 @@ exactly once, whichever comes first: the Migrate that ran (success or failure), 
 being cancelled, the wait for a Migrate running out, or the worker closing. A release that
 arrives while the push is reading the KV is held until the push is over.
 
-Layer-sharded groups do not migrate (their leader's `supports_migration` is False): a group's
-KV is spread over its members' pools, so each member would have to push its layers to the
-matching member of the target group. Groups drain by waiting, as before.
+A layer-sharded group migrates as one: its KV is spread over its members' pools, so while the
+leader pushes its own layers each follower pushes its layers of the same slot (shard.proto
+`PushHandoff`, authorised by the reservation's nonce) into whichever targets hold them — any
+target: a plain decode, or a group split differently (`MigrationPusher` writes the layers
+source and target share). The leader sends the notify only once every follower answered that
+its puts completed, and returns only once none is still reading its pool. A tensor-parallel
+decode does not migrate yet (its ranks would have to push between decode steps); it drains by
+waiting.
 """
 
 from __future__ import annotations
@@ -213,7 +218,10 @@ def migration_descriptors(
 
 class MigrationPusher(KVPusher):
     """`KVPusher` from a decode's own pool (slot or paged) instead of a prefill's scratch slot:
-    the same engine, queue depth, layer chunks, timeouts and nonce-carrying notify."""
+    the same engine, queue depth, layer chunks, timeouts and nonce-carrying notify. A member of
+    a layer-sharded group holds some layers only: it writes into each target the layers both
+    hold (none, for a target that holds none of its layers: that one gets only the notify, if
+    this pusher sends it)."""
 
     def __init__(
         self,
@@ -227,11 +235,15 @@ class MigrationPusher(KVPusher):
         self._source_blocks = tuple(source_blocks)
         super().__init__(backend, source, targets, num_tokens, **kwargs)  # type: ignore[arg-type]
 
+    def _owned_layers(self, target: Grant) -> range:
+        src, dst = self.source.layout.layer_range, target.layout.layer_range
+        return range(max(src.start, dst.start), max(max(src.start, dst.start), min(src.stop, dst.stop)))
+
     def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
         src, dst = self.source.layout, target.layout
         start = min(target.shared * dst.block_tokens, self.num_tokens) if dst.paged else 0
         pieces: dict[tuple[int, int], list[Piece]] = {}
-        for layer in dst.layer_range:
+        for layer in self._owned_layers(target):
             for kv_index in (K, V):
                 descs = migration_descriptors(
                     src,
@@ -266,15 +278,20 @@ def push_handoff(
     *,
     layers_per_chunk: int,
     timeout_s: float,
+    before_notify: Callable[[], int] | None = None,
 ) -> MigrationResult:
     """Push a parked request's KV into `targets` chunk of layers by chunk, then notify them with
-    the generation state (blocking: run it off the event loop). Raises PushError / ValueError."""
+    the generation state (blocking: run it off the event loop). Raises PushError / ValueError.
+    `before_notify`: a layer-sharded group's other members pushed their layers too; it waits
+    for them (returning their bytes) before the notify, which tells the targets all is there."""
     d = handoff.detached
     num_tokens = d.kv_tokens
     pusher = MigrationPusher(backend, source, source_blocks, targets, num_tokens, timeout_s=timeout_s)
     try:
         for chunk in layer_chunks(source.layout.layer_range, max(1, layers_per_chunk)):
             pusher.push_chunk(chunk)
+        others = before_notify() if before_notify is not None else 0
+        pusher.stats.bytes += others
         stats = pusher.finish(
             {"first_token": d.output_ids[-1], MIGRATED: 1, "seed": d.seed, "num_generated": len(d.output_ids)}
         )

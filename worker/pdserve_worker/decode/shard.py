@@ -41,6 +41,7 @@ from pdserve_common.channels import WORKER_MAX_MESSAGE, channel_options
 from pdserve_common.kv_layout import KVLayout, layout_from_proto, layout_to_proto, shard_layers
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load
+from pdserve_worker.decode.migration import MigrationPusher
 from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
@@ -49,10 +50,11 @@ from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.rpc.broker_client import BrokerClient
-from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto
+from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, hidden_from_proto, hidden_to_proto
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.pool import KVPool
+from pdserve_worker.transfer.push import PushError, PushSource, layer_chunks
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
 
 log = logging.getLogger("pdserve.decode_shard")
@@ -144,6 +146,7 @@ class ShardFollower:
         )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="shard-ready")
+        self._pushes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-migrate")
         self.steps = 0
         self.open_streams = 0  # the leader's Forward streams now open here
 
@@ -196,10 +199,36 @@ class ShardFollower:
         self.steps += 1
         return hidden_to_proto(out, message.slots, message.positions)
 
+    def push_handoff(self, request: shard_pb2.PushHandoffRequest) -> shard_pb2.PushHandoffReply:
+        """This member's layers of a handed-over request into the targets that hold any of them
+        (blocking); the leader notifies once every member answered. PermissionError: the nonce
+        is not that reservation's; ValueError: a target is not usable; PushError/TransferError."""
+        slot, generation = request.slot, request.generation
+        if not nonce_matches(self.settings.capability_key(), slot, generation, request.nonce):
+            raise PermissionError(f"slot {slot} generation {generation}: the nonce is not that reservation's")
+        layout = self.pool.layout
+        targets = [grant_from_proto(g, "", f"targets[{i}]") for i, g in enumerate(request.targets)]
+        mine = [t for t in targets if set(t.layout.layer_range) & set(layout.layer_range)]
+        if not mine:
+            return shard_pb2.PushHandoffReply()
+        timeout_s = (request.timeout_ms or self.settings.transfer_timeout_ms) / 1000
+        source = PushSource(self.pool.base_addr, layout, slot)
+        pusher = MigrationPusher(self.backend, source, (), mine, request.num_tokens, timeout_s=timeout_s)
+        try:
+            for chunk in layer_chunks(layout.layer_range, self.settings.layers_per_chunk):
+                pusher.push_chunk(chunk)
+            stats = pusher.settle()
+        except BaseException:
+            pusher.abort()
+            raise
+        log.info(kv(event="shard_handoff_pushed", member=self.member_index, slot=slot, bytes=stats.bytes))
+        return shard_pb2.PushHandoffReply(bytes=stats.bytes, puts=stats.puts)
+
     def close(self) -> None:
         """Stop and deregister; `free` after the engine is finalized (DecodeWorker.close)."""
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._waiters.shutdown(wait=False, cancel_futures=True)
+        self._pushes.shutdown(wait=True, cancel_futures=True)  # (a push reads the pool: before it goes)
         self.pool.deregister()
 
     def free(self) -> None:
@@ -228,6 +257,19 @@ class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
                 yield reply
         finally:
             self.f.open_streams -= 1
+
+    async def PushHandoff(
+        self, request: shard_pb2.PushHandoffRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.PushHandoffReply:
+        where = f"member {self.f.member_index}, slot {request.slot}"
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.f._pushes, self.f.push_handoff, request)
+        except PermissionError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{where}: {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
+        except (PushError, TransferError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: migration push failed: {exc}")
 
     async def WaitReady(
         self, request: shard_pb2.WaitReadyRequest, context: grpc.aio.ServicerContext
@@ -331,12 +373,43 @@ class RemoteShard:
             raise ShardError(f"group member at {self.endpoint}: {exc.code().name} {exc.details()}") from None
         return reply.num_tokens, reply.first_token
 
+    def push_handoff(self, request: shard_pb2.PushHandoffRequest, timeout_s: float) -> grpc.Future:
+        """Start this follower's push of its layers of a handed-over request (its answer: the future)."""
+        return self._stub.PushHandoff.future(request, metadata=self._metadata, timeout=timeout_s)
+
     def close(self) -> None:
         with self._lock:
             if self._requests is not None:
                 self._requests.put(None)
                 self._requests = self._replies = None
         self._channel.close()
+
+
+@dataclass
+class GroupPushes:
+    """The followers' pushes of one handed-over request: `wait` before the leader's notify,
+    `settle` on every way out (a follower still reading its pool finishes first)."""
+
+    calls: list[tuple[str, grpc.Future]]
+
+    def wait(self) -> int:
+        """The followers' bytes, once every one of them landed; ShardError names one that failed."""
+        total = 0
+        for endpoint, call in self.calls:
+            try:
+                total += call.result().bytes
+            except grpc.RpcError as exc:
+                raise ShardError(
+                    f"group member at {endpoint} did not push its layers: {exc.code().name} {exc.details()}"
+                ) from None
+        return total
+
+    def settle(self) -> None:
+        for _, call in self.calls:
+            try:
+                call.result()
+            except grpc.RpcError:
+                pass  # (reported by `wait`, or the migration already failed)
 
 
 def describe_followers(remotes: Sequence[RemoteShard], timeout_s: float = DESCRIBE_TIMEOUT_S) -> list[FollowerInfo]:
@@ -388,6 +461,22 @@ class ShardGroup:
             grant,
             *(replace(grant, engine_id=f.engine_id, base_addr=f.base_addr, layout=f.layout) for f in self.followers),
         ]
+
+    migrates = True  # each member pushes its own layers of a handed-over request (decode/migration.py)
+
+    def push_members(
+        self, slot: int, generation: int, nonce: str, num_tokens: int, targets: Sequence[Grant], timeout_s: float
+    ) -> GroupPushes:
+        """Every follower starts pushing its layers of reservation (slot, generation) into `targets`."""
+        request = shard_pb2.PushHandoffRequest(
+            slot=slot,
+            generation=generation,
+            nonce=nonce,
+            num_tokens=num_tokens,
+            targets=[grant_to_proto(t, worker_id="", lease_deadline_unix_ms=0) for t in targets],
+            timeout_ms=max(1, int(timeout_s * 1000)),
+        )
+        return GroupPushes([(r.endpoint, r.push_handoff(request, timeout_s + 5.0)) for r in self.remotes])
 
     async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> list[tuple[int, int]]:
         return list(

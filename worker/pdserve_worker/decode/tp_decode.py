@@ -171,6 +171,13 @@ class TPDecodeGroup:
     def labels(self) -> dict[str, str]:
         return {"tensor_parallel": str(self.group.size)}
 
+    migrates = False  # (module doc: its requests finish where they are when it drains)
+
+    def push_members(
+        self, slot: int, generation: int, nonce: str, num_tokens: int, targets: Sequence[Grant], timeout_s: float
+    ) -> Any:
+        raise NotImplementedError("a tensor-parallel decode does not migrate its requests")
+
     def close(self) -> None:
         """Tell the others to stop (the generation loop has stopped: no collective is running)."""
         if self.model is None or not self.model.broken:

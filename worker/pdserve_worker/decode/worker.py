@@ -26,7 +26,7 @@ UNAVAILABLE), the broker marks the member draining so routers look elsewhere, th
 in flight are handed over (`drain_mode` migrate, the default: decode/migration.py; their KV is
 pushed to another decode the router reserved and they go on there, no prefill involved), or
 ended at once for the router to resume (resume), or run to the end (wait, and always for a
-layer-sharded group), up to the drain timeout; then the caller deregisters.
+tensor-parallel decode), up to the drain timeout; then the caller deregisters.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -59,6 +60,7 @@ from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
 from pdserve_worker.kv.paged import PagedKVCache
+from pdserve_worker.kv.reservations import reservation_nonce
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
 from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.loading.loader import LoadedModel
@@ -108,6 +110,18 @@ class Ready:
     first_logprobs: TokenLogprobs | None = None  # the first token's, drawn by the prefill
 
 
+class MemberPushes(Protocol):
+    """The other members' pushes of one handed-over request (`GroupHooks.push_members`)."""
+
+    def wait(self) -> int:
+        """Their bytes, once every push landed; raises MemberUnavailable naming one that failed."""
+        ...
+
+    def settle(self) -> None:
+        """Until none of them is still running (whatever their outcome)."""
+        ...
+
+
 class GroupHooks(Protocol):
     """What a layer-sharded group's leader does beyond a plain decode (`decode.shard.ShardGroup`):
     its pool holds member 0's layers, its decode step hops through the followers, its grants
@@ -129,6 +143,17 @@ class GroupHooks(Protocol):
 
     def labels(self) -> dict[str, str]:
         """What the leader's broker registration says about its group."""
+        ...
+
+    @property
+    def migrates(self) -> bool:
+        """Whether its requests can be handed over when draining (`push_members` works)."""
+        ...
+
+    def push_members(
+        self, slot: int, generation: int, nonce: str, num_tokens: int, targets: Sequence[Grant], timeout_s: float
+    ) -> MemberPushes:
+        """Start every other member's push of its share of reservation (slot, generation)."""
         ...
 
     def close(self) -> None: ...
@@ -280,23 +305,36 @@ class DecodeWorker:
 
     @property
     def supports_migration(self) -> bool:
-        """Whether this decode can hand its requests over when draining (a layer-sharded group
-        cannot: its KV is spread over its members, decode/migration.py)."""
-        return self.group is None
+        """Whether this decode can hand its requests over when draining (a tensor-parallel
+        decode cannot yet: its KV is spread over its ranks' pools, decode/tp_decode.py)."""
+        return self.group is None or self.group.migrates
 
     def push_handoff(self, handoff: Handoff, targets: list[Grant]) -> MigrationResult:
-        """Push a handed-over request's KV from this pool into `targets` (blocking)."""
+        """Push a handed-over request's KV from this pool into `targets` (blocking). A layer-
+        sharded group's followers push their layers meanwhile; the notify waits for them, and
+        however this ends, no follower is still reading its pool when it returns."""
         source = PushSource(self.pool.base_addr, self.layout, handoff.slot)
         blocks = self.slots.blocks_of(handoff.slot) if isinstance(self.slots, BlockTable) else ()
-        return push_handoff(
-            self.backend,
-            source,
-            blocks,
-            handoff,
-            targets,
-            layers_per_chunk=self.settings.layers_per_chunk,
-            timeout_s=self.settings.transfer_timeout_ms / 1000,
-        )
+        timeout_s = self.settings.transfer_timeout_ms / 1000
+        members = None
+        if self.group is not None:
+            slot, generation = handoff.slot, handoff.generation
+            nonce = reservation_nonce(self.settings.capability_key(), slot, generation)  # (the table's own)
+            members = self.group.push_members(slot, generation, nonce, handoff.detached.kv_tokens, targets, timeout_s)
+        try:
+            return push_handoff(
+                self.backend,
+                source,
+                blocks,
+                handoff,
+                targets,
+                layers_per_chunk=self.settings.layers_per_chunk,
+                timeout_s=timeout_s,
+                before_notify=None if members is None else members.wait,
+            )
+        finally:
+            if members is not None:
+                members.settle()
 
     # ---- the ServingRole of a decode process (process/roles.py) --------------------------------
 
@@ -843,7 +881,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         push.add_done_callback(lambda f: handoff.finish(migrated=not f.cancelled() and f.exception() is None))
         try:
             result = await asyncio.shield(push)
-        except (PushError, TransferError, ValueError) as exc:
+        except (PushError, TransferError, ValueError, MemberUnavailable) as exc:
             w.metrics.observe_handoff(handoff.outcome or "released")
             log.warning(kv(event="migration_failed", request=request.request_id, slot=request.slot, error=str(exc)))
             # A push that failed was aborted: its puts reached a terminal state or were given up on.

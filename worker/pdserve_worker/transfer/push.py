@@ -179,16 +179,20 @@ class KVPusher:
                 raise ValueError(
                     f"target {target.describe()} has {attr}={getattr(dst, attr)!r}, source has {getattr(src, attr)!r}"
                 )
-        if dst.first_layer < src.first_layer or dst.layer_range.stop > src.layer_range.stop:
-            raise ValueError(
-                f"target {target.describe()} holds layers {dst.layer_range}, source only {src.layer_range}"
-            )
+        owned = self._owned_layers(target)
         for layout, who in ((src, "source"), (dst, f"target {target.describe()}")):
             if not 0 < self.num_tokens <= layout.max_len:
                 raise ValueError(f"num_tokens={self.num_tokens} does not fit {who} max_len={layout.max_len}")
         if not 0 <= target.slot < dst.num_slots:
             raise ValueError(f"target {target.describe()}: slot outside its pool of {dst.num_slots}")
-        return _TargetState(target, dst.layer_range, self._target_pieces(target))
+        return _TargetState(target, owned, self._target_pieces(target))
+
+    def _owned_layers(self, target: Grant) -> range:
+        """The layers this push writes into `target`: all of them (a prefill holds every layer)."""
+        src, dst = self.source.layout.layer_range, target.layout.layer_range
+        if dst.start < src.start or dst.stop > src.stop:
+            raise ValueError(f"target {target.describe()} holds layers {dst}, source only {src}")
+        return dst
 
     def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
         """Every (layer, K|V) of the target's layers: its descriptors (source, target, bytes)."""
