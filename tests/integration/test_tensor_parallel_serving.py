@@ -44,6 +44,10 @@ CASES = {
 }
 CASES["llama3-p2-shards2"] = ("llama3", LLAMA, 2, 1, 2)  # into a 2-member layer-sharded decode group's slots
 TOKENS = 10
+# qwen2's cases push over TCP, as between pods (on one host the engines otherwise map each
+# other's pools): every put into every decode rank's pool then passes that rank's lease check,
+# which rank 0's table grants on each rank over the group (decode/tp_decode.py RankLeases).
+TCP_PUSH = {"qwen2": ("--env", 'PDSERVE_ENGINE_OPTIONS={"pdserve.Transport": "tcp"}')}
 
 
 def _metric(text: str, name: str, labels: str) -> float:
@@ -81,6 +85,7 @@ def deployment(request, tmp_path_factory):
         "0",
         "--port",
         "0",
+        *TCP_PUSH.get(family, ()),
     )
     try:
         yield run, expected, tp, override["num_key_value_heads"]

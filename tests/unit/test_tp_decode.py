@@ -95,7 +95,7 @@ def test_a_grant_names_every_ranks_pool_and_head_range():
 def test_close_tells_the_others_to_stop_unless_the_group_is_broken():
     group = RecordingGroup()
     hooks = TPDecodeGroup.__new__(TPDecodeGroup)
-    hooks.group, hooks.model = group, None  # type: ignore[assignment]
+    hooks.group, hooks.model, hooks.leases = group, None, None  # type: ignore[assignment]
     hooks.close()
     assert group.sent == [STOP]
     hooks.model = MirroredModel(FakeModel(), group)  # type: ignore[arg-type]
@@ -123,3 +123,101 @@ def test_the_generation_loop_calls_an_idle_generator_hook_while_nothing_comes(mo
     time.sleep(0.2)
     loop.stop()
     assert len(threads) >= 3 and set(threads) == {"tp-loop"}
+
+
+class LeaseGroup(RecordingGroup):
+    """The lease channel of a group of 3: what rank 0 sends, and each other rank's answer to a grant."""
+
+    def __init__(self, answers: list[object]) -> None:
+        super().__init__(size=3)
+        self.leased: list[object] = []
+        self.answers = answers
+
+    def lease_broadcast(self, obj: object = None) -> object:
+        if self.fail:
+            raise GroupError("tensor-parallel group (rank 0 of 3): connection closed by peer")
+        self.leased.append(obj)
+        return obj
+
+    def lease_gather(self, obj: object) -> list[object]:
+        return [obj, *self.answers]
+
+
+class OwnLeases:
+    def __init__(self) -> None:
+        self.live: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def granted(self, slot: int, generation: int, blocks) -> None:
+        self.live[(slot, generation)] = tuple(blocks)
+
+    def ended(self, slot: int, generation: int) -> None:
+        self.live.pop((slot, generation), None)
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+
+def test_rank_0_grants_a_lease_on_every_rank_before_the_grant_goes_out_and_ends_it_there_too():
+    """#32: the other ranks' engines are leased like rank 0's; a grant waits for their answers."""
+    from pdserve_worker.decode.tp_decode import END, GRANT, RankLeases
+
+    group, own = LeaseGroup([None, None]), OwnLeases()
+    leases = RankLeases(own, group)  # type: ignore[arg-type]
+    try:
+        leases.granted(3, 70, (5, 6))
+        assert own.live == {(3, 70): (5, 6)} and group.leased == [(GRANT, 3, 70, (5, 6))]
+        leases.ended(3, 70)
+        assert own.live == {} and group.leased[-1] == (END, 3, 70)
+        group.answers = [None, "engine refused a write lease for slot 4's blocks"]
+        with pytest.raises(RuntimeError, match="rank refused the write lease of slot 4"):
+            leases.granted(4, 71, (7,))
+        assert own.live == {} and group.leased[-2:] == [(GRANT, 4, 71, (7,)), (END, 4, 71)]  # given back
+        group.fail = True
+        with pytest.raises(GroupError):
+            leases.granted(5, 72, (8,))
+        assert own.live == {}  # nobody keeps a lease of a grant that failed
+    finally:
+        group.fail = False
+        leases.close()
+    assert group.leased[-1] == STOP
+
+
+def test_a_quiet_lease_channel_is_kept_alive(monkeypatch):
+    from pdserve_worker.decode.tp_decode import RankLeases
+
+    monkeypatch.setattr(tp_decode, "IDLE_EVERY_S", 0.0)
+    group = LeaseGroup([None, None])
+    leases = RankLeases(OwnLeases(), group)  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 5
+        while IDLE not in group.leased and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert IDLE in group.leased
+    finally:
+        leases.close()
+
+
+def test_another_rank_applies_each_lease_message_and_answers_grants():
+    from pdserve_worker.decode.tp_decode import END, GRANT, serve_leases
+
+    class Scripted:
+        def __init__(self, messages: list[object]) -> None:
+            self.messages, self.answers = messages, []
+
+        def lease_broadcast(self, obj: object = None) -> object:
+            return self.messages.pop(0)
+
+        def lease_gather(self, obj: object) -> None:
+            self.answers.append(obj)
+
+    class Refusing(OwnLeases):
+        def granted(self, slot, generation, blocks):
+            if slot == 9:
+                raise RuntimeError("engine refused a write lease for slot 9's blocks")
+            super().granted(slot, generation, blocks)
+
+    own = Refusing()
+    group = Scripted([(GRANT, 1, 10, (2, 3)), IDLE, (GRANT, 9, 11, (4,)), (GRANT, 2, 12, (5,)), (END, 1, 10), STOP])
+    serve_leases(group, own)  # type: ignore[arg-type]
+    assert own.live == {(2, 12): (5,)}
+    assert group.answers == [None, "engine refused a write lease for slot 9's blocks", None]

@@ -464,6 +464,10 @@ class ShardGroup:
 
     migrates = True  # each member pushes its own layers of a handed-over request (decode/migration.py)
 
+    def write_leases(self, own: Any) -> Any:
+        """The leader's own: a follower's engine is not leased (it keeps no slot table)."""
+        return own
+
     def push_members(
         self, slot: int, generation: int, nonce: str, num_tokens: int, targets: Sequence[Grant], timeout_s: float
     ) -> GroupPushes:

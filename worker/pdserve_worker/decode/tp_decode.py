@@ -17,10 +17,11 @@ own process so the instance restarts as one (as a tensor-parallel prefill does).
 
 Ready: the prefill notifies every target only once all its puts (every rank's, for a
 tensor-parallel prefill) completed, so rank 0's own notification is enough to start the
-request; the others drain theirs unread. Their engines take writes from any peer holding the
-service's link key (no write leases: those follow rank 0's slot table, which the others do
-not keep). A tensor-parallel decode does not migrate its requests when draining (its KV is
-spread over its ranks): they finish where they are, as a layer-sharded group's do.
+request; the others drain theirs unread. Every rank's engine takes writes only into blocks
+leased to a live reservation, as rank 0's does: rank 0's slot table grants and ends each lease
+on every rank over the group's lease channel (`RankLeases`), and a grant goes out only once
+every rank acknowledged it. A tensor-parallel decode does not migrate its requests when
+draining (its KV is spread over its ranks): they finish where they are.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.tp_group import IDLE, STOP, GroupError, TPGroup
 from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.leases import BlockWriteLeases
 from pdserve_worker.transfer.pool import KVPool
 
 log = logging.getLogger("pdserve.tp")
@@ -121,6 +123,99 @@ class MirroredModel:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+GRANT, END = "grant", "end"  # the lease channel's messages, besides IDLE and STOP
+
+
+class RankLeases:
+    """Rank 0's write-lease hooks for every rank (its `BlockTable`'s `leases`): its own engine's,
+    then each other rank's over the group's lease channel. A grant returns only once every rank
+    acknowledged its lease — the prefill's puts into a rank's pool can then never arrive first;
+    a rank that refuses fails the grant (nobody keeps a lease of it). While no lease changes,
+    IDLE goes out every IDLE_EVERY_S so the others' wait stays inside the group's deadline.
+    The lock keeps the channel's messages in one order across the threads that send them."""
+
+    def __init__(self, own: BlockWriteLeases, group: TPGroup) -> None:
+        self.own, self.group = own, group
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._keep_alive, name="tp-lease-idle", daemon=True)
+        self._ticker.start()
+
+    def granted(self, slot: int, generation: int, blocks: Sequence[int]) -> None:
+        self.own.granted(slot, generation, blocks)
+        with self._lock:
+            try:
+                self._send((GRANT, slot, generation, tuple(blocks)))
+                refused = [a for a in (self.group.lease_gather(None) or [])[1:] if a]
+                if refused:
+                    self._send((END, slot, generation))  # the ranks that took it give it back
+            except GroupError:
+                self.own.ended(slot, generation)
+                raise
+        if refused:
+            self.own.ended(slot, generation)
+            raise RuntimeError(f"a tensor-parallel rank refused the write lease of slot {slot}: {refused[0]}")
+
+    def ended(self, slot: int, generation: int) -> None:
+        self.own.ended(slot, generation)
+        with self._lock:
+            self._send((END, slot, generation))
+
+    def __len__(self) -> int:
+        return len(self.own)
+
+    def close(self) -> None:
+        """STOP the other ranks' lease threads (no grant is in flight: the server has stopped)."""
+        self._stop.set()
+        with self._lock:
+            try:
+                self._send(STOP)
+            except GroupError as exc:
+                log.warning(kv(event="tp_lease_stop_unsent", error=str(exc)[:200]))
+
+    def _send(self, message: Any) -> None:
+        self.group.lease_broadcast(message)
+        self._last_sent = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(1.0):
+            with self._lock:
+                if self._stop.is_set() or time.monotonic() - self._last_sent < IDLE_EVERY_S:
+                    continue
+                try:
+                    self._send(IDLE)
+                except GroupError:
+                    return  # (the step loop finds the group broken too, and ends the instance)
+
+
+def serve_leases(group: TPGroup, leases: BlockWriteLeases) -> None:
+    """A rank past 0: apply rank 0's lease messages to this rank's engine until STOP, answering
+    each grant (None, or why the engine refused it)."""
+    while True:
+        try:
+            message = group.lease_broadcast()
+        except GroupError:
+            return  # rank 0 is gone: the step loop ends this rank
+        if message == STOP:
+            return
+        if message == IDLE:
+            continue
+        kind, slot, generation, *rest = message
+        if kind == END:
+            leases.ended(slot, generation)
+            continue
+        answer = None
+        try:
+            leases.granted(slot, generation, rest[0])
+        except RuntimeError as exc:
+            answer = str(exc)
+        try:
+            group.lease_gather(answer)
+        except GroupError:
+            return
+
+
 class TPGenerator(Generator[Any]):
     """The continuous batch over a mirrored model; idle ticks reach the other ranks."""
 
@@ -136,6 +231,7 @@ class TPDecodeGroup:
         self.settings, self.loaded, self.group = settings, loaded, group
         self.others: list[RankPool] = []
         self.model: MirroredModel | None = None
+        self.leases: RankLeases | None = None
 
     def pool_layout(self, full: KVLayout) -> KVLayout:
         """Rank 0's paged pool; the others make theirs with the same blocks and tell where."""
@@ -178,8 +274,15 @@ class TPDecodeGroup:
     ) -> Any:
         raise NotImplementedError("a tensor-parallel decode does not migrate its requests")
 
+    def write_leases(self, own: Any) -> RankLeases:
+        """Every rank's write leases, granted and ended with rank 0's (`RankLeases`)."""
+        self.leases = RankLeases(own, self.group)
+        return self.leases
+
     def close(self) -> None:
         """Tell the others to stop (the generation loop has stopped: no collective is running)."""
+        if self.leases is not None and (self.model is None or not self.model.broken):
+            self.leases.close()
         if self.model is None or not self.model.broken:
             try:
                 self.group.broadcast(STOP)
@@ -197,6 +300,10 @@ class DecodeFollower:
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = PagedKVCache(layout, self.pool.tensor)
         group.gather({"engine_id": settings.engine_id, "base_addr": self.pool.base_addr, "layout": layout.to_dict()})
+        # Writes into this rank's pool only where rank 0 granted them (its engine is leased).
+        self.leases = BlockWriteLeases(backend, self.pool.base_addr, layout)
+        self._leaser = threading.Thread(target=serve_leases, args=(group, self.leases), name="tp-leases", daemon=True)
+        self._leaser.start()
         self._stop = threading.Event()
         self._drainer = threading.Thread(target=self._drain, name="tp-notify-drain", daemon=True)
         self._drainer.start()

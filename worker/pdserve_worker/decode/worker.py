@@ -145,6 +145,10 @@ class GroupHooks(Protocol):
         """What the leader's broker registration says about its group."""
         ...
 
+    def write_leases(self, own: Any) -> Any:
+        """The write-lease hooks of the leader's table, given its own engine's (`own`)."""
+        ...
+
     @property
     def migrates(self) -> bool:
         """Whether its requests can be handed over when draining (`push_members` works)."""
@@ -222,6 +226,8 @@ class DecodeWorker:
         a paged pool, slots otherwise; returns the pool's warm-up."""
         settings, base_addr, paged = self.settings, self.pool.base_addr, layout.paged
         self.leases = (BlockWriteLeases if paged else SlotWriteLeases)(self.backend, base_addr, layout)
+        if self.group is not None:
+            self.leases = self.group.write_leases(self.leases)  # (a tensor-parallel decode's other ranks too)
         table = BlockTable if paged else SlotTable
         self.slots: SlotTable | BlockTable = table(
             layout,

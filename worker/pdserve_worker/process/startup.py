@@ -22,8 +22,9 @@ class StartupError(RuntimeError):
 def start_engine(settings: WorkerSettings) -> TransferBackend:
     """The transfer engine, initialized. A prefill connects out only: it listens on no transfer
     port. A decode admits only peers holding the service's link key, and (unless it is a group
-    follower or a tensor-parallel rank past 0, which keep no slot table) lets them write only into
-    reserved slots (service_link.py)."""
+    follower, which keeps no slot table) lets them write only into
+    reserved slots (service_link.py); a tensor-parallel decode's other ranks too, leased by rank 0's
+    table over the group (decode/tp_decode.py)."""
     from pdserve_worker.decode.shard import is_follower
     from pdserve_worker.transfer.registry import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
@@ -34,8 +35,7 @@ def start_engine(settings: WorkerSettings) -> TransferBackend:
         backend.name,
         settings.kv_keys().link,
         settings.engine_options,
-        # (a tensor-parallel decode's other ranks keep no slot table either: decode/tp_decode.py)
-        leased_writes=settings.role == "decode" and not is_follower(settings) and settings.tp_rank == 0,
+        leased_writes=settings.role == "decode" and not is_follower(settings),
     )
     status = backend.engine.initialize(engine_id, options)
     if status != backend.api.SUCCESS:

@@ -94,6 +94,9 @@ class TPGroup:
         )
         # Control messages (Python objects) travel on the CPU: the default group when it is gloo.
         self._cpu = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        # Write leases (decode/tp_decode.py) on a gloo group of their own: rank 0 sends them from
+        # whichever thread grants a reservation while its loop thread runs steps on the group above.
+        self._leases = dist.new_group(backend="gloo", timeout=timeout)
         log.info(kv(event="tp_group_joined", rank=spec.rank, size=spec.size, backend=backend, address=spec.address))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -111,6 +114,18 @@ class TPGroup:
         """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
         self._collective(dist.gather_object, obj, out, dst=0, group=self._cpu)
+        return out
+
+    def lease_broadcast(self, obj: Any = None) -> Any:
+        """`broadcast` on the lease channel."""
+        box = [obj if self.rank == 0 else None]
+        self._collective(dist.broadcast_object_list, box, src=0, group=self._leases)
+        return box[0]
+
+    def lease_gather(self, obj: Any) -> list[Any] | None:
+        """`gather` on the lease channel."""
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        self._collective(dist.gather_object, obj, out, dst=0, group=self._leases)
         return out
 
     def _collective(self, op: Any, *args: Any, **kwargs: Any) -> None:
