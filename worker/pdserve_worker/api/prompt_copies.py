@@ -53,47 +53,53 @@ def enter(copies: Copies, first: bool) -> None:
 
 async def wait_for_first() -> None:
     """A follower: until the first copy has its first token (or ended)."""
-    current = _CURRENT.get()
-    if current is not None and not current[1]:
-        await current[0].first_token.wait()
+    copies = _group(first=False)
+    if copies is not None:
+        await copies.first_token.wait()
 
 
 def first_done() -> None:
     """The first copy has its first token, or will never have it: let the others go."""
-    current = _CURRENT.get()
-    if current is not None and current[1]:
-        current[0].first_token.set()
+    copies = _group(first=True)
+    if copies is not None:
+        copies.first_token.set()
 
 
 def note_prefill(worker_id: str) -> None:
     """The first copy's prefill (the others are sent to it)."""
-    current = _CURRENT.get()
-    if current is not None and current[1]:
-        current[0].prefill = worker_id
+    copies = _group(first=True)
+    if copies is not None:
+        copies.prefill = worker_id
 
 
 def preferred_prefill() -> str | None:
     """For a follower: the prefill that holds its prompt, if the first copy named one."""
-    current = _CURRENT.get()
-    return current[0].prefill if current is not None and not current[1] else None
+    copies = _group(first=False)
+    return None if copies is None else copies.prefill
 
 
 def note_decode(worker_id: str, slot: int, generation: int) -> None:
     """The first copy's reservation (the others share its prompt's blocks there)."""
-    current = _CURRENT.get()
-    if current is not None and current[1]:
-        current[0].decode = (worker_id, slot, generation)
+    copies = _group(first=True)
+    if copies is not None:
+        copies.decode = (worker_id, slot, generation)
 
 
 def later_copies() -> int:
     """For the first copy: how many copies will follow it (its decode keeps the prompt's blocks
     for them); 0 for any other request."""
-    current = _CURRENT.get()
-    return current[0].later if current is not None and current[1] else 0
+    copies = _group(first=True)
+    return 0 if copies is None else copies.later
 
 
 def shared_decode() -> tuple[str, int, int] | None:
     """For a follower: the decode and reservation holding its prompt's KV, if the first copy
     named one (the decode checks that it is still there, and that the prompts match)."""
+    copies = _group(first=False)
+    return None if copies is None else copies.decode
+
+
+def _group(*, first: bool) -> Copies | None:
+    """This task's copies when it serves the first copy (`first`) or a later one; else None."""
     current = _CURRENT.get()
-    return current[0].decode if current is not None and not current[1] else None
+    return current[0] if current is not None and current[1] == first else None

@@ -216,6 +216,12 @@ def migration_descriptors(
     return out
 
 
+def common_layers(a: range, b: range) -> range:
+    """The layers two pools both hold (empty when they hold none in common)."""
+    start = max(a.start, b.start)
+    return range(start, max(start, min(a.stop, b.stop)))
+
+
 class MigrationPusher(KVPusher):
     """`KVPusher` from a decode's own pool (slot or paged) instead of a prefill's scratch slot:
     the same engine, queue depth, layer chunks, timeouts and nonce-carrying notify. A member of
@@ -236,8 +242,7 @@ class MigrationPusher(KVPusher):
         super().__init__(backend, source, targets, num_tokens, **kwargs)  # type: ignore[arg-type]
 
     def _owned_layers(self, target: Grant) -> range:
-        src, dst = self.source.layout.layer_range, target.layout.layer_range
-        return range(max(src.start, dst.start), max(max(src.start, dst.start), min(src.stop, dst.stop)))
+        return common_layers(self.source.layout.layer_range, target.layout.layer_range)
 
     def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
         src, dst = self.source.layout, target.layout
@@ -290,8 +295,7 @@ def push_handoff(
     try:
         for chunk in layer_chunks(source.layout.layer_range, max(1, layers_per_chunk)):
             pusher.push_chunk(chunk)
-        others = before_notify() if before_notify is not None else 0
-        pusher.stats.bytes += others
+        pusher.stats.bytes += before_notify() if before_notify is not None else 0
         stats = pusher.finish(
             {"first_token": d.output_ids[-1], MIGRATED: 1, "seed": d.seed, "num_generated": len(d.output_ids)}
         )

@@ -41,7 +41,7 @@ from pdserve_common.channels import WORKER_MAX_MESSAGE, channel_options
 from pdserve_common.kv_layout import KVLayout, layout_from_proto, layout_to_proto, shard_layers
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load
-from pdserve_worker.decode.migration import MigrationPusher
+from pdserve_worker.decode.migration import MigrationPusher, common_layers
 from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
@@ -208,7 +208,7 @@ class ShardFollower:
             raise PermissionError(f"slot {slot} generation {generation}: the nonce is not that reservation's")
         layout = self.pool.layout
         targets = [grant_from_proto(g, "", f"targets[{i}]") for i, g in enumerate(request.targets)]
-        mine = [t for t in targets if set(t.layout.layer_range) & set(layout.layer_range)]
+        mine = [t for t in targets if common_layers(t.layout.layer_range, layout.layer_range)]
         if not mine:
             return shard_pb2.PushHandoffReply()
         timeout_s = (request.timeout_ms or self.settings.transfer_timeout_ms) / 1000

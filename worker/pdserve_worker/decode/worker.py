@@ -108,6 +108,7 @@ class Ready:
     wait_s: float
     message: dict[str, Any] = field(default_factory=dict)  # the whole notify (a migration's state)
     first_logprobs: TokenLogprobs | None = None  # the first token's, drawn by the prefill
+    kv_bytes: int = 0  # what was pushed for it (not the blocks shared with another copy)
 
 
 class MemberPushes(Protocol):
@@ -495,8 +496,9 @@ class DecodeWorker:
                     f"first_token): leader {(num_tokens, first_token)}, followers {answers}"
                 )
         waited = time.monotonic() - started
-        self.metrics.observe_transfer(self.kv_bytes(num_tokens - self.shared_tokens(slot, generation)), waited)
-        return Ready(num_tokens, first_token, waited, message, first_logprobs)
+        pushed = self.kv_bytes(num_tokens - self.shared_tokens(slot, generation))
+        self.metrics.observe_transfer(pushed, waited)
+        return Ready(num_tokens, first_token, waited, message, first_logprobs, pushed)
 
 
 def pool_tokens(settings: WorkerSettings, full: KVLayout) -> int:
@@ -785,7 +787,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         if out.logprobs is not None:
             event.logprobs.CopyFrom(logprobs_to_proto(out.logprobs))
         if g.index == g.resumed:
-            event.kv_bytes_received = self.w.kv_bytes(ready.num_tokens - self.w.shared_tokens(g.slot, g.generation))
+            event.kv_bytes_received = ready.kv_bytes
             event.kv_pushed = True
             event.ready_wait_s = ready.wait_s
             event.num_prompt_tokens = ready.num_tokens

@@ -234,7 +234,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             for b in blocks:
                 self._refs[b] += 1
             if shared and share_from is not None:
-                self._copy_came(share_from[1])
+                self._copy_came(share_from)
             h = self._claim(index, generation, request_id, ttl_s, now)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
             h.prompt_ids, h.keep_for = expected, keep_for
@@ -295,16 +295,14 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             return (), ()
         return source.blocks[:shared_blocks], source.prompt_ids[: shared_blocks * self.block_tokens]
 
-    def _copy_came(self, generation: int) -> None:
-        """A later copy shared the prompt blocks of `generation`: one fewer to keep them for."""
-        kept = self._kept.get(generation)
-        if kept is not None:
+    def _copy_came(self, source: tuple[int, int]) -> None:
+        """A later copy shared the prompt blocks of `source`: one fewer to keep them for."""
+        live, kept = self._live(*source), self._kept.get(source[1])
+        if live is not None:
+            live.keep_for = max(0, live.keep_for - 1)
+        elif kept is not None:
             kept.copies -= 1
-            self._let_go(lambda gen, k: gen == generation and k.copies <= 0)
-            return
-        for h in self._handles:
-            if h.generation == generation and h.keep_for > 0:
-                h.keep_for -= 1
+            self._let_go(lambda generation, k: generation == source[1] and k.copies <= 0)
 
     def _let_go(self, which: Callable[[int, _Kept], bool]) -> None:
         """The one release path of kept blocks: the entries `which` names give their references back."""

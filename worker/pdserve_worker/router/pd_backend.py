@@ -948,7 +948,7 @@ def _sharing_first(
     first, asked to share its prompt blocks (push once); any other decode gets the plain
     request. Unchanged when there is no first copy to share with, or its decode is not a choice."""
     shared = prompt_copies.shared_decode()
-    first = next((m for m in ranked if shared is not None and m.worker_id == shared[0]), None)
+    first = None if shared is None else next((m for m in ranked if m.worker_id == shared[0]), None)
     if shared is None or first is None:
         return ranked, None
     sharing = worker_pb2.ReserveRequest()

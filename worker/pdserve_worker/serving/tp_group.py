@@ -106,26 +106,28 @@ class TPGroup:
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj`, on every rank (rank 0 passes it, the others receive it)."""
-        box = [obj if self.rank == 0 else None]
-        self._collective(dist.broadcast_object_list, box, src=0, group=self._cpu)
-        return box[0]
+        return self._broadcast(obj, self._cpu)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
-        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        self._collective(dist.gather_object, obj, out, dst=0, group=self._cpu)
-        return out
+        return self._gather(obj, self._cpu)
 
     def lease_broadcast(self, obj: Any = None) -> Any:
         """`broadcast` on the lease channel."""
-        box = [obj if self.rank == 0 else None]
-        self._collective(dist.broadcast_object_list, box, src=0, group=self._leases)
-        return box[0]
+        return self._broadcast(obj, self._leases)
 
     def lease_gather(self, obj: Any) -> list[Any] | None:
         """`gather` on the lease channel."""
+        return self._gather(obj, self._leases)
+
+    def _broadcast(self, obj: Any, group: Any) -> Any:
+        box = [obj if self.rank == 0 else None]
+        self._collective(dist.broadcast_object_list, box, src=0, group=group)
+        return box[0]
+
+    def _gather(self, obj: Any, group: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        self._collective(dist.gather_object, obj, out, dst=0, group=self._leases)
+        self._collective(dist.gather_object, obj, out, dst=0, group=group)
         return out
 
     def _collective(self, op: Any, *args: Any, **kwargs: Any) -> None:
