@@ -86,6 +86,7 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
     from pdserve_worker.kv.cache import KVCache
     from pdserve_worker.kv.slots import Grant
     from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.serving.gc_heap import freeze_startup_heap
     from pdserve_worker.serving.tp_group import GroupSpec, TPGroup
     from pdserve_worker.transfer.pool import KVPool
     from pdserve_worker.transfer.push import KVPusher, PushSource
@@ -149,6 +150,7 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
         return time.perf_counter() - t0, stats.bytes
 
     alone()  # warm-up (the first pass pays page faults and kernel builds)
+    freeze_startup_heap()  # as a ready worker does (serving/gc_heap.py)
     rows = []
     for round_ in range(cfg["repeats"]):
         (a, red), (p, nbytes) = alone(), pushed()

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from itertools import repeat
 from typing import NamedTuple
 
 from pdserve.v1 import common_pb2
@@ -445,26 +446,54 @@ def shared_heads(source: range, dest: range) -> range:
     return range(start, max(start, stop))
 
 
-def push_descriptors(
+class Strided(NamedTuple):
+    """`copies` copies of `length` bytes: the i-th from `src + i * src_step` to `dst + i * dst_step`.
+
+    A head slice of a block's tokens is one of these (a token's heads are a slice of its row on
+    either side): kept whole, a TP rank's push to a decode of another TP size is 7,680 of them
+    for 2048 tokens of 30 layers instead of 122,880 descriptors built one by one, and the
+    pusher expands each into the engine's descriptors in one C-level `map`."""
+
+    src: int
+    dst: int
+    copies: int
+    src_step: int
+    dst_step: int
+    length: int
+
+    def descriptors(self) -> list[Descriptor]:
+        if self.copies == 1:
+            return [Descriptor(self.src, self.dst, self.length)]
+        return list(
+            map(
+                Descriptor,
+                range(self.src, self.src + self.copies * self.src_step, self.src_step),
+                range(self.dst, self.dst + self.copies * self.dst_step, self.dst_step),
+                repeat(self.length, self.copies),
+            )
+        )
+
+
+def push_runs(
     source: KVLayout,
     slot: int,
     dest: BlockLayout,
     blocks: Sequence[int],
-    layers: range,
+    layer: int,
+    kv_index: int,
     end_token: int,
     start_token: int = 0,
-    kv_indices: Sequence[int] = (K, V),
     heads: range | None = None,
-) -> list[Descriptor]:
-    """Descriptors that copy tokens [start_token, end_token) of `layers` from scratch slot `slot`
-    of `source` into the reservation `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B)).
+) -> list[Strided]:
+    """What copies tokens [start_token, end_token) of (layer, K|V) from scratch slot `slot` of
+    `source` into the reservation `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B)):
+    one run per block (a partly used last block moves only its used tokens). `start_token` > 0
+    skips tokens the decode already holds (shared blocks), so a push never writes a block it
+    does not own.
 
-    One descriptor per (layer, K|V, run of consecutive blocks); a partly used last block moves
-    only its used tokens. `start_token` > 0 skips tokens the decode already holds (shared
-    blocks), so a push never writes a block it does not own.
-
-    `heads` (default: all both pools hold) are the KV heads moved. Where they are not every
-    head of both pools, each token's heads are a slice of its row: one descriptor per token."""
+    `heads` (default: all both pools hold) are the KV heads moved. Where they are every head of
+    both pools a block's tokens are one contiguous copy (copies 1); else each token's heads are
+    a slice of its row, one copy per token (copies = the block's tokens)."""
     check_compatible(source, dest)
     heads = shared_heads(source.head_range, dest.head_range) if heads is None else heads
     outside = [h for h in (heads.start, heads.stop - 1) if h not in source.head_range or h not in dest.head_range]
@@ -482,27 +511,46 @@ def push_descriptors(
     src_row, dst_row = source.bytes_per_token, dest.bytes_per_token
     src_skip, dst_skip = (heads.start - source.first_head) * head_bytes, (heads.start - dest.first_head) * head_bytes
     whole = span == src_row == dst_row
+    src_base = source.token_run(slot, layer, kv_index, end_token - start_token, start_token)[0] - start_token * src_row
+    runs: list[Strided] = []
+    for i in range(start_token // bt, (end_token - 1) // bt + 1):
+        lo, hi = max(start_token, i * bt), min(end_token, (i + 1) * bt)
+        src = src_base + lo * src_row + src_skip
+        dst = dest.offset(layer, kv_index, blocks[i]) + (lo - i * bt) * dst_row + dst_skip
+        if whole:
+            runs.append(Strided(src, dst, 1, 0, 0, (hi - lo) * src_row))
+        else:
+            runs.append(Strided(src, dst, hi - lo, src_row, dst_row, span))
+    return runs
+
+
+def whole_descriptors(runs: Iterable[Strided]) -> list[Descriptor]:
+    """Runs of whole rows (copies 1) as descriptors, merged where they continue one another on
+    both sides (consecutive blocks)."""
+    return _coalesce(Descriptor(r.src, r.dst, r.length) for r in runs)
+
+
+def push_descriptors(
+    source: KVLayout,
+    slot: int,
+    dest: BlockLayout,
+    blocks: Sequence[int],
+    layers: range,
+    end_token: int,
+    start_token: int = 0,
+    kv_indices: Sequence[int] = (K, V),
+    heads: range | None = None,
+) -> list[Descriptor]:
+    """`push_runs` of every (layer, K|V) of `layers`, as descriptors: one per (layer, K|V, run
+    of consecutive blocks) for whole rows, one per token for a head slice."""
     pieces: list[Descriptor] = []
     for layer in layers:
         for kv_index in kv_indices:
-            src_base = source.token_run(slot, layer, kv_index, end_token - start_token, start_token)[0]
-            src_base -= start_token * src_row
-            for i in range(start_token // bt, (end_token - 1) // bt + 1):
-                lo, hi = max(start_token, i * bt), min(end_token, (i + 1) * bt)
-                dst = dest.offset(layer, kv_index, blocks[i]) + (lo - i * bt) * dst_row
-                if whole:
-                    pieces.append(Descriptor(src_base + lo * src_row, dst, (hi - lo) * src_row))
-                    continue
-                # A slice of each token's row. Built from two ranges, not per-token arithmetic:
-                # a TP rank's push to a decode of another TP size makes 2 × layers × tokens of
-                # these (122,880 for 2048 tokens of 30 layers), so this loop is on its TTFT.
-                first = src_base + lo * src_row + src_skip
-                srcs = range(first, first + (hi - lo) * src_row, src_row)
-                dsts = range(dst + dst_skip, dst + dst_skip + (hi - lo) * dst_row, dst_row)
-                pieces.extend([Descriptor(a, b, span) for a, b in zip(srcs, dsts)])
+            for run in push_runs(source, slot, dest, blocks, layer, kv_index, end_token, start_token, heads):
+                pieces.extend(run.descriptors())
     # Slices never continue one another on both sides (one side's rows are wider than the
-    # span), so only whole rows are worth merging.
-    return _coalesce(pieces) if whole else pieces
+    # span), so merging leaves them as they are; whole rows of consecutive blocks merge.
+    return _coalesce(pieces)
 
 
 def block_spans(dest: BlockLayout, blocks: Sequence[int]) -> list[tuple[int, int]]:

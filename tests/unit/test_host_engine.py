@@ -122,6 +122,30 @@ def test_a_batch_of_strided_runs_lands_each_run_and_one_bad_run_refuses_the_batc
     assert pair.client.outstanding() == 0
 
 
+def test_a_strided_batch_reads_back_and_unequal_runs_in_one_batch_land_too(pair: Pair) -> None:
+    """The zero-copy path copies a batch of equal short runs in one numpy pass
+    (host/batch_copy.py), both ways; a batch mixing lengths takes the run-by-run loop. Either
+    way each run moves exactly its bytes: compared with what the loop of slices would give."""
+    span, row, runs = 8, 24, 64
+    pattern = bytes((i * 7) % 251 for i in range(row * runs))
+    ctypes.memmove(pair.remote_addr + 16, pattern, len(pattern))
+    reads = [api.TransferOpDesc(pair.local_addr + i * span, pair.remote_addr + 16 + i * row, span) for i in range(runs)]
+    assert pair.client.transfer_sync(pair.remote, api.READ, reads, 2000) == api.SUCCESS
+    got = ctypes.string_at(pair.local_addr, span * runs)
+    assert got == b"".join(pattern[i * row : i * row + span] for i in range(runs))
+    lengths = [1 + (i * 5) % 23 for i in range(runs)]  # unequal: the loop
+    starts = [sum(lengths[:i]) for i in range(runs)]
+    ctypes.memmove(pair.local_addr, pattern, sum(lengths))
+    writes = [
+        api.TransferOpDesc(pair.local_addr + a, pair.remote_addr + 8192 + 32 * i, n)
+        for i, (a, n) in enumerate(zip(starts, lengths))
+    ]
+    assert pair.client.transfer_sync(pair.remote, api.WRITE, writes, 2000) == api.SUCCESS
+    landed = pair.remote_bytes(8192, 32 * runs)
+    assert all(landed[32 * i : 32 * i + n] == pattern[a : a + n] for i, (a, n) in enumerate(zip(starts, lengths)))
+    assert all(landed[32 * i + n : 32 * (i + 1)] == bytes(32 - n) for i, n in enumerate(lengths))
+
+
 def test_memory_registered_after_connect_is_not_reachable_over_that_link(pair: Pair) -> None:
     status, late = pair.server.malloc_mem(4096)
     assert status == api.SUCCESS

@@ -361,6 +361,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def accounting_is_exact(self):
         alloc = self.alloc
+        # usage() first: it sweeps (lets go of kept blocks whose wait ran out, lazily, as every
+        # call that needs the room does), so what follows reads the state it reports on.
+        usage = alloc.usage()
         refs = [0] * 12
         writers: dict[int, int] = {}
         for h in alloc._handles:
@@ -381,7 +384,6 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert count == refs[b], f"block {b}: refcount {count}, held by {refs[b]}"
         assert len(set(alloc._free_blocks)) == len(alloc._free_blocks), "a block is twice in the free list"
         assert set(alloc._free_blocks) == {b for b in range(12) if refs[b] == 0}
-        usage = alloc.usage()
         held = {b for h in alloc._handles for b in h.held}
         kept_only = set(kept) - held
         assert usage.kept_blocks == len(kept_only)

@@ -34,12 +34,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve_common.kv_layout import Descriptor, K, KVLayout, V
+from pdserve_common.kv_layout import Descriptor, K, KVLayout, Strided, V
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Detached
 from pdserve_worker.transfer.base import TransferBackend
-from pdserve_worker.transfer.push import KVPusher, Piece, PushSource, PushStats, layer_chunks
+from pdserve_worker.transfer.push import KVPusher, PushSource, PushStats, Run, layer_chunks
 
 log = logging.getLogger("pdserve.decode.migration")
 
@@ -244,10 +244,10 @@ class MigrationPusher(KVPusher):
     def _owned_layers(self, target: Grant) -> range:
         return common_layers(self.source.layout.layer_range, target.layout.layer_range)
 
-    def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+    def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
         src, dst = self.source.layout, target.layout
         start = min(target.shared * dst.block_tokens, self.num_tokens) if dst.paged else 0
-        pieces: dict[tuple[int, int], list[Piece]] = {}
+        pieces: dict[tuple[int, int], list[Run]] = {}
         for layer in self._owned_layers(target):
             for kv_index in (K, V):
                 descs = migration_descriptors(
@@ -262,9 +262,8 @@ class MigrationPusher(KVPusher):
                     start,
                     self.num_tokens,
                 )
-                pieces[(layer, kv_index)] = [
-                    (self.source.base_addr + d.src, target.base_addr + d.dst, d.length) for d in descs
-                ]
+                sb, tb = self.source.base_addr, target.base_addr
+                pieces[(layer, kv_index)] = [[Strided(sb + d.src, tb + d.dst, 1, 0, 0, d.length)] for d in descs]
         return pieces
 
 

@@ -105,6 +105,7 @@ def run_follower() -> int:
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.prefill.tp_rank import FollowerRank
     from pdserve_worker.process.startup import start_engine
+    from pdserve_worker.serving.gc_heap import freeze_startup_heap
     from pdserve_worker.serving.torch_threads import serve_with
     from pdserve_worker.serving.tp_group import GroupError, TPGroup
 
@@ -129,6 +130,7 @@ def run_follower() -> int:
         backend = start_engine(settings)
         follower = DecodeFollower if settings.role == "decode" else FollowerRank
         rank = follower(settings, loaded, backend, group)
+        freeze_startup_heap()  # (serving/gc_heap.py)
         rank.serve()
         return 0
     except (GroupError, RuntimeError, ValueError) as exc:  # (rank 0 fails the same way and says why)

@@ -157,8 +157,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         if stop.is_set():
             return
         await process.join(role)
-        ready = {"grpc": settings.grpc_endpoint, "http": settings.http_port, "model": loaded.name, "revision": revision}
-        log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id, **ready))
+        _ready(settings, loaded.name, revision)
         await _until(stop, http.task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
         await process.leave()
@@ -179,6 +178,15 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
         if ranks is not None:
             ranks.stop()
         log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
+
+
+def _ready(settings: WorkerSettings, model: str, revision: str) -> None:
+    """Serving from now on: the startup heap leaves the collector's sight (serving/gc_heap.py)."""
+    from pdserve_worker.serving.gc_heap import freeze_startup_heap
+
+    freeze_startup_heap()
+    ready = {"grpc": settings.grpc_endpoint, "http": settings.http_port, "model": model, "revision": revision}
+    log.info(kv(event="worker_ready", role=settings.role, worker=settings.member_id, **ready))
 
 
 async def _tp_group(settings: WorkerSettings) -> tuple[Ranks | None, WorkerSettings, TPGroup | None]:

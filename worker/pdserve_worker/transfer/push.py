@@ -5,7 +5,10 @@ asynchronously, so the transfer of chunk k overlaps the compute of chunk k+1. Ea
 contiguous run per (layer, K|V) holding only the prompt's tokens (`KVLayout.token_run`); the
 runs of one chunk for one target travel in `transfer_async` requests of at most `queue_depth`
 runs each (HIXL splits a large batch further itself). Per target at most `queue_depth` runs
-are outstanding: past that the pusher reaps completions first. RESOURCE_EXHAUSTED from the engine means its queue is full, which is
+are outstanding: past that the pusher reaps completions first. A tensor-parallel rank's head
+slice is not contiguous in a decode pool holding more heads (one descriptor per token): all of
+one (layer, K|V)'s slices count as one run, so the depth bounds work in flight, not a count of
+256-byte pieces. RESOURCE_EXHAUSTED from the engine means its queue is full, which is
 waited out, never treated as a failure. A put that fails, or is still pending after
 `timeout_s`, raises `PushError` naming the target and the layers; on a timeout the target is
 disconnected, as HIXL advises, so nothing of it lingers on the link.
@@ -19,7 +22,7 @@ Targets are the decode's grants (`kv.slots.Grant`, from the Reserve answer). A t
 layout may hold a layer range only (a layer-sharded decode group): it gets only its layers.
 A target whose pool is paged (pdserve_common/kv_layout.py) is written through its grant's block list:
 one descriptor per (layer, K|V, run of consecutive blocks), never into its shared blocks
-(`push_descriptors`); layer chunks, queue depth and the notify are the same.
+(`push_runs`); layer chunks, queue depth and the notify are the same.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
-from pdserve_common.kv_layout import BlockLayout, K, KVLayout, V, push_descriptors, shared_heads
+from pdserve_common.kv_layout import BlockLayout, K, KVLayout, Strided, V, push_runs, shared_heads, whole_descriptors
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError
@@ -87,14 +91,17 @@ class _Put:
     submitted: float
 
 
-Piece = tuple[int, int, int]  # (source address, target address, bytes): one descriptor
+# One unit of a target's queue depth, in absolute addresses: one contiguous run (copies 1), or
+# one (layer, K|V)'s head slices (strided runs, a descriptor per token). Expanded into the
+# engine's descriptors only when submitted, so a push never holds 100,000 of them at once.
+Run = list[Strided]
 
 
 @dataclass
 class _TargetState:
     target: Grant
     owned: range
-    pieces: dict[tuple[int, int], list[Piece]]  # (layer, K|V) -> its descriptors to the target
+    pieces: dict[tuple[int, int], list[Run]]  # (layer, K|V) -> its runs to the target
     pushed: set[int] = field(default_factory=set)
     outstanding: deque[_Put] = field(default_factory=deque)
     in_flight_runs: int = 0
@@ -194,7 +201,7 @@ class KVPusher:
             raise ValueError(f"target {target.describe()} holds layers {dst}, source only {src}")
         return dst
 
-    def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+    def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
         """Every (layer, K|V) of the target's layers: its descriptors (source, target, bytes)."""
         if target.layout.paged:
             return self._block_pieces(target)
@@ -206,13 +213,14 @@ class KVPusher:
             # decode member): each slot is one block of max_len tokens to push_descriptors.
             return self._slot_slice_pieces(target)
         dst_addrs = _run_addrs(target.base_addr, target.layout, target.slot)
-        return {run: [(self._src_addrs[run], addr, self._run_len)] for run, addr in dst_addrs.items()}
+        n = self._run_len
+        return {run: [[Strided(self._src_addrs[run], addr, 1, 0, 0, n)]] for run, addr in dst_addrs.items()}
 
-    def _slot_slice_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+    def _slot_slice_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
         """A head slice into slots: each slot is one block of max_len tokens."""
         return self._pieces(target, target.layout.slot_blocks, (target.slot,), 0)
 
-    def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Piece]]:
+    def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
         """A paged target's descriptors: the prompt's tokens into its own blocks (the shared
         ones already hold them), coalesced over runs of consecutive blocks."""
         blocks = target.layout.blocks
@@ -226,28 +234,24 @@ class KVPusher:
 
     def _pieces(
         self, target: Grant, view: BlockLayout, blocks: Sequence[int], start: int
-    ) -> dict[tuple[int, int], list[Piece]]:
-        """Every (layer, K|V) of `view`'s layers: the descriptors of tokens start..num_tokens
-        into `blocks` of `view`, for the heads source and target share (a tensor-parallel
-        rank's share, or all)."""
+    ) -> dict[tuple[int, int], list[Run]]:
+        """Every (layer, K|V) of `view`'s layers: the runs of tokens start..num_tokens into
+        `blocks` of `view`, for the heads source and target share (a tensor-parallel rank's
+        share, or all). Whole rows: one run per run of consecutive blocks. A head slice: the
+        (layer, K|V)'s strided runs as one run (a TP rank into a decode of another TP size:
+        `_submit` makes their 2 × layers × tokens descriptors)."""
         src = self.source
         heads = shared_heads(src.pushed_heads, view.head_range)
         sb, tb = src.base_addr, target.base_addr
-        pieces: dict[tuple[int, int], list[Piece]] = {}
+        pieces: dict[tuple[int, int], list[Run]] = {}
         for layer in view.layer_range:
             for kv_index in (K, V):
-                descs = push_descriptors(
-                    src.layout,
-                    src.slot,
-                    view,
-                    blocks,
-                    range(layer, layer + 1),
-                    self.num_tokens,
-                    start,
-                    kv_indices=(kv_index,),
-                    heads=heads,
-                )
-                pieces[(layer, kv_index)] = [(sb + a, tb + b, n) for a, b, n in descs]
+                runs = push_runs(src.layout, src.slot, view, blocks, layer, kv_index, self.num_tokens, start, heads)
+                if all(r.copies == 1 for r in runs):
+                    whole = whole_descriptors(runs)
+                    pieces[(layer, kv_index)] = [[Strided(sb + a, tb + b, 1, 0, 0, n)] for a, b, n in whole]
+                else:
+                    pieces[(layer, kv_index)] = [[r._replace(src=sb + r.src, dst=tb + r.dst) for r in runs]]
         return pieces
 
     # ---- pushing -------------------------------------------------------------------------------------
@@ -278,9 +282,17 @@ class KVPusher:
             self._submit(state, batch)
         state.pushed.update(layers)
 
-    def _submit(self, state: _TargetState, runs: list[tuple[int, Piece]]) -> None:
+    def _submit(self, state: _TargetState, runs: list[tuple[int, Run]]) -> None:
         make = self._api.TransferOpDesc
-        descs = [make(src, dst, n) for _, (src, dst, n) in runs]
+        descs = []
+        for _, run in runs:
+            for r in run:
+                if r.copies == 1:
+                    descs.append(make(r.src, r.dst, r.length))
+                else:  # a C-level map: a head slice makes one descriptor per token
+                    srcs = range(r.src, r.src + r.copies * r.src_step, r.src_step)
+                    dsts = range(r.dst, r.dst + r.copies * r.dst_step, r.dst_step)
+                    descs.extend(map(make, srcs, dsts, repeat(r.length, r.copies)))
         layers = range(runs[0][0], runs[-1][0] + 1)
         deadline = time.monotonic() + self.timeout_s
         backoff = _Backoff()
@@ -312,9 +324,9 @@ class KVPusher:
             backoff.sleep()
         state.outstanding.append(_Put(req_id, len(runs), layers, time.monotonic()))
         state.in_flight_runs += len(runs)
-        self.stats.puts += len(runs)
+        self.stats.puts += len(descs)
         self.stats.requests += 1
-        self.stats.bytes += sum(n for _, (_, _, n) in runs)
+        self.stats.bytes += sum(d.len for d in descs)
 
     def _wait_for_room(self, state: _TargetState, runs: int) -> None:
         if state.in_flight_runs + runs <= self.queue_depth:

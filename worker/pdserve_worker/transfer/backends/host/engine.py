@@ -90,7 +90,8 @@ from typing import Any, TypeVar
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth, wire
-from pdserve_worker.transfer.backends.host.link import CopyStep, Link, Request
+from pdserve_worker.transfer.backends.host.batch_copy import BatchCopy
+from pdserve_worker.transfer.backends.host.link import CopyStep, Link, Plan, Request
 from pdserve_worker.transfer.backends.host.netio import parse_engine_id
 from pdserve_worker.transfer.backends.host.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
@@ -234,7 +235,7 @@ class Hixl:
         self._req_ids = itertools.count(1)
         self._notifies: NotifyInbox | None = None
         self._server: HostServer | None = None
-        self._copy_queue: queue.SimpleQueue[tuple[Link, Request, list[CopyStep]] | None] = queue.SimpleQueue()
+        self._copy_queue: queue.SimpleQueue[tuple[Link, Request, Plan] | None] = queue.SimpleQueue()
         self._views: dict[Region, memoryview] = {}
         self._copy_threads: list[threading.Thread] = []
         self._connector: ThreadPoolExecutor | None = None
@@ -606,7 +607,8 @@ class Hixl:
                 )
             )
             return api.PARAM_INVALID, None
-        request = Request(next(self._req_ids), operation, descs, int(getattr(args, "user_data", 0) or 0))
+        nbytes = sum(plan.lengths) if isinstance(plan, BatchCopy) else None
+        request = Request(next(self._req_ids), operation, descs, int(getattr(args, "user_data", 0) or 0), nbytes=nbytes)
         if plan is None and operation is api.TransferOp.READ and request.nbytes > wire.MAX_READ_BYTES:
             log.warning(kv(event="read_too_big", remote=remote_engine, bytes=request.nbytes, limit=wire.MAX_READ_BYTES))
             return api.PARAM_INVALID, None
@@ -623,7 +625,7 @@ class Hixl:
             self._copy_queue.put((link, request, plan))
         return api.SUCCESS, request
 
-    def _resolve(self, link: Link, op_descs: Sequence[Any]) -> tuple[list[tuple[int, int, int]], list[CopyStep] | None]:
+    def _resolve(self, link: Link, op_descs: Sequence[Any]) -> tuple[list[tuple[int, int, int]], Plan | None]:
         """Range-check every descriptor (raises _BadRange). Returns the descriptors as tuples
         and, when every remote range lies in memory this process maps, the copy plan of the
         zero-copy path (else None: the TCP path).
@@ -664,26 +666,34 @@ class Hixl:
                 plan.append((local, local_view, local - local_region.addr, segment, seg_base + remote, length))  # type: ignore[arg-type]
         return descs, plan
 
-    def _resolve_within(
-        self, link: Link, op_descs: Sequence[Any]
-    ) -> tuple[list[tuple[int, int, int]], list[CopyStep]] | None:
+    def _resolve_within(self, link: Link, op_descs: Sequence[Any]) -> tuple[list[tuple[int, int, int]], Plan] | None:
         """`_resolve` for a batch whose every range lies in one local region and one shared
         remote region: one bounds check over the batch's extremes instead of one per descriptor
-        (a TP rank's head-sliced push sends thousands of 256-byte runs per call). None when the
-        batch is not that (then the per-descriptor path decides, and names what was wrong)."""
-        descs = [(d.local_addr, d.remote_addr, d.len) for d in op_descs]
-        if any(type(a) is not int or type(b) is not int or type(n) is not int or n <= 0 for a, b, n in descs):
+        (a TP rank's head-sliced push sends thousands of 256-byte runs per call), and a
+        BatchCopy of plain int lists, not a tuple per descriptor (the garbage collector's
+        passes over 100,000 new tuples cost more than the copies). None when the batch is not
+        that (then the per-descriptor path decides, and names what was wrong)."""
+        locals_ = [d.local_addr for d in op_descs]
+        remotes = [d.remote_addr for d in op_descs]
+        lengths = [d.len for d in op_descs]
+        if {*map(type, locals_), *map(type, remotes), *map(type, lengths)} != {int} or min(lengths) <= 0:
             return None
-        lo_local, hi_local = min(a for a, _, _ in descs), max(a + n for a, _, n in descs)
-        lo_remote, hi_remote = min(b for _, b, _ in descs), max(b + n for _, b, n in descs)
+        lo_local, hi_local = min(locals_), max(map(sum, zip(locals_, lengths)))
+        lo_remote, hi_remote = min(remotes), max(map(sum, zip(remotes, lengths)))
         local_region = self._regions.find(lo_local, hi_local - lo_local)
         remote_region = link.remote.find(lo_remote, hi_remote - lo_remote)
         if local_region is None or remote_region is None or not link.shares(remote_region):
             return None
-        view, base = self._view_of(local_region), local_region.addr
-        segment = link.peer_segment(remote_region)
-        seg_base = remote_region.shm_offset - remote_region.addr
-        return descs, [(a, view, a - base, segment, seg_base + b, n) for a, b, n in descs]
+        base, seg_base = local_region.addr, remote_region.shm_offset - remote_region.addr
+        plan = BatchCopy(
+            self._view_of(local_region),
+            base,
+            link.peer_segment(remote_region),
+            [a - base for a in locals_],
+            [seg_base + b for b in remotes],
+            lengths,
+        )
+        return [], plan
 
     def _view_of(self, region: Region) -> memoryview:
         """A cached byte view of a local registered region (dropped when it is deregistered)."""

@@ -22,6 +22,7 @@ import time
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth, wire
+from pdserve_worker.transfer.backends.host.batch_copy import MEMMOVE_MIN_BYTES, BatchCopy
 from pdserve_worker.transfer.backends.host.netio import sendmsg_all
 from pdserve_worker.transfer.backends.host.notify_inbox import abstract
 from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
@@ -33,7 +34,8 @@ log = logging.getLogger("pdserve.transfer.host_link")
 # One descriptor of a shared-memory copy: (local address, view of the local region, offset in
 # it, the peer's segment as mapped here, offset in it, length).
 CopyStep = tuple[int, memoryview, int, ShmSegment, int, int]
-MEMMOVE_MIN_BYTES = 256 << 10  # from here on a copy releases the GIL (ctypes.memmove)
+# A zero-copy request's plan: a step per descriptor, or one batch within one region each side.
+Plan = list[CopyStep] | BatchCopy
 
 
 _FINISH = threading.Lock()  # makes "first finisher wins" atomic across reader/closer threads
@@ -55,6 +57,7 @@ class Request:
         user_data: int = 0,
         body: bytes = b"",  # a notify: name bytes then message bytes
         name_len: int = 0,
+        nbytes: int | None = None,  # given when `descs` is left empty (a BatchCopy holds them)
     ) -> None:
         self.req_id = req_id
         self.op = op
@@ -65,7 +68,7 @@ class Request:
         self.body = body
         self.name_len = name_len
         self.seq = 0  # the frame's sequence number on its link, once sent
-        self.nbytes = sum(d[2] for d in descs)
+        self.nbytes = sum(d[2] for d in descs) if nbytes is None else nbytes
         self._done = threading.Lock()
         self._done.acquire()
 
@@ -194,7 +197,7 @@ class Link:
         """Our mapping of the segment behind a shared remote region (see `shares`)."""
         return self._mappings[region.shm_name]
 
-    def copy(self, request: Request, plan: list[CopyStep]) -> None:
+    def copy(self, request: Request, plan: Plan) -> None:
         """Copy every descriptor through our mapping of the peer's memory, on this thread.
 
         Small runs by memoryview slice assignment (a third of a ctypes call's overhead, which
@@ -207,6 +210,9 @@ class Link:
             self._copies += 1
         write = request.op is api.TransferOp.WRITE
         try:
+            if isinstance(plan, BatchCopy):
+                plan.run(write)
+                plan = []
             for laddr, lview, loff, seg, poff, n in plan:
                 if n < MEMMOVE_MIN_BYTES:
                     if write:
