@@ -146,6 +146,30 @@ def test_a_strided_batch_reads_back_and_unequal_runs_in_one_batch_land_too(pair:
     assert all(landed[32 * i + n : 32 * (i + 1)] == bytes(32 - n) for i, n in enumerate(lengths))
 
 
+def test_a_tcp_request_over_the_frame_limit_is_refused_and_the_link_lives_on() -> None:
+    """The server drops a link whose frame declares more than wire.MAX_DESCS_PER_FRAME
+    descriptors; the client refuses such a request itself (PARAM_INVALID), so one oversized
+    call never costs every other transfer on the link."""
+    from pdserve_worker.transfer.backends.host import wire
+
+    p = Pair("tcp")
+    try:
+        p.connect()
+        too_many = [
+            api.TransferOpDesc(p.local_addr + i % 64, p.remote_addr + i % 64, 1)
+            for i in range(wire.MAX_DESCS_PER_FRAME + 1)
+        ]
+        assert p.client.transfer_sync(p.remote, api.WRITE, too_many, 2000) == api.PARAM_INVALID
+        ctypes.memmove(p.local_addr, b"still-up", 8)
+        assert (
+            p.client.transfer_sync(p.remote, api.WRITE, [api.TransferOpDesc(p.local_addr, p.remote_addr, 8)], 2000)
+            == api.SUCCESS
+        )
+        assert p.remote_bytes(0, 8) == b"still-up"
+    finally:
+        p.close()
+
+
 def test_memory_registered_after_connect_is_not_reachable_over_that_link(pair: Pair) -> None:
     status, late = pair.server.malloc_mem(4096)
     assert status == api.SUCCESS

@@ -173,3 +173,55 @@ def test_lease_table_finds_a_lease_among_many_and_refuses_overlaps() -> None:
     assert table.revoke(ids[137]) and not table.covers(1000 + 100 * 137 + 10, 40)
     assert not table.revoke(ids[137])
     assert len(table) == 200
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_long_head_slice_lands_exactly_in_requests_of_bounded_size(transport: str) -> None:
+    """A tensor-parallel rank holding heads 2..3 of a 4-head decode pool writes one 16-byte
+    piece per token per (layer, K|V): 10,000 tokens make 40,000 of them per layer pair. They go
+    in requests of at most MAX_REQUEST_DESCRIPTORS (over TCP a frame takes at most 65,536, and
+    one oversized request would have cost the link), every piece lands in its row's slice, and
+    the other rank's heads stay untouched."""
+    from pdserve_worker.transfer.push import MAX_REQUEST_DESCRIPTORS
+
+    layers, tokens, bt = 2, 10_000, 16
+    src_layout = KVLayout(1, layers, tokens, kv_heads=2, head_dim=4, dtype="float16", first_head=2)
+    dst_layout = KVLayout(
+        1, layers, tokens, kv_heads=4, head_dim=4, dtype="float16", block_tokens=bt, num_blocks=tokens // bt
+    )
+    src_backend, dst_backend = create_engine("cpu"), create_engine("cpu")
+    dst_id = f"127.0.0.1:{free_port()}"
+    try:
+        src_backend.check(src_backend.engine.initialize("127.0.0.1", {"pdserve.Transport": transport}), "init")
+        dst_backend.check(dst_backend.engine.initialize(dst_id), "init")
+        src, dst = KVPool(src_backend, src_layout), KVPool(dst_backend, dst_layout)
+        ctypes.memmove(src.base_addr, random.Random(5).randbytes(src.nbytes), src.nbytes)
+        ctypes.memset(dst.base_addr, 0xEE, dst.nbytes)
+        blocks = tuple(reversed(range(tokens // bt)))  # nothing consecutive
+        grant = Grant("req", 0, 1, dst_id, dst.base_addr, dst_layout, nonce="n", blocks=blocks)
+        sizes: list[int] = []
+        submit = src_backend.engine.transfer_async
+
+        def recording(remote: str, op: int, descs: list[object], *args: object) -> tuple[int, int]:
+            sizes.append(len(descs))
+            return submit(remote, op, descs, *args)
+
+        src_backend.engine.transfer_async = recording  # type: ignore[method-assign]
+        pusher = KVPusher(src_backend, PushSource(src.base_addr, src_layout), [grant], tokens, queue_depth=8)
+        pusher.push_chunk(range(layers))
+        stats = pusher.finish({})
+        assert stats.puts == sum(sizes) == layers * 2 * tokens
+        assert max(sizes) <= MAX_REQUEST_DESCRIPTORS and len(sizes) >= layers * 2 * tokens // MAX_REQUEST_DESCRIPTORS
+        geometry, row, half = dst_layout.blocks, dst_layout.blocks.bytes_per_token, src_layout.bytes_per_token
+        for layer in range(layers):
+            for kv_index in (K, V):
+                sent = ctypes.string_at(*src.run(0, layer, kv_index, tokens))
+                for t in range(0, tokens, 997):  # a spread of tokens, each in its block
+                    at = dst.base_addr + geometry.offset(layer, kv_index, blocks[t // bt]) + (t % bt) * row
+                    assert ctypes.string_at(at + half, half) == sent[t * half : (t + 1) * half]
+                    assert ctypes.string_at(at, half) == b"\xee" * half  # heads 0..1: the other rank's
+        src.close()
+        dst.close()
+    finally:
+        src_backend.engine.finalize()
+        dst_backend.engine.finalize()

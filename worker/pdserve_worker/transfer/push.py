@@ -107,6 +107,34 @@ class _TargetState:
     in_flight_runs: int = 0
 
 
+# A head slice's descriptors per run and per transfer_async request: bounded, so a long
+# prompt's slices never make one request the engine must refuse (the host engine's frames
+# take 65,536 descriptors) and a request stays a few MB of 256-byte pieces.
+MAX_RUN_DESCRIPTORS = 4096
+MAX_REQUEST_DESCRIPTORS = 8192
+
+
+def _split(runs: list[Strided], limit: int) -> list[Run]:
+    """Consecutive strided runs grouped into Runs of at most `limit` descriptors each; a
+    strided run longer than that (a slot pool's "block" is a whole slot) is cut."""
+    out: list[Run] = [[]]
+    room = limit
+    for r in runs:
+        if r.copies <= room:  # (the usual case: a block's tokens)
+            out[-1].append(r)
+            room -= r.copies
+            continue
+        while r.copies:
+            if not room:
+                out.append([])
+                room = limit
+            take = min(r.copies, room)
+            out[-1].append(r._replace(copies=take))
+            r = r._replace(src=r.src + take * r.src_step, dst=r.dst + take * r.dst_step, copies=r.copies - take)
+            room -= take
+    return [run for run in out if run]
+
+
 def _run_addrs(base_addr: int, layout: KVLayout, slot: int) -> dict[tuple[int, int], int]:
     """Start address of every (layer, K|V) run of a slot. The layout is slot, layer, K|V-major
     with a fixed stride, so one validated `offset` plus arithmetic gives them all (a validated
@@ -251,7 +279,8 @@ class KVPusher:
                     whole = whole_descriptors(runs)
                     pieces[(layer, kv_index)] = [[Strided(sb + a, tb + b, 1, 0, 0, n)] for a, b, n in whole]
                 else:
-                    pieces[(layer, kv_index)] = [[r._replace(src=sb + r.src, dst=tb + r.dst) for r in runs]]
+                    moved = [Strided(sb + a, tb + b, n, ss, ds, length) for a, b, n, ss, ds, length in runs]
+                    pieces[(layer, kv_index)] = _split(moved, MAX_RUN_DESCRIPTORS)
         return pieces
 
     # ---- pushing -------------------------------------------------------------------------------------
@@ -276,8 +305,17 @@ class KVPusher:
 
     def _push_layers(self, state: _TargetState, layers: list[int]) -> None:
         runs = [(layer, piece) for layer in layers for kv_index in (K, V) for piece in state.pieces[(layer, kv_index)]]
-        for start in range(0, len(runs), self.queue_depth):
-            batch = runs[start : start + self.queue_depth]
+        batch: list[tuple[int, Run]] = []
+        descriptors = 0
+        for layer, run in runs:
+            n = sum(r.copies for r in run)
+            if batch and (len(batch) == self.queue_depth or descriptors + n > MAX_REQUEST_DESCRIPTORS):
+                self._wait_for_room(state, len(batch))
+                self._submit(state, batch)
+                batch, descriptors = [], 0
+            batch.append((layer, run))
+            descriptors += n
+        if batch:
             self._wait_for_room(state, len(batch))
             self._submit(state, batch)
         state.pushed.update(layers)

@@ -608,6 +608,11 @@ class Hixl:
             )
             return api.PARAM_INVALID, None
         nbytes = sum(plan.lengths) if isinstance(plan, BatchCopy) else None
+        if plan is None and len(descs) > wire.MAX_DESCS_PER_FRAME:  # (the server would break the link)
+            log.warning(
+                kv(event="too_many_descriptors", remote=remote_engine, count=len(descs), limit=wire.MAX_DESCS_PER_FRAME)
+            )
+            return api.PARAM_INVALID, None
         request = Request(next(self._req_ids), operation, descs, int(getattr(args, "user_data", 0) or 0), nbytes=nbytes)
         if plan is None and operation is api.TransferOp.READ and request.nbytes > wire.MAX_READ_BYTES:
             log.warning(kv(event="read_too_big", remote=remote_engine, bytes=request.nbytes, limit=wire.MAX_READ_BYTES))
