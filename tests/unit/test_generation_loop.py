@@ -210,6 +210,33 @@ async def test_a_long_prompt_is_computed_a_chunk_per_step_while_others_decode(lo
 
 
 @pytest.mark.asyncio
+async def test_with_nothing_decoding_a_prompt_is_computed_in_the_idle_budget(loaded):
+    """No step to protect: a lone prompt is not cut into prefill_chunk_tokens pieces (each
+    piece re-reads the earlier KV and the weights) but computed in chunks of at least
+    IDLE_PREFILL_CHUNK_TOKENS; the next prompt, arriving while the first decodes, is chunked."""
+    from pdserve_worker.decode.generation_loop import IDLE_PREFILL_CHUNK_TOKENS
+
+    long_len, chunk = 200, 16
+    assert long_len <= IDLE_PREFILL_CHUNK_TOKENS
+    cache = colocated_cache(loaded.model, SLOTS, 256)
+    prefill = Recording(loaded, cache)
+    loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache), prefill=prefill, prefill_chunk_tokens=chunk)
+    loop.start()
+    try:
+        prompt = [(7 * i) % 90 + 3 for i in range(long_len)]
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        alone = loop.submit("alone", prompt, 0, params, lambda: None)
+        await alone.__anext__()  # whole, and decoding now
+        second = loop.submit("second", prompt[::-1], 1, SamplingParams(max_tokens=2, temperature=0), lambda: None)
+        await drain(second)
+        await drain(alone)
+    finally:
+        loop.stop()
+    assert [(used, done) for slot, used, done in prefill.calls if slot == 0] == [(long_len, True)]
+    assert [used for slot, used, _ in prefill.calls if slot == 1] == [chunk] * (long_len // chunk) + [long_len % chunk]
+
+
+@pytest.mark.asyncio
 async def test_a_request_cancelled_between_chunks_lets_go_of_its_slot_and_prefix_pins(loaded):
     from pdserve_worker.kv.prefix_store import open_prefix_store
 
