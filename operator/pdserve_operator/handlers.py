@@ -43,6 +43,7 @@ CHILD_RESOURCES = (
     ("policy", "v1", "poddisruptionbudgets"),
     (s.GROUP, s.VERSION, ADAPTER_PLURAL),  # a scaled adapter moves the spec now, not at the next resync
 )
+LWS_RESOURCE = ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")  # (register: only when asked)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -57,7 +58,6 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = 300
 
 
-@kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     configure(settings)
     if "runtime" not in memo:
@@ -66,7 +66,6 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf
     logger.info("pdserve operator ready: image=%s broker=%s", runtime.config.image, runtime.config.broker_address)
 
 
-@kopf.on.login()
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """kopf connects with the very credentials of our own client (one source, read at startup).
 
@@ -77,7 +76,6 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     return runtime.kube.connection_info()
 
 
-@kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
     if runtime is not None and memo.get("owns_runtime", True):
@@ -101,14 +99,10 @@ async def _reconcile(memo: kopf.Memo, namespace: str, name: str, why: str) -> No
         raise kopf.TemporaryError(f"reconcile {namespace}/{name}: {exc}", delay=2) from exc
 
 
-@kopf.on.resume(s.GROUP, s.VERSION, s.PLURAL)
-@kopf.on.create(s.GROUP, s.VERSION, s.PLURAL)
-@kopf.on.update(s.GROUP, s.VERSION, s.PLURAL)
 async def reconcile_service(name: str, namespace: str | None, memo: kopf.Memo, reason: str, **_: Any) -> None:
     await _reconcile(memo, _namespaced(namespace), name, str(reason))
 
 
-@kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=TIMER_TICK_SECONDS, initial_delay=TIMER_TICK_SECONDS)
 async def resync(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime = memo["runtime"]
     ns = _namespaced(namespace)
@@ -118,7 +112,6 @@ async def resync(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) ->
         await _reconcile(memo, ns, name, "autoscale")
 
 
-@kopf.on.delete(s.GROUP, s.VERSION, s.PLURAL)
 async def forget_service(name: str, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     runtime: Runtime = memo["runtime"]
     ns = _namespaced(namespace)
@@ -137,13 +130,32 @@ def _owner_of(body: kopf.Body) -> str | None:
     return str(owner) if owner is not None else None
 
 
-def _register_child_watch(group: str, version: str, plural: str) -> None:
-    @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
-    async def child_changed(body: kopf.Body, namespace: str | None, memo: kopf.Memo, type: str, **_: Any) -> None:
-        owner = _owner_of(body)
-        if owner:
-            await _reconcile(memo, _namespaced(namespace), owner, f"child {plural} {type or 'listed'}")
+async def child_changed(body: kopf.Body, namespace: str | None, memo: kopf.Memo, type: str, **_: Any) -> None:
+    """A managed child changed (or was listed): reconcile its owner (coalesced by the Reconciler)."""
+    owner = _owner_of(body)
+    if owner:
+        plural = body.get("kind", "child")
+        await _reconcile(memo, _namespaced(namespace), owner, f"child {plural} {type or 'listed'}")
 
 
-for _group, _version, _plural in CHILD_RESOURCES:
-    _register_child_watch(_group, _version, _plural)
+def register(registry: kopf.OperatorRegistry, *, watch_leader_worker_sets: bool = False) -> kopf.OperatorRegistry:
+    """Put our handlers into `registry` (what `runner.run` hands kopf). LeaderWorkerSets are
+    watched only when asked: the watch needs list/watch on them (the chart grants it with
+    `leaderWorkerSet.enabled`), and without it their readiness shows at the next resync."""
+    kopf.on.startup(registry=registry)(startup)
+    kopf.on.login(registry=registry)(login)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    for on in (kopf.on.resume, kopf.on.create, kopf.on.update):
+        on(s.GROUP, s.VERSION, s.PLURAL, registry=registry)(reconcile_service)
+    tick = TIMER_TICK_SECONDS
+    kopf.timer(s.GROUP, s.VERSION, s.PLURAL, interval=tick, initial_delay=tick, registry=registry)(resync)
+    kopf.on.delete(s.GROUP, s.VERSION, s.PLURAL, registry=registry)(forget_service)
+    children = CHILD_RESOURCES + ((LWS_RESOURCE,) if watch_leader_worker_sets else ())
+    for group, version, plural in children:
+        watch = kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}", registry=registry)
+        watch(child_changed)
+    return registry
+
+
+# `kopf run -m pdserve_operator.handlers`: the default registry, configured from the environment.
+register(kopf.get_default_registry(), watch_leader_worker_sets=OperatorConfig().watch_leader_worker_sets)

@@ -45,7 +45,6 @@ def run(
     kube: RestKubeClient | None = None,
 ) -> None:
     """Block until the operator stops (stop_flag set, or a signal in the main thread)."""
-    from pdserve_operator import handlers  # noqa: F401  (registers the handlers in kopf's default registry)
 
     server: Any = None
     if broker is None:
@@ -131,9 +130,14 @@ async def _operate(
     stop_flag: threading.Event | asyncio.Event | None,
     ready_flag: threading.Event | asyncio.Event | None,
 ) -> None:
+    from pdserve_operator import handlers
+
     reporter = None if config.standalone else asyncio.create_task(_report_peering(config, runtime.kube))
     try:
         await kopf.operator(
+            registry=handlers.register(
+                kopf.OperatorRegistry(), watch_leader_worker_sets=config.watch_leader_worker_sets
+            ),
             settings=settings,
             clusterwide=not config.namespaces,
             namespaces=config.namespaces,

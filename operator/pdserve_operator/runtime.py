@@ -73,6 +73,12 @@ class OperatorConfig(BaseSettings):
     pod_namespace: str = Field(
         "pdserve-system", description="The operator's own namespace (downward API): the NetworkPolicy's operator peer."
     )
+    watch_leader_worker_sets: bool = Field(
+        False,
+        description="Watch the LeaderWorkerSets of decode groups (groupScheduling leaderWorkerSet), so a group's "
+        "readiness shows at once, not at the next resync; needs list/watch on them (the chart's "
+        "leaderWorkerSet.enabled sets both).",
+    )
     tls_cert: str | None = Field(None, description="The broker's TLS certificate (PEM); with key and ca: mutual TLS.")
     tls_key: str | None = Field(None, description="The broker's TLS private key (PEM).")
     tls_ca: str | None = Field(None, description="CA that workers' client certificates must chain to (PEM).")

@@ -9,6 +9,8 @@ says why and what it checks)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,9 @@ from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from pdserve_operator import children as ch
 from pdserve_operator import decode_groups as dg
 from pdserve_operator import spec as s
+from pdserve_operator.handlers import TIMER_TICK_SECONDS
 from pdserve_operator.kube import KINDS
+from pdserve_operator.runtime import OperatorConfig
 from support import leaderworkerset as lws
 from support.worker_env import worker_settings
 
@@ -128,6 +132,60 @@ def test_decode_groups_run_as_one_leader_worker_set(
     sts = wait_for(lambda: cluster.get("StatefulSet", namespace, name), what="the StatefulSet")
     assert sts["spec"]["replicas"] == 6  # 3 groups x 2 pods
     wait_for(lambda: cluster.kube.get(KINDS["LeaderWorkerSet"], namespace, name) is None, what="the LWS removed")
-    events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
-    replaced = [e["message"] for e in events if e.get("reason") == "DecodeWorkloadReplaced"]
-    assert replaced == [f"LeaderWorkerSet/{name} removed: the decode groups run as a StatefulSet now"], replaced
+
+    def replaced() -> list[str]:  # (the Event is posted just after the delete: wait for it too)
+        events = cluster.kube.request("GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+        return [e["message"] for e in events if e.get("reason") == "DecodeWorkloadReplaced"]
+
+    wait_for(replaced, what="the DecodeWorkloadReplaced event")
+    assert replaced() == [f"LeaderWorkerSet/{name} removed: the decode groups run as a StatefulSet now"]
+
+
+@dataclass
+class WatchingOperator(OperatorHandle):
+    """The operator as the chart runs it with leaderWorkerSet.enabled (watching LWS objects), and
+    a resync far beyond the test: whatever it does here, an event made it do."""
+
+    def config(self) -> OperatorConfig:
+        return super().config().model_copy(update={"watch_leader_worker_sets": True, "resync_seconds": 600.0})
+
+
+def test_a_leader_worker_sets_status_reaches_the_service_at_once(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """With the watch, the LWS controller's status update (its groups: what `kubectl scale` and
+    an HPA read back as status.decode.replicas) reconciles the service at once; without it, and
+    with no other event, it would wait for the resync (600 s here)."""
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["metadata"]["name"] = NAME
+    doc["spec"]["decode"].update({"replicas": 1, "layerShards": 2, "groupScheduling": "leaderWorkerSet"})
+    if cluster.kubectl("get", "crd", lws.CRD["metadata"]["name"], check=False).returncode != 0:
+        cluster.kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", lws.CRD)
+        cluster.kubectl("wait", "--for=condition=established", f"crd/{lws.CRD['metadata']['name']}", "--timeout=20s")
+    operator = WatchingOperator(cluster, namespace)
+    operator.start()
+    try:
+        apply(cluster, namespace, doc, tmp_path)
+        name = ch.workload_name(NAME, "decode")
+        obj = wait_for(lambda: cluster.kube.get(KINDS["LeaderWorkerSet"], namespace, name), what="the LeaderWorkerSet")
+        create_pods(cluster, namespace, obj, groups=1, size=2)
+        operator.broker.counts[f"{namespace}/{NAME}"] = {"prefill": 1, "decode": 2, "router": 1}
+        for role in ("prefill", "router"):  # (their events reconcile: the pods are counted then)
+            dep = ch.workload_name(NAME, role)
+            gen = cluster.get("Deployment", namespace, dep)["metadata"]["generation"]
+            cluster.patch_status(
+                "Deployment",
+                namespace,
+                dep,
+                {"observedGeneration": gen, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1},
+            )
+        ready = wait_for(lambda: (st := status(cluster, namespace)).get("phase") == "Ready" and st, what="Ready")
+        assert ready["decode"]["replicas"] == 0  # the LWS has reported no group yet
+        time.sleep(2 * TIMER_TICK_SECONDS)  # past the timer's first run (a resync at once), then none for 600 s
+        cluster.patch_status(
+            "LeaderWorkerSet", namespace, name, {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+        )
+        seen = wait_for(lambda: status(cluster, namespace)["decode"]["replicas"] == 1, 10, "the LWS's groups in status")
+        assert seen and status(cluster, namespace)["decode"]["workloadKind"] == "LeaderWorkerSet"
+    finally:
+        operator.stop()

@@ -305,18 +305,25 @@ def test_inference_pool_grant_only_when_asked() -> None:
 
 def test_leader_worker_set_grant_only_when_asked() -> None:
     """The operator runs decode groups as LeaderWorkerSets (spec.decode.groupScheduling) only where
-    the chart grants it: the LWS itself, its /scale, and removing the StatefulSet it replaces."""
+    the chart grants it: the LWS itself (watched, so its status reaches the service at once), its
+    /scale, and removing the StatefulSet it replaces; the operator is told to watch exactly then."""
 
     def lws_rules(*args: str) -> list[dict[str, Any]]:
         [role] = by_kind(render(*args), "ClusterRole")
         return [r for r in role["rules"] if "leaderworkerset.x-k8s.io" in r["apiGroups"] or r["verbs"] == ["delete"]]
 
-    assert lws_rules() == []
+    def watch_env(*args: str) -> str:
+        [deployment] = by_kind(render(*args), "Deployment")
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        return next(e["value"] for e in env if e["name"] == "PDSERVE_OPERATOR_WATCH_LEADER_WORKER_SETS")
+
+    assert lws_rules() == [] and watch_env() == "false"
+    assert watch_env("--set", "leaderWorkerSet.enabled=true") == "true"
     assert lws_rules("--set", "leaderWorkerSet.enabled=true") == [
         {
             "apiGroups": ["leaderworkerset.x-k8s.io"],
             "resources": ["leaderworkersets"],
-            "verbs": ["get", "create", "patch", "delete"],
+            "verbs": ["get", "list", "watch", "create", "patch", "delete"],
         },
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets/scale"], "verbs": ["patch"]},
         {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["delete"]},

@@ -96,10 +96,11 @@ records them against the API emulator and checks both directions). */}}
 {{- end }}
 {{- if .Values.leaderWorkerSet.enabled }}
 # spec.decode.groupScheduling leaderWorkerSet: decode groups as LeaderWorkerSets (scaled through
-# /scale like the StatefulSet), and a switch of groupScheduling removes the workload of the other kind.
+# /scale like the StatefulSet, watched so a group's readiness shows at once), and a switch of
+# groupScheduling removes the workload of the other kind.
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
-  verbs: [get, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets/scale]
   verbs: [patch]
