@@ -98,6 +98,39 @@ def test_runs_of_consecutive_blocks_on_both_sides_move_as_one_descriptor() -> No
     assert len(split) == 2
 
 
+@pytest.mark.parametrize("direction", ["rank->whole", "whole->rank", "rank->other rank"])
+def test_head_slices_move_exactly_the_heads_both_pools_hold(direction: str) -> None:
+    """A tensor-parallel decode rank holds heads 2..3 of 4: draining, it writes its heads' slice
+    of each token's row of a plain decode's pool; a plain decode draining into a TP decode
+    writes each rank only its heads; two ranks that share no head exchange nothing."""
+    full = dataclasses.replace(paged(), kv_heads=4)
+    rank = dataclasses.replace(paged(), kv_heads=2, first_head=2)
+    other = dataclasses.replace(paged(), kv_heads=2, first_head=0)
+    src_l, dst_l = {"rank->whole": (rank, full), "whole->rank": (full, rank), "rank->other rank": (rank, other)}[
+        direction
+    ]
+    src_blocks, dst_blocks, start, end = [7, 3, 4, 5, 20], [9, 10, 30, 2, 1], 4, 19
+    src = bytearray(i % 251 for i in range(src_l.total_bytes))
+    dst = bytearray(b"\xee" * dst_l.total_bytes)
+    for layer in range(2):
+        for kv in (K, V):
+            apply(migration_descriptors(src_l, 0, src_blocks, dst_l, 0, dst_blocks, layer, kv, start, end), src, dst)
+    head = 4 * 2  # head_dim 4, float16
+    shared = range(max(src_l.first_head, dst_l.first_head), min(src_l.head_range.stop, dst_l.head_range.stop))
+    for layer in range(2):
+        for kv in (K, V):
+            for t in range(end):
+                s = token_offset(src_l, 0, src_blocks, layer, kv, t)
+                d = token_offset(dst_l, 0, dst_blocks, layer, kv, t)
+                for h in dst_l.head_range:
+                    got = dst[d + (h - dst_l.first_head) * head : d + (h - dst_l.first_head + 1) * head]
+                    if t >= start and h in shared:
+                        want = src[s + (h - src_l.first_head) * head : s + (h - src_l.first_head + 1) * head]
+                        assert got == want, f"{direction}: layer {layer} kv {kv} token {t} head {h}"
+                    else:
+                        assert got == b"\xee" * head, f"{direction}: token {t} head {h} written"
+
+
 def test_descriptors_refuse_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="do not fit the target"):
         migration_descriptors(paged(), 0, [1, 2, 3], paged(), 0, [4, 5], 0, K, 0, 10)

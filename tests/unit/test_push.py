@@ -363,14 +363,14 @@ def test_a_member_that_fails_its_push_fails_the_migration_before_any_notify(deco
 
 
 def test_strided_runs_split_into_bounded_runs_cover_the_same_descriptors() -> None:
-    """push._split: a slot pool's head slice is one strided run of a whole prompt (its "block"
+    """push.split_runs: a slot pool's head slice is one strided run of a whole prompt (its "block"
     is the slot), so a run longer than the limit is cut; the pieces, in order, are exactly the
     original descriptors, and no group holds more than the limit."""
     from pdserve_common.kv_layout import Strided
-    from pdserve_worker.transfer.push import _split
+    from pdserve_worker.transfer.push import split_runs
 
     runs = [Strided(0, 1000, 3, 16, 32, 16), Strided(48, 5000, 10, 16, 32, 16), Strided(208, 9000, 1, 0, 0, 64)]
-    groups = _split(runs, 4)
+    groups = split_runs(runs, 4)
     assert all(sum(r.copies for r in g) <= 4 for g in groups)
     assert [d for g in groups for r in g for d in r.descriptors()] == [d for r in runs for d in r.descriptors()]
-    assert _split([], 4) == []
+    assert split_runs([], 4) == []

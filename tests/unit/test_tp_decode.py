@@ -221,3 +221,60 @@ def test_another_rank_applies_each_lease_message_and_answers_grants():
     serve_leases(group, own)  # type: ignore[arg-type]
     assert own.live == {(2, 12): (5,)}
     assert group.answers == [None, "engine refused a write lease for slot 9's blocks", None]
+
+
+def test_a_drain_asks_every_other_rank_to_push_its_heads_and_waits_for_their_bytes():
+    """Draining, rank 0 sends each handed-over request's PushOrder on the lease channel; the
+    notify waits for every rank's answer (its bytes); a rank that answers why it failed, or a
+    broken channel, fails the migration (MemberUnavailable: the router re-prefills)."""
+    from pdserve_worker.decode.tp_decode import PUSH, PushOrder, RankLeases, RankPushes
+    from pdserve_worker.decode.worker import MemberUnavailable
+
+    group = LeaseGroup([4096, 2048])
+    leases = RankLeases(OwnLeases(), group)  # type: ignore[arg-type]
+    target = Grant("r", 1, 2, "127.0.0.1:9", 4096, KVLayout(1, 2, 16, 2, 4, block_tokens=4, num_blocks=4))
+    order = PushOrder(3, 70, (5, 6), 7, (target,), 2.0, 4)
+    try:
+        pushes = RankPushes(leases, order)
+        assert pushes.wait() == 4096 + 2048
+        pushes.settle()
+        assert group.leased[-1] == (PUSH, 3, 70, order)
+        group.answers = [4096, "put of layers 0..1 to decode at 127.0.0.1:9 timed out"]
+        with pytest.raises(MemberUnavailable, match="rank 2 did not push its heads: put of layers 0..1"):
+            RankPushes(leases, order).wait()
+        group.fail = True
+        failed = RankPushes(leases, order)
+        failed.settle()  # (settle never raises: it only waits)
+        with pytest.raises(MemberUnavailable, match="did not push their heads"):
+            failed.wait()
+    finally:
+        group.fail = False
+        leases.close()
+
+
+def test_another_rank_pushes_on_order_and_answers_what_came_of_it():
+    from pdserve_worker.decode.tp_decode import PUSH, PushOrder, serve_leases
+
+    class Scripted:
+        def __init__(self, messages: list[object]) -> None:
+            self.messages, self.answers = messages, []
+
+        def lease_broadcast(self, obj: object = None) -> object:
+            return self.messages.pop(0)
+
+        def lease_gather(self, obj: object) -> None:
+            self.answers.append(obj)
+
+    orders = [PushOrder(1, 10, (2,), 3, (), 1.0, 4), PushOrder(2, 11, (3,), 3, (), 1.0, 4)]
+    done: list[PushOrder] = []
+
+    def push(order: PushOrder) -> int | str:
+        done.append(order)
+        return 512 if order.slot == 1 else "target gone"
+
+    group = Scripted([(PUSH, 1, 10, orders[0]), (PUSH, 2, 11, orders[1]), STOP])
+    serve_leases(group, OwnLeases(), push)  # type: ignore[arg-type]
+    assert done == orders and group.answers == [512, "target gone"]
+    unable = Scripted([(PUSH, 1, 10, orders[0]), STOP])
+    serve_leases(unable, OwnLeases())  # type: ignore[arg-type]
+    assert unable.answers == ["this rank does not push"]

@@ -125,8 +125,8 @@ class DecodeSpec(PodOverrides):
         description="Tensor-parallel ranks per decode pod: one process per rank, each holding a share of every "
         "layer's heads and a KV pool of its own KV heads (the prefill pushes each rank's heads into its pool); the "
         "pod asks for device.count x tensorParallelSize accelerators. Must split the model's heads (pdserve info "
-        "--tp N). Needs kvBlockTokens > 0; not with layerShards > 1. Its requests finish in place when it drains "
-        "(no live migration).",
+        "--tp N). Needs kvBlockTokens > 0; not with layerShards > 1. Draining, every rank pushes its heads of each "
+        "running request to another decode (live migration).",
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (

@@ -22,8 +22,9 @@ leader pushes its own layers each follower pushes its layers of the same slot (s
 target: a plain decode, or a group split differently (`MigrationPusher` writes the layers
 source and target share). The leader sends the notify only once every follower answered that
 its puts completed, and returns only once none is still reading its pool. A tensor-parallel
-decode does not migrate yet (its ranks would have to push between decode steps); it drains by
-waiting.
+decode migrates the same way by heads: each rank pushes the KV heads it holds (asked over the
+group's lease channel, decode/tp_decode.py), into a target split like it or otherwise
+(`migration_runs` cuts a slice of each token's row where the heads differ).
 """
 
 from __future__ import annotations
@@ -33,13 +34,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pdserve_common.kv_layout import Descriptor, K, KVLayout, Strided, V
+from pdserve_common.kv_layout import DTYPE_SIZES, Descriptor, K, KVLayout, Strided, V, shared_heads
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Detached
 from pdserve_worker.transfer.base import TransferBackend
-from pdserve_worker.transfer.push import KVPusher, PushSource, PushStats, Run, layer_chunks
+from pdserve_worker.transfer.push import (
+    MAX_RUN_DESCRIPTORS,
+    KVPusher,
+    PushSource,
+    PushStats,
+    Run,
+    layer_chunks,
+    split_runs,
+)
 
 log = logging.getLogger("pdserve.decode.migration")
 
@@ -174,7 +184,7 @@ def token_extents(layout: KVLayout, slot: int, blocks: Sequence[int], layer: int
     return [(0, layout.max_len, layout.offset(slot, layer, kv_index))]
 
 
-def migration_descriptors(
+def migration_runs(
     src: KVLayout,
     src_slot: int,
     src_blocks: Sequence[int],
@@ -185,20 +195,43 @@ def migration_descriptors(
     kv_index: int,
     start: int,
     end: int,
-) -> list[Descriptor]:
-    """Copies of tokens [start, end) of (layer, K|V) from one decode pool to another, either
-    slot or paged, one descriptor per stretch contiguous on both sides (coalesced)."""
+) -> list[Strided]:
+    """Copies of tokens [start, end) of (layer, K|V) from one decode pool to another, either slot
+    or paged, for the KV heads both hold: one run per stretch contiguous on both sides
+    (coalesced) when both hold the same heads; else, per stretch, a slice of each token's row (a
+    tensor-parallel rank's heads into a decode split otherwise, or the reverse)."""
     if not 0 <= start <= end:
         raise ValueError(f"token range {start}..{end} is reversed or negative")
-    per_token = src.bytes_per_token
-    if per_token != dst.bytes_per_token:
-        raise ValueError(f"bytes per token differ: source {per_token}, target {dst.bytes_per_token}")
+    if (src.head_dim, src.dtype) != (dst.head_dim, dst.dtype):
+        raise ValueError(f"bytes per token differ: source {src.bytes_per_token}, target {dst.bytes_per_token}")
+    heads = shared_heads(src.head_range, dst.head_range)
     sources = token_extents(src, src_slot, src_blocks, layer, kv_index)
     targets = token_extents(dst, dst_slot, dst_blocks, layer, kv_index)
     for extents, who in ((sources, "source"), (targets, "target")):
         if end > (extents[-1][1] if extents else 0):
             raise ValueError(f"{end} tokens do not fit the {who}'s {extents[-1][1] if extents else 0}")
-    out: list[Descriptor] = []
+    if not heads:
+        return []
+    head_bytes = src.head_dim * DTYPE_SIZES[src.dtype]
+    src_row, dst_row, span = src.bytes_per_token, dst.bytes_per_token, len(heads) * head_bytes
+    skips = ((heads.start - src.first_head) * head_bytes, (heads.start - dst.first_head) * head_bytes)
+    whole = span == src_row == dst_row
+    out: list[Strided] = []
+    for s_off, d_off, n in _stretches(sources, targets, src_row, dst_row, start, end):
+        if not whole:
+            out.append(Strided(s_off + skips[0], d_off + skips[1], n, src_row, dst_row, span))
+        elif out and out[-1].src + out[-1].length == s_off and out[-1].dst + out[-1].length == d_off:
+            out[-1] = out[-1]._replace(length=out[-1].length + n * span)
+        else:
+            out.append(Strided(s_off, d_off, 1, 0, 0, n * span))
+    return out
+
+
+def _stretches(
+    sources: list[Extent], targets: list[Extent], src_row: int, dst_row: int, start: int, end: int
+) -> list[tuple[int, int, int]]:
+    """(source offset, target offset, tokens) of each stretch of tokens contiguous on both sides."""
+    out = []
     t, i, j = start, 0, 0
     while t < end:
         while sources[i][1] <= t:
@@ -207,13 +240,14 @@ def migration_descriptors(
             j += 1
         (s0, s1, s_off), (d0, d1, d_off) = sources[i], targets[j]
         stop = min(s1, d1, end)
-        piece = Descriptor(s_off + (t - s0) * per_token, d_off + (t - d0) * per_token, (stop - t) * per_token)
-        if out and out[-1].src + out[-1].length == piece.src and out[-1].dst + out[-1].length == piece.dst:
-            out[-1] = Descriptor(out[-1].src, out[-1].dst, out[-1].length + piece.length)
-        else:
-            out.append(piece)
+        out.append((s_off + (t - s0) * src_row, d_off + (t - d0) * dst_row, stop - t))
         t = stop
     return out
+
+
+def migration_descriptors(*args: Any, **kwargs: Any) -> list[Descriptor]:
+    """`migration_runs` as descriptors (one per contiguous copy)."""
+    return [d for run in migration_runs(*args, **kwargs) for d in run.descriptors()]
 
 
 def common_layers(a: range, b: range) -> range:
@@ -250,7 +284,7 @@ class MigrationPusher(KVPusher):
         pieces: dict[tuple[int, int], list[Run]] = {}
         for layer in self._owned_layers(target):
             for kv_index in (K, V):
-                descs = migration_descriptors(
+                runs = migration_runs(
                     src,
                     self.source.slot,
                     self._source_blocks,
@@ -263,7 +297,11 @@ class MigrationPusher(KVPusher):
                     self.num_tokens,
                 )
                 sb, tb = self.source.base_addr, target.base_addr
-                pieces[(layer, kv_index)] = [[Strided(sb + d.src, tb + d.dst, 1, 0, 0, d.length)] for d in descs]
+                moved = [Strided(sb + a, tb + b, n, ss, ds, length) for a, b, n, ss, ds, length in runs]
+                if any(r.copies > 1 for r in moved):  # head slices: one bounded run per (layer, K|V) part
+                    pieces[(layer, kv_index)] = split_runs(moved, MAX_RUN_DESCRIPTORS)
+                else:
+                    pieces[(layer, kv_index)] = [[r] for r in moved]
         return pieces
 
 

@@ -469,9 +469,17 @@ class ShardGroup:
         return own
 
     def push_members(
-        self, slot: int, generation: int, nonce: str, num_tokens: int, targets: Sequence[Grant], timeout_s: float
+        self,
+        slot: int,
+        generation: int,
+        nonce: str,
+        num_tokens: int,
+        targets: Sequence[Grant],
+        timeout_s: float,
+        blocks: Sequence[int] = (),
     ) -> GroupPushes:
-        """Every follower starts pushing its layers of reservation (slot, generation) into `targets`."""
+        """Every follower starts pushing its layers of reservation (slot, generation) into `targets`
+        (from its slot: a member's pool is a slot pool, so `blocks` are not needed)."""
         request = shard_pb2.PushHandoffRequest(
             slot=slot,
             generation=generation,

@@ -20,8 +20,13 @@ tensor-parallel prefill) completed, so rank 0's own notification is enough to st
 request; the others drain theirs unread. Every rank's engine takes writes only into blocks
 leased to a live reservation, as rank 0's does: rank 0's slot table grants and ends each lease
 on every rank over the group's lease channel (`RankLeases`), and a grant goes out only once
-every rank acknowledged it. A tensor-parallel decode does not migrate its requests when
-draining (its KV is spread over its ranks): they finish where they are.
+every rank acknowledged it.
+
+Draining, it hands its requests over like any decode (decode/migration.py): rank 0 pushes its
+heads of a parked request and, over the lease channel, has every other rank push its own
+(`PushOrder`, answered with the bytes once its puts completed); only then does rank 0 send the
+new decode the ready notify. Into a decode of another head split each rank writes the slice of
+every token's row it holds.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,7 +50,7 @@ from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.tp_group import IDLE, STOP, GroupError, TPGroup
-from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.leases import BlockWriteLeases
 from pdserve_worker.transfer.pool import KVPool
 
@@ -123,7 +128,54 @@ class MirroredModel:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-GRANT, END = "grant", "end"  # the lease channel's messages, besides IDLE and STOP
+GRANT, END, PUSH = "grant", "end", "push"  # the lease channel's messages, besides IDLE and STOP
+
+
+@dataclass(frozen=True)
+class PushOrder:
+    """A handed-over request's KV, as each rank pushes its heads of it (the lease channel's PUSH)."""
+
+    slot: int
+    generation: int
+    blocks: tuple[int, ...]
+    num_tokens: int
+    targets: tuple[Grant, ...]
+    timeout_s: float
+    layers_per_chunk: int
+
+
+class RankPushes:
+    """The other ranks' pushes of one handed-over request (`decode.worker.MemberPushes`): sent
+    on the lease channel by a thread of its own, which holds the channel until every rank
+    answered (no grant can come between: the decode is draining)."""
+
+    def __init__(self, leases: RankLeases, order: PushOrder) -> None:
+        self._answers: list[Any] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(leases, order), name="tp-push", daemon=True)
+        self._thread.start()
+
+    def _run(self, leases: RankLeases, order: PushOrder) -> None:
+        try:
+            self._answers = leases.push(order)
+        except BaseException as exc:  # (reported by wait)
+            self._error = exc
+
+    def wait(self) -> int:
+        """The other ranks' bytes, once every one of them landed its heads."""
+        from pdserve_worker.decode.worker import MemberUnavailable
+
+        self._thread.join()
+        if self._error is not None:
+            raise MemberUnavailable(f"tensor-parallel ranks did not push their heads: {self._error}")
+        failed = [(rank, a) for rank, a in enumerate(self._answers, start=1) if not isinstance(a, int)]
+        if failed:
+            rank, why = failed[0]
+            raise MemberUnavailable(f"tensor-parallel rank {rank} did not push its heads: {why}")
+        return sum(self._answers)
+
+    def settle(self) -> None:
+        self._thread.join()
 
 
 class RankLeases:
@@ -162,6 +214,13 @@ class RankLeases:
         with self._lock:
             self._send((END, slot, generation))
 
+    def push(self, order: PushOrder) -> list[Any]:
+        """Every other rank pushes its heads of a handed-over request; each answers its bytes
+        (an int) or why it could not (a str). Blocks until they all answered."""
+        with self._lock:
+            self._send((PUSH, order.slot, order.generation, order))
+            return (self.group.lease_gather(None) or [])[1:]
+
     def __len__(self) -> int:
         return len(self.own)
 
@@ -189,9 +248,11 @@ class RankLeases:
                     return  # (the step loop finds the group broken too, and ends the instance)
 
 
-def serve_leases(group: TPGroup, leases: BlockWriteLeases) -> None:
+def serve_leases(
+    group: TPGroup, leases: BlockWriteLeases, push: Callable[[PushOrder], int | str] | None = None
+) -> None:
     """A rank past 0: apply rank 0's lease messages to this rank's engine until STOP, answering
-    each grant (None, or why the engine refused it)."""
+    each grant (None, or why the engine refused it) and each PUSH (`push`'s answer)."""
     while True:
         try:
             message = group.lease_broadcast()
@@ -205,11 +266,14 @@ def serve_leases(group: TPGroup, leases: BlockWriteLeases) -> None:
         if kind == END:
             leases.ended(slot, generation)
             continue
-        answer = None
-        try:
-            leases.granted(slot, generation, rest[0])
-        except RuntimeError as exc:
-            answer = str(exc)
+        answer: int | str | None = None
+        if kind == PUSH:
+            answer = push(rest[0]) if push is not None else "this rank does not push"
+        else:
+            try:
+                leases.granted(slot, generation, rest[0])
+            except RuntimeError as exc:
+                answer = str(exc)
         try:
             group.lease_gather(answer)
         except GroupError:
@@ -267,12 +331,24 @@ class TPDecodeGroup:
     def labels(self) -> dict[str, str]:
         return {"tensor_parallel": str(self.group.size)}
 
-    migrates = False  # (module doc: its requests finish where they are when it drains)
+    migrates = True  # each rank pushes its heads of a handed-over request (module doc)
 
     def push_members(
-        self, slot: int, generation: int, nonce: str, num_tokens: int, targets: Sequence[Grant], timeout_s: float
-    ) -> Any:
-        raise NotImplementedError("a tensor-parallel decode does not migrate its requests")
+        self,
+        slot: int,
+        generation: int,
+        nonce: str,
+        num_tokens: int,
+        targets: Sequence[Grant],
+        timeout_s: float,
+        blocks: Sequence[int] = (),
+    ) -> RankPushes:
+        """Every other rank starts pushing its heads of (slot, generation)'s `blocks` into `targets`."""
+        if self.leases is None:
+            raise RuntimeError("the tensor-parallel decode's lease channel is not set up")
+        lpc = max(1, self.settings.layers_per_chunk)
+        order = PushOrder(slot, generation, tuple(blocks), num_tokens, tuple(targets), timeout_s, lpc)
+        return RankPushes(self.leases, order)
 
     def write_leases(self, own: Any) -> RankLeases:
         """Every rank's write leases, granted and ended with rank 0's (`RankLeases`)."""
@@ -302,7 +378,9 @@ class DecodeFollower:
         group.gather({"engine_id": settings.engine_id, "base_addr": self.pool.base_addr, "layout": layout.to_dict()})
         # Writes into this rank's pool only where rank 0 granted them (its engine is leased).
         self.leases = BlockWriteLeases(backend, self.pool.base_addr, layout)
-        self._leaser = threading.Thread(target=serve_leases, args=(group, self.leases), name="tp-leases", daemon=True)
+        self._leaser = threading.Thread(
+            target=serve_leases, args=(group, self.leases, self.push), name="tp-leases", daemon=True
+        )
         self._leaser.start()
         self._stop = threading.Event()
         self._drainer = threading.Thread(target=self._drain, name="tp-notify-drain", daemon=True)
@@ -331,6 +409,29 @@ class DecodeFollower:
                 self.cache.bind(slot, blocks)
         with torch.inference_mode():
             self.loaded.model.decode_step(self.cache, step.slots, step.positions, step.tokens)
+
+    def push(self, order: PushOrder) -> int | str:
+        """Push this rank's heads of a handed-over request into its new decode (no notify: rank 0
+        sends it once every rank's puts landed); the bytes, or why it failed."""
+        from pdserve_worker.decode.migration import MigrationPusher
+        from pdserve_worker.transfer.push import PushError, PushSource, layer_chunks
+
+        layout = self.pool.layout
+        source = PushSource(self.pool.base_addr, layout, order.slot, heads=layout.head_range)
+        try:
+            pusher = MigrationPusher(
+                self.backend, source, order.blocks, order.targets, order.num_tokens, timeout_s=order.timeout_s
+            )
+        except (PushError, ValueError) as exc:
+            return str(exc)
+        try:
+            for chunk in layer_chunks(layout.layer_range, order.layers_per_chunk):
+                pusher.push_chunk(chunk)
+            return pusher.settle().bytes
+        except (PushError, TransferError, ValueError, RuntimeError) as exc:
+            pusher.abort()
+            log.warning(kv(event="tp_push_failed", rank=self.group.rank, slot=order.slot, error=str(exc)[:300]))
+            return str(exc)
 
     def _drain(self) -> None:
         """Rank 0 starts requests on its own notification; these are emptied unread."""

@@ -156,9 +156,17 @@ class GroupHooks(Protocol):
         ...
 
     def push_members(
-        self, slot: int, generation: int, nonce: str, num_tokens: int, targets: Sequence[Grant], timeout_s: float
+        self,
+        slot: int,
+        generation: int,
+        nonce: str,
+        num_tokens: int,
+        targets: Sequence[Grant],
+        timeout_s: float,
+        blocks: Sequence[int] = (),
     ) -> MemberPushes:
-        """Start every other member's push of its share of reservation (slot, generation)."""
+        """Start every other member's push of its share of reservation (slot, generation), whose
+        KV is in `blocks` of a paged pool (members with pools of the same blocks need them)."""
         ...
 
     def close(self) -> None: ...
@@ -312,22 +320,25 @@ class DecodeWorker:
 
     @property
     def supports_migration(self) -> bool:
-        """Whether this decode can hand its requests over when draining (a tensor-parallel
-        decode cannot yet: its KV is spread over its ranks' pools, decode/tp_decode.py)."""
+        """Whether this decode can hand its requests over when draining (every kind can now: a
+        group's members and a tensor-parallel decode's ranks push their shares)."""
         return self.group is None or self.group.migrates
 
     def push_handoff(self, handoff: Handoff, targets: list[Grant]) -> MigrationResult:
         """Push a handed-over request's KV from this pool into `targets` (blocking). A layer-
         sharded group's followers push their layers meanwhile; the notify waits for them, and
         however this ends, no follower is still reading its pool when it returns."""
-        source = PushSource(self.pool.base_addr, self.layout, handoff.slot)
+        # (a tensor-parallel rank 0 pushes only its heads; the other ranks push theirs)
+        source = PushSource(self.pool.base_addr, self.layout, handoff.slot, heads=self.layout.head_range)
         blocks = self.slots.blocks_of(handoff.slot) if isinstance(self.slots, BlockTable) else ()
         timeout_s = self.settings.transfer_timeout_ms / 1000
         members = None
         if self.group is not None:
             slot, generation = handoff.slot, handoff.generation
             nonce = reservation_nonce(self.settings.capability_key(), slot, generation)  # (the table's own)
-            members = self.group.push_members(slot, generation, nonce, handoff.detached.kv_tokens, targets, timeout_s)
+            members = self.group.push_members(
+                slot, generation, nonce, handoff.detached.kv_tokens, targets, timeout_s, blocks
+            )
         try:
             return push_handoff(
                 self.backend,

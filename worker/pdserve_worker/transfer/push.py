@@ -114,7 +114,7 @@ MAX_RUN_DESCRIPTORS = 4096
 MAX_REQUEST_DESCRIPTORS = 8192
 
 
-def _split(runs: list[Strided], limit: int) -> list[Run]:
+def split_runs(runs: list[Strided], limit: int) -> list[Run]:
     """Consecutive strided runs grouped into Runs of at most `limit` descriptors each; a
     strided run longer than that (a slot pool's "block" is a whole slot) is cut."""
     out: list[Run] = [[]]
@@ -280,7 +280,7 @@ class KVPusher:
                     pieces[(layer, kv_index)] = [[Strided(sb + a, tb + b, 1, 0, 0, n)] for a, b, n in whole]
                 else:
                     moved = [Strided(sb + a, tb + b, n, ss, ds, length) for a, b, n, ss, ds, length in runs]
-                    pieces[(layer, kv_index)] = _split(moved, MAX_RUN_DESCRIPTORS)
+                    pieces[(layer, kv_index)] = split_runs(moved, MAX_RUN_DESCRIPTORS)
         return pieces
 
     # ---- pushing -------------------------------------------------------------------------------------
