@@ -1,8 +1,8 @@
 """Live migration through real processes (issue #17's acceptance): `pdserve local` (broker, one
 prefill, two decodes, router; the tiny model with 16 layers, and the real default model SmolLM2;
 two layer-sharded groups of 2 members each, where decode-0/decode-1 below are their leaders and
-each member pushes its own layers, issue #29; two tensor-parallel decodes of 2 ranks, each rank
-pushing its KV head, issue #32).
+each member pushes its own layers, issue #29; the 4-layer tiny model on two tensor-parallel decodes
+of 2 ranks, each rank pushing its KV head, issue #32).
 
 4 greedy streams of 256 tokens and 2 seeded sampled ones run on decode-0 (decode-1's slots
 are held meanwhile, so the router puts them all on decode-0); then decode-0 is drained through
@@ -29,6 +29,7 @@ import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from support.local_run import Answer, LocalRun, served_model, stream_completion
+from support.tiny_model import write_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +42,21 @@ SEEDED = [("Once upon a time", 7), ("In a galaxy far away", 8)]
 def deep_tiny_dir(tmp_path_factory):
     """The tiny model with 16 layers: a decode step costs about 4x the 4-layer one's, so 256-token
     streams still run when the drain comes on a loaded machine."""
-    from support.tiny_model import write_tiny_model
-
     return write_tiny_model(tmp_path_factory.mktemp("tiny-16-layers"), num_layers=16)
 
 
-@pytest.fixture(scope="module", params=["tiny-16-layers", "smollm2", "tiny-16-layers-groups", "tiny-16-layers-tp"])
+@pytest.fixture(scope="module", params=["tiny-16-layers", "smollm2", "tiny-16-layers-groups", "tiny-4-layers-tp"])
 def local(request, tmp_path_factory):
     """The tiny model in fp32, and the real default model as a user runs it (`builtin:smollm2`,
     dtype and weights auto: bf16 where the CPU has it, int4 matrices; a route whose logits do not
     depend on the batch, tests/unit/test_batch_invariance.py); the tiny model on two layer-
     sharded decode groups of 2 members (each member pushes its own layers when its group drains);
-    and on two tensor-parallel decodes of 2 ranks (each rank pushes its KV head, issue #32)."""
+    and the 4-layer tiny model on two tensor-parallel decodes of 2 ranks (each rank pushes its KV
+    head, issue #32)."""
     if request.param == "smollm2":
         model = ["builtin:smollm2"]
+    elif request.param == "tiny-4-layers-tp":  # (2 ranks per step on 2 cores: 4 layers keep it short)
+        model = [str(write_tiny_model(tmp_path_factory.mktemp("tiny-4-layers"))), "--dtype", "float32"]
     else:
         model = [str(request.getfixturevalue("deep_tiny_dir")), "--dtype", "float32"]
     if request.param.endswith("-groups"):
