@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from pdserve_operator.planner import (
@@ -80,6 +80,15 @@ def bounds_st(draw) -> Bounds:
     tpot=st.floats(25, 200),
     quantile=st.sampled_from([0.5, 0.9, 0.99]),
     bounds=bounds_st(),
+)
+@example(  # the p50 sits on a step of the TTFT CDF: the plan's check and its prediction must agree there
+    rate=0.0625,
+    prompt=LengthDistribution(uniform=(59, 360)),
+    output=LengthDistribution(fixed=2),
+    ttft=200.0,
+    tpot=29.0,
+    quantile=0.5,
+    bounds=Bounds(min_prefill=1, max_prefill=5, min_decode=1, max_decode=1),
 )
 @settings(max_examples=80, deadline=None)
 def test_plan_is_the_cheapest_pair_that_meets_the_slo(rate, prompt, output, ttft, tpot, quantile, bounds):

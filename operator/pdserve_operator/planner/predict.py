@@ -69,6 +69,9 @@ class Prediction:
         return ok and (slo.tpot_ms is None or self.tpot_q_s * 1e3 <= slo.tpot_ms)
 
 
+CDF_SLACK = 1e-12  # a quantile is met where the CDF reaches q but for float rounding
+
+
 @dataclass(frozen=True)
 class PrefillSide:
     utilization: float
@@ -95,11 +98,13 @@ class PrefillSide:
             return math.inf
         lo = self.service_points[0][0]
         hi = self.service_points[-1][0] + max(1e-9, self.wait_quantile_bound(q))
-        while self.response_cdf(hi) < q:
+        # (`meets` asks the same CDF the same question with the same 1e-12 slack: at a step of
+        # the CDF, where the quantile sits exactly, both must land on the same side)
+        while self.response_cdf(hi) < q - CDF_SLACK:
             hi *= 2
         for _ in range(40):  # to 1e-12 of the span: far below a millisecond
             mid = (lo + hi) / 2
-            if self.response_cdf(mid) >= q:
+            if self.response_cdf(mid) >= q - CDF_SLACK:
                 hi = mid
             else:
                 lo = mid
@@ -218,7 +223,7 @@ def meets(model: ServingModel, pf: PrefillSide, dc: DecodeSide, slo: SLO) -> tup
     ttft_ok = True
     if slo.ttft_ms is not None:
         budget = slo.ttft_ms / 1e3 - model.profile.request_overhead_s - _dispatch(dc, q)[1]
-        ttft_ok = pf.utilization < 1 and budget > 0 and pf.response_cdf(budget) >= q - 1e-12
+        ttft_ok = pf.utilization < 1 and budget > 0 and pf.response_cdf(budget) >= q - CDF_SLACK
     if dc.batch_pmf is None or (slo.tpot_ms is not None and dc.step_q_s * 1e3 > slo.tpot_ms):
         return ttft_ok, False
     capacity = model.decode_capacity
