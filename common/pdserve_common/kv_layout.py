@@ -418,20 +418,6 @@ class Descriptor(NamedTuple):
     length: int
 
 
-def _coalesce(pieces: Iterable[Descriptor]) -> list[Descriptor]:
-    """Merge pieces that continue one another on both sides (so the merge is always exact)."""
-    out: list[Descriptor] = []
-    for d in pieces:
-        if d.length == 0:
-            continue
-        if out and out[-1].src + out[-1].length == d.src and out[-1].dst + out[-1].length == d.dst:
-            last = out[-1]
-            out[-1] = Descriptor(last.src, last.dst, last.length + d.length)
-        else:
-            out.append(d)
-    return out
-
-
 def check_compatible(source: KVLayout, dest: BlockLayout) -> None:
     """A source slot and a block pool hold KV of one geometry (else the bytes would be garbage)."""
     mine = (source.head_dim, source.dtype)
@@ -474,6 +460,52 @@ class Strided(NamedTuple):
         )
 
 
+def coalesce(runs: Iterable[Strided]) -> list[Strided]:
+    """Runs with empty ones dropped and contiguous copies (copies 1) merged where they continue
+    one another on both sides, so the merge is always exact. Head slices never continue one
+    another (one side's rows are wider than the slice): they stay as they are."""
+    out: list[Strided] = []
+    for r in runs:
+        if r.copies == 0 or r.length == 0:
+            continue
+        last = out[-1] if out else None
+        if (
+            last
+            and last.copies == r.copies == 1
+            and last.src + last.length == r.src
+            and last.dst + last.length == r.dst
+        ):
+            out[-1] = Strided(last.src, last.dst, 1, 0, 0, last.length + r.length)  # (not _replace: 3x the cost)
+        else:
+            out.append(r)
+    return out
+
+
+class HeadSlice(NamedTuple):
+    """Where KV heads sit in a token's row on a source and a target, and the copy that moves
+    them for a stretch of tokens: the one rule of the prefill's push and a decode's migration."""
+
+    src_skip: int  # bytes before the heads in a source row
+    dst_skip: int
+    span: int  # the heads' bytes in a row
+    src_row: int
+    dst_row: int
+
+    @classmethod
+    def of(
+        cls, heads: range, src_first_head: int, src_row: int, dst_first_head: int, dst_row: int, head_bytes: int
+    ) -> HeadSlice:
+        skips = ((heads.start - src_first_head) * head_bytes, (heads.start - dst_first_head) * head_bytes)
+        return cls(*skips, len(heads) * head_bytes, src_row, dst_row)
+
+    def run(self, src: int, dst: int, tokens: int) -> Strided:
+        """The copy of `tokens` rows starting at `src` and `dst` (offsets of the rows): one
+        contiguous copy where the heads are the whole row on both sides, else a slice per token."""
+        if self.span == self.src_row == self.dst_row:
+            return Strided(src, dst, 1, 0, 0, tokens * self.span)
+        return Strided(src + self.src_skip, dst + self.dst_skip, tokens, self.src_row, self.dst_row, self.span)
+
+
 def push_runs(
     source: KVLayout,
     slot: int,
@@ -506,28 +538,15 @@ def push_runs(
         raise IndexError(f"{end_token} tokens do not fit {len(blocks)} blocks of {bt}")
     if end_token == start_token or not heads:
         return []
-    head_bytes = dest.head_dim * dest.dtype_size
-    span = len(heads) * head_bytes
     src_row, dst_row = source.bytes_per_token, dest.bytes_per_token
-    src_skip, dst_skip = (heads.start - source.first_head) * head_bytes, (heads.start - dest.first_head) * head_bytes
-    whole = span == src_row == dst_row
+    cut = HeadSlice.of(heads, source.first_head, src_row, dest.first_head, dst_row, dest.head_dim * dest.dtype_size)
     src_base = source.token_run(slot, layer, kv_index, end_token - start_token, start_token)[0] - start_token * src_row
     runs: list[Strided] = []
     for i in range(start_token // bt, (end_token - 1) // bt + 1):
         lo, hi = max(start_token, i * bt), min(end_token, (i + 1) * bt)
-        src = src_base + lo * src_row + src_skip
-        dst = dest.offset(layer, kv_index, blocks[i]) + (lo - i * bt) * dst_row + dst_skip
-        if whole:
-            runs.append(Strided(src, dst, 1, 0, 0, (hi - lo) * src_row))
-        else:
-            runs.append(Strided(src, dst, hi - lo, src_row, dst_row, span))
+        dst = dest.offset(layer, kv_index, blocks[i]) + (lo - i * bt) * dst_row
+        runs.append(cut.run(src_base + lo * src_row, dst, hi - lo))
     return runs
-
-
-def whole_descriptors(runs: Iterable[Strided]) -> list[Descriptor]:
-    """Runs of whole rows (copies 1) as descriptors, merged where they continue one another on
-    both sides (consecutive blocks)."""
-    return _coalesce(Descriptor(r.src, r.dst, r.length) for r in runs)
 
 
 def push_descriptors(
@@ -543,14 +562,13 @@ def push_descriptors(
 ) -> list[Descriptor]:
     """`push_runs` of every (layer, K|V) of `layers`, as descriptors: one per (layer, K|V, run
     of consecutive blocks) for whole rows, one per token for a head slice."""
-    pieces: list[Descriptor] = []
-    for layer in layers:
-        for kv_index in kv_indices:
-            for run in push_runs(source, slot, dest, blocks, layer, kv_index, end_token, start_token, heads):
-                pieces.extend(run.descriptors())
-    # Slices never continue one another on both sides (one side's rows are wider than the
-    # span), so merging leaves them as they are; whole rows of consecutive blocks merge.
-    return _coalesce(pieces)
+    runs = [
+        run
+        for layer in layers
+        for kv_index in kv_indices
+        for run in push_runs(source, slot, dest, blocks, layer, kv_index, end_token, start_token, heads)
+    ]
+    return [d for run in coalesce(runs) for d in run.descriptors()]
 
 
 def block_spans(dest: BlockLayout, blocks: Sequence[int]) -> list[tuple[int, int]]:

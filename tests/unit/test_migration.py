@@ -14,7 +14,7 @@ import torch
 
 from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.decode.generation_loop import GenerationLoop, Parked
-from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_descriptors
+from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_runs
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.engine import Detached, Generator, colocated_cache, generate, prefill_first_token
@@ -38,6 +38,11 @@ def token_offset(layout: KVLayout, slot: int, blocks, layer: int, kv: int, t: in
         bt = layout.block_tokens
         return layout.blocks.offset(layer, kv, blocks[t // bt]) + (t % bt) * per
     return layout.offset(slot, layer, kv) + t * per
+
+
+def migration_descriptors(*args):
+    """`migration_runs` as the contiguous copies they make (what the engine is given)."""
+    return [d for run in migration_runs(*args) for d in run.descriptors()]
 
 
 def apply(descs, src: bytearray, dst: bytearray) -> None:

@@ -34,22 +34,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from pdserve_common.kv_layout import DTYPE_SIZES, Descriptor, K, KVLayout, Strided, V, shared_heads
+from pdserve_common.kv_layout import DTYPE_SIZES, HeadSlice, K, KVLayout, Strided, V, coalesce, shared_heads
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Detached
 from pdserve_worker.transfer.base import TransferBackend
-from pdserve_worker.transfer.push import (
-    MAX_RUN_DESCRIPTORS,
-    KVPusher,
-    PushSource,
-    PushStats,
-    Run,
-    layer_chunks,
-    split_runs,
-)
+from pdserve_worker.transfer.push import KVPusher, PushSource, PushStats, Run, absolute_runs, layer_chunks
 
 log = logging.getLogger("pdserve.decode.migration")
 
@@ -212,19 +203,9 @@ def migration_runs(
             raise ValueError(f"{end} tokens do not fit the {who}'s {extents[-1][1] if extents else 0}")
     if not heads:
         return []
-    head_bytes = src.head_dim * DTYPE_SIZES[src.dtype]
-    src_row, dst_row, span = src.bytes_per_token, dst.bytes_per_token, len(heads) * head_bytes
-    skips = ((heads.start - src.first_head) * head_bytes, (heads.start - dst.first_head) * head_bytes)
-    whole = span == src_row == dst_row
-    out: list[Strided] = []
-    for s_off, d_off, n in _stretches(sources, targets, src_row, dst_row, start, end):
-        if not whole:
-            out.append(Strided(s_off + skips[0], d_off + skips[1], n, src_row, dst_row, span))
-        elif out and out[-1].src + out[-1].length == s_off and out[-1].dst + out[-1].length == d_off:
-            out[-1] = out[-1]._replace(length=out[-1].length + n * span)
-        else:
-            out.append(Strided(s_off, d_off, 1, 0, 0, n * span))
-    return out
+    src_row, dst_row = src.bytes_per_token, dst.bytes_per_token
+    cut = HeadSlice.of(heads, src.first_head, src_row, dst.first_head, dst_row, src.head_dim * DTYPE_SIZES[src.dtype])
+    return coalesce(cut.run(s, d, n) for s, d, n in _stretches(sources, targets, src_row, dst_row, start, end))
 
 
 def _stretches(
@@ -243,11 +224,6 @@ def _stretches(
         out.append((s_off + (t - s0) * src_row, d_off + (t - d0) * dst_row, stop - t))
         t = stop
     return out
-
-
-def migration_descriptors(*args: Any, **kwargs: Any) -> list[Descriptor]:
-    """`migration_runs` as descriptors (one per contiguous copy)."""
-    return [d for run in migration_runs(*args, **kwargs) for d in run.descriptors()]
 
 
 def common_layers(a: range, b: range) -> range:
@@ -296,12 +272,7 @@ class MigrationPusher(KVPusher):
                     start,
                     self.num_tokens,
                 )
-                sb, tb = self.source.base_addr, target.base_addr
-                moved = [Strided(sb + a, tb + b, n, ss, ds, length) for a, b, n, ss, ds, length in runs]
-                if any(r.copies > 1 for r in moved):  # head slices: one bounded run per (layer, K|V) part
-                    pieces[(layer, kv_index)] = split_runs(moved, MAX_RUN_DESCRIPTORS)
-                else:
-                    pieces[(layer, kv_index)] = [[r] for r in moved]
+                pieces[(layer, kv_index)] = absolute_runs(runs, self.source.base_addr, target.base_addr)
         return pieces
 
 

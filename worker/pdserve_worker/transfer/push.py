@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from pdserve_common.kv_layout import BlockLayout, K, KVLayout, Strided, V, push_runs, shared_heads, whole_descriptors
+from pdserve_common.kv_layout import BlockLayout, K, KVLayout, Strided, V, coalesce, push_runs, shared_heads
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError
@@ -112,6 +112,16 @@ class _TargetState:
 # take 65,536 descriptors) and a request stays a few MB of 256-byte pieces.
 MAX_RUN_DESCRIPTORS = 4096
 MAX_REQUEST_DESCRIPTORS = 8192
+
+
+def absolute_runs(runs: list[Strided], src_base: int, dst_base: int) -> list[Run]:
+    """One (layer, K|V)'s copies, at the two pools' addresses, as units of the queue depth: each
+    contiguous copy (merged over consecutive blocks) a Run of its own; head slices in Runs of at
+    most MAX_RUN_DESCRIPTORS descriptors. (The prefill's push and a decode's migration alike.)"""
+    moved = [Strided(src_base + a, dst_base + b, n, ss, ds, length) for a, b, n, ss, ds, length in coalesce(runs)]
+    if all(r.copies == 1 for r in moved):
+        return [[r] for r in moved]
+    return split_runs(moved, MAX_RUN_DESCRIPTORS)
 
 
 def split_runs(runs: list[Strided], limit: int) -> list[Run]:
@@ -275,12 +285,7 @@ class KVPusher:
         for layer in view.layer_range:
             for kv_index in (K, V):
                 runs = push_runs(src.layout, src.slot, view, blocks, layer, kv_index, self.num_tokens, start, heads)
-                if all(r.copies == 1 for r in runs):
-                    whole = whole_descriptors(runs)
-                    pieces[(layer, kv_index)] = [[Strided(sb + a, tb + b, 1, 0, 0, n)] for a, b, n in whole]
-                else:
-                    moved = [Strided(sb + a, tb + b, n, ss, ds, length) for a, b, n, ss, ds, length in runs]
-                    pieces[(layer, kv_index)] = split_runs(moved, MAX_RUN_DESCRIPTORS)
+                pieces[(layer, kv_index)] = absolute_runs(runs, sb, tb)
         return pieces
 
     # ---- pushing -------------------------------------------------------------------------------------

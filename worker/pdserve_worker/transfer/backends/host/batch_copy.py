@@ -37,6 +37,10 @@ class BatchCopy:
     peer_offs: list[int]
     lengths: list[int]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
     def run(self, write: bool) -> None:
         """Copy every run: local → peer when `write`, else peer → local."""
         lengths = self.lengths
@@ -44,15 +48,8 @@ class BatchCopy:
         if len(lengths) >= VECTOR_MIN_RUNS and first < MEMMOVE_MIN_BYTES and lengths.count(first) == len(lengths):
             self._vector(first, write)
             return
-        local, peer = self.local, self.segment.bytes
         for loff, poff, n in zip(self.local_offs, self.peer_offs, lengths):
-            if n >= MEMMOVE_MIN_BYTES:
-                here, there = self.local_addr + loff, self.segment.addr + poff
-                ctypes.memmove(there, here, n) if write else ctypes.memmove(here, there, n)
-            elif write:
-                peer[poff : poff + n] = local[loff : loff + n]
-            else:
-                local[loff : loff + n] = peer[poff : poff + n]
+            copy_run(self.local, self.local_addr, loff, self.segment, poff, n, write)
 
     def _vector(self, length: int, write: bool) -> None:
         local = _windows(np.frombuffer(self.local, dtype=np.uint8), length)
@@ -63,6 +60,22 @@ class BatchCopy:
             peer[poffs] = local[loffs]
         else:
             local[loffs] = peer[poffs]
+
+
+def copy_run(
+    local: memoryview, local_addr: int, loff: int, segment: ShmSegment, poff: int, n: int, write: bool
+) -> None:
+    """One run between `local` (at address `local_addr`) and the peer's mapped `segment`: a
+    memoryview slice assignment when short (a third of a ctypes call's overhead, which dominates
+    below a few hundred KB), `ctypes.memmove` when long (it releases the GIL, so other Python
+    threads run while the bytes move)."""
+    if n >= MEMMOVE_MIN_BYTES:
+        here, there = local_addr + loff, segment.addr + poff
+        ctypes.memmove(there, here, n) if write else ctypes.memmove(here, there, n)
+    elif write:
+        segment.bytes[poff : poff + n] = local[loff : loff + n]
+    else:
+        local[loff : loff + n] = segment.bytes[poff : poff + n]
 
 
 def _windows(buf: np.ndarray, length: int) -> np.ndarray:

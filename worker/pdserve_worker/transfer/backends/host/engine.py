@@ -607,7 +607,7 @@ class Hixl:
                 )
             )
             return api.PARAM_INVALID, None
-        nbytes = sum(plan.lengths) if isinstance(plan, BatchCopy) else None
+        nbytes = plan.nbytes if isinstance(plan, BatchCopy) else None
         if plan is None and len(descs) > wire.MAX_DESCS_PER_FRAME:  # (the server would break the link)
             log.warning(
                 kv(event="too_many_descriptors", remote=remote_engine, count=len(descs), limit=wire.MAX_DESCS_PER_FRAME)

@@ -12,7 +12,6 @@ in FIFO order.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import queue
 import socket
@@ -22,7 +21,7 @@ import time
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth, wire
-from pdserve_worker.transfer.backends.host.batch_copy import MEMMOVE_MIN_BYTES, BatchCopy
+from pdserve_worker.transfer.backends.host.batch_copy import BatchCopy, copy_run
 from pdserve_worker.transfer.backends.host.netio import sendmsg_all
 from pdserve_worker.transfer.backends.host.notify_inbox import abstract
 from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
@@ -198,11 +197,8 @@ class Link:
         return self._mappings[region.shm_name]
 
     def copy(self, request: Request, plan: Plan) -> None:
-        """Copy every descriptor through our mapping of the peer's memory, on this thread.
-
-        Small runs by memoryview slice assignment (a third of a ctypes call's overhead, which
-        dominates below a few hundred KB); big ones by ctypes.memmove, which releases the GIL,
-        so other Python threads run while the bytes move."""
+        """Copy every descriptor through our mapping of the peer's memory, on this thread
+        (batch_copy.py: one rule per run, or a batch at once)."""
         with self._copies_cond:
             if self._closed:
                 request.finish(api.NOT_CONNECTED)
@@ -212,17 +208,9 @@ class Link:
         try:
             if isinstance(plan, BatchCopy):
                 plan.run(write)
-                plan = []
-            for laddr, lview, loff, seg, poff, n in plan:
-                if n < MEMMOVE_MIN_BYTES:
-                    if write:
-                        seg.bytes[poff : poff + n] = lview[loff : loff + n]
-                    else:
-                        lview[loff : loff + n] = seg.bytes[poff : poff + n]
-                elif write:
-                    ctypes.memmove(seg.addr + poff, laddr, n)
-                else:
-                    ctypes.memmove(laddr, seg.addr + poff, n)
+            else:
+                for laddr, lview, loff, seg, poff, n in plan:
+                    copy_run(lview, laddr - loff, loff, seg, poff, n, write)
             self.copies.add("memmove", request.nbytes)
             request.finish(api.SUCCESS)
         finally:
