@@ -661,6 +661,12 @@ class LlamaModel:
         if plan.segments:  # packed prompts: each attends over its own slot
             for seg in plan.segments:
                 n, end = seg.stop - seg.start, seg.position + seg.stop - seg.start
+                if native.prefill_serves(q[0], keys[seg.slot], values[seg.slot]):  # seg.mask is its rule
+                    attn = native.causal_attention(
+                        q[0, seg.start : seg.stop], keys[seg.slot, :end], values[seg.slot, :end]
+                    )
+                    outs.append(attn[None])
+                    continue
                 kr = keys[seg.slot : seg.slot + 1, :end].transpose(1, 2)
                 vr = values[seg.slot : seg.slot + 1, :end].transpose(1, 2)
                 out = F.scaled_dot_product_attention(
@@ -684,6 +690,14 @@ class LlamaModel:
                 outs.append(
                     F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask).reshape(n, 1, heads * head_dim)
                 )
+            elif native.prefill_serves(q[0], keys[0], values[0]):  # run.mask is the same causal rule
+                ends = (plan.positions[run.row_start : run.row_stop, -1] + 1).tolist()
+                rows = zip(range(run.slot_start, run.slot_start + n), ends, strict=True)
+                attn = [
+                    native.causal_attention(q_run[i], keys[slot, :end], values[slot, :end])
+                    for i, (slot, end) in enumerate(rows)
+                ]
+                outs.append(torch.stack(attn))
             else:
                 out = F.scaled_dot_product_attention(
                     q_run.transpose(1, 2),

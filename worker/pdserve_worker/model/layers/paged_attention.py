@@ -160,6 +160,9 @@ def write_and_attend(
                 kr, vr = k[:, seg.start : seg.stop], v[:, seg.start : seg.stop]
             else:
                 kr, vr = keys[seg.gather][None], values[seg.gather][None]
+            if native.prefill_serves(q[0], kr[0], vr[0]):  # seg.mask is the same causal rule
+                outs.append(native.causal_attention(q[0, seg.start : seg.stop], kr[0], vr[0])[None])
+                continue
             out = F.scaled_dot_product_attention(
                 q[:, seg.start : seg.stop].transpose(1, 2),
                 kr.transpose(1, 2),
@@ -170,6 +173,8 @@ def write_and_attend(
             )
             outs.append(out.transpose(1, 2).reshape(1, n, heads * head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if plan.causal_self and native.prefill_serves(q[0], k[0], v[0]):
+        return torch.stack([native.causal_attention(q[b], k[b], v[b]) for b in range(batch)])
     if plan.causal_self:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
