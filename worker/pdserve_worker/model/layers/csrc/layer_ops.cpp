@@ -83,11 +83,8 @@ inline float round_to(float x) {
   }
 }
 
-// Rows per parallel task: a quarter million values, so a decode step (up to a few hundred rows)
-// stays on the calling thread and a prefill chunk is split. Waking torch's OpenMP pool for a
-// small op costs more than the op: with a 16K-value grain a batch-16 decode step of the default
-// model took 37.2 ms against 34.3 ms single-threaded (benchmarks/engine.py, 2026-12-05).
-inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 262144 / std::max<int64_t>(width, 1)); }
+// Rows per parallel task: a few tens of KB of work, so a batch-1 decode step stays on one thread.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
 // 1 / sqrt(mean(x^2) + eps) of one row of T, in a fixed order.
 template <typename T>
