@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -822,3 +823,82 @@ async def test_a_push_for_another_prompt_is_retried_with_another_prefill(loaded)
         info = [e.info for e in events if e.info is not None][-1]
         assert info.retries == 1 and info.prefill == "prefill-1"
         await eventually(lambda: c.decode.slots.usage().free == SLOTS)  # the aborted grant came back too
+
+
+class _RecordsPasses:
+    """The model, recording when each prefill pass starts and ends; the long prompt's pass first
+    waits (on the compute thread) until another prompt is queued behind it."""
+
+    def __init__(self, model, worker: PrefillWorker, long_len: int) -> None:
+        self._model, self._worker, self._long_len = model, worker, long_len
+        self.events: list[tuple[str, int]] = []
+        self.long_started = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def prefill(self, prompt, *args, **kwargs):
+        self.events.append(("start", len(prompt)))
+        if len(prompt) == self._long_len:
+            self.long_started.set()
+            deadline = time.monotonic() + 10
+            while not self._worker._pending and time.monotonic() < deadline:
+                time.sleep(0.005)
+        try:
+            return self._model.prefill(prompt, *args, **kwargs)
+        finally:
+            self.events.append(("end", len(prompt)))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("overtake", [12, 0])
+async def test_a_short_prompt_overtakes_a_long_pass_between_its_layer_chunks(loaded, overtake):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    long_prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2)
+    short_prompt = loaded.tokenizer.encode("Paris is the capital of")
+    assert len(short_prompt) <= 12 < len(long_prompt) <= MAX_LEN - params.max_tokens
+    async with cluster(loaded) as c:
+        worker = c.prefill_workers[0]
+        worker.settings = worker.settings.model_copy(
+            update={"prefill_overtake_tokens": overtake, "layers_per_chunk": 1}
+        )
+        recorder = _RecordsPasses(loaded.model, worker, len(long_prompt))
+        worker.loaded = dataclasses.replace(loaded, model=recorder)
+        sampling = sampling_to_proto(params)
+        prompts = [long_prompt, short_prompt]
+        grants = [
+            await c.decode_stub.Reserve(
+                worker_pb2.ReserveRequest(request_id=f"o{i}", num_prompt_tokens=len(p), max_tokens=params.max_tokens)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        streams = [
+            c.decode_stub.Generate(
+                worker_pb2.GenerateRequest(
+                    request_id=f"o{i}",
+                    slot=g.slot,
+                    generation=g.generation,
+                    prompt_token_ids=p,
+                    sampling=sampling,
+                    readiness_timeout_ms=10_000,
+                )
+            )
+            for i, (p, g) in enumerate(zip(prompts, grants))
+        ]
+        requests = [
+            worker_pb2.PrefillRequest(request_id=f"o{i}", prompt_token_ids=p, sampling=sampling, targets=[g])
+            for i, (p, g) in enumerate(zip(prompts, grants))
+        ]
+        long_call = asyncio.ensure_future(c.prefill_stubs[0].Prefill(requests[0]))
+        await eventually(recorder.long_started.is_set)
+        replies = await asyncio.gather(long_call, c.prefill_stubs[0].Prefill(requests[1]))
+        n_long, n_short = len(long_prompt), len(short_prompt)
+        if overtake:  # the short pass ran inside the long one's, in another scratch slot
+            assert recorder.events == [("start", n_long), ("start", n_short), ("end", n_short), ("end", n_long)]
+        else:
+            assert recorder.events == [("start", n_long), ("end", n_long), ("start", n_short), ("end", n_short)]
+        assert [r.num_tokens for r in replies] == [n_long, n_short]
+        for stream, prompt in zip(streams, prompts):
+            events = [e async for e in stream]
+            assert [(e.token_id, e.text) for e in events] == _reference(loaded, prompt, params)
+        await eventually(lambda: c.decode.slots.usage().free == SLOTS)

@@ -48,6 +48,8 @@ MAX_BODY_BYTES = "PDSERVE_MAX_BODY_BYTES"  # router: larger request bodies are a
 PREFIX_BLOCK_TOKENS = "PDSERVE_PREFIX_BLOCK_TOKENS"  # prefill: tokens per prefix-cache block
 PREFILL_BATCH = "PDSERVE_PREFILL_BATCH"  # prefill: prompts one forward pass may pack (each a scratch KV slot)
 PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pass packs (the first prompt always goes)
+# prefill: prompts of at most this many tokens run between a longer pass's layer chunks (0: off)
+PREFILL_OVERTAKE_TOKENS = "PDSERVE_PREFILL_OVERTAKE_TOKENS"
 # colocated: prompt positions computed between two decode steps (chunked prefill, decode/generation_loop.py)
 PREFILL_CHUNK_TOKENS = "PDSERVE_PREFILL_CHUNK_TOKENS"
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
@@ -107,6 +109,7 @@ class WorkerSettings(BaseSettings):
     layers_per_chunk: int = Field(4, ge=1, validation_alias=E.LAYERS_PER_CHUNK)
     prefill_batch: int = Field(8, ge=1, le=256, validation_alias=PREFILL_BATCH)
     prefill_token_budget: int = Field(4096, ge=1, validation_alias=PREFILL_TOKEN_BUDGET)
+    prefill_overtake_tokens: int = Field(256, ge=0, validation_alias=PREFILL_OVERTAKE_TOKENS)
     slots: int = Field(8, ge=1, validation_alias=E.SLOTS)
     # Decode KV in blocks of this many tokens (0: one max-length slot per request; a layer-
     # sharded group keeps slots). The pool holds kv_tokens (0: slots x max_length, capped by
