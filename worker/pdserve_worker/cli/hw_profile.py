@@ -37,6 +37,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -98,22 +99,24 @@ def _engine_linear(dtype: torch.dtype):
 def attention(
     shape: ModelShape, dtype: torch.dtype, lengths: tuple[int, int] = (256, 2048), repeats: int = 5
 ) -> tuple[float, float]:
-    """(FLOP/s, fixed seconds per layer) of causal prefill attention, from two prompt lengths."""
+    """(FLOP/s, fixed seconds per layer) of causal prefill attention, from two prompt lengths,
+    through what the model runs: the native bf16 kernel where it serves, else SDPA."""
+    from pdserve_worker.model.layers import native
+
     gqa = shape.num_heads != shape.num_kv_heads
     gen = torch.Generator().manual_seed(1)
     times, flops = [], []
     for tokens in lengths:
-        q = torch.randn(1, shape.num_heads, tokens, shape.head_dim, generator=gen).to(dtype)
-        k = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
-        v = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=gen).to(dtype)
+        q = torch.randn(tokens, shape.num_heads, shape.head_dim, generator=gen).to(dtype)
+        k = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, generator=gen).to(dtype)
+        v = torch.randn(tokens, shape.num_kv_heads, shape.head_dim, generator=gen).to(dtype)
+        if native.prefill_serves(q, k, v):
+            run = partial(native.causal_attention, q, k, v)
+        else:
+            qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
+            run = partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=True, enable_gqa=gqa)
         with torch.inference_mode():
-            times.append(
-                _median_seconds(
-                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa),
-                    repeats,
-                    min_total_s=SPREAD_S / 2,
-                )
-            )
+            times.append(_median_seconds(run, repeats, min_total_s=SPREAD_S / 2))
         # Count as the planner does: one layer's share of `shape.prefill_attention_flops`.
         flops.append(shape.prefill_attention_flops(tokens) / shape.num_layers)
     rate = (flops[1] - flops[0]) / max(1e-9, times[1] - times[0])
