@@ -14,7 +14,11 @@ started one at a time, each with both cores:
   caching, chunked prefill, torch.compile); its effective settings are read from its log;
 - `colocated`: `pdserve local --colocated` on the same folder (dense weights);
 - `pd`: `pdserve local --prefill 1 --decode 1` on the same folder;
-- `colocated-int4`: `pdserve local --colocated` on the GGUF itself (the default int4 weights).
+- `colocated-int4`: `pdserve local --colocated` on the GGUF itself (the default int4 weights);
+- `vllm-pd` (not in the default list): vLLM's own disaggregation, a prefill and a decode
+  instance on a core each sharing KV through files (ExampleConnector), behind
+  benchmarks/vllm_pd_proxy.py (what its examples' proxy does: max_tokens 1 to the prefill,
+  then the request to the decode). The PD peer of `pd`.
 
 The client is one streaming /v1/completions client for all (benchmarks/serve.py's `one`, with
 ignore_eos so every request generates its max_tokens). Scenarios (prompts are word soup of
@@ -160,6 +164,7 @@ def start_vllm(
     python: Path,
     extra: tuple[str, ...] = (),
     omp_bind: str | None = None,  # default: every core to its one rank ("0-N"); "0|1": a core per rank
+    name: str = "vllm",
 ) -> Server:
     cpus = len(os.sched_getaffinity(0))
     env = {
@@ -172,10 +177,10 @@ def start_vllm(
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
     argv += ["--served-model-name", "smollm2", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--max-model-len", "4096", *extra]
-    log = logs / "vllm.log"
+    log = logs / f"{name}.log"
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    server = Server("vllm", url, proc, log, {})
+    server = Server(name, url, proc, log, {})
     try:
         wait_ready(url, proc, log, 900)
     except BaseException:
@@ -183,6 +188,49 @@ def start_vllm(
         raise
     server.settings = vllm_settings(log.read_text())
     return server
+
+
+@dataclass
+class Group:
+    """Servers answering behind one URL (vLLM's PD: two instances and the proxy), stopped together."""
+
+    name: str
+    url: str
+    parts: list[Server]
+    settings: dict[str, Any]
+
+    def stop(self) -> None:
+        for part in reversed(self.parts):
+            part.stop()
+
+
+def start_vllm_pd(folder: Path, dtype: str, port: int, logs: Path, python: Path) -> Group:
+    """vLLM's own disaggregation on this machine: a prefill instance (`kv_producer`) on core 0, a
+    decode instance (`kv_consumer`) on core 1, sharing KV through files (ExampleConnector, its
+    example connector and the one that needs no RDMA), behind benchmarks/vllm_pd_proxy.py."""
+    store = logs / "vllm-pd-kv"
+    store.mkdir(parents=True, exist_ok=True)
+    parts: list[Server] = []
+
+    def connector(role: str) -> tuple[str, ...]:
+        extra = {"shared_storage_path": str(store)}
+        config = {"kv_connector": "ExampleConnector", "kv_role": role, "kv_connector_extra_config": extra}
+        return ("--kv-transfer-config", json.dumps(config))
+
+    try:
+        for index, role in enumerate(("kv_producer", "kv_consumer")):
+            name = f"vllm-{role.removeprefix('kv_')}"
+            parts.append(start_vllm(folder, dtype, port + 100 + index, logs, python, connector(role), str(index), name))
+        argv = [sys.executable, str(ROOT / "benchmarks" / "vllm_pd_proxy.py"), "--port", str(port)]
+        argv += ["--prefill", parts[0].url, "--decode", parts[1].url]
+        log = logs / "vllm-pd-proxy.log"
+        proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        parts.append(Server("vllm-pd-proxy", f"http://127.0.0.1:{port}", proc, log, {}))
+        wait_ready(parts[-1].url, proc, log, 60)
+    except BaseException:
+        Group("vllm-pd", "", parts, {}).stop()
+        raise
+    return Group("vllm-pd", parts[-1].url, parts, {"prefill": parts[0].settings, "decode": parts[1].settings})
 
 
 def vllm_settings(text: str) -> dict[str, Any]:
@@ -316,7 +364,7 @@ def sweep_scenarios(name: str) -> dict[str, Scenario]:
     return {str(n): Scenario(f"{name}-{n}", n, 8, 2, 1) for n in SWEEP_LENGTHS}
 
 
-def warm_up(server: Server, tokenizer: Any) -> None:
+def warm_up(server: Server | Group, tokenizer: Any) -> None:
     """The same warm-up for every server: one long prompt alone, then a batch of short ones."""
     started = time.perf_counter()
     for s in (Scenario("warmup-long", 600, 8, 1, 1), Scenario("warmup-batch", 100, 16, 4, 4)):
@@ -336,13 +384,13 @@ def shortened(s: Scenario) -> Scenario:
     )
 
 
-def run_one(server: Server, s: Scenario, tokenizer: Any, quick: bool) -> dict[str, Any]:
+def run_one(server: Server | Group, s: Scenario, tokenizer: Any, quick: bool) -> dict[str, Any]:
     s = shortened(s) if quick else s
     results, wall = asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, seed_of(s.name))))
     return summarize(results, wall)
 
 
-def measure(server: Server, args: argparse.Namespace, tokenizer: Any) -> dict[str, dict[str, Any]]:
+def measure(server: Server | Group, args: argparse.Namespace, tokenizer: Any) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     warm_up(server, tokenizer)
     for name in args.scenarios.split(","):
@@ -510,7 +558,12 @@ def main(argv: list[str] | None = None) -> int:
             if not args.vllm_python.exists():
                 print(f"# vllm skipped: {args.vllm_python} missing (bash benchmarks/setup_vllm.sh)", flush=True)
                 continue
-            server = start_vllm(folder, dtype, port, logs, args.vllm_python)
+            server: Server | Group = start_vllm(folder, dtype, port, logs, args.vllm_python)
+        elif name == "vllm-pd":
+            if not args.vllm_python.exists():
+                print(f"# vllm-pd skipped: {args.vllm_python} missing (bash benchmarks/setup_vllm.sh)", flush=True)
+                continue
+            server = start_vllm_pd(folder, dtype, port, logs, args.vllm_python)
         elif name == "colocated-int4":
             server = start_pdserve(name, str(default_model_path()), dtype, port, logs, ["--colocated"])
         elif name == "colocated":
