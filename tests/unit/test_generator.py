@@ -286,8 +286,9 @@ def test_a_request_whose_draw_fails_is_aborted_alone(tiny, prompts, alone, monke
     loop failed every request of the batch with it."""
     gen = Generator(tiny.model, tiny.tokenizer, colocated_cache(tiny.model, 3, 64))
     tokens: dict[str, list[int]] = {}
-    for slot, prompt in enumerate(prompts[:3]):
-        request_id, first = start(gen, tiny, slot, prompt, GREEDY)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)  # (a plain greedy row
+    for slot, prompt in enumerate(prompts[:3]):  # is the batch's argmax: it has no draw to fail)
+        request_id, first = start(gen, tiny, slot, prompt, GREEDY if slot < 2 else sampled)
         tokens[request_id] = [first.token_id]
     *good, bad = tokens
 
@@ -325,3 +326,30 @@ def test_warm_up_runs_a_prefill_and_decode_steps_and_leaves_no_trace(tiny_model_
     assert calls == ["decode", "decode"]  # batch 1, then batch 2
     half = load_model(str(tiny_model_dir), dtype="float32", layers=range(0, 1)).model
     assert warm_up(half) == 0.0  # a layer-sharded member's steps need its group
+
+
+def test_the_batchs_argmax_is_each_plain_greedy_rows_draw():
+    """A step takes plain greedy rows' tokens from one argmax of the batch: the same token as the
+    row's own `Sampler.draw` (ties included: both take the first maximum), and none where a
+    row needs more than the argmax (processors, logprobs, a grammar)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pdserve_worker.model.engine import _plain_greedy, _plain_greedy_tokens
+    from pdserve_worker.model.sampling.sampler import Sampler
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(2)).bfloat16()
+    logits[3, 7] = logits[3, 250] = logits[3].max() + 1  # a tie
+    rows = [SimpleNamespace(params=GREEDY)] * 6
+    tokens = _plain_greedy_tokens(logits, rows)
+    assert tokens == [Sampler(GREEDY).draw(logits[r], 0).token for r in range(6)] and tokens[3] == 7
+    assert _plain_greedy(GREEDY)
+    for other in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0, logprobs=1),
+        SamplingParams(temperature=0, repetition_penalty=1.2),
+        SamplingParams(temperature=0, min_tokens=3),
+    ):
+        assert not _plain_greedy(other)
+    assert _plain_greedy_tokens(logits, [SimpleNamespace(params=SamplingParams(temperature=0.7))]) is None

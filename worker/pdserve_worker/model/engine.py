@@ -269,10 +269,14 @@ class Generator(Generic[CacheT]):
             [r.last_token for r in decoding],
         )
         mask_rows(logits, [r.grammar for r in decoding])  # one bitmask over the batch; none without grammars
+        argmax = _plain_greedy_tokens(logits, decoding)
         outputs = []
         for row, request in enumerate(decoding):
             request.position += 1
-            outputs.append(self._sample_and_accept(request, logits[row]))
+            if argmax is not None and _plain_greedy(request.params):
+                outputs.append(self._accept(request, argmax[row]))
+            else:
+                outputs.append(self._sample_and_accept(request, logits[row]))
         self.stats.decode_seconds += time.perf_counter() - started
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(decoding)
@@ -359,6 +363,21 @@ class Generator(Generic[CacheT]):
     def _finish(self, request: _Request) -> None:
         self._running.pop(request.request_id, None)
         self._slots.pop(request.slot, None)
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing else to compute: no logits processor, no logprobs, no grammar (its
+    draw is the argmax of the row, as `Sampler.draw` takes it, and cannot fail)."""
+    return params.greedy and not params.processed and params.logprobs is None and params.grammar is None
+
+
+def _plain_greedy_tokens(logits: torch.Tensor, decoding: Sequence[_Request]) -> list[int] | None:
+    """Every row's argmax in one op where some row is plain greedy (None where none is): one
+    fp32 copy and argmax of the batch instead of one per row (1.6 against 0.4 ms at 16 rows of
+    SmolLM2's 49,152 logits, 2026-12-05); the same token as `Sampler.draw`'s, first maximum."""
+    if not any(_plain_greedy(r.params) for r in decoding):
+        return None
+    return [int(t) for t in logits.detach().to("cpu", torch.float32).argmax(-1).tolist()]
 
 
 def colocated_cache(model: LlamaModel, num_slots: int, max_len: int | None = None) -> KVCache:
