@@ -239,6 +239,8 @@ def test_a_dead_decode_rank_takes_its_instance_down_and_the_other_decode_serves(
         "2",
         "--prefix-cache-tokens",
         "0",
+        "--on-exit",
+        "ignore",  # decode-0 ends its process (a pod would restart it); the deployment carries on
         "--port",
         "0",
     )
@@ -256,5 +258,10 @@ def test_a_dead_decode_rank_takes_its_instance_down_and_the_other_decode_serves(
             replies = [http.post("/v1/completions", json=body) for _ in range(4)]
         assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
         assert len({r.json()["choices"][0]["text"] for r in replies}) == 1
+        ended = re.compile(r"decode-0 \(pid \d+\) exited with code -?\d+; carrying on without it")
+        deadline = time.monotonic() + 30
+        while not ended.search(run.stderr_path.read_text()):  # decode-0's own process ended
+            assert time.monotonic() < deadline, "decode-0's process did not end after its group broke"
+            time.sleep(0.2)
     finally:
         run.stop_cleanly(also=[victim])

@@ -92,8 +92,10 @@ def test_an_upstream_that_refuses_is_a_reset_for_the_client() -> None:
     free.close()  # nothing listens there now
     with FaultProxy() as proxy:
         addr = proxy.link("gone", ("127.0.0.1", 0), ("127.0.0.1", port))
-        with socket.create_connection(addr, timeout=5) as sock:
-            with pytest.raises(ConnectionResetError):
+        # The reset may reach the client while its connect completes (a loaded machine) or at
+        # its first read: either way a reset, never an orderly close.
+        with pytest.raises(ConnectionResetError):
+            with socket.create_connection(addr, timeout=5) as sock:
                 if not sock.recv(10):
                     raise AssertionError("an orderly close, not a reset")
 
