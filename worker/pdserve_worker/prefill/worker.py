@@ -25,12 +25,14 @@ reply says how many prompt tokens came from the cache (`cached_tokens`). With a 
 prompt's blocks on disk are read from the moment it is queued (`prefetch`). `BlockEvents`
 serves what the cache stores and drops to the routers (kv/block_events.py).
 
-A short prompt does not wait for a long pass: between two layer chunks of a pass computing more
-than `prefill_overtake_tokens` positions, the queued prompts of at most that many tokens run a
-pass of their own in the scratch slots the long one leaves free, and their first tokens go out
-before it ends (a 64-token prompt behind a 1,500-token one on one core waited ~2 s; chunked
-prefill gives vLLM the same between its steps). Not with tensor parallelism, whose ranks
-compute one pass plan in lockstep.
+A short prompt does not wait for a long pass: between two layer chunks of a pass whose prompts
+hold more than `prefill_overtake_tokens` tokens, the queued prompts of at most that many tokens
+run a pass of their own in the scratch slots the long one leaves free, and their first tokens go
+out before it ends (a 64-token prompt behind a 1,500-token one on one core waited ~2 s; chunked
+prefill gives vLLM the same between its steps). What that costs the long pass is bounded: one
+short pass per layer chunk, of at most the free slots' prompts within the pass token budget;
+queued long prompts keep their order. Not with tensor parallelism, whose ranks compute one pass
+plan in lockstep.
 
 A router that abandons a request (its client left) sends `Cancel`: a queued prefill never
 starts, a running one stops before its next layer chunk and waits for the puts it issued.

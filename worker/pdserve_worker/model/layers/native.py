@@ -21,12 +21,14 @@ tile in registers runs the same attention 2.1x faster (18 against 38 ms per laye
 2,000 tokens, 2026-12-05) — the kind of kernel vLLM's CPU attention backend and SGLang's CPU
 kernels ship inside their own builds. Where the CPU has no AVX512-BF16, SDPA serves.
 
-`csrc/*.cpp` are plain ATen (Vectorized<float>, at::parallel_for on torch's own thread pool),
+`csrc/*.cpp` are ATen (Vectorized<float>, at::parallel_for on torch's own thread pool; the
+prefill kernel's inner loops are AVX512-BF16 intrinsics, used only where the CPU reports them),
 compiled once per machine by torch's extension builder, as torch.compile's inductor compiles its
 C++ kernels: g++ and ninja at first use, then a cached library (one per source hash, torch
-version and CPU capability, under the pdserve cache). Where it cannot be built (no compiler: the
-slim image says so at start) or `PDSERVE_NATIVE_OPS=torch`, the model runs its torch ops as
-before; both are batch invariant and agree within rounding (tests/unit/test_native_ops.py).
+version and compiler flags, which name the CPU capability, under the pdserve cache). Where it
+cannot be built (no compiler: the slim image says so at start) or `PDSERVE_NATIVE_OPS=torch`, the
+model runs its torch ops as before; both are batch invariant and agree within rounding
+(tests/unit/test_native_ops.py, tests/unit/test_prefill_attention.py).
 """
 
 from __future__ import annotations
