@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from pdserve_worker.cli.local_deployment import auto_dtype  # noqa: E402
 from pdserve_worker.kv.cache import KVCache  # noqa: E402
-from pdserve_worker.model.layers.matmul import Int4Matrix  # noqa: E402
+from pdserve_worker.model.layers.matmul import BlockMatrix, Int4Matrix  # noqa: E402
 from pdserve_worker.model.loading.loader import gguf_source, load_model, model_folder  # noqa: E402
 
 
@@ -289,7 +289,7 @@ def hf_decode(model, vocab: int, batch: int, context: int, steps: int) -> float:
 
 
 def tensor_bytes(t) -> int:
-    return t.nbytes if isinstance(t, Int4Matrix) else t.numel() * t.element_size()
+    return t.nbytes if isinstance(t, (Int4Matrix, BlockMatrix)) else t.numel() * t.element_size()
 
 
 def weight_bytes(model) -> int:

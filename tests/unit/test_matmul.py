@@ -58,6 +58,8 @@ def test_upcast_route_equals_fp32_gemm_of_the_bf16_values() -> None:
     assert linear.prepare(w) is w
     y = linear(x, w)
     assert y.shape == (4, 3, rows_out) and y.dtype == torch.bfloat16
+    # Row-major as F.linear's (the native layer ops refuse other layouts: rope_qkv did on AVX2).
+    assert y.is_contiguous() and linear(x, w, torch.float32).is_contiguous()
     expected = F.linear(x.float(), w.float()).to(torch.bfloat16)
     torch.testing.assert_close(y, expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(linear(x, w, torch.float32), _reference(x, w).float(), atol=1e-3, rtol=1e-3)

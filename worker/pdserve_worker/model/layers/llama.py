@@ -320,7 +320,7 @@ class LlamaModel:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (fp32) of hidden states `[..., hidden]` after the final norm.
 
-        A quantized head runs on torch's int4 kernel, whose output is bf16: logits of 16-32 are
+        A quantized head on torch's int4 kernel gives bf16 logits: logits of 16-32 are
         then 0.125 apart, enough to swap near-tied tokens that the dequantized fp32 model keeps
         apart. So the `REFINED_LOGITS` largest are recomputed in fp32 from the exact weight
         rows (a gather and a dot: tens of microseconds): greedy, top-k and the head of top-p

@@ -49,7 +49,7 @@ log = logging.getLogger("pdserve.model.native")
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.cpp", "layer_ops.cpp", "prefill_attention.cpp")
+    for name in ("decode_attention.cpp", "layer_ops.cpp", "prefill_attention.cpp", "quant_linear.cpp")
 )
 ENV = "PDSERVE_NATIVE_OPS"  # kernel (default) | torch
 
@@ -212,6 +212,23 @@ def _bf16_dot() -> bool:
     if known is None:
         known = _state["bf16_dot"] = bool(torch.ops.pdserve.prefill_attention_supported())
     return bool(known)
+
+
+def quant_serves() -> bool:
+    """Whether the block-quantized matrix kernel runs here: the native ops built, on an x86 CPU
+    with AVX2, FMA and F16C. Elsewhere quantized weights take torch's int4 kernel (matmul.pack_int4)."""
+    if not available():
+        return False
+    known = _state.get("quant")
+    if known is None:
+        known = _state["quant"] = bool(torch.ops.pdserve.quant_linear_supported())
+    return bool(known)
+
+
+def quant_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, n: int, wide: bool, out_bf16: bool):
+    """x `[rows, k]` (bf16, contiguous) times a weight of `n` rows in matmul.pack_native's layout:
+    `[rows, n]` in bf16 or fp32 (csrc/quant_linear.cpp)."""
+    return torch.ops.pdserve.quant_linear(x, values, scales, n, wide, out_bf16)
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

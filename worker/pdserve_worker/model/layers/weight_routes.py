@@ -5,8 +5,9 @@ the fused gate/up and the down projection, and once the LM head. Each kind is on
 so one route per matrix group; the parts of a fused group share it.
 
 - `dequantized`: today's route, float weights in the model dtype (`matmul.route`).
-- `int4` / `int8`: 4-bit or 8-bit blocks of 32 on torch's CPU int4 kernel (`matmul.Int4Matrix`;
-  8-bit as two 4-bit planes), from the checkpoint's quantized blocks where it has them (int4
+- `int4` / `int8`: 4-bit or 8-bit blocks of 32 on the native block kernel (`matmul.BlockMatrix`),
+  or torch's CPU int4 kernel where that is not built (`matmul.Int4Matrix`; 8-bit as two 4-bit
+  planes), from the checkpoint's quantized blocks where it has them (int4
   requantizes Q8_0 blocks to 4 bits; int8 holds 4-bit blocks exactly), else float weights
   quantized at load by llama.cpp's reference rounding (Q4_1 / Q8_0).
 - `auto`: what the checkpoint holds. A group whose parts are all GGUF 4-bit (Q4_0/Q4_1) runs
@@ -105,12 +106,19 @@ def summary(routes: Mapping[str, str]) -> dict[str, str]:
 
 
 def matrix_bytes(shape: tuple[int, int], route: str, dtype: str) -> int:
-    """Bytes a `[rows, cols]` matrix takes on `route`: per 4-bit plane (int4 one, int8 two) half a
-    byte per value plus a bf16 scale and zero per 32, rows padded to 16 (`matmul.pack_int4`)."""
+    """Bytes a `[rows, cols]` matrix takes on `route`, on whichever kernel holds it (the larger):
+    the native one (matmul.pack_native: per value half a byte for int4, a byte for int8, plus an
+    fp16 scale and minimum per 32, rows padded to 32) or torch's (matmul.pack_int4: per 4-bit
+    plane, int4 one and int8 two, half a byte per value plus a bf16 scale and zero per 32, rows
+    padded to 16). A worker takes torch's where the native ops are not built."""
     rows, cols = shape
     if route in ("int4", "int8"):
+        groups = cols // GROUP
         planes, padded = (1 if route == "int4" else 2), rows + (-rows % 16)
-        return planes * (padded * cols // 2 + (cols // GROUP) * padded * 2 * 2)
+        torch_bytes = planes * (padded * cols // 2 + groups * padded * 2 * 2)
+        padded = rows + (-rows % 32)
+        native_bytes = padded * (cols // 2 if route == "int4" else cols) + groups * padded * 2 * 2
+        return max(torch_bytes, native_bytes)
     return rows * cols * DTYPE_SIZES[dtype]
 
 

@@ -1,0 +1,110 @@
+"""The native block kernel (model/layers/csrc/quant_linear.cpp, `matmul.pack_native`): a GGUF
+block's own integers, fp16 scale and minimum, `d * q + m` summed in fp32.
+
+The reference for what a block means is the `gguf` package (`gguf.quants.dequantize`, llama.cpp's
+reading of ggml-common.h's `block_q4_0` / `block_q4_1` / `block_q8_0`), through
+`quant.dequantize`, which equals it bit for bit (test_quant.py); the product is checked against
+float64 sums of those values by bf16-rounded inputs (the kernel's input dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quant import random_blocks
+
+from pdserve_worker.model.layers import native
+from pdserve_worker.model.layers.matmul import BlockMatrix, Int4Matrix, Linear, pack_native
+from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, from_gguf_blocks
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    not native.quant_serves(),
+    reason="the native block kernel needs the native ops built on an x86 CPU with AVX2/FMA/F16C; "
+    "torch's int4 route (test_quant.py) serves elsewhere",
+)
+
+
+def blocks(rows: int, cols: int, type_name: str, seed: int) -> QuantizedTensor:
+    return from_gguf_blocks(random_blocks(rows, cols, type_name, seed), type_name, (rows, cols))
+
+
+def check_product(y: torch.Tensor, x: torch.Tensor, parts: list[QuantizedTensor]) -> None:
+    """y equals x (bf16) times the parts' GGUF values, up to fp32 summation error."""
+    w = torch.cat([dequantize(p) for p in parts]).double()
+    xs = x.to(torch.bfloat16).double()
+    exact = xs @ w.t()
+    bound = 64 * 2.0**-24 * (xs.abs() @ w.abs().t()) + 1e-30
+    assert y.shape == exact.shape
+    assert ((y.double() - exact).abs() <= bound).all(), float(((y.double() - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 130, 300])  # register-tile remainders; 3 chunks of 128
+def test_the_kernel_multiplies_by_the_files_own_values(type_name, rows):
+    t = blocks(72, 96, type_name, rows)  # 72 outputs: padded to 96, the padding cut off
+    matrix = pack_native([t], wide=type_name == "Q8_0")
+    assert matrix is not None and matrix.shape == (72, 96)
+    x = torch.randn(rows, 96)
+    y = Linear(CPU, torch.float32)(x, matrix)
+    assert y.dtype == torch.float32
+    check_product(y, x, [t])
+
+
+def test_a_fused_group_of_4_and_8_bit_parts_runs_wide_each_part_exactly():
+    parts = [blocks(40, 64, "Q4_1", 1), blocks(24, 64, "Q8_0", 2), blocks(8, 64, "Q4_0", 3)]
+    matrix = pack_native(parts, wide=True)
+    assert matrix is not None and matrix.wide and matrix.shape == (72, 64)
+    x = torch.randn(5, 64)
+    check_product(Linear(CPU, torch.float32)(x, matrix), x, parts)
+    with pytest.raises(ValueError, match="8-bit values need the wide"):
+        pack_native(parts, wide=False)
+
+
+def test_a_rows_product_does_not_depend_on_its_batch():
+    """Issue #17: a seeded stream's tokens may not change with what else is in the step."""
+    t = blocks(64, 128, "Q4_1", 5)
+    matrix = pack_native([t], wide=False)
+    linear = Linear(CPU, torch.bfloat16)
+    batch = torch.randn(131, 128).to(torch.bfloat16)
+    together = linear(batch, matrix, torch.float32)
+    for row in (0, 2, 64, 127, 128, 130):  # tile and chunk edges
+        alone = linear(batch[row : row + 1], matrix, torch.float32)
+        assert torch.equal(alone[0], together[row])
+        assert torch.equal(linear(batch[row : row + 3], matrix, torch.float32)[0], together[row])
+
+
+def test_bf16_output_is_the_fp32_sum_rounded_once_and_a_bias_is_added_in_fp32():
+    t = blocks(40, 64, "Q4_0", 9)
+    matrix = pack_native([t], wide=False)
+    linear = Linear(CPU, torch.bfloat16)
+    x = torch.randn(6, 64).to(torch.bfloat16)
+    wide = linear(x, matrix, torch.float32)
+    narrow = linear(x, matrix)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.to(torch.bfloat16))
+    bias = torch.randn(40).to(torch.bfloat16)
+    assert torch.equal(linear(x, matrix, bias=bias), (wide + bias.float()).to(torch.bfloat16))
+
+
+def test_scales_the_kernel_cannot_hold_exactly_take_torchs_route():
+    t = blocks(32, 64, "Q4_1", 4)
+    odd = QuantizedTensor(t.kind, t.q, t.scale / 3, t.minimum)  # not fp16 values any more
+    assert pack_native([odd], wide=False) is None
+    assert isinstance(Linear(CPU, torch.float32).prepare_quantized([odd], "int4"), Int4Matrix)
+    assert isinstance(Linear(CPU, torch.float32).prepare_quantized([t], "int4"), BlockMatrix)
+    assert isinstance(Linear(CPU, torch.float32, native_quant=False).prepare_quantized([t], "int4"), Int4Matrix)
+
+
+def test_the_kernel_refuses_what_it_does_not_hold():
+    matrix = pack_native([blocks(32, 64, "Q4_1", 4)], wide=False)
+    assert matrix is not None
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="do not hold 64 x 64 4-bit values"):
+        native.quant_linear(x, matrix.values, matrix.scales, 64, False, False)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        native.quant_linear(x.float(), matrix.values, matrix.scales, 32, False, False)
+    with pytest.raises(RuntimeError, match="k a multiple of 32"):
+        native.quant_linear(torch.zeros(2, 48, dtype=torch.bfloat16), matrix.values, matrix.scales, 32, False, False)
+    with pytest.raises(ValueError, match="cannot stack matrices of widths"):
+        pack_native([blocks(32, 64, "Q4_1", 4), blocks(32, 96, "Q4_1", 4)], wide=False)
