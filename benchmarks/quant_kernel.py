@@ -77,7 +77,7 @@ def matrices(rows: tuple[int, ...], repeats: int) -> dict[str, dict[int, float]]
 
 def model(quick: bool) -> dict[str, dict[str, float]]:
     """The bundled model on each kernel: decode ms per step and prefill tokens/s."""
-    dtype = auto_dtype("auto", "cpu")
+    dtype = auto_dtype()
     out: dict[str, dict[str, float]] = {}
     serves = native.quant_serves
     for name in ("torch", "native"):
