@@ -4,7 +4,7 @@ block's own integers, fp16 scale and minimum, `d * q + m` summed in fp32.
 The reference for what a block means is the `gguf` package (`gguf.quants.dequantize`, llama.cpp's
 reading of ggml-common.h's `block_q4_0` / `block_q4_1` / `block_q8_0`), through
 `quant.dequantize`, which equals it bit for bit (test_quant.py); the product is checked against
-float64 sums of those values by bf16-rounded inputs (the kernel's input dtype).
+float64 sums of those values by the fp32 inputs.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def blocks(rows: int, cols: int, type_name: str, seed: int) -> QuantizedTensor:
 
 
 def check_product(y: torch.Tensor, x: torch.Tensor, parts: list[QuantizedTensor]) -> None:
-    """y equals x (bf16) times the parts' GGUF values, up to fp32 summation error."""
+    """y equals x (fp32) times the parts' GGUF values, up to fp32 summation error."""
     w = torch.cat([dequantize(p) for p in parts]).double()
-    xs = x.to(torch.bfloat16).double()
+    xs = x.float().double()
     exact = xs @ w.t()
     bound = 64 * 2.0**-24 * (xs.abs() @ w.abs().t()) + 1e-30
     assert y.shape == exact.shape
@@ -67,7 +67,7 @@ def test_a_rows_product_does_not_depend_on_its_batch():
     t = blocks(64, 128, "Q4_1", 5)
     matrix = pack_native([t], wide=False)
     linear = Linear(CPU, torch.bfloat16)
-    batch = torch.randn(131, 128).to(torch.bfloat16)
+    batch = torch.randn(131, 128).to(torch.bfloat16)  # a bf16 model's rows (widened to fp32 for the kernel)
     together = linear(batch, matrix, torch.float32)
     for row in (0, 2, 64, 127, 128, 130):  # tile and chunk edges
         alone = linear(batch[row : row + 1], matrix, torch.float32)
@@ -99,12 +99,25 @@ def test_scales_the_kernel_cannot_hold_exactly_take_torchs_route():
 def test_the_kernel_refuses_what_it_does_not_hold():
     matrix = pack_native([blocks(32, 64, "Q4_1", 4)], wide=False)
     assert matrix is not None
-    x = torch.randn(2, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="do not hold 64 x 64 4-bit values"):
         native.quant_linear(x, matrix.values, matrix.scales, 64, False, False)
-    with pytest.raises(RuntimeError, match="contiguous bf16"):
-        native.quant_linear(x.float(), matrix.values, matrix.scales, 32, False, False)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        native.quant_linear(x.to(torch.bfloat16), matrix.values, matrix.scales, 32, False, False)
     with pytest.raises(RuntimeError, match="k a multiple of 32"):
-        native.quant_linear(torch.zeros(2, 48, dtype=torch.bfloat16), matrix.values, matrix.scales, 32, False, False)
+        native.quant_linear(torch.zeros(2, 48), matrix.values, matrix.scales, 32, False, False)
     with pytest.raises(ValueError, match="cannot stack matrices of widths"):
         pack_native([blocks(32, 64, "Q4_1", 4), blocks(32, 96, "Q4_1", 4)], wide=False)
+
+
+def test_an_all_zero_input_row_gives_zeros_and_a_wide_ranging_block_keeps_its_small_values():
+    t = blocks(32, 96, "Q4_1", 11)
+    matrix = pack_native([t], wide=False)
+    x = torch.randn(3, 96)
+    x[0, :32] = 0
+    x[1, 32:64] = torch.randn(32) * 2.0**-20
+    x[1, 40] = 1.0  # one large value among tiny ones: fp32 inputs keep the tiny ones whole
+    x[2] = 0
+    y = Linear(CPU, torch.float32)(x, matrix)
+    check_product(y, x, [t])
+    assert not y[2].any()

@@ -22,8 +22,8 @@ batch-1 step. GPU and NPU run plain `F.linear`, as does fp16 on a CPU with nativ
 
 Quantized weights (`quant.QuantizedTensor`, CPU only) run on our native block kernel
 (csrc/quant_linear.cpp, `BlockMatrix`) wherever the native ops are built on an x86 CPU with AVX2:
-each block's own integers and fp16 scale and minimum, `d * q + m` summed in fp32, so the value
-multiplied is the file's. Why ours: torch's weight-only int4 kernel dequantizes the weight once per
+each block's own integers and fp16 scale and minimum, `d * q + m` times the fp32 input summed in
+fp32, so the value multiplied is the file's and the input is not rounded. Why ours: torch's weight-only int4 kernel dequantizes the weight once per
 input row, so 16 rows cost 16 GEMVs and a prefill chunk hundreds; measured 2026-12-05 on a 2-vCPU
 AVX2 EPYC, one layer of SmolLM2-135M in 4 bits: 0.22 against 0.35 ms at one row, 0.92 against
 1.86 ms at 16, 28 against 51 ms at 256 (benchmarks/README.md). Elsewhere (no compiler, no AVX2,
@@ -99,10 +99,10 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
 
 # What each quantized route is, for `pdserve info` and the load log.
 QUANT_ROUTES = {
-    "int4": "4-bit groups of 32 on the native block kernel (fp32 sums, AVX2), else torch "
-    "_weight_int4pack_mm_for_cpu (bf16 activations both)",
-    "int8": "8-bit groups of 32 on the native block kernel (fp32 sums, AVX2), else torch "
-    "_weight_int4pack_mm_for_cpu as two 4-bit planes (bf16 activations both)",
+    "int4": "4-bit groups of 32 on the native block kernel (fp32 activations and sums, AVX2), else torch "
+    "_weight_int4pack_mm_for_cpu (bf16 activations)",
+    "int8": "8-bit groups of 32 on the native block kernel (fp32 activations and sums, AVX2), else torch "
+    "_weight_int4pack_mm_for_cpu as two 4-bit planes (bf16 activations)",
 }
 _ROW_MULTIPLE = 16  # torch's CPU int4 packing takes rows in multiples of 16: fewer are padded with zero rows
 
@@ -353,7 +353,7 @@ class Linear:
     ) -> torch.Tensor:
         rows, cols = w.shape
         want = out_dtype or x.dtype
-        flat = x.reshape(-1, cols).to(torch.bfloat16).contiguous()
+        flat = x.reshape(-1, cols).to(torch.float32).contiguous()
         bf16 = want == torch.bfloat16 and bias is None
         y = native.quant_linear(flat, w.values, w.scales, rows, w.wide, bf16)
         if bias is not None:

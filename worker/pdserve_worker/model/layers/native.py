@@ -226,7 +226,7 @@ def quant_serves() -> bool:
 
 
 def quant_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, n: int, wide: bool, out_bf16: bool):
-    """x `[rows, k]` (bf16, contiguous) times a weight of `n` rows in matmul.pack_native's layout:
+    """x `[rows, k]` (fp32, contiguous) times a weight of `n` rows in matmul.pack_native's layout:
     `[rows, n]` in bf16 or fp32 (csrc/quant_linear.cpp)."""
     return torch.ops.pdserve.quant_linear(x, values, scales, n, wide, out_bf16)
 
