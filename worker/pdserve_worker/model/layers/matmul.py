@@ -25,8 +25,8 @@ Quantized weights (`quant.QuantizedTensor`, CPU only) run on our native block ke
 each block's own integers and fp16 scale and minimum, `d * q + m` times the fp32 input summed in
 fp32, so the value multiplied is the file's and the input is not rounded. Why ours: torch's weight-only int4 kernel dequantizes the weight once per
 input row, so 16 rows cost 16 GEMVs and a prefill chunk hundreds; measured 2026-12-05 on a 2-vCPU
-AVX2 EPYC, one layer of SmolLM2-135M in 4 bits: 0.22 against 0.35 ms at one row, 0.92 against
-1.86 ms at 16, 28 against 51 ms at 256 (benchmarks/README.md). Elsewhere (no compiler, no AVX2,
+AVX2 EPYC, 30 layers of SmolLM2-135M's matrices in 4 bits: 7.5 against 10.3 ms at one row, 28.7
+against 44.9 ms at 16, 369 against 688 ms at 256 (benchmarks/quant_kernel.py, README there). Elsewhere (no compiler, no AVX2,
 `PDSERVE_NATIVE_OPS=torch`) they run on torch's kernel, `_weight_int4pack_mm_for_cpu` (groups of
 32), as below.
 
