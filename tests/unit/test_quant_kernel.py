@@ -87,11 +87,13 @@ def test_bf16_output_is_the_fp32_sum_rounded_once_and_a_bias_is_added_in_fp32():
     assert torch.equal(linear(x, matrix, bias=bias), (wide + bias.float()).to(torch.bfloat16))
 
 
-def test_scales_the_kernel_cannot_hold_exactly_take_torchs_route():
+def test_scales_the_kernel_cannot_hold_exactly_take_torchs_route(caplog):
     t = blocks(32, 64, "Q4_1", 4)
     odd = QuantizedTensor(t.kind, t.q, t.scale / 3, t.minimum)  # not fp16 values any more
     assert pack_native([odd], wide=False) is None
-    assert isinstance(Linear(CPU, torch.float32).prepare_quantized([odd], "int4"), Int4Matrix)
+    with caplog.at_level("INFO", logger="pdserve.model.matmul"):
+        assert isinstance(Linear(CPU, torch.float32).prepare_quantized([odd], "int4"), Int4Matrix)
+    assert "event=quant_kernel_declined route=int4" in caplog.text
     assert isinstance(Linear(CPU, torch.float32).prepare_quantized([t], "int4"), BlockMatrix)
     assert isinstance(Linear(CPU, torch.float32, native_quant=False).prepare_quantized([t], "int4"), Int4Matrix)
 

@@ -301,6 +301,7 @@ class Linear:
             matrix = pack_native(parts, wide=route == "int8")
             if matrix is not None:
                 return matrix
+            log.info(kv(event="quant_kernel_declined", route=route, why="a scale or minimum is not an fp16 value"))
         return pack_int4(parts, 1 if route == "int4" else 2)
 
     def __call__(
