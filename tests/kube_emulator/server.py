@@ -14,7 +14,8 @@ everything else from its own store with the API server's semantics:
 - status and scale subresources (the main endpoint ignores status, `/status` touches only it);
 - list/watch with label and field selectors, watch from a resourceVersion (410 when too old),
   `timeoutSeconds`, bookmarks, `sendInitialEvents` with the initial-events-end bookmark;
-- deletion with finalizers (deletionTimestamp first), ownerReference garbage collection;
+- deletion with finalizers (deletionTimestamp first), ownerReference garbage collection (of an
+  owner's dependents when it goes, and of an object created with only dangling owners);
 - namespaces (objects need an existing namespace); CRDs admitted by the API server's own CRD
   validation (crd_validation.py, ported from apiextensions-apiserver) that register their resource
   at once; custom resources pruned, defaulted and validated in the API server's order, CEL rules
@@ -563,7 +564,25 @@ class KubeEmulator(kmock.KubernetesScaffold):
         obj["metadata"].pop("managedFields", None)
         if "_manager" in params:
             managed_fields.record_update(None, obj, params["_manager"], None, _now())
-        return copy.deepcopy(self._insert(rtype, obj))
+        stored = copy.deepcopy(self._insert(rtype, obj))
+        self._collect_if_orphaned(rtype, stored)
+        return stored
+
+    def _collect_if_orphaned(self, rtype: ResourceType, obj: Obj) -> None:
+        """The garbage collector's rule for an object created after its owners went away
+        (kubernetes pkg/controller/garbagecollector/garbagecollector.go, `attemptToDeleteItem` with
+        `classifyReferences`: an owner that is absent, or present under another uid, is dangling;
+        an item whose owner references are all dangling is deleted, in the background). The real
+        collector does it asynchronously; here it follows the create at once. (A controller whose
+        reconcile read its owner just before the owner's deletion can create such a child.)"""
+        refs = obj["metadata"].get("ownerReferences") or []
+        if not refs:
+            return
+        live = {o["metadata"].get("uid") for o in self.objects.values()}
+        if any(r.get("uid") in live for r in refs):
+            return
+        meta = obj["metadata"]
+        self._delete(rtype, meta.get("namespace"), meta["name"], {}, {})
 
     def _replace(
         self, rtype: ResourceType, ns: str | None, name: str, sub: str | None, body: Any, params: dict[str, str]

@@ -173,6 +173,17 @@ def test_finalizers_and_owner_garbage_collection(kube: RestKubeClient) -> None:
     assert held["metadata"]["deletionTimestamp"] and kube.get(CM, "default", "child") is not None
     kube.merge_patch(CM, "default", "owner", {"metadata": {"finalizers": None}})
     assert kube.get(CM, "default", "owner") is None and kube.get(CM, "default", "child") is None
+    # Created after its owner went (a controller acting on a stale read): collected, as the real
+    # garbage collector's attemptToDeleteItem does with all-dangling owner references; one live
+    # owner keeps it.
+    created = kube.create(
+        {**cm("late"), "metadata": {"name": "late", "namespace": "default", "ownerReferences": [ref]}}
+    )
+    assert created["metadata"]["name"] == "late" and kube.get(CM, "default", "late") is None
+    alive = kube.create(cm("alive"))
+    both = [ref, {"apiVersion": "v1", "kind": "ConfigMap", "name": "alive", "uid": alive["metadata"]["uid"]}]
+    kube.create({**cm("kept"), "metadata": {"name": "kept", "namespace": "default", "ownerReferences": both}})
+    assert kube.get(CM, "default", "kept") is not None
 
 
 def test_watch_resumes_from_a_version_and_sends_initial_events(kube: RestKubeClient) -> None:
