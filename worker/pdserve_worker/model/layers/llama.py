@@ -35,7 +35,7 @@ from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers import native, paged_attention
-from pdserve_worker.model.layers.matmul import Linear
+from pdserve_worker.model.layers.matmul import BlockMatrix, Linear
 from pdserve_worker.model.layers.native import DecodeRows
 from pdserve_worker.model.layers.paged_attention import PagedPlan
 from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, quantize, to_kind
@@ -276,7 +276,8 @@ class LlamaModel:
         self.lm_head = build.matrix(
             "lm_head", lambda: self.embed_tokens if config.tie_word_embeddings else build.take("lm_head.weight")
         )
-        self._head_rows = build.head_rows(self.embed_tokens)
+        # The native kernel's logits are already fp32 sums of the exact values: nothing to refine.
+        self._head_rows = None if isinstance(self.lm_head, BlockMatrix) else build.head_rows(self.embed_tokens)
         self.layers: dict[int, LayerWeights] = {i: build.layer(i) for i in self.layer_range}
         freq_factors = weights.get("rope_freqs.weight")
         self.inv_freq = inverse_frequencies(config, freq_factors).to(self.device)
@@ -324,7 +325,8 @@ class LlamaModel:
         then 0.125 apart, enough to swap near-tied tokens that the dequantized fp32 model keeps
         apart. So the `REFINED_LOGITS` largest are recomputed in fp32 from the exact weight
         rows (a gather and a dot: tens of microseconds): greedy, top-k and the head of top-p
-        see fp32 logits; the rest, whose probabilities are small, keep the kernel's."""
+        see fp32 logits; the rest, whose probabilities are small, keep the kernel's. (A head on the
+        native block kernel gives fp32 logits of the exact values: no refinement.)"""
         eps = self.config.rms_norm_eps
         fused = self._fused() and hidden.is_contiguous()
         normed = native.rms_norm(hidden, self.norm, eps) if fused else _rms_norm(hidden, self.norm, eps)

@@ -210,8 +210,9 @@ def pack_native(parts: list[QuantizedTensor], wide: bool) -> BlockMatrix | None:
     if not wide and any(p.kind != "q4" for p in parts):
         raise ValueError("8-bit values need the wide (8-bit) layout")
     values, scales, minimums = (torch.cat(x) for x in zip(*(_block_parts(p) for p in parts)))
-    half = torch.stack([scales, minimums]).half()
-    if not torch.equal(half.float(), torch.stack([scales, minimums])):
+    exact = torch.stack([scales, minimums])
+    half = exact.half()
+    if not torch.equal(half.float(), exact):
         return None
     rows = values.shape[0]
     pad = -rows % GROUP  # zero rows: value 0, scale 0, minimum 0
