@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve_worker.util.stack_dump import dump_stacks_then_kill
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -96,9 +98,20 @@ class LocalRun:
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"pdserve local did not stop within {timeout_s}s") from None
+            dump_stacks_then_kill(self.proc)  # its stacks, then its children's last lines: where it waited
+            raise AssertionError(
+                f"pdserve local did not stop within {timeout_s}s; its stderr's end:\n"
+                f"{self.stderr_path.read_text(errors='replace')[-6000:]}\n{self._children_tails()}"
+            ) from None
+
+    def _children_tails(self, lines: int = 25) -> str:
+        tails = []
+        for child in self.manifest["children"]:
+            text = Path(child["log"]).read_text(errors="replace").splitlines()[-lines:]
+            tails.append(
+                f"--- {child['name']} (pid {child['pid']}, alive: {pid_alive(child['pid'])}):\n" + "\n".join(text)
+            )
+        return "\n".join(tails)
 
     def stop_cleanly(self, also: Iterable[int] = ()) -> None:
         """Stop, and assert what every serving fixture expects of the stop: exit 0, and none of
@@ -106,7 +119,9 @@ class LocalRun:
         earlier, which a drain or a restart may have replaced since)."""
         pids = {c["pid"] for c in self.manifest["children"]} | set(also)
         code = self.stop()
-        assert code == 0, self.stderr_path.read_text()[-4000:]
+        said = self.stderr_path.read_text(errors="replace")
+        assert code == 0, said[-4000:]
+        assert "did not stop within" not in said, said[-8000:]  # a child killed at the stop: where it hung
         assert not [pid for pid in pids if pid_alive(pid)], "children outlived pdserve local"
 
 

@@ -46,11 +46,13 @@ from pdserve_worker.model.loading.default_model import model_argument
 from pdserve_worker.serving import settings as S
 from pdserve_worker.util.children import die_with_parent
 from pdserve_worker.util.free_ports import free_port
+from pdserve_worker.util.stack_dump import dump_stacks_then_kill
 from pdserve_worker.util.tls_certs import CertFiles, tls_env, write_run_certificates
 
 SERVICE = "local/pdserve"
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 30
+STUCK_TAIL_LINES = 80  # a killed child's log end: its threads' stacks (util/stack_dump.py)
 # A sharded decode group's leader drains before its followers stop (they serve its steps).
 STOP_ORDER = ("router", "colocated", "prefill", "decode", "decode-member", "broker")
 
@@ -206,16 +208,18 @@ class Child:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`: by PID, this child only."""
+    def stop(self, timeout_s: float) -> bool:
+        """SIGTERM, then SIGKILL after `timeout_s`: by PID, this child only. True if it had to be
+        killed; its threads' stacks are then at the end of its log (util/stack_dump.py)."""
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return False
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
+            return False
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+            dump_stacks_then_kill(self.proc)
+            return True
 
 
 class LocalDeployment:
@@ -545,7 +549,11 @@ class LocalDeployment:
                 if child.proc is not None and child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
             for child in group:
-                child.stop(timeout_s)
+                if child.stop(timeout_s):
+                    self.say(
+                        f"{child.name} (pid {child.pid}) did not stop within {timeout_s:g}s: killed; "
+                        f"where it waited (its log's end, {child.log_path}):\n{child.tail(STUCK_TAIL_LINES)}"
+                    )
         for sock in self._held.values():  # the ports go back only now: every child is gone
             sock.close()
         self._held.clear()

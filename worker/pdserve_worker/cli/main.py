@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve_worker.util import stack_dump
+
+    stack_dump.install()  # `kill -USR1 <pid>`: every thread's stack to stderr (util/stack_dump.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -29,6 +29,7 @@ from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.tp_group import GroupSpec
 from pdserve_worker.util.children import die_with_parent
 from pdserve_worker.util.free_ports import free_port
+from pdserve_worker.util.stack_dump import dump_stacks_then_kill
 
 log = logging.getLogger("pdserve.tp")
 
@@ -71,8 +72,8 @@ class Ranks:
             try:
                 proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+                log.warning(kv(event="tp_rank_stuck", pid=proc.pid, timeout_s=STOP_TIMEOUT_S))
+                dump_stacks_then_kill(proc)  # (its stacks go to this log: it shares our stderr)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -108,7 +109,9 @@ def run_follower() -> int:
     from pdserve_worker.serving.gc_heap import freeze_startup_heap
     from pdserve_worker.serving.torch_threads import serve_with
     from pdserve_worker.serving.tp_group import GroupError, TPGroup
+    from pdserve_worker.util import stack_dump
 
+    stack_dump.install()
     settings = WorkerSettings()
     logs.setup(f"{settings.role}:{settings.member_id}:rank{settings.tp_rank}")
     serve_with(settings.torch_threads)
