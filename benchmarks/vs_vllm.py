@@ -15,6 +15,8 @@ started one at a time, each with both cores:
 - `colocated`: `pdserve local --colocated` on the same folder (dense weights);
 - `pd`: `pdserve local --prefill 1 --decode 1` on the same folder;
 - `colocated-int4`: `pdserve local --colocated` on the GGUF itself (the default int4 weights);
+- `colocated-int4-q8in` (not in the default list): the same with PDSERVE_QUANT_INPUTS=int8 (the
+  block kernel's opt-in int8 inputs, llama.cpp's Q4 x Q8_0: faster, not the file's model exactly);
 - `vllm-pd` (not in the default list): vLLM's own disaggregation, a prefill and a decode
   instance on a core each sharing KV through files (ExampleConnector), behind
   benchmarks/vllm_pd_proxy.py (what its examples' proxy does: max_tokens 1 to the prefill,
@@ -566,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
             server = start_vllm_pd(folder, dtype, port, logs, args.vllm_python)
         elif name == "colocated-int4":
             server = start_pdserve(name, str(default_model_path()), dtype, port, logs, ["--colocated"])
+        elif name == "colocated-int4-q8in":
+            extra = ["--colocated", "--env", "PDSERVE_QUANT_INPUTS=int8"]
+            server = start_pdserve(name, str(default_model_path()), dtype, port, logs, extra)
         elif name == "colocated":
             server = start_pdserve(name, str(folder), dtype, port, logs, ["--colocated"])
         elif name == "pd":

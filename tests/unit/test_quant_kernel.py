@@ -15,7 +15,7 @@ from test_quant import random_blocks
 
 from pdserve_worker.model.layers import native
 from pdserve_worker.model.layers.matmul import BlockMatrix, Int4Matrix, Linear, pack_native
-from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, from_gguf_blocks
+from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, from_gguf_blocks, nibbles
 
 CPU = torch.device("cpu")
 
@@ -103,11 +103,13 @@ def test_the_kernel_refuses_what_it_does_not_hold():
     assert matrix is not None
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="do not hold 64 x 64 4-bit values"):
-        native.quant_linear(x, matrix.values, matrix.scales, 64, False, False)
+        native.quant_linear(x, matrix.values, matrix.scales, 64, False, False, False)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
-        native.quant_linear(x.to(torch.bfloat16), matrix.values, matrix.scales, 32, False, False)
+        native.quant_linear(x.to(torch.bfloat16), matrix.values, matrix.scales, 32, False, False, False)
     with pytest.raises(RuntimeError, match="k a multiple of 32"):
-        native.quant_linear(torch.zeros(2, 48), matrix.values, matrix.scales, 32, False, False)
+        native.quant_linear(torch.zeros(2, 48), matrix.values, matrix.scales, 32, False, False, False)
+    with pytest.raises(RuntimeError, match="int8 inputs take 4-bit weights only"):
+        native.quant_linear(x, matrix.values, matrix.scales, 32, True, False, True)
     with pytest.raises(ValueError, match="cannot stack matrices of widths"):
         pack_native([blocks(32, 64, "Q4_1", 4), blocks(32, 96, "Q4_1", 4)], wide=False)
 
@@ -123,3 +125,66 @@ def test_an_all_zero_input_row_gives_zeros_and_a_wide_ranging_block_keeps_its_sm
     y = Linear(CPU, torch.float32)(x, matrix)
     check_product(y, x, [t])
     assert not y[2].any()
+
+
+# ---- the int8-input route (PDSERVE_QUANT_INPUTS=int8): llama.cpp's Q4 x Q8_0 -------------------
+
+
+def int8_reference(x: torch.Tensor, t: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the route computes, in float64 from its definition: each input block of 32 as
+    dx * xq (GGUF's Q8_0 as llama.cpp's quantize_row_q8_0 makes it: dx = max|x| / 127, xq the
+    nearest integer, ties to even, of x * 127 / max|x|), times the block's d * q, plus m times
+    the block's exact input sum. Returns the product and a bound of fp32 summation error."""
+    rows, cols = x.shape
+    xb = x.view(rows, cols // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = torch.round(xb * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))).double()
+    dx = (amax / 127.0).double().squeeze(-1)  # [rows, groups]
+    q = nibbles(t).double().view(t.shape[0], cols // 32, 32)
+    dot = torch.einsum("ngk,rgk->rng", q, xq) * t.scale.double()[None] * dx[:, None, :]
+    m = t.minimum.double()[None] * xb.double().sum(-1)[:, None, :]
+    size = torch.einsum("ngk,rgk->rng", q, xq.abs()) * t.scale.double().abs()[None] * dx[:, None, :]
+    size = size + t.minimum.double().abs()[None] * xb.double().abs().sum(-1)[:, None, :]
+    return (dot + m).sum(-1), 64 * 2.0**-24 * size.sum(-1) + 1e-30
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 130])  # the integer tile's remainder (2 rows), 2 chunks
+def test_int8_inputs_are_each_blocks_q8_0_times_the_files_integers(type_name, rows):
+    t = blocks(72, 96, type_name, rows)
+    matrix = pack_native([t], wide=False, int8_inputs=True)
+    assert matrix is not None and matrix.int8_inputs
+    x = torch.randn(rows, 96)
+    x[:, 5] *= 40  # an outlier channel: its block's other inputs lose precision, as in llama.cpp
+    x[0, 32:64] = 0  # an all-zero block: dx 0, contributes nothing
+    y = Linear(CPU, torch.float32)(x, matrix)
+    want, bound = int8_reference(x, t)
+    assert ((y.double() - want).abs() <= bound).all(), float(((y.double() - want).abs() / bound).max())
+    exact = x.double() @ dequantize(t).double().t()  # and it is not the exact product (quantized inputs)
+    assert not torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5)
+    assert float((y.double() - exact).norm() / exact.norm()) < 0.1
+
+
+def test_int8_inputs_keep_a_rows_result_independent_of_its_batch():
+    t = blocks(64, 128, "Q4_1", 6)
+    matrix = pack_native([t], wide=False, int8_inputs=True)
+    linear = Linear(CPU, torch.float32)
+    batch = torch.randn(131, 128)
+    together = linear(batch, matrix)
+    for row in (0, 1, 2, 127, 128, 130):
+        assert torch.equal(linear(batch[row : row + 1], matrix)[0], together[row])
+        assert torch.equal(linear(batch[row : row + 2], matrix)[0], together[row])
+
+
+def test_int8_inputs_are_opt_in_and_only_for_4_bit_weights(monkeypatch):
+    t = blocks(32, 64, "Q4_1", 4)
+    monkeypatch.delenv(native.QUANT_INPUTS_ENV, raising=False)
+    assert native.quant_inputs() == "fp32"
+    assert not Linear(CPU, torch.float32).prepare_quantized([t], "int4").int8_inputs
+    monkeypatch.setenv(native.QUANT_INPUTS_ENV, "int8")
+    assert Linear(CPU, torch.float32).prepare_quantized([t], "int4").int8_inputs
+    wide = Linear(CPU, torch.float32).prepare_quantized([t, blocks(32, 64, "Q8_0", 5)], "int8")
+    assert isinstance(wide, BlockMatrix) and wide.wide and not wide.int8_inputs  # 8-bit: fp32 inputs
+    monkeypatch.setenv(native.QUANT_INPUTS_ENV, "int4")
+    with pytest.raises(ValueError, match="PDSERVE_QUANT_INPUTS must be 'int8' or 'fp32', got 'int4'"):
+        Linear(CPU, torch.float32)

@@ -185,6 +185,7 @@ class BlockMatrix:
     scales: torch.Tensor  # fp16 [row blocks, groups, 2, 32]: d then m of each block
     shape: tuple[int, int]
     wide: bool
+    int8_inputs: bool = False  # 4-bit only: the input quantized per block of 32, integer dot products
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +200,7 @@ def _block_parts(t: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return t.q.to(torch.int16), t.scale, torch.zeros_like(t.scale)
 
 
-def pack_native(parts: list[QuantizedTensor], wide: bool) -> BlockMatrix | None:
+def pack_native(parts: list[QuantizedTensor], wide: bool, int8_inputs: bool = False) -> BlockMatrix | None:
     """Row-stacked `parts` in the native kernel's layout (4-bit: q4 parts only), or None where a
     scale or minimum is not an fp16 value (the kernel reads them as fp16, as GGUF stores them;
     Q4_0's minimum -8 d is one too): the caller then takes torch's route."""
@@ -225,7 +226,7 @@ def pack_native(parts: list[QuantizedTensor], wide: bool) -> BlockMatrix | None:
         v = values.view(blocks, GROUP, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4).to(torch.uint8)
         v = v[..., 0] | (v[..., 1] << 4)
     packed = half.view(2, blocks, GROUP, groups).permute(1, 3, 0, 2).contiguous()
-    return BlockMatrix(v.contiguous().view(-1), packed, (rows, cols), wide)
+    return BlockMatrix(v.contiguous().view(-1), packed, (rows, cols), wide, int8_inputs and not wide)
 
 
 # The input rows oneDNN's reorder is told to expect, by weight dtype. bf16: one (decode's GEMV;
@@ -257,6 +258,7 @@ class Linear:
         upcast: bool | None = None,
         prepack: bool | None = None,
         native_quant: bool | None = None,
+        int8_inputs: bool | None = None,
     ) -> None:
         chosen = route(device, dtype)
         self.dtype = dtype
@@ -265,6 +267,7 @@ class Linear:
         self.prepack = (not self.upcast and chosen == "onednn-prepacked") if prepack is None else prepack
         self._scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32, device=device) if self.upcast else None
         self.native_quant = device.type == "cpu" and native.quant_serves() if native_quant is None else native_quant
+        self.int8_inputs = native.quant_inputs() == "int8" if int8_inputs is None else int8_inputs
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         """`w` as `__call__` runs it fastest: oneDNN's blocked copy where `prepack`, else `w` itself.
@@ -299,7 +302,7 @@ class Linear:
         if self.device.type != "cpu":
             raise ValueError(f"quantized weights run on the CPU only, this model is on {self.device}")
         if self.native_quant:
-            matrix = pack_native(parts, wide=route == "int8")
+            matrix = pack_native(parts, wide=route == "int8", int8_inputs=self.int8_inputs)
             if matrix is not None:
                 return matrix
             log.info(kv(event="quant_kernel_declined", route=route, why="a scale or minimum is not an fp16 value"))
@@ -364,7 +367,7 @@ class Linear:
         want = out_dtype or x.dtype
         flat = x.reshape(-1, cols).to(torch.float32).contiguous()
         bf16 = want == torch.bfloat16 and bias is None
-        y = native.quant_linear(flat, w.values, w.scales, rows, w.wide, bf16)
+        y = native.quant_linear(flat, w.values, w.scales, rows, w.wide, bf16, w.int8_inputs)
         if bias is not None:
             y = y + bias.float()
         return y.to(want).reshape(*x.shape[:-1], rows)

@@ -55,6 +55,8 @@ struct Problem {
   bool wide;  // q8
   void* out;  // [rows, n] fp32 or bf16
   bool out_bf16;
+  const int8_t* xq = nullptr;  // int8 route: x per block of 32 as dx * xq (quantize_rows), [rows, k]
+  const float* dx = nullptr;   // [rows, groups]
 };
 
 // Block (nb, g) as fp32 w[j][i]: input 32 g + j of output row 32 nb + i.
@@ -102,6 +104,94 @@ void tile(const Problem& s, const float (*w)[GROUP], int64_t g, const float* d, 
   }
 }
 
+// ---- the int8-input route (4-bit weights): llama.cpp's Q4 x Q8 on AVX2, in this layout --------
+//
+// Each input row's block of 32 becomes dx * xq, xq = round(x / dx) in -127..127, dx = max|x| / 127
+// (GGUF's Q8_0, as llama.cpp quantizes activations for its 4-bit matrices); the block's dot
+// sum_k q[n, k] xq[r, k] is then exact in integers (vpmaddubsw: unsigned 4-bit weight times
+// signed 8-bit input, pairs summed to 16 bits; 8 pairs fit: 8 * 2 * 15 * 127 < 2^15) and scaled
+// once: y += d[n] dx[r] * dot + m[n] * sum_k x[r, k] (the m term from the exact fp32 input).
+// A row's quantization and sums are its own, in a fixed order: batch invariance holds.
+
+// Block (nb, g) as 16-bit lanes of (q[i, 2p], q[i, 2p + 1]): wp[2p] holds rows 0-7 and 16-23
+// (by 128-bit lane), wp[2p + 1] rows 8-15 and 24-31 (unpacklo/hi work within lanes).
+void unpack_pairs(const Problem& s, int64_t nb, int64_t g, __m256i* wp) {
+  const uint8_t* src = s.q + (nb * s.groups + g) * GROUP * GROUP / 2;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int p = 0; p < 16; ++p) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + p * 32));
+    const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    wp[2 * p] = _mm256_unpacklo_epi8(lo, hi);
+    wp[2 * p + 1] = _mm256_unpackhi_epi8(lo, hi);
+  }
+}
+
+// Rows [r0, r0 + R) times block (nb, g) in integers, added to their fp32 sums y[r][32].
+template <int R>
+void tile_i8(const Problem& s, const __m256i* wp, int64_t g, const float* d, const float* m, int64_t r0,
+             float (*y)[GROUP]) {
+  __m256i acc[R][4];  // 32-bit sums of output rows 0-7, 8-15, 16-23, 24-31
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_si256();
+  const int8_t* xq = s.xq + r0 * s.k + g * GROUP;
+  for (int half = 0; half < 2; ++half) {
+    __m256i a16[R][2];
+    for (int r = 0; r < R; ++r) a16[r][0] = a16[r][1] = _mm256_setzero_si256();
+    for (int p = 8 * half; p < 8 * half + 8; ++p)
+      for (int r = 0; r < R; ++r) {
+        int16_t pair;
+        std::memcpy(&pair, xq + r * s.k + 2 * p, sizeof(pair));
+        const __m256i xb = _mm256_set1_epi16(pair);
+        a16[r][0] = _mm256_add_epi16(a16[r][0], _mm256_maddubs_epi16(wp[2 * p], xb));
+        a16[r][1] = _mm256_add_epi16(a16[r][1], _mm256_maddubs_epi16(wp[2 * p + 1], xb));
+      }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2; ++j) {  // lane 0 of a16[r][j]: rows 8 j.., lane 1: rows 16 + 8 j..
+        const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a16[r][j]));
+        const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a16[r][j], 1));
+        acc[r][j] = _mm256_add_epi32(acc[r][j], lo);
+        acc[r][2 + j] = _mm256_add_epi32(acc[r][2 + j], hi);
+      }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 dx = _mm256_set1_ps(s.dx[(r0 + r) * s.groups + g]);
+    const __m256 sum = _mm256_set1_ps(s.xsum[(r0 + r) * s.groups + g]);
+    for (int c = 0; c < 4; ++c) {
+      __m256 out = _mm256_loadu_ps(y[r] + 8 * c);
+      out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_mul_ps(_mm256_loadu_ps(d + 8 * c), dx), out);
+      out = _mm256_fmadd_ps(sum, _mm256_loadu_ps(m + 8 * c), out);
+      _mm256_storeu_ps(y[r] + 8 * c, out);
+    }
+  }
+}
+
+// Each row's blocks of 32 as dx * xq (above): amax / 127 and round-to-nearest-even of x * 127 / amax.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx) {
+  const int64_t groups = k / GROUP;
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs work within 128-bit lanes
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = x + r * k + g * GROUP;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int c = 0; c < 4; ++c) {
+          v[c] = _mm256_loadu_ps(src + 8 * c);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[c]));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, amax);
+        const float top = *std::max_element(lanes, lanes + 8);
+        dx[r * groups + g] = top / 127.0f;
+        const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        __m256i i[4];
+        for (int c = 0; c < 4; ++c) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], scale));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + g * GROUP), _mm256_permutevar8x32_epi32(packed, order));
+      }
+  });
+}
+
 // fp32 rows to the output (bf16 through c10's conversion: torch's own rounding).
 void store_rows(const Problem& s, int64_t nb, int64_t r0, int64_t r1, const float (*y)[GROUP]) {
   const int64_t cols = std::min<int64_t>(GROUP, s.n - nb * GROUP);
@@ -122,12 +212,20 @@ void block(const Problem& s, int64_t nb, int64_t r0, int64_t r1) {
   alignas(64) float y[CHUNK][GROUP];
   std::memset(y, 0, sizeof(float) * GROUP * (r1 - r0));
   alignas(64) float w[GROUP][GROUP];
+  __m256i wp[GROUP];
   alignas(32) float dm[2][GROUP];
   for (int64_t g = 0; g < s.groups; ++g) {
-    unpack(s, nb, g, w);
     const uint16_t* sc = s.scales + (nb * s.groups + g) * 2 * GROUP;
     for (int c = 0; c < 8; ++c)
       _mm256_store_ps(dm[c / 4] + 8 * (c % 4), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * c))));
+    if (s.xq != nullptr) {
+      unpack_pairs(s, nb, g, wp);
+      int64_t r = r0;
+      for (; r + 2 <= r1; r += 2) tile_i8<2>(s, wp, g, dm[0], dm[1], r, y + (r - r0));
+      if (r < r1) tile_i8<1>(s, wp, g, dm[0], dm[1], r, y + (r - r0));
+      continue;
+    }
+    unpack(s, nb, g, w);
     int64_t r = r0;
     for (; r + TILE <= r1; r += TILE) tile<TILE>(s, w, g, dm[0], dm[1], r, y + (r - r0));
     if (r1 - r == 2) tile<2>(s, w, g, dm[0], dm[1], r, y + (r - r0));
@@ -163,13 +261,14 @@ bool has_avx2_fma() {
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n, bool wide,
-                        bool out_bf16) {
+                        bool out_bf16, bool int8_inputs) {
   TORCH_CHECK(has_avx2_fma(), "quant_linear: this CPU has no AVX2/FMA/F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "quant_linear: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && scales.scalar_type() == at::kHalf &&
                   scales.is_contiguous(),
               "quant_linear: values uint8 and scales fp16, contiguous");
+  TORCH_CHECK(!(int8_inputs && wide), "quant_linear: int8 inputs take 4-bit weights only");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % GROUP == 0 && n > 0, "quant_linear: k a multiple of 32, got ", k, ", n ", n);
   const int64_t groups = k / GROUP, blocks = (n + GROUP - 1) / GROUP;
@@ -183,6 +282,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   group_sums(x.data_ptr<float>(), rows, k, xsum.data_ptr<float>());
   Problem s{x.data_ptr<float>(), q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
             xsum.data_ptr<float>(), rows, k, groups, n, blocks, wide, out.data_ptr(), out_bf16};
+  at::Tensor xq, dx;
+  if (int8_inputs) {
+    xq = at::empty({rows, k}, x.options().dtype(at::kChar));
+    dx = at::empty({rows, groups}, x.options());
+    quantize_rows(x.data_ptr<float>(), rows, k, xq.data_ptr<int8_t>(), dx.data_ptr<float>());
+    s.xq = xq.data_ptr<int8_t>();
+    s.dx = dx.data_ptr<float>();
+  }
   const int64_t chunks = (rows + CHUNK - 1) / CHUNK;
   at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -199,7 +306,7 @@ bool quant_linear_supported() { return has_avx2_fma(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
-  m.def("quant_linear(Tensor x, Tensor q, Tensor scales, int n, bool wide, bool out_bf16) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor q, Tensor scales, int n, bool wide, bool out_bf16, bool int8_inputs) -> Tensor");
   m.def("quant_linear_supported() -> bool", &quant_linear_supported);
 }
 
