@@ -574,7 +574,8 @@ class KubeEmulator(kmock.KubernetesScaffold):
         `classifyReferences`: an owner that is absent, or present under another uid, is dangling;
         an item whose owner references are all dangling is deleted, in the background). The real
         collector does it asynchronously; here it follows the create at once. (A controller whose
-        reconcile read its owner just before the owner's deletion can create such a child.)"""
+        reconcile read its owner just before the owner's deletion can create such a child, or
+        adopt one by updating its references.)"""
         refs = obj["metadata"].get("ownerReferences") or []
         if not refs:
             return
@@ -692,6 +693,12 @@ class KubeEmulator(kmock.KubernetesScaffold):
         self._emit(rtype, "MODIFIED", candidate)
         if cmeta.get("deletionTimestamp") and not cmeta.get("finalizers"):
             self._remove(rtype, key)
+        elif cmeta.get("ownerReferences") != meta_old.get("ownerReferences"):
+            # The collector's graph builder sees the references change (`processGraphChanges`):
+            # an item whose owners are now all dangling is collected, as at create.
+            written = copy.deepcopy(candidate)
+            self._collect_if_orphaned(rtype, candidate)
+            return written
         return copy.deepcopy(candidate)
 
     def _scale_of(self, rtype: ResourceType, obj: Obj) -> Obj:

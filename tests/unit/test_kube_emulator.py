@@ -184,6 +184,15 @@ def test_finalizers_and_owner_garbage_collection(kube: RestKubeClient) -> None:
     both = [ref, {"apiVersion": "v1", "kind": "ConfigMap", "name": "alive", "uid": alive["metadata"]["uid"]}]
     kube.create({**cm("kept"), "metadata": {"name": "kept", "namespace": "default", "ownerReferences": both}})
     assert kube.get(CM, "default", "kept") is not None
+    # The same when an update leaves only dangling references (the collector's graph builder
+    # sees the references change); an update that keeps a live owner, or none, keeps the object.
+    kube.merge_patch(CM, "default", "kept", {"metadata": {"labels": {"touched": "yes"}}})
+    assert kube.get(CM, "default", "kept") is not None
+    patched = kube.merge_patch(CM, "default", "kept", {"metadata": {"ownerReferences": [ref]}})
+    assert patched["metadata"]["ownerReferences"] == [ref] and kube.get(CM, "default", "kept") is None
+    kube.create(cm("free"))
+    kube.merge_patch(CM, "default", "free", {"metadata": {"ownerReferences": both[1:]}})
+    assert kube.get(CM, "default", "free") is not None
 
 
 def test_watch_resumes_from_a_version_and_sends_initial_events(kube: RestKubeClient) -> None:
