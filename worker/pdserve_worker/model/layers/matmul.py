@@ -28,7 +28,9 @@ input row, so 16 rows cost 16 GEMVs and a prefill chunk hundreds; measured 2026-
 AVX2 EPYC, 30 layers of SmolLM2-135M's matrices in 4 bits: 7.5 against 10.3 ms at one row, 28.7
 against 44.9 ms at 16, 369 against 688 ms at 256 (benchmarks/quant_kernel.py, README there). Elsewhere (no compiler, no AVX2,
 `PDSERVE_NATIVE_OPS=torch`) they run on torch's kernel, `_weight_int4pack_mm_for_cpu` (groups of
-32), as below.
+32), as below. Opt-in (`PDSERVE_QUANT_INPUTS=int8`, native.quant_inputs): a 4-bit matrix's
+inputs quantized per block to 8 bits and multiplied in integers, as llama.cpp does (faster, not
+the file's model exactly; `BlockMatrix.int8_inputs`).
 
 Decode is memory bound, so reading 4.5-5 bits per
 weight instead of 16 is most of a batch-1 step. torch's kernel dequantizes `(nibble - 8) * scale +
