@@ -19,8 +19,13 @@ STACK_SIGNAL = signal.SIGUSR1
 
 def install() -> None:
     """Print every thread's stack on STACK_SIGNAL (no-op where the platform lacks it)."""
-    if sys.platform != "win32" and sys.stderr is not None:
-        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    if sys.platform == "win32" or sys.stderr is None:
+        return
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both of the last two)
+        return  # stderr replaced by an in-process caller (a test's capture): nowhere to write from C
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
 def dump_stacks_then_kill(proc: subprocess.Popen[Any], settle_s: float = 1.0) -> None:

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -182,8 +183,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* d
         alignas(32) float lanes[8];
         _mm256_store_ps(lanes, amax);
         const float top = *std::max_element(lanes, lanes + 8);
-        dx[r * groups + g] = top / 127.0f;
-        const __m256 scale = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+        // A block too small for 127 / top to be finite (|x| < ~4e-37, or all zero) counts as zero.
+        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+        const bool usable = std::isfinite(inverse);
+        dx[r * groups + g] = usable ? top / 127.0f : 0.0f;
+        const __m256 scale = _mm256_set1_ps(usable ? inverse : 0.0f);
         __m256i i[4];
         for (int c = 0; c < 4; ++c) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], scale));
         const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
