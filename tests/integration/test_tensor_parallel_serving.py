@@ -3,9 +3,12 @@
 each), each prefill rank pushing its own KV heads one-sided into the decode rank(s) holding them.
 
 - The greedy text equals transformers' fp32 generate (the upstream, never our own tp=1 output)
-  for llama3, qwen2 and qwen3 tiny models at every P_tp ∈ {1, 2, 4} × D_tp ∈ {1, 2} (tp 4
-  over 2 KV heads replicates each), P_tp 2 into a 2-member layer-sharded decode group, and
-  for the bundled model at 3×1, 1×3 and 3×3.
+  for the llama3 tiny model at every P_tp ∈ {1, 2, 4} × D_tp ∈ {1, 2} (tp 4 over 2 KV heads
+  replicates each) and P_tp 2 into a 2-member layer-sharded decode group; for qwen2 (q/k/v
+  biases, pushed over TCP) and qwen3 (q/k norms) at two combinations each that together give
+  each family a split prefill and a split decode (qwen2: 1×2 and 4×2, qwen3: 2×2 and 4×1 —
+  the combinations' own paths are llama3's; what a family adds is in its layers); and for the
+  bundled model at 1×3 and 3×3 (9 query heads over 3 KV heads: sizes 1, 3, 9).
 - Each rank pushed its share of the KV bytes (the prefill's per-rank counter), and their sum is
   what the response reports: nothing went through rank 0 for another rank.
 - A rank killed in the middle of a prefill: the request completes through the other prefill
@@ -33,14 +36,16 @@ TEXTS = ["Paris is the capital of", "Unicode: café 東京 and 12345.", "The qui
 LLAMA = {"num_attention_heads": 4, "num_key_value_heads": 2}
 QWEN2 = {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}
 FAMILIES = {"llama3": LLAMA, "qwen2": QWEN2, "qwen3": LLAMA}
-# (family, config override, prefill tensor-parallel size, decode's[, layer shards]): every
-# P_tp in {1, 2, 4} x D_tp in {1, 2} but 1 x 1 (tests/integration/test_pd_families.py), per family.
+# (family, config override, prefill tensor-parallel size, decode's[, layer shards]): llama3 at
+# every P_tp in {1, 2, 4} x D_tp in {1, 2} but 1 x 1 (tests/integration/test_pd_families.py);
+# the other families at the combinations that split each side of theirs (module doc).
+COMBINATIONS = {
+    "llama3": [(1, 2), (2, 1), (2, 2), (4, 1), (4, 2)],
+    "qwen2": [(1, 2), (4, 2)],
+    "qwen3": [(2, 2), (4, 1)],
+}
 CASES = {
-    f"{family}-p{p}d{d}": (family, override, p, d)
-    for family, override in FAMILIES.items()
-    for p in (1, 2, 4)
-    for d in (1, 2)
-    if (p, d) != (1, 1)
+    f"{family}-p{p}d{d}": (family, FAMILIES[family], p, d) for family, pairs in COMBINATIONS.items() for p, d in pairs
 }
 CASES["llama3-p2-shards2"] = ("llama3", LLAMA, 2, 1, 2)  # into a 2-member layer-sharded decode group's slots
 TOKENS = 10
@@ -177,7 +182,7 @@ def test_a_rank_killed_mid_prefill_fails_over_to_another_prefill(tmp_path_factor
         run.stop_cleanly(also=[frozen])
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(3, 1), (1, 3), (3, 3)])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 3), (3, 3)])  # (3 x 1's paths: llama3's 2 x 1, 4 x 1)
 def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_dir, tmp_path, prefill_tp, decode_tp):
     """The bundled SmolLM2-135M (9 query heads over 3 KV heads: sizes 1, 3, 9), dequantized to
     fp32, prefilled and/or decoded by 3 ranks of one KV head each: the greedy chat answers are
