@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch as lt
+import llguidance.numpy as ln
 import numpy as np
 import torch
 
@@ -84,14 +84,16 @@ def mask_rows(logits: torch.Tensor, grammars: Sequence[GrammarMatcher | None]) -
     if not rows:
         return
     vocab = logits.shape[-1]
-    bitmask = lt.allocate_token_bitmask(len(rows), vocab)
+    # llguidance's numpy helpers, not its torch ones: importing llguidance.torch imports torch's
+    # compiler stack (a torch.compile decorator at module level), ~1.2 s of every worker's start.
+    bitmask = ln.allocate_token_bitmask(len(rows), vocab)
     for index, row in enumerate(rows):
-        lt.fill_next_token_bitmask(grammars[row].matcher, bitmask, index)  # type: ignore[union-attr]
-    # Unpacked here rather than with llguidance's apply_token_bitmask_inplace: that one is a
+        ln.fill_next_token_bitmask(grammars[row].matcher, bitmask, index)  # type: ignore[union-attr]
+    # Unpacked here rather than with llguidance's apply_token_bitmask_inplace: its torch one is a
     # torch.compile kernel, which on a CPU host compiles C++ with gcc at the first request
     # (about 2 s, measured) and needs a compiler in the image. Bit i of an int32 word is bit i % 8
     # of its byte i // 8 (little-endian), which is what unpackbits' little bit order reads.
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little", count=vocab)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little", count=vocab)
     banned = ~torch.from_numpy(bits.view(np.bool_))
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(banned, float("-inf"))
