@@ -278,6 +278,8 @@ class LocalDeployment:
             self._spawn("router-0", "router", env)
             for i in range(1, self.plan.routers):  # more routers of the same service (one broker)
                 self._spawn(f"router-{i}", "router", self._worker_env("router", f"router-{i}", self._hold()))
+            # Only now: the others import and load meanwhile (registering retries until it listens).
+            self._wait_broker()
         self._write_manifest()
         self.say(f"started {len(self.children)} processes (logs in {self.log_dir}); waiting until they serve")
         self._wait_ready(started + timeout_s, stop_requested)
@@ -358,12 +360,16 @@ class LocalDeployment:
         if self.certs is not None:  # `pdserve broker` reads PDSERVE_TLS_CERT/_KEY/_CA: mutual TLS
             env.update(tls_env(self.certs, broker_tls=False))
         env.update(self.plan.extra_env)
-        child = self._spawn("broker", "broker", env, ["broker", "--host", HOST, "--port", str(port)])
+        self._spawn("broker", "broker", env, ["broker", "--host", HOST, "--port", str(port)])
+
+    def _wait_broker(self) -> None:
+        host, port = self.broker_address.rsplit(":", 1)
+        broker = next(c for c in self.children if c.role == "broker")
         deadline = time.monotonic() + 60
-        while not _accepts(HOST, port):
+        while not _accepts(host, int(port)):
             self._check_alive()
             if time.monotonic() > deadline:
-                raise LocalStartError(f"broker did not listen on {self.broker_address} within 60s\n{child.tail()}")
+                raise LocalStartError(f"broker did not listen on {self.broker_address} within 60s\n{broker.tail()}")
             time.sleep(0.05)
         self.say(f"broker listening on {self.broker_address}")
 
