@@ -363,13 +363,15 @@ class LocalDeployment:
         self._spawn("broker", "broker", env, ["broker", "--host", HOST, "--port", str(port)])
 
     def _wait_broker(self) -> None:
+        """Until the broker accepts: ours, or one given from outside (no child of ours then)."""
         host, port = self.broker_address.rsplit(":", 1)
-        broker = next(c for c in self.children if c.role == "broker")
+        broker = next((c for c in self.children if c.role == "broker"), None)
         deadline = time.monotonic() + 60
         while not _accepts(host, int(port)):
             self._check_alive()
             if time.monotonic() > deadline:
-                raise LocalStartError(f"broker did not listen on {self.broker_address} within 60s\n{broker.tail()}")
+                tail = broker.tail() if broker is not None else ""
+                raise LocalStartError(f"broker did not listen on {self.broker_address} within 60s\n{tail}")
             time.sleep(0.05)
         self.say(f"broker listening on {self.broker_address}")
 
