@@ -116,7 +116,7 @@ async def forget_service(name: str, namespace: str | None, memo: kopf.Memo, logg
     runtime: Runtime = memo["runtime"]
     ns = _namespaced(namespace)
     runtime.broker.remove_service(f"{ns}/{name}")
-    runtime.reconciler.forget(ns, name)
+    runtime.reconciler.forget(ns, name, (_.get("meta") or {}).get("uid"))
     runtime.last_sync.pop((ns, name), None)
     logger.info("service removed from the broker; children go by garbage collection")
 

@@ -25,6 +25,7 @@ the API traffic proportional to services, not to events.
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import logging
 import secrets
@@ -46,6 +47,8 @@ from pdserve_operator.broker_view import BrokerView, kv_tokens_in_use
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.scaling_adapters import ScalingAdapters
+
+GONE_REMEMBERED = 4096  # deleted services' uids kept (a set that only grows would be a leak)
 
 log = logging.getLogger("pdserve.operator.reconcile")
 
@@ -120,6 +123,9 @@ class Reconciler:
         self.clock = clock
         self.token_factory = token_factory
         self._slots: dict[tuple[str, str], _Slot] = {}
+        # uids of deleted services: a reconcile that read one just before its deletion must not
+        # give the broker its token again after the deletion handler took it away.
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.autoscaler = Autoscaler(kube, broker)
         self.adapters = ScalingAdapters(kube)
 
@@ -138,7 +144,12 @@ class Reconciler:
                     self.metrics.observe_reconcile("error")
                 raise
 
-    def forget(self, namespace: str, name: str) -> None:
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """A deleted service: its state goes, and (by `uid`) no later reconcile re-registers it."""
+        if uid:
+            self._gone[uid] = None
+            while len(self._gone) > GONE_REMEMBERED:
+                self._gone.popitem(last=False)
         self._slots.pop((namespace, name), None)
         self.autoscaler.forget(f"{namespace}/{name}")
         if self.metrics is not None:
@@ -223,7 +234,8 @@ class Reconciler:
         secret = await asyncio.to_thread(self.kube.get, KINDS["Secret"], svc.owner.namespace, name)
         trusted = drift.controller_other_than({svc.owner.uid}, secret) is None
         token = (ch.token_of(secret) if trusted else None) or self.token_factory()
-        self.broker.set_service_token(svc.owner.key, token)
+        if svc.owner.uid not in self._gone:
+            self.broker.set_service_token(svc.owner.key, token)
         return token, secret
 
     async def _apply_children(

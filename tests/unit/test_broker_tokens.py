@@ -11,7 +11,7 @@ from kube_fake import fake_kube, reconcile, reconciler, service
 from pdserve_operator import broker_tokens
 from pdserve_operator import children as ch
 from pdserve_operator.broker_view import NullBrokerView
-from pdserve_operator.kube import KINDS
+from pdserve_operator.kube import KINDS, PDIS
 
 
 class Recording(NullBrokerView):
@@ -42,3 +42,27 @@ def test_every_trusted_token_secret_of_every_namespace_is_loaded() -> None:
     assert broker_tokens.preload(kube, scoped, ["b"]) == 1 and scoped.tokens == {"b/svc": "token-b"}
     secret = kube.inner.get(KINDS["Secret"], "a", ch.secret_name("svc"))
     assert base64.b64decode(secret["data"]["token"]) == b"token-a"  # what was loaded is what is kept
+
+
+def test_a_reconcile_that_read_a_service_before_its_deletion_does_not_give_its_token_back() -> None:
+    """The deletion handler takes the token away (handlers.forget_service); a reconcile that
+    read the service just before (the fake still holds it) must not set it again (seen in the
+    e2e deletion test: the broker kept a deleted service's token). A new service of the same
+    name is another object (another uid) and gets its token."""
+    kube = fake_kube()
+    kube.inner.create(service("svc", "a"))
+    broker = Recording()
+    rec = reconciler(kube, iter(["token-1", "token-2"]))
+    rec.broker = broker
+    reconcile(rec, "a", "svc")
+    assert broker.tokens == {"a/svc": "token-1"}
+    uid = kube.inner.get(PDIS, "a", "svc")["metadata"]["uid"]
+    broker.tokens.clear()  # the deletion handler's remove_service
+    rec.forget("a", "svc", uid)
+    reconcile(rec, "a", "svc")  # the stale read: the service is still there for it
+    assert broker.tokens == {}
+    kube.inner.delete(PDIS, "a", "svc")
+    kube.inner.create(service("svc", "a"))  # recreated: a new uid
+    assert kube.inner.get(PDIS, "a", "svc")["metadata"]["uid"] != uid
+    reconcile(rec, "a", "svc")
+    assert broker.tokens == {"a/svc": "token-2"}  # (the old Secret is the old object's: not trusted)
