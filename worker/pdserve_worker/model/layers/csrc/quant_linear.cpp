@@ -15,7 +15,8 @@
 // other rows are (per output, over groups in order), so a row's bits do not depend on its batch.
 // Measured on a 2-vCPU Zen 3 (AVX2): ~40 G multiply-adds/s per core from 16 rows on, what two
 // 8-wide FMA ports give at its reported 2.45 GHz (39 G/s); 16-bit integer dot products (vpmaddwd, 16-bit inputs with a scale per block) ran at the
-// same rate there, so the inputs stay exact fp32.
+// same rate there, so the inputs stay exact fp32 by default (8-bit inputs, faster but not exact:
+// the opt-in int8 route below).
 //
 // Layout (built by matmul.pack_native): output rows padded to NB blocks of 32, K = G groups of 32.
 //   q4: bytes [NB][G][16 pairs][32 rows]: q[32 nb + i, 32 g + 2 p] | q[32 nb + i, 32 g + 2 p + 1] << 4.
