@@ -6,7 +6,8 @@ no efficiency factor (1.0):
 
 - matmul FLOP/s: one layer's projections (q/k/v, o, gate/up, down) for a 512-token chunk,
   through the engine's own matmul route (`model.layers.matmul.Linear`: oneDNN-prepacked weights
-  where the CPU supports the dtype), since that is what a prefill runs;
+  where the CPU supports the dtype, torch's GEMM for fp32 on AVX2 CPUs), since that is what a
+  prefill runs;
 - attention: causal SDPA with the model's heads (GQA) at 256 and 2,048 tokens; FLOP/s from
   the difference, and the rest of the short one's time as a per-layer fixed cost (SDPA's
   efficiency grows with the length: measured 12 GFLOP/s at 256 tokens, 26 at 2,048);

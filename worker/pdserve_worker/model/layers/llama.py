@@ -15,7 +15,8 @@ fp32 then cast, rotate-half RoPE), so fp32 logits match it closely and greedy te
 
 Performance notes (CPU, measured): Q/K/V and gate/up are fused into one matmul each (fewer,
 larger GEMMs); every matrix goes through `matmul.Linear`, which prepacks it for oneDNN where
-the CPU runs the dtype natively (batch-1 decode 1.4x faster) and upcasts multi-row bf16 products
+the CPU runs the dtype natively (batch-1 decode 1.4x faster), runs fp32 decode steps on a native
+kernel on AVX2 CPUs (csrc/dense_linear.cpp) and upcasts multi-row bf16 products
 block by block where it does not; SDPA always gets 4-D inputs (3-D inputs fall back to a path 2-8x slower);
 single-token decode reshapes the query to `[kv_heads, heads/kv_heads, head_dim]` instead of
 asking SDPA for GQA (slow in bf16); and batched decode reads the KV of consecutive slots as

@@ -17,7 +17,13 @@ inductor does for CPU inference) and `__call__` runs oneDNN's linear on it. Meas
 2-vCPU AVX512-BF16 EPYC, 30 distinct 3072x576 weights from DRAM: one row 1.56x faster in bf16
 (bit-identical results) and 2.4x in fp32 (MKL's fp32 GEMV runs on one thread there), 1.5-1.9x
 at 8-16 rows, about even at 512 rows. Decode is a string of such GEMVs, so this is most of the
-batch-1 step. GPU and NPU run plain `F.linear`, as does fp16 on a CPU with native fp16 GEMM
+batch-1 step. Except fp32 on CPUs whose widest vectors are AVX2 ("native-decode"): there a
+decode step's few rows (up to `DENSE_KERNEL_MAX_ROWS`) run on our kernel (csrc/dense_linear.cpp)
+on the weight as the model holds it, larger inputs on torch's GEMM on the same weight (no second
+copy). Measured 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes and its head
+(538 MB of fp32): oneDNN prepacked read them in 21 / 35 / 49 ms at 1 / 8 / 16 rows, the kernel in
+18 / 21 / 36 (it streams the weights while it multiplies; oneDNN at 8-16 rows did one, then the
+other), and a row's bits do not depend on its batch. GPU and NPU run plain `F.linear`, as does fp16 on a CPU with native fp16 GEMM
 (without it, fp16 takes the upcast route above). `route` names the choice; `Linear` follows it.
 
 Quantized weights (`quant.QuantizedTensor`, CPU only) run on our native block kernel
@@ -92,11 +98,26 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return False  # fp16: oneDNN's CPU fp16 needs AVX512-FP16/AMX-FP16; not measured, so not used
 
 
+def native_dense(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `dtype` weights take the native small-M kernel for decode (fp32 on an AVX2 CPU)."""
+    return device.type == "cpu" and dtype == torch.float32 and native.dense_serves()
+
+
 def route(device: torch.device, dtype: torch.dtype) -> str:
     """The route `Linear` takes for weights of `dtype` on `device` (`pdserve info` shows it)."""
     if not native_gemm(device, dtype):
         return "fp32-upcast"
+    if native_dense(device, dtype):
+        return "native-decode"
     return "onednn-prepacked" if can_prepack(device, dtype) else "plain"
+
+
+# Input rows up to which fp32 products take the native kernel (csrc/dense_linear.cpp); larger
+# ones (prefill chunks) are compute bound and go to torch's GEMM on the same weight. Measured
+# 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes, ms: at 64 rows 122
+# (kernel) against 128 (oneDNN prepacked) and 177 (F.linear); at 128 rows F.linear 189 against
+# prepacked 199, and about even from there (benchmarks/README.md).
+DENSE_KERNEL_MAX_ROWS = 64
 
 
 # What each quantized route is, for `pdserve info` and the load log.
@@ -261,12 +282,20 @@ class Linear:
         prepack: bool | None = None,
         native_quant: bool | None = None,
         int8_inputs: bool | None = None,
+        native_decode: bool | None = None,
     ) -> None:
         chosen = route(device, dtype)
         self.dtype = dtype
         self.device = device
         self.upcast = chosen == "fp32-upcast" if upcast is None else upcast
-        self.prepack = (not self.upcast and chosen == "onednn-prepacked") if prepack is None else prepack
+        if native_decode is None:  # a route asked for by name (upcast, prepack) is that route alone
+            native_decode = chosen == "native-decode" and upcast is None and prepack is None
+        self.native_decode = native_decode
+        self.prepack = (
+            (not self.upcast and not self.native_decode and chosen == "onednn-prepacked")
+            if prepack is None
+            else prepack
+        )
         self._scratch = torch.empty(BLOCK_ELEMENTS, dtype=torch.float32, device=device) if self.upcast else None
         self.native_quant = device.type == "cpu" and native.quant_serves() if native_quant is None else native_quant
         self.int8_inputs = native.quant_inputs() == "int8" if int8_inputs is None else int8_inputs
@@ -278,6 +307,8 @@ class Linear:
         for this class only. The reorder is laid out for `REORDER_ROWS` rows; other row counts
         run on it correctly and, measured, no slower than on the plain weight.
         """
+        if self.native_decode and w.dtype == torch.float32:
+            return w.contiguous()  # the kernel and torch's GEMM both read it as it is
         if not self.prepack:
             return w
         try:
@@ -324,6 +355,8 @@ class Linear:
             return self._blocks(x, w, out_dtype, bias)
         if isinstance(w, Int4Matrix):
             return self._quantized(x, w, out_dtype, bias)
+        if self.native_decode and not w.is_mkldnn and w.dtype == torch.float32 == x.dtype:
+            return self._dense(x, w, out_dtype, bias)
         if w.is_mkldnn:
             y = _prepacked_linear(x, w, bias)
             return y if out_dtype is None else y.to(out_dtype)
@@ -347,6 +380,20 @@ class Linear:
         # output's conversion is the copy that transposes; an fp32 one needs its own.
         y = out_t.t().to(out_dtype or x.dtype, memory_format=torch.contiguous_format).contiguous()
         return y.reshape(*x.shape[:-1], w.shape[0])
+
+    def _dense(
+        self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """fp32 `x @ w.T`: the native kernel for a decode step's few rows, torch's GEMM for more."""
+        features = x.shape[-1]
+        rows = x.numel() // features
+        if rows <= DENSE_KERNEL_MAX_ROWS and features % 8 == 0 and w.is_contiguous():
+            flat = x.reshape(rows, features).contiguous()
+            y = native.dense_linear(flat, w, None if bias is None else bias.float().contiguous())
+            y = y.view(*x.shape[:-1], w.shape[0])
+        else:
+            y = F.linear(x, w, bias)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def _quantized(
         self, x: torch.Tensor, w: Int4Matrix, out_dtype: torch.dtype | None, bias: torch.Tensor | None

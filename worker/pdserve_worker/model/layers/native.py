@@ -19,7 +19,10 @@ size head_dim per block pair and an fp32 score block through memory between them
 2,000-token prefill; a kernel on the CPU's bf16 dot product (AVX512-BF16) that keeps each score
 tile in registers runs the same attention 2.1x faster (18 against 38 ms per layer of SmolLM2 at
 2,000 tokens, 2026-12-05) — the kind of kernel vLLM's CPU attention backend and SGLang's CPU
-kernels ship inside their own builds. Where the CPU has no AVX512-BF16, SDPA serves.
+kernels ship inside their own builds. Where the CPU has no AVX512-BF16, SDPA serves. fp32
+decode products on AVX2 CPUs (csrc/dense_linear.cpp): oneDNN's kernels did not overlap reading
+the weights with multiplying them at a decode step's 1-16 rows (at 16, 49 against 36 ms a step's
+matrices; matmul.py has the figures).
 
 `csrc/*.cpp` are ATen (Vectorized<float>, at::parallel_for on torch's own thread pool; the
 prefill kernel's inner loops are AVX512-BF16 intrinsics, used only where the CPU reports them),
@@ -49,7 +52,13 @@ log = logging.getLogger("pdserve.model.native")
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.cpp", "layer_ops.cpp", "prefill_attention.cpp", "quant_linear.cpp")
+    for name in (
+        "decode_attention.cpp",
+        "dense_linear.cpp",
+        "layer_ops.cpp",
+        "prefill_attention.cpp",
+        "quant_linear.cpp",
+    )
 )
 ENV = "PDSERVE_NATIVE_OPS"  # kernel (default) | torch
 
@@ -223,6 +232,25 @@ def quant_serves() -> bool:
     if known is None:
         known = _state["quant"] = bool(torch.ops.pdserve.quant_linear_supported())
     return bool(known)
+
+
+def dense_serves() -> bool:
+    """Whether fp32 decode products run on the native small-M kernel (csrc/dense_linear.cpp): the
+    native ops built, on an x86 CPU whose widest vectors torch uses are AVX2 (where it was
+    measured against oneDNN; on AVX512 CPUs oneDNN's own kernels are twice as wide and keep them)."""
+    if not available():
+        return False
+    known = _state.get("dense")
+    if known is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+        known = _state["dense"] = capability == "AVX2" and bool(torch.ops.pdserve.dense_linear_supported())
+    return bool(known)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x `[rows, k]` times fp32 w `[n, k]` (+ bias `[n]`), both contiguous, k a multiple of 8:
+    `[rows, n]` fp32, each output's bits independent of the other rows (csrc/dense_linear.cpp)."""
+    return torch.ops.pdserve.dense_linear(x, w, bias)
 
 
 QUANT_INPUTS_ENV = "PDSERVE_QUANT_INPUTS"  # fp32 (default) | int8: the block kernel's inputs to 4-bit weights

@@ -1,0 +1,110 @@
+"""The native fp32 decode kernel (model/layers/csrc/dense_linear.cpp) and `Linear`'s route to it.
+
+The reference is the float64 product of the same fp32 values; the kernel's sums are fp32 and
+must sit within fp32 summation error of it, for every tile remainder (4 input rows by 3 weight
+rows a tile), with and without a bias, on both threads' ranges. Its other promise is batch
+invariance: a row's bits are the same whatever rows come with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve_worker.model.layers import native
+from pdserve_worker.model.layers.matmul import DENSE_KERNEL_MAX_ROWS, Linear, native_dense, route
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    not (native.available() and torch.ops.pdserve.dense_linear_supported()),
+    reason="the native fp32 decode kernel needs the native ops built on an x86 CPU with AVX2/FMA; "
+    "oneDNN's prepacked route (test_matmul.py) serves elsewhere",
+)
+
+
+def check_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """y equals x @ w.T (+ bias) of these fp32 values up to fp32 summation error (k terms)."""
+    exact = x.double() @ w.double().t()
+    if bias is not None:
+        exact = exact + bias.double()
+    k = x.shape[-1]
+    bound = (
+        (k + 2) * 2.0**-24 * ((x.double().abs() @ w.double().abs().t()) + (0 if bias is None else bias.double().abs()))
+    )
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    excess = (y.double() - exact).abs() / bound
+    assert (excess <= 1).all(), float(excess.max())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 64])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (2, 16), (3, 8), (97, 576), (192, 1536)])
+def test_the_kernel_is_the_fp32_product_at_every_tile_remainder(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    check_product(native.dense_linear(x, w, None), x, w)
+
+
+def test_the_bias_is_each_outputs_own():
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(7, 64, generator=gen), torch.randn(100, 64, generator=gen), torch.randn(100, generator=gen)
+    y = native.dense_linear(x, w, b)
+    check_product(y, x, w, b)
+    torch.testing.assert_close(y - native.dense_linear(x, w, None), b.expand(7, -1), atol=1e-5, rtol=0)
+
+
+def test_a_rows_product_does_not_depend_on_its_batch():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(DENSE_KERNEL_MAX_ROWS, 576, generator=gen)
+    w = torch.randn(301, 576, generator=gen)
+    alone = torch.cat([native.dense_linear(x[i : i + 1], w, None) for i in range(x.shape[0])])
+    for start, size in [(0, DENSE_KERNEL_MAX_ROWS), (1, 2), (3, 5), (10, 16), (7, 33)]:
+        together = native.dense_linear(x[start : start + size].contiguous(), w, None)
+        assert torch.equal(together, alone[start : start + size]), (start, size)
+
+
+def test_the_kernel_refuses_what_it_does_not_take():
+    x, w = torch.randn(2, 16), torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="k must be a positive multiple of 8, got 12"):
+        native.dense_linear(torch.randn(2, 12), torch.randn(4, 12), None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous fp32"):
+        native.dense_linear(x.to(torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="x must be a contiguous fp32"):
+        native.dense_linear(torch.randn(16, 2).t(), w, None)
+    with pytest.raises(RuntimeError, match=r"w must be a contiguous fp32 \[n, 16\]"):
+        native.dense_linear(x, torch.randn(4, 8), None)
+    with pytest.raises(RuntimeError, match=r"w must be a contiguous fp32 \[n, 16\]"):
+        native.dense_linear(x, torch.randn(16, 4).t(), None)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous fp32 \[4\]"):
+        native.dense_linear(x, w, torch.randn(5))
+    assert native.dense_linear(torch.randn(0, 16), w, None).shape == (0, 4)
+
+
+def test_linear_takes_the_kernel_for_a_decode_steps_rows_and_torchs_gemm_beyond():
+    linear = Linear(CPU, torch.float32, native_decode=True)
+    assert linear.native_decode and not linear.prepack
+    gen = torch.Generator().manual_seed(3)
+    w = linear.prepare(torch.randn(96, 64, generator=gen))
+    assert not w.is_mkldnn, "the kernel reads the weight as the model holds it"
+    b = torch.randn(96, generator=gen)
+    few = torch.randn(2, 3, 64, generator=gen)  # 6 rows, as [batch, tokens, features]
+    y = linear(few, w, bias=b)
+    assert y.shape == (2, 3, 96)
+    assert torch.equal(y.reshape(6, 96), native.dense_linear(few.reshape(6, 64), w, b))
+    many = torch.randn(DENSE_KERNEL_MAX_ROWS + 1, 64, generator=gen)
+    assert torch.equal(linear(many, w), F.linear(many, w))
+    odd = torch.randn(40, 12, generator=gen)  # k not a multiple of 8: torch's GEMM
+    assert torch.equal(linear(torch.ones(3, 12), odd), F.linear(torch.ones(3, 12), odd))
+    assert linear(few, w, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_the_route_is_fp32_on_avx2_cpus_only():
+    """Measured on AVX2 only: AVX512 CPUs keep oneDNN (twice as wide there), other dtypes their routes."""
+    on_avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert native_dense(CPU, torch.float32) == on_avx2
+    assert route(CPU, torch.float32) == ("native-decode" if on_avx2 else "onednn-prepacked")
+    assert not native_dense(CPU, torch.bfloat16) and not native_dense(torch.device("meta"), torch.float32)
+    assert Linear(CPU, torch.float32).native_decode == on_avx2
+    assert not Linear(CPU, torch.float32, prepack=True).native_decode, "a route asked for by name is that route"

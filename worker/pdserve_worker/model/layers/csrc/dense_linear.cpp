@@ -1,0 +1,151 @@
+// x @ W.T (+ bias) for an fp32 weight W [n, k] as the model holds it (row-major, no repacking), for
+// the few input rows of a decode step, in fp32 FMA on AVX2.
+//
+// Why a kernel: a decode step's products are a string of small-M GEMMs whose weights come from
+// DRAM once per step. oneDNN's fp32 kernels (prepacked for 128 rows, matmul.REORDER_ROWS) read
+// them at ~21 GB/s at one row where this 2-vCPU Zen 3 streams ~31 GB/s, and at 8-16 rows they
+// do not overlap the weight stream with the multiplies: measured 2026-12-05, 30 layers of
+// SmolLM2-135M's shapes plus its head, ms: 21 / 35 / 49 at 1 / 8 / 16 rows against this kernel's
+// 18 / 21 / 36 (benchmarks/README.md, "A decode kernel for fp32 weights"). Larger inputs
+// (prefill) are compute bound, where oneDNN is at the FMA limit: matmul.Linear sends them there.
+//
+// The tile: 4 input rows by 3 weight rows, 12 accumulators of 8 lanes along k (16 registers:
+// 3 weight vectors, 1 input vector), each output's sum in lanes over k in order, then the lanes
+// added in a fixed tree. So an output's bits depend only on its own input row and weight row,
+// never on how many rows came with it (batch invariance, as the other native ops). Threads take
+// contiguous ranges of weight rows (one stream each); while a group of 3 weight rows is
+// multiplied, the next group is prefetched a few cache lines per step, spread over the group's
+// tiles, so DRAM keeps streaming while the FMA ports work.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t LANES = 8;  // floats per AVX2 vector: k must be a multiple
+constexpr int ROWS = 4;       // input rows per tile
+constexpr int COLS = 3;       // weight rows (outputs) per tile
+constexpr int64_t LINE = 64;  // bytes per cache line
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The next weight group's bytes [at, end), requested `per_step` lines per step of 8 inputs.
+struct Prefetch {
+  const char* at;
+  const char* end;
+  int64_t per_step;
+};
+
+// Input rows x[0..R) times weight rows w[0..C), each k long: out[r * ldo + c] (+ bias[c]).
+template <int R, int C>
+void tile(const float* x, const float* w, int64_t k, const float* bias, float* out, int64_t ldo, Prefetch& pf) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; j += LANES) {
+    for (int64_t p = 0; p < pf.per_step && pf.at < pf.end; ++p, pf.at += LINE) _mm_prefetch(pf.at, _MM_HINT_T0);
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * k + j);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * k + j);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = lane_sum(acc[r][c]) + (bias != nullptr ? bias[c] : 0.0f);
+}
+
+// Every input row times weight rows w[0..C): tiles of 4 rows, then the remainder.
+template <int C>
+void weight_group(const float* x, int64_t rows, const float* w, int64_t k, const float* bias, float* out, int64_t n,
+                  const char* next, const char* next_end) {
+  const int64_t tiles = (rows + ROWS - 1) / ROWS, steps = k / LANES;
+  const int64_t lines = next_end > next ? (next_end - next + LINE - 1) / LINE : 0;
+  Prefetch pf{next, next_end, (lines + tiles * steps - 1) / (tiles * steps)};
+  int64_t r = 0;
+  for (; r + ROWS <= rows; r += ROWS) tile<ROWS, C>(x + r * k, w, k, bias, out + r * n, n, pf);
+  if (rows - r == 3) tile<3, C>(x + r * k, w, k, bias, out + r * n, n, pf);
+  if (rows - r == 2) tile<2, C>(x + r * k, w, k, bias, out + r * n, n, pf);
+  if (rows - r == 1) tile<1, C>(x + r * k, w, k, bias, out + r * n, n, pf);
+}
+
+void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, const float* bias, float* out) {
+  const int64_t groups = (n + COLS - 1) / COLS;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const char* range_end = reinterpret_cast<const char*>(w + std::min(n, g1 * COLS) * k);  // this thread's rows
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t c0 = g * COLS, cols = std::min<int64_t>(COLS, n - c0);
+      const float* wg = w + c0 * k;
+      const float* bg = bias != nullptr ? bias + c0 : nullptr;
+      const char* next = reinterpret_cast<const char*>(wg + cols * k);
+      const char* next_end = std::min(reinterpret_cast<const char*>(wg + (cols + COLS) * k), range_end);
+      if (cols == COLS) {
+        weight_group<COLS>(x, rows, wg, k, bg, out + c0, n, next, next_end);
+        continue;
+      }
+      for (int64_t c = 0; c < cols; ++c)  // the last rows of an n that is not a multiple of 3
+        weight_group<1>(x, rows, wg + c * k, k, bg != nullptr ? bg + c : nullptr, out + c0 + c, n, next, next_end);
+    }
+  });
+}
+
+#pragma GCC pop_options
+#endif  // __x86_64__
+
+bool dense_linear_supported() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(dense_linear_supported(), "dense_linear: this CPU has no AVX2/FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "dense_linear: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
+              "dense_linear: w must be a contiguous fp32 [n, ", x.size(1), "], got ", w.sizes(), " ", w.scalar_type());
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(k > 0 && k % LANES == 0, "dense_linear: k must be a positive multiple of 8, got ", k);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "dense_linear: bias must be a contiguous fp32 [", n, "], got ", bias->sizes(), " ", bias->scalar_type());
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
+#if defined(__x86_64__)
+  run(x.data_ptr<float>(), rows, w.data_ptr<float>(), n, k, b, out.data_ptr<float>());
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("dense_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("dense_linear_supported() -> bool", &dense_linear_supported);
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("dense_linear", &dense_linear); }
