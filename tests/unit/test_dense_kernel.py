@@ -38,7 +38,7 @@ def check_product(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch
     assert (excess <= 1).all(), float(excess.max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 64, 130])  # 130: chunks of 64 at k 1,536
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (2, 16), (3, 8), (97, 576), (192, 1536)])
 def test_the_kernel_is_the_fp32_product_at_every_tile_remainder(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
@@ -63,6 +63,10 @@ def test_a_rows_product_does_not_depend_on_its_batch():
     for start, size in [(0, DENSE_KERNEL_MAX_ROWS), (1, 2), (3, 5), (10, 16), (7, 33)]:
         together = native.dense_linear(x[start : start + size].contiguous(), w, None)
         assert torch.equal(together, alone[start : start + size]), (start, size)
+    wide = torch.randn(DENSE_KERNEL_MAX_ROWS, 1536, generator=gen)  # passes the weights in chunks of 64 rows
+    w = torch.randn(37, 1536, generator=gen)
+    alone = torch.cat([native.dense_linear(wide[i : i + 1], w, None) for i in range(wide.shape[0])])
+    assert torch.equal(native.dense_linear(wide, w, None), alone)
 
 
 def test_the_kernel_refuses_what_it_does_not_take():

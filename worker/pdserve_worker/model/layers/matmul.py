@@ -113,11 +113,12 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
 
 
 # Input rows up to which fp32 products take the native kernel (csrc/dense_linear.cpp); larger
-# ones (prefill chunks) are compute bound and go to torch's GEMM on the same weight. Measured
-# 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes, ms: at 64 rows 122
-# (kernel) against 128 (oneDNN prepacked) and 177 (F.linear); at 128 rows F.linear 189 against
-# prepacked 199, and about even from there (benchmarks/README.md).
-DENSE_KERNEL_MAX_ROWS = 64
+# ones (long prefill chunks) go to torch's GEMM on the same weight. Measured 2026-12-05 on a
+# 2-vCPU AVX2 EPYC, the bundled model's prefill against oneDNN prepacked weights (the route
+# before), time ratio: 128 tokens on the kernel 0.97-1.00, 512 on torch's GEMM 0.97; 256 on
+# torch's GEMM 0.97-1.10 (the kernel there: 1.08-1.21 for the matrices alone). Prepacked weights
+# for long inputs would be a second copy of every matrix (benchmarks/README.md).
+DENSE_KERNEL_MAX_ROWS = 128
 
 
 # What each quantized route is, for `pdserve info` and the load log.

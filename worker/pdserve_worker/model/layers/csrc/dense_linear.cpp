@@ -15,7 +15,8 @@
 // never on how many rows came with it (batch invariance, as the other native ops). Threads take
 // contiguous ranges of weight rows (one stream each); while a group of 3 weight rows is
 // multiplied, the next group is prefetched a few cache lines per step, spread over the group's
-// tiles, so DRAM keeps streaming while the FMA ports work.
+// tiles, so DRAM keeps streaming while the FMA ports work. Inputs of more rows than fit in L2
+// (X_BYTES) pass over the weights in chunks of that many: each chunk's rows stay in cache.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,6 +37,7 @@ constexpr int64_t LANES = 8;  // floats per AVX2 vector: k must be a multiple
 constexpr int ROWS = 4;       // input rows per tile
 constexpr int COLS = 3;       // weight rows (outputs) per tile
 constexpr int64_t LINE = 64;  // bytes per cache line
+constexpr int64_t X_BYTES = 384 * 1024;  // input rows per pass over the weights: they stay in L2
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -89,6 +91,11 @@ void weight_group(const float* x, int64_t rows, const float* w, int64_t k, const
 }
 
 void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, const float* bias, float* out) {
+  const int64_t chunk = std::max<int64_t>(ROWS, X_BYTES / (k * int64_t(sizeof(float))) / ROWS * ROWS);
+  if (rows > chunk) {
+    for (int64_t r = 0; r < rows; r += chunk) run(x + r * k, std::min(chunk, rows - r), w, n, k, bias, out + r * n);
+    return;
+  }
   const int64_t groups = (n + COLS - 1) / COLS;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     const char* range_end = reinterpret_cast<const char*>(w + std::min(n, g1 * COLS) * k);  // this thread's rows
