@@ -164,6 +164,10 @@ class Member:
     draining: bool = False
     load: Load = Load()
     registered_unix_ms: int = 0
+    # When the broker last received this load (its own monotonic clock; 0: never, or a watcher's
+    # copy: not on the wire). A router's counters are as of this moment, not of whoever reads
+    # them later: the planner divides their increase by these times (operator/autoscale.py).
+    load_at: float = field(default=0.0, compare=False)
 
     @property
     def worker_id(self) -> str:

@@ -83,6 +83,7 @@ class _Drain:
 class _State:
     planner: PlannerState = field(default_factory=PlannerState)
     routers: dict[str, RouterReport] = field(default_factory=dict)
+    router_rates: dict[str, float] = field(default_factory=dict)  # each router's last rate (signals.window)
     sampled_at: float | None = None
     next_due: float = 0.0
     drain: _Drain | None = None
@@ -157,8 +158,9 @@ def in_band(prefill: int, decode: int, a: s.AutoscalingSpec, spec: s.PDInference
     return min(max(prefill, lo), hi)
 
 
-def router_report(load: Any) -> RouterReport | None:
-    """A router member's load as the planner's RouterReport (None: it reports no traffic)."""
+def router_report(load: Any, at: float | None = None) -> RouterReport | None:
+    """A router member's load as the planner's RouterReport (None: it reports no traffic), as of
+    `at` (when the broker received it; None: unknown)."""
     router = getattr(load, "router", None)
     if router is None:
         return None
@@ -175,6 +177,7 @@ def router_report(load: Any) -> RouterReport | None:
         router.output_tokens_total,
         hist(router.ttft),
         hist(router.tpot),
+        at,
     )
 
 
@@ -272,8 +275,9 @@ class Autoscaler:
             reports,
             now - state.sampled_at if state.sampled_at is not None else 0.0,
             a.slo.percentile / 100,
+            state.router_rates,
         )
-        state.routers, state.sampled_at = reports, now
+        state.routers, state.router_rates, state.sampled_at = reports, dict(win.rates), now
         obs = Observation(
             prefill_replicas=current["prefill"],
             decode_replicas=current["decode"],
@@ -605,6 +609,6 @@ def _loads(members: Iterable[Any]) -> tuple[list[WorkerLoad], dict[str, RouterRe
             workers.append(
                 WorkerLoad(m.worker_id, role, load.active_requests, load.slots_used, total, m.draining)  # type: ignore[arg-type]
             )
-        elif role == "router" and (rep := router_report(m.load)) is not None:
+        elif role == "router" and (rep := router_report(m.load, getattr(m, "load_at", 0.0) or None)) is not None:
             reports[m.worker_id] = rep
     return workers, reports

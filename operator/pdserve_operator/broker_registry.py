@@ -226,10 +226,13 @@ class Registry:
             entry = self._entry_by_lease(service_key, lease_id)
             if entry is None:
                 return False
-            entry.deadline = self._clock() + self.ttl_s
-            if load is not None and load != entry.member.load:
-                entry.member = replace(entry.member, load=load)
-                self._publish(self._services[service_key], EventType.UPDATED, entry.member)
+            now = self._clock()
+            entry.deadline = now + self.ttl_s
+            if load is not None:
+                changed = load != entry.member.load
+                entry.member = replace(entry.member, load=load, load_at=now)
+                if changed:  # (load_at alone is no change: it is not compared, nor sent to watchers)
+                    self._publish(self._services[service_key], EventType.UPDATED, entry.member)
             return True
 
     def draining_of(self, service_key: str, lease_id: str) -> bool:

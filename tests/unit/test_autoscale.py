@@ -4,6 +4,7 @@ HPA against the real autoscaling/v2 schema, and the reconciler leaving an autosc
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,43 @@ def test_window_merges_routers_and_survives_a_restart() -> None:
     merged = hist((10, 30, 40), 40)  # r1's 30 in (0.1, 0.5] and (0.5, 1.0], r2's 10 below 0.1
     assert w.samples == 40 and w.ttft_s == pytest.approx(merged.quantile(0.5))
     assert window({}, after, 10.0, 0.5).request_rate is None  # nobody reported twice yet
+
+
+def test_a_rate_is_counted_over_the_reports_own_times_not_the_steps() -> None:
+    """Keepalives every 0.5 s, a planner step every 1 s, a steady 3 requests/s: a step holds one
+    to three keepalives' worth of counts. Over the step's interval that read 1.5 to 4.5 (the
+    e2e autoscaling test once scaled up under a load meant to hold); over the reports' own
+    times it reads 3 at every step."""
+    rate, keepalive = 3.0, 0.5
+
+    def report(received: float) -> RouterReport:
+        return RouterReport(round(rate * received), 0, 0, at=received)
+
+    steps = [1.0 + i + jitter for i, jitter in enumerate([0.0, 0.45, 0.05, 0.4, 0.1, 0.3])]
+    # What each step sees: the last keepalive before it.
+    seen = [report(keepalive * int(t / keepalive)) for t in steps]
+    aliased, measured = [], []
+    for (t0, a), (t1, b) in zip(zip(steps, seen), zip(steps[1:], seen[1:])):
+        measured.append(window({"r": a}, {"r": b}, t1 - t0, 0.5).request_rate)
+        aliased.append(window({"r": replace(a, at=None)}, {"r": replace(b, at=None)}, t1 - t0, 0.5).request_rate)
+    assert measured == pytest.approx([rate] * len(measured))
+    assert max(aliased) > 1.4 * rate or min(aliased) < 0.7 * rate, aliased  # what the step's interval gave
+
+
+def test_a_router_with_no_newer_report_keeps_its_rate_and_an_idle_one_reads_zero() -> None:
+    old = {"r1": RouterReport(100, 0, 0, at=10.0), "r2": RouterReport(50, 0, 0, at=10.2)}
+    first = window(old, {"r1": RouterReport(120, 0, 0, at=12.0), "r2": RouterReport(54, 0, 0, at=12.2)}, 2.0, 0.5)
+    assert first.rates == pytest.approx({"r1": 10.0, "r2": 2.0}) and first.request_rate == pytest.approx(12.0)
+    now = {"r1": RouterReport(130, 0, 0, at=13.0), "r2": RouterReport(54, 0, 0, at=12.2)}  # r2: no keepalive since
+    second = window(
+        {"r1": RouterReport(120, 0, 0, at=12.0), "r2": RouterReport(54, 0, 0, at=12.2)}, now, 1.0, 0.5, first.rates
+    )
+    assert second.rates == pytest.approx({"r1": 10.0, "r2": 2.0}), "r2 sent nothing newer: not 0, its last rate"
+    idle = window(
+        now, {"r1": RouterReport(130, 0, 0, at=14.0), "r2": RouterReport(54, 0, 0, at=13.9)}, 1.0, 0.5, second.rates
+    )
+    assert idle.request_rate == 0.0, "keepalives with unchanged counters are a rate of 0"
+    assert window(now, now, 1.0, 0.5).request_rate is None, "nothing newer and nothing carried: unknown"
 
 
 def test_router_load_reports_what_metrics_show_and_survives_the_wire() -> None:

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from pdserve_common.kv_layout import KVLayout
-from pdserve_common.membership import EventType, Load, MemberInfo, MemoryRegion, Role
+from pdserve_common.membership import EventType, Load, MemberInfo, MemoryRegion, Role, RouterLoad
+from pdserve_operator import autoscale
 from pdserve_operator.broker_registry import Registry, Subscription, WatchEnded
 
 SVC = "ns/svc"
@@ -78,6 +79,29 @@ async def test_role_filter(registry: Registry) -> None:
     registry.register(SVC, decode())
     assert drain(sub) == [(EventType.SYNCED, None), (EventType.ADDED, "d0")]
     assert [m.worker_id for m in registry.members(SVC, [Role.PREFILL])] == ["p0"]
+
+
+@pytest.mark.asyncio
+async def test_every_load_received_is_stamped_with_the_brokers_time_and_only_a_change_is_published(
+    registry: Registry, clock: FakeClock
+) -> None:
+    """The autoscaler divides a router's counter increase by these stamps (operator/autoscale.py):
+    a keepalive with the same counters is a newer reading (a rate of 0), not nothing."""
+    lease = registry.register(SVC, MemberInfo(worker_id="r0", role=Role.ROUTER))
+    sub = registry.subscribe(SVC, (), asyncio.get_running_loop())
+    drain(sub)
+    load = Load(router=RouterLoad(requests_total=5))
+    clock.now += 1.5
+    assert registry.keepalive(SVC, lease.lease_id, load)
+    assert registry.members(SVC)[0].load_at == 1001.5 and drain(sub) == [(EventType.UPDATED, "r0")]
+    clock.now += 0.5
+    assert registry.keepalive(SVC, lease.lease_id, load)  # the same counters: stamped, not published
+    assert registry.members(SVC)[0].load_at == 1002.0 and drain(sub) == []
+    clock.now += 1.0
+    assert registry.keepalive(SVC, lease.lease_id)  # no load sent: the stamp stays the last load's
+    assert registry.members(SVC)[0].load_at == 1002.0
+    report = autoscale._loads(registry.members(SVC))[1]["r0"]
+    assert report.at == 1002.0 and report.requests == 5
 
 
 @pytest.mark.asyncio

@@ -17,7 +17,7 @@ that falls into the +Inf bucket is the highest finite bound; the first bucket's 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_BUCKETS = 64  # what a report may carry; the broker refuses longer ones
 
@@ -90,6 +90,7 @@ class RouterReport:
     output_tokens: int
     ttft: LatencyHistogram | None = None
     tpot: LatencyHistogram | None = None
+    at: float | None = None  # when the broker received it (seconds, the broker's monotonic clock)
 
 
 @dataclass(frozen=True)
@@ -102,19 +103,43 @@ class RouterWindow:
     ttft_s: float | None  # the interval's quantile over all routers
     tpot_s: float | None
     samples: int  # requests behind ttft_s
+    rates: Mapping[str, float] = field(default_factory=dict)  # each router's requests/s (the next window's carry)
 
 
 def _increase(new: int, old: int) -> int:
     return new if new < old else new - old
 
 
+def _rate(old: RouterReport, new: RouterReport, seconds: float, carried: float | None) -> float | None:
+    """A router's requests/s between two of its reports: over the reports' own times where both
+    have one (a step sees the counters as of the router's last keepalive, so the step's own
+    interval would alias: keepalives every 0.5 s, a step every 1 s, and a steady 3/s read as
+    1.5-4.5), else over the step's `seconds`. No newer report: the rate it had (`carried`)."""
+    if new.at is not None and old.at is not None:
+        elapsed = new.at - old.at
+        if elapsed <= 0:
+            return carried
+        return _increase(new.requests, old.requests) / elapsed
+    return _increase(new.requests, old.requests) / seconds if seconds > 0 else None
+
+
 def window(
-    previous: Mapping[str, RouterReport], current: Mapping[str, RouterReport], seconds: float, quantile: float
+    previous: Mapping[str, RouterReport],
+    current: Mapping[str, RouterReport],
+    seconds: float,
+    quantile: float,
+    carried: Mapping[str, float] | None = None,
 ) -> RouterWindow:
-    """Traffic between two sets of reports `seconds` apart (routers present in both only: a new
-    router's counts since its start may span more than the interval)."""
+    """Traffic between two sets of reports, the second `seconds` after the first (routers present
+    in both only: a new router's counts since its start may span more than the interval).
+    `carried`: each router's rate in the window before, for a router that sent nothing newer."""
     both = sorted(set(previous) & set(current))
-    if not both or seconds <= 0:
+    rates: dict[str, float] = {}
+    for rid in both:
+        rate = _rate(previous[rid], current[rid], seconds, (carried or {}).get(rid))
+        if rate is not None:
+            rates[rid] = rate
+    if not rates:
         return RouterWindow(None, None, None, None, None, 0)
     requests = prompt = output = 0
     ttft: LatencyHistogram | None = None
@@ -139,10 +164,11 @@ def window(
             else:
                 tpot = acc
     return RouterWindow(
-        request_rate=requests / seconds,
+        request_rate=sum(rates.values()),
         prompt_tokens_mean=prompt / requests if requests else None,
         output_tokens_mean=output / requests if requests else None,
         ttft_s=ttft.quantile(quantile) if ttft is not None else None,
         tpot_s=tpot.quantile(quantile) if tpot is not None else None,
         samples=ttft.count if ttft is not None else 0,
+        rates=rates,
     )
