@@ -21,8 +21,8 @@ batch-1 step. Except fp32 on CPUs whose widest vectors are AVX2 ("native-decode"
 decode step's few rows (up to `DENSE_KERNEL_MAX_ROWS`) run on our kernel (csrc/dense_linear.cpp)
 on the weight as the model holds it, larger inputs on torch's GEMM on the same weight (no second
 copy). Measured 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes and its head
-(538 MB of fp32): oneDNN prepacked read them in 21 / 35 / 49 ms at 1 / 8 / 16 rows, the kernel in
-18 / 21 / 36 (it streams the weights while it multiplies; oneDNN at 8-16 rows did one, then the
+(538 MB of fp32): oneDNN prepacked read them in 23 / 34 / 49 ms at 1 / 8 / 16 rows, the kernel in
+21 / 23 / 37 (it streams the weights while it multiplies; oneDNN at 8-16 rows did one, then the
 other), and a row's bits do not depend on its batch. GPU and NPU run plain `F.linear`, as does fp16 on a CPU with native fp16 GEMM
 (without it, fp16 takes the upcast route above). `route` names the choice; `Linear` follows it.
 

@@ -21,7 +21,7 @@ tile in registers runs the same attention 2.1x faster (18 against 38 ms per laye
 2,000 tokens, 2026-12-05) — the kind of kernel vLLM's CPU attention backend and SGLang's CPU
 kernels ship inside their own builds. Where the CPU has no AVX512-BF16, SDPA serves. fp32
 decode products on AVX2 CPUs (csrc/dense_linear.cpp): oneDNN's kernels did not overlap reading
-the weights with multiplying them at a decode step's 1-16 rows (at 16, 49 against 36 ms a step's
+the weights with multiplying them at a decode step's 1-16 rows (at 16, 49 against 37 ms a step's
 matrices; matmul.py has the figures).
 
 `csrc/*.cpp` are ATen (Vectorized<float>, at::parallel_for on torch's own thread pool; the

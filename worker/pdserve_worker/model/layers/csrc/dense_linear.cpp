@@ -5,8 +5,8 @@
 // DRAM once per step. oneDNN's fp32 kernels (prepacked for 128 rows, matmul.REORDER_ROWS) read
 // them at ~21 GB/s at one row where this 2-vCPU Zen 3 streams ~31 GB/s, and at 8-16 rows they
 // do not overlap the weight stream with the multiplies: measured 2026-12-05, 30 layers of
-// SmolLM2-135M's shapes plus its head, ms: 21 / 35 / 49 at 1 / 8 / 16 rows against this kernel's
-// 18 / 21 / 36 (benchmarks/README.md, "A decode kernel for fp32 weights"). Larger inputs
+// SmolLM2-135M's shapes plus its head, ms: 23 / 34 / 49 at 1 / 8 / 16 rows against this kernel's
+// 21 / 23 / 37 (benchmarks/dense_kernel.py; benchmarks/README.md). Larger inputs
 // (prefill) are compute bound, where oneDNN is at the FMA limit: matmul.Linear sends them there.
 //
 // The tile: 4 input rows by 3 weight rows, 12 accumulators of 8 lanes along k (16 registers:
