@@ -23,8 +23,9 @@ on the weight as the model holds it, larger inputs on torch's GEMM on the same w
 copy). Measured 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes and its head
 (538 MB of fp32): oneDNN prepacked read them in 23 / 34 / 49 ms at 1 / 8 / 16 rows, the kernel in
 21 / 23 / 37 (it streams the weights while it multiplies; oneDNN at 8-16 rows did one, then the
-other), and a row's bits do not depend on its batch. GPU and NPU run plain `F.linear`, as does fp16 on a CPU with native fp16 GEMM
-(without it, fp16 takes the upcast route above). `route` names the choice; `Linear` follows it.
+other), and a row's bits do not depend on its batch. GPU and NPU run plain `F.linear`, as does
+fp16 on a CPU with native fp16 GEMM (without it, fp16 takes the upcast route above). `route`
+names the choice; `Linear` follows it.
 
 Quantized weights (`quant.QuantizedTensor`, CPU only) run on our native block kernel
 (csrc/quant_linear.cpp, `BlockMatrix`) wherever the native ops are built on an x86 CPU with AVX2:
