@@ -88,7 +88,9 @@ def tp_models(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("size", [2, 4])
+# Size 2 here; size 4 of each family against transformers is the serving matrix's (llama3 4 x 1
+# and 4 x 2, qwen2 4 x 2, qwen3 4 x 1: tests/integration/test_tensor_parallel_serving.py).
+@pytest.mark.parametrize("size", [2])
 def test_greedy_text_of_a_tp_group_equals_transformers(tp_models, tmp_path, size):
     from support.tp_ranks import greedy_rank
 
