@@ -1,13 +1,14 @@
 // x @ W.T (+ bias) for an fp32 weight W [n, k] as the model holds it (row-major, no repacking), for
-// the few input rows of a decode step, in fp32 FMA on AVX2.
+// the few input rows of a decode step (and short prefills: matmul.DENSE_KERNEL_MAX_ROWS), in fp32
+// FMA on AVX2.
 //
 // Why a kernel: a decode step's products are a string of small-M GEMMs whose weights come from
 // DRAM once per step. oneDNN's fp32 kernels (prepacked for 128 rows, matmul.REORDER_ROWS) read
-// them at ~21 GB/s at one row where this 2-vCPU Zen 3 streams ~31 GB/s, and at 8-16 rows they
+// them at ~23 GB/s at one row where this 2-vCPU Zen 3 streams ~31 GB/s, and at 8-16 rows they
 // do not overlap the weight stream with the multiplies: measured 2026-12-05, 30 layers of
 // SmolLM2-135M's shapes plus its head, ms: 23 / 34 / 49 at 1 / 8 / 16 rows against this kernel's
-// 21 / 23 / 37 (benchmarks/dense_kernel.py; benchmarks/README.md). Larger inputs
-// (prefill) are compute bound, where oneDNN is at the FMA limit: matmul.Linear sends them there.
+// 21 / 23 / 37 (benchmarks/dense_kernel.py; benchmarks/README.md). Longer inputs (prefill chunks)
+// are compute bound: matmul.Linear sends them to torch's GEMM on the same weight.
 //
 // The tile: 4 input rows by 3 weight rows, 12 accumulators of 8 lanes along k (16 registers:
 // 3 weight vectors, 1 input vector), each output's sum in lanes over k in order, then the lanes
