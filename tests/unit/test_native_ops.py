@@ -5,6 +5,9 @@ refusals that keep a bad table from reading outside the pool."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,3 +262,40 @@ def test_the_layer_ops_refuse_what_does_not_fit():
         native.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="is not \\(9 \\+ 2 \\* 3\\) heads"):
         torch.ops.pdserve.rope_qkv(torch.randn(2, 100), torch.randn(2, 4), torch.randn(2, 4), 9, 3, None, 1e-6)
+
+
+def test_the_isa_pick_is_kept_per_cpu_and_read_back(monkeypatch, tmp_path):
+    """Inductor's pick (2.3 s of imports per process) is made once per CPU and torch version; a
+    damaged record is picked again, and a CPU that says nothing of its features is never cached."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    picked = native._pick_isa()
+    assert native._isa() == picked  # (the first: inductor's pick, now recorded)
+    records = list((tmp_path / "kernels").glob("isa-*.json"))
+    assert len(records) == 1 and json.loads(records[0].read_text())["flags"] == picked[1]
+
+    def no_inductor() -> tuple[str, list[str], list[str]]:
+        raise AssertionError("picked again where the record serves")
+
+    monkeypatch.setattr(native, "_pick_isa", no_inductor)
+    assert native._isa() == picked
+    records[0].write_text('{"name": "avx2"')  # cut short
+    monkeypatch.setattr(native, "_pick_isa", lambda: ("other", ["-mother"], ["-DOTHER"]))
+    assert native._isa() == ("other", ["-mother"], ["-DOTHER"])
+    assert json.loads(records[0].read_text())["name"] == "other"  # rewritten whole
+    monkeypatch.setattr(native, "_cpu_key", lambda: "another-cpu")
+    monkeypatch.setattr(native, "_pick_isa", lambda: ("third", [], []))
+    assert native._isa() == ("third", [], []) and (tmp_path / "kernels" / "isa-another-cpu.json").is_file()
+    monkeypatch.setattr(native, "_cpu_key", lambda: None)
+    monkeypatch.setattr(native, "_pick_isa", lambda: ("fourth", [], []))
+    assert native._isa() == ("fourth", [], [])
+    assert len(list((tmp_path / "kernels").glob("isa-*.json"))) == 2
+
+
+def test_the_cpu_key_follows_the_cpus_flags_and_torchs_version(monkeypatch):
+    key = native._cpu_key()
+    if not Path("/proc/cpuinfo").is_file():
+        assert key is None
+        return
+    assert key is not None and len(key) == 16
+    monkeypatch.setattr(native.torch, "__version__", "0.0.0-other")
+    assert native._cpu_key() != key

@@ -37,6 +37,7 @@ model runs its torch ops as before; both are batch invariant and agree within ro
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -73,7 +74,33 @@ def _cache_root() -> Path:
 
 def _isa() -> tuple[str, list[str], list[str]]:
     """(name, compiler flags, macros) of the widest vector ISA torch itself uses on this CPU, as
-    inductor picks it (ATen's Vectorized follows the CPU_CAPABILITY_* macro it is built with)."""
+    inductor picks it (ATen's Vectorized follows the CPU_CAPABILITY_* macro it is built with).
+
+    Inductor's module imports dynamo: 2.3 s of CPU in every process that loads a model (measured
+    2026-12-06 on the 2-vCPU EPYC: a tensor-parallel deployment's 8 processes spent ~18 s of
+    their start in it). So the pick is kept in the pdserve cache under a key of the CPU's flags
+    and torch's version, and a later process on the same CPU and torch reads it back."""
+    key = _cpu_key()
+    cached = _cache_root() / f"isa-{key}.json" if key else None
+    if cached is not None:
+        try:
+            known = json.loads(cached.read_text())
+            return str(known["name"]), [str(f) for f in known["flags"]], [str(m) for m in known["macros"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not picked yet on this CPU, or unreadable: pick it again below
+    picked = _pick_isa()
+    if cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            scratch = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+            scratch.write_text(json.dumps({"name": picked[0], "flags": picked[1], "macros": picked[2]}))
+            scratch.replace(cached)  # (atomic: a reader sees the whole file or none)
+        except OSError as exc:  # a read-only cache: pick again next time
+            log.info(kv(event="native_isa_not_cached", path=str(cached), error=repr(exc)[:200]))
+    return picked
+
+
+def _pick_isa() -> tuple[str, list[str], list[str]]:
     from torch._inductor import cpu_vec_isa
 
     isa = cpu_vec_isa.pick_vec_isa()
@@ -83,16 +110,28 @@ def _isa() -> tuple[str, list[str], list[str]]:
     return str(isa), flags, [f"-D{m}" for m in isa.build_macro()]
 
 
+def _cpu_key() -> str | None:
+    """A digest of what the CPU reports of its features (/proc/cpuinfo's flags or Features line)
+    and torch's version, or None where the CPU does not say (then the ISA is picked every time)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((ln for ln in info if ln.startswith(("flags", "Features"))), None)
+    except OSError:
+        return None
+    if line is None:
+        return None
+    return hashlib.sha256(f"{torch.__version__}\n{line.strip()}".encode()).hexdigest()[:16]
+
+
 # -fopenmp: at::parallel_for is inline OpenMP, so without it every op ran on one thread (the
 # library then shares the libgomp torch already loaded: same soname, same pool, same
 # torch.set_num_threads).
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 
 
-def build(verbose: bool = False) -> None:
-    """Load the cached library, or compile it first, and register the `torch.ops.pdserve` ops."""
-    from torch.utils import cpp_extension
-
+def build(verbose: bool = False) -> str:
+    """Load the cached library, or compile it first, and register the `torch.ops.pdserve` ops;
+    returns the ISA it was built for."""
     isa, arch, macros = _isa()
     sources = b"".join(path.read_bytes() for path in SOURCES)
     flags = [*CFLAGS, *arch, *macros]
@@ -104,7 +143,9 @@ def build(verbose: bool = False) -> None:
     # where torch's loader would run ninja first (~2 s).
     if library.is_file() and not (folder / "lock").exists():
         torch.ops.load_library(str(library))
-        return
+        return isa
+    from torch.utils import cpp_extension  # (0.3 s of imports: only where it compiles)
+
     folder.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=name,
@@ -115,6 +156,7 @@ def build(verbose: bool = False) -> None:
         is_python_module=False,
         verbose=verbose,
     )
+    return isa
 
 
 def available() -> bool:
@@ -136,11 +178,11 @@ def _load() -> bool:
     if choice != "kernel":
         raise ValueError(f"{ENV} must be 'kernel' or 'torch', got {choice!r}")
     try:
-        build()
+        isa = build()
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path serves
         log.warning(kv(event="native_ops", impl="torch", why="native ops not built", error=repr(exc)[:300]))
         return False
-    log.info(kv(event="native_ops", impl="kernel", isa=_isa()[0]))
+    log.info(kv(event="native_ops", impl="kernel", isa=isa))
     return True
 
 
