@@ -1,9 +1,11 @@
-"""The native fp32 decode kernel (model/layers/csrc/dense_linear.cpp) and `Linear`'s route to it.
+"""The native fp32 kernels (model/layers/csrc/dense_linear.cpp for a decode step's rows,
+csrc/dense_gemm.cpp for prefill chunks) and `Linear`'s routes to them.
 
-The reference is the float64 product of the same fp32 values; the kernel's sums are fp32 and
-must sit within fp32 summation error of it, for every tile remainder (4 input rows by 3 weight
-rows a tile), with and without a bias, on both threads' ranges. Its other promise is batch
-invariance: a row's bits are the same whatever rows come with it.
+The reference is the float64 product of the same fp32 values; the kernels' sums are fp32 and
+must sit within fp32 summation error of it, for every tile remainder (dense_linear: 4 input rows
+by 3 weight rows a tile; dense_gemm: 6 input rows by 16 outputs), with and without a bias, on both
+threads' ranges. Their other promise is batch invariance: a row's bits are the same whatever rows
+come with it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from pdserve_worker.model.layers import native
-from pdserve_worker.model.layers.matmul import DENSE_KERNEL_MAX_ROWS, Linear, native_dense, route
+from pdserve_worker.model.layers.matmul import (
+    DENSE_GEMM_MAX_ROWS,
+    DENSE_KERNEL_MAX_ROWS,
+    Linear,
+    native_dense,
+    route,
+)
 
 CPU = torch.device("cpu")
 
@@ -57,13 +65,13 @@ def test_the_bias_is_each_outputs_own():
 
 def test_a_rows_product_does_not_depend_on_its_batch():
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(DENSE_KERNEL_MAX_ROWS, 576, generator=gen)
+    x = torch.randn(128, 576, generator=gen)
     w = torch.randn(301, 576, generator=gen)
     alone = torch.cat([native.dense_linear(x[i : i + 1], w, None) for i in range(x.shape[0])])
-    for start, size in [(0, DENSE_KERNEL_MAX_ROWS), (1, 2), (3, 5), (10, 16), (7, 33)]:
+    for start, size in [(0, 128), (1, 2), (3, 5), (10, 16), (7, 33)]:
         together = native.dense_linear(x[start : start + size].contiguous(), w, None)
         assert torch.equal(together, alone[start : start + size]), (start, size)
-    wide = torch.randn(DENSE_KERNEL_MAX_ROWS, 1536, generator=gen)  # passes the weights in chunks of 64 rows
+    wide = torch.randn(128, 1536, generator=gen)  # passes the weights in chunks of 64 rows
     w = torch.randn(37, 1536, generator=gen)
     alone = torch.cat([native.dense_linear(wide[i : i + 1], w, None) for i in range(wide.shape[0])])
     assert torch.equal(native.dense_linear(wide, w, None), alone)
@@ -86,22 +94,74 @@ def test_the_kernel_refuses_what_it_does_not_take():
     assert native.dense_linear(torch.randn(0, 16), w, None).shape == (0, 4)
 
 
-def test_linear_takes_the_kernel_for_a_decode_steps_rows_and_torchs_gemm_beyond():
+def test_linear_takes_the_kernel_for_a_decode_steps_rows_the_gemm_for_a_chunks_and_torch_beyond():
     linear = Linear(CPU, torch.float32, native_decode=True)
     assert linear.native_decode and not linear.prepack
     gen = torch.Generator().manual_seed(3)
     w = linear.prepare(torch.randn(96, 64, generator=gen))
-    assert not w.is_mkldnn, "the kernel reads the weight as the model holds it"
+    assert not w.is_mkldnn, "the kernels read the weight as the model holds it"
     b = torch.randn(96, generator=gen)
     few = torch.randn(2, 3, 64, generator=gen)  # 6 rows, as [batch, tokens, features]
     y = linear(few, w, bias=b)
     assert y.shape == (2, 3, 96)
     assert torch.equal(y.reshape(6, 96), native.dense_linear(few.reshape(6, 64), w, b))
-    many = torch.randn(DENSE_KERNEL_MAX_ROWS + 1, 64, generator=gen)
+    edge = torch.randn(DENSE_KERNEL_MAX_ROWS, 64, generator=gen)
+    assert torch.equal(linear(edge, w), native.dense_linear(edge, w, None))
+    chunk = torch.randn(DENSE_KERNEL_MAX_ROWS + 1, 64, generator=gen)
+    assert torch.equal(linear(chunk, w, bias=b), native.dense_gemm(chunk, w, b))
+    longest = torch.randn(DENSE_GEMM_MAX_ROWS, 64, generator=gen)
+    assert torch.equal(linear(longest, w), native.dense_gemm(longest, w, None))
+    many = torch.randn(DENSE_GEMM_MAX_ROWS + 1, 64, generator=gen)
     assert torch.equal(linear(many, w), F.linear(many, w))
     odd = torch.randn(40, 12, generator=gen)  # k not a multiple of 8: torch's GEMM
     assert torch.equal(linear(torch.ones(3, 12), odd), F.linear(torch.ones(3, 12), odd))
+    assert torch.equal(linear(torch.ones(50, 12), odd), F.linear(torch.ones(50, 12), odd))
     assert linear(few, w, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 33, 100])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 16), (16, 8), (17, 24), (97, 576), (192, 1536)])
+def test_the_gemm_is_the_fp32_product_at_every_tile_remainder(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + 7)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    check_product(native.dense_gemm(x, w, None), x, w)
+
+
+def test_the_gemms_bias_is_each_outputs_own():
+    gen = torch.Generator().manual_seed(15)
+    x, w, b = torch.randn(13, 64, generator=gen), torch.randn(21, 64, generator=gen), torch.randn(21, generator=gen)
+    y = native.dense_gemm(x, w, b)
+    check_product(y, x, w, b)
+    torch.testing.assert_close(y - native.dense_gemm(x, w, None), b.expand(13, -1), atol=1e-5, rtol=0)
+
+
+def test_a_rows_gemm_product_does_not_depend_on_its_batch_or_the_chunks():
+    gen = torch.Generator().manual_seed(19)
+    x = torch.randn(100, 576, generator=gen)
+    w = torch.randn(37, 576, generator=gen)
+    alone = torch.cat([native.dense_gemm(x[i : i + 1], w, None) for i in range(x.shape[0])])
+    for start, size in [(0, 100), (1, 2), (3, 5), (10, 16), (7, 33), (50, 49)]:
+        together = native.dense_gemm(x[start : start + size].contiguous(), w, None)
+        assert torch.equal(together, alone[start : start + size]), (start, size)
+    long = torch.randn(400, 1536, generator=gen)  # more rows than fit in one pass (2 MB): two chunks
+    w = torch.randn(19, 1536, generator=gen)
+    alone = torch.cat([native.dense_gemm(long[i : i + 6], w, None) for i in range(0, 400, 6)])
+    assert torch.equal(native.dense_gemm(long, w, None), alone)
+    check_product(alone, long, w)
+
+
+def test_the_gemm_refuses_what_it_does_not_take():
+    x, w = torch.randn(2, 16), torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="dense_gemm: k must be a positive multiple of 8, got 12"):
+        native.dense_gemm(torch.randn(2, 12), torch.randn(4, 12), None)
+    with pytest.raises(RuntimeError, match="dense_gemm: x must be a contiguous fp32"):
+        native.dense_gemm(x.to(torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match=r"dense_gemm: w must be a contiguous fp32 \[n, 16\]"):
+        native.dense_gemm(x, torch.randn(16, 4).t(), None)
+    with pytest.raises(RuntimeError, match=r"dense_gemm: bias must be a contiguous fp32 \[4\]"):
+        native.dense_gemm(x, w, torch.randn(5))
+    assert native.dense_gemm(torch.randn(0, 16), w, None).shape == (0, 4)
 
 
 def test_the_route_is_fp32_on_avx2_cpus_only():

@@ -19,8 +19,9 @@ inductor does for CPU inference) and `__call__` runs oneDNN's linear on it. Meas
 at 8-16 rows, about even at 512 rows. Decode is a string of such GEMVs, so this is most of the
 batch-1 step. Except fp32 on CPUs whose widest vectors are AVX2 ("native-decode"): there a
 decode step's few rows (up to `DENSE_KERNEL_MAX_ROWS`) run on our kernel (csrc/dense_linear.cpp)
-on the weight as the model holds it, larger inputs on torch's GEMM on the same weight (no second
-copy). Measured 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes and its head
+on the weight as the model holds it, prefill chunks (up to `DENSE_GEMM_MAX_ROWS`) on our
+register-tile GEMM (csrc/dense_gemm.cpp), longer inputs on torch's GEMM, all on the same weight
+(no second copy). Measured 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes and its head
 (538 MB of fp32): oneDNN prepacked read them in 23 / 34 / 49 ms at 1 / 8 / 16 rows, the kernel in
 21 / 23 / 37 (it streams the weights while it multiplies; oneDNN at 8-16 rows did one, then the
 other), and a row's bits do not depend on its batch. GPU and NPU run plain `F.linear`, as does
@@ -113,13 +114,17 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
     return "onednn-prepacked" if can_prepack(device, dtype) else "plain"
 
 
-# Input rows up to which fp32 products take the native kernel (csrc/dense_linear.cpp); larger
-# ones (long prefill chunks) go to torch's GEMM on the same weight. Measured 2026-12-05 on a
-# 2-vCPU AVX2 EPYC, the bundled model's prefill against oneDNN prepacked weights (the route
-# before), time ratio: 128 tokens on the kernel 0.97-1.00, 512 on torch's GEMM 0.97; 256 on
-# torch's GEMM 0.97-1.10 (the kernel there: 1.08-1.21 for the matrices alone). Prepacked weights
-# for long inputs would be a second copy of every matrix (benchmarks/README.md).
-DENSE_KERNEL_MAX_ROWS = 128
+# Input rows up to which fp32 products take the small-M kernel (csrc/dense_linear.cpp: a decode
+# step's rows, whose bits must not depend on the batch, so every batch up to this size takes the
+# same kernel); up to DENSE_GEMM_MAX_ROWS the register-tile GEMM (csrc/dense_gemm.cpp: prefill
+# chunks; its own bits, also independent of the other rows); beyond, torch's GEMM on the same
+# weight (MKL's cache blocking wins there). Measured 2026-12-06 on a 2-vCPU AVX2 EPYC, SmolLM2's
+# four matrix shapes, interleaved in one process, time against the small-M kernel / torch:
+# 16-32 rows 1.00-1.05 / 0.68-0.77, 64-128 rows 0.83-0.93 / 0.79-0.88, 256 rows 0.81-0.90 /
+# 0.91-1.14, 512 rows 0.74-0.86 / 1.03-1.11, 2,000 rows 1.07-1.20 of torch's
+# (benchmarks/dense_kernel.py). Before: the small-M kernel up to 128 rows, torch beyond.
+DENSE_KERNEL_MAX_ROWS = 32
+DENSE_GEMM_MAX_ROWS = 384
 
 
 # What each quantized route is, for `pdserve info` and the load log.
@@ -386,12 +391,14 @@ class Linear:
     def _dense(
         self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """fp32 `x @ w.T`: the native kernel for a decode step's few rows, torch's GEMM for more."""
+        """fp32 `x @ w.T`: the small-M kernel for a decode step's rows, the register-tile GEMM
+        for a prefill chunk's, torch's GEMM for longer inputs."""
         features = x.shape[-1]
         rows = x.numel() // features
-        if rows <= DENSE_KERNEL_MAX_ROWS and features % 8 == 0 and w.is_contiguous():
+        if rows <= DENSE_GEMM_MAX_ROWS and features % 8 == 0 and w.is_contiguous():
             flat = x.reshape(rows, features).contiguous()
-            y = native.dense_linear(flat, w, None if bias is None else bias.float().contiguous())
+            product = native.dense_linear if rows <= DENSE_KERNEL_MAX_ROWS else native.dense_gemm
+            y = product(flat, w, None if bias is None else bias.float().contiguous())
             y = y.view(*x.shape[:-1], w.shape[0])
         else:
             y = F.linear(x, w, bias)

@@ -55,6 +55,7 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
         "decode_attention.cpp",
+        "dense_gemm.cpp",
         "dense_linear.cpp",
         "layer_ops.cpp",
         "prefill_attention.cpp",
@@ -293,6 +294,13 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     """x `[rows, k]` times fp32 w `[n, k]` (+ bias `[n]`), both contiguous, k a multiple of 8:
     `[rows, n]` fp32, each output's bits independent of the other rows (csrc/dense_linear.cpp)."""
     return torch.ops.pdserve.dense_linear(x, w, bias)
+
+
+def dense_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The same product for inputs of many rows (prefill chunks), on the register tile of BLAS
+    libraries (csrc/dense_gemm.cpp): each output's bits independent of the other rows, but not
+    `dense_linear`'s bits."""
+    return torch.ops.pdserve.dense_gemm(x, w, bias)
 
 
 QUANT_INPUTS_ENV = "PDSERVE_QUANT_INPUTS"  # fp32 (default) | int8: the block kernel's inputs to 4-bit weights

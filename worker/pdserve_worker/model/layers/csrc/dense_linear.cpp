@@ -1,6 +1,5 @@
 // x @ W.T (+ bias) for an fp32 weight W [n, k] as the model holds it (row-major, no repacking), for
-// the few input rows of a decode step (and short prefills: matmul.DENSE_KERNEL_MAX_ROWS), in fp32
-// FMA on AVX2.
+// the few input rows of a decode step (up to matmul.DENSE_KERNEL_MAX_ROWS), in fp32 FMA on AVX2.
 //
 // Why a kernel: a decode step's products are a string of small-M GEMMs whose weights come from
 // DRAM once per step. oneDNN's fp32 kernels (prepacked for 128 rows, matmul.REORDER_ROWS) read
@@ -8,7 +7,8 @@
 // do not overlap the weight stream with the multiplies: measured 2026-12-05, 30 layers of
 // SmolLM2-135M's shapes plus its head, ms: 23 / 34 / 49 at 1 / 8 / 16 rows against this kernel's
 // 21 / 23 / 37 (benchmarks/dense_kernel.py; benchmarks/README.md). Longer inputs (prefill chunks)
-// are compute bound: matmul.Linear sends them to torch's GEMM on the same weight.
+// are compute bound: matmul.Linear sends them to dense_gemm.cpp's register tile on the same
+// weight (and the longest to torch's GEMM).
 //
 // The tile: 4 input rows by 3 weight rows, 12 accumulators of 8 lanes along k (16 registers:
 // 3 weight vectors, 1 input vector), each output's sum in lanes over k in order, then the lanes
