@@ -122,7 +122,10 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
 # four matrix shapes, interleaved in one process, time against the small-M kernel / torch:
 # 16-32 rows 1.00-1.05 / 0.68-0.77, 64-128 rows 0.83-0.93 / 0.79-0.88, 256 rows 0.81-0.90 /
 # 0.91-1.14, 512 rows 0.74-0.86 / 1.03-1.11, 2,000 rows 1.07-1.20 of torch's
-# (benchmarks/dense_kernel.py). Before: the small-M kernel up to 128 rows, torch beyond.
+# (benchmarks/dense_kernel.py). Before: the small-M kernel up to 128 rows, torch beyond. A
+# prefill's bits depend on its pass's row count, as they did before (a prompt prefilled alone
+# or packed with others, whole or in chunks, may take another of the three); a decode step's
+# rows do not, while the batch stays within DENSE_KERNEL_MAX_ROWS (8 slots by default).
 DENSE_KERNEL_MAX_ROWS = 32
 DENSE_GEMM_MAX_ROWS = 384
 
