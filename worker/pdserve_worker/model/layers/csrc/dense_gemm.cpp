@@ -5,8 +5,8 @@
 // Why a kernel: these products are compute bound, and torch's fp32 GEMM (MKL here) and oneDNN's
 // prepacked one ran them at 120-150 GFLOP/s on this 2-vCPU Zen 3, whose two cores' FMA ports
 // give ~248 (a register-only FMA loop, 2026-12-06). The classic register tile of BLAS libraries
-// (BLIS's, GotoBLAS's) does better here: 1.1-1.3x torch's at 64-256 rows of SmolLM2-135M's
-// shapes in the same process (benchmarks/dense_kernel.py has the figures).
+// (BLIS's, GotoBLAS's) does better here: 1.1-1.25x torch's speed at 64-256 rows of SmolLM2-135M's
+// shapes in the same process (benchmarks/README.md has the figures).
 //
 // The tile: 6 input rows by 16 outputs, 12 accumulators of 8 outputs each; at every k, two
 // vectors of 16 weights and each input row's value broadcast. The weights for a tile must be
