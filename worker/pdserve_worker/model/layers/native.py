@@ -80,7 +80,9 @@ def _isa() -> tuple[str, list[str], list[str]]:
     Inductor's module imports dynamo: 2.3 s of CPU in every process that loads a model (measured
     2026-12-06 on the 2-vCPU EPYC: a tensor-parallel deployment's 8 processes spent ~18 s of
     their start in it). So the pick is kept in the pdserve cache under a key of the CPU's flags
-    and torch's version, and a later process on the same CPU and torch reads it back."""
+    and torch's version, and a later process on the same CPU and torch reads it back. (The record
+    names compiler flags, passed as a list, never through a shell; it is as trusted as the built
+    libraries beside it: whoever can write one can write the other.)"""
     key = _cpu_key()
     cached = _cache_root() / f"isa-{key}.json" if key else None
     if cached is not None:
