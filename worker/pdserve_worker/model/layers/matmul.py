@@ -121,10 +121,11 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
 # weight (MKL's cache blocking wins there). Measured 2026-12-06 on a 2-vCPU AVX2 EPYC, SmolLM2's
 # four matrix shapes, interleaved in one process, time against the small-M kernel / torch:
 # 16-32 rows 1.00-1.05 / 0.68-0.77, 64 rows 0.90 / 0.80, 123 rows 0.83 / 0.83, 256 rows 0.81 /
-# 0.91, 512 rows 0.74 / 1.03, 2,000 rows 0.85 / 1.20 (benchmarks/README.md). Before: the small-M kernel up to 128 rows, torch beyond. A
-# prefill's bits depend on its pass's row count, as they did before (a prompt prefilled alone
-# or packed with others, whole or in chunks, may take another of the three); a decode step's
-# rows do not, while the batch stays within DENSE_KERNEL_MAX_ROWS (8 slots by default).
+# 0.91, 512 rows 0.74 / 1.03, 2,000 rows 0.85 / 1.20 (benchmarks/README.md). Before: the small-M
+# kernel up to 128 rows, torch beyond. A prefill's bits depend on its pass's row count, as they
+# did before (a prompt prefilled alone or packed with others, whole or in chunks, may take
+# another of the three); a decode step's rows do not, while the batch stays within
+# DENSE_KERNEL_MAX_ROWS (8 slots by default).
 DENSE_KERNEL_MAX_ROWS = 32
 DENSE_GEMM_MAX_ROWS = 384
 

@@ -280,7 +280,8 @@ def quant_serves() -> bool:
 
 
 def dense_serves() -> bool:
-    """Whether fp32 decode products run on the native small-M kernel (csrc/dense_linear.cpp): the
+    """Whether fp32 products run on the native kernels (csrc/dense_linear.cpp for a decode step's
+    rows, csrc/dense_gemm.cpp for prefill chunks: both need AVX2 and FMA only): the
     native ops built, on an x86 CPU whose widest vectors torch uses are AVX2 (where it was
     measured against oneDNN; on AVX512 CPUs oneDNN's own kernels are twice as wide and keep them)."""
     if not available():

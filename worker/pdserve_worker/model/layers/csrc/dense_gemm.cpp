@@ -147,7 +147,8 @@ void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, con
 #pragma GCC pop_options
 #endif  // __x86_64__
 
-bool dense_gemm_supported() {
+// (The same CPU check as dense_linear_supported, which native.dense_serves asks for both kernels.)
+bool has_avx2_fma() {
 #if defined(__x86_64__) && defined(__GNUC__)
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
@@ -156,7 +157,7 @@ bool dense_gemm_supported() {
 }
 
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(dense_gemm_supported(), "dense_gemm: this CPU has no AVX2/FMA");
+  TORCH_CHECK(has_avx2_fma(), "dense_gemm: this CPU has no AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "dense_gemm: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
@@ -181,7 +182,6 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, const std::optio
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("dense_gemm(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("dense_gemm_supported() -> bool", &dense_gemm_supported);
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("dense_gemm", &dense_gemm); }
