@@ -45,6 +45,16 @@ up at start.
 
 Prints TTFT p50, TPOT p50/p99 and output tokens/s per server and scenario, and every ratio
 pdserve ÷ vLLM; writes a JSON and PNG plots to --out.
+
+`--rounds N` (N > 1): this machine is shared and its speed drifts over minutes, so one run per
+server, a server's whole run after the other's, can decide a ratio by when each ran. With
+rounds, every server is started first (one at a time) and stays up, idle while another is
+measured; each scenario then runs N times on every server, server after server, the order
+reversed every other round, each round with prompts of its own (idle, a server costs little: over
+30 s, 2026-12-06 on the 2-vCPU EPYC, 0.07 CPU-s for `colocated`, 0.44 for vLLM, 0.83 for `pd`'s
+five processes). The tables and plots show each
+figure's median over the rounds, and the ratios are also given paired by round: the median,
+lowest and highest of the N ratios of runs a minute or two apart.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -311,9 +322,9 @@ async def run_scenario(url: str, s: Scenario, requests: list[serve.Request]) -> 
         return list(results), time.monotonic() - started
 
 
-async def run_mixed(url: str, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+async def run_mixed(url: str, tokenizer: Any, args: argparse.Namespace, round_: int = 0) -> dict[str, Any]:
     """Streaming decodes with long prompts arriving among them (the PD case)."""
-    rng = random.Random(7)
+    rng = random.Random(7 + round_)
     short = [serve.Request(0.5 * i, prompt_text(tokenizer, 64, rng), 64) for i in range(8)]
     long = [serve.Request(1.0 + 2.0 * i, prompt_text(tokenizer, 1500, rng), 1500) for i in range(3)]
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as http:
@@ -386,28 +397,93 @@ def shortened(s: Scenario) -> Scenario:
     )
 
 
-def run_one(server: Server | Group, s: Scenario, tokenizer: Any, quick: bool) -> dict[str, Any]:
+def run_one(server: Server | Group, s: Scenario, tokenizer: Any, quick: bool, round_: int = 0) -> dict[str, Any]:
+    """One scenario on one server. Round r draws prompts of its own (seed + r): a repeated
+    scenario would otherwise find its prompts in the server's prefix cache."""
     s = shortened(s) if quick else s
-    results, wall = asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, seed_of(s.name))))
+    requests = scenario_requests(s, tokenizer, seed_of(s.name) + round_)
+    results, wall = asyncio.run(run_scenario(server.url, s, requests))
     return summarize(results, wall)
 
 
+def measure_scenario(
+    server: Server | Group, name: str, args: argparse.Namespace, tokenizer: Any, round_: int = 0
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    tag = f"[{server.name}]" + (f" round {round_ + 1}" if args.rounds > 1 else "")
+    if name == "mixed":
+        row: dict[str, Any] = asyncio.run(run_mixed(server.url, tokenizer, args, round_))
+    elif name in SWEEPS:
+        row = {}
+        for point, s in sweep_scenarios(name).items():
+            row[point] = run_one(server, s, tokenizer, args.quick, round_)
+            print(f"  {tag} {name} {point}: {row[point]}", flush=True)
+    else:
+        row = run_one(server, SCENARIOS[name], tokenizer, args.quick, round_)
+    print(f"  {tag} {name}: {row} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return row
+
+
 def measure(server: Server | Group, args: argparse.Namespace, tokenizer: Any) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = {}
     warm_up(server, tokenizer)
+    return {name: measure_scenario(server, name, args, tokenizer) for name in args.scenarios.split(",")}
+
+
+def measure_rounds(
+    servers: dict[str, Server | Group], args: argparse.Namespace, tokenizer: Any
+) -> list[dict[str, dict[str, Any]]]:
+    """--rounds N: every server up (idle while another runs), each scenario run N times on each,
+    server after server, the order reversed every other round, so a pair of runs to compare is
+    a minute or two apart rather than a whole server's run, and neither server always goes first.
+    On a shared machine whose speed drifts over minutes, the median of the paired ratios is the
+    figure to quote (print_round_ratios)."""
+    for server in servers.values():
+        warm_up(server, tokenizer)
+    rounds: list[dict[str, dict[str, Any]]] = [{name: {} for name in servers} for _ in range(args.rounds)]
     for name in args.scenarios.split(","):
-        started = time.perf_counter()
-        if name == "mixed":
-            rows[name] = asyncio.run(run_mixed(server.url, tokenizer, args))
-        elif name in SWEEPS:
-            rows[name] = {}
-            for point, s in sweep_scenarios(name).items():
-                rows[name][point] = run_one(server, s, tokenizer, args.quick)
-                print(f"  [{server.name}] {name} {point}: {rows[name][point]}", flush=True)
-        else:
-            rows[name] = run_one(server, SCENARIOS[name], tokenizer, args.quick)
-        print(f"  [{server.name}] {name}: {rows[name]} ({time.perf_counter() - started:.0f} s)", flush=True)
-    return rows
+        for r in range(args.rounds):
+            order = list(servers) if r % 2 == 0 else list(reversed(servers))
+            for server_name in order:
+                rounds[r][server_name][name] = measure_scenario(servers[server_name], name, args, tokenizer, r)
+    return rounds
+
+
+def median_table(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each server's, scenario's (and sweep point's) figures: the median over the rounds."""
+
+    def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        if isinstance(next(iter(rows[0].values())), dict):  # a sweep: its points
+            return {point: median_row([r[point] for r in rows]) for point in rows[0]}
+        return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+
+    first = rounds[0]
+    return {sv: {sc: median_row([r[sv][sc] for r in rounds]) for sc in first[sv]} for sv in first}
+
+
+def round_ratios(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Per server (not vLLM), scenario and metric: pdserve ÷ vLLM in each round (the pairs)."""
+    keys = {"mixed": ("tpot_p99_ms", "goodput_rps")}
+    default = ("ttft_p50_s", "tpot_p50_ms", "tok_per_s")
+    flats = [flat(r) for r in rounds]
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for sv in flats[0]:
+        if sv == "vllm" or "vllm" not in flats[0]:
+            continue
+        out[sv] = {}
+        for sc in flats[0][sv]:
+            out[sv][sc] = {
+                key: [f[sv][sc][key] / f["vllm"][sc][key] if f["vllm"][sc][key] else float("nan") for f in flats]
+                for key in keys.get(sc, default)
+            }
+    return out
+
+
+def print_round_ratios(rounds: list[dict[str, dict[str, Any]]]) -> None:
+    for sv, rows in round_ratios(rounds).items():
+        print(f"\n{sv} ÷ vLLM, paired by round: median [lowest – highest] of {len(rounds)}")
+        for sc, metrics in rows.items():
+            cells = [f"{key} {statistics.median(v):.2f} [{min(v):.2f} – {max(v):.2f}]" for key, v in metrics.items()]
+            print(f"  {sc}: " + ", ".join(cells))
 
 
 # ---- report --------------------------------------------------------------------------------------------
@@ -525,6 +601,54 @@ def plot_sweeps(table: dict[str, dict[str, Any]], path: Path, where: str) -> boo
     return True
 
 
+def start_server(
+    name: str, args: argparse.Namespace, folder: Path, dtype: str, port: int, logs: Path
+) -> Server | Group | None:
+    """One configuration of --servers, serving (None: vLLM's venv is not set up)."""
+    from pdserve_worker.model.loading.default_model import default_model_path
+
+    started = time.perf_counter()
+    if name in ("vllm", "vllm-pd") and not args.vllm_python.exists():
+        print(f"# {name} skipped: {args.vllm_python} missing (bash benchmarks/setup_vllm.sh)", flush=True)
+        return None
+    if name == "vllm":
+        server: Server | Group = start_vllm(folder, dtype, port, logs, args.vllm_python)
+    elif name == "vllm-pd":
+        server = start_vllm_pd(folder, dtype, port, logs, args.vllm_python)
+    elif name == "colocated-int4":
+        server = start_pdserve(name, str(default_model_path()), dtype, port, logs, ["--colocated"])
+    elif name == "colocated-int4-q8in":
+        extra = ["--colocated", "--env", "PDSERVE_QUANT_INPUTS=int8"]
+        server = start_pdserve(name, str(default_model_path()), dtype, port, logs, extra)
+    elif name == "colocated":
+        server = start_pdserve(name, str(folder), dtype, port, logs, ["--colocated"])
+    elif name == "pd":
+        server = start_pdserve(name, str(folder), dtype, port, logs, ["--prefill", "1", "--decode", "1"])
+    else:
+        raise SystemExit(f"unknown server {name!r}")
+    print(f"# {name} serving after {time.perf_counter() - started:.0f} s: {server.settings}", flush=True)
+    return server
+
+
+def run_rounds(
+    args: argparse.Namespace, folder: Path, dtype: str, logs: Path, tokenizer: Any
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any], list[dict[str, dict[str, Any]]]]:
+    """--rounds N: every server started (one at a time) and kept up, then measure_rounds."""
+    servers: dict[str, Server | Group] = {}
+    try:
+        for index, name in enumerate(args.servers.split(",")):
+            server = start_server(name, args, folder, dtype, 18600 + index, logs)
+            if server is not None:
+                servers[name] = server
+        rounds = measure_rounds(servers, args, tokenizer) if servers else []
+    finally:
+        for server in servers.values():
+            server.stop()
+    if not rounds:
+        return {}, {}, []
+    return median_table(rounds), {name: s.settings for name, s in servers.items()}, rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="vllm,colocated,pd,colocated-int4")
@@ -534,14 +658,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-ttft", type=float, default=5.0, help="mixed: TTFT bound of goodput, s")
     parser.add_argument("--slo-tpot", type=float, default=0.15, help="mixed: TPOT bound of goodput, s")
     parser.add_argument("--quick", action="store_true", help="one wave per scenario, 32 output tokens at most")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each scenario this many times on each server, all servers up, alternating (medians)",
+    )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-vs-vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "figures")
     parser.add_argument(
         "--merge", action="store_true", help="add these servers' results to the JSON in --out (a rerun of one server)"
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     from pdserve_worker.cli.local_deployment import auto_dtype
-    from pdserve_worker.model.loading.default_model import default_model_path
     from pdserve_worker.model.tokenizer import Tokenizer
 
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype
@@ -553,36 +684,19 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="vs-vllm-logs-"))
     table: dict[str, dict[str, dict[str, Any]]] = {}
     settings: dict[str, Any] = {}
-    for name in args.servers.split(","):
-        port = 18600 + len(table)
-        started = time.perf_counter()
-        if name == "vllm":
-            if not args.vllm_python.exists():
-                print(f"# vllm skipped: {args.vllm_python} missing (bash benchmarks/setup_vllm.sh)", flush=True)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    if args.rounds > 1:
+        table, settings, rounds = run_rounds(args, folder, dtype, logs, tokenizer)
+    else:
+        for index, name in enumerate(args.servers.split(",")):
+            server = start_server(name, args, folder, dtype, 18600 + index, logs)
+            if server is None:
                 continue
-            server: Server | Group = start_vllm(folder, dtype, port, logs, args.vllm_python)
-        elif name == "vllm-pd":
-            if not args.vllm_python.exists():
-                print(f"# vllm-pd skipped: {args.vllm_python} missing (bash benchmarks/setup_vllm.sh)", flush=True)
-                continue
-            server = start_vllm_pd(folder, dtype, port, logs, args.vllm_python)
-        elif name == "colocated-int4":
-            server = start_pdserve(name, str(default_model_path()), dtype, port, logs, ["--colocated"])
-        elif name == "colocated-int4-q8in":
-            extra = ["--colocated", "--env", "PDSERVE_QUANT_INPUTS=int8"]
-            server = start_pdserve(name, str(default_model_path()), dtype, port, logs, extra)
-        elif name == "colocated":
-            server = start_pdserve(name, str(folder), dtype, port, logs, ["--colocated"])
-        elif name == "pd":
-            server = start_pdserve(name, str(folder), dtype, port, logs, ["--prefill", "1", "--decode", "1"])
-        else:
-            raise SystemExit(f"unknown server {name!r}")
-        print(f"# {name} serving after {time.perf_counter() - started:.0f} s: {server.settings}", flush=True)
-        try:
-            table[name] = measure(server, args, tokenizer)
-            settings[name] = server.settings
-        finally:
-            server.stop()
+            try:
+                table[name] = measure(server, args, tokenizer)
+                settings[name] = server.settings
+            finally:
+                server.stop()
     if not table:
         return 1
     if args.merge and (args.out / "vs_vllm.json").is_file():
@@ -590,8 +704,12 @@ def main(argv: list[str] | None = None) -> int:
         table = {**{k: v for k, v in earlier["results"].items() if k not in table}, **table}
         settings = {**earlier.get("settings", {}), **settings}
     print_report(table)
+    if rounds:
+        print_round_ratios(rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine(), "date": str(datetime.date.today()), "dtype": dtype, "settings": settings}
+    if rounds:  # the table is then each figure's median over the rounds; the rounds themselves too
+        report |= {"rounds": rounds, "paired_ratios": round_ratios(rounds)}
     (args.out / "vs_vllm.json").write_text(json.dumps(report | {"results": table}, indent=1))
     try:
         plot(table, args.out / "vs_vllm.png", where)
