@@ -449,41 +449,54 @@ def measure_rounds(
 
 
 def median_table(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Each server's, scenario's (and sweep point's) figures: the median over the rounds."""
+    """Each server's, scenario's (and sweep point's) figures: the median over the rounds (failed
+    requests: their sum)."""
 
     def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(next(iter(rows[0].values())), dict):  # a sweep: its points
             return {point: median_row([r[point] for r in rows]) for point in rows[0]}
-        return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        # failures add up over the rounds (a median would hide one round's)
+        return {key: (sum if key == "failed" else statistics.median)([r[key] for r in rows]) for key in rows[0]}
 
     first = rounds[0]
     return {sv: {sc: median_row([r[sv][sc] for r in rounds]) for sc in first[sv]} for sv in first}
 
 
-def round_ratios(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """Per server (not vLLM), scenario and metric: pdserve ÷ vLLM in each round (the pairs)."""
+def round_ratios(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, list[float | None]]]]:
+    """Per server (not vLLM), scenario and metric: pdserve ÷ vLLM in each round (the pairs);
+    None where vLLM's figure is 0 (no request of its met the mixed scenario's SLO: no ratio)."""
     keys = {"mixed": ("tpot_p99_ms", "goodput_rps")}
     default = ("ttft_p50_s", "tpot_p50_ms", "tok_per_s")
     flats = [flat(r) for r in rounds]
-    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    out: dict[str, dict[str, dict[str, list[float | None]]]] = {}
     for sv in flats[0]:
         if sv == "vllm" or "vllm" not in flats[0]:
             continue
         out[sv] = {}
         for sc in flats[0][sv]:
             out[sv][sc] = {
-                key: [f[sv][sc][key] / f["vllm"][sc][key] if f["vllm"][sc][key] else float("nan") for f in flats]
+                key: [f[sv][sc][key] / f["vllm"][sc][key] if f["vllm"][sc][key] else None for f in flats]
                 for key in keys.get(sc, default)
             }
     return out
+
+
+def spread(ratios: list[float | None]) -> str:
+    """ "median [lowest – highest]" of the rounds that have a ratio, and how many have none."""
+    values = [v for v in ratios if v is not None]
+    missing = (
+        f" ({len(ratios) - len(values)} of {len(ratios)} rounds: vLLM 0, no ratio)" if len(values) < len(ratios) else ""
+    )
+    if not values:
+        return "—" + missing
+    return f"{statistics.median(values):.2f} [{min(values):.2f} – {max(values):.2f}]" + missing
 
 
 def print_round_ratios(rounds: list[dict[str, dict[str, Any]]]) -> None:
     for sv, rows in round_ratios(rounds).items():
         print(f"\n{sv} ÷ vLLM, paired by round: median [lowest – highest] of {len(rounds)}")
         for sc, metrics in rows.items():
-            cells = [f"{key} {statistics.median(v):.2f} [{min(v):.2f} – {max(v):.2f}]" for key, v in metrics.items()]
-            print(f"  {sc}: " + ", ".join(cells))
+            print(f"  {sc}: " + ", ".join(f"{key} {spread(v)}" for key, v in metrics.items()))
 
 
 # ---- report --------------------------------------------------------------------------------------------
@@ -649,6 +662,41 @@ def run_rounds(
     return median_table(rounds), {name: s.settings for name, s in servers.items()}, rounds
 
 
+def plot_round_ratios(rounds: list[dict[str, dict[str, Any]]], path: Path, where: str) -> bool:
+    """--rounds: pdserve ÷ vLLM per scenario, a dot per round and a bar at the median."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = round_ratios(rounds)
+    if not ratios:
+        return False
+    panels = (("ttft_p50_s", "TTFT p50 ÷ vLLM"), ("tpot_p50_ms", "TPOT p50 ÷ vLLM"), ("tok_per_s", "tokens/s ÷ vLLM"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / len(ratios)
+    for ax, (key, label) in zip(axes, panels):
+        for i, (server, rows) in enumerate(ratios.items()):
+            scenarios = [sc for sc, metrics in rows.items() if key in metrics]
+            for j, sc in enumerate(scenarios):
+                x = j + i * width
+                values = [v for v in rows[sc][key] if v is not None]
+                if not values:
+                    continue
+                ax.scatter([x] * len(values), values, s=14, color=f"C{i + 1}", label=server if j == 0 else None)
+                ax.hlines(statistics.median(values), x - width / 3, x + width / 3, color=f"C{i + 1}")
+            ax.set_xticks([j + width * (len(ratios) - 1) / 2 for j in range(len(scenarios))], scenarios, fontsize=8)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"pdserve ÷ vLLM, each round's pair (dots) and their median (bar) — {where}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="vllm,colocated,pd,colocated-int4")
@@ -716,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {args.out / 'vs_vllm.png'}")
         if plot_sweeps(table, args.out / "vs_vllm_sweeps.png", where):
             print(f"plot: {args.out / 'vs_vllm_sweeps.png'}")
+        if rounds and plot_round_ratios(rounds, args.out / "vs_vllm_rounds.png", f"{where}, {len(rounds)} rounds"):
+            print(f"plot: {args.out / 'vs_vllm_rounds.png'}")
     except ImportError:
         print("plot skipped: matplotlib is not installed (pip install -e '.[plots]')")
     shutil.rmtree(logs, ignore_errors=True) if not any(

@@ -4,7 +4,6 @@ quotes (each metric's median over the rounds; pdserve ÷ vLLM paired round by ro
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,14 @@ def test_median_table_takes_each_metric_median_over_rounds_and_sweep_points() ->
     assert table["vllm"]["mixed"]["goodput_rps"] == 0.0
 
 
+def test_median_table_adds_up_failures_rather_than_hiding_one_round() -> None:
+    rounds = _rounds()
+    rounds[1]["colocated"]["c16"]["failed"] = 2
+    table = vs_vllm.median_table(rounds)
+    assert table["colocated"]["c16"]["failed"] == 2
+    assert table["vllm"]["c16"]["failed"] == 0
+
+
 def test_round_ratios_pair_runs_of_the_same_round() -> None:
     ratios = vs_vllm.round_ratios(_rounds())
     assert set(ratios) == {"colocated"}  # vLLM is the baseline, not a row
@@ -56,7 +63,13 @@ def test_round_ratios_pair_runs_of_the_same_round() -> None:
     mixed = ratios["colocated"]["mixed"]
     assert set(mixed) == {"tpot_p99_ms", "goodput_rps"}  # the PD scenario's own two figures
     assert mixed["tpot_p99_ms"] == pytest.approx([0.25] * 3)
-    assert all(math.isnan(x) for x in mixed["goodput_rps"])  # vLLM's 0: no ratio, not a crash
+    assert mixed["goodput_rps"] == [None] * 3  # vLLM's 0: no ratio (and no NaN in the JSON)
+
+
+def test_spread_quotes_the_rounds_that_have_a_ratio() -> None:
+    assert vs_vllm.spread([1.2, 0.9, 1.1]) == "1.10 [0.90 – 1.20]"
+    assert vs_vllm.spread([3.3, None, 4.3]) == "3.80 [3.30 – 4.30] (1 of 3 rounds: vLLM 0, no ratio)"
+    assert vs_vllm.spread([None, None]) == "— (2 of 2 rounds: vLLM 0, no ratio)"
 
 
 def test_round_ratios_need_vllm() -> None:
