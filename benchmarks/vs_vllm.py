@@ -49,12 +49,12 @@ pdserve ÷ vLLM; writes a JSON and PNG plots to --out.
 `--rounds N` (N > 1): this machine is shared and its speed drifts over minutes, so one run per
 server, a server's whole run after the other's, can decide a ratio by when each ran. With
 rounds, every server is started first (one at a time) and stays up, idle while another is
-measured; each scenario then runs N times on every server, server after server, the order
-reversed every other round, each round with prompts of its own (idle, a server costs little: over
-30 s, 2026-12-06 on the 2-vCPU EPYC, 0.07 CPU-s for `colocated`, 0.44 for vLLM, 0.83 for `pd`'s
-five processes). The tables and plots show each
-figure's median over the rounds, and the ratios are also given paired by round: the median,
-lowest and highest of the N ratios of runs a minute or two apart.
+measured (idle, a server costs little: over 30 s, 2026-12-06 on the 2-vCPU EPYC, 0.07 CPU-s
+for `colocated`, 0.44 for vLLM, 0.83 for `pd`'s five processes); each scenario then runs N
+times on every server, server after server, the order reversed every other round, each round
+with prompts of its own. The tables and plots show each figure's median over the rounds, and
+the ratios are also given paired by round: the median, lowest and highest of the N ratios of
+runs a minute or two apart (and a plot of each round's pair, vs_vllm_rounds.png).
 """
 
 from __future__ import annotations
@@ -482,7 +482,7 @@ def round_ratios(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str,
 
 
 def spread(ratios: list[float | None]) -> str:
-    """ "median [lowest – highest]" of the rounds that have a ratio, and how many have none."""
+    """The median [lowest – highest] of the rounds that have a ratio, and how many have none."""
     values = [v for v in ratios if v is not None]
     missing = (
         f" ({len(ratios) - len(values)} of {len(ratios)} rounds: vLLM 0, no ratio)" if len(values) < len(ratios) else ""
