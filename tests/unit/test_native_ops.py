@@ -299,3 +299,20 @@ def test_the_cpu_key_follows_the_cpus_flags_and_torchs_version(monkeypatch):
     assert key is not None and len(key) == 16
     monkeypatch.setattr(native.torch, "__version__", "0.0.0-other")
     assert native._cpu_key() != key
+
+
+def test_the_build_digest_covers_every_source_and_header(monkeypatch, tmp_path):
+    csrc = Path(native.__file__).with_name("csrc")
+    assert {p.name for p in csrc.iterdir() if p.suffix == ".cpp"} == {p.name for p in native.SOURCES}
+    assert {p.name for p in csrc.iterdir() if p.suffix == ".h"} == {p.name for p in native.HEADERS}
+    for source in native.SOURCES:  # every header a source includes is one the digest reads
+        for line in source.read_text().splitlines():
+            if line.startswith('#include "'):
+                assert csrc / line.split('"')[1] in native.HEADERS, f"{source.name}: {line}"
+    flags = ["-O3"]
+    digest = native._digest(flags)
+    header = tmp_path / "cpu_features.h"
+    header.write_text(native.HEADERS[0].read_text() + "\n// changed\n")
+    monkeypatch.setattr(native, "HEADERS", (header,))
+    assert native._digest(flags) != digest  # a header's change rebuilds the library
+    assert native._digest(["-O2"]) != native._digest(flags)

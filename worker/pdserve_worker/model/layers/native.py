@@ -62,6 +62,7 @@ SOURCES = tuple(
         "quant_linear.cpp",
     )
 )
+HEADERS = (Path(__file__).with_name("csrc") / "cpu_features.h",)  # included by the sources: in the digest too
 ENV = "PDSERVE_NATIVE_OPS"  # kernel (default) | torch
 
 _lock = threading.Lock()
@@ -136,9 +137,8 @@ def build(verbose: bool = False) -> str:
     """Load the cached library, or compile it first, and register the `torch.ops.pdserve` ops;
     returns the ISA it was built for."""
     isa, arch, macros = _isa()
-    sources = b"".join(path.read_bytes() for path in SOURCES)
     flags = [*CFLAGS, *arch, *macros]
-    digest = hashlib.sha256(sources + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = _digest(flags)
     name = f"pdserve_native_{digest}"
     folder = _cache_root() / f"native-{digest}"
     library = folder / f"{name}.so"
@@ -160,6 +160,12 @@ def build(verbose: bool = False) -> str:
         verbose=verbose,
     )
     return isa
+
+
+def _digest(flags: list[str]) -> str:
+    """What the library is built from: every source and header, torch's version, the flags."""
+    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    return hashlib.sha256(text + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
 
 
 def available() -> bool:

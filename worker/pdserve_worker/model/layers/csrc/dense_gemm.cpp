@@ -32,6 +32,8 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -147,17 +149,8 @@ void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, con
 #pragma GCC pop_options
 #endif  // __x86_64__
 
-// (The same CPU check as dense_linear_supported, which native.dense_serves asks for both kernels.)
-bool has_avx2_fma() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_avx2_fma(), "dense_gemm: this CPU has no AVX2/FMA");
+  TORCH_CHECK(pdserve_cpu::has_avx2_fma(), "dense_gemm: this CPU has no AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "dense_gemm: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),

@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -119,13 +121,8 @@ void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, con
 #pragma GCC pop_options
 #endif  // __x86_64__
 
-bool dense_linear_supported() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
+// (native.dense_serves asks this for dense_gemm.cpp's kernel too: the same check.)
+bool dense_linear_supported() { return pdserve_cpu::has_avx2_fma(); }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(dense_linear_supported(), "dense_linear: this CPU has no AVX2/FMA");

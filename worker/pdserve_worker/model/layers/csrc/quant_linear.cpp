@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_features.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -257,17 +259,9 @@ void group_sums(const float* x, int64_t rows, int64_t k, float* xsum) {
 #pragma GCC pop_options
 #endif  // __x86_64__
 
-bool has_avx2_fma() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n, bool wide,
                         bool out_bf16, bool int8_inputs) {
-  TORCH_CHECK(has_avx2_fma(), "quant_linear: this CPU has no AVX2/FMA/F16C");
+  TORCH_CHECK(pdserve_cpu::has_avx2_fma_f16c(), "quant_linear: this CPU has no AVX2/FMA/F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "quant_linear: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && scales.scalar_type() == at::kHalf &&
@@ -306,7 +300,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return out;
 }
 
-bool quant_linear_supported() { return has_avx2_fma(); }
+bool quant_linear_supported() { return pdserve_cpu::has_avx2_fma_f16c(); }
 
 }  // namespace
 
