@@ -31,12 +31,14 @@ def test_info_reports_the_cpu_matmul_route_the_engine_takes():
     )
     cpu = json.loads(out.stdout)["cpu"]
     assert cpu["dtype_auto"] in ("float32", "bfloat16")
-    routes = {"fp32-upcast", "native-decode", "onednn-prepacked", "plain"}
+    routes = {"fp32-upcast", "native-upcast", "native-decode", "onednn-prepacked", "plain"}
     assert set(cpu["matmul"]) == {"float32", "bfloat16", "float16"} and set(cpu["matmul"].values()) <= routes
     for name, shown in cpu["matmul"].items():
         linear = Linear(torch.device("cpu"), getattr(torch, name))
         taken = (
-            "fp32-upcast"
+            "native-upcast"
+            if linear.upcast and linear.native_decode
+            else "fp32-upcast"
             if linear.upcast
             else "native-decode"
             if linear.native_decode

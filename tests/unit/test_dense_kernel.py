@@ -85,10 +85,12 @@ def test_the_kernel_refuses_what_it_does_not_take():
         native.dense_linear(x.to(torch.bfloat16), w, None)
     with pytest.raises(RuntimeError, match="x must be a contiguous fp32"):
         native.dense_linear(torch.randn(16, 2).t(), w, None)
-    with pytest.raises(RuntimeError, match=r"w must be a contiguous fp32 \[n, 16\]"):
+    with pytest.raises(RuntimeError, match=r"w must be a contiguous fp32 or bf16 \[n, 16\], got \[4, 8\] Float"):
         native.dense_linear(x, torch.randn(4, 8), None)
-    with pytest.raises(RuntimeError, match=r"w must be a contiguous fp32 \[n, 16\]"):
+    with pytest.raises(RuntimeError, match=r"w must be a contiguous fp32 or bf16 \[n, 16\]"):
         native.dense_linear(x, torch.randn(16, 4).t(), None)
+    with pytest.raises(RuntimeError, match=r"w must be a contiguous fp32 or bf16 \[n, 16\], got \[4, 16\] Half"):
+        native.dense_linear(x, w.half(), None)
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous fp32 \[4\]"):
         native.dense_linear(x, w, torch.randn(5))
     assert native.dense_linear(torch.randn(0, 16), w, None).shape == (0, 4)
@@ -157,8 +159,10 @@ def test_the_gemm_refuses_what_it_does_not_take():
         native.dense_gemm(torch.randn(2, 12), torch.randn(4, 12), None)
     with pytest.raises(RuntimeError, match="dense_gemm: x must be a contiguous fp32"):
         native.dense_gemm(x.to(torch.bfloat16), w, None)
-    with pytest.raises(RuntimeError, match=r"dense_gemm: w must be a contiguous fp32 \[n, 16\]"):
+    with pytest.raises(RuntimeError, match=r"dense_gemm: w must be a contiguous fp32 or bf16 \[n, 16\]"):
         native.dense_gemm(x, torch.randn(16, 4).t(), None)
+    with pytest.raises(RuntimeError, match=r"dense_gemm: w must be a contiguous fp32 or bf16 \[n, 16\], got .* Half"):
+        native.dense_gemm(x, w.half(), None)
     with pytest.raises(RuntimeError, match=r"dense_gemm: bias must be a contiguous fp32 \[4\]"):
         native.dense_gemm(x, w, torch.randn(5))
     assert native.dense_gemm(torch.randn(0, 16), w, None).shape == (0, 4)
@@ -170,5 +174,51 @@ def test_the_route_is_fp32_on_avx2_cpus_only():
     assert native_dense(CPU, torch.float32) == on_avx2
     assert route(CPU, torch.float32) == ("native-decode" if on_avx2 else "onednn-prepacked")
     assert not native_dense(CPU, torch.bfloat16) and not native_dense(torch.device("meta"), torch.float32)
+    bf16_native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert route(CPU, torch.bfloat16) == (
+        "onednn-prepacked" if bf16_native else "native-upcast" if on_avx2 else "fp32-upcast"
+    )
     assert Linear(CPU, torch.float32).native_decode == on_avx2
     assert not Linear(CPU, torch.float32, prepack=True).native_decode, "a route asked for by name is that route"
+
+
+# bf16 weights (a bf16 model on a CPU without native bf16: matmul.route "native-upcast"): the
+# kernels widen each weight to fp32 in registers, which is exact, so the product's bits are the
+# fp32 kernel's on the same values, while reading half the bytes.
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7, 16, 32, 33, 100, 384])
+@pytest.mark.parametrize(("n", "k"), [(3, 8), (17, 24), (97, 576), (192, 1536)])
+def test_bf16_weights_give_the_bits_of_the_same_values_in_fp32(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    x = torch.randn(rows, k, generator=gen)
+    w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+    kernel = native.dense_linear if rows <= DENSE_KERNEL_MAX_ROWS else native.dense_gemm
+    y = kernel(x, w, b)
+    assert torch.equal(y, kernel(x, w.float(), b))
+    check_product(y, x, w.float(), b)
+
+
+@pytest.mark.skipif(
+    bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), reason="a CPU with native bf16 runs bf16 on oneDNN"
+)
+def test_a_bf16_linear_runs_the_kernels_on_fp32_inputs_and_rounds_once():
+    linear = Linear(CPU, torch.bfloat16)
+    assert linear.upcast and linear.native_decode, route(CPU, torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    w = linear.prepare(torch.randn(96, 64, generator=gen).bfloat16())
+    b = torch.randn(96, generator=gen).bfloat16()
+    for rows in (1, DENSE_KERNEL_MAX_ROWS, DENSE_KERNEL_MAX_ROWS + 1, DENSE_GEMM_MAX_ROWS):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        kernel = native.dense_linear if rows <= DENSE_KERNEL_MAX_ROWS else native.dense_gemm
+        y = linear(x, w, bias=b)
+        assert y.dtype == torch.bfloat16, "the activation dtype, rounded once from the fp32 sum"
+        assert torch.equal(y, kernel(x.float(), w, b.float()).bfloat16())
+    # a decode step's rows: each row's bits the same alone or in a batch
+    batch = torch.randn(DENSE_KERNEL_MAX_ROWS, 64, generator=gen).bfloat16()
+    alone = torch.cat([linear(batch[i : i + 1], w) for i in range(batch.shape[0])])
+    assert torch.equal(linear(batch, w), alone)
+    # beyond the GEMM's rows: the upcast blocks on torch's GEMM, the same product up to its sums
+    many = torch.randn(DENSE_GEMM_MAX_ROWS + 1, 64, generator=gen).bfloat16()
+    torch.testing.assert_close(linear(many, w), F.linear(many.float(), w.float()).bfloat16(), atol=2e-2, rtol=1e-2)
+    assert not Linear(CPU, torch.bfloat16, upcast=True).native_decode, "a route asked for by name is that route"

@@ -9,7 +9,14 @@ GEMV, batch-1 decode) is fine and memory bound, and bf16 weights halve the bytes
 So for multi-row inputs on such CPUs the weight is upcast block by block into a reused fp32
 scratch buffer small enough to stay in cache, and each block goes through fp32 GEMM (MKL).
 DRAM still reads only the bf16 bytes; the fp32 copy never leaves the cache. The result equals
-an fp32 GEMM of the same bf16 values.
+an fp32 GEMM of the same bf16 values. On AVX2 CPUs ("native-upcast"), inputs of up to
+`DENSE_GEMM_MAX_ROWS` rows instead run on the native fp32 kernels below with the bf16 weight as
+it is: they widen each weight in registers (exact), the input is upcast to fp32 and the result
+rounded once to the activation dtype, and a decode step's rows (1 to `DENSE_KERNEL_MAX_ROWS`)
+all take the small-M kernel, so a stream's bits do not depend on its batch (before, one row
+took torch's bf16 GEMV and more rows the upcast blocks). Measured 2026-12-06 on the 2-vCPU
+AVX2 EPYC, the bundled model in bf16: a decode step at batch 16, 320 tokens of context, 63 ms
+against 80 on the upcast blocks (benchmarks/README.md).
 
 On CPUs where oneDNN handles the dtype natively (fp32 anywhere; bf16 with AVX512-BF16/AMX),
 `prepare` reorders each weight once into oneDNN's blocked layout (the prepacking torch's own
@@ -105,10 +112,16 @@ def native_dense(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and native.dense_serves()
 
 
+def native_upcast(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `dtype` weights without native GEMM support take the native fp32 kernels as they
+    are (bf16 on an AVX2 CPU: the kernels widen each weight in registers)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and native.dense_serves()
+
+
 def route(device: torch.device, dtype: torch.dtype) -> str:
     """The route `Linear` takes for weights of `dtype` on `device` (`pdserve info` shows it)."""
     if not native_gemm(device, dtype):
-        return "fp32-upcast"
+        return "native-upcast" if native_upcast(device, dtype) else "fp32-upcast"
     if native_dense(device, dtype):
         return "native-decode"
     return "onednn-prepacked" if can_prepack(device, dtype) else "plain"
@@ -297,9 +310,9 @@ class Linear:
         chosen = route(device, dtype)
         self.dtype = dtype
         self.device = device
-        self.upcast = chosen == "fp32-upcast" if upcast is None else upcast
+        self.upcast = chosen in ("fp32-upcast", "native-upcast") if upcast is None else upcast
         if native_decode is None:  # a route asked for by name (upcast, prepack) is that route alone
-            native_decode = chosen == "native-decode" and upcast is None and prepack is None
+            native_decode = chosen in ("native-decode", "native-upcast") and upcast is None and prepack is None
         self.native_decode = native_decode
         self.prepack = (
             (not self.upcast and not self.native_decode and chosen == "onednn-prepacked")
@@ -317,8 +330,8 @@ class Linear:
         for this class only. The reorder is laid out for `REORDER_ROWS` rows; other row counts
         run on it correctly and, measured, no slower than on the plain weight.
         """
-        if self.native_decode and w.dtype == torch.float32:
-            return w.contiguous()  # the kernel and torch's GEMM both read it as it is
+        if self.native_decode and w.dtype in (torch.float32, torch.bfloat16):
+            return w.contiguous()  # the kernels (and torch's GEMM, or the upcast blocks) read it as it is
         if not self.prepack:
             return w
         try:
@@ -367,6 +380,8 @@ class Linear:
             return self._quantized(x, w, out_dtype, bias)
         if self.native_decode and not w.is_mkldnn and w.dtype == torch.float32 == x.dtype:
             return self._dense(x, w, out_dtype, bias)
+        if self.native_decode and self.upcast and w.dtype == torch.bfloat16 and self._native_rows(x, w):
+            return self._dense(x.float(), w, out_dtype or x.dtype, bias)
         if w.is_mkldnn:
             y = _prepacked_linear(x, w, bias)
             return y if out_dtype is None else y.to(out_dtype)
@@ -398,7 +413,7 @@ class Linear:
         for a prefill chunk's, torch's GEMM for longer inputs."""
         features = x.shape[-1]
         rows = x.numel() // features
-        if rows <= DENSE_GEMM_MAX_ROWS and features % 8 == 0 and w.is_contiguous():
+        if self._native_rows(x, w):
             flat = x.reshape(rows, features).contiguous()
             product = native.dense_linear if rows <= DENSE_KERNEL_MAX_ROWS else native.dense_gemm
             y = product(flat, w, None if bias is None else bias.float().contiguous())
@@ -406,6 +421,13 @@ class Linear:
         else:
             y = F.linear(x, w, bias)
         return y if out_dtype is None else y.to(out_dtype)
+
+    @staticmethod
+    def _native_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether the native kernels take `x @ w.T`: up to DENSE_GEMM_MAX_ROWS rows of a
+        multiple of 8 features, on a contiguous weight."""
+        features = x.shape[-1]
+        return x.numel() // features <= DENSE_GEMM_MAX_ROWS and features % 8 == 0 and w.is_contiguous()
 
     def _quantized(
         self, x: torch.Tensor, w: Int4Matrix, out_dtype: torch.dtype | None, bias: torch.Tensor | None

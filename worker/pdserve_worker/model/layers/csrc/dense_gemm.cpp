@@ -1,6 +1,7 @@
-// x @ W.T (+ bias) for an fp32 weight W [n, k] as the model holds it, for inputs of many rows
-// (prefill chunks: matmul.DENSE_KERNEL_MAX_ROWS says where dense_linear.cpp's small-M kernel
-// stops), in fp32 FMA on AVX2.
+// x @ W.T (+ bias) for an fp32 or bf16 weight W [n, k] as the model holds it, for fp32 inputs of
+// many rows (prefill chunks: matmul.DENSE_KERNEL_MAX_ROWS says where dense_linear.cpp's small-M
+// kernel stops), in fp32 FMA on AVX2. A bf16 weight is widened to fp32 (exactly) as it is
+// packed, so it gives the bits of the same values held in fp32.
 //
 // Why a kernel: these products are compute bound, and torch's fp32 GEMM (MKL here) and oneDNN's
 // prepacked one ran them at 120-150 GFLOP/s on this 2-vCPU Zen 3, whose two cores' FMA ports
@@ -29,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -48,18 +50,33 @@ constexpr int64_t X_BYTES = 2048 * 1024;  // input rows per pass over the weight
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-// out[j * PANEL + c] = w[c * k + j] for the panel's `cols` weight rows (c < cols; zeros beyond).
-void pack_panel(const float* w, int64_t cols, int64_t k, float* out) {
+// A weight as fp32: itself, or (bf16, held as its bits) the same bits in the high half.
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_w(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// out[j * PANEL + c] = w[c * k + j] (as fp32) for the panel's `cols` weight rows (c < cols; zeros beyond).
+template <typename W>
+void pack_panel(const W* w, int64_t cols, int64_t k, float* out) {
   if (cols < PANEL) {
     std::fill(out, out + k * PANEL, 0.0f);
     for (int64_t c = 0; c < cols; ++c)
-      for (int64_t j = 0; j < k; ++j) out[j * PANEL + c] = w[c * k + j];
+      for (int64_t j = 0; j < k; ++j) out[j * PANEL + c] = widen(w[c * k + j]);
     return;
   }
   for (int64_t c0 = 0; c0 < PANEL; c0 += 8) {
     for (int64_t j0 = 0; j0 < k; j0 += 8) {  // an 8 x 8 block transposed in registers
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(w + (c0 + i) * k + j0);
+      for (int i = 0; i < 8; ++i) r[i] = load_w(w + (c0 + i) * k + j0);
       const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
       const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
       const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -129,7 +146,8 @@ void rows_over_panel(const float* x, int64_t rows, int64_t k, const float* panel
   }
 }
 
-void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, const float* bias, float* out) {
+template <typename W>
+void run(const float* x, int64_t rows, const W* w, int64_t n, int64_t k, const float* bias, float* out) {
   const int64_t chunk = std::max<int64_t>(TILE_ROWS, X_BYTES / (k * int64_t(sizeof(float))) / TILE_ROWS * TILE_ROWS);
   const int64_t panels = (n + PANEL - 1) / PANEL;
   for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
@@ -153,8 +171,10 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, const std::optio
   TORCH_CHECK(pdserve_cpu::has_avx2_fma(), "dense_gemm: this CPU has no AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "dense_gemm: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
-              "dense_gemm: w must be a contiguous fp32 [n, ", x.size(1), "], got ", w.sizes(), " ", w.scalar_type());
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w.dim() == 2 && (bf16 || w.scalar_type() == at::kFloat) && w.is_contiguous() && w.size(1) == x.size(1),
+              "dense_gemm: w must be a contiguous fp32 or bf16 [n, ", x.size(1), "], got ", w.sizes(), " ",
+              w.scalar_type());
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(k > 0 && k % 8 == 0, "dense_gemm: k must be a positive multiple of 8, got ", k);
   const float* b = nullptr;
@@ -166,7 +186,11 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& w, const std::optio
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
 #if defined(__x86_64__)
-  run(x.data_ptr<float>(), rows, w.data_ptr<float>(), n, k, b, out.data_ptr<float>());
+  if (bf16) {
+    run(x.data_ptr<float>(), rows, reinterpret_cast<const uint16_t*>(w.data_ptr()), n, k, b, out.data_ptr<float>());
+  } else {
+    run(x.data_ptr<float>(), rows, w.data_ptr<float>(), n, k, b, out.data_ptr<float>());
+  }
 #endif
   return out;
 }

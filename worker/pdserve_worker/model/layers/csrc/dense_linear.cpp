@@ -1,5 +1,8 @@
-// x @ W.T (+ bias) for an fp32 weight W [n, k] as the model holds it (row-major, no repacking), for
-// the few input rows of a decode step (up to matmul.DENSE_KERNEL_MAX_ROWS), in fp32 FMA on AVX2.
+// x @ W.T (+ bias) for an fp32 or bf16 weight W [n, k] as the model holds it (row-major, no
+// repacking), for the few fp32 input rows of a decode step (up to matmul.DENSE_KERNEL_MAX_ROWS),
+// in fp32 FMA on AVX2. A bf16 weight is widened to fp32 in registers (exact: a bf16 is the top
+// half of an fp32), so it gives the bits of the same values held in fp32 while reading half the
+// bytes: bf16 models on CPUs without native bf16 (matmul.Linear).
 //
 // Why a kernel: a decode step's products are a string of small-M GEMMs whose weights come from
 // DRAM once per step. oneDNN's fp32 kernels (prepacked for 128 rows, matmul.REORDER_ROWS) read
@@ -61,15 +64,22 @@ struct Prefetch {
 };
 
 // Input rows x[0..R) times weight rows w[0..C), each k long: out[r * ldo + c] (+ bias[c]).
-template <int R, int C>
-void tile(const float* x, const float* w, int64_t k, const float* bias, float* out, int64_t ldo, Prefetch& pf) {
+// 8 weights as fp32: loaded, or (bf16, held as their bits) widened by a shift into the high half.
+inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_w(const uint16_t* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+template <int R, int C, typename W>
+void tile(const float* x, const W* w, int64_t k, const float* bias, float* out, int64_t ldo, Prefetch& pf) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < k; j += LANES) {
     for (int64_t p = 0; p < pf.per_step && pf.at < pf.end; ++p, pf.at += LINE) _mm_prefetch(pf.at, _MM_HINT_T0);
     __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * k + j);
+    for (int c = 0; c < C; ++c) wv[c] = load_w(w + c * k + j);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * k + j);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -80,20 +90,21 @@ void tile(const float* x, const float* w, int64_t k, const float* bias, float* o
 }
 
 // Every input row times weight rows w[0..C): tiles of 4 rows, then the remainder.
-template <int C>
-void weight_group(const float* x, int64_t rows, const float* w, int64_t k, const float* bias, float* out, int64_t n,
+template <int C, typename W>
+void weight_group(const float* x, int64_t rows, const W* w, int64_t k, const float* bias, float* out, int64_t n,
                   const char* next, const char* next_end) {
   const int64_t tiles = (rows + ROWS - 1) / ROWS, steps = k / LANES;
   const int64_t lines = next_end > next ? (next_end - next + LINE - 1) / LINE : 0;
   Prefetch pf{next, next_end, (lines + tiles * steps - 1) / (tiles * steps)};
   int64_t r = 0;
-  for (; r + ROWS <= rows; r += ROWS) tile<ROWS, C>(x + r * k, w, k, bias, out + r * n, n, pf);
-  if (rows - r == 3) tile<3, C>(x + r * k, w, k, bias, out + r * n, n, pf);
-  if (rows - r == 2) tile<2, C>(x + r * k, w, k, bias, out + r * n, n, pf);
-  if (rows - r == 1) tile<1, C>(x + r * k, w, k, bias, out + r * n, n, pf);
+  for (; r + ROWS <= rows; r += ROWS) tile<ROWS, C, W>(x + r * k, w, k, bias, out + r * n, n, pf);
+  if (rows - r == 3) tile<3, C, W>(x + r * k, w, k, bias, out + r * n, n, pf);
+  if (rows - r == 2) tile<2, C, W>(x + r * k, w, k, bias, out + r * n, n, pf);
+  if (rows - r == 1) tile<1, C, W>(x + r * k, w, k, bias, out + r * n, n, pf);
 }
 
-void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, const float* bias, float* out) {
+template <typename W>
+void run(const float* x, int64_t rows, const W* w, int64_t n, int64_t k, const float* bias, float* out) {
   const int64_t chunk = std::max<int64_t>(ROWS, X_BYTES / (k * int64_t(sizeof(float))) / ROWS * ROWS);
   if (rows > chunk) {
     for (int64_t r = 0; r < rows; r += chunk) run(x + r * k, std::min(chunk, rows - r), w, n, k, bias, out + r * n);
@@ -104,16 +115,16 @@ void run(const float* x, int64_t rows, const float* w, int64_t n, int64_t k, con
     const char* range_end = reinterpret_cast<const char*>(w + std::min(n, g1 * COLS) * k);  // this thread's rows
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t c0 = g * COLS, cols = std::min<int64_t>(COLS, n - c0);
-      const float* wg = w + c0 * k;
+      const W* wg = w + c0 * k;
       const float* bg = bias != nullptr ? bias + c0 : nullptr;
       const char* next = reinterpret_cast<const char*>(wg + cols * k);
       const char* next_end = std::min(reinterpret_cast<const char*>(wg + (cols + COLS) * k), range_end);
       if (cols == COLS) {
-        weight_group<COLS>(x, rows, wg, k, bg, out + c0, n, next, next_end);
+        weight_group<COLS, W>(x, rows, wg, k, bg, out + c0, n, next, next_end);
         continue;
       }
       for (int64_t c = 0; c < cols; ++c)  // the last rows of an n that is not a multiple of 3
-        weight_group<1>(x, rows, wg + c * k, k, bg != nullptr ? bg + c : nullptr, out + c0 + c, n, next, next_end);
+        weight_group<1, W>(x, rows, wg + c * k, k, bg != nullptr ? bg + c : nullptr, out + c0 + c, n, next, next_end);
     }
   });
 }
@@ -128,8 +139,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(dense_linear_supported(), "dense_linear: this CPU has no AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "dense_linear: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
-              "dense_linear: w must be a contiguous fp32 [n, ", x.size(1), "], got ", w.sizes(), " ", w.scalar_type());
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(w.dim() == 2 && (bf16 || w.scalar_type() == at::kFloat) && w.is_contiguous() && w.size(1) == x.size(1),
+              "dense_linear: w must be a contiguous fp32 or bf16 [n, ", x.size(1), "], got ", w.sizes(), " ",
+              w.scalar_type());
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(k > 0 && k % LANES == 0, "dense_linear: k must be a positive multiple of 8, got ", k);
   const float* b = nullptr;
@@ -141,7 +154,11 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
 #if defined(__x86_64__)
-  run(x.data_ptr<float>(), rows, w.data_ptr<float>(), n, k, b, out.data_ptr<float>());
+  if (bf16) {
+    run(x.data_ptr<float>(), rows, reinterpret_cast<const uint16_t*>(w.data_ptr()), n, k, b, out.data_ptr<float>());
+  } else {
+    run(x.data_ptr<float>(), rows, w.data_ptr<float>(), n, k, b, out.data_ptr<float>());
+  }
 #endif
   return out;
 }
