@@ -59,6 +59,7 @@ SOURCES = tuple(
         "dense_linear.cpp",
         "layer_ops.cpp",
         "prefill_attention.cpp",
+        "prefill_attention_fp32.cpp",
         "quant_linear.cpp",
     )
 )
@@ -250,27 +251,42 @@ PREFILL_HEAD_DIMS = (32, 64, 128)  # the prefill kernel's register tilings (csrc
 
 
 def prefill_serves(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the causal prefill kernel takes q `[n, heads, head_dim]` over keys `[T, kv_heads,
-    head_dim]`: bf16 on a CPU with AVX512-BF16, a head_dim it tiles, heads and head_dim dense.
-    Elsewhere the caller runs torch's SDPA (fp32 models, fp16, other CPUs, other devices)."""
+    """Whether a causal prefill kernel takes q `[n, heads, head_dim]` over keys `[T, kv_heads,
+    head_dim]` (heads and head_dim dense, one dtype): bf16 on a CPU with AVX512-BF16 and a
+    head_dim it tiles (csrc/prefill_attention.cpp); fp32 or bf16 on an AVX2 build, head_dim a
+    multiple of 8 up to 128 (csrc/prefill_attention_fp32.cpp). Elsewhere the caller runs torch's
+    SDPA (fp16, fp32 on AVX512 CPUs, other devices)."""
     head_dim = q.shape[-1]
-    return (
+    if not (
         q.device.type == "cpu"
-        and q.dtype == keys.dtype == torch.bfloat16
-        and head_dim in PREFILL_HEAD_DIMS
+        and q.dtype == keys.dtype == values.dtype
         and q.stride(-1) == 1
         and keys.stride(-1) == 1
         and keys.stride(-2) == head_dim
         and keys.stride() == values.stride()
         and available()
-        and _bf16_dot()
-    )
+    ):
+        return False
+    if _bf16_kernel(q):
+        return True
+    return q.dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 128 and _fp32_attention()
+
+
+def _bf16_kernel(q: torch.Tensor) -> bool:
+    return q.dtype == torch.bfloat16 and q.shape[-1] in PREFILL_HEAD_DIMS and _bf16_dot()
 
 
 def _bf16_dot() -> bool:
     known = _state.get("bf16_dot")
     if known is None:
         known = _state["bf16_dot"] = bool(torch.ops.pdserve.prefill_attention_supported())
+    return bool(known)
+
+
+def _fp32_attention() -> bool:
+    known = _state.get("fp32_attention")
+    if known is None:
+        known = _state["fp32_attention"] = bool(torch.ops.pdserve.prefill_attention_fp32_supported())
     return bool(known)
 
 
@@ -342,7 +358,8 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     kv_heads, head_dim]` (query p sees keys j <= T - n + p): `[n, heads * head_dim]`. A query's
     bits depend only on its own keys, so a prompt prefilled whole or in chunks gets the same."""
     n, heads, head_dim = q.shape
-    out = torch.ops.pdserve.prefill_attention(q, keys, values, head_dim**-0.5)
+    kernel = torch.ops.pdserve.prefill_attention if _bf16_kernel(q) else torch.ops.pdserve.prefill_attention_fp32
+    out = kernel(q, keys, values, head_dim**-0.5)
     return out.view(n, heads * head_dim)
 
 
