@@ -14,12 +14,8 @@
 // 16 outputs side by side per k, so each thread copies its 16 weight rows at a time transposed
 // ("packed", 8 x 8 blocks through registers) into a buffer that stays in L1/L2 while every input
 // row passes over it; the weight as the model holds it is read once per pass and not copied
-// anywhere else (dense_linear.cpp's decode kernel reads the same tensor). The inputs are packed
-// too, once per pass, each tile's 6 rows side by side per k ([k][6]), so a tile's broadcasts
-// read one sequential stream instead of 6 rows k apart: 1.05-1.2x the GEMM's speed at 256-512
-// rows of the default model's shapes (2026-12-06, this 2-vCPU Zen 3; benchmarks/dense_kernel.py),
-// the same bits. Inputs of more rows than fit in L2 (X_BYTES) pass over the weights in chunks
-// of that many.
+// anywhere else (dense_linear.cpp's decode kernel reads the same tensor). Inputs of more rows
+// than fit in L2 (X_BYTES) pass over the weights in chunks of that many.
 //
 // Each output is one FMA chain over k in order, then + bias: its bits depend only on its own
 // input row and weight row, never on the other rows or on the chunking (batch invariance).
@@ -102,26 +98,10 @@ void pack_panel(const W* w, int64_t cols, int64_t k, float* out) {
   }
 }
 
-// Rows [0, rows) of x [rows, k] as pack_x lays them out for the tiles: each tile of TILE_ROWS
-// rows (the last one maybe fewer, R) is [k][R], the tiles one after another (so tile t starts
-// at t * TILE_ROWS * k). Tiles in parallel: a pass's rows are copied once, by both threads.
-void pack_x(const float* x, int64_t rows, int64_t k, float* xp) {
-  const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r0 = t * TILE_ROWS, R = std::min<int64_t>(TILE_ROWS, rows - r0);
-      float* dst = xp + r0 * k;
-      for (int64_t j = 0; j < k; ++j)
-        for (int64_t r = 0; r < R; ++r) dst[j * R + r] = x[(r0 + r) * k + j];
-    }
-  });
-}
-
-// out[r, c] = x[r] . panel column c (+ bias[c]) for R rows (packed: xp [k][R]) and the panel's
-// `cols` outputs. (`#pragma GCC unroll`: without it GCC kept the accumulator array on the
-// stack, 3x slower.)
+// out[r, c] = x[r] . panel column c (+ bias[c]) for R rows and the panel's `cols` outputs.
+// (`#pragma GCC unroll`: without it GCC kept the accumulator array on the stack, 3x slower.)
 template <int R>
-void tile(const float* xp, int64_t k, const float* panel, const float* bias, int64_t cols, float* out, int64_t n) {
+void tile(const float* x, int64_t k, const float* panel, const float* bias, int64_t cols, float* out, int64_t n) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -129,7 +109,7 @@ void tile(const float* xp, int64_t k, const float* panel, const float* bias, int
     const __m256 w0 = _mm256_loadu_ps(panel + j * PANEL), w1 = _mm256_loadu_ps(panel + j * PANEL + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(xp + j * R + r);
+      const __m256 a = _mm256_broadcast_ss(x + r * k + j);
       acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
     }
@@ -149,12 +129,12 @@ void tile(const float* xp, int64_t k, const float* panel, const float* bias, int
   }
 }
 
-// Every input row (packed: pack_x) over one packed panel: full tiles of TILE_ROWS, then the remainder.
-void rows_over_panel(const float* xp, int64_t rows, int64_t k, const float* panel, const float* bias, int64_t cols,
+// Every input row over one packed panel: full tiles of TILE_ROWS, then the remainder.
+void rows_over_panel(const float* x, int64_t rows, int64_t k, const float* panel, const float* bias, int64_t cols,
                      float* out, int64_t n) {
   int64_t r = 0;
-  for (; r + TILE_ROWS <= rows; r += TILE_ROWS) tile<TILE_ROWS>(xp + r * k, k, panel, bias, cols, out + r * n, n);
-  const float* xr = xp + r * k;
+  for (; r + TILE_ROWS <= rows; r += TILE_ROWS) tile<TILE_ROWS>(x + r * k, k, panel, bias, cols, out + r * n, n);
+  const float* xr = x + r * k;
   float* o = out + r * n;
   switch (rows - r) {
     case 5: tile<5>(xr, k, panel, bias, cols, o, n); break;
@@ -170,16 +150,14 @@ template <typename W>
 void run(const float* x, int64_t rows, const W* w, int64_t n, int64_t k, const float* bias, float* out) {
   const int64_t chunk = std::max<int64_t>(TILE_ROWS, X_BYTES / (k * int64_t(sizeof(float))) / TILE_ROWS * TILE_ROWS);
   const int64_t panels = (n + PANEL - 1) / PANEL;
-  std::vector<float> xp(static_cast<size_t>(std::min(chunk, rows) * k));
   for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const int64_t count = std::min(chunk, rows - r0);
-    pack_x(x + r0 * k, count, k, xp.data());
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       std::vector<float> panel(static_cast<size_t>(k * PANEL));
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * PANEL, cols = std::min(PANEL, n - c0);
         pack_panel(w + c0 * k, cols, k, panel.data());
-        rows_over_panel(xp.data(), count, k, panel.data(), bias != nullptr ? bias + c0 : nullptr, cols,
+        rows_over_panel(x + r0 * k, count, k, panel.data(), bias != nullptr ? bias + c0 : nullptr, cols,
                         out + r0 * n + c0, n);
       }
     });
