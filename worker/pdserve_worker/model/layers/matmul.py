@@ -15,8 +15,9 @@ it is: they widen each weight in registers (exact), the input is upcast to fp32 
 rounded once to the activation dtype, and a decode step's rows (1 to `DENSE_KERNEL_MAX_ROWS`)
 all take the small-M kernel, so a stream's bits do not depend on its batch (before, one row
 took torch's bf16 GEMV and more rows the upcast blocks). Measured 2026-12-06 on the 2-vCPU
-AVX2 EPYC, the bundled model in bf16: a decode step at batch 16, 320 tokens of context, 63 ms
-against 80 on the upcast blocks (benchmarks/README.md).
+AVX2 EPYC, the bundled model in bf16, 320 tokens of context: decode steps of 18.9 / 43.3 / 59.4
+ms at batch 1 / 8 / 16 against 28.4 / 119.2 / 103.0 on the upcast blocks (the fp32 model: 27.2 /
+35.0 / 58.3; benchmarks/avx2_kernels.py, benchmarks/README.md).
 
 On CPUs where oneDNN handles the dtype natively (fp32 anywhere; bf16 with AVX512-BF16/AMX),
 `prepare` reorders each weight once into oneDNN's blocked layout (the prepacking torch's own

@@ -15,8 +15,8 @@
 // (ROWS x head_dim, too many for AVX2's 16 registers) stay in L1, and each tile's values are
 // added to them 16 values of head_dim at a time for all ROWS rows (12 accumulators, each value
 // vector loaded once). Measured 2026-12-06 on the 2-vCPU Zen 3, 9 heads over 3 KV heads of 64,
-// against torch's SDPA in the same process: 1.3-2x its speed at 256 tokens, 1.1-1.2x at 2,000
-// (benchmarks/README.md).
+// against torch's SDPA in the same process: 1.8-2.2x its speed at 128-512 tokens, 1.25x at
+// 2,000, fp32 and bf16 (benchmarks/avx2_kernels.py).
 //
 // Layout: each KV head's keys are packed once per call as [T / 16][head_dim][16] fp32 (8 keys
 // per vector, a tile's keys contiguous), its values as [T][head_dim] fp32 (a bf16 pool is
