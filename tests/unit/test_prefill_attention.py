@@ -13,8 +13,8 @@ from pdserve_worker.model.layers import native
 
 pytestmark = pytest.mark.skipif(
     not (native.available() and native._bf16_dot()),
-    reason="needs the native ops on a CPU with AVX512-BF16; elsewhere the model runs torch's SDPA, "
-    "which every other model test covers",
+    reason="needs the native ops on a CPU with AVX512-BF16; elsewhere bf16 prefill runs the fp32 kernel "
+    "on AVX2 builds (test_prefill_attention_fp32.py) or torch's SDPA, which the other model tests cover",
 )
 
 
