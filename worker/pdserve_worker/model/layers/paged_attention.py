@@ -3,7 +3,8 @@
 On CPU (and wherever no paged kernel is wired in) it is plain torch: a token's K/V row in the
 flat per-layer pool is `table[j // B] * B + j % B` (kv/paged.py), new K/V are written by index,
 and a row's keys are gathered into `[rows, key_len, kv_heads, head_dim]` (padded with row 0
-and masked) for one SDPA call per layer. The gather costs a copy of the KV read each step,
+and masked) for one attention call per layer (the native causal kernel where
+`native.prefill_serves`, else SDPA). The gather costs a copy of the KV read each step,
 which the slot pool's strided views did not; benchmarks/README.md has what it costs in tokens/s.
 A prompt computed from position 0 attends over its own fresh K/V (no gather), as the slot
 path does.
