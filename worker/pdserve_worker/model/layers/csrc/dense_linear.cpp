@@ -63,7 +63,6 @@ struct Prefetch {
   int64_t per_step;
 };
 
-// Input rows x[0..R) times weight rows w[0..C), each k long: out[r * ldo + c] (+ bias[c]).
 // 8 weights as fp32: loaded, or (bf16, held as their bits) widened by a shift into the high half.
 inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_w(const uint16_t* p) {
@@ -71,6 +70,7 @@ inline __m256 load_w(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
+// Input rows x[0..R) times weight rows w[0..C), each k long: out[r * ldo + c] (+ bias[c]).
 template <int R, int C, typename W>
 void tile(const float* x, const W* w, int64_t k, const float* bias, float* out, int64_t ldo, Prefetch& pf) {
   __m256 acc[R][C];
