@@ -63,7 +63,9 @@ SOURCES = tuple(
         "quant_linear.cpp",
     )
 )
-HEADERS = (Path(__file__).with_name("csrc") / "cpu_features.h",)  # included by the sources: in the digest too
+HEADERS = tuple(  # included by the sources: in the digest too
+    Path(__file__).with_name("csrc") / name for name in ("avx2_ops.h", "cpu_features.h")
+)
 ENV = "PDSERVE_NATIVE_OPS"  # kernel (default) | torch
 
 _lock = threading.Lock()

@@ -30,10 +30,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
+#include "avx2_ops.h"
 #include "cpu_features.h"
 
 #if defined(__x86_64__)
@@ -50,19 +50,8 @@ constexpr int64_t X_BYTES = 2048 * 1024;  // input rows per pass over the weight
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-// A weight as fp32: itself, or (bf16, held as its bits) the same bits in the high half.
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_w(const uint16_t* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
+using pdserve_avx2::load8;
+using pdserve_avx2::widen;
 
 // out[j * PANEL + c] = w[c * k + j] (as fp32) for the panel's `cols` weight rows (c < cols; zeros beyond).
 template <typename W>
@@ -76,7 +65,7 @@ void pack_panel(const W* w, int64_t cols, int64_t k, float* out) {
   for (int64_t c0 = 0; c0 < PANEL; c0 += 8) {
     for (int64_t j0 = 0; j0 < k; j0 += 8) {  // an 8 x 8 block transposed in registers
       __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = load_w(w + (c0 + i) * k + j0);
+      for (int i = 0; i < 8; ++i) r[i] = load8(w + (c0 + i) * k + j0);
       const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
       const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
       const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);

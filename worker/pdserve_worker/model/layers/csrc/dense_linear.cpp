@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "avx2_ops.h"
 #include "cpu_features.h"
 
 #if defined(__x86_64__)
@@ -49,12 +50,8 @@ constexpr int64_t X_BYTES = 384 * 1024;  // input rows per pass over the weights
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pdserve_avx2::lane_sum;
+using pdserve_avx2::load8;
 
 // The next weight group's bytes [at, end), requested `per_step` lines per step of 8 inputs.
 struct Prefetch {
@@ -62,13 +59,6 @@ struct Prefetch {
   const char* end;
   int64_t per_step;
 };
-
-// 8 weights as fp32: loaded, or (bf16, held as their bits) widened by a shift into the high half.
-inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_w(const uint16_t* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
 
 // Input rows x[0..R) times weight rows w[0..C), each k long: out[r * ldo + c] (+ bias[c]).
 template <int R, int C, typename W>
@@ -79,7 +69,7 @@ void tile(const float* x, const W* w, int64_t k, const float* bias, float* out, 
   for (int64_t j = 0; j < k; j += LANES) {
     for (int64_t p = 0; p < pf.per_step && pf.at < pf.end; ++p, pf.at += LINE) _mm_prefetch(pf.at, _MM_HINT_T0);
     __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_w(w + c * k + j);
+    for (int c = 0; c < C; ++c) wv[c] = load8(w + c * k + j);  // (a bf16 weight widened: avx2_ops.h)
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * k + j);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);

@@ -39,6 +39,7 @@
 #include <limits>
 #include <vector>
 
+#include "avx2_ops.h"
 #include "cpu_features.h"
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -65,6 +66,8 @@ bool supported() {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+using pdserve_avx2::lane_sum;
+
 struct Problem {
   int64_t n, total, heads, kv_heads, group, head_dim, padded;
   float scale;
@@ -76,11 +79,6 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-inline float hsum(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
 
 // One KV head's keys as [padded / TILE][head_dim][TILE] (a tile's keys one contiguous 4 KB at
 // head_dim 64), values as [padded][head_dim], fp32; positions >= total are zero (their scores
@@ -221,7 +219,7 @@ void attend_rows(const Problem& s, const float* const* qrow, const int64_t* limi
     add_values(s, pw, vp, j0, keys, acc);
   }
   for (int r = 0; r < live; ++r) {
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum(lsum[r]));
+    const __m256 inv = _mm256_set1_ps(1.0f / lane_sum(lsum[r]));
     for (int64_t d = 0; d < s.head_dim; d += 8)
       _mm256_storeu_ps(orow[r] + d, _mm256_mul_ps(_mm256_load_ps(acc[r] + d), inv));
   }
