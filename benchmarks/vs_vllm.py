@@ -672,24 +672,32 @@ def plot_round_ratios(rounds: list[dict[str, dict[str, Any]]], path: Path, where
     ratios = round_ratios(rounds)
     if not ratios:
         return False
-    panels = (("ttft_p50_s", "TTFT p50 ÷ vLLM"), ("tpot_p50_ms", "TPOT p50 ÷ vLLM"), ("tok_per_s", "tokens/s ÷ vLLM"))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    labels = {
+        "ttft_p50_s": "TTFT p50 ÷ vLLM",
+        "tpot_p50_ms": "TPOT p50 ÷ vLLM",
+        "tok_per_s": "tokens/s ÷ vLLM",
+        "tpot_p99_ms": "TPOT p99 ÷ vLLM (mixed)",
+        "goodput_rps": "goodput ÷ vLLM (mixed)",
+    }
+    present = {key for rows in ratios.values() for metrics in rows.values() for key in metrics}
+    panels = [(key, label) for key, label in labels.items() if key in present]  # (the mixed trace has its own)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
     width = 0.8 / len(ratios)
-    for ax, (key, label) in zip(axes, panels):
+    for ax, (key, label) in zip(axes[0], panels):
+        scenarios = sorted({sc for rows in ratios.values() for sc, metrics in rows.items() if key in metrics})
         for i, (server, rows) in enumerate(ratios.items()):
-            scenarios = [sc for sc, metrics in rows.items() if key in metrics]
             for j, sc in enumerate(scenarios):
-                x = j + i * width
-                values = [v for v in rows[sc][key] if v is not None]
+                values = [v for v in rows.get(sc, {}).get(key, []) if v is not None]
                 if not values:
                     continue
+                x = j + i * width
                 ax.scatter([x] * len(values), values, s=14, color=f"C{i + 1}", label=server if j == 0 else None)
                 ax.hlines(statistics.median(values), x - width / 3, x + width / 3, color=f"C{i + 1}")
-            ax.set_xticks([j + width * (len(ratios) - 1) / 2 for j in range(len(scenarios))], scenarios, fontsize=8)
+        ax.set_xticks([j + width * (len(ratios) - 1) / 2 for j in range(len(scenarios))], scenarios, fontsize=8)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     fig.suptitle(f"pdserve ÷ vLLM, each round's pair (dots) and their median (bar) — {where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
