@@ -6,8 +6,10 @@ Run:    .venv/bin/python benchmarks/vs_vllm.py [--servers vllm,colocated,pd,colo
 
 Both servers get one HF folder made from the bundled SmolLM2-135M GGUF by transformers
 (`from_pretrained(gguf_file=...)`, saved with its tokenizer and generation config), in the
-dtype `pdserve local` picks on this CPU (bfloat16 with native bf16, else float32), and are
-started one at a time, each with both cores:
+dtype `pdserve local` picks on this CPU (bfloat16 with native bf16, else float32; `--dtype` sets
+it, and `--pdserve-dtype` sets pdserve's compute dtype apart: `--dtype bfloat16 --pdserve-dtype
+auto` runs each server's own default on a bf16 checkpoint), and are started one at a time, each
+with both cores:
 - `vllm`: `python -m vllm.entrypoints.openai.api_server` from the peer venv, with
   VLLM_CPU_OMP_THREADS_BIND=0-<n-1> and VLLM_CPU_NUM_OF_RESERVED_CPU=0 (its default keeps a
   core for its front end), VLLM_CPU_KVCACHE_SPACE=4 GiB, its defaults otherwise (prefix
@@ -629,14 +631,14 @@ def start_server(
     elif name == "vllm-pd":
         server = start_vllm_pd(folder, dtype, port, logs, args.vllm_python)
     elif name == "colocated-int4":
-        server = start_pdserve(name, str(default_model_path()), dtype, port, logs, ["--colocated"])
+        server = start_pdserve(name, str(default_model_path()), args.pdserve_dtype, port, logs, ["--colocated"])
     elif name == "colocated-int4-q8in":
         extra = ["--colocated", "--env", "PDSERVE_QUANT_INPUTS=int8"]
-        server = start_pdserve(name, str(default_model_path()), dtype, port, logs, extra)
+        server = start_pdserve(name, str(default_model_path()), args.pdserve_dtype, port, logs, extra)
     elif name == "colocated":
-        server = start_pdserve(name, str(folder), dtype, port, logs, ["--colocated"])
+        server = start_pdserve(name, str(folder), args.pdserve_dtype, port, logs, ["--colocated"])
     elif name == "pd":
-        server = start_pdserve(name, str(folder), dtype, port, logs, ["--prefill", "1", "--decode", "1"])
+        server = start_pdserve(name, str(folder), args.pdserve_dtype, port, logs, ["--prefill", "1", "--decode", "1"])
     else:
         raise SystemExit(f"unknown server {name!r}")
     print(f"# {name} serving after {time.perf_counter() - started:.0f} s: {server.settings}", flush=True)
@@ -711,6 +713,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="batch1,long,c8,c16,prefix,mixed,sweep-concurrency,sweep-length")
     parser.add_argument("--vllm-python", type=Path, default=VLLM_VENV / "bin" / "python")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument(
+        "--pdserve-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        help="pdserve's --dtype on the same folder (default: --dtype's), e.g. each server's own default",
+    )
     parser.add_argument("--slo-ttft", type=float, default=5.0, help="mixed: TTFT bound of goodput, s")
     parser.add_argument("--slo-tpot", type=float, default=0.15, help="mixed: TPOT bound of goodput, s")
     parser.add_argument("--quick", action="store_true", help="one wave per scenario, 32 output tokens at most")
@@ -732,10 +739,14 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve_worker.model.tokenizer import Tokenizer
 
     dtype = auto_dtype() if args.dtype == "auto" else args.dtype
+    ours = args.pdserve_dtype or args.dtype
+    args.pdserve_dtype = auto_dtype() if ours == "auto" else ours
     args.cache.mkdir(parents=True, exist_ok=True)
     folder = hf_folder(dtype, args.cache)
     tokenizer = Tokenizer.from_dir(folder)
     where = f"{machine()}, {datetime.date.today()}, SmolLM2-135M {dtype}"
+    if args.pdserve_dtype != dtype:
+        where += f" (pdserve computing in {args.pdserve_dtype})"
     print(f"# vs_vllm {datetime.datetime.now().isoformat(timespec='seconds')} on {where}", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="vs-vllm-logs-"))
     table: dict[str, dict[str, dict[str, Any]]] = {}
@@ -764,6 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         print_round_ratios(rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine(), "date": str(datetime.date.today()), "dtype": dtype, "settings": settings}
+    report["pdserve_dtype"] = args.pdserve_dtype
     if rounds:  # the table is then each figure's median over the rounds; the rounds themselves too
         report |= {"rounds": rounds, "paired_ratios": round_ratios(rounds)}
     (args.out / "vs_vllm.json").write_text(json.dumps(report | {"results": table}, indent=1))

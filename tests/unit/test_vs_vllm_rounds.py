@@ -118,3 +118,26 @@ def test_a_repeated_scenario_draws_prompts_of_its_own_per_round() -> None:
     second = vs_vllm.scenario_requests(s, Words(), vs_vllm.seed_of("c8") + 1)
     assert [r.prompt for r in first] == [r.prompt for r in again]
     assert not {r.prompt for r in first} & {r.prompt for r in second}
+
+
+def test_pdserve_dtype_goes_to_every_pdserve_server_and_not_to_vllm(monkeypatch, tmp_path) -> None:
+    # --dtype bfloat16 --pdserve-dtype float32: vLLM on the bf16 folder in bf16 (its own default
+    # there), every pdserve configuration computing in fp32 (ours on a CPU without native bf16).
+    started: list[tuple[str, str]] = []
+
+    def fake_pdserve(name: str, model: str, dtype: str, port: int, logs: Path, extra: list[str]) -> Any:
+        started.append((name, dtype))
+        return argparse.Namespace(settings={})
+
+    def fake_vllm(folder: Path, dtype: str, port: int, logs: Path, python: Path, *rest: Any) -> Any:
+        started.append(("vllm", dtype))
+        return argparse.Namespace(settings={})
+
+    monkeypatch.setattr(vs_vllm, "start_pdserve", fake_pdserve)
+    monkeypatch.setattr(vs_vllm, "start_vllm", fake_vllm)
+    python = tmp_path / "python"
+    python.write_text("")
+    args = argparse.Namespace(vllm_python=python, pdserve_dtype="float32")
+    for name in ("vllm", "colocated", "colocated-int4", "pd"):
+        vs_vllm.start_server(name, args, tmp_path, "bfloat16", 18600, tmp_path)
+    assert started == [("vllm", "bfloat16"), ("colocated", "float32"), ("colocated-int4", "float32"), ("pd", "float32")]
