@@ -61,7 +61,9 @@ def case(batch, heads, kv_heads, head_dim, block_tokens, lengths, dtype, strided
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (4, 4, 64), (28, 4, 128), (8, 1, 64), (16, 2, 80)],  # groups 3, 1, 7 (4 + 3), 8, 8
+    [(9, 3, 64), (4, 4, 64), (28, 4, 128), (8, 1, 64), (16, 2, 80), (8, 2, 32)],
+    # groups 3, 1, 7 (4 + 3), 8, 8, 4; head_dim in 4, 8 and 16 vectors of 8 (a tile's value chunks
+    # in one or more passes over the keys: decode_attention.cpp's chunks_in_registers) and 80 (any)
 )
 def test_the_kernel_equals_sdpa_row_by_row(dtype, heads, kv_heads, head_dim):
     lengths = [1, 63, 64, 65, 130, 300]  # across the kernel's 64-key parts

@@ -100,25 +100,41 @@ inline void tile_scores(const float* q, const T* k, int64_t D, float* scores, in
   for (int g = 0; g < GT; ++g) scores[g * n + i] = hsum(acc[g]);
 }
 
-// out[g] = sum_i w[g * n + i] * V_i for GT query heads sharing KV head h, over the part's keys:
-// the GT x C accumulators stay in registers (C = head_dim / Vec::size(), known at compile time).
+// The most head_dim chunks (C divided by a power of two) whose GT x B accumulators, one value chunk
+// and GT weights fit the vector registers: 16 with AVX2, 32 with AVX512 (Vec of 16 floats).
+constexpr int chunks_in_registers(int GT, int C) {
+  const int registers = Vec::size() == 16 ? 32 : 16;
+  int b = C;
+  while (b > 1 && (GT * b + GT + 1 > registers || C % b != 0)) b /= 2;
+  return b;
+}
+
+// out[g] = sum_i w[g * n + i] * V_i for GT query heads sharing KV head h, over the part's keys, B
+// chunks of head_dim (C of them) at a time: GT x B accumulators, one value chunk and the GT weights
+// fit the registers (all C chunks at once did not for GQA groups of 3-4 at head_dim 64: GCC
+// kept the accumulators on the stack). Each further B chunks read the part's value rows again, from
+// L1/L2. An output's sum runs over the keys in order whatever B is, so the bits are the same.
 template <int GT, int C, typename T>
 inline void tile_values(const float* w, int64_t n, const T* values, const int64_t* table, const Part& p,
                         const Shape& s, int64_t h, float* out) {
-  Vec acc[GT][C];
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = Vec(0.0f);
-  for_each_key(values, table, p, s, [&](int64_t i, const T* row) {
-    const T* v = row + h * C * Vec::size();
-    Vec vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load_chunk(v + c * Vec::size());
-    for (int g = 0; g < GT; ++g) {
-      const Vec weight(w[g * n + i]);
-      for (int c = 0; c < C; ++c) acc[g][c] = at::vec::fmadd(weight, vv[c], acc[g][c]);
-    }
-  });
-  for (int g = 0; g < GT; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c].store(out + g * C * Vec::size() + c * Vec::size());
+  constexpr int B = chunks_in_registers(GT, C);
+  static_assert(C % B == 0, "tile_values: head_dim's chunks in whole groups");
+  for (int c0 = 0; c0 < C; c0 += B) {
+    Vec acc[GT][B];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < B; ++c) acc[g][c] = Vec(0.0f);
+    for_each_key(values, table, p, s, [&](int64_t i, const T* row) {
+      const T* v = row + (h * C + c0) * Vec::size();
+      Vec weight[GT];
+      for (int g = 0; g < GT; ++g) weight[g] = Vec(w[g * n + i]);
+      for (int c = 0; c < B; ++c) {
+        const Vec vv = load_chunk(v + c * Vec::size());
+        for (int g = 0; g < GT; ++g) acc[g][c] = at::vec::fmadd(weight[g], vv, acc[g][c]);
+      }
+    });
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < B; ++c) acc[g][c].store(out + g * C * Vec::size() + (c0 + c) * Vec::size());
+  }
 }
 
 // The same for any head_dim (a multiple of Vec::size()): accumulators in memory.
@@ -189,6 +205,7 @@ void attend_part(const float* qf, const T* keys, const T* values, const int64_t*
       switch (D / Vec::size()) {
         case 4: tile_values<GT, 4>(w, n, values, table, p, s, h, out); break;
         case 8: tile_values<GT, 8>(w, n, values, table, p, s, h, out); break;
+        case 16: tile_values<GT, 16>(w, n, values, table, p, s, h, out); break;
         default: tile_values_any<GT>(w, n, values, table, p, s, h, out); break;
       }
     });
