@@ -62,17 +62,21 @@ def test_a_fused_group_of_4_and_8_bit_parts_runs_wide_each_part_exactly():
         pack_native(parts, wide=False)
 
 
-def test_a_rows_product_does_not_depend_on_its_batch():
-    """Issue #17: a seeded stream's tokens may not change with what else is in the step."""
-    t = blocks(64, 128, "Q4_1", 5)
-    matrix = pack_native([t], wide=False)
-    linear = Linear(CPU, torch.bfloat16)
-    batch = torch.randn(131, 128).to(torch.bfloat16)  # a bf16 model's rows (widened to fp32 for the kernel)
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_product_does_not_depend_on_its_batch(type_name, dtype):
+    """Issue #17: a seeded stream's tokens may not change with what else is in the step. One or
+    two rows take the kernel's `direct` path, three or more the unpacked block's tiles. (fp32
+    inputs too: a bf16 input times a 4- or 8-bit integer is exact in fp32, and so are most sums
+    of 32 of them, so bf16 rows alone would not see a change in the order of the sums.)"""
+    t = blocks(64, 128, type_name, 5)
+    matrix = pack_native([t], wide=type_name == "Q8_0")
+    linear = Linear(CPU, dtype)
+    batch = torch.randn(131, 128).to(dtype)  # a bf16 model's rows are widened to fp32 for the kernel
     together = linear(batch, matrix, torch.float32)
     for row in (0, 2, 64, 127, 128, 130):  # tile and chunk edges
-        alone = linear(batch[row : row + 1], matrix, torch.float32)
-        assert torch.equal(alone[0], together[row])
-        assert torch.equal(linear(batch[row : row + 3], matrix, torch.float32)[0], together[row])
+        for count in (1, 2, 3):
+            assert torch.equal(linear(batch[row : row + count], matrix, torch.float32)[0], together[row])
 
 
 def test_bf16_output_is_the_fp32_sum_rounded_once_and_a_bias_is_added_in_fp32():
