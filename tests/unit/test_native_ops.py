@@ -254,6 +254,51 @@ def test_the_layer_ops_give_a_row_the_same_bits_alone_and_in_a_batch():
         assert torch.equal(native.silu_mul(gate_up[row : row + 1])[0], native.silu_mul(gate_up)[row])
 
 
+def test_the_ops_take_any_leading_shape_as_rows_and_keep_it():
+    """csrc/rows.h: the model calls the ops on its [batch, tokens, width] activations as they are
+    (no reshape before, no view after); a 3-D input gives the 2-D flattened input's results, in
+    the input's leading shape."""
+    from pdserve_worker.model.layers.matmul import pack_native
+    from pdserve_worker.model.layers.quant import quantize
+
+    g = torch.Generator().manual_seed(11)
+    lead = (2, 3)
+    x, w = torch.randn(*lead, 576, generator=g), torch.rand(576, generator=g)
+    flat = x.reshape(6, 576)
+    assert torch.equal(torch.ops.pdserve.rms_norm(x, w, 1e-5), torch.ops.pdserve.rms_norm(flat, w, 1e-5).view(x.shape))
+    total, normed = torch.ops.pdserve.add_rms_norm(x, x * 0.5, w, 1e-5)
+    total2, normed2 = torch.ops.pdserve.add_rms_norm(flat, flat * 0.5, w, 1e-5)
+    assert torch.equal(total, total2.view(x.shape)) and torch.equal(normed, normed2.view(x.shape))
+    gate_up = torch.randn(*lead, 256, generator=g)
+    out = torch.ops.pdserve.silu_mul(gate_up)
+    assert out.shape == (*lead, 128) and torch.equal(
+        out, torch.ops.pdserve.silu_mul(gate_up.reshape(6, 256)).view(out.shape)
+    )
+    qkv = torch.randn(*lead, 15 * 64, generator=g)
+    cos, sin = torch.randn(*lead, 1, 64, generator=g), torch.randn(*lead, 1, 64, generator=g)
+    q, k, v = torch.ops.pdserve.rope_qkv(qkv, cos, sin, 9, 3, None, 1e-6)
+    q2, k2, v2 = torch.ops.pdserve.rope_qkv(
+        qkv.reshape(6, -1), cos.reshape(6, 64), sin.reshape(6, 64), 9, 3, None, 1e-6
+    )
+    assert (q.shape, k.shape, v.shape) == ((*lead, 9, 64), (*lead, 3, 64), (*lead, 3, 64))
+    assert torch.equal(q, q2.view(q.shape)) and torch.equal(k, k2.view(k.shape)) and torch.equal(v, v2.view(v.shape))
+    weight = torch.randn(96, 576, generator=g)
+    for op in (native.dense_linear, native.dense_gemm):
+        y = op(x, weight, None)
+        assert y.shape == (*lead, 96) and torch.equal(y, op(flat, weight, None).view(y.shape))
+    blocks = pack_native([quantize(weight, "q4")], wide=False)
+    assert blocks is not None
+    y = native.quant_linear(x, blocks.values, blocks.scales, 96, False, False, False)
+    assert y.shape == (*lead, 96)
+    assert torch.equal(
+        y, native.quant_linear(flat, blocks.values, blocks.scales, 96, False, False, False).view(y.shape)
+    )
+    with pytest.raises(RuntimeError, match=r"contiguous CPU \[\.\.\., width\]"):
+        torch.ops.pdserve.rms_norm(x.transpose(0, 1), w, 1e-5)  # rows must be dense
+    with pytest.raises(RuntimeError, match=r"cos and sin of 6 rows of 64"):
+        torch.ops.pdserve.rope_qkv(qkv, cos[:1], sin[:1], 9, 3, None, 1e-6)
+
+
 def test_the_layer_ops_refuse_what_does_not_fit():
     x = torch.randn(3, 64)
     with pytest.raises(RuntimeError, match=r"weight \[64\] in x's dtype"):

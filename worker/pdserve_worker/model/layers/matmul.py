@@ -412,16 +412,13 @@ class Linear:
     ) -> torch.Tensor:
         """fp32 `x @ w.T`: the small-M kernel for a decode step's rows, the register-tile GEMM
         for a prefill chunk's, torch's GEMM for longer inputs."""
-        features = x.shape[-1]
-        rows = x.numel() // features
         if self._native_rows(x, w):
-            flat = x.reshape(rows, features).contiguous()
+            rows = x.numel() // x.shape[-1]
             product = native.dense_linear if rows <= DENSE_KERNEL_MAX_ROWS else native.dense_gemm
-            y = product(flat, w, None if bias is None else bias.float().contiguous())
-            y = y.view(*x.shape[:-1], w.shape[0])
+            y = product(x.contiguous(), w, None if bias is None else bias.float().contiguous())  # (any leading shape)
         else:
             y = F.linear(x, w, bias)
-        return y if out_dtype is None else y.to(out_dtype)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
     @staticmethod
     def _native_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -447,11 +444,10 @@ class Linear:
     def _blocks(
         self, x: torch.Tensor, w: BlockMatrix, out_dtype: torch.dtype | None, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        rows, cols = w.shape
         want = out_dtype or x.dtype
-        flat = x.reshape(-1, cols).to(torch.float32).contiguous()
+        flat = (x if x.dtype == torch.float32 else x.float()).contiguous()  # (any leading shape)
         bf16 = want == torch.bfloat16 and bias is None
-        y = native.quant_linear(flat, w.values, w.scales, rows, w.wide, bf16, w.int8_inputs)
+        y = native.quant_linear(flat, w.values, w.scales, w.shape[0], w.wide, bf16, w.int8_inputs)
         if bias is not None:
             y = y + bias.float()
-        return y.to(want).reshape(*x.shape[:-1], rows)
+        return y if y.dtype == want else y.to(want)

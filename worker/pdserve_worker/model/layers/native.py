@@ -64,7 +64,7 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(  # included by the sources: in the digest too
-    Path(__file__).with_name("csrc") / name for name in ("avx2_ops.h", "cpu_features.h")
+    Path(__file__).with_name("csrc") / name for name in ("avx2_ops.h", "cpu_features.h", "rows.h")
 )
 ENV = "PDSERVE_NATIVE_OPS"  # kernel (default) | torch
 
@@ -318,8 +318,8 @@ def dense_serves() -> bool:
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x `[rows, k]` times fp32 w `[n, k]` (+ bias `[n]`), both contiguous, k a multiple of 8:
-    `[rows, n]` fp32, each output's bits independent of the other rows (csrc/dense_linear.cpp)."""
+    """x `[..., k]` times fp32 w `[n, k]` (+ bias `[n]`), both contiguous, k a multiple of 8:
+    `[..., n]` fp32, each output's bits independent of the other rows (csrc/dense_linear.cpp)."""
     return torch.ops.pdserve.dense_linear(x, w, bias)
 
 
@@ -349,8 +349,8 @@ def quant_inputs() -> str:
 def quant_linear(
     x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, n: int, wide: bool, out_bf16: bool, int8_inputs: bool
 ):
-    """x `[rows, k]` (fp32, contiguous) times a weight of `n` rows in matmul.pack_native's layout:
-    `[rows, n]` in bf16 or fp32 (csrc/quant_linear.cpp). `int8_inputs` (4-bit weights only): x
+    """x `[..., k]` (fp32, contiguous) times a weight of `n` rows in matmul.pack_native's layout:
+    `[..., n]` in bf16 or fp32 (csrc/quant_linear.cpp). `int8_inputs` (4-bit weights only): x
     quantized per block of 32 to 8 bits, the dot products in integers."""
     return torch.ops.pdserve.quant_linear(x, values, scales, n, wide, out_bf16, int8_inputs)
 
@@ -366,23 +366,23 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm of the rows of x `[..., width]` (fp32 inside, the weight in x's dtype)."""
-    return torch.ops.pdserve.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    """HF's RMSNorm of the rows of x `[..., width]` (fp32 inside, the weight in x's dtype). The
+    ops take any leading shape as rows and keep it (csrc/rows.h says why)."""
+    return torch.ops.pdserve.rms_norm(x.contiguous(), weight, eps)
 
 
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, its RMSNorm): a sublayer's residual add and the next sublayer's norm."""
-    width = x.shape[-1]
-    total, normed = torch.ops.pdserve.add_rms_norm(x.reshape(-1, width), delta.reshape(-1, width), weight, eps)
-    return total.view(x.shape), normed.view(x.shape)
+    if delta.shape != x.shape:
+        delta = delta.reshape(x.shape)
+    return torch.ops.pdserve.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of `[..., 2 * inter]` (gate first): `[..., inter]`."""
-    out = torch.ops.pdserve.silu_mul(gate_up.reshape(-1, gate_up.shape[-1]))
-    return out.view(*gate_up.shape[:-1], out.shape[-1])
+    return torch.ops.pdserve.silu_mul(gate_up.contiguous())
 
 
 def rope_qkv(
@@ -397,13 +397,6 @@ def rope_qkv(
     """q, k, v `[B, T, heads|kv_heads, head_dim]` of qkv `[B, T, width]`, q and k rotated by
     cos/signed sin `[B, T, 1, head_dim]` (rope.cos_sin's), after qwen3's per-head norm when
     `qk_norm` `[heads + kv_heads, head_dim]` is given."""
-    batch, tokens, width = qkv.shape
-    head_dim = cos.shape[-1]
-    flat = qkv.reshape(batch * tokens, width)
-    angles = cos.reshape(batch * tokens, head_dim), sin.reshape(batch * tokens, head_dim)
-    q, k, v = torch.ops.pdserve.rope_qkv(flat, *angles, heads, kv_heads, qk_norm, eps)
-    return (
-        q.view(batch, tokens, heads, head_dim),
-        k.view(batch, tokens, kv_heads, head_dim),
-        v.view(batch, tokens, kv_heads, head_dim),
+    return torch.ops.pdserve.rope_qkv(
+        qkv.contiguous(), cos.contiguous(), sin.contiguous(), heads, kv_heads, qk_norm, eps
     )

@@ -33,6 +33,7 @@
 
 #include "avx2_ops.h"
 #include "cpu_features.h"
+#include "rows.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -127,13 +128,13 @@ bool dense_linear_supported() { return pdserve_cpu::has_avx2_fma(); }
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(dense_linear_supported(), "dense_linear: this CPU has no AVX2/FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "dense_linear: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "dense_linear: x must be a contiguous fp32 [..., k], got ", x.sizes(), " ", x.scalar_type());
   const bool bf16 = w.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(w.dim() == 2 && (bf16 || w.scalar_type() == at::kFloat) && w.is_contiguous() && w.size(1) == x.size(1),
-              "dense_linear: w must be a contiguous fp32 or bf16 [n, ", x.size(1), "], got ", w.sizes(), " ",
+  TORCH_CHECK(w.dim() == 2 && (bf16 || w.scalar_type() == at::kFloat) && w.is_contiguous() && w.size(1) == x.size(-1),
+              "dense_linear: w must be a contiguous fp32 or bf16 [n, ", x.size(-1), "], got ", w.sizes(), " ",
               w.scalar_type());
-  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  const int64_t rows = pdserve_rows::count(x), k = x.size(-1), n = w.size(0);
   TORCH_CHECK(k > 0 && k % LANES == 0, "dense_linear: k must be a positive multiple of 8, got ", k);
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -141,7 +142,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
                 "dense_linear: bias must be a contiguous fp32 [", n, "], got ", bias->sizes(), " ", bias->scalar_type());
     b = bias->data_ptr<float>();
   }
-  at::Tensor out = at::empty({rows, n}, x.options());
+  at::Tensor out = at::empty(pdserve_rows::with_last(x, n), x.options());
   if (rows == 0 || n == 0) return out;
 #if defined(__x86_64__)
   if (bf16) {

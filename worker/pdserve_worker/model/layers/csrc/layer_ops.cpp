@@ -23,6 +23,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "rows.h"
+
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -119,20 +121,20 @@ void scale_row(const T* x, const T* w, float inv, int64_t n, T* y) {
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), what, ": x is a contiguous CPU [rows, width]");
-  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
-              what, ": weight [", x.size(1), "] in x's dtype, got ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.is_contiguous(), what, ": x is a contiguous CPU [..., width]");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1) && w.scalar_type() == x.scalar_type(),
+              what, ": weight [", x.size(-1), "] in x's dtype, got ", w.sizes(), " ", w.scalar_type());
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, w, "rms_norm");
   at::Tensor y = at::empty_like(x);
-  const int64_t n = x.size(1);
+  const int64_t n = x.size(-1);
   dispatch(x.scalar_type(), "rms_norm", [&]<typename T>() {
     const T* xp = x.data_ptr<T>();
     const T* wp = w.data_ptr<T>();
     T* yp = y.data_ptr<T>();
-    at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, pdserve_rows::count(x), grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scale_row<T>(xp + r * n, wp, inv_rms<T>(xp + r * n, n, static_cast<float>(eps)), n, yp + r * n);
       }
@@ -162,14 +164,14 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
               "add_rms_norm: delta like x ", x.sizes(), ", got ", delta.sizes());
   at::Tensor sum = at::empty_like(x);
   at::Tensor y = at::empty_like(x);
-  const int64_t n = x.size(1);
+  const int64_t n = x.size(-1);
   dispatch(x.scalar_type(), "add_rms_norm", [&]<typename T>() {
     const T* xp = x.data_ptr<T>();
     const T* dp = delta.data_ptr<T>();
     const T* wp = w.data_ptr<T>();
     T* sp = sum.data_ptr<T>();
     T* yp = y.data_ptr<T>();
-    at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, pdserve_rows::count(x), grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         add_row<T>(xp + r * n, dp + r * n, n, sp + r * n);
         scale_row<T>(sp + r * n, wp, inv_rms<T>(sp + r * n, n, static_cast<float>(eps)), n, yp + r * n);
@@ -200,12 +202,12 @@ void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
   }
 }
 
-// silu(gate) * up over gate_up [rows, 2 * inter] (gate first): [rows, inter].
+// silu(gate) * up over gate_up [..., 2 * inter] (gate first): [..., inter].
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "silu_mul: gate_up is a contiguous CPU [rows, 2 * inter], got ", gate_up.sizes());
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() >= 1 && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
+              "silu_mul: gate_up is a contiguous CPU [..., 2 * inter], got ", gate_up.sizes());
+  const int64_t rows = pdserve_rows::count(gate_up), inter = gate_up.size(-1) / 2;
+  at::Tensor out = at::empty(pdserve_rows::with_last(gate_up, inter), gate_up.options());
   dispatch(gate_up.scalar_type(), "silu_mul", [&]<typename T>() {
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
@@ -244,15 +246,15 @@ void rotate(const T* src, const T* cos, const T* sin, int64_t D, T* dst) {
 
 void check_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                 const std::optional<at::Tensor>& qk_norm) {
-  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(), "rope_qkv: qkv is a contiguous CPU [rows, width]");
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() >= 1 && qkv.is_contiguous(), "rope_qkv: qkv is a contiguous CPU [..., width]");
   const int64_t all = heads + 2 * kv_heads;
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % all == 0, "rope_qkv: width ", qkv.size(1), " is not (",
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(-1) % all == 0, "rope_qkv: width ", qkv.size(-1), " is not (",
               heads, " + 2 * ", kv_heads, ") heads of one size");
-  const int64_t rows = qkv.size(0), D = qkv.size(1) / all;
-  TORCH_CHECK(D % 2 == 0 && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == D &&
+  const int64_t rows = pdserve_rows::count(qkv), D = qkv.size(-1) / all;
+  TORCH_CHECK(D % 2 == 0 && cos.sizes() == sin.sizes() && cos.dim() >= 1 && cos.numel() == rows * D && cos.size(-1) == D &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
                   sin.scalar_type() == qkv.scalar_type(),
-              "rope_qkv: cos and sin [", rows, ", ", D, "] in qkv's dtype, got ", cos.sizes());
+              "rope_qkv: cos and sin of ", rows, " rows of ", D, " in qkv's dtype, got ", cos.sizes());
   if (qk_norm.has_value()) {
     TORCH_CHECK(qk_norm->dim() == 2 && qk_norm->size(0) == heads + kv_heads && qk_norm->size(1) == D &&
                     qk_norm->is_contiguous() && qk_norm->scalar_type() == qkv.scalar_type(),
@@ -260,17 +262,18 @@ void check_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   }
 }
 
-// q, k, v of qkv [rows, (heads + 2 kv_heads) * D] (after its bias), q and k rotated by cos/sin
-// [rows, D] (after qwen3's per-head norm when qk_norm [heads + kv_heads, D] is given): three
-// contiguous [rows, heads|kv_heads, D].
+// q, k, v of qkv [..., (heads + 2 kv_heads) * D] (after its bias), q and k rotated by cos/sin
+// (a row of D each per row of qkv, any leading shape: the model's [B, T, 1, D]; after qwen3's
+// per-head norm when qk_norm [heads + kv_heads, D] is given): three contiguous
+// [..., heads|kv_heads, D] (qkv's leading shape).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
                                                         const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                                                         const std::optional<at::Tensor>& qk_norm, double eps) {
   check_rope(qkv, cos, sin, heads, kv_heads, qk_norm);
-  const int64_t rows = qkv.size(0), all = heads + 2 * kv_heads, D = qkv.size(1) / all;
-  at::Tensor q = at::empty({rows, heads, D}, qkv.options());
-  at::Tensor k = at::empty({rows, kv_heads, D}, qkv.options());
-  at::Tensor v = at::empty({rows, kv_heads, D}, qkv.options());
+  const int64_t rows = pdserve_rows::count(qkv), all = heads + 2 * kv_heads, D = qkv.size(-1) / all;
+  at::Tensor q = at::empty(pdserve_rows::with_last(qkv, heads, D), qkv.options());
+  at::Tensor k = at::empty(pdserve_rows::with_last(qkv, kv_heads, D), qkv.options());
+  at::Tensor v = at::empty(pdserve_rows::with_last(qkv, kv_heads, D), qkv.options());
   dispatch(qkv.scalar_type(), "rope_qkv", [&]<typename T>() {
     const T* src = qkv.data_ptr<T>();
     const T* cp = cos.data_ptr<T>();

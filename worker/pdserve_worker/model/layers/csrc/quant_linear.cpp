@@ -37,6 +37,7 @@
 #include <cstring>
 
 #include "cpu_features.h"
+#include "rows.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -324,19 +325,19 @@ void group_sums(const float* x, int64_t rows, int64_t k, float* xsum) {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t n, bool wide,
                         bool out_bf16, bool int8_inputs) {
   TORCH_CHECK(pdserve_cpu::has_avx2_fma_f16c(), "quant_linear: this CPU has no AVX2/FMA/F16C");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "quant_linear: x must be a contiguous fp32 [rows, k], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "quant_linear: x must be a contiguous fp32 [..., k], got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && scales.scalar_type() == at::kHalf &&
                   scales.is_contiguous(),
               "quant_linear: values uint8 and scales fp16, contiguous");
   TORCH_CHECK(!(int8_inputs && wide), "quant_linear: int8 inputs take 4-bit weights only");
-  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t rows = pdserve_rows::count(x), k = x.size(-1);
   TORCH_CHECK(k % GROUP == 0 && n > 0, "quant_linear: k a multiple of 32, got ", k, ", n ", n);
   const int64_t groups = k / GROUP, blocks = (n + GROUP - 1) / GROUP;
   TORCH_CHECK(q.numel() == blocks * groups * GROUP * GROUP / (wide ? 1 : 2) && scales.numel() == blocks * groups * 2 * GROUP,
               "quant_linear: ", q.numel(), " value bytes and ", scales.numel(), " scales do not hold ", n, " x ", k,
               wide ? " 8-bit" : " 4-bit", " values");
-  at::Tensor out = at::empty({rows, n}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor out = at::empty(pdserve_rows::with_last(x, n), x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (rows == 0) return out;
 #if defined(__x86_64__)
   at::Tensor xsum = at::empty({rows, groups}, x.options());
