@@ -8,8 +8,9 @@ a memcpy bandwidth measured in this run. All figures are medians over repeats.
 With llama-cpp-python installed (`pip install 'pdserve[bench]'`, compiled from source, about
 7.5 minutes on 2 cores: a benchmark extra, never a test dependency), also llama.cpp on the same
 GGUF file and thread count: batch-1 decode, 16 parallel sequences (one `llama_decode` of 16
-tokens per step, one sequence id each) and a 128-token prefill, against ours with
-`--weights` (default auto: the GGUF's blocks kept quantized). And packed prefill: 8 prompts of
+tokens per step, one sequence id each) and a 128-token prefill, against ours with `--weights`
+(default auto: the GGUF's blocks kept quantized); with `--pairs N` then batch-1 decode of each
+back to back N times, the order alternating (a shared machine's ratio). And packed prefill: 8 prompts of
 128 tokens in one pass (`prefill_batch`, one row of all tokens; and one prompt per batch row,
 `run_layers` on [8, 128]) against one prompt at a time.
 
@@ -234,6 +235,26 @@ def llama_decode(ll: LlamaCpp, batch: int, context: int, steps: int) -> float:
     return statistics.median(times)
 
 
+def paired_batch1(model, ll: LlamaCpp, dtype: str, context: int, steps: int, pairs: int) -> list[float]:
+    """ours ÷ llama.cpp batch-1 step time, `pairs` times, the two measured back to back in the
+    order alternating: on a shared machine the sequential figures above move 20-30 % between
+    runs, a pair's two halves see the same machine."""
+    ratios = []
+    for i in range(pairs):
+        order = ("ours", "llama") if i % 2 == 0 else ("llama", "ours")
+        took = {
+            who: ours_decode(model, dtype, 1, context, steps) if who == "ours" else llama_decode(ll, 1, context, steps)
+            for who in order
+        }
+        ratios.append(took["ours"] / took["llama"])
+        print(
+            f"pair {i + 1}/{pairs}: ours {took['ours'] * 1e3:.2f} ms, llama.cpp {took['llama'] * 1e3:.2f} ms, "
+            f"ratio {ratios[-1]:.2f}",
+            flush=True,
+        )
+    return ratios
+
+
 # ---- HF transformers --------------------------------------------------------------------------
 
 
@@ -318,6 +339,9 @@ def main() -> int:
         choices=["auto", "dequantized", "int8", "int4"],
         help="how our matrices are held (default auto: a GGUF's blocks stay quantized)",
     )
+    parser.add_argument(
+        "--pairs", type=int, default=0, help="then batch-1 decode, ours and llama.cpp back to back, this many times"
+    )
     parser.add_argument("--packed-prompts", type=int, default=8, help="prompts of the packed prefill")
     parser.add_argument("--packed-length", type=int, default=128, help="tokens per prompt of the packed prefill")
     parser.add_argument(
@@ -363,6 +387,7 @@ def main() -> int:
 
     llama_pf: float | None = None
     llama_dec: dict[int, float] = {}
+    paired: list[float] = []
     gguf_path = gguf_source(args.model)
     if args.no_llama or gguf_path is None:
         print("llama.cpp: skipped" + ("" if args.no_llama else " (the model is not a GGUF file)"), flush=True)
@@ -375,6 +400,7 @@ def main() -> int:
             llama_pf = llama_prefill(ll, 128, args.repeats)
             wait_for_idle(args.wait_idle)
             llama_dec = {b: llama_decode(ll, b, args.context, args.steps) for b in (1, max(batches))}
+            paired = paired_batch1(model, ll, dtype, args.context, args.steps, args.pairs)
         finally:
             ll.close()
         print(f"llama.cpp prefill   128 tokens: {llama_pf:8.1f} tokens/s", flush=True)
@@ -445,6 +471,11 @@ def main() -> int:
             f"batch-1 decode ours / llama.cpp: {ours_dec[1] / llama_dec[1]:.2f} (target <= 1.5); "
             f"batch-{top} aggregate tokens/s ours / llama.cpp: {llama_dec[top] / ours_dec[top]:.2f} (target >= 1); "
             f"prefill 128 ours / llama.cpp: {ours_pf[128] / llama_pf:.2f}"
+        )
+    if paired:
+        print(
+            f"batch-1 decode ours / llama.cpp, {len(paired)} back-to-back pairs: median {statistics.median(paired):.2f} "
+            f"[{min(paired):.2f} - {max(paired):.2f}]"
         )
     return 0
 
