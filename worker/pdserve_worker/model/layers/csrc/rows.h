@@ -12,10 +12,11 @@
 
 namespace pdserve_rows {
 
-// Rows of x's last dimension (0 for an empty tensor or a zero-width one).
+// Rows of x's last dimension: the product of the leading sizes (also where the width is 0).
 inline int64_t count(const at::Tensor& x) {
-  const int64_t width = x.dim() > 0 ? x.size(-1) : 0;
-  return width > 0 ? x.numel() / width : 0;
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return rows;
 }
 
 // x's shape with the last dimension `last` (x has at least one dimension).
