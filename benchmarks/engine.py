@@ -10,8 +10,8 @@ With llama-cpp-python installed (`pip install 'pdserve[bench]'`, compiled from s
 GGUF file and thread count: batch-1 decode, 16 parallel sequences (one `llama_decode` of 16
 tokens per step, one sequence id each) and a 128-token prefill, against ours with `--weights`
 (default auto: the GGUF's blocks kept quantized); with `--pairs N` then batch-1 decode of each
-back to back N times, the order alternating (a shared machine's ratio). And packed prefill: 8 prompts of
-128 tokens in one pass (`prefill_batch`, one row of all tokens; and one prompt per batch row,
+back to back N times, the order alternating (a shared machine's ratio). And packed prefill: 8
+prompts of 128 tokens in one pass (`prefill_batch`, one row of all tokens; and one prompt per batch row,
 `run_layers` on [8, 128]) against one prompt at a time.
 
     python benchmarks/engine.py            # default model, dtype as `pdserve local` picks it

@@ -293,6 +293,12 @@ def test_the_ops_take_any_leading_shape_as_rows_and_keep_it():
     assert torch.equal(
         y, native.quant_linear(flat, blocks.values, blocks.scales, 96, False, False, False).view(y.shape)
     )
+    # Zero-width rows are still rows: x @ W.T over k = 0 is zeros, a norm keeps the shape.
+    zeros = native.quant_linear(
+        torch.randn(5, 0), torch.empty(0, dtype=torch.uint8), torch.empty(0).half(), 7, False, False, False
+    )
+    assert zeros.shape == (5, 7) and bool((zeros == 0).all())
+    assert torch.ops.pdserve.rms_norm(torch.randn(2, 3, 0), torch.randn(0), 1e-5).shape == (2, 3, 0)
     with pytest.raises(RuntimeError, match=r"contiguous CPU \[\.\.\., width\]"):
         torch.ops.pdserve.rms_norm(x.transpose(0, 1), w, 1e-5)  # rows must be dense
     with pytest.raises(RuntimeError, match=r"cos and sin of 6 rows of 64"):

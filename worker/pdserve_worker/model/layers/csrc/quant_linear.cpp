@@ -70,25 +70,37 @@ struct Problem {
   const float* dx = nullptr;   // [rows, groups]
 };
 
+// The block's values as fp32, 8 output rows (c) at a time: a 4-bit pair p gives inputs 2p (lo)
+// and 2p + 1 (hi), an 8-bit row j gives input j. One copy for `unpack` and `direct`.
+inline void q4_pair(const uint8_t* src, int p, int c, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + p * 32 + c * 8)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+inline __m256 q8_row(const uint8_t* src, int j, int c) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j * 32 + c * 8))));
+}
+
+// The bytes of block (nb, g).
+inline const uint8_t* block_bytes(const Problem& s, int64_t nb, int64_t g) {
+  return s.q + (nb * s.groups + g) * GROUP * GROUP / (s.wide ? 1 : 2);
+}
+
 // Block (nb, g) as fp32 w[j][i]: input 32 g + j of output row 32 nb + i.
 void unpack(const Problem& s, int64_t nb, int64_t g, float (*w)[GROUP]) {
+  const uint8_t* src = block_bytes(s, nb, g);
   if (!s.wide) {
-    const uint8_t* src = s.q + (nb * s.groups + g) * GROUP * GROUP / 2;
-    const __m256i low = _mm256_set1_epi32(0x0F);
     for (int p = 0; p < 16; ++p)
       for (int c = 0; c < 4; ++c) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + p * 32 + c * 8)));
-        _mm256_store_ps(w[2 * p] + 8 * c, _mm256_cvtepi32_ps(_mm256_and_si256(b, low)));
-        _mm256_store_ps(w[2 * p + 1] + 8 * c, _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)));
+        __m256 lo, hi;
+        q4_pair(src, p, c, lo, hi);
+        _mm256_store_ps(w[2 * p] + 8 * c, lo);
+        _mm256_store_ps(w[2 * p + 1] + 8 * c, hi);
       }
     return;
   }
-  const uint8_t* src = s.q + (nb * s.groups + g) * GROUP * GROUP;
   for (int j = 0; j < 32; ++j)
-    for (int c = 0; c < 4; ++c) {
-      const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j * 32 + c * 8)));
-      _mm256_store_ps(w[j] + 8 * c, _mm256_cvtepi32_ps(b));
-    }
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(w[j] + 8 * c, q8_row(src, j, c));
 }
 
 // Rows [r0, r0 + R) times the unpacked block (nb, g), added to their fp32 sums y[r][32].
@@ -122,7 +134,7 @@ void tile(const Problem& s, const float (*w)[GROUP], int64_t g, const float* d, 
 template <int R>
 void direct(const Problem& s, int64_t nb, int64_t g, const float* d, const float* m, int64_t r0, float (*y)[GROUP]) {
   const float* x = s.x + r0 * s.k + g * GROUP;
-  const uint8_t* src = s.q + (nb * s.groups + g) * GROUP * GROUP / (s.wide ? 1 : 2);
+  const uint8_t* src = block_bytes(s, nb, g);
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -131,13 +143,11 @@ void direct(const Problem& s, int64_t nb, int64_t g, const float* d, const float
       __m256 xb[R];
       for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * s.k + j);
       for (int c = 0; c < 4; ++c) {
-        const __m256 w = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j * 32 + c * 8))));
+        const __m256 w = q8_row(src, j, c);
         for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xb[r], w, acc[r][c]);
       }
     }
   } else {
-    const __m256i low = _mm256_set1_epi32(0x0F);
     for (int p = 0; p < 16; ++p) {
       __m256 xl[R], xh[R];
       for (int r = 0; r < R; ++r) {
@@ -145,9 +155,8 @@ void direct(const Problem& s, int64_t nb, int64_t g, const float* d, const float
         xh[r] = _mm256_broadcast_ss(x + r * s.k + 2 * p + 1);
       }
       for (int c = 0; c < 4; ++c) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + p * 32 + c * 8)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+        __m256 lo, hi;
+        q4_pair(src, p, c, lo, hi);
         for (int r = 0; r < R; ++r) {
           acc[r][c] = _mm256_fmadd_ps(xl[r], lo, acc[r][c]);
           acc[r][c] = _mm256_fmadd_ps(xh[r], hi, acc[r][c]);
@@ -178,7 +187,7 @@ void direct(const Problem& s, int64_t nb, int64_t g, const float* d, const float
 // Block (nb, g) as 16-bit lanes of (q[i, 2p], q[i, 2p + 1]): wp[2p] holds rows 0-7 and 16-23
 // (by 128-bit lane), wp[2p + 1] rows 8-15 and 24-31 (unpacklo/hi work within lanes).
 void unpack_pairs(const Problem& s, int64_t nb, int64_t g, __m256i* wp) {
-  const uint8_t* src = s.q + (nb * s.groups + g) * GROUP * GROUP / 2;
+  const uint8_t* src = block_bytes(s, nb, g);  // (4-bit: this route's only layout)
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int p = 0; p < 16; ++p) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + p * 32));

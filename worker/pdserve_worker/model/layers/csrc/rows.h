@@ -1,5 +1,5 @@
 // The ops' view of their inputs: a tensor of any leading shape is rows of its last dimension
-// (rows = numel / width), and a result keeps the input's leading shape. So the model calls them
+// (rows = the product of the leading sizes), and a result keeps the input's leading shape. So the model calls them
 // on its [batch, tokens, width] activations as they are: a Python reshape before and a view after
 // each call cost more than the op itself at a decode step's one row (~6 us against ~3,
 // 2026-12-06, 2-vCPU Zen 3), ~12 of them a layer. native.py's build digest covers this header.
@@ -26,7 +26,7 @@ inline std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
   return sizes;
 }
 
-// x's shape, its last dimension replaced by `inner` (e.g. [heads, head_dim]).
+// x's shape, its last dimension replaced by two, [a, b] (e.g. [heads, head_dim]).
 inline std::vector<int64_t> with_last(const at::Tensor& x, int64_t a, int64_t b) {
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end() - 1);
   sizes.push_back(a);
