@@ -40,7 +40,7 @@ TOOLS = [
         ([{"type": "function"}], None, "tools[0] must be"),
         ([{"type": "function", "function": {"name": "has space"}}], None, "function.name must be"),
         ([TOOLS[0], TOOLS[0]], None, "distinct"),
-        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}], None, "objectx"),
+        ([{"type": "function", "function": {"name": "f", "parameters": 7}}], None, "JSON schema object"),
         (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
         (TOOLS, "sometimes", "tool_choice is none, auto, required"),
         (None, "required", "needs tools"),
@@ -51,6 +51,20 @@ def test_tools_that_cannot_be_served_are_refused_naming_the_problem(raw, choice,
 
     with pytest.raises((ValueError, GrammarError), match=re.escape(words)):
         tools.parse(raw, choice, None)
+
+
+def test_a_schema_llguidance_cannot_serve_is_refused_when_compiled_naming_its_tool():
+    """parse checks shape and size only (on the event loop); the router compiles `asks` off it."""
+    from pdserve_worker.model.sampling import grammar as grammars
+
+    spec = tools.parse(
+        [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}], None, None
+    )
+    asks = spec.asks()
+    assert [a.field for a in asks] == [f"tools[{i}].function.parameters" for i in range(3)]
+    grammars.to_grammar(asks[0])
+    with pytest.raises(grammars.GrammarError, match="objectx"):
+        grammars.to_grammar(asks[2])
 
 
 def test_the_format_is_read_off_the_template():
@@ -111,7 +125,9 @@ def loaded(tiny_model_dir):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_choice_gives_calls_whose_arguments_match_the_schema(loaded, fmt, choice):
     spec = tools.parse(TOOLS, choice, False)
-    grammar = spec.grammar(fmt)
+    from pdserve_worker.model.sampling import grammar as grammars
+
+    grammar = grammars.to_grammar(spec.grammar(fmt))
     params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s, grammar=grammar) for s in range(8)]
     schemas = {"get_weather": WEATHER, "get_time": TIME}
     for done in generate(loaded.model, loaded.tokenizer, [[5, 9, 13]] * 8, params, max_len=256):

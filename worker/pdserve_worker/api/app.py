@@ -58,9 +58,17 @@ from pdserve_worker.api.errors import (
     from_backend_error,
     from_rejection,
     from_validation_errors,
+    retry_headers,
     unauthorized,
 )
 from pdserve_worker.api.generation import Delta, Generation
+from pdserve_worker.api.grammar_compiler import (
+    BudgetSpent,
+    FieldGrammarError,
+    GrammarCompiler,
+    GrammarLimits,
+    grammar_check,
+)
 from pdserve_worker.api.keys import ANONYMOUS, PRIORITIES, KeyFile, KeyStore, Tenant, TenantLimits, bearer_key
 from pdserve_worker.api.logprobs import Scored, TokenText
 from pdserve_worker.api.metrics import RouterMetrics
@@ -110,6 +118,7 @@ class RouterLimits:
     max_prompt_chars: int | None = None  # None: what can fit the context (tokenizing.max_prompt_chars)
     tokenize_threads: int = TOKENIZE_THREADS
     tokenize_queue: int = TOKENIZE_QUEUE  # long prompts tokenizing or waiting; past it, 429
+    grammar: GrammarLimits = GrammarLimits()  # structured outputs' and tools' compiling
 
 
 class ClientDisconnected(Exception):
@@ -341,6 +350,7 @@ class _Router:
         self.report_request_info = report_request_info
         self.limits = limits
         self.tokenizers = TokenizerPool(limits.tokenize_threads, limits.tokenize_queue)
+        self.grammars = GrammarCompiler(limits.grammar, compile_one=grammar_check(backend))
         self.fingerprint = system_fingerprint(backend.model_name, str(getattr(backend, "revision", "")))
         decode = getattr(backend, "detokenize", None)  # a backend without a tokenizer reports no logprobs
         self.token_texts = None if decode is None else TokenText(decode)
@@ -471,7 +481,7 @@ class _Router:
     ) -> Response:
         priority, deadline_s = self._admission_headers(request)
         with tracing.span("router.admission") as admission:  # model, tokenize, limits, sampling parameters
-            prompt_ids, params, max_tokens = await self._admit(body, chat, request_id)
+            prompt_ids, params, max_tokens = await self._admit(body, chat, request_id, tenant)
             admission.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
         served = PRIORITIES[max(PRIORITIES.index(priority), PRIORITIES.index(tenant.limits.max_priority))]
         trace.set_attributes(
@@ -571,8 +581,42 @@ class _Router:
             )
             raise from_rejection(exc, request_id) from None
 
+    async def _grammar(
+        self, body: CompletionRequest | ChatCompletionRequest, tenant: Tenant, request_id: str
+    ) -> str | None:
+        """The grammar the output must match (its structured-output field's, or the one tool_choice
+        required or named enforces), compiled off the event loop with the tools' schemas
+        (api/grammar_compiler.py); a 400 naming the field it cannot serve, a 429 past the
+        tenant's compile time or the compiler's queue."""
+        spec = body.tool_spec if isinstance(body, ChatCompletionRequest) else None
+        try:
+            forced = spec.grammar(self._tool_format()) if spec is not None else None
+        except GrammarError as exc:
+            raise self.reject(400, f"tool_choice: {exc}", param="tool_choice") from None
+        asked = forced or body.grammar
+        asks = [*(spec.asks() if spec is not None else []), *([asked] if asked is not None else [])]
+        if not asks:
+            return None
+        try:
+            compiled = await self.grammars.compile(asks, tenant.name)
+        except FieldGrammarError as exc:
+            raise self.reject(400, f"{exc.field}: {exc}", param=exc.field.split("[")[0]) from None
+        except BudgetSpent as exc:
+            log.info(kv(event="grammar_budget_spent", request_id=request_id, tenant=tenant.name, status=exc.status))
+            if exc.status == 429:
+                self.metrics.observe_rejected(429)
+                raise ApiError(
+                    429, str(exc), "rate_limit_error", None, "grammar_budget_exceeded", retry_headers(exc.retry_after_s)
+                ) from None
+            raise self.reject(400, str(exc), param=exc.field.split("[")[0], code="grammar_budget_exceeded") from None
+        except NoCapacity as exc:
+            error, _ = from_backend_error(exc, request_id)
+            self.metrics.observe_rejected(error.status)
+            raise error from None
+        return compiled[-1] if asked is not None else None
+
     async def _admit(
-        self, body: CompletionRequest | ChatCompletionRequest, chat: bool, request_id: str
+        self, body: CompletionRequest | ChatCompletionRequest, chat: bool, request_id: str, tenant: Tenant
     ) -> tuple[list[int], SamplingParams, int]:
         """The prompt's token ids, the sampling parameters and max_tokens; an ApiError (4xx) if
         the request cannot be served as asked."""
@@ -593,17 +637,12 @@ class _Router:
             prompt_field,
             max_field,
         )
+        grammar = await self._grammar(body, tenant, request_id)
         try:
-            params = body.sampling_params(max_tokens, self.sampling_defaults, self._bad_words(body))
-            spec = body.tool_spec if isinstance(body, ChatCompletionRequest) else None
-            forced = spec.grammar(self._tool_format()) if spec is not None else None
-            if forced is not None:  # tool_choice required or named: the answer is a call (api/tools.py)
-                params = params.model_copy(update={"grammar": forced})
+            params = body.sampling_params(max_tokens, self.sampling_defaults, self._bad_words(body), grammar)
         except ValidationError as exc:
             self.metrics.observe_rejected(400)
             raise from_validation_errors(exc.errors()) from None
-        except GrammarError as exc:
-            raise self.reject(400, f"tools: {exc}", param="tools") from None
         if (params.logprobs is not None or params.prompt_logprobs is not None) and self.token_texts is None:
             raise self.reject(400, "this backend cannot name tokens: logprobs are not available", param="logprobs")
         if params.prompt_logprobs is not None:

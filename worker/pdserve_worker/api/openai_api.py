@@ -76,17 +76,18 @@ MAX_CACHE_SALT_CHARS = 256  # a salt names a group of requests; longer is a mist
 MAX_TOOL_ARGUMENT_CHARS = 64 * 1024  # a tool call's arguments sent back in a conversation
 
 
-def _structured(kind: grammars.Kind) -> Any:
-    """A validator turning a structured-output field's value into its grammar (GrammarError, a
-    ValueError, is the 400 that names the field and what is wrong with it)."""
+def _structured(kind: grammars.Kind, field: str) -> Any:
+    """A validator turning a structured-output field's value into what it asks for, checked in
+    shape and size (GrammarError, a ValueError, is the 400 that names the field and what is
+    wrong with it); the router compiles it off its event loop (api/grammar_compiler.py)."""
 
-    def build(value: Any) -> str | None:
-        return None if value is None else grammars.build(kind, value)
+    def check(value: Any) -> grammars.Ask | None:
+        return None if value is None else grammars.ask(kind, value, field)
 
-    return AfterValidator(build)
+    return AfterValidator(check)
 
 
-def _response_format(value: Any) -> str | None:
+def _response_format(value: Any) -> grammars.Ask | None:
     """OpenAI's `response_format`: text (no grammar), json_object, or json_schema with its schema."""
     if value is None:
         return None
@@ -94,16 +95,16 @@ def _response_format(value: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return grammars.build("json_object", None)
+        return grammars.ask("json_object", None, "response_format")
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise ValueError("json_schema needs {name, schema}: the schema is missing")
-        return grammars.build("json_schema", spec["schema"])
+        return grammars.ask("json_schema", spec["schema"], "response_format")
     raise ValueError(f"type is text, json_object or json_schema, got {kind!r}")
 
 
-def _structured_outputs(value: Any) -> str | None:
+def _structured_outputs(value: Any) -> grammars.Ask | None:
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
     if value is None:
         return None
@@ -113,7 +114,7 @@ def _structured_outputs(value: Any) -> str | None:
     if len(given) != 1:
         raise ValueError(f"exactly one of {', '.join(_STRUCTURED_KINDS)} is given, got {sorted(given) or 'none'}")
     [(key, spec)] = given.items()
-    return grammars.build(_STRUCTURED_KINDS[key], None if key == "json_object" else spec)
+    return grammars.ask(_STRUCTURED_KINDS[key], None if key == "json_object" else spec, "structured_outputs")
 
 
 _STRUCTURED_KINDS: dict[str, grammars.Kind] = {
@@ -184,10 +185,10 @@ class _GenerationRequest(BaseModel):
     # the output must match; OpenAI's response_format and vLLM's structured_outputs / guided_*.
     response_format: Annotated[Any, AfterValidator(_response_format)] = None
     structured_outputs: Annotated[Any, AfterValidator(_structured_outputs)] = None
-    guided_json: Annotated[Any, _structured("json_schema")] = None
-    guided_regex: Annotated[Any, _structured("regex")] = None
-    guided_choice: Annotated[Any, _structured("choice")] = None
-    guided_grammar: Annotated[Any, _structured("grammar")] = None
+    guided_json: Annotated[Any, _structured("json_schema", "guided_json")] = None
+    guided_regex: Annotated[Any, _structured("regex", "guided_regex")] = None
+    guided_choice: Annotated[Any, _structured("choice", "guided_choice")] = None
+    guided_grammar: Annotated[Any, _structured("grammar", "guided_grammar")] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -253,8 +254,9 @@ class _GenerationRequest(BaseModel):
         return self
 
     @property
-    def grammar(self) -> str | None:
-        """The llguidance grammar the output must match, if the request asks for structured outputs."""
+    def grammar(self) -> grammars.Ask | None:
+        """The grammar the output must match, if the request asks for structured outputs (not
+        compiled yet: the router compiles it, api/grammar_compiler.py)."""
         return next((getattr(self, name) for name in STRUCTURED_FIELDS if getattr(self, name) is not None), None)
 
     @field_validator("stop", mode="before")
@@ -301,8 +303,10 @@ class _GenerationRequest(BaseModel):
         max_tokens: int,
         defaults: Mapping[str, float | int] | None = None,
         bad_words: tuple[tuple[int, ...], ...] = (),
+        grammar: str | None = None,
     ) -> SamplingParams:
-        """The engine's view of this request, once the router has settled `max_tokens`.
+        """The engine's view of this request, once the router has settled `max_tokens` and
+        compiled its `grammar` (of `self.grammar` or the tools').
 
         A field the request leaves unset takes the model's `defaults` (its generation_config:
         model/loading/generation_config.py's `sampling_defaults`), else OpenAI's (temperature and top_p
@@ -329,7 +333,7 @@ class _GenerationRequest(BaseModel):
             min_p=self.min_p or 0.0,
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
-            grammar=self.grammar,
+            grammar=grammar,
             bad_words=bad_words,
         )
 

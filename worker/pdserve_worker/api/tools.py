@@ -71,7 +71,16 @@ class ToolSpec:
         not parsed), as OpenAI and vLLM's default (`--exclude-tools-when-tool-choice-none` off)."""
         return [t.template() for t in self.tools] or None
 
-    def grammar(self, fmt: Format) -> str | None:
+    def asks(self) -> list[grammars.Ask]:
+        """Each tool's `parameters` schema as a grammar to compile: one that cannot be served
+        is refused (a 400 naming the tool), whatever the choice."""
+        return [
+            grammars.ask("json_schema", t.parameters, f"tools[{i}].function.parameters")
+            for i, t in enumerate(self.tools)
+            if t.parameters is not None
+        ]
+
+    def grammar(self, fmt: Format) -> grammars.Ask | None:
         """The grammar `required` and a named choice are enforced with (None otherwise)."""
         if self.choice not in ("required", "named"):
             return None
@@ -91,10 +100,10 @@ class ToolSpec:
             {**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "x-guidance": {"whitespace_flexible": False}}
         )
         if fmt == "llama3_json":
-            return grammars.build("grammar", f"start: %json {call}")
+            return grammars.ask("grammar", f"start: %json {call}", "tool_choice")
         repeat = ' ("\\n" call)*' if self.parallel else ""
         lark = f'start: call{repeat}\ncall: "{HERMES_OPEN}\\n" %json {call} "\\n{HERMES_CLOSE}"'
-        return grammars.build("grammar", lark)
+        return grammars.ask("grammar", lark, "tool_choice")
 
 
 def _tool(raw: Any, index: int) -> Tool:
@@ -125,9 +134,9 @@ def parse(tools: Any, choice: Any, parallel: Any) -> ToolSpec | None:
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise ValueError(f"tool names must be distinct, got {names}")
-    for t in parsed:  # the arguments' schema is a grammar too: one that cannot be served is refused here
+    for i, t in enumerate(parsed):  # shape and size here; compiled by the router (ToolSpec.asks)
         if t.parameters is not None:
-            grammars.build("json_schema", t.parameters)
+            grammars.ask("json_schema", t.parameters, f"tools[{i}].function.parameters")
     spec = ToolSpec(parsed, "auto", None, parallel is not False)
     if choice in (None, "auto", "none", "required"):
         return ToolSpec(parsed, choice or "auto", None, spec.parallel)

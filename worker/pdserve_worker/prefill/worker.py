@@ -70,6 +70,7 @@ from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.loading.loader import LoadedModel
+from pdserve_worker.model.sampling.grammar import GrammarError
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import draw_first, prompt_token_logprobs, stop_token_ids
 from pdserve_worker.prefill.tp_rank import (
@@ -806,6 +807,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {exc}", settled_trailer(False))
         except InstanceBroken as exc:  # another prefill can serve it
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), settled_trailer(push_settled_of(exc)))
+        except GrammarError as exc:  # the client's grammar, refused by the matcher: its fault, not the service's
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), settled_trailer(push_settled_of(exc)))
         except ValueError as exc:  # a target whose layout does not fit this model's KV
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc), settled_trailer(push_settled_of(exc)))
         except Exception as exc:  # noqa: BLE001 - a bug: logged in full, answered without internals

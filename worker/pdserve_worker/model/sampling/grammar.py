@@ -2,7 +2,8 @@
 
 The API's forms (response_format json_object / json_schema, and vLLM's guided_json,
 guided_regex, guided_choice, guided_grammar and structured_outputs) all become one grammar
-here, on the router, where a bad one is a 400 naming the problem. The grammar travels in
+here, on the router, where a bad one is a 400 naming the problem: `ask` checks a request's
+value when its body is read, `to_grammar` turns it into the grammar off the event loop. The grammar travels in
 `SamplingParams.grammar`; the workers turn it into a matcher and masks
 (model/sampling/grammar_mask.py). Torch-free, so the API side does not load torch for it.
 
@@ -19,7 +20,9 @@ temperature 1 can spend its max_tokens on blank lines inside a valid prefix.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import llguidance
@@ -36,50 +39,83 @@ class GrammarError(ValueError):
     """A structured-output request that cannot be served: the message says what is wrong."""
 
 
-def _json_schema(schema: Any) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
-    if isinstance(schema, dict) and "x-guidance" not in schema:
-        schema = {**schema, "x-guidance": _JSON_OPTIONS}
-    return llguidance.grammar_from("json_schema", json.dumps(schema))
+@dataclass(frozen=True)
+class Ask:
+    """One grammar a request asks for, checked for shape and size but not compiled: compiling
+    is CPU work of unbounded-looking cost that the router runs off its event loop
+    (api/grammar_compiler.py). `field` names the request field it came from (the 400's param)."""
+
+    kind: Kind
+    value: Any
+    field: str
+
+    @property
+    def key(self) -> str:
+        """The SHA-256 of kind and value: equal asks compile to the same grammar."""
+        return hashlib.sha256(f"{self.kind}\0{json.dumps(self.value)}".encode()).hexdigest()
 
 
-def _choice(choices: Any) -> str:
-    if not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES:
-        raise GrammarError(f"a choice is a list of 1 to {MAX_CHOICES} strings, got {choices!r:.80}")
-    if not all(isinstance(c, str) and c for c in choices):
-        raise GrammarError(f"every choice is a non-empty string, got {choices!r:.80}")
-    return llguidance.grammar_from("choice", json.dumps(choices))
-
-
-def _text(kind: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise GrammarError(f"a {kind} is a non-empty string, got {value!r:.80}")
-    try:
-        return llguidance.grammar_from("regex" if kind == "regex" else "grammar", value)
-    except ValueError as exc:  # GBNF that does not convert
-        raise GrammarError(str(exc)) from None
-
-
-def build(kind: Kind, value: Any) -> str:
-    """The llguidance grammar of one structured-output request; GrammarError if it is not one."""
+def ask(kind: Kind, value: Any, field: str) -> Ask:
+    """`value` as an Ask for a `kind` grammar; GrammarError naming what is wrong with its shape
+    or size (what needs no compiling). `to_grammar` finishes the job."""
     if len(json.dumps(value)) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"the {kind} is larger than {MAX_GRAMMAR_CHARS} characters")
     if kind == "json_object":
-        grammar = _json_schema({"type": "object"})
-    elif kind == "json_schema":
-        grammar = _json_schema(value)
+        return Ask(kind, None, field)
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
+        if not isinstance(value, (dict, bool)):
+            raise GrammarError(f"a JSON schema is an object or a boolean, got {type(value).__name__}")
     elif kind == "choice":
-        grammar = _choice(value)
+        if not isinstance(value, list) or not value or len(value) > MAX_CHOICES:
+            raise GrammarError(f"a choice is a list of 1 to {MAX_CHOICES} strings, got {value!r:.80}")
+        if not all(isinstance(c, str) and c for c in value):
+            raise GrammarError(f"every choice is a non-empty string, got {value!r:.80}")
+    elif not isinstance(value, str) or not value:
+        raise GrammarError(f"a {kind} is a non-empty string, got {value!r:.80}")
+    return Ask(kind, value, field)
+
+
+def to_grammar(asked: Ask, tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The llguidance grammar of `asked`; GrammarError if llguidance cannot serve it. With the
+    model's `tokenizer`, a matcher is built too, as the workers build it: some grammars pass
+    the tokenizer-free check and only then exceed llguidance's limits (its symbol count)."""
+    kind, value = asked.kind, asked.value
+    if kind in ("json_object", "json_schema"):
+        schema = {"type": "object"} if kind == "json_object" else value
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            schema = {**schema, "x-guidance": _JSON_OPTIONS}
+        grammar = llguidance.grammar_from("json_schema", json.dumps(schema))
+    elif kind == "choice":
+        grammar = llguidance.grammar_from("choice", json.dumps(value))
     else:
-        grammar = _text(kind, value)
+        try:
+            grammar = llguidance.grammar_from("regex" if kind == "regex" else "grammar", value)
+        except ValueError as exc:  # GBNF that does not convert
+            raise GrammarError(str(exc)) from None
     check(grammar)
+    if tokenizer is not None:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(
+                f"the grammar cannot be served with this model's tokenizer: {first_line(matcher.get_error())}"
+            )
     return grammar
+
+
+def first_line(error: str) -> str:
+    """llguidance's error without the backtrace it appends to a panic."""
+    return error.strip().splitlines()[0] if error.strip() else error
+
+
+def build(kind: Kind, value: Any) -> str:
+    """The llguidance grammar of one structured-output request, compiled here and now (the
+    workers and tests; the router compiles through api/grammar_compiler.py)."""
+    return to_grammar(ask(kind, value, kind))
 
 
 def check(grammar: str) -> None:

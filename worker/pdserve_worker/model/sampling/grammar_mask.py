@@ -23,7 +23,7 @@ import llguidance.numpy as ln
 import numpy as np
 import torch
 
-from pdserve_worker.model.sampling.grammar import GrammarError
+from pdserve_worker.model.sampling.grammar import GrammarError, first_line
 from pdserve_worker.model.tokenizer import Tokenizer
 
 _lock = threading.Lock()
@@ -57,7 +57,7 @@ class GrammarMatcher:
             return None
         matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer, vocab), grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"grammar refused by the worker: {matcher.get_error()}")
+            raise GrammarError(f"grammar refused by the worker: {first_line(matcher.get_error())}")
         return cls(matcher)
 
     def consume(self, tokens: Sequence[int]) -> None:
