@@ -145,13 +145,15 @@ def test_401_in_openai_shape_and_the_key_never_logged(serve, caplog):
     assert missing.status_code == 401  # the key is checked before the body's fields
     assert missing.json()["error"]["code"] == "invalid_api_key"
     assert set(missing.json()["error"]) == {"message", "type", "param", "code"}
-    # Nor does a body that is not JSON at all, nor one over the size limit, come before the key.
-    for content in (b"{not json", b"x" * (9 << 20)):
-        garbage = httpx.post(
-            f"{url}/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=30
-        )
-        assert garbage.status_code == 401, garbage.text
-        assert garbage.json()["error"]["code"] == "invalid_api_key"
+    # Nor does a body that is not JSON at all, nor one over the size limit, come before the key;
+    # on /tokenize and /detokenize neither (#58 A10: they parsed the body first).
+    for path in ("/v1/completions", "/tokenize", "/detokenize"):
+        for content in (b"{not json", b"x" * (9 << 20)):
+            garbage = httpx.post(
+                f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30
+            )
+            assert garbage.status_code == 401, (path, garbage.text)
+            assert garbage.json()["error"]["code"] == "invalid_api_key"
 
     assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
     with caplog.at_level(logging.DEBUG):
@@ -161,7 +163,7 @@ def test_401_in_openai_shape_and_the_key_never_logged(serve, caplog):
     assert [m.id for m in good.models.list()] == ["slot-model"]
     assert KEY not in caplog.text and "sk-wrong" not in caplog.text
     metrics = httpx.get(f"{url}/metrics").text
-    assert 'pdserve_router_requests_rejected_total{status="401"} 5.0' in metrics
+    assert 'pdserve_router_requests_rejected_total{status="401"} 9.0' in metrics  # 3 + 6 garbage bodies
     assert 'pdserve_router_tenant_tokens_total{kind="completion",tenant="interactive"} 2.0' in metrics
 
 

@@ -265,8 +265,15 @@ def too_large(limit: int) -> JSONResponse:
     return JSONResponse(body, status_code=413, headers={"Connection": "close"})
 
 
+KEYED_PATHS = ("/tokenize", "/detokenize")  # keyed like /v1 (vLLM serves them at the root)
+
+
+def _keyed(path: str) -> bool:
+    return path.startswith("/v1/") or path in KEYED_PATHS
+
+
 class KeysFirst:
-    """ASGI middleware: with API keys on, a /v1 request without a known key is answered 401
+    """ASGI middleware: with API keys on, a /v1 (or /tokenize, /detokenize) request without a known key is answered 401
     before anything else looks at it. FastAPI reads and JSON-decodes the body before it runs
     the endpoint's dependencies, so invalid JSON without a key got 400 (and its field errors)
     before 401; docs/admission.md says keys come first. The endpoints' own dependency still
@@ -277,7 +284,7 @@ class KeysFirst:
         self.authenticate = authenticate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1/"):
+        if scope["type"] == "http" and _keyed(str(scope.get("path", ""))):
             try:
                 self.authenticate(Request(scope))
             except ApiError as exc:
@@ -637,6 +644,8 @@ class _Router:
             prompt_field,
             max_field,
         )
+        if body.logit_bias:  # ids past the vocabulary are the client's mistake (a 400), as in a prompt of ids
+            self._checked_ids([int(k) for k in body.logit_bias], "logit_bias")
         grammar = await self._grammar(body, tenant, request_id)
         try:
             params = body.sampling_params(max_tokens, self.sampling_defaults, self._bad_words(body), grammar)

@@ -43,6 +43,7 @@ from pdserve_worker.model.sampling.params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
     UINT32_MAX,
     SamplingParams,
     TokenId,
@@ -164,7 +165,7 @@ class _GenerationRequest(BaseModel):
     # OpenAI's shape: token id (as a string) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # vLLM's extensions (model/sampling/processors.py).
-    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS (benchmarks).")

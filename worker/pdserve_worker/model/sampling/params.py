@@ -24,6 +24,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 MAX_REPETITION_PENALTY = 100.0
+# Its inverse: logits are multiplied by at most 100 either way, so no value in range overflows
+# a draw (1e-300 divided fp32 logits to inf and NaN: a 500, issue #58 A8).
+MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
 # Alternatives per token a request may ask logprobs of (OpenAI's top_logprobs bound; vLLM's
 # default max_logprobs is 20 too).
 MAX_LOGPROBS = 20
@@ -80,7 +83,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
     repetition_penalty: float = Field(
         1.0,
-        gt=0.0,
+        ge=MIN_REPETITION_PENALTY,
         le=MAX_REPETITION_PENALTY,
         description="HF's: logits of prompt and output tokens divided (>0) or multiplied.",
     )
