@@ -77,9 +77,7 @@ KV_BLOCK_TOKENS = "PDSERVE_KV_BLOCK_TOKENS"  # decode: tokens per KV block (0: m
 KV_TOKENS = "PDSERVE_KV_TOKENS"  # decode: KV pool size in tokens (0: slots x max length)
 PREFIX_CACHE_TOKENS = "PDSERVE_PREFIX_CACHE_TOKENS"  # prefill: prefix cache in tokens (unset/auto: from memory; 0: off)
 PREFIX_DISK_DIR = "PDSERVE_PREFIX_DISK_DIR"  # prefill: folder of the prefix cache's disk tier (unset: no disk tier)
-PREFIX_DISK_BYTES = (
-    "PDSERVE_PREFIX_DISK_BYTES"  # prefill: the disk tier's bound in bytes (0: 10 GiB or half the free disk)
-)
+PREFIX_DISK_BYTES = "PDSERVE_PREFIX_DISK_BYTES"  # prefill: the disk tier's bound in bytes (0: 10 GiB)
 READINESS_MODE = "PDSERVE_READINESS_MODE"  # decode: interrupt | poll | spin
 POLL_INTERVAL_MICROS = "PDSERVE_POLL_INTERVAL_MICROS"  # decode, only with poll
 WARMUP = "PDSERVE_WARMUP"  # decode: "true" | "false"

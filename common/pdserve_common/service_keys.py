@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 PURPOSE_LINK = "pdserve kv-link v1"
 PURPOSE_CAPABILITY = "pdserve kv-capability v1"
+PURPOSE_PREFIX_DISK = "pdserve prefix-disk v1"  # from the link key: the prefix disk tier's digests
 SALT = b"pdserve-service-token"
 KEY_BYTES = 32
 

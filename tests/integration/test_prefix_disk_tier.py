@@ -115,6 +115,10 @@ def test_blocks_come_back_from_disk_after_eviction_a_kill_and_damage(tiny_model_
         assert metric(metrics, 'pdserve_prefill_prefix_tier_hit_tokens_total{tier="disk"}') > 0
         # Each prompt published what RAM could hold of it (4 blocks), and all of that went to disk.
         assert metric(metrics, "pdserve_prefill_prefix_disk_spilled_blocks_total") >= len(PROMPTS) * 4
+        # The prompts' KV is the worker's user's alone (#58 A10: the files were 0644).
+        assert {p.stat().st_mode & 0o777 for p in disk.rglob("*.kv")} == {0o600}
+        folders = {p.parent for p in disk.rglob("*.kv")}  # a geometry's folder, in the prefill's own
+        assert {d.stat().st_mode & 0o777 for d in folders | {f.parent for f in folders}} == {0o700}
 
         [child] = [c for c in run.manifest["children"] if c["role"] == "prefill"]
         os.kill(child["pid"], signal.SIGKILL)

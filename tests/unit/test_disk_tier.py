@@ -95,6 +95,29 @@ def test_a_restart_finds_the_blocks_and_another_geometry_does_not(tmp_path):
     other.close()
 
 
+def test_files_are_private_and_another_services_key_reads_none_of_them(tmp_path):
+    """#58 A10: the files were 0644 and their digest unkeyed, so any local user could read the
+    prompts' KV and another service on a shared path would serve them."""
+    folder = tmp_path / "tier"
+    t = dt.DiskTier(folder, 8 * (PAYLOAD + dt._HEADER.size), "g", PAYLOAD, key=b"service-a" * 4)
+    spill_all(t, [1, 2])
+    for made in (folder, t.folder):
+        assert made.stat().st_mode & 0o777 == 0o700
+    assert {p.stat().st_mode & 0o777 for p in t.folder.glob("*.kv")} == {0o600}
+    t.close()
+    same = dt.DiskTier(folder, 8 * (PAYLOAD + dt._HEADER.size), "g", PAYLOAD, key=b"service-a" * 4)
+    assert bytes(same.read(h(1))) == bytes(payload(1))
+    same.close()
+    other = dt.DiskTier(folder, 8 * (PAYLOAD + dt._HEADER.size), "g", PAYLOAD, key=b"service-b" * 4)
+    assert other.read(h(2)) is None and other.stats().corrupt == 1  # a miss, deleted, never served
+    other.close()
+    old = t.folder / f"{h(9).hex()}.kv"  # an earlier version's world-readable file
+    old.write_bytes(b"x")
+    old.chmod(0o644)
+    dt.DiskTier(folder, 8 * (PAYLOAD + dt._HEADER.size), "g", PAYLOAD).close()
+    assert old.stat().st_mode & 0o777 == 0o600
+
+
 def test_a_writer_that_is_behind_drops_spills_without_waiting(tmp_path, monkeypatch):
     monkeypatch.setattr(dt, "SPILL_QUEUE_BYTES", 2 * PAYLOAD)  # two copies may wait
     t = tier(tmp_path)

@@ -154,7 +154,7 @@ def _kv_flags(p: argparse._ArgumentGroup) -> None:
         "--prefix-disk-gib",
         type=float,
         default=0.0,
-        help="prefill: the disk tier's bound per prefill in GiB (default 0: 10 GiB or half the free disk)",
+        help="prefill: the disk tier's bound per prefill in GiB (default 0: 10 GiB; a warning at start if the disk has less free)",
     )
 
 

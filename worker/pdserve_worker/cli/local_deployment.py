@@ -75,7 +75,7 @@ class LocalPlan:
     kv_tokens: int = 0  # decode KV pool in tokens (0: slots x max_len)
     prefix_cache_tokens: int | None = None  # prefill prefix cache in tokens (None: auto, a memory share; 0: off)
     prefix_disk_dir: Path | None = None  # the prefix cache's disk tier: one subfolder per prefill (None: none)
-    prefix_disk_gib: float = 0.0  # its bound per prefill (0: 10 GiB or half the free disk)
+    prefix_disk_gib: float = 0.0  # its bound per prefill (0: 10 GiB)
     routers: int = 1  # router processes (the first on `port`, the others on free ports: deployment.json)
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False

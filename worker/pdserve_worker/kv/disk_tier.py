@@ -18,9 +18,10 @@ geometry, so a restart with the same model finds its blocks and one with another
   (`prefetch`); the compute thread takes what has arrived when the prompt's turn comes. A
   block the index does not list costs no I/O: a miss never waits on the disk.
 - **Never wrong KV.** Each file holds a header with the block's hash and a BLAKE2b digest of
-  the hash and the bytes; a file whose length, hash or digest does not match is a miss,
-  counted and deleted, and the block is computed. (A digest guards against torn writes and
-  bad disks, not an attacker who can write the pod's disk: that one owns the pod anyway.)
+  the hash and the bytes, keyed with a key derived from the service's link key (`disk_key`);
+  a file whose length, hash or digest does not match is a miss, counted and deleted, and the
+  block is computed. The key makes a file written by another service (a shared host path) or
+  forged without it a miss too; files are 0600 in 0700 folders (the prompts' KV is theirs).
 - **Bounded.** `capacity_bytes` in all; past it the least recently used files are deleted.
   The index is rebuilt at start from the folder, oldest modification first.
 
@@ -54,8 +55,13 @@ _HEADER = struct.Struct("<8sQ32s32s")  # magic, payload bytes, block hash, diges
 SPILL_QUEUE_BYTES = 256 << 20  # block copies waiting for the writer; past this, spills are dropped
 
 
-def digest(block_hash: bytes, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(digest_size=32)
+FILE_MODE, FOLDER_MODE = 0o600, 0o700  # the prompts' KV: readable by the worker's user only
+
+
+def digest(block_hash: bytes, payload: bytes | memoryview, key: bytes = b"") -> bytes:
+    """BLAKE2b of hash and payload, keyed with the service's disk key (`disk_key`): a file
+    another service wrote (a shared host path) or one forged without the key is a miss."""
+    h = hashlib.blake2b(digest_size=32, key=key)
     h.update(block_hash)
     h.update(payload)
     return h.digest()
@@ -79,11 +85,16 @@ class DiskTierStats:
 class DiskTier:
     """One folder of block files; thread-safe. `payload_bytes` is one block's size."""
 
-    def __init__(self, folder: Path, capacity_bytes: int, geometry: str, payload_bytes: int) -> None:
+    def __init__(self, folder: Path, capacity_bytes: int, geometry: str, payload_bytes: int, key: bytes = b"") -> None:
         if capacity_bytes < payload_bytes + _HEADER.size:
             raise ValueError(f"disk tier of {capacity_bytes} bytes cannot hold one block of {payload_bytes} bytes")
+        if len(key) > 64:
+            raise ValueError(f"a BLAKE2b key is at most 64 bytes, got {len(key)}")
+        self.key = key
         self.folder = Path(folder) / hashlib.sha256(geometry.encode()).hexdigest()[:16]
-        self.folder.mkdir(parents=True, exist_ok=True)
+        for made in (Path(folder), self.folder):  # (mkdir's mode is masked by the umask: chmod says it exactly)
+            made.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+            os.chmod(made, FOLDER_MODE)
         self.capacity_bytes = capacity_bytes
         self.payload_bytes = payload_bytes
         self._lock = threading.Lock()
@@ -190,7 +201,7 @@ class DiskTier:
         payload = memoryview(data)[_HEADER.size :]
         if magic != MAGIC or size != self.payload_bytes or stored_hash != block_hash:
             return None
-        if digest(block_hash, payload) != stored_digest:
+        if digest(block_hash, payload, self.key) != stored_digest:
             return None
         return payload
 
@@ -201,6 +212,8 @@ class DiskTier:
             try:
                 block_hash = bytes.fromhex(path.stem)
                 stat = path.stat()
+                if stat.st_mode & 0o777 != FILE_MODE:  # an earlier version's 0644 file
+                    os.chmod(path, FILE_MODE)
             except (ValueError, OSError):
                 continue
             found.append((stat.st_mtime_ns, block_hash, stat.st_size))
@@ -231,10 +244,10 @@ class DiskTier:
 
     def _write(self, block_hash: bytes, payload: bytes) -> None:
         started = time.perf_counter()
-        header = _HEADER.pack(MAGIC, len(payload), block_hash, digest(block_hash, payload))
+        header = _HEADER.pack(MAGIC, len(payload), block_hash, digest(block_hash, payload, self.key))
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb") as f:
             f.write(header)
             f.write(payload)
         os.replace(tmp, path)

@@ -24,7 +24,6 @@ blocks are filled, so a large, mostly idle budget costs address space, not memor
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,13 +140,9 @@ def prefix_budget(
     return PrefixBudget(tokens, tokens * kv_bytes_per_token, limit, share, resident)
 
 
+# The disk tier's bound per prefill when none is set: a fixed figure, not a share of the free
+# space (two prefills on one node each took half the free disk, #58 A10).
 DEFAULT_DISK_BYTES = 10 << 30
-
-
-def default_disk_bytes(folder: Path) -> int:
-    """The disk tier's bound when none is set: 10 GiB, or half the folder's free space if less."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    return min(DEFAULT_DISK_BYTES, shutil.disk_usage(folder).free // 2)
 
 
 DECODE_KV_FRACTION = 0.5  # of its memory share: a decode's KV pool is most of what it holds

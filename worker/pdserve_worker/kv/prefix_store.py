@@ -30,6 +30,7 @@ Use, on the compute thread, exactly as:
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -43,7 +44,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.kv.block_events import BlockEventLog
 from pdserve_worker.kv.cache import KVCache, torch_dtype
 from pdserve_worker.kv.disk_tier import DiskTier, DiskTierStats
-from pdserve_worker.kv.memory_budget import default_disk_bytes, prefix_budget
+from pdserve_worker.kv.memory_budget import DEFAULT_DISK_BYTES, prefix_budget
 from pdserve_worker.kv.prefix_cache import (
     PrefixCache,
     PrefixCacheStats,
@@ -263,10 +264,12 @@ def open_prefix_store(
     logger: logging.Logger | None = None,
     disk_dir: Path | None = None,
     disk_bytes: int = 0,
+    disk_key: bytes = b"",
 ) -> PrefixStore | None:
     """The prefill's prefix cache: `requested` tokens (0: none), or when None a share of the
     process's memory (kv/memory_budget.py), with a disk tier of `disk_bytes` under `disk_dir`
-    when both are given. Logs what it chose and why, once, at start."""
+    when both are given (0: DEFAULT_DISK_BYTES, 10 GiB; a warning at start if the disk has less
+    free), its files' digests keyed with `disk_key`. Logs what it chose and why, once, at start."""
     budget = prefix_budget(requested, memory_share, kv_bytes_per_token(layout), block_tokens, str(device))
     blocks = (
         budget.tokens // block_tokens if requested is None else (max(1, requested // block_tokens) if requested else 0)
@@ -278,9 +281,14 @@ def open_prefix_store(
         return None
     disk = None
     if disk_dir is not None:
-        capacity = disk_bytes or default_disk_bytes(disk_dir)
+        capacity = disk_bytes or DEFAULT_DISK_BYTES
         block_bytes = block_tokens * kv_bytes_per_token(layout)
-        disk = DiskTier(disk_dir, capacity, disk_geometry(layout, block_tokens, revision), block_bytes)
+        disk = DiskTier(disk_dir, capacity, disk_geometry(layout, block_tokens, revision), block_bytes, disk_key)
+        free = shutil.disk_usage(disk.folder).free
+        if capacity > free:  # said at start, not found out when the disk fills
+            out.warning(
+                kv(event="prefix_disk_over_free", capacity_bytes=capacity, free_bytes=free, folder=str(disk.folder))
+            )
         out.info(kv(event="prefix_disk_tier", folder=str(disk.folder), capacity_bytes=capacity, **_files(disk)))
     store = PrefixStore(layout, blocks, block_tokens, revision, device=device, disk=disk)
     out.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=block_tokens, **budget.describe()))

@@ -214,6 +214,7 @@ class PrefillWorker:
                 logger=log,
                 disk_dir=settings.prefix_disk_dir,
                 disk_bytes=settings.prefix_disk_bytes,
+                disk_key=settings.prefix_disk_key() if settings.prefix_disk_dir is not None else b"",
             )
         )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")

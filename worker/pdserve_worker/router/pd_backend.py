@@ -495,7 +495,9 @@ class PDBackend(ModelTokenizing):
                     prefill_id, BackendUnavailable(f"prefill {prefill_id} failed: {exc.details()}")
                 ) from None
             if code == grpc.StatusCode.INVALID_ARGUMENT:  # the request's own input (its grammar): a 400, not retried
-                raise InvalidPrompt(exc.details(), public=True) from None  # (names no worker: the client reads it)
+                raise InvalidPrompt(
+                    exc.details() or "the request was refused", public=True
+                ) from None  # (names no worker: the client reads it)
             raise BackendError(f"prefill {prefill_id} failed: {code.name}: {exc.details()}") from None
 
     # ---- choosing members ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common import pod_env as E
 from pdserve_common.auth import TLSConfig, TokenTable, role_of_token
-from pdserve_common.service_keys import ServiceKeys
+from pdserve_common.service_keys import PURPOSE_PREFIX_DISK, ServiceKeys, hkdf
 from pdserve_worker.api.http_guard import HttpLimits
 from pdserve_worker.model.loading.default_model import BUILTIN_SOURCE
 from pdserve_worker.transfer.registry import NAMES
@@ -270,6 +270,11 @@ class WorkerSettings(BaseSettings):
         if role_of_token(self.token) is not None:
             raise ValueError(f"a {self.role} worker with a role token needs {E.KV_LINK_KEY}")
         return ServiceKeys.from_token(self.token)
+
+    def prefix_disk_key(self) -> bytes:
+        """The prefix disk tier's digest key (kv/disk_tier.py), derived from the link key: a
+        prefill reads what another of its service wrote on a shared path, no other service can."""
+        return hkdf(self.kv_keys().link, PURPOSE_PREFIX_DISK.encode())
 
     def capability_key(self) -> bytes:
         """The key of reservation capabilities (a decode's; a prefill is not given it)."""
