@@ -228,6 +228,20 @@ def test_a_broker_restart_leaves_requests_in_flight_alone(local, reference):
     assert_complete([stream(local.url, PROMPTS[1], Answer())], PROMPTS[1:2], reference)
 
 
+def test_decodes_stopped_gracefully_come_back_and_serve(local, reference):
+    """#58 A6: a decode that stopped on SIGTERM shut down the KV listener it had inherited from
+    `pdserve local`, and its restart advertised a port nothing listened on: every request 503.
+    Both decodes stop in turn, so the answers after can only come from restarted ones."""
+    settle(local)
+    for name in ("decode-0", "decode-1"):
+        old = kill(local, name, signal.SIGTERM)
+        wait_until(lambda n=name, o=old: local.child(n)["pid"] != o, 60, f"{name} restarted")
+        settle(local)
+    answers = run_all(local, PROMPTS, lambda: None, when_chunks=0)
+    assert_complete(answers, PROMPTS, reference)
+    assert {a.pdserve["decode"] for a in answers} <= {"decode-0", "decode-1"}
+
+
 def test_draining_a_decode_under_load_loses_no_request(local, reference):
     """Last: decode-1 stays drained."""
     settle(local)

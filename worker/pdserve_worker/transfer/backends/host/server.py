@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -104,6 +105,14 @@ class HostServer:
         self.drops = DropCounter(log, "kv_link_refusals", server=engine_id)
         self._listener = inherited_sockets.take(port) or _bound(host, port)  # (handed down by `pdserve local`)
         self._listener.listen(128)
+        self._listener.setblocking(False)  # accepted when the selector says so (`_accept_loop`)
+        # stop() wakes the acceptor through this pair, never by shutting the listener down: an
+        # inherited listener is the launcher's too, and a shut-down one stays dead for the
+        # restarted process that gets it next (#58 A6).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._conns: set[socket.socket] = set()
         # Connections still in the handshake, oldest first, with their source address.
         self._pending: dict[socket.socket, str] = {}
@@ -121,14 +130,19 @@ class HostServer:
         with self._lock:
             self._stopping = True
             conns = list(self._conns)
-        for sock in [self._listener, *conns]:
+        self._wake_w.send(b"x")  # wakes the acceptor
+        for sock in conns:  # (the links are this process's own: shutting them down wakes their recv)
             try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept/recv
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._listener.close()
         deadline = time.monotonic() + timeout_s
-        for t in [self._acceptor, *self._threads]:
+        if self._acceptor.is_alive():
+            self._acceptor.join(timeout_s)
+        self._selector.close()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()  # closed, never shut down: the launcher's copy of the listener stays whole
+        for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in [self._acceptor, *self._threads])
 
@@ -141,10 +155,19 @@ class HostServer:
     def _accept_loop(self) -> None:
         while True:
             try:
+                ready = {key.fileobj for key, _ in self._selector.select()}
+            except (OSError, ValueError):  # the selector was closed
+                return
+            if self._wake_r in ready:  # stop()
+                return
+            try:
                 conn, peer = self._listener.accept()
+                conn.setblocking(True)
+            except BlockingIOError:  # the connection went before it was accepted
+                continue
             except OSError as exc:
                 if self._stopping or exc.errno in (errno.EBADF, errno.EINVAL):
-                    return  # the listener was shut down or closed
+                    return  # the listener was closed
                 self.drops.count("accept_failed", error=errno.errorcode.get(exc.errno or 0, exc.errno))
                 time.sleep(ACCEPT_RETRY_S)
                 continue
