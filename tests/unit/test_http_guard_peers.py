@@ -31,8 +31,9 @@ def closed(s: socket.socket) -> bool:
         return True
 
 
-def test_the_share_defaults_to_half_the_cap_and_never_exceeds_it() -> None:
-    assert HttpLimits(max_connections=100).effective_per_peer() == 50
+def test_the_share_defaults_to_a_sixteenth_of_the_cap_and_never_exceeds_it() -> None:
+    assert HttpLimits().effective_per_peer() == 256  # (#58 A2: half let two addresses fill the router)
+    assert HttpLimits(max_connections=100).effective_per_peer() == 6
     assert HttpLimits(max_connections=100, max_connections_per_peer=500).effective_per_peer() == 100
     assert HttpLimits(max_connections=1).effective_per_peer() == 1
 

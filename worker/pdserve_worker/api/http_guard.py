@@ -46,6 +46,11 @@ log = logging.getLogger("pdserve.http")
 
 DEFAULT_REQUEST_DEADLINE_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 4096
+# One address's default share of the cap: a sixteenth (256 of 4,096). At half, two addresses
+# filled the router and every probe and other tenant failed for 40 s (#58 A2); at a sixteenth
+# it takes 16 flooding addresses, each of which the cluster's NetworkPolicy or the front proxy
+# can name.
+PEER_SHARE = 16
 _RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.SWITCHED_PROTOCOL)
 
 
@@ -53,11 +58,11 @@ _RECEIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.SWITCHED_PROTOCOL)
 class HttpLimits:
     request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    max_connections_per_peer: int | None = None  # None: half of the cap
+    max_connections_per_peer: int | None = None  # None: the cap / PEER_SHARE
 
     def effective_per_peer(self) -> int:
         cap = self.effective_max_connections()
-        return max(1, min(cap, self.max_connections_per_peer or cap // 2))
+        return max(1, min(cap, self.max_connections_per_peer or cap // PEER_SHARE))
 
     def effective_max_connections(self) -> int:
         """The cap, kept below half the process's descriptor limit (the rest is for everything

@@ -154,7 +154,7 @@ class WorkerSettings(BaseSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, validation_alias=MAX_BODY_BYTES)
     http_request_deadline_seconds: float = Field(30.0, gt=0, validation_alias=HTTP_REQUEST_DEADLINE_S)
     http_max_connections: int = Field(4096, ge=1, validation_alias=HTTP_MAX_CONNECTIONS)
-    # One source address's share of that (0: by role, half the cap on a router's public port,
+    # One source address's share of that (0: by role, a sixteenth of the cap on a router's public port,
     # 64 on a worker's pod port, whose clients are the kubelet and Prometheus).
     http_max_connections_per_peer: int = Field(0, ge=0, validation_alias=HTTP_MAX_CONNECTIONS_PER_PEER)
     admin_port: int = Field(E.ADMIN_PORT, ge=0, le=65535, validation_alias=E.ADMIN_PORT_ENV)
