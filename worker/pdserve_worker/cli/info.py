@@ -68,6 +68,7 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
     except ImportError:
         return None, "torch not installed"
     from pdserve_worker.cli.local_deployment import auto_dtype
+    from pdserve_worker.model.layers import native
     from pdserve_worker.model.layers.matmul import QUANT_ROUTES, route
 
     return torch.__version__, {
@@ -77,6 +78,7 @@ def _cpu() -> tuple[str | None, dict[str, object] | str]:
             name: route(torch.device("cpu"), getattr(torch, name)) for name in ("float32", "bfloat16", "float16")
         },
         "quantized_matmul": QUANT_ROUTES,
+        "native_kernels": native.describe(),  # the ISA and the path each op takes (#56)
     }
 
 

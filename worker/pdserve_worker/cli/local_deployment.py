@@ -259,6 +259,7 @@ class LocalDeployment:
         self.url = f"{'https' if self.plan.tls else 'http'}://{HOST}:{self.port}"
         self.model_folder = self._prepare_model()
         self.max_len = self._resolve_max_len(self.model_folder)
+        self._prepare_kernels()
         if self.plan.tls:
             self.certs = write_run_certificates(self.log_dir / "tls")
             self.say(f"TLS on: clients verify the router with {self.certs.ca}")
@@ -304,6 +305,18 @@ class LocalDeployment:
         self.model_name = name
         self.say(f"model {name} at {folder}")
         return folder
+
+    def _prepare_kernels(self) -> None:
+        """The native kernels built here, once, saying so, before the children start (each would
+        wait silently on the one building them): model/layers/native.py's `prepare`."""
+        from pdserve_worker.model.layers import native
+
+        if self.plan.extra_env.get(native.ENV, os.environ.get(native.ENV, "kernel")) == "torch":
+            return
+        cache = self.plan.extra_env.get("PDSERVE_CACHE_DIR")
+        if cache is not None and cache != os.environ.get("PDSERVE_CACHE_DIR"):
+            return  # the children build in a cache of their own: building here would not help them
+        native.prepare(self.say)
 
     def _resolve_max_len(self, folder: Path) -> int:
         """Check --max-len against the model here, once, instead of every worker dying on it."""

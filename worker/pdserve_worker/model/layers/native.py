@@ -41,7 +41,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,18 +137,94 @@ def _cpu_key() -> str | None:
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 
 
-def build(verbose: bool = False) -> str:
-    """Load the cached library, or compile it first, and register the `torch.ops.pdserve` ops;
-    returns the ISA it was built for."""
+@dataclass(frozen=True)
+class _Library:
+    isa: str
+    flags: list[str]
+    name: str
+    folder: Path
+
+    @property
+    def path(self) -> Path:
+        return self.folder / f"{self.name}.so"
+
+    @property
+    def built(self) -> bool:
+        """Built before (the name holds the sources, torch and flags) and not being built now."""
+        return self.path.is_file() and not (self.folder / "lock").exists()
+
+
+def _library() -> _Library:
     isa, arch, macros = _isa()
     flags = [*CFLAGS, *arch, *macros]
     digest = _digest(flags)
-    name = f"pdserve_native_{digest}"
-    folder = _cache_root() / f"native-{digest}"
-    library = folder / f"{name}.so"
-    # Built before (the name holds the source, torch and flags) and not being built now: ~10 ms,
-    # where torch's loader would run ninja first (~2 s).
-    if library.is_file() and not (folder / "lock").exists():
+    return _Library(isa, flags, f"pdserve_native_{digest}", _cache_root() / f"native-{digest}")
+
+
+# How long a first build takes (g++ over the sources, one job per core), as `pdserve local` says
+# before it starts one: 24 s on a 2-vCPU AVX512 EPYC with a test suite beside it (2026-12-07);
+# the issue's 2-vCPU Xeon sat 57 s for the build and the GGUF conversion together.
+BUILD_ESTIMATE = "usually 20-60 s on 2 cores"
+
+
+def prepare(say: Callable[[str], None]) -> None:
+    """Build the kernels now, in a launcher, before its workers start: each worker would
+    otherwise wait silently on the one building them (a first `pdserve local --demo` sat 57 s
+    at "ready members 0/1" saying nothing). Says what it does and how long it usually takes;
+    a build that fails is said too (the workers then run torch's ops)."""
+    if os.environ.get(ENV, "kernel") == "torch":
+        return
+    lib = _library()
+    if lib.built:
+        say(f"native kernels for {lib.isa}: built before ({lib.folder})")
+        return
+    say(f"compiling native kernels for {lib.isa}, once per machine and torch version, {BUILD_ESTIMATE} ({lib.folder})")
+    started = time.monotonic()
+    try:
+        build()
+    except Exception as exc:  # noqa: BLE001 - said, and the workers run torch's ops
+        say(f"native kernels not built ({repr(exc)[:200]}): the workers run torch's ops")
+        return
+    say(f"native kernels built in {time.monotonic() - started:.0f}s")
+
+
+def describe() -> dict[str, object]:
+    """What `pdserve info` prints: the ISA the kernels are built for, whether they are built on
+    this machine, and the path each op takes here (loading the library if it is built; never
+    compiling it)."""
+    lib = _library()
+    out: dict[str, object] = {"isa": lib.isa, "built": lib.built, "cache": str(lib.folder)}
+    if os.environ.get(ENV, "kernel") == "torch":
+        out["paths"] = f"torch's ops ({ENV}=torch)"
+        return out
+    if not lib.built:
+        out["paths"] = "not known until built: the first model load builds them (pdserve local, before its workers)"
+        return out
+    if not available():
+        out["paths"] = "torch's ops (the library did not load: the worker's log says why)"
+        return out
+    vectors = f"Vectorized<float> on {lib.isa}"
+    quant = "native block kernel, AVX2 FMA/F16C" + (
+        ", int8 inputs on AVX2 vpmaddubsw" if quant_inputs() == "int8" else ", fp32 inputs"
+    )
+    out["paths"] = {
+        "decode_attention": f"native, {vectors}",
+        "layer_ops": f"native (RMSNorm, rotary, SiLU), {vectors}",
+        "prefill_attention_bf16": "native AVX512-BF16 (vdpbf16ps)" if _bf16_dot() else "torch SDPA",
+        "prefill_attention_fp32": "native AVX2 FMA" if _fp32_attention() else "torch SDPA",
+        "dense_fp32_matmul": "native AVX2 FMA (dense_linear, dense_gemm)" if dense_serves() else "oneDNN",
+        "quantized_matmul": quant if quant_serves() else "torch _weight_int4pack_mm_for_cpu",
+    }
+    return out
+
+
+def build(verbose: bool = False) -> str:
+    """Load the cached library, or compile it first, and register the `torch.ops.pdserve` ops;
+    returns the ISA it was built for."""
+    lib = _library()
+    isa, flags, name, folder, library = lib.isa, lib.flags, lib.name, lib.folder, lib.path
+    # Built before: ~10 ms, where torch's loader would run ninja first (~2 s).
+    if lib.built:
         torch.ops.load_library(str(library))
         return isa
     from torch.utils import cpp_extension  # (0.3 s of imports: only where it compiles)
