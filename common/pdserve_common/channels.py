@@ -192,11 +192,11 @@ async def listen(
     per_peer: int | None = None,
 ) -> tuple[int, PeerCappedFront]:
     """Listen on host:port (0 = any free port) behind a per-address connection cap
-    (grpc_front.py): the gRPC server itself listens on a private abstract unix socket. Returns
+    (grpc_front.py): the gRPC server itself listens on a unix socket in a private folder. Returns
     the bound port and the front (close it after the server stops); OSError if it cannot."""
     limits = limits or GrpcLimits.from_env()
     inner = inner_address()
-    bind_inner = f"unix-abstract:{inner}"
+    bind_inner = f"unix:{inner}"
     try:
         bound = (
             server.add_secure_port(bind_inner, tls.server_credentials())

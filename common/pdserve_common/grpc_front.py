@@ -6,11 +6,15 @@ single peer can take all of it: issue #29 filled the router's HTTP cap from one 
 pdserve pod of every service). gRPC has no accept hook, so the public port is ours: an asyncio
 listener that counts open connections per source address, closes a connection past
 `per_peer` (or past `total`) as soon as it is accepted, and splices every other one, byte for
-byte, to the gRPC server listening on a private abstract unix socket. TLS and HTTP/2 pass
+byte, to the gRPC server listening on a unix socket in a private (0700) folder. TLS and HTTP/2 pass
 through untouched (gRPC still terminates both, still enforces its handshake and idle
 deadlines on the inner connection, and a call without a token is still refused from its
 headers). What it costs is a copy of each message through the event loop: token events and
 control calls, never KV (benchmarks/README.md, "gRPC per-peer cap").
+
+Not an abstract socket: those have no permissions, so any process of the host's network
+namespace could connect to the inner server past both caps (#58 A9 held 300 connections where
+the cap was 256). A socket file in a folder only the server's user can enter cannot be.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass, field
 
 from pdserve_common import inherited_sockets
@@ -45,8 +50,8 @@ class PeerCounts:
 
 
 class PeerCappedFront:
-    """Listens on `host:port` and splices accepted connections to `inner` (an abstract unix
-    socket name) while the source address holds fewer than `per_peer` of them and the front
+    """Listens on `host:port` and splices accepted connections to `inner` (a unix socket's path,
+    `inner_address`) while the source address holds fewer than `per_peer` of them and the front
     fewer than `total`."""
 
     def __init__(self, inner: str, per_peer: int, total: int) -> None:
@@ -81,6 +86,7 @@ class PeerCappedFront:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        shutil.rmtree(os.path.dirname(self.inner), ignore_errors=True)  # (the gRPC server has stopped)
 
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = (writer.get_extra_info("peername") or ("unknown",))[0]
@@ -108,7 +114,7 @@ class PeerCappedFront:
 
     async def _splice(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            inner_reader, inner_writer = await asyncio.open_unix_connection("\0" + self.inner, limit=_CHUNK)
+            inner_reader, inner_writer = await asyncio.open_unix_connection(self.inner, limit=_CHUNK)
         except OSError as exc:
             log.warning(kv(event="grpc_front_inner_unreachable", inner=self.inner, error=repr(exc)))
             writer.transport.abort()
@@ -140,8 +146,9 @@ async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> Non
 
 
 def inner_address() -> str:
-    """A fresh abstract unix socket name for a gRPC server behind a front (Linux)."""
-    return f"pdserve-grpc-{os.getpid()}-{secrets.token_hex(8)}"
+    """A fresh unix socket path for a gRPC server behind a front, in a new folder that only
+    this process's user can enter (mkdtemp makes it 0700); the front removes it on close."""
+    return os.path.join(tempfile.mkdtemp(prefix="pdserve-grpc-"), "grpc.sock")
 
 
 def per_peer_from_env(total: int, env: dict[str, str] | None = None) -> int:

@@ -116,3 +116,26 @@ def test_the_per_peer_setting_is_checked():
             per_peer_from_env(1024, {"PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER": bad})
     with pytest.raises(ValueError, match="caps must be positive"):
         PeerCappedFront("x", 0, 5)
+
+
+@pytest.mark.asyncio
+async def test_the_inner_server_is_a_socket_file_only_its_user_can_reach():
+    """#58 A9: the inner server was on an abstract unix socket, which has no permissions: any
+    process of the network namespace connected to it past both caps. Now a socket file in a
+    0700 folder, not listed among the abstract sockets, and removed with the front."""
+    import os
+    import stat
+    from pathlib import Path
+
+    server, front, port = await serving(per_peer=4, total=8)
+    try:
+        folder = Path(front.inner).parent
+        assert stat.S_ISSOCK(os.stat(front.inner).st_mode)
+        assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()
+        abstract = [line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:] if "@" in line]
+        assert not any(f"pdserve-grpc-{os.getpid()}-" in name for name in abstract), abstract  # (the old naming)
+        assert await call(port) == grpc.StatusCode.OK  # still served through the front
+    finally:
+        await server.stop(None)
+        await front.close()
+    assert not folder.exists()
