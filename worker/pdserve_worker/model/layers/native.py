@@ -119,8 +119,9 @@ def _pick_isa() -> tuple[str, list[str], list[str]]:
 
 
 def _cpu_key() -> str | None:
-    """A digest of what the CPU reports of its features (/proc/cpuinfo's flags or Features line)
-    and torch's version, or None where the CPU does not say (then the ISA is picked every time)."""
+    """A digest of what the CPU reports of its features (/proc/cpuinfo's flags or Features line),
+    torch's version and ATEN_CPU_CAPABILITY, or None where the CPU does not say (then the ISA is
+    picked every time)."""
     try:
         with open("/proc/cpuinfo") as info:
             line = next((ln for ln in info if ln.startswith(("flags", "Features"))), None)
@@ -128,7 +129,8 @@ def _cpu_key() -> str | None:
         return None
     if line is None:
         return None
-    return hashlib.sha256(f"{torch.__version__}\n{line.strip()}".encode()).hexdigest()[:16]
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "")  # (torch's and inductor's own override: tests force AVX2 with it)
+    return hashlib.sha256(f"{torch.__version__}\n{line.strip()}\n{forced}".encode()).hexdigest()[:16]
 
 
 # -fopenmp: at::parallel_for is inline OpenMP, so without it every op ran on one thread (the
