@@ -129,7 +129,8 @@ def _cpu_key() -> str | None:
         return None
     if line is None:
         return None
-    forced = os.environ.get("ATEN_CPU_CAPABILITY", "")  # (torch's and inductor's own override: tests force AVX2 with it)
+    # torch's and inductor's own override (tests force AVX2 with it): a forced build is its own.
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "")
     return hashlib.sha256(f"{torch.__version__}\n{line.strip()}\n{forced}".encode()).hexdigest()[:16]
 
 
