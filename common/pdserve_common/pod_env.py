@@ -10,6 +10,10 @@ Pod-facing endpoints a worker must serve (the operator points probes and hooks a
 - HTTP on `HTTP_PORT` (named `http`): `GET /healthz` (liveness: the process is alive),
   `GET /readyz` (readiness: model loaded, registered with the broker, not draining).
   The router also serves the OpenAI API on this port.
+- Probes on `PROBE_PORT` (named `probe`): `GET /healthz` and `GET /readyz` only, the kubelet's
+  (the operator points every probe there). No NetworkPolicy rule admits pod traffic to it (the
+  kubelet's, from the node, is always allowed), so a flood of the `http` port from other pods
+  cannot fail a probe (#58 A2); its own small connection caps bound the rest.
 - gRPC on `GRPC_PORT` (named `grpc`): the worker service of `proto/pdserve/v1/worker.proto`.
 - Decode only, the transfer engine's listener on `TRANSFER_PORT` (named `transfer`): the
   engine id a decode pod registers with the broker is `POD_IP:TRANSFER_PORT` (HIXL's control
@@ -35,6 +39,7 @@ HTTP_PORT = 8080
 GRPC_PORT = 50051
 TRANSFER_PORT = 50052
 ADMIN_PORT = 8081  # loopback only: /drain, for the pod's own preStop hook
+PROBE_PORT = 8082  # the kubelet's probes only
 
 ROLE = "PDSERVE_ROLE"
 SERVICE = "PDSERVE_SERVICE"  # "namespace/name" of the PDInferenceService: the broker's service key
@@ -53,6 +58,7 @@ KV_LINK_KEY = "PDSERVE_KV_LINK_KEY"
 KV_CAPABILITY_KEY = "PDSERVE_KV_CAPABILITY_KEY"
 HTTP_PORT_ENV = "PDSERVE_HTTP_PORT"
 ADMIN_PORT_ENV = "PDSERVE_ADMIN_PORT"
+PROBE_PORT_ENV = "PDSERVE_PROBE_PORT"  # 0: no probe listener (the probes are on the http port)
 # A router's endpoint-picker port (Envoy ext_proc, gateway/ext_proc.py); 0: none (the default).
 EPP_PORT_ENV = "PDSERVE_EPP_PORT"
 GRPC_PORT_ENV = "PDSERVE_GRPC_PORT"

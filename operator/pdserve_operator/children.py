@@ -235,6 +235,7 @@ def _common_env(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults
         _field(E.POD_IP, "status.podIP"),
         _val(E.BROKER_ADDRESS, defaults.broker_address),
         _val(E.HTTP_PORT_ENV, E.HTTP_PORT),
+        _val(E.PROBE_PORT_ENV, E.PROBE_PORT),
         _val(E.GRPC_PORT_ENV, E.GRPC_PORT),
         _val(E.CONFIG_FILE, f"{CONFIG_DIR}/{CONFIG_KEY}"),
         _val(E.MODEL_NAME, spec.model.name),
@@ -340,12 +341,11 @@ def _pvc_claim(source: str) -> str | None:
     return source.removeprefix("pvc://").partition("/")[0]
 
 
-def _probe(path: str, period: int, failures: int, https: bool = False) -> dict[str, Any]:
-    get: dict[str, Any] = {"path": path, "port": "http"}
-    if https:
-        get["scheme"] = "HTTPS"  # the kubelet does not verify the certificate
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    """On the `probe` port (pod_env.PROBE_PORT: plain HTTP, /healthz and /readyz only), which no
+    NetworkPolicy rule opens to pods: a flood of the serving port cannot fail it (#58 A2)."""
     return {
-        "httpGet": get,
+        "httpGet": {"path": path, "port": "probe"},
         "periodSeconds": period,
         "failureThreshold": failures,
         "timeoutSeconds": 2,
@@ -357,7 +357,6 @@ def _container(
 ) -> dict[str, Any]:
     """The worker container: image, environment, ports, probes, a locked-down security context;
     a decode's transfer port and preStop drain."""
-    https = role == "router" and spec.tls is not None  # the router serves its API (and probes) over TLS
     container: dict[str, Any] = {
         "name": "worker",
         "image": spec.image or defaults.image,
@@ -367,12 +366,13 @@ def _container(
         "env": _env(owner, role, spec, defaults),
         "ports": [
             {"name": "http", "containerPort": E.HTTP_PORT, "protocol": "TCP"},
+            {"name": "probe", "containerPort": E.PROBE_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": E.GRPC_PORT, "protocol": "TCP"},
         ],
-        "readinessProbe": _probe("/readyz", 5, 3, https),
-        "livenessProbe": _probe("/healthz", 10, 6, https),
+        "readinessProbe": _probe("/readyz", 5, 3),
+        "livenessProbe": _probe("/healthz", 10, 6),
         # Loading a model can take minutes; liveness starts counting only after this succeeds.
-        "startupProbe": _probe("/healthz", 5, 120, https),
+        "startupProbe": _probe("/healthz", 5, 120),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -782,9 +782,10 @@ def network_policy(owner: Owner, defaults: Defaults, epp_port: int | None = None
 
     Prefill pushes KV into decode memory and routers drive both over gRPC; a pod of another
     service, or anything else in the cluster, has no business on those ports. The HTTP port
-    stays open: routers serve the API on it, and probes and Prometheus scrapes arrive there;
-    so does a router's endpoint-picker port when the spec names one (the gateway dials it from
-    its own namespace: docs/gateway.md).
+    stays open: routers serve the API on it, and Prometheus scrapes arrive there; so does a
+    router's endpoint-picker port when the spec names one (the gateway dials it from its own
+    namespace: docs/gateway.md). No rule names the probe port: Kubernetes always admits the
+    kubelet's traffic from the pod's node, and nothing else needs it.
     """
     public = [{"port": E.HTTP_PORT, "protocol": "TCP"}]
     if epp_port is not None:

@@ -15,6 +15,7 @@ import pytest
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, Role
 from pdserve_operator.broker import BrokerServer
+from pdserve_worker.process.pod_http import WorkerState
 from pdserve_worker.process.worker_main import _Membership
 from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.broker_client import BrokerClient
@@ -82,7 +83,7 @@ def membership(broker: BrokerServer, role: str = "decode") -> _Membership:
         worker_id="svc-decode-1",
         advertise_host="127.0.0.1",
     )
-    m = _Membership(settings)
+    m = _Membership(settings, WorkerState(settings.role, settings.member_id))
     m.broker = BrokerClient(settings.broker_address, SVC, TOKEN, backoff=Backoff(base_s=0.05, cap_s=0.2))
     return m
 

@@ -147,6 +147,10 @@ def test_pods_are_non_root_with_probes_and_decode_drains() -> None:
         assert (
             c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
         )
+        # Probes on a port of their own that no NetworkPolicy rule opens to pods (#58 A2).
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["probe"] == pod_env.PROBE_PORT
+        assert {c[k]["httpGet"]["port"] for k in ("readinessProbe", "livenessProbe", "startupProbe")} == {"probe"}
+        assert {"name": pod_env.PROBE_PORT_ENV, "value": str(pod_env.PROBE_PORT)} in c["env"]
         assert c["args"] == ["worker", "--role", name.removeprefix("svc-")]
     decode = objs[("StatefulSet", "svc-decode")]["spec"]["template"]["spec"]
     assert decode["containers"][0]["lifecycle"]["preStop"] == {"exec": {"command": ["pdserve", "drain"]}}
@@ -385,8 +389,8 @@ def test_tls_mounts_the_secret_in_every_pod_and_the_router_serves_https(monkeypa
         assert env[E.TLS_CERT] == f"{E.TLS_DIR}/tls.crt" and env[E.TLS_KEY] == f"{E.TLS_DIR}/tls.key"
         assert env[E.TLS_CA] == f"{E.TLS_DIR}/ca.crt"
         assert env[E.TLS_SERVER_NAME] == "svc.ns.svc" and env[E.BROKER_TLS] == "false"
-        scheme = container["readinessProbe"]["httpGet"].get("scheme", "HTTP")
-        assert scheme == ("HTTPS" if name == "svc-router" else "HTTP")
+        # The probes go to the plain probe port, the router's too (#58 A2: its API port can be flooded).
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probe"}
         # What the operator renders is what the worker accepts (the contract of pod_env.py).
         for key, value in {**env, E.BROKER_TOKEN: "t", E.POD_NAME: "svc-decode-0"}.items():
             if value is not None:

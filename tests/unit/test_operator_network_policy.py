@@ -70,10 +70,20 @@ def test_decode_pods_declare_the_transfer_port_and_others_do_not() -> None:
     }
     assert ports["svc-decode"] == {
         "http": pod_env.HTTP_PORT,
+        "probe": pod_env.PROBE_PORT,
         "grpc": pod_env.GRPC_PORT,
         "transfer": pod_env.TRANSFER_PORT,
     }
     assert "transfer" not in ports["svc-prefill"] and "transfer" not in ports["svc-router"]
+
+
+def test_no_rule_opens_the_probe_port_to_pods() -> None:
+    """#58 A2: the kubelet's probes shared the serving port, which two addresses could fill.
+    The probe port has no ingress rule: Kubernetes admits the node's (the kubelet's) traffic
+    whatever the policy says, and no pod of this service or any other reaches it."""
+    policy = render(True)[("NetworkPolicy", "svc-workers")]
+    opened = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert pod_env.PROBE_PORT not in opened and pod_env.HTTP_PORT in opened
 
 
 def test_operator_settings_reach_the_children_defaults() -> None:

@@ -401,6 +401,7 @@ class LocalDeployment:
                 E.HTTP_PORT_ENV: str(http_port),
                 E.GRPC_PORT_ENV: str(self._hold()),
                 E.ADMIN_PORT_ENV: str(self._hold()),
+                E.PROBE_PORT_ENV: str(self._hold()),  # /healthz and /readyz alone, as in a pod
                 # The host engine serves its port from the socket handed down; two-sided (gloo) binds its own.
                 S.TRANSFER_PORT_ENV: str(self._hold() if plan.transfer == "cpu" else free_port()),
                 E.MODEL_SOURCE: self.model_source,
@@ -512,6 +513,7 @@ class LocalDeployment:
                     "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
                     "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None,
                     "admin": f"{HOST}:{c.env[E.ADMIN_PORT_ENV]}" if E.ADMIN_PORT_ENV in c.env else None,
+                    "probe": f"{HOST}:{c.env[E.PROBE_PORT_ENV]}" if E.PROBE_PORT_ENV in c.env else None,
                     "transfer": f"{HOST}:{c.env[S.TRANSFER_PORT_ENV]}" if S.TRANSFER_PORT_ENV in c.env else None,
                 }
                 for c in self.children

@@ -77,6 +77,16 @@ def health_routes(state: WorkerState) -> list[Route]:
     return [Route("/healthz", healthz), Route("/readyz", readyz)]
 
 
+# The probe port's bounds: the kubelet holds a connection or two per probe period; anything
+# else that gets there (the pod's own network namespace, a node-local process) shares these.
+PROBE_LIMITS = HttpLimits(request_deadline_s=5.0, max_connections=64, max_connections_per_peer=8)
+
+
+def probe_app(state: WorkerState) -> Starlette:
+    """The probe port's app (pod_env.PROBE_PORT): /healthz and /readyz, nothing else."""
+    return Starlette(routes=health_routes(state))
+
+
 def worker_app(state: WorkerState) -> Starlette:
     """The HTTP app of a prefill or decode worker (the pod's `http` port): probes and `/metrics`.
 

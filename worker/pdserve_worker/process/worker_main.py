@@ -26,21 +26,25 @@ benchmarks and a one-process `pdserve local --colocated`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve_common.logs import kv
 from pdserve_worker.process.pod_http import (
     ADMIN_HOST,
+    PROBE_LIMITS,
     RunningServer,
     WorkerState,
     admin_app,
     health_routes,
+    probe_app,
     serve_in_background,
     worker_app,
 )
@@ -93,19 +97,47 @@ async def run_worker(settings: WorkerSettings) -> int:
 
     # A no-op unless asked for (tracing.py); the router (and colocated) face clients: the edge.
     tracing.setup(f"pdserve-{settings.role}", settings.member_id, edge=settings.role in ("router", "colocated"))
+    state = WorkerState(settings.role, settings.member_id)  # what /healthz and /readyz report
     try:
-        if settings.role == "router":
-            await _run_router(settings)
-        elif settings.role == "colocated":
-            await _run_colocated(settings)
-        else:
-            await _run_model_worker(settings)
+        async with _probe_listener(settings, state):
+            if settings.role == "router":
+                await _run_router(settings, state)
+            elif settings.role == "colocated":
+                await _run_colocated(settings, state)
+            else:
+                await _run_model_worker(settings, state)
     except StartupError as exc:
         log.error(kv(event="worker_start_failed", role=settings.role, error=str(exc)))
         return 1
     finally:
         tracing.shutdown()  # exports what is still buffered
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _probe_listener(settings: WorkerSettings, state: WorkerState) -> AsyncIterator[None]:
+    """The kubelet's port (pod_env.PROBE_PORT), when the pod has one: /healthz and /readyz of
+    `state` for the process's whole life, on a listener that floods of the serving ports
+    cannot fill (#58 A2). Stopped however the process ends."""
+    if not settings.probe_port:
+        yield
+        return
+    try:
+        probe = serve_in_background(
+            probe_app(state),
+            settings.bind_host,
+            settings.probe_port,
+            settings.grace_seconds,
+            None,
+            "probe",
+            PROBE_LIMITS,
+        )
+    except OSError as exc:
+        raise StartupError(str(exc)) from exc
+    try:
+        yield
+    finally:
+        await probe.stop()
 
 
 # ---- prefill and decode ---------------------------------------------------------------------------
@@ -119,7 +151,7 @@ def _admin_listener(settings: WorkerSettings, process: _Membership) -> Any:
     return _serve_or_fail(app, ADMIN_HOST, settings.admin_port, settings, "worker-admin")
 
 
-async def _run_model_worker(settings: WorkerSettings) -> None:
+async def _run_model_worker(settings: WorkerSettings, state: WorkerState) -> None:
     """A prefill, a decode or a decode group's follower, from start to stop (module doc)."""
     import grpc
 
@@ -128,7 +160,7 @@ async def _run_model_worker(settings: WorkerSettings) -> None:
     from pdserve_worker.serving.torch_threads import serve_with
 
     stop = _stop_event()
-    process = _Membership(settings)
+    process = _Membership(settings, state)
     http = _serve_or_fail(worker_app(process.state), settings.bind_host, settings.http_port, settings, "worker-http")
     # The admin port (/drain, the preStop hook's) listens on loopback only, and only a decode has one.
     admin = _admin_listener(settings, process)
@@ -220,11 +252,11 @@ class _Membership:
     """This process's place in its service: its phase (/healthz, /readyz), its broker
     registration, and the drain that /drain and the stop signal share."""
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, state: WorkerState) -> None:
         from pdserve_worker.rpc.broker_client import BrokerClient
 
         self.settings = settings
-        self.state = WorkerState(settings.role, settings.member_id)
+        self.state = state
         self.broker: BrokerClient = BrokerClient(
             settings.broker_address, settings.service, settings.token, settings.broker_channel_tls
         )
@@ -444,7 +476,7 @@ async def _serve_api(
         await running.stop()
 
 
-async def _run_router(settings: WorkerSettings) -> None:
+async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_common.membership import MemberInfo, Role
     from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.model.config import ModelConfig
@@ -455,7 +487,6 @@ async def _run_router(settings: WorkerSettings) -> None:
     from pdserve_worker.rpc.broker_client import BrokerClient
 
     stop = _stop_event()
-    state = WorkerState(settings.role, settings.member_id)
     epp: Any = None
     try:
         folder = await asyncio.to_thread(resolve_model_folder, settings)
@@ -533,7 +564,7 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
     return running
 
 
-async def _run_colocated(settings: WorkerSettings) -> None:
+async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.colocated.backend import ColocatedBackend
     from pdserve_worker.model.loading.loader import load_model
@@ -541,7 +572,6 @@ async def _run_colocated(settings: WorkerSettings) -> None:
     from pdserve_worker.serving.worker_metrics import watch_prefix_cache
 
     stop = _stop_event()
-    state = WorkerState(settings.role, settings.member_id)
     serve_with(settings.torch_threads)  # (serving/torch_threads.py)
     try:
         folder = await run_in_fresh_thread(resolve_model_folder, settings)  # (util/fresh_thread.py)

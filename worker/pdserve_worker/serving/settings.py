@@ -158,6 +158,7 @@ class WorkerSettings(BaseSettings):
     # 64 on a worker's pod port, whose clients are the kubelet and Prometheus).
     http_max_connections_per_peer: int = Field(0, ge=0, validation_alias=HTTP_MAX_CONNECTIONS_PER_PEER)
     admin_port: int = Field(E.ADMIN_PORT, ge=0, le=65535, validation_alias=E.ADMIN_PORT_ENV)
+    probe_port: int = Field(0, ge=0, le=65535, validation_alias=E.PROBE_PORT_ENV)
     epp_port: int = Field(0, ge=0, le=65535, validation_alias=E.EPP_PORT_ENV)
     api_keys_file: Path | None = Field(None, validation_alias=E.API_KEYS_FILE)
     admission_queue: int = Field(1024, ge=0, le=1_000_000, validation_alias=E.ADMISSION_QUEUE)  # 0: no queue
