@@ -70,9 +70,9 @@ def test_a_prefill_listens_on_no_transfer_port(local) -> None:
     for name in ("prefill-0", "decode-0"):
         child = local.child(name)
         ports = listening_ports(child["pid"])
-        expected = {int(child["http"].rsplit(":", 1)[1]), int(child["grpc"].rsplit(":", 1)[1])}
+        expected = {int(child[kind].rsplit(":", 1)[1]) for kind in ("http", "probe", "grpc")}
         if name == "prefill-0":
-            assert ports == expected, ports  # HTTP (probes) and gRPC (Prefill): nothing else
+            assert ports == expected, ports  # HTTP (metrics), the probes' and gRPC (Prefill): nothing else
         else:
             expected.add(int(child["admin"].rsplit(":", 1)[1]))  # /drain, on 127.0.0.1 only (pod_env.py)
             assert len(ports - expected) == 1, ports  # the decode's transfer port, which prefills push into
