@@ -104,7 +104,7 @@ class TokenBucket:
     below zero (a request reserving more than a minute's budget, taken when the bucket was
     full), and a debt holds the tenant's next requests until it is refilled."""
 
-    def __init__(self, per_minute: int, now: float) -> None:
+    def __init__(self, per_minute: float, now: float) -> None:
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
         self.level = self.capacity

@@ -189,7 +189,7 @@ class GrammarCompiler:
     def _bucket(self, tenant: str) -> TokenBucket:
         bucket = self._buckets.get(tenant)
         if bucket is None:  # (one per tenant of the key file, and the anonymous one: bounded)
-            bucket = self._buckets[tenant] = _SecondsBucket(self.limits.tenant_seconds_per_minute, self._clock())
+            bucket = self._buckets[tenant] = TokenBucket(self.limits.tenant_seconds_per_minute, self._clock())
         return bucket
 
     def _enter(self, tenant: str) -> anyio.Lock:
@@ -214,13 +214,3 @@ def grammar_check(backend: object) -> Callable[[Ask], str]:
     if not hasattr(type(backend), "grammar_tokenizer"):  # (not getattr: that would build it on the loop)
         return grammars.to_grammar
     return lambda asked: grammars.to_grammar(asked, backend.grammar_tokenizer)  # type: ignore[attr-defined]
-
-
-class _SecondsBucket(TokenBucket):
-    """admission.TokenBucket over seconds of compile time (a float capacity)."""
-
-    def __init__(self, per_minute: float, now: float) -> None:
-        super().__init__(1, now)
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.level = self.capacity

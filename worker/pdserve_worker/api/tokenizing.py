@@ -24,6 +24,7 @@ import llguidance
 
 from pdserve_worker.api import tools
 from pdserve_worker.api.backend import InvalidPrompt, NoCapacity
+from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
 
 T = TypeVar("T")
@@ -66,13 +67,11 @@ class ModelTokenizing:
         except (jinja2.TemplateError, TokenizerError) as exc:
             raise InvalidPrompt(f"the model's chat template rejected the messages: {exc}", public=True) from None
 
-    @functools.cached_property
+    @property
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the vocabulary (built once, ~0.3 s at 49k tokens): the router
-        builds each grammar's matcher with it, as the workers will (api/grammar_compiler.py)."""
-        return llguidance.LLTokenizer(
-            self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=list(self._tokenizer.eos_token_ids)
-        )
+        """llguidance's view of the vocabulary (grammar.grammar_tokenizer: built once): the
+        router builds each grammar's matcher with it, as the workers will (api/grammar_compiler.py)."""
+        return grammars.grammar_tokenizer(self._tokenizer, self.vocab_size)
 
     @functools.cached_property
     def max_token_chars(self) -> int:

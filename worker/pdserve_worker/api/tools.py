@@ -61,6 +61,7 @@ class ToolSpec:
     choice: Literal["none", "auto", "required", "named"]
     named: str | None = None
     parallel: bool = True
+    schemas: tuple[grammars.Ask, ...] = ()  # each tool's `parameters`, as `parse` checked them
 
     @property
     def active(self) -> bool:
@@ -72,13 +73,9 @@ class ToolSpec:
         return [t.template() for t in self.tools] or None
 
     def asks(self) -> list[grammars.Ask]:
-        """Each tool's `parameters` schema as a grammar to compile: one that cannot be served
-        is refused (a 400 naming the tool), whatever the choice."""
-        return [
-            grammars.ask("json_schema", t.parameters, f"tools[{i}].function.parameters")
-            for i, t in enumerate(self.tools)
-            if t.parameters is not None
-        ]
+        """Each tool's `parameters` schema as a grammar to compile (checked in shape and size
+        by `parse`): one that cannot be served is refused (a 400 naming the tool), whatever the choice."""
+        return list(self.schemas)
 
     def grammar(self, fmt: Format) -> grammars.Ask | None:
         """The grammar `required` and a named choice are enforced with (None otherwise)."""
@@ -134,17 +131,20 @@ def parse(tools: Any, choice: Any, parallel: Any) -> ToolSpec | None:
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise ValueError(f"tool names must be distinct, got {names}")
-    for i, t in enumerate(parsed):  # shape and size here; compiled by the router (ToolSpec.asks)
-        if t.parameters is not None:
-            grammars.ask("json_schema", t.parameters, f"tools[{i}].function.parameters")
-    spec = ToolSpec(parsed, "auto", None, parallel is not False)
+    # Shape and size here; compiled by the router (ToolSpec.asks).
+    schemas = tuple(
+        grammars.ask("json_schema", t.parameters, f"tools[{i}].function.parameters")
+        for i, t in enumerate(parsed)
+        if t.parameters is not None
+    )
+    spec = ToolSpec(parsed, "auto", None, parallel is not False, schemas)
     if choice in (None, "auto", "none", "required"):
-        return ToolSpec(parsed, choice or "auto", None, spec.parallel)
+        return ToolSpec(parsed, choice or "auto", None, spec.parallel, schemas)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools {names}")
-        return ToolSpec(parsed, "named", name, False)
+        return ToolSpec(parsed, "named", name, False, schemas)
     raise ValueError(f"tool_choice is none, auto, required or {{type: function, function: {{name}}}}, got {choice!r}")
 
 

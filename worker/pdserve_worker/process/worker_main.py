@@ -53,6 +53,7 @@ from pdserve_worker.serving.settings import WorkerSettings, model_revision
 from pdserve_worker.util.fresh_thread import run_in_fresh_thread
 
 if TYPE_CHECKING:
+    from pdserve_worker.api.http_guard import HttpLimits
     from pdserve_worker.model.loading.loader import LoadedModel
     from pdserve_worker.process.roles import ServingRole
     from pdserve_worker.process.tp_ranks import Ranks
@@ -122,18 +123,9 @@ async def _probe_listener(settings: WorkerSettings, state: WorkerState) -> Async
     if not settings.probe_port:
         yield
         return
-    try:
-        probe = serve_in_background(
-            probe_app(state),
-            settings.bind_host,
-            settings.probe_port,
-            settings.grace_seconds,
-            None,
-            "probe",
-            PROBE_LIMITS,
-        )
-    except OSError as exc:
-        raise StartupError(str(exc)) from exc
+    probe = _serve_or_fail(
+        probe_app(state), settings.bind_host, settings.probe_port, settings, "probe", None, PROBE_LIMITS
+    )
     try:
         yield
     finally:
@@ -405,10 +397,16 @@ async def _until(stop: asyncio.Event, server_task: asyncio.Task) -> None:
 
 
 def _serve_or_fail(
-    app: Any, host: str, port: int, settings: WorkerSettings, name: str, tls: Any = None
+    app: Any,
+    host: str,
+    port: int,
+    settings: WorkerSettings,
+    name: str,
+    tls: Any = None,
+    limits: HttpLimits | None = None,
 ) -> RunningServer:
     try:
-        return serve_in_background(app, host, port, settings.grace_seconds, tls, name, settings.http_limits)
+        return serve_in_background(app, host, port, settings.grace_seconds, tls, name, limits or settings.http_limits)
     except OSError as exc:
         raise StartupError(str(exc)) from exc
 

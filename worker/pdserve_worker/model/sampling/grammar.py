@@ -22,17 +22,40 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 
 from pdserve_worker.model.sampling.params import MAX_GRAMMAR_CHARS
 
+if TYPE_CHECKING:
+    from pdserve_worker.model.tokenizer import Tokenizer
+
 MAX_CHOICES = 256
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 _JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+_lock = threading.Lock()
+# Built once per tokenizer and vocabulary width (~0.3 s for 49k tokens): llguidance's view of
+# the vocabulary, the token trie it walks for every mask. Here, torch-free: the router builds
+# matchers with it too (api/grammar_compiler.py), the workers' masks (grammar_mask.py).
+_tokenizers: weakref.WeakKeyDictionary[Tokenizer, dict[int, llguidance.LLTokenizer]] = weakref.WeakKeyDictionary()
+
+
+def grammar_tokenizer(tokenizer: Tokenizer, vocab: int) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for `tokenizer` over `vocab` logits (ids past the tokenizer's are never allowed)."""
+    with _lock:
+        per_vocab = _tokenizers.setdefault(tokenizer, {})
+        if vocab not in per_vocab:
+            per_vocab[vocab] = llguidance.LLTokenizer(
+                tokenizer.backend.to_str(), n_vocab=vocab, eos_token=list(tokenizer.eos_token_ids)
+            )
+        return per_vocab[vocab]
 
 
 class GrammarError(ValueError):

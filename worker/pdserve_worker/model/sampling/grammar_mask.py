@@ -13,8 +13,6 @@ processors'). A batch without grammars pays nothing.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,24 +21,8 @@ import llguidance.numpy as ln
 import numpy as np
 import torch
 
-from pdserve_worker.model.sampling.grammar import GrammarError, first_line
+from pdserve_worker.model.sampling.grammar import GrammarError, first_line, grammar_tokenizer
 from pdserve_worker.model.tokenizer import Tokenizer
-
-_lock = threading.Lock()
-# Built once per tokenizer and vocabulary width (~0.3 s for 49k tokens): llguidance's view of
-# the vocabulary, the token trie it walks for every mask.
-_tokenizers: weakref.WeakKeyDictionary[Tokenizer, dict[int, llguidance.LLTokenizer]] = weakref.WeakKeyDictionary()
-
-
-def grammar_tokenizer(tokenizer: Tokenizer, vocab: int) -> llguidance.LLTokenizer:
-    """llguidance's tokenizer for `tokenizer` over `vocab` logits (ids past the tokenizer's are never allowed)."""
-    with _lock:
-        per_vocab = _tokenizers.setdefault(tokenizer, {})
-        if vocab not in per_vocab:
-            per_vocab[vocab] = llguidance.LLTokenizer(
-                tokenizer.backend.to_str(), n_vocab=vocab, eos_token=list(tokenizer.eos_token_ids)
-            )
-        return per_vocab[vocab]
 
 
 @dataclass
