@@ -142,7 +142,9 @@ def int8_reference(x: torch.Tensor, t: QuantizedTensor) -> tuple[torch.Tensor, t
     rows, cols = x.shape
     xb = x.view(rows, cols // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A true fp32 division, as the kernel's `127.0f / top`: torch computes `127.0 / tensor` as
+    # reciprocal(tensor) * 127, one rounding more, which moves an exact tie of x * inverse.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     usable = torch.isfinite(inverse)
     xq = torch.round(xb * torch.where(usable, inverse, 0.0)).double()
     dx = torch.where(usable, amax / 127.0, 0.0).double().squeeze(-1)  # [rows, groups]
