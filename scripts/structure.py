@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"util"},
     {"kv"},
     {"transfer", "model"},
-    {"rpc"},
+    {"rpc", "engines"},
     {"api"},
     {"serving"},
     {"prefill", "decode"},

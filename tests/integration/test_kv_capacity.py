@@ -13,6 +13,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.transfer.registry import create_engine
 
@@ -45,7 +46,7 @@ async def admissions(loaded, **decode_settings) -> tuple[int, str, worker_pb2.De
     )
     backend = create_engine("cpu")
     assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
-    worker = DecodeWorker(settings, loaded, backend, "rev")
+    worker = DecodeWorker(settings, NativeEngine(loaded), backend, "rev")
     await worker.start()
     server = aio_server(TokenTable({SVC: TOKEN}))
     worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)

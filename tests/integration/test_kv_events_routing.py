@@ -15,6 +15,7 @@ from inprocess_stack import Stack
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.loading.loader import load_model
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
@@ -58,7 +59,7 @@ async def two_routers(loaded, routing_b: str) -> tuple[list[int], list[int], lis
     routers: list[PDBackend] = []
     try:
         d = stack.settings("decode")
-        decode = stack.worker(DecodeWorker(d, loaded, stack.engine(d), REVISION))
+        decode = stack.worker(DecodeWorker(d, NativeEngine(loaded), stack.engine(d), REVISION))
         await decode.start()
         await stack.serve(
             d.grpc_port, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s)
@@ -67,7 +68,7 @@ async def two_routers(loaded, routing_b: str) -> tuple[list[int], list[int], lis
         prefills = []
         for i in range(2):
             p = stack.settings("prefill", i, prefix_cache_tokens=1024)
-            worker = stack.worker(PrefillWorker(p, loaded, stack.engine(p), REVISION))
+            worker = stack.worker(PrefillWorker(p, NativeEngine(loaded), stack.engine(p), REVISION))
             prefills.append(worker)
             servicer = PrefillServicer(worker)
             await stack.serve(p.grpc_port, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s))

@@ -26,6 +26,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
@@ -103,7 +104,7 @@ async def cluster(
         for index, (extra, delay, servicer) in enumerate(zip(decode_extra, slow, servicers, strict=True)):
             s = stack.settings("decode", index, transfer_timeout_ms=2000, **extra)
             model = loaded if not delay else dataclasses.replace(loaded, model=_SlowSteps(loaded.model, delay))
-            d = stack.worker(DecodeWorker(s, model, stack.engine(s), REVISION))
+            d = stack.worker(DecodeWorker(s, NativeEngine(model), stack.engine(s), REVISION))
             await d.start()
             await stack.serve(
                 s.grpc_port, lambda srv, d=d, v=servicer: worker_pb2_grpc.add_DecodeServicer_to_server(v(d), srv)
@@ -112,7 +113,7 @@ async def cluster(
             decodes.append(d)
             stubs.append(worker_pb2_grpc.DecodeStub(stack.channel(s.grpc_endpoint)))
         p = stack.settings("prefill", 0, transfer_timeout_ms=2000)
-        prefill = stack.worker(PrefillWorker(p, loaded, stack.engine(p), REVISION))
+        prefill = stack.worker(PrefillWorker(p, NativeEngine(loaded), stack.engine(p), REVISION))
         await stack.serve(
             p.grpc_port, lambda srv: worker_pb2_grpc.add_PrefillServicer_to_server(CountingPrefill(prefill), srv)
         )

@@ -26,6 +26,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.api.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
@@ -170,7 +171,7 @@ async def cluster(
     stack = Stack(SVC, TOKEN, max_len=MAX_LEN, slots=SLOTS)
     try:
         d_settings = stack.settings("decode")
-        decode = stack.worker(DecodeWorker(d_settings, loaded, stack.engine(d_settings), REVISION))
+        decode = stack.worker(DecodeWorker(d_settings, NativeEngine(loaded), stack.engine(d_settings), REVISION))
         await decode.start()
         await stack.serve(
             d_settings.grpc_port, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s)
@@ -184,7 +185,9 @@ async def cluster(
             if kind in ("real", "dies", "slow", "short"):
                 wrapped = {"dies": _DiesAfterOneChunk, "slow": _SlowChunks}.get(kind)
                 model = loaded if wrapped is None else dataclasses.replace(loaded, model=wrapped(loaded.model))
-                worker = stack.worker(PrefillWorker(p_settings, model, stack.engine(p_settings), REVISION))
+                worker = stack.worker(
+                    PrefillWorker(p_settings, NativeEngine(model), stack.engine(p_settings), REVISION)
+                )
                 servicer = {"dies": DyingPrefill, "short": ShortPrefill}.get(kind, PrefillServicer)(worker)
                 await stack.serve(
                     p_settings.grpc_port, lambda s, v=servicer: worker_pb2_grpc.add_PrefillServicer_to_server(v, s)
@@ -637,7 +640,7 @@ async def _queued_prefills(c: Cluster, loaded, requests: list[worker_pb2.Prefill
     (then `while_queued(worker)` runs); returns the pass counter and the calls' outcomes."""
     worker = c.prefill_workers[0]
     counter = _CountsPasses(loaded.model)
-    worker.loaded = dataclasses.replace(loaded, model=counter)
+    worker.engine = NativeEngine(dataclasses.replace(loaded, model=counter))
     gate = threading.Event()
     worker._compute.submit(gate.wait)
     calls = [asyncio.ensure_future(c.prefill_stubs[0].Prefill(r)) for r in requests]
@@ -863,7 +866,7 @@ async def test_a_short_prompt_overtakes_a_long_pass_between_its_layer_chunks(loa
             update={"prefill_overtake_tokens": overtake, "layers_per_chunk": 1}
         )
         recorder = _RecordsPasses(loaded.model, worker, len(long_prompt))
-        worker.loaded = dataclasses.replace(loaded, model=recorder)
+        worker.engine = NativeEngine(dataclasses.replace(loaded, model=recorder))
         sampling = sampling_to_proto(params)
         prompts = [long_prompt, short_prompt]
         grants = [

@@ -15,6 +15,7 @@ from inprocess_stack import Stack
 from pdserve.v1 import worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
@@ -38,14 +39,16 @@ async def pd(loaded, transfer: str) -> AsyncIterator[tuple[PDBackend, DecodeWork
     try:
         d_settings = stack.settings("decode")
         d_backend = stack.engine(d_settings, transfer)
-        decode = stack.worker(DecodeWorker(d_settings, loaded, d_backend, REVISION))
+        decode = stack.worker(DecodeWorker(d_settings, NativeEngine(loaded), d_backend, REVISION))
         await decode.start()
         await stack.serve(
             d_settings.grpc_port, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s)
         )
         await stack.join(decode.member_info(), decode.load)
         p_settings = stack.settings("prefill")
-        prefill = stack.worker(PrefillWorker(p_settings, loaded, stack.engine(p_settings, transfer), REVISION))
+        prefill = stack.worker(
+            PrefillWorker(p_settings, NativeEngine(loaded), stack.engine(p_settings, transfer), REVISION)
+        )
         await stack.serve(
             p_settings.grpc_port,
             lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(prefill), s),

@@ -25,6 +25,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
@@ -60,7 +61,7 @@ async def decode(loaded):
     )
     backend = create_engine("cpu")
     assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
-    worker = DecodeWorker(settings, loaded, backend, "rev")
+    worker = DecodeWorker(settings, NativeEngine(loaded), backend, "rev")
     await worker.start()
     server = aio_server(TokenTable({SVC: TOKEN}))
     worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)

@@ -43,12 +43,12 @@ from pdserve_common.logs import kv
 from pdserve_common.membership import Load
 from pdserve_worker.decode.migration import MigrationPusher, common_layers
 from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
-from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, hidden_from_proto, hidden_to_proto
 from pdserve_worker.serving.settings import WorkerSettings
@@ -88,9 +88,9 @@ def is_follower(settings: WorkerSettings) -> bool:
     return settings.role == "decode" and settings.layer_shards > 1 and settings.group_member[1] > 0
 
 
-def _pool_layout(settings: WorkerSettings, loaded: LoadedModel) -> KVLayout:
-    full = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
-    layers = loaded.model.layer_range
+def _pool_layout(settings: WorkerSettings, engine: NativeEngine) -> KVLayout:
+    full = engine.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
+    layers = engine.model.layer_range
     return replace(full, first_layer=layers.start, num_layers=len(layers))
 
 
@@ -122,14 +122,14 @@ class GenerationFloor:
 class ShardFollower:
     """Member i > 0: a pool of its layers, their weights, its readiness; driven by the leader."""
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend) -> None:
+    def __init__(self, settings: WorkerSettings, engine: NativeEngine, backend: TransferBackend) -> None:
         self.settings = settings
-        self.loaded = loaded
+        self.engine = engine
         self.backend = backend
         self.member_index = settings.group_member[1]
-        layout = _pool_layout(settings, loaded)
+        layout = _pool_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
-        self.member = ShardMember(loaded.model, KVCache(layout, self.pool.tensor))
+        self.member = ShardMember(engine.model, KVCache(layout, self.pool.tensor))
         # The leader's slot table decides which grants are live; here only newer beats older.
         self.floor = GenerationFloor()
         # A notify counts only with the reservation's capability, which the leader's table made
@@ -194,7 +194,7 @@ class ShardFollower:
         )
 
     def forward(self, message: shard_pb2.HiddenState) -> shard_pb2.HiddenState:
-        hidden = hidden_from_proto(message, self.loaded.model.device).to(self.loaded.model.dtype)
+        hidden = hidden_from_proto(message, self.engine.model.device).to(self.engine.model.dtype)
         out = self.member.forward(hidden, list(message.slots), list(message.positions))
         self.steps += 1
         return hidden_to_proto(out, message.slots, message.positions)
@@ -435,10 +435,10 @@ class ShardGroup:
     def pool_layout(self, full: KVLayout) -> KVLayout:
         return replace(full, first_layer=self.own_layers.start, num_layers=len(self.own_layers))
 
-    def generator(self, loaded: LoadedModel, cache: KVCache) -> Generator[Any]:
-        own = ShardMember(loaded.model, cache)
+    def generator(self, engine: NativeEngine, cache: KVCache) -> Generator[Any]:
+        own = ShardMember(engine.model, cache)
         layouts = [cache.layout, *(f.layout for f in self.followers)]
-        check_group_layouts(layouts, loaded.config.num_layers)
+        check_group_layouts(layouts, engine.config.num_layers)
         hops = [own.forward, *(r.forward for r in self.remotes)]
 
         def hop(index: int, hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
@@ -453,7 +453,7 @@ class ShardGroup:
             )
         )
         return Generator(
-            ShardedDecoder(loaded.model, layouts, hop), loaded.tokenizer, GroupKV(layouts, loaded.config.num_layers)
+            ShardedDecoder(engine.model, layouts, hop), engine.tokenizer, GroupKV(layouts, engine.config.num_layers)
         )
 
     def grants(self, grant: Grant) -> list[Grant]:

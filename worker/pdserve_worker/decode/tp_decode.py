@@ -44,10 +44,10 @@ import torch
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
+from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Generator
-from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.tp_group import IDLE, STOP, GroupError, TPGroup
 from pdserve_worker.transfer.base import TransferBackend, TransferError
@@ -79,8 +79,8 @@ class RankPool:
     layout: dict[str, Any]
 
 
-def first_head(loaded: LoadedModel) -> int:
-    return loaded.tp.kv_heads.start if loaded.tp is not None else 0
+def first_head(engine: NativeEngine) -> int:
+    return engine.tp.kv_heads.start if engine.tp is not None else 0
 
 
 class MirroredModel:
@@ -291,8 +291,8 @@ class TPDecodeGroup:
     """Rank 0's side (`decode.worker.GroupHooks`): the pools of every rank, their grants, the
     mirrored decode step."""
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, group: TPGroup) -> None:
-        self.settings, self.loaded, self.group = settings, loaded, group
+    def __init__(self, settings: WorkerSettings, engine: NativeEngine, group: TPGroup) -> None:
+        self.settings, self.engine, self.group = settings, engine, group
         self.others: list[RankPool] = []
         self.model: MirroredModel | None = None
         self.leases: RankLeases | None = None
@@ -304,7 +304,7 @@ class TPDecodeGroup:
         s = self.settings
         if not s.kv_block_tokens:
             raise ValueError("a tensor-parallel decode needs a paged KV pool (kv_block_tokens > 0)")
-        full = replace(full, first_head=first_head(self.loaded))
+        full = replace(full, first_head=first_head(self.engine))
         layout = paged_layout(full, s.kv_block_tokens, s.kv_tokens or pool_tokens(s, full))
         self.group.broadcast(layout.to_dict())
         pools = self.group.gather(None) or []
@@ -312,9 +312,9 @@ class TPDecodeGroup:
         log.info(kv(event="tp_decode_pools", ranks=self.group.size, blocks=layout.num_blocks))
         return layout
 
-    def generator(self, loaded: LoadedModel, cache: Any) -> Generator[Any]:
-        self.model = MirroredModel(loaded.model, self.group)
-        return TPGenerator(self.model, loaded.tokenizer, cache)  # type: ignore[arg-type]
+    def generator(self, engine: NativeEngine, cache: Any) -> Generator[Any]:
+        self.model = MirroredModel(engine.model, self.group)
+        return TPGenerator(self.model, engine.tokenizer, cache)  # type: ignore[arg-type]
 
     def grants(self, grant: Grant) -> list[Grant]:
         return [
@@ -369,10 +369,12 @@ class TPDecodeGroup:
 class DecodeFollower:
     """Rank 1.. of a tensor-parallel decode: its heads' pool, and the steps rank 0 describes."""
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, group: TPGroup) -> None:
-        self.settings, self.loaded, self.backend, self.group = settings, loaded, backend, group
+    def __init__(
+        self, settings: WorkerSettings, engine: NativeEngine, backend: TransferBackend, group: TPGroup
+    ) -> None:
+        self.settings, self.engine, self.backend, self.group = settings, engine, backend, group
         leader = KVLayout.from_dict(group.broadcast())
-        layout = replace(leader, first_head=first_head(loaded))
+        layout = replace(leader, first_head=first_head(engine))
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = PagedKVCache(layout, self.pool.tensor)
         group.gather({"engine_id": settings.engine_id, "base_addr": self.pool.base_addr, "layout": layout.to_dict()})
@@ -408,7 +410,7 @@ class DecodeFollower:
             if bound != blocks:
                 self.cache.bind(slot, blocks)
         with torch.inference_mode():
-            self.loaded.model.decode_step(self.cache, step.slots, step.positions, step.tokens)
+            self.engine.model.decode_step(self.cache, step.slots, step.positions, step.tokens)
 
     def push(self, order: PushOrder) -> int | str:
         """Push this rank's heads of a handed-over request into its new decode (no notify: rank 0
@@ -435,9 +437,9 @@ class DecodeFollower:
 
     def _drain(self) -> None:
         """Rank 0 starts requests on its own notification; these are emptied unread."""
-        engine = self.backend.engine
+        transfer = self.backend.engine
         while not self._stop.wait(DRAIN_EVERY_S):
-            engine.get_notifies()
+            transfer.get_notifies()
 
     def close(self) -> None:
         """Stop draining and deregister the pool (the engine is finalized next, then `free`)."""

@@ -56,6 +56,8 @@ from pdserve_worker.decode.migration import (
     MigrationResult,
     push_handoff,
 )
+from pdserve_worker.engines.base import Engine
+from pdserve_worker.engines.native import NativeEngine, native_of
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
@@ -63,7 +65,6 @@ from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.reservations import reservation_nonce
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotTable, SlotUsage
 from pdserve_worker.model.engine import Generator
-from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.model.sampling.params import MAX_LOGPROBS, FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import stop_token_ids
 from pdserve_worker.rpc.broker_client import BrokerClient
@@ -132,7 +133,7 @@ class GroupHooks(Protocol):
         """The leader's own pool, given the whole model's."""
         ...
 
-    def generator(self, loaded: LoadedModel, cache: KVCache) -> Generator[Any]: ...
+    def generator(self, engine: NativeEngine, cache: KVCache) -> Generator[Any]: ...
 
     def grants(self, grant: Grant) -> list[Grant]:
         """Every member's grant of the leader's `grant` (the prefill's push targets)."""
@@ -181,17 +182,17 @@ class DecodeWorker:
     def __init__(
         self,
         settings: WorkerSettings,
-        loaded: LoadedModel,
+        engine: Engine,
         backend: TransferBackend,
         revision: str,
         group: GroupHooks | None = None,
     ) -> None:
         self.settings = settings
-        self.loaded = loaded
+        self.engine = engine
         self.backend = backend
         self.revision = revision
         self.group = group
-        full = loaded.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
+        full = engine.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
         # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
         layout = (
             paged_layout(full, settings.kv_block_tokens, settings.kv_tokens or pool_tokens(settings, full))
@@ -217,7 +218,7 @@ class DecodeWorker:
             warmup=warm if settings.warmup else None,
         )
         generator = (
-            Generator(loaded.model, loaded.tokenizer, cache) if group is None else group.generator(loaded, cache)
+            Generator(engine, engine.tokenizer, cache) if group is None else group.generator(native_of(engine), cache)
         )
         self.loop = GenerationLoop(generator, name="decode-loop")
         # One blocking readiness wait per request that waits: at most one per slot.
@@ -449,7 +450,7 @@ class DecodeWorker:
             slots_free=self.slot_usage().free,
             # A group's leader registers as one plain decode (routers use it alone, as it stands
             # for its whole group); the labels say what it is made of.
-            labels={"model": self.loaded.name, **(self.group.labels() if self.group is not None else {})},
+            labels={"model": self.engine.name, **(self.group.labels() if self.group is not None else {})},
         )
 
     def status(self) -> worker_pb2.DecodeStatus:
@@ -473,10 +474,10 @@ class DecodeWorker:
         """Bytes of KV that `num_tokens` prompt tokens occupy (every layer of the model, K and V:
         in this pool, or across a group's pools; every KV head, across a tensor-parallel
         decode's ranks)."""
-        tp = self.loaded.tp
+        tp = self.engine.tp
         heads = self.layout.kv_heads if tp is None else tp.config.num_kv_heads
         per_token = heads * self.layout.head_dim * DTYPE_SIZES[self.layout.dtype]
-        return num_tokens * per_token * 2 * self.loaded.config.num_layers
+        return num_tokens * per_token * 2 * self.engine.config.num_layers
 
     async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> Ready:
         started = time.monotonic()
@@ -721,7 +722,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             },
             parent=tracing.extract(context.invocation_metadata()),
         )
-        stop_ids = stop_token_ids(params, w.loaded.tokenizer.eos_token_ids)
+        stop_ids = stop_token_ids(params, w.engine.tokenizer.eos_token_ids)
         return _Generation(request, where, prompt, resumed, params, stop_ids, timeout_s, trace, index=resumed)
 
     async def _await_kv(self, g: _Generation, context: grpc.aio.ServicerContext) -> Ready:

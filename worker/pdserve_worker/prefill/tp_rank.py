@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve_common.logs import kv
+from pdserve_worker.engines.base import Engine, PrefillPass
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.tp_group import IDLE, STOP, TPGroup
 from pdserve_worker.transfer.base import TransferBackend
@@ -73,57 +73,52 @@ class RankReport:
     error: str = ""
 
 
-def scratch_layout(settings: WorkerSettings, loaded: LoadedModel) -> Any:
+def scratch_layout(settings: WorkerSettings, engine: Engine) -> Any:
     """A prefill's scratch pool: one slot per prompt of a pass, holding this rank's KV heads."""
-    first_head = loaded.tp.kv_heads.start if loaded.tp is not None else 0
-    return loaded.config.kv_layout(
-        settings.prefill_batch, settings.max_length, settings.model_dtype, first_head=first_head
-    )
+    first_head = engine.tp.kv_heads.start if engine.tp is not None else 0
+    return engine.kv_layout(settings.prefill_batch, settings.max_length, settings.model_dtype, first_head=first_head)
 
 
-def pushed_heads(loaded: LoadedModel) -> range | None:
+def pushed_heads(engine: Engine) -> range | None:
     """The KV heads this rank pushes (None: all it holds)."""
-    return loaded.tp.pushed_kv_heads if loaded.tp is not None else None
+    return engine.tp.pushed_kv_heads if engine.tp is not None else None
 
 
-def check_targets(loaded: LoadedModel, targets: list[Grant]) -> None:
+def check_targets(engine: Engine, targets: list[Grant]) -> None:
     """Each target holds KV heads of this model: its head range lies within the model's (a
     rank only sees its share, so the instance checks the whole range once, on rank 0)."""
-    if loaded.tp is None:
+    if engine.tp is None:
         return
-    heads = range(loaded.tp.config.num_kv_heads)
+    heads = range(engine.tp.config.num_kv_heads)
     for t in targets:
         held = t.layout.head_range
         if held.start < heads.start or held.stop > heads.stop or not held:
             raise ValueError(f"target {t.describe()} holds KV heads {held}, the model has {heads}")
 
 
-def run_forward(loaded: LoadedModel, cache: KVCache, plan: PassPlan, on_chunk: Any, logits: bool, **keep: Any) -> Any:
-    """The pass's forward, the same call on every rank (so their collectives match)."""
-    model, prompts = loaded.model, plan.prompts
-    if len(prompts) == 1:
-        p = prompts[0]
-        return model.prefill(list(p.prompt), cache, p.slot, plan.layers_per_chunk, on_chunk, logits=logits, **keep)
-    return model.prefill_batch(
-        [list(p.prompt) for p in prompts],
-        cache,
-        [p.slot for p in prompts],
-        plan.layers_per_chunk,
+def run_forward(engine: Engine, cache: KVCache, plan: PassPlan, on_chunk: Any) -> Any:
+    """A follower rank's forward of the pass: rank 0's call with no head (so collectives match)."""
+    prompts = plan.prompts
+    work = PrefillPass(
+        prompts=[p.prompt for p in prompts],
+        slots=[p.slot for p in prompts],
+        starts=[0] * len(prompts),
+        layers_per_chunk=plan.layers_per_chunk,
         on_chunk=on_chunk,
-        logits=logits,
-        **keep,
+        logits=False,
     )
+    return engine.prefill(cache, work)
 
 
 class FollowerRank:
     """Rank 1.. of a tensor-parallel prefill: its scratch pool, and the passes rank 0 describes."""
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, group: TPGroup) -> None:
-        self.settings, self.loaded, self.backend, self.group = settings, loaded, backend, group
-        layout = scratch_layout(settings, loaded)
+    def __init__(self, settings: WorkerSettings, engine: Engine, backend: TransferBackend, group: TPGroup) -> None:
+        self.settings, self.engine, self.backend, self.group = settings, engine, backend, group
+        layout = scratch_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = KVCache(layout, self.pool.tensor)
-        self.heads = pushed_heads(loaded)
+        self.heads = pushed_heads(engine)
 
     def serve(self) -> None:
         """Run rank 0's passes until it says STOP (a failed collective raises GroupError)."""
@@ -156,7 +151,7 @@ class FollowerRank:
                     errors[request_id] = (str(exc), False)
 
         try:
-            run_forward(self.loaded, self.cache, plan, on_chunk, logits=False)
+            run_forward(self.engine, self.cache, plan, on_chunk)
         except BaseException:
             for pusher in pushers.values():
                 if pusher is not None:

@@ -1,6 +1,6 @@
 """The prefill role: compute a prompt's KV chunk of layers by chunk, pushing each chunk as it is done.
 
-`model.prefill(..., layers_per_chunk, on_chunk=pusher.push_chunk)` writes the KV of each layer
+`engine.prefill(cache, PrefillPass(..., on_chunk=...))` writes the KV of each layer
 chunk into a local scratch pool that is registered with the transfer engine (the source
 memory), and the pusher issues that chunk's puts at once, so the transfer of chunk k overlaps
 the compute of chunk k+1. The first token is sampled here from the last position's logits,
@@ -65,14 +65,14 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, Role
+from pdserve_worker.engines.base import Engine, PrefillPass
 from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.model.loading.loader import LoadedModel
 from pdserve_worker.model.sampling.grammar import GrammarError
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
-from pdserve_worker.model.sampling.sampler import draw_first, prompt_token_logprobs, stop_token_ids
+from pdserve_worker.model.sampling.sampler import draw_first, stop_token_ids
 from pdserve_worker.prefill.tp_rank import (
     IDLE,
     STOP,
@@ -180,13 +180,13 @@ class PrefillWorker:
     def __init__(
         self,
         settings: WorkerSettings,
-        loaded: LoadedModel,
+        engine: Engine,
         backend: TransferBackend,
         revision: str,
         group: TPGroup | None = None,
     ) -> None:
         self.settings = settings
-        self.loaded = loaded
+        self.engine = engine
         self.backend = backend
         self.revision = revision
         # Rank 0 of a tensor-parallel instance (prefill/tp_rank.py): the others follow its passes.
@@ -195,10 +195,10 @@ class PrefillWorker:
         self._last_collective = time.monotonic()
         self._heartbeat: asyncio.Task[None] | None = None
         # One scratch slot per prompt of a pass (a tensor-parallel rank's: its KV heads only).
-        layout = scratch_layout(settings, loaded)
+        layout = scratch_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
         self.cache = KVCache(layout, self.pool.tensor)
-        self.source = PushSource(self.pool.base_addr, layout, slot=0, heads=pushed_heads(loaded))
+        self.source = PushSource(self.pool.base_addr, layout, slot=0, heads=pushed_heads(engine))
         if group is not None and settings.prefix_cache_tokens != 0:
             log.info(kv(event="prefix_cache_off", reason="tensor_parallel", tp=group.size))
         self.prefix = (
@@ -299,7 +299,7 @@ class PrefillWorker:
             role=Role.PREFILL,
             grpc_endpoint=self.settings.grpc_endpoint,
             revision=self.revision,
-            labels={"model": self.loaded.name},
+            labels={"model": self.engine.name},
         )
 
     def load(self) -> Load:
@@ -515,7 +515,7 @@ class PrefillWorker:
                 )
                 continue
             try:
-                check_targets(self.loaded, job.targets)
+                check_targets(self.engine, job.targets)
                 job.pusher = KVPusher(
                     self.backend,
                     PushSource(self.pool.base_addr, self.cache.layout, slot=slot, heads=self.source.heads),
@@ -534,34 +534,26 @@ class PrefillWorker:
     def _forward(self, live: list[tuple[int, _Job]]) -> tuple[Any, dict[int, int]] | None:
         """The forward pass, each prompt after the longest prefix its cache holds: the logits of
         each prompt's last position and the tokens taken from the cache (None: all ended)."""
-        s, model = self.settings, self.loaded.model
         # (tensor-parallel ranks compute in lockstep: the pass never stops early on rank 0 alone)
         on_chunk = _ChunkPushes(self, live, stop_early=self.group is None)
         uses: dict[int, PrefixUse] = {}
         final: list[Any] = []  # the final hidden states, when a prompt asks for its logprobs
-        keep = {"on_final": final.append} if any(job.echo for _, job in live) else {}
         try:
             if self.prefix is not None:  # (a prompt that wants its logprobs computes every position)
                 for slot, job in live:
                     if not job.echo:
                         uses[slot] = self.prefix.begin(job.prompt, self.cache, slot, job.cache_scope, job.prefetch)
             starts = [uses[slot].cached_tokens if slot in uses else 0 for slot, _ in live]
+            work = PrefillPass(
+                prompts=[job.prompt for _, job in live],
+                slots=[slot for slot, _ in live],
+                starts=starts,
+                layers_per_chunk=self.settings.layers_per_chunk,
+                on_chunk=on_chunk,
+                on_final=final.append if any(job.echo for _, job in live) else None,
+            )
             try:
-                if len(live) == 1:
-                    slot, job = live[0]
-                    logits = model.prefill(
-                        job.prompt, self.cache, slot, s.layers_per_chunk, on_chunk=on_chunk, start=starts[0], **keep
-                    )[None]
-                else:
-                    logits = model.prefill_batch(
-                        [j.prompt for _, j in live],
-                        self.cache,
-                        [slot for slot, _ in live],
-                        s.layers_per_chunk,
-                        on_chunk=on_chunk,
-                        starts=starts,
-                        **keep,
-                    )
+                logits = self.engine.prefill(self.cache, work)
             except _AllEnded:
                 return None
             _keep_prompt_states(live, starts, final)
@@ -578,8 +570,8 @@ class PrefillWorker:
         try:
             if job.cancelled.is_set():  # before the ready notify: nobody waits for it any more
                 raise PrefillCancelled(f"prefill of request {job.request_id} was cancelled before its notify")
-            stops = stop_token_ids(job.params, self.loaded.tokenizer.eos_token_ids)
-            drawn = draw_first(logits, job.params, job.prompt, job.num_generated, tuple(stops), self.loaded.tokenizer)
+            stops = stop_token_ids(job.params, self.engine.tokenizer.eos_token_ids)
+            drawn = draw_first(logits, job.params, job.prompt, job.num_generated, tuple(stops), self.engine.tokenizer)
             first = drawn.token
             ready: dict[str, Any] = {"first_token": first}
             if drawn.logprobs is not None:
@@ -638,7 +630,7 @@ class PrefillWorker:
         states, job.prompt_states = job.prompt_states, None
         if states is None or job.params is None or job.params.prompt_logprobs is None:
             return ()
-        return prompt_token_logprobs(self.loaded.model.head, states, job.prompt, job.params.prompt_logprobs)
+        return self.engine.prompt_logprobs(states, job.prompt, job.params.prompt_logprobs)
 
     def _fail(self, job: _Job, exc: BaseException, settled: bool) -> None:
         self._resolve(job, _mark(exc, settled))
@@ -771,7 +763,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     def _refusal(self, request: worker_pb2.PrefillRequest, prompt: list[int]) -> str | None:
         """Why the request is invalid (None: it is not)."""
-        vocab, max_len = self.w.loaded.config.vocab_size, self.w.cache.layout.max_len
+        vocab, max_len = self.w.engine.config.vocab_size, self.w.cache.layout.max_len
         if not prompt:
             return "prompt_token_ids is empty"
         if min(prompt) < 0 or max(prompt) >= vocab:

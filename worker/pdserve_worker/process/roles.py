@@ -19,7 +19,8 @@ from pdserve_common.membership import Load, MemberInfo
 from pdserve_worker.decode.shard import ShardFollower, connect_group, group_max_message, is_follower
 from pdserve_worker.decode.tp_decode import TPDecodeGroup
 from pdserve_worker.decode.worker import DecodeWorker, GroupHooks
-from pdserve_worker.model.loading.loader import LoadedModel
+from pdserve_worker.engines.base import Engine
+from pdserve_worker.engines.native import native_of
 from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
@@ -68,21 +69,22 @@ def grpc_max_message(settings: WorkerSettings, hidden_size: int) -> int:
 
 async def make_role(
     settings: WorkerSettings,
-    loaded: LoadedModel,
+    engine: Engine,
     backend: TransferBackend,
     revision: str,
     tp_group: TPGroup | None = None,
 ) -> ServingRole:
-    """The role `settings` asks for, over a loaded model and an initialized engine. A group's
-    leader first waits for its followers to describe their pools (ShardError if they do not)."""
+    """The role `settings` asks for, over a loaded model engine and an initialized transfer
+    engine. A group's leader first waits for its followers to describe their pools (ShardError
+    if they do not); groups run on the native engine only (engines/native.native_of)."""
     if is_follower(settings):
-        return ShardFollower(settings, loaded, backend)
+        return ShardFollower(settings, native_of(engine), backend)
     if settings.role == "decode":
         group: GroupHooks | None = None
         if tp_group is not None:
-            group = TPDecodeGroup(settings, loaded, tp_group)
+            group = TPDecodeGroup(settings, native_of(engine), tp_group)
         elif settings.layer_shards > 1:
-            max_message = grpc_max_message(settings, loaded.config.hidden_size)
-            group = await connect_group(settings, loaded.model.layer_range, max_message)
-        return DecodeWorker(settings, loaded, backend, revision, group=group)
-    return PrefillWorker(settings, loaded, backend, revision, group=tp_group)
+            max_message = grpc_max_message(settings, engine.config.hidden_size)
+            group = await connect_group(settings, native_of(engine).model.layer_range, max_message)
+        return DecodeWorker(settings, engine, backend, revision, group=group)
+    return PrefillWorker(settings, engine, backend, revision, group=tp_group)

@@ -1,15 +1,16 @@
 """What every model process of a worker starts with, shared by `pdserve worker` (worker_main)
-and the other ranks of a tensor-parallel instance (tp_ranks): the transfer engine."""
+and the other ranks of a tensor-parallel instance (tp_ranks): the transfer engine and the model engine."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve_common.logs import kv
 from pdserve_worker.serving.settings import WorkerSettings
 
 if TYPE_CHECKING:
+    from pdserve_worker.engines.base import Engine
     from pdserve_worker.transfer.base import TransferBackend
 
 log = logging.getLogger("pdserve.worker")
@@ -42,3 +43,24 @@ def start_engine(settings: WorkerSettings) -> TransferBackend:
         raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
     log.info(kv(event="transfer_engine_started", backend=backend.name, engine=engine_id))
     return backend
+
+
+def load_model_engine(
+    settings: WorkerSettings, layers: range | None = None, tp: tuple[int, int] | None = None, reduce: Any = None
+) -> Engine:
+    """The model engine `settings.engine` names (engines/registry.py), loaded with the model:
+    a layer-sharded member's `layers`, a tensor-parallel rank's (size, rank) share."""
+    from pdserve_worker.engines.base import EngineLoad
+    from pdserve_worker.engines.registry import load_engine
+
+    request = EngineLoad(
+        source=settings.model_path,
+        dtype=settings.model_dtype,
+        device=settings.device,
+        weights=settings.weights,
+        max_length=settings.max_length,
+        layers=layers,
+        tp=tp,
+        reduce=reduce,
+    )
+    return load_engine(settings.engine, request)

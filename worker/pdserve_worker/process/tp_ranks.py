@@ -102,10 +102,9 @@ def run_follower() -> int:
     """A rank past 0, from start to stop: join, load its share, warm up, follow rank 0's passes."""
     from pdserve_common import logs
     from pdserve_worker.decode.tp_decode import DecodeFollower
-    from pdserve_worker.model.engine import warm_up
-    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.engines.native import native_of
     from pdserve_worker.prefill.tp_rank import FollowerRank
-    from pdserve_worker.process.startup import start_engine
+    from pdserve_worker.process.startup import load_model_engine, start_engine
     from pdserve_worker.serving.gc_heap import freeze_startup_heap
     from pdserve_worker.serving.torch_threads import serve_with
     from pdserve_worker.serving.tp_group import GroupError, TPGroup
@@ -120,19 +119,12 @@ def run_follower() -> int:
     rank: FollowerRank | DecodeFollower | None = None
     backend = None
     try:
-        loaded = load_model(
-            settings.model_path,
-            settings.model_dtype,
-            settings.device,
-            None,
-            settings.weights,
-            tp=(settings.tensor_parallel, settings.tp_rank),
-            reduce=group.all_reduce,
-        )
-        warm_up(loaded.model)  # (rank 0 warms up too: the collectives match)
+        tp = (settings.tensor_parallel, settings.tp_rank)
+        engine = native_of(load_model_engine(settings, tp=tp, reduce=group.all_reduce))
+        engine.warm_up()  # (rank 0 warms up too: the collectives match)
         backend = start_engine(settings)
         follower = DecodeFollower if settings.role == "decode" else FollowerRank
-        rank = follower(settings, loaded, backend, group)
+        rank = follower(settings, engine, backend, group)
         freeze_startup_heap()  # (serving/gc_heap.py)
         rank.serve()
         return 0

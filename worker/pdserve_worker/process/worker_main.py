@@ -54,7 +54,7 @@ from pdserve_worker.util.fresh_thread import run_in_fresh_thread
 
 if TYPE_CHECKING:
     from pdserve_worker.api.http_guard import HttpLimits
-    from pdserve_worker.model.loading.loader import LoadedModel
+    from pdserve_worker.engines.base import Engine
     from pdserve_worker.process.roles import ServingRole
     from pdserve_worker.process.tp_ranks import Ranks
     from pdserve_worker.rpc.broker_client import BrokerClient
@@ -165,14 +165,14 @@ async def _run_model_worker(settings: WorkerSettings, state: WorkerState) -> Non
         serve_with(settings.torch_threads)  # (serving/torch_threads.py)
         process.state.phase = "loading"
         ranks, settings, group = await _tp_group(settings)
-        loaded, revision = await _load_model(settings, group)
+        engine, revision = await _load_model(settings, group)
         backend = start_engine(settings)
-        role = process.role = await _make_role(settings, loaded, backend, revision, group)
+        role = process.role = await _make_role(settings, engine, backend, revision, group)
         metrics = getattr(role, "metrics", None)  # a group's follower reports through its leader
         if metrics is not None:
             process.state.metrics = metrics.exposition
         server = aio_server(
-            process.tokens, max_message=grpc_max_message(settings, loaded.config.hidden_size), policy=WORKER_POLICY
+            process.tokens, max_message=grpc_max_message(settings, engine.config.hidden_size), policy=WORKER_POLICY
         )
         role.add_to(server)
         front = await _listen_or_fail(server, settings)
@@ -181,7 +181,7 @@ async def _run_model_worker(settings: WorkerSettings, state: WorkerState) -> Non
         if stop.is_set():
             return
         await process.join(role)
-        _ready(settings, loaded.name, revision)
+        _ready(settings, engine.name, revision)
         await _until(stop, http.task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
         await process.leave()
@@ -333,11 +333,12 @@ class _Membership:
             await self.broker.deregister()
 
 
-async def _load_model(settings: WorkerSettings, group: TPGroup | None = None) -> tuple[LoadedModel, str]:
-    """The model (a layer-sharded decode member loads only its share, a tensor-parallel rank its
-    heads) and its revision."""
+async def _load_model(settings: WorkerSettings, group: TPGroup | None = None) -> tuple[Engine, str]:
+    """The model engine (a layer-sharded decode member loads only its share, a tensor-parallel
+    rank its heads), warmed up, and the model's revision."""
     from pdserve_worker.decode.shard import member_layers
-    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.engines.base import EngineError
+    from pdserve_worker.process.startup import load_model_engine
 
     try:
         # Fresh threads, not to_thread: no OpenMP pool may outlive them (util/fresh_thread.py).
@@ -345,33 +346,27 @@ async def _load_model(settings: WorkerSettings, group: TPGroup | None = None) ->
         layers = member_layers(settings, folder)
         # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
         tp = {} if group is None else {"tp": (group.size, group.rank), "reduce": group.all_reduce}
-        load = functools.partial(load_model, **tp)
-        loaded = await run_in_fresh_thread(
-            load, settings.model_path, settings.model_dtype, settings.device, layers, settings.weights
-        )
-        loaded.config.check_max_len(settings.max_length)  # spec.model.maxLength against the model's context
-        await _warm_up(loaded)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        engine = await run_in_fresh_thread(functools.partial(load_model_engine, settings, layers, **tp))
+        await _warm_up(engine)
+    except (FileNotFoundError, ValueError, RuntimeError, EngineError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
-    return loaded, model_revision(folder, settings.model_dtype)
+    return engine, model_revision(folder, settings.model_dtype)
 
 
-async def _warm_up(loaded: LoadedModel) -> None:
-    """A short prefill and decode before serving (model/engine.warm_up), on a thread that ends."""
-    from pdserve_worker.model.engine import warm_up
-
-    seconds = await run_in_fresh_thread(warm_up, loaded.model)
+async def _warm_up(engine: Engine) -> None:
+    """A short prefill and decode before serving (Engine.warm_up), on a thread that ends."""
+    seconds = await run_in_fresh_thread(engine.warm_up)
     log.info(kv(event="model_warmed", seconds=round(seconds, 3)))
 
 
 async def _make_role(
-    settings: WorkerSettings, loaded: LoadedModel, backend: TransferBackend, revision: str, group: TPGroup | None
+    settings: WorkerSettings, engine: Engine, backend: TransferBackend, revision: str, group: TPGroup | None
 ) -> ServingRole:
     from pdserve_worker.decode.shard import ShardError
     from pdserve_worker.process.roles import make_role
 
     try:
-        return await make_role(settings, loaded, backend, revision, group)
+        return await make_role(settings, engine, backend, revision, group)
     except ShardError as exc:
         raise StartupError(str(exc)) from exc
 
@@ -565,6 +560,7 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
 async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.colocated.backend import ColocatedBackend
+    from pdserve_worker.engines.native import NativeEngine
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.serving.torch_threads import serve_with
     from pdserve_worker.serving.worker_metrics import watch_prefix_cache
@@ -576,7 +572,7 @@ async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
         loaded = await run_in_fresh_thread(
             load_model, settings.model_path, settings.model_dtype, settings.device, None, settings.weights
         )
-        await _warm_up(loaded)
+        await _warm_up(NativeEngine(loaded))
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)

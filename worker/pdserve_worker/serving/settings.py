@@ -54,6 +54,7 @@ PREFILL_OVERTAKE_TOKENS = "PDSERVE_PREFILL_OVERTAKE_TOKENS"
 PREFILL_CHUNK_TOKENS = "PDSERVE_PREFILL_CHUNK_TOKENS"
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
+ENGINE = "PDSERVE_ENGINE"  # the model engine: a name of engines/registry.py, or module:Class
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/layers/weight_routes.py)
 # Every HTTP port (router API, pod probes, admin): a request must arrive whole within this
 # many seconds, and connections past the cap are closed at once (api/http_guard.py).
@@ -99,6 +100,7 @@ class WorkerSettings(BaseSettings):
     device: Literal["npu", "cuda", "cpu"] = Field("cpu", validation_alias=E.DEVICE)
     threads: int = Field(0, ge=0, validation_alias=THREADS)
     weights: Literal["auto", "dequantized", "int8", "int4"] = Field("auto", validation_alias=WEIGHTS)
+    engine: str = Field("native", min_length=1, validation_alias=ENGINE)
 
     transfer_backend: str = Field("auto", validation_alias=E.TRANSFER_BACKEND)  # transfer.registry.NAMES
     queue_depth: int = Field(8, ge=1, validation_alias=E.QUEUE_DEPTH)

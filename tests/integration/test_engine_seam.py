@@ -1,0 +1,90 @@
+"""The engine seam (engines/): an engine package outside pdserve serves a PD request.
+
+`PDSERVE_ENGINE=support.fake_engine:FakeEngine` names a class no product file mentions; the
+prefill and decode of a real `pdserve local` load it through engines/registry.py and serve
+through it. Its tokens are right only if every layer chunk its prefill wrote reached the
+decode's blocks (support/fake_engine.py), so the answer proves the PD path, not just the load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdserve_worker.engines.base import EngineError, EngineLoad
+from pdserve_worker.engines.native import NativeEngine
+from pdserve_worker.engines.registry import engine_type, load_engine
+from support.fake_engine import FakeEngine, expected
+from support.local_run import LocalRun
+
+TESTS = Path(__file__).resolve().parents[1]
+FAKE = "support.fake_engine:FakeEngine"
+
+
+def request(source: str | None, **extra) -> EngineLoad:
+    return EngineLoad(source=source, dtype="float32", device="cpu", weights="auto", max_length=64, **extra)
+
+
+def test_the_registry_names_the_native_engine_and_takes_a_module_path():
+    assert engine_type("native") is NativeEngine
+    assert engine_type(FAKE) is FakeEngine
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("vllm-but-not-registered", "is not registered; expected one of ['native'] or module:Class"),
+        ("support.no_such_module:Engine", "cannot import support.no_such_module:Engine"),
+        ("support.fake_engine:NoSuchClass", "cannot import support.fake_engine:NoSuchClass"),
+    ],
+)
+def test_an_engine_that_cannot_be_found_is_refused_by_name(name, said):
+    with pytest.raises(EngineError, match="engine .*" + said.replace("[", r"\[").replace("]", r"\]")):
+        engine_type(name)
+
+
+@pytest.mark.parametrize(
+    ("extra", "what"), [({"tp": (2, 0)}, "tensor_parallel"), ({"layers": range(0, 1)}, "layer_shards")]
+)
+def test_an_engine_without_groups_is_refused_a_group_before_it_loads(tiny_model_dir, extra, what):
+    # (loading would succeed: the folder is real; the refusal comes first and names the capability)
+    assert FakeEngine.load(request(str(tiny_model_dir))).name.startswith("fake-")
+    with pytest.raises(EngineError, match=f"engine '{FAKE}' does not run {what}"):
+        load_engine(FAKE, request(str(tiny_model_dir), **extra))
+
+
+def test_a_fake_engine_package_serves_a_pd_request(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_ENGINE", FAKE)  # the children inherit it, and tests/ on their path
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    run = LocalRun.start(
+        tmp_path / "run",
+        *("--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1"),
+        *("--slots", "2", "--max-len", "64", "--layers-per-chunk", "1", "--port", "0"),
+    )
+    try:
+        engine = FakeEngine.load(request(str(tiny_model_dir)))
+        prompt = [5, 17, 230, 41, 9, 77]
+        body = {
+            "model": json.loads(urllib.request.urlopen(f"{run.url}/v1/models", timeout=30).read())["data"][0]["id"],
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        }
+        call = urllib.request.Request(
+            f"{run.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json", "x-pdserve-debug": "workers"},
+        )
+        answer = json.loads(urllib.request.urlopen(call, timeout=60).read())
+    finally:
+        run.stop_cleanly()
+    want = expected(prompt, 12, engine.config.vocab_size)
+    assert answer["choices"][0]["text"] == engine.tokenizer.decode(want)
+    assert answer["pdserve"]["disaggregated"] is True
+    assert answer["pdserve"]["kv_bytes"] > 0

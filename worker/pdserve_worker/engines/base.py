@@ -1,0 +1,108 @@
+"""What the prefill and decode roles need from a model engine, and nothing more.
+
+A role reaches the model only through `Engine`: it describes the KV pool the engine writes
+(`kv_layout`), prefills a pass of prompts into given slots of that pool layer chunk by layer
+chunk (`prefill`, calling `on_chunk` after each chunk so the push can overlap the compute),
+runs one decode step for a batch (`decode_step`, the `Decoder` of model/engine.py) and turns a
+prompt's kept hidden states into logprobs. Slots and blocks stay the role's (its slot table is
+their one owner): an engine keeps no per-request state, so a request's release is the table's.
+A new engine is one package with an `EngineType` and one line in registry.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.model.config import ModelConfig
+from pdserve_worker.model.layers.tensor_parallel import TPShard
+from pdserve_worker.model.loading.generation_config import GenerationDefaults
+from pdserve_worker.model.sampling.params import TokenLogprobs
+from pdserve_worker.model.tokenizer import Tokenizer
+
+# What an engine can run besides plain prefill and decode (the roles refuse the rest by name).
+TENSOR_PARALLEL = "tensor_parallel"
+LAYER_SHARDS = "layer_shards"
+
+
+class EngineError(ValueError):
+    """An engine that is not registered, cannot load, or is asked for what it does not run."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a worker asks an engine to load: the model source and where its share lies."""
+
+    source: str | None  # a model folder or GGUF file; None: the bundled default
+    dtype: str  # "bfloat16", "float32", ...
+    device: str  # "cpu", "cuda:0", "npu:0"
+    weights: str  # the weight route ("auto", "int4", ...)
+    max_length: int  # the longest sequence the worker serves
+    layers: range | None = None  # a layer-sharded member's layers (None: all)
+    tp: tuple[int, int] | None = None  # (size, rank) of a tensor-parallel group
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # the group's all-reduce
+
+
+@dataclass(frozen=True)
+class PrefillPass:
+    """One forward pass over prompts, each into its slot, each from its first uncached position."""
+
+    prompts: Sequence[Sequence[int]]
+    slots: Sequence[int]
+    starts: Sequence[int]  # tokens of each prompt whose KV the slot already holds
+    layers_per_chunk: int | None = None  # None: all layers in one chunk
+    on_chunk: Callable[[range], None] | None = None  # after each chunk's KV is in the cache
+    on_final: Callable[[torch.Tensor], None] | None = None  # the computed positions' final states
+    logits: bool = True  # False: a tensor-parallel rank past 0 runs no head
+
+
+class Engine(Protocol):
+    """A loaded model, as the roles drive it (module doc). `capabilities` names what it runs
+    besides plain prefill and decode (TENSOR_PARALLEL, LAYER_SHARDS)."""
+
+    name: str
+    config: ModelConfig  # a tensor-parallel rank's share
+    tokenizer: Tokenizer
+    generation: GenerationDefaults
+    tp: TPShard | None
+    capabilities: frozenset[str]
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def kv_layout(self, num_slots: int, max_len: int, dtype: str, first_head: int = 0) -> KVLayout:
+        """The geometry of a pool of `num_slots` slots this engine writes and reads."""
+        ...
+
+    def prefill(self, cache: KVCache, work: PrefillPass) -> torch.Tensor:
+        """Write the prompts' KV into their slots; each prompt's last-position logits `[B, vocab]`."""
+        ...
+
+    def decode_step(
+        self, cache: Any, slots: Sequence[int], positions: Sequence[int], token_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """Logits `[B, vocab]` of one token per slot (the token's KV is written at its position)."""
+        ...
+
+    def prompt_logprobs(self, states: torch.Tensor, prompt: Sequence[int], top: int) -> tuple[TokenLogprobs, ...]:
+        """Logprobs of prompt tokens 1..n-1 from the prompt's final hidden states."""
+        ...
+
+    def warm_up(self) -> float:
+        """Run what the first request would pay for; the seconds it took."""
+        ...
+
+
+class EngineType(Protocol):
+    """An engine's class, as the registry names it: what it runs, and how it loads."""
+
+    capabilities: frozenset[str]
+
+    def load(self, request: EngineLoad) -> Engine:
+        """The engine with the model `request` names, loaded and ready to warm up."""
+        ...

@@ -1,0 +1,95 @@
+"""pdserve's own engine: the torch model of model/ (LlamaModel) as an `Engine`.
+
+It runs dense LLaMA-block models in torch eager on the CPU (with the native kernels), CUDA or
+an NPU, and is the only engine that runs tensor-parallel and layer-sharded groups: those drive
+`model` (the LlamaModel) directly, so they take a `NativeEngine` by type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, Engine, EngineError, EngineLoad, PrefillPass
+from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.model.engine import warm_up
+from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.loading.loader import LoadedModel, load_model
+from pdserve_worker.model.sampling.params import TokenLogprobs
+from pdserve_worker.model.sampling.sampler import prompt_token_logprobs
+
+
+class NativeEngine:
+    """A `LoadedModel` behind the `Engine` contract (engines/base.py)."""
+
+    capabilities = frozenset({TENSOR_PARALLEL, LAYER_SHARDS})
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model: LlamaModel = loaded.model
+        self.name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
+        self.generation, self.tp = loaded.generation, loaded.tp
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def kv_layout(self, num_slots: int, max_len: int, dtype: str, first_head: int = 0) -> KVLayout:
+        return self.config.kv_layout(num_slots, max_len, dtype, first_head=first_head)
+
+    def prefill(self, cache: KVCache, work: PrefillPass) -> torch.Tensor:
+        keep: dict[str, Any] = {} if work.on_final is None else {"on_final": work.on_final}
+        if len(work.prompts) == 1:
+            logits = self.model.prefill(
+                list(work.prompts[0]),
+                cache,
+                work.slots[0],
+                work.layers_per_chunk,
+                work.on_chunk,
+                start=work.starts[0],
+                logits=work.logits,
+                **keep,
+            )
+            return logits[None] if work.logits else logits
+        return self.model.prefill_batch(
+            [list(p) for p in work.prompts],
+            cache,
+            list(work.slots),
+            work.layers_per_chunk,
+            work.on_chunk,
+            starts=list(work.starts),
+            logits=work.logits,
+            **keep,
+        )
+
+    def decode_step(
+        self, cache: Any, slots: Sequence[int], positions: Sequence[int], token_ids: Sequence[int]
+    ) -> torch.Tensor:
+        return self.model.decode_step(cache, slots, positions, token_ids)
+
+    def prompt_logprobs(self, states: torch.Tensor, prompt: Sequence[int], top: int) -> tuple[TokenLogprobs, ...]:
+        return prompt_token_logprobs(self.model.head, states, prompt, top)
+
+    def warm_up(self) -> float:
+        return warm_up(self.model)
+
+    @classmethod
+    def load(cls, request: EngineLoad) -> NativeEngine:
+        """Load the model `request` names (model/loading/loader.py); check its context length."""
+        tp = {} if request.tp is None else {"tp": request.tp, "reduce": request.reduce}
+        loaded = load_model(request.source, request.dtype, request.device, request.layers, request.weights, **tp)
+        loaded.config.check_max_len(request.max_length)  # spec.model.maxLength against the model's context
+        return cls(loaded)
+
+
+def native_of(engine: Engine) -> NativeEngine:
+    """`engine` as the native engine, for the groups that drive its model directly (the registry
+    refuses them to other engines first: registry.load_engine); EngineError names another."""
+    if not isinstance(engine, NativeEngine):
+        raise EngineError(
+            f"engine {engine.name!r} is not the native engine that tensor-parallel and layer-sharded groups need"
+        )
+    return engine
