@@ -564,7 +564,7 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
 
 async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.api.metrics import RouterMetrics
-    from pdserve_worker.colocated.backend import ColocatedBackend
+    from pdserve_worker.colocated.backend import ColocatedBackend, ColocatedConfig
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.serving.torch_threads import serve_with
     from pdserve_worker.serving.worker_metrics import watch_prefix_cache
@@ -580,8 +580,7 @@ async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)
-    backend = ColocatedBackend(
-        loaded,
+    colocated = ColocatedConfig(
         slots=settings.slots,
         max_len=max_len,
         model_name=served_name(settings, folder),
@@ -592,6 +591,7 @@ async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
         prefix_disk_bytes=settings.prefix_disk_bytes,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
+    backend = ColocatedBackend(loaded, colocated)
     backend.start()
     metrics = RouterMetrics()
     if backend.prefix is not None:  # its prefix cache's series, as a prefill publishes them
