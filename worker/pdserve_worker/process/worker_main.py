@@ -480,8 +480,9 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.model.config import ModelConfig
     from pdserve_worker.model.loading.generation_config import GenerationDefaults
     from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
+    from pdserve_worker.router.config import RouterConfig, Timeouts
     from pdserve_worker.router.load import router_load
-    from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+    from pdserve_worker.router.pd_backend import PDBackend
     from pdserve_worker.rpc.broker_client import BrokerClient
 
     stop = _stop_event()
@@ -495,14 +496,11 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         raise StartupError(f"cannot read model {settings.model_source!r}: {exc}") from exc
     broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
     metrics = RouterMetrics()
-    backend = PDBackend(
+    router_config = RouterConfig(
         model_name=served_name(settings, folder),
-        tokenizer=tokenizer,
         max_model_len=min(settings.max_length, config.max_position_embeddings),
         revision=model_revision(folder, settings.model_dtype),
-        broker=broker,
         token=settings.token,
-        metrics=metrics,
         timeouts=Timeouts(
             lease_ms=settings.lease_ms,
             readiness_ms=settings.readiness_timeout_ms,
@@ -512,6 +510,7 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         prefix_block_tokens=settings.prefix_block_tokens,
         prefix_routing=settings.prefix_routing,
     )
+    backend = PDBackend(router_config, tokenizer=tokenizer, broker=broker, metrics=metrics)
     # A router without a prefill or a decode to send requests to is not ready for traffic.
     state.serving = lambda: bool(backend.health()["ready"])
     try:
