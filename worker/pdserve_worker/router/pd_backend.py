@@ -1,17 +1,15 @@
 """The router's PD backend: one request's road through a decode and a prefill worker.
 
-For each request (worker.proto's header has the contract), one attempt (router/attempt.py):
-1. rank the decodes of the membership (router/members.py) and `Reserve` a slot on the best one
-   with a free slot (router/grants.py); 2. open `Generate` on it with the grant: it waits for
-   the slot's KV; 3. meanwhile call `Prefill` on the chosen prefill with the grant as its target:
-   it pushes the prompt's KV into the slot and notifies the decode, whose stream starts with the
-   first token; 4. stream the decode's tokens, with a `RequestInfo` saying how the KV arrived.
-
-A failed worker is avoided and the request retried (`Timeouts.max_retries`) with the tokens already
-streamed appended to the prompt, so the client's stream continues without a gap; failures another
-worker would repeat end it. Every way out of an attempt cancels its calls and gives back its
-grant. A draining decode hands its requests over (router/migration.py). Stop strings are the
-decode's job: its text never contains one.
+Each try of a request is one attempt (router/attempt.py; worker.proto's header has the contract):
+1. `Reserve` a slot on the best decode with one free (router/members.py ranks, router/grants.py asks);
+2. open `Generate` there with the grant: it waits for the slot's KV;
+3. meanwhile `Prefill` on the chosen prefill pushes the prompt's KV into the slot and notifies the decode;
+4. stream the decode's tokens, with a `RequestInfo` saying how the KV arrived.
+A failed worker is avoided and the request retried (`Timeouts.max_retries`) with the tokens
+already streamed appended to the prompt, so the client's stream goes on without a gap; failures
+another worker would repeat end it. Every way out of an attempt cancels its calls and gives its
+grant back. A draining decode hands its requests over (router/migration.py). Stop strings are
+the decode's job: its text never contains one.
 """
 
 from __future__ import annotations
