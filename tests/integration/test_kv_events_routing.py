@@ -19,7 +19,8 @@ from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.loading.loader import load_model
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
-from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+from pdserve_worker.router.config import RouterConfig, Timeouts
+from pdserve_worker.router.pd_backend import PDBackend
 
 SVC, TOKEN, REVISION = "ns/kv-events", "kv-events-token-0123456789", "rev-kv-events"
 MAX_LEN, SLOTS = 256, 4
@@ -34,14 +35,16 @@ def loaded(tiny_model_dir):
 
 def router(stack: Stack, loaded, routing: str) -> PDBackend:
     return PDBackend(
-        model_name="tiny",
+        RouterConfig(
+            model_name="tiny",
+            max_model_len=MAX_LEN,
+            revision=REVISION,
+            token=TOKEN,
+            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30),
+            prefix_routing=routing,
+        ),
         tokenizer=loaded.tokenizer,
-        max_model_len=MAX_LEN,
-        revision=REVISION,
         broker=stack.client(),
-        token=TOKEN,
-        timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30),
-        prefix_routing=routing,
     )
 
 
@@ -89,7 +92,7 @@ async def two_routers(loaded, routing_b: str) -> tuple[list[int], list[int], lis
         held = sum(w.prefix.stats().cached_blocks for w in prefills)
         if routing_b == "events":  # B's index catches up with what the prefills hold
             async with asyncio.timeout(10):
-                while sum(b._reported.size(f"prefill-{i}") for i in range(2)) < held:
+                while sum(b.members._reported.size(f"prefill-{i}") for i in range(2)) < held:
                     await asyncio.sleep(0.05)
         second = [await cached_tokens(b, prompts[i] + tok.encode(" and more"), f"b-{i}") for i in reversed(range(4))]
         # The RPC itself, as a router calls it: authenticated, a snapshot first.

@@ -30,7 +30,8 @@ from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
-from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+from pdserve_worker.router.config import RouterConfig, Timeouts
+from pdserve_worker.router.pd_backend import PDBackend
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.trailers import settled_trailer
 
@@ -122,14 +123,16 @@ async def cluster(
         )
         metrics = RouterMetrics()
         backend = PDBackend(
-            model_name="tiny",
+            RouterConfig(
+                model_name="tiny",
+                max_model_len=MAX_LEN,
+                revision=REVISION,
+                token=TOKEN,
+                timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, resume_wait_s=5.0),
+            ),
             tokenizer=loaded.tokenizer,
-            max_model_len=MAX_LEN,
-            revision=REVISION,
             broker=stack.client(),
-            token=TOKEN,
             metrics=metrics,
-            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, resume_wait_s=5.0),
         )
         await backend.start()
         await backend.view.wait_for(lambda v: len(v.members) == len(decodes) + 1, 5)

@@ -30,7 +30,8 @@ from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
-from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+from pdserve_worker.router.config import RouterConfig, Timeouts
+from pdserve_worker.router.pd_backend import PDBackend
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.transfer.registry import create_engine
@@ -225,13 +226,15 @@ async def cluster(
             )
 
         backend = PDBackend(
-            model_name="tiny",
+            RouterConfig(
+                model_name="tiny",
+                max_model_len=MAX_LEN,
+                revision=REVISION,
+                token=TOKEN,
+                timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30, settle_s=settle_s),
+            ),
             tokenizer=loaded.tokenizer,
-            max_model_len=MAX_LEN,
-            revision=REVISION,
             broker=stack.client(),
-            token=TOKEN,
-            timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30, settle_s=settle_s),
         )
         await backend.start()
         await backend.view.wait_for(lambda v: len(v.members) == 1 + len(kinds) + (freezing is not None), 5)

@@ -19,7 +19,8 @@ from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
-from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+from pdserve_worker.router.config import RouterConfig, Timeouts
+from pdserve_worker.router.pd_backend import PDBackend
 
 SVC, TOKEN, REVISION = "test/two-sided", "secret-token", "rev-1"
 MAX_LEN = 64
@@ -59,13 +60,15 @@ async def pd(loaded, transfer: str) -> AsyncIterator[tuple[PDBackend, DecodeWork
             )
         )
         backend = PDBackend(
-            model_name="tiny",
+            RouterConfig(
+                model_name="tiny",
+                max_model_len=MAX_LEN,
+                revision=REVISION,
+                token=TOKEN,
+                timeouts=Timeouts(rpc_s=5.0, lease_ms=10_000, readiness_ms=20_000, prefill_s=30, settle_s=5.0),
+            ),
             tokenizer=loaded.tokenizer,
-            max_model_len=MAX_LEN,
-            revision=REVISION,
             broker=stack.client(),
-            token=TOKEN,
-            timeouts=Timeouts(rpc_s=5.0, lease_ms=10_000, readiness_ms=20_000, prefill_s=30, settle_s=5.0),
         )
         await backend.start()
         await backend.view.wait_for(lambda v: len(v.members) == 2, 5)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve_worker.colocated.backend import ColocatedBackend
+from pdserve_worker.colocated.backend import ColocatedBackend, ColocatedConfig
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.loading.loader import load_model
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
@@ -26,7 +26,7 @@ async def answer(backend: ColocatedBackend, prompt: list[int], params: SamplingP
 
 @pytest.mark.asyncio
 async def test_more_requests_than_slots_wait_and_each_equals_generating_alone(loaded):
-    backend = ColocatedBackend(loaded, slots=2, max_len=MAX_LEN)
+    backend = ColocatedBackend(loaded, ColocatedConfig(slots=2, max_len=MAX_LEN))
     backend.start()
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -43,7 +43,7 @@ async def test_more_requests_than_slots_wait_and_each_equals_generating_alone(lo
 
 @pytest.mark.asyncio
 async def test_a_request_closed_early_gives_its_slot_to_the_one_waiting(loaded):
-    backend = ColocatedBackend(loaded, slots=1, max_len=512)
+    backend = ColocatedBackend(loaded, ColocatedConfig(slots=1, max_len=512))
     log: list[str] = []
     reserve, release = backend.slots.reserve, backend.slots.release
     backend.slots.reserve = lambda request_id, ttl_s: (log.append(f"grant {request_id}"), reserve(request_id, ttl_s))[1]

@@ -10,7 +10,7 @@ import asyncio
 from pdserve.v1 import worker_pb2
 from pdserve_common.membership import Load, Member, MemberInfo, Role
 from pdserve_worker.api import prompt_copies
-from pdserve_worker.router.pd_backend import _sharing_first
+from pdserve_worker.router.grants import sharing_first
 
 
 def members(*ids: str) -> list[Member]:
@@ -35,7 +35,7 @@ def test_a_later_copy_asks_the_first_copys_decode_first_to_share() -> None:
     copies = prompt_copies.Copies()
     in_copy(True, copies, lambda: prompt_copies.note_decode("decode-1", 3, 77))
     assert copies.decode == ("decode-1", 3, 77)
-    ranked, sharing = in_copy(False, copies, lambda: _sharing_first(members("decode-0", "decode-1"), plain()))
+    ranked, sharing = in_copy(False, copies, lambda: sharing_first(members("decode-0", "decode-1"), plain()))
     assert [m.worker_id for m in ranked] == ["decode-1", "decode-0"]
     assert sharing is not None and sharing.HasField("share_from")
     assert (sharing.share_from.slot, sharing.share_from.generation) == (3, 77)
@@ -47,10 +47,10 @@ def test_no_sharing_without_a_first_copy_or_its_decode() -> None:
     ranked = members("decode-0", "decode-1")
     # The first copy itself, and a request that is no copy at all, reserve plainly.
     in_copy(True, copies, lambda: prompt_copies.note_decode("decode-1", 3, 77))
-    assert in_copy(True, copies, lambda: _sharing_first(ranked, plain())) == (ranked, None)
-    assert _sharing_first(ranked, plain()) == (ranked, None)
+    assert in_copy(True, copies, lambda: sharing_first(ranked, plain())) == (ranked, None)
+    assert sharing_first(ranked, plain()) == (ranked, None)
     # The first copy's decode failed this request or left: the others are asked plainly.
-    assert in_copy(False, copies, lambda: _sharing_first(members("decode-0"), plain()))[1] is None
+    assert in_copy(False, copies, lambda: sharing_first(members("decode-0"), plain()))[1] is None
     # Only the first copy names the decode.
     later = prompt_copies.Copies()
     in_copy(False, later, lambda: prompt_copies.note_decode("decode-0", 1, 5))

@@ -13,23 +13,27 @@ import pytest
 from pdserve_common.membership import Load, Member, MemberInfo, Role
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.router.pd_backend import NoMember, PDBackend, Timeouts
+from pdserve_worker.router.config import RouterConfig, Timeouts
+from pdserve_worker.router.members import NoMember
+from pdserve_worker.router.pd_backend import PDBackend
 
 REV = "r1"
 
 
 def backend(wait_s: float) -> PDBackend:
     pd = PDBackend(
-        model_name="m",
+        RouterConfig(
+            model_name="m",
+            max_model_len=4096,
+            revision=REV,
+            token="t",
+            timeouts=Timeouts(member_wait_s=wait_s),
+        ),
         tokenizer=None,
-        max_model_len=4096,
-        revision=REV,
         broker=None,
-        token="t",
         metrics=RouterMetrics(),
-        timeouts=Timeouts(member_wait_s=wait_s),
     )
-    pd._view = SimpleNamespace(members={}, connected=True)  # type: ignore[assignment]
+    pd.members._view = SimpleNamespace(members={}, connected=True)  # type: ignore[assignment]
     return pd
 
 
@@ -53,7 +57,7 @@ async def test_a_member_that_joins_meanwhile_is_used() -> None:
     async def join() -> None:
         await asyncio.sleep(0.2)
         info = MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint="prefill-0:1", revision=REV)
-        pd._view.members["prefill-0"] = Member(info, load=Load())  # type: ignore[union-attr]
+        pd.members._view.members["prefill-0"] = Member(info, load=Load())  # type: ignore[union-attr]
 
     joining = asyncio.ensure_future(join())
     # The prefill that joined was taken: what is missing now is a decode (and no call was made).
@@ -67,13 +71,13 @@ async def test_only_failed_members_left_fails_now_unless_one_left_lately() -> No
     """The registered prefill failed this request (it stays avoided): waiting is worth it only
     when another one left a moment ago (restarting), not when it is all the deployment has."""
     from pdserve_worker.api.backend import BackendUnavailable
-    from pdserve_worker.router.pd_backend import _none_left
+    from pdserve_worker.router.members import none_left
 
     only = [Member(MemberInfo(worker_id="prefill-0", role=Role.PREFILL, revision=REV), load=Load())]
-    alone = _none_left(Role.PREFILL, REV, only, departed=False)
+    alone = none_left(Role.PREFILL, REV, only, departed=False)
     assert type(alone) is BackendUnavailable and "but the failed prefill-0" in str(alone)
-    assert isinstance(_none_left(Role.PREFILL, REV, only, departed=True), NoMember)
-    assert isinstance(_none_left(Role.PREFILL, REV, [], departed=False), NoMember)
+    assert isinstance(none_left(Role.PREFILL, REV, only, departed=True), NoMember)
+    assert isinstance(none_left(Role.PREFILL, REV, [], departed=False), NoMember)
 
 
 def test_departures_are_remembered_for_a_window_and_forgotten_on_return() -> None:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from pdserve_common.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role
 from pdserve_worker.api.metrics import RouterMetrics
+from pdserve_worker.router.config import RouterConfig
 from pdserve_worker.router.pd_backend import PDBackend
 
 REV = "r1"
@@ -23,16 +24,18 @@ def prefill(worker_id: str, queued: int = 0) -> Member:
 
 def backend(members: list[Member], **kw) -> PDBackend:
     pd = PDBackend(
-        model_name="m",
+        RouterConfig(
+            model_name="m",
+            max_model_len=4096,
+            revision=REV,
+            token="t",
+            **kw,
+        ),
         tokenizer=None,
-        max_model_len=4096,
-        revision=REV,
         broker=None,
-        token="t",
         metrics=RouterMetrics(),
-        **kw,
     )
-    pd._view = SimpleNamespace(members={m.worker_id: m for m in members}, connected=True)
+    pd.members._view = SimpleNamespace(members={m.worker_id: m for m in members}, connected=True)
     return pd
 
 
@@ -46,7 +49,7 @@ def test_interleaved_system_prompts_stay_on_their_prefill_and_the_load_stays_eve
     for _ in range(60):
         s = rng.randrange(4)
         tokens = systems[s] + [rng.randrange(30_000) for _ in range(rng.randrange(10, 200))]
-        chosen = pd._pick_prefill(set(), tokens, SCOPE).worker_id
+        chosen = pd.members.pick_prefill(set(), tokens, SCOPE).worker_id
         if s in home:
             repeats += 1
             hits += chosen in home[s]
@@ -62,20 +65,20 @@ def test_a_busy_holder_loses_the_request_and_a_departed_one_is_forgotten() -> No
     members = [prefill("p0"), prefill("p1")]
     pd = backend(members)
     prompt = list(range(400))
-    first = pd._pick_prefill(set(), prompt, SCOPE).worker_id
-    assert pd._pick_prefill(set(), prompt + [7], SCOPE).worker_id == first
+    first = pd.members.pick_prefill(set(), prompt, SCOPE).worker_id
+    assert pd.members.pick_prefill(set(), prompt + [7], SCOPE).worker_id == first
     # The holder's queue grows past the bound: the other one takes it.
-    pd._view.members[first] = prefill(first, queued=9)
-    other = pd._pick_prefill(set(), prompt + [8], SCOPE).worker_id
+    pd.members._view.members[first] = prefill(first, queued=9)
+    other = pd.members.pick_prefill(set(), prompt + [8], SCOPE).worker_id
     assert other != first
-    pd._view.members[first] = prefill(first)
-    pd._on_member(MemberEvent(EventType.REMOVED, pd._view.members[other]))
-    assert pd._prefixes.size(other) == 0 and pd._prefixes.size(first) > 0
+    pd.members._view.members[first] = prefill(first)
+    pd.members.on_member(MemberEvent(EventType.REMOVED, pd.members._view.members[other]))
+    assert pd.members.prefixes.size(other) == 0 and pd.members.prefixes.size(first) > 0
 
 
 def test_prefix_routing_off_is_the_shortest_queue() -> None:
     pd = backend([prefill("p0", queued=3), prefill("p1", queued=1)], prefix_history_blocks=0)
-    assert pd._pick_prefill(set(), list(range(100)), SCOPE).worker_id == "p1"
+    assert pd.members.pick_prefill(set(), list(range(100)), SCOPE).worker_id == "p1"
 
 
 def test_the_prediction_is_per_scope() -> None:
@@ -90,9 +93,9 @@ def test_the_prediction_is_per_scope() -> None:
         line = next((x for x in text.splitlines() if x.startswith(prefix)), "")
         return float(line.split()[-1]) if line else 0.0
 
-    pd._pick_prefill(set(), prompt, '["a",""]')
+    pd.members.pick_prefill(set(), prompt, '["a",""]')
     start = prefix_routed()
-    pd._pick_prefill(set(), prompt, '["b",""]')
+    pd.members.pick_prefill(set(), prompt, '["b",""]')
     assert prefix_routed() == start  # b's is not a hit
-    pd._pick_prefill(set(), prompt, '["a",""]')
+    pd.members.pick_prefill(set(), prompt, '["a",""]')
     assert prefix_routed() == start + 1  # a's repeat is

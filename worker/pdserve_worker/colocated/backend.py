@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve_worker.api.backend import BackendError, RequestInfo, TokenEvent
@@ -35,47 +36,52 @@ _COLOCATED = RequestInfo(disaggregated=False, kv_bytes=0)
 _HOLD_S = 3600.0  # a grant is committed at once (nothing is pushed into it): its lease never runs
 
 
+@dataclass(frozen=True)
+class ColocatedConfig:
+    """How a colocated backend is sized: `slots` requests of up to `max_len` tokens; a prefix
+    cache of `prefix_cache_tokens` (0: none; None: sized from `memory_share` of the memory),
+    spilling to `prefix_disk_dir` up to `prefix_disk_bytes`. `model_name` and `revision`
+    default to the loaded model's name."""
+
+    slots: int
+    max_len: int
+    model_name: str | None = None
+    prefix_cache_tokens: int | None = 0
+    prefix_block_tokens: int = 16
+    memory_share: float = 1.0
+    prefix_disk_dir: Path | None = None
+    prefix_disk_bytes: int = 0
+    revision: str = ""
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+
+
 class ColocatedBackend(ModelTokenizing):
     """`router.backend.Backend` over a Generator on its own scheduler thread."""
 
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        *,
-        slots: int,
-        max_len: int,
-        model_name: str | None = None,
-        prefix_cache_tokens: int | None = 0,
-        prefix_block_tokens: int = 16,
-        memory_share: float = 1.0,
-        prefix_disk_dir: Path | None = None,
-        prefix_disk_bytes: int = 0,
-        revision: str = "",
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-    ) -> None:
-        self.model_name = model_name or loaded.name
-        self.revision = revision or loaded.name  # (the system_fingerprint's)
-        self.max_model_len = max_len
+    def __init__(self, loaded: LoadedModel, config: ColocatedConfig) -> None:
+        self.model_name = config.model_name or loaded.name
+        self.revision = config.revision or loaded.name  # (the system_fingerprint's)
+        self.max_model_len = config.max_len
         self._tokenizer = loaded.tokenizer
         model = loaded.model
-        cache = colocated_cache(model, slots, max_len)
+        cache = colocated_cache(model, config.slots, config.max_len)
         self.slots = SlotTable(cache.layout, quarantine_s=0.0)
         self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
         self.prefix: PrefixStore | None = open_prefix_store(
             cache.layout,
-            prefix_cache_tokens,
-            memory_share,
-            prefix_block_tokens,
-            revision or loaded.name,
+            config.prefix_cache_tokens,
+            config.memory_share,
+            config.prefix_block_tokens,
+            config.revision or loaded.name,
             model.device,
-            disk_dir=prefix_disk_dir,
-            disk_bytes=prefix_disk_bytes,
+            disk_dir=config.prefix_disk_dir,
+            disk_bytes=config.prefix_disk_bytes,
         )
         self.prefill = ColocatedPrefill(model, cache, self.prefix, loaded.tokenizer)
         self.loop = GenerationLoop(
             Generator(model, loaded.tokenizer, cache),
             prefill=self.prefill,
-            prefill_chunk_tokens=prefill_chunk_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
             name="colocated-loop",
         )
 

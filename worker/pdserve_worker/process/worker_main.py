@@ -475,8 +475,9 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.model.config import ModelConfig
     from pdserve_worker.model.loading.generation_config import GenerationDefaults
     from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
+    from pdserve_worker.router.config import RouterConfig, Timeouts
     from pdserve_worker.router.load import router_load
-    from pdserve_worker.router.pd_backend import PDBackend, Timeouts
+    from pdserve_worker.router.pd_backend import PDBackend
     from pdserve_worker.rpc.broker_client import BrokerClient
 
     stop = _stop_event()
@@ -490,14 +491,11 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         raise StartupError(f"cannot read model {settings.model_source!r}: {exc}") from exc
     broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
     metrics = RouterMetrics()
-    backend = PDBackend(
+    router_config = RouterConfig(
         model_name=served_name(settings, folder),
-        tokenizer=tokenizer,
         max_model_len=min(settings.max_length, config.max_position_embeddings),
         revision=model_revision(folder, settings.model_dtype),
-        broker=broker,
         token=settings.token,
-        metrics=metrics,
         timeouts=Timeouts(
             lease_ms=settings.lease_ms,
             readiness_ms=settings.readiness_timeout_ms,
@@ -507,6 +505,7 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         prefix_block_tokens=settings.prefix_block_tokens,
         prefix_routing=settings.prefix_routing,
     )
+    backend = PDBackend(router_config, tokenizer=tokenizer, broker=broker, metrics=metrics)
     # A router without a prefill or a decode to send requests to is not ready for traffic.
     state.serving = lambda: bool(backend.health()["ready"])
     try:
@@ -559,7 +558,7 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
 
 async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.api.metrics import RouterMetrics
-    from pdserve_worker.colocated.backend import ColocatedBackend
+    from pdserve_worker.colocated.backend import ColocatedBackend, ColocatedConfig
     from pdserve_worker.engines.native import NativeEngine
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.serving.torch_threads import serve_with
@@ -576,8 +575,7 @@ async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)
-    backend = ColocatedBackend(
-        loaded,
+    colocated = ColocatedConfig(
         slots=settings.slots,
         max_len=max_len,
         model_name=served_name(settings, folder),
@@ -588,6 +586,7 @@ async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
         prefix_disk_bytes=settings.prefix_disk_bytes,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
     )
+    backend = ColocatedBackend(loaded, colocated)
     backend.start()
     metrics = RouterMetrics()
     if backend.prefix is not None:  # its prefix cache's series, as a prefill publishes them

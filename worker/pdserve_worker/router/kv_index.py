@@ -1,6 +1,6 @@
 """Which prefill holds which prefix, from the prefills' own reports (kv/block_events.py).
 
-A router follows every prefill's `Prefill.BlockEvents` stream (pd_backend.py polls it) and
+A router follows every prefill's `Prefill.BlockEvents` stream (members.py polls it) and
 keeps here, per prefill, the block hashes it holds in RAM and on disk. A prompt's expected
 cached tokens on a prefill are its leading blocks that prefill holds, hashed the prefill's way
 (its reported salt and block size, within the request's cache scope). Unlike the router's own
@@ -22,7 +22,7 @@ from typing import Protocol
 from pdserve_common.logs import kv
 from pdserve_worker.kv.prefix_cache import block_hashes, scoped_salt
 
-log = logging.getLogger("pdserve.router.kv_index")
+log = logging.getLogger(__name__)
 
 MAX_HASHES_PER_PREFILL = 1 << 20  # 32 MiB of hashes per prefill at most
 

@@ -1,21 +1,16 @@
 """The router's side of a live migration: move a stream off a draining decode without a prefill.
 
-A draining decode stops stepping a request and ends its token stream with a `handover` event
-(worker.proto; decode/migration.py is that side). The router then holds every token the client
-was sent, and:
-1. reserves KV on another decode with normal admission (`PDBackend.reserve_decode`, never the source
-   or a decode this request already failed on), for prompt + streamed tokens + what is left of
-   max_tokens, as a resume would;
+A draining decode ends its token stream with a `handover` event (worker.proto; decode/migration.py
+is that side). The router, which holds every token the client was sent, then:
+1. reserves KV on another decode with normal admission (`Grants.reserve_decode`, never the source
+   or a decode this request already failed on), as a resume would;
 2. opens `Generate(migrated=True)` there with prompt + streamed tokens and the source's seed,
-   and a short readiness wait (the KV comes within one Migrate call, not after a prefill);
-3. calls the source's `Migrate` with the new grant(s): the source pushes the KV it holds and
-   notifies the target with the generation state. When Migrate answered, the notify was sent.
-The caller then reads the target's stream, which starts at the next token: no gap, no token
-twice. Any failure on the way (no room, target or source refuses or dies, a timeout) raises
-`MigrationFailed`, and the caller resumes the request the old way (re-prefill of prompt +
-streamed tokens on another decode), with the seed learned from the handover, so the text is
-the same. The target's grant is given back on every failure (free at once when the source
-said its push is settled, else quarantined by the decode).
+   with a short readiness wait (the KV comes within one Migrate call, not after a prefill);
+3. calls the source's `Migrate` with the new grant(s): the source pushes its KV and notifies the
+   target. The target's stream then starts at the next token: no gap, no token twice.
+Any failure on the way raises `MigrationFailed`, and the caller resumes the request the old way
+(re-prefill on another decode) with the handover's seed, so the text is the same. The target's
+grant is given back on every failure (free at once when the source's push is settled).
 """
 
 from __future__ import annotations
@@ -33,19 +28,20 @@ from pdserve_common.logs import kv
 from pdserve_common.membership import Member
 from pdserve_worker.api.backend import BackendError, NoCapacity
 from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.router.request import RoutedRequest
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.rpc.trailers import push_settled
 
 if TYPE_CHECKING:
     from pdserve_worker.api.metrics import RouterMetrics
 
-log = logging.getLogger("pdserve.router.migration")
+log = logging.getLogger(__name__)
 
 MIGRATE_S = 10.0  # the Migrate call, and the target's wait for the KV after it
 
 
 class DecodePort(Protocol):
-    """What a migration needs of the router, and no more (PDBackend is one): take KV on a decode
+    """What a migration needs of the router, and no more (router/grants.Grants is one): take KV on a decode
     with normal admission, reach a member, give a grant back, run a task past the request."""
 
     async def reserve_decode(
@@ -81,29 +77,27 @@ class Moved:
 
 
 async def migrate(
-    backend: DecodePort,
-    request_id: str,
-    prompt_ids: list[int],
-    emitted: list[int],
+    port: DecodePort,
+    request: RoutedRequest,
     params: SamplingParams,
     source: Member,
     source_grant: worker_pb2.Grant,
     handover: worker_pb2.Handover,
-    avoid: set[str],
 ) -> Moved:
     """Move the request off `source` (see the module docstring); raises MigrationFailed."""
     started = time.monotonic()
+    request_id, emitted = request.request_id, request.emitted
     if handover.num_generated != len(emitted) or not emitted:
         raise MigrationFailed(
             f"decode {source.worker_id} handed request {request_id} over after "
             f"{handover.num_generated} tokens, the client has {len(emitted)}"
         )
-    tokens = prompt_ids + emitted
+    tokens = request.prompt_ids + emitted
     sampling = sampling_to_proto(params)
     sampling.seed = handover.seed  # the source's (it chose one if the request had none)
     try:
-        target, grant = await backend.reserve_decode(
-            request_id, len(tokens), params.max_tokens - len(emitted), avoid | {source.worker_id}
+        target, grant = await port.reserve_decode(
+            request_id, len(tokens), params.max_tokens - len(emitted), request.avoid | {source.worker_id}
         )
     except (NoCapacity, BackendError) as exc:
         raise MigrationFailed(f"no decode could take request {request_id} over: {exc}") from None
@@ -111,11 +105,11 @@ async def migrate(
     settled = False
     ok = False
     try:
-        call = worker_pb2_grpc.DecodeStub(backend.channel(target)).Generate(
+        call = worker_pb2_grpc.DecodeStub(port.channel(target)).Generate(
             _target_request(request_id, grant, tokens, sampling, len(emitted))
         )
         try:
-            reply = await worker_pb2_grpc.DecodeStub(backend.channel(source)).Migrate(
+            reply = await worker_pb2_grpc.DecodeStub(port.channel(source)).Migrate(
                 worker_pb2.MigrateRequest(
                     request_id=request_id,
                     slot=source_grant.slot,
@@ -138,7 +132,7 @@ async def migrate(
         if not ok:
             if call is not None:
                 call.cancel()
-            backend.spawn(_give_back(backend, target, grant, settled))
+            port.spawn(_give_back(port, target, grant, settled))
 
 
 def _target_request(
@@ -157,8 +151,8 @@ def _target_request(
     )
 
 
-async def _give_back(backend: DecodePort, target: Member, grant: worker_pb2.Grant, settled: bool) -> None:
-    released = await backend.release_decode(target, grant, settled)
+async def _give_back(port: DecodePort, target: Member, grant: worker_pb2.Grant, settled: bool) -> None:
+    released = await port.release_decode(target, grant, settled)
     log.debug(
         kv(
             event="migration_grant_returned",

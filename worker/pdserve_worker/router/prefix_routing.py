@@ -1,23 +1,17 @@
 """Prefix-aware choice of a prefill: the longest cached prefix, unless that unbalances load (pure).
 
-Which prefill holds which prefix is *predicted from this router's own routing history*, not
-reported by the prefills: every request this router sends to a prefill leaves that prefill
-with the request's whole prompt blocks cached (kv/prefix_cache.py), so the router remembers,
-per prefill, the block hashes it sent there, LRU-bounded to what a prefill can hold. SGLang's
-cache-aware router predicts the same way (an approximate radix tree per worker, fed by its own
-decisions). Why not reports: they would put every cached hash on the broker's keepalive path
-(thousands of 32-byte hashes per prefill, refreshed continuously) for a view that is stale by
-one keepalive anyway, while the prediction is exact for the requests this router sent and
-costs nothing on the wire. What it misses: requests of other routers and evictions the
-prefill made under pressure — a wrong guess only costs a cache miss, never a wrong answer,
-because the prefill looks its cache up by hash itself.
+Which prefill holds which prefix is predicted from this router's own routing history: every
+request sent to a prefill leaves it with the prompt's whole blocks cached (kv/prefix_cache.py),
+so the router remembers, per prefill, the block hashes it sent there, LRU-bounded to what a
+prefill can hold (`PrefixHistory`). It misses other routers' requests and the prefill's own
+evictions: a wrong guess costs a cache miss, never a wrong answer (the prefill looks its cache
+up by hash itself). Reports of what prefills hold, where on, win (router/kv_index.py).
 
 The choice (`choose_prefill`): among the prefills whose queue *and* share of this router's
 recent requests are within the balance bound of the smallest
 (`x <= max(smallest * ratio, smallest + slack)`), take the one with the longest predicted
-match; ties and the no-match case go to the least loaded (queue, then recent share). The bound
-is SGLang's rule in spirit (cache-aware only while the load imbalance stays under a threshold,
-else the least loaded), applied per candidate so a long match never costs more than `ratio`×.
+match; ties and the no-match case go to the least loaded (queue, then recent share), so a long
+match never costs more than `ratio`x the shortest queue.
 """
 
 from __future__ import annotations
