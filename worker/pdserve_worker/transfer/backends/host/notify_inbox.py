@@ -40,7 +40,7 @@ from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import wire
 from pdserve_worker.util.drops import DropCounter
 
-log = logging.getLogger("pdserve.transfer.notify_inbox")
+log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = wire.HEADER.size + 8 * api.MAX_NOTIFY_FIELD + 64  # two UTF-8 fields, generously
 UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid

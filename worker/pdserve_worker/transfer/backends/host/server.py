@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve_common import inherited_sockets
 from pdserve_common.logs import kv
@@ -53,7 +53,7 @@ from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.leases import LeaseTable
 from pdserve_worker.util.drops import DropCounter
 
-log = logging.getLogger("pdserve.transfer.host_server")
+log = logging.getLogger(__name__)
 
 MAX_CLIENT_NAME = 256
 ACCEPT_RETRY_S = 0.1  # after a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM): the cause lasts a while
@@ -80,28 +80,31 @@ class ServerPolicy:
         )
 
 
+@dataclass(frozen=True)
+class Served:
+    """What a server serves, shared with its engine: the registered regions, the notify inbox,
+    what only a client on this host is told (the inbox's name), the write leases, the copy counts."""
+
+    regions: RegionTable
+    notifies: NotifyInbox
+    local_info: Callable[[], dict[str, object]]
+    leases: LeaseTable = field(default_factory=LeaseTable)
+    copies: CopyCounts = field(default_factory=CopyCounts)
+
+
 class HostServer:
     """Listens on (host, port); serves each client link on its own thread."""
 
     def __init__(
-        self,
-        host: str,
-        port: int,
-        engine_id: str,
-        regions: RegionTable,
-        notifies: NotifyInbox,
-        local_info: Callable[[], dict[str, object]],
-        policy: ServerPolicy | None = None,
-        leases: LeaseTable | None = None,
-        copies: CopyCounts | None = None,
+        self, host: str, port: int, engine_id: str, served: Served, policy: ServerPolicy | None = None
     ) -> None:
         self.engine_id = engine_id
-        self.copies = copies if copies is not None else CopyCounts()
+        self.copies = served.copies
         self.policy = policy or ServerPolicy()
-        self._regions = regions
-        self._notifies = notifies
-        self._local_info = local_info  # what only a client on this host is told (notify inbox)
-        self._leases = leases if leases is not None else LeaseTable()  # (an empty table is falsy)
+        self._regions = served.regions
+        self._notifies = served.notifies
+        self._local_info = served.local_info
+        self._leases = served.leases
         self.drops = DropCounter(log, "kv_link_refusals", server=engine_id)
         self._listener = inherited_sockets.take(port) or _bound(host, port)  # (handed down by `pdserve local`)
         self._listener.listen(128)

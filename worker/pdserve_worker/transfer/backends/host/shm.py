@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.transfer.shm")
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "pdserve-hixl-"
