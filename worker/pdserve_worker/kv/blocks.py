@@ -55,17 +55,16 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
-from pdserve_worker.kv.reservations import Reservation, ReservationTable
+from pdserve_worker.kv.reservations import SYSTEM_CLOCK, LeaseClock, Reservation, ReservationTable
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage
 
-log = logging.getLogger("pdserve.kv.blocks")
+log = logging.getLogger(__name__)
 
 
 class NoFreeBlocks(NoFreeSlot):
@@ -154,6 +153,33 @@ class _Handle(Reservation):
     keep_for: int = 0  # later copies of its prompt that will share its prompt blocks
 
 
+def _checked(
+    layout: KVLayout,
+    request_id: str,
+    ttl_s: float,
+    num_tokens: int,
+    prompt_tokens: int | None,
+    shared_blocks: int | None,
+) -> tuple[int, int]:
+    """The request's prompt tokens and blocks needed in a pool of `layout`, or why it can never be granted."""
+    if ttl_s <= 0:
+        raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
+    if num_tokens <= 0:
+        raise ValueError(f"a reservation needs at least one token, got {num_tokens}")
+    prompt = num_tokens if prompt_tokens is None else prompt_tokens
+    if not 0 < prompt <= num_tokens:
+        raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
+    need = blocks_for(num_tokens, layout.block_tokens)
+    if need > layout.num_blocks:
+        raise NoFreeBlocks(
+            f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
+            f"more than this pool's {layout.num_blocks}"
+        )
+    if shared_blocks is not None and not 0 <= shared_blocks <= need:
+        raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
+    return prompt, need
+
+
 class BlockTable(ReservationTable[_Handle, Grant]):
     kind = "blocks"
 
@@ -164,8 +190,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         engine_id: str = "",
         base_addr: int = 0,
         quarantine_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        on_expire: Callable[[Grant], None] | None = None,
+        clock: LeaseClock = SYSTEM_CLOCK,
         capability_key: bytes | None = None,
         leases: BlockLeaseHooks | None = None,
     ) -> None:
@@ -178,7 +203,6 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             base_addr=base_addr,
             quarantine_s=quarantine_s,
             clock=clock,
-            on_expire=on_expire,
             capability_key=capability_key,
         )
         self.num_blocks = layout.num_blocks
@@ -217,7 +241,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         longer committed, nor kept, or has not been told its prompt (`note_prompt`): n copies of
         a prompt share what is still there. `keep_for`: later copies that will share this one's
         prompt blocks (kept for them if it ends first; see the module's docstring)."""
-        prompt, need = self._checked(request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
+        prompt, need = _checked(self.layout, request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
         self.expire()
         with self._lock:
             now = self._clock()
@@ -253,27 +277,6 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         return grant
 
     # ---- queries -------------------------------------------------------------------------------
-
-    def _checked(
-        self, request_id: str, ttl_s: float, num_tokens: int, prompt_tokens: int | None, shared_blocks: int | None
-    ) -> tuple[int, int]:
-        """The request's prompt tokens and blocks needed, or why it can never be granted."""
-        if ttl_s <= 0:
-            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
-        if num_tokens <= 0:
-            raise ValueError(f"a reservation needs at least one token, got {num_tokens}")
-        prompt = num_tokens if prompt_tokens is None else prompt_tokens
-        if not 0 < prompt <= num_tokens:
-            raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
-        need = blocks_for(num_tokens, self.block_tokens)
-        if need > self.num_blocks:
-            raise NoFreeBlocks(
-                f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
-                f"more than this pool's {self.num_blocks}"
-            )
-        if shared_blocks is not None and not 0 <= shared_blocks <= need:
-            raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
-        return prompt, need
 
     def _shared_prefix(
         self, share_from: tuple[int, int] | None, shared_blocks: int | None, prompt: int

@@ -35,8 +35,6 @@ All methods are thread-safe; time comes from an injected clock, so tests drive i
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,6 +42,8 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_worker.kv.reservations import (
     NONCE_BYTES,
+    SYSTEM_CLOCK,
+    LeaseClock,
     Reservation,
     ReservationTable,
     SlotState,
@@ -66,7 +66,7 @@ __all__ = [
     "reservation_nonce",
 ]
 
-log = logging.getLogger("pdserve.kv.slots")
+log = logging.getLogger(__name__)
 
 
 class NoFreeSlot(RuntimeError):
@@ -127,8 +127,7 @@ class SlotTable(ReservationTable[Reservation, Grant]):
         engine_id: str = "",
         base_addr: int = 0,
         quarantine_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        on_expire: Callable[[Grant], None] | None = None,
+        clock: LeaseClock = SYSTEM_CLOCK,
         capability_key: bytes | None = None,
         leases: LeaseHooks | None = None,
     ) -> None:
@@ -139,7 +138,6 @@ class SlotTable(ReservationTable[Reservation, Grant]):
             base_addr=base_addr,
             quarantine_s=quarantine_s,
             clock=clock,
-            on_expire=on_expire,
             capability_key=capability_key,
         )
         self._leases = leases
