@@ -76,7 +76,8 @@ from pdserve_worker.router.prefix_routing import (
     RecentShare,
     choose_prefill,
 )
-from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
+from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.rpc.broker_watch import MembershipView
 from pdserve_worker.rpc.channel_pool import ChannelPool
 from pdserve_worker.rpc.convert import finish_reason_from_proto, logprobs_from_proto, sampling_to_proto
 from pdserve_worker.rpc.trailers import never_sent, push_settled
