@@ -62,7 +62,7 @@ def test_open_prefix_store_auto_explicit_and_off(tiny_model_dir, caplog):
     layout = config.kv_layout(1, 64, "float32")
     per_token = kv_bytes_per_token(layout)
     assert per_token == config.kv_bytes_per_token("float32")
-    with caplog.at_level(logging.INFO, logger="pdserve.prefix"):
+    with caplog.at_level(logging.INFO, logger="pdserve_worker.kv.prefix_store"):
         auto = open_prefix_store(layout, None, 0.25, 16, "rev")
         assert auto is not None
         expected = mb.prefix_budget(None, 0.25, per_token, 16)

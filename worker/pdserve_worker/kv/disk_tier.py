@@ -48,7 +48,7 @@ from pathlib import Path
 from pdserve_common.logs import kv
 from pdserve_worker.kv.block_events import BlockEventLog
 
-log = logging.getLogger("pdserve.prefix.disk")
+log = logging.getLogger(__name__)
 
 MAGIC = b"PDSVKVB1"
 _HEADER = struct.Struct("<8sQ32s32s")  # magic, payload bytes, block hash, digest(hash || payload)

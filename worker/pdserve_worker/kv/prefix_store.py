@@ -54,7 +54,7 @@ from pdserve_worker.kv.prefix_cache import (
     scoped_salt,
 )
 
-log = logging.getLogger("pdserve.prefix")
+log = logging.getLogger(__name__)
 
 PREFETCH_WAIT_S = 2.0  # the longest a prompt whose blocks are on disk waits for them (then: computed)
 

@@ -32,7 +32,7 @@ from pdserve_common.kv_layout import KVLayout, block_spans
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.base import TransferBackend
 
-log = logging.getLogger("pdserve.transfer.leases")
+log = logging.getLogger(__name__)
 
 
 class LeaseTable:

@@ -28,7 +28,7 @@ from pdserve_common.kv_layout import K, KVLayout, V, block_spans
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.base import TransferBackend, TransferError
 
-log = logging.getLogger("pdserve.kv.pool")
+log = logging.getLogger(__name__)
 
 PAGE = 4096
 

@@ -39,7 +39,7 @@ from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.push import READY_NOTIFY
 from pdserve_worker.util.drops import DropCounter
 
-log = logging.getLogger("pdserve.transfer.readiness")
+log = logging.getLogger(__name__)
 
 # How long one sleep lasts before a waiter re-checks its lease and deadline.
 RECHECK_S = 0.25

@@ -60,7 +60,7 @@ from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.never_raises import F, never_raises
 
-log = logging.getLogger("pdserve.transfer.two_sided")
+log = logging.getLogger(__name__)
 
 KIND_WRITE, KIND_NOTIFY, KIND_CLOSE = 1, 2, 3
 TAG_HEADER, TAG_DESCS, TAG_DATA, TAG_ACK = 1, 2, 3, 4
