@@ -25,7 +25,7 @@ from pdserve_worker.api.backend import BackendError, RequestInfo, TokenEvent
 from pdserve_worker.api.tokenizing import ModelTokenizing
 from pdserve_worker.colocated.prefill import ColocatedPrefill
 from pdserve_worker.decode.generation_loop import DEFAULT_PREFILL_CHUNK_TOKENS, GenerationLoop, RequestFailed
-from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
+from pdserve_worker.kv.prefix_store import PrefixStore, PrefixStoreConfig, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.engine import Generator, colocated_cache
 from pdserve_worker.model.loading.loader import LoadedModel
@@ -63,13 +63,15 @@ class ColocatedBackend(ModelTokenizing):
         self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
         self.prefix: PrefixStore | None = open_prefix_store(
             cache.layout,
-            prefix_cache_tokens,
-            memory_share,
-            prefix_block_tokens,
-            revision or loaded.name,
+            PrefixStoreConfig(
+                prefix_cache_tokens,
+                memory_share,
+                prefix_block_tokens,
+                revision or loaded.name,
+                disk_dir=prefix_disk_dir,
+                disk_bytes=prefix_disk_bytes,
+            ),
             model.device,
-            disk_dir=prefix_disk_dir,
-            disk_bytes=prefix_disk_bytes,
         )
         self.prefill = ColocatedPrefill(model, cache, self.prefix, loaded.tokenizer)
         self.loop = GenerationLoop(

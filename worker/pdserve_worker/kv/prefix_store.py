@@ -34,7 +34,7 @@ import shutil
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -254,44 +254,52 @@ def kv_bytes_per_token(layout: KVLayout) -> int:
     return layout.num_layers * 2 * layout.bytes_per_token
 
 
+@dataclass(frozen=True)
+class PrefixStoreConfig:
+    """What a prefill's prefix cache is asked for: `requested` tokens (0: none; None: a share
+    `memory_share` of the process's memory, kv/memory_budget.py) in blocks of `block_tokens`,
+    for model `revision`; with `disk_dir`, a disk tier of `disk_bytes` there (0:
+    DEFAULT_DISK_BYTES, 10 GiB), its files' digests keyed with `disk_key`."""
+
+    requested: int | None
+    memory_share: float
+    block_tokens: int
+    revision: str
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+    disk_key: bytes = field(default=b"", repr=False)
+
+
 def open_prefix_store(
     layout: KVLayout,
-    requested: int | None,
-    memory_share: float,
-    block_tokens: int,
-    revision: str,
+    config: PrefixStoreConfig,
     device: str | torch.device = "cpu",
     logger: logging.Logger | None = None,
-    disk_dir: Path | None = None,
-    disk_bytes: int = 0,
-    disk_key: bytes = b"",
 ) -> PrefixStore | None:
-    """The prefill's prefix cache: `requested` tokens (0: none), or when None a share of the
-    process's memory (kv/memory_budget.py), with a disk tier of `disk_bytes` under `disk_dir`
-    when both are given (0: DEFAULT_DISK_BYTES, 10 GiB; a warning at start if the disk has less
-    free), its files' digests keyed with `disk_key`. Logs what it chose and why, once, at start."""
-    budget = prefix_budget(requested, memory_share, kv_bytes_per_token(layout), block_tokens, str(device))
-    blocks = (
-        budget.tokens // block_tokens if requested is None else (max(1, requested // block_tokens) if requested else 0)
-    )
+    """The prefill's prefix cache as `config` asks, or None when it comes to no block (a warning
+    at start if the disk tier's capacity is over the disk's free space). Logs what it chose and
+    why, once, at start, on `logger` (default: this module's)."""
+    requested, bt = config.requested, config.block_tokens
+    budget = prefix_budget(requested, config.memory_share, kv_bytes_per_token(layout), bt, str(device))
+    blocks = budget.tokens // bt if requested is None else (max(1, requested // bt) if requested else 0)
     out = logger or log
     mode = "auto" if requested is None else "set"
     if blocks < 1:
         out.info(kv(event="prefix_cache_off", mode=mode, **budget.describe()))
         return None
     disk = None
-    if disk_dir is not None:
-        capacity = disk_bytes or DEFAULT_DISK_BYTES
-        block_bytes = block_tokens * kv_bytes_per_token(layout)
-        disk = DiskTier(disk_dir, capacity, disk_geometry(layout, block_tokens, revision), block_bytes, disk_key)
+    if config.disk_dir is not None:
+        capacity = config.disk_bytes or DEFAULT_DISK_BYTES
+        geometry = disk_geometry(layout, bt, config.revision)
+        disk = DiskTier(config.disk_dir, capacity, geometry, bt * kv_bytes_per_token(layout), config.disk_key)
         free = shutil.disk_usage(disk.folder).free
         if capacity > free:  # said at start, not found out when the disk fills
             out.warning(
                 kv(event="prefix_disk_over_free", capacity_bytes=capacity, free_bytes=free, folder=str(disk.folder))
             )
         out.info(kv(event="prefix_disk_tier", folder=str(disk.folder), capacity_bytes=capacity, **_files(disk)))
-    store = PrefixStore(layout, blocks, block_tokens, revision, device=device, disk=disk)
-    out.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=block_tokens, **budget.describe()))
+    store = PrefixStore(layout, blocks, bt, config.revision, device=device, disk=disk)
+    out.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=bt, **budget.describe()))
     return store
 
 
