@@ -1,25 +1,12 @@
 """A prefill's cached prefix KV: the `PrefixCache` bookkeeping plus the tensor that holds its blocks.
 
-The store sits beside the prefill's scratch slots (kv/cache.py, which stay the push source:
-token-major, one contiguous run per layer and K|V). A prefill with a cached prefix copies the
-hit blocks into its scratch slot, computes only the rest from there (`LlamaModel.prefill(...,
-start=)`), and pushes the whole KV as before; afterwards it copies the prompt's new whole
-blocks out into the store and publishes them. Copy in and out rather than attention straight
-over the store because a copy is a memcpy of ~23 KB per token (the default model, bf16) while
-the prefill computes at ~1,000 tokens/s: the copy costs well under 1% of what it saves, and the
-push path, the chunk pipelining and the packed multi-prompt pass stay exactly as they are.
-
-The store's memory is the bound: `num_blocks` blocks of `block_tokens` tokens of every layer,
-fixed at start (`prefill.prefixCacheTokens`; unset, a share of the process's memory:
-kv/memory_budget.py, `open_prefix_store`). The tensor is allocated empty, not zeroed: a block is
-read only after `finish` wrote it, so pages of a budget that is never filled are never touched.
-
-With a disk tier (kv/disk_tier.py) the store is the RAM tier in front of it: every block it
-publishes is also written to disk (a copy, written off the compute thread), and a prompt's
-blocks that only the disk holds are read by a loader thread from the moment the request
-arrives (`prefetch`) and installed as RAM blocks by `begin` before it looks the prompt up. A
-prompt whose blocks the disk does not list waits for nothing.
-
+The store sits beside the prefill's scratch slots (kv/cache.py, still the push source). A
+prefill copies its hit blocks into its scratch slot, computes only the rest there, pushes the
+whole KV as before, then copies the prompt's new whole blocks out and publishes them (copy
+rather than attention over the store: benchmarks/README.md, "kv/prefix_store.py").
+`num_blocks` blocks of every layer, fixed at start (`open_prefix_store`); the tensor is
+allocated empty. With a disk tier (kv/disk_tier.py) every published block is also spilled
+to disk, and blocks only the disk holds are loaded from `prefetch` on and installed by `begin`.
 Use, on the compute thread, exactly as:
     use = store.begin(prompt, cache, slot, scope[, prefetched])  # hits copied in; use.cached_tokens
     ... model.prefill(prompt, cache, slot, start=use.cached_tokens) ...

@@ -1,17 +1,14 @@
 """What a worker or router uses to join its service at the broker and to watch its peers.
 
-asyncio, because the worker roles are grpc.aio servers: the keepalive and the watches are
-tasks on the caller's event loop (create and use a client inside one running loop).
-
-- `register(info)` joins the service and starts a keepalive task that renews the lease every
-  ttl/3 and reports load. When the broker answers that it does not know the lease (it
-  restarted, or the lease lapsed while the worker was cut off) the task registers again by
-  itself, keeping the draining state; while the broker is unreachable it retries with
-  jittered exponential backoff.
+asyncio (the worker roles are grpc.aio servers): create and use a client inside one running loop.
+- `register(info)` joins and starts a keepalive task renewing the lease every ttl/3 with the
+  load. When the broker does not know the lease (restarted, or it lapsed) the task registers
+  again, keeping the draining state; while the broker is unreachable it retries with jittered
+  exponential backoff.
 - `watch(roles)` starts a task keeping a `MembershipView` up to date (rpc/broker_watch.py).
-- `set_draining`, `deregister`, `list_members`, `close`. A member someone else marked
-  draining (the operator scaling decode down) learns it from the next KeepAlive reply: a client
-  registered with `on_marked_draining` then keeps the mark as its own and calls it once.
+- `set_draining`, `deregister`, `list_members`, `close`. A member someone else marked draining
+  learns it from the next KeepAlive reply; one registered with `on_marked_draining` keeps the
+  mark as its own and calls it once.
 - `report_now()` sends the load at once (a drained decode's migration counts, for the operator).
 """
 

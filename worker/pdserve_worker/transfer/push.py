@@ -1,28 +1,17 @@
 """Prefill's KV push: layer chunk by layer chunk, into every decode member that owns the layer.
 
-The prefill calls `push_chunk(layers)` right after computing those layers; the puts go out
-asynchronously, so the transfer of chunk k overlaps the compute of chunk k+1. Each put is one
-contiguous run per (layer, K|V) holding only the prompt's tokens (`KVLayout.token_run`); the
-runs of one chunk for one target travel in `transfer_async` requests of at most `queue_depth`
-runs each (HIXL splits a large batch further itself). Per target at most `queue_depth` runs
-are outstanding: past that the pusher reaps completions first. A tensor-parallel rank's head
-slice is not contiguous in a decode pool holding more heads (one descriptor per token): all of
-one (layer, K|V)'s slices count as one run, so the depth bounds work in flight, not a count of
-256-byte pieces. RESOURCE_EXHAUSTED from the engine means its queue is full, which is
-waited out, never treated as a failure. A put that fails, or is still pending after
-`timeout_s`, raises `PushError` naming the target and the layers; on a timeout the target is
-disconnected, as HIXL advises, so nothing of it lingers on the link.
-
+`push_chunk(layers)` right after computing them: the puts go out asynchronously, so chunk k's
+transfer overlaps chunk k+1's compute. One contiguous run per (layer, K|V) of the prompt's
+tokens (a head slice's per-token pieces count as one run), in `transfer_async` requests of at
+most `queue_depth` runs; per target at most `queue_depth` runs are outstanding. The engine's
+RESOURCE_EXHAUSTED is waited out. A put that fails, or is pending after `timeout_s`, raises
+`PushError` naming target and layers; on a timeout the target is disconnected (as HIXL advises).
 `finish(extra)` waits for every put, then sends each target one `kv_ready` notify carrying
-(request_id, slot, generation, nonce, num_tokens, **extra): `nonce` is the reservation's
-capability from the decode's grant, without which the decode drops the notify. Only after that may decode read the slot:
-the notify travels after the data on the same link and is sent only once every put completed.
-
-Targets are the decode's grants (`kv.slots.Grant`, from the Reserve answer). A target's
-layout may hold a layer range only (a layer-sharded decode group): it gets only its layers.
-A target whose pool is paged (pdserve_common/kv_layout.py) is written through its grant's block list:
-one descriptor per (layer, K|V, run of consecutive blocks), never into its shared blocks
-(`push_runs`); layer chunks, queue depth and the notify are the same.
+(request_id, slot, generation, nonce, num_tokens, **extra); the decode drops one without the
+grant's nonce, and it travels after the data on the same link.
+Targets are the decode's grants (`kv.slots.Grant`). A layer-sharded member's target gets only
+its layers; a paged target is written through its block list, one descriptor per (layer, K|V,
+run of consecutive blocks), never into its shared blocks (`push_runs`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The host engine's own options: the `pdserve.*` keys of the string map `initialize` takes.
 
-Each key's meaning and default is in engine.py's docstring; `HostEngineOptions.parse` checks
-them (ValueError names the key), and the engine derives its server's and links' settings here.
+All off or HIXL's behaviour by default (the defaults are `HostEngineOptions`' fields); a
+pdserve worker sets the link key, leased writes and no remote reads (service_link.py).
+`HostEngineOptions.parse` checks them (ValueError names the key); HIXL's own options
+(BufferPool, RDMA, LocalCommRes, ...) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ from pdserve_worker.transfer.backends.host.server import ServerPolicy
 from pdserve_worker.transfer.copy_counts import CopyCounts
 
 OPTION_TRANSPORT = "pdserve.Transport"  # "auto" (shared memory where possible) | "tcp"
-OPTION_MAX_OUTSTANDING = "pdserve.MaxOutstandingTransfers"
-OPTION_NOTIFY_QUEUE = "pdserve.NotifyQueueSize"
-OPTION_COPY_THREADS = "pdserve.CopyThreads"
-OPTION_INLINE_COPY_MAX_BYTES = "pdserve.InlineCopyMaxBytes"
-OPTION_INLINE_SEND_MAX_BYTES = "pdserve.InlineSendMaxBytes"
+OPTION_MAX_OUTSTANDING = "pdserve.MaxOutstandingTransfers"  # un-queried async requests (HIXL's CS flag queue)
+OPTION_NOTIFY_QUEUE = "pdserve.NotifyQueueSize"  # notifies a server queues, past which RESOURCE_EXHAUSTED
+OPTION_COPY_THREADS = "pdserve.CopyThreads"  # threads for shared-memory copies too big to run inline
+OPTION_INLINE_COPY_MAX_BYTES = "pdserve.InlineCopyMaxBytes"  # up to this, a copy runs on the caller's thread
+OPTION_INLINE_SEND_MAX_BYTES = "pdserve.InlineSendMaxBytes"  # up to this, a TCP frame too (when the socket is free)
 # Who may use the link, and for what (transfer/backends/host/server.py, link_auth.py, leases.py):
 OPTION_AUTH_KEY = "pdserve.AuthKey"  # hex; both ends of a link must hold the same key
-OPTION_REMOTE_WRITE = "pdserve.RemoteWrite"  # "registered" (HIXL) | "leased"
-OPTION_REMOTE_READ = "pdserve.RemoteRead"  # "1" (HIXL) | "0"
-OPTION_MAX_LINKS = "pdserve.MaxLinks"
-OPTION_HANDSHAKE_TIMEOUT_MS = "pdserve.HandshakeTimeoutMs"
-OPTION_MAX_HANDSHAKES_PER_PEER = "pdserve.MaxHandshakesPerPeer"
+OPTION_REMOTE_WRITE = "pdserve.RemoteWrite"  # "registered" (HIXL) | "leased": only lease_write ranges
+OPTION_REMOTE_READ = "pdserve.RemoteRead"  # "1" (HIXL) | "0": every remote READ is PARAM_INVALID
+OPTION_MAX_LINKS = "pdserve.MaxLinks"  # links at once (and at most 32 of them in the handshake)
+OPTION_HANDSHAKE_TIMEOUT_MS = "pdserve.HandshakeTimeoutMs"  # a handshake's deadline
+OPTION_MAX_HANDSHAKES_PER_PEER = "pdserve.MaxHandshakesPerPeer"  # handshakes one source address holds
 
 
 @dataclass(frozen=True)

@@ -1,34 +1,17 @@
 """The server half of the host engine: accepts links, writes/reads registered memory, takes notifies.
 
-One thread accepts; one thread serves each connected client, answering its frames in order
-(wire.py). At HELLO the client gets the regions registered *at that moment* and that snapshot
-is all the link may ever touch: HIXL's "memory registered after a link exists is not reachable
-over it". Every range is checked again here before a byte is written, because the client's
-check ran against what it was told, and the region may since have been deregistered.
-
-Who gets in, and what they may do (`ServerPolicy`; the threat is anyone who can reach the
-port):
-- With a key, a connection must pass the challenge-response of link_auth.py before anything
-  else; until then the server reads only small handshake bodies under `handshake_timeout_s`,
-  sizes no buffer from what the peer sent, and discloses nothing but a fresh nonce. Regions,
-  and (only to a client on this host) shared-memory names and the notify inbox, come after.
-- At most `max_links` connections at once and `max_pending` of them still in the handshake.
-  When every pending place is taken, the oldest pending handshake is cut to make room (a
-  genuine peer finishes its handshake within a round trip; a squatter that connects and says
-  nothing would otherwise keep every genuine prefill out); when every link is an admitted
-  one, the newcomer is closed at accept. One source address holds at most
-  `max_pending_per_peer` handshakes (a newcomer past that is closed at accept), so a flood
-  from one address can neither take every pending place nor, by evicting, keep cutting the
-  genuine peers' handshakes.
-- A failed `accept()` (out of file descriptors: every connection to any of the process's
-  ports costs one) is counted and retried after a pause; only closing the listener ends
-  the acceptor.
-- `remote_write="leased"`: a WRITE lands only inside ranges the owner leased (leases.py), else
-  PARAM_INVALID; `remote_read=False`: every READ is PARAM_INVALID (no pull mode needs it).
-- Refusals are counted by reason (`stats()`), with a rate-limited summary log line rather
-  than one line each (drops.py).
-Real HIXL has none of this (HIXL.md 1.7): there the NetworkPolicy and the reservation
-capability (readiness.py) are what bound a peer.
+One thread accepts; one serves each client, answering its frames in order (wire.py). At HELLO
+the client gets the regions registered at that moment, all the link may ever touch (HIXL's
+rule); every range is checked again here before a byte is written. What a peer may do is
+`ServerPolicy` (the threat: anyone who can reach the port):
+- With a key, the challenge-response of link_auth.py comes first; until then the server reads
+  only small bodies under `handshake_timeout_s`, sizes no buffer from the peer and tells it
+  nothing but a nonce. Regions (and, to a client on this host, shm names and the inbox) after.
+- At most `max_links` links and `max_pending` handshakes; a newcomer cuts the oldest pending
+  handshake when all are taken, and is closed at accept when every link is admitted or its
+  address already holds `max_pending_per_peer` handshakes. A failed accept is retried later.
+- `remote_write="leased"`: a WRITE lands only in leased ranges (leases.py); `remote_read=False`:
+  every READ is PARAM_INVALID. Refusals are counted (`stats()`). Real HIXL has none of this.
 """
 
 from __future__ import annotations
