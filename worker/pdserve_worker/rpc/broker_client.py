@@ -237,13 +237,8 @@ class BrokerClient:
         the mark (a re-registration after a broker restart carries it) and tell the owner, once."""
         assert self._on_marked_draining is not None
         self._draining = True
-        log.info(
-            kv(
-                event="broker_client.marked_draining",
-                service=self.service_key,
-                worker=self._info.worker_id if self._info else "",
-            )
-        )
+        worker = self._info.worker_id if self._info else ""
+        log.info(kv(event="broker_client.marked_draining", service=self.service_key, worker=worker))
         try:
             self._on_marked_draining()
         except Exception:
