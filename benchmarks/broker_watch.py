@@ -25,7 +25,8 @@ from pdserve_common.kv_layout import KVLayout  # noqa: E402
 from pdserve_common.membership import MemberInfo, MemoryRegion, Role  # noqa: E402
 from pdserve_operator.broker import BrokerServer  # noqa: E402
 from pdserve_worker.rpc.backoff import Backoff  # noqa: E402
-from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView  # noqa: E402
+from pdserve_worker.rpc.broker_client import BrokerClient  # noqa: E402
+from pdserve_worker.rpc.broker_watch import MembershipView  # noqa: E402
 
 SVC, TOKEN = "bench/svc", "bench-token"
 

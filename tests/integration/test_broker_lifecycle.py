@@ -21,7 +21,8 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, MemoryRegion, Role
 from pdserve_operator.broker import BrokerServer
 from pdserve_worker.rpc.backoff import Backoff
-from pdserve_worker.rpc.broker_client import BrokerClient, BrokerError, MembershipView
+from pdserve_worker.rpc.broker_client import BrokerClient, BrokerError
+from pdserve_worker.rpc.broker_watch import MembershipView
 
 SVC, OTHER = "ns/a", "ns/b"
 TOKENS = {SVC: "tok-a", OTHER: "tok-b"}

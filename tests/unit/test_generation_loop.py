@@ -238,10 +238,10 @@ async def test_with_nothing_decoding_a_prompt_is_computed_in_the_idle_budget(loa
 
 @pytest.mark.asyncio
 async def test_a_request_cancelled_between_chunks_lets_go_of_its_slot_and_prefix_pins(loaded):
-    from pdserve_worker.kv.prefix_store import open_prefix_store
+    from pdserve_worker.kv.prefix_store import PrefixStoreConfig, open_prefix_store
 
     cache = colocated_cache(loaded.model, SLOTS, 256)
-    store = open_prefix_store(cache.layout, 4096, 1.0, 16, "rev", loaded.model.device)
+    store = open_prefix_store(cache.layout, PrefixStoreConfig(4096, 1.0, 16, "rev"), loaded.model.device)
     prefill = Recording(loaded, cache, store)
     prefill.inner.scope[0] = prefill.inner.scope[1] = "tenant"
     loop = GenerationLoop(Generator(loaded.model, loaded.tokenizer, cache), prefill=prefill, prefill_chunk_tokens=8)

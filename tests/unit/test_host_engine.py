@@ -493,7 +493,7 @@ def test_bad_access_options_are_refused_at_initialize(options: dict[str, str]) -
 
 
 def test_the_key_never_shows_in_the_options_repr() -> None:
-    from pdserve_worker.transfer.backends.host.engine import HostEngineOptions
+    from pdserve_worker.transfer.backends.host.options import HostEngineOptions
 
     parsed = HostEngineOptions.parse({"pdserve.AuthKey": KEY_A})
     assert parsed.auth_key == bytes.fromhex(KEY_A)

@@ -184,7 +184,7 @@ class WireTarget:
         self.local = (ctypes.c_char * 64)()
         assert self.client.register_mem(api.MemDesc(ctypes.addressof(self.local), 64), api.MEM_HOST)[0] == 0
         self.errors = _Errors()
-        logging.getLogger("pdserve.transfer").addHandler(self.errors)
+        logging.getLogger("pdserve_worker.transfer").addHandler(self.errors)
 
     def still_serves(self, tag: bytes) -> None:
         self.client.disconnect(self.engine_id, 1000)
@@ -195,7 +195,7 @@ class WireTarget:
         assert ctypes.string_at(self.base, 64) == tag.ljust(64, b".")
 
     def close(self) -> None:
-        logging.getLogger("pdserve.transfer").removeHandler(self.errors)
+        logging.getLogger("pdserve_worker.transfer").removeHandler(self.errors)
         self.client.finalize()
         self.server.finalize()
 

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.blocks import BlockTable, NoFreeBlocks, blocks_for
+from pdserve_worker.kv.reservations import LeaseClock
 from pdserve_worker.kv.slots import Grant as BlockGrant
 from pdserve_worker.kv.slots import SlotState
 
@@ -52,13 +53,15 @@ def layout(num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8
     )
 
 
-def allocator(num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8, **kw) -> tuple[BlockTable, Clock]:
+def allocator(
+    num_blocks: int = 8, block_tokens: int = 4, max_reservations: int = 8, on_expire=None, **kw
+) -> tuple[BlockTable, Clock]:
     clock = Clock()
     table = BlockTable(
         layout(num_blocks, block_tokens, max_reservations),
         engine_id="10.0.0.1:7000",
         base_addr=0x10000,
-        clock=clock,
+        clock=LeaseClock(clock, on_expire),
         **kw,
     )
     return table, clock
@@ -279,7 +282,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = Clock()
         self.leases = RecordingLeases()
-        self.alloc = BlockTable(layout(12, 4, 6), quarantine_s=3.0, clock=self.clock, leases=self.leases)
+        self.alloc = BlockTable(layout(12, 4, 6), quarantine_s=3.0, clock=LeaseClock(self.clock), leases=self.leases)
         self.grants: list[BlockGrant] = []
         self.prompts: dict[int, int] = {}
 

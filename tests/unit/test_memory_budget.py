@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from pdserve_worker.kv import memory_budget as mb
-from pdserve_worker.kv.prefix_store import kv_bytes_per_token, open_prefix_store
+from pdserve_worker.kv.prefix_store import PrefixStoreConfig, kv_bytes_per_token, open_prefix_store
 from pdserve_worker.model.config import ModelConfig
 
 GiB = 1 << 30
@@ -62,16 +62,16 @@ def test_open_prefix_store_auto_explicit_and_off(tiny_model_dir, caplog):
     layout = config.kv_layout(1, 64, "float32")
     per_token = kv_bytes_per_token(layout)
     assert per_token == config.kv_bytes_per_token("float32")
-    with caplog.at_level(logging.INFO, logger="pdserve.prefix"):
-        auto = open_prefix_store(layout, None, 0.25, 16, "rev")
+    with caplog.at_level(logging.INFO, logger="pdserve_worker.kv.prefix_store"):
+        auto = open_prefix_store(layout, PrefixStoreConfig(None, 0.25, 16, "rev"))
         assert auto is not None
         expected = mb.prefix_budget(None, 0.25, per_token, 16)
         # The resident set moves a little between the two readings; the quarter-share bound does not.
         assert auto.cache.num_blocks * 16 <= mb.auto_prefix_tokens(mb.memory_limit().bytes, 0.25, per_token, 16)
         assert abs(auto.cache.num_blocks * 16 - expected.tokens) <= 16 * 64
-        set_ = open_prefix_store(layout, 40, 1.0, 16, "rev")
+        set_ = open_prefix_store(layout, PrefixStoreConfig(40, 1.0, 16, "rev"))
         assert set_ is not None and set_.cache.num_blocks == 2
-        assert open_prefix_store(layout, 0, 1.0, 16, "rev") is None
+        assert open_prefix_store(layout, PrefixStoreConfig(0, 1.0, 16, "rev")) is None
     lines = [r.getMessage() for r in caplog.records]
     assert any("event=prefix_cache " in m and "mode=auto" in m and "limit_source=" in m for m in lines), lines
     assert any("event=prefix_cache_off" in m for m in lines), lines

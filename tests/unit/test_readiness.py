@@ -12,6 +12,7 @@ import pytest
 
 from netutil import free_port
 from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.kv.reservations import LeaseClock
 from pdserve_worker.kv.slots import SlotTable, reservation_nonce
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout, SlotNotReserved
@@ -40,7 +41,7 @@ class Side:
         self.client.check(self.client.engine.initialize("127.0.0.1"), "initialize")
         self.client.ensure_connected(self.engine_id, 2000)
         self.clock = Clock()
-        self.slots = SlotTable(LAYOUT, quarantine_s=0.0, clock=self.clock, capability_key=KEY)
+        self.slots = SlotTable(LAYOUT, quarantine_s=0.0, clock=LeaseClock(self.clock), capability_key=KEY)
         self._timers: list[threading.Timer] = []
 
     def later(self, delay_s: float, fn: Any, *args: Any, **kwargs: Any) -> None:

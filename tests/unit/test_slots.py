@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pdserve_common.kv_layout import KVLayout
+from pdserve_worker.kv.reservations import LeaseClock
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotTable
 
 LAYOUT = KVLayout(num_slots=3, num_layers=2, max_len=8, kv_heads=1, head_dim=4, dtype="float32")
@@ -23,10 +24,15 @@ class Clock:
         return self.now
 
 
-def table(quarantine_s: float = 5.0, **kw) -> tuple[SlotTable, Clock]:
+def table(quarantine_s: float = 5.0, on_expire=None, **kw) -> tuple[SlotTable, Clock]:
     clock = Clock()
     return SlotTable(
-        LAYOUT, engine_id="10.0.0.1:7000", base_addr=0x10000, quarantine_s=quarantine_s, clock=clock, **kw
+        LAYOUT,
+        engine_id="10.0.0.1:7000",
+        base_addr=0x10000,
+        quarantine_s=quarantine_s,
+        clock=LeaseClock(clock, on_expire),
+        **kw,
     ), clock
 
 
@@ -147,7 +153,7 @@ class SlotMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = Clock()
-        self.slots = SlotTable(LAYOUT, quarantine_s=2.0, clock=self.clock)
+        self.slots = SlotTable(LAYOUT, quarantine_s=2.0, clock=LeaseClock(self.clock))
         self.grants: list[Grant] = []
         self.dead: set[tuple[int, int]] = set()
 

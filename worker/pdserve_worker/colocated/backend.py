@@ -26,7 +26,7 @@ from pdserve_worker.api.backend import BackendError, RequestInfo, TokenEvent
 from pdserve_worker.api.tokenizing import ModelTokenizing
 from pdserve_worker.colocated.prefill import ColocatedPrefill
 from pdserve_worker.decode.generation_loop import DEFAULT_PREFILL_CHUNK_TOKENS, GenerationLoop, RequestFailed
-from pdserve_worker.kv.prefix_store import PrefixStore, open_prefix_store
+from pdserve_worker.kv.prefix_store import PrefixStore, PrefixStoreConfig, open_prefix_store
 from pdserve_worker.kv.slots import SlotTable
 from pdserve_worker.model.engine import Generator, colocated_cache
 from pdserve_worker.model.loading.loader import LoadedModel
@@ -69,13 +69,15 @@ class ColocatedBackend(ModelTokenizing):
         self._free: asyncio.Semaphore | None = None  # made on the serving event loop (start)
         self.prefix: PrefixStore | None = open_prefix_store(
             cache.layout,
-            config.prefix_cache_tokens,
-            config.memory_share,
-            config.prefix_block_tokens,
-            config.revision or loaded.name,
+            PrefixStoreConfig(
+                config.prefix_cache_tokens,
+                config.memory_share,
+                config.prefix_block_tokens,
+                config.revision or loaded.name,
+                disk_dir=config.prefix_disk_dir,
+                disk_bytes=config.prefix_disk_bytes,
+            ),
             model.device,
-            disk_dir=config.prefix_disk_dir,
-            disk_bytes=config.prefix_disk_bytes,
         )
         self.prefill = ColocatedPrefill(model, cache, self.prefix, loaded.tokenizer)
         self.loop = GenerationLoop(

@@ -1,13 +1,8 @@
-"""What a prefill's prefix cache holds, as a stream of events routers follow (issue #30, item 4).
+"""What a prefill's prefix cache holds, as a stream of events routers follow.
 
-The router used to *predict* which prefill holds which prefix from its own routing history
-(router/prefix_routing.py): blind to the other routers' requests, to evictions and to a
-prefill's restart. Now each prefill records every block its tiers store or drop here, and
-routers pull the events (`Prefill.BlockEvents`, worker.proto) and keep an index of what each
-prefill really holds (router/kv_index.py) — Dynamo's KV events and llm-d's kv-cache indexer
-do the same over a message bus; a pull over the prefill's own authenticated gRPC port needs
-no bus and no new credential.
-
+Each prefill records every block its tiers store or drop here; routers pull the events
+(`Prefill.BlockEvents`, worker.proto) over the prefill's own authenticated gRPC port and keep
+an index of what each prefill holds (router/kv_index.py).
 - Events carry a sequence number; a router asks for those after the last one it applied. The
   log keeps the last `capacity` events; a router further behind, or one that saw another
   epoch (the prefill restarted: a new random epoch), gets `reset` and a snapshot of what is

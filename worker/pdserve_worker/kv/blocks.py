@@ -1,53 +1,17 @@
 """Which request owns which KV blocks of a decode: reservations of block lists (pure logic).
 
-A decode's KV pool is split into fixed-size blocks of `block_tokens` tokens (pdserve_common/kv_layout.py).
-A request is granted a *reservation*: the list of blocks that holds its prompt plus every token
-it may generate (`prompt + max_tokens`, capped at the model's length). The whole need is taken
-at admission rather than a first share grown while decoding: a request that was admitted can
-then never run out of KV mid-stream, so there is no preemption, no recompute and no 429 after
-the first token — the only refusal is at the door, where the router can retry another decode.
-What it costs is the tokens a request reserves but does not reach (it stops early); compared
-with a `max_len` slot per request that is still most of the gain (`300 + 64` tokens instead of
-2,048).
-
-The semantics are those of the slot table (kv/slots.py), one reservation standing where a slot
-stood; the lease life itself is one piece of code for both (kv/reservations.py):
-- A reservation holds a *handle* `slot` (0..max_reservations-1, what `slots` means now: a cap on
-  concurrent requests, the row a request decodes in) and a `generation`, unique over the
-  table's life (clock-based start with random low bits, as slots'); every later message (ready
-  notify, commit, release) names (slot, generation), and one that is not live is ignored. The
-  names are those of the slot table, so the wire, the readiness path and the decode loop keep
-  speaking of slots: only where the KV lives changed.
-- It carries the capability `nonce` = HMAC(key, slot, generation) (kv/slots.py's, so a layer-
-  sharded group's members check notifies for reservations they were never told about).
-- A lease (TTL) runs until the KV is committed. A lease that runs out, or a release before
-  commit, *quarantines* the reservation: its writable blocks are held, granted to nobody, for
-  `quarantine_s`, so a late write of an abandoned push lands in blocks nobody reads. A
-  committed reservation's release frees its blocks at once.
-- `release_grant(push_settled=...)`: a router gives back a grant it will not use; free at once
-  when no write can still arrive, else quarantined.
-- `leases` hooks are told of every grant (with its writable blocks) and of every end of the
-  write lease, under the allocator's lock (transfer/leases.py makes exactly those bytes
-  writable).
-
-Blocks are refcounted. A reservation may *share* leading blocks of a committed reservation
-(the same prompt prefix already decoded here): those are read-only to it (not in its writable
-list, never leased for writing), so one writer per block holds. A block is free exactly when
-no live or quarantined reservation holds it; every path that ends a reservation (commit-then-
-release, release, release_grant, expiry, quarantine end) goes through the lease core's `_free`,
-whose `_free_resources` here is the one place a reservation's references are given back,
-exactly once.
-
-n copies of one prompt (issue #31): the first copy's reservation may ask to *keep* its whole
-prompt blocks for `keep_for` later copies. While it decodes they share from it; if it ends
-first, `_free_resources` hands those references to a `_Kept` entry instead of giving them
-back, and each later copy's share takes one of its expected copies. A kept entry lets go (its
-one release path, `_let_go`) when its last copy came, after `KEEP_S`, or when a reservation
-needs its blocks: keeping never refuses a request.
-
-`max_reservations` caps concurrent requests (what `slots` means now); capacity is tokens.
-
-All methods are thread-safe; time comes from an injected clock, so tests drive it directly.
+A decode's pool is cut into blocks of `block_tokens` tokens (pdserve_common/kv_layout.py). A
+request gets at admission the blocks of its whole need (`prompt + max_tokens`), so it never
+runs out of KV mid-stream: the only refusal is at the door (NoFreeBlocks). `max_reservations`
+caps concurrent requests (what `slots` means here: the handle a request decodes in).
+The lease life is the slot table's (kv/reservations.py): (slot, generation) names a
+reservation, its capability `nonce`, the lease until commit, quarantine of writable blocks
+when a lease runs out or is released before commit, `release_grant(push_settled=...)`, and
+`leases` hooks told of every grant (with its writable blocks) and every end, under the lock.
+Blocks are refcounted: a reservation may share leading blocks of a committed one (same prompt
+prefix), read-only to it; `_free_resources` is the one place references are given back. With
+`keep_for`, a prompt's whole blocks are kept (`_Kept`) for its later copies until they came,
+`KEEP_S` passed, or a reservation needs them: keeping never refuses a request. Thread-safe.
 """
 
 from __future__ import annotations
@@ -55,17 +19,16 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
-from pdserve_worker.kv.reservations import Reservation, ReservationTable
+from pdserve_worker.kv.reservations import SYSTEM_CLOCK, LeaseClock, Reservation, ReservationTable
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage
 
-log = logging.getLogger("pdserve.kv.blocks")
+log = logging.getLogger(__name__)
 
 
 class NoFreeBlocks(NoFreeSlot):
@@ -154,6 +117,33 @@ class _Handle(Reservation):
     keep_for: int = 0  # later copies of its prompt that will share its prompt blocks
 
 
+def _checked(
+    layout: KVLayout,
+    request_id: str,
+    ttl_s: float,
+    num_tokens: int,
+    prompt_tokens: int | None,
+    shared_blocks: int | None,
+) -> tuple[int, int]:
+    """The request's prompt tokens and blocks needed in a pool of `layout`, or why it can never be granted."""
+    if ttl_s <= 0:
+        raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
+    if num_tokens <= 0:
+        raise ValueError(f"a reservation needs at least one token, got {num_tokens}")
+    prompt = num_tokens if prompt_tokens is None else prompt_tokens
+    if not 0 < prompt <= num_tokens:
+        raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
+    need = blocks_for(num_tokens, layout.block_tokens)
+    if need > layout.num_blocks:
+        raise NoFreeBlocks(
+            f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
+            f"more than this pool's {layout.num_blocks}"
+        )
+    if shared_blocks is not None and not 0 <= shared_blocks <= need:
+        raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
+    return prompt, need
+
+
 class BlockTable(ReservationTable[_Handle, Grant]):
     kind = "blocks"
 
@@ -164,8 +154,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         engine_id: str = "",
         base_addr: int = 0,
         quarantine_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        on_expire: Callable[[Grant], None] | None = None,
+        clock: LeaseClock = SYSTEM_CLOCK,
         capability_key: bytes | None = None,
         leases: BlockLeaseHooks | None = None,
     ) -> None:
@@ -178,7 +167,6 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             base_addr=base_addr,
             quarantine_s=quarantine_s,
             clock=clock,
-            on_expire=on_expire,
             capability_key=capability_key,
         )
         self.num_blocks = layout.num_blocks
@@ -217,7 +205,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         longer committed, nor kept, or has not been told its prompt (`note_prompt`): n copies of
         a prompt share what is still there. `keep_for`: later copies that will share this one's
         prompt blocks (kept for them if it ends first; see the module's docstring)."""
-        prompt, need = self._checked(request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
+        prompt, need = _checked(self.layout, request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
         self.expire()
         with self._lock:
             now = self._clock()
@@ -253,27 +241,6 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         return grant
 
     # ---- queries -------------------------------------------------------------------------------
-
-    def _checked(
-        self, request_id: str, ttl_s: float, num_tokens: int, prompt_tokens: int | None, shared_blocks: int | None
-    ) -> tuple[int, int]:
-        """The request's prompt tokens and blocks needed, or why it can never be granted."""
-        if ttl_s <= 0:
-            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl_s}")
-        if num_tokens <= 0:
-            raise ValueError(f"a reservation needs at least one token, got {num_tokens}")
-        prompt = num_tokens if prompt_tokens is None else prompt_tokens
-        if not 0 < prompt <= num_tokens:
-            raise ValueError(f"prompt_tokens must be in 1..{num_tokens}, got {prompt_tokens}")
-        need = blocks_for(num_tokens, self.block_tokens)
-        if need > self.num_blocks:
-            raise NoFreeBlocks(
-                f"request {request_id!r} needs {need} KV blocks ({num_tokens} tokens), "
-                f"more than this pool's {self.num_blocks}"
-            )
-        if shared_blocks is not None and not 0 <= shared_blocks <= need:
-            raise ValueError(f"shared_blocks must be in 0..{need}, got {shared_blocks}")
-        return prompt, need
 
     def _shared_prefix(
         self, share_from: tuple[int, int] | None, shared_blocks: int | None, prompt: int

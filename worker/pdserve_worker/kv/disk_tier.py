@@ -1,35 +1,17 @@
 """The prefix cache's second tier: blocks on local disk, bounded, LRU, checked, kept across restarts.
 
-The RAM tier (kv/prefix_cache.py) forgets a block when it is evicted and everything when the
-process restarts. This tier keeps a copy of every published block in one file per block under
-a folder of its own, named by the block's chained hash (which already carries the model
-revision, KV dtype, block size and the tenant scope), inside a subfolder keyed by the KV
-geometry, so a restart with the same model finds its blocks and one with another finds none.
-
-- **Written through, off the compute thread.** `PrefixStore.finish` hands a copy of each
-  block it published to `spill`; a writer thread writes it to a temporary file and renames it
-  into place (a reader never sees half a file). A copy rather than a pin on the RAM block, so
-  that a writer that falls behind never keeps the RAM tier from evicting. The queue is bounded
-  in bytes: when the writer is that far behind, a spill is dropped (counted), never waited
-  for. Write-through rather than write-on-evict so that a killed prefill (SIGKILL, OOM) loses
-  nothing it had published a moment before.
-- **Read on a hit, off the compute thread.** A prompt's blocks after its RAM hits that the
-  in-memory index lists are read by a loader thread as soon as the request arrives
-  (`prefetch`); the compute thread takes what has arrived when the prompt's turn comes. A
-  block the index does not list costs no I/O: a miss never waits on the disk.
-- **Never wrong KV.** Each file holds a header with the block's hash and a BLAKE2b digest of
-  the hash and the bytes, keyed with a key derived from the service's link key (`disk_key`);
-  a file whose length, hash or digest does not match is a miss, counted and deleted, and the
-  block is computed. The key makes a file written by another service (a shared host path) or
-  forged without it a miss too; files are 0600 in 0700 folders (the prompts' KV is theirs).
-- **Bounded.** `capacity_bytes` in all; past it the least recently used files are deleted.
-  The index is rebuilt at start from the folder, oldest modification first.
-
-Why not LMCache's or Mooncake Store's local-disk backends: both store vLLM's (or SGLang's)
-paged KV through those engines' connector objects and bring their engines' dependencies;
-pdserve's blocks are its own tensors, named by its own hashes, and the tier is ~200 lines of
-file I/O on the standard library. Mooncake Store is the one to use for a *remote* tier shared
-by instances, which this is not.
+One file per published block, named by its chained hash (which carries revision, dtype, block
+size and tenant scope), under a subfolder keyed by the KV geometry: a restart with the same
+model finds its blocks, one with another model finds none.
+- Written through, off the compute thread: `spill` takes a copy (never a pin on the RAM
+  block); a writer thread writes a temporary file and renames it. The queue is bounded in
+  bytes: a spill past it is dropped and counted, never waited for.
+- Read off the compute thread: blocks the index lists are loaded from `prefetch` on; a block
+  it does not list costs no I/O, so a miss never waits on the disk.
+- Never wrong KV: a header with the hash and a BLAKE2b digest keyed with `disk_key`; a file
+  whose length, hash or digest does not match is a miss, counted and deleted. Files are 0600
+  in 0700 folders.
+- Bounded: `capacity_bytes`, least recently used files deleted past it; index rebuilt at start.
 """
 
 from __future__ import annotations
@@ -48,7 +30,7 @@ from pathlib import Path
 from pdserve_common.logs import kv
 from pdserve_worker.kv.block_events import BlockEventLog
 
-log = logging.getLogger("pdserve.prefix.disk")
+log = logging.getLogger(__name__)
 
 MAGIC = b"PDSVKVB1"
 _HEADER = struct.Struct("<8sQ32s32s")  # magic, payload bytes, block hash, digest(hash || payload)

@@ -1,24 +1,17 @@
-"""How much prefix-cache KV a prefill keeps when nobody says: a share of its memory, as vLLM sizes
-its KV space from the device's memory rather than from a flag.
+"""How much prefix-cache KV a prefill keeps when nobody says: a share of its memory.
 
-Every peer users compare us with ships prefix caching on (vLLM, SGLang, Dynamo, llm-d), so an
-unset `prefixCacheTokens` / `--prefix-cache-tokens` means *auto*, and 0 turns the cache off:
-
+An unset `prefixCacheTokens` / `--prefix-cache-tokens` means auto, and 0 turns the cache off:
     budget = PREFIX_CACHE_FRACTION x (memory limit x share)
              capped so that what the process already holds plus the budget leaves HEADROOM free
-
-- the memory limit is the cgroup's (a pod's `resources.limits.memory`: cgroup v2 memory.max,
-  v1 memory.limit_in_bytes), else the machine's MemTotal;
-- `share` is the part of that limit this process may count as its own: 1 in a pod (its
-  limit is its own), 1 / (model processes) under `pdserve local`, where they share one machine;
-- the cap uses the resident set after the weights and the scratch pool are in, so a model
-  that already fills its pod gets a small cache or none, never an out-of-memory kill;
-- on an accelerator (the store lives in device memory) the limit is the device's free memory
-  after the weights and the pool are in, as torch reports it (`mem_get_info`), and nothing
-  more is subtracted.
-
-The store's tensor is allocated empty (kv/prefix_store.py): its pages are touched only as
-blocks are filled, so a large, mostly idle budget costs address space, not memory.
+- the memory limit is the cgroup's (v2 memory.max, v1 memory.limit_in_bytes), else MemTotal;
+- `share` is the part of it this process may count as its own: 1 in a pod, 1 / (model
+  processes) under `pdserve local`, where they share one machine;
+- the cap uses the resident set after the weights and the scratch pool are in, so a model that
+  already fills its pod gets a small cache or none, never an out-of-memory kill;
+- on an accelerator the limit is the device's free memory after weights and pool
+  (`mem_get_info`), and nothing more is subtracted.
+The store's tensor is allocated empty (kv/prefix_store.py): a large, mostly idle budget costs
+address space, not memory.
 """
 
 from __future__ import annotations

@@ -1,37 +1,17 @@
 """A prefill's cache of prompt-prefix KV blocks: chained block hashes, longest-prefix reuse, LRU (pure logic).
 
-A prompt is cut into blocks of `block_tokens` tokens; block i is named by a hash chained over
-every token before it: h_i = SHA-256(h_{i-1} || tokens of block i), with h_{-1} derived from a
-*salt* of the model revision, KV dtype and block size, narrowed by the request's *scope*
-(`scoped_salt`: its tenant, and the `cache_salt` it may name; api/cache_scope.py). Two
-prompts share the name of block i exactly when they share tokens [0, (i+1)*B), the model that
-computes the KV and the scope, so a hit is the KV this prefill would compute (a causal model's
-KV of a token depends only on the tokens before it), and a prompt of one tenant never finds,
-by its `cached_tokens` or by its speed, a block another tenant's prompt put there (vLLM's
-`cache_salt` is mixed into the first block's hash the same way). Only whole blocks are named;
-the tail of a prompt is always computed.
-
-A cryptographic hash, not Python's `hash()` or xxhash: whoever can send prompts chooses the
-hashed input, and a collision would hand one user's KV to another's prompt. vLLM made the same
-move after a `hash(None)` collision in its prefix cache (GHSA-rm76-4mrf-v9r8 / CVE-2025-25183)
-and hashes block keys with SHA-256 (vllm/v1/core/kv_cache_utils.py, `hash_block_tokens`).
-
-The cache holds at most `num_blocks` blocks (the memory bound). Each block is either free,
-*pinned* by a prefill that reads or fills it (refcount > 0), or cached-and-idle, in LRU order.
-Only idle blocks are evicted, least recently used first, so a block in use is never evicted;
-when every block is pinned a prefill simply caches less. vLLM's v1 block pool and nano-vllm's
-block manager keep the same three states (a free queue whose head is evicted, a hash → block
-map, refcounts); this one keeps the LRU separate from the free list because its blocks are a
-cache beside the scratch slots, not the only place a prompt's KV lives.
-
-The protocol of one prefill (the KV copies are the caller's, kv/prefix_store.py):
-  lease = cache.acquire(hashes, limit)   # pins the longest cached prefix: lease.hits
-  fills = cache.reserve_fills(lease, hashes)  # blocks for the blocks not cached yet
-  ... copy hit blocks into the scratch slot, compute the rest, copy the fills out ...
-  cache.publish(lease)                   # fills become findable (only after their KV is in)
-  cache.release(lease)                   # exactly once, on every path (success or failure)
-A fill is registered under its hash only by `publish`, so no prefill ever reads a block whose
-KV is still being written; a released lease that never published gives its fills back free.
+Block i of a prompt (blocks of `block_tokens`) is named h_i = SHA-256(h_{i-1} || its tokens),
+h_{-1} from a salt of model revision, KV dtype and block size narrowed by the request's scope
+(`scoped_salt`: tenant and `cache_salt`). Two prompts share a name exactly when they share the
+tokens up to it, the model and the scope, so a hit is the KV this prefill would compute and one
+tenant never finds another's blocks. Only whole blocks are named. A cryptographic hash because
+whoever sends prompts chooses its input (a collision would hand one user's KV to another).
+At most `num_blocks` blocks, each free, pinned (refcount > 0) or idle in LRU order; only idle
+blocks are evicted, so when every block is pinned a prefill caches less. One prefill's protocol:
+  lease = cache.acquire(hashes, limit)        # pins the longest cached prefix: lease.hits
+  fills = cache.reserve_fills(lease, hashes)  # blocks for those not cached yet
+  cache.publish(lease)                        # fills become findable, only once their KV is in
+  cache.release(lease)                        # exactly once; unpublished fills go back free
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """A prefill's cached prefix KV: the `PrefixCache` bookkeeping plus the tensor that holds its blocks.
 
-The store sits beside the prefill's scratch slots (kv/cache.py, which stay the push source:
-token-major, one contiguous run per layer and K|V). A prefill with a cached prefix copies the
-hit blocks into its scratch slot, computes only the rest from there (`LlamaModel.prefill(...,
-start=)`), and pushes the whole KV as before; afterwards it copies the prompt's new whole
-blocks out into the store and publishes them. Copy in and out rather than attention straight
-over the store because a copy is a memcpy of ~23 KB per token (the default model, bf16) while
-the prefill computes at ~1,000 tokens/s: the copy costs well under 1% of what it saves, and the
-push path, the chunk pipelining and the packed multi-prompt pass stay exactly as they are.
-
-The store's memory is the bound: `num_blocks` blocks of `block_tokens` tokens of every layer,
-fixed at start (`prefill.prefixCacheTokens`; unset, a share of the process's memory:
-kv/memory_budget.py, `open_prefix_store`). The tensor is allocated empty, not zeroed: a block is
-read only after `finish` wrote it, so pages of a budget that is never filled are never touched.
-
-With a disk tier (kv/disk_tier.py) the store is the RAM tier in front of it: every block it
-publishes is also written to disk (a copy, written off the compute thread), and a prompt's
-blocks that only the disk holds are read by a loader thread from the moment the request
-arrives (`prefetch`) and installed as RAM blocks by `begin` before it looks the prompt up. A
-prompt whose blocks the disk does not list waits for nothing.
-
+The store sits beside the prefill's scratch slots (kv/cache.py, still the push source). A
+prefill copies its hit blocks into its scratch slot, computes only the rest there, pushes the
+whole KV as before, then copies the prompt's new whole blocks out and publishes them (copy
+rather than attention over the store: benchmarks/README.md, "kv/prefix_store.py").
+`num_blocks` blocks of every layer, fixed at start (`open_prefix_store`); the tensor is
+allocated empty. With a disk tier (kv/disk_tier.py) every published block is also spilled
+to disk, and blocks only the disk holds are loaded from `prefetch` on and installed by `begin`.
 Use, on the compute thread, exactly as:
     use = store.begin(prompt, cache, slot, scope[, prefetched])  # hits copied in; use.cached_tokens
     ... model.prefill(prompt, cache, slot, start=use.cached_tokens) ...
@@ -34,7 +21,7 @@ import shutil
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,7 +41,7 @@ from pdserve_worker.kv.prefix_cache import (
     scoped_salt,
 )
 
-log = logging.getLogger("pdserve.prefix")
+log = logging.getLogger(__name__)
 
 PREFETCH_WAIT_S = 2.0  # the longest a prompt whose blocks are on disk waits for them (then: computed)
 
@@ -254,44 +241,52 @@ def kv_bytes_per_token(layout: KVLayout) -> int:
     return layout.num_layers * 2 * layout.bytes_per_token
 
 
+@dataclass(frozen=True)
+class PrefixStoreConfig:
+    """What a prefill's prefix cache is asked for: `requested` tokens (0: none; None: a share
+    `memory_share` of the process's memory, kv/memory_budget.py) in blocks of `block_tokens`,
+    for model `revision`; with `disk_dir`, a disk tier of `disk_bytes` there (0:
+    DEFAULT_DISK_BYTES, 10 GiB), its files' digests keyed with `disk_key`."""
+
+    requested: int | None
+    memory_share: float
+    block_tokens: int
+    revision: str
+    disk_dir: Path | None = None
+    disk_bytes: int = 0
+    disk_key: bytes = field(default=b"", repr=False)
+
+
 def open_prefix_store(
     layout: KVLayout,
-    requested: int | None,
-    memory_share: float,
-    block_tokens: int,
-    revision: str,
+    config: PrefixStoreConfig,
     device: str | torch.device = "cpu",
     logger: logging.Logger | None = None,
-    disk_dir: Path | None = None,
-    disk_bytes: int = 0,
-    disk_key: bytes = b"",
 ) -> PrefixStore | None:
-    """The prefill's prefix cache: `requested` tokens (0: none), or when None a share of the
-    process's memory (kv/memory_budget.py), with a disk tier of `disk_bytes` under `disk_dir`
-    when both are given (0: DEFAULT_DISK_BYTES, 10 GiB; a warning at start if the disk has less
-    free), its files' digests keyed with `disk_key`. Logs what it chose and why, once, at start."""
-    budget = prefix_budget(requested, memory_share, kv_bytes_per_token(layout), block_tokens, str(device))
-    blocks = (
-        budget.tokens // block_tokens if requested is None else (max(1, requested // block_tokens) if requested else 0)
-    )
+    """The prefill's prefix cache as `config` asks, or None when it comes to no block (a warning
+    at start if the disk tier's capacity is over the disk's free space). Logs what it chose and
+    why, once, at start, on `logger` (default: this module's)."""
+    requested, bt = config.requested, config.block_tokens
+    budget = prefix_budget(requested, config.memory_share, kv_bytes_per_token(layout), bt, str(device))
+    blocks = budget.tokens // bt if requested is None else (max(1, requested // bt) if requested else 0)
     out = logger or log
     mode = "auto" if requested is None else "set"
     if blocks < 1:
         out.info(kv(event="prefix_cache_off", mode=mode, **budget.describe()))
         return None
     disk = None
-    if disk_dir is not None:
-        capacity = disk_bytes or DEFAULT_DISK_BYTES
-        block_bytes = block_tokens * kv_bytes_per_token(layout)
-        disk = DiskTier(disk_dir, capacity, disk_geometry(layout, block_tokens, revision), block_bytes, disk_key)
+    if config.disk_dir is not None:
+        capacity = config.disk_bytes or DEFAULT_DISK_BYTES
+        geometry = disk_geometry(layout, bt, config.revision)
+        disk = DiskTier(config.disk_dir, capacity, geometry, bt * kv_bytes_per_token(layout), config.disk_key)
         free = shutil.disk_usage(disk.folder).free
         if capacity > free:  # said at start, not found out when the disk fills
             out.warning(
                 kv(event="prefix_disk_over_free", capacity_bytes=capacity, free_bytes=free, folder=str(disk.folder))
             )
         out.info(kv(event="prefix_disk_tier", folder=str(disk.folder), capacity_bytes=capacity, **_files(disk)))
-    store = PrefixStore(layout, blocks, block_tokens, revision, device=device, disk=disk)
-    out.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=block_tokens, **budget.describe()))
+    store = PrefixStore(layout, blocks, bt, config.revision, device=device, disk=disk)
+    out.info(kv(event="prefix_cache", mode=mode, blocks=blocks, block_tokens=bt, **budget.describe()))
     return store
 
 

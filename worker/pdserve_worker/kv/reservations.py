@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.kv.reservations")
+log = logging.getLogger(__name__)
 
 
 NONCE_BYTES = 16
@@ -78,6 +78,18 @@ class Reservation:
     nonce: str = ""  # the capability of the current generation
 
 
+@dataclass(frozen=True)
+class LeaseClock:
+    """A table's time: what time it is (seconds, monotonic) and whom it tells of each lease
+    that ran out (called with that reservation's grant, after the table's lock is released)."""
+
+    now: Callable[[], float] = time.monotonic
+    on_expire: Callable[[Any], None] | None = None
+
+
+SYSTEM_CLOCK = LeaseClock()  # time.monotonic, nobody told
+
+
 H = TypeVar("H", bound=Reservation)
 G = TypeVar("G")
 
@@ -101,8 +113,7 @@ class ReservationTable(Generic[H, G]):
         engine_id: str,
         base_addr: int,
         quarantine_s: float,
-        clock: Callable[[], float],
-        on_expire: Callable[[G], None] | None,
+        clock: LeaseClock,
         capability_key: bytes | None,
     ) -> None:
         if quarantine_s < 0:
@@ -111,8 +122,8 @@ class ReservationTable(Generic[H, G]):
         self.engine_id = engine_id
         self.base_addr = base_addr
         self.quarantine_s = quarantine_s
-        self._clock = clock
-        self._on_expire = on_expire
+        self._clock = clock.now
+        self._on_expire = clock.on_expire
         self._key = capability_key or secrets.token_bytes(32)
         self._handles = handles
         self._generations = itertools.count(first_generation())

@@ -1,42 +1,22 @@
 """Which request owns which decode slot: leases, generations and quarantine (pure logic).
 
-A slot is granted to one request at a time with a lease (TTL). The grant carries a
-generation number, unique over the table's life, and everything that refers to a slot later
-(a ready notification, a commit, a release) names (slot, generation): a message about an older
-generation is about a request that is gone and is ignored.
-
-Generations are not a secret and must not need to be: they start at a clock-based value with
-random low bits (unique across restarts, so a layer-sharded group's followers, which only let
-generations grow, keep working after the leader restarts) and count up. What a ready notify
-must also carry is the grant's `nonce`, a capability: HMAC(key, slot, generation), 128 bits,
-unguessable without the key. The decode hands it out only in its Reserve answer; the router
-passes it to the prefill; `verify` checks it. A MAC rather than a stored random value so that
-every member of a sharded group (which share the service-derived key, link_auth.py) can check
-a notify for a reservation it was never told about; without a key the table makes a random one.
-
-`leases` (optional) is told of every grant and of every end of one, under the table's lock:
-the decode's engine uses it to make exactly the reserved slots writable (transfer/leases.py).
-
-A lease that runs out, or a release before the KV was committed, means a prefill may still be
-writing into the slot: its transfer was abandoned, not stopped. The slot is then
-*quarantined*: free again, but not granted to anyone until `quarantine_s` has passed, so a
-late write lands in a slot nobody reads, and a late ready notification names a dead
-generation. Choose `quarantine_s` above the prefill's transfer timeout. A committed slot (its
-KV arrived and decode took it) is released straight to free.
-
-A router that gives a grant back (`release_grant`) says whether a write can still arrive: if
-no push was ever started for it, or the prefill confirmed its push is over (`push_settled`),
-the slot is free at once, even out of the quarantine its cancelled Generate put it in; else it
-is quarantined. Only a push that may still be running costs a quarantine.
-
-All methods are thread-safe; time comes from an injected clock, so tests drive it directly.
+A slot is granted to one request at a time with a lease (TTL); the grant's generation is
+unique over the table's life (clock-based start, random low bits, counting up), and every later
+message (ready notify, commit, release) names (slot, generation): one about an older generation
+is ignored. A ready notify must also carry the grant's `nonce`, HMAC(key, slot, generation):
+a MAC, so every member of a sharded group (same service-derived key) can check it; without a
+key the table makes a random one. `leases` hooks are told of every grant and every end, under
+the lock (transfer/leases.py makes exactly the reserved slots writable).
+A lease that runs out, or a release before commit, quarantines the slot for `quarantine_s`
+(choose it above the prefill's transfer timeout): a late write lands where nobody reads. A
+committed slot is released straight to free. `release_grant(push_settled=...)` frees at once
+when no write can still arrive, else quarantines. Thread-safe; time comes from the injected
+`LeaseClock` (kv/reservations.py), so tests drive it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,6 +24,8 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_worker.kv.reservations import (
     NONCE_BYTES,
+    SYSTEM_CLOCK,
+    LeaseClock,
     Reservation,
     ReservationTable,
     SlotState,
@@ -66,7 +48,7 @@ __all__ = [
     "reservation_nonce",
 ]
 
-log = logging.getLogger("pdserve.kv.slots")
+log = logging.getLogger(__name__)
 
 
 class NoFreeSlot(RuntimeError):
@@ -127,8 +109,7 @@ class SlotTable(ReservationTable[Reservation, Grant]):
         engine_id: str = "",
         base_addr: int = 0,
         quarantine_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        on_expire: Callable[[Grant], None] | None = None,
+        clock: LeaseClock = SYSTEM_CLOCK,
         capability_key: bytes | None = None,
         leases: LeaseHooks | None = None,
     ) -> None:
@@ -139,7 +120,6 @@ class SlotTable(ReservationTable[Reservation, Grant]):
             base_addr=base_addr,
             quarantine_s=quarantine_s,
             clock=clock,
-            on_expire=on_expire,
             capability_key=capability_key,
         )
         self._leases = leases

@@ -68,7 +68,7 @@ from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, 
 from pdserve_worker.engines.base import Engine, PrefillPass
 from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.prefix_store import PrefixUse, open_prefix_store
+from pdserve_worker.kv.prefix_store import PrefixStoreConfig, PrefixUse, open_prefix_store
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.sampling.grammar import GrammarError
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
@@ -206,15 +206,17 @@ class PrefillWorker:
             if group is not None
             else open_prefix_store(
                 layout,
-                settings.prefix_cache_tokens,
-                settings.memory_share,
-                settings.prefix_block_tokens,
-                revision,
+                PrefixStoreConfig(
+                    settings.prefix_cache_tokens,
+                    settings.memory_share,
+                    settings.prefix_block_tokens,
+                    revision,
+                    disk_dir=settings.prefix_disk_dir,
+                    disk_bytes=settings.prefix_disk_bytes,
+                    disk_key=settings.prefix_disk_key() if settings.prefix_disk_dir is not None else b"",
+                ),
                 device=settings.device,
                 logger=log,
-                disk_dir=settings.prefix_disk_dir,
-                disk_bytes=settings.prefix_disk_bytes,
-                disk_key=settings.prefix_disk_key() if settings.prefix_disk_dir is not None else b"",
             )
         )
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-compute")

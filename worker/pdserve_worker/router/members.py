@@ -33,7 +33,8 @@ from pdserve_worker.router.departures import Departures
 from pdserve_worker.router.kv_index import ReportedIndex
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import PrefillChoice, PrefixHistory, RecentShare, choose_prefill
-from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
+from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.rpc.broker_watch import MembershipView
 from pdserve_worker.rpc.channel_pool import ChannelPool
 
 log = logging.getLogger(__name__)

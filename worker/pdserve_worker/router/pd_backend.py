@@ -28,7 +28,8 @@ from pdserve_worker.router.config import RouterConfig
 from pdserve_worker.router.grants import Grants
 from pdserve_worker.router.members import Members, NoMember
 from pdserve_worker.router.request import Retryable, RoutedRequest
-from pdserve_worker.rpc.broker_client import BrokerClient, MembershipView
+from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.rpc.broker_watch import MembershipView
 
 
 class PDBackend(ModelTokenizing):

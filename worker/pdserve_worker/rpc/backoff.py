@@ -1,4 +1,4 @@
-"""Exponential backoff with jitter for reconnect loops.
+"""Exponential backoff with jitter for reconnect loops, and the two rules those loops share.
 
 Hand-written (a few lines) because the loops that use it are long-lived asyncio tasks that
 reset the attempt count on success and pick the delay per failure kind; retry decorators
@@ -7,8 +7,16 @@ reset the attempt count on success and pick the delay per failure kind; retry de
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
+
+import grpc
+
+# Codes that another attempt with the same request cannot fix.
+PERMANENT = frozenset(
+    {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT}
+)
 
 
 @dataclass(frozen=True)
@@ -27,3 +35,11 @@ class Backoff:
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         ceiling = min(self.cap_s, self.base_s * 2 ** min(attempt, 62))
         return float(ceiling / 2 + (rng or random).uniform(0, ceiling / 2))
+
+
+def raise_if_cancelling() -> None:
+    """grpc.aio turns a cancellation that lands inside a call into AioRpcError(CANCELLED);
+    a loop that catches that and retries would never end. Re-raise it as the cancellation."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()

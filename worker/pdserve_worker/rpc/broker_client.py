@@ -1,21 +1,14 @@
 """What a worker or router uses to join its service at the broker and to watch its peers.
 
-asyncio, because the worker roles are grpc.aio servers: the keepalive and the watches are
-tasks on the caller's event loop (create and use a client inside one running loop).
-
-- `register(info)` joins the service and starts a keepalive task that renews the lease every
-  ttl/3 and reports load. When the broker answers that it does not know the lease (it
-  restarted, or the lease lapsed while the worker was cut off) the task registers again by
-  itself, keeping the draining state; while the broker is unreachable it retries with
-  jittered exponential backoff.
-- `watch(roles)` keeps a `MembershipView`, the last-known membership, up to date from the
-  broker's watch stream and calls listeners with each change. When the broker is down the
-  view keeps what it knew (`connected` is False); when the stream comes back the broker's
-  snapshot is applied as a diff, and members missing from it are dropped once the broker
-  says the snapshot is complete (SYNCED).
-- `set_draining`, `deregister`, `list_members`, `close`. A member someone else marked
-  draining (the operator scaling decode down) learns it from the next KeepAlive reply: a client
-  registered with `on_marked_draining` then keeps the mark as its own and calls it once.
+asyncio (the worker roles are grpc.aio servers): create and use a client inside one running loop.
+- `register(info)` joins and starts a keepalive task renewing the lease every ttl/3 with the
+  load. When the broker does not know the lease (restarted, or it lapsed) the task registers
+  again, keeping the draining state; while the broker is unreachable it retries with jittered
+  exponential backoff.
+- `watch(roles)` starts a task keeping a `MembershipView` up to date (rpc/broker_watch.py).
+- `set_draining`, `deregister`, `list_members`, `close`. A member someone else marked draining
+  learns it from the next KeepAlive reply; one registered with `on_marked_draining` keeps the
+  mark as its own and calls it once.
 - `report_now()` sends the load at once (a drained decode's migration counts, for the operator).
 """
 
@@ -24,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
@@ -33,30 +26,20 @@ from pdserve_common.auth import TLSConfig
 from pdserve_common.channels import BROKER_MAX_MESSAGE, aio_channel
 from pdserve_common.logs import kv
 from pdserve_common.membership import (
-    BROKER_ID_HEADER,
-    EventType,
     Load,
     Member,
-    MemberEvent,
     MemberInfo,
     Role,
-    change_type,
-    event_from_proto,
     load_to_proto,
     member_from_proto,
     member_info_to_proto,
     role_to_proto,
 )
-from pdserve_worker.rpc.backoff import Backoff
+from pdserve_worker.rpc.backoff import PERMANENT, Backoff, raise_if_cancelling
+from pdserve_worker.rpc.broker_watch import Listener, MembershipView, watch_loop
 
-log = logging.getLogger("pdserve.broker_client")
+log = logging.getLogger(__name__)
 
-# Codes that another attempt with the same request cannot fix.
-_PERMANENT = frozenset(
-    {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT}
-)
-
-Listener = Callable[[MemberEvent], None]
 DEFAULT_BACKOFF = Backoff(base_s=0.1, cap_s=5.0)
 
 
@@ -66,92 +49,6 @@ class BrokerError(Exception):
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.code = code
-
-
-class MembershipView:
-    """The last-known members of a service (optionally of some roles), kept by a watch task.
-
-    Readers get copies; listeners are called on the event loop, in order, with every change.
-    """
-
-    def __init__(self, roles: Iterable[Role] = ()) -> None:
-        self.roles = frozenset(roles)
-        self._members: dict[str, Member] = {}
-        self._listeners: list[Listener] = []
-        self._changed = asyncio.Event()
-        self.connected = False
-        self.synced = False
-        self.broker_id = ""
-        self.revision = 0
-
-    # --- reading ------------------------------------------------------------------------
-
-    @property
-    def members(self) -> dict[str, Member]:
-        return dict(self._members)
-
-    def get(self, worker_id: str) -> Member | None:
-        return self._members.get(worker_id)
-
-    def by_role(self, role: Role, *, include_draining: bool = False) -> list[Member]:
-        return sorted(
-            (m for m in self._members.values() if m.role == role and (include_draining or not m.draining)),
-            key=lambda m: m.worker_id,
-        )
-
-    def add_listener(self, listener: Listener) -> None:
-        self._listeners.append(listener)
-
-    async def wait_for(self, predicate: Callable[[MembershipView], bool], timeout: float | None = None) -> None:
-        """Return once `predicate(view)` holds; TimeoutError after `timeout` seconds."""
-        async with asyncio.timeout(timeout):
-            while not predicate(self):
-                changed = self._changed
-                await changed.wait()
-
-    # --- updates from the watch task ----------------------------------------------------
-
-    def _apply(self, member: Member, revision: int) -> None:
-        kind = change_type(self._members.get(member.worker_id), member)
-        self._members[member.worker_id] = member
-        if kind is not None:
-            self._emit(MemberEvent(kind, member, revision))
-
-    def _remove(self, worker_id: str, revision: int) -> None:
-        member = self._members.pop(worker_id, None)
-        if member is not None:
-            self._emit(MemberEvent(EventType.REMOVED, member, revision))
-
-    def _resync(self, seen: set[str], revision: int) -> None:
-        """The broker's snapshot is complete: drop what it did not contain."""
-        for worker_id in sorted(set(self._members) - seen):
-            self._remove(worker_id, revision)
-        self.synced = True
-        self._emit(None)
-
-    def _set_connected(self, connected: bool, broker_id: str = "") -> None:
-        if connected != self.connected:
-            self.connected = connected
-            if broker_id:
-                self.broker_id = broker_id
-            self._emit(None)
-
-    def _emit(self, event: MemberEvent | None) -> None:
-        if event is not None:
-            self.revision = max(self.revision, event.revision)
-            for listener in list(self._listeners):
-                try:
-                    listener(event)
-                except Exception:  # a listener's bug must not stop the watch
-                    log.exception(
-                        kv(
-                            event="broker_client.listener_failed",
-                            type=event.type,
-                            worker=event.member.worker_id if event.member else "",
-                        )
-                    )
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
 
 
 class BrokerClient:
@@ -223,27 +120,7 @@ class BrokerClient:
         self._info, self._load_fn, self._on_marked_draining = info, load, on_marked_draining
         if wait:
             async with asyncio.timeout(timeout_s):
-                attempt = 0
-                while True:
-                    try:
-                        await self._register_once()
-                        break
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() in _PERMANENT:
-                            raise BrokerError(
-                                f"broker {self.address} refused registration of {info.worker_id}: {exc.details()}",
-                                exc.code(),
-                            ) from None
-                        log.warning(
-                            kv(
-                                event="broker_client.register_retry",
-                                broker=self.address,
-                                code=exc.code().name,
-                                attempt=attempt,
-                            )
-                        )
-                        await asyncio.sleep(self._backoff.delay(attempt))
-                        attempt += 1
+                await _register_retrying(self._register_once, self.address, info.worker_id, self._backoff)
         self._keepalive_task = asyncio.get_running_loop().create_task(
             self._keepalive_loop(), name=f"broker-keepalive-{info.worker_id}"
         )
@@ -262,7 +139,7 @@ class BrokerClient:
         try:
             await self._register_once()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _PERMANENT:
+            if exc.code() in PERMANENT:
                 raise BrokerError(
                     f"broker {self.address} refused the update of {info.worker_id}: {exc.details()}", exc.code()
                 ) from None
@@ -296,14 +173,18 @@ class BrokerClient:
             )
         )
 
-    def _current_load(self) -> Load | None:
-        if self._load_fn is None:
-            return None
+    def _keepalive_request(self, lease: str) -> broker_pb2.KeepAliveRequest:
+        """A renewal of `lease` carrying the current load (none when there is no load
+        function, or it failed)."""
+        request = broker_pb2.KeepAliveRequest(service_key=self.service_key, lease_id=lease)
         try:
-            return self._load_fn()
+            load = None if self._load_fn is None else self._load_fn()
         except Exception:
             log.exception(kv(event="broker_client.load_failed", worker=self._info.worker_id if self._info else ""))
-            return None
+            load = None
+        if load is not None:
+            request.load.CopyFrom(load_to_proto(load))
+        return request
 
     async def _keepalive_loop(self) -> None:
         """Renew every ttl/3; re-register when the broker forgot the lease; back off when it is away."""
@@ -315,20 +196,17 @@ class BrokerClient:
                     await self._register_once()
                     failures = 0
                 except grpc.aio.AioRpcError as exc:
-                    _raise_if_cancelling()
+                    raise_if_cancelling()
                     failures += 1
-                    self._log_failure("register", exc, failures)
+                    _log_failure(self.address, "register", exc, failures)
                     await asyncio.sleep(self._backoff.delay(failures - 1))
                 continue
             await asyncio.sleep(interval if failures == 0 else min(interval, self._backoff.delay(failures - 1)))
-            request = broker_pb2.KeepAliveRequest(service_key=self.service_key, lease_id=self._lease_id)
-            load = self._current_load()
-            if load is not None:
-                request.load.CopyFrom(load_to_proto(load))
+            request = self._keepalive_request(self._lease_id)
             try:
                 reply = await self._stub().KeepAlive(request, timeout=self._timeout)
             except grpc.aio.AioRpcError as exc:
-                _raise_if_cancelling()
+                raise_if_cancelling()
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning(
                         kv(
@@ -341,7 +219,7 @@ class BrokerClient:
                     self._lease_id = None
                     continue
                 failures += 1
-                self._log_failure("keepalive", exc, failures)
+                _log_failure(self.address, "keepalive", exc, failures)
                 continue
             if failures:
                 log.info(kv(event="broker_client.keepalive_recovered", broker=self.address, after_failures=failures))
@@ -359,13 +237,8 @@ class BrokerClient:
         the mark (a re-registration after a broker restart carries it) and tell the owner, once."""
         assert self._on_marked_draining is not None
         self._draining = True
-        log.info(
-            kv(
-                event="broker_client.marked_draining",
-                service=self.service_key,
-                worker=self._info.worker_id if self._info else "",
-            )
-        )
+        worker = self._info.worker_id if self._info else ""
+        log.info(kv(event="broker_client.marked_draining", service=self.service_key, worker=worker))
         try:
             self._on_marked_draining()
         except Exception:
@@ -377,31 +250,12 @@ class BrokerClient:
         lease = self._lease_id
         if lease is None:
             return False
-        request = broker_pb2.KeepAliveRequest(service_key=self.service_key, lease_id=lease)
-        load = self._current_load()
-        if load is not None:
-            request.load.CopyFrom(load_to_proto(load))
         try:
-            await self._stub().KeepAlive(request, timeout=self._timeout)
+            await self._stub().KeepAlive(self._keepalive_request(lease), timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             log.warning(kv(event="broker_client.report_failed", code=exc.code().name, detail=exc.details()))
             return False
         return True
-
-    def _log_failure(self, what: str, exc: grpc.aio.AioRpcError, failures: int) -> None:
-        # First failure of a streak (and every tenth) at WARNING: a down broker must not flood the log.
-        level = logging.ERROR if exc.code() in _PERMANENT else logging.WARNING
-        if failures == 1 or failures % 10 == 0 or exc.code() in _PERMANENT:
-            log.log(
-                level,
-                kv(
-                    event=f"broker_client.{what}_failed",
-                    broker=self.address,
-                    code=exc.code().name,
-                    detail=exc.details(),
-                    failures=failures,
-                ),
-            )
 
     async def set_draining(self, draining: bool = True) -> bool:
         """Take no new requests (or take them again). Remembered: if the broker cannot be told
@@ -463,66 +317,11 @@ class BrokerClient:
         if listener is not None:
             view.add_listener(listener)
         self._watch_tasks.append(
-            asyncio.get_running_loop().create_task(self._watch_loop(view), name=f"broker-watch-{self.service_key}")
+            asyncio.get_running_loop().create_task(
+                watch_loop(self._stub, self.service_key, view, self._backoff), name=f"broker-watch-{self.service_key}"
+            )
         )
         return view
-
-    async def _watch_loop(self, view: MembershipView) -> None:
-        request = broker_pb2.WatchRequest(service_key=self.service_key, roles=[role_to_proto(r) for r in view.roles])
-        attempt = 0
-        while True:
-            call = self._stub().Watch(request)
-            seen: set[str] = set()
-            detail: str | None
-            code: grpc.StatusCode | None
-            try:
-                metadata = await call.initial_metadata()
-                broker_id = dict(metadata or ()).get(BROKER_ID_HEADER, "")
-                if broker_id:
-                    view._set_connected(True, broker_id)
-                    log.info(kv(event="broker_client.watching", service=self.service_key, broker_id=broker_id))
-                async for msg in call:
-                    attempt = 0
-                    self._on_watch_event(view, msg, seen)
-                detail, code = "stream ended", None
-            except grpc.aio.AioRpcError as exc:
-                detail, code = exc.details(), exc.code()
-            finally:
-                call.cancel()
-            _raise_if_cancelling()
-            view._set_connected(False)
-            level = logging.ERROR if code in _PERMANENT else logging.WARNING
-            if attempt == 0 or attempt % 10 == 0 or code in _PERMANENT:
-                log.log(
-                    level,
-                    kv(
-                        event="broker_client.watch_lost",
-                        service=self.service_key,
-                        code=code.name if code else "OK",
-                        detail=detail,
-                        kept=len(view.members),
-                    ),
-                )
-            await asyncio.sleep(self._backoff.delay(attempt))
-            attempt += 1
-
-    @staticmethod
-    def _on_watch_event(view: MembershipView, msg: broker_pb2.WatchEvent, seen: set[str]) -> None:
-        try:
-            event = event_from_proto(msg)
-        except ValueError as exc:
-            log.warning(kv(event="broker_client.bad_watch_event", detail=str(exc)))
-            return
-        if event.type is EventType.SYNCED:
-            view._resync(seen, event.revision)
-            return
-        assert event.member is not None
-        if event.type is EventType.REMOVED:
-            seen.discard(event.member.worker_id)
-            view._remove(event.member.worker_id, event.revision)
-        else:
-            seen.add(event.member.worker_id)
-            view._apply(event.member, event.revision)
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -549,12 +348,41 @@ class BrokerClient:
         await self.close()
 
 
-def _raise_if_cancelling() -> None:
-    """grpc.aio turns a cancellation that lands inside a call into AioRpcError(CANCELLED);
-    a loop that catches that and retries would never end. Re-raise it as the cancellation."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError()
+async def _register_retrying(
+    register_once: Callable[[], Awaitable[None]], address: str, worker_id: str, backoff: Backoff
+) -> None:
+    """Call `register_once` until it succeeds, backing off while the broker is unreachable; a
+    refusal that retrying cannot fix raises BrokerError."""
+    attempt = 0
+    while True:
+        try:
+            await register_once()
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in PERMANENT:
+                raise BrokerError(
+                    f"broker {address} refused registration of {worker_id}: {exc.details()}",
+                    exc.code(),
+                ) from None
+            log.warning(kv(event="broker_client.register_retry", broker=address, code=exc.code().name, attempt=attempt))
+            await asyncio.sleep(backoff.delay(attempt))
+            attempt += 1
+
+
+def _log_failure(address: str, what: str, exc: grpc.aio.AioRpcError, failures: int) -> None:
+    # First failure of a streak (and every tenth) at WARNING: a down broker must not flood the log.
+    level = logging.ERROR if exc.code() in PERMANENT else logging.WARNING
+    if failures == 1 or failures % 10 == 0 or exc.code() in PERMANENT:
+        log.log(
+            level,
+            kv(
+                event=f"broker_client.{what}_failed",
+                broker=address,
+                code=exc.code().name,
+                detail=exc.details(),
+                failures=failures,
+            ),
+        )
 
 
 async def _cancel(task: asyncio.Task[None] | None) -> None:

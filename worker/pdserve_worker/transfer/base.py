@@ -1,25 +1,16 @@
 """What every transfer backend is: the seam between the KV code and an engine.
 
-Code above transfer/ never imports `hixl` or a backend module itself; `registry.create_engine`
-makes one by name. It gets a
-`TransferBackend`: the engine, typed as `TransferEngine` (the HIXL binding's methods this
-project calls), plus `api`, the module that holds the descriptor types, enums and status codes
-that this engine accepts (the real `hixl` module, or our mirror `hixl_api`), and writes
-`backend.api.TransferOpDesc(...)`, `backend.api.SUCCESS`, ... so that one and the same code
-drives both.
-
-What only the host engine can do is declared too, as optional parts of the backend that
-the backend's factory fills in for the engine it made (never found by probing the object):
-- `blocking` (`BlockingWaits`): sleep until a notify arrives or a put completes. Real HIXL
-  only has the draining `get_notifies` and the per-request `get_transfer_status`; readiness
-  and the pusher then poll.
-- `host` (`HostExtensions`): memory that peers of the same host map (`malloc_mem`; without it
-  the KV pool is a registered torch tensor), write leases (only reserved slots writable), and
-  counts of what the engine's server refused.
-
-On real HIXL, each calling thread must carry the NPU's ACL context (HIXL.md 1.2): a thread
-that calls the engine (the pusher's, the readiness waiter's) must `torch.npu.set_device(dev)`
-first.
+Code above transfer/ never imports `hixl` or a backend module; `registry.create_engine` makes a
+`TransferBackend` by name: the engine, typed as `TransferEngine` (the HIXL binding's methods
+this project calls), and `api`, the module of the descriptor types, enums and status codes it
+accepts (the real `hixl`, or our mirror `hixl_api`), so one code drives both.
+What only the host engine can do is declared by the factory, never found by probing:
+- `blocking` (`BlockingWaits`): sleep until a notify arrives or a put completes (real HIXL
+  has only the draining calls; readiness and the pusher then poll).
+- `host` (`HostExtensions`): memory that peers of the same host map (`malloc_mem`), write
+  leases, and counts of what the engine's server refused.
+On real HIXL each calling thread must carry the NPU's ACL context (HIXL.md 1.2): a thread that
+calls the engine must `torch.npu.set_device(dev)` first.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Which registered bytes a remote peer may write right now: the leases of live reservations.
 
-A decode's pool is registered whole (HIXL's rule: register before connect), but at any
-moment only the slots reserved for a request are due to receive KV. With the host engine
-option `pdserve.RemoteWrite=leased` its server writes a remote WRITE only where every range
-lies inside a lease (else PARAM_INVALID, counted as `writes_refused`), so a peer that
-holds the service's key cannot start a write into a free slot or one another request is
-decoding from. What leases do not bound (all about peers inside the service, which hold its
-key): a lease covers a slot's bytes, not a link, so any of them may write into any slot
-reserved right now; and a WRITE frame is checked when it starts, so one whose payload is
-still arriving keeps landing after the lease ended (quarantine keeps the slot from being
-reused meanwhile only where the grant ended without a commit).
-
+A decode's pool is registered whole (HIXL: register before connect), but only reserved slots
+are due to receive KV. With the host engine's `pdserve.RemoteWrite=leased` a remote WRITE lands
+only where every range lies in a lease (else PARAM_INVALID, counted as `writes_refused`).
+Leases do not bound peers inside the service: any may write into any slot reserved now, and a
+WRITE is checked when it starts, so its payload may land after the lease ended (quarantine
+keeps such a slot from reuse where the grant ended without a commit).
 - `LeaseTable`: the engine's side (pure, thread-safe): ranges by id, and the check.
-- `SlotWriteLeases`: the decode's side: a slot table's hooks (`granted`/`ended`) that lease a
-  reservation's slot in the engine when it is granted and revoke it when the KV arrived
-  (commit), the grant was released, or its lease expired. With an engine that has no lease
-  call (real HIXL) it does nothing: there the NetworkPolicy and the capability check bound
-  what a peer can do.
-- `BlockWriteLeases`: the same for a paged pool's block table (kv/blocks.py): a reservation's
-  own blocks, one engine lease per (layer, K|V, run of consecutive blocks) (`block_spans`).
+- `SlotWriteLeases`: a slot table's hooks (`granted`/`ended`) leasing a reservation's slot in
+  the engine until commit, release or expiry; a no-op on an engine without lease calls (real
+  HIXL: the NetworkPolicy and the capability check bound a peer there).
+- `BlockWriteLeases`: the same for a block table (kv/blocks.py): one engine lease per (layer,
+  K|V, run of consecutive blocks) of a reservation's own blocks (`block_spans`).
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ from pdserve_common.kv_layout import KVLayout, block_spans
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.base import TransferBackend
 
-log = logging.getLogger("pdserve.transfer.leases")
+log = logging.getLogger(__name__)
 
 
 class LeaseTable:

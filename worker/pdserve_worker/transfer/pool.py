@@ -1,20 +1,14 @@
 """A decode (or prefill) KV pool: one allocation per `KVLayout`, registered with the engine once.
 
-The pool is a single contiguous tensor of `layout.shape`, so a remote writer needs only its
-base address and the layout to compute where any (slot, layer, K|V, token) lives. It is
-registered before any peer connects (HIXL's rule) and lives as long as the process serves.
-
-Where its memory comes from:
-- host engine: the engine's shared-memory allocator (`malloc_mem`), so a prefill on the same
-  host writes it with a plain memcpy; the tensor is a `torch.frombuffer` view of it.
-- real HIXL on an NPU: a device tensor (`torch.empty(..., device="npu")`) registered as
-  MEM_DEVICE. HCCS wants 2 MB-aligned pages, which the NPU caching allocator gives for
-  allocations this large.
-- real HIXL without a device: a host tensor registered as MEM_HOST (A2/A3 would need
-  aclrtMallocHost memory; that case is not exercised here).
-
-torch is imported only when `.tensor` is first used, so processes that move raw bytes (tests,
-benchmarks, the transfer peers) do not pay for importing it.
+One contiguous tensor of `layout.shape`: a remote writer needs only its base address and the
+layout to find any (slot, layer, K|V, token). Registered before any peer connects (HIXL's rule)
+and kept while the process serves. Its memory:
+- host engine: the engine's shared memory (`malloc_mem`), so a prefill on the same host writes
+  it with a memcpy; the tensor is a `torch.frombuffer` view of it.
+- real HIXL on an NPU: a device tensor registered as MEM_DEVICE (HCCS wants 2 MB-aligned
+  pages, which the NPU caching allocator gives for allocations this large).
+- real HIXL without a device: a host tensor registered as MEM_HOST.
+torch is imported only when `.tensor` is first used (raw-byte users do not pay for it).
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from pdserve_common.kv_layout import K, KVLayout, V, block_spans
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.base import TransferBackend, TransferError
 
-log = logging.getLogger("pdserve.kv.pool")
+log = logging.getLogger(__name__)
 
 PAGE = 4096
 

@@ -1,28 +1,17 @@
 """Prefill's KV push: layer chunk by layer chunk, into every decode member that owns the layer.
 
-The prefill calls `push_chunk(layers)` right after computing those layers; the puts go out
-asynchronously, so the transfer of chunk k overlaps the compute of chunk k+1. Each put is one
-contiguous run per (layer, K|V) holding only the prompt's tokens (`KVLayout.token_run`); the
-runs of one chunk for one target travel in `transfer_async` requests of at most `queue_depth`
-runs each (HIXL splits a large batch further itself). Per target at most `queue_depth` runs
-are outstanding: past that the pusher reaps completions first. A tensor-parallel rank's head
-slice is not contiguous in a decode pool holding more heads (one descriptor per token): all of
-one (layer, K|V)'s slices count as one run, so the depth bounds work in flight, not a count of
-256-byte pieces. RESOURCE_EXHAUSTED from the engine means its queue is full, which is
-waited out, never treated as a failure. A put that fails, or is still pending after
-`timeout_s`, raises `PushError` naming the target and the layers; on a timeout the target is
-disconnected, as HIXL advises, so nothing of it lingers on the link.
-
+`push_chunk(layers)` right after computing them: the puts go out asynchronously, so chunk k's
+transfer overlaps chunk k+1's compute. One contiguous run per (layer, K|V) of the prompt's
+tokens (a head slice's per-token pieces count as one run), in `transfer_async` requests of at
+most `queue_depth` runs; per target at most `queue_depth` runs are outstanding. The engine's
+RESOURCE_EXHAUSTED is waited out. A put that fails, or is pending after `timeout_s`, raises
+`PushError` naming target and layers; on a timeout the target is disconnected (as HIXL advises).
 `finish(extra)` waits for every put, then sends each target one `kv_ready` notify carrying
-(request_id, slot, generation, nonce, num_tokens, **extra): `nonce` is the reservation's
-capability from the decode's grant, without which the decode drops the notify. Only after that may decode read the slot:
-the notify travels after the data on the same link and is sent only once every put completed.
-
-Targets are the decode's grants (`kv.slots.Grant`, from the Reserve answer). A target's
-layout may hold a layer range only (a layer-sharded decode group): it gets only its layers.
-A target whose pool is paged (pdserve_common/kv_layout.py) is written through its grant's block list:
-one descriptor per (layer, K|V, run of consecutive blocks), never into its shared blocks
-(`push_runs`); layer chunks, queue depth and the notify are the same.
+(request_id, slot, generation, nonce, num_tokens, **extra); the decode drops one without the
+grant's nonce, and it travels after the data on the same link.
+Targets are the decode's grants (`kv.slots.Grant`). A layer-sharded member's target gets only
+its layers; a paged target is written through its block list, one descriptor per (layer, K|V,
+run of consecutive blocks), never into its shared blocks (`push_runs`).
 """
 
 from __future__ import annotations
@@ -34,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import Any
 
 from pdserve_common.kv_layout import BlockLayout, K, KVLayout, Strided, V, coalesce, push_runs, shared_heads
 from pdserve_common.logs import kv
@@ -41,9 +31,10 @@ from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.hixl_api import MAX_NOTIFY_FIELD, status_name
 
-log = logging.getLogger("pdserve.transfer.push")
+log = logging.getLogger(__name__)
 
 READY_NOTIFY = "kv_ready"
+NOTIFY_TIMEOUT_MS = 2000  # one ready notify's send_notify timeout (retried while the queue is full)
 _RESERVED_KEYS = ("request_id", "slot", "generation", "nonce", "num_tokens")
 
 
@@ -169,6 +160,56 @@ def layer_chunks(layers: range, per_chunk: int) -> list[range]:
     return [range(s, min(s + per_chunk, layers.stop)) for s in range(layers.start, layers.stop, per_chunk)]
 
 
+@dataclass(frozen=True)
+class _Pieces:
+    """The runs a push writes into a target, by the kind of its pool (see `KVPusher._target_pieces`)."""
+
+    source: PushSource
+    num_tokens: int
+    src_addrs: dict[tuple[int, int], int]  # the source's (layer, K|V) runs; empty when paged
+    run_len: int
+
+    def row_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
+        """Whole rows into a slot: one contiguous run per (layer, K|V)."""
+        dst_addrs = _run_addrs(target.base_addr, target.layout, target.slot)
+        n = self.run_len
+        return {run: [[Strided(self.src_addrs[run], addr, 1, 0, 0, n)]] for run, addr in dst_addrs.items()}
+
+    def slot_slice_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
+        """A head slice into slots: each slot is one block of max_len tokens."""
+        return self._pieces(target, target.layout.slot_blocks, (target.slot,), 0)
+
+    def block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
+        """A paged target's descriptors: the prompt's tokens into its own blocks (the shared
+        ones already hold them), coalesced over runs of consecutive blocks."""
+        blocks = target.layout.blocks
+        bt = blocks.block_tokens
+        if self.num_tokens > len(target.blocks) * bt:
+            raise ValueError(
+                f"target {target.describe()}: {self.num_tokens} tokens do not fit its "
+                f"{len(target.blocks)} blocks of {bt}"
+            )
+        return self._pieces(target, blocks, target.blocks, min(target.shared * bt, self.num_tokens))
+
+    def _pieces(
+        self, target: Grant, view: BlockLayout, blocks: Sequence[int], start: int
+    ) -> dict[tuple[int, int], list[Run]]:
+        """Every (layer, K|V) of `view`'s layers: the runs of tokens start..num_tokens into
+        `blocks` of `view`, for the heads source and target share (a tensor-parallel rank's
+        share, or all). Whole rows: one run per run of consecutive blocks. A head slice: the
+        (layer, K|V)'s strided runs as one run (a TP rank into a decode of another TP size:
+        `_submit` makes their 2 × layers × tokens descriptors)."""
+        src = self.source
+        heads = shared_heads(src.pushed_heads, view.head_range)
+        sb, tb = src.base_addr, target.base_addr
+        pieces: dict[tuple[int, int], list[Run]] = {}
+        for layer in view.layer_range:
+            for kv_index in (K, V):
+                runs = push_runs(src.layout, src.slot, view, blocks, layer, kv_index, self.num_tokens, start, heads)
+                pieces[(layer, kv_index)] = absolute_runs(runs, sb, tb)
+        return pieces
+
+
 class KVPusher:
     """Pushes one prompt's KV into one or more decode targets. Use once per request."""
 
@@ -182,7 +223,6 @@ class KVPusher:
         queue_depth: int = 64,
         timeout_s: float = 10.0,
         connect_timeout_ms: int = 2000,
-        notify_timeout_ms: int = 2000,
     ) -> None:
         if queue_depth <= 0:
             raise ValueError(f"queue_depth must be > 0, got {queue_depth}")
@@ -194,12 +234,11 @@ class KVPusher:
         self.num_tokens = num_tokens
         self.queue_depth = queue_depth
         self.timeout_s = timeout_s
-        self._notify_timeout_ms = notify_timeout_ms
         if not 0 <= source.slot < source.layout.num_slots:
             raise ValueError(f"source slot {source.slot} outside its pool of {source.layout.num_slots}")
-        self._run_len = num_tokens * source.layout.bytes_per_token
         # A paged source (a decode's own pool, roles/migration.py) places tokens per block instead.
-        self._src_addrs = {} if source.layout.paged else _run_addrs(source.base_addr, source.layout, source.slot)
+        src_addrs = {} if source.layout.paged else _run_addrs(source.base_addr, source.layout, source.slot)
+        self._pieces = _Pieces(source, num_tokens, src_addrs, num_tokens * source.layout.bytes_per_token)
         self._states = [self._check_target(t) for t in targets]
         if not self._states:
             raise ValueError("a push needs at least one target")
@@ -242,51 +281,15 @@ class KVPusher:
     def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
         """Every (layer, K|V) of the target's layers: its descriptors (source, target, bytes)."""
         if target.layout.paged:
-            return self._block_pieces(target)
+            return self._pieces.block_pieces(target)
         if (
             self.source.pushed_heads != target.layout.head_range
             or self.source.layout.head_range != target.layout.head_range
         ):
             # A head slice into slots (a tensor-parallel prefill rank into a layer-sharded
             # decode member): each slot is one block of max_len tokens to push_descriptors.
-            return self._slot_slice_pieces(target)
-        dst_addrs = _run_addrs(target.base_addr, target.layout, target.slot)
-        n = self._run_len
-        return {run: [[Strided(self._src_addrs[run], addr, 1, 0, 0, n)]] for run, addr in dst_addrs.items()}
-
-    def _slot_slice_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
-        """A head slice into slots: each slot is one block of max_len tokens."""
-        return self._pieces(target, target.layout.slot_blocks, (target.slot,), 0)
-
-    def _block_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
-        """A paged target's descriptors: the prompt's tokens into its own blocks (the shared
-        ones already hold them), coalesced over runs of consecutive blocks."""
-        blocks = target.layout.blocks
-        bt = blocks.block_tokens
-        if self.num_tokens > len(target.blocks) * bt:
-            raise ValueError(
-                f"target {target.describe()}: {self.num_tokens} tokens do not fit its "
-                f"{len(target.blocks)} blocks of {bt}"
-            )
-        return self._pieces(target, blocks, target.blocks, min(target.shared * bt, self.num_tokens))
-
-    def _pieces(
-        self, target: Grant, view: BlockLayout, blocks: Sequence[int], start: int
-    ) -> dict[tuple[int, int], list[Run]]:
-        """Every (layer, K|V) of `view`'s layers: the runs of tokens start..num_tokens into
-        `blocks` of `view`, for the heads source and target share (a tensor-parallel rank's
-        share, or all). Whole rows: one run per run of consecutive blocks. A head slice: the
-        (layer, K|V)'s strided runs as one run (a TP rank into a decode of another TP size:
-        `_submit` makes their 2 × layers × tokens descriptors)."""
-        src = self.source
-        heads = shared_heads(src.pushed_heads, view.head_range)
-        sb, tb = src.base_addr, target.base_addr
-        pieces: dict[tuple[int, int], list[Run]] = {}
-        for layer in view.layer_range:
-            for kv_index in (K, V):
-                runs = push_runs(src.layout, src.slot, view, blocks, layer, kv_index, self.num_tokens, start, heads)
-                pieces[(layer, kv_index)] = absolute_runs(runs, sb, tb)
-        return pieces
+            return self._pieces.slot_slice_pieces(target)
+        return self._pieces.row_pieces(target)
 
     # ---- pushing -------------------------------------------------------------------------------------
     def push_chunk(self, layers: range) -> None:
@@ -326,16 +329,7 @@ class KVPusher:
         state.pushed.update(layers)
 
     def _submit(self, state: _TargetState, runs: list[tuple[int, Run]]) -> None:
-        make = self._api.TransferOpDesc
-        descs = []
-        for _, run in runs:
-            for r in run:
-                if r.copies == 1:
-                    descs.append(make(r.src, r.dst, r.length))
-                else:  # a C-level map: a head slice makes one descriptor per token
-                    srcs = range(r.src, r.src + r.copies * r.src_step, r.src_step)
-                    dsts = range(r.dst, r.dst + r.copies * r.dst_step, r.dst_step)
-                    descs.extend(map(make, srcs, dsts, repeat(r.length, r.copies)))
+        descs = _descriptors(self._api.TransferOpDesc, runs)
         layers = range(runs[0][0], runs[-1][0] + 1)
         deadline = time.monotonic() + self.timeout_s
         backoff = _Backoff()
@@ -485,7 +479,7 @@ class KVPusher:
             self._wait(lambda: all(not s.outstanding for s in self._states))
             if extra is not None:
                 for state in self._states:
-                    self._notify(state, extra)
+                    _send_ready(self._backend, state.target, self.num_tokens, extra, self.timeout_s)
         except BaseException:
             self._fail()
             raise
@@ -502,32 +496,6 @@ class KVPusher:
         )
         return self.stats
 
-    def _notify(self, state: _TargetState, extra: dict[str, object]) -> None:
-        t = state.target
-        message = json.dumps(
-            {
-                "request_id": t.request_id,
-                "slot": t.slot,
-                "generation": t.generation,
-                "nonce": t.nonce,
-                "num_tokens": self.num_tokens,
-                **extra,
-            },
-            separators=(",", ":"),
-        )
-        if len(message) > MAX_NOTIFY_FIELD:
-            raise ValueError(f"ready message for {t.describe()} is {len(message)} chars, over HIXL's 1024")
-        desc = self._api.NotifyDesc(READY_NOTIFY, message)
-        deadline = time.monotonic() + self.timeout_s
-        backoff = _Backoff()
-        while True:
-            status = self._backend.engine.send_notify(t.engine_id, desc, self._notify_timeout_ms)
-            if status == self._api.SUCCESS:
-                return
-            if status != self._api.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
-                raise PushError(f"ready notify to {t.describe()} failed: {status_name(status)}", t, status=status)
-            backoff.sleep()  # the decode's notify queue is full: it drains, we retry
-
     def abort(self) -> None:
         """Give up (e.g. the compute failed): reap what is in flight, notify nobody.
 
@@ -540,18 +508,7 @@ class KVPusher:
         if self._failed:
             return
         self._failed = True
-        deadline = time.monotonic() + min(self.timeout_s, 5.0)
-        backoff = _Backoff()
-        for state in self._states:
-            while state.outstanding and time.monotonic() < deadline:
-                put = state.outstanding[0]
-                status, ts = self._backend.engine.get_transfer_status(put.req_id)
-                if status == self._api.SUCCESS and ts == self._api.TransferStatus.WAITING:
-                    backoff.sleep()
-                    continue
-                state.outstanding.popleft()
-            state.outstanding.clear()
-            state.in_flight_runs = 0
+        _forget(self._backend, self._states, min(self.timeout_s, 5.0))
 
 
 class _Backoff:
@@ -570,6 +527,66 @@ class _Backoff:
             time.sleep(0.00005)
         else:
             time.sleep(0.001)
+
+
+def _descriptors(make: Callable[[int, int, int], Any], runs: list[tuple[int, Run]]) -> list[Any]:
+    """The engine's descriptors of `runs`: one per contiguous run, one per token of a head slice."""
+    descs = []
+    for _, run in runs:
+        for r in run:
+            if r.copies == 1:
+                descs.append(make(r.src, r.dst, r.length))
+            else:  # a C-level map: a head slice makes one descriptor per token
+                srcs = range(r.src, r.src + r.copies * r.src_step, r.src_step)
+                dsts = range(r.dst, r.dst + r.copies * r.dst_step, r.dst_step)
+                descs.extend(map(make, srcs, dsts, repeat(r.length, r.copies)))
+    return descs
+
+
+def _forget(backend: TransferBackend, states: list[_TargetState], within_s: float) -> None:
+    """Query each outstanding put until terminal (for at most `within_s`), then drop them all."""
+    api = backend.api
+    deadline = time.monotonic() + within_s
+    backoff = _Backoff()
+    for state in states:
+        while state.outstanding and time.monotonic() < deadline:
+            put = state.outstanding[0]
+            status, ts = backend.engine.get_transfer_status(put.req_id)
+            if status == api.SUCCESS and ts == api.TransferStatus.WAITING:
+                backoff.sleep()
+                continue
+            state.outstanding.popleft()
+        state.outstanding.clear()
+        state.in_flight_runs = 0
+
+
+def _send_ready(
+    backend: TransferBackend, t: Grant, num_tokens: int, extra: dict[str, object], timeout_s: float
+) -> None:
+    """Tell target `t` its KV is in place: one `kv_ready` notify, retried while its queue is full."""
+    message = json.dumps(
+        {
+            "request_id": t.request_id,
+            "slot": t.slot,
+            "generation": t.generation,
+            "nonce": t.nonce,
+            "num_tokens": num_tokens,
+            **extra,
+        },
+        separators=(",", ":"),
+    )
+    if len(message) > MAX_NOTIFY_FIELD:
+        raise ValueError(f"ready message for {t.describe()} is {len(message)} chars, over HIXL's 1024")
+    desc = backend.api.NotifyDesc(READY_NOTIFY, message)
+    deadline = time.monotonic() + timeout_s
+    backoff = _Backoff()
+    while True:
+        status = backend.engine.send_notify(t.engine_id, desc, NOTIFY_TIMEOUT_MS)
+        if status == backend.api.SUCCESS:
+            return
+        if status != backend.api.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+            raise PushError(f"ready notify to {t.describe()} failed: {status_name(status)}", t, status=status)
+        backoff.sleep()  # the decode's notify queue is full: it drains, we retry
 
 
 def prefill_and_push(

@@ -1,28 +1,16 @@
 """Decode side: wait until a slot's KV has arrived (its `kv_ready` notify), in one of three modes.
 
-- `interrupt` (default): the waiting thread sleeps until the notify arrives and burns no CPU.
-  With the host engine it sleeps inside `wait_notifies` (in `poll` on the engine's notify
-  inbox socket, which a same-host prefill's notify wakes directly). Real HIXL only has the
-  draining `get_notifies`, so there the draining thread polls it every `poll_interval_us`;
-  still only one thread does, however many requests wait.
+- `interrupt` (default): the waiter sleeps until the notify arrives (the host engine's
+  `wait_notifies`; on real HIXL one thread polls `get_notifies` every `poll_interval_us`).
 - `poll`: drain `get_notifies` every `poll_interval_us` microseconds.
-- `spin`: drain continuously (yielding the GIL between tries): lowest latency, one busy core.
-
-Many requests wait at once, but the engine has one notify queue: the first waiter to find no
-drainer becomes it (leader/follower), drains for everybody and files each ready message under
-its slot; the others sleep on a condition and are woken when something was filed. When the
-drainer's own message arrives it leaves and a follower takes over. A message is filed only if
-- `authorize(slot, generation, nonce)` says it carries the reservation's capability (the slot
-  table's `verify`: a MAC of slot and generation, unguessable without the service's token;
-  outside the service only the decode, the router and the prefill of that request see it),
-  so a forged notify is dropped however it reached the engine (on real HIXL anyone who can
-  reach the port can send one), and
-- `accepts(slot, generation)` says the slot still waits for exactly that generation (the slot
-  table's `is_reserved`): a late notify from an abandoned transfer is never taken for the new
-  request's KV.
-Nothing else is kept: a dropped notify is counted by reason (`drops`), with a rate-limited
-summary log line instead of one line each, so a flood of forged notifies can neither fill
-memory nor the log.
+- `spin`: drain continuously (yielding the GIL): lowest latency, one busy core.
+The engine has one notify queue: the first waiter without a drainer becomes it (leader/
+follower), drains for everybody and files each message under its slot; the others sleep on a
+condition. A message is filed only if `authorize(slot, generation, nonce)` says it carries the
+reservation's capability (a forged notify is dropped however it arrived) and `accepts(slot,
+generation)` says the slot waits for exactly that generation (a late notify of an abandoned
+transfer is never taken for the new request's KV). Nothing else is kept: dropped notifies are
+counted by reason (`drops`), with a rate-limited summary log line.
 """
 
 from __future__ import annotations
@@ -39,7 +27,7 @@ from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.push import READY_NOTIFY
 from pdserve_worker.util.drops import DropCounter
 
-log = logging.getLogger("pdserve.transfer.readiness")
+log = logging.getLogger(__name__)
 
 # How long one sleep lasts before a waiter re-checks its lease and deadline.
 RECHECK_S = 0.25

@@ -17,7 +17,7 @@ from typing import cast
 from pdserve_common.logs import kv
 from pdserve_worker.transfer.base import BackendUnavailable, TransferBackend
 
-log = logging.getLogger("pdserve.transfer.registry")
+log = logging.getLogger(__name__)
 
 BACKENDS: dict[str, str] = {
     "hixl": "pdserve_worker.transfer.backends.hixl:create",  # real HIXL (CANN)

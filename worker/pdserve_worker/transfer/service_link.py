@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pdserve_worker.transfer.backends.host.engine import OPTION_AUTH_KEY, OPTION_REMOTE_READ, OPTION_REMOTE_WRITE
+from pdserve_worker.transfer.backends.host.options import OPTION_AUTH_KEY, OPTION_REMOTE_READ, OPTION_REMOTE_WRITE
 
 
 def local_engine_id(role: str, advertise_host: str, transfer_port: int) -> str:

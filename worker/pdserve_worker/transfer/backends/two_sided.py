@@ -1,42 +1,17 @@
 """A two-sided KV transport with HIXL's API: the baseline seed 002 measures one-sidedness against.
 
-What it stands for. Before one-sided transfer libraries, a prefill instance handed its KV to a
-decode instance the way collective libraries move tensors between ranks: HCCL/NCCL-style
-point-to-point `send`/`recv`. Both sides take part in every transfer: the receiver posts a
-receive into a staging buffer it owns, the sender's send is matched to it, and the receiver
-then copies the staging buffer into the request's KV blocks and acknowledges. Seed 002 argues
-that this costs three memory-bus passes (out of the sender, into staging, staging into place)
-and a receiver CPU that must be there for every chunk, where a one-sided put costs one pass
-and no receiver work. This module is that baseline, built on a real two-sided library —
-torch.distributed point-to-point over gloo, whose calls are the ones hccl and nccl take — not
-a socket loop of our own, so the comparison in benchmarks/seed_transfer.py is between two
-working systems.
-
-It is selected only for benchmarks and tests (`create_engine("two-sided")`, `pdserve local
---transfer two-sided`), never by default, and it has none of the host engine's defences:
-gloo and its TCPStore authenticate nobody, so this engine listens and connects on loopback
-addresses only (any other address is PARAM_INVALID). A receiver still writes only inside
-memory registered with it, and the decode's readiness still checks the grant's nonce.
-
-The shape, per (prefill, decode) pair:
-- The decode's `initialize("127.0.0.1:port")` opens a TCPStore there; each prefill that
-  `connect`s takes the next pair index from the store, and both build a 2-rank
-  `ProcessGroupGloo` on a prefix of the store (decode rank 0, prefill rank 1).
-- `transfer_async(WRITE, descs)`: queued for the pair's sender thread, which sends a header
-  (kind, descriptor count, bytes, sequence), the (remote address, length) list, then one
-  tensor per descriptor, viewed in place over the registered source memory (no gather
-  copy); it then waits for the receiver's acknowledgement, so a pair carries one chunk at a
-  time, as a blocking send/recv does.
-- The decode's receiver thread for the pair receives the header, posts receives into its
-  staging buffer, range-checks every destination against the registered regions, copies
-  staging → KV, and acknowledges with a status. A notify takes the same road after the data,
-  so "ready" never overtakes the bytes.
-- `copies` counts each pass (transfer/copy_counts.py): sender `socket_send`, receiver
-  `socket_recv` (into staging) plus `staging_copy`.
-
-Deliberate differences from HIXL: WRITE only (READ is UNSUPPORTED); `connect` blocks until
-the decode side has joined the pair; `wait_transfer`/`wait_notifies` block like the host
-engine's extensions, so the pusher and readiness sleep instead of polling.
+Point-to-point `send`/`recv` as collective libraries move tensors (torch.distributed over
+gloo, whose calls are hccl's and nccl's): the receiver posts a receive into a staging buffer,
+copies staging into the request's KV and acknowledges, so every chunk costs three memory
+passes and the receiver's CPU (`copies`: `socket_send`; `socket_recv` + `staging_copy`).
+Benchmarks and tests only (`create_engine("two-sided")`), never the default; gloo authenticates
+nobody, so it listens and connects on loopback only. A receiver writes only inside memory
+registered with it; readiness still checks the grant's nonce.
+Per pair: the decode's `initialize` opens a TCPStore; each connecting prefill takes the next
+pair index and both build a 2-rank gloo group. `transfer_async(WRITE)` goes to the pair's
+sender thread (header, descriptors, one in-place tensor each, then the receiver's ACK: one
+chunk at a time); a notify takes the same road after the data. Unlike HIXL: WRITE only,
+`connect` blocks until the decode joined, `wait_transfer`/`wait_notifies` block.
 """
 
 from __future__ import annotations
@@ -60,7 +35,7 @@ from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.never_raises import F, never_raises
 
-log = logging.getLogger("pdserve.transfer.two_sided")
+log = logging.getLogger(__name__)
 
 KIND_WRITE, KIND_NOTIFY, KIND_CLOSE = 1, 2, 3
 TAG_HEADER, TAG_DESCS, TAG_DATA, TAG_ACK = 1, 2, 3, 4

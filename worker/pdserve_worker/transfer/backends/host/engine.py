@@ -1,199 +1,42 @@
 """A host-memory transfer engine with the HIXL Python binding's API and semantics.
 
-`Hixl` here answers every method of `hixl.Hixl` (HIXL.md 2.1) with the same arguments, return
-shapes and status codes, and never raises, so the code above the engine is one and the same
-with real HIXL on Ascend and with this engine on plain CPUs:
+`Hixl` answers every method of `hixl.Hixl` (HIXL.md 2.1) with the same arguments, return
+shapes and status codes, and never raises, so the code above it is the same with real HIXL on
+Ascend and with this engine on plain CPUs. Its parts: memory.py (allocations, registrations),
+links.py (connect), transfers.py (the two paths, async requests), notify_inbox.py (notifies),
+server.py (the listening side and whom it admits), options.py (the `pdserve.*` options).
 
-- `initialize("ip:port", options)`: a port > 0 makes the engine a server listening there.
-- `register_mem` before `connect`: a link sees the regions registered when it was made.
-  A range outside a registered region, locally or remotely, is PARAM_INVALID.
-- `transfer_async` returns a request id; `get_transfer_status` reports a terminal state once,
-  then forgets the id (an unknown id is FAILED). At most `pdserve.MaxOutstandingTransfers`
-  (default 4096, HIXL's CS flag queue) un-queried async requests: past that, RESOURCE_EXHAUSTED
-  until the caller drains statuses.
-- `send_notify` goes client→server only and returns once the server has queued it; the
-  server queues at most `pdserve.NotifyQueueSize` (default 4096) notifies, past which the
-  sender gets RESOURCE_EXHAUSTED; `get_notifies` drains the queue.
-
-How bytes move. Memory that this engine allocated (`malloc_mem`, like ADXL's `MallocMem`) is a
-POSIX shared-memory segment. At connect the client learns the server's regions with their
-segment names and, when it can open them (same host, same /dev/shm), maps them: a transfer
-into such a region is then one memmove per descriptor into the mapping and the server is not
-involved at all (the zero-copy path). The notify that follows goes over the link's socket
-after the copies returned, so the peer never sees "ready" before the bytes. Any other registered memory, a server on another host, or the
-option `{"pdserve.Transport": "tcp"}` takes the TCP path: the frame goes to the server, which
-checks the range and receives the bytes straight into the registered memory.
-
-Who may use the engine (transfer/backends/host/server.py, link_auth.py, leases.py; all off by default, which is
-HIXL's own behaviour, and all set by a pdserve worker, service_link.py):
-- `pdserve.AuthKey` (hex): a link is admitted only after both ends prove, by HMAC
-  challenge-response, that they hold this key; until then the server tells a peer nothing but
-  a nonce and bounds what it reads (`pdserve.HandshakeTimeoutMs`, default 5000; at most
-  `pdserve.MaxLinks`, default 256, links and 32 handshakes at once, a newcomer cutting the
-  oldest handshake when all 32 are taken; one source address holds at most
-  `pdserve.MaxHandshakesPerPeer`, default 8, of them, so a flood from one address can neither
-  fill the handshake places nor keep evicting other peers' handshakes). With a key, the notify
-  inbox also takes datagrams only from this process's user.
-- `pdserve.RemoteWrite=leased`: peers WRITE only into ranges leased with `lease_write(addr,
-  len)` (host-engine extension; `revoke_write(id)` ends one), else PARAM_INVALID.
-- `pdserve.RemoteRead=0`: every remote READ is PARAM_INVALID.
-- Always: at most 256 MiB per READ frame (a client refuses a bigger READ up front), 8 KiB
-  per notify frame, 65,536 descriptors per frame. `security_stats()` counts the refusals.
-
-Deliberate differences from real HIXL (all additive or host-only):
-- `wait_transfer(req_id, timeout_s)` blocks until an async request is terminal, without
-  consuming its status, so a pusher need not poll (it does with real HIXL).
-- `wait_notifies(timeout_s)` blocks until a notify arrives (in `poll` on the inbox socket, no
-  CPU while waiting). Real HIXL has only the draining `get_notifies`, so readiness polls it there.
-- On one host a notify skips the server thread: it is one datagram to the server's inbox
-  socket, accepted = queued (notify_inbox.py), so the waiter wakes one thread hop after the
-  send. Over TCP it is a frame answered by an ACK, as in HIXL. The bound is then
-  NotifyQueueSize plus the kernel's small datagram queue.
-- `malloc_mem(size)` / `free_mem(addr)` are instance methods (ADXL's are static): the engine
-  owns the segments so it can tell peers their names.
-- No device memory: MEM_DEVICE registrations are accepted (the range check is the same) but
-  the bytes are host bytes; `malloc_mem(MEM_DEVICE)` is UNSUPPORTED.
-- Calls may come from any thread (real HIXL wants the thread with the ACL context).
-- `connect_async` runs on one worker thread (FIFO for all remotes, not per remote).
-- `get_all_transfer_status` works on every transport (real HIXL: only with LocalCommRes 1.3).
-- "Async" shared-memory copies up to `pdserve.InlineCopyMaxBytes` (default 16 MiB) run on
-  the caller's thread before `transfer_async` returns; bigger ones go to
-  `pdserve.CopyThreads` copy threads (default 1). A memcpy is CPU work either way: on a
-  host whose cores the model's compute keeps busy (the case this engine serves), a copy
-  thread only competes with that compute and adds a hand-off, while a copy in the caller's
-  thread costs exactly the copy (benchmarks/README.md has the figures). TCP frames up to
-  `pdserve.InlineSendMaxBytes` (default 256 KiB) are written on the caller's thread when the
-  socket is free; bigger ones by the link's sender thread, because a network send waits on
-  the peer and that wait should overlap compute. Either way the status is read through
-  `get_transfer_status`, exactly as for any async request.
-- HIXL-specific options (BufferPool, RDMA, LocalCommRes, ...) are accepted and ignored.
-- `finalize` stops the server (and joins its threads) before anything else, so no peer's
-  frame is still writing into memory the owner frees next.
-
-Threads: one acceptor when listening and one per accepted link (server side); per outgoing
-link one ACK reader and one sender; the copy threads. All block in system calls or on
-locks when idle, so an idle engine burns no CPU.
+Differences, all additive or host-only: `wait_transfer` and `wait_notifies` block instead of
+polling; `lease_write`/`revoke_write` (leases.py), `copy_stats`, `security_stats`, `link_path`;
+`malloc_mem`/`free_mem` are instance methods, host memory only (MEM_DEVICE bytes are host bytes);
+calls may come from any thread; `connect_async` is FIFO on one thread; HIXL-only options are
+accepted and ignored; `finalize` stops the server before it frees memory. On one host a notify
+is one datagram to the peer's inbox (accepted = queued). An idle engine burns no CPU.
 """
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
-from pdserve_worker.transfer.backends.host import link_auth, wire
-from pdserve_worker.transfer.backends.host.batch_copy import BatchCopy
-from pdserve_worker.transfer.backends.host.link import CopyStep, Link, Plan, Request
+from pdserve_worker.transfer.backends.host.link import Link
+from pdserve_worker.transfer.backends.host.links import LinkTable
+from pdserve_worker.transfer.backends.host.memory import MemoryTable
 from pdserve_worker.transfer.backends.host.netio import parse_engine_id
 from pdserve_worker.transfer.backends.host.notify_inbox import NotifyInbox
-from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
-from pdserve_worker.transfer.backends.host.server import HostServer, ServerPolicy
-from pdserve_worker.transfer.backends.host.shm import ShmSegment
+from pdserve_worker.transfer.backends.host.options import HostEngineOptions
+from pdserve_worker.transfer.backends.host.server import HostServer, Served
+from pdserve_worker.transfer.backends.host.transfers import TransferTable
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.leases import LeaseTable
 from pdserve_worker.transfer.never_raises import never_raises
 
-log = logging.getLogger("pdserve.transfer.host_engine")
-
-OPTION_TRANSPORT = "pdserve.Transport"  # "auto" (shared memory where possible) | "tcp"
-OPTION_MAX_OUTSTANDING = "pdserve.MaxOutstandingTransfers"
-OPTION_NOTIFY_QUEUE = "pdserve.NotifyQueueSize"
-OPTION_COPY_THREADS = "pdserve.CopyThreads"
-OPTION_INLINE_COPY_MAX_BYTES = "pdserve.InlineCopyMaxBytes"
-OPTION_INLINE_SEND_MAX_BYTES = "pdserve.InlineSendMaxBytes"
-# Who may use the link, and for what (transfer/backends/host/server.py, link_auth.py, leases.py):
-OPTION_AUTH_KEY = "pdserve.AuthKey"  # hex; both ends of a link must hold the same key
-OPTION_REMOTE_WRITE = "pdserve.RemoteWrite"  # "registered" (HIXL) | "leased"
-OPTION_REMOTE_READ = "pdserve.RemoteRead"  # "1" (HIXL) | "0"
-OPTION_MAX_LINKS = "pdserve.MaxLinks"
-OPTION_HANDSHAKE_TIMEOUT_MS = "pdserve.HandshakeTimeoutMs"
-OPTION_MAX_HANDSHAKES_PER_PEER = "pdserve.MaxHandshakesPerPeer"
-
-CONNECT_QUEUE_CAPACITY = 128  # HIXL's connect_pool.task_queue_capacity default
-
-
-@dataclass(frozen=True)
-class HostEngineOptions:
-    """The host engine's own options, parsed from the string map `initialize` takes."""
-
-    transport: str = "auto"
-    max_outstanding: int = 4096
-    notify_queue: int = 4096
-    copy_threads: int = 1
-    inline_copy_max_bytes: int = 16 << 20
-    inline_send_max_bytes: int = 256 << 10
-    auto_connect: bool = False
-    auth_key: bytes | None = field(default=None, repr=False)
-    remote_write: str = "registered"
-    remote_read: bool = True
-    max_links: int = 256
-    handshake_timeout_ms: int = 5000
-    max_handshakes_per_peer: int = 8
-
-    @classmethod
-    def parse(cls, options: dict[str, str]) -> HostEngineOptions:
-        def positive(key: str, default: int, minimum: int = 1) -> int:
-            raw = options.get(key)
-            if raw is None:
-                return default
-            try:
-                value = int(raw)
-            except (TypeError, ValueError):
-                raise ValueError(f"option {key} must be an integer, got {raw!r}") from None
-            if value < minimum:
-                raise ValueError(f"option {key} must be >= {minimum}, got {value}")
-            return value
-
-        transport = str(options.get(OPTION_TRANSPORT, "auto")).lower()
-        if transport not in ("auto", "tcp"):
-            raise ValueError(f"option {OPTION_TRANSPORT} must be 'auto' or 'tcp', got {transport!r}")
-        auto_connect = str(options.get(api.OPTION_AUTO_CONNECT, "0"))
-        if auto_connect not in ("0", "1"):
-            raise ValueError(f"option {api.OPTION_AUTO_CONNECT} must be '0' or '1', got {auto_connect!r}")
-        remote_write = str(options.get(OPTION_REMOTE_WRITE, "registered")).lower()
-        if remote_write not in ("registered", "leased"):
-            raise ValueError(f"option {OPTION_REMOTE_WRITE} must be 'registered' or 'leased', got {remote_write!r}")
-        remote_read = str(options.get(OPTION_REMOTE_READ, "1"))
-        if remote_read not in ("0", "1"):
-            raise ValueError(f"option {OPTION_REMOTE_READ} must be '0' or '1', got {remote_read!r}")
-        raw_key = options.get(OPTION_AUTH_KEY)
-        auth_key = link_auth.parse_key(str(raw_key)) if raw_key else None
-        return cls(
-            transport=transport,
-            max_outstanding=positive(OPTION_MAX_OUTSTANDING, cls.max_outstanding),
-            notify_queue=positive(OPTION_NOTIFY_QUEUE, cls.notify_queue),
-            copy_threads=positive(OPTION_COPY_THREADS, cls.copy_threads),
-            inline_copy_max_bytes=positive(OPTION_INLINE_COPY_MAX_BYTES, cls.inline_copy_max_bytes, minimum=0),
-            inline_send_max_bytes=positive(OPTION_INLINE_SEND_MAX_BYTES, cls.inline_send_max_bytes, minimum=0),
-            auto_connect=auto_connect == "1",
-            auth_key=auth_key,
-            remote_write=remote_write,
-            remote_read=remote_read == "1",
-            max_links=positive(OPTION_MAX_LINKS, cls.max_links),
-            handshake_timeout_ms=positive(OPTION_HANDSHAKE_TIMEOUT_MS, cls.handshake_timeout_ms),
-            max_handshakes_per_peer=positive(OPTION_MAX_HANDSHAKES_PER_PEER, cls.max_handshakes_per_peer),
-        )
-
-    def server_policy(self) -> ServerPolicy:
-        return ServerPolicy(
-            key=self.auth_key,
-            remote_write=self.remote_write,
-            remote_read=self.remote_read,
-            max_links=self.max_links,
-            max_pending=min(32, self.max_links),
-            max_pending_per_peer=min(self.max_handshakes_per_peer, 32, self.max_links),
-            handshake_timeout_s=self.handshake_timeout_ms / 1000.0,
-        )
-
+log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -207,12 +50,6 @@ def _status(status: int) -> Callable[[], int]:
     return lambda: status
 
 
-class _BadRange(ValueError):
-    def __init__(self, side: str, addr: int, length: int) -> None:
-        super().__init__(f"{side} range {addr:#x}+{length} is not inside a registered region")
-        self.side, self.addr, self.length = side, addr, length
-
-
 def get_capability(feature_type: int) -> tuple[int, int]:
     """Like `hixl.get_capability`: an unknown feature is SUCCESS with value 0."""
     if feature_type == api.FeatureType.AUTO_CONNECT:
@@ -224,29 +61,22 @@ class Hixl:
     """The host engine. See the module docstring for what it does and where it differs."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # one lock, shared by the tables below
         self._initialized = False
         self.engine_id = ""
         self.options = HostEngineOptions()
-        self._regions = RegionTable()
-        self._segments: dict[int, ShmSegment] = {}  # malloc_mem's allocations by address
-        self._links: dict[str, Link] = {}
-        self._requests: dict[int, Request] = {}  # async requests not yet reported terminal
-        self._req_ids = itertools.count(1)
+        self._memory = MemoryTable(self._lock)
+        self._links = LinkTable(self._lock)
+        self._transfers = TransferTable(self._lock, self._memory, self._link)
         self._notifies: NotifyInbox | None = None
         self._server: HostServer | None = None
-        self._copy_queue: queue.SimpleQueue[tuple[Link, Request, Plan] | None] = queue.SimpleQueue()
-        self._views: dict[Region, memoryview] = {}
-        self._copy_threads: list[threading.Thread] = []
-        self._connector: ThreadPoolExecutor | None = None
-        self._connect_status: dict[str, api.AsyncConnectStatus] = {}
-        self._connect_queued = 0
         self._leases = LeaseTable()
         self.copies = CopyCounts()  # bytes per memory pass, this engine's own (copy_counts.py)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @_never_raises(_status(api.FAILED))
     def initialize(self, local_engine: str, options: dict[str, str] | None = None) -> int:
+        """A port > 0 in "ip:port" makes the engine a server listening there."""
         with self._lock:
             if self._initialized:
                 return api.SUCCESS
@@ -258,29 +88,9 @@ class Hixl:
                 return api.PARAM_INVALID
             self._leases = LeaseTable()
             self._notifies = NotifyInbox(self.options.notify_queue, check_sender=self.options.auth_key is not None)
-            inbox = self._notifies.name
-            if port > 0:
-                try:
-                    self._server = HostServer(
-                        host,
-                        port,
-                        local_engine,
-                        self._regions,
-                        self._notifies,
-                        lambda: {"notify_socket": inbox},
-                        self.options.server_policy(),
-                        self._leases,
-                        copies=self.copies,
-                    )
-                except OSError as exc:
-                    log.error(kv(event="listen_failed", engine=local_engine, error=exc))
-                    self._notifies.close()
-                    return api.FAILED
-                self._server.start()
-            for i in range(self.options.copy_threads):
-                t = threading.Thread(target=self._copy_loop, name=f"hixl-copy-{i}", daemon=True)
-                t.start()
-                self._copy_threads.append(t)
+            if port > 0 and not self._listen(host, port, local_engine, self._notifies):
+                return api.FAILED
+            self._transfers.start(self.options)
             self.engine_id = local_engine
             self._initialized = True
             log.info(
@@ -298,15 +108,26 @@ class Hixl:
             )
             return api.SUCCESS
 
+    def _listen(self, host: str, port: int, local_engine: str, notifies: NotifyInbox) -> bool:
+        inbox = notifies.name
+        served = Served(self._memory.regions, notifies, lambda: {"notify_socket": inbox}, self._leases, self.copies)
+        try:
+            self._server = HostServer(host, port, local_engine, served, self.options.server_policy())
+        except OSError as exc:
+            log.error(kv(event="listen_failed", engine=local_engine, error=exc))
+            notifies.close()
+            return False
+        self._server.start()
+        return True
+
     @_never_raises(lambda: None)
     def finalize(self) -> None:
         with self._lock:
             if not self._initialized:
                 return
             self._initialized = False
-            links, self._links = list(self._links.values()), {}
+            links, connector = self._links.detach()
             server, self._server = self._server, None
-            connector, self._connector = self._connector, None
         # The server first: once it has stopped, no peer's frame can be writing into memory
         # that is about to be freed (its threads are joined); then our own links.
         if server is not None and not server.stop():
@@ -317,20 +138,10 @@ class Hixl:
             link.close(timeout_s=2.0)
         if self._notifies is not None:
             self._notifies.close()
-        for _ in self._copy_threads:
-            self._copy_queue.put(None)
-        for t in self._copy_threads:
-            t.join(2.0)
-        self._copy_threads.clear()
+        self._transfers.stop_threads()
         with self._lock:
-            for req in self._requests.values():
-                req.finish(api.FAILED)
-            self._requests.clear()
-            self._views.clear()
-            for seg in self._segments.values():
-                seg.close()
-            self._segments.clear()
-            self._regions = RegionTable()
+            self._transfers.fail_all()
+            self._memory.clear()
         log.info(kv(event="engine_finalized", engine=self.engine_id))
 
     def __del__(self) -> None:  # the binding's destructor finalizes too
@@ -345,71 +156,26 @@ class Hixl:
         """Shared memory a peer on this host can map (the zero-copy path). Zero-filled."""
         if not self._initialized:
             return api.FAILED, 0
-        if mem_type != api.MemType.MEM_HOST:
-            return api.UNSUPPORTED, 0
-        if not isinstance(size, int) or size <= 0:
-            return api.PARAM_INVALID, 0
-        try:
-            seg = ShmSegment.create(size)
-        except OSError as exc:
-            log.error(kv(event="malloc_failed", size=size, error=exc))
-            return api.RESOURCE_EXHAUSTED, 0
-        with self._lock:
-            self._segments[seg.addr] = seg
-        return api.SUCCESS, seg.addr
+        return self._memory.malloc(size, mem_type)
 
     @_never_raises(_status(api.FAILED))
     def free_mem(self, addr: int) -> int:
         """Free an allocation; its registrations go with it. Peers that mapped it keep valid
         (orphaned) pages. Like any HIXL memory, free it only once no transfer of ours uses it."""
-        with self._lock:
-            seg = self._segments.pop(addr, None)
-            if seg is None:
-                return api.PARAM_INVALID
-            for region in self._regions.snapshot(include_local_only=True):
-                if region.shm_name == seg.name:
-                    handle = self._regions.handle_of(region)
-                    if handle is not None:
-                        self._regions.remove(handle)
-                    self._views.pop(region, None)
-        seg.close()
-        return api.SUCCESS
+        return self._memory.free(addr)
 
     @_never_raises(lambda: (api.FAILED, 0))
     def register_mem(self, mem_desc: Any, mem_type: int) -> tuple[int, int]:
+        """Register before `connect`: a link sees the regions registered when it was made."""
         if not self._initialized:
             return api.FAILED, 0
-        addr, length = int(mem_desc.addr), int(mem_desc.len)
-        if addr <= 0 or length <= 0 or int(mem_type) not in (api.MEM_DEVICE, api.MEM_HOST):
-            return api.PARAM_INVALID, 0
-        shm_name, shm_offset, shm_size = "", 0, 0
-        with self._lock:
-            for seg in self._segments.values():
-                if seg.addr <= addr and addr + length <= seg.addr + seg.size:
-                    shm_name, shm_offset, shm_size = seg.name, addr - seg.addr, seg.size
-                    break
-            region = Region(
-                addr=addr,
-                length=length,
-                mem_type=int(mem_type),
-                shm_name=shm_name,
-                shm_offset=shm_offset,
-                shm_size=shm_size,
-                local_only=bool(getattr(mem_desc, "local_only", False)),
-            )
-            handle = self._regions.add(region)
-        return api.SUCCESS, handle
+        return self._memory.register(mem_desc, mem_type)
 
     @_never_raises(_status(api.FAILED))
     def deregister_mem(self, handle: int) -> int:
         if not self._initialized:
             return api.FAILED
-        if not handle:
-            return api.PARAM_INVALID
-        region = self._regions.remove(int(handle))  # unknown or repeated: SUCCESS, like HIXL
-        if region is not None:
-            self._views.pop(region, None)
-        return api.SUCCESS
+        return self._memory.deregister(handle)
 
     # ---- links ---------------------------------------------------------------------------------------
     @_never_raises(_status(api.FAILED))
@@ -418,62 +184,14 @@ class Hixl:
             return api.FAILED
         if timeout_in_millis <= 0:
             return api.PARAM_INVALID
-        with self._lock:  # the common case first: every push checks its targets are linked
-            link = self._links.get(remote_engine)
-            if link is not None and not link.closed:
-                return api.ALREADY_CONNECTED
-        try:
-            host, port = parse_engine_id(remote_engine)
-        except ValueError as exc:
-            log.error(kv(event="connect_rejected", remote=remote_engine, error=exc))
-            return api.PARAM_INVALID
-        if port <= 0:
-            return api.PARAM_INVALID
-        try:
-            new = Link.open(
-                self.engine_id,
-                remote_engine,
-                host,
-                port,
-                timeout_in_millis / 1000.0,
-                allow_shm=self.options.transport == "auto",
-                inline_send_max_bytes=self.options.inline_send_max_bytes,
-                key=self.options.auth_key,
-                copies=self.copies,
-            )
-        except link_auth.AuthError as exc:
-            log.warning(kv(event="connect_unauthenticated", remote=remote_engine, error=exc))
-            return api.FAILED
-        except TimeoutError as exc:
-            log.warning(kv(event="connect_timeout", remote=remote_engine, timeout_ms=timeout_in_millis, error=exc))
-            return api.TIMEOUT
-        except OSError as exc:
-            log.warning(kv(event="connect_failed", remote=remote_engine, error=exc))
-            return api.FAILED
-        stale: Link | None
-        with self._lock:
-            old = self._links.get(remote_engine)
-            if old is not None and not old.closed:  # a concurrent connect won
-                stale = new
-            else:
-                stale, self._links[remote_engine] = old, new
-        if stale is not None:
-            stale.close(timeout_s=1.0)
-            if stale is new:
-                return api.ALREADY_CONNECTED
-        return api.SUCCESS
+        options = self.options.link_options(self.copies)
+        return self._links.connect(self.engine_id, remote_engine, timeout_in_millis, options)
 
     @_never_raises(_status(api.FAILED))
     def disconnect(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
         if not self._initialized:
             return api.FAILED
-        with self._lock:
-            link = self._links.pop(remote_engine, None)
-        if link is None:
-            return api.NOT_CONNECTED
-        link.close(timeout_s=max(timeout_in_millis, 1) / 1000.0)
-        log.info(kv(event="disconnected", local=self.engine_id, remote=remote_engine))
-        return api.SUCCESS
+        return self._links.disconnect(self.engine_id, remote_engine, timeout_in_millis)
 
     @_never_raises(_status(api.FAILED))
     def connect_async(self, remote_engine: str, timeout_in_millis: int = 1000) -> int:
@@ -488,65 +206,25 @@ class Hixl:
             return api.FAILED
         if timeout_ms <= 0:
             return api.PARAM_INVALID
-        S = api.AsyncConnectStatus
-        with self._lock:
-            if self._connect_queued >= CONNECT_QUEUE_CAPACITY:
-                return api.RESOURCE_EXHAUSTED
-            if self._connector is None:
-                self._connector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hixl-connect")
-            self._connect_queued += 1
-            self._connect_status[remote_engine] = S.CONNECT_PENDING if connect else S.DISCONNECT_PENDING
-            connector = self._connector
-
-        def task() -> None:
-            try:
-                with self._lock:
-                    self._connect_status[remote_engine] = S.CONNECTING if connect else S.DISCONNECTING
-                if connect:
-                    ok = self.connect(remote_engine, timeout_ms) in (api.SUCCESS, api.ALREADY_CONNECTED)
-                    result = S.CONNECTED if ok else S.CONNECT_FAILED
-                else:
-                    self.disconnect(remote_engine, timeout_ms)
-                    result = S.NOT_CONNECT
-                with self._lock:
-                    self._connect_status[remote_engine] = result
-            finally:
-                with self._lock:
-                    self._connect_queued -= 1
-
-        connector.submit(task)
-        return api.SUCCESS
+        return self._links.queue(remote_engine, timeout_ms, self.connect if connect else None, self.disconnect)
 
     @_never_raises(lambda: (api.FAILED, api.AsyncConnectStatus.NOT_CONNECT))
     def get_async_connect_status(self, remote_engine: str) -> tuple[int, api.AsyncConnectStatus]:
         if not self._initialized:
             return api.FAILED, api.AsyncConnectStatus.NOT_CONNECT
-        with self._lock:
-            return api.SUCCESS, self._async_status(remote_engine)
+        return api.SUCCESS, self._links.async_status(remote_engine)
 
     @_never_raises(lambda: (api.FAILED, {}))
     def get_all_async_connect_status(self) -> tuple[int, dict[str, api.AsyncConnectStatus]]:
         if not self._initialized:
             return api.FAILED, {}
-        with self._lock:
-            names = set(self._connect_status) | set(self._links)
-            return api.SUCCESS, {name: self._async_status(name) for name in names}
-
-    def _async_status(self, remote: str) -> api.AsyncConnectStatus:
-        status = self._connect_status.get(remote)
-        if status is not None:
-            return status
-        link = self._links.get(remote)
-        connected = link is not None and not link.closed
-        return api.AsyncConnectStatus.CONNECTED if connected else api.AsyncConnectStatus.NOT_CONNECT
+        return api.SUCCESS, self._links.all_async_status()
 
     def _link(self, remote_engine: str) -> Link | None:
-        with self._lock:
-            link = self._links.get(remote_engine)
+        link = self._links.get(remote_engine)
         if (link is None or link.closed) and self.options.auto_connect:
             if self.connect(remote_engine, 1000) in (api.SUCCESS, api.ALREADY_CONNECTED):
-                with self._lock:
-                    link = self._links.get(remote_engine)
+                link = self._links.get(remote_engine)
         if link is None or link.closed:
             return None
         return link
@@ -554,11 +232,12 @@ class Hixl:
     # ---- transfers -----------------------------------------------------------------------------------
     @_never_raises(_status(api.FAILED))
     def transfer_sync(self, remote_engine: str, op: int, op_descs: Sequence[Any], timeout_in_millis: int = 1000) -> int:
+        """A range outside a registered region, locally or remotely, is PARAM_INVALID."""
         if not self._initialized:
             return api.FAILED
         if timeout_in_millis <= 0:
             return api.PARAM_INVALID
-        status, request = self._start(remote_engine, op, op_descs, api.TransferArgs(), sync=True)
+        status, request = self._transfers.start_request(remote_engine, op, op_descs, api.TransferArgs(), sync=True)
         if request is None:
             return status
         if not request.wait(timeout_in_millis / 1000.0):
@@ -569,172 +248,25 @@ class Hixl:
 
     @_never_raises(lambda: (api.FAILED, 0))
     def transfer_async(self, remote_engine: str, op: int, op_descs: Sequence[Any], args: Any = None) -> tuple[int, int]:
+        """Returns a request id. At most `pdserve.MaxOutstandingTransfers` (HIXL's CS flag queue)
+        requests whose terminal status was not read yet: past that, RESOURCE_EXHAUSTED."""
         if not self._initialized:
             return api.FAILED, 0
-        with self._lock:
-            if len(self._requests) >= self.options.max_outstanding:
-                return api.RESOURCE_EXHAUSTED, 0
-        status, request = self._start(remote_engine, op, op_descs, args or api.TransferArgs(), track=True)
+        if self._transfers.full():
+            return api.RESOURCE_EXHAUSTED, 0
+        status, request = self._transfers.start_request(
+            remote_engine, op, op_descs, args or api.TransferArgs(), track=True
+        )
         if request is None:
             return status, 0
         return api.SUCCESS, request.req_id
-
-    def _start(
-        self, remote_engine: str, op: int, op_descs: Sequence[Any], args: Any, track: bool = False, sync: bool = False
-    ) -> tuple[int, Request | None]:
-        """Validate, then hand the request to its path. (status, None) when refused up front.
-
-        `sync`: the caller is going to wait anyway, so shared-memory copies run on its thread."""
-        try:
-            operation = api.TransferOp(int(op))
-        except ValueError:
-            return api.PARAM_INVALID, None
-        if not op_descs:
-            return api.PARAM_INVALID, None
-        link = self._link(remote_engine)
-        if link is None:
-            return api.NOT_CONNECTED, None
-        try:
-            descs, plan = self._resolve(link, op_descs)
-        except _BadRange as bad:
-            log.warning(
-                kv(
-                    event="range_not_registered",
-                    side=bad.side,
-                    remote=remote_engine,
-                    addr=hex(bad.addr),
-                    len=bad.length,
-                )
-            )
-            return api.PARAM_INVALID, None
-        nbytes = plan.nbytes if isinstance(plan, BatchCopy) else None
-        if plan is None and len(descs) > wire.MAX_DESCS_PER_FRAME:  # (the server would break the link)
-            log.warning(
-                kv(event="too_many_descriptors", remote=remote_engine, count=len(descs), limit=wire.MAX_DESCS_PER_FRAME)
-            )
-            return api.PARAM_INVALID, None
-        request = Request(next(self._req_ids), operation, descs, int(getattr(args, "user_data", 0) or 0), nbytes=nbytes)
-        if plan is None and operation is api.TransferOp.READ and request.nbytes > wire.MAX_READ_BYTES:
-            log.warning(kv(event="read_too_big", remote=remote_engine, bytes=request.nbytes, limit=wire.MAX_READ_BYTES))
-            return api.PARAM_INVALID, None
-        if track:
-            with self._lock:
-                if len(self._requests) >= self.options.max_outstanding:
-                    return api.RESOURCE_EXHAUSTED, None
-                self._requests[request.req_id] = request
-        if plan is None:
-            link.submit(request)
-        elif sync or request.nbytes <= self.options.inline_copy_max_bytes:
-            link.copy(request, plan)
-        else:
-            self._copy_queue.put((link, request, plan))
-        return api.SUCCESS, request
-
-    def _resolve(self, link: Link, op_descs: Sequence[Any]) -> tuple[list[tuple[int, int, int]], Plan | None]:
-        """Range-check every descriptor (raises _BadRange). Returns the descriptors as tuples
-        and, when every remote range lies in memory this process maps, the copy plan of the
-        zero-copy path (else None: the TCP path).
-
-        Written for speed: a push's runs all fall in one local and one remote region, so that
-        case is checked for the whole batch at once (`_resolve_within`); otherwise the regions
-        of the previous descriptor are tried first."""
-        fast = self._resolve_within(link, op_descs)
-        if fast is not None:
-            return fast
-        descs: list[tuple[int, int, int]] = []
-        plan: list[CopyStep] | None = []
-        local_region: Region | None = None
-        remote_region: Region | None = None
-        local_view = memoryview(b"")
-        segment: ShmSegment | None = None
-        seg_base = 0
-        for d in op_descs:
-            local, remote, length = int(d.local_addr), int(d.remote_addr), int(d.len)
-            if length <= 0:
-                raise _BadRange("length", local, length)
-            if local_region is None or not (local_region.addr <= local and local + length <= local_region.end):
-                local_region = self._regions.find(local, length)
-                if local_region is None:
-                    raise _BadRange("local", local, length)
-                local_view = self._view_of(local_region)
-            if remote_region is None or not (remote_region.addr <= remote and remote + length <= remote_region.end):
-                remote_region = link.remote.find(remote, length)
-                if remote_region is None:
-                    raise _BadRange("remote", remote, length)
-                if plan is not None and link.shares(remote_region):
-                    segment = link.peer_segment(remote_region)
-                    seg_base = remote_region.shm_offset - remote_region.addr
-                else:
-                    plan = None
-            descs.append((local, remote, length))
-            if plan is not None:
-                plan.append((local, local_view, local - local_region.addr, segment, seg_base + remote, length))  # type: ignore[arg-type]
-        return descs, plan
-
-    def _resolve_within(self, link: Link, op_descs: Sequence[Any]) -> tuple[list[tuple[int, int, int]], Plan] | None:
-        """`_resolve` for a batch whose every range lies in one local region and one shared
-        remote region: one bounds check over the batch's extremes instead of one per descriptor
-        (a TP rank's head-sliced push sends thousands of 256-byte runs per call), and a
-        BatchCopy of plain int lists, not a tuple per descriptor (the garbage collector's
-        passes over 100,000 new tuples cost more than the copies). None when the batch is not
-        that (then the per-descriptor path decides, and names what was wrong)."""
-        locals_ = [d.local_addr for d in op_descs]
-        remotes = [d.remote_addr for d in op_descs]
-        lengths = [d.len for d in op_descs]
-        if {*map(type, locals_), *map(type, remotes), *map(type, lengths)} != {int} or min(lengths) <= 0:
-            return None
-        lo_local, hi_local = min(locals_), max(map(sum, zip(locals_, lengths)))
-        lo_remote, hi_remote = min(remotes), max(map(sum, zip(remotes, lengths)))
-        local_region = self._regions.find(lo_local, hi_local - lo_local)
-        remote_region = link.remote.find(lo_remote, hi_remote - lo_remote)
-        if local_region is None or remote_region is None or not link.shares(remote_region):
-            return None
-        base, seg_base = local_region.addr, remote_region.shm_offset - remote_region.addr
-        plan = BatchCopy(
-            self._view_of(local_region),
-            base,
-            link.peer_segment(remote_region),
-            [a - base for a in locals_],
-            [seg_base + b for b in remotes],
-            lengths,
-        )
-        return [], plan
-
-    def _view_of(self, region: Region) -> memoryview:
-        """A cached byte view of a local registered region (dropped when it is deregistered)."""
-        view = self._views.get(region)
-        if view is None:
-            view = memoryview((ctypes.c_char * region.length).from_address(region.addr)).cast("B")
-            self._views[region] = view
-        return view
-
-    def _copy_loop(self) -> None:
-        while True:
-            item = self._copy_queue.get()
-            if item is None:
-                return
-            link, request, plan = item
-            try:
-                link.copy(request, plan)
-            except Exception as exc:  # never let one bad copy kill the worker
-                log.exception(kv(event="copy_failed", remote=link.remote_engine, error=repr(exc)))
-                request.finish(api.FAILED)
 
     @_never_raises(lambda: (api.FAILED, api.TransferStatus.FAILED))
     def get_transfer_status(self, req_id: int) -> tuple[int, api.TransferStatus]:
         """A terminal state is reported once; after that (or for an id never issued) FAILED."""
         if not self._initialized:
             return api.FAILED, api.TransferStatus.FAILED
-        with self._lock:
-            request = self._requests.get(req_id)
-            if request is None:
-                return api.FAILED, api.TransferStatus.FAILED
-            if request.status is api.TransferStatus.WAITING:
-                return api.SUCCESS, api.TransferStatus.WAITING
-            del self._requests[req_id]
-        if request.status is api.TransferStatus.FAILED:
-            log.warning(kv(event="transfer_failed", req=req_id, reason=api.status_name(request.code)))
-        return api.SUCCESS, request.status
+        return self._transfers.status(req_id)
 
     @_never_raises(_status(api.FAILED))
     def wait_transfer(self, req_id: int, timeout_s: float) -> int:
@@ -743,34 +275,20 @@ class Hixl:
         pusher sleep instead of polling; with real HIXL it polls `get_transfer_status`."""
         if not self._initialized:
             return api.FAILED
-        with self._lock:
-            request = self._requests.get(req_id)
-        if request is None:
-            return api.FAILED
-        return api.SUCCESS if request.wait(timeout_s) else api.TIMEOUT
+        return self._transfers.wait(req_id, timeout_s)
 
     @_never_raises(lambda: (api.FAILED, []))
     def get_all_transfer_status(self, args: Any = None) -> tuple[int, list[api.TransferResult]]:
+        """Works on every transport (real HIXL: only with LocalCommRes 1.3)."""
         if not self._initialized:
             return api.FAILED, []
-        args = args or api.GetTransferStatusArgs()
-        results: list[api.TransferResult] = []
-        with self._lock:
-            for req_id in sorted(self._requests):
-                if len(results) >= args.max_query_count:
-                    break
-                request = self._requests[req_id]
-                waiting = request.status is api.TransferStatus.WAITING
-                if waiting and args.skip_waiting:
-                    continue
-                results.append(api.TransferResult(req_id, request.user_data, request.status))
-                if not waiting:
-                    del self._requests[req_id]
-        return api.SUCCESS, results
+        return api.SUCCESS, self._transfers.all_status(args or api.GetTransferStatusArgs())
 
     # ---- notifies ------------------------------------------------------------------------------------
     @_never_raises(_status(api.FAILED))
     def send_notify(self, remote_engine: str, notify: Any, timeout_in_millis: int = 1000) -> int:
+        """Client to server only; returns once the server queued it. Past `pdserve.NotifyQueueSize`
+        queued notifies the sender gets RESOURCE_EXHAUSTED; `get_notifies` drains the queue."""
         if not self._initialized:
             return api.FAILED
         name, msg = str(notify.name), str(notify.notify_msg)
@@ -779,15 +297,7 @@ class Hixl:
         link = self._link(remote_engine)
         if link is None:
             return api.NOT_CONNECTED
-        name_bytes = name.encode()
-        body = name_bytes + msg.encode()
-        if link.notify_inbox(wire.notify_frame(body, len(name_bytes))):
-            return api.SUCCESS  # same host: the decode's waiter is already being woken
-        request = Request(0, None, [], body=body, name_len=len(name_bytes))
-        link.notify(request)
-        if not request.wait(timeout_in_millis / 1000.0):
-            return api.TIMEOUT
-        return request.code
+        return link.send_notify(name, msg, timeout_in_millis / 1000.0)
 
     @_never_raises(lambda: (api.FAILED, []))
     def get_notifies(self) -> tuple[int, list[api.NotifyDesc]]:
@@ -817,7 +327,7 @@ class Hixl:
         if not self._initialized:
             return api.FAILED, 0
         addr, length = int(addr), int(length)
-        if length <= 0 or self._regions.find(addr, length) is None:
+        if length <= 0 or self._memory.regions.find(addr, length) is None:
             return api.PARAM_INVALID, 0
         return api.SUCCESS, self._leases.grant(addr, length)
 
@@ -842,15 +352,10 @@ class Hixl:
     # ---- introspection (host engine only) ------------------------------------------------------------
     def link_path(self, remote_engine: str) -> str | None:
         """'shm' when this engine maps some of the remote's memory, 'tcp' otherwise; None if unlinked."""
-        with self._lock:
-            link = self._links.get(remote_engine)
-        if link is None or link.closed:
-            return None
-        return "shm" if any(link.shares(r) for r in link.remote.snapshot()) else "tcp"
+        return self._links.path(remote_engine)
 
     def outstanding(self) -> int:
-        with self._lock:
-            return len(self._requests)
+        return self._transfers.outstanding()
 
 
 def create() -> TransferBackend:

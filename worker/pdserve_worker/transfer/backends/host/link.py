@@ -17,6 +17,7 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 
 from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
@@ -28,7 +29,7 @@ from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
 from pdserve_worker.transfer.backends.host.shm import ShmSegment
 from pdserve_worker.transfer.copy_counts import CopyCounts
 
-log = logging.getLogger("pdserve.transfer.host_link")
+log = logging.getLogger(__name__)
 
 # One descriptor of a shared-memory copy: (local address, view of the local region, offset in
 # it, the peer's segment as mapped here, offset in it, length).
@@ -87,30 +88,42 @@ class Request:
         return False
 
 
+@dataclass(frozen=True)
+class LinkOptions:
+    """How a link is made: whether it may map the peer's shared memory, the largest frame the
+    caller's thread writes itself, the link key (None: no proof asked or given), the copy counts."""
+
+    allow_shm: bool = True
+    inline_send_max_bytes: int = 256 << 10
+    key: bytes | None = field(default=None, repr=False)
+    copies: CopyCounts = field(default_factory=CopyCounts)
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """What `Link.open` established: the socket and its frame reader, the peer's regions, our
+    mappings of its shared ones, and its notify inbox when it is on this host."""
+
+    sock: socket.socket
+    reader: wire.FrameReader
+    regions: list[Region]
+    mappings: dict[str, ShmSegment]
+    notify_socket: socket.socket | None = None
+
+
 class Link:
     """A connected client→server link. Create with `Link.open`."""
 
-    def __init__(
-        self,
-        local_engine: str,
-        remote_engine: str,
-        sock: socket.socket,
-        reader: wire.FrameReader,
-        remote_regions: list[Region],
-        mappings: dict[str, ShmSegment],
-        inline_send_max_bytes: int,
-        notify_socket: socket.socket | None = None,
-        copies: CopyCounts | None = None,
-    ) -> None:
+    def __init__(self, local_engine: str, remote_engine: str, opened: _Opened, options: LinkOptions) -> None:
         self.local_engine = local_engine
-        self.copies = copies if copies is not None else CopyCounts()
+        self.copies = options.copies
         self.remote_engine = remote_engine
-        self.remote = RegionTable(remote_regions)
-        self._sock = sock
-        self._frames = reader
-        self._mappings = mappings
-        self._inline_send_max = inline_send_max_bytes
-        self._fast_notify = notify_socket  # the server's notify inbox, when on this host
+        self.remote = RegionTable(opened.regions)
+        self._sock = opened.sock
+        self._frames = opened.reader
+        self._mappings = opened.mappings
+        self._inline_send_max = options.inline_send_max_bytes
+        self._fast_notify = opened.notify_socket  # the server's notify inbox, when on this host
         self._send_lock = threading.Lock()
         self._pending: collections.deque[Request] = collections.deque()  # sent, awaiting ACK
         self._outbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
@@ -127,20 +140,11 @@ class Link:
     # ---- setup -------------------------------------------------------------------------------------
     @classmethod
     def open(
-        cls,
-        local_engine: str,
-        remote_engine: str,
-        host: str,
-        port: int,
-        timeout_s: float,
-        allow_shm: bool,
-        inline_send_max_bytes: int,
-        key: bytes | None = None,
-        copies: CopyCounts | None = None,
+        cls, local_engine: str, remote_engine: str, host: str, port: int, timeout_s: float, options: LinkOptions
     ) -> Link:
         """Connect (retrying while the server is not up yet), authenticate, map shared regions.
 
-        With `key` the server must prove it holds the same key before we use anything it
+        With `options.key` the server must prove it holds the same key before we use anything it
         said (we push KV into it, and KV gives a prompt away); without one we accept only a
         server that does not ask for a proof either. Raises TimeoutError when no server
         answered in time, link_auth.AuthError when the proofs fail, OSError/ProtocolError
@@ -151,7 +155,7 @@ class Link:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            hello = _handshake(sock, local_engine, remote_engine, key)
+            hello = _handshake(sock, local_engine, remote_engine, options.key)
             sock.settimeout(None)
         except TimeoutError:
             sock.close()
@@ -167,7 +171,7 @@ class Link:
         regions = [Region.from_wire(r) for r in listed]
         mappings: dict[str, ShmSegment] = {}
         inbox: socket.socket | None = None
-        if allow_shm and body.get("host") == link_auth.host_tag():
+        if options.allow_shm and body.get("host") == link_auth.host_tag():
             mappings = _map_shared(regions, remote_engine)
             inbox = _open_inbox(str(body.get("notify_socket", "")), remote_engine)
         log.info(
@@ -179,10 +183,10 @@ class Link:
                 shared=len(mappings),
                 path="shm" if mappings else "tcp",
                 notify="inbox" if inbox else "tcp",
-                auth=key is not None,
+                auth=options.key is not None,
             )
         )
-        return cls(local_engine, remote_engine, sock, reader, regions, mappings, inline_send_max_bytes, inbox, copies)
+        return cls(local_engine, remote_engine, _Opened(sock, reader, regions, mappings, inbox), options)
 
     @property
     def closed(self) -> bool:
@@ -232,6 +236,19 @@ class Link:
                 self._send_lock.release()
             return
         self._outbox.put(request)
+
+    def send_notify(self, name: str, msg: str, timeout_s: float) -> int:
+        """A notify to the server: one datagram to its inbox on this host, else a NOTIFY frame
+        answered by an ACK within `timeout_s` (TIMEOUT otherwise)."""
+        name_bytes = name.encode()
+        body = name_bytes + msg.encode()
+        if self.notify_inbox(wire.notify_frame(body, len(name_bytes))):
+            return api.SUCCESS  # same host: the decode's waiter is already being woken
+        request = Request(0, None, [], body=body, name_len=len(name_bytes))
+        self.notify(request)
+        if not request.wait(timeout_s):
+            return api.TIMEOUT
+        return request.code
 
     def notify_inbox(self, frame: bytes) -> bool:
         """On this host: send a NOTIFY frame as one datagram straight to the server's inbox,

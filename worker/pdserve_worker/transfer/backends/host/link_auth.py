@@ -1,23 +1,16 @@
 """Who may use a host engine's KV link: a per-service key, proven by challenge-response.
 
-The KV plane admits only the service's own processes. Every pod of a service already holds
-one secret of its own, the service token, held by the operator (`pdserve local` makes one per
-run): each purpose gets its own key derived from it (pdserve_common/service_keys.py), and the
-pods that need one are given it, never the token.
-
-- `PURPOSE_LINK`: the host engine's link key. At connect both sides send a fresh 32-byte
-  nonce; the client proves it holds the key with HMAC(key, "client" | both nonces | its
-  claims), the server answers with HMAC(key, "server" | both nonces). The key never crosses
-  the wire, a recorded handshake is useless on another connection (the other side's nonce
-  differs), a proof cannot be reflected (the role is in the MAC), and the client checks the
-  server's proof before it sends a byte of KV (a prompt can be read back from its KV, so an
-  impostor server must not get it either).
-- `PURPOSE_CAPABILITY`: the key of reservation capabilities (kv/slots.py): every member of a
-  layer-sharded decode group can check a ready notify's capability without being told of
-  each reservation.
-
-Hand-written over `hmac`/`hashlib`/`secrets` rather than a library: the handshake is four HMAC
-calls (the key derivation's reasons are in service_keys.py).
+The KV plane admits only the service's own processes. Each purpose gets its own key derived
+from the service token (pdserve_common/service_keys.py); pods are given the keys they need,
+never the token.
+- `PURPOSE_LINK`: the link key. At connect both sides send a fresh 32-byte nonce; the client
+  proves the key with HMAC(key, "client" | both nonces | its claims), the server answers with
+  HMAC(key, "server" | both nonces). The key never crosses the wire, a recorded handshake is
+  useless on another connection, a proof cannot be reflected, and the client checks the
+  server's proof before it sends a byte of KV (KV gives its prompt away).
+- `PURPOSE_CAPABILITY`: the key of reservation capabilities (kv/slots.py), so every member of
+  a layer-sharded decode group can check a ready notify's capability.
+Hand-written over `hmac`/`hashlib`/`secrets`: the handshake is four HMAC calls.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Where a server's received notifies wait to be drained, and how a waiter sleeps on them.
 
-A decode process waits for "kv_ready" far more often than anything else, so the path from a
-prefill's `send_notify` to the waiting thread is kept to one thread wake-up where it can be:
-
-- Same host (same network namespace): the client sends the notify as one datagram to this
-  inbox's Unix socket (abstract namespace: no file to clean up). The waiter sleeps in `poll`
-  on that socket and the kernel wakes it directly. A datagram that is accepted is queued, so
-  a successful send is as good as HIXL's ACK. When the kernel queue is full
-  (`net.unix.max_dgram_qlen`, often 10) the client falls back to the TCP path below.
-- Over TCP: the link's server thread receives the NOTIFY frame, appends it to a bounded
-  deque and rings the same socket with an empty datagram, so the waiter wakes the same way.
-
-Who can send here: any process of the same network namespace can reach an abstract socket
-(in a pod: the pod; under `pdserve local`: the host). With `check_sender` (the engine has a
-link key) the kernel attaches the sender's credentials to each datagram (SO_PASSCRED), and a
-datagram from another user is dropped and counted: only a process that could open our shared
-memory anyway (same user, 0600 segments) gets in. What it says is still checked above the engine: a ready notify counts only with its
-reservation's capability (readiness.py), so a forged one is dropped there.
-
-The bound: `capacity` notifies in the deque, past which a TCP notify is RESOURCE_EXHAUSTED,
-plus at most the kernel's datagram queue in flight. `drain` moves at most `capacity` plus
-the kernel's queue length of datagrams into the deque first (a sender that never stops cannot keep a drain from
-returning), so what a waiter gets is in arrival order per path.
+The path from a prefill's `send_notify` to the waiting decode thread is one wake-up where it
+can be:
+- Same host (network namespace): one datagram to this inbox's abstract Unix socket; the waiter
+  sleeps in `poll` on it. An accepted datagram is queued (as good as HIXL's ACK); when the
+  kernel queue is full the client falls back to TCP.
+- Over TCP: the link's server thread appends the NOTIFY to a bounded deque and rings the same
+  socket with an empty datagram.
+With `check_sender` (the engine has a link key) each datagram carries its sender's credentials
+(SO_PASSCRED) and one from another user is dropped and counted. What a notify says is checked
+above the engine (readiness.py: the reservation's capability).
+The bound: `capacity` notifies in the deque (past it a TCP notify is RESOURCE_EXHAUSTED) plus
+the kernel's datagram queue; `drain` moves at most that many, so it always returns.
 """
 
 from __future__ import annotations
@@ -40,7 +30,7 @@ from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import wire
 from pdserve_worker.util.drops import DropCounter
 
-log = logging.getLogger("pdserve.transfer.notify_inbox")
+log = logging.getLogger(__name__)
 
 MAX_DATAGRAM = wire.HEADER.size + 8 * api.MAX_NOTIFY_FIELD + 64  # two UTF-8 fields, generously
 UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid

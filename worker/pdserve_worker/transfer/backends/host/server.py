@@ -1,34 +1,17 @@
 """The server half of the host engine: accepts links, writes/reads registered memory, takes notifies.
 
-One thread accepts; one thread serves each connected client, answering its frames in order
-(wire.py). At HELLO the client gets the regions registered *at that moment* and that snapshot
-is all the link may ever touch: HIXL's "memory registered after a link exists is not reachable
-over it". Every range is checked again here before a byte is written, because the client's
-check ran against what it was told, and the region may since have been deregistered.
-
-Who gets in, and what they may do (`ServerPolicy`; the threat is anyone who can reach the
-port):
-- With a key, a connection must pass the challenge-response of link_auth.py before anything
-  else; until then the server reads only small handshake bodies under `handshake_timeout_s`,
-  sizes no buffer from what the peer sent, and discloses nothing but a fresh nonce. Regions,
-  and (only to a client on this host) shared-memory names and the notify inbox, come after.
-- At most `max_links` connections at once and `max_pending` of them still in the handshake.
-  When every pending place is taken, the oldest pending handshake is cut to make room (a
-  genuine peer finishes its handshake within a round trip; a squatter that connects and says
-  nothing would otherwise keep every genuine prefill out); when every link is an admitted
-  one, the newcomer is closed at accept. One source address holds at most
-  `max_pending_per_peer` handshakes (a newcomer past that is closed at accept), so a flood
-  from one address can neither take every pending place nor, by evicting, keep cutting the
-  genuine peers' handshakes.
-- A failed `accept()` (out of file descriptors: every connection to any of the process's
-  ports costs one) is counted and retried after a pause; only closing the listener ends
-  the acceptor.
-- `remote_write="leased"`: a WRITE lands only inside ranges the owner leased (leases.py), else
-  PARAM_INVALID; `remote_read=False`: every READ is PARAM_INVALID (no pull mode needs it).
-- Refusals are counted by reason (`stats()`), with a rate-limited summary log line rather
-  than one line each (drops.py).
-Real HIXL has none of this (HIXL.md 1.7): there the NetworkPolicy and the reservation
-capability (readiness.py) are what bound a peer.
+One thread accepts; one serves each client, answering its frames in order (wire.py). At HELLO
+the client gets the regions registered at that moment, all the link may ever touch (HIXL's
+rule); every range is checked again here before a byte is written. What a peer may do is
+`ServerPolicy` (the threat: anyone who can reach the port):
+- With a key, the challenge-response of link_auth.py comes first; until then the server reads
+  only small bodies under `handshake_timeout_s`, sizes no buffer from the peer and tells it
+  nothing but a nonce. Regions (and, to a client on this host, shm names and the inbox) after.
+- At most `max_links` links and `max_pending` handshakes; a newcomer cuts the oldest pending
+  handshake when all are taken, and is closed at accept when every link is admitted or its
+  address already holds `max_pending_per_peer` handshakes. A failed accept is retried later.
+- `remote_write="leased"`: a WRITE lands only in leased ranges (leases.py); `remote_read=False`:
+  every READ is PARAM_INVALID. Refusals are counted (`stats()`). Real HIXL has none of this.
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve_common import inherited_sockets
 from pdserve_common.logs import kv
@@ -53,7 +36,7 @@ from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.leases import LeaseTable
 from pdserve_worker.util.drops import DropCounter
 
-log = logging.getLogger("pdserve.transfer.host_server")
+log = logging.getLogger(__name__)
 
 MAX_CLIENT_NAME = 256
 ACCEPT_RETRY_S = 0.1  # after a failed accept (EMFILE, ENFILE, ENOBUFS, ENOMEM): the cause lasts a while
@@ -80,28 +63,31 @@ class ServerPolicy:
         )
 
 
+@dataclass(frozen=True)
+class Served:
+    """What a server serves, shared with its engine: the registered regions, the notify inbox,
+    what only a client on this host is told (the inbox's name), the write leases, the copy counts."""
+
+    regions: RegionTable
+    notifies: NotifyInbox
+    local_info: Callable[[], dict[str, object]]
+    leases: LeaseTable = field(default_factory=LeaseTable)
+    copies: CopyCounts = field(default_factory=CopyCounts)
+
+
 class HostServer:
     """Listens on (host, port); serves each client link on its own thread."""
 
     def __init__(
-        self,
-        host: str,
-        port: int,
-        engine_id: str,
-        regions: RegionTable,
-        notifies: NotifyInbox,
-        local_info: Callable[[], dict[str, object]],
-        policy: ServerPolicy | None = None,
-        leases: LeaseTable | None = None,
-        copies: CopyCounts | None = None,
+        self, host: str, port: int, engine_id: str, served: Served, policy: ServerPolicy | None = None
     ) -> None:
         self.engine_id = engine_id
-        self.copies = copies if copies is not None else CopyCounts()
+        self.copies = served.copies
         self.policy = policy or ServerPolicy()
-        self._regions = regions
-        self._notifies = notifies
-        self._local_info = local_info  # what only a client on this host is told (notify inbox)
-        self._leases = leases if leases is not None else LeaseTable()  # (an empty table is falsy)
+        self._regions = served.regions
+        self._notifies = served.notifies
+        self._local_info = served.local_info
+        self._leases = served.leases
         self.drops = DropCounter(log, "kv_link_refusals", server=engine_id)
         self._listener = inherited_sockets.take(port) or _bound(host, port)  # (handed down by `pdserve local`)
         self._listener.listen(128)

@@ -1,19 +1,13 @@
 """POSIX shared-memory segments: the host engine's allocator and a peer's view of them.
 
 Hand-written over `mmap` of a file in /dev/shm rather than `multiprocessing.shared_memory`:
-in Python 3.11 every process that *attaches* a SharedMemory registers it with its resource
-tracker, which unlinks the segment when that process exits (fixed only in 3.13 with
-`track=False`), so a decode pool would vanish when the first prefill exits.
-
-Names carry the owner's pid and a random token, so a name that opens on a peer is the same
-memory, never a namesake on another host: that is how a client finds out it shares /dev/shm
-with the server (same host, same pod) and may take the zero-copy path.
-
-A process that dies without cleaning up (SIGKILL, OOM) would leave its segments in /dev/shm.
-The owner therefore holds a shared `flock` on each segment for its lifetime; creating a new
-segment first unlinks every pdserve segment nobody holds a lock on. flock works across PID
-namespaces (it is on the file), so a live owner in another container is never mistaken for a
-dead one.
+in Python 3.11 a process that attaches a SharedMemory unlinks it when it exits (its resource
+tracker; `track=False` is 3.13), so a decode pool would vanish with the first prefill.
+Names carry the owner's pid and a random token: a name that opens on a peer is the same
+memory, which is how a client learns it shares /dev/shm with the server (the zero-copy path).
+The owner holds a shared `flock` on each segment while it lives; creating a segment first
+unlinks every pdserve segment nobody holds a lock on (flock is on the file, so it works across
+PID namespaces: a live owner in another container is never taken for a dead one).
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ from functools import lru_cache
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.transfer.shm")
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "pdserve-hixl-"

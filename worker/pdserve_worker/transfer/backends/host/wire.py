@@ -1,25 +1,17 @@
 """The host engine's TCP framing: one control/data stream per client→server link.
 
-Every frame starts with a fixed header `(kind, arg, seq, size)`; what follows depends on the
-kind. Payload bytes are received straight into registered memory (`recv_into` on a view of
-the raw address) and sent straight from it, so the TCP path makes no extra copy in Python.
-
-  HELLO      client→server  body: JSON {v, nonce}           reply CHALLENGE, body: JSON {auth, nonce}
-  AUTH       client→server  body: JSON {client, host, proof}  reply HELLO_ACK, body: JSON {proof, regions, ...}
-  WRITE      client→server  arg=n, size=payload bytes; n × (remote_addr, len), then payload
-  READ       client→server  arg=n; n × (remote_addr, len)   reply ACK size=bytes, then payload
-  NOTIFY     client→server  arg=name bytes; name then message (UTF-8)   reply ACK
-  ACK        server→client  arg=status code, seq echoes the request
-  BYE        client→server  the client disconnects
-
-The server answers frames in order, one connection at a time, so the client matches ACKs to
-its FIFO of pending frames and checks the seq.
-
-Until the handshake (HELLO, CHALLENGE, AUTH, HELLO_ACK: link_auth.py) has succeeded, the
-server reads only small control bodies (`MAX_HANDSHAKE_BODY`) under a deadline, allocates
-nothing sized by the peer, and tells it nothing but a nonce. The caps on what an
-authenticated peer may ask are here too: `MAX_NOTIFY_BODY`, `MAX_READ_BYTES` per READ frame,
-`MAX_DESCS_PER_FRAME`.
+A fixed header `(kind, arg, seq, size)`, then by kind; payloads go straight from/into registered memory.
+  HELLO   c→s  JSON {v, nonce}                 reply CHALLENGE: JSON {auth, nonce}
+  AUTH    c→s  JSON {client, host, proof}      reply HELLO_ACK: JSON {proof, regions, ...}
+  WRITE   c→s  arg=n, size=payload; n × (remote_addr, len), then payload
+  READ    c→s  arg=n; n × (remote_addr, len)   reply ACK size=bytes, then payload
+  NOTIFY  c→s  arg=name bytes; name then message (UTF-8)   reply ACK
+  ACK     s→c  arg=status code, seq echoes the request
+  BYE     c→s  the client disconnects
+The server answers in order, so the client matches ACKs to its FIFO of pending frames by seq.
+Until the handshake (link_auth.py) succeeded the server reads only small bodies
+(`MAX_HANDSHAKE_BODY`) under a deadline and tells nothing but a nonce. Caps on an
+authenticated peer: `MAX_NOTIFY_BODY`, `MAX_READ_BYTES` per READ, `MAX_DESCS_PER_FRAME`.
 """
 
 from __future__ import annotations
