@@ -143,13 +143,11 @@ def write_and_attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     plan: PagedPlan,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
 ) -> torch.Tensor:
     """Write k/v `[B, T, kv_heads, head_dim]` to their pool rows, then attention of q `[B, T,
     heads, head_dim]` over each row's keys; returns `[B, T, heads * head_dim]`."""
     batch, tokens = q.shape[0], q.shape[1]
+    heads, kv_heads, head_dim = q.shape[2], k.shape[2], k.shape[3]
     keys[plan.write_rows] = k.reshape(-1, kv_heads, head_dim)
     values[plan.write_rows] = v.reshape(-1, kv_heads, head_dim)
     gqa = heads != kv_heads
