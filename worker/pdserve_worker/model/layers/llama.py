@@ -27,6 +27,7 @@ than the attention itself).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,16 +54,31 @@ def _room(cache: KVCache | PagedKVCache, slot: int) -> int:
     return cache.capacity(slot) if isinstance(cache, PagedKVCache) else cache.layout.max_len
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """What of the model one process holds, and how (`LlamaModel`'s optional arguments).
+
+    `layers`: the layers kept (None: all). `quantized`: the checkpoint's quantized blocks by HF
+    name. `routes` (`weight_routes.plan`): how each matrix group is held (missing: "dequantized").
+    `reduce`: on a tensor-parallel rank, the sum of o_proj's and down_proj's partial products
+    over the group (an all_reduce; model/layers/tensor_parallel.py)."""
+
+    layers: range | None = None
+    quantized: Mapping[str, QuantizedTensor] | None = None
+    routes: Mapping[str, str] | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 class LlamaModel:
     """The decoder's weights plus a forward that reads and writes a `KVCache`.
 
     `weights` uses HF names (`model.layers.0.self_attn.q_proj.weight`, ...). Only the layers
-    in `layers` are kept (a layer-sharded member need not hold the others). Every tensor the
+    in `part.layers` are kept (a layer-sharded member need not hold the others). Every tensor the
     config implies (`shapes.weight_shapes`) must be there with its shape: a checkpoint that
     does not match its config.json is refused with the tensor's name, never reshaped.
 
-    `routes` (`weight_routes.plan`) says how each matrix group is held: "dequantized" (float,
-    from `weights`), or "int4"/"int8" (torch's weight-only kernels), built from `quantized`
+    `part.routes` (`weight_routes.plan`) says how each matrix group is held: "dequantized" (float,
+    from `weights`), or "int4"/"int8" (torch's weight-only kernels), built from `part.quantized`
     (the checkpoint's blocks, by HF name) where it holds the part, else quantized from
     `weights`. The embedding rows are always float (a lookup, not a product).
     """
@@ -73,14 +89,11 @@ class LlamaModel:
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
-        layers: range | None = None,
-        quantized: Mapping[str, QuantizedTensor] | None = None,
-        routes: Mapping[str, str] | None = None,
-        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        part: ModelPart | None = None,
     ) -> None:
-        self.config = config
-        # A tensor-parallel rank (model/layers/tensor_parallel.py): `config` is its share, and
-        # `reduce` sums o_proj's and down_proj's partial products over the group (an all_reduce).
+        part = part or ModelPart()
+        layers, quantized, routes, reduce = part.layers, part.quantized, part.routes, part.reduce
+        self.config = config  # a tensor-parallel rank's share of the model, on such a rank
         self.reduce = reduce
         self.dtype = dtype
         self.device = torch.device(device)
