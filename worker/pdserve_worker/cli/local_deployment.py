@@ -1,22 +1,16 @@
 """`pdserve local`: a whole PD deployment as child processes on 127.0.0.1.
 
-A broker, `decode` decode workers, `prefill` prefill workers and a router, the same processes
-a Kubernetes deployment runs (`pdserve broker`, `pdserve worker --role ...`), configured by the
-same environment variables the operator renders into pods (pod_env.py), with a service token
-generated for this run. Or, with `colocated`, one process that prefills and decodes itself
-(the baseline the benchmarks compare against).
+A broker, decode and prefill workers and routers, the processes a Kubernetes deployment runs,
+configured by the environment the operator renders into pods (cli/local_env.py) with a service
+token generated for this run; or, with `colocated`, one process that prefills and decodes.
 
-The model is converted once (the loader's cache) before any child starts, so the children
-only map the converted folder. Start-up is over when the router's /health reports every
-worker registered and ready; a child that dies meanwhile fails the start with its last log
-lines. Children run in sessions of their own, so a Ctrl-C in the terminal reaches only this
-process, which stops them in order (router, prefill, decode, broker) by PID; and each child
-is told by the kernel to stop if this process dies without doing so (PR_SET_PDEATHSIG).
-
-With `tls`, a CA is made for the run (`util/tls_certs.py`) with one certificate for 127.0.0.1 that
-every child uses, as pods use their service's Secret: the broker and every worker's gRPC
-server speak mutual TLS only (no plaintext gRPC port is open), and the router serves HTTPS
-(clients verify it with `ca.crt` in the log folder, written to `deployment.json`).
+The model is converted once before any child starts, so the children only map the converted
+folder. Start-up is over when the router's /health reports every worker registered and ready;
+a child that dies meanwhile fails the start with its last log lines. Children run in sessions
+of their own (cli/local_children.py), so a Ctrl-C reaches only this process, which stops them
+in order (router, prefill, decode, broker) by PID. With `tls`, a CA is made for the run
+(`util/tls_certs.py`) with one certificate for 127.0.0.1: every gRPC server speaks mutual TLS
+only and the router serves HTTPS (clients verify it with `ca.crt`, named in `deployment.json`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """A LLaMA-family decoder in plain torch whose KV lives in an explicit, externally owned pool.
 
 One forward serves every family `ModelConfig` describes (llama, mistral, qwen2, qwen3): they
-differ in q/k/v (and o) biases, qwen3's per-head RMSNorm of q and k before RoPE, head_dim,
-GQA and the rope scaling; each switch is applied where transformers' modeling code applies it.
+differ in q/k/v (and o) biases, qwen3's per-head RMSNorm of q and k before RoPE, head_dim, GQA
+and the rope scaling; each switch is applied where transformers' modeling code applies it, and
+numerics mirror LlamaForCausalLM (RMSNorm in fp32, cos/sin in fp32 then cast, rotate-half RoPE).
 
 The forward is split the way PD serving needs it: `embed` → `run_layers(range)` → `head`.
-Prefill runs layer chunks and tells the transfer after each chunk that its KV is final
-(`prefill(..., on_chunk=...)`); a layer-sharded decode member runs only its range and passes
-the hidden state on; `decode_step` advances a batch of slots of different lengths by one
-token (continuous batching: the batch may change between steps).
-
-Numerics mirror HF transformers' LlamaForCausalLM (RMSNorm in fp32, cos/sin computed in
-fp32 then cast, rotate-half RoPE), so fp32 logits match it closely and greedy text matches.
-
-Performance notes (CPU, measured): Q/K/V and gate/up are fused into one matmul each (fewer,
-larger GEMMs); every matrix goes through `matmul.Linear`, which prepacks it for oneDNN where
-the CPU runs the dtype natively (batch-1 decode 1.4x faster), runs fp32 decode steps on a native
-kernel on AVX2 CPUs (csrc/dense_linear.cpp) and upcasts multi-row bf16 products
-block by block where it does not; SDPA always gets 4-D inputs (3-D inputs fall back to a path 2-8x slower);
-single-token decode reshapes the query to `[kv_heads, heads/kv_heads, head_dim]` instead of
-asking SDPA for GQA (slow in bf16); and batched decode reads the KV of consecutive slots as
-one strided view of the pool with a length mask instead of gathering it (a gather costs more
-than the attention itself).
+Prefill runs layer chunks and tells the transfer after each that its KV is final
+(`prefill(..., on_chunk=...)`); a layer-sharded decode member runs only its range; `decode_step`
+advances a batch of slots of different lengths by one token (continuous batching). The weights
+are built by layer_weights.py, a layer's arithmetic is decoder_block.py, and attention over a
+slot or paged pool is slot_attention.py or paged_attention.py.
 """
 
 from __future__ import annotations
