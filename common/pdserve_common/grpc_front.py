@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pdserve_common import inherited_sockets
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.grpc_front")
+log = logging.getLogger(__name__)
 
 PER_PEER_ENV = "PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER"
 _CHUNK = 256 * 1024

@@ -27,7 +27,7 @@ from typing import Any
 from pdserve_common import pod_env as E
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.tracing")
+log = logging.getLogger(__name__)
 
 ENV_ENDPOINT = E.TRACING_ENDPOINT
 ENV_SAMPLE_RATIO = E.TRACING_SAMPLE_RATIO

@@ -12,7 +12,7 @@ from pdserve_worker.serving.settings import WorkerSettings
 if TYPE_CHECKING:
     from pdserve_worker.transfer.base import TransferBackend
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 
 class StartupError(RuntimeError):

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from pdserve_worker.serving.tp_group import TPGroup
     from pdserve_worker.transfer.base import TransferBackend
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 120.0
 

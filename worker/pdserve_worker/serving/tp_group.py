@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.tp")
+log = logging.getLogger(__name__)
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # What rank 0 broadcasts besides a pass or a step: "keep waiting" and "stop" (prefill/tp_rank.py,

@@ -26,7 +26,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.model.layers import native
 from pdserve_worker.model.layers.quant import GROUP, QuantizedTensor, nibbles
 
-log = logging.getLogger("pdserve.model.matmul")
+log = logging.getLogger(__name__)
 
 # fp32 elements per upcast block: 4 MiB, inside L3 with room for the activations.
 BLOCK_ELEMENTS = 1 << 20

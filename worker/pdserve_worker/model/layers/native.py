@@ -30,7 +30,7 @@ import torch
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.model.native")
+log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name

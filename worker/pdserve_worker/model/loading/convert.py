@@ -32,7 +32,7 @@ from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.model.loading.weights import read_gguf, read_gguf_quantized
 from pdserve_worker.model.tokenizer import Tokenizer
 
-log = logging.getLogger("pdserve.model.convert")
+log = logging.getLogger(__name__)
 
 # Bump when the converted folder's content changes, so old entries are not reused.
 # 2: generation_config.json carries llama.cpp's end-of-generation ids; qwen2/qwen3 config.json.

@@ -26,7 +26,7 @@ from pdserve_worker.model.loading.weights import read_quantized_dir, read_safete
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
 
-log = logging.getLogger("pdserve.model.loader")
+log = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda", "npu")
 
