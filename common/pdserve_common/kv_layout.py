@@ -17,7 +17,7 @@ as runs, else a slice of each token's row, one copy per token (`push_descriptors
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import repeat
 from typing import NamedTuple
 
@@ -321,24 +321,11 @@ class BlockLayout:
     def from_dict(cls, data: dict[str, object]) -> BlockLayout:
         return cls(**data)  # type: ignore[arg-type]
 
-    @classmethod
-    def for_budget(
-        cls,
-        kv_tokens: int,
-        block_tokens: int,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: str = "bfloat16",
-        first_layer: int = 0,
-        first_head: int = 0,
-    ) -> BlockLayout:
-        """The pool that holds `kv_tokens` tokens (rounded down to whole blocks)."""
-        if kv_tokens < block_tokens:
-            raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one block of {block_tokens} tokens")
-        return cls(
-            kv_tokens // block_tokens, block_tokens, num_layers, kv_heads, head_dim, dtype, first_layer, first_head
-        )
+    def for_budget(self, kv_tokens: int) -> BlockLayout:
+        """This pool's geometry holding `kv_tokens` tokens (rounded down to whole blocks)."""
+        if kv_tokens < self.block_tokens:
+            raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one block of {self.block_tokens} tokens")
+        return replace(self, num_blocks=kv_tokens // self.block_tokens)
 
 
 @dataclass(frozen=True)
@@ -524,19 +511,28 @@ def push_runs(
     return runs
 
 
+@dataclass(frozen=True)
+class PushRoute:
+    """Where a prompt's KV goes: from scratch slot `slot` of `source` into the reservation
+    `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B))."""
+
+    source: KVLayout
+    slot: int
+    dest: BlockLayout
+    blocks: Sequence[int]
+
+
 def push_descriptors(
-    source: KVLayout,
-    slot: int,
-    dest: BlockLayout,
-    blocks: Sequence[int],
+    route: PushRoute,
     layers: range,
     end_token: int,
     start_token: int = 0,
     kv_indices: Sequence[int] = (K, V),
     heads: range | None = None,
 ) -> list[Descriptor]:
-    """`push_runs` of every (layer, K|V) of `layers`, as descriptors: one per (layer, K|V, run
-    of consecutive blocks) for whole rows, one per token for a head slice."""
+    """`push_runs` of every (layer, K|V) of `layers` along `route`, as descriptors: one per
+    (layer, K|V, run of consecutive blocks) for whole rows, one per token for a head slice."""
+    source, slot, dest, blocks = route.source, route.slot, route.dest, route.blocks
     runs = [
         run
         for layer in layers
