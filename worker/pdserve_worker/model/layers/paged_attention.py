@@ -174,7 +174,7 @@ def write_and_attend(
         return plan.kernel.attend(q, keys, values)
     if plan.rows:
         # One call per row over its own keys (batch invariance, above); [1, kv_heads, group,
-        # head_dim]: the group plays the query-length role (see LlamaModel).
+        # head_dim]: the group plays the query-length role (see slot_attention._attend_runs).
         qr = q.reshape(batch, 1, kv_heads, heads // kv_heads, head_dim)
         outs = [
             F.scaled_dot_product_attention(qr[b], keys[r][None].transpose(1, 2), values[r][None].transpose(1, 2))
