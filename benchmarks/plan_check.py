@@ -94,7 +94,8 @@ def predict_trace(model: ServingModel, trace, output_tokens: int, p: int, d: int
 
 def serve_measured(name: str, dtype: str, args: argparse.Namespace, trace) -> tuple[dict, dict[str, float], list]:
     """serve.run_config's run, plus the CPU share its prefill and its decode processes got."""
-    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan
+    from pdserve_worker.cli.local_deployment import LocalDeployment
+    from pdserve_worker.cli.local_plan import LocalPlan
 
     plan = LocalPlan(port=0, dtype=dtype, slots=args.slots, max_len=args.max_len, threads=0, **serve.CONFIGS[name])
     print(f"[{name}] serving the trace ...", file=sys.stderr, flush=True)
@@ -132,7 +133,8 @@ def main() -> int:
     parser.add_argument("--no-components", action="store_true", help="skip the engine-alone comparison")
     args = parser.parse_args()
 
-    from pdserve_worker.cli.local_deployment import LocalPlan, auto_dtype
+    from pdserve_worker.cli.local_deployment import auto_dtype
+    from pdserve_worker.cli.local_plan import LocalPlan
     from pdserve_worker.model.loading.loader import model_folder
     from pdserve_worker.model.tokenizer import Tokenizer
 

@@ -49,7 +49,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402  (its client, trace and percentile; it puts worker/, operator/ on sys.path)
-from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan  # noqa: E402
+from pdserve_worker.cli.local_deployment import LocalDeployment  # noqa: E402
+from pdserve_worker.cli.local_plan import LocalPlan  # noqa: E402
 from seed_transfer import machine  # noqa: E402
 
 SHAPES = {"colocated": (0, 0), "1p1d": (1, 1), "1p2d": (1, 2), "1p4d": (1, 4), "2p4d": (2, 4)}

@@ -65,7 +65,8 @@ sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common
 
 import httpx  # noqa: E402
 
-from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan  # noqa: E402
+from pdserve_worker.cli.local_deployment import LocalDeployment  # noqa: E402
+from pdserve_worker.cli.local_plan import LocalPlan  # noqa: E402
 
 CONFIGS = {
     "pd1": dict(prefill=1, decode=1),

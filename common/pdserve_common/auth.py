@@ -1,32 +1,17 @@
 """Per-service bearer tokens on every gRPC call, and TLS when certificates are configured.
 
-Every call carries `authorization: Bearer <token>`. A server resolves the token to the one
-service it belongs to (`TokenTable`); the interceptor then answers:
+Every call carries `authorization: Bearer <token>`; a server resolves it to its service
+(`TokenTable`) and answers UNAUTHENTICATED for no, a malformed or an unknown token, and
+PERMISSION_DENIED for a known token of another service than the request's `service_key`. A
+worker's table holds only its own service's tokens, so another service's token is unknown there.
+An unknown or missing token is refused from the headers alone, before the message is read (a
+peer with no token cannot hold a call open by never sending it).
 
-- no header, a malformed one, or a token it does not know: UNAUTHENTICATED;
-- a known token whose service is not the `service_key` the request names: PERMISSION_DENIED.
-
-So a worker of one service can neither see nor join another's. Requests without a
-`service_key` field (the worker services) are authorised by the token alone: a worker's
-table holds only its own service's token, so a token of another service is unknown to it
-(UNAUTHENTICATED; it cannot tell another service's token from garbage).
-
-A call whose headers carry no token, or one the table does not know, is refused from the
-headers alone, before its request message is read: otherwise a peer with no token could keep
-a call (and its connection) open by never sending the message.
-
-Credentials by role (issue #29): the service token itself is held by the operator only. Every
-pod gets a token of its role, derived from the service token (`role_token`, an HMAC, as the KV
-plane's keys are), and a server's `policy` says which roles may call each method: a router's
-token can watch the membership and call the workers it routes to, never register, replace or
-deregister a member; a decode's calls another decode's Migrate, never a prefill's. A table
-holds, per service, the service token (every role: `SERVICE_ROLE`) and the role tokens, or only
-the digests of the role tokens it accepts (a worker, which holds no other secret than its own).
-The handler learns the caller's role from `caller_role()`.
-
-Servers are grpc.aio servers. On a plaintext channel gRPC refuses to send call credentials,
-so clients add the header with an interceptor there, and with `access_token_call_credentials`
-(the same header, gRPC's own helper) composed into the TLS credentials otherwise.
+Credentials by role: only the operator holds the service token; every pod gets its role's token
+(`role_token`, an HMAC of it), and a server's `policy` says which roles may call each method (a
+router watches membership and calls workers, never registers). Handlers learn the caller's role
+from `caller_role()`. On plaintext channels clients add the header by interceptor; with TLS by
+`access_token_call_credentials` composed into the channel credentials.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """Channel and server construction with the options every pdserve process shares.
 
 Keepalive pings let a watch stream notice a broker host that vanished without closing its
-sockets (a plain TCP stream would wait forever); the server must permit those pings or it
-answers with GOAWAY "too_many_pings". A short reconnect backoff lets clients find a restarted
-broker within a second or two instead of gRPC's default of up to two minutes.
+sockets; servers permit them (else GOAWAY "too_many_pings"). A short reconnect backoff finds a
+restarted broker within a second or two. Message sizes are set on both ends of every channel.
 
-Message sizes are set explicitly on both ends of every channel (gRPC's defaults are 4 MiB in
-and unlimited out).
+What a peer without a token can hold on a server (`GrpcLimits`): a connection must finish its
+HTTP/2 (and TLS) handshake within `handshake_timeout_ms`; one with no call for `idle_timeout_ms`
+is closed; at most `max_connections` are open (a newer one closed at accept), a quarter per
+source address (`listen`: our front caps per address, grpc_front.py). A call without a valid
+token is refused from its headers (auth.py), so such a connection stays idle.
 
-What a peer without a token can hold on a server (`GrpcLimits`; gRPC's defaults kept a TCP
-connection that never spoke HTTP/2 for 120 s, one that sent the HTTP/2 preface and nothing
-else for ever, and capped nothing): a connection must finish its HTTP/2 (and TLS) handshake
-within `handshake_timeout_ms`, one with no call in progress for `idle_timeout_ms` is closed
-(a client reconnects on its next call), and at most `max_connections` are open at once (a
-newer one is closed at accept), of which one source address may hold a quarter
-(`listen`: a front of ours caps per address, grpc_front.py, which gRPC cannot). A call without a
-valid token is refused from its headers, before its message is read (auth.py), so such a
-connection stays idle.
-
-With a `TLSConfig` a server listens with TLS only (no plaintext port next to it) and a client
-verifies the server's certificate against the configured CA, under `server_name` when the
-address is a pod IP that no certificate names.
+With a `TLSConfig` a server listens with TLS only, and a client verifies the server's
+certificate against the CA, under `server_name` when the address is a pod IP no certificate names.
 """
 
 from __future__ import annotations

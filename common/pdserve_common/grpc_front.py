@@ -1,20 +1,17 @@
 """A per-address connection cap in front of a gRPC server: what grpc-python cannot do itself.
 
-gRPC offers one global bound on connections (`grpc.max_allowed_incoming_connections`), so a
-single peer can take all of it: issue #29 filled the router's HTTP cap from one address in
-0.1 s without credentials, and a gRPC port is the same shape (the broker is reachable from every
-pdserve pod of every service). gRPC has no accept hook, so the public port is ours: an asyncio
-listener that counts open connections per source address, closes a connection past
-`per_peer` (or past `total`) as soon as it is accepted, and splices every other one, byte for
-byte, to the gRPC server listening on a unix socket in a private (0700) folder. TLS and HTTP/2 pass
-through untouched (gRPC still terminates both, still enforces its handshake and idle
-deadlines on the inner connection, and a call without a token is still refused from its
-headers). What it costs is a copy of each message through the event loop: token events and
-control calls, never KV (benchmarks/README.md, "gRPC per-peer cap").
+gRPC offers one global bound on connections (`grpc.max_allowed_incoming_connections`), so one
+peer can take all of it, and it has no accept hook. So the public port is ours: an asyncio
+listener that counts open connections per source address, closes a connection past `per_peer`
+(or `total`) as soon as it is accepted, and splices every other one, byte for byte, to the gRPC
+server on a unix socket in a private (0700) folder. TLS and HTTP/2 pass through untouched (gRPC
+still terminates both, enforces its handshake and idle deadlines, and refuses a call without a
+token from its headers). The cost is a copy of each message through the event loop: token
+events and control calls, never KV (benchmarks/README.md, "gRPC per-peer cap").
 
 Not an abstract socket: those have no permissions, so any process of the host's network
-namespace could connect to the inner server past both caps (#58 A9 held 300 connections where
-the cap was 256). A socket file in a folder only the server's user can enter cannot be.
+namespace could reach the inner server past both caps; a socket file in a folder only the
+server's user can enter cannot be reached.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from dataclasses import dataclass, field
 from pdserve_common import inherited_sockets
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.grpc_front")
+log = logging.getLogger(__name__)
 
 PER_PEER_ENV = "PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER"
 _CHUNK = 256 * 1024

@@ -1,48 +1,23 @@
 """Where each byte of KV lives in a decode pool: pure arithmetic, shared by every role.
 
-The layout is slot-major, then layer, then K/V, then token-major `[max_len, kv_heads,
-head_dim]` (DESIGN.md). Token-major last means the KV of a prompt's first n tokens of one
-(slot, layer, K|V) is a single contiguous run, so a prefill pushes one descriptor per layer
-and K/V instead of one per token.
-
-A pool may hold only a contiguous range of the model's layers (a member of a layer-sharded
-decode group): `first_layer` and `num_layers` name that range, and asking for a layer outside
-it is an error, never a silently wrong offset.
-
-A decode pool may instead be *paged* (`block_tokens` > 0): `num_blocks` blocks of
-`block_tokens` tokens in the layer-major block layout below (`.blocks`, `BlockLayout`), shared
-by at most `num_slots` concurrent requests of at most `max_len` tokens each; a request's KV is
-wherever its block table says. A paged layout has no slot runs: asking for one is an error.
-
-Paged pools: where each byte of a block lives, and which descriptors move a prompt into it.
-
-A decode pool of blocks is layer-major: `(layer, K|V, block, token-in-block, kv_head,
-head_dim)`. Layer-major rather than block-major because a prefill pushes per layer chunk and
-its source (a scratch slot, above) is token-major per (layer, K|V): with the layer
-outermost, a run of consecutive blocks of one (layer, K|V) is one contiguous range on both
-sides, so it moves as one descriptor — a reservation granted in consecutive blocks (what a
-fresh or lightly used pool hands out, kv/blocks.py) costs exactly the descriptors of a slot
-today. A fragmented reservation costs one descriptor per run, never one per token.
-
-It is also the layout paged attention reads (vLLM's per-layer `[num_blocks, block_size,
-kv_heads, head_dim]`; on NPU torch_npu's paged attention takes the same per-layer cache), so a
-layer's K is one strided view and a block table indexes it directly.
-
-A pool may hold only a layer range (a member of a layer-sharded decode group): `first_layer`
-and `num_layers` name it, and a layer outside it is an error, not a wrong offset.
-
-A pool may also hold only a range of the KV heads (a tensor-parallel rank's:
-model/layers/tensor_parallel.py): `first_head` and `kv_heads` name it. A push between pools
-holding different head ranges (a prefill of tp 2 into a decode of tp 1, or the reverse) moves
-the heads both hold: where those are all of both pools' heads the descriptors are the runs
-above; where they are not, a token's heads are a slice of its row on one side, so a run is
-one token long (`push_descriptors`).
+A slot pool is slot-major, then layer, then K/V, then token-major `[max_len, kv_heads, head_dim]`
+(DESIGN.md): a prompt's first n tokens of one (slot, layer, K|V) are one contiguous run, so a
+prefill pushes one descriptor per layer and K/V, not one per token. A *paged* pool
+(`block_tokens` > 0, `BlockLayout`) is layer-major `(layer, K|V, block, token-in-block, kv_head,
+head_dim)`: a run of consecutive blocks of one (layer, K|V) is one contiguous range on both sides
+(the source slot is token-major per layer), so a reservation in consecutive blocks costs a slot's
+descriptors and a fragmented one a descriptor per run; it is also the per-layer
+`[num_blocks, block_size, kv_heads, head_dim]` cache paged attention reads. A paged layout has no
+slot runs. A pool may hold a layer range (`first_layer`, `num_layers`: a layer-sharded member) and
+a KV head range (`first_head`, `kv_heads`: a tensor-parallel rank); a layer outside is an error,
+never a wrong offset. A push between different head ranges moves the heads both hold: whole rows
+as runs, else a slice of each token's row, one copy per token (`push_descriptors`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import repeat
 from typing import NamedTuple
 
@@ -346,24 +321,11 @@ class BlockLayout:
     def from_dict(cls, data: dict[str, object]) -> BlockLayout:
         return cls(**data)  # type: ignore[arg-type]
 
-    @classmethod
-    def for_budget(
-        cls,
-        kv_tokens: int,
-        block_tokens: int,
-        num_layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: str = "bfloat16",
-        first_layer: int = 0,
-        first_head: int = 0,
-    ) -> BlockLayout:
-        """The pool that holds `kv_tokens` tokens (rounded down to whole blocks)."""
-        if kv_tokens < block_tokens:
-            raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one block of {block_tokens} tokens")
-        return cls(
-            kv_tokens // block_tokens, block_tokens, num_layers, kv_heads, head_dim, dtype, first_layer, first_head
-        )
+    def for_budget(self, kv_tokens: int) -> BlockLayout:
+        """This pool's geometry holding `kv_tokens` tokens (rounded down to whole blocks)."""
+        if kv_tokens < self.block_tokens:
+            raise ValueError(f"kv_tokens ({kv_tokens}) must hold at least one block of {self.block_tokens} tokens")
+        return replace(self, num_blocks=kv_tokens // self.block_tokens)
 
 
 @dataclass(frozen=True)
@@ -549,19 +511,28 @@ def push_runs(
     return runs
 
 
+@dataclass(frozen=True)
+class PushRoute:
+    """Where a prompt's KV goes: from scratch slot `slot` of `source` into the reservation
+    `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B))."""
+
+    source: KVLayout
+    slot: int
+    dest: BlockLayout
+    blocks: Sequence[int]
+
+
 def push_descriptors(
-    source: KVLayout,
-    slot: int,
-    dest: BlockLayout,
-    blocks: Sequence[int],
+    route: PushRoute,
     layers: range,
     end_token: int,
     start_token: int = 0,
     kv_indices: Sequence[int] = (K, V),
     heads: range | None = None,
 ) -> list[Descriptor]:
-    """`push_runs` of every (layer, K|V) of `layers`, as descriptors: one per (layer, K|V, run
-    of consecutive blocks) for whole rows, one per token for a head slice."""
+    """`push_runs` of every (layer, K|V) of `layers` along `route`, as descriptors: one per
+    (layer, K|V, run of consecutive blocks) for whole rows, one per token for a head slice."""
+    source, slot, dest, blocks = route.source, route.slot, route.dest, route.blocks
     runs = [
         run
         for layer in layers

@@ -1,34 +1,17 @@
 """The contract between the operator and a worker pod: environment variable names and ports.
 
-The operator (`pdserve_operator.children`) renders these variables into every pod it creates;
-`pdserve worker` reads them back through `serving/settings.WorkerSettings`, whose fields name these
-constants as their aliases. Keeping both ends on one module means a renamed variable breaks a
-test instead of a deployment.
-
-Pod-facing endpoints a worker must serve (the operator points probes and hooks at them):
-
-- HTTP on `HTTP_PORT` (named `http`): `GET /healthz` (liveness: the process is alive),
-  `GET /readyz` (readiness: model loaded, registered with the broker, not draining).
-  The router also serves the OpenAI API on this port.
-- Probes on `PROBE_PORT` (named `probe`): `GET /healthz` and `GET /readyz` only, the kubelet's
-  (the operator points every probe there). No NetworkPolicy rule admits pod traffic to it (the
-  kubelet's, from the node, is always allowed), so a flood of the `http` port from other pods
-  cannot fail a probe (#58 A2); its own small connection caps bound the rest.
-- gRPC on `GRPC_PORT` (named `grpc`): the worker service of `proto/pdserve/v1/worker.proto`.
-- Decode only, the transfer engine's listener on `TRANSFER_PORT` (named `transfer`): the
-  engine id a decode pod registers with the broker is `POD_IP:TRANSFER_PORT` (HIXL's control
-  channel; the host engine's TCP path). Prefill engines are clients and listen on nothing.
-- Decode only, `GET /drain` on the admin port `ADMIN_PORT`, which listens on 127.0.0.1 only
-  and needs the service's token (`Authorization: Bearer`): the pod's preStop hook runs
-  `pdserve drain`, which calls it from inside the pod. It stops new slot reservations at once
-  (so `/readyz` fails), waits until every reserved slot has finished or
-  `PDSERVE_DRAIN_TIMEOUT_SECONDS` passed, deregisters from the broker and answers 200; from
-  then on `/healthz` answers 503, so a worker drained by anything but its own stop is
-  restarted by its liveness probe. Idempotent; a second call waits too.
-
-Decode layer sharding: a StatefulSet with `layerShards > 1` runs `groups × shards` pods. A pod
-finds its place from its ordinal (the suffix of its name): `group = ordinal // shards`,
-`member = ordinal % shards`; member m of a group serves `pdserve_common.kv_layout.shard_layers(...)[m]`.
+The operator (`pdserve_operator.children`) renders these variables into every pod; `pdserve
+worker` reads them back through `serving/settings.WorkerSettings`, whose field aliases are these
+constants, so a renamed variable breaks a test instead of a deployment. A worker serves:
+- `HTTP_PORT` (`http`): `GET /healthz` (alive), `GET /readyz` (loaded, registered, not draining);
+  the router's OpenAI API too. `PROBE_PORT` (`probe`): the same two only, the kubelet's, which no
+  NetworkPolicy admits other pods to (a flood of `http` cannot fail a probe).
+- `GRPC_PORT` (`grpc`): the worker service of proto/pdserve/v1/worker.proto.
+- Decode only: `TRANSFER_PORT` (`transfer`), the engine id `POD_IP:TRANSFER_PORT` it registers;
+  and `GET /drain` on `ADMIN_PORT` (127.0.0.1, the service token), the preStop hook's `pdserve
+  drain`: no new reservations, wait for reserved slots or the drain timeout, deregister, answer
+  200, then `/healthz` 503. Layer-sharded decode: pod ordinal o of `shards` serves group
+  `o // shards`, member `o % shards` (`pdserve_common.kv_layout.shard_layers(...)[member]`).
 """
 
 from __future__ import annotations

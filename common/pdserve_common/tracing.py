@@ -1,20 +1,16 @@
 """OpenTelemetry tracing of one request across router, prefill and decode; nothing when off.
 
-Off unless `PDSERVE_TRACING_ENDPOINT` (an OTLP/gRPC collector, e.g. http://otel-collector:4317)
-or `PDSERVE_TRACE_FILE` (JSON lines, one span per line, for `pdserve local --trace-file`; no
-collector needed) is set, and then only where the optional extra is installed
-(`pip install pdserve[tracing]`): without it, or off, every function here is a cheap no-op and
-`opentelemetry` is never imported.
+Off unless `PDSERVE_TRACING_ENDPOINT` (an OTLP/gRPC collector) or `PDSERVE_TRACE_FILE` (JSON
+lines, one span per line, for `pdserve local --trace-file`) is set, and then only where the
+optional extra is installed (`pdserve[tracing]`): otherwise every function here is a cheap no-op
+and `opentelemetry` is never imported.
 
 Context travels as W3C trace context (`traceparent`): the router honours an incoming header;
-every gRPC call carries the current span's (`client_interceptors`, on every channel); a gRPC
-handler continues the caller's trace with `extract(context.invocation_metadata())`. Sampling
-is parent-based with `PDSERVE_TRACING_SAMPLE_RATIO` at the root (the router), so a request is
-traced in every process or in none.
-
-Spans that live across `yield`s (a streaming request) are not made "current" with a `with`
-block (a generator may be closed from another context); they are started with `start_span`
-and made current only around the awaits that need them (`use`).
+every gRPC call carries the current span's (`client_interceptors`); a gRPC handler continues the
+caller's trace with `extract(context.invocation_metadata())`. Sampling is parent-based with
+`PDSERVE_TRACING_SAMPLE_RATIO` at the root, so a request is traced in every process or in none.
+Spans that live across `yield`s (a streaming request) are started with `start_span` and made
+current only around the awaits that need them (`use`): a generator may be closed elsewhere.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from typing import Any
 from pdserve_common import pod_env as E
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.tracing")
+log = logging.getLogger(__name__)
 
 ENV_ENDPOINT = E.TRACING_ENDPOINT
 ENV_SAMPLE_RATIO = E.TRACING_SAMPLE_RATIO

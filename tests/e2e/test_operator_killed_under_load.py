@@ -28,7 +28,9 @@ from conftest import ROOT, Cluster, wait_for
 from pdserve_common.auth import role_token
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS
-from pdserve_worker.cli.local_deployment import SERVICE, LocalDeployment, LocalPlan
+from pdserve_worker.cli.local_deployment import LocalDeployment
+from pdserve_worker.cli.local_env import SERVICE
+from pdserve_worker.cli.local_plan import LocalPlan
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.util.free_ports import free_port
 from support.local_run import Answer, served_model, stream_completion

@@ -7,7 +7,7 @@ padding a row to a longer neighbour's key length made in SDPA became different l
 up to 0.375) and a seeded stream drifted after ~10 tokens. Decode attention now runs each row
 over exactly its own keys: all rows in one call of the native kernel (model/layers/native.py),
 or, where it is not built, each row in its own SDPA call (model/layers/paged_attention.py,
-LlamaModel._runs); torch's int4 kernel and every other op of a step are row-wise. Checked here
+slot_attention.runs); torch's int4 kernel and every other op of a step are row-wise. Checked here
 bit for bit, with a neighbour longer than the row (the padded case), on both KV pools, in fp32
 and bf16, through both attention paths.
 """

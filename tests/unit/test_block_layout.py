@@ -13,6 +13,7 @@ from pdserve_common.kv_layout import (
     Descriptor,
     K,
     KVLayout,
+    PushRoute,
     Run,
     V,
     block_runs,
@@ -42,7 +43,7 @@ def test_offsets_are_layer_major_and_refuse_what_the_pool_does_not_hold() -> Non
             p.offset(*bad)
     with pytest.raises(ValueError, match="block_tokens"):
         BlockLayout(4, 0, 1, 1, 1)
-    assert BlockLayout.for_budget(100, 16, 2, 1, 4).num_blocks == 6
+    assert BlockLayout(1, 16, 2, 1, 4).for_budget(100).num_blocks == 6
     assert BlockLayout.from_dict(p.to_dict()) == p
 
 
@@ -54,25 +55,25 @@ def test_runs_of_consecutive_blocks() -> None:
 
 def test_contiguous_blocks_cost_one_descriptor_per_layer_and_kv_like_a_slot() -> None:
     src, dst = source_layout(), pool()
-    descs = push_descriptors(src, 1, dst, [2, 3, 4], range(0, 2), end_token=10)
+    descs = push_descriptors(PushRoute(src, 1, dst, [2, 3, 4]), range(0, 2), end_token=10)
     assert len(descs) == 2 * 2
     first = descs[0]
     assert first == Descriptor(src.token_run(1, 0, K, 10)[0], dst.offset(0, K, 2), 10 * dst.bytes_per_token)
     # fragmented: one per run
-    assert len(push_descriptors(src, 0, dst, [7, 2, 3], range(0, 1), end_token=12)) == 2 * 2
+    assert len(push_descriptors(PushRoute(src, 0, dst, [7, 2, 3]), range(0, 1), end_token=12)) == 2 * 2
 
 
 def test_geometry_mismatch_is_refused() -> None:
     other = BlockLayout(4, 4, 3, kv_heads=2, head_dim=4, dtype="float32")
     with pytest.raises(ValueError, match="geometry differs"):
-        push_descriptors(source_layout(), 0, other, [0], range(0, 1), 2)
+        push_descriptors(PushRoute(source_layout(), 0, other, [0]), range(0, 1), 2)
     one_head = BlockLayout(4, 4, 3, kv_heads=1, head_dim=2, dtype="float32", first_head=1)
     with pytest.raises(IndexError, match="not held by both"):
-        push_descriptors(source_layout(), 0, one_head, [0], range(0, 1), 2, heads=range(0, 2))
+        push_descriptors(PushRoute(source_layout(), 0, one_head, [0]), range(0, 1), 2, heads=range(0, 2))
     elsewhere = BlockLayout(4, 4, 3, kv_heads=1, head_dim=2, dtype="float32", first_head=5)
-    assert push_descriptors(source_layout(), 0, elsewhere, [0], range(0, 1), 2) == []  # no head in common
+    assert push_descriptors(PushRoute(source_layout(), 0, elsewhere, [0]), range(0, 1), 2) == []  # no head in common
     with pytest.raises(IndexError, match="do not fit"):
-        push_descriptors(source_layout(), 0, pool(), [0], range(0, 1), 5)
+        push_descriptors(PushRoute(source_layout(), 0, pool(), [0]), range(0, 1), 5)
 
 
 @settings(max_examples=150, deadline=None)
@@ -93,7 +94,7 @@ def test_applied_descriptors_move_exactly_the_tokens_into_their_blocks(data, bt,
     rng = np.random.default_rng(0)
     src_bytes = rng.integers(1, 255, size=src.total_bytes, dtype=np.uint8)
     pool_bytes = np.zeros(dst.total_bytes, dtype=np.uint8)
-    descs = push_descriptors(src, slot, dst, blocks, chunk, end_token=end, start_token=start)
+    descs = push_descriptors(PushRoute(src, slot, dst, blocks), chunk, end_token=end, start_token=start)
     for d in descs:
         assert d.length > 0
         pool_bytes[d.dst : d.dst + d.length] = src_bytes[d.src : d.src + d.length]
@@ -185,7 +186,7 @@ def test_every_rank_pair_of_a_tensor_parallel_push_fills_exactly_the_decode_rank
         src = KVLayout(1, 2, 16, len(held), 2, "float32", first_head=held.start)
         src_bytes = np.ascontiguousarray(whole[None, :, :, :, held.start : held.stop]).view(np.uint8).reshape(-1)
         for _, dst, pool_bytes in pools:
-            for desc in push_descriptors(src, 0, dst, blocks, range(0, 2), end_token=end):
+            for desc in push_descriptors(PushRoute(src, 0, dst, blocks), range(0, 2), end_token=end):
                 pool_bytes[desc.dst : desc.dst + desc.length] = src_bytes[desc.src : desc.src + desc.length]
     for d_held, dst, pool_bytes in pools:
         got = pool_bytes.view(np.int32).reshape(dst.shape)
@@ -224,7 +225,7 @@ def test_a_tensor_parallel_prefills_head_slices_land_in_a_slot_pool(slots, layer
         held = range(rank * per, rank * per + per)
         src = KVLayout(1, layers, max_len, per, 2, "float32", first_layer=first_layer, first_head=held.start)
         src_bytes = np.ascontiguousarray(whole[None, :, :, :, held.start : held.stop]).view(np.uint8).reshape(-1)
-        for d in push_descriptors(src, 0, view, [slot], pool.layer_range, end_token=end):
+        for d in push_descriptors(PushRoute(src, 0, view, [slot]), pool.layer_range, end_token=end):
             got[d.dst : d.dst + d.length] = src_bytes[d.src : d.src + d.length]
     shaped = got.view(np.int32).reshape(slots, layers, 2, max_len, heads, 2)
     expected = np.zeros_like(shaped)

@@ -68,7 +68,8 @@ def test_what_is_not_handed_down_binds_as_usual_and_a_wrong_fd_is_named() -> Non
 
 def test_pdserve_local_hands_each_child_the_ports_its_env_names(tmp_path) -> None:
     """The deployment's own spawn path: a stand-in "python" reports what it was handed."""
-    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan
+    from pdserve_worker.cli.local_deployment import LocalDeployment
+    from pdserve_worker.cli.local_plan import LocalPlan
 
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\necho "$PDSERVE_LISTEN_FDS"; ls /proc/self/fd\n')

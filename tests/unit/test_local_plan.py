@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve_worker.cli.local_deployment import LocalPlan
+from pdserve_worker.cli.local_plan import LocalPlan
 
 
 def test_tensor_parallel_instances_count_one_process_per_rank():

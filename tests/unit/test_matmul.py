@@ -80,7 +80,7 @@ def test_a_reorder_that_fails_falls_back_to_plain_weights(monkeypatch, caplog) -
     monkeypatch.setattr(matmul, "_reorder", declined)
     linear = Linear(CPU, torch.float32, upcast=False, prepack=True)
     w = torch.randn(8, 4)
-    with caplog.at_level("WARNING", logger="pdserve.model.matmul"):
+    with caplog.at_level("WARNING", logger="pdserve_worker.model.layers.matmul"):
         assert linear.prepare(w) is w
     assert not linear.prepack, "later weights would try (and log) again"
     assert "event=prepack_unavailable" in caplog.text and "shape=8x4" in caplog.text

@@ -220,7 +220,7 @@ async def test_a_worker_whose_weights_do_not_fit_exits_before_it_registers(famil
         max_length=64,
         grace_seconds=0,
     )
-    with caplog.at_level(logging.ERROR, logger="pdserve.worker"):
+    with caplog.at_level(logging.ERROR, logger="pdserve_worker.process.worker_main"):
         code = await asyncio.wait_for(run_worker(settings), 60)
     assert code == 1
     failure = next(r.getMessage() for r in caplog.records if "worker_start_failed" in r.getMessage())
@@ -262,7 +262,7 @@ async def test_a_max_length_beyond_the_model_is_a_start_failure_not_a_traceback(
         max_length=4096,
         grace_seconds=0,
     )
-    with caplog.at_level(logging.ERROR, logger="pdserve.worker"):
+    with caplog.at_level(logging.ERROR, logger="pdserve_worker.process.worker_main"):
         code = await asyncio.wait_for(run_worker(settings), 60)
     assert code == 1
     failure = next(r.getMessage() for r in caplog.records if "worker_start_failed" in r.getMessage())

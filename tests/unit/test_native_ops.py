@@ -200,16 +200,16 @@ def close_or_one_ulp(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_and_the_residual_add_match_the_torch_path(dtype):
-    from pdserve_worker.model.layers.llama import _rms_norm
+    from pdserve_worker.model.layers.decoder_block import rms_norm
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
     delta = torch.randn(7, 576, generator=g).to(dtype)
     w = (torch.rand(576, generator=g) + 0.5).to(dtype)
-    close_or_one_ulp(native.rms_norm(x, w, 1e-5), _rms_norm(x, w, 1e-5), dtype)
+    close_or_one_ulp(native.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), dtype)
     total, normed = native.add_rms_norm(x, delta, w, 1e-5)
     assert torch.equal(total, x + delta)  # the add rounds once, as torch's does
-    close_or_one_ulp(normed, _rms_norm(x + delta, w, 1e-5), dtype)
+    close_or_one_ulp(normed, rms_norm(x + delta, w, 1e-5), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -223,7 +223,7 @@ def test_silu_mul_matches_silu_of_gate_times_up(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_qkv_matches_the_split_rotate_path(dtype, qk_norm):
-    from pdserve_worker.model.layers.llama import _rms_norm
+    from pdserve_worker.model.layers.decoder_block import rms_norm
     from pdserve_worker.model.layers.rope import apply_rotary, cos_sin
 
     heads, kv_heads, head_dim, batch, tokens = 9, 3, 64, 2, 5
@@ -237,7 +237,7 @@ def test_rope_qkv_matches_the_split_rotate_path(dtype, qk_norm):
     q, k, v = native.rope_qkv(qkv, cos, sin, heads, kv_heads, norm, 1e-6)
     qk = qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim)
     if norm is not None:
-        qk = _rms_norm(qk, norm, 1e-6)
+        qk = rms_norm(qk, norm, 1e-6)
     qk = apply_rotary(qk, cos, sin)
     close_or_one_ulp(q, qk[:, :, :heads].contiguous(), dtype)
     close_or_one_ulp(k, qk[:, :, heads:].contiguous(), dtype)

@@ -95,7 +95,7 @@ def test_scales_the_kernel_cannot_hold_exactly_take_torchs_route(caplog):
     t = blocks(32, 64, "Q4_1", 4)
     odd = QuantizedTensor(t.kind, t.q, t.scale / 3, t.minimum)  # not fp16 values any more
     assert pack_native([odd], wide=False) is None
-    with caplog.at_level("INFO", logger="pdserve.model.matmul"):
+    with caplog.at_level("INFO", logger="pdserve_worker.model.layers.matmul"):
         assert isinstance(Linear(CPU, torch.float32).prepare_quantized([odd], "int4"), Int4Matrix)
     assert "event=quant_kernel_declined route=int4" in caplog.text
     assert isinstance(Linear(CPU, torch.float32).prepare_quantized([t], "int4"), BlockMatrix)

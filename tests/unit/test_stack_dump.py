@@ -9,7 +9,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from pdserve_worker.cli.local_deployment import Child, LocalDeployment, LocalPlan
+from pdserve_worker.cli.local_children import Child
+from pdserve_worker.cli.local_deployment import LocalDeployment
+from pdserve_worker.cli.local_plan import LocalPlan
 from support.local_run import cli_env
 
 # Ignores SIGTERM and waits in a function whose name the stacks must show.

@@ -1,31 +1,17 @@
 """Measure a hardware profile on this machine (`pdserve plan --profile`): a few short probes.
 
-Each figure is what torch achieves here with the thread count a worker would get, in the
-serving dtype, at the shapes of the model being planned for — so a measured profile carries
-no efficiency factor (1.0):
-
-- matmul FLOP/s: one layer's projections (q/k/v, o, gate/up, down) for a 512-token chunk,
-  through the engine's own matmul route (`model.layers.matmul.Linear`: oneDNN-prepacked weights
-  where the CPU supports the dtype, torch's GEMM for fp32 on AVX2 CPUs), since that is what a
-  prefill runs;
-- attention: causal SDPA with the model's heads (GQA) at 256 and 2,048 tokens; FLOP/s from
-  the difference, and the rest of the short one's time as a per-layer fixed cost (SDPA's
-  efficiency grows with the length: measured 12 GFLOP/s at 256 tokens, 26 at 2,048);
-- memory bandwidth: one decode step's GEMVs through the same route — every layer's four
-  weight matrices and the LM head, at the model's shapes — bytes read ÷ time (a plain copy
-  is reported beside it, as `memcpy`, but a copy moves every byte twice);
-- overheads: the real engine (`LlamaModel`) on a tiny-width model (hidden 64), where compute
-  is nothing and all that is left is dispatch: decode steps at 2 and 10 layers (per layer and
-  per step), batch 1 and 8 (per sequence per layer);
-- link: a loopback TCP stream of 64 MiB (the host engine's cross-host path) and a small
-  message's round trip; request overhead = 4 such hops (reserve, prefill call, ready notify,
-  first token back), each priced as one asyncio TCP round trip.
-
-Compute probes are timed in process CPU time ÷ threads, not wall time: on a shared host the
-wall time of the same GEMM swung 2x within seconds (38-83 GFLOP/s) while its CPU time stayed
-within 7% (78-84): the profile is the machine's speed when its cores are the worker's, which
-is what a replica with dedicated CPUs (a pod's request) gets. The link probes are wall time
-(they wait on a peer). The whole run takes well under a minute; progress goes to `progress`.
+Each figure is what torch achieves here with a worker's thread count, in the serving dtype, at
+the planned model's shapes, so a measured profile carries no efficiency factor (1.0):
+- matmul FLOP/s: one layer's projections for a 512-token chunk through `matmul.Linear`;
+- attention: causal SDPA with the model's heads at 256 and 2,048 tokens (FLOP/s from the
+  difference, the rest of the short one as a per-layer fixed cost);
+- memory bandwidth: one decode step's GEMVs (every layer's matrices and the head), bytes ÷ time
+  (`memcpy` beside it);
+- overheads: `LlamaModel` at hidden 64, decode steps at 2 and 10 layers, batch 1 and 8;
+- link: a 64 MiB loopback TCP stream and a small round trip (request overhead = 4 hops).
+Compute probes are timed in process CPU time ÷ threads (on a shared host wall time swung 2x
+while CPU time stayed within 7%): the machine's speed when its cores are the worker's. Link
+probes are wall time. Well under a minute; progress goes to `progress`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve_worker.cli.local_deployment import LocalDeployment, LocalPlan, StopFlag
+    from pdserve_worker.cli.local_deployment import LocalDeployment, StopFlag
+    from pdserve_worker.cli.local_plan import LocalPlan
 
 DEMO_QUESTION = "What is the capital of France?"
 
@@ -241,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> LocalPlan:
     """The deployment the flags ask for (ValueError names a flag that cannot be served)."""
-    from pdserve_worker.cli.local_deployment import LocalPlan
+    from pdserve_worker.cli.local_plan import LocalPlan
 
     extra_env = _parse_env(args.env)
     if args.trace_file is not None:

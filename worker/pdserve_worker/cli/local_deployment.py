@@ -1,22 +1,16 @@
 """`pdserve local`: a whole PD deployment as child processes on 127.0.0.1.
 
-A broker, `decode` decode workers, `prefill` prefill workers and a router, the same processes
-a Kubernetes deployment runs (`pdserve broker`, `pdserve worker --role ...`), configured by the
-same environment variables the operator renders into pods (pod_env.py), with a service token
-generated for this run. Or, with `colocated`, one process that prefills and decodes itself
-(the baseline the benchmarks compare against).
+A broker, decode and prefill workers and routers, the processes a Kubernetes deployment runs,
+configured by the environment the operator renders into pods (cli/local_env.py) with a service
+token generated for this run; or, with `colocated`, one process that prefills and decodes.
 
-The model is converted once (the loader's cache) before any child starts, so the children
-only map the converted folder. Start-up is over when the router's /health reports every
-worker registered and ready; a child that dies meanwhile fails the start with its last log
-lines. Children run in sessions of their own, so a Ctrl-C in the terminal reaches only this
-process, which stops them in order (router, prefill, decode, broker) by PID; and each child
-is told by the kernel to stop if this process dies without doing so (PR_SET_PDEATHSIG).
-
-With `tls`, a CA is made for the run (`util/tls_certs.py`) with one certificate for 127.0.0.1 that
-every child uses, as pods use their service's Secret: the broker and every worker's gRPC
-server speak mutual TLS only (no plaintext gRPC port is open), and the router serves HTTPS
-(clients verify it with `ca.crt` in the log folder, written to `deployment.json`).
+The model is converted once before any child starts, so the children only map the converted
+folder. Start-up is over when the router's /health reports every worker registered and ready;
+a child that dies meanwhile fails the start with its last log lines. Children run in sessions
+of their own (cli/local_children.py), so a Ctrl-C reaches only this process, which stops them
+in order (router, prefill, decode, broker) by PID. With `tls`, a CA is made for the run
+(`util/tls_certs.py`) with one certificate for 127.0.0.1: every gRPC server speaks mutual TLS
+only and the router serves HTTPS (clients verify it with `ca.crt`, named in `deployment.json`).
 """
 
 from __future__ import annotations
@@ -27,13 +21,11 @@ import secrets
 import signal
 import socket
 import ssl
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -41,17 +33,13 @@ import httpx
 
 from pdserve_common import inherited_sockets
 from pdserve_common import pod_env as E
-from pdserve_common.credentials import pod_env
+from pdserve_worker.cli.local_children import HOST, Child, accepts, child_entry, ready_members
+from pdserve_worker.cli.local_env import SERVICE, RunFacts, broker_env, prefix_cache_note, worker_env
+from pdserve_worker.cli.local_plan import LocalPlan
 from pdserve_worker.model.loading.default_model import model_argument
 from pdserve_worker.serving import settings as S
-from pdserve_worker.util.children import die_with_parent
-from pdserve_worker.util.free_ports import free_port
-from pdserve_worker.util.stack_dump import dump_stacks_then_kill
-from pdserve_worker.util.tls_certs import CertFiles, tls_env, write_run_certificates
+from pdserve_worker.util.tls_certs import CertFiles, write_run_certificates
 
-SERVICE = "local/pdserve"
-HOST = "127.0.0.1"
-LOG_TAIL_LINES = 30
 STUCK_TAIL_LINES = 80  # a killed child's log end: its threads' stacks (util/stack_dump.py)
 # A sharded decode group's leader drains before its followers stop (they serve its steps).
 STOP_ORDER = ("router", "colocated", "prefill", "decode", "decode-member", "broker")
@@ -59,75 +47,6 @@ STOP_ORDER = ("router", "colocated", "prefill", "decode", "decode-member", "brok
 
 class LocalStartError(RuntimeError):
     """The deployment did not come up; the message names the child and carries its log tail."""
-
-
-@dataclass(frozen=True)
-class LocalPlan:
-    prefill: int = 1
-    decode: int = 2
-    port: int = 8000
-    model: str | None = None  # GGUF or HF folder; None: the bundled default
-    dtype: str = "auto"  # auto: see auto_dtype()
-    weights: str = "auto"  # model/layers/weight_routes.py
-    slots: int = 8
-    max_len: int | None = None  # tokens per request; None: 2048, or the model's context if shorter
-    kv_block_tokens: int = 16  # decode KV blocks (0: max-length slots)
-    kv_tokens: int = 0  # decode KV pool in tokens (0: slots x max_len)
-    prefix_cache_tokens: int | None = None  # prefill prefix cache in tokens (None: auto, a memory share; 0: off)
-    prefix_disk_dir: Path | None = None  # the prefix cache's disk tier: one subfolder per prefill (None: none)
-    prefix_disk_gib: float = 0.0  # its bound per prefill (0: 10 GiB)
-    routers: int = 1  # router processes (the first on `port`, the others on free ports: deployment.json)
-    threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
-    colocated: bool = False
-    layers_per_chunk: int = 4
-    prefill_chunk_tokens: int = 512  # colocated: prompt positions between two decode steps
-    layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
-    prefill_tp: int = 1  # tensor-parallel ranks per prefill instance (rank 0 starts the others)
-    decode_tp: int = 1  # the same per decode instance
-    epp_port: int = 0  # router-0's endpoint picker (gateway/ext_proc.py); 0: none
-    readiness: str = "interrupt"
-    # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
-    # baseline of seed 002's experiment (transfer/backends/two_sided.py; benchmarks only).
-    transfer: str = "cpu"
-    tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
-    api_keys: Path | None = None  # keys file (api/keys.py) the router requires; None: no authentication
-    log_dir: Path | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.weights not in ("auto", "dequantized", "int8", "int4"):
-            raise ValueError(f"weights must be auto, dequantized, int8 or int4, got {self.weights!r}")
-        if self.transfer not in ("cpu", "two-sided"):
-            raise ValueError(f"transfer must be cpu or two-sided, got {self.transfer!r}")
-        if self.colocated:
-            return
-        if self.routers < 1:
-            raise ValueError(f"a PD deployment needs at least 1 router, got {self.routers}")
-        if self.prefill < 1 or self.decode < 1:
-            raise ValueError(f"a PD deployment needs at least 1 prefill and 1 decode, got {self.prefill}/{self.decode}")
-        if self.layer_shards < 1:
-            raise ValueError(f"layer_shards must be >= 1, got {self.layer_shards}")
-        if self.prefill_tp < 1 or self.decode_tp < 1:
-            raise ValueError(f"prefill_tp and decode_tp must be >= 1, got {self.prefill_tp}/{self.decode_tp}")
-        if self.decode_tp > 1 and self.layer_shards > 1:
-            raise ValueError("a decode is tensor-parallel (--decode-tp) or layer-sharded (--layer-shards), not both")
-        if self.decode_tp > 1 and not self.kv_block_tokens:
-            raise ValueError("--decode-tp needs a paged KV pool: --kv-block-tokens > 0")
-
-    @property
-    def model_processes(self) -> int:
-        return (
-            1 if self.colocated else self.prefill * self.prefill_tp + self.decode * self.layer_shards * self.decode_tp
-        )
-
-    def memory_share(self) -> float:
-        """The part of the machine's memory each model process may size its caches from."""
-        return 1.0 / self.model_processes
-
-    def threads_per_process(self) -> int:
-        if self.threads:
-            return self.threads
-        return max(1, len(os.sched_getaffinity(0)) // self.model_processes)
 
 
 def auto_dtype() -> str:
@@ -143,83 +62,6 @@ def auto_dtype() -> str:
     except (ImportError, AttributeError):
         native = False
     return "bfloat16" if native else "float32"
-
-
-def source_env() -> dict[str, str]:
-    """The environment children inherit, with this checkout's sources importable."""
-    env = dict(os.environ)
-    import pdserve_worker
-
-    roots = [str(Path(pdserve_worker.__file__).resolve().parents[1])]
-    try:
-        import pdserve_operator
-
-        roots.append(str(Path(pdserve_operator.__file__).resolve().parents[1]))
-    except ImportError:
-        pass
-    try:
-        import pdserve.v1 as protos
-
-        roots.append(str(Path(protos.__file__).resolve().parents[2]))
-    except ImportError:
-        pass
-    existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(roots + existing))
-    return env
-
-
-@dataclass
-class Child:
-    name: str
-    role: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    fds: tuple[int, ...] = ()  # the listening sockets it serves (kept by the parent: a restart gets them again)
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                pass_fds=self.fds,
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,
-            )
-        finally:
-            log.close()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def exited(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self, timeout_s: float) -> bool:
-        """SIGTERM, then SIGKILL after `timeout_s`: by PID, this child only. True if it had to be
-        killed; its threads' stacks are then at the end of its log (util/stack_dump.py)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return False
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-            return False
-        except subprocess.TimeoutExpired:
-            dump_stacks_then_kill(self.proc)
-            return True
 
 
 class LocalDeployment:
@@ -329,28 +171,8 @@ class LocalDeployment:
             raise LocalStartError(f"{exc}; choose a smaller --max-len") from None
         if self.plan.max_len is None and max_len < DEFAULT_MAX_LEN:
             self.say(f"max_len {max_len}: the model's context (--max-len sets it)")
-        self._say_prefix_cache(config.kv_bytes_per_token(self.dtype))
+        self.say(prefix_cache_note(self.plan, config.kv_bytes_per_token(self.dtype)))
         return max_len
-
-    def _say_prefix_cache(self, kv_bytes_per_token: int) -> None:
-        """What each prefill (or the colocated process) will keep of prompt prefixes."""
-        plan = self.plan
-        if plan.prefix_cache_tokens == 0:
-            self.say("prefix cache off (--prefix-cache-tokens 0)")
-            return
-        if plan.prefix_cache_tokens is not None:
-            self.say(f"prefix cache: {plan.prefix_cache_tokens} tokens per prefill (--prefix-cache-tokens)")
-            return
-        from pdserve_worker.kv.memory_budget import PREFIX_CACHE_FRACTION, auto_prefix_tokens, memory_limit
-
-        limit, share = memory_limit(), plan.memory_share()
-        block = S.WorkerSettings.model_fields["prefix_block_tokens"].default
-        tokens = auto_prefix_tokens(limit.bytes, share, kv_bytes_per_token, block)
-        self.say(
-            f"prefix cache: up to {tokens} tokens per prefill ({PREFIX_CACHE_FRACTION:.0%} of its 1/"
-            f"{plan.model_processes} share of {limit.bytes / 2**30:.1f} GiB, {limit.source}; "
-            "--prefix-cache-tokens sets it, 0 turns it off)"
-        )
 
     def _hold(self, port: int = 0) -> int:
         """Bind `port` on HOST (0: a free one) for a child to serve; kept until stop()."""
@@ -368,19 +190,14 @@ class LocalDeployment:
     def _start_broker(self) -> None:
         port = self._hold()
         self.broker_address = f"{HOST}:{port}"
-        env = source_env()
-        env["PDSERVE_BROKER_TOKENS"] = json.dumps({SERVICE: self.token})
-        if self.certs is not None:  # `pdserve broker` reads PDSERVE_TLS_CERT/_KEY/_CA: mutual TLS
-            env.update(tls_env(self.certs, broker_tls=False))
-        env.update(self.plan.extra_env)
-        self._spawn("broker", "broker", env, ["broker", "--host", HOST, "--port", str(port)])
+        self._spawn("broker", "broker", broker_env(self._facts()), ["broker", "--host", HOST, "--port", str(port)])
 
     def _wait_broker(self) -> None:
         """Until the broker accepts: ours, or one given from outside (no child of ours then)."""
         host, port = self.broker_address.rsplit(":", 1)
         broker = next((c for c in self.children if c.role == "broker"), None)
         deadline = time.monotonic() + 60
-        while not _accepts(host, int(port)):
+        while not accepts(host, int(port)):
             self._check_alive()
             if time.monotonic() > deadline:
                 tail = broker.tail() if broker is not None else ""
@@ -388,57 +205,20 @@ class LocalDeployment:
             time.sleep(0.05)
         self.say(f"broker listening on {self.broker_address}")
 
-    def _worker_env(self, role: str, worker_id: str, http_port: int) -> dict[str, str]:
-        plan = self.plan
-        env = source_env()
-        env.update(
-            {
-                E.ROLE: role,
-                E.SERVICE: SERVICE,
-                E.POD_NAME: worker_id,
-                E.POD_IP: HOST,
-                S.BIND_HOST: HOST,
-                E.HTTP_PORT_ENV: str(http_port),
-                E.GRPC_PORT_ENV: str(self._hold()),
-                E.ADMIN_PORT_ENV: str(self._hold()),
-                E.PROBE_PORT_ENV: str(self._hold()),  # /healthz and /readyz alone, as in a pod
-                # The host engine serves its port from the socket handed down; two-sided (gloo) binds its own.
-                S.TRANSFER_PORT_ENV: str(self._hold() if plan.transfer == "cpu" else free_port()),
-                E.MODEL_SOURCE: self.model_source,
-                E.MODEL_DTYPE: self.dtype,
-                S.WEIGHTS: self.plan.weights,
-                E.MAX_LENGTH: str(self.max_len),
-                E.SLOTS: str(plan.slots),
-                E.KV_BLOCK_TOKENS: str(plan.kv_block_tokens),
-                E.KV_TOKENS: str(plan.kv_tokens),
-                E.PREFIX_CACHE_TOKENS: "auto" if plan.prefix_cache_tokens is None else str(plan.prefix_cache_tokens),
-                S.MEMORY_SHARE: repr(plan.memory_share()),
-                E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
-                S.PREFILL_CHUNK_TOKENS: str(plan.prefill_chunk_tokens),
-                E.READINESS_MODE: plan.readiness,
-                E.TRANSFER_BACKEND: plan.transfer,
-                E.DRAIN_TIMEOUT_SECONDS: "10",
-                S.THREADS: str(plan.threads_per_process()),
-                S.GRACE_S: "5",
-            }
+    def _facts(self) -> RunFacts:
+        return RunFacts(
+            self.plan,
+            self.dtype,
+            self.max_len,
+            self.model_source,
+            self.model_name,
+            self.broker_address,
+            self.token,
+            self.certs,
         )
-        if self.model_name:
-            env[E.MODEL_NAME] = self.model_name
-        if plan.prefix_disk_dir is not None and role in ("prefill", "colocated"):
-            # Its own folder: a restarted prefill finds its blocks, two prefills never share an index.
-            env[E.PREFIX_DISK_DIR] = str(Path(plan.prefix_disk_dir).resolve() / worker_id)
-            env[E.PREFIX_DISK_BYTES] = str(int(plan.prefix_disk_gib * 2**30))
-        if role != "colocated":
-            env[E.BROKER_ADDRESS] = self.broker_address
-            # Its role's part of the service's credentials, as a pod gets it: never the service
-            # token (pdserve_common/credentials.py).
-            env.update(pod_env(self.token, role))
-        if self.certs is not None:
-            env.update(tls_env(self.certs, broker_tls=role != "colocated"))
-        if plan.api_keys is not None and role in ("router", "colocated"):
-            env[E.API_KEYS_FILE] = str(Path(plan.api_keys).resolve())
-        env.update(plan.extra_env)
-        return env
+
+    def _worker_env(self, role: str, worker_id: str, http_port: int) -> dict[str, str]:
+        return worker_env(self._facts(), role, worker_id, http_port, self._hold)
 
     def _spawn_decode_group(self, index: int) -> None:
         """One decode instance: a process, or a leader and its followers that know each other's
@@ -475,7 +255,7 @@ class LocalDeployment:
                 self._check_alive()
                 if stop_requested():
                     raise KeyboardInterrupt
-                members = _members(http, self.url)
+                members = ready_members(http, self.url)
                 if members is not None and members != last:
                     self.say("ready members: " + ", ".join(f"{r} {members.get(r, 0)}/{n}" for r, n in want.items()))
                     last = members
@@ -504,20 +284,7 @@ class LocalDeployment:
             "weights": self.plan.weights,
             "token_file": str(token_file),
             "ca_file": None if self.certs is None else str(self.certs.ca),
-            "children": [
-                {
-                    "name": c.name,
-                    "role": c.role,
-                    "pid": c.pid,
-                    "log": str(c.log_path),
-                    "http": f"{HOST}:{c.env[E.HTTP_PORT_ENV]}" if E.HTTP_PORT_ENV in c.env else None,
-                    "grpc": f"{HOST}:{c.env[E.GRPC_PORT_ENV]}" if E.GRPC_PORT_ENV in c.env else None,
-                    "admin": f"{HOST}:{c.env[E.ADMIN_PORT_ENV]}" if E.ADMIN_PORT_ENV in c.env else None,
-                    "probe": f"{HOST}:{c.env[E.PROBE_PORT_ENV]}" if E.PROBE_PORT_ENV in c.env else None,
-                    "transfer": f"{HOST}:{c.env[S.TRANSFER_PORT_ENV]}" if S.TRANSFER_PORT_ENV in c.env else None,
-                }
-                for c in self.children
-            ],
+            "children": [child_entry(c) for c in self.children],
         }
         (self.log_dir / "deployment.json").write_text(json.dumps(manifest, indent=2))
 
@@ -588,27 +355,6 @@ class LocalDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def _members(http: httpx.Client, url: str) -> dict[str, int] | None:
-    """Ready members by role from the router's /health; None while it does not answer."""
-    try:
-        response = http.get(f"{url}/health")
-    except httpx.TransportError:
-        return None
-    if response.status_code != 200:
-        return None
-    body = response.json()
-    members = body.get("members")
-    return {str(k): int(v) for k, v in members.items()} if isinstance(members, dict) else None
 
 
 class StopFlag:

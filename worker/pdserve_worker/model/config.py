@@ -1,17 +1,14 @@
 """The geometry of a decoder this engine runs, read from an HF `config.json` (or GGUF metadata).
 
-One dataclass is the single description every role shares: the model builds itself from it,
-a KV pool is sized from it (`kv_layout`), `pdserve info` does its arithmetic with it, and the
-GGUF conversion writes it back out as an HF `config.json` so a converted folder loads like any
-other HF folder (here and in transformers).
+One dataclass is the description every role shares: the model builds itself from it, a KV pool
+is sized from it (`kv_layout`), `pdserve info` does its arithmetic with it, and the GGUF
+conversion writes it back out as an HF `config.json`.
 
-The families are the LLaMA block and its relatives, which differ only in a few switches: each
-is one module of `model/families/` (its table is in that package's docstring), and this module
-asks the family, never names one. What the engine cannot reproduce exactly is refused with the field's
-name, never approximated: another activation, MLP bias, partial rotary, rope types other than
-default/linear/llama3/yarn/dynamic, quantized checkpoints, and sliding-window attention beyond
-the window (see `kv_layout`).
-
+The families are the LLaMA block and its relatives, which differ only in a few switches: each is
+one module of `model/families/`, and this module asks the family, never names one. What the
+engine cannot reproduce exactly is refused with the field's name, never approximated: another
+activation, MLP bias, partial rotary, rope types other than default/linear/llama3/yarn/dynamic,
+quantized checkpoints, and sliding-window attention beyond the window (see `kv_layout`).
 This module imports no torch: `pdserve info` runs without it.
 """
 

@@ -1,16 +1,13 @@
 """The pod-facing HTTP endpoints of a worker (pod_env.py's contract) and an embeddable uvicorn.
 
 - `GET /healthz`: the process is alive (answers while the model is still loading); 503 once
-  the worker was drained and left the broker (`phase` "drained"), so that a worker drained by
-  someone other than its own shutdown is restarted by its liveness probe instead of idling.
+  the worker was drained and left the broker (`phase` "drained"), so a worker drained by
+  anything but its own shutdown is restarted by its liveness probe instead of idling.
 - `GET /readyz`: 200 once the model is loaded and the worker registered with the broker,
   503 (with the reason) before that and while draining.
-
-The admin endpoints are on a port of their own that listens on 127.0.0.1 only (`admin_app`),
-so nothing outside the pod reaches them, and they want the service's token as well:
-- `GET /drain` (decode): stop taking slots, wait for the active ones, leave the broker, answer
-  200 when done or when the drain timeout passed. Idempotent: a second call waits as well.
-  The pod's preStop hook calls it with `pdserve drain`.
+- On the admin port (127.0.0.1 only, `admin_app`, the service's token): `GET /drain` (decode)
+  stops taking slots, waits for the active ones, leaves the broker and answers 200 when done
+  or when the drain timeout passed. Idempotent; the preStop hook calls it (`pdserve drain`).
 
 `EmbeddedServer` is uvicorn without its signal handling: the worker's own shutdown sequence
 (drain, deregister, stop gRPC) owns SIGTERM, and tells the server to stop when it is time.

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from pdserve_worker.engines.base import Engine
     from pdserve_worker.transfer.base import TransferBackend
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 
 class StartupError(RuntimeError):

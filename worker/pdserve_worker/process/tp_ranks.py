@@ -31,7 +31,7 @@ from pdserve_worker.util.children import die_with_parent
 from pdserve_worker.util.free_ports import free_port
 from pdserve_worker.util.stack_dump import dump_stacks_then_kill
 
-log = logging.getLogger("pdserve.tp")
+log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
 

@@ -1,26 +1,17 @@
 """One worker process from start to stop: `pdserve worker --role prefill|decode|router|colocated`.
 
 Start (each step visible on /healthz's `phase`): HTTP first, so probes answer while the model
-loads; then the model, the transfer engine and the role's state; the gRPC server; and last
-the broker registration, after which /readyz turns 200. Peers learn of a worker only once it
-can serve.
+loads; then the model, the transfer engine and the role's state; the gRPC server; last the
+broker registration, after which /readyz turns 200: peers learn of a worker once it can serve.
 
-Stop (SIGTERM or SIGINT, once): /readyz fails at once; a decode drains (no new slots, active
-requests finish, up to the drain timeout); the worker leaves the broker, then the gRPC and
-HTTP servers stop (in-flight calls get the grace period), then the KV pool is deregistered,
-the transfer engine finalized (its server stopped and joined, so no peer's write can still
-land), and only then the pool's memory freed. A second signal during the stop is ignored; the pod's grace period is
-the hard limit. A decode drained through its admin port (the preStop hook's `pdserve drain`)
-has already left the broker when the signal comes; drained by anything else, it fails its
-liveness probe and is restarted.
+Stop (SIGTERM or SIGINT, once; a second is ignored, the pod's grace period is the limit): /readyz
+fails at once; a decode drains (up to the drain timeout); the worker leaves the broker, the gRPC
+and HTTP servers stop (grace period for in-flight calls), the KV pool is deregistered, the
+transfer engine finalized (no peer's write can still land), and only then the pool freed.
 
-With TLS configured (settings.tls) every gRPC server listens with TLS only and requires a
-client certificate of the CA, every gRPC client (to the broker, to other workers, a group's
-leader to its followers) dials with TLS and its certificate, and the router serves HTTPS.
-
-The router role serves the OpenAI API (`router.app.create_app`) over `PDBackend`; the
-colocated role serves it over one in-process Generator (no broker): the baseline of the
-benchmarks and a one-process `pdserve local --colocated`.
+With TLS (settings.tls) every gRPC server requires a client certificate of the CA, every gRPC
+client dials with its own, and the router serves HTTPS. The router role serves the OpenAI API
+over `PDBackend`; the colocated role over one in-process Generator (no broker).
 """
 
 from __future__ import annotations
@@ -61,7 +52,7 @@ if TYPE_CHECKING:
     from pdserve_worker.serving.tp_group import TPGroup
     from pdserve_worker.transfer.base import TransferBackend
 
-log = logging.getLogger("pdserve.worker")
+log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 120.0
 

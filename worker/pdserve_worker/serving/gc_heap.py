@@ -19,7 +19,7 @@ import time
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.serving.gc")
+log = logging.getLogger(__name__)
 
 
 def freeze_startup_heap() -> int:

@@ -1,20 +1,16 @@
 """One tensor-parallel instance's process group: torch.distributed, one process per rank.
 
-The collective library is chosen from the device, as vLLM and vllm-ascend do: gloo on the CPU,
-nccl on CUDA, hccl on Ascend (torch_npu registers the backend). The model's all_reduce runs on
-that group. What the ranks say to each other besides the model's sums (rank 0's description
-of the next pass, each rank's "my pushes landed") are small Python objects, sent over a gloo
-group on the CPU — the device group's collectives take device tensors, and vLLM keeps the same
-split (its `cpu_group` for metadata).
+The collective library is chosen from the device: gloo on the CPU, nccl on CUDA, hccl on Ascend
+(torch_npu registers the backend); the model's all_reduce runs on that group. What the ranks say
+besides the model's sums (rank 0's description of the next pass, each rank's "my pushes
+landed") are small Python objects, sent over a gloo group on the CPU (the device group's
+collectives take device tensors).
 
-Every collective has a deadline (`timeout_s`, torch.distributed's own): a rank that died or
-hangs makes the others' next collective raise instead of waiting for ever, and the instance
-then stops as one (the pod restarts the group). gloo honours the timeout on every op; nccl and
-hccl enforce it through their watchdogs (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, HCCL's
-`HCCL_EXEC_TIMEOUT`), which abort the process rather than raise.
-
-The group is rendezvoused over TCP at rank 0's `address` (host:port); all ranks of one
-instance run in one pod, so it is a loopback address there.
+Every collective has a deadline (`timeout_s`): a rank that died or hangs makes the others' next
+collective raise instead of waiting for ever, and the instance stops as one (the pod restarts
+the group). gloo honours it on every op; nccl and hccl through their watchdogs
+(`TORCH_NCCL_ASYNC_ERROR_HANDLING`, `HCCL_EXEC_TIMEOUT`), which abort the process instead.
+The group rendezvouses over TCP at rank 0's `address` (host:port): loopback, one pod per instance.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import torch.distributed as dist
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.tp")
+log = logging.getLogger(__name__)
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # What rank 0 broadcasts besides a pass or a step: "keep waiting" and "stop" (prefill/tp_rank.py,

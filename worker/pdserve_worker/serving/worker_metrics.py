@@ -1,21 +1,15 @@
 """The Prometheus metrics of a prefill or decode worker (`/metrics` on the pod's http port).
 
-Same style as the router's (`api/metrics.py`): one `CollectorRegistry` per worker, never the
-process-global default, so several workers in one process (`pdserve local`, tests) keep
-their own series. What an autoscaler or a dashboard needs to see of each role:
-
-- prefill: the queue (prompts accepted and not answered: `queue_length`), how long a prompt
-  waited before its pass began (`queue_wait_seconds`), prompt tokens computed (tokens/s is
-  their `rate()`), prefill wall time per request; with a prefix cache its lookups, hits,
-  evictions and size in tokens;
-- decode: KV slots used and total, KV tokens used and total, requests running in the batch, decode step time (a
-  Summary: `rate(_sum)/rate(_count)` is the mean step), tokens generated (tokens/s);
-- both: KV transfer bytes, time and failures (prefill: what it pushed; decode: what it received
-  and how long it waited for the ready notify; failures: pushes that failed / readiness timeouts).
-
-Gauges and the decode loop's counters are read from the worker when Prometheus scrapes
-(`set_function`, a custom collector), so the hot paths stay untouched; only events that
-leave no state behind (a prompt's wait, a finished push) are observed where they happen.
+Like the router's (`api/metrics.py`): one `CollectorRegistry` per worker, never the global
+default, so several workers in one process keep their own series.
+- prefill: `queue_length`, `queue_wait_seconds`, prompt tokens computed, prefill wall time per
+  request; with a prefix cache its lookups, hits, evictions and size in tokens;
+- decode: KV slots and tokens used and total, requests running, decode step time (a Summary:
+  `rate(_sum)/rate(_count)` is the mean step), tokens generated;
+- both: KV transfer bytes, time and failures (pushed; received, and the wait for the notify).
+Gauges and the decode loop's counters are read when Prometheus scrapes (`set_function`, a
+custom collector), so hot paths stay untouched; only events that leave no state behind (a
+prompt's wait, a finished push) are observed where they happen.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """A LLaMA-family decoder in plain torch whose KV lives in an explicit, externally owned pool.
 
 One forward serves every family `ModelConfig` describes (llama, mistral, qwen2, qwen3): they
-differ in q/k/v (and o) biases, qwen3's per-head RMSNorm of q and k before RoPE, head_dim,
-GQA and the rope scaling; each switch is applied where transformers' modeling code applies it.
+differ in q/k/v (and o) biases, qwen3's per-head RMSNorm of q and k before RoPE, head_dim, GQA
+and the rope scaling; each switch is applied where transformers' modeling code applies it, and
+numerics mirror LlamaForCausalLM (RMSNorm in fp32, cos/sin in fp32 then cast, rotate-half RoPE).
 
 The forward is split the way PD serving needs it: `embed` → `run_layers(range)` → `head`.
-Prefill runs layer chunks and tells the transfer after each chunk that its KV is final
-(`prefill(..., on_chunk=...)`); a layer-sharded decode member runs only its range and passes
-the hidden state on; `decode_step` advances a batch of slots of different lengths by one
-token (continuous batching: the batch may change between steps).
-
-Numerics mirror HF transformers' LlamaForCausalLM (RMSNorm in fp32, cos/sin computed in
-fp32 then cast, rotate-half RoPE), so fp32 logits match it closely and greedy text matches.
-
-Performance notes (CPU, measured): Q/K/V and gate/up are fused into one matmul each (fewer,
-larger GEMMs); every matrix goes through `matmul.Linear`, which prepacks it for oneDNN where
-the CPU runs the dtype natively (batch-1 decode 1.4x faster), runs fp32 decode steps on a native
-kernel on AVX2 CPUs (csrc/dense_linear.cpp) and upcasts multi-row bf16 products
-block by block where it does not; SDPA always gets 4-D inputs (3-D inputs fall back to a path 2-8x slower);
-single-token decode reshapes the query to `[kv_heads, heads/kv_heads, head_dim]` instead of
-asking SDPA for GQA (slow in bf16); and batched decode reads the KV of consecutive slots as
-one strided view of the pool with a length mask instead of gathering it (a gather costs more
-than the attention itself).
+Prefill runs layer chunks and tells the transfer after each that its KV is final
+(`prefill(..., on_chunk=...)`); a layer-sharded decode member runs only its range; `decode_step`
+advances a batch of slots of different lengths by one token (continuous batching). The weights
+are built by layer_weights.py, a layer's arithmetic is decoder_block.py, and attention over a
+slot or paged pool is slot_attention.py or paged_attention.py.
 """
 
 from __future__ import annotations
@@ -35,73 +24,18 @@ import torch.nn.functional as F
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.layers import native, paged_attention
+from pdserve_worker.model.layers import native, paged_attention, slot_attention
+from pdserve_worker.model.layers.decoder_block import DecoderBlock, rms_norm
+from pdserve_worker.model.layers.layer_weights import LayerWeights, WeightBuilder, check_weights
 from pdserve_worker.model.layers.matmul import BlockMatrix, Linear
-from pdserve_worker.model.layers.native import DecodeRows
 from pdserve_worker.model.layers.paged_attention import PagedPlan
-from pdserve_worker.model.layers.quant import QuantizedTensor, dequantize, quantize, to_kind
-from pdserve_worker.model.layers.rope import apply_rotary, attention_scaling, cos_sin, inverse_frequencies
+from pdserve_worker.model.layers.quant import QuantizedTensor
+from pdserve_worker.model.layers.rope import attention_scaling, cos_sin, inverse_frequencies
+from pdserve_worker.model.layers.slot_attention import SlotPlan
 from pdserve_worker.model.layers.weight_routes import groups as matrix_groups
-from pdserve_worker.model.shapes import weight_shapes
 
 # Logits a quantized head recomputes in fp32 from the exact rows (see `LlamaModel.head`).
 REFINED_LOGITS = 16
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    attn_norm: torch.Tensor  # [hidden]
-    # The four matrices are as `Linear.prepare`/`prepare_quantized` returned them (possibly opaque
-    # oneDNN tensors or `matmul.Int4Matrix`): pass them to `LlamaModel.linear`, nowhere else.
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor  # [hidden, heads * head_dim]
-    mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
-    qkv_bias: torch.Tensor | None = None  # [(heads + 2 * kv_heads) * head_dim]
-    o_bias: torch.Tensor | None = None  # [hidden]
-    # qwen3's q_norm and k_norm weights, one row per head: [heads + kv_heads, head_dim].
-    qk_norm: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Rows [row_start, row_stop) of a batch whose slots are consecutive from `slot_start`."""
-
-    row_start: int
-    row_stop: int
-    slot_start: int
-    key_len: int  # keys to read per slot: max(position + T) over the run's rows
-    mask: torch.Tensor | None  # [rows, 1, T, key_len] bool (True = attend), None when plainly causal/full
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """Tokens [start, stop) of a packed row: one prompt, written at `position`.. of `slot`."""
-
-    start: int
-    stop: int
-    slot: int
-    position: int
-    mask: torch.Tensor | None  # [1, 1, n, position + n] bool, None when plainly causal (position 0)
-
-
-@dataclass(frozen=True)
-class _StepPlan:
-    """What every layer of one call shares: positions, rotary angles, slot runs.
-
-    A packed plan (`segments` set) holds several prompts in one row `[1, total, hidden]`:
-    `slots` and `positions` are then per token `[total]`, and attention runs per segment."""
-
-    slots: torch.Tensor  # [B] long (packed: [total])
-    positions: torch.Tensor  # [B, T] long (packed: [total])
-    first: tuple[int, int]  # (slot, start position) of row 0, as Python ints (no device sync per layer)
-    cos: torch.Tensor  # [B, T, 1, head_dim]
-    sin: torch.Tensor
-    runs: tuple[_Run, ...]
-    tokens: int  # T
-    segments: tuple[_Segment, ...] = ()
-    kernel: DecodeRows | None = None  # a decode step (T == 1) through the native kernel, when it serves
 
 
 def _room(cache: KVCache | PagedKVCache, slot: int) -> int:
@@ -109,136 +43,31 @@ def _room(cache: KVCache | PagedKVCache, slot: int) -> int:
     return cache.capacity(slot) if isinstance(cache, PagedKVCache) else cache.layout.max_len
 
 
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
+@dataclass(frozen=True)
+class ModelPart:
+    """What of the model one process holds, and how (`LlamaModel`'s optional arguments).
 
+    `layers`: the layers kept (None: all). `quantized`: the checkpoint's quantized blocks by HF
+    name. `routes` (`weight_routes.plan`): how each matrix group is held (missing: "dequantized").
+    `reduce`: on a tensor-parallel rank, the sum of o_proj's and down_proj's partial products
+    over the group (an all_reduce; model/layers/tensor_parallel.py)."""
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF LLaMA computes it: normalize in fp32, round to the model dtype, then weight.
-
-    Keeping HF's two roundings in bf16 matters: near-tied logits (SmolLM2's first answer token
-    to "What is the capital of France?" leads by 0.08) flip with a one-rounding fused norm.
-    """
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
-def check_weights(
-    config: ModelConfig,
-    weights: Mapping[str, torch.Tensor],
-    layers: range,
-    quantized: Mapping[str, QuantizedTensor] | None = None,
-) -> None:
-    """Every tensor the config implies for `layers` is present with its shape (names the first that
-    is not), as a float tensor or, for a matrix, quantized."""
-    quantized = quantized or {}
-    for name, shape in weight_shapes(config, layers).items():
-        tensor = weights.get(name, quantized.get(name))
-        if tensor is None:
-            why = " (config.json tie_word_embeddings is false)" if name == "lm_head.weight" else ""
-            raise ValueError(f"weight {name!r} missing from checkpoint{why}")
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, config.json implies {shape}")
-
-
-def _hf(name: str, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    try:
-        return weights[name]
-    except KeyError:
-        raise KeyError(f"weight {name!r} missing from checkpoint") from None
-
-
-class _Weights:
-    """Builds `LlamaModel`'s tensors from a checkpoint: each in the model's dtype and device,
-    each matrix group as its route runs it fastest (`weight_routes.plan`)."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: Mapping[str, torch.Tensor],
-        quantized: Mapping[str, QuantizedTensor],
-        groups: Mapping[str, Sequence[str]],
-        routes: Mapping[str, str],
-        linear: Linear,
-    ) -> None:
-        self.config, self.weights, self.quantized = config, weights, quantized
-        self.groups, self.routes, self.linear = groups, routes, linear
-
-    def take(self, name: str) -> torch.Tensor:
-        # Same dtype and device: the checkpoint's (memory-mapped) tensor itself, no copy.
-        return _hf(name, self.weights).to(device=self.linear.device, dtype=self.linear.dtype).contiguous()
-
-    def fused(self, *names: str) -> torch.Tensor:
-        # One pass per part (cast and copy together) into the fused matrix: loading stays fast.
-        parts = [_hf(n, self.weights) for n in names]
-        rows = sum(p.shape[0] for p in parts)
-        out = torch.empty((rows, *parts[0].shape[1:]), dtype=self.linear.dtype, device=self.linear.device)
-        row = 0
-        for part in parts:
-            out[row : row + part.shape[0]].copy_(part)
-            row += part.shape[0]
-        return out
-
-    def matrix(self, group: str, dense: Callable[[], torch.Tensor]) -> torch.Tensor | object:
-        """A group's matrix as its route runs it fastest (a prepacked, opaque oneDNN or
-        quantized matrix: for `Linear` only)."""
-        route, names, quantized = self.routes[group], self.groups[group], self.quantized
-        if route == "dequantized":
-            return self.linear.prepare(dense())
-        # The checkpoint's own blocks where it has them (int8 holds 4- and 8-bit ones exactly),
-        # else the float weights quantized by llama.cpp's reference rounding.
-        kind = "q4" if route == "int4" else "q8"
-        parts = [
-            (to_kind(quantized[n], kind) if route == "int4" else quantized[n])
-            if n in quantized
-            else quantize(_hf(n, self.weights), kind)
-            for n in names
-        ]
-        return self.linear.prepare_quantized(parts, route)
-
-    def head_rows(self, embed_tokens: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """A quantized head's exact rows (fp32, by token id), for `head`'s refinement: a tied
-        head's are the embedding rows; an untied one keeps its checkpoint blocks and dequantizes rows."""
-        if self.routes["lm_head"] == "dequantized":
-            return None
-        if self.config.tie_word_embeddings:
-            return lambda ids: embed_tokens[ids].float()
-        stored = self.quantized.get("lm_head.weight") or quantize(_hf("lm_head.weight", self.weights), "q8")
-        return lambda ids: dequantize(stored.rows(ids.reshape(-1))).reshape(*ids.shape, -1)
-
-    def layer(self, i: int) -> LayerWeights:
-        config, groups, take, fused, matrix = self.config, self.groups, self.take, self.fused, self.matrix
-        p = f"model.layers.{i}."
-        qk_norm = None
-        if config.qk_norm:  # one weight row per head, q's heads first: a single norm call over q and k
-            qk_norm = torch.cat(
-                [
-                    take(p + "self_attn.q_norm.weight")[None].expand(config.num_heads, -1),
-                    take(p + "self_attn.k_norm.weight")[None].expand(config.num_kv_heads, -1),
-                ]
-            )
-        return LayerWeights(
-            attn_norm=take(p + "input_layernorm.weight"),
-            qkv=matrix(p + "attn_qkv", lambda: fused(*groups[p + "attn_qkv"])),
-            o=matrix(p + "attn_o", lambda: take(p + "self_attn.o_proj.weight")),
-            mlp_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=matrix(p + "mlp_gate_up", lambda: fused(*groups[p + "mlp_gate_up"])),
-            down=matrix(p + "mlp_down", lambda: take(p + "mlp.down_proj.weight")),
-            qkv_bias=fused(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")) if config.qkv_bias else None,
-            o_bias=take(p + "self_attn.o_proj.bias") if config.o_bias else None,
-            qk_norm=qk_norm,
-        )
+    layers: range | None = None
+    quantized: Mapping[str, QuantizedTensor] | None = None
+    routes: Mapping[str, str] | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class LlamaModel:
     """The decoder's weights plus a forward that reads and writes a `KVCache`.
 
     `weights` uses HF names (`model.layers.0.self_attn.q_proj.weight`, ...). Only the layers
-    in `layers` are kept (a layer-sharded member need not hold the others). Every tensor the
+    in `part.layers` are kept (a layer-sharded member need not hold the others). Every tensor the
     config implies (`shapes.weight_shapes`) must be there with its shape: a checkpoint that
     does not match its config.json is refused with the tensor's name, never reshaped.
 
-    `routes` (`weight_routes.plan`) says how each matrix group is held: "dequantized" (float,
-    from `weights`), or "int4"/"int8" (torch's weight-only kernels), built from `quantized`
+    `part.routes` (`weight_routes.plan`) says how each matrix group is held: "dequantized" (float,
+    from `weights`), or "int4"/"int8" (torch's weight-only kernels), built from `part.quantized`
     (the checkpoint's blocks, by HF name) where it holds the part, else quantized from
     `weights`. The embedding rows are always float (a lookup, not a product).
     """
@@ -249,14 +78,11 @@ class LlamaModel:
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
-        layers: range | None = None,
-        quantized: Mapping[str, QuantizedTensor] | None = None,
-        routes: Mapping[str, str] | None = None,
-        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        part: ModelPart | None = None,
     ) -> None:
-        self.config = config
-        # A tensor-parallel rank (model/layers/tensor_parallel.py): `config` is its share, and
-        # `reduce` sums o_proj's and down_proj's partial products over the group (an all_reduce).
+        part = part or ModelPart()
+        layers, quantized, routes, reduce = part.layers, part.quantized, part.routes, part.reduce
+        self.config = config  # a tensor-parallel rank's share of the model, on such a rank
         self.reduce = reduce
         self.dtype = dtype
         self.device = torch.device(device)
@@ -270,7 +96,8 @@ class LlamaModel:
         self.routes = {group: (routes or {}).get(group, "dequantized") for group in groups}
 
         self.linear = Linear(self.device, dtype)
-        build = _Weights(config, weights, quantized, groups, self.routes, self.linear)
+        self.block = DecoderBlock(config, self.linear, self.device, reduce)
+        build = WeightBuilder(config, weights, quantized, groups, self.routes, self.linear)
         self.embed_tokens = build.take("model.embed_tokens.weight")
         self.norm = build.take("model.norm.weight")
         # Tied: a packed or quantized head is a second copy (the embedding lookup needs the plain rows).
@@ -329,8 +156,8 @@ class LlamaModel:
         see fp32 logits; the rest, whose probabilities are small, keep the kernel's. (A head on the
         native block kernel gives fp32 logits of the exact values: no refinement.)"""
         eps = self.config.rms_norm_eps
-        fused = self._fused() and hidden.is_contiguous()
-        normed = native.rms_norm(hidden, self.norm, eps) if fused else _rms_norm(hidden, self.norm, eps)
+        fused = self.block.fused() and hidden.is_contiguous()
+        normed = native.rms_norm(hidden, self.norm, eps) if fused else rms_norm(hidden, self.norm, eps)
         logits = self.linear(normed, self.lm_head, torch.float32)
         if self._head_rows is None:
             return logits
@@ -471,244 +298,50 @@ class LlamaModel:
 
     # ---- internals ---------------------------------------------------------------------------
 
+    def _check_dtype(self, cache: KVCache | PagedKVCache) -> None:
+        if cache.dtype != self.dtype:
+            raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
+
+    def _angles(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[B, T, 1, head_dim]` of positions `[B, T]`, on the model's device."""
+        cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
+        return cos[:, :, None], sin[:, :, None]
+
     def _plan(
         self, hidden: torch.Tensor, cache: KVCache | PagedKVCache, slots: Sequence[int], positions: Sequence[int]
-    ) -> _StepPlan | PagedPlan:
+    ) -> SlotPlan | PagedPlan:
         if hidden.dim() != 3:
             raise ValueError(f"hidden must be [batch, tokens, hidden], got shape {tuple(hidden.shape)}")
         batch, tokens = hidden.shape[0], hidden.shape[1]
         if len(slots) != batch or len(positions) != batch:
             raise ValueError(f"{batch} rows but {len(slots)} slots and {len(positions)} positions")
+        if not isinstance(cache, PagedKVCache):
+            slot_attention.check_batch(cache, slots, positions, tokens)
+        self._check_dtype(cache)
+        pos = torch.as_tensor(list(positions), dtype=torch.long)[:, None] + torch.arange(tokens)[None]
+        cos, sin = self._angles(pos)
         if isinstance(cache, PagedKVCache):
-            if cache.dtype != self.dtype:
-                raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
-            pos = torch.as_tensor(list(positions), dtype=torch.long)[:, None] + torch.arange(tokens)[None]
-            cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
-            return paged_attention.batch_plan(
-                cache, slots, positions, tokens, cos[:, :, None], sin[:, :, None], pos.to(self.device)
-            )
-        if len(set(slots)) != batch:
-            raise ValueError(f"a slot appears twice in one batch: {list(slots)}")
-        layout = cache.layout
-        for slot, pos in zip(slots, positions):
-            if not 0 <= slot < layout.num_slots:
-                raise IndexError(f"slot {slot} outside pool of {layout.num_slots} slots")
-            if pos < 0 or pos + tokens > layout.max_len:
-                raise IndexError(f"positions {pos}..{pos + tokens - 1} outside the slot's max_len {layout.max_len}")
-        if cache.dtype != self.dtype:
-            raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
-        starts = torch.tensor(list(positions), dtype=torch.long)
-        pos = starts[:, None] + torch.arange(tokens)[None]
-        cos, sin = cos_sin(self.inv_freq, pos.to(self.device), self.dtype, self.rope_scale)
-        kernel = None
-        if tokens == 1:  # a slot is one block of max_len tokens
-            kernel = native.rows_for([[s] for s in slots], [p + 1 for p in positions], layout.head_dim, self.device)
-        return _StepPlan(
-            slots=torch.tensor(list(slots), dtype=torch.long, device=self.device),
-            positions=pos.to(self.device),
-            first=(int(slots[0]), int(positions[0])),
-            cos=cos[:, :, None],
-            sin=sin[:, :, None],
-            runs=() if kernel is not None else self._runs(list(slots), list(positions), tokens),
-            tokens=tokens,
-            kernel=kernel,
-        )
+            return paged_attention.batch_plan(cache, slots, positions, tokens, cos, sin, pos.to(self.device))
+        return slot_attention.batch_plan(cache, slots, positions, tokens, cos, sin, pos.to(self.device))
 
     def _packed_plan(
         self, cache: KVCache | PagedKVCache, slots: list[int], starts: list[int], lengths: list[int]
-    ) -> _StepPlan | PagedPlan:
+    ) -> SlotPlan | PagedPlan:
         """The plan of prompts packed into one row: prompt i's `lengths[i]` tokens go to
         positions `starts[i]`.. of `slots[i]`."""
-        if isinstance(cache, PagedKVCache):
-            if cache.dtype != self.dtype:
-                raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
-            pos = torch.cat([start + torch.arange(n) for start, n in zip(starts, lengths)])
-            cos, sin = cos_sin(self.inv_freq, pos[None].to(self.device), self.dtype, self.rope_scale)
-            return paged_attention.packed_plan(
-                cache, slots, starts, lengths, cos[:, :, None], sin[:, :, None], pos.to(self.device)
-            )
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"a slot appears twice in one batch: {slots}")
-        layout = cache.layout
-        for slot, start, n in zip(slots, starts, lengths):
-            if not 0 <= slot < layout.num_slots:
-                raise IndexError(f"slot {slot} outside pool of {layout.num_slots} slots")
-            if start < 0 or start + n > layout.max_len:
-                raise IndexError(f"positions {start}..{start + n - 1} outside the slot's max_len {layout.max_len}")
-        if cache.dtype != self.dtype:
-            raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {self.dtype}")
-        segments, offset = [], 0
-        for slot, start, n in zip(slots, starts, lengths):
-            mask = None
-            if start:
-                key_pos = torch.arange(start + n)
-                mask = (key_pos[None, :] <= (start + torch.arange(n))[:, None])[None, None].to(self.device)
-            segments.append(_Segment(offset, offset + n, slot, start, mask))
-            offset += n
+        if not isinstance(cache, PagedKVCache):
+            slot_attention.check_packed(cache, slots, starts, lengths)
+        self._check_dtype(cache)
         pos = torch.cat([start + torch.arange(n) for start, n in zip(starts, lengths)])
-        token_slots = torch.cat([torch.full((n,), slot, dtype=torch.long) for slot, n in zip(slots, lengths)])
-        cos, sin = cos_sin(self.inv_freq, pos[None].to(self.device), self.dtype, self.rope_scale)
-        return _StepPlan(
-            slots=token_slots.to(self.device),
-            positions=pos.to(self.device),
-            first=(slots[0], starts[0]),
-            cos=cos[:, :, None],
-            sin=sin[:, :, None],
-            runs=(),
-            tokens=offset,
-            segments=tuple(segments),
-        )
+        cos, sin = self._angles(pos[None])
+        if isinstance(cache, PagedKVCache):
+            return paged_attention.packed_plan(cache, slots, starts, lengths, cos, sin, pos.to(self.device))
+        return slot_attention.packed_plan(cache, slots, starts, lengths, cos, sin, pos.to(self.device))
 
-    def _runs(self, slots: list[int], positions: list[int], tokens: int) -> tuple[_Run, ...]:
-        """Split the batch into maximal runs of rows whose slots are consecutive.
-
-        One SDPA call per run reads the run's KV as a strided view of the pool (no copy).
-        Keys past a row's own length inside that view are masked out. A decode step (one token
-        per row) runs each row alone over exactly its own keys instead: padding a row to its
-        neighbours' length changes the last bits of its attention, which the quantized route's
-        bf16 activations turn into other tokens (batch invariance: model/layers/paged_attention.py).
-        """
-        runs: list[_Run] = []
-        start = 0
-        for b in range(1, len(slots) + 1):
-            if b < len(slots) and slots[b] == slots[b - 1] + 1 and tokens > 1:
-                continue
-            rows = range(start, b)
-            ends = [positions[r] + tokens for r in rows]
-            key_len = max(ends)
-            plain = len(rows) == 1 and (tokens == 1 or positions[start] == 0)
-            mask = None
-            if not plain:
-                key_pos = torch.arange(key_len)
-                query_pos = torch.tensor([positions[r] for r in rows])[:, None] + torch.arange(tokens)[None]
-                mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None].to(self.device)
-            runs.append(_Run(start, b, slots[start], key_len, mask))
-            start = b
-        return tuple(runs)
-
-    def _layer(self, x: torch.Tensor, layer: int, cache: KVCache, plan: _StepPlan) -> torch.Tensor:
+    def _layer(
+        self, x: torch.Tensor, layer: int, cache: KVCache | PagedKVCache, plan: SlotPlan | PagedPlan
+    ) -> torch.Tensor:
         w = self.layers.get(layer)
         if w is None:
             raise IndexError(f"layer {layer} not loaded (this model holds {self.layer_range})")
-        cfg = self.config
-        batch, tokens, _ = x.shape
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-        q, k, v = self._qkv(x, w, plan)
-
-        if isinstance(plan, PagedPlan):
-            attn = paged_attention.write_and_attend(
-                q, k, v, cache.keys(layer), cache.values(layer), plan, heads, kv_heads, head_dim
-            )
-            return self._finish_layer(x, attn, w)
-        keys, values = cache.keys(layer), cache.values(layer)  # [slot, token, kv_head, head_dim]
-        if plan.segments:
-            keys[plan.slots, plan.positions] = k[0]
-            values[plan.slots, plan.positions] = v[0]
-        elif batch == 1:
-            s, p = plan.first
-            keys[s, p : p + tokens] = k[0]
-            values[s, p : p + tokens] = v[0]
-        else:
-            keys[plan.slots[:, None], plan.positions] = k
-            values[plan.slots[:, None], plan.positions] = v
-
-        if plan.kernel is not None:  # [slot, token, kv_head, head_dim]: a slot is one block
-            return self._finish_layer(x, plan.kernel.attend(q, keys, values), w)
-        attn = self._attend(q, keys, values, plan)
-        return self._finish_layer(x, attn, w)
-
-    def _fused(self) -> bool:
-        """Whether a layer's elementwise steps run as the native ops (model/layers/native.py)."""
-        return self.device.type == "cpu" and native.available()
-
-    def _qkv(
-        self, x: torch.Tensor, w: LayerWeights, plan: _StepPlan | PagedPlan
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention norm, the QKV projection and RoPE: q `[B, T, heads, D]`, k and v `[B, T,
-        kv_heads, D]`."""
-        cfg = self.config
-        batch, tokens, _ = x.shape
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if self._fused():  # the same steps as below, fused
-            h = native.rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-            qkv = self.linear(h, w.qkv, bias=w.qkv_bias)
-            return native.rope_qkv(qkv, plan.cos, plan.sin, heads, kv_heads, w.qk_norm, cfg.rms_norm_eps)
-        h = _rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = self.linear(h, w.qkv, bias=w.qkv_bias)
-        qk = qkv[..., : (heads + kv_heads) * head_dim].view(batch, tokens, heads + kv_heads, head_dim)
-        if w.qk_norm is not None:  # qwen3: RMSNorm over each head's head_dim, before RoPE
-            qk = _rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
-        # Q and K rotate together (one set of ops); SDPA's fast kernels need the contiguous result.
-        qk = apply_rotary(qk, plan.cos, plan.sin)
-        v = qkv[..., (heads + kv_heads) * head_dim :].view(batch, tokens, kv_heads, head_dim)
-        return qk[:, :, :heads], qk[:, :, heads:], v
-
-    def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        """Output projection, residual, MLP: everything of a layer after attention."""
-        eps, reduce = self.config.rms_norm_eps, self.reduce or _same
-        if self._fused():  # the same steps as below, fused
-            x, h = native.add_rms_norm(x, reduce(self.linear(attn, w.o, bias=w.o_bias)), w.mlp_norm, eps)
-            return x + reduce(self.linear(native.silu_mul(self.linear(h, w.gate_up)), w.down))
-        x = x + reduce(self.linear(attn, w.o, bias=w.o_bias))
-        h = _rms_norm(x, w.mlp_norm, eps)
-        gate, up = self.linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + reduce(self.linear(F.silu(gate) * up, w.down))
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
-        """Attention of q `[B, T, heads, head_dim]` over each row's slot; returns `[B, T, heads * head_dim]`."""
-        cfg = self.config
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        tokens = q.shape[1]
-        outs = []
-        if plan.segments:  # packed prompts: each attends over its own slot
-            for seg in plan.segments:
-                n, end = seg.stop - seg.start, seg.position + seg.stop - seg.start
-                if native.prefill_serves(q[0], keys[seg.slot], values[seg.slot]):  # seg.mask is its rule
-                    attn = native.causal_attention(
-                        q[0, seg.start : seg.stop], keys[seg.slot, :end], values[seg.slot, :end]
-                    )
-                    outs.append(attn[None])
-                    continue
-                kr = keys[seg.slot : seg.slot + 1, :end].transpose(1, 2)
-                vr = values[seg.slot : seg.slot + 1, :end].transpose(1, 2)
-                out = F.scaled_dot_product_attention(
-                    q[:, seg.start : seg.stop].transpose(1, 2),
-                    kr,
-                    vr,
-                    attn_mask=seg.mask,
-                    is_causal=seg.mask is None,
-                    enable_gqa=heads != kv_heads,
-                )
-                outs.append(out.transpose(1, 2).reshape(1, n, heads * head_dim))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        for run in plan.runs:
-            n = run.row_stop - run.row_start
-            q_run = q[run.row_start : run.row_stop]
-            kr = keys[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
-            vr = values[run.slot_start : run.slot_start + n, : run.key_len].transpose(1, 2)
-            if tokens == 1:
-                # [rows, kv_heads, group, head_dim]: the group plays the query-length role.
-                qr = q_run.reshape(n, kv_heads, heads // kv_heads, head_dim)
-                outs.append(
-                    F.scaled_dot_product_attention(qr, kr, vr, attn_mask=run.mask).reshape(n, 1, heads * head_dim)
-                )
-            elif native.prefill_serves(q[0], keys[0], values[0]):  # run.mask is the same causal rule
-                ends = (plan.positions[run.row_start : run.row_stop, -1] + 1).tolist()
-                rows = zip(range(run.slot_start, run.slot_start + n), ends, strict=True)
-                attn = [
-                    native.causal_attention(q_run[i], keys[slot, :end], values[slot, :end])
-                    for i, (slot, end) in enumerate(rows)
-                ]
-                outs.append(torch.stack(attn))
-            else:
-                out = F.scaled_dot_product_attention(
-                    q_run.transpose(1, 2),
-                    kr,
-                    vr,
-                    attn_mask=run.mask,
-                    is_causal=run.mask is None,
-                    enable_gqa=heads != kv_heads,
-                )
-                outs.append(out.transpose(1, 2).reshape(n, tokens, heads * head_dim))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.block(x, w, cache.keys(layer), cache.values(layer), plan)

@@ -1,71 +1,17 @@
-"""`x @ w.T` by the fastest route the device offers for the weight's dtype.
+"""`x @ w.T` by the fastest route the device offers for the weight's dtype (`route`; `Linear` follows it).
 
-Why not always `F.linear`: on CPUs without native bf16/fp16 matrix support (no AVX512-BF16 /
-AMX; oneDNN then declines), torch's bf16 GEMM falls back to a reference loop whose cost grows
-linearly with the number of rows: measured on an AVX2 EPYC, a 16-row bf16 GEMM took 4-5x
-longer than fp32, and prefill ran at 65 tokens/s against 300+ in fp32. Its one-row path (a
-GEMV, batch-1 decode) is fine and memory bound, and bf16 weights halve the bytes it reads.
-
-So for multi-row inputs on such CPUs the weight is upcast block by block into a reused fp32
-scratch buffer small enough to stay in cache, and each block goes through fp32 GEMM (MKL).
-DRAM still reads only the bf16 bytes; the fp32 copy never leaves the cache. The result equals
-an fp32 GEMM of the same bf16 values. On AVX2 CPUs ("native-upcast"), inputs of up to
-`DENSE_GEMM_MAX_ROWS` rows instead run on the native fp32 kernels below with the bf16 weight as
-it is: they widen each weight in registers (exact), the input is upcast to fp32 and the result
-rounded once to the activation dtype, and a decode step's rows (1 to `DENSE_KERNEL_MAX_ROWS`)
-all take the small-M kernel, so a stream's bits do not depend on its batch (before, one row
-took torch's bf16 GEMV and more rows the upcast blocks). Measured 2026-12-06 on the 2-vCPU
-AVX2 EPYC, the bundled model in bf16, 320 tokens of context: decode steps of 18.9 / 43.3 / 59.4
-ms at batch 1 / 8 / 16 against 28.4 / 119.2 / 103.0 on the upcast blocks (the fp32 model: 27.2 /
-35.0 / 58.3; benchmarks/avx2_kernels.py, benchmarks/README.md).
-
-On CPUs where oneDNN handles the dtype natively (fp32 anywhere; bf16 with AVX512-BF16/AMX),
-`prepare` reorders each weight once into oneDNN's blocked layout (the prepacking torch's own
-inductor does for CPU inference) and `__call__` runs oneDNN's linear on it. Measured on a
-2-vCPU AVX512-BF16 EPYC, 30 distinct 3072x576 weights from DRAM: one row 1.56x faster in bf16
-(bit-identical results) and 2.4x in fp32 (MKL's fp32 GEMV runs on one thread there), 1.5-1.9x
-at 8-16 rows, about even at 512 rows. Decode is a string of such GEMVs, so this is most of the
-batch-1 step. Except fp32 on CPUs whose widest vectors are AVX2 ("native-decode"): there a
-decode step's few rows (up to `DENSE_KERNEL_MAX_ROWS`) run on our kernel (csrc/dense_linear.cpp)
-on the weight as the model holds it, prefill chunks (up to `DENSE_GEMM_MAX_ROWS`) on our
-register-tile GEMM (csrc/dense_gemm.cpp), longer inputs on torch's GEMM, all on the same weight
-(no second copy). Measured 2026-12-05 on a 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes and its head
-(538 MB of fp32): oneDNN prepacked read them in 23 / 34 / 49 ms at 1 / 8 / 16 rows, the kernel in
-21 / 23 / 37 (it streams the weights while it multiplies; oneDNN at 8-16 rows did one, then the
-other), and a row's bits do not depend on its batch. GPU and NPU run plain `F.linear`, as does
-fp16 on a CPU with native fp16 GEMM (without it, fp16 takes the upcast route above). `route`
-names the choice; `Linear` follows it.
-
-Quantized weights (`quant.QuantizedTensor`, CPU only) run on our native block kernel
-(csrc/quant_linear.cpp, `BlockMatrix`) wherever the native ops are built on an x86 CPU with AVX2:
-each block's own integers and fp16 scale and minimum, `d * q + m` times the fp32 input summed in
-fp32, so the value multiplied is the file's and the input is not rounded. Why ours: torch's weight-only int4 kernel dequantizes the weight once per
-input row, so 16 rows cost 16 GEMVs and a prefill chunk hundreds; measured 2026-12-05 on a 2-vCPU
-AVX2 EPYC, 30 layers of SmolLM2-135M's matrices in 4 bits: 7.5 against 10.3 ms at one row, 28.7
-against 44.9 ms at 16, 369 against 688 ms at 256 (benchmarks/quant_kernel.py, README there). Elsewhere (no compiler, no AVX2,
-`PDSERVE_NATIVE_OPS=torch`) they run on torch's kernel, `_weight_int4pack_mm_for_cpu` (groups of
-32), as below. Opt-in (`PDSERVE_QUANT_INPUTS=int8`, native.quant_inputs): a 4-bit matrix's
-inputs quantized per block to 8 bits and multiplied in integers, as llama.cpp does (faster, not
-the file's model exactly; `BlockMatrix.int8_inputs`).
-
-Decode is memory bound, so reading 4.5-5 bits per
-weight instead of 16 is most of a batch-1 step. torch's kernel dequantizes `(nibble - 8) * scale +
-zero` with scale and zero in the activation dtype, and only its bf16 variant is vectorized on
-x86 (fp32 and fp16 run a scalar loop), so it always runs on bf16 activations: an fp32 model
-casts the input to bf16 and the product back. GGUF's Q4_1 `d * q + m` is exactly that with
-scale `d` and zero `m + 8 d` (Q4_0: zero 0), up to the rounding of `d` and the zero to bf16
-(the zero absorbs the scale's rounding on average: `_compensated_zero`).
-
-8-bit values (Q8_0's `d * q`, q in -128..127) run on the same kernel as two 4-bit planes:
-q = 16 hi + lo with hi in -8..7 and lo in 0..15, the hi plane with scale `16 d` and zero 0, the
-lo plane with scale `d` and zero `8 d`; the input is repeated once per plane, so one product
-sums both. Exact up to rounding `d` to bf16 (16 d and 8 d stay exact multiples of it), 1.25
-bytes per weight. Why not torch's `_weight_int8pack_mm`: it has one scale per output row, so
-Q8_0's per-block scales would have to be folded into one (measured on the default model: with
-the int4 layers, the greedy text then left the dequantized model's at a token whose lead was
-0.2, not a near-tie), and measured on the 2-vCPU build VM it read the 28 MB LM head in 2.1 ms
-on one thread, 5.5 ms on two, against 2.0 ms for the two-plane int4 product (its fp32
-variant: 24 ms). These are private torch ops: torch is pinned (pyproject).
+- oneDNN handles the dtype natively (fp32 anywhere, bf16 with AVX512-BF16/AMX): `prepare`
+  reorders each weight once into oneDNN's blocked layout and `__call__` runs oneDNN's linear.
+- fp32 on AVX2-only CPUs ("native-decode"), bf16 there ("native-upcast"): a decode step's rows
+  (up to `DENSE_KERNEL_MAX_ROWS`) run on csrc/dense_linear.cpp, prefill chunks (up to
+  `DENSE_GEMM_MAX_ROWS`) on csrc/dense_gemm.cpp, on the weight as held; longer bf16 inputs are
+  upcast block by block into a cached fp32 scratch for MKL. A row's bits never depend on its batch.
+- Quantized weights (CPU): our block kernel (csrc/quant_linear.cpp, `BlockMatrix`) multiplies
+  each block's own `d * q + m` in fp32; without it, torch's `_weight_int4pack_mm_for_cpu` on bf16
+  activations, 8-bit values as two 4-bit planes. Opt-in `PDSERVE_QUANT_INPUTS=int8`: inputs
+  quantized per block as llama.cpp does (`BlockMatrix.int8_inputs`).
+- GPU, NPU, and fp16 with native fp16 GEMM: plain `F.linear`. The private torch ops pin torch.
+Why each route, with measurements: benchmarks/README.md, "`model/layers/matmul.py`".
 """
 
 from __future__ import annotations
@@ -80,7 +26,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.model.layers import native
 from pdserve_worker.model.layers.quant import GROUP, QuantizedTensor, nibbles
 
-log = logging.getLogger("pdserve.model.matmul")
+log = logging.getLogger(__name__)
 
 # fp32 elements per upcast block: 4 MiB, inside L3 with room for the activations.
 BLOCK_ELEMENTS = 1 << 20

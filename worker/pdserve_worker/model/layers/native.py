@@ -1,37 +1,17 @@
 """The model's native CPU ops: decode attention over block tables, causal prefill attention in bf16,
-and the elementwise parts of a layer (RMSNorm with its residual add, rotary embedding of q and k,
-SiLU(gate) * up).
+the elementwise parts of a layer (RMSNorm with its residual add, rotary embedding of q and k,
+SiLU(gate) * up) and the fp32 decode products on AVX2 (csrc/dense_linear.cpp).
 
-Why ops of ours. Decode attention: a decode step attends one query token per row over that
-row's own keys, and the rows' key lengths differ. torch's SDPA takes one key length per call,
-so rows either share a padded length (and a row's last bits then depend on its neighbours':
-SmolLM2's seeded streams drifted on the int4 route, issue #17) or each row is its own call. Row
-by row cost 48% of a batch-16 step on the default model (2,400 SDPA calls of 82 us for 5 steps,
-measured 2026-12-04 on a 2-vCPU EPYC), which is how vLLM's CPU backend and SGLang's CPU kernels
-came to have paged decode-attention kernels of their own; neither ships as a library we could
-depend on (vllm._C comes with the whole vLLM). The elementwise parts: a layer ran about 35 torch
-ops besides its 4 matrix products, each a dispatch, an allocation and a pass over memory (a
-fifth of a batch-16 decode step); vLLM fuses the same ones (its `rms_norm`, `fused_add_rms_norm`,
-`rotary_embedding`, `silu_and_mul` ops) and torch.compile would, at minutes of compile per
-shape. torch_npu's paged attention op is the NPU's answer (model/layers/paged_attention.py).
-Prefill attention: torch's CPU flash attention runs bf16 at ~115 GFLOP/s here (a GEMM of inner
-size head_dim per block pair and an fp32 score block through memory between them), half of a
-2,000-token prefill; a kernel on the CPU's bf16 dot product (AVX512-BF16) that keeps each score
-tile in registers runs the same attention 2.1x faster (18 against 38 ms per layer of SmolLM2 at
-2,000 tokens, 2026-12-05) — the kind of kernel vLLM's CPU attention backend and SGLang's CPU
-kernels ship inside their own builds. Where the CPU has no AVX512-BF16, SDPA serves. fp32
-decode products on AVX2 CPUs (csrc/dense_linear.cpp): oneDNN's kernels did not overlap reading
-the weights with multiplying them at a decode step's 1-16 rows (at 16, 49 against 37 ms a step's
-matrices; matmul.py has the figures).
+Why ops of ours: decode attention runs each row over exactly its own keys in one call (SDPA takes
+one key length per call: padded rows change a row's last bits, issue #17; a call per row is
+slow); a layer's ~35 elementwise torch ops each cost a dispatch and a pass over memory; prefill
+attention keeps each score tile in registers on AVX512-BF16 (else SDPA serves). Measurements:
+benchmarks/README.md, "`model/layers/native.py`".
 
-`csrc/*.cpp` are ATen (Vectorized<float>, at::parallel_for on torch's own thread pool; the
-prefill kernel's inner loops are AVX512-BF16 intrinsics, used only where the CPU reports them),
-compiled once per machine by torch's extension builder, as torch.compile's inductor compiles its
-C++ kernels: g++ and ninja at first use, then a cached library (one per source hash, torch
-version and compiler flags, which name the CPU capability, under the pdserve cache). Where it
-cannot be built (no compiler: the slim image says so at start) or `PDSERVE_NATIVE_OPS=torch`, the
-model runs its torch ops as before; both are batch invariant and agree within rounding
-(tests/unit/test_native_ops.py, tests/unit/test_prefill_attention.py).
+`csrc/*.cpp` are ATen, compiled once per machine by torch's extension builder (g++ and ninja at
+first use, then a cached library per source hash, torch version and CPU flags under the pdserve
+cache). Where it cannot be built or `PDSERVE_NATIVE_OPS=torch`, the torch ops run; both are batch
+invariant and agree within rounding (tests/unit/test_native_ops.py, test_prefill_attention.py).
 """
 
 from __future__ import annotations
@@ -50,7 +30,7 @@ import torch
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.model.native")
+log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name

@@ -1,26 +1,17 @@
 """Attention through block tables: the one place the model reads and writes a block-paged KV pool.
 
-On CPU (and wherever no paged kernel is wired in) it is plain torch: a token's K/V row in the
-flat per-layer pool is `table[j // B] * B + j % B` (kv/paged.py), new K/V are written by index,
-and a row's keys are gathered into `[rows, key_len, kv_heads, head_dim]` (padded with row 0
-and masked) for one attention call per layer (the native causal kernel where
-`native.prefill_serves`, else SDPA). The gather costs a copy of the KV read each step,
-which the slot pool's strided views did not; benchmarks/README.md has what it costs in tokens/s.
-A prompt computed from position 0 attends over its own fresh K/V (no gather), as the slot
-path does.
+Plain torch (no paged kernel is wired in): a token's K/V row in the flat per-layer pool is
+`table[j // B] * B + j % B` (kv/paged.py), new K/V are written by index, and a row's keys are
+gathered into `[rows, key_len, kv_heads, head_dim]` (padded with row 0 and masked) for one
+attention call per layer (the native causal kernel where `native.prefill_serves`, else SDPA).
+A prompt computed from position 0 attends over its own fresh K/V (no gather).
 
-A decode step (one token per row) is the exception: each row attends over exactly its own keys,
-never padded to the batch's longest row: all rows in one call of the native kernel
-(model/layers/native.py), or, where it is not built, each row in its own SDPA call. SDPA's result depends in its
-last bits on the key length it is given, and on the quantized route (activations rounded to
-bf16 before each int4 product) those bits become different tokens, so a seeded request's text
-would depend on which other requests shared its steps — that is, on load, and on a live
-migration's new neighbours (issue #17). Row by row, a row's arithmetic is the same alone or in
-any batch (tests/unit/test_batch_invariance.py).
-
-On an NPU this is where torch_npu's paged attention operator belongs (it takes the same
-per-layer `[num_blocks, block_size, kv_heads, head_dim]` cache and a block table); it is not
-wired in yet: there is no NPU here to test it on.
+A decode step (one token per row) attends each row over exactly its own keys, never padded to
+the batch's longest row: all rows in one call of the native kernel, or each row in its own SDPA
+call. SDPA's last bits depend on the key length, and on the quantized route those bits become
+other tokens, so a seeded request's text would depend on its neighbours (issue #17). Row by row
+it does not (tests/unit/test_batch_invariance.py). On an NPU torch_npu's paged attention
+operator belongs here (the same per-layer `[num_blocks, block_size, kv_heads, head_dim]` cache).
 """
 
 from __future__ import annotations
@@ -143,13 +134,11 @@ def write_and_attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     plan: PagedPlan,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
 ) -> torch.Tensor:
     """Write k/v `[B, T, kv_heads, head_dim]` to their pool rows, then attention of q `[B, T,
     heads, head_dim]` over each row's keys; returns `[B, T, heads * head_dim]`."""
     batch, tokens = q.shape[0], q.shape[1]
+    heads, kv_heads, head_dim = q.shape[2], k.shape[2], k.shape[3]
     keys[plan.write_rows] = k.reshape(-1, kv_heads, head_dim)
     values[plan.write_rows] = v.reshape(-1, kv_heads, head_dim)
     gqa = heads != kv_heads
@@ -185,7 +174,7 @@ def write_and_attend(
         return plan.kernel.attend(q, keys, values)
     if plan.rows:
         # One call per row over its own keys (batch invariance, above); [1, kv_heads, group,
-        # head_dim]: the group plays the query-length role (see LlamaModel).
+        # head_dim]: the group plays the query-length role (see slot_attention._attend_runs).
         qr = q.reshape(batch, 1, kv_heads, heads // kv_heads, head_dim)
         outs = [
             F.scaled_dot_product_attention(qr[b], keys[r][None].transpose(1, 2), values[r][None].transpose(1, 2))

@@ -1,24 +1,16 @@
 """Quantized matrices in a plain, CPU-independent form: GGUF's Q4_0, Q4_1 and Q8_0 blocks, split.
 
 A GGUF block covers 32 consecutive values of one row: Q4_1 holds an fp16 scale `d`, an fp16
-minimum `m` and 16 bytes of nibbles (value j of the block in the low nibble of byte j, value
-j + 16 in the high nibble), meaning `d * q + m`; Q4_0 holds `d` and the nibbles, meaning
-`d * (q - 8)`; Q8_0 holds `d` and 32 int8 values, meaning `d * q` (ggml-common.h's
-`block_q4_0`/`block_q4_1`/`block_q8_0`; the `gguf` package's `quants.Q4_0` etc. read them the
-same way). `QuantizedTensor` keeps exactly that content as three arrays — nibbles (or int8
-values) in the file's byte order, and fp32 scales and minimums — so that:
-
-- it is exact: `dequantize` gives bit for bit what `gguf.quants.dequantize` gives (every
-  product `d * q` is exact in fp32, and Q4_0's `-8 d` too; tests/unit/test_quant.py checks);
-- it does not depend on the CPU: torch's int4 kernel packs weights one way on AVX512, another
-  on AVX2 (`weight_to_int4pack_kernel`), so the conversion cache stores this form and the
-  packing for the running CPU happens at load (`matmul.Linear.prepare`);
-- rows can be permuted (llama's Q/K unpermutation) and concatenated (the fused QKV and
-  gate/up matrices) without touching a value.
-
-Float weights (an HF folder, an F16/F32 GGUF) become this form through the `gguf` package's
-own quantizers (`gguf.quants.quantize`, llama.cpp's reference rounding), when a user asks for
-`--weights int4` or `int8` on them.
+minimum `m` and 16 bytes of nibbles (value j in the low nibble of byte j, value j + 16 in the
+high one), meaning `d * q + m`; Q4_0 `d * (q - 8)`; Q8_0 `d` and 32 int8 values, `d * q`
+(ggml-common.h). `QuantizedTensor` keeps exactly that as three arrays (nibbles or int8 values in
+the file's byte order, fp32 scales and minimums), so that:
+- `dequantize` gives bit for bit what `gguf.quants.dequantize` gives (tests/unit/test_quant.py);
+- it does not depend on the CPU: torch packs int4 differently on AVX512 and AVX2, so the
+  conversion cache stores this form and packing happens at load (`matmul.Linear.prepare`);
+- rows can be permuted (Q/K unpermutation) and concatenated (fused QKV, gate/up) untouched.
+Float weights become this form through `gguf.quants.quantize` (llama.cpp's reference rounding)
+when `--weights int4` or `int8` asks for it.
 """
 
 from __future__ import annotations

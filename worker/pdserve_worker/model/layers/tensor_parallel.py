@@ -1,30 +1,17 @@
 """Tensor parallelism inside one instance: which share of the model each rank holds (pure).
 
-Megatron's split, as vLLM and SGLang apply it to LLaMA-family models: Q/K/V and gate/up are
-split by output rows (each rank computes whole heads and a slice of the MLP's hidden units),
-o_proj and down_proj by input columns, so each rank's product is a partial sum that one
-all_reduce per projection completes (two per layer, `LlamaModel(reduce=...)`). Everything
-else is per token and per head, so it runs on each rank's own heads unchanged: RMSNorm,
-RoPE, qwen3's q/k norms, attention, and the KV cache, which holds the rank's KV heads only.
-
-- Heads: each rank takes `num_heads / tp` query heads. When tp divides the KV heads each rank
-  takes `num_kv_heads / tp` of them; when tp is a multiple of the KV heads, each KV head is
-  replicated on `tp / num_kv_heads` ranks — vLLM's rule (`QKVParallelLinear`), the only way a
-  group of query heads still finds its KV head on its own rank. Any other size is refused,
-  naming the sizes that work (an uneven head split is what the peers refuse too).
-- The MLP's hidden units need not split evenly: rank r takes a contiguous slice, in units of
-  32 columns where the size allows (the quantized routes' block), so every rank's matrices
-  stay whole blocks. Exact: a sum over a partition is the sum.
-- Embedding and LM head are replicated, not split over the vocabulary: on these models they
-  are one lookup and one product per step, and a vocabulary split would add an all_gather of
-  the logits to every step (vLLM splits them to save device memory on large vocabularies;
-  say `tp` for memory, not for this). Only rank 0 needs logits: the others skip the head.
-- Biases: q/k/v biases split with their rows; o_proj's bias is added once, by rank 0 (the
-  other ranks hold zeros), so the all_reduce adds it exactly once.
-
-Which KV a rank pushes to decode: every KV head it holds, except a replica — of the ranks
-holding one KV head, the first pushes it (`pushed_kv_heads`), so a request's KV bytes are
-pushed exactly once over the instance.
+Megatron's split: Q/K/V and gate/up by output rows (whole heads, a slice of the MLP's units),
+o_proj and down_proj by input columns, so one all_reduce per projection completes each
+(`ModelPart(reduce=...)`); RMSNorm, RoPE, q/k norms, attention and the KV cache run on the
+rank's own heads unchanged.
+- Heads: `num_heads / tp` query heads per rank; `num_kv_heads / tp` KV heads when tp divides
+  them, else each KV head replicated on `tp / num_kv_heads` ranks; other sizes are refused,
+  naming those that work.
+- MLP units: contiguous slices in units of 32 columns where the size allows (whole quantized blocks).
+- Embedding and LM head are replicated (a vocabulary split adds an all_gather per step); only
+  rank 0 runs the head. o_proj's bias is added by rank 0 alone; q/k/v biases split with rows.
+A rank pushes every KV head it holds except a replica: of the ranks holding one KV head, the
+first pushes it (`pushed_kv_heads`), so a request's KV is pushed exactly once.
 """
 
 from __future__ import annotations

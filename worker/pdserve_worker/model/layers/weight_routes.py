@@ -1,21 +1,17 @@
 """Which route each weight matrix takes (`--weights`): dequantized, int8 or int4. Pure functions.
 
 The engine multiplies five kinds of matrices: per layer the fused Q/K/V, the attention output,
-the fused gate/up and the down projection, and once the LM head. Each kind is one product,
-so one route per matrix group; the parts of a fused group share it.
-
-- `dequantized`: today's route, float weights in the model dtype (`matmul.route`).
-- `int4` / `int8`: 4-bit or 8-bit blocks of 32 on the native block kernel (`matmul.BlockMatrix`),
-  or torch's CPU int4 kernel where that is not built (`matmul.Int4Matrix`; 8-bit as two 4-bit
-  planes), from the checkpoint's quantized blocks where it has them (int4
-  requantizes Q8_0 blocks to 4 bits; int8 holds 4-bit blocks exactly), else float weights
-  quantized at load by llama.cpp's reference rounding (Q4_1 / Q8_0).
-- `auto`: what the checkpoint holds. A group whose parts are all GGUF 4-bit (Q4_0/Q4_1) runs
-  int4; all quantized, some Q8_0, runs int8; both exactly. Anything else (float, K-quants and
-  other GGUF types, which `gguf` dequantizes) runs dequantized, as before.
-
-Quantized routes run on the CPU only (torch's int4/int8 weight-only kernels here are CPU
-kernels): `auto` on an accelerator is dequantized, an explicit `int4`/`int8` there is refused.
+the fused gate/up and the down projection, and once the LM head; one route per matrix group
+(the parts of a fused group share it).
+- `dequantized`: float weights in the model dtype (`matmul.route`).
+- `int4` / `int8`: blocks of 32 on the native block kernel (`matmul.BlockMatrix`), or torch's
+  CPU int4 kernel where it is not built (`matmul.Int4Matrix`; 8-bit as two 4-bit planes), from
+  the checkpoint's quantized blocks where it has them (int4 requantizes Q8_0 to 4 bits; int8
+  holds 4-bit blocks exactly), else float weights quantized by llama.cpp's reference rounding.
+- `auto`: what the checkpoint holds: all GGUF 4-bit parts run int4; all quantized with some
+  Q8_0 run int8; anything else (float, K-quants and other types) runs dequantized.
+Quantized routes run on the CPU only: `auto` on an accelerator is dequantized, an explicit
+`int4`/`int8` there is refused.
 """
 
 from __future__ import annotations

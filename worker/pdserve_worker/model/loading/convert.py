@@ -1,25 +1,17 @@
 """GGUF → HF folder conversion, cached: dequantize once, then start in a fraction of a second.
 
-Dequantizing the GGUF and rebuilding its tokenizer takes seconds; loading safetensors and a
-tokenizer.json takes a fraction of one. The converted folder is a plain HF folder
-(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json)
-that transformers can load as well. There is one folder per dtype: fp32 holds the dequantized values exactly (for
-exactness checks, and as the source of the others), and a bf16 folder loads without a cast
-(casting 135M weights at every start would take longer than the whole load). The safetensors
-file is memory-mapped at load, so processes on one host share its pages.
+The converted folder is a plain HF folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, generation_config.json) that transformers loads too; one per dtype: fp32
+holds the dequantized values exactly (the source of the others), bf16 loads without a cast. The
+safetensors file is memory-mapped, so processes on one host share its pages.
 
-Quantized matrices (GGUF Q4_0/Q4_1/Q8_0) have an entry of their own, `{stem}-{key}-quantized`:
-one model.safetensors holding each such matrix's blocks split exactly (`quant.QuantizedTensor`:
-`{hf name}.qweight`, `.scales`, `.mins`), read straight from the GGUF's blocks, never
-dequantized and requantized. It holds no tokenizer or config (the dtype folder has them: the
-router, which loads no weights, derives the model revision from that folder alone, and must
-agree with workers whatever their `--weights`). It is the plain split form, not torch's packed
-one, because torch packs int4 differently per CPU (AVX512, AVX2): packing happens at load.
-
-The cache entry is keyed by the GGUF's identity (name, size, mtime), the dtype and the
-converter's version, and is published atomically: written into a private temporary folder, then renamed
-into place. If two processes race, one rename wins and the other discards its copy; a reader
-never sees a half-written folder.
+Quantized matrices (Q4_0/Q4_1/Q8_0) have an entry of their own, `{stem}-{key}-quantized`: each
+matrix's blocks split exactly (`quant.QuantizedTensor`: `.qweight`, `.scales`, `.mins`), read
+from the GGUF's blocks, never requantized; no tokenizer or config (the router derives the
+revision from the dtype folder alone). The plain split form, not torch's per-CPU int4 packing.
+An entry is keyed by the GGUF's identity (name, size, mtime), the dtype and the converter's
+version, and published atomically (a temporary folder renamed into place): a race has one
+winner, and a reader never sees a half-written folder.
 """
 
 from __future__ import annotations
@@ -40,7 +32,7 @@ from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.model.loading.weights import read_gguf, read_gguf_quantized
 from pdserve_worker.model.tokenizer import Tokenizer
 
-log = logging.getLogger("pdserve.model.convert")
+log = logging.getLogger(__name__)
 
 # Bump when the converted folder's content changes, so old entries are not reused.
 # 2: generation_config.json carries llama.cpp's end-of-generation ids; qwen2/qwen3 config.json.

@@ -1,18 +1,16 @@
 """llama.cpp's GGUF conventions for the architectures of `model/families` (llama, qwen2, qwen3), as HF terms.
 
-Tensor names: llama.cpp's converter (`convert_hf_to_gguf.py`) renames HF tensors with the
-`gguf` package's `TensorNameMap` (`blk.{i}.attn_q.weight` for `model.layers.{i}.self_attn.
-q_proj.weight`, `.bias` likewise; qwen3's `attn_q_norm`/`attn_k_norm`). Only LLaMA's Q and K
-rows are permuted (`Family.gguf_permutes_qk`) (LlamaModel.modify_tensors: GGML's "normal" rope rotates adjacent pairs);
-qwen2 and qwen3 use the NEOX rope, which rotates halves like HF, and are stored as they are.
-tests/unit/test_gguf_families.py checks the table below against `gguf.get_tensor_name_map`
-and `gguf.MODEL_TENSORS`.
+Tensor names: llama.cpp's converter renames HF tensors with the `gguf` package's
+`TensorNameMap` (`blk.{i}.attn_q.weight` for `model.layers.{i}.self_attn.q_proj.weight`;
+qwen3's `attn_q_norm`/`attn_k_norm`). Only LLaMA's Q and K rows are permuted
+(`Family.gguf_permutes_qk`: GGML's "normal" rope rotates adjacent pairs); qwen2 and qwen3 use
+the NEOX rope, which rotates halves like HF. tests/unit/test_gguf_families.py checks the table
+against `gguf.get_tensor_name_map` and `gguf.MODEL_TENSORS`.
 
-Metadata: `{arch}.block_count`, `.context_length`, `.embedding_length`,
-`.feed_forward_length`, `.attention.head_count[_kv]`, `.attention.key_length` (head_dim, when
-the HF config had one), `.rope.freq_base`, `.attention.layer_norm_rms_epsilon`, and
-`.rope.scaling.{type,factor,original_context_length,yarn_beta_fast,yarn_beta_slow}` as
-`TextModel.set_gguf_parameters` writes them.
+Metadata: `{arch}.block_count`, `.context_length`, `.embedding_length`, `.feed_forward_length`,
+`.attention.head_count[_kv]`, `.attention.key_length` (head_dim), `.rope.freq_base`,
+`.attention.layer_norm_rms_epsilon`, and `.rope.scaling.{type,factor,original_context_length,
+yarn_beta_fast,yarn_beta_slow}` as `TextModel.set_gguf_parameters` writes them.
 """
 
 from __future__ import annotations

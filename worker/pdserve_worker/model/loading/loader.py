@@ -14,7 +14,7 @@ import torch
 from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import torch_dtype
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.layers.llama import LlamaModel, ModelPart
 from pdserve_worker.model.layers.quant import Kind, QuantizedTensor
 from pdserve_worker.model.layers.tensor_parallel import TPShard, shard_weights
 from pdserve_worker.model.layers.weight_routes import check_weights_choice, groups, loaded_weight_bytes, plan, summary
@@ -26,7 +26,7 @@ from pdserve_worker.model.loading.weights import read_quantized_dir, read_safete
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
 
-log = logging.getLogger("pdserve.model.loader")
+log = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda", "npu")
 
@@ -191,8 +191,8 @@ def load_model(
     # (a tensor-parallel rank reads float weights and quantizes its slices: blocks are not sliced)
     quantized = _read_quantized(config, held, routes, quantized_folder if shard is None else None, stored)
     tensors = _read_floats(config, folder, held, quantized, shard)
-    where = {"layers": layers, "quantized": quantized, "routes": routes, "reduce": reduce}
-    model = LlamaModel(config, tensors, torch_dtype(dtype), torch_device, **where)  # type: ignore[arg-type]
+    part = ModelPart(layers=layers, quantized=quantized, routes=routes, reduce=reduce)
+    model = LlamaModel(config, tensors, torch_dtype(dtype), torch_device, part)
     routes_text = ",".join(f"{k}:{v}" for k, v in summary(model.routes).items())
     loaded = {"folder": folder, "dtype": dtype, "device": torch_device, "weights": weights, "routes": routes_text}
     if shard is not None:

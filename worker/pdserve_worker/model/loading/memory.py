@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.model.memory")
+log = logging.getLogger(__name__)
 
 GIB = 1024**3
 

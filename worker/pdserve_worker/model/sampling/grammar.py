@@ -1,21 +1,16 @@
 """Structured outputs: what a request's output must match, as one llguidance grammar.
 
-The API's forms (response_format json_object / json_schema, and vLLM's guided_json,
-guided_regex, guided_choice, guided_grammar and structured_outputs) all become one grammar
-here, on the router, where a bad one is a 400 naming the problem: `ask` checks a request's
-value when its body is read, `to_grammar` turns it into the grammar off the event loop. The grammar travels in
-`SamplingParams.grammar`; the workers turn it into a matcher and masks
-(model/sampling/grammar_mask.py). Torch-free, so the API side does not load torch for it.
+The API's forms (response_format json_object / json_schema, guided_json, guided_regex,
+guided_choice, guided_grammar and structured_outputs) all become one grammar here, on the
+router, where a bad one is a 400 naming the problem: `ask` checks a request's value when its
+body is read, `to_grammar` builds the grammar off the event loop. It travels in
+`SamplingParams.grammar`; workers turn it into a matcher and masks (grammar_mask.py). Torch-free.
 
-Why llguidance (over xgrammar and outlines-core, all three measured by
-benchmarks/grammar_cost.py, batch 16, this tokenizer): a decode step's masks cost 0.7 ms
-against xgrammar's 2.4 ms and outlines-core's 16 ms; it has no dependencies, where xgrammar
-pulls transformers and triton (~1 GB); it takes JSON schema, regex, Lark and llama.cpp's GBNF;
-and its parser limits bound the work a hostile grammar can make a worker do per step.
-
-JSON: the schema's own `x-guidance` options win; without them the JSON is compact (no whitespace
-between tokens), as with vLLM's `disable_any_whitespace`: with free whitespace a small model at
-temperature 1 can spend its max_tokens on blank lines inside a valid prefix.
+Why llguidance: the cheapest masks of the three engines measured (benchmarks/README.md,
+`grammar_cost.py`), no dependencies, JSON schema, regex, Lark and GBNF, and parser limits that
+bound the work a hostile grammar can cause per step. JSON: the schema's `x-guidance` options
+win; without them JSON is compact (free whitespace lets a small model at temperature 1 spend its
+max_tokens on blank lines inside a valid prefix).
 """
 
 from __future__ import annotations

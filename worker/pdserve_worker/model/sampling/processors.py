@@ -1,22 +1,17 @@
 """Logits processors: what a request's penalties, logit bias and min_tokens do to its logits.
 
-Applied by the sampler (model/sampling/sampler.py) to one row of fp32 logits before temperature, in
-this order, with the meanings clients expect:
-- `logit_bias` (OpenAI): the bias is added to the token's logit;
-- `min_tokens` (vLLM): before that many tokens were generated, EOS and the stop token ids
-  cannot be drawn (vLLM's MinTokensLogitsProcessor);
-- `repetition_penalty` (HF transformers' RepetitionPenaltyLogitsProcessor, also vLLM's): every
-  token of the prompt and the output has its logit divided by the penalty when positive,
-  multiplied when negative;
-- `presence_penalty` / `frequency_penalty` (OpenAI, vLLM's `apply_penalties`): a generated
-  token's logit loses presence once and frequency per occurrence in the output;
-- `bad_words` (vLLM's, as token sequences: api/bad_words.py): a sequence's last token cannot be
-  drawn where the output ends with the rest of it (vllm/v1/sample/ops/bad_words.py).
-
-A request that uses none pays nothing (the sampler skips this module). One that does keeps a
-`ProcessorState` in its sampler: the prompt's token mask and the bias tensors built once, the
-output's counts updated by the new tokens only, so a decode step costs a few vectorized
-O(vocab) ops per row (benchmarks/processors.py measures it against the step).
+Applied by the sampler (model/sampling/sampler.py) to one row of fp32 logits before temperature,
+in this order, with the meanings clients expect:
+- `logit_bias` (OpenAI): added to the token's logit;
+- `min_tokens`: before that many tokens, EOS and the stop token ids cannot be drawn;
+- `repetition_penalty` (HF's): every prompt and output token's logit divided by the penalty
+  when positive, multiplied when negative;
+- `presence_penalty` / `frequency_penalty` (OpenAI): a generated token's logit loses presence
+  once and frequency per occurrence in the output;
+- `bad_words` (token sequences: api/bad_words.py): a sequence's last token cannot be drawn where
+  the output ends with the rest of it.
+A request that uses none pays nothing. One that does keeps a `ProcessorState`: masks and bias
+built once, output counts updated by new tokens only (benchmarks/processors.py measures it).
 """
 
 from __future__ import annotations
