@@ -84,7 +84,6 @@ from pdserve_worker.api.openai_api import (
     system_fingerprint,
 )
 from pdserve_worker.api.tokenizing import (
-    DEFAULT_MAX_TOKEN_CHARS,
     TOKENIZE_QUEUE,
     TOKENIZE_THREADS,
     TokenizerPool,
@@ -358,11 +357,11 @@ class _Router:
         self.limits = limits
         self.tokenizers = TokenizerPool(limits.tokenize_threads, limits.tokenize_queue)
         self.grammars = GrammarCompiler(limits.grammar, compile_one=grammar_check(backend))
-        self.fingerprint = system_fingerprint(backend.model_name, str(getattr(backend, "revision", "")))
-        decode = getattr(backend, "detokenize", None)  # a backend without a tokenizer reports no logprobs
+        self.fingerprint = system_fingerprint(backend.model_name, backend.revision)
+        decode = backend.detokenize  # a backend without a tokenizer reports no logprobs
         self.token_texts = None if decode is None else TokenText(decode)
         self.max_prompt_chars = limits.max_prompt_chars or max_prompt_chars(
-            backend.max_model_len, getattr(backend, "max_token_chars", DEFAULT_MAX_TOKEN_CHARS)
+            backend.max_model_len, backend.max_token_chars
         )
 
     def reject(self, status: int, message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -437,7 +436,7 @@ class _Router:
         n = body.n or 1
         parts = body.split()
         calls: list[Callable[[], Awaitable[Response]]]
-        if n > 1 and getattr(self.backend, "shares_prompt_prefill", False):  # (api/prompt_copies.py)
+        if n > 1 and self.backend.shares_prompt_prefill:  # (api/prompt_copies.py)
             groups = [prompt_copies.Copies(later=n - 1) for _ in range(len(parts) // n)]
             calls = [
                 functools.partial(self._serve_copy, request, part, tenant, groups[k // n], k % n == 0)
@@ -548,7 +547,7 @@ class _Router:
 
     def _tool_format(self) -> api_tools.Format:
         """The format the model calls tools in (its template's); hermes for a backend without one."""
-        return "llama3_json" if getattr(self.backend, "tool_format", "hermes") == "llama3_json" else "hermes"
+        return "llama3_json" if self.backend.tool_format == "llama3_json" else "hermes"
 
     def _echo_text(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
         """The prompt as the response repeats it (`echo`): as sent, or its ids decoded."""
@@ -670,7 +669,7 @@ class _Router:
         """The request's bad_words as token sequences (api/bad_words.py); 400 if one cannot be."""
         if not body.bad_words:
             return ()
-        encode = getattr(self.backend, "encode_words", None)
+        encode = self.backend.encode_words
         if encode is None:
             raise self.reject(400, "this backend has no tokenizer: bad_words are not available", param="bad_words")
         try:
@@ -694,7 +693,7 @@ class _Router:
         """vLLM's /detokenize."""
         self._check_model(body.model)
         ids = self._checked_ids(body.tokens, "tokens")
-        decode = getattr(self.backend, "detokenize", None)
+        decode = self.backend.detokenize
         if decode is None:
             raise self.reject(400, "this backend cannot detokenize", param="tokens")
         # A context's worth of ids may take a while: off the event loop past a short one.
@@ -722,7 +721,7 @@ class _Router:
                 param=field,
                 code="context_length_exceeded",
             )
-        vocab = getattr(self.backend, "vocab_size", None)  # a backend without a tokenizer: the workers check
+        vocab = self.backend.vocab_size  # a backend without a tokenizer: the workers check
         if vocab is None:
             return ids
         bad = next((t for t in ids if t >= vocab), None)
@@ -1009,9 +1008,8 @@ def create_app(
         app.add_middleware(KeysFirst, authenticate=router.authenticate)
     app.state.backend = backend
     app.state.metrics = metrics
-    describe = getattr(backend, "health", None)  # optional: a backend may report its members
-    if callable(describe):
-        metrics.watch_backend(describe)
+    if backend.health is not None:  # a backend may report its members
+        metrics.watch_backend(backend.health)
     app.state.router = router
 
     _add_error_handlers(app, metrics, limits)
@@ -1094,9 +1092,8 @@ def _add_operations_routes(
     @app.get("/health")
     async def health() -> dict[str, object]:
         body: dict[str, object] = {"status": "ok", "model": backend.model_name}
-        describe = getattr(backend, "health", None)  # optional: a backend may report its members
-        if callable(describe):
-            body.update(describe())
+        if backend.health is not None:  # a backend may report its members
+            body.update(backend.health())
         if admission is not None:
             body["admission"] = admission.snapshot()
         return body

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import anyio
 
 from pdserve_worker.api.admission import TokenBucket
-from pdserve_worker.api.backend import NoCapacity
+from pdserve_worker.api.backend import Backend, NoCapacity
 from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.sampling.grammar import Ask, GrammarError
 
@@ -209,10 +209,11 @@ class GrammarCompiler:
             self._tenant_locks[tenant] = (lock, users - 1)
 
 
-def grammar_check(backend: object) -> Callable[[Ask], str]:
+def grammar_check(backend: Backend) -> Callable[[Ask], str]:
     """How the router compiles for `backend`: with its model's tokenizer where it holds one
-    (tokenizing.ModelTokenizing.grammar_tokenizer, built on first use in a compile thread), so
-    a grammar the workers' matcher would refuse is a 400 here, before a slot is reserved."""
-    if not hasattr(type(backend), "grammar_tokenizer"):  # (not getattr: that would build it on the loop)
+    (`Backend.grammar_tokenizer`, built on first use in a compile thread), so a grammar the
+    workers' matcher would refuse is a 400 here, before a slot is reserved."""
+    build = backend.grammar_tokenizer
+    if build is None:
         return grammars.to_grammar
-    return lambda asked: grammars.to_grammar(asked, backend.grammar_tokenizer)  # type: ignore[attr-defined]
+    return lambda asked: grammars.to_grammar(asked, build())
