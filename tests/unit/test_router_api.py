@@ -183,9 +183,9 @@ def test_echo_logprobs_too_large_for_the_prefills_reply_are_a_clear_400(serve, m
     would not fit (here made small: 10 tokens at 20 alternatives) is refused before it runs,
     naming what fits; fewer alternatives fit more."""
     from pdserve_common.channels import WORKER_MAX_MESSAGE
-    from pdserve_worker.api import app as app_module
+    from pdserve_worker.api import intake
 
-    monkeypatch.setattr(app_module, "PROMPT_LOGPROB_BYTES", WORKER_MAX_MESSAGE // 2 // (21 * 10))
+    monkeypatch.setattr(intake, "PROMPT_LOGPROB_BYTES", WORKER_MAX_MESSAGE // 2 // (21 * 10))
     backend = ScriptedBackend()
     client, _ = serve(backend)
     prompt = "abcdefghijklmnopqrst"  # 20 tokens with the fake tokenizer
