@@ -133,7 +133,7 @@ def test_echo_repeats_the_prompt_with_its_logprobs_as_lm_eval_asks(serve):
 def test_system_fingerprint_names_the_server_and_model_revision_on_every_body(serve):
     """#31: OpenAI's system_fingerprint, the same on every response and chunk of one server, and
     another for another model revision (what a seeded request's determinism depends on)."""
-    from pdserve_worker.api.openai_api import system_fingerprint
+    from pdserve_worker.api.response_format import system_fingerprint
 
     backend = ScriptedBackend()
     client, _ = serve(backend)

@@ -45,15 +45,13 @@ from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.api.middleware import BodyLimit, KeysFirst, too_large
 from pdserve_worker.api.openai_api import (
     ChatCompletionRequest,
-    ChatResponseFormat,
     CompletionRequest,
     DetokenizeRequest,
-    ResponseFormat,
     TokenizeRequest,
     error_body,
-    system_fingerprint,
 )
 from pdserve_worker.api.prompt_tokens import PromptTokens
+from pdserve_worker.api.response_format import ChatResponseFormat, ResponseFormat, system_fingerprint
 from pdserve_worker.api.responses import ClosingStreamingResponse, ResponseWriter
 from pdserve_worker.api.tokenizing import TOKENIZE_QUEUE, TOKENIZE_THREADS, TokenizerPool
 from pdserve_worker.model.sampling.params import SamplingParams

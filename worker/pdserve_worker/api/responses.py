@@ -32,7 +32,7 @@ from pdserve_worker.api.errors import ApiError, from_backend_error, from_rejecti
 from pdserve_worker.api.generation import Delta, Generation
 from pdserve_worker.api.ledger import Ledger
 from pdserve_worker.api.logprobs import Scored, TokenText
-from pdserve_worker.api.openai_api import ResponseFormat, Usage
+from pdserve_worker.api.response_format import ResponseFormat, Usage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
