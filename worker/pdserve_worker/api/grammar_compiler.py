@@ -1,17 +1,13 @@
-"""Grammar compiling off the router's event loop: bounded, budgeted per request, charged per
-tenant, cached.
+"""Grammar compiling off the router's event loop: bounded, budgeted per request, charged per tenant, cached.
 
 A structured-output field or a tool's `parameters` schema becomes an llguidance grammar
-(model/sampling/grammar.py). Compiling one costs microseconds to about half a second of CPU
-(nested `anyOf` under `allOf`, for example), and a chat request may carry 128 tool schemas: one
-request built that way held the event loop for 49 s (issue #58, A1). So here:
+(model/sampling/grammar.py). Compiling one costs up to about half a second of CPU, and a chat
+request may carry 128 tool schemas (one such held the event loop for 49 s, #58 A1). So here:
 - compiles run in a few worker threads (llguidance releases the GIL while it compiles, so the
   loop keeps serving), and past a bound of compiles waiting the request is a 429;
 - a tenant compiles one grammar at a time, so one tenant holds at most one thread;
-- a request's compiles share a budget of seconds; past it the request is a 400 naming the
-  budget. A compile cannot be interrupted, so the budget is checked before each one: a request
-  runs at most one compile past it, and llguidance's own limits end any one compile (its
-  "schema too large" refusals);
+- a request's compiles share a budget of seconds, checked before each one (a compile cannot be
+  interrupted); past it the request is a 400 naming the budget;
 - compile time is taken from the tenant's bucket of compile seconds per minute (refused
   compiles too: a 400 is no free retry); an empty bucket is a 429 with Retry-After;
 - results, grammars and refusals alike, are kept by the SHA-256 of what was asked (bounded
