@@ -50,7 +50,7 @@ class RequestInfo:
     def as_response_field(self, workers: bool = False) -> dict[str, object]:
         """The `pdserve` extension object of a response: JSON-ready, absent values left out.
         `workers`: name the prefill and decode that served it (internal topology: only for a
-        request that asked with the debug header and whose key may, api/app.py)."""
+        request that asked with the debug header and whose key may, api/intake.py)."""
         field: dict[str, object] = {"disaggregated": self.disaggregated, "kv_bytes": self.kv_bytes}
         if self.kv_transfer_s is not None:
             field["kv_transfer_ms"] = round(self.kv_transfer_s * 1000.0, 3)
