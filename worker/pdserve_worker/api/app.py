@@ -228,7 +228,7 @@ class OpenAIFront:
                 fingerprint=self.fingerprint,
                 prompt_logprobs=asked,
                 tools=body.tool_spec,
-                tool_format=self.intake.tool_format(),
+                tool_format=self.backend.tool_format,
             )
         return ResponseFormat(
             request_id=request_id,

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.logs import kv
-from pdserve_worker.api import tools as api_tools
 from pdserve_worker.api.admission import AdmissionQueue, Rejected, Ticket
 from pdserve_worker.api.backend import Backend, NoCapacity
 from pdserve_worker.api.bad_words import BadWordsError, bad_word_ids
@@ -142,10 +141,6 @@ class RequestIntake:
             )
             raise from_rejection(exc, request_id) from None
 
-    def tool_format(self) -> api_tools.Format:
-        """The format the model calls tools in (its template's); hermes for a backend without one."""
-        return self.backend.tool_format
-
     def echo_text(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
         """The prompt as the response repeats it (`echo`): as sent, or its ids decoded."""
         if not isinstance(body, CompletionRequest) or not body.echo:
@@ -166,7 +161,7 @@ class RequestIntake:
         tenant's compile time or the compiler's queue."""
         spec = body.tool_spec if isinstance(body, ChatCompletionRequest) else None
         try:
-            forced = spec.grammar(self.tool_format()) if spec is not None else None
+            forced = spec.grammar(self.backend.tool_format) if spec is not None else None
         except GrammarError as exc:
             raise self.reject(400, f"tool_choice: {exc}", param="tool_choice") from None
         asked = forced or body.grammar
