@@ -105,8 +105,9 @@ class Backend:
         """Token ids of a raw completion prompt (with BOS if the model wants one)."""
         raise NotImplementedError
 
-    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a conversation after the model's chat template, ready for the reply."""
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation after the model's chat template, ready for the reply; the
+        request's `tools` go to the template (the router passes them only when there are some)."""
         raise NotImplementedError
 
     def generate(

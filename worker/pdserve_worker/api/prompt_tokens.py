@@ -116,7 +116,7 @@ class PromptTokens:
                 + _chars([m["tool_calls"] for m in messages if "tool_calls" in m])
             )
             call: Callable[[], list[int]] = (
-                (lambda: self.backend.tokenize_chat(messages, tools=tools))  # type: ignore[call-arg]
+                (lambda: self.backend.tokenize_chat(messages, tools=tools))
                 if tools
                 else (lambda: self.backend.tokenize_chat(messages))
             )
