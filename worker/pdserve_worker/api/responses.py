@@ -119,7 +119,7 @@ class ResponseWriter:
         self.report_request_info = report_request_info
         self.token_texts = token_texts
 
-    def extension(self, gen: Generation) -> dict[str, Any] | None:
+    def _extension(self, gen: Generation) -> dict[str, Any] | None:
         if not self.report_request_info or gen.info is None:
             return None
         return gen.info.as_response_field(workers=gen.show_workers)
@@ -216,7 +216,7 @@ class ResponseWriter:
         ledger.completed()
         if fmt.echo is not None:
             text, scored = fmt.echo + text, gen.echoed() + scored
-        body = fmt.full(text, gen.finish_reason, self._usage(gen), self.extension(gen), scored)
+        body = fmt.full(text, gen.finish_reason, self._usage(gen), self._extension(gen), scored)
         if fmt.prompt_logprobs and self.token_texts is not None:
             fmt.add_prompt_logprobs(body, gen.echoed(), self.token_texts)
         return JSONResponse(body, headers={"x-request-id": gen.request_id})
@@ -263,7 +263,7 @@ class ResponseWriter:
                 if delta.finish_reason is not None:
                     for closing in fmt.closing_chunks():
                         yield sse(closing)
-                    yield sse(fmt.finish_chunk(delta.finish_reason, self.extension(gen)))
+                    yield sse(fmt.finish_chunk(delta.finish_reason, self._extension(gen)))
                     break
                 delta = await anext(deltas)
             if fmt.include_usage:
