@@ -32,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common"), str(ROOT / "proto")]
 
-from pdserve_worker.api.backend import TokenEvent  # noqa: E402
+from pdserve_worker.api.backend import Backend, TokenEvent  # noqa: E402
 from pdserve_worker.model.sampling.params import SamplingParams  # noqa: E402
 
 
-class InstantBackend:
+class InstantBackend(Backend):
     """One short word per token, no compute: whatever time is measured is the router's."""
 
     model_name = "instant"

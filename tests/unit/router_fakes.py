@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pdserve_worker.api.backend import BackendError, InvalidPrompt, RequestInfo, TokenEvent
+from pdserve_worker.api.backend import Backend, BackendError, InvalidPrompt, RequestInfo, TokenEvent
 from pdserve_worker.api.server import build_router_server
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 
@@ -52,8 +52,11 @@ def fake_prompt_logprobs(call: Call) -> tuple[TokenLogprobs, ...] | None:
     return tuple(TokenLogprobs(-float(j), ((3000 + j, -0.5),)[:top], j + 1) for j in range(1, len(call.prompt_ids)))
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     model_name = "fake-model"
+    # Capabilities a test may switch on for one backend (the `Backend` base declares them read-only).
+    shares_prompt_prefill = False
+    vocab_size: int | None = None
 
     def __init__(
         self,

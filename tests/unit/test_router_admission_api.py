@@ -19,7 +19,7 @@ from router_fakes import running_router
 
 from pdserve_worker.api.admission import AdmissionConfig, AdmissionQueue
 from pdserve_worker.api.app import create_app
-from pdserve_worker.api.backend import NoCapacity, TokenEvent, capacity_held
+from pdserve_worker.api.backend import Backend, NoCapacity, TokenEvent, capacity_held
 from pdserve_worker.api.keys import KeyStore
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.model.sampling.params import SamplingParams
@@ -36,7 +36,7 @@ tenants:
 """)
 
 
-class SlotBackend:
+class SlotBackend(Backend):
     """A backend with `slots` slots: a request beyond them is `NoCapacity` at once (as a decode's
     RESOURCE_EXHAUSTED is), one that gets a slot reports it and streams `tokens` tokens."""
 

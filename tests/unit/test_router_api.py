@@ -133,7 +133,7 @@ def test_echo_repeats_the_prompt_with_its_logprobs_as_lm_eval_asks(serve):
 def test_system_fingerprint_names_the_server_and_model_revision_on_every_body(serve):
     """#31: OpenAI's system_fingerprint, the same on every response and chunk of one server, and
     another for another model revision (what a seeded request's determinism depends on)."""
-    from pdserve_worker.api.openai_api import system_fingerprint
+    from pdserve_worker.api.response_format import system_fingerprint
 
     backend = ScriptedBackend()
     client, _ = serve(backend)
@@ -183,9 +183,9 @@ def test_echo_logprobs_too_large_for_the_prefills_reply_are_a_clear_400(serve, m
     would not fit (here made small: 10 tokens at 20 alternatives) is refused before it runs,
     naming what fits; fewer alternatives fit more."""
     from pdserve_common.channels import WORKER_MAX_MESSAGE
-    from pdserve_worker.api import app as app_module
+    from pdserve_worker.api import intake
 
-    monkeypatch.setattr(app_module, "PROMPT_LOGPROB_BYTES", WORKER_MAX_MESSAGE // 2 // (21 * 10))
+    monkeypatch.setattr(intake, "PROMPT_LOGPROB_BYTES", WORKER_MAX_MESSAGE // 2 // (21 * 10))
     backend = ScriptedBackend()
     client, _ = serve(backend)
     prompt = "abcdefghijklmnopqrst"  # 20 tokens with the fake tokenizer

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve_worker.api.backend import RequestInfo, TokenEvent
+from pdserve_worker.api.backend import Backend, RequestInfo, TokenEvent
 from pdserve_worker.api.generation import Delta, Generation
 from pdserve_worker.model.sampling.params import SamplingParams
 
 
-class IteratorBackend:
+class IteratorBackend(Backend):
     """Returns a plain async iterator (no aclose) whose events never say why they end."""
 
     model_name = "it"

@@ -1,38 +1,17 @@
 """The router's admission queue: who gets the next KV reservation, and who is told to come back.
 
 A request enters with its tenant (from its API key), a priority class and a deadline, and waits
-here until the backend holds capacity for it (a decode slot's reservation), instead of being
-answered 429 the moment every slot is taken. It is refused with 429 and a Retry-After only when
-it cannot be served: the queue (or the tenant's share of it) is full, the tenant is over its
-requests/min or tokens/min, or the deadline cannot be met at the measured drain rate.
+here until the backend holds capacity for it (a decode slot's reservation), instead of a 429 the
+moment every slot is taken. It is refused (`Rejected`: 429 with Retry-After) only when it cannot
+be served: the queue or the tenant's share of it is full, the tenant is over its requests/min or
+tokens/min, or the deadline cannot be met at the measured drain rate. Order of service
+(`_next_ticket`, docs/admission.md): priority classes strictly; within a class, fair across
+tenants over tokens (start-time fair queueing); FIFO within a tenant and class.
 
-Order of service:
-- priority classes strictly (`high` before `normal` before `low`); a key's `maxPriority` caps
-  what its requests may ask for;
-- within a class, fair across tenants over *tokens*: start-time fair queueing (Goyal, Vin and
-  Cheng, SIGCOMM 1996), where a tenant's virtual time advances by a request's tokens (prompt
-  plus max_tokens, corrected to the tokens actually generated when it ends) over the tenant's
-  weight, and the tenant with the smallest start tag goes next. A tenant returning from idle
-  starts at the class's virtual time, so idleness earns no credit. Equivalent in what it
-  guarantees to deficit round robin over tokens, and a choice that can be peeked without
-  mutating (a request that finds no slot keeps its place);
-- FIFO within a tenant and class; a tenant at its `maxConcurrent` waits without blocking others;
-  one without a `maxConcurrent` that holds its weighted share of the running requests goes
-  after the tenants under theirs (its default cap, work-conserving: `_over_share`).
-
-How capacity is found: the queue does not know how many slots exist (other routers share the
-decodes, decodes join and leave). While nothing waits, a request is dispatched at once. The
-first one that finds no slot (`no_capacity`) turns the queue *blocked*: from then on one
-request at a time (the *probe*, always the one the order above picks) tries to reserve, when a
-request of this router ends, when the previous probe got a slot, or on a timer with backoff
-(slots freed by other routers). So a full service costs one failed Reserve per event, not one
-per waiting request, and slots go out in the queue's order. The queue opens again when capacity moves (a release, a probe that got a slot) and nothing waits.
-
-Every ticket leaves through `release` (the router calls it exactly once, however the request
-ends: answered, failed, client gone, deadline), which undoes whatever the ticket held in the
-state it was in: a place in the queue, a probe, a running request's concurrency.
-
-Pure asyncio, no I/O, no HTTP: the router maps `Rejected` to its 429 (api/app.py).
+Every ticket leaves through `release` (called exactly once, however the request ends), which
+undoes whatever the ticket held in the state it was in: a place in the queue, a probe, a
+running request's concurrency. Pure asyncio, no I/O, no HTTP: the router maps `Rejected` to its
+429 (api/intake.py).
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -208,7 +187,16 @@ class _TenantState:
 
 
 class AdmissionQueue:
-    """See the module docstring. One per router process, used from its event loop only."""
+    """One per router process, used from its event loop only.
+
+    How capacity is found: the queue does not know how many slots exist (other routers share the
+    decodes, decodes join and leave). While nothing waits, a request is dispatched at once. The
+    first one that finds no slot (`no_capacity`) turns the queue *blocked*: from then on one
+    request at a time (the *probe*, the one `_next_ticket` picks) tries to reserve, when a
+    request of this router ends, when the previous probe got a slot, or on a timer with backoff
+    (slots freed by other routers). So a full service costs one failed Reserve per event, not
+    one per waiting request. The queue opens again when capacity moves and nothing waits.
+    """
 
     def __init__(
         self,
@@ -257,8 +245,10 @@ class AdmissionQueue:
                 f"tenant {state.name!r} has {state.waiting()} requests waiting, its most",
                 self._drain_time(state.waiting(), now),
             )
-        self._check_rates(state, prompt_tokens, prompt_tokens + max_tokens, now)
-        ahead = self._ahead(state, rank)
+        refusal = _rate_refusal(state, prompt_tokens, prompt_tokens + max_tokens, now)
+        if refusal is not None:
+            self._refuse(refusal.reason, str(refusal), refusal.retry_after_s)
+        ahead = _ahead(self._tenants.values(), self._waiting, state, rank)
         estimate = self._estimate(ahead, now)
         if estimate is not None and estimate > wait_limit:
             self._refuse(
@@ -295,47 +285,10 @@ class AdmissionQueue:
                 state.limits, state.requests, state.tokens = limits, requests, tokens
         return state
 
-    def _check_rates(self, state: _TenantState, prompt_tokens: int, reserve: int, now: float) -> None:
-        """`reserve`: prompt plus max_tokens. One bigger than a minute's budget goes when the
-        bucket is full (it may overdraw it once); a prompt alone bigger than that never goes."""
-        if state.requests is not None:
-            wait = state.requests.wait_s(1, now)
-            if wait > 0:
-                self._refuse(
-                    Reason.REQUESTS_PER_MINUTE,
-                    f"tenant {state.name!r} is over its limit of "
-                    f"{state.limits.requests_per_minute} requests per minute",
-                    wait,
-                )
-        if state.tokens is not None:
-            if state.tokens.wait_s(max(prompt_tokens, 1), now) == INF:
-                self._refuse(
-                    Reason.TOKENS_PER_MINUTE,
-                    f"the prompt's {prompt_tokens} tokens are more than tenant "
-                    f"{state.name!r}'s limit of {state.limits.tokens_per_minute} tokens per minute",
-                    60.0,
-                )
-            wait = state.tokens.wait_s(min(max(reserve, 1), state.tokens.capacity), now)
-            if wait > 0:
-                self._refuse(
-                    Reason.TOKENS_PER_MINUTE,
-                    f"tenant {state.name!r} is over its limit of {state.limits.tokens_per_minute} tokens per minute",
-                    wait,
-                )
-
     def _refuse(self, reason: Reason, message: str, retry_after_s: float) -> None:
         if self._observer is not None:
             self._observer.observe_admission_rejected(reason.value)
         raise Rejected(reason, message, retry_after_s)
-
-    def _ahead(self, state: _TenantState, rank: int) -> int:
-        """Requests likely served before a new one of `state` in class `rank`: every waiting one of
-        a higher class, and in its own class, fair shares: each other tenant gets about as many
-        turns as this tenant has requests before the new one."""
-        higher = sum(self._waiting[:rank])
-        own = len(state.queued.get(rank, ()))
-        same = sum(min(len(t.queued.get(rank, ())), own + 1) for t in self._tenants.values() if t is not state)
-        return higher + own + same
 
     def _estimate(self, ahead: int, now: float) -> float | None:
         rate = self.drain.per_second(now)
@@ -465,43 +418,6 @@ class AdmissionQueue:
 
     # ---- dispatching ------------------------------------------------------------------------------
 
-    def _select(self) -> Ticket | None:
-        """The next ticket by class, then a tenant under its share of the running requests
-        (`_over_share`), then the smallest SFQ start tag, then arrival."""
-        over = self._over_share()
-        for rank in range(len(PRIORITIES)):
-            if not self._waiting[rank]:
-                continue
-            best: tuple[bool, float, int, Ticket] | None = None
-            for tenant in self._tenants.values():
-                queue = tenant.queued.get(rank)
-                if not queue or not tenant.eligible():
-                    continue
-                tag = max(tenant.finish[rank], self._vtime[rank])
-                key = (tenant.name in over, tag, queue[0].seq, queue[0])
-                if best is None or key[:3] < best[:3]:
-                    best = key
-            if best is not None:
-                return best[3]
-        return None
-
-    def _over_share(self) -> set[str]:
-        """Tenants without a maxConcurrent of their own that hold at least their weighted share
-        of the requests running here while another tenant has requests too: the share is
-        `maxConcurrent`'s default. Work-conserving — such a tenant still goes next when nobody
-        under their share waits — so one tenant cannot keep every slot it grabbed while the
-        others were idle (docs/admission.md)."""
-        contending = [t for t in self._tenants.values() if t.active or t.waiting()]
-        if len(contending) < 2:
-            return set()
-        running = sum(t.active for t in contending)
-        weights = sum(t.limits.weight for t in contending)
-        return {
-            t.name
-            for t in contending
-            if t.limits.max_concurrent is None and t.active >= max(1, math.ceil(running * t.limits.weight / weights))
-        }
-
     def _dispatch(self, ticket: Ticket) -> None:
         ticket.tenant.queued[ticket.priority].popleft()
         self._waiting[ticket.priority] -= 1
@@ -512,10 +428,10 @@ class AdmissionQueue:
 
     def _pump(self, may_probe: bool = False) -> None:
         if not self._blocked:
-            while (ticket := self._select()) is not None:
+            while (ticket := _next_ticket(self._tenants.values(), self._waiting, self._vtime)) is not None:
                 self._dispatch(ticket)
         elif may_probe and self._probe is None:
-            ticket = self._select()
+            ticket = _next_ticket(self._tenants.values(), self._waiting, self._vtime)
             if ticket is not None:
                 self._probe = ticket
                 self._dispatch(ticket)
@@ -560,6 +476,84 @@ class AdmissionQueue:
             "drain_per_s": None if rate is None else round(rate, 3),
             "capacity": self.config.capacity,
         }
+
+
+def _rate_refusal(state: _TenantState, prompt_tokens: int, reserve: int, now: float) -> Rejected | None:
+    """`reserve`: prompt plus max_tokens. One bigger than a minute's budget goes when the
+    bucket is full (it may overdraw it once); a prompt alone bigger than that never goes."""
+    if state.requests is not None:
+        wait = state.requests.wait_s(1, now)
+        if wait > 0:
+            return Rejected(
+                Reason.REQUESTS_PER_MINUTE,
+                f"tenant {state.name!r} is over its limit of {state.limits.requests_per_minute} requests per minute",
+                wait,
+            )
+    if state.tokens is not None:
+        if state.tokens.wait_s(max(prompt_tokens, 1), now) == INF:
+            return Rejected(
+                Reason.TOKENS_PER_MINUTE,
+                f"the prompt's {prompt_tokens} tokens are more than tenant "
+                f"{state.name!r}'s limit of {state.limits.tokens_per_minute} tokens per minute",
+                60.0,
+            )
+        wait = state.tokens.wait_s(min(max(reserve, 1), state.tokens.capacity), now)
+        if wait > 0:
+            return Rejected(
+                Reason.TOKENS_PER_MINUTE,
+                f"tenant {state.name!r} is over its limit of {state.limits.tokens_per_minute} tokens per minute",
+                wait,
+            )
+    return None
+
+
+def _ahead(tenants: Iterable[_TenantState], waiting: list[int], state: _TenantState, rank: int) -> int:
+    """Requests likely served before a new one of `state` in class `rank`: every waiting one of
+    a higher class, and in its own class, fair shares: each other tenant gets about as many
+    turns as this tenant has requests before the new one."""
+    higher = sum(waiting[:rank])
+    own = len(state.queued.get(rank, ()))
+    same = sum(min(len(t.queued.get(rank, ())), own + 1) for t in tenants if t is not state)
+    return higher + own + same
+
+
+def _next_ticket(tenants: Iterable[_TenantState], waiting: list[int], vtime: list[float]) -> Ticket | None:
+    """The next ticket by class, then a tenant under its share of the running requests
+    (`_over_share`), then the smallest SFQ start tag, then arrival."""
+    over = _over_share(tenants)
+    for rank in range(len(PRIORITIES)):
+        if not waiting[rank]:
+            continue
+        best: tuple[bool, float, int, Ticket] | None = None
+        for tenant in tenants:
+            queue = tenant.queued.get(rank)
+            if not queue or not tenant.eligible():
+                continue
+            tag = max(tenant.finish[rank], vtime[rank])
+            key = (tenant.name in over, tag, queue[0].seq, queue[0])
+            if best is None or key[:3] < best[:3]:
+                best = key
+        if best is not None:
+            return best[3]
+    return None
+
+
+def _over_share(tenants: Iterable[_TenantState]) -> set[str]:
+    """Tenants without a maxConcurrent of their own that hold at least their weighted share
+    of the requests running here while another tenant has requests too: the share is
+    `maxConcurrent`'s default. Work-conserving — such a tenant still goes next when nobody
+    under their share waits — so one tenant cannot keep every slot it grabbed while the
+    others were idle (docs/admission.md)."""
+    contending = [t for t in tenants if t.active or t.waiting()]
+    if len(contending) < 2:
+        return set()
+    running = sum(t.active for t in contending)
+    weights = sum(t.limits.weight for t in contending)
+    return {
+        t.name
+        for t in contending
+        if t.limits.max_concurrent is None and t.active >= max(1, math.ceil(running * t.limits.weight / weights))
+    }
 
 
 def _loop_time(deadline: float, clock: Callable[[], float]) -> float:

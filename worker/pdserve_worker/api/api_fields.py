@@ -1,7 +1,6 @@
 """Every request field a client may send, and what this server does with it: one table.
 
-OpenAI's request schemas (chat/completions and completions) and the vLLM extensions clients
-commonly send, each marked
+OpenAI's request schemas (chat/completions and completions) and the vLLM extensions, each:
 - `supported`: implemented as the schema says;
 - `refused`: a value other than the neutral one (absent, null, false, 0, the default) is a 400
   that names the field — never accepted and silently ignored (a client that sends
@@ -10,9 +9,7 @@ commonly send, each marked
   own platform), said here so that nobody mistakes it for support.
 A field in neither schema passes untouched (forward compatibility: newer clients send fields
 this server does not know).
-
-docs/api.md's table is generated from this one (scripts/generate.py, checked by a test), so
-the documentation cannot drift from what the request models do.
+docs/api.md's table is generated from this one (scripts/generate.py, checked by a test).
 """
 
 from __future__ import annotations

@@ -15,9 +15,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from pdserve_worker.api.tools import Format
+
+# When a backend cannot say how long its longest token is: longer than any vocabulary seen.
+DEFAULT_MAX_TOKEN_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class RequestInfo:
     def as_response_field(self, workers: bool = False) -> dict[str, object]:
         """The `pdserve` extension object of a response: JSON-ready, absent values left out.
         `workers`: name the prefill and decode that served it (internal topology: only for a
-        request that asked with the debug header and whose key may, api/app.py)."""
+        request that asked with the debug header and whose key may, api/intake.py)."""
         field: dict[str, object] = {"disaggregated": self.disaggregated, "kv_bytes": self.kv_bytes}
         if self.kv_transfer_s is not None:
             field["kv_transfer_ms"] = round(self.kv_transfer_s * 1000.0, 3)
@@ -78,13 +86,16 @@ class TokenEvent:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """What the router needs from a token producer.
+class Backend:
+    """What the router needs from a token producer: the base class every backend inherits.
 
     `generate` is an async generator: the router closes it (`aclose`) or cancels the task
     iterating it when the client goes away or the answer is complete, and the backend must
     release what it holds for the request (a decode slot) in a `finally`.
+
+    The members after the three methods are optional capabilities, declared here with what
+    lacking them means; a backend overrides those it has (tokenizing.ModelTokenizing does for
+    a backend that holds the model's tokenizer). The router reads them and probes nothing.
     """
 
     model_name: str
@@ -92,11 +103,12 @@ class Backend(Protocol):
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """Token ids of a raw completion prompt (with BOS if the model wants one)."""
-        ...
+        raise NotImplementedError
 
-    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a conversation after the model's chat template, ready for the reply."""
-        ...
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation after the model's chat template, ready for the reply; the
+        request's `tools` go to the template (the router passes them only when there are some)."""
+        raise NotImplementedError
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, cache_scope: str
@@ -106,7 +118,38 @@ class Backend(Protocol):
 
         `cache_scope` (api/cache_scope.py) bounds which other prompts' cached prefix KV this
         one may reuse: a backend with a prefix cache roots the prompt's block hashes in it."""
-        ...
+        raise NotImplementedError
+
+    revision: str = ""  # the model's revision (the system_fingerprint's)
+    # Token ids to text; None: no tokenizer here, so no logprobs, echo of ids or /detokenize.
+    detokenize: Callable[[list[int]], str] | None = None
+    # Token ids of a text without BOS or other added tokens; None: no bad_words (api/bad_words.py).
+    encode_words: Callable[[str], list[int]] | None = None
+    # llguidance's view of the vocabulary, built on first call (in a compile thread); None: grammars
+    # are checked without a tokenizer (api/grammar_compiler.py).
+    grammar_tokenizer: Callable[[], llguidance.LLTokenizer] | None = None
+    # What /health reports of the backend (its members); None: nothing beyond "ok".
+    health: Callable[[], dict[str, object]] | None = None
+
+    @property
+    def shares_prompt_prefill(self) -> bool:
+        """Whether n copies of a prompt gain from following the first's prefill (api/prompt_copies.py)."""
+        return False
+
+    @property
+    def tool_format(self) -> Format:
+        """How the model calls tools (api/tools.py): hermes unless the backend knows its template."""
+        return "hermes"
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids are 0..vocab_size-1; None: the backend cannot tell (the workers check)."""
+        return None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most input characters one token can stand for (bounds a prompt before tokenizing)."""
+        return DEFAULT_MAX_TOKEN_CHARS
 
 
 class BackendError(Exception):

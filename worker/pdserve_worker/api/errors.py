@@ -24,6 +24,7 @@ from pdserve_worker.api.backend import (
     NoCapacity,
     RequestTimeout,
 )
+from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.api.openai_api import error_body
 
 
@@ -62,6 +63,14 @@ def public_message(exc: BackendError, request_id: str | None) -> str:
     else:
         text = next((m for kind, m in _GENERIC.items() if isinstance(exc, kind)), "internal error")
     return f"{text} (request {request_id})" if request_id else text
+
+
+def rejected(
+    metrics: RouterMetrics, status: int, message: str, param: str | None = None, code: str | None = None
+) -> ApiError:
+    """The error a request the router refuses is answered with, counted in `metrics` by status."""
+    metrics.observe_rejected(status)
+    return ApiError(status, message, param=param, code=code)
 
 
 def retry_headers(retry_after_s: float) -> dict[str, str]:

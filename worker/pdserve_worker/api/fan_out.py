@@ -9,11 +9,8 @@ their chunks as they come, each choice tagged with its prompt's index, then one 
 (when asked) and one `[DONE]`. One prompt's error fails the request: an error before any
 answer is the response (the others are cancelled and their slots released); one in a stream
 is reported in-band, as a single request's is, and the stream ends.
-
-n copies of a prompt: with a prefix cache the first copy prefills it and the others follow on
-the same prefill, reusing its blocks, and on the first copy's decode, sharing its whole prompt
-blocks read-only: only the tail is pushed again (api/prompt_copies.py, kv/blocks.py). Usage
-counts the prompt once, as vLLM does: `n` tells which answers are copies of one prompt.
+n copies of a prompt share its prefill (api/prompt_copies.py); usage counts the prompt once,
+as vLLM does.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from pdserve_worker.api.logprobs import Scored, prompt_scored
 from pdserve_worker.api.metrics import RequestTiming
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 
-log = logging.getLogger("pdserve.router")
+log = logging.getLogger(__name__)
 
 
 def _closing(events: AsyncIterator[TokenEvent]) -> AbstractAsyncContextManager[AsyncIterator[TokenEvent]]:

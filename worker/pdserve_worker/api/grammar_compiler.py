@@ -1,17 +1,13 @@
-"""Grammar compiling off the router's event loop: bounded, budgeted per request, charged per
-tenant, cached.
+"""Grammar compiling off the router's event loop: bounded, budgeted per request, charged per tenant, cached.
 
 A structured-output field or a tool's `parameters` schema becomes an llguidance grammar
-(model/sampling/grammar.py). Compiling one costs microseconds to about half a second of CPU
-(nested `anyOf` under `allOf`, for example), and a chat request may carry 128 tool schemas: one
-request built that way held the event loop for 49 s (issue #58, A1). So here:
+(model/sampling/grammar.py). Compiling one costs up to about half a second of CPU, and a chat
+request may carry 128 tool schemas (one such held the event loop for 49 s, #58 A1). So here:
 - compiles run in a few worker threads (llguidance releases the GIL while it compiles, so the
   loop keeps serving), and past a bound of compiles waiting the request is a 429;
 - a tenant compiles one grammar at a time, so one tenant holds at most one thread;
-- a request's compiles share a budget of seconds; past it the request is a 400 naming the
-  budget. A compile cannot be interrupted, so the budget is checked before each one: a request
-  runs at most one compile past it, and llguidance's own limits end any one compile (its
-  "schema too large" refusals);
+- a request's compiles share a budget of seconds, checked before each one (a compile cannot be
+  interrupted); past it the request is a 400 naming the budget;
 - compile time is taken from the tenant's bucket of compile seconds per minute (refused
   compiles too: a 400 is no free retry); an empty bucket is a 429 with Retry-After;
 - results, grammars and refusals alike, are kept by the SHA-256 of what was asked (bounded
@@ -28,7 +24,7 @@ from dataclasses import dataclass
 import anyio
 
 from pdserve_worker.api.admission import TokenBucket
-from pdserve_worker.api.backend import NoCapacity
+from pdserve_worker.api.backend import Backend, NoCapacity
 from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.sampling.grammar import Ask, GrammarError
 
@@ -209,10 +205,11 @@ class GrammarCompiler:
             self._tenant_locks[tenant] = (lock, users - 1)
 
 
-def grammar_check(backend: object) -> Callable[[Ask], str]:
+def grammar_check(backend: Backend) -> Callable[[Ask], str]:
     """How the router compiles for `backend`: with its model's tokenizer where it holds one
-    (tokenizing.ModelTokenizing.grammar_tokenizer, built on first use in a compile thread), so
-    a grammar the workers' matcher would refuse is a 400 here, before a slot is reserved."""
-    if not hasattr(type(backend), "grammar_tokenizer"):  # (not getattr: that would build it on the loop)
+    (`Backend.grammar_tokenizer`, built on first use in a compile thread), so a grammar the
+    workers' matcher would refuse is a 400 here, before a slot is reserved."""
+    build = backend.grammar_tokenizer
+    if build is None:
         return grammars.to_grammar
-    return lambda asked: grammars.to_grammar(asked, backend.grammar_tokenizer)  # type: ignore[attr-defined]
+    return lambda asked: grammars.to_grammar(asked, build())

@@ -1,32 +1,17 @@
 """What a client that never finishes its request can hold on a pdserve HTTP port: little, briefly.
 
-uvicorn (h11) has no deadline for receiving a request: `timeout_keep_alive` only runs between
-two requests, and any byte received cancels it (uvicorn issue #157's
-`--timeout-request-start`/`--timeout-request-complete` were never built). So a connection that
-sends nothing, or a header line every few seconds (slowloris), was held for ever, and each
-one costs the process a file descriptor. Measured on the router before this module: 22,000
-such connections (one attacking host, no token needed) took it to its descriptor limit,
-`/health` stopped answering, asyncio logged a traceback for every failed accept (150,000 of
-them, 72 MB, in two minutes), and the same against a worker's pod port (open to the whole
-cluster for probes) starved its transfer server and gRPC server of descriptors.
-
-`guarded_h11(limits)` is uvicorn's h11 protocol with two bounds:
+uvicorn (h11) has no deadline for receiving a request (`timeout_keep_alive` only runs between
+two requests, and any byte received cancels it), so a connection that sends nothing, or a header
+line every few seconds (slowloris), was held for ever, each one a file descriptor: enough of them
+starve the process (measured: benchmarks/README.md, "HTTP bounds"). `guarded_h11(limits)` is
+uvicorn's h11 protocol with three bounds:
 - `request_deadline_s`: a request must be received whole (head and body) within this many
-  seconds of the connection opening, or of the previous response's end; otherwise the
-  connection is closed (an application waiting for the body sees a disconnect). Streaming
-  a response is not limited: the deadline ends once the request is in.
-- `max_connections`: connections beyond it are closed as soon as they are accepted, so the
-  process never runs out of descriptors through its HTTP port (at most half its descriptor
-  limit whatever is configured).
-- `max_connections_per_peer`: connections from one source address beyond it are closed as
-  soon as they are accepted, so that one client cannot take the whole cap: #29 measured 4,200
-  idle connections from one client, in 0.1 s and without credentials, taking the router's
-  4,096 and every real request and /health with them, and a flood of a decode's pod port
-  failing 22 of 23 liveness probes (the kubelet probes from the node's address, the flood
-  came from a pod's). A router behind a proxy or load balancer sees it as one peer: raise the
-  per-peer cap to the cap there (`PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER`).
-Both are counted by reason with a rate-limited summary line (util/drops.py), never a
-line per connection.
+  seconds of the connection opening or of the previous response's end, else the connection is
+  closed; streaming a response is not limited;
+- `max_connections`: connections beyond it are closed as soon as accepted (at most half the fds);
+- `max_connections_per_peer`: the same per source address, so one client cannot take the whole
+  cap (a router behind a proxy sees it as one peer: `PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER`).
+All are counted by reason with a rate-limited summary line (util/drops.py), never one per connection.
 """
 
 from __future__ import annotations
@@ -42,7 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve_worker.util.drops import DropCounter
 
-log = logging.getLogger("pdserve.http")
+log = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_DEADLINE_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 4096

@@ -1,32 +1,17 @@
 """API keys of the OpenAI endpoint: which tenant a bearer key belongs to, and the tenant's limits.
 
-The keys live in a file mounted from the Secret that `spec.router.auth.secretName` names (its
-key `keys.yaml`; `pdserve local --api-keys FILE` points at one directly):
-
-    tenants:
-      - name: interactive
-        keys: ["sk-…", "sha256:9f86d081884c7d65…"]   # a key, or the hex SHA-256 of one
-        requestsPerMinute: 600        # optional limits; absent means unlimited
-        tokensPerMinute: 200000       # prompt + generated tokens
-        maxConcurrent: 16             # requests holding a KV reservation at once
-        maxPriority: high             # the highest priority class its requests may ask for
-        weight: 1                     # share of the token throughput within a priority class
-        debug: false                  # may ask for the serving workers' names (x-pdserve-debug: workers)
-        sharePrefixCache: false       # reuse cached prompt prefixes with the other tenants that say so
-
-Rules that hold whatever the file says:
-- a key is known only by its SHA-256 digest in memory; the file may hold digests alone, so a
-  leaked Secret (or a heap dump) need not reveal a usable key;
-- a presented key is hashed and looked up by digest, then confirmed with
-  `hmac.compare_digest`: the time a lookup takes depends on the digest, which a client cannot
-  steer bit by bit, never on how many leading characters of a real key it guessed;
-- keys never reach a log line or an error message: errors name the tenant and the field, and
-  a file that does not parse is reported by location, not by pydantic's `input` (which would
-  quote the key);
-- the file is re-read when it changes (Kubernetes swaps a Secret volume's `..data` symlink
-  atomically; the stat of the resolved path changes with it), checked at most once per
-  `reload_interval_s` on the request path, so rotating a key needs no restart. A file that
-  fails to parse keeps the previous keys in force and is logged.
+The keys live in `keys.yaml`, mounted from the Secret that `spec.router.auth.secretName` names
+(`pdserve local --api-keys FILE` points at one directly); its format is docs/admission.md's:
+tenants, each with keys (or their hex SHA-256 digests) and optional limits. Rules that hold
+whatever the file says:
+- a key is known only by its SHA-256 digest in memory, so a leaked Secret of digests (or a heap
+  dump) need not reveal a usable key;
+- a presented key is looked up by digest, then confirmed with `hmac.compare_digest`: lookup
+  time never depends on how many leading characters of a real key a client guessed;
+- keys never reach a log line or an error message (a bad file is reported by location);
+- the file is re-read when it changes (a Secret volume's `..data` symlink swap), checked at
+  most once per `reload_interval_s`: rotating a key needs no restart; a file that fails to
+  parse keeps the previous keys in force and is logged.
 """
 
 from __future__ import annotations
@@ -47,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pdserve_common.logs import kv
 
-log = logging.getLogger("pdserve.router.auth")
+log = logging.getLogger(__name__)
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")  # served in this order

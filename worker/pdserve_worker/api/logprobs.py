@@ -10,9 +10,8 @@ vLLM sends it). Here they get their token texts and their shape:
   with `echo`, the prompt's tokens come first, the very first with null logprob and top;
 - /v1/chat/completions (`logprobs: true, top_logprobs: k`): `content`, one entry per token
   with `token`, `logprob`, `bytes` (the UTF-8 of the token text) and exactly k `top_logprobs`.
-A token's text is the tokenizer's decoding of that id alone, special tokens included (vLLM
-shows `<|im_end|>` the same way); a token that is part of a multi-byte character decodes to
-U+FFFD there, as it does in vLLM.
+A token's text is the tokenizer's decoding of that id alone, special tokens included; part of
+a multi-byte character decodes to U+FFFD, as in vLLM.
 """
 
 from __future__ import annotations

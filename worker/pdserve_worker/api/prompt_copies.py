@@ -1,29 +1,17 @@
 """n copies of one prompt (n > 1): the first prefills it, the others follow it (issue #31).
 
-Each copy is a request of its own (api/fan_out.py), so n copies started at once computed the
-prompt n times. vLLM serves n > 1 the same way and gets the prompt computed once from its
-prefix cache; so does pdserve now, on a backend whose prefills cache prefixes: the first copy
-of each prompt goes alone until its first token (its prefill has run, the prompt's blocks are
-in that prefill's cache), then the other copies start, told to use the same prefill — the
-router's prefix routing could otherwise send them elsewhere, as what each prefill holds is
-reported every 0.25 s (router/kv_index.py). The other copies then prefill only what is not in
-whole cached blocks. What it costs: the other copies' first token comes after the first copy's
-(they would otherwise compute the whole prompt at the same time, on the same machines).
-
-The KV is pushed once too: the first copy's Reserve says how many copies follow, and each later
-copy asks the first copy's decode first, naming that reservation (`share_from`). A paged decode
-grants the later copy the first copy's whole prompt blocks read-only (kv/blocks.py; the prefill's
-push skips them, only the tail of the prompt travels), checks at Generate that the later copy's
-prompt holds the same tokens, and keeps those blocks for the later copies if the first copy has
-already ended (a one-token answer). A copy whose first-copy decode is not a choice (it failed
-this request, or left) reserves plainly elsewhere. The decode step itself is not shared: each
-copy attends over the same blocks in its own row of the batch; no block is ever copied, since a
-copy writes only blocks of its own (positions past the whole prompt blocks).
+Each copy is a request of its own (api/fan_out.py). On a backend whose prefills cache prefixes
+(`Backend.shares_prompt_prefill`), the first copy of each prompt goes alone until its first
+token (the prompt's blocks are then in its prefill's cache); the others start after it, told to
+use the same prefill, and prefill only what is not in whole cached blocks. The KV is pushed once
+too: the first copy's Reserve says how many copies follow, and each later copy asks the first
+copy's decode first, naming that reservation (`share_from`), to be granted its whole prompt
+blocks read-only (kv/blocks.py). The decode step is not shared: each copy is its own row.
 
 A copy's group travels in a context variable set by the task that serves it, so the request
-path needs no new argument: `wait_for_first` before a follower takes its admission ticket (it
-holds no place in the queue while it waits), `first_done` when the first copy has its first
-token or has ended (however), `note_prefill`/`preferred_prefill` in the PD backend's choice.
+path needs no new argument: `wait_for_first` before a follower takes its admission ticket,
+`first_done` when the first copy has its first token or has ended (however),
+`note_prefill`/`preferred_prefill` in the PD backend's choice.
 """
 
 from __future__ import annotations

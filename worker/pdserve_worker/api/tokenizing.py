@@ -23,21 +23,20 @@ import jinja2
 import llguidance
 
 from pdserve_worker.api import tools
-from pdserve_worker.api.backend import InvalidPrompt, NoCapacity
+from pdserve_worker.api.backend import Backend, InvalidPrompt, NoCapacity
 from pdserve_worker.model.sampling import grammar as grammars
 from pdserve_worker.model.tokenizer import Tokenizer, TokenizerError
 
 T = TypeVar("T")
 
-# When a backend cannot say how long its longest token is: longer than any vocabulary seen.
-DEFAULT_MAX_TOKEN_CHARS = 256
 TOKENIZE_THREADS = 2
 TOKENIZE_QUEUE = 64  # prompts tokenizing or waiting for a thread; more are answered 429
 BUSY_RETRY_S = 1.0
 
 
-class ModelTokenizing:
-    """Mixin: the `Backend` protocol's tokenize methods over `self._tokenizer`."""
+class ModelTokenizing(Backend):
+    """A `Backend` whose tokenizing is the model's own `self._tokenizer`: the tokenize methods and
+    the optional capabilities a tokenizer gives (detokenize, bad words, grammars, tool format)."""
 
     _tokenizer: Tokenizer
 
@@ -67,7 +66,6 @@ class ModelTokenizing:
         except (jinja2.TemplateError, TokenizerError) as exc:
             raise InvalidPrompt(f"the model's chat template rejected the messages: {exc}", public=True) from None
 
-    @property
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary (grammar.grammar_tokenizer: built once): the
         router builds each grammar's matcher with it, as the workers will (api/grammar_compiler.py)."""

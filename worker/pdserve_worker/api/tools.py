@@ -1,23 +1,16 @@
-"""Tool calls (issue #31 item 5): OpenAI's `tools` and `tool_choice` on /v1/chat/completions.
+"""Tool calls: OpenAI's `tools` and `tool_choice` on /v1/chat/completions.
 
-The model's own chat template gets the tools (HF templates take a `tools` variable: Qwen2.5's and
-Hermes' describe them in the system turn), and the model answers in its own format, which the
-router turns back into OpenAI's `tool_calls`:
-- `hermes` (Qwen2.5, Hermes, and the default for a template that names no format):
-  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call;
-- `llama3_json` (Llama 3.1's templates): the whole answer is `{"name": ..., "parameters": {...}}`,
+The model's own chat template gets the tools, and the model answers in its own format, which
+the router turns back into OpenAI's `tool_calls`; the format is read off the template's source
+(`tool_format`):
+- `hermes` (Qwen2.5, Hermes, and the default): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
+- `llama3_json` (Llama 3.1): the whole answer is `{"name": ..., "parameters": {...}}`,
   possibly after `<|python_tag|>`.
-The format is read off the template's source (`tool_format`), as vLLM's `--tool-call-parser`
-names it by hand.
-
-`tool_choice`: `none` parses nothing (the tools are still in the prompt, as with OpenAI and vLLM); `auto` lets the model choose
-(text, or calls the parser finds); `required` and a named function are enforced with a grammar
-(model/sampling/grammar.py): the answer can only be one call (or several, with
-`parallel_tool_calls`) of the allowed tools whose arguments match their `parameters` schema.
-Streaming: text is streamed as it comes until the format's opening shows (held back while it
-could still be one), then held and sent as `tool_calls` deltas once the answer is whole — one
-delta per call with its name and all its arguments, which the openai SDK assembles as it does
-vLLM's argument fragments.
+`tool_choice`: `none` parses nothing; `auto` lets the model choose; `required` and a named
+function are enforced with a grammar (model/sampling/grammar.py) over the allowed tools'
+`parameters` schemas. Streaming: text is streamed until the format's opening shows (held back
+while it could still be one), then the calls are sent as `tool_calls` deltas once the answer is
+whole, one delta per call with its name and all its arguments.
 """
 
 from __future__ import annotations

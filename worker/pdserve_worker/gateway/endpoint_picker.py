@@ -7,13 +7,11 @@ router/prefix_routing.py). What the gateway's choice adds is *affinity*: request
 prompt prefix reach the same router, whose prefix history then sends them to the prefill that
 holds that prefix, instead of being spread over routers that each learn it anew.
 
-So the picker hashes the request's prefix (its first `AFFINITY_CHARS` characters of prompt or
-conversation) with rendezvous hashing (Thaler and Ravishankar, 1998: each router's score is a
-hash of (key, router); the highest wins, and only the keys of a router that leaves move), among
-the routers whose in-flight requests are within `load_factor` of the mean — consistent hashing
-with bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018), as Envoy's and the
-Inference Extension's prefix scorers bound theirs — so one hot prefix cannot pile onto one
-router. Pure: no I/O, no clock; deterministic for one membership.
+So the picker hashes the request's prefix (its first `AFFINITY_CHARS` characters) with
+rendezvous hashing (the highest hash of (key, router) wins; only a leaving router's keys move),
+among the routers whose in-flight requests are within `load_factor` of the mean (consistent
+hashing with bounded loads), so one hot prefix cannot pile onto one router. Pure: no I/O, no
+clock; deterministic for one membership.
 """
 
 from __future__ import annotations

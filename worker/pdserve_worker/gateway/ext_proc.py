@@ -1,32 +1,17 @@
 """The endpoint-picker side of Envoy's ext_proc protocol, as the Gateway API Inference Extension
-specifies it: a gateway streams each request to us and routes it where we say.
+specifies it: a gateway streams each request to us and routes it where we say (docs/gateway.md).
 
-The stubs are Envoy's own (`envoy.service.ext_proc.v3`, from the xds-protos package). Per
-request, one `Process` stream, in either request-body mode a gateway may configure:
-- FULL_DUPLEX_STREAMED (what the Inference Extension's gateways use; the first message's
-  `protocol_config` says so): headers and body chunks arrive without waiting for answers; at
-  the body's end we answer the headers (routed) and then hand the body back unchanged as one
-  streamed body response, as the upstream endpoint picker does.
-- BUFFERED: the headers are answered CONTINUE (the pick needs the body); the whole body comes
-  in one message and its answer carries the route (a body response may mutate headers in
-  this mode).
-In both, a request without a body is picked on its headers. The body (at most
-`MAX_BODY_BYTES`) is parsed: the model must be ours and the prompt gives the affinity key
-(gateway/endpoint_picker.py). The route is set both ways the protocol names: the
-`x-gateway-destination-endpoint` header and the `envoy.lb` dynamic metadata key of the same
-name; the route cache is cleared, so the route sees the header. Response phases: CONTINUE.
-Refusals are the protocol's `ImmediateResponse`, in OpenAI's error shape: 400 for a body that is
-not a JSON object, 404 for another model, 413 for a body over the bound, 503 when no router is
-ready. A stream that breaks is the gRPC error; what the gateway then does is its `failureMode`
-(docs/gateway.md).
+Per request, one `Process` stream (Envoy's own stubs, `envoy.service.ext_proc.v3`), in either
+body mode: FULL_DUPLEX_STREAMED (headers answered routed at the body's end, the body handed back
+unchanged as one streamed body response) or BUFFERED (headers answered CONTINUE, the body's
+answer carries the route). A request without a body is picked on its headers. The body (at most
+`MAX_BODY_BYTES`) names the model, which must be ours, and the prompt gives the affinity key
+(gateway/endpoint_picker.py). The route is set as the `x-gateway-destination-endpoint` header
+and the `envoy.lb` metadata key of that name. Refusals are `ImmediateResponse`s in OpenAI's
+error shape: 400 not a JSON object, 404 another model, 413 over the bound, 503 no router ready.
 
-Who can reach this port: the gateway — and whatever else the NetworkPolicy lets through, as
-ext_proc carries no credential of ours. The worst a caller can do is learn router addresses it
-could resolve from the Service anyway, and hold resources; `PickerLimits` bounds each of them
-per caller, not only in total: connections per source address (the gRPC front, as on every
-worker port), streams per connection (so per address: a quarter of the server's), the time a
-stream may take to reach its pick (a stream that sends headers and then nothing is cut), and
-the request bodies buffered across all streams (else 1,024 streams × 8 MiB would be 8 GiB).
+ext_proc carries no credential of ours: `PickerLimits` bounds what any caller can hold, per
+source address and in total (connections, streams, time to the pick, buffered bodies).
 """
 
 from __future__ import annotations
@@ -50,7 +35,7 @@ from google.protobuf import struct_pb2
 from pdserve_common.logs import kv
 from pdserve_worker.gateway.endpoint_picker import Candidate, affinity_key, pick
 
-log = logging.getLogger("pdserve.gateway")
+log = logging.getLogger(__name__)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
