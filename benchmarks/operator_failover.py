@@ -11,7 +11,7 @@ Measured from the kill to the moment every child of a service created right afte
   (`PDSERVE_OPERATOR_PEERING_LIFETIME_SECONDS`; kopf's own default is 60 s).
 For the restart, also the time until its broker registers a worker of a service that existed
 before the kill (the only replica loads the tokens from the Secrets at start:
-operator/pdserve_operator/broker_tokens.py; before, only that service's reconcile gave it).
+operator/pdserve_operator/broker/tokens.py; before, only that service's reconcile gave it).
 
 Run: `python benchmarks/operator_failover.py [--lifetimes 60,15] [--runs 3]`. Prints progress,
 then one line per (scenario, lifetime): the median and every run's seconds.
@@ -39,9 +39,9 @@ for sub in ("worker", "operator", "common", "proto", "tests"):
 import yaml  # noqa: E402
 
 from kube_emulator import EmulatorThread  # noqa: E402
-from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator.crd import build_adapter_crd, build_crd  # noqa: E402
 from pdserve_operator.kube import KINDS, RestKubeClient  # noqa: E402
+from pdserve_operator.reconcile import children as ch  # noqa: E402
 from pdserve_worker.util.free_ports import free_port  # noqa: E402
 
 PEERING = "failover"

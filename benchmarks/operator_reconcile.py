@@ -25,10 +25,10 @@ for sub in ("worker", "operator", "common", "proto", "tests"):
     sys.path.insert(0, str(ROOT / sub))
 
 from kube_emulator import EmulatorThread  # noqa: E402
-from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator import runner  # noqa: E402
 from pdserve_operator.crd import build_crd  # noqa: E402
 from pdserve_operator.kube import KINDS, PDIS, RestKubeClient  # noqa: E402
+from pdserve_operator.reconcile import children as ch  # noqa: E402
 from pdserve_operator.runtime import OperatorConfig  # noqa: E402
 
 CHILD_KINDS = [

@@ -6,7 +6,7 @@
 - any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`):
   edited or deleted by hand, or its readiness changed → reconcile its owner (coalesced);
 - a per-resource timer → reconcile every `resync_seconds` (refreshes broker counts; a safety
-  net for missed events), and whenever the autoscaler's next step is due (`autoscale.py`);
+  net for missed events), and whenever the autoscaler's next step is due (`autoscale/autoscaler.py`);
 - delete → tell the broker to forget the service (a finalizer makes this reliable; children go
   by ownerReference garbage collection).
 
@@ -22,9 +22,9 @@ from typing import Any
 
 import kopf
 
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KubeError
+from pdserve_operator.reconcile import children as ch
 from pdserve_operator.runtime import OperatorConfig, Runtime, build_runtime
 from pdserve_operator.spec.scaling_adapter import ADAPTER_PLURAL
 

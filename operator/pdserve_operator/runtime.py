@@ -14,11 +14,11 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common.auth import TLSConfig
-from pdserve_operator import children as ch
-from pdserve_operator.broker_view import BrokerView, NullBrokerView
+from pdserve_operator.broker.view import BrokerView, NullBrokerView
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.metrics import OperatorMetrics
-from pdserve_operator.reconcile import Reconciler
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile.reconciler import Reconciler
 
 log = logging.getLogger("pdserve.operator")
 

@@ -28,8 +28,8 @@ import chart_tools
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, request_attributes
 from netutil import free_port
-from pdserve_operator import children as ch
 from pdserve_operator.kube import KINDS, KubeError
+from pdserve_operator.reconcile import children as ch
 from pdserve_operator.runtime import OperatorConfig
 
 CHART_NAMESPACE = "pdserve-system"

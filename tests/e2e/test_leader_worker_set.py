@@ -17,11 +17,11 @@ from typing import Any
 import yaml
 
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
 from pdserve_operator import spec as s
 from pdserve_operator.handlers import TIMER_TICK_SECONDS
 from pdserve_operator.kube import KINDS
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import decode_groups as dg
 from pdserve_operator.runtime import OperatorConfig
 from support import leaderworkerset as lws
 from support.worker_env import worker_settings

@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
-from pdserve_operator import children as ch
 from pdserve_operator.kube import KINDS
+from pdserve_operator.reconcile import children as ch
 
 SAMPLE = ROOT / "manifests" / "samples" / "smollm2-cpu.yaml"
 CHILDREN = [

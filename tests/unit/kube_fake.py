@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_emulator import patching, selectors
-from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
-from pdserve_operator.broker_view import NullBrokerView
+from pdserve_operator.broker.view import NullBrokerView
 from pdserve_operator.kube import KINDS, Kind, KubeClient, KubeError
-from pdserve_operator.reconcile import Outcome, Reconciler
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile.reconciler import Outcome, Reconciler
 from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND
 
 Obj = dict[str, Any]

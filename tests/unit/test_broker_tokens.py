@@ -1,5 +1,5 @@
 """The broker's tokens loaded from the services' Secrets when the only operator replica starts
-(operator/pdserve_operator/broker_tokens.py): a restarted operator serves workers'
+(operator/pdserve_operator/broker/tokens.py): a restarted operator serves workers'
 re-registrations before kopf peering lets it reconcile (13 s at the default lifetime)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import base64
 
 from kube_fake import fake_kube, reconcile, reconciler, service
 
-from pdserve_operator import broker_tokens
-from pdserve_operator import children as ch
-from pdserve_operator.broker_view import NullBrokerView
+from pdserve_operator.broker import tokens as broker_tokens
+from pdserve_operator.broker.view import NullBrokerView
 from pdserve_operator.kube import KINDS, PDIS
+from pdserve_operator.reconcile import children as ch
 
 
 class Recording(NullBrokerView):

@@ -215,7 +215,7 @@ def test_service_monitor_scrapes_the_routers_metrics_port() -> None:
 def test_pod_monitor_scrapes_every_prefill_and_decode_pod() -> None:
     """Prefill pods have no Service: a PodMonitor selects the workers the operator labels."""
     from pdserve_common import pod_env as E
-    from pdserve_operator import children as ch
+    from pdserve_operator.reconcile import children as ch
 
     [monitor] = by_kind(render(*FULL), "PodMonitor")
     assert by_kind(render(), "PodMonitor") == []  # off unless serviceMonitor.enabled
@@ -252,7 +252,7 @@ def test_deployment_runs_non_root_read_only_with_probes_and_resources() -> None:
 
 
 def test_worker_ports_of_the_pod_contract_are_the_ones_the_policies_name() -> None:
-    from pdserve_operator import children as ch
+    from pdserve_operator.reconcile import children as ch
 
     policy = ch.network_policy(
         ch.Owner("svc", "ns", "uid"), ch.Defaults(image="i", broker_address="b:1", network_policy=True)

@@ -11,11 +11,11 @@ import pytest
 from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 from kube_emulator.schema import admit  # noqa: E402
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
 from pdserve_operator import spec as s
-from pdserve_operator import status as st
 from pdserve_operator.kube import PDIS, KubeError
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile import status as st
 from support import leaderworkerset as lws
 from support.worker_env import worker_settings
 

@@ -12,9 +12,9 @@ import pytest
 from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 from pdserve_common import pod_env as E
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import PDIS, KubeError
+from pdserve_operator.reconcile import children as ch
 
 NS = "team"
 POOL = {"router": {"endpointPickerPort": 9002, "inferencePool": {"enabled": True}}}

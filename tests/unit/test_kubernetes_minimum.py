@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from chart_tools import render  # noqa: E402
-from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator import crd  # noqa: E402
 from pdserve_operator import spec as s  # noqa: E402
+from pdserve_operator.reconcile import children as ch  # noqa: E402
 
 KEP95 = "kubernetes/enhancements keps/sig-api-machinery/95-custom-resource-definitions (CRDs GA as apiextensions.k8s.io/v1 in v1.16)"
 KEP2876 = "kubernetes/enhancements keps/sig-api-machinery/2876-crd-validation-expression-language (alpha v1.23, beta on by default v1.25, GA v1.29)"

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, Role
-from pdserve_operator.broker import BrokerServer
+from pdserve_operator.broker.server import BrokerServer
 from pdserve_worker.process.pod_http import WorkerState
 from pdserve_worker.process.worker_main import _Membership
 from pdserve_worker.rpc.backoff import Backoff

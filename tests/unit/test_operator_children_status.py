@@ -9,10 +9,10 @@ import json
 import pytest
 
 from pdserve_common import pod_env
-from pdserve_operator import children as ch
-from pdserve_operator import drift
 from pdserve_operator import spec as s
-from pdserve_operator import status as st
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import drift
+from pdserve_operator.reconcile import status as st
 from support.worker_env import worker_settings
 
 OWNER = ch.Owner(name="svc", namespace="ns", uid="uid-1")
@@ -336,7 +336,7 @@ def test_transition_times_survive_unchanged_conditions_and_invalid_keeps_counts(
 def test_broker_view_adapts_a_server_with_enum_roles_and_without_slot_tracking() -> None:
     import enum
 
-    from pdserve_operator.broker_view import BrokerServerView, NullBrokerView
+    from pdserve_operator.broker.view import BrokerServerView, NullBrokerView
 
     class Role(str, enum.Enum):
         PREFILL = "prefill"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pdserve_common import pod_env
-from pdserve_operator import children as ch
-from pdserve_operator import drift
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import drift
 from pdserve_operator.runtime import OperatorConfig, build_runtime
 
 OWNER = ch.Owner(name="svc", namespace="team", uid="uid-1")

@@ -6,8 +6,8 @@ told where it is, and the admission settings and replica count reach the router'
 from __future__ import annotations
 
 from pdserve_common import pod_env as E
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile import children as ch
 from pdserve_worker.serving.settings import WorkerSettings
 
 OWNER = ch.Owner(name="svc", namespace="team", uid="uid-1")

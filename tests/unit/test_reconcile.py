@@ -13,11 +13,11 @@ import threading
 import pytest
 from kube_fake import DEFAULTS, NOW, Action, Recorder, fake_kube, reconcile, reconciler, service
 
-from pdserve_operator import children as ch
-from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import drift
 
 NS = "team"
 

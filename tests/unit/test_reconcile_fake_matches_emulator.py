@@ -21,11 +21,11 @@ import pytest
 from kube_fake import Action, MemoryKube, Recorder, reconcile, reconciler, service
 
 from kube_emulator import EmulatorThread
-from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.crd import build_adapter_crd, build_crd
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, RestKubeClient
+from pdserve_operator.reconcile import children as ch
 
 NS = "agree"
 Steps = dict[str, list[Action]]

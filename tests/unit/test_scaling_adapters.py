@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from kube_fake import fake_kube, reconcile, reconciler, service
 
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
-from pdserve_operator.scaling_adapters import ADAPTER_IGNORED, CRD_RECHECK_S, SCALE_REFUSED, Decision, decide
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile.scaling_adapters import ADAPTER_IGNORED, CRD_RECHECK_S, SCALE_REFUSED, Decision, decide
 
 ADAPTER = KINDS["PDScalingAdapter"]
 NS = "team"

@@ -12,8 +12,8 @@ import pytest
 
 from pdserve_common import pod_env as E
 from pdserve_common import tracing
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile import children as ch
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -34,7 +34,7 @@ from pdserve_common.membership import (
     member_to_proto,
     role_from_proto,
 )
-from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, MemberTaken, Registry, TooManyMembers, WatchEnded
+from pdserve_operator.broker.registry import DEFAULT_MAX_MEMBERS, MemberTaken, Registry, TooManyMembers, WatchEnded
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

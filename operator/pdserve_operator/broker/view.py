@@ -4,7 +4,7 @@ Reconciling needs three things of the broker: tell it a service's token, forget 
 service, and read how many workers of each role registered. `BrokerView` is that much and no
 more, so the reconciler is tested with a fake and runs with no broker at all (`NullBrokerView`:
 tokens are still generated and handed to pods, counts are reported as unknown).
-`load_broker()` starts the real `pdserve_operator.broker.BrokerServer` when it is importable.
+`load_broker()` starts the real `pdserve_operator.broker.server.BrokerServer` when it is importable.
 """
 
 from __future__ import annotations
@@ -121,11 +121,11 @@ def load_broker(host: str, port: int, tls: Any = None) -> tuple[BrokerView, Any 
     test without gRPC, still reconciles.
     """
     try:
-        module = importlib.import_module("pdserve_operator.broker")
+        module = importlib.import_module("pdserve_operator.broker.server")
     except ModuleNotFoundError as exc:
-        if exc.name != "pdserve_operator.broker":
+        if exc.name != "pdserve_operator.broker.server":
             raise  # the broker exists but something it needs is missing: that is a real error
-        log.warning(kv(event="broker_unavailable", reason="pdserve_operator.broker not installed"))
+        log.warning(kv(event="broker_unavailable", reason="pdserve_operator.broker.server not installed"))
         return NullBrokerView(), None
     server = module.BrokerServer(tls=tls)
     bound = server.start(host, port)

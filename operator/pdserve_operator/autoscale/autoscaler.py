@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_common.logs import kv
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, KubeClient
@@ -59,6 +57,8 @@ from pdserve_operator.planner import (
     load_profile,
 )
 from pdserve_operator.planner.signals import LatencyHistogram, RouterReport, window
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import decode_groups as dg
 
 log = logging.getLogger("pdserve.operator.autoscale")
 

@@ -20,10 +20,10 @@ import logging
 from typing import Any
 
 from pdserve_common.logs import kv
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
-from pdserve_operator.broker_view import BrokerView
+from pdserve_operator.broker.view import BrokerView
 from pdserve_operator.kube import KINDS, KubeClient, KubeError
+from pdserve_operator.reconcile import children as ch
 
 log = logging.getLogger("pdserve.operator.broker_tokens")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve_common.pod_env import ordinal_of
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile import children as ch
 
 
 @dataclass(frozen=True)

@@ -36,17 +36,17 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve_common.logs import kv
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
-from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
-from pdserve_operator import status as st
-from pdserve_operator.autoscale import Autoscaler
-from pdserve_operator.broker_view import BrokerView, kv_tokens_in_use
+from pdserve_operator.autoscale.autoscaler import Autoscaler
+from pdserve_operator.broker.view import BrokerView, kv_tokens_in_use
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.metrics import OperatorMetrics
-from pdserve_operator.scaling_adapters import ScalingAdapters
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile import drift
+from pdserve_operator.reconcile import status as st
+from pdserve_operator.reconcile.scaling_adapters import ScalingAdapters
 
 GONE_REMEMBERED = 4096  # deleted services' uids kept (a set that only grows would be a leak)
 

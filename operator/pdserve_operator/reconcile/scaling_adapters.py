@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve_common.logs import kv
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
-from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
+from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile import drift
 from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND, ADAPTER_ROLES
 
 log = logging.getLogger("pdserve.operator.scaling_adapters")

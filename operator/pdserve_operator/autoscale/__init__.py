@@ -1,0 +1,1 @@
+"""The built-in autoscaler: `autoscaler` (one step per due reconcile: observe, plan, scale)."""
