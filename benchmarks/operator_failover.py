@@ -41,7 +41,7 @@ import yaml  # noqa: E402
 from kube_emulator import EmulatorThread  # noqa: E402
 from pdserve_operator.crd import build_adapter_crd, build_crd  # noqa: E402
 from pdserve_operator.kube import KINDS, RestKubeClient  # noqa: E402
-from pdserve_operator.reconcile import children as ch  # noqa: E402
+from pdserve_operator.reconcile.children.meta import secret_name, workload_name  # noqa: E402
 from pdserve_worker.util.free_ports import free_port  # noqa: E402
 
 PEERING = "failover"
@@ -89,7 +89,7 @@ def reconciled(kube: RestKubeClient, ns: str, name: str, timeout_s: float = 300.
     """Seconds until the service's router Deployment (the last workload applied) exists."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        if kube.get(KINDS["Deployment"], ns, ch.workload_name(name, "router")) is not None:
+        if kube.get(KINDS["Deployment"], ns, workload_name(name, "router")) is not None:
             return time.monotonic() - started
         time.sleep(0.1)
     raise TimeoutError(f"{name} not reconciled within {timeout_s}s")
@@ -121,7 +121,7 @@ def broker_serves(address: str, service: str, token: str, since: float, timeout_
 
 
 def service_token(kube: RestKubeClient, ns: str, name: str) -> str:
-    secret = kube.get(KINDS["Secret"], ns, ch.secret_name(name))
+    secret = kube.get(KINDS["Secret"], ns, secret_name(name))
     assert secret is not None, f"{ns}/{name} has no token Secret"
     return base64.b64decode(secret["data"]["token"]).decode()
 

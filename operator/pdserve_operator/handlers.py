@@ -24,14 +24,14 @@ import kopf
 
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KubeError
-from pdserve_operator.reconcile import children as ch
+from pdserve_operator.reconcile.children.meta import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
 from pdserve_operator.runtime import OperatorConfig, Runtime, build_runtime
 from pdserve_operator.spec.scaling_adapter import ADAPTER_PLURAL
 
 FINALIZER = "pdserve.dev/finalizer"
 PREFIX = "pdserve.dev"
 TIMER_TICK_SECONDS = 1.0  # the timer only checks whether a resync is due; Runtime decides how often
-MANAGED = {ch.LABEL_MANAGED_BY: ch.MANAGED_BY}
+MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
 # The NetworkPolicy child (optional) is not watched: that would need list/watch on every
 # NetworkPolicy of the cluster even when the feature is off; the resync timer repairs it.
 CHILD_RESOURCES = (
@@ -126,7 +126,7 @@ def _owner_of(body: kopf.Body) -> str | None:
         if ref.get("kind") == s.KIND and ref.get("apiVersion", "").startswith(s.GROUP + "/"):
             return str(ref["name"])
     # The ownerReference was removed by hand: the instance label still names the owner.
-    owner = body.get("metadata", {}).get("labels", {}).get(ch.LABEL_INSTANCE)
+    owner = body.get("metadata", {}).get("labels", {}).get(LABEL_INSTANCE)
     return str(owner) if owner is not None else None
 
 

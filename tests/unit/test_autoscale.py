@@ -24,7 +24,10 @@ from pdserve_operator.planner import bundled_profile  # noqa: E402
 from pdserve_operator.planner.model_shape import BUILTIN  # noqa: E402
 from pdserve_operator.planner.profile import bundled_names  # noqa: E402
 from pdserve_operator.planner.signals import LatencyHistogram, RouterReport, window  # noqa: E402
-from pdserve_operator.reconcile import children as ch  # noqa: E402
+from pdserve_operator.reconcile.children import render  # noqa: E402
+from pdserve_operator.reconcile.children.config_map import service_config  # noqa: E402
+from pdserve_operator.reconcile.children.meta import Defaults, Owner  # noqa: E402
+from pdserve_operator.reconcile.children.workloads import autoscaled_workloads, initial_replicas  # noqa: E402
 
 NS = "team"
 
@@ -267,7 +270,7 @@ def test_planner_names_in_the_spec_are_the_planners() -> None:
 # ---- rendering -------------------------------------------------------------------------------
 
 
-OWNER = ch.Owner("svc", NS, "uid-1")
+OWNER = Owner("svc", NS, "uid-1")
 
 
 @pytest.mark.parametrize(
@@ -294,9 +297,7 @@ def test_rendered_hpa_is_a_valid_autoscaling_v2_object(metric: dict[str, Any]) -
             "decode": {"replicas": 3},
         }
     )
-    [hpa] = [
-        o for o in ch.render(OWNER, spec, "tok", ch.Defaults("i", "b:1")) if o["kind"] == "HorizontalPodAutoscaler"
-    ]
+    [hpa] = [o for o in render(OWNER, spec, "tok", Defaults("i", "b:1")) if o["kind"] == "HorizontalPodAutoscaler"]
     kubernetes_validate.validate(hpa, "1.30.0", strict=True)  # the real schema; raises naming the field
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "svc-decode"}
     assert hpa["spec"]["minReplicas"] == 3  # the floor: max(minReplicas, decode.replicas)
@@ -314,11 +315,11 @@ def test_autoscaled_workloads_start_at_their_floor() -> None:
             "decode": {"replicas": 3},
         }
     )
-    assert ch.initial_replicas(spec, "prefill") == 2  # planner: max(minReplicas, replicas)
-    assert ch.initial_replicas(spec, "decode") == 3  # external: the spec's count, at creation only
-    assert ch.autoscaled_workloads("svc", spec) == {("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode")}
-    assert ch.autoscaled_workloads("svc", s.parse_spec({})) == set()
-    assert "autoscaling" not in ch.service_config(spec)  # changing who scales rolls no pod
+    assert initial_replicas(spec, "prefill") == 2  # planner: max(minReplicas, replicas)
+    assert initial_replicas(spec, "decode") == 3  # external: the spec's count, at creation only
+    assert autoscaled_workloads("svc", spec) == {("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode")}
+    assert autoscaled_workloads("svc", s.parse_spec({})) == set()
+    assert "autoscaling" not in service_config(spec)  # changing who scales rolls no pod
 
 
 def test_p_d_band_holds_against_the_decode_that_is_there() -> None:

@@ -57,8 +57,8 @@ from pdserve_operator.planner import (
     load_profile,
 )
 from pdserve_operator.planner.signals import LatencyHistogram, RouterReport, window
-from pdserve_operator.reconcile import children as ch
 from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile.children.meta import Owner, hpa_name, workload_name
 
 log = logging.getLogger("pdserve.operator.autoscale")
 
@@ -209,7 +209,7 @@ class Autoscaler:
 
     async def step(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         generation: int,
         live: Mapping[tuple[str, str], Live | None],
@@ -223,7 +223,7 @@ class Autoscaler:
         state = self._states.setdefault(owner.key, _State())
         decode = dg.of(owner.name, spec)
         workloads = {
-            "prefill": live.get(("Deployment", ch.workload_name(owner.name, "prefill"))),
+            "prefill": live.get(("Deployment", workload_name(owner.name, "prefill"))),
             "decode": live.get(decode.key),
         }
         per = {"prefill": 1, "decode": decode.per_replica}
@@ -248,7 +248,7 @@ class Autoscaler:
 
     async def _plan(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         generation: int,
         state: _State,
@@ -309,7 +309,7 @@ class Autoscaler:
 
     def _configured(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         generation: int,
         state: _State,
@@ -331,7 +331,7 @@ class Autoscaler:
 
     async def _apply(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         state: _State,
         current: dict[str, int],
@@ -361,13 +361,13 @@ class Autoscaler:
                 desired = banded
             state.reasons["prefill"], state.desired["prefill"] = reason, desired
             if desired != current["prefill"]:
-                prefill = ("Deployment", ch.workload_name(owner.name, "prefill"))
+                prefill = ("Deployment", workload_name(owner.name, "prefill"))
                 await self._scale(owner, prefill, desired, workloads, "prefill")
                 await self._changed(state, "prefill", current["prefill"], desired, reason, post_event)
 
     async def _decode(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         state: _State,
         current: int,
@@ -415,7 +415,7 @@ class Autoscaler:
 
     async def _mark(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         drain: _Drain | None,
         current: int,
@@ -439,7 +439,7 @@ class Autoscaler:
         return drain
 
     async def _drained(
-        self, owner: ch.Owner, drain: _Drain, busy: Mapping[str, int], now: float, post_event: EventFn
+        self, owner: Owner, drain: _Drain, busy: Mapping[str, int], now: float, post_event: EventFn
     ) -> None:
         """The StatefulSet goes down now: one `DecodeDrained` Event per decode with what its
         drain did (from its last reported load, less what it had counted before the mark),
@@ -487,7 +487,7 @@ class Autoscaler:
         return self._last_drain.get(key)
 
     async def manual_decode(
-        self, owner: ch.Owner, spec: s.PDInferenceServiceSpec, live: Live | None, post_event: EventFn
+        self, owner: Owner, spec: s.PDInferenceServiceSpec, live: Live | None, post_event: EventFn
     ) -> bool:
         """Decode scale-down when no autoscaler drives decode (`kubectl scale pdis`, an edited
         spec.decode.replicas): the same drain-then-lower as the autoscaler's. True when the
@@ -524,13 +524,13 @@ class Autoscaler:
                 busy[v] = max(m.load.active_requests, m.load.slots_used)
         return busy
 
-    async def _undrain(self, owner: ch.Owner, victims: tuple[str, ...]) -> None:
+    async def _undrain(self, owner: Owner, victims: tuple[str, ...]) -> None:
         for victim in victims:
             self.broker.set_draining(owner.key, victim, False)
 
     async def _scale(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         workload: tuple[str, str],
         replicas: int,
         workloads: dict[str, Live | None],
@@ -556,7 +556,7 @@ class Autoscaler:
 
     def _status(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         state: _State,
         current: dict[str, int],
@@ -575,9 +575,9 @@ class Autoscaler:
             if r.driver == "planner":
                 desired = state.desired.get(role, current[role])
             elif r.driver == "hpa":
-                hpa = live.get(("HorizontalPodAutoscaler", ch.hpa_name(owner.name, role))) or {}
+                hpa = live.get(("HorizontalPodAutoscaler", hpa_name(owner.name, role))) or {}
                 desired = int((hpa.get("status") or {}).get("desiredReplicas") or current[role])
-                reason = f"driven by HorizontalPodAutoscaler {ch.hpa_name(owner.name, role)}"
+                reason = f"driven by HorizontalPodAutoscaler {hpa_name(owner.name, role)}"
                 if role == "decode":
                     desired = dg.of(owner.name, spec).groups(desired)
             else:

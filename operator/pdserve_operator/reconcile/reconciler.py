@@ -42,10 +42,21 @@ from pdserve_operator.autoscale.autoscaler import Autoscaler
 from pdserve_operator.broker.view import BrokerView, kv_tokens_in_use
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.metrics import OperatorMetrics
-from pdserve_operator.reconcile import children as ch
 from pdserve_operator.reconcile import decode_groups as dg
 from pdserve_operator.reconcile import drift
 from pdserve_operator.reconcile import status as st
+from pdserve_operator.reconcile.children import render
+from pdserve_operator.reconcile.children.autoscaling import hpa_roles
+from pdserve_operator.reconcile.children.meta import (
+    Defaults,
+    Owner,
+    hpa_name,
+    secret_name,
+    selector_string,
+    workload_name,
+)
+from pdserve_operator.reconcile.children.secret import token_of
+from pdserve_operator.reconcile.children.workloads import autoscaled_workloads
 from pdserve_operator.reconcile.scaling_adapters import ScalingAdapters
 
 GONE_REMEMBERED = 4096  # deleted services' uids kept (a set that only grows would be a leak)
@@ -80,14 +91,14 @@ class _Service:
     """The resource as read at the start of a reconcile."""
 
     body: Live
-    owner: ch.Owner
+    owner: Owner
     generation: int
     prev: s.PDInferenceServiceStatus | None
 
     @classmethod
     def of(cls, body: Live) -> _Service:
         meta = body["metadata"]
-        owner = ch.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
         return cls(body, owner, int(meta.get("generation") or 1), st.previous(body.get("status")))
 
     @property
@@ -111,7 +122,7 @@ class Reconciler:
         self,
         kube: KubeClient,
         broker: BrokerView,
-        defaults: ch.Defaults,
+        defaults: Defaults,
         clock: Callable[[], str] = utc_now,
         token_factory: Callable[[], str] = new_token,
         metrics: OperatorMetrics | None = None,
@@ -173,9 +184,9 @@ class Reconciler:
             return outcome
         svc, spec, adapters = await self._sync_adapters(svc, spec)
         token, secret = await self._token(svc)
-        children = ch.render(svc.owner, spec, token, self.defaults)
+        children = render(svc.owner, spec, token, self.defaults)
         live = await self._apply_children(
-            svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec), spec
+            svc, children, secret, outcome, autoscaled_workloads(svc.owner.name, spec), spec
         )
         await self._remove_stale_hpas(svc, spec)
         await self._remove_replaced_decode(svc, spec, live)
@@ -230,10 +241,10 @@ class Reconciler:
         receive its requests. The broker then gets a token nobody knows; the Secret is left
         alone like any foreign child, and the status says Degraded and names it.
         """
-        name = ch.secret_name(svc.owner.name)
+        name = secret_name(svc.owner.name)
         secret = await asyncio.to_thread(self.kube.get, KINDS["Secret"], svc.owner.namespace, name)
         trusted = drift.controller_other_than({svc.owner.uid}, secret) is None
-        token = (ch.token_of(secret) if trusted else None) or self.token_factory()
+        token = (token_of(secret) if trusted else None) or self.token_factory()
         if svc.owner.uid not in self._gone:
             self.broker.set_service_token(svc.owner.key, token)
         return token, secret
@@ -319,8 +330,8 @@ class Reconciler:
         if spec.autoscaling is None and (svc.prev is None or svc.prev.autoscaling is None):
             return  # never autoscaled: nothing of ours to look for
         kind = KINDS["HorizontalPodAutoscaler"]
-        for role in set(("prefill", "decode")) - set(ch.hpa_roles(spec)):
-            name = ch.hpa_name(svc.owner.name, role)
+        for role in set(("prefill", "decode")) - set(hpa_roles(spec)):
+            name = hpa_name(svc.owner.name, role)
             current = await asyncio.to_thread(self.kube.get, kind, svc.owner.namespace, name)
             if not _ours(svc, current):
                 continue
@@ -360,13 +371,13 @@ class Reconciler:
         decode_pods = None
         decode = dg.of(name, spec)
         if decode.shards > 1:  # complete groups need every member pod ready
-            selector = ch.selector_string(name, "decode")
+            selector = selector_string(name, "decode")
             pods = await asyncio.to_thread(self.kube.list, KINDS["Pod"], svc.owner.namespace, selector)
             decode_pods = tuple(_pod_readiness(decode, p) for p in pods if decode.runs(p))
         return st.Observed(
-            prefill=live.get(("Deployment", ch.workload_name(name, "prefill"))),
+            prefill=live.get(("Deployment", workload_name(name, "prefill"))),
             decode=live.get(decode.key),
-            router=live.get(("Deployment", ch.workload_name(name, "router"))),
+            router=live.get(("Deployment", workload_name(name, "router"))),
             decode_pods=decode_pods,
             registered=self.broker.registered_counts(key),
             slots_used=self.broker.slots_in_use(key),

@@ -38,9 +38,10 @@ from pdserve_common.logs import kv
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
-from pdserve_operator.reconcile import children as ch
 from pdserve_operator.reconcile import decode_groups as dg
 from pdserve_operator.reconcile import drift
+from pdserve_operator.reconcile.children.autoscaling import scaling_adapter
+from pdserve_operator.reconcile.children.meta import Owner, adapter_name, selector_string, workload_name
 from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND, ADAPTER_ROLES
 
 log = logging.getLogger("pdserve.operator.scaling_adapters")
@@ -81,7 +82,7 @@ def role_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
 def current_replicas(spec: s.PDInferenceServiceSpec, role: str, live: Mapping[tuple[str, str], Live], name: str) -> int:
     """The role's count now, from its workload's status (decode: whole groups)."""
     if role == "prefill":
-        workload = live.get(("Deployment", ch.workload_name(name, role))) or {}
+        workload = live.get(("Deployment", workload_name(name, role))) or {}
         return int((workload.get("status") or {}).get("replicas") or 0)
     decode = dg.of(name, spec)
     return decode.groups(int(((live.get(decode.key) or {}).get("status") or {}).get("replicas") or 0))
@@ -109,14 +110,14 @@ class ScalingAdapters:
         self._missing: dict[str, float] = {}
 
     async def sync(
-        self, body: Live, owner: ch.Owner, spec: s.PDInferenceServiceSpec, post: EventFn
+        self, body: Live, owner: Owner, spec: s.PDInferenceServiceSpec, post: EventFn
     ) -> tuple[Live, dict[str, Live]]:
         """The service as it is after the sync (patched when an adapter won) and each role's adapter."""
         adapters: dict[str, Live] = {}
         if self.monotonic() < self._missing.get(owner.key, 0.0):
             return body, {}
         for role in ADAPTER_ROLES:
-            name = ch.adapter_name(owner.name, role)
+            name = adapter_name(owner.name, role)
             adapter = await asyncio.to_thread(self.kube.get, ADAPTER, owner.namespace, name)
             if adapter is None:
                 try:
@@ -139,10 +140,10 @@ class ScalingAdapters:
             adapters[role] = adapter
         return body, adapters
 
-    async def _create(self, owner: ch.Owner, role: str, replicas: int) -> Live | None:
+    async def _create(self, owner: Owner, role: str, replicas: int) -> Live | None:
         """The new adapter; None when it was made since our get (the next reconcile syncs it)."""
         try:
-            created = await asyncio.to_thread(self.kube.create, ch.scaling_adapter(owner, role, replicas))
+            created = await asyncio.to_thread(self.kube.create, scaling_adapter(owner, role, replicas))
             self._missing.pop(owner.key, None)
             return created
         except KubeError as exc:
@@ -164,7 +165,7 @@ class ScalingAdapters:
         raise _NoCRD
 
     async def _to_service(
-        self, body: Live, owner: ch.Owner, role: str, adapter: Live, values: tuple[int, int], post: EventFn
+        self, body: Live, owner: Owner, role: str, adapter: Live, values: tuple[int, int], post: EventFn
     ) -> tuple[Live, Live]:
         """`values`: (the adapter's replicas, the service's now); a refusal puts the adapter back at the latter."""
         replicas, current = values
@@ -182,7 +183,7 @@ class ScalingAdapters:
         log.info(kv(event="adapter_scaled_service", service=owner.key, role=role, replicas=replicas))
         return body, adapter
 
-    async def _to_adapter(self, owner: ch.Owner, adapter: Live, replicas: int) -> Live:
+    async def _to_adapter(self, owner: Owner, adapter: Live, replicas: int) -> Live:
         meta = adapter["metadata"]
         patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "spec": {"replicas": replicas}}
         try:
@@ -195,7 +196,7 @@ class ScalingAdapters:
 
     async def report(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         adapters: Mapping[str, Live],
         live: Mapping[tuple[str, str], Live],
@@ -203,7 +204,7 @@ class ScalingAdapters:
         """Write each adapter's status: current count, selector, the generation taken."""
         for role, adapter in adapters.items():
             current = current_replicas(spec, role, live, owner.name)
-            want = status_of(adapter, current, ch.selector_string(owner.name, role))
+            want = status_of(adapter, current, selector_string(owner.name, role))
             if {k: (adapter.get("status") or {}).get(k) for k in want} == want:
                 continue
             name = adapter["metadata"]["name"]
