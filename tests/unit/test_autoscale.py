@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from kube_emulator.schema import admit  # noqa: E402
 from pdserve_operator import crd  # noqa: E402
 from pdserve_operator import spec as s  # noqa: E402
-from pdserve_operator.autoscale import autoscaler  # noqa: E402
+from pdserve_operator.autoscale import inputs  # noqa: E402
 from pdserve_operator.kube import KINDS  # noqa: E402
 from pdserve_operator.planner import bundled_profile  # noqa: E402
 from pdserve_operator.planner.model_shape import BUILTIN  # noqa: E402
@@ -125,7 +125,7 @@ def test_router_load_reports_what_metrics_show_and_survives_the_wire() -> None:
         load.router.prompt_tokens_total,
         load.router.output_tokens_total,
     ) == (2, 7, 11)
-    report = autoscaler.router_report(load_from_proto(load_to_proto(load)))
+    report = inputs.router_report(load_from_proto(load_to_proto(load)))
     assert report is not None and report.ttft is not None and report.ttft.count == 1
     assert 0.25 <= report.ttft.quantile(0.5) <= 0.5  # the 0.3 s TTFT, within its bucket (0.25, 0.5]
     # A malformed report (counts that decrease) is dropped at the broker's door, not trusted.
@@ -331,9 +331,9 @@ def test_p_d_band_holds_against_the_decode_that_is_there() -> None:
         )
     )
     assert spec.autoscaling is not None
-    assert autoscaler.in_band(1, 3, spec.autoscaling, spec) == 2  # ceil(0.5 * 3)
-    assert autoscaler.in_band(8, 3, spec.autoscaling, spec) == 6
-    assert autoscaler.in_band(3, 3, spec.autoscaling, spec) == 3
+    assert inputs.in_band(1, 3, spec.autoscaling, spec) == 2  # ceil(0.5 * 3)
+    assert inputs.in_band(8, 3, spec.autoscaling, spec) == 6
+    assert inputs.in_band(3, 3, spec.autoscaling, spec) == 3
 
 
 # ---- reconciling: an autoscaler's field is not ours -------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import EventType, Load, MemberInfo, MemoryRegion, Role, RouterLoad
-from pdserve_operator.autoscale import autoscaler
+from pdserve_operator.autoscale.inputs import member_loads
 from pdserve_operator.broker.registry import Registry, Subscription, WatchEnded
 
 SVC = "ns/svc"
@@ -100,7 +100,7 @@ async def test_every_load_received_is_stamped_with_the_brokers_time_and_only_a_c
     clock.now += 1.0
     assert registry.keepalive(SVC, lease.lease_id)  # no load sent: the stamp stays the last load's
     assert registry.members(SVC)[0].load_at == 1002.0
-    report = autoscaler._loads(registry.members(SVC))[1]["r0"]
+    report = member_loads(registry.members(SVC))[1]["r0"]
     assert report.at == 1002.0 and report.requests == 5
 
 

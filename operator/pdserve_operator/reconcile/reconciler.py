@@ -39,7 +39,7 @@ from pdserve_common.logs import kv
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.autoscale.autoscaler import Autoscaler
-from pdserve_operator.broker.view import BrokerView, kv_tokens_in_use
+from pdserve_operator.broker.view import BrokerView
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import decode_groups as dg
@@ -381,7 +381,7 @@ class Reconciler:
             decode_pods=decode_pods,
             registered=self.broker.registered_counts(key),
             slots_used=self.broker.slots_in_use(key),
-            kv_tokens_used=kv_tokens_in_use(self.broker, key),
+            kv_tokens_used=self.broker.kv_tokens_in_use(key),
             conflicts=tuple(conflicts),
             autoscaling=scaling,
         )
