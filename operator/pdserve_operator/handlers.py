@@ -1,14 +1,12 @@
 """kopf handlers: thin triggers into `Reconciler`; no Kubernetes logic lives here.
 
 - create/update/resume of a PDInferenceService → reconcile it now (a failed API call retries
-  after 2 s, one the API server refused as wrong — 400/403/422 — after 30 s; other errors
-  after kopf's default backoff);
-- any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`):
-  edited or deleted by hand, or its readiness changed → reconcile its owner (coalesced);
-- a per-resource timer → reconcile every `resync_seconds` (refreshes broker counts; a safety
-  net for missed events), and whenever the autoscaler's next step is due (`autoscale/autoscaler.py`);
-- delete → tell the broker to forget the service (a finalizer makes this reliable; children go
-  by ownerReference garbage collection).
+  after 2 s, one the API server refused as wrong, 400/403/422, after 30 s);
+- any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`) →
+  reconcile its owner (coalesced);
+- a per-resource timer → reconcile every `resync_seconds`, and whenever the autoscaler's next
+  step is due (`autoscale/autoscaler.py`);
+- delete → tell the broker to forget the service (a finalizer makes this reliable).
 
 The shared objects arrive in kopf's `memo` (see `runner.py`); `kopf run -m
 pdserve_operator.handlers` also works and builds them from PDSERVE_OPERATOR_* variables.

@@ -20,7 +20,7 @@ from pdserve_operator.broker.view import BrokerView, load_broker
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.runtime import OperatorConfig, build_runtime, derived_priority
 
-log = logging.getLogger("pdserve.operator")
+log = logging.getLogger(__name__)
 
 
 def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:

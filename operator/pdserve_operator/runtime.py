@@ -20,7 +20,7 @@ from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile.children.meta import Defaults
 from pdserve_operator.reconcile.reconciler import Reconciler
 
-log = logging.getLogger("pdserve.operator")
+log = logging.getLogger(__name__)
 
 
 class OperatorConfig(BaseSettings):

@@ -85,7 +85,7 @@ async def test_role_filter(registry: Registry) -> None:
 async def test_every_load_received_is_stamped_with_the_brokers_time_and_only_a_change_is_published(
     registry: Registry, clock: FakeClock
 ) -> None:
-    """The autoscaler divides a router's counter increase by these stamps (operator/autoscale.py):
+    """The autoscaler divides a router's counter increase by these stamps (autoscale/inputs.py):
     a keepalive with the same counters is a newer reading (a rate of 0), not nothing."""
     lease = registry.register(SVC, MemberInfo(worker_id="r0", role=Role.ROUTER))
     sub = registry.subscribe(SVC, (), asyncio.get_running_loop())

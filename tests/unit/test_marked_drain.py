@@ -1,4 +1,4 @@
-"""A decode the operator marks draining (scale-down, autoscale.py) drains itself: the broker's
+"""A decode the operator marks draining (scale-down, autoscale/drain.py) drains itself: the broker's
 KeepAlive reply carries the mark, the worker process's membership (worker_main._Membership)
 starts the same drain /drain does, once, and reports its load (migration counts) at once.
 

@@ -1,20 +1,14 @@
 """The built-in autoscaler: each reconcile of a service with planner-driven roles may take a step.
 
-Inputs are the broker's members (each worker's load from its keepalive; each router's
-cumulative request counters and latency histograms, `inputs.py`) and the workloads as they are
-live. A step (at most one per `autoscaling.intervalSeconds`) turns them into a
-`planner.Observation`, runs the pure `planner.controller_step` with the state kept per service,
-and carries out what it decides for the roles the planner drives:
-
-- up, or prefill down: write the workload's `spec.replicas` through its scale subresource (what
-  an HPA writes; the operator's apply leaves that field alone, `workloads.autoscaled_workloads`);
-- decode down: drain the groups that go first, then lower the workload (`drain.py`); a new
-  decision to go up cancels the drain.
-
-Every change is an Event (`ScaledUp`/`ScaledDown`/`DrainingForScaleDown`) and every step leaves
-`status.autoscaling` (per role: driver, current, desired, reason, last change). Roles an HPA or
-an external autoscaler drives are only reported. State lives in memory: a new leader starts
-afresh, which only delays a scale-down by one down window.
+Inputs are the broker's members (workers' loads, routers' counters and latency histograms:
+`inputs.py`) and the workloads as they are live. A step (at most one per
+`autoscaling.intervalSeconds`) runs the pure `planner.controller_step` with the state kept per
+service and carries out what it decides: up, or prefill down, writes the workload's
+`spec.replicas` through its scale subresource (the operator's apply leaves that field alone:
+`workloads.autoscaled_workloads`); decode down drains the groups that go first (`drain.py`),
+and a new decision to go up cancels the drain. Every change is an Event and every step leaves
+`status.autoscaling`; roles an HPA or an external autoscaler drives are only reported. State
+lives in memory: a new leader starts afresh, which only delays a scale-down by one down window.
 """
 
 from __future__ import annotations

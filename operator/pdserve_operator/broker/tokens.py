@@ -26,7 +26,7 @@ from pdserve_operator.kube import KINDS, KubeClient, KubeError
 from pdserve_operator.reconcile.children.meta import LABEL_MANAGED_BY, MANAGED_BY, secret_name
 from pdserve_operator.reconcile.children.secret import token_of
 
-log = logging.getLogger("pdserve.operator.broker_tokens")
+log = logging.getLogger(__name__)
 
 _SUFFIX = secret_name("")  # "-broker-token"
 

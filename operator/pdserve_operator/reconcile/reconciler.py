@@ -2,24 +2,13 @@
 
 Everything the kopf handlers trigger funnels into `Reconciler.reconcile(namespace, name)`:
 creation, spec updates, resumption after a restart, a child edited or deleted by hand, a child
-whose readiness changed, and the periodic resync that refreshes broker counts. It reads as one
-line: parse the spec → the broker token → apply the children → observe them → write the
-status. Each step is idempotent (get → create if missing → merge-patch only what drifted →
-status only if it changed), so running it too often costs reads, never writes.
-
-Children are applied in render order, one at a time:
-- missing → create it; a 409 means someone created it since our get: read it again and treat
-  it as found;
-- found, but controlled by another owner (an ownerReference with `controller: true` that is
-  not this resource) → never written; the status says Degraded and names it;
-- found, and a rendered field says something else live → merge-patch the rendered fields back
-  (a `DriftReverted` Warning when the spec did not change since the last reconcile: then it was
-  someone else's edit, not ours).
-
-Requests for the same service are coalesced: while one reconcile runs, any number of further
-requests collapse into a single follow-up run, which then sees everything that happened
-meanwhile. Under a burst of child events (ten children created → ten ADDED events) this keeps
-the API traffic proportional to services, not to events.
+whose readiness changed, and the periodic resync. It reads as one line: parse the spec → the
+broker token → apply the children → observe them → write the status. Each step is idempotent
+(get → create if missing → merge-patch only what drifted → status only if it changed). A child
+another controller owns is never written (the status says Degraded and names it); drift in a
+rendered field is patched back (a `DriftReverted` Warning when the spec did not change).
+Requests for one service are coalesced: while a reconcile runs, further requests collapse into
+one follow-up run. In detail: docs/operator.md.
 """
 
 from __future__ import annotations
@@ -61,7 +50,7 @@ from pdserve_operator.reconcile.scaling_adapters import ScalingAdapters
 
 GONE_REMEMBERED = 4096  # deleted services' uids kept (a set that only grows would be a leak)
 
-log = logging.getLogger("pdserve.operator.reconcile")
+log = logging.getLogger(__name__)
 
 Live = dict[str, Any]
 
@@ -226,7 +215,7 @@ class Reconciler:
 
     async def _decode_may_lower(self, svc: _Service, spec: s.PDInferenceServiceSpec, sts: Live | None) -> bool:
         """Whether the decode StatefulSet (no autoscaler drives it) may take the spec's replicas
-        now: a scale-down first drains the groups that go (autoscale.py `manual_decode`)."""
+        now: a scale-down first drains the groups that go (autoscale/drain.py `manual_decode`)."""
 
         async def post(type_: ev.EventType, reason: str, message: str) -> None:
             await self._event(svc, type_, reason, message)

@@ -1,28 +1,14 @@
 """Each role's PDScalingAdapter and the service's `spec.<role>.replicas`, kept equal.
 
-Two objects hold one number, so each reconcile decides which one moved (`decide`, pure):
-- the adapter's `metadata.generation` is ahead of its `status.observedGeneration`: someone
-  scaled the adapter (kubectl scale, an HPA, KEDA) since the operator last took its value →
-  the service's `spec.<role>.replicas` takes it, by a merge patch of the PDInferenceService.
-  Everything downstream is then the path `kubectl edit pdis` takes: a decode scale-down drains
-  the groups that go first; with the planner driving the role the value is its floor.
-- otherwise the service's spec moved (kubectl edit, `kubectl scale pdis`) → the adapter takes
-  it, by a patch carrying the adapter's resourceVersion: a scale landing between our read and
-  our write fails it with 409, and the next reconcile lets that scale win.
-- a value the service refuses (422: above `autoscaling.<role>.maxReplicas`, say) → a Warning
-  Event `ScaleRefused` naming the adapter and the value, and the adapter goes back to the
-  service's value — so an HPA that asks for too much sees the count it has, not a lie.
-
-A role whose autoscaling driver is `external` belongs to another controller: a scaled adapter
-still writes the spec (the count at creation), and a Warning Event `AdapterIgnored` says that
-nothing running changed.
-
-Status (what an HPA reads through /scale): `replicas` is the role's current count (prefill
-pods, decode groups), `selector` its pods. An adapter never synced (no status yet) loses to
-the service. Adapters another controller owns are left alone. Where the CRD is missing
-(`helm upgrade` never updates a chart's crds/), the operator logs it once per service and
-serves on without adapters, looking again every CRD_RECHECK_S (5 min; not at every reconcile):
-apply manifests/crd.yaml to get them.
+Two objects hold one number, so each reconcile decides which one moved (`decide`, pure): an
+adapter scaled since the operator last took its value (generation ahead of observedGeneration)
+→ the service's spec takes it; otherwise the spec moved → the adapter takes it (a patch with
+its resourceVersion, so a racing scale wins next time); a value the service refuses → a
+`ScaleRefused` Warning and the adapter goes back. A role driven `external` gets an
+`AdapterIgnored` Warning. Status (what an HPA reads through /scale): `replicas` is the role's
+current count (prefill pods, decode groups), `selector` its pods. Adapters another controller
+owns are left alone; without the CRD the operator serves on without adapters and looks again
+every CRD_RECHECK_S. The rules in detail: docs/operator.md.
 """
 
 from __future__ import annotations
@@ -44,7 +30,7 @@ from pdserve_operator.reconcile.children.autoscaling import scaling_adapter
 from pdserve_operator.reconcile.children.meta import Owner, adapter_name, selector_string, workload_name
 from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND, ADAPTER_ROLES
 
-log = logging.getLogger("pdserve.operator.scaling_adapters")
+log = logging.getLogger(__name__)
 
 Live = dict[str, Any]
 EventFn = Callable[[ev.EventType, str, str], Awaitable[None]]

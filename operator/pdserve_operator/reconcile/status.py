@@ -36,8 +36,8 @@ class Observed:
     kv_tokens_used: int | None = None  # from the broker: the decodes' reported KV tokens in use
     conflicts: tuple[str, ...] = field(default=())  # children another controller owns
     unavailable: tuple[str, ...] = field(default=())  # children the cluster cannot take (no such API, forbidden)
-    autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale.py)
-    last_drain: s.DrainStatus | None = None  # the last decode scale-down's drain (autoscale.py)
+    autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale/autoscaler.py)
+    last_drain: s.DrainStatus | None = None  # the last decode scale-down's drain (autoscale/drain.py)
 
 
 @dataclass(frozen=True)
