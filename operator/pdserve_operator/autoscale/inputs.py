@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pdserve_common.membership import Load, Member
 from pdserve_operator import spec as s
 from pdserve_operator.planner import (
     SLO,
@@ -86,10 +87,10 @@ def in_band(prefill: int, decode: int, a: s.AutoscalingSpec, spec: s.PDInference
     return min(max(prefill, lo), hi)
 
 
-def router_report(load: Any, at: float | None = None) -> RouterReport | None:
+def router_report(load: Load, at: float | None = None) -> RouterReport | None:
     """A router member's load as the planner's RouterReport (None: it reports no traffic), as of
     `at` (when the broker received it; None: unknown)."""
-    router = getattr(load, "router", None)
+    router = load.router
     if router is None:
         return None
 
@@ -109,7 +110,7 @@ def router_report(load: Any, at: float | None = None) -> RouterReport | None:
     )
 
 
-def member_loads(members: Iterable[Any]) -> tuple[list[WorkerLoad], dict[str, RouterReport]]:
+def member_loads(members: Iterable[Member]) -> tuple[list[WorkerLoad], dict[str, RouterReport]]:
     """The prefills' and decodes' loads, and each router's report, from the broker's members."""
     workers: list[WorkerLoad] = []
     reports: dict[str, RouterReport] = {}
@@ -121,6 +122,6 @@ def member_loads(members: Iterable[Any]) -> tuple[list[WorkerLoad], dict[str, Ro
             workers.append(
                 WorkerLoad(m.worker_id, role, load.active_requests, load.slots_used, total, m.draining)  # type: ignore[arg-type]
             )
-        elif role == "router" and (rep := router_report(m.load, getattr(m, "load_at", 0.0) or None)) is not None:
+        elif role == "router" and (rep := router_report(m.load, m.load_at or None)) is not None:
             reports[m.worker_id] = rep
     return workers, reports

@@ -2,13 +2,15 @@
 
 `render(owner, spec, token, defaults)` returns every child as a plain dict, in the order they
 should be applied (Secret and ConfigMap before the pods that mount them). The reconciler applies
-them idempotently and compares them with what is live (`drift.py`), so everything rendered here
-must be stable for equal inputs and must not contain fields the API server drops (empty strings,
-false booleans, empty lists): those would read as drift forever.
+them idempotently and compares them with what is live (`reconcile/drift.py`), so everything
+rendered here must be stable for equal inputs and must not contain fields the API server drops
+(empty strings, false booleans, empty lists): those would read as drift forever.
 
-Decode layer sharding: a decode *group* is `layerShards` pods. The StatefulSet runs
-`replicas × layerShards` pods; each pod derives (group, member) from its ordinal
-(`pdserve_common.pod_env.group_member`), so the operator only has to pass the shard count.
+One module per kind: `secret`, `config_map`, `workloads` (Deployments, the decode StatefulSet
+or LeaderWorkerSet), `services`, `inference_pool`, `autoscaling` (HPAs, PDScalingAdapters) and
+`policy` (NetworkPolicy, PodDisruptionBudgets); `pod` and `env` build the pod template they
+share, `meta` the names, labels and `Owner`/`Defaults`. Decode layer sharding: a decode group
+is `layerShards` pods, each deriving its place from its ordinal (`pod_env.group_member`).
 """
 
 from __future__ import annotations
