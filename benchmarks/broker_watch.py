@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT / "worker"), str(ROOT / "operator"), str(ROOT / "common
 
 from pdserve_common.kv_layout import KVLayout  # noqa: E402
 from pdserve_common.membership import MemberInfo, MemoryRegion, Role  # noqa: E402
-from pdserve_operator.broker import BrokerServer  # noqa: E402
+from pdserve_operator.broker.server import BrokerServer  # noqa: E402
 from pdserve_worker.rpc.backoff import Backoff  # noqa: E402
 from pdserve_worker.rpc.broker_client import BrokerClient  # noqa: E402
 from pdserve_worker.rpc.broker_watch import MembershipView  # noqa: E402

@@ -11,7 +11,7 @@ Measured from the kill to the moment every child of a service created right afte
   (`PDSERVE_OPERATOR_PEERING_LIFETIME_SECONDS`; kopf's own default is 60 s).
 For the restart, also the time until its broker registers a worker of a service that existed
 before the kill (the only replica loads the tokens from the Secrets at start:
-operator/pdserve_operator/broker_tokens.py; before, only that service's reconcile gave it).
+operator/pdserve_operator/broker/tokens.py; before, only that service's reconcile gave it).
 
 Run: `python benchmarks/operator_failover.py [--lifetimes 60,15] [--runs 3]`. Prints progress,
 then one line per (scenario, lifetime): the median and every run's seconds.
@@ -39,9 +39,9 @@ for sub in ("worker", "operator", "common", "proto", "tests"):
 import yaml  # noqa: E402
 
 from kube_emulator import EmulatorThread  # noqa: E402
-from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator.crd import build_adapter_crd, build_crd  # noqa: E402
 from pdserve_operator.kube import KINDS, RestKubeClient  # noqa: E402
+from pdserve_operator.reconcile.children.meta import secret_name, workload_name  # noqa: E402
 from pdserve_worker.util.free_ports import free_port  # noqa: E402
 
 PEERING = "failover"
@@ -89,7 +89,7 @@ def reconciled(kube: RestKubeClient, ns: str, name: str, timeout_s: float = 300.
     """Seconds until the service's router Deployment (the last workload applied) exists."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
-        if kube.get(KINDS["Deployment"], ns, ch.workload_name(name, "router")) is not None:
+        if kube.get(KINDS["Deployment"], ns, workload_name(name, "router")) is not None:
             return time.monotonic() - started
         time.sleep(0.1)
     raise TimeoutError(f"{name} not reconciled within {timeout_s}s")
@@ -121,7 +121,7 @@ def broker_serves(address: str, service: str, token: str, since: float, timeout_
 
 
 def service_token(kube: RestKubeClient, ns: str, name: str) -> str:
-    secret = kube.get(KINDS["Secret"], ns, ch.secret_name(name))
+    secret = kube.get(KINDS["Secret"], ns, secret_name(name))
     assert secret is not None, f"{ns}/{name} has no token Secret"
     return base64.b64decode(secret["data"]["token"]).decode()
 

@@ -25,17 +25,24 @@ for sub in ("worker", "operator", "common", "proto", "tests"):
     sys.path.insert(0, str(ROOT / sub))
 
 from kube_emulator import EmulatorThread  # noqa: E402
-from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator import runner  # noqa: E402
 from pdserve_operator.crd import build_crd  # noqa: E402
 from pdserve_operator.kube import KINDS, PDIS, RestKubeClient  # noqa: E402
+from pdserve_operator.reconcile.children.meta import (  # noqa: E402
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    config_name,
+    headless_name,
+    router_service_name,
+    secret_name,
+)
 from pdserve_operator.runtime import OperatorConfig  # noqa: E402
 
 CHILD_KINDS = [
-    ("Secret", ch.secret_name),
-    ("ConfigMap", ch.config_name),
-    ("Service", ch.headless_name),
-    ("Service", ch.router_service_name),
+    ("Secret", secret_name),
+    ("ConfigMap", config_name),
+    ("Service", headless_name),
+    ("Service", router_service_name),
     ("Deployment", lambda n: f"{n}-prefill"),
     ("StatefulSet", lambda n: f"{n}-decode"),
     ("Deployment", lambda n: f"{n}-router"),
@@ -102,7 +109,7 @@ def main() -> None:
             present = {
                 (o["kind"], o["metadata"]["name"])
                 for kind in {k for k, _ in CHILD_KINDS}
-                for o in kube.list(KINDS[kind], ns, f"{ch.LABEL_MANAGED_BY}={ch.MANAGED_BY}")
+                for o in kube.list(KINDS[kind], ns, f"{LABEL_MANAGED_BY}={MANAGED_BY}")
             }
             now = time.perf_counter()
             for name in names:

@@ -1,14 +1,12 @@
 """kopf handlers: thin triggers into `Reconciler`; no Kubernetes logic lives here.
 
 - create/update/resume of a PDInferenceService → reconcile it now (a failed API call retries
-  after 2 s, one the API server refused as wrong — 400/403/422 — after 30 s; other errors
-  after kopf's default backoff);
-- any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`):
-  edited or deleted by hand, or its readiness changed → reconcile its owner (coalesced);
-- a per-resource timer → reconcile every `resync_seconds` (refreshes broker counts; a safety
-  net for missed events), and whenever the autoscaler's next step is due (`autoscale.py`);
-- delete → tell the broker to forget the service (a finalizer makes this reliable; children go
-  by ownerReference garbage collection).
+  after 2 s, one the API server refused as wrong, 400/403/422, after 30 s);
+- any event of a child we manage (label `app.kubernetes.io/managed-by=pdserve-operator`) →
+  reconcile its owner (coalesced);
+- a per-resource timer → reconcile every `resync_seconds`, and whenever the autoscaler's next
+  step is due (`autoscale/autoscaler.py`);
+- delete → tell the broker to forget the service (a finalizer makes this reliable).
 
 The shared objects arrive in kopf's `memo` (see `runner.py`); `kopf run -m
 pdserve_operator.handlers` also works and builds them from PDSERVE_OPERATOR_* variables.
@@ -22,16 +20,16 @@ from typing import Any
 
 import kopf
 
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KubeError
+from pdserve_operator.reconcile.children.meta import LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGED_BY
 from pdserve_operator.runtime import OperatorConfig, Runtime, build_runtime
 from pdserve_operator.spec.scaling_adapter import ADAPTER_PLURAL
 
 FINALIZER = "pdserve.dev/finalizer"
 PREFIX = "pdserve.dev"
 TIMER_TICK_SECONDS = 1.0  # the timer only checks whether a resync is due; Runtime decides how often
-MANAGED = {ch.LABEL_MANAGED_BY: ch.MANAGED_BY}
+MANAGED = {LABEL_MANAGED_BY: MANAGED_BY}
 # The NetworkPolicy child (optional) is not watched: that would need list/watch on every
 # NetworkPolicy of the cluster even when the feature is off; the resync timer repairs it.
 CHILD_RESOURCES = (
@@ -126,7 +124,7 @@ def _owner_of(body: kopf.Body) -> str | None:
         if ref.get("kind") == s.KIND and ref.get("apiVersion", "").startswith(s.GROUP + "/"):
             return str(ref["name"])
     # The ownerReference was removed by hand: the instance label still names the owner.
-    owner = body.get("metadata", {}).get("labels", {}).get(ch.LABEL_INSTANCE)
+    owner = body.get("metadata", {}).get("labels", {}).get(LABEL_INSTANCE)
     return str(owner) if owner is not None else None
 
 

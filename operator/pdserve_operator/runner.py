@@ -14,12 +14,13 @@ from typing import Any
 import kopf
 
 from pdserve_common.logs import kv
-from pdserve_operator import broker_tokens, peering
-from pdserve_operator.broker_view import BrokerView, load_broker
+from pdserve_operator import peering
+from pdserve_operator.broker import tokens as broker_tokens
+from pdserve_operator.broker.view import BrokerView, load_broker
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.runtime import OperatorConfig, build_runtime, derived_priority
 
-log = logging.getLogger("pdserve.operator")
+log = logging.getLogger(__name__)
 
 
 def kopf_settings(config: OperatorConfig) -> kopf.OperatorSettings:

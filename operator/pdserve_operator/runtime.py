@@ -14,13 +14,13 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common.auth import TLSConfig
-from pdserve_operator import children as ch
-from pdserve_operator.broker_view import BrokerView, NullBrokerView
+from pdserve_operator.broker.view import BrokerView, NullBrokerView
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.metrics import OperatorMetrics
-from pdserve_operator.reconcile import Reconciler
+from pdserve_operator.reconcile.children.meta import Defaults
+from pdserve_operator.reconcile.reconciler import Reconciler
 
-log = logging.getLogger("pdserve.operator")
+log = logging.getLogger(__name__)
 
 
 class OperatorConfig(BaseSettings):
@@ -140,7 +140,7 @@ def build_runtime(
 ) -> Runtime:
     kube = kube or RestKubeClient.from_environment(config.kubeconfig)
     broker = broker or NullBrokerView()
-    defaults = ch.Defaults(
+    defaults = Defaults(
         image=config.image,
         broker_address=config.broker_address,
         image_pull_policy=config.image_pull_policy,

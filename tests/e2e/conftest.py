@@ -137,6 +137,9 @@ class FakeBroker:
         self.draining[(service_key, worker_id)] = draining
         return any(m.worker_id == worker_id for m in self.loads.get(service_key, []))
 
+    def kv_tokens_in_use(self, service_key: str) -> int | None:
+        return None
+
 
 @dataclass
 class OperatorHandle:

@@ -35,8 +35,8 @@ from kube_emulator.managed_fields import owners
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import Histogram, Load, MemberInfo, MemoryRegion, Role, RouterLoad
 from pdserve_operator import spec as s
-from pdserve_operator.broker import BrokerServer
-from pdserve_operator.broker_view import BrokerServerView
+from pdserve_operator.broker.server import BrokerServer
+from pdserve_operator.broker.view import BrokerServerView
 from pdserve_operator.kube import KINDS
 from pdserve_worker.rpc.broker_client import BrokerClient
 

@@ -28,8 +28,16 @@ import chart_tools
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
 from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, request_attributes
 from netutil import free_port
-from pdserve_operator import children as ch
 from pdserve_operator.kube import KINDS, KubeError
+from pdserve_operator.reconcile.children.meta import (
+    APP,
+    LABEL_NAME,
+    adapter_name,
+    network_policy_name,
+    selector_labels,
+    workload_name,
+)
+from pdserve_operator.reconcile.children.meta import hpa_name as child_hpa_name
 from pdserve_operator.runtime import OperatorConfig
 
 CHART_NAMESPACE = "pdserve-system"
@@ -128,17 +136,17 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
     kids = [(kind, cname) for kind, cname in children]
     if network_policy:
         policy = wait_for(
-            lambda: cluster.get("NetworkPolicy", namespace, ch.network_policy_name(name)), what="NetworkPolicy"
+            lambda: cluster.get("NetworkPolicy", namespace, network_policy_name(name)), what="NetworkPolicy"
         )
-        assert policy["spec"]["podSelector"]["matchLabels"] == ch.selector_labels(name)
-        kids.append(("NetworkPolicy", ch.network_policy_name(name)))
+        assert policy["spec"]["podSelector"]["matchLabels"] == selector_labels(name)
+        kids.append(("NetworkPolicy", network_policy_name(name)))
 
     # Hand edits of every child kind: each one is patched back.
     for kind, cname in kids:
-        cluster.kube.merge_patch(KINDS[kind], namespace, cname, {"metadata": {"labels": {ch.LABEL_NAME: "edited"}}})
+        cluster.kube.merge_patch(KINDS[kind], namespace, cname, {"metadata": {"labels": {LABEL_NAME: "edited"}}})
     for kind, cname in kids:
         wait_for(
-            lambda k=kind, n=cname: cluster.get(k, namespace, n)["metadata"]["labels"][ch.LABEL_NAME] == ch.APP,
+            lambda k=kind, n=cname: cluster.get(k, namespace, n)["metadata"]["labels"][LABEL_NAME] == APP,
             what=f"{kind}/{cname} repaired",
         )
 
@@ -153,7 +161,7 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
 def adapter_scenario(cluster: Cluster, namespace: str, name: str) -> None:
     """The per-role PDScalingAdapter's calls: a scaled adapter moves the spec, a moved spec the adapter."""
     pdis, adapter = KINDS["PDInferenceService"], KINDS["PDScalingAdapter"]
-    prefill = ch.adapter_name(name, "prefill")
+    prefill = adapter_name(name, "prefill")
     wait_for(lambda: (cluster.kube.get(adapter, namespace, prefill) or {}).get("status"), what="adapter synced")
     cluster.kubectl("scale", f"pdsa/{prefill}", "--replicas=2", "-n", namespace)
     wait_for(lambda: cluster.get("PDInferenceService", namespace, name)["spec"]["prefill"]["replicas"] == 2)
@@ -194,16 +202,16 @@ def autoscaling_scenario(cluster: Cluster, broker: Any, namespace: str, name: st
     pdis = KINDS["PDInferenceService"]
     cluster.kube.merge_patch(pdis, namespace, name, {"spec": {"autoscaling": autoscaling}})
     hpa_kind = KINDS["HorizontalPodAutoscaler"]
-    hpa_name = ch.hpa_name(name, "prefill")
+    hpa_name = child_hpa_name(name, "prefill")
     wait_for(lambda: cluster.kube.get(hpa_kind, namespace, hpa_name), what="the prefill HPA")
-    sts = ch.workload_name(name, "decode")
+    sts = workload_name(name, "decode")
     wait_for(lambda: cluster.get("StatefulSet", namespace, sts)["spec"]["replicas"] > 2, what="decode scaled up")
     cluster.kube.merge_patch(hpa_kind, namespace, hpa_name, {"spec": {"maxReplicas": 40}})
     wait_for(lambda: cluster.kube.get(hpa_kind, namespace, hpa_name)["spec"]["maxReplicas"] == 4, what="HPA repaired")
     autoscaling["prefill"] = {"driver": "planner", "metric": None}
     cluster.kube.merge_patch(pdis, namespace, name, {"spec": {"autoscaling": autoscaling}})
     wait_for(lambda: cluster.kube.get(hpa_kind, namespace, hpa_name) is None, what="the HPA removed")
-    dep = ch.workload_name(name, "prefill")
+    dep = workload_name(name, "prefill")
     wait_for(lambda: cluster.get("Deployment", namespace, dep)["spec"]["replicas"] > 1, what="prefill scaled up")
 
 

@@ -17,11 +17,11 @@ from typing import Any
 import yaml
 
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
 from pdserve_operator import spec as s
 from pdserve_operator.handlers import TIMER_TICK_SECONDS
 from pdserve_operator.kube import KINDS
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile.children.meta import secret_name, workload_name
 from pdserve_operator.runtime import OperatorConfig
 from support import leaderworkerset as lws
 from support.worker_env import worker_settings
@@ -54,7 +54,7 @@ def ensure_lws_api(cluster: Cluster, ns: str, doc: dict[str, Any], tmp: Path) ->
     assert st["phase"] == "Degraded"
     assert "groupScheduling: statefulSet" in str(st["conditions"])  # says the way out too
     # No quiet fallback: the user asked for gang scheduling, a StatefulSet would not give it.
-    assert cluster.get("StatefulSet", ns, ch.workload_name(NAME, "decode")) is None
+    assert cluster.get("StatefulSet", ns, workload_name(NAME, "decode")) is None
     cluster.kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", lws.CRD)
     cluster.kubectl("wait", "--for=condition=established", f"crd/{lws.CRD['metadata']['name']}", "--timeout=20s")
 
@@ -85,7 +85,7 @@ def test_decode_groups_run_as_one_leader_worker_set(
     doc["metadata"]["name"] = NAME
     doc["spec"]["decode"].update({"replicas": 2, "layerShards": 2, "groupScheduling": "leaderWorkerSet"})
     ensure_lws_api(cluster, namespace, doc, tmp_path)
-    name = ch.workload_name(NAME, "decode")
+    name = workload_name(NAME, "decode")
     obj = wait_for(lambda: cluster.kube.get(KINDS["LeaderWorkerSet"], namespace, name), what="the LeaderWorkerSet")
     # Admitted by the CRD's schema (the emulator validates on create); replicas count groups.
     assert obj["spec"]["replicas"] == 2
@@ -94,7 +94,7 @@ def test_decode_groups_run_as_one_leader_worker_set(
     assert cluster.get("StatefulSet", namespace, name) is None
 
     # Every pod LWS would make finds its group and member, and its group's members by DNS.
-    secret = cluster.get("Secret", namespace, ch.secret_name(NAME))
+    secret = cluster.get("Secret", namespace, secret_name(NAME))
     decode = dg.DecodeWorkload("LeaderWorkerSet", name, 2)
     places = {}
     for pod in create_pods(cluster, namespace, obj, groups=2, size=2):
@@ -109,7 +109,7 @@ def test_decode_groups_run_as_one_leader_worker_set(
 
     # Ready: LWS reports groups; the operator counts complete groups from the labelled pods.
     for role in ("prefill", "router"):
-        dep = ch.workload_name(NAME, role)
+        dep = workload_name(NAME, role)
         gen = cluster.get("Deployment", namespace, dep)["metadata"]["generation"]
         cluster.patch_status(
             "Deployment",
@@ -166,12 +166,12 @@ def test_a_leader_worker_sets_status_reaches_the_service_at_once(
     operator.start()
     try:
         apply(cluster, namespace, doc, tmp_path)
-        name = ch.workload_name(NAME, "decode")
+        name = workload_name(NAME, "decode")
         obj = wait_for(lambda: cluster.kube.get(KINDS["LeaderWorkerSet"], namespace, name), what="the LeaderWorkerSet")
         create_pods(cluster, namespace, obj, groups=1, size=2)
         operator.broker.counts[f"{namespace}/{NAME}"] = {"prefill": 1, "decode": 2, "router": 1}
         for role in ("prefill", "router"):  # (their events reconcile: the pods are counted then)
-            dep = ch.workload_name(NAME, role)
+            dep = workload_name(NAME, role)
             gen = cluster.get("Deployment", namespace, dep)["metadata"]["generation"]
             cluster.patch_status(
                 "Deployment",

@@ -10,8 +10,14 @@ from typing import Any
 import yaml
 
 from conftest import ROOT, Cluster, OperatorHandle, wait_for
-from pdserve_operator import children as ch
 from pdserve_operator.kube import KINDS
+from pdserve_operator.reconcile.children.meta import (
+    LABEL_INSTANCE,
+    Owner,
+    owner_reference,
+    selector_labels,
+    selector_string,
+)
 
 SAMPLE = ROOT / "manifests" / "samples" / "smollm2-cpu.yaml"
 CHILDREN = [
@@ -90,8 +96,8 @@ def test_sample_gets_every_child_with_owner_env_and_resources(
     assert owner is not None
     for (kind, name), obj in kids.items():
         refs = obj["metadata"]["ownerReferences"]
-        assert refs == [ch.owner_reference(ch.Owner("svc", namespace, owner["metadata"]["uid"]))], (kind, name)
-        assert obj["metadata"]["labels"][ch.LABEL_INSTANCE] == "svc"
+        assert refs == [owner_reference(Owner("svc", namespace, owner["metadata"]["uid"]))], (kind, name)
+        assert obj["metadata"]["labels"][LABEL_INSTANCE] == "svc"
 
     decode = kids[("StatefulSet", "svc-decode")]
     env = env_of(decode)
@@ -183,7 +189,7 @@ def test_kubectl_scale_drives_the_statefulset_and_status(
             "metadata": {
                 "name": f"smollm2-decode-{ordinal}",
                 "namespace": namespace,
-                "labels": ch.selector_labels("smollm2", "decode"),
+                "labels": selector_labels("smollm2", "decode"),
             },
             "spec": {"containers": [{"name": "worker", "image": "x"}]},
         }
@@ -203,7 +209,7 @@ def test_kubectl_scale_drives_the_statefulset_and_status(
     out = cluster.kubectl(
         "get", "pdis/smollm2", "-n", namespace, "-o", "jsonpath={.status.decode.replicas} {.status.decode.selector}"
     ).stdout
-    assert out.split() == ["3", ch.selector_string("smollm2", "decode")]
+    assert out.split() == ["3", selector_string("smollm2", "decode")]
     scale = cluster.kubectl(
         "get", "--raw", f"/apis/pdserve.dev/v1alpha1/namespaces/{namespace}/pdinferenceservices/smollm2/scale"
     ).stdout
@@ -362,7 +368,7 @@ def test_kubectl_scale_of_a_role_adapter_drives_that_role(
     scale = cluster.kubectl(
         "get", "--raw", f"/apis/pdserve.dev/v1alpha1/namespaces/{namespace}/pdscalingadapters/smollm2-prefill/scale"
     ).stdout.replace(" ", "")
-    assert '"replicas":3' in scale and ch.selector_string("smollm2", "prefill") in scale, scale
+    assert '"replicas":3' in scale and selector_string("smollm2", "prefill") in scale, scale
     table = cluster.kubectl("get", "pdsa", "-n", namespace).stdout
     assert "smollm2-prefill" in table and "ROLE" in table, table
 
@@ -455,7 +461,7 @@ def test_an_inference_pool_waits_for_its_api_then_selects_the_routers(
     else:
         apply(cluster, namespace, doc, tmp_path)
     pool = wait_for(lambda: cluster.kube.get(KINDS["InferencePool"], namespace, "smollm2"), what="the pool")
-    assert pool["spec"]["selector"]["matchLabels"] == ch.selector_labels("smollm2", "router")
+    assert pool["spec"]["selector"]["matchLabels"] == selector_labels("smollm2", "router")
     assert pool["spec"]["endpointPickerRef"] == {
         "name": "smollm2-epp",
         "port": {"number": 9002},

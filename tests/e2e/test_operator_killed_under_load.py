@@ -6,7 +6,7 @@ The operator runs as a process against the API emulator and hosts the broker; th
 as pods would be. Requests in flight must all complete with their undisturbed answers (the data
 plane never goes through the operator), and the restarted operator's broker must take the
 workers' re-registrations well before kopf peering lets it reconcile (peering lifetime 30 s
-here): a broker that waited for the reconcile, as before broker_tokens.py, took them only then.
+here): a broker that waited for the reconcile, as before broker/tokens.py, took them only then.
 """
 
 from __future__ import annotations

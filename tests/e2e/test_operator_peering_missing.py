@@ -81,7 +81,7 @@ class Captured(logging.Handler):
 @pytest.fixture
 def log() -> Iterator[Captured]:
     handler = Captured()
-    logger = logging.getLogger("pdserve.operator")
+    logger = logging.getLogger("pdserve_operator")
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)

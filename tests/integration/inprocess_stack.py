@@ -17,7 +17,7 @@ from netutil import free_port
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
 from pdserve_common.membership import Load, MemberInfo
-from pdserve_operator.broker import BrokerServer
+from pdserve_operator.broker.server import BrokerServer
 from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings

@@ -19,7 +19,7 @@ from pdserve_common.auth import TLSConfig
 from pdserve_common.channels import aio_channel
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, MemoryRegion, Role
-from pdserve_operator.broker import BrokerServer
+from pdserve_operator.broker.server import BrokerServer
 from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.broker_client import BrokerClient, BrokerError
 from pdserve_worker.rpc.broker_watch import MembershipView

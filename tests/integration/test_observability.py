@@ -178,9 +178,9 @@ def operator_series() -> dict[str, dict[str, set[str]]]:
     from kube_fake import DEFAULTS, fake_kube, service
 
     from netutil import free_port
-    from pdserve_operator.broker_view import NullBrokerView
+    from pdserve_operator.broker.view import NullBrokerView
     from pdserve_operator.metrics import OperatorMetrics
-    from pdserve_operator.reconcile import Reconciler
+    from pdserve_operator.reconcile.reconciler import Reconciler
 
     kube = fake_kube()
     kube.inner.create(service("svc", "team", {}))

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kube_emulator import patching, selectors
-from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
-from pdserve_operator.broker_view import NullBrokerView
+from pdserve_operator.broker.view import NullBrokerView
 from pdserve_operator.kube import KINDS, Kind, KubeClient, KubeError
-from pdserve_operator.reconcile import Outcome, Reconciler
+from pdserve_operator.reconcile.children.meta import Defaults
+from pdserve_operator.reconcile.reconciler import Outcome, Reconciler
 from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND
 
 Obj = dict[str, Any]
@@ -267,7 +267,7 @@ def fake_kube() -> Recorder:
 # ---- what the reconcile tests share ---------------------------------------------------------
 
 NOW = "2026-12-01T00:00:00Z"
-DEFAULTS = ch.Defaults(image="img:1", broker_address="broker:50070")
+DEFAULTS = Defaults(image="img:1", broker_address="broker:50070")
 
 
 def service(name: str, namespace: str, spec: Obj | None = None) -> Obj:

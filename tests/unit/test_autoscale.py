@@ -16,14 +16,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from kube_emulator.schema import admit  # noqa: E402
-from pdserve_operator import autoscale, crd  # noqa: E402
-from pdserve_operator import children as ch  # noqa: E402
+from pdserve_operator import crd  # noqa: E402
 from pdserve_operator import spec as s  # noqa: E402
+from pdserve_operator.autoscale import inputs  # noqa: E402
 from pdserve_operator.kube import KINDS  # noqa: E402
 from pdserve_operator.planner import bundled_profile  # noqa: E402
 from pdserve_operator.planner.model_shape import BUILTIN  # noqa: E402
 from pdserve_operator.planner.profile import bundled_names  # noqa: E402
 from pdserve_operator.planner.signals import LatencyHistogram, RouterReport, window  # noqa: E402
+from pdserve_operator.reconcile.children import render  # noqa: E402
+from pdserve_operator.reconcile.children.config_map import service_config  # noqa: E402
+from pdserve_operator.reconcile.children.meta import Defaults, Owner  # noqa: E402
+from pdserve_operator.reconcile.children.workloads import autoscaled_workloads, initial_replicas  # noqa: E402
 
 NS = "team"
 
@@ -121,7 +125,7 @@ def test_router_load_reports_what_metrics_show_and_survives_the_wire() -> None:
         load.router.prompt_tokens_total,
         load.router.output_tokens_total,
     ) == (2, 7, 11)
-    report = autoscale.router_report(load_from_proto(load_to_proto(load)))
+    report = inputs.router_report(load_from_proto(load_to_proto(load)))
     assert report is not None and report.ttft is not None and report.ttft.count == 1
     assert 0.25 <= report.ttft.quantile(0.5) <= 0.5  # the 0.3 s TTFT, within its bucket (0.25, 0.5]
     # A malformed report (counts that decrease) is dropped at the broker's door, not trusted.
@@ -266,7 +270,7 @@ def test_planner_names_in_the_spec_are_the_planners() -> None:
 # ---- rendering -------------------------------------------------------------------------------
 
 
-OWNER = ch.Owner("svc", NS, "uid-1")
+OWNER = Owner("svc", NS, "uid-1")
 
 
 @pytest.mark.parametrize(
@@ -293,9 +297,7 @@ def test_rendered_hpa_is_a_valid_autoscaling_v2_object(metric: dict[str, Any]) -
             "decode": {"replicas": 3},
         }
     )
-    [hpa] = [
-        o for o in ch.render(OWNER, spec, "tok", ch.Defaults("i", "b:1")) if o["kind"] == "HorizontalPodAutoscaler"
-    ]
+    [hpa] = [o for o in render(OWNER, spec, "tok", Defaults("i", "b:1")) if o["kind"] == "HorizontalPodAutoscaler"]
     kubernetes_validate.validate(hpa, "1.30.0", strict=True)  # the real schema; raises naming the field
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "svc-decode"}
     assert hpa["spec"]["minReplicas"] == 3  # the floor: max(minReplicas, decode.replicas)
@@ -313,11 +315,11 @@ def test_autoscaled_workloads_start_at_their_floor() -> None:
             "decode": {"replicas": 3},
         }
     )
-    assert ch.initial_replicas(spec, "prefill") == 2  # planner: max(minReplicas, replicas)
-    assert ch.initial_replicas(spec, "decode") == 3  # external: the spec's count, at creation only
-    assert ch.autoscaled_workloads("svc", spec) == {("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode")}
-    assert ch.autoscaled_workloads("svc", s.parse_spec({})) == set()
-    assert "autoscaling" not in ch.service_config(spec)  # changing who scales rolls no pod
+    assert initial_replicas(spec, "prefill") == 2  # planner: max(minReplicas, replicas)
+    assert initial_replicas(spec, "decode") == 3  # external: the spec's count, at creation only
+    assert autoscaled_workloads("svc", spec) == {("Deployment", "svc-prefill"), ("StatefulSet", "svc-decode")}
+    assert autoscaled_workloads("svc", s.parse_spec({})) == set()
+    assert "autoscaling" not in service_config(spec)  # changing who scales rolls no pod
 
 
 def test_p_d_band_holds_against_the_decode_that_is_there() -> None:
@@ -329,9 +331,9 @@ def test_p_d_band_holds_against_the_decode_that_is_there() -> None:
         )
     )
     assert spec.autoscaling is not None
-    assert autoscale.in_band(1, 3, spec.autoscaling, spec) == 2  # ceil(0.5 * 3)
-    assert autoscale.in_band(8, 3, spec.autoscaling, spec) == 6
-    assert autoscale.in_band(3, 3, spec.autoscaling, spec) == 3
+    assert inputs.in_band(1, 3, spec.autoscaling, spec) == 2  # ceil(0.5 * 3)
+    assert inputs.in_band(8, 3, spec.autoscaling, spec) == 6
+    assert inputs.in_band(3, 3, spec.autoscaling, spec) == 3
 
 
 # ---- reconciling: an autoscaler's field is not ours -------------------------------------------

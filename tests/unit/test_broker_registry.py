@@ -8,8 +8,8 @@ import pytest
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import EventType, Load, MemberInfo, MemoryRegion, Role, RouterLoad
-from pdserve_operator import autoscale
-from pdserve_operator.broker_registry import Registry, Subscription, WatchEnded
+from pdserve_operator.autoscale.inputs import member_loads
+from pdserve_operator.broker.registry import Registry, Subscription, WatchEnded
 
 SVC = "ns/svc"
 
@@ -85,7 +85,7 @@ async def test_role_filter(registry: Registry) -> None:
 async def test_every_load_received_is_stamped_with_the_brokers_time_and_only_a_change_is_published(
     registry: Registry, clock: FakeClock
 ) -> None:
-    """The autoscaler divides a router's counter increase by these stamps (operator/autoscale.py):
+    """The autoscaler divides a router's counter increase by these stamps (autoscale/inputs.py):
     a keepalive with the same counters is a newer reading (a rate of 0), not nothing."""
     lease = registry.register(SVC, MemberInfo(worker_id="r0", role=Role.ROUTER))
     sub = registry.subscribe(SVC, (), asyncio.get_running_loop())
@@ -100,7 +100,7 @@ async def test_every_load_received_is_stamped_with_the_brokers_time_and_only_a_c
     clock.now += 1.0
     assert registry.keepalive(SVC, lease.lease_id)  # no load sent: the stamp stays the last load's
     assert registry.members(SVC)[0].load_at == 1002.0
-    report = autoscale._loads(registry.members(SVC))[1]["r0"]
+    report = member_loads(registry.members(SVC))[1]["r0"]
     assert report.at == 1002.0 and report.requests == 5
 
 
@@ -240,7 +240,7 @@ def test_invalid_member_is_refused(registry: Registry) -> None:
 
 
 def test_a_service_cannot_register_more_than_max_members(clock: FakeClock) -> None:
-    from pdserve_operator.broker_registry import TooManyMembers
+    from pdserve_operator.broker.registry import TooManyMembers
 
     reg = Registry(ttl_s=10.0, clock=clock, wall_clock=clock, max_members=2)
     first = reg.register("ns/a", prefill("p0"))

@@ -1,5 +1,5 @@
 """The broker's tokens loaded from the services' Secrets when the only operator replica starts
-(operator/pdserve_operator/broker_tokens.py): a restarted operator serves workers'
+(operator/pdserve_operator/broker/tokens.py): a restarted operator serves workers'
 re-registrations before kopf peering lets it reconcile (13 s at the default lifetime)."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import base64
 
 from kube_fake import fake_kube, reconcile, reconciler, service
 
-from pdserve_operator import broker_tokens
-from pdserve_operator import children as ch
-from pdserve_operator.broker_view import NullBrokerView
+from pdserve_operator.broker import tokens as broker_tokens
+from pdserve_operator.broker.view import NullBrokerView
 from pdserve_operator.kube import KINDS, PDIS
+from pdserve_operator.reconcile.children.meta import Owner, secret_name
+from pdserve_operator.reconcile.children.secret import secret as child_secret
 
 
 class Recording(NullBrokerView):
@@ -28,11 +29,11 @@ def test_every_trusted_token_secret_of_every_namespace_is_loaded() -> None:
         kube.inner.create(service("svc", ns))
         reconcile(reconciler(kube, iter([f"token-{ns}"])), ns, "svc")  # the operator made its Secret
     # Not trusted: the right name, but another controller; the right owner kind, but another service's name.
-    foreign = ch.secret(ch.Owner("svc", "c", "u"), "forged")
+    foreign = child_secret(Owner("svc", "c", "u"), "forged")
     foreign["metadata"]["ownerReferences"][0]["kind"] = "Deployment"
     kube.inner.create(foreign)
-    renamed = ch.secret(ch.Owner("other", "d", "u"), "forged")
-    renamed["metadata"]["name"] = ch.secret_name("svc")
+    renamed = child_secret(Owner("other", "d", "u"), "forged")
+    renamed["metadata"]["name"] = secret_name("svc")
     kube.inner.create(renamed)
 
     broker = Recording()
@@ -40,7 +41,7 @@ def test_every_trusted_token_secret_of_every_namespace_is_loaded() -> None:
     assert broker.tokens == {"a/svc": "token-a", "b/svc": "token-b"}
     scoped = Recording()
     assert broker_tokens.preload(kube, scoped, ["b"]) == 1 and scoped.tokens == {"b/svc": "token-b"}
-    secret = kube.inner.get(KINDS["Secret"], "a", ch.secret_name("svc"))
+    secret = kube.inner.get(KINDS["Secret"], "a", secret_name("svc"))
     assert base64.b64decode(secret["data"]["token"]) == b"token-a"  # what was loaded is what is kept
 
 

@@ -215,23 +215,24 @@ def test_service_monitor_scrapes_the_routers_metrics_port() -> None:
 def test_pod_monitor_scrapes_every_prefill_and_decode_pod() -> None:
     """Prefill pods have no Service: a PodMonitor selects the workers the operator labels."""
     from pdserve_common import pod_env as E
-    from pdserve_operator import children as ch
+    from pdserve_operator.reconcile.children.meta import LABEL_COMPONENT, ROLES, Defaults, Owner, labels
+    from pdserve_operator.reconcile.children.pod import pod_template
 
     [monitor] = by_kind(render(*FULL), "PodMonitor")
     assert by_kind(render(), "PodMonitor") == []  # off unless serviceMonitor.enabled
     sel = monitor["spec"]["selector"]
-    assert sel["matchExpressions"] == [{"key": ch.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}]
-    owner = ch.Owner("svc", "team-a", "uid-1")
-    pod_labels = {role: ch.labels(owner.name, role) for role in ch.ROLES}
+    assert sel["matchExpressions"] == [{"key": LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}]
+    owner = Owner("svc", "team-a", "uid-1")
+    pod_labels = {role: labels(owner.name, role) for role in ROLES}
     matches = {
         role: all(lbl.get(k) == v for k, v in sel["matchLabels"].items())
-        and lbl.get(ch.LABEL_COMPONENT) in sel["matchExpressions"][0]["values"]
+        and lbl.get(LABEL_COMPONENT) in sel["matchExpressions"][0]["values"]
         for role, lbl in pod_labels.items()
     }
     assert matches == {"prefill": True, "decode": True, "router": False}  # routers: the ServiceMonitor
     [endpoint] = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics" and endpoint["port"] == "http"
-    template = ch.pod_template(owner, "prefill", s.parse_spec({}), ch.Defaults(image="i", broker_address="b:1"))
+    template = pod_template(owner, "prefill", s.parse_spec({}), Defaults(image="i", broker_address="b:1"))
     ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
     assert ports["http"] == E.HTTP_PORT  # the port worker_app serves /metrics on
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
@@ -252,11 +253,10 @@ def test_deployment_runs_non_root_read_only_with_probes_and_resources() -> None:
 
 
 def test_worker_ports_of_the_pod_contract_are_the_ones_the_policies_name() -> None:
-    from pdserve_operator import children as ch
+    from pdserve_operator.reconcile.children.meta import Defaults, Owner
+    from pdserve_operator.reconcile.children.policy import network_policy
 
-    policy = ch.network_policy(
-        ch.Owner("svc", "ns", "uid"), ch.Defaults(image="i", broker_address="b:1", network_policy=True)
-    )
+    policy = network_policy(Owner("svc", "ns", "uid"), Defaults(image="i", broker_address="b:1", network_policy=True))
     ports = {p["port"] for p in policy["spec"]["ingress"][0]["ports"]}
     assert ports == {pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
 

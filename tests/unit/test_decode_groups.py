@@ -11,11 +11,14 @@ import pytest
 from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 from kube_emulator.schema import admit  # noqa: E402
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
 from pdserve_operator import spec as s
-from pdserve_operator import status as st
 from pdserve_operator.kube import PDIS, KubeError
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile import status as st
+from pdserve_operator.reconcile.children import render
+from pdserve_operator.reconcile.children.meta import LWS_API_VERSION, Owner, secret_name, selector_labels
+from pdserve_operator.reconcile.children.meta import labels as child_labels
+from pdserve_operator.reconcile.children.workloads import autoscaled_workloads
 from support import leaderworkerset as lws
 from support.worker_env import worker_settings
 
@@ -24,8 +27,8 @@ LWS = {"decode": {"replicas": 3, "layerShards": 4, "groupScheduling": "leaderWor
 
 
 def rendered(spec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    owner = ch.Owner("chat", NS, "u-1")
-    return {(o["kind"], o["metadata"]["name"]): o for o in ch.render(owner, s.parse_spec(spec), "t", DEFAULTS)}
+    owner = Owner("chat", NS, "u-1")
+    return {(o["kind"], o["metadata"]["name"]): o for o in render(owner, s.parse_spec(spec), "t", DEFAULTS)}
 
 
 @pytest.mark.parametrize(
@@ -75,7 +78,7 @@ def test_the_leader_worker_set_is_one_unit_per_group_and_passes_the_schema() -> 
     assert spec["leaderWorkerTemplate"]["size"] == 4
     assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"  # a group restarts as one
     template = spec["leaderWorkerTemplate"]["workerTemplate"]
-    assert ch.selector_labels("chat", "decode").items() <= template["metadata"]["labels"].items()
+    assert selector_labels("chat", "decode").items() <= template["metadata"]["labels"].items()
     schema = lws.CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     _, errors = admit(copy.deepcopy(obj), schema)
     assert errors == []
@@ -98,7 +101,7 @@ def test_every_lws_pod_finds_its_group_and_members_from_the_rendered_env() -> No
     kids = rendered(LWS)
     obj = kids[("LeaderWorkerSet", "chat-decode")]
     template = obj["spec"]["leaderWorkerTemplate"]["workerTemplate"]
-    secret = kids[("Secret", ch.secret_name("chat"))]
+    secret = kids[("Secret", secret_name("chat"))]
     seen = {}
     for group in range(3):
         names = lws.pod_names("chat-decode", group, 4)
@@ -133,13 +136,13 @@ def test_hpa_and_autoscaled_workload_name_the_leader_worker_set() -> None:
     }
     hpa = rendered(spec)[("HorizontalPodAutoscaler", "chat-decode")]
     ref = hpa["spec"]["scaleTargetRef"]
-    assert (ref["apiVersion"], ref["kind"]) == (ch.LWS_API_VERSION, "LeaderWorkerSet")
-    assert ("LeaderWorkerSet", "chat-decode") in ch.autoscaled_workloads("chat", s.parse_spec(spec))
+    assert (ref["apiVersion"], ref["kind"]) == (LWS_API_VERSION, "LeaderWorkerSet")
+    assert ("LeaderWorkerSet", "chat-decode") in autoscaled_workloads("chat", s.parse_spec(spec))
 
 
 def test_status_counts_lws_groups_and_needs_no_observed_generation() -> None:
     spec = s.parse_spec(LWS)
-    owner = ch.Owner("chat", NS, "u-1")
+    owner = Owner("chat", NS, "u-1")
     decode = {"kind": "LeaderWorkerSet", "metadata": {"generation": 4}, "spec": {"replicas": 3}}
     decode["status"] = {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 3}  # LWS: no observedGeneration
     assert st.Workload.of(decode).current_generation
@@ -181,7 +184,7 @@ def test_a_reconcile_mid_switch_counts_only_its_own_kinds_pods() -> None:
     LWS labels) match the decode selector too, and must neither crash nor count."""
     kube = fake_kube()
     kube.inner.create(service("chat", NS, LWS))
-    labels = ch.labels("chat", "decode")
+    labels = child_labels("chat", "decode")
     for name, extra in (("chat-decode-5", {}), ("chat-decode-1", {lws.GROUP_INDEX: "1", lws.WORKER_INDEX: "0"})):
         pod = {
             "apiVersion": "v1",

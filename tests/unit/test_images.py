@@ -154,7 +154,7 @@ def test_operator_runs_without_the_dependencies_its_image_leaves_out() -> None:
         "    def find_spec(self, name, path, target=None):\n"
         "        if name.split('.')[0] in BLOCKED: raise ImportError('not in the operator image: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import pdserve_operator.runner, pdserve_operator.handlers, pdserve_operator.broker\n"
+        "import pdserve_operator.runner, pdserve_operator.handlers, pdserve_operator.broker.server\n"
         "from pdserve_worker.cli.main import main\n"
         "sys.exit(main(['crd']))\n"
     )

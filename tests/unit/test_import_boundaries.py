@@ -38,7 +38,7 @@ def imported_by(*modules: str) -> set[str]:
         "pdserve_worker.api.app",
         "pdserve_worker.router.pd_backend",
         "pdserve_operator.handlers",
-        "pdserve_operator.broker",
+        "pdserve_operator.broker.server",
         "pdserve_worker.model.loading.sizing",  # `pdserve info` sizes a model it cannot run
         "pdserve_worker.model.loading.gguf_format",
         "pdserve_worker.model.layers.weight_routes",
@@ -53,7 +53,7 @@ def test_the_router_the_operator_and_the_broker_import_no_torch(module: str) -> 
 def test_the_operator_and_the_common_package_import_nothing_of_the_worker() -> None:
     loaded = imported_by(
         "pdserve_operator.handlers",
-        "pdserve_operator.broker",
+        "pdserve_operator.broker.server",
         "pdserve_operator.runner",
         "pdserve_operator.config_docs",
         "pdserve_common.membership",

@@ -12,17 +12,18 @@ import pytest
 from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 from pdserve_common import pod_env as E
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import PDIS, KubeError
+from pdserve_operator.reconcile.children import render
+from pdserve_operator.reconcile.children.meta import Owner
 
 NS = "team"
 POOL = {"router": {"endpointPickerPort": 9002, "inferencePool": {"enabled": True}}}
 
 
 def rendered(spec: dict) -> dict[tuple[str, str], dict]:
-    owner = ch.Owner("chat", NS, "u-1")
-    return {(o["kind"], o["metadata"]["name"]): o for o in ch.render(owner, s.parse_spec(spec), "t", DEFAULTS)}
+    owner = Owner("chat", NS, "u-1")
+    return {(o["kind"], o["metadata"]["name"]): o for o in render(owner, s.parse_spec(spec), "t", DEFAULTS)}
 
 
 def test_the_pool_selects_the_routers_and_names_their_picker() -> None:

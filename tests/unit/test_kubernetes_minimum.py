@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from chart_tools import render  # noqa: E402
-from pdserve_operator import children as ch  # noqa: E402
 from pdserve_operator import crd  # noqa: E402
 from pdserve_operator import spec as s  # noqa: E402
+from pdserve_operator.reconcile import children  # noqa: E402
+from pdserve_operator.reconcile.children.meta import Defaults, Owner  # noqa: E402
 
 KEP95 = "kubernetes/enhancements keps/sig-api-machinery/95-custom-resource-definitions (CRDs GA as apiextensions.k8s.io/v1 in v1.16)"
 KEP2876 = "kubernetes/enhancements keps/sig-api-machinery/2876-crd-validation-expression-language (alpha v1.23, beta on by default v1.25, GA v1.29)"
@@ -108,9 +109,9 @@ def used_features() -> set[str]:
     docs += list(yaml.safe_load_all((ROOT / "manifests" / "kopf-peering.yaml").read_text()))
     docs += render("--set", "serviceMonitor.enabled=true", "--set", "networkPolicy.enabled=true")
     sample = yaml.safe_load((ROOT / "manifests" / "samples" / "smollm2-cpu.yaml").read_text())
-    owner = ch.Owner(name="x", namespace="default", uid="u")
-    docs += ch.render(
-        owner, s.parse_spec(sample["spec"]), "token", ch.Defaults(image="i", broker_address="b:1", network_policy=True)
+    owner = Owner(name="x", namespace="default", uid="u")
+    docs += children.render(
+        owner, s.parse_spec(sample["spec"]), "token", Defaults(image="i", broker_address="b:1", network_policy=True)
     )
     for doc in docs:
         _object_features(doc, found)

@@ -1,4 +1,4 @@
-"""A decode the operator marks draining (scale-down, autoscale.py) drains itself: the broker's
+"""A decode the operator marks draining (scale-down, autoscale/drain.py) drains itself: the broker's
 KeepAlive reply carries the mark, the worker process's membership (worker_main._Membership)
 starts the same drain /drain does, once, and reports its load (migration counts) at once.
 
@@ -14,7 +14,7 @@ import pytest
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, Role
-from pdserve_operator.broker import BrokerServer
+from pdserve_operator.broker.server import BrokerServer
 from pdserve_worker.process.pod_http import WorkerState
 from pdserve_worker.process.worker_main import _Membership
 from pdserve_worker.rpc.backoff import Backoff

@@ -9,18 +9,20 @@ import json
 import pytest
 
 from pdserve_common import pod_env
-from pdserve_operator import children as ch
-from pdserve_operator import drift
 from pdserve_operator import spec as s
-from pdserve_operator import status as st
+from pdserve_operator.reconcile import children, drift
+from pdserve_operator.reconcile import status as st
+from pdserve_operator.reconcile.children.env import kv_tokens_per_group
+from pdserve_operator.reconcile.children.meta import Defaults, Owner, selector_string
+from pdserve_operator.reconcile.children.secret import token_of
 from support.worker_env import worker_settings
 
-OWNER = ch.Owner(name="svc", namespace="ns", uid="uid-1")
-DEFAULTS = ch.Defaults(image="img:1", broker_address="broker:50070")
+OWNER = Owner(name="svc", namespace="ns", uid="uid-1")
+DEFAULTS = Defaults(image="img:1", broker_address="broker:50070")
 
 
 def render(doc: dict | None = None, token: str = "tok") -> dict[tuple[str, str], dict]:
-    objs = ch.render(OWNER, s.parse_spec(doc or {}), token, DEFAULTS)
+    objs = children.render(OWNER, s.parse_spec(doc or {}), token, DEFAULTS)
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
@@ -201,10 +203,10 @@ def test_scaling_does_not_roll_pods_but_a_setting_does() -> None:
 def test_token_lives_in_the_secret_and_reads_back() -> None:
     sec = render(token="abc123")[("Secret", "svc-broker-token")]
     assert base64.b64decode(sec["data"]["token"]).decode() == "abc123"
-    assert ch.token_of(sec) == "abc123"
-    assert ch.token_of(None) is None and ch.token_of({"data": {"token": "!!"}}) is None
+    assert token_of(sec) == "abc123"
+    assert token_of(None) is None and token_of({"data": {"token": "!!"}}) is None
     with pytest.raises(ValueError):
-        ch.render(OWNER, s.parse_spec({}), "", DEFAULTS)
+        children.render(OWNER, s.parse_spec({}), "", DEFAULTS)
 
 
 def test_drift_ignores_server_defaults_but_sees_edits() -> None:
@@ -281,7 +283,7 @@ def test_phases_from_pending_to_ready() -> None:
     ready = compute(st.Observed(prefill=workload(2), decode=workload(2), router=workload(1), slots_used=3))
     assert ready.phase == "Ready" and ready.slots.summary == "3/8" and ready.decode.replicas == 2
     assert ready.condition("Ready").status == "True" and ready.condition("Progressing").status == "False"
-    assert ready.decode.selector == ch.selector_string("svc", "decode")
+    assert ready.decode.selector == selector_string("svc", "decode")
 
 
 def test_broker_registration_gates_readiness_when_a_broker_runs() -> None:
@@ -336,7 +338,7 @@ def test_transition_times_survive_unchanged_conditions_and_invalid_keeps_counts(
 def test_broker_view_adapts_a_server_with_enum_roles_and_without_slot_tracking() -> None:
     import enum
 
-    from pdserve_operator.broker_view import BrokerServerView, NullBrokerView
+    from pdserve_operator.broker.view import BrokerServerView, NullBrokerView
 
     class Role(str, enum.Enum):
         PREFILL = "prefill"
@@ -429,7 +431,7 @@ def test_kv_blocks_and_the_prefix_cache_reach_the_pods_and_kv_tokens_the_status(
     assert prefill.prefix_cache_tokens == 4096
     # Unset kvTokens: the memory of the slots; status counts it per ready group.
     spec = s.parse_spec({"model": {"maxLength": 1024}, "decode": {"replicas": 2, "slots": 4}})
-    assert ch.kv_tokens_per_group(spec) == 4 * 1024
+    assert kv_tokens_per_group(spec) == 4 * 1024
     status = compute(
         st.Observed(prefill=workload(1), decode=workload(2), router=workload(1), kv_tokens_used=1500), spec=spec
     )

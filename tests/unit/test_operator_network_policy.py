@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 from pdserve_common import pod_env
-from pdserve_operator import children as ch
-from pdserve_operator import drift
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile import children, drift
+from pdserve_operator.reconcile.children.meta import (
+    LABEL_INSTANCE,
+    OPERATOR_POD_LABELS,
+    Defaults,
+    Owner,
+    selector_labels,
+)
+from pdserve_operator.reconcile.children.policy import network_policy as child_network_policy
 from pdserve_operator.runtime import OperatorConfig, build_runtime
 
-OWNER = ch.Owner(name="svc", namespace="team", uid="uid-1")
+OWNER = Owner(name="svc", namespace="team", uid="uid-1")
 
 
 def render(network_policy: bool) -> dict[tuple[str, str], dict]:
-    defaults = ch.Defaults(image="img:1", broker_address="b:1", network_policy=network_policy, operator_namespace="ops")
-    return {(o["kind"], o["metadata"]["name"]): o for o in ch.render(OWNER, s.parse_spec({}), "tok", defaults)}
+    defaults = Defaults(image="img:1", broker_address="b:1", network_policy=network_policy, operator_namespace="ops")
+    return {(o["kind"], o["metadata"]["name"]): o for o in children.render(OWNER, s.parse_spec({}), "tok", defaults)}
 
 
 def test_policy_is_on_unless_the_operator_is_told_otherwise() -> None:
     """Real HIXL does not authenticate transfer peers: the policy is the KV plane's fence."""
-    assert ch.Defaults(image="i", broker_address="b:1").network_policy is True
+    assert Defaults(image="i", broker_address="b:1").network_policy is True
     assert OperatorConfig(kubeconfig="unused").network_policy is True
 
 
@@ -33,7 +40,7 @@ def test_grpc_and_transfer_ports_only_from_the_service_and_the_operator() -> Non
     policy = render(True)[("NetworkPolicy", "svc-workers")]
     assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     spec = policy["spec"]
-    assert spec["podSelector"]["matchLabels"] == ch.selector_labels("svc")
+    assert spec["podSelector"]["matchLabels"] == selector_labels("svc")
     assert spec["policyTypes"] == ["Ingress"]
     private, public = spec["ingress"]
     assert {p["port"] for p in private["ports"]} == {pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
@@ -42,15 +49,15 @@ def test_grpc_and_transfer_ports_only_from_the_service_and_the_operator() -> Non
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": "svc"}}
     }
     assert operator["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ops"}
-    assert operator["podSelector"]["matchLabels"] == ch.OPERATOR_POD_LABELS
+    assert operator["podSelector"]["matchLabels"] == OPERATOR_POD_LABELS
     # The HTTP port (OpenAI API on routers, probes, metrics) stays reachable; nothing else is listed.
     assert public == {"ports": [{"port": pod_env.HTTP_PORT, "protocol": "TCP"}]}
 
 
 def test_policy_of_another_service_does_not_admit_this_one() -> None:
-    other = ch.network_policy(ch.Owner("other", "team", "uid-2"), ch.Defaults(image="i", broker_address="b:1"))
+    other = child_network_policy(Owner("other", "team", "uid-2"), Defaults(image="i", broker_address="b:1"))
     peers = other["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
-    assert peers[ch.LABEL_INSTANCE] == "other" and peers != ch.selector_labels("svc")
+    assert peers[LABEL_INSTANCE] == "other" and peers != selector_labels("svc")
 
 
 def test_live_policy_with_defaulted_fields_is_not_drift() -> None:
@@ -99,8 +106,8 @@ def test_operator_settings_reach_the_children_defaults() -> None:
 
 def test_a_routers_endpoint_picker_port_is_open_like_its_api() -> None:
     """#34: the gateway dials the picker from its own namespace (docs/gateway.md)."""
-    defaults = ch.Defaults(image="img:1", broker_address="b:1", network_policy=True, operator_namespace="ops")
-    objs = ch.render(OWNER, s.parse_spec({"router": {"endpointPickerPort": 9002}}), "tok", defaults)
+    defaults = Defaults(image="img:1", broker_address="b:1", network_policy=True, operator_namespace="ops")
+    objs = children.render(OWNER, s.parse_spec({"router": {"endpointPickerPort": 9002}}), "tok", defaults)
     policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
     private, public = policy["spec"]["ingress"]
     assert public == {"ports": [{"port": pod_env.HTTP_PORT, "protocol": "TCP"}, {"port": 9002, "protocol": "TCP"}]}

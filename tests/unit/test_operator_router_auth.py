@@ -6,16 +6,17 @@ told where it is, and the admission settings and replica count reach the router'
 from __future__ import annotations
 
 from pdserve_common import pod_env as E
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile.children.meta import Defaults, Owner
+from pdserve_operator.reconcile.children.pod import pod_template
 from pdserve_worker.serving.settings import WorkerSettings
 
-OWNER = ch.Owner(name="svc", namespace="team", uid="uid-1")
-DEFAULTS = ch.Defaults(image="img:1", broker_address="b:1")
+OWNER = Owner(name="svc", namespace="team", uid="uid-1")
+DEFAULTS = Defaults(image="img:1", broker_address="b:1")
 
 
 def _pod(spec: s.PDInferenceServiceSpec, role: str) -> dict:
-    return ch.pod_template(OWNER, role, spec, DEFAULTS)["spec"]
+    return pod_template(OWNER, role, spec, DEFAULTS)["spec"]
 
 
 def _env(pod: dict) -> dict[str, str]:

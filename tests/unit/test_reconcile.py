@@ -13,23 +13,32 @@ import threading
 import pytest
 from kube_fake import DEFAULTS, NOW, Action, Recorder, fake_kube, reconcile, reconciler, service
 
-from pdserve_operator import children as ch
-from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
+from pdserve_operator.reconcile import drift
+from pdserve_operator.reconcile.children import render
+from pdserve_operator.reconcile.children.autoscaling import scaling_adapter
+from pdserve_operator.reconcile.children.meta import (
+    Owner,
+    owner_reference,
+    secret_name,
+    selector_labels,
+    selector_string,
+)
+from pdserve_operator.reconcile.children.secret import token_of
 
 NS = "team"
 
 
-def seeded(spec: dict | None = None, name: str = "svc") -> tuple[Recorder, ch.Owner]:
+def seeded(spec: dict | None = None, name: str = "svc") -> tuple[Recorder, Owner]:
     kube = fake_kube()
     made = kube.inner.create(service(name, NS, spec))
-    return kube, ch.Owner(name=name, namespace=NS, uid=made["metadata"]["uid"])
+    return kube, Owner(name=name, namespace=NS, uid=made["metadata"]["uid"])
 
 
-def rendered(owner: ch.Owner, spec: dict | None = None, token: str = "tok-1") -> list[dict]:
-    return ch.render(owner, s.parse_spec(spec or {}), token, DEFAULTS)
+def rendered(owner: Owner, spec: dict | None = None, token: str = "tok-1") -> list[dict]:
+    return render(owner, s.parse_spec(spec or {}), token, DEFAULTS)
 
 
 def status_of(kube: Recorder, name: str = "svc") -> dict:
@@ -47,12 +56,12 @@ def test_an_empty_namespace_gets_every_child_created_and_one_status_patch() -> N
     out = reconcile(reconciler(kube), NS, "svc")
 
     children = rendered(owner)
-    adapters = [ch.scaling_adapter(owner, role, 1) for role in ("prefill", "decode")]
+    adapters = [scaling_adapter(owner, role, 1) for role in ("prefill", "decode")]
     expected = [Action("get", s.KIND, NS, "svc")]
     for obj in adapters:  # first, so that a scaled adapter moves the spec this reconcile works from
         expected += [Action("get", obj["kind"], NS, obj["metadata"]["name"])]
         expected += [Action("create", obj["kind"], NS, obj["metadata"]["name"], body=obj)]
-    expected.append(Action("get", "Secret", NS, ch.secret_name("svc")))
+    expected.append(Action("get", "Secret", NS, secret_name("svc")))
     for obj in children:
         name = obj["metadata"]["name"]
         if obj["kind"] != "Secret":  # read once already, for the token
@@ -64,7 +73,7 @@ def test_an_empty_namespace_gets_every_child_created_and_one_status_patch() -> N
         ("patch", "PDScalingAdapter", f"svc-{role}", "status") for role in ("prefill", "decode")
     ]
     assert reports[0].body == {
-        "status": {"replicas": 0, "selector": ch.selector_string("svc", "prefill"), "observedGeneration": 1}
+        "status": {"replicas": 0, "selector": selector_string("svc", "prefill"), "observedGeneration": 1}
     }
     assert (patch.verb, patch.kind, patch.name, patch.sub) == ("patch", s.KIND, "svc", "status")
     assert patch.body["status"]["phase"] == "Pending" and patch.body["status"]["observedGeneration"] == 1
@@ -259,7 +268,7 @@ def test_a_resource_gone_or_being_deleted_is_left_to_the_garbage_collector() -> 
 def test_sharded_decode_lists_its_pods_to_count_complete_groups() -> None:
     kube, owner = seeded({"decode": {"replicas": 2, "layerShards": 2}})
     pods = KINDS["Pod"]
-    labels, selector = ch.selector_labels("svc", "decode"), ch.selector_string("svc", "decode")
+    labels, selector = selector_labels("svc", "decode"), selector_string("svc", "decode")
     for ordinal in range(4):  # group 0 complete, group 1 half ready
         ready = "True" if ordinal < 3 else "False"
         kube.inner.create(
@@ -317,7 +326,7 @@ def test_a_broker_token_secret_owned_by_someone_else_is_not_trusted() -> None:
     rec = reconciler(kube)
     out = reconcile(rec, NS, "svc")
     assert rec.broker.tokens == {f"{NS}/svc": "tok-1"}  # type: ignore[attr-defined]
-    secret = ch.secret_name("svc")
+    secret = secret_name("svc")
     assert out is not None and out.conflicts == [f"Secret/{secret}"] and out.phase == "Degraded"
     assert [a.verb for a in kube.actions if a.kind == "Secret"] == ["get"]
 
@@ -331,6 +340,6 @@ def test_an_orphaned_broker_token_secret_is_adopted_with_its_token() -> None:
     rec = reconciler(kube)
     reconcile(rec, NS, "svc")
     assert rec.broker.tokens == {f"{NS}/svc": "kept"}  # type: ignore[attr-defined]
-    live = kube.inner.get(KINDS["Secret"], NS, ch.secret_name("svc"))
-    assert live is not None and ch.token_of(live) == "kept"
-    assert live["metadata"]["ownerReferences"] == [ch.owner_reference(owner)]
+    live = kube.inner.get(KINDS["Secret"], NS, secret_name("svc"))
+    assert live is not None and token_of(live) == "kept"
+    assert live["metadata"]["ownerReferences"] == [owner_reference(owner)]

@@ -21,11 +21,12 @@ import pytest
 from kube_fake import Action, MemoryKube, Recorder, reconcile, reconciler, service
 
 from kube_emulator import EmulatorThread
-from pdserve_operator import children as ch
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.crd import build_adapter_crd, build_crd
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, RestKubeClient
+from pdserve_operator.reconcile.children import render
+from pdserve_operator.reconcile.children.meta import Owner, selector_labels
 
 NS = "agree"
 Steps = dict[str, list[Action]]
@@ -66,10 +67,10 @@ def scenario(kube: Recorder) -> Steps:
             Action(**{**a, "body": tuple(a["body"]) if a["verb"] == "event" else a["body"]}) for a in json.loads(text)
         ]
 
-    def add_service(name: str, spec: dict[str, Any] | None = None) -> ch.Owner:
+    def add_service(name: str, spec: dict[str, Any] | None = None) -> Owner:
         inner.create(service(name, NS, spec))
         uids[_uid(inner, s.KIND, name)] = name
-        return ch.Owner(name, NS, _uid(inner, s.KIND, name))
+        return Owner(name, NS, _uid(inner, s.KIND, name))
 
     add_service("svc", {"decode": {"layerShards": 2}})
     step("empty namespace", "svc")
@@ -78,7 +79,7 @@ def scenario(kube: Recorder) -> Steps:
     step("hand edit", "svc", lambda: inner.merge_patch(sts, NS, "svc-decode", {"spec": {"replicas": 7}}))
 
     raced = add_service("raced")
-    config = next(o for o in ch.render(raced, s.parse_spec({}), "tok-9", rec.defaults) if o["kind"] == "ConfigMap")
+    config = next(o for o in render(raced, s.parse_spec({}), "tok-9", rec.defaults) if o["kind"] == "ConfigMap")
     edited = {**config, "data": {k: "edited" for k in config["data"]}}
     kube.on("create", "ConfigMap", config["metadata"]["name"], before=lambda i: i.create(edited))
     step("create raced", "raced")
@@ -90,7 +91,7 @@ def scenario(kube: Recorder) -> Steps:
     uids[other["metadata"]["uid"]] = "other-owner"
     theirs = next(
         o
-        for o in ch.render(foreign, s.parse_spec({}), "x", rec.defaults)
+        for o in render(foreign, s.parse_spec({}), "x", rec.defaults)
         if o["kind"] == "Service" and o["metadata"]["name"] == "foreign"
     )
     theirs["metadata"]["ownerReferences"] = [
@@ -113,7 +114,7 @@ def scenario(kube: Recorder) -> Steps:
                 {
                     "apiVersion": "v1",
                     "kind": "Pod",
-                    "metadata": {"name": name, "namespace": NS, "labels": ch.selector_labels(owner, "decode")},
+                    "metadata": {"name": name, "namespace": NS, "labels": selector_labels(owner, "decode")},
                 }
             )
             inner.merge_patch(

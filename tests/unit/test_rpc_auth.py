@@ -202,7 +202,7 @@ async def test_the_policy_refuses_a_role_before_the_handler_and_tells_the_handle
 
 def test_a_live_member_is_replaced_only_with_its_own_lease() -> None:
     from pdserve_common.membership import MemberInfo, Role
-    from pdserve_operator.broker_registry import MemberTaken, Registry
+    from pdserve_operator.broker.registry import MemberTaken, Registry
 
     registry = Registry(ttl_s=10.0)
     info = MemberInfo(worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint="10.0.0.1:1")

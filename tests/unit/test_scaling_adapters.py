@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from kube_fake import fake_kube, reconcile, reconciler, service
 
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
-from pdserve_operator.scaling_adapters import ADAPTER_IGNORED, CRD_RECHECK_S, SCALE_REFUSED, Decision, decide
+from pdserve_operator.reconcile.children.autoscaling import scaling_adapter
+from pdserve_operator.reconcile.children.meta import Owner
+from pdserve_operator.reconcile.scaling_adapters import ADAPTER_IGNORED, CRD_RECHECK_S, SCALE_REFUSED, Decision, decide
 
 ADAPTER = KINDS["PDScalingAdapter"]
 NS = "team"
@@ -110,7 +111,7 @@ def test_without_the_adapter_crd_the_service_is_served_and_told_once() -> None:
 def test_an_adapter_another_controller_owns_is_left_alone() -> None:
     kube = fake_kube()
     kube.inner.create(service("svc", NS))
-    theirs = ch.scaling_adapter(ch.Owner("svc", NS, "someone-else"), "prefill", 7)
+    theirs = scaling_adapter(Owner("svc", NS, "someone-else"), "prefill", 7)
     kube.inner.create(theirs)
     reconcile(reconciler(kube), NS, "svc")
     assert [a.verb for a in kube.actions if (a.kind, a.name) == ("PDScalingAdapter", "svc-prefill")] == ["get"]

@@ -12,8 +12,9 @@ import pytest
 
 from pdserve_common import pod_env as E
 from pdserve_common import tracing
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile.children import render
+from pdserve_operator.reconcile.children.meta import Defaults, Owner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,14 +126,14 @@ def test_sampling_ratio_zero_records_nothing_and_follows_the_parent(tmp_path) ->
 
 
 def test_spec_observability_tracing_reaches_every_pod() -> None:
-    owner = ch.Owner(name="svc", namespace="ns", uid="u")
+    owner = Owner(name="svc", namespace="ns", uid="u")
     on = s.parse_spec({"observability": {"tracing": {"endpoint": "http://otel:4317", "sampleRatio": 0.25}}})
     off = s.parse_spec({})
-    defaults = ch.Defaults(image="img:1", broker_address="broker:50070")
+    defaults = Defaults(image="img:1", broker_address="broker:50070")
 
     def envs(spec: s.PDInferenceServiceSpec) -> list[dict[str, str]]:
         out = []
-        for obj in ch.render(owner, spec, "tok", defaults):
+        for obj in render(owner, spec, "tok", defaults):
             if obj["kind"] in ("Deployment", "StatefulSet"):
                 container = obj["spec"]["template"]["spec"]["containers"][0]
                 out.append({e["name"]: e.get("value") for e in container["env"]})

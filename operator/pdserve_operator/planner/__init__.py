@@ -1,18 +1,13 @@
 """The planner: a performance model of PD serving and the replica decisions built on it.
 
-Pure functions and frozen data only — no torch, no worker package, no I/O beyond reading a
-profile or config file that the caller names — so the operator, `pdserve plan` and the
-benchmarks all run the same model:
-
-- `model_shape`: a decoder's geometry (from an HF config.json or a built-in) → bytes and FLOPs.
-- `profile`: a hardware profile (FLOP/s, memory and link bandwidth, overheads), YAML/JSON.
-- `workload`: arrival rate, prompt/output length distributions, SLO targets.
-- `perf`: model × profile → prefill seconds for a prompt, decode step seconds for a batch.
-- `queueing`: M/G/c prefill waits (Allen–Cunneen, exact P–K at c=1), decode batch fixed point.
-- `predict`: (P, D) → predicted TTFT/TPOT, utilisation, KV occupancy.
-- `decide`: the smallest (P, D) that meets the SLOs within bounds and a P:D band.
-- `controller`: one step of the stateful autoscaler (stabilisation windows), pure.
-- `simulate`: a discrete-event simulation of the same system, for traces and benchmarks.
+Pure functions and frozen data only (no torch, no worker package, no I/O beyond a profile or
+config file the caller names), so the operator, `pdserve plan` and the benchmarks run the same
+model: `model_shape` (a decoder's geometry → bytes and FLOPs), `profile` (a hardware profile),
+`workload` (arrival rate, length distributions, SLO), `perf` (model × profile → prefill and
+decode step seconds), `queueing` (M/G/c prefill waits, the decode batch distribution),
+`predict` ((P, D) → predicted TTFT/TPOT, utilisation, KV occupancy), `decide` (the smallest
+(P, D) that meets the SLOs within bounds and a P:D band), `controller` (one step of the
+stateful autoscaler, pure) and `simulate` (a discrete-event simulation of the same system).
 """
 
 from pdserve_operator.planner.controller import (

@@ -2,26 +2,14 @@
 
 Pure: the caller (the operator, or the benchmark's simulation) keeps the `PlannerState` that a
 step returns and passes it to the next step. Nothing here reads a clock or the cluster.
-
-Each step:
-1. Estimates the demand: the routers' admitted request rate (or, without it, Little's law on
-   the decodes' occupied slots) and mean prompt/output lengths, which stretch the configured
-   length distributions.
-2. Corrects the model with what the routers measured: the ratio observed ÷ predicted of TTFT
-   and of TPOT at the current counts (enough samples, every replica ready), smoothed and
-   clamped, divides the SLO targets the model must meet — so a model that is 1.5× optimistic
-   plans as if the SLO were 1.5× tighter (the correction-factor approach of Dynamo's planner).
-3. Recommends the smallest (P, D) for that demand (`decide.plan_replicas`).
-4. Stabilises each role apart, as the HPA's `behavior` does: a role goes **up** to the lowest
-   recommendation of the last `up_window_s` (up at once when that window is 0), and goes
-   **down** only to the highest recommendation of the last `down_window_s`, and only once the
-   controller has watched for a whole down window. A load that oscillates faster than the down
-   window therefore makes at most one change (the first scale-up) and holds it; after a drop
-   the roles stay up for the window, then come down in one step.
-5. Keeps the pair within the bounds and the P:D band, raising the role that is short.
-
-Scale-down of either role is the operator's to carry out through the drain (a decode finishes
-its running requests, a prefill its queue); this step only says how many.
+Each step estimates the demand (the routers' request rate, else Little's law on the decodes'
+slots), corrects the model by what the routers measured (observed ÷ predicted TTFT and TPOT,
+smoothed and clamped, tightens the SLO the model must meet), recommends the smallest (P, D)
+for that demand (`decide.plan_replicas`), stabilises each role as the HPA's `behavior` does
+(up to the lowest recommendation of `up_window_s`, down only to the highest of
+`down_window_s`), and keeps the pair within the bounds and the P:D band.
+Scale-down is the operator's to carry out through the drain; this step only says how many.
+The steps in detail: docs/planner.md.
 """
 
 from __future__ import annotations

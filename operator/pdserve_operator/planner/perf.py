@@ -1,35 +1,15 @@
 """Service times of one replica: model shape × hardware profile → seconds.
 
-A forward pass runs two kinds of kernels one after the other: the weight GEMMs (every
-layer's projections and MLP, the LM head) and attention over the KV. Each is bounded by its
-own roofline — `combine(compute, memory)` — and the pass is their sum plus fixed overheads:
-
-    gemm(rows)   = combine(rows · matmul FLOPs/token / matmul FLOP/s,  weights / memory bandwidth)
-    prefill(n)   = overhead + gemm(n) + layers · attention overhead + causal attention(n) / attention FLOP/s
-    service(n)   = prefill(n) + exposed KV push      (the prefill worker sends the ready notify
-                                                      after the last put completed: busy until then)
-    step(B, C)   = overhead + B · layers · sequence overhead + gemm(B)
-                   + combine(attention(C) / attention FLOP/s, C · kv bytes/token / memory bandwidth)
-
-with overhead = step overhead + layers · layer overhead, C the context tokens of the whole
-batch, and the LM head computed for the last prompt position only in prefill.
-
-A tensor-parallel prefill instance of t devices (`prefill_tp`) splits the layers' FLOPs and
-weight reads t ways (the embedding and LM head stay whole on every rank, as the engine does:
-model/layers/tensor_parallel.py) and adds two all_reduces per layer of n × hidden values, each
-a ring: 2(t−1)/t of the bytes over the collective bandwidth plus its latency. Each rank
-pushes its own KV heads over its own link, so min(t, KV heads) links carry a prompt's KV at
-once (past t = KV heads the heads are replicated, and a replica pushes nothing). A
-tensor-parallel decode (`decode_tp`) splits a step the same way: each device reads 1/t of the
-layers' weights and of the KV, plus two all_reduces per layer of the batch's rows. The KV push of
-n tokens moves n · kv bytes/token over the link; with `overlap_transfer` only the last layer
-chunk's share is exposed (the others went while later chunks computed).
-
-`combine` is the roofline max where a kernel overlaps its arithmetic with its memory traffic
-(accelerators), or the sum (`overlap_compute_memory` false: the CPU measured here, where a
-decode step's GEMMs at batch 8 took weights/bandwidth + FLOPs/FLOP/s, 54 ms against 25 + 28
-predicted — benchmarks/README.md). Memory-bound at a small batch (the weight read
-dominates), which is why TPOT depends on the batch.
+A forward pass is the weight GEMMs plus attention over the KV, each bounded by its own
+roofline, `combine(compute, memory)`: the max where a kernel overlaps its arithmetic with its
+memory traffic (accelerators), the sum where it does not (`overlap_compute_memory` false: CPU),
+plus fixed step, layer and sequence overheads. `prefill_seconds(n)` and
+`decode_step_seconds(B, C)` (C: the context tokens of the whole batch) are that sum; a
+prefill's service time adds the exposed KV push (all of it, or with `overlap_transfer` only the
+last layer chunk's share). A tensor-parallel instance (`prefill_tp`, `decode_tp`) splits the
+layers' FLOPs and weight reads t ways and adds two ring all_reduces per layer.
+The formulas and why they hold: docs/planner.md; what they were checked against:
+benchmarks/README.md ("Planner model").
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Predicted TTFT and TPOT of a (P prefill, D decode) deployment under a workload.
 
 TTFT = request overhead + prefill queue wait + prefill service (compute + exposed KV push)
-       + the wait for the decode's current step to end (the first token, sampled by prefill,
-       is dispatched between two decode steps: `decode/generation_loop.py`).
+       + the wait for the decode's current step to end (the first token is dispatched between
+       two decode steps: `decode/generation_loop.py`).
 TPOT = the decode step time a request sees (one token per step per sequence).
 
-The wait + service part of TTFT is a proper convolution: the wait (an atom at zero plus an
-exponential tail, `queueing.py`) with the service-time points of the prompt lengths, and its
-quantiles are found by bisection on that distribution. The first-token dispatch adds half a
-step on average and a whole step at the quantile. The mean TPOT follows from Little's law
-on the decode batch (E[N] / (λ_d · K)); its q-quantile is the step time at the q-quantile of
-the batch a request joins (an upper bound: a TPOT averages its steps).
-
-KV capacity: the router reserves a decode slot before the prefill starts and the slot is
-freed when the answer is complete, so a slot is held for the prefill wait and service plus
-the decode — more than the decode batch. Slots in use at a decode = requests still before
-their first token (M/G/∞: Poisson) + the batch (π, `queueing.batch_distribution`); the
-q-quantile of that sum must fit in the decode's capacity, or requests would wait for slots.
+Wait + service is a convolution (the wait of `queueing.py` with the service times of the prompt
+lengths), its quantiles found by bisection. The TPOT's q-quantile is the step time at the
+q-quantile of the batch a request joins (an upper bound). KV capacity: a slot is held from
+before the prefill to the answer's end, so the q-quantile of the slots in use (requests before
+their first token, M/G/∞, plus the batch) must fit the decode's capacity.
+The model in detail: docs/planner.md.
 """
 
 from __future__ import annotations

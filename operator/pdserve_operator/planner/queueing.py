@@ -1,27 +1,15 @@
 """Queueing formulas the planner predicts with, each with the reason it applies.
 
-Prefill: M/G/c. Arrivals are modelled as Poisson (many independent clients). A prefill worker
-computes one prompt at a time, FCFS (`prefill/worker.py`), and the router sends each prompt to
-the prefill with the shortest queue (`router/placement.rank_prefills`); join-the-shortest-queue
-behaves close to one central queue served by c workers, hence M/G/c rather than c separate
-M/G/1 queues. Service times vary a lot with the prompt length (squared coefficient of
-variation up to ~1 for mixed short/long prompts), so M/D/c would be optimistic. The mean wait
-is the Allen–Cunneen approximation — Erlang C scaled by (1 + Cs²)/2 — which is exact for
-M/M/c and, at c = 1, is exactly Pollaczek–Khinchine (M/G/1). The wait's tail is taken as
-exponential behind the atom at zero (exact for M/M/c): P(W > t) = P(wait) · exp(-t · P(wait) / E[W]).
+Prefill: M/G/c (Poisson arrivals, one prompt at a time per worker, join-the-shortest-queue
+routing close to one central queue). The mean wait is Allen–Cunneen (Erlang C scaled by
+(1 + Cs²)/2; exact for M/M/c and, at c = 1, Pollaczek–Khinchine); its tail is exponential
+behind the atom at zero: P(W > t) = P(wait) · exp(-t · P(wait) / E[W]).
 
-Decode: continuous batching is processor sharing. A decode runs steps back to back while it
-holds sequences, and every sequence in the batch gets one token per step: with n sequences
-the decode serves n / t(n) tokens per second in total, shared equally (t = the step time at
-batch n, `perf.decode_step_seconds`). Processor sharing with a state-dependent total rate is
-a symmetric queue, hence insensitive: the stationary number of sequences depends on the
-work per request only through its mean K (decode steps per request), and is the birth-death
-distribution π(n) ∝ Π_{k≤n} λ_d · K · t(k) / k. With a constant step time that is
-Poisson(λ_d · K · t); a step time growing with the batch spreads it (measured in the
-simulation: variance 1.75× the mean at B ≈ 8). It exists iff λ_d · K · t(n) / n stays below
-1 for large n. A request arriving sees π (PASTA), so its batch is 1 + N, N ~ π; the step
-time at the q-quantile of that bounds its TPOT's q-quantile from above (a TPOT averages its
-steps).
+Decode: continuous batching is processor sharing with a state-dependent rate, a symmetric
+queue, so the number of sequences is π(n) ∝ Π_{k≤n} λ_d · K · t(k) / k (K: decode steps per
+request, t(k): the step time at batch k). A request's batch is 1 + N, N ~ π (PASTA); the step
+time at its q-quantile bounds the TPOT's q-quantile from above.
+Derivations: docs/planner.md; measurements: benchmarks/README.md ("Planner model").
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """A discrete-event simulation of a PD deployment, driven by the same service-time model.
 
-The analytic prediction (`predict`) is for steady Poisson load; a given trace (the serving
-benchmark's 12 requests) or a day of changing load with replicas coming and going needs the
-system itself. The simulation follows pdserve's request road:
-
-- the router reserves a slot on the decode with the most free slots (`placement.rank_decodes`),
-  waiting while none is free (a 429 the client retries), then sends the prompt to the prefill
-  with the shortest queue (`placement.rank_prefills`);
-- a prefill computes one prompt at a time, FCFS, busy for `ServingModel.prefill_service_seconds`;
-- the decode dispatches the first token (sampled by prefill) between two steps, then runs
-  continuous-batching steps of `ServingModel.decode_step_seconds(B, context)`; a sequence
-  leaves after its output tokens and frees its slot.
-
-Decode steps are simulated in runs ("macro steps") between changes of the batch: the batch is
-constant until its first sequence finishes, and a step's time is linear in the context, which
-grows by B per step, so the end of the k-th step is k·a + b·k(k−1)/2 exactly. A sequence that
-arrives mid-run cuts the run at the next step boundary. That makes a simulated day of load a
-few seconds of CPU instead of millions of step events.
-
-Replicas can be added (ready after `startup_s`) and removed (a draining replica takes no new
-work and leaves when idle, as the drain does); replica-seconds count from creation to exit.
+The analytic prediction (`predict`) is for steady Poisson load; a given trace or a day of
+changing load with replicas coming and going needs the system itself. The simulation follows
+pdserve's request road: a slot on the decode with the most free slots, the prompt to the
+prefill with the shortest queue, one prompt at a time per prefill, continuous-batching decode
+steps of `ServingModel.decode_step_seconds(B, context)`. Decode steps are simulated in runs
+between changes of the batch (closed form), so a simulated day is seconds of CPU. Replicas can
+be added (ready after `startup_s`) and removed (a draining replica takes no new work and leaves
+when idle); replica-seconds count from creation to exit. The model in detail: docs/planner.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A custom resource has exactly one scale subresource, and PDInferenceService's is
 groups; prefill could not be scaled by kubectl, an HPA or KEDA at all. Dynamo answers this with
 one small adapter object per role, each with its own /scale; so does pdserve. The operator
 makes one per role (`NAME-prefill`, `NAME-decode`), owned by the service, and keeps its
-`spec.replicas` and the service's `spec.<role>.replicas` equal (scaling_adapters.py says who
+`spec.replicas` and the service's `spec.<role>.replicas` equal (reconcile/scaling_adapters.py says who
 wins when both moved). The object holds no configuration of its own: it is a handle.
 """
 

@@ -67,7 +67,7 @@ def load_tokens(tokens_file: Path | None, env: dict[str, str] | os._Environ) -> 
 def run(args: argparse.Namespace) -> int:
     from pdserve_common import logs
     from pdserve_common.auth import TLSConfig
-    from pdserve_operator.broker import BrokerServer
+    from pdserve_operator.broker.server import BrokerServer
 
     log = logs.setup("broker")
     try:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve_common.pod_env import ordinal_of
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile.children.meta import LWS_GROUP_INDEX, LWS_WORKER_INDEX, workload_name
+from pdserve_operator.reconcile.children.workloads import decode_kind
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class DecodeWorkload:
     def runs(self, pod: dict[str, Any]) -> bool:
         """Whether this workload runs the pod: during a switch of groupScheduling the pods of
         the other kind still match the decode selector until they are gone."""
-        lws = ch.LWS_GROUP_INDEX in ((pod.get("metadata") or {}).get("labels") or {})
+        lws = LWS_GROUP_INDEX in ((pod.get("metadata") or {}).get("labels") or {})
         return lws == (self.kind == "LeaderWorkerSet")
 
     def place(self, pod: dict[str, Any]) -> int:
@@ -69,11 +70,11 @@ class DecodeWorkload:
             return ordinal_of(meta["name"])
         lbl = meta.get("labels") or {}
         try:
-            return int(lbl[ch.LWS_GROUP_INDEX]) * self.shards + int(lbl[ch.LWS_WORKER_INDEX])
+            return int(lbl[LWS_GROUP_INDEX]) * self.shards + int(lbl[LWS_WORKER_INDEX])
         except (KeyError, ValueError) as exc:
             raise ValueError(f"pod {meta.get('name')!r} lacks the LeaderWorkerSet index labels: {exc}") from exc
 
 
 def of(name: str, spec: s.PDInferenceServiceSpec) -> DecodeWorkload:
     """The decode workload of service `name` as its spec asks for it."""
-    return DecodeWorkload(ch.decode_kind(spec)[1], ch.workload_name(name, "decode"), spec.decode.layer_shards)
+    return DecodeWorkload(decode_kind(spec)[1], workload_name(name, "decode"), spec.decode.layer_shards)

@@ -1,28 +1,14 @@
 """Each role's PDScalingAdapter and the service's `spec.<role>.replicas`, kept equal.
 
-Two objects hold one number, so each reconcile decides which one moved (`decide`, pure):
-- the adapter's `metadata.generation` is ahead of its `status.observedGeneration`: someone
-  scaled the adapter (kubectl scale, an HPA, KEDA) since the operator last took its value →
-  the service's `spec.<role>.replicas` takes it, by a merge patch of the PDInferenceService.
-  Everything downstream is then the path `kubectl edit pdis` takes: a decode scale-down drains
-  the groups that go first; with the planner driving the role the value is its floor.
-- otherwise the service's spec moved (kubectl edit, `kubectl scale pdis`) → the adapter takes
-  it, by a patch carrying the adapter's resourceVersion: a scale landing between our read and
-  our write fails it with 409, and the next reconcile lets that scale win.
-- a value the service refuses (422: above `autoscaling.<role>.maxReplicas`, say) → a Warning
-  Event `ScaleRefused` naming the adapter and the value, and the adapter goes back to the
-  service's value — so an HPA that asks for too much sees the count it has, not a lie.
-
-A role whose autoscaling driver is `external` belongs to another controller: a scaled adapter
-still writes the spec (the count at creation), and a Warning Event `AdapterIgnored` says that
-nothing running changed.
-
-Status (what an HPA reads through /scale): `replicas` is the role's current count (prefill
-pods, decode groups), `selector` its pods. An adapter never synced (no status yet) loses to
-the service. Adapters another controller owns are left alone. Where the CRD is missing
-(`helm upgrade` never updates a chart's crds/), the operator logs it once per service and
-serves on without adapters, looking again every CRD_RECHECK_S (5 min; not at every reconcile):
-apply manifests/crd.yaml to get them.
+Two objects hold one number, so each reconcile decides which one moved (`decide`, pure): an
+adapter scaled since the operator last took its value (generation ahead of observedGeneration)
+→ the service's spec takes it; otherwise the spec moved → the adapter takes it (a patch with
+its resourceVersion, so a racing scale wins next time); a value the service refuses → a
+`ScaleRefused` Warning and the adapter goes back. A role driven `external` gets an
+`AdapterIgnored` Warning. Status (what an HPA reads through /scale): `replicas` is the role's
+current count (prefill pods, decode groups), `selector` its pods. Adapters another controller
+owns are left alone; without the CRD the operator serves on without adapters and looks again
+every CRD_RECHECK_S. The rules in detail: docs/operator.md.
 """
 
 from __future__ import annotations
@@ -35,15 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve_common.logs import kv
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
-from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile import drift
+from pdserve_operator.reconcile.children.autoscaling import scaling_adapter
+from pdserve_operator.reconcile.children.meta import Owner, adapter_name, selector_string, workload_name
 from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND, ADAPTER_ROLES
 
-log = logging.getLogger("pdserve.operator.scaling_adapters")
+log = logging.getLogger(__name__)
 
 Live = dict[str, Any]
 EventFn = Callable[[ev.EventType, str, str], Awaitable[None]]
@@ -81,7 +68,7 @@ def role_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
 def current_replicas(spec: s.PDInferenceServiceSpec, role: str, live: Mapping[tuple[str, str], Live], name: str) -> int:
     """The role's count now, from its workload's status (decode: whole groups)."""
     if role == "prefill":
-        workload = live.get(("Deployment", ch.workload_name(name, role))) or {}
+        workload = live.get(("Deployment", workload_name(name, role))) or {}
         return int((workload.get("status") or {}).get("replicas") or 0)
     decode = dg.of(name, spec)
     return decode.groups(int(((live.get(decode.key) or {}).get("status") or {}).get("replicas") or 0))
@@ -109,14 +96,14 @@ class ScalingAdapters:
         self._missing: dict[str, float] = {}
 
     async def sync(
-        self, body: Live, owner: ch.Owner, spec: s.PDInferenceServiceSpec, post: EventFn
+        self, body: Live, owner: Owner, spec: s.PDInferenceServiceSpec, post: EventFn
     ) -> tuple[Live, dict[str, Live]]:
         """The service as it is after the sync (patched when an adapter won) and each role's adapter."""
         adapters: dict[str, Live] = {}
         if self.monotonic() < self._missing.get(owner.key, 0.0):
             return body, {}
         for role in ADAPTER_ROLES:
-            name = ch.adapter_name(owner.name, role)
+            name = adapter_name(owner.name, role)
             adapter = await asyncio.to_thread(self.kube.get, ADAPTER, owner.namespace, name)
             if adapter is None:
                 try:
@@ -139,10 +126,10 @@ class ScalingAdapters:
             adapters[role] = adapter
         return body, adapters
 
-    async def _create(self, owner: ch.Owner, role: str, replicas: int) -> Live | None:
+    async def _create(self, owner: Owner, role: str, replicas: int) -> Live | None:
         """The new adapter; None when it was made since our get (the next reconcile syncs it)."""
         try:
-            created = await asyncio.to_thread(self.kube.create, ch.scaling_adapter(owner, role, replicas))
+            created = await asyncio.to_thread(self.kube.create, scaling_adapter(owner, role, replicas))
             self._missing.pop(owner.key, None)
             return created
         except KubeError as exc:
@@ -164,7 +151,7 @@ class ScalingAdapters:
         raise _NoCRD
 
     async def _to_service(
-        self, body: Live, owner: ch.Owner, role: str, adapter: Live, values: tuple[int, int], post: EventFn
+        self, body: Live, owner: Owner, role: str, adapter: Live, values: tuple[int, int], post: EventFn
     ) -> tuple[Live, Live]:
         """`values`: (the adapter's replicas, the service's now); a refusal puts the adapter back at the latter."""
         replicas, current = values
@@ -182,7 +169,7 @@ class ScalingAdapters:
         log.info(kv(event="adapter_scaled_service", service=owner.key, role=role, replicas=replicas))
         return body, adapter
 
-    async def _to_adapter(self, owner: ch.Owner, adapter: Live, replicas: int) -> Live:
+    async def _to_adapter(self, owner: Owner, adapter: Live, replicas: int) -> Live:
         meta = adapter["metadata"]
         patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "spec": {"replicas": replicas}}
         try:
@@ -195,7 +182,7 @@ class ScalingAdapters:
 
     async def report(
         self,
-        owner: ch.Owner,
+        owner: Owner,
         spec: s.PDInferenceServiceSpec,
         adapters: Mapping[str, Live],
         live: Mapping[tuple[str, str], Live],
@@ -203,7 +190,7 @@ class ScalingAdapters:
         """Write each adapter's status: current count, selector, the generation taken."""
         for role, adapter in adapters.items():
             current = current_replicas(spec, role, live, owner.name)
-            want = status_of(adapter, current, ch.selector_string(owner.name, role))
+            want = status_of(adapter, current, selector_string(owner.name, role))
             if {k: (adapter.get("status") or {}).get(k) for k in want} == want:
                 continue
             name = adapter["metadata"]["name"]

@@ -6,7 +6,7 @@ controllers own) are not ours and are left alone, which is what server-side appl
 Lists are compared item by item with the same rule, so a defaulted field inside a container
 does not read as drift, but an edited env value or an extra container does. The API server
 omits optional fields that are empty strings or empty collections (Go's `omitempty`), so those
-equal "absent" here; a false boolean does not (a `*bool` keeps it), which is why children.py
+equal "absent" here; a false boolean does not (a `*bool` keeps it), which is why children/
 renders no false that a plain `bool` field would drop.
 """
 

@@ -15,10 +15,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile.children.env import kv_tokens_per_group
+from pdserve_operator.reconcile.children.meta import Owner, endpoint, selector_string
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class Observed:
     kv_tokens_used: int | None = None  # from the broker: the decodes' reported KV tokens in use
     conflicts: tuple[str, ...] = field(default=())  # children another controller owns
     unavailable: tuple[str, ...] = field(default=())  # children the cluster cannot take (no such API, forbidden)
-    autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale.py)
-    last_drain: s.DrainStatus | None = None  # the last decode scale-down's drain (autoscale.py)
+    autoscaling: s.AutoscalingStatus | None = None  # the autoscaler's view (autoscale/autoscaler.py)
+    last_drain: s.DrainStatus | None = None  # the last decode scale-down's drain (autoscale/drain.py)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def previous(raw: Mapping[str, Any] | None) -> s.PDInferenceServiceStatus | None
 
 
 def invalid(
-    owner: ch.Owner, generation: int, reason: str, prev: s.PDInferenceServiceStatus | None, now: str
+    owner: Owner, generation: int, reason: str, prev: s.PDInferenceServiceStatus | None, now: str
 ) -> s.PDInferenceServiceStatus:
     """Status of a resource whose spec failed validation: say why, keep the last counts."""
     base = prev or s.PDInferenceServiceStatus()
@@ -138,7 +139,7 @@ def invalid(
 
 
 def compute(
-    owner: ch.Owner,
+    owner: Owner,
     spec: s.PDInferenceServiceSpec,
     generation: int,
     observed: Observed,
@@ -171,7 +172,7 @@ def compute(
     moving = ", ".join(f"{role} rolling out" for role in rolling) or detail
     total = spec.decode.slots * decode_ready
     used = observed.slots_used
-    kv_total = ch.kv_tokens_per_group(spec) * decode_ready
+    kv_total = kv_tokens_per_group(spec) * decode_ready
     kv_used = observed.kv_tokens_used
     return s.PDInferenceServiceStatus(
         phase=phase,
@@ -181,13 +182,13 @@ def compute(
         decode=s.DecodeStatus(
             **role_status["decode"],
             replicas=decode.groups(workloads["decode"].replicas),
-            selector=ch.selector_string(owner.name, "decode"),
+            selector=selector_string(owner.name, "decode"),
             workload_kind=decode.kind if observed.decode is not None else _prev_kind(prev),
         ),
         router=s.RoleStatus(**role_status["router"]),
         slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),
         kv_tokens=s.KVStatus(used=kv_used, total=kv_total, summary=_summary(kv_used, kv_total)),
-        endpoint=ch.endpoint(owner, spec),
+        endpoint=endpoint(owner, spec),
         autoscaling=observed.autoscaling,
         last_drain=observed.last_drain,
     )

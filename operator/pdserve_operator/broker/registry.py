@@ -1,22 +1,14 @@
 """The broker's state: members of each service, their leases, and the watchers' queues.
 
 No gRPC here, and time is injected, so leases, draining and the watch protocol are tested
-without sockets or sleeps. One lock guards everything: the gRPC handlers run on the
-broker's event loop while the operator reads counts and sets tokens from its own threads.
-
-Watch protocol (broker.proto): a new watcher first gets one ADDED per current member, then
-SYNCED, then changes. SYNCED is held back until `resync_grace_s` after `start()`: after a
-broker restart the registry is empty until workers re-register, and a watcher that took the
-empty snapshot as the truth would drop every member it knew.
-
-What one service (anyone holding its token) can make the registry hold is bounded: at most
-`max_members` members (a new worker id past that is refused with `TooManyMembers`; members
-already there renew and re-register as before), each at most 16 KiB as the broker checks it.
-
-Each watcher has its own bounded queue that producers append to without waiting, so a slow
-watcher never blocks registrations or other watchers; one that falls `queue_size` events
-behind is closed (`WatchEnded('overflow')`) and re-watches for a fresh snapshot, the way a
-Kubernetes watch that is too old relists.
+without sockets or sleeps. One lock guards everything: the gRPC handlers run on the broker's
+event loop while the operator reads counts and sets tokens from its own threads.
+Watch protocol (broker.proto): one ADDED per current member, then SYNCED (held back until
+`resync_grace_s` after `start()`, so a restarted broker's empty snapshot is not taken as the
+truth), then changes. One service holds at most `max_members` members (`TooManyMembers`), each
+at most 16 KiB. Each watcher has its own bounded queue: a slow watcher never blocks others, and
+one `queue_size` events behind is closed (`WatchEnded('overflow')`) and re-watches.
+The protocol in detail: docs/operator.md.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Load, Member, MemberEvent, MemberInfo, Role, change_type
 
-log = logging.getLogger("pdserve.broker")
+log = logging.getLogger(__name__)
 
 
 DEFAULT_MAX_MEMBERS = 4096  # per service: prefill + decode groups x shards + routers, with room to roll

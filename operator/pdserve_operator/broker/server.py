@@ -34,11 +34,11 @@ from pdserve_common.membership import (
     member_to_proto,
     role_from_proto,
 )
-from pdserve_operator.broker_registry import DEFAULT_MAX_MEMBERS, MemberTaken, Registry, TooManyMembers, WatchEnded
+from pdserve_operator.broker.registry import DEFAULT_MAX_MEMBERS, MemberTaken, Registry, TooManyMembers, WatchEnded
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-log = logging.getLogger("pdserve.broker")
+log = logging.getLogger(__name__)
 
 # A member's description as registered: a worker's is a few hundred bytes; the cap bounds what
 # one token holder can make the broker keep (with the per-service member cap, Registry).

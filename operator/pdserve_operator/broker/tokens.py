@@ -20,14 +20,15 @@ import logging
 from typing import Any
 
 from pdserve_common.logs import kv
-from pdserve_operator import children as ch
 from pdserve_operator import spec as s
-from pdserve_operator.broker_view import BrokerView
+from pdserve_operator.broker.view import BrokerView
 from pdserve_operator.kube import KINDS, KubeClient, KubeError
+from pdserve_operator.reconcile.children.meta import LABEL_MANAGED_BY, MANAGED_BY, secret_name
+from pdserve_operator.reconcile.children.secret import token_of
 
-log = logging.getLogger("pdserve.operator.broker_tokens")
+log = logging.getLogger(__name__)
 
-_SUFFIX = ch.secret_name("")  # "-broker-token"
+_SUFFIX = secret_name("")  # "-broker-token"
 
 
 def service_of(secret: dict[str, Any]) -> str | None:
@@ -45,7 +46,7 @@ def service_of(secret: dict[str, Any]) -> str | None:
 def preload(kube: KubeClient, broker: BrokerView, namespaces: list[str]) -> int:
     """Give the broker every service token found; how many. Best effort: a failed list is
     logged, and the reconciles set the tokens as before."""
-    selector = f"{ch.LABEL_MANAGED_BY}={ch.MANAGED_BY}"
+    selector = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     loaded = 0
     scopes: list[str | None] = list(namespaces) or [None]  # None: every namespace (a cluster-wide operator)
     for namespace in scopes:
@@ -55,7 +56,7 @@ def preload(kube: KubeClient, broker: BrokerView, namespaces: list[str]) -> int:
             log.warning(kv(event="broker_tokens_unreadable", namespace=namespace or "*", status=exc.status))
             continue
         for secret in secrets:
-            service, token = service_of(secret), ch.token_of(secret)
+            service, token = service_of(secret), token_of(secret)
             if service is not None and token is not None:
                 broker.set_service_token(f"{secret['metadata']['namespace']}/{service}", token)
                 loaded += 1

@@ -1,10 +1,10 @@
 """The operator's view of the broker: the seam between reconciling and the gRPC broker.
 
-Reconciling needs three things of the broker: tell it a service's token, forget a deleted
-service, and read how many workers of each role registered. `BrokerView` is that much and no
-more, so the reconciler is tested with a fake and runs with no broker at all (`NullBrokerView`:
-tokens are still generated and handed to pods, counts are reported as unknown).
-`load_broker()` starts the real `pdserve_operator.broker.BrokerServer` when it is importable.
+Reconciling and autoscaling need this much of the broker, and `BrokerView` declares all of it:
+every view (`BrokerServerView` on a running `pdserve_operator.broker.server.BrokerServer`,
+`NullBrokerView` when none runs, the tests' fakes) implements every member, and a view that does
+not know an answer returns None; nothing is probed. `load_broker()` starts the real broker when
+this build has it; without one, tokens are still generated and handed to pods.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pdserve_common.logs import kv
 
 if TYPE_CHECKING:
     from pdserve_common.membership import Member
+    from pdserve_operator.broker.server import BrokerServer
 
-log = logging.getLogger("pdserve.operator.broker_view")
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -42,8 +43,8 @@ class BrokerView(Protocol):
     def set_draining(self, service_key: str, worker_id: str, draining: bool) -> bool:
         """Mark a worker draining (no new requests) or active again; False when it is not registered."""
 
-    # Optional: `kv_tokens_in_use(service_key) -> int | None` (decode KV tokens reserved across the
-    # service); read through `kv_tokens_in_use` below, so a view without it reports unknown.
+    def kv_tokens_in_use(self, service_key: str) -> int | None:
+        """Decode KV tokens reserved across the service; None when unknown."""
 
 
 class NullBrokerView:
@@ -77,7 +78,7 @@ class NullBrokerView:
 class BrokerServerView:
     """Adapts a running `BrokerServer` to `BrokerView`."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: BrokerServer) -> None:
         self.server = server
 
     def set_service_token(self, service_key: str, token: str) -> None:
@@ -92,9 +93,7 @@ class BrokerServerView:
         return {str(getattr(role, "value", role)): int(n) for role, n in counts.items()}
 
     def slots_in_use(self, service_key: str) -> int | None:
-        # Optional in the broker's interface: a broker that does not track slots says so by lacking it.
-        fn = getattr(self.server, "slots_in_use", None)
-        return None if fn is None else fn(service_key)
+        return None  # the broker tracks KV tokens (`kv_tokens_in_use`), not slots
 
     def members(self, service_key: str) -> list[Member] | None:
         members: list[Member] = self.server.registry.members(service_key)
@@ -104,14 +103,7 @@ class BrokerServerView:
         return bool(self.server.registry.set_draining(service_key, worker_id=worker_id, draining=draining))
 
     def kv_tokens_in_use(self, service_key: str) -> int | None:
-        fn = getattr(self.server, "kv_tokens_in_use", None)
-        return None if fn is None else fn(service_key)
-
-
-def kv_tokens_in_use(view: object, service_key: str) -> int | None:
-    """A view's KV tokens in use, None for a view (an older fake) that does not tell."""
-    fn = getattr(view, "kv_tokens_in_use", None)
-    return None if fn is None else fn(service_key)
+        return self.server.kv_tokens_in_use(service_key)
 
 
 def load_broker(host: str, port: int, tls: Any = None) -> tuple[BrokerView, Any | None]:
@@ -121,11 +113,11 @@ def load_broker(host: str, port: int, tls: Any = None) -> tuple[BrokerView, Any 
     test without gRPC, still reconciles.
     """
     try:
-        module = importlib.import_module("pdserve_operator.broker")
+        module = importlib.import_module("pdserve_operator.broker.server")
     except ModuleNotFoundError as exc:
-        if exc.name != "pdserve_operator.broker":
+        if exc.name != "pdserve_operator.broker.server":
             raise  # the broker exists but something it needs is missing: that is a real error
-        log.warning(kv(event="broker_unavailable", reason="pdserve_operator.broker not installed"))
+        log.warning(kv(event="broker_unavailable", reason="pdserve_operator.broker.server not installed"))
         return NullBrokerView(), None
     server = module.BrokerServer(tls=tls)
     bound = server.start(host, port)

@@ -2,24 +2,13 @@
 
 Everything the kopf handlers trigger funnels into `Reconciler.reconcile(namespace, name)`:
 creation, spec updates, resumption after a restart, a child edited or deleted by hand, a child
-whose readiness changed, and the periodic resync that refreshes broker counts. It reads as one
-line: parse the spec → the broker token → apply the children → observe them → write the
-status. Each step is idempotent (get → create if missing → merge-patch only what drifted →
-status only if it changed), so running it too often costs reads, never writes.
-
-Children are applied in render order, one at a time:
-- missing → create it; a 409 means someone created it since our get: read it again and treat
-  it as found;
-- found, but controlled by another owner (an ownerReference with `controller: true` that is
-  not this resource) → never written; the status says Degraded and names it;
-- found, and a rendered field says something else live → merge-patch the rendered fields back
-  (a `DriftReverted` Warning when the spec did not change since the last reconcile: then it was
-  someone else's edit, not ours).
-
-Requests for the same service are coalesced: while one reconcile runs, any number of further
-requests collapse into a single follow-up run, which then sees everything that happened
-meanwhile. Under a burst of child events (ten children created → ten ADDED events) this keeps
-the API traffic proportional to services, not to events.
+whose readiness changed, and the periodic resync. It reads as one line: parse the spec → the
+broker token → apply the children → observe them → write the status. Each step is idempotent
+(get → create if missing → merge-patch only what drifted → status only if it changed). A child
+another controller owns is never written (the status says Degraded and names it); drift in a
+rendered field is patched back (a `DriftReverted` Warning when the spec did not change).
+Requests for one service are coalesced: while a reconcile runs, further requests collapse into
+one follow-up run. In detail: docs/operator.md.
 """
 
 from __future__ import annotations
@@ -36,21 +25,32 @@ from typing import Any
 from pydantic import ValidationError
 
 from pdserve_common.logs import kv
-from pdserve_operator import children as ch
-from pdserve_operator import decode_groups as dg
-from pdserve_operator import drift
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
-from pdserve_operator import status as st
-from pdserve_operator.autoscale import Autoscaler
-from pdserve_operator.broker_view import BrokerView, kv_tokens_in_use
+from pdserve_operator.autoscale.autoscaler import Autoscaler
+from pdserve_operator.broker.view import BrokerView
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.metrics import OperatorMetrics
-from pdserve_operator.scaling_adapters import ScalingAdapters
+from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile import drift
+from pdserve_operator.reconcile import status as st
+from pdserve_operator.reconcile.children import render
+from pdserve_operator.reconcile.children.autoscaling import hpa_roles
+from pdserve_operator.reconcile.children.meta import (
+    Defaults,
+    Owner,
+    hpa_name,
+    secret_name,
+    selector_string,
+    workload_name,
+)
+from pdserve_operator.reconcile.children.secret import token_of
+from pdserve_operator.reconcile.children.workloads import autoscaled_workloads
+from pdserve_operator.reconcile.scaling_adapters import ScalingAdapters
 
 GONE_REMEMBERED = 4096  # deleted services' uids kept (a set that only grows would be a leak)
 
-log = logging.getLogger("pdserve.operator.reconcile")
+log = logging.getLogger(__name__)
 
 Live = dict[str, Any]
 
@@ -80,14 +80,14 @@ class _Service:
     """The resource as read at the start of a reconcile."""
 
     body: Live
-    owner: ch.Owner
+    owner: Owner
     generation: int
     prev: s.PDInferenceServiceStatus | None
 
     @classmethod
     def of(cls, body: Live) -> _Service:
         meta = body["metadata"]
-        owner = ch.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+        owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
         return cls(body, owner, int(meta.get("generation") or 1), st.previous(body.get("status")))
 
     @property
@@ -111,7 +111,7 @@ class Reconciler:
         self,
         kube: KubeClient,
         broker: BrokerView,
-        defaults: ch.Defaults,
+        defaults: Defaults,
         clock: Callable[[], str] = utc_now,
         token_factory: Callable[[], str] = new_token,
         metrics: OperatorMetrics | None = None,
@@ -173,9 +173,9 @@ class Reconciler:
             return outcome
         svc, spec, adapters = await self._sync_adapters(svc, spec)
         token, secret = await self._token(svc)
-        children = ch.render(svc.owner, spec, token, self.defaults)
+        children = render(svc.owner, spec, token, self.defaults)
         live = await self._apply_children(
-            svc, children, secret, outcome, ch.autoscaled_workloads(svc.owner.name, spec), spec
+            svc, children, secret, outcome, autoscaled_workloads(svc.owner.name, spec), spec
         )
         await self._remove_stale_hpas(svc, spec)
         await self._remove_replaced_decode(svc, spec, live)
@@ -215,7 +215,7 @@ class Reconciler:
 
     async def _decode_may_lower(self, svc: _Service, spec: s.PDInferenceServiceSpec, sts: Live | None) -> bool:
         """Whether the decode StatefulSet (no autoscaler drives it) may take the spec's replicas
-        now: a scale-down first drains the groups that go (autoscale.py `manual_decode`)."""
+        now: a scale-down first drains the groups that go (autoscale/drain.py `manual_decode`)."""
 
         async def post(type_: ev.EventType, reason: str, message: str) -> None:
             await self._event(svc, type_, reason, message)
@@ -230,10 +230,10 @@ class Reconciler:
         receive its requests. The broker then gets a token nobody knows; the Secret is left
         alone like any foreign child, and the status says Degraded and names it.
         """
-        name = ch.secret_name(svc.owner.name)
+        name = secret_name(svc.owner.name)
         secret = await asyncio.to_thread(self.kube.get, KINDS["Secret"], svc.owner.namespace, name)
         trusted = drift.controller_other_than({svc.owner.uid}, secret) is None
-        token = (ch.token_of(secret) if trusted else None) or self.token_factory()
+        token = (token_of(secret) if trusted else None) or self.token_factory()
         if svc.owner.uid not in self._gone:
             self.broker.set_service_token(svc.owner.key, token)
         return token, secret
@@ -319,8 +319,8 @@ class Reconciler:
         if spec.autoscaling is None and (svc.prev is None or svc.prev.autoscaling is None):
             return  # never autoscaled: nothing of ours to look for
         kind = KINDS["HorizontalPodAutoscaler"]
-        for role in set(("prefill", "decode")) - set(ch.hpa_roles(spec)):
-            name = ch.hpa_name(svc.owner.name, role)
+        for role in set(("prefill", "decode")) - set(hpa_roles(spec)):
+            name = hpa_name(svc.owner.name, role)
             current = await asyncio.to_thread(self.kube.get, kind, svc.owner.namespace, name)
             if not _ours(svc, current):
                 continue
@@ -360,17 +360,17 @@ class Reconciler:
         decode_pods = None
         decode = dg.of(name, spec)
         if decode.shards > 1:  # complete groups need every member pod ready
-            selector = ch.selector_string(name, "decode")
+            selector = selector_string(name, "decode")
             pods = await asyncio.to_thread(self.kube.list, KINDS["Pod"], svc.owner.namespace, selector)
             decode_pods = tuple(_pod_readiness(decode, p) for p in pods if decode.runs(p))
         return st.Observed(
-            prefill=live.get(("Deployment", ch.workload_name(name, "prefill"))),
+            prefill=live.get(("Deployment", workload_name(name, "prefill"))),
             decode=live.get(decode.key),
-            router=live.get(("Deployment", ch.workload_name(name, "router"))),
+            router=live.get(("Deployment", workload_name(name, "router"))),
             decode_pods=decode_pods,
             registered=self.broker.registered_counts(key),
             slots_used=self.broker.slots_in_use(key),
-            kv_tokens_used=kv_tokens_in_use(self.broker, key),
+            kv_tokens_used=self.broker.kv_tokens_in_use(key),
             conflicts=tuple(conflicts),
             autoscaling=scaling,
         )
