@@ -12,7 +12,8 @@ from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
-from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.decode.service import DecodeServicer
+from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.transfer.registry import create_engine

@@ -25,11 +25,13 @@ from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
 from pdserve_worker.api.backend import BackendUnavailable, InvalidPrompt, NoCapacity, RequestTimeout
-from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.decode.service import DecodeServicer
+from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
+from pdserve_worker.prefill.service import PrefillServicer
+from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.router.config import RouterConfig, Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
 from pdserve_worker.rpc.broker_client import BrokerClient

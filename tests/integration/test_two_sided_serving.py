@@ -14,11 +14,13 @@ from inprocess_stack import Stack
 
 from pdserve.v1 import worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
-from pdserve_worker.decode.worker import DecodeServicer, DecodeWorker
+from pdserve_worker.decode.service import DecodeServicer
+from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.prefill.worker import PrefillServicer, PrefillWorker
+from pdserve_worker.prefill.service import PrefillServicer
+from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.router.config import RouterConfig, Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
 

@@ -16,12 +16,13 @@ import grpc
 
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.membership import Load, MemberInfo
+from pdserve_worker.decode.service import DecodeRole
 from pdserve_worker.decode.shard import ShardFollower, connect_group, group_max_message, is_follower
 from pdserve_worker.decode.tp_decode import TPDecodeGroup
-from pdserve_worker.decode.worker import DecodeWorker, GroupHooks
+from pdserve_worker.decode.worker import GroupHooks
 from pdserve_worker.engines.base import Engine
 from pdserve_worker.engines.native import native_of
-from pdserve_worker.prefill.worker import PrefillWorker
+from pdserve_worker.prefill.service import PrefillRole
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.tp_group import TPGroup
@@ -86,5 +87,5 @@ async def make_role(
         elif settings.layer_shards > 1:
             max_message = grpc_max_message(settings, engine.config.hidden_size)
             group = await connect_group(settings, native_of(engine).model.layer_range, max_message)
-        return DecodeWorker(settings, engine, backend, revision, group=group)
-    return PrefillWorker(settings, engine, backend, revision, group=tp_group)
+        return DecodeRole(settings, engine, backend, revision, group=group)
+    return PrefillRole(settings, engine, backend, revision, group=tp_group)
