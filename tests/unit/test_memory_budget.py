@@ -101,11 +101,11 @@ def test_the_decode_sizes_its_pool_when_kv_tokens_is_unset(tiny_model_dir, monke
     full = config.kv_layout(4, 256, "float32")
     settings = worker_settings({"PDSERVE_ROLE": "decode", "PDSERVE_BROKER_ADDRESS": "b:1", "PDSERVE_BROKER_TOKEN": "t"})
     settings = settings.model_copy(update={"slots": 4, "max_length": 256, "model_dtype": "float32"})
-    with caplog.at_level(logging.INFO, logger="pdserve.decode"):
+    with caplog.at_level(logging.INFO, logger="pdserve_worker.decode.worker"):
         assert dw.pool_tokens(settings, full) == 4 * 256  # plenty of memory: the slots' tokens
     assert any("event=kv_pool_size" in r.getMessage() and "mode=auto" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(mb, "memory_limit", lambda: mb.MemoryLimit(mb.resident_bytes() + 64 * 1024, "test"))
-    with caplog.at_level(logging.INFO, logger="pdserve.decode"):
+    with caplog.at_level(logging.INFO, logger="pdserve_worker.decode.worker"):
         small = dw.pool_tokens(settings, full)
     assert 16 <= small < 4 * 256 and small % 16 == 0
     assert any("event=kv_pool_capped_by_memory" in r.getMessage() for r in caplog.records)

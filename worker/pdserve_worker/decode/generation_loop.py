@@ -1,27 +1,15 @@
-"""One scheduler thread running the engine's continuous-batching `Generator` for an asyncio server.
+"""One scheduler thread running the continuous-batching `Generator` for an asyncio server.
 
-The gRPC (decode) and HTTP (colocated) servers are asyncio; the model is torch, which blocks.
-So the `Generator` lives on one thread of its own, the only thread that ever touches it: each
-turn it applies the commands that arrived (add a request, cancel one), then runs one
-`step()`, which advances every running request by one token in a single batched
-`decode_step`. Each request's outputs go back to the event loop that submitted it as a
-`RequestStream`. With nothing to do the thread sleeps on its command queue.
+The model blocks, the servers are asyncio: the `Generator` lives on one thread, the only one
+that touches it. Each turn applies the commands that arrived (add, cancel), then runs one
+`step()`; each request's outputs go back to its event loop as a `RequestStream`.
 
-Every request comes with a slot that belongs to the caller (the decode's or the colocated
-backend's `SlotTable`) and an `on_done`, called on this thread once the request has left the
-batch for good: only then may the slot be granted again, or the next request's KV could be
-overwritten by this one's last decode step. Two ways in:
-- `submit(..., first_token=t)`: the prompt's KV is already in the slot (a prefill worker
-  pushed it) and its first token is known (decode).
-- `submit(...)` without a first token: this loop computes the prompt's KV into the slot
-  itself, with the `prefill` it was built with, between decode steps (colocated). Prompts wait
-  in arrival order and are computed `prefill_chunk_tokens` positions per turn (chunked
-  prefill, as vLLM and SGLang do it): a long prompt delays each decode step by one chunk, not
-  by the whole prompt, and a prompt that finishes within a turn leaves the rest of the budget to
-  the next one. While no request is decoding there is no step to protect, and the budget is
-  at least `IDLE_PREFILL_CHUNK_TOKENS` (vLLM CPU's step budget): chunks cost time of their own
-  (each re-reads the prompt's earlier KV and runs the layers' weights again), 16 % of a lone
-  2,000-token prompt's TTFT at 512 (benchmarks/README.md).
+Every request comes with the caller's slot and an `on_done`, called here once the request has
+left the batch for good: only then may the slot be granted again. `submit(..., first_token=t)`
+starts a request whose KV a prefill pushed (decode); without a first token the loop computes
+the prompt itself between decode steps, `prefill_chunk_tokens` positions per turn (chunked
+prefill, colocated), at least `IDLE_PREFILL_CHUNK_TOKENS` while nothing decodes.
+The full account: docs/roles.md.
 """
 
 from __future__ import annotations
@@ -42,7 +30,7 @@ from pdserve_worker.model.engine import Detached, Generator, StepOutput
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw
 
-log = logging.getLogger("pdserve.generation_loop")
+log = logging.getLogger(__name__)
 
 _END = object()
 

@@ -1,30 +1,16 @@
 """Live migration, the decode's side: hand running requests over to another decode when draining.
 
-A draining decode (`DecodeWorker.drain`) asks its generation loop to *park* every running
-request: the loop takes it out of the batch after the current step (`Generator.detach`), its
-KV stays where it is, and a `Handoff` records what another decode needs to go on: the tokens
-so far and the sampler's seed. The request's `Generate` stream then sends one event carrying
-`handover` (worker.proto) after its last token, and the router, which already holds the
-streamed tokens, reserves on another decode and calls `Migrate` here with that grant: the KV
-of every token but the last streamed one is pushed with the same engine and layer chunks as a
-prefill's push (`MigrationPusher`), and the notify tells the target the seed, the token count
-and the last token, from which it rebuilds the request (`Generator.add_prefilled` replays the
-streamed tokens: sampler index, detokenizer and stop-string state come out as they were here).
+A draining decode parks every running request (`Generator.detach`): its KV stays, and a
+`Handoff` records the tokens so far and the sampler's seed. The stream sends a `handover`
+event; the router reserves on another decode and calls `Migrate` here, which pushes the KV of
+every token but the last streamed one (`MigrationPusher`) and notifies the target, which
+replays the streamed tokens (`Generator.add_prefilled`).
 
-One release path: a handoff's KV (the request's slot or blocks) is freed by `Handoff.release`,
-exactly once, whichever comes first: the Migrate that ran (success or failure), the stream
-being cancelled, the wait for a Migrate running out, or the worker closing. A release that
-arrives while the push is reading the KV is held until the push is over.
-
-A layer-sharded group migrates as one: its KV is spread over its members' pools, so while the
-leader pushes its own layers each follower pushes its layers of the same slot (shard.proto
-`PushHandoff`, authorised by the reservation's nonce) into whichever targets hold them — any
-target: a plain decode, or a group split differently (`MigrationPusher` writes the layers
-source and target share). The leader sends the notify only once every follower answered that
-its puts completed, and returns only once none is still reading its pool. A tensor-parallel
-decode migrates the same way by heads: each rank pushes the KV heads it holds (asked over the
-group's lease channel, decode/tp_decode.py), into a target split like it or otherwise
-(`migration_runs` cuts a slice of each token's row where the heads differ).
+One release path: `Handoff.release` frees the KV exactly once, whichever comes first (the
+Migrate, a cancelled stream, the wait running out, the worker closing), and never while a
+push reads it. Layer-sharded groups and tensor-parallel decodes migrate as one, each member or
+rank pushing what it holds (`migration_runs` cuts rows where head splits differ).
+The full account: docs/roles.md.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ from pdserve_worker.model.engine import Detached
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.push import KVPusher, PushSource, PushStats, Run, absolute_runs, layer_chunks
 
-log = logging.getLogger("pdserve.decode.migration")
+log = logging.getLogger(__name__)
 
 MIGRATED = "migrated"  # the key a migration's ready notify carries (with "seed" and "num_generated")
 

@@ -1,21 +1,12 @@
 """A layer-sharded decode group across processes: a leader that routers see, followers it drives.
 
-Member 0, the *leader*, is the decode instance: it registers with the broker, owns the
-group's slot table (one slot index and generation for every member), answers Reserve with
-one grant per member (`Grant.group_grants`, the prefill's push targets), runs the continuous
-batch, embeds tokens, runs its own layers, and samples after the head. Members 1..N-1, the
-*followers*, hold the weights and KV pool of their layer range only; they serve
-`DecodeShard` (shard.proto): `Describe` (where the pool is), `Forward` (one bidirectional
-stream from the leader; each message is one decode step's hidden state, answered in order by
-the member's output), and `WaitReady` (their own ready notification). The leader starts a
-request only after its own notification and every follower's arrived.
-
-Followers do not register with the broker: the group is routed to, and drains, as one
-instance, its leader. A follower that dies fails the leader's next step (the batch fails,
-as a failed step does in `GenerationLoop`), and its requests end with an error.
-
-The hidden state crosses the wire as raw bytes in the model's dtype (no conversion): members
-load the same model revision, so the bytes mean the same thing on both sides.
+The leader (member 0) registers with the broker, owns the group's slot table, answers Reserve
+with one grant per member, runs the batch, its own layers and the head. Followers hold their
+layer range's weights and KV pool and serve `DecodeShard` (shard.proto): `Describe`, `Forward`
+(one stream of per-step hidden states) and `WaitReady`. A request starts only once every
+member's ready notification arrived; a follower that dies fails the leader's next step. The
+hidden state crosses the wire as raw bytes in the model's dtype (the same model revision on
+every member). The full account: docs/roles.md.
 """
 
 from __future__ import annotations
@@ -57,7 +48,7 @@ from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import PushError, PushSource, layer_chunks
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
 
-log = logging.getLogger("pdserve.decode_shard")
+log = logging.getLogger(__name__)
 
 DESCRIBE_TIMEOUT_S = 120.0  # followers load their model while the leader waits for them
 

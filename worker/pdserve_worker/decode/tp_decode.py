@@ -1,32 +1,13 @@
 """A tensor-parallel decode instance: rank 0 decodes, ranks 1.. run the same steps on their heads.
 
-Rank 0 is the decode worker routers and the broker see: the slot table, the write leases, the
-ready notifications, the continuous batch and the sampler are its alone. Every rank holds its
-tensor-parallel share of the model (model/layers/tensor_parallel.py) and a paged KV pool of
-its KV heads with the same blocks as rank 0's, so one block table serves them all. Rank 0's
-grant of a reservation becomes one grant per rank (same slot, generation, blocks and nonce;
-each rank's engine, pool and head range): the prefill pushes each rank's heads straight into
-that rank's pool, nothing goes through rank 0 (transfer/push.py cuts the heads per target).
-
-Each decode step rank 0 sends the step — slots, positions, last tokens and each slot's block
-table — on the group's CPU channel, then every rank runs `decode_step`, whose all_reduces pair
-up across the ranks; rank 0 samples, the others drop their logits. While idle, rank 0 sends
-IDLE every few seconds so the others' wait stays inside the group's deadline (serving/
-tp_group.py); a failed or timed-out collective means a rank is gone, and rank 0 then ends its
-own process so the instance restarts as one (as a tensor-parallel prefill does).
-
-Ready: the prefill notifies every target only once all its puts (every rank's, for a
-tensor-parallel prefill) completed, so rank 0's own notification is enough to start the
-request; the others drain theirs unread. Every rank's engine takes writes only into blocks
-leased to a live reservation, as rank 0's does: rank 0's slot table grants and ends each lease
-on every rank over the group's lease channel (`RankLeases`), and a grant goes out only once
-every rank acknowledged it.
-
-Draining, it hands its requests over like any decode (decode/migration.py): rank 0 pushes its
-heads of a parked request and, over the lease channel, has every other rank push its own
-(`PushOrder`, answered with the bytes once its puts completed); only then does rank 0 send the
-new decode the ready notify. Into a decode of another head split each rank writes the slice of
-every token's row it holds.
+Rank 0 is the decode routers and the broker see: the slot table, the write leases, the ready
+notifications, the batch and the sampler are its alone. Every rank holds its share of the
+model and a paged pool of its KV heads with rank 0's blocks; a grant becomes one grant per
+rank, so a prefill pushes each rank's heads straight into that rank's pool. Each step rank 0
+sends the step on the group's CPU channel and every rank runs `decode_step`; a failed or
+timed-out collective ends rank 0's process so the instance restarts as one. Rank 0 grants and
+ends each lease on every rank over the lease channel (`RankLeases`); a drain has every rank
+push its own heads (`PushOrder`). The full account: docs/roles.md.
 """
 
 from __future__ import annotations
@@ -54,7 +35,7 @@ from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.leases import BlockWriteLeases
 from pdserve_worker.transfer.pool import KVPool
 
-log = logging.getLogger("pdserve.tp")
+log = logging.getLogger(__name__)
 
 IDLE_EVERY_S = 5.0  # well inside the group's deadline (tp_timeout_seconds, 60 by default)
 DRAIN_EVERY_S = 0.05  # how often a follower empties its notify queue

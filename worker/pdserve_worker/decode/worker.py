@@ -1,32 +1,15 @@
-"""The decode role: a KV pool registered with the transfer engine, slots with leases, token streams.
+"""The decode role: a KV pool registered with the transfer engine, grants with leases, token streams.
 
-The request road (worker.proto): the router `Reserve`s a slot here and gets a grant (where
-the slot's bytes are); it opens `Generate` with that grant, which waits for the slot's ready
-notification, which a prefill worker sends after pushing the prompt's KV into the slot and
-which carries the first token; then the request joins the continuous batch of the
-`GenerationLoop` and its tokens stream back as `TokenEvent`s.
+The router `Reserve`s a slot (a handle, a generation and, paged by default, the blocks for
+prompt + max_tokens) and opens `Generate` with the grant; the call waits for the ready
+notification a prefill sends after its push, then the request joins the continuous batch of
+the `GenerationLoop` (decode/service.py, decode/generate_call.py).
 
-The pool is paged by default (`kv_block_tokens` > 0, kv/blocks.py): a grant is a handle (its
-`slot`), a generation and the blocks for prompt + max_tokens, and the request decodes through
-its block table (kv/paged.py). Every name below — slot, generation, lease, quarantine — means
-the same for both pools; a layer-sharded group keeps max-length slots.
-
-Who frees a slot, however the stream ends:
-- before the KV was committed (timeout, cancel, error): `SlotTable.release` quarantines it,
-  because a prefill may still be writing into it;
-- after commit: the generation loop calls back once the request left the batch (finished,
-  cancelled or failed), and only then is the slot free for the next grant.
-
-Stop strings and stop tokens are handled here, once (the engine's Generator does it): a
-stream's text never contains a stop string and ends with FINISH_REASON_STOP, so the
-generation ends, and the slot is freed, the moment it matched.
-
-Draining (`drain()`, the pod's preStop `GET /drain`): no new grants (Reserve answers
-UNAVAILABLE), the broker marks the member draining so routers look elsewhere, then requests
-in flight are handed over (`drain_mode` migrate, the default: decode/migration.py; their KV is
-pushed to another decode the router reserved and they go on there, no prefill involved), or
-ended at once for the router to resume (resume), or run to the end (wait, and always for a
-tensor-parallel decode), up to the drain timeout; then the caller deregisters.
+One owner frees a slot: before the KV was committed, `SlotTable.release` quarantines it (a
+prefill may still be writing); after commit, the generation loop frees it once the request
+left the batch. Draining refuses new grants and hands running requests over (decode/
+migration.py), ends them for the router to resume, or lets them finish, per `drain_mode`.
+The full account: docs/roles.md.
 """
 
 from __future__ import annotations
@@ -69,7 +52,7 @@ from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import PushSource
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
 
-log = logging.getLogger("pdserve.decode")
+log = logging.getLogger(__name__)
 
 SWEEP_S = 1.0  # how often lapsed leases are looked for
 

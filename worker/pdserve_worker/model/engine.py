@@ -40,7 +40,7 @@ from pdserve_worker.model.sampling.sampler import (
 )
 from pdserve_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
-log = logging.getLogger("pdserve.generate")
+log = logging.getLogger(__name__)
 
 
 class KVView(Protocol):

@@ -1,28 +1,13 @@
 """A tensor-parallel prefill instance: rank 0 describes each pass, every rank computes it and
 pushes its own KV heads straight into the decode's blocks (seed 002: AllReduce inside the
-instance through the collective library, the KV one-sided through the transfer engine, the two
-paths separate and at the same time).
+instance, the KV one-sided through the transfer engine, the two paths separate and concurrent).
 
-Rank 0 is the `PrefillWorker` the routers and the broker see. For each pass it opens its own
-pushers, then broadcasts the pass (`PassPlan`: each prompt's scratch slot, tokens and decode
-grants) to the other ranks (`FollowerRank`), and every rank runs the same forward — the
-model's all_reduces keep them in step — pushing its heads of each layer chunk as the chunk is
-done, from its own registered scratch pool through its own engine: nothing is gathered on
-rank 0 (its pool holds its heads only). A rank then waits for its own puts (`KVPusher.settle`)
-and reports (`RankReport`, gathered on rank 0); rank 0 sends a prompt's one ready notify only
-when every rank reported its puts landed, so the decode never reads a partial push.
-
-A prompt that fails on any rank fails on rank 0 (its push is settled only if every rank's is).
-A cancelled prompt stops pushing on rank 0 only; the other ranks finish the pass (they compute
-in lockstep with rank 0: a rank that stopped early would leave the others waiting in a
-collective), and rank 0 sends no notify. The prefix cache is off in a tensor-parallel instance:
-each rank would have to hold its heads' share of every cached block, decided alike everywhere.
-
-While no prompt comes, rank 0 broadcasts `IDLE` every quarter of the collective timeout, so
-the others' wait never times out; on a clean stop it broadcasts `STOP`. Any collective that
-fails (a rank died, or hangs past the timeout: serving/tp_group.py) ends the instance: the
-followers exit, rank 0 fails what it holds and exits non-zero, and the pod's restart brings
-the group back as one.
+Rank 0 is the `PrefillWorker` routers see. It broadcasts each pass (`PassPlan`) to the other
+ranks (`FollowerRank`), every rank runs the same forward and pushes its heads of each layer
+chunk from its own pool; each rank reports its puts (`RankReport`) and rank 0 sends a prompt's
+ready notify only once every rank's landed. A prompt that fails on any rank fails; the prefix
+cache is off. Rank 0 broadcasts `IDLE` while idle and `STOP` on a clean stop; a failed
+collective ends the instance, which restarts as one. The full account: docs/roles.md.
 """
 
 from __future__ import annotations
@@ -41,7 +26,7 @@ from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource
 
-log = logging.getLogger("pdserve.prefill.tp")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -1,48 +1,16 @@
-"""The prefill role: compute a prompt's KV chunk of layers by chunk, pushing each chunk as it is done.
+"""The prefill role: compute a prompt's KV layer chunk by layer chunk, pushing each chunk as it is done.
 
-`engine.prefill(cache, PrefillPass(..., on_chunk=...))` writes the KV of each layer
-chunk into a local scratch pool that is registered with the transfer engine (the source
-memory), and the pusher issues that chunk's puts at once, so the transfer of chunk k overlaps
-the compute of chunk k+1. The first token is sampled here from the last position's logits,
-and `finish()` sends it in the ready notification, after every put completed: a decode never
-reads a partial push. Any failure aborts the push and sends no notification; the decode's
-lease then lapses and quarantines the slot.
+`engine.prefill(cache, PrefillPass(..., on_chunk=...))` writes each layer chunk's KV into a
+scratch pool registered with the transfer engine, and the prompt's pusher puts that chunk at
+once, so the transfer of chunk k overlaps the compute of chunk k+1. The first token is sampled
+here and sent in the ready notification after every put completed: a decode never reads a
+partial push. Any failure aborts the push and sends no notification.
 
-Prompts waiting together share one forward pass (`LlamaModel.prefill_batch`): the compute
-thread takes up to `prefill_batch` queued prompts whose tokens fit `prefill_token_budget` (the
-first always goes, however long), each in its own scratch slot with its own pusher, so each
-prompt's KV goes to its own decode reservation chunk by chunk as before. A prompt whose push
-fails, or that is cancelled, ends alone; the others go on. Passes run one after another on
-one compute thread (they are compute bound, running two at once would only split the cores),
-while the gRPC event loop stays free to accept and queue requests.
-
-With the prefix cache (kv/prefix_store.py: on by default, sized from memory; 0 tokens turns it
-off), each prompt first takes the longest cached prefix of its whole blocks, within its cache
-scope (its tenant: api/cache_scope.py), into its scratch slot and the pass computes only the
-rest (`start=`); the push still sends the prompt's whole KV. After the pass, the prompts' new
-whole blocks are copied out and published; every pinned block is unpinned on every path. The
-reply says how many prompt tokens came from the cache (`cached_tokens`). With a disk tier, a
-prompt's blocks on disk are read from the moment it is queued (`prefetch`). `BlockEvents`
-serves what the cache stores and drops to the routers (kv/block_events.py).
-
-A short prompt does not wait for a long pass: between two layer chunks of a pass whose prompts
-hold more than `prefill_overtake_tokens` tokens, the queued prompts of at most that many tokens
-run a pass of their own in the scratch slots the long one leaves free, and their first tokens go
-out before it ends (a 64-token prompt behind a 1,500-token one on one core waited ~2 s; chunked
-prefill gives vLLM the same between its steps). What that costs the long pass is bounded: one
-short pass per layer chunk, of at most the free slots' prompts within the pass token budget;
-queued long prompts keep their order. Not with tensor parallelism, whose ranks compute one pass
-plan in lockstep.
-
-A router that abandons a request (its client left) sends `Cancel`: a queued prefill never
-starts, a running one stops before its next layer chunk and waits for the puts it issued.
-The failed Prefill then says in its trailing metadata (`rpc/trailers.py`) whether its push is
-over, so that the decode slot can be given back free instead of quarantined. The same holds
-for every other failure: validation before any put is settled, a failed put is not.
-
-Connections to decode engines are made by the first push to each and then kept by the engine
-(a later connect answers ALREADY_CONNECTED); a decode that leaves the membership is
-disconnected.
+Queued prompts share one pass (up to `prefill_batch`, within `prefill_token_budget`), on one
+compute thread; short prompts overtake a long pass between its layer chunks. The prefix cache
+(kv/prefix_store.py) supplies each prompt's longest cached prefix within its cache scope.
+A cancelled or failed prompt ends alone, and its reply's trailer says whether its push is over
+(rpc/trailers.py). The full account: docs/roles.md.
 """
 
 from __future__ import annotations
@@ -85,7 +53,7 @@ from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource
 
-log = logging.getLogger("pdserve.prefill")
+log = logging.getLogger(__name__)
 
 # A Cancel that arrives before its Prefill is remembered this long, for at most this many ids.
 CANCEL_MEMORY_S = 60.0
