@@ -46,7 +46,6 @@ class FakeEngine:
         self.generation = GenerationDefaults.from_folder(folder)
         self.name, self.tp = f"fake-{folder.name}", None
         self._dtype = torch_dtype(dtype)
-        self.passes = 0
 
     @classmethod
     def load(cls, request: EngineLoad) -> FakeEngine:
@@ -74,7 +73,6 @@ class FakeEngine:
                     cache.values(layer)[slot, start : len(prompt)] = positions[:, None, None]
             if work.on_chunk is not None:
                 work.on_chunk(chunk)
-        self.passes += 1
         rows = [
             self._next(cache.keys, _prompt_rows(slot, len(p))) for p, slot in zip(work.prompts, work.slots, strict=True)
         ]
