@@ -172,6 +172,40 @@ async def test_max_concurrent_waits_without_blocking_others():
     q.release(other)
 
 
+async def test_a_tenants_grammars_wait_at_its_cap_while_other_tenants_go():
+    """#58 A5: a grammar's mask costs every step of the decode batch, the other tenants' rows
+    too, so a tenant holds at most maxConcurrentGrammars of them (default 2); the rest wait in
+    its queue (FIFO: its own plain request behind them too), never another tenant's request,
+    and each release lets the next one go. The count follows every way out, no_capacity too."""
+    q = AdmissionQueue()
+    assert TenantLimits().max_concurrent_grammars == 2
+    grammars = [q.enter(A, "normal", 1, 1, grammar=True) for _ in range(4)]
+    plain_a = q.enter(A, "normal", 1, 1)
+    other = [q.enter(B, "normal", 1, 1, grammar=True), q.enter(B, "normal", 1, 1)]
+    assert [t.state for t in grammars] == [State.TRYING, State.TRYING, State.WAITING, State.WAITING]
+    assert plain_a.state is State.WAITING and all(t.state is State.TRYING for t in other)
+    assert q.snapshot()["grammars_running"] == 3
+    q.held(grammars[0])
+    q.no_capacity(grammars[1])  # back to waiting: its grammar count goes with it ...
+    assert grammars[1].state is State.WAITING and q.snapshot()["grammars_running"] == 2
+    q.release(grammars[0], 1)  # ... and a release lets one more of a's go (the queue probes one)
+    assert sum(t.state is State.TRYING for t in grammars) == 1
+    for t in (*grammars, plain_a, *other):
+        q.release(t)
+    assert q.snapshot()["grammars_running"] == 0 and q.running == 0
+
+
+async def test_grammar_cap_is_per_tenant_and_may_be_lifted():
+    q = AdmissionQueue()
+    wide = Tenant("wide", TenantLimits(max_concurrent_grammars=None))
+    one = Tenant("one", TenantLimits.model_validate({"maxConcurrentGrammars": 1}))
+    assert all(q.enter(wide, "normal", 1, 1, grammar=True).state is State.TRYING for _ in range(5))
+    first, second = (q.enter(one, "normal", 1, 1, grammar=True) for _ in range(2))
+    assert first.state is State.TRYING and second.state is State.WAITING
+    assert TenantLimits(max_concurrent_grammars=3).per_replica(2).max_concurrent_grammars == 2
+    assert TenantLimits().per_replica(3).max_concurrent_grammars == 2  # the default is each router's
+
+
 async def test_a_tenant_over_its_share_of_the_slots_goes_after_one_under_it():
     """#29: maxConcurrent's default is the tenant's weighted share of what runs here. a grabbed
     3 of 4 slots while b was quiet; b now waits with a costlier request, which SFQ alone would

@@ -37,7 +37,8 @@ class RouterAuthSpec(Model):
         pattern=DNS_SUBDOMAIN,
         description=(
             "Secret whose keys.yaml lists the tenants, their keys (or their SHA-256 digests) and optional "
-            "limits: requestsPerMinute, tokensPerMinute, maxConcurrent, maxPriority, weight. Requests need "
+            "limits: requestsPerMinute, tokensPerMinute, maxConcurrent, maxConcurrentGrammars, maxPriority, weight. "
+            "Requests need "
             "'Authorization: Bearer KEY' (401 otherwise). Routers re-read it when it changes: rotating a "
             "key needs no restart."
         ),

@@ -154,6 +154,7 @@ class Ticket:
     turn: asyncio.Future[None] | None = None
     held_at: float | None = None
     charged: bool = False  # rate-limit buckets were charged (refunded if never admitted)
+    grammar: bool = False  # structured outputs: counted against the tenant's maxConcurrentGrammars
 
     @property
     def cost(self) -> int:
@@ -175,15 +176,25 @@ class _TenantState:
     requests: TokenBucket | None
     tokens: TokenBucket | None
     active: int = 0  # trying + held
+    grammars: int = 0  # of those, with a grammar
     queued: dict[int, deque[Ticket]] = field(default_factory=dict)  # per class, FIFO
     finish: list[float] = field(default_factory=lambda: [0.0] * len(PRIORITIES))  # SFQ finish tag per class
 
     def waiting(self) -> int:
         return sum(len(q) for q in self.queued.values())
 
-    def eligible(self) -> bool:
-        cap = self.limits.max_concurrent
-        return cap is None or self.active < cap
+    def eligible(self, head: Ticket) -> bool:
+        """May `head`, the tenant's next ticket, be dispatched: under maxConcurrent, and with a
+        grammar, under maxConcurrentGrammars (its later tickets wait behind it: FIFO)."""
+        cap, grammars = self.limits.max_concurrent, self.limits.max_concurrent_grammars
+        if cap is not None and self.active >= cap:
+            return False
+        return not head.grammar or grammars is None or self.grammars < grammars
+
+    def activate(self, ticket: Ticket, by: int) -> None:
+        """`ticket` starts (+1) or stops (-1) holding the tenant's concurrency."""
+        self.active += by
+        self.grammars += by if ticket.grammar else 0
 
 
 class AdmissionQueue:
@@ -221,12 +232,18 @@ class AdmissionQueue:
     # ---- entering ---------------------------------------------------------------------------------
 
     def enter(
-        self, tenant: Tenant, priority: Priority, prompt_tokens: int, max_tokens: int, deadline_s: float | None = None
+        self,
+        tenant: Tenant,
+        priority: Priority,
+        prompt_tokens: int,
+        max_tokens: int,
+        deadline_s: float | None = None,
+        grammar: bool = False,
     ) -> Ticket:
         """A ticket for a request, or `Rejected` at once when it cannot be served.
 
         `priority` is lowered to the tenant's `maxPriority`; `deadline_s` (from a header) can
-        only shorten the configured deadline.
+        only shorten the configured deadline; `grammar`: the request has structured outputs.
         """
         now = self._clock()
         state = self._tenant(tenant, now)
@@ -266,7 +283,9 @@ class AdmissionQueue:
         if state.tokens is not None:
             state.tokens.take(prompt_tokens + max_tokens, now)
         self._seq += 1
-        ticket = Ticket(state, rank, prompt_tokens, max_tokens, now + wait_limit, now, self._seq, charged=True)
+        ticket = Ticket(
+            state, rank, prompt_tokens, max_tokens, now + wait_limit, now, self._seq, charged=True, grammar=grammar
+        )
         ticket.turn = asyncio.get_running_loop().create_future()
         state.queued.setdefault(rank, deque()).append(ticket)
         self._waiting[rank] += 1
@@ -355,7 +374,7 @@ class AdmissionQueue:
         if ticket.state is not State.TRYING:
             return
         ticket.state = State.WAITING
-        ticket.tenant.active -= 1
+        ticket.tenant.activate(ticket, -1)
         queue = ticket.tenant.queued.setdefault(ticket.priority, deque())
         queue.appendleft(ticket)  # it was its tenant's oldest in its class
         self._waiting[ticket.priority] += 1
@@ -374,12 +393,12 @@ class AdmissionQueue:
             self._unqueue(ticket)
             self._refund(ticket)
         elif state is State.TRYING:
-            ticket.tenant.active -= 1
+            ticket.tenant.activate(ticket, -1)
             self._refund(ticket)
             if ticket is self._probe:
                 self._probe = None
         elif state is State.HELD:
-            ticket.tenant.active -= 1
+            ticket.tenant.activate(ticket, -1)
             self._running -= 1
             tenant, now = ticket.tenant, self._clock()
             unused = max(ticket.max_tokens - completion_tokens, 0)
@@ -422,7 +441,7 @@ class AdmissionQueue:
         ticket.tenant.queued[ticket.priority].popleft()
         self._waiting[ticket.priority] -= 1
         ticket.state = State.TRYING
-        ticket.tenant.active += 1
+        ticket.tenant.activate(ticket, 1)
         if ticket.turn is not None and not ticket.turn.done():
             ticket.turn.set_result(None)
 
@@ -472,6 +491,7 @@ class AdmissionQueue:
         return {
             "waiting": {name: self._waiting[i] for i, name in enumerate(PRIORITIES)},
             "running": self._running,
+            "grammars_running": sum(t.grammars for t in self._tenants.values()),
             "blocked": self._blocked,
             "drain_per_s": None if rate is None else round(rate, 3),
             "capacity": self.config.capacity,
@@ -527,7 +547,7 @@ def _next_ticket(tenants: Iterable[_TenantState], waiting: list[int], vtime: lis
         best: tuple[bool, float, int, Ticket] | None = None
         for tenant in tenants:
             queue = tenant.queued.get(rank)
-            if not queue or not tenant.eligible():
+            if not queue or not tenant.eligible(queue[0]):
                 continue
             tag = max(tenant.finish[rank], vtime[rank])
             key = (tenant.name in over, tag, queue[0].seq, queue[0])

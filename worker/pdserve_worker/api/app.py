@@ -207,7 +207,8 @@ class OpenAIFront:
         gen.show_workers = self.intake.shows_workers(request, tenant)
         fmt = self._response_format(body, request_id, params)
         await prompt_copies.wait_for_first()  # a later copy of a prompt: after the first one's prefill
-        ticket = self.intake.ticket(tenant, priority, len(prompt_ids), max_tokens, deadline_s, request_id)
+        grammar = params.grammar is not None
+        ticket = self.intake.ticket(tenant, priority, len(prompt_ids), max_tokens, deadline_s, request_id, grammar)
         # No await between the ticket and the ledger that releases it.
         ledger = Ledger(self.metrics, gen, "chat" if chat else "completions", self.admission, ticket)
         if body.stream:

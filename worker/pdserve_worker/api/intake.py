@@ -122,12 +122,14 @@ class RequestIntake:
         max_tokens: int,
         deadline_s: float | None,
         request_id: str,
+        grammar: bool,
     ) -> Ticket | None:
-        """The request's place in the admission queue (None without one); a 429 when refused."""
+        """The request's place in the admission queue (None without one); a 429 when refused.
+        `grammar`: it has structured outputs (the tenant's maxConcurrentGrammars applies)."""
         if self.admission is None:
             return None
         try:
-            return self.admission.enter(tenant, priority, prompt_tokens, max_tokens, deadline_s)  # type: ignore[arg-type]
+            return self.admission.enter(tenant, priority, prompt_tokens, max_tokens, deadline_s, grammar)  # type: ignore[arg-type]
         except Rejected as exc:
             self.metrics.observe_rejected(429)
             log.info(

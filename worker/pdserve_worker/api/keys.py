@@ -51,6 +51,9 @@ class TenantLimits(BaseModel):
     requests_per_minute: int | None = Field(None, ge=1, alias="requestsPerMinute")
     tokens_per_minute: int | None = Field(None, ge=1, alias="tokensPerMinute")
     max_concurrent: int | None = Field(None, ge=1, alias="maxConcurrent")
+    # Requests with structured outputs (a grammar) holding a reservation at once: each one's
+    # mask costs every step of the decode batch it is in, the other tenants' rows included.
+    max_concurrent_grammars: int | None = Field(2, ge=1, alias="maxConcurrentGrammars")
     max_priority: Priority = Field("high", alias="maxPriority")
     weight: float = Field(1.0, gt=0, le=1000)
     # May ask, with `x-pdserve-debug: workers`, for the names of the prefill and decode that
@@ -62,7 +65,8 @@ class TenantLimits(BaseModel):
 
     def per_replica(self, replicas: int) -> TenantLimits:
         """This router's share when `replicas` routers serve the tenant: each enforces 1/N of the
-        rates and of the concurrency, rounded up (docs/admission.md, "Several routers")."""
+        rates and of the concurrency, rounded up (docs/admission.md, "Several routers"). The
+        grammars' default bound is each router's own; a value the keys file sets is shared."""
         if replicas <= 1:
             return self
 
@@ -74,6 +78,9 @@ class TenantLimits(BaseModel):
                 "requests_per_minute": share(self.requests_per_minute),
                 "tokens_per_minute": share(self.tokens_per_minute),
                 "max_concurrent": share(self.max_concurrent),
+                "max_concurrent_grammars": share(self.max_concurrent_grammars)
+                if "max_concurrent_grammars" in self.model_fields_set
+                else self.max_concurrent_grammars,
             }
         )
 
