@@ -3,6 +3,7 @@
     pdserve local --prefill 1 --decode 2 [--port 8000] [--model PATH] [--dtype ...]
     pdserve local --demo        start, ask one question, show the answer and its timing, stop
     pdserve local --colocated   one process that prefills and decodes (the baseline)
+    pdserve local --engine vllm prefill and decode on vLLM (pdserve's KV connector), not pdserve's engine
     pdserve local --tls         mutual TLS on every gRPC hop, HTTPS at the router (a CA made for the run)
     pdserve local --api-keys F  require API keys (a keys file, docs/admission.md) on the OpenAI endpoint
     pdserve local --trace-file spans.jsonl   OpenTelemetry spans of every process, one JSON object a line
@@ -88,6 +89,14 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
 def _model_flags(p: argparse._ArgumentGroup) -> None:
     """The model and how its weights are held."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--engine",
+        default="native",
+        help="the model engine of every prefill and decode (default native, also with --demo): native, "
+        "pdserve's own torch engine; vllm, vLLM with pdserve's KV connector (install it with `bash "
+        "scripts/setup.sh --engine vllm`; refused at once, naming what is missing, when it is not installed); "
+        "or module:Class",
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -206,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         plan = _plan(args)
-    except ValueError as exc:
+        _check_engine(plan.engine)
+    except ValueError as exc:  # (an EngineError too)
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2
     flag = StopFlag()
@@ -250,10 +260,18 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     names = (
         "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
         "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk prefill_chunk_tokens layer_shards "
-        "prefill_tp decode_tp epp_port transfer tls "
+        "prefill_tp decode_tp epp_port transfer tls engine "
         "api_keys log_dir"
     ).split()
     return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)
+
+
+def _check_engine(name: str) -> None:
+    """Refuse, before any process starts, an engine that is not installed (engines/registry.py
+    names the missing module and the set-up step that installs it)."""
+    from pdserve_worker.engines.registry import check_engine
+
+    check_engine(name)
 
 
 def _watch(deployment: LocalDeployment, flag: StopFlag, on_exit: str) -> int:

@@ -1,0 +1,83 @@
+"""`--engine` of `pdserve worker` and `pdserve local`: native by default; the worker's flag is
+its WorkerSettings.engine; the local one reaches every worker through the env the launcher
+builds; and `pdserve local --engine vllm` without vLLM stops before it starts anything,
+naming the engine, the missing module and the set-up step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve_common import pod_env as E
+from pdserve_worker.cli.local_env import RunFacts, worker_env
+from pdserve_worker.cli.local_plan import LocalPlan
+from pdserve_worker.cli.main import build_parser, main
+
+POD = {
+    E.ROLE: "prefill",
+    E.SERVICE: "prod/chat",
+    E.BROKER_ADDRESS: "broker.pdserve:50051",
+    E.BROKER_TOKEN: "s3cret",
+    E.POD_IP: "10.1.2.3",
+}
+
+
+@pytest.fixture
+def pod_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name, value in POD.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(E.ENGINE, raising=False)
+    return monkeypatch
+
+
+def test_worker_engine_flag_feeds_the_settings_and_native_stays_the_default(pod_environment):
+    from pdserve_worker.cli.worker import settings_from_args
+
+    assert settings_from_args(build_parser().parse_args(["worker"])).engine == "native"
+    assert settings_from_args(build_parser().parse_args(["worker", "--engine", "vllm"])).engine == "vllm"
+    pod_environment.setenv(E.ENGINE, "vllm")  # what the operator renders into a vLLM pod
+    assert settings_from_args(build_parser().parse_args(["worker"])).engine == "vllm"
+    flagged = build_parser().parse_args(["worker", "--engine", "native"])  # the flag wins, as every flag does
+    assert settings_from_args(flagged).engine == "native"
+
+
+def _facts(plan: LocalPlan) -> RunFacts:
+    return RunFacts(plan, "float32", 256, "/models/m", "m", "127.0.0.1:1", "tok", None)
+
+
+def test_local_engine_reaches_every_worker_it_starts():
+    ports = iter(range(20000, 20100))
+    for engine in ("vllm", "native", "support.fake_engine:FakeEngine"):
+        run = _facts(LocalPlan(engine=engine))
+        for role in ("prefill", "decode", "router", "colocated"):
+            env = worker_env(run, role, f"{role}-0", 8000, lambda: next(ports))
+            assert env[E.ENGINE] == engine, (engine, role)
+
+
+def test_local_engine_flag_defaults_to_native_with_and_without_demo():
+    from pdserve_worker.cli.local import _plan
+
+    for argv in (["local"], ["local", "--demo"]):
+        assert _plan(build_parser().parse_args(argv)).engine == "native"
+    assert _plan(build_parser().parse_args(["local", "--demo", "--engine", "vllm"])).engine == "vllm"
+
+
+def test_local_vllm_without_vllm_fails_before_starting_anything(monkeypatch, capsys, tmp_path: Path):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # absent, whether or not this machine has it
+    for name in [m for m in sys.modules if m.startswith("pdserve_worker.engines.vllm")]:
+        monkeypatch.delitem(sys.modules, name)
+    logs = tmp_path / "logs"
+    code = main(["local", "--engine", "vllm", "--port", "0", "--timeout", "5", "--log-dir", str(logs)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "pdserve local: engine 'vllm': cannot import pdserve_worker.engines.vllm.engine:VllmEngine" in err
+    assert "is not installed; to install it run `bash scripts/setup.sh --engine vllm`" in err
+    assert not logs.exists(), "no child was started (the log folder is made first)"
+
+
+def test_local_unknown_engine_is_refused_by_name(capsys):
+    assert main(["local", "--engine", "vlm", "--port", "0"]) == 2
+    assert "engine 'vlm' is not registered; expected one of ['native', 'vllm']" in capsys.readouterr().err
