@@ -15,6 +15,7 @@ from pdserve_common import pod_env as E
 from pdserve_worker.cli.local_env import RunFacts, worker_env
 from pdserve_worker.cli.local_plan import LocalPlan
 from pdserve_worker.cli.main import build_parser, main
+from pdserve_worker.engines import registry
 
 POD = {
     E.ROLE: "prefill",
@@ -65,15 +66,28 @@ def test_local_engine_flag_defaults_to_native_with_and_without_demo():
     assert _plan(build_parser().parse_args(["local", "--demo", "--engine", "vllm"])).engine == "vllm"
 
 
-def test_local_vllm_without_vllm_fails_before_starting_anything(monkeypatch, capsys, tmp_path: Path):
-    monkeypatch.setitem(sys.modules, "vllm", None)  # absent, whether or not this machine has it
-    for name in [m for m in sys.modules if m.startswith("pdserve_worker.engines.vllm")]:
-        monkeypatch.delitem(sys.modules, name)
+@pytest.mark.parametrize("missing", ["engine module", "vllm"])
+def test_local_vllm_without_vllm_fails_before_starting_anything(monkeypatch, capsys, tmp_path: Path, missing):
+    """Missing either way: pdserve's vLLM engine module does not import, or it imports and its
+    check_installed finds no vLLM (what the connector's engine says where vLLM is absent)."""
+    if missing == "vllm":
+        (tmp_path / "engine_no_vllm.py").write_text(
+            "class Engine:\n"
+            "    capabilities = frozenset()\n"
+            "    @classmethod\n"
+            "    def check_installed(cls):\n"
+            "        raise ModuleNotFoundError(\"No module named 'vllm'\", name='vllm')\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setitem(registry.ENGINES, "vllm", "engine_no_vllm:Engine")
+    else:
+        monkeypatch.setitem(sys.modules, "pdserve_worker.engines.vllm.engine", None)
     logs = tmp_path / "logs"
     code = main(["local", "--engine", "vllm", "--port", "0", "--timeout", "5", "--log-dir", str(logs)])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "pdserve local: engine 'vllm': cannot import pdserve_worker.engines.vllm.engine:VllmEngine" in err
+    assert "pdserve local: engine 'vllm': cannot import " in err
+    assert "vllm" in err.split("module ", 1)[1].split(" is not installed")[0], err
     assert "is not installed; to install it run `bash scripts/setup.sh --engine vllm`" in err
     assert not logs.exists(), "no child was started (the log folder is made first)"
 
