@@ -95,3 +95,12 @@ def test_local_vllm_without_vllm_fails_before_starting_anything(monkeypatch, cap
 def test_local_unknown_engine_is_refused_by_name(capsys):
     assert main(["local", "--engine", "vlm", "--port", "0"]) == 2
     assert "engine 'vlm' is not registered; expected one of ['native', 'vllm']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "what"), [("--decode-tp", "tensor_parallel"), ("--layer-shards", "layer_shards")])
+def test_local_refuses_a_group_the_engine_does_not_run_before_starting(capsys, tmp_path: Path, flag, what):
+    logs = tmp_path / "logs"
+    argv = ["local", "--engine", "support.fake_engine:FakeEngine", flag, "3", "--port", "0", "--log-dir", str(logs)]
+    assert main(argv) == 2
+    assert f"engine 'support.fake_engine:FakeEngine' does not run {what}" in capsys.readouterr().err
+    assert not logs.exists()

@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         plan = _plan(args)
-        _check_engine(plan.engine)
+        _check_engine(plan)
     except ValueError as exc:  # (an EngineError too)
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2
@@ -266,12 +266,22 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)
 
 
-def _check_engine(name: str) -> None:
+def _check_engine(plan: LocalPlan) -> None:
     """Refuse, before any process starts, an engine that is not installed (engines/registry.py
-    names the missing module and the set-up step that installs it)."""
-    from pdserve_worker.engines.registry import check_engine
+    names the missing module and the set-up step that installs it) or that does not run the
+    groups the flags ask for."""
+    from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, EngineError
+    from pdserve_worker.engines.registry import check_engine, engine_type
 
-    check_engine(name)
+    check_engine(plan.engine)
+    needs = {TENSOR_PARALLEL: plan.prefill_tp > 1 or plan.decode_tp > 1, LAYER_SHARDS: plan.layer_shards > 1}
+    missing = sorted(
+        need for need, asked in needs.items() if asked and need not in engine_type(plan.engine).capabilities
+    )
+    if missing and not plan.colocated:
+        raise EngineError(
+            f"engine {plan.engine!r} does not run {', '.join(missing)} (--prefill-tp, --decode-tp, --layer-shards)"
+        )
 
 
 def _watch(deployment: LocalDeployment, flag: StopFlag, on_exit: str) -> int:
