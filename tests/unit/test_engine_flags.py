@@ -58,12 +58,28 @@ def test_local_engine_reaches_every_worker_it_starts():
             assert env[E.ENGINE] == engine, (engine, role)
 
 
-def test_local_engine_flag_defaults_to_native_with_and_without_demo():
+def test_local_engine_flag_defaults_to_native_with_and_without_demo(monkeypatch):
     from pdserve_worker.cli.local import _plan
 
+    monkeypatch.delenv(E.ENGINE, raising=False)
     for argv in (["local"], ["local", "--demo"]):
         assert _plan(build_parser().parse_args(argv)).engine == "native"
     assert _plan(build_parser().parse_args(["local", "--demo", "--engine", "vllm"])).engine == "vllm"
+
+
+def test_local_engine_from_env_or_env_flag_and_a_disagreement_refused(monkeypatch):
+    from pdserve_worker.cli.local import _plan
+
+    def plan(*argv: str) -> LocalPlan:
+        return _plan(build_parser().parse_args(["local", *argv]))
+
+    monkeypatch.setenv(E.ENGINE, "support.fake_engine:FakeEngine")  # inherited, as the seam test sets it
+    assert plan().engine == "support.fake_engine:FakeEngine"
+    assert plan("--engine", "native").engine == "native"  # the flag wins
+    given = plan("--env", f"{E.ENGINE}=vllm")
+    assert given.engine == "vllm" and E.ENGINE not in given.extra_env  # one engine: the one checked
+    with pytest.raises(ValueError, match=f"--engine native and --env {E.ENGINE}=vllm disagree"):
+        plan("--engine", "native", "--env", f"{E.ENGINE}=vllm")
 
 
 @pytest.mark.parametrize("missing", ["engine module", "vllm"])

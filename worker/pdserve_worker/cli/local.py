@@ -91,8 +91,9 @@ def _model_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument(
         "--engine",
-        default="native",
-        help="the model engine of every prefill and decode (default native, also with --demo): native, "
+        default=None,
+        help="the model engine of every prefill and decode (default $PDSERVE_ENGINE, else native, also with "
+        "--demo): native, "
         "pdserve's own torch engine; vllm, vLLM with pdserve's KV connector (install it with `bash "
         "scripts/setup.sh --engine vllm`; refused at once, naming what is missing, when it is not installed); "
         "or module:Class",
@@ -260,10 +261,22 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     names = (
         "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
         "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk prefill_chunk_tokens layer_shards "
-        "prefill_tp decode_tp epp_port transfer tls engine "
+        "prefill_tp decode_tp epp_port transfer tls "
         "api_keys log_dir"
     ).split()
-    return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)
+    engine = _engine(args.engine, extra_env)
+    return LocalPlan(**{name: getattr(args, name) for name in names}, engine=engine, extra_env=extra_env)
+
+
+def _engine(flag: str | None, extra_env: dict[str, str]) -> str:
+    """--engine, else --env PDSERVE_ENGINE=..., else $PDSERVE_ENGINE, else native; taken out of
+    extra_env, so the engine checked here is the one every worker gets."""
+    from pdserve_worker.serving.settings import ENGINE
+
+    given = extra_env.pop(ENGINE, None)
+    if flag is not None and given is not None and flag != given:
+        raise ValueError(f"--engine {flag} and --env {ENGINE}={given} disagree")
+    return flag or given or os.environ.get(ENGINE) or "native"
 
 
 def _check_engine(plan: LocalPlan) -> None:
