@@ -60,6 +60,8 @@ CONNECT_TIMEOUT_MS = "PDSERVE_CONNECT_TIMEOUT_MS"
 TRANSFER_TIMEOUT_MS = "PDSERVE_TRANSFER_TIMEOUT_MS"
 ENGINE_OPTIONS = "PDSERVE_ENGINE_OPTIONS"  # JSON object of strings, passed to the engine's initialize
 
+# prefill, decode: the model engine, a name of engines/registry.py (native, vllm) or module:Class
+ENGINE = "PDSERVE_ENGINE"
 LAYERS_PER_CHUNK = "PDSERVE_LAYERS_PER_CHUNK"  # prefill
 SLOTS = "PDSERVE_SLOTS"  # decode
 KV_BLOCK_TOKENS = "PDSERVE_KV_BLOCK_TOKENS"  # decode: tokens per KV block (0: max-length slots)

@@ -17,7 +17,7 @@ from pdserve_common.auth import TLSConfig
 from pdserve_operator.broker.view import BrokerView, NullBrokerView
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.metrics import OperatorMetrics
-from pdserve_operator.reconcile.children.meta import Defaults
+from pdserve_operator.reconcile.children.meta import VLLM_IMAGES, Defaults
 from pdserve_operator.reconcile.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,18 @@ class OperatorConfig(BaseSettings):
     namespaces: list[str] = Field(default_factory=list, description="Namespaces to watch; empty means all.")
     image: str = Field("pdserve:0.1.0", description="Worker image when a resource sets none.")
     image_pull_policy: str = Field("IfNotPresent", description="imagePullPolicy of the worker containers.")
+    vllm_image_cpu: str = Field(
+        VLLM_IMAGES["cpu"],
+        description="Prefill/decode image with engine vllm on device cpu (vllm-cpu), unless vllmImage.",
+    )
+    vllm_image_cuda: str = Field(
+        VLLM_IMAGES["cuda"],
+        description="Prefill/decode image with engine vllm on device cuda (vllm), unless vllmImage.",
+    )
+    vllm_image_npu: str = Field(
+        VLLM_IMAGES["npu"],
+        description="Prefill/decode image with engine vllm on device npu (vllm-ascend), unless vllmImage.",
+    )
     broker_host: str = Field("0.0.0.0", description="Address the gRPC broker binds.")
     broker_port: int = Field(50070, description="Port the gRPC broker listens on.")
     broker_address: str = Field(
@@ -142,6 +154,7 @@ def build_runtime(
     broker = broker or NullBrokerView()
     defaults = Defaults(
         image=config.image,
+        vllm_images={"cpu": config.vllm_image_cpu, "cuda": config.vllm_image_cuda, "npu": config.vllm_image_npu},
         broker_address=config.broker_address,
         image_pull_policy=config.image_pull_policy,
         network_policy=config.network_policy,

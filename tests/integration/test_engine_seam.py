@@ -38,7 +38,7 @@ def test_the_registry_names_the_native_engine_and_takes_a_module_path():
 @pytest.mark.parametrize(
     ("name", "said"),
     [
-        ("vllm-but-not-registered", "is not registered; expected one of ['native'] or module:Class"),
+        ("vllm-but-not-registered", "is not registered; expected one of ['native', 'vllm'] or module:Class"),
         ("support.no_such_module:Engine", "cannot import support.no_such_module:Engine"),
         ("support.fake_engine:NoSuchClass", "cannot import support.fake_engine:NoSuchClass"),
     ],

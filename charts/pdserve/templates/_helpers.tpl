@@ -39,6 +39,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) -}}
 {{- end -}}
 
+{{/* The vLLM variant of the worker image for a device type: (list $ "cpu"|"cuda"|"npu"). Set in
+values, that; else the worker image's tag with the suffix worker/Dockerfile's header tags it with. */}}
+{{- define "pdserve.vllmImage" -}}
+{{- $root := index . 0 -}}
+{{- $device := index . 1 -}}
+{{- $suffix := dict "cpu" "vllm-cpu" "cuda" "vllm-cuda" "npu" "vllm-ascend" -}}
+{{- $set := index ($root.Values.workerImage.vllm | default dict) $device | default "" -}}
+{{- if $set -}}
+{{- $set -}}
+{{- else -}}
+{{- printf "%s:%s-%s" $root.Values.workerImage.repository (default $root.Chart.AppVersion $root.Values.workerImage.tag) (index $suffix $device) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Namespace-scoped permissions: exactly the calls the operator makes (tests/e2e/test_chart_install.py
 records them against the API emulator and checks both directions). */}}
 {{- define "pdserve.namespacedRules" -}}

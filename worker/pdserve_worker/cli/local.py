@@ -3,6 +3,7 @@
     pdserve local --prefill 1 --decode 2 [--port 8000] [--model PATH] [--dtype ...]
     pdserve local --demo        start, ask one question, show the answer and its timing, stop
     pdserve local --colocated   one process that prefills and decodes (the baseline)
+    pdserve local --engine vllm prefill and decode on vLLM (pdserve's KV connector), not pdserve's engine
     pdserve local --tls         mutual TLS on every gRPC hop, HTTPS at the router (a CA made for the run)
     pdserve local --api-keys F  require API keys (a keys file, docs/admission.md) on the OpenAI endpoint
     pdserve local --trace-file spans.jsonl   OpenTelemetry spans of every process, one JSON object a line
@@ -88,6 +89,15 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
 def _model_flags(p: argparse._ArgumentGroup) -> None:
     """The model and how its weights are held."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--engine",
+        default=None,
+        help="the model engine of every prefill and decode (default $PDSERVE_ENGINE, else native, also with "
+        "--demo): native, "
+        "pdserve's own torch engine; vllm, vLLM with pdserve's KV connector (install it with `bash "
+        "scripts/setup.sh --engine vllm`; refused at once, naming what is missing, when it is not installed); "
+        "or module:Class",
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -206,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         plan = _plan(args)
-    except ValueError as exc:
+        _check_engine(plan)
+    except ValueError as exc:  # (an EngineError too)
         print(f"pdserve local: {exc}", file=sys.stderr)
         return 2
     flag = StopFlag()
@@ -253,7 +264,37 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
         "prefill_tp decode_tp epp_port transfer tls "
         "api_keys log_dir"
     ).split()
-    return LocalPlan(**{name: getattr(args, name) for name in names}, extra_env=extra_env)
+    engine = _engine(args.engine, extra_env)
+    return LocalPlan(**{name: getattr(args, name) for name in names}, engine=engine, extra_env=extra_env)
+
+
+def _engine(flag: str | None, extra_env: dict[str, str]) -> str:
+    """--engine, else --env PDSERVE_ENGINE=..., else $PDSERVE_ENGINE, else native; taken out of
+    extra_env, so the engine checked here is the one every worker gets."""
+    from pdserve_worker.serving.settings import ENGINE
+
+    given = extra_env.pop(ENGINE, None)
+    if flag is not None and given is not None and flag != given:
+        raise ValueError(f"--engine {flag} and --env {ENGINE}={given} disagree")
+    return flag or given or os.environ.get(ENGINE) or "native"
+
+
+def _check_engine(plan: LocalPlan) -> None:
+    """Refuse, before any process starts, an engine that is not installed (engines/registry.py
+    names the missing module and the set-up step that installs it) or that does not run the
+    groups the flags ask for."""
+    from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, EngineError
+    from pdserve_worker.engines.registry import check_engine, engine_type
+
+    check_engine(plan.engine)
+    needs = {TENSOR_PARALLEL: plan.prefill_tp > 1 or plan.decode_tp > 1, LAYER_SHARDS: plan.layer_shards > 1}
+    missing = sorted(
+        need for need, asked in needs.items() if asked and need not in engine_type(plan.engine).capabilities
+    )
+    if missing and not plan.colocated:
+        raise EngineError(
+            f"engine {plan.engine!r} does not run {', '.join(missing)} (--prefill-tp, --decode-tp, --layer-shards)"
+        )
 
 
 def _watch(deployment: LocalDeployment, flag: StopFlag, on_exit: str) -> int:

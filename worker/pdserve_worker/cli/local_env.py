@@ -86,6 +86,7 @@ def worker_env(run: RunFacts, role: str, worker_id: str, http_port: int, hold: C
             E.PROBE_PORT_ENV: str(hold()),  # /healthz and /readyz alone, as in a pod
             # The host engine serves its port from the socket handed down; two-sided (gloo) binds its own.
             S.TRANSFER_PORT_ENV: str(hold() if plan.transfer == "cpu" else free_port()),
+            E.ENGINE: plan.engine,  # every worker's, as a pod's (the router loads no model)
             E.MODEL_SOURCE: run.model_source,
             E.MODEL_DTYPE: run.dtype,
             S.WEIGHTS: plan.weights,

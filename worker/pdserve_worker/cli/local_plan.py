@@ -32,6 +32,7 @@ class LocalPlan:
     decode_tp: int = 1  # the same per decode instance
     epp_port: int = 0  # router-0's endpoint picker (gateway/ext_proc.py); 0: none
     readiness: str = "interrupt"
+    engine: str = "native"  # the model engine of every worker (engines/registry.py): native, vllm, module:Class
     # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
     # baseline of seed 002's experiment (transfer/backends/two_sided.py; benchmarks only).
     transfer: str = "cpu"

@@ -27,6 +27,7 @@ _FLAG_FIELDS = {
     "grpc_port": "grpc_port",
     "transfer_port": "transfer_port",
     "model": "model_source",
+    "engine": "engine",
     "model_name": "model_name",
     "dtype": "model_dtype",
     "weights": "weights",
@@ -87,6 +88,13 @@ def _membership_flags(p: argparse._ArgumentGroup) -> None:
 def _model_flags(p: argparse._ArgumentGroup) -> None:
     """The model and where it runs."""
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled SmolLM2)")
+    p.add_argument(
+        "--engine",
+        default=None,
+        help="the model engine (else $PDSERVE_ENGINE; default native): native, pdserve's own torch engine; "
+        "vllm, vLLM with pdserve's KV connector (install it with `bash scripts/setup.sh --engine vllm`); "
+        "or module:Class of an engine outside pdserve",
+    )
     p.add_argument("--model-name", default=None, help="name the API serves the model under")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument(

@@ -4,6 +4,10 @@ Each entry names the module and class of the engine (its `capabilities` and its 
 engine is asked for, so a worker that runs the native engine never imports another engine's
 library. An engine outside this package is named as `module:Class` (vLLM's
 `kv_connector_module_path` is the model): it loads the same way, with no file here changed.
+An engine whose module or a library it imports is not installed is refused by name, with the
+missing module and the set-up step that installs it; `check_engine` (a launcher's check before
+it starts anything) also asks the engine's optional `check_installed()` classmethod, for what
+an engine runs outside this interpreter (vLLM in its own environment).
 """
 
 from __future__ import annotations
@@ -15,21 +19,57 @@ from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, Engine, E
 
 ENGINES: dict[str, str] = {
     "native": "pdserve_worker.engines.native:NativeEngine",  # pdserve's torch engine (model/)
+    "vllm": "pdserve_worker.engines.vllm.engine:VllmEngine",  # vLLM with pdserve's KV connector
 }
 DEFAULT = "native"
+# The step that installs what an engine needs (named when an import of it fails).
+SETUP: dict[str, str] = {"native": "bash scripts/setup.sh", "vllm": "bash scripts/setup.sh --engine vllm"}
+
+
+def _target(name: str) -> str:
+    target = ENGINES.get(name) or (name if ":" in name else None)
+    if target is None:
+        raise EngineError(f"engine {name!r} is not registered; expected one of {sorted(ENGINES)} or module:Class")
+    return target
+
+
+def _not_installed(name: str, missing: str) -> EngineError:
+    """The refusal of an engine whose module, or a module it needs, is not installed."""
+    fix = SETUP.get(name)
+    how = f"run `{fix}`" if fix else f"install the package that provides {missing!r}"
+    return EngineError(
+        f"engine {name!r}: cannot import {_target(name)}: module {missing!r} is not installed; to install it {how}"
+    )
 
 
 def engine_type(name: str) -> EngineType:
     """The class of engine `name` (a registered name or `module:Class`)."""
-    target = ENGINES.get(name) or (name if ":" in name else None)
-    if target is None:
-        raise EngineError(f"engine {name!r} is not registered; expected one of {sorted(ENGINES)} or module:Class")
+    target = _target(name)
     module, _, attribute = target.partition(":")
     try:
         found = getattr(importlib.import_module(module), attribute)
+    except ModuleNotFoundError as exc:  # the engine's module, or a module it imports
+        raise _not_installed(name, exc.name or module) from exc
     except (ImportError, AttributeError) as exc:
         raise EngineError(f"engine {name!r}: cannot import {target}: {exc}") from exc
     return cast(EngineType, found)
+
+
+def check_engine(name: str) -> None:
+    """Refuse engine `name` unless it is installed: its class imports, and its optional
+    `check_installed()` (what it runs elsewhere, e.g. vLLM's own environment) raises nothing.
+    A launcher calls this before it starts any process, so a missing engine fails at once."""
+    _check_installed(name, engine_type(name))
+
+
+def _check_installed(name: str, kind: EngineType) -> None:
+    check = getattr(kind, "check_installed", None)
+    if check is None:
+        return
+    try:
+        check()
+    except ModuleNotFoundError as exc:
+        raise _not_installed(name, exc.name or "?") from exc
 
 
 def load_engine(name: str, request: EngineLoad) -> Engine:
@@ -42,4 +82,8 @@ def load_engine(name: str, request: EngineLoad) -> Engine:
     missing = needs - kind.capabilities
     if missing:
         raise EngineError(f"engine {name!r} does not run {', '.join(sorted(missing))}")
-    return kind.load(request)
+    _check_installed(name, kind)
+    try:
+        return kind.load(request)
+    except ModuleNotFoundError as exc:  # a library the engine imports only when it loads
+        raise _not_installed(name, exc.name or "?") from exc

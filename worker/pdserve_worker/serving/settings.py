@@ -54,7 +54,7 @@ PREFILL_OVERTAKE_TOKENS = "PDSERVE_PREFILL_OVERTAKE_TOKENS"
 PREFILL_CHUNK_TOKENS = "PDSERVE_PREFILL_CHUNK_TOKENS"
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
-ENGINE = "PDSERVE_ENGINE"  # the model engine: a name of engines/registry.py, or module:Class
+ENGINE = E.ENGINE  # the model engine (pod_env.py: the operator renders it)
 WEIGHTS = "PDSERVE_WEIGHTS"  # how matrices are held: auto, dequantized, int8, int4 (model/layers/weight_routes.py)
 # Every HTTP port (router API, pod probes, admin): a request must arrive whole within this
 # many seconds, and connections past the cap are closed at once (api/http_guard.py).

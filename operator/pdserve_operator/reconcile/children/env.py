@@ -39,6 +39,8 @@ def container_env(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defau
     """The worker's environment: what every pod reads, what its role reads, then the user's
     own variables (never one of ours: they are the contract with the worker)."""
     env = [_val(E.ROLE, role), *_credentials_env(owner, role), *_common_env(owner, spec, defaults)]
+    if role in ("prefill", "decode"):  # the model engine (engines/registry.py); the router loads none
+        env.append(_val(E.ENGINE, spec.engine))
     env += {"router": _router_env, "prefill": _prefill_env, "decode": _decode_env}[role](owner, spec)
     overrides: s.PodOverrides = getattr(spec, role)
     ours = {e["name"] for e in env}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_operator import spec as s
@@ -46,12 +46,18 @@ class Owner:
         return f"{self.namespace}/{self.name}"
 
 
+# The vLLM variants of the worker image by device.type (worker/Dockerfile with ENGINE=vllm, tagged
+# as its header says): a service with engine vllm that sets no vllmImage runs these for prefill and decode.
+VLLM_IMAGES = {"cpu": "pdserve:0.1.0-vllm-cpu", "cuda": "pdserve:0.1.0-vllm-cuda", "npu": "pdserve:0.1.0-vllm-ascend"}
+
+
 @dataclass(frozen=True)
 class Defaults:
     """Operator-wide settings that the spec may leave unset."""
 
     image: str
     broker_address: str
+    vllm_images: dict[str, str] = field(default_factory=lambda: dict(VLLM_IMAGES))  # by device.type
     image_pull_policy: str = "IfNotPresent"
     # A NetworkPolicy per service (see `network_policy`). On by default: real HIXL admits any
     # peer that reaches its port, so the policy is what keeps other pods off the KV plane

@@ -41,6 +41,14 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def worker_image(role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> str:
+    """The router runs spec.image (else the operator's); prefill and decode run their engine's
+    image: with vllm, spec.vllmImage, else the operator's vLLM image for the device type."""
+    if role in ("prefill", "decode") and spec.engine == "vllm":
+        return spec.vllm_image or defaults.vllm_images[spec.device.type]
+    return spec.image or defaults.image
+
+
 def _container(
     owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Defaults, mounts: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -48,7 +56,7 @@ def _container(
     a decode's transfer port and preStop drain."""
     container: dict[str, Any] = {
         "name": "worker",
-        "image": spec.image or defaults.image,
+        "image": worker_image(role, spec, defaults),
         "imagePullPolicy": defaults.image_pull_policy,
         "command": ["pdserve"],
         "args": ["worker", "--role", role],
