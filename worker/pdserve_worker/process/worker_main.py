@@ -241,7 +241,11 @@ class _Membership:
         self.settings = settings
         self.state = state
         self.broker: BrokerClient = BrokerClient(
-            settings.broker_address, settings.service, settings.token, settings.broker_channel_tls
+            settings.broker_address,
+            settings.service,
+            settings.token,
+            settings.broker_channel_tls,
+            credential=settings.member_credential_source(),
         )
         self.tokens = settings.token_table()
         self.role: ServingRole | None = None
@@ -480,7 +484,13 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         sampling_defaults = GenerationDefaults.from_folder(folder).sampling_defaults()
     except (FileNotFoundError, ValueError, TokenizerError) as exc:
         raise StartupError(f"cannot read model {settings.model_source!r}: {exc}") from exc
-    broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
+    broker = BrokerClient(
+        settings.broker_address,
+        settings.service,
+        settings.token,
+        settings.broker_channel_tls,
+        credential=settings.member_credential_source(),
+    )
     metrics = RouterMetrics()
     router_config = RouterConfig(
         model_name=served_name(settings, folder),
@@ -538,11 +548,11 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
 
     address = f"{settings.bind_host}:{settings.epp_port}"
     try:
-        running = await ext_proc.serve(
-            ext_proc.EndpointPicker(model_name, candidates), settings.bind_host, settings.epp_port
-        )
-    except OSError as exc:
-        raise StartupError(f"the endpoint picker cannot listen on {address}: {exc}") from exc
+        picker = ext_proc.EndpointPicker(model_name, candidates)
+        tokens = settings.epp_token_table()  # the gateway's token (#58 A3)
+        running = await ext_proc.serve(picker, settings.bind_host, settings.epp_port, tokens, settings.tls)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"the endpoint picker cannot start on {address}: {exc}") from exc
     log.info(kv(event="epp_listening", address=address, model=model_name))
     return running
 
