@@ -39,6 +39,8 @@ BROKER_TOKEN = "PDSERVE_BROKER_TOKEN"
 # its projected ServiceAccount token, which the broker checks by TokenReview; the kubelet rotates it).
 MEMBER_CREDENTIAL = "PDSERVE_MEMBER_CREDENTIAL"
 MEMBER_CREDENTIAL_FILE = "PDSERVE_MEMBER_CREDENTIAL_FILE"
+BROKER_AUDIENCE = "pdserve-broker"  # the projected token's audience: the API server refuses it
+IDENTITY_DIR = "/var/run/pdserve/identity"  # where the pod's projected token is mounted (file `token`)
 # What the pod's own gRPC server admits: role:sha256-hex of each role token that may call it
 # (auth.token_digest; digests, not secrets), comma-separated.
 ACCEPT_TOKEN_DIGESTS = "PDSERVE_ACCEPT_TOKEN_DIGESTS"

@@ -45,6 +45,11 @@ class MemberCredentials:
         self._tokens: dict[str, str] = {}
         self._review = review
 
+    def set_review(self, review: Review | None) -> None:
+        """Check pods' identity tokens with `review` from now on (the operator's TokenReview)."""
+        with self._lock:
+            self._review = review
+
     def set(self, service_key: str, token: str) -> None:
         with self._lock:
             self._tokens[service_key] = token
@@ -67,9 +72,11 @@ class MemberCredentials:
             if token is not None and hmac.compare_digest(presented, C.member_credential(token, role, worker_id)):
                 return None
             return f"the member credential presented is not the credential of {claim}"
-        if self._review is None:
+        with self._lock:
+            review = self._review
+        if review is None:
             return f"the credential presented for {claim} is no member credential, and no pod identity is checked here"
-        pod = self._review(presented)
+        pod = review(presented)
         namespace = service_key.partition("/")[0]
         if pod is None:
             return f"the pod identity token presented for {claim} is not valid (TokenReview)"
