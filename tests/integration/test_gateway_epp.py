@@ -55,6 +55,7 @@ def test_the_gateway_is_sent_to_a_router_that_serves_the_request(tiny_model_dir,
     )
     try:
         gateway = gateway_token(run.token)  # what the operator's Secret holds as token-gateway
+        assert open(run.manifest["gateway_token_file"]).read() == gateway  # (what a user is given)
         routers = [run.child(name) for name in ("router-0", "router-1")]
         endpoints = sorted(f"127.0.0.1:{r['http'].rsplit(':', 1)[-1]}" for r in routers)
         model = httpx.get(f"{run.url}/v1/models").json()["data"][0]["id"]
