@@ -9,10 +9,8 @@ answer carries the route). A request without a body is picked on its headers. Th
 (gateway/endpoint_picker.py). The route is set as the `x-gateway-destination-endpoint` header
 and the `envoy.lb` metadata key of that name. Refusals are `ImmediateResponse`s in OpenAI's
 error shape: 400 not a JSON object, 404 another model, 413 over the bound, 503 no router ready.
-A caller presents the gateway's token (`authorization: Bearer`, #58 A3), checked from the headers
-before any message is read; bodies are parsed off the loop, bounded (gateway/body_parse.py).
-`PickerLimits` bounds what any caller holds: connections per address and in all, streams, time
-to the pick, buffered bodies.
+Callers present the gateway's token, checked from the headers (#58 A3); bodies are parsed off
+the loop (gateway/body_parse.py); `PickerLimits` bounds connections, streams, time, bodies.
 """
 
 from __future__ import annotations

@@ -266,21 +266,6 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"a worker with a role token needs {E.ACCEPT_TOKEN_DIGESTS} (who may call it)")
         return table
 
-    def epp_token_table(self) -> TokenTable:
-        """Who the router's endpoint picker admits (#58 A3): the gateway's token and the service
-        token, by the digests given, or derived from the service token when this process holds it."""
-        table = TokenTable()
-        if self.epp_accept_token_digests:
-            table.accept(self.service, _digest_pairs(E.EPP_ACCEPT_TOKEN_DIGESTS, self.epp_accept_token_digests))
-        elif role_of_token(self.token) is None:
-            digests = {GATEWAY_ROLE: token_digest(gateway_token(self.token)), SERVICE_ROLE: token_digest(self.token)}
-            table.accept(self.service, digests)
-        else:
-            raise ValueError(
-                f"a router serving an endpoint picker needs {E.EPP_ACCEPT_TOKEN_DIGESTS} (who may call it)"
-            )
-        return table
-
     def kv_keys(self) -> ServiceKeys:
         """The KV plane's keys: given (a pod with a role token), else derived from the service token."""
         link, capability = self.kv_link_key.get_secret_value(), self.kv_capability_key.get_secret_value()
@@ -323,16 +308,6 @@ class WorkerSettings(BaseSettings):
         tls = self.tls
         speaks = self.broker_tls if self.broker_tls is not None else tls is not None
         return tls.for_peer(None) if speaks and tls is not None else None
-
-    def member_credential_source(self) -> Callable[[], str] | None:
-        """What proves this member's id to the broker at each registration (pod_env.py): the
-        value, or the file's current content (a rotated token); None without either."""
-        value, path = self.member_credential.get_secret_value(), self.member_credential_file
-        if value:
-            return lambda: value
-        if path:
-            return lambda: _read_credential(path)
-        return None
 
     @property
     def member_id(self) -> str:
@@ -393,6 +368,34 @@ def model_revision(folder: Path, dtype: str) -> str:
     config = json.loads((Path(folder) / "config.json").read_text())
     blob = json.dumps({"config": config, "dtype": dtype}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def member_credential_source(settings: WorkerSettings) -> Callable[[], str] | None:
+    """What proves this member's id to the broker at each registration (pod_env.py): the
+    value, or the file's current content (a rotated token); None without either."""
+    value, path = settings.member_credential.get_secret_value(), settings.member_credential_file
+    if value:
+        return lambda: value
+    if path:
+        return lambda: _read_credential(path)
+    return None
+
+
+def epp_token_table(settings: WorkerSettings) -> TokenTable:
+    """Who the router's endpoint picker admits (#58 A3): the gateway's token and the service
+    token, by the digests given, or derived from the service token when this process holds it."""
+    table = TokenTable()
+    if settings.epp_accept_token_digests:
+        table.accept(settings.service, _digest_pairs(E.EPP_ACCEPT_TOKEN_DIGESTS, settings.epp_accept_token_digests))
+    elif role_of_token(settings.token) is None:
+        digests = {
+            GATEWAY_ROLE: token_digest(gateway_token(settings.token)),
+            SERVICE_ROLE: token_digest(settings.token),
+        }
+        table.accept(settings.service, digests)
+    else:
+        raise ValueError(f"a router serving an endpoint picker needs {E.EPP_ACCEPT_TOKEN_DIGESTS} (who may call it)")
+    return table
 
 
 def _digest_pairs(name: str, value: str) -> dict[str, str]:
