@@ -316,8 +316,10 @@ class BrokerServer:
     # --- what the operator uses ---------------------------------------------------------
 
     def set_service_token(self, service_key: str, token: str) -> None:
-        self.tokens.set(service_key, token)
+        # Members' credentials first: a role token the table admits must never meet a broker
+        # that cannot yet check its member credential (a PERMISSION_DENIED the worker takes as final).
         self.member_credentials.set(service_key, token)
+        self.tokens.set(service_key, token)
 
     def remove_service(self, service_key: str) -> None:
         """Revoke the service's token and forget its members; its watchers end."""
