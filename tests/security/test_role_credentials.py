@@ -86,9 +86,7 @@ def test_a_routers_token_cannot_register_or_replace_a_member(local, reference):
         # member's own credential (#58 A4: a pod's, stolen)
         twin = broker_pb2.RegisterRequest(service_key=SERVICE, member=like(before["router-0"]))
         own = bearer(router) + ((MEMBER_CREDENTIAL_HEADER, member_credential(local.token, "router", "router-0")),)
-        assert code_of(lambda: broker.Register(twin, metadata=own, timeout=5)) == (
-            grpc.StatusCode.FAILED_PRECONDITION
-        )
+        assert code_of(lambda: broker.Register(twin, metadata=own, timeout=5)) == (grpc.StatusCode.FAILED_PRECONDITION)
         # deregistering is by lease: a guessed one removes nobody (the membership is checked below)
         gone = broker_pb2.DeregisterRequest(service_key=SERVICE, lease_id="not-a-lease")
         code_of(lambda: broker.Deregister(gone, metadata=bearer(router), timeout=5))
