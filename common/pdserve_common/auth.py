@@ -50,6 +50,8 @@ def _digest(token: str) -> bytes:
 
 ROLES = ("router", "prefill", "decode")
 SERVICE_ROLE = "service"  # the service token itself: every role (the operator, and tools holding the Secret)
+# A gateway's token (credentials.gateway_token): a router's endpoint picker admits it, nothing else does.
+GATEWAY_ROLE = "gateway"
 _ROLE_TOKEN_PREFIX = "pdr1"
 
 
@@ -101,9 +103,10 @@ class TokenTable:
     def accept(self, service_key: str, digests: Mapping[str, str]) -> None:
         """Tokens by role -> hex digest (a worker's table: it holds no token but its own); the role
         may be SERVICE_ROLE (the service token's digest)."""
-        bad = [role for role in digests if role not in (*ROLES, SERVICE_ROLE)]
+        known = (*ROLES, SERVICE_ROLE, GATEWAY_ROLE)
+        bad = [role for role in digests if role not in known]
         if bad:
-            raise ValueError(f"accepted roles must be among {', '.join((*ROLES, SERVICE_ROLE))}, got {bad}")
+            raise ValueError(f"accepted roles must be among {', '.join(known)}, got {bad}")
         try:
             entries = {bytes.fromhex(d): role for role, d in digests.items()}
         except ValueError:

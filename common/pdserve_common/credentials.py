@@ -12,6 +12,9 @@ them as secretKeyRefs (children.py); `pdserve local` sets the values directly.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from pdserve_common import auth
 from pdserve_common import pod_env as E
 from pdserve_common.service_keys import ServiceKeys
@@ -22,6 +25,17 @@ KV_CAPABILITY_KEY = "kv-capability-key"
 # Who may call each worker role's gRPC server (channels.WORKER_POLICY names the methods), besides
 # whoever holds the service token (the operator, an administrator with the Secret).
 CALLERS = {"prefill": ("router",), "decode": ("router", "decode")}
+
+
+GATEWAY_TOKEN_KEY = "token-gateway"  # what a gateway presents to the routers' endpoint pickers
+ACCEPT_GATEWAY_KEY = "accept-gateway"  # whom a router's endpoint picker admits (digests)
+
+
+def gateway_token(token: str) -> str:
+    """The token a gateway presents to the service's endpoint pickers (issue #58 A3), derived
+    from the service token: `pdg1.<hex HMAC>`. It grants the picker's port and nothing else
+    (no worker and no broker knows it)."""
+    return f"pdg1.{hmac.new(token.encode(), b'pdserve gateway token v1', hashlib.sha256).hexdigest()}"
 
 
 def role_token_key(role: str) -> str:
@@ -41,6 +55,9 @@ def secret_data(token: str) -> dict[str, str]:
     service = f"{auth.SERVICE_ROLE}:{auth.token_digest(token)}"
     for role, callers in CALLERS.items():
         data[accept_key(role)] = ",".join([*(f"{c}:{auth.token_digest(roles[c])}" for c in callers), service])
+    gateway = gateway_token(token)
+    data[GATEWAY_TOKEN_KEY] = gateway
+    data[ACCEPT_GATEWAY_KEY] = f"{auth.GATEWAY_ROLE}:{auth.token_digest(gateway)},{service}"
     return data
 
 
@@ -52,7 +69,33 @@ def pod_keys(role: str) -> dict[str, str]:
         keys[E.ACCEPT_TOKEN_DIGESTS] = accept_key(role)
     if role == "decode":
         keys[E.KV_CAPABILITY_KEY] = KV_CAPABILITY_KEY
+    if role == "router":  # its endpoint picker's callers (gateway/ext_proc.py)
+        keys[E.EPP_ACCEPT_TOKEN_DIGESTS] = ACCEPT_GATEWAY_KEY
     return keys
+
+
+# A member's credential (issue #58 A4): a role token says which role a caller is, not which pod, so
+# a registration also carries this, bound to the member id it registers, in this gRPC metadata key.
+MEMBER_CREDENTIAL_HEADER = "x-pdserve-member-credential"
+_MEMBER_PREFIX = "pdm1"
+
+
+def member_credential(token: str, role: str, worker_id: str) -> str:
+    """The credential of the member `worker_id` of `role` in the service whose token is `token`:
+    `pdm1.<hex HMAC-SHA256(token, purpose, role, worker id)>`. Whoever issues it holds the service
+    token (the operator, `pdserve local`); the broker recomputes it. One-way: it reveals neither
+    the service token nor another member's credential."""
+    if role not in auth.ROLES:
+        raise ValueError(f"role must be one of {', '.join(auth.ROLES)}, got {role!r}")
+    if not worker_id:
+        raise ValueError("a member credential needs a worker id, got ''")
+    message = f"pdserve member credential v1\0{role}\0{worker_id}".encode()
+    return f"{_MEMBER_PREFIX}.{hmac.new(token.encode(), message, hashlib.sha256).hexdigest()}"
+
+
+def is_member_credential(value: str) -> bool:
+    """Whether `value` has the shape of `member_credential` (else: a pod's identity token)."""
+    return value.startswith(_MEMBER_PREFIX + ".")
 
 
 def pod_env(token: str, role: str) -> dict[str, str]:

@@ -33,6 +33,14 @@ BROKER_ADDRESS = "PDSERVE_BROKER_ADDRESS"  # host:port of the operator's gRPC br
 # This pod's role token (auth.role_token) from the service's Secret: every gRPC call it makes
 # carries it. Only the operator holds the service token itself.
 BROKER_TOKEN = "PDSERVE_BROKER_TOKEN"
+# This member's own credential (issue #58 A4), sent with each broker registration: the broker
+# admits a registration only for the member id the credential is bound to. Either the value
+# (credentials.member_credential, `pdserve local`) or a file read at each registration (a pod:
+# its projected ServiceAccount token, which the broker checks by TokenReview; the kubelet rotates it).
+MEMBER_CREDENTIAL = "PDSERVE_MEMBER_CREDENTIAL"
+MEMBER_CREDENTIAL_FILE = "PDSERVE_MEMBER_CREDENTIAL_FILE"
+BROKER_AUDIENCE = "pdserve-broker"  # the projected token's audience: the API server refuses it
+IDENTITY_DIR = "/var/run/pdserve/identity"  # where the pod's projected token is mounted (file `token`)
 # What the pod's own gRPC server admits: role:sha256-hex of each role token that may call it
 # (auth.token_digest; digests, not secrets), comma-separated.
 ACCEPT_TOKEN_DIGESTS = "PDSERVE_ACCEPT_TOKEN_DIGESTS"
@@ -44,6 +52,8 @@ ADMIN_PORT_ENV = "PDSERVE_ADMIN_PORT"
 PROBE_PORT_ENV = "PDSERVE_PROBE_PORT"  # 0: no probe listener (the probes are on the http port)
 # A router's endpoint-picker port (Envoy ext_proc, gateway/ext_proc.py); 0: none (the default).
 EPP_PORT_ENV = "PDSERVE_EPP_PORT"
+# Whom that picker admits: role:digest pairs like ACCEPT_TOKEN_DIGESTS (the gateway's token's, #58 A3).
+EPP_ACCEPT_TOKEN_DIGESTS = "PDSERVE_EPP_ACCEPT_TOKEN_DIGESTS"
 GRPC_PORT_ENV = "PDSERVE_GRPC_PORT"
 CONFIG_FILE = "PDSERVE_CONFIG_FILE"  # the rendered spec as JSON (ConfigMap), for humans and tools
 

@@ -63,6 +63,7 @@ KINDS: dict[str, Kind] = {
         Kind(s.API_VERSION, ADAPTER_KIND, ADAPTER_PLURAL),
         Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
         Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
+        Kind("authentication.k8s.io/v1", "TokenReview", "tokenreviews", namespaced=False),
     )
 }
 PDIS = KINDS[s.KIND]

@@ -16,6 +16,7 @@ import kopf
 from pdserve_common.logs import kv
 from pdserve_operator import peering
 from pdserve_operator.broker import tokens as broker_tokens
+from pdserve_operator.broker.token_review import TokenReviewer
 from pdserve_operator.broker.view import BrokerView, load_broker
 from pdserve_operator.kube import RestKubeClient
 from pdserve_operator.runtime import OperatorConfig, build_runtime, derived_priority
@@ -51,6 +52,8 @@ def run(
     if broker is None:
         broker, server = load_broker(config.broker_host, config.broker_port, config.broker_tls())
     runtime = build_runtime(config, broker=broker, broker_server=server, kube=kube)
+    if server is not None:  # pods prove which member they are by their identity tokens (#58 A4)
+        server.member_credentials.set_review(TokenReviewer(runtime.kube))
     metrics_server = None
     if config.metrics_port:
         metrics_server, _ = runtime.metrics.serve(config.broker_host, config.metrics_port)

@@ -52,6 +52,8 @@ UNUSED_GRANTS_ALLOWED = {
         "update",
     ): "children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
     "admission plugin (OpenShift) allows only with this permission on the owner; the emulator runs no admission",
+    ("authentication.k8s.io", "tokenreviews", "create"): "the broker reviews a worker pod's identity token when "
+    "the pod registers (#58 A4); the scenario runs no worker pod against the operator's broker",
 }
 
 

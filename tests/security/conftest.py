@@ -28,6 +28,7 @@ GRPC_HANDSHAKE_MS = 1500
 GRPC_IDLE_MS = 2500
 GRPC_MAX_CONNECTIONS = 48
 BROKER_MAX_MEMBERS = 32
+EPP_PORT = free_port()  # router-0's endpoint picker (test_a3_picker_flood.py)
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +99,8 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
             f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",
             "--env",
             f"PDSERVE_BROKER_MAX_MEMBERS={BROKER_MAX_MEMBERS}",  # test_broker_bounds.py
+            "--epp-port",
+            str(EPP_PORT),
         )
     finally:
         if saved is None:

@@ -1,5 +1,5 @@
 """The endpoint picker's port (gateway/ext_proc.py), probed as any pod the NetworkPolicy lets
-through could: ext_proc carries no credential, so every bound is per caller (issue #29 item 1).
+through could: every bound holds per caller (issue #29 item 1), the gateway's own included.
 
 - a flood of connections from one address is cut at that address's cap; another address is
   still picked for;
@@ -24,6 +24,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from pdserve_common.auth import GATEWAY_ROLE, TokenTable, bearer_interceptors, token_digest
 from pdserve_worker.gateway import ext_proc
 from pdserve_worker.gateway.endpoint_picker import Candidate
 from security import h2wire
@@ -50,11 +51,17 @@ def body(raw: bytes, end: bool = True) -> ep.ProcessingRequest:
 REQUEST = json.dumps({"model": MODEL, "prompt": "hello"}).encode()
 
 
+GATEWAY_TOKEN = "the-gateways-token"
+AUTHORIZED = (("authorization", f"Bearer {GATEWAY_TOKEN}"),)
+
+
 @pytest_asyncio.fixture
 async def picker():
     p = ext_proc.EndpointPicker(MODEL, lambda: ROUTERS, LIMITS)
-    running = await ext_proc.serve(p, "127.0.0.1", 0)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    tokens = TokenTable()
+    tokens.accept("ns/svc", {GATEWAY_ROLE: token_digest(GATEWAY_TOKEN)})
+    running = await ext_proc.serve(p, "127.0.0.1", 0, tokens)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}", interceptors=bearer_interceptors(GATEWAY_TOKEN))
     try:
         yield p, running, ep_grpc.ExternalProcessorStub(channel)
     finally:
@@ -106,7 +113,7 @@ def open_streams(port: int, count: int) -> tuple[socket.socket, set[int]]:
     """One connection, `count` Process calls opened on it (headers only); the streams the server refused."""
     sock = h2wire.connect(f"127.0.0.1:{port}")
     ids = [1 + 2 * i for i in range(count)]
-    sock.sendall(b"".join(h2wire.call_headers(i, PROCESS) for i in ids))
+    sock.sendall(b"".join(h2wire.call_headers(i, PROCESS, AUTHORIZED) for i in ids))
     got, deadline = b"", time.monotonic() + 0.5  # well within the pick deadline
     sock.settimeout(0.05)
     while time.monotonic() < deadline:

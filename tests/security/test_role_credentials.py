@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve_common.auth import role_token
+from pdserve_common.credentials import MEMBER_CREDENTIAL_HEADER, member_credential
 from security.conftest import complete
 
 pytestmark = pytest.mark.slow
@@ -81,11 +82,11 @@ def test_a_routers_token_cannot_register_or_replace_a_member(local, reference):
         assert code_of(lambda: broker.Register(new_prefill, metadata=bearer(router), timeout=5)) == (
             grpc.StatusCode.PERMISSION_DENIED
         )
-        # its own role, but a live member: only that member's lease replaces it
+        # its own role, but a live member: only that member's lease replaces it, even with the
+        # member's own credential (#58 A4: a pod's, stolen)
         twin = broker_pb2.RegisterRequest(service_key=SERVICE, member=like(before["router-0"]))
-        assert code_of(lambda: broker.Register(twin, metadata=bearer(router), timeout=5)) == (
-            grpc.StatusCode.FAILED_PRECONDITION
-        )
+        own = bearer(router) + ((MEMBER_CREDENTIAL_HEADER, member_credential(local.token, "router", "router-0")),)
+        assert code_of(lambda: broker.Register(twin, metadata=own, timeout=5)) == (grpc.StatusCode.FAILED_PRECONDITION)
         # deregistering is by lease: a guessed one removes nobody (the membership is checked below)
         gone = broker_pb2.DeregisterRequest(service_key=SERVICE, lease_id="not-a-lease")
         code_of(lambda: broker.Deregister(gone, metadata=bearer(router), timeout=5))
@@ -104,7 +105,8 @@ def test_a_decodes_token_cannot_replace_another_decode_nor_route(local):
         takeover = broker_pb2.RegisterRequest(
             service_key=SERVICE, member=like(before["decode-0"], endpoint="127.0.0.1:9"), replaces_lease_id="a-guess"
         )
-        assert code_of(lambda: broker.Register(takeover, metadata=bearer(decode), timeout=5)) == (
+        own = bearer(decode) + ((MEMBER_CREDENTIAL_HEADER, member_credential(local.token, "decode", "decode-0")),)
+        assert code_of(lambda: broker.Register(takeover, metadata=own, timeout=5)) == (
             grpc.StatusCode.FAILED_PRECONDITION
         )
     with grpc.insecure_channel(local.child("decode-0")["grpc"]) as channel:

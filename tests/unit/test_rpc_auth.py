@@ -156,7 +156,7 @@ def test_a_workers_table_admits_only_the_digests_it_was_given() -> None:
     assert decode_env["PDSERVE_BROKER_TOKEN"] == role_token("tok-a", "decode")
     assert "tok-a" not in "".join(decode_env.values())  # no pod gets the service token
     assert "PDSERVE_KV_CAPABILITY_KEY" in decode_env and "PDSERVE_KV_CAPABILITY_KEY" not in pod_env("tok-a", "prefill")
-    assert set(pod_env("tok-a", "router")) == {"PDSERVE_BROKER_TOKEN"}
+    assert set(pod_env("tok-a", "router")) == {"PDSERVE_BROKER_TOKEN", "PDSERVE_EPP_ACCEPT_TOKEN_DIGESTS"}
     table = TokenTable()
     table.accept("ns/a", dict(item.split(":") for item in data["accept-prefill"].split(",")))
     assert table.service_for(role_token("tok-a", "router")) == "ns/a"

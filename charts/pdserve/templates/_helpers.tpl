@@ -135,6 +135,10 @@ records them against the API emulator and checks both directions). */}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+# The broker checks a worker pod's identity token (which member it may register) by TokenReview.
+- apiGroups: [authentication.k8s.io]
+  resources: [tokenreviews]
+  verbs: [create]
 {{- if .Values.watchNamespaces }}
 # kopf follows the namespaces it serves (they may come and go).
 - apiGroups: [""]

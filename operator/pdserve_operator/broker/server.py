@@ -22,6 +22,7 @@ import grpc
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
 from pdserve_common.auth import SERVICE_ROLE, TLSConfig, TokenTable, caller
 from pdserve_common.channels import BROKER_MAX_CONNECTIONS, BROKER_MAX_MESSAGE, GrpcLimits, aio_server, listen
+from pdserve_common.credentials import MEMBER_CREDENTIAL_HEADER
 from pdserve_common.grpc_front import PeerCappedFront
 from pdserve_common.logs import kv
 from pdserve_common.membership import (
@@ -34,6 +35,7 @@ from pdserve_common.membership import (
     member_to_proto,
     role_from_proto,
 )
+from pdserve_operator.broker.identity import MemberCredentials, Review
 from pdserve_operator.broker.registry import DEFAULT_MAX_MEMBERS, MemberTaken, Registry, TooManyMembers, WatchEnded
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -69,9 +71,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     """Authentication happens before these run (ServiceAuthInterceptor): each request's
     service_key is one the caller's token grants."""
 
-    def __init__(self, registry: Registry, broker_id: str) -> None:
+    def __init__(self, registry: Registry, broker_id: str, members: MemberCredentials | None = None) -> None:
         self._registry = registry
         self._broker_id = broker_id
+        self._members = members or MemberCredentials()
 
     async def Register(self, request: broker_pb2.RegisterRequest, context: Context) -> broker_pb2.RegisterReply:
         await _require_service_key(request.service_key, context)
@@ -92,6 +95,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 f"a {who.role}'s token may not register a {info.role.value} member ({info.worker_id})",
             )
         full = who is None or who.role == SERVICE_ROLE
+        if not full:
+            await self._check_member(request.service_key, info.role.value, info.worker_id, context)
         try:
             lease = self._registry.register(
                 request.service_key,
@@ -107,6 +112,16 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         return broker_pb2.RegisterReply(
             lease_id=lease.lease_id, ttl_ms=int(lease.ttl_s * 1000), broker_id=self._broker_id
         )
+
+    async def _check_member(self, service_key: str, role: str, worker_id: str, context: Context) -> None:
+        """A role token registers only the member its member credential is bound to (identity.py)."""
+        presented = [v for k, v in context.invocation_metadata() or () if k == MEMBER_CREDENTIAL_HEADER]
+        value = presented[0] if len(presented) == 1 and isinstance(presented[0], str) else ""
+        # (a TokenReview is a blocking HTTP call: off the broker's loop)
+        refusal = await asyncio.to_thread(self._members.refusal, service_key, role, worker_id, value)
+        if refusal is not None:
+            log.warning(kv(event="broker.member_refused", service=service_key, worker=worker_id, peer=context.peer()))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
 
     async def KeepAlive(self, request: broker_pb2.KeepAliveRequest, context: Context) -> broker_pb2.KeepAliveReply:
         load = load_from_proto(request.load) if request.HasField("load") else None
@@ -193,9 +208,14 @@ class BrokerServer:
         resync_grace_s: float | None = None,
         queue_size: int = 1024,
         max_members: int | None = None,
+        review: Review | None = None,
     ) -> None:
-        """`max_members` per service: default $PDSERVE_BROKER_MAX_MEMBERS, else 4,096."""
+        """`max_members` per service: default $PDSERVE_BROKER_MAX_MEMBERS, else 4,096; `review`
+        checks pods' identity tokens (identity.py; None: only member credentials are taken)."""
         self.tokens = TokenTable(tokens)
+        self.member_credentials = MemberCredentials(review)
+        for service_key, token in (tokens or {}).items():
+            self.member_credentials.set(service_key, token)
         if max_members is None:
             max_members = int(os.environ.get(MAX_MEMBERS_ENV) or DEFAULT_MAX_MEMBERS)
         self.registry = Registry(ttl_s, resync_grace_s=resync_grace_s, queue_size=queue_size, max_members=max_members)
@@ -239,7 +259,9 @@ class BrokerServer:
     async def _start(self, host: str, port: int) -> int:
         limits = GrpcLimits.from_env(max_connections=BROKER_MAX_CONNECTIONS)
         server = aio_server(self.tokens, max_message=BROKER_MAX_MESSAGE, limits=limits)
-        broker_pb2_grpc.add_BrokerServicer_to_server(BrokerServicer(self.registry, self.broker_id), server)
+        broker_pb2_grpc.add_BrokerServicer_to_server(
+            BrokerServicer(self.registry, self.broker_id, self.member_credentials), server
+        )
         bound, self._front = await listen(server, host, port, self._tls, limits)
         await server.start()
         self.registry.start()
@@ -294,11 +316,15 @@ class BrokerServer:
     # --- what the operator uses ---------------------------------------------------------
 
     def set_service_token(self, service_key: str, token: str) -> None:
+        # Members' credentials first: a role token the table admits must never meet a broker
+        # that cannot yet check its member credential (a PERMISSION_DENIED the worker takes as final).
+        self.member_credentials.set(service_key, token)
         self.tokens.set(service_key, token)
 
     def remove_service(self, service_key: str) -> None:
         """Revoke the service's token and forget its members; its watchers end."""
         self.tokens.remove(service_key)
+        self.member_credentials.remove(service_key)
         self.registry.remove_service(service_key)
 
     def members(self, service_key: str) -> list[Member]:

@@ -33,6 +33,7 @@ import httpx
 
 from pdserve_common import inherited_sockets
 from pdserve_common import pod_env as E
+from pdserve_common.credentials import gateway_token
 from pdserve_worker.cli.local_children import HOST, Child, accepts, child_entry, ready_members
 from pdserve_worker.cli.local_env import SERVICE, RunFacts, broker_env, prefix_cache_note, worker_env
 from pdserve_worker.cli.local_plan import LocalPlan
@@ -267,10 +268,15 @@ class LocalDeployment:
 
     def _write_manifest(self) -> None:
         """`deployment.json` (who runs where) and `service-token` (0600) in the log folder, so
-        that tools and tests can reach the broker and workers, or attach a worker of their own."""
+        that tools and tests can reach the broker and workers, or attach a worker of their own;
+        with --epp-port also `gateway-token` (0600), what a gateway presents to the picker."""
         token_file = self.log_dir / "service-token"
         token_file.touch(mode=0o600)
         token_file.write_text(self.token)
+        gateway_file = self.log_dir / "gateway-token"
+        if self.plan.epp_port:
+            gateway_file.touch(mode=0o600)
+            gateway_file.write_text(gateway_token(self.token))
         manifest = {
             "url": self.url,
             "routers": [
@@ -283,6 +289,7 @@ class LocalDeployment:
             "dtype": self.dtype,
             "weights": self.plan.weights,
             "token_file": str(token_file),
+            "gateway_token_file": str(gateway_file) if self.plan.epp_port else None,
             "ca_file": None if self.certs is None else str(self.certs.ca),
             "children": [child_entry(c) for c in self.children],
         }

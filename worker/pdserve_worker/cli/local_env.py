@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve_common import pod_env as E
-from pdserve_common.credentials import pod_env
+from pdserve_common.credentials import member_credential, pod_env
 from pdserve_worker.cli.local_children import HOST
 from pdserve_worker.cli.local_plan import LocalPlan
 from pdserve_worker.serving import settings as S
@@ -116,6 +116,8 @@ def worker_env(run: RunFacts, role: str, worker_id: str, http_port: int, hold: C
         # Its role's part of the service's credentials, as a pod gets it: never the service
         # token (pdserve_common/credentials.py).
         env.update(pod_env(run.token, role))
+        # And its own member credential, bound to its id (issue #58 A4), as the operator's are.
+        env[E.MEMBER_CREDENTIAL] = member_credential(run.token, role, worker_id)
     if run.certs is not None:
         env.update(tls_env(run.certs, broker_tls=role != "colocated"))
     if plan.api_keys is not None and role in ("router", "colocated"):

@@ -9,9 +9,8 @@ answer carries the route). A request without a body is picked on its headers. Th
 (gateway/endpoint_picker.py). The route is set as the `x-gateway-destination-endpoint` header
 and the `envoy.lb` metadata key of that name. Refusals are `ImmediateResponse`s in OpenAI's
 error shape: 400 not a JSON object, 404 another model, 413 over the bound, 503 no router ready.
-
-ext_proc carries no credential of ours: `PickerLimits` bounds what any caller can hold, per
-source address and in total (connections, streams, time to the pick, buffered bodies).
+Callers present the gateway's token, checked from the headers (#58 A3); bodies are parsed off
+the loop (gateway/body_parse.py); `PickerLimits` bounds connections, streams, time, bodies.
 """
 
 from __future__ import annotations
@@ -32,8 +31,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from pdserve_common.auth import GATEWAY_ROLE, ServiceAuthInterceptor, TLSConfig, TokenTable
 from pdserve_common.logs import kv
-from pdserve_worker.gateway.endpoint_picker import Candidate, affinity_key, pick
+from pdserve_worker.gateway.body_parse import BodyParser, InvalidBody, ParseLimits, Unparsed
+from pdserve_worker.gateway.endpoint_picker import AFFINITY_CHARS, Candidate, affinity_key, pick
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
 MAX_BODY_BYTES = 8 << 20  # the router's own body limit (PDSERVE_MAX_BODY_BYTES' default)
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,14 @@ class PickerLimits:
 
     max_streams: int = 1024  # concurrent streams, the whole server (one per request the gateway has in flight)
     streams_per_connection: int = 32  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a gateway opens more connections
-    connections_per_peer: int = 8  # so one address holds at most 256 streams: a quarter
-    max_connections: int = 256
+    # One address holds a 256th of the connections (#58 A3: 8 of 256 let 32 addresses fill it),
+    # and 128 streams: a gateway's pods are several addresses.
+    connections_per_peer: int = 4
+    max_connections: int = 1024
+    idle_timeout_ms: int = 60_000  # a connection with no call is closed (a caller without the token makes none)
     pick_deadline_s: float = 30.0  # from a stream's first message to its pick (headers and whole body)
     body_budget_bytes: int = 256 << 20  # request bodies buffered across all streams
+    parse: ParseLimits = ParseLimits()
 
 
 def _error(status: int, message: str, code: str) -> ep.ProcessingResponse:
@@ -145,6 +151,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.limits = limits or PickerLimits()
         self.picks = 0
         self.buffered = 0  # request-body bytes held by all streams now
+        self.parser = BodyParser(self.limits.parse)
 
     async def Process(  # noqa: N802  (the protocol's name)
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
@@ -152,14 +159,14 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         stream = _Stream(self.limits.pick_deadline_s)
         try:
             async for request in _until_picked(request_iterator, stream, context):
-                for answer in self._handle(request, stream):
+                for answer in await self._handle(request, stream):
                     yield answer
                 if stream.over:
                     return
         finally:
             self.buffered -= len(stream.body)
 
-    def _handle(self, request: ep.ProcessingRequest, stream: _Stream) -> list[ep.ProcessingResponse]:
+    async def _handle(self, request: ep.ProcessingRequest, stream: _Stream) -> list[ep.ProcessingResponse]:
         """The answers to one message of a stream."""
         if request.HasField("protocol_config"):
             stream.duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
@@ -170,10 +177,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return [self._decide({}, phase)]
             return [] if stream.duplex else [_CONTINUE[phase]]
         if phase == "request_body":
-            return self._body(request.request_body, stream)
+            return await self._body(request.request_body, stream)
         return [_CONTINUE[phase]] if phase in _CONTINUE else []
 
-    def _body(self, part: ep.HttpBody, stream: _Stream) -> list[ep.ProcessingResponse]:
+    async def _body(self, part: ep.HttpBody, stream: _Stream) -> list[ep.ProcessingResponse]:
         if len(stream.body) + len(part.body) > MAX_BODY_BYTES:
             stream.over = True
             return [_error(413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")]
@@ -185,28 +192,30 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.buffered += len(part.body)
         if not part.end_of_stream:
             return []
-        answers = self._answer_body(bytes(stream.body), stream.duplex)
-        self.buffered -= len(stream.body)
-        stream.body.clear()
+        try:
+            answers = await self._answer_body(bytes(stream.body), stream.duplex)
+        finally:
+            self.buffered -= len(stream.body)
+            stream.body.clear()
         stream.picked = True
         return answers
 
-    def _answer_body(self, raw: bytes, duplex: bool) -> list[ep.ProcessingResponse]:
+    async def _answer_body(self, raw: bytes, duplex: bool) -> list[ep.ProcessingResponse]:
         """The answers to a whole body: in full duplex the routed headers, then the body back."""
-        answer = self._from_body(raw, "request_headers" if duplex else "request_body")
+        answer = await self._from_body(raw, "request_headers" if duplex else "request_body")
         if not duplex or answer.HasField("immediate_response"):
             return [answer]
         streamed = ep.StreamedBodyResponse(body=raw, end_of_stream=True)
         back = ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed)))
         return [answer, ep.ProcessingResponse(request_body=back)]
 
-    def _from_body(self, raw: bytes, phase: str = "request_body") -> ep.ProcessingResponse:
+    async def _from_body(self, raw: bytes, phase: str = "request_body") -> ep.ProcessingResponse:
         try:
-            parsed = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return _error(400, "the request body is not JSON", "invalid_json")
-        if not isinstance(parsed, dict):
-            return _error(400, "the request body is not a JSON object", "invalid_json")
+            parsed = await self.parser.parse(raw)
+        except InvalidBody as exc:
+            return _error(400, str(exc), "invalid_json")
+        if isinstance(parsed, Unparsed):  # routed by its first bytes; the router checks the model
+            return self._decide_key(raw[:AFFINITY_CHARS].decode(errors="replace"), phase)
         model = parsed.get("model")
         if model is not None and model != self.model_name:
             return _error(
@@ -217,7 +226,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return self._decide(parsed, phase)
 
     def _decide(self, parsed: dict[str, Any], phase: str) -> ep.ProcessingResponse:
-        chosen = pick(self.candidates(), affinity_key(parsed))
+        return self._decide_key(affinity_key(parsed), phase)
+
+    def _decide_key(self, key: str, phase: str) -> ep.ProcessingResponse:
+        chosen = pick(self.candidates(), key)
         if chosen is None:
             log.warning(kv(event="epp_no_endpoint", model=self.model_name))
             return _error(503, "no pdserve router is ready for this model", "no_endpoint")
@@ -242,16 +254,22 @@ class PickerServer:
         await self.front.close()
 
 
-async def serve(picker: EndpointPicker, host: str, port: int) -> PickerServer:
+async def serve(
+    picker: EndpointPicker, host: str, port: int, tokens: TokenTable, tls: TLSConfig | None = None
+) -> PickerServer:
     """The picker on host:port (0: a free one) behind the per-address connection cap of every
-    worker port (pdserve_common/grpc_front.py), with `picker.limits`. OSError if it cannot listen."""
+    worker port (pdserve_common/grpc_front.py), with `picker.limits`, admitting callers whose
+    token `tokens` knows as the gateway's (or the service's); with `tls`, over TLS (a server
+    certificate only: gateways present none). OSError if it cannot listen."""
     from pdserve_common.channels import GrpcLimits, listen
 
     lim = picker.limits
-    conn = GrpcLimits(max_connections=lim.max_connections)
+    conn = GrpcLimits(idle_timeout_ms=lim.idle_timeout_ms, max_connections=lim.max_connections)
     options = [("grpc.max_concurrent_streams", lim.streams_per_connection), *conn.options()]
-    server = grpc.aio.server(maximum_concurrent_rpcs=lim.max_streams, options=options)
+    auth = ServiceAuthInterceptor(tokens, {PROCESS: frozenset({GATEWAY_ROLE})})
+    server = grpc.aio.server(maximum_concurrent_rpcs=lim.max_streams, options=options, interceptors=[auth])
     add_to(server, picker)
-    bound, front = await listen(server, host, port, None, conn, per_peer=lim.connections_per_peer)
+    tls = TLSConfig(tls.cert_file, tls.key_file) if tls is not None else None
+    bound, front = await listen(server, host, port, tls, conn, per_peer=lim.connections_per_peer)
     await server.start()
     return PickerServer(server, front, bound)

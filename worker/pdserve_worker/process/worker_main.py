@@ -40,7 +40,7 @@ from pdserve_worker.process.pod_http import (
     worker_app,
 )
 from pdserve_worker.process.startup import StartupError, start_engine
-from pdserve_worker.serving.settings import WorkerSettings, model_revision
+from pdserve_worker.serving.settings import WorkerSettings, epp_token_table, member_credential_source, model_revision
 from pdserve_worker.util.fresh_thread import run_in_fresh_thread
 
 if TYPE_CHECKING:
@@ -236,13 +236,10 @@ class _Membership:
     registration, and the drain that /drain and the stop signal share."""
 
     def __init__(self, settings: WorkerSettings, state: WorkerState) -> None:
-        from pdserve_worker.rpc.broker_client import BrokerClient
 
         self.settings = settings
         self.state = state
-        self.broker: BrokerClient = BrokerClient(
-            settings.broker_address, settings.service, settings.token, settings.broker_channel_tls
-        )
+        self.broker: BrokerClient = broker_client(settings)
         self.tokens = settings.token_table()
         self.role: ServingRole | None = None
         self.registered = False
@@ -469,7 +466,6 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.router.config import RouterConfig, Timeouts
     from pdserve_worker.router.load import router_load
     from pdserve_worker.router.pd_backend import PDBackend
-    from pdserve_worker.rpc.broker_client import BrokerClient
 
     stop = _stop_event()
     epp: Any = None
@@ -480,7 +476,7 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         sampling_defaults = GenerationDefaults.from_folder(folder).sampling_defaults()
     except (FileNotFoundError, ValueError, TokenizerError) as exc:
         raise StartupError(f"cannot read model {settings.model_source!r}: {exc}") from exc
-    broker = BrokerClient(settings.broker_address, settings.service, settings.token, settings.broker_channel_tls)
+    broker = broker_client(settings)
     metrics = RouterMetrics()
     router_config = RouterConfig(
         model_name=served_name(settings, folder),
@@ -520,6 +516,14 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         log.info(kv(event="worker_stopped", role=settings.role, worker=settings.member_id))
 
 
+def broker_client(settings: WorkerSettings) -> Any:
+    """This process's BrokerClient: its role token, and its member credential (#58 A4)."""
+    from pdserve_worker.rpc.broker_client import BrokerClient
+
+    tls, credential = settings.broker_channel_tls, member_credential_source(settings)
+    return BrokerClient(settings.broker_address, settings.service, settings.token, tls, credential=credential)
+
+
 async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, revision: str) -> Any:
     """The router's endpoint picker (gateway/ext_proc.py) on `epp_port`: it picks among the
     service's routers that the broker lists (its own included), by their reported load."""
@@ -538,11 +542,11 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
 
     address = f"{settings.bind_host}:{settings.epp_port}"
     try:
-        running = await ext_proc.serve(
-            ext_proc.EndpointPicker(model_name, candidates), settings.bind_host, settings.epp_port
-        )
-    except OSError as exc:
-        raise StartupError(f"the endpoint picker cannot listen on {address}: {exc}") from exc
+        picker = ext_proc.EndpointPicker(model_name, candidates)
+        tokens = epp_token_table(settings)  # the gateway's token (#58 A3)
+        running = await ext_proc.serve(picker, settings.bind_host, settings.epp_port, tokens, settings.tls)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"the endpoint picker cannot start on {address}: {exc}") from exc
     log.info(kv(event="epp_listening", address=address, model=model_name))
     return running
 

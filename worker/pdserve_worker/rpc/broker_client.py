@@ -24,6 +24,7 @@ import grpc
 from pdserve.v1 import broker_pb2, broker_pb2_grpc
 from pdserve_common.auth import TLSConfig
 from pdserve_common.channels import BROKER_MAX_MESSAGE, aio_channel
+from pdserve_common.credentials import MEMBER_CREDENTIAL_HEADER
 from pdserve_common.logs import kv
 from pdserve_common.membership import (
     Load,
@@ -63,7 +64,10 @@ class BrokerClient:
         *,
         backoff: Backoff = DEFAULT_BACKOFF,
         call_timeout_s: float = 5.0,
+        credential: Callable[[], str] | None = None,
     ) -> None:
+        """`credential`: this member's credential (pdserve_common/credentials.py), asked before
+        each registration (a pod's identity token is rotated); needed with a role token."""
         if not service_key or "/" not in service_key:
             raise ValueError(f"service_key must be 'namespace/name', got {service_key!r}")
         self.address = address
@@ -72,6 +76,7 @@ class BrokerClient:
         self._tls = tls
         self._backoff = backoff
         self._timeout = call_timeout_s
+        self._credential = credential
         self._channel: grpc.aio.Channel | None = None
         self._stub_: broker_pb2_grpc.BrokerStub | None = None
         self._info: MemberInfo | None = None
@@ -157,6 +162,7 @@ class BrokerClient:
                 replaces_lease_id=self._lease_id or "",  # (an update: the member's own lease)
             ),
             timeout=self._timeout,
+            metadata=((MEMBER_CREDENTIAL_HEADER, self._credential()),) if self._credential else None,
         )
         self._lease_id, self._ttl_s, self.broker_id = reply.lease_id, reply.ttl_ms / 1000, reply.broker_id
         self._draining_acked = draining == self._draining

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +24,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve_common import pod_env as E
-from pdserve_common.auth import TLSConfig, TokenTable, role_of_token
+from pdserve_common.auth import GATEWAY_ROLE, SERVICE_ROLE, TLSConfig, TokenTable, role_of_token, token_digest
+from pdserve_common.credentials import gateway_token
 from pdserve_common.service_keys import PURPOSE_PREFIX_DISK, ServiceKeys, hkdf
 from pdserve_worker.api.http_guard import HttpLimits
 from pdserve_worker.model.loading.default_model import BUILTIN_SOURCE
@@ -87,6 +89,8 @@ class WorkerSettings(BaseSettings):
     kv_link_key: SecretStr = Field(SecretStr(""), validation_alias=E.KV_LINK_KEY)
     kv_capability_key: SecretStr = Field(SecretStr(""), validation_alias=E.KV_CAPABILITY_KEY)
     worker_id: str = Field("", validation_alias=E.POD_NAME)
+    member_credential: SecretStr = Field(SecretStr(""), validation_alias=E.MEMBER_CREDENTIAL)
+    member_credential_file: str = Field("", validation_alias=E.MEMBER_CREDENTIAL_FILE)
     advertise_host: str = Field("127.0.0.1", validation_alias=E.POD_IP)
     bind_host: str = Field("0.0.0.0", validation_alias=BIND_HOST)
     http_port: int = Field(E.HTTP_PORT, ge=0, le=65535, validation_alias=E.HTTP_PORT_ENV)
@@ -162,6 +166,7 @@ class WorkerSettings(BaseSettings):
     admin_port: int = Field(E.ADMIN_PORT, ge=0, le=65535, validation_alias=E.ADMIN_PORT_ENV)
     probe_port: int = Field(0, ge=0, le=65535, validation_alias=E.PROBE_PORT_ENV)
     epp_port: int = Field(0, ge=0, le=65535, validation_alias=E.EPP_PORT_ENV)
+    epp_accept_token_digests: str = Field("", validation_alias=E.EPP_ACCEPT_TOKEN_DIGESTS)
     api_keys_file: Path | None = Field(None, validation_alias=E.API_KEYS_FILE)
     admission_queue: int = Field(1024, ge=0, le=1_000_000, validation_alias=E.ADMISSION_QUEUE)  # 0: no queue
     admission_per_tenant: int = Field(256, ge=1, le=1_000_000, validation_alias=E.ADMISSION_PER_TENANT)
@@ -254,11 +259,7 @@ class WorkerSettings(BaseSettings):
         holding the service token itself, every token derived from it."""
         table = TokenTable()
         if self.accept_token_digests:
-            try:
-                pairs = dict(item.split(":", 1) for item in self.accept_token_digests.split(","))
-            except ValueError:
-                raise ValueError(f"{E.ACCEPT_TOKEN_DIGESTS} is role:digest[,role:digest...]") from None
-            table.accept(self.service, pairs)
+            table.accept(self.service, _digest_pairs(E.ACCEPT_TOKEN_DIGESTS, self.accept_token_digests))
         elif role_of_token(self.token) is None:
             table.set(self.service, self.token)
         else:
@@ -367,3 +368,47 @@ def model_revision(folder: Path, dtype: str) -> str:
     config = json.loads((Path(folder) / "config.json").read_text())
     blob = json.dumps({"config": config, "dtype": dtype}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def member_credential_source(settings: WorkerSettings) -> Callable[[], str] | None:
+    """What proves this member's id to the broker at each registration (pod_env.py): the
+    value, or the file's current content (a rotated token); None without either."""
+    value, path = settings.member_credential.get_secret_value(), settings.member_credential_file
+    if value:
+        return lambda: value
+    if path:
+        return lambda: _read_credential(path)
+    return None
+
+
+def epp_token_table(settings: WorkerSettings) -> TokenTable:
+    """Who the router's endpoint picker admits (#58 A3): the gateway's token and the service
+    token, by the digests given, or derived from the service token when this process holds it."""
+    table = TokenTable()
+    if settings.epp_accept_token_digests:
+        table.accept(settings.service, _digest_pairs(E.EPP_ACCEPT_TOKEN_DIGESTS, settings.epp_accept_token_digests))
+    elif role_of_token(settings.token) is None:
+        digests = {
+            GATEWAY_ROLE: token_digest(gateway_token(settings.token)),
+            SERVICE_ROLE: token_digest(settings.token),
+        }
+        table.accept(settings.service, digests)
+    else:
+        raise ValueError(f"a router serving an endpoint picker needs {E.EPP_ACCEPT_TOKEN_DIGESTS} (who may call it)")
+    return table
+
+
+def _digest_pairs(name: str, value: str) -> dict[str, str]:
+    try:
+        return dict(item.split(":", 1) for item in value.split(","))
+    except ValueError:
+        raise ValueError(f"{name} is role:digest[,role:digest...]") from None
+
+
+def _read_credential(path: str) -> str:
+    """The credential file's content; '' when it cannot be read (the broker then refuses the
+    registration, naming the member, and the worker retries)."""
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""

@@ -70,6 +70,7 @@ def _common_env(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults
         _field(E.POD_NAME, "metadata.name"),
         _field(E.POD_IP, "status.podIP"),
         _val(E.BROKER_ADDRESS, defaults.broker_address),
+        _val(E.MEMBER_CREDENTIAL_FILE, f"{E.IDENTITY_DIR}/token"),  # (pod.py mounts it)
         _val(E.HTTP_PORT_ENV, E.HTTP_PORT),
         _val(E.PROBE_PORT_ENV, E.PROBE_PORT),
         _val(E.GRPC_PORT_ENV, E.GRPC_PORT),

@@ -101,6 +101,13 @@ def _storage(
         {"name": "config", "configMap": {"name": config_name(owner.name)}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    # Which member this pod is, for the broker (#58 A4): a token bound to this pod, for the
+    # broker's audience only, rotated by the kubelet (broker/token_review.py checks it).
+    mounts.append({"name": "identity", "mountPath": E.IDENTITY_DIR, "readOnly": True})
+    token = {"audience": E.BROKER_AUDIENCE, "expirationSeconds": 3600, "path": "token"}
+    volumes.append(
+        {"name": "identity", "projected": {"defaultMode": 0o440, "sources": [{"serviceAccountToken": token}]}}
+    )
     if spec.tls is not None:
         mounts.append({"name": "tls", "mountPath": E.TLS_DIR, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440}})
