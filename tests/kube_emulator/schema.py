@@ -107,6 +107,46 @@ def _skip_prune(x: Any, s: Schema) -> Any:
     return x
 
 
+def unknown_fields(x: Any, s: Schema | None) -> list[str]:
+    """The paths `PruneWithOptions` (pruning/algorithm.go) records with TrackUnknownFieldPaths on,
+    sorted: what pruning drops from a resource (root apiVersion/kind/metadata never count), as
+    `spec.a`, `spec.list[0].b` (`schema/options.go` AppendKey/AppendIndex)."""
+    found: list[str] = []
+    _unknown(x, {**(s or {}), "x-kubernetes-embedded-resource": True}, "", found)
+    return sorted(found)
+
+
+def _join(parent: str, key: str) -> str:
+    return f"{parent}.{key}" if parent else key
+
+
+def _unknown(x: Any, s: Schema | None, parent: str, found: list[str], skip: bool = False) -> None:
+    """`prune` (skip=False) and `skipPrune` (skip=True, below x-kubernetes-preserve-unknown-fields)."""
+    if s is not None and s.get("x-kubernetes-preserve-unknown-fields") is True:
+        skip = True
+    if skip and s is None:
+        return
+    if isinstance(x, dict):
+        if s is None:
+            found.extend(_join(parent, k) for k in x)
+            return
+        embedded = s.get("x-kubernetes-embedded-resource") is True
+        props, extra = s.get("properties") or {}, _extra(s)
+        for k, v in x.items():
+            if embedded and k in _META:
+                continue
+            if k in props:
+                _unknown(v, props[k], _join(parent, k), found)
+            elif extra is not None:
+                _unknown(v, extra if isinstance(extra, dict) else None, _join(parent, k), found)
+            elif not skip and (k not in _META or parent):
+                found.append(_join(parent, k))
+    elif isinstance(x, list):
+        items = s.get("items") if s is not None and isinstance(s.get("items"), dict) else None
+        for i, v in enumerate(x):
+            _unknown(v, items, f"{parent}[{i}]", found, skip)
+
+
 # ---------------------------------------------------------------- nulls and defaults
 
 
