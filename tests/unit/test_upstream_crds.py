@@ -1,10 +1,14 @@
-"""Every InferencePool and LeaderWorkerSet pdserve renders, created through the API emulator with
-the upstream CRD files installed as they ship (issue #57 item 1).
+"""Every InferencePool, LeaderWorkerSet and InferenceObjective pdserve renders, created through the
+API emulator with the upstream CRD files installed as they ship (issue #57 items 1 and 3).
 
 The files, cited by repository, commit and path (support/upstream_crds.py, tests/upstream_crds/):
 - kubernetes-sigs/gateway-api-inference-extension@84436a96
   config/crd/bases/inference.networking.k8s.io_inferencepools.yaml (InferencePool v1);
-- kubernetes-sigs/lws@060ab4da config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml.
+- kubernetes-sigs/lws@060ab4da config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml;
+- llm-d/llm-d-router@ebab6879 config/crd/bases/llm-d.ai_inferenceobjectives.yaml (InferenceObjective
+  llm-d.ai/v1alpha2, the chart's default) and kubernetes-sigs/gateway-api-inference-extension@df9f8909
+  (v1.5.0) config/crd/bases/inference.networking.x-k8s.io_inferenceobjectives.yaml (the older group),
+  each object validated against the file of its own group.
 
 `created_whole` is the render check: a create with `fieldValidation=Strict` (a field the schema
 does not declare is a 400, k8s.io/apiserver create.go), then every field rendered must still be in
@@ -28,17 +32,19 @@ from kube_fake import DEFAULTS
 
 from kube_emulator import EmulatorThread
 from pdserve_operator import spec as s
-from pdserve_operator.kube import KINDS
+from pdserve_operator.kube import kind_of
 from pdserve_operator.reconcile.children import render
-from pdserve_operator.reconcile.children.meta import Owner
+from pdserve_operator.reconcile.children.meta import Defaults, Owner
 from support import upstream_crds as up
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "team"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 POOL_API, LWS_API = "inference.networking.k8s.io/v1", "leaderworkerset.x-k8s.io/v1"
-UPSTREAM_KINDS = {"InferencePool", "LeaderWorkerSet"}
+OBJECTIVE_APIS = ("llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2")
+UPSTREAM_KINDS = {"InferencePool", "LeaderWorkerSet", "InferenceObjective"}
 POOL = {"endpointPickerPort": 9002, "inferencePool": {"enabled": True}}
+OBJECTIVES = [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -5}, {"name": "default"}]
 CPU = {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
 
 # Specs that between them render every variant of the upstream kinds: the pool with each failure
@@ -46,6 +52,7 @@ CPU = {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "ave
 SPECS: dict[str, dict[str, Any]] = {
     "pool": {"router": POOL},
     "pool-fail-close": {"router": {**POOL, "inferencePool": {"enabled": True, "failureMode": "FailClose"}}},
+    "objectives": {"router": {**POOL, "inferencePool": {"enabled": True, "objectives": OBJECTIVES}}},
     "lws": {"decode": {"replicas": 3, "layerShards": 4, "groupScheduling": "leaderWorkerSet"}},
     "lws-one-shard": {"decode": {"replicas": 1, "groupScheduling": "leaderWorkerSet"}, "router": POOL},
     "lws-autoscaled": {
@@ -61,12 +68,11 @@ class Api:
         self.client = httpx.Client(base_url=url, headers={"Authorization": "Bearer admin"}, timeout=60)
 
     def create(self, obj: dict[str, Any], validation: str = "Strict") -> httpx.Response:
-        kind = KINDS[obj["kind"]]
-        path = kind.path(NS)
+        path = kind_of(obj).path(NS)
         return self.client.post(path, json=obj, params={"fieldValidation": validation})
 
     def delete(self, obj: dict[str, Any]) -> None:
-        self.client.delete(KINDS[obj["kind"]].path(NS, obj["metadata"]["name"]))
+        self.client.delete(kind_of(obj).path(NS, obj["metadata"]["name"]))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +80,8 @@ def kube() -> Iterator[Api]:
     with EmulatorThread() as emu:
         api = Api(emu.url)
         api.client.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
-        for api_version, kind in ((POOL_API, "InferencePool"), (LWS_API, "LeaderWorkerSet")):
+        installs = [(POOL_API, "InferencePool"), (LWS_API, "LeaderWorkerSet")]
+        for api_version, kind in [*installs, *((a, "InferenceObjective") for a in OBJECTIVE_APIS)]:
             answer = api.client.post(CRDS, json=up.crd(api_version, kind))  # the file as it ships
             assert answer.status_code == 201, (up.FILES[(api_version, kind)].cite(), answer.text[:2000])
         yield api
@@ -129,7 +136,11 @@ def rendered_upstream() -> list[tuple[str, dict[str, Any]]]:
     for case, spec in specs.items():
         for obj in render(Owner("chat", NS, "u-1"), s.parse_spec(spec), "t", DEFAULTS):
             if obj["kind"] in UPSTREAM_KINDS:
-                out.append((f"{case}:{obj['kind']}", obj))
+                out.append((f"{case}:{obj['kind']}:{obj['metadata']['name']}", obj))
+    older = Defaults(image="img:1", broker_address="broker:50070", objective_api_version=OBJECTIVE_APIS[1])
+    for obj in render(Owner("chat", NS, "u-1"), s.parse_spec(SPECS["objectives"]), "t", older):
+        if obj["kind"] == "InferenceObjective":
+            out.append((f"objectives-older-group:{obj['metadata']['name']}", obj))
     return out
 
 
@@ -138,7 +149,7 @@ RENDERED = rendered_upstream()
 
 def test_the_specs_render_every_upstream_kind() -> None:
     assert {obj["kind"] for _, obj in RENDERED} == UPSTREAM_KINDS
-    assert {obj["apiVersion"] for _, obj in RENDERED} == {POOL_API, LWS_API}
+    assert {obj["apiVersion"] for _, obj in RENDERED} == {POOL_API, LWS_API, *OBJECTIVE_APIS}
     assert len(RENDERED) >= 2 * len(SPECS)
 
 
@@ -149,6 +160,14 @@ def test_what_pdserve_renders_is_stored_whole_under_the_upstream_schema(kube: Ap
         ref = stored["spec"]["endpointPickerRef"]
         assert ref["kind"] == "Service" and ref["group"] == "" and stored["spec"]["appProtocol"] == "http"
         assert ref["failureMode"] == obj["spec"]["endpointPickerRef"]["failureMode"]
+    elif obj["kind"] == "InferenceObjective":  # it names the pool rendered beside it
+        assert stored["spec"]["poolRef"] == {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": "chat",
+        }
+        wanted = {f"chat-{o['name']}": o.get("priority", 0) for o in OBJECTIVES}
+        assert stored["spec"]["priority"] == wanted[stored["metadata"]["name"]]
     else:
         template = stored["spec"]["leaderWorkerTemplate"]
         assert template["size"] == obj["spec"]["leaderWorkerTemplate"]["size"]
@@ -287,3 +306,25 @@ def test_unknown_field_paths_are_the_ones_pruning_records() -> None:
         "spec.map.k.q",
         "spec.open.t.z",
     ]
+
+
+@pytest.mark.parametrize("api_version", OBJECTIVE_APIS)
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda o: o["spec"]["poolRef"].update(name=""), "should be at least 1 chars long"),
+        (lambda o: o["spec"]["poolRef"].update(kind="Inference Pool"), "should match"),
+        (lambda o: o["spec"].pop("poolRef"), "spec.poolRef: Required value"),
+        (lambda o: o["spec"].update(priority="high"), "must be of type integer"),
+    ],
+    ids=["pool-name", "pool-kind", "pool-ref", "priority"],
+)
+def test_the_upstream_objective_schemas_refuse_what_upstream_refuses(
+    kube: Api, api_version: str, edit: Any, says: str
+) -> None:
+    objective = copy.deepcopy(next(o for _, o in RENDERED if o["apiVersion"] == api_version))
+    objective["metadata"].pop("ownerReferences")
+    edit(objective)
+    answer = kube.create(objective)
+    assert answer.status_code == 422, answer.text
+    assert says in answer.json()["message"], answer.json()["message"]

@@ -93,6 +93,9 @@ records them against the API emulator and checks both directions). */}}
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, create, patch]
+- apiGroups: [{{ splitList "/" .Values.inferencePool.objectiveApiVersion | first }}]
+  resources: [inferenceobjectives]
+  verbs: [get, create, patch]
 {{- end }}
 {{- if .Values.leaderWorkerSet.enabled }}
 # spec.decode.groupScheduling leaderWorkerSet: decode groups as LeaderWorkerSets (scaled through

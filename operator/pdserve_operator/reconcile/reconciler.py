@@ -29,7 +29,7 @@ from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.autoscale.autoscaler import Autoscaler
 from pdserve_operator.broker.view import BrokerView
-from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
+from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError, kind_of
 from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import decode_groups as dg
 from pdserve_operator.reconcile import drift
@@ -282,7 +282,7 @@ class Reconciler:
         replicas_released: bool = False,
     ) -> Live:
         """One child; `read` holds it when it was read already (None inside: it did not exist)."""
-        kind, namespace, name = KINDS[want["kind"]], svc.owner.namespace, want["metadata"]["name"]
+        kind, namespace, name = kind_of(want), svc.owner.namespace, want["metadata"]["name"]
         label = f"{kind.kind}/{name}"
         current = read[0] if read is not None else await asyncio.to_thread(self.kube.get, kind, namespace, name)
         if current is None:
@@ -424,8 +424,14 @@ OPTIONAL_KINDS = {
     "InferencePool": "the Gateway API Inference Extension's CRDs (InferencePool, inference.networking.k8s.io/v1)",
     "LeaderWorkerSet": "LeaderWorkerSet (sigs.k8s.io/lws, leaderworkerset.x-k8s.io/v1), "
     "or set spec.decode.groupScheduling: statefulSet",
+    "InferenceObjective": "its CRD (llm-d.ai/v1alpha2 from llm-d-router; an install of the Inference Extension up to "
+    "v1.5 has inference.networking.x-k8s.io/v1alpha2: set the chart value inferencePool.objectiveApiVersion)",
 }
-GRANTS = {"InferencePool": "inferencePool.enabled=true", "LeaderWorkerSet": "leaderWorkerSet.enabled=true"}
+GRANTS = {
+    "InferencePool": "inferencePool.enabled=true",
+    "LeaderWorkerSet": "leaderWorkerSet.enabled=true",
+    "InferenceObjective": "inferencePool.enabled=true",
+}
 
 
 def _unavailable(want: Live, exc: KubeError) -> str:

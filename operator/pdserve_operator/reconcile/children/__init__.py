@@ -7,7 +7,7 @@ rendered here must be stable for equal inputs and must not contain fields the AP
 (empty strings, false booleans, empty lists): those would read as drift forever.
 
 One module per kind: `secret`, `config_map`, `workloads` (Deployments, the decode StatefulSet
-or LeaderWorkerSet), `services`, `inference_pool`, `autoscaling` (HPAs, PDScalingAdapters) and
+or LeaderWorkerSet), `services`, `inference_pool` (and its objectives), `autoscaling` (HPAs, PDScalingAdapters) and
 `policy` (NetworkPolicy, PodDisruptionBudgets); `pod` and `env` build the pod template they
 share, `meta` the names, labels and `Owner`/`Defaults`. Decode layer sharding: a decode group
 is `layerShards` pods, each deriving its place from its ordinal (`pod_env.group_member`).
@@ -42,7 +42,7 @@ def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: D
         deployment(owner, "prefill", spec, defaults),
         decode_workload(owner, spec, defaults),
         deployment(owner, "router", spec, defaults),
-        *gateway_children(owner, spec),  # after the routers they select
+        *gateway_children(owner, spec, defaults),  # after the routers they select
         *(disruption_budget(owner, role) for role in ROLES),
         *(horizontal_pod_autoscaler(owner, role, spec) for role in hpa_roles(spec)),
     ]

@@ -61,6 +61,8 @@ class Defaults:
     # The operator's broker speaks (mutual) TLS: workers must dial it with TLS and present their
     # service's certificate (spec.tls), issued by the same CA as the broker's.
     broker_tls: bool = False
+    # The group of rendered InferenceObjectives: llm-d-router's now, the Inference Extension's up to v1.5.
+    objective_api_version: str = "llm-d.ai/v1alpha2"
 
 
 def secret_name(name: str) -> str:
