@@ -6,7 +6,9 @@ chart's service account (a bearer token that the emulator logs with every reques
 emulator authorizes nothing, so after a scenario that walks every path that talks to the API
 (peering, create, status, events, drift repair of every child kind, the pod listing of sharded
 decode, autoscaling's HPA and scale writes, deletion through the finalizer), each logged request is checked against the rendered
-RBAC, and each granted permission must have been used by some request (least privilege).
+RBAC, and each granted permission must have been used by some request (least privilege). The
+"gateway" mode adds the InferencePool and its InferenceObjectives (their upstream CRD files
+installed, support/upstream_crds.py), so their grants are held to the same rule.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pdserve_operator.reconcile.children.meta import (
 )
 from pdserve_operator.reconcile.children.meta import hpa_name as child_hpa_name
 from pdserve_operator.runtime import OperatorConfig
+from support import upstream_crds
 
 CHART_NAMESPACE = "pdserve-system"
 ACCOUNT = ServiceAccount(CHART_NAMESPACE, "pdserve-operator")
@@ -123,10 +126,31 @@ def operator_requests(cluster: Cluster, since: int) -> list[RequestAttributes]:
     return [request_attributes(e.method, e.path, e.query) for e in entries if e.user == OPERATOR_TOKEN]
 
 
-def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_policy: bool, broker: Any) -> None:
+GATEWAY_KINDS = (("inference.networking.k8s.io/v1", "InferencePool"), ("llm-d.ai/v1alpha2", "InferenceObjective"))
+OBJECTIVES = [{"name": "interactive", "priority": 10}]
+
+
+def install_gateway_crds(cluster: Cluster) -> None:
+    """The upstream files of the pool and of the objective in the chart's default group."""
+    for api_version, kind in GATEWAY_KINDS:
+        try:
+            cluster.kube.request(
+                "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", upstream_crds.crd(api_version, kind)
+            )
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+
+
+def run_scenario(
+    cluster: Cluster, namespace: str, tmp_path: Path, network_policy: bool, broker: Any, gateway: bool = False
+) -> None:
     """Everything the operator does to the API, once: see the module docstring."""
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["spec"]["decode"]["layerShards"] = 2  # makes the reconciler list decode pods
+    if gateway:
+        pool = {"enabled": True, "objectives": OBJECTIVES}
+        doc["spec"]["router"] = {**doc["spec"].get("router", {}), "endpointPickerPort": 9002, "inferencePool": pool}
     path = tmp_path / "sample.yaml"
     path.write_text(yaml.safe_dump(doc))
     cluster.kubectl("apply", "--validate=false", "-n", namespace, "-f", str(path))
@@ -140,6 +164,12 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
         )
         assert policy["spec"]["podSelector"]["matchLabels"] == selector_labels(name)
         kids.append(("NetworkPolicy", network_policy_name(name)))
+    if gateway:
+        gateway_kids = [("Service", f"{name}-epp"), ("InferencePool", name)]
+        gateway_kids += [("InferenceObjective", f"{name}-{o['name']}") for o in OBJECTIVES]
+        for kind, cname in gateway_kids:
+            wait_for(lambda k=kind, n=cname: cluster.get(k, namespace, n), what=f"{kind}/{cname}")
+        kids += gateway_kids
 
     # Hand edits of every child kind: each one is patched back.
     for kind, cname in kids:
@@ -220,6 +250,8 @@ MODES = {
     "cluster-wide": lambda ns: [],
     # One namespace (Role there, a thin ClusterRole), with the NetworkPolicy turned off.
     "one-namespace": lambda ns: ["--set", f"watchNamespaces={{{ns}}}", "--set", "networkPolicy.enabled=false"],
+    # All namespaces, with the gateway's kinds granted (and used: the sample asks for them).
+    "gateway": lambda ns: ["--set", "inferencePool.enabled=true"],
 }
 
 
@@ -229,6 +261,8 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
 ) -> None:
     objects = chart_tools.render(*MODES[mode](namespace))
     apply_chart(cluster, objects)
+    if mode == "gateway":
+        install_gateway_crds(cluster)
     deployment = chart_tools.by_kind(objects, "Deployment")[0]
     account = chart_tools.by_kind(objects, "ServiceAccount")[0]["metadata"]
     assert (account["namespace"], account["name"]) == (ACCOUNT.namespace, ACCOUNT.name)
@@ -239,13 +273,13 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
     )
     handle = ChartOperator(as_operator, namespace, deployment=deployment)
     network_policy = handle.config().network_policy
-    assert network_policy == (mode == "cluster-wide")
+    assert network_policy == (mode != "one-namespace")
     mark = audit_mark(cluster)
     handle.start()
     try:
         # The chart's liveness probe path is what the operator serves (kopf starts it just after ready).
         wait_for(lambda: probe(f"http://127.0.0.1:{handle.health_port}/healthz") == 200, what="liveness endpoint")
-        run_scenario(cluster, namespace, tmp_path, network_policy, handle.broker)
+        run_scenario(cluster, namespace, tmp_path, network_policy, handle.broker, gateway=mode == "gateway")
     finally:
         handle.stop()
     requests = operator_requests(cluster, mark)
