@@ -65,6 +65,7 @@ KINDS: dict[str, Kind] = {
         Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
         Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
         Kind("llm-d.ai/v1alpha2", "InferenceObjective", "inferenceobjectives"),
+        Kind("disaggregatedset.x-k8s.io/v1", "DisaggregatedSet", "disaggregatedsets"),
     )
 }
 PDIS = KINDS[s.KIND]

@@ -1,10 +1,11 @@
-"""Every InferencePool, LeaderWorkerSet and InferenceObjective pdserve renders, created through the
-API emulator with the upstream CRD files installed as they ship (issue #57 items 1 and 3).
+"""Every InferencePool, LeaderWorkerSet, DisaggregatedSet and InferenceObjective pdserve renders,
+created through the API emulator with the upstream CRD files installed as they ship (issue #57).
 
 The files, cited by repository, commit and path (support/upstream_crds.py, tests/upstream_crds/):
 - kubernetes-sigs/gateway-api-inference-extension@84436a96
   config/crd/bases/inference.networking.k8s.io_inferencepools.yaml (InferencePool v1);
-- kubernetes-sigs/lws@060ab4da config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml;
+- kubernetes-sigs/lws@060ab4da config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml and
+  config/crd/bases/disaggregatedset.x-k8s.io_disaggregatedsets.yaml;
 - llm-d/llm-d-router@ebab6879 config/crd/bases/llm-d.ai_inferenceobjectives.yaml (InferenceObjective
   llm-d.ai/v1alpha2, the chart's default) and kubernetes-sigs/gateway-api-inference-extension@df9f8909
   (v1.5.0) config/crd/bases/inference.networking.x-k8s.io_inferenceobjectives.yaml (the older group),
@@ -40,9 +41,13 @@ from support import upstream_crds as up
 ROOT = Path(__file__).resolve().parents[2]
 NS = "team"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-POOL_API, LWS_API = "inference.networking.k8s.io/v1", "leaderworkerset.x-k8s.io/v1"
+POOL_API, LWS_API, DS_API = (
+    "inference.networking.k8s.io/v1",
+    "leaderworkerset.x-k8s.io/v1",
+    "disaggregatedset.x-k8s.io/v1",
+)
 OBJECTIVE_APIS = ("llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2")
-UPSTREAM_KINDS = {"InferencePool", "LeaderWorkerSet", "InferenceObjective"}
+UPSTREAM_KINDS = {"InferencePool", "LeaderWorkerSet", "InferenceObjective", "DisaggregatedSet"}
 POOL = {"endpointPickerPort": 9002, "inferencePool": {"enabled": True}}
 OBJECTIVES = [{"name": "interactive", "priority": 10}, {"name": "batch", "priority": -5}, {"name": "default"}]
 CPU = {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
@@ -58,6 +63,14 @@ SPECS: dict[str, dict[str, Any]] = {
     "lws-autoscaled": {
         "decode": {"layerShards": 2, "groupScheduling": "leaderWorkerSet"},
         "autoscaling": {"decode": {"enabled": True, "driver": "hpa", "maxReplicas": 4, "metric": CPU}},
+        "router": POOL,
+    },
+    "ds": {"workload": "DisaggregatedSet"},
+    "ds-slices-placed-sharded": {
+        "workload": "DisaggregatedSet",
+        "disaggregatedSet": {"slices": 2, "placement": "ExclusiveTopology", "topologyKey": "example.com/rack"},
+        "prefill": {"replicas": 4},
+        "decode": {"replicas": 2, "layerShards": 4},
         "router": POOL,
     },
 }
@@ -80,7 +93,7 @@ def kube() -> Iterator[Api]:
     with EmulatorThread() as emu:
         api = Api(emu.url)
         api.client.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
-        installs = [(POOL_API, "InferencePool"), (LWS_API, "LeaderWorkerSet")]
+        installs = [(POOL_API, "InferencePool"), (LWS_API, "LeaderWorkerSet"), (DS_API, "DisaggregatedSet")]
         for api_version, kind in [*installs, *((a, "InferenceObjective") for a in OBJECTIVE_APIS)]:
             answer = api.client.post(CRDS, json=up.crd(api_version, kind))  # the file as it ships
             assert answer.status_code == 201, (up.FILES[(api_version, kind)].cite(), answer.text[:2000])
@@ -149,7 +162,7 @@ RENDERED = rendered_upstream()
 
 def test_the_specs_render_every_upstream_kind() -> None:
     assert {obj["kind"] for _, obj in RENDERED} == UPSTREAM_KINDS
-    assert {obj["apiVersion"] for _, obj in RENDERED} == {POOL_API, LWS_API, *OBJECTIVE_APIS}
+    assert {obj["apiVersion"] for _, obj in RENDERED} == {POOL_API, LWS_API, DS_API, *OBJECTIVE_APIS}
     assert len(RENDERED) >= 2 * len(SPECS)
 
 
@@ -168,6 +181,12 @@ def test_what_pdserve_renders_is_stored_whole_under_the_upstream_schema(kube: Ap
         }
         wanted = {f"chat-{o['name']}": o.get("priority", 0) for o in OBJECTIVES}
         assert stored["spec"]["priority"] == wanted[stored["metadata"]["name"]]
+    elif obj["kind"] == "DisaggregatedSet":
+        roles = {r["name"]: r for r in stored["spec"]["roles"]}
+        assert set(roles) == {"prefill", "decode"} and stored["spec"]["slices"] == obj["spec"]["slices"]
+        assert all(r["scaling"]["mode"] == "Static" for r in roles.values())
+        decode = roles["decode"]["spec"]["leaderWorkerTemplate"]
+        assert decode["workerTemplate"]["spec"]["containers"][0]["name"]  # typed pod template
     else:
         template = stored["spec"]["leaderWorkerTemplate"]
         assert template["size"] == obj["spec"]["leaderWorkerTemplate"]["size"]
@@ -326,5 +345,36 @@ def test_the_upstream_objective_schemas_refuse_what_upstream_refuses(
     objective["metadata"].pop("ownerReferences")
     edit(objective)
     answer = kube.create(objective)
+    assert answer.status_code == 422, answer.text
+    assert says in answer.json()["message"], answer.json()["message"]
+
+
+def _ds() -> dict[str, Any]:
+    ds = copy.deepcopy(next(obj for _, obj in RENDERED if obj["kind"] == "DisaggregatedSet"))
+    ds["metadata"].pop("ownerReferences")
+    return ds
+
+
+def _role(ds: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(r for r in ds["spec"]["roles"] if r["name"] == name)
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        # the spec's CEL rule (pdserve's own rule refuses it first: spec/disaggregated.py)
+        (lambda d: _role(d, "prefill")["spec"].update(replicas=0), "replicas must be zero for all non-External roles"),
+        (lambda d: d["spec"].update(roles=d["spec"]["roles"][:1]), "should have at least 2 items"),
+        (lambda d: d["spec"].update(roles=[d["spec"]["roles"][0]] * 2), "Duplicate value"),
+        (lambda d: d["spec"].update(slices=0), "should be greater than or equal to 1"),
+        (lambda d: d["spec"].update(placementPolicy={"type": "SameRack"}), "Unsupported value"),
+        (lambda d: _role(d, "decode").update(scaling={"mode": "Auto"}), "Unsupported value"),
+    ],
+    ids=["cel-zero-together", "min-roles", "role-names-unique", "slices", "placement", "scaling-mode"],
+)
+def test_the_upstream_ds_schema_refuses_what_upstream_refuses(kube: Api, edit: Any, says: str) -> None:
+    ds = _ds()
+    edit(ds)
+    answer = kube.create(ds)
     assert answer.status_code == 422, answer.text
     assert says in answer.json()["message"], answer.json()["message"]
