@@ -342,6 +342,25 @@ def test_leader_worker_set_grant_only_when_asked() -> None:
     ]
 
 
+def test_disaggregated_set_grant_only_when_asked() -> None:
+    """spec.workload DisaggregatedSet only where the chart grants it: the set itself, and removing
+    the prefill Deployment and decode StatefulSet it replaces (and it, on a switch back)."""
+
+    def ds_rules(*args: str) -> list[dict[str, Any]]:
+        [role] = by_kind(render(*args), "ClusterRole")
+        return [r for r in role["rules"] if "disaggregatedset.x-k8s.io" in r["apiGroups"] or r["verbs"] == ["delete"]]
+
+    assert ds_rules() == []
+    assert ds_rules("--set", "disaggregatedSet.enabled=true") == [
+        {
+            "apiGroups": ["disaggregatedset.x-k8s.io"],
+            "resources": ["disaggregatedsets"],
+            "verbs": ["get", "create", "patch", "delete"],
+        },
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": ["delete"]},
+    ]
+
+
 def test_the_peering_lifetime_reaches_kopf_from_the_chart() -> None:
     """benchmarks/operator_failover.py: an operator that died uncleanly is replaced after about the
     peering lifetime (58 s at kopf's 60, 13 s at 15), so the chart's value must reach kopf."""

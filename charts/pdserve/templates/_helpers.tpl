@@ -111,6 +111,16 @@ records them against the API emulator and checks both directions). */}}
   resources: [statefulsets]
   verbs: [delete]
 {{- end }}
+{{- if .Values.disaggregatedSet.enabled }}
+# spec.workload DisaggregatedSet: prefill and decode as one DisaggregatedSet (sigs.k8s.io/lws); a
+# switch to it removes the prefill Deployment and the decode StatefulSet, a switch back removes it.
+- apiGroups: [disaggregatedset.x-k8s.io]
+  resources: [disaggregatedsets]
+  verbs: [get, create, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments, statefulsets]
+  verbs: [delete]
+{{- end }}
 {{- if and .Values.peering.enabled .Values.watchNamespaces }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
