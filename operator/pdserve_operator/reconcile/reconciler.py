@@ -339,7 +339,8 @@ class Reconciler:
                 continue
             await asyncio.to_thread(self.kube.delete, KINDS[kind_name], svc.owner.namespace, name)
             log.info(kv(event="workload_replaced", service=svc.owner.key, removed=f"{kind_name}/{name}"))
-            message = f"{kind_name}/{name} removed: the service runs as a {wk.running_kind(spec)} now"
+            what = "prefill pods" if kind_name == "Deployment" else "decode groups"
+            message = f"{kind_name}/{name} removed: the {what} run as a {wk.running_kind(spec)} now"
             await self._event(svc, ev.NORMAL, "DecodeWorkloadReplaced", message)
 
     async def _observe(
