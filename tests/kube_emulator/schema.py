@@ -108,12 +108,25 @@ def _skip_prune(x: Any, s: Schema) -> Any:
 
 
 def unknown_fields(x: Any, s: Schema | None) -> list[str]:
-    """The paths `PruneWithOptions` (pruning/algorithm.go) records with TrackUnknownFieldPaths on,
-    sorted: what pruning drops from a resource (root apiVersion/kind/metadata never count), as
-    `spec.a`, `spec.list[0].b` (`schema/options.go` AppendKey/AppendIndex)."""
+    """The unknown fields of a strict decode: those of the root's metadata, then the paths
+    `PruneWithOptions` (pruning/algorithm.go) records with TrackUnknownFieldPaths on, sorted (root
+    apiVersion/kind never count), as `spec.a`, `spec.list[0].b` (`schema/options.go`)."""
     found: list[str] = []
     _unknown(x, {**(s or {}), "x-kubernetes-embedded-resource": True}, "", found)
-    return sorted(found)
+    # The root's metadata first, as `unstructuredSchemaCoercer.apply` appends them: objectmeta/
+    # coerce.go GetObjectMetaWithOptions (UnmarshalStrict into ObjectMeta), its own keys only here.
+    meta = x.get("metadata") if isinstance(x, dict) else None
+    in_meta = [f"metadata.{k}" for k in meta if k not in OBJECT_META_FIELDS] if isinstance(meta, dict) else []
+    return in_meta + sorted(found)
+
+
+# metav1.ObjectMeta's JSON fields (k8s.io/apimachinery pkg/apis/meta/v1/types.go).
+OBJECT_META_FIELDS = frozenset(
+    (
+        "name generateName namespace selfLink uid resourceVersion generation creationTimestamp deletionTimestamp "
+        "deletionGracePeriodSeconds labels annotations ownerReferences finalizers managedFields"
+    ).split()
+)
 
 
 def _join(parent: str, key: str) -> str:

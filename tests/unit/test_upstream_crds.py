@@ -310,7 +310,7 @@ def test_unknown_field_paths_are_the_ones_pruning_records() -> None:
     obj = {
         "apiVersion": "x/v1",
         "kind": "K",
-        "metadata": {"name": "n", "anything": 1},  # the root's metadata is not pruning's business
+        "metadata": {"name": "n", "labels": {"a": "b"}, "anything": 1},  # ObjectMeta's strict decoding
         "extra": 1,
         "spec": {
             "list": [{"a": "x"}, {"a": "y", "b": 1}],
@@ -320,6 +320,7 @@ def test_unknown_field_paths_are_the_ones_pruning_records() -> None:
         },
     }
     assert unknown_fields(obj, schema) == [
+        "metadata.anything",
         "extra",
         "spec.embedded.spec",
         "spec.list[1].b",
