@@ -34,6 +34,7 @@ from kube_fake import DEFAULTS
 from kube_emulator import EmulatorThread
 from pdserve_operator import spec as s
 from pdserve_operator.kube import kind_of
+from pdserve_operator.reconcile import drift
 from pdserve_operator.reconcile.children import render
 from pdserve_operator.reconcile.children.meta import Defaults, Owner
 from support import upstream_crds as up
@@ -171,6 +172,8 @@ def test_the_specs_render_every_upstream_kind() -> None:
 @pytest.mark.parametrize(("case", "obj"), RENDERED, ids=[c for c, _ in RENDERED])
 def test_what_pdserve_renders_is_stored_whole_under_the_upstream_schema(kube: Api, case: str, obj: dict) -> None:
     stored = created_whole(kube, obj)
+    sent = {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "ownerReferences"}}
+    assert drift.content_drift(sent, stored) == []  # what the API server stored reads as no drift
     if obj["kind"] == "InferencePool":  # the upstream defaults arrive, ours are kept
         ref = stored["spec"]["endpointPickerRef"]
         assert ref["kind"] == "Service" and ref["group"] == "" and stored["spec"]["appProtocol"] == "http"
