@@ -20,6 +20,7 @@ from support import leaderworkerset as lws
 from support.worker_env import worker_settings
 
 NS = "team"
+CPU = {"type": "Resource", "name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}}
 DS = {"workload": "DisaggregatedSet", "prefill": {"replicas": 2}, "decode": {"replicas": 2}}
 SLICED = {
     "workload": "DisaggregatedSet",
@@ -83,8 +84,12 @@ def test_every_decode_pod_of_a_slice_finds_its_group_from_its_own_lws() -> None:
             {**DS, "autoscaling": {"slo": {"ttftMs": 500}, "decode": {"enabled": True, "maxReplicas": 4}}},
             "kubectl scale pdsa/NAME-ROLE",
         ),
+        (
+            {**SLICED, "autoscaling": {"decode": {"enabled": True, "driver": "hpa", "maxReplicas": 4, "metric": CPU}}},
+            "only with slices 1",
+        ),
     ],
-    ids=["zero", "slices", "group-scheduling", "placement", "autoscaling"],
+    ids=["zero", "slices", "group-scheduling", "placement", "planner", "hpa-with-slices"],
 )
 def test_what_a_disaggregated_set_cannot_run_is_refused_with_the_reason(spec: dict[str, Any], says: str) -> None:
     with pytest.raises(s.ValidationError, match=says):
@@ -164,3 +169,18 @@ def test_the_pods_config_hash_ignores_the_workload_and_the_gateways_objectives()
     objectives = {**pool, "inferencePool": {"enabled": True, "objectives": [{"name": "a", "priority": 3}]}}
     assert config_hash(s.parse_spec({"router": objectives})) == with_pool
     assert config_hash(s.parse_spec({"workload": "DisaggregatedSet", "disaggregatedSet": {"slices": 1}})) == plain
+
+
+def test_an_autoscaled_role_is_external_and_its_hpa_scales_the_upstream_role_scaler() -> None:
+    """With one slice, upstream's role scaler applies: the role is External and the HPA targets
+    the DisaggregatedSetRoleScaler the set's controller names NAME-ROLE (scaler_manager.go)."""
+    spec = {**DS, "autoscaling": {"decode": {"enabled": True, "driver": "hpa", "maxReplicas": 6, "metric": CPU}}}
+    kids = rendered(spec)
+    by = {r["name"]: r for r in kids[("DisaggregatedSet", "chat")]["spec"]["roles"]}
+    assert by["decode"]["scaling"] == {"mode": "External"} and by["prefill"]["scaling"] == {"mode": "Static"}
+    ref = kids[("HorizontalPodAutoscaler", "chat-decode")]["spec"]["scaleTargetRef"]
+    assert ref == {
+        "apiVersion": "disaggregatedset.x-k8s.io/v1",
+        "kind": "DisaggregatedSetRoleScaler",
+        "name": "chat-decode",
+    }

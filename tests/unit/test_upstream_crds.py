@@ -68,6 +68,11 @@ SPECS: dict[str, dict[str, Any]] = {
         "router": POOL,
     },
     "ds": {"workload": "DisaggregatedSet"},
+    "ds-autoscaled": {
+        "workload": "DisaggregatedSet",
+        "decode": {"layerShards": 2},
+        "autoscaling": {"decode": {"enabled": True, "driver": "hpa", "maxReplicas": 4, "metric": CPU}},
+    },
     "ds-slices-placed-sharded": {
         "workload": "DisaggregatedSet",
         "disaggregatedSet": {"slices": 2, "placement": "ExclusiveTopology", "topologyKey": "example.com/rack"},
@@ -96,6 +101,7 @@ def kube() -> Iterator[Api]:
         api = Api(emu.url)
         api.client.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
         installs = [(POOL_API, "InferencePool"), (LWS_API, "LeaderWorkerSet"), (DS_API, "DisaggregatedSet")]
+        installs.append((DS_API, "DisaggregatedSetRoleScaler"))
         for api_version, kind in [*installs, *((a, "InferenceObjective") for a in OBJECTIVE_APIS)]:
             answer = api.client.post(CRDS, json=up.crd(api_version, kind))  # the file as it ships
             assert answer.status_code == 201, (up.FILES[(api_version, kind)].cite(), answer.text[:2000])
@@ -188,7 +194,9 @@ def test_what_pdserve_renders_is_stored_whole_under_the_upstream_schema(kube: Ap
     elif obj["kind"] == "DisaggregatedSet":
         roles = {r["name"]: r for r in stored["spec"]["roles"]}
         assert set(roles) == {"prefill", "decode"} and stored["spec"]["slices"] == obj["spec"]["slices"]
-        assert all(r["scaling"]["mode"] == "Static" for r in roles.values())
+        modes = {name: r["scaling"]["mode"] for name, r in roles.items()}
+        assert modes == {r["name"]: r["scaling"]["mode"] for r in obj["spec"]["roles"]}
+        assert modes["prefill"] == "Static" and modes["decode"] in ("Static", "External")
         decode = roles["decode"]["spec"]["leaderWorkerTemplate"]
         assert decode["workerTemplate"]["spec"]["containers"][0]["name"]  # typed pod template
     else:
@@ -383,3 +391,25 @@ def test_the_upstream_ds_schema_refuses_what_upstream_refuses(kube: Api, edit: A
     answer = kube.create(ds)
     assert answer.status_code == 422, answer.text
     assert says in answer.json()["message"], answer.json()["message"]
+
+
+def test_the_hpa_of_an_external_role_targets_a_scale_subresource_of_the_upstream_role_scaler(kube: Api) -> None:
+    """lws config/crd/bases/disaggregatedset.x-k8s.io_disaggregatedsetrolescalers.yaml: the kind
+    the HPA names has a /scale (specReplicasPath .spec.replicas); the scaler is made by the set's
+    controller (played here), the HPA writes its /scale."""
+    spec = s.parse_spec(SPECS["ds-autoscaled"])
+    kids = {o["kind"]: o for o in render(Owner("chat", NS, "u-1"), spec, "t", DEFAULTS)}
+    ref = kids["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"]) in up.FILES
+    scaler = {"apiVersion": ref["apiVersion"], "kind": ref["kind"], "metadata": {"name": ref["name"]}}
+    scaler["spec"] = {"replicas": 1}
+    path = f"/apis/{ref['apiVersion']}/namespaces/{NS}/disaggregatedsetrolescalers"
+    assert kube.client.post(path, json=scaler, params={"fieldValidation": "Strict"}).status_code == 201
+    scaled = kube.client.patch(
+        f"{path}/{ref['name']}/scale",
+        json={"spec": {"replicas": 3}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert scaled.status_code == 200, scaled.text
+    assert kube.client.get(f"{path}/{ref['name']}").json()["spec"]["replicas"] == 3
+    kube.client.delete(f"{path}/{ref['name']}")

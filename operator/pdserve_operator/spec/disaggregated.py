@@ -4,12 +4,14 @@
 with decode.groupScheduling leaderWorkerSet). `LeaderWorkerSet`: the same with the decode groups
 as a LeaderWorkerSet. `DisaggregatedSet` (sigs.k8s.io/lws, disaggregatedset.x-k8s.io/v1): prefill
 and decode as the roles of one DisaggregatedSet, each role an LWS template, in `slices` complete
-copies that roll out one at a time, placed by `placement` (docs/gang-scheduling.md).
+copies that roll out one at a time, placed by `placement` (docs/gang-scheduling.md). An
+autoscaled role (driver hpa, one slice) is `External`: its HPA scales the role's upstream
+DisaggregatedSetRoleScaler.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -55,6 +57,11 @@ def _ds(s: object) -> bool:
     return getattr(s, "workload", None) == "DisaggregatedSet"
 
 
+def _role_scaler_fits(s: Any) -> bool:
+    enabled = [getattr(s.autoscaling, role) for role in ("prefill", "decode") if getattr(s.autoscaling, role).enabled]
+    return all(r.driver == "hpa" for r in enabled) and (not enabled or s.disaggregated_set.slices == 1)
+
+
 # Rules of the whole spec (PDInferenceServiceSpec.rules) that the DisaggregatedSet option brings.
 WORKLOAD_RULES: tuple[Rule, ...] = (
     Rule(
@@ -66,12 +73,13 @@ WORKLOAD_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         cel="self.workload != 'DisaggregatedSet' || !has(self.autoscaling) || "
-        "(!self.autoscaling.prefill.enabled && !self.autoscaling.decode.enabled)",
-        message="workload DisaggregatedSet: autoscaling of its roles is not built yet (and upstream cannot "
-        "combine slices with per-role scaling, lws #948); scale a role with kubectl scale pdsa/NAME-ROLE",
-        holds=lambda s: (
-            not _ds(s) or s.autoscaling is None or not (s.autoscaling.prefill.enabled or s.autoscaling.decode.enabled)
-        ),
+        "((!self.autoscaling.prefill.enabled || self.autoscaling.prefill.driver == 'hpa') && "
+        "(!self.autoscaling.decode.enabled || self.autoscaling.decode.driver == 'hpa') && "
+        "(self.disaggregatedSet.slices == 1 || (!self.autoscaling.prefill.enabled && !self.autoscaling.decode.enabled)))",
+        message="workload DisaggregatedSet: a role autoscales only with driver hpa (its HPA scales the role's "
+        "DisaggregatedSetRoleScaler) and only with slices 1 (upstream cannot combine slices with per-role scaling, "
+        "lws #948); otherwise scale a role with kubectl scale pdsa/NAME-ROLE",
+        holds=lambda s: not _ds(s) or s.autoscaling is None or _role_scaler_fits(s),
         field="autoscaling",
     ),
     Rule(

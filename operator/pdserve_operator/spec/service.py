@@ -91,7 +91,7 @@ class PDInferenceServiceSpec(Model):
         Rule(
             cel="!has(self.autoscaling) || !self.autoscaling.decode.enabled || self.autoscaling.decode.driver == 'planner' "
             "|| self.decode.layerShards == 1 || self.decode.groupScheduling == 'leaderWorkerSet' "
-            "|| self.workload == 'LeaderWorkerSet'",
+            "|| self.workload != 'Deployments'",
             message="with decode.layerShards > 1 only the planner scales decode (an HPA on a StatefulSet counts pods, "
             "not groups; with groupScheduling leaderWorkerSet its replicas are groups and any driver works)",
             holds=lambda s: (
@@ -100,7 +100,7 @@ class PDInferenceServiceSpec(Model):
                 or s.autoscaling.decode.driver == "planner"
                 or s.decode.layer_shards == 1
                 or s.decode.group_scheduling == "leaderWorkerSet"
-                or s.workload == "LeaderWorkerSet"
+                or s.workload != "Deployments"
             ),
             field="autoscaling.decode.driver",
         ),

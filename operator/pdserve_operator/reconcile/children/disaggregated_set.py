@@ -5,8 +5,10 @@ The DisaggregatedSet (sigs.k8s.io/lws, disaggregatedset.x-k8s.io/v1, checked aga
 role here is the LWS that pdserve would render for it: prefill groups of one pod, decode groups
 of `layerShards` pods restarted as one (RecreateGroupOnPodRestart), both started together and
 rolled one group at a time without a surplus group. Role replicas are per slice (the spec's are
-totals). Roles are `Static`: pdserve writes their replicas (its PDScalingAdapters), since
-upstream cannot yet combine slices with its role scaler (lws #948).
+totals). A role is `Static` (pdserve writes its replicas, through its PDScalingAdapters) unless
+it autoscales (driver hpa, one slice: spec/disaggregated.py): then it is `External`, and the
+HPA scales the DisaggregatedSetRoleScaler the set's controller makes for it (`NAME-ROLE`, lws
+pkg/controllers/disaggregatedset/scaler_manager.go ScalerName), seeded from the role's count.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _role(owner: Owner, role: str, spec: s.PDInferenceServiceSpec, defaults: Def
     replicas: int = getattr(spec, role).replicas // spec.disaggregated_set.slices
     return {
         "name": role,
-        "scaling": {"mode": "Static"},
+        "scaling": {"mode": "External" if s.autoscaled(spec, role) else "Static"},
         "spec": {
             "replicas": replicas,
             "leaderWorkerTemplate": {
@@ -66,13 +68,27 @@ def disaggregated_set(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: De
 
 
 def role_workload(ds: dict[str, Any] | None, role: str) -> dict[str, Any] | None:
-    """One role of a live DisaggregatedSet seen as a workload (status counts of groups), so the
-    status reads it as it reads a LeaderWorkerSet: `status.roleStatuses[role]`, totals over the
-    slices; absent until the controller first reports the role."""
+    """One role of a live DisaggregatedSet seen as a workload of groups, so the status reads it
+    as it reads a LeaderWorkerSet: counts from `status.roleStatuses[role]` (totals over the
+    slices, zero until the controller reports the role); the count asked for is the role's
+    replicas times the slices, or for an External role the count running (its scaler's)."""
     if ds is None:
         return None
-    for entry in (ds.get("status") or {}).get("roleStatuses") or []:
-        if entry.get("name") == role:
-            counts = {k: int(entry.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas")}
-            return {"kind": "LeaderWorkerSet", "metadata": {}, "status": counts}
-    return {"kind": "LeaderWorkerSet", "metadata": {}, "status": {}}
+    spec = ds.get("spec") or {}
+    entry: dict[str, Any] = next(
+        (r for r in (ds.get("status") or {}).get("roleStatuses") or [] if r.get("name") == role), {}
+    )
+    counts = {k: int(entry.get(k) or 0) for k in ("replicas", "readyReplicas", "updatedReplicas")}
+    declared: dict[str, Any] = next((r for r in spec.get("roles") or [] if r.get("name") == role), {})
+    external = (declared.get("scaling") or {}).get("mode") == "External"
+    per_slice = int((declared.get("spec") or {}).get("replicas") or 0)
+    asked = counts["replicas"] if external else per_slice * int(spec.get("slices") or 1)
+    return {"kind": "LeaderWorkerSet", "metadata": {}, "spec": {"replicas": asked}, "status": counts}
+
+
+ROLE_SCALER_KIND = "DisaggregatedSetRoleScaler"
+
+
+def role_scaler_ref(name: str, role: str) -> dict[str, str]:
+    """An HPA's scaleTargetRef on the role scaler of an External role."""
+    return {"apiVersion": DS_API_VERSION, "kind": ROLE_SCALER_KIND, "name": f"{ds_name(name)}-{role}"}
