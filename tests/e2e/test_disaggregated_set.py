@@ -40,6 +40,13 @@ def test_a_disaggregated_set_is_refused_by_name_then_created_scaled_and_read_bac
     doc["spec"].pop("router", None)  # no API keys Secret needed here
     doc["spec"].update(workload="DisaggregatedSet")
     doc["spec"]["decode"].update(replicas=1, layerShards=2)
+    try:
+        run(cluster, namespace, tmp_path, doc)
+    finally:  # a service left behind would be reconciled by a later test's all-namespace operator
+        cluster.kubectl("delete", f"pdis/{NAME}", "-n", namespace, "--wait=true", "--timeout=50s", check=False)
+
+
+def run(cluster: Cluster, namespace: str, tmp_path: Path, doc: dict[str, Any]) -> None:
     crd_name = upstream_crds.crd_name(DS_API, "DisaggregatedSet")
     installed = cluster.kubectl("get", "crd", crd_name, check=False).returncode == 0
     path = tmp_path / "pdset.yaml"
