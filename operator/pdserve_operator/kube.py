@@ -12,6 +12,7 @@ API emulator. Calls are blocking: async code runs them with `asyncio.to_thread`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from dataclasses import dataclass
@@ -64,9 +65,19 @@ KINDS: dict[str, Kind] = {
         Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools"),
         Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
         Kind("authentication.k8s.io/v1", "TokenReview", "tokenreviews", namespaced=False),
+        Kind("llm-d.ai/v1alpha2", "InferenceObjective", "inferenceobjectives"),
+        Kind("disaggregatedset.x-k8s.io/v1", "DisaggregatedSet", "disaggregatedsets"),
     )
 }
 PDIS = KINDS[s.KIND]
+
+
+def kind_of(obj: dict[str, Any]) -> Kind:
+    """The Kind of a rendered object, in its own apiVersion (an InferenceObjective's group is a
+    setting: llm-d.ai, or inference.networking.x-k8s.io on older installs)."""
+    kind = KINDS[obj["kind"]]
+    api_version = obj.get("apiVersion", kind.api_version)
+    return kind if api_version == kind.api_version else dataclasses.replace(kind, api_version=api_version)
 
 
 class KubeError(Exception):
@@ -180,7 +191,7 @@ class RestKubeClient:
         return list(self.request("GET", kind.path(namespace), query=query).get("items", []))
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        kind = KINDS[obj["kind"]]
+        kind = kind_of(obj)
         return self.request("POST", kind.path(obj["metadata"].get("namespace")), body=obj)
 
     def merge_patch(

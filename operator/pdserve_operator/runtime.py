@@ -8,7 +8,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -91,6 +91,12 @@ class OperatorConfig(BaseSettings):
         "readiness shows at once, not at the next resync; needs list/watch on them (the chart's "
         "leaderWorkerSet.enabled sets both).",
     )
+    objective_api_version: Literal["llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2"] = Field(
+        "llm-d.ai/v1alpha2",
+        description="apiVersion of the InferenceObjectives rendered for spec.router.inferencePool.objectives: "
+        "llm-d-router's (current), or the Inference Extension's up to v1.5 (the chart's "
+        "inferencePool.objectiveApiVersion).",
+    )
     tls_cert: str | None = Field(None, description="The broker's TLS certificate (PEM); with key and ca: mutual TLS.")
     tls_key: str | None = Field(None, description="The broker's TLS private key (PEM).")
     tls_ca: str | None = Field(None, description="CA that workers' client certificates must chain to (PEM).")
@@ -160,6 +166,7 @@ def build_runtime(
         network_policy=config.network_policy,
         operator_namespace=config.pod_namespace,
         broker_tls=config.broker_tls() is not None,
+        objective_api_version=config.objective_api_version,
     )
     metrics = OperatorMetrics()
     return Runtime(

@@ -6,7 +6,10 @@ chart's service account (a bearer token that the emulator logs with every reques
 emulator authorizes nothing, so after a scenario that walks every path that talks to the API
 (peering, create, status, events, drift repair of every child kind, the pod listing of sharded
 decode, autoscaling's HPA and scale writes, deletion through the finalizer), each logged request is checked against the rendered
-RBAC, and each granted permission must have been used by some request (least privilege).
+RBAC, and each granted permission must have been used by some request (least privilege). The
+"gateway" mode adds the InferencePool and its InferenceObjectives, the "disaggregated" mode a
+switch to spec.workload DisaggregatedSet and back (their upstream CRD files installed,
+support/upstream_crds.py), so their grants are held to the same rule.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pdserve_operator.reconcile.children.meta import (
 )
 from pdserve_operator.reconcile.children.meta import hpa_name as child_hpa_name
 from pdserve_operator.runtime import OperatorConfig
+from support import upstream_crds
 
 CHART_NAMESPACE = "pdserve-system"
 ACCOUNT = ServiceAccount(CHART_NAMESPACE, "pdserve-operator")
@@ -125,10 +129,33 @@ def operator_requests(cluster: Cluster, since: int) -> list[RequestAttributes]:
     return [request_attributes(e.method, e.path, e.query) for e in entries if e.user == OPERATOR_TOKEN]
 
 
-def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_policy: bool, broker: Any) -> None:
+GATEWAY_KINDS = (("inference.networking.k8s.io/v1", "InferencePool"), ("llm-d.ai/v1alpha2", "InferenceObjective"))
+OBJECTIVES = [{"name": "interactive", "priority": 10}]
+
+
+def install_crds(cluster: Cluster, kinds: tuple[tuple[str, str], ...]) -> None:
+    """The upstream CRD files of these kinds (GATEWAY_KINDS: the pool and the objective in the
+    chart's default group)."""
+    for api_version, kind in kinds:
+        try:
+            cluster.kube.request(
+                "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", upstream_crds.crd(api_version, kind)
+            )
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+
+
+def run_scenario(
+    cluster: Cluster, namespace: str, tmp_path: Path, network_policy: bool, broker: Any, mode: str
+) -> None:
     """Everything the operator does to the API, once: see the module docstring."""
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["spec"]["decode"]["layerShards"] = 2  # makes the reconciler list decode pods
+    gateway = mode == "gateway"
+    if gateway:
+        pool = {"enabled": True, "objectives": OBJECTIVES}
+        doc["spec"]["router"] = {**doc["spec"].get("router", {}), "endpointPickerPort": 9002, "inferencePool": pool}
     path = tmp_path / "sample.yaml"
     path.write_text(yaml.safe_dump(doc))
     cluster.kubectl("apply", "--validate=false", "-n", namespace, "-f", str(path))
@@ -142,6 +169,12 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
         )
         assert policy["spec"]["podSelector"]["matchLabels"] == selector_labels(name)
         kids.append(("NetworkPolicy", network_policy_name(name)))
+    if gateway:
+        gateway_kids = [("Service", f"{name}-epp"), ("InferencePool", name)]
+        gateway_kids += [("InferenceObjective", f"{name}-{o['name']}") for o in OBJECTIVES]
+        for kind, cname in gateway_kids:
+            wait_for(lambda k=kind, n=cname: cluster.get(k, namespace, n), what=f"{kind}/{cname}")
+        kids += gateway_kids
 
     # Hand edits of every child kind: each one is patched back.
     for kind, cname in kids:
@@ -154,10 +187,49 @@ def run_scenario(cluster: Cluster, namespace: str, tmp_path: Path, network_polic
 
     adapter_scenario(cluster, namespace, name)
     autoscaling_scenario(cluster, broker, namespace, name)
+    if mode == "disaggregated":
+        disaggregated_scenario(cluster, namespace, name)
     cluster.kubectl(
         "delete", f"pdis/{name}", "-n", namespace, "--wait=true", "--timeout=60s"
     )  # the operator's finalizer runs first: slow under load
     assert cluster.get("PDInferenceService", namespace, name) is None
+
+
+def disaggregated_scenario(cluster: Cluster, namespace: str, name: str) -> None:
+    """spec.workload DisaggregatedSet and back: the set replaces the prefill Deployment and the
+    decode StatefulSet (the router stays), is repaired when edited, follows `kubectl scale` of the
+    decode adapter, its roles' status reaches the service, and a switch back removes it."""
+    pdis, ds_kind = KINDS["PDInferenceService"], KINDS["DisaggregatedSet"]
+    router_uid = cluster.get("Deployment", namespace, workload_name(name, "router"))["metadata"]["uid"]
+    switch = {
+        "autoscaling": None,
+        "workload": "DisaggregatedSet",
+        "decode": {"replicas": 1},
+        "prefill": {"replicas": 1},
+    }
+    cluster.kube.merge_patch(pdis, namespace, name, {"spec": switch})
+    wait_for(lambda: cluster.kube.get(ds_kind, namespace, name), what="the DisaggregatedSet")
+    for kind, role in (("Deployment", "prefill"), ("StatefulSet", "decode")):
+        wait_for(lambda k=kind, r=role: cluster.get(k, namespace, workload_name(name, r)) is None, what=f"{kind} gone")
+    assert cluster.get("Deployment", namespace, workload_name(name, "router"))["metadata"]["uid"] == router_uid
+    cluster.kube.merge_patch(ds_kind, namespace, name, {"metadata": {"labels": {LABEL_NAME: "edited"}}})
+    wait_for(
+        lambda: cluster.kube.get(ds_kind, namespace, name)["metadata"]["labels"][LABEL_NAME] == APP, what="repaired"
+    )
+    cluster.kubectl("scale", f"pdsa/{adapter_name(name, 'decode')}", "--replicas=3", "-n", namespace)
+
+    def decode_role() -> dict[str, Any]:
+        return next(r for r in cluster.kube.get(ds_kind, namespace, name)["spec"]["roles"] if r["name"] == "decode")
+
+    wait_for(lambda: decode_role()["spec"]["replicas"] == 3, what="the decode role scaled")
+    counts = [
+        {"name": "prefill", "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1},
+        {"name": "decode", "replicas": 3, "readyReplicas": 3, "updatedReplicas": 3},
+    ]
+    cluster.kube.merge_patch(ds_kind, namespace, name, {"status": {"roleStatuses": counts}}, "status")
+    wait_for(lambda: status(cluster, namespace, name)["decode"]["ready"] == 3, what="the status follows")
+    cluster.kube.merge_patch(pdis, namespace, name, {"spec": {"workload": "Deployments"}})
+    wait_for(lambda: cluster.kube.get(ds_kind, namespace, name) is None, what="the DisaggregatedSet removed")
 
 
 def adapter_scenario(cluster: Cluster, namespace: str, name: str) -> None:
@@ -222,6 +294,10 @@ MODES = {
     "cluster-wide": lambda ns: [],
     # One namespace (Role there, a thin ClusterRole), with the NetworkPolicy turned off.
     "one-namespace": lambda ns: ["--set", f"watchNamespaces={{{ns}}}", "--set", "networkPolicy.enabled=false"],
+    # All namespaces, with the gateway's kinds granted (and used: the sample asks for them).
+    "gateway": lambda ns: ["--set", "inferencePool.enabled=true"],
+    # All namespaces, with the DisaggregatedSet granted (and used: the scenario switches to it and back).
+    "disaggregated": lambda ns: ["--set", "disaggregatedSet.enabled=true"],
 }
 
 
@@ -231,6 +307,10 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
 ) -> None:
     objects = chart_tools.render(*MODES[mode](namespace))
     apply_chart(cluster, objects)
+    if mode == "gateway":
+        install_crds(cluster, GATEWAY_KINDS)
+    if mode == "disaggregated":
+        install_crds(cluster, (("disaggregatedset.x-k8s.io/v1", "DisaggregatedSet"),))
     deployment = chart_tools.by_kind(objects, "Deployment")[0]
     account = chart_tools.by_kind(objects, "ServiceAccount")[0]["metadata"]
     assert (account["namespace"], account["name"]) == (ACCOUNT.namespace, ACCOUNT.name)
@@ -241,13 +321,13 @@ def test_chart_installs_runs_the_operator_and_grants_exactly_what_it_uses(
     )
     handle = ChartOperator(as_operator, namespace, deployment=deployment)
     network_policy = handle.config().network_policy
-    assert network_policy == (mode == "cluster-wide")
+    assert network_policy == (mode != "one-namespace")
     mark = audit_mark(cluster)
     handle.start()
     try:
         # The chart's liveness probe path is what the operator serves (kopf starts it just after ready).
         wait_for(lambda: probe(f"http://127.0.0.1:{handle.health_port}/healthz") == 200, what="liveness endpoint")
-        run_scenario(cluster, namespace, tmp_path, network_policy, handle.broker)
+        run_scenario(cluster, namespace, tmp_path, network_policy, handle.broker, mode)
     finally:
         handle.stop()
     requests = operator_requests(cluster, mark)

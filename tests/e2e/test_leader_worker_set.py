@@ -4,8 +4,8 @@ API; once it has it, one LeaderWorkerSet whose replicas are groups, whose pods f
 and their group's members from the environment the operator renders; `kubectl scale` moves
 groups; a switch back to a StatefulSet removes the LeaderWorkerSet.
 
-The LWS CRD here is a transcription, not the upstream file (tests/support/leaderworkerset.py
-says why and what it checks)."""
+The LWS CRD here is the upstream file as it ships (kubernetes-sigs/lws@060ab4da,
+config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml; tests/support/leaderworkerset.py)."""
 
 from __future__ import annotations
 

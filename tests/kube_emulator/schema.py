@@ -107,6 +107,59 @@ def _skip_prune(x: Any, s: Schema) -> Any:
     return x
 
 
+def unknown_fields(x: Any, s: Schema | None) -> list[str]:
+    """The unknown fields of a strict decode: those of the root's metadata, then the paths
+    `PruneWithOptions` (pruning/algorithm.go) records with TrackUnknownFieldPaths on, sorted (root
+    apiVersion/kind never count), as `spec.a`, `spec.list[0].b` (`schema/options.go`)."""
+    found: list[str] = []
+    _unknown(x, {**(s or {}), "x-kubernetes-embedded-resource": True}, "", found)
+    # The root's metadata first, as `unstructuredSchemaCoercer.apply` appends them: objectmeta/
+    # coerce.go GetObjectMetaWithOptions (UnmarshalStrict into ObjectMeta), its own keys only here.
+    meta = x.get("metadata") if isinstance(x, dict) else None
+    in_meta = [f"metadata.{k}" for k in meta if k not in OBJECT_META_FIELDS] if isinstance(meta, dict) else []
+    return in_meta + sorted(found)
+
+
+# metav1.ObjectMeta's JSON fields (k8s.io/apimachinery pkg/apis/meta/v1/types.go).
+OBJECT_META_FIELDS = frozenset(
+    (
+        "name generateName namespace selfLink uid resourceVersion generation creationTimestamp deletionTimestamp "
+        "deletionGracePeriodSeconds labels annotations ownerReferences finalizers managedFields"
+    ).split()
+)
+
+
+def _join(parent: str, key: str) -> str:
+    return f"{parent}.{key}" if parent else key
+
+
+def _unknown(x: Any, s: Schema | None, parent: str, found: list[str], skip: bool = False) -> None:
+    """`prune` (skip=False) and `skipPrune` (skip=True, below x-kubernetes-preserve-unknown-fields)."""
+    if s is not None and s.get("x-kubernetes-preserve-unknown-fields") is True:
+        skip = True
+    if skip and s is None:
+        return
+    if isinstance(x, dict):
+        if s is None:
+            found.extend(_join(parent, k) for k in x)
+            return
+        embedded = s.get("x-kubernetes-embedded-resource") is True
+        props, extra = s.get("properties") or {}, _extra(s)
+        for k, v in x.items():
+            if embedded and k in _META:
+                continue
+            if k in props:
+                _unknown(v, props[k], _join(parent, k), found)
+            elif extra is not None:
+                _unknown(v, extra if isinstance(extra, dict) else None, _join(parent, k), found)
+            elif not skip and (k not in _META or parent):
+                found.append(_join(parent, k))
+    elif isinstance(x, list):
+        items = s.get("items") if s is not None and isinstance(s.get("items"), dict) else None
+        for i, v in enumerate(x):
+            _unknown(v, items, f"{parent}[{i}]", found, skip)
+
+
 # ---------------------------------------------------------------- nulls and defaults
 
 

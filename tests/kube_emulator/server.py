@@ -20,6 +20,8 @@ everything else from its own store with the API server's semantics:
   validation (crd_validation.py, ported from apiextensions-apiserver) that register their resource
   at once; custom resources pruned, defaulted and validated in the API server's order, CEL rules
   with oldSelf and ratcheting included (schema.py), 422s worded as the API server words them;
+- `?fieldValidation=Strict|Warn|Ignore` on custom-resource writes: the fields pruning drops are
+  refused (400 strict decoding error) or sent back as Warning headers (Warn, the default);
 - discovery in the legacy form (kubectl falls back from aggregated discovery), and server-side
   Tables with a CRD's printer columns for `kubectl get`;
 - field ownership of Update operations (`metadata.managedFields`, managed_fields.py).
@@ -147,6 +149,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
     watchers: set[Any] = attrs.field(factory=set)
     server_url: str = ""
     audit_log: list[AuditEntry] = attrs.field(factory=list)
+    warnings: list[str] = attrs.field(factory=list)  # Warning headers of the request being served
 
     def __attrs_post_init__(self) -> None:
         # Deliberately not calling KubernetesScaffold's: its fallback reactions (a catch-all 404
@@ -203,10 +206,14 @@ class KubeEmulator(kmock.KubernetesScaffold):
                 return await super()._handle(request)
             except NotImplementedError:
                 pass
+        self.warnings = []
         try:
-            return await self._serve(request)
+            response = await self._serve(request)
         except ApiError as exc:
-            return aiohttp.web.json_response(exc.status(), status=exc.code)
+            response = aiohttp.web.json_response(exc.status(), status=exc.code)
+        for text in self.warnings:  # k8s.io/apiserver pkg/warning: `299 - "text"`, one header each
+            response.headers.add("Warning", f"299 - {json.dumps(text)}")
+        return response
 
     async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         path = request.url.path.rstrip("/") or "/"
@@ -469,6 +476,26 @@ class KubeEmulator(kmock.KubernetesScaffold):
                 raise _invalid(rtype, name, errors)
         return obj
 
+    def _check_unknown_fields(self, rtype: ResourceType, obj: Obj, params: dict[str, str]) -> None:
+        """Server-side field validation of a custom resource's body (k8s.io/apiserver at 24a394e5,
+        `endpoints/handlers/rest.go` `fieldValidation`: Warn when unset; create.go/update.go/patch.go:
+        a strict decoding error is a 400 under Strict, Warning headers under Warn, nothing under
+        Ignore). The unknown fields are those pruning drops (apiextensions-apiserver at 1aa2717a,
+        `customresource_handler.go` `schemaCoercingDecoder.Decode`: `unknown field "spec.x"`)."""
+        directive = params.get("fieldValidation") or "Warn"
+        if directive not in ("Ignore", "Warn", "Strict"):
+            raise ApiError(
+                422,
+                "Invalid",
+                f'fieldValidation: Unsupported value: "{directive}": supported values: "Ignore", "Strict", "Warn"',
+            )
+        if directive == "Ignore" or not rtype.custom or rtype.schema is None:
+            return
+        unknown = [f'unknown field "{path}"' for path in schema.unknown_fields(obj, rtype.schema)]
+        if unknown and directive == "Strict":
+            raise ApiError(400, "BadRequest", "strict decoding error: " + ", ".join(unknown))
+        self.warnings.extend(unknown)
+
     def _register_crd(self, crd: Obj) -> None:
         for rtype in resources.from_crd(crd):
             self.types[(rtype.group, rtype.version, rtype.plural)] = rtype
@@ -555,6 +582,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
             obj.pop("status", None)
         if rtype.plural == "services" and obj.get("spec", {}).get("clusterIP") != "None":
             obj.setdefault("spec", {})["clusterIP"] = f"10.96.{random.randint(0, 255)}.{random.randint(1, 254)}"
+        self._check_unknown_fields(rtype, obj, params)
         obj = self._with_identity(rtype, self._admit(rtype, self._with_identity(rtype, obj)))
         if params.get("dryRun") == "All":
             obj["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
@@ -673,6 +701,7 @@ class KubeEmulator(kmock.KubernetesScaffold):
             added = set(cmeta.get("finalizers") or []) - set(meta_old.get("finalizers") or [])
             if added:
                 raise ApiError(422, "Invalid", "no new finalizers can be added if the object is being deleted")
+        self._check_unknown_fields(rtype, candidate, params)
         candidate = self._with_identity(
             rtype, self._admit(rtype, self._with_identity(rtype, candidate), old if meta_old.get("uid") else None, sub)
         )

@@ -1,14 +1,10 @@
-"""LeaderWorkerSet for tests: a CRD for the API emulator, and what LWS and the kubelet make of a
-rendered LeaderWorkerSet's pods (names, labels, environment).
+"""LeaderWorkerSet for tests: its upstream CRD for the API emulator, and what LWS and the kubelet
+make of a rendered LeaderWorkerSet's pods (names, labels, environment).
 
-The CRD is a TRANSCRIPTION, not the upstream file: the upstream CRD
-(sigs.k8s.io/lws config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml) could not be
-fetched on this machine (no network beyond package registries, and no package ships it). It
-types the fields of `LeaderWorkerSetSpec` (api/leaderworkerset/v1/leaderworkerset_types.go) that
-pdserve writes, with their enums, minimums and defaults as that file declares them in its
-kubebuilder markers, and keeps the pod templates open (upstream embeds the full PodTemplateSpec
-schema). So it catches a misspelt field, a wrong enum value or size 0, not a bad pod template;
-docs/gang-scheduling.md says the same.
+`CRD` is the upstream file, unchanged: kubernetes-sigs/lws at 060ab4da (v0.10.0-11),
+config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml (support/upstream_crds.py, the
+copy in tests/upstream_crds/). It types the full pod templates; what LWS's validating webhook
+refuses (a size below 1, for one) is not in it and so not checked here.
 """
 
 from __future__ import annotations
@@ -17,101 +13,15 @@ import base64
 import re
 from typing import Any
 
+from support import upstream_crds
+
 GROUP = "leaderworkerset.x-k8s.io"
 GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 
-_OPEN: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-_INT_OR_STRING: dict[str, Any] = {
-    "x-kubernetes-int-or-string": True,
-    "anyOf": [{"type": "integer"}, {"type": "string"}],
-}
-
-_SPEC: dict[str, Any] = {
-    "type": "object",
-    "required": ["leaderWorkerTemplate"],
-    "properties": {
-        "replicas": {"type": "integer", "format": "int32", "default": 1},
-        "leaderWorkerTemplate": {
-            "type": "object",
-            "required": ["workerTemplate"],
-            "properties": {
-                "leaderTemplate": _OPEN,
-                "workerTemplate": _OPEN,
-                "size": {"type": "integer", "format": "int32", "default": 1, "minimum": 1},
-                "restartPolicy": {
-                    "type": "string",
-                    "default": "RecreateGroupOnPodRestart",
-                    "enum": ["RecreateGroupOnPodRestart", "Default", "None"],
-                },
-                "subGroupPolicy": {
-                    "type": "object",
-                    "properties": {"subGroupSize": {"type": "integer", "format": "int32", "minimum": 1}},
-                },
-            },
-        },
-        "rolloutStrategy": {
-            "type": "object",
-            "properties": {
-                "type": {"type": "string", "default": "RollingUpdate", "enum": ["RollingUpdate"]},
-                "rollingUpdateConfiguration": {
-                    "type": "object",
-                    "properties": {"maxUnavailable": _INT_OR_STRING, "maxSurge": _INT_OR_STRING},
-                },
-            },
-        },
-        "startupPolicy": {"type": "string", "default": "LeaderCreated", "enum": ["LeaderCreated", "LeaderReady"]},
-        "networkConfig": {
-            "type": "object",
-            "properties": {"subdomainPolicy": {"type": "string", "enum": ["Shared", "UniquePerReplica"]}},
-        },
-    },
-}
-
-_STATUS: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "replicas": {"type": "integer", "format": "int32"},
-        "readyReplicas": {"type": "integer", "format": "int32"},
-        "updatedReplicas": {"type": "integer", "format": "int32"},
-        "hpaPodSelector": {"type": "string"},
-        "conditions": {"type": "array", "items": _OPEN},
-    },
-}
-
-CRD: dict[str, Any] = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": f"leaderworkersets.{GROUP}"},
-    "spec": {
-        "group": GROUP,
-        "scope": "Namespaced",
-        "names": {
-            "kind": "LeaderWorkerSet",
-            "listKind": "LeaderWorkerSetList",
-            "plural": "leaderworkersets",
-            "singular": "leaderworkerset",
-            "shortNames": ["lws"],
-        },
-        "versions": [
-            {
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": {"type": "object", "properties": {"spec": _SPEC, "status": _STATUS}}},
-                "subresources": {
-                    "status": {},
-                    "scale": {
-                        "specReplicasPath": ".spec.replicas",
-                        "statusReplicasPath": ".status.replicas",
-                        "labelSelectorPath": ".status.hpaPodSelector",
-                    },
-                },
-            }
-        ],
-    },
-}
+API_VERSION = f"{GROUP}/v1"
+CRD: dict[str, Any] = upstream_crds.crd(API_VERSION, "LeaderWorkerSet")
 
 
 def pod_names(lws: str, group: int, size: int) -> list[str]:

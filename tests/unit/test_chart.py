@@ -291,16 +291,28 @@ def test_inference_pool_grant_only_when_asked() -> None:
 
     def pool_rules(*args: str) -> list[dict[str, Any]]:
         [role] = by_kind(render(*args), "ClusterRole")
-        return [r for r in role["rules"] if "inferencepools" in r["resources"]]
+        return [r for r in role["rules"] if {"inferencepools", "inferenceobjectives"} & set(r["resources"])]
 
+    def objective_env(*args: str) -> str:
+        [deployment] = by_kind(render(*args), "Deployment")
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        return next(e["value"] for e in env if e["name"] == "PDSERVE_OPERATOR_OBJECTIVE_API_VERSION")
+
+    pool = {
+        "apiGroups": ["inference.networking.k8s.io"],
+        "resources": ["inferencepools"],
+        "verbs": ["get", "create", "patch"],
+    }
     assert pool_rules() == []
-    assert pool_rules("--set", "inferencePool.enabled=true") == [
-        {
-            "apiGroups": ["inference.networking.k8s.io"],
-            "resources": ["inferencepools"],
-            "verbs": ["get", "create", "patch"],
-        }
-    ]
+    # InferenceObjectives in the group the chart names (and only that one), the operator told the same.
+    for api_version in ("llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2"):
+        args = ("--set", "inferencePool.enabled=true", "--set", f"inferencePool.objectiveApiVersion={api_version}")
+        objectives = {"apiGroups": [api_version.split("/")[0]], "resources": ["inferenceobjectives"]}
+        assert pool_rules(*args) == [pool, {**objectives, "verbs": ["get", "create", "patch"]}]
+        assert objective_env(*args) == api_version
+    assert objective_env() == "llm-d.ai/v1alpha2"
+    with pytest.raises(Exception, match="objectiveApiVersion"):  # the values schema names the two
+        render("--set", "inferencePool.objectiveApiVersion=inference.networking.k8s.io/v1")
 
 
 def test_leader_worker_set_grant_only_when_asked() -> None:
@@ -327,6 +339,25 @@ def test_leader_worker_set_grant_only_when_asked() -> None:
         },
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets/scale"], "verbs": ["patch"]},
         {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["delete"]},
+    ]
+
+
+def test_disaggregated_set_grant_only_when_asked() -> None:
+    """spec.workload DisaggregatedSet only where the chart grants it: the set itself, and removing
+    the prefill Deployment and decode StatefulSet it replaces (and it, on a switch back)."""
+
+    def ds_rules(*args: str) -> list[dict[str, Any]]:
+        [role] = by_kind(render(*args), "ClusterRole")
+        return [r for r in role["rules"] if "disaggregatedset.x-k8s.io" in r["apiGroups"] or r["verbs"] == ["delete"]]
+
+    assert ds_rules() == []
+    assert ds_rules("--set", "disaggregatedSet.enabled=true") == [
+        {
+            "apiGroups": ["disaggregatedset.x-k8s.io"],
+            "resources": ["disaggregatedsets"],
+            "verbs": ["get", "create", "patch", "delete"],
+        },
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": ["delete"]},
     ]
 
 

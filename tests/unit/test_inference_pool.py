@@ -13,9 +13,9 @@ from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 from pdserve_common import pod_env as E
 from pdserve_operator import spec as s
-from pdserve_operator.kube import PDIS, KubeError
+from pdserve_operator.kube import PDIS, KubeError, kind_of
 from pdserve_operator.reconcile.children import render
-from pdserve_operator.reconcile.children.meta import Owner
+from pdserve_operator.reconcile.children.meta import Defaults, Owner
 
 NS = "team"
 POOL = {"router": {"endpointPickerPort": 9002, "inferencePool": {"enabled": True}}}
@@ -73,3 +73,48 @@ def test_a_cluster_without_the_api_or_the_grant_serves_on_degraded_and_says_why(
     degraded = next(c for c in status_now["conditions"] if c["type"] == "Degraded")
     assert status_now["phase"] == "Degraded" and degraded["status"] == "True"
     assert "InferencePool/chat" in degraded["message"] and says in degraded["message"], degraded
+
+
+OBJECTIVES = {
+    "router": {
+        "endpointPickerPort": 9002,
+        "inferencePool": {"enabled": True, "objectives": [{"name": "chat", "priority": 5}, {"name": "batch"}]},
+    }
+}
+
+
+def test_objectives_name_the_pool_in_the_group_the_operator_is_set_to() -> None:
+    kids = rendered(OBJECTIVES)
+    objective = kids[("InferenceObjective", "chat-chat")]
+    assert objective["apiVersion"] == "llm-d.ai/v1alpha2"  # the default: llm-d-router's group
+    assert objective["spec"] == {
+        "poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "chat"},
+        "priority": 5,
+    }
+    assert kids[("InferenceObjective", "chat-batch")]["spec"]["priority"] == 0
+    assert kids[("InferencePool", "chat")]["metadata"]["name"] == objective["spec"]["poolRef"]["name"]
+    older = Defaults(image="i", broker_address="b:1", objective_api_version="inference.networking.x-k8s.io/v1alpha2")
+    owner = Owner("chat", NS, "u-1")
+    again = [o for o in render(owner, s.parse_spec(OBJECTIVES), "t", older) if o["kind"] == "InferenceObjective"]
+    assert {o["apiVersion"] for o in again} == {"inference.networking.x-k8s.io/v1alpha2"}
+    assert (
+        kind_of(again[0]).path(NS)
+        == f"/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{NS}/inferenceobjectives"
+    )
+    with pytest.raises(s.ValidationError, match="objectives: each name once"):
+        s.parse_spec(
+            {"router": {**POOL["router"], "inferencePool": {"enabled": True, "objectives": [{"name": "a"}] * 2}}}
+        )
+    with pytest.raises(s.ValidationError, match="objectives need enabled"):
+        s.parse_spec({"router": {"endpointPickerPort": 9002, "inferencePool": {"objectives": [{"name": "a"}]}}})
+
+
+def test_a_cluster_without_the_objective_api_serves_on_degraded_and_names_the_chart_value() -> None:
+    kube = fake_kube()
+    kube.inner.create(service("chat", NS, OBJECTIVES))
+    kube.on("create", "InferenceObjective", error=KubeError(404, "x", "not found", "POST", "/apis/..."), times=-1)
+    out = reconcile(reconciler(kube), NS, "chat")
+    assert out is not None and "InferencePool/chat" in out.created
+    degraded = next(c for c in kube.inner.get(PDIS, NS, "chat")["status"]["conditions"] if c["type"] == "Degraded")
+    assert "InferenceObjective/chat-chat" in degraded["message"] and "llm-d.ai/v1alpha2" in degraded["message"]
+    assert "inferencePool.objectiveApiVersion" in degraded["message"], degraded

@@ -107,6 +107,9 @@ records them against the API emulator and checks both directions). */}}
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, create, patch]
+- apiGroups: [{{ splitList "/" .Values.inferencePool.objectiveApiVersion | first }}]
+  resources: [inferenceobjectives]
+  verbs: [get, create, patch]
 {{- end }}
 {{- if .Values.leaderWorkerSet.enabled }}
 # spec.decode.groupScheduling leaderWorkerSet: decode groups as LeaderWorkerSets (scaled through
@@ -120,6 +123,16 @@ records them against the API emulator and checks both directions). */}}
   verbs: [patch]
 - apiGroups: [apps]
   resources: [statefulsets]
+  verbs: [delete]
+{{- end }}
+{{- if .Values.disaggregatedSet.enabled }}
+# spec.workload DisaggregatedSet: prefill and decode as one DisaggregatedSet (sigs.k8s.io/lws); a
+# switch to it removes the prefill Deployment and the decode StatefulSet, a switch back removes it.
+- apiGroups: [disaggregatedset.x-k8s.io]
+  resources: [disaggregatedsets]
+  verbs: [get, create, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments, statefulsets]
   verbs: [delete]
 {{- end }}
 {{- if and .Values.peering.enabled .Values.watchNamespaces }}

@@ -29,11 +29,12 @@ from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.autoscale.autoscaler import Autoscaler
 from pdserve_operator.broker.view import BrokerView
-from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
+from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError, kind_of
 from pdserve_operator.metrics import OperatorMetrics
 from pdserve_operator.reconcile import decode_groups as dg
 from pdserve_operator.reconcile import drift
 from pdserve_operator.reconcile import status as st
+from pdserve_operator.reconcile import workload_kinds as wk
 from pdserve_operator.reconcile.children import render
 from pdserve_operator.reconcile.children.autoscaling import hpa_roles
 from pdserve_operator.reconcile.children.meta import (
@@ -42,7 +43,6 @@ from pdserve_operator.reconcile.children.meta import (
     hpa_name,
     secret_name,
     selector_string,
-    workload_name,
 )
 from pdserve_operator.reconcile.children.secret import token_of
 from pdserve_operator.reconcile.children.workloads import autoscaled_workloads
@@ -282,7 +282,7 @@ class Reconciler:
         replicas_released: bool = False,
     ) -> Live:
         """One child; `read` holds it when it was read already (None inside: it did not exist)."""
-        kind, namespace, name = KINDS[want["kind"]], svc.owner.namespace, want["metadata"]["name"]
+        kind, namespace, name = kind_of(want), svc.owner.namespace, want["metadata"]["name"]
         label = f"{kind.kind}/{name}"
         current = read[0] if read is not None else await asyncio.to_thread(self.kube.get, kind, namespace, name)
         if current is None:
@@ -330,22 +330,18 @@ class Reconciler:
     async def _remove_replaced_decode(
         self, svc: _Service, spec: s.PDInferenceServiceSpec, live: dict[tuple[str, str], Live]
     ) -> None:
-        """After spec.decode.groupScheduling changed, the decode workload of the kind the status
-        last recorded goes, once the one the spec asks for exists (never leave the service with
-        no decode). Its pods stop as any decode pod does (preStop drain: their requests migrate
-        or finish). Only a recorded kind is looked for: no read of an API the cluster may lack."""
-        decode = dg.of(svc.owner.name, spec)
+        """After spec.workload or decode.groupScheduling changed, what ran the roles before goes
+        once what the spec asks for exists (workload_kinds.py says what and why). Only ours."""
         was = svc.prev.decode.workload_kind if svc.prev is not None else None
-        if was is None or was == decode.kind or decode.key not in live:
-            return
-        kind = KINDS[was]
-        current = await asyncio.to_thread(self.kube.get, kind, svc.owner.namespace, decode.name)
-        if not _ours(svc, current):
-            return
-        await asyncio.to_thread(self.kube.delete, kind, svc.owner.namespace, decode.name)
-        log.info(kv(event="decode_workload_replaced", service=svc.owner.key, removed=f"{was}/{decode.name}"))
-        message = f"{was}/{decode.name} removed: the decode groups run as a {decode.kind} now"
-        await self._event(svc, ev.NORMAL, "DecodeWorkloadReplaced", message)
+        for kind_name, name in wk.replaced(svc.owner.name, spec, was, live):
+            current = await asyncio.to_thread(self.kube.get, KINDS[kind_name], svc.owner.namespace, name)
+            if not _ours(svc, current):
+                continue
+            await asyncio.to_thread(self.kube.delete, KINDS[kind_name], svc.owner.namespace, name)
+            log.info(kv(event="workload_replaced", service=svc.owner.key, removed=f"{kind_name}/{name}"))
+            what = "prefill pods" if kind_name == "Deployment" else "decode groups"
+            message = f"{kind_name}/{name} removed: the {what} run as a {wk.running_kind(spec)} now"
+            await self._event(svc, ev.NORMAL, "DecodeWorkloadReplaced", message)
 
     async def _observe(
         self,
@@ -359,14 +355,14 @@ class Reconciler:
         name, key = svc.owner.name, svc.owner.key
         decode_pods = None
         decode = dg.of(name, spec)
-        if decode.shards > 1:  # complete groups need every member pod ready
+        if decode.shards > 1 and spec.workload != "DisaggregatedSet":  # complete groups need every member ready
             selector = selector_string(name, "decode")
             pods = await asyncio.to_thread(self.kube.list, KINDS["Pod"], svc.owner.namespace, selector)
             decode_pods = tuple(_pod_readiness(decode, p) for p in pods if decode.runs(p))
         return st.Observed(
-            prefill=live.get(("Deployment", workload_name(name, "prefill"))),
-            decode=live.get(decode.key),
-            router=live.get(("Deployment", workload_name(name, "router"))),
+            prefill=wk.role_live(name, spec, live, "prefill"),
+            decode=wk.role_live(name, spec, live, "decode"),
+            router=wk.role_live(name, spec, live, "router"),
             decode_pods=decode_pods,
             registered=self.broker.registered_counts(key),
             slots_used=self.broker.slots_in_use(key),
@@ -424,8 +420,17 @@ OPTIONAL_KINDS = {
     "InferencePool": "the Gateway API Inference Extension's CRDs (InferencePool, inference.networking.k8s.io/v1)",
     "LeaderWorkerSet": "LeaderWorkerSet (sigs.k8s.io/lws, leaderworkerset.x-k8s.io/v1), "
     "or set spec.decode.groupScheduling: statefulSet",
+    "DisaggregatedSet": "DisaggregatedSet (sigs.k8s.io/lws v0.10 or later, disaggregatedset.x-k8s.io/v1), "
+    "or set spec.workload: Deployments",
+    "InferenceObjective": "its CRD (llm-d.ai/v1alpha2 from llm-d-router; an install of the Inference Extension up to "
+    "v1.5 has inference.networking.x-k8s.io/v1alpha2: set the chart value inferencePool.objectiveApiVersion)",
 }
-GRANTS = {"InferencePool": "inferencePool.enabled=true", "LeaderWorkerSet": "leaderWorkerSet.enabled=true"}
+GRANTS = {
+    "InferencePool": "inferencePool.enabled=true",
+    "LeaderWorkerSet": "leaderWorkerSet.enabled=true",
+    "InferenceObjective": "inferencePool.enabled=true",
+    "DisaggregatedSet": "disaggregatedSet.enabled=true",
+}
 
 
 def _unavailable(want: Live, exc: KubeError) -> str:

@@ -26,8 +26,9 @@ from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, KubeError
 from pdserve_operator.reconcile import decode_groups as dg
 from pdserve_operator.reconcile import drift
+from pdserve_operator.reconcile import workload_kinds as wk
 from pdserve_operator.reconcile.children.autoscaling import scaling_adapter
-from pdserve_operator.reconcile.children.meta import Owner, adapter_name, selector_string, workload_name
+from pdserve_operator.reconcile.children.meta import Owner, adapter_name, selector_string
 from pdserve_operator.spec.scaling_adapter import ADAPTER_KIND, ADAPTER_ROLES
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,9 @@ def role_replicas(spec: s.PDInferenceServiceSpec, role: str) -> int:
 
 def current_replicas(spec: s.PDInferenceServiceSpec, role: str, live: Mapping[tuple[str, str], Live], name: str) -> int:
     """The role's count now, from its workload's status (decode: whole groups)."""
-    if role == "prefill":
-        workload = live.get(("Deployment", workload_name(name, role))) or {}
-        return int((workload.get("status") or {}).get("replicas") or 0)
-    decode = dg.of(name, spec)
-    return decode.groups(int(((live.get(decode.key) or {}).get("status") or {}).get("replicas") or 0))
+    workload = wk.role_live(name, spec, live, role) or {}
+    replicas = int((workload.get("status") or {}).get("replicas") or 0)
+    return replicas if role == "prefill" else dg.of(name, spec).groups(replicas)
 
 
 def status_of(adapter: Live, replicas: int, selector: str) -> dict[str, Any]:

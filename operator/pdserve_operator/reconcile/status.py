@@ -18,6 +18,7 @@ from typing import Any
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
 from pdserve_operator.reconcile import decode_groups as dg
+from pdserve_operator.reconcile import workload_kinds as wk
 from pdserve_operator.reconcile.children.env import kv_tokens_per_group
 from pdserve_operator.reconcile.children.meta import Owner, endpoint, selector_string
 
@@ -183,7 +184,7 @@ def compute(
             **role_status["decode"],
             replicas=decode.groups(workloads["decode"].replicas),
             selector=selector_string(owner.name, "decode"),
-            workload_kind=decode.kind if observed.decode is not None else _prev_kind(prev),
+            workload_kind=wk.running_kind(spec) if observed.decode is not None else _prev_kind(prev),
         ),
         router=s.RoleStatus(**role_status["router"]),
         slots=s.SlotStatus(used=used, total=total, summary=_summary(used, total)),

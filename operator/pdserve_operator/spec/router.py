@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from pdserve_common import pod_env as E
-from pdserve_operator.spec.base import DNS_SUBDOMAIN, Model, Rule
+from pdserve_operator.spec.base import DNS_LABEL, DNS_SUBDOMAIN, Model, Rule
 from pdserve_operator.spec.pods import PodOverrides
 
 
@@ -70,6 +70,22 @@ class RouterAdmissionSpec(Model):
 POD_PORTS = frozenset({E.HTTP_PORT, E.GRPC_PORT, E.TRANSFER_PORT, E.ADMIN_PORT})
 
 
+class InferenceObjectiveSpec(Model):
+    """One InferenceObjective of the pool: a class of requests with its priority (docs/gateway.md)."""
+
+    name: str = Field(
+        max_length=63,
+        pattern=DNS_LABEL,
+        description="The objective is named SERVICE-NAME; requests name it in the x-gateway-inference-objective header.",
+    )
+    priority: int = Field(
+        0,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="Higher is served first when the gateway's flow control must queue; negative allowed.",
+    )
+
+
 class InferencePoolSpec(Model):
     """An InferencePool (Gateway API Inference Extension, inference.networking.k8s.io/v1) of the routers."""
 
@@ -82,6 +98,27 @@ class InferencePoolSpec(Model):
         "FailOpen",
         description="What the gateway does when the picker does not answer: FailOpen sends the request to any "
         "router of the pool (each serves it fully; only prefix affinity is lost), FailClose answers 5xx.",
+    )
+    objectives: list[InferenceObjectiveSpec] = Field(
+        default_factory=list,
+        max_length=16,
+        description="InferenceObjectives of the pool, each named SERVICE-NAME (group from the operator's chart "
+        "value inferencePool.objectiveApiVersion: llm-d.ai/v1alpha2, or inference.networking.x-k8s.io/v1alpha2).",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.objectives) || self.objectives.all(a, self.objectives.exists_one(b, b.name == a.name))",
+            message="objectives: each name once",
+            holds=lambda p: len({o.name for o in p.objectives}) == len(p.objectives),
+            field="objectives",
+        ),
+        Rule(
+            cel="!has(self.objectives) || size(self.objectives) == 0 || self.enabled",
+            message="objectives need enabled: an InferenceObjective names the pool",
+            holds=lambda p: not p.objectives or p.enabled,
+            field="objectives",
+        ),
     )
 
 

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from pdserve_operator.spec.autoscaling import PLANNER_MODELS, AutoscalingSpec, RoleAutoscaling, planner_drives
 from pdserve_operator.spec.base import Model, Rule
+from pdserve_operator.spec.disaggregated import WORKLOAD_RULES, DisaggregatedSetSpec, Workload
 from pdserve_operator.spec.model import DeviceSpec, ModelSpec
 from pdserve_operator.spec.observability import ObservabilitySpec
 from pdserve_operator.spec.roles import DecodeSpec, PrefillSpec
@@ -65,6 +66,15 @@ class PDInferenceServiceSpec(Model):
     )
     observability: ObservabilitySpec = Field(
         default_factory=ObservabilitySpec, description="Tracing (the metrics are always on)."
+    )
+    workload: Workload = Field(
+        "Deployments",
+        description="What runs prefill and decode: Deployments (a decode StatefulSet, or a LeaderWorkerSet with "
+        "decode.groupScheduling leaderWorkerSet), LeaderWorkerSet (decode groups as one), or DisaggregatedSet "
+        "(both roles in one, sigs.k8s.io/lws; docs/gang-scheduling.md).",
+    )
+    disaggregated_set: DisaggregatedSetSpec = Field(
+        default_factory=DisaggregatedSetSpec, description="Slices and placement of workload DisaggregatedSet."
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (
@@ -119,7 +129,8 @@ class PDInferenceServiceSpec(Model):
         ),
         Rule(
             cel="!has(self.autoscaling) || !self.autoscaling.decode.enabled || self.autoscaling.decode.driver == 'planner' "
-            "|| self.decode.layerShards == 1 || self.decode.groupScheduling == 'leaderWorkerSet'",
+            "|| self.decode.layerShards == 1 || self.decode.groupScheduling == 'leaderWorkerSet' "
+            "|| self.workload != 'Deployments'",
             message="with decode.layerShards > 1 only the planner scales decode (an HPA on a StatefulSet counts pods, "
             "not groups; with groupScheduling leaderWorkerSet its replicas are groups and any driver works)",
             holds=lambda s: (
@@ -128,9 +139,11 @@ class PDInferenceServiceSpec(Model):
                 or s.autoscaling.decode.driver == "planner"
                 or s.decode.layer_shards == 1
                 or s.decode.group_scheduling == "leaderWorkerSet"
+                or s.workload != "Deployments"
             ),
             field="autoscaling.decode.driver",
         ),
+        *WORKLOAD_RULES,
     )
 
     @model_validator(mode="after")

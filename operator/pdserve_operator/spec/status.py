@@ -39,10 +39,10 @@ class DecodeStatus(RoleStatus):
 
     replicas: int = Field(0, ge=0, description="Decode groups that currently exist (scale subresource status).")
     selector: str = Field("", description="Label selector of the decode pods (scale subresource).")
-    workload_kind: Literal["StatefulSet", "LeaderWorkerSet"] | None = Field(
+    workload_kind: Literal["StatefulSet", "LeaderWorkerSet", "DisaggregatedSet"] | None = Field(
         None,
-        description="The kind of workload running the decode groups (spec.decode.groupScheduling), once it exists: "
-        "after a change of groupScheduling the operator removes the workload of the kind named here.",
+        description="The kind of workload running the decode groups (spec.workload, decode.groupScheduling), once it "
+        "exists: after a change of either the operator removes the workload of the kind named here.",
     )
 
 

@@ -7,10 +7,11 @@ rendered here must be stable for equal inputs and must not contain fields the AP
 (empty strings, false booleans, empty lists): those would read as drift forever.
 
 One module per kind: `secret`, `config_map`, `workloads` (Deployments, the decode StatefulSet
-or LeaderWorkerSet), `services`, `inference_pool`, `autoscaling` (HPAs, PDScalingAdapters) and
-`policy` (NetworkPolicy, PodDisruptionBudgets); `pod` and `env` build the pod template they
-share, `meta` the names, labels and `Owner`/`Defaults`. Decode layer sharding: a decode group
-is `layerShards` pods, each deriving its place from its ordinal (`pod_env.group_member`).
+or LeaderWorkerSet), `disaggregated_set` (both roles in one), `services`, `inference_pool` (and
+its objectives), `autoscaling` (HPAs, PDScalingAdapters) and `policy` (NetworkPolicy,
+PodDisruptionBudgets); `pod` and `env` build the pod template they share, `meta` the names,
+labels and `Owner`/`Defaults`. Decode layer sharding: a decode group is `layerShards` pods,
+each deriving its place from its ordinal (`pod_env.group_member`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,20 @@ from typing import Any
 from pdserve_operator import spec as s
 from pdserve_operator.reconcile.children.autoscaling import horizontal_pod_autoscaler, hpa_roles
 from pdserve_operator.reconcile.children.config_map import config_map
+from pdserve_operator.reconcile.children.disaggregated_set import disaggregated_set
 from pdserve_operator.reconcile.children.inference_pool import gateway_children
 from pdserve_operator.reconcile.children.meta import ROLES, Defaults, Owner
 from pdserve_operator.reconcile.children.policy import disruption_budget, network_policy
 from pdserve_operator.reconcile.children.secret import secret
 from pdserve_operator.reconcile.children.services import headless_service, router_service
 from pdserve_operator.reconcile.children.workloads import decode_workload, deployment
+
+
+def workers(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> list[dict[str, Any]]:
+    """What runs prefill and decode (spec.workload): one DisaggregatedSet, or a Deployment and the decode workload."""
+    if spec.workload == "DisaggregatedSet":
+        return [disaggregated_set(owner, spec, defaults)]
+    return [deployment(owner, "prefill", spec, defaults), decode_workload(owner, spec, defaults)]
 
 
 def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: Defaults) -> list[dict[str, Any]]:
@@ -39,10 +48,9 @@ def render(owner: Owner, spec: s.PDInferenceServiceSpec, token: str, defaults: D
         config_map(owner, spec),
         headless_service(owner),
         router_service(owner, spec),
-        deployment(owner, "prefill", spec, defaults),
-        decode_workload(owner, spec, defaults),
+        *workers(owner, spec, defaults),
         deployment(owner, "router", spec, defaults),
-        *gateway_children(owner, spec),  # after the routers they select
+        *gateway_children(owner, spec, defaults),  # after the routers they select
         *(disruption_budget(owner, role) for role in ROLES),
         *(horizontal_pod_autoscaler(owner, role, spec) for role in hpa_roles(spec)),
     ]

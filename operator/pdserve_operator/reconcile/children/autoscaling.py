@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve_operator import spec as s
+from pdserve_operator.reconcile.children.disaggregated_set import role_scaler_ref
 from pdserve_operator.reconcile.children.meta import Owner, adapter_name, hpa_name, object_meta, quantity, workload_name
 from pdserve_operator.reconcile.children.workloads import decode_kind
 from pdserve_operator.spec import scaling_adapter as sa
@@ -35,12 +36,15 @@ def horizontal_pod_autoscaler(owner: Owner, role: str, spec: s.PDInferenceServic
     r: s.RoleAutoscaling = getattr(a, role)
     assert r.metric is not None
     api, kind = ("apps/v1", "Deployment") if role == "prefill" else decode_kind(spec)
+    target = {"apiVersion": api, "kind": kind, "name": workload_name(owner.name, role)}
+    if spec.workload == "DisaggregatedSet":  # the role's upstream scaler (an External role)
+        target = role_scaler_ref(owner.name, role)
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
         "metadata": object_meta(owner, hpa_name(owner.name, role), role),
         "spec": {
-            "scaleTargetRef": {"apiVersion": api, "kind": kind, "name": workload_name(owner.name, role)},
+            "scaleTargetRef": target,
             "minReplicas": s.effective_min(spec, role),
             "maxReplicas": r.max_replicas,
             "metrics": [_metric_spec(r.metric)],

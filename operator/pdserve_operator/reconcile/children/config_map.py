@@ -19,7 +19,7 @@ CONFIG_DIR = "/etc/pdserve"
 
 
 def service_config(spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
-    """What pods read from the ConfigMap: the spec without replica counts or autoscaling.
+    """What pods read from the ConfigMap: the spec without replica counts, autoscaling, workload.
 
 
     Both are left out so that scaling does not change the config hash and roll every pod of
@@ -29,6 +29,10 @@ def service_config(spec: s.PDInferenceServiceSpec) -> dict[str, Any]:
     for role in ROLES:
         wire.get(role, {}).pop("replicas", None)
     wire.pop("autoscaling", None)  # who scales a role is no pod's business: changing it rolls nothing
+    # Nor what object runs the pods (a switch keeps the router's), nor the gateway's objectives.
+    wire.pop("workload", None)
+    wire.pop("disaggregatedSet", None)
+    wire.get("router", {}).get("inferencePool", {}).pop("objectives", None)
     return wire
 
 

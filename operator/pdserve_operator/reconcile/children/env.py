@@ -11,9 +11,11 @@ from pdserve_operator import spec as s
 from pdserve_operator.reconcile.children.config_map import CONFIG_DIR, CONFIG_KEY
 from pdserve_operator.reconcile.children.meta import (
     LWS_GROUP_INDEX,
+    LWS_NAME,
     LWS_WORKER_INDEX,
     Defaults,
     Owner,
+    decode_in_lws_groups,
     headless_name,
     secret_name,
     tls_server_name,
@@ -21,6 +23,7 @@ from pdserve_operator.reconcile.children.meta import (
 )
 
 MODELS_DIR = "/models"
+LWS_NAME_ENV = "PDSERVE_LWS_NAME"  # only for $(VAR) expansion in the group's peers; the worker ignores it
 
 
 PREFIX_DISK_DIR = "/var/cache/pdserve/prefix"  # the prefill's emptyDir for the prefix cache's disk tier
@@ -148,7 +151,7 @@ def _decode_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, 
         _val(E.LAYER_SHARDS, d.layer_shards),
         _val(E.DECODE_SERVICE, headless_name(owner.name)),
         _val(E.DRAIN_TIMEOUT_SECONDS, d.drain_timeout_seconds),
-        *(_lws_env(owner, spec) if d.group_scheduling == "leaderWorkerSet" else []),
+        *(_lws_env(owner, spec) if decode_in_lws_groups(spec) else []),
     ]
     if d.readiness == "poll":
         env.append(_val(E.POLL_INTERVAL_MICROS, d.poll_interval_micros or 100))
@@ -183,9 +186,13 @@ def _lws_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any
     by the DNS names LWS gives its pods under its headless Service (named like the LWS, shared
     subdomain). The kubelet expands `$(PDSERVE_GROUP_INDEX)`, defined just before."""
     lws = workload_name(owner.name, "decode")
+    named = []
+    if spec.workload == "DisaggregatedSet":  # its LWS names carry slice and revision: read the pod's label
+        named, lws = [_field(LWS_NAME_ENV, f"metadata.labels['{LWS_NAME}']")], f"$({LWS_NAME_ENV})"
     group = f"$({E.GROUP_INDEX})"
     members = [f"{lws}-{group}"] + [f"{lws}-{group}-{m}" for m in range(1, spec.decode.layer_shards)]
     return [
+        *named,
         _field(E.GROUP_INDEX, f"metadata.labels['{LWS_GROUP_INDEX}']"),
         _field(E.SHARD_INDEX, f"metadata.labels['{LWS_WORKER_INDEX}']"),
         _val(E.GROUP_PEERS, ",".join(f"{pod}.{lws}:{E.GRPC_PORT}" for pod in members)),

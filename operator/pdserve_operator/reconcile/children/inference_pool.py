@@ -1,4 +1,5 @@
-"""The InferencePool of the service's routers (Gateway API Inference Extension)."""
+"""The InferencePool of the service's routers (Gateway API Inference Extension) and its
+InferenceObjectives (llm-d-router's group, or the Inference Extension's up to v1.5)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ from typing import Any
 
 from pdserve_common import pod_env as E
 from pdserve_operator import spec as s
-from pdserve_operator.reconcile.children.meta import Owner, epp_service_name, object_meta, selector_labels
+from pdserve_operator.reconcile.children.meta import (
+    Defaults,
+    Owner,
+    epp_service_name,
+    object_meta,
+    selector_labels,
+)
 from pdserve_operator.reconcile.children.services import epp_service
+from pdserve_operator.spec.router import InferenceObjectiveSpec
 
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 
@@ -35,7 +43,29 @@ def inference_pool(owner: Owner, spec: s.PDInferenceServiceSpec) -> dict[str, An
     }
 
 
-def gateway_children(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, Any]]:
+def objective_name(name: str, objective: str) -> str:
+    return f"{name}-{objective}"
+
+
+def inference_objective(owner: Owner, objective: InferenceObjectiveSpec, api_version: str) -> dict[str, Any]:
+    """One InferenceObjective of the pool (both groups ship the same v1alpha2 schema): requests
+    naming it in `x-gateway-inference-objective` get its priority in a gateway's flow control.
+    The pool reference is written in full (group, kind), so the object reads the same stored."""
+    return {
+        "apiVersion": api_version,
+        "kind": "InferenceObjective",
+        "metadata": object_meta(owner, objective_name(owner.name, objective.name), "router"),
+        "spec": {
+            "poolRef": {"group": INFERENCE_POOL_API.split("/")[0], "kind": "InferencePool", "name": owner.name},
+            "priority": objective.priority,
+        },
+    }
+
+
+def gateway_children(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> list[dict[str, Any]]:
     if not spec.router.inference_pool.enabled or spec.router.endpoint_picker_port is None:
         return []
-    return [epp_service(owner, spec.router.endpoint_picker_port), inference_pool(owner, spec)]
+    objectives = [
+        inference_objective(owner, o, defaults.objective_api_version) for o in spec.router.inference_pool.objectives
+    ]
+    return [epp_service(owner, spec.router.endpoint_picker_port), inference_pool(owner, spec), *objectives]

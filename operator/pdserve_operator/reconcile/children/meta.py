@@ -67,6 +67,8 @@ class Defaults:
     # The operator's broker speaks (mutual) TLS: workers must dial it with TLS and present their
     # service's certificate (spec.tls), issued by the same CA as the broker's.
     broker_tls: bool = False
+    # The group of rendered InferenceObjectives: llm-d-router's now, the Inference Extension's up to v1.5.
+    objective_api_version: str = "llm-d.ai/v1alpha2"
 
 
 def secret_name(name: str) -> str:
@@ -157,6 +159,19 @@ LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 
 
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
+
+
+# DisaggregatedSet (sigs.k8s.io/lws, api/disaggregatedset/v1): prefill and decode as its roles.
+DS_API_VERSION = "disaggregatedset.x-k8s.io/v1"
+
+
+def decode_in_lws_groups(spec: s.PDInferenceServiceSpec) -> bool:
+    """Whether LWS runs the decode groups (its labels place a pod): as a LeaderWorkerSet of ours, or
+    as the decode role of a DisaggregatedSet (whose controller makes one LWS per slice)."""
+    return spec.workload != "Deployments" or spec.decode.group_scheduling == "leaderWorkerSet"
 
 
 def epp_service_name(name: str) -> str:

@@ -9,6 +9,7 @@ from pdserve_operator.reconcile.children.meta import (
     LWS_API_VERSION,
     Defaults,
     Owner,
+    decode_in_lws_groups,
     headless_name,
     object_meta,
     selector_labels,
@@ -99,13 +100,13 @@ def decode_leader_worker_set(owner: Owner, spec: s.PDInferenceServiceSpec, defau
 
 def decode_kind(spec: s.PDInferenceServiceSpec) -> tuple[str, str]:
     """(apiVersion, kind) of the decode workload (decode_groups.py says what differs)."""
-    if spec.decode.group_scheduling == "leaderWorkerSet":
+    if decode_in_lws_groups(spec):  # (a DisaggregatedSet's decode role counts as its LWS would)
         return LWS_API_VERSION, "LeaderWorkerSet"
     return "apps/v1", "StatefulSet"
 
 
 def decode_workload(owner: Owner, spec: s.PDInferenceServiceSpec, defaults: Defaults) -> dict[str, Any]:
-    if spec.decode.group_scheduling == "leaderWorkerSet":
+    if decode_in_lws_groups(spec):
         return decode_leader_worker_set(owner, spec, defaults)
     return decode_statefulset(owner, spec, defaults)
 
