@@ -183,6 +183,9 @@ def test_a_forged_notify_is_dropped_and_a_failed_push_fails_over_to_recompute(pa
     run_step(pair.pusher, [PushOrder(grant, (), (), True, "the prefill request ended early")])
     assert wait_finished(pair.receiver) == ({"req-2"}, {"req-2"})  # received, and failed: vLLM recomputes
     assert pair.receiver.counts["failed"] == 1 and not pair.receiver.pending()
+    d_sched.update_connector_output(["req-2"])
+    # vLLM recomputes from token 0 and asks again: the request is never reserved a second time.
+    assert d_sched.get_num_new_matched_tokens(request("req-2", 8, {RESERVE_PARAM: True}), 0) == (0, False)
 
 
 def test_an_abort_revokes_the_leases_and_frees_the_blocks_once_after_quarantine(pair) -> None:

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from pdserve_common.pod_env import KV_LINK_KEY
 
 READY_NOTIFY = "kv_ready"  # the name pdserve's transfer plane gives the ready notify
 GRANT_PARAM = "pdserve_grant"  # the key of a request's kv_transfer_params that carries a grant
@@ -207,7 +210,7 @@ class ConnectorSettings:
 
     backend: str = "auto"  # pdserve transfer backend: auto | hixl | cpu
     listen: str = ""  # decode: "ip:port" its transfer engine listens on
-    link_key: str = ""  # hex: both ends of a link must hold it (the host engine's link auth)
+    link_key: str = ""  # hex, both ends of a link hold it; default $PDSERVE_KV_LINK_KEY (vLLM logs its config)
     grant_sink: str = ""  # decode: "ip:port" that learns each grant (pdserve's decode worker)
     ready_timeout_s: float = 60.0  # decode: a grant without its ready notify is recomputed locally
     push_timeout_s: float = 10.0  # prefill: a put pending longer fails the push
@@ -221,6 +224,8 @@ class ConnectorSettings:
             made = cls(**{k: type(getattr(cls, k))(v) for k, v in values.items()})
         except (TypeError, ValueError) as exc:
             raise ValueError(f"kv_connector_extra_config: {exc} (got {values})") from None
+        if not made.link_key:
+            made = cls(**{**made.__dict__, "link_key": os.environ.get(KV_LINK_KEY, "")})
         for key in ("ready_timeout_s", "push_timeout_s", "quarantine_s"):
             if not getattr(made, key) > 0:
                 raise ValueError(f"kv_connector_extra_config pdserve_{key} must be > 0, got {getattr(made, key)}")

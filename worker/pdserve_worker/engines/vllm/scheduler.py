@@ -54,16 +54,17 @@ class DecodeScheduler:
     def __init__(self, block_tokens: int) -> None:
         self.block_tokens = block_tokens
         self._reserved: set[str] = set()  # granted, not yet reported received by the worker
+        self._granted: set[str] = set()  # granted once while alive: a failed load recomputes, never re-reserves
         self._step = DecodeStep()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if not _params(request).get(RESERVE_PARAM) or request.request_id in self._reserved:
+        if not _params(request).get(RESERVE_PARAM) or request.request_id in self._granted:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0 or not _params(request).get(RESERVE_PARAM) or request.request_id in self._reserved:
+        if num_external_tokens <= 0 or not _params(request).get(RESERVE_PARAM) or request.request_id in self._granted:
             return
         num_tokens = len(request.prompt_token_ids)
         first_block = (num_tokens - num_external_tokens) // self.block_tokens
@@ -72,6 +73,7 @@ class DecodeScheduler:
         if len(ids) != last_block - first_block:
             raise ValueError(f"request {request.request_id}: {len(ids)} blocks for blocks {first_block}..{last_block}")
         self._reserved.add(request.request_id)
+        self._granted.add(request.request_id)
         tag = str(_params(request)[RESERVE_PARAM])[:256]
         nonce = secrets.token_hex(16)
         self._step.new.append(Reservation(request.request_id, nonce, num_tokens, first_block, tuple(ids), tag))
@@ -85,6 +87,7 @@ class DecodeScheduler:
         the blocks of a WAITING_FOR_REMOTE_KVS request until the worker reports it)."""
         if request.request_id in self._reserved:
             self._step.ended.append(request.request_id)
+        self._granted.discard(request.request_id)
         return False, None
 
     def update_connector_output(self, finished_recving: Sequence[str]) -> None:
