@@ -188,16 +188,18 @@ class PDPair:
             complete(self.prefill.url, prompt, 1, {"pdserve_grant": grant})
             return answer.result(timeout=300)
 
-    def ttft_with_push(self, prompt: str, tag: str) -> float:
-        """Seconds from the reserving request to the prefill's first token (pushed and notified)."""
+    def ttft_with_push(self, prompt: str, tag: str) -> tuple[float, float]:
+        """Seconds from the reserving request to the prefill's first token (pushed and notified),
+        and of those, the reservation's (until the grant reached the sink)."""
         with ThreadPoolExecutor(1) as pool:
             start = time.perf_counter()
             answer = pool.submit(complete, self.decode.url, prompt, 2, {"pdserve_reserve": tag})
             grant = self.sink.wait(tag)
+            reserved = time.perf_counter() - start
             complete(self.prefill.url, prompt, 1, {"pdserve_grant": grant})
             seconds = time.perf_counter() - start
             answer.result(timeout=300)
-        return seconds
+        return seconds, reserved
 
     def stop(self) -> None:
         self.prefill.stop()
@@ -232,17 +234,20 @@ def main() -> None:
         pair.wait_up()
         complete(pair.prefill.url, long_prompt(args.tokens, 99), 1)  # warm both paths once
         pair.ttft_with_push(long_prompt(args.tokens, 98), "warm")
-        alone, pushed = [], []
+        alone, pushed, reserved = [], [], []
         for run in range(args.runs):
             start = time.perf_counter()
             complete(pair.prefill.url, long_prompt(args.tokens, 2 * run), 1)
             alone.append(time.perf_counter() - start)
-            pushed.append(pair.ttft_with_push(long_prompt(args.tokens, 2 * run + 1), f"run{run}"))
-        a, p = statistics.median(alone), statistics.median(pushed)
-        print(json.dumps({"tokens": args.tokens, "runs": args.runs, "prefill_alone_s": alone, "with_push_s": pushed}))
-        print(
-            f"TTFT at {args.tokens} tokens: prefill alone {a * 1000:.0f} ms, with the push {p * 1000:.0f} ms, ratio {p / a:.3f}"
-        )
+            total, reserve = pair.ttft_with_push(long_prompt(args.tokens, 2 * run + 1), f"run{run}")
+            pushed.append(total)
+            reserved.append(reserve)
+        a, p, r = statistics.median(alone), statistics.median(pushed), statistics.median(reserved)
+        runs = {"prefill_alone_s": alone, "with_push_s": pushed, "of_which_reserve_s": reserved}
+        print(json.dumps({"tokens": args.tokens, "runs": args.runs, **runs}))
+        settles = re.findall(r"tag=run\d+ .*settle_ms=([\d.]+)", pair.prefill.text())
+        print(f"TTFT at {args.tokens} tokens: prefill alone {a * 1000:.0f} ms, with the push {p * 1000:.0f} ms")
+        print(f"  (reservation {r * 1000:.0f} ms), ratio {p / a:.3f}; settle after the forward (ms): {settles}")
     finally:
         pair.stop()
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from netutil import free_port
-from pdserve_worker.engines.vllm.decode_worker import DecodeReceiver
+from pdserve_worker.engines.vllm.decode_worker import IDLE_WAIT_S, DecodeReceiver
 from pdserve_worker.engines.vllm.grant import (
     GRANT_PARAM,
     READY_NOTIFY,
@@ -242,3 +242,17 @@ def test_geometry_of_both_vllm_layouts_and_grant_checks() -> None:
     with pytest.raises(ValueError, match="pdserve_quarantine_s must be > 0"):
         ConnectorSettings.parse({"pdserve_quarantine_s": 0})
     assert ConnectorSettings.parse({"pdserve_link_key": "ab", "other": 1}).link_key == "ab"
+
+
+def test_an_idle_decode_step_sleeps_on_the_notify_inbox_instead_of_spinning(pair) -> None:
+    grant = reserve(pair, DecodeScheduler(BT), "req-5", 4, [6])
+    start = time.perf_counter()
+    assert pair.receiver.finished(idle=True) == (set(), set())
+    assert time.perf_counter() - start >= IDLE_WAIT_S * 0.9  # slept (vLLM's loop would spin here)
+    run_step(pair.pusher, [PushOrder(grant, (3,), (6,), True)])
+    deadline = time.monotonic() + 10
+    got: tuple[set[str], set[str]] = (set(), set())
+    while not got[0] and time.monotonic() < deadline:
+        got = pair.receiver.finished(idle=True)  # returns as soon as the notify is in
+    assert got == ({"req-5"}, set())
+    assert not pair.receiver.pending()  # nothing waits now: an idle step no longer sleeps

@@ -112,6 +112,7 @@ def test_an_abort_while_the_kv_is_due_leaves_no_decode_block(pair: PDPair) -> No
         time.sleep(0.2)
     assert metric(decode.url, "vllm:kv_cache_usage_perc") == 0.0
     assert re.search(r"event=vllm_kv_ready request=\S+ tag=abort", decode.text()) is None
+    assert len(re.findall(r"event=vllm_grant_aborted ", decode.text())) == 1
     # A prefill that still pushes into the ended grant is refused, and the decode stays idle.
     complete(prefill.url, prompt, 1, {"pdserve_grant": grant})
     refused = r"event=vllm_kv_pushed request=\S+ tag=abort puts=\d+ blocks=\d+ final=True ok=False"

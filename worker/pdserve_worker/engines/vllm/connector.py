@@ -77,6 +77,7 @@ class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.plane: KVPlane | None = None
         self.pusher: PrefillPusher | None = None
         self.receiver: DecodeReceiver | None = None
+        self._idle_step = False  # this step ran no forward (start_load_kv saw no attention metadata)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = (DecodeScheduler if self.side == "decode" else PrefillScheduler)(self.block_tokens)
         else:
@@ -103,7 +104,8 @@ class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.receiver.start_step(connector_metadata.new, connector_metadata.ended)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return  # the KV is pushed into our blocks; nothing to load
+        """Nothing to load (the KV is pushed into our blocks); notes a step without a forward."""
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -119,7 +121,8 @@ class PdserveConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.receiver is None:
             return KVConnectorTransferResults()
-        received, failed = self.receiver.finished()
+        received, failed = self.receiver.finished(idle=self._idle_step)
+        self._idle_step = False
         return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -31,6 +31,8 @@ from pdserve_worker.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.01  # at most this long an idle decode step sleeps for a notify (a new request waits as long)
+
 
 @dataclass(frozen=True)
 class Reservation:
@@ -72,6 +74,9 @@ class DecodeReceiver:
                 self._revoke(waiting)
                 self._quarantine[request_id] = time.monotonic() + self.plane.settings.quarantine_s
                 self.counts["aborted"] += 1
+                log.info(
+                    kv(event="vllm_grant_aborted", request=request_id, quarantine_s=self.plane.settings.quarantine_s)
+                )
 
     def _grant(self, reservation: Reservation) -> None:
         backend, geometry = self._backend(), self.plane.geometry
@@ -119,11 +124,16 @@ class DecodeReceiver:
                 if attempt:
                     raise
 
-    def finished(self) -> tuple[set[str], set[str]]:
+    def finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """(requests done receiving: KV in place, failed over, or an abort's quarantine over;
-        those of them whose KV failed, for vLLM to recompute)."""
+        those of them whose KV failed, for vLLM to recompute). `idle`: the step ran no forward,
+        so while a reservation waits, sleep on the engine's notify inbox (up to IDLE_WAIT_S,
+        woken by the notify) instead of letting vLLM's loop spin a core against the prefill."""
         backend = self._backend()
-        status, items = backend.engine.get_notifies()
+        if idle and self._waiting and backend.blocking is not None:
+            status, items = backend.blocking.wait_notifies(IDLE_WAIT_S)
+        else:
+            status, items = backend.engine.get_notifies()
         if status == backend.api.SUCCESS:
             for item in items:
                 self._file(item.name, item.notify_msg)

@@ -32,7 +32,9 @@ class KVPlane:
         if role == "decode" and not settings.listen:
             raise ValueError("a decode's connector needs pdserve_listen ('ip:port' its transfer engine listens on)")
         if not settings.link_key:
-            raise ValueError("the connector needs $PDSERVE_KV_LINK_KEY or pdserve_link_key (hex): the KV plane admits only its holders")
+            raise ValueError(
+                "the connector needs $PDSERVE_KV_LINK_KEY or pdserve_link_key (hex): the KV plane admits only its holders"
+            )
         self.settings = settings
         self.role = role
         self.backend: TransferBackend | None = None

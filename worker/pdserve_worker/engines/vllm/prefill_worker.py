@@ -132,7 +132,9 @@ class PrefillPusher:
         """Wait for the step's puts; notify the decodes whose prompt is complete."""
         step, self._step = self._step, []
         for push in step:
+            started = time.perf_counter()
             self._settle(push)
+            settled_ms = (time.perf_counter() - started) * 1000
             if push.error:
                 self.counts["failed"] += 1
                 log.warning(kv(event="vllm_push_failed", request=push.order.grant.request_id, error=push.error))
@@ -148,6 +150,7 @@ class PrefillPusher:
                     blocks=len(push.order.src),
                     final=push.order.final,
                     ok=not push.error,
+                    settle_ms=f"{settled_ms:.1f}",  # waiting for the step's last puts after its forward
                 )
             )
 
