@@ -201,6 +201,19 @@ class PDPair:
             answer.result(timeout=300)
         return seconds, reserved
 
+    def alone_while_reserved(self, prompt: str, held: str, tag: str) -> float:
+        """Seconds of a grantless prefill of `prompt` while a decode reservation (of `held`)
+        waits for its KV: what the waiting decode alone costs the prefill. Then releases it."""
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, self.decode.url, held, 2, {"pdserve_reserve": tag})
+            grant = self.sink.wait(tag)
+            start = time.perf_counter()
+            complete(self.prefill.url, prompt, 1)
+            seconds = time.perf_counter() - start
+            complete(self.prefill.url, held, 1, {"pdserve_grant": grant})
+            answer.result(timeout=300)
+        return seconds
+
     def stop(self) -> None:
         self.prefill.stop()
         self.decode.stop()
@@ -234,7 +247,7 @@ def main() -> None:
         pair.wait_up()
         complete(pair.prefill.url, long_prompt(args.tokens, 99), 1)  # warm both paths once
         pair.ttft_with_push(long_prompt(args.tokens, 98), "warm")
-        alone, pushed, reserved = [], [], []
+        alone, pushed, reserved, held = [], [], [], []
         for run in range(args.runs):
             start = time.perf_counter()
             complete(pair.prefill.url, long_prompt(args.tokens, 2 * run), 1)
@@ -242,8 +255,14 @@ def main() -> None:
             total, reserve = pair.ttft_with_push(long_prompt(args.tokens, 2 * run + 1), f"run{run}")
             pushed.append(total)
             reserved.append(reserve)
+            held.append(
+                pair.alone_while_reserved(
+                    long_prompt(args.tokens, 50 + run), long_prompt(args.tokens, 70 + run), f"hold{run}"
+                )
+            )
         a, p, r = statistics.median(alone), statistics.median(pushed), statistics.median(reserved)
         runs = {"prefill_alone_s": alone, "with_push_s": pushed, "of_which_reserve_s": reserved}
+        runs["alone_while_a_reservation_waits_s"] = held
         print(json.dumps({"tokens": args.tokens, "runs": args.runs, **runs}))
         settles = re.findall(r"tag=run\d+ .*settle_ms=([\d.]+)", pair.prefill.text())
         print(f"TTFT at {args.tokens} tokens: prefill alone {a * 1000:.0f} ms, with the push {p * 1000:.0f} ms")
