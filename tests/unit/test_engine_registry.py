@@ -112,3 +112,19 @@ def test_a_module_path_engine_missing_a_dependency_names_it(tmp_path, monkeypatc
     check_engine(late)  # it imports, and has nothing to check before loading
     with pytest.raises(EngineError, match="module 'no_such_late_lib_for_pdserve_test' is not installed"):
         load_engine(late, _request())
+
+
+def test_the_real_vllm_entry_names_its_environment_or_what_is_not_built(tmp_path, monkeypatch):
+    """engines/vllm/engine.py: no vLLM environment is the set-up refusal; with one, the refusal
+    says the worker that fronts vLLM is not built (the connector runs inside vLLM servers)."""
+    monkeypatch.setenv("PDSERVE_VLLM_PYTHON", str(tmp_path / "absent" / "python"))
+    with pytest.raises(
+        EngineError, match=r"module 'vllm' is not installed; to install it run `bash scripts/setup.sh --engine vllm`"
+    ):
+        check_engine("vllm")
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setenv("PDSERVE_VLLM_PYTHON", str(python))
+    for call in (check_engine, lambda n: load_engine(n, _request())):
+        with pytest.raises(EngineError, match=r"engine 'vllm': pdserve's router cannot drive a vLLM server yet"):
+            call("vllm")
