@@ -59,6 +59,8 @@ QUEUE_DEPTH = "PDSERVE_QUEUE_DEPTH"
 CONNECT_TIMEOUT_MS = "PDSERVE_CONNECT_TIMEOUT_MS"
 TRANSFER_TIMEOUT_MS = "PDSERVE_TRANSFER_TIMEOUT_MS"
 ENGINE_OPTIONS = "PDSERVE_ENGINE_OPTIONS"  # JSON object of strings, passed to the engine's initialize
+# both: "true" (default) | "false": a digest on every pushed KV chunk, checked by the decode
+KV_DIGEST = "PDSERVE_KV_DIGEST"
 
 LAYERS_PER_CHUNK = "PDSERVE_LAYERS_PER_CHUNK"  # prefill
 SLOTS = "PDSERVE_SLOTS"  # decode
