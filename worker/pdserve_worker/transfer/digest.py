@@ -98,8 +98,9 @@ class ChunkDigests:
     _digest: HostDigest
 
     @classmethod
-    def start(cls, algorithm: str, heads: range) -> ChunkDigests:
-        return cls(algorithm, heads, [], [], new_digest(algorithm))
+    def of(cls, algorithm: str | None, heads: range) -> ChunkDigests | None:
+        """A push's digests of `heads` into one target; None where the backend declares none."""
+        return None if algorithm is None else cls(algorithm, heads, [], [], new_digest(algorithm))
 
     def add(self, layers: Sequence[int], pieces: Mapping[tuple[int, int], Sequence[Sequence[Strided]]]) -> None:
         """Hash the source bytes of `layers` (consecutive, after the last chunk) as they are put."""

@@ -99,6 +99,12 @@ class _TargetState:
     in_flight_runs: int = 0
     digest: ChunkDigests | None = None  # (transfer/digest.py; None where the backend declares none)
 
+    def issued(self, layers: list[int]) -> None:
+        """`layers`' puts are issued: hash what they put (while they are in flight)."""
+        self.pushed.update(layers)
+        if self.digest is not None:
+            self.digest.add(layers, self.pieces)
+
 
 # A head slice's descriptors per run and per transfer_async request: bounded, so a long
 # prompt's slices never make one request the engine must refuse (the host engine's frames
@@ -271,12 +277,7 @@ class KVPusher:
                 raise ValueError(f"num_tokens={self.num_tokens} does not fit {who} max_len={layout.max_len}")
         if not 0 <= target.slot < dst.num_slots:
             raise ValueError(f"target {target.describe()}: slot outside its pool of {dst.num_slots}")
-        algorithm = self._backend.digest
-        digest = (
-            None
-            if algorithm is None
-            else ChunkDigests.start(algorithm, shared_heads(self.source.pushed_heads, dst.head_range))
-        )
+        digest = ChunkDigests.of(self._backend.digest, shared_heads(self.source.pushed_heads, dst.head_range))
         return _TargetState(target, owned, self._target_pieces(target), digest=digest)
 
     def _owned_layers(self, target: Grant) -> range:
@@ -334,9 +335,7 @@ class KVPusher:
         if batch:
             self._wait_for_room(state, len(batch))
             self._submit(state, batch)
-        state.pushed.update(layers)
-        if state.digest is not None:  # (hashed while the puts are in flight)
-            state.digest.add(layers, state.pieces)
+        state.issued(layers)
 
     def _submit(self, state: _TargetState, runs: list[tuple[int, Run]]) -> None:
         descs = _descriptors(self._api.TransferOpDesc, runs)
