@@ -64,6 +64,11 @@ class ReadyUnusable(RuntimeError):
     decode: Generate answers ABORTED, which the router retries with another prefill."""
 
 
+class KVDamaged(ReadyUnusable):
+    """The KV that landed does not match its digest (transfer/digest.py): damaged on its way,
+    neither worker is to blame. Generate answers DATA_LOSS, which the router retries as it is."""
+
+
 class MemberUnavailable(RuntimeError):
     """A member of this decode's layer-sharded group did not answer: Generate answers
     UNAVAILABLE, and the router resumes the request on another decode."""
@@ -458,7 +463,7 @@ class DecodeWorker:
             raise
         except KVIntegrityError as exc:  # (the router re-prefills the request: an ABORTED Generate)
             self.metrics.kv_digest_failures.labels(exc.reason).inc()
-            raise ReadyUnusable(str(exc)) from None
+            raise (KVDamaged if exc.reason == "mismatch" else ReadyUnusable)(str(exc)) from None
         try:
             num_tokens, first_token = int(message["num_tokens"]), int(message["first_token"])
         except (KeyError, TypeError, ValueError):
