@@ -86,6 +86,12 @@ def test_each_chunk_carries_a_digest_that_the_landed_bytes_match(peers: tuple[Pe
     assert field["ends"] == [4, 6] and len(field["sums"]) == 2  # one per layer chunk
     checked = _checker(decode, grant).check(grant.slot, grant.generation, message)
     assert checked == LAYERS * 2 * TOKENS * decode.pool.layout.bytes_per_token
+    if not paged:  # a group follower's check, without a slot table: the same bytes
+        follower = ReadyDigests("xxh3_64", decode.pool.base_addr, decode.pool.layout, None)
+        assert follower.check(grant.slot, grant.generation, message) == checked
+    else:
+        with pytest.raises(ValueError, match="need its block table"):
+            ReadyDigests("xxh3_64", decode.pool.base_addr, decode.pool.layout, None)
 
 
 def test_a_flipped_byte_in_the_pool_is_named_by_its_layers(peers: tuple[Peer, Peer]) -> None:

@@ -160,15 +160,19 @@ def _parse(field: Any, view_layers: range, view_heads: range, algorithm: str) ->
 class ReadyDigests:
     """The decode's check of a ready message's KV, before the request may decode (readiness.py).
 
-    `algorithm` None: digests are off here (nothing is checked, a carried digest is ignored)."""
+    `algorithm` None: digests are off here (nothing is checked, a carried digest is ignored).
+    `grant_of` None: a slot pool without a table of its own (a layer-sharded group's follower),
+    whose pushes write the whole slot from token 0."""
 
     def __init__(
         self,
         algorithm: str | None,
         base_addr: int,
         layout: KVLayout,
-        grant_of: Callable[[int, int], Grant | None],
+        grant_of: Callable[[int, int], Grant | None] | None,
     ) -> None:
+        if grant_of is None and layout.paged:
+            raise ValueError("a paged pool's digests need its block table (grant_of)")
         if algorithm is not None:
             new_digest(algorithm)  # (refuses an unknown name now, not at the first request)
         self.algorithm = algorithm
@@ -188,8 +192,8 @@ class ReadyDigests:
                 f"the ready message of {where} carries no {DIGEST_FIELD!r}, which this decode requires "
                 f"({self.algorithm}): a prefill without KV digests, or with them turned off"
             )
-        grant = self._grant_of(slot, generation)
-        if grant is None:
+        grant = None if self._grant_of is None else self._grant_of(slot, generation)
+        if grant is None and self._grant_of is not None:
             return 0
         layout = self._layout
         view = layout.blocks if layout.paged else layout.slot_blocks
@@ -198,8 +202,8 @@ class ReadyDigests:
             claim = _parse(field, view.layer_range, view.head_range, self.algorithm)
         except (KeyError, TypeError, ValueError) as exc:
             raise KVDigestRefused(f"the {DIGEST_FIELD!r} of the ready message of {where} is unusable: {exc}") from None
-        blocks = grant.blocks if layout.paged else (slot,)
-        start = min(grant.shared * view.block_tokens, num_tokens)
+        blocks = grant.blocks if grant is not None and layout.paged else (slot,)
+        start = 0 if grant is None else min(grant.shared * view.block_tokens, num_tokens)
         if num_tokens > len(blocks) * view.block_tokens or num_tokens < 0:
             raise KVDigestRefused(f"the ready message of {where} names {num_tokens} tokens, beyond its reservation")
         return self._compare(where, _Landed.of(view, blocks, start, num_tokens, claim.heads), claim)
