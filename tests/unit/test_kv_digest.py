@@ -147,7 +147,9 @@ def test_a_ready_without_a_digest_is_refused_by_name_and_nothing_is_checked_when
         {"alg": "crc32"},
         {"heads": [0, 9]},
         {"ends": [6, 4]},
-        {"ends": [4, 5]},
+        {"ends": [4, 7]},
+        {"first": 4},
+        {"first": None},
         {"sums": ["zz" * 8, "00" * 8]},
         {"sums": ["0" * 16]},
     ],
@@ -201,6 +203,32 @@ def test_a_byte_flipped_on_the_wire_is_caught_before_the_ready_message_is_return
                 else:
                     assert json.loads(json.dumps(readiness.wait(grant.slot, 7, 10.0)))["num_tokens"] == 64
             assert proxy.counters()["decode"]["flipped"] == 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_notify_for_layers_others_pushed_checks_only_what_its_sender_put() -> None:
+    """A group migration's leader holds layers 0..2 and notifies a target member of layers 0..5,
+    whose layers 3..5 another member pushed (without a notify): the digest covers 0..2 only,
+    and a notify to a target holding none of the sender's layers carries an empty one."""
+    from pdserve_worker.decode.migration import MigrationPusher
+
+    decode = Peer(_layout(True), f"127.0.0.1:{free_port()}")
+    half = KVLayout(1, 3, 64, kv_heads=HEADS, head_dim=8, dtype="float16", block_tokens=BT, num_blocks=16)
+    prefill = Peer(half, "127.0.0.1", {"pdserve.Transport": "tcp"})
+    try:
+        grant = _grant(decode, blocks=(1, 2, 3, 4))
+        source = PushSource(prefill.pool.base_addr, half)
+        pusher = MigrationPusher(prefill.backend, source, (5, 6, 7, 8), [grant], TOKENS)
+        pusher.push_chunk(range(0, 2))
+        pusher.push_chunk(range(2, 3))
+        pusher.finish({"first_token": 5})
+        message = Readiness(decode.backend).wait(1, 7, 10.0)
+        assert message[DIGEST_FIELD]["first"] == 0 and message[DIGEST_FIELD]["ends"] == [2, 3]
+        assert _checker(decode, grant).check(1, 7, message) == 3 * 2 * TOKENS * 32
+        empty = {**message, DIGEST_FIELD: {**message[DIGEST_FIELD], "ends": [], "sums": []}}
+        assert _checker(decode, grant).check(1, 7, empty) == 0
     finally:
         prefill.close()
         decode.close()

@@ -2,16 +2,16 @@
 
 The pusher (push.py) hashes, per target, the bytes each layer chunk puts there, in the order its
 descriptors take them, as one running XXH3-64 snapshotted at every chunk's end (`ChunkDigests`);
-the ready notify carries the snapshots as `kv_digest` ({"alg", "heads", "ends", "sums"}; only the
-last one where the notify's 1,024 characters would not hold them all). The decode (`ReadyDigests`,
-called by readiness.py before the message makes the request decodable) hashes what landed in its
-reservation, enumerated by `push_runs`, the rule the push itself cut it by, and compares at every
-end: `KVDigestMismatch` names the layers. The router re-prefills the request (an ABORTED Generate).
-A ready without the field while digests are on is refused by name (`KVDigestRefused`).
-Which digest a backend's memory allows is the backend's declaration (`TransferBackend.digest`):
-XXH3 over host memory (the `xxhash` package) for the host engines; a device-side sum for NPU/GPU
-pools is the declared `DeviceDigest` hook, not written: HIXL declares none, so its pushes carry
-no digest and its decodes require none (benchmarks/README.md has the cost and the library choice).
+the ready notify carries them as `kv_digest` ({"alg", "heads", "first", "ends", "sums"}; the last
+snapshot only where 1,024 characters would not hold them all). The decode (`ReadyDigests`, called
+by readiness.py before the message makes the request decodable) hashes what landed, enumerated by
+`push_runs` (the rule the push was cut by), and compares at every end: `KVDigestMismatch` names
+the layers (Generate answers DATA_LOSS; the router runs the request again). A ready without the
+field while digests are on is refused by name (`KVDigestRefused`). A digest covers what the
+notifying pusher put: a tensor-parallel prefill's other ranks, and a group migration's other
+members, push bytes none covers. A backend declares the digest its memory allows
+(`TransferBackend.digest`): XXH3 over host memory for the host engines; for NPU/GPU pools a
+device-side sum is the declared `DeviceDigest` hook, not written (HIXL declares none).
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class ChunkDigests:
     ends: list[int]
     sums: list[int]
     _digest: HostDigest
+    first: int = 0  # the first layer hashed
 
     @classmethod
     def of(cls, algorithm: str | None, heads: range) -> ChunkDigests | None:
@@ -104,6 +105,7 @@ class ChunkDigests:
 
     def add(self, layers: Sequence[int], pieces: Mapping[tuple[int, int], Sequence[Sequence[Strided]]]) -> None:
         """Hash the source bytes of `layers` (consecutive, after the last chunk) as they are put."""
+        self.first = layers[0] if not self.ends else self.first
         if self.ends and layers[0] != self.ends[-1]:
             raise ValueError(f"KV digests need layer chunks in order: layer {layers[0]} after {self.ends[-1]}")
         for layer in layers:
@@ -115,11 +117,13 @@ class ChunkDigests:
         self.sums.append(self._digest.intdigest())
 
     def field(self, compact: bool = False) -> dict[str, Any]:
-        """The ready message's `kv_digest`; compact: the last snapshot only (it covers every byte)."""
+        """The ready message's `kv_digest`; compact: the last snapshot only (it covers every byte).
+        No chunk (a notify for layers others pushed: a group's migration): empty ends and sums."""
         ends, sums = (self.ends[-1:], self.sums[-1:]) if compact else (self.ends, self.sums)
         return {
             "alg": self.algorithm,
             "heads": [self.heads.start, self.heads.stop],
+            "first": self.first,
             "ends": ends,
             "sums": [f"{s:016x}" for s in sums],
         }
@@ -128,6 +132,7 @@ class ChunkDigests:
 @dataclass(frozen=True)
 class _Claim:
     heads: range
+    first: int
     ends: list[int]
     sums: list[int]
 
@@ -136,25 +141,25 @@ def _parse(field: Any, view_layers: range, view_heads: range, algorithm: str) ->
     """The message's `kv_digest`, checked against this pool (ValueError says what is wrong)."""
     if not isinstance(field, dict) or field.get("alg") != algorithm:
         raise ValueError(f"it is not a {algorithm} digest")
-    heads, ends, sums = field.get("heads"), field.get("ends"), field.get("sums")
+    heads, first, ends, sums = field.get("heads"), field.get("first"), field.get("ends"), field.get("sums")
     if not (isinstance(heads, list) and len(heads) == 2 and all(type(h) is int for h in heads)):
         raise ValueError("its heads are not [first, stop]")
     covered = range(heads[0], heads[1])
     if not covered or covered.start < view_heads.start or covered.stop > view_heads.stop:
         raise ValueError(f"its heads {heads} are not a part of this pool's {view_heads}")
-    if not (isinstance(ends, list) and isinstance(sums, list) and 0 < len(ends) == len(sums) <= len(view_layers)):
+    if not (isinstance(ends, list) and isinstance(sums, list) and len(ends) == len(sums) <= len(view_layers)):
         raise ValueError("its ends and sums are not two lists of one entry per chunk")
-    if any(type(e) is not int for e in ends) or ends != sorted(set(ends)):
-        raise ValueError("its chunk ends are not increasing integers")
-    if ends[0] <= view_layers.start or ends[-1] != view_layers.stop:
-        raise ValueError(f"its chunks end at {ends}, not within layers {view_layers} ending at {view_layers.stop}")
+    if type(first) is not int or any(type(e) is not int for e in ends) or ends != sorted(set(ends)):
+        raise ValueError("its first layer and chunk ends are not increasing integers")
+    if ends and not view_layers.start <= first < ends[0] <= ends[-1] <= view_layers.stop:
+        raise ValueError(f"its chunks {first}..{ends} are not within layers {view_layers}")
     try:
         values = [int(s, 16) for s in sums if isinstance(s, str) and len(s) == 16]
     except ValueError:
         values = []
     if len(values) != len(sums):
         raise ValueError("its sums are not 16 hex digits each")
-    return _Claim(covered, ends, values)
+    return _Claim(covered, first, ends, values)
 
 
 class ReadyDigests:
@@ -210,7 +215,7 @@ class ReadyDigests:
 
     def _compare(self, where: str, landed: _Landed, claim: _Claim) -> int:
         digest = new_digest(self.algorithm or XXH3_64)
-        first = landed.view.layer_range.start
+        first = claim.first
         for end, expected in zip(claim.ends, claim.sums, strict=True):
             for layer in range(first, end):
                 for kv_index in (K, V):
