@@ -232,3 +232,23 @@ def test_a_notify_for_layers_others_pushed_checks_only_what_its_sender_put() -> 
     finally:
         prefill.close()
         decode.close()
+
+
+def test_the_host_digest_is_the_hash_of_the_bytes_however_they_are_cut() -> None:
+    """Contiguous ranges merge, scattered ones and strided head slices do not change the stream:
+    the digest is XXH3-64 of the bytes in the order fed."""
+    import xxhash
+
+    from pdserve_worker.transfer.digest import HostDigest
+
+    buf = ctypes.create_string_buffer(random.Random(1).randbytes(4096), 4096)
+    base = ctypes.addressof(buf)
+    digest = HostDigest()
+    digest.update(base, 1, 0, 100)
+    digest.update(base + 100, 2, 50, 50)  # continues the first: merged
+    digest.update(base + 1000, 1, 0, 24)  # a jump
+    digest.update(base + 2000, 4, 64, 16)  # a head slice: 16 of every 64 bytes
+    expected = buf.raw[:200] + buf.raw[1000:1024] + b"".join(buf.raw[2000 + 64 * i : 2016 + 64 * i] for i in range(4))
+    assert digest.intdigest() == xxhash.xxh3_64_intdigest(expected) and digest.bytes == len(expected)
+    digest.update(base + 3000, 1, 0, 8)  # it goes on after a snapshot
+    assert digest.intdigest() == xxhash.xxh3_64_intdigest(expected + buf.raw[3000:3008])

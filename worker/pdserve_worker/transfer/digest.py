@@ -58,26 +58,39 @@ class KVDigestMismatch(KVIntegrityError):
 
 
 class HostDigest:
-    """A running XXH3-64 over host memory, fed by address (no copy for contiguous ranges)."""
+    """A running XXH3-64 over host memory, fed by address: ranges that continue one another are
+    hashed as one (no copy, one call: a prefill's slot rows are one range per layer's K or V,
+    however many blocks they land in); a head slice's pieces are gathered once."""
 
     def __init__(self) -> None:
         self._h = xxhash.xxh3_64()
         self.bytes = 0
+        self._addr = self._len = 0  # a contiguous range not yet hashed
 
     def update(self, addr: int, copies: int, step: int, length: int) -> None:
         """Feed `copies` ranges of `length` bytes, the i-th at `addr + i * step`."""
-        if copies == 1 or step == length:
-            n = length * copies
-            self._h.update((ctypes.c_char * n).from_address(addr))
-        else:  # a head slice, one piece per token: gathered once, then hashed
-            n = length * copies
-            span = (copies - 1) * step + length
-            raw = np.ctypeslib.as_array((ctypes.c_ubyte * span).from_address(addr))
-            rows = np.lib.stride_tricks.as_strided(raw, (copies, length), (step, 1))
-            self._h.update(np.ascontiguousarray(rows).data)
+        n = length * copies
         self.bytes += n
+        if copies == 1 or step == length:
+            if self._len and addr == self._addr + self._len:
+                self._len += n
+                return
+            self._flush()
+            self._addr, self._len = addr, n
+            return
+        self._flush()
+        span = (copies - 1) * step + length
+        raw = np.ctypeslib.as_array((ctypes.c_ubyte * span).from_address(addr))
+        rows = np.lib.stride_tricks.as_strided(raw, (copies, length), (step, 1))
+        self._h.update(np.ascontiguousarray(rows).data)
+
+    def _flush(self) -> None:
+        if self._len:
+            self._h.update((ctypes.c_char * self._len).from_address(self._addr))
+            self._len = 0
 
     def intdigest(self) -> int:
+        self._flush()
         return int(self._h.intdigest())
 
 
