@@ -69,6 +69,8 @@ QUEUE_DEPTH = "PDSERVE_QUEUE_DEPTH"
 CONNECT_TIMEOUT_MS = "PDSERVE_CONNECT_TIMEOUT_MS"
 TRANSFER_TIMEOUT_MS = "PDSERVE_TRANSFER_TIMEOUT_MS"
 ENGINE_OPTIONS = "PDSERVE_ENGINE_OPTIONS"  # JSON object of strings, passed to the engine's initialize
+# both: "true" (default) | "false": a digest on every pushed KV chunk, checked by the decode
+KV_DIGEST = "PDSERVE_KV_DIGEST"
 
 # prefill, decode: the model engine, a name of engines/registry.py (native, vllm) or module:Class
 ENGINE = "PDSERVE_ENGINE"

@@ -783,6 +783,7 @@ async def test_a_ready_message_that_cannot_be_used_is_aborted_not_unknown(loaded
     import json
 
     async with cluster(loaded) as c:
+        c.decode.readiness.check = None  # (else its missing KV digest is refused first: test_kv_digest_serving.py)
         grant = await c.decode_stub.Reserve(
             worker_pb2.ReserveRequest(request_id="m", num_prompt_tokens=2, max_tokens=2)
         )

@@ -10,9 +10,12 @@ every port it serves), and faults hit every link of a group, open connections an
 - `stall(name, seconds)`: nothing is forwarded either way until it heals, new connections are
   accepted and held too (a partition that heals: the peers see silence, not an error, and TCP
   delivers everything afterwards, as it would after retransmitting);
-- `reset(name)`: every open connection is aborted with a TCP RST (SO_LINGER 0), both sides.
+- `reset(name)`: every open connection is aborted with a TCP RST (SO_LINGER 0), both sides;
+- `flip(name, count, min_read)`: the middle byte of each of the next `count` reads of at least
+  `min_read` bytes going upstream (client to server) is inverted: a faulty NIC or a bit flip
+  that TCP's checksum missed (the KV digest test's: a big read there is KV payload).
 
-Counters per group (connections, bytes, resets) say what the faults met.
+Counters per group (connections, bytes, resets, flipped) say what the faults met.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class _Group:
     connections: int = 0
     bytes: int = 0
     resets: int = 0
+    flips_left: int = 0
+    flip_min_read: int = 0
+    flipped: int = 0
     open: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = field(default_factory=set)
 
 
@@ -91,7 +97,9 @@ class FaultProxy:
         pair = (writer, up_writer)
         group.open.add(pair)
         try:
-            await asyncio.gather(self._pump(group, reader, up_writer), self._pump(group, up_reader, writer))
+            await asyncio.gather(
+                self._pump(group, reader, up_writer, upstream=True), self._pump(group, up_reader, writer)
+            )
         finally:
             group.open.discard(pair)
             for w in pair:
@@ -103,10 +111,17 @@ class FaultProxy:
         if group.delay_s and time.monotonic() < group.delay_until:
             await asyncio.sleep(group.delay_s)
 
-    async def _pump(self, group: _Group, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, group: _Group, src: asyncio.StreamReader, dst: asyncio.StreamWriter, upstream: bool = False
+    ) -> None:
         try:
             while data := await src.read(CHUNK):
                 await self._gate(group)
+                if upstream and group.flips_left and len(data) >= group.flip_min_read:
+                    group.flips_left -= 1
+                    group.flipped += 1
+                    middle = len(data) // 2
+                    data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
                 dst.write(data)
                 await dst.drain()
                 group.bytes += len(data)
@@ -139,9 +154,14 @@ class FaultProxy:
         n: int = self._run(abort())
         return n
 
+    def flip(self, name: str, count: int = 1, min_read: int = 16384) -> None:
+        g = self._groups[name]
+        g.flips_left, g.flip_min_read = count, min_read
+
     def counters(self) -> dict[str, dict[str, int]]:
         return {
-            n: {"connections": g.connections, "bytes": g.bytes, "resets": g.resets} for n, g in self._groups.items()
+            n: {"connections": g.connections, "bytes": g.bytes, "resets": g.resets, "flipped": g.flipped}
+            for n, g in self._groups.items()
         }
 
     def close(self) -> None:

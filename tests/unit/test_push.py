@@ -110,7 +110,10 @@ def test_each_target_gets_exactly_its_layers_and_only_the_prompt(prefill: Prefil
                 assert d.run(other, d.pool.layout.first_layer, K, 16) == b"\xee" * 256
         status, notes = d.backend.engine.get_notifies()
         assert [n.name for n in notes] == ["kv_ready"]
-        assert json.loads(notes[0].notify_msg) == {
+        message = json.loads(notes[0].notify_msg)
+        digest = message.pop("kv_digest")  # one per layer chunk of the target's (test_kv_digest.py)
+        assert digest["ends"] == {2: [4, 6], 1: [3], 0: [4, 6]}[slot]  # chunks 0..3 and 4..5, cut to its layers
+        assert message == {
             "request_id": "req",
             "slot": slot,
             "generation": 1,

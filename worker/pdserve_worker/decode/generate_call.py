@@ -23,7 +23,7 @@ from pdserve.v1 import worker_pb2
 from pdserve_common import tracing
 from pdserve_worker.decode.generation_loop import Parked, RequestFailed, RequestStream
 from pdserve_worker.decode.migration import MIGRATED, Handoff
-from pdserve_worker.decode.worker import DecodeWorker, MemberUnavailable, Ready, ReadyUnusable
+from pdserve_worker.decode.worker import DecodeWorker, KVDamaged, MemberUnavailable, Ready, ReadyUnusable
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 from pdserve_worker.model.sampling.sampler import stop_token_ids
 from pdserve_worker.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
@@ -186,6 +186,8 @@ class GenerateRoad:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: {exc}")
         except SlotNotReserved as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}")
+        except KVDamaged as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"{where}: {exc}")
         except ReadyUnusable as exc:
             await context.abort(grpc.StatusCode.ABORTED, f"{where}: {exc}")
         except MemberUnavailable as exc:

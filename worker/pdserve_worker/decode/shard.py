@@ -44,6 +44,7 @@ from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, hidden_from_proto, hidden_to_proto
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.transfer.base import TransferBackend, TransferError
+from pdserve_worker.transfer.digest import KVIntegrityError, ReadyDigests
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import PushError, PushSource, layer_chunks
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
@@ -135,6 +136,7 @@ class ShardFollower:
             poll_interval_us=settings.poll_interval_micros,
             warmup=self.pool.warm if settings.warmup else None,
         )
+        self.readiness.check = ReadyDigests(backend.digest, self.pool.base_addr, layout, None).check
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-compute")
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="shard-ready")
         self._pushes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-migrate")
@@ -273,6 +275,8 @@ class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
             )
         except ReadinessTimeout as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"member {self.f.member_index}: {exc}")
+        except KVIntegrityError as exc:  # (the leader's ReadyUnusable: the router re-prefills)
+            await context.abort(grpc.StatusCode.ABORTED, f"member {self.f.member_index}: {exc}")
         try:
             return shard_pb2.WaitReadyReply(
                 num_tokens=int(message["num_tokens"]), first_token=int(message["first_token"])

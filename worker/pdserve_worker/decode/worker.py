@@ -47,6 +47,7 @@ from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.worker_metrics import WorkerMetrics
 from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.digest import KVIntegrityError, ReadyDigests
 from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import PushSource
@@ -61,6 +62,11 @@ class ReadyUnusable(RuntimeError):
     """The ready notification(s) for a slot cannot be decoded from: malformed, for another
     prompt length, or a layer-sharded group's members disagree. The push is at fault, not this
     decode: Generate answers ABORTED, which the router retries with another prefill."""
+
+
+class KVDamaged(ReadyUnusable):
+    """The KV that landed does not match its digest (transfer/digest.py): damaged on its way,
+    neither worker is to blame. Generate answers DATA_LOSS, which the router retries as it is."""
 
 
 class MemberUnavailable(RuntimeError):
@@ -185,6 +191,8 @@ class DecodeWorker:
             poll_interval_us=settings.poll_interval_micros,
             warmup=warm if settings.warmup else None,
         )
+        self.digests = ReadyDigests(backend.digest, self.pool.base_addr, layout, self.slots.grant_of)
+        self.readiness.check = self.digests.check
         generator = (
             Generator(engine, engine.tokenizer, cache) if group is None else group.generator(native_of(engine), cache)
         )
@@ -453,6 +461,9 @@ class DecodeWorker:
         except ReadinessTimeout:
             self.metrics.observe_transfer_failure()
             raise
+        except KVIntegrityError as exc:  # (the router re-prefills the request: an ABORTED Generate)
+            self.metrics.kv_digest_failures.labels(exc.reason).inc()
+            raise (KVDamaged if exc.reason == "mismatch" else ReadyUnusable)(str(exc)) from None
         try:
             num_tokens, first_token = int(message["num_tokens"]), int(message["first_token"])
         except (KeyError, TypeError, ValueError):

@@ -304,12 +304,6 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                 raise
         return taken
 
-    def grant_of(self, slot: int, generation: int) -> Grant | None:
-        """The live reservation (slot, generation), reserved or committed, or None."""
-        with self._lock:
-            h = self._live(slot, generation)
-            return None if h is None else self._grant(slot, h)
-
     def note_prompt(self, slot: int, generation: int, token_ids: Sequence[int]) -> str | None:
         """Tell (slot, generation) its prompt (Generate names it), for a later copy to share its
         blocks. A reservation that shares blocks must start with the tokens they hold: the

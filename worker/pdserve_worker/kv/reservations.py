@@ -217,6 +217,12 @@ class ReservationTable(Generic[H, G]):
             h = self._live(slot, generation)
             return h is not None and h.state is SlotState.RESERVED
 
+    def grant_of(self, slot: int, generation: int) -> G | None:
+        """The live reservation (slot, generation), reserved or committed, or None."""
+        with self._lock:
+            h = self._live(slot, generation)
+            return None if h is None else self._grant(slot, h)
+
     def verify(self, slot: int, generation: int, nonce: str) -> bool:
         """Whether `nonce` is the capability of reservation (slot, generation) (live or not:
         `is_reserved` says whether it still waits). The current reservation's nonce is kept,

@@ -41,7 +41,9 @@ def start_engine(settings: WorkerSettings) -> TransferBackend:
     status = backend.engine.initialize(engine_id, options)
     if status != backend.api.SUCCESS:
         raise StartupError(f"transfer engine {engine_id} failed to initialize: status {status}")
-    log.info(kv(event="transfer_engine_started", backend=backend.name, engine=engine_id))
+    if not settings.kv_digest:
+        backend.digest = None  # (transfer/digest.py: pushes carry none, ready messages need none)
+    log.info(kv(event="transfer_engine_started", backend=backend.name, engine=engine_id, kv_digest=backend.digest))
     return backend
 
 

@@ -32,7 +32,7 @@ from pdserve_worker.model.sampling.params import FinishReason, TokenLogprobs
 from pdserve_worker.router.grants import Grants
 from pdserve_worker.router.members import Members
 from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets
-from pdserve_worker.router.request import Retryable, RoutedRequest
+from pdserve_worker.router.request import NO_CULPRIT, Retryable, RoutedRequest
 from pdserve_worker.rpc.convert import finish_reason_from_proto, logprobs_from_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
@@ -303,6 +303,8 @@ class Attempt:
         if not isinstance(exc, grpc.aio.AioRpcError):
             return None
         error = decode_error(exc, self.decode.worker_id, self.request.request_id)
+        if exc.code() == grpc.StatusCode.DATA_LOSS:  # the KV failed its digest on the way: tried again as it is
+            return Retryable(NO_CULPRIT, error)
         if exc.code() in _RETRYABLE_DECODE:
             # The decode's readiness wait timing out means the prefill never delivered; an
             # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pdserve_worker.api.backend import BackendError
 from pdserve_worker.model.sampling.params import SamplingParams
 
+NO_CULPRIT = ""  # a failure no worker is avoided for (KV damaged on its way: transfer/digest.py)
+
 
 class Retryable(Exception):
     """A failure of one worker that another may not have: `error` is raised if no retry is left."""
@@ -53,4 +55,5 @@ class RoutedRequest:
         self.retries += 1
         if self.retries > max_retries:
             raise failure.error from None
-        self.avoid.add(failure.worker_id)
+        if failure.worker_id != NO_CULPRIT:
+            self.avoid.add(failure.worker_id)

@@ -111,6 +111,9 @@ class WorkerSettings(BaseSettings):
     connect_timeout_ms: int = Field(5000, ge=1, validation_alias=E.CONNECT_TIMEOUT_MS)
     transfer_timeout_ms: int = Field(30000, ge=1, validation_alias=E.TRANSFER_TIMEOUT_MS)
     engine_options: dict[str, str] = Field(default_factory=dict, validation_alias=E.ENGINE_OPTIONS)
+    # A digest on every pushed KV chunk, checked before the decode uses it (transfer/digest.py):
+    # both roles of a service must agree (a decode with it on refuses a ready without one).
+    kv_digest: bool = Field(True, validation_alias=E.KV_DIGEST)
 
     layers_per_chunk: int = Field(4, ge=1, validation_alias=E.LAYERS_PER_CHUNK)
     prefill_batch: int = Field(8, ge=1, le=256, validation_alias=PREFILL_BATCH)

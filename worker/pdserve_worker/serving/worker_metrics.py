@@ -171,6 +171,13 @@ class WorkerMetrics:
                 "Requests this decode took over from a draining decode.",
                 registry=r,
             )
+            self.kv_digest_failures = Counter(
+                "pdserve_decode_kv_digest_failures",
+                "Ready messages whose KV failed its digest check, by reason: mismatch (the bytes that landed are "
+                "not the bytes pushed: the request is re-prefilled), refused (no digest, or an unusable one).",
+                ["reason"],
+                registry=r,
+            )
             self.kv_shared_blocks = Counter(
                 "pdserve_decode_kv_shared_blocks",
                 "KV blocks granted read-only from another copy of the same prompt (n > 1) instead of pushed again.",

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 from pdserve_worker.transfer import hixl_api
 
+XXH3_64 = "xxh3_64"  # the pushed-KV digest of host memory (transfer/digest.py)
+
 
 class TransferEngine(Protocol):
     """The methods of the HIXL binding's `hixl.Hixl` (HIXL.md 2.1) that pdserve calls.
@@ -98,6 +100,10 @@ class TransferBackend:
     api: ModuleType
     blocking: BlockingWaits | None = None
     host: HostExtensions | None = None
+    # The digest its memory allows on pushed KV (transfer/digest.py), None for none (HIXL: device
+    # memory wants a device-side sum, the declared `DeviceDigest` hook); a worker whose settings
+    # turn digests off sets None.
+    digest: str | None = None
 
     def check(self, status: int, what: str, *accept: int) -> None:
         """Raise TransferError unless `status` is SUCCESS or one of `accept`."""

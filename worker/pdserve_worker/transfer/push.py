@@ -29,13 +29,14 @@ from pdserve_common.kv_layout import BlockLayout, K, KVLayout, Strided, V, coale
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError
+from pdserve_worker.transfer.digest import DIGEST_FIELD, ChunkDigests
 from pdserve_worker.transfer.hixl_api import MAX_NOTIFY_FIELD, status_name
 
 log = logging.getLogger(__name__)
 
 READY_NOTIFY = "kv_ready"
 NOTIFY_TIMEOUT_MS = 2000  # one ready notify's send_notify timeout (retried while the queue is full)
-_RESERVED_KEYS = ("request_id", "slot", "generation", "nonce", "num_tokens")
+_RESERVED_KEYS = ("request_id", "slot", "generation", "nonce", "num_tokens", DIGEST_FIELD)
 
 
 class PushError(RuntimeError):
@@ -96,6 +97,13 @@ class _TargetState:
     pushed: set[int] = field(default_factory=set)
     outstanding: deque[_Put] = field(default_factory=deque)
     in_flight_runs: int = 0
+    digest: ChunkDigests | None = None  # (transfer/digest.py; None where the backend declares none)
+
+    def issued(self, layers: list[int]) -> None:
+        """`layers`' puts are issued: hash what they put (while they are in flight)."""
+        self.pushed.update(layers)
+        if self.digest is not None:
+            self.digest.add(layers, self.pieces)
 
 
 # A head slice's descriptors per run and per transfer_async request: bounded, so a long
@@ -269,7 +277,8 @@ class KVPusher:
                 raise ValueError(f"num_tokens={self.num_tokens} does not fit {who} max_len={layout.max_len}")
         if not 0 <= target.slot < dst.num_slots:
             raise ValueError(f"target {target.describe()}: slot outside its pool of {dst.num_slots}")
-        return _TargetState(target, owned, self._target_pieces(target))
+        digest = ChunkDigests.of(self._backend.digest, shared_heads(self.source.pushed_heads, dst.head_range))
+        return _TargetState(target, owned, self._target_pieces(target), digest=digest)
 
     def _owned_layers(self, target: Grant) -> range:
         """The layers this push writes into `target`: all of them (a prefill holds every layer)."""
@@ -326,7 +335,7 @@ class KVPusher:
         if batch:
             self._wait_for_room(state, len(batch))
             self._submit(state, batch)
-        state.pushed.update(layers)
+        state.issued(layers)
 
     def _submit(self, state: _TargetState, runs: list[tuple[int, Run]]) -> None:
         descs = _descriptors(self._api.TransferOpDesc, runs)
@@ -479,7 +488,7 @@ class KVPusher:
             self._wait(lambda: all(not s.outstanding for s in self._states))
             if extra is not None:
                 for state in self._states:
-                    _send_ready(self._backend, state.target, self.num_tokens, extra, self.timeout_s)
+                    _send_ready(self._backend, state, self.num_tokens, extra, self.timeout_s)
         except BaseException:
             self._fail()
             raise
@@ -561,20 +570,25 @@ def _forget(backend: TransferBackend, states: list[_TargetState], within_s: floa
 
 
 def _send_ready(
-    backend: TransferBackend, t: Grant, num_tokens: int, extra: dict[str, object], timeout_s: float
+    backend: TransferBackend, state: _TargetState, num_tokens: int, extra: dict[str, object], timeout_s: float
 ) -> None:
-    """Tell target `t` its KV is in place: one `kv_ready` notify, retried while its queue is full."""
-    message = json.dumps(
-        {
-            "request_id": t.request_id,
-            "slot": t.slot,
-            "generation": t.generation,
-            "nonce": t.nonce,
-            "num_tokens": num_tokens,
-            **extra,
-        },
-        separators=(",", ":"),
-    )
+    """Tell the target its KV is in place: one `kv_ready` notify (with the chunks' digests),
+    retried while its queue is full."""
+    t = state.target
+    fields = {
+        "request_id": t.request_id,
+        "slot": t.slot,
+        "generation": t.generation,
+        "nonce": t.nonce,
+        "num_tokens": num_tokens,
+        **extra,
+    }
+    if state.digest is not None:
+        fields[DIGEST_FIELD] = state.digest.field()
+    message = json.dumps(fields, separators=(",", ":"))
+    if len(message) > MAX_NOTIFY_FIELD and state.digest is not None:  # the last digest covers every chunk
+        fields[DIGEST_FIELD] = state.digest.field(compact=True)
+        message = json.dumps(fields, separators=(",", ":"))
     if len(message) > MAX_NOTIFY_FIELD:
         raise ValueError(f"ready message for {t.describe()} is {len(message)} chars, over HIXL's 1024")
     desc = backend.api.NotifyDesc(READY_NOTIFY, message)

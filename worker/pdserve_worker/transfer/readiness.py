@@ -10,7 +10,8 @@ condition. A message is filed only if `authorize(slot, generation, nonce)` says 
 reservation's capability (a forged notify is dropped however it arrived) and `accepts(slot,
 generation)` says the slot waits for exactly that generation (a late notify of an abandoned
 transfer is never taken for the new request's KV). Nothing else is kept: dropped notifies are
-counted by reason (`drops`), with a rate-limited summary log line.
+counted by reason (`drops`), with a rate-limited summary log line. A taken message passes
+`check` (the KV digests, transfer/digest.py) before it is returned: what it raises, the waiter raises.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class Readiness:
         self._cond = threading.Condition()
         self._draining = False
         self._mailbox: dict[int, dict[str, Any]] = {}  # slot -> its ready message
+        # (slot, generation, message): raises if the message's KV cannot be used (digest.ReadyDigests.check)
+        self.check: Callable[[int, int, dict[str, Any]], object] | None = None
 
     # ---- waiting -------------------------------------------------------------------------------------
     def wait(self, slot: int, generation: int, timeout_s: float) -> dict[str, Any]:
@@ -99,6 +102,8 @@ class Readiness:
                     self._cond.wait(min(remaining, RECHECK_S))
                     continue
                 self._drain_for_everyone(min(remaining, RECHECK_S))
+        if self.check is not None:
+            self.check(slot, generation, message)
         if self._warmup is not None:
             self._warmup(slot, int(message.get("num_tokens", 0)))
         return message
@@ -111,7 +116,10 @@ class Readiness:
                 status, items = self._engine.get_notifies()
                 if status == self._api.SUCCESS and items:
                     self._file(items)
-            return self._take(slot, generation)
+            message = self._take(slot, generation)
+        if message is not None and self.check is not None:
+            self.check(slot, generation, message)
+        return message
 
     def forget(self, slot: int) -> None:
         """Drop what is filed for a slot (it was released)."""

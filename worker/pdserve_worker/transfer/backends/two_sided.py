@@ -31,7 +31,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host.netio import parse_engine_id
 from pdserve_worker.transfer.backends.host.regions import Region, RegionTable
-from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.base import XXH3_64, TransferBackend
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.never_raises import F, never_raises
 
@@ -469,4 +469,4 @@ def _torch() -> Any:
 def create() -> TransferBackend:
     """The registry's factory ("two-sided"): the seed's send/recv baseline, benchmarks only."""
     engine = TwoSidedEngine()
-    return TransferBackend("two-sided", engine, api, blocking=engine)
+    return TransferBackend("two-sided", engine, api, blocking=engine, digest=XXH3_64)

@@ -31,7 +31,7 @@ from pdserve_worker.transfer.backends.host.notify_inbox import NotifyInbox
 from pdserve_worker.transfer.backends.host.options import HostEngineOptions
 from pdserve_worker.transfer.backends.host.server import HostServer, Served
 from pdserve_worker.transfer.backends.host.transfers import TransferTable
-from pdserve_worker.transfer.base import TransferBackend
+from pdserve_worker.transfer.base import XXH3_64, TransferBackend
 from pdserve_worker.transfer.copy_counts import CopyCounts
 from pdserve_worker.transfer.leases import LeaseTable
 from pdserve_worker.transfer.never_raises import never_raises
@@ -361,4 +361,4 @@ class Hixl:
 def create() -> TransferBackend:
     """The registry's factory ("cpu"): HIXL's API on host memory, with the host-only extras."""
     engine = Hixl()
-    return TransferBackend("cpu", engine, api, blocking=engine, host=engine)
+    return TransferBackend("cpu", engine, api, blocking=engine, host=engine, digest=XXH3_64)
