@@ -49,7 +49,7 @@ def test_interleaved_system_prompts_stay_on_their_prefill_and_the_load_stays_eve
     for _ in range(60):
         s = rng.randrange(4)
         tokens = systems[s] + [rng.randrange(30_000) for _ in range(rng.randrange(10, 200))]
-        chosen = pd.members.pick_prefill(set(), tokens, SCOPE).worker_id
+        chosen = pd.members.pick_prefill({}, tokens, SCOPE).worker_id
         if s in home:
             repeats += 1
             hits += chosen in home[s]
@@ -65,11 +65,11 @@ def test_a_busy_holder_loses_the_request_and_a_departed_one_is_forgotten() -> No
     members = [prefill("p0"), prefill("p1")]
     pd = backend(members)
     prompt = list(range(400))
-    first = pd.members.pick_prefill(set(), prompt, SCOPE).worker_id
-    assert pd.members.pick_prefill(set(), prompt + [7], SCOPE).worker_id == first
+    first = pd.members.pick_prefill({}, prompt, SCOPE).worker_id
+    assert pd.members.pick_prefill({}, prompt + [7], SCOPE).worker_id == first
     # The holder's queue grows past the bound: the other one takes it.
     pd.members._view.members[first] = prefill(first, queued=9)
-    other = pd.members.pick_prefill(set(), prompt + [8], SCOPE).worker_id
+    other = pd.members.pick_prefill({}, prompt + [8], SCOPE).worker_id
     assert other != first
     pd.members._view.members[first] = prefill(first)
     pd.members.on_member(MemberEvent(EventType.REMOVED, pd.members._view.members[other]))
@@ -78,7 +78,7 @@ def test_a_busy_holder_loses_the_request_and_a_departed_one_is_forgotten() -> No
 
 def test_prefix_routing_off_is_the_shortest_queue() -> None:
     pd = backend([prefill("p0", queued=3), prefill("p1", queued=1)], prefix_history_blocks=0)
-    assert pd.members.pick_prefill(set(), list(range(100)), SCOPE).worker_id == "p1"
+    assert pd.members.pick_prefill({}, list(range(100)), SCOPE).worker_id == "p1"
 
 
 def test_the_prediction_is_per_scope() -> None:
@@ -93,9 +93,9 @@ def test_the_prediction_is_per_scope() -> None:
         line = next((x for x in text.splitlines() if x.startswith(prefix)), "")
         return float(line.split()[-1]) if line else 0.0
 
-    pd.members.pick_prefill(set(), prompt, '["a",""]')
+    pd.members.pick_prefill({}, prompt, '["a",""]')
     start = prefix_routed()
-    pd.members.pick_prefill(set(), prompt, '["b",""]')
+    pd.members.pick_prefill({}, prompt, '["b",""]')
     assert prefix_routed() == start  # b's is not a hit
-    pd.members.pick_prefill(set(), prompt, '["a",""]')
+    pd.members.pick_prefill({}, prompt, '["a",""]')
     assert prefix_routed() == start + 1  # a's repeat is

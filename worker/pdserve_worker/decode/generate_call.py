@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2
 from pdserve_common import tracing
-from pdserve_worker.decode.generation_loop import Parked, RequestFailed, RequestStream
+from pdserve_worker.decode.generation_loop import InstanceEnding, Parked, RequestFailed, RequestStream
 from pdserve_worker.decode.migration import MIGRATED, Handoff
 from pdserve_worker.decode.worker import DecodeWorker, KVDamaged, MemberUnavailable, Ready, ReadyUnusable
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
@@ -116,6 +116,8 @@ class GenerateRoad:
                 yield event
                 if g.finished:
                     return
+        except InstanceEnding as exc:  # (the router resumes the request, here once restarted)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{g.where}: {exc}")
         except RequestFailed as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"{g.where}: {exc}")
         except BaseException as exc:

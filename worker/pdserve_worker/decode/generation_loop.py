@@ -29,6 +29,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.model.engine import Detached, Generator, StepOutput
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw
+from pdserve_worker.serving.tp_group import GroupError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,11 @@ class _WholePrompt:
 
 class RequestFailed(RuntimeError):
     """The loop could not serve a request (bad input for the engine, or a failed step)."""
+
+
+class InstanceEnding(RequestFailed):
+    """The request failed because this decode is ending (stopping, or its tensor-parallel group
+    broke): not the request's fault, and a restart of this decode may take it up again."""
 
 
 class RequestStream:
@@ -229,7 +235,7 @@ class GenerationLoop:
         if first_token is None and self._prefill is None:
             raise RuntimeError("this loop decodes KV computed elsewhere: pass the request's first_token")
         if self._stopping.is_set():
-            raise RequestFailed("the generation loop is stopping")
+            raise InstanceEnding("the generation loop is stopping")
         # The Generator keys requests by id; ids from outside need not be unique here.
         internal = f"{request_id}#{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop(), internal)
@@ -258,7 +264,7 @@ class GenerationLoop:
         while True:
             self._apply_commands(block=not (self._gen.has_work() or self._waiting))
             if self._stopping.is_set():
-                self._fail_all(RequestFailed("the generation loop stopped"))
+                self._fail_all(InstanceEnding("the generation loop stopped"))
                 for handoff in self._parked.values():
                     handoff.release()
                 self._parked.clear()
@@ -273,7 +279,8 @@ class GenerationLoop:
             except Exception as exc:  # a bug or a bad request inside the batch: fail the batch, keep serving
                 log.exception(kv(event="generation_step_failed", running=len(self._entries), error=repr(exc)))
                 self.stats.failures += 1
-                self._fail_all(RequestFailed(f"generation step failed: {exc}"))
+                ending = InstanceEnding if isinstance(exc, GroupError) else RequestFailed
+                self._fail_all(ending(f"generation step failed: {exc}"))
                 continue
             self.stats.busy_s += time.perf_counter() - started
             self.stats.steps += 1

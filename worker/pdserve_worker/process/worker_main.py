@@ -487,6 +487,7 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
             lease_ms=settings.lease_ms,
             readiness_ms=settings.readiness_timeout_ms,
             prefill_s=settings.request_timeout_seconds,
+            return_wait_s=settings.return_wait_seconds,
         ),
         tls=settings.peer_tls,
         prefix_block_tokens=settings.prefix_block_tokens,

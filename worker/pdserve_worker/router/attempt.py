@@ -300,6 +300,8 @@ class Attempt:
         """What to raise for `exc` (None: re-raise it as it is)."""
         if not self.finished:
             self.span.record_exception(exc)
+        if isinstance(exc, Retryable):
+            self.stamp(exc)
         if not isinstance(exc, grpc.aio.AioRpcError):
             return None
         error = decode_error(exc, self.decode.worker_id, self.request.request_id)
@@ -310,8 +312,16 @@ class Attempt:
             # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).
             at_prefill = exc.code() in _PREFILL_AT_FAULT and not self.migrations  # a migrated KV came from no prefill
             culprit = self.prefill.worker_id if at_prefill else self.decode.worker_id
-            return Retryable(culprit, error)
+            return self.stamp(Retryable(culprit, error))
         return error
+
+    def stamp(self, failure: Retryable) -> Retryable:
+        """Name the instance that failed (its registration): the request avoids that one, not
+        the same worker restarted, and waits for it to come back when it went away."""
+        for member in (self.decode, self.prefill):
+            if failure.member is None and member.worker_id == failure.worker_id:
+                failure.member = member
+        return failure
 
     def close(self) -> None:
         """Every way out: end the span, count the workers free, give back an unfinished grant."""

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pdserve_common.auth import TLSConfig
 from pdserve_worker.router.prefix_routing import BalanceBound
 
+# Where a router reads `Timeouts.return_wait_s` from (serving/settings.py): named in the error a
+# request gets when it waited in vain.
+RETURN_WAIT_SETTING = "PDSERVE_RETURN_WAIT_SECONDS"
 PREFIX_HISTORY_BLOCKS = 16_384  # per prefill: 262,144 tokens of 16-token blocks (about 1 MB of hashes)
 
 
@@ -22,9 +25,13 @@ class Timeouts:
     prefill_s: float = 600.0  # deadline of one Prefill call
     max_retries: int = 2  # a request survives this many failed decode or prefill workers
     resume_wait_s: float = 10.0  # how long a retry waits for a free slot before giving up
-    # How long a request waits for a prefill (decode) to be registered when none is (all
-    # restarting, or the view emptied across a broker restart) before it is answered 503.
+    # How long a request waits for a prefill (decode) to be registered when none is and none
+    # left lately (a router that just started) before it is answered 503.
     member_wait_s: float = 10.0
+    # How long a request waits when a worker of the role went away (killed, unreachable, or
+    # left lately: restarting, the view refilling after a broker restart) and no other it may
+    # use is left, for one to (re)join, the same one restarted included; then its error.
+    return_wait_s: float = 60.0
     settle_s: float = 30.0  # how long an abandoned grant waits for the prefill to confirm its push ended
 
 

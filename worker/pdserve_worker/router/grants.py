@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import grpc
@@ -43,7 +43,7 @@ class Grants:
         self.members.spawn(coro)
 
     async def reserve_decode(
-        self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: set[str]
+        self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: Mapping[str, int]
     ) -> tuple[Member, worker_pb2.Grant]:
         ranked = self.members.ranked(Role.DECODE, avoid)
         request = worker_pb2.ReserveRequest(

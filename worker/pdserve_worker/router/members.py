@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import grpc
@@ -46,11 +46,15 @@ MEMBER_POLL_S = 0.1  # how often a request waiting for a member looks at the mem
 
 
 class NoMember(BackendUnavailable):
-    """No prefill (decode) that this request may use is registered right now."""
+    """No prefill (decode) that this request may use is registered right now. `departed`: one
+    of the role left lately (restarting, most likely); `worth_waiting`: one may join soon (that,
+    or none is registered at all: `none_left`)."""
 
-    def __init__(self, message: str, role: Role) -> None:
+    def __init__(self, message: str, role: Role, worth_waiting: bool = True, departed: bool = False) -> None:
         super().__init__(message)
         self.role = role
+        self.worth_waiting = worth_waiting or departed
+        self.departed = departed
 
 
 class Members:
@@ -65,6 +69,7 @@ class Members:
         self.inflight_decode: Counter[str] = Counter()
         self.inflight_prefill: Counter[str] = Counter()
         self._departures = Departures()  # who left lately: worth waiting for when none is left
+        self._instances: dict[str, int] = {}  # worker id -> registered_unix_ms of the instance last seen
         self._background: set[asyncio.Task[None]] = set()
         # Set when a decode is found lost (left the membership and does not answer): its streams end.
         self.lost: dict[str, asyncio.Event] = {}
@@ -137,8 +142,10 @@ class Members:
         if event.type is EventType.ADDED:
             self._departures.joined(member.role, member.worker_id)
         if event.type is EventType.REMOVED:
+            self._instances.pop(member.worker_id, None)
             self._left(member)
             return
+        self._new_instance(member)
         if member.role is Role.DECODE and self.metrics is not None:
             used = member.load.slots_used
             self.metrics.set_decode_slots(
@@ -158,6 +165,17 @@ class Members:
                     ours=self.revision,
                 )
             )
+
+    def _new_instance(self, member: Member) -> None:
+        """A worker registered anew (restarted, its live registration replaced; or the same
+        process again after a broker restart): the channel to a dead process may be in gRPC's
+        reconnect backoff, where every call fails at once, so later calls get a fresh channel;
+        calls still on the old one keep their grace (a broker restart leaves them alone)."""
+        before = self._instances.get(member.worker_id)
+        self._instances[member.worker_id] = member.registered_unix_ms
+        if before is not None and before != member.registered_unix_ms:
+            log.info(kv(event="member_restarted", worker=member.worker_id, role=member.role))
+            self._channels.forget(member.info.grpc_endpoint)
 
     def _left(self, member: Member) -> None:
         self._departures.left(member.role, member.worker_id)
@@ -193,7 +211,7 @@ class Members:
             )
             self.lost.pop(member.worker_id, asyncio.Event()).set()
             await asyncio.sleep(0)  # the streams give up (and cancel their calls) before the channel closes
-            self._channels.forget(member.info.grpc_endpoint, grace=False)
+            self._channels.forget(member.info.grpc_endpoint)
         finally:
             await channel.close()
 
@@ -238,7 +256,7 @@ class Members:
             return False
         return self._reported is None or self._reported.any_enabled()
 
-    def ranked(self, role: Role, avoid: set[str]) -> list[Member]:
+    def ranked(self, role: Role, avoid: Mapping[str, int]) -> list[Member]:
         """The members of `role` this request may use, best first; raises when there is none."""
         rank = rank_prefills if role is Role.PREFILL else rank_decodes
         inflight = self.inflight_prefill if role is Role.PREFILL else self.inflight_decode
@@ -248,7 +266,7 @@ class Members:
             raise none_left(role, self.revision, members, self._departures.recent(role))
         return ranked
 
-    def pick_prefill(self, avoid: set[str], tokens: list[int], cache_scope: str) -> Member:
+    def pick_prefill(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> Member:
         """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
         (router/prefix_routing.py), else the shortest queue; remembered as holding it now."""
         ranked = self.ranked(Role.PREFILL, avoid)
@@ -273,10 +291,11 @@ class Members:
             self.metrics.observe_prefill_choice(choice.reason)
         return by_id[choice.worker_id]
 
-    async def joined(self, role: Role, avoid: set[str], deadline: float) -> bool:
-        """Wait until a member of `role` this request may use is registered (True), or the
-        deadline (False). Only the view is looked at meanwhile: the attempt is not re-run, so
-        nothing (a prefill choice, a prefix record) is counted for each look."""
+    async def joined(self, role: Role, avoid: Mapping[str, int], deadline: float) -> bool:
+        """Wait until a member of `role` this request may use is registered (True: a new one,
+        or a failed one restarted), or the deadline (False). Only the view is looked at
+        meanwhile: the attempt is not re-run, so nothing (a prefill choice, a prefix record) is
+        counted for each look."""
         rank = rank_prefills if role is Role.PREFILL else rank_decodes
         inflight = self.inflight_prefill if role is Role.PREFILL else self.inflight_decode
         while time.monotonic() < deadline:
@@ -286,20 +305,22 @@ class Members:
         return False
 
 
-def none_left(role: Role, revision: str, members: list[Member], departed: bool) -> BackendUnavailable:
-    """No member this request may use. Worth waiting for (NoMember) when none is registered at
-    all, or one of the role left lately (restarting, or the view refilling after a broker
-    restart); not when the registered ones are all the deployment has and each failed this
-    request already: waiting would only delay its error."""
+def none_left(role: Role, revision: str, members: list[Member], departed: bool) -> NoMember:
+    """No member this request may use. Worth waiting for when none is registered at all, or one
+    of the role left lately (restarting, or the view refilling after a broker restart); not
+    when the registered ones are all the deployment has and each failed this request already:
+    waiting would only delay its error, unless the failure was a worker going away. Where one
+    went away, PDBackend waits for it to come back (`Timeouts.return_wait_s`)."""
     if not members:
-        return NoMember(f"no {role} worker of model revision {revision} is registered", role)
+        return NoMember(f"no {role} worker of model revision {revision} is registered", role, departed=departed)
     failed = ", ".join(m.worker_id for m in members)
     text = f"no {role} worker of model revision {revision} is registered but the failed {failed}"
-    return NoMember(text, role) if departed else BackendUnavailable(text)
+    return NoMember(text, role, worth_waiting=False, departed=departed)
 
 
-def excluding(ranked: list[Member], avoid: set[str]) -> list[Member]:
-    """Members that have not failed this request. A failed one is not tried again: a stalled
-    worker would stall the retry too and cost another quarantined slot, and a dead one stays
-    in the membership until its lease lapses."""
-    return [m for m in ranked if m.worker_id not in avoid]
+def excluding(ranked: list[Member], avoid: Mapping[str, int]) -> list[Member]:
+    """Members that have not failed this request. A failed instance is not tried again: a
+    stalled worker would stall the retry too and cost another quarantined slot, and a dead one
+    stays in the membership until its lease lapses. The same worker registered anew (another
+    `registered_unix_ms`: restarted) is another instance; 0 in `avoid` stands for any."""
+    return [m for m in ranked if avoid.get(m.worker_id, -1) not in (0, m.registered_unix_ms)]

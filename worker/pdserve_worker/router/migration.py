@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,7 +45,7 @@ class DecodePort(Protocol):
     with normal admission, reach a member, give a grant back, run a task past the request."""
 
     async def reserve_decode(
-        self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: set[str]
+        self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: Mapping[str, int]
     ) -> tuple[Member, worker_pb2.Grant]: ...
 
     async def release_decode(self, decode: Member, grant: worker_pb2.Grant, push_settled: bool) -> bool | None: ...
@@ -97,7 +97,7 @@ async def migrate(
     sampling.seed = handover.seed  # the source's (it chose one if the request had none)
     try:
         target, grant = await port.reserve_decode(
-            request_id, len(tokens), params.max_tokens - len(emitted), request.avoid | {source.worker_id}
+            request_id, len(tokens), params.max_tokens - len(emitted), {**request.avoid, source.worker_id: 0}
         )
     except (NoCapacity, BackendError) as exc:
         raise MigrationFailed(f"no decode could take request {request_id} over: {exc}") from None

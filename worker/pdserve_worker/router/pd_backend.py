@@ -6,30 +6,36 @@ Each try of a request is one attempt (router/attempt.py; worker.proto's header h
 3. meanwhile `Prefill` on the chosen prefill pushes the prompt's KV into the slot and notifies the decode;
 4. stream the decode's tokens, with a `RequestInfo` saying how the KV arrived.
 A failed worker is avoided and the request retried (`Timeouts.max_retries`) with the tokens
-already streamed appended to the prompt, so the client's stream goes on without a gap; failures
-another worker would repeat end it. Every way out of an attempt cancels its calls and gives its
-grant back. A draining decode hands its requests over (router/migration.py). Stop strings are
-the decode's job: its text never contains one.
+already streamed appended to the prompt, so the client's stream goes on without a gap; when it
+went away and no other is left, the request waits for it to come back (`return_wait_s`).
+Failures another worker would repeat end it. Every way out of an attempt cancels its calls and
+gives its grant back. A draining decode hands its requests over (router/migration.py). Stop
+strings are the decode's job: its text never contains one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
+from pdserve_common.logs import kv
+from pdserve_common.membership import Role
 from pdserve_worker.api.backend import BackendUnavailable, NoCapacity, TokenEvent
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.api.tokenizing import ModelTokenizing
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.model.tokenizer import Tokenizer
 from pdserve_worker.router.attempt import note_retry, run_attempt
-from pdserve_worker.router.config import RouterConfig
+from pdserve_worker.router.config import RETURN_WAIT_SETTING, RouterConfig
 from pdserve_worker.router.grants import Grants
 from pdserve_worker.router.members import Members, NoMember
 from pdserve_worker.router.request import Retryable, RoutedRequest
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.broker_watch import MembershipView
+
+log = logging.getLogger(__name__)
 
 
 class PDBackend(ModelTokenizing):
@@ -115,7 +121,9 @@ class PDBackend(ModelTokenizing):
     async def _waited(self, request: RoutedRequest, exc: NoCapacity | BackendUnavailable) -> bool:
         """Whether a request that found no worker to use waited for one (True: try again);
         raises what the client should hear when waiting is not worth it."""
-        if isinstance(exc, NoMember):  # none to use: wait a while for one to (re)join
+        if isinstance(exc, NoMember) and (exc.departed or request.lost_worker_of(exc.role)):
+            return await self._returned(request, exc.role)  # (or raises)
+        if isinstance(exc, NoMember) and exc.worth_waiting:  # none to use: wait a while for one to (re)join
             request.member_deadline = request.member_deadline or time.monotonic() + self._t.member_wait_s
             if await self.members.joined(exc.role, request.avoid, request.member_deadline):
                 return True
@@ -130,4 +138,30 @@ class PDBackend(ModelTokenizing):
         raise type(failure.error)(
             f"{failure.error}; no other worker could take request {request.request_id} "
             f"over after {len(request.emitted)} tokens: {exc}"
+        ) from None
+
+    async def _returned(self, request: RoutedRequest, role: Role) -> bool:
+        """A worker of `role` went away (this request's, or one that left lately) and no other
+        is left: wait up to `return_wait_s` for one to register (the same one restarted counts:
+        a new instance). True when one did; else an error that names the wait, for the client."""
+        wait_s = self._t.return_wait_s
+        if not request.return_deadline:
+            request.return_deadline = time.monotonic() + wait_s
+            log.warning(kv(event="request_waits_for_return", request=request.request_id, role=role, wait_s=wait_s))
+        if await self.members.joined(role, request.avoid, request.return_deadline):
+            request.return_deadline = 0.0  # a later loss waits again, in full
+            return True
+        failure = request.failure
+        log.warning(
+            kv(
+                event="request_return_wait_over",
+                request=request.request_id,
+                role=role,
+                error=None if failure is None else str(failure.error),
+            )
+        )
+        raise BackendUnavailable(
+            f"a {role} worker went away and none came back within the wait for one ({wait_s:g} s, "
+            f"{RETURN_WAIT_SETTING}); {len(request.emitted)} tokens had been streamed",
+            public=True,
         ) from None

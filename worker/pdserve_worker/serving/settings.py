@@ -43,6 +43,8 @@ DRAIN_MODE = "PDSERVE_DRAIN_MODE"
 MIGRATE_WAIT_S = "PDSERVE_MIGRATE_WAIT_SECONDS"  # decode: how long a handed-over request waits for its Migrate
 LEASE_MS = "PDSERVE_LEASE_MS"  # router: lease of a reserved slot until Generate claims it
 REQUEST_TIMEOUT_S = "PDSERVE_REQUEST_TIMEOUT_SECONDS"  # router: deadline of one Prefill call
+# router: how long a request whose worker went away waits for one to come back (a restart)
+RETURN_WAIT_S = "PDSERVE_RETURN_WAIT_SECONDS"
 GRACE_S = "PDSERVE_GRACE_SECONDS"  # router/prefill: how long requests in flight may finish on SIGTERM
 SHARD_INDEX = E.SHARD_INDEX
 GROUP_PEERS = E.GROUP_PEERS
@@ -159,6 +161,7 @@ class WorkerSettings(BaseSettings):
     readiness_timeout_ms: int = Field(300_000, ge=1, validation_alias=READINESS_TIMEOUT_MS)
     lease_ms: int = Field(30_000, ge=1, validation_alias=LEASE_MS)
     request_timeout_seconds: float = Field(600.0, gt=0, validation_alias=REQUEST_TIMEOUT_S)
+    return_wait_seconds: float = Field(60.0, ge=0, le=3600, validation_alias=RETURN_WAIT_S)
     grace_seconds: float = Field(30.0, ge=0, validation_alias=GRACE_S)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, validation_alias=MAX_BODY_BYTES)
     http_request_deadline_seconds: float = Field(30.0, gt=0, validation_alias=HTTP_REQUEST_DEADLINE_S)
