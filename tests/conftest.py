@@ -38,9 +38,9 @@ def default_model_dir():
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
-    """`family_dirs(name)`: the HF folder of a tiny model of family `name` (tests/model_families.py),
+    """`family_dirs(name)`: the HF folder of a tiny model of family `name` (tests/support/model_families.py),
     built by transformers once per session."""
-    from model_families import build_family
+    from support.model_families import build_family
 
     built: dict[str, object] = {}
 

@@ -9,10 +9,8 @@ decode's blocks (support/fake_engine.py), so the answer proves the PD path, not 
 from __future__ import annotations
 
 import json
-import os
 import re
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -22,7 +20,6 @@ from pdserve_worker.engines.registry import engine_type, load_engine
 from support.fake_engine import FakeEngine, expected
 from support.local_run import LocalRun
 
-TESTS = Path(__file__).resolve().parents[1]
 FAKE = "support.fake_engine:FakeEngine"
 
 
@@ -61,8 +58,7 @@ def test_an_engine_without_groups_is_refused_a_group_before_it_loads(extra, what
 
 
 def test_a_fake_engine_package_serves_a_pd_request(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_ENGINE", FAKE)  # the children inherit it, and tests/ on their path
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PDSERVE_ENGINE", FAKE)  # the children inherit it; cli_env() puts tests/ on their path
     run = LocalRun.start(
         tmp_path / "run",
         *("--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1"),

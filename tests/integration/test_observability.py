@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import promcheck
+from chart_tools import CHART, by_kind, render
 from support.local_run import LocalRun
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
-
-import promcheck  # noqa: E402
-from chart_tools import CHART, by_kind, render  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -175,12 +171,11 @@ def worker_series(local, router_series) -> dict[str, dict[str, set[str]]]:
 
 @pytest.fixture(scope="module")
 def operator_series() -> dict[str, dict[str, set[str]]]:
-    from kube_fake import DEFAULTS, fake_kube, service
-
     from netutil import free_port
     from pdserve_operator.broker.view import NullBrokerView
     from pdserve_operator.metrics import OperatorMetrics
     from pdserve_operator.reconcile.reconciler import Reconciler
+    from support.kube_fake import DEFAULTS, fake_kube, service
 
     kube = fake_kube()
     kube.inner.create(service("svc", "team", {}))

@@ -26,9 +26,9 @@ import time
 import httpx
 import pytest
 
-from model_families import build_family, hf_greedy, hf_model
 from pdserve_worker.model.tokenizer import Tokenizer
 from support.local_run import LocalRun
+from support.model_families import build_family, hf_greedy, hf_model
 
 pytestmark = pytest.mark.slow
 

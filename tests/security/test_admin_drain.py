@@ -5,15 +5,13 @@ wants the service's token, and a decode that was drained fails liveness (it is r
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from support.local_run import LocalRun, cli, cli_env  # noqa: E402
+from support.local_run import LocalRun, cli, cli_env
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.transfer.backends.host import link_auth, wire
-from security import attacker
 from security.conftest import MAX_LEN, SLOTS, complete, decode_engine_id
+from support import attacker
 from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow

@@ -11,14 +11,10 @@ colocated, with the prefix cache as `pdserve local` sizes it by default (no cach
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from support.local_run import LocalRun  # noqa: E402
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 

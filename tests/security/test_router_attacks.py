@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +19,8 @@ import grpc
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
-from support.local_run import LocalRun  # noqa: E402
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import ssl
-import sys
 from pathlib import Path
 
 import grpc
@@ -17,9 +16,8 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
-from support.local_run import LocalRun  # noqa: E402
+from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 

@@ -9,16 +9,13 @@ the minute's budget, the rest is refused with 429 `tokens_per_minute` and a Retr
 
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from support.local_run import LocalRun  # noqa: E402
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
