@@ -19,7 +19,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from pdserve_worker.gateway.endpoint_picker import Candidate, affinity_key, pick
 from pdserve_worker.util.free_ports import free_port
-from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -34,21 +33,9 @@ async def ask(address: str, body: dict) -> ep.ProcessingResponse:
         return [r async for r in ep_grpc.ExternalProcessorStub(channel).Process(iter(requests))][-1]
 
 
-def test_the_gateway_is_sent_to_a_router_that_serves_the_request(tiny_model_dir, tmp_path):
+def test_the_gateway_is_sent_to_a_router_that_serves_the_request(tiny_model_dir, tmp_path, local_deployments):
     epp = free_port()
-    run = LocalRun.start(
-        tmp_path,
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--routers",
-        "2",
-        "--epp-port",
-        str(epp),
-        "--port",
-        "0",
-    )
+    run = local_deployments(tmp_path, tiny_model_dir, routers=2, epp_port=epp)
     try:
         routers = [run.child(name) for name in ("router-0", "router-1")]
         endpoints = sorted(f"127.0.0.1:{r['http'].rsplit(':', 1)[-1]}" for r in routers)

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support.deployments import local_deployment
 from support.local_run import LocalRun, cli, cli_env
 
 pytestmark = pytest.mark.slow
@@ -18,23 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model_dir, tmp_path_factory):
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("admin-drain"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--slots",
-        "2",
-        "--max-len",
-        "128",
-        "--port",
-        "0",
-    )
+    run = local_deployment(tmp_path_factory.mktemp("admin-drain"), tiny_model_dir, slots=2, max_len=128)
     yield run
     run.stop_cleanly()
 
