@@ -12,6 +12,25 @@ def port() -> int:
     return free_port()
 
 
+@pytest.fixture
+def local_deployments():
+    """`local_deployments(log_dir, model, **keywords)`: `pdserve local` started for one test by
+    support.deployments.local_deployment; the test stops it (and asserts on the stop), and any
+    it left running, a failure between its start and its stop, is stopped at its end.
+    Fixtures of a wider scope call `local_deployment` and stop it after their `yield`."""
+    from support.deployments import local_deployment
+
+    runs = []
+
+    def start(log_dir, model, **keywords):
+        runs.append(local_deployment(log_dir, model, **keywords))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.stop()  # a no-op for a run the test stopped
+
+
 # ---- model fixtures (engine) -------------------------------------------------------------------
 
 
@@ -38,9 +57,9 @@ def default_model_dir():
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory):
-    """`family_dirs(name)`: the HF folder of a tiny model of family `name` (tests/model_families.py),
+    """`family_dirs(name)`: the HF folder of a tiny model of family `name` (tests/support/model_families.py),
     built by transformers once per session."""
-    from model_families import build_family
+    from support.model_families import build_family
 
     built: dict[str, object] = {}
 

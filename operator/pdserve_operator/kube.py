@@ -6,7 +6,7 @@ transport: the official client brings authentication (kubeconfig, in-cluster ser
 with token refresh, exec plugins) and a connection pool; its typed models do not help here
 (children are dicts rendered by `reconcile/children/`) and deserializing them is slow, so requests go
 through its `ApiClient` by path and bodies stay JSON. The reconciler's unit tests drive a
-recording fake of the protocol (tests/unit/kube_fake.py), checked against this client on the
+recording fake of the protocol (tests/support/kube_fake.py), checked against this client on the
 API emulator. Calls are blocking: async code runs them with `asyncio.to_thread`.
 """
 

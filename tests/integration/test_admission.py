@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from support.local_run import LocalRun
+from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -65,24 +65,13 @@ def keys_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(tiny_model_dir, tmp_path_factory, keys_path):
-    run = LocalRun.start(
+    run = local_deployment(
         tmp_path_factory.mktemp("admission-local"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--slots",
-        "2",
-        "--max-len",
-        str(MAX_LEN),
-        "--port",
-        "0",
-        "--api-keys",
-        str(keys_path),
+        tiny_model_dir,
+        decode=1,
+        slots=2,
+        max_len=MAX_LEN,
+        api_keys=keys_path,
     )
     yield run
     run.stop_cleanly()

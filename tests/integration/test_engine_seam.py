@@ -9,10 +9,8 @@ decode's blocks (support/fake_engine.py), so the answer proves the PD path, not 
 from __future__ import annotations
 
 import json
-import os
 import re
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +18,7 @@ from pdserve_worker.engines.base import EngineError, EngineLoad
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.engines.registry import engine_type, load_engine
 from support.fake_engine import FakeEngine, expected
-from support.local_run import LocalRun
 
-TESTS = Path(__file__).resolve().parents[1]
 FAKE = "support.fake_engine:FakeEngine"
 
 
@@ -60,14 +56,9 @@ def test_an_engine_without_groups_is_refused_a_group_before_it_loads(extra, what
         load_engine(FAKE, request(None, **extra))
 
 
-def test_a_fake_engine_package_serves_a_pd_request(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_ENGINE", FAKE)  # the children inherit it, and tests/ on their path
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    run = LocalRun.start(
-        tmp_path / "run",
-        *("--model", str(tiny_model_dir), "--dtype", "float32", "--prefill", "1", "--decode", "1"),
-        *("--slots", "2", "--max-len", "64", "--layers-per-chunk", "1", "--port", "0"),
-    )
+def test_a_fake_engine_package_serves_a_pd_request(tiny_model_dir, tmp_path, monkeypatch, local_deployments):
+    monkeypatch.setenv("PDSERVE_ENGINE", FAKE)  # the children inherit it; cli_env() puts tests/ on their path
+    run = local_deployments(tmp_path / "run", tiny_model_dir, decode=1, slots=2, max_len=64, layers_per_chunk=1)
     try:
         engine = FakeEngine.load(request(str(tiny_model_dir)))
         prompt = [5, 17, 230, 41, 9, 77]

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from support.deployments import local_deployment
 from support.local_run import Answer, LocalRun, served_model, stop_process, stream_completion
 from support.tiny_model import write_tiny_model
 
@@ -41,32 +42,17 @@ def slow_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(slow_model_dir, tmp_path_factory):
-    run = LocalRun.start(
+    run = local_deployment(
         tmp_path_factory.mktemp("pd-faults"),
-        "--model",
-        str(slow_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "2",
-        "--decode",
-        "2",
-        "--slots",
-        str(SLOTS),
-        "--max-len",
-        str(MAX_LEN),
-        "--layers-per-chunk",
-        "1",
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--on-exit",
-        "restart",
-        "--env",
-        "PDSERVE_READINESS_TIMEOUT_MS=3000",
-        "--env",
-        "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+        slow_model_dir,
+        prefill=2,
+        decode=2,
+        slots=SLOTS,
+        max_len=MAX_LEN,
+        layers_per_chunk=1,
+        threads=1,
+        on_exit="restart",
+        env={"PDSERVE_READINESS_TIMEOUT_MS": 3000, "PDSERVE_TRANSFER_TIMEOUT_MS": 2000},
     )
     seen_pids: set[int] = set()
     run.seen_pids = seen_pids  # type: ignore[attr-defined]

@@ -21,7 +21,6 @@ from pdserve_common.auth import bearer_metadata
 from pdserve_common.credentials import gateway_token
 from pdserve_worker.gateway.endpoint_picker import Candidate, affinity_key, pick
 from pdserve_worker.util.free_ports import free_port
-from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -38,21 +37,9 @@ async def ask(address: str, body: dict, token: str) -> ep.ProcessingResponse:
         return [r async for r in stub.Process(iter(requests), metadata=bearer_metadata(token))][-1]
 
 
-def test_the_gateway_is_sent_to_a_router_that_serves_the_request(tiny_model_dir, tmp_path):
+def test_the_gateway_is_sent_to_a_router_that_serves_the_request(tiny_model_dir, tmp_path, local_deployments):
     epp = free_port()
-    run = LocalRun.start(
-        tmp_path,
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--routers",
-        "2",
-        "--epp-port",
-        str(epp),
-        "--port",
-        "0",
-    )
+    run = local_deployments(tmp_path, tiny_model_dir, routers=2, epp_port=epp)
     try:
         gateway = gateway_token(run.token)  # what the operator's Secret holds as token-gateway
         assert open(run.manifest["gateway_token_file"]).read() == gateway  # (what a user is given)

@@ -90,7 +90,7 @@ def test_invalid_options_fail_with_the_field_named(tiny_model_dir):
     assert out.returncode == 2 and "missing" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, tmp_path):
+def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, tmp_path, local_deployments):
     """One dtype default (`auto`) for every command: `pdserve generate` and the API that
     `pdserve local` serves resolve it alike and give the same greedy text (issue: generate used
     bfloat16 while the served workers used float32 on CPUs without native bf16, and the two
@@ -98,7 +98,6 @@ def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, 
     import httpx
 
     from pdserve_worker.cli.local_deployment import auto_dtype
-    from support.local_run import LocalRun
 
     prompt, tokens = "The capital of France is", 24
     out = run_cli(
@@ -116,21 +115,7 @@ def test_generate_and_the_served_api_agree_with_default_options(tiny_model_dir, 
     assert out.returncode == 0, out.stderr
     stats = stats_line(out.stderr)
     assert stats["dtype"] == auto_dtype()
-    run = LocalRun.start(
-        tmp_path / "local",
-        "--model",
-        str(tiny_model_dir),
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--max-len",
-        "128",
-        "--slots",
-        "2",
-        "--port",
-        "0",
-    )
+    run = local_deployments(tmp_path / "local", tiny_model_dir, dtype=None, decode=1, max_len=128, slots=2)
     try:
         assert run.manifest["dtype"] == stats["dtype"]
         model = httpx.get(f"{run.url}/v1/models", timeout=30).json()["data"][0]["id"]

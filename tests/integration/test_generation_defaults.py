@@ -14,21 +14,17 @@ import shutil
 import httpx
 import pytest
 
-from support.local_run import LocalRun, pid_alive, served_model
+from support.local_run import pid_alive, served_model
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_request_without_temperature_follows_do_sample_false(tiny_model_dir, tmp_path):
+def test_a_request_without_temperature_follows_do_sample_false(tiny_model_dir, tmp_path, local_deployments):
     folder = shutil.copytree(tiny_model_dir, tmp_path / "greedy-model")
     config = folder / "generation_config.json"
     data = json.loads(config.read_text()) if config.exists() else {}
     config.write_text(json.dumps({**data, "do_sample": False}))
-    run = LocalRun.start(
-        tmp_path / "run",
-        *("--model", str(folder), "--dtype", "float32", "--prefill", "1", "--decode", "1"),
-        *("--slots", "2", "--max-len", "128", "--port", "0", "--threads", "1"),
-    )
+    run = local_deployments(tmp_path / "run", folder, decode=1, slots=2, max_len=128, threads=1)
     pids = [c["pid"] for c in run.manifest["children"]]
     try:
         model = served_model(run.url)

@@ -15,7 +15,6 @@ from typing import Any
 
 import grpc
 import pytest
-from inprocess_stack import Stack
 
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -31,6 +30,7 @@ from pdserve_worker.router.config import RouterConfig, Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
 from pdserve_worker.transfer.registry import create_engine
 from support.fault_proxy import FaultProxy
+from support.inprocess_stack import Stack
 
 SVC, TOKEN, REVISION = "test/digest", "secret-token", "rev-1"
 SLOTS, MAX_LEN = 2, 64

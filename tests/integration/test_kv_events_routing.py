@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from inprocess_stack import Stack
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
@@ -23,6 +22,7 @@ from pdserve_worker.prefill.service import PrefillServicer
 from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.router.config import RouterConfig, Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
+from support.inprocess_stack import Stack
 
 SVC, TOKEN, REVISION = "ns/kv-events", "kv-events-token-0123456789", "rev-kv-events"
 MAX_LEN, SLOTS = 256, 4

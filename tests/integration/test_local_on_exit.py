@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from support.local_run import LocalRun, pid_alive
+from support.local_run import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -30,29 +30,15 @@ def complete(url: str, prompt: str) -> dict:
     return reply.json()
 
 
-def test_a_dead_decode_stays_down_and_the_rest_serves(tiny_model_dir, tmp_path):
-    run = LocalRun.start(
+def test_a_dead_decode_stays_down_and_the_rest_serves(tiny_model_dir, tmp_path, local_deployments):
+    run = local_deployments(
         tmp_path / "pd-ignore",
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--slots",
-        "2",
-        "--max-len",
-        "128",
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--on-exit",
-        "ignore",
-        "--env",
-        "PDSERVE_READINESS_TIMEOUT_MS=3000",
+        tiny_model_dir,
+        slots=2,
+        max_len=128,
+        threads=1,
+        on_exit="ignore",
+        env={"PDSERVE_READINESS_TIMEOUT_MS": 3000},
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     try:

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from support.deployments import local_deployment
 from support.local_run import Answer, LocalRun, served_model, stream_completion
 from support.tiny_model import write_tiny_model
 
@@ -53,34 +54,25 @@ def local(request, tmp_path_factory):
     sharded decode groups of 2 members (each member pushes its own layers when its group drains);
     and the 4-layer tiny model on two tensor-parallel decodes of 2 ranks (each rank pushes its KV
     head, issue #32)."""
+    options: dict = {}
     if request.param == "smollm2":
-        model = ["builtin:smollm2"]
+        model, options["dtype"] = "builtin:smollm2", None  # its own dtype
     elif request.param == "tiny-4-layers-tp":  # (2 ranks per step on 2 cores: 4 layers keep it short)
-        model = [str(write_tiny_model(tmp_path_factory.mktemp("tiny-4-layers"))), "--dtype", "float32"]
+        model = write_tiny_model(tmp_path_factory.mktemp("tiny-4-layers"))
     else:
-        model = [str(request.getfixturevalue("deep_tiny_dir")), "--dtype", "float32"]
+        model = request.getfixturevalue("deep_tiny_dir")
     if request.param.endswith("-groups"):
-        model += ["--layer-shards", "2"]
+        options["layer_shards"] = 2
     if request.param.endswith("-tp"):
-        model += ["--decode-tp", "2"]
-    run = LocalRun.start(
+        options["decode_tp"] = 2
+    run = local_deployment(
         tmp_path_factory.mktemp("pd-migrate"),
-        "--model",
-        *model,
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--slots",
-        str(SLOTS),
-        "--max-len",
-        str(MAX_LEN),
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--env",
-        "PDSERVE_DRAIN_TIMEOUT_SECONDS=20",
+        model,
+        slots=SLOTS,
+        max_len=MAX_LEN,
+        threads=1,
+        env={"PDSERVE_DRAIN_TIMEOUT_SECONDS": 20},
+        **options,
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     yield run
@@ -250,31 +242,16 @@ def test_draining_a_decode_moves_its_streams_without_prefill(local, reference):
 
 
 @pytest.fixture
-def three_decodes(deep_tiny_dir, tmp_path):
-    run = LocalRun.start(
+def three_decodes(deep_tiny_dir, tmp_path, local_deployments):
+    run = local_deployments(
         tmp_path / "pd-migrate-faults",
-        "--model",
-        str(deep_tiny_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "3",
-        "--slots",
-        str(SLOTS),
-        "--max-len",
-        str(MAX_LEN),
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--on-exit",
-        "ignore",
-        "--env",
-        "PDSERVE_DRAIN_TIMEOUT_SECONDS=20",
-        "--env",
-        "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+        deep_tiny_dir,
+        decode=3,
+        slots=SLOTS,
+        max_len=MAX_LEN,
+        threads=1,
+        on_exit="ignore",
+        env={"PDSERVE_DRAIN_TIMEOUT_SECONDS": 20, "PDSERVE_TRANSFER_TIMEOUT_MS": 2000},
     )
     pids = {c["pid"] for c in run.manifest["children"]}
     yield run

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from inprocess_stack import Stack
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
@@ -36,6 +35,7 @@ from pdserve_worker.router.config import RouterConfig, Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.trailers import settled_trailer
+from support.inprocess_stack import Stack
 
 SVC, TOKEN, REVISION = "test/migrate", "secret-token", "rev-1"
 SLOTS, MAX_LEN, MAX_TOKENS = 6, 128, 96

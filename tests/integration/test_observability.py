@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import promcheck
+from chart_tools import CHART, by_kind, render
+from support.deployments import local_deployment
 from support.local_run import LocalRun
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
-
-import promcheck  # noqa: E402
-from chart_tools import CHART, by_kind, render  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -83,34 +80,17 @@ LAYERS_PER_CHUNK = 1
 @pytest.fixture(scope="module")
 def local(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("obs-local")
-    run = LocalRun.start(
+    run = local_deployment(
         logs,
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--slots",
-        "2",
-        "--max-len",
-        "256",
-        "--layers-per-chunk",
-        str(LAYERS_PER_CHUNK),
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--on-exit",
-        "ignore",
-        "--trace-file",
-        str(logs / "spans.jsonl"),
-        "--prefix-cache-tokens",
-        "256",  # the dashboard's prefix cache panels read its metrics
-        "--prefix-disk-dir",
-        str(logs / "prefix-disk"),  # and its disk tier panels
+        tiny_model_dir,
+        slots=2,
+        max_len=256,
+        layers_per_chunk=LAYERS_PER_CHUNK,
+        threads=1,
+        on_exit="ignore",
+        trace_file=logs / "spans.jsonl",
+        prefix_cache_tokens=256,  # the dashboard's prefix cache panels read its metrics
+        prefix_disk_dir=logs / "prefix-disk",  # and its disk tier panels
     )
     run.trace_file = logs / "spans.jsonl"  # type: ignore[attr-defined]
     yield run
@@ -175,12 +155,11 @@ def worker_series(local, router_series) -> dict[str, dict[str, set[str]]]:
 
 @pytest.fixture(scope="module")
 def operator_series() -> dict[str, dict[str, set[str]]]:
-    from kube_fake import DEFAULTS, fake_kube, service
-
     from netutil import free_port
     from pdserve_operator.broker.view import NullBrokerView
     from pdserve_operator.metrics import OperatorMetrics
     from pdserve_operator.reconcile.reconciler import Reconciler
+    from support.kube_fake import DEFAULTS, fake_kube, service
 
     kube = fake_kube()
     kube.inner.create(service("svc", "team", {}))

@@ -8,7 +8,7 @@ import subprocess
 import openai
 import pytest
 
-from support.local_run import LocalRun, cli, cli_env
+from support.local_run import cli, cli_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +41,8 @@ def colocated(question: str) -> str:
     return out.stdout.removesuffix("\n")
 
 
-def test_greedy_answers_equal_colocated_generate(default_model_dir, tmp_path):
-    run = LocalRun.start(
-        tmp_path,
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--slots",
-        "2",
-        "--max-len",
-        "512",
-        "--port",
-        "0",
-    )
+def test_greedy_answers_equal_colocated_generate(default_model_dir, tmp_path, local_deployments):
+    run = local_deployments(tmp_path, None, decode=1, slots=2, max_len=512)
     try:
         client = openai.OpenAI(base_url=f"{run.url}/v1", api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id

@@ -1,7 +1,7 @@
 """qwen2 and qwen3 through real prefill/decode processes: `pdserve local --model DIR` (broker,
 prefill, decode or a decode group of two, router), KV pushed between processes, against
 colocated generation in this process. The models are the tiny transformers-built families of
-tests/model_families.py (q/k/v bias; q/k norm, explicit head_dim, tied head), whose KV bytes
+tests/support/model_families.py (q/k/v bias; q/k norm, explicit head_dim, tied head), whose KV bytes
 per token differ from the LLaMA default's."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import concurrent.futures
 import openai
 import pytest
 
-from support.local_run import LocalRun, pid_alive
+from support.deployments import local_deployment
+from support.local_run import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -43,28 +44,15 @@ def deployment(request, family_dirs, tmp_path_factory):
         [done] = generate(loaded.model, loaded.tokenizer, [prompt_ids], params, max_len=MAX_LEN)
         return done.text
 
-    run = LocalRun.start(
+    run = local_deployment(
         tmp_path_factory.mktemp(f"pd-{name}-{shards}"),
-        "--model",
-        str(folder),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--layer-shards",
-        str(shards),
-        "--slots",
-        "4",
-        "--max-len",
-        str(MAX_LEN),
-        "--layers-per-chunk",
-        "1",
-        "--port",
-        "0",
-        "--threads",
-        "1",
+        folder,
+        decode=1,
+        layer_shards=shards,
+        slots=4,
+        max_len=MAX_LEN,
+        layers_per_chunk=1,
+        threads=1,
     )
     yield run, loaded, reference
     pids = [c["pid"] for c in run.manifest["children"]]

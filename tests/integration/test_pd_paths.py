@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from inprocess_stack import Stack
 
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -37,6 +36,7 @@ from pdserve_worker.router.pd_backend import PDBackend
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import sampling_to_proto
 from pdserve_worker.transfer.registry import create_engine
+from support.inprocess_stack import Stack
 
 SVC, TOKEN, REVISION = "test/pd", "secret-token", "rev-1"
 SLOTS, MAX_LEN = 2, 64

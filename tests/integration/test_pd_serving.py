@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
-from support.local_run import LocalRun
+from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -63,24 +63,8 @@ def reference(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def local(tiny_model_dir, tmp_path_factory):
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("pd-local"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--slots",
-        str(SLOTS),
-        "--max-len",
-        str(MAX_LEN),
-        "--layers-per-chunk",
-        "1",
-        "--port",
-        "0",
+    run = local_deployment(
+        tmp_path_factory.mktemp("pd-local"), tiny_model_dir, slots=SLOTS, max_len=MAX_LEN, layers_per_chunk=1
     )
     yield run
     run.stop_cleanly()

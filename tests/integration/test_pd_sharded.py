@@ -9,7 +9,7 @@ import concurrent.futures
 import openai
 import pytest
 
-from support.local_run import LocalRun
+from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -37,28 +37,15 @@ def reference(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def local(tiny_model_dir, tmp_path_factory):
-    run = LocalRun.start(
+    run = local_deployment(
         tmp_path_factory.mktemp("pd-sharded"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--layer-shards",
-        "2",
-        "--slots",
-        "4",
-        "--max-len",
-        str(MAX_LEN),
-        "--layers-per-chunk",
-        "1",
-        "--port",
-        "0",
-        "--threads",
-        "1",
+        tiny_model_dir,
+        decode=1,
+        layer_shards=2,
+        slots=4,
+        max_len=MAX_LEN,
+        layers_per_chunk=1,
+        threads=1,
     )
     yield run
     run.stop_cleanly()

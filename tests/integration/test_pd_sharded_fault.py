@@ -9,33 +9,11 @@ import time
 import openai
 import pytest
 
-from support.local_run import LocalRun
-
 pytestmark = pytest.mark.slow
 
 
-def test_a_dead_follower_fails_requests_quickly(tiny_model_dir, tmp_path):
-    run = LocalRun.start(
-        tmp_path,
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--layer-shards",
-        "2",
-        "--slots",
-        "2",
-        "--max-len",
-        "64",
-        "--port",
-        "0",
-        "--threads",
-        "1",
-    )
+def test_a_dead_follower_fails_requests_quickly(tiny_model_dir, tmp_path, local_deployments):
+    run = local_deployments(tmp_path, tiny_model_dir, decode=1, layer_shards=2, slots=2, max_len=64, threads=1)
     try:
         client = openai.OpenAI(base_url=f"{run.url}/v1", api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id

@@ -8,6 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from support.deployments import local_deployment
 from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
@@ -22,10 +23,10 @@ TURNS = [
     " Q: What is a KV cache? A: It stores keys. Q: And values? A:",
     " Q: Name a colour. A:",
 ]
-MODES = {
-    "pd": ("--prefill", "1", "--decode", "1"),
-    "colocated": ("--colocated",),
-    "pd-layer-shards-2": ("--prefill", "1", "--decode", "1", "--layer-shards", "2"),
+MODES: dict[str, dict] = {
+    "pd": {"decode": 1},
+    "colocated": {"colocated": True},
+    "pd-layer-shards-2": {"decode": 1, "layer_shards": 2},
 }
 
 
@@ -49,32 +50,22 @@ def reference(tiny_model_dir):
     return complete
 
 
-def start(tmp_path_factory, tiny_model_dir, name: str, *mode: str) -> LocalRun:
-    return LocalRun.start(
+def start(tmp_path_factory, tiny_model_dir, name: str, **mode) -> LocalRun:
+    return local_deployment(
         tmp_path_factory.mktemp(f"prefix-{name}"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        *mode,
-        "--slots",
-        "4",
-        "--max-len",
-        str(MAX_LEN),
-        "--layers-per-chunk",
-        "1",
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--prefix-cache-tokens",
-        "2048",
+        tiny_model_dir,
+        **mode,
+        slots=4,
+        max_len=MAX_LEN,
+        layers_per_chunk=1,
+        threads=1,
+        prefix_cache_tokens=2048,
     )
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))
 def local(request, tiny_model_dir, tmp_path_factory):
-    run = start(tmp_path_factory, tiny_model_dir, request.param, *MODES[request.param])
+    run = start(tmp_path_factory, tiny_model_dir, request.param, **MODES[request.param])
     run.mode = request.param
     yield run
     run.stop_cleanly()
@@ -84,7 +75,7 @@ def local(request, tiny_model_dir, tmp_path_factory):
 def two_prefills(tiny_model_dir, tmp_path_factory):
     """Two prefills: n copies of a prompt, started at once, would be spread over both (and each
     prefill would compute the prompt) without api/prompt_copies.py."""
-    run = start(tmp_path_factory, tiny_model_dir, "two-prefills", "--prefill", "2", "--decode", "1")
+    run = start(tmp_path_factory, tiny_model_dir, "two-prefills", prefill=2, decode=1)
     yield run
     run.stop_cleanly()
 

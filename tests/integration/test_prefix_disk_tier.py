@@ -77,32 +77,20 @@ def wait_restarted(run: LocalRun, old_pid: int, timeout_s: float = 120.0) -> Non
     raise AssertionError(f"the prefill was not restarted and registered within {timeout_s:.0f}s")
 
 
-def test_blocks_come_back_from_disk_after_eviction_a_kill_and_damage(tiny_model_dir, tmp_path, reference):
+def test_blocks_come_back_from_disk_after_eviction_a_kill_and_damage(
+    tiny_model_dir, tmp_path, reference, local_deployments
+):
     disk = tmp_path / "prefix-disk"
-    run = LocalRun.start(
+    run = local_deployments(
         tmp_path / "run",
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--slots",
-        "2",
-        "--max-len",
-        str(MAX_LEN),
-        "--threads",
-        "1",
-        "--port",
-        "0",
-        "--prefix-cache-tokens",
-        str(4 * BLOCK),
-        "--prefix-disk-dir",
-        str(disk),
-        "--on-exit",
-        "restart",
+        tiny_model_dir,
+        decode=1,
+        slots=2,
+        max_len=MAX_LEN,
+        threads=1,
+        prefix_cache_tokens=4 * BLOCK,
+        prefix_disk_dir=disk,
+        on_exit="restart",
     )
     try:
         first = [ask(run.url, p) for p in PROMPTS]

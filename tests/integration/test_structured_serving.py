@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from support.local_run import LocalRun
+from support.deployments import local_deployment
 from support.tiny_model import write_tool_model
 
 pytestmark = pytest.mark.slow
@@ -38,20 +38,9 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEM
 @pytest.fixture(scope="module", params=["pd", "colocated"])
 def client(request, tmp_path_factory):
     model_dir = write_tool_model(tmp_path_factory.mktemp("tool-model"))
-    shape = ["--prefill", "1", "--decode", "1"] if request.param == "pd" else ["--colocated"]
-    run = LocalRun.start(
-        tmp_path_factory.mktemp(f"structured-{request.param}"),
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        *shape,
-        "--slots",
-        "4",
-        "--max-len",
-        "2048",
-        "--port",
-        "0",
+    shape = {"decode": 1} if request.param == "pd" else {"colocated": True}
+    run = local_deployment(
+        tmp_path_factory.mktemp(f"structured-{request.param}"), model_dir, **shape, slots=4, max_len=2048
     )
     try:
         yield openai.OpenAI(base_url=f"{run.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -26,9 +26,10 @@ import time
 import httpx
 import pytest
 
-from model_families import build_family, hf_greedy, hf_model
 from pdserve_worker.model.tokenizer import Tokenizer
+from support.deployments import local_deployment
 from support.local_run import LocalRun
+from support.model_families import build_family, hf_greedy, hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ TOKENS = 10
 # qwen2's cases push over TCP, as between pods (on one host the engines otherwise map each
 # other's pools): every put into every decode rank's pool then passes that rank's lease check,
 # which rank 0's table grants on each rank over the group (decode/tp_decode.py RankLeases).
-TCP_PUSH = {"qwen2": ("--env", 'PDSERVE_ENGINE_OPTIONS={"pdserve.Transport": "tcp"}')}
+TCP_PUSH = {"qwen2": {"PDSERVE_ENGINE_OPTIONS": '{"pdserve.Transport": "tcp"}'}}
 
 
 def _metric(text: str, name: str, labels: str) -> float:
@@ -70,27 +71,15 @@ def deployment(request, tmp_path_factory):
     expected = [
         (tok.encode(t), tok.decode(hf_greedy(hf, tok.encode(t), TOKENS), skip_special_tokens=True)) for t in TEXTS
     ]
-    run = LocalRun.start(
+    run = local_deployment(
         tmp_path_factory.mktemp(f"tp-{request.param}"),
-        "--model",
-        str(folder),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--prefill-tp",
-        str(tp),
-        "--decode-tp",
-        str(decode_tp),
-        "--layer-shards",
-        str(sharded[0] if sharded else 1),
-        "--prefix-cache-tokens",
-        "0",
-        "--port",
-        "0",
-        *TCP_PUSH.get(family, ()),
+        folder,
+        decode=1,
+        prefill_tp=tp,
+        decode_tp=decode_tp,
+        layer_shards=sharded[0] if sharded else 1,
+        prefix_cache_tokens=0,
+        env=TCP_PUSH.get(family, {}),
     )
     try:
         yield run, expected, tp, override["num_key_value_heads"]
@@ -130,26 +119,16 @@ def _kv_tokens_used(run: LocalRun) -> float:
     return float(re.search(r"^pdserve_decode_kv_tokens_used (\S+)$", metrics, re.MULTILINE).group(1))
 
 
-def test_a_rank_killed_mid_prefill_fails_over_to_another_prefill(tmp_path_factory):
+def test_a_rank_killed_mid_prefill_fails_over_to_another_prefill(tmp_path_factory, local_deployments):
     folder = build_family("qwen3", tmp_path_factory.mktemp("tp-fault-model"))
-    run = LocalRun.start(
+    run = local_deployments(
         tmp_path_factory.mktemp("tp-fault"),
-        "--model",
-        str(folder),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "2",
-        "--decode",
-        "1",
-        "--prefill-tp",
-        "2",
-        "--prefix-cache-tokens",
-        "0",
-        "--on-exit",
-        "restart",
-        "--port",
-        "0",
+        folder,
+        prefill=2,
+        decode=1,
+        prefill_tp=2,
+        prefix_cache_tokens=0,
+        on_exit="restart",
     )
     frozen = _rank_pids(run, "prefill-0")[0]
     try:
@@ -184,7 +163,9 @@ def test_a_rank_killed_mid_prefill_fails_over_to_another_prefill(tmp_path_factor
 
 # (3, 3) only: 1 x N's and N x 1's paths are llama3's 1 x 2, 2 x 1 and 4 x 1 (the suite's time).
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(3, 3)])
-def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_dir, tmp_path, prefill_tp, decode_tp):
+def test_the_default_model_at_tp_3_answers_as_transformers_does(
+    default_model_dir, tmp_path, prefill_tp, decode_tp, local_deployments
+):
     """The bundled SmolLM2-135M (9 query heads over 3 KV heads: sizes 1, 3, 9), dequantized to
     fp32, prefilled and/or decoded by 3 ranks of one KV head each: the greedy chat answers are
     transformers' fp32 greedy tokens, and each prefill rank pushed its share of the KV."""
@@ -192,24 +173,8 @@ def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_di
     tok = Tokenizer.from_dir(default_model_dir)
     chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in ("What is the capital of France?", "Hi!")]
     expected = [tok.decode(hf_greedy(hf, ids, TOKENS), skip_special_tokens=True) for ids in chats]
-    run = LocalRun.start(
-        tmp_path,
-        "--model",
-        str(default_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--prefill-tp",
-        str(prefill_tp),
-        "--decode-tp",
-        str(decode_tp),
-        "--prefix-cache-tokens",
-        "0",
-        "--port",
-        "0",
+    run = local_deployments(
+        tmp_path, default_model_dir, decode=1, prefill_tp=prefill_tp, decode_tp=decode_tp, prefix_cache_tokens=0
     )
     try:
         with httpx.Client(base_url=run.url, timeout=300) as http:
@@ -227,28 +192,17 @@ def test_the_default_model_at_tp_3_answers_as_transformers_does(default_model_di
         run.stop_cleanly()
 
 
-def test_a_dead_decode_rank_takes_its_instance_down_and_the_other_decode_serves(tmp_path_factory):
+def test_a_dead_decode_rank_takes_its_instance_down_and_the_other_decode_serves(tmp_path_factory, local_deployments):
     """A decode rank past 0 killed: rank 0's next collective fails, it logs tp_group_broken and
     ends its process (the instance restarts as one); requests go on through the other decode."""
     folder = build_family("llama3", tmp_path_factory.mktemp("tp-decode-fault-model"), **LLAMA)
-    run = LocalRun.start(
+    run = local_deployments(
         tmp_path_factory.mktemp("tp-decode-fault"),
-        "--model",
-        str(folder),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--decode-tp",
-        "2",
-        "--prefix-cache-tokens",
-        "0",
-        "--on-exit",
-        "ignore",  # decode-0 ends its process (a pod would restart it); the deployment carries on
-        "--port",
-        "0",
+        folder,
+        decode=2,
+        decode_tp=2,
+        prefix_cache_tokens=0,
+        on_exit="ignore",  # decode-0 ends its process (a pod would restart it); the deployment carries on
     )
     victim = _rank_pids(run, "decode-0")[0]
     try:

@@ -11,7 +11,7 @@ import concurrent.futures
 import openai
 import pytest
 
-from support.local_run import LocalRun
+from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -33,24 +33,8 @@ def reference(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def local(tiny_model_dir, tmp_path_factory):
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("two-sided"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--slots",
-        "4",
-        "--max-len",
-        str(MAX_LEN),
-        "--transfer",
-        "two-sided",
-        "--port",
-        "0",
+    run = local_deployment(
+        tmp_path_factory.mktemp("two-sided"), tiny_model_dir, decode=1, slots=4, max_len=MAX_LEN, transfer="two-sided"
     )
     yield run
     run.stop_cleanly()

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-from inprocess_stack import Stack
 
 from pdserve.v1 import worker_pb2_grpc
 from pdserve_common.membership import MemberInfo, Role
@@ -23,6 +22,7 @@ from pdserve_worker.prefill.service import PrefillServicer
 from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.router.config import RouterConfig, Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
+from support.inprocess_stack import Stack
 
 SVC, TOKEN, REVISION = "test/two-sided", "secret-token", "rev-1"
 MAX_LEN = 64

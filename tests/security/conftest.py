@@ -14,6 +14,7 @@ import pytest
 from netutil import free_port  # noqa: E402
 from pdserve_common.kv_layout import KVLayout  # noqa: E402
 from pdserve_worker.transfer.backends.host import link_auth  # noqa: E402
+from support.deployments import local_deployment
 from support.local_run import LocalRun  # noqa: E402
 from support.transfer_peers import PeerProcess, decode_main  # noqa: E402
 
@@ -65,42 +66,25 @@ def local(tiny_model_dir, tmp_path_factory) -> Iterator[LocalRun]:
     saved = os.environ.get("PDSERVE_ENGINE_OPTIONS")
     os.environ["PDSERVE_ENGINE_OPTIONS"] = json.dumps({"pdserve.Transport": "tcp"})
     try:
-        run = LocalRun.start(
+        run = local_deployment(
             tmp_path_factory.mktemp("sec-local"),
-            "--model",
-            str(tiny_model_dir),
-            "--dtype",
-            "float32",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--slots",
-            str(SLOTS),
-            "--max-len",
-            str(MAX_LEN),
-            "--layers-per-chunk",
-            "1",
-            "--port",
-            "0",
-            # Every HTTP port's bounds on unfinished requests, turned down so the tests are quick.
-            "--env",
-            f"PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS={HTTP_DEADLINE_S}",
-            "--env",
-            f"PDSERVE_HTTP_MAX_CONNECTIONS={HTTP_MAX_CONNECTIONS}",
-            "--env",
-            f"PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER={HTTP_MAX_CONNECTIONS_PER_PEER}",
-            # And every gRPC port's (pdserve_common/channels.py), for test_grpc_bounds.py.
-            "--env",
-            f"PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS={GRPC_HANDSHAKE_MS}",
-            "--env",
-            f"PDSERVE_GRPC_IDLE_TIMEOUT_MS={GRPC_IDLE_MS}",
-            "--env",
-            f"PDSERVE_GRPC_MAX_CONNECTIONS={GRPC_MAX_CONNECTIONS}",
-            "--env",
-            f"PDSERVE_BROKER_MAX_MEMBERS={BROKER_MAX_MEMBERS}",  # test_broker_bounds.py
-            "--epp-port",
-            str(EPP_PORT),
+            tiny_model_dir,
+            decode=1,
+            slots=SLOTS,
+            max_len=MAX_LEN,
+            layers_per_chunk=1,
+            epp_port=EPP_PORT,
+            env={
+                # Every HTTP port's bounds on unfinished requests, turned down so the tests are quick.
+                "PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS": HTTP_DEADLINE_S,
+                "PDSERVE_HTTP_MAX_CONNECTIONS": HTTP_MAX_CONNECTIONS,
+                "PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER": HTTP_MAX_CONNECTIONS_PER_PEER,
+                # And every gRPC port's (pdserve_common/channels.py), for test_grpc_bounds.py.
+                "PDSERVE_GRPC_HANDSHAKE_TIMEOUT_MS": GRPC_HANDSHAKE_MS,
+                "PDSERVE_GRPC_IDLE_TIMEOUT_MS": GRPC_IDLE_MS,
+                "PDSERVE_GRPC_MAX_CONNECTIONS": GRPC_MAX_CONNECTIONS,
+                "PDSERVE_BROKER_MAX_MEMBERS": BROKER_MAX_MEMBERS,  # test_broker_bounds.py
+            },
         )
     finally:
         if saved is None:

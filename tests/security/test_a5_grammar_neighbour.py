@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from support.local_run import LocalRun
+from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -36,24 +36,8 @@ def local(tiny_model_dir, tmp_path_factory):
     for name, key in KEYS.items():
         lines += [f"  - name: {name}", f'    keys: ["{key}"]']
     keys.write_text("\n".join(lines) + "\n")
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("a5"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--slots",
-        "12",
-        "--max-len",
-        "256",
-        "--port",
-        "0",
-        "--api-keys",
-        str(keys),
+    run = local_deployment(
+        tmp_path_factory.mktemp("a5"), tiny_model_dir, decode=1, slots=12, max_len=256, api_keys=keys
     )
     yield run
     run.stop_cleanly()

@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 
+from support.deployments import local_deployment
 from support.local_run import Answer, LocalRun, served_model, stream_completion
 from support.tiny_model import write_tiny_model
 
@@ -34,34 +35,18 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of"]
 def local(tmp_path_factory):
     # 16 layers: a stream lasts long enough that the kill meets it on the decode.
     model = write_tiny_model(tmp_path_factory.mktemp("tiny-tp-16-layers"), num_layers=16)
-    run = LocalRun.start(
+    run = local_deployment(
         tmp_path_factory.mktemp("a6-tp-restart"),
-        "--model",
-        str(model),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--prefill-tp",
-        "2",
-        "--decode-tp",
-        "2",
-        "--prefix-cache-tokens",
-        "0",
-        "--slots",
-        "4",
-        "--max-len",
-        str(MAX_LEN),
-        "--threads",
-        "1",
-        "--port",
-        "0",
-        "--on-exit",
-        "restart",
-        "--env",
-        f"PDSERVE_RETURN_WAIT_SECONDS={RECOVERY_S}",
+        model,
+        decode=1,
+        prefill_tp=2,
+        decode_tp=2,
+        prefix_cache_tokens=0,
+        slots=4,
+        max_len=MAX_LEN,
+        threads=1,
+        on_exit="restart",
+        env={"PDSERVE_RETURN_WAIT_SECONDS": RECOVERY_S},
     )
     seen: set[int] = set()
     run.seen_pids = seen  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from support.deployments import local_deployment
 from support.local_run import Answer, LocalRun, served_model, stop_process, stream_completion
 from support.tiny_model import write_tiny_model
 
@@ -32,30 +33,16 @@ PROMPT = "The quick brown fox"
 def local(tmp_path_factory):
     # 16 layers: the stream lasts long enough that the kill meets it on the decode.
     model = write_tiny_model(tmp_path_factory.mktemp("tiny-16-layers"), num_layers=16)
-    run = LocalRun.start(
+    run = local_deployment(
         tmp_path_factory.mktemp("a7-restart"),
-        "--model",
-        str(model),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--slots",
-        "4",
-        "--max-len",
-        str(MAX_LEN),
-        "--layers-per-chunk",
-        "1",
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--on-exit",
-        "restart",
-        "--env",
-        f"PDSERVE_RETURN_WAIT_SECONDS={RETURN_WAIT_S}",
+        model,
+        decode=1,
+        slots=4,
+        max_len=MAX_LEN,
+        layers_per_chunk=1,
+        threads=1,
+        on_exit="restart",
+        env={"PDSERVE_RETURN_WAIT_SECONDS": RETURN_WAIT_S},
     )
     seen: set[int] = set()
     run.seen_pids = seen  # type: ignore[attr-defined]

@@ -5,38 +5,21 @@ wants the service's token, and a decode that was drained fails liveness (it is r
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from support.local_run import LocalRun, cli, cli_env  # noqa: E402
+from support.deployments import local_deployment
+from support.local_run import LocalRun, cli, cli_env
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model_dir, tmp_path_factory):
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("admin-drain"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--slots",
-        "2",
-        "--max-len",
-        "128",
-        "--port",
-        "0",
-    )
+    run = local_deployment(tmp_path_factory.mktemp("admin-drain"), tiny_model_dir, slots=2, max_len=128)
     yield run
     run.stop_cleanly()
 

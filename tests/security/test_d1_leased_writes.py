@@ -18,8 +18,8 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth
 from pdserve_worker.transfer.registry import create_engine
-from security import attacker
 from security.conftest import KEY
+from support import attacker
 
 pytestmark = pytest.mark.slow
 

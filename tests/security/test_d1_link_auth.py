@@ -20,8 +20,8 @@ from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import link_auth, wire
 from pdserve_worker.transfer.registry import create_engine
-from security import attacker
 from security.conftest import KEY, complete
+from support import attacker
 
 pytestmark = pytest.mark.slow
 

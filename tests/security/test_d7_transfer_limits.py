@@ -16,8 +16,8 @@ import pytest
 from pdserve_worker.transfer import hixl_api as api
 from pdserve_worker.transfer.backends.host import wire
 from pdserve_worker.transfer.registry import create_engine
-from security import attacker
 from security.conftest import KEY
+from support import attacker
 
 pytestmark = pytest.mark.slow
 

@@ -20,9 +20,8 @@ import pytest
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_worker.transfer.backends.host import link_auth, wire
-from security import attacker
 from security.conftest import MAX_LEN, SLOTS, complete, decode_engine_id
-from support.local_run import LocalRun
+from support import attacker
 
 pytestmark = pytest.mark.slow
 
@@ -132,29 +131,15 @@ def test_floods_of_forged_notifies_and_failed_handshakes_log_a_summary_not_a_lin
     assert sum("kv_link_refusals" in line for line in new_lines) <= 2
 
 
-def test_shutdown_stops_the_transfer_server_before_freeing_the_pool(tiny_model_dir, tmp_path: Path) -> None:
+def test_shutdown_stops_the_transfer_server_before_freeing_the_pool(
+    tiny_model_dir, tmp_path: Path, local_deployments
+) -> None:
     """A peer is in the middle of a WRITE into a leased slot when the deployment stops: the
     decode must close that link and join its server before the pool's memory goes (before:
     the pool was freed first, while a server thread could be receiving into it)."""
     os.environ["PDSERVE_ENGINE_OPTIONS"] = json.dumps({"pdserve.Transport": "tcp"})
     try:
-        run = LocalRun.start(
-            tmp_path / "stop",
-            "--model",
-            str(tiny_model_dir),
-            "--dtype",
-            "float32",
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--slots",
-            str(SLOTS),
-            "--max-len",
-            str(MAX_LEN),
-            "--port",
-            "0",
-        )
+        run = local_deployments(tmp_path / "stop", tiny_model_dir, decode=1, slots=SLOTS, max_len=MAX_LEN)
     finally:
         del os.environ["PDSERVE_ENGINE_OPTIONS"]
     auth = (("authorization", f"Bearer {run.token}"),)

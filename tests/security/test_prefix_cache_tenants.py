@@ -11,14 +11,11 @@ colocated, with the prefix cache as `pdserve local` sizes it by default (no cach
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from support.local_run import LocalRun  # noqa: E402
+from support.deployments import local_deployment
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +38,9 @@ def local(request, tiny_model_dir, tmp_path_factory):
             lines.append("    sharePrefixCache: true")
     keys.write_text("\n".join(lines) + "\n")
     # PD behind two routers: requests alternate between them, isolation holds across both.
-    mode = ("--prefill", "1", "--decode", "1", "--routers", "2") if request.param == "pd" else ("--colocated",)
-    run = LocalRun.start(
-        tmp_path_factory.mktemp(f"tenants-{request.param}"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        *mode,
-        "--slots",
-        "2",
-        "--max-len",
-        "512",
-        "--port",
-        "0",
-        "--api-keys",
-        str(keys),
+    mode = {"decode": 1, "routers": 2} if request.param == "pd" else {"colocated": True}
+    run = local_deployment(
+        tmp_path_factory.mktemp(f"tenants-{request.param}"), tiny_model_dir, **mode, slots=2, max_len=512, api_keys=keys
     )
     assert len(run.manifest["routers"]) == (2 if request.param == "pd" else 1)
     assert run.manifest["routers"][0] == run.url

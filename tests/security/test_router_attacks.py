@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +19,9 @@ import grpc
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
-from support.local_run import LocalRun  # noqa: E402
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from support.deployments import local_deployment
+from support.local_run import LocalRun
 
 pytestmark = pytest.mark.slow
 
@@ -32,24 +31,8 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="module")
 def attacked(tiny_model_dir, tmp_path_factory):
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("router-attacks"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
-        "--slots",
-        str(SLOTS),
-        "--max-len",
-        str(MAX_LEN),
-        "--layers-per-chunk",
-        "1",
-        "--port",
-        "0",
+    run = local_deployment(
+        tmp_path_factory.mktemp("router-attacks"), tiny_model_dir, slots=SLOTS, max_len=MAX_LEN, layers_per_chunk=1
     )
     yield run
     run.stop_cleanly()

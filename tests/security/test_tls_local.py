@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import ssl
-import sys
 from pathlib import Path
 
 import grpc
@@ -17,9 +16,8 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
-from support.local_run import LocalRun  # noqa: E402
+from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
+from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -27,25 +25,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tls_run(tiny_model_dir, tmp_path_factory):
     # One decode instance of two processes, so the leader -> follower hop is exercised too.
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("tls-local"),
-        "--tls",
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--layer-shards",
-        "2",
-        "--slots",
-        "2",
-        "--max-len",
-        "128",
-        "--port",
-        "0",
+    run = local_deployment(
+        tmp_path_factory.mktemp("tls-local"), tiny_model_dir, tls=True, decode=1, layer_shards=2, slots=2, max_len=128
     )
     yield run
     run.stop_cleanly()

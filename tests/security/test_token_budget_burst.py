@@ -9,16 +9,13 @@ the minute's budget, the rest is refused with 429 `tokens_per_minute` and a Retr
 
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from support.local_run import LocalRun  # noqa: E402
+from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -30,24 +27,8 @@ TPM, MAX_TOKENS, BURST = 2000, 300, 16
 def local(tiny_model_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text(f'tenants:\n  - name: burst\n    keys: ["{KEY}"]\n    tokensPerMinute: {TPM}\n')
-    run = LocalRun.start(
-        tmp_path_factory.mktemp("burst"),
-        "--model",
-        str(tiny_model_dir),
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--slots",
-        str(BURST),
-        "--max-len",
-        "512",
-        "--port",
-        "0",
-        "--api-keys",
-        str(keys),
+    run = local_deployment(
+        tmp_path_factory.mktemp("burst"), tiny_model_dir, decode=1, slots=BURST, max_len=512, api_keys=keys
     )
     yield run
     run.stop_cleanly()

@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from security import attacker
 from security.conftest import KEY
+from support import attacker
 
 pytestmark = pytest.mark.slow
 

@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli_env() -> dict[str, str]:
+    """The environment of a process a test starts: the source roots, then tests/ (so a child
+    imports `support.*` as the tests do, by pyproject's pytest `pythonpath`)."""
     env = dict(os.environ)
-    paths = [str(ROOT / d) for d in ("worker", "operator", "common", "proto")]
+    paths = [str(ROOT / d) for d in ("worker", "operator", "common", "proto", "tests")]
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from router_fakes import ScriptedBackend, running_router
 
 from pdserve_worker.api import api_fields
 from pdserve_worker.api.app import create_app
 from pdserve_worker.api.keys import KeyStore
+from support.router_fakes import ScriptedBackend, running_router
 
 MODEL = "fake-model"
 # A value that asks for something, for every refused field (a new refused field needs one here).

@@ -3,17 +3,16 @@ HPA against the real autoscaling/v2 schema, and the reconciler leaving an autosc
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
-from kube_fake import fake_kube, reconcile, reconciler, service
+
+from support.kube_fake import fake_kube, reconcile, reconciler, service
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 
 from kube_emulator.schema import admit  # noqa: E402
 from pdserve_operator import crd  # noqa: E402

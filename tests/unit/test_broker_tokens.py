@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import base64
 
-from kube_fake import fake_kube, reconcile, reconciler, service
-
 from pdserve_operator.broker import tokens as broker_tokens
 from pdserve_operator.broker.view import NullBrokerView
 from pdserve_operator.kube import KINDS, PDIS
 from pdserve_operator.reconcile.children.meta import Owner, secret_name
 from pdserve_operator.reconcile.children.secret import secret as child_secret
+from support.kube_fake import fake_kube, reconcile, reconciler, service
 
 
 class Recording(NullBrokerView):

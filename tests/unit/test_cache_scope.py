@@ -8,12 +8,12 @@ import json
 
 import httpx
 import pytest
-from router_fakes import ScriptedBackend, running_router
 
 from pdserve_worker.api.app import create_app
 from pdserve_worker.api.cache_scope import SHARED, cache_scope
 from pdserve_worker.api.keys import ANONYMOUS, KeyStore, Tenant, TenantLimits
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
+from support.router_fakes import ScriptedBackend, running_router
 
 KEY_A = "sk-tenant-a-0123456789abcdef"
 KEY_B = "sk-tenant-b-0123456789abcdef"

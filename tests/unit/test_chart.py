@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 
 import chart_tools  # noqa: E402
 from chart_tools import CHART, by_kind, render  # noqa: E402

@@ -8,9 +8,8 @@ import copy
 from typing import Any
 
 import pytest
-from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
-from kube_emulator.schema import admit  # noqa: E402
+from kube_emulator.schema import admit
 from pdserve_operator import spec as s
 from pdserve_operator.kube import PDIS, KubeError
 from pdserve_operator.reconcile import decode_groups as dg
@@ -20,6 +19,7 @@ from pdserve_operator.reconcile.children.meta import LWS_API_VERSION, Owner, sec
 from pdserve_operator.reconcile.children.meta import labels as child_labels
 from pdserve_operator.reconcile.children.workloads import autoscaled_workloads
 from support import leaderworkerset as lws
+from support.kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 from support.worker_env import worker_settings
 
 NS = "team"

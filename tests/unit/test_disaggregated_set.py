@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
@@ -17,6 +16,7 @@ from pdserve_operator.reconcile.children import render
 from pdserve_operator.reconcile.children.config_map import config_hash, service_config
 from pdserve_operator.reconcile.children.meta import Owner, secret_name, selector_labels
 from support import leaderworkerset as lws
+from support.kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 from support.worker_env import worker_settings
 
 NS = "team"

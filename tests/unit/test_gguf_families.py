@@ -1,6 +1,6 @@
 """qwen2 and qwen3 GGUF files, written as llama.cpp's converter writes them, load and equal the HF model.
 
-The files come from tests/model_families.py `write_family_gguf`: tensor names by the `gguf`
+The files come from tests/support/model_families.py `write_family_gguf`: tensor names by the `gguf`
 package's TensorNameMap, metadata by GGUFWriter's own keys, vocabulary padded with [PADn]
 like `get_vocab_base`, merges/special ids/template by `gguf.SpecialVocab`. The reference is
 transformers running the HF folder the file was made from; for qwen2 transformers' own GGUF
@@ -13,7 +13,6 @@ import gguf
 import pytest
 import torch
 
-from model_families import build_family, hf_greedy, hf_logits, hf_model, write_family_gguf
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.engine import greedy_tokens
 from pdserve_worker.model.loading.gguf_format import config_from_gguf, gguf_to_hf_name, hf_to_gguf_name
@@ -21,6 +20,7 @@ from pdserve_worker.model.loading.loader import load_model
 from pdserve_worker.model.loading.weights import read_gguf, read_gguf_metadata
 from pdserve_worker.model.shapes import weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
+from support.model_families import build_family, hf_greedy, hf_logits, hf_model, write_family_gguf
 
 TEXTS = ["Paris is the capital of France.", "12345 café 東京 🙂\n\nnew lines", "<|im_start|>user\nhi<|im_end|>\n"]
 

@@ -9,13 +9,13 @@ operator does on a cluster that lacks the InferencePool API or the permission to
 from __future__ import annotations
 
 import pytest
-from kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 from pdserve_common import pod_env as E
 from pdserve_operator import spec as s
 from pdserve_operator.kube import PDIS, KubeError, kind_of
 from pdserve_operator.reconcile.children import render
 from pdserve_operator.reconcile.children.meta import Defaults, Owner
+from support.kube_fake import DEFAULTS, fake_kube, reconcile, reconciler, service
 
 NS = "team"
 POOL = {"router": {"endpointPickerPort": 9002, "inferencePool": {"enabled": True}}}

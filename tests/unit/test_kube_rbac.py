@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-
-from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, request_attributes  # noqa: E402
+from kube_emulator.rbac import Authorizer, RequestAttributes, ServiceAccount, request_attributes
 
 
 @pytest.mark.parametrize(

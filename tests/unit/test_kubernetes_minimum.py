@@ -8,14 +8,12 @@ every row cites where its first release is recorded upstream.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 
 from chart_tools import render  # noqa: E402
 from pdserve_operator import crd  # noqa: E402

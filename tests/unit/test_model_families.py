@@ -15,13 +15,13 @@ import json
 import pytest
 import torch
 
-from model_families import FAMILIES, build_family, hf_greedy, hf_logits, hf_model
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.engine import greedy_tokens
 from pdserve_worker.model.loading.loader import load_model
 from pdserve_worker.model.shapes import parameter_count, weight_shapes
 from pdserve_worker.model.tokenizer import Tokenizer
+from support.model_families import FAMILIES, build_family, hf_greedy, hf_logits, hf_model
 
 NAMES = list(FAMILIES)
 TEXTS = [

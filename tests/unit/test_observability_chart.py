@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ import jsonschema
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 
 import promcheck  # noqa: E402
 from chart_tools import CHART, by_kind, render  # noqa: E402

@@ -14,7 +14,6 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-from kube_fake import reconcile
 
 from kube_emulator import EmulatorThread
 from pdserve_common import pod_env as E
@@ -25,6 +24,7 @@ from pdserve_operator.kube import KINDS, PDIS, KubeError, RestKubeClient
 from pdserve_operator.reconcile.children.meta import VLLM_IMAGES, Defaults
 from pdserve_operator.reconcile.reconciler import Reconciler
 from pdserve_operator.runtime import OperatorConfig
+from support.kube_fake import reconcile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))

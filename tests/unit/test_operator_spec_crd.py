@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
 
 from kube_emulator import validate_crd  # noqa: E402
 from kube_emulator.schema import _program, admit  # noqa: E402

@@ -11,7 +11,6 @@ import asyncio
 import threading
 
 import pytest
-from kube_fake import DEFAULTS, NOW, Action, Recorder, fake_kube, reconcile, reconciler, service
 
 from pdserve_operator import events as ev
 from pdserve_operator import spec as s
@@ -27,6 +26,7 @@ from pdserve_operator.reconcile.children.meta import (
     selector_string,
 )
 from pdserve_operator.reconcile.children.secret import token_of
+from support.kube_fake import DEFAULTS, NOW, Action, Recorder, fake_kube, reconcile, reconciler, service
 
 NS = "team"
 

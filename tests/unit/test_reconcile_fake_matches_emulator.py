@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from kube_fake import Action, MemoryKube, Recorder, reconcile, reconciler, service
 
 from kube_emulator import EmulatorThread
 from pdserve_operator import events as ev
@@ -27,6 +26,7 @@ from pdserve_operator.crd import build_adapter_crd, build_crd
 from pdserve_operator.kube import KINDS, PDIS, KubeClient, RestKubeClient
 from pdserve_operator.reconcile.children import render
 from pdserve_operator.reconcile.children.meta import Owner, selector_labels
+from support.kube_fake import Action, MemoryKube, Recorder, reconcile, reconciler, service
 
 NS = "agree"
 Steps = dict[str, list[Action]]

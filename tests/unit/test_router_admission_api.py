@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 import pytest
-from router_fakes import running_router
 
 from pdserve_worker.api.admission import AdmissionConfig, AdmissionQueue
 from pdserve_worker.api.app import create_app
@@ -23,6 +22,7 @@ from pdserve_worker.api.backend import Backend, NoCapacity, TokenEvent, capacity
 from pdserve_worker.api.keys import KeyStore
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.model.sampling.params import SamplingParams
+from support.router_fakes import running_router
 
 KEY = "sk-test-interactive-0123456789"
 BATCH_KEY = "sk-test-batch-0123456789abcd"

@@ -9,11 +9,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_fakes import ScriptedBackend, running_router
 
 from pdserve_worker.api.app import create_app
 from pdserve_worker.api.backend import BackendUnavailable, NoCapacity, RequestInfo, RequestTimeout
 from pdserve_worker.api.metrics import RouterMetrics
+from support.router_fakes import ScriptedBackend, running_router
 
 MODEL = ScriptedBackend.model_name
 

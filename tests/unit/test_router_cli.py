@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from router_fakes import ScriptedBackend, running_router
 
 from pdserve_worker.api.app import create_app
 from pdserve_worker.api.backend import NoCapacity, RequestInfo
+from support.router_fakes import ScriptedBackend, running_router
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {

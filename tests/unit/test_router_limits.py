@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-from router_fakes import ScriptedBackend, running_router
 
 from pdserve_worker.api.app import RouterLimits, create_app
 from pdserve_worker.api.backend import NoCapacity
@@ -21,6 +20,7 @@ from pdserve_worker.api.openai_api import MAX_MESSAGES
 from pdserve_worker.api.tokenizing import TokenizerPool, max_prompt_chars
 from pdserve_worker.model.sampling.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from pdserve_worker.rpc.convert import sampling_to_proto
+from support.router_fakes import ScriptedBackend, running_router
 
 MODEL = ScriptedBackend.model_name
 COMPLETIONS = {"model": MODEL, "prompt": "x"}

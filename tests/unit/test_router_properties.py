@@ -10,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from router_fakes import ScriptedBackend
 
 from pdserve_worker.api.app import create_app
+from support.router_fakes import ScriptedBackend
 
 MODEL = ScriptedBackend.model_name
 

@@ -3,36 +3,23 @@ and streams past the bound are cancelled down to the backend. Real processes, 12
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(
-        [
-            str(ROOT / "worker"),
-            str(ROOT / "operator"),
-            str(ROOT / "common"),
-            str(ROOT / "proto"),
-            os.environ.get("PYTHONPATH", ""),
-        ]
-    ),
-}
+from support.local_run import cli_env
+
+ENV = cli_env()  # the source roots and tests/: the server is support/router_fake_server.py
 
 
 def start(port: int, grace_s: float, tokens: int, delay_s: float) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "router_fake_server.py"), str(port), str(grace_s), str(tokens), str(delay_s)],
+        [sys.executable, "-m", "support.router_fake_server", str(port), str(grace_s), str(tokens), str(delay_s)],
         env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

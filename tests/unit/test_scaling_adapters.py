@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from kube_fake import fake_kube, reconcile, reconciler, service
-
 from pdserve_operator import spec as s
 from pdserve_operator.kube import KINDS, PDIS, KubeError
 from pdserve_operator.reconcile.children.autoscaling import scaling_adapter
 from pdserve_operator.reconcile.children.meta import Owner
 from pdserve_operator.reconcile.scaling_adapters import ADAPTER_IGNORED, CRD_RECHECK_S, SCALE_REFUSED, Decision, decide
+from support.kube_fake import fake_kube, reconcile, reconciler, service
 
 ADAPTER = KINDS["PDScalingAdapter"]
 NS = "team"

@@ -139,13 +139,8 @@ def test_a_resumed_request_continues_its_grammar_exactly(loaded):
 
 @pytest.fixture
 def api(port):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from router_fakes import ScriptedBackend, running_router
-
     from pdserve_worker.api.app import create_app
+    from support.router_fakes import ScriptedBackend, running_router
 
     backend = ScriptedBackend()
     with running_router(create_app(backend), port) as url:

@@ -10,11 +10,11 @@ import multiprocessing
 import pytest
 import torch
 
-from model_families import build_family, hf_greedy, hf_model
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers.tensor_parallel import TPShard, check_size, shard_weights, valid_sizes
 from pdserve_worker.model.loading.random_model import tiny_config, tiny_weights
 from pdserve_worker.model.tokenizer import Tokenizer
+from support.model_families import build_family, hf_greedy, hf_model
 
 SMOLLM2 = ModelConfig(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64

@@ -29,7 +29,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from kube_fake import DEFAULTS
 
 from kube_emulator import EmulatorThread
 from pdserve_operator import spec as s
@@ -38,6 +37,7 @@ from pdserve_operator.reconcile import drift
 from pdserve_operator.reconcile.children import render
 from pdserve_operator.reconcile.children.meta import Defaults, Owner
 from support import upstream_crds as up
+from support.kube_fake import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "team"

@@ -3,7 +3,7 @@
 uvicorn drains on SIGTERM: it stops accepting, lets requests in flight run for up to
 `grace_s`, cancels the rest (closing the backends' generators), then re-raises the signal.
 
-Usage: python router_fake_server.py PORT GRACE_S TOKENS DELAY_S
+Usage: python -m support.router_fake_server (tests/ on PYTHONPATH) PORT GRACE_S TOKENS DELAY_S
 Prints `closed REQUEST_ID cancelled=BOOL tokens=N` when a backend generator closes.
 """
 
@@ -13,11 +13,10 @@ import signal
 import sys
 from types import FrameType
 
-from router_fakes import ScriptedBackend
-
 from pdserve_common import logs
 from pdserve_worker.api.app import create_app
 from pdserve_worker.api.server import build_router_server
+from support.router_fakes import ScriptedBackend
 
 
 def _after_drain(sig: int, frame: FrameType | None) -> None:
