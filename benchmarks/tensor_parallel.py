@@ -86,8 +86,8 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
     from pdserve_worker.kv.cache import KVCache
     from pdserve_worker.kv.slots import Grant
     from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.ranks.group import GroupSpec, TPGroup
     from pdserve_worker.serving.gc_heap import freeze_startup_heap
-    from pdserve_worker.serving.tp_group import GroupSpec, TPGroup
     from pdserve_worker.transfer.pool import KVPool
     from pdserve_worker.transfer.push import KVPusher, PushSource
     from pdserve_worker.transfer.registry import create_engine
@@ -144,7 +144,7 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
         if rank:
             stats = pusher.settle()
         if group is not None:
-            group.gather(None)  # every rank's puts landed (as prefill/tp_rank.py's reports)
+            group.gather(None)  # every rank's puts landed (as ranks/prefill.py's reports)
         if not rank:
             stats = pusher.finish({"first_token": 0})
         return time.perf_counter() - t0, stats.bytes

@@ -23,9 +23,10 @@ from pdserve.v1 import worker_pb2
 from pdserve_common import tracing
 from pdserve_worker.decode.generation_loop import Parked, RequestFailed, RequestStream
 from pdserve_worker.decode.migration import MIGRATED, Handoff
-from pdserve_worker.decode.worker import DecodeWorker, MemberUnavailable, Ready, ReadyUnusable
+from pdserve_worker.decode.worker import DecodeWorker, Ready, ReadyUnusable
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 from pdserve_worker.model.sampling.sampler import stop_token_ids
+from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
 from pdserve_worker.transfer.readiness import ReadinessTimeout, SlotNotReserved
 

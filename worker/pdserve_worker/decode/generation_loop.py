@@ -281,7 +281,7 @@ class GenerationLoop:
             self._dispatch(outputs)
 
     def _apply_commands(self, block: bool) -> None:
-        # A generator with an `idle` hook (a tensor-parallel decode's: decode/tp_decode.py) is
+        # A generator with an `idle` hook (a tensor-parallel decode's: ranks/decode.py) is
         # called while nothing comes, on this thread, the one that runs its collectives.
         idle = getattr(self._gen, "idle", None) if block else None
         try:

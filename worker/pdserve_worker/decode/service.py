@@ -19,8 +19,9 @@ from pdserve_common import tracing
 from pdserve_common.logs import kv
 from pdserve_worker.decode.generate_call import GenerateRoad
 from pdserve_worker.decode.migration import HandoffUnavailable
-from pdserve_worker.decode.worker import DecodeWorker, MemberUnavailable
+from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.kv.slots import NoFreeSlot
+from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.convert import grant_to_proto, push_targets_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.transfer.base import TransferError

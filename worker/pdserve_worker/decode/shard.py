@@ -33,13 +33,14 @@ from pdserve_common.kv_layout import KVLayout, layout_from_proto, layout_to_prot
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load
 from pdserve_worker.decode.migration import MigrationPusher, common_layers
-from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
+from pdserve_worker.decode.worker import ReadyUnusable
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
+from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, hidden_from_proto, hidden_to_proto
 from pdserve_worker.serving.settings import WorkerSettings

@@ -63,11 +63,6 @@ class ReadyUnusable(RuntimeError):
     decode: Generate answers ABORTED, which the router retries with another prefill."""
 
 
-class MemberUnavailable(RuntimeError):
-    """A member of this decode's layer-sharded group did not answer: Generate answers
-    UNAVAILABLE, and the router resumes the request on another decode."""
-
-
 @dataclass(frozen=True)
 class Ready:
     """What the ready notification told us about a slot's KV."""
@@ -162,11 +157,7 @@ class DecodeWorker:
         self.group = group
         full = engine.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
         # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
-        layout = (
-            paged_layout(full, settings.kv_block_tokens, settings.kv_tokens or pool_tokens(settings, full))
-            if group is None
-            else group.pool_layout(full)
-        )
+        layout = decode_pool_layout(settings, full) if group is None else group.pool_layout(full)
         self.layout = layout
         self.pool = KVPool(backend, layout, device=settings.device)
         # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
@@ -476,6 +467,12 @@ class DecodeWorker:
         pushed = self.kv_bytes(num_tokens - self.shared_tokens(slot, generation))
         self.metrics.observe_transfer(pushed, waited)
         return Ready(num_tokens, first_token, waited, message, first_logprobs, pushed)
+
+
+def decode_pool_layout(settings: WorkerSettings, full: KVLayout) -> KVLayout:
+    """A decode's own pool: `full` paged in `kv_block_tokens` blocks (unless 0), `kv_tokens` of
+    them or as many as `pool_tokens` sizes."""
+    return paged_layout(full, settings.kv_block_tokens, settings.kv_tokens or pool_tokens(settings, full))
 
 
 def pool_tokens(settings: WorkerSettings, full: KVLayout) -> int:

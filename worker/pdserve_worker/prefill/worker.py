@@ -35,7 +35,8 @@ from pdserve_worker.kv.prefix_store import PrefixStoreConfig, PrefixUse, open_pr
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import draw_first, stop_token_ids
-from pdserve_worker.prefill.tp_rank import (
+from pdserve_worker.ranks.group import TPGroup
+from pdserve_worker.ranks.prefill import (
     IDLE,
     STOP,
     PassPlan,
@@ -47,7 +48,6 @@ from pdserve_worker.prefill.tp_rank import (
 )
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.serving.tp_group import TPGroup
 from pdserve_worker.serving.worker_metrics import WorkerMetrics
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
@@ -148,7 +148,7 @@ class PrefillWorker:
         self.engine = engine
         self.backend = backend
         self.revision = revision
-        # Rank 0 of a tensor-parallel instance (prefill/tp_rank.py): the others follow its passes.
+        # Rank 0 of a tensor-parallel instance (ranks/prefill.py): the others follow its passes.
         self.group = group
         self.fatal: str | None = None  # why the instance must restart (its group broke)
         self._last_collective = time.monotonic()

@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from pdserve_worker.api.http_guard import HttpLimits
     from pdserve_worker.engines.base import Engine
     from pdserve_worker.process.roles import ServingRole
-    from pdserve_worker.process.tp_ranks import Ranks
+    from pdserve_worker.ranks.group import TPGroup
+    from pdserve_worker.ranks.processes import Ranks
     from pdserve_worker.rpc.broker_client import BrokerClient
-    from pdserve_worker.serving.tp_group import TPGroup
     from pdserve_worker.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ async def _run_model_worker(settings: WorkerSettings, state: WorkerState) -> Non
     server: grpc.aio.Server | None = None
     front: Any = None  # the gRPC port's per-address cap (pdserve_common/grpc_front.py)
     role: ServingRole | None = None
-    ranks: Ranks | None = None  # a tensor-parallel instance's other ranks (process/tp_ranks.py)
+    ranks: Ranks | None = None  # a tensor-parallel instance's other ranks (ranks/processes.py)
     try:
         serve_with(settings.torch_threads)  # (serving/torch_threads.py)
         process.state.phase = "loading"
@@ -206,9 +206,9 @@ def _ready(settings: WorkerSettings, model: str, revision: str) -> None:
 
 async def _tp_group(settings: WorkerSettings) -> tuple[Ranks | None, WorkerSettings, TPGroup | None]:
     """A tensor-parallel instance's rank 0 starts the other ranks and joins the group with them
-    (process/tp_ranks.py); returns them, its settings with the rendezvous, and the group."""
-    from pdserve_worker.process.tp_ranks import group_spec, start_ranks
-    from pdserve_worker.serving.tp_group import TPGroup
+    (ranks/processes.py); returns them, its settings with the rendezvous, and the group."""
+    from pdserve_worker.ranks.group import TPGroup
+    from pdserve_worker.ranks.processes import group_spec, start_ranks
 
     if settings.tensor_parallel == 1:
         return None, settings, None

@@ -460,7 +460,7 @@ class KVPusher:
 
     def settle(self) -> PushStats:
         """Wait for every put and notify nobody: a tensor-parallel rank's share of a push, whose
-        ready notify rank 0 sends once every rank's puts landed (prefill/tp_rank.py)."""
+        ready notify rank 0 sends once every rank's puts landed (ranks/prefill.py)."""
         if self._failed or self._finished:
             raise RuntimeError("settle after the push failed or finished")
         return self._end(None)
