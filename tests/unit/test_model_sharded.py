@@ -1,7 +1,7 @@
-"""A layer-sharded decode's model side (model/layers/sharded.py): each member's pool holds a contiguous
+"""A layer-sharded decode's model side (model/layers/layer_shards.py): each member's pool holds a contiguous
 share of the layers, a member refuses layers it has no weights for, and hopping the hidden
 state member to member equals the whole model's step. The group's serving side (grants on
-every member, one ready notification each) is decode/shard.py's: tests/unit/test_decode_shard.py
+every member, one ready notification each) is decode/layer_shards.py's: tests/unit/test_decode_shard.py
 and tests/integration/test_pd_sharded.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, member_layouts
+from pdserve_worker.model.layers.layer_shards import GroupKV, ShardedDecoder, ShardMember, member_layouts
 from pdserve_worker.model.loading.loader import load_model
 
 SLOTS, MAX_LEN = 3, 48

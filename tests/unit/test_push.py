@@ -329,8 +329,8 @@ def test_a_member_that_fails_its_push_fails_the_migration_before_any_notify(deco
     """push_handoff's `before_notify` (a group's followers' pushes): if one failed, the leader's
     push is aborted and the target is never told its KV is there — the router then resumes the
     request by re-prefilling instead of decoding from half a KV."""
+    from pdserve_worker.decode.layer_shards import ShardError
     from pdserve_worker.decode.migration import Handoff, push_handoff
-    from pdserve_worker.decode.shard import ShardError
     from pdserve_worker.model.engine import Detached
 
     backend = create_engine("cpu")

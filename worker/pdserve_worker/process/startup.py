@@ -26,7 +26,7 @@ def start_engine(settings: WorkerSettings) -> TransferBackend:
     follower, which keeps no slot table) lets them write only into
     reserved slots (service_link.py); a tensor-parallel decode's other ranks too, leased by rank 0's
     table over the group (ranks/decode.py)."""
-    from pdserve_worker.decode.shard import is_follower
+    from pdserve_worker.decode.layer_shards import is_follower
     from pdserve_worker.transfer.registry import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
 

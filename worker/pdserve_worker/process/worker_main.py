@@ -327,7 +327,7 @@ class _Membership:
 async def _load_model(settings: WorkerSettings, group: TPGroup | None = None) -> tuple[Engine, str]:
     """The model engine (a layer-sharded decode member loads only its share, a tensor-parallel
     rank its heads), warmed up, and the model's revision."""
-    from pdserve_worker.decode.shard import member_layers
+    from pdserve_worker.decode.layer_shards import member_layers
     from pdserve_worker.engines.base import EngineError
     from pdserve_worker.process.startup import load_model_engine
 
@@ -353,7 +353,7 @@ async def _warm_up(engine: Engine) -> None:
 async def _make_role(
     settings: WorkerSettings, engine: Engine, backend: TransferBackend, revision: str, group: TPGroup | None
 ) -> ServingRole:
-    from pdserve_worker.decode.shard import ShardError
+    from pdserve_worker.decode.layer_shards import ShardError
     from pdserve_worker.process.roles import make_role
 
     try:

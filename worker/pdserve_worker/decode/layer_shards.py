@@ -39,7 +39,7 @@ from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.engine import Generator
-from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
+from pdserve_worker.model.layers.layer_shards import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
 from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, hidden_from_proto, hidden_to_proto
