@@ -88,7 +88,7 @@ class MemberPushes(Protocol):
 
 
 class GroupHooks(Protocol):
-    """What a layer-sharded group's leader does beyond a plain decode (`decode.layer_shards.ShardGroup`):
+    """What a layer-sharded group's leader does beyond a plain decode (`decode.layer_shards.LayerShardGroup`):
     its pool holds member 0's layers, its decode step hops through the followers, its grants
     name every member, and its KV is ready once every member's notification arrived."""
 

@@ -8,7 +8,7 @@ caller's: the Generator is told which slot a request uses and reports when the r
 finished, and the caller (the decode's `SlotTable`) frees the slot then. It never picks a slot
 itself, so one table says who owns which slot.
 
-What it drives is a `Decoder` (`LlamaModel`, or a layer-sharded group's `ShardedDecoder`)
+What it drives is a `Decoder` (`LlamaModel`, or a layer-sharded group's `LayerShardDecoder`)
 over a `KVView` (a `KVCache`, or the group's `GroupKV`).
 """
 

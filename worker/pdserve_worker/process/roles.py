@@ -17,7 +17,7 @@ import grpc
 
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.membership import Load, MemberInfo
-from pdserve_worker.decode.layer_shards import ShardFollower, connect_group, group_max_message, is_follower
+from pdserve_worker.decode.layer_shards import LayerShardFollower, connect_group, group_max_message, is_follower
 from pdserve_worker.decode.service import DecodeRole
 from pdserve_worker.decode.worker import GroupHooks, decode_pool_layout
 from pdserve_worker.engines.base import Engine
@@ -77,10 +77,10 @@ async def make_role(
     tp_group: TPGroup | None = None,
 ) -> ServingRole:
     """The role `settings` asks for, over a loaded model engine and an initialized transfer
-    engine. A group's leader first waits for its followers to describe their pools (ShardError
+    engine. A group's leader first waits for its followers to describe their pools (LayerShardError
     if they do not); groups run on the native engine only (engines/native.native_of)."""
     if is_follower(settings):
-        return ShardFollower(settings, native_of(engine), backend)
+        return LayerShardFollower(settings, native_of(engine), backend)
     if settings.role == "decode":
         group: GroupHooks | None = None
         if tp_group is not None:

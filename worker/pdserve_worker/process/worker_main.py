@@ -353,12 +353,12 @@ async def _warm_up(engine: Engine) -> None:
 async def _make_role(
     settings: WorkerSettings, engine: Engine, backend: TransferBackend, revision: str, group: TPGroup | None
 ) -> ServingRole:
-    from pdserve_worker.decode.layer_shards import ShardError
+    from pdserve_worker.decode.layer_shards import LayerShardError
     from pdserve_worker.process.roles import make_role
 
     try:
         return await make_role(settings, engine, backend, revision, group)
-    except ShardError as exc:
+    except LayerShardError as exc:
         raise StartupError(str(exc)) from exc
 
 
