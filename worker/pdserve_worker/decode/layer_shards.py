@@ -414,7 +414,7 @@ def describe_followers(
 
 
 class LayerShardGroup:
-    """The leader's side of a layer-sharded group (`decode.GroupHooks`): given to its
+    """The leader's side of a layer-sharded group (`decode.group_hooks.GroupHooks`): given to its
     DecodeWorker, which then holds member 0's layers, hops through the followers each decode
     step, grants the slot on every member and waits for every member's notification."""
 

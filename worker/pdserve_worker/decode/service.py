@@ -101,7 +101,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             context.set_trailing_metadata(settled_trailer(True))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
         started, started_ns = time.monotonic(), tracing.now_ns()
-        push = asyncio.get_running_loop().run_in_executor(w._migrations, w.push_handoff, handoff, targets)
+        push = asyncio.get_running_loop().run_in_executor(w.handover.executor, w.handover.push, handoff, targets)
         # However this call ends (even cancelled), the KV is freed only once the push stopped reading it.
         push.add_done_callback(lambda f: handoff.finish(migrated=not f.cancelled() and f.exception() is None))
         try:

@@ -17,9 +17,10 @@ import grpc
 
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.membership import Load, MemberInfo
+from pdserve_worker.decode.group_hooks import GroupHooks
 from pdserve_worker.decode.layer_shards import LayerShardFollower, connect_group, group_max_message, is_follower
 from pdserve_worker.decode.service import DecodeRole
-from pdserve_worker.decode.worker import GroupHooks, decode_pool_layout
+from pdserve_worker.decode.worker import decode_pool_layout
 from pdserve_worker.engines.base import Engine
 from pdserve_worker.engines.native import native_of
 from pdserve_worker.prefill.service import PrefillRole

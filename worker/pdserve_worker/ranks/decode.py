@@ -127,7 +127,7 @@ class PushOrder:
 
 
 class RankPushes:
-    """The other ranks' pushes of one handed-over request (`decode.worker.MemberPushes`): sent
+    """The other ranks' pushes of one handed-over request (`decode.group_hooks.MemberPushes`): sent
     on the lease channel by a thread of its own, which holds the channel until every rank
     answered (no grant can come between: the decode is draining)."""
 
@@ -268,7 +268,7 @@ class TPGenerator(Generator[Any]):
 
 
 class TPDecodeGroup:
-    """Rank 0's side (`decode.worker.GroupHooks`): the pools of every rank, their grants, the
+    """Rank 0's side (`decode.group_hooks.GroupHooks`): the pools of every rank, their grants, the
     mirrored decode step."""
 
     def __init__(
