@@ -23,7 +23,6 @@ NOT_YET = {
     ("params", "worker/pdserve_worker/decode/generation_loop.py", "submit"),
     ("params", "worker/pdserve_worker/model/layers/llama.py", "prefill"),
     ("params", "worker/pdserve_worker/model/layers/llama.py", "prefill_batch"),
-    ("params", "common/pdserve_common/kv_layout.py", "push_runs"),
 }
 
 
