@@ -14,7 +14,7 @@ import torch
 
 from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.decode.generation_loop import GenerationLoop, Parked
-from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_runs
+from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, PoolPlace, migration_runs
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.engine import Detached, Generator, colocated_cache, generate, prefill_first_token
@@ -40,9 +40,10 @@ def token_offset(layout: KVLayout, slot: int, blocks, layer: int, kv: int, t: in
     return layout.offset(slot, layer, kv) + t * per
 
 
-def migration_descriptors(*args):
+def migration_descriptors(src, src_slot, src_blocks, dst, dst_slot, dst_blocks, *args):
     """`migration_runs` as the contiguous copies they make (what the engine is given)."""
-    return [d for run in migration_runs(*args) for d in run.descriptors()]
+    places = PoolPlace(src, src_slot, src_blocks), PoolPlace(dst, dst_slot, dst_blocks)
+    return [d for run in migration_runs(*places, *args) for d in run.descriptors()]
 
 
 def apply(descs, src: bytearray, dst: bytearray) -> None:

@@ -330,7 +330,7 @@ def test_a_member_that_fails_its_push_fails_the_migration_before_any_notify(deco
     push is aborted and the target is never told its KV is there — the router then resumes the
     request by re-prefilling instead of decoding from half a KV."""
     from pdserve_worker.decode.layer_shards import LayerShardError
-    from pdserve_worker.decode.migration import Handoff, push_handoff
+    from pdserve_worker.decode.migration import Handoff, PushPace, push_handoff
     from pdserve_worker.model.engine import Detached
 
     backend = create_engine("cpu")
@@ -351,8 +351,7 @@ def test_a_member_that_fails_its_push_fails_the_migration_before_any_notify(deco
                 (),
                 handoff,
                 [target.target(0)],
-                layers_per_chunk=2,
-                timeout_s=5,
+                PushPace(layers_per_chunk=2, timeout_s=5),
                 before_notify=follower_failed,
             )
         _, notes = target.backend.engine.get_notifies()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve_worker.decode.group_hooks import GroupHooks
-from pdserve_worker.decode.migration import Handoff, HandoffBook, MigrationResult, push_handoff
+from pdserve_worker.decode.migration import Handoff, HandoffBook, MigrationResult, PushPace, push_handoff
 from pdserve_worker.kv.blocks import BlockTable
 from pdserve_worker.kv.reservations import reservation_nonce
 from pdserve_worker.kv.slots import Grant, SlotTable
@@ -63,8 +63,7 @@ class Handover:
                 blocks,
                 handoff,
                 targets,
-                layers_per_chunk=self.settings.layers_per_chunk,
-                timeout_s=timeout_s,
+                PushPace(self.settings.layers_per_chunk, timeout_s),
                 before_notify=None if members is None else members.wait,
             )
         finally:
