@@ -18,7 +18,6 @@ NOT_YET = {
     ("params", "worker/pdserve_worker/model/engine.py", "prefill_first_draw"),
     ("params", "worker/pdserve_worker/model/engine.py", "prefill_first_token"),
     ("params", "worker/pdserve_worker/model/engine.py", "prefill_first_tokens"),
-    ("params", "worker/pdserve_worker/decode/generation_loop.py", "submit"),
     ("params", "worker/pdserve_worker/model/layers/llama.py", "prefill"),
     ("params", "worker/pdserve_worker/model/layers/llama.py", "prefill_batch"),
 }

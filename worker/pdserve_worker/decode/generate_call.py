@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2
 from pdserve_common import tracing
-from pdserve_worker.decode.generation_loop import Parked, RequestFailed, RequestStream
+from pdserve_worker.decode.generation_loop import Parked, Prefilled, RequestFailed, RequestStream
 from pdserve_worker.decode.migration import MIGRATED, Handoff
 from pdserve_worker.decode.worker import DecodeWorker, Ready, ReadyUnusable
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
@@ -218,9 +218,7 @@ class GenerateRoad:
             slot,
             g.params,
             lambda: w.finished(slot, generation),
-            first_token=g.first,
-            num_generated=replayed,
-            first_logprobs=None if migrated else ready.first_logprobs,
+            Prefilled(g.first, replayed, None if migrated else ready.first_logprobs),
         )
 
     async def token_event(
