@@ -15,9 +15,6 @@ FILE_LINES, CLASS_LINES, DOC_LINES, PARAMS = 700, 300, 15, 7
 # Still over, to be cut (issue #53): the two role classes, and the prefill entry points whose
 # parameters the LlamaModel, the colocated backend and the migration share.
 NOT_YET = {
-    ("params", "worker/pdserve_worker/model/engine.py", "prefill_first_draw"),
-    ("params", "worker/pdserve_worker/model/engine.py", "prefill_first_token"),
-    ("params", "worker/pdserve_worker/model/engine.py", "prefill_first_tokens"),
     ("params", "worker/pdserve_worker/model/layers/llama.py", "prefill"),
     ("params", "worker/pdserve_worker/model/layers/llama.py", "prefill_batch"),
 }

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
-from pdserve_worker.model.engine import prefill_first_draw
+from pdserve_worker.model.engine import FirstDraw, prefill_first_draw
 from pdserve_worker.model.layers.llama import LlamaModel
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw, stop_token_ids
@@ -59,16 +59,8 @@ class ColocatedPrefill:
             return used, None
         try:
             stops = tuple(stop_token_ids(params, self.eos))
-            drawn = prefill_first_draw(
-                self.model,
-                self.cache,
-                slot,
-                prompt,
-                params,
-                start=progress.done,
-                stop_ids=stops,
-                tokenizer=self.tokenizer,
-            )
+            how = FirstDraw(start=progress.done, stop_ids=stops, tokenizer=self.tokenizer)
+            drawn = prefill_first_draw(self.model, self.cache, slot, prompt, params, how)
             if progress.use is not None:
                 assert self.store is not None
                 self.store.finish(progress.use, self.cache, slot)
@@ -91,8 +83,7 @@ class ColocatedPrefill:
 
     def _whole(self, prompt: list[int], slot: int, params: SamplingParams) -> Draw:
         stops = tuple(stop_token_ids(params, self.eos))
-        drawn = prefill_first_draw(
-            self.model, self.cache, slot, prompt, params, stop_ids=stops, tokenizer=self.tokenizer
-        )
+        how = FirstDraw(stop_ids=stops, tokenizer=self.tokenizer)
+        drawn = prefill_first_draw(self.model, self.cache, slot, prompt, params, how)
         self.prompt_logprobs[slot] = drawn.prompt_logprobs
         return drawn
