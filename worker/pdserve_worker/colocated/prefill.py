@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
 from pdserve_worker.model.engine import FirstDraw, prefill_first_draw
-from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.layers.llama import LlamaModel, PrefillOutputs
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw, stop_token_ids
 from pdserve_worker.model.tokenizer import Tokenizer
@@ -54,7 +54,9 @@ class ColocatedPrefill:
             progress = self._progress[slot] = self._begin(prompt, slot)
         stop = min(len(prompt), progress.done + budget)
         if stop < len(prompt):
-            self.model.prefill(prompt[:stop], self.cache, slot, start=progress.done, logits=False)
+            self.model.prefill(
+                prompt[:stop], self.cache, slot, start=progress.done, outputs=PrefillOutputs(logits=False)
+            )
             used, progress.done = stop - progress.done, stop
             return used, None
         try:

@@ -27,7 +27,7 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.layers.llama import LlamaModel, PrefillOutputs
 from pdserve_worker.model.sampling.grammar_mask import GrammarMatcher, mask_rows
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import (
@@ -450,7 +450,7 @@ def prefill_first_draw(
     if how.start:
         raise ValueError("prompt logprobs need the whole prompt computed (start 0)")
     final: list[torch.Tensor] = []
-    logits = model.prefill(prompt_ids, cache, slot, how.layers_per_chunk, on_final=final.append)
+    logits = model.prefill(prompt_ids, cache, slot, how.layers_per_chunk, outputs=PrefillOutputs(on_final=final.append))
     prompt = prompt_token_logprobs(model.head, final[0], prompt_ids, params.prompt_logprobs)
     return replace(draw_first(logits, *draw), prompt_logprobs=prompt)
 
