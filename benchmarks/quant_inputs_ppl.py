@@ -41,6 +41,7 @@ def mean_nll(model, ids: list[int], window: int, label: str) -> float:
     import torch
 
     from pdserve_worker.kv.cache import KVCache
+    from pdserve_worker.model.layers.llama import PrefillOutputs
 
     cache = KVCache.allocate(model.config.kv_layout(1, window, "float32"))
     total, count = 0.0, 0
@@ -51,7 +52,7 @@ def mean_nll(model, ids: list[int], window: int, label: str) -> float:
             if len(chunk) < 2:
                 continue
             final: list[torch.Tensor] = []
-            model.prefill(chunk, cache, 0, on_final=final.append, logits=False)
+            model.prefill(chunk, cache, 0, outputs=PrefillOutputs(logits=False, on_final=final.append))
             logprobs = torch.log_softmax(model.head(final[0]).float()[:-1], dim=-1)
             total -= logprobs.gather(1, torch.tensor(chunk[1:])[:, None]).sum().item()
             count += len(chunk) - 1

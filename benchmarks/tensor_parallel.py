@@ -85,9 +85,10 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
     from pdserve_common.kv_layout import KVLayout
     from pdserve_worker.kv.cache import KVCache
     from pdserve_worker.kv.slots import Grant
+    from pdserve_worker.model.layers.llama import PrefillOutputs
     from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.ranks.group import GroupSpec, TPGroup
     from pdserve_worker.serving.gc_heap import freeze_startup_heap
-    from pdserve_worker.serving.tp_group import GroupSpec, TPGroup
     from pdserve_worker.transfer.pool import KVPool
     from pdserve_worker.transfer.push import KVPusher, PushSource
     from pdserve_worker.transfer.registry import create_engine
@@ -133,18 +134,18 @@ def rank_main(rank: int, size: int, store: str, cfg: dict[str, Any], out: Any) -
         barrier()
         reduced[0] = 0.0
         t0 = time.perf_counter()
-        loaded.model.prefill(ids, cache, 0, lpc, logits=rank == 0)
+        loaded.model.prefill(ids, cache, 0, lpc, outputs=PrefillOutputs(logits=rank == 0))
         return time.perf_counter() - t0, reduced[0]
 
     def pushed() -> tuple[float, int]:
         barrier()
         t0 = time.perf_counter()
         pusher = KVPusher(backend, PushSource(pool.base_addr, layout, 0, heads), targets, len(ids))
-        loaded.model.prefill(ids, cache, 0, lpc, on_chunk=pusher.push_chunk, logits=rank == 0)
+        loaded.model.prefill(ids, cache, 0, lpc, pusher.push_chunk, outputs=PrefillOutputs(logits=rank == 0))
         if rank:
             stats = pusher.settle()
         if group is not None:
-            group.gather(None)  # every rank's puts landed (as prefill/tp_rank.py's reports)
+            group.gather(None)  # every rank's puts landed (as ranks/prefill.py's reports)
         if not rank:
             stats = pusher.finish({"first_token": 0})
         return time.perf_counter() - t0, stats.bytes

@@ -1,6 +1,6 @@
 """What leasing every rank costs a tensor-parallel decode's grant (issue #32).
 
-Rank 0's `RankLeases.granted` (decode/tp_decode.py) waits until every rank holds the write
+Rank 0's `RankLeases.granted` (ranks/decode.py) waits until every rank holds the write
 lease: one gloo broadcast and one gather on the group's lease channel. This runs the real
 `TPGroup` with 2 processes on loopback (rank 1 serving `serve_leases`), times --grants grants
 after 50 of warm-up, and prints p50/p99 per grant. Engines are left out (a fake lease table):
@@ -39,8 +39,8 @@ class NoEngine:
 
 
 def rank_main(rank: int, port: int, grants: int, out: mp.Queue) -> None:
-    from pdserve_worker.decode.tp_decode import RankLeases, serve_leases
-    from pdserve_worker.serving.tp_group import GroupSpec, TPGroup
+    from pdserve_worker.ranks.decode import RankLeases, serve_leases
+    from pdserve_worker.ranks.group import GroupSpec, TPGroup
 
     group = TPGroup(GroupSpec(size=2, rank=rank, address=f"127.0.0.1:{port}", device="cpu"))
     if rank == 1:

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"rpc", "engines"},
     {"api"},
     {"serving"},
+    {"ranks"},
     {"prefill", "decode"},
     {"colocated", "router", "gateway"},
     {"process"},

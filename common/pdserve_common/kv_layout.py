@@ -468,26 +468,34 @@ class HeadSlice(NamedTuple):
         return Strided(src + self.src_skip, dst + self.dst_skip, tokens, self.src_row, self.dst_row, self.span)
 
 
+@dataclass(frozen=True)
+class PushRoute:
+    """Where a prompt's KV goes: from scratch slot `slot` of `source` into the reservation
+    `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B))."""
+
+    source: KVLayout
+    slot: int
+    dest: BlockLayout
+    blocks: Sequence[int]
+
+
 def push_runs(
-    source: KVLayout,
-    slot: int,
-    dest: BlockLayout,
-    blocks: Sequence[int],
+    route: PushRoute,
     layer: int,
     kv_index: int,
     end_token: int,
     start_token: int = 0,
     heads: range | None = None,
 ) -> list[Strided]:
-    """What copies tokens [start_token, end_token) of (layer, K|V) from scratch slot `slot` of
-    `source` into the reservation `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B)):
-    one run per block (a partly used last block moves only its used tokens). `start_token` > 0
-    skips tokens the decode already holds (shared blocks), so a push never writes a block it
-    does not own.
+    """What copies tokens [start_token, end_token) of (layer, K|V) from scratch slot `route.slot`
+    of `route.source` into the reservation `route.blocks` of `route.dest`: one run per block
+    (a partly used last block moves only its used tokens). `start_token` > 0 skips tokens the
+    decode already holds (shared blocks), so a push never writes a block it does not own.
 
     `heads` (default: all both pools hold) are the KV heads moved. Where they are every head of
     both pools a block's tokens are one contiguous copy (copies 1); else each token's heads are
     a slice of its row, one copy per token (copies = the block's tokens)."""
+    source, slot, dest, blocks = route.source, route.slot, route.dest, route.blocks
     check_compatible(source, dest)
     heads = shared_heads(source.head_range, dest.head_range) if heads is None else heads
     outside = [h for h in (heads.start, heads.stop - 1) if h not in source.head_range or h not in dest.head_range]
@@ -511,17 +519,6 @@ def push_runs(
     return runs
 
 
-@dataclass(frozen=True)
-class PushRoute:
-    """Where a prompt's KV goes: from scratch slot `slot` of `source` into the reservation
-    `blocks` of `dest` (blocks[i] holds tokens [i*B, (i+1)*B))."""
-
-    source: KVLayout
-    slot: int
-    dest: BlockLayout
-    blocks: Sequence[int]
-
-
 def push_descriptors(
     route: PushRoute,
     layers: range,
@@ -532,12 +529,11 @@ def push_descriptors(
 ) -> list[Descriptor]:
     """`push_runs` of every (layer, K|V) of `layers` along `route`, as descriptors: one per
     (layer, K|V, run of consecutive blocks) for whole rows, one per token for a head slice."""
-    source, slot, dest, blocks = route.source, route.slot, route.dest, route.blocks
     runs = [
         run
         for layer in layers
         for kv_index in kv_indices
-        for run in push_runs(source, slot, dest, blocks, layer, kv_index, end_token, start_token, heads)
+        for run in push_runs(route, layer, kv_index, end_token, start_token, heads)
     ]
     return [d for run in coalesce(runs) for d in run.descriptors()]
 

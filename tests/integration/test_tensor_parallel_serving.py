@@ -52,7 +52,7 @@ CASES["llama3-p2-shards2"] = ("llama3", LLAMA, 2, 1, 2)  # into a 2-member layer
 TOKENS = 10
 # qwen2's cases push over TCP, as between pods (on one host the engines otherwise map each
 # other's pools): every put into every decode rank's pool then passes that rank's lease check,
-# which rank 0's table grants on each rank over the group (decode/tp_decode.py RankLeases).
+# which rank 0's table grants on each rank over the group (ranks/decode.py RankLeases).
 TCP_PUSH = {"qwen2": {"PDSERVE_ENGINE_OPTIONS": '{"pdserve.Transport": "tcp"}'}}
 
 

@@ -14,7 +14,7 @@ def greedy_rank(rank: int, size: int, store: str, jobs: list[tuple[str, list[lis
     from pdserve_worker.kv.cache import KVCache
     from pdserve_worker.model.engine import greedy_tokens
     from pdserve_worker.model.loading.loader import load_model
-    from pdserve_worker.serving.tp_group import GroupSpec, TPGroup
+    from pdserve_worker.ranks.group import GroupSpec, TPGroup
 
     torch.set_num_threads(1)
     group = TPGroup(GroupSpec(size, rank, store, timeout_s=60))

@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from pdserve_common import pod_env as E
-from pdserve_worker.decode.shard import is_follower, member_layers
+from pdserve_worker.decode.layer_shards import is_follower, member_layers
 from pdserve_worker.rpc.convert import hidden_from_proto, hidden_to_proto
 from pdserve_worker.serving import settings as S
 from pdserve_worker.serving.settings import WorkerSettings
@@ -78,7 +78,7 @@ def test_a_truncated_hidden_state_is_refused():
 
 
 def test_a_followers_notify_of_an_abandoned_generation_never_hides_the_current_one():
-    from pdserve_worker.decode.shard import GenerationFloor
+    from pdserve_worker.decode.layer_shards import GenerationFloor
 
     floor = GenerationFloor()
     assert floor.accepts(0, 5)  # filed

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pdserve_worker.decode.generation_loop import GenerationLoop, RequestFailed
+from pdserve_worker.decode.generation_loop import GenerationLoop, Prefilled, RequestFailed
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.engine import Generator, colocated_cache, generate, prefill_first_token
 from pdserve_worker.model.sampling.params import SamplingParams
@@ -53,7 +53,7 @@ class Decode:
             self.freed.append(slot)
             self.freed_once.set()
 
-        return self.loop.submit("r", prompt, slot, params, done, first_token=first)
+        return self.loop.submit("r", prompt, slot, params, done, prefilled=Prefilled(first))
 
 
 async def drain(stream) -> list:
@@ -103,7 +103,9 @@ async def test_a_request_the_engine_refuses_fails_alone(loaded):
     d.loop.start()
     try:
         too_long = list(range(1, MAX_LEN + 1))
-        bad = d.loop.submit("bad", too_long, 0, SamplingParams(max_tokens=2), lambda: d.freed.append(0), first_token=1)
+        bad = d.loop.submit(
+            "bad", too_long, 0, SamplingParams(max_tokens=2), lambda: d.freed.append(0), prefilled=Prefilled(1)
+        )
         with pytest.raises(RequestFailed, match="max_len|leaves no room"):
             await drain(bad)
         assert d.freed == [0]

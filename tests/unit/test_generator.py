@@ -9,6 +9,7 @@ import pytest
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.engine import (
+    FirstDraw,
     GenerationStats,
     Generator,
     colocated_cache,
@@ -43,7 +44,9 @@ def alone(tiny, prompts):
 
 def start(gen: Generator, tiny, slot: int, prompt: list[int], params: SamplingParams, **kwargs):
     """What a caller does: compute the prompt's KV into its slot, hand the request over."""
-    first = prefill_first_token(tiny.model, gen.cache, slot, prompt, params, index=kwargs.get("num_generated", 0))
+    first = prefill_first_token(
+        tiny.model, gen.cache, slot, prompt, params, FirstDraw(index=kwargs.get("num_generated", 0))
+    )
     return gen.add_prefilled(prompt, slot, first, params, **kwargs)
 
 

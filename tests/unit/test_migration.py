@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pdserve_common.kv_layout import K, KVLayout, V
-from pdserve_worker.decode.generation_loop import GenerationLoop, Parked
-from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, migration_runs
+from pdserve_worker.decode.generation_loop import GenerationLoop, Parked, Prefilled
+from pdserve_worker.decode.migration import Handoff, HandoffBook, HandoffUnavailable, PoolPlace, migration_runs
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.engine import Detached, Generator, colocated_cache, generate, prefill_first_token
@@ -40,9 +40,10 @@ def token_offset(layout: KVLayout, slot: int, blocks, layer: int, kv: int, t: in
     return layout.offset(slot, layer, kv) + t * per
 
 
-def migration_descriptors(*args):
+def migration_descriptors(src, src_slot, src_blocks, dst, dst_slot, dst_blocks, *args):
     """`migration_runs` as the contiguous copies they make (what the engine is given)."""
-    return [d for run in migration_runs(*args) for d in run.descriptors()]
+    places = PoolPlace(src, src_slot, src_blocks), PoolPlace(dst, dst_slot, dst_blocks)
+    return [d for run in migration_runs(*places, *args) for d in run.descriptors()]
 
 
 def apply(descs, src: bytearray, dst: bytearray) -> None:
@@ -301,7 +302,7 @@ async def test_parking_ends_the_stream_and_the_handoff_owns_the_slot(loaded) -> 
     freed = threading.Event()
     try:
         first = prefill_first_token(loaded.model, cache, 0, prompt, params)
-        stream = loop.submit("r", prompt, 0, params, freed.set, first_token=first)
+        stream = loop.submit("r", prompt, 0, params, freed.set, prefilled=Prefilled(first))
         outs = [await anext(stream), await anext(stream)]
         loop.park_all(Handoff)
         items = [item async for item in stream]
@@ -326,7 +327,12 @@ async def test_a_stopping_loop_releases_parked_requests(loaded) -> None:
     freed = threading.Event()
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     stream = loop.submit(
-        "r", [5, 6, 7], 0, params, freed.set, first_token=prefill_first_token(loaded.model, cache, 0, [5, 6, 7], params)
+        "r",
+        [5, 6, 7],
+        0,
+        params,
+        freed.set,
+        prefilled=Prefilled(prefill_first_token(loaded.model, cache, 0, [5, 6, 7], params)),
     )
     await anext(stream)
     loop.park_all(Handoff)

@@ -1,7 +1,7 @@
-"""A layer-sharded decode's model side (model/layers/sharded.py): each member's pool holds a contiguous
+"""A layer-sharded decode's model side (model/layers/layer_shards.py): each member's pool holds a contiguous
 share of the layers, a member refuses layers it has no weights for, and hopping the hidden
 state member to member equals the whole model's step. The group's serving side (grants on
-every member, one ready notification each) is decode/shard.py's: tests/unit/test_decode_shard.py
+every member, one ready notification each) is decode/layer_shards.py's: tests/unit/test_decode_shard.py
 and tests/integration/test_pd_sharded.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, member_layouts
+from pdserve_worker.model.layers.layer_shards import GroupKV, LayerShardDecoder, LayerShardMember, member_layouts
 from pdserve_worker.model.loading.loader import load_model
 
 SLOTS, MAX_LEN = 3, 48
@@ -40,15 +40,15 @@ def test_a_member_without_its_layers_weights_is_refused(tiny, tiny_model_dir) ->
     low, high = member_layouts(full, 2)
     only_low = load_model(str(tiny_model_dir), dtype="float32", layers=low.layer_range).model
     with pytest.raises(ValueError, match="lacks weights"):
-        ShardMember(only_low, KVCache.allocate(high))
+        LayerShardMember(only_low, KVCache.allocate(high))
 
 
 def test_batched_sharded_step_equals_unsharded_step(tiny) -> None:
     """Several slots of different lengths in one step: hop by hop equals the whole model."""
     full = tiny.config.kv_layout(SLOTS, MAX_LEN, "float32")
     whole = KVCache.allocate(full)
-    members = [ShardMember(tiny.model, KVCache.allocate(lay)) for lay in member_layouts(full, 3)]
-    decoder = ShardedDecoder.local(members)
+    members = [LayerShardMember(tiny.model, KVCache.allocate(lay)) for lay in member_layouts(full, 3)]
+    decoder = LayerShardDecoder.local(members)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     for slot, p in enumerate(prompts):
         tiny.model.prefill(p, whole, slot)

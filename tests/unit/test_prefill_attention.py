@@ -112,6 +112,7 @@ def test_a_models_prefill_through_the_kernel_matches_sdpa(tmp_path, kind, monkey
 
     from pdserve_worker.kv.cache import KVCache
     from pdserve_worker.kv.paged import PagedKVCache
+    from pdserve_worker.model.layers.llama import PrefillOutputs
     from pdserve_worker.model.loading.loader import load_model
     from support.tiny_model import write_tiny_model
 
@@ -128,7 +129,7 @@ def test_a_models_prefill_through_the_kernel_matches_sdpa(tmp_path, kind, monkey
             cache.bind(0, list(range(15, -1, -1)))
             cache.bind(1, list(range(31, 15, -1)))
         whole = model.prefill(prompt, cache, 0).float()
-        model.prefill(prompt[:70], cache, 1, logits=False)
+        model.prefill(prompt[:70], cache, 1, outputs=PrefillOutputs(logits=False))
         chunked = model.prefill(prompt, cache, 1, start=70).float()
         return whole, chunked
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.prefill.worker import _Job, _keep_prompt_states
+from pdserve_worker.prefill.jobs import Job as _Job
+from pdserve_worker.prefill.pass_run import keep_prompt_states as _keep_prompt_states
 
 
 def test_each_echo_prompt_gets_its_own_rows_of_the_packed_states():

@@ -332,8 +332,8 @@ def test_a_member_that_fails_its_push_fails_the_migration_before_any_notify(deco
     """push_handoff's `before_notify` (a group's followers' pushes): if one failed, the leader's
     push is aborted and the target is never told its KV is there — the router then resumes the
     request by re-prefilling instead of decoding from half a KV."""
-    from pdserve_worker.decode.migration import Handoff, push_handoff
-    from pdserve_worker.decode.shard import ShardError
+    from pdserve_worker.decode.layer_shards import LayerShardError
+    from pdserve_worker.decode.migration import Handoff, PushPace, push_handoff
     from pdserve_worker.model.engine import Detached
 
     backend = create_engine("cpu")
@@ -344,18 +344,17 @@ def test_a_member_that_fails_its_push_fails_the_migration_before_any_notify(deco
     handoff = Handoff(Detached("req", 1, [1, 2, 3], [4, 5], seed=3), on_done=lambda: None)
 
     def follower_failed() -> int:
-        raise ShardError("group member at 127.0.0.1:1 did not push its layers: UNAVAILABLE gone")
+        raise LayerShardError("group member at 127.0.0.1:1 did not push its layers: UNAVAILABLE gone")
 
     try:
-        with pytest.raises(ShardError, match="did not push its layers"):
+        with pytest.raises(LayerShardError, match="did not push its layers"):
             push_handoff(
                 backend,
                 PushSource(pool.base_addr, pool.layout, 1),
                 (),
                 handoff,
                 [target.target(0)],
-                layers_per_chunk=2,
-                timeout_s=5,
+                PushPace(layers_per_chunk=2, timeout_s=5),
                 before_notify=follower_failed,
             )
         _, notes = target.backend.engine.get_notifies()

@@ -1,5 +1,5 @@
 """Tensor parallelism (issue #32): each rank's share of the model (model/layers/tensor_parallel.py)
-and a group of rank processes (serving/tp_group.py, gloo) whose greedy text must equal
+and a group of rank processes (ranks/group.py, gloo) whose greedy text must equal
 transformers' fp32 generate — the reference is always the upstream, never our tp=1 output."""
 
 from __future__ import annotations

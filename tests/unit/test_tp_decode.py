@@ -1,4 +1,4 @@
-"""Rank 0 of a tensor-parallel decode (decode/tp_decode.py), with a recording fake group: what it
+"""Rank 0 of a tensor-parallel decode (ranks/decode.py), with a recording fake group: what it
 tells the other ranks, the grants it hands out, and how it ends a broken instance. The real
 group, pools and pushes run in tests/integration/test_tensor_parallel_serving.py."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pdserve_common.kv_layout import KVLayout
-from pdserve_worker.decode import tp_decode
 from pdserve_worker.decode.generation_loop import GenerationLoop
-from pdserve_worker.decode.tp_decode import IDLE, STOP, DecodeStep, MirroredModel, RankPool, TPDecodeGroup
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.serving.tp_group import GroupError
+from pdserve_worker.ranks import decode as tp_decode
+from pdserve_worker.ranks.decode import IDLE, STOP, DecodeStep, MirroredModel, RankPool, TPDecodeGroup
+from pdserve_worker.ranks.group import GroupError
 
 
 class RecordingGroup:
@@ -159,7 +159,7 @@ class OwnLeases:
 
 def test_rank_0_grants_a_lease_on_every_rank_before_the_grant_goes_out_and_ends_it_there_too():
     """#32: the other ranks' engines are leased like rank 0's; a grant waits for their answers."""
-    from pdserve_worker.decode.tp_decode import END, GRANT, RankLeases
+    from pdserve_worker.ranks.decode import END, GRANT, RankLeases
 
     group, own = LeaseGroup([None, None]), OwnLeases()
     leases = RankLeases(own, group)  # type: ignore[arg-type]
@@ -183,7 +183,7 @@ def test_rank_0_grants_a_lease_on_every_rank_before_the_grant_goes_out_and_ends_
 
 
 def test_a_quiet_lease_channel_is_kept_alive(monkeypatch):
-    from pdserve_worker.decode.tp_decode import RankLeases
+    from pdserve_worker.ranks.decode import RankLeases
 
     monkeypatch.setattr(tp_decode, "IDLE_EVERY_S", 0.0)
     group = LeaseGroup([None, None])
@@ -198,7 +198,7 @@ def test_a_quiet_lease_channel_is_kept_alive(monkeypatch):
 
 
 def test_another_rank_applies_each_lease_message_and_answers_grants():
-    from pdserve_worker.decode.tp_decode import END, GRANT, serve_leases
+    from pdserve_worker.ranks.decode import END, GRANT, serve_leases
 
     class Scripted:
         def __init__(self, messages: list[object]) -> None:
@@ -227,8 +227,8 @@ def test_a_drain_asks_every_other_rank_to_push_its_heads_and_waits_for_their_byt
     """Draining, rank 0 sends each handed-over request's PushOrder on the lease channel; the
     notify waits for every rank's answer (its bytes); a rank that answers why it failed, or a
     broken channel, fails the migration (MemberUnavailable: the router re-prefills)."""
-    from pdserve_worker.decode.tp_decode import PUSH, PushOrder, RankLeases, RankPushes
-    from pdserve_worker.decode.worker import MemberUnavailable
+    from pdserve_worker.ranks.decode import PUSH, PushOrder, RankLeases, RankPushes
+    from pdserve_worker.ranks.group import MemberUnavailable
 
     group = LeaseGroup([4096, 2048])
     leases = RankLeases(OwnLeases(), group)  # type: ignore[arg-type]
@@ -253,7 +253,7 @@ def test_a_drain_asks_every_other_rank_to_push_its_heads_and_waits_for_their_byt
 
 
 def test_another_rank_pushes_on_order_and_answers_what_came_of_it():
-    from pdserve_worker.decode.tp_decode import PUSH, PushOrder, serve_leases
+    from pdserve_worker.ranks.decode import PUSH, PushOrder, serve_leases
 
     class Scripted:
         def __init__(self, messages: list[object]) -> None:

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         args.prompt = args.prompt_text
 
     from pdserve_common import logs
-    from pdserve_worker.model.engine import Generator, StepOutput, colocated_cache, prefill_first_token
+    from pdserve_worker.model.engine import FirstDraw, Generator, StepOutput, colocated_cache, prefill_first_token
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.model.sampling.sampler import stop_token_ids
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve generate: {exc}", file=sys.stderr)
         return 2
     stops = tuple(stop_token_ids(params, loaded.tokenizer.eos_token_ids))
-    first = prefill_first_token(loaded.model, generator.cache, 0, prompt_ids, params, stop_ids=stops)
+    first = prefill_first_token(loaded.model, generator.cache, 0, prompt_ids, params, FirstDraw(stop_ids=stops))
     prefill_s = time.perf_counter() - started
     show(generator.add_prefilled(prompt_ids, 0, first, params)[1])
     for out in generator.stream():

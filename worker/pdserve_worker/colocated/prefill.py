@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixStore, PrefixUse
-from pdserve_worker.model.engine import prefill_first_draw
-from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.engine import FirstDraw, prefill_first_draw
+from pdserve_worker.model.layers.llama import LlamaModel, PrefillOutputs
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw, stop_token_ids
 from pdserve_worker.model.tokenizer import Tokenizer
@@ -54,21 +54,15 @@ class ColocatedPrefill:
             progress = self._progress[slot] = self._begin(prompt, slot)
         stop = min(len(prompt), progress.done + budget)
         if stop < len(prompt):
-            self.model.prefill(prompt[:stop], self.cache, slot, start=progress.done, logits=False)
+            self.model.prefill(
+                prompt[:stop], self.cache, slot, start=progress.done, outputs=PrefillOutputs(logits=False)
+            )
             used, progress.done = stop - progress.done, stop
             return used, None
         try:
             stops = tuple(stop_token_ids(params, self.eos))
-            drawn = prefill_first_draw(
-                self.model,
-                self.cache,
-                slot,
-                prompt,
-                params,
-                start=progress.done,
-                stop_ids=stops,
-                tokenizer=self.tokenizer,
-            )
+            how = FirstDraw(start=progress.done, stop_ids=stops, tokenizer=self.tokenizer)
+            drawn = prefill_first_draw(self.model, self.cache, slot, prompt, params, how)
             if progress.use is not None:
                 assert self.store is not None
                 self.store.finish(progress.use, self.cache, slot)
@@ -91,8 +85,7 @@ class ColocatedPrefill:
 
     def _whole(self, prompt: list[int], slot: int, params: SamplingParams) -> Draw:
         stops = tuple(stop_token_ids(params, self.eos))
-        drawn = prefill_first_draw(
-            self.model, self.cache, slot, prompt, params, stop_ids=stops, tokenizer=self.tokenizer
-        )
+        how = FirstDraw(stop_ids=stops, tokenizer=self.tokenizer)
+        drawn = prefill_first_draw(self.model, self.cache, slot, prompt, params, how)
         self.prompt_logprobs[slot] = drawn.prompt_logprobs
         return drawn

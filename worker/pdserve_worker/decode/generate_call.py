@@ -21,11 +21,12 @@ from pydantic import ValidationError
 
 from pdserve.v1 import worker_pb2
 from pdserve_common import tracing
-from pdserve_worker.decode.generation_loop import InstanceEnding, Parked, RequestFailed, RequestStream
+from pdserve_worker.decode.generation_loop import InstanceEnding, Parked, Prefilled, RequestFailed, RequestStream
 from pdserve_worker.decode.migration import MIGRATED, Handoff
-from pdserve_worker.decode.worker import DecodeWorker, KVDamaged, MemberUnavailable, Ready, ReadyUnusable
+from pdserve_worker.decode.worker import DecodeWorker, KVDamaged, Ready, ReadyUnusable
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 from pdserve_worker.model.sampling.sampler import stop_token_ids
+from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.convert import finish_reason_to_proto, logprobs_to_proto, sampling_from_proto
 from pdserve_worker.transfer.readiness import ReadinessTimeout, SlotNotReserved
 
@@ -221,9 +222,7 @@ class GenerateRoad:
             slot,
             g.params,
             lambda: w.finished(slot, generation),
-            first_token=g.first,
-            num_generated=replayed,
-            first_logprobs=None if migrated else ready.first_logprobs,
+            Prefilled(g.first, replayed, None if migrated else ready.first_logprobs),
         )
 
     async def token_event(

@@ -5,7 +5,7 @@ that touches it. Each turn applies the commands that arrived (add, cancel), then
 `step()`; each request's outputs go back to its event loop as a `RequestStream`.
 
 Every request comes with the caller's slot and an `on_done`, called here once the request has
-left the batch for good: only then may the slot be granted again. `submit(..., first_token=t)`
+left the batch for good: only then may the slot be granted again. `submit(..., Prefilled(t))`
 starts a request whose KV a prefill pushed (decode); without a first token the loop computes
 the prompt itself between decode steps, `prefill_chunk_tokens` positions per turn (chunked
 prefill, colocated), at least `IDLE_PREFILL_CHUNK_TOKENS` while nothing decodes.
@@ -138,6 +138,17 @@ class _Add:
     first_logprobs: TokenLogprobs | None = None
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """A request whose prompt's KV is already in its slot: the first token (drawn by a prefill),
+    how many of the prompt's last tokens were already emitted elsewhere (a resumed stream, see
+    `Generator.add_prefilled`), and the first token's logprobs."""
+
+    first_token: int
+    num_generated: int = 0
+    first_logprobs: TokenLogprobs | None = None
+
+
 @dataclass
 class _Cancel:
     internal_id: str
@@ -220,19 +231,15 @@ class GenerationLoop:
         slot: int,
         params: SamplingParams,
         on_done: Callable[[], None],
-        *,
-        first_token: int | None = None,
-        num_generated: int = 0,
-        first_logprobs: TokenLogprobs | None = None,
+        prefilled: Prefilled | None = None,
     ) -> RequestStream:
         """Run a request in `slot`; `on_done` runs once the slot is no longer used, however the
         request ends (also when it is refused).
 
-        With `first_token` the prompt's KV is already in the slot; without it this loop's
-        `prefill` computes it first. `num_generated`: the last that many of `prompt_ids` were
-        already emitted elsewhere (a resumed stream, see `Generator.add_prefilled`).
+        With `prefilled` the prompt's KV is already in the slot; without it this loop's
+        `prefill` computes it first.
         """
-        if first_token is None and self._prefill is None:
+        if prefilled is None and self._prefill is None:
             raise RuntimeError("this loop decodes KV computed elsewhere: pass the request's first_token")
         if self._stopping.is_set():
             raise InstanceEnding("the generation loop is stopping")
@@ -240,11 +247,14 @@ class GenerationLoop:
         internal = f"{request_id}#{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop(), internal)
         entry = _Entry(stream, on_done)
-        self._commands.put(
-            _Add(
-                entry, internal, [int(t) for t in prompt_ids], slot, params, first_token, num_generated, first_logprobs
+        ids = [int(t) for t in prompt_ids]
+        if prefilled is None:
+            self._commands.put(_Add(entry, internal, ids, slot, params, None))
+        else:
+            p = prefilled
+            self._commands.put(
+                _Add(entry, internal, ids, slot, params, p.first_token, p.num_generated, p.first_logprobs)
             )
-        )
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
@@ -288,7 +298,7 @@ class GenerationLoop:
             self._dispatch(outputs)
 
     def _apply_commands(self, block: bool) -> None:
-        # A generator with an `idle` hook (a tensor-parallel decode's: decode/tp_decode.py) is
+        # A generator with an `idle` hook (a tensor-parallel decode's: ranks/decode.py) is
         # called while nothing comes, on this thread, the one that runs its collectives.
         idle = getattr(self._gen, "idle", None) if block else None
         try:

@@ -152,9 +152,20 @@ class HandoffBook:
 Extent = tuple[int, int, int]  # (first token, end token, byte offset of the first token from the pool base)
 
 
-def token_extents(layout: KVLayout, slot: int, blocks: Sequence[int], layer: int, kv_index: int) -> list[Extent]:
+@dataclass(frozen=True)
+class PoolPlace:
+    """Where a request's KV lives in a decode pool: slot `slot` of a slot pool, or `blocks` (in
+    token order) of a paged one."""
+
+    layout: KVLayout
+    slot: int
+    blocks: Sequence[int] = ()
+
+
+def token_extents(place: PoolPlace, layer: int, kv_index: int) -> list[Extent]:
     """Where tokens of (layer, K|V) of a request live in a pool: one extent for a slot pool,
     one per block (in token order) for a paged pool."""
+    layout, slot, blocks = place.layout, place.slot, place.blocks
     if layout.paged:
         geometry, bt = layout.blocks, layout.block_tokens
         return [(i * bt, (i + 1) * bt, geometry.offset(layer, kv_index, b)) for i, b in enumerate(blocks)]
@@ -162,28 +173,20 @@ def token_extents(layout: KVLayout, slot: int, blocks: Sequence[int], layer: int
 
 
 def migration_runs(
-    src: KVLayout,
-    src_slot: int,
-    src_blocks: Sequence[int],
-    dst: KVLayout,
-    dst_slot: int,
-    dst_blocks: Sequence[int],
-    layer: int,
-    kv_index: int,
-    start: int,
-    end: int,
+    source: PoolPlace, target: PoolPlace, layer: int, kv_index: int, start: int, end: int
 ) -> list[Strided]:
     """Copies of tokens [start, end) of (layer, K|V) from one decode pool to another, either slot
     or paged, for the KV heads both hold: one run per stretch contiguous on both sides
     (coalesced) when both hold the same heads; else, per stretch, a slice of each token's row (a
     tensor-parallel rank's heads into a decode split otherwise, or the reverse)."""
+    src, dst = source.layout, target.layout
     if not 0 <= start <= end:
         raise ValueError(f"token range {start}..{end} is reversed or negative")
     if (src.head_dim, src.dtype) != (dst.head_dim, dst.dtype):
         raise ValueError(f"bytes per token differ: source {src.bytes_per_token}, target {dst.bytes_per_token}")
     heads = shared_heads(src.head_range, dst.head_range)
-    sources = token_extents(src, src_slot, src_blocks, layer, kv_index)
-    targets = token_extents(dst, dst_slot, dst_blocks, layer, kv_index)
+    sources = token_extents(source, layer, kv_index)
+    targets = token_extents(target, layer, kv_index)
     for extents, who in ((sources, "source"), (targets, "target")):
         if end > (extents[-1][1] if extents else 0):
             raise ValueError(f"{end} tokens do not fit the {who}'s {extents[-1][1] if extents else 0}")
@@ -241,25 +244,24 @@ class MigrationPusher(KVPusher):
         return common_layers(self.source.layout.layer_range, target.layout.layer_range)
 
     def _target_pieces(self, target: Grant) -> dict[tuple[int, int], list[Run]]:
-        src, dst = self.source.layout, target.layout
+        dst = target.layout
         start = min(target.shared * dst.block_tokens, self.num_tokens) if dst.paged else 0
+        source = PoolPlace(self.source.layout, self.source.slot, self._source_blocks)
+        place = PoolPlace(dst, target.slot, target.blocks)
         pieces: dict[tuple[int, int], list[Run]] = {}
         for layer in self._owned_layers(target):
             for kv_index in (K, V):
-                runs = migration_runs(
-                    src,
-                    self.source.slot,
-                    self._source_blocks,
-                    dst,
-                    target.slot,
-                    target.blocks,
-                    layer,
-                    kv_index,
-                    start,
-                    self.num_tokens,
-                )
+                runs = migration_runs(source, place, layer, kv_index, start, self.num_tokens)
                 pieces[(layer, kv_index)] = absolute_runs(runs, self.source.base_addr, target.base_addr)
         return pieces
+
+
+@dataclass(frozen=True)
+class PushPace:
+    """How a hand-over's push runs: layers per chunk, and how long its puts may take."""
+
+    layers_per_chunk: int
+    timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -274,9 +276,7 @@ def push_handoff(
     source_blocks: Sequence[int],
     handoff: Handoff,
     targets: Sequence[Grant],
-    *,
-    layers_per_chunk: int,
-    timeout_s: float,
+    pace: PushPace,
     before_notify: Callable[[], int] | None = None,
 ) -> MigrationResult:
     """Push a parked request's KV into `targets` chunk of layers by chunk, then notify them with
@@ -285,9 +285,9 @@ def push_handoff(
     for them (returning their bytes) before the notify, which tells the targets all is there."""
     d = handoff.detached
     num_tokens = d.kv_tokens
-    pusher = MigrationPusher(backend, source, source_blocks, targets, num_tokens, timeout_s=timeout_s)
+    pusher = MigrationPusher(backend, source, source_blocks, targets, num_tokens, timeout_s=pace.timeout_s)
     try:
-        for chunk in layer_chunks(source.layout.layer_range, max(1, layers_per_chunk)):
+        for chunk in layer_chunks(source.layout.layer_range, max(1, pace.layers_per_chunk)):
             pusher.push_chunk(chunk)
         pusher.stats.bytes += before_notify() if before_notify is not None else 0
         stats = pusher.finish(

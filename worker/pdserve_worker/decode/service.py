@@ -19,8 +19,9 @@ from pdserve_common import tracing
 from pdserve_common.logs import kv
 from pdserve_worker.decode.generate_call import GenerateRoad
 from pdserve_worker.decode.migration import HandoffUnavailable
-from pdserve_worker.decode.worker import DecodeWorker, MemberUnavailable
+from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.kv.slots import NoFreeSlot
+from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.convert import grant_to_proto, push_targets_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.transfer.base import TransferError
@@ -100,7 +101,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             context.set_trailing_metadata(settled_trailer(True))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
         started, started_ns = time.monotonic(), tracing.now_ns()
-        push = asyncio.get_running_loop().run_in_executor(w._migrations, w.push_handoff, handoff, targets)
+        push = asyncio.get_running_loop().run_in_executor(w.handover.executor, w.handover.push, handoff, targets)
         # However this call ends (even cancelled), the KV is freed only once the push stopped reading it.
         push.add_done_callback(lambda f: handoff.finish(migrated=not f.cancelled() and f.exception() is None))
         try:

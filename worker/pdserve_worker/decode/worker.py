@@ -17,29 +17,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from pdserve.v1 import worker_pb2
 from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
 from pdserve_worker.decode.generation_loop import GenerationLoop
-from pdserve_worker.decode.migration import (
-    Handoff,
-    HandoffBook,
-    MigrationResult,
-    push_handoff,
-)
+from pdserve_worker.decode.group_hooks import GroupHooks
+from pdserve_worker.decode.handover import Handover
+from pdserve_worker.decode.migration import Handoff
 from pdserve_worker.engines.base import Engine
-from pdserve_worker.engines.native import NativeEngine, native_of
+from pdserve_worker.engines.native import native_of
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
 from pdserve_worker.kv.paged import PagedKVCache
-from pdserve_worker.kv.reservations import reservation_nonce
 from pdserve_worker.kv.slots import Grant, SlotTable, SlotUsage
 from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.sampling.params import MAX_LOGPROBS, TokenLogprobs
@@ -50,7 +45,6 @@ from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.digest import KVIntegrityError, ReadyDigests
 from pdserve_worker.transfer.leases import BlockWriteLeases, SlotWriteLeases
 from pdserve_worker.transfer.pool import KVPool
-from pdserve_worker.transfer.push import PushSource
 from pdserve_worker.transfer.readiness import Readiness, ReadinessTimeout
 
 log = logging.getLogger(__name__)
@@ -69,11 +63,6 @@ class KVDamaged(ReadyUnusable):
     neither worker is to blame. Generate answers DATA_LOSS, which the router retries as it is."""
 
 
-class MemberUnavailable(RuntimeError):
-    """A member of this decode's layer-sharded group did not answer: Generate answers
-    UNAVAILABLE, and the router resumes the request on another decode."""
-
-
 @dataclass(frozen=True)
 class Ready:
     """What the ready notification told us about a slot's KV."""
@@ -84,67 +73,6 @@ class Ready:
     message: dict[str, Any] = field(default_factory=dict)  # the whole notify (a migration's state)
     first_logprobs: TokenLogprobs | None = None  # the first token's, drawn by the prefill
     kv_bytes: int = 0  # what was pushed for it (not the blocks shared with another copy)
-
-
-class MemberPushes(Protocol):
-    """The other members' pushes of one handed-over request (`GroupHooks.push_members`)."""
-
-    def wait(self) -> int:
-        """Their bytes, once every push landed; raises MemberUnavailable naming one that failed."""
-        ...
-
-    def settle(self) -> None:
-        """Until none of them is still running (whatever their outcome)."""
-        ...
-
-
-class GroupHooks(Protocol):
-    """What a layer-sharded group's leader does beyond a plain decode (`decode.shard.ShardGroup`):
-    its pool holds member 0's layers, its decode step hops through the followers, its grants
-    name every member, and its KV is ready once every member's notification arrived."""
-
-    def pool_layout(self, full: KVLayout) -> KVLayout:
-        """The leader's own pool, given the whole model's."""
-        ...
-
-    def generator(self, engine: NativeEngine, cache: KVCache) -> Generator[Any]: ...
-
-    def grants(self, grant: Grant) -> list[Grant]:
-        """Every member's grant of the leader's `grant` (the prefill's push targets)."""
-        ...
-
-    async def wait_ready(self, slot: int, generation: int, timeout_s: float) -> list[tuple[int, int]]:
-        """Each follower's (num_tokens, first_token) for the slot, once its notification came."""
-        ...
-
-    def labels(self) -> dict[str, str]:
-        """What the leader's broker registration says about its group."""
-        ...
-
-    def write_leases(self, own: Any) -> Any:
-        """The write-lease hooks of the leader's table, given its own engine's (`own`)."""
-        ...
-
-    @property
-    def migrates(self) -> bool:
-        """Whether its requests can be handed over when draining (`push_members` works)."""
-        ...
-
-    def push_members(
-        self,
-        slot: int,
-        generation: int,
-        nonce: str,
-        num_tokens: int,
-        targets: Sequence[Grant],
-        timeout_s: float,
-        blocks: Sequence[int] = (),
-    ) -> MemberPushes:
-        """Start every other member's push of its share of reservation (slot, generation), whose
-        KV is in `blocks` of a paged pool (members with pools of the same blocks need them)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class DecodeWorker:
@@ -168,11 +96,7 @@ class DecodeWorker:
         self.group = group
         full = engine.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
         # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
-        layout = (
-            paged_layout(full, settings.kv_block_tokens, settings.kv_tokens or pool_tokens(settings, full))
-            if group is None
-            else group.pool_layout(full)
-        )
+        layout = decode_pool_layout(settings, full) if group is None else group.pool_layout(full)
         self.layout = layout
         self.pool = KVPool(backend, layout, device=settings.device)
         # Quarantine outlives the prefill's transfer timeout: an abandoned push that is still
@@ -204,8 +128,8 @@ class DecodeWorker:
         self.metrics = WorkerMetrics("decode")  # served on /metrics (worker_main)
         self._watch()
         # Requests handed over while draining (decode/migration.py), and the one thread that pushes them.
-        self.handoffs = HandoffBook()
-        self._migrations = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-migrate")
+        self.handover = Handover(settings, backend, self.pool, self.slots, group)
+        self.handoffs = self.handover.book
 
     def _own_the_pool(self, layout: KVLayout, quarantine_s: float) -> Any:
         """The pool's one grant owner, its write leases and the cache view over it: blocks for
@@ -295,42 +219,6 @@ class DecodeWorker:
         """Every member's grant of a layer-sharded group's slot; none for an unsharded decode."""
         return [] if self.group is None else self.group.grants(grant)
 
-    @property
-    def supports_migration(self) -> bool:
-        """Whether this decode can hand its requests over when draining (every kind can now: a
-        group's members and a tensor-parallel decode's ranks push their shares)."""
-        return self.group is None or self.group.migrates
-
-    def push_handoff(self, handoff: Handoff, targets: list[Grant]) -> MigrationResult:
-        """Push a handed-over request's KV from this pool into `targets` (blocking). A layer-
-        sharded group's followers push their layers meanwhile; the notify waits for them, and
-        however this ends, no follower is still reading its pool when it returns."""
-        # (a tensor-parallel rank 0 pushes only its heads; the other ranks push theirs)
-        source = PushSource(self.pool.base_addr, self.layout, handoff.slot, heads=self.layout.head_range)
-        blocks = self.slots.blocks_of(handoff.slot) if isinstance(self.slots, BlockTable) else ()
-        timeout_s = self.settings.transfer_timeout_ms / 1000
-        members = None
-        if self.group is not None:
-            slot, generation = handoff.slot, handoff.generation
-            nonce = reservation_nonce(self.settings.capability_key(), slot, generation)  # (the table's own)
-            members = self.group.push_members(
-                slot, generation, nonce, handoff.detached.kv_tokens, targets, timeout_s, blocks
-            )
-        try:
-            return push_handoff(
-                self.backend,
-                source,
-                blocks,
-                handoff,
-                targets,
-                layers_per_chunk=self.settings.layers_per_chunk,
-                timeout_s=timeout_s,
-                before_notify=None if members is None else members.wait,
-            )
-        finally:
-            if members is not None:
-                members.settle()
-
     # ---- the ServingRole of a decode process (process/roles.py) --------------------------------
 
     async def start(self, broker: BrokerClient | None = None) -> None:
@@ -350,8 +238,7 @@ class DecodeWorker:
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.loop.stop()
-        self.handoffs.release_all()
-        self._migrations.shutdown(wait=True)  # a push reading the pool ends before it is deregistered
+        self.handover.close()  # a push reading the pool ends before it is deregistered
         self._waiters.shutdown(wait=False, cancel_futures=True)
         self.pool.deregister()
         if self.group is not None:
@@ -362,7 +249,7 @@ class DecodeWorker:
 
     async def drain(self, timeout_s: float) -> bool:
         """Take no new slots; wait until every slot is free or `timeout_s` passed. True if drained."""
-        mode = self.settings.drain_mode if self.supports_migration else "wait"
+        mode = self.settings.drain_mode if self.handover.supported else "wait"
         if not self.draining:
             log.info(kv(event="decode_draining", busy=self.busy(), timeout_s=timeout_s, mode=mode))
         self.draining = True
@@ -487,6 +374,12 @@ class DecodeWorker:
         pushed = self.kv_bytes(num_tokens - self.shared_tokens(slot, generation))
         self.metrics.observe_transfer(pushed, waited)
         return Ready(num_tokens, first_token, waited, message, first_logprobs, pushed)
+
+
+def decode_pool_layout(settings: WorkerSettings, full: KVLayout) -> KVLayout:
+    """A decode's own pool: `full` paged in `kv_block_tokens` blocks (unless 0), `kv_tokens` of
+    them or as many as `pool_tokens` sizes."""
+    return paged_layout(full, settings.kv_block_tokens, settings.kv_tokens or pool_tokens(settings, full))
 
 
 def pool_tokens(settings: WorkerSettings, full: KVLayout) -> int:

@@ -16,7 +16,7 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, Engine, EngineError, EngineLoad, PrefillPass
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.model.engine import warm_up
-from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.layers.llama import LlamaModel, PrefillOutputs
 from pdserve_worker.model.loading.loader import LoadedModel, load_model
 from pdserve_worker.model.sampling.params import TokenLogprobs
 from pdserve_worker.model.sampling.sampler import prompt_token_logprobs
@@ -41,7 +41,7 @@ class NativeEngine:
         return self.config.kv_layout(num_slots, max_len, dtype, first_head=first_head)
 
     def prefill(self, cache: KVCache, work: PrefillPass) -> torch.Tensor:
-        keep: dict[str, Any] = {} if work.on_final is None else {"on_final": work.on_final}
+        outputs = PrefillOutputs(work.logits, work.on_final)
         if len(work.prompts) == 1:
             logits = self.model.prefill(
                 list(work.prompts[0]),
@@ -50,8 +50,7 @@ class NativeEngine:
                 work.layers_per_chunk,
                 work.on_chunk,
                 start=work.starts[0],
-                logits=work.logits,
-                **keep,
+                outputs=outputs,
             )
             return logits[None] if work.logits else logits
         return self.model.prefill_batch(
@@ -61,8 +60,7 @@ class NativeEngine:
             work.layers_per_chunk,
             work.on_chunk,
             starts=list(work.starts),
-            logits=work.logits,
-            **keep,
+            outputs=outputs,
         )
 
     def decode_step(

@@ -8,7 +8,7 @@ caller's: the Generator is told which slot a request uses and reports when the r
 finished, and the caller (the decode's `SlotTable`) frees the slot then. It never picks a slot
 itself, so one table says who owns which slot.
 
-What it drives is a `Decoder` (`LlamaModel`, or a layer-sharded group's `ShardedDecoder`)
+What it drives is a `Decoder` (`LlamaModel`, or a layer-sharded group's `LayerShardDecoder`)
 over a `KVView` (a `KVCache`, or the group's `GroupKV`).
 """
 
@@ -27,7 +27,7 @@ from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
 from pdserve_worker.kv.cache import KVCache, dtype_name
 from pdserve_worker.model.config import ModelConfig
-from pdserve_worker.model.layers.llama import LlamaModel
+from pdserve_worker.model.layers.llama import LlamaModel, PrefillOutputs
 from pdserve_worker.model.sampling.grammar_mask import GrammarMatcher, mask_rows
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import (
@@ -405,6 +405,21 @@ def warm_up(model: LlamaModel) -> float:
     return time.perf_counter() - started
 
 
+@dataclass(frozen=True)
+class FirstDraw:
+    """How a prefill draws a prompt's first token: `index`, the output index that token has (> 0
+    for a resumed request, whose last `index` prompt tokens are its output so far);
+    `layers_per_chunk`; `start`, positions already holding the prompt's KV (a cached prefix);
+    `stop_ids`, what min_tokens keeps from being drawn; `tokenizer`, what a request's grammar
+    is matched against."""
+
+    index: int = 0
+    layers_per_chunk: int | None = None
+    start: int = 0
+    stop_ids: Sequence[int] = ()
+    tokenizer: Tokenizer | None = None
+
+
 @torch.inference_mode()
 def prefill_first_token(
     model: LlamaModel,
@@ -412,20 +427,10 @@ def prefill_first_token(
     slot: int,
     prompt_ids: Sequence[int],
     params: SamplingParams,
-    index: int = 0,
-    layers_per_chunk: int | None = None,
-    start: int = 0,
-    stop_ids: Sequence[int] = (),
-    tokenizer: Tokenizer | None = None,
+    how: FirstDraw = FirstDraw(),
 ) -> int:
-    """Compute a prompt's KV into `slot` and draw its first token, as a prefill worker does
-    (`index`: the output index that token has, > 0 for a resumed request, whose last `index`
-    prompt tokens are its output so far; `start`: positions already holding the prompt's KV, a
-    cached prefix; `stop_ids`: what min_tokens keeps from being drawn; `tokenizer`: what a
-    request's grammar is matched against)."""
-    return prefill_first_draw(
-        model, cache, slot, prompt_ids, params, index, layers_per_chunk, start, stop_ids, tokenizer
-    ).token
+    """Compute a prompt's KV into `slot` and draw its first token, as a prefill worker does."""
+    return prefill_first_draw(model, cache, slot, prompt_ids, params, how).token
 
 
 @torch.inference_mode()
@@ -435,23 +440,19 @@ def prefill_first_draw(
     slot: int,
     prompt_ids: Sequence[int],
     params: SamplingParams,
-    index: int = 0,
-    layers_per_chunk: int | None = None,
-    start: int = 0,
-    stop_ids: Sequence[int] = (),
-    tokenizer: Tokenizer | None = None,
+    how: FirstDraw = FirstDraw(),
 ) -> Draw:
     """`prefill_first_token`, with the token's logprobs when the request asks for them, and the
     prompt's (`params.prompt_logprobs`; then `start` must be 0: a cached prefix has no states)."""
+    draw = (params, prompt_ids, how.index, how.stop_ids, how.tokenizer)
     if params.prompt_logprobs is None:
-        logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, start=start)
-        return draw_first(logits, params, prompt_ids, index, stop_ids, tokenizer)
-    if start:
+        return draw_first(model.prefill(prompt_ids, cache, slot, how.layers_per_chunk, start=how.start), *draw)
+    if how.start:
         raise ValueError("prompt logprobs need the whole prompt computed (start 0)")
     final: list[torch.Tensor] = []
-    logits = model.prefill(prompt_ids, cache, slot, layers_per_chunk, on_final=final.append)
+    logits = model.prefill(prompt_ids, cache, slot, how.layers_per_chunk, outputs=PrefillOutputs(on_final=final.append))
     prompt = prompt_token_logprobs(model.head, final[0], prompt_ids, params.prompt_logprobs)
-    return replace(draw_first(logits, params, prompt_ids, index, stop_ids, tokenizer), prompt_logprobs=prompt)
+    return replace(draw_first(logits, *draw), prompt_logprobs=prompt)
 
 
 @torch.inference_mode()
@@ -461,7 +462,6 @@ def prefill_first_tokens(
     slots: Sequence[int],
     prompts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
-    layers_per_chunk: int | None = None,
     stop_ids: Sequence[Sequence[int]] | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> list[Draw]:
@@ -470,10 +470,10 @@ def prefill_first_tokens(
     stops = stop_ids if stop_ids is not None else [()] * len(prompts)
     if len(prompts) == 1 or any(p.prompt_logprobs is not None for p in params):  # (the states of each alone)
         return [
-            prefill_first_draw(model, cache, slot, prompt, p, 0, layers_per_chunk, 0, stop, tokenizer)
+            prefill_first_draw(model, cache, slot, prompt, p, FirstDraw(stop_ids=stop, tokenizer=tokenizer))
             for slot, prompt, p, stop in zip(slots, prompts, params, stops, strict=True)
         ]
-    logits = model.prefill_batch(prompts, cache, slots, layers_per_chunk)
+    logits = model.prefill_batch(prompts, cache, slots)
     return [draw_first(logits[row], p, prompts[row], 0, stops[row], tokenizer) for row, p in enumerate(params)]
 
 

@@ -22,13 +22,8 @@ from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.sampling.grammar import GrammarError
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.prefill.worker import (
-    InstanceBroken,
-    PrefillCancelled,
-    PrefillResult,
-    PrefillWorker,
-    push_settled_of,
-)
+from pdserve_worker.prefill.jobs import InstanceBroken, PrefillCancelled, PrefillResult, push_settled_of
+from pdserve_worker.prefill.worker import PrefillWorker
 from pdserve_worker.rpc.convert import logprobs_to_proto, push_targets_from_proto, sampling_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.transfer.push import PushError

@@ -10,22 +10,24 @@ after the engine is finalized, `free`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Protocol
 
 import grpc
 
 from pdserve_common.channels import WORKER_MAX_MESSAGE
 from pdserve_common.membership import Load, MemberInfo
+from pdserve_worker.decode.group_hooks import GroupHooks
+from pdserve_worker.decode.layer_shards import LayerShardFollower, connect_group, group_max_message, is_follower
 from pdserve_worker.decode.service import DecodeRole
-from pdserve_worker.decode.shard import ShardFollower, connect_group, group_max_message, is_follower
-from pdserve_worker.decode.tp_decode import TPDecodeGroup
-from pdserve_worker.decode.worker import GroupHooks
+from pdserve_worker.decode.worker import decode_pool_layout
 from pdserve_worker.engines.base import Engine
 from pdserve_worker.engines.native import native_of
 from pdserve_worker.prefill.service import PrefillRole
+from pdserve_worker.ranks.decode import TPDecodeGroup
+from pdserve_worker.ranks.group import TPGroup
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.serving.tp_group import TPGroup
 from pdserve_worker.transfer.base import TransferBackend
 
 
@@ -76,14 +78,14 @@ async def make_role(
     tp_group: TPGroup | None = None,
 ) -> ServingRole:
     """The role `settings` asks for, over a loaded model engine and an initialized transfer
-    engine. A group's leader first waits for its followers to describe their pools (ShardError
+    engine. A group's leader first waits for its followers to describe their pools (LayerShardError
     if they do not); groups run on the native engine only (engines/native.native_of)."""
     if is_follower(settings):
-        return ShardFollower(settings, native_of(engine), backend)
+        return LayerShardFollower(settings, native_of(engine), backend)
     if settings.role == "decode":
         group: GroupHooks | None = None
         if tp_group is not None:
-            group = TPDecodeGroup(settings, native_of(engine), tp_group)
+            group = TPDecodeGroup(settings, native_of(engine), tp_group, partial(decode_pool_layout, settings))
         elif settings.layer_shards > 1:
             max_message = grpc_max_message(settings, engine.config.hidden_size)
             group = await connect_group(settings, native_of(engine).model.layer_range, max_message)

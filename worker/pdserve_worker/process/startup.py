@@ -1,5 +1,5 @@
 """What every model process of a worker starts with, shared by `pdserve worker` (worker_main)
-and the other ranks of a tensor-parallel instance (tp_ranks): the transfer engine and the model engine."""
+and the other ranks of a tensor-parallel instance (rank_main): the transfer engine and the model engine."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def start_engine(settings: WorkerSettings) -> TransferBackend:
     port. A decode admits only peers holding the service's link key, and (unless it is a group
     follower, which keeps no slot table) lets them write only into
     reserved slots (service_link.py); a tensor-parallel decode's other ranks too, leased by rank 0's
-    table over the group (decode/tp_decode.py)."""
-    from pdserve_worker.decode.shard import is_follower
+    table over the group (ranks/decode.py)."""
+    from pdserve_worker.decode.layer_shards import is_follower
     from pdserve_worker.transfer.registry import create_engine
     from pdserve_worker.transfer.service_link import engine_options, local_engine_id
 

@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from pdserve_worker.api.http_guard import HttpLimits
     from pdserve_worker.engines.base import Engine
     from pdserve_worker.process.roles import ServingRole
-    from pdserve_worker.process.tp_ranks import Ranks
+    from pdserve_worker.ranks.group import TPGroup
+    from pdserve_worker.ranks.processes import Ranks
     from pdserve_worker.rpc.broker_client import BrokerClient
-    from pdserve_worker.serving.tp_group import TPGroup
     from pdserve_worker.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ async def _run_model_worker(settings: WorkerSettings, state: WorkerState) -> Non
     server: grpc.aio.Server | None = None
     front: Any = None  # the gRPC port's per-address cap (pdserve_common/grpc_front.py)
     role: ServingRole | None = None
-    ranks: Ranks | None = None  # a tensor-parallel instance's other ranks (process/tp_ranks.py)
+    ranks: Ranks | None = None  # a tensor-parallel instance's other ranks (ranks/processes.py)
     try:
         serve_with(settings.torch_threads)  # (serving/torch_threads.py)
         process.state.phase = "loading"
@@ -206,9 +206,9 @@ def _ready(settings: WorkerSettings, model: str, revision: str) -> None:
 
 async def _tp_group(settings: WorkerSettings) -> tuple[Ranks | None, WorkerSettings, TPGroup | None]:
     """A tensor-parallel instance's rank 0 starts the other ranks and joins the group with them
-    (process/tp_ranks.py); returns them, its settings with the rendezvous, and the group."""
-    from pdserve_worker.process.tp_ranks import group_spec, start_ranks
-    from pdserve_worker.serving.tp_group import TPGroup
+    (ranks/processes.py); returns them, its settings with the rendezvous, and the group."""
+    from pdserve_worker.ranks.group import TPGroup
+    from pdserve_worker.ranks.processes import group_spec, start_ranks
 
     if settings.tensor_parallel == 1:
         return None, settings, None
@@ -324,7 +324,7 @@ class _Membership:
 async def _load_model(settings: WorkerSettings, group: TPGroup | None = None) -> tuple[Engine, str]:
     """The model engine (a layer-sharded decode member loads only its share, a tensor-parallel
     rank its heads), warmed up, and the model's revision."""
-    from pdserve_worker.decode.shard import member_layers
+    from pdserve_worker.decode.layer_shards import member_layers
     from pdserve_worker.engines.base import EngineError
     from pdserve_worker.process.startup import load_model_engine
 
@@ -350,12 +350,12 @@ async def _warm_up(engine: Engine) -> None:
 async def _make_role(
     settings: WorkerSettings, engine: Engine, backend: TransferBackend, revision: str, group: TPGroup | None
 ) -> ServingRole:
-    from pdserve_worker.decode.shard import ShardError
+    from pdserve_worker.decode.layer_shards import LayerShardError
     from pdserve_worker.process.roles import make_role
 
     try:
         return await make_role(settings, engine, backend, revision, group)
-    except ShardError as exc:
+    except LayerShardError as exc:
         raise StartupError(str(exc)) from exc
 
 

@@ -66,7 +66,7 @@ HTTP_REQUEST_DEADLINE_S = "PDSERVE_HTTP_REQUEST_DEADLINE_SECONDS"
 HTTP_MAX_CONNECTIONS = "PDSERVE_HTTP_MAX_CONNECTIONS"
 HTTP_MAX_CONNECTIONS_PER_PEER = "PDSERVE_HTTP_MAX_CONNECTIONS_PER_PEER"
 WORKER_HTTP_PER_PEER = 64  # a prefill's or decode's pod port: probes and metrics
-# A tensor-parallel instance's other ranks (prefill/tp_rank.py): rank 0 starts them with these.
+# A tensor-parallel instance's other ranks (ranks/prefill.py): rank 0 starts them with these.
 TP_RANK = "PDSERVE_TP_RANK"  # this process's rank (0: the instance's face, the others follow it)
 TP_ADDRESS = "PDSERVE_TP_ADDRESS"  # the group's rendezvous (file:///path or host:port)
 TP_TIMEOUT_S = "PDSERVE_TP_TIMEOUT_SECONDS"  # a collective not done in this long means a rank died or hangs

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
-from pdserve_common.kv_layout import BlockLayout, K, KVLayout, Strided, V, push_runs
+from pdserve_common.kv_layout import BlockLayout, K, KVLayout, PushRoute, Strided, V, push_runs
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import XXH3_64
 
@@ -268,4 +268,5 @@ class _Landed:
     def runs(self, layer: int, kv_index: int) -> list[Strided]:
         if self.source is None:
             return []
-        return push_runs(self.source, 0, self.view, self.blocks, layer, kv_index, self.end, self.start, self.heads)
+        route = PushRoute(self.source, 0, self.view, self.blocks)
+        return push_runs(route, layer, kv_index, self.end, self.start, self.heads)

@@ -25,7 +25,17 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from pdserve_common.kv_layout import BlockLayout, K, KVLayout, Strided, V, coalesce, push_runs, shared_heads
+from pdserve_common.kv_layout import (
+    BlockLayout,
+    K,
+    KVLayout,
+    PushRoute,
+    Strided,
+    V,
+    coalesce,
+    push_runs,
+    shared_heads,
+)
 from pdserve_common.logs import kv
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.transfer.base import TransferBackend, TransferError
@@ -210,10 +220,11 @@ class _Pieces:
         src = self.source
         heads = shared_heads(src.pushed_heads, view.head_range)
         sb, tb = src.base_addr, target.base_addr
+        route = PushRoute(src.layout, src.slot, view, blocks)
         pieces: dict[tuple[int, int], list[Run]] = {}
         for layer in view.layer_range:
             for kv_index in (K, V):
-                runs = push_runs(src.layout, src.slot, view, blocks, layer, kv_index, self.num_tokens, start, heads)
+                runs = push_runs(route, layer, kv_index, self.num_tokens, start, heads)
                 pieces[(layer, kv_index)] = absolute_runs(runs, sb, tb)
         return pieces
 
@@ -469,7 +480,7 @@ class KVPusher:
 
     def settle(self) -> PushStats:
         """Wait for every put and notify nobody: a tensor-parallel rank's share of a push, whose
-        ready notify rank 0 sends once every rank's puts landed (prefill/tp_rank.py)."""
+        ready notify rank 0 sends once every rank's puts landed (ranks/prefill.py)."""
         if self._failed or self._finished:
             raise RuntimeError("settle after the push failed or finished")
         return self._end(None)

@@ -44,6 +44,16 @@ def _room(cache: KVCache | PagedKVCache, slot: int) -> int:
 
 
 @dataclass(frozen=True)
+class PrefillOutputs:
+    """What a prefill returns besides the KV it writes: the last position's logits (`logits`
+    False: a chunk of a longer prompt, or a tensor-parallel rank past 0, whose head is not run:
+    an empty tensor), and, to `on_final` first, the computed positions' final hidden states."""
+
+    logits: bool = True
+    on_final: Callable[[torch.Tensor], None] | None = None
+
+
+@dataclass(frozen=True)
 class ModelPart:
     """What of the model one process holds, and how (`LlamaModel`'s optional arguments).
 
@@ -176,12 +186,12 @@ class LlamaModel:
         layers_per_chunk: int | None = None,
         on_chunk: Callable[[range], None] | None = None,
         start: int = 0,
-        on_final: Callable[[torch.Tensor], None] | None = None,
-        logits: bool = True,
+        outputs: PrefillOutputs = PrefillOutputs(),
     ) -> torch.Tensor:
         """Write the KV of positions 0..n-1 into `slot` and return the last position's logits `[vocab]`
-        (`on_final` gets the computed positions' final hidden states `[n - start, hidden]` first;
-        `logits=False`: a chunk of a longer prompt, whose head is not run: an empty tensor).
+        (`outputs.on_final` gets the computed positions' final hidden states `[n - start, hidden]`
+        first; `outputs.logits` False: a chunk of a longer prompt, whose head is not run: an empty
+        tensor).
 
         Layers run in chunks of `layers_per_chunk`; after each chunk, whose KV is then final in
         the cache, `on_chunk(layer_range)` is called (the transfer pushes that chunk from there
@@ -211,9 +221,9 @@ class LlamaModel:
                 hidden = self._layer(hidden, layer, cache, plan)
             if on_chunk is not None:
                 on_chunk(chunk)
-        if on_final is not None:
-            on_final(hidden[0])
-        return self.head(hidden[0, -1]) if logits else hidden.new_empty(0)
+        if outputs.on_final is not None:
+            outputs.on_final(hidden[0])
+        return self.head(hidden[0, -1]) if outputs.logits else hidden.new_empty(0)
 
     @torch.inference_mode()
     def prefill_batch(
@@ -224,12 +234,12 @@ class LlamaModel:
         layers_per_chunk: int | None = None,
         on_chunk: Callable[[range], None] | None = None,
         starts: Sequence[int] | None = None,
-        on_final: Callable[[torch.Tensor], None] | None = None,
-        logits: bool = True,
+        outputs: PrefillOutputs = PrefillOutputs(),
     ) -> torch.Tensor:
         """`prefill` of several prompts in one forward pass: logits `[len(prompts), vocab]`
-        (`on_final`: the packed final hidden states of every computed position, prompt after prompt;
-        `logits=False`: the head is not run, an empty tensor — a tensor-parallel rank past 0).
+        (`outputs.on_final`: the packed final hidden states of every computed position, prompt
+        after prompt; `outputs.logits` False: the head is not run, an empty tensor — a
+        tensor-parallel rank past 0).
 
         `starts[i]` > 0: prompt i's first `starts[i]` positions already hold its KV (a cached
         prefix); only the rest is computed.
@@ -268,9 +278,9 @@ class LlamaModel:
                 hidden = self._layer(hidden, layer, cache, plan)
             if on_chunk is not None:
                 on_chunk(chunk)
-        if on_final is not None:
-            on_final(hidden[0])
-        if not logits:
+        if outputs.on_final is not None:
+            outputs.on_final(hidden[0])
+        if not outputs.logits:
             return hidden.new_empty(0)
         last = torch.tensor([seg.stop - 1 for seg in plan.segments], device=self.device)
         return self.head(hidden[0, last])

@@ -33,13 +33,14 @@ from pdserve_common.kv_layout import KVLayout, layout_from_proto, layout_to_prot
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load
 from pdserve_worker.decode.migration import MigrationPusher, common_layers
-from pdserve_worker.decode.worker import MemberUnavailable, ReadyUnusable
+from pdserve_worker.decode.worker import ReadyUnusable
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.engine import Generator
-from pdserve_worker.model.layers.sharded import GroupKV, ShardedDecoder, ShardMember, check_group_layouts
+from pdserve_worker.model.layers.layer_shards import GroupKV, LayerShardDecoder, LayerShardMember, check_group_layouts
+from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, hidden_from_proto, hidden_to_proto
 from pdserve_worker.serving.settings import WorkerSettings
@@ -60,7 +61,7 @@ def group_max_message(slots: int, hidden_size: int) -> int:
     return max(WORKER_MAX_MESSAGE, slots * hidden_size * 4 + (1 << 20))
 
 
-class ShardError(MemberUnavailable):
+class LayerShardError(MemberUnavailable):
     """A follower failed a step or could not be reached; the message names it."""
 
 
@@ -111,7 +112,7 @@ class GenerationFloor:
             return True
 
 
-class ShardFollower:
+class LayerShardFollower:
     """Member i > 0: a pool of its layers, their weights, its readiness; driven by the leader."""
 
     def __init__(self, settings: WorkerSettings, engine: NativeEngine, backend: TransferBackend) -> None:
@@ -121,7 +122,7 @@ class ShardFollower:
         self.member_index = settings.group_member[1]
         layout = _pool_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
-        self.member = ShardMember(engine.model, KVCache(layout, self.pool.tensor))
+        self.member = LayerShardMember(engine.model, KVCache(layout, self.pool.tensor))
         # The leader's slot table decides which grants are live; here only newer beats older.
         self.floor = GenerationFloor()
         # A notify counts only with the reservation's capability, which the leader's table made
@@ -229,7 +230,7 @@ class ShardFollower:
 
 
 class DecodeShardServicer(shard_pb2_grpc.DecodeShardServicer):
-    def __init__(self, follower: ShardFollower) -> None:
+    def __init__(self, follower: LayerShardFollower) -> None:
         self.f = follower
 
     async def Describe(
@@ -301,7 +302,7 @@ class FollowerInfo:
     layout: KVLayout
 
 
-class RemoteShard:
+class RemoteLayerShard:
     """A follower seen from the leader: a blocking client (the generation loop's thread calls
     `forward`; readiness waits run on worker threads)."""
 
@@ -329,7 +330,7 @@ class RemoteShard:
                 shard_pb2.DescribeShardRequest(), metadata=self._metadata, timeout=timeout_s, wait_for_ready=True
             )
         except grpc.RpcError as exc:
-            raise ShardError(
+            raise LayerShardError(
                 f"group member at {self.endpoint} did not describe itself: {exc.code().name} {exc.details()}"
             ) from None
         return FollowerInfo(
@@ -350,7 +351,7 @@ class RemoteShard:
                 self._requests.put(None)
                 self._requests = self._replies = None
                 detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.RpcError) else "stream ended"
-                raise ShardError(f"group member at {self.endpoint} failed a decode step: {detail}") from None
+                raise LayerShardError(f"group member at {self.endpoint} failed a decode step: {detail}") from None
         return hidden_from_proto(reply, hidden.device).to(hidden.dtype)
 
     def wait_ready(self, slot: int, generation: int, timeout_s: float) -> tuple[int, int]:
@@ -365,7 +366,7 @@ class RemoteShard:
                 raise ReadinessTimeout(f"group member at {self.endpoint}: {exc.details()}") from None
             if exc.code() == grpc.StatusCode.ABORTED:
                 raise ReadyUnusable(f"group member at {self.endpoint}: {exc.details()}") from None
-            raise ShardError(f"group member at {self.endpoint}: {exc.code().name} {exc.details()}") from None
+            raise LayerShardError(f"group member at {self.endpoint}: {exc.code().name} {exc.details()}") from None
         return reply.num_tokens, reply.first_token
 
     def push_handoff(self, request: shard_pb2.PushHandoffRequest, timeout_s: float) -> grpc.Future:
@@ -388,13 +389,13 @@ class GroupPushes:
     calls: list[tuple[str, grpc.Future]]
 
     def wait(self) -> int:
-        """The followers' bytes, once every one of them landed; ShardError names one that failed."""
+        """The followers' bytes, once every one of them landed; LayerShardError names one that failed."""
         total = 0
         for endpoint, call in self.calls:
             try:
                 total += call.result().bytes
             except grpc.RpcError as exc:
-                raise ShardError(
+                raise LayerShardError(
                     f"group member at {endpoint} did not push its layers: {exc.code().name} {exc.details()}"
                 ) from None
         return total
@@ -407,20 +408,22 @@ class GroupPushes:
                 pass  # (reported by `wait`, or the migration already failed)
 
 
-def describe_followers(remotes: Sequence[RemoteShard], timeout_s: float = DESCRIBE_TIMEOUT_S) -> list[FollowerInfo]:
+def describe_followers(
+    remotes: Sequence[RemoteLayerShard], timeout_s: float = DESCRIBE_TIMEOUT_S
+) -> list[FollowerInfo]:
     return [r.describe(timeout_s) for r in remotes]
 
 
 # ---- the leader -----------------------------------------------------------------------------------------
 
 
-class ShardGroup:
-    """The leader's side of a layer-sharded group (`decode.GroupHooks`): given to its
+class LayerShardGroup:
+    """The leader's side of a layer-sharded group (`decode.group_hooks.GroupHooks`): given to its
     DecodeWorker, which then holds member 0's layers, hops through the followers each decode
     step, grants the slot on every member and waits for every member's notification."""
 
     def __init__(
-        self, leader_id: str, own_layers: range, remotes: Sequence[RemoteShard], followers: Sequence[FollowerInfo]
+        self, leader_id: str, own_layers: range, remotes: Sequence[RemoteLayerShard], followers: Sequence[FollowerInfo]
     ) -> None:
         self.leader_id = leader_id
         self.own_layers = own_layers
@@ -431,7 +434,7 @@ class ShardGroup:
         return replace(full, first_layer=self.own_layers.start, num_layers=len(self.own_layers))
 
     def generator(self, engine: NativeEngine, cache: KVCache) -> Generator[Any]:
-        own = ShardMember(engine.model, cache)
+        own = LayerShardMember(engine.model, cache)
         layouts = [cache.layout, *(f.layout for f in self.followers)]
         check_group_layouts(layouts, engine.config.num_layers)
         hops = [own.forward, *(r.forward for r in self.remotes)]
@@ -448,7 +451,7 @@ class ShardGroup:
             )
         )
         return Generator(
-            ShardedDecoder(engine.model, layouts, hop), engine.tokenizer, GroupKV(layouts, engine.config.num_layers)
+            LayerShardDecoder(engine.model, layouts, hop), engine.tokenizer, GroupKV(layouts, engine.config.num_layers)
         )
 
     def grants(self, grant: Grant) -> list[Grant]:
@@ -499,16 +502,17 @@ class ShardGroup:
             remote.close()
 
 
-async def connect_group(settings: WorkerSettings, own_layers: range, max_message: int) -> ShardGroup:
+async def connect_group(settings: WorkerSettings, own_layers: range, max_message: int) -> LayerShardGroup:
     """The leader's group: its followers (`settings.peers[1:]`), described once they are up
-    (they load their model meanwhile). Raises ShardError if one does not answer in time."""
+    (they load their model meanwhile). Raises LayerShardError if one does not answer in time."""
     remotes = [
-        RemoteShard(peer, settings.token, settings.peer_tls, max_message=max_message) for peer in settings.peers[1:]
+        RemoteLayerShard(peer, settings.token, settings.peer_tls, max_message=max_message)
+        for peer in settings.peers[1:]
     ]
     try:
         followers = await asyncio.to_thread(describe_followers, remotes)
-    except ShardError:
+    except LayerShardError:
         for remote in remotes:
             remote.close()
         raise
-    return ShardGroup(settings.member_id, own_layers, remotes, followers)
+    return LayerShardGroup(settings.member_id, own_layers, remotes, followers)

@@ -28,14 +28,19 @@ from pdserve_common.logs import kv
 log = logging.getLogger(__name__)
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-# What rank 0 broadcasts besides a pass or a step: "keep waiting" and "stop" (prefill/tp_rank.py,
-# decode/tp_decode.py).
+# What rank 0 broadcasts besides a pass or a step: "keep waiting" and "stop" (ranks/prefill.py,
+# ranks/decode.py).
 IDLE, STOP = "idle", "stop"
 DEFAULT_TIMEOUT_S = 60.0
 
 
 class GroupError(RuntimeError):
     """A collective of the instance's group failed or timed out: a rank died or hangs."""
+
+
+class MemberUnavailable(RuntimeError):
+    """A member of a decode's group (a layer shard, a tensor-parallel rank) did not answer:
+    Generate answers UNAVAILABLE, and the router resumes the request on another decode."""
 
 
 def backend_for(device: str) -> str:
@@ -90,7 +95,7 @@ class TPGroup:
         )
         # Control messages (Python objects) travel on the CPU: the default group when it is gloo.
         self._cpu = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-        # Write leases (decode/tp_decode.py) on a gloo group of their own: rank 0 sends them from
+        # Write leases (ranks/decode.py) on a gloo group of their own: rank 0 sends them from
         # whichever thread grants a reservation while its loop thread runs steps on the group above.
         self._leases = dist.new_group(backend="gloo", timeout=timeout)
         log.info(kv(event="tp_group_joined", rank=spec.rank, size=spec.size, backend=backend, address=spec.address))

@@ -8,7 +8,7 @@ range (reading and writing only its own pool), and the last member applies the f
 and the LM head. The hop between members is a `HiddenHop` callable: in one process a plain
 function call (`local_hop`), across processes an RPC carrying the hidden state.
 
-`GroupKV` and `ShardedDecoder` present the group to the engine's `Generator` as one model and
+`GroupKV` and `LayerShardDecoder` present the group to the engine's `Generator` as one model and
 one pool (the Generator only needs `layout.num_slots` / `layout.max_len` of its cache and
 `decode_step` of its model), so continuous batching, sampling and stop handling are the very
 same code an unsharded decode runs.
@@ -27,7 +27,7 @@ from pdserve_worker.model.layers.llama import LlamaModel
 
 
 @dataclass(frozen=True)
-class ShardMember:
+class LayerShardMember:
     """One member of a decode group: a model holding (at least) `layers`, and its pool of them."""
 
     model: LlamaModel
@@ -52,7 +52,7 @@ class ShardMember:
 HiddenHop = Callable[[int, torch.Tensor, Sequence[int], Sequence[int]], torch.Tensor]
 
 
-def local_hop(members: Sequence[ShardMember]) -> HiddenHop:
+def local_hop(members: Sequence[LayerShardMember]) -> HiddenHop:
     """Members in this process: the hop is a direct call."""
 
     def hop(index: int, hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
@@ -100,7 +100,7 @@ class GroupKV:
         return torch_dtype(self.layout.dtype)
 
 
-class ShardedDecoder:
+class LayerShardDecoder:
     """`decode_step` over a decode group; `head_model` embeds and applies the head (member 0's
     and the last member's LlamaModel both carry the embedding and head weights)."""
 
@@ -114,7 +114,7 @@ class ShardedDecoder:
         self._hop = hop
 
     @classmethod
-    def local(cls, members: Sequence[ShardMember]) -> ShardedDecoder:
+    def local(cls, members: Sequence[LayerShardMember]) -> LayerShardDecoder:
         return cls(members[0].model, [m.cache.layout for m in members], local_hop(members))
 
     @torch.inference_mode()

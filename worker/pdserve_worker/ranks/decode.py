@@ -29,11 +29,12 @@ from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Generator
+from pdserve_worker.ranks.group import IDLE, STOP, GroupError, MemberUnavailable, TPGroup
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.serving.tp_group import IDLE, STOP, GroupError, TPGroup
 from pdserve_worker.transfer.base import TransferBackend, TransferError
 from pdserve_worker.transfer.leases import BlockWriteLeases
 from pdserve_worker.transfer.pool import KVPool
+from pdserve_worker.transfer.push import KVPusher
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class PushOrder:
 
 
 class RankPushes:
-    """The other ranks' pushes of one handed-over request (`decode.worker.MemberPushes`): sent
+    """The other ranks' pushes of one handed-over request (`decode.group_hooks.MemberPushes`): sent
     on the lease channel by a thread of its own, which holds the channel until every rank
     answered (no grant can come between: the decode is draining)."""
 
@@ -144,8 +145,6 @@ class RankPushes:
 
     def wait(self) -> int:
         """The other ranks' bytes, once every one of them landed its heads."""
-        from pdserve_worker.decode.worker import MemberUnavailable
-
         self._thread.join()
         if self._error is not None:
             raise MemberUnavailable(f"tensor-parallel ranks did not push their heads: {self._error}")
@@ -269,24 +268,24 @@ class TPGenerator(Generator[Any]):
 
 
 class TPDecodeGroup:
-    """Rank 0's side (`decode.worker.GroupHooks`): the pools of every rank, their grants, the
+    """Rank 0's side (`decode.group_hooks.GroupHooks`): the pools of every rank, their grants, the
     mirrored decode step."""
 
-    def __init__(self, settings: WorkerSettings, engine: NativeEngine, group: TPGroup) -> None:
-        self.settings, self.engine, self.group = settings, engine, group
+    def __init__(
+        self, settings: WorkerSettings, engine: NativeEngine, group: TPGroup, paged: Callable[[KVLayout], KVLayout]
+    ) -> None:
+        # `paged`: the decode's own pool of a layout (decode/worker.decode_pool_layout; passed in,
+        # as this package sits below the roles)
+        self.settings, self.engine, self.group, self.paged = settings, engine, group, paged
         self.others: list[RankPool] = []
         self.model: MirroredModel | None = None
         self.leases: RankLeases | None = None
 
     def pool_layout(self, full: KVLayout) -> KVLayout:
         """Rank 0's paged pool; the others make theirs with the same blocks and tell where."""
-        from pdserve_worker.decode.worker import paged_layout, pool_tokens
-
-        s = self.settings
-        if not s.kv_block_tokens:
+        if not self.settings.kv_block_tokens:
             raise ValueError("a tensor-parallel decode needs a paged KV pool (kv_block_tokens > 0)")
-        full = replace(full, first_head=first_head(self.engine))
-        layout = paged_layout(full, s.kv_block_tokens, s.kv_tokens or pool_tokens(s, full))
+        layout = self.paged(replace(full, first_head=first_head(self.engine)))
         self.group.broadcast(layout.to_dict())
         pools = self.group.gather(None) or []
         self.others = [RankPool(**p) for p in pools[1:]]
@@ -351,9 +350,17 @@ class DecodeFollower:
     """Rank 1.. of a tensor-parallel decode: its heads' pool, and the steps rank 0 describes."""
 
     def __init__(
-        self, settings: WorkerSettings, engine: NativeEngine, backend: TransferBackend, group: TPGroup
+        self,
+        settings: WorkerSettings,
+        engine: NativeEngine,
+        backend: TransferBackend,
+        group: TPGroup,
+        pusher: Callable[..., KVPusher],
     ) -> None:
+        # `pusher`: a handed-over request's push (decode/migration.MigrationPusher; passed in, as
+        # this package sits below the roles)
         self.settings, self.engine, self.backend, self.group = settings, engine, backend, group
+        self.pusher = pusher
         leader = KVLayout.from_dict(group.broadcast())
         layout = replace(leader, first_head=first_head(engine))
         self.pool = KVPool(backend, layout, device=settings.device)
@@ -396,13 +403,12 @@ class DecodeFollower:
     def push(self, order: PushOrder) -> int | str:
         """Push this rank's heads of a handed-over request into its new decode (no notify: rank 0
         sends it once every rank's puts landed); the bytes, or why it failed."""
-        from pdserve_worker.decode.migration import MigrationPusher
         from pdserve_worker.transfer.push import PushError, PushSource, layer_chunks
 
         layout = self.pool.layout
         source = PushSource(self.pool.base_addr, layout, order.slot, heads=layout.head_range)
         try:
-            pusher = MigrationPusher(
+            pusher = self.pusher(
                 self.backend, source, order.blocks, order.targets, order.num_tokens, timeout_s=order.timeout_s
             )
         except (PushError, ValueError) as exc:

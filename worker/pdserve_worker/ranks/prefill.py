@@ -20,8 +20,8 @@ from pdserve_common.logs import kv
 from pdserve_worker.engines.base import Engine, PrefillPass
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant
+from pdserve_worker.ranks.group import IDLE, STOP, TPGroup
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.serving.tp_group import IDLE, STOP, TPGroup
 from pdserve_worker.transfer.base import TransferBackend
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushError, PushSource

@@ -2,14 +2,14 @@
 
 One rank = one process = one device, as vLLM and torchrun lay it out: rank 0 is `pdserve
 worker` itself (the pod's command), and before it loads anything it starts ranks 1..N-1 as
-`python -m pdserve_worker.process.tp_ranks`, same environment plus their rank and the group's
+`python -m pdserve_worker.process.rank_main`, same environment plus their rank and the group's
 rendezvous, then joins the group with them. All ranks live in the pod, so the rendezvous is a
 FileStore in a folder of rank 0's (no port to choose, nothing reachable from outside the pod);
 on an accelerator each rank takes device `rank` of the N the pod asked for.
 
 The others die with rank 0 (Linux's parent-death signal), and rank 0 ends them by PID when it
 stops; a rank that exits on its own breaks the group's next collective, which ends rank 0 too
-(prefill/tp_rank.py), so the instance restarts as one.
+(ranks/prefill.py), so the instance restarts as one.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve_common.logs import kv
+from pdserve_worker.ranks.group import GroupSpec
 from pdserve_worker.serving import settings as S
 from pdserve_worker.serving.settings import WorkerSettings
-from pdserve_worker.serving.tp_group import GroupSpec
 from pdserve_worker.util.children import die_with_parent
 from pdserve_worker.util.free_ports import free_port
 from pdserve_worker.util.stack_dump import dump_stacks_then_kill
@@ -88,7 +88,7 @@ def start_ranks(settings: WorkerSettings) -> tuple[Ranks, WorkerSettings]:
             env[S.TRANSFER_PORT_ENV] = str(free_port(settings.bind_host))
         ranks.procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "pdserve_worker.process.tp_ranks"],
+                [sys.executable, "-m", "pdserve_worker.process.rank_main"],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
@@ -96,50 +96,3 @@ def start_ranks(settings: WorkerSettings) -> tuple[Ranks, WorkerSettings]:
         )
     log.info(kv(event="tp_ranks_started", size=settings.tensor_parallel, pids=[p.pid for p in ranks.procs]))
     return ranks, settings.model_copy(update={"tp_address": address})
-
-
-def run_follower() -> int:
-    """A rank past 0, from start to stop: join, load its share, warm up, follow rank 0's passes."""
-    from pdserve_common import logs
-    from pdserve_worker.decode.tp_decode import DecodeFollower
-    from pdserve_worker.engines.native import native_of
-    from pdserve_worker.prefill.tp_rank import FollowerRank
-    from pdserve_worker.process.startup import load_model_engine, start_engine
-    from pdserve_worker.serving.gc_heap import freeze_startup_heap
-    from pdserve_worker.serving.torch_threads import serve_with
-    from pdserve_worker.serving.tp_group import GroupError, TPGroup
-    from pdserve_worker.util import stack_dump
-
-    stack_dump.install()
-    settings = WorkerSettings()
-    logs.setup(f"{settings.role}:{settings.member_id}:rank{settings.tp_rank}")
-    serve_with(settings.torch_threads)
-    bind_device(settings)
-    group = TPGroup(group_spec(settings))
-    rank: FollowerRank | DecodeFollower | None = None
-    backend = None
-    try:
-        tp = (settings.tensor_parallel, settings.tp_rank)
-        engine = native_of(load_model_engine(settings, tp=tp, reduce=group.all_reduce))
-        engine.warm_up()  # (rank 0 warms up too: the collectives match)
-        backend = start_engine(settings)
-        follower = DecodeFollower if settings.role == "decode" else FollowerRank
-        rank = follower(settings, engine, backend, group)
-        freeze_startup_heap()  # (serving/gc_heap.py)
-        rank.serve()
-        return 0
-    except (GroupError, RuntimeError, ValueError) as exc:  # (rank 0 fails the same way and says why)
-        log.error(kv(event="tp_rank_failed", rank=settings.tp_rank, error=str(exc)))
-        return 1
-    finally:
-        if rank is not None:
-            rank.close()
-        if backend is not None:
-            backend.engine.finalize()
-        if rank is not None:
-            rank.free()
-        group.close()
-
-
-if __name__ == "__main__":
-    sys.exit(run_follower())
