@@ -29,7 +29,7 @@ from pdserve_common.logs import kv
 from pdserve_worker.model.engine import Detached, Generator, StepOutput
 from pdserve_worker.model.sampling.params import SamplingParams, TokenLogprobs
 from pdserve_worker.model.sampling.sampler import Draw
-from pdserve_worker.serving.tp_group import GroupError
+from pdserve_worker.ranks.group import GroupError
 
 log = logging.getLogger(__name__)
 
