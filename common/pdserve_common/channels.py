@@ -6,7 +6,7 @@ restarted broker within a second or two. Message sizes are set on both ends of e
 
 What a peer without a token can hold on a server (`GrpcLimits`): a connection must finish its
 HTTP/2 (and TLS) handshake within `handshake_timeout_ms`; one with no call for `idle_timeout_ms`
-is closed; at most `max_connections` are open (a newer one closed at accept), a quarter per
+is closed; at most `max_connections` are open (a newer one closed at accept), a sixty-fourth per
 source address (`listen`: our front caps per address, grpc_front.py). A call without a valid
 token is refused from its headers (auth.py), so such a connection stays idle.
 

@@ -30,6 +30,9 @@ from pdserve_common.logs import kv
 log = logging.getLogger(__name__)
 
 PER_PEER_ENV = "PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER"
+# The default share of one source address: a sixty-fourth of the front's total, at least 8.
+PER_PEER_DIVISOR = 64
+PER_PEER_FLOOR = 8
 _CHUNK = 256 * 1024
 
 
@@ -149,10 +152,13 @@ def inner_address() -> str:
 
 
 def per_peer_from_env(total: int, env: dict[str, str] | None = None) -> int:
-    """`PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER`, else a quarter of `total` (at least 1)."""
+    """`PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER`, else a sixty-fourth of `total`, at least 8 (at most
+    `total`): 16 of a worker's 1,024, 128 of the broker's 8,192. Why: a legitimate peer is one pod
+    (a worker's routers, prefills, group members, operator; the broker's every pod) holding one or
+    two channels, so 8 is several times its need, and a flood needs 64 addresses to fill a port."""
     raw = (os.environ if env is None else env).get(PER_PEER_ENV)
     if not raw:
-        return max(1, total // 4)
+        return min(total, max(PER_PEER_FLOOR, total // PER_PEER_DIVISOR))
     try:
         value = int(raw)
     except ValueError:

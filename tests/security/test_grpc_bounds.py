@@ -116,8 +116,9 @@ def test_connections_past_the_cap_are_closed(local):
 def test_a_flood_from_one_address_leaves_every_grpc_port_to_the_others(local, reference):
     """#29: gRPC's one global cap could be taken whole by one peer (the broker is reachable from
     every pdserve pod of every service). Each gRPC port now sits behind a per-address cap
-    (pdserve_common/grpc_front.py: a quarter of the cap, GRPC_MAX_CONNECTIONS / 4 here): flooded
-    from 127.0.0.2 with twice the whole cap, every port still serves the deployment's own
+    (pdserve_common/grpc_front.py; `pdserve local` sizes it for its processes, all on 127.0.0.1:
+    cli/local_env.py, 16 here, and #58 A9 made a pod's default a sixty-fourth, not a quarter):
+    flooded from 127.0.0.2 with twice the whole cap, every port still serves the deployment's own
     processes on 127.0.0.1 — a request through router, prefill and decode, and a token-holder's
     broker call."""
     import grpc
@@ -153,4 +154,13 @@ def test_a_flood_from_one_address_leaves_every_grpc_port_to_the_others(local, re
         for socks in floods:
             for s in socks:
                 s.close()
-    assert all(count <= GRPC_MAX_CONNECTIONS // 4 for count in held.values()), held
+    share = per_peer_of(local.child("decode-0")["pid"])
+    assert share < GRPC_MAX_CONNECTIONS // 2, share
+    assert all(count <= share for count in held.values()), (held, share)
+
+
+def per_peer_of(pid: int) -> int:
+    """The per-address share a process of the run was given (its environment)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER"])

@@ -108,8 +108,37 @@ async def test_the_total_cap_holds_across_addresses():
         await front.close()
 
 
+@pytest.mark.asyncio
+async def test_many_addresses_cannot_fill_the_front_with_the_default_share():
+    """#58 A9: the default share was a quarter, so 4 addresses filled a worker's port. Now a
+    sixty-fourth: 8 addresses, each trying 40 connections (what a quarter let in), hold 16
+    each, 128 of 1,024, and another address is still served."""
+    total = 1024
+    share = per_peer_from_env(total, {})
+    assert share == 16 and total // share == 64  # 64 addresses to fill it, not 4
+    server = aio_server(TokenTable({"ns/svc": TOKEN}), limits=GrpcLimits(max_connections=total))
+    broker_pb2_grpc.add_BrokerServicer_to_server(Members(), server)
+    port, front = await listen(server, "127.0.0.1", 0, None, GrpcLimits(max_connections=total))
+    await server.start()
+    sources = [f"127.0.0.{i}" for i in range(2, 10)]
+    flood = [s for source in sources for s in idle_from(source, port, 40)]
+    try:
+        await asyncio.sleep(0.5)
+        assert {source: front.counts.open.get(source) for source in sources} == dict.fromkeys(sources, share)
+        assert front.counts.refused_peer == len(sources) * (40 - share) and front.counts.refused_total == 0
+        assert await call(port) == grpc.StatusCode.OK  # from 127.0.0.1
+    finally:
+        for s in flood:
+            s.close()
+        await server.stop(None)
+        await front.close()
+
+
 def test_the_per_peer_setting_is_checked():
-    assert per_peer_from_env(1024, {}) == 256
+    assert per_peer_from_env(1024, {}) == 16  # a sixty-fourth
+    assert per_peer_from_env(8192, {}) == 128  # the broker's
+    assert per_peer_from_env(48, {}) == 8  # at least 8: a pod's one or two channels, several times over
+    assert per_peer_from_env(4, {}) == 4  # and never more than the total
     assert per_peer_from_env(1024, {"PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER": "8"}) == 8
     for bad in ("0", "-1", "many"):
         with pytest.raises(ValueError, match="PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER must be a positive integer"):
@@ -139,3 +168,26 @@ async def test_the_inner_server_is_a_socket_file_only_its_user_can_reach():
         await server.stop(None)
         await front.close()
     assert not folder.exists()
+
+
+def test_pdserve_local_sizes_the_share_for_its_one_address(monkeypatch):
+    """Every process of `pdserve local` connects from 127.0.0.1, so the run sets the share from
+    its process count (cli/local_env.py) rather than a pod's sixty-fourth; a user's setting wins."""
+    import itertools
+
+    from pdserve_worker.cli.local_env import RunFacts, broker_env, grpc_per_peer, worker_env
+    from pdserve_worker.cli.local_plan import LocalPlan
+
+    monkeypatch.delenv("PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER", raising=False)
+    assert grpc_per_peer(LocalPlan(prefill=1, decode=1)) == 16
+    big = LocalPlan(prefill=4, decode=4, routers=2)
+    assert grpc_per_peer(big) == 4 * (2 + 8)
+    run = RunFacts(big, "float32", 256, "/models/m", "m", "127.0.0.1:1", "tok", None)
+    ports = itertools.count(20000)
+    assert (
+        worker_env(run, "decode", "decode-0", 8000, lambda: next(ports))["PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER"]
+        == "40"
+    )
+    assert broker_env(run)["PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER"] == "40"
+    monkeypatch.setenv("PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER", "7")
+    assert broker_env(run)["PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER"] == "7"

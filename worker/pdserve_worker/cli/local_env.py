@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pdserve_common import pod_env as E
 from pdserve_common.credentials import member_credential, pod_env
+from pdserve_common.grpc_front import PER_PEER_ENV
 from pdserve_worker.cli.local_children import HOST
 from pdserve_worker.cli.local_plan import LocalPlan
 from pdserve_worker.serving import settings as S
@@ -59,12 +60,25 @@ def source_env() -> dict[str, str]:
     return env
 
 
+def grpc_per_peer(plan: LocalPlan) -> int:
+    """Each gRPC port's share for one source address in this run (PDSERVE_GRPC_MAX_CONNECTIONS_PER_PEER):
+    every process of the run connects from 127.0.0.1, which a pod's default share (a sixty-fourth,
+    grpc_front.py) is not sized for, so four channels per process, at least 16."""
+    return max(16, 4 * (plan.routers + plan.model_processes))
+
+
+def _share_env(env: dict[str, str], plan: LocalPlan) -> None:
+    if PER_PEER_ENV not in env:  # the user's own setting wins
+        env[PER_PEER_ENV] = str(grpc_per_peer(plan))
+
+
 def broker_env(run: RunFacts) -> dict[str, str]:
     """`pdserve broker`'s environment: the service token, and mutual TLS when the run has certificates."""
     env = source_env()
     env["PDSERVE_BROKER_TOKENS"] = json.dumps({SERVICE: run.token})
     if run.certs is not None:  # `pdserve broker` reads PDSERVE_TLS_CERT/_KEY/_CA: mutual TLS
         env.update(tls_env(run.certs, broker_tls=False))
+    _share_env(env, run.plan)
     env.update(run.plan.extra_env)
     return env
 
@@ -122,6 +136,7 @@ def worker_env(run: RunFacts, role: str, worker_id: str, http_port: int, hold: C
         env.update(tls_env(run.certs, broker_tls=role != "colocated"))
     if plan.api_keys is not None and role in ("router", "colocated"):
         env[E.API_KEYS_FILE] = str(Path(plan.api_keys).resolve())
+    _share_env(env, plan)
     env.update(plan.extra_env)
     return env
 

@@ -1,22 +1,27 @@
 """One tensor-parallel instance's process group: torch.distributed, one process per rank.
 
-The collective library is chosen from the device: gloo on the CPU, nccl on CUDA, hccl on Ascend
-(torch_npu registers the backend); the model's all_reduce runs on that group. What the ranks say
-besides the model's sums (rank 0's description of the next pass, each rank's "my pushes
-landed") are small Python objects, sent over a gloo group on the CPU (the device group's
-collectives take device tensors).
+gloo on the CPU, nccl on CUDA, hccl on Ascend (torch_npu registers it) runs the model's
+all_reduce; what the ranks say besides (rank 0's next pass, each rank's "my pushes landed") are
+small Python objects on a gloo group (the device group's collectives take device tensors).
 
 Every collective has a deadline (`timeout_s`): a rank that died or hangs makes the others' next
-collective raise instead of waiting for ever, and the instance stops as one (the pod restarts
-the group). gloo honours it on every op; nccl and hccl through their watchdogs
-(`TORCH_NCCL_ASYNC_ERROR_HANDLING`, `HCCL_EXEC_TIMEOUT`), which abort the process instead.
-The group rendezvouses over TCP at rank 0's `address` (host:port): loopback, one pod per instance.
+collective raise, and the instance stops as one. gloo honours it on every op; nccl and hccl
+through their watchdogs (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, `HCCL_EXEC_TIMEOUT`), which abort.
+All ranks are in one pod, so nothing of the group listens off loopback: the rendezvous is a
+FileStore or a TCPStore on a socket we bind to a loopback `address`, and every gloo device is
+made on the loopback interface (`gloo_on_loopback`), not the pod's IP: a gloo listener keeps a
+descriptor for each connection anyone opens to it (#58 A9).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import ipaddress
 import logging
+import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +37,7 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # ranks/decode.py).
 IDLE, STOP = "idle", "stop"
 DEFAULT_TIMEOUT_S = 60.0
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # read by torch each time it makes a gloo group's device
 
 
 class GroupError(RuntimeError):
@@ -74,12 +80,64 @@ class GroupSpec:
         host, _, port = self.address.rpartition(":")
         if not self.address.startswith("file://") and (not host or not port.isdigit()):
             raise ValueError(f"tensor-parallel rendezvous address must be host:port, got {self.address!r}")
+        if not self.address.startswith("file://") and not _is_loopback(host):
+            raise ValueError(f"tensor-parallel rendezvous must be on loopback (one pod), got {self.address!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"tensor-parallel timeout must be positive, got {self.timeout_s}")
 
-    @property
-    def init_method(self) -> str:
-        return self.address if self.address.startswith("file://") else f"tcp://{self.address}"
+    def store(self) -> tuple[Any, socket.socket | None]:
+        """The rendezvous store, and for a TCPStore on rank 0 the loopback socket it serves on
+        (torch's own server would listen on every interface): keep it open until the group ends."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self.address.startswith("file://"):
+            return dist.FileStore(self.address.removeprefix("file://"), self.size), None
+        host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
+        if self.rank != 0:
+            return dist.TCPStore(host, int(port), self.size, False, timeout), None
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, int(port)))
+            listener.listen(128)
+            store = dist.TCPStore(host, int(port), self.size, True, timeout, master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        return store, listener
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_interface() -> str:
+    """The name of this host's loopback interface ("lo" on Linux)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    raise RuntimeError(f"no loopback interface (lo or lo0) among this host's interfaces {names}")
+
+
+@contextlib.contextmanager
+def gloo_on_loopback() -> Iterator[None]:
+    """gloo groups made inside get their device (and listener) on the loopback interface,
+    whatever GLOO_SOCKET_IFNAME says outside (other gloo users of the process keep theirs)."""
+    saved = os.environ.get(GLOO_IFNAME_ENV)
+    os.environ[GLOO_IFNAME_ENV] = loopback_interface()
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[GLOO_IFNAME_ENV]
+        else:
+            os.environ[GLOO_IFNAME_ENV] = saved
 
 
 class TPGroup:
@@ -90,14 +148,18 @@ class TPGroup:
         self.size, self.rank = spec.size, spec.rank
         backend = backend_for(spec.device)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        dist.init_process_group(
-            backend, init_method=spec.init_method, world_size=spec.size, rank=spec.rank, timeout=timeout
-        )
-        # Control messages (Python objects) travel on the CPU: the default group when it is gloo.
-        self._cpu = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-        # Write leases (ranks/decode.py) on a gloo group of their own: rank 0 sends them from
-        # whichever thread grants a reservation while its loop thread runs steps on the group above.
-        self._leases = dist.new_group(backend="gloo", timeout=timeout)
+        store, self._store_listener = spec.store()
+        try:
+            with gloo_on_loopback():
+                dist.init_process_group(backend, store=store, world_size=spec.size, rank=spec.rank, timeout=timeout)
+                # Control messages (Python objects) travel on the CPU: the default group when it is gloo.
+                self._cpu = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+                # Write leases (ranks/decode.py) on a gloo group of their own: rank 0 sends them from
+                # whichever thread grants a reservation while its loop thread runs steps on the group above.
+                self._leases = dist.new_group(backend="gloo", timeout=timeout)
+        except BaseException:
+            self.close()
+            raise
         log.info(kv(event="tp_group_joined", rank=spec.rank, size=spec.size, backend=backend, address=spec.address))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -140,3 +202,6 @@ class TPGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._store_listener is not None:
+            self._store_listener.close()
+            self._store_listener = None
