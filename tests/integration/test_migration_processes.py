@@ -272,6 +272,7 @@ def test_a_decode_killed_mid_migration_leaves_every_text_identical(three_decodes
     expected = undisturbed(local)
     holds = {name: Held(local, name) for name in ("decode-1", "decode-2")}
     killed = "decode-1" if victim == "target" else "decode-0"
+    killed_at: list[float] = []
 
     def drain_and_kill() -> None:
         holds["decode-1"].release()  # the migrations' target
@@ -283,6 +284,7 @@ def test_a_decode_killed_mid_migration_leaves_every_text_identical(three_decodes
         while sum(migrations(local).values()) < 1:  # the first request has moved: kill amid the rest
             assert time.monotonic() < deadline, "no migration began"
         os.kill(local.child(killed)["pid"], signal.SIGKILL)
+        killed_at.append(time.monotonic())
         if victim == "target":
             time.sleep(0.5)
             holds["decode-2"].release()  # the resumes find room here
@@ -297,7 +299,11 @@ def test_a_decode_killed_mid_migration_leaves_every_text_identical(three_decodes
     for a, text in zip(answers, expected):
         assert a.error is None and a.completion_tokens == MAX_TOKENS, a.error
         assert a.text == text, f"{victim} killed: a stream's text differs from the undisturbed run"
-        assert a.pdserve.get("decode") not in (killed, "decode-0"), a.pdserve
+        # No stream ends on the drained decode; none on the killed one unless it had finished
+        # there before the kill (a stream that moved to the target early and was short).
+        ended = a.pdserve.get("decode")
+        assert ended != "decode-0", a.pdserve
+        assert ended != killed or a.arrivals[-1] < killed_at[0], (a.pdserve, a.arrivals[-1], killed_at)
         moved += bool(a.pdserve.get("migrations"))
         resumed += bool(a.pdserve.get("retries"))
     counted = migrations(local)

@@ -233,7 +233,14 @@ async def cluster(
                 max_model_len=MAX_LEN,
                 revision=REVISION,
                 token=TOKEN,
-                timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=readiness_ms, prefill_s=30, settle_s=settle_s),
+                timeouts=Timeouts(
+                    rpc_s=2.0,
+                    lease_ms=5000,
+                    readiness_ms=readiness_ms,
+                    prefill_s=30,
+                    settle_s=settle_s,
+                    return_wait_s=2.0,
+                ),
             ),
             tokenizer=loaded.tokenizer,
             broker=stack.client(),
@@ -493,7 +500,9 @@ async def test_a_draining_prefill_finishes_what_it_holds_and_new_prompts_go_else
 @pytest.mark.asyncio
 async def test_when_every_prefill_fails_the_error_says_no_worker_was_left(loaded):
     async with cluster(loaded, prefill=("stuck", "down"), readiness_ms=300) as c:
-        with pytest.raises(BackendUnavailable, match="no other worker could take request req-1 over") as raised:
+        # prefill-1 went away (unreachable): the router waits for a prefill to come back
+        # (Timeouts.return_wait_s, 2 s here), then names the wait and the last failure.
+        with pytest.raises(BackendUnavailable, match="a prefill worker went away and none came back") as raised:
             await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
         assert "prefill-1" in str(raised.value)
         await eventually(lambda: c.decode.busy() == 0)

@@ -45,8 +45,10 @@ def loaded(tiny_model_dir):
     return load_model(str(tiny_model_dir), dtype="float32")
 
 
-@pytest_asyncio.fixture
-async def decode(loaded):
+@pytest_asyncio.fixture(params=[False], ids=["digests-off"])
+async def decode(loaded, request):
+    """A decode with KV digests off by default: the state checks below come after the digest
+    check, which a forged notify without a digest would fail first (tested on its own below)."""
     settings = WorkerSettings(
         role="decode",
         service=SVC,
@@ -59,8 +61,11 @@ async def decode(loaded):
         model_dtype="float32",
         max_length=64,
         slots=2,
+        kv_digest=request.param,
     )
     backend = create_engine("cpu")
+    if not settings.kv_digest:
+        backend.digest = None  # as process/startup.py does for PDSERVE_KV_DIGEST=false
     assert backend.engine.initialize(settings.engine_id) == backend.api.SUCCESS
     worker = DecodeWorker(settings, NativeEngine(loaded), backend, "rev")
     await worker.start()
@@ -162,6 +167,20 @@ async def test_a_notify_with_the_nonce_but_not_the_request_s_state_is_refused(de
         async for event in call:
             raise AssertionError(f"a mismatched migration produced a token: {event}")
     assert raised.value.code() == grpc.StatusCode.ABORTED and why in raised.value.details()
+    assert worker.loop.stats.requests == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("decode", [True], ids=["digests-on"], indirect=True)
+async def test_with_digests_on_a_notify_with_the_nonce_but_no_digest_is_refused_by_name(decode) -> None:
+    worker, stub, attacker = decode
+    grant = await reserve(stub)
+    call = await generate(stub, grant)
+    notify(attacker, worker.settings.engine_id, grant, grant.nonce.hex())
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for event in call:
+            raise AssertionError(f"a migration without a digest produced a token: {event}")
+    assert raised.value.code() == grpc.StatusCode.ABORTED and "carries no 'kv_digest'" in raised.value.details()
     assert worker.loop.stats.requests == 0
 
 

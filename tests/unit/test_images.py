@@ -180,6 +180,7 @@ NOT_IN_OPERATOR_IMAGE = {
     "cryptography": "cryptography",
     "ninja": "ninja",
     "llguidance": "llguidance",
+    "xxhash": "xxhash",  # (the KV digest: workers only)
     "xds-protos": "envoy",  # (the routers' endpoint picker; the operator renders no ext_proc)
 }
 
