@@ -338,7 +338,9 @@ async def test_a_prefill_that_never_pushes_times_out_and_the_slot_is_quarantined
 @pytest.mark.asyncio
 async def test_a_prefill_that_is_down_fails_the_request_and_releases_the_grant(loaded):
     async with cluster(loaded, prefill="down") as c:
-        with pytest.raises(BackendUnavailable, match="prefill-0"):
+        # prefill-0 is unreachable: the router waits for a prefill to come back (2 s here), then
+        # names the wait (no worker's name reaches the client: the log names prefill-0).
+        with pytest.raises(BackendUnavailable, match="a prefill worker went away and none came back"):
             await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
         await eventually(lambda: c.decode.busy() == 0)
 
@@ -501,10 +503,10 @@ async def test_a_draining_prefill_finishes_what_it_holds_and_new_prompts_go_else
 async def test_when_every_prefill_fails_the_error_says_no_worker_was_left(loaded):
     async with cluster(loaded, prefill=("stuck", "down"), readiness_ms=300) as c:
         # prefill-1 went away (unreachable): the router waits for a prefill to come back
-        # (Timeouts.return_wait_s, 2 s here), then names the wait and the last failure.
+        # (Timeouts.return_wait_s, 2 s here), then names the wait.
         with pytest.raises(BackendUnavailable, match="a prefill worker went away and none came back") as raised:
             await collect(c.backend, [1, 2, 3, 4], SamplingParams(max_tokens=3))
-        assert "prefill-1" in str(raised.value)
+        assert "prefill-1" not in str(raised.value)  # (no worker's name reaches the client)
         await eventually(lambda: c.decode.busy() == 0)
 
 

@@ -162,7 +162,6 @@ class PDBackend(ModelTokenizing):
         )
         raise BackendUnavailable(
             f"a {role} worker went away and none came back within the wait for one ({wait_s:g} s, "
-            f"{RETURN_WAIT_SETTING}); {len(request.emitted)} tokens had been streamed"
-            + ("" if failure is None else f"; the last failure: {failure.error}"),
+            f"{RETURN_WAIT_SETTING}); {len(request.emitted)} tokens had been streamed",
             public=True,
         ) from None
