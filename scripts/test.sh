@@ -8,5 +8,7 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-# pytest exits 5 when no test ran: that stays a failure here on purpose.
-exec .venv/bin/python -m pytest -q "$@"
+# pytest exits 5 when no test ran: that stays a failure here on purpose. Two workers (xdist),
+# each taking whole modules (--dist loadfile: a module's shared deployment starts once);
+# PDSERVE_TEST_WORKERS=0 runs in this process alone.
+exec .venv/bin/python -m pytest -q -n "${PDSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"
