@@ -26,7 +26,7 @@ import pytest
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from support.deployments import local_deployment
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 MAX_LEN = 512
 KEYS = {

@@ -32,7 +32,7 @@ from support.deployments import local_deployment
 from support.local_run import Answer, LocalRun, served_model, stream_completion
 from support.tiny_model import write_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 SLOTS, MAX_LEN, MAX_TOKENS = 8, 320, 256
 GREEDY = ["The quick brown fox", "Paris is the capital of", "A language model predicts", "Berlin is"]

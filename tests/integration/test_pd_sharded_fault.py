@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
 def test_a_dead_follower_fails_requests_quickly(tiny_model_dir, tmp_path, local_deployments):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 ATTACKERS = 12  # (with the tools request and two probes: 15 connections, under the fixture's 16 per address)
 TOOLS = 100

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 ROUNDS = 20
 

@@ -30,7 +30,7 @@ from security import h2wire
 from security.conftest import EPP_PORT
 from security.test_a1_grammar_flood import p99
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 PICKER = f"127.0.0.1:{EPP_PORT}"
 CHUNK = 1 << 20  # the gateway streams a body in parts (each under gRPC's 4 MiB message bound)

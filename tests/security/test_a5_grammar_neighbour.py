@@ -22,7 +22,7 @@ import pytest
 
 from support.deployments import local_deployment
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 KEYS = {name: f"sk-{name}-0123456789abcdef0123" for name in ("noisy", "quiet")}
 ATTACKS = 8

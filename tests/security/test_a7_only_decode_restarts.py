@@ -25,7 +25,7 @@ from support.tiny_model import write_tiny_model
 pytestmark = pytest.mark.slow
 
 MAX_LEN, MAX_TOKENS = 256, 200
-RETURN_WAIT_S = 30  # longer than a restart of the decode here (its old lease lapses in 10 s; ~10 s in all)
+RETURN_WAIT_S = 40  # longer than a restart of the decode here (its old lease lapses in 10 s; ~10 s in all)
 PROMPT = "The quick brown fox"
 
 

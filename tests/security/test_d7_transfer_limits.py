@@ -19,7 +19,7 @@ from pdserve_worker.transfer.registry import create_engine
 from security.conftest import KEY
 from support import attacker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
 def rss_kib(pid: int) -> int:

@@ -29,6 +29,8 @@ from pdserve_worker.gateway import ext_proc
 from pdserve_worker.gateway.endpoint_picker import Candidate
 from security import h2wire
 
+pytestmark = pytest.mark.timing
+
 MODEL = "m"
 ROUTERS = [Candidate("10.0.0.1:8000", 0), Candidate("10.0.0.2:8000", 0)]
 # RFC 9113 section 7: REFUSED_STREAM, or ENHANCE_YOUR_CALM (what gRPC core sends past the limit).

@@ -26,7 +26,7 @@ import pytest
 from security import h2wire
 from security.conftest import GRPC_HANDSHAKE_MS, GRPC_IDLE_MS, GRPC_MAX_CONNECTIONS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 METHODS = {
     "broker": "/pdserve.v1.Broker/ListMembers",

@@ -23,7 +23,7 @@ import pytest
 
 from security.conftest import HTTP_DEADLINE_S, HTTP_MAX_CONNECTIONS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
 def http_ports(run) -> dict[str, str]:

@@ -23,7 +23,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from support.deployments import local_deployment
 from support.local_run import LocalRun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 SLOTS = 4
 MAX_LEN = 256
