@@ -18,15 +18,12 @@ import pytest
 
 from netutil import free_port
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve_common.membership import MemberInfo, Role
-from pdserve_worker.decode.service import DecodeServicer
 from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.prefill.service import PrefillServicer
 from pdserve_worker.prefill.worker import PrefillWorker
-from pdserve_worker.router.config import RouterConfig, Timeouts
+from pdserve_worker.router.config import Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
 from pdserve_worker.transfer.registry import create_engine
 from support.fault_proxy import FaultProxy
@@ -65,7 +62,7 @@ async def road(loaded: Any) -> AsyncIterator[Road]:
         d_backend = create_engine("cpu")
         assert d_backend.engine.initialize(f"127.0.0.1:{listen_port}") == d_backend.api.SUCCESS
         stack.engines.append(d_backend)
-        decode = stack.worker(DecodeWorker(d_settings, NativeEngine(loaded), d_backend, REVISION))
+        decode = DecodeWorker(d_settings, NativeEngine(loaded), d_backend, REVISION)
         checked: list[int] = []
         check = decode.readiness.check
         assert check is not None  # (digests are on by default)
@@ -76,39 +73,14 @@ async def road(loaded: Any) -> AsyncIterator[Road]:
             return result
 
         decode.readiness.check = spy
-        await decode.start()
-        await stack.serve(
-            d_settings.grpc_port, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s)
-        )
-        await stack.join(decode.member_info(), decode.load)
-
+        await stack.serve_decode(decode)
         p_settings = stack.settings("prefill")
         p_backend = create_engine("cpu")
         assert p_backend.engine.initialize("127.0.0.1", {"pdserve.Transport": "tcp"}) == p_backend.api.SUCCESS
         stack.engines.append(p_backend)
-        prefill = stack.worker(PrefillWorker(p_settings, NativeEngine(loaded), p_backend, REVISION))
-        await stack.serve(
-            p_settings.grpc_port,
-            lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(prefill), s),
-        )
-        await stack.join(
-            MemberInfo(
-                worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint=p_settings.grpc_endpoint, revision=REVISION
-            )
-        )
-        backend = PDBackend(
-            RouterConfig(
-                model_name="tiny",
-                max_model_len=MAX_LEN,
-                revision=REVISION,
-                token=TOKEN,
-                timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, settle_s=5.0),
-            ),
-            tokenizer=loaded.tokenizer,
-            broker=stack.client(),
-        )
-        await backend.start()
-        await backend.view.wait_for(lambda v: len(v.members) == 2, 5)
+        await stack.serve_prefill(PrefillWorker(p_settings, NativeEngine(loaded), p_backend, REVISION), REVISION)
+        timeouts = Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, settle_s=5.0)
+        backend = await stack.pd_backend(loaded.tokenizer, REVISION, timeouts)
         try:
             stub = worker_pb2_grpc.DecodeStub(stack.channel(d_settings.grpc_endpoint))
             yield Road(backend, decode, stub, proxy, checked)

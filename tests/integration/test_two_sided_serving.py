@@ -11,16 +11,12 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from pdserve.v1 import worker_pb2_grpc
-from pdserve_common.membership import MemberInfo, Role
-from pdserve_worker.decode.service import DecodeServicer
 from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.engines.native import NativeEngine
 from pdserve_worker.model.engine import generate
 from pdserve_worker.model.sampling.params import SamplingParams
-from pdserve_worker.prefill.service import PrefillServicer
 from pdserve_worker.prefill.worker import PrefillWorker
-from pdserve_worker.router.config import RouterConfig, Timeouts
+from pdserve_worker.router.config import Timeouts
 from pdserve_worker.router.pd_backend import PDBackend
 from support.inprocess_stack import Stack
 
@@ -42,38 +38,13 @@ async def pd(loaded, transfer: str) -> AsyncIterator[tuple[PDBackend, DecodeWork
     try:
         d_settings = stack.settings("decode")
         d_backend = stack.engine(d_settings, transfer)
-        decode = stack.worker(DecodeWorker(d_settings, NativeEngine(loaded), d_backend, REVISION))
-        await decode.start()
-        await stack.serve(
-            d_settings.grpc_port, lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s)
-        )
-        await stack.join(decode.member_info(), decode.load)
+        decode = DecodeWorker(d_settings, NativeEngine(loaded), d_backend, REVISION)
+        await stack.serve_decode(decode)
         p_settings = stack.settings("prefill")
-        prefill = stack.worker(
-            PrefillWorker(p_settings, NativeEngine(loaded), stack.engine(p_settings, transfer), REVISION)
-        )
-        await stack.serve(
-            p_settings.grpc_port,
-            lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(prefill), s),
-        )
-        await stack.join(
-            MemberInfo(
-                worker_id="prefill-0", role=Role.PREFILL, grpc_endpoint=p_settings.grpc_endpoint, revision=REVISION
-            )
-        )
-        backend = PDBackend(
-            RouterConfig(
-                model_name="tiny",
-                max_model_len=MAX_LEN,
-                revision=REVISION,
-                token=TOKEN,
-                timeouts=Timeouts(rpc_s=5.0, lease_ms=10_000, readiness_ms=20_000, prefill_s=30, settle_s=5.0),
-            ),
-            tokenizer=loaded.tokenizer,
-            broker=stack.client(),
-        )
-        await backend.start()
-        await backend.view.wait_for(lambda v: len(v.members) == 2, 5)
+        prefill = PrefillWorker(p_settings, NativeEngine(loaded), stack.engine(p_settings, transfer), REVISION)
+        await stack.serve_prefill(prefill, REVISION)
+        timeouts = Timeouts(rpc_s=5.0, lease_ms=10_000, readiness_ms=20_000, prefill_s=30, settle_s=5.0)
+        backend = await stack.pd_backend(loaded.tokenizer, REVISION, timeouts)
         try:
             yield backend, decode, d_backend
         finally:

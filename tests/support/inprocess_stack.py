@@ -2,8 +2,10 @@
 broker clients, channels, transfer engines and workers a test starts on it, all stopped by
 `close()` (channels, clients, servers, workers, engines, then the broker), whatever failed.
 
-The in-process integration tests (test_pd_paths.py, test_migration_serving.py) build their
-clusters from it, each adding the workers and fault-injecting servicers it needs.
+The in-process integration tests (test_pd_paths.py, test_migration_serving.py,
+test_two_sided_serving.py, test_kv_digest_serving.py) build their clusters from it, each adding
+the workers and fault-injecting servicers it needs; `serve_decode`, `serve_prefill` and
+`pd_backend` are the plain road: a started worker served and registered, and a router over them.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any
 import grpc
 
 from netutil import free_port
+from pdserve.v1 import worker_pb2_grpc
 from pdserve_common.auth import TokenTable
 from pdserve_common.channels import aio_channel, aio_server, bind
-from pdserve_common.membership import Load, MemberInfo
+from pdserve_common.membership import Load, MemberInfo, Role
 from pdserve_operator.broker.server import BrokerServer
 from pdserve_worker.rpc.backoff import Backoff
 from pdserve_worker.rpc.broker_client import BrokerClient
@@ -91,6 +94,44 @@ class Stack:
         c = self.client()
         await c.register(info, load=load)
         return c
+
+    async def serve_decode(self, decode: Any) -> None:
+        """Start a DecodeWorker (owned here), serve it on its settings' port and register it."""
+        from pdserve_worker.decode.service import DecodeServicer
+
+        self.worker(decode)
+        await decode.start()
+        await self.serve(
+            decode.settings.grpc_port,
+            lambda s: worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(decode), s),
+        )
+        await self.join(decode.member_info(), decode.load)
+
+    async def serve_prefill(self, prefill: Any, revision: str) -> None:
+        """Serve a PrefillWorker (owned here) on its settings' port and register it."""
+        from pdserve_worker.prefill.service import PrefillServicer
+
+        self.worker(prefill)
+        settings = prefill.settings
+        await self.serve(
+            settings.grpc_port, lambda s: worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(prefill), s)
+        )
+        info = MemberInfo(settings.worker_id, Role.PREFILL, settings.grpc_endpoint, revision=revision)
+        await self.join(info)
+
+    async def pd_backend(self, tokenizer: Any, revision: str, timeouts: Any, members: int = 2) -> Any:
+        """A started router (PDBackend) on this broker, once it sees `members` members; the
+        caller closes it."""
+        from pdserve_worker.router.config import RouterConfig
+        from pdserve_worker.router.pd_backend import PDBackend
+
+        config = RouterConfig(
+            model_name="tiny", max_model_len=self.max_len, revision=revision, token=self.token, timeouts=timeouts
+        )
+        backend = PDBackend(config, tokenizer=tokenizer, broker=self.client())
+        await backend.start()
+        await backend.view.wait_for(lambda v: len(v.members) == members, 5)
+        return backend
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         ch = aio_channel(endpoint, self.token)
