@@ -26,7 +26,7 @@ from support.deployments import local_deployment
 from support.local_run import Answer, LocalRun, served_model, stop_process, stream_completion
 from support.tiny_model import write_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timing]
+pytestmark = pytest.mark.slow
 
 SLOTS, MAX_LEN, MAX_TOKENS = 4, 256, 160
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "A language model predicts", "Berlin is"]

@@ -32,7 +32,7 @@ from support.deployments import local_deployment
 from support.local_run import Answer, LocalRun, served_model, stream_completion
 from support.tiny_model import write_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.timing]
+pytestmark = pytest.mark.slow
 
 SLOTS, MAX_LEN, MAX_TOKENS = 8, 320, 256
 GREEDY = ["The quick brown fox", "Paris is the capital of", "A language model predicts", "Berlin is"]
@@ -263,6 +263,7 @@ def undisturbed(local: LocalRun) -> list[str]:
     return [stream(local.url, model, p, s, Answer()).text for p, s in REQUESTS]
 
 
+@pytest.mark.timing  # (the kill must land while the drain's migrations run: alone, after the parallel phase)
 @pytest.mark.parametrize("victim", ["target", "source"])
 def test_a_decode_killed_mid_migration_leaves_every_text_identical(three_decodes, victim):
     """The kill lands while the drain's migrations run (as soon as the router counted the first
