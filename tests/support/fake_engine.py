@@ -48,6 +48,10 @@ class FakeEngine:
         self._dtype = torch_dtype(dtype)
 
     @classmethod
+    def check_installed(cls) -> None:
+        """Nothing runs elsewhere: the fake engine is this file."""
+
+    @classmethod
     def load(cls, request: EngineLoad) -> FakeEngine:
         if request.source is None:
             raise EngineError("the fake engine needs a model folder (its config.json and tokenizer)")

@@ -100,6 +100,10 @@ def test_a_module_path_engine_missing_a_dependency_names_it(tmp_path, monkeypatc
             capabilities = frozenset()
 
             @classmethod
+            def check_installed(cls):
+                pass
+
+            @classmethod
             def load(cls, request):
                 import no_such_late_lib_for_pdserve_test
         """,

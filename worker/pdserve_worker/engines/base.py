@@ -103,6 +103,11 @@ class EngineType(Protocol):
 
     capabilities: frozenset[str]
 
+    def check_installed(self) -> None:
+        """Raise ModuleNotFoundError naming what the engine runs that is missing here (vLLM's own
+        environment, say); return where nothing is. The launcher calls it before any process."""
+        ...
+
     def load(self, request: EngineLoad) -> Engine:
         """The engine with the model `request` names, loaded and ready to warm up."""
         ...

@@ -75,6 +75,10 @@ class NativeEngine:
         return warm_up(self.model)
 
     @classmethod
+    def check_installed(cls) -> None:
+        """Nothing to check: the native engine is this package's own (torch is a dependency)."""
+
+    @classmethod
     def load(cls, request: EngineLoad) -> NativeEngine:
         """Load the model `request` names (model/loading/loader.py); check its context length."""
         tp = {} if request.tp is None else {"tp": request.tp, "reduce": request.reduce}

@@ -6,7 +6,7 @@ library. An engine outside this package is named as `module:Class` (vLLM's
 `kv_connector_module_path` is the model): it loads the same way, with no file here changed.
 An engine whose module or a library it imports is not installed is refused by name, with the
 missing module and the set-up step that installs it; `check_engine` (a launcher's check before
-it starts anything) also asks the engine's optional `check_installed()` classmethod, for what
+it starts anything) also asks the engine's declared `check_installed()` classmethod, for what
 an engine runs outside this interpreter (vLLM in its own environment).
 """
 
@@ -56,18 +56,15 @@ def engine_type(name: str) -> EngineType:
 
 
 def check_engine(name: str) -> None:
-    """Refuse engine `name` unless it is installed: its class imports, and its optional
+    """Refuse engine `name` unless it is installed: its class imports, and its
     `check_installed()` (what it runs elsewhere, e.g. vLLM's own environment) raises nothing.
     A launcher calls this before it starts any process, so a missing engine fails at once."""
     _check_installed(name, engine_type(name))
 
 
 def _check_installed(name: str, kind: EngineType) -> None:
-    check = getattr(kind, "check_installed", None)
-    if check is None:
-        return
     try:
-        check()
+        kind.check_installed()
     except ModuleNotFoundError as exc:
         raise _not_installed(name, exc.name or "?") from exc
 
