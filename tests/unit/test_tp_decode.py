@@ -112,6 +112,8 @@ def test_the_generation_loop_calls_an_idle_generator_hook_while_nothing_comes(mo
     threads: list[str] = []
 
     class IdleGenerator:
+        ticks_when_idle = True  # (model/engine.Generator: the loop wakes to call `idle`)
+
         def has_work(self) -> bool:
             return False
 

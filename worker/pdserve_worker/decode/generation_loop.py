@@ -298,9 +298,9 @@ class GenerationLoop:
             self._dispatch(outputs)
 
     def _apply_commands(self, block: bool) -> None:
-        # A generator with an `idle` hook (a tensor-parallel decode's: ranks/decode.py) is
-        # called while nothing comes, on this thread, the one that runs its collectives.
-        idle = getattr(self._gen, "idle", None) if block else None
+        # A generator that ticks when idle (a tensor-parallel decode's: ranks/decode.py) has its
+        # `idle` called while nothing comes, on this thread, the one that runs its collectives.
+        idle = self._gen.idle if block and self._gen.ticks_when_idle else None
         try:
             command = self._commands.get(block=block, timeout=IDLE_TICK_S if idle is not None else None)
         except queue.Empty:

@@ -115,6 +115,9 @@ class GenerationFloor:
 class LayerShardFollower:
     """Member i > 0: a pool of its layers, their weights, its readiness; driven by the leader."""
 
+    metrics = None  # (ServingRole: a follower reports through its leader)
+    fatal = None  # (ServingRole: a dead leader or member fails the group's requests; nothing to restart for)
+
     def __init__(self, settings: WorkerSettings, engine: NativeEngine, backend: TransferBackend) -> None:
         self.settings = settings
         self.engine = engine

@@ -126,6 +126,7 @@ class DecodeWorker:
         self.draining = False
         self._sweeper: asyncio.Task[None] | None = None
         self.metrics = WorkerMetrics("decode")  # served on /metrics (worker_main)
+        self.fatal: str | None = None  # (ServingRole: a broken TP group ends the process itself, ranks/decode.py)
         self._watch()
         # Requests handed over while draining (decode/migration.py), and the one thread that pushes them.
         self.handover = Handover(settings, backend, self.pool, self.slots, group)

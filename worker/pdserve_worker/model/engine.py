@@ -150,6 +150,13 @@ class Completion:
 class Generator(Generic[CacheT]):
     """Runs many requests through one decoder and one KV pool, one caller-owned slot per request."""
 
+    # Whether `idle` must run while no work comes (a tensor-parallel decode's: its ranks wait on
+    # collectives, ranks/decode.py); the generation loop then wakes every tick to call it.
+    ticks_when_idle = False
+
+    def idle(self) -> None:
+        """Called on the loop's thread while nothing comes, where `ticks_when_idle`."""
+
     def __init__(self, model: Decoder[CacheT], tokenizer: Tokenizer, cache: CacheT) -> None:
         if cache.layout.layer_range != range(model.config.num_layers):
             raise ValueError(f"a Generator needs every layer in its pool, got {cache.layout.layer_range}")

@@ -28,10 +28,16 @@ from pdserve_worker.ranks.decode import TPDecodeGroup
 from pdserve_worker.ranks.group import TPGroup
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.serving.settings import WorkerSettings
+from pdserve_worker.serving.worker_metrics import WorkerMetrics
 from pdserve_worker.transfer.base import TransferBackend
 
 
 class ServingRole(Protocol):
+    # What /metrics serves (None: a group's follower, which reports through its leader), and why
+    # the instance must restart once it has stopped (None: it need not; the process exits 1 else).
+    metrics: WorkerMetrics | None
+    fatal: str | None
+
     def add_to(self, server: grpc.aio.Server) -> None:
         """Add the role's gRPC services to the worker's server (not started yet)."""
         ...

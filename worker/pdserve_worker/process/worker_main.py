@@ -159,9 +159,8 @@ async def _run_model_worker(settings: WorkerSettings, state: WorkerState) -> Non
         engine, revision = await _load_model(settings, group)
         backend = start_engine(settings)
         role = process.role = await _make_role(settings, engine, backend, revision, group)
-        metrics = getattr(role, "metrics", None)  # a group's follower reports through its leader
-        if metrics is not None:
-            process.state.metrics = metrics.exposition
+        if role.metrics is not None:  # (a group's follower reports through its leader)
+            process.state.metrics = role.metrics.exposition
         server = aio_server(
             process.tokens, max_message=grpc_max_message(settings, engine.config.hidden_size), policy=WORKER_POLICY
         )
@@ -176,9 +175,8 @@ async def _run_model_worker(settings: WorkerSettings, state: WorkerState) -> Non
         await _until(stop, http.task)
         log.info(kv(event="worker_stopping", role=settings.role, worker=settings.member_id))
         await process.leave()
-        fatal = getattr(role, "fatal", None)
-        if fatal:  # (exit non-zero: the pod's restart brings the instance back)
-            raise StartupError(fatal)
+        if role.fatal:  # (exit non-zero: the pod's restart brings the instance back)
+            raise StartupError(role.fatal)
     finally:
         process.state.phase = "stopping"
         await process.broker.close()

@@ -263,6 +263,8 @@ def serve_leases(
 class TPGenerator(Generator[Any]):
     """The continuous batch over a mirrored model; idle ticks reach the other ranks."""
 
+    ticks_when_idle = True
+
     def idle(self) -> None:
         self.model.idle()
 
