@@ -1,11 +1,13 @@
 """The layout limits of issue #53, over the product code (worker/, operator/, common/): no file
 over 700 lines, no class over 300, no module docstring over 15 lines, no function with more
-than 7 parameters (self and cls not counted). Nothing is exempt: the last debts (the two role
-classes, the prefill entry points' parameter lists) were paid by the cuts of the same issue."""
+than 7 parameters (self and cls not counted), no dated reading (those live in
+benchmarks/README.md). Nothing is exempt: the last debts (the two role classes, the prefill
+entry points' parameter lists) were paid by the cuts of the same issue."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +61,28 @@ def test_the_check_sees_each_limit(tmp_path: Path) -> None:
         ("class", "m.py", "Big"),
         ("params", "m.py", "wide"),
     }
+
+
+DATED = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")  # a reading's date: measurements live in benchmarks/README.md
+
+
+def dated_lines(roots: list[Path], base: Path = ROOT) -> list[str]:
+    return [
+        f"{path.relative_to(base)}:{n}"
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if DATED.search(line)
+    ]
+
+
+def test_no_dated_measurement_in_the_product_code() -> None:
+    """#53 item 5: docstrings and comments state contracts; a dated reading belongs in
+    benchmarks/README.md, where the module names its section."""
+    assert dated_lines([ROOT / r for r in ROOTS]) == []
+
+
+def test_the_date_check_sees_a_dated_reading(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text('"""Fast."""\n# 31 ms, measured 2026-12-04 on an EPYC\nX = 1\n')
+    (tmp_path / "ok.py").write_text('"""Fast (benchmarks/README.md)."""\nVERSION = "v1alpha2"\n')
+    assert dated_lines([tmp_path], base=tmp_path) == ["m.py:2"]

@@ -380,8 +380,8 @@ def _plain_greedy(params: SamplingParams) -> bool:
 
 def _plain_greedy_tokens(logits: torch.Tensor, decoding: Sequence[_Request]) -> list[int] | None:
     """Every row's argmax in one op where some row is plain greedy (None where none is): one
-    fp32 copy and argmax of the batch instead of one per row (1.6 against 0.4 ms at 16 rows of
-    SmolLM2's 49,152 logits, 2026-12-05); the same token as `Sampler.draw`'s, first maximum."""
+    fp32 copy and argmax of the batch instead of one per row (4x cheaper at 16 rows; benchmarks/
+    README.md); the same token as `Sampler.draw`'s, first maximum."""
     if not any(_plain_greedy(r.params) for r in decoding):
         return None
     return [int(t) for t in logits.detach().to("cpu", torch.float32).argmax(-1).tolist()]
@@ -397,8 +397,8 @@ def colocated_cache(model: LlamaModel, num_slots: int, max_len: int | None = Non
 def warm_up(model: LlamaModel) -> float:
     """Run a short prefill and decode steps at batch 1 and 2 on a scratch pool, so that the first
     request does not pay for what the first call of each op costs (oneDNN's kernel generation, the
-    native ops' load, first-touch allocations: a first PD request's TTFT was 0.39 s against 0.06 s
-    for the next, 2026-12-04). Returns the seconds it took; a layer-sharded member (part of the
+    native ops' load, first-touch allocations: a cold first request's TTFT was several times the
+    next one's; benchmarks/README.md). Returns the seconds it took; a layer-sharded member (part of the
     layers) is not warmed (its steps need the group)."""
     if model.layer_range != range(model.config.num_layers):
         return 0.0

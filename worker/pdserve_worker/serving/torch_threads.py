@@ -5,9 +5,8 @@ compute thread) and an event loop on the main thread that must stay quick. torch
 its CPU ops with OpenMP (libgomp), which keeps one pool of worker threads per thread that ever
 ran a parallel op. When the pools' threads outnumber the cores, libgomp stops letting its idle
 workers spin between parallel regions ("throttled" spin), and every parallel op of the model
-thread then pays a sleep and a wake-up: on a 2-vCPU EPYC (2026-12-04) a batch-1 decode step of
-the default model took 31-33 ms in a serving process instead of the 22-24 ms it takes alone,
-which was most of the gap between `pdserve generate` and the API that issue #28 measured.
+thread then pays a sleep and a wake-up (measured: benchmarks/README.md, "Model measurements
+behind the module docstrings").
 
 So the main thread runs torch single-threaded (it only allocates and copies at start-up: a
 parallel zero-fill there would leave a pool behind), every other thread gets `threads`, and

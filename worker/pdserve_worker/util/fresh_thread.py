@@ -4,10 +4,8 @@ Why not `asyncio.to_thread`: its executor's threads live on, and a thread that r
 parallel CPU ops keeps an OpenMP (libgomp) thread pool alive with it. libgomp counts the threads
 of every pool, and once they outnumber the cores it stops letting idle workers spin between
 parallel regions (its "throttled" spin): from then on every parallel op of the thread that
-serves the model pays a sleep and a wake-up. Measured on a 2-vCPU EPYC (2026-12-04), a batch-1
-decode step of the default model took 31 ms instead of 23 ms once the loading thread's pool
-stayed alive; that is most of the ~15 ms per token that issue #28 found between `pdserve
-generate` and the API. A thread that exits takes its pool with it, so each process keeps one
+serves the model pays a sleep and a wake-up (a third slower at batch 1: benchmarks/README.md,
+"Model measurements behind the module docstrings"). A thread that exits takes its pool with it, so each process keeps one
 pool: its serving thread's (the generation loop's or the prefill's compute thread).
 """
 

@@ -78,11 +78,8 @@ def route(device: torch.device, dtype: torch.dtype) -> str:
 # step's rows, whose bits must not depend on the batch, so every batch up to this size takes the
 # same kernel); up to DENSE_GEMM_MAX_ROWS the register-tile GEMM (csrc/dense_gemm.cpp: prefill
 # chunks; its own bits, also independent of the other rows); beyond, torch's GEMM on the same
-# weight (MKL's cache blocking wins there). Measured 2026-12-06 on a 2-vCPU AVX2 EPYC, SmolLM2's
-# four matrix shapes, interleaved in one process, time against the small-M kernel / torch:
-# 16-32 rows 1.00-1.05 / 0.68-0.77, 64 rows 0.90 / 0.80, 123 rows 0.83 / 0.83, 256 rows 0.81 /
-# 0.91, 512 rows 0.74 / 1.03, 2,000 rows 0.85 / 1.20 (benchmarks/README.md). Before: the small-M
-# kernel up to 128 rows, torch beyond. A prefill's bits depend on its pass's row count, as they
+# weight (MKL's cache blocking wins there; the crossovers' measurements are in
+# benchmarks/README.md, "fp32 prefill chunks on a register-tile GEMM"). A prefill's bits depend on its pass's row count, as they
 # did before (a prompt prefilled alone or packed with others, whole or in chunks, may take
 # another of the three); a decode step's rows do not, while the batch stays within
 # DENSE_KERNEL_MAX_ROWS (8 slots by default).
@@ -222,10 +219,9 @@ def pack_native(parts: list[QuantizedTensor], wide: bool, int8_inputs: bool = Fa
     return BlockMatrix(v.contiguous().view(-1), packed, (rows, cols), wide, int8_inputs and not wide)
 
 
-# The input rows oneDNN's reorder is told to expect, by weight dtype. bf16: one (decode's GEMV;
-# measured on the AVX512-BF16 EPYC, see the module doc). fp32: 128, measured 2026-12-05 on a
-# 2-vCPU AVX2 EPYC, 30 layers of SmolLM2-135M's shapes, ms per layer against a hint of one: 0.60
-# vs 0.72 at 1 row, 1.32 vs 1.82 at 16, 12.0 vs 18.0 at 256 (32 and 512 within noise of 128).
+# The input rows oneDNN's reorder is told to expect, by weight dtype: bf16 one (decode's GEMV),
+# fp32 128 (faster than a hint of one from 1 to 256 rows; benchmarks/README.md, "Model
+# measurements behind the module docstrings").
 REORDER_ROWS = {torch.bfloat16: 1, torch.float32: 128}
 
 

@@ -62,9 +62,8 @@ def _isa() -> tuple[str, list[str], list[str]]:
     """(name, compiler flags, macros) of the widest vector ISA torch itself uses on this CPU, as
     inductor picks it (ATen's Vectorized follows the CPU_CAPABILITY_* macro it is built with).
 
-    Inductor's module imports dynamo: 2.3 s of CPU in every process that loads a model (measured
-    2026-12-06 on the 2-vCPU EPYC: a tensor-parallel deployment's 8 processes spent ~18 s of
-    their start in it). So the pick is kept in the pdserve cache under a key of the CPU's flags
+    Inductor's module imports dynamo, seconds of CPU in every process that loads a model
+    (benchmarks/README.md, "Model measurements behind the module docstrings"). So the pick is kept in the pdserve cache under a key of the CPU's flags
     and torch's version, and a later process on the same CPU and torch reads it back. (The record
     names compiler flags, passed as a list, never through a shell; it is as trusted as the built
     libraries beside it: whoever can write one can write the other.)"""
@@ -145,8 +144,8 @@ def _library() -> _Library:
 
 
 # How long a first build takes (g++ over the sources, one job per core), as `pdserve local` says
-# before it starts one: 24 s on a 2-vCPU AVX512 EPYC with a test suite beside it (2026-12-07);
-# the issue's 2-vCPU Xeon sat 57 s for the build and the GGUF conversion together.
+# before it starts one (measured builds: benchmarks/README.md, "Model measurements behind the
+# module docstrings").
 BUILD_ESTIMATE = "usually 20-60 s on 2 cores"
 
 
@@ -395,11 +394,9 @@ QUANT_INPUTS_ENV = "PDSERVE_QUANT_INPUTS"  # fp32 (default) | int8: the block ke
 
 def quant_inputs() -> str:
     """How the block kernel takes the input to a 4-bit weight: "fp32" (exact, the default) or
-    "int8" (quantized per block of 32 as llama.cpp does, integer dot products: measured
-    2026-12-05 on a 2-vCPU AVX2 EPYC, the bundled model's decode step at 16 rows 48.6 -> 40.8 ms
-    and prefill 520 -> 696 tokens/s, but its logits leave the file's model: cosine 0.9973-0.9994
-    against the dequantized model's, and one of three chat answers' greedy text differs from
-    token 10 on). Opt-in: the default stays the file's model, as HF transformers computes it."""
+    "int8" (quantized per block of 32 as llama.cpp does, integer dot products: faster, but its
+    logits leave the file's model; figures in benchmarks/README.md, "Opt-in int8 inputs to 4-bit
+    weights"). Opt-in: the default stays the file's model, as HF transformers computes it."""
     choice = os.environ.get(QUANT_INPUTS_ENV, "fp32")
     if choice not in ("int8", "fp32"):
         raise ValueError(f"{QUANT_INPUTS_ENV} must be 'int8' or 'fp32', got {choice!r}")
