@@ -64,6 +64,19 @@ class FakeEngine:
     def kv_layout(self, num_slots: int, max_len: int, dtype: str, first_head: int = 0) -> KVLayout:
         return self.config.kv_layout(num_slots, max_len, dtype, first_head=first_head)
 
+    def bind_pool(self, layout: KVLayout, memory: torch.Tensor) -> KVCache | PagedKVCache:
+        self.bound: set[int] = set()  # slots whose blocks a step may read (bind_blocks .. free_blocks)
+        return PagedKVCache(layout, memory) if layout.paged else KVCache(layout, memory)
+
+    def bind_blocks(self, cache: Any, slot: int, blocks: Sequence[int]) -> None:
+        cache.bind(slot, blocks)
+        self.bound.add(slot)
+
+    def free_blocks(self, cache: Any, slot: int) -> None:
+        if cache.layout.paged:
+            cache.unbind(slot)
+            self.bound.discard(slot)
+
     def prefill(self, cache: KVCache, work: PrefillPass) -> torch.Tensor:
         layers = self.config.num_layers
         step = work.layers_per_chunk or layers
@@ -94,10 +107,11 @@ class FakeEngine:
             rows.append(self._next(cache.keys, lambda layer, r=read: r))
         return torch.stack(rows)
 
-    @staticmethod
-    def _where(cache: Any, slot: int, position: int) -> tuple[Any, Any]:
+    def _where(self, cache: Any, slot: int, position: int) -> tuple[Any, Any]:
         """Indexes of a slot's tokens 0..position (read) and of its token at `position` (write)."""
         if isinstance(cache, PagedKVCache):
+            if slot not in self.bound:  # the role must bind a request's blocks before it decodes
+                raise EngineError(f"decode step of slot {slot}, whose blocks were never bound or were freed")
             rows = cache.token_rows(slot, 0, position + 1)
             return rows, rows[-1:]
         return (slot, slice(0, position + 1)), (slot, slice(position, position + 1))

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pdserve_common.kv_layout import KVLayout
-from pdserve_worker.engines.native import NativeEngine
+from pdserve_worker.engines.base import Engine
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Generator
@@ -37,7 +37,9 @@ class GroupHooks(Protocol):
         """The leader's own pool, given the whole model's."""
         ...
 
-    def generator(self, engine: NativeEngine, cache: KVCache) -> Generator[Any]: ...
+    def generator(self, engine: Engine, cache: KVCache) -> Generator[Any]:
+        """The group's generator over the leader's `cache` (groups run the native engine only)."""
+        ...
 
     def grants(self, grant: Grant) -> list[Grant]:
         """Every member's grant of the leader's `grant` (the prefill's push targets)."""

@@ -34,7 +34,8 @@ from pdserve_common.logs import kv
 from pdserve_common.membership import Load
 from pdserve_worker.decode.migration import MigrationPusher, common_layers
 from pdserve_worker.decode.worker import ReadyUnusable
-from pdserve_worker.engines.native import NativeEngine
+from pdserve_worker.engines.base import Engine
+from pdserve_worker.engines.native import NativeEngine, native_of
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
@@ -436,8 +437,8 @@ class LayerShardGroup:
     def pool_layout(self, full: KVLayout) -> KVLayout:
         return replace(full, first_layer=self.own_layers.start, num_layers=len(self.own_layers))
 
-    def generator(self, engine: NativeEngine, cache: KVCache) -> Generator[Any]:
-        own = LayerShardMember(engine.model, cache)
+    def generator(self, engine: Engine, cache: KVCache) -> Generator[Any]:
+        own = LayerShardMember(native_of(engine).model, cache)
         layouts = [cache.layout, *(f.layout for f in self.followers)]
         check_group_layouts(layouts, engine.config.num_layers)
         hops = [own.forward, *(r.forward for r in self.remotes)]

@@ -30,7 +30,6 @@ from pdserve_worker.decode.group_hooks import GroupHooks
 from pdserve_worker.decode.handover import Handover
 from pdserve_worker.decode.migration import Handoff
 from pdserve_worker.engines.base import Engine
-from pdserve_worker.engines.native import native_of
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
@@ -117,9 +116,7 @@ class DecodeWorker:
         )
         self.digests = ReadyDigests(backend.digest, self.pool.base_addr, layout, self.slots.grant_of)
         self.readiness.check = self.digests.check
-        generator = (
-            Generator(engine, engine.tokenizer, cache) if group is None else group.generator(native_of(engine), cache)
-        )
+        generator = Generator(engine, engine.tokenizer, cache) if group is None else group.generator(engine, cache)
         self.loop = GenerationLoop(generator, name="decode-loop")
         # One blocking readiness wait per request that waits: at most one per slot.
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
@@ -148,7 +145,7 @@ class DecodeWorker:
             capability_key=settings.capability_key(),
             leases=self.leases,
         )
-        self.cache: KVCache | PagedKVCache = (PagedKVCache if paged else KVCache)(layout, self.pool.tensor)
+        self.cache: KVCache | PagedKVCache = self.engine.bind_pool(layout, self.pool.tensor)
         return self._warm_blocks if paged else self.pool.warm
 
     def _watch(self) -> None:
@@ -202,13 +199,12 @@ class DecodeWorker:
 
     def adopt(self, slot: int, generation: int) -> None:
         """The KV of (slot, generation) is committed: decode reads it through its block table."""
-        if isinstance(self.cache, PagedKVCache):
-            self.cache.bind(slot, self.slots.blocks_of(slot))
+        if isinstance(self.slots, BlockTable):
+            self.engine.bind_blocks(self.cache, slot, self.slots.blocks_of(slot))
 
     def finished(self, slot: int, generation: int) -> None:
         """The request left the batch: its blocks are nobody's to read, and the grant is freed."""
-        if isinstance(self.cache, PagedKVCache):
-            self.cache.unbind(slot)
+        self.engine.free_blocks(self.cache, slot)
         self.slots.release(slot, generation)
 
     def _warm_blocks(self, slot: int, num_tokens: int) -> None:

@@ -1,11 +1,13 @@
 """What the prefill and decode roles need from a model engine, and nothing more.
 
 A role reaches the model only through `Engine`: it describes the KV pool the engine writes
-(`kv_layout`), prefills a pass of prompts into given slots of that pool layer chunk by layer
-chunk (`prefill`, calling `on_chunk` after each chunk so the push can overlap the compute),
-runs one decode step for a batch (`decode_step`, the `Decoder` of model/engine.py) and turns a
-prompt's kept hidden states into logprobs. Slots and blocks stay the role's (its slot table is
-their one owner): an engine keeps no per-request state, so a request's release is the table's.
+(`kv_layout`), binds the pool memory the role registered with its transfer backend (`bind_pool`),
+prefills a pass of prompts into given slots of that pool layer chunk by layer chunk (`prefill`,
+calling `on_chunk` after each chunk so the push can overlap the compute), runs one decode step
+for a batch (`decode_step`, the `Decoder` of model/engine.py), is told when a request's blocks
+become readable and when they are freed (`bind_blocks`, `free_blocks`), and turns a prompt's kept
+hidden states into logprobs. The role's slot table owns slots and blocks (their one release
+path); the engine only stops reading what `free_blocks` names.
 A new engine is one package with an `EngineType` and one line in registry.py.
 """
 
@@ -19,6 +21,7 @@ import torch
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers.tensor_parallel import TPShard
 from pdserve_worker.model.loading.generation_config import GenerationDefaults
@@ -77,6 +80,19 @@ class Engine(Protocol):
 
     def kv_layout(self, num_slots: int, max_len: int, dtype: str, first_head: int = 0) -> KVLayout:
         """The geometry of a pool of `num_slots` slots this engine writes and reads."""
+        ...
+
+    def bind_pool(self, layout: KVLayout, memory: torch.Tensor) -> KVCache | PagedKVCache:
+        """The cache view this engine writes and reads over `memory`: the pool of `layout` (paged
+        or not) that the role allocated and registered with its transfer backend."""
+        ...
+
+    def bind_blocks(self, cache: Any, slot: int, blocks: Sequence[int]) -> None:
+        """A paged pool: the request in `slot` has its KV in `blocks` (token order); steps read them."""
+        ...
+
+    def free_blocks(self, cache: Any, slot: int) -> None:
+        """The request in `slot` left: no step reads its blocks again (the role's table frees them)."""
         ...
 
     def prefill(self, cache: KVCache, work: PrefillPass) -> torch.Tensor:

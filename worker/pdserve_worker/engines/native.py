@@ -15,6 +15,7 @@ import torch
 from pdserve_common.kv_layout import KVLayout
 from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, Engine, EngineError, EngineLoad, PrefillPass
 from pdserve_worker.kv.cache import KVCache
+from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.engine import warm_up
 from pdserve_worker.model.layers.llama import LlamaModel, PrefillOutputs
 from pdserve_worker.model.loading.loader import LoadedModel, load_model
@@ -39,6 +40,17 @@ class NativeEngine:
 
     def kv_layout(self, num_slots: int, max_len: int, dtype: str, first_head: int = 0) -> KVLayout:
         return self.config.kv_layout(num_slots, max_len, dtype, first_head=first_head)
+
+    def bind_pool(self, layout: KVLayout, memory: torch.Tensor) -> KVCache | PagedKVCache:
+        return PagedKVCache(layout, memory) if layout.paged else KVCache(layout, memory)
+
+    def bind_blocks(self, cache: Any, slot: int, blocks: Sequence[int]) -> None:
+        if cache.layout.paged:
+            cache.bind(slot, blocks)
+
+    def free_blocks(self, cache: Any, slot: int) -> None:
+        if cache.layout.paged:
+            cache.unbind(slot)
 
     def prefill(self, cache: KVCache, work: PrefillPass) -> torch.Tensor:
         outputs = PrefillOutputs(work.logits, work.on_final)

@@ -28,7 +28,6 @@ from typing import Any
 from pdserve_common.logs import kv
 from pdserve_common.membership import EventType, Load, MemberEvent, MemberInfo, Role
 from pdserve_worker.engines.base import Engine
-from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.prefix_store import PrefixStoreConfig, open_prefix_store
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.sampling.params import SamplingParams
@@ -80,7 +79,7 @@ class PrefillWorker:
         # One scratch slot per prompt of a pass (a tensor-parallel rank's: its KV heads only).
         layout = scratch_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
-        self.cache = KVCache(layout, self.pool.tensor)
+        self.cache = engine.bind_pool(layout, self.pool.tensor)
         self.source = PushSource(self.pool.base_addr, layout, slot=0, heads=pushed_heads(engine))
         if group is not None and settings.prefix_cache_tokens != 0:
             log.info(kv(event="prefix_cache_off", reason="tensor_parallel", tp=group.size))

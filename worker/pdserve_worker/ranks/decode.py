@@ -25,7 +25,8 @@ import torch
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
-from pdserve_worker.engines.native import NativeEngine
+from pdserve_worker.engines.base import Engine
+from pdserve_worker.engines.native import NativeEngine, native_of
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Generator
@@ -294,8 +295,8 @@ class TPDecodeGroup:
         log.info(kv(event="tp_decode_pools", ranks=self.group.size, blocks=layout.num_blocks))
         return layout
 
-    def generator(self, engine: NativeEngine, cache: Any) -> Generator[Any]:
-        self.model = MirroredModel(engine.model, self.group)
+    def generator(self, engine: Engine, cache: Any) -> Generator[Any]:
+        self.model = MirroredModel(native_of(engine).model, self.group)
         return TPGenerator(self.model, engine.tokenizer, cache)  # type: ignore[arg-type]
 
     def grants(self, grant: Grant) -> list[Grant]:
