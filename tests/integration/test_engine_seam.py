@@ -16,7 +16,7 @@ import pytest
 
 from pdserve_worker.engines.base import EngineError, EngineLoad
 from pdserve_worker.engines.native import NativeEngine
-from pdserve_worker.engines.registry import engine_type, load_engine
+from pdserve_worker.engines.registry import ENGINES, engine_type, load_engine
 from support.fake_engine import FakeEngine, expected
 
 FAKE = "support.fake_engine:FakeEngine"
@@ -29,6 +29,16 @@ def request(source: str | None, **extra) -> EngineLoad:
 def test_the_registry_names_the_native_engine_and_takes_a_module_path():
     assert engine_type("native") is NativeEngine
     assert engine_type(FAKE) is FakeEngine
+
+
+def test_one_registry_line_names_an_engine_package(monkeypatch, tiny_model_dir):
+    """The registry's way in: one line in ENGINES (here set by the test), then the name loads it."""
+    with pytest.raises(EngineError, match="'fake' is not registered"):
+        engine_type("fake")
+    monkeypatch.setitem(ENGINES, "fake", FAKE)
+    assert engine_type("fake") is FakeEngine
+    engine = load_engine("fake", request(str(tiny_model_dir)))
+    assert isinstance(engine, FakeEngine) and engine.name == f"fake-{tiny_model_dir.name}"
 
 
 @pytest.mark.parametrize(
