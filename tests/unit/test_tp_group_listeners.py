@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from netutil import free_port
-from pdserve_worker.ranks.group import GroupSpec, gloo_on_loopback, loopback_interface
+from pdserve_worker.ranks.group import GroupSpec, device_backend_on_loopback, gloo_on_loopback, loopback_interface
 
 
 def non_loopback_ipv4() -> tuple[str, str] | None:
@@ -88,3 +88,24 @@ def test_gloo_groups_are_made_on_the_loopback_interface_and_the_setting_restored
     with gloo_on_loopback():
         pass
     assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("nccl", {"NCCL_SOCKET_IFNAME": "=lo"}),
+        ("hccl", {"HCCL_SOCKET_IFNAME": "=lo", "HCCL_IF_IP": "127.0.0.1"}),
+        ("gloo", {}),
+    ],
+)
+def test_device_backends_bootstrap_on_loopback_whatever_the_pod_set(monkeypatch, backend, expected):
+    """nccl and hccl read their interface when they make a communicator (lazily, after the group
+    is made), so the setting stays for the process; a pod's own setting is replaced, not kept."""
+    import os
+
+    names = ("NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "HCCL_IF_IP")
+    for name in names:
+        monkeypatch.setenv(name, "eth0" if name != "HCCL_IF_IP" else "10.0.0.5")
+    assert device_backend_on_loopback(backend) == expected
+    for name in names:
+        assert os.environ[name] == expected.get(name, "eth0" if name != "HCCL_IF_IP" else "10.0.0.5")

@@ -10,7 +10,8 @@ through their watchdogs (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, `HCCL_EXEC_TIMEOUT`)
 All ranks are in one pod, so nothing of the group listens off loopback: the rendezvous is a
 FileStore or a TCPStore on a socket we bind to a loopback `address`, and every gloo device is
 made on the loopback interface (`gloo_on_loopback`), not the pod's IP: a gloo listener keeps a
-descriptor for each connection anyone opens to it (#58 A9).
+descriptor for each connection anyone opens to it (#58 A9). nccl's and hccl's bootstrap
+listeners are set onto loopback too (`device_backend_on_loopback`).
 """
 
 from __future__ import annotations
@@ -140,6 +141,27 @@ def gloo_on_loopback() -> Iterator[None]:
             os.environ[GLOO_IFNAME_ENV] = saved
 
 
+# The device backends' own bootstrap listeners, pinned to loopback for the life of the process:
+# nccl and hccl read these when they make a communicator, lazily, at the first collective (so a
+# context like gloo_on_loopback's would be gone by then). Both take "=name" as an exact match
+# (NCCL's and CANN's environment-variable references); HCCL_IF_IP outranks HCCL_SOCKET_IFNAME.
+DEVICE_LOOPBACK_ENV = {
+    "nccl": lambda lo: {"NCCL_SOCKET_IFNAME": f"={lo}"},
+    "hccl": lambda lo: {"HCCL_SOCKET_IFNAME": f"={lo}", "HCCL_IF_IP": "127.0.0.1"},
+}
+
+
+def device_backend_on_loopback(backend: str) -> dict[str, str]:
+    """Set this process's nccl or hccl bootstrap onto loopback (all ranks are in one pod); the
+    variables set, logged with what they replaced. gloo: nothing (gloo_on_loopback does it)."""
+    settings = DEVICE_LOOPBACK_ENV.get(backend, lambda lo: {})(loopback_interface())
+    for name, value in settings.items():
+        if os.environ.get(name, value) != value:
+            log.info(kv(event="tp_bootstrap_on_loopback", variable=name, was=os.environ[name], now=value))
+        os.environ[name] = value
+    return settings
+
+
 class TPGroup:
     """This process's membership of its instance's group (torch.distributed's default group)."""
 
@@ -148,6 +170,7 @@ class TPGroup:
         self.size, self.rank = spec.size, spec.rank
         backend = backend_for(spec.device)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
+        device_backend_on_loopback(backend)
         store, self._store_listener = spec.store()
         try:
             with gloo_on_loopback():
