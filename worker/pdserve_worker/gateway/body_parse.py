@@ -1,8 +1,8 @@
 """The endpoint picker's body parsing, off the router's event loop: bounded, budgeted (#58 A3).
 
-Request bodies are the tenants' (the gateway forwards them), and parsing one is not cheap: an
-8 MiB JSON body of small numbers takes over a second of CPU, with the GIL held throughout, on
-router-0's loop (its /health p99 went from 6 ms to 1.8 s). What the pick needs of a body is its
+Request bodies are the tenants' (the gateway forwards them), and parsing one is not cheap: a
+large JSON body of small numbers holds the GIL for seconds of CPU, which stalled router-0's
+loop (#58 A3; benchmarks/README.md, "Endpoint picker"). What the pick needs of a body is its
 `model` and its prompt's first characters, so, as the router's grammar compiles do
 (api/grammar_compiler.py):
 - a body is parsed only up to `max_parse_bytes` (the CPU one parse may take is bounded by it);

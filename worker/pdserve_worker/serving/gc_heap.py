@@ -3,8 +3,9 @@
 CPython's full collections walk every tracked object, and a loaded worker holds millions of
 them (torch, the model's modules, gRPC, the tokenizer) that live for ever. Serving allocates
 in bursts (a tensor-parallel rank's head-sliced push makes 100,000 transfer descriptors per
-prompt), and each burst that survives a young collection brings a full one nearer: measured
-here at 60 ms of a 160 ms push (2048 tokens, 30 layers, benchmarks/README.md). vLLM does the
+prompt), and each burst that survives a young collection brings a full one nearer (a large
+share of such a push's time: benchmarks/README.md, "Model measurements behind the module
+docstrings"). vLLM does the
 same after its engine starts (v1 EngineCore: `gc.collect()` then `gc.freeze()`): objects alive
 at that point move to a permanent generation the collector no longer scans. Garbage made later
 is collected as before; only the startup heap is exempt (and is never garbage: it is the

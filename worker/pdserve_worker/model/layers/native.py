@@ -205,7 +205,7 @@ def build(verbose: bool = False) -> str:
     returns the ISA it was built for."""
     lib = _library()
     isa, flags, name, folder, library = lib.isa, lib.flags, lib.name, lib.folder, lib.path
-    # Built before: ~10 ms, where torch's loader would run ninja first (~2 s).
+    # Built before: load the library directly; torch's loader would run ninja first (seconds).
     if lib.built:
         torch.ops.load_library(str(library))
         return isa

@@ -2,8 +2,8 @@
 
 A tensor-parallel prefill rank pushing into a decode pool that holds more KV heads than it
 writes a slice of every token's row: thousands of equal, short runs per request (2 × layers ×
-tokens per prompt). Copied one by one, each run costs a Python-level slice assignment (~0.3 µs,
-more than moving its 256 bytes); here equal runs are one numpy fancy-index copy over
+tokens per prompt). Copied one by one, each run costs a Python-level slice assignment (more
+than moving its 256 bytes); here equal runs are one numpy fancy-index copy over
 "window" views of both buffers (row i of a window view is bytes i..i+length), so the bytes
 move in a C loop. Runs of different lengths, or few of them, take the plain loop, and long
 ones `ctypes.memmove`, which releases the GIL.
