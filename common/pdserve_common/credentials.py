@@ -7,7 +7,7 @@ plane's keys (service_keys.py) and the digests each worker role admits calls fro
 members). A pod is given only its own part (`pod_keys`): a router its token; a prefill its token,
 the link key and whom it admits; a decode the same plus the capability key. No pod holds the
 service token, so no pod can act as another role or derive another's keys. The operator renders
-them as secretKeyRefs (children.py); `pdserve local` sets the values directly.
+them as secretKeyRefs (the operator's reconcile/children/env.py); `pdserve local` sets the values directly.
 """
 
 from __future__ import annotations

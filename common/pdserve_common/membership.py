@@ -166,7 +166,7 @@ class Member:
     registered_unix_ms: int = 0
     # When the broker last received this load (its own monotonic clock; 0: never, or a watcher's
     # copy: not on the wire). A router's counters are as of this moment, not of whoever reads
-    # them later: the planner divides their increase by these times (operator/autoscale.py).
+    # them later: the planner divides their increase by these times (operator's autoscale/autoscaler.py).
     load_at: float = field(default=0.0, compare=False)
 
     @property

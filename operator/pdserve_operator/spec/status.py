@@ -1,4 +1,4 @@
-"""The status subresource's fields (computed by pdserve_operator/status.py, written by the operator only)."""
+"""The status subresource's fields (computed by pdserve_operator/reconcile/status.py, written by the operator only)."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ class Attempt:
             self.params = self.params.model_copy(update={"seed": handover.seed})
         source = self.decode
         try:
-            # In the attempt's trace; the calls carry its traceparent (rpc/channels.py).
+            # In the attempt's trace; the calls carry its traceparent (pdserve_common/channels.py).
             with (
                 tracing.use(self.span),
                 tracing.span(

@@ -255,7 +255,7 @@ class KVPusher:
         self.timeout_s = timeout_s
         if not 0 <= source.slot < source.layout.num_slots:
             raise ValueError(f"source slot {source.slot} outside its pool of {source.layout.num_slots}")
-        # A paged source (a decode's own pool, roles/migration.py) places tokens per block instead.
+        # A paged source (a decode's own pool, decode/migration.py) places tokens per block instead.
         src_addrs = {} if source.layout.paged else _run_addrs(source.base_addr, source.layout, source.slot)
         self._pieces = _Pieces(source, num_tokens, src_addrs, num_tokens * source.layout.bytes_per_token)
         self._states = [self._check_target(t) for t in targets]
