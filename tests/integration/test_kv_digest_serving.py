@@ -79,7 +79,7 @@ async def road(loaded: Any) -> AsyncIterator[Road]:
         assert p_backend.engine.initialize("127.0.0.1", {"pdserve.Transport": "tcp"}) == p_backend.api.SUCCESS
         stack.engines.append(p_backend)
         await stack.serve_prefill(PrefillWorker(p_settings, NativeEngine(loaded), p_backend, REVISION), REVISION)
-        timeouts = Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, settle_s=5.0)
+        timeouts = Timeouts(rpc_s=5.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, settle_s=5.0)
         backend = await stack.pd_backend(loaded.tokenizer, REVISION, timeouts)
         try:
             stub = worker_pb2_grpc.DecodeStub(stack.channel(d_settings.grpc_endpoint))
