@@ -98,6 +98,7 @@ class Tally:
     codes: collections.Counter[str] = field(default_factory=collections.Counter)
     errors: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
+    operator_back_s: list[float] = field(default_factory=list)  # kill → every worker at the new broker
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,16 @@ class Deployment:
             return False
         return members == want and (self.operator is None or self.operator.serving(want))
 
-    def kill_operator(self) -> None:
+    def kill_operator(self, stop: threading.Event, timeout_s: float = 60.0) -> float | None:
+        """SIGKILL the operator, start it again; seconds until its broker has every worker back
+        (None: not within `timeout_s`, or the soak stopped first)."""
         assert self.operator is not None
+        killed = time.monotonic()
         self.seen_pids.add(self.operator.kill_and_restart())
+        while time.monotonic() - killed < timeout_s and not stop.wait(0.1):
+            if self.operator.serving({"prefill": 2, "decode": 2}):
+                return time.monotonic() - killed
+        return None
 
     def stop(self) -> list[int]:
         """Stop; returns the PIDs of children still alive afterwards (must be none)."""
@@ -333,7 +341,9 @@ def inject_faults(d: Deployment, every_s: float, stop: threading.Event, rng: ran
             continue
         if fault == "kill operator":
             tally.faults.append(fault)
-            d.kill_operator()
+            back = d.kill_operator(stop)
+            if back is not None:
+                tally.operator_back_s.append(back)
             continue
         name = {"kill decode": f"decode-{rng.randrange(2)}", "kill broker": "broker"}.get(
             fault, f"prefill-{rng.randrange(2)}"
@@ -455,6 +465,12 @@ def main() -> int:
     finally:
         alive = d.stop()
     print(f"faulty phase: {faulty_s:.0f} s, {len(tally.faults)} faults: {', '.join(tally.faults)}")
+    if d.operator is not None:
+        back = sorted(tally.operator_back_s)
+        print(
+            f"operator kills: {tally.faults.count('kill operator')}, every worker at the restarted broker after "
+            f"(s): {' '.join(f'{b:.1f}' for b in back) or 'never'}"
+        )
     print(
         f"requests completed {tally.completed} / failed {tally.failed} / retried {tally.retried} "
         f"(of {tally.completed + tally.failed})"
