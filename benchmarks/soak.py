@@ -121,36 +121,41 @@ class Deployment:
         self.operator = RealOperator(log_dir, prefill=2, decode=2) if shape.operator == "real" else None
         attach = [] if self.operator is None else ["--broker", self.operator.address]
         attach += [] if self.operator is None else ["--token-file", str(self.operator.token_file)]
-        self.run = LocalRun.start(
-            log_dir,
-            "--model",
-            model,
-            "--dtype",
-            "float32",
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--slots",
-            str(shape.slots),
-            "--max-len",
-            str(shape.max_len),
-            "--layers-per-chunk",
-            "1",
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--on-exit",
-            "restart",
-            "--env",
-            "PDSERVE_READINESS_TIMEOUT_MS=3000",
-            "--env",
-            "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
-            *links,
-            *attach,
-            *(["--tls"] if shape.tls else []),
-        )
+        try:
+            self.run = LocalRun.start(
+                log_dir,
+                "--model",
+                model,
+                "--dtype",
+                "float32",
+                "--prefill",
+                "2",
+                "--decode",
+                "2",
+                "--slots",
+                str(shape.slots),
+                "--max-len",
+                str(shape.max_len),
+                "--layers-per-chunk",
+                "1",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                "--on-exit",
+                "restart",
+                "--env",
+                "PDSERVE_READINESS_TIMEOUT_MS=3000",
+                "--env",
+                "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+                *links,
+                *attach,
+                *(["--tls"] if shape.tls else []),
+            )
+        except BaseException:  # the operator and the emulator go too: nothing else would stop them
+            if self.operator is not None:
+                self.operator.close()
+            raise
         self.netns: NetnsLinks | None = None
         self.proxy = self._proxy_links(shape.links == "netns") if proxied else None
         self.url = self.run.url
@@ -469,7 +474,7 @@ def main() -> int:
         back = sorted(tally.operator_back_s)
         print(
             f"operator kills: {tally.faults.count('kill operator')}, every worker at the restarted broker after "
-            f"(s): {' '.join(f'{b:.1f}' for b in back) or 'never'}"
+            f"(s): {' '.join(f'{b:.1f}' for b in back) or '-'} (a kill missing here: not back within 60 s)"
         )
     print(
         f"requests completed {tally.completed} / failed {tally.failed} / retried {tally.retried} "

@@ -57,7 +57,11 @@ class RealOperator:
         self.address = f"127.0.0.1:{self.port}"
         self.pids: list[int] = []  # every operator process started, the killed ones too
         self.proc = self._start()
-        self.token = self._wait_token(120.0)
+        try:
+            self.token = self._wait_token(120.0)
+        except BaseException:
+            self.close()
+            raise
         self.token_file = work / "broker-token"
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
