@@ -2,6 +2,8 @@
 
     PYTHONPATH=worker:operator:common:proto:tests python benchmarks/soak.py --requests 60 --seconds 120
     ... --links proxied --fault-every 2   # network faults too, at twice the default rate
+    ... --operator real --fault-every 2   # the real operator (kopf, API emulator) killed too
+    ... --tls --links proxied             # mutual TLS on every gRPC hop, through the fault proxy
 
 Starts broker, 2 decode, 2 prefill and a router (a tiny random-weight model unless --model)
 with `--on-exit restart`, records each prompt's undisturbed greedy answer, then streams
@@ -9,6 +11,12 @@ with `--on-exit restart`, records each prompt's undisturbed greedy answer, then 
 the OpenAI client does) while every `--fault-every` seconds one random fault is injected: a
 decode or a prefill killed (SIGKILL, by PID), a prefill frozen for a few seconds
 (SIGSTOP/SIGCONT), or the broker (the operator's part in a cluster) killed. Bounded by `--seconds`.
+
+With `--operator real` there is no broker of `pdserve local`'s own: `pdserve operator` runs as a
+process against the API emulator and its broker serves the workers (`pdserve local --broker`,
+benchmarks/soak_operator.py); the broker fault is then a SIGKILL of the operator process, started
+again at once as its container would be. With `--tls` every gRPC hop is mutual TLS and the
+router HTTPS; the run's certificate also names the advertised 127.0.0.2, so it works proxied.
 
 With `--links proxied` every worker advertises 127.0.0.2 (`--env PDSERVE_POD_IP`) while it
 listens on 127.0.0.1, and a fault-injecting proxy (tests/support/fault_proxy.py) on 127.0.0.2
@@ -36,6 +44,7 @@ import json
 import os
 import random
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -50,8 +59,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from pdserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 from support.fault_proxy import FaultProxy  # noqa: E402
-from support.local_run import LocalRun, pid_alive, served_model  # noqa: E402  (the tests' way of running `pdserve local`)
+from support.local_run import LocalRun, pid_alive  # noqa: E402  (the tests' way of running `pdserve local`)
 from support.netns_links import NetnsLinks  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from soak_operator import RealOperator  # noqa: E402
 
 ADVERTISED = "127.0.0.2"  # --links proxied: what workers advertise; the proxy listens there
 
@@ -86,46 +98,71 @@ class Tally:
     codes: collections.Counter[str] = field(default_factory=collections.Counter)
     errors: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
+    operator_back_s: list[float] = field(default_factory=list)  # kill → every worker at the new broker
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the soaked deployment is: its KV, its links, TLS, and who brokers."""
+
+    slots: int = 4
+    max_len: int = 256
+    links: str = "direct"  # direct, proxied or netns
+    tls: bool = False
+    operator: str = "local"  # local: `pdserve local`'s broker; real: the operator process
 
 
 class Deployment:
     """`pdserve local` as the tests run it (tests/support/local_run.py), plus the faults' handles."""
 
-    def __init__(self, model: str, log_dir: Path, slots: int, max_len: int, links_mode: str) -> None:
-        proxied = links_mode != "direct"
+    def __init__(self, model: str, log_dir: Path, shape: Shape) -> None:
+        proxied = shape.links != "direct"
         links = ["--env", f"PDSERVE_POD_IP={ADVERTISED}"] if proxied else []
-        self.run = LocalRun.start(
-            log_dir,
-            "--model",
-            model,
-            "--dtype",
-            "float32",
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--slots",
-            str(slots),
-            "--max-len",
-            str(max_len),
-            "--layers-per-chunk",
-            "1",
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--on-exit",
-            "restart",
-            "--env",
-            "PDSERVE_READINESS_TIMEOUT_MS=3000",
-            "--env",
-            "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
-            *links,
-        )
+        self.operator = RealOperator(log_dir, prefill=2, decode=2) if shape.operator == "real" else None
+        attach = [] if self.operator is None else ["--broker", self.operator.address]
+        attach += [] if self.operator is None else ["--token-file", str(self.operator.token_file)]
+        try:
+            self.run = LocalRun.start(
+                log_dir,
+                "--model",
+                model,
+                "--dtype",
+                "float32",
+                "--prefill",
+                "2",
+                "--decode",
+                "2",
+                "--slots",
+                str(shape.slots),
+                "--max-len",
+                str(shape.max_len),
+                "--layers-per-chunk",
+                "1",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                "--on-exit",
+                "restart",
+                "--env",
+                "PDSERVE_READINESS_TIMEOUT_MS=3000",
+                "--env",
+                "PDSERVE_TRANSFER_TIMEOUT_MS=2000",
+                *links,
+                *attach,
+                *(["--tls"] if shape.tls else []),
+            )
+        except BaseException:  # the operator and the emulator go too: nothing else would stop them
+            if self.operator is not None:
+                self.operator.close()
+            raise
         self.netns: NetnsLinks | None = None
-        self.proxy = self._proxy_links(links_mode == "netns") if proxied else None
+        self.proxy = self._proxy_links(shape.links == "netns") if proxied else None
         self.url = self.run.url
-        self.model = served_model(self.url)
+        ca = self.run.manifest["ca_file"]
+        self.verify: ssl.SSLContext | bool = True if ca is None else ssl.create_default_context(cafile=ca)
+        self.grpc_credentials = None if ca is None else _grpc_credentials(Path(ca).parent)
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=5, verify=self.verify).json()["data"][0]["id"]
         self.seen_pids: set[int] = set()
 
     def _proxy_links(self, netns: bool) -> FaultProxy:
@@ -158,7 +195,12 @@ class Deployment:
             pass
 
     def decode_status(self, name: str) -> worker_pb2.DecodeStatus | None:
-        with grpc.insecure_channel(self.child(name)["grpc"]) as channel:
+        address = self.child(name)["grpc"]
+        if self.grpc_credentials is None:
+            channel = grpc.insecure_channel(address)
+        else:
+            channel = grpc.secure_channel(address, self.grpc_credentials)
+        with channel:
             try:
                 return worker_pb2_grpc.DecodeStub(channel).Status(
                     worker_pb2.StatusRequest(), metadata=(("authorization", f"Bearer {self.run.token}"),), timeout=2
@@ -167,10 +209,24 @@ class Deployment:
                 return None
 
     def healthy(self) -> bool:
+        """Every worker serves, and (real operator) the operator's broker has them all again."""
+        want = {"prefill": 2, "decode": 2}
         try:
-            return httpx.get(f"{self.url}/health", timeout=2).json()["members"] == {"prefill": 2, "decode": 2}
+            members = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).json()["members"]
         except (httpx.HTTPError, KeyError, ValueError):
             return False
+        return members == want and (self.operator is None or self.operator.serving(want))
+
+    def kill_operator(self, stop: threading.Event, timeout_s: float = 60.0) -> float | None:
+        """SIGKILL the operator, start it again; seconds until its broker has every worker back
+        (None: not within `timeout_s`, or the soak stopped first)."""
+        assert self.operator is not None
+        killed = time.monotonic()
+        self.seen_pids.add(self.operator.kill_and_restart())
+        while time.monotonic() - killed < timeout_s and not stop.wait(0.1):
+            if self.operator.serving({"prefill": 2, "decode": 2}):
+                return time.monotonic() - killed
+        return None
 
     def stop(self) -> list[int]:
         """Stop; returns the PIDs of children still alive afterwards (must be none)."""
@@ -180,7 +236,19 @@ class Deployment:
             self.netns.close()
         if self.proxy is not None:
             self.proxy.close()
+        if self.operator is not None:
+            self.seen_pids.update(self.operator.pids)
+            self.operator.close()
         return [pid for pid in self.seen_pids if pid_alive(pid)]
+
+
+def _grpc_credentials(folder: Path) -> grpc.ChannelCredentials:
+    """A client's side of the run's mutual TLS (`pdserve local --tls`: ca.crt, tls.crt, tls.key)."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=(folder / "ca.crt").read_bytes(),
+        private_key=(folder / "tls.key").read_bytes(),
+        certificate_chain=(folder / "tls.crt").read_bytes(),
+    )
 
 
 SDK_RETRIES = 2  # the openai SDK's default max_retries for 408/409/5xx (and connection errors)
@@ -230,7 +298,7 @@ def _complete_once(d: Deployment, prompt: str, max_tokens: int) -> Answer:
     }
     answer = Answer()
     try:
-        with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=120) as reply:
+        with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=120, verify=d.verify) as reply:
             if reply.status_code != 200:
                 answer.retry_after_s = float(reply.headers.get("retry-after", "1"))
                 text = reply.read().decode()
@@ -265,6 +333,8 @@ LINK_FAULTS = ["delay links", "stall links", "reset links"]
 
 def inject_faults(d: Deployment, every_s: float, stop: threading.Event, rng: random.Random, tally: Tally) -> None:
     faults = PROCESS_FAULTS + (LINK_FAULTS if d.proxy is not None else []) + (["partition"] if d.netns else [])
+    if d.operator is not None:  # no broker of `pdserve local`'s own: the operator's, in its process
+        faults = [f if f != "kill broker" else "kill operator" for f in faults]
     while not stop.wait(every_s):
         if not d.healthy():  # let the last fault heal first: one fault at a time
             continue
@@ -273,6 +343,12 @@ def inject_faults(d: Deployment, every_s: float, stop: threading.Event, rng: ran
             name = rng.choice(["decode", "prefill"]) + f"-{rng.randrange(2)}"
             tally.faults.append(f"{fault} into {name}")
             link_fault(d, fault, name, rng, stop)
+            continue
+        if fault == "kill operator":
+            tally.faults.append(fault)
+            back = d.kill_operator(stop)
+            if back is not None:
+                tally.operator_back_s.append(back)
             continue
         name = {"kill decode": f"decode-{rng.randrange(2)}", "kill broker": "broker"}.get(
             fault, f"prefill-{rng.randrange(2)}"
@@ -323,6 +399,13 @@ def main() -> int:
         default="direct",
         help="proxied: network faults too; netns: and a veth partition (module doc)",
     )
+    ap.add_argument(
+        "--operator",
+        choices=["local", "real"],
+        default="local",
+        help="who brokers: pdserve local's broker, or the kopf operator process on the API emulator",
+    )
+    ap.add_argument("--tls", action="store_true", help="pdserve local --tls: mutual TLS on every gRPC hop")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
@@ -333,7 +416,8 @@ def main() -> int:
 
         model = str(write_tiny_model(work / "tiny-model"))
     (work / "logs").mkdir()
-    d = Deployment(model, work / "logs", slots=4, max_len=256, links_mode=args.links)
+    d = Deployment(model, work / "logs", Shape(links=args.links, tls=args.tls, operator=args.operator))
+    print(f"soak: logs in {work / 'logs'}", flush=True)
     tally = Tally()
     leaked = -1
     try:
@@ -386,6 +470,12 @@ def main() -> int:
     finally:
         alive = d.stop()
     print(f"faulty phase: {faulty_s:.0f} s, {len(tally.faults)} faults: {', '.join(tally.faults)}")
+    if d.operator is not None:
+        back = sorted(tally.operator_back_s)
+        print(
+            f"operator kills: {tally.faults.count('kill operator')}, every worker at the restarted broker after "
+            f"(s): {' '.join(f'{b:.1f}' for b in back) or '-'} (a kill missing here: not back within 60 s)"
+        )
     print(
         f"requests completed {tally.completed} / failed {tally.failed} / retried {tally.retried} "
         f"(of {tally.completed + tally.failed})"

@@ -2,8 +2,8 @@
 SIGKILLed mid-stream and started again, as its container would be.
 
 The operator runs as a process against the API emulator and hosts the broker; the workers are
-`pdserve local`'s (tiny model), attached to that broker with the service's token from its Secret,
-as pods would be. Requests in flight must all complete with their undisturbed answers (the data
+`pdserve local`'s (tiny model), attached to that broker (`--broker`, `--token-file`) with the
+service's token from its Secret, as pods would be. Requests in flight must all complete with their undisturbed answers (the data
 plane never goes through the operator), and the restarted operator's broker must take the
 workers' re-registrations well before kopf peering lets it reconcile (peering lifetime 30 s
 here): a broker that waited for the reconcile, as before broker/tokens.py, took them only then.
@@ -90,6 +90,8 @@ def served(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[LocalDeployment, 
     secret = wait_for(lambda: cluster.kube.get(KINDS["Secret"], NAMESPACE, f"{NAME}-broker-token"), 60, "the Secret")
     token = base64.b64decode(secret["data"]["token"]).decode()
     model = write_tiny_model(tmp_path / "model", num_layers=16)  # streams long enough to be met mid-way
+    token_file = tmp_path / "broker-token"  # the workers' credentials: the operator's Secret, as a pod's
+    token_file.write_text(token)
     plan = LocalPlan(
         prefill=1,
         decode=1,
@@ -101,14 +103,10 @@ def served(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[LocalDeployment, 
         layers_per_chunk=1,
         threads=1,
         log_dir=tmp_path / "local",
+        broker=f"127.0.0.1:{port}",  # `pdserve local --broker --token-file`: no broker of its own
+        token_file=token_file,
     )
     deployment = LocalDeployment(plan, progress=None)
-    deployment.token = token  # the workers' credentials come from the operator's Secret, as a pod's do
-
-    def attach_to_operator_broker() -> None:
-        deployment.broker_address = f"127.0.0.1:{port}"
-
-    deployment._start_broker = attach_to_operator_broker  # type: ignore[method-assign]
     try:
         deployment.start(180)
         yield deployment, state, token

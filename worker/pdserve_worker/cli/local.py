@@ -7,6 +7,7 @@
     pdserve local --tls         mutual TLS on every gRPC hop, HTTPS at the router (a CA made for the run)
     pdserve local --api-keys F  require API keys (a keys file, docs/admission.md) on the OpenAI endpoint
     pdserve local --trace-file spans.jsonl   OpenTelemetry spans of every process, one JSON object a line
+    pdserve local --broker HOST:PORT --token-file F   attach the workers to an operator's broker
 
 Progress goes to stderr; the router's URL goes to stdout once it serves. Ctrl-C or SIGTERM
 stops every child. Exits non-zero, with the failing child's last log lines, if the
@@ -84,6 +85,19 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
         "staging buffer, the baseline of seed 002's experiment (benchmarks only, loopback only)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
+    p.add_argument(
+        "--broker",
+        default="",
+        metavar="HOST:PORT",
+        help="attach the workers to this broker (an operator's: `pdserve operator --broker-port`) instead of "
+        "starting one; the service is local/pdserve; needs --token-file (default: a broker of the run's own)",
+    )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="with --broker: the service's token, as the operator's Secret <name>-broker-token holds it",
+    )
 
 
 def _model_flags(p: argparse._ArgumentGroup) -> None:
@@ -261,7 +275,7 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     names = (
         "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
         "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk prefill_chunk_tokens layer_shards "
-        "prefill_tp decode_tp epp_port transfer tls "
+        "prefill_tp decode_tp epp_port transfer tls broker token_file "
         "api_keys log_dir"
     ).split()
     engine = _engine(args.engine, extra_env)

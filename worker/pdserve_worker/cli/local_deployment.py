@@ -9,8 +9,9 @@ folder. Start-up is over when the router's /health reports every worker register
 a child that dies meanwhile fails the start with its last log lines. Children run in sessions
 of their own (cli/local_children.py), so a Ctrl-C reaches only this process, which stops them
 in order (router, prefill, decode, broker) by PID. With `tls`, a CA is made for the run
-(`util/tls_certs.py`) with one certificate for 127.0.0.1: every gRPC server speaks mutual TLS
-only and the router serves HTTPS (clients verify it with `ca.crt`, named in `deployment.json`).
+(`util/tls_certs.py`) with one certificate for 127.0.0.1 and the address workers advertise: every
+gRPC server speaks mutual TLS only and the router serves HTTPS (clients verify it with `ca.crt`,
+named in `deployment.json`). With `plan.broker`, the workers attach to that broker instead of ours.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from pdserve_common import inherited_sockets
 from pdserve_common import pod_env as E
 from pdserve_common.credentials import gateway_token
 from pdserve_worker.cli.local_children import HOST, Child, accepts, child_entry, ready_members
-from pdserve_worker.cli.local_env import SERVICE, RunFacts, broker_env, prefix_cache_note, worker_env
+from pdserve_worker.cli.local_env import (
+    SERVICE,
+    RunFacts,
+    broker_env,
+    certificate_hosts,
+    prefix_cache_note,
+    worker_env,
+)
 from pdserve_worker.cli.local_plan import LocalPlan
 from pdserve_worker.model.loading.default_model import model_argument
 from pdserve_worker.serving import settings as S
@@ -104,7 +112,7 @@ class LocalDeployment:
         self.max_len = self._resolve_max_len(self.model_folder)
         self._prepare_kernels()
         if self.plan.tls:
-            self.certs = write_run_certificates(self.log_dir / "tls")
+            self.certs = write_run_certificates(self.log_dir / "tls", certificate_hosts(self.plan))
             self.say(f"TLS on: clients verify the router with {self.certs.ca}")
         if self.plan.colocated:
             self._spawn("colocated", "colocated", self._worker_env("colocated", "colocated-0", self.port))
@@ -189,6 +197,9 @@ class LocalDeployment:
             raise LocalStartError(f"port {port} on {HOST} is already in use: choose another with {flag}") from exc
 
     def _start_broker(self) -> None:
+        if self.plan.broker:  # no child: attach to that one (an operator's) with its owner's token
+            self.token, self.broker_address = outside_token(self.plan.token_file), self.plan.broker
+            return
         port = self._hold()
         self.broker_address = f"{HOST}:{port}"
         self._spawn("broker", "broker", broker_env(self._facts()), ["broker", "--host", HOST, "--port", str(port)])
@@ -362,6 +373,17 @@ class LocalDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def outside_token(token_file: Path | None) -> str:
+    """The service token of an outside broker's service, issued by its owner: a file, as a pod
+    mounts the operator's Secret."""
+    if token_file is None:
+        raise LocalStartError("--broker needs --token-file: the service token the broker's owner issued")
+    token = Path(token_file).read_text().strip()
+    if not token:
+        raise LocalStartError(f"--token-file {token_file} is empty: no service token")
+    return token
 
 
 class StopFlag:

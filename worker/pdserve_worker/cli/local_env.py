@@ -37,6 +37,17 @@ class RunFacts:
     certs: CertFiles | None
 
 
+def certificate_hosts(plan: LocalPlan) -> tuple[str, ...]:
+    """The hosts the run's certificate names: where children listen and are dialled (127.0.0.1,
+    localhost), and the address the workers advertise if `--env PDSERVE_POD_IP=...` sets another
+    (peers dial that one: a proxy in front of the workers, as the soak's fault proxy on 127.0.0.2)."""
+    hosts = [HOST, "localhost"]
+    advertised = plan.extra_env.get(E.POD_IP, "").strip()
+    if advertised and advertised not in hosts:
+        hosts.append(advertised)
+    return tuple(hosts)
+
+
 def source_env() -> dict[str, str]:
     """The environment children inherit, with this checkout's sources importable."""
     env = dict(os.environ)

@@ -38,6 +38,10 @@ class LocalPlan:
     transfer: str = "cpu"
     tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
     api_keys: Path | None = None  # keys file (api/keys.py) the router requires; None: no authentication
+    # A broker already running (an operator's) to attach the workers to, with the service token
+    # from `token_file` (the operator's Secret); "": start a broker of our own with a new token.
+    broker: str = ""
+    token_file: Path | None = None
     log_dir: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -46,6 +50,12 @@ class LocalPlan:
             raise ValueError(f"weights must be auto, dequantized, int8 or int4, got {self.weights!r}")
         if self.transfer not in ("cpu", "two-sided"):
             raise ValueError(f"transfer must be cpu or two-sided, got {self.transfer!r}")
+        if (self.broker == "") != (self.token_file is None):
+            raise ValueError(f"--broker and --token-file go together, got {self.broker!r} and {self.token_file}")
+        if self.broker and (self.tls or self.colocated):
+            raise ValueError(
+                f"--broker {self.broker} is plaintext gRPC with PD workers: not with --tls nor --colocated"
+            )
         if self.colocated:
             return
         if self.routers < 1:
