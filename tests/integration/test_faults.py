@@ -176,11 +176,15 @@ def test_a_killed_decode_is_replaced_mid_stream(local, reference):
 
     def kill_the_busy_decode() -> None:
         busy = [n for n in ("decode-0", "decode-1") if (s := decode_status(local, n)) and s.active_requests]
-        assert busy, "no decode was serving the request when the fault was due"
-        victim.append(busy[0])
-        kill(local, busy[0])
+        if busy:  # (none: the decode finished before the client read chunk 3; the test tries again)
+            victim.append(busy[0])
+            kill(local, busy[0])
 
-    [answer] = run_all(local, PROMPTS[:1], kill_the_busy_decode)
+    for _ in range(3):
+        [answer] = run_all(local, PROMPTS[:1], kill_the_busy_decode)
+        if victim:
+            break
+    assert victim, "in 3 tries no decode was serving the request when the fault was due"
     assert_complete([answer], PROMPTS[:1], reference)
     assert answer.pdserve["retries"] == 1 and answer.pdserve["decode"] != victim[0]
     settle(local)
