@@ -34,7 +34,7 @@ class LocalPlan:
     readiness: str = "interrupt"
     engine: str = "native"  # the model engine of every worker (engines/registry.py): native, vllm, module:Class
     # KV transport: the host engine ("cpu", one-sided), or "two-sided", the gloo send/recv
-    # baseline of seed 002's experiment (transfer/backends/two_sided.py; benchmarks only).
+    # baseline of seed 002's experiment (transfer/backends/two_sided.py; never the default).
     transfer: str = "cpu"
     tls: bool = False  # a CA for the run; mutual TLS on every gRPC hop, HTTPS at the router
     api_keys: Path | None = None  # keys file (api/keys.py) the router requires; None: no authentication

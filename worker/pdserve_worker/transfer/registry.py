@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 BACKENDS: dict[str, str] = {
     "hixl": "pdserve_worker.transfer.backends.hixl:create",  # real HIXL (CANN)
     "cpu": "pdserve_worker.transfer.backends.host.engine:create",  # the host engine, same API
-    "two-sided": "pdserve_worker.transfer.backends.two_sided:create",  # gloo send/recv: benchmarks
+    "two-sided": "pdserve_worker.transfer.backends.two_sided:create",  # gloo send/recv: seed 002's baseline
 }
 # "auto": the first of these that can run here.
 AUTO = ("hixl", "cpu")

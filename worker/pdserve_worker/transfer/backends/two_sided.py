@@ -4,8 +4,8 @@ Point-to-point `send`/`recv` as collective libraries move tensors (torch.distrib
 gloo, whose calls are hccl's and nccl's): the receiver posts a receive into a staging buffer,
 copies staging into the request's KV and acknowledges, so every chunk costs three memory
 passes and the receiver's CPU (`copies`: `socket_send`; `socket_recv` + `staging_copy`).
-Benchmarks and tests only (`create_engine("two-sided")`), never the default; gloo authenticates
-nobody, so it listens and connects on loopback only. A receiver writes only inside memory
+Seed 002's baseline, served by a whole deployment (`pdserve local --transfer two-sided`), never
+the default; gloo authenticates nobody, so it listens and connects on loopback only. A receiver writes only inside memory
 registered with it; readiness still checks the grant's nonce.
 Per pair: the decode's `initialize` opens a TCPStore; each connecting prefill takes the next
 pair index and both build a 2-rank gloo group. `transfer_async(WRITE)` goes to the pair's
@@ -467,6 +467,6 @@ def _torch() -> Any:
 
 
 def create() -> TransferBackend:
-    """The registry's factory ("two-sided"): the seed's send/recv baseline, benchmarks only."""
+    """The registry's factory ("two-sided"): the seed's send/recv baseline, never the default."""
     engine = TwoSidedEngine()
     return TransferBackend("two-sided", engine, api, blocking=engine, digest=XXH3_64)
