@@ -327,6 +327,24 @@ async def test_queue_bounds_answer_with_retry_after_from_the_drain_rate():
         q.release(t)
 
 
+async def test_the_probe_still_counts_against_the_capacity():
+    """A blocked queue's probe is a waiting request trying a slot: a request arriving during its
+    try is refused, or the probe's return would put the queue past its capacity (a test of the
+    API saw the third request of a capacity-1 queue queued, not refused, on a loaded machine)."""
+    q = AdmissionQueue(AdmissionConfig(capacity=1, retry_min_s=0.01, retry_max_s=0.02))
+    holder = block(q)
+    waiter = q.enter(B, "normal", 1, 1)
+    await asyncio.wait_for(q.wait_turn(waiter), 1.0)  # the timer made it the probe
+    assert waiter.state is State.TRYING and q._probe is waiter and q.waiting() == 0
+    with pytest.raises(Rejected) as full:
+        q.enter(C, "normal", 1, 1)
+    assert full.value.reason is Reason.QUEUE_FULL
+    q.no_capacity(waiter)  # back to its place: one waiting, the capacity
+    assert q.waiting() == 1 and q._probe is None
+    for t in (waiter, holder):
+        q.release(t)
+
+
 async def test_a_deadline_the_drain_rate_cannot_meet_is_refused_at_once():
     clock = Clock()
     q = AdmissionQueue(AdmissionConfig(deadline_s=3600), clock=clock)

@@ -173,7 +173,7 @@ def test_429_queue_full_in_openai_shape_with_retry_after(serve):
     gate = threading.Event()
     backend = SlotBackend(slots=1, tokens=4, delay_s=0.02, gate=gate)
     url, admission = serve(backend, AdmissionConfig(capacity=1))
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)  # not 600 s
 
     async def fill() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:

@@ -249,7 +249,9 @@ class AdmissionQueue:
         state = self._tenant(tenant, now)
         rank = max(PRIORITIES.index(priority), PRIORITIES.index(state.limits.max_priority))
         wait_limit = self.config.deadline_s if deadline_s is None else min(deadline_s, self.config.deadline_s)
-        total = sum(self._waiting)
+        # The probe is a waiting request trying a slot: it still counts, or a request arriving
+        # during its try would be queued past the capacity when the probe comes back.
+        total = sum(self._waiting) + (self._probe is not None)
         if total >= self.config.capacity:
             self._refuse(
                 Reason.QUEUE_FULL,
