@@ -198,3 +198,22 @@ def stop_process(pid: int, timeout_s: float = 5.0) -> None:
             return
         time.sleep(0.001)
     raise AssertionError(f"process {pid} not stopped {timeout_s}s after SIGSTOP (state {state})")
+
+
+def requests_in_flight(run: LocalRun, name: str) -> int:
+    """How many requests decode `name` is generating (its Status), 0 when it does not answer.
+
+    A fault test checks this before it kills or freezes the decode of a stream: on a loaded
+    machine the client may read chunk N after the decode already generated every token, and
+    then there is nothing in flight to lose (the test then tries again, it does not pass)."""
+    import grpc
+
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    meta = (("authorization", f"Bearer {run.token}"),)
+    with grpc.insecure_channel(run.child(name)["grpc"]) as channel:
+        try:
+            status = worker_pb2_grpc.DecodeStub(channel).Status(worker_pb2.StatusRequest(), metadata=meta, timeout=5)
+        except grpc.RpcError:
+            return 0
+    return int(status.active_requests)
