@@ -125,7 +125,7 @@ class LayerShardFollower:
         self.member_index = settings.group_member[1]
         layout = _pool_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
-        self.cache: KVCache = engine.bind_pool(layout, self.pool.tensor)  # (a slot pool: not paged)
+        self.cache = engine.bind_pool(layout, self.pool.tensor)  # (a slot pool: not paged)
         # The leader's slot table decides which grants are live; here only newer beats older.
         self.floor = GenerationFloor()
         # A notify counts only with the reservation's capability, which the leader's table made

@@ -133,7 +133,7 @@ class GroupEngine(Engine, Protocol):
         ...
 
     def forward_layers(
-        self, hidden: torch.Tensor, cache: KVCache, slots: Sequence[int], positions: Sequence[int]
+        self, hidden: torch.Tensor, cache: Any, slots: Sequence[int], positions: Sequence[int]
     ) -> torch.Tensor:
         """`hidden [B, T, hidden]` through the layers `cache` holds, writing their KV at `positions`."""
         ...

@@ -96,7 +96,7 @@ class NativeEngine:
         return self.model.embed(token_ids)
 
     def forward_layers(
-        self, hidden: torch.Tensor, cache: KVCache, slots: Sequence[int], positions: Sequence[int]
+        self, hidden: torch.Tensor, cache: Any, slots: Sequence[int], positions: Sequence[int]
     ) -> torch.Tensor:
         return self.model.run_layers(hidden, cache.layout.layer_range, cache, slots, positions)
 
