@@ -132,3 +132,19 @@ def test_the_real_vllm_entry_names_its_environment_or_what_is_not_built(tmp_path
     for call in (check_engine, lambda n: load_engine(n, _request())):
         with pytest.raises(EngineError, match=r"engine 'vllm': pdserve's router cannot drive a vLLM server yet"):
             call("vllm")
+
+
+def test_a_group_takes_an_engine_by_its_declared_capabilities_only():
+    """`group_engine` hands an engine to a tensor-parallel or layer-sharded group by what it
+    declares (the fake engine of tests/support declares neither), never by its type."""
+    from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, group_engine
+
+    class Declared:
+        name, capabilities = "declared", frozenset({LAYER_SHARDS})
+
+    engine = Declared()
+    assert group_engine(engine, LAYER_SHARDS) is engine  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match=r"engine 'declared' does not run tensor_parallel.*\['layer_shards'\]"):
+        group_engine(engine, TENSOR_PARALLEL)  # type: ignore[arg-type]
+    fake = engine_type("support.fake_engine:FakeEngine")
+    assert fake.capabilities == frozenset()

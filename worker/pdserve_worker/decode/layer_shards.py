@@ -34,13 +34,12 @@ from pdserve_common.logs import kv
 from pdserve_common.membership import Load
 from pdserve_worker.decode.migration import MigrationPusher, common_layers
 from pdserve_worker.decode.worker import ReadyUnusable
-from pdserve_worker.engines.base import Engine
-from pdserve_worker.engines.native import NativeEngine, native_of
+from pdserve_worker.engines.base import LAYER_SHARDS, Engine, GroupEngine, group_engine
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.slots import Grant, nonce_matches
 from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.engine import Generator
-from pdserve_worker.model.layers.layer_shards import GroupKV, LayerShardDecoder, LayerShardMember, check_group_layouts
+from pdserve_worker.model.layers.layer_shards import GroupKV, LayerShardDecoder, check_group_layouts
 from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.convert import grant_from_proto, grant_to_proto, hidden_from_proto, hidden_to_proto
@@ -82,9 +81,9 @@ def is_follower(settings: WorkerSettings) -> bool:
     return settings.role == "decode" and settings.layer_shards > 1 and settings.group_member[1] > 0
 
 
-def _pool_layout(settings: WorkerSettings, engine: NativeEngine) -> KVLayout:
+def _pool_layout(settings: WorkerSettings, engine: GroupEngine) -> KVLayout:
     full = engine.config.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
-    layers = engine.model.layer_range
+    layers = engine.layers
     return replace(full, first_layer=layers.start, num_layers=len(layers))
 
 
@@ -119,14 +118,14 @@ class LayerShardFollower:
     metrics = None  # (ServingRole: a follower reports through its leader)
     fatal = None  # (ServingRole: a dead leader or member fails the group's requests; nothing to restart for)
 
-    def __init__(self, settings: WorkerSettings, engine: NativeEngine, backend: TransferBackend) -> None:
+    def __init__(self, settings: WorkerSettings, engine: Engine, backend: TransferBackend) -> None:
         self.settings = settings
-        self.engine = engine
+        self.engine = engine = group_engine(engine, LAYER_SHARDS)
         self.backend = backend
         self.member_index = settings.group_member[1]
         layout = _pool_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
-        self.member = LayerShardMember(engine.model, KVCache(layout, self.pool.tensor))
+        self.cache = engine.bind_pool(layout, self.pool.tensor)  # (a slot pool: not paged)
         # The leader's slot table decides which grants are live; here only newer beats older.
         self.floor = GenerationFloor()
         # A notify counts only with the reservation's capability, which the leader's table made
@@ -192,8 +191,8 @@ class LayerShardFollower:
         )
 
     def forward(self, message: shard_pb2.HiddenState) -> shard_pb2.HiddenState:
-        hidden = hidden_from_proto(message, self.engine.model.device).to(self.engine.model.dtype)
-        out = self.member.forward(hidden, list(message.slots), list(message.positions))
+        hidden = hidden_from_proto(message, self.engine.device).to(self.engine.dtype)
+        out = self.engine.forward_layers(hidden, self.cache, list(message.slots), list(message.positions))
         self.steps += 1
         return hidden_to_proto(out, message.slots, message.positions)
 
@@ -438,10 +437,14 @@ class LayerShardGroup:
         return replace(full, first_layer=self.own_layers.start, num_layers=len(self.own_layers))
 
     def generator(self, engine: Engine, cache: KVCache) -> Generator[Any]:
-        own = LayerShardMember(native_of(engine).model, cache)
+        leader = group_engine(engine, LAYER_SHARDS)
         layouts = [cache.layout, *(f.layout for f in self.followers)]
         check_group_layouts(layouts, engine.config.num_layers)
-        hops = [own.forward, *(r.forward for r in self.remotes)]
+
+        def own(hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+            return leader.forward_layers(hidden, cache, slots, positions)
+
+        hops = [own, *(r.forward for r in self.remotes)]
 
         def hop(index: int, hidden: torch.Tensor, slots: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
             return hops[index](hidden, slots, positions)
@@ -455,7 +458,7 @@ class LayerShardGroup:
             )
         )
         return Generator(
-            LayerShardDecoder(engine.model, layouts, hop), engine.tokenizer, GroupKV(layouts, engine.config.num_layers)
+            LayerShardDecoder(leader, layouts, hop), engine.tokenizer, GroupKV(layouts, engine.config.num_layers)
         )
 
     def grants(self, grant: Grant) -> list[Grant]:

@@ -7,7 +7,9 @@ calling `on_chunk` after each chunk so the push can overlap the compute), runs o
 for a batch (`decode_step`, the `Decoder` of model/engine.py), is told when a request's blocks
 become readable and when they are freed (`bind_blocks`, `free_blocks`), and turns a prompt's kept
 hidden states into logprobs. The role's slot table owns slots and blocks (their one release
-path); the engine only stops reading what `free_blocks` names.
+path); the engine only stops reading what `free_blocks` names. An engine that declares
+TENSOR_PARALLEL or LAYER_SHARDS also is a `GroupEngine` (its layers, device, embedding, a
+layer range's forward, head): `group_engine` hands it to the groups by that declaration.
 A new engine is one package with an `EngineType` and one line in registry.py.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -112,6 +114,43 @@ class Engine(Protocol):
     def warm_up(self) -> float:
         """Run what the first request would pay for; the seconds it took."""
         ...
+
+
+class GroupEngine(Engine, Protocol):
+    """What tensor-parallel ranks and layer-sharded members drive besides `Engine`: an engine
+    declaring TENSOR_PARALLEL or LAYER_SHARDS implements it (reach it through `group_engine`)."""
+
+    @property
+    def layers(self) -> range:
+        """The layers whose weights this engine holds (a layer-sharded member's share, else all)."""
+        ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def embed(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Hidden states `[B, T, hidden]` of token ids `[B, T]` (a group's first member runs it)."""
+        ...
+
+    def forward_layers(
+        self, hidden: torch.Tensor, cache: Any, slots: Sequence[int], positions: Sequence[int]
+    ) -> torch.Tensor:
+        """`hidden [B, T, hidden]` through the layers `cache` holds, writing their KV at `positions`."""
+        ...
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states `[..., hidden]` after the final norm (a group's leader samples)."""
+        ...
+
+
+def group_engine(engine: Engine, capability: str) -> GroupEngine:
+    """`engine` as a group runs it, by its declared `capabilities`; EngineError names an engine
+    that does not declare `capability` (the registry refuses those first: registry.load_engine)."""
+    if capability not in engine.capabilities:
+        raise EngineError(
+            f"engine {engine.name!r} does not run {capability}: its capabilities are {sorted(engine.capabilities)}"
+        )
+    return cast(GroupEngine, engine)
 
 
 class EngineType(Protocol):

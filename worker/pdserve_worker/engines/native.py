@@ -1,8 +1,9 @@
 """pdserve's own engine: the torch model of model/ (LlamaModel) as an `Engine`.
 
 It runs dense LLaMA-block models in torch eager on the CPU (with the native kernels), CUDA or
-an NPU, and is the only engine that runs tensor-parallel and layer-sharded groups: those drive
-`model` (the LlamaModel) directly, so they take a `NativeEngine` by type.
+an NPU. It declares TENSOR_PARALLEL and LAYER_SHARDS, so it is also a `GroupEngine`: the groups
+reach its model through `layers`, `device`, `embed`, `forward_layers` and `head`, which delegate
+to the LlamaModel.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from pdserve_common.kv_layout import KVLayout
-from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, Engine, EngineError, EngineLoad, PrefillPass
+from pdserve_worker.engines.base import LAYER_SHARDS, TENSOR_PARALLEL, EngineLoad, PrefillPass
 from pdserve_worker.kv.cache import KVCache
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.model.engine import warm_up
@@ -24,7 +25,7 @@ from pdserve_worker.model.sampling.sampler import prompt_token_logprobs
 
 
 class NativeEngine:
-    """A `LoadedModel` behind the `Engine` contract (engines/base.py)."""
+    """A `LoadedModel` behind the `Engine` and `GroupEngine` contracts (engines/base.py)."""
 
     capabilities = frozenset({TENSOR_PARALLEL, LAYER_SHARDS})
 
@@ -38,10 +39,21 @@ class NativeEngine:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    @property
+    def layers(self) -> range:
+        return self.model.layer_range
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def kv_layout(self, num_slots: int, max_len: int, dtype: str, first_head: int = 0) -> KVLayout:
         return self.config.kv_layout(num_slots, max_len, dtype, first_head=first_head)
 
     def bind_pool(self, layout: KVLayout, memory: torch.Tensor) -> KVCache | PagedKVCache:
+        held = layout.layer_range
+        if held.start < self.layers.start or held.stop > self.layers.stop:
+            raise ValueError(f"a pool of layers {held} needs their weights; engine {self.name!r} holds {self.layers}")
         return PagedKVCache(layout, memory) if layout.paged else KVCache(layout, memory)
 
     def bind_blocks(self, cache: Any, slot: int, blocks: Sequence[int]) -> None:
@@ -80,6 +92,17 @@ class NativeEngine:
     ) -> torch.Tensor:
         return self.model.decode_step(cache, slots, positions, token_ids)
 
+    def embed(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self.model.embed(token_ids)
+
+    def forward_layers(
+        self, hidden: torch.Tensor, cache: Any, slots: Sequence[int], positions: Sequence[int]
+    ) -> torch.Tensor:
+        return self.model.run_layers(hidden, cache.layout.layer_range, cache, slots, positions)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.head(hidden)
+
     def prompt_logprobs(self, states: torch.Tensor, prompt: Sequence[int], top: int) -> tuple[TokenLogprobs, ...]:
         return prompt_token_logprobs(self.model.head, states, prompt, top)
 
@@ -97,13 +120,3 @@ class NativeEngine:
         loaded = load_model(request.source, request.dtype, request.device, request.layers, request.weights, **tp)
         loaded.config.check_max_len(request.max_length)  # spec.model.maxLength against the model's context
         return cls(loaded)
-
-
-def native_of(engine: Engine) -> NativeEngine:
-    """`engine` as the native engine, for the groups that drive its model directly (the registry
-    refuses them to other engines first: registry.load_engine); EngineError names another."""
-    if not isinstance(engine, NativeEngine):
-        raise EngineError(
-            f"engine {engine.name!r} is not the native engine that tensor-parallel and layer-sharded groups need"
-        )
-    return engine

@@ -21,7 +21,6 @@ def run_follower() -> int:
     """A rank past 0, from start to stop: join, load its share, warm up, follow rank 0's passes."""
     from pdserve_common import logs
     from pdserve_worker.decode.migration import MigrationPusher
-    from pdserve_worker.engines.native import native_of
     from pdserve_worker.process.startup import load_model_engine, start_engine
     from pdserve_worker.ranks.decode import DecodeFollower
     from pdserve_worker.ranks.group import GroupError, TPGroup
@@ -40,7 +39,7 @@ def run_follower() -> int:
     backend = None
     try:
         tp = (settings.tensor_parallel, settings.tp_rank)
-        engine = native_of(load_model_engine(settings, tp=tp, reduce=group.all_reduce))
+        engine = load_model_engine(settings, tp=tp, reduce=group.all_reduce)
         engine.warm_up()  # (rank 0 warms up too: the collectives match)
         backend = start_engine(settings)
         if settings.role == "decode":

@@ -21,8 +21,7 @@ from pdserve_worker.decode.group_hooks import GroupHooks
 from pdserve_worker.decode.layer_shards import LayerShardFollower, connect_group, group_max_message, is_follower
 from pdserve_worker.decode.service import DecodeRole
 from pdserve_worker.decode.worker import decode_pool_layout
-from pdserve_worker.engines.base import Engine
-from pdserve_worker.engines.native import native_of
+from pdserve_worker.engines.base import LAYER_SHARDS, Engine, group_engine
 from pdserve_worker.prefill.service import PrefillRole
 from pdserve_worker.ranks.decode import TPDecodeGroup
 from pdserve_worker.ranks.group import TPGroup
@@ -85,15 +84,15 @@ async def make_role(
 ) -> ServingRole:
     """The role `settings` asks for, over a loaded model engine and an initialized transfer
     engine. A group's leader first waits for its followers to describe their pools (LayerShardError
-    if they do not); groups run on the native engine only (engines/native.native_of)."""
+    if they do not); groups run on an engine that declares them (engines/base.group_engine)."""
     if is_follower(settings):
-        return LayerShardFollower(settings, native_of(engine), backend)
+        return LayerShardFollower(settings, engine, backend)
     if settings.role == "decode":
         group: GroupHooks | None = None
         if tp_group is not None:
-            group = TPDecodeGroup(settings, native_of(engine), tp_group, partial(decode_pool_layout, settings))
+            group = TPDecodeGroup(settings, engine, tp_group, partial(decode_pool_layout, settings))
         elif settings.layer_shards > 1:
             max_message = grpc_max_message(settings, engine.config.hidden_size)
-            group = await connect_group(settings, native_of(engine).model.layer_range, max_message)
+            group = await connect_group(settings, group_engine(engine, LAYER_SHARDS).layers, max_message)
         return DecodeRole(settings, engine, backend, revision, group=group)
     return PrefillRole(settings, engine, backend, revision, group=tp_group)

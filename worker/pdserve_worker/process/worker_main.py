@@ -23,7 +23,7 @@ import functools
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -333,15 +333,15 @@ async def _load_model(settings: WorkerSettings, group: TPGroup | None = None) ->
         # The source itself, not its converted folder: a GGUF's quantized blocks come from it.
         tp = {} if group is None else {"tp": (group.size, group.rank), "reduce": group.all_reduce}
         engine = await run_in_fresh_thread(functools.partial(load_model_engine, settings, layers, **tp))
-        await _warm_up(engine)
+        await _warm_up(engine.warm_up)
     except (FileNotFoundError, ValueError, RuntimeError, EngineError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     return engine, model_revision(folder, settings.model_dtype)
 
 
-async def _warm_up(engine: Engine) -> None:
+async def _warm_up(run: Callable[[], float]) -> None:
     """A short prefill and decode before serving (Engine.warm_up), on a thread that ends."""
-    seconds = await run_in_fresh_thread(engine.warm_up)
+    seconds = await run_in_fresh_thread(run)
     log.info(kv(event="model_warmed", seconds=round(seconds, 3)))
 
 
@@ -553,7 +553,7 @@ async def _start_epp(settings: WorkerSettings, broker: Any, model_name: str, rev
 async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
     from pdserve_worker.api.metrics import RouterMetrics
     from pdserve_worker.colocated.backend import ColocatedBackend, ColocatedConfig
-    from pdserve_worker.engines.native import NativeEngine
+    from pdserve_worker.model.engine import warm_up
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.serving.torch_threads import serve_with
     from pdserve_worker.serving.worker_metrics import watch_prefix_cache
@@ -565,7 +565,7 @@ async def _run_colocated(settings: WorkerSettings, state: WorkerState) -> None:
         loaded = await run_in_fresh_thread(
             load_model, settings.model_path, settings.model_dtype, settings.device, None, settings.weights
         )
-        await _warm_up(NativeEngine(loaded))
+        await _warm_up(functools.partial(warm_up, loaded.model))  # (colocated serves a LoadedModel, not an Engine)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         raise StartupError(f"cannot load model {settings.model_source!r}: {exc}") from exc
     max_len = min(settings.max_length, loaded.config.max_position_embeddings)

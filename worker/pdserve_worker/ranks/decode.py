@@ -25,8 +25,7 @@ import torch
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
-from pdserve_worker.engines.base import Engine
-from pdserve_worker.engines.native import NativeEngine, native_of
+from pdserve_worker.engines.base import TENSOR_PARALLEL, Engine, group_engine
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.engine import Generator
@@ -62,12 +61,12 @@ class RankPool:
     layout: dict[str, Any]
 
 
-def first_head(engine: NativeEngine) -> int:
+def first_head(engine: Engine) -> int:
     return engine.tp.kv_heads.start if engine.tp is not None else 0
 
 
 class MirroredModel:
-    """Rank 0's model: every decode step is first described to the other ranks."""
+    """Rank 0's engine (any `model.engine.Decoder`): every decode step is first described to the other ranks."""
 
     def __init__(self, model: Any, group: TPGroup) -> None:
         self._model, self._group = model, group
@@ -275,11 +274,12 @@ class TPDecodeGroup:
     mirrored decode step."""
 
     def __init__(
-        self, settings: WorkerSettings, engine: NativeEngine, group: TPGroup, paged: Callable[[KVLayout], KVLayout]
+        self, settings: WorkerSettings, engine: Engine, group: TPGroup, paged: Callable[[KVLayout], KVLayout]
     ) -> None:
         # `paged`: the decode's own pool of a layout (decode/worker.decode_pool_layout; passed in,
         # as this package sits below the roles)
-        self.settings, self.engine, self.group, self.paged = settings, engine, group, paged
+        self.settings, self.group, self.paged = settings, group, paged
+        self.engine = group_engine(engine, TENSOR_PARALLEL)
         self.others: list[RankPool] = []
         self.model: MirroredModel | None = None
         self.leases: RankLeases | None = None
@@ -296,7 +296,7 @@ class TPDecodeGroup:
         return layout
 
     def generator(self, engine: Engine, cache: Any) -> Generator[Any]:
-        self.model = MirroredModel(native_of(engine).model, self.group)
+        self.model = MirroredModel(group_engine(engine, TENSOR_PARALLEL), self.group)
         return TPGenerator(self.model, engine.tokenizer, cache)  # type: ignore[arg-type]
 
     def grants(self, grant: Grant) -> list[Grant]:
@@ -355,19 +355,21 @@ class DecodeFollower:
     def __init__(
         self,
         settings: WorkerSettings,
-        engine: NativeEngine,
+        engine: Engine,
         backend: TransferBackend,
         group: TPGroup,
         pusher: Callable[..., KVPusher],
     ) -> None:
         # `pusher`: a handed-over request's push (decode/migration.MigrationPusher; passed in, as
         # this package sits below the roles)
-        self.settings, self.engine, self.backend, self.group = settings, engine, backend, group
+        self.settings, self.backend, self.group = settings, backend, group
+        self.engine = engine = group_engine(engine, TENSOR_PARALLEL)
         self.pusher = pusher
         leader = KVLayout.from_dict(group.broadcast())
         layout = replace(leader, first_head=first_head(engine))
         self.pool = KVPool(backend, layout, device=settings.device)
-        self.cache = PagedKVCache(layout, self.pool.tensor)
+        self.cache = engine.bind_pool(layout, self.pool.tensor)  # (paged: rank 0's blocks)
+        self._tables: dict[int, tuple[int, ...]] = {}  # each slot's blocks as last bound here
         group.gather({"engine_id": settings.engine_id, "base_addr": self.pool.base_addr, "layout": layout.to_dict()})
         # Writes into this rank's pool only where rank 0 granted them (its engine is leased).
         self.leases = BlockWriteLeases(backend, self.pool.base_addr, layout)
@@ -394,14 +396,11 @@ class DecodeFollower:
 
     def run_step(self, step: DecodeStep) -> None:
         for slot, blocks in zip(step.slots, step.tables, strict=True):
-            try:
-                bound = self.cache.table(slot)
-            except KeyError:  # (a slot this rank has not decoded yet)
-                bound = None
-            if bound != blocks:
-                self.cache.bind(slot, blocks)
+            if self._tables.get(slot) != blocks:  # (None: a slot this rank has not decoded yet)
+                self.engine.bind_blocks(self.cache, slot, blocks)
+                self._tables[slot] = blocks
         with torch.inference_mode():
-            self.engine.model.decode_step(self.cache, step.slots, step.positions, step.tokens)
+            self.engine.decode_step(self.cache, step.slots, step.positions, step.tokens)
 
     def push(self, order: PushOrder) -> int | str:
         """Push this rank's heads of a handed-over request into its new decode (no notify: rank 0

@@ -102,7 +102,7 @@ class FollowerRank:
         self.settings, self.engine, self.backend, self.group = settings, engine, backend, group
         layout = scratch_layout(settings, engine)
         self.pool = KVPool(backend, layout, device=settings.device)
-        self.cache = KVCache(layout, self.pool.tensor)
+        self.cache = engine.bind_pool(layout, self.pool.tensor)
         self.heads = pushed_heads(engine)
 
     def serve(self) -> None:

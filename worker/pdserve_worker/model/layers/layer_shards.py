@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from pdserve_common.kv_layout import KVLayout, shard_layers
 from pdserve_worker.kv.cache import KVCache, torch_dtype
+from pdserve_worker.model.config import ModelConfig
 from pdserve_worker.model.layers.llama import LlamaModel
 
 
@@ -100,11 +102,29 @@ class GroupKV:
         return torch_dtype(self.layout.dtype)
 
 
+class HeadModel(Protocol):
+    """What a group's leader embeds and samples with: a LlamaModel, or a group engine
+    (engines/base.GroupEngine) over one."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def embed(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class LayerShardDecoder:
     """`decode_step` over a decode group; `head_model` embeds and applies the head (member 0's
     and the last member's LlamaModel both carry the embedding and head weights)."""
 
-    def __init__(self, head_model: LlamaModel, layouts: Sequence[KVLayout], hop: HiddenHop) -> None:
+    def __init__(self, head_model: HeadModel, layouts: Sequence[KVLayout], hop: HiddenHop) -> None:
         check_group_layouts(layouts, head_model.config.num_layers)
         self.model = head_model
         self.config = head_model.config
