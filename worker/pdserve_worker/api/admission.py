@@ -249,9 +249,7 @@ class AdmissionQueue:
         state = self._tenant(tenant, now)
         rank = max(PRIORITIES.index(priority), PRIORITIES.index(state.limits.max_priority))
         wait_limit = self.config.deadline_s if deadline_s is None else min(deadline_s, self.config.deadline_s)
-        # The probe is a waiting request trying a slot: it still counts, or a request arriving
-        # during its try would be queued past the capacity when the probe comes back.
-        total = sum(self._waiting) + (self._probe is not None)
+        total = sum(self._waiting) + (self._probe is not None)  # (the probe is a waiting request)
         if total >= self.config.capacity:
             self._refuse(
                 Reason.QUEUE_FULL,
