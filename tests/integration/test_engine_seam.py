@@ -1,9 +1,12 @@
 """The engine seam (engines/): an engine package outside pdserve serves a PD request.
 
-`PDSERVE_ENGINE=support.fake_engine:FakeEngine` names a class no product file mentions; the
-prefill and decode of a real `pdserve local` load it through engines/registry.py and serve
-through it. Its tokens are right only if every layer chunk its prefill wrote reached the
-decode's blocks (support/fake_engine.py), so the answer proves the PD path, not just the load.
+The package registers itself with one line of its own metadata (an entry point in the
+`pdserve.engines` group, written here as an installed distribution would have it) and
+`PDSERVE_ENGINE=fake` names it; no product file mentions it. The prefill and decode of a real
+`pdserve local` load it through engines/registry.py and serve through it. Its tokens are right
+only if every layer chunk its prefill wrote reached the decode's blocks (support/fake_engine.py),
+so the answer proves the PD path, not just the load. `module:Class` and an in-tree registry line
+reach the same class.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from pdserve_worker.engines.base import EngineError, EngineLoad
 from pdserve_worker.engines.native import NativeEngine
-from pdserve_worker.engines.registry import ENGINES, engine_type, load_engine
+from pdserve_worker.engines.registry import ENGINES, engine_type, installed_engines, load_engine
 from support.fake_engine import FakeEngine, expected
 
 FAKE = "support.fake_engine:FakeEngine"
@@ -29,6 +33,28 @@ def request(source: str | None, **extra) -> EngineLoad:
 def test_the_registry_names_the_native_engine_and_takes_a_module_path():
     assert engine_type("native") is NativeEngine
     assert engine_type(FAKE) is FakeEngine
+
+
+def installed(site: Path, name: str, target: str) -> Path:
+    """`site` holds a distribution whose one entry point registers engine `name` as `target`."""
+    dist = site / "pdserve_fake_engine-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pdserve-fake-engine\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[pdserve.engines]\n{name} = {target}\n")
+    return site
+
+
+def test_an_installed_package_registers_its_engine_by_entry_point(monkeypatch, tmp_path):
+    with pytest.raises(EngineError, match="'fake' is not registered"):
+        engine_type("fake")
+    monkeypatch.syspath_prepend(str(installed(tmp_path / "site", "fake", FAKE)))
+    assert engine_type("fake") is FakeEngine and installed_engines() == {"fake": FAKE}
+    # A package cannot take a built-in name, nor register what is not module:Class.
+    monkeypatch.syspath_prepend(str(installed(tmp_path / "other", "native", FAKE)))
+    assert engine_type("native") is NativeEngine and "native" not in installed_engines()
+    monkeypatch.syspath_prepend(str(installed(tmp_path / "bad", "broken", "support.fake_engine")))
+    with pytest.raises(EngineError, match="'broken' is registered as 'support.fake_engine'; expected module:Class"):
+        engine_type("broken")
 
 
 def test_one_registry_line_names_an_engine_package(monkeypatch, tiny_model_dir):
@@ -67,7 +93,9 @@ def test_an_engine_without_groups_is_refused_a_group_before_it_loads(extra, what
 
 
 def test_a_fake_engine_package_serves_a_pd_request(tiny_model_dir, tmp_path, monkeypatch, local_deployments):
-    monkeypatch.setenv("PDSERVE_ENGINE", FAKE)  # the children inherit it; cli_env() puts tests/ on their path
+    # The children inherit both; cli_env() puts tests/ (the package's code) on their path too.
+    monkeypatch.setenv("PYTHONPATH", str(installed(tmp_path / "site", "fake", FAKE)))
+    monkeypatch.setenv("PDSERVE_ENGINE", "fake")
     run = local_deployments(tmp_path / "run", tiny_model_dir, decode=1, slots=2, max_len=64, layers_per_chunk=1)
     try:
         engine = FakeEngine.load(request(str(tiny_model_dir)))

@@ -110,7 +110,7 @@ def _model_flags(p: argparse._ArgumentGroup) -> None:
         "--demo): native, "
         "pdserve's own torch engine; vllm, vLLM with pdserve's KV connector (install it with `bash "
         "scripts/setup.sh --engine vllm`; refused at once, naming what is missing, when it is not installed); "
-        "or module:Class",
+        "an engine an installed package registers (entry point group pdserve.engines); or module:Class",
     )
     p.add_argument(
         "--dtype",

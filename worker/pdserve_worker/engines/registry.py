@@ -1,13 +1,15 @@
 """The model engines by name: a new engine is one package with an `EngineType` and one line here.
 
-Each entry names the module and class of the engine (its `capabilities` and its `load`); the module is imported only when that
-engine is asked for, so a worker that runs the native engine never imports another engine's
-library. An engine outside this package is named as `module:Class` (vLLM's
-`kv_connector_module_path` is the model): it loads the same way, with no file here changed.
-An engine whose module or a library it imports is not installed is refused by name, with the
-missing module and the set-up step that installs it; `check_engine` (a launcher's check before
-it starts anything) also asks the engine's declared `check_installed()` classmethod, for what
-an engine runs outside this interpreter (vLLM in its own environment).
+Each entry names the module and class of the engine (its `capabilities` and its `load`); the
+module is imported only when that engine is asked for, so a worker that runs the native engine
+never imports another engine's library. An engine package outside pdserve registers itself with
+one line of its own metadata, an entry point in the `pdserve.engines` group (`name =
+module:Class`, as vLLM's plugins use `vllm.general_plugins`), or is named as `module:Class`
+directly (vLLM's `kv_connector_module_path` is the model): either way no file here changes, and
+the built-in names cannot be taken. An engine whose module or a library it imports is not
+installed is refused by name, with the missing module and the set-up step that installs it;
+`check_engine` (a launcher's check before it starts anything) also asks the engine's declared
+`check_installed()`, for what an engine runs outside this interpreter (vLLM's environment).
 """
 
 from __future__ import annotations
@@ -26,10 +28,23 @@ DEFAULT = "native"
 SETUP: dict[str, str] = {"native": "bash scripts/setup.sh", "vllm": "bash scripts/setup.sh --engine vllm"}
 
 
+ENTRY_POINTS = "pdserve.engines"  # the entry-point group an engine package registers in
+
+
+def installed_engines() -> dict[str, str]:
+    """name -> module:Class of the engines installed packages register (their entry points)."""
+    from importlib.metadata import entry_points  # (read when asked: a package may come later)
+
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINTS) if ep.name not in ENGINES}
+
+
 def _target(name: str) -> str:
-    target = ENGINES.get(name) or (name if ":" in name else None)
+    target = ENGINES.get(name) or installed_engines().get(name) or (name if ":" in name else None)
     if target is None:
-        raise EngineError(f"engine {name!r} is not registered; expected one of {sorted(ENGINES)} or module:Class")
+        known = sorted({*ENGINES, *installed_engines()})
+        raise EngineError(f"engine {name!r} is not registered; expected one of {known} or module:Class")
+    if ":" not in target:
+        raise EngineError(f"engine {name!r} is registered as {target!r}; expected module:Class")
     return target
 
 
