@@ -96,8 +96,8 @@ class PromptTokens:
         """Token ids of the prompt; a prompt too long to fit is refused by its length in
         characters, before it is tokenized; long prompts are tokenized off the event loop.
 
-        A thread hop costs more than tokenizing a short prompt (benchmarks/router_overhead.py), so short ones run inline; a long prompt must not stall
-        the streams that share the loop.
+        A thread hop costs more than tokenizing a short prompt (benchmarks/router_overhead.py),
+        so short ones run inline; a long prompt must not stall the streams that share the loop.
         """
         if isinstance(body, CompletionRequest) and body.prompt_ids is not None:
             return self.checked_ids(body.prompt_ids, "prompt")

@@ -82,7 +82,7 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
         choices=["cpu", "two-sided"],
         default="cpu",
         help="KV transport: cpu, the one-sided host engine (default); two-sided, gloo send/recv into a "
-        "staging buffer, the baseline of seed 002's experiment (benchmarks only, loopback only)",
+        "staging buffer, the baseline of seed 002's experiment (never the default, loopback only)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads per model process (default: CPUs shared)")
     p.add_argument(

@@ -62,7 +62,8 @@ def auto_dtype() -> str:
     """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32.
 
     Without native support torch emulates bf16 matmuls, far slower than fp32 (benchmarks/README.md,
-    "Model measurements behind the module docstrings"), so there fp32 is both exact and fast. (torch's private probes: pinned torch.)
+    "Model measurements behind the module docstrings"), so there fp32 is both exact and fast.
+    (torch's private probes: pinned torch.)
     """
     try:
         import torch

@@ -38,7 +38,7 @@ class GroupHooks(Protocol):
         ...
 
     def generator(self, engine: Engine, cache: KVCache) -> Generator[Any]:
-        """The group's generator over the leader's `cache` (groups run the native engine only)."""
+        """The group's generator over the leader's `cache` (on the engine's `GroupEngine` side)."""
         ...
 
     def grants(self, grant: Grant) -> list[Grant]:

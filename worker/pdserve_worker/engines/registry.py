@@ -39,9 +39,10 @@ def installed_engines() -> dict[str, str]:
 
 
 def _target(name: str) -> str:
-    target = ENGINES.get(name) or installed_engines().get(name) or (name if ":" in name else None)
+    installed = {} if name in ENGINES else installed_engines()
+    target = ENGINES.get(name) or installed.get(name) or (name if ":" in name else None)
     if target is None:
-        known = sorted({*ENGINES, *installed_engines()})
+        known = sorted({*ENGINES, *installed})
         raise EngineError(f"engine {name!r} is not registered; expected one of {known} or module:Class")
     if ":" not in target:
         raise EngineError(f"engine {name!r} is registered as {target!r}; expected module:Class")

@@ -296,7 +296,7 @@ class TPDecodeGroup:
         return layout
 
     def generator(self, engine: Engine, cache: Any) -> Generator[Any]:
-        self.model = MirroredModel(group_engine(engine, TENSOR_PARALLEL), self.group)
+        self.model = MirroredModel(self.engine, self.group)  # (the engine the group was made with)
         return TPGenerator(self.model, engine.tokenizer, cache)  # type: ignore[arg-type]
 
     def grants(self, grant: Grant) -> list[Grant]:
