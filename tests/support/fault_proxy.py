@@ -11,9 +11,10 @@ every port it serves), and faults hit every link of a group, open connections an
   accepted and held too (a partition that heals: the peers see silence, not an error, and TCP
   delivers everything afterwards, as it would after retransmitting);
 - `reset(name)`: every open connection is aborted with a TCP RST (SO_LINGER 0), both sides;
-- `flip(name, count, min_read)`: the middle byte of each of the next `count` reads of at least
-  `min_read` bytes going upstream (client to server) is inverted: a faulty NIC or a bit flip
-  that TCP's checksum missed (the KV digest test's: a big read there is KV payload).
+- `flip(name, count, min_read)`: in each of the next `count` reads of at least `min_read` bytes
+  going upstream (client to server) that hold WRITE payload of the host engine's framing, the
+  middle byte of the longest payload run is inverted: a faulty NIC or a bit flip that TCP's
+  checksum missed, in KV bytes and never in a frame header (`WritePayloads` follows the frames).
 
 Counters per group (connections, bytes, resets, flipped) say what the faults met.
 """
@@ -44,6 +45,47 @@ class _Group:
     flip_min_read: int = 0
     flipped: int = 0
     open: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = field(default_factory=set)
+
+
+class WritePayloads:
+    """Follows one client→server stream of the host engine's framing (worker's
+    transfer/backends/host/wire.py: header, then for WRITE `arg` descriptors and `size` payload
+    bytes, else `size` body bytes) and says which bytes of each read are WRITE payload. A read
+    may end or start anywhere in a frame, so the state carries over between reads."""
+
+    def __init__(self) -> None:
+        from pdserve_worker.transfer.backends.host import wire
+
+        self._wire = wire
+        self._header = b""
+        self._sections: list[tuple[int, bool]] = []  # (bytes left, is payload), current first
+
+    def spans(self, data: bytes) -> list[tuple[int, int]]:
+        wire, out, i = self._wire, [], 0
+        while i < len(data):
+            if self._sections:
+                left, payload = self._sections[0]
+                take = min(left, len(data) - i)
+                if payload:
+                    out.append((i, i + take))
+                i += take
+                if take == left:
+                    self._sections.pop(0)
+                else:
+                    self._sections[0] = (left - take, payload)
+                continue
+            need = wire.HEADER.size - len(self._header)
+            self._header += data[i : i + need]
+            i += min(need, len(data) - i)
+            if len(self._header) == wire.HEADER.size:
+                kind, arg, _, size = wire.HEADER.unpack(self._header)
+                self._header = b""
+                if kind == wire.Kind.WRITE:
+                    self._sections = [(arg * wire.DESC.size, False), (size, True)]
+                else:
+                    self._sections = [(size, False)]
+                self._sections = [s for s in self._sections if s[0]]
+        return out
 
 
 def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
@@ -114,13 +156,16 @@ class FaultProxy:
     async def _pump(
         self, group: _Group, src: asyncio.StreamReader, dst: asyncio.StreamWriter, upstream: bool = False
     ) -> None:
+        frames = WritePayloads() if upstream else None
         try:
             while data := await src.read(CHUNK):
                 await self._gate(group)
-                if upstream and group.flips_left and len(data) >= group.flip_min_read:
+                spans = frames.spans(data) if frames is not None else []
+                if spans and group.flips_left and len(data) >= group.flip_min_read:
                     group.flips_left -= 1
                     group.flipped += 1
-                    middle = len(data) // 2
+                    start, end = max(spans, key=lambda s: s[1] - s[0])
+                    middle = (start + end) // 2
                     data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
                 dst.write(data)
                 await dst.drain()

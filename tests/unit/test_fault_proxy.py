@@ -1,5 +1,6 @@
 """The soak's fault-injecting proxy (tests/support/fault_proxy.py) does what it says: forwards,
-delays, stalls then delivers everything, and resets connections with RST."""
+delays, stalls then delivers everything, resets connections with RST, and flips only bytes of
+WRITE payload however the stream is cut into reads."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from support import netns_links
-from support.fault_proxy import FaultProxy
+from support.fault_proxy import FaultProxy, WritePayloads
 
 
 @pytest.fixture
@@ -126,3 +127,24 @@ def test_a_veth_partition_silences_the_link_until_it_heals(echo: tuple[str, int]
         finally:
             links.close()
         assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(links.ns) == 0
+
+
+def test_write_payload_is_found_wherever_the_reads_cut_the_frames() -> None:
+    """Three frames of the host engine's framing (a NOTIFY, a WRITE of 2 descriptors and 40
+    payload bytes, a WRITE without payload) cut into reads at every size from 1 to the whole:
+    the spans cover exactly the 40 payload bytes, never a header, a descriptor or a body."""
+    from pdserve_worker.transfer.backends.host import wire
+
+    notify = wire.notify_frame(b"namebody", 4, seq=1)
+    payload = bytes(range(100, 140))
+    write = wire.header(wire.Kind.WRITE, 2, 2, len(payload)) + wire.pack_descs([(4096, 20), (8192, 20)]) + payload
+    empty = wire.header(wire.Kind.WRITE, 0, 3, 0)
+    stream = notify + write + empty + notify
+    first = len(notify) + wire.HEADER.size + 2 * wire.DESC.size
+    expected = set(range(first, first + len(payload)))
+    for cut in range(1, len(stream) + 1):
+        tracker, found = WritePayloads(), set()
+        for at in range(0, len(stream), cut):
+            for start, end in tracker.spans(stream[at : at + cut]):
+                found |= set(range(at + start, at + end))
+        assert found == expected, f"reads of {cut} bytes"
