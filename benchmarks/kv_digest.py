@@ -6,7 +6,9 @@ Run:  PYTHONPATH=worker:common:proto python benchmarks/kv_digest.py [--tokens 20
 1. Hash speed on the sizes a push hashes (SmolLM2's KV, bf16: a 16-token block of one
    (layer, K|V), one (layer, K|V) of the prompt, a 4-layer chunk, the whole push): XXH3-64
    (`xxhash`, the one used), CRC32C (`crc32c`; `google-crc32c`, which wants `bytes`, so a copy)
-   where installed, and a memcpy (`ctypes.memmove`). Best of 7.
+   where installed, FLETCHER64 (device_digest.py: HIXL's device-side sum, here run by torch on
+   this CPU, which is not where it is meant to run) and a memcpy (`ctypes.memmove`). Best of 7.
+   `--hashes-only` stops here (writes benchmarks/figures/kv_digest_hashes.json).
 2. The prefill-to-decode part of TTFT, in this process: the default model prefills the prompt
    in chunks of 4 layers, each chunk pushed as it is done (`KVPusher`, host engine) into a paged
    decode pool (16-token blocks, scattered), then the ready notify is taken and checked
@@ -77,9 +79,28 @@ def library_speeds(sizes: dict[str, int]) -> dict[str, dict[str, float]]:
         view = memoryview(src).cast("B")
         for name, fn in hashers().items():
             row[name] = size / best_seconds(fn, view, reps) / 1e9
+        row["fletcher64 (torch, this CPU)"] = size / best_seconds(fletcher_of(src), None, reps) / 1e9
         out[f"{label} ({size} B)"] = row
         print(f"  {label:>22} {size:>10} B: " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()) + " GB/s")
     return out
+
+
+def fletcher_of(buffer: Any) -> Any:
+    """A function hashing all of `buffer` with device_digest's FLETCHER64 (registered once)."""
+    import torch
+
+    from pdserve_worker.transfer import device_digest
+
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+    device_digest.register(tensor)
+    addr, size = tensor.data_ptr(), tensor.numel()
+
+    def run(_: Any) -> int:
+        digest = device_digest.TensorDigest()
+        digest.update(addr, 1, 0, size)
+        return digest.intdigest()
+
+    return run
 
 
 class Road:
@@ -167,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hashes-only", action="store_true", help="the hash speeds alone (part 1)")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     out["machine"] = platform.processor() or platform.machine()
@@ -175,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {"block (16 tok)": 16 * per, "layer K (2000 tok)": 2000 * per}
     sizes |= {"4-layer chunk": 8 * 2000 * per, "whole push": 60 * 2000 * per}
     out["hash_gb_per_s"] = library_speeds(sizes)
+    if args.hashes_only:
+        FIGURES.mkdir(exist_ok=True)
+        (FIGURES / "kv_digest_hashes.json").write_text(json.dumps(out, indent=1))
+        return 0
     model = load_model(default_model_path(), dtype="bfloat16").model
     road = Road(model, args.tokens)
     try:

@@ -18,6 +18,7 @@ import pytest
 from netutil import free_port
 from pdserve_common.kv_layout import K, KVLayout, V
 from pdserve_worker.kv.slots import Grant
+from pdserve_worker.transfer.base import FLETCHER64, XXH3_64
 from pdserve_worker.transfer.digest import DIGEST_FIELD, KVDigestMismatch, KVDigestRefused, ReadyDigests
 from pdserve_worker.transfer.pool import KVPool
 from pdserve_worker.transfer.push import KVPusher, PushSource, layer_chunks
@@ -34,8 +35,11 @@ def _layout(paged: bool, heads: int = HEADS, first_head: int = 0, max_len: int =
 
 
 class Peer:
-    def __init__(self, layout: KVLayout, engine_id: str, options: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, engine_id: str, options: dict[str, str] | None = None, algorithm: str = XXH3_64
+    ) -> None:
         self.backend = create_engine("cpu")
+        self.backend.digest = algorithm  # FLETCHER64: HIXL's device-side sum, here over host tensors
         self.engine_id = engine_id
         self.backend.check(self.backend.engine.initialize(engine_id, options or {}), "initialize")
         self.pool = KVPool(self.backend, layout)
@@ -46,11 +50,16 @@ class Peer:
         self.backend.engine.finalize()
 
 
+@pytest.fixture(params=[XXH3_64, FLETCHER64])
+def algorithm(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def peers(request: pytest.FixtureRequest) -> Iterator[tuple[Peer, Peer]]:
+def peers(request: pytest.FixtureRequest, algorithm: str) -> Iterator[tuple[Peer, Peer]]:
     transport, paged = getattr(request, "param", ("auto", True))
-    decode = Peer(_layout(paged), f"127.0.0.1:{free_port()}")
-    prefill = Peer(_layout(False), "127.0.0.1", {"pdserve.Transport": transport})
+    decode = Peer(_layout(paged), f"127.0.0.1:{free_port()}", algorithm=algorithm)
+    prefill = Peer(_layout(False), "127.0.0.1", {"pdserve.Transport": transport}, algorithm)
     yield prefill, decode
     prefill.close()
     decode.close()
@@ -71,8 +80,10 @@ def _push(prefill: Peer, decode: Peer, grant: Grant, chunk: int = 4) -> dict[str
     return Readiness(decode.backend).wait(grant.slot, grant.generation, 10.0)
 
 
-def _checker(decode: Peer, grant: Grant, algorithm: str | None = "xxh3_64") -> ReadyDigests:
-    return ReadyDigests(algorithm, decode.pool.base_addr, decode.pool.layout, lambda s, g: grant)
+def _checker(decode: Peer, grant: Grant, algorithm: str | None = "") -> ReadyDigests:
+    """The decode's check ("": the algorithm its backend declares)."""
+    chosen = decode.backend.digest if algorithm == "" else algorithm
+    return ReadyDigests(chosen, decode.pool.base_addr, decode.pool.layout, lambda s, g: grant)
 
 
 @pytest.mark.parametrize("peers", [("auto", True), ("tcp", True), ("auto", False), ("tcp", False)], indirect=True)
@@ -82,16 +93,16 @@ def test_each_chunk_carries_a_digest_that_the_landed_bytes_match(peers: tuple[Pe
     grant = _grant(decode, blocks=(9, 2, 3, 14) if paged else ())
     message = _push(prefill, decode, grant, chunk=4)
     field = message[DIGEST_FIELD]
-    assert field["alg"] == "xxh3_64" and field["heads"] == [0, HEADS]
+    assert field["alg"] == decode.backend.digest and field["heads"] == [0, HEADS]
     assert field["ends"] == [4, 6] and len(field["sums"]) == 2  # one per layer chunk
     checked = _checker(decode, grant).check(grant.slot, grant.generation, message)
     assert checked == LAYERS * 2 * TOKENS * decode.pool.layout.bytes_per_token
     if not paged:  # a group follower's check, without a slot table: the same bytes
-        follower = ReadyDigests("xxh3_64", decode.pool.base_addr, decode.pool.layout, None)
+        follower = ReadyDigests(decode.backend.digest, decode.pool.base_addr, decode.pool.layout, None)
         assert follower.check(grant.slot, grant.generation, message) == checked
     else:
         with pytest.raises(ValueError, match="need its block table"):
-            ReadyDigests("xxh3_64", decode.pool.base_addr, decode.pool.layout, None)
+            ReadyDigests(decode.backend.digest, decode.pool.base_addr, decode.pool.layout, None)
 
 
 def test_a_flipped_byte_in_the_pool_is_named_by_its_layers(peers: tuple[Peer, Peer]) -> None:
@@ -105,11 +116,11 @@ def test_a_flipped_byte_in_the_pool_is_named_by_its_layers(peers: tuple[Peer, Pe
         _checker(decode, grant).check(grant.slot, grant.generation, message)
 
 
-def test_shared_blocks_and_a_head_slice_are_checked_as_pushed() -> None:
+def test_shared_blocks_and_a_head_slice_are_checked_as_pushed(algorithm: str) -> None:
     """A TP rank's heads 1..1 into a paged pool of heads 0..1 whose first block is shared: the
     digest covers exactly the pushed heads of the pushed tokens; the other head may hold anything."""
-    decode = Peer(_layout(True), f"127.0.0.1:{free_port()}")
-    prefill = Peer(_layout(False, heads=1, first_head=1), "127.0.0.1", {"pdserve.Transport": "tcp"})
+    decode = Peer(_layout(True), f"127.0.0.1:{free_port()}", algorithm=algorithm)
+    prefill = Peer(_layout(False, heads=1, first_head=1), "127.0.0.1", {"pdserve.Transport": "tcp"}, algorithm)
     try:
         grant = _grant(decode, blocks=(5, 1, 2, 11), shared=1)
         message = _push(prefill, decode, grant, chunk=3)
@@ -177,13 +188,13 @@ def test_a_long_ready_message_carries_the_last_digest_only(peers: tuple[Peer, Pe
     assert _checker(decode, grant).check(1, 7, message) > 0
 
 
-def test_a_byte_flipped_on_the_wire_is_caught_before_the_ready_message_is_returned() -> None:
+def test_a_byte_flipped_on_the_wire_is_caught_before_the_ready_message_is_returned(algorithm: str) -> None:
     """The prefill pushes over TCP through the fault proxy, which inverts one byte of KV payload:
     TCP delivers it, the push succeeds, and the decode's readiness raises the mismatch instead
     of returning the message. Without the flip the same road passes."""
     decode_port = free_port()
-    decode = Peer(_layout(True), f"127.0.0.1:{decode_port}")
-    prefill = Peer(_layout(False, max_len=4096), "127.0.0.1", {"pdserve.Transport": "tcp"})
+    decode = Peer(_layout(True), f"127.0.0.1:{decode_port}", algorithm=algorithm)
+    prefill = Peer(_layout(False, max_len=4096), "127.0.0.1", {"pdserve.Transport": "tcp"}, algorithm)
     try:
         with FaultProxy() as proxy:
             host, port = proxy.link("decode", ("127.0.0.1", 0), ("127.0.0.1", decode_port))
@@ -252,3 +263,44 @@ def test_the_host_digest_is_the_hash_of_the_bytes_however_they_are_cut() -> None
     assert digest.intdigest() == xxhash.xxh3_64_intdigest(expected) and digest.bytes == len(expected)
     digest.update(base + 3000, 1, 0, 8)  # it goes on after a snapshot
     assert digest.intdigest() == xxhash.xxh3_64_intdigest(expected + buf.raw[3000:3008])
+
+
+def _fletcher(data: bytes) -> int:
+    """FLETCHER64 by its definition (device_digest.py): A = sum x_i, B = sum (N - i) x_i, mod 2^31 - 1."""
+    n, p = len(data), (1 << 31) - 1
+    a = sum(data) % p
+    b = sum((n - i) * x for i, x in enumerate(data)) % p
+    return (a << 32) | b
+
+
+def test_the_device_digest_is_fletchers_two_sums_however_the_bytes_are_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorDigest over a registered pool tensor equals the definition over the bytes in the
+    order fed: contiguous ranges, a head slice's strided rows, ranges longer than one reduction
+    piece; one changed byte changes it; an address in no registered pool is refused by name."""
+    import torch
+
+    from pdserve_worker.transfer import device_digest
+
+    monkeypatch.setattr(device_digest, "PIECE", 64)  # several pieces per range, and a partial one
+    monkeypatch.setattr(device_digest, "_weights", {})
+    pool = torch.frombuffer(bytearray(random.Random(2).randbytes(4096)), dtype=torch.uint8).view(torch.float16)
+    raw = pool.view(torch.uint8).numpy().tobytes()
+    base = pool.data_ptr()
+    device_digest.register(pool)
+    try:
+        digest = device_digest.TensorDigest()
+        digest.update(base, 1, 0, 300)
+        digest.update(base + 2000, 4, 64, 16)  # a head slice: 16 of every 64 bytes
+        expected = raw[:300] + b"".join(raw[2000 + 64 * i : 2016 + 64 * i] for i in range(4))
+        assert digest.intdigest() == _fletcher(expected) and digest.bytes == len(expected)
+        digest.update(base + 3000, 1, 0, 200)  # it goes on after a snapshot
+        assert digest.intdigest() == _fletcher(expected + raw[3000:3200])
+        flipped = bytearray(expected + raw[3000:3200])
+        flipped[123] ^= 0x10
+        assert _fletcher(bytes(flipped)) != digest.intdigest()
+        with pytest.raises(ValueError, match="no KV pool registered for the digest holds 8 bytes at"):
+            digest.update(base + 4092, 1, 0, 8)  # runs past the pool's end
+    finally:
+        device_digest.unregister(pool)
+    with pytest.raises(ValueError, match="no KV pool registered"):
+        device_digest.TensorDigest().update(base, 1, 0, 8)

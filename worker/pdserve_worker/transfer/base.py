@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from pdserve_worker.transfer import hixl_api
 
 XXH3_64 = "xxh3_64"  # the pushed-KV digest of host memory (transfer/digest.py)
+FLETCHER64 = "fletcher64"  # the pushed-KV digest of pools that may lie on a device (transfer/device_digest.py)
 
 
 class TransferEngine(Protocol):
@@ -100,9 +101,9 @@ class TransferBackend:
     api: ModuleType
     blocking: BlockingWaits | None = None
     host: HostExtensions | None = None
-    # The digest its memory allows on pushed KV (transfer/digest.py), None for none (HIXL: device
-    # memory wants a device-side sum, the declared `DeviceDigest` hook); a worker whose settings
-    # turn digests off sets None.
+    # The digest its memory allows on pushed KV (transfer/digest.py): XXH3_64 over host memory,
+    # FLETCHER64 where pools may lie on a device (HIXL); a worker whose settings turn digests
+    # off sets None.
     digest: str | None = None
 
     def check(self, status: int, what: str, *accept: int) -> None:

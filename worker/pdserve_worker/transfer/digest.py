@@ -10,8 +10,9 @@ the layers (Generate answers DATA_LOSS; the router runs the request again). A re
 field while digests are on is refused by name (`KVDigestRefused`). A digest covers what the
 notifying pusher put: a tensor-parallel prefill's other ranks, and a group migration's other
 members, push bytes none covers. A backend declares the digest its memory allows
-(`TransferBackend.digest`): XXH3 over host memory for the host engines; for NPU/GPU pools a
-device-side sum is the declared `DeviceDigest` hook, not written (HIXL declares none).
+(`TransferBackend.digest`): XXH3 over host memory for the host engines; FLETCHER64 for HIXL,
+whose pools may lie in NPU memory, a device-side sum computed by torch where the pool lies
+(device_digest.py; `KVPool` registers its tensor for it).
 """
 
 from __future__ import annotations
@@ -26,15 +27,16 @@ import xxhash
 
 from pdserve_common.kv_layout import BlockLayout, K, KVLayout, PushRoute, Strided, V, push_runs
 from pdserve_worker.kv.slots import Grant
-from pdserve_worker.transfer.base import XXH3_64
+from pdserve_worker.transfer.base import FLETCHER64, XXH3_64
 
 DIGEST_FIELD = "kv_digest"  # the ready message's key
-ALGORITHMS = (XXH3_64,)
+ALGORITHMS = (XXH3_64, FLETCHER64)
 
 
-class DeviceDigest(Protocol):
-    """The hook a device backend (NPU/GPU memory) would declare: a running digest of byte
-    ranges of its pool computed where they lie (a device-side sum), same calls as the host's."""
+class RunningDigest(Protocol):
+    """A running digest of byte ranges fed by address (`HostDigest`, device_digest's `TensorDigest`)."""
+
+    bytes: int
 
     def update(self, addr: int, copies: int, step: int, length: int) -> None: ...
 
@@ -94,10 +96,14 @@ class HostDigest:
         return int(self._h.intdigest())
 
 
-def new_digest(algorithm: str) -> HostDigest:
-    if algorithm != XXH3_64:
-        raise ValueError(f"KV digest algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    return HostDigest()
+def new_digest(algorithm: str) -> RunningDigest:
+    if algorithm == XXH3_64:
+        return HostDigest()
+    if algorithm == FLETCHER64:
+        from pdserve_worker.transfer.device_digest import TensorDigest  # (imports torch)
+
+        return TensorDigest()
+    raise ValueError(f"KV digest algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
 
 
 @dataclass
@@ -108,7 +114,7 @@ class ChunkDigests:
     heads: range  # the KV heads this push writes into the target
     ends: list[int]
     sums: list[int]
-    _digest: HostDigest
+    _digest: RunningDigest
     first: int = 0  # the first layer hashed
 
     @classmethod

@@ -20,7 +20,7 @@ from typing import Any
 
 from pdserve_common.kv_layout import K, KVLayout, V, block_spans
 from pdserve_common.logs import kv
-from pdserve_worker.transfer.base import TransferBackend, TransferError
+from pdserve_worker.transfer.base import FLETCHER64, TransferBackend, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,11 @@ class KVPool:
             self._free()
             raise TransferError(f"register_mem of KV pool ({nbytes} bytes at {addr:#x})", status)
         self.handle: int = handle
+        self._digested = backend.digest == FLETCHER64  # found by address by device_digest.py
+        if self._digested:
+            from pdserve_worker.transfer import device_digest
+
+            device_digest.register(self.tensor)
         log.info(
             kv(
                 event="kv_pool_registered",
@@ -128,6 +133,11 @@ class KVPool:
     def free(self) -> None:
         """Release the memory. After the engine is finalized the host engine has already
         unmapped what it allocated; freeing is then a no-op."""
+        if self._digested:
+            from pdserve_worker.transfer import device_digest
+
+            device_digest.unregister(self.tensor)
+            self._digested = False
         self._tensor = None
         self._free()
 
