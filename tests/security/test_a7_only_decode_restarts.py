@@ -103,14 +103,25 @@ def undisturbed(local) -> str:
     return answer.text
 
 
+def back_after(run: LocalRun, killed: list[int]) -> None:
+    """Before a try: the decode a late kill of the try before took down is back and serving."""
+    wait_until(
+        lambda: run.child("decode-0")["pid"] not in killed and decodes_ready(run), 90, "the decode serving again"
+    )
+
+
 def test_a_stream_waits_for_its_only_decode_to_restart_and_resumes_there(local, undisturbed):
+    """A kill that came after the decode had generated the whole stream (nothing in flight was
+    lost: no retry, no error) proves nothing: the test then tries again, up to 3 times."""
+    killed: list[int] = []
     for _ in range(3):
+        back_after(local, killed)
         answer = Answer()
         killed = kill_decode_at(local, answer, chunk=20)
         started = time.monotonic()
         stream(local, answer)
         took = time.monotonic() - started
-        if killed:
+        if killed and (answer.error is not None or (answer.pdserve or {}).get("retries")):
             break
     assert killed, "in 3 tries the decode had finished the stream before the kill was due"
     assert answer.error is None, answer.error
@@ -124,10 +135,13 @@ def test_a_stream_waits_for_its_only_decode_to_restart_and_resumes_there(local, 
 
 
 def test_past_the_wait_the_stream_ends_with_an_error_naming_it(local, undisturbed):
-    """The launcher is frozen before the kill: nothing restarts the decode within the wait."""
-    wait_until(lambda: decodes_ready(local), 60, "the decode serving again")
+    """The launcher is frozen before the kill: nothing restarts the decode within the wait. A
+    kill that came after the decode had generated the whole stream (it finished) proves
+    nothing: the test then tries again, up to 3 times."""
     launcher = local.proc.pid
+    killed: list[int] = []
     for _ in range(3):
+        back_after(local, killed)
         answer = Answer()
         killed = kill_decode_at(local, answer, chunk=20, also=lambda: stop_process(launcher))
         try:
@@ -136,7 +150,7 @@ def test_past_the_wait_the_stream_ends_with_an_error_naming_it(local, undisturbe
             waited = time.monotonic() - started
         finally:
             os.kill(launcher, signal.SIGCONT)
-        if killed:
+        if killed and answer.finish_reason is None:
             break
     assert killed, "in 3 tries the decode had finished the stream before the kill was due"
     assert answer.error is not None and answer.finish_reason is None
