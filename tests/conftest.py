@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from netutil import free_port
+
+# The tests of the push road (faults, digests, migration, traces) need every request pushed by a
+# prefill: the router's `auto` choice (router/disaggregation.py) would compute some on the decode
+# once the workers report their costs. So routers the suite starts push unless a test asks
+# otherwise (`--disaggregation`, RouterConfig.disaggregation); `auto` and `never` have tests of
+# their own (test_disaggregation_choice.py, test_local_prefill_serving.py).
+os.environ.setdefault("PDSERVE_DISAGGREGATION", "always")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ the rest of the code can trust them.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -106,6 +107,9 @@ class Load:
     kv_tokens_total: int = 0
     migrated: int = 0  # decode: requests handed over with their KV since it started (docs/migration.md)
     migration_fallbacks: int = 0  # decode: handed-over requests the router resumed instead
+    # The worker's recent costs (router/disaggregation.py fits its choice to them; 0: not measured):
+    prefill_tokens_per_s: float = 0.0  # prompt tokens per second of its prefill compute
+    step_seconds: float = 0.0  # decode: seconds per decode step
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,10 @@ class MemberInfo:
     slots_total: int = 0
     slots_free: int = 0
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # Decode: computes a prompt's KV itself when asked (GenerateRequest.local_prefill), at most
+    # `prefill_chunk_tokens` positions per step.
+    local_prefill: bool = False
+    prefill_chunk_tokens: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that peers could not use."""
@@ -154,6 +162,8 @@ class MemberInfo:
             raise ValueError(f"{who}: slots_total {self.slots_total} != kv_layout.num_slots {self.kv_layout.num_slots}")
         if not 0 <= self.slots_free <= self.slots_total:
             raise ValueError(f"{who}: slots_free must be in 0..{self.slots_total}, got {self.slots_free}")
+        if self.local_prefill and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"{who}: a local prefill needs prefill_chunk_tokens >= 1, got {self.prefill_chunk_tokens}")
 
 
 @dataclass(frozen=True)
@@ -230,6 +240,8 @@ def load_to_proto(load: Load) -> broker_pb2.Load:
         kv_tokens_total=load.kv_tokens_total,
         migrated=load.migrated,
         migration_fallbacks=load.migration_fallbacks,
+        prefill_tokens_per_s=load.prefill_tokens_per_s,
+        step_seconds=load.step_seconds,
     )
     if load.router is not None:
         r = load.router
@@ -261,6 +273,11 @@ def _histogram_from_proto(msg: broker_pb2.LatencyHistogram) -> Histogram | None:
     return Histogram(bounds, counts, msg.count)
 
 
+def _cost(value: float) -> float:
+    """A reported cost as the router may use it: a positive finite number, else 0 (not measured)."""
+    return value if math.isfinite(value) and value > 0 else 0.0
+
+
 def load_from_proto(msg: broker_pb2.Load) -> Load:
     router = None
     if msg.HasField("router"):
@@ -281,6 +298,8 @@ def load_from_proto(msg: broker_pb2.Load) -> Load:
         kv_tokens_total=msg.kv_tokens_total,
         migrated=msg.migrated,
         migration_fallbacks=msg.migration_fallbacks,
+        prefill_tokens_per_s=_cost(msg.prefill_tokens_per_s),
+        step_seconds=_cost(msg.step_seconds),
     )
 
 
@@ -294,7 +313,12 @@ def member_info_to_proto(info: MemberInfo) -> broker_pb2.MemberInfo:
             common_pb2.MemoryRegion(addr=r.addr, len=r.length, mem_type=_MEM_TO_PROTO[r.mem_type]) for r in info.regions
         ],
         revision=info.revision,
-        capacity=broker_pb2.Capacity(slots_total=info.slots_total, slots_free=info.slots_free),
+        capacity=broker_pb2.Capacity(
+            slots_total=info.slots_total,
+            slots_free=info.slots_free,
+            local_prefill=info.local_prefill,
+            prefill_chunk_tokens=info.prefill_chunk_tokens,
+        ),
         labels=dict(info.labels),
     )
     if info.kv_layout is not None:
@@ -320,6 +344,8 @@ def member_info_from_proto(msg: broker_pb2.MemberInfo) -> MemberInfo:
         slots_total=msg.capacity.slots_total,
         slots_free=msg.capacity.slots_free,
         labels=dict(msg.labels),
+        local_prefill=msg.capacity.local_prefill,
+        prefill_chunk_tokens=msg.capacity.prefill_chunk_tokens,
     )
     info.validate()
     return info

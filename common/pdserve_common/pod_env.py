@@ -116,6 +116,7 @@ API_KEYS_KEY = "keys.yaml"  # the key of the auth Secret that holds the keys fil
 ADMISSION_QUEUE = "PDSERVE_ADMISSION_QUEUE"  # requests that may wait for a KV reservation (0: none, 429 at once)
 ADMISSION_PER_TENANT = "PDSERVE_ADMISSION_PER_TENANT"  # of which one tenant may hold
 ADMISSION_DEADLINE_SECONDS = "PDSERVE_ADMISSION_DEADLINE_SECONDS"  # longest wait for admission
+DISAGGREGATION = "PDSERVE_DISAGGREGATION"  # router: always | never | auto (router/disaggregation.py)
 ROUTER_REPLICAS = "PDSERVE_ROUTER_REPLICAS"  # routers sharing each tenant's limits (each enforces 1/N)
 
 _ORDINAL = re.compile(r"-(\d+)$")

@@ -41,6 +41,7 @@ def router(stack: Stack, loaded, routing: str) -> PDBackend:
             model_name="tiny",
             max_model_len=MAX_LEN,
             revision=REVISION,
+            disaggregation="always",  # (the push road: conftest.py)
             token=TOKEN,
             timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30),
             prefix_routing=routing,

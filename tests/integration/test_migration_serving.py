@@ -129,6 +129,7 @@ async def cluster(
                 model_name="tiny",
                 max_model_len=MAX_LEN,
                 revision=REVISION,
+                disaggregation="always",  # (the push road: conftest.py)
                 token=TOKEN,
                 timeouts=Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30, resume_wait_s=5.0),
             ),

@@ -232,6 +232,7 @@ async def cluster(
                 model_name="tiny",
                 max_model_len=MAX_LEN,
                 revision=REVISION,
+                disaggregation="always",  # (the push road: conftest.py)
                 token=TOKEN,
                 timeouts=Timeouts(
                     rpc_s=2.0,

@@ -126,7 +126,12 @@ class Stack:
         from pdserve_worker.router.pd_backend import PDBackend
 
         config = RouterConfig(
-            model_name="tiny", max_model_len=self.max_len, revision=revision, token=self.token, timeouts=timeouts
+            model_name="tiny",
+            max_model_len=self.max_len,
+            revision=revision,
+            token=self.token,
+            timeouts=timeouts,
+            disaggregation="always",  # (the push road: conftest.py)
         )
         backend = PDBackend(config, tokenizer=tokenizer, broker=self.client())
         await backend.start()

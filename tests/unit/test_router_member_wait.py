@@ -21,7 +21,7 @@ from pdserve_worker.router.pd_backend import PDBackend
 REV = "r1"
 
 
-def backend(wait_s: float) -> PDBackend:
+def backend(wait_s: float, disaggregation: str = "always") -> PDBackend:
     pd = PDBackend(
         RouterConfig(
             model_name="m",
@@ -29,6 +29,7 @@ def backend(wait_s: float) -> PDBackend:
             revision=REV,
             token="t",
             timeouts=Timeouts(member_wait_s=wait_s),
+            disaggregation=disaggregation,
         ),
         tokenizer=None,
         broker=None,
@@ -48,6 +49,16 @@ async def test_none_registered_waits_then_answers_unavailable() -> None:
     started = time.monotonic()
     with pytest.raises(NoMember, match="no prefill worker of model revision r1 is registered"):
         await drain(backend(0.4))
+    assert time.monotonic() - started >= 0.4
+
+
+@pytest.mark.asyncio
+async def test_without_a_prefill_auto_looks_for_a_decode_that_computes_the_prompt_itself() -> None:
+    """`auto` (router/disaggregation.py) serves a request on a decode when no prefill is left:
+    with none of either registered, what it waits for and names is the decode."""
+    started = time.monotonic()
+    with pytest.raises(NoMember, match="no decode worker of model revision r1 is registered"):
+        await drain(backend(0.4, "auto"))
     assert time.monotonic() - started >= 0.4
 
 

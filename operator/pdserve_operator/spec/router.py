@@ -126,6 +126,13 @@ class RouterSpec(PodOverrides):
     """Routers: the OpenAI-compatible HTTP front."""
 
     replicas: int = Field(1, ge=0, le=1024, description="Number of router pods.")
+    disaggregation: Literal["always", "never", "auto"] = Field(
+        "auto",
+        description="Per request, a prefill pushes the prompt's KV into the decode (always), the decode computes "
+        "it itself, a chunk between its decode steps (never), or whichever the workers' reported costs say "
+        "gives the first token sooner (auto; docs/roles.md). Resumed requests and those asking for prompt "
+        "logprobs always go to a prefill.",
+    )
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec, description="The router Service.")
     auth: RouterAuthSpec | None = Field(None, description="API keys (no authentication when unset).")
     admission: RouterAdmissionSpec = Field(

@@ -29,12 +29,16 @@ MEMBER_STATE_ACTIVE: MemberState
 MEMBER_STATE_DRAINING: MemberState
 
 class Capacity(_message.Message):
-    __slots__ = ("slots_total", "slots_free")
+    __slots__ = ("slots_total", "slots_free", "local_prefill", "prefill_chunk_tokens")
     SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     slots_total: int
     slots_free: int
-    def __init__(self, slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ...) -> None: ...
+    local_prefill: bool
+    prefill_chunk_tokens: int
+    def __init__(self, slots_total: _Optional[int] = ..., slots_free: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class LatencyHistogram(_message.Message):
     __slots__ = ("bounds", "counts", "count")
@@ -61,7 +65,7 @@ class RouterLoad(_message.Message):
     def __init__(self, requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., ttft: _Optional[_Union[LatencyHistogram, _Mapping]] = ..., tpot: _Optional[_Union[LatencyHistogram, _Mapping]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("slots_used", "slots_free", "active_requests", "router", "kv_tokens_used", "kv_tokens_total", "migrated", "migration_fallbacks")
+    __slots__ = ("slots_used", "slots_free", "active_requests", "router", "kv_tokens_used", "kv_tokens_total", "migrated", "migration_fallbacks", "prefill_tokens_per_s", "step_seconds")
     SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +74,8 @@ class Load(_message.Message):
     KV_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     slots_used: int
     slots_free: int
     active_requests: int
@@ -78,7 +84,9 @@ class Load(_message.Message):
     kv_tokens_total: int
     migrated: int
     migration_fallbacks: int
-    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., migrated: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    step_seconds: float
+    def __init__(self, slots_used: _Optional[int] = ..., slots_free: _Optional[int] = ..., active_requests: _Optional[int] = ..., router: _Optional[_Union[RouterLoad, _Mapping]] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_total: _Optional[int] = ..., migrated: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
     __slots__ = ("worker_id", "role", "grpc_endpoint", "engine_id", "regions", "kv_layout", "revision", "capacity", "labels")

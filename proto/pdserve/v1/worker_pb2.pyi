@@ -72,7 +72,7 @@ class Grant(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ..., engine_id: _Optional[str] = ..., base_addr: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., group_grants: _Optional[_Iterable[_Union[Grant, _Mapping]]] = ..., nonce: _Optional[bytes] = ..., blocks: _Optional[_Iterable[int]] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated", "migrated")
+    __slots__ = ("request_id", "slot", "generation", "prompt_token_ids", "sampling", "readiness_timeout_ms", "num_generated", "migrated", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GenerateRequest(_message.Message):
     READINESS_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot: int
     generation: int
@@ -89,7 +90,8 @@ class GenerateRequest(_message.Message):
     readiness_timeout_ms: int
     num_generated: int
     migrated: bool
-    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., readiness_timeout_ms: _Optional[int] = ..., num_generated: _Optional[int] = ..., migrated: _Optional[bool] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., slot: _Optional[int] = ..., generation: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., readiness_timeout_ms: _Optional[int] = ..., num_generated: _Optional[int] = ..., migrated: _Optional[bool] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("index", "token_id", "text", "finish_reason", "stop", "kv_bytes_received", "kv_pushed", "ready_wait_s", "num_prompt_tokens", "handover", "logprobs")

@@ -101,6 +101,13 @@ class RouterMetrics:
             "(the hit rate is this over prompt_tokens).",
             registry=r,
         )
+        self.prefill_roads = Counter(
+            f"{_PREFIX}_prefill_roads",
+            "How each attempt's prompt was computed (router/disaggregation.py): road remote (a prefill "
+            "pushed it) or local (the decode computed it), and why.",
+            ["road", "reason"],
+            registry=r,
+        )
         self.prefix_routed = Counter(
             f"{_PREFIX}_prefix_routed",
             "Prefill choices by reason: prefix (the prefill predicted to hold the longest prefix of the "
@@ -281,6 +288,9 @@ class RouterMetrics:
         if kv_tokens_total:
             self.decode_kv_tokens_used.labels(decode=decode).set(kv_tokens_used)
             self.decode_kv_tokens_total.labels(decode=decode).set(kv_tokens_total)
+
+    def observe_disaggregation(self, local: bool, reason: str) -> None:
+        self.prefill_roads.labels(road="local" if local else "remote", reason=reason).inc()
 
     def observe_prefill_choice(self, reason: str) -> None:
         self.prefix_routed.labels(reason=reason).inc()

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve_common.pod_env import DISAGGREGATION
+
 if TYPE_CHECKING:
     from pdserve_worker.cli.local_deployment import LocalDeployment, StopFlag
     from pdserve_worker.cli.local_plan import LocalPlan
@@ -51,6 +53,14 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
         help="router processes (default 1; the others listen on free ports, listed in deployment.json)",
     )
     p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
+    p.add_argument(
+        "--disaggregation",
+        choices=["always", "never", "auto"],
+        default=os.environ.get(DISAGGREGATION, "auto"),
+        help="per request, a prefill pushes the prompt's KV (always), the decode computes it itself (never), "
+        "or whichever the workers' measured costs say is sooner (auto; default: $PDSERVE_DISAGGREGATION, "
+        "else auto; docs/roles.md)",
+    )
     p.add_argument(
         "--layer-shards",
         type=int,
@@ -135,7 +145,8 @@ def _model_flags(p: argparse._ArgumentGroup) -> None:
         "--prefill-chunk-tokens",
         type=int,
         default=512,
-        help="colocated: prompt positions computed between two decode steps (chunked prefill; default 512)",
+        help="colocated, or a decode's own prefill: prompt positions computed between two decode steps "
+        "(chunked prefill; default 512)",
     )
 
 
@@ -275,7 +286,7 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     names = (
         "prefill decode port model dtype weights slots max_len threads colocated kv_block_tokens kv_tokens "
         "prefix_cache_tokens prefix_disk_dir routers prefix_disk_gib layers_per_chunk prefill_chunk_tokens layer_shards "
-        "prefill_tp decode_tp epp_port transfer tls broker token_file "
+        "prefill_tp decode_tp epp_port transfer tls broker token_file disaggregation "
         "api_keys log_dir"
     ).split()
     engine = _engine(args.engine, extra_env)

@@ -124,6 +124,7 @@ def worker_env(run: RunFacts, role: str, worker_id: str, http_port: int, hold: C
             E.LAYERS_PER_CHUNK: str(plan.layers_per_chunk),
             S.PREFILL_CHUNK_TOKENS: str(plan.prefill_chunk_tokens),
             E.READINESS_MODE: plan.readiness,
+            E.DISAGGREGATION: plan.disaggregation,  # (the router's; router/disaggregation.py)
             E.TRANSFER_BACKEND: plan.transfer,
             E.DRAIN_TIMEOUT_SECONDS: "10",
             S.THREADS: str(plan.threads_per_process()),

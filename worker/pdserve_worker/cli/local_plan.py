@@ -26,7 +26,8 @@ class LocalPlan:
     threads: int = 0  # torch threads per model process; 0: the CPUs shared among them
     colocated: bool = False
     layers_per_chunk: int = 4
-    prefill_chunk_tokens: int = 512  # colocated: prompt positions between two decode steps
+    prefill_chunk_tokens: int = 512  # colocated, or a decode's local prefill: prompt positions between two decode steps
+    disaggregation: str = "auto"  # the router's: always | never | auto (router/disaggregation.py)
     layer_shards: int = 1  # processes per decode group (a leader and layer_shards - 1 followers)
     prefill_tp: int = 1  # tensor-parallel ranks per prefill instance (rank 0 starts the others)
     decode_tp: int = 1  # the same per decode instance
@@ -48,6 +49,8 @@ class LocalPlan:
     def __post_init__(self) -> None:
         if self.weights not in ("auto", "dequantized", "int8", "int4"):
             raise ValueError(f"weights must be auto, dequantized, int8 or int4, got {self.weights!r}")
+        if self.disaggregation not in ("always", "never", "auto"):
+            raise ValueError(f"disaggregation must be always, never or auto, got {self.disaggregation!r}")
         if self.transfer not in ("cpu", "two-sided"):
             raise ValueError(f"transfer must be cpu or two-sided, got {self.transfer!r}")
         if (self.broker == "") != (self.token_file is None):

@@ -103,8 +103,12 @@ class GenerateRoad:
         out passes `_end`, which frees the slot unless the loop already owns it."""
         g = await self.validated(request, context)
         try:
-            ready = await self.await_kv(g, context)
-            g.stream = self.start_stream(g, ready)
+            if request.local_prefill:
+                ready = await self.commit_local(g, context)
+                g.stream = self.start_local(g)
+            else:
+                ready = await self.await_kv(g, context)
+                g.stream = self.start_stream(g, ready)
             async for out in g.stream:
                 if isinstance(out, Parked):  # this decode is draining: hand the request over
                     g.trace.set_attribute("pdserve.handed_over", True)
@@ -202,6 +206,35 @@ class GenerateRoad:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before the KV arrived")
         return ready
 
+    async def commit_local(self, g: GenerateCall, context: grpc.aio.ServicerContext) -> Ready:
+        """A request this decode prefills itself (decode/local_prefill.py): no KV is awaited; the
+        slot is committed at once, as no peer writes it."""
+        w, request, where = self.w, g.request, g.where
+        if w.local_prefill is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{where}: decode {w.settings.member_id} does not prefill locally"
+            )
+        if request.migrated or g.resumed or g.params.prompt_logprobs is not None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: a local prefill starts from token 0 (not migrated, num_generated 0) without prompt logprobs",
+            )
+        if w.shared_tokens(g.slot, g.generation):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{where}: a local prefill's grant shares no blocks with another"
+            )
+        if not w.slots.commit(g.slot, g.generation):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before Generate came")
+        return Ready(num_tokens=len(g.prompt), first_token=-1, wait_s=0.0, kv_pushed=False)
+
+    def start_local(self, g: GenerateCall) -> RequestStream:
+        """Bind the request's blocks and hand it to the loop, which computes its prompt a chunk
+        per turn and then decodes it; from here the loop owns the slot."""
+        w, slot, generation = self.w, g.slot, g.generation
+        w.adopt(slot, generation)
+        w.metrics.local_prefills.inc()
+        return w.loop.submit(g.request.request_id, g.prompt, slot, g.params, lambda: w.finished(slot, generation))
+
     def start_stream(self, g: GenerateCall, ready: Ready) -> RequestStream:
         """Hand the slot to the generation loop: from here the loop owns it and frees it when the
         request leaves the batch."""
@@ -246,7 +279,7 @@ class GenerateRoad:
             event.logprobs.CopyFrom(logprobs_to_proto(out.logprobs))
         if g.index == g.resumed:
             event.kv_bytes_received = ready.kv_bytes
-            event.kv_pushed = True
+            event.kv_pushed = ready.kv_pushed
             event.ready_wait_s = ready.wait_s
             event.num_prompt_tokens = ready.num_tokens
         if out.finished:

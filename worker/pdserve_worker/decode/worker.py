@@ -25,9 +25,9 @@ from pdserve.v1 import worker_pb2
 from pdserve_common.kv_layout import DTYPE_SIZES, KVLayout
 from pdserve_common.logs import kv
 from pdserve_common.membership import Load, MemberInfo, MemoryRegion, MemType, Role
-from pdserve_worker.decode.generation_loop import GenerationLoop
 from pdserve_worker.decode.group_hooks import GroupHooks
 from pdserve_worker.decode.handover import Handover
+from pdserve_worker.decode.local_prefill import decode_loop
 from pdserve_worker.decode.migration import Handoff
 from pdserve_worker.engines.base import Engine
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
@@ -38,6 +38,7 @@ from pdserve_worker.kv.slots import Grant, SlotTable, SlotUsage
 from pdserve_worker.model.engine import Generator
 from pdserve_worker.model.sampling.params import MAX_LOGPROBS, TokenLogprobs
 from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.serving.costs import CostMeter
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.worker_metrics import WorkerMetrics
 from pdserve_worker.transfer.base import TransferBackend
@@ -72,6 +73,7 @@ class Ready:
     message: dict[str, Any] = field(default_factory=dict)  # the whole notify (a migration's state)
     first_logprobs: TokenLogprobs | None = None  # the first token's, drawn by the prefill
     kv_bytes: int = 0  # what was pushed for it (not the blocks shared with another copy)
+    kv_pushed: bool = True  # False: this decode computed the prompt itself (decode/local_prefill.py)
 
 
 class DecodeWorker:
@@ -88,11 +90,7 @@ class DecodeWorker:
         revision: str,
         group: GroupHooks | None = None,
     ) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.backend = backend
-        self.revision = revision
-        self.group = group
+        self.settings, self.engine, self.backend, self.revision, self.group = settings, engine, backend, revision, group
         full = engine.kv_layout(settings.slots, settings.max_length, settings.model_dtype)
         # Paged unless kv_block_tokens is 0; a layer-sharded group keeps max-length slots.
         layout = decode_pool_layout(settings, full) if group is None else group.pool_layout(full)
@@ -117,7 +115,8 @@ class DecodeWorker:
         self.digests = ReadyDigests(backend.digest, self.pool.base_addr, layout, self.slots.grant_of)
         self.readiness.check = self.digests.check
         generator = Generator(engine, engine.tokenizer, cache) if group is None else group.generator(engine, cache)
-        self.loop = GenerationLoop(generator, name="decode-loop")
+        self.costs = CostMeter()  # reported for the router's conditional disaggregation
+        self.local_prefill, self.loop = decode_loop(generator, settings, engine, cache, self.costs, group is None)
         # One blocking readiness wait per request that waits: at most one per slot.
         self._waiters = ThreadPoolExecutor(max_workers=layout.num_slots, thread_name_prefix="decode-ready")
         self.draining = False
@@ -291,6 +290,8 @@ class DecodeWorker:
             kv_tokens_total=total,
             migrated=self.metrics.handoffs["migrated"],
             migration_fallbacks=self.metrics.handoffs["failed"] + self.metrics.handoffs["released"],
+            prefill_tokens_per_s=self.costs.prefill_tokens_per_s,
+            step_seconds=self.costs.steps(self.loop.stats.steps, self.loop.stats.busy_s),
         )
 
     def member_info(self) -> MemberInfo:
@@ -308,6 +309,8 @@ class DecodeWorker:
             # A group's leader registers as one plain decode (routers use it alone, as it stands
             # for its whole group); the labels say what it is made of.
             labels={"model": self.engine.name, **(self.group.labels() if self.group is not None else {})},
+            local_prefill=self.local_prefill is not None,
+            prefill_chunk_tokens=self.settings.prefill_chunk_tokens if self.local_prefill is not None else 0,
         )
 
     def status(self) -> worker_pb2.DecodeStatus:

@@ -21,6 +21,7 @@ from pdserve_worker.model.sampling.sampler import draw_first, stop_token_ids
 from pdserve_worker.prefill.jobs import Job, PrefillCancelled, PrefillResult, fail, quiesce, resolve
 from pdserve_worker.ranks.group import TPGroup
 from pdserve_worker.ranks.prefill import PassPlan, PassPrompt, RankReport, check_targets
+from pdserve_worker.serving.costs import CostMeter
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.worker_metrics import WorkerMetrics
 from pdserve_worker.transfer.base import TransferBackend
@@ -50,6 +51,7 @@ class PassHost(Protocol):
     group: TPGroup | None
     served: int
     last_collective: float
+    costs: CostMeter
 
     def overtake(self, live: Live) -> None: ...
 
@@ -97,6 +99,7 @@ class PassRun:
         if host.group is not None:
             self._merge_ranks(host.group.gather(None))
         computed = time.perf_counter()
+        host.costs.prefilled(sum(len(job.prompt) - cached.get(slot, 0) for slot, job in live), computed - started)
         for row, (slot, job) in enumerate(live):
             if not job.settled:
                 self._finish(job, logits[row], cached.get(slot, 0), started, computed)

@@ -45,6 +45,7 @@ from pdserve_worker.prefill.pass_run import Live, PassRun
 from pdserve_worker.ranks.group import TPGroup
 from pdserve_worker.ranks.prefill import IDLE, STOP, pushed_heads, scratch_layout
 from pdserve_worker.rpc.broker_client import BrokerClient
+from pdserve_worker.serving.costs import CostMeter
 from pdserve_worker.serving.settings import WorkerSettings
 from pdserve_worker.serving.worker_metrics import WorkerMetrics
 from pdserve_worker.transfer.base import TransferBackend
@@ -108,6 +109,7 @@ class PrefillWorker:
         self.queued = 0  # requests accepted and not yet answered
         self.draining = False  # set by drain(): new prompts are refused
         self.served = 0
+        self.costs = CostMeter()  # prompt tokens per second of its passes, reported for the router's choice
         self._jobs: dict[JobKey, Job] = {}
         self._early_cancels: OrderedDict[JobKey, float] = OrderedDict()  # key -> when it is forgotten
         self.metrics = WorkerMetrics("prefill")  # served on /metrics (worker_main)
@@ -184,8 +186,9 @@ class PrefillWorker:
         )
 
     def load(self) -> Load:
-        """Reported with each keepalive: requests queued or computing here (routers rank by it)."""
-        return Load(active_requests=self.queued)
+        """Reported with each keepalive: requests queued or computing here (routers rank by it),
+        and the rate of its passes (router/disaggregation.py)."""
+        return Load(active_requests=self.queued, prefill_tokens_per_s=self.costs.prefill_tokens_per_s)
 
     def close(self) -> None:
         """Stop computing; `free` after the engine is finalized (no put of ours still reads)."""

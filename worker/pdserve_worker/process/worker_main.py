@@ -490,6 +490,7 @@ async def _run_router(settings: WorkerSettings, state: WorkerState) -> None:
         tls=settings.peer_tls,
         prefix_block_tokens=settings.prefix_block_tokens,
         prefix_routing=settings.prefix_routing,
+        disaggregation=settings.disaggregation,
     )
     backend = PDBackend(router_config, tokenizer=tokenizer, broker=broker, metrics=metrics)
     # A router without a prefill or a decode to send requests to is not ready for traffic.

@@ -1,8 +1,9 @@
 """The attempt: one try of a request through a decode and a prefill (pd_backend.py has the road).
 
-`run_attempt` reserves a slot, opens the decode's Generate, sends the prompt to the prefill
-and streams the decode's events as the client's; a draining decode's handover moves the
-request (router/migration.py). A failure another worker may not repeat raises `Retryable`
+`run_attempt` reserves a slot, chooses whether a prefill pushes the prompt's KV or the decode
+computes it itself (router/disaggregation.py), opens the decode's Generate, sends the prompt to
+the prefill (when remote) and streams the decode's events as the client's; a draining decode's
+handover moves the request (router/migration.py). A failure another worker may not repeat raises `Retryable`
 (PDBackend.generate retries it, `note_retry`); every way out gives back an unfinished grant.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -18,6 +20,7 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
 from pdserve_common.logs import kv
+from pdserve_common.membership import Member
 from pdserve_worker.api import prompt_copies
 from pdserve_worker.api.backend import (
     BackendError,
@@ -29,9 +32,11 @@ from pdserve_worker.api.backend import (
 )
 from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.model.sampling.params import FinishReason, TokenLogprobs
+from pdserve_worker.router.disaggregation import Road
 from pdserve_worker.router.grants import Grants
-from pdserve_worker.router.members import Members
+from pdserve_worker.router.members import Members, NoMember
 from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets
+from pdserve_worker.router.placement import estimated_queue
 from pdserve_worker.router.request import NO_CULPRIT, Retryable, RoutedRequest
 from pdserve_worker.rpc.convert import finish_reason_from_proto, logprobs_from_proto, sampling_to_proto
 
@@ -50,10 +55,10 @@ async def run_attempt(members: Members, grants: Grants, request: RoutedRequest) 
     """
     attempt = Attempt(members, grants, request)
     await attempt.reserve()
-    # No await between these increments and the `try`: nothing can leave in between.
+    # No await between this increment and the `try`: nothing can leave in between.
     members.inflight_decode[attempt.decode.worker_id] += 1
-    members.inflight_prefill[attempt.prefill.worker_id] += 1
     try:
+        attempt.choose()
         attempt.launch()
         while True:
             event = await attempt.next_event()
@@ -107,7 +112,20 @@ class Attempt:
         self.params = request.params  # this attempt's: a handover adds the seed it learned
         self.tokens = request.prompt_ids + request.emitted
         self.sampling = sampling_to_proto(self.params)  # max_tokens counts the emitted tokens too (worker.proto)
-        self.prefill = members.pick_prefill(request.avoid, self.tokens, request.cache_scope)
+        # The prefill that would push (None: none is left, which only a local prefill survives).
+        self.prefill: Member | None = None
+        self.cached_remote = 0  # tokens of the prompt that prefill is predicted to hold
+        self.no_prefill: NoMember | None = None
+        try:
+            self.prefill, self.cached_remote = members.pick_prefill_for(request.avoid, self.tokens, request.cache_scope)
+        except NoMember as exc:
+            if members.disaggregation.policy == "always":
+                raise
+            self.no_prefill = exc
+        self.local = False  # the decode computes the prompt itself (`choose`)
+        self.prefill_counted = False  # this attempt counts in the prefill's in-flight requests
+        self.queue = 0  # the prefill's queue when chosen
+        self.launched = 0.0
         self.call: Any = None  # the decode's Generate stream
         self.prefill_call: asyncio.Future[worker_pb2.PrefillReply] | None = None
         self.prompt_logprobs_sent = False
@@ -120,7 +138,6 @@ class Attempt:
             {
                 "pdserve.request_id": request.request_id,
                 "pdserve.retry": request.retries,
-                "pdserve.prefill.member": self.prefill.worker_id,
                 "pdserve.resumed_tokens": len(request.emitted) or None,
             },
         )
@@ -156,11 +173,38 @@ class Attempt:
             }
         )
 
+    def choose(self) -> None:
+        """Remote or local prefill on the reserved decode (router/disaggregation.py); raises the
+        NoMember of the missing prefill when the request cannot be computed on the decode."""
+        members, request = self.members, self.request
+        if self.prefill is not None:
+            self.queue = estimated_queue(self.prefill, members.inflight_prefill[self.prefill.worker_id])
+        road = Road(
+            len(self.tokens), bool(request.emitted), self.params.prompt_logprobs is not None, self.grant.shared_blocks
+        )
+        choice = members.disaggregation.choose(road, self.decode, self.prefill, self.cached_remote, self.queue)
+        self.local = choice.local
+        self.span.set_attributes(
+            {
+                "pdserve.disaggregated": not choice.local,
+                "pdserve.disaggregation.reason": choice.reason,
+                "pdserve.prefill.member": None if self.prefill is None or choice.local else self.prefill.worker_id,
+            }
+        )
+        if members.metrics is not None:
+            members.metrics.observe_disaggregation(choice.local, choice.reason)
+        if not choice.local:
+            if self.prefill is None:
+                assert self.no_prefill is not None
+                raise self.no_prefill
+            members.inflight_prefill[self.prefill.worker_id] += 1
+            self.prefill_counted = True
+
     def launch(self) -> None:
-        """Open the decode's Generate stream, then send the prompt to the prefill."""
+        """Open the decode's Generate stream, then (remote) send the prompt to the prefill."""
         request, timeouts = self.request, self.members.config.timeouts
         decode_stub = worker_pb2_grpc.DecodeStub(self.members.channel(self.decode))
-        prefill_stub = worker_pb2_grpc.PrefillStub(self.members.channel(self.prefill))
+        self.launched = time.monotonic()
         with tracing.use(self.span):  # both calls carry the attempt's traceparent (pdserve_common/channels.py)
             self.call = decode_stub.Generate(
                 worker_pb2.GenerateRequest(
@@ -171,8 +215,14 @@ class Attempt:
                     sampling=self.sampling,
                     readiness_timeout_ms=timeouts.readiness_ms,
                     num_generated=len(request.emitted),
+                    local_prefill=self.local,
                 )
             )
+            self.lost = self.members.lost.setdefault(self.decode.worker_id, asyncio.Event())
+            if self.local:
+                return
+            assert self.prefill is not None
+            prefill_stub = worker_pb2_grpc.PrefillStub(self.members.channel(self.prefill))
             self.prefill_call = asyncio.ensure_future(
                 prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(
@@ -186,25 +236,29 @@ class Attempt:
                     timeout=timeouts.prefill_s,
                 )
             )
-        self.lost = self.members.lost.setdefault(self.decode.worker_id, asyncio.Event())
 
     async def next_event(self) -> worker_pb2.TokenEvent:
         """The decode's next event; if the prefill fails first, its error (the decode would wait in
         vain); if the decode is found lost first, a retryable failure (its stream may never end)."""
         prefill_call, decode_id, lost = self.prefill_call, self.decode.worker_id, self.lost
-        assert prefill_call is not None
         read = asyncio.ensure_future(self.call.read())
         lost_wait = asyncio.ensure_future(lost.wait())
         try:
-            waiting = {read, lost_wait} | (set() if prefill_call.done() else {prefill_call})
+            waiting = {read, lost_wait} | (set() if prefill_call is None or prefill_call.done() else {prefill_call})
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not read.done() and lost.is_set():
                 read.cancel()
                 raise Retryable(
                     decode_id, BackendUnavailable(f"decode {decode_id} left the membership and does not answer")
                 )
-            if prefill_call.done() and not read.done() and (prefill_call.cancelled() or prefill_call.exception()):
+            if (
+                prefill_call is not None
+                and prefill_call.done()
+                and not read.done()
+                and (prefill_call.cancelled() or prefill_call.exception())
+            ):
                 read.cancel()
+                assert self.prefill is not None
                 await prefill_reply(prefill_call, self.prefill.worker_id, self.members)  # raises the mapped error
         finally:
             lost_wait.cancel()
@@ -270,7 +324,7 @@ class Attempt:
         """The prompt's logprobs, from the prefill's reply, for the request's first event only."""
         if self.params.prompt_logprobs is None or self.request.emitted or self.prompt_logprobs_sent:
             return None
-        assert self.prefill_call is not None
+        assert self.prefill_call is not None and self.prefill is not None  # (choose: never local)
         reply = await prefill_reply(self.prefill_call, self.prefill.worker_id, self.members)
         self.prompt_logprobs_sent = True
         try:
@@ -280,13 +334,23 @@ class Attempt:
 
     async def _request_info(self, event: worker_pb2.TokenEvent, reason: FinishReason | None) -> RequestInfo | None:
         """Which workers served the request and what the KV cost: attached to one event."""
-        assert self.prefill_call is not None
         if self.info is not None:
             return None
-        ids = (self.prefill.worker_id, self.decode.worker_id, self.request.retries)
+        prefill_id = None if self.local or self.prefill is None else self.prefill.worker_id
+        ids = (prefill_id, self.decode.worker_id, self.request.retries)
         if self.migrations:  # the first event of the decode the request moved to
             self.info = RequestInfo(True, event.kv_bytes_received, None, *ids, migrations=self.migrations)
             return self.info
+        if self.local:  # computed on the decode: nothing was pushed
+            self.info = RequestInfo(False, 0, None, *ids)
+            return self.info
+        assert self.prefill_call is not None and self.prefill is not None
+        if event.index == len(self.request.emitted) and self.launched:
+            uncached = max(len(self.tokens) - self.cached_remote, 1)
+            self.members.disaggregation.observe_remote(
+                time.monotonic() - self.launched, uncached, self.queue, self.prefill
+            )
+            self.launched = 0.0
         if self.prefill_call.done() or reason is not None:
             # The prefill's reply has the push's figures; at the latest the last token waits for it.
             reply = await prefill_reply(self.prefill_call, self.prefill.worker_id, self.members)
@@ -310,8 +374,9 @@ class Attempt:
         if exc.code() in _RETRYABLE_DECODE:
             # The decode's readiness wait timing out means the prefill never delivered; an
             # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).
-            at_prefill = exc.code() in _PREFILL_AT_FAULT and not self.migrations  # a migrated KV came from no prefill
-            culprit = self.prefill.worker_id if at_prefill else self.decode.worker_id
+            # A migrated KV came from no prefill, nor did a locally computed one.
+            at_prefill = exc.code() in _PREFILL_AT_FAULT and not self.migrations and not self.local
+            culprit = self.prefill.worker_id if at_prefill and self.prefill is not None else self.decode.worker_id
             return self.stamp(Retryable(culprit, error))
         return error
 
@@ -319,7 +384,7 @@ class Attempt:
         """Name the instance that failed (its registration): the request avoids that one, not
         the same worker restarted, and waits for it to come back when it went away."""
         for member in (self.decode, self.prefill):
-            if failure.member is None and member.worker_id == failure.worker_id:
+            if member is not None and failure.member is None and member.worker_id == failure.worker_id:
                 failure.member = member
         return failure
 
@@ -329,7 +394,8 @@ class Attempt:
         self.span.set_attribute("pdserve.finished", self.finished)
         self.span.end()
         members.inflight_decode[self.decode.worker_id] -= 1
-        members.inflight_prefill[self.prefill.worker_id] -= 1
+        if self.prefill is not None and self.prefill_counted:
+            members.inflight_prefill[self.prefill.worker_id] -= 1
         if not self.finished:
             if self.call is not None:
                 self.call.cancel()  # a committed slot is freed by the decode once its request leaves the batch

@@ -52,6 +52,7 @@ class RouterConfig:
     prefix_block_tokens: int = 16
     balance: BalanceBound = BalanceBound()
     prefix_routing: str = "events"
+    disaggregation: str = "auto"  # always | never | auto: router/disaggregation.py
 
     def __post_init__(self) -> None:
         if self.prefix_routing not in ("events", "predict"):

@@ -30,6 +30,7 @@ from pdserve_worker.kv.block_events import MAX_EVENTS_PER_REPLY
 from pdserve_worker.kv.prefix_cache import block_hashes, cache_salt, scoped_salt
 from pdserve_worker.router.config import RouterConfig
 from pdserve_worker.router.departures import Departures
+from pdserve_worker.router.disaggregation import Disaggregation
 from pdserve_worker.router.kv_index import ReportedIndex
 from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import PrefillChoice, PrefixHistory, RecentShare, choose_prefill
@@ -82,6 +83,7 @@ class Members:
         events = config.prefix_routing == "events" and self.prefixes is not None
         self._reported = ReportedIndex() if events else None
         self._follower: asyncio.Task[None] | None = None
+        self.disaggregation = Disaggregation(config.disaggregation)  # remote or local prefill, per request
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -267,11 +269,15 @@ class Members:
         return ranked
 
     def pick_prefill(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> Member:
+        return self.pick_prefill_for(avoid, tokens, cache_scope)[0]
+
+    def pick_prefill_for(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> tuple[Member, int]:
         """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
-        (router/prefix_routing.py), else the shortest queue; remembered as holding it now."""
+        (router/prefix_routing.py), else the shortest queue, and the tokens it is predicted to
+        hold; remembered as holding them now."""
         ranked = self.ranked(Role.PREFILL, avoid)
         if self.prefixes is None:
-            return ranked[0]
+            return ranked[0], 0
         by_id = {m.worker_id: m for m in ranked}
         ids = list(by_id)
         bt = self.config.prefix_block_tokens
@@ -289,7 +295,7 @@ class Members:
         self._recent.record(choice.worker_id)
         if self.metrics is not None:
             self.metrics.observe_prefill_choice(choice.reason)
-        return by_id[choice.worker_id]
+        return by_id[choice.worker_id], matches.get(choice.worker_id, 0)
 
     async def joined(self, role: Role, avoid: Mapping[str, int], deadline: float) -> bool:
         """Wait until a member of `role` this request may use is registered (True: a new one,

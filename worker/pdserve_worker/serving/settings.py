@@ -56,6 +56,7 @@ PREFILL_TOKEN_BUDGET = "PDSERVE_PREFILL_TOKEN_BUDGET"  # prefill: tokens one pas
 PREFILL_OVERTAKE_TOKENS = "PDSERVE_PREFILL_OVERTAKE_TOKENS"
 # colocated: prompt positions computed between two decode steps (chunked prefill, decode/generation_loop.py)
 PREFILL_CHUNK_TOKENS = "PDSERVE_PREFILL_CHUNK_TOKENS"
+LOCAL_PREFILL = "PDSERVE_LOCAL_PREFILL"  # decode: prefill locally when the router asks (true/false)
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
 ENGINE = E.ENGINE  # the model engine (pod_env.py: the operator renders it)
@@ -142,6 +143,11 @@ class WorkerSettings(BaseSettings):
     prefix_routing: Literal["events", "predict"] = Field("events", validation_alias=PREFIX_ROUTING)
     prefix_block_tokens: int = Field(16, ge=1, le=4096, validation_alias=PREFIX_BLOCK_TOKENS)
     prefill_chunk_tokens: int = Field(512, ge=1, le=1_048_576, validation_alias=PREFILL_CHUNK_TOKENS)
+    # Decode: compute a prompt's KV itself when the router asks (decode/local_prefill.py); a
+    # layer-sharded or tensor-parallel decode never does. Router: when to ask for it
+    # (router/disaggregation.py: always | never | auto).
+    local_prefill: bool = Field(True, validation_alias=LOCAL_PREFILL)
+    disaggregation: Literal["always", "never", "auto"] = Field("auto", validation_alias=E.DISAGGREGATION)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)
     warmup: bool = Field(True, validation_alias=E.WARMUP)

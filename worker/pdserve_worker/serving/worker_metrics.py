@@ -171,6 +171,11 @@ class WorkerMetrics:
                 "Requests this decode took over from a draining decode.",
                 registry=r,
             )
+            self.local_prefills = Counter(
+                "pdserve_decode_local_prefills",
+                "Requests whose prompt this decode computed itself (the router's conditional disaggregation).",
+                registry=r,
+            )
             self.kv_digest_failures = Counter(
                 "pdserve_decode_kv_digest_failures",
                 "Ready messages whose KV failed its digest check, by reason: mismatch (the bytes that landed are "

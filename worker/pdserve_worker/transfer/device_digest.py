@@ -1,19 +1,14 @@
 """The pushed-KV digest of device memory (NPU, GPU): Fletcher's two sums, computed by torch
 where the pool lies.
 
-XXH3 (digest.py's `HostDigest`) reads bytes from host addresses; a pool in NPU or GPU memory can
-only be read there, and copying it to the host to hash it would cost more than the push. So a
-backend whose pools may lie on a device declares FLETCHER64: over the byte stream x_0..x_{N-1},
-A = sum x_i and B = sum (N - i) x_i, both mod 2^31 - 1 (Adler-32's construction with a wider
-modulus; SGLang's opt-in transfer check is Adler-32). Appending m bytes y folds in as
-A += sum y, B += m * A + sum (m - j) y_j, so ranges hash in any split, like a running hash. Each
-range is one strided view of its pool's tensor and two reductions on the pool's device; the
-running sums stay there until `intdigest` (one sync per chunk). A single changed byte always
-changes A (|d| < 256 < 2^31 - 1).
-
-A pool is found by address: `KVPool` registers its tensor here while its backend declares this
-digest (`register`/`unregister`), so the pusher and the decode's check keep digest.py's calls
-(`update(addr, copies, step, length)`).
+XXH3 (digest.py) reads host addresses; an NPU or GPU pool can only be read on its device, and a
+copy to the host would cost more than the push. So HIXL declares FLETCHER64: over the bytes
+x_0..x_{N-1}, A = sum x_i and B = sum (N - i) x_i, both mod 2^31 - 1 (Adler-32's construction,
+wider; SGLang's opt-in transfer check is Adler-32). Appending m bytes y folds in as A += sum y,
+B += m * A + sum (m - j) y_j, so ranges hash in any split. Each range is one strided view of its
+pool's tensor and two reductions on its device; the sums stay there until `intdigest` (one sync
+per chunk). One changed byte always changes A (|d| < 256). `KVPool` registers its tensor here
+(`register`/`unregister`), so pusher and check keep digest.py's `update(addr, copies, step, length)`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """KV integrity: every pushed layer chunk carries a digest, which the decode checks before first use.
 
 The pusher (push.py) hashes, per target, the bytes each layer chunk puts there, in the order its
-descriptors take them, as one running XXH3-64 snapshotted at every chunk's end (`ChunkDigests`);
+descriptors take them, as one running digest snapshotted at every chunk's end (`ChunkDigests`);
 the ready notify carries them as `kv_digest` ({"alg", "heads", "first", "ends", "sums"}; the last
 snapshot only where 1,024 characters would not hold them all). The decode (`ReadyDigests`, called
 by readiness.py before the message makes the request decodable) hashes what landed, enumerated by
@@ -9,10 +9,8 @@ by readiness.py before the message makes the request decodable) hashes what land
 the layers (Generate answers DATA_LOSS; the router runs the request again). A ready without the
 field while digests are on is refused by name (`KVDigestRefused`). A digest covers what the
 notifying pusher put: a tensor-parallel prefill's other ranks, and a group migration's other
-members, push bytes none covers. A backend declares the digest its memory allows
-(`TransferBackend.digest`): XXH3 over host memory for the host engines; FLETCHER64 for HIXL,
-whose pools may lie in NPU memory, a device-side sum computed by torch where the pool lies
-(device_digest.py; `KVPool` registers its tensor for it).
+members, push bytes none covers. A backend declares the digest its memory allows: XXH3-64 over
+host memory (host engines), FLETCHER64 computed on the pool's device (HIXL: device_digest.py).
 """
 
 from __future__ import annotations

@@ -117,6 +117,7 @@ def _router_env(owner: Owner, spec: s.PDInferenceServiceSpec) -> list[dict[str, 
         _val(E.ADMISSION_DEADLINE_SECONDS, a.deadline_seconds),
         # Each router enforces its share of every tenant's limits (docs/admission.md).
         _val(E.ROUTER_REPLICAS, max(spec.router.replicas, 1)),
+        _val(E.DISAGGREGATION, spec.router.disaggregation),  # (router/disaggregation.py)
     ]
     if spec.router.auth is not None:
         env.append(_val(E.API_KEYS_FILE, f"{E.API_KEYS_DIR}/{E.API_KEYS_KEY}"))

@@ -1,0 +1,142 @@
+"""Conditional disaggregation end to end (router/disaggregation.py, decode/local_prefill.py):
+`pdserve local --disaggregation never` (real processes, tiny model, fp32) computes each prompt on
+its decode, a chunk of 8 positions per step, and must answer exactly as colocated generation
+does, greedy or seeded, one at a time or six at once; nothing is pushed and no prefill is named;
+what a decode cannot compute (prompt logprobs) still goes to the prefill; a client that leaves
+mid-prefill frees its blocks; the counters say which road each request took.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from support.deployments import local_deployment
+
+pytestmark = pytest.mark.slow
+
+MAX_LEN = 256
+CHUNK = 8  # --prefill-chunk-tokens: every prompt below takes several turns of the decode's loop
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog, and then it runs away into the forest",
+    "Paris is the capital of",
+    "A language model predicts the next token of a text from the tokens before it, one at a time",
+    "Numbers like 12345 and 67890 are",
+    "Prefill computes the cache of a prompt; decode reads it",
+    "Unicode text: café, naïve, and more",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    from pdserve_worker.model.engine import generate
+    from pdserve_worker.model.loading.loader import load_model
+    from pdserve_worker.model.sampling.params import SamplingParams
+
+    loaded = load_model(str(tiny_model_dir), dtype="float32")
+
+    def complete(prompt: str, **params) -> str:
+        ids = loaded.tokenizer.encode(prompt)
+        [done] = generate(loaded.model, loaded.tokenizer, [ids], SamplingParams(**params), max_len=MAX_LEN)
+        return done.text
+
+    return complete
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir, tmp_path_factory):
+    run = local_deployment(
+        tmp_path_factory.mktemp("local-prefill"),
+        tiny_model_dir,
+        slots=4,
+        max_len=MAX_LEN,
+        disaggregation="never",
+        prefill_chunk_tokens=CHUNK,
+    )
+    yield run
+    run.stop_cleanly()
+
+
+@pytest.fixture(scope="module")
+def client(local):
+    return openai.OpenAI(
+        base_url=f"{local.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        default_headers={"x-pdserve-debug": "workers"},
+    )
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def scrape(address: str) -> dict[str, float]:
+    text = httpx.get(f"http://{address}/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)}
+
+
+def test_answers_computed_on_the_decode_match_colocated(client, model, reference):
+    for prompt in PROMPTS[:3]:
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+        assert answer.choices[0].text == reference(prompt, max_tokens=16, temperature=0)
+        report = answer.model_extra["pdserve"]
+        assert report["disaggregated"] is False and report["kv_bytes"] == 0
+        assert "prefill" not in report and report["decode"] in ("decode-0", "decode-1")
+    seeded = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=16, temperature=0.8, seed=5)
+    assert seeded.choices[0].text == reference(PROMPTS[1], max_tokens=16, temperature=0.8, seed=5)
+
+
+def test_six_at_once_interleave_their_chunks_with_the_others_steps(client, model, reference):
+    """Prompts of several chunks arriving while others decode: each still gets exactly its answer."""
+
+    def one(prompt: str) -> str:
+        return client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(one, PROMPTS))
+    assert answers == [reference(p, max_tokens=24, temperature=0) for p in PROMPTS]
+
+
+def test_prompt_logprobs_still_go_to_the_prefill(client, model, reference):
+    answer = client.completions.create(
+        model=model, prompt=PROMPTS[1], max_tokens=4, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    assert answer.choices[0].text == reference(PROMPTS[1], max_tokens=4, temperature=0)
+    report = answer.model_extra["pdserve"]
+    assert report["disaggregated"] is True and report["kv_bytes"] > 0 and report["prefill"] == "prefill-0"
+
+
+def test_a_client_gone_mid_prefill_frees_its_blocks(local, client, model):
+    stream = client.completions.create(
+        model=model, prompt=PROMPTS[2] * 4, max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    stream.close()  # before its first token: while the decode computes the prompt, or just after
+    deadline = time.monotonic() + 20
+    decodes = [local.child(n)["http"] for n in ("decode-0", "decode-1")]
+    while time.monotonic() < deadline:
+        used = [scrape(d).get("pdserve_decode_kv_slots_used", -1) for d in decodes]
+        if used == [0, 0]:
+            break
+        time.sleep(0.1)
+    assert used == [0, 0], f"slots still used: {used}"
+
+
+def test_the_counters_say_which_road_each_request_took(local, client, model):
+    client.completions.create(model=model, prompt=PROMPTS[3], max_tokens=2, temperature=0)
+    router = scrape(local.url.removeprefix("http://"))
+    local_roads = router['pdserve_router_prefill_roads_total{reason="policy",road="local"}']
+    assert local_roads >= 1 and router['pdserve_router_prefill_roads_total{reason="unable",road="remote"}'] >= 1
+    computed = sum(
+        scrape(local.child(n)["http"])["pdserve_decode_local_prefills_total"] for n in ("decode-0", "decode-1")
+    )
+    assert computed == local_roads  # each local road was computed by a decode, once
+    prefill = scrape(local.child("prefill-0")["http"])
+    assert prefill["pdserve_prefill_prompt_tokens_total"] > 0  # only the prompt-logprobs request's
