@@ -15,7 +15,10 @@ with both cores:
   core for its front end), VLLM_CPU_KVCACHE_SPACE=4 GiB, its defaults otherwise (prefix
   caching, chunked prefill, torch.compile); its effective settings are read from its log;
 - `colocated`: `pdserve local --colocated` on the same folder (dense weights);
-- `pd`: `pdserve local --prefill 1 --decode 1` on the same folder;
+- `pd`: `pdserve local --prefill 1 --decode 1 --disaggregation always` on the same folder (every
+  prompt pushed by the prefill); `pd-auto` and `pd-never` (not in the default list): the same
+  with the router's conditional disaggregation `auto` (its costs reported after the warm-up) or
+  `never` (every prompt the decode can take computed there; router/disaggregation.py);
 - `colocated-int4`: `pdserve local --colocated` on the GGUF itself (the default int4 weights);
 - `colocated-int4-q8in` (not in the default list): the same with PDSERVE_QUANT_INPUTS=int8 (the
   block kernel's opt-in int8 inputs, llama.cpp's Q4 x Q8_0: faster, not the file's model exactly);
@@ -88,6 +91,7 @@ from seed_transfer import machine  # noqa: E402
 
 ROOT = serve.ROOT
 VLLM_VENV = ROOT / ".venv-vllm"
+KEEPALIVE_S = 4.0  # a worker's keepalive (the broker's 10 s lease / 3) and a little
 
 
 @dataclass(frozen=True)
@@ -384,6 +388,10 @@ def warm_up(server: Server | Group, tokenizer: Any) -> None:
     started = time.perf_counter()
     for s in (Scenario("warmup-long", 600, 8, 1, 1), Scenario("warmup-batch", 100, 16, 4, 4)):
         asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, seed_of(s.name))))
+    if server.name == "pd-auto":  # the workers' costs reach its router with their next keepalive (ttl/3);
+        time.sleep(KEEPALIVE_S)  # then the warm-up's remote requests measure the remote road's overhead
+        s = Scenario("warmup-batch", 100, 16, 4, 4)
+        asyncio.run(run_scenario(server.url, s, scenario_requests(s, tokenizer, seed_of(s.name) + 1)))
     print(f"  [{server.name}] warmed up ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
@@ -637,8 +645,10 @@ def start_server(
         server = start_pdserve(name, str(default_model_path()), args.pdserve_dtype, port, logs, extra)
     elif name == "colocated":
         server = start_pdserve(name, str(folder), args.pdserve_dtype, port, logs, ["--colocated"])
-    elif name == "pd":
-        server = start_pdserve(name, str(folder), args.pdserve_dtype, port, logs, ["--prefill", "1", "--decode", "1"])
+    elif name in ("pd", "pd-auto", "pd-never"):
+        policy = {"pd": "always", "pd-auto": "auto", "pd-never": "never"}[name]
+        pd = ["--prefill", "1", "--decode", "1", "--disaggregation", policy]
+        server = start_pdserve(name, str(folder), args.pdserve_dtype, port, logs, pd)
     else:
         raise SystemExit(f"unknown server {name!r}")
     print(f"# {name} serving after {time.perf_counter() - started:.0f} s: {server.settings}", flush=True)

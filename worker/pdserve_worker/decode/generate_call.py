@@ -214,6 +214,8 @@ class GenerateRoad:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{where}: decode {w.settings.member_id} does not prefill locally"
             )
+        if w.draining:  # (the router tries another decode: this one would compute it only to hand it over)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{where}: decode {w.settings.member_id} is draining")
         if request.migrated or g.resumed or g.params.prompt_logprobs is not None:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -342,7 +342,7 @@ class GenerationLoop:
             command, prompt = self._waiting[0]
             try:
                 used, drawn = self._prefill.advance(prompt, command.slot, command.params, budget)
-            except (ValueError, RuntimeError, IndexError) as exc:
+            except Exception as exc:  # (any failure fails this prompt alone: the loop goes on serving)
                 self._waiting.popleft()
                 self._prefill.abandon(command.slot)
                 self._end(command.internal_id, RequestFailed(str(exc)))

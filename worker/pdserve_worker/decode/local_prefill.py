@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from pdserve_worker.decode.generation_loop import GenerationLoop
 from pdserve_worker.engines.base import Engine, PrefillPass
 from pdserve_worker.model.sampling.params import SamplingParams
@@ -29,8 +31,8 @@ from pdserve_worker.serving.settings import WorkerSettings
 class LocalPrefill:
     """Computes prompts into their bound blocks, `budget` positions per call (module doc)."""
 
-    def __init__(self, engine: Engine, cache: Any, meter: CostMeter) -> None:
-        self.engine, self.cache, self.meter = engine, cache, meter
+    def __init__(self, engine: Engine, cache: Any, meter: CostMeter, device: str = "cpu") -> None:
+        self.engine, self.cache, self.meter, self.device = engine, cache, meter, device
         self.eos = tuple(engine.tokenizer.eos_token_ids)
         self._done: dict[int, int] = {}  # slot -> positions of its prompt whose KV is in its blocks
 
@@ -42,6 +44,7 @@ class LocalPrefill:
         last = stop == len(prompt)
         started = time.perf_counter()
         logits = self.engine.prefill(self.cache, PrefillPass([prompt[:stop]], [slot], [done], logits=last))
+        synchronize(self.device)  # (a GPU's kernels run after the call returns: time them whole)
         self.meter.prefilled(stop - done, time.perf_counter() - started)
         if not last:
             self._done[slot] = stop
@@ -54,12 +57,19 @@ class LocalPrefill:
         self._done.pop(slot, None)
 
 
+def synchronize(device: Any) -> None:
+    """Wait for the work queued on `device` (nothing to wait for on the CPU)."""
+    kind = torch.device(device).type
+    if kind != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
 def decode_loop(
     generator: Any, settings: WorkerSettings, engine: Engine, cache: Any, meter: CostMeter, plain: bool
 ) -> tuple[LocalPrefill | None, GenerationLoop]:
     """A decode's generation loop, with its local prefill where it computes prompts when asked
     (`settings.local_prefill`, and a `plain` decode: no layer-sharded or tensor-parallel group)."""
-    local = LocalPrefill(engine, cache, meter) if settings.local_prefill and plain else None
+    local = LocalPrefill(engine, cache, meter, settings.device) if settings.local_prefill and plain else None
     loop = GenerationLoop(
         generator, prefill=local, prefill_chunk_tokens=settings.prefill_chunk_tokens, name="decode-loop"
     )

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import grpc
@@ -34,7 +35,7 @@ from pdserve_worker.api.metrics import RouterMetrics
 from pdserve_worker.model.sampling.params import FinishReason, TokenLogprobs
 from pdserve_worker.router.disaggregation import Road
 from pdserve_worker.router.grants import Grants
-from pdserve_worker.router.members import Members, NoMember
+from pdserve_worker.router.members import Members, NoMember, PrefillPick
 from pdserve_worker.router.migration import MigrationFailed, migrate, note, push_targets
 from pdserve_worker.router.placement import estimated_queue
 from pdserve_worker.router.request import NO_CULPRIT, Retryable, RoutedRequest
@@ -78,6 +79,19 @@ async def run_attempt(members: Members, grants: Grants, request: RoutedRequest) 
         attempt.close()
 
 
+def prefill_or_none(
+    members: Members, request: RoutedRequest, tokens: list[int]
+) -> tuple[PrefillPick | None, NoMember | None]:
+    """The prefill for `tokens` (router/members.py), or why there is none where a decode may
+    still compute the prompt itself (router/disaggregation.py); raises where it may not."""
+    try:
+        return members.pick_prefill_for(request.avoid, tokens, request.cache_scope), None
+    except NoMember as exc:
+        if members.disaggregation.policy == "always" or request.emitted or request.params.prompt_logprobs is not None:
+            raise
+        return None, exc
+
+
 def note_retry(request: RoutedRequest, failure: Retryable, metrics: RouterMetrics | None) -> None:
     """Log, trace and count one resume (the next attempt span carries `pdserve.retry`)."""
     emitted = len(request.emitted)
@@ -113,15 +127,10 @@ class Attempt:
         self.tokens = request.prompt_ids + request.emitted
         self.sampling = sampling_to_proto(self.params)  # max_tokens counts the emitted tokens too (worker.proto)
         # The prefill that would push (None: none is left, which only a local prefill survives).
-        self.prefill: Member | None = None
-        self.cached_remote = 0  # tokens of the prompt that prefill is predicted to hold
-        self.no_prefill: NoMember | None = None
-        try:
-            self.prefill, self.cached_remote = members.pick_prefill_for(request.avoid, self.tokens, request.cache_scope)
-        except NoMember as exc:
-            if members.disaggregation.policy == "always":
-                raise
-            self.no_prefill = exc
+        pick, self.no_prefill = prefill_or_none(members, request, self.tokens)
+        self.prefill: Member | None = None if pick is None else pick.member
+        self.cached_remote = 0 if pick is None else pick.cached_tokens  # tokens that prefill is predicted to hold
+        self.note_prefill: Callable[[], None] = (lambda: None) if pick is None else pick.note
         self.local = False  # the decode computes the prompt itself (`choose`)
         self.prefill_counted = False  # this attempt counts in the prefill's in-flight requests
         self.queue = 0  # the prefill's queue when chosen
@@ -179,18 +188,14 @@ class Attempt:
         members, request = self.members, self.request
         if self.prefill is not None:
             self.queue = estimated_queue(self.prefill, members.inflight_prefill[self.prefill.worker_id])
-        road = Road(
-            len(self.tokens), bool(request.emitted), self.params.prompt_logprobs is not None, self.grant.shared_blocks
-        )
-        choice = members.disaggregation.choose(road, self.decode, self.prefill, self.cached_remote, self.queue)
+        request_road = Road(len(self.tokens), bool(request.emitted), self.params.prompt_logprobs is not None)
+        road = replace(request_road, shared_blocks=self.grant.shared_blocks, copies=prompt_copies.later_copies())
+        running = max(self.decode.load.active_requests, members.inflight_decode[self.decode.worker_id] - 1)
+        choice = members.disaggregation.choose(road, self.decode, self.prefill, self.cached_remote, self.queue, running)
         self.local = choice.local
-        self.span.set_attributes(
-            {
-                "pdserve.disaggregated": not choice.local,
-                "pdserve.disaggregation.reason": choice.reason,
-                "pdserve.prefill.member": None if self.prefill is None or choice.local else self.prefill.worker_id,
-            }
-        )
+        pushed_by = None if self.prefill is None or choice.local else self.prefill.worker_id
+        attributes = {"pdserve.disaggregated": not choice.local, "pdserve.disaggregation.reason": choice.reason}
+        self.span.set_attributes({**attributes, "pdserve.prefill.member": pushed_by})
         if members.metrics is not None:
             members.metrics.observe_disaggregation(choice.local, choice.reason)
         if not choice.local:
@@ -199,6 +204,7 @@ class Attempt:
                 raise self.no_prefill
             members.inflight_prefill[self.prefill.worker_id] += 1
             self.prefill_counted = True
+            self.note_prefill()
 
     def launch(self) -> None:
         """Open the decode's Generate stream, then (remote) send the prompt to the prefill."""
@@ -371,6 +377,9 @@ class Attempt:
         error = decode_error(exc, self.decode.worker_id, self.request.request_id)
         if exc.code() == grpc.StatusCode.DATA_LOSS:  # the KV failed its digest on the way: tried again as it is
             return Retryable(NO_CULPRIT, error)
+        if self.local and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            # The decode no longer computes prompts (its registration was stale): another road.
+            return self.stamp(Retryable(self.decode.worker_id, error))
         if exc.code() in _RETRYABLE_DECODE:
             # The decode's readiness wait timing out means the prefill never delivered; an
             # ABORTED Generate, that what it delivered cannot be used (a bad or partial push).

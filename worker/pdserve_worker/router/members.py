@@ -14,7 +14,8 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -56,6 +57,17 @@ class NoMember(BackendUnavailable):
         self.role = role
         self.worth_waiting = worth_waiting or departed
         self.departed = departed
+
+
+@dataclass(frozen=True)
+class PrefillPick:
+    """A prefill chosen for a prompt, the prompt's tokens it is predicted to hold, and what
+    records the choice (prefix history, balance share, the prompt's copies): called once the
+    prompt is sent there, not when the decode computes it (router/disaggregation.py)."""
+
+    member: Member
+    cached_tokens: int
+    note: Callable[[], None]
 
 
 class Members:
@@ -185,6 +197,8 @@ class Members:
             self.prefixes.forget(member.worker_id)  # a prefill that comes back holds nothing
         if member.role is Role.PREFILL and self._reported is not None:
             self._reported.forget(member.worker_id)
+        if member.role is Role.PREFILL:
+            self.disaggregation.forget(member.worker_id)
         if member.role is Role.DECODE and self.metrics is not None:
             self.metrics.forget_decode(member.worker_id)
         if member.role is Role.DECODE and self.inflight_decode[member.worker_id] > 0:
@@ -269,33 +283,39 @@ class Members:
         return ranked
 
     def pick_prefill(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> Member:
-        return self.pick_prefill_for(avoid, tokens, cache_scope)[0]
+        pick = self.pick_prefill_for(avoid, tokens, cache_scope)
+        pick.note()
+        return pick.member
 
-    def pick_prefill_for(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> tuple[Member, int]:
+    def pick_prefill_for(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> PrefillPick:
         """The prefill predicted to hold the longest prefix of `tokens` within the balance bound
         (router/prefix_routing.py), else the shortest queue, and the tokens it is predicted to
-        hold; remembered as holding them now."""
+        hold; `note()` remembers it as holding them (only if the prompt goes there)."""
         ranked = self.ranked(Role.PREFILL, avoid)
         if self.prefixes is None:
-            return ranked[0], 0
+            return PrefillPick(ranked[0], 0, lambda: None)
+        prefixes = self.prefixes
         by_id = {m.worker_id: m for m in ranked}
         ids = list(by_id)
         bt = self.config.prefix_block_tokens
         hashes = block_hashes(tokens, bt, scoped_salt(self._prefix_salt, cache_scope))
         queues = {m.worker_id: estimated_queue(m, self.inflight_prefill[m.worker_id]) for m in ranked}
-        matches = {w: blocks * bt for w, blocks in self.prefixes.matches(ids, hashes).items()}  # in tokens
+        matches = {w: blocks * bt for w, blocks in prefixes.matches(ids, hashes).items()}  # in tokens
         if self._reported is not None:
             matches.update(self._reported.matched_tokens(ids, tokens, cache_scope))  # reports win
         choice = choose_prefill(ids, queues, matches, self._recent.counts(), self.config.balance)
         followed = prompt_copies.preferred_prefill()  # a later copy of a prompt: where the first one ran
         if followed in by_id:
             choice = PrefillChoice(followed, matches.get(followed, 0) // bt, "copy")
-        prompt_copies.note_prefill(choice.worker_id)
-        self.prefixes.record(choice.worker_id, hashes)
-        self._recent.record(choice.worker_id)
-        if self.metrics is not None:
-            self.metrics.observe_prefill_choice(choice.reason)
-        return by_id[choice.worker_id], matches.get(choice.worker_id, 0)
+
+        def note() -> None:
+            prompt_copies.note_prefill(choice.worker_id)
+            prefixes.record(choice.worker_id, hashes)
+            self._recent.record(choice.worker_id)
+            if self.metrics is not None:
+                self.metrics.observe_prefill_choice(choice.reason)
+
+        return PrefillPick(by_id[choice.worker_id], matches.get(choice.worker_id, 0), note)
 
     async def joined(self, role: Role, avoid: Mapping[str, int], deadline: float) -> bool:
         """Wait until a member of `role` this request may use is registered (True: a new one,
