@@ -35,10 +35,23 @@ DEMO_QUESTION = "What is the capital of France?"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="run a prefill/decode deployment as local processes")
     _deployment_flags(p.add_argument_group("deployment"))
+    _road_flags(p.add_argument_group("road"))
     _model_flags(p.add_argument_group("model"))
     _kv_flags(p.add_argument_group("kv"))
     _run_flags(p.add_argument_group("run"))
     p.set_defaults(func=run)
+
+
+def _road_flags(p: argparse._ArgumentGroup) -> None:
+    """Which road a request's KV takes."""
+    p.add_argument(
+        "--disaggregation",
+        choices=["always", "never", "auto"],
+        default=os.environ.get(DISAGGREGATION, "auto"),
+        help="per request, a prefill pushes the prompt's KV (always), the decode computes it itself (never), "
+        "or whichever the workers' measured costs say is sooner (auto; default: $PDSERVE_DISAGGREGATION, "
+        "else auto; docs/roles.md)",
+    )
 
 
 def _deployment_flags(p: argparse._ArgumentGroup) -> None:
@@ -53,14 +66,6 @@ def _deployment_flags(p: argparse._ArgumentGroup) -> None:
         help="router processes (default 1; the others listen on free ports, listed in deployment.json)",
     )
     p.add_argument("--colocated", action="store_true", help="one process that prefills and decodes (no PD)")
-    p.add_argument(
-        "--disaggregation",
-        choices=["always", "never", "auto"],
-        default=os.environ.get(DISAGGREGATION, "auto"),
-        help="per request, a prefill pushes the prompt's KV (always), the decode computes it itself (never), "
-        "or whichever the workers' measured costs say is sooner (auto; default: $PDSERVE_DISAGGREGATION, "
-        "else auto; docs/roles.md)",
-    )
     p.add_argument(
         "--layer-shards",
         type=int,
