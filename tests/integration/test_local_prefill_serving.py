@@ -140,3 +140,90 @@ def test_the_counters_say_which_road_each_request_took(local, client, model):
     assert computed == local_roads  # each local road was computed by a decode, once
     prefill = scrape(local.child("prefill-0")["http"])
     assert prefill["pdserve_prefill_prompt_tokens_total"] > 0  # only the prompt-logprobs request's
+
+
+def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(tiny_model_dir, tmp_path, reference):
+    """A deployment whose decodes compute one prompt position per step: the decode computing a
+    long prompt is frozen before any token reached the client, then SIGKILLed (and restarted,
+    as a pod would be). The router runs the request again on a decode, which computes it
+    again: the client gets exactly the colocated answer, and no decode holds a slot after. A
+    try whose first token had left the decode before the kill (the retry then resumes through
+    the prefill: disaggregated) proves nothing: the test tries again, up to 3 times."""
+    import concurrent.futures as futures
+    import os
+    import signal
+
+    import grpc
+
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+    from support.local_run import Answer, stop_process, stream_completion
+
+    run = local_deployment(
+        tmp_path,
+        tiny_model_dir,
+        slots=2,
+        max_len=MAX_LEN,
+        disaggregation="never",
+        prefill_chunk_tokens=1,
+        on_exit="restart",
+    )
+    prompt = (PROMPTS[2] + " ") * 3
+    expected = reference(prompt, max_tokens=12, temperature=0)
+    names = ("decode-0", "decode-1")
+
+    def active(name: str) -> int:
+        meta = (("authorization", f"Bearer {run.token}"),)
+        with grpc.insecure_channel(run.child(name)["grpc"]) as channel:
+            try:
+                status = worker_pb2_grpc.DecodeStub(channel).Status(
+                    worker_pb2.StatusRequest(), metadata=meta, timeout=2
+                )
+            except grpc.RpcError:
+                return 0
+        return int(status.active_requests)
+
+    def serving() -> bool:
+        try:
+            return httpx.get(f"{run.url}/health", timeout=2).json()["members"]["decode"] == 2
+        except (httpx.HTTPError, KeyError, ValueError):
+            return False
+
+    try:
+        killed: list[int] = []
+        for _ in range(3):
+            deadline = time.monotonic() + 90
+            while not (serving() and all(run.child(n)["pid"] not in killed for n in names)):
+                assert time.monotonic() < deadline, "the decodes did not serve again"
+                time.sleep(0.2)
+            model_id = httpx.get(f"{run.url}/v1/models").json()["data"][0]["id"]
+            body = {"model": model_id, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+            answer, caught, hit = Answer(), False, False
+            with futures.ThreadPoolExecutor(1) as pool:
+                done = pool.submit(stream_completion, run.url, body, answer)
+                until = time.monotonic() + 10
+                while not caught and not done.done() and time.monotonic() < until:
+                    for name in (n for n in names if active(n)):
+                        pid = run.child(name)["pid"]
+                        stop_process(pid)
+                        if answer.chunks:  # too late: its tokens are streaming
+                            os.kill(pid, signal.SIGCONT)
+                        else:
+                            os.kill(pid, signal.SIGKILL)
+                            killed.append(pid)
+                            hit = True
+                        caught = True
+                        break
+                    time.sleep(0.002)
+                done.result(timeout=120)
+            if hit and answer.pdserve.get("disaggregated") is False:
+                break
+        assert hit and answer.pdserve.get("disaggregated") is False, "in 3 tries no decode was caught computing"
+        assert answer.error is None, answer.error
+        assert answer.text == expected
+        assert answer.pdserve["retries"] == 1 and answer.pdserve["kv_bytes"] == 0
+        deadline = time.monotonic() + 60
+        while not serving() or any(scrape(run.child(n)["http"]).get("pdserve_decode_kv_slots_used", -1) for n in names):
+            assert time.monotonic() < deadline, "a decode still holds a slot"
+            time.sleep(0.2)
+    finally:
+        run.stop()
