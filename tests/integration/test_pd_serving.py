@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from pdserve.v1 import broker_pb2, broker_pb2_grpc, worker_pb2, worker_pb2_grpc
+from support.clients import debug_client, scrape
 from support.deployments import local_deployment
 
 pytestmark = pytest.mark.slow
@@ -72,14 +73,7 @@ def local(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(local):
-    # Asks for the serving workers' names (x-pdserve-debug): the tests check where requests went.
-    return openai.OpenAI(
-        base_url=f"{local.url}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=120,
-        default_headers={"x-pdserve-debug": "workers"},
-    )
+    return debug_client(local.url)  # (it names the serving workers: the tests check where requests went)
 
 
 @pytest.fixture(scope="module")
@@ -341,12 +335,6 @@ def test_worker_metrics_agree_with_the_router(local, client, model):
     """Each prefill and decode pod serves /metrics; their sums agree with what the router counted."""
     answer = client.completions.create(model=model, prompt="The lazy dog", max_tokens=5, temperature=0)
     assert answer.usage.completion_tokens >= 2
-
-    def scrape(address: str) -> dict[str, float]:
-        text = httpx.get(f"http://{address}/metrics").text
-        return {
-            m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", text, re.M)
-        }
 
     router = scrape(local.url.removeprefix("http://"))
     prefill = scrape(local.child("prefill-0")["http"])
