@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -45,6 +46,7 @@ def reference(tiny_model_dir):
         [done] = generate(loaded.model, loaded.tokenizer, [ids], SamplingParams(**params), max_len=MAX_LEN)
         return done.text
 
+    complete.tokenizer = loaded.tokenizer  # type: ignore[attr-defined]
     return complete
 
 
@@ -166,19 +168,23 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
     from support.local_run import Answer, stop_process, stream_completion
 
     run = local
-    prompt = (PROMPTS[2] + " ") * 3
+    # As long as the context allows: ~230 positions, one per turn of the decode's loop, so the
+    # prefill lasts long enough to be caught even when polls are slow.
+    ids = reference.tokenizer.encode(" ".join(PROMPTS * 20))[: MAX_LEN - 24]
+    prompt = reference.tokenizer.decode(ids, skip_special_tokens=True)
     expected = reference(prompt, max_tokens=12, temperature=0)
     names = ("decode-0", "decode-1")
+    meta = (("authorization", f"Bearer {run.token}"),)
+    stubs: dict[str, tuple[str, Any]] = {}  # name -> (its address, a Status stub on one channel)
 
     def active(name: str) -> int:
-        meta = (("authorization", f"Bearer {run.token}"),)
-        with grpc.insecure_channel(run.child(name)["grpc"]) as channel:
-            try:
-                status = worker_pb2_grpc.DecodeStub(channel).Status(
-                    worker_pb2.StatusRequest(), metadata=meta, timeout=2
-                )
-            except grpc.RpcError:
-                return 0
+        address = run.child(name)["grpc"]
+        if stubs.get(name, ("",))[0] != address:  # (a restarted decode listens anew)
+            stubs[name] = (address, worker_pb2_grpc.DecodeStub(grpc.insecure_channel(address)))
+        try:
+            status = stubs[name][1].Status(worker_pb2.StatusRequest(), metadata=meta, timeout=2)
+        except grpc.RpcError:
+            return 0
         return int(status.active_requests)
 
     def serving() -> bool:
