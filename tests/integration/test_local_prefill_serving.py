@@ -194,6 +194,7 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
             return False
 
     killed: list[int] = []
+    tries: list[tuple[int, bool, bool, int, bool | None]] = []  # (polls, caught, killed, chunks seen, disaggregated)
     for _ in range(3):
         deadline = time.monotonic() + 90
         while not (serving() and all(run.child(n)["pid"] not in killed for n in names)):
@@ -205,7 +206,9 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
         with futures.ThreadPoolExecutor(1) as pool:
             done = pool.submit(stream_completion, run.url, body, answer)
             until = time.monotonic() + 10
+            polls = 0
             while not caught and not done.done() and time.monotonic() < until:
+                polls += 1
                 for name in (n for n in names if active(n)):
                     pid = run.child(name)["pid"]
                     stop_process(pid)
@@ -220,9 +223,10 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
                     break
                 time.sleep(0.002)
             done.result(timeout=120)
+        tries.append((polls, caught, hit, answer.chunks, answer.pdserve.get("disaggregated")))
         if hit and answer.pdserve.get("disaggregated") is False:
             break
-    assert hit and answer.pdserve.get("disaggregated") is False, "in 3 tries no decode was caught computing"
+    assert hit and answer.pdserve.get("disaggregated") is False, f"in 3 tries no decode was caught computing: {tries}"
     assert answer.error is None, answer.error
     assert answer.text == expected
     assert answer.pdserve["retries"] == 1 and answer.pdserve["kv_bytes"] == 0

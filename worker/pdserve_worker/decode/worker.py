@@ -314,18 +314,19 @@ class DecodeWorker:
         )
 
     def status(self) -> worker_pb2.DecodeStatus:
-        load = self.load()
+        # (not `load()`: that closes the keepalive's window of step times)
+        free, (used, total) = self.slot_usage().free, self.kv_tokens()
         return worker_pb2.DecodeStatus(
             worker_id=self.settings.member_id,
             slots_total=self.layout.num_slots,
-            slots_used=load.slots_used,
-            slots_free=load.slots_free,
-            active_requests=load.active_requests,
+            slots_used=self.layout.num_slots - free,
+            slots_free=free,
+            active_requests=self.loop.active,
             draining=self.draining,
             notifies_dropped=self.readiness.drops.total(),
             transfer_refusals=transfer_refusals(self.backend),
-            kv_tokens_used=load.kv_tokens_used,
-            kv_tokens_total=load.kv_tokens_total,
+            kv_tokens_used=used,
+            kv_tokens_total=total,
         )
 
     # ---- the request road --------------------------------------------------------------------
