@@ -1,6 +1,6 @@
 """Conditional disaggregation end to end (router/disaggregation.py, decode/local_prefill.py):
-`pdserve local --disaggregation never` (real processes, tiny model, fp32) computes each prompt on
-its decode, a chunk of 8 positions per step, and must answer exactly as colocated generation
+`pdserve local --disaggregation never` (real processes, the tiny model made 24 layers deep, fp32)
+computes each prompt on its decode, one position per step while it also decodes, and must answer exactly as colocated generation
 does, greedy or seeded, one at a time or six at once; nothing is pushed and no prefill is named;
 what a decode cannot compute (prompt logprobs) still goes to the prefill; a client that leaves
 mid-prefill frees its blocks; the counters say which road each request took.
@@ -22,6 +22,7 @@ from support.deployments import local_deployment
 pytestmark = pytest.mark.slow
 
 MAX_LEN = 256
+LAYERS = 24  # (the tiny model has 4)
 CHUNK = 1  # --prefill-chunk-tokens: every prompt takes a turn of the decode's loop per position
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog, and then it runs away into the forest",
@@ -34,12 +35,21 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
+def model_dir(tmp_path_factory):
+    """The tiny model, LAYERS deep: a step of the decode's loop is then long enough that a prompt's
+    prefill (a position per step) lasts a few hundred ms, which the kill test must catch."""
+    from support.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("deep-tiny-model"), num_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
     from pdserve_worker.model.engine import generate
     from pdserve_worker.model.loading.loader import load_model
     from pdserve_worker.model.sampling.params import SamplingParams
 
-    loaded = load_model(str(tiny_model_dir), dtype="float32")
+    loaded = load_model(str(model_dir), dtype="float32")
 
     def complete(prompt: str, **params) -> str:
         ids = loaded.tokenizer.encode(prompt)
@@ -51,10 +61,10 @@ def reference(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def local(tiny_model_dir, tmp_path_factory):
+def local(model_dir, tmp_path_factory):
     run = local_deployment(
         tmp_path_factory.mktemp("local-prefill"),
-        tiny_model_dir,
+        model_dir,
         slots=4,
         max_len=MAX_LEN,
         disaggregation="never",
@@ -152,12 +162,14 @@ def test_the_counters_say_which_road_each_request_took(local, client, model):
 
 
 def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, reference):
-    """Runs last (it kills a decode). The decodes compute one prompt position per step: the one
-    computing a long prompt is frozen before any token reached the client, then SIGKILLed (and
-    restarted, as a pod would be). The router runs the request again on a decode, which computes it
-    again: the client gets exactly the colocated answer, and no decode holds a slot after. A
-    try whose first token had left the decode before the kill (the retry then resumes through
-    the prefill: disaggregated) proves nothing: the test tries again, up to 3 times."""
+    """Runs last (it kills a decode). A decode computes one prompt position per turn of its loop
+    only while it also decodes (alone, it takes the whole prompt in one turn), so each decode
+    first streams a long background answer; then a long prompt goes to one of them, which is
+    frozen as soon as it holds both (mid-prefill, before any token reached the client), and
+    SIGKILLed (and restarted, as a pod would be). The router runs the request again on a decode,
+    which computes it again: the client gets exactly the colocated answer, and no decode holds a
+    slot after. A try whose first token left the decode before the kill (the retry then resumes
+    through the prefill: disaggregated) proves nothing: the test tries again, up to 3 times."""
     import concurrent.futures as futures
     import os
     import signal
@@ -168,9 +180,7 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
     from support.local_run import Answer, stop_process, stream_completion
 
     run = local
-    # As long as the context allows: ~230 positions, one per turn of the decode's loop, so the
-    # prefill lasts long enough to be caught even when polls are slow.
-    ids = reference.tokenizer.encode(" ".join(PROMPTS * 20))[: MAX_LEN - 24]
+    ids = reference.tokenizer.encode(" ".join(PROMPTS * 20))[: MAX_LEN - 24]  # as long as the context allows
     prompt = reference.tokenizer.decode(ids, skip_special_tokens=True)
     expected = reference(prompt, max_tokens=12, temperature=0)
     names = ("decode-0", "decode-1")
@@ -193,23 +203,33 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
         except (httpx.HTTPError, KeyError, ValueError):
             return False
 
+    def wait_for(condition, what: str, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"not {what} in {timeout_s} s"
+            time.sleep(0.05)
+
+    model_id = httpx.get(f"{run.url}/v1/models").json()["data"][0]["id"]
+    stream = {"model": model_id, "temperature": 0, "stream": True}
     killed: list[int] = []
     tries: list[tuple[int, bool, bool, int, bool | None]] = []  # (polls, caught, killed, chunks seen, disaggregated)
     for _ in range(3):
-        deadline = time.monotonic() + 90
-        while not (serving() and all(run.child(n)["pid"] not in killed for n in names)):
-            assert time.monotonic() < deadline, "the decodes did not serve again"
-            time.sleep(0.2)
-        model_id = httpx.get(f"{run.url}/v1/models").json()["data"][0]["id"]
-        body = {"model": model_id, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}
+        wait_for(
+            lambda: serving() and all(run.child(n)["pid"] not in killed for n in names) and not any(map(active, names)),
+            "both decodes serving and idle",
+        )
         answer, caught, hit = Answer(), False, False
-        with futures.ThreadPoolExecutor(1) as pool:
-            done = pool.submit(stream_completion, run.url, body, answer)
-            until = time.monotonic() + 10
+        with futures.ThreadPoolExecutor(3) as pool:
+            background = []
+            for count in (1, 2):  # one at a time: the router then puts the second on the idle decode
+                body = {**stream, "prompt": PROMPTS[1], "max_tokens": MAX_LEN - 16, "ignore_eos": True}
+                background.append(pool.submit(stream_completion, run.url, body, Answer()))
+                wait_for(lambda n=count: sum(map(bool, map(active, names))) == n, f"{count} decodes streaming", 30)
+            done = pool.submit(stream_completion, run.url, {**stream, "prompt": prompt, "max_tokens": 12}, answer)
             polls = 0
-            while not caught and not done.done() and time.monotonic() < until:
+            while not caught and not done.done():
                 polls += 1
-                for name in (n for n in names if active(n)):
+                for name in (n for n in names if active(n) >= 2):  # its background answer and this prompt
                     pid = run.child(name)["pid"]
                     stop_process(pid)
                     if answer.chunks:  # too late: its tokens are streaming
@@ -221,15 +241,16 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
                         hit = True
                     caught = True
                     break
-                time.sleep(0.002)
             done.result(timeout=120)
+            for other in background:  # (the killed decode's is resumed elsewhere)
+                assert other.result(timeout=120).error is None, other.result().error
         tries.append((polls, caught, hit, answer.chunks, answer.pdserve.get("disaggregated")))
         if hit and answer.pdserve.get("disaggregated") is False:
             break
     assert hit and answer.pdserve.get("disaggregated") is False, f"in 3 tries no decode was caught computing: {tries}"
     assert answer.error is None, answer.error
     assert answer.text == expected
-    assert answer.pdserve["retries"] == 1 and answer.pdserve["kv_bytes"] == 0
+    assert answer.pdserve.get("retries") == 1 and answer.pdserve["kv_bytes"] == 0, (answer.pdserve, tries)
 
     def slots_held() -> int:  # on every decode that answers (the killed one may still be restarting)
         held = 0
@@ -240,7 +261,4 @@ def test_a_decode_killed_mid_prefill_is_replaced_and_nothing_leaks(local, refere
                 continue
         return held
 
-    deadline = time.monotonic() + 30
-    while slots_held():
-        assert time.monotonic() < deadline, "a decode still holds a slot"
-        time.sleep(0.1)
+    wait_for(lambda: not slots_held(), "every slot given back", 30)
