@@ -81,3 +81,25 @@ def test_sharing_tenants_share_and_a_cache_salt_narrows(local):
     assert cached(local, "alice", system + "Q3") == 0  # alice did not opt in
     assert cached(local, "team2", system + "Q4", cache_salt="private") == 0  # a salt is its own scope
     assert cached(local, "team2", system + "Q5", cache_salt="private") >= 2 * BLOCK
+
+
+def test_a_tenant_never_finds_another_tenants_conversation_on_the_decode(local):
+    """A decode keeps a conversation's blocks, its answers included (kv/decode_prefix.py), in
+    the tenant's scope: bob sending alice's next turn finds none of them, alice finds hers."""
+    routers = local.manifest.get("routers") or [local.url]
+
+    def complete(tenant: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        model = httpx.get(f"{routers[0]}/v1/models", headers=headers).json()["data"][0]["id"]
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{routers[0]}/v1/completions", json=body, headers=headers, timeout=60)
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        return reply.json()["choices"][0]["text"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    turn1 = "Conversation with Alice. " + SECRET + "What closes on the fifth?"
+    answer, cached_first = complete("alice", turn1, 24)
+    assert cached_first == 0
+    turn2 = turn1 + answer + " And the price?"
+    assert complete("bob", turn2, 1)[1] == 0  # the attack: alice's next turn, sent by bob
+    assert complete("alice", turn2, 1)[1] >= 4 * BLOCK  # alice reuses her own conversation

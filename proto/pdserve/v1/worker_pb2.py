@@ -25,55 +25,55 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xa7\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\'\n\nshare_from\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.SlotRef\x12\x17\n\x0fkeep_for_copies\x18\x06 \x01(\r\"+\n\x07SlotRef\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x9e\x02\n\x05Grant\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x03\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\'\n\x0cgroup_grants\x18\t \x03(\x0b\x32\x11.pdserve.v1.Grant\x12\r\n\x05nonce\x18\n \x01(\x0c\x12\x0e\n\x06\x62locks\x18\x0b \x03(\r\x12\x15\n\rshared_blocks\x18\x0c \x01(\r\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14readiness_timeout_ms\x18\x06 \x01(\r\x12\x15\n\rnum_generated\x18\x07 \x01(\r\x12\x10\n\x08migrated\x18\x08 \x01(\x08\x12\x15\n\rlocal_prefill\x18\t \x01(\x08\"\xae\x02\n\nTokenEvent\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\x19\n\x11kv_bytes_received\x18\x06 \x01(\x04\x12\x11\n\tkv_pushed\x18\x07 \x01(\x08\x12\x14\n\x0cready_wait_s\x18\x08 \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\r\x12&\n\x08handover\x18\n \x01(\x0b\x32\x14.pdserve.v1.Handover\x12+\n\x08logprobs\x18\x0b \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"B\n\x08Handover\x12\x15\n\rnum_generated\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x11\n\tkv_tokens\x18\x03 \x01(\r\"j\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\"\n\x07targets\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Grant\"J\n\x0cMigrateReply\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cpush_seconds\x18\x03 \x01(\x01\"\\\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0cpush_settled\x18\x04 \x01(\x08\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xef\x01\n\x0c\x44\x65\x63odeStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bslots_total\x18\x02 \x01(\r\x12\x12\n\nslots_used\x18\x03 \x01(\r\x12\x12\n\nslots_free\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x18\n\x10notifies_dropped\x18\x07 \x01(\x04\x12\x19\n\x11transfer_refusals\x18\x08 \x01(\x04\x12\x16\n\x0ekv_tokens_used\x18\t \x01(\x04\x12\x17\n\x0fkv_tokens_total\x18\n \x01(\x04\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x07targets\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Grant\x12\x15\n\rnum_generated\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\t\"\xc3\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cpush_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"6\n\x12\x42lockEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"C\n\rBlockEventRun\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0c\n\x04\x64isk\x18\x02 \x01(\x08\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xa0\x01\n\x10\x42lockEventsReply\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\'\n\x04runs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.BlockEventRun\x12\x0c\n\x04salt\x18\x05 \x01(\x0c\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x65nabled\x18\x07 \x01(\x08\"L\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"#\n\x12\x43\x61ncelPrefillReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc6\x02\n\x06\x44\x65\x63ode\x12\x38\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x11.pdserve.v1.Grant\x12\x41\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x16.pdserve.v1.TokenEvent0\x01\x12?\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x18.pdserve.v1.ReleaseReply\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.DecodeStatus\x12?\n\x07Migrate\x12\x1a.pdserve.v1.MigrateRequest\x1a\x18.pdserve.v1.MigrateReply2\xe3\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply\x12J\n\x06\x43\x61ncel\x12 .pdserve.v1.CancelPrefillRequest\x1a\x1e.pdserve.v1.CancelPrefillReply\x12K\n\x0b\x42lockEvents\x12\x1e.pdserve.v1.BlockEventsRequest\x1a\x1c.pdserve.v1.BlockEventsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xd6\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\'\n\nshare_from\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.SlotRef\x12\x17\n\x0fkeep_for_copies\x18\x06 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x08 \x01(\t\"+\n\x07SlotRef\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x9e\x02\n\x05Grant\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x03\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\'\n\x0cgroup_grants\x18\t \x03(\x0b\x32\x11.pdserve.v1.Grant\x12\r\n\x05nonce\x18\n \x01(\x0c\x12\x0e\n\x06\x62locks\x18\x0b \x03(\r\x12\x15\n\rshared_blocks\x18\x0c \x01(\r\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14readiness_timeout_ms\x18\x06 \x01(\r\x12\x15\n\rnum_generated\x18\x07 \x01(\r\x12\x10\n\x08migrated\x18\x08 \x01(\x08\x12\x15\n\rlocal_prefill\x18\t \x01(\x08\"\xae\x02\n\nTokenEvent\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x0c\n\x04stop\x18\x05 \x01(\t\x12\x19\n\x11kv_bytes_received\x18\x06 \x01(\x04\x12\x11\n\tkv_pushed\x18\x07 \x01(\x08\x12\x14\n\x0cready_wait_s\x18\x08 \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\r\x12&\n\x08handover\x18\n \x01(\x0b\x32\x14.pdserve.v1.Handover\x12+\n\x08logprobs\x18\x0b \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"B\n\x08Handover\x12\x15\n\rnum_generated\x18\x01 \x01(\r\x12\x0c\n\x04seed\x18\x02 \x01(\x03\x12\x11\n\tkv_tokens\x18\x03 \x01(\r\"j\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\"\n\x07targets\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Grant\"J\n\x0cMigrateReply\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cpush_seconds\x18\x03 \x01(\x01\"\\\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x14\n\x0cpush_settled\x18\x04 \x01(\x08\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0f\n\rStatusRequest\"\xef\x01\n\x0c\x44\x65\x63odeStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bslots_total\x18\x02 \x01(\r\x12\x12\n\nslots_used\x18\x03 \x01(\r\x12\x12\n\nslots_free\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x18\n\x10notifies_dropped\x18\x07 \x01(\x04\x12\x19\n\x11transfer_refusals\x18\x08 \x01(\x04\x12\x16\n\x0ekv_tokens_used\x18\t \x01(\x04\x12\x17\n\x0fkv_tokens_total\x18\n \x01(\x04\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\"\n\x07targets\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Grant\x12\x15\n\rnum_generated\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x06 \x01(\t\"\xc3\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cpush_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"6\n\x12\x42lockEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"C\n\rBlockEventRun\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x0c\n\x04\x64isk\x18\x02 \x01(\x08\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\xa0\x01\n\x10\x42lockEventsReply\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\'\n\x04runs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.BlockEventRun\x12\x0c\n\x04salt\x18\x05 \x01(\x0c\x12\x14\n\x0c\x62lock_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x65nabled\x18\x07 \x01(\x08\"L\n\x14\x43\x61ncelPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"#\n\x12\x43\x61ncelPrefillReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x93\x03\n\x06\x44\x65\x63ode\x12\x38\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x11.pdserve.v1.Grant\x12\x41\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x16.pdserve.v1.TokenEvent0\x01\x12?\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x18.pdserve.v1.ReleaseReply\x12=\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x18.pdserve.v1.DecodeStatus\x12?\n\x07Migrate\x12\x1a.pdserve.v1.MigrateRequest\x1a\x18.pdserve.v1.MigrateReply\x12K\n\x0b\x42lockEvents\x12\x1e.pdserve.v1.BlockEventsRequest\x1a\x1c.pdserve.v1.BlockEventsReply2\xe3\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply\x12J\n\x06\x43\x61ncel\x12 .pdserve.v1.CancelPrefillRequest\x1a\x1e.pdserve.v1.CancelPrefillReply\x12K\n\x0b\x42lockEvents\x12\x1e.pdserve.v1.BlockEventsRequest\x1a\x1c.pdserve.v1.BlockEventsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2544
-  _globals['_FINISHREASON']._serialized_end=2664
+  _globals['_FINISHREASON']._serialized_start=2591
+  _globals['_FINISHREASON']._serialized_end=2711
   _globals['_RESERVEREQUEST']._serialized_start=65
-  _globals['_RESERVEREQUEST']._serialized_end=232
-  _globals['_SLOTREF']._serialized_start=234
-  _globals['_SLOTREF']._serialized_end=277
-  _globals['_GRANT']._serialized_start=280
-  _globals['_GRANT']._serialized_end=566
-  _globals['_GENERATEREQUEST']._serialized_start=569
-  _globals['_GENERATEREQUEST']._serialized_end=806
-  _globals['_TOKENEVENT']._serialized_start=809
-  _globals['_TOKENEVENT']._serialized_end=1111
-  _globals['_HANDOVER']._serialized_start=1113
-  _globals['_HANDOVER']._serialized_end=1179
-  _globals['_MIGRATEREQUEST']._serialized_start=1181
-  _globals['_MIGRATEREQUEST']._serialized_end=1287
-  _globals['_MIGRATEREPLY']._serialized_start=1289
-  _globals['_MIGRATEREPLY']._serialized_end=1363
-  _globals['_RELEASEREQUEST']._serialized_start=1365
-  _globals['_RELEASEREQUEST']._serialized_end=1457
-  _globals['_RELEASEREPLY']._serialized_start=1459
-  _globals['_RELEASEREPLY']._serialized_end=1491
-  _globals['_STATUSREQUEST']._serialized_start=1493
-  _globals['_STATUSREQUEST']._serialized_end=1508
-  _globals['_DECODESTATUS']._serialized_start=1511
-  _globals['_DECODESTATUS']._serialized_end=1750
-  _globals['_PREFILLREQUEST']._serialized_start=1753
-  _globals['_PREFILLREQUEST']._serialized_end=1941
-  _globals['_PREFILLREPLY']._serialized_start=1944
-  _globals['_PREFILLREPLY']._serialized_end=2139
-  _globals['_BLOCKEVENTSREQUEST']._serialized_start=2141
-  _globals['_BLOCKEVENTSREQUEST']._serialized_end=2195
-  _globals['_BLOCKEVENTRUN']._serialized_start=2197
-  _globals['_BLOCKEVENTRUN']._serialized_end=2264
-  _globals['_BLOCKEVENTSREPLY']._serialized_start=2267
-  _globals['_BLOCKEVENTSREPLY']._serialized_end=2427
-  _globals['_CANCELPREFILLREQUEST']._serialized_start=2429
-  _globals['_CANCELPREFILLREQUEST']._serialized_end=2505
-  _globals['_CANCELPREFILLREPLY']._serialized_start=2507
-  _globals['_CANCELPREFILLREPLY']._serialized_end=2542
-  _globals['_DECODE']._serialized_start=2667
-  _globals['_DECODE']._serialized_end=2993
-  _globals['_PREFILL']._serialized_start=2996
-  _globals['_PREFILL']._serialized_end=3223
+  _globals['_RESERVEREQUEST']._serialized_end=279
+  _globals['_SLOTREF']._serialized_start=281
+  _globals['_SLOTREF']._serialized_end=324
+  _globals['_GRANT']._serialized_start=327
+  _globals['_GRANT']._serialized_end=613
+  _globals['_GENERATEREQUEST']._serialized_start=616
+  _globals['_GENERATEREQUEST']._serialized_end=853
+  _globals['_TOKENEVENT']._serialized_start=856
+  _globals['_TOKENEVENT']._serialized_end=1158
+  _globals['_HANDOVER']._serialized_start=1160
+  _globals['_HANDOVER']._serialized_end=1226
+  _globals['_MIGRATEREQUEST']._serialized_start=1228
+  _globals['_MIGRATEREQUEST']._serialized_end=1334
+  _globals['_MIGRATEREPLY']._serialized_start=1336
+  _globals['_MIGRATEREPLY']._serialized_end=1410
+  _globals['_RELEASEREQUEST']._serialized_start=1412
+  _globals['_RELEASEREQUEST']._serialized_end=1504
+  _globals['_RELEASEREPLY']._serialized_start=1506
+  _globals['_RELEASEREPLY']._serialized_end=1538
+  _globals['_STATUSREQUEST']._serialized_start=1540
+  _globals['_STATUSREQUEST']._serialized_end=1555
+  _globals['_DECODESTATUS']._serialized_start=1558
+  _globals['_DECODESTATUS']._serialized_end=1797
+  _globals['_PREFILLREQUEST']._serialized_start=1800
+  _globals['_PREFILLREQUEST']._serialized_end=1988
+  _globals['_PREFILLREPLY']._serialized_start=1991
+  _globals['_PREFILLREPLY']._serialized_end=2186
+  _globals['_BLOCKEVENTSREQUEST']._serialized_start=2188
+  _globals['_BLOCKEVENTSREQUEST']._serialized_end=2242
+  _globals['_BLOCKEVENTRUN']._serialized_start=2244
+  _globals['_BLOCKEVENTRUN']._serialized_end=2311
+  _globals['_BLOCKEVENTSREPLY']._serialized_start=2314
+  _globals['_BLOCKEVENTSREPLY']._serialized_end=2474
+  _globals['_CANCELPREFILLREQUEST']._serialized_start=2476
+  _globals['_CANCELPREFILLREQUEST']._serialized_end=2552
+  _globals['_CANCELPREFILLREPLY']._serialized_start=2554
+  _globals['_CANCELPREFILLREPLY']._serialized_end=2589
+  _globals['_DECODE']._serialized_start=2714
+  _globals['_DECODE']._serialized_end=3117
+  _globals['_PREFILL']._serialized_start=3120
+  _globals['_PREFILL']._serialized_end=3347
 # @@protoc_insertion_point(module_scope)

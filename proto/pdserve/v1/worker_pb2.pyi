@@ -20,20 +20,24 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_ms", "share_from", "keep_for_copies")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "lease_ms", "share_from", "keep_for_copies", "prompt_token_ids", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     SHARE_FROM_FIELD_NUMBER: _ClassVar[int]
     KEEP_FOR_COPIES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     lease_ms: int
     share_from: SlotRef
     keep_for_copies: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., share_from: _Optional[_Union[SlotRef, _Mapping]] = ..., keep_for_copies: _Optional[int] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_scope: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., lease_ms: _Optional[int] = ..., share_from: _Optional[_Union[SlotRef, _Mapping]] = ..., keep_for_copies: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class SlotRef(_message.Message):
     __slots__ = ("slot", "generation")

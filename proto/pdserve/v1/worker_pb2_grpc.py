@@ -60,6 +60,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.MigrateReply.FromString,
                 _registered_method=True)
+        self.BlockEvents = channel.unary_unary(
+                '/pdserve.v1.Decode/BlockEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -114,6 +119,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlockEvents(self, request, context):
+        """What the decode's prefix cache holds, as the prefill's BlockEvents (enabled false: none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +153,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.MigrateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.MigrateReply.SerializeToString,
+            ),
+            'BlockEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlockEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.BlockEventsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -279,6 +296,33 @@ class Decode:
             '/pdserve.v1.Decode/Migrate',
             pdserve_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.MigrateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlockEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/BlockEvents',
+            pdserve_dot_v1_dot_worker__pb2.BlockEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.BlockEventsReply.FromString,
             options,
             channel_credentials,
             insecure,

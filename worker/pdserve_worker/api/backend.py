@@ -44,7 +44,7 @@ class RequestInfo:
     prefill: str | None = None  # id of the prefill instance that served the prompt
     decode: str | None = None  # id of the decode instance that generated the tokens
     retries: int = 0  # failed workers replaced while serving it (the request resumed elsewhere)
-    cached_tokens: int = 0  # prompt tokens whose KV the prefill took from its prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache (the prefill's or the decode's)
     migrations: int = 0  # times a draining decode handed it over to another decode (its KV moved)
 
     def as_response_field(self, workers: bool = False) -> dict[str, object]:

@@ -221,10 +221,6 @@ class GenerateRoad:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{where}: a local prefill starts from token 0 (not migrated, num_generated 0) without prompt logprobs",
             )
-        if w.shared_tokens(g.slot, g.generation):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"{where}: a local prefill's grant shares no blocks with another"
-            )
         if not w.slots.commit(g.slot, g.generation):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before Generate came")
         return Ready(num_tokens=len(g.prompt), first_token=-1, wait_s=0.0, kv_pushed=False)
@@ -235,7 +231,16 @@ class GenerateRoad:
         w, slot, generation = self.w, g.slot, g.generation
         w.adopt(slot, generation)
         w.metrics.local_prefills.inc()
-        return w.loop.submit(g.request.request_id, g.prompt, slot, g.params, lambda: w.finished(slot, generation))
+        assert w.local_prefill is not None  # (commit_local refused the request otherwise)
+        w.local_prefill.begin(slot, w.shared_tokens(slot, generation))  # blocks it shares hold their KV
+        return w.loop.submit(
+            g.request.request_id,
+            g.prompt,
+            slot,
+            g.params,
+            lambda: w.finished(slot, generation),
+            keep_kv=w.keep_kv(slot, generation),
+        )
 
     def start_stream(self, g: GenerateCall, ready: Ready) -> RequestStream:
         """Hand the slot to the generation loop: from here the loop owns it and frees it when the
@@ -258,6 +263,7 @@ class GenerateRoad:
             g.params,
             lambda: w.finished(slot, generation),
             Prefilled(g.first, replayed, None if migrated else ready.first_logprobs),
+            keep_kv=w.keep_kv(slot, generation),
         )
 
     async def token_event(

@@ -124,6 +124,9 @@ class RequestStream:
 class _Entry:
     stream: RequestStream
     on_done: Callable[[], None]
+    keep_kv: Callable[[list[int]], None] | None = None
+    token_ids: list[int] = field(default_factory=list)  # with keep_kv: the prompt, then each token drawn
+    drawn: int = 0
 
 
 @dataclass
@@ -232,9 +235,12 @@ class GenerationLoop:
         params: SamplingParams,
         on_done: Callable[[], None],
         prefilled: Prefilled | None = None,
+        keep_kv: Callable[[list[int]], None] | None = None,
     ) -> RequestStream:
         """Run a request in `slot`; `on_done` runs once the slot is no longer used, however the
-        request ends (also when it is refused).
+        request ends (also when it is refused). `keep_kv`, called just before `on_done` when
+        the request finished or was cancelled after its first token, gets the tokens whose KV
+        its slot holds (the prompt, then what it drew but the last: that one was never fed).
 
         With `prefilled` the prompt's KV is already in the slot; without it this loop's
         `prefill` computes it first.
@@ -246,8 +252,8 @@ class GenerationLoop:
         # The Generator keys requests by id; ids from outside need not be unique here.
         internal = f"{request_id}#{next(self._ids)}"
         stream = RequestStream(asyncio.get_running_loop(), internal)
-        entry = _Entry(stream, on_done)
         ids = [int(t) for t in prompt_ids]
+        entry = _Entry(stream, on_done, keep_kv, list(ids) if keep_kv is not None else [])
         if prefilled is None:
             self._commands.put(_Add(entry, internal, ids, slot, params, None))
         else:
@@ -407,6 +413,9 @@ class GenerationLoop:
                 continue
             entry = self._entries.get(out.request_id)
             if entry is not None:
+                entry.drawn += 1
+                if entry.keep_kv is not None and out.token_id is not None:
+                    entry.token_ids.append(out.token_id)
                 entry.stream._put(out)
 
     def _end(self, internal_id: str, final: Any) -> None:
@@ -416,6 +425,11 @@ class GenerationLoop:
         if entry is None:
             return
         try:
+            if entry.keep_kv is not None and entry.drawn and (final is _END or isinstance(final, StepOutput)):
+                # Finished on a token: that one is not in token_ids and every one before it was
+                # fed. Cancelled or aborted: the last token drawn was not fed yet.
+                finished = isinstance(final, StepOutput) and final.token_id is not None
+                entry.keep_kv(entry.token_ids if finished else entry.token_ids[:-1])
             entry.on_done()
         except Exception:
             log.exception(kv(event="on_done_failed", request=internal_id))

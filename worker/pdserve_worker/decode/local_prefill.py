@@ -53,6 +53,14 @@ class LocalPrefill:
         stops = tuple(stop_token_ids(params, self.eos))
         return stop - done, draw_first(logits[0], params, prompt, 0, stops, self.engine.tokenizer)
 
+    def begin(self, slot: int, cached: int) -> None:
+        """A prompt starts in `slot` with its first `cached` positions' KV there already (blocks
+        shared read-only: the prefix cache's, or another copy's)."""
+        if cached:
+            self._done[slot] = cached
+        else:
+            self._done.pop(slot, None)
+
     def abandon(self, slot: int) -> None:
         self._done.pop(slot, None)
 

@@ -20,6 +20,8 @@ from pdserve_common.logs import kv
 from pdserve_worker.decode.generate_call import GenerateRoad
 from pdserve_worker.decode.migration import HandoffUnavailable
 from pdserve_worker.decode.worker import DecodeWorker
+from pdserve_worker.kv.block_events import runs
+from pdserve_worker.kv.blocks import BlockTable
 from pdserve_worker.kv.slots import NoFreeSlot
 from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.convert import grant_to_proto, push_targets_from_proto
@@ -48,11 +50,24 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 f"num_prompt_tokens ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) = {need} "
                 f"must be in 1..{w.layout.max_len} (the slots' max_len)",
             )
+        if request.prompt_token_ids and len(request.prompt_token_ids) != request.num_prompt_tokens:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids has {len(request.prompt_token_ids)} tokens, num_prompt_tokens says "
+                f"{request.num_prompt_tokens}",
+            )
         ttl_s = (request.lease_ms or w.settings.lease_ms) / 1000
         try:
             share = (request.share_from.slot, request.share_from.generation) if request.HasField("share_from") else None
             grant = w.reserve(
-                request.request_id, ttl_s, request.num_prompt_tokens, request.max_tokens, share, request.keep_for_copies
+                request.request_id,
+                ttl_s,
+                request.num_prompt_tokens,
+                request.max_tokens,
+                share,
+                request.keep_for_copies,
+                list(request.prompt_token_ids),
+                request.cache_scope,
             )
         except NoFreeSlot as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -157,6 +172,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             )
         )
         return worker_pb2.ReleaseReply(released=released)
+
+    async def BlockEvents(
+        self, request: worker_pb2.BlockEventsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.BlockEventsReply:
+        """What this decode's prefix cache holds (kv/decode_prefix.py), as a prefill reports its own."""
+        table = self.w.slots
+        prefix = table.prefix if isinstance(table, BlockTable) else None
+        if prefix is None or prefix.events is None:
+            return worker_pb2.BlockEventsReply(enabled=False)
+        # A snapshot reads every held hash: off the event loop.
+        batch = await asyncio.to_thread(prefix.events.since, request.epoch, request.after_seq)
+        return worker_pb2.BlockEventsReply(
+            epoch=batch.epoch,
+            last_seq=batch.last_seq,
+            reset=batch.reset,
+            runs=[
+                worker_pb2.BlockEventRun(stored=stored, disk=disk, block_hashes=hashes)
+                for stored, disk, hashes in runs(batch.events)
+            ],
+            salt=prefix.salt,
+            block_tokens=prefix.block_tokens,
+            enabled=True,
+        )
 
     async def Status(
         self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext

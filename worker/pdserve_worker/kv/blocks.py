@@ -25,6 +25,7 @@ from typing import Protocol
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
+from pdserve_worker.kv.decode_prefix import DecodePrefixCache
 from pdserve_worker.kv.reservations import SYSTEM_CLOCK, LeaseClock, Reservation, ReservationTable
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage
 
@@ -61,7 +62,7 @@ class BlockUsage:
     committed_blocks: int  # held by decoding requests (shared blocks counted once)
     quarantined_blocks: int
     block_tokens: int
-    kept_blocks: int = 0  # held only for later copies of a prompt (given up for any reservation)
+    kept_blocks: int = 0  # held only for later copies of a prompt or the prefix cache (given up for any reservation)
 
     @property
     def tokens_total(self) -> int:
@@ -87,7 +88,8 @@ class BlockUsage:
 
     @property
     def tokens_used(self) -> int:
-        return (self.total_blocks - self.free_blocks) * self.block_tokens
+        """Tokens of the blocks reservations hold (kept blocks are given up for any)."""
+        return (self.total_blocks - self.free_blocks - self.kept_blocks) * self.block_tokens
 
 
 KEEP_S = 10.0  # how long an ended copy's prompt blocks wait for the later copies of its prompt
@@ -115,6 +117,9 @@ class _Handle(Reservation):
     # reservation sharing blocks, the tokens those blocks hold (what its prompt must start with).
     prompt_ids: tuple[int, ...] = ()
     keep_for: int = 0  # later copies of its prompt that will share its prompt blocks
+    scope: str = ""  # its prefix-cache scope (tenant, cache_salt): where its blocks are kept
+    kv_ids: tuple[int, ...] = ()  # the tokens whose KV its blocks hold when it ends (`note_kv`)
+    cacheable: bool = False  # reserved with its prompt and scope: its blocks may be kept for others
 
 
 def _checked(
@@ -157,6 +162,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         clock: LeaseClock = SYSTEM_CLOCK,
         capability_key: bytes | None = None,
         leases: BlockLeaseHooks | None = None,
+        prefix: DecodePrefixCache | None = None,
     ) -> None:
         if not layout.paged:
             raise ValueError(f"a BlockTable needs a paged layout (block_tokens > 0), got {layout}")
@@ -177,6 +183,9 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         # moves as one descriptor per layer (pdserve_common/kv_layout.py).
         self._free_blocks: list[int] = list(range(self.num_blocks))
         self._kept: dict[int, _Kept] = {}  # by the generation of the reservation that ended
+        self.prefix = prefix  # ended requests' blocks, for later prompts (kv/decode_prefix.py)
+        if prefix is not None and prefix.block_tokens != self.block_tokens:
+            raise ValueError(f"prefix cache blocks of {prefix.block_tokens} tokens in a pool of {self.block_tokens}")
 
     @property
     def max_reservations(self) -> int:
@@ -193,6 +202,8 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         share_from: tuple[int, int] | None = None,
         shared_blocks: int | None = 0,
         keep_for: int = 0,
+        prompt_ids: Sequence[int] = (),
+        scope: str = "",
     ) -> Grant:
         """Grant a handle and blocks for `num_tokens` tokens for `ttl_s` seconds. Raises NoFreeBlocks.
 
@@ -204,15 +215,23 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         None: every whole prompt block the two have in common, or none when `share_from` is no
         longer committed, nor kept, or has not been told its prompt (`note_prompt`): n copies of
         a prompt share what is still there. `keep_for`: later copies that will share this one's
-        prompt blocks (kept for them if it ends first; see the module's docstring)."""
+        prompt blocks (kept for them if it ends first; see the module's docstring).
+        `prompt_ids`/`scope` (no `share_from`): the prompt, to take the blocks of its longest
+        prefix the prefix cache holds in `scope` read-only (kv/decode_prefix.py); its blocks
+        are kept there in `scope` when it ends."""
         prompt, need = _checked(self.layout, request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
         self.expire()
         with self._lock:
             now = self._clock()
             self._sweep(now)
-            if need > len(self._free_blocks):  # kept blocks never stand in a reservation's way
+            if share_from is None and self.prefix is not None and prompt_ids:
+                hit = self.prefix.match(prompt_ids[:prompt], scope)
+                shared, expected = hit.blocks, hit.token_ids
+            else:
+                shared, expected = self._shared_prefix(share_from, shared_blocks, prompt)
+            if need - len(shared) > len(self._free_blocks):  # kept blocks never stand in a reservation's way
                 self._let_go(lambda gen, kept: share_from is None or gen != share_from[1])
-            shared, expected = self._shared_prefix(share_from, shared_blocks, prompt)
+                self._evict(need - len(shared) - len(self._free_blocks), set(shared))
             index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
             if index is None or fresh > len(self._free_blocks):
@@ -225,7 +244,8 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                 self._copy_came(share_from)
             h = self._claim(index, generation, request_id, ttl_s, now)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
-            h.prompt_ids, h.keep_for = expected, keep_for
+            h.prompt_ids, h.keep_for, h.scope, h.kv_ids = expected, keep_for, scope, ()
+            h.cacheable = bool(prompt_ids)  # (its scope is known: a migration's reservation has none)
             grant = self._grant(index, h)
         log.debug(
             kv(
@@ -322,6 +342,24 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             h.prompt_ids = tuple(token_ids)
             return None
 
+    def prefix_held(self) -> list[tuple[bool, bytes]]:
+        """What the prefix cache holds (its BlockEventLog's snapshot)."""
+        with self._lock:
+            return self.prefix.held() if self.prefix is not None else []
+
+    def note_kv(self, slot: int, generation: int, token_ids: Sequence[int]) -> None:
+        """The tokens whose KV (slot, generation)'s blocks hold as it ends: the prefix cache
+        keeps those blocks (nothing without one, or once it is not live)."""
+        with self._lock:
+            h = self._live(slot, generation)
+            if h is not None and self.prefix is not None and h.cacheable:
+                h.kv_ids = tuple(token_ids)
+
+    def _evict(self, room: int, keep: set[int]) -> None:
+        """Blocks only the prefix cache holds, least recently used first, freed for `room` (lock held)."""
+        if self.prefix is not None and room > 0:
+            self._unref(self.prefix.evict(room, lambda b: self._refs[b] == 1 and b not in keep))
+
     def blocks_of(self, slot: int) -> tuple[int, ...]:
         """The block table of the reservation in handle `slot` (what decode attends through)."""
         with self._lock:
@@ -347,6 +385,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
     def _kept_only(self) -> int:
         """Blocks that only kept entries hold (lock held)."""
         holders = collections.Counter(b for kept in self._kept.values() for b in kept.blocks)
+        holders.update(self.prefix.blocks() if self.prefix is not None else ())
         return sum(1 for b, n in holders.items() if self._refs[b] == n)
 
     # ---- hooks and internals (lock held) ---------------------------------------------------------
@@ -375,9 +414,12 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                 h.held[:whole], h.prompt_tokens, h.prompt_ids, h.keep_for, self._clock() + KEEP_S
             )
             self._unref(h.held[whole:])
+        elif h.state is SlotState.COMMITTED and self.prefix is not None and h.kv_ids:
+            kept = min(len(h.kv_ids) // self.block_tokens, len(h.held))
+            self._unref(self.prefix.keep(h.kv_ids, h.scope, h.held[:kept]) + list(h.held[kept:]))
         else:
             self._unref(h.held)
-        h.held, h.blocks, h.shared, h.prompt_ids, h.keep_for = (), (), 0, (), 0
+        h.held, h.blocks, h.shared, h.prompt_ids, h.keep_for, h.kv_ids = (), (), 0, (), 0, ()
 
     def _unref(self, blocks: Sequence[int]) -> None:
         for b in blocks:

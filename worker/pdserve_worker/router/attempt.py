@@ -132,6 +132,7 @@ class Attempt:
         self.cached_remote = 0 if pick is None else pick.cached_tokens  # tokens that prefill is predicted to hold
         self.note_prefill: Callable[[], None] = (lambda: None) if pick is None else pick.note
         self.local = False  # the decode computes the prompt itself (`choose`)
+        self.copied = False  # the grant's shared blocks are another copy's (else the decode's prefix cache's)
         self.prefill_counted = False  # this attempt counts in the prefill's in-flight requests
         self.queue = 0  # the prefill's queue when chosen
         self.launched = 0.0
@@ -156,11 +157,12 @@ class Attempt:
         request = self.request
         try:
             with tracing.use(self.span), tracing.span("router.reserve") as reserving:
-                self.decode, self.grant = await self.grants.reserve_decode(
+                self.decode, self.grant, self.copied = await self.grants.reserve_prompt(
                     request.request_id,
-                    len(self.tokens),
+                    self.tokens,
                     self.params.max_tokens - len(request.emitted),
                     request.avoid,
+                    request.cache_scope,
                 )
                 reserving.set_attributes(
                     {
@@ -189,7 +191,13 @@ class Attempt:
         if self.prefill is not None:
             self.queue = estimated_queue(self.prefill, members.inflight_prefill[self.prefill.worker_id])
         request_road = Road(len(self.tokens), bool(request.emitted), self.params.prompt_logprobs is not None)
-        road = replace(request_road, shared_blocks=self.grant.shared_blocks, copies=prompt_copies.later_copies())
+        shared = self.grant.shared_blocks
+        road = replace(
+            request_road,
+            shared_blocks=shared if self.copied else 0,
+            decode_cached=0 if self.copied else shared * self.grant.kv_layout.block_tokens,
+            copies=prompt_copies.later_copies(),
+        )
         running = max(self.decode.load.active_requests, members.inflight_decode[self.decode.worker_id] - 1)
         choice = members.disaggregation.choose(road, self.decode, self.prefill, self.cached_remote, self.queue, running)
         self.local = choice.local
@@ -347,8 +355,9 @@ class Attempt:
         if self.migrations:  # the first event of the decode the request moved to
             self.info = RequestInfo(True, event.kv_bytes_received, None, *ids, migrations=self.migrations)
             return self.info
+        decode_cached = 0 if self.copied else self.grant.shared_blocks * self.grant.kv_layout.block_tokens
         if self.local:  # computed on the decode: nothing was pushed
-            self.info = RequestInfo(False, 0, None, *ids)
+            self.info = RequestInfo(False, 0, None, *ids, decode_cached)
             return self.info
         assert self.prefill_call is not None and self.prefill is not None
         if event.index == len(self.request.emitted) and self.launched:
@@ -360,7 +369,8 @@ class Attempt:
         if self.prefill_call.done() or reason is not None:
             # The prefill's reply has the push's figures; at the latest the last token waits for it.
             reply = await prefill_reply(self.prefill_call, self.prefill.worker_id, self.members)
-            self.info = RequestInfo(True, reply.kv_bytes, reply.push_seconds, *ids, reply.cached_tokens)
+            cached = max(reply.cached_tokens, decode_cached)  # (the decode's blocks were not pushed)
+            self.info = RequestInfo(True, reply.kv_bytes, reply.push_seconds, *ids, cached)
             return self.info
         if event.index == len(self.request.emitted):
             return RequestInfo(event.kv_pushed, event.kv_bytes_received, None, *ids)

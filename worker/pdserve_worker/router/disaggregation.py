@@ -6,7 +6,7 @@ estimated from the workers' reported costs (broker `Load`, read within `plausibl
 router's measured overhead of the remote road per prefill (`hop_s`: a remote first token's
 latency less its prefill's compute):
     remote = hop_s + (queue + 1) x uncached_remote / prefill_rate
-    local  = ceil(n / chunk) x step_s + n / local_rate
+    local  = ceil(n / chunk) x step_s + n / local_rate    (n: what the decode's prefix cache lacks)
 A local prefill takes at most `chunk` positions per decode step, so running streams wait one
 chunk per step while it lasts: with requests running, `auto` computes locally only a prompt of
 one chunk or less. Until the rates are reported `auto` pushes; an unreported local rate is taken
@@ -37,6 +37,7 @@ class Road:
     prompt_logprobs: bool  # the prefill's reply carries them
     shared_blocks: int = 0  # blocks of its grant another copy already holds (pushed around, not computed)
     copies: int = 0  # later copies of its prompt (n > 1) that will share its blocks: those must be whole at commit
+    decode_cached: int = 0  # leading tokens the decode's prefix cache holds (neither pushed nor computed)
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,12 @@ class Disaggregation:
             return Choice(False, "unmeasured")
         local_rate = plausible(decode.load.prefill_tokens_per_s) or rate
         chunk = max(decode.info.prefill_chunk_tokens, 1)
-        if running > 0 and road.tokens > chunk:
+        n = max(road.tokens - road.decode_cached, 1)  # what the decode would compute
+        if running > 0 and n > chunk:
             return Choice(False, "running")
         uncached = max(road.tokens - cached_remote, 1)
         remote = self.hop_s.get(prefill.worker_id, 0.0) + (queue + 1) * uncached / rate
-        local = math.ceil(road.tokens / chunk) * step_s + road.tokens / local_rate
+        local = math.ceil(n / chunk) * step_s + n / local_rate
         return Choice(local < remote, "cheaper", remote, local)
 
     def observe_remote(self, first_token_s: float, uncached: int, queue: int, prefill: Member) -> None:

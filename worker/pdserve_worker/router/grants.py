@@ -42,10 +42,29 @@ class Grants:
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self.members.spawn(coro)
 
+    async def reserve_prompt(
+        self, request_id: str, tokens: list[int], max_tokens: int, avoid: Mapping[str, int], cache_scope: str
+    ) -> tuple[Member, worker_pb2.Grant, bool]:
+        """A grant for `tokens` (the prompt and any streamed tokens) + `max_tokens` on the best
+        decode that has room: the one whose prefix cache holds them, then the least used; and
+        whether its shared blocks are another copy's (else its prefix cache's)."""
+        ranked = self.members.ranked_decodes_for(avoid, tokens, cache_scope)
+        request = worker_pb2.ReserveRequest(
+            request_id=request_id,
+            num_prompt_tokens=len(tokens),
+            max_tokens=max_tokens,
+            lease_ms=self._t.lease_ms,
+            keep_for_copies=prompt_copies.later_copies(),
+            prompt_token_ids=tokens,
+            cache_scope=cache_scope,
+        )
+        return await self._reserve(ranked, request)
+
     async def reserve_decode(
         self, request_id: str, num_prompt_tokens: int, max_tokens: int, avoid: Mapping[str, int]
     ) -> tuple[Member, worker_pb2.Grant]:
-        ranked = self.members.ranked(Role.DECODE, avoid)
+        """A grant of that many tokens on the least used decode, without its prompt (a
+        migration's: its KV comes from another decode, and its blocks are not kept after)."""
         request = worker_pb2.ReserveRequest(
             request_id=request_id,
             num_prompt_tokens=num_prompt_tokens,
@@ -53,6 +72,13 @@ class Grants:
             lease_ms=self._t.lease_ms,
             keep_for_copies=prompt_copies.later_copies(),
         )
+        member, grant, _ = await self._reserve(self.members.ranked(Role.DECODE, avoid), request)
+        return member, grant
+
+    async def _reserve(
+        self, ranked: list[Member], request: worker_pb2.ReserveRequest
+    ) -> tuple[Member, worker_pb2.Grant, bool]:
+        request_id = request.request_id
         ranked, sharing = sharing_first(ranked, request)
         full, failed = 0, []
         for member in ranked:
@@ -64,7 +90,7 @@ class Grants:
                 # goes on, and a grant that arrives anyway is given back instead of lost.
                 grant = await asyncio.shield(reserve)
                 capacity_held()  # the admission queue may let the next request try
-                return member, grant
+                return member, grant, asked is sharing
             except asyncio.CancelledError:
                 self.spawn(self._give_back_late(member, reserve, request_id))
                 raise

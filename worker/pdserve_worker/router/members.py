@@ -33,7 +33,7 @@ from pdserve_worker.router.config import RouterConfig
 from pdserve_worker.router.departures import Departures
 from pdserve_worker.router.disaggregation import Disaggregation
 from pdserve_worker.router.kv_index import ReportedIndex
-from pdserve_worker.router.placement import compatible, estimated_queue, rank_decodes, rank_prefills
+from pdserve_worker.router.placement import compatible, estimated_queue, prefer_cached, rank_decodes, rank_prefills
 from pdserve_worker.router.prefix_routing import PrefillChoice, PrefixHistory, RecentShare, choose_prefill
 from pdserve_worker.rpc.broker_client import BrokerClient
 from pdserve_worker.rpc.broker_watch import MembershipView
@@ -94,6 +94,8 @@ class Members:
         self._prefix_salt = cache_salt(config.revision, "router-prediction", config.prefix_block_tokens)
         events = config.prefix_routing == "events" and self.prefixes is not None
         self._reported = ReportedIndex() if events else None
+        # What each decode's prefix cache holds (kv/decode_prefix.py), from its own reports.
+        self._decode_held = ReportedIndex()
         self._follower: asyncio.Task[None] | None = None
         self.disaggregation = Disaggregation(config.disaggregation)  # remote or local prefill, per request
 
@@ -102,8 +104,7 @@ class Members:
     async def watch(self, broker: BrokerClient) -> None:
         """Watch the decode and prefill membership (inside the event loop that serves requests)."""
         self._view = await broker.watch([Role.DECODE, Role.PREFILL], listener=self.on_member)
-        if self._reported is not None:
-            self._follower = asyncio.get_running_loop().create_task(self._follow_block_events())
+        self._follower = asyncio.get_running_loop().create_task(self._follow_block_events())
 
     async def close(self) -> None:
         if self._follower is not None:
@@ -199,6 +200,8 @@ class Members:
             self._reported.forget(member.worker_id)
         if member.role is Role.PREFILL:
             self.disaggregation.forget(member.worker_id)
+        if member.role is Role.DECODE:
+            self._decode_held.forget(member.worker_id)
         if member.role is Role.DECODE and self.metrics is not None:
             self.metrics.forget_decode(member.worker_id)
         if member.role is Role.DECODE and self.inflight_decode[member.worker_id] > 0:
@@ -232,32 +235,41 @@ class Members:
             await channel.close()
 
     async def _follow_block_events(self) -> None:
-        """Pull every prefill's block events into the index, BLOCK_EVENTS_POLL_S apart."""
+        """Pull every prefill's (with prefix routing by events) and every decode's block events
+        into their index, BLOCK_EVENTS_POLL_S apart."""
         while True:
-            for member in [m for m in self.view.members.values() if m.role is Role.PREFILL]:
+            for member in [m for m in self.view.members.values() if self._index_of(m) is not None]:
+                index = self._index_of(member)
                 try:
                     await self._pull_block_events(member)
                 except Exception as exc:  # noqa: BLE001 - one bad reply must not stop following the others
-                    log.warning(kv(event="block_events_apply_failed", prefill=member.worker_id, error=repr(exc)))
-                    if self._reported is not None:
-                        self._reported.forget(member.worker_id)  # unknown again: the prediction stands in
+                    log.warning(kv(event="block_events_apply_failed", member=member.worker_id, error=repr(exc)))
+                    if index is not None:
+                        index.forget(member.worker_id)  # unknown again: the prediction stands in
             await asyncio.sleep(BLOCK_EVENTS_POLL_S)
 
+    def _index_of(self, member: Member) -> ReportedIndex | None:
+        return self._decode_held if member.role is Role.DECODE else self._reported
+
     async def _pull_block_events(self, member: Member) -> None:
-        assert self._reported is not None
-        stub = worker_pb2_grpc.PrefillStub(self.channel(member))
+        index = self._index_of(member)
+        assert index is not None
+        channel = self.channel(member)
+        stub = (
+            worker_pb2_grpc.DecodeStub(channel) if member.role is Role.DECODE else worker_pb2_grpc.PrefillStub(channel)
+        )
         for _ in range(BLOCK_EVENTS_PAGES):  # a long backlog comes in pages; the rest next round
-            epoch, after = self._reported.cursor(member.worker_id)
+            epoch, after = index.cursor(member.worker_id)
             try:
                 reply = await stub.BlockEvents(
                     worker_pb2.BlockEventsRequest(epoch=epoch, after_seq=after), timeout=self.config.timeouts.rpc_s
                 )
             except grpc.aio.AioRpcError as exc:
-                log.debug(kv(event="block_events_failed", prefill=member.worker_id, code=exc.code().name))
+                log.debug(kv(event="block_events_failed", member=member.worker_id, code=exc.code().name))
                 return
             if member.worker_id not in self.view.members:
                 return  # it left meanwhile: its entry was forgotten (a restart comes with a new epoch)
-            self._reported.apply(member.worker_id, reply)
+            index.apply(member.worker_id, reply)
             if reply.reset or sum(len(r.block_hashes) for r in reply.runs) < MAX_EVENTS_PER_REPLY:
                 return
 
@@ -281,6 +293,13 @@ class Members:
         if not ranked:
             raise none_left(role, self.revision, members, self._departures.recent(role))
         return ranked
+
+    def ranked_decodes_for(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> list[Member]:
+        """The decodes for `tokens`, best first: the one whose prefix cache holds the longest
+        prefix of them (its reports) first, within the balance bound (placement.prefer_cached)."""
+        ranked = self.ranked(Role.DECODE, avoid)
+        cached = self._decode_held.matched_tokens([m.worker_id for m in ranked], tokens, cache_scope)
+        return prefer_cached(ranked, cached, self.inflight_decode, self.config.balance)
 
     def pick_prefill(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> Member:
         pick = self.pick_prefill_for(avoid, tokens, cache_scope)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from pdserve_common.membership import Member, Role
+from pdserve_worker.router.prefix_routing import BalanceBound
 
 
 def compatible(member: Member, role: Role, revision: str) -> bool:
@@ -41,6 +42,23 @@ def rank_decodes(members: Iterable[Member], inflight: Mapping[str, int], revisio
         return (-free, mine, m.worker_id)
 
     return sorted(candidates, key=key)
+
+
+def prefer_cached(
+    ranked: list[Member], cached: Mapping[str, int], inflight: Mapping[str, int], bound: BalanceBound
+) -> list[Member]:
+    """`ranked` (rank_decodes' order) with the decode holding the longest cached prefix of the
+    prompt first (`cached`: tokens, by its reports), if its slots in use are within `bound` of
+    the least used: a conversation goes back to its KV, but never to a decode far busier."""
+    if not ranked or not any(cached.values()):
+        return ranked
+    used = {m.worker_id: estimated_used(m, inflight.get(m.worker_id, 0)) for m in ranked}
+    least = min(used.values())
+    fits = [m for m in ranked if bound.allows(used[m.worker_id], least) and m.info.slots_total > used[m.worker_id]]
+    best = max(fits, key=lambda m: cached.get(m.worker_id, 0), default=None)
+    if best is None or not cached.get(best.worker_id, 0):
+        return ranked
+    return [best, *(m for m in ranked if m is not best)]
 
 
 def estimated_queue(member: Member, inflight: int) -> int:

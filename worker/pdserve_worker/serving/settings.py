@@ -57,6 +57,7 @@ PREFILL_OVERTAKE_TOKENS = "PDSERVE_PREFILL_OVERTAKE_TOKENS"
 # colocated: prompt positions computed between two decode steps (chunked prefill, decode/generation_loop.py)
 PREFILL_CHUNK_TOKENS = "PDSERVE_PREFILL_CHUNK_TOKENS"
 LOCAL_PREFILL = "PDSERVE_LOCAL_PREFILL"  # decode: prefill locally when the router asks (true/false)
+DECODE_PREFIX_CACHE = "PDSERVE_DECODE_PREFIX_CACHE"  # decode: keep ended requests' blocks for later prompts
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
 ENGINE = E.ENGINE  # the model engine (pod_env.py: the operator renders it)
@@ -147,6 +148,9 @@ class WorkerSettings(BaseSettings):
     # layer-sharded or tensor-parallel decode never does. Router: when to ask for it
     # (router/disaggregation.py: always | never | auto).
     local_prefill: bool = Field(True, validation_alias=LOCAL_PREFILL)
+    # Decode: keep the blocks of ended requests for the next turn of a conversation
+    # (kv/decode_prefix.py; a paged pool of a plain decode: not a layer-sharded or TP group).
+    decode_prefix_cache: bool = Field(True, validation_alias=DECODE_PREFIX_CACHE)
     disaggregation: Literal["always", "never", "auto"] = Field("auto", validation_alias=E.DISAGGREGATION)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)

@@ -185,7 +185,7 @@ class WorkerMetrics:
             )
             self.kv_shared_blocks = Counter(
                 "pdserve_decode_kv_shared_blocks",
-                "KV blocks granted read-only from another copy of the same prompt (n > 1) instead of pushed again.",
+                "KV blocks granted read-only (another copy of the prompt, or the prefix cache) instead of pushed again.",
                 registry=r,
             )
         if role == "prefill":

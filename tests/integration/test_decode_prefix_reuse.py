@@ -1,0 +1,106 @@
+"""Decode-side prefix reuse (#55 item 2), in process: one router, one prefill, two decodes with
+prefix caches (kv/decode_prefix.py). Three conversations, interleaved, three turns each; each
+turn's prompt is the last turn's prompt, its answer and a new question. From turn 2 on, the
+router sends the conversation back to the decode that holds it (its block events,
+`Decode.BlockEvents`), the decode's grant shares the blocks it kept, and the prefill pushes only
+the rest: the request reports the kept tokens as cached and its KV bytes shrink by as much. The
+answers are the greedy ones, turn by turn, on the push road and on the decode's own road
+(`never`), which computes only what its cache lacks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve_worker.decode.worker import DecodeWorker
+from pdserve_worker.engines.native import NativeEngine
+from pdserve_worker.model.engine import generate
+from pdserve_worker.model.loading.loader import load_model
+from pdserve_worker.model.sampling.params import SamplingParams
+from pdserve_worker.prefill.worker import PrefillWorker
+from pdserve_worker.router.config import Timeouts
+from support.inprocess_stack import Stack
+
+SVC, TOKEN, REVISION = "ns/decode-prefix", "decode-prefix-token-0123456789", "rev-decode-prefix"
+MAX_LEN, SLOTS, BLOCK = 256, 4, 16
+PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+SCOPE = '["anonymous",""]'
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), dtype="float32")
+
+
+async def serve(backend, prompt: list[int], request_id: str):
+    events = [e async for e in backend.generate(prompt, PARAMS, request_id, cache_scope=SCOPE)]
+    infos = [e.info for e in events if e.info is not None]
+    return [e.token_id for e in events if e.token_id is not None], infos[-1]
+
+
+async def conversations(loaded, road: str) -> list[list[tuple[list[int], list[int], object]]]:
+    stack = Stack(SVC, TOKEN, max_len=MAX_LEN, slots=SLOTS)
+    backend = None
+    try:
+        for i in range(2):
+            d = stack.settings("decode", i, local_prefill=True, prefill_chunk_tokens=64)
+            await stack.serve_decode(DecodeWorker(d, NativeEngine(loaded), stack.engine(d), REVISION))
+        p = stack.settings("prefill", prefix_cache_tokens=1024)
+        await stack.serve_prefill(PrefillWorker(p, NativeEngine(loaded), stack.engine(p), REVISION), REVISION)
+        backend = await stack.pd_backend(
+            loaded.tokenizer, REVISION, Timeouts(rpc_s=2.0, lease_ms=5000, readiness_ms=10_000, prefill_s=30), 3
+        )
+        backend.members.disaggregation.policy = road
+        tok = loaded.tokenizer
+        prompts = [tok.encode(f"Conversation {i}: " + "lorem ipsum dolor sit amet " * (3 + i)) for i in range(3)]
+        turns: list[list[tuple[list[int], list[int], object]]] = [[] for _ in prompts]
+        for turn in range(3):
+            for i in range(len(prompts)):
+                if turn:
+                    last_prompt, last_answer, _ = turns[i][-1]
+                    prompts[i] = last_prompt + last_answer + tok.encode(f" Question {turn}?")
+                    # The router follows the decodes' block events: wait until it saw this conversation's.
+                    held = backend.members._decode_held
+                    async with asyncio.timeout(10):
+                        while not any(
+                            held.matched_tokens([f"decode-{d}"], prompts[i], SCOPE).values() for d in range(2)
+                        ):
+                            await asyncio.sleep(0.05)
+                answer, info = await serve(backend, prompts[i], f"c{i}-t{turn}")
+                turns[i].append((prompts[i], answer, info))
+        return turns
+    finally:
+        if backend is not None:
+            await backend.close()
+        await stack.close()
+
+
+def greedy(loaded, prompt: list[int]) -> list[int]:
+    [done] = generate(loaded.model, loaded.tokenizer, [prompt], PARAMS, max_len=MAX_LEN)
+    return done.output_ids
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("road", ["always", "never"])
+async def test_a_conversation_returns_to_its_decode_and_only_what_it_lacks_is_pushed(loaded, road):
+    turns = await conversations(loaded, road)
+    for conversation in turns:
+        first_prompt, _, first = conversation[0]
+        assert first.cached_tokens == 0
+        per_token = first.kv_bytes / len(first_prompt)
+        for (last_prompt, last_answer, last), (prompt, answer, info) in zip(conversation, conversation[1:]):
+            assert answer == greedy(loaded, prompt)
+            assert info.decode == last.decode  # back to the decode that holds the conversation
+            # What the last turn's KV held: its prompt and its answer but the last token (never fed),
+            # in whole blocks, leaving at least the prompt's last position to compute.
+            kept = len(last_prompt) + len(last_answer) - 1
+            assert (
+                info.cached_tokens == min(kept // BLOCK, (len(prompt) - 1) // BLOCK) * BLOCK > len(last_prompt) - BLOCK
+            )
+            assert info.disaggregated is (road == "always")
+            if road == "always":
+                assert info.kv_bytes == per_token * (len(prompt) - info.cached_tokens)
+            else:
+                assert info.kv_bytes == 0
+        assert conversation[0][1] == greedy(loaded, first_prompt)
