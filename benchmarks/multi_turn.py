@@ -170,6 +170,36 @@ def summarize(convs: list[Conversation], baseline: list[Conversation]) -> dict[s
     }
 
 
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Each configuration's ratios to the baseline, a dot per round and a bar at the median, with
+    the issue's bars (needs matplotlib: pip install -e '.[plots]')."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["ratios"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (key, label, bar) in zip(
+        axes, (("kv_bytes", "KV bytes pushed, turns 2-4", 0.25), ("ttft_p50", "TTFT p50, turns 2-4", 0.5))
+    ):
+        values = [report["ratios"][n][key] for n in names]
+        ax.bar(range(len(names)), [statistics.median(v) for v in values], color="#8fb3d9")
+        for i, v in enumerate(values):
+            ax.scatter([i] * len(v), v, color="black", s=12, zorder=3)
+        ax.axhline(bar, color="red", linestyle="--", linewidth=1, label=f"bar {bar}x")
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_title(f"{label}, ÷ {BASELINE}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"multi-turn, 1P2D, {report['machine']}, {report['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
@@ -219,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if plot(report, args.out.with_suffix(".png")):
+        print(f"wrote {args.out.with_suffix('.png')}")
     return 1 if any(row["errors"] for rd in rounds for row in rd.values()) else 0
 
 

@@ -139,7 +139,10 @@ def aio_channel(
 _ROUTER = frozenset({"router"})
 _DECODE = frozenset({"decode"})
 WORKER_POLICY: Policy = {
-    **{f"/pdserve.v1.Decode/{m}": _ROUTER for m in ("Reserve", "Generate", "Release", "Status", "Migrate")},
+    **{
+        f"/pdserve.v1.Decode/{m}": _ROUTER
+        for m in ("Reserve", "Generate", "Release", "Status", "Migrate", "BlockEvents")
+    },
     **{f"/pdserve.v1.Prefill/{m}": _ROUTER for m in ("Prefill", "Cancel", "BlockEvents")},
     **{f"/pdserve.v1.DecodeShard/{m}": _DECODE for m in ("Describe", "Forward", "WaitReady", "PushHandoff")},
 }

@@ -58,7 +58,7 @@ async def road(loaded: Any) -> AsyncIterator[Road]:
     try:
         listen_port = free_port()
         _, kv_port = proxy.link("kv", ("127.0.0.1", 0), ("127.0.0.1", listen_port))
-        d_settings = stack.settings("decode", transfer_port=kv_port)
+        d_settings = stack.settings("decode", transfer_port=kv_port, decode_prefix_cache=False)  # (every push whole)
         d_backend = create_engine("cpu")
         assert d_backend.engine.initialize(f"127.0.0.1:{listen_port}") == d_backend.api.SUCCESS
         stack.engines.append(d_backend)

@@ -64,7 +64,9 @@ async def two_routers(loaded, routing_b: str) -> tuple[list[int], list[int], lis
     stack = Stack(SVC, TOKEN, max_len=MAX_LEN, slots=SLOTS)
     routers: list[PDBackend] = []
     try:
-        d = stack.settings("decode")
+        d = stack.settings(
+            "decode", decode_prefix_cache=False
+        )  # (the prefill's cache under test: the decode's own (kv/decode_prefix.py) would serve repeats first)
         decode = stack.worker(DecodeWorker(d, NativeEngine(loaded), stack.engine(d), REVISION))
         await decode.start()
         await stack.serve(

@@ -60,6 +60,9 @@ def start(tmp_path_factory, tiny_model_dir, name: str, **mode) -> LocalRun:
         layers_per_chunk=1,
         threads=1,
         prefix_cache_tokens=2048,
+        env={
+            "PDSERVE_DECODE_PREFIX_CACHE": "0"
+        },  # (the prefill's cache under test: the decode's own (kv/decode_prefix.py) would serve repeats first)
     )
 
 

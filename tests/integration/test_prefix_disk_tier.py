@@ -91,6 +91,9 @@ def test_blocks_come_back_from_disk_after_eviction_a_kill_and_damage(
         prefix_cache_tokens=4 * BLOCK,
         prefix_disk_dir=disk,
         on_exit="restart",
+        env={
+            "PDSERVE_DECODE_PREFIX_CACHE": "0"
+        },  # (the prefill's cache under test: the decode's own (kv/decode_prefix.py) would serve repeats first)
     )
     try:
         first = [ask(run.url, p) for p in PROMPTS]

@@ -39,5 +39,6 @@ def test_generated_modules_import_under_the_package_name() -> None:
         "Release",
         "Status",
         "Migrate",
+        "BlockEvents",
     }
     assert hasattr(broker_pb2_grpc, "BrokerStub") and hasattr(worker_pb2_grpc, "PrefillStub")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from pdserve_common import tracing
 from pdserve_worker.decode.generation_loop import InstanceEnding, Parked, Prefilled, RequestFailed, RequestStream
 from pdserve_worker.decode.migration import MIGRATED, Handoff
 from pdserve_worker.decode.worker import DecodeWorker, KVDamaged, Ready, ReadyUnusable
+from pdserve_worker.kv.blocks import BlockTable
 from pdserve_worker.model.sampling.params import FinishReason, SamplingParams
 from pdserve_worker.model.sampling.sampler import stop_token_ids
 from pdserve_worker.ranks.group import MemberUnavailable
@@ -239,7 +240,7 @@ class GenerateRoad:
             slot,
             g.params,
             lambda: w.finished(slot, generation),
-            keep_kv=w.keep_kv(slot, generation),
+            keep_kv=keep_kv(w, slot, generation),
         )
 
     def start_stream(self, g: GenerateCall, ready: Ready) -> RequestStream:
@@ -263,7 +264,7 @@ class GenerateRoad:
             g.params,
             lambda: w.finished(slot, generation),
             Prefilled(g.first, replayed, None if migrated else ready.first_logprobs),
-            keep_kv=w.keep_kv(slot, generation),
+            keep_kv=keep_kv(w, slot, generation),
         )
 
     async def token_event(
@@ -364,3 +365,12 @@ class GenerateRoad:
                 grpc.StatusCode.UNAVAILABLE,
                 f"{where}: handed over, but no Migrate came within {w.settings.migrate_wait_seconds:g}s",
             )
+
+
+def keep_kv(w: DecodeWorker, slot: int, generation: int) -> Callable[[list[int]], None] | None:
+    """The generation loop's `keep_kv` for (slot, generation): what its blocks hold goes to the
+    decode's prefix cache when it ends (kv/decode_prefix.py; None without one)."""
+    table = w.slots
+    if not isinstance(table, BlockTable) or table.prefix is None:
+        return None
+    return lambda token_ids: table.note_kv(slot, generation, token_ids)

@@ -22,6 +22,7 @@ from pdserve_worker.decode.migration import HandoffUnavailable
 from pdserve_worker.decode.worker import DecodeWorker
 from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.blocks import BlockTable
+from pdserve_worker.kv.decode_prefix import CachedPrompt
 from pdserve_worker.kv.slots import NoFreeSlot
 from pdserve_worker.ranks.group import MemberUnavailable
 from pdserve_worker.rpc.convert import grant_to_proto, push_targets_from_proto
@@ -58,16 +59,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             )
         ttl_s = (request.lease_ms or w.settings.lease_ms) / 1000
         try:
-            share = (request.share_from.slot, request.share_from.generation) if request.HasField("share_from") else None
             grant = w.reserve(
                 request.request_id,
                 ttl_s,
                 request.num_prompt_tokens,
                 request.max_tokens,
-                share,
+                share_of(request),
                 request.keep_for_copies,
-                list(request.prompt_token_ids),
-                request.cache_scope,
             )
         except NoFreeSlot as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -200,6 +198,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DecodeStatus:
         return self.w.status()
+
+
+def share_of(request: worker_pb2.ReserveRequest) -> tuple[int, int] | CachedPrompt | None:
+    """What a Reserve may share: another copy's reservation, or what the prefix cache holds of its prompt."""
+    if request.HasField("share_from"):
+        return request.share_from.slot, request.share_from.generation
+    return CachedPrompt(tuple(request.prompt_token_ids), request.cache_scope) if request.prompt_token_ids else None
 
 
 class DecodeRole(DecodeWorker):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,7 +33,7 @@ from pdserve_worker.engines.base import Engine
 from pdserve_worker.kv.block_events import BlockEventLog
 from pdserve_worker.kv.blocks import BlockTable, BlockUsage
 from pdserve_worker.kv.cache import KVCache
-from pdserve_worker.kv.decode_prefix import DecodePrefixCache
+from pdserve_worker.kv.decode_prefix import CachedPrompt, DecodePrefixCache
 from pdserve_worker.kv.memory_budget import auto_kv_tokens, own_memory
 from pdserve_worker.kv.paged import PagedKVCache
 from pdserve_worker.kv.prefix_cache import cache_salt
@@ -139,24 +138,9 @@ class DecodeWorker:
         self.leases = (BlockWriteLeases if paged else SlotWriteLeases)(self.backend, base_addr, layout)
         if self.group is not None:
             self.leases = self.group.write_leases(self.leases)  # (a tensor-parallel decode's other ranks too)
-        common = dict(
-            engine_id=settings.engine_id,
-            base_addr=base_addr,
-            quarantine_s=quarantine_s,
-            capability_key=settings.capability_key(),
-            leases=self.leases,
-        )
-        self.slots: SlotTable | BlockTable
-        if not paged:
-            self.slots = SlotTable(layout, **common)
-        elif self.group is None and settings.decode_prefix_cache:
-            # Ended requests' blocks stay for later prompts; routers follow what is kept.
-            salt = cache_salt(self.revision, layout.dtype, layout.block_tokens)
-            events = BlockEventLog(lambda: self.slots.prefix_held())
-            prefix = DecodePrefixCache(salt, layout.block_tokens, events)
-            self.slots = BlockTable(layout, **common, prefix=prefix)
-        else:
-            self.slots = BlockTable(layout, **common)
+        self.slots: SlotTable | BlockTable = grant_table(settings, layout, quarantine_s, self.leases, base_addr)
+        if isinstance(self.slots, BlockTable) and self.group is None and settings.decode_prefix_cache:
+            self.slots.prefix = decode_prefix_cache(self.revision, layout)  # ended requests' blocks, for later prompts
         self.cache: KVCache | PagedKVCache = self.engine.bind_pool(layout, self.pool.tensor)
         return self._warm_blocks if paged else self.pool.warm
 
@@ -178,17 +162,15 @@ class DecodeWorker:
         ttl_s: float,
         num_prompt_tokens: int,
         max_tokens: int,
-        share_from: tuple[int, int] | None = None,
+        share_from: tuple[int, int] | CachedPrompt | None = None,
         keep_for: int = 0,
-        prompt_ids: list[int] | None = None,
-        scope: str = "",
     ) -> Grant:
         """A grant for a request of `num_prompt_tokens` + `max_tokens`: a slot, or the blocks of
         exactly that many tokens (raises NoFreeSlot, or its NoFreeBlocks, when there is no room).
         `share_from`: another copy of the prompt decoding here, whose whole prompt blocks a paged
         pool shares read-only (as many as are still there; a slot pool has none to share);
-        `keep_for`: the later copies of this one's prompt, which will ask to share it.
-        `prompt_ids`/`scope`: the prompt, for the blocks of its prefix the prefix cache holds."""
+        `keep_for`: the later copies of this one's prompt, which will ask to share it. A
+        CachedPrompt: the blocks of its prefix the prefix cache holds (kv/decode_prefix.py)."""
         if isinstance(self.slots, BlockTable):
             return self.slots.reserve(
                 request_id,
@@ -198,8 +180,6 @@ class DecodeWorker:
                 share_from=share_from,
                 shared_blocks=None,
                 keep_for=min(keep_for, self.slots.max_reservations),
-                prompt_ids=prompt_ids or (),
-                scope=scope,
             )
         return self.slots.reserve(request_id, ttl_s)
 
@@ -218,14 +198,6 @@ class DecodeWorker:
         """The KV of (slot, generation) is committed: decode reads it through its block table."""
         if isinstance(self.slots, BlockTable):
             self.engine.bind_blocks(self.cache, slot, self.slots.blocks_of(slot))
-
-    def keep_kv(self, slot: int, generation: int) -> Callable[[list[int]], None] | None:
-        """The generation loop's `keep_kv` for (slot, generation): its blocks go to the prefix
-        cache when it ends (None without one)."""
-        table = self.slots
-        if not isinstance(table, BlockTable) or table.prefix is None:
-            return None
-        return lambda token_ids: table.note_kv(slot, generation, token_ids)
 
     def finished(self, slot: int, generation: int) -> None:
         """The request left the batch: its blocks are nobody's to read, and the grant is freed."""
@@ -445,3 +417,27 @@ def transfer_refusals(backend: TransferBackend) -> int:
         return 0
     stats = backend.host.security_stats()
     return sum(v for k, v in stats.items() if k not in ("links_open", "handshakes_pending", "write_leases"))
+
+
+def grant_table(
+    settings: WorkerSettings, layout: KVLayout, quarantine_s: float, leases: Any, base_addr: int
+) -> SlotTable | BlockTable:
+    """A decode pool's one grant owner: blocks for a paged pool, max-length slots otherwise."""
+    table = BlockTable if layout.paged else SlotTable
+    key = settings.capability_key()
+    return table(
+        layout,
+        engine_id=settings.engine_id,
+        base_addr=base_addr,
+        quarantine_s=quarantine_s,
+        capability_key=key,
+        leases=leases,
+    )
+
+
+def decode_prefix_cache(revision: str, layout: KVLayout) -> DecodePrefixCache:
+    """The prefix cache of a decode's pool, named as a prefill of the same model names blocks,
+    with the block events routers follow."""
+    prefix = DecodePrefixCache(cache_salt(revision, layout.dtype, layout.block_tokens), layout.block_tokens)
+    prefix.events = BlockEventLog(prefix.held)
+    return prefix

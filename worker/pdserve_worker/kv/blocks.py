@@ -25,7 +25,7 @@ from typing import Protocol
 
 from pdserve_common.kv_layout import KVLayout
 from pdserve_common.logs import kv
-from pdserve_worker.kv.decode_prefix import DecodePrefixCache
+from pdserve_worker.kv.decode_prefix import CachedPrompt, DecodePrefixCache
 from pdserve_worker.kv.reservations import SYSTEM_CLOCK, LeaseClock, Reservation, ReservationTable
 from pdserve_worker.kv.slots import Grant, NoFreeSlot, SlotState, SlotUsage
 
@@ -117,9 +117,8 @@ class _Handle(Reservation):
     # reservation sharing blocks, the tokens those blocks hold (what its prompt must start with).
     prompt_ids: tuple[int, ...] = ()
     keep_for: int = 0  # later copies of its prompt that will share its prompt blocks
-    scope: str = ""  # its prefix-cache scope (tenant, cache_salt): where its blocks are kept
+    cached: CachedPrompt | None = None  # reserved with its prompt and scope: kept in the prefix cache after
     kv_ids: tuple[int, ...] = ()  # the tokens whose KV its blocks hold when it ends (`note_kv`)
-    cacheable: bool = False  # reserved with its prompt and scope: its blocks may be kept for others
 
 
 def _checked(
@@ -162,7 +161,6 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         clock: LeaseClock = SYSTEM_CLOCK,
         capability_key: bytes | None = None,
         leases: BlockLeaseHooks | None = None,
-        prefix: DecodePrefixCache | None = None,
     ) -> None:
         if not layout.paged:
             raise ValueError(f"a BlockTable needs a paged layout (block_tokens > 0), got {layout}")
@@ -183,9 +181,9 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         # moves as one descriptor per layer (pdserve_common/kv_layout.py).
         self._free_blocks: list[int] = list(range(self.num_blocks))
         self._kept: dict[int, _Kept] = {}  # by the generation of the reservation that ended
-        self.prefix = prefix  # ended requests' blocks, for later prompts (kv/decode_prefix.py)
-        if prefix is not None and prefix.block_tokens != self.block_tokens:
-            raise ValueError(f"prefix cache blocks of {prefix.block_tokens} tokens in a pool of {self.block_tokens}")
+        # Ended requests' blocks, for later prompts (kv/decode_prefix.py): set by the pool's
+        # owner, blocks of this pool's size.
+        self.prefix: DecodePrefixCache | None = None
 
     @property
     def max_reservations(self) -> int:
@@ -199,11 +197,9 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         *,
         num_tokens: int,
         prompt_tokens: int | None = None,
-        share_from: tuple[int, int] | None = None,
+        share_from: tuple[int, int] | CachedPrompt | None = None,
         shared_blocks: int | None = 0,
         keep_for: int = 0,
-        prompt_ids: Sequence[int] = (),
-        scope: str = "",
     ) -> Grant:
         """Grant a handle and blocks for `num_tokens` tokens for `ttl_s` seconds. Raises NoFreeBlocks.
 
@@ -216,22 +212,16 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         longer committed, nor kept, or has not been told its prompt (`note_prompt`): n copies of
         a prompt share what is still there. `keep_for`: later copies that will share this one's
         prompt blocks (kept for them if it ends first; see the module's docstring).
-        `prompt_ids`/`scope` (no `share_from`): the prompt, to take the blocks of its longest
-        prefix the prefix cache holds in `scope` read-only (kv/decode_prefix.py); its blocks
-        are kept there in `scope` when it ends."""
+        `share_from` a CachedPrompt: the blocks of its longest prefix the prefix cache holds in
+        its scope, read-only; this one's are kept there when it ends (kv/decode_prefix.py)."""
         prompt, need = _checked(self.layout, request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
+        copy = share_from if isinstance(share_from, tuple) else None
         self.expire()
         with self._lock:
             now = self._clock()
             self._sweep(now)
-            if share_from is None and self.prefix is not None and prompt_ids:
-                hit = self.prefix.match(prompt_ids[:prompt], scope)
-                shared, expected = hit.blocks, hit.token_ids
-            else:
-                shared, expected = self._shared_prefix(share_from, shared_blocks, prompt)
-            if need - len(shared) > len(self._free_blocks):  # kept blocks never stand in a reservation's way
-                self._let_go(lambda gen, kept: share_from is None or gen != share_from[1])
-                self._evict(need - len(shared) - len(self._free_blocks), set(shared))
+            shared, expected = self._shared_prefix(share_from, shared_blocks, prompt)
+            self._make_room(need - len(shared), copy, shared)
             index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
             if index is None or fresh > len(self._free_blocks):
@@ -240,33 +230,28 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             blocks = shared + self._take(index, generation, fresh)
             for b in blocks:
                 self._refs[b] += 1
-            if shared and share_from is not None:
-                self._copy_came(share_from)
+            if shared and copy is not None:
+                self._copy_came(copy)
             h = self._claim(index, generation, request_id, ttl_s, now)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
-            h.prompt_ids, h.keep_for, h.scope, h.kv_ids = expected, keep_for, scope, ()
-            h.cacheable = bool(prompt_ids)  # (its scope is known: a migration's reservation has none)
+            h.prompt_ids, h.keep_for = expected, keep_for
+            h.cached, h.kv_ids = (share_from if isinstance(share_from, CachedPrompt) else None), ()
             grant = self._grant(index, h)
-        log.debug(
-            kv(
-                event="blocks_reserved",
-                request=request_id,
-                slot=index,
-                generation=generation,
-                blocks=len(blocks),
-                shared=len(shared),
-                tokens=num_tokens,
-            )
-        )
+        fields = {"blocks": len(blocks), "shared": len(shared), "tokens": num_tokens}
+        log.debug(kv(event="blocks_reserved", request=request_id, slot=index, generation=generation, **fields))
         return grant
 
     # ---- queries -------------------------------------------------------------------------------
 
     def _shared_prefix(
-        self, share_from: tuple[int, int] | None, shared_blocks: int | None, prompt: int
+        self, share_from: tuple[int, int] | CachedPrompt | None, shared_blocks: int | None, prompt: int
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The first `shared_blocks` blocks of a committed reservation, and the prompt tokens they
-        hold as far as it was told them (lock held); see `reserve` for None."""
+        hold as far as it was told them, or the prefix cache's for a CachedPrompt (lock held);
+        see `reserve` for None."""
+        if isinstance(share_from, CachedPrompt):
+            hit = self.prefix.match(share_from.token_ids[:prompt], share_from.scope) if self.prefix else None
+            return (hit.blocks, hit.token_ids) if hit is not None else ((), ())
         if share_from is None or shared_blocks == 0:
             return (), ()
         live = self._live(*share_from)
@@ -342,22 +327,21 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             h.prompt_ids = tuple(token_ids)
             return None
 
-    def prefix_held(self) -> list[tuple[bool, bytes]]:
-        """What the prefix cache holds (its BlockEventLog's snapshot)."""
-        with self._lock:
-            return self.prefix.held() if self.prefix is not None else []
-
     def note_kv(self, slot: int, generation: int, token_ids: Sequence[int]) -> None:
         """The tokens whose KV (slot, generation)'s blocks hold as it ends: the prefix cache
         keeps those blocks (nothing without one, or once it is not live)."""
         with self._lock:
             h = self._live(slot, generation)
-            if h is not None and self.prefix is not None and h.cacheable:
+            if h is not None and h.cached is not None:
                 h.kv_ids = tuple(token_ids)
 
-    def _evict(self, room: int, keep: set[int]) -> None:
-        """Blocks only the prefix cache holds, least recently used first, freed for `room` (lock held)."""
-        if self.prefix is not None and room > 0:
+    def _make_room(self, fresh: int, copy: tuple[int, int] | None, shared: tuple[int, ...]) -> None:
+        """Kept blocks never stand in a reservation's way: let go of copies' (but `copy`'s), then
+        evict the prefix cache's least recently used until `fresh` blocks are free (lock held)."""
+        if fresh > len(self._free_blocks):
+            self._let_go(lambda gen, kept: copy is None or gen != copy[1])
+        if fresh > len(self._free_blocks) and self.prefix is not None:
+            room, keep = fresh - len(self._free_blocks), set(shared)
             self._unref(self.prefix.evict(room, lambda b: self._refs[b] == 1 and b not in keep))
 
     def blocks_of(self, slot: int) -> tuple[int, ...]:
@@ -414,12 +398,12 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                 h.held[:whole], h.prompt_tokens, h.prompt_ids, h.keep_for, self._clock() + KEEP_S
             )
             self._unref(h.held[whole:])
-        elif h.state is SlotState.COMMITTED and self.prefix is not None and h.kv_ids:
+        elif h.state is SlotState.COMMITTED and self.prefix is not None and h.cached is not None and h.kv_ids:
             kept = min(len(h.kv_ids) // self.block_tokens, len(h.held))
-            self._unref(self.prefix.keep(h.kv_ids, h.scope, h.held[:kept]) + list(h.held[kept:]))
+            self._unref(self.prefix.keep(h.kv_ids, h.cached.scope, h.held[:kept]) + list(h.held[kept:]))
         else:
             self._unref(h.held)
-        h.held, h.blocks, h.shared, h.prompt_ids, h.keep_for, h.kv_ids = (), (), 0, (), 0, ()
+        h.held, h.blocks, h.shared, h.prompt_ids, h.keep_for, h.kv_ids, h.cached = (), (), 0, (), 0, (), None
 
     def _unref(self, blocks: Sequence[int]) -> None:
         for b in blocks:

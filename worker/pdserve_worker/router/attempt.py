@@ -117,6 +117,14 @@ def note_retry(request: RoutedRequest, failure: Retryable, metrics: RouterMetric
         metrics.observe_retry()
 
 
+def split_shared(grant: worker_pb2.Grant, copied: bool) -> tuple[int, int]:
+    """A grant's shared blocks as (blocks of another copy of the prompt, tokens of the decode's
+    prefix cache): the former hold a prompt another request is pushed; the latter ended requests' KV."""
+    if copied:
+        return grant.shared_blocks, 0
+    return 0, grant.shared_blocks * grant.kv_layout.block_tokens
+
+
 class Attempt:
     """The state of one `run_attempt`: the prefill and decode it holds, the grant, the two
     calls, what the client has been told, and the span; each step of the road is one method."""
@@ -191,13 +199,8 @@ class Attempt:
         if self.prefill is not None:
             self.queue = estimated_queue(self.prefill, members.inflight_prefill[self.prefill.worker_id])
         request_road = Road(len(self.tokens), bool(request.emitted), self.params.prompt_logprobs is not None)
-        shared = self.grant.shared_blocks
-        road = replace(
-            request_road,
-            shared_blocks=shared if self.copied else 0,
-            decode_cached=0 if self.copied else shared * self.grant.kv_layout.block_tokens,
-            copies=prompt_copies.later_copies(),
-        )
+        copied, cached = split_shared(self.grant, self.copied)
+        road = replace(request_road, shared_blocks=copied, decode_cached=cached, copies=prompt_copies.later_copies())
         running = max(self.decode.load.active_requests, members.inflight_decode[self.decode.worker_id] - 1)
         choice = members.disaggregation.choose(road, self.decode, self.prefill, self.cached_remote, self.queue, running)
         self.local = choice.local
@@ -355,7 +358,7 @@ class Attempt:
         if self.migrations:  # the first event of the decode the request moved to
             self.info = RequestInfo(True, event.kv_bytes_received, None, *ids, migrations=self.migrations)
             return self.info
-        decode_cached = 0 if self.copied else self.grant.shared_blocks * self.grant.kv_layout.block_tokens
+        decode_cached = split_shared(self.grant, self.copied)[1]
         if self.local:  # computed on the decode: nothing was pushed
             self.info = RequestInfo(False, 0, None, *ids, decode_cached)
             return self.info
