@@ -7,8 +7,9 @@ configuration is `pdserve local` with 1 prefill and 2 decodes on the same model 
 
   always-nodecode  --disaggregation always, PDSERVE_DECODE_PREFIX_CACHE=0 (the baseline: the
                    prefill's own prefix cache only, every turn's KV pushed whole)
-  always           --disaggregation always, decode prefix cache on (push only what it lacks)
+  always           --disaggregation always, decode prefix cache on (its prompts' blocks: push the rest)
   auto             --disaggregation auto, decode prefix cache on (the default)
+  auto-answers     auto, and the decode keeps its answers' blocks too (PDSERVE_DECODE_PREFIX_ANSWERS=1)
 
 Reported per configuration, over turns 2-4: the KV bytes pushed (the answer's `pdserve` field)
 and TTFT p50, as ratios to the baseline's, and whether every answer's text (temperature 0) is
@@ -43,6 +44,7 @@ CONFIGS = {
     "always-nodecode": ["--disaggregation", "always", "--env", "PDSERVE_DECODE_PREFIX_CACHE=0"],
     "always": ["--disaggregation", "always"],
     "auto": ["--disaggregation", "auto"],
+    "auto-answers": ["--disaggregation", "auto", "--env", "PDSERVE_DECODE_PREFIX_ANSWERS=1"],
 }
 BASELINE = "always-nodecode"
 

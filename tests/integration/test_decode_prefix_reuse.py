@@ -2,8 +2,8 @@
 prefix caches (kv/decode_prefix.py). Three conversations, interleaved, three turns each; each
 turn's prompt is the last turn's prompt, its answer and a new question. From turn 2 on, the
 router sends the conversation back to the decode that holds it (its block events,
-`Decode.BlockEvents`), the decode's grant shares the blocks it kept, and the prefill pushes only
-the rest: the request reports the kept tokens as cached and its KV bytes shrink by as much. The
+`Decode.BlockEvents`), the decode's grant shares the blocks it kept (its prompt's, and with
+`decode_prefix_answers` its answer's), and the prefill pushes only the rest: the request reports the kept tokens as cached and its KV bytes shrink by as much. The
 answers are the greedy ones, turn by turn, on the push road and on the decode's own road
 (`never`), which computes only what its cache lacks."""
 
@@ -39,12 +39,12 @@ async def serve(backend, prompt: list[int], request_id: str):
     return [e.token_id for e in events if e.token_id is not None], infos[-1]
 
 
-async def conversations(loaded, road: str) -> list[list[tuple[list[int], list[int], object]]]:
+async def conversations(loaded, road: str, answers: bool) -> list[list[tuple[list[int], list[int], object]]]:
     stack = Stack(SVC, TOKEN, max_len=MAX_LEN, slots=SLOTS)
     backend = None
     try:
         for i in range(2):
-            d = stack.settings("decode", i, local_prefill=True, prefill_chunk_tokens=64)
+            d = stack.settings("decode", i, prefill_chunk_tokens=64, decode_prefix_answers=answers)
             await stack.serve_decode(DecodeWorker(d, NativeEngine(loaded), stack.engine(d), REVISION))
         p = stack.settings("prefill", prefix_cache_tokens=1024)
         await stack.serve_prefill(PrefillWorker(p, NativeEngine(loaded), stack.engine(p), REVISION), REVISION)
@@ -82,9 +82,9 @@ def greedy(loaded, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("road", ["always", "never"])
-async def test_a_conversation_returns_to_its_decode_and_only_what_it_lacks_is_pushed(loaded, road):
-    turns = await conversations(loaded, road)
+@pytest.mark.parametrize(("road", "answers"), [("always", False), ("never", False), ("never", True)])
+async def test_a_conversation_returns_to_its_decode_and_only_what_it_lacks_is_pushed(loaded, road, answers):
+    turns = await conversations(loaded, road, answers)
     for conversation in turns:
         first_prompt, _, first = conversation[0]
         assert first.cached_tokens == 0
@@ -92,9 +92,9 @@ async def test_a_conversation_returns_to_its_decode_and_only_what_it_lacks_is_pu
         for (last_prompt, last_answer, last), (prompt, answer, info) in zip(conversation, conversation[1:]):
             assert answer == greedy(loaded, prompt)
             assert info.decode == last.decode  # back to the decode that holds the conversation
-            # What the last turn's KV held: its prompt and its answer but the last token (never fed),
-            # in whole blocks, leaving at least the prompt's last position to compute.
-            kept = len(last_prompt) + len(last_answer) - 1
+            # What the last turn's KV held: its prompt, with `answers` its answer but the last token
+            # (never fed), in whole blocks, leaving at least the prompt's last position to compute.
+            kept = len(last_prompt) + (len(last_answer) - 1 if answers else 0)
             assert (
                 info.cached_tokens == min(kept // BLOCK, (len(prompt) - 1) // BLOCK) * BLOCK > len(last_prompt) - BLOCK
             )

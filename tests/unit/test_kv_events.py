@@ -108,3 +108,21 @@ def test_a_prefill_cannot_grow_a_router_without_bound():
     assert index.size("p0") == 5
     index.apply("p0", Reply("e", 3, False, enabled=False))  # its cache is off: nothing is held
     assert not index.knows("p0")
+
+
+def test_a_prediction_stands_until_the_members_events_say_otherwise():
+    """router/kv_index.py `predict`: a decode that served a prompt is taken to hold its blocks
+    before its events come (the next turn may come first); a removal or a reset corrects it, and
+    a member that never reported gets no prediction."""
+    log = BlockEventLog(lambda: [])
+    index = ReportedIndex()
+    tokens = list(range(10))  # 2 whole blocks of 4
+    index.predict("d0", tokens, SCOPE)
+    assert index.matched_tokens(["d0"], tokens, SCOPE) == {}  # never reported: nothing to go by
+    index.apply("d0", reply_of(log, *index.cursor("d0")))
+    index.predict("d0", tokens, SCOPE)
+    assert index.matched_tokens(["d0"], tokens, SCOPE) == {"d0": 8}
+    assert index.matched_tokens(["d0"], tokens, '["b",""]') == {"d0": 0}  # in its scope only
+    log.record(False, False, block_hashes(tokens, 4, scoped_salt(SALT, SCOPE))[:1])  # evicted
+    index.apply("d0", reply_of(log, *index.cursor("d0")))
+    assert index.matched_tokens(["d0"], tokens, SCOPE) == {"d0": 0}

@@ -240,7 +240,7 @@ class GenerateRoad:
             slot,
             g.params,
             lambda: w.finished(slot, generation),
-            keep_kv=keep_kv(w, slot, generation),
+            keep_kv=keep_kv(w, slot, generation, len(g.prompt)),
         )
 
     def start_stream(self, g: GenerateCall, ready: Ready) -> RequestStream:
@@ -264,7 +264,7 @@ class GenerateRoad:
             g.params,
             lambda: w.finished(slot, generation),
             Prefilled(g.first, replayed, None if migrated else ready.first_logprobs),
-            keep_kv=keep_kv(w, slot, generation),
+            keep_kv=keep_kv(w, slot, generation, len(g.prompt)),
         )
 
     async def token_event(
@@ -367,10 +367,12 @@ class GenerateRoad:
             )
 
 
-def keep_kv(w: DecodeWorker, slot: int, generation: int) -> Callable[[list[int]], None] | None:
+def keep_kv(w: DecodeWorker, slot: int, generation: int, prompt: int) -> Callable[[list[int]], None] | None:
     """The generation loop's `keep_kv` for (slot, generation): what its blocks hold goes to the
-    decode's prefix cache when it ends (kv/decode_prefix.py; None without one)."""
+    decode's prefix cache when it ends (kv/decode_prefix.py; None without one): the KV of its
+    `prompt` tokens, which a prompt pass computed, and with `decode_prefix_answers` its answer's."""
     table = w.slots
     if not isinstance(table, BlockTable) or table.prefix is None:
         return None
-    return lambda token_ids: table.note_kv(slot, generation, token_ids)
+    limit = None if w.settings.decode_prefix_answers else prompt
+    return lambda token_ids: table.note_kv(slot, generation, token_ids[:limit])

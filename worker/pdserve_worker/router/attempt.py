@@ -68,7 +68,8 @@ async def run_attempt(members: Members, grants: Grants, request: RoutedRequest) 
                 continue
             token = await attempt.token_event(event)
             yield token
-            if attempt.finished:
+            if attempt.finished:  # its decode keeps the prompt's blocks: the next turn goes there
+                members.note_decode_kept(attempt.decode.worker_id, attempt.tokens, request.cache_scope)
                 return
     except BaseException as exc:
         mapped = attempt.failure(exc)

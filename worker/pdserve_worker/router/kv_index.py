@@ -90,6 +90,16 @@ class ReportedIndex:
                     log.warning(kv(event="kv_index_capped", prefill=prefill_id, max_hashes=self.max_hashes))
                 tier.update(run.block_hashes[: max(0, room)])
 
+    def predict(self, member_id: str, tokens: list[int], scope: str) -> None:
+        """Take `tokens`' whole blocks as held by a reporting member before its events say so (a
+        wrong guess costs a miss: the member looks the prompt up itself)."""
+        with self._lock:
+            held = self._held.get(member_id)
+            if held is None or held.block_tokens <= 0:
+                return
+            hashes = block_hashes(tokens, held.block_tokens, scoped_salt(held.salt, scope))
+            held.tiers[0].update(hashes[: max(0, self.max_hashes - held.size())])
+
     def any_enabled(self) -> bool:
         """Some prefill reports a prefix cache (one without is not held here)."""
         with self._lock:

@@ -301,6 +301,11 @@ class Members:
         cached = self._decode_held.matched_tokens([m.worker_id for m in ranked], tokens, cache_scope)
         return prefer_cached(ranked, cached, self.inflight_decode, self.config.balance)
 
+    def note_decode_kept(self, decode_id: str, tokens: list[int], cache_scope: str) -> None:
+        """A request ended on `decode_id`, whose prefix cache now keeps `tokens`' blocks: taken
+        as held until its events say otherwise (the next turn may come before they do)."""
+        self._decode_held.predict(decode_id, tokens, cache_scope)
+
     def pick_prefill(self, avoid: Mapping[str, int], tokens: list[int], cache_scope: str) -> Member:
         pick = self.pick_prefill_for(avoid, tokens, cache_scope)
         pick.note()

@@ -58,6 +58,7 @@ PREFILL_OVERTAKE_TOKENS = "PDSERVE_PREFILL_OVERTAKE_TOKENS"
 PREFILL_CHUNK_TOKENS = "PDSERVE_PREFILL_CHUNK_TOKENS"
 LOCAL_PREFILL = "PDSERVE_LOCAL_PREFILL"  # decode: prefill locally when the router asks (true/false)
 DECODE_PREFIX_CACHE = "PDSERVE_DECODE_PREFIX_CACHE"  # decode: keep ended requests' blocks for later prompts
+DECODE_PREFIX_ANSWERS = "PDSERVE_DECODE_PREFIX_ANSWERS"  # decode: keep the answer's blocks too
 PREFIX_ROUTING = "PDSERVE_PREFIX_ROUTING"  # router: events (the prefills' reports) or predict
 MEMORY_SHARE = "PDSERVE_MEMORY_SHARE"  # share of the memory limit a cache may be sized from (kv/memory_budget.py)
 ENGINE = E.ENGINE  # the model engine (pod_env.py: the operator renders it)
@@ -151,6 +152,9 @@ class WorkerSettings(BaseSettings):
     # Decode: keep the blocks of ended requests for the next turn of a conversation
     # (kv/decode_prefix.py; a paged pool of a plain decode: not a layer-sharded or TP group).
     decode_prefix_cache: bool = Field(True, validation_alias=DECODE_PREFIX_CACHE)
+    # ... and the blocks of the tokens it generated, whose KV the decode's steps computed (not a
+    # prompt pass: in bf16 the next turn's greedy text may then differ from a recomputation's).
+    decode_prefix_answers: bool = Field(False, validation_alias=DECODE_PREFIX_ANSWERS)
     disaggregation: Literal["always", "never", "auto"] = Field("auto", validation_alias=E.DISAGGREGATION)
     readiness_mode: Literal["interrupt", "poll", "spin"] = Field("interrupt", validation_alias=E.READINESS_MODE)
     poll_interval_micros: int = Field(100, ge=1, validation_alias=E.POLL_INTERVAL_MICROS)
