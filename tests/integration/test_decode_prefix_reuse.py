@@ -1,6 +1,7 @@
 """Decode-side prefix reuse (#55 item 2), in process: one router, one prefill, two decodes with
-prefix caches (kv/decode_prefix.py). Three conversations, interleaved, three turns each; each
-turn's prompt is the last turn's prompt, its answer and a new question. From turn 2 on, the
+prefix caches (kv/decode_prefix.py). Four conversations, each turn of all four at once (the
+first turns spread over the decodes), three turns each; each turn's prompt is the last turn's
+prompt, its answer and a new question. From turn 2 on, the
 router sends the conversation back to the decode that holds it (its block events,
 `Decode.BlockEvents`), the decode's grant shares the blocks it kept (its prompt's, and with
 `decode_prefix_answers` its answer's), and the prefill pushes only the rest: the request reports the kept tokens as cached and its KV bytes shrink by as much. The
@@ -53,22 +54,23 @@ async def conversations(loaded, road: str, answers: bool) -> list[list[tuple[lis
         )
         backend.members.disaggregation.policy = road
         tok = loaded.tokenizer
-        prompts = [tok.encode(f"Conversation {i}: " + "lorem ipsum dolor sit amet " * (3 + i)) for i in range(3)]
+        prompts = [tok.encode(f"Conversation {i}: " + "lorem ipsum dolor sit amet " * (3 + i)) for i in range(4)]
         turns: list[list[tuple[list[int], list[int], object]]] = [[] for _ in prompts]
-        for turn in range(3):
-            for i in range(len(prompts)):
-                if turn:
-                    last_prompt, last_answer, _ = turns[i][-1]
-                    prompts[i] = last_prompt + last_answer + tok.encode(f" Question {turn}?")
-                    # The router follows the decodes' block events: wait until it saw this conversation's.
-                    held = backend.members._decode_held
-                    async with asyncio.timeout(10):
-                        while not any(
-                            held.matched_tokens([f"decode-{d}"], prompts[i], SCOPE).values() for d in range(2)
-                        ):
-                            await asyncio.sleep(0.05)
-                answer, info = await serve(backend, prompts[i], f"c{i}-t{turn}")
-                turns[i].append((prompts[i], answer, info))
+        # The router must know both decodes (their first block events) before the first turns.
+        held = backend.members._decode_held
+        async with asyncio.timeout(10):
+            while not all(held.knows(f"decode-{d}") for d in range(2)):
+                await asyncio.sleep(0.05)
+
+        async def ask(i: int, turn: int) -> None:
+            if turn:
+                last_prompt, last_answer, _ = turns[i][-1]
+                prompts[i] = last_prompt + last_answer + tok.encode(f" Question {turn}?")
+            answer, info = await serve(backend, prompts[i], f"c{i}-t{turn}")
+            turns[i].append((prompts[i], answer, info))
+
+        for turn in range(3):  # every conversation's turn at once
+            await asyncio.gather(*(ask(i, turn) for i in range(len(prompts))))
         return turns
     finally:
         if backend is not None:
@@ -85,6 +87,8 @@ def greedy(loaded, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize(("road", "answers"), [("always", False), ("never", False), ("never", True)])
 async def test_a_conversation_returns_to_its_decode_and_only_what_it_lacks_is_pushed(loaded, road, answers):
     turns = await conversations(loaded, road, answers)
+    firsts = [conversation[0][2].decode for conversation in turns]
+    assert sorted(firsts) == ["decode-0", "decode-0", "decode-1", "decode-1"]  # a burst spreads
     for conversation in turns:
         first_prompt, _, first = conversation[0]
         assert first.cached_tokens == 0

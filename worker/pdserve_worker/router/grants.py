@@ -85,6 +85,9 @@ class Grants:
             stub = worker_pb2_grpc.DecodeStub(self.channel(member))
             asked = sharing if sharing is not None and member is ranked[0] else request
             reserve = asyncio.ensure_future(stub.Reserve(asked, timeout=self._t.rpc_s))
+            # Counted in flight there while it reserves: a burst's other requests, ranking now,
+            # see it (the attempt counts its own once granted, with no await in between).
+            self.members.inflight_decode[member.worker_id] += 1
             try:
                 # Shielded: cancelled while the Reserve is in flight (the client left), the call
                 # goes on, and a grant that arrives anyway is given back instead of lost.
@@ -105,6 +108,8 @@ class Grants:
                     log.warning(
                         kv(event="reserve_failed", decode=member.worker_id, code=code.name, detail=exc.details())
                     )
+            finally:
+                self.members.inflight_decode[member.worker_id] -= 1
         if full:
             raise NoCapacity(NO_CAPACITY_RETRY_S, f"no free KV slot on {full} decode worker(s)")
         raise BackendUnavailable(f"no decode worker could reserve a slot: {'; '.join(failed)}")
