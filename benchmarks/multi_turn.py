@@ -7,6 +7,8 @@ configuration is `pdserve local` with 1 prefill and 2 decodes on the same model 
 
   always-nodecode  --disaggregation always, PDSERVE_DECODE_PREFIX_CACHE=0 (the baseline: the
                    prefill's own prefix cache only, every turn's KV pushed whole)
+  always-nodecode-again  the baseline once more: whether its own greedy text repeats under the
+                   same concurrency (bf16 steps of other batch sizes round differently)
   always           --disaggregation always, decode prefix cache on (its prompts' blocks: push the rest)
   auto             --disaggregation auto, decode prefix cache on (the default)
   auto-answers     auto, and the decode keeps its answers' blocks too (PDSERVE_DECODE_PREFIX_ANSWERS=1)
@@ -42,6 +44,7 @@ import vs_vllm  # noqa: E402  (the shared weights and `pdserve local` starter)
 
 CONFIGS = {
     "always-nodecode": ["--disaggregation", "always", "--env", "PDSERVE_DECODE_PREFIX_CACHE=0"],
+    "always-nodecode-again": ["--disaggregation", "always", "--env", "PDSERVE_DECODE_PREFIX_CACHE=0"],
     "always": ["--disaggregation", "always"],
     "auto": ["--disaggregation", "auto"],
     "auto-answers": ["--disaggregation", "auto", "--env", "PDSERVE_DECODE_PREFIX_ANSWERS=1"],
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": vs_vllm.machine(),
-        "cpu_flags": sorted(f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))),
+        "cpu_flags": sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))}),
         "args": {k: str(v) for k, v in vars(args).items()},
         "rounds": rounds,
     }

@@ -20,12 +20,11 @@ from pdserve_common.logs import kv
 from pdserve_worker.decode.generate_call import GenerateRoad
 from pdserve_worker.decode.migration import HandoffUnavailable
 from pdserve_worker.decode.worker import DecodeWorker
-from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.blocks import BlockTable
 from pdserve_worker.kv.decode_prefix import CachedPrompt
 from pdserve_worker.kv.slots import NoFreeSlot
 from pdserve_worker.ranks.group import MemberUnavailable
-from pdserve_worker.rpc.convert import grant_to_proto, push_targets_from_proto
+from pdserve_worker.rpc.convert import block_events_to_proto, grant_to_proto, push_targets_from_proto
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.transfer.base import TransferError
 from pdserve_worker.transfer.push import PushError
@@ -181,18 +180,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             return worker_pb2.BlockEventsReply(enabled=False)
         # A snapshot reads every held hash: off the event loop.
         batch = await asyncio.to_thread(prefix.events.since, request.epoch, request.after_seq)
-        return worker_pb2.BlockEventsReply(
-            epoch=batch.epoch,
-            last_seq=batch.last_seq,
-            reset=batch.reset,
-            runs=[
-                worker_pb2.BlockEventRun(stored=stored, disk=disk, block_hashes=hashes)
-                for stored, disk, hashes in runs(batch.events)
-            ],
-            salt=prefix.salt,
-            block_tokens=prefix.block_tokens,
-            enabled=True,
-        )
+        return block_events_to_proto(batch, prefix.salt, prefix.block_tokens)
 
     async def Status(
         self, request: worker_pb2.StatusRequest, context: grpc.aio.ServicerContext

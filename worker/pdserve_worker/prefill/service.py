@@ -18,13 +18,17 @@ from pydantic import ValidationError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
 from pdserve_common.logs import kv
-from pdserve_worker.kv.block_events import runs
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.sampling.grammar import GrammarError
 from pdserve_worker.model.sampling.params import SamplingParams
 from pdserve_worker.prefill.jobs import InstanceBroken, PrefillCancelled, PrefillResult, push_settled_of
 from pdserve_worker.prefill.worker import PrefillWorker
-from pdserve_worker.rpc.convert import logprobs_to_proto, push_targets_from_proto, sampling_from_proto
+from pdserve_worker.rpc.convert import (
+    block_events_to_proto,
+    logprobs_to_proto,
+    push_targets_from_proto,
+    sampling_from_proto,
+)
 from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.transfer.push import PushError
 
@@ -159,18 +163,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             return worker_pb2.BlockEventsReply(enabled=False)
         # A snapshot reads every held hash: off the event loop.
         batch = await asyncio.to_thread(store.events.since, request.epoch, request.after_seq)
-        return worker_pb2.BlockEventsReply(
-            epoch=batch.epoch,
-            last_seq=batch.last_seq,
-            reset=batch.reset,
-            runs=[
-                worker_pb2.BlockEventRun(stored=stored, disk=disk, block_hashes=hashes)
-                for stored, disk, hashes in runs(batch.events)
-            ],
-            salt=store.salt,
-            block_tokens=store.block_tokens,
-            enabled=True,
-        )
+        return block_events_to_proto(batch, store.salt, store.block_tokens)
 
 
 class PrefillRole(PrefillWorker):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.v1 import common_pb2, shard_pb2, worker_pb2
 from pdserve_common.kv_layout import layout_from_proto, layout_to_proto
+from pdserve_worker.kv.block_events import EventBatch, runs
 from pdserve_worker.kv.slots import NONCE_BYTES, Grant
 from pdserve_worker.model.sampling.params import (
     LOGPROB_FLOOR,
@@ -253,3 +254,19 @@ def hidden_from_proto(message: shard_pb2.HiddenState, device: torch.device | str
         )
     # bytearray: frombuffer wants a writable buffer, and the tensor must own its memory.
     return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape).to(device)
+
+
+def block_events_to_proto(batch: EventBatch, salt: bytes, block_tokens: int) -> worker_pb2.BlockEventsReply:
+    """A prefix cache's events (a prefill's or a decode's) as BlockEvents answers them."""
+    return worker_pb2.BlockEventsReply(
+        epoch=batch.epoch,
+        last_seq=batch.last_seq,
+        reset=batch.reset,
+        runs=[
+            worker_pb2.BlockEventRun(stored=stored, disk=disk, block_hashes=hashes)
+            for stored, disk, hashes in runs(batch.events)
+        ],
+        salt=salt,
+        block_tokens=block_tokens,
+        enabled=True,
+    )
