@@ -195,7 +195,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         for i, v in enumerate(values):
             ax.scatter([i] * len(v), v, color="black", s=12, zorder=3)
         ax.axhline(bar, color="red", linestyle="--", linewidth=1, label=f"bar {bar}x")
-        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_xticks(range(len(names)), names, fontsize=8, rotation=20, ha="right")
         ax.set_title(f"{label}, ÷ {BASELINE}", fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle(f"multi-turn, 1P2D, {report['machine']}, {report['date']}", fontsize=9)
