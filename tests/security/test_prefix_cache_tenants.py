@@ -84,8 +84,8 @@ def test_sharing_tenants_share_and_a_cache_salt_narrows(local):
 
 
 def test_a_tenant_never_finds_another_tenants_conversation_on_the_decode(local):
-    """A decode keeps a conversation's blocks, its answers included (kv/decode_prefix.py), in
-    the tenant's scope: bob sending alice's next turn finds none of them, alice finds hers."""
+    """A decode keeps a conversation's blocks (its prompts', kv/decode_prefix.py) in the
+    tenant's scope: bob sending alice's next turn finds none of them, alice finds hers."""
     routers = local.manifest.get("routers") or [local.url]
 
     def complete(tenant: str, prompt: str, max_tokens: int) -> tuple[str, int]:

@@ -25,36 +25,44 @@ def cache(events: BlockEventLog | None = None) -> DecodePrefixCache:
     return DecodePrefixCache(SALT, B, events)
 
 
+def keep(c: DecodePrefixCache, tokens: list[int], scope: str, blocks: list[int]) -> list[int]:
+    return c.keep(c.hashes(tokens, scope), tokens, blocks)
+
+
+def match(c: DecodePrefixCache, prompt: list[int], scope: str):
+    return c.match(c.prompt_hashes(prompt, scope))
+
+
 def test_a_prompt_finds_the_whole_blocks_it_starts_with_and_leaves_its_last_position() -> None:
     c = cache()
     kept = list(range(10, 21))  # 11 tokens: 2 whole blocks and a partial one
-    assert c.keep(kept, "t", [7, 8, 9]) == [9]  # the partial block's reference goes back
-    hit = c.match(kept[:8] + [99, 98], "t")
+    assert keep(c, kept, "t", [7, 8, 9]) == [9]  # the partial block's reference goes back
+    hit = match(c, kept[:8] + [99, 98], "t")
     assert hit.blocks == (7, 8) and hit.token_ids == tuple(kept[:8])
-    assert c.match(kept[:8], "t").blocks == (7,)  # 8 tokens: the last position is computed again
-    assert c.match(kept[:4] + [0] * 6, "t").blocks == (7,)  # differs in block 2
-    assert c.match([1] + kept[1:], "t").blocks == ()  # differs in block 1: nothing follows
-    assert c.match(kept, "other tenant").blocks == ()
+    assert match(c, kept[:8], "t").blocks == (7,)  # 8 tokens: the last position is computed again
+    assert match(c, kept[:4] + [0] * 6, "t").blocks == (7,)  # differs in block 2
+    assert match(c, [1] + kept[1:], "t").blocks == ()  # differs in block 1: nothing follows
+    assert match(c, kept, "other tenant").blocks == ()
 
 
 def test_a_block_already_cached_under_its_name_is_given_back() -> None:
     c = cache()
     tokens = list(range(8))
-    assert c.keep(tokens, "t", [1, 2]) == []
-    assert sorted(c.keep(tokens + [5], "t", [3, 4, 5])) == [3, 4, 5]
-    assert c.match(tokens + [0], "t").blocks == (1, 2)
+    assert keep(c, tokens, "t", [1, 2]) == []
+    assert sorted(keep(c, tokens + [5], "t", [3, 4, 5])) == [3, 4, 5]
+    assert match(c, tokens + [0], "t").blocks == (1, 2)
 
 
 def test_eviction_takes_least_recently_used_tails_first_and_records_events() -> None:
     events = BlockEventLog(lambda: [])
     c = cache(events)
     a, b = list(range(8)), list(range(100, 108))
-    c.keep(a, "t", [0, 1])
-    c.keep(b, "t", [2, 3])
-    c.match(a + [0], "t")  # a is used again: b is the least recently used
+    keep(c, a, "t", [0, 1])
+    keep(c, b, "t", [2, 3])
+    match(c, a + [0], "t")  # a is used again: b is the least recently used
     assert c.evict(1, lambda block: True) == [3]  # b's tail before its head
     assert c.evict(1, lambda block: block != 2) == [1]  # (2 is read by a reservation: it stays)
-    assert c.match(a + [0], "t").blocks == (0,)
+    assert match(c, a + [0], "t").blocks == (0,)
     batch = events.since(events.epoch, 0)
     stored = [e.block_hash for e in batch.events if e.stored]
     removed = [e.block_hash for e in batch.events if not e.stored]
@@ -161,3 +169,40 @@ async def test_the_loop_reports_exactly_the_tokens_whose_kv_the_slot_holds(tiny_
                 torch.testing.assert_close(kv.values(layer)[0, :n], kv.values(layer)[1, :n], rtol=1e-4, atol=1e-4)
     finally:
         loop.stop()
+
+
+def test_a_reservation_that_cannot_fit_lets_go_of_nothing_kept() -> None:
+    """Kept blocks go only for a reservation they make room for: one refused anyway (too big for
+    what eviction could free, or no handle left) leaves the cache as it was."""
+    t = table(blocks=6, slots=2)
+    serve(t, list(range(13)), [])  # 3 whole prompt blocks kept
+    held = t.reserve("held", 10.0, num_tokens=2 * B)  # 2 of the 3 free blocks
+    with pytest.raises(NoFreeBlocks):
+        t.reserve("too big", 10.0, num_tokens=5 * B)  # 1 free + 3 kept < 5
+    assert t.usage().kept_blocks == 3
+    t.reserve("last handle", 10.0, num_tokens=B)
+    with pytest.raises(NoFreeBlocks):
+        t.reserve("no handle", 10.0, num_tokens=B)
+    assert t.usage().kept_blocks == 3
+    t.release(held.slot, held.generation)
+
+
+def test_a_request_that_ends_on_its_first_token_keeps_its_prompt() -> None:
+    """The generation loop reports the prompt of a request whose first output is its last (max
+    tokens 1, or an immediate stop): its prompt's KV was whole."""
+    from pdserve_worker.decode.generation_loop import _END, GenerationLoop, _Entry
+    from pdserve_worker.model.engine import FinishReason, StepOutput
+
+    loop = GenerationLoop.__new__(GenerationLoop)  # (only its bookkeeping: no model, no thread)
+    reported: list[list[int]] = []
+    loop._entries = {"r": _Entry(stream=_Stream(), on_done=lambda: None, keep_kv=reported.append, token_ids=[5, 6, 7])}
+    loop._dispatch([StepOutput("r", 9, "x", True, FinishReason.LENGTH)])
+    assert reported == [[5, 6, 7]]
+    loop._entries = {"c": _Entry(stream=_Stream(), on_done=lambda: None, keep_kv=reported.append, token_ids=[5, 6, 7])}
+    loop._end("c", _END)  # cancelled before anything was drawn: the prompt may be part-computed
+    assert reported == [[5, 6, 7]]
+
+
+class _Stream:
+    def _put(self, item) -> None:
+        pass

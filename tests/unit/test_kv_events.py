@@ -126,3 +126,17 @@ def test_a_prediction_stands_until_the_members_events_say_otherwise():
     log.record(False, False, block_hashes(tokens, 4, scoped_salt(SALT, SCOPE))[:1])  # evicted
     index.apply("d0", reply_of(log, *index.cursor("d0")))
     assert index.matched_tokens(["d0"], tokens, SCOPE) == {"d0": 0}
+
+
+def test_an_unconfirmed_prediction_lapses(monkeypatch):
+    from pdserve_worker.router import kv_index
+
+    now = [100.0]
+    monkeypatch.setattr(kv_index.time, "monotonic", lambda: now[0])
+    index = ReportedIndex()
+    index.apply("d0", reply_of(BlockEventLog(lambda: []), "", 0))
+    tokens = list(range(8))
+    index.predict("d0", tokens, SCOPE)
+    assert index.matched_tokens(["d0"], tokens, SCOPE) == {"d0": 8}
+    now[0] += kv_index.PREDICT_S + 0.1  # the decode never said it holds them
+    assert index.matched_tokens(["d0"], tokens, SCOPE) == {"d0": 0}

@@ -19,6 +19,7 @@ import json
 from pdserve_worker.api.keys import Tenant
 
 SHARED = "*shared*"  # the tenant scope of tenants with sharePrefixCache (not a valid tenant name)
+MAX_CACHE_SCOPE_CHARS = 1024  # a tenant name and a cache_salt, JSON-quoted: what a worker accepts
 
 
 def tenant_scope(tenant: Tenant) -> str:

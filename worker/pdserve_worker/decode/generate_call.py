@@ -222,6 +222,10 @@ class GenerateRoad:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{where}: a local prefill starts from token 0 (not migrated, num_generated 0) without prompt logprobs",
             )
+        if w.shared_tokens(g.slot, g.generation) >= len(g.prompt):  # (no position left to draw from)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{where}: a local prefill's grant shares every prompt position"
+            )
         if not w.slots.commit(g.slot, g.generation):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: the lease ended before Generate came")
         return Ready(num_tokens=len(g.prompt), first_token=-1, wait_s=0.0, kv_pushed=False)

@@ -408,12 +408,13 @@ class GenerationLoop:
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
+            entry = self._entries.get(out.request_id)
+            if entry is not None:
+                entry.drawn += 1  # (a final output too: its prompt's KV was whole)
             if out.finished:
                 self._end(out.request_id, out)
                 continue
-            entry = self._entries.get(out.request_id)
             if entry is not None:
-                entry.drawn += 1
                 if entry.keep_kv is not None and out.token_id is not None:
                     entry.token_ids.append(out.token_id)
                 entry.stream._put(out)

@@ -8,7 +8,8 @@ one chunk at most (vLLM's and SGLang's chunked prefill; the colocated role does 
 runs through the `Engine` seam (`engine.prefill` into the decode's pool, over the blocks the
 Generate call bound first), and draws the first token as a prefill worker would
 (`draw_first`). The router asks for it only for a request that starts from token 0, shares no
-blocks and wants no prompt logprobs (router/disaggregation.py).
+blocks with another copy and wants no prompt logprobs (router/disaggregation.py); blocks its
+grant took from the decode's prefix cache are not computed again (`begin`).
 
 The chunks' rate goes to the decode's `CostMeter` (serving/costs.py), which its keepalive reports.
 """

@@ -17,6 +17,7 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
 from pdserve_common.logs import kv
+from pdserve_worker.api.cache_scope import MAX_CACHE_SCOPE_CHARS
 from pdserve_worker.decode.generate_call import GenerateRoad
 from pdserve_worker.decode.migration import HandoffUnavailable
 from pdserve_worker.decode.worker import DecodeWorker
@@ -49,6 +50,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"num_prompt_tokens ({request.num_prompt_tokens}) + max_tokens ({request.max_tokens}) = {need} "
                 f"must be in 1..{w.layout.max_len} (the slots' max_len)",
+            )
+        if len(request.cache_scope) > MAX_CACHE_SCOPE_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"cache_scope of {len(request.cache_scope)} characters, at most {MAX_CACHE_SCOPE_CHARS}",
             )
         if request.prompt_token_ids and len(request.prompt_token_ids) != request.num_prompt_tokens:
             await context.abort(

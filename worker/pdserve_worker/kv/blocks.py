@@ -119,6 +119,7 @@ class _Handle(Reservation):
     keep_for: int = 0  # later copies of its prompt that will share its prompt blocks
     cached: CachedPrompt | None = None  # reserved with its prompt and scope: kept in the prefix cache after
     kv_ids: tuple[int, ...] = ()  # the tokens whose KV its blocks hold when it ends (`note_kv`)
+    kv_names: tuple[bytes, ...] = ()  # their whole blocks' names in its scope
 
 
 def _checked(
@@ -216,16 +217,18 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         its scope, read-only; this one's are kept there when it ends (kv/decode_prefix.py)."""
         prompt, need = _checked(self.layout, request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
         copy = share_from if isinstance(share_from, tuple) else None
+        cached = share_from if isinstance(share_from, CachedPrompt) and self.prefix is not None else None
+        names = self.prefix.prompt_hashes(cached.token_ids[:prompt], cached.scope) if cached and self.prefix else []
         self.expire()
         with self._lock:
             now = self._clock()
             self._sweep(now)
-            shared, expected = self._shared_prefix(share_from, shared_blocks, prompt)
-            self._make_room(need - len(shared), copy, shared)
+            shared, expected = self._shared_prefix(share_from, shared_blocks, prompt, names)
             index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
-            if index is None or fresh > len(self._free_blocks):
-                raise self._no_room(request_id, index, fresh, num_tokens)
+            if index is None or fresh > len(self._free_blocks) + self._freeable(copy, shared):
+                raise no_room(self, request_id, index, fresh, num_tokens)  # (nothing kept let go for it)
+            self._make_room(fresh, copy, shared)
             generation = self._next_generation()
             blocks = shared + self._take(index, generation, fresh)
             for b in blocks:
@@ -235,7 +238,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             h = self._claim(index, generation, request_id, ttl_s, now)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
             h.prompt_ids, h.keep_for = expected, keep_for
-            h.cached, h.kv_ids = (share_from if isinstance(share_from, CachedPrompt) else None), ()
+            h.cached, h.kv_ids, h.kv_names = cached, (), ()
             grant = self._grant(index, h)
         fields = {"blocks": len(blocks), "shared": len(shared), "tokens": num_tokens}
         log.debug(kv(event="blocks_reserved", request=request_id, slot=index, generation=generation, **fields))
@@ -244,13 +247,17 @@ class BlockTable(ReservationTable[_Handle, Grant]):
     # ---- queries -------------------------------------------------------------------------------
 
     def _shared_prefix(
-        self, share_from: tuple[int, int] | CachedPrompt | None, shared_blocks: int | None, prompt: int
+        self,
+        share_from: tuple[int, int] | CachedPrompt | None,
+        shared_blocks: int | None,
+        prompt: int,
+        names: list[bytes],
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The first `shared_blocks` blocks of a committed reservation, and the prompt tokens they
-        hold as far as it was told them, or the prefix cache's for a CachedPrompt (lock held);
-        see `reserve` for None."""
+        hold as far as it was told them, or the prefix cache's blocks of a CachedPrompt's `names`
+        (lock held); see `reserve` for None."""
         if isinstance(share_from, CachedPrompt):
-            hit = self.prefix.match(share_from.token_ids[:prompt], share_from.scope) if self.prefix else None
+            hit = self.prefix.match(names) if self.prefix is not None else None
             return (hit.blocks, hit.token_ids) if hit is not None else ((), ())
         if share_from is None or shared_blocks == 0:
             return (), ()
@@ -284,18 +291,6 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                 self._unref(kept.blocks)
                 log.debug(kv(event="kept_blocks_let_go", generation=generation, blocks=len(kept.blocks)))
 
-    def _no_room(self, request_id: str, index: int | None, fresh: int, num_tokens: int) -> NoFreeBlocks:
-        usage = self._usage()
-        what = (
-            f"all {len(self._handles)} reservations in use"
-            if index is None
-            else f"needs {fresh} blocks ({num_tokens} tokens), {usage.free_blocks} free"
-        )
-        return NoFreeBlocks(
-            f"no KV room for request {request_id!r}: {what}; {usage.reserved_blocks} blocks reserved, "
-            f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {self.num_blocks}"
-        )
-
     def _take(self, index: int, generation: int, fresh: int) -> tuple[int, ...]:
         """`fresh` free blocks, lowest first, made writable for this grant (lock held); back on
         the free list if the leases refuse them."""
@@ -322,7 +317,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                 at = next((i for i, (a, b) in enumerate(zip(given, expected, strict=False)) if a != b), len(given))
                 return (
                     f"prompt_token_ids differ at position {at} from the {len(expected)} tokens held by its "
-                    f"{h.shared} shared KV blocks (another copy's prompt)"
+                    f"{h.shared} shared KV blocks (another copy's prompt, or the prefix cache's)"
                 )
             h.prompt_ids = tuple(token_ids)
             return None
@@ -332,15 +327,21 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         keeps those blocks (nothing without one, or once it is not live)."""
         with self._lock:
             h = self._live(slot, generation)
-            if h is not None and h.cached is not None:
-                h.kv_ids = tuple(token_ids)
+            cached = None if h is None else h.cached
+        if cached is None or self.prefix is None:
+            return
+        names = tuple(self.prefix.hashes(token_ids, cached.scope))  # (outside the lock: many blocks)
+        with self._lock:
+            h = self._live(slot, generation)
+            if h is not None and h.cached is cached:
+                h.kv_ids, h.kv_names = tuple(token_ids), names
 
     def _make_room(self, fresh: int, copy: tuple[int, int] | None, shared: tuple[int, ...]) -> None:
         """Kept blocks never stand in a reservation's way: let go of copies' (but `copy`'s), then
         evict the prefix cache's least recently used until `fresh` blocks are free (lock held)."""
         if fresh > len(self._free_blocks):
             self._let_go(lambda gen, kept: copy is None or gen != copy[1])
-        if fresh > len(self._free_blocks) and self.prefix is not None:
+        if fresh > len(self._free_blocks) and self.prefix is not None:  # (`_freeable` counted these)
             room, keep = fresh - len(self._free_blocks), set(shared)
             self._unref(self.prefix.evict(room, lambda b: self._refs[b] == 1 and b not in keep))
 
@@ -356,7 +357,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
     def usage(self) -> BlockUsage:
         with self._lock:
             self._sweep(self._clock())
-            return self._usage()
+            return block_usage(self)
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a reservation of `num_tokens` would be granted now (no side effect but sweeping)."""
@@ -368,8 +369,15 @@ class BlockTable(ReservationTable[_Handle, Grant]):
 
     def _kept_only(self) -> int:
         """Blocks that only kept entries hold (lock held)."""
-        holders = collections.Counter(b for kept in self._kept.values() for b in kept.blocks)
-        holders.update(self.prefix.blocks() if self.prefix is not None else ())
+        return self._freeable(None, ())
+
+    def _freeable(self, copy: tuple[int, int] | None, shared: tuple[int, ...]) -> int:
+        """Blocks that letting go of the kept copies' (but `copy`'s) and the prefix cache's (but
+        `shared`) would free: those they alone hold (lock held)."""
+        holders = collections.Counter(
+            b for g, kept in self._kept.items() if not copy or g != copy[1] for b in kept.blocks
+        )
+        holders.update(b for b in (self.prefix.blocks() if self.prefix is not None else ()) if b not in shared)
         return sum(1 for b, n in holders.items() if self._refs[b] == n)
 
     # ---- hooks and internals (lock held) ---------------------------------------------------------
@@ -400,10 +408,19 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             self._unref(h.held[whole:])
         elif h.state is SlotState.COMMITTED and self.prefix is not None and h.cached is not None and h.kv_ids:
             kept = min(len(h.kv_ids) // self.block_tokens, len(h.held))
-            self._unref(self.prefix.keep(h.kv_ids, h.cached.scope, h.held[:kept]) + list(h.held[kept:]))
+            self._unref(self.prefix.keep(h.kv_names, h.kv_ids, h.held[:kept]) + list(h.held[kept:]))
         else:
             self._unref(h.held)
-        h.held, h.blocks, h.shared, h.prompt_ids, h.keep_for, h.kv_ids, h.cached = (), (), 0, (), 0, (), None
+        h.held, h.blocks, h.shared, h.prompt_ids, h.keep_for, h.kv_ids, h.kv_names, h.cached = (
+            (),
+            (),
+            0,
+            (),
+            0,
+            (),
+            (),
+            None,
+        )
 
     def _unref(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -425,24 +442,39 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             "blocks": len(grant.blocks),
         }
 
-    def _usage(self) -> BlockUsage:
-        blocks: dict[SlotState, set[int]] = {state: set() for state in SlotState}
-        for h in self._handles:
-            blocks[h.state].update(h.held)
-        committed = blocks[SlotState.COMMITTED]
-        slots = self._slot_usage()
-        return BlockUsage(
-            slots,
-            self.num_blocks,
-            len(self._free_blocks),
-            len(blocks[SlotState.RESERVED] - committed),
-            len(committed),
-            len(blocks[SlotState.QUARANTINED]),
-            self.block_tokens,
-            self._kept_only(),
-        )
-
     def _grant(self, index: int, h: _Handle) -> Grant:
         return Grant(
             h.request_id, index, h.generation, self.engine_id, self.base_addr, self.layout, h.nonce, h.blocks, h.shared
         )
+
+
+def no_room(t: BlockTable, request_id: str, index: int | None, fresh: int, num_tokens: int) -> NoFreeBlocks:
+    """Why `request_id` gets no reservation of `t` (lock held)."""
+    usage = block_usage(t)
+    what = (
+        f"all {t.max_reservations} reservations in use"
+        if index is None
+        else f"needs {fresh} blocks ({num_tokens} tokens), {usage.free_blocks} free"
+    )
+    return NoFreeBlocks(
+        f"no KV room for request {request_id!r}: {what}; {usage.reserved_blocks} blocks reserved, "
+        f"{usage.committed_blocks} committed, {usage.quarantined_blocks} quarantined of {t.num_blocks}"
+    )
+
+
+def block_usage(t: BlockTable) -> BlockUsage:
+    """`t`'s reservations and pool, as BlockUsage counts them (lock held)."""
+    blocks: dict[SlotState, set[int]] = {state: set() for state in SlotState}
+    for h in t._handles:
+        blocks[h.state].update(h.held)
+    committed = blocks[SlotState.COMMITTED]
+    return BlockUsage(
+        t._slot_usage(),
+        t.num_blocks,
+        len(t._free_blocks),
+        len(blocks[SlotState.RESERVED] - committed),
+        len(committed),
+        len(blocks[SlotState.QUARANTINED]),
+        t.block_tokens,
+        t._kept_only(),
+    )

@@ -2,8 +2,8 @@
 start the same way (a conversation's next turn), as vLLM's decode keeps blocks and SGLang's a
 radix cache. Pure logic with its own lock (taken inside kv/blocks.py's, never around it).
 
-Each whole block of the tokens whose KV an ended request held (its prompt, then what it drew
-but the last) is named by the prefill's hash chain (kv/prefix_cache.py `block_hashes` over
+Each whole block of the tokens whose KV an ended request held (its prompt; with
+`decode_prefix_answers` what it drew too, but the last) is named by the prefill's hash chain (kv/prefix_cache.py `block_hashes` over
 `scoped_salt(salt, scope)`): found only by a prompt of the same model, dtype, block size and
 scope (tenant, `cache_salt`). A reservation takes the longest cached prefix read-only
 (`BlockTable.reserve` with a `CachedPrompt`), always leaving the prompt's last position to
@@ -64,10 +64,14 @@ class DecodePrefixCache:
     def hashes(self, token_ids: Sequence[int], scope: str) -> list[bytes]:
         return block_hashes(token_ids, self.block_tokens, scoped_salt(self.salt, scope))
 
-    def match(self, prompt_ids: Sequence[int], scope: str) -> Hit:
-        """The cached blocks `prompt_ids` starts with, leaving its last position uncached."""
+    def prompt_hashes(self, prompt_ids: Sequence[int], scope: str) -> list[bytes]:
+        """The names a prompt may find: its whole blocks but the one holding its last position
+        (computed before any lock is taken: the prompt's length is the caller's choice)."""
         limit = (len(prompt_ids) - 1) // self.block_tokens
-        hashes = self.hashes(prompt_ids[: limit * self.block_tokens], scope)
+        return self.hashes(prompt_ids[: limit * self.block_tokens], scope)
+
+    def match(self, hashes: Sequence[bytes]) -> Hit:
+        """The cached blocks of the longest run of `hashes` (`prompt_hashes`) from the first."""
         found: list[tuple[bytes, _Entry]] = []
         with self._lock:
             for h in hashes:
@@ -80,11 +84,12 @@ class DecodePrefixCache:
             self.hit_blocks += len(found)
         return Hit(tuple(e.block for _, e in found), tuple(t for _, e in found for t in e.token_ids))
 
-    def keep(self, token_ids: Sequence[int], scope: str, blocks: Sequence[int]) -> list[int]:
-        """An ended request's `blocks` hold the KV of `token_ids`: keep each whole block (taking
-        over its reference). Returns the blocks whose references the caller still gives back
-        (a partial last block, and blocks whose prefix is cached already under another block)."""
-        hashes = self.hashes(token_ids, scope)[: len(blocks)]
+    def keep(self, names: Sequence[bytes], token_ids: Sequence[int], blocks: Sequence[int]) -> list[int]:
+        """An ended request's `blocks` hold the KV of `token_ids`, whose whole blocks are `names`
+        (`hashes` in its scope): keep each whole block (taking over its reference). Returns the
+        blocks whose references the caller still gives back (a partial last block, and blocks
+        whose prefix is cached already under another block)."""
+        hashes = list(names[: len(blocks)])
         stored: list[bytes] = []
         back = list(blocks[len(hashes) :])
         with self._lock:
@@ -106,10 +111,6 @@ class DecodePrefixCache:
         dropped entries' blocks, whose references the caller gives back."""
         with self._lock:
             return self._drop([h for h, e in self._entries.items() if only_cache_holds(e.block)][: max(room, 0)])
-
-    def clear(self) -> list[int]:
-        with self._lock:
-            return self._drop(list(self._entries))
 
     def _drop(self, hashes: list[bytes]) -> list[int]:
         blocks = [self._entries.pop(h).block for h in hashes]

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve_common import tracing
 from pdserve_common.logs import kv
+from pdserve_worker.api.cache_scope import MAX_CACHE_SCOPE_CHARS
 from pdserve_worker.kv.slots import Grant
 from pdserve_worker.model.sampling.grammar import GrammarError
 from pdserve_worker.model.sampling.params import SamplingParams
@@ -33,8 +34,6 @@ from pdserve_worker.rpc.trailers import settled_trailer
 from pdserve_worker.transfer.push import PushError
 
 log = logging.getLogger(__name__)
-
-MAX_CACHE_SCOPE_CHARS = 1024  # a tenant name and a cache_salt, JSON-quoted (api/cache_scope.py)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):

@@ -1,7 +1,10 @@
 """Grants: decode slot reservations, and their return when a request will not finish with them.
 
-`reserve_decode` asks the ranked decodes for a slot in turn (worker.proto's Reserve); a
-later copy of a prompt asks the decode holding the first copy's KV first (`sharing_first`).
+`reserve_prompt` asks the ranked decodes for a slot in turn (worker.proto's Reserve), the one
+whose prefix cache holds the prompt first, telling each the prompt and its cache scope; a later
+copy of a prompt asks the decode holding the first copy's KV first (`sharing_first`);
+`reserve_decode` reserves without a prompt (a migration's target). A Reserve in flight counts
+at its decode, so a burst spreads.
 `give_back` returns a grant a request leaves unfinished: free at once where no write into
 the slot can still arrive, else quarantined by the decode, else reclaimed by its lease.
 `Grants` is also the narrow `router/migration.DecodePort` a migration uses.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,6 +26,8 @@ from pdserve_worker.kv.prefix_cache import block_hashes, scoped_salt
 log = logging.getLogger(__name__)
 
 MAX_HASHES_PER_PREFILL = 1 << 20  # 32 MiB of hashes per prefill at most
+PREDICT_S = 2.0  # how long a prediction stands without the member's events confirming it (8 polls)
+MAX_PREDICTED = 1 << 16  # predicted hashes per member at most
 
 
 class Run(Protocol):
@@ -52,6 +55,7 @@ class _Held:
     salt: bytes = b""
     block_tokens: int = 0
     tiers: tuple[set[bytes], set[bytes]] = field(default_factory=lambda: (set(), set()))  # (RAM, disk)
+    predicted: dict[bytes, float] = field(default_factory=dict)  # hash -> until (time.monotonic)
     capped: bool = False
 
     def size(self) -> int:
@@ -80,6 +84,8 @@ class ReportedIndex:
                 held = self._held[prefill_id] = _Held(reply.epoch)
             held.last_seq, held.salt, held.block_tokens = reply.last_seq, reply.salt, reply.block_tokens
             for run in reply.runs:
+                for h in run.block_hashes if held.predicted else ():  # (its own word wins over a guess)
+                    held.predicted.pop(h, None)
                 tier = held.tiers[1 if run.disk else 0]
                 if not run.stored:
                     tier.difference_update(run.block_hashes)
@@ -91,14 +97,18 @@ class ReportedIndex:
                 tier.update(run.block_hashes[: max(0, room)])
 
     def predict(self, member_id: str, tokens: list[int], scope: str) -> None:
-        """Take `tokens`' whole blocks as held by a reporting member before its events say so (a
-        wrong guess costs a miss: the member looks the prompt up itself)."""
+        """Take `tokens`' whole blocks as held by a reporting member for PREDICT_S, until its
+        events say so (the next turn may come first); a wrong guess costs a miss (the member
+        looks the prompt up itself) and lapses."""
         with self._lock:
             held = self._held.get(member_id)
             if held is None or held.block_tokens <= 0:
                 return
+            now = time.monotonic()
+            held.predicted = {h: until for h, until in held.predicted.items() if until > now}
             hashes = block_hashes(tokens, held.block_tokens, scoped_salt(held.salt, scope))
-            held.tiers[0].update(hashes[: max(0, self.max_hashes - held.size())])
+            room = max(0, MAX_PREDICTED - len(held.predicted))
+            held.predicted.update((h, now + PREDICT_S) for h in hashes[:room])
 
     def any_enabled(self) -> bool:
         """Some prefill reports a prefix cache (one without is not held here)."""
@@ -121,6 +131,7 @@ class ReportedIndex:
     def matched_tokens(self, prefill_ids: list[str], tokens: list[int], scope: str) -> dict[str, int]:
         """Per reporting prefill of `prefill_ids`: the prompt's leading tokens it holds (whole
         blocks, any tier). Prefills that have not reported are left out."""
+        now = time.monotonic()
         with self._lock:
             known = {p: self._held[p] for p in prefill_ids if p in self._held}
             out: dict[str, int] = {}
@@ -135,7 +146,7 @@ class ReportedIndex:
                 ram, disk = held.tiers
                 n = 0
                 for h in chains[key]:
-                    if h not in ram and h not in disk:
+                    if h not in ram and h not in disk and held.predicted.get(h, 0.0) <= now:
                         break
                     n += 1
                 out[p] = n * held.block_tokens
