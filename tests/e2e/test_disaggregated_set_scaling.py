@@ -70,7 +70,8 @@ def run(cluster: Cluster, namespace: str, tmp_path: Path, doc: dict[str, Any]) -
     assert [r["name"] for r in ds["spec"]["roles"]] == ["prefill", "decode"]
     assert decode_role(cluster, namespace)["leaderWorkerTemplate"]["size"] == 2
     assert ds["spec"]["slices"] == 1  # the upstream default, written by pdserve
-    assert cluster.get("Deployment", namespace, workload_name(NAME, "router")) is not None
+    # (the same sync writes the router's Deployment after the set: under load it may come a moment later)
+    wait_for(lambda: cluster.get("Deployment", namespace, workload_name(NAME, "router")), what="the router Deployment")
 
     cluster.kubectl("scale", f"pdsa/{adapter_name(NAME, 'decode')}", "--replicas=2", "-n", namespace)
     wait_for(lambda: decode_role(cluster, namespace)["replicas"] == 2, what="the decode role scaled")

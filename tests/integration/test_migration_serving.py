@@ -372,11 +372,16 @@ class SourceDiesMidPush(DecodeServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset by peer (killed)")  # no trailers
 
 
-async def drain_after_parking_others(c: Cluster, others: tuple[int, ...]):
+async def drain_after_parking_others(c: Cluster, others: tuple[int, ...], then: tuple[int, ...] = ()):
+    """Open `others` to new requests, drain decode 0 (its requests migrate to `others`: a burst
+    of migrations spreads over them), then open `then` too (where the resumes may go)."""
     for i in others:
         await c.members[i].set_draining(False)
     await c.backend.view.wait_for(lambda v: not any(v.members[f"decode-{i}"].draining for i in others), 5)
-    return await c.drain(0)
+    drained = await c.drain(0)
+    for i in then:
+        await c.members[i].set_draining(False)
+    return drained
 
 
 @pytest.mark.asyncio
@@ -394,7 +399,9 @@ async def test_a_migration_cut_short_resumes_with_the_same_text(loaded, fault):
             await c.members[i].set_draining(True)
         await c.backend.view.wait_for(lambda v: v.members["decode-1"].draining and v.members["decode-2"].draining, 5)
         prefills = CountingPrefill.calls
-        results, (drained, _) = await run_with(c, reqs, lambda: drain_after_parking_others(c, (1, 2)))
+        # Every migration goes to decode 1 when it is the only one open; decode 2 opens for the resumes.
+        first, then = ((1,), (2,)) if fault.startswith("target") else ((1, 2), ())
+        results, (drained, _) = await run_with(c, reqs, lambda: drain_after_parking_others(c, first, then))
         check_identical(results, expected)
         assert drained
         for events in results:
