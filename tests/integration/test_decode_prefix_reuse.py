@@ -44,9 +44,11 @@ async def conversations(loaded, road: str, answers: bool) -> list[list[tuple[lis
     stack = Stack(SVC, TOKEN, max_len=MAX_LEN, slots=SLOTS)
     backend = None
     try:
+        decodes = []
         for i in range(2):
             d = stack.settings("decode", i, prefill_chunk_tokens=64, decode_prefix_answers=answers)
-            await stack.serve_decode(DecodeWorker(d, NativeEngine(loaded), stack.engine(d), REVISION))
+            decodes.append(DecodeWorker(d, NativeEngine(loaded), stack.engine(d), REVISION))
+            await stack.serve_decode(decodes[-1])
         p = stack.settings("prefill", prefix_cache_tokens=1024)
         await stack.serve_prefill(PrefillWorker(p, NativeEngine(loaded), stack.engine(p), REVISION), REVISION)
         backend = await stack.pd_backend(
@@ -71,6 +73,10 @@ async def conversations(loaded, road: str, answers: bool) -> list[list[tuple[lis
 
         for turn in range(3):  # every conversation's turn at once
             await asyncio.gather(*(ask(i, turn) for i in range(len(prompts))))
+        for w in decodes:  # what each decode's /metrics says of its cache
+            kept = w.metrics.registry.get_sample_value("pdserve_decode_prefix_kept_blocks")
+            hits = w.metrics.registry.get_sample_value("pdserve_decode_prefix_hit_blocks_total")
+            assert kept == len(w.slots.prefix) > 0 and hits > 0, (kept, hits)
         return turns
     finally:
         if backend is not None:

@@ -153,6 +153,8 @@ class DecodeWorker:
             lambda: self.loop.stats,
             kv_tokens=self.kv_tokens,
         )
+        if isinstance(self.slots, BlockTable) and (prefix := self.slots.prefix) is not None:
+            self.metrics.watch_decode_prefix(lambda: len(prefix), lambda: prefix.hit_blocks)
 
     # ---- what a paged pool adds to the request road (kv/blocks.py) --------------------------------
 

@@ -237,16 +237,19 @@ class Members:
     async def _follow_block_events(self) -> None:
         """Pull every prefill's (with prefix routing by events) and every decode's block events
         into their index, BLOCK_EVENTS_POLL_S apart."""
-        while True:
-            for member in [m for m in self.view.members.values() if self._index_of(m) is not None]:
-                index = self._index_of(member)
-                try:
-                    await self._pull_block_events(member)
-                except Exception as exc:  # noqa: BLE001 - one bad reply must not stop following the others
-                    log.warning(kv(event="block_events_apply_failed", member=member.worker_id, error=repr(exc)))
-                    if index is not None:
-                        index.forget(member.worker_id)  # unknown again: the prediction stands in
+        while True:  # all at once: one slow member does not hold back the others' events
+            members = [m for m in self.view.members.values() if self._index_of(m) is not None]
+            await asyncio.gather(*(self._follow(m) for m in members))
             await asyncio.sleep(BLOCK_EVENTS_POLL_S)
+
+    async def _follow(self, member: Member) -> None:
+        index = self._index_of(member)
+        try:
+            await self._pull_block_events(member)
+        except Exception as exc:  # noqa: BLE001 - one bad reply must not stop following the others
+            log.warning(kv(event="block_events_apply_failed", member=member.worker_id, error=repr(exc)))
+            if index is not None:
+                index.forget(member.worker_id)  # unknown again: the prediction stands in
 
     def _index_of(self, member: Member) -> ReportedIndex | None:
         return self._decode_held if member.role is Role.DECODE else self._reported

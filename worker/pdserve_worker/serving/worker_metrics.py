@@ -51,6 +51,23 @@ class _DecodeLoopCollector(Collector):
         )
 
 
+class _DecodePrefixCollector(Collector):
+    """A decode's prefix cache (kv/decode_prefix.py), read at scrape time."""
+
+    def __init__(self, kept: Callable[[], int], hits: Callable[[], int]) -> None:
+        self._kept, self._hits = kept, hits
+
+    def collect(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(
+            "pdserve_decode_prefix_kept_blocks",
+            "KV blocks of ended requests kept for later prompts.",
+            value=self._kept(),
+        )
+        yield CounterMetricFamily(
+            "pdserve_decode_prefix_hit_blocks", "Kept KV blocks later reservations took read-only.", value=self._hits()
+        )
+
+
 class _PrefixCacheCollector(Collector):
     """A prefill's prefix cache (`PrefixCache.stats`, and with `tiers` the RAM and disk tiers'
     `PrefixStore.tier_stats`), read at scrape time."""
@@ -257,6 +274,10 @@ class WorkerMetrics:
             lambda: float(running())
         )
         r.register(_DecodeLoopCollector(loop_stats))
+
+    def watch_decode_prefix(self, kept_blocks: Callable[[], int], hit_blocks: Callable[[], int]) -> None:
+        """Publish the decode's prefix cache (kv/decode_prefix.py): blocks kept, blocks found."""
+        self.registry.register(_DecodePrefixCollector(kept_blocks, hit_blocks))
 
     # --- what the roles call ------------------------------------------------------------------
 
