@@ -50,6 +50,7 @@ def test_metrics_table_lists_exactly_what_workers_expose() -> None:
             from pdserve_worker.decode.generation_loop import LoopStats
 
             metrics.watch_decode(lambda: 0, 4, lambda: 0, LoopStats, kv_tokens=lambda: (0, 64))
+            metrics.watch_decode_prefix(lambda: 0, lambda: 0)  # (with a prefix cache: every series)
         for family in metrics.registry.collect():
             exposed.add(f"{family.name}_total" if family.type == "counter" else family.name)
     documented = set(re.findall(r"`(pdserve_(?:prefill|decode|kv)_\w+)`", section("Metrics")))
