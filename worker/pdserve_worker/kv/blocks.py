@@ -119,7 +119,7 @@ class _Handle(Reservation):
     keep_for: int = 0  # later copies of its prompt that will share its prompt blocks
     cached: CachedPrompt | None = None  # reserved with its prompt and scope: kept in the prefix cache after
     kv_ids: tuple[int, ...] = ()  # the tokens whose KV its blocks hold when it ends (`note_kv`)
-    kv_names: tuple[bytes, ...] = ()  # their whole blocks' names in its scope
+    kv_names: tuple[bytes, ...] = ()  # whole blocks' names in its scope: its prompt's, then kv_ids'
 
 
 def _checked(
@@ -218,12 +218,14 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         prompt, need = _checked(self.layout, request_id, ttl_s, num_tokens, prompt_tokens, shared_blocks)
         copy = share_from if isinstance(share_from, tuple) else None
         cached = share_from if isinstance(share_from, CachedPrompt) and self.prefix is not None else None
-        names = self.prefix.prompt_hashes(cached.token_ids[:prompt], cached.scope) if cached and self.prefix else []
+        # Hashed once, outside the lock: matched now, and the names of what it keeps when it ends.
+        names = tuple(self.prefix.hashes(cached.token_ids[:prompt], cached.scope)) if cached and self.prefix else ()
         self.expire()
         with self._lock:
             now = self._clock()
             self._sweep(now)
-            shared, expected = self._shared_prefix(share_from, shared_blocks, prompt, names)
+            findable = names[: (prompt - 1) // self.block_tokens]  # (its last position is computed)
+            shared, expected = self._shared_prefix(share_from, shared_blocks, prompt, findable)
             index = next((i for i, h in enumerate(self._handles) if h.state is SlotState.FREE), None)
             fresh = need - len(shared)
             if index is None or fresh > len(self._free_blocks) + self._freeable(copy, shared):
@@ -238,7 +240,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             h = self._claim(index, generation, request_id, ttl_s, now)
             h.blocks, h.shared, h.num_tokens, h.prompt_tokens, h.held = blocks, len(shared), num_tokens, prompt, blocks
             h.prompt_ids, h.keep_for = expected, keep_for
-            h.cached, h.kv_ids, h.kv_names = cached, (), ()
+            h.cached, h.kv_ids, h.kv_names = cached, (), names
             grant = self._grant(index, h)
         fields = {"blocks": len(blocks), "shared": len(shared), "tokens": num_tokens}
         log.debug(kv(event="blocks_reserved", request=request_id, slot=index, generation=generation, **fields))
@@ -251,7 +253,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         share_from: tuple[int, int] | CachedPrompt | None,
         shared_blocks: int | None,
         prompt: int,
-        names: list[bytes],
+        names: tuple[bytes, ...],
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The first `shared_blocks` blocks of a committed reservation, and the prompt tokens they
         hold as far as it was told them, or the prefix cache's blocks of a CachedPrompt's `names`
@@ -319,6 +321,8 @@ class BlockTable(ReservationTable[_Handle, Grant]):
                     f"prompt_token_ids differ at position {at} from the {len(expected)} tokens held by its "
                     f"{h.shared} shared KV blocks (another copy's prompt, or the prefix cache's)"
                 )
+            if h.cached is not None and tuple(token_ids) != h.cached.token_ids:  # (its names are that prompt's)
+                return f"prompt_token_ids differ from the {len(h.cached.token_ids)} tokens its Reserve named"
             h.prompt_ids = tuple(token_ids)
             return None
 
@@ -327,10 +331,11 @@ class BlockTable(ReservationTable[_Handle, Grant]):
         keeps those blocks (nothing without one, or once it is not live)."""
         with self._lock:
             h = self._live(slot, generation)
-            cached = None if h is None else h.cached
+            cached, known = (None, ()) if h is None else (h.cached, h.kv_names)
         if cached is None or self.prefix is None:
             return
-        names = tuple(self.prefix.hashes(token_ids, cached.scope))  # (outside the lock: many blocks)
+        # `token_ids` start with the Reserve's prompt (note_prompt): only what follows is hashed.
+        names = self.prefix.extend(known, token_ids, cached.scope)
         with self._lock:
             h = self._live(slot, generation)
             if h is not None and h.cached is cached:
@@ -365,11 +370,7 @@ class BlockTable(ReservationTable[_Handle, Grant]):
             self._sweep(self._clock())
             if not any(h.state is SlotState.FREE for h in self._handles):
                 return False
-            return blocks_for(num_tokens, self.block_tokens) <= len(self._free_blocks) + self._kept_only()
-
-    def _kept_only(self) -> int:
-        """Blocks that only kept entries hold (lock held)."""
-        return self._freeable(None, ())
+            return blocks_for(num_tokens, self.block_tokens) <= len(self._free_blocks) + self._freeable(None, ())
 
     def _freeable(self, copy: tuple[int, int] | None, shared: tuple[int, ...]) -> int:
         """Blocks that letting go of the kept copies' (but `copy`'s) and the prefix cache's (but
@@ -476,5 +477,5 @@ def block_usage(t: BlockTable) -> BlockUsage:
         len(committed),
         len(blocks[SlotState.QUARANTINED]),
         t.block_tokens,
-        t._kept_only(),
+        t._freeable(None, ()),  # (blocks only kept entries hold)
     )

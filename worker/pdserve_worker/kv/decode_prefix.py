@@ -64,14 +64,16 @@ class DecodePrefixCache:
     def hashes(self, token_ids: Sequence[int], scope: str) -> list[bytes]:
         return block_hashes(token_ids, self.block_tokens, scoped_salt(self.salt, scope))
 
-    def prompt_hashes(self, prompt_ids: Sequence[int], scope: str) -> list[bytes]:
-        """The names a prompt may find: its whole blocks but the one holding its last position
-        (computed before any lock is taken: the prompt's length is the caller's choice)."""
-        limit = (len(prompt_ids) - 1) // self.block_tokens
-        return self.hashes(prompt_ids[: limit * self.block_tokens], scope)
+    def extend(self, names: Sequence[bytes], token_ids: Sequence[int], scope: str) -> tuple[bytes, ...]:
+        """The names of `token_ids`' whole blocks, given `names` of its first ones: only the rest
+        is hashed (the chain goes on from the last name known)."""
+        n = min(len(names), len(token_ids) // self.block_tokens)
+        parent = names[n - 1] if n else scoped_salt(self.salt, scope)
+        return tuple(names[:n]) + tuple(block_hashes(token_ids[n * self.block_tokens :], self.block_tokens, parent))
 
     def match(self, hashes: Sequence[bytes]) -> Hit:
-        """The cached blocks of the longest run of `hashes` (`prompt_hashes`) from the first."""
+        """The cached blocks of the longest run of `hashes` from the first (a prompt's whole blocks
+        but the one holding its last position, whose logits must be computed)."""
         found: list[tuple[bytes, _Entry]] = []
         with self._lock:
             for h in hashes:

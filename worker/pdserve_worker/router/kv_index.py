@@ -102,11 +102,17 @@ class ReportedIndex:
         looks the prompt up itself) and lapses."""
         with self._lock:
             held = self._held.get(member_id)
-            if held is None or held.block_tokens <= 0:
-                return
-            now = time.monotonic()
-            held.predicted = {h: until for h, until in held.predicted.items() if until > now}
-            hashes = block_hashes(tokens, held.block_tokens, scoped_salt(held.salt, scope))
+            salt, block_tokens = (b"", 0) if held is None else (held.salt, held.block_tokens)
+        if block_tokens <= 0:
+            return
+        hashes = block_hashes(tokens, block_tokens, scoped_salt(salt, scope))  # (outside the lock)
+        now = time.monotonic()
+        with self._lock:
+            held = self._held.get(member_id)
+            if held is None or held.salt != salt:
+                return  # (it restarted meanwhile)
+            if len(held.predicted) + len(hashes) > MAX_PREDICTED:  # lapsed ones make room, when room is short
+                held.predicted = {h: until for h, until in held.predicted.items() if until > now}
             room = max(0, MAX_PREDICTED - len(held.predicted))
             held.predicted.update((h, now + PREDICT_S) for h in hashes[:room])
 
